@@ -1,0 +1,1 @@
+"""kvpool agent: streams connector and pool state over ZMQ and executes operator commands."""

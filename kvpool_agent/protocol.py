@@ -1,0 +1,356 @@
+"""The kvpool wire schema: every message between connector agents, the fleet hub and consoles.
+
+One schema for the whole product. Messages are msgspec structs encoded with msgpack and sent
+as a single ZMQ frame; each carries ``v`` (the protocol version) so a receiver can refuse a
+message from an incompatible peer instead of misreading it, and ``seq`` (per sender,
+monotonically increasing from 1) so a receiver sees gaps.
+
+Topology (see ``kvpool_agent.hub``)::
+
+    agent (DEALER, connect) --Report/CommandReply--> hub ROUTER  (KVPOOL_AGENT_ADDRESS)
+    hub   --CommandRequest--> agent
+    hub   PUB  --FleetUpdate--> consoles (SUB)        (hub address port + 1)
+    console DEALER --CommandRequest--> hub ROUTER     (port + 2 plain: read-only commands;
+                                                       port + 3 CURVE: every command)
+
+Units: times are wall-clock milliseconds since the Unix epoch (``*_ms`` fields that name an
+instant) or durations in milliseconds (``*_ms`` fields that name a span: ``latency_ms``,
+``ttl_ms``...); sizes are bytes; token counts are tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "CommandName",
+    "CommandReply",
+    "CommandRequest",
+    "DrainArgs",
+    "DrainResult",
+    "EngineState",
+    "ErrorRecord",
+    "FleetUpdate",
+    "FlushArgs",
+    "FlushResult",
+    "HealthCheck",
+    "HealthResult",
+    "LookupStats",
+    "Message",
+    "PoolStats",
+    "ProcessStats",
+    "ProtocolError",
+    "Report",
+    "SegmentUsage",
+    "Source",
+    "Transfer",
+    "TransferStats",
+    "decode",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change a receiver of the previous version would misread."""
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""Frames larger than this are dropped unread (counted as ``oversized``)."""
+
+InstanceRole = Literal["prefill", "decode", "both"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+ProcessRole = Literal["scheduler", "worker", "store", "replay"]
+CommandName = Literal["health", "flush", "drain", "snapshot"]
+
+
+class Source(msgspec.Struct, frozen=True, kw_only=True):
+    """Who sent a report: one connector process (scheduler or one worker rank) of one engine.
+
+    ``agent_id`` is unique per process in the fleet: ``f"{engine_id}/{process_role}"`` for the
+    scheduler, ``f"{engine_id}/dp{dp}.tp{tp}.pp{pp}"`` for a worker.
+    """
+
+    agent_id: str
+    engine_id: str
+    instance_role: InstanceRole
+    kv_role: KVRole
+    process_role: ProcessRole
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    pid: int = 0
+    host: str = ""
+    backend: str = ""
+    model: str = ""
+
+
+class LookupStats(msgspec.Struct, kw_only=True):
+    """Scheduler-side prefix lookups (``get_num_new_matched_tokens``), counters since start.
+
+    ``hit_rate`` = ``pool_hit_tokens / prompt_tokens`` since start; ``hit_rate_1m`` the same
+    over the last 60 s (0.0 when nothing was looked up). ``local_tokens`` are the prompt tokens
+    vLLM already had in its own prefix cache; ``loaded_tokens`` those actually loaded.
+    """
+
+    lookups: int = 0
+    lookup_errors: int = 0
+    prompt_tokens: int = 0
+    local_tokens: int = 0
+    pool_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    hit_rate: float = 0.0
+    hit_rate_1m: float = 0.0
+    latency_ms_p50: float = 0.0
+    latency_ms_p99: float = 0.0
+
+
+class Transfer(msgspec.Struct, kw_only=True):
+    """One load or save in flight for one request.
+
+    ``layers_total`` is 0 unless layer-wise; then ``layers_done`` counts finished layers.
+    ``lease_expires_ms`` is the instant the leases taken by this request's lookup expire
+    (Mooncake grants ``default_kv_lease_ttl`` on every exists/get); ``None`` if unknown.
+    """
+
+    req_id: str
+    kind: Literal["load", "save"]
+    blocks: int
+    bytes: int
+    started_ms: float
+    layers_done: int = 0
+    layers_total: int = 0
+    lease_expires_ms: float | None = None
+
+
+class TransferStats(msgspec.Struct, kw_only=True):
+    """Worker-side load/save outcomes since start.
+
+    ``errors_by_name`` counts failures by backend error name (``LEASE_EXPIRED``,
+    ``OBJECT_NOT_FOUND``, ``NO_AVAILABLE_HANDLE``, ``TRANSFER_FAIL``, ``TIMEOUT``...).
+    ``failed_after_hit`` counts loads that failed with LEASE_EXPIRED or OBJECT_NOT_FOUND after
+    a positive lookup. Throughputs are bytes/s over the last 10 s.
+    """
+
+    loads_finished: int = 0
+    loads_failed: int = 0
+    loads_timed_out: int = 0
+    saves_finished: int = 0
+    saves_failed: int = 0
+    saves_skipped: int = 0
+    loaded_bytes: int = 0
+    saved_bytes: int = 0
+    load_bytes_per_s: float = 0.0
+    save_bytes_per_s: float = 0.0
+    failed_after_hit: int = 0
+    max_load_ms: float = 0.0
+    errors_by_name: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class SegmentUsage(msgspec.Struct, kw_only=True):
+    """One memory segment of the pool (Mooncake: one mounted segment, named ``host:port``)."""
+
+    name: str
+    used_bytes: int
+    total_bytes: int
+
+
+class PoolStats(msgspec.Struct, kw_only=True):
+    """The pool as this agent sees it (Mooncake: master ``/metrics`` and ``/health``).
+
+    ``high_watermark`` is ``eviction_high_watermark_ratio``; ``lease_ttl_ms`` is
+    ``default_kv_lease_ttl``. ``healthy`` is ``None`` when not checked yet.
+    """
+
+    backend: str
+    keys: int = 0
+    used_bytes: int = 0
+    total_bytes: int = 0
+    evicted_keys: int = 0
+    evicted_bytes: int = 0
+    high_watermark: float = 0.9
+    lease_ttl_ms: int = 0
+    healthy: bool | None = None
+    health_detail: str = ""
+    segments: list[SegmentUsage] = msgspec.field(default_factory=list)
+
+
+class ProcessStats(msgspec.Struct, kw_only=True):
+    """The engine process (psutil) and the agent's own queue."""
+
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    threads: int = 0
+    open_files: int = 0
+    queue_depth: int = 0
+    dropped: int = 0
+    bad_messages: int = 0
+
+
+class ErrorRecord(msgspec.Struct, kw_only=True):
+    """One error seen by the connector. ``name`` is the backend error name when there is one
+    (e.g. ``LEASE_EXPIRED`` for Mooncake -707), else a short class such as ``LOOKUP``."""
+
+    ts_ms: float
+    where: str
+    name: str
+    message: str
+    code: int | None = None
+    req_id: str | None = None
+
+
+class EngineState(msgspec.Struct, kw_only=True):
+    """Everything one agent knows, as of ``ts_ms``."""
+
+    source: Source
+    started_ms: float
+    ts_ms: float
+    lookup: LookupStats = msgspec.field(default_factory=LookupStats)
+    transfers: TransferStats = msgspec.field(default_factory=TransferStats)
+    in_flight: list[Transfer] = msgspec.field(default_factory=list)
+    pool: PoolStats | None = None
+    process: ProcessStats = msgspec.field(default_factory=ProcessStats)
+    recent_errors: list[ErrorRecord] = msgspec.field(default_factory=list)
+
+
+class Report(msgspec.Struct, tag="report", kw_only=True):
+    """Agent -> hub. ``kind="snapshot"`` carries the full state (the last 50 errors);
+    ``kind="delta"`` carries current counters and in-flight list but only the errors
+    recorded since the previous report."""
+
+    v: int
+    seq: int
+    kind: Literal["snapshot", "delta"]
+    state: EngineState
+
+
+class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
+    """Hub -> consoles. ``kind="snapshot"``: every known agent (sent when a console joins and
+    every few seconds); ``kind="delta"``: only agents that reported since the last update.
+    ``last_seen_ms`` maps agent id to the hub's receive time of that agent's last report."""
+
+    v: int
+    seq: int
+    kind: Literal["snapshot", "delta"]
+    ts_ms: float
+    engines: list[EngineState]
+    last_seen_ms: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class FlushArgs(msgspec.Struct, kw_only=True):
+    """``scope``: ``model`` (every key of ``model``), ``engine`` (keys of one engine's model
+    and parallel layout, the engine named by ``engine_id``) or ``all`` (every kvpool key)."""
+
+    scope: Literal["model", "engine", "all"]
+    model: str | None = None
+    engine_id: str | None = None
+    dry_run: bool = True
+    force: bool = False
+
+
+class DrainArgs(msgspec.Struct, kw_only=True):
+    timeout_ms: int = 30_000
+
+
+class CommandRequest(msgspec.Struct, tag="cmd", kw_only=True):
+    """Console -> hub -> agents. ``targets`` are agent ids; empty means every agent that can
+    run the command. ``sender`` is a free-form operator name for the audit log; authority
+    comes from the CURVE key of the socket the request arrived on, never from this field."""
+
+    v: int
+    seq: int
+    request_id: str
+    command: CommandName
+    sender: str = ""
+    targets: list[str] = msgspec.field(default_factory=list)
+    flush: FlushArgs | None = None
+    drain: DrainArgs | None = None
+    timeout_ms: int = 5_000
+
+
+class HealthCheck(msgspec.Struct, kw_only=True):
+    """One check of ``health``: ``name`` such as ``client``, ``master``, ``probe_put``,
+    ``probe_get``, ``probe_remove``; ``code`` the backend's own return code when there is one
+    (Mooncake ``health_check()``: 0 healthy, 1 not initialised/closed, 2 master unreachable)."""
+
+    name: str
+    ok: bool
+    latency_ms: float
+    detail: str = ""
+    code: int | None = None
+
+
+class HealthResult(msgspec.Struct, kw_only=True):
+    checks: list[HealthCheck]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+class FlushResult(msgspec.Struct, kw_only=True):
+    """``keys``/``bytes``: what the scope matched; ``removed_keys``: what was removed (0 on a
+    dry run); ``skipped_leased``: matched keys held by a lease and left in place."""
+
+    dry_run: bool
+    keys: int
+    bytes: int
+    removed_keys: int = 0
+    skipped_leased: int = 0
+
+
+class DrainResult(msgspec.Struct, kw_only=True):
+    drained: bool
+    waited_ms: float
+    remaining_saves: int
+
+
+class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
+    """Agent -> hub -> console, one per target agent. ``error`` is set when ``ok`` is false
+    (e.g. ``"unauthorised: flush needs the operator key"``, ``"timeout after 5000 ms"``)."""
+
+    v: int
+    seq: int
+    request_id: str
+    agent_id: str
+    ok: bool
+    error: str | None = None
+    health: HealthResult | None = None
+    flush: FlushResult | None = None
+    drain: DrainResult | None = None
+    snapshot: EngineState | None = None
+
+
+Message = Report | FleetUpdate | CommandRequest | CommandReply
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid kvpool message of this protocol version."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message to a msgpack frame."""
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """Decode one frame.
+
+    Raises:
+        ProtocolError: the frame is larger than ``MAX_MESSAGE_BYTES``, is not a kvpool
+            message, or carries another protocol version than ``PROTOCOL_VERSION``.
+    """
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"oversized frame: {len(frame)} bytes > {MAX_MESSAGE_BYTES}")
+    try:
+        msg = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed frame: {e}") from e
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
+    return msg

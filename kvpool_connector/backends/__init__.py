@@ -1,0 +1,1 @@
+"""Pool backends behind one interface (``Backend``), picked by name from a registry."""

@@ -1,0 +1,158 @@
+"""Local pool services for demos, replays and tests: a real ``mooncake_master`` on 127.0.0.1.
+
+``mooncake_master`` is the binary the ``mooncake-transfer-engine`` wheel puts on PATH. The
+master listens for clients on ``rpc_port`` and serves ``/metrics``, ``/health``,
+``/get_all_keys`` and ``/query_key`` on its HTTP admin port (``metrics_port``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+__all__ = ["LocalMooncakeMaster", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalMooncakeMaster:
+    """A ``mooncake_master`` child process on 127.0.0.1 with free ports.
+
+    Args:
+        eviction_high_watermark_ratio: fraction of segment memory in use that starts eviction.
+        eviction_ratio: fraction of objects evicted per eviction round.
+        default_kv_lease_ttl_ms: lease granted on every exists/get, milliseconds.
+        extra_args: further ``-flag=value`` arguments for the master.
+
+    Attributes after ``start()``: ``rpc_port``, ``metrics_port``, ``address``
+    (``"127.0.0.1:<rpc_port>"``, the ``master_server_address`` clients use) and
+    ``admin_url`` (``"http://127.0.0.1:<metrics_port>"``).
+
+    Raises:
+        FileNotFoundError: ``mooncake_master`` is not on PATH (install the ``mooncake`` extra).
+        RuntimeError: the master exited or did not answer ``/health`` within ``timeout_s``;
+            the message carries the tail of its log.
+    """
+
+    def __init__(
+        self,
+        *,
+        eviction_high_watermark_ratio: float = 0.9,
+        eviction_ratio: float = 0.05,
+        default_kv_lease_ttl_ms: int = 10_000,
+        extra_args: list[str] | None = None,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
+        self.eviction_ratio = eviction_ratio
+        self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
+        self.extra_args = list(extra_args or [])
+        self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-master-"))
+        self.rpc_port = 0
+        self.metrics_port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_dir / "mooncake_master.log"
+
+    def command(self) -> list[str]:
+        """The command line this master runs with (after ports are chosen)."""
+        binary = shutil.which("mooncake_master")
+        if binary is None:
+            raise FileNotFoundError(
+                "mooncake_master is not on PATH: pip install 'kvpool[mooncake]' "
+                "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1"
+            )
+        return [
+            binary,
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--metrics_host=127.0.0.1",
+            f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}",
+            f"--eviction_ratio={self.eviction_ratio}",
+            f"--default_kv_lease_ttl={self.default_kv_lease_ttl_ms}",
+            "--logtostderr=1",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout_s: float = 20.0) -> LocalMooncakeMaster:
+        self.rpc_port = free_port()
+        self.metrics_port = free_port()
+        cmd = self.command()
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self._log = log
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}):\n{self._tail()}")
+            try:
+                if httpx.get(f"{self.admin_url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not become healthy in {timeout_s}s:\n{self._tail()}")
+
+    def _tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the master (a crash, for failure tests)."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """Stop the master (SIGTERM, then SIGKILL after 5 s). Idempotent."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> LocalMooncakeMaster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

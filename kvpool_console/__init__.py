@@ -1,0 +1,1 @@
+"""kvpool console: the Textual fleet console and its one-shot modes."""

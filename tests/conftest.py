@@ -1,0 +1,27 @@
+"""Shared fixtures: real services on 127.0.0.1, started once per test session where possible."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool_connector.services import LocalMooncakeMaster
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[LocalMooncakeMaster]:
+    """One real mooncake_master for the session. Tests must use their own key namespace
+    (e.g. a unique model name) and must not assume an empty pool."""
+    with LocalMooncakeMaster() as master:
+        yield master
+
+
+@pytest.fixture
+def fresh_mooncake_master() -> Iterator[LocalMooncakeMaster]:
+    """A mooncake_master of the test's own, for tests that fill, kill or flush the pool."""
+    with LocalMooncakeMaster() as master:
+        yield master
