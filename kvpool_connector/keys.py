@@ -1,0 +1,143 @@
+"""Pool keys: which model, which shard of the parallel layout, which prefix chunk.
+
+A key names the KV of one chunk (``chunk_size`` tokens, a whole number of vLLM blocks) for one
+shard of one model::
+
+    kvpool@<model>@tp<tp>.pcp<pcp>.dcp<dcp>.pp<pp>.g<group>@<chunk_hash_hex>[@L<layer>]
+
+``tp`` is the TP rank, or the KV-head rank when KV heads are replicated across TP ranks (MLA
+models store one copy: every TP rank then uses ``tp0``). The chunk hash is a chained SHA-256
+over the prompt's token ids (and the request's LoRA name and ``cache_salt``), so a hash names
+the whole prefix up to the chunk's end, is the same in every process and never depends on
+``PYTHONHASHSEED`` (vLLM's own ``request.block_hashes`` are seeded randomly per process unless
+it is set). Same vocabulary as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import quote
+
+__all__ = [
+    "ALL_KEYS_PATTERN",
+    "KEY_PREFIX",
+    "PROBE_PREFIX",
+    "LayerPoolKey",
+    "ParallelLayout",
+    "PoolKey",
+    "chunk_hashes",
+    "layout_pattern",
+    "model_pattern",
+    "normalize_model_name",
+]
+
+KEY_PREFIX = "kvpool@"
+"""Every KV key starts with this; ``flush --scope all`` removes only these."""
+
+PROBE_PREFIX = "kvpool-probe@"
+"""Reserved namespace for health probes (write/read/remove of a small key)."""
+
+ALL_KEYS_PATTERN = "^" + re.escape(KEY_PREFIX)
+
+_ROOT = hashlib.sha256(b"kvpool/chunk-hash/v1").digest()
+
+
+def normalize_model_name(model: str) -> str:
+    """The model's key component, identical in every process for the same model.
+
+    Strips surrounding whitespace and trailing ``/``, collapses repeated ``/`` and
+    percent-encodes characters that would break the key grammar (``@``, spaces...).
+
+    Raises:
+        ValueError: ``model`` is empty after normalisation.
+    """
+    name = re.sub(r"/{2,}", "/", model.strip()).rstrip("/")
+    if not name:
+        raise ValueError("model name is empty: set the engine's model (vLLM --model)")
+    return quote(name, safe="/._-:+")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """The shard of the KV a process holds. Ranks are 0-based; ``group`` is the KV-cache group
+    (hybrid models have several)."""
+
+    tp_rank: int = 0
+    pcp_rank: int = 0
+    dcp_rank: int = 0
+    pp_rank: int = 0
+    group: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"tp{self.tp_rank}.pcp{self.pcp_rank}.dcp{self.dcp_rank}"
+            f".pp{self.pp_rank}.g{self.group}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKey:
+    """Key of one chunk's KV for all layers of one shard."""
+
+    model: str
+    layout: ParallelLayout
+    chunk_hash: str
+
+    def __str__(self) -> str:
+        return f"{KEY_PREFIX}{self.model}@{self.layout}@{self.chunk_hash}"
+
+    def layer(self, layer_id: int) -> LayerPoolKey:
+        return LayerPoolKey(self, layer_id)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPoolKey:
+    """Key of one chunk's KV for one layer (layer-wise mode); keeps every rank field."""
+
+    chunk: PoolKey
+    layer_id: int
+
+    def __str__(self) -> str:
+        return f"{self.chunk}@L{self.layer_id}"
+
+
+def model_pattern(model: str) -> str:
+    """Anchored regex matching every key of ``model`` (any layout, any layer)."""
+    return "^" + re.escape(f"{KEY_PREFIX}{normalize_model_name(model)}@")
+
+
+def layout_pattern(model: str, layout: ParallelLayout) -> str:
+    """Anchored regex matching every key one shard (model + layout) writes."""
+    return "^" + re.escape(f"{KEY_PREFIX}{normalize_model_name(model)}@{layout}@")
+
+
+def chunk_hashes(
+    token_ids: Sequence[int], chunk_size: int, extra: bytes = b""
+) -> list[str]:
+    """Chained hashes of the whole chunks of ``token_ids``.
+
+    Args:
+        token_ids: the prompt's token ids.
+        chunk_size: tokens per chunk (> 0); a trailing partial chunk gets no hash.
+        extra: bytes that change what the tokens mean (LoRA name, ``cache_salt``); mixed into
+            the first chunk, hence into every later one.
+
+    Returns:
+        One 32-hex-digit string per whole chunk; entry ``i`` identifies tokens
+        ``[0, (i + 1) * chunk_size)``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    n = len(token_ids) // chunk_size
+    parent = hashlib.sha256(_ROOT + extra).digest() if extra else _ROOT
+    out: list[str] = []
+    for i in range(n):
+        # uint32 little-endian on every platform vLLM runs on; token ids are < 2**32.
+        chunk = array("I", token_ids[i * chunk_size : (i + 1) * chunk_size]).tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        out.append(parent[:16].hex())
+    return out
