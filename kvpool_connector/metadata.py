@@ -1,0 +1,72 @@
+"""What the scheduler tells the workers each step (vLLM's ``KVConnectorMetadata``).
+
+The scheduler side (``KVPoolScheduler``) decides, per request, which chunks to load from the
+pool and which to save to it; the worker side (``KVPoolWorker``) moves the bytes. A *chunk* is
+``chunk_size`` tokens = ``blocks_per_chunk`` whole vLLM blocks; chunk ``i`` of a request covers
+block ids ``block_ids[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]`` and is stored under
+``PoolKey(model, layout, chunk_hashes[i])``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["KVPoolConnectorMetadata", "LoadSpec", "ReqMeta"]
+
+
+@dataclass
+class LoadSpec:
+    """What to load for one request (vLLM Ascend's ``LoadSpec``), in tokens.
+
+    ``vllm_cached_tokens``: tokens vLLM's local prefix cache already holds (not loaded).
+    ``kvpool_cached_tokens``: leading tokens the pool holds, a whole number of chunks and
+    always less than the prompt length (the last prompt token is never claimed).
+    ``can_load``: set by ``update_state_after_alloc`` once vLLM allocated blocks for them.
+    ``lease_expires_ms``: wall-clock ms when the lookup's leases expire (Mooncake grants
+    ``default_kv_lease_ttl`` on exists), ``None`` if the backend has no leases.
+    """
+
+    vllm_cached_tokens: int
+    kvpool_cached_tokens: int
+    can_load: bool = False
+    lease_expires_ms: float | None = None
+
+    @property
+    def num_tokens_to_load(self) -> int:
+        return max(0, self.kvpool_cached_tokens - self.vllm_cached_tokens)
+
+
+@dataclass
+class ReqMeta:
+    """One request's work for this step.
+
+    Attributes:
+        req_id: vLLM request id.
+        block_ids: the request's vLLM block ids (KV-cache group 0), in token order.
+        chunk_hashes: ``keys.chunk_hashes`` of the prompt, one per whole chunk.
+        load: chunks ``[load.vllm_cached_tokens // chunk_size,
+            load.kvpool_cached_tokens // chunk_size)`` are loaded; ``None``: nothing to load.
+        save_from_chunk, save_to_chunk: chunks in ``[save_from_chunk, save_to_chunk)`` are
+            complete after this step and must be saved (empty range: nothing to save).
+        is_last_save: no further saves will follow for this request (the worker may report it
+            finished sending once this save is done).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    chunk_hashes: list[str]
+    load: LoadSpec | None = None
+    save_from_chunk: int = 0
+    save_to_chunk: int = 0
+    is_last_save: bool = False
+
+
+@dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    """Per-step metadata: ``requests`` to load or save, and ``preempted`` request ids whose
+    pending loads must be abandoned."""
+
+    requests: list[ReqMeta] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
