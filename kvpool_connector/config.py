@@ -1,0 +1,215 @@
+"""``KVPoolConfig``: the connector's settings, parsed once from vLLM's ``kv_transfer_config``.
+
+Everything the connector reads comes from ``kv_transfer_config.kv_role`` and
+``kv_transfer_config.kv_connector_extra_config`` (field names follow vLLM Ascend's
+AscendStoreConnector and vLLM's MooncakeStoreConnector), plus the model name and block size
+from the rest of ``VllmConfig``. Backend-specific keys (for example a Mooncake config path) stay
+in ``extra`` for the backend's ``from_config``; a key that looks like a misspelt connector field
+is rejected with the correct spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvpool_connector.keys import normalize_model_name
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["AGENT_ADDRESS_ENV", "KVPoolConfig", "KVRole"]
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+AGENT_ADDRESS_ENV = "KVPOOL_AGENT_ADDRESS"
+"""Environment variable naming the fleet hub when ``agent_address`` is not configured."""
+
+_INSTANCE_ROLE: dict[str, Literal["prefill", "decode", "both"]] = {
+    "kv_producer": "prefill",
+    "kv_consumer": "decode",
+    "kv_both": "both",
+}
+
+
+class _ExtraFields(BaseModel):
+    """The connector's own keys of ``kv_connector_extra_config`` (validated, typed)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    backend: str = "mooncake"
+    chunk_size: int | None = Field(default=None, gt=0)
+    use_layerwise: bool = False
+    load_async: bool = False
+    consumer_is_to_load: bool = False
+    consumer_is_to_put: bool = False
+    lookup_rpc_port: int = Field(default=0, ge=0, le=65535)
+    lookup_timeout_ms: int = Field(default=5_000, gt=0)
+    layerwise_timeout_ms: int = Field(default=10_000, gt=0)
+    agent_address: str | None = None
+    engine_id: str | None = None
+
+
+_KNOWN = frozenset(_ExtraFields.model_fields)
+
+
+class KVPoolConfig(BaseModel):
+    """Connector settings for one engine.
+
+    Attributes:
+        backend: registry name of the pool backend (``mooncake``, ``yuanrong``, ``memcache``).
+        block_size: vLLM's KV block size in tokens.
+        chunk_size: tokens per pool key; a positive multiple of ``block_size`` (default: equal).
+        use_layerwise: one key per (chunk, layer); loads overlap the forward pass layer by layer.
+        load_async: loads finish between scheduler steps (``get_finished``) instead of before
+            the forward pass.
+        consumer_is_to_load / consumer_is_to_put: a ``kv_consumer`` looks up and loads / saves
+            only when these are set (vLLM Ascend semantics). ``kv_producer`` never loads.
+        lookup_rpc_port: part of the lookup socket path; distinct per engine on one host.
+        lookup_timeout_ms: how long the scheduler waits for the lookup server per query.
+        layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
+        agent_address: fleet hub address (``tcp://host:port``); falls back to
+            ``$KVPOOL_AGENT_ADDRESS``; ``None`` = agent reports are dropped.
+        kv_role: vLLM's ``kv_role``.
+        model: normalised model name (``keys.normalize_model_name``).
+        engine_id: vLLM's ``engine_id`` (or the configured one): names this engine in reports.
+        dp_rank: data-parallel rank of this engine.
+        extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str = "mooncake"
+    block_size: int = Field(gt=0)
+    chunk_size: int = Field(gt=0)
+    use_layerwise: bool = False
+    load_async: bool = False
+    consumer_is_to_load: bool = False
+    consumer_is_to_put: bool = False
+    lookup_rpc_port: int = 0
+    lookup_timeout_ms: int = 5_000
+    layerwise_timeout_ms: int = 10_000
+    agent_address: str | None = None
+    kv_role: KVRole = "kv_both"
+    model: str
+    engine_id: str = "engine"
+    dp_rank: int = 0
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """vLLM blocks per pool chunk."""
+        return self.chunk_size // self.block_size
+
+    @property
+    def instance_role(self) -> Literal["prefill", "decode", "both"]:
+        """``prefill`` for ``kv_producer``, ``decode`` for ``kv_consumer``, else ``both``."""
+        return _INSTANCE_ROLE[self.kv_role]
+
+    @property
+    def should_load(self) -> bool:
+        """Whether this engine looks up and loads prefixes from the pool."""
+        if self.kv_role == "kv_producer":
+            return False
+        if self.kv_role == "kv_consumer":
+            return self.consumer_is_to_load
+        return True
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this engine saves prompt chunks to the pool."""
+        if self.kv_role == "kv_consumer":
+            return self.consumer_is_to_put
+        return True
+
+    @classmethod
+    def from_dicts(
+        cls,
+        extra_config: dict[str, Any] | None,
+        *,
+        kv_role: str | None,
+        block_size: int,
+        model: str,
+        engine_id: str | None = None,
+        dp_rank: int = 0,
+    ) -> KVPoolConfig:
+        """Parse ``kv_connector_extra_config`` plus the engine facts it depends on.
+
+        Raises:
+            ValueError: a field has a wrong type or value, or an unknown key looks like a
+                misspelt field; the message names ``kv_connector_extra_config.<field>`` and
+                says what to write instead.
+        """
+        raw = dict(extra_config or {})
+        for key in raw:
+            if key in _KNOWN:
+                continue
+            close = difflib.get_close_matches(key, _KNOWN, n=1, cutoff=0.8)
+            if close:
+                raise ValueError(
+                    f"kv_connector_extra_config.{key}: unknown field; did you mean "
+                    f"{close[0]!r}?"
+                )
+        try:
+            fields = _ExtraFields.model_validate(raw)
+        except ValidationError as exc:
+            raise ValueError(_describe(exc, "kv_connector_extra_config")) from None
+        role = kv_role or "kv_both"
+        if role not in _INSTANCE_ROLE:
+            raise ValueError(
+                f"kv_transfer_config.kv_role: {role!r} is not one of "
+                "'kv_producer', 'kv_consumer', 'kv_both'"
+            )
+        chunk_size = fields.chunk_size or block_size
+        if chunk_size % block_size:
+            raise ValueError(
+                f"kv_connector_extra_config.chunk_size: {chunk_size} is not a multiple of vLLM's "
+                f"block_size {block_size}; use e.g. {max(1, chunk_size // block_size) * block_size}"
+            )
+        values: dict[str, Any] = fields.model_dump(exclude={"chunk_size", "engine_id"})
+        values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None
+        try:
+            return cls(
+                **values,
+                block_size=block_size,
+                chunk_size=chunk_size,
+                kv_role=cast(KVRole, role),
+                model=normalize_model_name(model),
+                engine_id=fields.engine_id or engine_id or "engine",
+                dp_rank=dp_rank,
+                extra=raw,
+            )
+        except ValidationError as exc:
+            raise ValueError(_describe(exc, "kv_transfer_config")) from None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig) -> KVPoolConfig:
+        """Parse from a ``VllmConfig`` whose ``kv_transfer_config`` selects this connector.
+
+        Raises:
+            ValueError: ``kv_transfer_config`` is missing or a field is invalid (see
+                ``from_dicts``).
+        """
+        ktc = vllm_config.kv_transfer_config
+        if ktc is None:
+            raise ValueError("kv_transfer_config is not set: KVPoolConnector needs it")
+        return cls.from_dicts(
+            ktc.kv_connector_extra_config,
+            kv_role=ktc.kv_role,
+            block_size=vllm_config.cache_config.block_size,
+            model=vllm_config.model_config.model,
+            engine_id=ktc.engine_id,
+            dp_rank=vllm_config.parallel_config.data_parallel_rank,
+        )
+
+
+def _describe(exc: ValidationError, prefix: str) -> str:
+    """One line per invalid field: ``<prefix>.<field>: <problem> (got <value>)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"{prefix}.{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)
