@@ -1,0 +1,259 @@
+"""Prefix lookups from the scheduler process, answered by worker rank 0, over ZMQ IPC.
+
+The scheduler (``KVPoolScheduler``) has no pool client of its own: it asks worker rank 0, which
+holds one, how many leading chunks of a prompt the pool holds for *every* rank of the layout
+(``KVPoolWorker.lookup_chunks``). Same split as vLLM Ascend's ``LookupKeyServer``/
+``LookupKeyClient``.
+
+Transport: a ZMQ ROUTER (server) / DEALER (client) pair on ``ipc://<dir>/kvpool-lookup-<host>-
+<lookup_rpc_port>-dp<dp_rank>.sock``; ``<dir>`` is ``$KVPOOL_RUNTIME_DIR`` or the system temp
+dir. Messages are msgpack-encoded msgspec structs carrying a request id, so a late reply to a
+timed-out query is recognised and dropped. Next to the socket an ``.owner`` JSON file records the
+pid and engine holding it: a second engine on the same port is refused with that owner's
+identity; a socket left by a dead process is removed.
+
+A store failure is never turned into "0 chunks": the server counts and logs it and replies with
+the error; the client raises ``LookupFailed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import psutil
+import zmq
+
+from kvpool_connector.backends.base import BackendError
+from kvpool_connector.errors import error_name
+
+__all__ = [
+    "RUNTIME_DIR_ENV",
+    "LookupClient",
+    "LookupFailed",
+    "LookupServer",
+    "PortInUse",
+    "lookup_socket_path",
+]
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_DIR_ENV = "KVPOOL_RUNTIME_DIR"
+"""Directory of the lookup sockets (default: the system temp dir)."""
+
+_POLL_MS = 100
+
+
+class LookupFailed(RuntimeError):
+    """The lookup could not be answered: the store failed (``code`` is its error code, when
+    known) or the server did not reply in time (``code`` is ``None``)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def name(self) -> str:
+        """Error name for reports: the backend code's name, else ``LOOKUP``."""
+        return error_name(self.code) if self.code is not None else "LOOKUP"
+
+
+class PortInUse(RuntimeError):
+    """Another live engine holds this ``lookup_rpc_port`` and DP rank on this host."""
+
+
+class _Request(msgspec.Struct, array_like=True):
+    id: int
+    chunk_hashes: list[str]
+
+
+class _Reply(msgspec.Struct, array_like=True):
+    id: int
+    hit_chunks: int = 0
+    error: str | None = None
+    code: int | None = None
+
+
+def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0, host: str | None = None) -> Path:
+    """Filesystem path of the lookup socket for one engine (DP rank) on this host.
+
+    Args:
+        lookup_rpc_port: ``kv_connector_extra_config.lookup_rpc_port``.
+        dp_rank: the engine's data-parallel rank.
+        host: host name (default ``socket.gethostname()``).
+    """
+    base = Path(os.environ.get(RUNTIME_DIR_ENV) or tempfile.gettempdir())
+    host = (host or socket.gethostname()).replace("/", "_")
+    return base / f"kvpool-lookup-{host}-{lookup_rpc_port}-dp{dp_rank}.sock"
+
+
+def _owner_path(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".owner")
+
+
+class LookupServer:
+    """Answers prefix lookups on worker rank 0 from a background thread.
+
+    Args:
+        lookup_chunks: ``chunk_hashes -> leading chunks present for every rank``; raises
+            ``BackendError`` when the store fails (``KVPoolWorker.lookup_chunks``).
+        lookup_rpc_port: port number in the socket path.
+        dp_rank: DP rank in the socket path.
+        engine_id: recorded in the owner file so a conflicting engine can be named.
+
+    Attributes:
+        lookups: queries answered; ``errors``: queries answered with an error.
+
+    Raises:
+        PortInUse: a live process (another engine) holds the socket; the message names its
+            pid, engine id and the socket path, and says to pick another ``lookup_rpc_port``.
+    """
+
+    def __init__(
+        self,
+        lookup_chunks: Callable[[list[str]], int],
+        *,
+        lookup_rpc_port: int,
+        dp_rank: int = 0,
+        engine_id: str = "engine",
+    ) -> None:
+        self._lookup = lookup_chunks
+        self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        self.engine_id = engine_id
+        self.lookups = 0
+        self.errors = 0
+        self._claim()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"ipc://{self.path}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvpool-lookup", daemon=True)
+        self._thread.start()
+
+    def _claim(self) -> None:
+        owner = _owner_path(self.path)
+        if self.path.exists() or owner.exists():
+            info: dict[str, object] = {}
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads(owner.read_text())
+            pid = info.get("pid")
+            if isinstance(pid, int) and pid != os.getpid() and psutil.pid_exists(pid):
+                raise PortInUse(
+                    f"lookup_rpc_port is in use: {self.path} is held by engine "
+                    f"{info.get('engine_id')!r} (pid {pid}); give this engine another "
+                    "kv_connector_extra_config.lookup_rpc_port"
+                )
+            # Left behind by a process that died: remove it, or bind would fail.
+            logger.info("removing stale lookup socket %s (owner %s)", self.path, info or "unknown")
+            self.path.unlink(missing_ok=True)
+            owner.unlink(missing_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        owner.write_text(json.dumps({"pid": os.getpid(), "engine_id": self.engine_id,
+                                     "started": time.time()}))
+
+    def _serve(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        dec = msgspec.msgpack.Decoder(_Request)
+        while not self._stop.is_set():
+            if not self._sock.poll(_POLL_MS):
+                continue
+            try:
+                ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError):
+                continue
+            try:
+                req = dec.decode(payload)
+            except msgspec.DecodeError as exc:
+                self.errors += 1
+                logger.error("kvpool lookup: malformed request dropped: %s", exc)
+                continue
+            self._sock.send_multipart([ident, enc.encode(self._answer(req))])
+
+    def _answer(self, req: _Request) -> _Reply:
+        self.lookups += 1
+        try:
+            return _Reply(req.id, hit_chunks=self._lookup(req.chunk_hashes))
+        except BackendError as exc:
+            self.errors += 1
+            logger.error("kvpool lookup of %d chunks failed in the store: %s (code %s)",
+                         len(req.chunk_hashes), exc, exc.code)
+            return _Reply(req.id, error=str(exc), code=exc.code)
+        except Exception as exc:  # the server thread must outlive any bug in one lookup
+            self.errors += 1
+            logger.exception("kvpool lookup of %d chunks failed", len(req.chunk_hashes))
+            return _Reply(req.id, error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Stop the thread, close the socket and remove the socket and owner files.
+        Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+        self.path.unlink(missing_ok=True)
+        _owner_path(self.path).unlink(missing_ok=True)
+
+
+class LookupClient:
+    """The scheduler's side: ask worker rank 0 how many leading chunks the pool holds.
+
+    Args:
+        lookup_rpc_port, dp_rank: select the socket (see ``lookup_socket_path``).
+        timeout_ms: how long one query waits for its reply.
+
+    Not thread-safe: the scheduler calls it from its one thread.
+    """
+
+    def __init__(self, *, lookup_rpc_port: int, dp_rank: int = 0, timeout_ms: int = 5_000) -> None:
+        self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        self.timeout_ms = timeout_ms
+        self._ids = itertools.count(1)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(_Reply)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"ipc://{self.path}")
+
+    def lookup(self, chunk_hashes: list[str]) -> int:
+        """Leading chunks of ``chunk_hashes`` present in the pool for every rank.
+
+        Returns:
+            0 .. ``len(chunk_hashes)``.
+
+        Raises:
+            LookupFailed: the store failed (with its code) or no reply within ``timeout_ms``.
+        """
+        if not chunk_hashes:
+            return 0
+        rid = next(self._ids)
+        self._sock.send(self._enc.encode(_Request(rid, chunk_hashes)))
+        deadline = time.monotonic() + self.timeout_ms / 1e3
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1e3) + 1):
+                break
+            reply = self._dec.decode(self._sock.recv())
+            if reply.id != rid:
+                continue  # the late answer to an earlier, timed-out query
+            if reply.error is not None:
+                raise LookupFailed(f"pool lookup failed: {reply.error}", reply.code)
+            return reply.hit_chunks
+        raise LookupFailed(
+            f"no reply from the lookup server at {self.path} within {self.timeout_ms} ms "
+            "(is worker rank 0 running with the same lookup_rpc_port?)"
+        )
+
+    def close(self) -> None:
+        """Close the socket. Idempotent."""
+        self._sock.close(linger=0)

@@ -1,0 +1,319 @@
+"""Scheduler side of the connector (``KVPoolScheduler``): what to load and what to save.
+
+Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1``):
+
+1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: the prompt's whole chunks are
+   hashed (``keys.chunk_hashes`` over ``request.prompt_token_ids``, LoRA name and
+   ``cache_salt`` mixed in as ``extra``); worker rank 0 is asked how many leading chunks the pool
+   holds (``LookupClient``). The answer is truncated to whole chunks and never covers the last
+   prompt token (vLLM must compute at least one token to produce logits). The result is kept as a
+   ``LoadSpec``.
+2. ``update_state_after_alloc(request, blocks, num_external_tokens)``: vLLM allocated blocks;
+   the load is confirmed (``LoadSpec.can_load``) only if vLLM accepted ``num_external_tokens``.
+3. ``build_connector_meta(scheduler_output)``: one ``ReqMeta`` per request with work this step:
+   its load (once) and the chunks whose prompt tokens are complete after this step (saves).
+4. ``request_finished(request, block_ids)``: returns ``True`` (vLLM keeps the blocks) when a
+   save was ever scheduled for the request.
+
+Contract with the worker (``KVPoolWorker.get_finished``): the worker reports a request in
+``finished_sending`` exactly when it is in (this or an earlier) ``finished_req_ids`` *and* some
+``ReqMeta`` for it had a non-empty save range *and* all its saves are done. The worker reports
+an asynchronous load (``load_async``) in ``finished_recving`` once it completed or failed, with
+failed blocks in ``get_block_ids_with_load_errors``.
+
+``kv_role`` (vLLM Ascend semantics): ``kv_producer`` saves and never loads; ``kv_consumer``
+loads only with ``consumer_is_to_load`` and saves only with ``consumer_is_to_put``;
+``kv_both`` does both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.keys import chunk_hashes
+from kvpool_connector.lookup import LookupFailed
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVPoolScheduler", "LookupCounters", "PrefixLookup", "request_extra"]
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixLookup(Protocol):
+    """What the scheduler needs from a lookup client (``LookupClient``)."""
+
+    def lookup(self, chunk_hashes: list[str]) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class LookupCounters:
+    """Scheduler-side totals since start (tokens unless named otherwise)."""
+
+    lookups: int = 0
+    lookup_errors: int = 0
+    prompt_tokens: int = 0
+    local_tokens: int = 0
+    pool_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    saves_scheduled_chunks: int = 0
+
+
+@dataclass
+class _Tracker:
+    """One running request: its prompt's chunk hashes, block ids and save progress."""
+
+    hashes: list[str]
+    block_ids: list[int]
+    saved_chunks: int = 0
+    has_saves: bool = False
+
+
+@dataclass
+class _PendingLoad:
+    """A confirmed load not yet sent to the workers."""
+
+    spec: LoadSpec
+    hashes: list[str]
+    block_ids: list[int] = field(default_factory=list)
+
+
+def request_extra(request: Request) -> bytes:
+    """Bytes that change what a prompt's tokens mean: LoRA adapter name and ``cache_salt``.
+
+    Mixed into the first chunk hash so two adapters (or two tenants salting their cache)
+    never share a key for the same tokens.
+    """
+    parts: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append("lora=" + str(getattr(lora, "lora_name", lora)))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append("salt=" + str(salt))
+    return "\x00".join(parts).encode()
+
+
+class KVPoolScheduler:
+    """Decides per request which chunks to load from and save to the pool.
+
+    Args:
+        config: parsed connector settings (``chunk_size``, ``kv_role``, ``load_async``...).
+        lookup: client of worker rank 0's lookup server; ``None`` when this engine never loads
+            (``config.should_load`` false).
+        reporter: agent event buffer (lookups and loaded tokens are reported to it).
+    """
+
+    def __init__(
+        self, config: KVPoolConfig, lookup: PrefixLookup | None, reporter: Reporter | None = None
+    ) -> None:
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.lookup_client = lookup
+        self.reporter = reporter or Reporter(capacity=0)
+        self.counters = LookupCounters()
+        self._load_specs: dict[str, LoadSpec] = {}
+        self._hashes: dict[str, list[str]] = {}
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        # Async loads already sent to the workers: request id -> tokens the pool holds.
+        self._sent_loads: dict[str, int] = {}
+        self._trackers: dict[str, _Tracker] = {}
+        self._saving: set[str] = set()
+
+    def _hashes_for(self, request: Request) -> list[str]:
+        rid = request.request_id
+        hashes = self._hashes.get(rid)
+        if hashes is None:
+            hashes = chunk_hashes(request.prompt_token_ids or [], self.chunk_size,
+                                  request_extra(request))
+            self._hashes[rid] = hashes
+        return hashes
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded from the pool.
+
+        Args:
+            request: the vLLM request (``prompt_token_ids``, ``request_id``).
+            num_computed_tokens: tokens vLLM's local prefix cache already holds (block aligned).
+
+        Returns:
+            ``(tokens, load_async)``: ``tokens`` is a whole number of chunks minus
+            ``num_computed_tokens``, 0 when the pool holds nothing beyond the local hit or the
+            lookup failed (the failure is counted, logged as an error and reported to the
+            agent with its name); ``load_async`` is ``config.load_async`` when ``tokens > 0``.
+        """
+        rid = request.request_id
+        self._load_specs.pop(rid, None)
+        if not self.config.should_load or self.lookup_client is None:
+            return 0, False
+        prompt_len = len(request.prompt_token_ids or [])
+        # The last prompt token is always computed by vLLM: it yields the first logits.
+        max_chunks = max(0, prompt_len - 1) // self.chunk_size
+        if max_chunks * self.chunk_size <= num_computed_tokens:
+            return 0, False
+        hashes = self._hashes_for(request)[:max_chunks]
+        self.counters.lookups += 1
+        self.counters.prompt_tokens += prompt_len
+        self.counters.local_tokens += num_computed_tokens
+        start = time.perf_counter()
+        try:
+            hit_chunks = min(self.lookup_client.lookup(hashes), max_chunks)
+        except LookupFailed as exc:
+            latency_ms = (time.perf_counter() - start) * 1e3
+            self.counters.lookup_errors += 1
+            logger.error("kvpool: prefix lookup for request %s failed (%s): %s; "
+                         "running it without the pool", rid, exc.name, exc)
+            self.reporter.lookup(rid, prompt_len, num_computed_tokens, 0, latency_ms,
+                                 error=f"{exc.name}: {exc}")
+            return 0, False
+        latency_ms = (time.perf_counter() - start) * 1e3
+        pool_tokens = hit_chunks * self.chunk_size
+        new_tokens = max(0, pool_tokens - num_computed_tokens)
+        self.counters.pool_hit_tokens += new_tokens
+        self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, latency_ms)
+        if new_tokens == 0:
+            return 0, False
+        self._load_specs[rid] = LoadSpec(
+            vllm_cached_tokens=num_computed_tokens, kvpool_cached_tokens=pool_tokens
+        )
+        return new_tokens, self.config.load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Confirm (or drop) the request's pending load once vLLM allocated its blocks.
+
+        ``num_external_tokens`` is what vLLM accepted; 0 means load nothing (for example a
+        ``MultiConnector`` chose another connector, or an async load's second call).
+        """
+        rid = request.request_id
+        # Hash here, where the full Request (with cache_salt) is at hand, for saves too.
+        hashes = self._hashes_for(request)
+        spec = self._load_specs.pop(rid, None)
+        if spec is None:
+            return
+        if num_external_tokens == 0:
+            return
+        if num_external_tokens != spec.num_tokens_to_load:
+            # vLLM trimmed the hit (e.g. to keep a local sub-block tail): load what it kept.
+            spec.kvpool_cached_tokens = spec.vllm_cached_tokens + num_external_tokens
+        spec.can_load = True
+        block_ids = list(blocks.get_block_ids()[0])
+        self._pending_loads[rid] = _PendingLoad(spec, hashes, block_ids)
+        self.counters.loaded_tokens += num_external_tokens
+        self.reporter.loaded(rid, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
+        """This step's loads and saves for the workers (see the module docstring)."""
+        meta = KVPoolConnectorMetadata()
+        save = self.config.should_save
+        num_sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.req_id
+            hashes = self._hashes.get(rid)
+            if hashes is None:
+                # update_state_after_alloc always runs first; without it there is no salt.
+                logger.warning("kvpool: request %s scheduled without allocation state", rid)
+                continue
+            pending = self._pending_loads.pop(rid, None)
+            load = pending.spec if pending is not None else None
+            tracker = _Tracker(hashes, list(new.block_ids[0]))
+            # Chunks the pool already holds need no save.
+            pool_tokens = self._sent_loads.pop(rid, 0)
+            if load is not None:
+                pool_tokens = load.kvpool_cached_tokens
+            tracker.saved_chunks = pool_tokens // self.chunk_size
+            self._trackers[rid] = tracker
+            req = self._step_meta(rid, tracker, new.num_computed_tokens + num_sched.get(rid, 0),
+                                  save)
+            if load is not None:
+                req = req or self._empty_meta(rid, tracker)
+                req.load = load
+            if req is not None:
+                meta.requests.append(req)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tracker = self._trackers.get(rid)
+            if tracker is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                # A resumed (preempted) request gets its whole block table anew.
+                tracker.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracker.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
+            req = self._step_meta(rid, tracker, done, save)
+            pending = self._pending_loads.pop(rid, None)
+            if pending is not None:
+                req = req or self._empty_meta(rid, tracker)
+                req.load = pending.spec
+            if req is not None:
+                meta.requests.append(req)
+
+        # Asynchronous loads: the request is not scheduled while its blocks fill.
+        scheduled = set(num_sched)
+        for rid in [r for r in self._pending_loads if r not in scheduled]:
+            pending = self._pending_loads.pop(rid)
+            self._sent_loads[rid] = pending.spec.kvpool_cached_tokens
+            meta.requests.append(ReqMeta(req_id=rid, block_ids=pending.block_ids,
+                                         chunk_hashes=pending.hashes, load=pending.spec))
+
+        meta.preempted = set(scheduler_output.preempted_req_ids or ())
+        return meta
+
+    def _empty_meta(self, rid: str, tracker: _Tracker) -> ReqMeta:
+        return ReqMeta(req_id=rid, block_ids=list(tracker.block_ids),
+                       chunk_hashes=tracker.hashes)
+
+    def _step_meta(self, rid: str, tracker: _Tracker, tokens_done: int, save: bool
+                   ) -> ReqMeta | None:
+        """A ``ReqMeta`` saving the chunks completed by ``tokens_done`` tokens, if any."""
+        if not save:
+            return None
+        complete = min(len(tracker.hashes), tokens_done // self.chunk_size,
+                       len(tracker.block_ids) // self.config.blocks_per_chunk)
+        if complete <= tracker.saved_chunks:
+            return None
+        req = self._empty_meta(rid, tracker)
+        req.save_from_chunk, req.save_to_chunk = tracker.saved_chunks, complete
+        req.is_last_save = complete == len(tracker.hashes)
+        self.counters.saves_scheduled_chunks += complete - tracker.saved_chunks
+        tracker.saved_chunks = complete
+        tracker.has_saves = True
+        self._saving.add(rid)
+        return req
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        """Forget the request; ``(True, None)`` keeps its blocks until the worker reports its
+        saves finished (``finished_sending``), ``(False, None)`` frees them now."""
+        rid = request.request_id
+        self._load_specs.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        self._sent_loads.pop(rid, None)
+        self._trackers.pop(rid, None)
+        if rid in self._saving:
+            self._saving.discard(rid)
+            return True, None
+        return False, None
+
+    def close(self) -> None:
+        """Close the lookup client. Idempotent."""
+        if self.lookup_client is not None:
+            self.lookup_client.close()
+
