@@ -46,6 +46,7 @@ __all__ = [
     "ProtocolError",
     "Report",
     "SegmentUsage",
+    "SeqTracker",
     "Source",
     "Transfer",
     "TransferStats",
@@ -186,6 +187,9 @@ class ProcessStats(msgspec.Struct, kw_only=True):
     queue_depth: int = 0
     dropped: int = 0
     bad_messages: int = 0
+    reports_dropped: int = 0
+    """Reports the agent could not hand to its socket (hub absent or slow); ``dropped``
+    counts engine events the Reporter's full buffer refused."""
 
 
 class ErrorRecord(msgspec.Struct, kw_only=True):
@@ -236,6 +240,8 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     ts_ms: float
     engines: list[EngineState]
     last_seen_ms: dict[str, float] = msgspec.field(default_factory=dict)
+    report_gaps: dict[str, int] = msgspec.field(default_factory=dict)
+    """Per agent id: reports the hub never received (sequence gaps) since it first saw it."""
 
 
 class FlushArgs(msgspec.Struct, kw_only=True):
@@ -354,3 +360,31 @@ def decode(frame: bytes) -> Message:
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
     return msg
+
+
+class SeqTracker:
+    """Detects sequence gaps per sender: ``observe`` returns how many messages went missing
+    between the sender's previous ``seq`` and this one. A ``seq`` not above the last one means
+    the sender restarted (counted in ``restarts``, not as a gap)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+        self.gaps: dict[str, int] = {}
+        self.restarts = 0
+
+    @property
+    def total_gaps(self) -> int:
+        return sum(self.gaps.values())
+
+    def observe(self, sender: str, seq: int) -> int:
+        prev = self.last.get(sender)
+        self.last[sender] = seq
+        if prev is None:
+            return 0
+        if seq <= prev:
+            self.restarts += 1
+            return 0
+        missing = seq - prev - 1
+        if missing:
+            self.gaps[sender] = self.gaps.get(sender, 0) + missing
+        return missing
