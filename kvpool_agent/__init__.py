@@ -1,1 +1,26 @@
-"""kvpool agent: streams connector and pool state over ZMQ and executes operator commands."""
+"""kvpool agent: streams connector and pool state over ZMQ and executes operator commands.
+
+- ``start_agent`` (in every connector process) -> ``AgentHandle`` with a ``Reporter``;
+- ``FleetHub``: where agents report and consoles connect (``kvpool-agent hub``);
+- ``FleetClient``: what a console uses to watch the fleet and send commands.
+"""
+
+from kvpool_agent.agent import ENV_ADDRESS, AgentHandle, start_agent
+from kvpool_agent.auth import KeyPaths, generate_keys
+from kvpool_agent.client import FleetClient, FleetEntry
+from kvpool_agent.hub import UNAUTHORISED, FleetHub, hub_ports
+from kvpool_agent.reporter import Reporter
+
+__all__ = [
+    "ENV_ADDRESS",
+    "UNAUTHORISED",
+    "AgentHandle",
+    "FleetClient",
+    "FleetEntry",
+    "FleetHub",
+    "KeyPaths",
+    "Reporter",
+    "generate_keys",
+    "hub_ports",
+    "start_agent",
+]

@@ -1,0 +1,495 @@
+"""The agent embedded in an engine process: one daemon thread that owns the ZMQ socket.
+
+The connector only calls ``AgentHandle.reporter`` methods (an append to a bounded deque). The
+agent thread drains those events every ``_LOOP_S``, folds them into an ``EngineState``
+(``kvpool_agent.aggregate``) and sends ``Report`` messages on a DEALER socket connected to the
+fleet hub: a snapshot on every (re)connect and every ``SNAPSHOT_INTERVAL_S``, deltas at 4 Hz in
+between (at least one per second as a heartbeat). Sends never block: ``SNDHWM`` is small,
+``IMMEDIATE`` keeps messages from queueing while no hub is connected, and a send that would
+block is dropped and counted (``ProcessStats.reports_dropped``).
+
+Commands from the hub run on a small worker pool; pool stats (HTTP to the master, or
+``Backend.stats()``) run on another thread so a slow master never delays reports.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import httpx
+import psutil
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvpool_agent.aggregate import Aggregator
+from kvpool_agent.commands import CommandError, Prober, run_flush, run_health
+from kvpool_agent.pool import fetch_mooncake_stats
+from kvpool_agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
+    DrainResult,
+    EngineState,
+    PoolStats,
+    ProtocolError,
+    Report,
+    SeqTracker,
+    Source,
+    decode,
+    encode,
+)
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.keys import ParallelLayout
+
+if TYPE_CHECKING:
+    # Only for annotations: kvpool_connector.backends.base imports kvpool_agent.protocol.
+    from kvpool_connector.backends.base import Backend
+
+__all__ = [
+    "DELTA_INTERVAL_S",
+    "ENV_ADDRESS",
+    "SNAPSHOT_INTERVAL_S",
+    "AgentHandle",
+    "start_agent",
+]
+
+log = logging.getLogger("kvpool.agent")
+
+ENV_ADDRESS = "KVPOOL_AGENT_ADDRESS"
+"""Environment variable naming the hub address when ``start_agent(address=None)``."""
+
+DELTA_INTERVAL_S = 0.25
+SNAPSHOT_INTERVAL_S = 5.0
+_HEARTBEAT_S = 1.0
+_LOOP_S = 0.05
+_PROCESS_INTERVAL_S = 1.0
+_POOL_INTERVAL_S = 2.0
+_SEND_HWM = 64
+_MAX_PENDING_COMMANDS = 8
+# Frames up to this size are read and then refused by ``decode`` (and counted); larger ones
+# make ZMQ drop the connection before buffering them, which bounds the agent's memory.
+_MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
+_MAX_FRAMES_PER_LOOP = 256
+
+
+def _now_ms() -> float:
+    return time.time() * 1e3
+
+
+class _Agent:
+    """The agent thread and everything it owns (see the module docstring)."""
+
+    def __init__(
+        self,
+        source: Source,
+        address: str,
+        backend: Backend | None,
+        key_scope: tuple[str, ParallelLayout] | None,
+        drain: Callable[[int], DrainResult] | None,
+        pool_admin_url: str | None,
+        lease_ttl_ms: int,
+        high_watermark: float,
+    ) -> None:
+        self.source = source
+        self.address = address
+        self.backend = backend
+        self.key_scope = key_scope
+        self.drain_fn = drain
+        self.pool_admin_url = pool_admin_url.rstrip("/") if pool_admin_url else None
+        self.lease_ttl_ms = lease_ttl_ms
+        self.high_watermark = high_watermark
+        self.reporter = Reporter()
+        self.agg = Aggregator(source, lease_ttl_ms, _now_ms())
+        self.lock = threading.Lock()
+        self.prober = Prober(backend, source.agent_id) if backend is not None else None
+        self.seq = 0
+        self.sent = 0
+        self.reports_dropped = 0
+        self.replies_dropped = 0
+        self.bad_messages = 0
+        self.commands_seen = SeqTracker()
+        self._outbox: deque[CommandReply] = deque(maxlen=64)
+        self._pending: set[cf.Future[CommandReply]] = set()
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)
+        self._http: httpx.Client | None = None
+        self._pool_future: cf.Future[PoolStats] | None = None
+        self._cmd_exec = cf.ThreadPoolExecutor(2, thread_name_prefix="kvpool-agent-cmd")
+        self._pool_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-pool")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
+        self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self.sock.connect(address)
+        self.thread = threading.Thread(target=self._run, name="kvpool-agent", daemon=True)
+
+    # -- state, used by the agent thread and by command threads --------------------------
+
+    def state(self, *, all_errors: bool = True) -> EngineState:
+        with self.lock:
+            self.agg.apply(self.reporter.drain())
+            st = self.agg.state(_now_ms(), all_errors=all_errors)
+            self.agg.changed = False
+        p = st.process
+        p.queue_depth = self.reporter.depth
+        p.dropped = self.reporter.dropped
+        p.bad_messages = self.bad_messages
+        p.reports_dropped = self.reports_dropped
+        return st
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.mon, zmq.POLLIN)
+        next_delta = next_snapshot = next_process = next_pool = 0.0
+        last_sent = 0.0
+        try:
+            while not self._stop.is_set():
+                try:
+                    events = dict(poller.poll(int(_LOOP_S * 1000)))
+                    now = time.monotonic()
+                    if self.mon in events:
+                        while self.mon.poll(0):
+                            ev = recv_monitor_message(self.mon)
+                            if ev["event"] == zmq.EVENT_CONNECTED:
+                                next_snapshot = 0.0
+                    if self.sock in events:
+                        self._receive()
+                    with self.lock:
+                        self.agg.apply(self.reporter.drain())
+                    self._flush_outbox()
+                    if now >= next_process:
+                        next_process = now + _PROCESS_INTERVAL_S
+                        self._process_stats()
+                    if now >= next_pool:
+                        next_pool = now + _POOL_INTERVAL_S
+                        self._poll_pool()
+                    if now >= next_snapshot:
+                        next_snapshot = now + SNAPSHOT_INTERVAL_S
+                        next_delta = now + DELTA_INTERVAL_S
+                        self._send_report("snapshot")
+                        last_sent = now
+                    elif now >= next_delta:
+                        next_delta = now + DELTA_INTERVAL_S
+                        if self.agg.changed or now - last_sent >= _HEARTBEAT_S:
+                            self._send_report("delta")
+                            last_sent = now
+                except Exception:
+                    # The agent must outlive any bug in one iteration; the engine never notices.
+                    log.exception("kvpool agent %s: loop iteration failed", self.source.agent_id)
+                    time.sleep(_LOOP_S)
+        finally:
+            self._close()
+
+    def _receive(self) -> None:
+        for _ in range(_MAX_FRAMES_PER_LOOP):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 1:
+                self._bad(f"{len(frames)} frames, expected 1")
+                continue
+            try:
+                msg = decode(frames[0])
+            except ProtocolError as e:
+                self._bad(str(e))
+                continue
+            if not isinstance(msg, CommandRequest):
+                self._bad(f"unexpected {type(msg).__name__} from the hub")
+                continue
+            self.commands_seen.observe("hub", msg.seq)
+            self._start_command(msg)
+
+    def _bad(self, why: str) -> None:
+        self.bad_messages += 1
+        # One line per bad frame would let a fuzzer flood the engine's log: log the first ones
+        # and then every thousandth.
+        if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:
+            log.warning(
+                "kvpool agent %s: dropped bad message #%d: %s",
+                self.source.agent_id,
+                self.bad_messages,
+                why[:200],
+            )
+
+    def _start_command(self, req: CommandRequest) -> None:
+        self._pending = {f for f in self._pending if not f.done()}
+        if len(self._pending) >= _MAX_PENDING_COMMANDS:
+            self._outbox.append(self._reply(req, ok=False, error="agent busy: too many commands"))
+            return
+        fut = self._cmd_exec.submit(self._run_command, req)
+        self._pending.add(fut)
+        fut.add_done_callback(self._on_command_done)
+
+    def _on_command_done(self, fut: cf.Future[CommandReply]) -> None:
+        if not fut.cancelled():
+            self._outbox.append(fut.result())
+
+    def _reply(self, req: CommandRequest, **kw: object) -> CommandReply:
+        return CommandReply(
+            v=PROTOCOL_VERSION,
+            seq=0,
+            request_id=req.request_id,
+            agent_id=self.source.agent_id,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def _run_command(self, req: CommandRequest) -> CommandReply:
+        try:
+            if req.command == "snapshot":
+                return self._reply(req, ok=True, snapshot=self.state())
+            if req.command == "health":
+                res = run_health(self.backend, self.prober, self.pool_admin_url)
+                return self._reply(req, ok=res.ok, health=res)
+            if req.command == "flush":
+                if req.flush is None:
+                    raise CommandError("flush needs FlushArgs (scope model/engine/all)")
+                fr = run_flush(self.backend, req.flush, self.source, self.key_scope)
+                return self._reply(req, ok=True, flush=fr)
+            if req.command == "drain":
+                timeout_ms = req.drain.timeout_ms if req.drain else 30_000
+                dr = self._drain(timeout_ms)
+                return self._reply(req, ok=dr.drained, drain=dr)
+            raise CommandError(f"unknown command {req.command!r}")
+        except Exception as e:
+            log.warning(
+                "kvpool agent %s: command %s failed: %s", self.source.agent_id, req.command, e
+            )
+            return self._reply(req, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _drain(self, timeout_ms: int) -> DrainResult:
+        if self.drain_fn is not None:
+            return self.drain_fn(timeout_ms)
+        # Without the connector's own drain, wait on the saves this agent sees in flight.
+        t0 = time.monotonic()
+        deadline = t0 + timeout_ms / 1e3
+        while True:
+            saves = sum(1 for t in self.state().in_flight if t.kind == "save")
+            waited = (time.monotonic() - t0) * 1e3
+            if saves == 0 or time.monotonic() >= deadline:
+                return DrainResult(drained=saves == 0, waited_ms=waited, remaining_saves=saves)
+            time.sleep(_LOOP_S)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            reply = self._outbox.popleft()
+            self.seq += 1
+            reply.seq = self.seq
+            try:
+                self.sock.send(encode(reply), zmq.NOBLOCK)
+            except zmq.Again:
+                self.replies_dropped += 1
+
+    def _send_report(self, kind: str) -> None:
+        st = self.state(all_errors=kind == "snapshot")
+        self.seq += 1
+        frame = encode(
+            Report(
+                v=PROTOCOL_VERSION,
+                seq=self.seq,
+                kind="snapshot" if kind == "snapshot" else "delta",
+                state=st,
+            )
+        )
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            self.reports_dropped += 1
+
+    def _process_stats(self) -> None:
+        p = self.agg.process
+        try:
+            with self._proc.oneshot():
+                p.cpu_percent = self._proc.cpu_percent(None)
+                p.rss_bytes = self._proc.memory_info().rss
+                p.threads = self._proc.num_threads()
+                # num_fds counts every descriptor (files, sockets, pipes); open_files() walks
+                # /proc and is too slow for a once-a-second probe.
+                p.open_files = self._proc.num_fds() if hasattr(self._proc, "num_fds") else 0
+        except psutil.Error as e:
+            log.debug("kvpool agent: psutil failed: %s", e)
+
+    def _poll_pool(self) -> None:
+        fut = self._pool_future
+        if fut is not None:
+            if not fut.done():
+                return
+            try:
+                stats = fut.result()
+                if self.lease_ttl_ms and not stats.lease_ttl_ms:
+                    stats.lease_ttl_ms = self.lease_ttl_ms
+                with self.lock:
+                    self.agg.pool = stats
+                    self.agg.changed = True
+            except Exception as e:
+                log.warning("kvpool agent %s: pool stats failed: %s", self.source.agent_id, e)
+            self._pool_future = None
+        if self.pool_admin_url is not None:
+            if self._http is None:
+                self._http = httpx.Client(timeout=1.0)
+            http, url = self._http, self.pool_admin_url
+            self._pool_future = self._pool_exec.submit(
+                fetch_mooncake_stats,
+                url,
+                client=http,
+                high_watermark=self.high_watermark,
+                lease_ttl_ms=self.lease_ttl_ms,
+            )
+        elif self.backend is not None:
+            self._pool_future = self._pool_exec.submit(self.backend.stats)
+
+    def _close(self) -> None:
+        self._cmd_exec.shutdown(wait=False, cancel_futures=True)
+        self._pool_exec.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.mon.close(linger=0)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        if self._http is not None:
+            self._http.close()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self._stop.set()
+        self.thread.join(timeout_s)
+
+
+class AgentHandle:
+    """What ``start_agent`` returns to the connector.
+
+    Attributes:
+        reporter: the engine-side event buffer (a ``Reporter``; capacity 0, dropping every
+            event, when no hub address is configured).
+        source: who this agent reports as.
+    """
+
+    def __init__(self, reporter: Reporter, source: Source, agent: _Agent | None = None) -> None:
+        self.reporter = reporter
+        self.source = source
+        self._agent = agent
+        self._started_ms = _now_ms()
+
+    @property
+    def enabled(self) -> bool:
+        """True when an agent thread runs (a hub address was configured)."""
+        return self._agent is not None
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Agent-side counters: ``sent`` reports, ``reports_dropped``, ``replies_dropped``,
+        ``bad_messages`` from the hub, command sequence ``gaps``, ``events_dropped``."""
+        a = self._agent
+        if a is None:
+            return {"events_dropped": self.reporter.dropped}
+        return {
+            "sent": a.sent,
+            "reports_dropped": a.reports_dropped,
+            "replies_dropped": a.replies_dropped,
+            "bad_messages": a.bad_messages,
+            "gaps": a.commands_seen.total_gaps,
+            "events_dropped": self.reporter.dropped,
+        }
+
+    def state(self) -> EngineState:
+        """The current aggregated state, including every event recorded before this call."""
+        if self._agent is None:
+            return EngineState(source=self.source, started_ms=self._started_ms, ts_ms=_now_ms())
+        return self._agent.state()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the agent thread and close its sockets (waits at most ``timeout_s``).
+        Idempotent; never raises."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            try:
+                agent.stop(timeout_s)
+            except Exception:
+                log.exception("kvpool agent %s: stop failed", self.source.agent_id)
+
+    def __enter__(self) -> AgentHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_agent(
+    source: Source,
+    *,
+    address: str | None = None,
+    backend: Backend | None = None,
+    key_scope: tuple[str, ParallelLayout] | None = None,
+    drain: Callable[[int], DrainResult] | None = None,
+    pool_admin_url: str | None = None,
+    lease_ttl_ms: int = 0,
+    high_watermark: float = 0.9,
+) -> AgentHandle:
+    """Start the agent of one connector process.
+
+    Args:
+        source: who this process is (``Source.agent_id`` unique in the fleet).
+        address: the hub's agent address, e.g. ``"tcp://10.0.0.1:7600"`` (``agent_address`` in
+            ``kv_connector_extra_config``); ``None`` reads ``KVPOOL_AGENT_ADDRESS``. Without
+            either no thread starts and the reporter drops every event.
+        backend: this process's pool client, for ``health``/``flush`` and pool stats.
+        key_scope: ``(model, ParallelLayout)`` this process writes; ``flush --scope engine``
+            removes exactly ``keys.layout_pattern(*key_scope)``.
+        drain: ``drain(timeout_ms) -> DrainResult`` waiting for in-flight saves; without it the
+            agent waits on the saves it has seen start and not finish.
+        pool_admin_url: Mooncake master HTTP admin URL (``http://host:metrics_port``); when set
+            pool stats come from its ``/metrics`` instead of ``backend.stats()``.
+        lease_ttl_ms: ``default_kv_lease_ttl`` (ms) in force, for lease expiry estimates.
+        high_watermark: ``eviction_high_watermark_ratio`` of the pool (reported with usage).
+
+    Returns:
+        An ``AgentHandle``. Never raises: a bad address or any setup failure is logged and
+        gives a disabled handle, so the engine always starts.
+    """
+    try:
+        address = address or os.environ.get(ENV_ADDRESS) or None
+        if not address:
+            return AgentHandle(Reporter(capacity=0), source)
+        agent = _Agent(
+            source,
+            address,
+            backend,
+            key_scope,
+            drain,
+            pool_admin_url,
+            lease_ttl_ms,
+            high_watermark,
+        )
+        agent.start()
+        log.info("kvpool agent %s reporting to %s", source.agent_id, address)
+        return AgentHandle(agent.reporter, source, agent)
+    except Exception as e:
+        log.error(
+            "kvpool agent %s disabled: cannot report to %r: %s (set agent_address in "
+            "kv_connector_extra_config or %s to tcp://HUB_HOST:PORT)",
+            source.agent_id,
+            address,
+            e,
+            ENV_ADDRESS,
+        )
+        return AgentHandle(Reporter(capacity=0), source)

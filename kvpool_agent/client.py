@@ -1,0 +1,256 @@
+"""``FleetClient``: how a console (or a script) watches a fleet hub and sends it commands.
+
+It subscribes to the hub's ``FleetUpdate`` stream (port ``P+1``); the hub answers every new
+subscription with a full snapshot, so ``fleet()`` is complete within a second of connecting.
+Commands go to the plain port ``P+2`` (read-only) or, with ``keys_dir``, to the CURVE port
+``P+3`` signed with the operator key (required for a real flush).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import zmq
+import zmq.auth
+
+from kvpool_agent.auth import KeyPaths
+from kvpool_agent.hub import hub_ports
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandName,
+    CommandReply,
+    CommandRequest,
+    DrainArgs,
+    EngineState,
+    FleetUpdate,
+    FlushArgs,
+    ProtocolError,
+    SeqTracker,
+    decode,
+    encode,
+)
+
+__all__ = ["FleetClient", "FleetEntry"]
+
+
+@dataclass
+class FleetEntry:
+    """One agent as the hub last saw it: its state and the hub's receive time of its last
+    report (ms since the epoch). ``report_gaps``: reports of it the hub never received."""
+
+    state: EngineState
+    last_seen_ms: float
+    report_gaps: int = 0
+
+    def age_s(self, now_ms: float | None = None) -> float:
+        """Seconds since the hub last heard from this agent."""
+        return ((now_ms if now_ms is not None else time.time() * 1e3) - self.last_seen_ms) / 1e3
+
+
+class FleetClient:
+    """Watch and command a fleet through its hub.
+
+    Args:
+        hub_address: the hub's ``tcp://HOST:P`` (the same address agents use).
+        keys_dir: a ``kvpool-agent keygen`` directory; commands are then sent over CURVE with
+            the operator key (``operator.key_secret``) to the hub's key (``server.key``).
+            ``None`` reads ``KVPOOL_KEYS_DIR``; without keys the client is read-only.
+
+    Not thread-safe for concurrent ``updates()`` calls; ``command()`` may run on another
+    thread than ``updates()`` (separate sockets, each behind its own lock).
+
+    Raises:
+        ValueError: bad hub address or an incomplete keys directory.
+    """
+
+    def __init__(self, hub_address: str, *, keys_dir: str | Path | None = None) -> None:
+        self.hub_address = hub_address
+        self.ports = hub_ports(hub_address)
+        kd = keys_dir if keys_dir is not None else os.environ.get("KVPOOL_KEYS_DIR") or None
+        self.keys = KeyPaths.of(kd) if kd else None
+        if self.keys is not None:
+            self.keys.check_operator()
+        self.bad_messages = 0
+        self.gaps = SeqTracker()
+        self._fleet: dict[str, FleetEntry] = {}
+        self._seq = itertools.count(1)
+        self._ctx = zmq.Context()
+        self._sub_lock = threading.Lock()
+        self._cmd_lock = threading.Lock()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, 10_000)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(self.ports.pub)
+        self._cmd: zmq.Socket[bytes] | None = None
+        self.last_update_ms = 0.0
+
+    @property
+    def authorised(self) -> bool:
+        """True when commands go over CURVE with an operator key (flush allowed)."""
+        return self.keys is not None
+
+    def _command_socket(self) -> zmq.Socket[bytes]:
+        if self._cmd is None:
+            s: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None:
+                server_public, _ = zmq.auth.load_certificate(str(self.keys.server_public))
+                public, secret = zmq.auth.load_certificate(str(self.keys.operator_secret))
+                s.curve_serverkey = server_public
+                s.curve_publickey = public
+                s.curve_secretkey = secret
+                s.connect(self.ports.curve)
+            else:
+                s.connect(self.ports.commands)
+            self._cmd = s
+        return self._cmd
+
+    def updates(self, timeout_ms: int = 0) -> list[FleetUpdate]:
+        """Receive every pending ``FleetUpdate`` (waiting up to ``timeout_ms`` for the first),
+        merge them into ``fleet()`` and return them. Bad frames are counted and skipped."""
+        out: list[FleetUpdate] = []
+        with self._sub_lock:
+            if not self._sub.poll(timeout_ms):
+                return out
+            while True:
+                try:
+                    frame = self._sub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = decode(frame)
+                except ProtocolError:
+                    self.bad_messages += 1
+                    continue
+                if not isinstance(msg, FleetUpdate):
+                    self.bad_messages += 1
+                    continue
+                self.gaps.observe("hub", msg.seq)
+                self._merge(msg)
+                out.append(msg)
+        return out
+
+    def _merge(self, upd: FleetUpdate) -> None:
+        self.last_update_ms = upd.ts_ms
+        for st in upd.engines:
+            aid = st.source.agent_id
+            self._fleet[aid] = FleetEntry(
+                state=st,
+                last_seen_ms=upd.last_seen_ms.get(aid, upd.ts_ms),
+                report_gaps=upd.report_gaps.get(aid, 0),
+            )
+
+    def fleet(self) -> dict[str, FleetEntry]:
+        """Agent id -> ``FleetEntry`` after taking every update already received. Agents
+        never disappear: a silent one keeps its last state and an ageing ``last_seen_ms``."""
+        self.updates(0)
+        return dict(self._fleet)
+
+    def wait_for(self, n_agents: int, timeout_s: float = 5.0) -> dict[str, FleetEntry]:
+        """Poll until at least ``n_agents`` agents are known or ``timeout_s`` passes; returns
+        ``fleet()`` either way."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._fleet) < n_agents and time.monotonic() < deadline:
+            self.updates(50)
+        return self.fleet()
+
+    def command(
+        self,
+        command: CommandName,
+        *,
+        targets: list[str] | None = None,
+        flush: FlushArgs | None = None,
+        drain: DrainArgs | None = None,
+        timeout_ms: int = 5_000,
+        sender: str = "",
+        request_id: str | None = None,
+    ) -> list[CommandReply]:
+        """Send one command and wait for its replies (one per target agent).
+
+        Args:
+            command: ``health``, ``flush``, ``drain`` or ``snapshot``.
+            targets: agent ids; empty = every live agent (``flush``: one worker/store agent
+                for scope model/all, the engine's workers for scope engine).
+            timeout_ms: how long agents get; the hub turns a missing reply into
+                ``ok=False, error="timeout after N ms"``.
+            sender: operator name for the audit log (authority comes only from the key).
+
+        Returns:
+            The replies; if the hub itself does not answer within ``timeout_ms + 2000`` ms a
+            single ``ok=False`` reply from ``"hub"`` says so (wrong key or hub down).
+        """
+        rid = request_id or uuid.uuid4().hex[:16]
+        req = CommandRequest(
+            v=PROTOCOL_VERSION,
+            seq=next(self._seq),
+            request_id=rid,
+            command=command,
+            sender=sender or os.environ.get("USER", ""),
+            targets=list(targets or []),
+            flush=flush,
+            drain=drain,
+            timeout_ms=timeout_ms,
+        )
+        with self._cmd_lock:
+            s = self._command_socket()
+            s.send(encode(req))
+            deadline = time.monotonic() + (timeout_ms + 2000) / 1e3
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not s.poll(int(left * 1000)):
+                    # Drop the socket: a late answer must not be read as the next one's.
+                    s.close(linger=0)
+                    self._cmd = None
+                    port = self.ports.curve if self.keys else self.ports.commands
+                    hint = " (is the operator key authorised on the hub?)" if self.keys else ""
+                    return [
+                        CommandReply(
+                            v=PROTOCOL_VERSION,
+                            seq=0,
+                            request_id=rid,
+                            agent_id="hub",
+                            ok=False,
+                            error=f"no answer from the hub at {port} in "
+                            f"{timeout_ms + 2000} ms{hint}",
+                        )
+                    ]
+                frames = s.recv_multipart()
+                replies: list[CommandReply] = []
+                for f in frames:
+                    try:
+                        msg = decode(f)
+                    except ProtocolError:
+                        self.bad_messages += 1
+                        continue
+                    if isinstance(msg, CommandReply) and msg.request_id == rid:
+                        replies.append(msg)
+                if replies:
+                    return replies
+
+    def close(self) -> None:
+        """Close the sockets. Idempotent."""
+        with self._sub_lock, self._cmd_lock:
+            self._sub.close(linger=0)
+            if self._cmd is not None:
+                self._cmd.close(linger=0)
+                self._cmd = None
+            self._ctx.term()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

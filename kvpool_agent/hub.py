@@ -1,0 +1,624 @@
+"""The fleet hub: agents report to it, consoles watch it and send commands through it.
+
+Ports, for ``address="tcp://HOST:P"``:
+
+- ``P``   ROUTER, agents connect (DEALER) and send ``Report`` / ``CommandReply``;
+- ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
+  full snapshot, so a console that joins late sees every agent at once;
+- ``P+2`` ROUTER, plain (no key): read-only commands (``snapshot``, ``health``, ``drain``,
+  ``flush`` with ``dry_run=True``);
+- ``P+3`` ROUTER, CURVE server (only with ``authorized_keys_dir`` and ``secret_key_file``):
+  every command; clients must hold an operator key listed in ``authorized_keys_dir``
+  (pyzmq's ``ThreadAuthenticator``; keys from ``kvpool-agent keygen``).
+
+One thread owns every socket. Agents that go silent stay in the fleet with their last state and
+``last_seen_ms``; consoles decide when that is stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import msgspec
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
+    EngineState,
+    ErrorRecord,
+    FleetUpdate,
+    ProtocolError,
+    Report,
+    SeqTracker,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "ENGINES_PER_UPDATE",
+    "UNAUTHORISED",
+    "FleetHub",
+    "HubPorts",
+    "hub_ports",
+]
+
+log = logging.getLogger("kvpool.hub")
+
+UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen)"
+
+ENGINES_PER_UPDATE = 128
+"""Engines per ``FleetUpdate`` frame; a large fleet's snapshot spans several frames so each
+stays far below ``MAX_MESSAGE_BYTES``."""
+
+_LIVE_S = 15.0
+_MAX_FRAMES_PER_LOOP = 1024
+_MAX_READ_BYTES = 16 * 1024 * 1024
+_RECENT_ERRORS = 50
+
+
+@dataclass(frozen=True)
+class HubPorts:
+    """The four endpoints of a hub (see the module docstring)."""
+
+    agents: str
+    pub: str
+    commands: str
+    curve: str
+
+
+def hub_ports(address: str) -> HubPorts:
+    """Endpoints for ``tcp://HOST:P``: agents ``P``, pub ``P+1``, commands ``P+2``, curve ``P+3``.
+
+    Raises:
+        ValueError: not ``tcp://HOST:PORT`` with a numeric port.
+    """
+    if not address.startswith("tcp://") or ":" not in address[6:]:
+        raise ValueError(
+            f"hub address {address!r}: expected tcp://HOST:PORT (e.g. tcp://0.0.0.0:7600)"
+        )
+    host, _, port_s = address[6:].rpartition(":")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"hub address {address!r}: port {port_s!r} is not a number") from None
+    if not 0 < port <= 65535 - 3:
+        raise ValueError(f"hub address {address!r}: port must be in 1..65532 (uses P..P+3)")
+    return HubPorts(*(f"tcp://{host}:{port + i}" for i in range(4)))
+
+
+@dataclass
+class _Agent:
+    state: EngineState
+    last_seen_ms: float
+    routing_id: bytes
+    errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
+
+
+@dataclass
+class _Pending:
+    sock: zmq.Socket[bytes]
+    client: bytes
+    req: CommandRequest
+    who: str
+    deadline: float
+    expected: list[str]
+    replies: dict[str, CommandReply] = field(default_factory=dict)
+
+
+class FleetHub:
+    """The hub process (or thread) of a fleet.
+
+    Args:
+        address: ``tcp://HOST:P``; binds ``P..P+3`` (see module docstring).
+        authorized_keys_dir: directory of operator public keys (``*.key``) allowed on the
+            CURVE port.
+        secret_key_file: the hub's CURVE secret key (``server.key_secret`` from
+            ``kvpool-agent keygen``). Both or neither.
+        audit_file: append one JSON line per command (who, what, scope, result) here, besides
+            the ``kvpool.hub`` log line.
+        snapshot_interval_s: full FleetUpdate snapshots this often (and on every join).
+        delta_interval_s: deltas (agents that reported since the last update) this often.
+
+    Raises:
+        ValueError: bad address, or only one of the two key arguments.
+    """
+
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:7600",
+        *,
+        authorized_keys_dir: str | Path | None = None,
+        secret_key_file: str | Path | None = None,
+        audit_file: str | Path | None = None,
+        snapshot_interval_s: float = 2.0,
+        delta_interval_s: float = 0.25,
+    ) -> None:
+        self.address = address
+        self.ports = hub_ports(address)
+        if (authorized_keys_dir is None) != (secret_key_file is None):
+            raise ValueError(
+                "FleetHub: give both authorized_keys_dir and secret_key_file (kvpool-agent "
+                "keygen DIR writes DIR/authorized_keys/ and DIR/server.key_secret) or neither"
+            )
+        self.authorized_keys_dir = Path(authorized_keys_dir) if authorized_keys_dir else None
+        self.secret_key_file = Path(secret_key_file) if secret_key_file else None
+        self.audit_file = Path(audit_file) if audit_file else None
+        self.snapshot_interval_s = snapshot_interval_s
+        self.delta_interval_s = delta_interval_s
+        self.bad_messages = 0
+        self.reports = 0
+        self.commands = 0
+        self.refused = 0
+        self.seq_tracker = SeqTracker()
+        self._agents: dict[str, _Agent] = {}
+        self._lock = threading.Lock()
+        self._dirty: set[str] = set()
+        self._pending: dict[str, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._pub_seq = 0
+        self._agent_seq = 0
+        self._want_snapshot = False
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> FleetHub:
+        """Bind the ports and start the hub thread.
+
+        Raises:
+            zmq.ZMQError: a port is in use (the message names the address).
+            OSError/ValueError: a key file cannot be read.
+        """
+        self._thread = threading.Thread(target=self._run, name="kvpool-hub", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the sockets. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> FleetHub:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        """Run until ``stop()`` or KeyboardInterrupt (for the ``kvpool-agent hub`` command)."""
+        self.start()
+        try:
+            while self._thread is not None and self._thread.is_alive():
+                self._thread.join(0.5)
+        finally:
+            self.stop()
+
+    # -- read access for tests and embedding -------------------------------------------------
+
+    def fleet(self) -> dict[str, tuple[EngineState, float]]:
+        """Agent id -> (latest state, hub receive time of its last message, ms since epoch)."""
+        with self._lock:
+            return {k: (a.state, a.last_seen_ms) for k, a in self._agents.items()}
+
+    @property
+    def gaps(self) -> int:
+        """Agent messages the hub never received, from their sequence numbers."""
+        return self.seq_tracker.total_gaps
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        self.ctx = zmq.Context()
+        self.auth: ThreadAuthenticator | None = None
+
+        def sock(kind: int, endpoint: str) -> zmq.Socket[bytes]:
+            s: zmq.Socket[bytes] = self.ctx.socket(kind)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
+            s.setsockopt(zmq.SNDHWM, 1000)
+            if kind == zmq.ROUTER:
+                s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            try:
+                s.bind(endpoint)
+            except zmq.ZMQError as e:
+                s.close()
+                raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
+            return s
+
+        self.socks: list[zmq.Socket[bytes]] = []
+        self.agents_sock = sock(zmq.ROUTER, self.ports.agents)
+        self.socks.append(self.agents_sock)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.pub.setsockopt(zmq.SNDHWM, 1000)
+        self.pub.bind(self.ports.pub)
+        self.socks.append(self.pub)
+        self.plain = sock(zmq.ROUTER, self.ports.commands)
+        self.socks.append(self.plain)
+        self.curve: zmq.Socket[bytes] | None = None
+        if self.authorized_keys_dir is not None and self.secret_key_file is not None:
+            if not self.authorized_keys_dir.is_dir():
+                raise ValueError(
+                    f"authorized_keys_dir {self.authorized_keys_dir} is not a directory "
+                    "(kvpool-agent keygen DIR creates DIR/authorized_keys)"
+                )
+            public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
+            if secret is None:
+                raise ValueError(f"secret_key_file {self.secret_key_file} holds no secret key")
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(self.authorized_keys_dir))
+            c: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+            c.setsockopt(zmq.LINGER, 0)
+            c.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
+            c.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            c.curve_secretkey = secret
+            c.curve_publickey = public
+            c.curve_server = True
+            c.bind(self.ports.curve)
+            self.curve = c
+            self.socks.append(c)
+
+    def _close(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+
+    def _run(self) -> None:
+        try:
+            self._bind()
+        except BaseException as e:
+            self._error = e
+            if hasattr(self, "socks"):
+                self._close()
+            self._ready.set()
+            return
+        self._ready.set()
+        log.info(
+            "kvpool hub: agents %s, consoles %s, commands %s%s",
+            self.ports.agents,
+            self.ports.pub,
+            self.ports.commands,
+            f", operator commands (CURVE) {self.ports.curve}" if self.curve is not None else "",
+        )
+        poller = zmq.Poller()
+        for s in self.socks:
+            poller.register(s, zmq.POLLIN)
+        next_delta = next_snapshot = 0.0
+        try:
+            while not self._stop.is_set():
+                try:
+                    events = dict(poller.poll(50))
+                    if self.agents_sock in events:
+                        self._recv_agents()
+                    if self.pub in events:
+                        self._recv_subscriptions()
+                    if self.plain in events:
+                        self._recv_commands(self.plain, curve=False)
+                    if self.curve is not None and self.curve in events:
+                        self._recv_commands(self.curve, curve=True)
+                    now = time.monotonic()
+                    self._expire(now)
+                    if self._want_snapshot or now >= next_snapshot:
+                        self._want_snapshot = False
+                        next_snapshot = now + self.snapshot_interval_s
+                        next_delta = now + self.delta_interval_s
+                        self._publish("snapshot")
+                    elif now >= next_delta:
+                        next_delta = now + self.delta_interval_s
+                        if self._dirty:
+                            self._publish("delta")
+                except Exception:
+                    log.exception("kvpool hub: loop iteration failed")
+                    time.sleep(0.05)
+        finally:
+            self._close()
+
+    def _bad(self, where: str, why: str) -> None:
+        self.bad_messages += 1
+        if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:
+            log.warning(
+                "kvpool hub: dropped bad message #%d on %s: %s", self.bad_messages, where, why[:200]
+            )
+
+    # -- agents ------------------------------------------------------------------------------
+
+    def _recv_agents(self) -> None:
+        for _ in range(_MAX_FRAMES_PER_LOOP):
+            try:
+                frames = self.agents_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._bad("agents", f"{len(frames) - 1} frames, expected 1")
+                continue
+            rid, frame = frames
+            try:
+                msg = decode(frame)
+            except ProtocolError as e:
+                self._bad("agents", str(e))
+                continue
+            if isinstance(msg, Report):
+                self._on_report(rid, msg)
+            elif isinstance(msg, CommandReply):
+                self.seq_tracker.observe(msg.agent_id, msg.seq)
+                self._on_reply(msg)
+            else:
+                self._bad("agents", f"unexpected {type(msg).__name__} from an agent")
+
+    def _on_report(self, rid: bytes, rep: Report) -> None:
+        st = rep.state
+        aid = st.source.agent_id
+        self.reports += 1
+        self.seq_tracker.observe(aid, rep.seq)
+        now_ms = time.time() * 1e3
+        with self._lock:
+            ag = self._agents.get(aid)
+            if ag is None:
+                ag = self._agents[aid] = _Agent(state=st, last_seen_ms=now_ms, routing_id=rid)
+            if rep.kind == "snapshot":
+                ag.errors.clear()
+            ag.errors.extend(st.recent_errors)
+            st.recent_errors = list(ag.errors)
+            ag.state = st
+            ag.last_seen_ms = now_ms
+            ag.routing_id = rid
+        self._dirty.add(aid)
+
+    # -- consoles ----------------------------------------------------------------------------
+
+    def _recv_subscriptions(self) -> None:
+        for _ in range(_MAX_FRAMES_PER_LOOP):
+            try:
+                frame = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frame[:1] == b"\x01":
+                self._want_snapshot = True
+
+    def _publish(self, kind: str) -> None:
+        with self._lock:
+            ids = sorted(self._agents) if kind == "snapshot" else sorted(self._dirty)
+            states = [self._agents[i].state for i in ids if i in self._agents]
+            seen = {i: self._agents[i].last_seen_ms for i in ids if i in self._agents}
+        self._dirty.clear()
+        gaps = dict(self.seq_tracker.gaps)
+        # An empty snapshot still goes out: it tells a console the hub is alive.
+        chunks = [
+            states[i : i + ENGINES_PER_UPDATE] for i in range(0, len(states), ENGINES_PER_UPDATE)
+        ]
+        for chunk in chunks or [[]]:
+            self._pub_seq += 1
+            ids_in = {s.source.agent_id for s in chunk}
+            upd = FleetUpdate(
+                v=PROTOCOL_VERSION,
+                seq=self._pub_seq,
+                kind="snapshot" if kind == "snapshot" else "delta",
+                ts_ms=time.time() * 1e3,
+                engines=chunk,
+                last_seen_ms={k: v for k, v in seen.items() if k in ids_in},
+                report_gaps={k: v for k, v in gaps.items() if k in ids_in},
+            )
+            try:
+                self.pub.send(encode(upd), zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("kvpool hub: publish dropped (no room)")
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def _recv_commands(self, sock: zmq.Socket[bytes], *, curve: bool) -> None:
+        where = "curve" if curve else "commands"
+        for _ in range(_MAX_FRAMES_PER_LOOP):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._bad(where, f"{len(frames) - 1} frames, expected 1")
+                continue
+            client, frame = frames[0].bytes, frames[1]
+            try:
+                msg = decode(frame.bytes)
+            except ProtocolError as e:
+                self._bad(where, str(e))
+                continue
+            if not isinstance(msg, CommandRequest):
+                self._bad(where, f"unexpected {type(msg).__name__} from a console")
+                continue
+            if curve:
+                try:
+                    user = frame.get("User-Id")
+                except zmq.ZMQError:
+                    user = "?"
+                who = f"key:{user}" + (f" ({msg.sender})" if msg.sender else "")
+            else:
+                who = f"plain:{msg.sender or 'anonymous'}"
+            self._on_command(sock, client, msg, who, curve=curve)
+
+    def _targets(self, req: CommandRequest) -> tuple[list[str], str | None]:
+        with self._lock:
+            if req.targets:
+                return list(dict.fromkeys(req.targets)), None
+            now_ms = time.time() * 1e3
+            live = {
+                k: a for k, a in self._agents.items() if now_ms - a.last_seen_ms < _LIVE_S * 1e3
+            }
+            if req.command != "flush":
+                return sorted(live), None if live else "no live agent connected to the hub"
+            fl = req.flush
+            if fl is not None and fl.scope == "engine":
+                if not fl.engine_id:
+                    return [], "flush scope 'engine' needs FlushArgs.engine_id or targets"
+                ids = [
+                    k
+                    for k, a in live.items()
+                    if a.state.source.engine_id == fl.engine_id
+                    and a.state.source.process_role == "worker"
+                ]
+                return sorted(
+                    ids
+                ), None if ids else f"no live worker agent of engine {fl.engine_id!r}"
+            # model/all scopes are pool-wide: one agent with a pool client does it once.
+            holders = [
+                (a.last_seen_ms, k)
+                for k, a in live.items()
+                if a.state.source.process_role in ("worker", "store")
+            ]
+            if not holders:
+                return [], "no live worker or store agent to run the flush"
+            return [max(holders)[1]], None
+
+    def _on_command(
+        self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str, *, curve: bool
+    ) -> None:
+        self.commands += 1
+        if req.command == "flush" and not curve and (req.flush is None or not req.flush.dry_run):
+            self.refused += 1
+            reply = self._hub_reply(req, UNAUTHORISED)
+            self._send_client(sock, client, [reply])
+            self._audit(who, req, [], [reply], refused=True)
+            return
+        targets, problem = self._targets(req)
+        if problem is not None:
+            reply = self._hub_reply(req, problem)
+            self._send_client(sock, client, [reply])
+            self._audit(who, req, targets, [reply])
+            return
+        internal = f"hub-{next(self._ids)}"
+        pend = _Pending(
+            sock=sock,
+            client=client,
+            req=req,
+            who=who,
+            deadline=time.monotonic() + max(req.timeout_ms, 1) / 1e3,
+            expected=targets,
+        )
+        self._pending[internal] = pend
+        fwd = msgspec.structs.replace(req, request_id=internal)
+        for aid in targets:
+            with self._lock:
+                ag = self._agents.get(aid)
+            if ag is None:
+                pend.replies[aid] = self._agent_error(req, aid, f"unknown agent {aid!r}")
+                continue
+            self._agent_seq += 1
+            fwd.seq = self._agent_seq
+            try:
+                self.agents_sock.send_multipart([ag.routing_id, encode(fwd)], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                pend.replies[aid] = self._agent_error(req, aid, f"agent unreachable: {e}")
+        self._maybe_finish(internal)
+
+    def _on_reply(self, rep: CommandReply) -> None:
+        pend = self._pending.get(rep.request_id)
+        if pend is None or rep.agent_id not in pend.expected:
+            return
+        pend.replies[rep.agent_id] = msgspec.structs.replace(rep, request_id=pend.req.request_id)
+        self._maybe_finish(rep.request_id)
+
+    def _expire(self, now: float) -> None:
+        for internal in [k for k, p in self._pending.items() if now >= p.deadline]:
+            pend = self._pending[internal]
+            for aid in pend.expected:
+                if aid not in pend.replies:
+                    pend.replies[aid] = self._agent_error(
+                        pend.req, aid, f"timeout after {pend.req.timeout_ms} ms"
+                    )
+            self._maybe_finish(internal)
+
+    def _maybe_finish(self, internal: str) -> None:
+        pend = self._pending.get(internal)
+        if pend is None or len(pend.replies) < len(pend.expected):
+            return
+        del self._pending[internal]
+        replies = [pend.replies[a] for a in pend.expected]
+        self._send_client(pend.sock, pend.client, replies)
+        self._audit(pend.who, pend.req, pend.expected, replies)
+
+    def _hub_reply(self, req: CommandRequest, error: str) -> CommandReply:
+        return self._agent_error(req, "hub", error)
+
+    def _agent_error(self, req: CommandRequest, agent_id: str, error: str) -> CommandReply:
+        return CommandReply(
+            v=PROTOCOL_VERSION,
+            seq=0,
+            request_id=req.request_id,
+            agent_id=agent_id,
+            ok=False,
+            error=error,
+        )
+
+    def _send_client(
+        self, sock: zmq.Socket[bytes], client: bytes, replies: list[CommandReply]
+    ) -> None:
+        try:
+            sock.send_multipart([client, *(encode(r) for r in replies)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("kvpool hub: reply to a console lost (%s)", e)
+
+    def _audit(
+        self,
+        who: str,
+        req: CommandRequest,
+        targets: list[str],
+        replies: list[CommandReply],
+        *,
+        refused: bool = False,
+    ) -> None:
+        results = []
+        for r in replies:
+            item: dict[str, object] = {"agent": r.agent_id, "ok": r.ok}
+            if r.error:
+                item["error"] = r.error
+            if r.flush is not None:
+                item["flush"] = msgspec.to_builtins(r.flush)
+            results.append(item)
+        line = {
+            "ts_ms": time.time() * 1e3,
+            "who": who,
+            "command": req.command,
+            "request_id": req.request_id,
+            "targets": targets,
+            "flush": msgspec.to_builtins(req.flush) if req.flush is not None else None,
+            "refused": refused,
+            "results": results,
+        }
+        if req.command == "flush" or refused:
+            log.warning("kvpool audit: %s", json.dumps(line))
+        else:
+            log.info("kvpool audit: %s", json.dumps(line))
+        if self.audit_file is not None:
+            try:
+                with open(self.audit_file, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(line) + "\n")
+            except OSError as e:
+                log.error("kvpool hub: cannot append to audit file %s: %s", self.audit_file, e)

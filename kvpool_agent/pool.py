@@ -1,0 +1,115 @@
+"""Pool usage and health from a Mooncake master's HTTP admin port.
+
+``mooncake_master --metrics_port=N`` serves Prometheus text on ``/metrics`` (``master_key_count``,
+``master_allocated_bytes``, ``master_total_capacity_bytes``, ``master_evicted_key_count``,
+``master_evicted_size_bytes`` and per segment ``segment_allocated_bytes{segment="host:port"}`` /
+``segment_total_capacity_bytes{...}``) and JSON on ``/health`` (``{"status": "ok", ...}``).
+The text is parsed with prometheus_client's parser, never by hand.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
+
+__all__ = ["fetch_mooncake_stats", "mooncake_master_health"]
+
+
+def fetch_mooncake_stats(
+    admin_url: str,
+    *,
+    client: httpx.Client | None = None,
+    high_watermark: float = 0.9,
+    lease_ttl_ms: int = 0,
+    timeout_s: float = 1.0,
+) -> PoolStats:
+    """Pool usage from ``{admin_url}/metrics`` and health from ``{admin_url}/health``.
+
+    Args:
+        admin_url: e.g. ``"http://127.0.0.1:9003"`` (the master's ``metrics_port``).
+        high_watermark: ``eviction_high_watermark_ratio`` the master runs with (not exported
+            by the master itself), copied into the result.
+        lease_ttl_ms: ``default_kv_lease_ttl`` in ms, copied into the result.
+
+    Returns:
+        ``PoolStats(backend="mooncake")``; never raises: when the master cannot be reached,
+        ``healthy`` is False and ``health_detail`` says why (sizes stay 0).
+    """
+    stats = PoolStats(backend="mooncake", high_watermark=high_watermark, lease_ttl_ms=lease_ttl_ms)
+    http = client or httpx.Client(timeout=timeout_s)
+    try:
+        text = http.get(f"{admin_url}/metrics", timeout=timeout_s).raise_for_status().text
+        segments: dict[str, SegmentUsage] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                value = int(s.value)
+                if s.name == "master_key_count":
+                    stats.keys = value
+                elif s.name == "master_allocated_bytes":
+                    stats.used_bytes = value
+                elif s.name == "master_total_capacity_bytes":
+                    stats.total_bytes = value
+                elif s.name == "master_evicted_key_count":
+                    stats.evicted_keys = value
+                elif s.name == "master_evicted_size_bytes":
+                    stats.evicted_bytes = value
+                elif s.name in ("segment_allocated_bytes", "segment_total_capacity_bytes"):
+                    name = s.labels.get("segment", "?")
+                    seg = segments.setdefault(
+                        name, SegmentUsage(name=name, used_bytes=0, total_bytes=0)
+                    )
+                    if s.name == "segment_allocated_bytes":
+                        seg.used_bytes = value
+                    else:
+                        seg.total_bytes = value
+        stats.segments = sorted(segments.values(), key=lambda g: g.name)
+        check = mooncake_master_health(admin_url, client=http, timeout_s=timeout_s)
+        stats.healthy = check.ok
+        stats.health_detail = check.detail
+    except (httpx.HTTPError, ValueError) as e:
+        stats.healthy = False
+        stats.health_detail = f"master admin {admin_url} unreachable: {e}"
+    finally:
+        if client is None:
+            http.close()
+    return stats
+
+
+def mooncake_master_health(
+    admin_url: str, *, client: httpx.Client | None = None, timeout_s: float = 1.0
+) -> HealthCheck:
+    """``GET {admin_url}/health`` as a ``HealthCheck`` named ``master`` with its latency (ms).
+    Never raises: an unreachable master is ``ok=False`` with the error in ``detail``."""
+    t0 = time.perf_counter()
+    try:
+        if client is None:
+            r = httpx.get(f"{admin_url}/health", timeout=timeout_s)
+        else:
+            r = client.get(f"{admin_url}/health", timeout=timeout_s)
+        ms = (time.perf_counter() - t0) * 1e3
+        if r.status_code != 200:
+            return HealthCheck(
+                name="master",
+                ok=False,
+                latency_ms=ms,
+                detail=f"HTTP {r.status_code}: {r.text[:200]}",
+            )
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        status = str(body.get("status", "ok")) if isinstance(body, dict) else "ok"
+        ready = body.get("service_ready", True) if isinstance(body, dict) else True
+        ok = status == "ok" and ready is not False
+        return HealthCheck(
+            name="master", ok=ok, latency_ms=ms, detail=f"{admin_url}/health: {r.text[:200]}"
+        )
+    except httpx.HTTPError as e:
+        ms = (time.perf_counter() - t0) * 1e3
+        return HealthCheck(
+            name="master", ok=False, latency_ms=ms, detail=f"{admin_url}/health unreachable: {e}"
+        )
