@@ -1,0 +1,438 @@
+"""The console's view model: fleet rows, totals and staleness from what ``FleetClient`` holds.
+
+Input is the merged fleet state (agent id -> latest ``EngineState``, agent id -> hub receive
+time in epoch ms). Agents are grouped by ``Source.engine_id``: the scheduler agent of an engine
+carries its lookups (hit rate, matched tokens), its worker agents carry loads/saves. The same
+rows feed the TUI tables and ``kvpool-console status --json``; nothing here touches Textual, so
+it is tested with plain structs and benchmarked on its own.
+
+Units: ``*_ms`` instants are wall-clock epoch milliseconds, ``age_ms`` spans in milliseconds,
+bytes are bytes, tokens are tokens, rates are fractions in [0, 1].
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import msgspec
+
+from kvpool_agent.protocol import EngineState, PoolStats
+from kvpool_console.alerts import SEVERITY_RANK, Alert
+
+__all__ = [
+    "SORT_KEYS",
+    "AgentRow",
+    "EngineRow",
+    "FleetModel",
+    "FleetView",
+    "PoolRow",
+    "Totals",
+    "build_view",
+    "fmt_age",
+    "fmt_bytes",
+    "fmt_lease",
+    "select_rows",
+]
+
+
+class AgentRow(msgspec.Struct, kw_only=True):
+    """One agent (scheduler or worker process) of an engine; shown when the engine is expanded."""
+
+    agent_id: str
+    process_role: str
+    ranks: str
+    pid: int
+    host: str
+    hit_rate: float
+    lookup_tokens: int
+    hit_tokens: int
+    loads_in_flight: int
+    saves_in_flight: int
+    load_errors: int
+    load_bytes_per_s: float
+    save_bytes_per_s: float
+    next_lease_expiry_ms: float | None
+    age_ms: float
+    stale: bool
+    cpu_percent: float
+    rss_bytes: int
+    dropped: int
+
+
+class EngineRow(msgspec.Struct, kw_only=True):
+    """One engine: its scheduler and workers merged.
+
+    ``hit_rate`` is pool hit tokens / looked-up prompt tokens since start (``hit_rate_1m``
+    over the last minute); ``loads_in_flight``/``saves_in_flight`` count distinct requests;
+    ``load_errors`` = failed + timed-out loads; ``segment_*`` is the pool the engine reports
+    (Mooncake master ``/metrics``), ``high_watermark`` its ``eviction_high_watermark_ratio``;
+    ``next_lease_expiry_ms`` the earliest lease expiry of its in-flight loads (``None`` when
+    none); ``stale`` once silent longer than the stale threshold, ``down`` past the down one.
+    ``severity`` is the worst active alert on this engine (``None`` when healthy).
+    """
+
+    engine_id: str
+    role: str
+    kv_role: str
+    ranks: str
+    backend: str
+    model: str
+    workers: int
+    hit_rate: float
+    hit_rate_1m: float
+    lookup_tokens: int
+    hit_tokens: int
+    loaded_tokens: int
+    lookups: int
+    lookup_errors: int
+    loads_in_flight: int
+    saves_in_flight: int
+    load_errors: int
+    loads_finished: int
+    save_errors: int
+    failed_after_hit: int
+    load_bytes_per_s: float
+    save_bytes_per_s: float
+    segment_used_bytes: int
+    segment_total_bytes: int
+    high_watermark: float
+    lease_ttl_ms: int
+    max_load_ms: float
+    next_lease_expiry_ms: float | None
+    last_report_ms: float
+    age_ms: float
+    stale: bool
+    down: bool
+    severity: str | None = None
+    agents: list[AgentRow] = msgspec.field(default_factory=list)
+
+
+class PoolRow(msgspec.Struct, kw_only=True):
+    """One pool (a store all engines share), deduplicated across the agents reporting it."""
+
+    name: str
+    backend: str
+    keys: int
+    used_bytes: int
+    total_bytes: int
+    evicted_keys: int
+    evicted_bytes: int
+    high_watermark: float
+    lease_ttl_ms: int
+    healthy: bool | None
+    health_detail: str
+    segments: list[tuple[str, int, int]]
+    reported_by: int
+
+
+class Totals(msgspec.Struct, kw_only=True):
+    """Fleet totals (the table's last row); pool bytes summed over distinct pools."""
+
+    engines: int
+    agents: int
+    stale: int
+    down: int
+    hit_rate: float
+    lookup_tokens: int
+    hit_tokens: int
+    loads_in_flight: int
+    saves_in_flight: int
+    load_errors: int
+    load_bytes_per_s: float
+    save_bytes_per_s: float
+    segment_used_bytes: int
+    segment_total_bytes: int
+
+
+class FleetView(msgspec.Struct, kw_only=True):
+    """Everything one console frame shows, as of ``now_ms``."""
+
+    now_ms: float
+    engines: list[EngineRow]
+    pools: list[PoolRow]
+    totals: Totals
+    alerts: list[Alert] = msgspec.field(default_factory=list)
+
+
+def _ranks(st: EngineState) -> str:
+    s = st.source
+    return f"dp{s.dp_rank}.tp{s.tp_rank}.pp{s.pp_rank}"
+
+
+def _pool_name(p: PoolStats, engine_id: str) -> str:
+    if p.segments:
+        return f"{p.backend}:" + ",".join(sorted(s.name for s in p.segments))
+    return f"{p.backend}:{engine_id}"
+
+
+def _in_flight(states: Iterable[EngineState], kind: str) -> int:
+    return len({t.req_id for st in states for t in st.in_flight if t.kind == kind})
+
+
+def _agent_row(st: EngineState, seen: float, now_ms: float, stale_after_ms: float) -> AgentRow:
+    leases = [t.lease_expires_ms for t in st.in_flight if t.lease_expires_ms is not None]
+    tr = st.transfers
+    return AgentRow(
+        agent_id=st.source.agent_id, process_role=st.source.process_role, ranks=_ranks(st),
+        pid=st.source.pid, host=st.source.host, hit_rate=st.lookup.hit_rate,
+        lookup_tokens=st.lookup.prompt_tokens, hit_tokens=st.lookup.pool_hit_tokens,
+        loads_in_flight=_in_flight([st], "load"), saves_in_flight=_in_flight([st], "save"),
+        load_errors=tr.loads_failed + tr.loads_timed_out,
+        load_bytes_per_s=tr.load_bytes_per_s, save_bytes_per_s=tr.save_bytes_per_s,
+        next_lease_expiry_ms=min(leases) if leases else None, age_ms=now_ms - seen,
+        stale=now_ms - seen > stale_after_ms, cpu_percent=st.process.cpu_percent,
+        rss_bytes=st.process.rss_bytes, dropped=st.process.dropped,
+    )
+
+
+def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[str, float],
+                now_ms: float, stale_after_ms: float, down_after_ms: float) -> EngineRow:
+    # Scheduler first, then workers by rank, so the expanded view reads top-down.
+    group.sort(key=lambda s: (s.source.process_role != "scheduler", s.source.dp_rank,
+                              s.source.pp_rank, s.source.tp_rank, s.source.agent_id))
+    head = group[0].source
+    seen = {s.source.agent_id: last_seen_ms.get(s.source.agent_id, s.ts_ms) for s in group}
+    last = max(seen.values())
+    prompt = sum(s.lookup.prompt_tokens for s in group)
+    hits = sum(s.lookup.pool_hit_tokens for s in group)
+    # hit_rate_1m is per agent; weight by since-start prompt tokens (only schedulers look up).
+    weighted = [(s.lookup.hit_rate_1m, s.lookup.prompt_tokens) for s in group
+                if s.lookup.prompt_tokens]
+    total_w = sum(w for _, w in weighted)
+    hit_1m = sum(r * w for r, w in weighted) / total_w if total_w else 0.0
+    pools = [s for s in group if s.pool is not None]
+    pool = max(pools, key=lambda s: s.ts_ms).pool if pools else None
+    leases = [t.lease_expires_ms for s in group for t in s.in_flight
+              if t.lease_expires_ms is not None]
+    workers = [s for s in group if s.source.process_role == "worker"]
+    dims = (len({s.source.dp_rank for s in workers}), len({s.source.tp_rank for s in workers}),
+            len({s.source.pp_rank for s in workers}))
+    ranks = f"dp{dims[0]} tp{dims[1]} pp{dims[2]}" if workers else "-"
+    age = now_ms - last
+    return EngineRow(
+        engine_id=engine_id, role=head.instance_role, kv_role=head.kv_role, ranks=ranks,
+        backend=head.backend, model=head.model, workers=len(workers),
+        hit_rate=hits / prompt if prompt else 0.0, hit_rate_1m=hit_1m,
+        lookup_tokens=prompt, hit_tokens=hits,
+        loaded_tokens=sum(s.lookup.loaded_tokens for s in group),
+        lookups=sum(s.lookup.lookups for s in group),
+        lookup_errors=sum(s.lookup.lookup_errors for s in group),
+        loads_in_flight=_in_flight(group, "load"), saves_in_flight=_in_flight(group, "save"),
+        load_errors=sum(s.transfers.loads_failed + s.transfers.loads_timed_out for s in group),
+        loads_finished=sum(s.transfers.loads_finished for s in group),
+        save_errors=sum(s.transfers.saves_failed for s in group),
+        failed_after_hit=sum(s.transfers.failed_after_hit for s in group),
+        load_bytes_per_s=sum(s.transfers.load_bytes_per_s for s in group),
+        save_bytes_per_s=sum(s.transfers.save_bytes_per_s for s in group),
+        segment_used_bytes=pool.used_bytes if pool else 0,
+        segment_total_bytes=pool.total_bytes if pool else 0,
+        high_watermark=pool.high_watermark if pool else 0.0,
+        lease_ttl_ms=pool.lease_ttl_ms if pool else 0,
+        max_load_ms=max(s.transfers.max_load_ms for s in group),
+        next_lease_expiry_ms=min(leases) if leases else None,
+        last_report_ms=last, age_ms=age, stale=age > stale_after_ms, down=age > down_after_ms,
+        agents=[_agent_row(s, seen[s.source.agent_id], now_ms, stale_after_ms) for s in group],
+    )
+
+
+def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
+    newest: dict[str, tuple[EngineState, int]] = {}
+    for st in states:
+        if st.pool is None:
+            continue
+        name = _pool_name(st.pool, st.source.engine_id)
+        prev = newest.get(name)
+        n = prev[1] + 1 if prev else 1
+        newest[name] = (st, n) if prev is None or st.ts_ms > prev[0].ts_ms else (prev[0], n)
+    out = []
+    for name, (st, n) in sorted(newest.items()):
+        p = st.pool
+        assert p is not None
+        out.append(PoolRow(
+            name=name, backend=p.backend, keys=p.keys, used_bytes=p.used_bytes,
+            total_bytes=p.total_bytes, evicted_keys=p.evicted_keys,
+            evicted_bytes=p.evicted_bytes, high_watermark=p.high_watermark,
+            lease_ttl_ms=p.lease_ttl_ms, healthy=p.healthy, health_detail=p.health_detail,
+            segments=[(s.name, s.used_bytes, s.total_bytes) for s in p.segments],
+            reported_by=n))
+    return out
+
+
+def build_view(
+    states: Mapping[str, EngineState],
+    last_seen_ms: Mapping[str, float],
+    now_ms: float,
+    *,
+    alerts: list[Alert] | None = None,
+    stale_after_ms: float = 5_000.0,
+    down_after_ms: float = 30_000.0,
+) -> FleetView:
+    """Group agents into engine rows, deduplicate pools and total the fleet.
+
+    Args:
+        states: agent id -> latest EngineState.
+        last_seen_ms: agent id -> hub receive time (epoch ms); missing -> ``EngineState.ts_ms``.
+        now_ms: the frame's wall clock (epoch ms); tests freeze it for stable snapshots.
+        alerts: active alerts (``kvpool_console.alerts``); each engine row gets the worst
+            severity among alerts whose subject is its engine id.
+        stale_after_ms, down_after_ms: silence thresholds for ``stale`` and ``down``.
+
+    Returns:
+        A FleetView with engines sorted by engine id.
+    """
+    groups: dict[str, list[EngineState]] = {}
+    for st in states.values():
+        groups.setdefault(st.source.engine_id, []).append(st)
+    rows = [_engine_row(eid, groups[eid], last_seen_ms, now_ms, stale_after_ms, down_after_ms)
+            for eid in sorted(groups)]
+    worst: dict[str, str] = {}
+    for a in alerts or []:
+        cur = worst.get(a.subject)
+        if cur is None or SEVERITY_RANK[a.severity] > SEVERITY_RANK[cur]:
+            worst[a.subject] = a.severity
+    for r in rows:
+        r.severity = worst.get(r.engine_id)
+    pools = _pools(states.values())
+    prompt = sum(r.lookup_tokens for r in rows)
+    hits = sum(r.hit_tokens for r in rows)
+    totals = Totals(
+        engines=len(rows), agents=len(states), stale=sum(r.stale and not r.down for r in rows),
+        down=sum(r.down for r in rows), hit_rate=hits / prompt if prompt else 0.0,
+        lookup_tokens=prompt, hit_tokens=hits,
+        loads_in_flight=sum(r.loads_in_flight for r in rows),
+        saves_in_flight=sum(r.saves_in_flight for r in rows),
+        load_errors=sum(r.load_errors for r in rows),
+        load_bytes_per_s=sum(r.load_bytes_per_s for r in rows),
+        save_bytes_per_s=sum(r.save_bytes_per_s for r in rows),
+        segment_used_bytes=sum(p.used_bytes for p in pools),
+        segment_total_bytes=sum(p.total_bytes for p in pools),
+    )
+    return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals,
+                     alerts=list(alerts or []))
+
+
+SortKey = Literal["engine", "role", "hit", "tokens", "loads", "errors", "usage", "lease", "age"]
+SORT_KEYS: tuple[SortKey, ...] = (
+    "engine", "role", "hit", "tokens", "loads", "errors", "usage", "lease", "age")
+"""Sort keys the fleet table cycles through (``s``), in that order."""
+
+
+def _sort_value(r: EngineRow, key: str) -> tuple[float | str, str]:
+    v: float | str
+    if key == "role":
+        v = r.role
+    elif key == "hit":
+        v = r.hit_rate
+    elif key == "tokens":
+        v = r.lookup_tokens
+    elif key == "loads":
+        v = r.loads_in_flight + r.saves_in_flight
+    elif key == "errors":
+        v = r.load_errors + r.lookup_errors
+    elif key == "usage":
+        v = r.segment_used_bytes / r.segment_total_bytes if r.segment_total_bytes else 0.0
+    elif key == "lease":
+        v = r.next_lease_expiry_ms if r.next_lease_expiry_ms is not None else float("inf")
+    elif key == "age":
+        v = r.age_ms
+    else:
+        v = r.engine_id
+    return v, r.engine_id
+
+
+def select_rows(rows: list[EngineRow], *, text: str = "", faults_only: bool = False,
+                sort: str = "engine", reverse: bool = False) -> list[EngineRow]:
+    """Filter and sort engine rows for display.
+
+    ``text`` matches case-insensitively as a substring of engine id, role, kv_role, backend,
+    model or any agent id; ``faults_only`` keeps stale/down rows and rows with an alert;
+    ``sort`` is one of ``SORT_KEYS`` (ties broken by engine id).
+
+    Raises:
+        ValueError: ``sort`` is not one of ``SORT_KEYS``.
+    """
+    if sort not in SORT_KEYS:
+        raise ValueError(f"sort: {sort!r} is not one of {', '.join(SORT_KEYS)}")
+    needle = text.strip().lower()
+    out = []
+    for r in rows:
+        if faults_only and not (r.stale or r.severity is not None):
+            continue
+        if needle:
+            hay = " ".join([r.engine_id, r.role, r.kv_role, r.backend, r.model,
+                            *(a.agent_id for a in r.agents)]).lower()
+            if needle not in hay:
+                continue
+        out.append(r)
+    out.sort(key=lambda r: _sort_value(r, sort), reverse=reverse)
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5K"``: binary units, 3 significant characters, for narrow columns."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 100 else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
+def fmt_age(ms: float) -> str:
+    """Report age: ``"0.4s"``, ``"12s"``, ``"3m"``, ``"2h"``."""
+    s = max(ms, 0.0) / 1e3
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.0f}h"
+
+
+def fmt_lease(expiry_ms: float | None, now_ms: float) -> str:
+    """Time left before the earliest lease expires: ``"4.2s"``, ``"EXPIRED"`` or ``"-"``."""
+    if expiry_ms is None:
+        return "-"
+    left = expiry_ms - now_ms
+    return "EXPIRED" if left <= 0 else f"{left / 1e3:.1f}s"
+
+
+class FleetModel:
+    """Current fleet state plus short histories for trends (sparklines).
+
+    ``sample`` is called once per console refresh with the client's merged state; it rebuilds
+    the view and appends each engine's ``hit_rate_1m`` and load+save throughput (bytes/s) to
+    ring buffers of ``history`` samples, and the fleet hit rate to ``fleet_hit_history``.
+
+    Args:
+        history: samples kept per engine (at 1 s refresh: the last ``history`` seconds).
+        stale_after_ms, down_after_ms: silence thresholds passed to :func:`build_view`.
+    """
+
+    def __init__(self, history: int = 60, *, stale_after_ms: float = 5_000.0,
+                 down_after_ms: float = 30_000.0) -> None:
+        self.history = history
+        self.stale_after_ms = stale_after_ms
+        self.down_after_ms = down_after_ms
+        self.hit_history: dict[str, deque[float]] = {}
+        self.throughput_history: dict[str, deque[float]] = {}
+        self.fleet_hit_history: deque[float] = deque(maxlen=history)
+        self.view: FleetView | None = None
+
+    def sample(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
+               now_ms: float, alerts: list[Alert] | None = None) -> FleetView:
+        """Build the view for ``now_ms`` and extend the histories; returns the view."""
+        view = build_view(states, last_seen_ms, now_ms, alerts=alerts,
+                          stale_after_ms=self.stale_after_ms, down_after_ms=self.down_after_ms)
+        for r in view.engines:
+            if r.stale:
+                continue
+            self.hit_history.setdefault(r.engine_id, deque(maxlen=self.history)).append(
+                r.hit_rate_1m)
+            self.throughput_history.setdefault(r.engine_id, deque(maxlen=self.history)).append(
+                r.load_bytes_per_s + r.save_bytes_per_s)
+        self.fleet_hit_history.append(view.totals.hit_rate)
+        self.view = view
+        return view

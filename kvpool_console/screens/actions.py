@@ -1,0 +1,247 @@
+"""Action modals: health check results and the flush flow (scope -> dry run -> confirm -> result).
+
+Commands run in a Textual thread worker so the UI keeps refreshing while agents answer; results
+are shown in the modal that asked for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Checkbox, DataTable, Label, RadioButton, RadioSet, Static
+
+from kvpool_agent.protocol import CommandReply, FlushArgs, FlushResult
+from kvpool_console.model import fmt_bytes
+
+__all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen", "sum_flush"]
+
+
+class HealthScreen(ModalScreen[None]):
+    """Runs ``run()`` (a health command) and shows one row per agent and check.
+
+    Args:
+        title: what was checked (``"health: engine e1"``).
+        run: sends the command, returns the replies; may raise (shown as the error).
+    """
+
+    BINDINGS = [Binding("escape,q", "close", "Close")]
+
+    def __init__(self, title: str, run: Callable[[], list[CommandReply]]) -> None:
+        super().__init__()
+        self._title = title
+        self._run = run
+        self.replies: list[CommandReply] | None = None
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self._title, classes="dialog-title")
+            yield Static("running…", id="health-status")
+            yield DataTable(id="health-table", cursor_type="row")
+            yield Button("Close", id="close")
+
+    def on_mount(self) -> None:
+        self.query_one("#health-table", DataTable).add_columns(
+            "Agent", "Check", "OK", "ms", "Detail")
+        self._go()
+
+    @work(thread=True, exclusive=True)
+    def _go(self) -> None:
+        try:
+            replies = self._run()
+        except Exception as e:  # a failed command is a result to show, not a crash
+            self.app.call_from_thread(self._show_error, f"{type(e).__name__}: {e}")
+            return
+        self.app.call_from_thread(self._show, replies)
+
+    def _show_error(self, msg: str) -> None:
+        self.query_one("#health-status", Static).update(Text(msg, style="bold red"))
+
+    def _show(self, replies: list[CommandReply]) -> None:
+        self.replies = replies
+        table = self.query_one("#health-table", DataTable)
+        bad = 0
+        for r in sorted(replies, key=lambda r: r.agent_id):
+            if not r.ok or r.health is None:
+                bad += 1
+                table.add_row(r.agent_id, "-", Text("FAIL", style="bold red"), "",
+                              r.error or "no health result")
+                continue
+            for c in r.health.checks:
+                bad += not c.ok
+                table.add_row(r.agent_id, c.name,
+                              Text("ok", style="green") if c.ok else Text("FAIL", style="bold red"),
+                              f"{c.latency_ms:.1f}",
+                              c.detail + (f" (code {c.code})" if c.code is not None else ""))
+        verdict = "all checks passed" if not bad else f"{bad} checks failed"
+        self.query_one("#health-status", Static).update(
+            Text(f"{len(replies)} agents answered: {verdict}",
+                 style="green" if not bad and replies else "bold red"))
+
+    @on(Button.Pressed, "#close")
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+def sum_flush(replies: list[CommandReply]) -> tuple[FlushResult | None, list[str]]:
+    """Add up the flush results of ``replies``; also return the errors as ``agent: error``."""
+    results = [r.flush for r in replies if r.ok and r.flush is not None]
+    errors = [f"{r.agent_id}: {r.error or 'no flush result'}" for r in replies
+              if not r.ok or r.flush is None]
+    if not results:
+        return None, errors
+    return FlushResult(dry_run=all(x.dry_run for x in results),
+                       keys=sum(x.keys for x in results), bytes=sum(x.bytes for x in results),
+                       removed_keys=sum(x.removed_keys for x in results),
+                       skipped_leased=sum(x.skipped_leased for x in results)), errors
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Yes/no confirmation; dismisses with True only on "Yes" (or ``y``)."""
+
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self._question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self._question, id="question")
+            with Horizontal(classes="buttons"):
+                yield Button("Yes, remove", variant="error", id="yes")
+                yield Button("No", variant="primary", id="no")
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class FlushScreen(ModalScreen[FlushResult | None]):
+    """Flush flow: pick the scope, see the dry-run count, confirm, see what was removed.
+
+    Args:
+        engine_id, model: the selected engine and its model (scopes ``engine``/``model``);
+            ``None`` hides the scopes that need them.
+        run: sends one flush with the given args, returns the replies.
+
+    Dismisses with the final (non-dry-run) FlushResult, or None when cancelled.
+    """
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("d", "dry_run", "Dry run")]
+
+    def __init__(self, engine_id: str | None, model: str | None,
+                 run: Callable[[FlushArgs], list[CommandReply]]) -> None:
+        super().__init__()
+        self.engine_id = engine_id
+        self.model = model
+        self._run = run
+        self.dry: FlushResult | None = None
+        self.result: FlushResult | None = None
+
+    def _scopes(self) -> list[tuple[str, str]]:
+        out = []
+        if self.model:
+            out.append(("model", f"model {self.model}"))
+        if self.engine_id:
+            out.append(("engine", f"engine {self.engine_id}"))
+        out.append(("all", "all kvpool keys"))
+        return out
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Flush pool entries", classes="dialog-title")
+            with RadioSet(id="scope"):
+                for i, (key, label) in enumerate(self._scopes()):
+                    yield RadioButton(label, value=i == 0, name=key)
+            yield Checkbox("force (also remove leased entries)", id="force")
+            yield Static("press Dry run to count what the scope holds", id="flush-status")
+            with Horizontal(classes="buttons"):
+                yield Button("Dry run", id="dry")
+                yield Button("Flush…", variant="error", id="go", disabled=True)
+                yield Button("Cancel", id="cancel")
+
+    def args(self, *, dry_run: bool) -> FlushArgs:
+        """The FlushArgs the current choices mean."""
+        pressed = self.query_one("#scope", RadioSet).pressed_button
+        scope = pressed.name if pressed is not None and pressed.name else "all"
+        return FlushArgs(scope=scope,  # type: ignore[arg-type]
+                         model=self.model if scope == "model" else None,
+                         engine_id=self.engine_id if scope == "engine" else None,
+                         dry_run=dry_run, force=self.query_one("#force", Checkbox).value)
+
+    def _status(self, text: str, style: str = "") -> None:
+        self.query_one("#flush-status", Static).update(Text(text, style=style))
+
+    @on(RadioSet.Changed)
+    @on(Checkbox.Changed)
+    def _choice_changed(self) -> None:
+        # A dry-run count only vouches for the scope it was made for.
+        self.dry = None
+        self.query_one("#go", Button).disabled = True
+        self._status("press Dry run to count what the scope holds")
+
+    @on(Button.Pressed, "#dry")
+    def action_dry_run(self) -> None:
+        self._status("dry run…")
+        self._call(self.args(dry_run=True))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(self.result)
+
+    @on(Button.Pressed, "#go")
+    def _go(self) -> None:
+        if self.dry is None:
+            return
+        a = self.args(dry_run=False)
+        what = {"model": f"model {a.model}", "engine": f"engine {a.engine_id}",
+                "all": "ALL kvpool keys"}[a.scope]
+        question = (f"Remove {self.dry.keys} keys ({fmt_bytes(self.dry.bytes)}) of {what}?"
+                    + (" Leased entries too (force)." if a.force else ""))
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._status("flushing…")
+                self._call(a)
+            else:
+                self._status("not flushed")
+
+        self.app.push_screen(ConfirmScreen(question), answered)
+
+    @work(thread=True, exclusive=True)
+    def _call(self, args: FlushArgs) -> None:
+        try:
+            replies = self._run(args)
+        except Exception as e:  # shown in place: e.g. read-only console, hub unreachable
+            self.app.call_from_thread(self._status, f"{type(e).__name__}: {e}", "bold red")
+            return
+        self.app.call_from_thread(self._show, args, replies)
+
+    def _show(self, args: FlushArgs, replies: list[CommandReply]) -> None:
+        total, errors = sum_flush(replies)
+        err = ("; errors: " + "; ".join(errors)) if errors else ""
+        if total is None:
+            self._status(f"flush failed{err}", "bold red")
+            return
+        if args.dry_run:
+            self.dry = total
+            self.query_one("#go", Button).disabled = total.keys == 0
+            self._status(f"dry run: would remove {total.keys} keys ({fmt_bytes(total.bytes)}), "
+                         f"{total.skipped_leased} leased would be skipped{err}",
+                         "yellow" if errors else "")
+        else:
+            self.result = total
+            self.dry = None
+            self.query_one("#go", Button).disabled = True
+            self._status(f"removed {total.removed_keys} of {total.keys} keys "
+                         f"({fmt_bytes(total.bytes)}), {total.skipped_leased} leased "
+                         f"skipped{err}", "bold green" if not errors else "bold yellow")

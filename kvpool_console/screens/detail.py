@@ -1,0 +1,106 @@
+"""Engine detail screen: trends, in-flight layer-wise loads and recent errors with hints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
+
+from kvpool_agent.protocol import EngineState
+from kvpool_connector.errors import HINTS
+from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
+
+__all__ = ["EngineDetailScreen", "layer_bar"]
+
+
+def layer_bar(done: int, total: int, width: int = 10) -> str:
+    """``12/32 ███░░░░░░░``: layer-wise load progress; ``-`` when not layer-wise."""
+    if total <= 0:
+        return "-"
+    filled = round(width * min(done, total) / total)
+    return f"{done}/{total} " + "█" * filled + "░" * (width - filled)
+
+
+class EngineDetailScreen(Screen[None]):
+    """Everything about one engine. ``update_from`` is called by the app on each refresh.
+
+    Args:
+        engine_id: the engine shown.
+    """
+
+    BINDINGS = [Binding("escape,backspace", "app.pop_screen", "Back")]
+
+    def __init__(self, engine_id: str) -> None:
+        super().__init__()
+        self.engine_id = engine_id
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(id="detail-summary")
+        with Horizontal(id="detail-sparks"):
+            with Vertical():
+                yield Label("hit rate (1 min)", id="hit-label")
+                yield Sparkline([], id="hit-spark")
+            with Vertical():
+                yield Label("throughput", id="tp-label")
+                yield Sparkline([], id="tp-spark")
+        yield Label("In-flight transfers", classes="section")
+        yield DataTable(id="inflight", cursor_type="row")
+        yield Label("Recent errors", classes="section")
+        yield DataTable(id="errors", cursor_type="row")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = f"engine {self.engine_id}"
+        t = self.query_one("#inflight", DataTable)
+        t.add_columns("Request", "Kind", "Agent", "Blocks", "Bytes", "Layers", "Lease", "Age")
+        e = self.query_one("#errors", DataTable)
+        e.add_columns("Age", "Where", "Error", "Hint", "Message", "Agent")
+
+    def update_from(self, row: EngineRow | None, states: Mapping[str, EngineState],
+                    hit_history: Sequence[float], tp_history: Sequence[float],
+                    now_ms: float) -> None:
+        """Redraw from the latest view ``row`` and the raw agent ``states`` of this engine."""
+        summary = self.query_one("#detail-summary", Static)
+        if row is None:
+            summary.update(Text(f"{self.engine_id}: no longer reported", style="red"))
+            return
+        state = "DOWN" if row.down else "STALE" if row.stale else (row.severity or "ok").upper()
+        summary.update(
+            f"[b]{row.engine_id}[/b] {row.role}/{row.kv_role} {row.ranks} {row.backend} "
+            f"model={row.model or '-'} [b]{state}[/b]\n"
+            f"hit {row.hit_rate:.1%} (1m {row.hit_rate_1m:.1%}) of {row.lookup_tokens} tok, "
+            f"loaded {row.loaded_tokens} tok; lookups {row.lookups} errors {row.lookup_errors}; "
+            f"loads ok {row.loads_finished} failed {row.load_errors} "
+            f"(after hit {row.failed_after_hit}); max load {row.max_load_ms:.0f} ms, "
+            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago")
+        self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
+        self.query_one("#hit-label", Label).update(
+            f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")
+        self.query_one("#tp-spark", Sparkline).data = list(tp_history) or [0.0]
+        self.query_one("#tp-label", Label).update(
+            f"load+save: {fmt_bytes(tp_history[-1])}/s" if tp_history else "load+save")
+        mine = sorted((s for s in states.values() if s.source.engine_id == self.engine_id),
+                      key=lambda s: s.source.agent_id)
+        t = self.query_one("#inflight", DataTable)
+        t.clear()
+        for s in mine:
+            for tr in sorted(s.in_flight, key=lambda x: x.started_ms):
+                t.add_row(tr.req_id, tr.kind, s.source.agent_id.rsplit("/", 1)[-1],
+                          str(tr.blocks), fmt_bytes(tr.bytes),
+                          layer_bar(tr.layers_done, tr.layers_total),
+                          fmt_lease(tr.lease_expires_ms, now_ms),
+                          fmt_age(now_ms - tr.started_ms))
+        e = self.query_one("#errors", DataTable)
+        e.clear()
+        errs = sorted(((err, s.source.agent_id) for s in mine for err in s.recent_errors),
+                      key=lambda x: -x[0].ts_ms)
+        for err, agent in errs[:50]:
+            e.add_row(fmt_age(now_ms - err.ts_ms), err.where,
+                      Text(err.name, style="bold red"), HINTS.get(err.name, ""), err.message,
+                      agent)

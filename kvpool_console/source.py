@@ -1,0 +1,135 @@
+"""Where the console's data comes from: the interface the TUI and the one-shot modes use.
+
+:class:`ClientSource` wraps ``kvpool_agent.client.FleetClient`` (the hub's PUB feed for state,
+its command ports for actions). :class:`StaticSource` serves a fixed fleet, used to render a
+recorded state (snapshot tests, ``status`` of a saved dump) with a frozen clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandName,
+    CommandReply,
+    EngineState,
+    FlushArgs,
+)
+
+__all__ = ["ClientSource", "FleetSource", "ReadOnlyError", "StaticSource", "now_ms"]
+
+
+class ReadOnlyError(PermissionError):
+    """A data-changing command was asked of a console started without the operator key."""
+
+
+class FleetSource(Protocol):
+    """What the console needs from a fleet.
+
+    ``address`` names it for the header; ``can_flush`` is true only with the operator key.
+    ``fleet()`` returns (agent id -> latest EngineState, agent id -> hub receive time, epoch
+    ms). ``command`` sends one command and returns one reply per answering agent.
+    """
+
+    address: str
+    can_flush: bool
+
+    def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]: ...
+
+    def command(self, command: CommandName, *, targets: list[str] | None = None,
+                flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
+        ...
+
+    def close(self) -> None: ...
+
+
+class StaticSource:
+    """A fixed fleet: ``states`` and ``last_seen_ms`` as given; commands are refused.
+
+    Args:
+        states: agent id -> EngineState.
+        last_seen_ms: agent id -> receive time, epoch ms (default: each state's ``ts_ms``).
+        address: shown in the header.
+    """
+
+    can_flush = False
+
+    def __init__(self, states: Mapping[str, EngineState],
+                 last_seen_ms: Mapping[str, float] | None = None,
+                 address: str = "static") -> None:
+        self.address = address
+        self._states = dict(states)
+        self._seen = dict(last_seen_ms) if last_seen_ms is not None else {
+            k: s.ts_ms for k, s in states.items()}
+
+    def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]:
+        return self._states, self._seen
+
+    def command(self, command: CommandName, *, targets: list[str] | None = None,
+                flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
+        """Every agent answers ``ok=False``: a recorded fleet cannot run commands."""
+        return [CommandReply(v=PROTOCOL_VERSION, seq=0, request_id="static", agent_id=a,
+                             ok=False, error="static fleet: no live agents")
+                for a in (targets or list(self._states))]
+
+    def close(self) -> None:
+        return None
+
+
+class ClientSource:
+    """The live fleet through ``kvpool_agent.client.FleetClient``.
+
+    Args:
+        hub_address: the hub's agent address ``tcp://host:P`` (the client derives P+1..P+3).
+        keys_dir: directory with the operator's CURVE key pair (``kvpool-agent keygen``);
+            ``None`` -> read-only: flush is refused before anything is sent.
+        sender: operator name recorded in the hub's audit log.
+    """
+
+    def __init__(self, hub_address: str, *, keys_dir: str | None = None,
+                 sender: str = "") -> None:
+        from kvpool_agent.client import FleetClient
+
+        self.address = hub_address
+        self.sender = sender or f"{os.environ.get('USER', 'operator')}@kvpool-console"
+        self.client = FleetClient(hub_address, keys_dir=keys_dir)
+        self.can_flush = self.client.authorised
+
+    def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]:
+        entries = self.client.fleet()
+        return ({k: e.state for k, e in entries.items()},
+                {k: e.last_seen_ms for k, e in entries.items()})
+
+    def wait_ready(self, timeout_s: float = 3.0) -> bool:
+        """Block until the hub's first full snapshot arrived (the hub sends one to every new
+        subscriber) or ``timeout_s`` passed; True if it arrived."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if any(u.kind == "snapshot" for u in self.client.updates(int(left * 1e3))):
+                return True
+        return False
+
+    def command(self, command: CommandName, *, targets: list[str] | None = None,
+                flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
+        """Send ``command`` to ``targets`` (empty: every agent able to run it; for a flush the
+        hub picks one agent per scope so counts are not multiplied).
+
+        Raises:
+            ReadOnlyError: a real (not dry-run) flush without the operator key.
+        """
+        if command == "flush" and flush is not None and not flush.dry_run and not self.can_flush:
+            raise ReadOnlyError("flush needs the operator key: start with --keys DIR")
+        return self.client.command(command, targets=targets or [], flush=flush,
+                                   timeout_ms=timeout_ms, sender=self.sender)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def now_ms() -> float:
+    """Wall clock, epoch milliseconds (the console's default clock)."""
+    return time.time() * 1e3

@@ -1,0 +1,206 @@
+"""The fleet table: Textual's DataTable with one row per engine, per agent when expanded.
+
+Updates are diffed against what is on screen: when the row order is unchanged only changed
+cells are rewritten (``update_cell``), which keeps a 2,000-agent fleet cheap to refresh and
+the cursor where the operator left it; otherwise the rows are rebuilt and the cursor is put
+back on the same engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from rich.text import Text
+from textual.widgets import DataTable
+
+from kvpool_console.alerts import EXPECTED_KV_ROLE
+from kvpool_console.model import (
+    AgentRow,
+    EngineRow,
+    Totals,
+    fmt_age,
+    fmt_bytes,
+    fmt_lease,
+)
+
+__all__ = ["COLUMNS", "TOTALS_KEY", "FleetTable", "trend"]
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("engine", "Engine"),
+    ("state", "State"),
+    ("role", "Role"),
+    ("hit", "Hit"),
+    ("trend", "Trend"),
+    ("tokens", "Hit/Looked tok"),
+    ("loads", "Ld"),
+    ("saves", "Sv"),
+    ("fail", "Fail"),
+    ("pool", "Pool/WM"),
+    ("lease", "Lease"),
+    ("age", "Age"),
+    ("kv_role", "KV role"),
+    ("ranks", "Ranks"),
+    ("backend", "Backend"),
+)
+"""(column key, header) in display order: what triage needs first fits in 80 columns."""
+
+TOTALS_KEY = "__totals__"
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def trend(values: Iterable[float], width: int = 8) -> str:
+    """The last ``width`` values in [0, 1] as block characters (a sparkline in one cell)."""
+    vals = list(values)[-width:]
+    return "".join(_BLOCKS[min(int(max(v, 0.0) * len(_BLOCKS)), len(_BLOCKS) - 1)] for v in vals)
+
+
+def _tokens(hit: int, looked: int) -> str:
+    def short(n: int) -> str:
+        for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+            if n >= div:
+                return f"{n / div:.1f}{unit}"
+        return str(n)
+
+    return f"{short(hit)}/{short(looked)}"
+
+
+def _state(r: EngineRow) -> Text:
+    if r.down:
+        return Text("DOWN", style="bold red")
+    if r.stale:
+        return Text("STALE", style="bold yellow")
+    if r.severity == "critical":
+        return Text("CRIT", style="bold red")
+    if r.severity == "warning":
+        return Text("WARN", style="yellow")
+    return Text("OK", style="green")
+
+
+def _pool(used: int, total: int, watermark: float) -> Text:
+    if not total:
+        return Text("-")
+    frac = used / total
+    style = "red" if frac > watermark else ("yellow" if frac > 0.9 * watermark else "")
+    return Text(f"{frac:.0%}/{watermark:.0%}", style=style)
+
+
+def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
+                  expanded: bool) -> list[Text | str]:
+    mark = "▾" if expanded else ("▸" if r.agents else " ")
+    dim = "dim" if r.stale else ""
+    return [
+        Text(f"{mark} {r.engine_id}", style=dim),
+        _state(r),
+        r.role,
+        f"{r.hit_rate:.0%}",
+        trend(history),
+        _tokens(r.hit_tokens, r.lookup_tokens),
+        str(r.loads_in_flight),
+        str(r.saves_in_flight),
+        Text(str(r.load_errors), style="red" if r.load_errors else ""),
+        _pool(r.segment_used_bytes, r.segment_total_bytes, r.high_watermark),
+        Text(fmt_lease(r.next_lease_expiry_ms, now_ms),
+             style="red" if r.next_lease_expiry_ms is not None
+             and r.next_lease_expiry_ms <= now_ms else ""),
+        Text(fmt_age(r.age_ms), style="yellow" if r.stale else ""),
+        Text(r.kv_role, style="red" if EXPECTED_KV_ROLE.get(r.role, r.kv_role) != r.kv_role
+             else ""),
+        r.ranks,
+        r.backend,
+    ]
+
+
+def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> list[Text | str]:
+    dim = "dim" if a.stale else ""
+    return [
+        Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}", style=dim),
+        Text("STALE", style="yellow") if a.stale else "",
+        a.process_role,
+        f"{a.hit_rate:.0%}" if a.lookup_tokens else "",
+        "",
+        _tokens(a.hit_tokens, a.lookup_tokens) if a.lookup_tokens else "",
+        str(a.loads_in_flight),
+        str(a.saves_in_flight),
+        Text(str(a.load_errors), style="red" if a.load_errors else ""),
+        f"{a.cpu_percent:.0f}%cpu",
+        fmt_lease(a.next_lease_expiry_ms, now_ms),
+        fmt_age(a.age_ms),
+        f"pid {a.pid}",
+        a.ranks,
+        fmt_bytes(a.rss_bytes),
+    ]
+
+
+def _totals_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
+    used = f"{fmt_bytes(t.segment_used_bytes)}/{fmt_bytes(t.segment_total_bytes)}" \
+        if t.segment_total_bytes else "-"
+    health = f"{t.stale}st {t.down}dn" if t.stale or t.down else "ok"
+    return [
+        Text(f"Σ {t.engines} engines", style="bold"),
+        Text(health, style="bold"),
+        f"{t.agents}ag",
+        Text(f"{t.hit_rate:.0%}", style="bold"),
+        trend(history),
+        _tokens(t.hit_tokens, t.lookup_tokens),
+        str(t.loads_in_flight),
+        str(t.saves_in_flight),
+        Text(str(t.load_errors), style="bold red" if t.load_errors else "bold"),
+        used,
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
+
+
+class FleetTable(DataTable[Text | str]):
+    """DataTable of engines (``e:<engine_id>`` row keys), expanded agents (``a:<agent_id>``)
+    and the totals row (``__totals__``)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
+                         **kwargs)  # type: ignore[arg-type]
+        self._keys: list[str] = []
+        self._cells: dict[str, list[Text | str]] = {}
+
+    def on_mount(self) -> None:
+        for key, label in COLUMNS:
+            self.add_column(label, key=key)
+
+    @property
+    def selected_key(self) -> str | None:
+        """Row key under the cursor (``e:...``, ``a:...``, ``__totals__``) or None if empty."""
+        if not self._keys or self.cursor_row >= len(self._keys) or self.cursor_row < 0:
+            return None
+        return self._keys[self.cursor_row]
+
+    def show(self, rows: list[EngineRow], totals: Totals, *, now_ms: float,
+             expanded: set[str], hit_history: Mapping[str, Sequence[float]],
+             fleet_history: Sequence[float]) -> None:
+        """Display ``rows`` (already filtered and sorted) followed by the totals row."""
+        wanted: list[tuple[str, list[Text | str]]] = []
+        for r in rows:
+            is_open = r.engine_id in expanded
+            wanted.append((f"e:{r.engine_id}",
+                           _engine_cells(r, now_ms, hit_history.get(r.engine_id, ()), is_open)))
+            if is_open:
+                wanted.extend((f"a:{a.agent_id}", _agent_cells(a, r, now_ms)) for a in r.agents)
+        wanted.append((TOTALS_KEY, _totals_cells(totals, fleet_history)))
+        keys = [k for k, _ in wanted]
+        if keys == self._keys:
+            for key, cells in wanted:
+                old = self._cells[key]
+                for i, (cell, prev) in enumerate(zip(cells, old, strict=True)):
+                    if cell != prev:
+                        self.update_cell(key, COLUMNS[i][0], cell)
+                self._cells[key] = cells
+            return
+        selected = self.selected_key
+        self.clear()
+        for key, cells in wanted:
+            self.add_row(*cells, key=key)
+        self._keys = keys
+        self._cells = dict(wanted)
+        if selected in self._cells:
+            self.move_cursor(row=keys.index(selected), animate=False)
