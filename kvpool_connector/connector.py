@@ -1,0 +1,267 @@
+"""``KVPoolConnector``: the vLLM V1 KV connector class vLLM instantiates.
+
+vLLM builds one instance per role: ``KVConnectorRole.SCHEDULER`` in the scheduler process
+(delegates to ``KVPoolScheduler``) and ``KVConnectorRole.WORKER`` in every worker process
+(delegates to ``KVPoolWorker``; worker rank 0 also runs the ``LookupServer`` answering the
+scheduler's prefix queries). Each process starts its agent (``kvpool_agent.start_agent``) when
+the agent package provides it; its reporter receives the connector's events, and without an
+agent address every event is dropped at no cost.
+
+Select it with ``kv_transfer_config={"kv_connector": "KVPoolConnector",
+"kv_connector_module_path": "kvpool_connector", "kv_role": ..., "kv_connector_extra_config":
+{...}}``; the extra config fields are documented in ``kvpool_connector.config.KVPoolConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool_agent.protocol import DrainResult, Source
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.backends.base import Backend
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.keys import ParallelLayout
+from kvpool_connector.lookup import LookupClient, LookupServer
+from kvpool_connector.metadata import KVPoolConnectorMetadata
+from kvpool_connector.scheduler import KVPoolScheduler
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvpool_connector.worker import KVPoolWorker
+
+__all__ = ["KVPoolConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+def _group(name: str) -> tuple[int, int]:
+    """(rank, size) of this process in vLLM's parallel group ``name`` (``tp``, ``pcp``,
+    ``dcp``, ``pp``); (0, 1) when the group is not initialised (single process)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        group = getattr(parallel_state, f"get_{name}_group")()
+    except (AssertionError, AttributeError):
+        return 0, 1
+    return group.rank_in_group, group.world_size
+
+
+def _worker_layout(vllm_config: VllmConfig) -> tuple[ParallelLayout, dict[str, int]]:
+    """This worker's shard and the layout sizes ``KVPoolWorker`` needs for lookups.
+
+    MLA caches are identical on every TP rank, so all TP ranks share the ``tp0`` keys.
+    """
+    (tp, tp_size), (pcp, pcp_size) = _group("tp"), _group("pcp")
+    (dcp, dcp_size), (pp, pp_size) = _group("dcp"), _group("pp")
+    if vllm_config.model_config.use_mla:
+        tp, tp_size = 0, 1
+    layout = ParallelLayout(tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
+    return layout, {"tp_size": tp_size, "pcp_size": pcp_size, "dcp_size": dcp_size,
+                    "pp_size": pp_size}
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector backed by a shared pool (Mooncake Store, openYuanrong, MemCache).
+
+    Args:
+        vllm_config: the engine's ``VllmConfig``; ``kv_transfer_config`` selects this class.
+        role: ``KVConnectorRole.SCHEDULER`` or ``KVConnectorRole.WORKER``.
+        kv_cache_config: vLLM's KV-cache layout (block count, groups).
+
+    Raises:
+        ValueError: a ``kv_connector_extra_config`` field is invalid (the message names it).
+        BackendUnavailable: (worker role) the backend's package or service is missing.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        self.kv_config = KVPoolConfig.from_vllm_config(vllm_config)
+        self._scheduler: KVPoolScheduler | None = None
+        self._worker: KVPoolWorker | None = None
+        self._lookup_server: LookupServer | None = None
+        self._agent: Any = None
+        cfg = self.kv_config
+        if role == KVConnectorRole.SCHEDULER:
+            reporter = self._start_agent("scheduler", ParallelLayout(), backend=None)
+            lookup = (
+                LookupClient(lookup_rpc_port=cfg.lookup_rpc_port, dp_rank=cfg.dp_rank,
+                             timeout_ms=cfg.lookup_timeout_ms)
+                if cfg.should_load else None
+            )
+            self._scheduler = KVPoolScheduler(cfg, lookup, reporter)
+        else:
+            from kvpool_connector.backends import create_backend
+            from kvpool_connector.worker import KVPoolWorker
+
+            self._layout, sizes = _worker_layout(vllm_config)
+            self._backend = create_backend(cfg.backend, cfg.extra)
+            reporter = self._start_agent("worker", self._layout, backend=self._backend)
+            self._worker = KVPoolWorker(
+                cfg, self._layout, cfg.model, self._backend, reporter,
+                num_blocks=kv_cache_config.num_blocks if kv_cache_config else None, **sizes,
+            )
+
+    # ------------------------------------------------------------------ agent
+
+    def _start_agent(self, process_role: str, layout: ParallelLayout, backend: Backend | None
+                     ) -> Reporter:
+        """Start this process's agent if ``kvpool_agent`` provides one; return its reporter."""
+        try:
+            from kvpool_agent import start_agent
+        except ImportError:
+            return Reporter(capacity=0)
+        cfg = self.kv_config
+        agent_id = (f"{cfg.engine_id}/scheduler" if process_role == "scheduler"
+                    else f"{cfg.engine_id}/dp{cfg.dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}")
+        source = Source(
+            agent_id=agent_id, engine_id=cfg.engine_id, instance_role=cfg.instance_role,
+            kv_role=cfg.kv_role, process_role=process_role,  # type: ignore[arg-type]
+            dp_rank=cfg.dp_rank, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pid=os.getpid(),
+            host=socket.gethostname(), backend=cfg.backend, model=cfg.model,
+        )
+        backend_cfg = getattr(backend, "config", None)
+        self._agent = start_agent(
+            source, address=cfg.agent_address, backend=backend,
+            key_scope=(cfg.model, layout) if backend is not None else None,
+            drain=self._drain if backend is not None else None,
+            pool_admin_url=getattr(backend_cfg, "admin_url", None),
+        )
+        reporter: Reporter = self._agent.reporter
+        return reporter
+
+    # --------------------------------------------------------------- scheduler
+
+    def _sched(self) -> KVPoolScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("KVPoolConnector: scheduler method called in a worker process")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """See ``KVPoolScheduler.get_num_new_matched_tokens``."""
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """See ``KVPoolScheduler.update_state_after_alloc``."""
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """See ``KVPoolScheduler.build_connector_meta``."""
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """See ``KVPoolScheduler.request_finished``."""
+        return self._sched().request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker
+
+    def _work(self) -> KVPoolWorker:
+        if self._worker is None:
+            raise RuntimeError("KVPoolConnector: worker method called in the scheduler process")
+        return self._worker
+
+    def _meta(self) -> KVPoolConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Record each layer's KV tensor (``KVPoolWorker.register_kv_caches``), start the
+        agent and, on TP rank 0 / PP rank 0 of an engine that loads, the lookup server.
+
+        Raises:
+            PortInUse: another live engine holds ``lookup_rpc_port`` on this host.
+        """
+        worker = self._work()
+        worker.register_kv_caches(kv_caches)
+        cfg = self.kv_config
+        if cfg.should_load and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
+            self._lookup_server = LookupServer(
+                worker.lookup_chunks, lookup_rpc_port=cfg.lookup_rpc_port,
+                dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
+            )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads (``KVPoolWorker.start_load_kv``)."""
+        self._work().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise mode: block (bounded by ``layerwise_timeout_ms``) until ``layer_name``'s
+        blocks are loaded."""
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Layer-wise mode: start saving ``layer_name``'s completed chunks."""
+        self._work().save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        """Save this step's completed chunks (or wait for the layer-wise saves)."""
+        self._work().wait_for_save(self._meta())
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` request ids (see the scheduler contract in
+        ``kvpool_connector.scheduler``)."""
+        return self._work().get_finished(finished_req_ids)
+
+    def _drain(self, timeout_ms: int) -> DrainResult:
+        """Agent ``drain`` command: wait up to ``timeout_ms`` for this worker's saves."""
+        worker = self._work()
+        start = time.monotonic()
+        drained = worker.drain_saves(timeout_ms / 1e3)
+        return DrainResult(drained=drained, waited_ms=(time.monotonic() - start) * 1e3,
+                           remaining_saves=worker.inflight_saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call; vLLM recomputes them
+        (``kv_load_failure_policy="recompute"``)."""
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Stop the lookup server/client, the worker's transfers and the agent. Idempotent."""
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._backend.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._agent is not None:
+            self._agent.stop()
+            self._agent = None
