@@ -1,0 +1,316 @@
+"""``DemoCluster``: a whole local fleet for ``kvpool-console --demo``, tests and screenshots.
+
+Started with no other setup: a ``mooncake_master`` on 127.0.0.1 with a ``mooncake_client`` store
+holding the pool memory, a ``FleetHub`` (in this process) with freshly generated operator keys,
+and several engine processes, each running ``KVPoolConnector`` (scheduler and worker roles) and
+their agents, replaying a share of a trace at a chosen speed-up:
+
+* engine 0 is a prefill engine (``kv_producer``): it computes and saves prompts;
+* engine 1 is its decode engine (``kv_consumer`` with ``consumer_is_to_load``): it replays every
+  request engine 0 finished and loads the prompt's KV from the pool (P/D disaggregation);
+* further engines are ``kv_both`` and replay their round-robin share of the trace.
+
+``engine_kind="vllm"`` runs real vLLM engines (``vllm.LLM`` with the tiny local model of
+``kvpool_console.demo.tiny_model`` and ``KVPoolConnector``) instead of simulated ones.
+
+Leaving the context (or ``stop()``, also on Ctrl-C) stops every process it started: each runs in
+its own process group, which is terminated and then killed; ``leftover_pids()`` checks with
+psutil that none is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+import msgspec
+import psutil
+
+from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_console.demo.engine import EngineResult, EngineSpec, ModelShape
+from kvpool_console.demo.replay import (
+    LocalPoolStore,
+    engine_env,
+    mooncake_extra_config,
+    pool_bytes_for_tokens,
+    spawn_engine,
+    stop_process_tree,
+)
+from kvpool_console.demo.trace import default_trace_path, load_trace
+
+__all__ = ["DEMO_SHAPE", "DemoCluster"]
+
+DEMO_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=16, block_size=16, dtype="float16")
+"""Demo model shape: 256 bytes of KV per token (a 512-token chunk is 128 KiB)."""
+
+
+_ROLE_NAMES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "engine"}
+
+
+def _free_hub_address() -> str:
+    # The hub binds P..P+3: find a base whose three neighbours are free too.
+    for _ in range(50):
+        base = free_port()
+        if base + 3 > 65535:
+            continue
+        try:
+            for off in range(1, 4):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + off))
+        except OSError:
+            continue
+        return f"tcp://127.0.0.1:{base}"
+    raise RuntimeError("no four consecutive free TCP ports on 127.0.0.1 for the fleet hub")
+
+
+class DemoCluster:
+    """A local master + store, fleet hub, operator keys and engine processes.
+
+    Args:
+        trace_path: Mooncake JSON-lines trace (default ``../shared/traces/conversation_trace
+            .jsonl``).
+        engines: engine processes (>= 1); with >= 2, engines 0 and 1 are a prefill/decode pair.
+        speedup: trace time / wall time (``0`` = as fast as possible).
+        engine_kind: ``"sim"`` (connector driven exactly as vLLM calls it, real KV bytes) or
+            ``"vllm"`` (real vLLM engines with the tiny local model).
+        limit: replay only the first ``limit`` requests.
+        pool_tokens: pool capacity in tokens of KV (``shape.bytes_per_token`` each).
+        shape: simulated model shape.
+        chunk_size: tokens per pool key.
+        eviction_high_watermark_ratio: the master's eviction watermark.
+        default_kv_lease_ttl_ms: the master's lease TTL.
+        log_dir: where engine/master/store logs go (a temp dir by default).
+
+    Attributes (after ``start()``): ``hub_address`` (agents' and consoles' hub address),
+    ``keys_dir`` (operator keys, ``kvpool-agent keygen`` layout), ``master``
+    (``LocalMooncakeMaster``), ``store`` (``LocalPoolStore``), ``hub`` (``FleetHub``),
+    ``processes`` (engine id -> ``subprocess.Popen``).
+
+    Raises:
+        ValueError: bad arguments (named).
+        FileNotFoundError: trace or Mooncake binaries missing.
+        RuntimeError: an engine failed to start (its error in the message).
+    """
+
+    def __init__(
+        self,
+        trace_path: str | Path | None = None,
+        *,
+        engines: int = 4,
+        speedup: float = 20.0,
+        engine_kind: Literal["sim", "vllm"] = "sim",
+        limit: int | None = None,
+        pool_tokens: int = 400_000,
+        shape: ModelShape = DEMO_SHAPE,
+        chunk_size: int = 512,
+        eviction_high_watermark_ratio: float = 0.9,
+        default_kv_lease_ttl_ms: int = 5_000,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        if engine_kind not in ("sim", "vllm"):
+            raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
+        if speedup < 0:
+            raise ValueError(f"speedup must be >= 0, got {speedup}")
+        self.trace_path = Path(trace_path) if trace_path else default_trace_path()
+        self.engines = engines
+        self.speedup = speedup
+        self.engine_kind = engine_kind
+        self.limit = limit
+        self.pool_tokens = pool_tokens
+        self.shape = shape
+        self.chunk_size = chunk_size
+        self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
+        self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
+        self._own_tmp = log_dir is None
+        self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
+        self.keys_dir = self.workdir / "keys"
+        self.hub_address = ""
+        self.master: LocalMooncakeMaster | None = None
+        self.store: LocalPoolStore | None = None
+        self.hub: object | None = None
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.specs: dict[str, EngineSpec] = {}
+        self._started_pids: set[int] = set()
+        self._logs: list[object] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, ready_timeout_s: float = 240.0) -> DemoCluster:
+        """Start master, store, hub and engines; returns once every engine is replaying.
+
+        On any failure everything started so far is stopped before the error propagates.
+        """
+        try:
+            self._start(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, ready_timeout_s: float) -> None:
+        from kvpool_agent import FleetHub, generate_keys
+
+        trace = load_trace(self.trace_path, limit=self.limit)
+        os.environ["PATH"] = engine_env()["PATH"]
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        keys = generate_keys(self.keys_dir, force=True)
+        self.hub_address = _free_hub_address()
+        hub = FleetHub(self.hub_address, authorized_keys_dir=keys.authorized_dir,
+                       secret_key_file=keys.server_secret,
+                       audit_file=self.workdir / "audit.jsonl")
+        hub.start()
+        self.hub = hub
+        self.master = LocalMooncakeMaster(
+            eviction_high_watermark_ratio=self.eviction_high_watermark_ratio,
+            default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
+            log_dir=self.workdir / "master",
+        )
+        self.master.start()
+        assert self.master.proc is not None
+        self._started_pids.add(self.master.proc.pid)
+        self.store = LocalPoolStore(self.master, pool_bytes_for_tokens(self.pool_tokens,
+                                                                       self.shape),
+                                    log_dir=self.workdir)
+        self.store.start()
+        assert self.store.proc is not None
+        self._started_pids.add(self.store.proc.pid)
+
+        n = self.engines
+        both = list(range(2, n)) if n >= 2 else [0]
+        sources = ([0] if n >= 2 else []) + both
+        shares = {e: list(range(k, len(trace), len(sources))) for k, e in enumerate(sources)}
+        pd_address = f"tcp://127.0.0.1:{free_port()}" if n >= 2 else ""
+        model = f"demo-{os.getpid()}"
+        extra = mooncake_extra_config(self.master.address, self.master.admin_url)
+        go = self.workdir / "go"
+        go.unlink(missing_ok=True)
+        for e in range(n):
+            kw: dict[str, str | int] = {}
+            if n >= 2 and e == 0:
+                role, indices, kw = "kv_producer", shares[0], {"forward_to": pd_address}
+            elif n >= 2 and e == 1:
+                role, indices = "kv_consumer", shares[0]
+                kw = {"feed_from": pd_address, "feed_count": len(shares[0])}
+            else:
+                role, indices = "kv_both", shares[e]
+            eid = f"{_ROLE_NAMES[role]}-{e}"
+            spec = EngineSpec(
+                engine_id=eid, kv_role=role,  # type: ignore[arg-type]
+                master_address=self.master.address, model=model, shape=self.shape,
+                chunk_size=self.chunk_size, trace_path=str(self.trace_path.resolve()),
+                indices=indices, speedup=self.speedup, agent_address=self.hub_address,
+                lookup_rpc_port=free_port(), progress_every=0,
+                result_path=str(self.workdir / f"{eid}.result.json"), go_path=str(go),
+                ready_path=str(self.workdir / f"{eid}.ready"), extra_config=extra,
+                **kw,  # type: ignore[arg-type]
+            )
+            self.specs[eid] = spec
+            proc = self._spawn(spec)
+            self.processes[eid] = proc
+            self._started_pids.add(proc.pid)
+        self._wait_ready(ready_timeout_s)
+        go.write_text(f"{time.time():.6f}")
+
+    def _spawn(self, spec: EngineSpec) -> subprocess.Popen[bytes]:
+        # Engine output goes to a log file: the console owns the terminal.
+        log = open(self.workdir / f"{spec.engine_id}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        module = ("kvpool_console.demo.engine" if self.engine_kind == "sim"
+                  else "kvpool_console.demo.vllm_engine")
+        return spawn_engine(spec, self.workdir, log=log, module=module)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self.processes)
+        while pending:
+            for eid, proc in list(pending.items()):
+                spec = self.specs[eid]
+                if Path(spec.ready_path).exists():
+                    del pending[eid]
+                elif proc.poll() is not None:
+                    res = self.result(eid)
+                    detail = res.error if res else f"exit code {proc.returncode}"
+                    raise RuntimeError(f"demo engine {eid} failed to start: {detail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"demo engines not ready after {timeout_s:.0f}s: "
+                                   f"{sorted(pending)}")
+            time.sleep(0.05)
+
+    def result(self, engine_id: str) -> EngineResult | None:
+        """The engine's final ``EngineResult`` once it finished its share, else ``None``."""
+        p = Path(self.specs[engine_id].result_path)
+        if not p.exists():
+            return None
+        return msgspec.json.decode(p.read_bytes(), type=EngineResult)
+
+    def running(self) -> list[str]:
+        """Ids of engines still replaying."""
+        return [eid for eid, p in self.processes.items() if p.poll() is None]
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until every engine finished its share; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self) -> None:
+        """Stop engines, store, master and hub (process groups: TERM, then KILL). Idempotent."""
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 15)
+        for proc in self.processes.values():
+            stop_process_tree(proc, timeout_s=10)
+        if self.store is not None:
+            self.store.stop()
+        if self.master is not None:
+            self.master.stop()
+        if self.hub is not None:
+            self.hub.stop()  # type: ignore[attr-defined]
+            self.hub = None
+        for log in self._logs:
+            log.close()  # type: ignore[attr-defined]
+        self._logs.clear()
+
+    def leftover_pids(self) -> list[int]:
+        """Processes this cluster started (or their children) that are still alive."""
+        alive = []
+        for pid in self._started_pids:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def cleanup(self) -> None:
+        """Remove the work directory if this cluster created it."""
+        if self._own_tmp:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> DemoCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        self.cleanup()

@@ -1,0 +1,549 @@
+"""Trace replay: engines (processes) replay a Mooncake trace through ``KVPoolConnector`` and a
+real Mooncake pool; the result is set against the trace's own prefix-reuse ceiling and an exact
+LRU cache of the same capacity (``reference``).
+
+The pool is a real ``mooncake_master`` plus one ``mooncake_client`` store process that
+contributes the pool memory (Mooncake's standalone store mode, so engines contribute none and
+the pool's capacity is exactly ``pool_tokens`` worth of KV). Shared mode: every engine uses one
+pool. Private mode: each engine has its own master and store of ``pool_tokens / engines``.
+Requests go to engines round-robin in trace order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import msgspec
+import psutil
+
+from kvpool_connector.keys import chunk_hashes
+from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_console.demo.engine import EngineResult, EngineSpec, ModelShape
+from kvpool_console.demo.reference import ReuseResult, lru_hits, prefix_ceiling
+from kvpool_console.demo.tokens import DEFAULT_VOCAB_SIZE, request_tokens
+from kvpool_console.demo.trace import TraceRequest, load_trace
+
+__all__ = [
+    "LocalPoolStore",
+    "ReplayConfig",
+    "ReplayReport",
+    "engine_env",
+    "mooncake_extra_config",
+    "pool_bytes_for_tokens",
+    "reference_for",
+    "run_replay",
+    "spawn_engine",
+    "stop_process_tree",
+]
+
+_MIB = 1 << 20
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1 and this
+    interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH``."""
+    env = dict(os.environ)
+    env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def pool_bytes_for_tokens(tokens: int, shape: ModelShape) -> int:
+    """``global_segment_size`` in bytes for a pool of ``tokens`` tokens of KV, rounded up to
+    whole MiB (Mooncake segments are MiB-granular in practice)."""
+    raw = max(1, tokens) * shape.bytes_per_token
+    return math.ceil(raw / _MIB) * _MIB
+
+
+def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group ``proc`` leads (it was started with ``start_new_session``),
+    then SIGKILL whatever is left after ``timeout_s``. Idempotent."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None and proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(pgid, 15)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if pgid is not None:
+            with suppress(ProcessLookupError):
+                os.killpg(pgid, 9)
+        proc.wait()
+    if pgid is not None:
+        # Children that outlived the leader still carry its group id.
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    p.kill()
+            except (ProcessLookupError, psutil.Error):
+                continue
+
+
+class LocalPoolStore:
+    """A ``mooncake_client`` store process contributing ``segment_bytes`` of pool memory to a
+    master (Mooncake standalone mode). Context manager; ``.proc`` is the child process.
+
+    Raises:
+        FileNotFoundError: ``mooncake_client`` is not installed (``kvpool[mooncake]``).
+        RuntimeError: the store did not mount its segment within ``timeout_s`` (the message
+            carries its log tail).
+    """
+
+    def __init__(self, master: LocalMooncakeMaster | str, segment_bytes: int,
+                 log_dir: Path | None = None) -> None:
+        self.master_address = master if isinstance(master, str) else master.address
+        self.admin_url = None if isinstance(master, str) else master.admin_url
+        self.segment_bytes = segment_bytes
+        self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-store-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> LocalPoolStore:
+        env = engine_env()
+        binary = shutil.which("mooncake_client", path=env["PATH"])
+        if binary is None:
+            raise FileNotFoundError(
+                "mooncake_client is not on PATH: pip install 'kvpool[mooncake]'"
+            )
+        self.log_path = self._log_dir / "mooncake_client.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [binary, f"--master_server_address={self.master_address}",
+             "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={free_port()}",
+             f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
+             "--local_buffer_size=16MB"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n"
+                                   f"{self._tail()}")
+            if self._mounted():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_client did not mount its segment in {timeout_s}s:\n"
+                           f"{self._tail()}")
+
+    def _mounted(self) -> bool:
+        if self.admin_url is None:
+            return b"Starting real client service" in self.log_path.read_bytes()
+        try:
+            text = httpx.get(f"{self.admin_url}/metrics", timeout=1.0).text
+        except httpx.HTTPError:
+            return False
+        return any(line.startswith("master_total_capacity_bytes") and
+                   float(line.split()[-1]) >= self.segment_bytes for line in text.splitlines())
+
+    def _tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Stop the store (its segment, and every object in it, goes away). Idempotent."""
+        if self.proc is not None:
+            stop_process_tree(self.proc, timeout_s=5)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> LocalPoolStore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ReplayConfig(msgspec.Struct, kw_only=True):
+    """A replay run.
+
+    Attributes:
+        trace_path: JSON-lines trace (``trace.load_trace``).
+        limit: replay the first ``limit`` requests (``None`` = all).
+        engines: engine processes.
+        pool_tokens: pool capacity in tokens of KV; ``None`` = unbounded (room for every chunk
+            of the replayed requests, with headroom for the eviction watermark).
+        mode: ``shared`` (one pool) or ``private`` (one pool per engine, ``pool_tokens /
+            engines`` each).
+        speedup: trace time / wall time; ``0`` = as fast as possible.
+        shape: KV geometry (bytes per token).
+        chunk_size: tokens per pool key.
+        master_address: use this running ``mooncake_master`` instead of starting one (shared
+            mode only); the store process is still started here.
+        agent_address: fleet hub the engines' agents report to.
+        wait_saves: each engine finishes a request's saves before its next lookup.
+        load_async, use_layerwise: connector modes.
+        eviction_high_watermark_ratio: for masters started here.
+        progress_every: per-engine progress line on stderr every this many requests.
+        kv_roles: ``kv_role`` per engine (cycled); default all ``kv_both``.
+        model: model name in keys (one namespace per run).
+    """
+
+    trace_path: str
+    limit: int | None = None
+    engines: int = 1
+    pool_tokens: int | None = None
+    mode: Literal["shared", "private"] = "shared"
+    speedup: float = 0.0
+    shape: ModelShape = msgspec.field(default_factory=ModelShape)
+    chunk_size: int = 512
+    master_address: str | None = None
+    agent_address: str | None = None
+    wait_saves: bool = True
+    load_async: bool = False
+    use_layerwise: bool = False
+    eviction_high_watermark_ratio: float = 0.9
+    progress_every: int = 0
+    kv_roles: list[str] = msgspec.field(default_factory=list)
+    model: str = ""
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+
+
+class ReplayReport(msgspec.Struct, kw_only=True):
+    """What ``kvpool-replay --json`` prints. Tokens, bytes, seconds, bytes/s.
+
+    ``hit_rate`` = ``hit_tokens / input_tokens`` served by the pool; ``ceiling_hit_rate`` the
+    trace's prefix-reuse ceiling for the replayed requests (unbounded pool, same order; per
+    engine in private mode); ``lru_hit_rate`` an exact LRU of ``pool_tokens`` (per engine of
+    ``pool_tokens / engines`` in private mode), equal to the ceiling when unbounded.
+    ``save_bytes_per_s``/``load_bytes_per_s``: bytes over the time engines spent in the
+    connector's save/load calls. Peak RSS in bytes (engines: the largest one).
+    """
+
+    requests: int
+    input_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    ceiling_hit_rate: float
+    lru_hit_rate: float
+    saved_bytes: int
+    loaded_bytes: int
+    load_errors: int
+    corrupt_blocks: int
+    wall_s: float
+    mode: str
+    engines: int
+    pool_tokens: int | None
+    pool_bytes: int
+    chunk_size: int
+    bytes_per_token: int
+    save_bytes_per_s: float
+    load_bytes_per_s: float
+    peak_rss_engine_bytes: int
+    peak_rss_master_bytes: int
+    peak_rss_store_bytes: int
+    peak_rss_replay_bytes: int
+    pool_evicted_keys: int = 0
+    pool_keys: int = 0
+    errors: list[str] = msgspec.field(default_factory=list)
+    per_engine: list[EngineResult] = msgspec.field(default_factory=list)
+
+
+def reference_for(
+    requests: Sequence[TraceRequest], chunk_size: int, capacity_tokens: int | None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> tuple[ReuseResult, ReuseResult]:
+    """``(ceiling, lru)`` for ``requests`` in order; LRU at ``capacity_tokens`` (the ceiling
+    again when ``None``)."""
+    items = [(r.input_length, chunk_hashes(request_tokens(r, vocab_size), chunk_size))
+             for r in requests]
+    ceiling = prefix_ceiling(items, chunk_size)
+    lru = ceiling if capacity_tokens is None else lru_hits(items, chunk_size, capacity_tokens)
+    return ceiling, lru
+
+
+def _unique_chunks(requests: Sequence[TraceRequest], chunk_size: int,
+                   vocab_size: int) -> int:
+    seen: set[str] = set()
+    for r in requests:
+        seen.update(chunk_hashes(request_tokens(r, vocab_size), chunk_size))
+    return len(seen)
+
+
+class _RssWatch:
+    """Samples the peak RSS of some processes every 0.2 s on a thread."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self._procs: dict[str, list[psutil.Process]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-watch")
+
+    def add(self, group: str, pid: int) -> None:
+        with suppress(psutil.Error):
+            self._procs.setdefault(group, []).append(psutil.Process(pid))
+
+    def _sample(self) -> None:
+        for group, procs in list(self._procs.items()):
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                except psutil.Error:
+                    continue
+                self.peaks[group] = max(self.peaks.get(group, 0), rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._sample()
+
+    def __enter__(self) -> _RssWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sample()
+        self._stop.set()
+        self._thread.join()
+
+
+def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
+                 module: str = "kvpool_console.demo.engine") -> subprocess.Popen[bytes]:
+    """Start ``python -m <module> SPEC.json`` for ``spec`` in its own process group (so
+    ``stop_process_tree`` ends it and everything it started). Its output goes to ``log`` (an
+    open binary file), by default to this process's stderr (progress lines, errors)."""
+    path = workdir / f"{spec.engine_id}.spec.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    out = sys.stderr if log is None else log
+    return subprocess.Popen(
+        [sys.executable, "-m", module, str(path)],
+        stdout=out, stderr=out, env=engine_env(), start_new_session=True,
+    )
+
+
+def _master_stats(admin_url: str | None) -> tuple[int, int]:
+    """``(keys, evicted keys)`` from the master's ``/metrics`` (0, 0 when unavailable)."""
+    if admin_url is None:
+        return 0, 0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{admin_url}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return 0, 0
+    keys = evicted = 0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "master_key_count":
+                keys += int(sample.value)
+            elif sample.name in ("master_evicted_key_count", "master_evicted_key_count_total"):
+                evicted += int(sample.value)
+    return keys, evicted
+
+
+def run_replay(
+    cfg: ReplayConfig, *, on_status: Callable[[str], None] | None = None
+) -> ReplayReport:
+    """Run a replay end to end: pool(s), engine processes, references; stops everything it
+    started before returning (also on error or Ctrl-C).
+
+    Raises:
+        FileNotFoundError, TraceError: bad trace path or content.
+        ValueError: bad settings (``engines`` < 1, ``--master`` with private mode...).
+        RuntimeError: an engine failed to start or did not finish (message names it).
+    """
+    say = on_status or (lambda _m: None)
+    if cfg.engines < 1:
+        raise ValueError(f"engines must be >= 1, got {cfg.engines}")
+    if cfg.mode == "private" and cfg.master_address:
+        raise ValueError("--master works only with --shared: private mode starts one master "
+                         "per engine")
+    if cfg.chunk_size % cfg.shape.block_size:
+        raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
+                         f"{cfg.shape.block_size}")
+    t_start = time.monotonic()
+    trace = load_trace(cfg.trace_path, limit=cfg.limit)
+    n_eng = cfg.engines
+    shares = [list(range(i, len(trace), n_eng)) for i in range(n_eng)]
+    model = cfg.model or f"replay-{os.getpid()}-{int(time.time() * 1e3)}"
+
+    if cfg.pool_tokens is None:
+        unique = _unique_chunks(trace, cfg.chunk_size, cfg.vocab_size)
+        # Room for every chunk below the eviction watermark, plus allocator slack.
+        per_pool_tokens = math.ceil(unique * cfg.chunk_size / cfg.eviction_high_watermark_ratio
+                                    * 1.25) + 64 * cfg.chunk_size
+    else:
+        per_pool_tokens = cfg.pool_tokens if cfg.mode == "shared" else cfg.pool_tokens // n_eng
+    segment = pool_bytes_for_tokens(per_pool_tokens, cfg.shape)
+
+    say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
+        f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
+    results: list[EngineResult] = []
+    errors: list[str] = []
+    pool_keys = pool_evicted = 0
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
+        work = Path(tmp)
+        rss = stack.enter_context(_RssWatch())
+        rss.add("replay", os.getpid())
+        n_pools = n_eng if cfg.mode == "private" else 1
+        masters: list[str] = []
+        admin_urls: list[str | None] = []
+        for _ in range(n_pools):
+            if cfg.master_address:
+                masters.append(cfg.master_address)
+                admin_urls.append(None)
+                store = stack.enter_context(LocalPoolStore(cfg.master_address, segment))
+            else:
+                m = LocalMooncakeMaster(
+                    eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio)
+                stack.callback(m.stop)
+                os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+                os.environ["PATH"] = engine_env()["PATH"]
+                m.start()
+                assert m.proc is not None
+                rss.add("master", m.proc.pid)
+                masters.append(m.address)
+                admin_urls.append(m.admin_url)
+                store = stack.enter_context(LocalPoolStore(m, segment))
+            assert store.proc is not None
+            rss.add("store", store.proc.pid)
+
+        go = work / "go"
+        procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]] = []
+        for i in range(n_eng):
+            roles = cfg.kv_roles or ["kv_both"]
+            spec = EngineSpec(
+                engine_id=f"engine-{i}",
+                kv_role=roles[i % len(roles)],  # type: ignore[arg-type]
+                master_address=masters[i % n_pools],
+                model=model, shape=cfg.shape, chunk_size=cfg.chunk_size,
+                trace_path=str(Path(cfg.trace_path).resolve()), indices=shares[i],
+                speedup=cfg.speedup, wait_saves=cfg.wait_saves,
+                agent_address=cfg.agent_address, lookup_rpc_port=free_port(),
+                load_async=cfg.load_async, use_layerwise=cfg.use_layerwise,
+                vocab_size=cfg.vocab_size, progress_every=cfg.progress_every,
+                result_path=str(work / f"engine-{i}.result.json"),
+                go_path=str(go), ready_path=str(work / f"engine-{i}.ready"),
+                extra_config=mooncake_extra_config(masters[i % n_pools],
+                                                   admin_urls[i % n_pools]),
+            )
+            proc = spawn_engine(spec, work)
+            stack.callback(stop_process_tree, proc)
+            rss.add("engine", proc.pid)
+            procs.append((spec, proc))
+
+        _wait_ready(procs, timeout_s=180)
+        say("engines ready; replay started")
+        go.write_text(f"{time.time():.6f}")
+        for spec, proc in procs:
+            proc.wait()
+            rp = Path(spec.result_path)
+            if rp.exists():
+                res = msgspec.json.decode(rp.read_bytes(), type=EngineResult)
+            else:
+                res = EngineResult(engine_id=spec.engine_id,
+                                   error=f"exited with code {proc.returncode} without a result")
+            if res.error:
+                errors.append(f"{spec.engine_id}: {res.error}")
+            results.append(res)
+        for url in admin_urls:
+            k, e = _master_stats(url)
+            pool_keys += k
+            pool_evicted += e
+        peaks = dict(rss.peaks)
+
+    say("computing the reference (prefix-reuse ceiling, exact LRU)")
+    if cfg.mode == "shared":
+        ceiling, lru = reference_for(trace, cfg.chunk_size, cfg.pool_tokens, cfg.vocab_size)
+        ceil_hits, lru_hits_, total = ceiling.hit_tokens, lru.hit_tokens, ceiling.input_tokens
+    else:
+        ceil_hits = lru_hits_ = total = 0
+        for share in shares:
+            reqs = [trace[i] for i in share]
+            cap = None if cfg.pool_tokens is None else cfg.pool_tokens // n_eng
+            c, lr = reference_for(reqs, cfg.chunk_size, cap, cfg.vocab_size)
+            ceil_hits += c.hit_tokens
+            lru_hits_ += lr.hit_tokens
+            total += c.input_tokens
+    input_tokens = sum(r.input_tokens for r in results)
+    hit_tokens = sum(r.hit_tokens for r in results)
+    saved = sum(r.saved_bytes for r in results)
+    loaded = sum(r.loaded_bytes for r in results)
+    save_s = sum(r.save_s for r in results)
+    load_s = sum(r.load_s for r in results)
+    return ReplayReport(
+        requests=sum(r.requests for r in results),
+        input_tokens=input_tokens,
+        hit_tokens=hit_tokens,
+        hit_rate=hit_tokens / input_tokens if input_tokens else 0.0,
+        ceiling_hit_rate=ceil_hits / total if total else 0.0,
+        lru_hit_rate=lru_hits_ / total if total else 0.0,
+        saved_bytes=saved,
+        loaded_bytes=loaded,
+        load_errors=sum(r.load_errors for r in results),
+        corrupt_blocks=sum(r.corrupt_blocks for r in results),
+        wall_s=time.monotonic() - t_start,
+        mode=cfg.mode,
+        engines=n_eng,
+        pool_tokens=cfg.pool_tokens,
+        pool_bytes=segment * (n_eng if cfg.mode == "private" else 1),
+        chunk_size=cfg.chunk_size,
+        bytes_per_token=cfg.shape.bytes_per_token,
+        save_bytes_per_s=saved / save_s if save_s else 0.0,
+        load_bytes_per_s=loaded / load_s if load_s else 0.0,
+        peak_rss_engine_bytes=max((r.peak_rss_bytes for r in results), default=0),
+        peak_rss_master_bytes=peaks.get("master", 0),
+        peak_rss_store_bytes=peaks.get("store", 0),
+        peak_rss_replay_bytes=peaks.get("replay", 0),
+        pool_evicted_keys=pool_evicted,
+        pool_keys=pool_keys,
+        errors=errors,
+        per_engine=results,
+    )
+
+
+def mooncake_extra_config(master_address: str, admin_url: str | None = None) -> dict[str, Any]:
+    """``kv_connector_extra_config`` keys for the Mooncake backend of a replay engine:
+    Mooncake's standalone store mode (the engine contributes no segment; the replay's
+    ``mooncake_client`` holds the pool memory), TCP on 127.0.0.1. ``admin_url`` (the master's
+    HTTP admin endpoint) lets the agent report pool usage and evictions."""
+    mooncake: dict[str, Any] = {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": master_address,
+        "protocol": "tcp",
+        "global_segment_size": 0,
+        "local_buffer_size": "16MB",
+        "store_mode": "standalone",
+    }
+    if admin_url:
+        mooncake["master_admin_url"] = admin_url
+    return {"backend": "mooncake", "mooncake": mooncake}
+
+
+def _wait_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
+                timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while pending:
+        for spec, proc in list(pending):
+            if Path(spec.ready_path).exists():
+                pending.remove((spec, proc))
+            elif proc.poll() is not None:
+                rp = Path(spec.result_path)
+                detail = ""
+                if rp.exists():
+                    detail = msgspec.json.decode(rp.read_bytes(), type=EngineResult).error
+                raise RuntimeError(f"{spec.engine_id} exited during start-up "
+                                   f"(code {proc.returncode}): {detail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engines not ready after {timeout_s}s: "
+                               f"{[s.engine_id for s, _ in pending]}")
+        time.sleep(0.05)

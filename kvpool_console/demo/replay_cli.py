@@ -1,0 +1,148 @@
+"""``kvpool-replay``: replay a Mooncake trace through the connector and a real pool, no TUI.
+
+Examples::
+
+    kvpool-replay ../shared/traces/conversation_trace.jsonl --limit 300 --json
+    kvpool-replay --limit 2000 --engines 4 --pool-tokens 2000000 --private
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import msgspec
+
+from kvpool_console.demo.engine import ModelShape
+from kvpool_console.demo.replay import ReplayConfig, ReplayReport, run_replay
+from kvpool_console.demo.trace import TraceError, default_trace_path
+
+__all__ = ["build_parser", "format_report", "main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _speedup(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if v < 0 or math.isnan(v):
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = as fast as possible), got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpool-replay`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="kvpool-replay",
+        description="Replay a Mooncake request trace through KVPoolConnector and a real "
+        "Mooncake pool; compare the hit rate with the trace's prefix-reuse ceiling and an "
+        "exact LRU cache of the same capacity.",
+    )
+    p.add_argument("trace", nargs="?", default=None,
+                   help=f"JSON-lines trace (default: {default_trace_path()})")
+    p.add_argument("--trace", dest="trace_opt", default=None, help="same as the positional")
+    p.add_argument("--limit", type=_positive_int, default=None,
+                   help="replay only the first N requests")
+    p.add_argument("--engines", type=_positive_int, default=1, help="engine processes")
+    p.add_argument("--pool-tokens", type=_positive_int, default=None,
+                   help="pool capacity in tokens of KV (default: unbounded = every chunk fits)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--shared", dest="mode", action="store_const", const="shared",
+                      help="all engines share one pool (default)")
+    mode.add_argument("--private", dest="mode", action="store_const", const="private",
+                      help="each engine has its own pool of pool-tokens / engines")
+    p.set_defaults(mode="shared")
+    p.add_argument("--speedup", type=_speedup, default=0.0,
+                   help="trace time / wall time (0 = as fast as possible; default 0)")
+    p.add_argument("--master", default=None,
+                   help="use this mooncake_master host:port instead of starting one")
+    p.add_argument("--agent-address", default=None,
+                   help="fleet hub agent address (tcp://host:port) the engines report to")
+    p.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per pool key")
+    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument("--kv-heads", type=_positive_int, default=1)
+    p.add_argument("--head-size", type=_positive_int, default=8)
+    p.add_argument("--block-size", type=_positive_int, default=16,
+                   help="vLLM block size in tokens")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    p.add_argument("--load-async", action="store_true", help="connector load_async mode")
+    p.add_argument("--layerwise", action="store_true", help="connector use_layerwise mode")
+    p.add_argument("--no-wait-saves", dest="wait_saves", action="store_false",
+                   help="start a request's lookup while the previous one's saves still run")
+    p.add_argument("--progress-every", type=int, default=100,
+                   help="progress line on stderr every N requests per engine (0 = off)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def format_report(r: ReplayReport) -> str:
+    """Human-readable summary of a replay (what ``kvpool-replay`` prints without ``--json``)."""
+    mib = 1 << 20
+    pool = "unbounded" if r.pool_tokens is None else f"{r.pool_tokens:,} tokens"
+    lines = [
+        f"requests            {r.requests:,} on {r.engines} engine(s), {r.mode} pool ({pool}, "
+        f"{r.pool_bytes / mib:.0f} MiB, {r.bytes_per_token} B/token, chunk {r.chunk_size})",
+        f"input tokens        {r.input_tokens:,}",
+        f"hit tokens          {r.hit_tokens:,}",
+        f"hit rate            {r.hit_rate:.2%}   (ceiling {r.ceiling_hit_rate:.2%}, "
+        f"exact LRU {r.lru_hit_rate:.2%})",
+        f"saved / loaded      {r.saved_bytes / mib:.1f} MiB / {r.loaded_bytes / mib:.1f} MiB "
+        f"({r.save_bytes_per_s / mib:.1f} / {r.load_bytes_per_s / mib:.1f} MiB/s in connector "
+        "calls)",
+        f"load errors         {r.load_errors} blocks (recomputed), corrupt blocks "
+        f"{r.corrupt_blocks}",
+        f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted",
+        f"peak RSS            engine {r.peak_rss_engine_bytes / mib:.0f} MiB, master "
+        f"{r.peak_rss_master_bytes / mib:.0f} MiB, store {r.peak_rss_store_bytes / mib:.0f} "
+        f"MiB, replay {r.peak_rss_replay_bytes / mib:.0f} MiB",
+        f"wall                {r.wall_s:.1f} s",
+    ]
+    lines += [f"error               {e}" for e in r.errors]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvpool-replay``. Exit status: 0 ok, 1 an engine failed, 2 bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    trace = args.trace_opt or args.trace or str(default_trace_path())
+    try:
+        shape = ModelShape(layers=args.layers, kv_heads=args.kv_heads, head_size=args.head_size,
+                           block_size=args.block_size, dtype=args.dtype)
+        cfg = ReplayConfig(
+            trace_path=trace, limit=args.limit, engines=args.engines,
+            pool_tokens=args.pool_tokens, mode=args.mode, speedup=args.speedup, shape=shape,
+            chunk_size=args.chunk_size, master_address=args.master,
+            agent_address=args.agent_address, wait_saves=args.wait_saves,
+            load_async=args.load_async, use_layerwise=args.layerwise,
+            progress_every=max(0, args.progress_every),
+        )
+        report = run_replay(cfg, on_status=lambda m: print(f"kvpool-replay: {m}",
+                                                           file=sys.stderr, flush=True))
+    except (FileNotFoundError, TraceError, ValueError) as exc:
+        print(f"kvpool-replay: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvpool-replay: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return 130
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+    else:
+        print(format_report(report))
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
