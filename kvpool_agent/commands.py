@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from typing import TYPE_CHECKING
 
 from kvpool_agent.pool import mooncake_master_health
@@ -36,6 +37,13 @@ PROBE_BYTES = 4096
 """Size of the health probe value (bytes)."""
 
 
+_BUFFERS: weakref.WeakKeyDictionary[Backend, ctypes.Array[ctypes.c_char]] = (
+    weakref.WeakKeyDictionary()
+)
+_BUFFERS_LOCK = threading.Lock()
+_PROBE_LOCK = threading.Lock()
+
+
 class CommandError(RuntimeError):
     """A command could not run here; the message tells the operator why and what to do."""
 
@@ -43,27 +51,29 @@ class CommandError(RuntimeError):
 class Prober:
     """Write, read back and remove one small key under ``PROBE_PREFIX``, timing each step.
 
-    Owns a ``2 * PROBE_BYTES`` host buffer registered once with the backend (zero-copy batch
-    calls only move registered memory); it lives as long as the agent.
+    Uses a ``2 * PROBE_BYTES`` host buffer registered once per backend (zero-copy batch calls
+    only move registered memory). The buffer lives as long as the backend, not the agent: a
+    freed but still registered range would make the next registration overlapping it fail.
     """
 
     def __init__(self, backend: Backend, agent_id: str) -> None:
         self._backend = backend
         self._agent_id = agent_id
-        self._buf: ctypes.Array[ctypes.c_char] | None = None
-        self._lock = threading.Lock()
 
     def _buffer(self) -> int:
-        if self._buf is None:
-            buf = ctypes.create_string_buffer(2 * PROBE_BYTES)
-            self._backend.register_buffer(ctypes.addressof(buf), 2 * PROBE_BYTES)
-            self._buf = buf
-        return ctypes.addressof(self._buf)
+        with _BUFFERS_LOCK:
+            buf = _BUFFERS.get(self._backend)
+            if buf is None:
+                buf = ctypes.create_string_buffer(2 * PROBE_BYTES)
+                self._backend.register_buffer(ctypes.addressof(buf), 2 * PROBE_BYTES)
+                _BUFFERS[self._backend] = buf
+        return ctypes.addressof(buf)
 
     def run(self) -> list[HealthCheck]:
         """Three checks, ``probe_put``, ``probe_get`` (bytes compared), ``probe_remove``.
         Never raises."""
-        with self._lock:
+        # One probe at a time per backend: they share the buffer.
+        with _PROBE_LOCK:
             return self._run()
 
     def _run(self) -> list[HealthCheck]:
@@ -129,7 +139,8 @@ def run_health(
     checks: list[HealthCheck] = []
     if backend is not None:
         checks.extend(backend.health())
-    if admin_url is not None:
+    # Mooncake's backend checks the master itself; only add the admin check when missing.
+    if admin_url is not None and not any(c.name == "master" for c in checks):
         checks.append(mooncake_master_health(admin_url))
     if prober is not None:
         checks.extend(prober.run())
