@@ -1,0 +1,200 @@
+"""``kvpool-config``: check deployment configs before anything starts.
+
+Commands:
+
+- ``kvpool-config validate USER_CONFIG.json [MORE.json ...] [--env ENV.json] [--strict] [--json]``
+  exit status 0 = clean (warnings allowed), 1 = warnings with ``--strict``, 2 = errors or an
+  unreadable file.
+- ``kvpool-config render USER_CONFIG.json [--out DIR] [--master-host HOST]``: the
+  ``mooncake_master`` command line and the ``MOONCAKE_CONFIG_PATH`` JSON.
+- ``kvpool-config schema [--out FILE]``: the JSON Schema (``config/kvpool.schema.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpool_connector.validate.loader import ConfigLoadError, load_json
+from kvpool_connector.validate.render import (
+    MASTER_CMD_NAME,
+    MOONCAKE_JSON_NAME,
+    RenderError,
+    render_mooncake,
+)
+from kvpool_connector.validate.rules import Finding
+from kvpool_connector.validate.schema import schema_text
+from kvpool_connector.validate.validator import FileReport, Options, validate_files
+
+__all__ = ["EXIT_CLEAN", "EXIT_ERRORS", "EXIT_WARNINGS", "exit_status", "main"]
+
+EXIT_CLEAN = 0
+EXIT_WARNINGS = 1
+EXIT_ERRORS = 2
+
+_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def exit_status(reports: Sequence[FileReport], *, strict: bool) -> int:
+    """2 when any error, 1 when warnings and ``strict``, else 0."""
+    severities = {f.severity for r in reports for f in r.findings}
+    if "error" in severities:
+        return EXIT_ERRORS
+    if strict and "warning" in severities:
+        return EXIT_WARNINGS
+    return EXIT_CLEAN
+
+
+def _format_text(reports: Sequence[FileReport]) -> str:
+    lines: list[str] = []
+    for report in reports:
+        counts = {s: sum(f.severity == s for f in report.findings) for s in _ORDER}
+        kind = report.shape or "unreadable"
+        lines.append(
+            f"{report.path} ({kind}): {counts['error']} error(s), {counts['warning']} "
+            f"warning(s), {counts['info']} note(s)"
+        )
+        for f in sorted(report.findings, key=lambda f: (_ORDER[f.severity], f.path)):
+            if f.rule == "load":
+                lines.append(f"  error: {f.message}")
+                continue
+            lines.append(f"  {f.severity:<7} {f.path}  [{f.rule}]")
+            lines.append(f"          {f.message}")
+            if f.fix:
+                lines.append(f"          fix: {f.fix}")
+    return "\n".join(lines)
+
+
+def _json_report(reports: Sequence[FileReport], status: int) -> str:
+    def item(report: FileReport, f: Finding) -> dict[str, str]:
+        return {"file": report.path, **f.to_dict()}
+
+    return json.dumps(
+        {
+            "exit_status": status,
+            "files": [{"path": r.path, "shape": r.shape} for r in reports],
+            "findings": [item(r, f) for r in reports for f in r.findings],
+            "summary": {
+                s: sum(f.severity == s for r in reports for f in r.findings) for s in _ORDER
+            },
+        },
+        indent=2,
+    )
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    target = None
+    if args.target:
+        try:
+            target = load_json(args.target)
+        except ConfigLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERRORS
+    options = Options(
+        role=args.role,
+        num_layers=args.num_layers,
+        hybrid={"auto": None, "yes": True, "no": False}[args.hybrid_attention],
+        target=target if isinstance(target, dict) else None,
+    )
+    reports = validate_files(args.files, env_path=args.env, options=options)
+    status = exit_status(reports, strict=args.strict)
+    print(_json_report(reports, status) if args.json else _format_text(reports))
+    return status
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    try:
+        rendered = render_mooncake(load_json(args.file), master_host=args.master_host)
+    except (ConfigLoadError, RenderError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERRORS
+    conf_text = json.dumps(rendered.mooncake_json, indent=2) + "\n"
+    if args.out is None:
+        print(f"# mooncake_master command line\n{rendered.master_command}\n")
+        print(f"# {MOONCAKE_JSON_NAME} (export MOONCAKE_CONFIG_PATH=/path/to/{MOONCAKE_JSON_NAME})")
+        print(conf_text, end="")
+        return EXIT_CLEAN
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MASTER_CMD_NAME).write_text(rendered.master_command + "\n")
+    (out / MOONCAKE_JSON_NAME).write_text(conf_text)
+    print(f"wrote {out / MASTER_CMD_NAME} and {out / MOONCAKE_JSON_NAME}")
+    print(f"start the master:  {rendered.master_command}")
+    print(f"engines:           export MOONCAKE_CONFIG_PATH={(out / MOONCAKE_JSON_NAME).resolve()}")
+    return EXIT_CLEAN
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    text = schema_text()
+    if args.out is None:
+        print(text, end="")
+    else:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return EXIT_CLEAN
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool-config",
+        description="Check KV-pool deployment configs (MindIE Motor user_config.json/env.json, "
+        "vLLM --kv-transfer-config) against the deployment guides' rules.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    val = sub.add_parser(
+        "validate", help="check config files; exit 0 clean, 1 warnings (--strict), 2 errors"
+    )
+    val.add_argument(
+        "files",
+        nargs="+",
+        help="user_config.json, env.json or kv_transfer_config JSON "
+        "(several plain kv_transfer_configs = instances on one host)",
+    )
+    val.add_argument(
+        "--env", help="MindIE env.json of the deployment (ASCEND_* timeouts, FabricMem)"
+    )
+    val.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
+    val.add_argument("--json", action="store_true", help="machine-readable output for CI")
+    val.add_argument(
+        "--role",
+        choices=("prefill", "decode", "mixed"),
+        help="instance role of a plain kv_transfer_config (checks kv_role)",
+    )
+    val.add_argument(
+        "--num-layers", type=int, help="the model's layer count (prefill_pp_layer_partition)"
+    )
+    val.add_argument(
+        "--hybrid-attention",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="whether the model uses hybrid attention (auto: from the model name)",
+    )
+    val.add_argument("--target", help="user_config.json of the service named by target_job_id")
+    val.set_defaults(func=_cmd_validate)
+    ren = sub.add_parser("render", help="write the mooncake_master command and mooncake.json")
+    ren.add_argument("file", help="MindIE user_config.json with kv_cache_store_config (mooncake)")
+    ren.add_argument(
+        "--out", help="directory for mooncake_master.cmd and mooncake.json (default: print)"
+    )
+    ren.add_argument(
+        "--master-host", default="127.0.0.1", help="host of mooncake_master for clients"
+    )
+    ren.set_defaults(func=_cmd_render)
+    sch = sub.add_parser("schema", help="print or write the JSON Schema of the KV-pool part")
+    sch.add_argument("--out", help="file to write (config/kvpool.schema.json)")
+    sch.set_defaults(func=_cmd_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvpool-config`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    status: int = args.func(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
