@@ -99,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.check_hub()
-            FleetHub(
+            hub = FleetHub(
                 args.address,
                 authorized_keys_dir=kp.authorized_dir if kp else None,
                 secret_key_file=kp.server_secret if kp else None,
                 audit_file=args.audit_file,
-            ).serve_forever()
+            ).start()
+            try:
+                _run_until_signal()
+            finally:
+                hub.stop()
             return 0
         if args.cmd == "store":
             if not args.hub:

@@ -210,15 +210,6 @@ class FleetHub:
     ) -> None:
         self.stop()
 
-    def serve_forever(self) -> None:
-        """Run until ``stop()`` or KeyboardInterrupt (for the ``kvpool-agent hub`` command)."""
-        self.start()
-        try:
-            while self._thread is not None and self._thread.is_alive():
-                self._thread.join(0.5)
-        finally:
-            self.stop()
-
     # -- read access for tests and embedding -------------------------------------------------
 
     def fleet(self) -> dict[str, tuple[EngineState, float]]:

@@ -1,0 +1,87 @@
+"""Fixtures for the agent tests: a hub on free ports, operator keys, a real Mooncake client."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_testlib import free_port_block
+
+from kvpool_agent import FleetHub, KeyPaths, generate_keys
+from kvpool_connector.services import LocalMooncakeMaster
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+# mooncake_master lives next to the interpreter in the venv; tests may run without PATH set.
+_BIN = os.path.join(sys.prefix, "bin")
+if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+
+
+@pytest.fixture(scope="session")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("keys")
+    generate_keys(root)
+    return root
+
+
+@pytest.fixture
+def hub_address() -> str:
+    return f"tcp://127.0.0.1:{free_port_block()}"
+
+
+@pytest.fixture
+def hub(hub_address: str, keys_dir: Path, tmp_path: Path) -> Iterator[FleetHub]:
+    kp = KeyPaths.of(keys_dir)
+    with FleetHub(
+        hub_address,
+        authorized_keys_dir=kp.authorized_dir,
+        secret_key_file=kp.server_secret,
+        audit_file=tmp_path / "audit.jsonl",
+        snapshot_interval_s=1.0,
+    ) as h:
+        yield h
+
+
+@pytest.fixture(scope="session")
+def agent_master() -> Iterator[LocalMooncakeMaster]:
+    """The agent tests' own master (flush tests remove whole scopes; keep others' keys apart)."""
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=10_000) as master:
+        yield master
+
+
+@pytest.fixture(scope="session")
+def mooncake_backend(agent_master: LocalMooncakeMaster) -> Iterator[Any]:
+    """The connector's real MooncakeBackend on ``agent_master`` (64 MB embedded segment)."""
+    from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+
+    backend = MooncakeBackend(
+        MooncakeConfig(
+            master_server_address=agent_master.address,
+            master_admin_url=agent_master.admin_url,
+            global_segment_size="64MB",
+            local_buffer_size="16MB",
+        )
+    )
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def pool_buffer(mooncake_backend: Any) -> ctypes.Array[ctypes.c_char]:
+    """1 MiB of host memory registered once with ``mooncake_backend`` (a range may only be
+    registered once, and must outlive its registration)."""
+    buf = ctypes.create_string_buffer(1 << 20)
+    mooncake_backend.register_buffer(ctypes.addressof(buf), 1 << 20)
+    return buf
+
+
+@pytest.fixture
+def model() -> str:
+    """A model name of the test's own, so its keys never meet another test's."""
+    return f"org/model-{uuid.uuid4().hex[:8]}"

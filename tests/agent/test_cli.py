@@ -1,0 +1,82 @@
+"""``kvpool-agent`` as real processes: keygen, a hub, and a store agent beside a real master."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_testlib import free_port_block
+
+from kvpool_agent import FleetClient
+from kvpool_agent.cli import main
+from kvpool_agent.protocol import FlushArgs
+from kvpool_connector.services import LocalMooncakeMaster
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvpool_agent.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_keygen_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keygen", str(tmp_path / "k")]) == 0
+    assert (tmp_path / "k" / "authorized_keys" / "operator.key").is_file()
+    assert oct((tmp_path / "k" / "operator.key_secret").stat().st_mode & 0o777) == "0o600"
+    assert main(["keygen", str(tmp_path / "k")]) == 2
+    assert "already generated" in capsys.readouterr().err
+    assert main(["hub", "--address", "udp://x", "--keys", str(tmp_path / "k")]) == 2
+
+
+def test_hub_and_store_agent_processes(
+    tmp_path: Path, agent_master: LocalMooncakeMaster, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    keys = tmp_path / "keys"
+    assert main(["keygen", str(keys)]) == 0
+    address = f"tcp://127.0.0.1:{free_port_block()}"
+    audit = tmp_path / "audit.jsonl"
+    hub = _spawn("hub", "--address", address, "--keys", str(keys), "--audit-file", str(audit))
+    procs.append(hub)
+    store = _spawn(
+        "store", "--hub", address, "--admin-url", agent_master.admin_url,
+        "--engine-id", "store-1", "--lease-ttl-ms", "10000", "--high-watermark", "0.8",
+    )
+    procs.append(store)
+    with FleetClient(address, keys_dir=keys) as c:
+        deadline_fleet = c.wait_for(1, 10)
+        assert "store-1" in deadline_fleet
+        for _ in range(60):
+            st = c.fleet()["store-1"].state
+            if st.pool is not None:
+                break
+            c.updates(100)
+        assert st.source.process_role == "store"
+        assert st.pool is not None and st.pool.healthy is True
+        assert (st.pool.high_watermark, st.pool.lease_ttl_ms) == (0.8, 10_000)
+        (h,) = c.command("health", targets=["store-1"])
+        assert h.ok and h.health is not None and [x.name for x in h.health.checks] == ["master"]
+        (f,) = c.command("flush", flush=FlushArgs(scope="all", dry_run=False))
+        assert f.agent_id == "store-1" and not f.ok and "no pool backend" in (f.error or "")
+    for p in (store, hub):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+    lines = [json.loads(x) for x in audit.read_text().splitlines()]
+    assert [x["command"] for x in lines] == ["health", "flush"]
+    assert lines[1]["who"].startswith("key:")

@@ -1,0 +1,289 @@
+"""Late joiners, several consoles, stale agents, sequence gaps, a hub that is not there, and
+10,000 fuzzed frames: none of it crashes the agent or the hub, and all of it is counted."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+from agent_testlib import make_source
+
+from kvpool_agent import FleetClient, FleetHub, start_agent
+from kvpool_agent.hub import ENGINES_PER_UPDATE
+from kvpool_agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    CommandRequest,
+    EngineState,
+    FleetUpdate,
+    Report,
+    SeqTracker,
+    encode,
+)
+
+
+def _report(agent_id: str, seq: int, kind: str = "delta", v: int = PROTOCOL_VERSION) -> bytes:
+    src = msgspec.structs.replace(make_source(), agent_id=agent_id, engine_id=agent_id)
+    st = EngineState(source=src, started_ms=1.0, ts_ms=time.time() * 1e3)
+    return encode(Report(v=v, seq=seq, kind=kind, state=st))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def dealer(hub: FleetHub) -> Iterator[zmq.Socket[bytes]]:
+    """A raw agent-side socket connected to the hub, for hand-made frames."""
+    ctx = zmq.Context()
+    s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(hub.ports.agents)
+    yield s
+    s.close(linger=0)
+    ctx.term()
+
+
+def test_late_and_concurrent_consoles_get_the_full_state_within_a_second(
+    hub: FleetHub, hub_address: str
+) -> None:
+    handles = [start_agent(make_source("eng-late", tp=i), address=hub_address) for i in range(3)]
+    try:
+        for i, h in enumerate(handles):
+            h.reporter.lookup(f"r{i}", 1000, 0, 100 * (i + 1), 1.0)
+        time.sleep(0.5)  # the agents have reported before any console exists
+        for _ in range(2):  # a console that starts, quits and starts again
+            with FleetClient(hub_address) as a, FleetClient(hub_address) as b:
+                t0 = time.monotonic()
+                fa, fb = a.wait_for(3, 1.0), b.wait_for(3, 1.0)
+                assert time.monotonic() - t0 < 1.0
+                for fleet in (fa, fb):
+                    hits = sorted(e.state.lookup.pool_hit_tokens for e in fleet.values())
+                    assert hits == [100, 200, 300]
+                assert a.gaps.total_gaps == 0 and b.bad_messages == 0
+    finally:
+        for h in handles:
+            h.stop()
+
+
+def test_silent_agents_stay_listed_with_their_last_state(hub: FleetHub, hub_address: str) -> None:
+    h = start_agent(make_source("eng-quiet"), address=hub_address)
+    h.reporter.lookup("r", 512, 0, 256, 1.0)
+    aid = h.source.agent_id
+    with FleetClient(hub_address) as c:
+        c.wait_for(1, 3)
+        h.stop()
+        time.sleep(1.5)  # hub snapshots keep coming; this agent's last_seen does not move
+        c.updates(1000)
+        entry = c.fleet()[aid]
+        assert entry.state.lookup.pool_hit_tokens == 256
+        assert entry.age_s() >= 1.0
+        assert aid in hub.fleet()
+
+
+def test_sequence_gaps_are_detected_by_hub_and_console(
+    hub: FleetHub, hub_address: str, dealer: zmq.Socket[bytes]
+) -> None:
+    for seq in (1, 2, 5, 6, 9):
+        dealer.send(_report("gappy", seq, "snapshot" if seq == 1 else "delta"))
+    with FleetClient(hub_address) as c:
+        deadline = time.monotonic() + 5
+        while c.fleet().get("gappy") is None or c.fleet()["gappy"].report_gaps < 4:
+            assert time.monotonic() < deadline, c.fleet().get("gappy")
+            c.updates(100)
+    assert hub.gaps == 4 and hub.seq_tracker.gaps == {"gappy": 4}
+    # A sender whose seq starts again from 1 restarted: not a gap.
+    dealer.send(_report("gappy", 1, "snapshot"))
+    deadline = time.monotonic() + 3
+    while hub.seq_tracker.restarts < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert hub.gaps == 4
+
+
+def test_console_detects_gaps_in_fleet_updates(hub_address: str) -> None:
+    # A stand-in hub publisher that skips seq 3 and 4.
+    c = FleetClient(hub_address)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind(c.ports.pub)
+    try:
+        assert pub.poll(3000), "the console never subscribed"
+        pub.recv()
+        for seq in (1, 2, 5):
+            upd = FleetUpdate(v=PROTOCOL_VERSION, seq=seq, kind="delta", ts_ms=1.0, engines=[])
+            pub.send(encode(upd))
+        got = 0
+        deadline = time.monotonic() + 3
+        while got < 3 and time.monotonic() < deadline:
+            got += len(c.updates(100))
+        assert got == 3 and c.gaps.total_gaps == 2
+    finally:
+        c.close()
+        pub.close(linger=0)
+        ctx.term()
+
+
+def test_seq_tracker_counts() -> None:
+    t = SeqTracker()
+    assert [t.observe("a", s) for s in (3, 4, 7, 8)] == [0, 0, 2, 0]
+    assert t.observe("a", 1) == 0 and t.restarts == 1
+    assert t.observe("b", 10) == 0 and t.total_gaps == 2
+
+
+def test_no_hub_never_blocks_and_memory_stays_bounded(hub_address: str) -> None:
+    # Nobody listens at hub_address: the agent drops and counts, the engine never waits.
+    h = start_agent(make_source("eng-alone"), address=hub_address)
+    try:
+        rep = h.reporter
+        n = 200_000
+        t0 = time.perf_counter()
+        for i in range(n):
+            rep.transfer_progress("r", "load", i)
+        per_event_us = (time.perf_counter() - t0) / n * 1e6
+        assert per_event_us < 20, per_event_us
+        assert rep.depth <= 65_536
+        deadline = time.monotonic() + 5
+        while h.counters["reports_dropped"] < 2:
+            assert time.monotonic() < deadline, h.counters
+            time.sleep(0.05)
+        assert h.counters["sent"] == 0
+        st = h.state()
+        assert st.process.reports_dropped >= 2 and st.process.queue_depth == 0
+        # A hub that appears later gets a snapshot at once (connect -> snapshot).
+        with FleetHub(hub_address) as hub_late, FleetClient(hub_address) as c:
+            fleet = c.wait_for(1, 3)
+            assert h.source.agent_id in fleet
+            assert fleet[h.source.agent_id].state.process.reports_dropped >= 2
+            assert hub_late.reports >= 1
+    finally:
+        h.stop()
+
+
+def test_without_an_address_the_agent_is_off_and_bad_addresses_never_raise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVPOOL_AGENT_ADDRESS", raising=False)
+    off = start_agent(make_source("eng-off"))
+    assert not off.enabled
+    off.reporter.lookup("r", 10, 0, 5, 1.0)
+    assert off.reporter.depth == 0 and off.reporter.dropped == 1
+    off.stop()
+    bad = start_agent(make_source("eng-bad"), address="not an address")
+    assert not bad.enabled
+    bad.stop()
+    monkeypatch.setenv("KVPOOL_AGENT_ADDRESS", "tcp://127.0.0.1:1")
+    env = start_agent(make_source("eng-env"))
+    assert env.enabled
+    env.stop()
+
+
+def test_large_fleet_snapshot_spans_several_updates(
+    hub: FleetHub, hub_address: str, dealer: zmq.Socket[bytes]
+) -> None:
+    n = 2 * ENGINES_PER_UPDATE + 44
+    for i in range(n):
+        dealer.send(_report(f"bulk-{i:04d}", 1, "snapshot"))
+    deadline = time.monotonic() + 5
+    while len(hub.fleet()) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with FleetClient(hub_address) as c:
+        t0 = time.monotonic()
+        fleet = c.wait_for(n, 2.0)
+        assert len(fleet) == n and time.monotonic() - t0 < 1.0
+
+
+def _fuzz_frames(n: int, rng: random.Random) -> list[list[bytes]]:
+    valid = _report("fuzz-target", 1, "snapshot")
+    cmd = encode(CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="x", command="snapshot"))
+    frames: list[list[bytes]] = []
+    for i in range(n):
+        kind = i % 5
+        if kind == 0:
+            frames.append([rng.randbytes(rng.randint(0, 300))])
+        elif kind == 1:
+            src = valid if i % 2 else cmd
+            frames.append([src[: rng.randint(0, len(src) - 1)]])
+        elif kind == 2:
+            frames.append([_report("fuzz-target", 1, v=rng.choice([0, 2, 99, -1]))])
+        elif kind == 3:
+            # Valid msgpack of the wrong shape, or two frames where one is expected.
+            frames.append([msgspec.msgpack.encode({"type": "report", "v": 1, "seq": "x"})])
+            if i % 10 == 3:
+                frames[-1] = [valid, valid]
+        else:
+            frames.append([msgspec.msgpack.encode(rng.random())])
+    for i in range(0, n, n // 5):
+        frames[i] = [b"\x00" * (MAX_MESSAGE_BYTES + 1)]  # oversized: refused unread
+    return frames
+
+
+def _send_all(sock: zmq.Socket[bytes], frames: list[list[bytes]], prefix: list[bytes]) -> None:
+    for f in frames:
+        while True:
+            try:
+                sock.send_multipart([*prefix, *f], zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                time.sleep(0.001)
+
+
+def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
+    hub: FleetHub, hub_address: str, dealer: zmq.Socket[bytes]
+) -> None:
+    rng = random.Random(1234)
+    n = 10_000
+    # Hub, agent port and plain command port: 10,000 frames each.
+    _send_all(dealer, _fuzz_frames(n, rng), [])
+    ctx = zmq.Context()
+    console = ctx.socket(zmq.DEALER)
+    console.connect(hub.ports.commands)
+    _send_all(console, _fuzz_frames(n, rng), [])
+    deadline = time.monotonic() + 30
+    while hub.bad_messages < 2 * n:
+        assert time.monotonic() < deadline, hub.bad_messages
+        time.sleep(0.05)
+    assert hub.bad_messages == 2 * n and hub.reports == 0
+
+    # The agent: a stand-in hub ROUTER sends it 10,000 fuzzed frames.
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    h = start_agent(make_source("eng-fuzz"), address=f"tcp://127.0.0.1:{port}")
+    try:
+        assert router.poll(5000)
+        rid, _ = router.recv_multipart()
+        _send_all(router, _fuzz_frames(n, rng), [rid])
+        deadline = time.monotonic() + 30
+        while h.counters["bad_messages"] < n:
+            assert time.monotonic() < deadline, h.counters
+            time.sleep(0.05)
+        assert h.counters["bad_messages"] == n
+        # Still alive: it answers a real command and keeps reporting its real state.
+        h.reporter.lookup("after-fuzz", 100, 0, 50, 1.0)
+        req = CommandRequest(v=PROTOCOL_VERSION, seq=2, request_id="ok?", command="snapshot")
+        router.send_multipart([rid, encode(req)])
+        deadline = time.monotonic() + 5
+        while True:
+            assert router.poll(int(max(0.0, deadline - time.monotonic()) * 1000))
+            _, frame = router.recv_multipart()
+            msg = msgspec.msgpack.decode(frame)
+            if msg.get("type") == "reply":
+                assert msg["ok"] and msg["snapshot"]["process"]["bad_messages"] == n
+                assert msg["snapshot"]["lookup"]["pool_hit_tokens"] == 50
+                break
+    finally:
+        h.stop()
+        router.close(linger=0)
+        console.close(linger=0)
+        ctx.term()
+    # The hub still serves real agents and consoles after its own 20,000.
+    real = start_agent(make_source("eng-after"), address=hub_address)
+    try:
+        with FleetClient(hub_address) as c:
+            assert real.source.agent_id in c.wait_for(1, 3)
+            (r,) = c.command("snapshot", targets=[real.source.agent_id])
+            assert r.ok
+    finally:
+        real.stop()
