@@ -49,23 +49,26 @@ class EngineDetailScreen(Screen[None]):
             with Vertical():
                 yield Label("throughput", id="tp-label")
                 yield Sparkline([], id="tp-spark")
+        # Columns exist before mount: the app may redraw this screen before it is mounted.
+        t: DataTable[str] = DataTable(id="inflight", cursor_type="row")
+        t.add_columns("Request", "Kind", "Agent", "Blocks", "Bytes", "Layers", "Lease", "Age")
+        e: DataTable[str | Text] = DataTable(id="errors", cursor_type="row")
+        e.add_columns("Age", "Where", "Error", "Hint", "Message", "Agent")
         yield Label("In-flight transfers", classes="section")
-        yield DataTable(id="inflight", cursor_type="row")
+        yield t
         yield Label("Recent errors", classes="section")
-        yield DataTable(id="errors", cursor_type="row")
+        yield e
         yield Footer()
 
     def on_mount(self) -> None:
         self.title = f"engine {self.engine_id}"
-        t = self.query_one("#inflight", DataTable)
-        t.add_columns("Request", "Kind", "Agent", "Blocks", "Bytes", "Layers", "Lease", "Age")
-        e = self.query_one("#errors", DataTable)
-        e.add_columns("Age", "Where", "Error", "Hint", "Message", "Agent")
 
     def update_from(self, row: EngineRow | None, states: Mapping[str, EngineState],
                     hit_history: Sequence[float], tp_history: Sequence[float],
                     now_ms: float) -> None:
         """Redraw from the latest view ``row`` and the raw agent ``states`` of this engine."""
+        if not self.is_mounted:
+            return
         summary = self.query_one("#detail-summary", Static)
         if row is None:
             summary.update(Text(f"{self.engine_id}: no longer reported", style="red"))
@@ -98,8 +101,10 @@ class EngineDetailScreen(Screen[None]):
                           fmt_age(now_ms - tr.started_ms))
         e = self.query_one("#errors", DataTable)
         e.clear()
-        errs = sorted(((err, s.source.agent_id) for s in mine for err in s.recent_errors),
-                      key=lambda x: -x[0].ts_ms)
+        # The hub appends each delta's errors; a retransmitted delta must not show twice.
+        unique = {(s.source.agent_id, err.ts_ms, err.where, err.name, err.req_id):
+                  (err, s.source.agent_id) for s in mine for err in s.recent_errors}
+        errs = sorted(unique.values(), key=lambda x: (-x[0].ts_ms, x[1]))
         for err, agent in errs[:50]:
             e.add_row(fmt_age(now_ms - err.ts_ms), err.where,
                       Text(err.name, style="bold red"), HINTS.get(err.name, ""), err.message,
