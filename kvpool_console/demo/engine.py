@@ -50,6 +50,10 @@ __all__ = [
     "run_engine_spec",
 ]
 
+_IDLE_STEP_S = 0.0005
+"""Pause between idle steps while waiting for transfers: leaves the GIL to the connector's
+transfer threads (a busy loop would slow them down)."""
+
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -297,6 +301,10 @@ class SimEngine:
         # int16 views address the same bytes; used to write and check block values exactly.
         self._views = [t.view(torch.int16) for t in self.kv_caches.values()]
         self.blocks = _BlockPool(num_blocks)
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        # vLLM's block objects, one per block id, reused like vLLM's BlockPool does.
+        self._kv_blocks = [KVCacheBlock(b) for b in range(num_blocks)]
         vcfg = _vllm_config(spec)
         kcfg = _kv_cache_config(spec, num_blocks, self.layer_names)
         self.worker = KVPoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
@@ -400,7 +408,6 @@ class SimEngine:
         """Replay one trace request; returns its hit tokens (served by the pool)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock
         from vllm.v1.request import Request, RequestStatus
 
         spec, s = self.spec, self.spec.shape
@@ -420,7 +427,7 @@ class SimEngine:
         # Loaded blocks start as garbage, so a load that writes nothing is caught.
         for view in self._views:
             view[torch.tensor(live.block_ids)] = -1
-        kv_blocks = KVCacheBlocks((tuple(KVCacheBlock(b) for b in live.block_ids),))
+        kv_blocks = KVCacheBlocks((tuple(self._kv_blocks[b] for b in live.block_ids),))
         self.scheduler.update_state_after_alloc(req, kv_blocks, matched)
         self.result.claimed_tokens += matched
 
@@ -433,6 +440,7 @@ class SimEngine:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"asynchronous load of {rid} did not finish in 120 s")
                 self._step([], None)
+                time.sleep(_IDLE_STEP_S)
             self._recving.discard(rid)
             computed = self._valid_prefix(live, matched)
             req.num_computed_tokens = computed
@@ -478,6 +486,7 @@ class SimEngine:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"saves of {rid} did not finish in 120 s")
                 self._step([], None)
+                time.sleep(_IDLE_STEP_S)
         return computed
 
     def _valid_prefix(self, live: _Live, matched: int) -> int:
@@ -506,7 +515,7 @@ class SimEngine:
         deadline = time.monotonic() + timeout_s
         while self._pending_free and time.monotonic() < deadline:
             self._step([], None)
-            time.sleep(0.001)
+            time.sleep(_IDLE_STEP_S)
 
     def close(self) -> None:
         """Shut both connector roles down."""

@@ -52,9 +52,13 @@ _MIB = 1 << 20
 
 
 def engine_env() -> dict[str, str]:
-    """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1 and this
-    interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH``."""
+    """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1, this
+    interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH`` and
+    this source tree on ``PYTHONPATH`` (engines import the same kvpool, installed or not)."""
     env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    if src not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     bindir = str(Path(sys.executable).parent)
     if bindir not in env.get("PATH", "").split(os.pathsep):

@@ -1,0 +1,86 @@
+"""Replay slices of both Mooncake traces through KVPoolConnector and a real mooncake_master;
+the hit rate must equal the independently computed prefix-reuse ceiling exactly (unbounded
+pool) and stay at or below it with a bounded pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool_console.demo.engine import ModelShape
+from kvpool_console.demo.reference import prefix_ceiling
+from kvpool_console.demo.replay import ReplayConfig, reference_for, run_replay
+from kvpool_console.demo.tokens import request_tokens
+from kvpool_console.demo.trace import default_trace_path, load_trace
+
+SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_conversation_slice_reaches_ceiling_exactly() -> None:
+    trace = default_trace_path("conversation_trace.jsonl")
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=300, shape=SHAPE))
+    assert report.errors == []
+    reqs = load_trace(trace, limit=300)
+    from kvpool_connector.keys import chunk_hashes
+
+    ceiling = prefix_ceiling(
+        [(r.input_length, chunk_hashes(request_tokens(r), 512)) for r in reqs], 512
+    )
+    assert report.requests == 300
+    assert report.input_tokens == ceiling.input_tokens == sum(r.input_length for r in reqs)
+    assert ceiling.hit_tokens > 0
+    assert report.hit_tokens == ceiling.hit_tokens
+    # Per request, in trace order: the same hit as the unbounded reference.
+    (engine,) = report.per_engine
+    assert [h for _, h in sorted(engine.per_request)] == ceiling.per_request
+    assert report.hit_rate == pytest.approx(report.ceiling_hit_rate, abs=0)
+    assert report.lru_hit_rate == report.ceiling_hit_rate  # unbounded: LRU never evicts
+    assert report.load_errors == 0 and report.corrupt_blocks == 0
+    assert report.loaded_bytes == report.hit_tokens * SHAPE.bytes_per_token
+    assert report.saved_bytes > report.loaded_bytes > 0
+    assert report.pool_evicted_keys == 0
+    assert report.peak_rss_engine_bytes > 0 and report.peak_rss_master_bytes > 0
+
+
+def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
+    trace = default_trace_path("synthetic_trace.jsonl")
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool_console.demo.replay_cli", str(trace), "--limit", "250",
+         "--json", "--progress-every", "0"],
+        capture_output=True, text=True, env=env, timeout=170, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    for field in ("requests", "input_tokens", "hit_tokens", "hit_rate", "ceiling_hit_rate",
+                  "lru_hit_rate", "saved_bytes", "loaded_bytes", "load_errors", "wall_s",
+                  "peak_rss_engine_bytes", "peak_rss_master_bytes"):
+        assert field in report, field
+    ceiling, _ = reference_for(load_trace(trace, limit=250), 512, None)
+    assert report["requests"] == 250
+    assert ceiling.hit_tokens > 0
+    assert report["hit_tokens"] == ceiling.hit_tokens
+    assert report["hit_rate"] == report["ceiling_hit_rate"] == pytest.approx(ceiling.hit_rate)
+    assert report["load_errors"] == 0 and report["corrupt_blocks"] == 0
+
+
+def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
+    trace = default_trace_path("conversation_trace.jsonl")
+    pool_tokens = 300_000  # well below the ~2.5 M tokens of distinct chunks in the slice
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=200, shape=SHAPE,
+                                     pool_tokens=pool_tokens))
+    assert report.errors == []
+    assert report.pool_tokens == pool_tokens
+    assert 0 < report.hit_rate <= report.ceiling_hit_rate
+    assert 0 < report.lru_hit_rate <= report.ceiling_hit_rate
+    # The pool filled up: Mooncake evicted (or refused puts) instead of growing.
+    assert report.pool_evicted_keys > 0
+    assert report.corrupt_blocks == 0
