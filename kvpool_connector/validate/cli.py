@@ -95,6 +95,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             return EXIT_ERRORS
     options = Options(
         role=args.role,
+        block_size=args.block_size,
         num_layers=args.num_layers,
         hybrid={"auto": None, "yes": True, "no": False}[args.hybrid_attention],
         target=target if isinstance(target, dict) else None,
@@ -162,6 +163,11 @@ def _parser() -> argparse.ArgumentParser:
         "--role",
         choices=("prefill", "decode", "mixed"),
         help="instance role of a plain kv_transfer_config (checks kv_role)",
+    )
+    val.add_argument(
+        "--block-size",
+        type=int,
+        help="vLLM block size of a plain kv_transfer_config's engine (KVPoolConnector chunk_size)",
     )
     val.add_argument(
         "--num-layers", type=int, help="the model's layer count (prefill_pp_layer_partition)"

@@ -91,10 +91,12 @@ def load_json(path: str | Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        hint = " (the file ends early: truncated?)" if exc.pos >= len(text.rstrip()) else ""
-        raise ConfigLoadError(
-            name, f"invalid JSON: {exc.msg}{hint}", exc.lineno, exc.colno
-        ) from None
+        # json reports an unclosed string at its start; that only happens when the text ends.
+        unclosed = exc.msg.startswith("Unterminated string")
+        msg = "a string is not closed" if unclosed else exc.msg
+        truncated = unclosed or exc.pos >= len(text.rstrip())
+        hint = " (the file ends early: truncated?)" if truncated else ""
+        raise ConfigLoadError(name, f"invalid JSON: {msg}{hint}", exc.lineno, exc.colno) from None
 
 
 def detect_shape(doc: Any, path: str = "<document>") -> Shape:

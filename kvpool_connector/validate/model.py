@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_MMC_CONFIG_STORE_PORT",
     "DEFAULT_MMC_METRICS_PORT",
     "DEPLOY_MODES",
+    "KVPOOL_BACKEND_KEYS",
     "KVPOOL_EXTRA_KEYS",
     "KV_ROLES",
     "LOAD_FAILURE_POLICIES",
@@ -126,7 +127,12 @@ KVPOOL_EXTRA_KEYS = frozenset(
     }
 )
 """``kv_connector_extra_config`` keys of this project's KVPoolConnector
-(``kvpool_connector.config.KVPoolConfig``); backend-specific keys may sit next to them."""
+(``kvpool_connector.config.KVPoolConfig``); backend keys (:data:`KVPOOL_BACKEND_KEYS`) may sit
+next to them."""
+
+KVPOOL_BACKEND_KEYS = frozenset({"mooncake_config_path", "mooncake", "master_admin_url"})
+"""Backend keys KVPoolConnector's Mooncake backend reads from ``kv_connector_extra_config``
+(``kvpool_connector.backends.mooncake.MooncakeConfig.load``)."""
 
 _PORT_SCHEMA: dict[str, Any] = {
     "anyOf": [
@@ -326,6 +332,14 @@ class MooncakeClientConfig(_Open):
     )
     global_segment_size: int | str | None = Field(default=None, json_schema_extra=_SIZE_SCHEMA)
     local_buffer_size: int | str | None = Field(default=None, json_schema_extra=_SIZE_SCHEMA)
+    store_mode: str | None = Field(
+        default=None,
+        description="kvpool's Mooncake backend: standalone = this engine contributes no memory.",
+        json_schema_extra={"enum": list(STORE_MODES)},
+    )
+    master_admin_url: str | None = Field(
+        default=None, description="mooncake_master HTTP admin URL (kvpool's Mooncake backend)."
+    )
     preferred_segment: bool | None = None
     prefer_alloc_in_same_node: bool | None = None
     enable_ssd_offload: bool | None = None

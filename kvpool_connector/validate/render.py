@@ -90,6 +90,8 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
         "master_server_address": f"{master_host}:{port}",
         "global_segment_size": 0 if standalone else store.get("global_segment_size", "1GB"),
     }
+    if standalone:
+        conf["store_mode"] = "standalone"
     for key in ("local_buffer_size", "tenant_id", "enable_ssd_offload", "ssd_offload_path"):
         if key in store:
             conf[key] = store[key]

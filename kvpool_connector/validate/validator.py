@@ -26,6 +26,7 @@ from kvpool_connector.validate.model import (
     DEFAULT_MMC_CONFIG_STORE_PORT,
     DEFAULT_MMC_METRICS_PORT,
     DEPLOY_MODES,
+    KVPOOL_BACKEND_KEYS,
     KVPOOL_EXTRA_KEYS,
     EnvFile,
     KVCacheStoreConfig,
@@ -98,6 +99,8 @@ class Options:
     Attributes:
         role: instance role of a plain kv_transfer_config (``prefill``/``decode``/``mixed``);
             ``None`` = do not check kv_role against a role.
+        block_size: vLLM block size (tokens) of a plain kv_transfer_config's engine, for
+            KVPoolConnector's ``chunk_size``; a MindIE file's ``engine_config.block_size`` wins.
         num_layers: the model's layer count for ``prefill_pp_layer_partition`` (else taken from
             ``engine_config.hf_overrides.num_hidden_layers`` when present).
         hybrid: force hybrid-attention on/off; ``None`` = judge from the model name.
@@ -105,6 +108,7 @@ class Options:
     """
 
     role: str | None = None
+    block_size: int | None = None
     num_layers: int | None = None
     hybrid: bool | None = None
     target: dict[str, Any] | None = None
@@ -338,7 +342,11 @@ def _check_store_extra(
         if extra.get("use_layerwise") is True:
             inst.layerwise.append(f"{epath}.use_layerwise")
         return
-    known = ASCEND_STORE_EXTRA_KEYS if name == "AscendStoreConnector" else KVPOOL_EXTRA_KEYS
+    known = (
+        ASCEND_STORE_EXTRA_KEYS
+        if name == "AscendStoreConnector"
+        else KVPOOL_EXTRA_KEYS | KVPOOL_BACKEND_KEYS
+    )
     ctx.extend(
         R.check_unknown_keys(
             extra,
@@ -418,7 +426,7 @@ def _check_store_extra(
                 )
             )
         chunk = _as_int(extra.get("chunk_size"))
-        block = _as_int(_get(engine, "block_size"))
+        block = _as_int(_get(engine, "block_size")) or ctx.options.block_size
         if chunk is not None and block is not None:
             ctx.add(
                 R.check_block_multiple(
@@ -620,15 +628,23 @@ def _check_ktc(
                     what="a MultiConnector child (vLLM builds a KVTransferConfig from it)",
                     severity="error",
                     misplaced={
-                        "kv_load_failure_policy": f"{path} (the MultiConnector's top level)",
-                        **{
-                            k: f"{cpath}.kv_connector_extra_config"
-                            for k in _CONNECTOR_KEYS | {"backend"}
-                        },
+                        k: f"{cpath}.kv_connector_extra_config"
+                        for k in _CONNECTOR_KEYS | {"backend"}
                     },
                     consequence="",
                 )
             )
+            if "kv_load_failure_policy" in child:
+                ctx.add(
+                    Finding(
+                        "warning",
+                        "misplaced-key",
+                        f"{cpath}.kv_load_failure_policy",
+                        "kv_load_failure_policy on a MultiConnector child has no effect: vLLM's "
+                        "scheduler reads the top-level kv_transfer_config's policy",
+                        f"move it to {path} (the MultiConnector's top level)",
+                    )
+                )
             cname = str(child.get("kv_connector") or "")
             _connector_role_check(ctx, cname, child, cpath, role, instance, i)
             children.append((cname, child, cpath, i))
@@ -683,7 +699,7 @@ def _check_ktc(
     for cname, child, cpath, _i in children:
         ckind = _classify(cname)
         port_value = child.get("kv_port")
-        if port_value is not None:
+        if isinstance(port_value, int | str) and not isinstance(port_value, bool):
             port = _as_int(port_value)
             if port is None or not 0 < port < 65536:
                 ctx.add(

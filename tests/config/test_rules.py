@@ -1,0 +1,193 @@
+"""Every rule of issue 5 has a minimal broken file in ``cases/`` and the exact finding it produces.
+
+``expected_findings.json`` lists, per case file, every error and warning the validator must
+report for it (severity, rule id, JSON path, message), no more and no less; ``info`` notes are
+checked in ``test_examples.py``. ``ISSUE_RULES`` ties each rule of the issue to its cases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.validate.loader import load_json
+from kvpool_connector.validate.model import KVPOOL_EXTRA_KEYS
+from kvpool_connector.validate.validator import Options, validate_files
+
+HERE = Path(__file__).parent
+CASES = HERE / "cases"
+EXPECTED: list[dict[str, Any]] = json.loads((HERE / "expected_findings.json").read_text())
+
+ISSUE_RULES: dict[str, list[str]] = {
+    "malformed or truncated JSON gives one clear error": [
+        "malformed.json",
+        "truncated.json",
+        "empty.json",
+        "unknown_shape.json",
+        "type_kv_port.json",
+    ],
+    "MultiConnector: transfer connector first, store connector second": [
+        "connector_order.json",
+        "ucm_order.json",
+    ],
+    "connector names outside the known set are reported": ["unknown_connector.json"],
+    "unknown or misplaced keys (with the place they belong)": [
+        "unknown_top_key.json",
+        "misplaced_top_key.json",
+        "misspelt_extra_key.json",
+        "misplaced_store_key.json",
+        "misplaced_connector_key.json",
+        "deprecated_rpc_port.json",
+        "env_misplaced.env.json",
+    ],
+    "kv_role per instance; MultiConnector children agree with the parent": [
+        "kv_role_prefill.json",
+        "kv_role_plain.json",
+        "child_role.json",
+    ],
+    "store connector backend equals kv_cache_store_config.backend; allowed values": [
+        "backend_match.json",
+        "backend_choice.json",
+        "backend_ucm.json",
+        "backend_yuanrong.json",
+        "store_config_missing.json",
+        "store_one_side.json",
+    ],
+    "mooncake eviction ratios required and in (0, 1]": [
+        "eviction_missing.json",
+        "eviction_range.json",
+    ],
+    "default_kv_lease_ttl exceeds ASCEND_CONNECT_TIMEOUT and ASCEND_TRANSFER_TIMEOUT": [
+        "lease_ttl.json",
+        "env_timeout_units.env.json",
+        "env_timeout_int.env.json",
+    ],
+    "global_segment_size parses; whole GB with FabricMem": [
+        "segment_parse.json",
+        "segment_fabric.json",
+        "env_consistency.env.json",
+    ],
+    "store_mode embedded|standalone": ["store_mode.json"],
+    "ssd_offload_path absolute": ["ssd_path.json"],
+    "protocol is known": ["protocol.json", "protocol_npu.json", "mooncake_address.json"],
+    "memcache local_service_mode inprocess|standalone": ["local_service_mode.json"],
+    "kv_port inside the Ascend Direct Transport port range collides": ["ascend_port_window.json"],
+    "no two services share a port": ["engine_port_conflict.json", "store_port_conflict.json"],
+    "use_layerwise needs piecewise graph capture": ["layerwise_graph.json", "layerwise_role.json"],
+    "prefill_pp_layer_partition sums to the model's layer count": ["pp_partition.json"],
+    "block size multiple of the hash block size": ["block_size.json", "chunk_size.json"],
+    "hybrid-attention model needs MooncakeHybridConnector": ["hybrid_connector.json"],
+    "UCM: kv_both on prefill only, decode does not load it": [
+        "ucm_role.json",
+        "ucm_decode.json",
+        "ucm_mount.json",
+        "ucm_capacity.json",
+    ],
+    "target_job_id: what happens, deploy_mode mismatch": ["target_job.json"],
+    "kv_load_failure_policy recompute recommended, top level under MultiConnector": [
+        "load_policy_unset.json",
+        "load_policy_bad.json",
+        "load_policy_child.json",
+    ],
+    "connector settings this project and vllm-ascend check at start-up": [
+        "module_path.json",
+        "agent_address.json",
+        "qos_priority.json",
+        "pythonhashseed.json",
+    ],
+}
+
+
+def _findings(spec: dict[str, Any]) -> list[dict[str, str]]:
+    target = load_json(CASES / spec["target"]) if "target" in spec else None
+    options = Options(**spec.get("options", {}), target=target)
+    env = CASES / spec["env"] if "env" in spec else None
+    report = validate_files([CASES / spec["case"]], env_path=env, options=options)[-1]
+    return sorted(
+        (
+            {"severity": f.severity, "rule": f.rule, "path": f.path, "message": f.message}
+            for f in report.findings
+            if f.severity != "info"
+        ),
+        key=lambda d: (d["path"], d["message"]),
+    )
+
+
+@pytest.mark.parametrize("spec", EXPECTED, ids=[s["case"] for s in EXPECTED])
+def test_broken_case_produces_exactly_its_findings(spec: dict[str, Any]) -> None:
+    expected = sorted(
+        ({**e, "message": e["message"].replace("{cases}", str(CASES))} for e in spec["expected"]),
+        key=lambda d: (d["path"], d["message"]),
+    )
+    assert _findings(spec) == expected
+
+
+def test_every_issue_rule_has_a_case_and_every_case_a_rule() -> None:
+    named = {case for cases in ISSUE_RULES.values() for case in cases}
+    checked = {spec["case"] for spec in EXPECTED}
+    assert named == checked
+    for case in named:
+        assert (CASES / case).is_file(), case
+
+
+def test_lookup_rpc_port_unique_per_instance_on_one_host() -> None:
+    reports = validate_files([CASES / "host_a.json", CASES / "host_b.json"])
+    assert [f for f in reports[0].findings if f.severity != "info"] == []
+    [clash] = reports[1].findings
+    assert (clash.severity, clash.rule, clash.path) == (
+        "error",
+        "lookup-rpc-port",
+        "$.kv_connector_extra_config.lookup_rpc_port",
+    )
+    assert clash.message == (
+        f"lookup_rpc_port uses port 1, already used by lookup_rpc_port ({CASES}/host_a.json: "
+        "$.kv_connector_extra_config.lookup_rpc_port) on the same host"
+    )
+    assert clash.fix == "give every instance on the host its own lookup_rpc_port"
+
+
+def test_ascend_base_port_moves_the_port_window() -> None:
+    """The same kv_port 20001 is fine once ASCEND_BASE_PORT moves the window above it."""
+    doc = load_json(CASES / "ascend_port_window.json")
+    user = {
+        "kv_cache_store_config": {
+            "backend": "mooncake",
+            "eviction_high_watermark_ratio": 0.9,
+            "eviction_ratio": 0.1,
+        },
+        "motor_engine_union_config": {"engine_config": {"kv_transfer_config": doc}},
+    }
+    from kvpool_connector.validate.validator import validate_document
+
+    moved = {"motor_common_env": {"ASCEND_BASE_PORT": "40000", "PYTHONHASHSEED": "0"}}
+    rules = {f.rule for f in validate_document(user, "user_config", env=moved)}
+    assert "ascend-port-window" not in rules
+    rules = {f.rule for f in validate_document(user, "user_config", env={"motor_common_env": {}})}
+    assert "ascend-port-window" in rules
+
+
+def test_kvpool_connector_keys_match_the_connector() -> None:
+    """The validator's KVPoolConnector keys are the ones KVPoolConfig accepts, and a misspelt
+    key the validator flags is one the connector rejects at start-up too."""
+    values = {
+        "backend": "mooncake",
+        "chunk_size": 16,
+        "use_layerwise": True,
+        "load_async": True,
+        "consumer_is_to_load": True,
+        "consumer_is_to_put": True,
+        "lookup_rpc_port": 3,
+        "lookup_timeout_ms": 100,
+        "layerwise_timeout_ms": 100,
+        "agent_address": "tcp://127.0.0.1:7600",
+        "engine_id": "e",
+    }
+    assert set(values) == KVPOOL_EXTRA_KEYS
+    cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
+    assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
+    with pytest.raises(ValueError, match="lookup_rpc_prot: unknown field; did you mean"):
+        KVPoolConfig.from_dicts({"lookup_rpc_prot": 1}, kv_role="kv_both", block_size=16, model="m")
