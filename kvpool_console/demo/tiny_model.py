@@ -4,8 +4,8 @@ Used by the real-vLLM tests and by ``kvpool-console --demo --engine vllm``: vLLM
 it and generates in seconds. The weights are random but fixed (seeded), so greedy decoding is
 deterministic and any change in the KV it attends to shows in its tokens and logprobs.
 
-Shape (``config.json``): 2 layers, hidden 64, 4 attention heads, 2 KV heads (GQA, head dim
-16), intermediate 128, vocabulary ``VOCAB_SIZE``, float32, ``max_position_embeddings`` 2048.
+Shape (``config.json``): 2 layers, hidden 128, 4 attention heads, 2 KV heads (GQA, head dim
+32: the smallest vLLM's CPU attention supports), intermediate 256, vocabulary ``VOCAB_SIZE``, float32, ``max_position_embeddings`` 2048.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DEFAULT_PATH = Path(".cache/tiny-llama")
 """Where ``build_tiny_model()`` puts the model when no path is given (relative to the cwd)."""
 
 _MARKER = "kvpool-tiny-llama.json"
-_VERSION = 1
+_VERSION = 2
 
 
 def _corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
@@ -59,7 +59,7 @@ def _build(path: Path) -> None:
     fast.save_pretrained(path)
 
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         # Larger than the usual 0.02 so logits are peaked and depend strongly on the context:
         # a wrong KV block then changes the greedy tokens, not just the 5th decimal.

@@ -1,0 +1,61 @@
+"""One real vLLM engine run, in its own process: ``python _engine.py SPEC.json OUT.json``.
+
+SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transfer_config``
+(dict or null), ``prefix_caching`` (bool), ``rounds`` (the prompts are generated this many times
+in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional).
+OUT: per round, per prompt, the greedy ``tokens``, the ``logprobs`` of those tokens and vLLM's
+``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector loads).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("num_gpu_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+    t0 = time.time()
+    llm = LLM(
+        model=spec["model"], enforce_eager=True, max_model_len=512, block_size=32,
+        dtype="float32", enable_prefix_caching=spec.get("prefix_caching", False),
+        max_num_seqs=8, max_num_batched_tokens=512, seed=0, **kwargs,
+    )
+    started = time.time() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0,
+                            ignore_eos=True)
+    rounds = []
+    round_s = []
+    for _ in range(spec.get("rounds", 1)):
+        t1 = time.time()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params,
+                            use_tqdm=False)
+        rounds.append([
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [lp[t].logprob for t, lp in
+                             zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [],
+                                 strict=True)],
+                "num_cached_tokens": o.num_cached_tokens,
+            }
+            for o in outs
+        ])
+        round_s.append(time.time() - t1)
+    with open(sys.argv[2], "w") as f:
+        json.dump({"rounds": rounds, "startup_s": started, "round_s": round_s,
+                   "total_s": time.time() - t0}, f)
+    del llm
+
+
+if __name__ == "__main__":
+    main()

