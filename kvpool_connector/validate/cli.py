@@ -198,7 +198,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpool-config`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
-    status: int = args.func(args)
+    try:
+        status: int = args.func(args)
+    except BrokenPipeError:
+        # Output piped into e.g. `head` that exited: nothing left to tell anyone.
+        sys.stderr.close()
+        return EXIT_ERRORS
     return status
 
 

@@ -413,6 +413,17 @@ def _check_store_extra(
             )
     if name == "KVPoolConnector":
         ctx.add(R.check_agent_address(extra.get("agent_address"), path=f"{epath}.agent_address"))
+        if extra.get("backend") == "memcache":
+            ctx.add(
+                Finding(
+                    "info",
+                    "backend",
+                    f"{epath}.backend",
+                    "the memcache backend needs Ascend drivers (MemFabric memory pool): on a "
+                    "machine without them KVPoolConnector's memcache backend reports itself "
+                    "unhealthy and requests run without the pool",
+                )
+            )
         module = conn.get("kv_connector_module_path")
         if module != _KVPOOL_MODULE:
             ctx.add(

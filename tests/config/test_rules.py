@@ -16,9 +16,11 @@ import pytest
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.validate.loader import load_json
 from kvpool_connector.validate.model import KVPOOL_EXTRA_KEYS
-from kvpool_connector.validate.validator import Options, validate_files
+from kvpool_connector.validate.rules import Finding
+from kvpool_connector.validate.validator import Options, validate_document, validate_files
 
 HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
 CASES = HERE / "cases"
 EXPECTED: list[dict[str, Any]] = json.loads((HERE / "expected_findings.json").read_text())
 
@@ -161,8 +163,6 @@ def test_ascend_base_port_moves_the_port_window() -> None:
         },
         "motor_engine_union_config": {"engine_config": {"kv_transfer_config": doc}},
     }
-    from kvpool_connector.validate.validator import validate_document
-
     moved = {"motor_common_env": {"ASCEND_BASE_PORT": "40000", "PYTHONHASHSEED": "0"}}
     rules = {f.rule for f in validate_document(user, "user_config", env=moved)}
     assert "ascend-port-window" not in rules
@@ -191,3 +191,32 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
     with pytest.raises(ValueError, match="lookup_rpc_prot: unknown field; did you mean"):
         KVPoolConfig.from_dicts({"lookup_rpc_prot": 1}, kv_role="kv_both", block_size=16, model="m")
+
+
+def _infos(findings: list[Finding]) -> dict[str, str]:
+    return {f.rule: f.message for f in findings if f.severity == "info"}
+
+
+def test_info_notes_say_what_will_happen() -> None:
+    target = load_json(CASES / "target_job.target.json")
+    [report] = validate_files([CASES / "target_job.json"], options=Options(target=target))
+    notes = _infos(report.findings)
+    assert notes["target-job-id"] == (
+        "deploy.py reuses the kv_store of namespace 'service-a' if its kv_store Service and a "
+        "Running kv_store pod exist there; otherwise it falls back to deploying a new kv_store "
+        "in 'service-b'. Reuse needs the target deployed with the same deploy_mode "
+        "(multi_deployment)"
+    )
+    assert notes["store-port"] == "port unset: deploy.py uses 50088 for the kv_store service"
+    same = load_json(CASES / "target_job.json")
+    same["kv_cache_store_config"]["target_job_id"] = "service-b"
+    notes = _infos(validate_document(same, "user_config"))
+    assert notes["target-job-id"] == (
+        "target_job_id equals this service's job_id 'service-b': deploy.py deploys a new "
+        "kv_store pod in this namespace"
+    )
+    demo = load_json(ROOT / "config/local-demo/engine_a.kv_transfer_config.json")
+    demo["kv_connector_extra_config"]["backend"] = "memcache"
+    assert _infos(validate_document(demo, "kv_transfer_config"))["backend"].startswith(
+        "the memcache backend needs Ascend drivers"
+    )
