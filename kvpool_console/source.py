@@ -48,20 +48,21 @@ class FleetSource(Protocol):
 
 
 class StaticSource:
-    """A fixed fleet: ``states`` and ``last_seen_ms`` as given; commands are refused.
+    """A fixed fleet: ``states`` and ``last_seen_ms`` as given; every command is answered
+    with ``ok=False`` (nothing live to run it).
 
     Args:
         states: agent id -> EngineState.
         last_seen_ms: agent id -> receive time, epoch ms (default: each state's ``ts_ms``).
         address: shown in the header.
+        can_flush: show the console as holding the operator key (flush enabled).
     """
-
-    can_flush = False
 
     def __init__(self, states: Mapping[str, EngineState],
                  last_seen_ms: Mapping[str, float] | None = None,
-                 address: str = "static") -> None:
+                 address: str = "static", *, can_flush: bool = False) -> None:
         self.address = address
+        self.can_flush = can_flush
         self._states = dict(states)
         self._seen = dict(last_seen_ms) if last_seen_ms is not None else {
             k: s.ts_ms for k, s in states.items()}

@@ -53,7 +53,7 @@ class EngineDetailScreen(Screen[None]):
         t: DataTable[str] = DataTable(id="inflight", cursor_type="row")
         t.add_columns("Request", "Kind", "Agent", "Blocks", "Bytes", "Layers", "Lease", "Age")
         e: DataTable[str | Text] = DataTable(id="errors", cursor_type="row")
-        e.add_columns("Age", "Where", "Error", "Hint", "Message", "Agent")
+        e.add_columns("Age", "Error", "Agent", "Where", "Hint", "Message")
         yield Label("In-flight transfers", classes="section")
         yield t
         yield Label("Recent errors", classes="section")
@@ -106,6 +106,5 @@ class EngineDetailScreen(Screen[None]):
                   (err, s.source.agent_id) for s in mine for err in s.recent_errors}
         errs = sorted(unique.values(), key=lambda x: (-x[0].ts_ms, x[1]))
         for err, agent in errs[:50]:
-            e.add_row(fmt_age(now_ms - err.ts_ms), err.where,
-                      Text(err.name, style="bold red"), HINTS.get(err.name, ""), err.message,
-                      agent)
+            e.add_row(fmt_age(now_ms - err.ts_ms), Text(err.name, style="bold red"),
+                      agent.rsplit("/", 1)[-1], err.where, HINTS.get(err.name, ""), err.message)

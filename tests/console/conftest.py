@@ -1,107 +1,18 @@
-"""A live fleet for console tests: a real FleetHub (with CURVE operator keys), real agents
-started with ``kvpool_agent.start_agent`` and fed through their Reporter, a real Mooncake pool
-client (B's ``MooncakeBackend``) on the session ``mooncake_master``."""
+"""Fixtures for console tests: a live fleet (see ``livefleet``) on the session mooncake_master."""
 
 from __future__ import annotations
 
-import socket
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from livefleet import LiveFleet, hub_address
 
-from kvpool_agent import start_agent
-from kvpool_agent.agent import AgentHandle
-from kvpool_agent.auth import KeyPaths, generate_keys
-from kvpool_agent.client import FleetClient
+from kvpool_agent.auth import generate_keys
 from kvpool_agent.hub import FleetHub
-from kvpool_agent.protocol import Source
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.keys import ParallelLayout, PoolKey
-from kvpool_connector.services import LocalMooncakeMaster, free_port
-
-LEASE_TTL_MS = 11_000
-
-
-def hub_address() -> str:
-    """``tcp://127.0.0.1:P`` with P..P+3 free (the hub binds four consecutive ports)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            socks = []
-            for q in range(p, p + 4):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return f"tcp://127.0.0.1:{p}"
-    raise RuntimeError("no 4 consecutive free ports on 127.0.0.1")
-
-
-@dataclass
-class LiveFleet:
-    """Hub + agents; ``engines[engine_id]`` lists that engine's agent handles (scheduler
-    first). ``model`` is unique per fleet so tests never touch each other's keys."""
-
-    address: str
-    keys: KeyPaths
-    hub: FleetHub
-    backend: MooncakeBackend
-    master: LocalMooncakeMaster
-    model: str
-    engines: dict[str, list[AgentHandle]] = field(default_factory=dict)
-
-    def add_engine(self, engine_id: str, role: str, kv_role: str, tp: int = 2,
-                   model: str | None = None) -> list[AgentHandle]:
-        model = model or self.model
-
-        def src(agent: str, prole: str, rank: int = 0) -> Source:
-            return Source(agent_id=f"{engine_id}/{agent}", engine_id=engine_id,
-                          instance_role=role,  # type: ignore[arg-type]
-                          kv_role=kv_role,  # type: ignore[arg-type]
-                          process_role=prole,  # type: ignore[arg-type]
-                          tp_rank=rank, pid=4242, host="127.0.0.1", backend="mooncake",
-                          model=model)
-
-        handles = [start_agent(src("scheduler", "scheduler"), address=self.address,
-                               lease_ttl_ms=LEASE_TTL_MS)]
-        for r in range(tp):
-            handles.append(start_agent(
-                src(f"dp0.tp{r}.pp0", "worker", r), address=self.address, backend=self.backend,
-                key_scope=(model, ParallelLayout(tp_rank=r)),
-                pool_admin_url=self.master.admin_url, lease_ttl_ms=LEASE_TTL_MS))
-        self.engines[engine_id] = handles
-        return handles
-
-    def put_keys(self, model: str, n: int, tp: int = 2, size: int = 4096) -> list[str]:
-        """Write ``n`` chunks per TP rank of ``model`` into the real pool; returns the keys."""
-        keys = [str(PoolKey(model, ParallelLayout(tp_rank=r), f"{i:032x}"))
-                for r in range(tp) for i in range(n)]
-        for k in keys:
-            rc = self.backend.store.put(k, b"\x07" * size)
-            assert rc == 0, f"put {k} returned {rc}"
-        return keys
-
-    def present(self, keys: list[str]) -> list[int]:
-        return self.backend.batch_exists(keys)
-
-    def client(self, *, operator: bool) -> FleetClient:
-        return FleetClient(self.address, keys_dir=self.keys.root if operator else None)
-
-    def wait_agents(self, n: int, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if len(self.hub.fleet()) >= n:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"hub saw {len(self.hub.fleet())} agents, wanted {n}")
+from kvpool_connector.services import LocalMooncakeMaster
 
 
 @pytest.fixture(scope="session")

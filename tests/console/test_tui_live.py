@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from conftest import LEASE_TTL_MS, LiveFleet
+from livefleet import LEASE_TTL_MS, LiveFleet
 from textual.pilot import Pilot
 from textual.widgets import Button, RadioSet, Static
 
@@ -88,8 +88,10 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         assert str(inflight.get_row_at(0)[5]).startswith("10/32 ")
         errors = app.screen.query_one("#errors")
         assert errors.row_count == 2
-        assert str(errors.get_row_at(0)[2]) == "LEASE_EXPIRED"
-        assert "default_kv_lease_ttl" in str(errors.get_row_at(0)[3])
+        assert str(errors.get_row_at(0)[1]) == "LEASE_EXPIRED"
+        assert {str(errors.get_row_at(i)[2]) for i in range(2)} == {"dp0.tp0.pp0",
+                                                                    "dp0.tp1.pp0"}
+        assert "default_kv_lease_ttl" in str(errors.get_row_at(0)[4])
         await pilot.press("escape")
         # d0 goes silent: it stays listed, marked STALE, and an alert is logged.
         for h in live_fleet.engines["d0"]:
