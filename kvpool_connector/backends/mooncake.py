@@ -1,0 +1,409 @@
+"""Mooncake Store backend: ``MooncakeDistributedStore`` from the ``mooncake-transfer-engine`` wheel.
+
+Configuration (same fields as the vLLM Ascend Mooncake guide), from the JSON file named by
+``kv_connector_extra_config["mooncake_config_path"]`` or the environment variable
+``MOONCAKE_CONFIG_PATH``, or inline as ``kv_connector_extra_config["mooncake"]``::
+
+    {
+      "local_hostname": "127.0.0.1",
+      "metadata_server": "P2PHANDSHAKE",
+      "master_server_address": "127.0.0.1:50051",
+      "protocol": "tcp",                 # "ascend" on NPUs, "rdma" with RDMA NICs
+      "device_name": "",
+      "global_segment_size": "1GB",      # memory this engine contributes; 0 = standalone
+      "local_buffer_size": "64MB",
+      "store_mode": "embedded",          # or "standalone"
+      "master_admin_url": "http://127.0.0.1:9003"
+    }
+
+``MOONCAKE_MASTER`` overrides ``master_server_address`` and ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
+overrides ``global_segment_size``. Sizes are integers (bytes) or strings such as ``"1GB"``,
+``"512MB"`` (binary units: 1 GB = 2**30 bytes, as Mooncake reads them).
+
+Store modes:
+
+* ``embedded``: the engine contributes ``global_segment_size`` bytes; its entries disappear
+  when the engine exits.
+* ``standalone``: the engine contributes nothing (``global_segment_size`` is forced to 0); a
+  separate ``mooncake_client --global_segment_size=...`` process holds the memory, so the pool
+  survives engine restarts.
+
+``master_admin_url`` is the master's HTTP admin endpoint (``mooncake_master --metrics_port``,
+default 9003 on the master host): ``/metrics`` and ``/health`` feed ``stats()`` and
+``health()``, ``/get_all_keys`` and ``/query_key`` feed ``remove_by_scope``'s counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
+from kvpool_connector.backends.base import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    RemoveResult,
+)
+
+__all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig", "parse_size"]
+
+HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
+"""``MooncakeDistributedStore.health_check()`` return codes by name."""
+
+_MIN_SEGMENT = 16 << 20
+"""Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from ``1073741824``, ``"1GB"``, ``"1 GiB"``, ``"512MB"``, ``"64mb"``, ``"0"``.
+
+    Raises:
+        ValueError: negative, or not a number with an optional B/KB/MB/GB/TB unit.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size must be bytes or a string like '1GB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return int(value)
+    m = _SIZE_RE.match(value)
+    if m is None:
+        raise ValueError(f"size {value!r} is not a number with a unit like '1GB' or '512MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class MooncakeConfig(BaseModel):
+    """Validated Mooncake client settings (see the module docstring for each field)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    master_server_address: str
+    protocol: Literal["tcp", "rdma", "ascend"] = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 64 << 20
+    store_mode: Literal["embedded", "standalone"] = "embedded"
+    master_admin_url: str | None = None
+
+    @field_validator("global_segment_size", "local_buffer_size", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("master_server_address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        host, _, port = v.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{v!r} is not host:port (e.g. '127.0.0.1:50051')")
+        return v
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _segment_min(cls, v: int) -> int:
+        if 0 < v < _MIN_SEGMENT:
+            raise ValueError(
+                f"{v} bytes is below Mooncake's minimum segment of 16MB: use 0 (standalone: "
+                "this engine contributes no memory) or at least '16MB'"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _mode(self) -> MooncakeConfig:
+        if self.store_mode == "embedded" and self.global_segment_size == 0:
+            # An engine contributing no memory is the standalone layout by definition.
+            object.__setattr__(self, "store_mode", "standalone")
+        if self.store_mode == "standalone":
+            object.__setattr__(self, "global_segment_size", 0)
+        return self
+
+    @property
+    def admin_url(self) -> str:
+        """``master_admin_url`` or ``http://<master host>:9003`` (the master's default)."""
+        if self.master_admin_url:
+            return self.master_admin_url.rstrip("/")
+        return f"http://{self.master_server_address.rpartition(':')[0]}:9003"
+
+    @classmethod
+    def load(cls, extra_config: dict[str, Any] | None = None) -> MooncakeConfig:
+        """Settings from ``kv_connector_extra_config``, the config file and the environment.
+
+        Order: ``extra_config["mooncake"]`` (inline dict) or the JSON file named by
+        ``extra_config["mooncake_config_path"]`` / ``$MOONCAKE_CONFIG_PATH``; then
+        ``$MOONCAKE_MASTER`` and ``$MOONCAKE_GLOBAL_SEGMENT_SIZE``; then
+        ``extra_config["master_admin_url"]``.
+
+        Raises:
+            ValueError: no configuration found, unreadable JSON, or a bad field (the message
+                names the field and where it came from).
+        """
+        extra = dict(extra_config or {})
+        path = extra.get("mooncake_config_path") or os.environ.get("MOONCAKE_CONFIG_PATH")
+        source: str
+        if isinstance(extra.get("mooncake"), dict):
+            raw = dict(extra["mooncake"])
+            source = "kv_connector_extra_config.mooncake"
+        elif path:
+            source = str(path)
+            try:
+                raw = json.loads(Path(path).read_text())
+            except OSError as exc:
+                raise ValueError(f"cannot read Mooncake config {path}: {exc}") from exc
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"Mooncake config {path} is not valid JSON: {exc}") from exc
+            if not isinstance(raw, dict):
+                raise ValueError(f"Mooncake config {path} must be a JSON object")
+        else:
+            raw = {}
+            source = "environment"
+        if os.environ.get("MOONCAKE_MASTER"):
+            raw["master_server_address"] = os.environ["MOONCAKE_MASTER"]
+        if os.environ.get("MOONCAKE_GLOBAL_SEGMENT_SIZE"):
+            raw["global_segment_size"] = os.environ["MOONCAKE_GLOBAL_SEGMENT_SIZE"]
+        if extra.get("master_admin_url"):
+            raw["master_admin_url"] = extra["master_admin_url"]
+        if "master_server_address" not in raw:
+            raise ValueError(
+                "Mooncake master_server_address is not set: write a JSON config and point "
+                "MOONCAKE_CONFIG_PATH (or kv_connector_extra_config.mooncake_config_path) at "
+                "it, or set MOONCAKE_MASTER=host:port"
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            )
+            raise ValueError(f"bad Mooncake config ({source}): {problems}") from None
+
+
+class MooncakeBackend(Backend):
+    """``Backend`` over one ``MooncakeDistributedStore`` client.
+
+    Args:
+        config: validated settings.
+        store: an already set-up store client (tests, sharing); built from ``config`` if None.
+
+    Raises:
+        BackendUnavailable: the ``mooncake`` wheel is missing or ``setup`` failed (master
+            unreachable, segment could not be mounted); the message names the address.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, config: MooncakeConfig, store: Any | None = None) -> None:
+        self.config = config
+        self._http = httpx.Client(timeout=3.0)
+        self._closed = False
+        self._lock = threading.Lock()
+        if store is None:
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as exc:
+                raise BackendUnavailable(
+                    f"mooncake.store is not importable ({exc}): pip install 'kvpool[mooncake]' "
+                    "and apt-get install libibverbs1"
+                ) from exc
+            store = MooncakeDistributedStore()
+            rc = store.setup(
+                config.local_hostname,
+                config.metadata_server,
+                config.global_segment_size,
+                config.local_buffer_size,
+                config.protocol,
+                config.device_name,
+                config.master_server_address,
+            )
+            if rc != 0:
+                raise BackendUnavailable(
+                    f"MooncakeDistributedStore.setup failed (code {rc}) with master "
+                    f"{config.master_server_address}, protocol {config.protocol}, "
+                    f"global_segment_size {config.global_segment_size}: is mooncake_master "
+                    "running there and MC_TCP_BIND_ADDRESS set?",
+                    rc,
+                )
+        self._store = store
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> MooncakeBackend:
+        """Build from ``kv_connector_extra_config`` (see ``MooncakeConfig.load``)."""
+        return cls(MooncakeConfig.load(config))
+
+    @property
+    def store(self) -> Any:
+        """The underlying ``MooncakeDistributedStore``."""
+        return self._store
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        if self._closed:
+            raise BackendError(f"mooncake {what}: backend is closed", 1)
+        try:
+            return fn(*args)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise BackendError(f"mooncake {what} failed: {exc}") from exc
+
+    def batch_exists(self, keys: Sequence[str]) -> list[int]:
+        """Per key 1/0, or -1 (INTERNAL_ERROR) when the master did not answer."""
+        if not keys:
+            return []
+        return list(self._call("batch_is_exist", self._store.batch_is_exist, list(keys)))
+
+    def register_buffer(self, addr: int, size: int) -> None:
+        rc = self._call("register_buffer", self._store.register_buffer, addr, size)
+        if rc != 0:
+            raise BackendError(f"mooncake register_buffer({addr:#x}, {size}) returned {rc}", rc)
+
+    def batch_put_from(
+        self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """``batch_put_from_multi_buffers``: per key 0 or a negative code."""
+        if not keys:
+            return []
+        return list(self._call(
+            "batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
+            list(keys), [list(a) for a in addrs], [list(s) for s in sizes],
+        ))
+
+    def batch_get_into(
+        self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """``batch_get_into_multi_buffers``: per key bytes read or a negative code."""
+        if not keys:
+            return []
+        return list(self._call(
+            "batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
+            list(keys), [list(a) for a in addrs], [list(s) for s in sizes],
+        ))
+
+    def _all_keys(self) -> list[str]:
+        r = self._http.get(f"{self.config.admin_url}/get_all_keys")
+        r.raise_for_status()
+        return [k for k in r.text.splitlines() if k]
+
+    def _key_size(self, key: str) -> int:
+        r = self._http.get(f"{self.config.admin_url}/query_key", params={"key": key})
+        if r.status_code != 200:
+            return 0
+        try:
+            data = r.json().get("data") or []
+        except ValueError:
+            return 0
+        return max((int(d.get("size_", 0)) for d in data), default=0)
+
+    def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
+        """Count (master ``/get_all_keys`` + ``/query_key``) and remove (``remove_by_regex``)
+        keys matching ``pattern``; ``skipped_leased`` = matched keys the master kept.
+
+        Raises:
+            ValueError: ``pattern`` is not a valid regular expression.
+            BackendError: the admin endpoint or the removal failed.
+        """
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"flush scope pattern {pattern!r} is not a regex: {exc}") from exc
+        try:
+            matched = [k for k in self._all_keys() if rx.search(k)]
+            nbytes = sum(self._key_size(k) for k in matched)
+        except httpx.HTTPError as exc:
+            raise BackendError(
+                f"mooncake master admin endpoint {self.config.admin_url} failed: {exc} "
+                "(set master_admin_url to mooncake_master's --metrics_port)"
+            ) from exc
+        if dry_run:
+            return RemoveResult(keys=len(matched), bytes=nbytes)
+        removed = self._call("remove_by_regex", self._store.remove_by_regex, pattern, force)
+        if removed < 0:
+            raise BackendError(f"mooncake remove_by_regex({pattern!r}) returned {removed}", removed)
+        return RemoveResult(
+            keys=len(matched), bytes=nbytes, removed=int(removed),
+            skipped_leased=0 if force else max(0, len(matched) - int(removed)),
+        )
+
+    def health(self) -> list[HealthCheck]:
+        """``client``: ``health_check()`` code (0 HEALTHY, 1 NOT_INITIALIZED, 2
+        MASTER_UNREACHABLE); ``master``: HTTP ``/health`` of the admin endpoint."""
+        checks: list[HealthCheck] = []
+        t0 = time.perf_counter()
+        try:
+            code = 1 if self._closed else int(self._store.health_check())
+            detail = HEALTH_CODES.get(code, f"UNKNOWN_{code}")
+        except Exception as exc:  # a health check reports, never raises
+            code, detail = -1, f"health_check raised {exc!r}"
+        checks.append(HealthCheck(name="client", ok=code == 0, code=code, detail=detail,
+                                  latency_ms=(time.perf_counter() - t0) * 1e3))
+        t0 = time.perf_counter()
+        try:
+            r = self._http.get(f"{self.config.admin_url}/health")
+            ok, detail = r.status_code == 200, f"HTTP {r.status_code} {r.text.strip()[:80]}"
+        except httpx.HTTPError as exc:
+            ok, detail = False, f"{self.config.admin_url}/health unreachable: {exc}"
+        checks.append(HealthCheck(name="master", ok=ok, detail=detail,
+                                  latency_ms=(time.perf_counter() - t0) * 1e3))
+        return checks
+
+    def stats(self) -> PoolStats:
+        """Usage from the master's ``/metrics`` (Prometheus text format)."""
+        out = PoolStats(backend=self.name)
+        try:
+            r = self._http.get(f"{self.config.admin_url}/metrics")
+            r.raise_for_status()
+            text = r.text
+        except httpx.HTTPError as exc:
+            out.healthy = False
+            out.health_detail = f"{self.config.admin_url}/metrics: {exc}"
+            return out
+        seg_used: dict[str, int] = {}
+        seg_total: dict[str, int] = {}
+        scalars = {
+            "master_key_count": "keys",
+            "master_allocated_bytes": "used_bytes",
+            "master_total_capacity_bytes": "total_bytes",
+            "master_evicted_key_count": "evicted_keys",
+            "master_evicted_size_bytes": "evicted_bytes",
+        }
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in scalars:
+                        setattr(out, scalars[sample.name], int(sample.value))
+                    elif sample.name == "segment_allocated_bytes":
+                        seg_used[sample.labels.get("segment", "?")] = int(sample.value)
+                    elif sample.name == "segment_total_capacity_bytes":
+                        seg_total[sample.labels.get("segment", "?")] = int(sample.value)
+        except ValueError as exc:
+            out.health_detail = f"unparsable /metrics: {exc}"
+            return out
+        out.segments = [
+            SegmentUsage(name=n, used_bytes=seg_used.get(n, 0), total_bytes=seg_total.get(n, 0))
+            for n in sorted(set(seg_used) | set(seg_total))
+        ]
+        out.healthy = True
+        return out
+
+    def close(self) -> None:
+        """Close the store client (its embedded segment leaves the pool). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._store.close()
+        finally:
+            self._http.close()

@@ -1,0 +1,361 @@
+"""KVPoolWorker against a real mooncake_master: paged KV blocks round-trip bit-exactly, keys of
+different layouts/models never collide, a full pool and a dead master are handled."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.backends.base import BackendError
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.keys import ParallelLayout, chunk_hashes
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_connector.worker import KVPoolWorker, LayerLoadTimeout
+
+BLOCK = 16
+NUM_BLOCKS = 24
+TP0 = ParallelLayout()
+
+
+@dataclass(frozen=True)
+class Settings:
+    block_size: int = BLOCK
+    chunk_size: int = 2 * BLOCK
+    use_layerwise: bool = False
+    load_async: bool = False
+    layerwise_timeout_ms: int = 2_000
+
+
+KVCaches = dict[str, torch.Tensor | tuple[torch.Tensor, ...]]
+
+
+def flash_attn(layers: int = 3) -> KVCaches:
+    """CUDA FlashAttention layout: (2, num_blocks, block_size, kv_heads, head_size)."""
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 8,
+                                                            dtype=torch.bfloat16)
+            for i in range(layers)}
+
+
+def separate_kv(layers: int = 2) -> KVCaches:
+    """vLLM Ascend: a (K, V) tuple per layer, each (num_blocks, block_size, heads, head)."""
+    return {f"layers.{i}": (torch.zeros(NUM_BLOCKS, BLOCK, 2, 8, dtype=torch.float16),
+                            torch.zeros(NUM_BLOCKS, BLOCK, 2, 8, dtype=torch.float16))
+            for i in range(layers)}
+
+
+def mla(layers: int = 2) -> KVCaches:
+    """MLA tuple of different widths: (k_nope (nb, bs, 1, 32), k_pe (nb, bs, 1, 8))."""
+    return {f"layers.{i}": (torch.zeros(NUM_BLOCKS, BLOCK, 1, 32, dtype=torch.bfloat16),
+                            torch.zeros(NUM_BLOCKS, BLOCK, 1, 8, dtype=torch.bfloat16))
+            for i in range(layers)}
+
+
+def cpu_layout(layers: int = 2) -> KVCaches:
+    """vLLM's CPU backend: (num_blocks, kv_heads, block_size, 2 * head_size)."""
+    return {f"layers.{i}": torch.zeros(NUM_BLOCKS, 2, BLOCK, 16, dtype=torch.float32)
+            for i in range(layers)}
+
+
+LAYOUTS: dict[str, Callable[[], KVCaches]] = {
+    "flash_attn": flash_attn, "separate_kv": separate_kv, "mla": mla, "cpu": cpu_layout,
+}
+
+
+def tensors(kv: KVCaches) -> list[torch.Tensor]:
+    return [t for v in kv.values() for t in ((v,) if isinstance(v, torch.Tensor) else v)]
+
+
+def fill_random(kv: KVCaches, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors(kv):
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                generator=g, dtype=torch.uint8))
+
+
+def block_bytes(kv: KVCaches, block: int) -> list[bytes]:
+    """Every layer's bytes of one block (the FlashAttention K/V axis included)."""
+    out = []
+    for t in tensors(kv):
+        sel = t[:, block] if t.dim() == 5 and t.shape[0] == 2 else t[block]
+        out.append(sel.contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def make_backend(master: LocalMooncakeMaster, segment: str = "32MB") -> MooncakeBackend:
+    return MooncakeBackend(MooncakeConfig.load({"mooncake": {
+        "master_server_address": master.address, "global_segment_size": segment,
+        "local_buffer_size": "4MB", "master_admin_url": master.admin_url}}))
+
+
+_ALIVE: list[object] = []
+"""Caches and workers stay allocated for the whole module: a Mooncake client refuses to
+register memory overlapping a range it registered before, and freed tensors get reused."""
+
+
+@pytest.fixture(scope="module")
+def engines(mooncake_master: LocalMooncakeMaster) -> Iterator[tuple[MooncakeBackend, ...]]:
+    """Two store clients, like two engines: the first contributes a segment, the second none.
+    Shared by the module because a client takes ~2 s to close."""
+    pair = (make_backend(mooncake_master), make_backend(mooncake_master, segment="0"))
+    yield pair
+    for b in pair:
+        b.close()
+
+
+def make_worker(backend: MooncakeBackend, kv: KVCaches, model: str,
+                layout: ParallelLayout = TP0, reporter: Reporter | None = None,
+                **settings: object) -> KVPoolWorker:
+    w = KVPoolWorker(Settings(**settings), layout, model, backend, reporter)  # type: ignore[arg-type]
+    w.register_kv_caches(kv)
+    _ALIVE.append((kv, w))
+    return w
+
+
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def save_request(w: KVPoolWorker, req_id: str, blocks: list[int], hashes: list[str]) -> None:
+    meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id=req_id, block_ids=blocks, chunk_hashes=hashes, save_from_chunk=0,
+        save_to_chunk=len(hashes), is_last_save=True)])
+    w.start_load_kv(meta)
+    for name in w.kv.layers if w.kv else []:
+        w.save_kv_layer(name.name, None)
+    w.wait_for_save(meta)
+    assert w.drain_saves(10)
+
+
+def load_meta(req_id: str, blocks: list[int], hashes: list[str], pool_tokens: int,
+              local_tokens: int = 0) -> KVPoolConnectorMetadata:
+    return KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id=req_id, block_ids=blocks, chunk_hashes=hashes,
+        load=LoadSpec(vllm_cached_tokens=local_tokens, kvpool_cached_tokens=pool_tokens,
+                      can_load=True))])
+
+
+def uniq(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_round_trip_bit_exact(kind: str, layerwise: bool,
+                              engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq(f"rt-{kind}")
+    src, dst = LAYOUTS[kind](), LAYOUTS[kind]()
+    fill_random(src, seed=1)
+    rep_a, rep_b = Reporter(), Reporter()
+    a = make_worker(engines[0], src, model, reporter=rep_a, use_layerwise=layerwise)
+    b = make_worker(engines[1], dst, model, reporter=rep_b, use_layerwise=layerwise)
+    hashes = chunk_hashes(tokens(3 * 32 + 5, seed=2), 32)
+    src_blocks = [3, 4, 10, 11, 12, 13]  # chunk 0: contiguous run, chunks 1-2: another
+    save_request(a, "req-a", src_blocks, hashes)
+    assert a.counters.saved_keys == 3 * (len(src) if layerwise else 1)
+    assert a.get_finished({"req-a"}) == ({"req-a"}, None)
+
+    assert b.lookup_chunks(hashes) == 3
+    dst_blocks = [20, 1, 7, 8, 9, 0]
+    meta = load_meta("req-b", dst_blocks, hashes, pool_tokens=96)
+    b.start_load_kv(meta)
+    for layer in b.kv.layers if b.kv else []:
+        b.wait_for_layer_load(layer.name)
+    assert b.get_block_ids_with_load_errors() == set()
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+    untouched = block_bytes(dst, 2)
+    assert all(set(x) == {0} for x in untouched)
+    events = rep_b.drain()
+    assert ("loaded", "req-b", 96) in [(e[0], e[2], e[3]) for e in events if e[0] == "loaded"]
+    fin = [e for e in events if e[0] == "finished"]
+    assert fin and fin[-1][4] is True and fin[-1][5] == 6 * b.kv.block_bytes  # type: ignore[union-attr]
+    a.shutdown()
+    b.shutdown()
+
+
+def test_partially_cached_chunk_keeps_local_blocks(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    """vLLM already holds the first block of chunk 0: that block is not overwritten."""
+    model = uniq("partial")
+    src, dst = cpu_layout(), cpu_layout()
+    fill_random(src, 3)
+    a = make_worker(engines[0], src, model)
+    b = make_worker(engines[1], dst, model)
+    hashes = chunk_hashes(tokens(64, 4), 32)
+    save_request(a, "a", [0, 1, 2, 3], hashes)
+    marker = torch.full_like(dst["layers.0"][5], 7.0)  # type: ignore[index]
+    dst["layers.0"][5].copy_(marker)  # type: ignore[index]
+    b.start_load_kv(load_meta("b", [5, 6, 7, 8], hashes, pool_tokens=64, local_tokens=16))
+    assert b.get_block_ids_with_load_errors() == set()
+    assert torch.equal(dst["layers.0"][5], marker)  # type: ignore[index]
+    for s, d in zip([1, 2, 3], [6, 7, 8], strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+
+
+def test_layouts_and_models_never_collide(engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("collide")
+    kv = cpu_layout()
+    fill_random(kv, 5)
+    hashes = chunk_hashes(tokens(64, 6), 32)
+    writer = make_worker(engines[0], kv, model, ParallelLayout(tp_rank=0))
+    save_request(writer, "w", [0, 1, 2, 3], hashes)
+    reader_backend = engines[1]
+    assert make_worker(reader_backend, cpu_layout(), model).lookup_chunks(hashes) == 2
+    others = [ParallelLayout(tp_rank=1), ParallelLayout(pcp_rank=1), ParallelLayout(dcp_rank=1),
+              ParallelLayout(pp_rank=1), ParallelLayout(group=1)]
+    alive = []  # registered memory must stay allocated while the client knows it
+    for lay in others:
+        dst = cpu_layout()
+        r = make_worker(reader_backend, dst, model, lay)
+        alive.append((dst, r))
+        assert r.lookup_chunks(hashes) == 0, lay
+        r.start_load_kv(load_meta("r", [4, 5, 6, 7], hashes, pool_tokens=64))
+        assert r.get_block_ids_with_load_errors() == {4, 5, 6, 7}, lay
+        assert all(set(x) == {0} for b in (4, 5, 6, 7) for x in block_bytes(dst, b))
+    assert make_worker(reader_backend, cpu_layout(), model + "-other").lookup_chunks(hashes) == 0
+    # Same model written with a trailing slash: identical keys.
+    assert make_worker(reader_backend, cpu_layout(), model + "/").lookup_chunks(hashes) == 2
+    # A TP=2 reader needs both ranks' shards: rank 1 is missing.
+    tp2 = KVPoolWorker(Settings(), ParallelLayout(), model, reader_backend,  # type: ignore[arg-type]
+                       tp_size=2)
+    tp2_kv = cpu_layout()
+    tp2.register_kv_caches(tp2_kv)
+    _ALIVE.append((tp2_kv, tp2))
+    assert tp2.lookup_chunks(hashes) == 0
+    # Layer-wise keys are a different namespace from whole-chunk keys.
+    lw = make_worker(reader_backend, cpu_layout(), model, use_layerwise=True)
+    assert lw.lookup_chunks(hashes) == 0
+
+
+def test_pool_full_skips_request_without_raising(
+        fresh_mooncake_master: LocalMooncakeMaster) -> None:
+    backend = make_backend(fresh_mooncake_master, segment="16MB")  # Mooncake's minimum
+    try:
+        kv: KVCaches = {f"layers.{i}": torch.zeros(48, 2, BLOCK, 1024, dtype=torch.float32)
+                        for i in range(8)}  # 128 KiB per layer-block, 1 MiB per block
+        fill_random(kv, 7)
+        rep = Reporter()
+        w = make_worker(backend, kv, uniq("full"), reporter=rep, chunk_size=BLOCK)
+        hashes = chunk_hashes(tokens(40 * BLOCK, 8), BLOCK)
+        meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="big", block_ids=list(range(40)), chunk_hashes=hashes,
+            save_from_chunk=0, save_to_chunk=20)])
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        # The same request's next chunks are skipped without a put.
+        meta2 = KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="big", block_ids=list(range(40)), chunk_hashes=hashes,
+            save_from_chunk=20, save_to_chunk=40, is_last_save=True)])
+        w.start_load_kv(meta2)
+        w.wait_for_save(meta2)
+        assert w.drain_saves(20)
+        c = w.counters
+        assert 0 < c.saved_keys < 20
+        assert c.save_skipped_keys == 40 - c.saved_keys
+        skipped = [e for e in rep.drain() if e[0] == "skipped"]
+        assert skipped and all(e[4] == "NO_AVAILABLE_HANDLE" for e in skipped)
+        assert sum(e[3] for e in skipped) == 40 - c.saved_keys
+        assert w.get_finished({"big"}) == ({"big"}, None)
+        # A later request tries again (and gets the same answer from a still-full pool).
+        w.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="next", block_ids=[0], chunk_hashes=chunk_hashes(tokens(BLOCK, 9), BLOCK),
+            save_from_chunk=0, save_to_chunk=1)]))
+        w.wait_for_save()
+        assert w.drain_saves(10)
+        assert w.counters.save_skipped_keys + w.counters.saved_keys == 41
+        w.shutdown()
+    finally:
+        backend.close()
+
+
+def test_master_killed_turns_loads_into_load_errors(
+        fresh_mooncake_master: LocalMooncakeMaster) -> None:
+    model = uniq("kill")
+    # One client for writer and reader: closing a client of a dead master takes ~6 s of
+    # reconnect attempts (and holds the GIL), so the test pays that once.
+    backend = make_backend(fresh_mooncake_master)
+    try:
+        src, dst = cpu_layout(), cpu_layout()
+        fill_random(src, 11)
+        a = make_worker(backend, src, model)
+        hashes = chunk_hashes(tokens(64, 12), 32)
+        save_request(a, "a", [0, 1, 2, 3], hashes)
+        rep = Reporter()
+        b = make_worker(backend, dst, model, reporter=rep)
+        assert b.lookup_chunks(hashes) == 2
+        fresh_mooncake_master.kill()
+        b.start_load_kv(load_meta("b", [8, 9, 10, 11], hashes, pool_tokens=64))
+        failed = b.get_block_ids_with_load_errors()
+        loaded_ok = [blk for s, blk in zip([0, 1, 2, 3], [8, 9, 10, 11], strict=True)
+                     if block_bytes(src, s) == block_bytes(dst, blk)]
+        # Every block is either reported failed or holds exactly the saved bytes.
+        for blk in (8, 9, 10, 11):
+            assert blk in failed or blk in loaded_ok
+        assert failed, "a dead master must surface as load errors"
+        fin = [e for e in rep.drain() if e[0] == "finished"]
+        assert fin[-1][4] is False and fin[-1][6] == "RPC_FAIL" and fin[-1][8] is True
+        assert b.counters.load_failed_blocks == len(failed)
+        with pytest.raises(BackendError, match="lookup failed"):
+            b.lookup_chunks(hashes)
+    finally:
+        backend.close()
+
+
+def test_layerwise_timeout_raises_and_fails_blocks(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("lwtimeout")
+    src = cpu_layout()
+    fill_random(src, 13)
+    hashes = chunk_hashes(tokens(64, 14), 32)
+    save_request(make_worker(engines[0], src, model, use_layerwise=True), "a",
+                 [0, 1, 2, 3], hashes)
+    rep = Reporter()
+    b = make_worker(engines[1], cpu_layout(), model, reporter=rep, use_layerwise=True,
+                    layerwise_timeout_ms=200)
+    gate = threading.Event()
+    b._loader.submit(gate.wait)  # the transfer thread is stuck behind another job
+    b.start_load_kv(load_meta("b", [4, 5, 6, 7], hashes, pool_tokens=64))
+    t0 = time.monotonic()
+    with pytest.raises(LayerLoadTimeout, match="layerwise_timeout_ms=200"):
+        b.wait_for_layer_load("layers.0")
+    assert time.monotonic() - t0 < 2
+    assert b.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    b.wait_for_layer_load("layers.1")  # the step is already failed: no second wait
+    gate.set()
+    fin = [e for e in rep.drain() if e[0] == "finished"]
+    assert fin[0][9] is True and fin[0][6] == "TIMEOUT"
+    b.shutdown()
+
+
+def test_async_load_completes_through_get_finished(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("async")
+    src, dst = separate_kv(), separate_kv()
+    fill_random(src, 15)
+    hashes = chunk_hashes(tokens(64, 16), 32)
+    save_request(make_worker(engines[0], src, model), "a", [0, 1, 2, 3], hashes)
+    b = make_worker(engines[1], dst, model, load_async=True)
+    missing = chunk_hashes(tokens(64, 17), 32)
+    b.start_load_kv(KVPoolConnectorMetadata(requests=[
+        load_meta("ok", [4, 5, 6, 7], hashes, 64).requests[0],
+        load_meta("gone", [8, 9, 10, 11], missing, 64).requests[0]]))
+    recv: set[str] = set()
+    deadline = time.monotonic() + 10
+    while recv != {"ok", "gone"} and time.monotonic() < deadline:
+        recv |= b.get_finished(set())[1] or set()
+        time.sleep(0.01)
+    assert recv == {"ok", "gone"}
+    assert b.get_block_ids_with_load_errors() == {8, 9, 10, 11}
+    for s, d in zip([0, 1, 2, 3], [4, 5, 6, 7], strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+    b.shutdown()
