@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="start a local mooncake_master, engines replaying a trace, and watch them")
     p.add_argument("--trace", default=None, help="demo trace (default: the conversation trace)")
     p.add_argument("--engines", type=int, default=4, help="demo engines (default 4)")
-    p.add_argument("--speedup", type=float, default=10.0, help="demo replay speed-up")
+    p.add_argument("--speedup", type=float, default=20.0,
+                   help="demo replay speed-up: trace time / wall time (default 20)")
     p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm"), default="sim",
                    help="demo engine kind (default sim)")
     sub = p.add_subparsers(dest="cmd")
@@ -241,10 +242,8 @@ def _run_tui(source: FleetSource, refresh_s: float) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from kvpool_console.demo import DemoCluster
-    from kvpool_console.demo.trace import default_trace_path
 
-    trace = args.trace or str(default_trace_path())
-    with DemoCluster(trace, engines=args.engines, speedup=args.speedup,
+    with DemoCluster(args.trace, engines=args.engines, speedup=args.speedup,
                      engine_kind=args.engine_kind) as cluster:
         src = ClientSource(cluster.hub_address, keys_dir=str(cluster.keys_dir))
         src.wait_ready(args.wait)
