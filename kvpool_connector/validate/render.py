@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_connector.validate.model import DEFAULT_KV_CACHE_STORE_PORT, DEFAULT_LEASE_TTL_MS
+from kvpool_connector.validate.validator import validate_document
 
 __all__ = ["MASTER_CMD_NAME", "MOONCAKE_JSON_NAME", "RenderError", "Rendered", "render_mooncake"]
 
@@ -51,8 +52,8 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
             Kubernetes; ``127.0.0.1`` for a single-host run).
 
     Raises:
-        RenderError: no ``kv_cache_store_config``, its backend is not ``mooncake``, or the
-            required eviction ratios are missing.
+        RenderError: no ``kv_cache_store_config``, its backend is not ``mooncake``, or
+            ``kvpool-config validate`` finds an error in it (the message names the first).
     """
     store = doc.get("kv_cache_store_config") if isinstance(doc, dict) else None
     if not isinstance(store, dict):
@@ -66,12 +67,14 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
             f"kv_cache_store_config.backend is {backend!r}: render writes Mooncake files only "
             '(set "backend": "mooncake")'
         )
-    missing = [k for k in ("eviction_high_watermark_ratio", "eviction_ratio") if k not in store]
-    if missing:
-        raise RenderError(
-            f"kv_cache_store_config lacks {', '.join(missing)}: mooncake_master needs them "
-            "(MindIE's deploy.py refuses the file too); add e.g. 0.9 and 0.1"
-        )
+    errors = [
+        f
+        for f in validate_document(doc, "user_config")
+        if f.severity == "error" and f.path.startswith("$.kv_cache_store_config")
+    ]
+    if errors:
+        first = errors[0]
+        raise RenderError(f"{first.path}: {first.message}; fix: {first.fix}")
     port = store.get("port") or DEFAULT_KV_CACHE_STORE_PORT
     argv = [
         "mooncake_master",

@@ -474,7 +474,11 @@ def _check_ucm_store(ctx: _Ctx, extra: dict[str, Any], epath: str) -> None:
     if extra.get("backend") == "ucm":
         ctx.add(R.check_backend_choice("ucm", path=f"{epath}.backend", mindie=ctx.mindie))
     storage = ctx.deploy.get("storage") if ctx.mindie else None
-    mounts = {str(s.get("mount_path")): s for s in storage or [] if isinstance(s, dict)}
+    mounts = {
+        str(s.get("mount_path")): s
+        for s in (storage if isinstance(storage, list) else [])
+        if isinstance(s, dict)
+    }
     connectors = extra.get("ucm_connectors")
     if not isinstance(connectors, list):
         return

@@ -143,7 +143,10 @@ def test_render_refuses_what_it_cannot_render(
     assert main(["render", str(CONFIG / "pd-memcache/user_config.json")]) == 2
     assert "render writes Mooncake files only" in capsys.readouterr().err
     assert main(["render", str(CASES / "eviction_missing.json")]) == 2
-    assert "lacks eviction_high_watermark_ratio" in capsys.readouterr().err
+    assert (
+        "$.kv_cache_store_config.eviction_high_watermark_ratio: eviction_high_watermark_ratio "
+        "is missing"
+    ) in capsys.readouterr().err
 
 
 def test_render_prints_the_guide_values(capsys: pytest.CaptureFixture[str]) -> None:
