@@ -152,8 +152,10 @@ class EngineResult(msgspec.Struct, kw_only=True):
     ``per_request`` lists ``(trace index, hit tokens)``. ``load_errors`` counts blocks reported
     by ``get_block_ids_with_load_errors`` (recomputed); ``corrupt_blocks`` loaded blocks whose
     bytes were wrong (must be 0). ``saved_bytes``/``loaded_bytes`` are KV bytes the connector
-    was asked to save / loaded successfully; ``save_s``/``load_s`` the wall time spent in the
-    worker's save/load calls.
+    was asked to save / loaded successfully. ``load_s``: wall time of synchronous loads
+    (``start_load_kv``) or from submission to ``finished_recving`` for asynchronous ones;
+    ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
+    ``wait_saves``).
     """
 
     engine_id: str
@@ -317,6 +319,7 @@ class SimEngine:
         self._finished_ids: set[str] = set()
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._save_started = 0.0
         self.result = EngineResult(engine_id=spec.engine_id)
 
     # -- vLLM-shaped steps -----------------------------------------------------------------
@@ -350,9 +353,8 @@ class SimEngine:
         sending, recving = self.worker.get_finished(so.finished_req_ids)
         self._load_errors |= self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
-        t3 = time.perf_counter()
         self.result.load_s += t1 - t0
-        self.result.save_s += t3 - t2
+        self._save_started = t2
         self._on_finished(sending or set(), recving or set())
 
     def _on_finished(self, sending: set[str], recving: set[str]) -> None:
@@ -435,6 +437,7 @@ class SimEngine:
         if matched and is_async:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             req.num_computed_tokens = matched
+            load_started = time.perf_counter()
             deadline = time.monotonic() + 120
             while rid not in self._recving:
                 if time.monotonic() > deadline:
@@ -442,6 +445,7 @@ class SimEngine:
                 self._step([], None)
                 time.sleep(_IDLE_STEP_S)
             self._recving.discard(rid)
+            self.result.load_s += time.perf_counter() - load_started
             computed = self._valid_prefix(live, matched)
             req.num_computed_tokens = computed
             req.status = RequestStatus.WAITING
@@ -451,12 +455,14 @@ class SimEngine:
             req.status = RequestStatus.RUNNING
             self._step([live], lambda layer: self._write_layer(
                 layer, live, computed // s.block_size, len(live.block_ids)))
+            save_started = self._save_started
         else:
             req.num_computed_tokens = matched
             req.status = RequestStatus.RUNNING
             first = matched // s.block_size
             self._step([live], lambda layer: self._write_layer(
                 layer, live, first, len(live.block_ids)))
+            save_started = self._save_started
             computed = self._valid_prefix(live, matched)
             if computed < matched:
                 # vLLM reschedules the failed blocks for recompute.
@@ -487,6 +493,8 @@ class SimEngine:
                     raise RuntimeError(f"saves of {rid} did not finish in 120 s")
                 self._step([], None)
                 time.sleep(_IDLE_STEP_S)
+            # From the save's submission to the worker reporting it finished.
+            self.result.save_s += time.perf_counter() - save_started
         return computed
 
     def _valid_prefix(self, live: _Live, matched: int) -> int:

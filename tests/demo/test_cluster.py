@@ -1,0 +1,110 @@
+"""The demo fleet, headless: DemoCluster's engines (prefill/decode pair + a kv_both engine)
+report through their agents to the hub; a FleetClient and ``kvpool-console status --json`` see
+engines, hit rate, pool usage and loads; afterwards every process it started is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from kvpool_agent import FleetClient
+from kvpool_console.demo import DemoCluster
+from kvpool_console.demo.trace import default_trace_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _descendants(pids: list[int]) -> set[int]:
+    out: set[int] = set()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.add(pid)
+            out.update(c.pid for c in p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
+    cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=3,
+                          speedup=8.0, limit=150, pool_tokens=600_000)
+    with cluster:
+        started = [p.pid for p in cluster.processes.values()]
+        assert cluster.master is not None and cluster.master.proc is not None
+        assert cluster.store is not None and cluster.store.proc is not None
+        started += [cluster.master.proc.pid, cluster.store.proc.pid]
+        tree = _descendants(started)
+        assert cluster.keys_dir.joinpath("operator.key_secret").is_file()
+
+        client = FleetClient(cluster.hub_address, keys_dir=cluster.keys_dir)
+        try:
+            # Three engines, each a scheduler agent and a worker agent.
+            fleet = client.wait_for(6, timeout_s=30)
+            assert len(fleet) >= 6, sorted(fleet)
+            seen_in_flight: list[tuple[str, int, int]] = []
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                client.updates(200)
+                fleet = client.fleet()
+                for entry in fleet.values():
+                    seen_in_flight += [(t.kind, t.blocks, t.bytes) for t in entry.state.in_flight]
+                decode = fleet["decode-1/scheduler"].state
+                workers = [e.state for a, e in fleet.items() if not a.endswith("/scheduler")]
+                loaded = sum(w.transfers.loads_finished for w in workers)
+                used = max((w.pool.used_bytes for w in workers if w.pool), default=0)
+                if decode.lookup.hit_rate > 0.5 and loaded > 20 and used > 0 and seen_in_flight:
+                    break
+            states = {a: e.state for a, e in fleet.items()}
+            roles = {s.source.engine_id: (s.source.instance_role, s.source.kv_role)
+                     for s in states.values()}
+            assert roles == {"prefill-0": ("prefill", "kv_producer"),
+                             "decode-1": ("decode", "kv_consumer"),
+                             "engine-2": ("both", "kv_both")}
+            # The decode engine loads nearly whole prompts the prefill engine saved.
+            decode = states["decode-1/scheduler"].lookup
+            assert decode.lookups > 10 and 0.5 < decode.hit_rate < 1.0
+            assert decode.pool_hit_tokens <= decode.prompt_tokens
+            # The prefill engine never looks up (kv_producer), only saves.
+            assert states["prefill-0/scheduler"].lookup.pool_hit_tokens == 0
+            prefill_w = states["prefill-0/dp0.tp0.pp0"].transfers
+            assert prefill_w.saves_finished > 0 and prefill_w.saved_bytes > 0
+            decode_w = states["decode-1/dp0.tp0.pp0"].transfers
+            assert decode_w.loads_finished > 10 and decode_w.loaded_bytes > 0
+            pool = states["decode-1/dp0.tp0.pp0"].pool
+            assert pool is not None
+            assert 0 < pool.used_bytes <= pool.total_bytes
+            assert pool.total_bytes >= 600_000 * 256
+            assert seen_in_flight
+            for kind, blocks, nbytes in seen_in_flight:
+                assert kind in ("load", "save") and blocks > 0 and nbytes > 0
+
+            # The console's one-shot view of the same fleet.
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            out = subprocess.run(
+                [sys.executable, "-m", "kvpool_console.cli", "status", "--hub",
+                 cluster.hub_address, "--json"],
+                capture_output=True, text=True, env=env, timeout=60, check=False,
+            )
+            status = json.loads(out.stdout)
+            by_engine = {e["engine_id"]: e for e in status["engines"]}
+            assert {"prefill-0", "decode-1", "engine-2"} <= set(by_engine)
+            assert by_engine["decode-1"]["hit_rate"] > 0.5
+            assert by_engine["decode-1"]["segment_total_bytes"] >= 600_000 * 256
+
+            replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
+                                     timeout_ms=10_000)
+            assert len(replies) == 1 and replies[0].ok, replies
+        finally:
+            client.close()
+    assert cluster.leftover_pids() == []
+    gone = [pid for pid in tree if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert gone == []
+    assert not cluster.workdir.exists()
