@@ -194,6 +194,8 @@ class _Agent:
                     # The agent must outlive any bug in one iteration; the engine never notices.
                     log.exception("kvpool agent %s: loop iteration failed", self.source.agent_id)
                     time.sleep(_LOOP_S)
+            # A last report so the hub keeps this agent's final numbers (never blocks).
+            self._send_report("delta")
         finally:
             self._close()
 
@@ -362,7 +364,8 @@ class _Agent:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.mon.close(linger=0)
-        self.sock.close(linger=0)
+        # Up to 200 ms to deliver the last report; nothing queues while no hub is connected.
+        self.sock.close(linger=200)
         self.ctx.term()
         if self._http is not None:
             self._http.close()

@@ -168,7 +168,8 @@ class FleetHub:
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count(1)
         self._pub_seq = 0
-        self._agent_seq = 0
+        # Per agent, so each agent sees its own gap-free command sequence.
+        self._agent_seq: dict[str, int] = {}
         self._want_snapshot = False
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -521,8 +522,7 @@ class FleetHub:
             if ag is None:
                 pend.replies[aid] = self._agent_error(req, aid, f"unknown agent {aid!r}")
                 continue
-            self._agent_seq += 1
-            fwd.seq = self._agent_seq
+            fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
                 self.agents_sock.send_multipart([ag.routing_id, encode(fwd)], zmq.NOBLOCK)
             except zmq.ZMQError as e:

@@ -72,7 +72,7 @@ def test_silent_agents_stay_listed_with_their_last_state(hub: FleetHub, hub_addr
     aid = h.source.agent_id
     with FleetClient(hub_address) as c:
         c.wait_for(1, 3)
-        h.stop()
+        h.stop()  # its last report carries the lookup recorded just before
         time.sleep(1.5)  # hub snapshots keep coming; this agent's last_seen does not move
         c.updates(1000)
         entry = c.fleet()[aid]

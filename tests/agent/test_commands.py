@@ -1,0 +1,276 @@
+"""Operator commands over real sockets against a real pool: flush scopes remove exactly their
+keys (checked with the master's /get_all_keys), authorisation by CURVE key, health, drain."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+import zmq.auth
+from agent_testlib import make_source
+
+from kvpool_agent import UNAUTHORISED, AgentHandle, FleetClient, FleetHub, start_agent
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    DrainArgs,
+    DrainResult,
+    EngineState,
+    FlushArgs,
+    Report,
+    encode,
+)
+from kvpool_connector.keys import PROBE_PREFIX, ParallelLayout, PoolKey
+from kvpool_connector.services import LocalMooncakeMaster
+
+VALUE = 4096
+
+
+def _all_keys(master: LocalMooncakeMaster) -> set[str]:
+    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
+    r.raise_for_status()
+    return {k for k in r.text.splitlines() if k}
+
+
+@pytest.fixture
+def pool(
+    mooncake_backend: Any, pool_buffer: Any, agent_master: LocalMooncakeMaster, model: str
+) -> Iterator[dict]:
+    """Keys of two layouts of ``model``, of another model, and a key outside kvpool's
+    namespace, all really stored; removed again afterwards."""
+    other_model = model + "-other"
+    groups = {
+        "tp0": [str(PoolKey(model, ParallelLayout(tp_rank=0), f"{i:032x}")) for i in range(3)],
+        "tp1": [str(PoolKey(model, ParallelLayout(tp_rank=1), f"{i:032x}")) for i in range(2)],
+        "other_keys": [str(PoolKey(other_model, ParallelLayout(), f"{i:032x}")) for i in range(2)],
+        "foreign": [f"tenant-b/{model}/blob"],
+    }
+    every = [k for ks in groups.values() for k in ks]
+    codes = mooncake_backend.batch_put_from(
+        every, [[ctypes.addressof(pool_buffer)]] * len(every), [[VALUE]] * len(every)
+    )
+    assert codes == [0] * len(every)
+    assert set(every) <= _all_keys(agent_master)
+    yield {"model": model, "other_model": other_model, **groups}
+    mooncake_backend.remove_by_scope(f"^(kvpool@)?(tenant-b/)?{model}", dry_run=False, force=True)
+
+
+@pytest.fixture
+def worker_agent(
+    hub: FleetHub, hub_address: str, mooncake_backend: Any, agent_master: LocalMooncakeMaster,
+    model: str,
+) -> Iterator[AgentHandle]:
+    handle = start_agent(
+        make_source("eng-f", tp=0, model=model),
+        address=hub_address,
+        backend=mooncake_backend,
+        key_scope=(model, ParallelLayout(tp_rank=0)),
+        pool_admin_url=agent_master.admin_url,
+    )
+    yield handle
+    handle.stop()
+
+
+def _operator(hub_address: str, keys_dir: Path) -> FleetClient:
+    c = FleetClient(hub_address, keys_dir=keys_dir)
+    c.wait_for(1, 5)
+    return c
+
+
+def test_flush_scopes_remove_exactly_their_keys(
+    worker_agent: AgentHandle, hub_address: str, keys_dir: Path, pool: dict,
+    agent_master: LocalMooncakeMaster, tmp_path: Path,
+) -> None:
+    aid = worker_agent.source.agent_id
+    with _operator(hub_address, keys_dir) as op:
+        # Dry run of this engine's shard: counts its 3 keys, removes nothing.
+        (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=True))
+        assert r.ok and r.flush is not None
+        assert (r.flush.dry_run, r.flush.keys, r.flush.removed_keys) == (True, 3, 0)
+        assert set(pool["tp0"]) <= _all_keys(agent_master)
+
+        before = _all_keys(agent_master)
+        (r,) = op.command(
+            "flush", targets=[aid],
+            flush=FlushArgs(scope="engine", engine_id="eng-f", dry_run=False),
+        )
+        assert r.ok and r.flush is not None and r.flush.removed_keys == 3, r
+        assert _all_keys(agent_master) == before - set(pool["tp0"])
+
+        # Model scope: every layout of the other model, nothing else.
+        before = _all_keys(agent_master)
+        (r,) = op.command(
+            "flush", targets=[aid],
+            flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False),
+        )
+        assert r.ok and r.flush is not None and r.flush.removed_keys == 2
+        assert _all_keys(agent_master) == before - set(pool["other_keys"])
+
+        # Model scope of this agent's own model (no model given): the tp1 shard goes too.
+        (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="model", dry_run=False))
+        assert r.ok and r.flush is not None and r.flush.removed_keys == 2
+        after = _all_keys(agent_master)
+        assert not set(pool["tp1"]) & after
+        # Keys outside kvpool's namespace are never touched, not even by scope "all".
+        (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="all", dry_run=False))
+        assert r.ok
+        left = _all_keys(agent_master)
+        assert not any(k.startswith("kvpool@") for k in left)
+        assert set(pool["foreign"]) <= left
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    flushes = [a for a in audit if a["command"] == "flush"]
+    assert len(flushes) == 5
+    assert all(a["who"].startswith("key:") and not a["refused"] for a in flushes)
+    assert flushes[1]["flush"]["scope"] == "engine" and flushes[1]["results"][0]["ok"]
+
+
+def test_leased_keys_are_skipped_unless_forced(
+    worker_agent: AgentHandle, hub_address: str, keys_dir: Path, pool: dict,
+    mooncake_backend: Any, agent_master: LocalMooncakeMaster,
+) -> None:
+    aid = worker_agent.source.agent_id
+    # A lookup takes a lease (default_kv_lease_ttl, 10 s here) on the keys it finds.
+    assert mooncake_backend.batch_exists(pool["tp0"][:1]) == [1]
+    with _operator(hub_address, keys_dir) as op:
+        (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False))
+        assert r.ok and r.flush is not None
+        assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1)
+        assert pool["tp0"][0] in _all_keys(agent_master)
+        (r,) = op.command(
+            "flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False, force=True)
+        )
+        assert r.ok and r.flush is not None and r.flush.removed_keys == 1
+    assert not set(pool["tp0"]) & _all_keys(agent_master)
+
+
+def test_unauthorised_flush_is_refused_and_removes_nothing(
+    worker_agent: AgentHandle, hub: FleetHub, hub_address: str, pool: dict,
+    agent_master: LocalMooncakeMaster, tmp_path: Path,
+) -> None:
+    before = _all_keys(agent_master)
+    with FleetClient(hub_address) as viewer:
+        assert not viewer.authorised
+        viewer.wait_for(1, 5)
+        for scope in ("engine", "model", "all"):
+            replies = viewer.command(
+                "flush", flush=FlushArgs(scope=scope, engine_id="eng-f", dry_run=False)  # type: ignore[arg-type]
+            )
+            assert [(r.agent_id, r.ok, r.error) for r in replies] == [("hub", False, UNAUTHORISED)]
+        # A dry run is read-only and allowed without a key.
+        (r,) = viewer.command("flush", flush=FlushArgs(scope="engine", engine_id="eng-f"))
+        assert r.ok and r.flush is not None and r.flush.keys == 3 and r.flush.removed_keys == 0
+    assert _all_keys(agent_master) == before
+    assert hub.refused == 3
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [a["refused"] for a in audit if a["command"] == "flush"] == [True, True, True, False]
+    assert all(a["who"].startswith("plain:") for a in audit)
+
+
+def test_unknown_operator_key_gets_no_access(
+    worker_agent: AgentHandle, hub_address: str, keys_dir: Path, tmp_path: Path, pool: dict,
+    agent_master: LocalMooncakeMaster,
+) -> None:
+    # Same hub public key, but an operator key the hub never authorised.
+    rogue = tmp_path / "rogue"
+    rogue.mkdir()
+    (rogue / "server.key").write_bytes((keys_dir / "server.key").read_bytes())
+    zmq.auth.create_certificates(str(rogue), "operator")
+    before = _all_keys(agent_master)
+    with FleetClient(hub_address, keys_dir=rogue) as c:
+        (r,) = c.command("flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=300)
+    assert not r.ok and r.agent_id == "hub" and "no answer from the hub" in (r.error or "")
+    assert _all_keys(agent_master) == before
+
+
+def test_health_checks_client_master_and_probe(
+    worker_agent: AgentHandle, hub_address: str, agent_master: LocalMooncakeMaster
+) -> None:
+    with FleetClient(hub_address) as c:
+        c.wait_for(1, 5)
+        (r,) = c.command("health", targets=[worker_agent.source.agent_id])
+    assert r.ok and r.health is not None, r
+    checks = {ch.name: ch for ch in r.health.checks}
+    assert set(checks) == {"client", "master", "probe_put", "probe_get", "probe_remove"}
+    assert checks["client"].code == 0 and checks["client"].detail == "HEALTHY"
+    assert all(ch.ok and ch.latency_ms > 0 for ch in checks.values())
+    # The probe cleaned up after itself.
+    assert not any(k.startswith(PROBE_PREFIX) for k in _all_keys(agent_master))
+
+
+def test_health_names_an_unreachable_master(hub: FleetHub, hub_address: str) -> None:
+    from agent_testlib import free_port_block
+
+    dead = f"http://127.0.0.1:{free_port_block(1)}"
+    handle = start_agent(make_source("store-x", role="store"), address=hub_address,
+                         pool_admin_url=dead)
+    try:
+        with FleetClient(hub_address) as c:
+            c.wait_for(1, 5)
+            (r,) = c.command("health", timeout_ms=3000)
+        assert not r.ok and r.health is not None
+        (check,) = r.health.checks
+        assert check.name == "master" and not check.ok and "unreachable" in check.detail
+    finally:
+        handle.stop()
+
+
+def test_drain_snapshot_and_timeout(hub: FleetHub, hub_address: str) -> None:
+    calls: list[int] = []
+
+    def drain(timeout_ms: int) -> DrainResult:
+        calls.append(timeout_ms)
+        return DrainResult(drained=True, waited_ms=1.0, remaining_saves=0)
+
+    with_drain = start_agent(make_source("eng-d", tp=0), address=hub_address, drain=drain)
+    plain = start_agent(make_source("eng-d", tp=1), address=hub_address)
+    plain.reporter.transfer_started("s1", "save", 2, 8192)
+    try:
+        with FleetClient(hub_address) as c:
+            c.wait_for(2, 5)
+            replies = {
+                r.agent_id: r
+                for r in c.command("drain", drain=DrainArgs(timeout_ms=400), timeout_ms=3000)
+            }
+            assert calls == [400]
+            ok = replies[with_drain.source.agent_id]
+            assert ok.ok and ok.drain == DrainResult(drained=True, waited_ms=1.0, remaining_saves=0)
+            # Without a connector drain the agent waits on the save it saw start.
+            busy = replies[plain.source.agent_id]
+            assert not busy.ok and busy.drain is not None
+            assert busy.drain.remaining_saves == 1 and busy.drain.waited_ms >= 400
+            plain.reporter.transfer_finished("s1", "save", ok=True, nbytes=8192)
+            (done,) = c.command("drain", targets=[plain.source.agent_id])
+            assert done.ok and done.drain is not None and done.drain.remaining_saves == 0
+
+            (snap,) = c.command("snapshot", targets=[plain.source.agent_id])
+            assert snap.ok and snap.snapshot is not None
+            assert snap.snapshot.transfers.saved_bytes == 8192
+
+            # Commands to several agents: each agent still sees a gap-free sequence.
+            assert plain.counters["gaps"] == 0 and plain.counters["bad_messages"] == 0
+            # An agent whose process is gone: the hub says so at once.
+            plain.stop()
+            (gone,) = c.command("snapshot", targets=[plain.source.agent_id], timeout_ms=300)
+            assert not gone.ok and "agent unreachable" in (gone.error or "")
+            # An agent connected but mute: the hub answers for it after the timeout.
+            with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as mute:
+                mute.connect(hub.ports.agents)
+                st = EngineState(source=make_source("eng-mute"), started_ms=0.0, ts_ms=0.0)
+                mute.send(encode(Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=st)))
+                c.wait_for(3, 5)
+                t0 = time.monotonic()
+                (late,) = c.command("snapshot", targets=[st.source.agent_id], timeout_ms=300)
+                assert not late.ok and late.error == "timeout after 300 ms"
+                assert 0.3 <= time.monotonic() - t0 < 2.0
+                mute.close(linger=0)
+            (unknown,) = c.command("snapshot", targets=["nobody"], timeout_ms=300)
+            assert not unknown.ok and "unknown agent" in (unknown.error or "")
+    finally:
+        with_drain.stop()
+        plain.stop()

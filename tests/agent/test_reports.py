@@ -1,0 +1,165 @@
+"""Real saves and loads against a real mooncake_master, reported through a real agent and hub:
+the numbers a console receives are checked, not just that a message arrived."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+from agent_testlib import make_source
+
+from kvpool_agent import FleetClient, FleetHub, start_agent
+from kvpool_agent.protocol import EngineState
+from kvpool_connector.errors import error_name
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
+from kvpool_connector.services import LocalMooncakeMaster
+
+BLOCK = 16 * 1024  # bytes per key (one chunk of all layers)
+CHUNK = 256  # tokens per chunk
+
+
+def _wait_state(
+    client: FleetClient, agent_id: str, pred: Any, timeout_s: float = 5.0
+) -> EngineState:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entry = client.fleet().get(agent_id)
+        if entry is not None and pred(entry.state):
+            return entry.state
+        assert time.monotonic() < deadline, f"state never matched: {entry}"
+        client.updates(100)
+
+
+def test_real_saves_and_loads_are_reported_with_exact_numbers(
+    hub: FleetHub,
+    hub_address: str,
+    mooncake_backend: Any,
+    pool_buffer: Any,
+    agent_master: LocalMooncakeMaster,
+    model: str,
+) -> None:
+    backend = mooncake_backend
+    src = make_source("eng-a", model=model)
+    handle = start_agent(
+        src,
+        address=hub_address,
+        backend=backend,
+        key_scope=(model, ParallelLayout()),
+        pool_admin_url=agent_master.admin_url,
+        lease_ttl_ms=agent_master.default_kv_lease_ttl_ms,
+    )
+    rep = handle.reporter
+    base = ctypes.addressof(pool_buffer)
+    tokens = list(range(4 * CHUNK))
+    keys = [str(PoolKey(model, ParallelLayout(), h)) for h in chunk_hashes(tokens, CHUNK)]
+    try:
+        # Save 4 chunks the way the worker does: started -> batch_put_from -> finished.
+        rep.transfer_started("req-save", "save", 4, 4 * BLOCK)
+        codes = backend.batch_put_from(keys, [[base + i * BLOCK] for i in range(4)], [[BLOCK]] * 4)
+        assert codes == [0, 0, 0, 0]
+        rep.transfer_finished("req-save", "save", ok=True, nbytes=4 * BLOCK)
+
+        # A lookup of a 6-chunk prompt: the pool holds 4 leading chunks (real batch_exists).
+        prompt = tokens + list(range(10_000, 10_000 + 2 * CHUNK))
+        lk_keys = [str(PoolKey(model, ParallelLayout(), h)) for h in chunk_hashes(prompt, CHUNK)]
+        t0 = time.perf_counter()
+        present = backend.batch_exists(lk_keys)
+        latency = (time.perf_counter() - t0) * 1e3
+        hit = 0
+        for p in present:
+            if p != 1:
+                break
+            hit += 1
+        assert hit == 4
+        rep.lookup("req-load", len(prompt), 0, hit * CHUNK, latency)
+
+        # Load the 4 chunks into the second half of the buffer: real bytes, compared.
+        rep.transfer_started("req-load", "load", 4, 4 * BLOCK)
+        got = backend.batch_get_into(
+            keys, [[base + (4 + i) * BLOCK] for i in range(4)], [[BLOCK]] * 4
+        )
+        assert got == [BLOCK] * 4
+        assert ctypes.string_at(base, 4 * BLOCK) == ctypes.string_at(base + 4 * BLOCK, 4 * BLOCK)
+        rep.loaded("req-load", hit * CHUNK)
+        rep.transfer_finished("req-load", "load", ok=True, nbytes=4 * BLOCK)
+
+        # A load after a positive lookup of a key that is gone: the real store answers -704.
+        missing = str(PoolKey(model, ParallelLayout(), "f" * 32))
+        rep.lookup("req-gone", CHUNK * 2, CHUNK, CHUNK, 0.5)
+        rep.transfer_started("req-gone", "load", 1, BLOCK)
+        (code,) = backend.batch_get_into([missing], [[base]], [[BLOCK]])
+        assert code < 0
+        rep.transfer_finished(
+            "req-gone", "load", ok=False, nbytes=0, error_name=error_name(code),
+            failed_blocks=1, after_hit=True,
+        )
+        # A lookup the store could not answer.
+        rep.lookup("req-err", 512, 0, 0, 2.0, error="RPC_FAIL: master unreachable")
+
+        with FleetClient(hub_address) as client:
+            st = _wait_state(
+                client,
+                src.agent_id,
+                lambda s: s.lookup.lookups == 3
+                and s.transfers.loads_failed == 1
+                and s.pool is not None
+                and s.pool.keys >= 4,
+            )
+        lk = st.lookup
+        assert lk.prompt_tokens == len(prompt) + 2 * CHUNK
+        assert lk.local_tokens == CHUNK
+        assert lk.pool_hit_tokens == 4 * CHUNK + CHUNK
+        assert lk.loaded_tokens == 4 * CHUNK
+        assert abs(lk.hit_rate - 5 * CHUNK / (len(prompt) + 2 * CHUNK)) < 1e-9
+        assert abs(lk.hit_rate_1m - lk.hit_rate) < 1e-9
+        assert lk.lookup_errors == 1
+        assert 0 < lk.latency_ms_p50 <= lk.latency_ms_p99
+        tr = st.transfers
+        assert (tr.saves_finished, tr.saved_bytes) == (1, 4 * BLOCK)
+        assert (tr.loads_finished, tr.loads_failed, tr.loaded_bytes) == (1, 1, 4 * BLOCK)
+        assert tr.errors_by_name == {"OBJECT_NOT_FOUND": 1}
+        assert tr.failed_after_hit == 1
+        assert tr.load_bytes_per_s == 4 * BLOCK / 10
+        assert st.in_flight == []
+        names = [(e.where, e.name) for e in st.recent_errors]
+        assert ("load", "OBJECT_NOT_FOUND") in names and ("lookup", "LOOKUP") in names
+        # Pool stats come from the master's /metrics: our 4 keys of 16 KiB are in it.
+        assert st.pool is not None and st.pool.healthy is True
+        assert st.pool.used_bytes >= 4 * BLOCK and st.pool.total_bytes >= 64 << 20
+        assert st.pool.lease_ttl_ms == agent_master.default_kv_lease_ttl_ms
+        assert any(seg.total_bytes == 64 << 20 for seg in st.pool.segments)
+        # Process stats from psutil.
+        assert st.process.rss_bytes > 10 << 20 and st.process.threads > 1
+        assert st.source == src
+    finally:
+        backend.remove_by_scope("^" + model, dry_run=False, force=True)
+        handle.stop()
+
+
+def test_in_flight_layerwise_progress_and_lease_expiry(hub: FleetHub, hub_address: str) -> None:
+    src = make_source("eng-b")
+    handle = start_agent(src, address=hub_address, lease_ttl_ms=5_000)
+    rep = handle.reporter
+    try:
+        rep.lookup("r1", 1024, 0, 768, 1.0)
+        rep.transfer_started("r1", "load", 3, 3 * BLOCK, layers_total=32)
+        rep.transfer_progress("r1", "load", 12)
+        rep.transfer_started("r2", "save", 2, 2 * BLOCK, lease_expires_ms=123.0)
+        with FleetClient(hub_address) as client:
+            st = _wait_state(client, src.agent_id, lambda s: len(s.in_flight) == 2)
+        by_req = {t.req_id: t for t in st.in_flight}
+        load = by_req["r1"]
+        assert (load.kind, load.blocks, load.bytes) == ("load", 3, 3 * BLOCK)
+        assert (load.layers_done, load.layers_total) == (12, 32)
+        # The lease of r1 runs from its lookup plus default_kv_lease_ttl.
+        assert load.lease_expires_ms is not None
+        assert 4_000 < load.lease_expires_ms - time.time() * 1e3 <= 5_000
+        assert by_req["r2"].lease_expires_ms == 123.0
+        rep.transfer_finished("r1", "load", ok=False, error_name=None, timed_out=True)
+        st = handle.state()
+        assert st.transfers.loads_timed_out == 1 and st.transfers.loads_failed == 1
+        assert st.transfers.errors_by_name == {"TIMEOUT": 1}
+        assert [t.req_id for t in st.in_flight] == ["r2"]
+    finally:
+        handle.stop()
