@@ -189,6 +189,12 @@ class KVCacheStoreConfig(_Open):
     """MindIE Motor's global ``kv_cache_store_config`` (shared by P and D instances)."""
 
     enable: bool | None = None
+    mode: str | None = Field(
+        default=None,
+        description="NodeManager layout: combined (engine + KV store in one pod) or separated.",
+        json_schema_extra={"enum": ["combined", "separated"]},
+    )
+    service: str | None = None
     backend: str | None = Field(
         default=None,
         description="Pool backend; default memcache. Must equal the store connector's backend.",

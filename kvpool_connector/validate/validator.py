@@ -77,8 +77,12 @@ ASCEND_CONNECTORS = frozenset(
 _KTC_FIELDS = frozenset(KVTransferConfig.model_fields)
 _STORE_FIELDS = frozenset(KVCacheStoreConfig.model_fields)
 _CONNECTOR_KEYS = (ASCEND_STORE_EXTRA_KEYS | KVPOOL_EXTRA_KEYS) - {"backend"}
+# "port" is left out: in a connector or kv_transfer_config it is more likely a mistyped kv_port.
 _STORE_ONLY_KEYS = _STORE_FIELDS - {
+    "port",
     "backend",
+    "mode",
+    "service",
     "enable",
     "additional_labels",
     "additional_annotations",
@@ -393,8 +397,8 @@ def _check_store_extra(
                             "info",
                             "lookup-rpc-port",
                             f"{epath}.{key}",
-                            "MindIE Motor assigns lookup_rpc_port to each DP instance itself; "
-                            "this value is not needed",
+                            "MindIE's kv_cache_store README: lookup_rpc_port need not be "
+                            "filled in, Motor adapts it for each DP instance",
                         )
                     )
     ctx.add(R.check_qos_priority(extra.get("qos_priority"), path=f"{epath}.qos_priority"))
@@ -839,7 +843,7 @@ def _check_store_config(ctx: _Ctx, doc: dict[str, Any], instances: dict[str, _In
                 k: "the store connector's kv_connector_extra_config" for k in _CONNECTOR_KEYS
             }
             | {"kv_load_failure_policy": "each engine's top-level kv_transfer_config"},
-            consequence=" (deploy.py ignores it)",
+            consequence=" (MindIE Motor does not document it there)",
         )
     )
     backend_raw = store.get("backend")
