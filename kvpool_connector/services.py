@@ -7,19 +7,23 @@ master listens for clients on ``rpc_port`` and serves ``/metrics``, ``/health``,
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
 
 import httpx
+import psutil
 
-__all__ = ["LocalMooncakeMaster", "free_port"]
+__all__ = ["LocalMooncakeMaster", "LocalYuanrongWorker", "free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -147,6 +151,164 @@ class LocalMooncakeMaster:
             self._log.close()
 
     def __enter__(self) -> LocalMooncakeMaster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class LocalYuanrongWorker:
+    """An openYuanrong datasystem worker on 127.0.0.1 with free ports, started with ``dscli``.
+
+    Runs ``dscli start -w --worker_address 127.0.0.1:P --metastore_address 127.0.0.1:M
+    --start_metastore_service true`` (the worker hosts its own metastore, so no etcd is
+    needed). ``dscli start`` returns once the worker wrote its ``ready_check_path`` file; it
+    polls once a second, so a start takes a few seconds (about 6 s on 2 cores).
+
+    Args:
+        shared_memory_size_mb: the worker's shared-memory pool (``shared_memory_size_mb``), MB.
+        extra_args: further ``--flag value`` pairs for the worker, e.g.
+            ``["--oc_thread_num", "8"]``.
+        home_dir: ``dscli -d``: base of the worker's logs, sockets and probe files
+            (a fresh temporary directory by default).
+
+    Attributes after ``start()``: ``port``, ``metastore_port``, ``address``
+    (``"127.0.0.1:<port>"``, what clients and ``yuanrong_worker_address`` use), ``pid``
+    (the ``datasystem_worker`` process) and ``start_seconds`` (wall time of ``dscli start``).
+
+    Raises:
+        FileNotFoundError: ``dscli`` is not on PATH (install the ``yuanrong`` extra).
+        RuntimeError: ``dscli start`` failed or timed out; the message carries its output and
+            the tail of the worker log.
+    """
+
+    def __init__(
+        self,
+        *,
+        shared_memory_size_mb: int = 256,
+        extra_args: list[str] | None = None,
+        home_dir: str | Path | None = None,
+    ) -> None:
+        self.shared_memory_size_mb = shared_memory_size_mb
+        self.extra_args = list(extra_args or [])
+        self.home_dir = (
+            Path(home_dir) if home_dir else Path(tempfile.mkdtemp(prefix="kvpool-yuanrong-"))
+        )
+        self.port = 0
+        self.metastore_port = 0
+        self.pid: int | None = None
+        self.start_seconds = 0.0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metastore_address(self) -> str:
+        return f"127.0.0.1:{self.metastore_port}"
+
+    @property
+    def log_dir(self) -> Path:
+        """Where the worker writes ``datasystem_worker.INFO.log`` and ``resource.log``."""
+        return self.home_dir / "datasystem" / "logs"
+
+    @staticmethod
+    def _dscli() -> str:
+        binary = shutil.which("dscli") or str(Path(sys.executable).with_name("dscli"))
+        if not Path(binary).exists():
+            raise FileNotFoundError(
+                "dscli is not on PATH: pip install 'kvpool[yuanrong]' (openyuanrong-datasystem)"
+            )
+        return binary
+
+    def command(self, timeout_s: int) -> list[str]:
+        """The ``dscli start`` command line (after ports are chosen)."""
+        return [
+            self._dscli(), "start", "-t", str(timeout_s), "-d", str(self.home_dir), "-w",
+            "--worker_address", self.address,
+            "--metastore_address", self.metastore_address,
+            "--start_metastore_service", "true",
+            "--shared_memory_size_mb", str(self.shared_memory_size_mb),
+            *self.extra_args,
+        ]
+
+    def start(self, timeout_s: int = 60) -> LocalYuanrongWorker:
+        self.port = free_port()
+        self.metastore_port = free_port()
+        self.home_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(
+                self.command(timeout_s), capture_output=True, text=True, timeout=timeout_s + 15
+            )
+        except subprocess.TimeoutExpired as exc:
+            self._kill_by_address()
+            raise RuntimeError(f"dscli start timed out after {timeout_s + 15}s") from exc
+        self.start_seconds = time.monotonic() - t0
+        output = proc.stdout + proc.stderr
+        found = re.search(r"success, PID: (\d+)", output)
+        if proc.returncode != 0 or found is None:
+            self._kill_by_address()
+            raise RuntimeError(
+                f"dscli start failed (exit {proc.returncode}):\n{output[-2000:]}\n{self._tail()}"
+            )
+        self.pid = int(found.group(1))
+        return self
+
+    def _tail(self, n: int = 20) -> str:
+        try:
+            log = self.log_dir / "datasystem_worker.INFO.log"
+            return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def _alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.status() != psutil.STATUS_ZOMBIE and any(
+                f"--worker_address={self.address}" == arg for arg in proc.cmdline()
+            )
+        except psutil.Error:
+            return False
+
+    def _kill_by_address(self) -> None:
+        # A worker whose start was given up on is found by its unique address, never by name.
+        for proc in psutil.process_iter(["cmdline"]):
+            if f"--worker_address={self.address}" in (proc.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the worker (a crash, for failure tests)."""
+        if self._alive() and self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(self.pid).wait(timeout=5)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker: SIGTERM (what ``dscli stop`` sends), SIGKILL after ``timeout_s``.
+        ``dscli stop`` itself waits up to 180 s for a graceful exit, too long for tests, so
+        the same signal is sent directly to the worker's pid. Idempotent."""
+        if not self._alive() or self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            psutil.Process(self.pid).wait(timeout=timeout_s)
+        except psutil.TimeoutExpired:
+            self.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+    def __enter__(self) -> LocalYuanrongWorker:
         return self.start()
 
     def __exit__(
