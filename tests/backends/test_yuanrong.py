@@ -76,7 +76,10 @@ def block_bytes(cache: list[torch.Tensor], block: int) -> bytes:
         ctypes.string_at(a, n) for a, n in zip(*block_ranges(cache, block), strict=True))
 
 
-def keys_for(model: str, n: int, layout: ParallelLayout = ParallelLayout(),
+DEFAULT_LAYOUT = ParallelLayout()
+
+
+def keys_for(model: str, n: int, layout: ParallelLayout = DEFAULT_LAYOUT,
              seed: int = 0) -> list[str]:
     toks = torch.randint(0, 32000, (n * 16,), generator=torch.Generator().manual_seed(seed))
     return [str(PoolKey(model, layout, h)) for h in chunk_hashes(toks.tolist(), 16)]
