@@ -12,7 +12,7 @@ from agent_testlib import make_source
 from kvpool_agent import FleetClient, FleetHub, start_agent
 from kvpool_agent.protocol import EngineState
 from kvpool_connector.errors import error_name
-from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
 from kvpool_connector.services import LocalMooncakeMaster
 
 BLOCK = 16 * 1024  # bytes per key (one chunk of all layers)
@@ -133,7 +133,7 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         assert st.process.rss_bytes > 10 << 20 and st.process.threads > 1
         assert st.source == src
     finally:
-        backend.remove_by_scope("^" + model, dry_run=False, force=True)
+        backend.remove_by_scope(model_pattern(model), dry_run=False, force=True)
         handle.stop()
 
 
@@ -163,3 +163,94 @@ def test_in_flight_layerwise_progress_and_lease_expiry(hub: FleetHub, hub_addres
         assert [t.req_id for t in st.in_flight] == ["r2"]
     finally:
         handle.stop()
+
+
+# Module-lifetime KV caches: memory registered with the Mooncake client must never be freed
+# while the client lives (a new registration overlapping it would fail).
+_ALIVE: list[object] = []
+
+
+def test_kvpool_worker_saves_and_loads_are_reported(
+    hub: FleetHub, hub_address: str, mooncake_backend: Any, model: str
+) -> None:
+    import torch
+
+    from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+    from kvpool_connector.worker import KVPoolWorker
+
+    class _Settings:
+        block_size = 16
+        chunk_size = 32
+        use_layerwise = False
+        load_async = False
+        layerwise_timeout_ms = 2_000
+
+    def caches() -> dict[str, torch.Tensor]:
+        # vLLM's CPU layout: (num_blocks, kv_heads, block_size, 2 * head_size), 2 layers.
+        kv = {f"layers.{i}": torch.zeros(16, 2, 16, 16, dtype=torch.float32) for i in range(2)}
+        _ALIVE.append(kv)
+        return kv
+
+    src_kv, dst_kv = caches(), caches()
+    for t in src_kv.values():
+        t.uniform_()
+    agents = {
+        name: start_agent(
+            make_source(name, model=model), address=hub_address, backend=mooncake_backend,
+            key_scope=(model, ParallelLayout()),
+        )
+        for name in ("eng-save", "eng-load")
+    }
+    workers = {}
+    for name, kv in (("eng-save", src_kv), ("eng-load", dst_kv)):
+        w = KVPoolWorker(
+            _Settings(), ParallelLayout(), model, mooncake_backend,  # type: ignore[arg-type]
+            agents[name].reporter,
+        )
+        w.register_kv_caches(kv)  # type: ignore[arg-type]
+        _ALIVE.append(w)
+        workers[name] = w
+    try:
+        hashes = chunk_hashes(list(range(69)), 32)  # 2 whole chunks = 4 blocks
+        saver, loader = workers["eng-save"], workers["eng-load"]
+        meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="s1", block_ids=[0, 1, 2, 3], chunk_hashes=hashes, save_from_chunk=0,
+            save_to_chunk=2, is_last_save=True)])
+        saver.start_load_kv(meta)
+        saver.wait_for_save(meta)
+        assert saver.drain_saves(10)
+        assert loader.lookup_chunks(hashes) == 2
+        agents["eng-load"].reporter.lookup("l1", 69, 0, 64, 0.4)
+        loader.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="l1", block_ids=[4, 5, 6, 7], chunk_hashes=hashes,
+            load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=64, can_load=True))]))
+        assert loader.get_block_ids_with_load_errors() == set()
+        assert torch.equal(src_kv["layers.1"][0:4], dst_kv["layers.1"][4:8])
+        # A load of chunks the lookup claimed but the pool does not hold: -704, recompute.
+        gone = chunk_hashes(list(range(1000, 1069)), 32)
+        loader.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="l2", block_ids=[8, 9, 10, 11], chunk_hashes=gone,
+            load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=64, can_load=True))]))
+        assert loader.get_block_ids_with_load_errors() == {8, 9, 10, 11}
+
+        block_bytes = 2 * 2 * 16 * 16 * 4  # both layers of one block
+        with FleetClient(hub_address) as client:
+            saved = _wait_state(client, "eng-save/dp0.tp0.pp0",
+                                lambda s: s.transfers.saves_finished == 1)
+            loaded = _wait_state(client, "eng-load/dp0.tp0.pp0",
+                                 lambda s: s.transfers.loads_failed == 1)
+        assert saved.transfers.saved_bytes == 4 * block_bytes
+        assert saved.in_flight == [] and saved.transfers.saves_failed == 0
+        tr = loaded.transfers
+        assert (tr.loads_finished, tr.loads_failed, tr.failed_after_hit) == (1, 1, 1)
+        assert tr.errors_by_name == {"OBJECT_NOT_FOUND": 1}
+        assert tr.loaded_bytes >= 4 * block_bytes
+        assert loaded.lookup.loaded_tokens == 64 and loaded.lookup.hit_rate == 64 / 69
+        (err,) = [e for e in loaded.recent_errors if e.req_id == "l2"]
+        assert err.name == "OBJECT_NOT_FOUND" and "after a positive lookup" in err.message
+    finally:
+        for w in workers.values():
+            w.shutdown()
+        for h in agents.values():
+            h.stop()
+        mooncake_backend.remove_by_scope(model_pattern(model), dry_run=False, force=True)
