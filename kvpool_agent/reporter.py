@@ -84,7 +84,9 @@ class Reporter:
         self._put(("started", time.time() * 1e3, req_id, kind, blocks, nbytes, layers_total,
                    lease_expires_ms))
 
-    def transfer_progress(self, req_id: str, kind: Literal["load", "save"], layers_done: int) -> None:
+    def transfer_progress(
+        self, req_id: str, kind: Literal["load", "save"], layers_done: int
+    ) -> None:
         """Layer-wise progress: ``layers_done`` layers of ``req_id`` are finished."""
         self._put(("progress", time.time() * 1e3, req_id, kind, layers_done))
 
@@ -110,7 +112,12 @@ class Reporter:
         self._put(("skipped", time.time() * 1e3, req_id, blocks, reason))
 
     def error(
-        self, where: str, name: str, message: str, code: int | None = None, req_id: str | None = None
+        self,
+        where: str,
+        name: str,
+        message: str,
+        code: int | None = None,
+        req_id: str | None = None,
     ) -> None:
         """Any other error worth an operator's eye."""
         self._put(("error", time.time() * 1e3, where, name, message, code, req_id))
