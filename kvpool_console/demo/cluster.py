@@ -226,7 +226,7 @@ class DemoCluster:
         # Engine output goes to a log file: the console owns the terminal.
         log = open(self.workdir / f"{spec.engine_id}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        module = ("kvpool_console.demo.engine" if self.engine_kind == "sim"
+        module = ("kvpool_console.demo.engine_proc" if self.engine_kind == "sim"
                   else "kvpool_console.demo.vllm_engine")
         return spawn_engine(spec, self.workdir, log=log, module=module)
 

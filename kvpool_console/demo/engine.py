@@ -88,7 +88,7 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
 
 class EngineSpec(msgspec.Struct, kw_only=True):
     """Everything an engine process needs (sent as JSON to ``python -m
-    kvpool_console.demo.engine``).
+    kvpool_console.demo.engine_proc``).
 
     Attributes:
         engine_id: names the engine in agent reports.
@@ -616,28 +616,3 @@ def run_engine_spec(spec: EngineSpec) -> EngineResult:
     result.wall_s = time.monotonic() - started
     result.peak_rss_bytes = _peak_rss_bytes()
     return result
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """``python -m kvpool_console.demo.engine SPEC.json``: run one engine, write its result
-    to ``spec.result_path`` (or stdout)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m kvpool_console.demo.engine SPEC.json", file=sys.stderr)
-        return 2
-    with open(args[0], "rb") as f:
-        spec = msgspec.json.decode(f.read(), type=EngineSpec)
-    result = run_engine_spec(spec)
-    data = msgspec.json.encode(result)
-    if spec.result_path:
-        tmp = spec.result_path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, spec.result_path)
-    else:
-        sys.stdout.buffer.write(data + b"\n")
-    return 1 if result.error else 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

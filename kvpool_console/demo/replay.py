@@ -36,6 +36,7 @@ from kvpool_console.demo.tokens import DEFAULT_VOCAB_SIZE, request_tokens
 from kvpool_console.demo.trace import TraceRequest, load_trace
 
 __all__ = [
+    "MIN_SEGMENT_BYTES",
     "LocalPoolStore",
     "ReplayConfig",
     "ReplayReport",
@@ -66,10 +67,26 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+MIN_SEGMENT_BYTES = 16 * _MIB
+"""Smallest segment ``mooncake_client`` accepts here (smaller ones fail with INVALID_PARAMS)."""
+
+
 def pool_bytes_for_tokens(tokens: int, shape: ModelShape) -> int:
     """``global_segment_size`` in bytes for a pool of ``tokens`` tokens of KV, rounded up to
-    whole MiB (Mooncake segments are MiB-granular in practice)."""
+    whole MiB.
+
+    Raises:
+        ValueError: the pool would be smaller than ``MIN_SEGMENT_BYTES`` (the message gives
+            the smallest ``--pool-tokens`` for this model shape).
+    """
     raw = max(1, tokens) * shape.bytes_per_token
+    if raw < MIN_SEGMENT_BYTES:
+        need = math.ceil(MIN_SEGMENT_BYTES / shape.bytes_per_token)
+        raise ValueError(
+            f"pool of {tokens:,} tokens is {raw:,} bytes at {shape.bytes_per_token} B/token, "
+            f"below Mooncake's 16 MiB minimum segment: use --pool-tokens >= {need:,} or a "
+            "larger model shape"
+        )
     return math.ceil(raw / _MIB) * _MIB
 
 
@@ -319,7 +336,7 @@ class _RssWatch:
 
 
 def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
-                 module: str = "kvpool_console.demo.engine") -> subprocess.Popen[bytes]:
+                 module: str = "kvpool_console.demo.engine_proc") -> subprocess.Popen[bytes]:
     """Start ``python -m <module> SPEC.json`` for ``spec`` in its own process group (so
     ``stop_process_tree`` ends it and everything it started). Its output goes to ``log`` (an
     open binary file), by default to this process's stderr (progress lines, errors)."""
@@ -381,8 +398,11 @@ def run_replay(
     if cfg.pool_tokens is None:
         unique = _unique_chunks(trace, cfg.chunk_size, cfg.vocab_size)
         # Room for every chunk below the eviction watermark, plus allocator slack.
-        per_pool_tokens = math.ceil(unique * cfg.chunk_size / cfg.eviction_high_watermark_ratio
-                                    * 1.25) + 64 * cfg.chunk_size
+        per_pool_tokens = max(
+            math.ceil(unique * cfg.chunk_size / cfg.eviction_high_watermark_ratio * 1.25)
+            + 64 * cfg.chunk_size,
+            math.ceil(MIN_SEGMENT_BYTES / cfg.shape.bytes_per_token),
+        )
     else:
         per_pool_tokens = cfg.pool_tokens if cfg.mode == "shared" else cfg.pool_tokens // n_eng
     segment = pool_bytes_for_tokens(per_pool_tokens, cfg.shape)
