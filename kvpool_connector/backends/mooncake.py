@@ -38,11 +38,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -60,6 +62,8 @@ __all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig", "parse_size"]
 
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
+
+_RAW_SAFE = "/@:.-_~%!$'()*,;="
 
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
@@ -193,6 +197,19 @@ class MooncakeConfig(BaseModel):
             raise ValueError(f"bad Mooncake config ({source}): {problems}") from None
 
 
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail fast when nothing listens at the master's address: ``setup`` itself retries for
+    about 90 s before giving up."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"mooncake_master at {address} is not reachable ({exc}): start it or fix "
+            "master_server_address / MOONCAKE_MASTER"
+        ) from exc
+
+
 class MooncakeBackend(Backend):
     """``Backend`` over one ``MooncakeDistributedStore`` client.
 
@@ -220,6 +237,7 @@ class MooncakeBackend(Backend):
                     f"mooncake.store is not importable ({exc}): pip install 'kvpool[mooncake]' "
                     "and apt-get install libibverbs1"
                 ) from exc
+            _check_reachable(config.master_server_address)
             store = MooncakeDistributedStore()
             rc = store.setup(
                 config.local_hostname,
@@ -297,7 +315,9 @@ class MooncakeBackend(Backend):
         return [k for k in r.text.splitlines() if k]
 
     def _key_size(self, key: str) -> int:
-        r = self._http.get(f"{self.config.admin_url}/query_key", params={"key": key})
+        # The master matches the query string verbatim (no percent-decoding): send the key's
+        # characters as they are, escaping only what would end the query parameter.
+        r = self._http.get(f"{self.config.admin_url}/query_key?key={quote(key, safe=_RAW_SAFE)}")
         if r.status_code != 200:
             return 0
         try:
@@ -307,8 +327,15 @@ class MooncakeBackend(Backend):
         return max((int(d.get("size_", 0)) for d in data), default=0)
 
     def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
-        """Count (master ``/get_all_keys`` + ``/query_key``) and remove (``remove_by_regex``)
-        keys matching ``pattern``; ``skipped_leased`` = matched keys the master kept.
+        """Count and remove the keys matching ``pattern`` (a regex, ``re.search`` semantics,
+        anchored by the caller as ``keys.model_pattern`` does).
+
+        Keys are listed with the master's ``/get_all_keys``. A dry run sums their sizes with
+        ``/query_key``, which, like every read, grants each key a lease of
+        ``default_kv_lease_ttl``: a real flush right after a dry run skips them until it ends
+        (or pass ``force``). A real run calls ``remove_by_regex(pattern, force)``;
+        ``skipped_leased`` counts matched keys still present afterwards and ``bytes`` is what
+        the master's ``master_allocated_bytes`` dropped by plus the sizes of those skipped keys.
 
         Raises:
             ValueError: ``pattern`` is not a valid regular expression.
@@ -320,21 +347,34 @@ class MooncakeBackend(Backend):
             raise ValueError(f"flush scope pattern {pattern!r} is not a regex: {exc}") from exc
         try:
             matched = [k for k in self._all_keys() if rx.search(k)]
-            nbytes = sum(self._key_size(k) for k in matched)
+            if dry_run:
+                return RemoveResult(keys=len(matched), bytes=sum(map(self._key_size, matched)))
+            before = self._allocated_bytes()
+            removed = self._call("remove_by_regex", self._store.remove_by_regex, pattern, force)
+            if removed < 0:
+                raise BackendError(
+                    f"mooncake remove_by_regex({pattern!r}) returned {removed}", removed
+                )
+            left = set(matched) & {k for k in self._all_keys() if rx.search(k)}
+            freed = max(0, before - self._allocated_bytes())
+            return RemoveResult(
+                keys=len(matched), bytes=freed + sum(map(self._key_size, left)),
+                removed=int(removed), skipped_leased=len(left),
+            )
         except httpx.HTTPError as exc:
             raise BackendError(
                 f"mooncake master admin endpoint {self.config.admin_url} failed: {exc} "
                 "(set master_admin_url to mooncake_master's --metrics_port)"
             ) from exc
-        if dry_run:
-            return RemoveResult(keys=len(matched), bytes=nbytes)
-        removed = self._call("remove_by_regex", self._store.remove_by_regex, pattern, force)
-        if removed < 0:
-            raise BackendError(f"mooncake remove_by_regex({pattern!r}) returned {removed}", removed)
-        return RemoveResult(
-            keys=len(matched), bytes=nbytes, removed=int(removed),
-            skipped_leased=0 if force else max(0, len(matched) - int(removed)),
-        )
+
+    def _allocated_bytes(self) -> int:
+        r = self._http.get(f"{self.config.admin_url}/metrics")
+        r.raise_for_status()
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name == "master_allocated_bytes":
+                    return int(sample.value)
+        return 0
 
     def health(self) -> list[HealthCheck]:
         """``client``: ``health_check()`` code (0 HEALTHY, 1 NOT_INITIALIZED, 2

@@ -1,0 +1,247 @@
+"""MooncakeBackend: configuration, registry, health/stats from a real master, flush by scope,
+and standalone mode (a mooncake_client holds the memory) surviving an engine restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kvpool_connector.backends import BACKENDS, BackendUnavailable, create_backend
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig, parse_size
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_connector.worker import KVPoolWorker
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (1024, 1024), ("0", 0), ("1GB", 1 << 30), ("512MB", 512 * MB), ("1 GiB", 1 << 30),
+    ("64mb", 64 * MB), ("3355443200", 3355443200), ("1.5GB", 3 * (1 << 29)), ("16 MB", 16 * MB),
+])
+def test_parse_size(text: int | str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "1PB", "-1GB", -5, "1 G B"])
+def test_parse_size_rejects(bad: int | str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for var in ("MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_config_file_env_overrides_and_defaults(tmp_path: Path,
+                                                clean_env: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({
+        "local_hostname": "10.0.0.5", "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": "10.0.0.1:50051", "protocol": "ascend",
+        "device_name": "", "global_segment_size": "2GB", "local_buffer_size": "1GB",
+        "use_ascend_direct": True,  # other guide fields are accepted and ignored
+    }))
+    clean_env.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    cfg = MooncakeConfig.load({})
+    assert (cfg.local_hostname, cfg.protocol, cfg.global_segment_size, cfg.local_buffer_size) \
+        == ("10.0.0.5", "ascend", 2 << 30, 1 << 30)
+    assert cfg.store_mode == "embedded"
+    assert cfg.admin_url == "http://10.0.0.1:9003"
+
+    clean_env.setenv("MOONCAKE_MASTER", "10.0.0.9:6000")
+    clean_env.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "0")
+    cfg = MooncakeConfig.load({"master_admin_url": "http://10.0.0.9:9100/"})
+    assert cfg.master_server_address == "10.0.0.9:6000"
+    assert (cfg.global_segment_size, cfg.store_mode) == (0, "standalone")
+    assert cfg.admin_url == "http://10.0.0.9:9100"
+
+    # The extra_config path wins over the environment's.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"master_server_address": "h:1", "store_mode": "standalone",
+                                 "global_segment_size": "4GB"}))
+    clean_env.delenv("MOONCAKE_MASTER")
+    clean_env.delenv("MOONCAKE_GLOBAL_SEGMENT_SIZE")
+    cfg = MooncakeConfig.load({"mooncake_config_path": str(other)})
+    assert (cfg.master_server_address, cfg.global_segment_size) == ("h:1", 0)
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    ({"master_server_address": "127.0.0.1:1", "global_segment_size": "huge"},
+     "global_segment_size"),
+    ({"master_server_address": "127.0.0.1:1", "global_segment_size": "1MB"},
+     "global_segment_size"),
+    ({"master_server_address": "127.0.0.1:1", "local_buffer_size": "x"}, "local_buffer_size"),
+    ({"master_server_address": "no-port"}, "master_server_address"),
+    ({"master_server_address": "127.0.0.1:1", "protocol": "udp"}, "protocol"),
+    ({"master_server_address": "127.0.0.1:1", "store_mode": "shared"}, "store_mode"),
+])
+def test_config_errors_name_the_field(raw: dict[str, object], field: str,
+                                      clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=rf"kv_connector_extra_config\.mooncake\): {field}"):
+        MooncakeConfig.load({"mooncake": raw})
+
+
+def test_config_missing_or_unreadable(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="MOONCAKE_CONFIG_PATH"):
+        MooncakeConfig.load({})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        MooncakeConfig.load({"mooncake_config_path": str(bad)})
+    with pytest.raises(ValueError, match="cannot read"):
+        MooncakeConfig.load({"mooncake_config_path": str(tmp_path / "missing.json")})
+
+
+def test_registry_names_and_errors() -> None:
+    assert set(BACKENDS) == {"mooncake", "yuanrong", "memcache"}
+    assert BACKENDS["mooncake"] is MooncakeBackend
+    with pytest.raises(ValueError, match=r"'redis'.*\['memcache', 'mooncake', 'yuanrong'\]"):
+        create_backend("redis", {})
+
+
+def test_setup_failure_is_backend_unavailable(clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(BackendUnavailable, match=r"127\.0\.0\.1:1\b"):
+        create_backend("mooncake", {"mooncake": {"master_server_address": "127.0.0.1:1",
+                                                 "global_segment_size": "16MB"}})
+
+
+def _backend(master: LocalMooncakeMaster, segment: str = "32MB") -> MooncakeBackend:
+    return MooncakeBackend(MooncakeConfig.load({"mooncake": {
+        "master_server_address": master.address, "global_segment_size": segment,
+        "local_buffer_size": "4MB", "master_admin_url": master.admin_url}}))
+
+
+@pytest.fixture(scope="module")
+def client(mooncake_master: LocalMooncakeMaster) -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
+    b = _backend(mooncake_master)
+    buf = torch.randint(0, 256, (MB,), dtype=torch.uint8)
+    b.register_buffer(buf.data_ptr(), buf.numel())
+    yield b, buf
+    b.close()
+
+
+def test_health_and_stats_from_the_master(client: tuple[MooncakeBackend, torch.Tensor]) -> None:
+    b, buf = client
+    checks = {c.name: c for c in b.health()}
+    assert checks["client"].ok and checks["client"].code == 0
+    assert checks["client"].detail == "HEALTHY"
+    assert checks["master"].ok and "HTTP 200" in checks["master"].detail
+    before = b.stats()
+    keys = [f"stats-{uuid.uuid4().hex}-{i}" for i in range(3)]
+    assert b.batch_put_from(keys, [[buf.data_ptr()]] * 3, [[4096]] * 3) == [0, 0, 0]
+    after = b.stats()
+    assert after.healthy is True
+    assert after.keys == before.keys + 3
+    assert after.used_bytes == before.used_bytes + 3 * 4096
+    assert after.total_bytes >= 32 * MB
+    assert any(s.total_bytes == 32 * MB for s in after.segments)
+    assert sum(s.used_bytes for s in after.segments) == after.used_bytes
+
+
+def test_remove_by_scope_counts_leases_and_keeps_other_scopes(
+        client: tuple[MooncakeBackend, torch.Tensor]) -> None:
+    b, buf = client
+    model, other = f"org/flush-{uuid.uuid4().hex[:6]}", f"keep-{uuid.uuid4().hex[:6]}"
+    mine = [str(PoolKey(model, ParallelLayout(tp_rank=t), f"{t:032x}")) for t in range(3)]
+    theirs = [str(PoolKey(other, ParallelLayout(), f"{9:032x}"))]
+    keys = mine + theirs
+    assert b.batch_put_from(keys, [[buf.data_ptr(), buf.data_ptr() + 64]] * 4,
+                            [[1000, 24]] * 4) == [0] * 4
+    dry = b.remove_by_scope(model_pattern(model), dry_run=True)
+    assert (dry.keys, dry.bytes, dry.removed) == (3, 3 * 1024, 0)
+    assert b.batch_exists(keys) == [1, 1, 1, 1]
+    # The dry run's size queries (and the exists above) hold leases: an unforced flush skips.
+    res = b.remove_by_scope(model_pattern(model), dry_run=False)
+    assert (res.keys, res.removed, res.skipped_leased) == (3, 0, 3)
+    res = b.remove_by_scope(model_pattern(model), dry_run=False, force=True)
+    assert (res.keys, res.removed, res.skipped_leased, res.bytes) == (3, 3, 0, 3 * 1024)
+    assert b.batch_exists(keys) == [0, 0, 0, 1]
+    with pytest.raises(ValueError, match="not a regex"):
+        b.remove_by_scope("([", dry_run=True)
+
+
+class _StandaloneClient:
+    """A real ``mooncake_client`` process contributing ``segment`` bytes to ``master``."""
+
+    def __init__(self, master: LocalMooncakeMaster, segment: int) -> None:
+        binary = shutil.which("mooncake_client")
+        assert binary, "mooncake_client is installed with the mooncake wheel"
+        self.proc = subprocess.Popen(
+            [binary, f"--master_server_address={master.address}",
+             "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={segment}",
+             "--host=127.0.0.1", f"--port={free_port()}", "--protocol=tcp"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+        )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "mooncake_client exited"
+            text = httpx.get(f"{master.admin_url}/metrics").text
+            if f"master_total_capacity_bytes {segment}" in text:
+                return
+            time.sleep(0.1)
+        raise AssertionError("mooncake_client did not mount its segment")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def test_standalone_pool_survives_engine_restart(
+        fresh_mooncake_master: LocalMooncakeMaster) -> None:
+    store = _StandaloneClient(fresh_mooncake_master, 32 * MB)
+    try:
+        settings = type("S", (), {"block_size": 16, "chunk_size": 16, "use_layerwise": False,
+                                  "load_async": False, "layerwise_timeout_ms": 1000})()
+        src = {f"l{i}": torch.randint(-9, 9, (8, 2, 16, 32), dtype=torch.float32)
+               for i in range(2)}
+        hashes = chunk_hashes(list(range(64)), 16)
+        engine = _backend(fresh_mooncake_master, segment="0")
+        assert engine.config.store_mode == "standalone"
+        w = KVPoolWorker(settings, ParallelLayout(), "standalone-model", engine)  # type: ignore[arg-type]
+        w.register_kv_caches(src)
+        meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="a", block_ids=[0, 1, 2, 3], chunk_hashes=hashes, save_to_chunk=4)])
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert w.drain_saves(10) and w.counters.saved_keys == 4
+        w.shutdown()
+        engine.close()  # the engine exits; its (empty) client goes away
+
+        engine2 = _backend(fresh_mooncake_master, segment="0")
+        try:
+            dst = {f"l{i}": torch.zeros(8, 2, 16, 32) for i in range(2)}
+            w2 = KVPoolWorker(settings, ParallelLayout(), "standalone-model", engine2)  # type: ignore[arg-type]
+            w2.register_kv_caches(dst)
+            assert w2.lookup_chunks(hashes) == 4
+            w2.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+                req_id="b", block_ids=[7, 6, 5, 4], chunk_hashes=hashes,
+                load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=64, can_load=True))]))
+            assert w2.get_block_ids_with_load_errors() == set()
+            for s, d in zip([0, 1, 2, 3], [7, 6, 5, 4], strict=True):
+                for name in src:
+                    assert torch.equal(src[name][s], dst[name][d])
+            stats = engine2.stats()
+            assert [s.total_bytes for s in stats.segments] == [32 * MB]
+            w2.shutdown()
+        finally:
+            engine2.close()
+    finally:
+        store.stop()
