@@ -133,8 +133,7 @@ class LookupServer:
         self.lookups = 0
         self.errors = 0
         self._claim()
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"ipc://{self.path}")
         self._stop = threading.Event()
@@ -222,7 +221,7 @@ class LookupClient:
         self._ids = itertools.count(1)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(_Reply)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{self.path}")
 

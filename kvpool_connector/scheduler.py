@@ -247,9 +247,10 @@ class KVPoolScheduler:
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            tracker = self._trackers.get(rid)
-            if tracker is None:
+            running = self._trackers.get(rid)
+            if running is None:
                 continue
+            tracker = running
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 # A resumed (preempted) request gets its whole block table anew.

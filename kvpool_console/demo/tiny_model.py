@@ -5,7 +5,8 @@ it and generates in seconds. The weights are random but fixed (seeded), so greed
 deterministic and any change in the KV it attends to shows in its tokens and logprobs.
 
 Shape (``config.json``): 2 layers, hidden 128, 4 attention heads, 2 KV heads (GQA, head dim
-32: the smallest vLLM's CPU attention supports), intermediate 256, vocabulary ``VOCAB_SIZE``, float32, ``max_position_embeddings`` 2048.
+32: the smallest vLLM's CPU attention supports), intermediate 256, vocabulary ``VOCAB_SIZE``,
+float32, ``max_position_embeddings`` 2048.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ DEFAULT_PATH = Path(".cache/tiny-llama")
 """Where ``build_tiny_model()`` puts the model when no path is given (relative to the cwd)."""
 
 _MARKER = "kvpool-tiny-llama.json"
-_VERSION = 2
+_VERSION = 3
 
 
 def _corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
@@ -64,10 +65,9 @@ def _build(path: Path) -> None:
         # Larger than the usual 0.02 so logits are peaked and depend strongly on the context:
         # a wrong KV block then changes the greedy tokens, not just the 5th decimal.
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32: torch's default dtype
     model.save_pretrained(path, safe_serialization=True)
 
 

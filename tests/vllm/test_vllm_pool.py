@@ -10,10 +10,15 @@ Engine runs are cached per module (each costs ~30 s on 2 cores); one baseline ru
 connector serves every comparison:
 
 * ``saver``: kv_producer, serves prompt sets P (clean) and Q (to be corrupted): saves them.
-* ``loader``: kv_both, serves P and Q after Q's pool values were overwritten with wrong (but
-  well-formed) bytes: P equals the baseline exactly, Q differs.
-* ``pd_multi``: MultiConnector[KVPoolConnector as kv_consumer with consumer_is_to_load,
-  vLLM's ExampleConnector]: serves P, loads it from what the producer saved.
+* ``loader``: kv_both, vLLM multiprocess mode (scheduler and worker in separate processes,
+  lookups over the IPC socket), serves P and Q after Q's pool values were overwritten with
+  wrong (but well-formed) bytes: P equals the baseline, Q differs.
+
+"Equal" means the same greedy tokens and logprobs within 1e-5: the loaded KV bytes are
+bit-identical to what vLLM would compute, but an engine that loads a prefix runs attention for
+the suffix only, a differently shaped float32 computation (observed differences ~1e-6).
+* ``pd_multi``: MultiConnector[KVPoolConnector as kv_consumer with consumer_is_to_load and
+  ``load_async``, vLLM's ExampleConnector]: serves P, loads it from what the producer saved.
 * ``lw_saver`` / ``lw_loader``: the same with ``use_layerwise`` and ``chunk_size`` = 2 blocks
   on prompt set L.
 """
@@ -126,7 +131,8 @@ class Engines:
         self.results: dict[str, dict[str, Any]] = {}
 
     def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
-            *, prefix_caching: bool = False) -> list[dict[str, Any]]:
+            *, prefix_caching: bool = False, multiprocess: bool = False
+            ) -> list[dict[str, Any]]:
         if name not in self.results:
             spec = {"model": str(self.model), "prompts": prompts, "max_tokens": MAX_TOKENS,
                     "kv_transfer_config": ktc, "prefix_caching": prefix_caching,
@@ -136,7 +142,8 @@ class Engines:
             log_path = self.workdir / f"{name}.log"
             spec_path.write_text(json.dumps(spec))
             env = {
-                **os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                **os.environ, "PYTHONPATH": str(REPO),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
                 "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
                 "KVPOOL_RUNTIME_DIR": str(self.workdir), "TOKENIZERS_PARALLELISM": "false",
             }
@@ -190,7 +197,8 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
 
     assert pool.corrupt(_keys(tiny_model, Q, BLOCK)) == sum(len(q) // BLOCK for q in Q)
 
-    loader = engines.run("loader", P + Q, _kvpool("kv_both", 7102))
+    # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
+    loader = engines.run("loader", P + Q, _kvpool("kv_both", 7102), multiprocess=True)
     for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
         # B's own prefix cache off, all of them came from the pool.
@@ -208,7 +216,8 @@ def test_pd_pair_through_multiconnector_equals_one_engine(
     engines: Engines, baseline: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     engines.run("saver", P + Q, _kvpool("kv_producer", 7101), prefix_caching=True)
-    consumer = _kvpool("kv_consumer", 7103, consumer_is_to_load=True)
+    # Decode side loads asynchronously (finished through get_finished) as P/D deployments do.
+    consumer = _kvpool("kv_consumer", 7103, consumer_is_to_load=True, load_async=True)
     ktc = {
         "kv_connector": "MultiConnector", "kv_role": "kv_consumer",
         "kv_load_failure_policy": "recompute",

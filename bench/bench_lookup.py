@@ -1,0 +1,119 @@
+"""Lookup latency: one scheduler lookup of a 32k-token prompt vs the raw ``batch_is_exist``.
+
+Starts a real ``mooncake_master`` on 127.0.0.1, fills the pool with every chunk key of the
+prompt (small values: only existence matters), then measures, per chunk size:
+
+* ``scheduler``: ``KVPoolScheduler.get_num_new_matched_tokens`` for a new request: chained
+  SHA-256 chunk hashes of the prompt, the ZMQ IPC round trip to the ``LookupServer`` and the
+  worker's ``lookup_chunks`` (``batch_is_exist`` on the chunk keys);
+* ``hash only``: ``keys.chunk_hashes`` of the prompt;
+* ``raw batch_is_exist``: the Mooncake client call on the same keys, nothing else.
+
+Prints p50/p99 in ms. Run: ``.venv/bin/python bench/bench_lookup.py [--tokens 32768]
+[--iters 200]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+from vllm import SamplingParams
+from vllm.v1.request import Request
+
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
+from kvpool_connector.lookup import LookupClient, LookupServer
+from kvpool_connector.scheduler import KVPoolScheduler
+from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_connector.worker import KVPoolWorker
+
+
+def _pct(samples: list[float], q: int) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[q - 1]
+
+
+def _time(fn: Callable[[], object], iters: int) -> list[float]:
+    fn()  # warm up (connections, caches)
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters: int
+                 ) -> list[tuple[str, int, list[float]]]:
+    """(variant, keys, latencies in ms) for one chunk size."""
+    model = f"bench/lookup-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    cfg = KVPoolConfig.from_dicts({"lookup_rpc_port": port}, kv_role="kv_both",
+                                  block_size=chunk, model=model)
+    hashes = chunk_hashes(prompt, chunk)
+    keys = [str(PoolKey(cfg.model, ParallelLayout(), h)) for h in hashes]
+    for k in keys:
+        backend.store.put(k, b"x")
+    worker = KVPoolWorker(cfg, ParallelLayout(), model, backend)
+    server = LookupServer(worker.lookup_chunks, lookup_rpc_port=port)
+    sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), Reporter(0))
+    ids = iter(range(10**9))
+    params = SamplingParams(max_tokens=1)
+    want = (len(prompt) - 1) // chunk * chunk
+
+    def lookup() -> None:
+        req = Request(f"r{next(ids)}", prompt, params, None)
+        got, _ = sched.get_num_new_matched_tokens(req, 0)
+        if got != want:
+            raise RuntimeError(f"lookup found {got} tokens, expected {want}")
+        sched.request_finished(req, [])
+
+    try:
+        return [
+            ("scheduler lookup", len(keys), _time(lookup, iters)),
+            ("  hash only", len(keys), _time(lambda: chunk_hashes(prompt, chunk), iters)),
+            ("raw batch_is_exist", len(keys),
+             _time(lambda: backend.store.batch_is_exist(keys), iters)),
+        ]
+    finally:
+        sched.close()
+        server.close()
+        worker.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768, help="prompt length in tokens")
+    ap.add_argument("--iters", type=int, default=200, help="timed lookups per variant")
+    ap.add_argument("--chunk-sizes", default="16,128,512",
+                    help="comma-separated chunk sizes in tokens (block_size = chunk size)")
+    args = ap.parse_args()
+    os.environ.setdefault("KVPOOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="kvpool-bench-"))
+    prompt = [(i * 7919) % 30000 + 3 for i in range(args.tokens)]
+    print(f"prompt: {args.tokens} tokens; {args.iters} timed lookups per variant; "
+          "all chunks present")
+    print(f"{'chunk':>6} {'keys':>6}  {'variant':<22} {'p50 ms':>8} {'p99 ms':>8}")
+    with LocalMooncakeMaster() as master:
+        backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            "master_server_address": master.address, "global_segment_size": "64MB",
+            "local_buffer_size": "16MB"}}))
+        try:
+            for chunk in (int(c) for c in args.chunk_sizes.split(",")):
+                for name, nkeys, s in _bench_chunk(backend, prompt, chunk, args.iters):
+                    print(f"{chunk:>6} {nkeys:>6}  {name:<22} {_pct(s, 50):>8.3f} "
+                          f"{_pct(s, 99):>8.3f}", flush=True)
+        finally:
+            backend.close()
+
+
+if __name__ == "__main__":
+    main()

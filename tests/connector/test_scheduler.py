@@ -1,0 +1,275 @@
+"""KVPoolScheduler with vLLM's own Request/KVCacheBlocks/SchedulerOutput objects, asking a real
+LookupServer (real ZMQ IPC) backed by a real KVPoolWorker and a real mooncake_master."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
+from kvpool_connector.lookup import LookupClient, LookupServer
+from kvpool_connector.metadata import KVPoolConnectorMetadata
+from kvpool_connector.scheduler import KVPoolScheduler, request_extra
+from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_connector.worker import KVPoolWorker
+
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_RUNTIME_DIR", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def backend(mooncake_master: LocalMooncakeMaster) -> Iterator[MooncakeBackend]:
+    b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+        "master_server_address": mooncake_master.address, "global_segment_size": "32MB",
+        "local_buffer_size": "4MB"}}))
+    yield b
+    b.close()
+
+
+class Engine:
+    """Scheduler + lookup server + worker of one engine, like vLLM wires them."""
+
+    def __init__(self, backend: MooncakeBackend, port: int, role: str = "kv_both",
+                 **extra: Any) -> None:
+        self.model = f"test/sched-{uuid.uuid4().hex[:8]}"
+        self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port, **extra}, kv_role=role,
+                                              block_size=BLOCK, model=self.model)
+        self.backend = backend
+        self.worker = KVPoolWorker(self.config, ParallelLayout(), self.model, backend)
+        self.server = LookupServer(self.worker.lookup_chunks, lookup_rpc_port=port)
+        self.reporter = Reporter()
+        client = LookupClient(lookup_rpc_port=port, timeout_ms=3000)
+        self.sched = KVPoolScheduler(self.config, client, self.reporter)
+
+    def store(self, prompt: list[int], chunks: int, extra: bytes = b"") -> None:
+        """Put the first ``chunks`` chunk keys of ``prompt`` into the pool."""
+        for h in chunk_hashes(prompt, self.config.chunk_size, extra)[:chunks]:
+            key = str(PoolKey(self.config.model, ParallelLayout(), h))
+            assert self.backend.store.put(key, b"kv") == 0
+
+    def close(self) -> None:
+        self.sched.close()
+        self.server.close()
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def engine(backend: MooncakeBackend) -> Iterator[Engine]:
+    e = Engine(backend, 7201)
+    yield e
+    e.close()
+
+
+def _request(rid: str, prompt: list[int], **kw: Any) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=4), None, **kw)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 3 for i in range(n)]
+
+
+def _blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def _output(new: list[NewRequestData], num_scheduled: dict[str, int],
+            cached: CachedRequestData | None = None) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+        num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def _cached(rid: str, new_blocks: list[int], computed: int) -> CachedRequestData:
+    return CachedRequestData(req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]],
+                             all_token_ids={}, new_block_ids=[(new_blocks,)],
+                             num_computed_tokens=[computed], num_output_tokens=[0])
+
+
+def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine) -> None:
+    prompt = _prompt(70, 1)  # 4 whole chunks of 16 + 6 tokens
+    engine.store(prompt, 3)
+    assert engine.sched.get_num_new_matched_tokens(_request("r1", prompt), 0) == (48, False)
+    # vLLM already holds 16 tokens locally: only the rest is claimed.
+    assert engine.sched.get_num_new_matched_tokens(_request("r2", prompt), 16) == (32, False)
+    # Local hit covers everything the pool has: nothing, and no load recorded.
+    assert engine.sched.get_num_new_matched_tokens(_request("r3", prompt), 48) == (0, False)
+
+    exact = _prompt(64, 2)  # exactly 4 chunks, all in the pool
+    engine.store(exact, 4)
+    # The last chunk holds the last prompt token, which vLLM must compute: 3 chunks only.
+    assert engine.sched.get_num_new_matched_tokens(_request("r4", exact), 0) == (48, False)
+    short = _prompt(16, 3)
+    engine.store(short, 1)
+    assert engine.sched.get_num_new_matched_tokens(_request("r5", short), 0) == (0, False)
+
+    events = [e for e in engine.reporter.drain() if e[0] == "lookup"]
+    # (kind, ms, req_id, prompt_tokens, local_tokens, pool_tokens, latency_ms, error)
+    assert [(e[2], e[3], e[4], e[5], e[7]) for e in events] == [
+        ("r1", 70, 0, 48, None), ("r2", 70, 16, 32, None), ("r3", 70, 48, 0, None),
+        ("r4", 64, 0, 48, None),
+    ]
+    assert all(e[6] > 0 for e in events)
+    assert engine.sched.counters.lookups == 4 and engine.sched.counters.pool_hit_tokens == 128
+
+
+def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
+    prompt = _prompt(100, 4)  # 6 whole chunks
+    engine.store(prompt, 2)
+    req = _request("a", prompt)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    blocks = list(range(10, 17))
+    engine.sched.update_state_after_alloc(req, _blocks(blocks), 32)
+    assert [e[2:] for e in engine.reporter.drain() if e[0] == "loaded"] == [("a", 32)]
+
+    # Step 1: vLLM computes tokens 32..64 (chunked prefill, budget 32).
+    new = NewRequestData.from_request(req, (blocks[:4],))
+    new.num_computed_tokens = 32
+    meta = engine.sched.build_connector_meta(_output([new], {"a": 32}))
+    assert isinstance(meta, KVPoolConnectorMetadata)
+    (m,) = meta.requests
+    assert m.block_ids == blocks[:4]
+    assert m.chunk_hashes == chunk_hashes(prompt, 16)
+    assert m.load is not None and m.load.can_load
+    assert (m.load.vllm_cached_tokens, m.load.kvpool_cached_tokens) == (0, 32)
+    # Chunks 0-1 came from the pool; 2-3 are complete after this step and get saved.
+    assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (2, 4, False)
+
+    # Step 2: the rest of the prompt; the load is not repeated.
+    meta = engine.sched.build_connector_meta(_output([], {"a": 36}, _cached("a", blocks[4:], 64)))
+    (m,) = meta.requests
+    assert m.load is None and m.block_ids == blocks
+    assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (4, 6, True)
+
+    # Decode steps save nothing more.
+    meta = engine.sched.build_connector_meta(_output([], {"a": 1}, _cached("a", [], 100)))
+    assert meta.requests == []
+    # A save was scheduled: vLLM must keep the blocks until the worker reports it.
+    assert engine.sched.request_finished(req, blocks) == (True, None)
+
+
+def test_request_without_saves_frees_blocks_at_once(backend: MooncakeBackend) -> None:
+    consumer = Engine(backend, 7202, role="kv_consumer", consumer_is_to_load=True)
+    try:
+        prompt = _prompt(40, 5)
+        consumer.store(prompt, 2)
+        req = _request("c", prompt)
+        assert consumer.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+        consumer.sched.update_state_after_alloc(req, _blocks([1, 2, 3]), 32)
+        new = NewRequestData.from_request(req, ([1, 2, 3],))
+        new.num_computed_tokens = 32
+        (m,) = consumer.sched.build_connector_meta(_output([new], {"c": 8})).requests
+        assert m.load is not None and m.save_to_chunk == m.save_from_chunk
+        assert consumer.sched.request_finished(req, [1, 2, 3]) == (False, None)
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("role", "extra", "loads", "saves"),
+    [
+        ("kv_producer", {}, False, True),
+        ("kv_consumer", {}, False, False),
+        ("kv_consumer", {"consumer_is_to_load": True}, True, False),
+        ("kv_consumer", {"consumer_is_to_load": True, "consumer_is_to_put": True}, True, True),
+        ("kv_both", {}, True, True),
+    ],
+)
+def test_kv_role_decides_loading_and_saving(
+    backend: MooncakeBackend, role: str, extra: dict[str, bool], loads: bool, saves: bool
+) -> None:
+    e = Engine(backend, 7203, role=role, **extra)
+    try:
+        prompt = _prompt(50, 6)  # 3 whole chunks
+        e.store(prompt, 1)
+        req = _request("k", prompt)
+        matched, _ = e.sched.get_num_new_matched_tokens(req, 0)
+        assert matched == (16 if loads else 0)
+        e.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3]), matched)
+        new = NewRequestData.from_request(req, ([0, 1, 2, 3],))
+        new.num_computed_tokens = matched
+        meta = e.sched.build_connector_meta(_output([new], {"k": 50 - matched}))
+        saved = sum(m.save_to_chunk - m.save_from_chunk for m in meta.requests)
+        assert saved == ((2 if loads else 3) if saves else 0)
+        assert e.sched.request_finished(req, [0, 1, 2, 3]) == (saves, None)
+    finally:
+        e.close()
+
+
+def test_async_load_is_sent_before_the_request_runs(backend: MooncakeBackend) -> None:
+    e = Engine(backend, 7204, load_async=True)
+    try:
+        prompt = _prompt(60, 7)
+        e.store(prompt, 3)
+        req = _request("x", prompt)
+        assert e.sched.get_num_new_matched_tokens(req, 0) == (48, True)
+        e.sched.update_state_after_alloc(req, _blocks([5, 6, 7]), 48)
+        # The request waits for its KV: not scheduled, but its load goes out this step.
+        (m,) = e.sched.build_connector_meta(_output([], {})).requests
+        assert m.req_id == "x" and m.block_ids == [5, 6, 7] and m.load is not None
+        assert m.save_to_chunk == m.save_from_chunk
+        # vLLM's second call after the load completed carries 0 external tokens.
+        e.sched.update_state_after_alloc(req, _blocks([5, 6, 7, 8]), 0)
+        new = NewRequestData.from_request(req, ([5, 6, 7, 8],))
+        new.num_computed_tokens = 48
+        # Not loaded again, and its 3 chunks are in the pool already: nothing to do.
+        assert e.sched.build_connector_meta(_output([new], {"x": 12})).requests == []
+        assert e.sched.request_finished(req, [5, 6, 7, 8]) == (False, None)
+    finally:
+        e.close()
+
+
+def test_cache_salt_and_lora_separate_keys(engine: Engine) -> None:
+    prompt = _prompt(40, 8)
+    salted = _request("s", prompt, cache_salt="tenant-a")
+    engine.store(prompt, 2, extra=request_extra(salted))
+    assert engine.sched.get_num_new_matched_tokens(salted, 0) == (32, False)
+    # Same tokens, no salt or another salt: different keys, no hit.
+    assert engine.sched.get_num_new_matched_tokens(_request("n", prompt), 0) == (0, False)
+    other = _request("o", prompt, cache_salt="tenant-b")
+    assert engine.sched.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert request_extra(salted) != request_extra(other) != b""
+
+
+def test_store_failure_is_reported_not_a_silent_miss(
+    fresh_mooncake_master: LocalMooncakeMaster,
+) -> None:
+    b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+        "master_server_address": fresh_mooncake_master.address, "global_segment_size": "16MB",
+        "local_buffer_size": "4MB"}}))
+    e = Engine(b, 7205)
+    try:
+        prompt = _prompt(40, 9)
+        e.store(prompt, 2)
+        assert e.sched.get_num_new_matched_tokens(_request("ok", prompt), 0) == (32, False)
+        fresh_mooncake_master.kill()
+        # The scheduler goes on without the pool (0 tokens) but the error is counted, logged
+        # and reported with its name.
+        assert e.sched.get_num_new_matched_tokens(_request("dead", prompt), 0) == (0, False)
+        assert e.sched.counters.lookup_errors == 1
+        assert e.server.errors == 1
+        lookups = [ev for ev in e.reporter.drain() if ev[0] == "lookup"]
+        assert lookups[0][7] is None
+        assert lookups[1][2] == "dead" and lookups[1][5] == 0
+        assert lookups[1][7] is not None and "lookup failed" in lookups[1][7]
+    finally:
+        e.close()
+        b.close()
