@@ -721,6 +721,12 @@ class KVPoolWorker:
         self.reporter.transfer_finished(req.req_id, "load", ok=False, error_name="BAD_METADATA",
                                         failed_blocks=len(blocks), after_hit=True)
 
+    def handle_preemptions(self, preempted: set[str]) -> None:
+        """vLLM's ``handle_preemptions`` hook (runs before the step zeroes or reuses freed
+        blocks): wait for transfers touching blocks of the ``preempted`` requests."""
+        if preempted:
+            self._settle_preempted(preempted)
+
     def _settle_preempted(self, preempted: set[str]) -> None:
         """Wait for transfers touching blocks of preempted requests: vLLM may hand those
         blocks to other requests in this very step."""
