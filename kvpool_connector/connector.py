@@ -209,6 +209,12 @@ class KVPoolConnector(KVConnectorBase_V1):
                 dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
             )
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Wait for saves/loads of requests preempted this step before vLLM zeroes or hands
+        their blocks to other requests (a save must never read a reused block)."""
+        assert isinstance(kv_connector_metadata, KVPoolConnectorMetadata)
+        self._work().handle_preemptions(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads (``KVPoolWorker.start_load_kv``)."""
         self._work().start_load_kv(self._meta())
