@@ -114,6 +114,7 @@ class KVPoolConsole(App[None]):
         self.frames = 0
         self.frame_ms_total = 0.0
         self.frame_ms_max = 0.0
+        self.last_tick_ms = 0.0
         self._timer: Timer | None = None
 
     # ---- layout -------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class KVPoolConsole(App[None]):
         self._log_new(self.tracker.new, now)
         self._draw()
         ms = (time.perf_counter() - t0) * 1e3
+        self.last_tick_ms = ms
         self.frames += 1
         self.frame_ms_total += ms
         self.frame_ms_max = max(self.frame_ms_max, ms)

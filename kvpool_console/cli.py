@@ -96,7 +96,7 @@ def status_document(view: FleetView) -> dict[str, Any]:
 
 def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     try:
-        src = ClientSource(args.hub, keys_dir=args.keys)
+        src = ClientSource(args.hub, keys_dir=args.keys, pump=args.cmd is None)
     except (ValueError, OSError) as e:
         err.print(f"[red]kvpool-console: {e}[/red]")
         return None
@@ -245,9 +245,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     with DemoCluster(args.trace, engines=args.engines, speedup=args.speedup,
                      engine_kind=args.engine_kind) as cluster:
-        src = ClientSource(cluster.hub_address, keys_dir=str(cluster.keys_dir))
-        src.wait_ready(args.wait)
-        _run_tui(src, args.refresh)
+        _run_tui(ClientSource(cluster.hub_address, keys_dir=str(cluster.keys_dir), pump=True),
+                 args.refresh)
     return EXIT_OK
 
 

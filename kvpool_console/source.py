@@ -8,10 +8,14 @@ recorded state (snapshot tests, ``status`` of a saved dump) with a frozen clock.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Protocol
 
+import zmq
+
+from kvpool_agent.client import FleetClient, FleetEntry
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandName,
@@ -84,30 +88,58 @@ class StaticSource:
 class ClientSource:
     """The live fleet through ``kvpool_agent.client.FleetClient``.
 
+    With ``pump=True`` (the TUI) a daemon thread keeps receiving and decoding the hub's
+    updates as they arrive and publishes a copy of the merged fleet after each batch, so the
+    UI thread only swaps a reference per frame and the SUB socket never backs up while the
+    screen is busy or paused. One-shot commands use ``pump=False`` and ``wait_ready``.
+
     Args:
         hub_address: the hub's agent address ``tcp://host:P`` (the client derives P+1..P+3).
         keys_dir: directory with the operator's CURVE key pair (``kvpool-agent keygen``);
             ``None`` -> read-only: flush is refused before anything is sent.
         sender: operator name recorded in the hub's audit log.
+        pump: receive updates on a background thread.
+
+    Raises:
+        ValueError: bad hub address or incomplete keys directory (from FleetClient).
     """
 
     def __init__(self, hub_address: str, *, keys_dir: str | None = None,
-                 sender: str = "") -> None:
-        from kvpool_agent.client import FleetClient
-
+                 sender: str = "", pump: bool = False) -> None:
         self.address = hub_address
         self.sender = sender or f"{os.environ.get('USER', 'operator')}@kvpool-console"
         self.client = FleetClient(hub_address, keys_dir=keys_dir)
         self.can_flush = self.client.authorised
+        self._latest: tuple[dict[str, EngineState], dict[str, float]] = ({}, {})
+        self._stop = threading.Event()
+        self._pump: threading.Thread | None = None
+        if pump:
+            self._pump = threading.Thread(target=self._run_pump, name="kvpool-console-feed",
+                                          daemon=True)
+            self._pump.start()
 
-    def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]:
-        entries = self.client.fleet()
+    def _run_pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.client.updates(100):
+                    self._latest = self._split(self.client.fleet())
+            except zmq.ZMQError:
+                return  # socket closed by close(): the console is going away
+
+    @staticmethod
+    def _split(entries: Mapping[str, FleetEntry]
+               ) -> tuple[dict[str, EngineState], dict[str, float]]:
         return ({k: e.state for k, e in entries.items()},
                 {k: e.last_seen_ms for k, e in entries.items()})
 
+    def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]:
+        if self._pump is not None:
+            return self._latest
+        return self._split(self.client.fleet())
+
     def wait_ready(self, timeout_s: float = 3.0) -> bool:
         """Block until the hub's first full snapshot arrived (the hub sends one to every new
-        subscriber) or ``timeout_s`` passed; True if it arrived."""
+        subscriber) or ``timeout_s`` passed; True if it arrived. Only without ``pump``."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if any(u.kind == "snapshot" for u in self.client.updates(int(left * 1e3))):
@@ -128,6 +160,10 @@ class ClientSource:
                                    timeout_ms=timeout_ms, sender=self.sender)
 
     def close(self) -> None:
+        """Stop the feed thread and close the client's sockets. Idempotent."""
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(2.0)
         self.client.close()
 
 

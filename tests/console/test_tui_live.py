@@ -51,7 +51,8 @@ def _cell(table: FleetTable, key: str, column: str) -> str:
 async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> None:
     _feed(live_fleet)
     live_fleet.wait_agents(6)
-    app = KVPoolConsole(ClientSource(live_fleet.address), refresh_s=0.25, stale_after_ms=1500)
+    app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25,
+                        stale_after_ms=1500)
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)
         await _until(pilot, lambda: app.view is not None and len(app.view.engines) == 2
@@ -107,7 +108,7 @@ async def test_filter_sort_pause(live_fleet: LiveFleet) -> None:
     live_fleet.add_engine("p1", "prefill", "kv_producer", tp=1)[0].reporter.lookup(
         "x", 1000, 0, 900, 1.0)
     live_fleet.wait_agents(8)
-    app = KVPoolConsole(ClientSource(live_fleet.address), refresh_s=0.25)
+    app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:
         table = app.query_one(FleetTable)
         await _until(pilot, lambda: table._keys == ["e:d0", "e:p0", "e:p1", "__totals__"]
@@ -140,7 +141,8 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
     other_model = live_fleet.model + "-other"
     others = live_fleet.put_keys(other_model, 2)
     live_fleet.wait_agents(6)
-    app = KVPoolConsole(ClientSource(live_fleet.address, keys_dir=str(live_fleet.keys.root)),
+    app = KVPoolConsole(ClientSource(live_fleet.address, keys_dir=str(live_fleet.keys.root),
+                                     pump=True),
                         refresh_s=0.25)
     async with app.run_test(size=(120, 36)) as pilot:
         table = app.query_one(FleetTable)
@@ -180,7 +182,7 @@ async def test_read_only_console_refuses_flush(live_fleet: LiveFleet) -> None:
     _feed(live_fleet)
     mine = live_fleet.put_keys(live_fleet.model, 2)
     live_fleet.wait_agents(6)
-    src = ClientSource(live_fleet.address)
+    src = ClientSource(live_fleet.address, pump=True)
     assert not src.can_flush
     app = KVPoolConsole(src, refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:

@@ -1,0 +1,299 @@
+"""Console at fleet scale: 256 engines x (1 scheduler + 8 workers) reporting several times a
+second through real agent sockets, watched by the real console.
+
+Topology, all on 127.0.0.1 and all real sockets:
+
+- the hub is its own process (``kvpool-agent hub``), as on a master node;
+- ``--procs`` driver processes each own a share of the 2,304 agents: one ZMQ DEALER socket per
+  agent (agent identity, the agent's wire protocol: versioned ``Report`` frames with per-agent
+  sequence numbers, a snapshot first, then deltas) sending at ``--rate`` Hz with counters,
+  in-flight layer-wise loads and errors that change every report;
+- this process runs ``KVPoolConsole`` headless (Textual's test driver) on ``FleetClient``.
+
+Measured in the console process: frame time (one refresh: sample the client, evaluate alerts,
+build the view, update the table, then Textual's render, in ms: median / p95 / max), the lag
+from a report's send time (``EngineState.ts_ms``) to the frame that first shows it (median /
+p95; includes the hub's delta interval and the console's refresh interval), CPU (% of one
+core) and peak RSS. Hub and driver CPU are printed too.
+
+    .venv/bin/python bench/bench_console.py [--engines 256] [--workers 8] [--rate 4]
+        [--procs 4] [--seconds 30] [--refresh 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    EngineState,
+    ErrorRecord,
+    LookupStats,
+    PoolStats,
+    Report,
+    SegmentUsage,
+    Source,
+    Transfer,
+    TransferStats,
+    encode,
+)
+
+__all__ = ["main"]
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_block() -> int:
+    """First port of 4 consecutive free ports on 127.0.0.1 (the hub binds P..P+3)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = int(s.getsockname()[1])
+        if p > 65_000:
+            continue
+        ok = True
+        for q in range(p + 1, p + 4):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+        if ok:
+            return p
+    raise RuntimeError("no 4 consecutive free ports")
+
+
+def _sources(engines: range, workers: int) -> list[Source]:
+    out = []
+    for e in engines:
+        eid = f"{'prefill' if e % 2 == 0 else 'decode'}-{e:03d}"
+        role = "prefill" if e % 2 == 0 else "decode"
+        kv = "kv_producer" if role == "prefill" else "kv_consumer"
+        common = dict(engine_id=eid, instance_role=role, kv_role=kv, host="bench",
+                      backend="mooncake", model="llama-70b", pid=10_000 + e)
+        out.append(Source(agent_id=f"{eid}/scheduler", process_role="scheduler",
+                          **common))  # type: ignore[arg-type]
+        for w in range(workers):
+            out.append(Source(agent_id=f"{eid}/dp0.tp{w}.pp0", process_role="worker",
+                              tp_rank=w, **common))  # type: ignore[arg-type]
+    return out
+
+
+def _state(src: Source, n: int, started_ms: float, now_ms: float, pool: PoolStats,
+           rnd: random.Random) -> EngineState:
+    sched = src.process_role == "scheduler"
+    prompt = 4096 * n
+    lookup = LookupStats(lookups=n, prompt_tokens=prompt, pool_hit_tokens=prompt * 6 // 10,
+                         loaded_tokens=prompt // 2, hit_rate=0.6,
+                         hit_rate_1m=0.5 + 0.3 * rnd.random(), latency_ms_p50=0.7,
+                         latency_ms_p99=2.1) if sched else LookupStats()
+    transfers = TransferStats() if sched else TransferStats(
+        loads_finished=n, saves_finished=n, loaded_bytes=n << 22, saved_bytes=n << 22,
+        load_bytes_per_s=float(rnd.randint(1, 64) << 20), save_bytes_per_s=float(1 << 24),
+        max_load_ms=40.0 + rnd.random() * 20, loads_failed=n // 500,
+        errors_by_name={"OBJECT_NOT_FOUND": n // 500} if n >= 500 else {})
+    in_flight = [] if sched else [
+        Transfer(req_id=f"req-{n}-{i}", kind="load", blocks=8, bytes=8 << 22,
+                 started_ms=now_ms - 30, layers_done=rnd.randint(0, 80), layers_total=80,
+                 lease_expires_ms=now_ms + 5_000) for i in range(2)]
+    errors = [ErrorRecord(ts_ms=now_ms, where="load", name="OBJECT_NOT_FOUND",
+                          message="block evicted between lookup and load")] \
+        if (not sched and n % 500 == 0) else []
+    return EngineState(source=src, started_ms=started_ms, ts_ms=now_ms, lookup=lookup,
+                       transfers=transfers, in_flight=in_flight, pool=pool,
+                       recent_errors=errors)
+
+
+def _drive(address: str, engines: list[int], workers: int, rate: float, seconds: float,
+           ready: mp.synchronize.Event, start: mp.synchronize.Event) -> None:
+    """One driver process: a DEALER socket per agent, a report per agent every 1/rate s."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    srcs = _sources(range(engines[0], engines[-1] + 1), workers)
+    socks = []
+    for s in srcs:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, s.agent_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 64)
+        sock.connect(address)
+        socks.append(sock)
+    rnd = random.Random(engines[0])
+    started = time.time() * 1e3
+    segs = [SegmentUsage(name=f"10.0.0.{i}:15000", used_bytes=(24 + i) << 30,
+                         total_bytes=32 << 30) for i in range(8)]
+    pool = PoolStats(backend="mooncake", keys=1_200_000, used_bytes=sum(s.used_bytes for s in segs),
+                     total_bytes=sum(s.total_bytes for s in segs), evicted_keys=1_000,
+                     high_watermark=0.9, lease_ttl_ms=5_000, healthy=True, segments=segs)
+    ready.set()
+    start.wait()
+    period = 1.0 / rate
+    t_end = time.monotonic() + seconds
+    n = 0
+    next_t = time.monotonic()
+    while time.monotonic() < t_end:
+        n += 1
+        now = time.time() * 1e3
+        for i, (src, sock) in enumerate(zip(srcs, socks, strict=True)):
+            rep = Report(v=PROTOCOL_VERSION, seq=n, kind="snapshot" if n == 1 else "delta",
+                         state=_state(src, n + i % 7, started, now, pool, rnd))
+            with contextlib.suppress(zmq.Again):  # a slow hub: drop, as a real agent does
+                sock.send(encode(rep), zmq.NOBLOCK)
+        next_t += period
+        time.sleep(max(0.0, next_t - time.monotonic()))
+    for s in socks:
+        s.close(0)
+    ctx.term()
+
+
+async def _watch(address: str, seconds: float, refresh_s: float, agents: int
+                 ) -> dict[str, float]:
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.source import ClientSource
+
+    proc = psutil.Process()
+    src = ClientSource(address, pump=True)
+    # The timer is parked; frames are driven here so each one is timed end to end.
+    app = KVPoolConsole(src, refresh_s=3600)
+    frames: list[float] = []
+    ticks: list[float] = []
+    lags: list[float] = []
+    seen_ts: dict[str, float] = {}
+    rss_peak = 0
+    async with app.run_test(size=(200, 60)) as pilot:
+        # Wait for the whole fleet, then measure a steady state.
+        deadline = time.monotonic() + 60
+        while len(src.fleet()[0]) < agents and time.monotonic() < deadline:
+            await pilot.pause(0.2)
+        known = len(src.fleet()[0])
+        cpu0 = proc.cpu_times()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            f0 = time.perf_counter()
+            app.tick()
+            # Let the widgets process the updates, then composite and render the screen now
+            # (what Textual does on its next screen timer); pilot.pause() would also wait for
+            # the machine's CPU to go idle, which is not the console's cost.
+            await pilot._wait_for_screen()
+            app.screen._on_timer_update()
+            f1 = time.perf_counter()
+            frames.append((f1 - f0) * 1e3)
+            ticks.append(app.last_tick_ms)
+            now = time.time() * 1e3
+            for aid, st in app.states.items():
+                if st.ts_ms > seen_ts.get(aid, 0.0):
+                    if aid in seen_ts:
+                        lags.append(now - st.ts_ms)
+                    seen_ts[aid] = st.ts_ms
+            rss_peak = max(rss_peak, proc.memory_info().rss)
+            await asyncio.sleep(max(0.0, refresh_s - (time.perf_counter() - f0)))
+        wall = time.monotonic() - t0
+        cpu1 = proc.cpu_times()
+        rows = len(app.view.engines) if app.view else 0
+    frames.sort()
+    ticks.sort()
+    lags.sort()
+    cpu = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall * 100
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    return {"agents_seen": known, "engine_rows": rows, "frames": len(frames),
+            "frame_ms_p50": statistics.median(frames), "frame_ms_p95": pct(frames, 0.95),
+            "frame_ms_max": frames[-1], "tick_ms_p50": statistics.median(ticks),
+            "tick_ms_p95": pct(ticks, 0.95), "lag_ms_p50": pct(lags, 0.5),
+            "lag_ms_p95": pct(lags, 0.95), "lag_samples": len(lags), "cpu_pct": cpu,
+            "rss_mb": rss_peak / 2**20}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its figures; returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=8, help="worker agents per engine")
+    ap.add_argument("--rate", type=float, default=4.0, help="reports per agent per second")
+    ap.add_argument("--procs", type=int, default=4, help="driver processes")
+    ap.add_argument("--seconds", type=float, default=30.0, help="measured steady state")
+    ap.add_argument("--refresh", type=float, default=1.0, help="console refresh interval (s)")
+    args = ap.parse_args(argv)
+    agents = args.engines * (args.workers + 1)
+    port = _free_block()
+    address = f"tcp://127.0.0.1:{port}"
+    hub = subprocess.Popen([sys.executable, "-m", "kvpool_agent.cli", "--log-level", "WARNING",
+                            "hub", "--address", address], cwd=_ROOT)
+    drivers: list[mp.Process] = []
+    try:
+        time.sleep(1.0)
+        if hub.poll() is not None:
+            raise RuntimeError(f"hub exited with {hub.returncode}")
+        ctx = mp.get_context("spawn")
+        start = ctx.Event()
+        per = -(-args.engines // args.procs)
+        readies = []
+        for p in range(args.procs):
+            lo, hi = p * per, min(args.engines, (p + 1) * per)
+            if lo >= hi:
+                continue
+            ready = ctx.Event()
+            readies.append(ready)
+            d = ctx.Process(target=_drive, args=(address, list(range(lo, hi)), args.workers,
+                                                 args.rate, args.seconds + 40, ready, start))
+            d.start()
+            drivers.append(d)
+        for r in readies:
+            r.wait(60)
+        start.set()
+        hub_ps = psutil.Process(hub.pid)
+        driver_ps = [psutil.Process(d.pid) for d in drivers if d.pid is not None]
+        hub_cpu0 = hub_ps.cpu_times()
+        drv_cpu0 = [p.cpu_times() for p in driver_ps]
+        t0 = time.monotonic()
+        res = asyncio.run(_watch(address, args.seconds, args.refresh, agents))
+        wall = time.monotonic() - t0
+        hub_cpu1 = hub_ps.cpu_times()
+        drv_cpu1 = [p.cpu_times() for p in driver_ps]
+        hub_cpu = (hub_cpu1.user + hub_cpu1.system - hub_cpu0.user - hub_cpu0.system) / wall
+        drv_cpu = sum(b.user + b.system - a.user - a.system
+                      for a, b in zip(drv_cpu0, drv_cpu1, strict=True)) / wall
+        hub_rss = hub_ps.memory_info().rss / 2**20
+    finally:
+        for d in drivers:
+            d.terminate()
+            d.join(5)
+        hub.terminate()
+        hub.wait(10)
+    print(f"fleet: {args.engines} engines x ({args.workers} workers + scheduler) = {agents} "
+          f"agents, {args.rate:g} reports/s each ({agents * args.rate:.0f} reports/s) from "
+          f"{len(drivers)} processes; console refresh {args.refresh:g} s for {args.seconds:g} s")
+    print(f"console saw {res['agents_seen']}/{agents} agents, {res['engine_rows']} engine rows, "
+          f"{res['frames']} frames")
+    print(f"frame time ms: p50 {res['frame_ms_p50']:.1f}  p95 {res['frame_ms_p95']:.1f}  "
+          f"max {res['frame_ms_max']:.1f}  (of which data+table update p50 "
+          f"{res['tick_ms_p50']:.1f} p95 {res['tick_ms_p95']:.1f})")
+    print(f"lag report->screen ms: p50 {res['lag_ms_p50']:.0f}  p95 {res['lag_ms_p95']:.0f}  "
+          f"({res['lag_samples']} samples)")
+    print(f"console CPU {res['cpu_pct']:.0f}% of one core, peak RSS {res['rss_mb']:.0f} MiB")
+    print(f"hub CPU {hub_cpu * 100:.0f}%, RSS {hub_rss:.0f} MiB; drivers CPU "
+          f"{drv_cpu * 100:.0f}% (machine: {os.cpu_count()} cores)")
+    return 0 if res["agents_seen"] == agents else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
