@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvpool_connector.backends.base import BackendError, BackendUnavailable
+from kvpool_connector.backends.base import BackendUnavailable
 from kvpool_connector.backends.yuanrong import (
     YuanrongBackend,
     YuanrongConfig,
@@ -265,40 +265,3 @@ def test_status_texts_map_to_mooncake_codes() -> None:
     assert status_code("code: [RPC unavailable], msg: [RPC Retry detail: [ RPC unavailable * 1 "
                        "Out of memory * 3 ]]") == -200
     assert status_code("code: [Runtime error], msg: [?]") == -1
-
-
-def test_full_worker_gives_no_available_handle_then_killed_worker_gives_errors(
-        fresh_yuanrong_worker: LocalYuanrongWorker) -> None:
-    """64 MB worker, values that must not be evicted: the pool fills up and puts return -200
-    without raising; after SIGKILL of the worker every call returns -900 (or reports it)."""
-    b = backend_for(fresh_yuanrong_worker, yuanrong_write_mode="none_l2_cache")
-    src, dst = CACHES["cpu_large"](), CACHES["cpu_large"]()
-    fill(src, 6)
-    keys = keys_for(uniq("full"), 80)
-    results: list[int] = []
-    for i in range(0, 80, 4):
-        results += put_blocks(b, keys[i:i + 4], src, [0, 1, 2, 3])
-        if results[-1] < 0:
-            break
-    assert results[0] == 0 and results[-1] == -200, results
-    stored = [k for k, r in zip(keys, results, strict=False) if r == 0]
-    assert 40 <= len(stored) < 64
-    assert get_blocks(b, stored[:2], dst, [5, 6]) == [1 << 20] * 2
-    assert block_bytes(dst, 5) == block_bytes(src, 0)
-
-    fresh_yuanrong_worker.kill()
-    dst2 = CACHES["cpu_large"]()
-    t0 = time.monotonic()
-    assert get_blocks(b, stored[:3], dst2, [0, 1, 2]) == [-900] * 3
-    assert all(set(block_bytes(dst2, blk)) == {0} for blk in (0, 1, 2))
-    assert b.batch_exists(stored[:2]) == [-900, -900]
-    assert put_blocks(b, keys[-1:], src, [0]) in ([-900], [-200])
-    with pytest.raises(BackendError):
-        b.remove_by_scope(".*", dry_run=True)
-    health = b.health()
-    assert [c.name for c in health] == ["worker"] and not health[0].ok
-    assert health[0].code == -900
-    assert b.stats().healthy is False
-    assert time.monotonic() - t0 < 30
-    b.close()
-    assert b.batch_exists(stored[:1]) == [-1010]
