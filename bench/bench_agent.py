@@ -1,19 +1,19 @@
 """Agent overhead on the engine: cost per recorded event, and save/load throughput with the
 agent off vs on (no listener, a slow listener, a normal hub with a console) in the same run.
 
-The data path is a real ``mooncake_master`` and a real ``MooncakeDistributedStore`` client
-moving vLLM-shaped blocks with ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``,
-wrapped in exactly the Reporter calls the connector's worker makes. Configurations are
-interleaved round by round so machine noise hits all of them alike; the table shows medians.
+The data path is the connector's own ``KVPoolWorker`` and ``MooncakeBackend`` against a real
+``mooncake_master``, moving vLLM-shaped paged KV (FlashAttention layout, bf16) by address; the
+worker makes its own Reporter calls (started/finished/loaded), plus the scheduler's lookup
+call. Configurations are interleaved round by round (order rotated) so machine noise hits all
+of them alike; the table shows medians and best rounds.
 Goal: throughput with the agent on within 2% of off.
 
-    .venv/bin/python bench/bench_agent.py [--rounds 11] [--requests 48]
+    .venv/bin/python bench/bench_agent.py [--rounds 11] [--requests 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -35,8 +35,10 @@ from kvpool_connector.services import LocalMooncakeMaster, free_port  # noqa: E4
 
 __all__ = ["main"]
 
-LAYERS = 32
-BLOCK_BYTES_PER_LAYER = 2 * 16 * 8 * 128 * 2  # K+V, 16 tokens, 8 KV heads, head 128, bf16
+LAYERS = 16
+KV_HEADS = 8
+HEAD_SIZE = 128
+BLOCK_BYTES_PER_LAYER = 2 * 16 * KV_HEADS * HEAD_SIZE * 2  # K+V, 16 tokens, bf16
 CHUNKS_PER_REQ = 4
 
 
@@ -145,86 +147,103 @@ def event_cost(handle_factory: Callable[[], AgentHandle], n: int = 200_000) -> d
     return out
 
 
+class _Settings:
+    """The connector settings ``KVPoolWorker`` reads: one 16-token block per pool key."""
+
+    block_size = 16
+    chunk_size = 16
+    use_layerwise = False
+    load_async = False
+    layerwise_timeout_ms = 5_000
+
+
 class _DataPath:
-    """Real saves and loads of vLLM-shaped blocks through a real Mooncake client."""
+    """Real saves and loads of vLLM-shaped paged KV through the connector's ``KVPoolWorker``
+    and ``MooncakeBackend`` (a real ``MooncakeDistributedStore`` client)."""
 
     def __init__(self, master: LocalMooncakeMaster, requests: int) -> None:
-        from mooncake.store import MooncakeDistributedStore
+        import torch
 
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(
-            "127.0.0.1", "P2PHANDSHAKE", 1 << 30, 64 << 20, "tcp", "", master.address
+        from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+        from kvpool_connector.keys import ParallelLayout
+        from kvpool_connector.worker import KVPoolWorker
+
+        self.backend = MooncakeBackend(
+            MooncakeConfig(
+                master_server_address=master.address,
+                master_admin_url=master.admin_url,
+                global_segment_size=1 << 30,
+                local_buffer_size=64 << 20,
+            )
         )
-        if rc != 0:
-            raise RuntimeError(f"MooncakeDistributedStore.setup failed: {rc}")
         self.requests = requests
-        self.key_bytes = LAYERS * BLOCK_BYTES_PER_LAYER
-        self.total = requests * CHUNKS_PER_REQ * self.key_bytes
-        self.src = ctypes.create_string_buffer(self.total)
-        self.dst = ctypes.create_string_buffer(self.total)
-        ctypes.memset(self.src, 7, self.total)
-        for buf in (self.src, self.dst):
-            rc = self.store.register_buffer(ctypes.addressof(buf), self.total)
-            if rc != 0:
-                raise RuntimeError(f"register_buffer failed: {rc}")
+        self.blocks = requests * CHUNKS_PER_REQ
+        # FlashAttention layout per layer: (2, num_blocks, block_size, kv_heads, head_size).
+        shape = (2, self.blocks, 16, KV_HEADS, HEAD_SIZE)
+        self.src = {f"layers.{i}": torch.ones(shape, dtype=torch.bfloat16) for i in range(LAYERS)}
+        self.dst = {f"layers.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(LAYERS)}
+        self.model = "bench/agent-model"
+        self.saver = KVPoolWorker(_Settings(), ParallelLayout(), self.model, self.backend, None)
+        self.loader = KVPoolWorker(_Settings(), ParallelLayout(), self.model, self.backend, None)
+        self.saver.register_kv_caches(self.src)
+        self.loader.register_kv_caches(self.dst)
+        self.total = self.blocks * LAYERS * BLOCK_BYTES_PER_LAYER
         self.round = 0
 
-    def _ranges(self, base: int, key_index: int) -> list[int]:
-        start = base + key_index * self.key_bytes
-        return [start + layer * BLOCK_BYTES_PER_LAYER for layer in range(LAYERS)]
-
     def run(self, rep: Reporter) -> tuple[float, float, float]:
-        """Save then load every request once; returns (save, load) bytes/s and the process CPU
-        seconds spent meanwhile (every thread: engine loop, agent, Mooncake client)."""
+        """Save then load every request once with ``rep`` as both workers' reporter; returns
+        (save, load) bytes/s and the process CPU seconds meanwhile (all threads)."""
+        from kvpool_connector.keys import chunk_hashes, model_pattern
+        from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+
         self.round += 1
+        self.saver.reporter = self.loader.reporter = rep
+        reqs = []
+        for r in range(self.requests):
+            toks = [self.round * 1_000_003 + r * 7_919 + i for i in range(CHUNKS_PER_REQ * 16 + 1)]
+            blocks = list(range(r * CHUNKS_PER_REQ, (r + 1) * CHUNKS_PER_REQ))
+            reqs.append((f"r{self.round}-{r}", blocks, chunk_hashes(toks, 16)))
+        save_meta = KVPoolConnectorMetadata(requests=[
+            ReqMeta(req_id=rid, block_ids=blocks, chunk_hashes=hashes, save_from_chunk=0,
+                    save_to_chunk=CHUNKS_PER_REQ, is_last_save=True)
+            for rid, blocks, hashes in reqs
+        ])
+        pool_tokens = CHUNKS_PER_REQ * 16
+        load_meta = KVPoolConnectorMetadata(requests=[
+            ReqMeta(req_id=rid, block_ids=blocks, chunk_hashes=hashes,
+                    load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=pool_tokens,
+                                  can_load=True))
+            for rid, blocks, hashes in reqs
+        ])
         cpu0 = time.process_time()
-        prefix = f"kvpool@bench@r{self.round}@"
-        src, dst = ctypes.addressof(self.src), ctypes.addressof(self.dst)
-        sizes = [BLOCK_BYTES_PER_LAYER] * LAYERS
-        req_keys = [
-            [f"{prefix}{r}-{c}" for c in range(CHUNKS_PER_REQ)] for r in range(self.requests)
-        ]
-        nbytes = CHUNKS_PER_REQ * self.key_bytes
         t0 = time.perf_counter()
-        for r, keys in enumerate(req_keys):
-            rid = f"save-{self.round}-{r}"
-            rep.transfer_started(rid, "save", CHUNKS_PER_REQ, nbytes, layers_total=0)
-            idx = range(r * CHUNKS_PER_REQ, (r + 1) * CHUNKS_PER_REQ)
-            codes = self.store.batch_put_from_multi_buffers(
-                keys, [self._ranges(src, i) for i in idx], [sizes] * CHUNKS_PER_REQ
-            )
-            if any(c != 0 for c in codes):
-                raise RuntimeError(f"put failed: {codes}")
-            rep.transfer_finished(rid, "save", ok=True, nbytes=nbytes)
+        self.saver.start_load_kv(KVPoolConnectorMetadata(requests=[]))
+        self.saver.wait_for_save(save_meta)
+        if not self.saver.drain_saves(60):
+            raise RuntimeError("saves did not finish in 60 s")
         t_save = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for r, keys in enumerate(req_keys):
-            rid = f"load-{self.round}-{r}"
-            rep.lookup(rid, CHUNKS_PER_REQ * 256 + 17, 0, CHUNKS_PER_REQ * 256, 0.3)
-            rep.transfer_started(rid, "load", CHUNKS_PER_REQ, nbytes, layers_total=LAYERS)
-            idx = range(r * CHUNKS_PER_REQ, (r + 1) * CHUNKS_PER_REQ)
-            got = self.store.batch_get_into_multi_buffers(
-                keys, [self._ranges(dst, i) for i in idx], [sizes] * CHUNKS_PER_REQ
-            )
-            if any(g != self.key_bytes for g in got):
-                raise RuntimeError(f"get failed: {got}")
-            for layer in range(LAYERS):
-                rep.transfer_progress(rid, "load", layer + 1)
-            rep.loaded(rid, CHUNKS_PER_REQ * 256)
-            rep.transfer_finished(rid, "load", ok=True, nbytes=nbytes)
+        for rid, _, _ in reqs:
+            # What the scheduler records for each lookup (the lookup itself is not timed here).
+            rep.lookup(rid, pool_tokens + 1, 0, pool_tokens, 0.3)
+        self.loader.start_load_kv(load_meta)
         t_load = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
-        self.store.remove_by_regex("^" + prefix, True)
+        if self.loader.get_block_ids_with_load_errors():
+            raise RuntimeError("loads failed")
+        self.backend.remove_by_scope(model_pattern(self.model), dry_run=False, force=True)
         return self.total / t_save, self.total / t_load, cpu
 
     def close(self) -> None:
-        self.store.close()
+        self.saver.shutdown()
+        self.loader.shutdown()
+        self.backend.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=11, help="interleaved rounds per configuration")
-    ap.add_argument("--requests", type=int, default=48, help="requests per round (4 chunks each)")
+    ap.add_argument("--requests", type=int, default=64, help="requests per round (4 chunks each)")
     args = ap.parse_args(argv)
 
     hub_address = f"tcp://127.0.0.1:{_free_block()}"
@@ -244,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         print("== cost per recorded event on the engine thread (ns/event) ==")
         print(f"{'configuration':<20} {'lookup':>8} {'progress':>9} {'finished':>9} {'dropped':>8}")
         for name, factory in configs.items():
-            c = event_cost(factory)
+            ev = event_cost(factory)
             print(
-                f"{name:<20} {c['lookup']:>8.0f} {c['transfer_progress']:>9.0f} "
-                f"{c['transfer_finished']:>9.0f} {c['events_dropped']:>8.0f}"
+                f"{name:<20} {ev['lookup']:>8.0f} {ev['transfer_progress']:>9.0f} "
+                f"{ev['transfer_finished']:>9.0f} {ev['events_dropped']:>8.0f}"
             )
 
         with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master:

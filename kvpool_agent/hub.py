@@ -48,6 +48,8 @@ from kvpool_agent.protocol import (
 
 __all__ = [
     "ENGINES_PER_UPDATE",
+    "MAX_AGENTS",
+    "MAX_PENDING",
     "UNAUTHORISED",
     "FleetHub",
     "HubPorts",
@@ -63,6 +65,11 @@ ENGINES_PER_UPDATE = 128
 stays far below ``MAX_MESSAGE_BYTES``."""
 
 _LIVE_S = 15.0
+MAX_AGENTS = 16_384
+"""Agents the hub keeps; reports from further new agent ids are dropped (bad messages)."""
+MAX_PENDING = 1024
+"""Commands in flight at once; more are answered at once with an error."""
+MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
 _MAX_READ_BYTES = 16 * 1024 * 1024
 _RECENT_ERRORS = 50
@@ -370,6 +377,9 @@ class FleetHub:
     def _on_report(self, rid: bytes, rep: Report) -> None:
         st = rep.state
         aid = st.source.agent_id
+        if aid not in self._agents and len(self._agents) >= MAX_AGENTS:
+            self._bad("agents", f"fleet full ({MAX_AGENTS} agents): report of {aid!r} dropped")
+            return
         self.reports += 1
         self.seq_tracker.observe(aid, rep.seq)
         now_ms = time.time() * 1e3
@@ -500,6 +510,8 @@ class FleetHub:
             self._audit(who, req, [], [reply], refused=True)
             return
         targets, problem = self._targets(req)
+        if len(self._pending) >= MAX_PENDING:
+            problem = f"hub busy: {MAX_PENDING} commands in flight, retry later"
         if problem is not None:
             reply = self._hub_reply(req, problem)
             self._send_client(sock, client, [reply])
@@ -511,7 +523,7 @@ class FleetHub:
             client=client,
             req=req,
             who=who,
-            deadline=time.monotonic() + max(req.timeout_ms, 1) / 1e3,
+            deadline=time.monotonic() + min(max(req.timeout_ms, 1), MAX_TIMEOUT_MS) / 1e3,
             expected=targets,
         )
         self._pending[internal] = pend

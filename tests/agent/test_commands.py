@@ -89,34 +89,48 @@ def test_flush_scopes_remove_exactly_their_keys(
 ) -> None:
     aid = worker_agent.source.agent_id
     with _operator(hub_address, keys_dir) as op:
-        # Dry run of this engine's shard: counts its 3 keys, removes nothing.
+        # Dry run of this engine's shard: counts its 3 keys and their bytes, removes nothing.
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=True))
         assert r.ok and r.flush is not None
-        assert (r.flush.dry_run, r.flush.keys, r.flush.removed_keys) == (True, 3, 0)
+        assert (r.flush.dry_run, r.flush.keys, r.flush.bytes) == (True, 3, 3 * VALUE)
+        assert r.flush.removed_keys == 0
         assert set(pool["tp0"]) <= _all_keys(agent_master)
-
+        # Sizing a key reads it, and every Mooncake read grants default_kv_lease_ttl: right
+        # after a dry run those keys are leased, so an unforced flush skips them.
         before = _all_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="engine", engine_id="eng-f", dry_run=False),
         )
-        assert r.ok and r.flush is not None and r.flush.removed_keys == 3, r
-        assert _all_keys(agent_master) == before - set(pool["tp0"])
+        assert r.ok and r.flush is not None
+        assert (r.flush.removed_keys, r.flush.skipped_leased) == (0, 3), r
+        assert _all_keys(agent_master) == before
 
-        # Model scope: every layout of the other model, nothing else.
-        before = _all_keys(agent_master)
+        # Model scope: every key of the other model, nothing else.
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False),
         )
         assert r.ok and r.flush is not None and r.flush.removed_keys == 2
+        assert r.flush.bytes == 2 * VALUE
         assert _all_keys(agent_master) == before - set(pool["other_keys"])
 
-        # Model scope of this agent's own model (no model given): the tp1 shard goes too.
+        # Model scope of this agent's own model (no model given): the tp1 shard goes, the
+        # leased tp0 shard stays.
+        before = _all_keys(agent_master)
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="model", dry_run=False))
-        assert r.ok and r.flush is not None and r.flush.removed_keys == 2
-        after = _all_keys(agent_master)
-        assert not set(pool["tp1"]) & after
+        assert r.ok and r.flush is not None
+        assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 3)
+        assert _all_keys(agent_master) == before - set(pool["tp1"])
+
+        # Forced engine scope removes the leased shard.
+        before = _all_keys(agent_master)
+        (r,) = op.command(
+            "flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False, force=True)
+        )
+        assert r.ok and r.flush is not None and r.flush.removed_keys == 3
+        assert _all_keys(agent_master) == before - set(pool["tp0"])
+
         # Keys outside kvpool's namespace are never touched, not even by scope "all".
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="all", dry_run=False))
         assert r.ok
@@ -125,9 +139,9 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert set(pool["foreign"]) <= left
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     flushes = [a for a in audit if a["command"] == "flush"]
-    assert len(flushes) == 5
+    assert len(flushes) == 6
     assert all(a["who"].startswith("key:") and not a["refused"] for a in flushes)
-    assert flushes[1]["flush"]["scope"] == "engine" and flushes[1]["results"][0]["ok"]
+    assert flushes[4]["flush"]["force"] and flushes[4]["results"][0]["flush"]["removed_keys"] == 3
 
 
 def test_leased_keys_are_skipped_unless_forced(

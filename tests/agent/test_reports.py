@@ -142,7 +142,9 @@ def test_in_flight_layerwise_progress_and_lease_expiry(hub: FleetHub, hub_addres
     handle = start_agent(src, address=hub_address, lease_ttl_ms=5_000)
     rep = handle.reporter
     try:
+        t_lookup = time.time() * 1e3
         rep.lookup("r1", 1024, 0, 768, 1.0)
+        t_lookup_end = time.time() * 1e3
         rep.transfer_started("r1", "load", 3, 3 * BLOCK, layers_total=32)
         rep.transfer_progress("r1", "load", 12)
         rep.transfer_started("r2", "save", 2, 2 * BLOCK, lease_expires_ms=123.0)
@@ -154,7 +156,7 @@ def test_in_flight_layerwise_progress_and_lease_expiry(hub: FleetHub, hub_addres
         assert (load.layers_done, load.layers_total) == (12, 32)
         # The lease of r1 runs from its lookup plus default_kv_lease_ttl.
         assert load.lease_expires_ms is not None
-        assert 4_000 < load.lease_expires_ms - time.time() * 1e3 <= 5_000
+        assert t_lookup + 5_000 <= load.lease_expires_ms <= t_lookup_end + 5_000
         assert by_req["r2"].lease_expires_ms == 123.0
         rep.transfer_finished("r1", "load", ok=False, error_name=None, timed_out=True)
         st = handle.state()
