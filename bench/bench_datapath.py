@@ -1,0 +1,252 @@
+"""Data-path throughput: KVPoolWorker save/load vs the raw Mooncake batch call vs a tensor copy.
+
+All three move the same vLLM-shaped paged KV blocks (vLLM CPU layout ``(num_blocks, kv_heads,
+block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, against a real
+``mooncake_master`` on 127.0.0.1:
+
+* ``raw``: ``MooncakeBackend.batch_put_from`` / ``batch_get_into`` with address lists built
+  once beforehand (the floor any connector pays);
+* ``worker``: ``KVPoolWorker`` driven exactly as vLLM drives it (``start_load_kv``,
+  ``wait_for_save`` + waiting for the background save; a synchronous load), including its
+  planning, the existence check before puts and the Reporter calls;
+* ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all).
+
+Goal: worker >= 0.9x raw. Rounds alternate the paths; the table shows the median and best.
+
+    .venv/bin/python bench/bench_datapath.py [--rounds 9] [--blocks 128] [--layers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + os.environ.get("PATH", "")
+
+from kvpool_agent.protocol import HealthCheck, PoolStats
+from kvpool_agent.reporter import Reporter
+from kvpool_connector.backends.base import Backend, RemoveResult
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.keys import ALL_KEYS_PATTERN, ParallelLayout, chunk_hashes
+from kvpool_connector.layout import ranges_for_blocks
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_connector.worker import KVPoolWorker
+
+__all__ = ["main"]
+
+BLOCK_SIZE = 16
+KV_HEADS = 8
+HEAD_SIZE = 128
+
+
+@dataclass(frozen=True)
+class _Settings:
+    block_size: int
+    chunk_size: int
+    use_layerwise: bool = False
+    load_async: bool = False
+    layerwise_timeout_ms: int = 30_000
+
+
+def _caches(layers: int, num_blocks: int, fill: bool) -> dict[str, torch.Tensor]:
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    make = torch.randn if fill else torch.zeros
+    return {f"model.layers.{i}.self_attn.attn": make(shape, dtype=torch.bfloat16)
+            for i in range(layers)}
+
+
+class _TimedBackend(Backend):
+    """Delegates to a real backend and adds up the seconds spent inside its calls, so the
+    worker's own overhead (planning, threads, bookkeeping) can be told apart from machine
+    noise in the transfer itself."""
+
+    name = "timed"
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.busy = 0.0
+
+    def _t(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def batch_exists(self, keys: Sequence[str]) -> list[int]:
+        return cast(list[int], self._t(self.inner.batch_exists, keys))
+
+    def register_buffer(self, addr: int, size: int) -> None:
+        self.inner.register_buffer(addr, size)
+
+    def batch_put_from(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+                       sizes: Sequence[Sequence[int]]) -> list[int]:
+        return cast(list[int], self._t(self.inner.batch_put_from, keys, addrs, sizes))
+
+    def batch_get_into(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+                       sizes: Sequence[Sequence[int]]) -> list[int]:
+        return cast(list[int], self._t(self.inner.batch_get_into, keys, addrs, sizes))
+
+    def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
+        return self.inner.remove_by_scope(pattern, dry_run=dry_run, force=force)
+
+    def health(self) -> list[HealthCheck]:
+        return self.inner.health()
+
+    def stats(self) -> PoolStats:
+        return self.inner.stats()
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print the table (throughput in GB/s = 1e9 bytes/s)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--blocks", type=int, default=128, help="blocks moved per operation")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--blocks-per-chunk", type=int, default=4)
+    args = ap.parse_args(argv)
+    bpc = args.blocks_per_chunk
+    n_chunks = args.blocks // bpc
+    n_blocks = n_chunks * bpc
+    num_blocks = 2 * n_blocks + 8
+    src = _caches(args.layers, num_blocks, fill=True)
+    dst = _caches(args.layers, num_blocks, fill=False)
+    src_ids = list(range(0, 2 * n_blocks, 2))  # every other block: realistic, unmerged ranges
+    dst_ids = list(range(1, 2 * n_blocks, 2))
+    settings = _Settings(block_size=BLOCK_SIZE, chunk_size=BLOCK_SIZE * bpc)
+
+    with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master:
+        total = n_blocks * args.layers * KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
+        segment = max(64 << 20, 3 * total)
+        cfg = {"master_server_address": master.address, "global_segment_size": segment,
+               "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
+        backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+        try:
+            timed = _TimedBackend(backend)
+            writer = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())  # type: ignore[arg-type]
+            writer.register_kv_caches(src)
+            reader = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())  # type: ignore[arg-type]
+            reader.register_kv_caches(dst)
+            assert writer.kv is not None and reader.kv is not None
+            chunk_src = [src_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
+            chunk_dst = [dst_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
+            raw_src = [ranges_for_blocks(writer.kv.layers, ids) for ids in chunk_src]
+            raw_dst = [ranges_for_blocks(reader.kv.layers, ids) for ids in chunk_dst]
+            times: dict[str, list[float]] = {k: [] for k in (
+                "raw put", "worker save", "raw get", "worker load", "copy")}
+            overhead: dict[str, list[float]] = {"worker save": [], "worker load": []}
+
+            s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
+
+            def copy() -> None:
+                for name, t in src.items():
+                    dst[name].index_copy_(0, d_idx, t.index_select(0, s_idx))
+
+            # Round 0 is a warm-up (first touch of the segment's pages), not reported.
+            for rnd in range(args.rounds + 1):
+                tag = uuid.uuid4().hex
+                raw_keys = [f"kvpool@raw-{tag}@{i}" for i in range(n_chunks)]
+                hashes = chunk_hashes([rnd] * (n_chunks * settings.chunk_size), settings.chunk_size,
+                                      extra=tag.encode())
+                save_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+                    req_id=f"s{rnd}", block_ids=src_ids, chunk_hashes=hashes,
+                    save_from_chunk=0, save_to_chunk=n_chunks, is_last_save=True)])
+                load_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+                    req_id=f"l{rnd}", block_ids=dst_ids, chunk_hashes=hashes,
+                    load=LoadSpec(0, n_chunks * settings.chunk_size, can_load=True))])
+
+                def raw_put(keys: list[str] = raw_keys) -> None:
+                    res = backend.batch_put_from(keys, [a for a, _ in raw_src],
+                                                 [s for _, s in raw_src])
+                    assert res == [0] * n_chunks, res
+
+                def worker_save(meta: KVPoolConnectorMetadata = save_meta) -> None:
+                    writer.start_load_kv(KVPoolConnectorMetadata())
+                    writer.wait_for_save(meta)
+                    assert writer.drain_saves(60)
+
+                def raw_get(keys: list[str] = raw_keys) -> None:
+                    res = backend.batch_get_into(keys, [a for a, _ in raw_dst],
+                                                 [s for _, s in raw_dst])
+                    assert all(r > 0 for r in res), res
+
+                def worker_load(meta: KVPoolConnectorMetadata = load_meta) -> None:
+                    reader.start_load_kv(meta)
+                    assert not reader.get_block_ids_with_load_errors()
+
+                order = [("raw put", raw_put), ("worker save", worker_save)]
+                if rnd % 2:
+                    order.reverse()
+                for name, fn in order:
+                    busy0 = timed.busy
+                    elapsed = _timed(fn)
+                    if rnd:
+                        times[name].append(elapsed)
+                        if name in overhead:
+                            overhead[name].append(elapsed - (timed.busy - busy0))
+                order = [("raw get", raw_get), ("worker load", worker_load), ("copy", copy)]
+                if rnd % 2:
+                    order.reverse()
+                for name, fn in order:
+                    busy0 = timed.busy
+                    elapsed = _timed(fn)
+                    if rnd:
+                        times[name].append(elapsed)
+                        if name in overhead:
+                            overhead[name].append(elapsed - (timed.busy - busy0))
+                for s_b, d_b in zip(src_ids[:4], dst_ids[:4], strict=True):
+                    for name in src:
+                        assert torch.equal(src[name][s_b], dst[name][d_b]), "load not bit-exact"
+                backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
+                backend.store.remove_by_regex("^kvpool@raw-", True)
+
+            writer.shutdown()
+            reader.shutdown()
+        finally:
+            backend.close()
+
+    def gbps(t: float) -> float:
+        return total / t / 1e9
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    print(f"\nKV data path: {n_blocks} blocks x {args.layers} layers "
+          f"({total / 2**20:.0f} MiB per operation, {n_chunks} keys of {bpc} blocks), "
+          f"{args.rounds} rounds, real mooncake_master over TCP on 127.0.0.1\n")
+    print(f"{'path':<13}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
+          f"{'vs raw (median)':>17}{'vs raw (best)':>15}")
+    ref = {"raw put": "raw put", "worker save": "raw put", "raw get": "raw get",
+           "worker load": "raw get", "copy": "raw get"}
+    for k in times:
+        print(f"{k:<13}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
+              f"{med[ref[k]] / med[k]:>16.2f}x{best[ref[k]] / best[k]:>14.2f}x")
+    print("\n'vs raw' = raw time / this path's time on the same blocks (goal >= 0.9 for the "
+          "worker rows). On a busy shared machine the best rounds are the steadier figure.")
+    print("\nworker time outside the backend calls (planning, threads, bookkeeping), median:")
+    for k, v in overhead.items():
+        own = statistics.median(v)
+        print(f"  {k:<12} {own * 1e3:7.2f} ms per operation = {own / med[k] * 100:5.1f}% of "
+              f"its median time; backend-bound ratio {1 - own / med[k]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
