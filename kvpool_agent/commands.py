@@ -131,11 +131,21 @@ def run_health(
     """Backend client checks (``Backend.health()``), the master's ``/health`` when
     ``admin_url`` is known, and the write/read/remove probe when there is a backend.
 
-    Raises:
-        CommandError: this process has neither a backend nor an admin URL to check.
+    A process with neither (a scheduler: its lookups go through worker rank 0) answers one
+    ``agent`` check: the agent itself is alive, and the detail says where the pool checks run.
     """
     if backend is None and admin_url is None:
-        raise CommandError("nothing to check here: this agent has no backend and no pool admin URL")
+        return HealthResult(
+            checks=[
+                HealthCheck(
+                    name="agent",
+                    ok=True,
+                    latency_ms=0.0,
+                    detail="agent alive; no pool client in this process (pool checks run on "
+                    "the engine's worker agents)",
+                )
+            ]
+        )
     checks: list[HealthCheck] = []
     if backend is not None:
         checks.extend(backend.health())

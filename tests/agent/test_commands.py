@@ -205,9 +205,17 @@ def test_unknown_operator_key_gets_no_access(
 def test_health_checks_client_master_and_probe(
     worker_agent: AgentHandle, hub_address: str, agent_master: LocalMooncakeMaster
 ) -> None:
-    with FleetClient(hub_address) as c:
-        c.wait_for(1, 5)
-        (r,) = c.command("health", targets=[worker_agent.source.agent_id])
+    sched = start_agent(make_source("eng-f", role="scheduler"), address=hub_address)
+    try:
+        with FleetClient(hub_address) as c:
+            c.wait_for(2, 5)
+            replies = {r.agent_id: r for r in c.command("health")}  # every live agent
+    finally:
+        sched.stop()
+    # The scheduler has no pool client: its agent answers for itself only.
+    s = replies["eng-f/scheduler"]
+    assert s.ok and s.health is not None and [x.name for x in s.health.checks] == ["agent"]
+    r = replies[worker_agent.source.agent_id]
     assert r.ok and r.health is not None, r
     checks = {ch.name: ch for ch in r.health.checks}
     assert set(checks) == {"client", "master", "probe_put", "probe_get", "probe_remove"}
