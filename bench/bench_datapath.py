@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
         try:
             timed = _TimedBackend(backend)
-            writer = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())  # type: ignore[arg-type]
+            writer = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
             writer.register_kv_caches(src)
-            reader = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())  # type: ignore[arg-type]
+            reader = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
             reader.register_kv_caches(dst)
             assert writer.kv is not None and reader.kv is not None
             chunk_src = [src_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
                     reader.start_load_kv(meta)
                     assert not reader.get_block_ids_with_load_errors()
 
-                order = [("raw put", raw_put), ("worker save", worker_save)]
+                order: list[tuple[str, Callable[[], None]]] = [
+                    ("raw put", raw_put), ("worker save", worker_save)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
