@@ -179,7 +179,7 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int
     rss_peak = 0
     async with app.run_test(size=(200, 60)) as pilot:
         # Wait for the whole fleet, then measure a steady state.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30
         while len(src.fleet()[0]) < agents and time.monotonic() < deadline:
             await pilot.pause(0.2)
         known = len(src.fleet()[0])
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             ready = ctx.Event()
             readies.append(ready)
             d = ctx.Process(target=_drive, args=(address, list(range(lo, hi)), args.workers,
-                                                 args.rate, args.seconds + 40, ready, start))
+                                                 args.rate, args.seconds + 35, ready, start))
             d.start()
             drivers.append(d)
         for r in readies:
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({res['lag_samples']} samples)")
     print(f"console CPU {res['cpu_pct']:.0f}% of one core, peak RSS {res['rss_mb']:.0f} MiB")
     print(f"hub CPU {hub_cpu * 100:.0f}%, RSS {hub_rss:.0f} MiB; drivers CPU "
-          f"{drv_cpu * 100:.0f}% (machine: {os.cpu_count()} cores)")
+          f"{drv_cpu * 100:.0f}% (machine: {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f})")
     return 0 if res["agents_seen"] == agents else 1
 
 

@@ -234,9 +234,14 @@ def _run_tui(source: FleetSource, refresh_s: float) -> None:
     from kvpool_console.app import KVPoolConsole
 
     app = KVPoolConsole(source, refresh_s=refresh_s)
-    # Terminal gone (SSH dropped): exit through Textual so the terminal state and every
-    # socket are released instead of dying on a write to a closed tty.
-    signal.signal(signal.SIGHUP, lambda *_: app.call_later(app.exit))
+
+    def hangup(signum: int, _frame: object) -> None:
+        # The terminal is gone (SSH dropped): there is nothing left to draw or restore, and
+        # Textual's shutdown can block writing to the dead tty. Release the sockets and leave.
+        source.close()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGHUP, hangup)
     app.run()
 
 

@@ -193,7 +193,7 @@ class FleetTable(DataTable[Text | str]):
                 old = self._cells[key]
                 for i, (cell, prev) in enumerate(zip(cells, old, strict=True)):
                     if cell != prev:
-                        self.update_cell(key, COLUMNS[i][0], cell)
+                        self.update_cell(key, COLUMNS[i][0], cell, update_width=True)
                 self._cells[key] = cells
             return
         selected = self.selected_key
