@@ -49,6 +49,7 @@ class _ExtraFields(BaseModel):
     lookup_rpc_port: int = Field(default=0, ge=0, le=65535)
     lookup_timeout_ms: int = Field(default=5_000, gt=0)
     layerwise_timeout_ms: int = Field(default=10_000, gt=0)
+    lease_ttl_ms: int = Field(default=0, ge=0)
     agent_address: str | None = None
     engine_id: str | None = None
 
@@ -71,6 +72,8 @@ class KVPoolConfig(BaseModel):
         lookup_rpc_port: part of the lookup socket path; distinct per engine on one host.
         lookup_timeout_ms: how long the scheduler waits for the lookup server per query.
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
+        lease_ttl_ms: the pool's lease on looked-up keys (Mooncake ``default_kv_lease_ttl``),
+            to tell operators how long a pending load has before its leases expire; 0 = unknown.
         agent_address: fleet hub address (``tcp://host:port``); falls back to
             ``$KVPOOL_AGENT_ADDRESS``; ``None`` = agent reports are dropped.
         kv_role: vLLM's ``kv_role``.
@@ -92,6 +95,7 @@ class KVPoolConfig(BaseModel):
     lookup_rpc_port: int = 0
     lookup_timeout_ms: int = 5_000
     layerwise_timeout_ms: int = 10_000
+    lease_ttl_ms: int = 0
     agent_address: str | None = None
     kv_role: KVRole = "kv_both"
     model: str

@@ -148,6 +148,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             key_scope=(cfg.model, layout) if backend is not None else None,
             drain=self._drain if backend is not None else None,
             pool_admin_url=getattr(backend_cfg, "admin_url", None),
+            lease_ttl_ms=cfg.lease_ttl_ms,
         )
         reporter: Reporter = self._agent.reporter
         return reporter

@@ -186,8 +186,11 @@ class KVPoolScheduler:
         self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, latency_ms)
         if new_tokens == 0:
             return 0, False
+        ttl = self.config.lease_ttl_ms
         self._load_specs[rid] = LoadSpec(
-            vllm_cached_tokens=num_computed_tokens, kvpool_cached_tokens=pool_tokens
+            vllm_cached_tokens=num_computed_tokens, kvpool_cached_tokens=pool_tokens,
+            # Mooncake grants the lease when batch_is_exist answers: just before now.
+            lease_expires_ms=time.time() * 1e3 + ttl if ttl else None,
         )
         return new_tokens, self.config.load_async
 

@@ -3,6 +3,7 @@ LookupServer (real ZMQ IPC) backed by a real KVPoolWorker and a real mooncake_ma
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,6 +151,7 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     assert m.chunk_hashes == chunk_hashes(prompt, 16)
     assert m.load is not None and m.load.can_load
     assert (m.load.vllm_cached_tokens, m.load.kvpool_cached_tokens) == (0, 32)
+    assert m.load.lease_expires_ms is None  # lease_ttl_ms not configured
     # Chunks 0-1 came from the pool; 2-3 are complete after this step and get saved.
     assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (2, 4, False)
 
@@ -233,6 +235,23 @@ def test_async_load_is_sent_before_the_request_runs(backend: MooncakeBackend) ->
         # Not loaded again, and its 3 chunks are in the pool already: nothing to do.
         assert e.sched.build_connector_meta(_output([new], {"x": 12})).requests == []
         assert e.sched.request_finished(req, [5, 6, 7, 8]) == (False, None)
+    finally:
+        e.close()
+
+
+def test_lease_expiry_estimated_from_lease_ttl(backend: MooncakeBackend) -> None:
+    e = Engine(backend, 7206, lease_ttl_ms=5000)
+    try:
+        prompt = _prompt(40, 10)
+        e.store(prompt, 2)
+        req = _request("l", prompt)
+        before = time.time() * 1e3
+        assert e.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+        e.sched.update_state_after_alloc(req, _blocks([0, 1, 2]), 32)
+        new = NewRequestData.from_request(req, ([0, 1, 2],))
+        (m,) = e.sched.build_connector_meta(_output([new], {"l": 8})).requests
+        assert m.load is not None and m.load.lease_expires_ms is not None
+        assert before + 5000 <= m.load.lease_expires_ms <= time.time() * 1e3 + 5000
     finally:
         e.close()
 
