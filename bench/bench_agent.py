@@ -8,7 +8,7 @@ call. Configurations are interleaved round by round (order rotated) so machine n
 of them alike; the table shows medians and best rounds.
 Goal: throughput with the agent on within 2% of off.
 
-    .venv/bin/python bench/bench_agent.py [--rounds 11] [--requests 64]
+    .venv/bin/python bench/bench_agent.py [--rounds 9] [--requests 64]
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class _DataPath:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=11, help="interleaved rounds per configuration")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds per configuration")
     ap.add_argument("--requests", type=int, default=64, help="requests per round (4 chunks each)")
     args = ap.parse_args(argv)
 
