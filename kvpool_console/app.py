@@ -216,7 +216,9 @@ class KVPoolConsole(App[None]):
             text.append(label, style=style)
             text.append(" ")
         v = self.view
-        if v is not None:
+        if v is None or not v.totals.agents:
+            text.append(f"no agent reported yet to {self.source.address}  ", style="yellow")
+        else:
             crit = sum(a.severity == "critical" for a in self.alerts)
             warn = len(self.alerts) - crit
             text.append(f"{v.totals.engines} engines {v.totals.agents} agents  ")
