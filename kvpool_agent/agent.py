@@ -266,7 +266,8 @@ class _Agent:
                 fr = run_flush(self.backend, req.flush, self.source, self.key_scope)
                 return self._reply(req, ok=True, flush=fr)
             if req.command == "drain":
-                timeout_ms = req.drain.timeout_ms if req.drain else 30_000
+                # Without DrainArgs, wait as long as the hub waits for this reply (less a margin).
+                timeout_ms = req.drain.timeout_ms if req.drain else max(0, req.timeout_ms - 500)
                 dr = self._drain(timeout_ms)
                 return self._reply(req, ok=dr.drained, drain=dr)
             raise CommandError(f"unknown command {req.command!r}")

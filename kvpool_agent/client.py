@@ -180,13 +180,17 @@ class FleetClient:
             targets: agent ids; empty = every live agent (``flush``: one worker/store agent
                 for scope model/all, the engine's workers for scope engine).
             timeout_ms: how long agents get; the hub turns a missing reply into
-                ``ok=False, error="timeout after N ms"``.
+                ``ok=False, error="timeout after N ms"``. Raised to ``drain.timeout_ms + 1000``
+                for a drain.
             sender: operator name for the audit log (authority comes only from the key).
 
         Returns:
             The replies; if the hub itself does not answer within ``timeout_ms + 2000`` ms a
             single ``ok=False`` reply from ``"hub"`` says so (wrong key or hub down).
         """
+        if drain is not None:
+            # The hub must wait at least as long as the agents are asked to.
+            timeout_ms = max(timeout_ms, drain.timeout_ms + 1000)
         rid = request_id or uuid.uuid4().hex[:16]
         req = CommandRequest(
             v=PROTOCOL_VERSION,
