@@ -558,7 +558,13 @@ class KVPoolWorker:
         """Submit this step's whole-chunk saves (after the forward pass); returns without
         waiting for the transfer. In layer-wise mode the layers were already submitted."""
         meta = metadata or self._meta
-        if meta is None or self.config.use_layerwise:
+        if meta is None:
+            return
+        if self.config.use_layerwise:
+            if self._step_saves is None:
+                # No save_kv_layer call this step: still track the requests so the
+                # scheduler's delayed frees are released through get_finished.
+                self._step_saves = self._plan_saves(meta)
             return
         plans = self._plan_saves(meta)
         if plans:

@@ -359,3 +359,32 @@ def test_async_load_completes_through_get_finished(
     for s, d in zip([0, 1, 2, 3], [4, 5, 6, 7], strict=True):
         assert block_bytes(src, s) == block_bytes(dst, d)
     b.shutdown()
+
+
+def test_finished_sending_waits_for_saves_and_preemption_waits(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("finish")
+    kv = cpu_layout()
+    fill_random(kv, 18)
+    w = make_worker(engines[0], kv, model)
+    hashes = chunk_hashes(tokens(64, 19), 32)
+    gate = threading.Event()
+    w._saver.submit(gate.wait)  # hold the save thread: the save below stays in flight
+    meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="r", block_ids=[0, 1, 2, 3], chunk_hashes=hashes, save_to_chunk=2,
+        is_last_save=True)])
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+    # Finished but still saving: not released yet; a request that never saved never is.
+    assert w.get_finished({"r", "never-saved"}) == (None, None)
+    assert w.inflight_saves == 1
+    preempt = threading.Thread(target=w.handle_preemptions, args=({"r"},))
+    preempt.start()
+    preempt.join(0.3)
+    assert preempt.is_alive(), "handle_preemptions must wait for the request's save"
+    gate.set()
+    preempt.join(10)
+    assert not preempt.is_alive()
+    assert w.get_finished(set()) == ({"r"}, None)
+    assert w.get_finished({"r"}) == (None, None)
+    assert make_worker(engines[1], cpu_layout(), model).lookup_chunks(hashes) == 2
