@@ -37,8 +37,10 @@ Configuration (``kv_connector_extra_config``; environment variables override):
 - ``yuanrong_write_mode``: ``none_l2_cache_evict`` (default: the worker may evict values
   when its memory is full, like a cache) or ``none_l2_cache`` (never evicted).
 - ``yuanrong_ttl_second`` (0 = no expiry).
+- ``yuanrong_log_dir``: the worker's ``log_dir``; ``stats`` then reads the worker's own
+  ``resource.log`` (object count, shared-memory use and limit).
 - ``yuanrong_shared_memory_size_mb``: the worker's ``shared_memory_size_mb``, reported as
-  ``PoolStats.total_bytes`` (the client cannot ask the worker).
+  ``PoolStats.total_bytes`` when there is no ``resource.log`` to read.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -133,6 +136,7 @@ class YuanrongConfig(BaseModel):
     write_mode: Literal["none_l2_cache_evict", "none_l2_cache"] = "none_l2_cache_evict"
     ttl_second: int = 0
     shared_memory_size_mb: int = 0
+    log_dir: str | None = None
 
     @field_validator("worker_address")
     @classmethod
@@ -413,7 +417,7 @@ class YuanrongBackend(Backend):
         ``kvpool-probe@`` key. Never raises."""
         checks: list[HealthCheck] = []
         t0 = time.perf_counter()
-        status = self._call(lambda: self._client.health_check())
+        status = self._call(self._client.health_check)
         if isinstance(status, int):
             ok, code, detail = False, status, "client closed" if self._closed else "failed"
         else:
@@ -464,9 +468,12 @@ class YuanrongBackend(Backend):
         return -1 if res else 0
 
     def stats(self) -> PoolStats:
-        """``keys``/``used_bytes``: the keys this client wrote that are still indexed (the
-        worker offers no usage call to clients); ``total_bytes``: the configured
-        ``yuanrong_shared_memory_size_mb``; ``healthy``: the worker's ``health_check()``.
+        """Pool usage. With ``yuanrong_log_dir`` (the worker's ``log_dir``; the worker is on
+        this host, it shares memory with the client) from the worker's own ``resource.log``
+        (written every ``log_monitor_interval_ms``, 10 s by default): ``keys`` = object nums,
+        ``used_bytes`` = shm memoryUsage, ``total_bytes`` = shm totalLimit. Otherwise the
+        keys and bytes this client wrote and the configured ``yuanrong_shared_memory_size_mb``
+        (the KV client has no usage call). ``healthy``: the worker's ``health_check()``.
         Never raises."""
         with self._lock:
             keys, used = len(self._index), sum(self._index.values())
@@ -474,13 +481,35 @@ class YuanrongBackend(Backend):
             backend=self.name, keys=keys, used_bytes=used,
             total_bytes=self.config.shared_memory_size_mb << 20,
         )
-        status = self._call(lambda: self._client.health_check())
+        usage = self._resource_usage()
+        if usage is not None:
+            out.keys, out.used_bytes, out.total_bytes = usage
+        status = self._call(self._client.health_check)
         if isinstance(status, int):
             out.healthy, out.health_detail = False, f"client unavailable ({status})"
         else:
             out.healthy = bool(status.is_ok())
             out.health_detail = "" if out.healthy else status.to_string()[:200]
         return out
+
+    def _resource_usage(self) -> tuple[int, int, int] | None:
+        """(object nums, shm memoryUsage, shm totalLimit) from the last line of the worker's
+        ``resource.log``; fields as the datasystem log guide documents them:
+        ``time | level | file | pod | pid:tid | trace | cluster | shm info | spill info |
+        client nums | object nums | object total datasize | ...`` with shm info
+        ``memoryUsage/physicalMemoryUsage/totalLimit/rate/scMemoryUsage/scMemoryLimit``."""
+        if not self.config.log_dir:
+            return None
+        path = Path(self.config.log_dir) / "resource.log"
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 8192))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+            fields = [x.strip() for x in lines[-1].split("|")]
+            shm = fields[7].split("/")
+            return int(fields[10]), int(shm[0]), int(shm[2])
+        except (OSError, IndexError, ValueError):
+            return None
 
     def close(self) -> None:
         """Stop using the client; later calls return -1010. Idempotent."""

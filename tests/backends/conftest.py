@@ -11,10 +11,11 @@ from kvpool_connector.services import LocalYuanrongWorker
 
 @pytest.fixture(scope="session")
 def yuanrong_worker() -> Iterator[LocalYuanrongWorker]:
-    """One real yuanrong worker (own metastore, 256 MB shared memory) for the session.
-    ``dscli start`` takes about 6 s; tests use their own key namespace and must not assume an
-    empty pool."""
-    with LocalYuanrongWorker(shared_memory_size_mb=256) as worker:
+    """One real yuanrong worker (own metastore, 256 MB shared memory, ``resource.log`` every
+    500 ms) for the session. ``dscli start`` takes about 6 s; tests use their own key
+    namespace and must not assume an empty pool."""
+    with LocalYuanrongWorker(shared_memory_size_mb=256,
+                             extra_args=["--log_monitor_interval_ms", "500"]) as worker:
         print(f"\nyuanrong worker {worker.address} started in {worker.start_seconds:.1f}s")
         yield worker
 

@@ -222,12 +222,28 @@ def test_health_and_stats(backend: YuanrongBackend, yuanrong_worker: LocalYuanro
     before = backend.stats()
     assert put_blocks(backend, key, src, [0]) == [0]
     after = backend.stats()
+    # Without the worker's log dir: what this client wrote, and the configured size.
     assert after.backend == "yuanrong" and after.healthy is True
     assert after.keys == before.keys + 1
     assert after.used_bytes == before.used_bytes + 8192
     assert after.total_bytes == 256 << 20
-    # The probe key is gone again.
     assert not any(k.startswith("kvpool-probe@") for k in backend._index)
+    # With it: the worker's own resource.log (every object of every client). No configured
+    # size here, so total_bytes can only come from the worker.
+    with_log = YuanrongBackend.from_config({
+        "yuanrong_worker_address": yuanrong_worker.address,
+        "yuanrong_log_dir": str(yuanrong_worker.log_dir)})
+    time.sleep(1.2)  # the log is written every 500 ms: let it catch up with earlier writes
+    first = with_log.stats()
+    assert first.total_bytes == 256 << 20 and first.keys > 0 and first.used_bytes > 0
+    big = CACHES["cpu_large"]()
+    assert put_blocks(with_log, keys_for(uniq("stats-log"), 3), big, [0, 1, 2]) == [0, 0, 0]
+    deadline = time.monotonic() + 5
+    while (now := with_log.stats()).keys < first.keys + 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert now.keys == first.keys + 3, (first, now)
+    assert now.used_bytes >= first.used_bytes + 3 * (1 << 20), (first, now)
+    with_log.close()
 
 
 def test_config_errors_name_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
