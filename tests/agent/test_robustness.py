@@ -287,3 +287,28 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
             assert r.ok
     finally:
         real.stop()
+
+
+def test_hub_restart_agents_and_console_reconnect(hub_address: str) -> None:
+    h = start_agent(make_source("eng-restart"), address=hub_address)
+    try:
+        h.reporter.lookup("r", 1000, 0, 400, 1.0)
+        with FleetHub(hub_address, snapshot_interval_s=30.0) as first:
+            with FleetClient(hub_address) as c:
+                assert h.source.agent_id in c.wait_for(1, 3)
+            assert first.reports >= 1
+        # The hub is gone: the agent drops and counts, then a new hub on the same address
+        # gets a snapshot at reconnect (its periodic snapshots are 30 s away).
+        time.sleep(0.5)
+        h.reporter.lookup("r2", 1000, 0, 600, 1.0)
+        with FleetHub(hub_address, snapshot_interval_s=30.0) as second, FleetClient(
+            hub_address
+        ) as c:
+            t0 = time.monotonic()
+            fleet = c.wait_for(1, 3)
+            assert time.monotonic() - t0 < 2.0
+            st = fleet[h.source.agent_id].state
+            assert st.lookup.pool_hit_tokens == 1000 and st.lookup.lookups == 2
+            assert second.fleet()[h.source.agent_id][0].lookup.lookups == 2
+    finally:
+        h.stop()
