@@ -355,6 +355,15 @@ class KVPoolWorker:
         kv = self._require_kv()
         self._meta = metadata
         self._step_saves = None
+        stale = self._layerwise
+        self._layerwise = None
+        if stale is not None and stale.future is not None and not stale.future.done():
+            # A timed-out layer-wise load may still be writing; let it land before this
+            # step's forward pass reads or recomputes those blocks.
+            try:
+                stale.future.result(timeout=self._timeout_s)
+            except TimeoutError:
+                logger.error("kvpool: a timed-out layer-wise load is still running")
         if metadata.preempted:
             self._settle_preempted(metadata.preempted)
         plans: dict[str, _ReqLoad] = {}

@@ -13,7 +13,9 @@ Configuration (same fields as the vLLM Ascend Mooncake guide), from the JSON fil
       "global_segment_size": "1GB",      # memory this engine contributes; 0 = standalone
       "local_buffer_size": "64MB",
       "store_mode": "embedded",          # or "standalone"
-      "master_admin_url": "http://127.0.0.1:9003"
+      "master_admin_url": "http://127.0.0.1:9003",
+      "eviction_high_watermark_ratio": 0.9,   # as passed to mooncake_master (for stats)
+      "default_kv_lease_ttl": 5000            # ms, as passed to mooncake_master (for stats)
     }
 
 ``MOONCAKE_MASTER`` overrides ``master_server_address`` and ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
@@ -27,6 +29,10 @@ Store modes:
 * ``standalone``: the engine contributes nothing (``global_segment_size`` is forced to 0); a
   separate ``mooncake_client --global_segment_size=...`` process holds the memory, so the pool
   survives engine restarts.
+
+``eviction_high_watermark_ratio`` and ``default_kv_lease_ttl`` (ms) repeat the master's own
+flags (the master does not publish them) so ``stats()`` can show usage against the watermark
+and the lease in force.
 
 ``master_admin_url`` is the master's HTTP admin endpoint (``mooncake_master --metrics_port``,
 default 9003 on the master host): ``/metrics`` and ``/health`` feed ``stats()`` and
@@ -48,7 +54,14 @@ from urllib.parse import quote
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
 from kvpool_connector.backends.base import (
@@ -104,6 +117,8 @@ class MooncakeConfig(BaseModel):
     local_buffer_size: int = 64 << 20
     store_mode: Literal["embedded", "standalone"] = "embedded"
     master_admin_url: str | None = None
+    eviction_high_watermark_ratio: float = Field(default=0.9, gt=0, le=1)
+    default_kv_lease_ttl: int = Field(default=5_000, ge=0)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
@@ -400,7 +415,9 @@ class MooncakeBackend(Backend):
 
     def stats(self) -> PoolStats:
         """Usage from the master's ``/metrics`` (Prometheus text format)."""
-        out = PoolStats(backend=self.name)
+        out = PoolStats(backend=self.name,
+                        high_watermark=self.config.eviction_high_watermark_ratio,
+                        lease_ttl_ms=self.config.default_kv_lease_ttl)
         try:
             r = self._http.get(f"{self.config.admin_url}/metrics")
             r.raise_for_status()

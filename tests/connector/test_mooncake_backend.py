@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from kvpool_connector.backends import BACKENDS, BackendUnavailable, create_backend
+from kvpool_connector.backends import BACKENDS, BackendUnavailable, _LazyRegistry, create_backend
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig, parse_size
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
@@ -90,6 +90,8 @@ def test_config_file_env_overrides_and_defaults(tmp_path: Path,
     ({"master_server_address": "no-port"}, "master_server_address"),
     ({"master_server_address": "127.0.0.1:1", "protocol": "udp"}, "protocol"),
     ({"master_server_address": "127.0.0.1:1", "store_mode": "shared"}, "store_mode"),
+    ({"master_server_address": "127.0.0.1:1", "eviction_high_watermark_ratio": 1.5},
+     "eviction_high_watermark_ratio"),
 ])
 def test_config_errors_name_the_field(raw: dict[str, object], field: str,
                                       clean_env: pytest.MonkeyPatch) -> None:
@@ -111,8 +113,16 @@ def test_config_missing_or_unreadable(tmp_path: Path, clean_env: pytest.MonkeyPa
 def test_registry_names_and_errors() -> None:
     assert set(BACKENDS) == {"mooncake", "yuanrong", "memcache"}
     assert BACKENDS["mooncake"] is MooncakeBackend
+    for name in BACKENDS:
+        assert BACKENDS[name].name == name
     with pytest.raises(ValueError, match=r"'redis'.*\['memcache', 'mooncake', 'yuanrong'\]"):
         create_backend("redis", {})
+    with pytest.raises(KeyError, match="must be one of"):
+        BACKENDS["redis"]
+    # A backend whose package is missing fails alone, with the install hint.
+    registry = _LazyRegistry({"ghost": "kvpool_ghost_backend_pkg:GhostBackend"})
+    with pytest.raises(BackendUnavailable, match=r"pip install 'kvpool\[ghost\]'"):
+        registry["ghost"]
 
 
 def test_setup_failure_is_backend_unavailable(clean_env: pytest.MonkeyPatch) -> None:
@@ -124,7 +134,9 @@ def test_setup_failure_is_backend_unavailable(clean_env: pytest.MonkeyPatch) -> 
 def _backend(master: LocalMooncakeMaster, segment: str = "32MB") -> MooncakeBackend:
     return MooncakeBackend(MooncakeConfig.load({"mooncake": {
         "master_server_address": master.address, "global_segment_size": segment,
-        "local_buffer_size": "4MB", "master_admin_url": master.admin_url}}))
+        "local_buffer_size": "4MB", "master_admin_url": master.admin_url,
+        "eviction_high_watermark_ratio": master.eviction_high_watermark_ratio,
+        "default_kv_lease_ttl": master.default_kv_lease_ttl_ms}}))
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +159,7 @@ def test_health_and_stats_from_the_master(client: tuple[MooncakeBackend, torch.T
     assert b.batch_put_from(keys, [[buf.data_ptr()]] * 3, [[4096]] * 3) == [0, 0, 0]
     after = b.stats()
     assert after.healthy is True
+    assert (after.high_watermark, after.lease_ttl_ms) == (0.9, 10_000)
     assert after.keys == before.keys + 3
     assert after.used_bytes == before.used_bytes + 3 * 4096
     assert after.total_bytes >= 32 * MB
