@@ -9,10 +9,12 @@ do not compute came from the pool, and vLLM's own ``num_cached_tokens`` counts t
 Engine runs are cached per module (each costs ~30 s on 2 cores); one baseline run without a
 connector serves every comparison:
 
-* ``saver``: kv_producer, serves prompt sets P (clean) and Q (to be corrupted): saves them.
+* ``saver``: kv_producer, serves prompt sets P (clean), Q (to be corrupted) and R (to be
+  truncated): saves them.
 * ``loader``: kv_both, vLLM multiprocess mode (scheduler and worker in separate processes,
   lookups over the IPC socket), serves P and Q after Q's pool values were overwritten with
-  wrong (but well-formed) bytes: P equals the baseline, Q differs.
+  wrong (but well-formed) bytes: P equals the baseline, Q differs. R's values were cut in half:
+  their loads fail, vLLM recomputes the blocks, and R equals the baseline.
 
 "Equal" means the same greedy tokens and logprobs within 1e-5: the loaded KV bytes are
 bit-identical to what vLLM would compute, but an engine that loads a prefix runs attention for
@@ -58,6 +60,7 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 P = _prompts(1, [20, 96, 150, 257])
 Q = _prompts(2, [100, 190])
 L = _prompts(3, [130, 200, 64])
+R = _prompts(4, [120, 170])
 
 
 def _loadable(prompt: list[int], chunk: int) -> int:
@@ -91,6 +94,18 @@ class Pool:
             "global_segment_size": "256MB", "local_buffer_size": "64MB",
             "store_mode": "standalone", "master_admin_url": master.admin_url,
         }))
+
+    def truncate(self, keys: list[str]) -> int:
+        """Replace each present key's value with its first half: a load of it cannot be
+        complete. Returns how many keys were rewritten."""
+        done = 0
+        for key in keys:
+            raw = self.store.get(key)
+            if not raw:
+                continue
+            assert self.store.upsert(key, raw[: len(raw) // 2]) == 0
+            done += 1
+        return done
 
     def corrupt(self, keys: list[str]) -> int:
         """Overwrite each present key's value with its float32 values reversed: same size,
@@ -168,8 +183,9 @@ def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFacto
 @pytest.fixture(scope="module")
 def baseline(engines: Engines) -> dict[str, list[dict[str, Any]]]:
     """One run without any connector over every prompt set."""
-    out = engines.run("baseline", P + Q + L)
-    return {"P": out[: len(P)], "Q": out[len(P): len(P) + len(Q)], "L": out[len(P) + len(Q):]}
+    out = iter(engines.run("baseline", P + Q + L + R))
+    return {name: [next(out) for _ in prompts]
+            for name, prompts in (("P", P), ("Q", Q), ("L", L), ("R", R))}
 
 
 def _keys(model: Path, prompts: list[list[int]], chunk: int) -> list[str]:
@@ -186,19 +202,20 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def test_engine_b_loads_prefix_saved_by_engine_a(
     engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path
 ) -> None:
-    saver = engines.run("saver", P + Q, _kvpool("kv_producer", 7101), prefix_caching=True)
+    saver = engines.run("saver", P + Q + R, _kvpool("kv_producer", 7101), prefix_caching=True)
     # A producer never loads; its own outputs are the baseline's.
-    for got, want in zip(saver, baseline["P"] + baseline["Q"], strict=True):
+    for got, want in zip(saver, baseline["P"] + baseline["Q"] + baseline["R"], strict=True):
         assert got["tokens"] == want["tokens"]
 
-    # The pool holds every whole chunk of P and Q (A saved them), found via the master.
-    for key in _keys(tiny_model, P + Q, BLOCK):
+    # The pool holds every whole chunk of P, Q and R (A saved them), found via the master.
+    for key in _keys(tiny_model, P + Q + R, BLOCK):
         assert pool.store.is_exist(key) == 1, key
 
     assert pool.corrupt(_keys(tiny_model, Q, BLOCK)) == sum(len(q) // BLOCK for q in Q)
+    assert pool.truncate(_keys(tiny_model, R, BLOCK)) == sum(len(r) // BLOCK for r in R)
 
     # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
-    loader = engines.run("loader", P + Q, _kvpool("kv_both", 7102), multiprocess=True)
+    loader = engines.run("loader", P + Q + R, _kvpool("kv_both", 7102), multiprocess=True)
     for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
         # B's own prefix cache off, all of them came from the pool.
@@ -207,9 +224,15 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
     assert sum(g["num_cached_tokens"] for g in loader[: len(P)]) > 0
     # Corrupted pool bytes were really used: every Q output changed.
-    for prompt, got, want in zip(Q, loader[len(P):], baseline["Q"], strict=True):
+    for prompt, got, want in zip(Q, loader[len(P): len(P) + len(Q)], baseline["Q"],
+                                 strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
         assert not _same(got, want)
+    # Truncated values cannot load completely: their blocks are reported failed and vLLM
+    # (kv_load_failure_policy="recompute") recomputes them; the output is the baseline's.
+    for got, want in zip(loader[len(P) + len(Q):], baseline["R"], strict=True):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
 
 def test_pd_pair_through_multiconnector_equals_one_engine(
