@@ -6,9 +6,11 @@ stream. Two rules keep the bytes right:
 * a save reads a block only after the step that wrote it has finished on the device: the
   worker records an event on the compute stream when the step (or layer) is done and the
   transfer thread waits for that event before the backend reads the memory;
-* a loaded block is visible before attention reads it: loads are complete on the host before
-  ``start_load_kv`` / ``wait_for_layer_load`` return, and the compute stream is made to wait
-  for everything queued before that point (``before_compute``).
+* a load writes a block only after the compute stream's earlier work on it (for example vLLM
+  zeroing newly allocated blocks) has finished: same event, recorded in ``start_load_kv``;
+  and a loaded block is visible before attention reads it because the backend's batch get
+  has completed on the host before ``start_load_kv`` / ``wait_for_layer_load`` return, so
+  every kernel that reads it is enqueued after the bytes landed.
 
 On Ascend the events are ``torch_npu``'s (``torch.npu.Event``; ``torch_npu`` is imported only
 when the caches live on an NPU), on CUDA ``torch.cuda.Event``; on CPU the forward pass is
@@ -42,14 +44,11 @@ class DeviceSync:
     def wait(self, marker: Any) -> None:
         """Block the calling (transfer) thread until the work before ``marker`` is done."""
 
-    def before_compute(self) -> None:
-        """Make later compute-stream work see memory written by finished loads."""
-
 
 class _StreamSync(DeviceSync):
     """Events on the compute stream of a ``torch.cuda``-like module (``torch.cuda``,
     ``torch.npu``): ``Event()``, ``Event.record(stream)``, ``Event.synchronize()``,
-    ``current_stream()``, ``current_stream().synchronize()``."""
+    ``current_stream()``."""
 
     def __init__(self, module: ModuleType | Any, kind: str) -> None:
         self._mod = module
@@ -64,10 +63,6 @@ class _StreamSync(DeviceSync):
         if marker is not None:
             marker.synchronize()
 
-    def before_compute(self) -> None:
-        # The transfer engine wrote the blocks through its own queue/DMA; a host-side
-        # synchronisation of the compute stream orders its next kernels after that write.
-        self._mod.current_stream().synchronize()
 
 
 def device_sync_for(device: torch.device) -> DeviceSync:

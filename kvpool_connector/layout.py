@@ -79,6 +79,11 @@ class KVLayout:
     num_blocks: int
     spans: list[tuple[int, int]] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _by_name: dict[str, int] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # vLLM calls the per-layer hooks by name once per layer per step.
+        self._by_name = {layer.name: layer.index for layer in self.layers}
 
     @property
     def block_bytes(self) -> int:
@@ -87,10 +92,12 @@ class KVLayout:
 
     def layer_index(self, name: str) -> int:
         """Position of layer ``name``. Raises ``KeyError`` naming the known layers."""
-        for layer in self.layers:
-            if layer.name == name:
-                return layer.index
-        raise KeyError(f"unknown KV layer {name!r}; registered: {[x.name for x in self.layers]}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(
+                f"unknown KV layer {name!r}; registered: {list(self._by_name)}"
+            ) from None
 
     @classmethod
     def from_kv_caches(

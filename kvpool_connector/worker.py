@@ -385,8 +385,11 @@ class KVPoolWorker:
                 layers_total=len(kv.layers) if self.config.use_layerwise else 0,
                 lease_expires_ms=plan.req.load.lease_expires_ms if plan.req.load else None,
             )
+        # Loads overwrite blocks only after the compute stream's earlier work on them (e.g.
+        # vLLM zeroing newly allocated blocks) has finished.
+        marker = self._device.record()
         if self.config.load_async:
-            fut = self._loader.submit(self._run_async_load, plans)
+            fut = self._loader.submit(self._run_async_load, plans, marker)
             with self._lock:
                 for rid in plans:
                     self._async_loads[rid] = fut
@@ -399,11 +402,11 @@ class KVPoolWorker:
                 per_layer=per_layer, reqs=plans, done=[threading.Event() for _ in kv.layers]
             )
             self._layerwise = job
-            job.future = self._loader.submit(self._run_layerwise_load, job)
+            job.future = self._loader.submit(self._run_layerwise_load, job, marker)
         else:
+            self._device.wait(marker)
             self._get(list(plans.values()), [u for p in plans.values() for u in p.units])
             self._finish_loads(plans.values())
-            self._device.before_compute()
 
     def _get(self, plans: Sequence[_ReqLoad], units: list[_Unit]) -> None:
         """One backend batch get; records per-chunk failures in the plans."""
@@ -461,8 +464,9 @@ class KVPoolWorker:
                     plan.req.req_id, len(failed), "TIMEOUT" if timed_out else plan.error,
                 )
 
-    def _run_async_load(self, plans: dict[str, _ReqLoad]) -> None:
+    def _run_async_load(self, plans: dict[str, _ReqLoad], marker: Any) -> None:
         try:
+            self._device.wait(marker)
             self._get(list(plans.values()), [u for p in plans.values() for u in p.units])
         except Exception as exc:  # never lose a request: fail its blocks instead
             logger.exception("kvpool async load crashed")
@@ -475,8 +479,9 @@ class KVPoolWorker:
                 self._async_loads.pop(rid, None)
                 self._finished_recving.add(rid)
 
-    def _run_layerwise_load(self, job: _LayerwiseLoad) -> None:
+    def _run_layerwise_load(self, job: _LayerwiseLoad, marker: Any) -> None:
         n_layers = len(job.per_layer)
+        self._device.wait(marker)
         for i, units in enumerate(job.per_layer):
             if job.cancelled.is_set():
                 break
@@ -510,7 +515,6 @@ class KVPoolWorker:
             return
         idx = self._require_kv().layer_index(layer_name)
         if job.done[idx].wait(self._timeout_s):
-            self._device.before_compute()
             return
         job.timed_out = True
         job.cancelled.set()
