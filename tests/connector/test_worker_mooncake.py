@@ -337,14 +337,16 @@ def test_layerwise_timeout_raises_and_fails_blocks(
     b.shutdown()
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_async_load_completes_through_get_finished(
-        engines: tuple[MooncakeBackend, ...]) -> None:
+        layerwise: bool, engines: tuple[MooncakeBackend, ...]) -> None:
     model = uniq("async")
     src, dst = separate_kv(), separate_kv()
     fill_random(src, 15)
     hashes = chunk_hashes(tokens(64, 16), 32)
-    save_request(make_worker(engines[0], src, model), "a", [0, 1, 2, 3], hashes)
-    b = make_worker(engines[1], dst, model, load_async=True)
+    save_request(make_worker(engines[0], src, model, use_layerwise=layerwise), "a",
+                 [0, 1, 2, 3], hashes)
+    b = make_worker(engines[1], dst, model, load_async=True, use_layerwise=layerwise)
     missing = chunk_hashes(tokens(64, 17), 32)
     b.start_load_kv(KVPoolConnectorMetadata(requests=[
         load_meta("ok", [4, 5, 6, 7], hashes, 64).requests[0],
@@ -388,3 +390,22 @@ def test_finished_sending_waits_for_saves_and_preemption_waits(
     assert w.get_finished(set()) == ({"r"}, None)
     assert w.get_finished({"r"}) == (None, None)
     assert make_worker(engines[1], cpu_layout(), model).lookup_chunks(hashes) == 2
+
+
+def test_second_engine_does_not_store_chunks_again(engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("dedupe")
+    hashes = chunk_hashes(tokens(64, 20), 32)
+    first, second = cpu_layout(), cpu_layout()
+    fill_random(first, 21)
+    fill_random(second, 22)
+    a = make_worker(engines[0], first, model)
+    save_request(a, "a", [0, 1, 2, 3], hashes)
+    b = make_worker(engines[1], second, model)
+    save_request(b, "b", [4, 5, 6, 7], hashes)
+    assert (a.counters.saved_keys, b.counters.saved_keys) == (2, 0)
+    assert b.counters.save_failed_keys == 0
+    dst = cpu_layout()
+    c = make_worker(engines[1], dst, model)
+    c.start_load_kv(load_meta("c", [8, 9, 10, 11], hashes, pool_tokens=64))
+    assert c.get_block_ids_with_load_errors() == set()
+    assert block_bytes(dst, 8) == block_bytes(first, 0)  # the first writer's bytes stay
