@@ -10,11 +10,12 @@ Topology, all on 127.0.0.1 and all real sockets:
   in-flight layer-wise loads and errors that change every report;
 - this process runs ``KVPoolConsole`` headless (Textual's test driver) on ``FleetClient``.
 
-Measured in the console process: frame time (one refresh: sample the client, evaluate alerts,
-build the view, update the table, then Textual's render, in ms: median / p95 / max), the lag
-from a report's send time (``EngineState.ts_ms``) to the frame that first shows it (median /
-p95; includes the hub's delta interval and the console's refresh interval), CPU (% of one
-core) and peak RSS. Hub and driver CPU are printed too.
+Measured in the console process (terminal ``--size``): frame time (one refresh: sample the
+client, evaluate alerts, build the view, update the table, then Textual's render; ms, median /
+p95 / max); the age of what the screen shows (for each agent whose report changed since the
+previous frame: frame time minus the report's send time ``EngineState.ts_ms``; includes the
+hub's delta interval and the refresh interval); CPU (% of one core) and peak RSS. Hub and
+driver CPU are printed too, with the machine's load average (shared machines skew all of it).
 
     .venv/bin/python bench/bench_console.py [--engines 256] [--workers 8] [--rate 4]
         [--procs 4] [--seconds 30] [--refresh 1.0]
@@ -163,8 +164,8 @@ def _drive(address: str, engines: list[int], workers: int, rate: float, seconds:
     ctx.term()
 
 
-async def _watch(address: str, seconds: float, refresh_s: float, agents: int
-                 ) -> dict[str, float]:
+async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
+                 size: tuple[int, int]) -> dict[str, float]:
     from kvpool_console.app import KVPoolConsole
     from kvpool_console.source import ClientSource
 
@@ -177,7 +178,7 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int
     lags: list[float] = []
     seen_ts: dict[str, float] = {}
     rss_peak = 0
-    async with app.run_test(size=(200, 60)) as pilot:
+    async with app.run_test(size=size) as pilot:
         # Wait for the whole fleet, then measure a steady state.
         deadline = time.monotonic() + 30
         while len(src.fleet()[0]) < agents and time.monotonic() < deadline:
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--procs", type=int, default=4, help="driver processes")
     ap.add_argument("--seconds", type=float, default=30.0, help="measured steady state")
     ap.add_argument("--refresh", type=float, default=1.0, help="console refresh interval (s)")
+    ap.add_argument("--size", default="160x48",
+                    help="terminal WIDTHxHEIGHT; Textual redraws every visible cell each frame, "
+                         "so frame time grows with the terminal, not with the fleet")
     args = ap.parse_args(argv)
     agents = args.engines * (args.workers + 1)
     port = _free_block()
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         hub_cpu0 = hub_ps.cpu_times()
         drv_cpu0 = [p.cpu_times() for p in driver_ps]
         t0 = time.monotonic()
-        res = asyncio.run(_watch(address, args.seconds, args.refresh, agents))
+        w, h = (int(x) for x in args.size.lower().split("x"))
+        res = asyncio.run(_watch(address, args.seconds, args.refresh, agents, (w, h)))
         wall = time.monotonic() - t0
         hub_cpu1 = hub_ps.cpu_times()
         drv_cpu1 = [p.cpu_times() for p in driver_ps]
@@ -281,14 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         hub.wait(10)
     print(f"fleet: {args.engines} engines x ({args.workers} workers + scheduler) = {agents} "
           f"agents, {args.rate:g} reports/s each ({agents * args.rate:.0f} reports/s) from "
-          f"{len(drivers)} processes; console refresh {args.refresh:g} s for {args.seconds:g} s")
+          f"{len(drivers)} processes; console {args.size} refresh {args.refresh:g} s for "
+          f"{args.seconds:g} s")
     print(f"console saw {res['agents_seen']}/{agents} agents, {res['engine_rows']} engine rows, "
           f"{res['frames']} frames")
     print(f"frame time ms: p50 {res['frame_ms_p50']:.1f}  p95 {res['frame_ms_p95']:.1f}  "
           f"max {res['frame_ms_max']:.1f}  (of which data+table update p50 "
           f"{res['tick_ms_p50']:.1f} p95 {res['tick_ms_p95']:.1f})")
-    print(f"lag report->screen ms: p50 {res['lag_ms_p50']:.0f}  p95 {res['lag_ms_p95']:.0f}  "
-          f"({res['lag_samples']} samples)")
+    print(f"lag report->screen (age of data shown) ms: p50 {res['lag_ms_p50']:.0f}  "
+          f"p95 {res['lag_ms_p95']:.0f}  ({res['lag_samples']} samples)")
     print(f"console CPU {res['cpu_pct']:.0f}% of one core, peak RSS {res['rss_mb']:.0f} MiB")
     print(f"hub CPU {hub_cpu * 100:.0f}%, RSS {hub_rss:.0f} MiB; drivers CPU "
           f"{drv_cpu * 100:.0f}% (machine: {os.cpu_count()} cores, load average "
