@@ -32,6 +32,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpool_agent.hub import FleetHub
+from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_connector.services import LocalMooncakeMaster, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -130,6 +133,32 @@ def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPath
     p.store.close()
 
 
+@pytest.fixture(scope="module")
+def hub() -> Iterator[FleetHub]:
+    """A real fleet hub the loading engine's agents report to (ports P..P+3)."""
+    for _ in range(20):
+        h = FleetHub(f"tcp://127.0.0.1:{free_port()}")
+        try:
+            h.start()
+        except Exception:  # one of P+1..P+3 was taken: try another P
+            h.stop()
+            continue
+        yield h
+        h.stop()
+        return
+    raise RuntimeError("no 4 consecutive free ports for the fleet hub")
+
+
+def _agents(hub: FleetHub, role: str, want: int = 1) -> list[EngineState]:
+    """States of the ``role`` agents, waiting up to 5 s for the hub to have them all."""
+    deadline = time.monotonic() + 5
+    while True:
+        states = [st for st, _ in hub.fleet().values() if st.source.process_role == role]
+        if len(states) >= want or time.monotonic() > deadline:
+            return states
+        time.sleep(0.1)
+
+
 def _kvpool(role: str, port: int, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
@@ -200,7 +229,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def test_engine_b_loads_prefix_saved_by_engine_a(
-    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path
+    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path,
+    hub: FleetHub,
 ) -> None:
     saver = engines.run("saver", P + Q + R, _kvpool("kv_producer", 7101), prefix_caching=True)
     # A producer never loads; its own outputs are the baseline's.
@@ -215,7 +245,9 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     assert pool.truncate(_keys(tiny_model, R, BLOCK)) == sum(len(r) // BLOCK for r in R)
 
     # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
-    loader = engines.run("loader", P + Q + R, _kvpool("kv_both", 7102), multiprocess=True)
+    loader = engines.run("loader", P + Q + R,
+                         _kvpool("kv_both", 7102, agent_address=hub.address),
+                         multiprocess=True)
     for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
         # B's own prefix cache off, all of them came from the pool.
@@ -233,6 +265,17 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     for got, want in zip(loader[len(P) + len(Q):], baseline["R"], strict=True):
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+    # B's agents reported to the hub: the scheduler's lookups (every prompt of a chunk or
+    # more) and hits, the worker's loads including R's failures.
+    (sched,) = _agents(hub, "scheduler")
+    hits = sum(_loadable(p, BLOCK) for p in P + Q + R)
+    assert sched.lookup.lookups == len([p for p in P + Q + R if len(p) > BLOCK])
+    assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens) == (hits, hits)
+    assert sched.lookup.lookup_errors == 0
+    (worker,) = _agents(hub, "worker")
+    assert worker.transfers.loaded_bytes > 0 and worker.transfers.loads_finished > 0
+    assert worker.transfers.loads_failed > 0
 
 
 def test_pd_pair_through_multiconnector_equals_one_engine(
