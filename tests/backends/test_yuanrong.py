@@ -281,3 +281,28 @@ def test_status_texts_map_to_mooncake_codes() -> None:
     assert status_code("code: [RPC unavailable], msg: [RPC Retry detail: [ RPC unavailable * 1 "
                        "Out of memory * 3 ]]") == -200
     assert status_code("code: [Runtime error], msg: [?]") == -1
+
+
+def test_concurrent_transfer_threads_share_one_client(backend: YuanrongBackend) -> None:
+    """The connector's save and load threads and the agent call one backend at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = uniq("threads")
+    caches = [cpu_cache(2, 2, 16, 32) for _ in range(4)]
+    for i, c in enumerate(caches):
+        fill(c, 20 + i)
+
+    def cycle(i: int) -> bool:
+        keys = keys_for(model, 3, ParallelLayout(tp_rank=i), seed=i)
+        dst = cpu_cache(2, 2, 16, 32)
+        ok = True
+        for _ in range(10):
+            ok &= put_blocks(backend, keys, caches[i], [0, 1, 2]) == [0, 0, 0]
+            ok &= get_blocks(backend, keys, dst, [3, 4, 5]) == [8192] * 3
+            ok &= all(block_bytes(dst, 3 + b) == block_bytes(caches[i], b) for b in range(3))
+            ok &= backend.batch_exists(keys) == [1, 1, 1]
+        return ok
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(cycle, range(4))) == [True] * 4
+    assert backend.remove_by_scope(model_pattern(model), dry_run=False).removed == 12
