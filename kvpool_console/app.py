@@ -74,6 +74,8 @@ class KVPoolConsole(App[None]):
     TITLE = "kvpool-console"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        # Operators (and --demo, which stops its engines on exit) expect Ctrl-C to quit.
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark", "help", "Help"),
         Binding("slash", "filter", "Filter"),
         Binding("x", "faults", "Faults"),
@@ -318,6 +320,9 @@ class KVPoolConsole(App[None]):
 
     def action_tab(self, tab: str) -> None:
         self.query_one("#tabs", TabbedContent).active = tab
+        # Arrow keys should move in the tab's table right away.
+        focus = {"fleet": "#fleet-table", "pool": "#pool-table", "events": "#alerts-table"}[tab]
+        self.query_one(focus).focus()
         self._draw()
 
     @on(TabbedContent.TabActivated)

@@ -1,0 +1,46 @@
+"""Key handling on a frozen fleet: tabs, help, palette entries, detail navigation, Ctrl-C."""
+
+from __future__ import annotations
+
+from fleetdata import NOW_MS, sample_fleet
+
+from kvpool_console.app import KVPoolConsole
+from kvpool_console.screens import EngineDetailScreen, HealthScreen, HelpScreen
+from kvpool_console.source import StaticSource
+from kvpool_console.widgets import FleetTable
+
+
+def _app() -> KVPoolConsole:
+    return KVPoolConsole(StaticSource(sample_fleet()), refresh_s=3600, clock=lambda: NOW_MS)
+
+
+async def test_navigation_and_ctrl_c_quits() -> None:
+    app = _app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        tabs = app.query_one("#tabs")
+        for key, tab in (("2", "pool"), ("3", "events"), ("1", "fleet")):
+            await pilot.press(key)
+            assert tabs.active == tab  # type: ignore[attr-defined]
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        table = app.query_one(FleetTable)
+        table.move_cursor(row=table.get_row_index("e:decode-1"))
+        await pilot.press("enter")
+        assert isinstance(app.screen, EngineDetailScreen)
+        assert app.screen.engine_id == "decode-1"
+        await pilot.press("escape")
+        # Health on a recorded fleet: every agent of the engine answers "no live agents".
+        await pilot.press("h")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, HealthScreen) and app.screen.replies is not None
+        assert {r.agent_id for r in app.screen.replies} == {
+            "decode-1/scheduler", "decode-1/dp0.tp0.pp0", "decode-1/dp0.tp1.pp0"}
+        assert not any(r.ok for r in app.screen.replies)
+        await pilot.press("escape")
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert "Flush pool entries" in titles and "Health check: all engines" in titles
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert not app.is_running
