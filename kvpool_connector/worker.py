@@ -108,6 +108,15 @@ class _Unit:
         return sum(self.sizes)
 
 
+@dataclass
+class _LayerSaveAcc:
+    """A request's layer-wise save of one step so far: bytes stored, chunks that failed."""
+
+    nbytes: int = 0
+    bad_chunks: set[int] = field(default_factory=set)
+    error: str | None = None
+
+
 _SavePlan = tuple[ReqMeta, list[list[_Unit]]]
 """A request and, per chunk to save, its units."""
 
@@ -212,6 +221,8 @@ class KVPoolWorker:
         self._saving_reqs: set[str] = set()
         self._finished_reqs: set[str] = set()
         self._pool_full_reqs: set[str] = set()
+        # Save thread only: per request, layer-wise bytes/failed keys/error of this step.
+        self._layer_save_acc: dict[str, _LayerSaveAcc] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ registration
@@ -652,15 +663,18 @@ class KVPoolWorker:
         for req, units in per_req:
             rid = req.req_id
             if rid in skipped:
-                self._count_skip(rid, skipped[rid], "NO_AVAILABLE_HANDLE")
+                self._count_skip(rid, skipped[rid], "NO_AVAILABLE_HANDLE", n_layers)
                 continue
             nbytes, error, failed, full = 0, None, 0, 0
+            bad_chunks: set[int] = set()
             for u in units:
                 code = results.get(u.key, 0)
                 if code in (0, _ALREADY_EXISTS):
                     if u.key in results and code == 0:
                         nbytes += u.nbytes
-                elif code == _NO_HANDLE:
+                    continue
+                bad_chunks.add(u.chunk)
+                if code == _NO_HANDLE:
                     full += 1
                 else:
                     failed += 1
@@ -674,14 +688,23 @@ class KVPoolWorker:
                 # Pool full: this request's later saves are skipped, other requests retry.
                 with self._lock:
                     self._pool_full_reqs.add(rid)
-                self._count_skip(rid, full, "NO_AVAILABLE_HANDLE")
-            if layer is not None and not full:
-                self.reporter.transfer_progress(rid, "save", layer + 1)
-            if last_layer or full or failed:
+                self._count_skip(rid, full, "NO_AVAILABLE_HANDLE", n_layers)
+            if layer is not None:
+                # Layer-wise: one finished event per request and step, summing its layers.
+                acc = self._layer_save_acc.setdefault(rid, _LayerSaveAcc())
+                acc.nbytes += nbytes
+                acc.bad_chunks |= bad_chunks
+                acc.error = acc.error or error
+                nbytes, bad_chunks, error = acc.nbytes, acc.bad_chunks, acc.error
+                if not full:
+                    self.reporter.transfer_progress(rid, "save", layer + 1)
+                if last_layer or full:
+                    self._layer_save_acc.pop(rid, None)
+            if last_layer or full:
                 self.reporter.transfer_finished(
-                    rid, "save", ok=not (full or failed), nbytes=nbytes,
+                    rid, "save", ok=not bad_chunks, nbytes=nbytes,
                     error_name="NO_AVAILABLE_HANDLE" if full else error,
-                    failed_blocks=(full + failed) * self.blocks_per_chunk,
+                    failed_blocks=len(bad_chunks) * self.blocks_per_chunk,
                 )
 
     def _exists_or_unknown(self, keys: list[str]) -> list[int]:
@@ -692,10 +715,13 @@ class KVPoolWorker:
         except BackendError:
             return [0] * len(keys)
 
-    def _count_skip(self, req_id: str, keys: int, reason: str) -> None:
+    def _count_skip(self, req_id: str, keys: int, reason: str, n_layers: int = 0) -> None:
+        """Count ``keys`` skipped keys; the report is in blocks (a layer-wise key holds one
+        layer of its blocks, so ``n_layers`` of them make whole blocks)."""
         with self._lock:
             self.counters.save_skipped_keys += keys
-        self.reporter.save_skipped(req_id, keys * self.blocks_per_chunk, reason)
+        blocks = keys * self.blocks_per_chunk
+        self.reporter.save_skipped(req_id, blocks // n_layers if n_layers else blocks, reason)
 
     # ------------------------------------------------------------------ completion
 

@@ -237,42 +237,54 @@ def test_layouts_and_models_never_collide(engines: tuple[MooncakeBackend, ...]) 
     assert lw.lookup_chunks(hashes) == 0
 
 
+def _step(w: KVPoolWorker, meta: KVPoolConnectorMetadata) -> None:
+    """One engine step as vLLM drives it: loads, per-layer hooks, end-of-forward save."""
+    w.start_load_kv(meta)
+    for layer in w.kv.layers if w.kv else []:
+        w.save_kv_layer(layer.name, None)
+    w.wait_for_save(meta)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_pool_full_skips_request_without_raising(
-        fresh_mooncake_master: LocalMooncakeMaster) -> None:
+        layerwise: bool, fresh_mooncake_master: LocalMooncakeMaster) -> None:
     backend = make_backend(fresh_mooncake_master, segment="16MB")  # Mooncake's minimum
     try:
         kv: KVCaches = {f"layers.{i}": torch.zeros(48, 2, BLOCK, 1024, dtype=torch.float32)
                         for i in range(8)}  # 128 KiB per layer-block, 1 MiB per block
         fill_random(kv, 7)
         rep = Reporter()
-        w = make_worker(backend, kv, uniq("full"), reporter=rep, chunk_size=BLOCK)
+        w = make_worker(backend, kv, uniq("full"), reporter=rep, chunk_size=BLOCK,
+                        use_layerwise=layerwise)
+        per_chunk = 8 if layerwise else 1  # keys per chunk
         hashes = chunk_hashes(tokens(40 * BLOCK, 8), BLOCK)
-        meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+        _step(w, KVPoolConnectorMetadata(requests=[ReqMeta(
             req_id="big", block_ids=list(range(40)), chunk_hashes=hashes,
-            save_from_chunk=0, save_to_chunk=20)])
-        w.start_load_kv(meta)
-        w.wait_for_save(meta)
+            save_from_chunk=0, save_to_chunk=20)]))
         # The same request's next chunks are skipped without a put.
-        meta2 = KVPoolConnectorMetadata(requests=[ReqMeta(
+        _step(w, KVPoolConnectorMetadata(requests=[ReqMeta(
             req_id="big", block_ids=list(range(40)), chunk_hashes=hashes,
-            save_from_chunk=20, save_to_chunk=40, is_last_save=True)])
-        w.start_load_kv(meta2)
-        w.wait_for_save(meta2)
+            save_from_chunk=20, save_to_chunk=40, is_last_save=True)]))
         assert w.drain_saves(20)
         c = w.counters
-        assert 0 < c.saved_keys < 20
-        assert c.save_skipped_keys == 40 - c.saved_keys
-        skipped = [e for e in rep.drain() if e[0] == "skipped"]
+        assert 0 < c.saved_keys < 20 * per_chunk
+        assert c.save_skipped_keys == 40 * per_chunk - c.saved_keys
+        assert c.save_failed_keys == 0
+        events = rep.drain()
+        skipped = [e for e in events if e[0] == "skipped"]
         assert skipped and all(e[4] == "NO_AVAILABLE_HANDLE" for e in skipped)
-        assert sum(e[3] for e in skipped) == 40 - c.saved_keys
+        if not layerwise:
+            assert sum(e[3] for e in skipped) == 40 - c.saved_keys
+        # One finished event for the step that hit the full pool, naming the error.
+        (fin,) = [e for e in events if e[0] == "finished"]
+        assert fin[4] is False and fin[6] == "NO_AVAILABLE_HANDLE" and fin[7] > 0
         assert w.get_finished({"big"}) == ({"big"}, None)
         # A later request tries again (and gets the same answer from a still-full pool).
-        w.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+        _step(w, KVPoolConnectorMetadata(requests=[ReqMeta(
             req_id="next", block_ids=[0], chunk_hashes=chunk_hashes(tokens(BLOCK, 9), BLOCK),
             save_from_chunk=0, save_to_chunk=1)]))
-        w.wait_for_save()
         assert w.drain_saves(10)
-        assert w.counters.save_skipped_keys + w.counters.saved_keys == 41
+        assert w.counters.save_skipped_keys + w.counters.saved_keys == 41 * per_chunk
         w.shutdown()
     finally:
         backend.close()
