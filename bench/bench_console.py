@@ -180,7 +180,7 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
     rss_peak = 0
     async with app.run_test(size=size) as pilot:
         # Wait for the whole fleet, then measure a steady state.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 20
         while len(src.fleet()[0]) < agents and time.monotonic() < deadline:
             await pilot.pause(0.2)
         known = len(src.fleet()[0])
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8, help="worker agents per engine")
     ap.add_argument("--rate", type=float, default=4.0, help="reports per agent per second")
     ap.add_argument("--procs", type=int, default=4, help="driver processes")
-    ap.add_argument("--seconds", type=float, default=30.0, help="measured steady state")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured steady state")
     ap.add_argument("--refresh", type=float, default=1.0, help="console refresh interval (s)")
     ap.add_argument("--size", default="160x48",
                     help="terminal WIDTHxHEIGHT; Textual redraws every visible cell each frame, "
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             ready = ctx.Event()
             readies.append(ready)
             d = ctx.Process(target=_drive, args=(address, list(range(lo, hi)), args.workers,
-                                                 args.rate, args.seconds + 35, ready, start))
+                                                 args.rate, args.seconds + 25, ready, start))
             d.start()
             drivers.append(d)
         for r in readies:
@@ -299,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hub CPU {hub_cpu * 100:.0f}%, RSS {hub_rss:.0f} MiB; drivers CPU "
           f"{drv_cpu * 100:.0f}% (machine: {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f})")
-    return 0 if res["agents_seen"] == agents else 1
+    if res["agents_seen"] < agents:
+        print(f"NOT KEEPING UP: only {res['agents_seen']} of {agents} agents reached the console "
+              "within 20 s; the pipeline (hub, or CPU shared with other work) is saturated")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
