@@ -15,7 +15,7 @@ import torch
 from kvpool_agent.reporter import Reporter
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.keys import ParallelLayout, chunk_hashes
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
 from kvpool_connector.services import LocalMooncakeMaster
 from kvpool_connector.worker import KVPoolWorker, LayerLoadTimeout
@@ -421,3 +421,36 @@ def test_second_engine_does_not_store_chunks_again(engines: tuple[MooncakeBacken
     c.start_load_kv(load_meta("c", [8, 9, 10, 11], hashes, pool_tokens=64))
     assert c.get_block_ids_with_load_errors() == set()
     assert block_bytes(dst, 8) == block_bytes(first, 0)  # the first writer's bytes stay
+
+
+def test_partial_and_missing_values_are_load_errors(engines: tuple[MooncakeBackend, ...]) -> None:
+    """A value shorter than the chunk (truncated) or absent is never half-used."""
+    model = uniq("partial-read")
+    hashes = chunk_hashes(tokens(96, 23), 32)
+    src = cpu_layout()
+    fill_random(src, 24)
+    w = make_worker(engines[0], src, model)
+    assert w.kv is not None
+    save_request(w, "a", [0, 1, 2, 3], hashes[:2])
+    # Chunk 2 holds only half its bytes (e.g. written by a differently shaped engine).
+    key = str(PoolKey(normalize_model_name(model), TP0, hashes[2]))
+    half = w.kv.block_bytes  # one of its two blocks
+    assert engines[0].batch_put_from([key], [[src["layers.0"].data_ptr()]], [[half]]) == [0]
+    rep = Reporter()
+    dst = cpu_layout()
+    b = make_worker(engines[1], dst, model, reporter=rep)
+    assert b.lookup_chunks(hashes) == 3
+    b.start_load_kv(load_meta("b", [10, 11, 12, 13, 14, 15], hashes, pool_tokens=96))
+    assert b.get_block_ids_with_load_errors() == {14, 15}
+    assert b.counters.load_failed_keys == 1
+    fin = [e for e in rep.drain() if e[0] == "finished"][-1]
+    # Mooncake refuses the size mismatch itself (TRANSFER_FAIL); a short byte count would be
+    # PARTIAL_READ. Either way the blocks are recomputed.
+    assert (fin[4], fin[7], fin[8]) == (False, 2, True)
+    assert fin[6] in {"TRANSFER_FAIL", "PARTIAL_READ"}
+    # Missing key: OBJECT_NOT_FOUND, named.
+    gone = chunk_hashes(tokens(32, 25), 32)
+    b.start_load_kv(load_meta("c", [16, 17], gone, pool_tokens=32))
+    assert b.get_block_ids_with_load_errors() == {16, 17}
+    fin = [e for e in rep.drain() if e[0] == "finished"][-1]
+    assert fin[6] == "OBJECT_NOT_FOUND"
