@@ -46,10 +46,18 @@ from kvpool_console.demo.replay import (
 )
 from kvpool_console.demo.trace import default_trace_path, load_trace
 
-__all__ = ["DEMO_SHAPE", "DemoCluster"]
+__all__ = ["DEMO_SHAPE", "TINY_VLLM_SHAPE", "DemoCluster"]
 
 DEMO_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=16, block_size=16, dtype="float16")
 """Demo model shape: 256 bytes of KV per token (a 512-token chunk is 128 KiB)."""
+
+TINY_VLLM_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=32, block_size=32, dtype="float32")
+"""KV shape of ``tiny_model`` in vLLM (``engine_kind="vllm"``): 1 KiB per token."""
+
+
+def _tiny_model_dir() -> Path:
+    root = os.environ.get("KVPOOL_CACHE_DIR") or str(Path.home() / ".cache" / "kvpool")
+    return Path(root) / "tiny-llama"
 
 
 _ROLE_NAMES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "engine"}
@@ -83,7 +91,9 @@ class DemoCluster:
             ``"vllm"`` (real vLLM engines with the tiny local model).
         limit: replay only the first ``limit`` requests.
         pool_tokens: pool capacity in tokens of KV (``shape.bytes_per_token`` each).
-        shape: simulated model shape.
+        shape: simulated model shape (``engine_kind="vllm"`` uses the tiny model's,
+            ``TINY_VLLM_SHAPE``; the model is built once under ``$KVPOOL_CACHE_DIR`` or
+            ``~/.cache/kvpool``).
         chunk_size: tokens per pool key.
         eviction_high_watermark_ratio: the master's eviction watermark.
         default_kv_lease_ttl_ms: the master's lease TTL.
@@ -179,19 +189,24 @@ class DemoCluster:
         self.master.start()
         assert self.master.proc is not None
         self._started_pids.add(self.master.proc.pid)
+
+        model = f"demo-{os.getpid()}"
+        if self.engine_kind == "vllm":
+            from kvpool_console.demo.tiny_model import build_tiny_model
+
+            model = str(build_tiny_model(_tiny_model_dir()))
+            self.shape = TINY_VLLM_SHAPE
         self.store = LocalPoolStore(self.master, pool_bytes_for_tokens(self.pool_tokens,
                                                                        self.shape),
                                     log_dir=self.workdir)
         self.store.start()
         assert self.store.proc is not None
         self._started_pids.add(self.store.proc.pid)
-
         n = self.engines
         both = list(range(2, n)) if n >= 2 else [0]
         sources = ([0] if n >= 2 else []) + both
         shares = {e: list(range(k, len(trace), len(sources))) for k, e in enumerate(sources)}
         pd_address = f"tcp://127.0.0.1:{free_port()}" if n >= 2 else ""
-        model = f"demo-{os.getpid()}"
         extra = mooncake_extra_config(self.master.address, self.master.admin_url)
         go = self.workdir / "go"
         go.unlink(missing_ok=True)

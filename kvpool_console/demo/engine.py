@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "EngineResult",
     "EngineSpec",
     "ModelShape",
+    "ReplayEngine",
     "SimEngine",
     "run_engine_spec",
 ]
@@ -542,8 +543,25 @@ def _num_blocks_for(spec: EngineSpec, requests: list[TraceRequest]) -> int:
     return per * (1 if spec.wait_saves else 4) + 16
 
 
-def run_engine_spec(spec: EngineSpec) -> EngineResult:
-    """Replay ``spec.indices`` of ``spec.trace_path`` on one ``SimEngine``.
+class ReplayEngine(Protocol):
+    """What ``run_engine_spec`` drives: ``SimEngine`` or ``vllm_engine.VllmEngine``."""
+
+    result: EngineResult
+
+    def run_request(self, index: int, treq: TraceRequest) -> int: ...
+
+    def drain(self, timeout_s: float = 60.0) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_engine_spec(
+    spec: EngineSpec,
+    factory: Callable[[EngineSpec, list[TraceRequest]], ReplayEngine] | None = None,
+) -> EngineResult:
+    """Replay ``spec.indices`` of ``spec.trace_path`` (or the indices fed by its prefill engine)
+    on one engine built by ``factory(spec, requests)`` (default: a ``SimEngine`` sized for the
+    requests).
 
     Never raises for a replay failure: the error goes into ``EngineResult.error``.
     """
@@ -551,7 +569,7 @@ def run_engine_spec(spec: EngineSpec) -> EngineResult:
 
     started = time.monotonic()
     result = EngineResult(engine_id=spec.engine_id)
-    engine: SimEngine | None = None
+    engine: ReplayEngine | None = None
     push = pull = None
     try:
         import zmq
@@ -567,7 +585,10 @@ def run_engine_spec(spec: EngineSpec) -> EngineResult:
             push.connect(spec.forward_to)
         trace = load_trace(spec.trace_path)
         mine = [trace[i] for i in spec.indices]
-        engine = SimEngine(spec, _num_blocks_for(spec, mine))
+        if factory is None:
+            engine = SimEngine(spec, _num_blocks_for(spec, mine))
+        else:
+            engine = factory(spec, mine)
         result = engine.result
         if spec.ready_path:
             open(spec.ready_path, "w").close()

@@ -58,7 +58,9 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
                 decode = fleet["decode-1/scheduler"].state
                 workers = [e.state for a, e in fleet.items() if not a.endswith("/scheduler")]
                 loaded = sum(w.transfers.loads_finished for w in workers)
-                used = max((w.pool.used_bytes for w in workers if w.pool), default=0)
+                # Pool stats come from the master every ~2 s: wait for a fresh, non-empty one.
+                dpool = fleet["decode-1/dp0.tp0.pp0"].state.pool
+                used = dpool.used_bytes if dpool is not None else 0
                 if decode.lookup.hit_rate > 0.5 and loaded > 20 and used > 0 and seen_in_flight:
                     break
             states = {a: e.state for a, e in fleet.items()}

@@ -24,15 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_conversation_slice_reaches_ceiling_exactly() -> None:
     trace = default_trace_path("conversation_trace.jsonl")
-    report = run_replay(ReplayConfig(trace_path=str(trace), limit=300, shape=SHAPE))
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=200, shape=SHAPE))
     assert report.errors == []
-    reqs = load_trace(trace, limit=300)
+    reqs = load_trace(trace, limit=200)
     from kvpool_connector.keys import chunk_hashes
 
     ceiling = prefix_ceiling(
         [(r.input_length, chunk_hashes(request_tokens(r), 512)) for r in reqs], 512
     )
-    assert report.requests == 300
+    assert report.requests == 200
     assert report.input_tokens == ceiling.input_tokens == sum(r.input_length for r in reqs)
     assert ceiling.hit_tokens > 0
     assert report.hit_tokens == ceiling.hit_tokens
@@ -54,7 +54,7 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                          if p)}
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool_console.demo.replay_cli", str(trace), "--limit", "250",
+        [sys.executable, "-m", "kvpool_console.demo.replay_cli", str(trace), "--limit", "150",
          "--json", "--progress-every", "0"],
         capture_output=True, text=True, env=env, timeout=170, check=False,
     )
@@ -64,8 +64,8 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
                   "lru_hit_rate", "saved_bytes", "loaded_bytes", "load_errors", "wall_s",
                   "peak_rss_engine_bytes", "peak_rss_master_bytes"):
         assert field in report, field
-    ceiling, _ = reference_for(load_trace(trace, limit=250), 512, None)
-    assert report["requests"] == 250
+    ceiling, _ = reference_for(load_trace(trace, limit=150), 512, None)
+    assert report["requests"] == 150
     assert ceiling.hit_tokens > 0
     assert report["hit_tokens"] == ceiling.hit_tokens
     assert report["hit_rate"] == report["ceiling_hit_rate"] == pytest.approx(ceiling.hit_rate)
@@ -80,7 +80,7 @@ def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
     assert report.errors == []
     assert report.pool_tokens == pool_tokens
     assert 0 < report.hit_rate <= report.ceiling_hit_rate
-    assert 0 < report.lru_hit_rate <= report.ceiling_hit_rate
+    assert 0 < report.lru_hit_rate < report.ceiling_hit_rate  # the bound matters for LRU too
     # The pool filled up: Mooncake evicted (or refused puts) instead of growing.
     assert report.pool_evicted_keys > 0
     assert report.corrupt_blocks == 0

@@ -1,0 +1,118 @@
+"""A real vLLM engine replaying trace requests (``DemoCluster(engine_kind="vllm")``).
+
+``vllm.LLM`` with the tiny local model (``kvpool_console.demo.tiny_model``) and
+``KVPoolConnector``; vLLM's own scheduler and worker call the connector. The tiny model takes
+at most 2048 positions, so each prompt is the trace request's token ids (``tokens``, ids
+modulo the model's vocabulary) truncated to ``MAX_PROMPT_TOKENS``; requests keep their shared
+prefixes. vLLM's local prefix cache is off, so every reused token comes from the pool;
+``num_cached_tokens`` of each output is the request's hit.
+
+Run as ``python -m kvpool_console.demo.vllm_engine SPEC.json`` (an ``EngineSpec`` whose
+``model`` is the tiny model's directory).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from kvpool_console.demo.engine import EngineResult, EngineSpec, run_engine_spec
+from kvpool_console.demo.tokens import request_tokens
+from kvpool_console.demo.trace import TraceRequest
+
+__all__ = ["MAX_PROMPT_TOKENS", "VllmEngine", "main"]
+
+MAX_PROMPT_TOKENS = 2000
+"""Prompt tokens kept per request (the tiny model has 2048 positions; a few are left to
+generate)."""
+
+_MAX_NEW_TOKENS = 4
+
+
+class VllmEngine:
+    """One ``vllm.LLM`` with ``KVPoolConnector``; ``run_request`` generates one trace request.
+
+    Raises:
+        ImportError: vLLM is not installed (``kvpool[vllm]``).
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from vllm import LLM
+
+        from kvpool_console.demo.tiny_model import VOCAB_SIZE
+
+        self.spec = spec
+        self.vocab = VOCAB_SIZE
+        extra: dict[str, Any] = {
+            "chunk_size": spec.chunk_size, "lookup_rpc_port": spec.lookup_rpc_port,
+            "engine_id": spec.engine_id, "consumer_is_to_load": True, **spec.extra_config,
+        }
+        if spec.agent_address:
+            extra["agent_address"] = spec.agent_address
+        self.llm = LLM(
+            model=spec.model, enforce_eager=True, max_model_len=2048,
+            block_size=spec.shape.block_size, dtype="float32", enable_prefix_caching=False,
+            max_num_seqs=4, max_num_batched_tokens=2048, seed=0,
+            kv_transfer_config={
+                "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
+                "kv_role": spec.kv_role, "engine_id": spec.engine_id,
+                "kv_connector_extra_config": extra,
+            },
+        )
+        self.result = EngineResult(engine_id=spec.engine_id)
+
+    def run_request(self, index: int, treq: TraceRequest) -> int:
+        """Generate ``_MAX_NEW_TOKENS`` greedy tokens for the (truncated) request; returns the
+        prompt tokens vLLM did not compute (loaded from the pool)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tokens = [t % self.vocab for t in request_tokens(treq)[:MAX_PROMPT_TOKENS]]
+        params = SamplingParams(temperature=0.0, max_tokens=_MAX_NEW_TOKENS, ignore_eos=True)
+        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], params,
+                                   use_tqdm=False)
+        hit = int(out.num_cached_tokens or 0)
+        r = self.result
+        r.requests += 1
+        r.input_tokens += len(tokens)
+        r.hit_tokens += hit
+        r.claimed_tokens += hit
+        r.per_request.append((index, hit))
+        r.loaded_bytes += hit * self.spec.shape.bytes_per_token
+        return hit
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """vLLM frees a request's blocks only after its saves finished: nothing to wait for."""
+
+    def close(self) -> None:
+        """Shut the engine down (its EngineCore process and the connector's agents)."""
+        del self.llm
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the vLLM engine of the JSON ``EngineSpec`` in ``argv[0]``; result JSON to
+    ``spec.result_path``. Exit status 1 when the replay failed."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m kvpool_console.demo.vllm_engine SPEC.json", file=sys.stderr)
+        return 2
+    with open(args[0], "rb") as f:
+        spec = msgspec.json.decode(f.read(), type=EngineSpec)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.monotonic()
+    result = run_engine_spec(spec, lambda s, _reqs: VllmEngine(s))
+    result.wall_s = time.monotonic() - t0
+    tmp = spec.result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(result))
+    os.replace(tmp, spec.result_path)
+    return 1 if result.error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
