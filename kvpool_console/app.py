@@ -49,6 +49,9 @@ __all__ = ["REFRESH_STEPS", "KVPoolConsole"]
 REFRESH_STEPS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 """Refresh intervals (s) ``+``/``-`` step through; 1 s by default."""
 
+_HUB_SILENT_MS = 6_000.0
+"""No update from the hub for this long (it sends a snapshot every 2 s): hub down or cut off."""
+
 _READ_ONLY = "read-only console: flush needs the operator key (restart with --keys DIR)"
 
 
@@ -216,6 +219,11 @@ class KVPoolConsole(App[None]):
         text = Text()
         for label, style in parts:
             text.append(label, style=style)
+            text.append(" ")
+        last = self.source.last_update_ms()
+        if last is not None and self.clock() - last > _HUB_SILENT_MS:
+            text.append(f" HUB SILENT {(self.clock() - last) / 1e3:.0f}s ",
+                        style="bold white on red")
             text.append(" ")
         v = self.view
         if v is None or not v.totals.agents:

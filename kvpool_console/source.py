@@ -48,6 +48,10 @@ class FleetSource(Protocol):
                 flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
         ...
 
+    def last_update_ms(self) -> float | None:
+        """Hub time (epoch ms) of the newest update received; None when not from a hub."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -80,6 +84,9 @@ class StaticSource:
         return [CommandReply(v=PROTOCOL_VERSION, seq=0, request_id="static", agent_id=a,
                              ok=False, error="static fleet: no live agents")
                 for a in (targets or list(self._states))]
+
+    def last_update_ms(self) -> float | None:
+        return None
 
     def close(self) -> None:
         return None
@@ -136,6 +143,12 @@ class ClientSource:
         if self._pump is not None:
             return self._latest
         return self._split(self.client.fleet())
+
+    def last_update_ms(self) -> float | None:
+        """The hub's timestamp of the newest update merged (None before the first one); the
+        hub publishes at least a snapshot every few seconds, so an old value means the hub
+        is down or unreachable."""
+        return self.client.last_update_ms or None
 
     def wait_ready(self, timeout_s: float = 3.0) -> bool:
         """Block until the hub's first full snapshot arrived (the hub sends one to every new

@@ -101,6 +101,11 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         assert any(a.rule == "stale" and a.subject == "d0" for a in app.alerts)
         # Every finished load of p0 failed after a positive lookup: critical.
         assert _cell(table, "e:p0", "state") == "CRIT"
+        # The hub itself goes away: the status bar says so, the last rows stay visible.
+        live_fleet.hub.stop()
+        await _until(pilot, lambda: "HUB SILENT" in str(
+            app.query_one("#status-bar", Static).content), "hub silent", 15)
+        assert "e:p0" in table._keys
 
 
 async def test_filter_sort_pause(live_fleet: LiveFleet) -> None:
