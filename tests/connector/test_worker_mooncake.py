@@ -454,3 +454,23 @@ def test_partial_and_missing_values_are_load_errors(engines: tuple[MooncakeBacke
     assert b.get_block_ids_with_load_errors() == {16, 17}
     fin = [e for e in rep.drain() if e[0] == "finished"][-1]
     assert fin[6] == "OBJECT_NOT_FOUND"
+
+
+def test_bad_settings_and_metadata_are_clear(engines: tuple[MooncakeBackend, ...]) -> None:
+    with pytest.raises(ValueError, match=r"chunk_size \(24\) must be a positive multiple"):
+        KVPoolWorker(Settings(chunk_size=24), TP0, "m", engines[1])  # type: ignore[arg-type]
+    lw = KVPoolWorker(Settings(use_layerwise=True), TP0, "m", engines[1])  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="register_kv_caches"):
+        lw.lookup_chunks(["00" * 16])
+    with pytest.raises(RuntimeError, match="register_kv_caches"):
+        lw.start_load_kv(KVPoolConnectorMetadata())
+    rep = Reporter()
+    w = make_worker(engines[1], cpu_layout(), uniq("badmeta"), reporter=rep)
+    w.wait_for_layer_load("layers.0")  # nothing pending: returns at once
+    hashes = chunk_hashes(tokens(64, 26), 32)
+    # Two chunks to load but block ids for one and a half: nothing is loaded, and every
+    # given block in the load range is reported failed instead of trusted.
+    w.start_load_kv(load_meta("short", [3, 4, 5], hashes, pool_tokens=64))
+    assert w.get_block_ids_with_load_errors() == {3, 4, 5}
+    fin = [e for e in rep.drain() if e[0] == "finished"]
+    assert fin[-1][6] == "BAD_METADATA"
