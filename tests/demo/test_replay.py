@@ -84,3 +84,30 @@ def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
     # The pool filled up: Mooncake evicted (or refused puts) instead of growing.
     assert report.pool_evicted_keys > 0
     assert report.corrupt_blocks == 0
+
+
+def test_async_loads_reach_ceiling_exactly() -> None:
+    # load_async: vLLM parks the request in WAITING_FOR_REMOTE_KVS until finished_recving.
+    trace = default_trace_path("conversation_trace.jsonl")
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=60, shape=SHAPE,
+                                     load_async=True))
+    assert report.errors == []
+    ceiling, _ = reference_for(load_trace(trace, limit=60), 512, None)
+    assert ceiling.hit_tokens > 0
+    assert report.hit_tokens == ceiling.hit_tokens
+    assert report.load_errors == 0 and report.corrupt_blocks == 0
+
+
+def test_cli_rejects_bad_input_with_named_field(tmp_path: Path, capsys: object) -> None:
+    from kvpool_console.demo.replay_cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '
+                     '"hash_ids": [1]}\n')
+    assert main([str(trace), "--json"]) == 2
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert f"{trace}:1:" in err and "hash_ids" in err
+    good = default_trace_path("conversation_trace.jsonl")
+    assert main([str(good), "--limit", "5", "--pool-tokens", "1000"]) == 2
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "--pool-tokens >=" in err
