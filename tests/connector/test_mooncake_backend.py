@@ -228,7 +228,7 @@ def test_standalone_pool_survives_engine_restart(
         hashes = chunk_hashes(list(range(64)), 16)
         engine = _backend(fresh_mooncake_master, segment="0")
         assert engine.config.store_mode == "standalone"
-        w = KVPoolWorker(settings, ParallelLayout(), "standalone-model", engine)  # type: ignore[arg-type]
+        w = KVPoolWorker(settings, ParallelLayout(), "standalone-model", engine)
         w.register_kv_caches(src)
         meta = KVPoolConnectorMetadata(requests=[ReqMeta(
             req_id="a", block_ids=[0, 1, 2, 3], chunk_hashes=hashes, save_to_chunk=4)])
@@ -241,7 +241,7 @@ def test_standalone_pool_survives_engine_restart(
         engine2 = _backend(fresh_mooncake_master, segment="0")
         try:
             dst = {f"l{i}": torch.zeros(8, 2, 16, 32) for i in range(2)}
-            w2 = KVPoolWorker(settings, ParallelLayout(), "standalone-model", engine2)  # type: ignore[arg-type]
+            w2 = KVPoolWorker(settings, ParallelLayout(), "standalone-model", engine2)
             w2.register_kv_caches(dst)
             assert w2.lookup_chunks(hashes) == 4
             w2.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(

@@ -193,11 +193,11 @@ def test_partially_cached_chunk_keeps_local_blocks(
     b = make_worker(engines[1], dst, model)
     hashes = chunk_hashes(tokens(64, 4), 32)
     save_request(a, "a", [0, 1, 2, 3], hashes)
-    marker = torch.full_like(dst["layers.0"][5], 7.0)  # type: ignore[index]
-    dst["layers.0"][5].copy_(marker)  # type: ignore[index]
+    marker = torch.full_like(dst["layers.0"][5], 7.0)
+    dst["layers.0"][5].copy_(marker)
     b.start_load_kv(load_meta("b", [5, 6, 7, 8], hashes, pool_tokens=64, local_tokens=16))
     assert b.get_block_ids_with_load_errors() == set()
-    assert torch.equal(dst["layers.0"][5], marker)  # type: ignore[index]
+    assert torch.equal(dst["layers.0"][5], marker)
     for s, d in zip([1, 2, 3], [6, 7, 8], strict=True):
         assert block_bytes(src, s) == block_bytes(dst, d)
 
@@ -226,7 +226,7 @@ def test_layouts_and_models_never_collide(engines: tuple[MooncakeBackend, ...]) 
     # Same model written with a trailing slash: identical keys.
     assert make_worker(reader_backend, cpu_layout(), model + "/").lookup_chunks(hashes) == 2
     # A TP=2 reader needs both ranks' shards: rank 1 is missing.
-    tp2 = KVPoolWorker(Settings(), ParallelLayout(), model, reader_backend,  # type: ignore[arg-type]
+    tp2 = KVPoolWorker(Settings(), ParallelLayout(), model, reader_backend,
                        tp_size=2)
     tp2_kv = cpu_layout()
     tp2.register_kv_caches(tp2_kv)
@@ -435,7 +435,7 @@ def test_partial_and_missing_values_are_load_errors(engines: tuple[MooncakeBacke
     # Chunk 2 holds only half its bytes (e.g. written by a differently shaped engine).
     key = str(PoolKey(normalize_model_name(model), TP0, hashes[2]))
     half = w.kv.block_bytes  # one of its two blocks
-    assert engines[0].batch_put_from([key], [[src["layers.0"].data_ptr()]], [[half]]) == [0]
+    assert engines[0].batch_put_from([key], [[tensors(src)[0].data_ptr()]], [[half]]) == [0]
     rep = Reporter()
     dst = cpu_layout()
     b = make_worker(engines[1], dst, model, reporter=rep)
@@ -458,8 +458,8 @@ def test_partial_and_missing_values_are_load_errors(engines: tuple[MooncakeBacke
 
 def test_bad_settings_and_metadata_are_clear(engines: tuple[MooncakeBackend, ...]) -> None:
     with pytest.raises(ValueError, match=r"chunk_size \(24\) must be a positive multiple"):
-        KVPoolWorker(Settings(chunk_size=24), TP0, "m", engines[1])  # type: ignore[arg-type]
-    lw = KVPoolWorker(Settings(use_layerwise=True), TP0, "m", engines[1])  # type: ignore[arg-type]
+        KVPoolWorker(Settings(chunk_size=24), TP0, "m", engines[1])
+    lw = KVPoolWorker(Settings(use_layerwise=True), TP0, "m", engines[1])
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         lw.lookup_chunks(["00" * 16])
     with pytest.raises(RuntimeError, match="register_kv_caches"):
