@@ -77,7 +77,6 @@ class _Tracker:
     hashes: list[str]
     block_ids: list[int]
     saved_chunks: int = 0
-    has_saves: bool = False
 
 
 @dataclass
@@ -298,7 +297,6 @@ class KVPoolScheduler:
         req.is_last_save = complete == len(tracker.hashes)
         self.counters.saves_scheduled_chunks += complete - tracker.saved_chunks
         tracker.saved_chunks = complete
-        tracker.has_saves = True
         self._saving.add(rid)
         return req
 
