@@ -162,20 +162,26 @@ def test_full_then_killed_worker(fresh_yuanrong_worker: LocalYuanrongWorker) -> 
     (NO_AVAILABLE_HANDLE) without raising. After SIGKILL of the worker, backend calls return
     -900 (RPC_FAIL), the engine's lookup raises instead of reporting a miss, and its load
     reports every block as a load error (recompute) and leaves the blocks untouched."""
-    backend = backend_for(fresh_yuanrong_worker, yuanrong_write_mode="none_l2_cache")
+    # The writer waits up to 2 s per call (a loaded CI host must not turn "pool full" into a
+    # timeout); the reader gives up after 1 s once the worker is dead.
+    writer = backend_for(fresh_yuanrong_worker, yuanrong_write_mode="none_l2_cache",
+                         yuanrong_request_timeout_ms=2000)
+    backend = backend_for(fresh_yuanrong_worker)
     model = uniq("w-kill")
     src, dst = cpu_layout(), cpu_layout()
     fill_random(src, 11)
     hashes = chunk_hashes(tokens(4 * BLOCK, 12), 2 * BLOCK)
-    save(make_worker(backend, src, model), "a", [0, 1, 2, 3], hashes)
+    save(make_worker(writer, src, model), "a", [0, 1, 2, 3], hashes)
     b = make_worker(backend, dst, model, reporter=Reporter())
     assert b.lookup_chunks(hashes) == 2
 
     big = torch.randint(0, 256, (4, 1 << 20), dtype=torch.uint8)
     keys = [f"kvpool@{model}@fill{i}" for i in range(80)]
+    # The reader's own key, so its scope removal has something to look up after the kill.
+    assert backend.batch_put_from([f"kvpool@{model}@own"], [[big[0].data_ptr()]], [[64]]) == [0]
     results: list[int] = []
     for i in range(0, 80, 4):
-        results += backend.batch_put_from(
+        results += writer.batch_put_from(
             keys[i:i + 4], [[big[j].data_ptr()] for j in range(4)], [[1 << 20]] * 4)
         if results[-1] < 0:
             break
@@ -197,4 +203,5 @@ def test_full_then_killed_worker(fresh_yuanrong_worker: LocalYuanrongWorker) -> 
     assert [(c.name, c.ok, c.code) for c in health] == [("worker", False, -900)]
     b.shutdown()
     backend.close()
+    writer.close()
     assert backend.batch_exists(keys[:1]) == [-1010]
