@@ -301,7 +301,8 @@ class MemcacheBackend(Backend):
         Raises:
             ValueError: a bad ``memcache_*`` field (named in the message).
             BackendUnavailable: ``memcache_hybrid`` is missing, the Ascend driver is missing
-                (message starts "memcache needs the Ascend driver"), or ``init`` failed.
+                (message starts "memcache needs the Ascend driver"), the config store does
+                not accept connections, or ``init`` failed.
         """
         cfg = MemcacheConfig.load(config)
         try:
@@ -316,6 +317,11 @@ class MemcacheBackend(Backend):
                 "memcache needs the Ascend driver: "
                 + " | ".join(f"{c.name}: {c.detail}" for c in failed)
             )
+        if not _reachable(cfg.config_store_url):
+            # init would retry the connection for minutes before giving up.
+            raise BackendUnavailable(
+                f"memcache config store {cfg.config_store_url} is unreachable: start the meta "
+                "service or fix kv_connector_extra_config.memcache_config_store_url", -900)
         store = DistributedObjectStore()
         rc = store.setup(cfg.local_config())
         if rc == 0:

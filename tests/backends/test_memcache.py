@@ -309,3 +309,18 @@ def test_stats_health_and_scope_from_the_real_meta_service(
     with pytest.raises(BackendError, match="memcache_metrics_url"):
         no_url.remove_by_scope("^kvpool@", dry_run=True)
     assert no_url.stats().health_detail == "memcache_metrics_url not set"
+
+
+def test_with_driver_an_unreachable_config_store_fails_fast(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host with the driver, a missing meta service must not cost init's minutes of
+    reconnects: from_config refuses before calling init."""
+    import kvpool_connector.backends.memcache as mc
+
+    monkeypatch.setattr(mc, "ascend_driver_problem", lambda *_: None)
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="memcache_config_store_url") as err:
+        MemcacheBackend.from_config(
+            {"memcache_config_store_url": f"tcp://127.0.0.1:{free_port()}"})
+    assert err.value.code == -900
+    assert time.monotonic() - t0 < 3
