@@ -22,7 +22,7 @@ the suffix only, a differently shaped float32 computation (observed differences 
 * ``pd_multi``: MultiConnector[KVPoolConnector as kv_consumer with consumer_is_to_load and
   ``load_async``, vLLM's ExampleConnector]: serves P, loads it from what the producer saved.
 * ``lw_saver`` / ``lw_loader``: the same with ``use_layerwise`` and ``chunk_size`` = 2 blocks
-  on prompt set L.
+  on prompt sets L (clean: equals the baseline) and L2 (layer 1's values corrupted: differs).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ P = _prompts(1, [20, 96, 150, 257])
 Q = _prompts(2, [100, 190])
 L = _prompts(3, [130, 200, 64])
 R = _prompts(4, [120, 170])
+L2 = _prompts(5, [140, 180])
 
 
 def _loadable(prompt: list[int], chunk: int) -> int:
@@ -212,9 +213,9 @@ def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFacto
 @pytest.fixture(scope="module")
 def baseline(engines: Engines) -> dict[str, list[dict[str, Any]]]:
     """One run without any connector over every prompt set."""
-    out = iter(engines.run("baseline", P + Q + L + R))
+    out = iter(engines.run("baseline", P + Q + L + R + L2))
     return {name: [next(out) for _ in prompts]
-            for name, prompts in (("P", P), ("Q", Q), ("L", L), ("R", R))}
+            for name, prompts in (("P", P), ("Q", Q), ("L", L), ("R", R), ("L2", L2))}
 
 
 def _keys(model: Path, prompts: list[list[int]], chunk: int) -> list[str]:
@@ -304,14 +305,23 @@ def test_layerwise_save_and_load(
     engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path
 ) -> None:
     chunk = 2 * BLOCK
-    engines.run("lw_saver", L, _kvpool("kv_both", 7104, use_layerwise=True, chunk_size=chunk))
+    lw = {"use_layerwise": True, "chunk_size": chunk}
+    engines.run("lw_saver", L + L2, _kvpool("kv_both", 7104, **lw))
     name = normalize_model_name(str(tiny_model))
-    layer_keys = [str(PoolKey(name, ParallelLayout(), h).layer(i))
-                  for p in L for h in chunk_hashes(p, chunk) for i in range(2)]
-    assert layer_keys and all(pool.store.is_exist(k) == 1 for k in layer_keys)
-    loader = engines.run("lw_loader", L,
-                         _kvpool("kv_both", 7105, use_layerwise=True, chunk_size=chunk))
-    for prompt, got, want in zip(L, loader, baseline["L"], strict=True):
+
+    def layer_keys(prompts: list[list[int]]) -> list[str]:
+        return [str(PoolKey(name, ParallelLayout(), h).layer(i))
+                for p in prompts for h in chunk_hashes(p, chunk) for i in range(2)]
+
+    assert all(pool.store.is_exist(k) == 1 for k in layer_keys(L + L2))
+    # Only layer 1's values of L2 are made wrong: the per-layer keys are really used.
+    l2_layer1 = [k for k in layer_keys(L2) if k.endswith("@L1")]
+    assert pool.corrupt(l2_layer1) == len(l2_layer1) > 0
+    loader = engines.run("lw_loader", L + L2, _kvpool("kv_both", 7105, **lw))
+    for prompt, got, want in zip(L, loader[: len(L)], baseline["L"], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, chunk)
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    for prompt, got, want in zip(L2, loader[len(L):], baseline["L2"], strict=True):
+        assert got["num_cached_tokens"] == _loadable(prompt, chunk)
+        assert not _same(got, want)
