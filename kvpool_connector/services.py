@@ -1,4 +1,5 @@
-"""Local pool services for demos, replays and tests: a real ``mooncake_master`` on 127.0.0.1.
+"""Local pool services for demos, replays and tests: a real ``mooncake_master`` or yuanrong
+worker on 127.0.0.1.
 
 ``mooncake_master`` is the binary the ``mooncake-transfer-engine`` wheel puts on PATH. The
 master listens for clients on ``rpc_port`` and serves ``/metrics``, ``/health``,
@@ -65,7 +66,9 @@ class LocalMooncakeMaster:
         self.eviction_ratio = eviction_ratio
         self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
         self.extra_args = list(extra_args or [])
-        self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-master-"))
+        self._log_dir = (
+            Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-master-"))
+        )
         self.rpc_port = 0
         self.metrics_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -117,7 +120,9 @@ class LocalMooncakeMaster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited ({self.proc.returncode}):\n{self._tail()}")
+                raise RuntimeError(
+                    f"mooncake_master exited ({self.proc.returncode}):\n{self._tail()}"
+                )
             try:
                 if httpx.get(f"{self.admin_url}/health", timeout=1.0).status_code == 200:
                     return self
@@ -125,7 +130,9 @@ class LocalMooncakeMaster:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"mooncake_master did not become healthy in {timeout_s}s:\n{self._tail()}")
+        raise RuntimeError(
+            f"mooncake_master did not become healthy in {timeout_s}s:\n{self._tail()}"
+        )
 
     def _tail(self, n: int = 20) -> str:
         try:
