@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from kvpool_console.alerts import EXPECTED_KV_ROLE
 from kvpool_console.model import (
@@ -193,7 +195,12 @@ class FleetTable(DataTable[Text | str]):
                 old = self._cells[key]
                 for i, (cell, prev) in enumerate(zip(cells, old, strict=True)):
                     if cell != prev:
-                        self.update_cell(key, COLUMNS[i][0], cell, update_width=True)
+                        # Re-measuring widths costs a rich render per cell: only when the
+                        # new value is wider than the column already is.
+                        width = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
+                        col = self.columns[ColumnKey(COLUMNS[i][0])]
+                        self.update_cell(key, COLUMNS[i][0], cell,
+                                         update_width=width > col.content_width)
                 self._cells[key] = cells
             return
         selected = self.selected_key

@@ -44,3 +44,19 @@ async def test_navigation_and_ctrl_c_quits() -> None:
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert not app.is_running
+
+
+async def test_columns_grow_when_values_get_wider() -> None:
+    from fleetdata import engine
+
+    app = KVPoolConsole(StaticSource(engine("e")), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(120, 30)) as pilot:
+        table = app.query_one(FleetTable)
+        await pilot.pause()
+        col = next(c for k, c in table.columns.items() if k.value == "fail")
+        assert str(table.get_cell("e:e", "fail")) == "0" and col.content_width == len("Fail")
+        app.source = StaticSource(engine("e", load_errors=123_456))
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell("e:e", "fail")) == "246912"  # 2 workers
+        assert col.content_width == len("246912")
