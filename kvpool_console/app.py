@@ -160,6 +160,8 @@ class KVPoolConsole(App[None]):
 
     def tick(self) -> None:
         """Sample the source and redraw (skipped while paused; the data keeps arriving)."""
+        if not self.is_running:
+            return  # shutting down: the widgets are being removed
         if self.paused:
             self._status()
             return
@@ -283,6 +285,8 @@ class KVPoolConsole(App[None]):
 
     def log_event(self, message: str, style: str = "") -> None:
         """Append an operator action or its result to the events log."""
+        if not self.is_running:
+            return
         self.query_one("#events-log", RichLog).write(
             Text(f"{_hms(self.clock())} {message}", style=style))
 
