@@ -44,12 +44,12 @@ def test_fleet(snap_compare: Callable[..., bool], size: tuple[int, int]) -> None
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_pool(snap_compare: Callable[..., bool], size: tuple[int, int]) -> None:
-    assert snap_compare(_app(), terminal_size=size, press=["2"])
+    assert snap_compare(_app(), terminal_size=size, press=["2", "_", "_"])
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_events(snap_compare: Callable[..., bool], size: tuple[int, int]) -> None:
-    assert snap_compare(_app(), terminal_size=size, press=["3"])
+    assert snap_compare(_app(), terminal_size=size, press=["3", "_", "_"])
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
