@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -134,20 +135,30 @@ def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPath
     p.store.close()
 
 
+def _four_free_ports() -> int:
+    """A port P with P..P+3 all free on 127.0.0.1 a moment ago (the hub binds all four)."""
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + 4):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+        return base
+    raise RuntimeError("no 4 consecutive free ports for the fleet hub")
+
+
 @pytest.fixture(scope="module")
 def hub() -> Iterator[FleetHub]:
     """A real fleet hub the loading engine's agents report to (ports P..P+3)."""
-    for _ in range(20):
-        h = FleetHub(f"tcp://127.0.0.1:{free_port()}")
-        try:
-            h.start()
-        except Exception:  # one of P+1..P+3 was taken: try another P
-            h.stop()
-            continue
+    with FleetHub(f"tcp://127.0.0.1:{_four_free_ports()}") as h:
         yield h
-        h.stop()
-        return
-    raise RuntimeError("no 4 consecutive free ports for the fleet hub")
 
 
 def _agents(hub: FleetHub, role: str, want: int = 1) -> list[EngineState]:
