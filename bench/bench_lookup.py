@@ -66,12 +66,13 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
     worker = KVPoolWorker(cfg, ParallelLayout(), model, backend)
     server = LookupServer(worker.lookup_chunks, lookup_rpc_port=port)
     sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), Reporter(0))
-    ids = iter(range(10**9))
     params = SamplingParams(max_tokens=1)
+    # New requests (no cached hashes), built outside the timed region.
+    reqs = iter([Request(f"r{i}", prompt, params, None) for i in range(iters + 1)])
     want = (len(prompt) - 1) // chunk * chunk
 
     def lookup() -> None:
-        req = Request(f"r{next(ids)}", prompt, params, None)
+        req = next(reqs)
         got, _ = sched.get_num_new_matched_tokens(req, 0)
         if got != want:
             raise RuntimeError(f"lookup found {got} tokens, expected {want}")
