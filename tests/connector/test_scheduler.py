@@ -292,3 +292,23 @@ def test_store_failure_is_reported_not_a_silent_miss(
     finally:
         e.close()
         b.close()
+
+
+def test_preempted_request_resumes_with_new_blocks(engine: Engine) -> None:
+    prompt = _prompt(80, 11)  # 5 whole chunks
+    req = _request("p", prompt)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    engine.sched.update_state_after_alloc(req, _blocks([0, 1]), 0)
+    new = NewRequestData.from_request(req, ([0, 1],))
+    (m,) = engine.sched.build_connector_meta(_output([new], {"p": 32})).requests
+    assert (m.save_from_chunk, m.save_to_chunk) == (0, 2)
+    # Preempted: the workers are told, so in-flight saves finish before blocks are reused.
+    out = _output([], {})
+    out.preempted_req_ids = {"p"}
+    assert engine.sched.build_connector_meta(out).preempted == {"p"}
+    # Resumed with a whole new block table; saving continues after the chunks already saved.
+    resumed = _cached("p", [7, 8, 9, 10, 11], 32)
+    resumed.resumed_req_ids = {"p"}
+    (m,) = engine.sched.build_connector_meta(_output([], {"p": 48}, resumed)).requests
+    assert m.block_ids == [7, 8, 9, 10, 11]
+    assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (2, 5, True)
