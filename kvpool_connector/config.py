@@ -21,7 +21,7 @@ from kvpool_connector.keys import normalize_model_name
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["AGENT_ADDRESS_ENV", "KVPoolConfig", "KVRole"]
+__all__ = ["AGENT_ADDRESS_ENV", "CONNECTOR_EXTRA_KEYS", "KVPoolConfig", "KVRole"]
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
@@ -55,6 +55,8 @@ class _ExtraFields(BaseModel):
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
+CONNECTOR_EXTRA_KEYS = _KNOWN
+"""The connector's own ``kv_connector_extra_config`` keys (``kvpool-config`` checks these)."""
 
 
 class KVPoolConfig(BaseModel):

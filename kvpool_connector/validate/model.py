@@ -21,6 +21,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpool_connector.backends.memcache import MemcacheConfig
+from kvpool_connector.backends.yuanrong import YuanrongConfig
+from kvpool_connector.config import CONNECTOR_EXTRA_KEYS
+
 __all__ = [
     "ASCEND_STORE_EXTRA_KEYS",
     "BACKENDS",
@@ -111,28 +115,18 @@ ASCEND_STORE_EXTRA_KEYS = frozenset(
 """``kv_connector_extra_config`` keys of AscendStoreConnector documented in vllm-ascend
 ``kv_pool.md`` and ``layerwise_kv_pool.md``."""
 
-KVPOOL_EXTRA_KEYS = frozenset(
-    {
-        "backend",
-        "chunk_size",
-        "use_layerwise",
-        "load_async",
-        "consumer_is_to_load",
-        "consumer_is_to_put",
-        "lookup_rpc_port",
-        "lookup_timeout_ms",
-        "layerwise_timeout_ms",
-        "agent_address",
-        "engine_id",
-    }
-)
-"""``kv_connector_extra_config`` keys of this project's KVPoolConnector
-(``kvpool_connector.config.KVPoolConfig``); backend keys (:data:`KVPOOL_BACKEND_KEYS`) may sit
-next to them."""
+KVPOOL_EXTRA_KEYS = CONNECTOR_EXTRA_KEYS
+"""``kv_connector_extra_config`` keys of this project's KVPoolConnector, taken from
+``kvpool_connector.config`` itself so the validator and the connector cannot drift; backend keys
+(:data:`KVPOOL_BACKEND_KEYS`) may sit next to them."""
 
-KVPOOL_BACKEND_KEYS = frozenset({"mooncake_config_path", "mooncake", "master_admin_url"})
-"""Backend keys KVPoolConnector's Mooncake backend reads from ``kv_connector_extra_config``
-(``kvpool_connector.backends.mooncake.MooncakeConfig.load``)."""
+KVPOOL_BACKEND_KEYS = frozenset(
+    {"mooncake_config_path", "mooncake", "master_admin_url"}
+    | {f"yuanrong_{name}" for name in YuanrongConfig.model_fields}
+    | {f"memcache_{name}" for name in MemcacheConfig.model_fields}
+)
+"""Backend keys KVPoolConnector's backends read from ``kv_connector_extra_config``
+(``MooncakeConfig.load``, ``YuanrongConfig.load``, ``MemcacheConfig.load``)."""
 
 _PORT_SCHEMA: dict[str, Any] = {
     "anyOf": [

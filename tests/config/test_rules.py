@@ -185,6 +185,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "layerwise_timeout_ms": 100,
         "agent_address": "tcp://127.0.0.1:7600",
         "engine_id": "e",
+        "lease_ttl_ms": 5000,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
