@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -236,31 +237,33 @@ class FleetHub:
         self.ctx = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
 
-        def sock(kind: int, endpoint: str) -> zmq.Socket[bytes]:
+        self.socks: list[zmq.Socket[bytes]] = []
+
+        def sock(
+            kind: int,
+            endpoint: str,
+            configure: Callable[[zmq.Socket[bytes]], None] | None = None,
+        ) -> zmq.Socket[bytes]:
+            # Tracked before bind: a socket left out of self.socks would make ctx.term() in
+            # _close() wait for it forever when a later bind fails.
             s: zmq.Socket[bytes] = self.ctx.socket(kind)
+            self.socks.append(s)
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
             s.setsockopt(zmq.SNDHWM, 1000)
+            s.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
             if kind == zmq.ROUTER:
                 s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if configure is not None:
+                configure(s)
             try:
                 s.bind(endpoint)
             except zmq.ZMQError as e:
-                s.close()
                 raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
             return s
 
-        self.socks: list[zmq.Socket[bytes]] = []
         self.agents_sock = sock(zmq.ROUTER, self.ports.agents)
-        self.socks.append(self.agents_sock)
-        self.pub = self.ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.pub.setsockopt(zmq.SNDHWM, 1000)
-        self.pub.bind(self.ports.pub)
-        self.socks.append(self.pub)
+        self.pub = sock(zmq.XPUB, self.ports.pub, lambda s: s.setsockopt(zmq.XPUB_VERBOSE, 1))
         self.plain = sock(zmq.ROUTER, self.ports.commands)
-        self.socks.append(self.plain)
         self.curve: zmq.Socket[bytes] | None = None
         if self.authorized_keys_dir is not None and self.secret_key_file is not None:
             if not self.authorized_keys_dir.is_dir():
@@ -274,16 +277,13 @@ class FleetHub:
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=str(self.authorized_keys_dir))
-            c: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
-            c.setsockopt(zmq.LINGER, 0)
-            c.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
-            c.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            c.curve_secretkey = secret
-            c.curve_publickey = public
-            c.curve_server = True
-            c.bind(self.ports.curve)
-            self.curve = c
-            self.socks.append(c)
+
+            def curve_server(c: zmq.Socket[bytes]) -> None:
+                c.curve_secretkey = secret
+                c.curve_publickey = public
+                c.curve_server = True
+
+            self.curve = sock(zmq.ROUTER, self.ports.curve, curve_server)
 
     def _close(self) -> None:
         for s in self.socks:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 import zmq
-from agent_testlib import make_source
+from agent_testlib import free_port_block, make_source
 
 from kvpool_agent import FleetClient, FleetHub, start_agent
 from kvpool_agent.hub import ENGINES_PER_UPDATE
@@ -312,3 +313,16 @@ def test_hub_restart_agents_and_console_reconnect(hub_address: str) -> None:
             assert second.fleet()[h.source.agent_id][0].lookup.lookups == 2
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize("taken", [0, 1, 2])
+def test_hub_port_in_use_is_a_clear_error_not_a_hang(taken: int) -> None:
+    """Every one of the hub's ports, the XPUB one included, fails start() with the address."""
+    base = free_port_block(4)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", base + taken))
+        blocker.listen()
+        t0 = time.monotonic()
+        with pytest.raises(zmq.ZMQError, match=f"cannot bind tcp://127.0.0.1:{base + taken}"):
+            FleetHub(f"tcp://127.0.0.1:{base}").start()
+        assert time.monotonic() - t0 < 5
