@@ -148,7 +148,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             key_scope=(cfg.model, layout) if backend is not None else None,
             drain=self._drain if backend is not None else None,
             pool_admin_url=getattr(backend_cfg, "admin_url", None),
-            lease_ttl_ms=cfg.lease_ttl_ms,
+            # A worker knows the master's TTL from its Mooncake config even when the
+            # connector's own lease_ttl_ms is unset.
+            lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
         )
         reporter: Reporter = self._agent.reporter
         return reporter

@@ -118,7 +118,8 @@ class MooncakeConfig(BaseModel):
     store_mode: Literal["embedded", "standalone"] = "embedded"
     master_admin_url: str | None = None
     eviction_high_watermark_ratio: float = Field(default=0.9, gt=0, le=1)
-    default_kv_lease_ttl: int = Field(default=5_000, ge=0)
+    # mooncake_master's own default (--default_kv_lease_ttl, ms).
+    default_kv_lease_ttl: int = Field(default=10_000, ge=0)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod

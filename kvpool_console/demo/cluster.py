@@ -207,7 +207,11 @@ class DemoCluster:
         sources = ([0] if n >= 2 else []) + both
         shares = {e: list(range(k, len(trace), len(sources))) for k, e in enumerate(sources)}
         pd_address = f"tcp://127.0.0.1:{free_port()}" if n >= 2 else ""
-        extra = mooncake_extra_config(self.master.address, self.master.admin_url)
+        extra = mooncake_extra_config(
+            self.master.address, self.master.admin_url,
+            lease_ttl_ms=self.default_kv_lease_ttl_ms,
+            high_watermark=self.eviction_high_watermark_ratio,
+        )
         go = self.workdir / "go"
         go.unlink(missing_ok=True)
         for e in range(n):

@@ -419,10 +419,12 @@ def run_replay(
         n_pools = n_eng if cfg.mode == "private" else 1
         masters: list[str] = []
         admin_urls: list[str | None] = []
+        lease_ttls: list[int | None] = []
         for _ in range(n_pools):
             if cfg.master_address:
                 masters.append(cfg.master_address)
                 admin_urls.append(None)
+                lease_ttls.append(None)
                 store = stack.enter_context(LocalPoolStore(cfg.master_address, segment))
             else:
                 m = LocalMooncakeMaster(
@@ -435,6 +437,7 @@ def run_replay(
                 rss.add("master", m.proc.pid)
                 masters.append(m.address)
                 admin_urls.append(m.admin_url)
+                lease_ttls.append(m.default_kv_lease_ttl_ms)
                 store = stack.enter_context(LocalPoolStore(m, segment))
             assert store.proc is not None
             rss.add("store", store.proc.pid)
@@ -455,8 +458,12 @@ def run_replay(
                 vocab_size=cfg.vocab_size, progress_every=cfg.progress_every,
                 result_path=str(work / f"engine-{i}.result.json"),
                 go_path=str(go), ready_path=str(work / f"engine-{i}.ready"),
-                extra_config=mooncake_extra_config(masters[i % n_pools],
-                                                   admin_urls[i % n_pools]),
+                extra_config=mooncake_extra_config(
+                    masters[i % n_pools], admin_urls[i % n_pools],
+                    lease_ttl_ms=lease_ttls[i % n_pools],
+                    high_watermark=None if cfg.master_address
+                    else cfg.eviction_high_watermark_ratio,
+                ),
             )
             proc = spawn_engine(spec, work)
             stack.callback(stop_process_tree, proc)
@@ -533,11 +540,19 @@ def run_replay(
     )
 
 
-def mooncake_extra_config(master_address: str, admin_url: str | None = None) -> dict[str, Any]:
+def mooncake_extra_config(
+    master_address: str,
+    admin_url: str | None = None,
+    *,
+    lease_ttl_ms: int | None = None,
+    high_watermark: float | None = None,
+) -> dict[str, Any]:
     """``kv_connector_extra_config`` keys for the Mooncake backend of a replay engine:
     Mooncake's standalone store mode (the engine contributes no segment; the replay's
     ``mooncake_client`` holds the pool memory), TCP on 127.0.0.1. ``admin_url`` (the master's
-    HTTP admin endpoint) lets the agent report pool usage and evictions."""
+    HTTP admin endpoint) lets the agent report pool usage and evictions; ``lease_ttl_ms`` and
+    ``high_watermark`` repeat the master's ``--default_kv_lease_ttl`` (ms) and
+    ``--eviction_high_watermark_ratio`` so lease expiries and watermark alerts are right."""
     mooncake: dict[str, Any] = {
         "local_hostname": "127.0.0.1",
         "metadata_server": "P2PHANDSHAKE",
@@ -547,9 +562,15 @@ def mooncake_extra_config(master_address: str, admin_url: str | None = None) -> 
         "local_buffer_size": "16MB",
         "store_mode": "standalone",
     }
+    extra: dict[str, Any] = {"backend": "mooncake", "mooncake": mooncake}
     if admin_url:
         mooncake["master_admin_url"] = admin_url
-    return {"backend": "mooncake", "mooncake": mooncake}
+    if lease_ttl_ms is not None:
+        mooncake["default_kv_lease_ttl"] = lease_ttl_ms
+        extra["lease_ttl_ms"] = lease_ttl_ms
+    if high_watermark is not None:
+        mooncake["eviction_high_watermark_ratio"] = high_watermark
+    return extra
 
 
 def _wait_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],

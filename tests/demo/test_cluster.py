@@ -48,13 +48,16 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             # Three engines, each a scheduler agent and a worker agent.
             fleet = client.wait_for(6, timeout_s=30)
             assert len(fleet) >= 6, sorted(fleet)
-            seen_in_flight: list[tuple[str, int, int]] = []
+            seen_in_flight: list[tuple[str, int, int, float | None]] = []
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 client.updates(200)
                 fleet = client.fleet()
                 for entry in fleet.values():
-                    seen_in_flight += [(t.kind, t.blocks, t.bytes) for t in entry.state.in_flight]
+                    seen_in_flight += [
+                        (t.kind, t.blocks, t.bytes, t.lease_expires_ms)
+                        for t in entry.state.in_flight
+                    ]
                 decode = fleet["decode-1/scheduler"].state
                 workers = [e.state for a, e in fleet.items() if not a.endswith("/scheduler")]
                 loaded = sum(w.transfers.loads_finished for w in workers)
@@ -83,9 +86,14 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             assert pool is not None
             assert 0 < pool.used_bytes <= pool.total_bytes
             assert pool.total_bytes >= 600_000 * 256
+            # The master's lease TTL and watermark reach the agents (lease alerts depend on it).
+            assert pool.lease_ttl_ms == cluster.default_kv_lease_ttl_ms
+            assert pool.high_watermark == cluster.eviction_high_watermark_ratio
             assert seen_in_flight
-            for kind, blocks, nbytes in seen_in_flight:
+            for kind, blocks, nbytes, lease_expires_ms in seen_in_flight:
                 assert kind in ("load", "save") and blocks > 0 and nbytes > 0
+                if kind == "load":
+                    assert lease_expires_ms is not None and lease_expires_ms > 0
 
             # The console's one-shot view of the same fleet.
             env = {**os.environ, "PYTHONPATH": str(REPO)}
