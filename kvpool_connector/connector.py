@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kvpool_connector.worker import KVPoolWorker
@@ -183,6 +184,10 @@ class KVPoolConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         """See ``KVPoolScheduler.request_finished``."""
         return self._sched().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: the workers' ``finished_recving`` ends those async loads."""
+        self._sched().loads_finished(connector_output.finished_recving or ())
 
     # ------------------------------------------------------------------ worker
 

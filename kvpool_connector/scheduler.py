@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -127,6 +128,9 @@ class KVPoolScheduler:
         self._pending_loads: dict[str, _PendingLoad] = {}
         # Async loads already sent to the workers: request id -> tokens the pool holds.
         self._sent_loads: dict[str, int] = {}
+        # Async loads sent to the workers whose finished_recving has not come back yet: the
+        # worker may still be writing into these requests' blocks.
+        self._loads_in_flight: set[str] = set()
         self._trackers: dict[str, _Tracker] = {}
         self._saving: set[str] = set()
 
@@ -273,6 +277,7 @@ class KVPoolScheduler:
         for rid in [r for r in self._pending_loads if r not in scheduled]:
             pending = self._pending_loads.pop(rid)
             self._sent_loads[rid] = pending.spec.kvpool_cached_tokens
+            self._loads_in_flight.add(rid)
             meta.requests.append(ReqMeta(req_id=rid, block_ids=pending.block_ids,
                                          chunk_hashes=pending.hashes, load=pending.spec))
 
@@ -300,19 +305,34 @@ class KVPoolScheduler:
         self._saving.add(rid)
         return req
 
+    def loads_finished(self, req_ids: Iterable[str]) -> None:
+        """Workers reported these async loads ended (vLLM's ``finished_recving``)."""
+        self._loads_in_flight.difference_update(req_ids)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """Forget the request; ``(True, None)`` keeps its blocks until the worker reports its
-        saves finished (``finished_sending``), ``(False, None)`` frees them now."""
+        saves finished (``finished_sending``) or, for a request aborted while its async load
+        was in flight, until the load's ``finished_recving`` (vLLM frees the blocks of a
+        finished request then); ``(False, None)`` frees them now."""
         rid = request.request_id
+        if rid in self._loads_in_flight:
+            # Freeing now would let vLLM hand the blocks to another request while the worker
+            # still writes this request's KV into them.
+            self._loads_in_flight.discard(rid)
+            self._forget(rid)
+            return True, None
+        self._forget(rid)
+        if rid in self._saving:
+            self._saving.discard(rid)
+            return True, None
+        return False, None
+
+    def _forget(self, rid: str) -> None:
         self._load_specs.pop(rid, None)
         self._hashes.pop(rid, None)
         self._pending_loads.pop(rid, None)
         self._sent_loads.pop(rid, None)
         self._trackers.pop(rid, None)
-        if rid in self._saving:
-            self._saving.discard(rid)
-            return True, None
-        return False, None
 
     def close(self) -> None:
         """Close the lookup client. Idempotent."""

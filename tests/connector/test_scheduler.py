@@ -228,13 +228,40 @@ def test_async_load_is_sent_before_the_request_runs(backend: MooncakeBackend) ->
         (m,) = e.sched.build_connector_meta(_output([], {})).requests
         assert m.req_id == "x" and m.block_ids == [5, 6, 7] and m.load is not None
         assert m.save_to_chunk == m.save_from_chunk
-        # vLLM's second call after the load completed carries 0 external tokens.
+        # The worker's finished_recving reaches the scheduler (update_connector_output); vLLM's
+        # second call after the load completed carries 0 external tokens.
+        e.sched.loads_finished({"x"})
         e.sched.update_state_after_alloc(req, _blocks([5, 6, 7, 8]), 0)
         new = NewRequestData.from_request(req, ([5, 6, 7, 8],))
         new.num_computed_tokens = 48
         # Not loaded again, and its 3 chunks are in the pool already: nothing to do.
         assert e.sched.build_connector_meta(_output([new], {"x": 12})).requests == []
         assert e.sched.request_finished(req, [5, 6, 7, 8]) == (False, None)
+    finally:
+        e.close()
+
+
+def test_abort_during_async_load_keeps_blocks_until_the_load_ends(
+    backend: MooncakeBackend,
+) -> None:
+    """A request aborted while its async load writes into its blocks must not free them:
+    vLLM frees a finished request's blocks when the load's finished_recving arrives."""
+    e = Engine(backend, 7205, load_async=True)
+    try:
+        for rid, seed in (("aborted", 8), ("done", 9)):
+            prompt = _prompt(60, seed)
+            e.store(prompt, 3)
+            req = _request(rid, prompt)
+            assert e.sched.get_num_new_matched_tokens(req, 0) == (48, True)
+            e.sched.update_state_after_alloc(req, _blocks([1, 2, 3]), 48)
+            (m,) = e.sched.build_connector_meta(_output([], {})).requests
+            assert m.req_id == rid and m.load is not None
+            if rid == "aborted":
+                assert e.sched.request_finished(req, [1, 2, 3]) == (True, None)
+            else:
+                # Load ended (finished_recving), then the request is aborted before it ran.
+                e.sched.loads_finished({rid})
+                assert e.sched.request_finished(req, [1, 2, 3]) == (False, None)
     finally:
         e.close()
 
