@@ -1,1 +1,3 @@
 """kvpool console: the Textual fleet console and its one-shot modes."""
+
+__all__: list[str] = []
