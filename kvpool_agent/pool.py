@@ -16,7 +16,45 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
 
-__all__ = ["fetch_mooncake_stats", "mooncake_master_health"]
+__all__ = ["fetch_mooncake_stats", "mooncake_master_health", "parse_master_metrics"]
+
+
+_SCALARS = {
+    "master_key_count": "keys",
+    "master_allocated_bytes": "used_bytes",
+    "master_total_capacity_bytes": "total_bytes",
+    "master_evicted_key_count": "evicted_keys",
+    "master_evicted_size_bytes": "evicted_bytes",
+}
+
+
+def parse_master_metrics(text: str, stats: PoolStats) -> None:
+    """Fill ``stats`` (keys, used/total bytes, evictions, segments) from the master's
+    ``/metrics`` Prometheus text.
+
+    Matches metric *families*: prometheus_client names the samples of a counter family
+    ``<family>_total`` (``master_evicted_key_count`` is exported as a counter without the
+    suffix), so sample names would never match.
+
+    Raises:
+        ValueError: ``text`` is not Prometheus text format.
+    """
+    segments: dict[str, SegmentUsage] = {}
+    for family in text_string_to_metric_families(text):
+        values = [s for s in family.samples if s.name in (family.name, f"{family.name}_total")]
+        if family.name in _SCALARS and values:
+            setattr(stats, _SCALARS[family.name], int(values[0].value))
+        elif family.name in ("segment_allocated_bytes", "segment_total_capacity_bytes"):
+            for s in values:
+                name = s.labels.get("segment", "?")
+                seg = segments.setdefault(
+                    name, SegmentUsage(name=name, used_bytes=0, total_bytes=0)
+                )
+                if family.name == "segment_allocated_bytes":
+                    seg.used_bytes = int(s.value)
+                else:
+                    seg.total_bytes = int(s.value)
+    stats.segments = sorted(segments.values(), key=lambda g: g.name)
 
 
 def fetch_mooncake_stats(
@@ -43,30 +81,7 @@ def fetch_mooncake_stats(
     http = client or httpx.Client(timeout=timeout_s)
     try:
         text = http.get(f"{admin_url}/metrics", timeout=timeout_s).raise_for_status().text
-        segments: dict[str, SegmentUsage] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                value = int(s.value)
-                if s.name == "master_key_count":
-                    stats.keys = value
-                elif s.name == "master_allocated_bytes":
-                    stats.used_bytes = value
-                elif s.name == "master_total_capacity_bytes":
-                    stats.total_bytes = value
-                elif s.name == "master_evicted_key_count":
-                    stats.evicted_keys = value
-                elif s.name == "master_evicted_size_bytes":
-                    stats.evicted_bytes = value
-                elif s.name in ("segment_allocated_bytes", "segment_total_capacity_bytes"):
-                    name = s.labels.get("segment", "?")
-                    seg = segments.setdefault(
-                        name, SegmentUsage(name=name, used_bytes=0, total_bytes=0)
-                    )
-                    if s.name == "segment_allocated_bytes":
-                        seg.used_bytes = value
-                    else:
-                        seg.total_bytes = value
-        stats.segments = sorted(segments.values(), key=lambda g: g.name)
+        parse_master_metrics(text, stats)
         check = mooncake_master_health(admin_url, client=http, timeout_s=timeout_s)
         stats.healthy = check.ok
         stats.health_detail = check.detail

@@ -63,7 +63,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
+from kvpool_agent.pool import parse_master_metrics
+from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_connector.backends.base import (
     Backend,
     BackendError,
@@ -427,31 +428,11 @@ class MooncakeBackend(Backend):
             out.healthy = False
             out.health_detail = f"{self.config.admin_url}/metrics: {exc}"
             return out
-        seg_used: dict[str, int] = {}
-        seg_total: dict[str, int] = {}
-        scalars = {
-            "master_key_count": "keys",
-            "master_allocated_bytes": "used_bytes",
-            "master_total_capacity_bytes": "total_bytes",
-            "master_evicted_key_count": "evicted_keys",
-            "master_evicted_size_bytes": "evicted_bytes",
-        }
         try:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in scalars:
-                        setattr(out, scalars[sample.name], int(sample.value))
-                    elif sample.name == "segment_allocated_bytes":
-                        seg_used[sample.labels.get("segment", "?")] = int(sample.value)
-                    elif sample.name == "segment_total_capacity_bytes":
-                        seg_total[sample.labels.get("segment", "?")] = int(sample.value)
+            parse_master_metrics(text, out)
         except ValueError as exc:
             out.health_detail = f"unparsable /metrics: {exc}"
             return out
-        out.segments = [
-            SegmentUsage(name=n, used_bytes=seg_used.get(n, 0), total_bytes=seg_total.get(n, 0))
-            for n in sorted(set(seg_used) | set(seg_total))
-        ]
         out.healthy = True
         return out
 

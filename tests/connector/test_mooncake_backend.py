@@ -167,6 +167,35 @@ def test_health_and_stats_from_the_master(client: tuple[MooncakeBackend, torch.T
     assert sum(s.used_bytes for s in after.segments) == after.used_bytes
 
 
+def test_evictions_are_reported_as_the_master_counts_them() -> None:
+    """Overfill a 16 MB segment whose leases expire at once: the master evicts, and stats()
+    and the agent's pool reader report exactly its (counter-typed) eviction metrics."""
+    from kvpool_agent.pool import fetch_mooncake_stats
+
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=1, eviction_ratio=0.2) as master:
+        b = _backend(master, "16MB")
+        try:
+            buf = torch.randint(0, 256, (MB,), dtype=torch.uint8)
+            b.register_buffer(buf.data_ptr(), buf.numel())
+            for i in range(40):
+                b.batch_put_from([f"evict-{i}"], [[buf.data_ptr()]], [[MB]])
+                time.sleep(0.01)
+            raw = httpx.get(f"{master.admin_url}/metrics").text
+            lines = dict(
+                ln.split(" ", 1) for ln in raw.splitlines() if ln.startswith("master_evicted")
+            )
+            evicted_keys = int(float(lines["master_evicted_key_count"]))
+            evicted_bytes = int(float(lines["master_evicted_size_bytes"]))
+            assert evicted_keys > 0 and evicted_bytes >= evicted_keys * MB
+            st = b.stats()
+            assert (st.evicted_keys, st.evicted_bytes) == (evicted_keys, evicted_bytes)
+            agent_view = fetch_mooncake_stats(master.admin_url)
+            assert (agent_view.evicted_keys, agent_view.evicted_bytes) == (
+                evicted_keys, evicted_bytes)
+        finally:
+            b.close()
+
+
 def test_remove_by_scope_counts_leases_and_keeps_other_scopes(
         client: tuple[MooncakeBackend, torch.Tensor]) -> None:
     b, buf = client
