@@ -4,8 +4,11 @@
 setup:
 	@bash scripts/setup.sh
 
+# Extra demo options, e.g. make demo DEMO_ARGS="--trace /data/conversation_trace.jsonl --engines 6"
+DEMO_ARGS ?=
+
 demo: setup
-	.venv/bin/kvpool-console --demo
+	.venv/bin/kvpool-console --demo $(DEMO_ARGS)
 
 test: setup
 	bash scripts/test.sh
