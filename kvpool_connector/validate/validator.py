@@ -34,7 +34,7 @@ from kvpool_connector.validate.model import (
     MooncakeClientConfig,
     UserConfig,
 )
-from kvpool_connector.validate.rules import Finding, json_path
+from kvpool_connector.validate.rules import EXPECTED_KV_ROLE, Finding, json_path
 
 __all__ = [
     "ASCEND_CONNECTORS",
@@ -299,25 +299,33 @@ def _connector_role_check(
                 )
             )
         return
-    if parent_role is not None and role is not None and role != parent_role:
+    # When the parent's own role is wrong for the instance (reported on the parent), children
+    # are held to the role the instance needs, so no two fixes point opposite ways.
+    needed = EXPECTED_KV_ROLE.get(instance or "")
+    target = needed if needed and parent_role != needed else parent_role
+    if target is not None and role is not None and role != target:
+        why = (
+            f"its MultiConnector has {parent_role!r}"
+            if target == parent_role
+            else f"a {instance} instance needs {target!r}"
+        )
         ctx.add(
             Finding(
                 "error",
                 "kv-role",
                 f"{path}.kv_role",
-                f"child connector {name} has kv_role {role!r} but its MultiConnector has "
-                f"{parent_role!r}",
-                f'set "kv_role": "{parent_role}"',
+                f"child connector {name} has kv_role {role!r} but {why}",
+                f'set "kv_role": "{target}"',
             )
         )
-    elif role is None and parent_role is not None:
+    elif role is None and target is not None:
         ctx.add(
             Finding(
                 "error",
                 "kv-role",
                 path,
                 f"child connector {name} has no kv_role: vLLM refuses it",
-                f'set "kv_role": "{parent_role}"',
+                f'set "kv_role": "{target}"',
             )
         )
 
