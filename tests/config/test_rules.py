@@ -48,6 +48,7 @@ ISSUE_RULES: dict[str, list[str]] = {
     ],
     "kv_role per instance; MultiConnector children agree with the parent": [
         "kv_role_prefill.json",
+        "kv_role_parent_only.json",
         "kv_role_plain.json",
         "child_role.json",
     ],
