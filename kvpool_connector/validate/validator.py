@@ -964,7 +964,19 @@ def _check_mooncake_store(
     ttl = store.get("default_kv_lease_ttl")
     ttl_ms = ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None
     fabric = False
-    if ctx.env is None:
+    if ttl is not None and ttl_ms is None:
+        # Compared as the default it would be silently replaced; mooncake_master reads a number.
+        example = int(ttl) if isinstance(ttl, str) and ttl.isdigit() else DEFAULT_LEASE_TTL_MS
+        ctx.add(
+            Finding(
+                "error",
+                "lease-ttl",
+                f"{base}.default_kv_lease_ttl",
+                f"default_kv_lease_ttl must be a whole number of milliseconds, got {ttl!r}",
+                f'write it as a number: "default_kv_lease_ttl": {example}',
+            )
+        )
+    elif ctx.env is None:
         ctx.add(
             Finding(
                 "info",

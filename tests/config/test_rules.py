@@ -66,6 +66,7 @@ ISSUE_RULES: dict[str, list[str]] = {
     ],
     "default_kv_lease_ttl exceeds ASCEND_CONNECT_TIMEOUT and ASCEND_TRANSFER_TIMEOUT": [
         "lease_ttl.json",
+        "lease_ttl_string.json",
         "env_timeout_units.env.json",
         "env_timeout_int.env.json",
     ],
