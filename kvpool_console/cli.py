@@ -5,25 +5,31 @@ Usage::
     kvpool-console [--hub ADDR] [--keys DIR] [--refresh S]          # the TUI
     kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm]
     kvpool-console status [--json] [--fail-on warning|critical]
-    kvpool-console health [ENGINE ... | --all] [--json]
+    kvpool-console health [ENGINE ... | --all] [--json] [--timeout-ms MS]
     kvpool-console flush --scope model|engine|all [--model M] [--engine E]
-                         [--dry-run] [--force] [--yes]
+                         [--dry-run] [--force] [--yes] [--timeout-ms MS]
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
-console uses P+1..P+3). ``--keys`` is a ``kvpool-agent keygen`` directory holding the operator
-key; without it the console is read-only (a real flush is refused before anything is sent).
+console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
+``--keys`` is a ``kvpool-agent keygen`` directory holding the operator key; without it the
+console is read-only (a real flush is refused before anything is sent).
 
 Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, or a
-flush reported errors; 2 usage error or hub not reachable; 3 refused (read-only, not confirmed).
+flush reported errors; 2 usage error, hub not reachable or demo not startable (bad trace or
+option); 3 refused (read-only, not confirmed); 128+N left on signal N (SIGHUP, SIGTERM), after
+stopping everything a demo started and restoring the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -43,24 +49,61 @@ DEFAULT_HUB = "tcp://127.0.0.1:7600"
 
 EXIT_OK, EXIT_ALERT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 
+PIPE_WIDTH = 200
+"""Table width when stdout is not a terminal (Rich would assume 80 columns and squeeze the
+status table's 13 columns to a letter each)."""
+
+FLUSH_TIMEOUT_MS = 30_000
+"""Default ``flush --timeout-ms``: a flush of a loaded pool (dry run, then the removal) takes
+longer than the 5 s other commands get."""
+
+
+def _common(top: bool) -> argparse.ArgumentParser:
+    """Options accepted both before and after the command. Only the top level has defaults:
+    a subparser's default would overwrite a value given before the command."""
+    def default(value: object) -> object:
+        return value if top else argparse.SUPPRESS
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--hub", default=default(None),
+                        help=f"hub address tcp://HOST:P (default $KVPOOL_HUB or {DEFAULT_HUB})")
+    common.add_argument("--keys", default=default(None), metavar="DIR",
+                        help="operator key directory (kvpool-agent keygen); omit: read-only")
+    common.add_argument("--wait", type=float, default=default(3.0), metavar="S",
+                        help="seconds to wait for the hub's first snapshot (default 3)")
+    return common
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``low`` (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--hub", default=os.environ.get("KVPOOL_HUB", DEFAULT_HUB),
-                        help="hub address tcp://HOST:P (default $KVPOOL_HUB or %(default)s)")
-    common.add_argument("--keys", default=None, metavar="DIR",
-                        help="operator key directory (kvpool-agent keygen); omit: read-only")
-    common.add_argument("--wait", type=float, default=3.0, metavar="S",
-                        help="seconds to wait for the hub's first snapshot (default 3)")
-    p = argparse.ArgumentParser(prog="kvpool-console", parents=[common],
+    common = _common(top=False)
+    p = argparse.ArgumentParser(prog="kvpool-console", parents=[_common(top=True)],
                                 description="Watch and operate a kvpool KV-cache pool fleet.")
     p.add_argument("--refresh", type=float, default=1.0, metavar="S",
                    help="TUI redraw interval in seconds (default 1; + / - change it live)")
     p.add_argument("--demo", action="store_true",
                    help="start a local mooncake_master, engines replaying a trace, and watch them")
-    p.add_argument("--trace", default=None, help="demo trace (default: the conversation trace)")
-    p.add_argument("--engines", type=int, default=4, help="demo engines (default 4)")
-    p.add_argument("--speedup", type=float, default=20.0,
+    p.add_argument("--trace", default=None,
+                   help="demo trace (default: conversation_trace.jsonl in $KVPOOL_TRACES_DIR "
+                        "or ../shared/traces)")
+    p.add_argument("--engines", type=_at_least(1), default=4, help="demo engines (default 4)")
+    p.add_argument("--speedup", type=_non_negative, default=20.0,
                    help="demo replay speed-up: trace time / wall time (default 20)")
     p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm"), default="sim",
                    help="demo engine kind (default sim)")
@@ -73,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     he.add_argument("engines", nargs="*", metavar="ENGINE", help="engine ids (default: all)")
     he.add_argument("--all", action="store_true", help="every engine")
     he.add_argument("--json", action="store_true")
+    he.add_argument("--timeout-ms", type=_at_least(1), default=5_000, metavar="MS",
+                    help="how long to wait for the agents' replies (default 5000)")
     fl = sub.add_parser("flush", parents=[common], help="remove pool entries of a scope")
     fl.add_argument("--scope", choices=("model", "engine", "all"), required=True)
     fl.add_argument("--model", default=None, help="model name (scope model)")
@@ -81,7 +126,17 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--force", action="store_true", help="also remove leased entries")
     fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     fl.add_argument("--json", action="store_true")
+    fl.add_argument("--timeout-ms", type=_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
+                    help=f"how long to wait for each flush round (default {FLUSH_TIMEOUT_MS})")
     return p
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` and resolve ``--hub``: the command line (either position), else
+    ``$KVPOOL_HUB``, else ``DEFAULT_HUB``."""
+    args = _parser().parse_args(argv)
+    args.hub = args.hub or os.environ.get("KVPOOL_HUB") or DEFAULT_HUB
+    return args
 
 
 def status_document(view: FleetView) -> dict[str, Any]:
@@ -159,7 +214,7 @@ def _health(args: argparse.Namespace, src: FleetSource, out: Console, err: Conso
                       f"{', '.join(sorted(known)) or 'none'}[/red]")
             return EXIT_USAGE
         targets = sorted(a for a, s in states.items() if s.source.engine_id in args.engines)
-    replies = src.command("health", targets=targets)
+    replies = src.command("health", targets=targets, timeout_ms=args.timeout_ms)
     failed = any(not r.ok or r.health is None or not r.health.ok for r in replies)
     if args.json:
         sys.stdout.write(msgspec.json.encode(replies).decode() + "\n")
@@ -203,7 +258,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
         return EXIT_REFUSED
     fa = FlushArgs(scope=args.scope, model=args.model, engine_id=args.engine_id,
                    dry_run=True, force=args.force)
-    dry = src.command("flush", flush=fa)
+    dry = src.command("flush", flush=fa, timeout_ms=args.timeout_ms)
     line, ok = _flush_line(dry)
     docs: list[Any] = [msgspec.to_builtins(dry)]
     if not args.json:
@@ -220,7 +275,8 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
         if answer.strip().lower() not in ("y", "yes"):
             err.print("not flushed")
             return EXIT_REFUSED
-    done = src.command("flush", flush=msgspec.structs.replace(fa, dry_run=False))
+    done = src.command("flush", flush=msgspec.structs.replace(fa, dry_run=False),
+                       timeout_ms=args.timeout_ms)
     line, ok = _flush_line(done)
     if args.json:
         sys.stdout.write(msgspec.json.encode(
@@ -230,37 +286,118 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
     return EXIT_OK if ok else EXIT_ALERT
 
 
-def _run_tui(source: FleetSource, refresh_s: float) -> None:
+class _Stopped(Exception):
+    """SIGHUP or SIGTERM arrived while no TUI was running (e.g. during the demo's start-up)."""
+
+
+class _Signals:
+    """SIGHUP/SIGTERM turn into an orderly exit instead of killing the process on the spot, so
+    ``finally`` blocks run: the demo's processes and work directory are removed and Textual
+    restores the terminal. ``signum`` is the signal that arrived (None: none)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.app: Any = None
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is not None:
+            return  # already stopping: a second signal must not abort the clean-up
+        self.signum = signum
+        if signum == signal.SIGHUP:
+            # The terminal is gone (SSH dropped): point stdio at /dev/null so Textual's
+            # shutdown writes nowhere instead of blocking or failing on the dead tty.
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+        loop = getattr(self.app, "_loop", None) if self.app is not None else None
+        if loop is None:
+            raise _Stopped(f"signal {signum}")
+        # The handler runs between two steps of Textual's event loop: ask the loop to exit
+        # the app rather than touching its message queue from here.
+        loop.call_soon_threadsafe(self.app.exit)
+
+
+@contextlib.contextmanager
+def _signals() -> Iterator[_Signals]:
+    """Route SIGHUP and SIGTERM to a ``_Signals`` for the duration of the block."""
+    sig = _Signals()
+    before = {s: signal.signal(s, sig.handle) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        yield sig
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals) -> None:
     from kvpool_console.app import KVPoolConsole
 
-    app = KVPoolConsole(source, refresh_s=refresh_s)
-
-    def hangup(signum: int, _frame: object) -> None:
-        # The terminal is gone (SSH dropped): there is nothing left to draw or restore, and
-        # Textual's shutdown can block writing to the dead tty. Release the sockets and leave.
-        source.close()
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGHUP, hangup)
-    app.run()
+    sig.app = KVPoolConsole(source, refresh_s=refresh_s)
+    try:
+        sig.app.run()
+    finally:
+        sig.app = None
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, err: Console, sig: _Signals) -> int:
     from kvpool_console.demo import DemoCluster
+    from kvpool_console.demo.trace import TraceError, default_trace_path
 
-    with DemoCluster(args.trace, engines=args.engines, speedup=args.speedup,
-                     engine_kind=args.engine_kind) as cluster:
-        _run_tui(ClientSource(cluster.hub_address, keys_dir=str(cluster.keys_dir), pump=True),
-                 args.refresh)
+    trace = Path(args.trace) if args.trace else default_trace_path()
+    if not trace.is_file():
+        origin = "--trace" if args.trace else "the default trace"
+        err.print(f"[red]kvpool-console --demo: {origin} {trace} not found: pass --trace PATH "
+                  "or set KVPOOL_TRACES_DIR to the directory holding "
+                  "conversation_trace.jsonl (the Mooncake traces)[/red]")
+        return EXIT_USAGE
+
+    def progress(line: str) -> None:
+        # Start-up takes tens of seconds before the TUI can draw: say what is happening.
+        err.print(f"kvpool-console --demo: {line}", markup=False, highlight=False)
+
+    cluster = DemoCluster(trace, engines=args.engines, speedup=args.speedup,
+                          engine_kind=args.engine_kind, progress=progress)
+    # Not ``with cluster``: a failing start() (bad trace) would skip __exit__ and leave the
+    # work directory behind; start() already stops what it started, cleanup() removes the rest.
+    try:
+        try:
+            cluster.start()
+        except TraceError as e:
+            err.print(f"[red]kvpool-console --demo: --trace {trace} is not a valid Mooncake "
+                      f"trace: {e}; pass --trace PATH to a valid one[/red]")
+            return EXIT_USAGE
+        except FileNotFoundError as e:
+            err.print(f"[red]kvpool-console --demo: {e}[/red]")
+            return EXIT_USAGE
+        src = ClientSource(cluster.hub_address, keys_dir=str(cluster.keys_dir), pump=True)
+        try:
+            _run_tui(src, args.refresh, sig)
+        finally:
+            src.close()
+    finally:
+        cluster.stop()
+        cluster.cleanup()
     return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvpool-console``; returns the exit status (see module docstring)."""
-    args = _parser().parse_args(argv)
-    out, err = Console(), Console(stderr=True)
+    args = _parse(argv)
+    out = Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
+    # soft_wrap: an error is one line even when stderr is a pipe (Rich would wrap at 80).
+    err = Console(stderr=True, soft_wrap=True)
+    with _signals() as sig:
+        rc = EXIT_OK
+        # The finally blocks on the way out of _run stopped whatever it had started.
+        with contextlib.suppress(_Stopped):
+            rc = _run(args, out, err, sig)
+        return 128 + sig.signum if sig.signum is not None else rc
+
+
+def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) -> int:
     if args.demo:
-        return _demo(args)
+        return _demo(args, err, sig)
     src = _connect(args, err)
     if src is None:
         return EXIT_USAGE
@@ -271,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _health(args, src, out, err)
         if args.cmd == "flush":
             return _flush(args, src, out, err)
-        _run_tui(src, args.refresh)
+        _run_tui(src, args.refresh, sig)
         return EXIT_OK
     finally:
         src.close()

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -98,6 +99,8 @@ class DemoCluster:
         eviction_high_watermark_ratio: the master's eviction watermark.
         default_kv_lease_ttl_ms: the master's lease TTL.
         log_dir: where engine/master/store logs go (a temp dir by default).
+        progress: called with one line per start-up phase (master, hub, engines, waiting), so
+            a caller can show what the start-up is doing; ``None``: silent.
 
     Attributes (after ``start()``): ``hub_address`` (agents' and consoles' hub address),
     ``keys_dir`` (operator keys, ``kvpool-agent keygen`` layout), ``master``
@@ -118,12 +121,15 @@ class DemoCluster:
         speedup: float = 20.0,
         engine_kind: Literal["sim", "vllm"] = "sim",
         limit: int | None = None,
-        pool_tokens: int = 400_000,
+        # 512 MiB at DEMO_SHAPE: at the default speed-up the hit rate climbs for a minute or
+        # two before the pool reaches the watermark and evictions start.
+        pool_tokens: int = 2_000_000,
         shape: ModelShape = DEMO_SHAPE,
         chunk_size: int = 512,
         eviction_high_watermark_ratio: float = 0.9,
         default_kv_lease_ttl_ms: int = 5_000,
         log_dir: str | Path | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
@@ -141,6 +147,7 @@ class DemoCluster:
         self.chunk_size = chunk_size
         self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
         self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
+        self._progress = progress
         self._own_tmp = log_dir is None
         self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
         self.keys_dir = self.workdir / "keys"
@@ -176,6 +183,7 @@ class DemoCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         keys = generate_keys(self.keys_dir, force=True)
         self.hub_address = _free_hub_address()
+        self._say(f"starting fleet hub on {self.hub_address}")
         hub = FleetHub(self.hub_address, authorized_keys_dir=keys.authorized_dir,
                        secret_key_file=keys.server_secret,
                        audit_file=self.workdir / "audit.jsonl")
@@ -186,6 +194,7 @@ class DemoCluster:
             default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
             log_dir=self.workdir / "master",
         )
+        self._say("starting mooncake_master on 127.0.0.1")
         self.master.start()
         assert self.master.proc is not None
         self._started_pids.add(self.master.proc.pid)
@@ -196,6 +205,7 @@ class DemoCluster:
 
             model = str(build_tiny_model(_tiny_model_dir()))
             self.shape = TINY_VLLM_SHAPE
+        self._say(f"starting mooncake_client pool store (master {self.master.address})")
         self.store = LocalPoolStore(self.master, pool_bytes_for_tokens(self.pool_tokens,
                                                                        self.shape),
                                     log_dir=self.workdir)
@@ -214,6 +224,7 @@ class DemoCluster:
         )
         go = self.workdir / "go"
         go.unlink(missing_ok=True)
+        self._say(f"starting {n} {self.engine_kind} engine(s) replaying {self.trace_path}")
         for e in range(n):
             kw: dict[str, str | int] = {}
             if n >= 2 and e == 0:
@@ -238,8 +249,13 @@ class DemoCluster:
             proc = self._spawn(spec)
             self.processes[eid] = proc
             self._started_pids.add(proc.pid)
+        self._say(f"waiting for engines to be ready (up to {ready_timeout_s:.0f} s)")
         self._wait_ready(ready_timeout_s)
         go.write_text(f"{time.time():.6f}")
+
+    def _say(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress(line)
 
     def _spawn(self, spec: EngineSpec) -> subprocess.Popen[bytes]:
         # Engine output goes to a log file: the console owns the terminal.
