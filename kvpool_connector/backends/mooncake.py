@@ -104,6 +104,9 @@ def parse_size(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+_CHUNK_HASH = re.compile(r"@[0-9a-f]{32}(?=(?:@L\d+)?$)")
+"""The chunk-hash component of a ``PoolKey``/``LayerPoolKey`` string (see ``keys``)."""
+
 class MooncakeConfig(BaseModel):
     """Validated Mooncake client settings (see the module docstring for each field)."""
 
@@ -347,10 +350,11 @@ class MooncakeBackend(Backend):
         """Count and remove the keys matching ``pattern`` (a regex, ``re.search`` semantics,
         anchored by the caller as ``keys.model_pattern`` does).
 
-        Keys are listed with the master's ``/get_all_keys``. A dry run sums their sizes with
-        ``/query_key``, which, like every read, grants each key a lease of
-        ``default_kv_lease_ttl``: a real flush right after a dry run skips them until it ends
-        (or pass ``force``). A real run calls ``remove_by_regex(pattern, force)``;
+        Keys are listed with the master's ``/get_all_keys``. A dry run sizes one key of each
+        model+layout(+layer) group with ``/query_key`` (all chunk keys of a group have one
+        size); that read, like every read, grants the key a lease of ``default_kv_lease_ttl``,
+        so a real flush right after a dry run skips at most one key per group (or pass
+        ``force``). A real run calls ``remove_by_regex(pattern, force)``;
         ``skipped_leased`` counts matched keys still present afterwards and ``bytes`` is what
         the master's ``master_allocated_bytes`` dropped by plus the sizes of those skipped keys.
 
@@ -365,7 +369,17 @@ class MooncakeBackend(Backend):
         try:
             matched = [k for k in self._all_keys() if rx.search(k)]
             if dry_run:
-                return RemoveResult(keys=len(matched), bytes=sum(map(self._key_size, matched)))
+                # Every read grants a lease (default_kv_lease_ttl), so size one key per
+                # model+layout(+layer) group: all chunk keys of a group have one size, and an
+                # unforced flush right after skips at most one key per group.
+                sizes: dict[str, int] = {}
+                total = 0
+                for k in matched:
+                    group = _CHUNK_HASH.sub("", k, count=1)
+                    if group not in sizes:
+                        sizes[group] = self._key_size(k)
+                    total += sizes[group]
+                return RemoveResult(keys=len(matched), bytes=total)
             before = self._allocated_bytes()
             removed = self._call("remove_by_regex", self._store.remove_by_regex, pattern, force)
             if removed < 0:

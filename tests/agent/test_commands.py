@@ -95,18 +95,21 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert (r.flush.dry_run, r.flush.keys, r.flush.bytes) == (True, 3, 3 * VALUE)
         assert r.flush.removed_keys == 0
         assert set(pool["tp0"]) <= _all_keys(agent_master)
-        # Sizing a key reads it, and every Mooncake read grants default_kv_lease_ttl: right
-        # after a dry run those keys are leased, so an unforced flush skips them.
+        # The dry run sized one key of the shard (every Mooncake read grants
+        # default_kv_lease_ttl): an unforced flush right after skips only that one.
         before = _all_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="engine", engine_id="eng-f", dry_run=False),
         )
         assert r.ok and r.flush is not None
-        assert (r.flush.removed_keys, r.flush.skipped_leased) == (0, 3), r
-        assert _all_keys(agent_master) == before
+        assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1), r
+        leased = set(pool["tp0"]) & _all_keys(agent_master)
+        assert len(leased) == 1
+        assert _all_keys(agent_master) == before - (set(pool["tp0"]) - leased)
 
         # Model scope: every key of the other model, nothing else.
+        before = _all_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False),
@@ -116,11 +119,11 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert _all_keys(agent_master) == before - set(pool["other_keys"])
 
         # Model scope of this agent's own model (no model given): the tp1 shard goes, the
-        # leased tp0 shard stays.
+        # leased tp0 key stays.
         before = _all_keys(agent_master)
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="model", dry_run=False))
         assert r.ok and r.flush is not None
-        assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 3)
+        assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1)
         assert _all_keys(agent_master) == before - set(pool["tp1"])
 
         # Forced engine scope removes the leased shard.
@@ -128,7 +131,7 @@ def test_flush_scopes_remove_exactly_their_keys(
         (r,) = op.command(
             "flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False, force=True)
         )
-        assert r.ok and r.flush is not None and r.flush.removed_keys == 3
+        assert r.ok and r.flush is not None and r.flush.removed_keys == 1
         assert _all_keys(agent_master) == before - set(pool["tp0"])
 
         # Keys outside kvpool's namespace are never touched, not even by scope "all".
@@ -141,7 +144,7 @@ def test_flush_scopes_remove_exactly_their_keys(
     flushes = [a for a in audit if a["command"] == "flush"]
     assert len(flushes) == 6
     assert all(a["who"].startswith("key:") and not a["refused"] for a in flushes)
-    assert flushes[4]["flush"]["force"] and flushes[4]["results"][0]["flush"]["removed_keys"] == 3
+    assert flushes[4]["flush"]["force"] and flushes[4]["results"][0]["flush"]["removed_keys"] == 1
 
 
 def test_leased_keys_are_skipped_unless_forced(
