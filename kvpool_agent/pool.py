@@ -121,7 +121,8 @@ def mooncake_master_health(
         ready = body.get("service_ready", True) if isinstance(body, dict) else True
         ok = status == "ok" and ready is not False
         return HealthCheck(
-            name="master", ok=ok, latency_ms=ms, detail=f"{admin_url}/health: {r.text[:200]}"
+            name="master", ok=ok, latency_ms=ms,
+            detail=f"HTTP {r.status_code} {admin_url}/health: {r.text.strip()[:200]}",
         )
     except httpx.HTTPError as e:
         ms = (time.perf_counter() - t0) * 1e3

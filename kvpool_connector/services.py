@@ -24,7 +24,20 @@ from types import TracebackType
 import httpx
 import psutil
 
-__all__ = ["LocalMooncakeMaster", "LocalYuanrongWorker", "free_port"]
+__all__ = [
+    "LocalMooncakeMaster",
+    "LocalYuanrongWorker",
+    "free_port",
+    "tail_file",
+]
+
+
+def tail_file(path: Path, n: int = 20) -> str:
+    """The last ``n`` lines of a service's log, for error messages; ``""`` if unreadable."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,7 +134,8 @@ class LocalMooncakeMaster:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"mooncake_master exited ({self.proc.returncode}):\n{self._tail()}"
+                    f"mooncake_master exited ({self.proc.returncode}):\n"
+                    f"{tail_file(self.log_path)}"
                 )
             try:
                 if httpx.get(f"{self.admin_url}/health", timeout=1.0).status_code == 200:
@@ -131,14 +145,9 @@ class LocalMooncakeMaster:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(
-            f"mooncake_master did not become healthy in {timeout_s}s:\n{self._tail()}"
+            f"mooncake_master did not become healthy in {timeout_s}s:\n"
+            f"{tail_file(self.log_path)}"
         )
-
-    def _tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
 
     def kill(self) -> None:
         """SIGKILL the master (a crash, for failure tests)."""
@@ -262,17 +271,12 @@ class LocalYuanrongWorker:
         if proc.returncode != 0 or found is None:
             self._kill_by_address()
             raise RuntimeError(
-                f"dscli start failed (exit {proc.returncode}):\n{output[-2000:]}\n{self._tail()}"
+                f"dscli start failed (exit {proc.returncode}):\n{output[-2000:]}\n"
+                f"{tail_file(self.log_dir / 'datasystem_worker.INFO.log')}"
             )
         self.pid = int(found.group(1))
         return self
 
-    def _tail(self, n: int = 20) -> str:
-        try:
-            log = self.log_dir / "datasystem_worker.INFO.log"
-            return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
 
     def _alive(self) -> bool:
         if self.pid is None:

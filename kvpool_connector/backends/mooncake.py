@@ -63,7 +63,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvpool_agent.pool import parse_master_metrics
+from kvpool_agent.pool import mooncake_master_health, parse_master_metrics
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_connector.backends.base import (
     Backend,
@@ -419,14 +419,7 @@ class MooncakeBackend(Backend):
             code, detail = -1, f"health_check raised {exc!r}"
         checks.append(HealthCheck(name="client", ok=code == 0, code=code, detail=detail,
                                   latency_ms=(time.perf_counter() - t0) * 1e3))
-        t0 = time.perf_counter()
-        try:
-            r = self._http.get(f"{self.config.admin_url}/health")
-            ok, detail = r.status_code == 200, f"HTTP {r.status_code} {r.text.strip()[:80]}"
-        except httpx.HTTPError as exc:
-            ok, detail = False, f"{self.config.admin_url}/health unreachable: {exc}"
-        checks.append(HealthCheck(name="master", ok=ok, detail=detail,
-                                  latency_ms=(time.perf_counter() - t0) * 1e3))
+        checks.append(mooncake_master_health(self.config.admin_url, client=self._http))
         return checks
 
     def stats(self) -> PoolStats:

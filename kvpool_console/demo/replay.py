@@ -28,8 +28,10 @@ import httpx
 import msgspec
 import psutil
 
+from kvpool_agent.pool import parse_master_metrics
+from kvpool_agent.protocol import PoolStats
 from kvpool_connector.keys import chunk_hashes
-from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_connector.services import LocalMooncakeMaster, free_port, tail_file
 from kvpool_console.demo.engine import EngineResult, EngineSpec, ModelShape
 from kvpool_console.demo.reference import ReuseResult, lru_hits, prefix_ceiling
 from kvpool_console.demo.tokens import DEFAULT_VOCAB_SIZE, request_tokens
@@ -155,13 +157,13 @@ class LocalPoolStore:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n"
-                                   f"{self._tail()}")
+                                   f"{tail_file(self.log_path)}")
             if self._mounted():
                 return self
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"mooncake_client did not mount its segment in {timeout_s}s:\n"
-                           f"{self._tail()}")
+                           f"{tail_file(self.log_path)}")
 
     def _mounted(self) -> bool:
         if self.admin_url is None:
@@ -170,14 +172,12 @@ class LocalPoolStore:
             text = httpx.get(f"{self.admin_url}/metrics", timeout=1.0).text
         except httpx.HTTPError:
             return False
-        return any(line.startswith("master_total_capacity_bytes") and
-                   float(line.split()[-1]) >= self.segment_bytes for line in text.splitlines())
-
-    def _tail(self, n: int = 20) -> str:
+        stats = PoolStats(backend="mooncake")
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+            parse_master_metrics(text, stats)
+        except ValueError:
+            return False
+        return stats.total_bytes >= self.segment_bytes
 
     def stop(self) -> None:
         """Stop the store (its segment, and every object in it, goes away). Idempotent."""
