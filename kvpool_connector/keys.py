@@ -33,6 +33,7 @@ __all__ = [
     "layout_pattern",
     "model_pattern",
     "normalize_model_name",
+    "shard_prefix",
 ]
 
 KEY_PREFIX = "kvpool@"
@@ -88,7 +89,7 @@ class PoolKey:
     chunk_hash: str
 
     def __str__(self) -> str:
-        return f"{KEY_PREFIX}{self.model}@{self.layout}@{self.chunk_hash}"
+        return shard_prefix(self.model, self.layout) + self.chunk_hash
 
     def layer(self, layer_id: int) -> LayerPoolKey:
         return LayerPoolKey(self, layer_id)
@@ -105,6 +106,12 @@ class LayerPoolKey:
         return f"{self.chunk}@L{self.layer_id}"
 
 
+def shard_prefix(model: str, layout: ParallelLayout) -> str:
+    """What every key of one shard starts with: ``kvpool@<model>@<layout>@``; a chunk key is
+    this plus the chunk hash. ``model`` must already be normalised."""
+    return f"{KEY_PREFIX}{model}@{layout}@"
+
+
 def model_pattern(model: str) -> str:
     """Anchored regex matching every key of ``model`` (any layout, any layer)."""
     return "^" + re.escape(f"{KEY_PREFIX}{normalize_model_name(model)}@")
@@ -112,7 +119,7 @@ def model_pattern(model: str) -> str:
 
 def layout_pattern(model: str, layout: ParallelLayout) -> str:
     """Anchored regex matching every key one shard (model + layout) writes."""
-    return "^" + re.escape(f"{KEY_PREFIX}{normalize_model_name(model)}@{layout}@")
+    return "^" + re.escape(shard_prefix(normalize_model_name(model), layout))
 
 
 def chunk_hashes(

@@ -44,7 +44,7 @@ from kvpool_agent.reporter import Reporter
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.device import DeviceSync, device_sync_for
 from kvpool_connector.errors import error_name
-from kvpool_connector.keys import ParallelLayout, PoolKey, normalize_model_name
+from kvpool_connector.keys import ParallelLayout, PoolKey, normalize_model_name, shard_prefix
 from kvpool_connector.layout import KVLayout, LayerLayout, ranges_for_blocks
 from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta
 
@@ -284,11 +284,11 @@ class KVPoolWorker:
             [layer.index for layer in self._require_kv().layers]
             if self.config.use_layerwise else [None]
         )
-        keys: list[str] = []
-        for h in chunk_hashes:
-            for lay in self._rank_layouts:
-                base = self._chunk_key(h, lay)
-                keys.extend(str(base) if i is None else str(base.layer(i)) for i in layers)
+        # Hot path (one scheduler lookup per request): plain string joins on prefixes built
+        # once, the same strings str(PoolKey)/str(LayerPoolKey) give.
+        prefixes = [shard_prefix(self.model, lay) for lay in self._rank_layouts]
+        suffixes = ["" if i is None else f"@L{i}" for i in layers]
+        keys = [p + h + sfx for h in chunk_hashes for p in prefixes for sfx in suffixes]
         results = self.backend.batch_exists(keys)
         per_chunk = len(self._rank_layouts) * len(layers)
         for n in range(len(chunk_hashes)):
