@@ -64,7 +64,7 @@ def _source(name: str) -> Source:
     return Source(
         agent_id=f"{name}/dp0.tp0.pp0",
         engine_id=name,
-        instance_role="both",
+        instance_role="mixed",
         kv_role="kv_both",
         process_role="worker",
         pid=os.getpid(),

@@ -5,14 +5,15 @@
 - ``FleetClient``: what a console uses to watch the fleet and send commands.
 """
 
-from kvpool_agent.agent import ENV_ADDRESS, AgentHandle, start_agent
+from kvpool_agent.agent import AgentHandle, start_agent
 from kvpool_agent.auth import KeyPaths, generate_keys
 from kvpool_agent.client import FleetClient, FleetEntry
 from kvpool_agent.hub import UNAUTHORISED, FleetHub, hub_ports
 from kvpool_agent.reporter import Reporter
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
 
 __all__ = [
-    "ENV_ADDRESS",
+    "AGENT_ADDRESS_ENV",
     "UNAUTHORISED",
     "AgentHandle",
     "FleetClient",

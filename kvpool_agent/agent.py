@@ -48,6 +48,7 @@ from kvpool_agent.protocol import (
     encode,
 )
 from kvpool_agent.reporter import Reporter
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
 from kvpool_connector.keys import ParallelLayout
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DELTA_INTERVAL_S",
-    "ENV_ADDRESS",
     "SNAPSHOT_INTERVAL_S",
     "AgentHandle",
     "start_agent",
@@ -64,7 +64,6 @@ __all__ = [
 
 log = logging.getLogger("kvpool.agent")
 
-ENV_ADDRESS = "KVPOOL_AGENT_ADDRESS"
 """Environment variable naming the hub address when ``start_agent(address=None)``."""
 
 DELTA_INTERVAL_S = 0.25
@@ -471,7 +470,7 @@ def start_agent(
         gives a disabled handle, so the engine always starts.
     """
     try:
-        address = address or os.environ.get(ENV_ADDRESS) or None
+        address = address or os.environ.get(AGENT_ADDRESS_ENV) or None
         if not address:
             return AgentHandle(Reporter(capacity=0), source)
         agent = _Agent(
@@ -494,6 +493,6 @@ def start_agent(
             source.agent_id,
             address,
             e,
-            ENV_ADDRESS,
+            AGENT_ADDRESS_ENV,
         )
         return AgentHandle(Reporter(capacity=0), source)

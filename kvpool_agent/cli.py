@@ -20,10 +20,11 @@ import threading
 
 import zmq
 
-from kvpool_agent.agent import ENV_ADDRESS, start_agent
+from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import KeyPaths, generate_keys
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import Source
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
 
 __all__ = ["main"]
 
@@ -56,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("store", help="standalone agent beside a store, reporting pool stats")
     s.add_argument(
         "--hub",
-        default=os.environ.get(ENV_ADDRESS),
-        help=f"hub address tcp://HOST:P (default ${ENV_ADDRESS})",
+        default=os.environ.get(AGENT_ADDRESS_ENV),
+        help=f"hub address tcp://HOST:P (default ${AGENT_ADDRESS_ENV})",
     )
     s.add_argument(
         "--admin-url",
@@ -113,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "store":
             if not args.hub:
                 print(
-                    f"kvpool-agent store: give --hub tcp://HOST:P or set {ENV_ADDRESS}",
+                    f"kvpool-agent store: give --hub tcp://HOST:P or set {AGENT_ADDRESS_ENV}",
                     file=sys.stderr,
                 )
                 return 2
             src = Source(
                 agent_id=args.engine_id,
                 engine_id=args.engine_id,
-                instance_role="both",
+                instance_role="mixed",
                 kv_role="kv_both",
                 process_role="store",
                 pid=os.getpid(),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvpool_agent.pool import mooncake_master_health
 from kvpool_agent.protocol import FlushArgs, FlushResult, HealthCheck, HealthResult, Source
-from kvpool_connector.errors import error_name
+from kvpool_agent.vocabulary import error_name
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
     PROBE_PREFIX,

@@ -24,6 +24,8 @@ from typing import Literal
 
 import msgspec
 
+from kvpool_agent.vocabulary import InstanceRole, KVRole
+
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
@@ -54,14 +56,12 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any change a receiver of the previous version would misread."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Frames larger than this are dropped unread (counted as ``oversized``)."""
 
-InstanceRole = Literal["prefill", "decode", "both"]
-KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
 CommandName = Literal["health", "flush", "drain", "snapshot"]
 

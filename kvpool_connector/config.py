@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, INSTANCE_ROLE_OF, InstanceRole, KVRole
 from kvpool_connector.keys import normalize_model_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["AGENT_ADDRESS_ENV", "CONNECTOR_EXTRA_KEYS", "KVPoolConfig", "KVRole"]
-
-KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
-
-AGENT_ADDRESS_ENV = "KVPOOL_AGENT_ADDRESS"
-"""Environment variable naming the fleet hub when ``agent_address`` is not configured."""
-
-_INSTANCE_ROLE: dict[str, Literal["prefill", "decode", "both"]] = {
-    "kv_producer": "prefill",
-    "kv_consumer": "decode",
-    "kv_both": "both",
-}
+__all__ = ["CONNECTOR_EXTRA_KEYS", "KVPoolConfig"]
 
 
 class _ExtraFields(BaseModel):
@@ -111,9 +101,9 @@ class KVPoolConfig(BaseModel):
         return self.chunk_size // self.block_size
 
     @property
-    def instance_role(self) -> Literal["prefill", "decode", "both"]:
-        """``prefill`` for ``kv_producer``, ``decode`` for ``kv_consumer``, else ``both``."""
-        return _INSTANCE_ROLE[self.kv_role]
+    def instance_role(self) -> InstanceRole:
+        """``prefill`` for ``kv_producer``, ``decode`` for ``kv_consumer``, else ``mixed``."""
+        return INSTANCE_ROLE_OF[self.kv_role]
 
     @property
     def should_load(self) -> bool:
@@ -164,7 +154,7 @@ class KVPoolConfig(BaseModel):
         except ValidationError as exc:
             raise ValueError(_describe(exc, "kv_connector_extra_config")) from None
         role = kv_role or "kv_both"
-        if role not in _INSTANCE_ROLE:
+        if role not in INSTANCE_ROLE_OF:
             raise ValueError(
                 f"kv_transfer_config.kv_role: {role!r} is not one of "
                 "'kv_producer', 'kv_consumer', 'kv_both'"

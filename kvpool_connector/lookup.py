@@ -34,8 +34,8 @@ import msgspec
 import psutil
 import zmq
 
+from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import BackendError
-from kvpool_connector.errors import error_name
 
 __all__ = [
     "RUNTIME_DIR_ENV",

@@ -41,9 +41,9 @@ from typing import Any, Protocol
 import torch
 
 from kvpool_agent.reporter import Reporter
+from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.device import DeviceSync, device_sync_for
-from kvpool_connector.errors import error_name
 from kvpool_connector.keys import ParallelLayout, PoolKey, normalize_model_name, shard_prefix
 from kvpool_connector.layout import KVLayout, LayerLayout, ranges_for_blocks
 from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta

@@ -22,10 +22,9 @@ from typing import Literal
 import msgspec
 
 from kvpool_agent.protocol import EngineState
-from kvpool_connector.errors import HINTS
+from kvpool_agent.vocabulary import HINTS, KV_ROLE_FOR
 
 __all__ = [
-    "EXPECTED_KV_ROLE",
     "SEVERITY_RANK",
     "Alert",
     "AlertTracker",
@@ -38,12 +37,6 @@ Severity = Literal["warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"warning": 1, "critical": 2}
 """Order of severities for ``--fail-on``: an alert counts when its rank is >= the chosen one."""
 
-EXPECTED_KV_ROLE: dict[str, str] = {
-    "prefill": "kv_producer",
-    "decode": "kv_consumer",
-    "both": "kv_both",
-}
-"""Instance role -> the ``kv_role`` its connector must have (MindIE / vllm-ascend PD guides)."""
 
 _CRITICAL_USAGE = 0.98
 """Pool usage fraction at which new saves start failing with NO_AVAILABLE_HANDLE."""
@@ -170,7 +163,7 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
             "every engine of one pool must use the same backend "
             "(kv_connector_extra_config.backend = kv_cache_store_config.backend)", now_ms))
     for s in group:
-        want = EXPECTED_KV_ROLE.get(s.source.instance_role)
+        want = KV_ROLE_FOR.get(s.source.instance_role)
         if want is not None and s.source.kv_role != want:
             out.append(_alert(
                 "kv_role_mismatch", "critical", engine_id,

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_connector.validate.model import (
     BACKENDS,
     DEFAULT_LEASE_TTL_MS,
@@ -38,7 +39,6 @@ __all__ = [
     "ASCEND_DEFAULT_TIMEOUT_MS",
     "ASCEND_PORTS_PER_DEVICE",
     "DEFAULT_DEVICES_PER_HOST",
-    "EXPECTED_KV_ROLE",
     "GIB",
     "HYBRID_MODEL_PATTERN",
     "Finding",
@@ -92,13 +92,6 @@ DEFAULT_DEVICES_PER_HOST = 16
 
 GIB = 1 << 30
 
-EXPECTED_KV_ROLE: dict[str, str] = {
-    "prefill": "kv_producer",
-    "decode": "kv_consumer",
-    "mixed": "kv_both",
-}
-"""Instance role -> ``kv_role`` (MindIE Motor kv_cache_store README FAQ: P is kv_producer, D is
-kv_consumer; vllm-ascend kv_pool.md PD-mixed scenario: kv_both)."""
 
 HYBRID_MODEL_PATTERN = re.compile(r"deepseek[-_ ]?v4|qwen[-_ ]?3\.5", re.IGNORECASE)
 """Model names of hybrid-attention models named by the guides (MindIE Motor kv_cache_store
@@ -245,7 +238,7 @@ def check_kv_role(instance: str, kv_role: str | None, *, path: str) -> Finding |
             "kv-role",
             path,
             "kv_role is missing: vLLM refuses a kv_connector without kv_role",
-            f'set "kv_role": "{EXPECTED_KV_ROLE.get(instance, "kv_both")}"',
+            f'set "kv_role": "{KV_ROLE_FOR.get(instance, "kv_both")}"',
         )
     if kv_role not in KV_ROLES:
         return Finding(
@@ -253,9 +246,9 @@ def check_kv_role(instance: str, kv_role: str | None, *, path: str) -> Finding |
             "kv-role",
             path,
             f"kv_role {kv_role!r} is not one of {', '.join(KV_ROLES)}",
-            f'use "{EXPECTED_KV_ROLE.get(instance, "kv_both")}"',
+            f'use "{KV_ROLE_FOR.get(instance, "kv_both")}"',
         )
-    expected = EXPECTED_KV_ROLE.get(instance)
+    expected = KV_ROLE_FOR.get(instance)
     if expected and kv_role != expected:
         return Finding(
             "error",

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_connector.validate import rules as R
 from kvpool_connector.validate.loader import ConfigLoadError, Shape, detect_shape, load_json
 from kvpool_connector.validate.model import (
@@ -34,7 +35,7 @@ from kvpool_connector.validate.model import (
     MooncakeClientConfig,
     UserConfig,
 )
-from kvpool_connector.validate.rules import EXPECTED_KV_ROLE, Finding, json_path
+from kvpool_connector.validate.rules import Finding, json_path
 
 __all__ = [
     "ASCEND_CONNECTORS",
@@ -301,7 +302,7 @@ def _connector_role_check(
         return
     # When the parent's own role is wrong for the instance (reported on the parent), children
     # are held to the role the instance needs, so no two fixes point opposite ways.
-    needed = EXPECTED_KV_ROLE.get(instance or "")
+    needed = KV_ROLE_FOR.get(instance or "")
     target = needed if needed and parent_role != needed else parent_role
     if target is not None and role is not None and role != target:
         why = (

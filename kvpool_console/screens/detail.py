@@ -12,7 +12,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from kvpool_agent.protocol import EngineState
-from kvpool_connector.errors import HINTS
+from kvpool_agent.vocabulary import HINTS
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
 
 __all__ = ["EngineDetailScreen", "layer_bar"]

@@ -15,7 +15,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
 
-from kvpool_console.alerts import EXPECTED_KV_ROLE
+from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console.model import (
     AgentRow,
     EngineRow,
@@ -105,7 +105,7 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
              style="red" if r.next_lease_expiry_ms is not None
              and r.next_lease_expiry_ms <= now_ms else ""),
         Text(fmt_age(r.age_ms), style="yellow" if r.stale else ""),
-        Text(r.kv_role, style="red" if EXPECTED_KV_ROLE.get(r.role, r.kv_role) != r.kv_role
+        Text(r.kv_role, style="red" if KV_ROLE_FOR.get(r.role, r.kv_role) != r.kv_role
              else ""),
         r.ranks,
         r.backend,

@@ -38,7 +38,7 @@ def make_source(engine: str = "e1", role: str = "worker", tp: int = 0, **kw: obj
     return Source(
         agent_id=agent_id,
         engine_id=engine,
-        instance_role="both",
+        instance_role="mixed",
         kv_role="kv_both",
         process_role=role,  # type: ignore[arg-type]
         tp_rank=tp,

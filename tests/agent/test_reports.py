@@ -11,7 +11,7 @@ from agent_testlib import make_source
 
 from kvpool_agent import FleetClient, FleetHub, start_agent
 from kvpool_agent.protocol import EngineState
-from kvpool_connector.errors import error_name
+from kvpool_agent.vocabulary import error_name
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
 from kvpool_connector.services import LocalMooncakeMaster
 

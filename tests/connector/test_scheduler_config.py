@@ -19,7 +19,7 @@ def test_defaults_follow_vllm() -> None:
     assert cfg.backend == "mooncake"
     assert cfg.chunk_size == 16 and cfg.blocks_per_chunk == 1
     assert not cfg.use_layerwise and not cfg.load_async
-    assert cfg.kv_role == "kv_both" and cfg.instance_role == "both"
+    assert cfg.kv_role == "kv_both" and cfg.instance_role == "mixed"
     assert parse(role=None).kv_role == "kv_both"
 
 

@@ -37,7 +37,7 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
            lookup_errors: int = 0, age_ms: float = 300.0, pool_stats: PoolStats | None = None,
            model: str = "tiny-llama") -> dict[str, EngineState]:
     """One engine: a scheduler agent (lookups) and ``tp`` worker agents (transfers)."""
-    kv = kv_role or {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role]
+    kv = kv_role or {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}[role]
     ts = NOW_MS - age_ms
     pool_stats = pool_stats if pool_stats is not None else pool()
 

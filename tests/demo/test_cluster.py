@@ -71,7 +71,7 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
                      for s in states.values()}
             assert roles == {"prefill-0": ("prefill", "kv_producer"),
                              "decode-1": ("decode", "kv_consumer"),
-                             "engine-2": ("both", "kv_both")}
+                             "engine-2": ("mixed", "kv_both")}
             # The decode engine loads nearly whole prompts the prefill engine saved.
             decode = states["decode-1/scheduler"].lookup
             assert decode.lookups > 10 and 0.5 < decode.hit_rate < 1.0

@@ -1,0 +1,115 @@
+"""Wire vocabulary: the names every part of kvpool says to every other.
+
+Roles, backend error names and the environment variable that names the hub. They travel in
+reports (``kvpool_agent.protocol``), are shown by the console and chosen by the connector, so
+they have one owner here, beside the wire schema, and nobody else defines them.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Literal
+
+__all__ = [
+    "AGENT_ADDRESS_ENV",
+    "HINTS",
+    "INSTANCE_ROLE_OF",
+    "KV_ROLES",
+    "KV_ROLE_FOR",
+    "LOAD_RETRYABLE",
+    "ErrorCode",
+    "InstanceRole",
+    "KVRole",
+    "error_name",
+]
+
+AGENT_ADDRESS_ENV = "KVPOOL_AGENT_ADDRESS"
+"""Environment variable naming the fleet hub (``tcp://HOST:P``) when ``agent_address`` is not
+configured."""
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+"""vLLM's ``KVTransferConfig.kv_role``."""
+
+KV_ROLES: tuple[KVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
+
+InstanceRole = Literal["prefill", "decode", "mixed"]
+"""What an instance serves: MindIE Motor's and vllm-ascend's prefill, decode or PD-mixed."""
+
+KV_ROLE_FOR: dict[str, KVRole] = {
+    "prefill": "kv_producer",
+    "decode": "kv_consumer",
+    "mixed": "kv_both",
+}
+"""Instance role -> the ``kv_role`` its connector must have (MindIE Motor kv_cache_store README
+FAQ: P is kv_producer, D is kv_consumer; vllm-ascend kv_pool.md PD-mixed scenario: kv_both)."""
+
+INSTANCE_ROLE_OF: dict[str, InstanceRole] = {
+    "kv_producer": "prefill",
+    "kv_consumer": "decode",
+    "kv_both": "mixed",
+}
+"""``kv_role`` -> the instance role it implies when nothing else declares one."""
+
+
+class ErrorCode(IntEnum):
+    """Mooncake Store's ``ErrorCode`` (mooncake-store ``include/types.h``), names as there.
+
+    Every backend translates its own failures into these, so one name means one thing across
+    the product.
+    """
+
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SHARD_INDEX_OUT_OF_RANGE = -100
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_VERSION = -300
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    ETCD_OPERATION_ERROR = -1000
+    ETCD_KEY_NOT_EXIST = -1001
+    ETCD_TRANSACTION_FAIL = -1002
+    ETCD_CTX_CANCELLED = -1003
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+    INVALID_MODE = -1200
+
+
+LOAD_RETRYABLE = frozenset({ErrorCode.OBJECT_NOT_FOUND, ErrorCode.LEASE_EXPIRED})
+"""Load failures after a positive lookup that mean "the block went away": recompute it."""
+
+HINTS: dict[str, str] = {
+    "NO_AVAILABLE_HANDLE": "pool full: remaining saves of the request skipped; add segment memory "
+    "(global_segment_size) or lower eviction_high_watermark_ratio",
+    "OBJECT_NOT_FOUND": "block evicted or removed between lookup and load; blocks are recomputed",
+    "LEASE_EXPIRED": "load started after the lookup's lease ran out: raise default_kv_lease_ttl "
+    "above the transfer timeouts (ASCEND_TRANSFER_TIMEOUT)",
+    "OBJECT_HAS_LEASE": "entry is leased by an in-flight load; flush again later or with force",
+    "TRANSFER_FAIL": "transfer engine could not move the bytes: check protocol/device_name and "
+    "the network between the segment owner and this engine",
+    "RPC_FAIL": "master unreachable: check mooncake_master and master_server_address",
+    "LOOKUP": "the scheduler's prefix lookup failed; requests run without the pool",
+    "TIMEOUT": "a layer-wise load did not finish in time; its blocks are recomputed",
+}
+"""Error name -> what an operator usually does about it (shown next to the error)."""
+
+
+def error_name(code: int) -> str:
+    """Name of a negative backend code, e.g. ``error_name(-707) == "LEASE_EXPIRED"``;
+    ``"ERROR_<code>"`` for a code Mooncake does not define."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"ERROR_{code}"
