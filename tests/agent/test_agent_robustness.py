@@ -207,7 +207,8 @@ def _fuzz_frames(n: int, rng: random.Random) -> list[list[bytes]]:
             src = valid if i % 2 else cmd
             frames.append([src[: rng.randint(0, len(src) - 1)]])
         elif kind == 2:
-            frames.append([_report("fuzz-target", 1, v=rng.choice([0, PROTOCOL_VERSION + 1, 99, -1]))])
+            wrong_version = rng.choice([0, PROTOCOL_VERSION + 1, 99, -1])
+            frames.append([_report("fuzz-target", 1, v=wrong_version)])
         elif kind == 3:
             # Valid msgpack of the wrong shape, or two frames where one is expected.
             frames.append([msgspec.msgpack.encode({"type": "report", "v": 1, "seq": "x"})])
