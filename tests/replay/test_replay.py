@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_console.demo.engine import ModelShape
-from kvpool_console.demo.reference import prefix_ceiling
-from kvpool_console.demo.replay import ReplayConfig, reference_for, run_replay
-from kvpool_console.demo.tokens import request_tokens
-from kvpool_console.demo.trace import default_trace_path, load_trace
+from kvpool_replay import (
+    ModelShape,
+    ReplayConfig,
+    default_trace_path,
+    load_trace,
+    prefix_ceiling,
+    reference_for,
+    request_tokens,
+    run_replay,
+)
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +61,7 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                          if p)}
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool_console.demo.replay_cli", str(trace), "--limit", "150",
+        [sys.executable, "-m", "kvpool_replay.cli", str(trace), "--limit", "150",
          "--json", "--progress-every", "0", "--load-async"],
         capture_output=True, text=True, env=env, timeout=170, check=False,
     )
@@ -89,7 +94,7 @@ def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
 
 
 def test_cli_rejects_bad_input_with_named_field(tmp_path: Path, capsys: object) -> None:
-    from kvpool_console.demo.replay_cli import main
+    from kvpool_replay.cli import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '

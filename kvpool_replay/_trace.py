@@ -37,7 +37,7 @@ def default_trace_path(name: str = DEFAULT_TRACE) -> Path:
     env = os.environ.get("KVPOOL_TRACES_DIR")
     if env:
         return Path(env) / name
-    repo_root = Path(__file__).resolve().parents[2]
+    repo_root = Path(__file__).resolve().parents[1]
     return repo_root.parent / "shared" / "traces" / name
 
 

@@ -14,9 +14,9 @@ import sys
 
 import msgspec
 
-from kvpool_console.demo.engine import ModelShape
-from kvpool_console.demo.replay import ReplayConfig, ReplayReport, run_replay
-from kvpool_console.demo.trace import TraceError, default_trace_path
+from kvpool_replay._replay import ReplayConfig, ReplayReport, run_replay
+from kvpool_replay._spec import ModelShape
+from kvpool_replay._trace import TraceError, default_trace_path
 
 __all__ = ["build_parser", "format_report", "main"]
 
