@@ -1,10 +1,12 @@
-"""One replay pool's settings: its segment size in bytes for a capacity in tokens and the
-``kv_connector_extra_config`` an engine reaches it with."""
+"""One replay pool's settings: its segment size in bytes for a capacity in tokens, whether the
+machine can hold it, and the ``kv_connector_extra_config`` an engine reaches it with."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import psutil
 
 from kvpool_replay._spec import ModelShape
 
@@ -12,6 +14,7 @@ __all__ = [
     "MIN_SEGMENT_BYTES",
     "mooncake_extra_config",
     "pool_bytes_for_tokens",
+    "require_memory",
 ]
 
 _MIB = 1 << 20
@@ -37,6 +40,28 @@ def pool_bytes_for_tokens(tokens: int, shape: ModelShape) -> int:
             "larger model shape"
         )
     return math.ceil(raw / _MIB) * _MIB
+
+
+def require_memory(pool_bytes: int, available_bytes: int | None = None) -> None:
+    """Refuse pools the machine cannot hold before starting anything: ``mooncake_client``
+    allocates its whole segment at start and aborts when that fails ("Failed to allocate
+    segment memory", then a fatal ``Failed to setup client: INVALID_PARAMS``).
+
+    Args:
+        pool_bytes: segment bytes of every pool the run starts, together.
+        available_bytes: memory available to new processes, bytes (default
+            ``psutil.virtual_memory().available``).
+
+    Raises:
+        ValueError: ``pool_bytes`` > ``available_bytes``; the message names both.
+    """
+    if available_bytes is None:
+        available_bytes = psutil.virtual_memory().available
+    if pool_bytes > available_bytes:
+        raise ValueError(
+            f"the pool needs {pool_bytes:,} bytes of memory but only {available_bytes:,} bytes "
+            "are available: use a smaller --pool-tokens"
+        )
 
 
 def mooncake_extra_config(

@@ -32,6 +32,7 @@ from kvpool_replay._pool import (
     MIN_SEGMENT_BYTES,
     mooncake_extra_config,
     pool_bytes_for_tokens,
+    require_memory,
 )
 from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
 from kvpool_replay._services import (
@@ -233,8 +234,9 @@ def run_replay(
     started before returning (also on error or Ctrl-C).
 
     Raises:
-        FileNotFoundError, TraceError: bad trace path or content.
-        ValueError: bad settings (``engines`` < 1, ``--master`` with private mode...).
+        FileNotFoundError, TraceError: bad trace path or content (an empty trace included).
+        ValueError: bad settings (``engines`` < 1, ``--master`` with private mode...), or
+            pools needing more memory than the machine has available (``require_memory``).
         RuntimeError: an engine failed to start or did not finish (message names it).
     """
     say = on_status or (lambda _m: None)
@@ -263,6 +265,7 @@ def run_replay(
     else:
         per_pool_tokens = cfg.pool_tokens if cfg.mode == "shared" else cfg.pool_tokens // n_eng
     segment = pool_bytes_for_tokens(per_pool_tokens, cfg.shape)
+    require_memory(segment * (n_eng if cfg.mode == "private" else 1))
 
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
         f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")

@@ -82,7 +82,7 @@ def test_demo_bad_options_exit_2_cleanly(argv: list[str], needle: str, tmp_path:
     assert _demo_dirs(tmp_path) == set()
 
 
-def test_demo_missing_default_trace_and_broken_trace(tmp_path: Path) -> None:
+def test_demo_missing_default_trace_and_broken_or_empty_trace(tmp_path: Path) -> None:
     out = _console("--demo", tmp=tmp_path, KVPOOL_TRACES_DIR=str(tmp_path / "none"))
     assert out.returncode == 2, out.stderr
     assert out.stderr == (
@@ -95,6 +95,14 @@ def test_demo_missing_default_trace_and_broken_trace(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr
     assert f"--trace {broken} is not a valid Mooncake trace: {broken}:1:" in out.stderr
     assert "missing required field `output_length`" in out.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    out = _console("--demo", "--engines", "1", "--trace", str(empty), tmp=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.endswith(
+        f"--trace {empty} is not a valid Mooncake trace: {empty}: no requests (the file is "
+        "empty or holds only blank lines); pass --trace PATH to a valid one\n"), out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
     assert _demo_dirs(tmp_path) == set()
 
 

@@ -106,3 +106,47 @@ def test_cli_rejects_bad_input_with_named_field(tmp_path: Path, capsys: object) 
     assert main([str(good), "--limit", "5", "--pool-tokens", "1000"]) == 2
     err = capsys.readouterr().err  # type: ignore[attr-defined]
     assert "--pool-tokens >=" in err
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_cli_rejects_a_trace_without_requests(tmp_path: Path, text: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay.cli import main
+
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text(text)
+    assert main([str(trace), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"kvpool-replay: {trace}: no requests (the file is empty or holds "
+                            "only blank lines)\n")
+    assert captured.out == ""
+
+
+def test_cli_rejects_a_pool_larger_than_available_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay._pool import pool_bytes_for_tokens
+    from kvpool_replay.cli import main
+
+    # 64 B/token at the default model shape: 10**15 tokens are 64 PB, more than any machine.
+    tokens = 10**15
+    need = pool_bytes_for_tokens(tokens, ModelShape())
+    good = default_trace_path("conversation_trace.jsonl")
+    assert main([str(good), "--limit", "5", "--pool-tokens", str(tokens)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpool-replay: the pool needs {need:,} bytes of memory but only ")
+    assert err.endswith(" bytes are available: use a smaller --pool-tokens\n")
+    # One line, before anything started (no "replaying ..." status line, no Mooncake abort).
+    assert err.count("\n") == 1, err
+    # Private mode: every engine's pool counts.
+    assert main([str(good), "--limit", "5", "--engines", "4", "--private",
+                 "--pool-tokens", str(tokens)]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {4 * pool_bytes_for_tokens(tokens // 4, ModelShape()):,} bytes" in err
+
+
+def test_require_memory_compares_with_what_is_available() -> None:
+    from kvpool_replay._pool import require_memory
+
+    require_memory(100, available_bytes=100)
+    with pytest.raises(ValueError, match=r"needs 101 bytes of memory but only 100 bytes are "):
+        require_memory(101, available_bytes=100)

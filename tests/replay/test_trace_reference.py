@@ -53,6 +53,15 @@ def test_bad_line_names_line_and_field(tmp_path: Path, line: str, needle: str) -
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("text", ["", "\n \n\t\n"])
+def test_trace_without_requests_is_an_error(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(text)
+    with pytest.raises(TraceError) as info:
+        load_trace(p)
+    assert str(info.value) == f"{p}: no requests (the file is empty or holds only blank lines)"
+
+
 def test_model_shape_itemsize_matches_torch() -> None:
     torch = pytest.importorskip("torch")
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
