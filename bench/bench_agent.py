@@ -31,7 +31,7 @@ os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 from kvpool_agent import AgentHandle, FleetClient, FleetHub, Reporter, start_agent  # noqa: E402
 from kvpool_agent.protocol import Source  # noqa: E402
-from kvpool_connector.services import LocalMooncakeMaster, free_port  # noqa: E402
+from kvpool_replay import LocalMooncakeMaster, free_port  # noqa: E402
 
 __all__ = ["main"]
 

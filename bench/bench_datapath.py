@@ -42,8 +42,8 @@ from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ALL_KEYS_PATTERN, ParallelLayout, chunk_hashes
 from kvpool_connector.layout import ranges_for_blocks
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.services import LocalMooncakeMaster
 from kvpool_connector.worker import KVPoolWorker
+from kvpool_replay import LocalMooncakeMaster
 
 __all__ = ["main"]
 

@@ -34,8 +34,8 @@ from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
 from kvpool_connector.lookup import LookupClient, LookupServer
 from kvpool_connector.scheduler import KVPoolScheduler
-from kvpool_connector.services import LocalMooncakeMaster, free_port
 from kvpool_connector.worker import KVPoolWorker
+from kvpool_replay import LocalMooncakeMaster, free_port
 
 
 def _pct(samples: list[float], q: int) -> float:

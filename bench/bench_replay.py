@@ -32,19 +32,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvpool_connector.services import LocalMooncakeMaster
-from kvpool_console.demo.cluster import DemoCluster
-from kvpool_console.demo.engine import ModelShape
-from kvpool_console.demo.replay import (
+from kvpool_replay import (
+    DemoCluster,
+    LocalMooncakeMaster,
     LocalPoolStore,
+    ModelShape,
     ReplayConfig,
     ReplayReport,
+    default_trace_path,
     engine_env,
+    load_trace,
     mooncake_extra_config,
     reference_for,
     run_replay,
 )
-from kvpool_console.demo.trace import default_trace_path, load_trace
 
 MIB = 1 << 20
 

@@ -8,7 +8,7 @@ Load it in vLLM with::
                         "kv_connector_extra_config": {"backend": "mooncake"}}
 
 ``KVPoolConnector`` is imported lazily so that the light modules of this package (``keys``,
-``errors``, ``services``, backends) stay usable without importing vLLM.
+``errors``, backends) stay usable without importing vLLM.
 """
 
 from __future__ import annotations

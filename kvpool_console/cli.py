@@ -28,9 +28,8 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 from rich.console import Console
@@ -287,7 +286,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
 
 
 class _Stopped(Exception):
-    """SIGHUP or SIGTERM arrived while no TUI was running (e.g. during the demo's start-up)."""
+    """SIGHUP or SIGTERM arrived while no TUI was running (e.g. before it was up)."""
 
 
 class _Signals:
@@ -340,45 +339,33 @@ def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals) -> None:
         sig.app = None
 
 
-def _demo(args: argparse.Namespace, err: Console, sig: _Signals) -> int:
-    from kvpool_console.demo import DemoCluster
-    from kvpool_console.demo.trace import TraceError, default_trace_path
+DEMO_MODULE = "kvpool_replay.demo"
+"""The program ``--demo`` hands over to (``python -m DEMO_MODULE``)."""
 
-    trace = Path(args.trace) if args.trace else default_trace_path()
-    if not trace.is_file():
-        origin = "--trace" if args.trace else "the default trace"
-        err.print(f"[red]kvpool-console --demo: {origin} {trace} not found: pass --trace PATH "
-                  "or set KVPOOL_TRACES_DIR to the directory holding "
-                  "conversation_trace.jsonl (the Mooncake traces)[/red]")
-        return EXIT_USAGE
 
-    def progress(line: str) -> None:
-        # Start-up takes tens of seconds before the TUI can draw: say what is happening.
-        err.print(f"kvpool-console --demo: {line}", markup=False, highlight=False)
+def _demo(args: argparse.Namespace) -> NoReturn:
+    """Hand ``--demo`` over to ``python -m kvpool_replay.demo`` with the demo options, replacing
+    this process (``os.execv``).
 
-    cluster = DemoCluster(trace, engines=args.engines, speedup=args.speedup,
-                          engine_kind=args.engine_kind, progress=progress)
-    # Not ``with cluster``: a failing start() (bad trace) would skip __exit__ and leave the
-    # work directory behind; start() already stops what it started, cleanup() removes the rest.
-    try:
-        try:
-            cluster.start()
-        except TraceError as e:
-            err.print(f"[red]kvpool-console --demo: --trace {trace} is not a valid Mooncake "
-                      f"trace: {e}; pass --trace PATH to a valid one[/red]")
-            return EXIT_USAGE
-        except FileNotFoundError as e:
-            err.print(f"[red]kvpool-console --demo: {e}[/red]")
-            return EXIT_USAGE
-        src = ClientSource(cluster.hub_address, keys_dir=str(cluster.keys_dir), pump=True)
-        try:
-            _run_tui(src, args.refresh, sig)
-        finally:
-            src.close()
-    finally:
-        cluster.stop()
-        cluster.cleanup()
-    return EXIT_OK
+    The demo starts mooncake_master, a fleet hub and engine processes (torch, vLLM): that is
+    kvpool_replay's job, and the console imports only kvpool_agent. So the console runs the demo
+    as a program of its own rather than importing it; an entry point would load it into this
+    process all the same and exists only once the package metadata is reinstalled. The demo then
+    runs this console's ``main`` on the fleet it started. Replacing the process keeps its id,
+    terminal, session and parent: the signals that reach it (SIGTERM, the terminal's SIGHUP),
+    its exit status and the terminal's restore are the demo's own, exactly as when the demo ran
+    in this process. This parser checked the options first, so a bad one still fails here with
+    its usage message. Never returns.
+    """
+    argv = [sys.executable, "-m", DEMO_MODULE, "--engines", str(args.engines),
+            "--speedup", repr(args.speedup), "--engine", args.engine_kind,
+            "--refresh", repr(args.refresh)]
+    if args.trace:
+        argv += ["--trace", args.trace]
+    # Whatever is buffered would be lost with this process image.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -397,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) -> int:
     if args.demo:
-        return _demo(args, err, sig)
+        _demo(args)
     src = _connect(args, err)
     if src is None:
         return EXIT_USAGE

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 

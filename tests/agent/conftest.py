@@ -14,7 +14,7 @@ import pytest
 from agent_testlib import free_port_block
 
 from kvpool_agent import FleetHub, KeyPaths, generate_keys
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 # mooncake_master lives next to the interpreter in the venv; tests may run without PATH set.

@@ -15,7 +15,7 @@ from agent_testlib import free_port_block
 from kvpool_agent import FleetClient
 from kvpool_agent.cli import main
 from kvpool_agent.protocol import FlushArgs
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster
 
 
 def _spawn(*args: str) -> subprocess.Popen[bytes]:

@@ -27,7 +27,7 @@ from kvpool_agent.protocol import (
     encode,
 )
 from kvpool_connector.keys import PROBE_PREFIX, ParallelLayout, PoolKey
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster
 
 VALUE = 4096
 

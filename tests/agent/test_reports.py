@@ -13,7 +13,7 @@ from kvpool_agent import FleetClient, FleetHub, start_agent
 from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16 * 1024  # bytes per key (one chunk of all layers)
 CHUNK = 256  # tokens per chunk

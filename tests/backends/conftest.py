@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool_connector.services import LocalYuanrongWorker
+from kvpool_replay import LocalYuanrongWorker
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from kvpool_connector.backends.memcache import (
     ascend_driver_problem,
     mmc_code,
 )
-from kvpool_connector.services import free_port
+from kvpool_replay import free_port
 
 NO_DRIVER = ascend_driver_problem() is not None
 

@@ -21,7 +21,7 @@ from kvpool_connector.backends.yuanrong import (
     status_code,
 )
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
-from kvpool_connector.services import LocalYuanrongWorker, free_port
+from kvpool_replay import LocalYuanrongWorker, free_port
 
 NUM_BLOCKS = 12
 

@@ -18,8 +18,8 @@ from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.yuanrong import YuanrongBackend
 from kvpool_connector.keys import ParallelLayout, chunk_hashes
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.services import LocalYuanrongWorker
 from kvpool_connector.worker import KVPoolWorker
+from kvpool_replay import LocalYuanrongWorker
 
 BLOCK = 16
 NUM_BLOCKS = 16

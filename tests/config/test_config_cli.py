@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_connector.services import free_port
 from kvpool_connector.validate.cli import main
 from kvpool_connector.validate.rules import check_lease_ttl, parse_size
 from kvpool_connector.validate.schema import schema_text
+from kvpool_replay import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).parent / "cases"

@@ -21,8 +21,8 @@ from kvpool_connector.backends import BACKENDS, BackendUnavailable, _LazyRegistr
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig, parse_size
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.services import LocalMooncakeMaster, free_port
 from kvpool_connector.worker import KVPoolWorker
+from kvpool_replay import LocalMooncakeMaster, free_port
 
 MB = 1 << 20
 

@@ -23,8 +23,8 @@ from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
 from kvpool_connector.lookup import LookupClient, LookupServer
 from kvpool_connector.metadata import KVPoolConnectorMetadata
 from kvpool_connector.scheduler import KVPoolScheduler, request_extra
-from kvpool_connector.services import LocalMooncakeMaster
 from kvpool_connector.worker import KVPoolWorker
+from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16
 

@@ -17,8 +17,8 @@ from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.services import LocalMooncakeMaster
 from kvpool_connector.worker import KVPoolWorker, LayerLoadTimeout
+from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16
 NUM_BLOCKS = 24

@@ -12,7 +12,7 @@ from livefleet import LiveFleet, hub_address
 from kvpool_agent.auth import generate_keys
 from kvpool_agent.hub import FleetHub
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.services import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import Source
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import ParallelLayout, PoolKey
-from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_replay import LocalMooncakeMaster, free_port
 
 LEASE_TTL_MS = 11_000
 

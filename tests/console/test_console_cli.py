@@ -1,24 +1,16 @@
 """One-shot modes against a live fleet: ``status --json`` field by field, ``--fail-on``,
 ``health``, and ``flush`` with the same authorisation rules as the TUI; ``--hub`` before or after
-the command, the piped status table, ``--timeout-ms``; the demo's option errors, start-up progress
-and clean stop on SIGTERM or a lost terminal."""
+the command, the piped status table, ``--timeout-ms``. ``--demo`` is tested with the demo, in
+``tests/replay/test_demo.py``."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import pty
-import select
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from livefleet import LEASE_TTL_MS, LiveFleet
 from rich.console import Console
@@ -217,137 +209,3 @@ def test_flush_and_health_timeout_ms(capsys: pytest.CaptureFixture[str]) -> None
         _parser().parse_args(["flush", "--scope", "all", "--timeout-ms", "0"])
     assert exc.value.code == 2
     capsys.readouterr()
-
-
-# -- the demo: bad options, start-up progress, signals ------------------------------------------
-
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-
-
-def _demo_dirs(tmp: Path) -> set[Path]:
-    """Demo work directories under ``tmp`` (the tests point TMPDIR there: other demos on the
-    machine then cannot be mistaken for ours)."""
-    return set(tmp.glob("kvpool-demo-*"))
-
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--demo", "--trace", "/nonexistent/trace.jsonl"],
-     "--trace /nonexistent/trace.jsonl not found: pass --trace PATH or set KVPOOL_TRACES_DIR"),
-    (["--demo", "--engines", "0"], "argument --engines: must be >= 1, got 0"),
-    (["--demo", "--engines", "-3"], "argument --engines: must be >= 1, got -3"),
-])
-def test_demo_bad_options_exit_2_cleanly(argv: list[str], needle: str, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvpool_console.cli", *argv],
-                         capture_output=True, text=True, timeout=60, check=False,
-                         cwd=Path(__file__).parents[2], env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert out.returncode == 2, out.stderr
-    assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.count("\n") == 1 or out.stderr.startswith("usage:"), out.stderr
-    assert _demo_dirs(tmp_path) == set()
-
-
-def test_demo_missing_default_trace_and_broken_trace(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("KVPOOL_TRACES_DIR", str(tmp_path / "none"))
-    assert main(["--demo"]) == 2
-    err = capsys.readouterr().err
-    assert f"the default trace {tmp_path / 'none' / 'conversation_trace.jsonl'} not found" \
-        in err and "KVPOOL_TRACES_DIR" in err
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"timestamp": 0, "input_length": 10}\n')
-    assert main(["--demo", "--engines", "1", "--trace", str(broken)]) == 2
-    err = capsys.readouterr().err
-    assert f"--trace {broken} is not a valid Mooncake trace: {broken}:1:" in err
-    assert "missing required field `output_length`" in err
-    assert _demo_dirs(tmp_path) == set()
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _drain(fd: int, buf: bytearray, needle: bytes, timeout_s: float) -> bool:
-    """Read the pty into ``buf`` until ``needle`` shows up (True) or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while needle not in buf and time.monotonic() < deadline:
-        r, _, _ = select.select([fd], [], [], 0.2)
-        if r:
-            try:
-                buf += os.read(fd, 65536)
-            except OSError:
-                return False
-    return needle in buf
-
-
-@pytest.mark.skipif(not (TRACES / "synthetic_trace.jsonl").is_file(),
-                    reason="shared traces not available")
-@pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
-def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -> None:
-    """``kvpool-console --demo`` on a real pty: a SIGTERM, or the terminal going away (the
-    kernel sends SIGHUP), stops the master, store and engines, removes the work directory and
-    (SIGTERM) restores the terminal."""
-    pid, fd = pty.fork()
-    if pid == 0:  # child: the demo on the pty, as over SSH
-        os.chdir(Path(__file__).parents[2])
-        os.environ.update(TERM="xterm-256color", COLUMNS="120", LINES="30",
-                          TMPDIR=str(tmp_path))
-        os.execv(sys.executable, [
-            sys.executable, "-m", "kvpool_console.cli", "--demo", "--engines", "1",
-            "--speedup", "1", "--refresh", "0.5",
-            "--trace", str(TRACES / "synthetic_trace.jsonl")])
-    buf = bytearray()
-    tree: list[psutil.Process] = []
-    workdirs: set[Path] = set()
-    try:
-        # The TUI is up once it draws the engine's row.
-        assert _drain(fd, buf, b"engine-0", 60), bytes(buf[-2000:])
-        tree = psutil.Process(pid).children(recursive=True)
-        start = bytes(buf[:buf.index(b"engine-0")])
-        names = " ".join(" ".join(p.cmdline()) for p in tree)
-        assert "mooncake_master" in names and "engine_proc" in names, names
-        workdirs = _demo_dirs(tmp_path)
-        assert len(workdirs) == 1
-        drawn = len(buf)
-        if how == "SIGTERM":
-            os.kill(pid, signal.SIGTERM)
-        else:
-            os.close(fd)  # the terminal is gone
-        deadline = time.monotonic() + 20
-        status = None
-        while status is None and time.monotonic() < deadline:
-            if how == "SIGTERM":  # keep reading so the TUI's last writes never block
-                _drain(fd, buf, b"\0never", 0.1)
-            done, st = os.waitpid(pid, os.WNOHANG)
-            status = st if done else None
-            time.sleep(0.05)
-        assert status is not None, f"console still running 20 s after {how}"
-        assert os.WIFEXITED(status)
-        assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
-        assert [p.pid for p in tree if _alive(p)] == []
-        assert not any(d.exists() for d in workdirs)
-        if how == "SIGTERM":
-            # Textual left the alternate screen: the terminal is usable again.
-            assert b"\x1b[?1049l" in buf[drawn:]
-        # Start-up progress came before the TUI, on the terminal.
-        for line in (b"starting fleet hub on tcp://127.0.0.1:", b"starting mooncake_master",
-                     b"starting 1 sim engine(s)", b"waiting for engines to be ready"):
-            assert line in start, start[-2000:]
-    finally:
-        # On failure, leave nothing behind either: the console, what it started, its files.
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tree = tree or psutil.Process(pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        for d in workdirs or _demo_dirs(tmp_path):
-            shutil.rmtree(d, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.close(fd)

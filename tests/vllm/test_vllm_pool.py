@@ -44,7 +44,7 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
-from kvpool_connector.services import LocalMooncakeMaster, free_port
+from kvpool_replay import LocalMooncakeMaster, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -75,7 +75,7 @@ def _loadable(prompt: list[int], chunk: int) -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from kvpool_console.demo.tiny_model import build_tiny_model
+    from kvpool_replay import build_tiny_model
 
     return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
 

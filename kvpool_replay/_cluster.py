@@ -11,7 +11,7 @@ their agents, replaying a share of a trace at a chosen speed-up:
 * further engines are ``kv_both`` and replay their round-robin share of the trace.
 
 ``engine_kind="vllm"`` runs real vLLM engines (``vllm.LLM`` with the tiny local model of
-``kvpool_console.demo.tiny_model`` and ``KVPoolConnector``) instead of simulated ones.
+``_tiny_model`` and ``KVPoolConnector``) instead of simulated ones.
 
 Leaving the context (or ``stop()``, also on Ctrl-C) stops every process it started: each runs in
 its own process group, which is terminated and then killed; ``leftover_pids()`` checks with
@@ -35,17 +35,18 @@ from typing import Literal
 import msgspec
 import psutil
 
-from kvpool_connector.services import LocalMooncakeMaster, free_port
-from kvpool_console.demo.engine import EngineResult, EngineSpec, ModelShape
-from kvpool_console.demo.replay import (
+from kvpool_replay._pool import mooncake_extra_config, pool_bytes_for_tokens
+from kvpool_replay._replay import spawn_engine
+from kvpool_replay._services import (
+    LocalMooncakeMaster,
     LocalPoolStore,
     engine_env,
-    mooncake_extra_config,
-    pool_bytes_for_tokens,
-    spawn_engine,
+    free_port,
     stop_process_tree,
 )
-from kvpool_console.demo.trace import default_trace_path, load_trace
+from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
+from kvpool_replay._tiny_model import build_tiny_model
+from kvpool_replay._trace import default_trace_path, load_trace
 
 __all__ = ["DEMO_SHAPE", "TINY_VLLM_SHAPE", "DemoCluster"]
 
@@ -201,8 +202,6 @@ class DemoCluster:
 
         model = f"demo-{os.getpid()}"
         if self.engine_kind == "vllm":
-            from kvpool_console.demo.tiny_model import build_tiny_model
-
             model = str(build_tiny_model(_tiny_model_dir()))
             self.shape = TINY_VLLM_SHAPE
         self._say(f"starting mooncake_client pool store (master {self.master.address})")
@@ -261,8 +260,8 @@ class DemoCluster:
         # Engine output goes to a log file: the console owns the terminal.
         log = open(self.workdir / f"{spec.engine_id}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        module = ("kvpool_console.demo.engine_proc" if self.engine_kind == "sim"
-                  else "kvpool_console.demo.vllm_engine")
+        module = ("kvpool_replay._engine_proc" if self.engine_kind == "sim"
+                  else "kvpool_replay._vllm_engine")
         return spawn_engine(spec, self.workdir, log=log, module=module)
 
     def _wait_ready(self, timeout_s: float) -> None:

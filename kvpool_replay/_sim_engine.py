@@ -26,154 +26,27 @@ counted (``corrupt_blocks``) and never passes silently.
 from __future__ import annotations
 
 import math
-import os
-import resource
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal, Protocol
+from typing import Any
 
-import msgspec
 import torch
 
 from kvpool_connector.keys import chunk_hashes
-from kvpool_console.demo.tokens import DEFAULT_VOCAB_SIZE, request_tokens
-from kvpool_console.demo.trace import TraceRequest
+from kvpool_replay._spec import EngineResult, EngineSpec
+from kvpool_replay._tokens import request_tokens
+from kvpool_replay._trace import TraceRequest
 
-__all__ = [
-    "EngineResult",
-    "EngineSpec",
-    "ModelShape",
-    "ReplayEngine",
-    "SimEngine",
-    "run_engine_spec",
-]
+__all__ = ["SimEngine", "sim_engine_for"]
 
 _IDLE_STEP_S = 0.0005
 """Pause between idle steps while waiting for transfers: leaves the GIL to the connector's
 transfer threads (a busy loop would slow them down)."""
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
-    """KV geometry of the simulated model.
-
-    ``bytes_per_token`` = ``layers * 2 (K and V) * kv_heads * head_size * dtype bytes``. Blocks
-    hold ``block_size`` tokens (vLLM's ``--block-size``). The cache layout is vLLM's CPU one:
-    ``(num_blocks, kv_heads, block_size, 2 * head_size)`` per layer.
-    """
-
-    layers: int = 2
-    kv_heads: int = 1
-    head_size: int = 8
-    block_size: int = 16
-    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_size", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model shape {name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
-
-    @property
-    def bytes_per_token(self) -> int:
-        """KV bytes of one token over all layers."""
-        return self.layers * 2 * self.kv_heads * self.head_size * self.itemsize
-
-
-class EngineSpec(msgspec.Struct, kw_only=True):
-    """Everything an engine process needs (sent as JSON to ``python -m
-    kvpool_console.demo.engine_proc``).
-
-    Attributes:
-        engine_id: names the engine in agent reports.
-        kv_role: vLLM ``kv_role``; ``kv_consumer`` engines load with ``consumer_is_to_load``.
-        master_address: ``mooncake_master`` ``host:port``.
-        model: model name in pool keys (one namespace per replay).
-        shape: KV geometry.
-        chunk_size: tokens per pool key (multiple of ``shape.block_size``).
-        trace_path, indices: the trace and the request indices (0-based) this engine replays.
-        speedup: trace time / wall time; ``0`` = as fast as possible.
-        start_at: wall-clock time (s since epoch) of trace time 0; ``0`` = when ready.
-        wait_saves: finish each request's saves before the next lookup (deterministic order).
-        agent_address: fleet hub agent address, ``None`` = no agent reports.
-        lookup_rpc_port: distinct per engine on a host.
-        load_async, use_layerwise: connector modes.
-        vocab_size: token ids are drawn from ``[0, vocab_size)``.
-        progress_every: print a progress line to stderr every this many requests (0 = never).
-        result_path: where the ``EngineResult`` JSON goes.
-        go_path: when set, wait for this file (written by the orchestrator once every engine is
-            ready); it holds ``start_at``.
-        ready_path: touched when the engine is ready.
-        extra_config: more ``kv_connector_extra_config`` keys (backend settings).
-        forward_to: prefill engine of a P/D pair: ZMQ address to PUSH each request's trace
-            index to once its saves finished (its decode engine then replays it).
-        feed_from: decode engine of a P/D pair: ZMQ address to PULL trace indices from,
-            in place of ``indices`` (which then only size the KV cache); the engine stops
-            after ``feed_count`` of them.
-    """
-
-    engine_id: str
-    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
-    master_address: str
-    model: str = "kvpool-replay"
-    shape: ModelShape = msgspec.field(default_factory=ModelShape)
-    chunk_size: int = 512
-    trace_path: str
-    indices: list[int] = msgspec.field(default_factory=list)
-    speedup: float = 0.0
-    start_at: float = 0.0
-    wait_saves: bool = True
-    agent_address: str | None = None
-    lookup_rpc_port: int = 0
-    load_async: bool = False
-    use_layerwise: bool = False
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    progress_every: int = 0
-    result_path: str = ""
-    go_path: str = ""
-    ready_path: str = ""
-    extra_config: dict[str, Any] = msgspec.field(default_factory=dict)
-    forward_to: str = ""
-    feed_from: str = ""
-    feed_count: int = 0
-
-
-class EngineResult(msgspec.Struct, kw_only=True):
-    """What one engine measured. Token counts in tokens, sizes in bytes, times in seconds.
-
-    ``hit_tokens`` are prompt tokens the pool served (claimed by ``get_num_new_matched_tokens``
-    and loaded without error); ``claimed_tokens`` what the scheduler claimed before loading.
-    ``per_request`` lists ``(trace index, hit tokens)``. ``load_errors`` counts blocks reported
-    by ``get_block_ids_with_load_errors`` (recomputed); ``corrupt_blocks`` loaded blocks whose
-    bytes were wrong (must be 0). ``saved_bytes``/``loaded_bytes`` are KV bytes the connector
-    was asked to save / loaded successfully. ``load_s``: wall time of synchronous loads
-    (``start_load_kv``) or from submission to ``finished_recving`` for asynchronous ones;
-    ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
-    ``wait_saves``).
-    """
-
-    engine_id: str
-    requests: int = 0
-    input_tokens: int = 0
-    hit_tokens: int = 0
-    claimed_tokens: int = 0
-    per_request: list[tuple[int, int]] = msgspec.field(default_factory=list)
-    saved_bytes: int = 0
-    loaded_bytes: int = 0
-    load_errors: int = 0
-    corrupt_blocks: int = 0
-    save_s: float = 0.0
-    load_s: float = 0.0
-    wall_s: float = 0.0
-    peak_rss_bytes: int = 0
-    error: str = ""
 
 
 @dataclass
@@ -211,11 +84,6 @@ class _BlockPool:
     @property
     def free_count(self) -> int:
         return len(self._free)
-
-
-def _peak_rss_bytes() -> int:
-    # ru_maxrss is KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -535,105 +403,11 @@ class SimEngine:
                 print(f"[{self.spec.engine_id}] connector shutdown failed: {exc}", file=sys.stderr)
 
 
-def _num_blocks_for(spec: EngineSpec, requests: list[TraceRequest]) -> int:
+def sim_engine_for(spec: EngineSpec, requests: list[TraceRequest]) -> SimEngine:
+    """A ``SimEngine`` whose KV cache holds the longest of ``requests`` (the engine factory
+    ``_engine_proc`` hands to ``run_engine_spec``)."""
     longest = max((r.input_length for r in requests), default=1)
     per = math.ceil(longest / spec.shape.block_size)
     # Room for the running request, plus a few whose saves are still in flight when requests
     # do not wait for their saves.
-    return per * (1 if spec.wait_saves else 4) + 16
-
-
-class ReplayEngine(Protocol):
-    """What ``run_engine_spec`` drives: ``SimEngine`` or ``vllm_engine.VllmEngine``."""
-
-    result: EngineResult
-
-    def run_request(self, index: int, treq: TraceRequest) -> int: ...
-
-    def drain(self, timeout_s: float = 60.0) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def run_engine_spec(
-    spec: EngineSpec,
-    factory: Callable[[EngineSpec, list[TraceRequest]], ReplayEngine] | None = None,
-) -> EngineResult:
-    """Replay ``spec.indices`` of ``spec.trace_path`` (or the indices fed by its prefill engine)
-    on one engine built by ``factory(spec, requests)`` (default: a ``SimEngine`` sized for the
-    requests).
-
-    Never raises for a replay failure: the error goes into ``EngineResult.error``.
-    """
-    from kvpool_console.demo.trace import load_trace
-
-    started = time.monotonic()
-    result = EngineResult(engine_id=spec.engine_id)
-    engine: ReplayEngine | None = None
-    push = pull = None
-    try:
-        import zmq
-
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        if spec.feed_from:
-            pull = ctx.socket(zmq.PULL)
-            pull.setsockopt(zmq.LINGER, 0)
-            pull.bind(spec.feed_from)
-        if spec.forward_to:
-            push = ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 1000)
-            push.connect(spec.forward_to)
-        trace = load_trace(spec.trace_path)
-        mine = [trace[i] for i in spec.indices]
-        if factory is None:
-            engine = SimEngine(spec, _num_blocks_for(spec, mine))
-        else:
-            engine = factory(spec, mine)
-        result = engine.result
-        if spec.ready_path:
-            open(spec.ready_path, "w").close()
-        start_at = spec.start_at
-        if spec.go_path:
-            while not os.path.exists(spec.go_path):
-                time.sleep(0.01)
-            with open(spec.go_path) as f:
-                start_at = float(f.read().strip() or 0)
-        if not start_at:
-            start_at = time.time()
-        t0 = time.monotonic()
-        work: Iterator[int]
-        if pull is not None:
-            work = (int(pull.recv_string()) for _ in range(spec.feed_count))
-            total = spec.feed_count
-        else:
-            work = iter(spec.indices)
-            total = len(spec.indices)
-        for k, i in enumerate(work, start=1):
-            treq = trace[i]
-            if spec.speedup > 0 and pull is None:
-                delay = start_at + treq.timestamp / 1e3 / spec.speedup - time.time()
-                if delay > 0:
-                    time.sleep(delay)
-            engine.run_request(i, treq)
-            if push is not None:
-                push.send_string(str(i))
-            if spec.progress_every and k % spec.progress_every == 0:
-                el = time.monotonic() - t0
-                hr = result.hit_tokens / result.input_tokens if result.input_tokens else 0.0
-                print(
-                    f"[{spec.engine_id}] {k}/{total} requests, {k / el:.1f} req/s, "
-                    f"hit rate {hr:.1%}, load errors {result.load_errors}",
-                    file=sys.stderr, flush=True,
-                )
-        engine.drain()
-    except Exception as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        if engine is not None:
-            engine.close()
-        for sock in (push, pull):
-            if sock is not None:
-                sock.close()
-    result.wall_s = time.monotonic() - started
-    result.peak_rss_bytes = _peak_rss_bytes()
-    return result
+    return SimEngine(spec, per * (1 if spec.wait_saves else 4) + 16)

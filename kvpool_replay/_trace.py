@@ -37,7 +37,7 @@ def default_trace_path(name: str = DEFAULT_TRACE) -> Path:
     env = os.environ.get("KVPOOL_TRACES_DIR")
     if env:
         return Path(env) / name
-    repo_root = Path(__file__).resolve().parents[2]
+    repo_root = Path(__file__).resolve().parents[1]
     return repo_root.parent / "shared" / "traces" / name
 
 
@@ -85,13 +85,13 @@ def _check(req: TraceRequest) -> str | None:
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """Read the first ``limit`` requests (all when ``None``) of a JSON-lines trace.
 
-    Blank lines are skipped.
+    Blank lines are skipped; a trace must hold at least one request.
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message says where traces live).
         TraceError: a line is not valid JSON, lacks a field, has a field of the wrong type, or
-            its ``hash_ids`` do not match ``input_length``; the message names file, line and
-            field.
+            its ``hash_ids`` do not match ``input_length`` (the message names file, line and
+            field), or the file holds no request at all (empty or blank lines only).
         ValueError: ``limit`` < 1.
     """
     p = Path(path)
@@ -120,4 +120,6 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
             out.append(req)
             if limit is not None and len(out) >= limit:
                 break
+    if not out:
+        raise TraceError(f"{p}: no requests (the file is empty or holds only blank lines)")
     return out

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_console.demo.engine import ModelShape
-from kvpool_console.demo.reference import prefix_ceiling
-from kvpool_console.demo.replay import ReplayConfig, reference_for, run_replay
-from kvpool_console.demo.tokens import request_tokens
-from kvpool_console.demo.trace import default_trace_path, load_trace
+from kvpool_replay import (
+    ModelShape,
+    ReplayConfig,
+    default_trace_path,
+    load_trace,
+    prefix_ceiling,
+    reference_for,
+    request_tokens,
+    run_replay,
+)
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +61,7 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                          if p)}
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool_console.demo.replay_cli", str(trace), "--limit", "150",
+        [sys.executable, "-m", "kvpool_replay.cli", str(trace), "--limit", "150",
          "--json", "--progress-every", "0", "--load-async"],
         capture_output=True, text=True, env=env, timeout=170, check=False,
     )
@@ -89,7 +94,7 @@ def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
 
 
 def test_cli_rejects_bad_input_with_named_field(tmp_path: Path, capsys: object) -> None:
-    from kvpool_console.demo.replay_cli import main
+    from kvpool_replay.cli import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '
@@ -101,3 +106,47 @@ def test_cli_rejects_bad_input_with_named_field(tmp_path: Path, capsys: object) 
     assert main([str(good), "--limit", "5", "--pool-tokens", "1000"]) == 2
     err = capsys.readouterr().err  # type: ignore[attr-defined]
     assert "--pool-tokens >=" in err
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_cli_rejects_a_trace_without_requests(tmp_path: Path, text: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay.cli import main
+
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text(text)
+    assert main([str(trace), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"kvpool-replay: {trace}: no requests (the file is empty or holds "
+                            "only blank lines)\n")
+    assert captured.out == ""
+
+
+def test_cli_rejects_a_pool_larger_than_available_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay._pool import pool_bytes_for_tokens
+    from kvpool_replay.cli import main
+
+    # 64 B/token at the default model shape: 10**15 tokens are 64 PB, more than any machine.
+    tokens = 10**15
+    need = pool_bytes_for_tokens(tokens, ModelShape())
+    good = default_trace_path("conversation_trace.jsonl")
+    assert main([str(good), "--limit", "5", "--pool-tokens", str(tokens)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpool-replay: the pool needs {need:,} bytes of memory but only ")
+    assert err.endswith(" bytes are available: use a smaller --pool-tokens\n")
+    # One line, before anything started (no "replaying ..." status line, no Mooncake abort).
+    assert err.count("\n") == 1, err
+    # Private mode: every engine's pool counts.
+    assert main([str(good), "--limit", "5", "--engines", "4", "--private",
+                 "--pool-tokens", str(tokens)]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {4 * pool_bytes_for_tokens(tokens // 4, ModelShape()):,} bytes" in err
+
+
+def test_require_memory_compares_with_what_is_available() -> None:
+    from kvpool_replay._pool import require_memory
+
+    require_memory(100, available_bytes=100)
+    with pytest.raises(ValueError, match=r"needs 101 bytes of memory but only 100 bytes are "):
+        require_memory(101, available_bytes=100)

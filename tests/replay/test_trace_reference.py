@@ -8,9 +8,18 @@ from pathlib import Path
 import pytest
 
 from kvpool_connector.keys import chunk_hashes
-from kvpool_console.demo.reference import claimable_chunks, lru_hits, prefix_ceiling
-from kvpool_console.demo.tokens import block_tokens, request_tokens
-from kvpool_console.demo.trace import TraceError, TraceRequest, default_trace_path, load_trace
+from kvpool_replay import (
+    ModelShape,
+    TraceError,
+    TraceRequest,
+    default_trace_path,
+    load_trace,
+    lru_hits,
+    prefix_ceiling,
+    request_tokens,
+)
+from kvpool_replay._reference import claimable_chunks
+from kvpool_replay._tokens import block_tokens
 
 
 def test_shared_traces_load_with_limit() -> None:
@@ -42,6 +51,24 @@ def test_bad_line_names_line_and_field(tmp_path: Path, line: str, needle: str) -
         load_trace(p)
     assert f"{p}:3:" in str(info.value)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["", "\n \n\t\n"])
+def test_trace_without_requests_is_an_error(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(text)
+    with pytest.raises(TraceError) as info:
+        load_trace(p)
+    assert str(info.value) == f"{p}: no requests (the file is empty or holds only blank lines)"
+
+
+def test_model_shape_itemsize_matches_torch() -> None:
+    torch = pytest.importorskip("torch")
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    for name, dtype in dtypes.items():
+        shape = ModelShape(layers=3, kv_heads=2, head_size=8, dtype=name)
+        assert shape.itemsize == torch.empty((), dtype=dtype).element_size()
+        assert shape.bytes_per_token == 3 * 2 * 2 * 8 * shape.itemsize
 
 
 def test_missing_trace_says_where_traces_live(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""Local pool services for demos, replays and tests: a real ``mooncake_master`` or yuanrong
-worker on 127.0.0.1.
+"""Local pool services for demos, replays, tests and benchmarks: a real ``mooncake_master``,
+a ``mooncake_client`` store holding the pool memory, or a yuanrong worker, on 127.0.0.1; and the
+process helpers they share (free ports, log tails, the child environment, stopping a process
+group).
 
-``mooncake_master`` is the binary the ``mooncake-transfer-engine`` wheel puts on PATH. The
-master listens for clients on ``rpc_port`` and serves ``/metrics``, ``/health``,
-``/get_all_keys`` and ``/query_key`` on its HTTP admin port (``metrics_port``).
+``mooncake_master`` and ``mooncake_client`` are the binaries the ``mooncake-transfer-engine``
+wheel puts on PATH. The master listens for clients on ``rpc_port`` and serves ``/metrics``,
+``/health``, ``/get_all_keys`` and ``/query_key`` on its HTTP admin port (``metrics_port``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ from types import TracebackType
 import httpx
 import psutil
 
+from kvpool_agent.pool import parse_master_metrics
+from kvpool_agent.protocol import PoolStats
+
 __all__ = [
     "LocalMooncakeMaster",
+    "LocalPoolStore",
     "LocalYuanrongWorker",
+    "engine_env",
     "free_port",
+    "stop_process_tree",
     "tail_file",
 ]
 
@@ -45,6 +53,48 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1, this
+    interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH`` and
+    this source tree on ``PYTHONPATH`` (engines import the same kvpool, installed or not)."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1])
+    if src not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group ``proc`` leads (it was started with ``start_new_session``),
+    then SIGKILL whatever is left after ``timeout_s``. Idempotent."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, 15)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, 9)
+        proc.wait()
+    if pgid is not None:
+        # Children that outlived the leader still carry its group id.
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    p.kill()
+            except (ProcessLookupError, psutil.Error):
+                continue
 
 
 class LocalMooncakeMaster:
@@ -178,6 +228,80 @@ class LocalMooncakeMaster:
         self.stop()
 
 
+class LocalPoolStore:
+    """A ``mooncake_client`` store process contributing ``segment_bytes`` of pool memory to a
+    master (Mooncake standalone mode). Context manager; ``.proc`` is the child process.
+
+    Raises:
+        FileNotFoundError: ``mooncake_client`` is not installed (``kvpool[mooncake]``).
+        RuntimeError: the store did not mount its segment within ``timeout_s`` (the message
+            carries its log tail).
+    """
+
+    def __init__(self, master: LocalMooncakeMaster | str, segment_bytes: int,
+                 log_dir: Path | None = None) -> None:
+        self.master_address = master if isinstance(master, str) else master.address
+        self.admin_url = None if isinstance(master, str) else master.admin_url
+        self.segment_bytes = segment_bytes
+        self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-store-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> LocalPoolStore:
+        env = engine_env()
+        binary = shutil.which("mooncake_client", path=env["PATH"])
+        if binary is None:
+            raise FileNotFoundError(
+                "mooncake_client is not on PATH: pip install 'kvpool[mooncake]'"
+            )
+        self.log_path = self._log_dir / "mooncake_client.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [binary, f"--master_server_address={self.master_address}",
+             "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={free_port()}",
+             f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
+             "--local_buffer_size=16MB"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n"
+                                   f"{tail_file(self.log_path)}")
+            if self._mounted():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_client did not mount its segment in {timeout_s}s:\n"
+                           f"{tail_file(self.log_path)}")
+
+    def _mounted(self) -> bool:
+        if self.admin_url is None:
+            return b"Starting real client service" in self.log_path.read_bytes()
+        try:
+            text = httpx.get(f"{self.admin_url}/metrics", timeout=1.0).text
+        except httpx.HTTPError:
+            return False
+        stats = PoolStats(backend="mooncake")
+        try:
+            parse_master_metrics(text, stats)
+        except ValueError:
+            return False
+        return stats.total_bytes >= self.segment_bytes
+
+    def stop(self) -> None:
+        """Stop the store (its segment, and every object in it, goes away). Idempotent."""
+        if self.proc is not None:
+            stop_process_tree(self.proc, timeout_s=5)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> LocalPoolStore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class LocalYuanrongWorker:
     """An openYuanrong datasystem worker on 127.0.0.1 with free ports, started with ``dscli``.
 
@@ -276,7 +400,6 @@ class LocalYuanrongWorker:
             )
         self.pid = int(found.group(1))
         return self
-
 
     def _alive(self) -> bool:
         if self.pid is None:

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvpool_console.demo.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvpool_replay._trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "block_tokens", "request_tokens"]
 

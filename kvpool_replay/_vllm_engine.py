@@ -1,13 +1,13 @@
 """A real vLLM engine replaying trace requests (``DemoCluster(engine_kind="vllm")``).
 
-``vllm.LLM`` with the tiny local model (``kvpool_console.demo.tiny_model``) and
+``vllm.LLM`` with the tiny local model (``_tiny_model``) and
 ``KVPoolConnector``; vLLM's own scheduler and worker call the connector. The tiny model takes
 at most 2048 positions, so each prompt is the trace request's token ids (``tokens``, ids
 modulo the model's vocabulary) truncated to ``MAX_PROMPT_TOKENS``; requests keep their shared
 prefixes. vLLM's local prefix cache is off, so every reused token comes from the pool;
 ``num_cached_tokens`` of each output is the request's hit.
 
-Run as ``python -m kvpool_console.demo.vllm_engine SPEC.json`` (an ``EngineSpec`` whose
+Run as ``python -m kvpool_replay._vllm_engine SPEC.json`` (an ``EngineSpec`` whose
 ``model`` is the tiny model's directory).
 """
 
@@ -20,9 +20,11 @@ from typing import Any
 
 import msgspec
 
-from kvpool_console.demo.engine import EngineResult, EngineSpec, run_engine_spec
-from kvpool_console.demo.tokens import request_tokens
-from kvpool_console.demo.trace import TraceRequest
+from kvpool_replay._engine_proc import run_engine_spec
+from kvpool_replay._spec import EngineResult, EngineSpec
+from kvpool_replay._tiny_model import VOCAB_SIZE
+from kvpool_replay._tokens import request_tokens
+from kvpool_replay._trace import TraceRequest
 
 __all__ = ["MAX_PROMPT_TOKENS", "VllmEngine", "main"]
 
@@ -42,8 +44,6 @@ class VllmEngine:
 
     def __init__(self, spec: EngineSpec) -> None:
         from vllm import LLM
-
-        from kvpool_console.demo.tiny_model import VOCAB_SIZE
 
         self.spec = spec
         self.vocab = VOCAB_SIZE
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ``spec.result_path``. Exit status 1 when the replay failed."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvpool_console.demo.vllm_engine SPEC.json", file=sys.stderr)
+        print("usage: python -m kvpool_replay._vllm_engine SPEC.json", file=sys.stderr)
         return 2
     with open(args[0], "rb") as f:
         spec = msgspec.json.decode(f.read(), type=EngineSpec)

@@ -14,8 +14,7 @@ from pathlib import Path
 import psutil
 
 from kvpool_agent import FleetClient
-from kvpool_console.demo import DemoCluster
-from kvpool_console.demo.trace import default_trace_path
+from kvpool_replay import DemoCluster, default_trace_path
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ import sys
 
 import msgspec
 
-from kvpool_console.demo.engine import ModelShape
-from kvpool_console.demo.replay import ReplayConfig, ReplayReport, run_replay
-from kvpool_console.demo.trace import TraceError, default_trace_path
+from kvpool_replay._replay import ReplayConfig, ReplayReport, run_replay
+from kvpool_replay._spec import ModelShape
+from kvpool_replay._trace import TraceError, default_trace_path
 
 __all__ = ["build_parser", "format_report", "main"]
 
@@ -113,7 +113,9 @@ def format_report(r: ReplayReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvpool-replay``. Exit status: 0 ok, 1 an engine failed, 2 bad input."""
+    """Entry point of ``kvpool-replay``. Exit status: 0 ok, 1 an engine failed, 2 bad input
+    (options, a missing, invalid or empty trace, a pool larger than the memory available), with
+    one line on stderr saying why."""
     parser = build_parser()
     args = parser.parse_args(argv)
     trace = args.trace_opt or args.trace or str(default_trace_path())

@@ -1,6 +1,6 @@
 """Trace replay: engines (processes) replay a Mooncake trace through ``KVPoolConnector`` and a
 real Mooncake pool; the result is set against the trace's own prefix-reuse ceiling and an exact
-LRU cache of the same capacity (``reference``).
+LRU cache of the same capacity (``_reference``).
 
 The pool is a real ``mooncake_master`` plus one ``mooncake_client`` store process that
 contributes the pool memory (Mooncake's standalone store mode, so engines contribute none and
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,176 +27,35 @@ import httpx
 import msgspec
 import psutil
 
-from kvpool_agent.pool import parse_master_metrics
-from kvpool_agent.protocol import PoolStats
 from kvpool_connector.keys import chunk_hashes
-from kvpool_connector.services import LocalMooncakeMaster, free_port, tail_file
-from kvpool_console.demo.engine import EngineResult, EngineSpec, ModelShape
-from kvpool_console.demo.reference import ReuseResult, lru_hits, prefix_ceiling
-from kvpool_console.demo.tokens import DEFAULT_VOCAB_SIZE, request_tokens
-from kvpool_console.demo.trace import TraceRequest, load_trace
+from kvpool_replay._pool import (
+    MIN_SEGMENT_BYTES,
+    mooncake_extra_config,
+    pool_bytes_for_tokens,
+    require_memory,
+)
+from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
+from kvpool_replay._services import (
+    LocalMooncakeMaster,
+    LocalPoolStore,
+    engine_env,
+    free_port,
+    stop_process_tree,
+)
+from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
+from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE, request_tokens
+from kvpool_replay._trace import TraceRequest, load_trace
 
-__all__ = [
-    "MIN_SEGMENT_BYTES",
-    "LocalPoolStore",
-    "ReplayConfig",
-    "ReplayReport",
-    "engine_env",
-    "mooncake_extra_config",
-    "pool_bytes_for_tokens",
-    "reference_for",
-    "run_replay",
-    "spawn_engine",
-    "stop_process_tree",
-]
+__all__ = ["ReplayConfig", "ReplayReport", "reference_for", "run_replay", "spawn_engine"]
 
 _MIB = 1 << 20
-
-
-def engine_env() -> dict[str, str]:
-    """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1, this
-    interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH`` and
-    this source tree on ``PYTHONPATH`` (engines import the same kvpool, installed or not)."""
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])
-    if src not in env.get("PYTHONPATH", "").split(os.pathsep):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-    bindir = str(Path(sys.executable).parent)
-    if bindir not in env.get("PATH", "").split(os.pathsep):
-        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    return env
-
-
-MIN_SEGMENT_BYTES = 16 * _MIB
-"""Smallest segment ``mooncake_client`` accepts here (smaller ones fail with INVALID_PARAMS)."""
-
-
-def pool_bytes_for_tokens(tokens: int, shape: ModelShape) -> int:
-    """``global_segment_size`` in bytes for a pool of ``tokens`` tokens of KV, rounded up to
-    whole MiB.
-
-    Raises:
-        ValueError: the pool would be smaller than ``MIN_SEGMENT_BYTES`` (the message gives
-            the smallest ``--pool-tokens`` for this model shape).
-    """
-    raw = max(1, tokens) * shape.bytes_per_token
-    if raw < MIN_SEGMENT_BYTES:
-        need = math.ceil(MIN_SEGMENT_BYTES / shape.bytes_per_token)
-        raise ValueError(
-            f"pool of {tokens:,} tokens is {raw:,} bytes at {shape.bytes_per_token} B/token, "
-            f"below Mooncake's 16 MiB minimum segment: use --pool-tokens >= {need:,} or a "
-            "larger model shape"
-        )
-    return math.ceil(raw / _MIB) * _MIB
-
-
-def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM the process group ``proc`` leads (it was started with ``start_new_session``),
-    then SIGKILL whatever is left after ``timeout_s``. Idempotent."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        pgid = None
-    if pgid is not None and proc.poll() is None:
-        with suppress(ProcessLookupError):
-            os.killpg(pgid, 15)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        if pgid is not None:
-            with suppress(ProcessLookupError):
-                os.killpg(pgid, 9)
-        proc.wait()
-    if pgid is not None:
-        # Children that outlived the leader still carry its group id.
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(p.pid) == pgid:
-                    p.kill()
-            except (ProcessLookupError, psutil.Error):
-                continue
-
-
-class LocalPoolStore:
-    """A ``mooncake_client`` store process contributing ``segment_bytes`` of pool memory to a
-    master (Mooncake standalone mode). Context manager; ``.proc`` is the child process.
-
-    Raises:
-        FileNotFoundError: ``mooncake_client`` is not installed (``kvpool[mooncake]``).
-        RuntimeError: the store did not mount its segment within ``timeout_s`` (the message
-            carries its log tail).
-    """
-
-    def __init__(self, master: LocalMooncakeMaster | str, segment_bytes: int,
-                 log_dir: Path | None = None) -> None:
-        self.master_address = master if isinstance(master, str) else master.address
-        self.admin_url = None if isinstance(master, str) else master.admin_url
-        self.segment_bytes = segment_bytes
-        self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-store-"))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 20.0) -> LocalPoolStore:
-        env = engine_env()
-        binary = shutil.which("mooncake_client", path=env["PATH"])
-        if binary is None:
-            raise FileNotFoundError(
-                "mooncake_client is not on PATH: pip install 'kvpool[mooncake]'"
-            )
-        self.log_path = self._log_dir / "mooncake_client.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, f"--master_server_address={self.master_address}",
-             "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={free_port()}",
-             f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
-             "--local_buffer_size=16MB"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n"
-                                   f"{tail_file(self.log_path)}")
-            if self._mounted():
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"mooncake_client did not mount its segment in {timeout_s}s:\n"
-                           f"{tail_file(self.log_path)}")
-
-    def _mounted(self) -> bool:
-        if self.admin_url is None:
-            return b"Starting real client service" in self.log_path.read_bytes()
-        try:
-            text = httpx.get(f"{self.admin_url}/metrics", timeout=1.0).text
-        except httpx.HTTPError:
-            return False
-        stats = PoolStats(backend="mooncake")
-        try:
-            parse_master_metrics(text, stats)
-        except ValueError:
-            return False
-        return stats.total_bytes >= self.segment_bytes
-
-    def stop(self) -> None:
-        """Stop the store (its segment, and every object in it, goes away). Idempotent."""
-        if self.proc is not None:
-            stop_process_tree(self.proc, timeout_s=5)
-        if getattr(self, "_log", None):
-            self._log.close()
-
-    def __enter__(self) -> LocalPoolStore:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class ReplayConfig(msgspec.Struct, kw_only=True):
     """A replay run.
 
     Attributes:
-        trace_path: JSON-lines trace (``trace.load_trace``).
+        trace_path: JSON-lines trace (``load_trace``).
         limit: replay the first ``limit`` requests (``None`` = all).
         engines: engine processes.
         pool_tokens: pool capacity in tokens of KV; ``None`` = unbounded (room for every chunk
@@ -336,7 +194,7 @@ class _RssWatch:
 
 
 def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
-                 module: str = "kvpool_console.demo.engine_proc") -> subprocess.Popen[bytes]:
+                 module: str = "kvpool_replay._engine_proc") -> subprocess.Popen[bytes]:
     """Start ``python -m <module> SPEC.json`` for ``spec`` in its own process group (so
     ``stop_process_tree`` ends it and everything it started). Its output goes to ``log`` (an
     open binary file), by default to this process's stderr (progress lines, errors)."""
@@ -376,8 +234,9 @@ def run_replay(
     started before returning (also on error or Ctrl-C).
 
     Raises:
-        FileNotFoundError, TraceError: bad trace path or content.
-        ValueError: bad settings (``engines`` < 1, ``--master`` with private mode...).
+        FileNotFoundError, TraceError: bad trace path or content (an empty trace included).
+        ValueError: bad settings (``engines`` < 1, ``--master`` with private mode...), or
+            pools needing more memory than the machine has available (``require_memory``).
         RuntimeError: an engine failed to start or did not finish (message names it).
     """
     say = on_status or (lambda _m: None)
@@ -406,6 +265,7 @@ def run_replay(
     else:
         per_pool_tokens = cfg.pool_tokens if cfg.mode == "shared" else cfg.pool_tokens // n_eng
     segment = pool_bytes_for_tokens(per_pool_tokens, cfg.shape)
+    require_memory(segment * (n_eng if cfg.mode == "private" else 1))
 
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
         f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
@@ -538,39 +398,6 @@ def run_replay(
         errors=errors,
         per_engine=results,
     )
-
-
-def mooncake_extra_config(
-    master_address: str,
-    admin_url: str | None = None,
-    *,
-    lease_ttl_ms: int | None = None,
-    high_watermark: float | None = None,
-) -> dict[str, Any]:
-    """``kv_connector_extra_config`` keys for the Mooncake backend of a replay engine:
-    Mooncake's standalone store mode (the engine contributes no segment; the replay's
-    ``mooncake_client`` holds the pool memory), TCP on 127.0.0.1. ``admin_url`` (the master's
-    HTTP admin endpoint) lets the agent report pool usage and evictions; ``lease_ttl_ms`` and
-    ``high_watermark`` repeat the master's ``--default_kv_lease_ttl`` (ms) and
-    ``--eviction_high_watermark_ratio`` so lease expiries and watermark alerts are right."""
-    mooncake: dict[str, Any] = {
-        "local_hostname": "127.0.0.1",
-        "metadata_server": "P2PHANDSHAKE",
-        "master_server_address": master_address,
-        "protocol": "tcp",
-        "global_segment_size": 0,
-        "local_buffer_size": "16MB",
-        "store_mode": "standalone",
-    }
-    extra: dict[str, Any] = {"backend": "mooncake", "mooncake": mooncake}
-    if admin_url:
-        mooncake["master_admin_url"] = admin_url
-    if lease_ttl_ms is not None:
-        mooncake["default_kv_lease_ttl"] = lease_ttl_ms
-        extra["lease_ttl_ms"] = lease_ttl_ms
-    if high_watermark is not None:
-        mooncake["eviction_high_watermark_ratio"] = high_watermark
-    return extra
 
 
 def _wait_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],

@@ -1,0 +1,59 @@
+"""Trace replay, the demo fleet and the local pool services (``kvpool-replay``,
+``kvpool-console --demo``, tests and benchmarks).
+
+- ``run_replay``/``ReplayConfig``/``ReplayReport``: the replay behind ``kvpool-replay``
+  (``kvpool_replay.cli``): engine processes replay a Mooncake trace through ``KVPoolConnector``
+  and a real pool, set against ``reference_for`` (``prefix_ceiling``, ``lru_hits``);
+- ``DemoCluster``: master + store, fleet hub, operator keys and engine processes replaying a
+  trace; ``kvpool-console --demo`` runs it with the console's TUI (``kvpool_replay.demo``);
+- ``LocalMooncakeMaster``, ``LocalPoolStore``, ``LocalYuanrongWorker``, ``free_port``,
+  ``engine_env``, ``mooncake_extra_config``: real services on 127.0.0.1 and how to reach them;
+- ``load_trace``, ``request_tokens``, ``default_trace_path``: trace input;
+  ``ModelShape``/``EngineSpec``/``EngineResult``: what engines are told and report;
+  ``build_tiny_model``: the tiny local Llama the real-vLLM engines load.
+
+Importing the package loads neither torch nor vLLM: only the engine processes do.
+"""
+
+from kvpool_replay._cluster import DEMO_SHAPE, DemoCluster
+from kvpool_replay._pool import mooncake_extra_config
+from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
+from kvpool_replay._replay import ReplayConfig, ReplayReport, reference_for, run_replay
+from kvpool_replay._services import (
+    LocalMooncakeMaster,
+    LocalPoolStore,
+    LocalYuanrongWorker,
+    engine_env,
+    free_port,
+)
+from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
+from kvpool_replay._tiny_model import build_tiny_model
+from kvpool_replay._tokens import request_tokens
+from kvpool_replay._trace import TraceError, TraceRequest, default_trace_path, load_trace
+
+__all__ = [
+    "DEMO_SHAPE",
+    "DemoCluster",
+    "EngineResult",
+    "EngineSpec",
+    "LocalMooncakeMaster",
+    "LocalPoolStore",
+    "LocalYuanrongWorker",
+    "ModelShape",
+    "ReplayConfig",
+    "ReplayReport",
+    "ReuseResult",
+    "TraceError",
+    "TraceRequest",
+    "build_tiny_model",
+    "default_trace_path",
+    "engine_env",
+    "free_port",
+    "load_trace",
+    "lru_hits",
+    "mooncake_extra_config",
+    "prefix_ceiling",
+    "reference_for",
+    "request_tokens",
+    "run_replay",
+]

@@ -1,0 +1,137 @@
+"""What the replay's engine processes are told and what they report: the model's KV geometry
+(``ModelShape``), one engine's settings (``EngineSpec``, sent to the process as JSON) and its
+measurements (``EngineResult``, written back as JSON). No torch or vLLM here: the orchestrators
+(``run_replay``, ``DemoCluster``) only build and read these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
+
+__all__ = ["DTYPE_BYTES", "EngineResult", "EngineSpec", "ModelShape"]
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+"""Bytes per element of the KV dtypes the engines support (torch's ``element_size()``)."""
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
+    """KV geometry of the simulated model.
+
+    ``bytes_per_token`` = ``layers * 2 (K and V) * kv_heads * head_size * dtype bytes``. Blocks
+    hold ``block_size`` tokens (vLLM's ``--block-size``). The cache layout is vLLM's CPU one:
+    ``(num_blocks, kv_heads, block_size, 2 * head_size)`` per layer.
+    """
+
+    layers: int = 2
+    kv_heads: int = 1
+    head_size: int = 8
+    block_size: int = 16
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model shape {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers."""
+        return self.layers * 2 * self.kv_heads * self.head_size * self.itemsize
+
+
+class EngineSpec(msgspec.Struct, kw_only=True):
+    """Everything an engine process needs (sent as JSON to ``python -m
+    kvpool_replay._engine_proc``).
+
+    Attributes:
+        engine_id: names the engine in agent reports.
+        kv_role: vLLM ``kv_role``; ``kv_consumer`` engines load with ``consumer_is_to_load``.
+        master_address: ``mooncake_master`` ``host:port``.
+        model: model name in pool keys (one namespace per replay).
+        shape: KV geometry.
+        chunk_size: tokens per pool key (multiple of ``shape.block_size``).
+        trace_path, indices: the trace and the request indices (0-based) this engine replays.
+        speedup: trace time / wall time; ``0`` = as fast as possible.
+        start_at: wall-clock time (s since epoch) of trace time 0; ``0`` = when ready.
+        wait_saves: finish each request's saves before the next lookup (deterministic order).
+        agent_address: fleet hub agent address, ``None`` = no agent reports.
+        lookup_rpc_port: distinct per engine on a host.
+        load_async, use_layerwise: connector modes.
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        progress_every: print a progress line to stderr every this many requests (0 = never).
+        result_path: where the ``EngineResult`` JSON goes.
+        go_path: when set, wait for this file (written by the orchestrator once every engine is
+            ready); it holds ``start_at``.
+        ready_path: touched when the engine is ready.
+        extra_config: more ``kv_connector_extra_config`` keys (backend settings).
+        forward_to: prefill engine of a P/D pair: ZMQ address to PUSH each request's trace
+            index to once its saves finished (its decode engine then replays it).
+        feed_from: decode engine of a P/D pair: ZMQ address to PULL trace indices from,
+            in place of ``indices`` (which then only size the KV cache); the engine stops
+            after ``feed_count`` of them.
+    """
+
+    engine_id: str
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    master_address: str
+    model: str = "kvpool-replay"
+    shape: ModelShape = msgspec.field(default_factory=ModelShape)
+    chunk_size: int = 512
+    trace_path: str
+    indices: list[int] = msgspec.field(default_factory=list)
+    speedup: float = 0.0
+    start_at: float = 0.0
+    wait_saves: bool = True
+    agent_address: str | None = None
+    lookup_rpc_port: int = 0
+    load_async: bool = False
+    use_layerwise: bool = False
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    progress_every: int = 0
+    result_path: str = ""
+    go_path: str = ""
+    ready_path: str = ""
+    extra_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    forward_to: str = ""
+    feed_from: str = ""
+    feed_count: int = 0
+
+
+class EngineResult(msgspec.Struct, kw_only=True):
+    """What one engine measured. Token counts in tokens, sizes in bytes, times in seconds.
+
+    ``hit_tokens`` are prompt tokens the pool served (claimed by ``get_num_new_matched_tokens``
+    and loaded without error); ``claimed_tokens`` what the scheduler claimed before loading.
+    ``per_request`` lists ``(trace index, hit tokens)``. ``load_errors`` counts blocks reported
+    by ``get_block_ids_with_load_errors`` (recomputed); ``corrupt_blocks`` loaded blocks whose
+    bytes were wrong (must be 0). ``saved_bytes``/``loaded_bytes`` are KV bytes the connector
+    was asked to save / loaded successfully. ``load_s``: wall time of synchronous loads
+    (``start_load_kv``) or from submission to ``finished_recving`` for asynchronous ones;
+    ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
+    ``wait_saves``).
+    """
+
+    engine_id: str
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    claimed_tokens: int = 0
+    per_request: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    saved_bytes: int = 0
+    loaded_bytes: int = 0
+    load_errors: int = 0
+    corrupt_blocks: int = 0
+    save_s: float = 0.0
+    load_s: float = 0.0
+    wall_s: float = 0.0
+    peak_rss_bytes: int = 0
+    error: str = ""

@@ -1,0 +1,157 @@
+"""``kvpool-console --demo``: a local fleet replaying a trace, watched in the console's TUI.
+
+``kvpool-console --demo`` replaces its own process with ``python -m kvpool_replay.demo`` and the
+demo options (``kvpool_console.cli``; the console never imports this package). Here a
+``DemoCluster`` starts (master, store, fleet hub with fresh operator keys, engines), then the
+console's own TUI watches it: ``kvpool_console.cli.main(["--hub", HUB, "--keys", DIR])``, as an
+operator would run it against a real fleet. Everything the demo started stops on the way out.
+
+Usage (what the console passes on; every option but ``--trace`` is always given)::
+
+    python -m kvpool_replay.demo --engines N --speedup X --engine sim|vllm --refresh S
+                                 [--trace PATH]
+
+Exit status, as documented for ``kvpool-console``: 0 ok; 2 demo not startable (missing or invalid
+trace, Mooncake binaries missing); 128+N left on signal N (SIGHUP, SIGTERM), after stopping
+everything the demo started and restoring the terminal. Messages start with
+``kvpool-console --demo:``, the command the user typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from kvpool_console.cli import main as console_main
+from kvpool_replay._cluster import DemoCluster
+from kvpool_replay._trace import TraceError, default_trace_path
+
+__all__ = ["main"]
+
+PROG = "kvpool-console --demo"
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    # The console validated these and shows their defaults in its --help: no second copy here.
+    p = argparse.ArgumentParser(prog=PROG, description="Start a local demo fleet replaying a "
+                                "trace and watch it in the kvpool console.")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake trace (default: conversation_trace.jsonl in "
+                        "$KVPOOL_TRACES_DIR or ../shared/traces)")
+    p.add_argument("--engines", type=int, required=True, help="engines (>= 1)")
+    p.add_argument("--speedup", type=float, required=True,
+                   help="trace time / wall time (0 = as fast as possible)")
+    p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm"), required=True)
+    p.add_argument("--refresh", type=float, required=True, metavar="S",
+                   help="TUI redraw interval in seconds")
+    return p
+
+
+class _Stopped(BaseException):
+    """SIGHUP or SIGTERM while the console's TUI was not running (start-up, or between the TUI
+    and the clean-up). A ``BaseException``, like ``KeyboardInterrupt``, so that no
+    ``except Exception`` on the way out swallows it."""
+
+
+class _Signals:
+    """SIGHUP/SIGTERM outside the TUI become an orderly exit instead of killing the process on
+    the spot, so the cluster's processes and work directory are removed (while the TUI runs,
+    ``kvpool_console.cli.main`` handles them itself and returns 128+N).
+
+    ``signum`` is the first signal that arrived (None: none); ``cleaning_up`` is set once the
+    clean-up started, which a later signal must not abort."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.cleaning_up = False
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            # The terminal is gone (SSH dropped): point stdio at /dev/null so the clean-up's
+            # messages go nowhere instead of failing on the dead tty.
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+        if self.signum is not None or self.cleaning_up:
+            self.signum = self.signum or signum
+            return
+        self.signum = signum
+        raise _Stopped(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _signals() -> Iterator[_Signals]:
+    """Route SIGHUP and SIGTERM to a ``_Signals`` for the duration of the block."""
+    sig = _Signals()
+    before = {s: signal.signal(s, sig.handle) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        yield sig
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _start_and_watch(cluster: DemoCluster, trace: Path, refresh_s: float, err: Console) -> int:
+    """Start ``cluster``, then run the console's TUI on it; the TUI's exit status."""
+    try:
+        cluster.start()
+    except TraceError as e:
+        err.print(f"[red]{PROG}: --trace {trace} is not a valid Mooncake trace: {e}; pass "
+                  "--trace PATH to a valid one[/red]")
+        return EXIT_USAGE
+    except FileNotFoundError as e:
+        err.print(f"[red]{PROG}: {e}[/red]")
+        return EXIT_USAGE
+    return console_main(["--hub", cluster.hub_address, "--keys", str(cluster.keys_dir),
+                         "--refresh", repr(refresh_s)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; returns the exit status (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    # soft_wrap: an error is one line even when stderr is a pipe (Rich would wrap at 80).
+    err = Console(stderr=True, soft_wrap=True)
+    trace = Path(args.trace) if args.trace else default_trace_path()
+    if not trace.is_file():
+        origin = "--trace" if args.trace else "the default trace"
+        err.print(f"[red]{PROG}: {origin} {trace} not found: pass --trace PATH or set "
+                  "KVPOOL_TRACES_DIR to the directory holding conversation_trace.jsonl (the "
+                  "Mooncake traces)[/red]")
+        return EXIT_USAGE
+
+    def progress(line: str) -> None:
+        # Start-up takes tens of seconds before the TUI can draw: say what is happening.
+        err.print(f"{PROG}: {line}", markup=False, highlight=False)
+
+    cluster = DemoCluster(trace, engines=args.engines, speedup=args.speedup,
+                          engine_kind=args.engine_kind, progress=progress)
+    rc = EXIT_OK
+    with _signals() as sig:
+        # Not ``with cluster``: a failing start() (bad trace) would skip __exit__ and leave the
+        # work directory behind; start() already stops what it started, cleanup() the rest.
+        try:
+            rc = _start_and_watch(cluster, trace, args.refresh, err)
+        except _Stopped:
+            pass
+        finally:
+            sig.cleaning_up = True
+            cluster.stop()
+            cluster.cleanup()
+    # The TUI reports a signal it handled itself as 128+N; one that came outside it is ours.
+    if sig.signum is not None and rc < 128:
+        return 128 + sig.signum
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
