@@ -111,6 +111,37 @@ def test_truncated_file_in_a_real_process_prints_no_traceback() -> None:
     assert "a string is not closed (the file ends early: truncated?)" in proc.stdout
 
 
+_TOO_DEEP = (
+    "invalid JSON: arrays/objects nested more than 100 levels deep "
+    "(a deployment config nests about 10)"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 200_000,  # the parser itself would run out of stack
+        '{"kv_connector": "KVPoolConnector", "kv_role": ' + "[" * 150 + "]" * 150 + "}",
+    ],
+    ids=["parser-depth", "valid-but-deep"],
+)
+def test_deeply_nested_json_is_one_clear_line(tmp_path: Path, text: str) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text(text)
+    for command in ("validate", "render"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpool_config.cli", command, str(deep)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stdout + proc.stderr
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "error:" in ln]
+        assert lines == [f"{'  ' if command == 'validate' else ''}error: {deep}:0:0: {_TOO_DEEP}"]
+
+
 def test_schema_command_writes_the_published_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
