@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MC_TCP_BIND_ADDRESS=127.0.0.1
-printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_replay tests bench
+printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench
 printf '\n==> mypy\n';  .venv/bin/mypy
 printf '\n==> pytest\n'
 exec .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=15 "$@"

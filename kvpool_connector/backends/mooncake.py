@@ -71,8 +71,9 @@ from kvpool_connector.backends.base import (
     BackendUnavailable,
     RemoveResult,
 )
+from kvpool_connector.sizes import parse_size
 
-__all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig", "parse_size"]
+__all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
 
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
@@ -81,28 +82,6 @@ _RAW_SAFE = "/@:.-_~%!$'()*,;="
 
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from ``1073741824``, ``"1GB"``, ``"1 GiB"``, ``"512MB"``, ``"64mb"``, ``"0"``.
-
-    Raises:
-        ValueError: negative, or not a number with an optional B/KB/MB/GB/TB unit.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"size must be bytes or a string like '1GB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return int(value)
-    m = _SIZE_RE.match(value)
-    if m is None:
-        raise ValueError(f"size {value!r} is not a number with a unit like '1GB' or '512MB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
 
 _CHUNK_HASH = re.compile(r"@[0-9a-f]{32}(?=(?:@L\d+)?$)")
 """The chunk-hash component of a ``PoolKey``/``LayerPoolKey`` string (see ``keys``)."""

@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool_connector.validate.cli import main
-from kvpool_connector.validate.rules import check_lease_ttl, parse_size
-from kvpool_connector.validate.schema import schema_text
+from kvpool_config import schema_text
+from kvpool_config.cli import main
+from kvpool_config.rules import check_lease_ttl
+from kvpool_connector.sizes import parse_size
 from kvpool_replay import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ def test_truncated_file_in_a_real_process_prints_no_traceback() -> None:
         [
             sys.executable,
             "-m",
-            "kvpool_connector.validate.cli",
+            "kvpool_config.cli",
             "validate",
             str(CASES / "truncated.json"),
             "--env",
@@ -110,6 +111,37 @@ def test_truncated_file_in_a_real_process_prints_no_traceback() -> None:
     assert "a string is not closed (the file ends early: truncated?)" in proc.stdout
 
 
+_TOO_DEEP = (
+    "invalid JSON: arrays/objects nested more than 100 levels deep "
+    "(a deployment config nests about 10)"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 200_000,  # the parser itself would run out of stack
+        '{"kv_connector": "KVPoolConnector", "kv_role": ' + "[" * 150 + "]" * 150 + "}",
+    ],
+    ids=["parser-depth", "valid-but-deep"],
+)
+def test_deeply_nested_json_is_one_clear_line(tmp_path: Path, text: str) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text(text)
+    for command in ("validate", "render"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpool_config.cli", command, str(deep)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stdout + proc.stderr
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "error:" in ln]
+        assert lines == [f"{'  ' if command == 'validate' else ''}error: {deep}:0:0: {_TOO_DEEP}"]
+
+
 def test_schema_command_writes_the_published_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -118,23 +150,15 @@ def test_schema_command_writes_the_published_file(
     assert out.read_text() == schema_text() == (CONFIG / "kvpool.schema.json").read_text()
 
 
-def test_rule_functions_are_importable_for_the_console() -> None:
+def test_rule_functions_are_importable_one_by_one() -> None:
     assert check_lease_ttl(11000, 10000, 10000) is None
-    finding = check_lease_ttl(8000, None, 9000, where="agent report")
+    finding = check_lease_ttl(8000, None, 9000, where="env.json")
     assert finding is not None
     assert (finding.severity, finding.rule) == ("error", "lease-ttl")
     assert finding.message.startswith(
         "default_kv_lease_ttl 8000 ms does not exceed ASCEND_CONNECT_TIMEOUT 10000 ms "
         "(Mooncake's default)"
     )
-    assert [parse_size(v) for v in ("1GB", "512MB", 1073741824, "1.5 GiB")] == [
-        1 << 30,
-        512 << 20,
-        1 << 30,
-        3 << 29,
-    ]
-    with pytest.raises(ValueError, match="is not a size"):
-        parse_size("1 gallon")
 
 
 def test_render_refuses_what_it_cannot_render(

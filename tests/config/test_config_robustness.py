@@ -12,9 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvpool_connector.validate.loader import detect_shape
-from kvpool_connector.validate.render import RenderError, render_mooncake
-from kvpool_connector.validate.validator import Options, validate_document
+from kvpool_config import Options, RenderError, detect_shape, render_mooncake, validate_document
 
 ROOT = Path(__file__).resolve().parents[2]
 _UNREADABLE = {"malformed.json", "truncated.json", "empty.json", "unknown_shape.json"}

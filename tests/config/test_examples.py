@@ -9,9 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from kvpool_connector.validate.cli import main
-from kvpool_connector.validate.schema import schema_text
-from kvpool_connector.validate.validator import Options, validate_files
+from kvpool_config import Options, schema_text, validate_files
+from kvpool_config.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config"

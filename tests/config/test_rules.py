@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvpool_config import Finding, Options, load_json, validate_document, validate_files
+from kvpool_config._model import KVPOOL_EXTRA_KEYS
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.validate.loader import load_json
-from kvpool_connector.validate.model import KVPOOL_EXTRA_KEYS
-from kvpool_connector.validate.rules import Finding
-from kvpool_connector.validate.validator import Options, validate_document, validate_files
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]

@@ -18,27 +18,13 @@ import pytest
 import torch
 
 from kvpool_connector.backends import BACKENDS, BackendUnavailable, _LazyRegistry, create_backend
-from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig, parse_size
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster, free_port
 
 MB = 1 << 20
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    (1024, 1024), ("0", 0), ("1GB", 1 << 30), ("512MB", 512 * MB), ("1 GiB", 1 << 30),
-    ("64mb", 64 * MB), ("3355443200", 3355443200), ("1.5GB", 3 * (1 << 29)), ("16 MB", 16 * MB),
-])
-def test_parse_size(text: int | str, expected: int) -> None:
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("bad", ["lots", "1PB", "-1GB", -5, "1 G B"])
-def test_parse_size_rejects(bad: int | str) -> None:
-    with pytest.raises(ValueError, match="size"):
-        parse_size(bad)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ They describe the keys ``kvpool-config`` reads (and the JSON Schema publishes): 
 ``kv_transfer_config`` (``vllm.config.KVTransferConfig`` field names), the store connectors'
 ``kv_connector_extra_config``, MindIE Motor's global ``kv_cache_store_config`` and ``env.json``
 sections. The models check types only and keep unknown keys (``extra="allow"``): value rules
-(ranges, allowed names, cross-field agreement) live in :mod:`kvpool_connector.validate.rules`,
+(ranges, allowed names, cross-field agreement) live in :mod:`kvpool_config.rules`,
 which says what is wrong and how to fix it. Allowed values and ranges are still written into the
 schema (``json_schema_extra``) so editors flag them while typing.
 
@@ -24,23 +24,29 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpool_connector.backends.memcache import MemcacheConfig
 from kvpool_connector.backends.yuanrong import YuanrongConfig
 from kvpool_connector.config import CONNECTOR_EXTRA_KEYS
+from kvpool_connector.sizes import SIZE_PATTERN
 
 __all__ = [
     "ASCEND_STORE_EXTRA_KEYS",
     "BACKENDS",
+    "CONNECTOR_KEYS",
     "DEFAULT_KV_CACHE_STORE_PORT",
     "DEFAULT_LEASE_TTL_MS",
     "DEFAULT_MINDIE_BACKEND",
     "DEFAULT_MMC_CONFIG_STORE_PORT",
     "DEFAULT_MMC_METRICS_PORT",
     "DEPLOY_MODES",
+    "ENGINE_SECTIONS",
+    "KTC_FIELDS",
     "KVPOOL_BACKEND_KEYS",
     "KVPOOL_EXTRA_KEYS",
     "KV_ROLES",
     "LOAD_FAILURE_POLICIES",
     "LOCAL_SERVICE_MODES",
     "MOONCAKE_PROTOCOLS",
+    "STORE_FIELDS",
     "STORE_MODES",
+    "STORE_ONLY_KEYS",
     "EngineConfig",
     "EngineSection",
     "EnvFile",
@@ -136,10 +142,7 @@ _PORT_SCHEMA: dict[str, Any] = {
 }
 _RATIO_SCHEMA: dict[str, Any] = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 _SIZE_SCHEMA: dict[str, Any] = {
-    "anyOf": [
-        {"type": "integer", "minimum": 0},
-        {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|B)?\s*$"},
-    ]
+    "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}]
 }
 
 
@@ -345,3 +348,34 @@ class MooncakeClientConfig(_Open):
     enable_ssd_offload: bool | None = None
     ssd_offload_path: str | None = Field(default=None, json_schema_extra={"pattern": "^/"})
     tenant_id: str | None = None
+
+
+KTC_FIELDS = frozenset(KVTransferConfig.model_fields)
+"""Keys of vLLM's ``KVTransferConfig`` (vLLM rejects any other)."""
+
+STORE_FIELDS = frozenset(KVCacheStoreConfig.model_fields)
+"""Keys of MindIE's ``kv_cache_store_config``."""
+
+CONNECTOR_KEYS = (ASCEND_STORE_EXTRA_KEYS | KVPOOL_EXTRA_KEYS) - {"backend"}
+"""Store-connector ``kv_connector_extra_config`` keys other than ``backend`` (which also belongs
+in ``kv_cache_store_config``): misplaced anywhere but in the connector."""
+
+STORE_ONLY_KEYS = STORE_FIELDS - {
+    "port",
+    "backend",
+    "mode",
+    "service",
+    "enable",
+    "additional_labels",
+    "additional_annotations",
+}
+"""``kv_cache_store_config`` keys misplaced in a connector. ``port`` is left out: in a connector
+or kv_transfer_config it is more likely a mistyped ``kv_port``."""
+
+ENGINE_SECTIONS: dict[str, tuple[str, str, str]] = {
+    "motor_engine_prefill_config": ("prefill", "motor_engine_prefill_env", "p_pod_npu_num"),
+    "motor_engine_decode_config": ("decode", "motor_engine_decode_env", "d_pod_npu_num"),
+    "motor_engine_union_config": ("mixed", "motor_engine_prefill_env", "p_pod_npu_num"),
+}
+"""MindIE engine sections of ``user_config.json``: section -> (instance role, its env.json
+section, its ``motor_deploy_config`` NPU count key)."""

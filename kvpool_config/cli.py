@@ -18,16 +18,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpool_connector.validate.loader import ConfigLoadError, load_json
-from kvpool_connector.validate.render import (
+from kvpool_config._context import Options
+from kvpool_config._files import FileReport, validate_files
+from kvpool_config._loader import ConfigLoadError, load_json
+from kvpool_config._render import (
     MASTER_CMD_NAME,
     MOONCAKE_JSON_NAME,
     RenderError,
     render_mooncake,
 )
-from kvpool_connector.validate.rules import Finding
-from kvpool_connector.validate.schema import schema_text
-from kvpool_connector.validate.validator import FileReport, Options, validate_files
+from kvpool_config._schema import schema_text
+from kvpool_config.rules import Finding
 
 __all__ = ["EXIT_CLEAN", "EXIT_ERRORS", "EXIT_WARNINGS", "exit_status", "main"]
 

@@ -17,8 +17,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_connector.validate.model import DEFAULT_KV_CACHE_STORE_PORT, DEFAULT_LEASE_TTL_MS
-from kvpool_connector.validate.validator import validate_document
+from kvpool_config._model import DEFAULT_KV_CACHE_STORE_PORT, DEFAULT_LEASE_TTL_MS
+from kvpool_config._registry import validate_document
 
 __all__ = ["MASTER_CMD_NAME", "MOONCAKE_JSON_NAME", "RenderError", "Rendered", "render_mooncake"]
 

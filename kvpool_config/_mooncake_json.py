@@ -1,0 +1,68 @@
+"""Shape ``mooncake_config``: the Mooncake client JSON that ``MOONCAKE_CONFIG_PATH`` names
+(vllm-ascend kv_pool.md "mooncake.json Parameters"; what ``kvpool-config render`` writes and
+the Mooncake backend's ``MooncakeConfig`` reads).
+
+Checked: types, unknown keys, ``master_server_address`` as host:port, the protocol, the segment
+size (read with the runtime's size parser) and the SSD offload path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool_config import rules as R
+from kvpool_config._context import Options, as_int, type_findings
+from kvpool_config._model import MooncakeClientConfig
+from kvpool_config.rules import Finding
+
+__all__ = ["DESCRIPTION", "IDENTIFYING_KEYS", "check"]
+
+IDENTIFYING_KEYS = frozenset({"master_server_address"})
+"""A JSON object with this key (and none of the other shapes') is a mooncake.json."""
+
+DESCRIPTION = "a mooncake.json (master_server_address ...)"
+
+
+def check(
+    doc: dict[str, Any], *, env: dict[str, Any] | None, options: Options
+) -> list[Finding]:
+    """Findings of a mooncake.json (``env`` and ``options`` are not used)."""
+    findings = type_findings(MooncakeClientConfig, doc, "$", "mooncake.json")
+    findings += R.check_unknown_keys(
+        doc,
+        MooncakeClientConfig.model_fields,
+        path="$",
+        what="mooncake.json",
+        severity="warning",
+        consequence=" (Mooncake ignores it)",
+        only_close=True,
+    )
+    address = doc.get("master_server_address")
+    host, _, port_text = str(address).rpartition(":")
+    port = as_int(port_text)
+    if not host or port is None or not 0 < port < 65536:
+        findings.append(
+            Finding(
+                "error",
+                "master-address",
+                "$.master_server_address",
+                f"master_server_address {address!r} is not host:port",
+                'write it as "<master_ip>:50088" (the port mooncake_master listens on)',
+            )
+        )
+    checks = (
+        R.check_protocol(doc.get("protocol"), path="$.protocol", npu=False),
+        R.check_global_segment_size(
+            doc.get("global_segment_size"),
+            path="$.global_segment_size",
+            fabric_mem=False,
+            npu=doc.get("protocol") == "ascend",
+        ),
+        R.check_ssd_offload_path(
+            doc.get("ssd_offload_path"),
+            path="$.ssd_offload_path",
+            enabled=doc.get("enable_ssd_offload") is True,
+        ),
+    )
+    findings += [f for f in checks if f is not None]
+    return findings

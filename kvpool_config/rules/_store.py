@@ -1,0 +1,316 @@
+"""Rules on the pool and its store: the Mooncake master's lease and eviction flags, store modes,
+transfer protocol, segment sizes, SSD offload, and which backend the pool runs.
+
+Units: ``default_kv_lease_ttl`` is milliseconds (mooncake_master flag, MindIE
+kv_cache_store_config table), and so are ``ASCEND_CONNECT_TIMEOUT`` and
+``ASCEND_TRANSFER_TIMEOUT``: Mooncake's Ascend Direct Transport reads them as integer
+milliseconds (Mooncake ``doc/zh/ascend_direct_transport.md`` table: "link setup timeout (ms)",
+"data transfer timeout (ms)"; ``transfer_executor_base.h``: ``connect_timeout = 10000`` and
+``transfer_timeout = 10000`` passed to ADXL as ``timeout_in_millis``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool_config._model import (
+    BACKENDS,
+    DEFAULT_LEASE_TTL_MS,
+    LOCAL_SERVICE_MODES,
+    MOONCAKE_PROTOCOLS,
+    STORE_MODES,
+)
+from kvpool_config.rules._finding import Finding, check_choice
+from kvpool_connector.sizes import parse_size
+
+__all__ = [
+    "ASCEND_DEFAULT_TIMEOUT_MS",
+    "GIB",
+    "check_backend_choice",
+    "check_backend_match",
+    "check_global_segment_size",
+    "check_lease_ttl",
+    "check_local_service_mode",
+    "check_protocol",
+    "check_ratio",
+    "check_size",
+    "check_ssd_offload_path",
+    "check_store_mode",
+]
+
+ASCEND_DEFAULT_TIMEOUT_MS = 10_000
+"""ASCEND_CONNECT_TIMEOUT / ASCEND_TRANSFER_TIMEOUT when unset: Mooncake
+``transfer_executor_base.h`` ``InitParams{connect_timeout = 10000, transfer_timeout = 10000}``
+(milliseconds; the older doc table says 3000, the code is what runs)."""
+
+GIB = 1 << 30
+
+
+def check_lease_ttl(
+    ttl_ms: int | None,
+    connect_timeout_ms: int | None,
+    transfer_timeout_ms: int | None,
+    *,
+    path: str = "$.kv_cache_store_config.default_kv_lease_ttl",
+    where: str = "",
+) -> Finding | None:
+    """``default_kv_lease_ttl`` must exceed both ASCEND transfer timeouts.
+
+    A lookup grants a lease of ``default_kv_lease_ttl`` ms; a load that takes up to the connect
+    plus transfer timeout can find the lease expired and the object evicted (``LEASE_EXPIRED``).
+    Sources: vllm-ascend kv_pool.md (mooncake_master parameters: "Milliseconds; must be larger
+    than ASCEND_CONNECT_TIMEOUT and ASCEND_TRANSFER_TIMEOUT"; FAQ Issue 1), MindIE Motor
+    kv_cache_store README (default 11000 ms).
+
+    Args:
+        ttl_ms: lease in milliseconds; ``None`` = MindIE's default 11000.
+        connect_timeout_ms / transfer_timeout_ms: milliseconds; ``None`` = Mooncake's default
+            10000 (:data:`ASCEND_DEFAULT_TIMEOUT_MS`).
+        where: where the timeouts come from (e.g. ``env.json motor_engine_decode_env``).
+    """
+    ttl = DEFAULT_LEASE_TTL_MS if ttl_ms is None else ttl_ms
+    timeouts = {
+        "ASCEND_CONNECT_TIMEOUT": connect_timeout_ms,
+        "ASCEND_TRANSFER_TIMEOUT": transfer_timeout_ms,
+    }
+    name, limit = max(
+        ((k, ASCEND_DEFAULT_TIMEOUT_MS if v is None else v) for k, v in timeouts.items()),
+        key=lambda kv: kv[1],
+    )
+    if ttl > limit:
+        return None
+    source = "Mooncake's default" if timeouts[name] is None else (where or "the environment")
+    ttl_text = f"{ttl} ms" + (" (default)" if ttl_ms is None else "")
+    return Finding(
+        "error",
+        "lease-ttl",
+        path,
+        f"default_kv_lease_ttl {ttl_text} does not exceed {name} {limit} ms ({source}): a load "
+        "that runs into the timeout finds its lease expired (LEASE_EXPIRED) and fails",
+        f"set default_kv_lease_ttl above {limit} (e.g. {limit + 2000}) or lower {name}",
+    )
+
+
+def check_ratio(
+    name: str, value: float | None, *, path: str, required: bool = True
+) -> Finding | None:
+    """Mooncake eviction ratios: present (MindIE's deploy.py rejects a mooncake config without
+    them: ``kv_cache_store.py`` "eviction params are required") and in (0, 1] (a fraction of
+    the pool; mooncake_master flags ``--eviction_high_watermark_ratio`` / ``--eviction_ratio``)."""
+    if value is None:
+        if not required:
+            return None
+        suggested = 0.9 if "watermark" in name else 0.1
+        return Finding(
+            "error",
+            "eviction-ratio",
+            path,
+            f"{name} is missing: MindIE's deploy.py stops with 'Missing required kv cache pool "
+            "config' for the mooncake backend",
+            f'add "{name}": {suggested} (the guides\' recommended value)',
+        )
+    if isinstance(value, bool) or not 0 < value <= 1:
+        return Finding(
+            "error",
+            "eviction-ratio",
+            path,
+            f"{name} {value!r} is not a fraction in (0, 1]",
+            f"use a value such as {0.9 if 'watermark' in name else 0.1}",
+        )
+    return None
+
+
+def check_store_mode(value: Any, *, path: str) -> Finding | None:
+    """Mooncake ``store_mode`` is ``embedded`` (default) or ``standalone`` (MindIE Motor
+    kv_cache_store README, table 3; backend/mooncake.md)."""
+    return check_choice(
+        "store_mode",
+        value,
+        STORE_MODES,
+        path=path,
+        rule="store-mode",
+        source="MindIE kv_cache_store_config table 3",
+    )
+
+
+def check_local_service_mode(value: Any, *, path: str) -> Finding | None:
+    """MemCache ``local_service_mode`` is ``inprocess`` or ``standalone`` (MindIE Motor
+    kv_cache_store README, table 4)."""
+    return check_choice(
+        "local_service_mode",
+        value,
+        LOCAL_SERVICE_MODES,
+        path=path,
+        rule="local-service-mode",
+        source="MindIE kv_cache_store_config table 4",
+    )
+
+
+def check_protocol(value: Any, *, path: str, npu: bool) -> Finding | None:
+    """Mooncake ``protocol`` is a transport Mooncake knows; on NPUs it must be ``ascend``
+    (vllm-ascend kv_pool.md mooncake.json table: "Must be set to ascend on NPU")."""
+    finding = check_choice(
+        "protocol",
+        value,
+        MOONCAKE_PROTOCOLS,
+        path=path,
+        rule="protocol",
+        source="Mooncake transfer-engine protocols",
+    )
+    if finding or value is None or not npu or value == "ascend":
+        return finding
+    return Finding(
+        "warning",
+        "protocol",
+        path,
+        f"protocol {value!r} on an Ascend deployment: the NPU build of Mooncake moves KV with "
+        "the ascend transport",
+        'use "protocol": "ascend"',
+    )
+
+
+def check_backend_choice(value: Any, *, path: str, mindie: bool) -> Finding | None:
+    """Pool backend is ``mooncake``, ``memcache`` or ``yuanrong`` (vllm-ascend kv_pool.md);
+    ``ucm`` is not a backend (MindIE: "不要配置 "backend": "ucm""); MindIE Motor's deployer
+    does not start yuanrong yet (its README lists it as TODO)."""
+    if value == "ucm":
+        return Finding(
+            "error",
+            "backend",
+            path,
+            '"ucm" is not a backend: UCM is its own store connector (UCMConnector)',
+            'remove "backend": "ucm" and put UCMConnector at connectors[1]',
+        )
+    finding = check_choice(
+        "backend", value, BACKENDS, path=path, rule="backend", source="vllm-ascend kv_pool.md"
+    )
+    if finding:
+        return finding
+    if mindie and value == "yuanrong":
+        return Finding(
+            "error",
+            "backend",
+            path,
+            'backend "yuanrong" is not supported by MindIE Motor\'s deploy.py yet (its '
+            "kv_cache_store README lists Yuanrong as TODO)",
+            "use mooncake or memcache here, or run yuanrong with a plain vLLM "
+            "--kv-transfer-config and a dscli-started datasystem worker",
+        )
+    return None
+
+
+def check_backend_match(
+    connector_backend: str,
+    store_backend: str,
+    *,
+    path: str,
+    connector_default: bool,
+    store_default: bool,
+) -> Finding | None:
+    """The store connector's ``backend`` equals ``kv_cache_store_config.backend`` (MindIE Motor
+    kv_cache_store README: "需与 AscendStoreConnector 中的 backend 保持一致"; FAQ 5). Defaults
+    differ: the connector defaults to mooncake, kv_cache_store_config to memcache."""
+    if connector_backend == store_backend:
+        return None
+    c_text = f"{connector_backend!r}" + (" (connector default)" if connector_default else "")
+    s_text = f"{store_backend!r}" + (" (MindIE default)" if store_default else "")
+    return Finding(
+        "error",
+        "backend-match",
+        path,
+        f"the store connector uses backend {c_text} but kv_cache_store_config.backend is "
+        f"{s_text}: the engines look for a pool the deployer does not start",
+        f'set both to the same backend, e.g. "backend": "{store_backend}" here',
+    )
+
+
+def check_size(name: str, value: Any, *, path: str, rule: str) -> tuple[int | None, Finding | None]:
+    """``value`` is a size the engine reads: :func:`kvpool_connector.sizes.parse_size`, the
+    parser the Mooncake backend's ``MooncakeConfig`` uses (Mooncake's grammar: bytes, or a
+    number and B/K/KB/M/MB/G/GB/T/TB, powers of 1024).
+
+    Returns:
+        ``(bytes, None)`` when it parses, else ``(None, error finding)``.
+    """
+    try:
+        return parse_size(value), None
+    except ValueError:
+        example = "" if isinstance(value, int | float) else " like 1GB, 512MB or 1073741824"
+        return None, Finding(
+            "error",
+            rule,
+            path,
+            f"{name}: {value!r} is not a size{example}",
+            'write a size such as "1GB", "512MB" or a byte count',
+        )
+
+
+def check_global_segment_size(
+    value: Any, *, path: str, fabric_mem: bool, npu: bool = True
+) -> Finding | None:
+    """``global_segment_size`` parses as a size (:func:`check_size`); with FabricMem
+    (``ASCEND_ENABLE_USE_FABRIC_MEM=1``) it must be a whole number of GiB (vllm-ascend
+    kv_pool.md mooncake.json table "Must align to 1 GB"; FAQ Issue 3 "each fabric mem
+    allocation must be an integer multiple of 1 GB"). Off NPUs (``npu`` False) any size works.
+    """
+    if value is None:
+        return None
+    size, unreadable = check_size("global_segment_size", value, path=path, rule="segment-size")
+    if size is None:
+        return unreadable
+    if size <= 0:
+        return Finding(
+            "error",
+            "segment-size",
+            path,
+            "global_segment_size is 0: this contributor gives the pool no memory",
+            'give at least "1GB" (or use store_mode standalone where engines give none)',
+        )
+    if size % GIB == 0 or not (npu or fabric_mem):
+        return None
+    whole = max(1, round(size / GIB))
+    if fabric_mem:
+        return Finding(
+            "error",
+            "segment-size",
+            path,
+            f"global_segment_size {value!r} ({size} bytes) is not a whole number of GB while "
+            "ASCEND_ENABLE_USE_FABRIC_MEM=1: fabric memory allocation fails (adxl MallocMem "
+            "Invalid_Argument)",
+            f'use "{whole}GB"',
+        )
+    return Finding(
+        "warning",
+        "segment-size",
+        path,
+        f"global_segment_size {value!r} ({size} bytes) is not aligned to 1 GB as the "
+        "vllm-ascend guide requires on NPUs",
+        f'use "{whole}GB"',
+    )
+
+
+def check_ssd_offload_path(value: Any, *, path: str, enabled: bool) -> Finding | None:
+    """``ssd_offload_path`` is absolute without ``..`` and required when SSD offload is on
+    (vllm-ascend kv_pool.md mooncake.json table: "Relative paths, symlinks, and paths
+    containing .. are rejected")."""
+    if value is None:
+        if enabled:
+            return Finding(
+                "error",
+                "ssd-offload-path",
+                path,
+                "enable_ssd_offload is true but ssd_offload_path is not set",
+                'set "ssd_offload_path" to an absolute directory, e.g. "/nvme/mooncake_offload"',
+            )
+        return None
+    text = str(value)
+    if not text.startswith("/") or ".." in text.split("/"):
+        return Finding(
+            "error",
+            "ssd-offload-path",
+            path,
+            f"ssd_offload_path {text!r} must be an absolute path without '..'; Mooncake rejects it",
+            'use an absolute path such as "/nvme/mooncake_offload"',
+        )
+    return None
+
