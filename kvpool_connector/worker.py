@@ -44,7 +44,13 @@ from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.device import DeviceSync, device_sync_for
-from kvpool_connector.keys import ParallelLayout, PoolKey, normalize_model_name, shard_prefix
+from kvpool_connector.keys import (
+    ParallelLayout,
+    PoolKey,
+    chunk_keys,
+    normalize_model_name,
+    shard_prefix,
+)
 from kvpool_connector.layout import KVLayout, LayerLayout, ranges_for_blocks
 from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta
 
@@ -194,8 +200,8 @@ class KVPoolWorker:
         self.backend = backend
         self.reporter = reporter if reporter is not None else Reporter(capacity=0)
         self.blocks_per_chunk = config.chunk_size // config.block_size
-        self._rank_layouts = [
-            ParallelLayout(tp, pcp, dcp, pp, layout.group)
+        self._rank_prefixes = [
+            shard_prefix(self.model, ParallelLayout(tp, pcp, dcp, pp, layout.group))
             for tp, pcp, dcp, pp in product(
                 _ranks(tp_size, layout.tp_rank), _ranks(pcp_size, layout.pcp_rank),
                 _ranks(dcp_size, layout.dcp_rank), _ranks(pp_size, layout.pp_rank),
@@ -282,15 +288,11 @@ class KVPoolWorker:
             return 0
         layers = (
             [layer.index for layer in self._require_kv().layers]
-            if self.config.use_layerwise else [None]
+            if self.config.use_layerwise else None
         )
-        # Hot path (one scheduler lookup per request): plain string joins on prefixes built
-        # once, the same strings str(PoolKey)/str(LayerPoolKey) give.
-        prefixes = [shard_prefix(self.model, lay) for lay in self._rank_layouts]
-        suffixes = ["" if i is None else f"@L{i}" for i in layers]
-        keys = [p + h + sfx for h in chunk_hashes for p in prefixes for sfx in suffixes]
+        keys = chunk_keys(self._rank_prefixes, chunk_hashes, layers)
         results = self.backend.batch_exists(keys)
-        per_chunk = len(self._rank_layouts) * len(layers)
+        per_chunk = len(keys) // len(chunk_hashes)
         for n in range(len(chunk_hashes)):
             block = results[n * per_chunk : (n + 1) * per_chunk]
             bad = [r for r in block if r < 0]

@@ -71,6 +71,7 @@ from kvpool_connector.backends.base import (
     BackendUnavailable,
     RemoveResult,
 )
+from kvpool_connector.keys import size_group
 
 __all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig", "parse_size"]
 
@@ -103,9 +104,6 @@ def parse_size(value: int | float | str) -> int:
         raise ValueError(f"size {value!r} is not a number with a unit like '1GB' or '512MB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
-
-_CHUNK_HASH = re.compile(r"@[0-9a-f]{32}(?=(?:@L\d+)?$)")
-"""The chunk-hash component of a ``PoolKey``/``LayerPoolKey`` string (see ``keys``)."""
 
 class MooncakeConfig(BaseModel):
     """Validated Mooncake client settings (see the module docstring for each field)."""
@@ -375,7 +373,7 @@ class MooncakeBackend(Backend):
                 sizes: dict[str, int] = {}
                 total = 0
                 for k in matched:
-                    group = _CHUNK_HASH.sub("", k, count=1)
+                    group = size_group(k)
                     if group not in sizes:
                         sizes[group] = self._key_size(k)
                     total += sizes[group]
