@@ -37,6 +37,7 @@ os.environ["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + os.environ.g
 
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.reporter import Reporter
+from kvpool_connector._layout import ranges_for_blocks
 from kvpool_connector.backends.base import Backend, RemoveResult
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import (
@@ -46,7 +47,6 @@ from kvpool_connector.keys import (
     chunk_keys,
     shard_prefix,
 )
-from kvpool_connector.layout import ranges_for_blocks
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
 from kvpool_connector.services import LocalMooncakeMaster
 from kvpool_connector.worker import KVPoolWorker

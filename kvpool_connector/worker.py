@@ -42,8 +42,9 @@ import torch
 
 from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import error_name
+from kvpool_connector._device import DeviceSync, device_sync_for
+from kvpool_connector._layout import KVLayout, LayerLayout, ranges_for_blocks
 from kvpool_connector.backends.base import Backend, BackendError
-from kvpool_connector.device import DeviceSync, device_sync_for
 from kvpool_connector.keys import (
     ParallelLayout,
     PoolKey,
@@ -51,7 +52,6 @@ from kvpool_connector.keys import (
     normalize_model_name,
     shard_prefix,
 )
-from kvpool_connector.layout import KVLayout, LayerLayout, ranges_for_blocks
 from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta
 
 __all__ = ["KVPoolWorker", "LayerLoadTimeout", "WorkerCounters", "WorkerSettings"]
