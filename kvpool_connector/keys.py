@@ -13,8 +13,8 @@ the whole prefix up to the chunk's end, is the same in every process and never d
 it is set). Same vocabulary as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
 
 This module is the only place that writes or reads the format: ``PoolKey``/``chunk_keys``
-build keys (the latter in batches, for the lookup hot path), ``parse_key``/``size_group`` read
-them back, ``model_pattern``/``layout_pattern``/``ALL_KEYS_PATTERN`` select them for a flush.
+build keys (the latter in batches, for the lookup hot path), ``size_group`` reads them back,
+``model_pattern``/``layout_pattern``/``ALL_KEYS_PATTERN`` select them for a flush.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ __all__ = [
     "layout_pattern",
     "model_pattern",
     "normalize_model_name",
-    "parse_key",
     "shard_prefix",
     "size_group",
 ]
@@ -55,9 +54,8 @@ _LAYER = "@L"
 """Separates a chunk key from its layer number (layer-wise keys)."""
 
 _KEY_RE = re.compile(
-    re.escape(KEY_PREFIX)
-    + r"(?P<model>[^@]+)@tp(?P<tp>\d+)\.pcp(?P<pcp>\d+)\.dcp(?P<dcp>\d+)\.pp(?P<pp>\d+)"
-    r"\.g(?P<g>\d+)@(?P<hash>[0-9a-f]{32})(?:" + re.escape(_LAYER) + r"(?P<layer>\d+))?"
+    re.escape(KEY_PREFIX) + r"[^@]+@tp\d+\.pcp\d+\.dcp\d+\.pp\d+\.g\d+@(?P<hash>[0-9a-f]{32})"
+    r"(?:" + re.escape(_LAYER) + r"\d+)?"
 )
 """The whole grammar of the module docstring; ``normalize_model_name`` percent-encodes ``@``,
 so a model never contains one."""
@@ -154,22 +152,6 @@ def chunk_keys(
         return [p + h for h in chunk_hashes for p in prefixes]
     suffixes = [f"{_LAYER}{i}" for i in layers]
     return [p + h + sfx for h in chunk_hashes for p in prefixes for sfx in suffixes]
-
-
-def parse_key(key: str) -> PoolKey | LayerPoolKey:
-    """The key a ``PoolKey``/``LayerPoolKey`` string names (the model stays normalised).
-
-    Raises:
-        ValueError: ``key`` does not follow the grammar of the module docstring (probe keys,
-            other tenants' keys, hand-made names).
-    """
-    m = _KEY_RE.fullmatch(key)
-    if m is None:
-        raise ValueError(f"{key!r} is not a kvpool key (kvpool@<model>@<layout>@<hash>[@L<n>])")
-    layout = ParallelLayout(int(m["tp"]), int(m["pcp"]), int(m["dcp"]), int(m["pp"]),
-                            int(m["g"]))
-    chunk = PoolKey(m["model"], layout, m["hash"])
-    return chunk if m["layer"] is None else chunk.layer(int(m["layer"]))
 
 
 def size_group(key: str) -> str:

@@ -1,5 +1,5 @@
-"""The pool key grammar: batch-built keys equal the ``PoolKey`` strings, parsing inverts them,
-and flush size groups drop only the chunk hash."""
+"""The pool key grammar: batch-built keys equal the ``PoolKey`` strings, and flush size groups
+drop only the chunk hash of a key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import re
 import pytest
 
 from kvpool_connector.keys import (
-    LayerPoolKey,
     ParallelLayout,
     PoolKey,
     chunk_hashes,
@@ -16,7 +15,6 @@ from kvpool_connector.keys import (
     layout_pattern,
     model_pattern,
     normalize_model_name,
-    parse_key,
     shard_prefix,
     size_group,
 )
@@ -52,24 +50,15 @@ def test_chunk_keys_equal_pool_key_strings_chunk_major(
     assert chunk_keys([shard_prefix(MODEL, LAYOUTS[0])], [], layers) == []
 
 
-def test_parse_key_inverts_str() -> None:
-    key = PoolKey(MODEL, ParallelLayout(1, 2, 3, 4, 5), HASHES[2])
-    assert parse_key(str(key)) == key
-    layer = parse_key(str(key.layer(12)))
-    assert isinstance(layer, LayerPoolKey)
-    assert (layer.chunk, layer.layer_id) == (key, 12)
-
-
-@pytest.mark.parametrize("bad", [
+@pytest.mark.parametrize("other", [
     "kvpool-probe@0123",                                    # probe namespace
     "other@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32,             # another tenant
     "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 31,            # short hash
     "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32 + "@Lx",    # bad layer
     "kvpool@m@tp0.pcp0.dcp0.g0@" + "0" * 32,                # layout without pp
 ])
-def test_parse_key_rejects_other_strings(bad: str) -> None:
-    with pytest.raises(ValueError, match="is not a kvpool key"):
-        parse_key(bad)
+def test_strings_outside_the_grammar_are_their_own_size_group(other: str) -> None:
+    assert size_group(other) == other
 
 
 def test_size_group_drops_only_the_chunk_hash() -> None:
