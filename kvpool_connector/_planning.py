@@ -4,7 +4,7 @@ Pure functions of the step's request metadata (``ReqMeta``), the registered KV l
 (``LayerLayout``) and the key prefixes (``keys.shard_prefix``): no backend, no device
 operations, no threads. ``KVPoolWorker`` runs the plans and keeps the bookkeeping.
 
-The mapping (same as vLLM Ascend's pool connector): chunk ``i`` of a request is the blocks
+The mapping: chunk ``i`` of a request is the blocks
 ``block_ids[i * bpc:(i + 1) * bpc]`` (``bpc`` = ``chunk_size // block_size``) and one key,
 ``PoolKey(model, layout, chunk_hashes[i])``, whose value is those blocks' bytes over all layers
 (layer, region, block order; ``ranges_for_blocks``). In layer-wise mode each (chunk, layer) is
@@ -110,18 +110,15 @@ class TransferPlanner:
     def __init__(self, layers: Sequence[LayerLayout], key_prefix: str, *, block_size: int,
                  chunk_size: int, layerwise: bool, scratch: int = 0) -> None:
         self.blocks_per_chunk = blocks_per_chunk(block_size, chunk_size)
-        self.layers = list(layers)
         self.key_prefix = key_prefix
         self.block_size = block_size
         self.chunk_size = chunk_size
-        self.layerwise = layerwise
         self.scratch = scratch
         # Per key of a chunk: (layer index or None, layers whose bytes form its value).
         self._groups: list[tuple[int | None, Sequence[LayerLayout]]] = (
-            [(layer.index, [layer]) for layer in self.layers] if layerwise
-            else [(None, self.layers)]
+            [(layer.index, [layer]) for layer in layers] if layerwise else [(None, list(layers))]
         )
-        self._layer_ids = [layer.index for layer in self.layers] if layerwise else None
+        self._layer_ids = [layer.index for layer in layers] if layerwise else None
 
     def chunk_blocks(self, req: ReqMeta, chunk: int) -> list[int]:
         """Block ids of chunk ``chunk`` of ``req``.
