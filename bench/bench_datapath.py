@@ -37,10 +37,16 @@ os.environ["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + os.environ.g
 
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.reporter import Reporter
+from kvpool_connector._layout import ranges_for_blocks
 from kvpool_connector.backends.base import Backend, RemoveResult
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.keys import ALL_KEYS_PATTERN, ParallelLayout, chunk_hashes
-from kvpool_connector.layout import ranges_for_blocks
+from kvpool_connector.keys import (
+    ALL_KEYS_PATTERN,
+    ParallelLayout,
+    chunk_hashes,
+    chunk_keys,
+    shard_prefix,
+)
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
@@ -164,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
             # Round 0 is a warm-up (first touch of the segment's pages), not reported.
             for rnd in range(args.rounds + 1):
                 tag = uuid.uuid4().hex
-                raw_keys = [f"kvpool@raw-{tag}@{i}" for i in range(n_chunks)]
                 hashes = chunk_hashes([rnd] * (n_chunks * settings.chunk_size), settings.chunk_size,
                                       extra=tag.encode())
+                raw_keys = chunk_keys([shard_prefix("bench-raw", ParallelLayout())], hashes)
                 save_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
                     req_id=f"s{rnd}", block_ids=src_ids, chunk_hashes=hashes,
                     save_from_chunk=0, save_to_chunk=n_chunks, is_last_save=True)])
@@ -218,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
                     for name in src:
                         assert torch.equal(src[name][s_b], dst[name][d_b]), "load not bit-exact"
                 backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
-                backend.store.remove_by_regex("^kvpool@raw-", True)
 
             writer.shutdown()
             reader.shutdown()

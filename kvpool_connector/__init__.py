@@ -8,7 +8,8 @@ Load it in vLLM with::
                         "kv_connector_extra_config": {"backend": "mooncake"}}
 
 ``KVPoolConnector`` is imported lazily so that the light modules of this package (``keys``,
-``errors``, backends) stay usable without importing vLLM.
+``config``, ``backends``) stay usable without importing vLLM. Modules whose name starts with
+``_`` are internal to the connector.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ over the prompt's token ids (and the request's LoRA name and ``cache_salt``), so
 the whole prefix up to the chunk's end, is the same in every process and never depends on
 ``PYTHONHASHSEED`` (vLLM's own ``request.block_hashes`` are seeded randomly per process unless
 it is set). Same vocabulary as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
+
+This module is the only place that writes or reads the format: ``PoolKey``/``chunk_keys``
+build keys (the latter in batches, for the lookup hot path), ``size_group`` reads them back,
+``model_pattern``/``layout_pattern``/``ALL_KEYS_PATTERN`` select them for a flush.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ __all__ = [
     "ParallelLayout",
     "PoolKey",
     "chunk_hashes",
+    "chunk_keys",
     "layout_pattern",
     "model_pattern",
     "normalize_model_name",
     "shard_prefix",
+    "size_group",
 ]
 
 KEY_PREFIX = "kvpool@"
@@ -43,6 +49,16 @@ PROBE_PREFIX = "kvpool-probe@"
 """Reserved namespace for health probes (write/read/remove of a small key)."""
 
 ALL_KEYS_PATTERN = "^" + re.escape(KEY_PREFIX)
+
+_LAYER = "@L"
+"""Separates a chunk key from its layer number (layer-wise keys)."""
+
+_KEY_RE = re.compile(
+    re.escape(KEY_PREFIX) + r"[^@]+@tp\d+\.pcp\d+\.dcp\d+\.pp\d+\.g\d+@(?P<hash>[0-9a-f]{32})"
+    r"(?:" + re.escape(_LAYER) + r"\d+)?"
+)
+"""The whole grammar of the module docstring; ``normalize_model_name`` percent-encodes ``@``,
+so a model never contains one."""
 
 _ROOT = hashlib.sha256(b"kvpool/chunk-hash/v1").digest()
 
@@ -103,13 +119,49 @@ class LayerPoolKey:
     layer_id: int
 
     def __str__(self) -> str:
-        return f"{self.chunk}@L{self.layer_id}"
+        return f"{self.chunk}{_LAYER}{self.layer_id}"
 
 
 def shard_prefix(model: str, layout: ParallelLayout) -> str:
     """What every key of one shard starts with: ``kvpool@<model>@<layout>@``; a chunk key is
     this plus the chunk hash. ``model`` must already be normalised."""
     return f"{KEY_PREFIX}{model}@{layout}@"
+
+
+def chunk_keys(
+    prefixes: Sequence[str], chunk_hashes: Sequence[str], layers: Sequence[int] | None = None
+) -> list[str]:
+    """Key strings of every chunk for every shard (and layer), in one batch.
+
+    The same strings ``str(PoolKey(...))``/``str(LayerPoolKey(...))`` give, built by plain
+    joins because the scheduler's lookup builds thousands per request.
+
+    Args:
+        prefixes: ``shard_prefix`` of each shard, built once by the caller.
+        chunk_hashes: ``chunk_hashes`` of the prompt (or the chunks to move).
+        layers: layer numbers for layer-wise keys; ``None`` for whole-chunk keys.
+
+    Returns:
+        ``len(chunk_hashes) * len(prefixes) * len(layers or [None])`` keys, chunk-major, then
+        shard, then layer: the keys of chunk ``i`` are one contiguous slice.
+    """
+    if layers is None:
+        if len(prefixes) == 1:
+            (prefix,) = prefixes
+            return [prefix + h for h in chunk_hashes]
+        return [p + h for h in chunk_hashes for p in prefixes]
+    suffixes = [f"{_LAYER}{i}" for i in layers]
+    return [p + h + sfx for h in chunk_hashes for p in prefixes for sfx in suffixes]
+
+
+def size_group(key: str) -> str:
+    """``key`` without its chunk hash: the model, shard and layer it belongs to. All chunk keys
+    of one group hold values of one size (``chunk_size`` tokens of the same layers), so a
+    flush sizes one key per group. A string that is not a kvpool key is its own group."""
+    m = _KEY_RE.fullmatch(key)
+    if m is None:
+        return key
+    return key[: m.start("hash")] + key[m.end("hash") :]
 
 
 def model_pattern(model: str) -> str:

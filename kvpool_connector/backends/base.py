@@ -5,7 +5,7 @@ loaded into, one or more address ranges of registered host (or device) memory: a
 of all layers is one key whose value is the concatenation of its per-layer K/V ranges, exactly
 as Mooncake's ``batch_put_from_multi_buffers`` and MemCache's ``batch_put_from_layers`` take it.
 
-Return codes follow Mooncake Store's ``ErrorCode`` (``kvpool_connector.errors``): per key,
+Return codes follow Mooncake Store's ``ErrorCode`` (``kvpool_agent.vocabulary``): per key,
 ``0`` (put) or the byte count (get) on success, a negative code on failure. Backends whose
 native codes differ translate them to these names so the connector, the agent and the console
 speak one language.
@@ -25,8 +25,8 @@ __all__ = ["Backend", "BackendError", "BackendUnavailable", "RemoveResult"]
 
 
 class BackendError(RuntimeError):
-    """A backend call failed as a whole (not per key). ``code`` is the Mooncake-style error
-    code when there is one."""
+    """A backend call failed as a whole (not per key). ``code`` is the Mooncake ``ErrorCode``
+    when there is one."""
 
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
@@ -80,14 +80,15 @@ class Backend(abc.ABC):
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Store each key from its address ranges (``addrs[i][j]`` holds ``sizes[i][j]`` bytes).
-        Per key: 0 stored, or a negative code (-200 NO_AVAILABLE_HANDLE when the pool is full)."""
+        Per key: 0 stored, or a negative ``ErrorCode`` (NO_AVAILABLE_HANDLE when the pool is
+        full)."""
 
     @abc.abstractmethod
     def batch_get_into(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Load each key into its address ranges. Per key: bytes read (equal to the sum of its
-        sizes on success), or a negative code (-704 OBJECT_NOT_FOUND, -707 LEASE_EXPIRED...).
+        sizes on success), or a negative ``ErrorCode`` (OBJECT_NOT_FOUND, LEASE_EXPIRED...).
         A key whose result is not the full size must be treated as not loaded."""
 
     @abc.abstractmethod

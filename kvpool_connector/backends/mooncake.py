@@ -65,12 +65,14 @@ from pydantic import (
 
 from kvpool_agent.pool import mooncake_master_health, parse_master_metrics
 from kvpool_agent.protocol import HealthCheck, PoolStats
+from kvpool_agent.vocabulary import ErrorCode
 from kvpool_connector.backends.base import (
     Backend,
     BackendError,
     BackendUnavailable,
     RemoveResult,
 )
+from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
 
 __all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
@@ -83,8 +85,6 @@ _RAW_SAFE = "/@:.-_~%!$'()*,;="
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
 
-_CHUNK_HASH = re.compile(r"@[0-9a-f]{32}(?=(?:@L\d+)?$)")
-"""The chunk-hash component of a ``PoolKey``/``LayerPoolKey`` string (see ``keys``)."""
 
 class MooncakeConfig(BaseModel):
     """Validated Mooncake client settings (see the module docstring for each field)."""
@@ -269,14 +269,15 @@ class MooncakeBackend(Backend):
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         if self._closed:
-            raise BackendError(f"mooncake {what}: backend is closed", 1)
+            raise BackendError(f"mooncake {what}: backend is closed",
+                               ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
         try:
             return fn(*args)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise BackendError(f"mooncake {what} failed: {exc}") from exc
 
     def batch_exists(self, keys: Sequence[str]) -> list[int]:
-        """Per key 1/0, or -1 (INTERNAL_ERROR) when the master did not answer."""
+        """Per key 1/0, or INTERNAL_ERROR when the master did not answer."""
         if not keys:
             return []
         return list(self._call("batch_is_exist", self._store.batch_is_exist, list(keys)))
@@ -289,7 +290,7 @@ class MooncakeBackend(Backend):
     def batch_put_from(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """``batch_put_from_multi_buffers``: per key 0 or a negative code."""
+        """``batch_put_from_multi_buffers``: per key 0 or a negative ``ErrorCode``."""
         if not keys:
             return []
         return list(self._call(
@@ -300,7 +301,7 @@ class MooncakeBackend(Backend):
     def batch_get_into(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """``batch_get_into_multi_buffers``: per key bytes read or a negative code."""
+        """``batch_get_into_multi_buffers``: per key bytes read or a negative ``ErrorCode``."""
         if not keys:
             return []
         return list(self._call(
@@ -354,7 +355,7 @@ class MooncakeBackend(Backend):
                 sizes: dict[str, int] = {}
                 total = 0
                 for k in matched:
-                    group = _CHUNK_HASH.sub("", k, count=1)
+                    group = size_group(k)
                     if group not in sizes:
                         sizes[group] = self._key_size(k)
                     total += sizes[group]
@@ -395,7 +396,7 @@ class MooncakeBackend(Backend):
             code = 1 if self._closed else int(self._store.health_check())
             detail = HEALTH_CODES.get(code, f"UNKNOWN_{code}")
         except Exception as exc:  # a health check reports, never raises
-            code, detail = -1, f"health_check raised {exc!r}"
+            code, detail = ErrorCode.INTERNAL_ERROR, f"health_check raised {exc!r}"
         checks.append(HealthCheck(name="client", ok=code == 0, code=code, detail=detail,
                                   latency_ms=(time.perf_counter() - t0) * 1e3))
         checks.append(mooncake_master_health(self.config.admin_url, client=self._http))

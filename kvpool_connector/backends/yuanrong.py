@@ -12,28 +12,20 @@ else:
 - get: ``get_buffers(keys)`` maps the stored values read-only and each is copied into its
   ranges. A value whose size differs from the sum of its ranges is not copied at all.
 
-Keys. The worker accepts keys of at most 255 characters from ``[a-zA-Z0-9-_!@#%^*()+=:;]``.
-A ``PoolKey`` (``kvpool@model@tp0.pcp0...``) contains ``.`` and ``/``, so every other
-character is written as ``%XX`` (UTF-8 bytes, ``%`` and ``#`` included) and a key still
-longer than 255 is cut to 222 characters plus ``#`` and 32 hex digits of its SHA-256. The
-mapping is the same in every process.
+Keys and status codes: the worker's alphabet and its StatusCode texts are mapped to kvpool's
+keys and Mooncake's ``ErrorCode`` by ``encode_key``/``status_code`` (see
+``_yuanrong_names``).
 
 Listing. The KV client cannot list keys, so ``remove_by_scope`` and ``stats`` see the keys
 *this client* wrote (an in-process index of key -> size), confirmed with ``exist``; keys
 written by other engines are invisible to them. The worker has no leases.
-
-Status codes. The client raises ``RuntimeError("code: [<StatusCode text>], msg: [...]")``;
-``_code`` maps the text to the Mooncake-style names of ``kvpool_connector.errors``: ``Key
-not found`` -> -704 OBJECT_NOT_FOUND, ``Out of memory``/``No space``/LRU limits -> -200
-NO_AVAILABLE_HANDLE, RPC/worker-connection failures -> -900 RPC_FAIL, ``Invalid parameter``
--> -600 INVALID_PARAMS (-400 INVALID_KEY for a refused key), anything else -> -1.
 
 Configuration (``kv_connector_extra_config``; environment variables override):
 
 - ``yuanrong_worker_address`` / ``$YUANRONG_WORKER_ADDRESS``: ``host:port`` of the worker
   (``dscli start -w --worker_address``). Required.
 - ``yuanrong_connect_timeout_ms`` (5000) and ``yuanrong_request_timeout_ms`` (5000) /
-  ``$YUANRONG_REQUEST_TIMEOUT_MS``: a dead worker turns calls into -900 after this long.
+  ``$YUANRONG_REQUEST_TIMEOUT_MS``: a dead worker turns calls into RPC_FAIL after this long.
 - ``yuanrong_write_mode``: ``none_l2_cache_evict`` (default: the worker may evict values
   when its memory is full, like a cache) or ``none_l2_cache`` (never evicted).
 - ``yuanrong_ttl_second`` (0 = no expiry).
@@ -46,10 +38,8 @@ Configuration (``kv_connector_extra_config``; environment variables override):
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
-import string
 import threading
 import time
 import uuid
@@ -61,6 +51,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kvpool_agent.protocol import HealthCheck, PoolStats
+from kvpool_agent.vocabulary import ErrorCode
+from kvpool_connector.backends._yuanrong_names import encode_key, status_code
 from kvpool_connector.backends.base import (
     Backend,
     BackendError,
@@ -73,56 +65,8 @@ __all__ = ["YuanrongBackend", "YuanrongConfig", "encode_key", "status_code"]
 
 _T = TypeVar("_T")
 
-_MAX_KEY_LEN = 255
-_SAFE = frozenset(string.ascii_letters + string.digits + "-_!@^*()+=:;")
-"""The worker's key alphabet minus ``%`` (our escape) and ``#`` (the digest marker)."""
 _MAX_SET_BATCH = 1000  # mcreate/mset_buffer take fewer than 2000 keys per call
 _MAX_EXIST_BATCH = 10_000  # exist takes at most 10,000 keys per call
-
-_CODE_TEXT: tuple[tuple[str, int], ...] = (
-    ("key not found", -704),
-    ("pull object not found", -704),
-    ("out of memory", -200),
-    ("no space", -200),
-    ("lru", -200),
-    ("already exist", -705),
-    ("rpc", -900),
-    ("disconnect", -900),
-    ("worker crashed", -900),
-    ("try again", -900),
-    ("shutting down", -900),
-    ("not ready", -900),
-    ("invalid parameter", -600),
-)
-
-
-def status_code(message: str) -> int:
-    """Mooncake-style code for a yuanrong error message ``code: [<text>], msg: [...]``.
-
-    Returns a negative code from ``kvpool_connector.errors`` (-1 INTERNAL_ERROR when the
-    text is not one the mapping knows)."""
-    found = re.search(r"code: \[([^\]]*)\]", message)
-    text = (found.group(1) if found else message).lower()
-    for needle, code in _CODE_TEXT:
-        if needle in text:
-            if code == -600 and "key contains illegal" in message:
-                return -400
-            if code == -900 and "Out of memory" in message:
-                # An RPC that gave up after the worker kept answering "Out of memory".
-                return -200
-            return code
-    return -1
-
-
-def encode_key(key: str) -> str:
-    """The worker-side name of ``key``: ``%XX`` for every character outside the worker's
-    alphabet, then ``<first 222>#<32 hex of SHA-256>`` if longer than 255 characters."""
-    out = "".join(
-        ch if ch in _SAFE else "".join(f"%{b:02X}" for b in ch.encode()) for ch in key
-    )
-    if len(out) > _MAX_KEY_LEN:
-        out = out[:222] + "#" + hashlib.sha256(key.encode()).hexdigest()[:32]
-    return out
 
 
 class YuanrongConfig(BaseModel):
@@ -273,7 +217,7 @@ class YuanrongBackend(Backend):
     def _call(self, fn: Callable[[], _T]) -> _T | int:
         """``fn()``, or the mapped negative code when the client raises."""
         if self._closed:
-            return -1010  # UNAVAILABLE_IN_CURRENT_STATUS
+            return ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
         try:
             return fn()
         except RuntimeError as exc:
@@ -287,7 +231,7 @@ class YuanrongBackend(Backend):
             res = self._call(partial(self._client.exist, names))
             if isinstance(res, int):
                 # The worker answers "not found" for a batch in which no key exists.
-                out.extend([0 if res == -704 else res] * len(names))
+                out.extend([0 if res == ErrorCode.OBJECT_NOT_FOUND else res] * len(names))
             else:
                 out.extend(1 if e else 0 for e in res)
         return out
@@ -299,15 +243,16 @@ class YuanrongBackend(Backend):
     def batch_put_from(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """Store each key as the concatenation of its ranges. Per key 0, or -600 for ranges
-        that don't match, or the mapped code of the failed ``mcreate``/``mset_buffer``
-        (-200 when the worker's memory is full, -900 when it is unreachable)."""
+        """Store each key as the concatenation of its ranges. Per key 0, or INVALID_PARAMS for
+        ranges that don't match, or the mapped code of the failed ``mcreate``/``mset_buffer``
+        (NO_AVAILABLE_HANDLE when the worker's memory is full, RPC_FAIL when it is
+        unreachable)."""
         if not len(keys) == len(addrs) == len(sizes):
             raise ValueError(
                 f"batch_put_from: {len(keys)} keys, {len(addrs)} address lists, "
                 f"{len(sizes)} size lists"
             )
-        out = [-600] * len(keys)
+        out: list[int] = [ErrorCode.INVALID_PARAMS] * len(keys)
         valid = [
             i for i in range(len(keys))
             if len(addrs[i]) == len(sizes[i]) and sizes[i] and all(s > 0 for s in sizes[i])
@@ -328,7 +273,7 @@ class YuanrongBackend(Backend):
             created = []
             for i, buf in zip(idx, bufs, strict=True):
                 if buf is None:
-                    out[i] = -500  # WRITE_FAIL: the worker refused this key's allocation
+                    out[i] = ErrorCode.WRITE_FAIL  # the worker refused this key's allocation
                     continue
                 _gather(memoryview(buf.MutableData()), addrs[i], sizes[i])
                 created.append((i, buf))
@@ -346,9 +291,10 @@ class YuanrongBackend(Backend):
     def batch_get_into(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """Load each key into its ranges. Per key the bytes read (the sum of its sizes), -704
-        when absent, -600 when the stored size differs (nothing is written then), or the
-        mapped code of a failed call (-900 when the worker is unreachable)."""
+        """Load each key into its ranges. Per key the bytes read (the sum of its sizes),
+        OBJECT_NOT_FOUND when absent, INVALID_PARAMS when the stored size differs (nothing is
+        written then), or the mapped code of a failed call (RPC_FAIL when the worker is
+        unreachable)."""
         if not len(keys) == len(addrs) == len(sizes):
             raise ValueError(
                 f"batch_get_into: {len(keys)} keys, {len(addrs)} address lists, "
@@ -363,12 +309,12 @@ class YuanrongBackend(Backend):
                 continue
             for i, buf in zip(rng, bufs, strict=True):
                 if buf is None:
-                    out.append(-704)
+                    out.append(ErrorCode.OBJECT_NOT_FOUND)
                     continue
                 src = memoryview(buf)
                 want = sum(sizes[i])
                 if src.nbytes != want or len(addrs[i]) != len(sizes[i]):
-                    out.append(-600)
+                    out.append(ErrorCode.INVALID_PARAMS)
                     continue
                 _scatter(src, addrs[i], sizes[i])
                 out.append(want)
@@ -445,7 +391,7 @@ class YuanrongBackend(Backend):
             try:
                 res = step()
             except Exception as exc:  # a health check reports, never raises
-                res, text = -1, repr(exc)
+                res, text = ErrorCode.INTERNAL_ERROR, repr(exc)
             else:
                 text = "ok" if res == want else f"returned {res}"
             checks.append(HealthCheck(name=name, ok=res == want, code=res if res < 0 else 0,
@@ -456,7 +402,7 @@ class YuanrongBackend(Backend):
         back = ctypes.create_string_buffer(len(payload))
         res = self.batch_get_into([key], [[ctypes.addressof(back)]], [[len(payload)]])[0]
         if res == len(payload) and back.raw != payload:
-            return -701  # INVALID_READ: bytes differ from what was written
+            return ErrorCode.INVALID_READ  # bytes differ from what was written
         return res
 
     def _probe_remove(self, key: str) -> int:
@@ -465,7 +411,7 @@ class YuanrongBackend(Backend):
             self._index.pop(key, None)
         if isinstance(res, int):
             return res
-        return -1 if res else 0
+        return ErrorCode.INTERNAL_ERROR if res else 0
 
     def stats(self) -> PoolStats:
         """Pool usage. With ``yuanrong_log_dir`` (the worker's ``log_dir``; the worker is on
@@ -512,5 +458,6 @@ class YuanrongBackend(Backend):
             return None
 
     def close(self) -> None:
-        """Stop using the client; later calls return -1010. Idempotent."""
+        """Stop using the client; later calls return UNAVAILABLE_IN_CURRENT_STATUS.
+        Idempotent."""
         self._closed = True

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool_connector.device import DeviceSync, _StreamSync, device_sync_for
-from kvpool_connector.layout import KVLayout, find_block_dim, ranges_for_blocks
+from kvpool_connector._device import DeviceSync, _StreamSync, device_sync_for
+from kvpool_connector._layout import KVLayout, find_block_dim, ranges_for_blocks
 
 
 @pytest.mark.parametrize(("shape", "hint", "dim"), [

@@ -335,7 +335,7 @@ def test_layerwise_timeout_raises_and_fails_blocks(
     b = make_worker(engines[1], cpu_layout(), model, reporter=rep, use_layerwise=True,
                     layerwise_timeout_ms=200)
     gate = threading.Event()
-    b._loader.submit(gate.wait)  # the transfer thread is stuck behind another job
+    b._loads.executor.submit(gate.wait)  # the load thread is stuck behind another job
     b.start_load_kv(load_meta("b", [4, 5, 6, 7], hashes, pool_tokens=64))
     t0 = time.monotonic()
     with pytest.raises(LayerLoadTimeout, match="layerwise_timeout_ms=200"):
@@ -383,7 +383,7 @@ def test_finished_sending_waits_for_saves_and_preemption_waits(
     w = make_worker(engines[0], kv, model)
     hashes = chunk_hashes(tokens(64, 19), 32)
     gate = threading.Event()
-    w._saver.submit(gate.wait)  # hold the save thread: the save below stays in flight
+    w._saves.executor.submit(gate.wait)  # hold the save thread: the save below stays in flight
     meta = KVPoolConnectorMetadata(requests=[ReqMeta(
         req_id="r", block_ids=[0, 1, 2, 3], chunk_hashes=hashes, save_to_chunk=2,
         is_last_save=True)])

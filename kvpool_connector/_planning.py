@@ -1,0 +1,255 @@
+"""Transfer planning: which pool keys and which byte ranges move for which vLLM blocks.
+
+Pure functions of the step's request metadata (``ReqMeta``), the registered KV layout
+(``LayerLayout``) and the key prefixes (``keys.shard_prefix``): no backend, no device
+operations, no threads. ``KVPoolWorker`` runs the plans and keeps the bookkeeping.
+
+The mapping: chunk ``i`` of a request is the blocks
+``block_ids[i * bpc:(i + 1) * bpc]`` (``bpc`` = ``chunk_size // block_size``) and one key,
+``PoolKey(model, layout, chunk_hashes[i])``, whose value is those blocks' bytes over all layers
+(layer, region, block order; ``ranges_for_blocks``). In layer-wise mode each (chunk, layer) is
+its own key (``PoolKey.layer``) holding that layer's bytes only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import product
+from typing import TYPE_CHECKING
+
+from kvpool_connector._layout import LayerLayout, ranges_for_blocks
+from kvpool_connector.keys import ParallelLayout, chunk_keys
+
+if TYPE_CHECKING:
+    from kvpool_connector.metadata import LoadSpec, ReqMeta
+
+__all__ = [
+    "LoadPlan",
+    "Transfer",
+    "TransferPlanner",
+    "blocks_per_chunk",
+    "by_layer",
+    "leading_hits",
+    "load_block_ids",
+    "loaded_tokens",
+    "lookup_layouts",
+]
+
+
+def blocks_per_chunk(block_size: int, chunk_size: int) -> int:
+    """vLLM blocks per chunk (per key).
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive multiple of ``block_size``.
+    """
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(
+            f"chunk_size ({chunk_size}) must be a positive multiple of block_size "
+            f"({block_size})"
+        )
+    return chunk_size // block_size
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One key to move.
+
+    Attributes:
+        req_id: the vLLM request.
+        key: the pool key string.
+        chunk: the chunk's index in the request (``chunk_hashes`` index).
+        layer: the layer's index for a layer-wise key, ``None`` for a whole-chunk key.
+        addrs: start addresses of the value's byte ranges, in value order.
+        sizes: byte count of each range (same length as ``addrs``).
+        block_ids: vLLM blocks whose bytes the key carries; blocks routed to the scratch
+            buffer (already in vLLM's prefix cache) are not listed.
+        nbytes: ``sum(sizes)``: the value's size.
+    """
+
+    req_id: str
+    key: str
+    chunk: int
+    layer: int | None
+    addrs: list[int]
+    sizes: list[int]
+    block_ids: list[int]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """What one request loads this step: chunks ``[first_chunk, first_chunk + n)`` as
+    ``transfers`` (chunk order; within a chunk, layer order in layer-wise mode)."""
+
+    req: ReqMeta
+    first_chunk: int
+    transfers: list[Transfer]
+
+    def blocks_of(self, chunks: set[int]) -> set[int]:
+        """The vLLM blocks the transfers of ``chunks`` write."""
+        return {b for t in self.transfers if t.chunk in chunks for b in t.block_ids}
+
+
+class TransferPlanner:
+    """Plans the transfers of one worker (one shard of the parallel layout).
+
+    Args:
+        layers: the registered KV layers, in model order (``KVLayout.layers``).
+        key_prefix: ``keys.shard_prefix(model, layout)`` of this worker.
+        block_size: tokens per vLLM block.
+        chunk_size: tokens per chunk (one key), a positive multiple of ``block_size``.
+        layerwise: one key per (chunk, layer) instead of one per chunk.
+        scratch: address of a buffer of at least the largest region's ``block_len`` bytes;
+            bytes loaded for blocks vLLM already holds land there (0 if there is none).
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive multiple of ``block_size``.
+    """
+
+    def __init__(self, layers: Sequence[LayerLayout], key_prefix: str, *, block_size: int,
+                 chunk_size: int, layerwise: bool, scratch: int = 0) -> None:
+        self.blocks_per_chunk = blocks_per_chunk(block_size, chunk_size)
+        self.key_prefix = key_prefix
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.scratch = scratch
+        # Per key of a chunk: (layer index or None, layers whose bytes form its value).
+        self._groups: list[tuple[int | None, Sequence[LayerLayout]]] = (
+            [(layer.index, [layer]) for layer in layers] if layerwise else [(None, list(layers))]
+        )
+        self._layer_ids = [layer.index for layer in layers] if layerwise else None
+
+    def chunk_blocks(self, req: ReqMeta, chunk: int) -> list[int]:
+        """Block ids of chunk ``chunk`` of ``req``.
+
+        Raises:
+            ValueError: ``req.block_ids`` does not reach the chunk's end.
+        """
+        bpc = self.blocks_per_chunk
+        blocks = req.block_ids[chunk * bpc : (chunk + 1) * bpc]
+        if len(blocks) != bpc:
+            raise ValueError(
+                f"request {req.req_id}: chunk {chunk} needs blocks [{chunk * bpc}, "
+                f"{(chunk + 1) * bpc}) but only {len(req.block_ids)} block ids were given"
+            )
+        return blocks
+
+    def chunk_transfers(self, req: ReqMeta, chunks: Iterable[int],
+                        skip_below_block: int = 0) -> list[list[Transfer]]:
+        """Per chunk of ``chunks``, its transfers: one, or one per layer (layer-wise).
+
+        Blocks at request positions below ``skip_below_block`` (vLLM already holds them, so
+        a load must not overwrite them: they may be shared) are routed to ``scratch``.
+
+        Raises:
+            ValueError: a chunk has no hash or not all of its block ids (see ``chunk_blocks``).
+        """
+        out: list[list[Transfer]] = []
+        for chunk in chunks:
+            blocks = self.chunk_blocks(req, chunk)
+            if chunk >= len(req.chunk_hashes):
+                raise ValueError(
+                    f"request {req.req_id}: chunk {chunk} has no hash "
+                    f"({len(req.chunk_hashes)} chunk hashes were given)"
+                )
+            first = chunk * self.blocks_per_chunk
+            skip = frozenset(b for j, b in enumerate(blocks) if first + j < skip_below_block)
+            kept = [b for b in blocks if b not in skip]
+            keys = chunk_keys([self.key_prefix], [req.chunk_hashes[chunk]], self._layer_ids)
+            row = []
+            for key, (layer, layers) in zip(keys, self._groups, strict=True):
+                addrs, sizes = ranges_for_blocks(layers, blocks, skip, self.scratch)
+                row.append(Transfer(req.req_id, key, chunk, layer, addrs, sizes, kept, sum(sizes)))
+            out.append(row)
+        return out
+
+    def load(self, req: ReqMeta) -> LoadPlan | None:
+        """The chunks ``req.load`` asks for, from the first one vLLM does not fully hold up
+        to the pool's hit; ``None`` when there is nothing to load.
+
+        Raises:
+            ValueError: the metadata does not give the blocks or hashes of those chunks.
+        """
+        spec = req.load
+        if spec is None or spec.num_tokens_to_load <= 0:
+            return None
+        first = spec.vllm_cached_tokens // self.chunk_size
+        last = spec.kvpool_cached_tokens // self.chunk_size
+        rows = self.chunk_transfers(req, range(first, last),
+                                    spec.vllm_cached_tokens // self.block_size)
+        return LoadPlan(req, first, [t for row in rows for t in row])
+
+    def save(self, req: ReqMeta) -> list[list[Transfer]]:
+        """Per chunk in ``[req.save_from_chunk, req.save_to_chunk)``, its transfers (empty
+        when the range is).
+
+        Raises:
+            ValueError: the metadata does not give the blocks or hashes of those chunks.
+        """
+        return self.chunk_transfers(req, range(req.save_from_chunk, req.save_to_chunk))
+
+
+def by_layer(transfers: Iterable[Transfer], n_layers: int) -> list[list[Transfer]]:
+    """Layer-wise transfers grouped by layer index (``n_layers`` lists, model order)."""
+    out: list[list[Transfer]] = [[] for _ in range(n_layers)]
+    for t in transfers:
+        if t.layer is None:
+            raise ValueError(f"{t.key} is a whole-chunk key, not a layer-wise one")
+        out[t.layer].append(t)
+    return out
+
+
+def load_block_ids(req: ReqMeta, block_size: int) -> set[int]:
+    """Every block ``req.load`` would write: from the first token vLLM does not hold to the
+    block holding the pool's last hit token (empty without a load)."""
+    spec = req.load
+    if spec is None:
+        return set()
+    lo = spec.vllm_cached_tokens // block_size
+    hi = -(-spec.kvpool_cached_tokens // block_size)
+    return set(req.block_ids[lo:hi])
+
+
+def loaded_tokens(spec: LoadSpec, failed_chunks: set[int], chunk_size: int) -> int:
+    """Tokens a load really brought in: up to the first failed chunk (a later chunk's KV is
+    useless without its prefix), minus what vLLM already held."""
+    ok_end = min(failed_chunks) if failed_chunks else spec.kvpool_cached_tokens // chunk_size
+    return max(0, ok_end * chunk_size - spec.vllm_cached_tokens)
+
+
+def lookup_layouts(layout: ParallelLayout, *, tp_size: int = 1, pcp_size: int = 1,
+                   dcp_size: int = 1, pp_size: int = 1) -> list[ParallelLayout]:
+    """Every shard a lookup must find a chunk in before it counts as a hit.
+
+    A split dimension (size > 1) contributes all its ranks; an unsplit one only ``layout``'s
+    own rank. The KV-cache group is ``layout``'s. Pass ``tp_size=1`` when KV heads are
+    replicated (MLA: one copy under ``tp0``).
+    """
+    def ranks(size: int, own: int) -> range:
+        return range(size) if size > 1 else range(own, own + 1)
+
+    return [
+        ParallelLayout(tp, pcp, dcp, pp, layout.group)
+        for tp, pcp, dcp, pp in product(
+            ranks(tp_size, layout.tp_rank), ranks(pcp_size, layout.pcp_rank),
+            ranks(dcp_size, layout.dcp_rank), ranks(pp_size, layout.pp_rank),
+        )
+    ]
+
+
+def leading_hits(results: Sequence[int], per_chunk: int) -> tuple[int, int | None]:
+    """Read ``batch_exists`` results of chunk-major keys (``keys.chunk_keys`` order).
+
+    Returns:
+        ``(n, code)``: ``n`` leading chunks whose ``per_chunk`` keys are all present; ``code``
+        is the first negative result within chunk ``n`` (the store failed to answer, which
+        must never count as a miss), else ``None``.
+    """
+    first_miss = next((i for i, r in enumerate(results) if r != 1), len(results))
+    n = first_miss // per_chunk
+    if first_miss < len(results):
+        bad = next((r for r in results[n * per_chunk : (n + 1) * per_chunk] if r < 0), None)
+        if bad is not None:
+            return n, bad
+    return n, None

@@ -1,0 +1,78 @@
+"""The pool key grammar: batch-built keys equal the ``PoolKey`` strings, and flush size groups
+drop only the chunk hash of a key."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvpool_connector.keys import (
+    ParallelLayout,
+    PoolKey,
+    chunk_hashes,
+    chunk_keys,
+    layout_pattern,
+    model_pattern,
+    normalize_model_name,
+    shard_prefix,
+    size_group,
+)
+
+MODEL = normalize_model_name("org/Model@v2 ")
+HASHES = chunk_hashes(list(range(64)), 16)
+LAYOUTS = [ParallelLayout(tp, 0, dcp, 0, 1) for tp in range(2) for dcp in range(2)]
+
+
+def test_key_strings_follow_the_documented_grammar() -> None:
+    key = PoolKey(MODEL, ParallelLayout(3, 1, 2, 4, 5), HASHES[0])
+    assert MODEL == "org/Model%40v2"
+    assert str(key) == f"kvpool@org/Model%40v2@tp3.pcp1.dcp2.pp4.g5@{HASHES[0]}"
+    assert str(key.layer(7)) == f"{key}@L7"
+    assert len(HASHES) == 4 and all(re.fullmatch(r"[0-9a-f]{32}", h) for h in HASHES)
+
+
+@pytest.mark.parametrize("layers", [None, [0, 1, 2]])
+@pytest.mark.parametrize("n_layouts", [1, 4])
+def test_chunk_keys_equal_pool_key_strings_chunk_major(
+        layers: list[int] | None, n_layouts: int) -> None:
+    layouts = LAYOUTS[:n_layouts]
+    got = chunk_keys([shard_prefix(MODEL, lay) for lay in layouts], HASHES, layers)
+    want = [
+        str(PoolKey(MODEL, lay, h)) if i is None else str(PoolKey(MODEL, lay, h).layer(i))
+        for h in HASHES for lay in layouts for i in (layers or [None])
+    ]
+    assert got == want
+    per_chunk = n_layouts * len(layers or [None])
+    assert len(got) == len(HASHES) * per_chunk
+    # Chunk i's keys are one contiguous slice, all carrying hash i.
+    assert all(HASHES[1] in k for k in got[per_chunk : 2 * per_chunk])
+    assert chunk_keys([shard_prefix(MODEL, LAYOUTS[0])], [], layers) == []
+
+
+@pytest.mark.parametrize("other", [
+    "kvpool-probe@0123",                                    # probe namespace
+    "other@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32,             # another tenant
+    "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 31,            # short hash
+    "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32 + "@Lx",    # bad layer
+    "kvpool@m@tp0.pcp0.dcp0.g0@" + "0" * 32,                # layout without pp
+])
+def test_strings_outside_the_grammar_are_their_own_size_group(other: str) -> None:
+    assert size_group(other) == other
+
+
+def test_size_group_drops_only_the_chunk_hash() -> None:
+    a, b = (PoolKey(MODEL, LAYOUTS[1], h) for h in HASHES[:2])
+    assert size_group(str(a)) == size_group(str(b)) == shard_prefix(MODEL, LAYOUTS[1])
+    assert size_group(str(a.layer(3))) == size_group(str(b.layer(3)))
+    assert size_group(str(a.layer(3))) != size_group(str(a.layer(4)))
+    assert size_group(str(a)) != size_group(str(PoolKey(MODEL, LAYOUTS[2], HASHES[0])))
+    assert size_group("kvpool-probe@x") == "kvpool-probe@x"
+
+
+def test_scope_patterns_select_model_and_shard() -> None:
+    key = str(PoolKey(MODEL, LAYOUTS[3], HASHES[0]))
+    assert re.search(model_pattern("org/Model@v2"), key)
+    assert not re.search(model_pattern("org/Model"), key)
+    assert re.search(layout_pattern("org/Model@v2", LAYOUTS[3]), key + "@L0")
+    assert not re.search(layout_pattern("org/Model@v2", LAYOUTS[2]), key)
