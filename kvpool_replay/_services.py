@@ -150,7 +150,8 @@ class LocalMooncakeMaster:
 
     def command(self) -> list[str]:
         """The command line this master runs with (after ports are chosen)."""
-        binary = shutil.which("mooncake_master")
+        # This interpreter's bin first: where pip put mooncake_master, on PATH or not.
+        binary = shutil.which("mooncake_master", path=engine_env()["PATH"])
         if binary is None:
             raise FileNotFoundError(
                 "mooncake_master is not on PATH: pip install 'kvpool[mooncake]' "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,11 @@ import pytest
 from kvpool_replay import LocalMooncakeMaster
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+# mooncake_master, mooncake_client and dscli live next to the interpreter in the venv; tests may
+# run without the venv's bin on PATH (python -m pytest from any shell).
+_BIN = os.path.join(sys.prefix, "bin")
+if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture(scope="session")
