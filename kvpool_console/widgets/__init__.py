@@ -1,5 +1,5 @@
 """Console widgets: Textual widgets specialised with the fleet's columns and update rules."""
 
-from kvpool_console.widgets.fleet_table import FleetTable, trend
+from kvpool_console.widgets._fleet_table import FleetTable, trend
 
 __all__ = ["FleetTable", "trend"]
