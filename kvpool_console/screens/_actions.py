@@ -17,9 +17,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, DataTable, Label, RadioButton, RadioSet, Static
 
 from kvpool_agent.protocol import CommandReply, FlushArgs, FlushResult
-from kvpool_console.model import fmt_bytes
+from kvpool_console.model import fmt_bytes, sum_flush
 
-__all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen", "sum_flush"]
+__all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen"]
 
 
 class HealthScreen(ModalScreen[None]):
@@ -86,19 +86,6 @@ class HealthScreen(ModalScreen[None]):
     @on(Button.Pressed, "#close")
     def action_close(self) -> None:
         self.dismiss(None)
-
-
-def sum_flush(replies: list[CommandReply]) -> tuple[FlushResult | None, list[str]]:
-    """Add up the flush results of ``replies``; also return the errors as ``agent: error``."""
-    results = [r.flush for r in replies if r.ok and r.flush is not None]
-    errors = [f"{r.agent_id}: {r.error or 'no flush result'}" for r in replies
-              if not r.ok or r.flush is None]
-    if not results:
-        return None, errors
-    return FlushResult(dry_run=all(x.dry_run for x in results),
-                       keys=sum(x.keys for x in results), bytes=sum(x.bytes for x in results),
-                       removed_keys=sum(x.removed_keys for x in results),
-                       skipped_leased=sum(x.skipped_leased for x in results)), errors
 
 
 class ConfirmScreen(ModalScreen[bool]):
