@@ -246,7 +246,15 @@ class FleetTable(DataTable[Text | str]):
     def show(self, rows: list[EngineRow], totals: Totals, *, now_ms: float,
              expanded: AbstractSet[str], hit_history: Mapping[str, Sequence[float]],
              fleet_history: Sequence[float]) -> None:
-        """Display ``rows`` (already filtered and sorted) followed by the totals row."""
+        """Display ``rows`` (already filtered and sorted) followed by the totals row.
+
+        Args:
+            rows, totals: from the latest ``FleetView``.
+            now_ms: that view's wall clock (epoch ms), for lease times left.
+            expanded: engine ids whose agent rows are shown under them.
+            hit_history: engine id -> its 1-minute hit rates in [0, 1], oldest first (Trend).
+            fleet_history: the fleet's hit rates in [0, 1], oldest first (the totals' Trend).
+        """
         wanted: list[tuple[FleetRowKey, list[Text | str]]] = []
         for r in rows:
             is_open = r.engine_id in expanded
