@@ -37,8 +37,14 @@ from rich.table import Table
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
 from kvpool_console.alerts import SEVERITY_RANK, evaluate
-from kvpool_console.model import FleetView, build_view, fmt_age, fmt_bytes, fmt_lease
-from kvpool_console.screens.actions import sum_flush
+from kvpool_console.model import (
+    FleetView,
+    build_view,
+    fmt_age,
+    fmt_bytes,
+    fmt_lease,
+    sum_flush,
+)
 from kvpool_console.source import ClientSource, FleetSource, now_ms
 
 __all__ = ["DEFAULT_HUB", "main", "status_document"]

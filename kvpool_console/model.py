@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from kvpool_agent.protocol import EngineState, PoolStats
+from kvpool_agent.protocol import CommandReply, EngineState, FlushResult, PoolStats
 from kvpool_console.alerts import SEVERITY_RANK, Alert
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "fmt_bytes",
     "fmt_lease",
     "select_rows",
+    "sum_flush",
 ]
 
 
@@ -397,6 +398,25 @@ def fmt_lease(expiry_ms: float | None, now_ms: float) -> str:
         return "-"
     left = expiry_ms - now_ms
     return "EXPIRED" if left <= 0 else f"{left / 1e3:.1f}s"
+
+
+def sum_flush(replies: list[CommandReply]) -> tuple[FlushResult | None, list[str]]:
+    """Add up one flush command's ``replies`` (one per agent that ran it).
+
+    Returns:
+        ``(total, errors)``: ``total`` sums keys, bytes, removed and leased-skipped counts over
+        the agents that returned a result (``dry_run`` only if every one was a dry run), or is
+        None when none did; ``errors`` lists ``"agent_id: error"`` for every other reply.
+    """
+    results = [r.flush for r in replies if r.ok and r.flush is not None]
+    errors = [f"{r.agent_id}: {r.error or 'no flush result'}" for r in replies
+              if not r.ok or r.flush is None]
+    if not results:
+        return None, errors
+    return FlushResult(dry_run=all(x.dry_run for x in results),
+                       keys=sum(x.keys for x in results), bytes=sum(x.bytes for x in results),
+                       removed_keys=sum(x.removed_keys for x in results),
+                       skipped_leased=sum(x.skipped_leased for x in results)), errors
 
 
 class FleetModel:

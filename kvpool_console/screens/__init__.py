@@ -1,7 +1,8 @@
 """Console screens: engine detail, help and the action modals (health, flush)."""
 
-from kvpool_console.screens.actions import ConfirmScreen, FlushScreen, HealthScreen
-from kvpool_console.screens.detail import EngineDetailScreen
-from kvpool_console.screens.help import HelpScreen
+from kvpool_console.screens._actions import ConfirmScreen, FlushScreen, HealthScreen
+from kvpool_console.screens._detail import EngineDetail, EngineDetailScreen
+from kvpool_console.screens._help import HelpScreen
 
-__all__ = ["ConfirmScreen", "EngineDetailScreen", "FlushScreen", "HealthScreen", "HelpScreen"]
+__all__ = ["ConfirmScreen", "EngineDetail", "EngineDetailScreen", "FlushScreen", "HealthScreen",
+           "HelpScreen"]

@@ -178,6 +178,17 @@ def test_status_table_piped_is_not_squeezed(live_fleet: LiveFleet,
     assert "2560/4000" in row and "64.0%" in row
 
 
+def test_one_shots_import_no_textual() -> None:
+    # status/health/flush print with Rich: loading the TUI's modules would only slow them down.
+    code = ("import sys, kvpool_console.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'textual' "
+            "or m.startswith(('kvpool_console.app', 'kvpool_console.screens', "
+            "'kvpool_console.widgets'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=Path(__file__).parents[2])
+    assert out.stdout.strip() == "[]"
+
+
 class _RecordingSource:
     """Answers every command with no replies and records the timeout it was given."""
 

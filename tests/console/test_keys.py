@@ -7,7 +7,7 @@ from fleetdata import NOW_MS, sample_fleet
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.screens import EngineDetailScreen, HealthScreen, HelpScreen
 from kvpool_console.source import StaticSource
-from kvpool_console.widgets import FleetTable
+from kvpool_console.widgets import TOTALS, AgentKey, EngineKey, FleetTable
 
 
 def _app() -> KVPoolConsole:
@@ -44,6 +44,33 @@ async def test_navigation_and_ctrl_c_quits() -> None:
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert not app.is_running
+
+
+async def test_typed_row_keys_and_choosing_an_agent_row() -> None:
+    app = _app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        table = app.query_one(FleetTable)
+        table.move_cursor(row=table.get_row_index("e:decode-1"))
+        assert table.selected_key == EngineKey("decode-1")
+        await pilot.press("space")
+        assert app.expanded == {"decode-1"}
+        table.move_cursor(row=table.get_row_index("a:decode-1/dp0.tp1.pp0"))
+        assert table.selected_key == AgentKey("decode-1", "decode-1/dp0.tp1.pp0")
+        assert table.selected_engine_id == "decode-1"
+        # Enter on an agent row opens its engine's detail.
+        await pilot.press("enter")
+        assert isinstance(app.screen, EngineDetailScreen)
+        assert app.screen.engine_id == "decode-1"
+        await pilot.press("escape")
+        # The totals row stands for no engine: enter opens nothing, health asks everyone.
+        table.move_cursor(row=table.row_count - 1)
+        assert table.selected_key == TOTALS and table.selected_engine_id is None
+        await pilot.press("enter")
+        assert not isinstance(app.screen, EngineDetailScreen)
+        await pilot.press("h")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, HealthScreen) and app.screen.replies is not None
+        assert len(app.screen.replies) == len(sample_fleet())
 
 
 async def test_columns_grow_when_values_get_wider() -> None:

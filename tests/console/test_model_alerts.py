@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 from fleetdata import GB, NOW_MS, engine, pool, sample_fleet
 
+from kvpool_agent.protocol import PROTOCOL_VERSION, CommandReply, FlushResult
 from kvpool_console.alerts import AlertTracker, evaluate
-from kvpool_console.model import FleetModel, build_view, fmt_bytes, fmt_lease, select_rows
+from kvpool_console.model import (
+    FleetModel,
+    build_view,
+    fmt_bytes,
+    fmt_lease,
+    select_rows,
+    sum_flush,
+)
 
 
 def _rules(alerts: list) -> set[tuple[str, str, str]]:
@@ -138,3 +146,23 @@ def test_history_and_formatting() -> None:
     assert fmt_bytes(1536) == "1.5K" and fmt_bytes(512) == "512B" and fmt_bytes(3 * GB) == "3.0G"
     assert fmt_lease(None, NOW_MS) == "-" and fmt_lease(NOW_MS - 1, NOW_MS) == "EXPIRED"
     assert fmt_lease(NOW_MS + 4_200, NOW_MS) == "4.2s"
+
+
+def _reply(agent: str, flush: FlushResult | None = None, error: str | None = None
+           ) -> CommandReply:
+    return CommandReply(v=PROTOCOL_VERSION, seq=1, request_id="r", agent_id=agent,
+                        ok=error is None, error=error, flush=flush)
+
+
+def test_sum_flush_adds_results_and_lists_errors() -> None:
+    total, errors = sum_flush([
+        _reply("a", FlushResult(dry_run=False, keys=5, bytes=500, removed_keys=4,
+                                skipped_leased=1)),
+        _reply("b", FlushResult(dry_run=True, keys=2, bytes=20)),
+        _reply("c", error="timeout after 5000 ms"),
+        _reply("d"),
+    ])
+    assert total == FlushResult(dry_run=False, keys=7, bytes=520, removed_keys=4,
+                                skipped_leased=1)
+    assert errors == ["c: timeout after 5000 ms", "d: no flush result"]
+    assert sum_flush([_reply("c", error="unauthorised")]) == (None, ["c: unauthorised"])

@@ -48,6 +48,11 @@ def _cell(table: FleetTable, key: str, column: str) -> str:
     return str(table.get_cell(key, column))
 
 
+def _shown(table: FleetTable) -> list[str]:
+    """The table's row keys, top to bottom."""
+    return [str(row.key.value) for row in table.ordered_rows]
+
+
 async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> None:
     _feed(live_fleet)
     live_fleet.wait_agents(6)
@@ -77,7 +82,7 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         # Expand p0: its scheduler and two worker rows appear under it.
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("space")
-        await _until(pilot, lambda: "a:p0/dp0.tp1.pp0" in table._cells, "worker rows")
+        await _until(pilot, lambda: "a:p0/dp0.tp1.pp0" in table.rows, "worker rows")
         assert _cell(table, "a:p0/dp0.tp1.pp0", "loads") == "1"
         # Engine detail: layer progress of the in-flight layer-wise load, error with its hint.
         table.move_cursor(row=table.get_row_index("e:p0"))
@@ -105,7 +110,7 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         live_fleet.hub.stop()
         await _until(pilot, lambda: "HUB SILENT" in str(
             app.query_one("#status-bar", Static).content), "hub silent", 15)
-        assert "e:p0" in table._keys
+        assert "e:p0" in table.rows
 
 
 async def test_filter_sort_pause(live_fleet: LiveFleet) -> None:
@@ -116,25 +121,25 @@ async def test_filter_sort_pause(live_fleet: LiveFleet) -> None:
     app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: table._keys == ["e:d0", "e:p0", "e:p1", "__totals__"]
+        await _until(pilot, lambda: _shown(table) == ["e:d0", "e:p0", "e:p1", "__totals__"]
                      and _cell(table, "e:p1", "hit") == "90%", "three engines")
         # Sort by hit rate (s: engine -> role -> hit), highest first with r.
         await pilot.press("s", "s", "r")
-        await _until(pilot, lambda: table._keys[:3] == ["e:p1", "e:p0", "e:d0"], "hit sort")
+        await _until(pilot, lambda: _shown(table)[:3] == ["e:p1", "e:p0", "e:d0"], "hit sort")
         await pilot.press("slash")
         await pilot.press(*"prefill")
-        await _until(pilot, lambda: table._keys == ["e:p1", "e:p0", "__totals__"], "filter")
+        await _until(pilot, lambda: _shown(table) == ["e:p1", "e:p0", "__totals__"], "filter")
         await pilot.press("enter")
         assert "filter 'prefill'" in str(app.query_one("#status-bar", Static).content)
         await pilot.press("x")  # faults only: p0 has failed loads after hits
-        await _until(pilot, lambda: table._keys == ["e:p0", "__totals__"], "faults only")
+        await _until(pilot, lambda: _shown(table) == ["e:p0", "__totals__"], "faults only")
         await pilot.press("p")
         assert app.paused and "PAUSED" in str(app.query_one("#status-bar", Static).content)
         frames = app.frames
         await pilot.pause(0.6)
         assert app.frames == frames
         await pilot.press("p", "x")
-        await _until(pilot, lambda: not app.paused and table._keys == [
+        await _until(pilot, lambda: not app.paused and _shown(table) == [
             "e:p1", "e:p0", "__totals__"], "resumed")
         await pilot.press("minus")
         assert app.refresh_s == 0.5
@@ -151,7 +156,7 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
                         refresh_s=0.25)
     async with app.run_test(size=(120, 36)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: "e:p0" in table._keys, "p0")
+        await _until(pilot, lambda: "e:p0" in table.rows, "p0")
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("f")
         await _until(pilot, lambda: isinstance(app.screen, FlushScreen), "flush modal")
@@ -192,7 +197,7 @@ async def test_read_only_console_refuses_flush(live_fleet: LiveFleet) -> None:
     app = KVPoolConsole(src, refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: "e:p0" in table._keys, "p0")
+        await _until(pilot, lambda: "e:p0" in table.rows, "p0")
         assert "READ-ONLY" in str(app.query_one("#status-bar", Static).content)
         assert app.check_action("flush", ()) is None  # disabled, shown dimmed in the footer
         await pilot.press("f")

@@ -1,15 +1,15 @@
 """Action modals: health check results and the flush flow (scope -> dry run -> confirm -> result).
 
-Commands run in a Textual thread worker so the UI keeps refreshing while agents answer; results
-are shown in the modal that asked for them.
+A modal asks for its command with a message (``HealthRequested``, ``FlushRequested``) that
+bubbles up to the app; the app runs it in a thread worker, so the UI keeps refreshing while
+agents answer, and posts the answer (``HealthFinished``, ``FlushFinished``) back to the modal,
+which shows it in place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -17,25 +17,31 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, DataTable, Label, RadioButton, RadioSet, Static
 
 from kvpool_agent.protocol import CommandReply, FlushArgs, FlushResult
-from kvpool_console.model import fmt_bytes
+from kvpool_console._messages import (
+    FlushFinished,
+    FlushRequested,
+    HealthFinished,
+    HealthRequested,
+)
+from kvpool_console.model import fmt_bytes, sum_flush
 
-__all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen", "sum_flush"]
+__all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen"]
 
 
 class HealthScreen(ModalScreen[None]):
-    """Runs ``run()`` (a health command) and shows one row per agent and check.
+    """Asks for a health check of ``targets`` and shows one row per agent and check.
 
     Args:
-        title: what was checked (``"health: engine e1"``).
-        run: sends the command, returns the replies; may raise (shown as the error).
+        title: what is checked (``"health: engine e1"``).
+        targets: agent ids (empty: every agent).
     """
 
     BINDINGS = [Binding("escape,q", "close", "Close")]
 
-    def __init__(self, title: str, run: Callable[[], list[CommandReply]]) -> None:
+    def __init__(self, title: str, targets: list[str]) -> None:
         super().__init__()
         self._title = title
-        self._run = run
+        self._targets = targets
         self.replies: list[CommandReply] | None = None
 
     def compose(self) -> ComposeResult:
@@ -48,21 +54,15 @@ class HealthScreen(ModalScreen[None]):
     def on_mount(self) -> None:
         self.query_one("#health-table", DataTable).add_columns(
             "Agent", "Check", "OK", "ms", "Detail")
-        self._go()
+        self.post_message(HealthRequested(self, self._title, self._targets))
 
-    @work(thread=True, exclusive=True)
-    def _go(self) -> None:
-        try:
-            replies = self._run()
-        except Exception as e:  # a failed command is a result to show, not a crash
-            self.app.call_from_thread(self._show_error, f"{type(e).__name__}: {e}")
+    @on(HealthFinished)
+    def _show(self, answer: HealthFinished) -> None:
+        status = self.query_one("#health-status", Static)
+        if answer.error is not None:  # a failed command is a result to show, not a crash
+            status.update(Text(answer.error, style="bold red"))
             return
-        self.app.call_from_thread(self._show, replies)
-
-    def _show_error(self, msg: str) -> None:
-        self.query_one("#health-status", Static).update(Text(msg, style="bold red"))
-
-    def _show(self, replies: list[CommandReply]) -> None:
+        replies = answer.replies
         self.replies = replies
         table = self.query_one("#health-table", DataTable)
         bad = 0
@@ -79,26 +79,12 @@ class HealthScreen(ModalScreen[None]):
                               f"{c.latency_ms:.1f}",
                               c.detail + (f" (code {c.code})" if c.code is not None else ""))
         verdict = "all checks passed" if not bad else f"{bad} checks failed"
-        self.query_one("#health-status", Static).update(
-            Text(f"{len(replies)} agents answered: {verdict}",
-                 style="green" if not bad and replies else "bold red"))
+        status.update(Text(f"{len(replies)} agents answered: {verdict}",
+                           style="green" if not bad and replies else "bold red"))
 
     @on(Button.Pressed, "#close")
     def action_close(self) -> None:
         self.dismiss(None)
-
-
-def sum_flush(replies: list[CommandReply]) -> tuple[FlushResult | None, list[str]]:
-    """Add up the flush results of ``replies``; also return the errors as ``agent: error``."""
-    results = [r.flush for r in replies if r.ok and r.flush is not None]
-    errors = [f"{r.agent_id}: {r.error or 'no flush result'}" for r in replies
-              if not r.ok or r.flush is None]
-    if not results:
-        return None, errors
-    return FlushResult(dry_run=all(x.dry_run for x in results),
-                       keys=sum(x.keys for x in results), bytes=sum(x.bytes for x in results),
-                       removed_keys=sum(x.removed_keys for x in results),
-                       skipped_leased=sum(x.skipped_leased for x in results)), errors
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -131,19 +117,16 @@ class FlushScreen(ModalScreen[FlushResult | None]):
     Args:
         engine_id, model: the selected engine and its model (scopes ``engine``/``model``);
             ``None`` hides the scopes that need them.
-        run: sends one flush with the given args, returns the replies.
 
     Dismisses with the final (non-dry-run) FlushResult, or None when cancelled.
     """
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("d", "dry_run", "Dry run")]
 
-    def __init__(self, engine_id: str | None, model: str | None,
-                 run: Callable[[FlushArgs], list[CommandReply]]) -> None:
+    def __init__(self, engine_id: str | None, model: str | None) -> None:
         super().__init__()
         self.engine_id = engine_id
         self.model = model
-        self._run = run
         self.dry: FlushResult | None = None
         self.result: FlushResult | None = None
 
@@ -192,7 +175,7 @@ class FlushScreen(ModalScreen[FlushResult | None]):
     @on(Button.Pressed, "#dry")
     def action_dry_run(self) -> None:
         self._status("dry run…")
-        self._call(self.args(dry_run=True))
+        self.post_message(FlushRequested(self, self.args(dry_run=True)))
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
@@ -211,28 +194,23 @@ class FlushScreen(ModalScreen[FlushResult | None]):
         def answered(yes: bool | None) -> None:
             if yes:
                 self._status("flushing…")
-                self._call(a)
+                self.post_message(FlushRequested(self, a))
             else:
                 self._status("not flushed")
 
         self.app.push_screen(ConfirmScreen(question), answered)
 
-    @work(thread=True, exclusive=True)
-    def _call(self, args: FlushArgs) -> None:
-        try:
-            replies = self._run(args)
-        except Exception as e:  # shown in place: e.g. read-only console, hub unreachable
-            self.app.call_from_thread(self._status, f"{type(e).__name__}: {e}", "bold red")
+    @on(FlushFinished)
+    def _show(self, answer: FlushFinished) -> None:
+        if answer.error is not None:  # shown in place: e.g. read-only console, hub unreachable
+            self._status(answer.error, "bold red")
             return
-        self.app.call_from_thread(self._show, args, replies)
-
-    def _show(self, args: FlushArgs, replies: list[CommandReply]) -> None:
-        total, errors = sum_flush(replies)
+        total, errors = sum_flush(answer.replies)
         err = ("; errors: " + "; ".join(errors)) if errors else ""
         if total is None:
             self._status(f"flush failed{err}", "bold red")
             return
-        if args.dry_run:
+        if answer.args.dry_run:
             self.dry = total
             self.query_one("#go", Button).disabled = total.keys == 0
             self._status(f"dry run: would remove {total.keys} keys ({fmt_bytes(total.bytes)}), "

@@ -3,19 +3,27 @@
 Updates are diffed against what is on screen: when the row order is unchanged only changed
 cells are rewritten (``update_cell``), which keeps a 2,000-agent fleet cheap to refresh and
 the cursor where the operator left it; otherwise the rows are rebuilt and the cursor is put
-back on the same engine.
+back on the same row.
+
+Rows are identified by typed keys (:class:`EngineKey`, :class:`AgentKey`, :data:`TOTALS`);
+each maps to the string the DataTable keys its row with (``row_key``), and the table maps
+back through a dict, so no row key is ever parsed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 from rich.cells import cell_len
 from rich.text import Text
+from textual import on
 from textual.widgets import DataTable
-from textual.widgets.data_table import ColumnKey
+from textual.widgets.data_table import ColumnKey, RowKey
 
 from kvpool_agent.vocabulary import KV_ROLE_FOR
+from kvpool_console._messages import EngineChosen
 from kvpool_console.model import (
     AgentRow,
     EngineRow,
@@ -25,7 +33,8 @@ from kvpool_console.model import (
     fmt_lease,
 )
 
-__all__ = ["COLUMNS", "TOTALS_KEY", "FleetTable", "trend"]
+__all__ = ["COLUMNS", "TOTALS", "AgentKey", "EngineKey", "FleetRowKey", "FleetTable", "TotalsKey",
+           "trend"]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("engine", "Engine"),
@@ -46,7 +55,47 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 )
 """(column key, header) in display order: what triage needs first fits in 80 columns."""
 
-TOTALS_KEY = "__totals__"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKey:
+    """The row of engine ``engine_id``."""
+
+    engine_id: str
+
+    @property
+    def row_key(self) -> str:
+        """The DataTable row key: ``e:<engine_id>``."""
+        return f"e:{self.engine_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentKey:
+    """The row of agent ``agent_id`` under its engine ``engine_id`` (shown when expanded)."""
+
+    engine_id: str
+    agent_id: str
+
+    @property
+    def row_key(self) -> str:
+        """The DataTable row key: ``a:<agent_id>``."""
+        return f"a:{self.agent_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class TotalsKey:
+    """The fleet totals row, always last."""
+
+    @property
+    def row_key(self) -> str:
+        """The DataTable row key: ``__totals__``."""
+        return "__totals__"
+
+
+TOTALS = TotalsKey()
+FleetRowKey = EngineKey | AgentKey | TotalsKey
+"""What a fleet table row shows."""
+
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
@@ -157,38 +206,64 @@ def _totals_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
 
 
 class FleetTable(DataTable[Text | str]):
-    """DataTable of engines (``e:<engine_id>`` row keys), expanded agents (``a:<agent_id>``)
-    and the totals row (``__totals__``)."""
+    """DataTable of engines, their agents when expanded, and the totals row.
+
+    Posts :class:`~kvpool_console._messages.EngineChosen` when ``enter`` selects an engine row
+    or one of its agents' rows.
+    """
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
                          **kwargs)  # type: ignore[arg-type]
-        self._keys: list[str] = []
-        self._cells: dict[str, list[Text | str]] = {}
+        self._keys: list[FleetRowKey] = []
+        self._cells: dict[FleetRowKey, list[Text | str]] = {}
+        self._by_row_key: dict[RowKey, FleetRowKey] = {}
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
             self.add_column(label, key=key)
 
     @property
-    def selected_key(self) -> str | None:
-        """Row key under the cursor (``e:...``, ``a:...``, ``__totals__``) or None if empty."""
+    def selected_key(self) -> FleetRowKey | None:
+        """What the row under the cursor shows; None when the table is empty."""
         if not self._keys or self.cursor_row >= len(self._keys) or self.cursor_row < 0:
             return None
         return self._keys[self.cursor_row]
 
+    @property
+    def selected_engine_id(self) -> str | None:
+        """The engine of the row under the cursor (an agent row: its engine); None on the
+        totals row or an empty table."""
+        key = self.selected_key
+        return None if key is None or isinstance(key, TotalsKey) else key.engine_id
+
+    @on(DataTable.RowSelected)
+    def _chosen(self, event: DataTable.RowSelected) -> None:
+        key = self._by_row_key.get(event.row_key)
+        if isinstance(key, EngineKey | AgentKey):
+            self.post_message(EngineChosen(key.engine_id))
+
     def show(self, rows: list[EngineRow], totals: Totals, *, now_ms: float,
-             expanded: set[str], hit_history: Mapping[str, Sequence[float]],
+             expanded: AbstractSet[str], hit_history: Mapping[str, Sequence[float]],
              fleet_history: Sequence[float]) -> None:
-        """Display ``rows`` (already filtered and sorted) followed by the totals row."""
-        wanted: list[tuple[str, list[Text | str]]] = []
+        """Display ``rows`` (already filtered and sorted) followed by the totals row.
+
+        Args:
+            rows, totals: from the latest ``FleetView``.
+            now_ms: that view's wall clock (epoch ms), for lease times left.
+            expanded: engine ids whose agent rows are shown under them.
+            hit_history: engine id -> its 1-minute hit rates in [0, 1], oldest first (Trend).
+            fleet_history: the fleet's hit rates in [0, 1], oldest first (the totals' Trend).
+        """
+        wanted: list[tuple[FleetRowKey, list[Text | str]]] = []
         for r in rows:
             is_open = r.engine_id in expanded
-            wanted.append((f"e:{r.engine_id}",
+            wanted.append((EngineKey(r.engine_id),
                            _engine_cells(r, now_ms, hit_history.get(r.engine_id, ()), is_open)))
             if is_open:
-                wanted.extend((f"a:{a.agent_id}", _agent_cells(a, r, now_ms)) for a in r.agents)
-        wanted.append((TOTALS_KEY, _totals_cells(totals, fleet_history)))
+                wanted.extend((AgentKey(r.engine_id, a.agent_id), _agent_cells(a, r, now_ms))
+                              for a in r.agents)
+        wanted.append((TOTALS, _totals_cells(totals, fleet_history)))
         keys = [k for k, _ in wanted]
         if keys == self._keys:
             for key, cells in wanted:
@@ -199,14 +274,13 @@ class FleetTable(DataTable[Text | str]):
                         # new value is wider than the column already is.
                         width = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
                         col = self.columns[ColumnKey(COLUMNS[i][0])]
-                        self.update_cell(key, COLUMNS[i][0], cell,
+                        self.update_cell(key.row_key, COLUMNS[i][0], cell,
                                          update_width=width > col.content_width)
                 self._cells[key] = cells
             return
         selected = self.selected_key
         self.clear()
-        for key, cells in wanted:
-            self.add_row(*cells, key=key)
+        self._by_row_key = {self.add_row(*cells, key=key.row_key): key for key, cells in wanted}
         self._keys = keys
         self._cells = dict(wanted)
         if selected in self._cells:

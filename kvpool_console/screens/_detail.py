@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
@@ -15,7 +17,7 @@ from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
 
-__all__ = ["EngineDetailScreen", "layer_bar"]
+__all__ = ["EngineDetail", "EngineDetailScreen", "layer_bar"]
 
 
 def layer_bar(done: int, total: int, width: int = 10) -> str:
@@ -26,18 +28,44 @@ def layer_bar(done: int, total: int, width: int = 10) -> str:
     return f"{done}/{total} " + "█" * filled + "░" * (width - filled)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineDetail:
+    """One refresh's data for the detail screen.
+
+    ``row`` is the engine's view row (None: no longer reported); ``states`` the raw agent
+    states of the whole fleet (agent id -> EngineState; the screen picks its engine's agents
+    for their in-flight transfers and recent errors); ``hit_history`` the engine's 1-minute
+    hit rates in [0, 1] and ``throughput_history`` its load+save bytes/s, oldest first;
+    ``now_ms`` the refresh's wall clock (epoch ms).
+    """
+
+    row: EngineRow | None
+    states: Mapping[str, EngineState]
+    hit_history: Sequence[float]
+    throughput_history: Sequence[float]
+    now_ms: float
+
+
 class EngineDetailScreen(Screen[None]):
-    """Everything about one engine. ``update_from`` is called by the app on each refresh.
+    """Everything about one engine; redraws whenever the app sets :attr:`detail`.
 
     Args:
         engine_id: the engine shown.
+        detail: its data as of the refresh that opened the screen.
     """
 
     BINDINGS = [Binding("escape,backspace", "app.pop_screen", "Back")]
 
-    def __init__(self, engine_id: str) -> None:
+    # always_update: a refresh is new data even when equal, and comparing would cost a walk
+    # over every agent state.
+    detail: var[EngineDetail | None] = var[EngineDetail | None](None, always_update=True,
+                                                                init=False)
+    """The data shown; each refresh of the app sets a new one."""
+
+    def __init__(self, engine_id: str, detail: EngineDetail) -> None:
         super().__init__()
         self.engine_id = engine_id
+        self.set_reactive(EngineDetailScreen.detail, detail)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -62,13 +90,17 @@ class EngineDetailScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.title = f"engine {self.engine_id}"
+        self._show(self.detail)  # what was set before mount (is_mounted turns true after this)
 
-    def update_from(self, row: EngineRow | None, states: Mapping[str, EngineState],
-                    hit_history: Sequence[float], tp_history: Sequence[float],
-                    now_ms: float) -> None:
-        """Redraw from the latest view ``row`` and the raw agent ``states`` of this engine."""
-        if not self.is_mounted:
+    def watch_detail(self, detail: EngineDetail | None) -> None:
+        if self.is_mounted:
+            self._show(detail)
+
+    def _show(self, detail: EngineDetail | None) -> None:
+        if detail is None:
             return
+        row, states, now_ms = detail.row, detail.states, detail.now_ms
+        hit_history, tp_history = detail.hit_history, detail.throughput_history
         summary = self.query_one("#detail-summary", Static)
         if row is None:
             summary.update(Text(f"{self.engine_id}: no longer reported", style="red"))

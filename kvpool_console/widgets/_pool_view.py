@@ -1,0 +1,61 @@
+"""The Pool tab: one line of fleet pool totals, a row per pool, a row per pool segment."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.reactive import var
+from textual.widgets import DataTable, Static, TabPane
+
+from kvpool_console.model import FleetView, fmt_bytes
+
+__all__ = ["PoolView"]
+
+
+class PoolView(TabPane):
+    """Pools as their agents report them (Mooncake master ``/metrics``), deduplicated.
+
+    Redraws whenever :attr:`view` is set; the app sets it while this tab is the active one.
+    Takes TabPane's arguments (``title``, ``id``).
+    """
+
+    # always_update: every refresh is new data, and comparing two views costs a full walk.
+    view: var[FleetView | None] = var[FleetView | None](None, always_update=True, init=False)
+    """The latest fleet view."""
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="pool-summary")
+        yield DataTable(id="pool-table", cursor_type="row")
+        yield DataTable(id="segments-table", cursor_type="row")
+
+    def on_mount(self) -> None:
+        self.query_one("#pool-table", DataTable).add_columns(
+            "Pool", "Keys", "Used", "Total", "Use", "WM", "Evicted", "Lease TTL", "Health")
+        self.query_one("#segments-table", DataTable).add_columns(
+            "Segment", "Used", "Total", "Use")
+
+    def watch_view(self, view: FleetView | None) -> None:
+        if view is None:
+            return
+        table = self.query_one("#pool-table", DataTable)
+        table.clear()
+        segs = self.query_one("#segments-table", DataTable)
+        segs.clear()
+        for p in view.pools:
+            frac = p.used_bytes / p.total_bytes if p.total_bytes else 0.0
+            health = (Text("unknown", style="dim") if p.healthy is None else
+                      Text("ok", style="green") if p.healthy else
+                      Text(f"DOWN {p.health_detail}", style="bold red"))
+            table.add_row(p.name, str(p.keys), fmt_bytes(p.used_bytes), fmt_bytes(p.total_bytes),
+                          Text(f"{frac:.0%}", style="red" if frac > p.high_watermark else ""),
+                          f"{p.high_watermark:.0%}",
+                          f"{p.evicted_keys} ({fmt_bytes(p.evicted_bytes)})",
+                          f"{p.lease_ttl_ms} ms", health)
+            for name, used, total in p.segments:
+                segs.add_row(name, fmt_bytes(used), fmt_bytes(total),
+                             f"{used / total:.0%}" if total else "-")
+        t = view.totals
+        self.query_one("#pool-summary", Static).update(
+            f"{len(view.pools)} pools, {fmt_bytes(t.segment_used_bytes)} of "
+            f"{fmt_bytes(t.segment_total_bytes)} used; load {fmt_bytes(t.load_bytes_per_s)}/s "
+            f"save {fmt_bytes(t.save_bytes_per_s)}/s")
