@@ -1,6 +1,7 @@
 """kvpool agent: streams connector and pool state over ZMQ and executes operator commands.
 
-- ``start_agent`` (in every connector process) -> ``AgentHandle`` with a ``Reporter``;
+- ``start_agent`` (in every connector process) -> ``AgentHandle`` with a ``Reporter`` (a
+  ``NullReporter`` without a hub address);
 - ``FleetHub``: where agents report and consoles connect (``kvpool-agent hub``);
 - ``FleetClient``: what a console uses to watch the fleet and send commands.
 """
@@ -9,7 +10,7 @@ from kvpool_agent.agent import AgentHandle, start_agent
 from kvpool_agent.auth import KeyPaths, generate_keys
 from kvpool_agent.client import FleetClient, FleetEntry
 from kvpool_agent.hub import UNAUTHORISED, FleetHub, hub_ports
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "FleetEntry",
     "FleetHub",
     "KeyPaths",
+    "NullReporter",
     "Reporter",
     "generate_keys",
     "hub_ports",

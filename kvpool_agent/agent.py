@@ -29,7 +29,7 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool_agent.aggregate import Aggregator
+from kvpool_agent._aggregate import Aggregator
 from kvpool_agent.commands import CommandError, Prober, run_flush, run_health
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
@@ -47,7 +47,7 @@ from kvpool_agent.protocol import (
     decode,
     encode,
 )
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
 from kvpool_connector.keys import ParallelLayout
 
@@ -382,8 +382,8 @@ class AgentHandle:
     """What ``start_agent`` returns to the connector.
 
     Attributes:
-        reporter: the engine-side event buffer (a ``Reporter``; capacity 0, dropping every
-            event, when no hub address is configured).
+        reporter: the engine-side event buffer (a ``NullReporter``, doing nothing, when no
+            hub address is configured).
         source: who this agent reports as.
     """
 
@@ -454,7 +454,7 @@ def start_agent(
         source: who this process is (``Source.agent_id`` unique in the fleet).
         address: the hub's agent address, e.g. ``"tcp://10.0.0.1:7600"`` (``agent_address`` in
             ``kv_connector_extra_config``); ``None`` reads ``KVPOOL_AGENT_ADDRESS``. Without
-            either no thread starts and the reporter drops every event.
+            either no thread starts and the reporter is a ``NullReporter``.
         backend: this process's pool client, for ``health``/``flush`` and pool stats.
         key_scope: ``(model, ParallelLayout)`` this process writes; ``flush --scope engine``
             removes exactly ``keys.layout_pattern(*key_scope)``.
@@ -472,7 +472,7 @@ def start_agent(
     try:
         address = address or os.environ.get(AGENT_ADDRESS_ENV) or None
         if not address:
-            return AgentHandle(Reporter(capacity=0), source)
+            return AgentHandle(NullReporter(), source)
         agent = _Agent(
             source,
             address,
@@ -495,4 +495,4 @@ def start_agent(
             e,
             AGENT_ADDRESS_ENV,
         )
-        return AgentHandle(Reporter(capacity=0), source)
+        return AgentHandle(NullReporter(), source)

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.device import DeviceSync, device_sync_for
@@ -192,7 +192,7 @@ class KVPoolWorker:
         self.layout = layout
         self.model = normalize_model_name(model)
         self.backend = backend
-        self.reporter = reporter if reporter is not None else Reporter(capacity=0)
+        self.reporter = reporter if reporter is not None else NullReporter()
         self.blocks_per_chunk = config.chunk_size // config.block_size
         self._rank_layouts = [
             ParallelLayout(tp, pcp, dcp, pp, layout.group)

@@ -13,7 +13,7 @@ import pytest
 import zmq
 from agent_testlib import free_port_block, make_source
 
-from kvpool_agent import FleetClient, FleetHub, start_agent
+from kvpool_agent import FleetClient, FleetHub, NullReporter, start_agent
 from kvpool_agent.hub import ENGINES_PER_UPDATE
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
@@ -167,8 +167,9 @@ def test_without_an_address_the_agent_is_off_and_bad_addresses_never_raise(
     monkeypatch.delenv("KVPOOL_AGENT_ADDRESS", raising=False)
     off = start_agent(make_source("eng-off"))
     assert not off.enabled
+    assert isinstance(off.reporter, NullReporter)
     off.reporter.lookup("r", 10, 0, 5, 1.0)
-    assert off.reporter.depth == 0 and off.reporter.dropped == 1
+    assert (off.reporter.depth, off.reporter.dropped, off.reporter.drain()) == (0, 0, [])
     off.stop()
     bad = start_agent(make_source("eng-bad"), address="not an address")
     assert not bad.enabled
@@ -207,7 +208,8 @@ def _fuzz_frames(n: int, rng: random.Random) -> list[list[bytes]]:
             src = valid if i % 2 else cmd
             frames.append([src[: rng.randint(0, len(src) - 1)]])
         elif kind == 2:
-            frames.append([_report("fuzz-target", 1, v=rng.choice([0, PROTOCOL_VERSION + 1, 99, -1]))])
+            bad_version = rng.choice([0, PROTOCOL_VERSION + 1, 99, -1])
+            frames.append([_report("fuzz-target", 1, v=bad_version)])
         elif kind == 3:
             # Valid msgpack of the wrong shape, or two frames where one is expected.
             frames.append([msgspec.msgpack.encode({"type": "report", "v": 1, "seq": "x"})])
