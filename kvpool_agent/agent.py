@@ -9,7 +9,9 @@ between (at least one per second as a heartbeat). Sends never block: ``SNDHWM`` 
 block is dropped and counted (``ProcessStats.reports_dropped``).
 
 Commands from the hub run on a small worker pool; pool stats (HTTP to the master, or
-``Backend.stats()``) run on another thread so a slow master never delays reports.
+``PoolOperations.stats()``) run on another thread so a slow master never delays reports. What
+the process's pool client can do (health, flush, wait for saves, stats) reaches the agent as a
+``kvpool_agent.operations.PoolOperations`` object; the agent never imports the connector.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -30,8 +30,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._aggregate import Aggregator
-from kvpool_agent.commands import CommandError, Prober, run_flush, run_health
-from kvpool_agent.pool import fetch_mooncake_stats
+from kvpool_agent.operations import CommandError, PoolOperations
+from kvpool_agent.pool import fetch_mooncake_stats, mooncake_master_health
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -39,6 +39,10 @@ from kvpool_agent.protocol import (
     CommandRequest,
     DrainResult,
     EngineState,
+    FlushArgs,
+    FlushResult,
+    HealthCheck,
+    HealthResult,
     PoolStats,
     ProtocolError,
     Report,
@@ -49,11 +53,6 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
-from kvpool_connector.keys import ParallelLayout
-
-if TYPE_CHECKING:
-    # Only for annotations: kvpool_connector.backends.base imports kvpool_agent.protocol.
-    from kvpool_connector.backends.base import Backend
 
 __all__ = [
     "DELTA_INTERVAL_S",
@@ -63,8 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvpool.agent")
-
-"""Environment variable naming the hub address when ``start_agent(address=None)``."""
 
 DELTA_INTERVAL_S = 0.25
 SNAPSHOT_INTERVAL_S = 5.0
@@ -91,25 +88,20 @@ class _Agent:
         self,
         source: Source,
         address: str,
-        backend: Backend | None,
-        key_scope: tuple[str, ParallelLayout] | None,
-        drain: Callable[[int], DrainResult] | None,
+        operations: PoolOperations | None,
         pool_admin_url: str | None,
         lease_ttl_ms: int,
         high_watermark: float,
     ) -> None:
         self.source = source
         self.address = address
-        self.backend = backend
-        self.key_scope = key_scope
-        self.drain_fn = drain
+        self.operations = operations
         self.pool_admin_url = pool_admin_url.rstrip("/") if pool_admin_url else None
         self.lease_ttl_ms = lease_ttl_ms
         self.high_watermark = high_watermark
         self.reporter = Reporter()
         self.agg = Aggregator(source, lease_ttl_ms, _now_ms())
         self.lock = threading.Lock()
-        self.prober = Prober(backend, source.agent_id) if backend is not None else None
         self.seq = 0
         self.sent = 0
         self.reports_dropped = 0
@@ -257,13 +249,12 @@ class _Agent:
             if req.command == "snapshot":
                 return self._reply(req, ok=True, snapshot=self.state())
             if req.command == "health":
-                res = run_health(self.backend, self.prober, self.pool_admin_url)
+                res = self._health()
                 return self._reply(req, ok=res.ok, health=res)
             if req.command == "flush":
                 if req.flush is None:
                     raise CommandError("flush needs FlushArgs (scope model/engine/all)")
-                fr = run_flush(self.backend, req.flush, self.source, self.key_scope)
-                return self._reply(req, ok=True, flush=fr)
+                return self._reply(req, ok=True, flush=self._flush(req.flush))
             if req.command == "drain":
                 # Without DrainArgs, wait as long as the hub waits for this reply (less a margin).
                 timeout_ms = req.drain.timeout_ms if req.drain else max(0, req.timeout_ms - 500)
@@ -276,10 +267,42 @@ class _Agent:
             )
             return self._reply(req, ok=False, error=f"{type(e).__name__}: {e}")
 
+    def _health(self) -> HealthResult:
+        """The pool client's checks and probe (``PoolOperations.health``) and the master's
+        ``/health`` when ``pool_admin_url`` is known and the client did not check it.
+
+        A process with neither (a scheduler: its lookups go through worker rank 0) answers one
+        ``agent`` check: the agent itself is alive, and the detail says where the pool checks
+        run.
+        """
+        if self.operations is None and self.pool_admin_url is None:
+            return HealthResult(
+                checks=[
+                    HealthCheck(
+                        name="agent",
+                        ok=True,
+                        latency_ms=0.0,
+                        detail="agent alive; no pool client in this process (pool checks run on "
+                        "the engine's worker agents)",
+                    )
+                ]
+            )
+        checks = self.operations.health() if self.operations is not None else []
+        if self.pool_admin_url is not None and not any(c.name == "master" for c in checks):
+            checks.append(mooncake_master_health(self.pool_admin_url))
+        return HealthResult(checks=checks)
+
+    def _flush(self, args: FlushArgs) -> FlushResult:
+        if self.operations is None:
+            raise CommandError(
+                f"agent {self.source.agent_id} has no pool backend: target a worker agent"
+            )
+        return self.operations.flush(args)
+
     def _drain(self, timeout_ms: int) -> DrainResult:
-        if self.drain_fn is not None:
-            return self.drain_fn(timeout_ms)
-        # Without the connector's own drain, wait on the saves this agent sees in flight.
+        if self.operations is not None:
+            return self.operations.wait_for_saves(timeout_ms)
+        # Without a pool client, wait on the saves this agent sees in flight.
         t0 = time.monotonic()
         deadline = t0 + timeout_ms / 1e3
         while True:
@@ -355,8 +378,8 @@ class _Agent:
                 high_watermark=self.high_watermark,
                 lease_ttl_ms=self.lease_ttl_ms,
             )
-        elif self.backend is not None:
-            self._pool_future = self._pool_exec.submit(self.backend.stats)
+        elif self.operations is not None:
+            self._pool_future = self._pool_exec.submit(self.operations.stats)
 
     def _close(self) -> None:
         self._cmd_exec.shutdown(wait=False, cancel_futures=True)
@@ -441,9 +464,7 @@ def start_agent(
     source: Source,
     *,
     address: str | None = None,
-    backend: Backend | None = None,
-    key_scope: tuple[str, ParallelLayout] | None = None,
-    drain: Callable[[int], DrainResult] | None = None,
+    operations: PoolOperations | None = None,
     pool_admin_url: str | None = None,
     lease_ttl_ms: int = 0,
     high_watermark: float = 0.9,
@@ -455,13 +476,13 @@ def start_agent(
         address: the hub's agent address, e.g. ``"tcp://10.0.0.1:7600"`` (``agent_address`` in
             ``kv_connector_extra_config``); ``None`` reads ``KVPOOL_AGENT_ADDRESS``. Without
             either no thread starts and the reporter is a ``NullReporter``.
-        backend: this process's pool client, for ``health``/``flush`` and pool stats.
-        key_scope: ``(model, ParallelLayout)`` this process writes; ``flush --scope engine``
-            removes exactly ``keys.layout_pattern(*key_scope)``.
-        drain: ``drain(timeout_ms) -> DrainResult`` waiting for in-flight saves; without it the
-            agent waits on the saves it has seen start and not finish.
+        operations: this process's pool client (``health``, ``flush``, ``drain`` commands and
+            pool stats; ``kvpool_connector.operations.BackendOperations`` in a connector
+            worker). Without it ``flush`` is refused, ``health`` checks only the master (or the
+            agent itself) and ``drain`` waits on the saves the agent has seen start and not
+            finish.
         pool_admin_url: Mooncake master HTTP admin URL (``http://host:metrics_port``); when set
-            pool stats come from its ``/metrics`` instead of ``backend.stats()``.
+            pool stats come from its ``/metrics`` instead of ``operations.stats()``.
         lease_ttl_ms: ``default_kv_lease_ttl`` (ms) in force, for lease expiry estimates.
         high_watermark: ``eviction_high_watermark_ratio`` of the pool (reported with usage).
 
@@ -476,9 +497,7 @@ def start_agent(
         agent = _Agent(
             source,
             address,
-            backend,
-            key_scope,
-            drain,
+            operations,
             pool_admin_url,
             lease_ttl_ms,
             high_watermark,
