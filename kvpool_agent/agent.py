@@ -30,19 +30,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._aggregate import Aggregator
-from kvpool_agent.operations import CommandError, PoolOperations
-from kvpool_agent.pool import fetch_mooncake_stats, mooncake_master_health
+from kvpool_agent._commands import Commands
+from kvpool_agent.operations import PoolOperations
+from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
-    DrainResult,
     EngineState,
-    FlushArgs,
-    FlushResult,
-    HealthCheck,
-    HealthResult,
     PoolStats,
     ProtocolError,
     Report,
@@ -102,6 +98,7 @@ class _Agent:
         self.reporter = Reporter()
         self.agg = Aggregator(source, lease_ttl_ms, _now_ms())
         self.lock = threading.Lock()
+        self.commands = Commands(source, operations, self.pool_admin_url, self.state, _LOOP_S)
         self.seq = 0
         self.sent = 0
         self.reports_dropped = 0
@@ -225,92 +222,17 @@ class _Agent:
     def _start_command(self, req: CommandRequest) -> None:
         self._pending = {f for f in self._pending if not f.done()}
         if len(self._pending) >= _MAX_PENDING_COMMANDS:
-            self._outbox.append(self._reply(req, ok=False, error="agent busy: too many commands"))
+            self._outbox.append(
+                self.commands.reply(req, ok=False, error="agent busy: too many commands")
+            )
             return
-        fut = self._cmd_exec.submit(self._run_command, req)
+        fut = self._cmd_exec.submit(self.commands.run, req)
         self._pending.add(fut)
         fut.add_done_callback(self._on_command_done)
 
     def _on_command_done(self, fut: cf.Future[CommandReply]) -> None:
         if not fut.cancelled():
             self._outbox.append(fut.result())
-
-    def _reply(self, req: CommandRequest, **kw: object) -> CommandReply:
-        return CommandReply(
-            v=PROTOCOL_VERSION,
-            seq=0,
-            request_id=req.request_id,
-            agent_id=self.source.agent_id,
-            **kw,  # type: ignore[arg-type]
-        )
-
-    def _run_command(self, req: CommandRequest) -> CommandReply:
-        try:
-            if req.command == "snapshot":
-                return self._reply(req, ok=True, snapshot=self.state())
-            if req.command == "health":
-                res = self._health()
-                return self._reply(req, ok=res.ok, health=res)
-            if req.command == "flush":
-                if req.flush is None:
-                    raise CommandError("flush needs FlushArgs (scope model/engine/all)")
-                return self._reply(req, ok=True, flush=self._flush(req.flush))
-            if req.command == "drain":
-                # Without DrainArgs, wait as long as the hub waits for this reply (less a margin).
-                timeout_ms = req.drain.timeout_ms if req.drain else max(0, req.timeout_ms - 500)
-                dr = self._drain(timeout_ms)
-                return self._reply(req, ok=dr.drained, drain=dr)
-            raise CommandError(f"unknown command {req.command!r}")
-        except Exception as e:
-            log.warning(
-                "kvpool agent %s: command %s failed: %s", self.source.agent_id, req.command, e
-            )
-            return self._reply(req, ok=False, error=f"{type(e).__name__}: {e}")
-
-    def _health(self) -> HealthResult:
-        """The pool client's checks and probe (``PoolOperations.health``) and the master's
-        ``/health`` when ``pool_admin_url`` is known and the client did not check it.
-
-        A process with neither (a scheduler: its lookups go through worker rank 0) answers one
-        ``agent`` check: the agent itself is alive, and the detail says where the pool checks
-        run.
-        """
-        if self.operations is None and self.pool_admin_url is None:
-            return HealthResult(
-                checks=[
-                    HealthCheck(
-                        name="agent",
-                        ok=True,
-                        latency_ms=0.0,
-                        detail="agent alive; no pool client in this process (pool checks run on "
-                        "the engine's worker agents)",
-                    )
-                ]
-            )
-        checks = self.operations.health() if self.operations is not None else []
-        if self.pool_admin_url is not None and not any(c.name == "master" for c in checks):
-            checks.append(mooncake_master_health(self.pool_admin_url))
-        return HealthResult(checks=checks)
-
-    def _flush(self, args: FlushArgs) -> FlushResult:
-        if self.operations is None:
-            raise CommandError(
-                f"agent {self.source.agent_id} has no pool backend: target a worker agent"
-            )
-        return self.operations.flush(args)
-
-    def _drain(self, timeout_ms: int) -> DrainResult:
-        if self.operations is not None:
-            return self.operations.wait_for_saves(timeout_ms)
-        # Without a pool client, wait on the saves this agent sees in flight.
-        t0 = time.monotonic()
-        deadline = t0 + timeout_ms / 1e3
-        while True:
-            saves = sum(1 for t in self.state().in_flight if t.kind == "save")
-            waited = (time.monotonic() - t0) * 1e3
-            if saves == 0 or time.monotonic() >= deadline:
-                return DrainResult(drained=saves == 0, waited_ms=waited, remaining_saves=saves)
-            time.sleep(_LOOP_S)
 
     def _flush_outbox(self) -> None:
         while self._outbox:
