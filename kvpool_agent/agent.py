@@ -115,14 +115,21 @@ class _Agent:
         self._cmd_exec = cf.ThreadPoolExecutor(2, thread_name_prefix="kvpool-agent-cmd")
         self._pool_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-pool")
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        self.sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
-        self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-        self.sock.connect(address)
+        try:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            self.sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
+            self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self.sock.connect(address)
+        except BaseException:
+            # Close the sockets and the context now (a bad address): left to the garbage
+            # collector, the context's finaliser can run before its sockets' and then waits
+            # for them forever, on whatever thread the collection happens.
+            self.ctx.destroy(linger=0)
+            raise
         self.thread = threading.Thread(target=self._run, name="kvpool-agent", daemon=True)
 
     # -- state, used by the agent thread and by command threads --------------------------

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -25,6 +29,8 @@ from kvpool_agent.protocol import (
     SeqTracker,
     encode,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _report(agent_id: str, seq: int, kind: str = "delta", v: int = PROTOCOL_VERSION) -> bytes:
@@ -178,6 +184,27 @@ def test_without_an_address_the_agent_is_off_and_bad_addresses_never_raise(
     env = start_agent(make_source("eng-env"))
     assert env.enabled
     env.stop()
+
+
+def test_a_failed_start_leaves_no_zmq_context_for_the_garbage_collector() -> None:
+    # A context collected as garbage can be finalised before its sockets and then waits for
+    # them forever: the failed start must close its own (a fresh interpreter, so a hang is a
+    # timeout here rather than a stuck test session).
+    code = (
+        "import gc, logging\n"
+        "logging.disable(logging.CRITICAL)\n"
+        "from kvpool_agent import start_agent\n"
+        "from agent_testlib import make_source\n"
+        "h = start_agent(make_source('eng-bad'), address='not an address')\n"
+        "assert not h.enabled\n"
+        "gc.collect()\n"
+        "print('collected')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/agent")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "collected", out.stderr
 
 
 def test_large_fleet_snapshot_spans_several_updates(
