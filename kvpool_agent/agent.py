@@ -2,16 +2,17 @@
 
 The connector only calls ``AgentHandle.reporter`` methods (an append to a bounded deque). The
 agent thread drains those events every ``_LOOP_S``, folds them into an ``EngineState``
-(``kvpool_agent.aggregate``) and sends ``Report`` messages on a DEALER socket connected to the
+(``kvpool_agent._aggregate``) and sends ``Report`` messages on a DEALER socket connected to the
 fleet hub: a snapshot on every (re)connect and every ``SNAPSHOT_INTERVAL_S``, deltas at 4 Hz in
 between (at least one per second as a heartbeat). Sends never block: ``SNDHWM`` is small,
 ``IMMEDIATE`` keeps messages from queueing while no hub is connected, and a send that would
 block is dropped and counted (``ProcessStats.reports_dropped``).
 
-Commands from the hub run on a small worker pool; pool stats (HTTP to the master, or
-``PoolOperations.stats()``) run on another thread so a slow master never delays reports. What
-the process's pool client can do (health, flush, wait for saves, stats) reaches the agent as a
-``kvpool_agent.operations.PoolOperations`` object; the agent never imports the connector.
+Commands from the hub run on a small worker pool (``kvpool_agent._commands``); pool stats (HTTP
+to the master, or ``PoolOperations.stats()``) run on another thread so a slow master never
+delays reports. What the process's pool client can do (health, flush, wait for saves, stats)
+reaches the agent as a ``kvpool_agent.operations.PoolOperations`` object; the agent never
+imports the connector.
 """
 
 from __future__ import annotations
