@@ -16,6 +16,7 @@ test: setup
 lint: setup
 	.venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench
 	.venv/bin/mypy
+	.venv/bin/lint-imports
 
 bench: setup
 	bash scripts/bench.sh

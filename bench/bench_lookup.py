@@ -28,7 +28,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
@@ -65,7 +65,7 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
         backend.store.put(k, b"x")
     worker = KVPoolWorker(cfg, ParallelLayout(), model, backend)
     server = LookupServer(worker.lookup_chunks, lookup_rpc_port=port)
-    sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), Reporter(0))
+    sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), NullReporter())
     params = SamplingParams(max_tokens=1)
     # New requests (no cached hashes), built outside the timed region.
     reqs = iter([Request(f"r{i}", prompt, params, None) for i in range(iters + 1)])

@@ -2,14 +2,17 @@
 
 The connector only calls ``AgentHandle.reporter`` methods (an append to a bounded deque). The
 agent thread drains those events every ``_LOOP_S``, folds them into an ``EngineState``
-(``kvpool_agent.aggregate``) and sends ``Report`` messages on a DEALER socket connected to the
+(``kvpool_agent._aggregate``) and sends ``Report`` messages on a DEALER socket connected to the
 fleet hub: a snapshot on every (re)connect and every ``SNAPSHOT_INTERVAL_S``, deltas at 4 Hz in
 between (at least one per second as a heartbeat). Sends never block: ``SNDHWM`` is small,
 ``IMMEDIATE`` keeps messages from queueing while no hub is connected, and a send that would
 block is dropped and counted (``ProcessStats.reports_dropped``).
 
-Commands from the hub run on a small worker pool; pool stats (HTTP to the master, or
-``Backend.stats()``) run on another thread so a slow master never delays reports.
+Commands from the hub run on a small worker pool (``kvpool_agent._commands``); pool stats (HTTP
+to the master, or ``PoolOperations.stats()``) run on another thread so a slow master never
+delays reports. What the process's pool client can do (health, flush, wait for saves, stats)
+reaches the agent as a ``kvpool_agent.operations.PoolOperations`` object; the agent never
+imports the connector.
 """
 
 from __future__ import annotations
@@ -21,23 +24,21 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import httpx
 import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool_agent.aggregate import Aggregator
-from kvpool_agent.commands import CommandError, Prober, run_flush, run_health
+from kvpool_agent._aggregate import Aggregator
+from kvpool_agent._commands import Commands
+from kvpool_agent.operations import PoolOperations
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
-    DrainResult,
     EngineState,
     PoolStats,
     ProtocolError,
@@ -47,13 +48,8 @@ from kvpool_agent.protocol import (
     decode,
     encode,
 )
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
-from kvpool_connector.keys import ParallelLayout
-
-if TYPE_CHECKING:
-    # Only for annotations: kvpool_connector.backends.base imports kvpool_agent.protocol.
-    from kvpool_connector.backends.base import Backend
 
 __all__ = [
     "DELTA_INTERVAL_S",
@@ -63,8 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvpool.agent")
-
-"""Environment variable naming the hub address when ``start_agent(address=None)``."""
 
 DELTA_INTERVAL_S = 0.25
 SNAPSHOT_INTERVAL_S = 5.0
@@ -91,25 +85,21 @@ class _Agent:
         self,
         source: Source,
         address: str,
-        backend: Backend | None,
-        key_scope: tuple[str, ParallelLayout] | None,
-        drain: Callable[[int], DrainResult] | None,
+        operations: PoolOperations | None,
         pool_admin_url: str | None,
         lease_ttl_ms: int,
         high_watermark: float,
     ) -> None:
         self.source = source
         self.address = address
-        self.backend = backend
-        self.key_scope = key_scope
-        self.drain_fn = drain
+        self.operations = operations
         self.pool_admin_url = pool_admin_url.rstrip("/") if pool_admin_url else None
         self.lease_ttl_ms = lease_ttl_ms
         self.high_watermark = high_watermark
         self.reporter = Reporter()
         self.agg = Aggregator(source, lease_ttl_ms, _now_ms())
         self.lock = threading.Lock()
-        self.prober = Prober(backend, source.agent_id) if backend is not None else None
+        self.commands = Commands(source, operations, self.pool_admin_url, self.state, _LOOP_S)
         self.seq = 0
         self.sent = 0
         self.reports_dropped = 0
@@ -126,14 +116,21 @@ class _Agent:
         self._cmd_exec = cf.ThreadPoolExecutor(2, thread_name_prefix="kvpool-agent-cmd")
         self._pool_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-pool")
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        self.sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
-        self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-        self.sock.connect(address)
+        try:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            self.sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
+            self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self.sock.connect(address)
+        except BaseException:
+            # Close the sockets and the context now (a bad address): left to the garbage
+            # collector, the context's finaliser can run before its sockets' and then waits
+            # for them forever, on whatever thread the collection happens.
+            self.ctx.destroy(linger=0)
+            raise
         self.thread = threading.Thread(target=self._run, name="kvpool-agent", daemon=True)
 
     # -- state, used by the agent thread and by command threads --------------------------
@@ -233,61 +230,17 @@ class _Agent:
     def _start_command(self, req: CommandRequest) -> None:
         self._pending = {f for f in self._pending if not f.done()}
         if len(self._pending) >= _MAX_PENDING_COMMANDS:
-            self._outbox.append(self._reply(req, ok=False, error="agent busy: too many commands"))
+            self._outbox.append(
+                self.commands.reply(req, ok=False, error="agent busy: too many commands")
+            )
             return
-        fut = self._cmd_exec.submit(self._run_command, req)
+        fut = self._cmd_exec.submit(self.commands.run, req)
         self._pending.add(fut)
         fut.add_done_callback(self._on_command_done)
 
     def _on_command_done(self, fut: cf.Future[CommandReply]) -> None:
         if not fut.cancelled():
             self._outbox.append(fut.result())
-
-    def _reply(self, req: CommandRequest, **kw: object) -> CommandReply:
-        return CommandReply(
-            v=PROTOCOL_VERSION,
-            seq=0,
-            request_id=req.request_id,
-            agent_id=self.source.agent_id,
-            **kw,  # type: ignore[arg-type]
-        )
-
-    def _run_command(self, req: CommandRequest) -> CommandReply:
-        try:
-            if req.command == "snapshot":
-                return self._reply(req, ok=True, snapshot=self.state())
-            if req.command == "health":
-                res = run_health(self.backend, self.prober, self.pool_admin_url)
-                return self._reply(req, ok=res.ok, health=res)
-            if req.command == "flush":
-                if req.flush is None:
-                    raise CommandError("flush needs FlushArgs (scope model/engine/all)")
-                fr = run_flush(self.backend, req.flush, self.source, self.key_scope)
-                return self._reply(req, ok=True, flush=fr)
-            if req.command == "drain":
-                # Without DrainArgs, wait as long as the hub waits for this reply (less a margin).
-                timeout_ms = req.drain.timeout_ms if req.drain else max(0, req.timeout_ms - 500)
-                dr = self._drain(timeout_ms)
-                return self._reply(req, ok=dr.drained, drain=dr)
-            raise CommandError(f"unknown command {req.command!r}")
-        except Exception as e:
-            log.warning(
-                "kvpool agent %s: command %s failed: %s", self.source.agent_id, req.command, e
-            )
-            return self._reply(req, ok=False, error=f"{type(e).__name__}: {e}")
-
-    def _drain(self, timeout_ms: int) -> DrainResult:
-        if self.drain_fn is not None:
-            return self.drain_fn(timeout_ms)
-        # Without the connector's own drain, wait on the saves this agent sees in flight.
-        t0 = time.monotonic()
-        deadline = t0 + timeout_ms / 1e3
-        while True:
-            saves = sum(1 for t in self.state().in_flight if t.kind == "save")
-            waited = (time.monotonic() - t0) * 1e3
-            if saves == 0 or time.monotonic() >= deadline:
-                return DrainResult(drained=saves == 0, waited_ms=waited, remaining_saves=saves)
-            time.sleep(_LOOP_S)
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -355,8 +308,8 @@ class _Agent:
                 high_watermark=self.high_watermark,
                 lease_ttl_ms=self.lease_ttl_ms,
             )
-        elif self.backend is not None:
-            self._pool_future = self._pool_exec.submit(self.backend.stats)
+        elif self.operations is not None:
+            self._pool_future = self._pool_exec.submit(self.operations.stats)
 
     def _close(self) -> None:
         self._cmd_exec.shutdown(wait=False, cancel_futures=True)
@@ -382,8 +335,8 @@ class AgentHandle:
     """What ``start_agent`` returns to the connector.
 
     Attributes:
-        reporter: the engine-side event buffer (a ``Reporter``; capacity 0, dropping every
-            event, when no hub address is configured).
+        reporter: the engine-side event buffer (a ``NullReporter``, doing nothing, when no
+            hub address is configured).
         source: who this agent reports as.
     """
 
@@ -441,9 +394,7 @@ def start_agent(
     source: Source,
     *,
     address: str | None = None,
-    backend: Backend | None = None,
-    key_scope: tuple[str, ParallelLayout] | None = None,
-    drain: Callable[[int], DrainResult] | None = None,
+    operations: PoolOperations | None = None,
     pool_admin_url: str | None = None,
     lease_ttl_ms: int = 0,
     high_watermark: float = 0.9,
@@ -454,14 +405,14 @@ def start_agent(
         source: who this process is (``Source.agent_id`` unique in the fleet).
         address: the hub's agent address, e.g. ``"tcp://10.0.0.1:7600"`` (``agent_address`` in
             ``kv_connector_extra_config``); ``None`` reads ``KVPOOL_AGENT_ADDRESS``. Without
-            either no thread starts and the reporter drops every event.
-        backend: this process's pool client, for ``health``/``flush`` and pool stats.
-        key_scope: ``(model, ParallelLayout)`` this process writes; ``flush --scope engine``
-            removes exactly ``keys.layout_pattern(*key_scope)``.
-        drain: ``drain(timeout_ms) -> DrainResult`` waiting for in-flight saves; without it the
-            agent waits on the saves it has seen start and not finish.
+            either no thread starts and the reporter is a ``NullReporter``.
+        operations: this process's pool client (``health``, ``flush``, ``drain`` commands and
+            pool stats; ``kvpool_connector.operations.BackendOperations`` in a connector
+            worker). Without it ``flush`` is refused, ``health`` checks only the master (or the
+            agent itself) and ``drain`` waits on the saves the agent has seen start and not
+            finish.
         pool_admin_url: Mooncake master HTTP admin URL (``http://host:metrics_port``); when set
-            pool stats come from its ``/metrics`` instead of ``backend.stats()``.
+            pool stats come from its ``/metrics`` instead of ``operations.stats()``.
         lease_ttl_ms: ``default_kv_lease_ttl`` (ms) in force, for lease expiry estimates.
         high_watermark: ``eviction_high_watermark_ratio`` of the pool (reported with usage).
 
@@ -472,13 +423,11 @@ def start_agent(
     try:
         address = address or os.environ.get(AGENT_ADDRESS_ENV) or None
         if not address:
-            return AgentHandle(Reporter(capacity=0), source)
+            return AgentHandle(NullReporter(), source)
         agent = _Agent(
             source,
             address,
-            backend,
-            key_scope,
-            drain,
+            operations,
             pool_admin_url,
             lease_ttl_ms,
             high_watermark,
@@ -495,4 +444,4 @@ def start_agent(
             e,
             AGENT_ADDRESS_ENV,
         )
-        return AgentHandle(Reporter(capacity=0), source)
+        return AgentHandle(NullReporter(), source)

@@ -11,18 +11,17 @@ Ports, for ``address="tcp://HOST:P"``:
   every command; clients must hold an operator key listed in ``authorized_keys_dir``
   (pyzmq's ``ThreadAuthenticator``; keys from ``kvpool-agent keygen``).
 
-One thread owns every socket. Agents that go silent stay in the fleet with their last state and
-``last_seen_ms``; consoles decide when that is stale.
+One thread owns every socket. This module is that thread: sockets, message routing and pending
+commands; the fleet's state (which agent said what, who a command goes to, the update frames)
+is ``kvpool_agent._fleet`` and the audit trail ``kvpool_agent._audit``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +32,13 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvpool_agent._audit import audit
+from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
     EngineState,
-    ErrorRecord,
-    FleetUpdate,
     ProtocolError,
     Report,
     SeqTracker,
@@ -61,19 +60,11 @@ log = logging.getLogger("kvpool.hub")
 
 UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen)"
 
-ENGINES_PER_UPDATE = 128
-"""Engines per ``FleetUpdate`` frame; a large fleet's snapshot spans several frames so each
-stays far below ``MAX_MESSAGE_BYTES``."""
-
-_LIVE_S = 15.0
-MAX_AGENTS = 16_384
-"""Agents the hub keeps; reports from further new agent ids are dropped (bad messages)."""
 MAX_PENDING = 1024
 """Commands in flight at once; more are answered at once with an error."""
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
 _MAX_READ_BYTES = 16 * 1024 * 1024
-_RECENT_ERRORS = 50
 
 
 @dataclass(frozen=True)
@@ -104,14 +95,6 @@ def hub_ports(address: str) -> HubPorts:
     if not 0 < port <= 65535 - 3:
         raise ValueError(f"hub address {address!r}: port must be in 1..65532 (uses P..P+3)")
     return HubPorts(*(f"tcp://{host}:{port + i}" for i in range(4)))
-
-
-@dataclass
-class _Agent:
-    state: EngineState
-    last_seen_ms: float
-    routing_id: bytes
-    errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
 
 
 @dataclass
@@ -170,9 +153,7 @@ class FleetHub:
         self.commands = 0
         self.refused = 0
         self.seq_tracker = SeqTracker()
-        self._agents: dict[str, _Agent] = {}
-        self._lock = threading.Lock()
-        self._dirty: set[str] = set()
+        self._fleet = Fleet()
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count(1)
         self._pub_seq = 0
@@ -223,8 +204,7 @@ class FleetHub:
 
     def fleet(self) -> dict[str, tuple[EngineState, float]]:
         """Agent id -> (latest state, hub receive time of its last message, ms since epoch)."""
-        with self._lock:
-            return {k: (a.state, a.last_seen_ms) for k, a in self._agents.items()}
+        return self._fleet.states()
 
     @property
     def gaps(self) -> int:
@@ -334,7 +314,7 @@ class FleetHub:
                         self._publish("snapshot")
                     elif now >= next_delta:
                         next_delta = now + self.delta_interval_s
-                        if self._dirty:
+                        if self._fleet.changed:
                             self._publish("delta")
                 except Exception:
                     log.exception("kvpool hub: loop iteration failed")
@@ -375,26 +355,12 @@ class FleetHub:
                 self._bad("agents", f"unexpected {type(msg).__name__} from an agent")
 
     def _on_report(self, rid: bytes, rep: Report) -> None:
-        st = rep.state
-        aid = st.source.agent_id
-        if aid not in self._agents and len(self._agents) >= MAX_AGENTS:
-            self._bad("agents", f"fleet full ({MAX_AGENTS} agents): report of {aid!r} dropped")
+        refused = self._fleet.accept(rid, rep)
+        if refused is not None:
+            self._bad("agents", refused)
             return
         self.reports += 1
-        self.seq_tracker.observe(aid, rep.seq)
-        now_ms = time.time() * 1e3
-        with self._lock:
-            ag = self._agents.get(aid)
-            if ag is None:
-                ag = self._agents[aid] = _Agent(state=st, last_seen_ms=now_ms, routing_id=rid)
-            if rep.kind == "snapshot":
-                ag.errors.clear()
-            ag.errors.extend(st.recent_errors)
-            st.recent_errors = list(ag.errors)
-            ag.state = st
-            ag.last_seen_ms = now_ms
-            ag.routing_id = rid
-        self._dirty.add(aid)
+        self.seq_tracker.observe(rep.state.source.agent_id, rep.seq)
 
     # -- consoles ----------------------------------------------------------------------------
 
@@ -408,28 +374,9 @@ class FleetHub:
                 self._want_snapshot = True
 
     def _publish(self, kind: str) -> None:
-        with self._lock:
-            ids = sorted(self._agents) if kind == "snapshot" else sorted(self._dirty)
-            states = [self._agents[i].state for i in ids if i in self._agents]
-            seen = {i: self._agents[i].last_seen_ms for i in ids if i in self._agents}
-        self._dirty.clear()
-        gaps = dict(self.seq_tracker.gaps)
-        # An empty snapshot still goes out: it tells a console the hub is alive.
-        chunks = [
-            states[i : i + ENGINES_PER_UPDATE] for i in range(0, len(states), ENGINES_PER_UPDATE)
-        ]
-        for chunk in chunks or [[]]:
-            self._pub_seq += 1
-            ids_in = {s.source.agent_id for s in chunk}
-            upd = FleetUpdate(
-                v=PROTOCOL_VERSION,
-                seq=self._pub_seq,
-                kind="snapshot" if kind == "snapshot" else "delta",
-                ts_ms=time.time() * 1e3,
-                engines=chunk,
-                last_seen_ms={k: v for k, v in seen.items() if k in ids_in},
-                report_gaps={k: v for k, v in gaps.items() if k in ids_in},
-            )
+        updates = self._fleet.updates(kind, self._pub_seq + 1, dict(self.seq_tracker.gaps))
+        self._pub_seq += len(updates)
+        for upd in updates:
             try:
                 self.pub.send(encode(upd), zmq.NOBLOCK)
             except zmq.Again:
@@ -466,56 +413,23 @@ class FleetHub:
                 who = f"plain:{msg.sender or 'anonymous'}"
             self._on_command(sock, client, msg, who, curve=curve)
 
-    def _targets(self, req: CommandRequest) -> tuple[list[str], str | None]:
-        with self._lock:
-            if req.targets:
-                return list(dict.fromkeys(req.targets)), None
-            now_ms = time.time() * 1e3
-            live = {
-                k: a for k, a in self._agents.items() if now_ms - a.last_seen_ms < _LIVE_S * 1e3
-            }
-            if req.command != "flush":
-                return sorted(live), None if live else "no live agent connected to the hub"
-            fl = req.flush
-            if fl is not None and fl.scope == "engine":
-                if not fl.engine_id:
-                    return [], "flush scope 'engine' needs FlushArgs.engine_id or targets"
-                ids = [
-                    k
-                    for k, a in live.items()
-                    if a.state.source.engine_id == fl.engine_id
-                    and a.state.source.process_role == "worker"
-                ]
-                return sorted(
-                    ids
-                ), None if ids else f"no live worker agent of engine {fl.engine_id!r}"
-            # model/all scopes are pool-wide: one agent with a pool client does it once.
-            holders = [
-                (a.last_seen_ms, k)
-                for k, a in live.items()
-                if a.state.source.process_role in ("worker", "store")
-            ]
-            if not holders:
-                return [], "no live worker or store agent to run the flush"
-            return [max(holders)[1]], None
-
     def _on_command(
         self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str, *, curve: bool
     ) -> None:
         self.commands += 1
         if req.command == "flush" and not curve and (req.flush is None or not req.flush.dry_run):
             self.refused += 1
-            reply = self._hub_reply(req, UNAUTHORISED)
+            reply = self._agent_error(req, "hub", UNAUTHORISED)
             self._send_client(sock, client, [reply])
-            self._audit(who, req, [], [reply], refused=True)
+            audit(self.audit_file, who, req, [], [reply], refused=True)
             return
-        targets, problem = self._targets(req)
+        targets, problem = self._fleet.targets(req)
         if len(self._pending) >= MAX_PENDING:
             problem = f"hub busy: {MAX_PENDING} commands in flight, retry later"
         if problem is not None:
-            reply = self._hub_reply(req, problem)
+            reply = self._agent_error(req, "hub", problem)
             self._send_client(sock, client, [reply])
-            self._audit(who, req, targets, [reply])
+            audit(self.audit_file, who, req, targets, [reply])
             return
         internal = f"hub-{next(self._ids)}"
         pend = _Pending(
@@ -529,14 +443,13 @@ class FleetHub:
         self._pending[internal] = pend
         fwd = msgspec.structs.replace(req, request_id=internal)
         for aid in targets:
-            with self._lock:
-                ag = self._agents.get(aid)
-            if ag is None:
+            routing_id = self._fleet.routing_id(aid)
+            if routing_id is None:
                 pend.replies[aid] = self._agent_error(req, aid, f"unknown agent {aid!r}")
                 continue
             fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
-                self.agents_sock.send_multipart([ag.routing_id, encode(fwd)], zmq.NOBLOCK)
+                self.agents_sock.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
             except zmq.ZMQError as e:
                 pend.replies[aid] = self._agent_error(req, aid, f"agent unreachable: {e}")
         self._maybe_finish(internal)
@@ -565,10 +478,7 @@ class FleetHub:
         del self._pending[internal]
         replies = [pend.replies[a] for a in pend.expected]
         self._send_client(pend.sock, pend.client, replies)
-        self._audit(pend.who, pend.req, pend.expected, replies)
-
-    def _hub_reply(self, req: CommandRequest, error: str) -> CommandReply:
-        return self._agent_error(req, "hub", error)
+        audit(self.audit_file, pend.who, pend.req, pend.expected, replies)
 
     def _agent_error(self, req: CommandRequest, agent_id: str, error: str) -> CommandReply:
         return CommandReply(
@@ -587,41 +497,3 @@ class FleetHub:
             sock.send_multipart([client, *(encode(r) for r in replies)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("kvpool hub: reply to a console lost (%s)", e)
-
-    def _audit(
-        self,
-        who: str,
-        req: CommandRequest,
-        targets: list[str],
-        replies: list[CommandReply],
-        *,
-        refused: bool = False,
-    ) -> None:
-        results = []
-        for r in replies:
-            item: dict[str, object] = {"agent": r.agent_id, "ok": r.ok}
-            if r.error:
-                item["error"] = r.error
-            if r.flush is not None:
-                item["flush"] = msgspec.to_builtins(r.flush)
-            results.append(item)
-        line = {
-            "ts_ms": time.time() * 1e3,
-            "who": who,
-            "command": req.command,
-            "request_id": req.request_id,
-            "targets": targets,
-            "flush": msgspec.to_builtins(req.flush) if req.flush is not None else None,
-            "refused": refused,
-            "results": results,
-        }
-        if req.command == "flush" or refused:
-            log.warning("kvpool audit: %s", json.dumps(line))
-        else:
-            log.info("kvpool audit: %s", json.dumps(line))
-        if self.audit_file is not None:
-            try:
-                with open(self.audit_file, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(line) + "\n")
-            except OSError as e:
-                log.error("kvpool hub: cannot append to audit file %s: %s", self.audit_file, e)

@@ -3,9 +3,10 @@
 vLLM builds one instance per role: ``KVConnectorRole.SCHEDULER`` in the scheduler process
 (delegates to ``KVPoolScheduler``) and ``KVConnectorRole.WORKER`` in every worker process
 (delegates to ``KVPoolWorker``; worker rank 0 also runs the ``LookupServer`` answering the
-scheduler's prefix queries). Each process starts its agent (``kvpool_agent.start_agent``) when
-the agent package provides it; its reporter receives the connector's events, and without an
-agent address every event is dropped at no cost.
+scheduler's prefix queries). Each process starts its agent (``kvpool_agent.start_agent``); its
+reporter receives the connector's events, and without an agent address it is a
+``NullReporter`` and every event costs one empty call. A worker hands its agent a
+``BackendOperations`` (``kvpool_connector.operations``) for the operator commands.
 
 Select it with ``kv_transfer_config={"kv_connector": "KVPoolConnector",
 "kv_connector_module_path": "kvpool_connector", "kv_role": ..., "kv_connector_extra_config":
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,13 +26,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpool_agent.protocol import DrainResult, Source
+# The agent is a hard dependency: it ships in the same ``kvpool`` distribution as the connector
+# (pyproject's packages), so there is no "agent not installed" case to fall back from; without
+# an agent address ``start_agent`` returns a handle whose reporter does nothing.
+from kvpool_agent import AgentHandle, start_agent
+from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout
 from kvpool_connector.lookup import LookupClient, LookupServer
 from kvpool_connector.metadata import KVPoolConnectorMetadata
+from kvpool_connector.operations import BackendOperations
 from kvpool_connector.scheduler import KVPoolScheduler
 
 if TYPE_CHECKING:
@@ -103,7 +108,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._scheduler: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
         self._lookup_server: LookupServer | None = None
-        self._agent: Any = None
+        self._agent: AgentHandle | None = None
+        self._operations: BackendOperations | None = None
         cfg = self.kv_config
         if role == KVConnectorRole.SCHEDULER:
             reporter = self._start_agent("scheduler", ParallelLayout(), backend=None)
@@ -124,16 +130,14 @@ class KVPoolConnector(KVConnectorBase_V1):
                 cfg, self._layout, cfg.model, self._backend, reporter,
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config else None, **sizes,
             )
+            if self._operations is not None:
+                self._operations.saves = self._worker
 
     # ------------------------------------------------------------------ agent
 
     def _start_agent(self, process_role: str, layout: ParallelLayout, backend: Backend | None
                      ) -> Reporter:
-        """Start this process's agent if ``kvpool_agent`` provides one; return its reporter."""
-        try:
-            from kvpool_agent import start_agent
-        except ImportError:
-            return Reporter(capacity=0)
+        """Start this process's agent; return its reporter."""
         cfg = self.kv_config
         agent_id = (f"{cfg.engine_id}/scheduler" if process_role == "scheduler"
                     else f"{cfg.engine_id}/dp{cfg.dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}")
@@ -144,17 +148,16 @@ class KVPoolConnector(KVConnectorBase_V1):
             host=socket.gethostname(), backend=cfg.backend, model=cfg.model,
         )
         backend_cfg = getattr(backend, "config", None)
+        if backend is not None:
+            self._operations = BackendOperations(backend, source, key_scope=(cfg.model, layout))
         self._agent = start_agent(
-            source, address=cfg.agent_address, backend=backend,
-            key_scope=(cfg.model, layout) if backend is not None else None,
-            drain=self._drain if backend is not None else None,
+            source, address=cfg.agent_address, operations=self._operations,
             pool_admin_url=getattr(backend_cfg, "admin_url", None),
             # A worker knows the master's TTL from its Mooncake config even when the
             # connector's own lease_ttl_ms is unset.
             lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
         )
-        reporter: Reporter = self._agent.reporter
-        return reporter
+        return self._agent.reporter
 
     # --------------------------------------------------------------- scheduler
 
@@ -252,14 +255,6 @@ class KVPoolConnector(KVConnectorBase_V1):
         """``(finished_sending, finished_recving)`` request ids (see the scheduler contract in
         ``kvpool_connector.scheduler``)."""
         return self._work().get_finished(finished_req_ids)
-
-    def _drain(self, timeout_ms: int) -> DrainResult:
-        """Agent ``drain`` command: wait up to ``timeout_ms`` for this worker's saves."""
-        worker = self._work()
-        start = time.monotonic()
-        drained = worker.drain_saves(timeout_ms / 1e3)
-        return DrainResult(drained=drained, waited_ms=(time.monotonic() - start) * 1e3,
-                           remaining_saves=worker.inflight_saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call; vLLM recomputes them

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import chunk_hashes
 from kvpool_connector.lookup import LookupFailed
@@ -121,7 +121,7 @@ class KVPoolScheduler:
         self.config = config
         self.chunk_size = config.chunk_size
         self.lookup_client = lookup
-        self.reporter = reporter or Reporter(capacity=0)
+        self.reporter = reporter or NullReporter()
         self.counters = LookupCounters()
         self._load_specs: dict[str, LoadSpec] = {}
         self._hashes: dict[str, list[str]] = {}

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._layout import KVLayout
@@ -115,7 +115,7 @@ class KVPoolWorker:
         self.layout = layout
         self.model = normalize_model_name(model)
         self.backend = backend
-        self.reporter = reporter if reporter is not None else Reporter(capacity=0)
+        self.reporter = reporter if reporter is not None else NullReporter()
         self._lookup_prefixes = [
             shard_prefix(self.model, lay) for lay in lookup_layouts(
                 layout, tp_size=tp_size, pcp_size=pcp_size, dcp_size=dcp_size, pp_size=pp_size)

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 from agent_testlib import free_port_block, make_source
 
-from kvpool_agent import FleetClient, FleetHub, start_agent
+from kvpool_agent import FleetClient, FleetHub, NullReporter, start_agent
 from kvpool_agent.hub import ENGINES_PER_UPDATE
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
@@ -25,6 +29,8 @@ from kvpool_agent.protocol import (
     SeqTracker,
     encode,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _report(agent_id: str, seq: int, kind: str = "delta", v: int = PROTOCOL_VERSION) -> bytes:
@@ -167,8 +173,9 @@ def test_without_an_address_the_agent_is_off_and_bad_addresses_never_raise(
     monkeypatch.delenv("KVPOOL_AGENT_ADDRESS", raising=False)
     off = start_agent(make_source("eng-off"))
     assert not off.enabled
+    assert isinstance(off.reporter, NullReporter)
     off.reporter.lookup("r", 10, 0, 5, 1.0)
-    assert off.reporter.depth == 0 and off.reporter.dropped == 1
+    assert (off.reporter.depth, off.reporter.dropped, off.reporter.drain()) == (0, 0, [])
     off.stop()
     bad = start_agent(make_source("eng-bad"), address="not an address")
     assert not bad.enabled
@@ -177,6 +184,27 @@ def test_without_an_address_the_agent_is_off_and_bad_addresses_never_raise(
     env = start_agent(make_source("eng-env"))
     assert env.enabled
     env.stop()
+
+
+def test_a_failed_start_leaves_no_zmq_context_for_the_garbage_collector() -> None:
+    # A context collected as garbage can be finalised before its sockets and then waits for
+    # them forever: the failed start must close its own (a fresh interpreter, so a hang is a
+    # timeout here rather than a stuck test session).
+    code = (
+        "import gc, logging\n"
+        "logging.disable(logging.CRITICAL)\n"
+        "from kvpool_agent import start_agent\n"
+        "from agent_testlib import make_source\n"
+        "h = start_agent(make_source('eng-bad'), address='not an address')\n"
+        "assert not h.enabled\n"
+        "gc.collect()\n"
+        "print('collected')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/agent")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "collected", out.stderr
 
 
 def test_large_fleet_snapshot_spans_several_updates(
@@ -207,8 +235,8 @@ def _fuzz_frames(n: int, rng: random.Random) -> list[list[bytes]]:
             src = valid if i % 2 else cmd
             frames.append([src[: rng.randint(0, len(src) - 1)]])
         elif kind == 2:
-            wrong_version = rng.choice([0, PROTOCOL_VERSION + 1, 99, -1])
-            frames.append([_report("fuzz-target", 1, v=wrong_version)])
+            bad_version = rng.choice([0, PROTOCOL_VERSION + 1, 99, -1])
+            frames.append([_report("fuzz-target", 1, v=bad_version)])
         elif kind == 3:
             # Valid msgpack of the wrong shape, or two frames where one is expected.
             frames.append([msgspec.msgpack.encode({"type": "report", "v": 1, "seq": "x"})])

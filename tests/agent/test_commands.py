@@ -17,16 +17,21 @@ import zmq.auth
 from agent_testlib import make_source
 
 from kvpool_agent import UNAUTHORISED, AgentHandle, FleetClient, FleetHub, start_agent
+from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     DrainArgs,
     DrainResult,
     EngineState,
     FlushArgs,
+    FlushResult,
+    HealthCheck,
+    PoolStats,
     Report,
     encode,
 )
 from kvpool_connector.keys import PROBE_PREFIX, ParallelLayout, PoolKey
+from kvpool_connector.operations import BackendOperations
 from kvpool_replay import LocalMooncakeMaster
 
 VALUE = 4096
@@ -66,11 +71,13 @@ def worker_agent(
     hub: FleetHub, hub_address: str, mooncake_backend: Any, agent_master: LocalMooncakeMaster,
     model: str,
 ) -> Iterator[AgentHandle]:
+    src = make_source("eng-f", tp=0, model=model)
     handle = start_agent(
-        make_source("eng-f", tp=0, model=model),
+        src,
         address=hub_address,
-        backend=mooncake_backend,
-        key_scope=(model, ParallelLayout(tp_rank=0)),
+        operations=BackendOperations(
+            mooncake_backend, src, key_scope=(model, ParallelLayout(tp_rank=0))
+        ),
         pool_admin_url=agent_master.admin_url,
     )
     yield handle
@@ -245,14 +252,30 @@ def test_health_names_an_unreachable_master(hub: FleetHub, hub_address: str) -> 
         handle.stop()
 
 
-def test_drain_snapshot_and_timeout(hub: FleetHub, hub_address: str) -> None:
-    calls: list[int] = []
+class _DrainOnly:
+    """A ``PoolOperations`` without a pool: its saves are always drained; records each wait."""
 
-    def drain(timeout_ms: int) -> DrainResult:
-        calls.append(timeout_ms)
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def health(self) -> list[HealthCheck]:
+        return []
+
+    def flush(self, args: FlushArgs) -> FlushResult:
+        raise CommandError("no pool here")
+
+    def wait_for_saves(self, timeout_ms: int) -> DrainResult:
+        self.calls.append(timeout_ms)
         return DrainResult(drained=True, waited_ms=1.0, remaining_saves=0)
 
-    with_drain = start_agent(make_source("eng-d", tp=0), address=hub_address, drain=drain)
+    def stats(self) -> PoolStats:
+        return PoolStats(backend="none")
+
+
+def test_drain_snapshot_and_timeout(hub: FleetHub, hub_address: str) -> None:
+    ops = _DrainOnly()
+    calls = ops.calls
+    with_drain = start_agent(make_source("eng-d", tp=0), address=hub_address, operations=ops)
     plain = start_agent(make_source("eng-d", tp=1), address=hub_address)
     plain.reporter.transfer_started("s1", "save", 2, 8192)
     try:

@@ -13,6 +13,7 @@ from kvpool_agent import FleetClient, FleetHub, start_agent
 from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
+from kvpool_connector.operations import BackendOperations
 from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16 * 1024  # bytes per key (one chunk of all layers)
@@ -44,8 +45,7 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
     handle = start_agent(
         src,
         address=hub_address,
-        backend=backend,
-        key_scope=(model, ParallelLayout()),
+        operations=BackendOperations(backend, src, key_scope=(model, ParallelLayout())),
         pool_admin_url=agent_master.admin_url,
         lease_ttl_ms=agent_master.default_kv_lease_ttl_ms,
     )
@@ -196,12 +196,16 @@ def test_kvpool_worker_saves_and_loads_are_reported(
     src_kv, dst_kv = caches(), caches()
     for t in src_kv.values():
         t.uniform_()
+    sources = {name: make_source(name, model=model) for name in ("eng-save", "eng-load")}
     agents = {
         name: start_agent(
-            make_source(name, model=model), address=hub_address, backend=mooncake_backend,
-            key_scope=(model, ParallelLayout()),
+            src,
+            address=hub_address,
+            operations=BackendOperations(
+                mooncake_backend, src, key_scope=(model, ParallelLayout())
+            ),
         )
-        for name in ("eng-save", "eng-load")
+        for name, src in sources.items()
     }
     workers = {}
     for name, kv in (("eng-save", src_kv), ("eng-load", dst_kv)):

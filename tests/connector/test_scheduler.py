@@ -16,7 +16,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import Loaded, Lookup, Reporter
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
@@ -122,13 +122,13 @@ def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine
     engine.store(short, 1)
     assert engine.sched.get_num_new_matched_tokens(_request("r5", short), 0) == (0, False)
 
-    events = [e for e in engine.reporter.drain() if e[0] == "lookup"]
-    # (kind, ms, req_id, prompt_tokens, local_tokens, pool_tokens, latency_ms, error)
-    assert [(e[2], e[3], e[4], e[5], e[7]) for e in events] == [
+    events = [e for e in engine.reporter.drain() if isinstance(e, Lookup)]
+    assert [(e.req_id, e.prompt_tokens, e.local_tokens, e.pool_tokens, e.error)
+            for e in events] == [
         ("r1", 70, 0, 48, None), ("r2", 70, 16, 32, None), ("r3", 70, 48, 0, None),
         ("r4", 64, 0, 48, None),
     ]
-    assert all(e[6] > 0 for e in events)
+    assert all(e.latency_ms > 0 for e in events)
     assert engine.sched.counters.lookups == 4 and engine.sched.counters.pool_hit_tokens == 128
 
 
@@ -139,7 +139,8 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     assert engine.sched.get_num_new_matched_tokens(req, 0) == (32, False)
     blocks = list(range(10, 17))
     engine.sched.update_state_after_alloc(req, _blocks(blocks), 32)
-    assert [e[2:] for e in engine.reporter.drain() if e[0] == "loaded"] == [("a", 32)]
+    loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
+    assert [(e.req_id, e.tokens) for e in loaded] == [("a", 32)]
 
     # Step 1: vLLM computes tokens 32..64 (chunked prefill, budget 32).
     new = NewRequestData.from_request(req, (blocks[:4],))
@@ -312,10 +313,10 @@ def test_store_failure_is_reported_not_a_silent_miss(
         assert e.sched.get_num_new_matched_tokens(_request("dead", prompt), 0) == (0, False)
         assert e.sched.counters.lookup_errors == 1
         assert e.server.errors == 1
-        lookups = [ev for ev in e.reporter.drain() if ev[0] == "lookup"]
-        assert lookups[0][7] is None
-        assert lookups[1][2] == "dead" and lookups[1][5] == 0
-        assert lookups[1][7] is not None and "lookup failed" in lookups[1][7]
+        lookups = [ev for ev in e.reporter.drain() if isinstance(ev, Lookup)]
+        assert lookups[0].error is None
+        assert lookups[1].req_id == "dead" and lookups[1].pool_tokens == 0
+        assert lookups[1].error is not None and "lookup failed" in lookups[1].error
     finally:
         e.close()
         b.close()

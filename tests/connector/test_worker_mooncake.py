@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import Loaded, Reporter, SaveSkipped, TransferFinished
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
@@ -176,9 +176,9 @@ def test_round_trip_bit_exact(kind: str, layerwise: bool,
     untouched = block_bytes(dst, 2)
     assert all(set(x) == {0} for x in untouched)
     events = rep_b.drain()
-    assert ("loaded", "req-b", 96) in [(e[0], e[2], e[3]) for e in events if e[0] == "loaded"]
-    fin = [e for e in events if e[0] == "finished"]
-    assert fin and fin[-1][4] is True and fin[-1][5] == 6 * b.kv.block_bytes  # type: ignore[union-attr]
+    assert ("req-b", 96) in [(e.req_id, e.tokens) for e in events if isinstance(e, Loaded)]
+    fin = [e for e in events if isinstance(e, TransferFinished)]
+    assert fin and fin[-1].ok is True and fin[-1].nbytes == 6 * b.kv.block_bytes  # type: ignore[union-attr]
     a.shutdown()
     b.shutdown()
 
@@ -271,13 +271,13 @@ def test_pool_full_skips_request_without_raising(
         assert c.save_skipped_keys == 40 * per_chunk - c.saved_keys
         assert c.save_failed_keys == 0
         events = rep.drain()
-        skipped = [e for e in events if e[0] == "skipped"]
-        assert skipped and all(e[4] == "NO_AVAILABLE_HANDLE" for e in skipped)
+        skipped = [e for e in events if isinstance(e, SaveSkipped)]
+        assert skipped and all(e.reason == "NO_AVAILABLE_HANDLE" for e in skipped)
         if not layerwise:
-            assert sum(e[3] for e in skipped) == 40 - c.saved_keys
+            assert sum(e.blocks for e in skipped) == 40 - c.saved_keys
         # One finished event for the step that hit the full pool, naming the error.
-        (fin,) = [e for e in events if e[0] == "finished"]
-        assert fin[4] is False and fin[6] == "NO_AVAILABLE_HANDLE" and fin[7] > 0
+        (fin,) = [e for e in events if isinstance(e, TransferFinished)]
+        assert fin.ok is False and fin.error_name == "NO_AVAILABLE_HANDLE" and fin.failed_blocks > 0
         assert w.get_finished({"big"}) == ({"big"}, None)
         # A later request tries again (and gets the same answer from a still-full pool).
         _step(w, KVPoolConnectorMetadata(requests=[ReqMeta(
@@ -314,8 +314,8 @@ def test_master_killed_turns_loads_into_load_errors(
         for blk in (8, 9, 10, 11):
             assert blk in failed or blk in loaded_ok
         assert failed, "a dead master must surface as load errors"
-        fin = [e for e in rep.drain() if e[0] == "finished"]
-        assert fin[-1][4] is False and fin[-1][6] == "RPC_FAIL" and fin[-1][8] is True
+        fin = [e for e in rep.drain() if isinstance(e, TransferFinished)]
+        assert (fin[-1].ok, fin[-1].error_name, fin[-1].after_hit) == (False, "RPC_FAIL", True)
         assert b.counters.load_failed_blocks == len(failed)
         with pytest.raises(BackendError, match="lookup failed"):
             b.lookup_chunks(hashes)
@@ -344,8 +344,8 @@ def test_layerwise_timeout_raises_and_fails_blocks(
     assert b.get_block_ids_with_load_errors() == {4, 5, 6, 7}
     b.wait_for_layer_load("layers.1")  # the step is already failed: no second wait
     gate.set()
-    fin = [e for e in rep.drain() if e[0] == "finished"]
-    assert fin[0][9] is True and fin[0][6] == "TIMEOUT"
+    fin = [e for e in rep.drain() if isinstance(e, TransferFinished)]
+    assert fin[0].timed_out is True and fin[0].error_name == "TIMEOUT"
     b.shutdown()
 
 
@@ -443,17 +443,17 @@ def test_partial_and_missing_values_are_load_errors(engines: tuple[MooncakeBacke
     b.start_load_kv(load_meta("b", [10, 11, 12, 13, 14, 15], hashes, pool_tokens=96))
     assert b.get_block_ids_with_load_errors() == {14, 15}
     assert b.counters.load_failed_keys == 1
-    fin = [e for e in rep.drain() if e[0] == "finished"][-1]
+    fin = [e for e in rep.drain() if isinstance(e, TransferFinished)][-1]
     # Mooncake refuses the size mismatch itself (TRANSFER_FAIL); a short byte count would be
     # PARTIAL_READ. Either way the blocks are recomputed.
-    assert (fin[4], fin[7], fin[8]) == (False, 2, True)
-    assert fin[6] in {"TRANSFER_FAIL", "PARTIAL_READ"}
+    assert (fin.ok, fin.failed_blocks, fin.after_hit) == (False, 2, True)
+    assert fin.error_name in {"TRANSFER_FAIL", "PARTIAL_READ"}
     # Missing key: OBJECT_NOT_FOUND, named.
     gone = chunk_hashes(tokens(32, 25), 32)
     b.start_load_kv(load_meta("c", [16, 17], gone, pool_tokens=32))
     assert b.get_block_ids_with_load_errors() == {16, 17}
-    fin = [e for e in rep.drain() if e[0] == "finished"][-1]
-    assert fin[6] == "OBJECT_NOT_FOUND"
+    fin = [e for e in rep.drain() if isinstance(e, TransferFinished)][-1]
+    assert fin.error_name == "OBJECT_NOT_FOUND"
 
 
 def test_bad_settings_and_metadata_are_clear(engines: tuple[MooncakeBackend, ...]) -> None:
@@ -472,5 +472,5 @@ def test_bad_settings_and_metadata_are_clear(engines: tuple[MooncakeBackend, ...
     # given block in the load range is reported failed instead of trusted.
     w.start_load_kv(load_meta("short", [3, 4, 5], hashes, pool_tokens=64))
     assert w.get_block_ids_with_load_errors() == {3, 4, 5}
-    fin = [e for e in rep.drain() if e[0] == "finished"]
-    assert fin[-1][6] == "BAD_METADATA"
+    fin = [e for e in rep.drain() if isinstance(e, TransferFinished)]
+    assert fin[-1].error_name == "BAD_METADATA"

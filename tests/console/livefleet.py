@@ -16,6 +16,7 @@ from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import Source
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import ParallelLayout, PoolKey
+from kvpool_connector.operations import BackendOperations
 from kvpool_replay import LocalMooncakeMaster, free_port
 
 LEASE_TTL_MS = 11_000
@@ -66,12 +67,16 @@ class LiveFleet:
                           model=model)
 
         # The scheduler holds a pool client too (its lookups call batch_exists).
-        handles = [start_agent(src("scheduler", "scheduler"), address=self.address,
-                               backend=self.backend, lease_ttl_ms=LEASE_TTL_MS)]
+        sched = src("scheduler", "scheduler")
+        handles = [start_agent(sched, address=self.address,
+                               operations=BackendOperations(self.backend, sched),
+                               lease_ttl_ms=LEASE_TTL_MS)]
         for r in range(tp):
+            worker = src(f"dp0.tp{r}.pp0", "worker", r)
             handles.append(start_agent(
-                src(f"dp0.tp{r}.pp0", "worker", r), address=self.address, backend=self.backend,
-                key_scope=(model, ParallelLayout(tp_rank=r)),
+                worker, address=self.address,
+                operations=BackendOperations(self.backend, worker,
+                                             key_scope=(model, ParallelLayout(tp_rank=r))),
                 pool_admin_url=self.master.admin_url, lease_ttl_ms=LEASE_TTL_MS))
         self.engines[engine_id] = handles
         return handles

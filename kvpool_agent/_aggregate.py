@@ -9,7 +9,6 @@ connector that never reports the end of a transfer cannot grow the agent.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Any
 
 import msgspec
 
@@ -23,7 +22,16 @@ from kvpool_agent.protocol import (
     Transfer,
     TransferStats,
 )
-from kvpool_agent.reporter import Event
+from kvpool_agent.reporter import (
+    Event,
+    Loaded,
+    Lookup,
+    ReportedError,
+    SaveSkipped,
+    TransferFinished,
+    TransferProgress,
+    TransferStarted,
+)
 
 __all__ = ["MAX_IN_FLIGHT", "RECENT_ERRORS", "Aggregator"]
 
@@ -115,148 +123,110 @@ class Aggregator:
         if len(self.new_errors) > RECENT_ERRORS:
             del self.new_errors[0]
 
-    def apply(self, events: list[Event]) -> int:
-        """Fold ``events`` (``Reporter.drain()`` output) in; returns how many were unknown."""
-        bad = 0
+    def apply(self, events: list[Event]) -> None:
+        """Fold ``events`` (``Reporter.drain()`` output) in, oldest first."""
         for ev in events:
-            handler = _HANDLERS.get(ev[0])
-            if handler is None:
-                bad += 1
-                continue
-            handler(self, *ev[1:])
+            match ev:
+                case Lookup():
+                    self._on_lookup(ev)
+                case Loaded():
+                    self.lookup.loaded_tokens += ev.tokens
+                case TransferStarted():
+                    self._on_started(ev)
+                case TransferProgress():
+                    t = self.in_flight.get((ev.req_id, ev.kind))
+                    if t is not None:
+                        t.layers_done = max(t.layers_done, ev.layers_done)
+                case TransferFinished():
+                    self._on_finished(ev)
+                case SaveSkipped():
+                    tr = self.transfers
+                    tr.saves_skipped += ev.blocks
+                    tr.errors_by_name[ev.reason] = tr.errors_by_name.get(ev.reason, 0) + 1
+                case ReportedError():
+                    self._record_error(
+                        ErrorRecord(ts_ms=ev.ts_ms, where=ev.where, name=ev.name,
+                                    message=ev.message, code=ev.code, req_id=ev.req_id)
+                    )
         if events:
             self.changed = True
-        return bad
 
-    def _on_lookup(
-        self,
-        ts: float,
-        req_id: str,
-        prompt: int,
-        local: int,
-        pool: int,
-        latency_ms: float,
-        error: str | None,
-    ) -> None:
+    def _on_lookup(self, ev: Lookup) -> None:
         lk = self.lookup
         lk.lookups += 1
-        self._latencies.append(latency_ms)
-        if error is not None:
+        self._latencies.append(ev.latency_ms)
+        if ev.error is not None:
             lk.lookup_errors += 1
             self._record_error(
-                ErrorRecord(ts_ms=ts, where="lookup", name="LOOKUP", message=error, req_id=req_id)
+                ErrorRecord(ts_ms=ev.ts_ms, where="lookup", name="LOOKUP", message=ev.error,
+                            req_id=ev.req_id)
             )
             return
-        lk.prompt_tokens += prompt
-        lk.local_tokens += local
-        lk.pool_hit_tokens += pool
-        self._hits.add(ts, prompt, pool)
-        self._lookup_ms[req_id] = ts
-        self._lookup_ms.move_to_end(req_id)
+        lk.prompt_tokens += ev.prompt_tokens
+        lk.local_tokens += ev.local_tokens
+        lk.pool_hit_tokens += ev.pool_tokens
+        self._hits.add(ev.ts_ms, ev.prompt_tokens, ev.pool_tokens)
+        self._lookup_ms[ev.req_id] = ev.ts_ms
+        self._lookup_ms.move_to_end(ev.req_id)
         if len(self._lookup_ms) > _LOOKUP_TIMES:
             self._lookup_ms.popitem(last=False)
 
-    def _on_loaded(self, ts: float, req_id: str, tokens: int) -> None:
-        self.lookup.loaded_tokens += tokens
-
-    def _on_started(
-        self,
-        ts: float,
-        req_id: str,
-        kind: str,
-        blocks: int,
-        nbytes: int,
-        layers_total: int,
-        lease_expires_ms: float | None,
-    ) -> None:
-        if lease_expires_ms is None and kind == "load" and self.lease_ttl_ms > 0:
-            looked_up = self._lookup_ms.get(req_id)
+    def _on_started(self, ev: TransferStarted) -> None:
+        lease_expires_ms = ev.lease_expires_ms
+        if lease_expires_ms is None and ev.kind == "load" and self.lease_ttl_ms > 0:
+            looked_up = self._lookup_ms.get(ev.req_id)
             if looked_up is not None:
                 lease_expires_ms = looked_up + self.lease_ttl_ms
-        key = (req_id, kind)
+        key = (ev.req_id, ev.kind)
         self.in_flight[key] = Transfer(
-            req_id=req_id,
-            kind="load" if kind == "load" else "save",
-            blocks=blocks,
-            bytes=nbytes,
-            started_ms=ts,
-            layers_total=layers_total,
+            req_id=ev.req_id,
+            kind=ev.kind,
+            blocks=ev.blocks,
+            bytes=ev.nbytes,
+            started_ms=ev.ts_ms,
+            layers_total=ev.layers_total,
             lease_expires_ms=lease_expires_ms,
         )
         self.in_flight.move_to_end(key)
         if len(self.in_flight) > MAX_IN_FLIGHT:
             self.in_flight.popitem(last=False)
 
-    def _on_progress(self, ts: float, req_id: str, kind: str, layers_done: int) -> None:
-        t = self.in_flight.get((req_id, kind))
-        if t is not None:
-            t.layers_done = max(t.layers_done, layers_done)
-
-    def _on_finished(
-        self,
-        ts: float,
-        req_id: str,
-        kind: str,
-        ok: bool,
-        nbytes: int,
-        error_name: str | None,
-        failed_blocks: int,
-        after_hit: bool,
-        timed_out: bool,
-    ) -> None:
+    def _on_finished(self, ev: TransferFinished) -> None:
         tr = self.transfers
-        t = self.in_flight.pop((req_id, kind), None)
-        if kind == "load":
-            tr.loaded_bytes += nbytes
-            self._rates.add(ts, nbytes, 0)
+        t = self.in_flight.pop((ev.req_id, ev.kind), None)
+        if ev.kind == "load":
+            tr.loaded_bytes += ev.nbytes
+            self._rates.add(ev.ts_ms, ev.nbytes, 0)
             if t is not None:
-                tr.max_load_ms = max(tr.max_load_ms, ts - t.started_ms)
-            if ok:
+                tr.max_load_ms = max(tr.max_load_ms, ev.ts_ms - t.started_ms)
+            if ev.ok:
                 tr.loads_finished += 1
             else:
                 tr.loads_failed += 1
-                if timed_out:
+                if ev.timed_out:
                     tr.loads_timed_out += 1
         else:
-            tr.saved_bytes += nbytes
-            self._rates.add(ts, 0, nbytes)
-            if ok:
+            tr.saved_bytes += ev.nbytes
+            self._rates.add(ev.ts_ms, 0, ev.nbytes)
+            if ev.ok:
                 tr.saves_finished += 1
             else:
                 tr.saves_failed += 1
-        if ok:
+        if ev.ok:
             return
-        name = error_name or ("TIMEOUT" if timed_out else "UNKNOWN")
+        name = ev.error_name or ("TIMEOUT" if ev.timed_out else "UNKNOWN")
         tr.errors_by_name[name] = tr.errors_by_name.get(name, 0) + 1
-        if kind == "load" and after_hit and name in _AFTER_HIT_NAMES:
+        if ev.kind == "load" and ev.after_hit and name in _AFTER_HIT_NAMES:
             tr.failed_after_hit += 1
         self._record_error(
             ErrorRecord(
-                ts_ms=ts,
-                where=kind,
+                ts_ms=ev.ts_ms,
+                where=ev.kind,
                 name=name,
-                message=f"{kind} of {failed_blocks} block(s) failed"
-                + (" after a positive lookup" if after_hit else ""),
-                req_id=req_id,
+                message=f"{ev.kind} of {ev.failed_blocks} block(s) failed"
+                + (" after a positive lookup" if ev.after_hit else ""),
+                req_id=ev.req_id,
             )
-        )
-
-    def _on_skipped(self, ts: float, req_id: str, blocks: int, reason: str) -> None:
-        tr = self.transfers
-        tr.saves_skipped += blocks
-        tr.errors_by_name[reason] = tr.errors_by_name.get(reason, 0) + 1
-
-    def _on_error(
-        self,
-        ts: float,
-        where: str,
-        name: str,
-        message: str,
-        code: int | None,
-        req_id: str | None,
-    ) -> None:
-        self._record_error(
-            ErrorRecord(ts_ms=ts, where=where, name=name, message=message, code=code, req_id=req_id)
         )
 
     def state(self, now_ms: float, *, all_errors: bool = True) -> EngineState:
@@ -296,13 +266,3 @@ class Aggregator:
             recent_errors=errors,
         )
 
-
-_HANDLERS: dict[str, Any] = {
-    "lookup": Aggregator._on_lookup,
-    "loaded": Aggregator._on_loaded,
-    "started": Aggregator._on_started,
-    "progress": Aggregator._on_progress,
-    "finished": Aggregator._on_finished,
-    "skipped": Aggregator._on_skipped,
-    "error": Aggregator._on_error,
-}

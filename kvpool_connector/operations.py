@@ -1,0 +1,238 @@
+"""``BackendOperations``: the connector's side of the agent's ``PoolOperations`` protocol.
+
+Everything an operator command needs from the pool client of a connector process lives here:
+which keys a flush scope means (``kvpool_connector.keys`` patterns), the write/read/remove
+health probe, the backend's own checks and stats, and waiting for the worker's saves. The agent
+(``kvpool_agent``) only sees the protocol (``kvpool_agent.operations``) and never imports this
+package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import threading
+import time
+import uuid
+import weakref
+from typing import Protocol
+
+from kvpool_agent.operations import CommandError
+from kvpool_agent.protocol import (
+    DrainResult,
+    FlushArgs,
+    FlushResult,
+    HealthCheck,
+    PoolStats,
+    Source,
+)
+from kvpool_agent.vocabulary import error_name
+from kvpool_connector.backends.base import Backend
+from kvpool_connector.keys import (
+    ALL_KEYS_PATTERN,
+    PROBE_PREFIX,
+    ParallelLayout,
+    layout_pattern,
+    model_pattern,
+)
+
+__all__ = ["PROBE_BYTES", "BackendOperations", "SaveQueue", "flush_pattern"]
+
+PROBE_BYTES = 4096
+"""Size of the health probe value (bytes)."""
+
+_BUFFERS: weakref.WeakKeyDictionary[Backend, ctypes.Array[ctypes.c_char]] = (
+    weakref.WeakKeyDictionary()
+)
+_BUFFERS_LOCK = threading.Lock()
+_PROBE_LOCK = threading.Lock()
+
+
+class SaveQueue(Protocol):
+    """What ``BackendOperations.wait_for_saves`` needs of ``KVPoolWorker``."""
+
+    def drain_saves(self, timeout_s: float | None = None) -> bool:
+        """True once every submitted save finished within ``timeout_s`` seconds."""
+        ...
+
+    @property
+    def inflight_saves(self) -> int:
+        """Save batches submitted and not finished yet."""
+        ...
+
+
+class BackendOperations:
+    """``kvpool_agent.operations.PoolOperations`` over one process's ``Backend``.
+
+    Args:
+        backend: the process's pool client.
+        source: who the process reports as (its ``agent_id`` names probe keys, its
+            ``engine_id`` and ``model`` resolve flush scopes).
+        key_scope: ``(model, ParallelLayout)`` this process writes; ``flush --scope engine``
+            removes exactly ``keys.layout_pattern(*key_scope)``. ``None`` in a process that
+            writes no keys.
+
+    Attributes:
+        saves: the worker whose saves ``wait_for_saves`` waits for; the connector sets it once
+            the worker exists (the worker needs the agent's reporter first). While ``None``
+            there is no save to wait for.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        source: Source,
+        key_scope: tuple[str, ParallelLayout] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.source = source
+        self.key_scope = key_scope
+        self.saves: SaveQueue | None = None
+        self._prober = _Prober(backend, source.agent_id)
+
+    def health(self) -> list[HealthCheck]:
+        """``Backend.health()`` then the probe (``probe_put``, ``probe_get``,
+        ``probe_remove``). Never raises."""
+        return [*self.backend.health(), *self._prober.run()]
+
+    def flush(self, args: FlushArgs) -> FlushResult:
+        """Count (dry run) or remove the keys of ``args.scope`` (``flush_pattern``); leased keys
+        are skipped unless ``args.force``. Sizes in bytes.
+
+        Raises:
+            CommandError: the scope cannot be resolved in this process.
+            BackendError: the store failed.
+        """
+        pattern = flush_pattern(args, self.source, self.key_scope)
+        res = self.backend.remove_by_scope(pattern, dry_run=args.dry_run, force=args.force)
+        return FlushResult(
+            dry_run=args.dry_run,
+            keys=res.keys,
+            bytes=res.bytes,
+            removed_keys=0 if args.dry_run else res.removed,
+            skipped_leased=res.skipped_leased,
+        )
+
+    def wait_for_saves(self, timeout_ms: int) -> DrainResult:
+        """Wait up to ``timeout_ms`` ms for the worker's in-flight saves (``saves``)."""
+        saves = self.saves
+        if saves is None:
+            return DrainResult(drained=True, waited_ms=0.0, remaining_saves=0)
+        start = time.monotonic()
+        drained = saves.drain_saves(timeout_ms / 1e3)
+        return DrainResult(drained=drained, waited_ms=(time.monotonic() - start) * 1e3,
+                           remaining_saves=saves.inflight_saves)
+
+    def stats(self) -> PoolStats:
+        """``Backend.stats()``. Never raises."""
+        return self.backend.stats()
+
+
+def flush_pattern(
+    args: FlushArgs, source: Source, key_scope: tuple[str, ParallelLayout] | None
+) -> str:
+    """The anchored key regex a flush scope means for the process ``source``.
+
+    ``model``: ``keys.model_pattern(args.model or this process's model)``; ``engine``:
+    ``keys.layout_pattern`` of ``key_scope`` (its model and shard); ``all``:
+    ``keys.ALL_KEYS_PATTERN`` (every ``kvpool@`` key, never other tenants' keys).
+
+    Raises:
+        CommandError: the scope needs a model or key scope this process does not have, or names
+            another engine.
+    """
+    if args.scope == "all":
+        return ALL_KEYS_PATTERN
+    if args.scope == "model":
+        model = args.model or (key_scope[0] if key_scope else source.model)
+        if not model:
+            raise CommandError("flush scope 'model' needs a model name (FlushArgs.model)")
+        return model_pattern(model)
+    if args.engine_id and args.engine_id != source.engine_id:
+        raise CommandError(
+            f"flush scope 'engine' for {args.engine_id!r} sent to an agent of {source.engine_id!r}"
+        )
+    if key_scope is None:
+        raise CommandError(
+            f"agent {source.agent_id} has no key scope (a scheduler or store process): send "
+            "flush scope 'engine' to the engine's worker agents"
+        )
+    return layout_pattern(*key_scope)
+
+
+class _Prober:
+    """Write, read back and remove one small key under ``PROBE_PREFIX``, timing each step.
+
+    Uses a ``2 * PROBE_BYTES`` host buffer registered once per backend (zero-copy batch calls
+    only move registered memory). The buffer lives as long as the backend, not the agent: a
+    freed but still registered range would make the next registration overlapping it fail.
+    """
+
+    def __init__(self, backend: Backend, agent_id: str) -> None:
+        self._backend = backend
+        self._agent_id = agent_id
+
+    def _buffer(self) -> int:
+        with _BUFFERS_LOCK:
+            buf = _BUFFERS.get(self._backend)
+            if buf is None:
+                buf = ctypes.create_string_buffer(2 * PROBE_BYTES)
+                self._backend.register_buffer(ctypes.addressof(buf), 2 * PROBE_BYTES)
+                _BUFFERS[self._backend] = buf
+        return ctypes.addressof(buf)
+
+    def run(self) -> list[HealthCheck]:
+        """Three checks, ``probe_put``, ``probe_get`` (bytes compared), ``probe_remove``.
+        Never raises."""
+        # One probe at a time per process: they share the buffer.
+        with _PROBE_LOCK:
+            return self._run()
+
+    def _run(self) -> list[HealthCheck]:
+        key = f"{PROBE_PREFIX}{self._agent_id}@{uuid.uuid4().hex[:12]}"
+        checks: list[HealthCheck] = []
+        t0 = time.perf_counter()
+        try:
+            addr = self._buffer()
+            payload = os.urandom(PROBE_BYTES)
+            ctypes.memmove(addr, payload, PROBE_BYTES)
+            ctypes.memset(addr + PROBE_BYTES, 0, PROBE_BYTES)
+            t0 = time.perf_counter()
+            (rc,) = self._backend.batch_put_from([key], [[addr]], [[PROBE_BYTES]])
+            checks.append(_check("probe_put", rc == 0, t0, key, rc))
+            if rc != 0:
+                return checks
+            t0 = time.perf_counter()
+            (rc,) = self._backend.batch_get_into([key], [[addr + PROBE_BYTES]], [[PROBE_BYTES]])
+            same = (
+                rc == PROBE_BYTES and ctypes.string_at(addr + PROBE_BYTES, PROBE_BYTES) == payload
+            )
+            detail = key if same or rc < 0 else f"{key}: read {rc} bytes, content differs"
+            checks.append(_check("probe_get", same, t0, detail, rc if rc < 0 else None))
+            t0 = time.perf_counter()
+            res = self._backend.remove_by_scope(f"^{re.escape(key)}$", dry_run=False, force=True)
+            checks.append(
+                _check("probe_remove", res.removed == 1, t0, f"{key}: removed {res.removed}", None)
+            )
+        except Exception as e:  # a probe reports a failing store, it must not raise
+            name = ("probe_put", "probe_get", "probe_remove")[min(len(checks), 2)]
+            checks.append(
+                HealthCheck(
+                    name=name,
+                    ok=False,
+                    latency_ms=(time.perf_counter() - t0) * 1e3,
+                    detail=f"{type(e).__name__}: {e}",
+                    code=getattr(e, "code", None),
+                )
+            )
+        return checks
+
+
+def _check(name: str, ok: bool, t0: float, detail: str, rc: int | None) -> HealthCheck:
+    code = rc if rc is not None and rc < 0 else None
+    if code is not None:
+        detail = f"{detail}: {error_name(code)} ({code})"
+    return HealthCheck(
+        name=name, ok=ok, latency_ms=(time.perf_counter() - t0) * 1e3, detail=detail, code=code
+    )
