@@ -12,7 +12,6 @@ from kvpool_console.triage._model import Finding, HostReport, ProcessCheck, Tria
 from kvpool_console.triage._plan import PlanError, plan_engine
 from kvpool_console.triage._render import render
 from kvpool_console.triage._run import CHECK_TIMEOUT_S, check_host, triage_engine
-from kvpool_console.triage._ssh import SSHAccessError
 
 __all__ = [
     "CHECK_TIMEOUT_S",
@@ -20,7 +19,6 @@ __all__ = [
     "HostReport",
     "PlanError",
     "ProcessCheck",
-    "SSHAccessError",
     "TriageReport",
     "check_host",
     "diagnose",

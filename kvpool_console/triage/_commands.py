@@ -31,13 +31,15 @@ LOG_LINES = 40
 
 PROCESSES = r"""m=$1; shift
 echo "$m clk $(getconf CLK_TCK 2>/dev/null)"
+[ -e /proc/1 ] || echo "$m hidepid"
 for p in "$@"; do
   echo "$m pid $p"
   cat "/proc/$p/stat" 2>/dev/null || echo "$m gone $p"
 done
 """
-"""Args: marker, pids. The clock tick rate (``getconf CLK_TCK``), then ``/proc/<pid>/stat``
-of each pid (proc(5)) or ``<marker> gone <pid>``."""
+"""Args: marker, pids. The clock tick rate (``getconf CLK_TCK``), ``<marker> hidepid`` when
+``/proc`` hides other users' processes (pid 1 invisible), then ``/proc/<pid>/stat`` of each
+pid (proc(5)) or ``<marker> gone <pid>``."""
 
 KERNEL_LOG = r"""m=$1
 pattern="oom|killed process|out of memory|segfault|traps:"

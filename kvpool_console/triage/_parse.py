@@ -11,6 +11,7 @@ import os
 import re
 import signal
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from kvpool_console.triage._model import Holder, MemoryCheck, PortHolding
 
@@ -18,6 +19,7 @@ __all__ = [
     "Listener",
     "Stat",
     "describe_wait_status",
+    "holdings",
     "kernel_evidence",
     "parse_meminfo",
     "parse_proc_sockets",
@@ -42,15 +44,16 @@ def sections(text: str, marker: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-class Stat:
+class Stat(NamedTuple):
     """The fields of one ``/proc/<pid>/stat`` line triage uses (proc(5) numbering): ``name``
     (2, comm), ``letter`` (3, state), ``ppid`` (4), ``start_ticks`` (22), ``exit_code`` (52,
     a waitpid(2) status; None on kernels before 3.5)."""
 
-    def __init__(self, name: str, letter: str, ppid: int, start_ticks: int,
-                 exit_code: int | None) -> None:
-        self.name, self.letter, self.ppid = name, letter, ppid
-        self.start_ticks, self.exit_code = start_ticks, exit_code
+    name: str
+    letter: str
+    ppid: int
+    start_ticks: int
+    exit_code: int | None
 
 
 def parse_stat(text: str) -> Stat:

@@ -13,8 +13,6 @@ import secrets
 import time
 from collections.abc import Mapping
 
-import asyncssh
-
 from kvpool_agent.protocol import EngineState
 from kvpool_console.triage import _commands as C
 from kvpool_console.triage._diagnose import diagnose
@@ -39,7 +37,6 @@ from kvpool_console.triage._parse import (
     sections,
 )
 from kvpool_console.triage._plan import HostPlan, ProcPlan, plan_engine
-from kvpool_console.triage._ssh import SSHAccessError, connect, run
 
 __all__ = ["CHECK_TIMEOUT_S", "check_host", "triage_engine"]
 
@@ -80,6 +77,9 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
 async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
                      timeout_s: float = CHECK_TIMEOUT_S) -> HostReport:
     """Every check of ``plan`` on its host; ``ssh_error`` set instead when the login fails."""
+    # asyncssh (and cryptography) load only when a triage runs, not with every console command.
+    from kvpool_console.triage._ssh import SSHAccessError, connect, run
+
     t0 = time.monotonic()
     try:
         conn, target = await connect(plan.host, config=ssh_config)
@@ -90,12 +90,7 @@ async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
 
     async def attempt(cmd: str) -> Outcome:
         async with gate:
-            try:
-                return await run(conn, cmd, timeout_s)
-            except asyncssh.TimeoutError:
-                return f"timed out after {timeout_s:g} s"
-            except (asyncssh.Error, OSError) as e:
-                return f"{type(e).__name__}: {e}"
+            return await run(conn, cmd, timeout_s)
 
     async with conn:
         pids = [p.pid for p in plan.procs]
@@ -152,17 +147,27 @@ def _processes(plans: list[ProcPlan], out: Outcome, klog_out: Outcome,
     stats: dict[int, str] = {}
     gone: set[int] = set()
     clk = 100
+    hidden = False
     for title, lines in sections(out[1], marker):
         kind, _, arg = title.partition(" ")
         if kind == "clk" and arg.strip().isdigit():
             clk = int(arg)
+        elif kind == "hidepid":
+            hidden = True
         elif kind == "pid" and arg.isdigit():
             stats[int(arg)] = "\n".join(lines)
         elif kind == "gone" and arg.isdigit():
             gone.add(int(arg))
     source, klines = _klog(klog_out, marker)
-    return [_process(p, stats.get(p.pid, ""), p.pid in gone, source, klines, clk)
-            for p in plans]
+    checks = [_process(p, stats.get(p.pid, ""), p.pid in gone, source, klines, clk)
+              for p in plans]
+    for c in checks:
+        if hidden and c.state == "gone":
+            # Under hidepid a live process of another user looks exactly like a gone one.
+            c.state, c.error = "unknown", (
+                "/proc hides other users' processes (mounted with hidepid): gone or hidden "
+                "cannot be told apart; add the triage user to the proc mount's gid= group")
+    return checks
 
 
 def _process(plan: ProcPlan, stat: str, gone: bool, klog_source: str,

@@ -102,16 +102,18 @@ async def connect(host: str, *, config: str | None = None
 
 
 async def run(conn: asyncssh.SSHClientConnection, cmd: str, timeout_s: float
-              ) -> tuple[int | None, str, str]:
-    """Run ``cmd`` (from ``_commands.command``) with no stdin; (exit status, stdout, stderr)
-    decoded as UTF-8 with replacement (log files may hold any bytes).
-
-    Raises:
-        asyncssh.TimeoutError: not finished within ``timeout_s``.
-        asyncssh.Error: the channel could not be opened (e.g. the host's session limit).
-    """
-    r = await conn.run(cmd, check=False, timeout=timeout_s, encoding=None,
-                       stdin=asyncssh.DEVNULL)
+              ) -> tuple[int | None, str, str] | str:
+    """Run ``cmd`` (from ``_commands.command``) with no stdin: (exit status, stdout, stderr)
+    decoded as UTF-8 with replacement (log files may hold any bytes), or the error text when
+    it did not finish within ``timeout_s`` or its channel could not be opened (e.g. the host's
+    session limit)."""
+    try:
+        r = await conn.run(cmd, check=False, timeout=timeout_s, encoding=None,
+                           stdin=asyncssh.DEVNULL)
+    except asyncssh.TimeoutError:
+        return f"timed out after {timeout_s:g} s"
+    except (asyncssh.Error, OSError) as e:
+        return f"{type(e).__name__}: {e}"
 
     def text(b: object) -> str:
         return b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b or "")

@@ -156,8 +156,10 @@ def test_running_engine_everything_checked(capsys: pytest.CaptureFixture[str], h
     assert host.ports is not None and host.ports.method == "ss"
     assert [(h.pid, h.name) for h in host.ports.items[0].holders] == [(proc.pid, p.name)]
     assert f"tcp {port}" in host.ports.engine_listens
-    assert host.memory is not None and host.memory.total_bytes == os.sysconf(
-        "SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").open()
+                    if line.startswith("MemTotal:"))
+    assert host.memory is not None and host.memory.total_bytes == total_kb * 1024
+    assert 0 < host.memory.available_bytes <= host.memory.total_bytes
     assert host.accel is not None and not host.accel.present
     assert "neither npu-smi nor hccn_tool" in host.accel.note
     assert host.master is not None and host.master.address == master
@@ -392,3 +394,19 @@ async def test_tui_triage_in_detail_screen(sshd: Sshd, monkeypatch: pytest.Monke
         await pilot.press("t")
         await pilot.pause()
         assert len(app.screen.query(TriagePanel)) == 1
+
+
+def test_hidden_proc_is_not_called_gone() -> None:
+    """When ``/proc`` hides other users' processes a missing pid is not evidence of death."""
+    from kvpool_console.triage._plan import ProcPlan
+    from kvpool_console.triage._run import _processes
+
+    m = "@@m@@"
+    out = f"{m} clk 100\n{m} hidepid\n{m} pid 4242\n{m} gone 4242\n"
+    klog = f"{m} dmesg\n"
+    [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))], (0, out, ""), (0, klog, ""),
+                         m)
+    assert check.state == "unknown" and "hidepid" in check.error
+    [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))],
+                         (0, out.replace(f"{m} hidepid\n", ""), ""), (0, klog, ""), m)
+    assert check.state == "gone" and check.oom_killed is False

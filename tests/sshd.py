@@ -1,6 +1,6 @@
-"""A real OpenSSH server for triage tests: ``/usr/sbin/sshd`` on 127.0.0.1, keys made for the
-test, and an operator home (``.ssh/config``, ``known_hosts``, key) mapping engine host names to
-it.
+"""A real OpenSSH server for the SSH triage tests (console and replay): ``/usr/sbin/sshd`` on
+127.0.0.1, keys made for the test, and an operator home (``.ssh/config``, ``known_hosts``,
+key) mapping engine host names to it.
 
 Host names in the operator's ssh config:
 
@@ -54,8 +54,10 @@ class Sshd:
         self.proc.wait(10)
 
 
-def start_sshd(root: Path) -> Sshd:
+def start_sshd(root: Path, aliases: tuple[str, ...] = ()) -> Sshd:
     """Start sshd with keys and config under ``root``; returns once it accepts connections.
+    ``aliases`` are more host names for the ``engine-host-1`` entry (e.g. this machine's name,
+    which real engines report).
 
     Raises:
         RuntimeError: sshd exited or did not listen within 10 s (its log is in the message).
@@ -87,7 +89,8 @@ def start_sshd(root: Path) -> Sshd:
                 f"  UserKnownHostsFile {dot / known}\n")
 
     (dot / "config").write_text("".join([
-        entry("engine-host-1"), entry("stranger-host", known="known_hosts_empty"),
+        entry(" ".join(("engine-host-1", *aliases))),
+        entry("stranger-host", known="known_hosts_empty"),
         entry("refused-host", key=stranger_key), entry("nokey-host", key=dot / "missing"),
         entry("closed-host", at=closed),
         f"Host nocheck-host\n  HostName 127.0.0.1\n  Port {port}\n  User root\n"
