@@ -156,8 +156,8 @@ def test_running_engine_everything_checked(capsys: pytest.CaptureFixture[str], h
     assert host.ports is not None and host.ports.method == "ss"
     assert [(h.pid, h.name) for h in host.ports.items[0].holders] == [(proc.pid, p.name)]
     assert f"tcp {port}" in host.ports.engine_listens
-    total_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").open()
-                    if line.startswith("MemTotal:"))
+    total_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
+                    .splitlines() if line.startswith("MemTotal:"))
     assert host.memory is not None and host.memory.total_bytes == total_kb * 1024
     assert 0 < host.memory.available_bytes <= host.memory.total_bytes
     assert host.accel is not None and not host.accel.present
