@@ -85,6 +85,19 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     host: str = ""
     backend: str = ""
     model: str = ""
+    # Where SSH triage finds this process on its host (kvpool_agent.process_facts). Defaults
+    # mean unknown, so agents and consoles of the previous release still decode each other.
+    start_ticks: int = 0
+    """Process start, in clock ticks after boot (``/proc/<pid>/stat`` field 22): with ``pid``
+    it names the process exactly, a reused pid has another start."""
+    log_path: str = ""
+    """The engine's log file (absolute path) when its output goes to a file."""
+    ports: tuple[int, ...] = ()
+    """TCP ports the process listens on (at agent start) or is configured to hold."""
+    sockets: tuple[str, ...] = ()
+    """Unix socket paths of the engine (the lookup socket)."""
+    master: str = ""
+    """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
 
 
 class LookupStats(msgspec.Struct, kw_only=True):

@@ -30,12 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 # (pyproject's packages), so there is no "agent not installed" case to fall back from; without
 # an agent address ``start_agent`` returns a handle whose reporter does nothing.
 from kvpool_agent import AgentHandle, start_agent
+from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout
-from kvpool_connector.lookup import LookupClient, LookupServer
+from kvpool_connector.lookup import LookupClient, LookupServer, lookup_socket_path
 from kvpool_connector.metadata import KVPoolConnectorMetadata
 from kvpool_connector.operations import BackendOperations
 from kvpool_connector.scheduler import KVPoolScheduler
@@ -141,13 +142,18 @@ class KVPoolConnector(KVConnectorBase_V1):
         cfg = self.kv_config
         agent_id = (f"{cfg.engine_id}/scheduler" if process_role == "scheduler"
                     else f"{cfg.engine_id}/dp{cfg.dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}")
+        backend_cfg = getattr(backend, "config", None)
         source = Source(
             agent_id=agent_id, engine_id=cfg.engine_id, instance_role=cfg.instance_role,
             kv_role=cfg.kv_role, process_role=process_role,  # type: ignore[arg-type]
             dp_rank=cfg.dp_rank, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pid=os.getpid(),
             host=socket.gethostname(), backend=cfg.backend, model=cfg.model,
+            # For SSH triage: the lookup socket this engine serves or queries, the master.
+            **process_facts(
+                sockets=[str(lookup_socket_path(cfg.lookup_rpc_port, cfg.dp_rank))]
+                if cfg.should_load else [],
+                master=getattr(backend_cfg, "master_server_address", "")),
         )
-        backend_cfg = getattr(backend, "config", None)
         if backend is not None:
             self._operations = BackendOperations(backend, source, key_scope=(cfg.model, layout))
         self._agent = start_agent(

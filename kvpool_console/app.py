@@ -88,6 +88,7 @@ class KVPoolConsole(App[None]):
         Binding("h", "health(False)", "Health"),
         Binding("H", "health(True)", "Health all", show=False),
         Binding("f", "flush", "Flush"),
+        Binding("t", "triage", "Triage", show=False),
         Binding("plus,equals_sign", "rate(-1)", "Faster", show=False),
         Binding("minus", "rate(1)", "Slower", show=False),
         Binding("1", "tab('fleet')", "Fleet", show=False),
@@ -299,6 +300,9 @@ class KVPoolConsole(App[None]):
         yield SystemCommand("Flush pool entries",
                             "scope, dry run, confirm" if self.source.can_flush else _READ_ONLY,
                             self.action_flush)
+        yield SystemCommand("SSH triage: selected engine",
+                            "log in to its hosts, diagnose hung / gone / port held",
+                            self.action_triage)
         yield SystemCommand("Toggle faults only", "show only engines with alerts or stale",
                             self.action_faults)
         yield SystemCommand("Pause / resume", "freeze the screen", self.action_pause)
@@ -372,6 +376,25 @@ class KVPoolConsole(App[None]):
         targets = [a.agent_id for a in row.agents] if row is not None else []
         title = f"health: engine {row.engine_id}" if row is not None else "health: all agents"
         self.push_screen(HealthScreen(title, targets))
+
+    async def action_triage(self) -> None:
+        """SSH triage of the selected engine (fleet screen) or the one shown (detail screen);
+        the result appears in its detail screen (``kvpool_console.triage.panel``)."""
+        from kvpool_console.triage.panel import show_triage
+
+        if isinstance(self.screen, EngineDetailScreen):
+            detail = self.screen
+        else:
+            row = self.selected_engine()
+            if row is None:
+                return
+            detail = EngineDetailScreen(row.engine_id, self._detail(row.engine_id))
+            await self.push_screen(detail)
+        eid = detail.engine_id
+        row = next((r for r in self.view.engines if r.engine_id == eid),
+                   None) if self.view is not None else None
+        self.log_event(f"triage: engine {eid} requested")
+        await show_triage(detail, eid, self.states, reporting=row is not None and not row.stale)
 
     def action_flush(self) -> None:
         if not self.source.can_flush:

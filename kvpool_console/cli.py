@@ -8,6 +8,7 @@ Usage::
     kvpool-console health [ENGINE ... | --all] [--json] [--timeout-ms MS]
     kvpool-console flush --scope model|engine|all [--model M] [--engine E]
                          [--dry-run] [--force] [--yes] [--timeout-ms MS]
+    kvpool-console triage ENGINE [--json] [--ssh-config FILE]      # see kvpool_console.triage
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
 console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
@@ -46,6 +47,7 @@ from kvpool_console.model import (
     sum_flush,
 )
 from kvpool_console.source import ClientSource, FleetSource, now_ms
+from kvpool_console.triage import cli as triage_cli
 
 __all__ = ["DEFAULT_HUB", "main", "status_document"]
 
@@ -133,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--json", action="store_true")
     fl.add_argument("--timeout-ms", type=_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
                     help=f"how long to wait for each flush round (default {FLUSH_TIMEOUT_MS})")
+    triage_cli.add_parser(sub, common)
     return p
 
 
@@ -401,6 +404,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) ->
             return _health(args, src, out, err)
         if args.cmd == "flush":
             return _flush(args, src, out, err)
+        if args.cmd == "triage":
+            return triage_cli.run(args, src, out, err)
         _run_tui(src, args.refresh, sig)
         return EXIT_OK
     finally:

@@ -1,0 +1,116 @@
+"""The console's diagnosis from a triage report: hung or gone, OOM-killed, port held by whom.
+
+Rules, in the order the findings are listed (critical first):
+
+- a process in state ``T``/``t``: **hung** (stopped); alive while its agents are silent:
+  **hung**; a zombie, a missing pid or a pid now naming another process: **gone**, with the
+  exit status when the kernel kept it;
+- the kernel log names the pid in an OOM kill: **killed by the OOM killer**;
+- one of the engine's ports or sockets is listened on by a process that is not the engine:
+  **port held by pid N (name)**;
+- the pool's master does not accept a TCP connection from the engine's host;
+- less than ``LOW_MEMORY`` of the host's memory is available.
+"""
+
+from __future__ import annotations
+
+from kvpool_console.triage._model import Finding, HostReport, ProcessCheck, TriageReport
+
+__all__ = ["LOW_MEMORY", "diagnose", "exit_status"]
+
+LOW_MEMORY = 0.05
+"""``MemAvailable / MemTotal`` below this is reported as low memory."""
+
+_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+def diagnose(report: TriageReport) -> list[Finding]:
+    """Findings for ``report``, most severe first."""
+    out: list[Finding] = []
+    for host in report.hosts:
+        if host.ssh_error:
+            out.append(Finding(kind="ssh", severity="critical", text=host.ssh_error))
+        for note in host.refused:
+            out.append(Finding(kind="note", severity="warning", text=f"{host.host}: {note}"))
+        if host.ssh_error:
+            continue
+        for proc in host.processes:
+            out.extend(_process(proc, host.host, report.reporting))
+        out.extend(_ports(host))
+        m = host.master
+        if m is not None and m.reachable is False:
+            out.append(Finding(kind="master", severity="critical",
+                               text=f"pool master {m.address} unreachable from {host.host}: "
+                                    f"{m.detail}"))
+        mem = host.memory
+        if mem is not None and mem.total_bytes and \
+                mem.available_bytes < LOW_MEMORY * mem.total_bytes:
+            out.append(Finding(kind="memory", severity="warning",
+                               text=f"{host.host}: memory low, {mem.available_bytes >> 20} MiB "
+                                    f"available of {mem.total_bytes >> 20} MiB"))
+    return sorted(out, key=lambda f: _RANK[f.severity])
+
+
+def _process(p: ProcessCheck, host: str, reporting: bool) -> list[Finding]:
+    who = f"pid {p.pid} ({p.name})" if p.name else f"pid {p.pid}"
+    where = f"{who} on {host}"
+    if p.state == "running":
+        if reporting:
+            return [Finding(kind="ok", severity="info",
+                            text=f"running: {where}, state {p.letter}, reporting")]
+        return [Finding(kind="hung", severity="critical",
+                        text=f"hung: {where} is alive (state {p.letter}) but its agents "
+                             "stopped reporting")]
+    if p.state == "stopped":
+        return [Finding(kind="hung", severity="critical",
+                        text=f"hung: {where} is stopped (state {p.letter}: SIGSTOP or a "
+                             f"debugger); kill -CONT {p.pid} resumes it")]
+    if p.state == "unknown":
+        return [Finding(kind="note", severity="warning",
+                        text=f"{where}: process check failed: {p.error}")]
+    status = p.exit or f"exit status {p.exit_source}"
+    if p.state == "zombie":
+        text = f"gone: {where} {status}; its parent pid {p.ppid} has not reaped it"
+    elif p.state == "reused":
+        text = (f"gone: pid {p.pid} on {host} is now another process ({p.name}, started "
+                f"later); {status}")
+    else:
+        text = f"gone: pid {p.pid} on {host} no longer exists; {status}"
+    out = [Finding(kind="gone", severity="critical", text=text)]
+    if p.oom_killed:
+        out.append(Finding(kind="oom", severity="critical",
+                           text=f"killed by the OOM killer: pid {p.pid} on {host} "
+                                f"({p.kernel_log})"))
+    return out
+
+
+def _ports(host: HostReport) -> list[Finding]:
+    if host.ports is None:
+        return []
+    if host.ports.error:
+        return [Finding(kind="note", severity="warning",
+                        text=f"{host.host}: port check failed: {host.ports.error}")]
+    mine = {p.pid for p in host.processes}
+    alive = any(p.state in ("running", "stopped") for p in host.processes)
+    out: list[Finding] = []
+    for item in host.ports.items:
+        for h in item.holders:
+            if h.pid in mine:
+                continue
+            holder = (f"pid {h.pid} ({h.name})" if h.pid else
+                      "a process this user cannot see (need root for its pid)")
+            out.append(Finding(kind="port", severity="warning" if alive else "critical",
+                               text=f"{item.label} held by {holder} on {host.host}"))
+        if not item.holders:
+            out.append(Finding(kind="note", severity="info",
+                               text=f"{item.label} on {host.host}: nothing listens"))
+    return out
+
+
+def exit_status(report: TriageReport) -> int:
+    """``kvpool-console triage``'s exit status: 2 when a host could not be logged in to, 1
+    when a finding is critical (hung, gone, OOM, port held from a dead engine, master
+    unreachable), else 0."""
+    if any(h.ssh_error for h in report.hosts):
+        return 2
+    return 1 if any(f.severity == "critical" for f in report.diagnosis) else 0

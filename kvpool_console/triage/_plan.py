@@ -1,0 +1,134 @@
+"""Which hosts to visit and what to look for there, from an engine's agent reports.
+
+Every value that will reach a remote command (pid, start time, port, path, master address)
+is checked here against a strict pattern; a value that does not match is refused, listed in
+the report, and never sent. Host names go only to the SSH library, also after a check.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvpool_agent.protocol import EngineState
+
+__all__ = ["HostPlan", "PlanError", "ProcPlan", "plan_engine", "safe_host", "safe_path"]
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252})")
+"""RFC 1123 host names (and IPv4 literals); no leading ``-``, so never read as an option."""
+
+_PATH = re.compile(r"/[A-Za-z0-9._+@,=/-]{0,4095}")
+"""Absolute paths of plain characters: no spaces, quotes, ``$``, backquotes or newlines."""
+
+_PID_MAX = 4_194_304
+"""``PID_MAX_LIMIT`` on 64-bit Linux (include/linux/threads.h)."""
+
+
+class PlanError(ValueError):
+    """The engine is unknown or none of its agents said where it runs."""
+
+
+def safe_host(host: str) -> bool:
+    """A host name or IP literal triage will hand to SSH."""
+    if _HOSTNAME.fullmatch(host):
+        return True
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def safe_path(path: str) -> bool:
+    """An absolute path of the characters in ``_PATH``, without ``..`` components."""
+    return bool(_PATH.fullmatch(path)) and "/../" not in f"{path}/"
+
+
+def _safe_master(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return safe_host(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+@dataclass(frozen=True)
+class ProcPlan:
+    """One engine process: ``pid``, its reported start (0: not reported) and its agents."""
+
+    pid: int
+    start_ticks: int
+    agents: tuple[str, ...]
+
+
+@dataclass
+class HostPlan:
+    """What to check on ``host``; ``refused`` says which reported values were not sent."""
+
+    host: str
+    procs: list[ProcPlan] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    sockets: list[str] = field(default_factory=list)
+    master: str = ""
+    refused: list[str] = field(default_factory=list)
+
+
+def plan_engine(engine_id: str, states: Mapping[str, EngineState]) -> list[HostPlan]:
+    """Group ``engine_id``'s agents by host and process (agents of one process share a pid).
+
+    Raises:
+        PlanError: no agent of ``engine_id`` in ``states``, or none reported a usable host
+            and pid (the message says which).
+    """
+    mine = sorted((s.source for s in states.values() if s.source.engine_id == engine_id),
+                  key=lambda s: s.agent_id)
+    if not mine:
+        known = sorted({s.source.engine_id for s in states.values()})
+        raise PlanError(f"unknown engine {engine_id!r}; known: {', '.join(known) or 'none'}")
+    plans: dict[str, HostPlan] = {}
+    skipped: list[str] = []
+    procs: dict[tuple[str, int], list[str]] = {}
+    starts: dict[tuple[str, int], int] = {}
+    for src in mine:
+        if not src.host or not 0 < src.pid <= _PID_MAX:
+            skipped.append(f"agent {src.agent_id} reported no host or pid")
+            continue
+        if not safe_host(src.host):
+            skipped.append(f"agent {src.agent_id}: host {src.host!r} refused (not a host name)")
+            continue
+        plan = plans.setdefault(src.host, HostPlan(host=src.host))
+        procs.setdefault((src.host, src.pid), []).append(src.agent_id)
+        starts[(src.host, src.pid)] = max(src.start_ticks, starts.get((src.host, src.pid), 0))
+        _add_values(plan, src.agent_id, src.log_path, src.ports, src.sockets, src.master)
+    if not plans:
+        raise PlanError(f"engine {engine_id!r}: " + "; ".join(skipped))
+    for (host, pid), agents in procs.items():
+        plans[host].procs.append(ProcPlan(pid, starts[(host, pid)], tuple(agents)))
+    for plan in plans.values():
+        plan.refused[:0] = skipped
+    return list(plans.values())
+
+
+def _add_values(plan: HostPlan, agent: str, log: str, ports: tuple[int, ...],
+                sockets: tuple[str, ...], master: str) -> None:
+    if log and log not in plan.logs:
+        if safe_path(log):
+            plan.logs.append(log)
+        else:
+            plan.refused.append(f"{agent}: log path {log!r} refused (not an absolute path of "
+                                "plain characters)")
+    for port in ports:
+        if 0 < port < 65536 and port not in plan.ports:
+            plan.ports.append(port)
+    for path in sockets:
+        if path in plan.sockets:
+            continue
+        if safe_path(path):
+            plan.sockets.append(path)
+        else:
+            plan.refused.append(f"{agent}: socket path {path!r} refused")
+    if master and not plan.master:
+        if _safe_master(master):
+            plan.master = master
+        else:
+            plan.refused.append(f"{agent}: master address {master!r} refused (not host:port)")

@@ -1,0 +1,267 @@
+"""Run the allow-listed checks on every host of an engine, in parallel, each bounded in time.
+
+One SSH connection per host; on it the checks run as separate commands, at most
+``_CHANNELS`` at a time (sshd's ``MaxSessions`` is 10 by default). Hosts are checked
+concurrently. A check that fails or times out is reported in its own ``error`` field and the
+others still complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Mapping
+
+from kvpool_agent.protocol import EngineState
+from kvpool_console.triage import _commands as C
+from kvpool_console.triage._diagnose import diagnose
+from kvpool_console.triage._model import (
+    AccelCheck,
+    HostReport,
+    LogTail,
+    MasterCheck,
+    MemoryCheck,
+    PortsCheck,
+    ProcessCheck,
+    TriageReport,
+)
+from kvpool_console.triage._parse import (
+    describe_wait_status,
+    holdings,
+    kernel_evidence,
+    parse_meminfo,
+    parse_proc_sockets,
+    parse_ss,
+    parse_stat,
+    sections,
+)
+from kvpool_console.triage._plan import HostPlan, ProcPlan, plan_engine
+
+__all__ = ["CHECK_TIMEOUT_S", "check_host", "triage_engine"]
+
+CHECK_TIMEOUT_S = 5.0
+"""Upper bound of each remote command, seconds."""
+
+_CHANNELS = 4
+
+Outcome = tuple[int | None, str, str] | str
+"""(exit status, stdout, stderr), or the error text when the command did not complete."""
+
+
+async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
+                        reporting: bool, ssh_config: str | None = None,
+                        timeout_s: float = CHECK_TIMEOUT_S) -> TriageReport:
+    """Log in to every host of ``engine_id`` and run the checks there.
+
+    Args:
+        engine_id: the engine, as its agents report it.
+        states: the fleet (agent id -> last EngineState), e.g. ``FleetSource.fleet()[0]``.
+        reporting: whether the engine's agents still report (not stale): tells "hung" from a
+            process that is merely busy.
+        ssh_config: an ssh config file instead of ``~/.ssh/config``.
+        timeout_s: bound of each remote command.
+
+    Raises:
+        PlanError: unknown engine, or no agent reported a usable host and pid.
+    """
+    plans = plan_engine(engine_id, states)
+    hosts = await asyncio.gather(*(check_host(p, ssh_config=ssh_config, timeout_s=timeout_s)
+                                   for p in plans))
+    report = TriageReport(engine_id=engine_id, ts_ms=time.time() * 1e3, reporting=reporting,
+                          hosts=list(hosts))
+    report.diagnosis = diagnose(report)
+    return report
+
+
+async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
+                     timeout_s: float = CHECK_TIMEOUT_S) -> HostReport:
+    """Every check of ``plan`` on its host; ``ssh_error`` set instead when the login fails."""
+    # asyncssh (and cryptography) load only when a triage runs, not with every console command.
+    from kvpool_console.triage._ssh import SSHAccessError, connect, run
+
+    t0 = time.monotonic()
+    try:
+        conn, target = await connect(plan.host, config=ssh_config)
+    except SSHAccessError as e:
+        return HostReport(host=plan.host, ssh_error=str(e), refused=plan.refused)
+    gate = asyncio.Semaphore(_CHANNELS)
+    marker = f"@@kvpool-triage-{secrets.token_hex(8)}@@"
+
+    async def attempt(cmd: str) -> Outcome:
+        async with gate:
+            return await run(conn, cmd, timeout_s)
+
+    async with conn:
+        pids = [p.pid for p in plan.procs]
+        master_job = (asyncio.ensure_future(attempt(C.command(C.MASTER, *_host_port(plan.master))))
+                      if plan.master else None)
+        procs, klog, ports, mem, accel, *logs = await asyncio.gather(
+            attempt(C.command(C.PROCESSES, marker, *pids)),
+            attempt(C.command(C.KERNEL_LOG, marker)),
+            attempt(C.command(C.PORTS, marker)),
+            attempt(C.command(C.MEMINFO)),
+            attempt(C.command(C.ACCEL, marker)),
+            *(attempt(C.command(C.LOG_TAIL, C.LOG_LINES, path)) for path in plan.logs))
+        master = await master_job if master_job is not None else None
+    return HostReport(
+        host=plan.host, target=target, refused=plan.refused,
+        processes=_processes(plan.procs, procs, klog, marker),
+        logs=[_log(path, out) for path, out in zip(plan.logs, logs, strict=True)],
+        ports=_ports(plan, ports, marker), memory=_memory(mem), accel=_accel(accel, marker),
+        master=_master(plan.master, master), elapsed_ms=(time.monotonic() - t0) * 1e3)
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _failed(out: Outcome) -> str:
+    """The error of an outcome that did not give stdout to parse, else ``""``."""
+    if isinstance(out, str):
+        return out
+    status, _, err = out
+    return f"exit status {status}: {err.strip()[:200]}" if status != 0 else ""
+
+
+def _klog(out: Outcome, marker: str) -> tuple[str, list[str] | None]:
+    """(which log was read or why none could be, its lines or None)."""
+    if isinstance(out, str):
+        return f"kernel log check failed: {out}", None
+    parts = sections(out[1], marker)
+    if not parts:
+        return f"kernel log check failed: {_failed(out) or 'no output'}", None
+    title, lines = parts[0]
+    if title == "unreadable":
+        return "unreadable: " + "; ".join(line.strip() for line in lines), None
+    return title, lines
+
+
+def _processes(plans: list[ProcPlan], out: Outcome, klog_out: Outcome,
+               marker: str) -> list[ProcessCheck]:
+    if isinstance(out, str) or not plans:
+        return [ProcessCheck(pid=p.pid, agents=list(p.agents), state="unknown",
+                             error=out if isinstance(out, str) else "no pid")
+                for p in plans]
+    stats: dict[int, str] = {}
+    gone: set[int] = set()
+    clk = 100
+    hidden = False
+    for title, lines in sections(out[1], marker):
+        kind, _, arg = title.partition(" ")
+        if kind == "clk" and arg.strip().isdigit():
+            clk = int(arg)
+        elif kind == "hidepid":
+            hidden = True
+        elif kind == "pid" and arg.isdigit():
+            stats[int(arg)] = "\n".join(lines)
+        elif kind == "gone" and arg.isdigit():
+            gone.add(int(arg))
+    source, klines = _klog(klog_out, marker)
+    checks = [_process(p, stats.get(p.pid, ""), p.pid in gone, source, klines, clk)
+              for p in plans]
+    for c in checks:
+        if hidden and c.state == "gone":
+            # Under hidepid a live process of another user looks exactly like a gone one.
+            c.state, c.error = "unknown", (
+                "/proc hides other users' processes (mounted with hidepid): gone or hidden "
+                "cannot be told apart; add the triage user to the proc mount's gid= group")
+    return checks
+
+
+def _process(plan: ProcPlan, stat: str, gone: bool, klog_source: str,
+             klines: list[str] | None, clk: int) -> ProcessCheck:
+    check = ProcessCheck(pid=plan.pid, agents=list(plan.agents), state="gone",
+                         reported_start_ticks=plan.start_ticks)
+    if not gone:
+        try:
+            st = parse_stat(stat)
+        except (ValueError, IndexError) as e:
+            check.state, check.error = "unknown", str(e)
+            return check
+        check.letter, check.name, check.ppid = st.letter, st.name, st.ppid
+        check.start_ticks = st.start_ticks
+        if plan.start_ticks and st.start_ticks != plan.start_ticks:
+            check.state = "reused"
+        elif st.letter in ("T", "t"):
+            check.state = "stopped"
+            return check
+        elif st.letter == "Z":
+            check.state = "zombie"
+            if st.exit_code is not None:
+                check.exit = describe_wait_status(st.exit_code)
+                check.exit_source = ("/proc/<pid>/stat of the zombie: the kernel keeps it "
+                                     "until the parent reaps it")
+        elif st.letter != "X":
+            check.state = "running"
+            return check
+    # The process this engine ran is dead: what did the kernel log say about it?
+    check.kernel_log = klog_source
+    if klines is None:
+        check.exit_source = check.exit_source or f"unknown: kernel log {klog_source}"
+        return check
+    after = plan.start_ticks / clk if plan.start_ticks else None
+    oom, crash, mine = kernel_evidence(klines, plan.pid, after)
+    check.oom_killed, check.kernel_lines = oom, mine
+    if not check.exit and (oom or crash):
+        check.exit = "killed by signal 9 (SIGKILL)" if oom else crash
+        check.exit_source = f"kernel log ({klog_source})" + (": the OOM killer" if oom else "")
+    if not check.exit:
+        check.exit_source = ("unknown: reaped by its parent, and the kernel log names no OOM "
+                             "kill or crash of this pid; its parent or service manager (e.g. "
+                             "systemctl status) has the status")
+    return check
+
+
+def _log(path: str, out: Outcome) -> LogTail:
+    if isinstance(out, str):
+        return LogTail(path=path, error=out)
+    status, stdout, stderr = out
+    if status != 0:
+        return LogTail(path=path, error=stderr.strip() or f"exit status {status}")
+    return LogTail(path=path, lines=stdout.splitlines())
+
+
+def _ports(plan: HostPlan, out: Outcome, marker: str) -> PortsCheck:
+    if isinstance(out, str):
+        return PortsCheck(error=out)
+    parts = dict(sections(out[1], marker))
+    if "ss" in parts:
+        method, listeners = "ss", parse_ss(parts["ss"])
+    elif "proc" in parts:
+        method = "/proc"
+        listeners = parse_proc_sockets(parts["proc"], parts.get("fds", []),
+                                       parts.get("comm", []))
+    else:
+        return PortsCheck(error=_failed(out) or "no output")
+    pids = {p.pid for p in plan.procs}
+    return PortsCheck(method=method, items=holdings(listeners, plan.ports, plan.sockets),
+                      engine_listens=sorted({f"{k} {w}" for k, w, h in listeners
+                                             if h.pid in pids}))
+
+
+def _memory(out: Outcome) -> MemoryCheck:
+    err = _failed(out)
+    return MemoryCheck(error=err) if err or isinstance(out, str) else parse_meminfo(out[1])
+
+
+def _accel(out: Outcome, marker: str) -> AccelCheck:
+    if isinstance(out, str):
+        return AccelCheck(error=out)
+    parts = dict(sections(out[1], marker))
+    if "absent" in parts:
+        return AccelCheck(note="skipped: neither npu-smi nor hccn_tool is installed")
+    return AccelCheck(present=True, npu_smi=parts.get("npu-smi", []),
+                      hccn=parts.get("hccn_tool", []))
+
+
+def _master(address: str, out: Outcome | None) -> MasterCheck | None:
+    if not address or out is None:
+        return None
+    if isinstance(out, str):
+        return MasterCheck(address=address, detail=out)
+    line = out[1].strip()
+    reachable = True if line.startswith("reachable") else (
+        False if line.startswith("unreachable") else None)
+    return MasterCheck(address=address, reachable=reachable, detail=line or _failed(out))

@@ -1,0 +1,408 @@
+"""``kvpool-console triage`` against a real sshd on 127.0.0.1, a real hub and real processes.
+
+The engines are stand-in processes (``standin_engine.py``) with a real agent reporting the
+facts a connector reports; triage takes their host, pid, log file, port and master from the
+hub, logs in with the operator's ssh config (``sshd.py``) and looks at the real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from livefleet import hub_address
+from sshd import Sshd, free_port, start_sshd
+
+from kvpool_agent import start_agent
+from kvpool_agent.agent import AgentHandle
+from kvpool_agent.client import FleetClient
+from kvpool_agent.hub import FleetHub
+from kvpool_agent.process_facts import process_facts, start_ticks
+from kvpool_agent.protocol import Source
+from kvpool_console.cli import main
+from kvpool_console.source import StaticSource
+from kvpool_console.triage import TriageReport
+from kvpool_console.triage._commands import PORTS, command
+from kvpool_console.triage._parse import kernel_evidence, parse_proc_sockets, sections
+
+STANDIN = Path(__file__).with_name("standin_engine.py")
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the keys in the test's ssh config count, never an agent of whoever runs the tests.
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+
+
+@pytest.fixture
+def hub() -> Iterator[str]:
+    address = hub_address()
+    h = FleetHub(address, snapshot_interval_s=0.5, delta_interval_s=0.1).start()
+    try:
+        yield address
+    finally:
+        h.stop()
+
+
+@pytest.fixture
+def master() -> Iterator[str]:
+    """Something listening where the agents say the pool's master is."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def wait_reported(hub: str, engine_id: str) -> None:
+    client = FleetClient(hub)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            client.updates(200)
+            if any(e.state.source.engine_id == engine_id for e in client.fleet().values()):
+                return
+        raise AssertionError(f"{engine_id} never reported to {hub}")
+    finally:
+        client.close()
+
+
+def spawn(hub: str, engine_id: str, port: int, master: str, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, str(STANDIN), hub, engine_id, "engine-host-1",
+                                 str(port), master], stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(pred: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def triage(capsys: pytest.CaptureFixture[str], hub: str, engine_id: str, sshd: Sshd,
+           *extra: str) -> tuple[int, TriageReport | None, str, str]:
+    rc = main(["triage", engine_id, "--hub", hub, "--ssh-config", str(sshd.ssh_config),
+               *extra])
+    out, err = capsys.readouterr()
+    report = msgspec.json.decode(out, type=TriageReport) if "--json" in extra and out else None
+    return rc, report, out, err
+
+
+def triage_until(capsys: pytest.CaptureFixture[str], hub: str, engine_id: str, sshd: Sshd,
+                 state: str) -> TriageReport:
+    """Triage repeatedly until the engine's process shows ``state``; fails after 5 s."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        _, report, _, err = triage(capsys, hub, engine_id, sshd, "--json")
+        assert report is not None, err
+        if report.hosts[0].processes[0].state == state or time.monotonic() > deadline:
+            break
+    assert report.hosts[0].processes[0].state == state, report.diagnosis
+    return report
+
+
+@pytest.fixture
+def engine(hub: str, master: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes],
+                                                                    int, Path]]:
+    port = free_port()
+    log = tmp_path / "e1.log"
+    proc = spawn(hub, "e1", port, master, log)
+    try:
+        wait_for(lambda: f"listening on port {port}" in log.read_text(), "listening")
+        wait_reported(hub, "e1")
+        yield proc, port, log
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_running_engine_everything_checked(capsys: pytest.CaptureFixture[str], hub: str,
+                                           sshd: Sshd, engine: Any, master: str) -> None:
+    proc, port, log = engine
+    rc, report, _, err = triage(capsys, hub, "e1", sshd, "--json")
+    assert report is not None, err
+    host = report.hosts[0]
+    assert host.ssh_error == "" and host.target == f"root@127.0.0.1:{sshd.port}"
+    p = host.processes[0]
+    assert (p.pid, p.state, p.agents) == (proc.pid, "running", ["e1/scheduler"])
+    assert p.start_ticks == p.reported_start_ticks == start_ticks(proc.pid)
+    assert p.name == Path(f"/proc/{proc.pid}/comm").read_text().strip()
+    assert host.logs[0].path == str(log)
+    assert f"listening on port {port}" in host.logs[0].lines
+    assert host.ports is not None and host.ports.method == "ss"
+    assert [(h.pid, h.name) for h in host.ports.items[0].holders] == [(proc.pid, p.name)]
+    assert f"tcp {port}" in host.ports.engine_listens
+    total_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
+                    .splitlines() if line.startswith("MemTotal:"))
+    assert host.memory is not None and host.memory.total_bytes == total_kb * 1024
+    assert 0 < host.memory.available_bytes <= host.memory.total_bytes
+    assert host.accel is not None and not host.accel.present
+    assert "neither npu-smi nor hccn_tool" in host.accel.note
+    assert host.master is not None and host.master.address == master
+    assert host.master.reachable is True
+    # Reporting and running: nothing critical, exit 0.
+    assert rc == 0 and [f.kind for f in report.diagnosis] == ["ok"]
+
+
+def test_stopped_engine_is_hung(capsys: pytest.CaptureFixture[str], hub: str, sshd: Sshd,
+                                engine: Any) -> None:
+    proc, _, _ = engine
+    os.kill(proc.pid, signal.SIGSTOP)
+    report = triage_until(capsys, hub, "e1", sshd, "stopped")
+    assert report.hosts[0].processes[0].letter == "T"
+    hung = [f.text for f in report.diagnosis if f.kind == "hung"]
+    assert hung and hung[0].startswith(f"hung: pid {proc.pid} (")
+    assert f"kill -CONT {proc.pid}" in hung[0]
+    rc, _, text, _ = triage(capsys, hub, "e1", sshd)
+    assert rc == 1 and "hung: pid" in text
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_killed_engine_is_gone(capsys: pytest.CaptureFixture[str], hub: str, sshd: Sshd,
+                               engine: Any) -> None:
+    proc, _, _ = engine
+    os.kill(proc.pid, signal.SIGKILL)
+    # Not reaped yet: the kernel still holds the exit status.
+    report = triage_until(capsys, hub, "e1", sshd, "zombie")
+    p = report.hosts[0].processes[0]
+    assert p.exit == "killed by signal 9 (SIGKILL)" and p.ppid == os.getpid()
+    gone = [f.text for f in report.diagnosis if f.kind == "gone"]
+    assert gone == [f"gone: pid {proc.pid} ({p.name}) on engine-host-1 killed by signal 9 "
+                    f"(SIGKILL); its parent pid {os.getpid()} has not reaped it"]
+    assert proc.wait() == -signal.SIGKILL
+    # Reaped: only the kernel log could still tell, and it names no OOM kill of this pid.
+    report = triage_until(capsys, hub, "e1", sshd, "gone")
+    p = report.hosts[0].processes[0]
+    assert p.exit == ""
+    if p.kernel_log.startswith("unreadable"):
+        assert p.oom_killed is None and p.exit_source.startswith("unknown: kernel log")
+    else:
+        assert p.kernel_log in ("dmesg", "journalctl -k") and p.oom_killed is False
+        assert p.exit_source.startswith("unknown: reaped by its parent")
+    assert any(f.text.startswith(f"gone: pid {proc.pid} on engine-host-1 no longer exists")
+               for f in report.diagnosis)
+
+
+def test_port_taken_names_its_holder(capsys: pytest.CaptureFixture[str], hub: str,
+                                     sshd: Sshd, master: str, tmp_path: Path) -> None:
+    port = free_port()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
+        log = tmp_path / "e2.log"
+        engine = spawn(hub, "e2", port, master, log)
+        assert engine.wait(30) == 1
+        assert "Address already in use" in log.read_text()
+        report = triage_until(capsys, hub, "e2", sshd, "gone")
+        name = Path(f"/proc/{holder.pid}/comm").read_text().strip()
+        item = report.hosts[0].ports.items[0]  # type: ignore[union-attr]
+        assert (item.kind, item.port) == ("tcp", port)
+        assert [(h.pid, h.name) for h in item.holders] == [(holder.pid, name)]
+        assert (f"port {port} held by pid {holder.pid} ({name}) on engine-host-1"
+                in [f.text for f in report.diagnosis if f.kind == "port"])
+        assert any("Address already in use" in line for line in report.hosts[0].logs[0].lines)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOSTILE = "e'3\"; touch {c}; $(touch {c}) `touch {c}`\ntouch {c}"
+
+
+def _agent(hub: str, engine_id: str, host: str, **facts: Any) -> AgentHandle:
+    return start_agent(Source(agent_id=f"{engine_id}/scheduler", engine_id=engine_id,
+                              instance_role="mixed", kv_role="kv_both",
+                              process_role="replay", pid=os.getpid(), host=host,
+                              start_ticks=start_ticks(), **facts), address=hub)
+
+
+def test_hostile_values_run_nothing(capsys: pytest.CaptureFixture[str], hub: str, sshd: Sshd,
+                                    tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    name = HOSTILE.format(c=canary)
+    bad_path = f"/tmp/x'; touch {canary}; echo '"
+    handle = _agent(hub, name, "engine-host-1", log_path=bad_path,
+                    sockets=(f"/tmp/$(touch {canary})",), master=f"`touch {canary}`:1")
+    try:
+        wait_reported(hub, name)
+        rc, report, _, err = triage(capsys, hub, name, sshd, "--json")
+    finally:
+        handle.stop()
+    assert report is not None, err
+    host = report.hosts[0]
+    # The process was checked; every hostile value was refused and none sent.
+    assert host.processes[0].state == "running" and host.processes[0].pid == os.getpid()
+    assert host.logs == [] and host.master is None and host.ports.items == []  # type: ignore
+    assert len(host.refused) == 3 and all("refused" in r for r in host.refused)
+    assert not canary.exists()
+    assert rc == 0
+
+
+def test_quoting_keeps_arguments_literal(tmp_path: Path) -> None:
+    """Even unchecked text passed to ``command`` reaches the script as one literal argument."""
+    canary = tmp_path / "canary"
+    hostile = HOSTILE.format(c=canary)
+    out = subprocess.run(["sh", "-c", command('printf "%s" "$1"', hostile)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == hostile and not canary.exists()
+
+
+@pytest.mark.parametrize(("host", "reason"), [
+    ("stranger-host", "host key unknown"),
+    ("refused-host", "login refused"),
+    ("nokey-host", "no key"),
+    ("closed-host", "host unreachable: Connection refused"),
+    ("nocheck-host", "host key checking is off"),
+])
+def test_no_ssh_access_is_one_line(capsys: pytest.CaptureFixture[str], hub: str, sshd: Sshd,
+                                   host: str, reason: str) -> None:
+    handle = _agent(hub, f"e-{host}", host)
+    try:
+        wait_reported(hub, f"e-{host}")
+        rc, _, out, err = triage(capsys, hub, f"e-{host}", sshd)
+    finally:
+        handle.stop()
+    assert rc == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"triage: cannot ssh to {host}")
+    assert f": {reason}" in lines[0]
+    assert "Traceback" not in err
+
+
+def test_unknown_engine_exit_2(capsys: pytest.CaptureFixture[str], hub: str,
+                               sshd: Sshd) -> None:
+    handle = _agent(hub, "known", "engine-host-1")
+    try:
+        wait_reported(hub, "known")
+        rc, _, out, err = triage(capsys, hub, "nope", sshd)
+    finally:
+        handle.stop()
+    assert rc == 2 and out == ""
+    assert err.strip() == "triage: unknown engine 'nope'; known: known"
+
+
+def test_proc_fallback_without_ss(tmp_path: Path) -> None:
+    """The ``/proc`` branch of the port check finds a real listener and its process."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "cat", "find", "grep"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))  # type: ignore[arg-type]
+    marker = "@@m@@"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([str(bin_dir / "sh"), "-c", command(PORTS, marker)],
+                             env={"PATH": str(bin_dir)}, capture_output=True, text=True).stdout
+    parts = dict(sections(out, marker))
+    assert "proc" in parts and "ss" not in parts
+    found = parse_proc_sockets(parts["proc"], parts["fds"], parts["comm"])
+    mine = [h for kind, where, h in found if (kind, where) == ("tcp", str(port))]
+    assert [h.pid for h in mine] == [os.getpid()]
+    assert mine[0].name == Path("/proc/self/comm").read_text().strip()
+
+
+def test_kernel_log_evidence_for_the_pid() -> None:
+    lines = [
+        "[  100.000001] Out of memory: Killed process 4242 (python3) total-vm:1000kB, "
+        "anon-rss:900kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:40kB oom_score_adj:0",
+        "[  100.000002] oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,"
+        "mems_allowed=0,global_oom,task_memcg=/,task=python3,pid=4242,uid=0",
+        "[   50.000000] Out of memory: Killed process 777 (other) total-vm:1kB",
+        "[  120.500000] python3[5151]: segfault at 0 ip 0000 sp 0000 error 4",
+    ]
+    assert kernel_evidence(lines, 4242)[:2] == (True, "")
+    assert len(kernel_evidence(lines, 4242)[2]) == 2
+    # An OOM kill stamped before the process started was an older process with that pid.
+    assert kernel_evidence(lines, 4242, after_s=150.0) == (False, "", [])
+    assert kernel_evidence(lines, 5151)[:2] == (False, "killed by signal 11 (SIGSEGV)")
+    assert kernel_evidence(lines, 42)[:2] == (False, "")
+
+
+def test_process_facts_of_a_redirected_process(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    code = ("import msgspec, sys; from kvpool_agent.process_facts import process_facts; "
+            "sys.stderr.write(msgspec.json.encode(process_facts(sockets=['/s'], "
+            "master='m:1')).decode())")
+    with log.open("wb") as f:
+        subprocess.run([sys.executable, "-c", code], stderr=f, check=True)
+    facts = msgspec.json.decode(log.read_bytes())
+    assert facts["log_path"] == str(log)
+    assert facts["sockets"] == ["/s"] and facts["master"] == "m:1"
+    assert facts["start_ticks"] > 0
+
+
+async def test_tui_triage_in_detail_screen(sshd: Sshd, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """``t`` on the fleet screen opens the engine's detail screen with the triage result;
+    the operator's ~/.ssh (here the test's home) is used."""
+    from textual.widgets import Static
+
+    from kvpool_agent.protocol import EngineState
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.screens import EngineDetailScreen
+    from kvpool_console.triage.panel import TriagePanel
+
+    monkeypatch.setenv("HOME", str(sshd.home))
+    now = time.time() * 1e3
+    src = Source(agent_id="tui/scheduler", engine_id="tui", instance_role="mixed",
+                 kv_role="kv_both", process_role="replay", pid=os.getpid(),
+                 host="engine-host-1", **process_facts())
+    app = KVPoolConsole(StaticSource({"tui/scheduler": EngineState(
+        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now)
+    async with app.run_test(size=(120, 50)) as pilot:
+        await pilot.press("t")
+        await pilot.pause()
+        assert isinstance(app.screen, EngineDetailScreen) and app.screen.engine_id == "tui"
+        panel = app.screen.query_one(TriagePanel)
+        deadline = time.monotonic() + 5.0
+        while panel.report is None and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert panel.report is not None
+        assert panel.report.hosts[0].processes[0].state == "running"
+        body = str(panel.query_one("#triage-body", Static).render())
+        assert f"running: pid {os.getpid()}" in body
+        # ``t`` again on the detail screen replaces the panel with a fresh run.
+        await pilot.press("t")
+        await pilot.pause()
+        assert len(app.screen.query(TriagePanel)) == 1
+
+
+def test_hidden_proc_is_not_called_gone() -> None:
+    """When ``/proc`` hides other users' processes a missing pid is not evidence of death."""
+    from kvpool_console.triage._plan import ProcPlan
+    from kvpool_console.triage._run import _processes
+
+    m = "@@m@@"
+    out = f"{m} clk 100\n{m} hidepid\n{m} pid 4242\n{m} gone 4242\n"
+    klog = f"{m} dmesg\n"
+    [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))], (0, out, ""), (0, klog, ""),
+                         m)
+    assert check.state == "unknown" and "hidepid" in check.error
+    [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))],
+                         (0, out.replace(f"{m} hidepid\n", ""), ""), (0, klog, ""), m)
+    assert check.state == "gone" and check.oom_killed is False

@@ -1,0 +1,69 @@
+"""SSH triage of a real replaying engine (``DemoCluster``: ``KVPoolConnector`` scheduler and
+worker in one process, a real mooncake_master): its agents report where it runs, and
+``kvpool-console triage`` over a real sshd finds it stopped, then killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from sshd import start_sshd
+
+from kvpool_agent import FleetClient
+from kvpool_console.cli import main
+from kvpool_console.triage import TriageReport
+from kvpool_replay import DemoCluster, default_trace_path
+
+
+def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    server = start_sshd(tmp_path / "ssh", aliases=(socket.gethostname(),))
+    cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=1,
+                          speedup=8.0, limit=150, pool_tokens=600_000)
+    try:
+        with cluster:
+            client = FleetClient(cluster.hub_address)
+            try:
+                assert len(client.wait_for(2, timeout_s=30)) == 2
+            finally:
+                client.close()
+            engine_id, proc = next(iter(cluster.processes.items()))
+
+            def triage_until(state: str) -> TriageReport:
+                deadline = time.monotonic() + 5.0
+                while True:
+                    main(["triage", engine_id, "--hub", cluster.hub_address, "--json",
+                          "--ssh-config", str(server.ssh_config)])
+                    out, err = capsys.readouterr()
+                    report = msgspec.json.decode(out, type=TriageReport)
+                    got = report.hosts[0].processes[0].state
+                    if got == state or time.monotonic() > deadline:
+                        assert got == state, (report.diagnosis, err)
+                        return report
+
+            os.kill(proc.pid, signal.SIGSTOP)
+            host = triage_until("stopped").hosts[0]
+            p = host.processes[0]
+            # One process holds both connector roles; its facts came from the agents.
+            assert p.pid == proc.pid and sorted(p.agents) == [
+                f"{engine_id}/dp0.tp0.pp0", f"{engine_id}/scheduler"]
+            assert host.logs[0].path == str(cluster.workdir / f"{engine_id}.log")
+            assert host.logs[0].lines, host.logs[0].error
+            assert host.ports is not None
+            socks = [i for i in host.ports.items if i.kind == "unix"]
+            assert len(socks) == 1 and "kvpool-lookup-" in socks[0].path
+            assert [h.pid for h in socks[0].holders] == [proc.pid]
+            assert host.master is not None and host.master.reachable is True
+            assert cluster.master is not None and host.master.address == cluster.master.address
+
+            os.kill(proc.pid, signal.SIGKILL)
+            p = triage_until("zombie").hosts[0].processes[0]
+            assert p.exit == "killed by signal 9 (SIGKILL)"
+    finally:
+        server.stop()
