@@ -1,0 +1,67 @@
+"""The public surface of every kvpool package, pinned (like httpx's exported-members test).
+
+A name added to or dropped from a package's ``__all__`` must change this file too, so a change
+of the public API is always a visible decision. Modules whose name starts with ``_`` are private;
+every other module lists its public names in ``__all__``, and each of them exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+PINNED: dict[str, list[str]] = {
+    "kvpool_agent": [
+        "AGENT_ADDRESS_ENV", "AgentHandle", "CommandError", "FleetClient", "FleetEntry",
+        "FleetHub", "KeyPaths", "NullReporter", "PoolOperations", "Reporter", "UNAUTHORISED",
+        "generate_keys", "hub_ports", "start_agent",
+    ],
+    "kvpool_connector": ["KVPoolConnector"],
+    # Empty on purpose: importing the console package must not load Textual; it is used
+    # through its CLI and its modules.
+    "kvpool_console": [],
+    "kvpool_config": [
+        "ConfigLoadError", "FileReport", "Finding", "Options", "RenderError", "Rendered",
+        "Shape", "detect_shape", "kvpool_schema", "load_json", "render_mooncake",
+        "schema_text", "validate_document", "validate_files",
+    ],
+    "kvpool_replay": [
+        "DEMO_SHAPE", "DemoCluster", "EngineResult", "EngineSpec", "LocalMooncakeMaster",
+        "LocalPoolStore", "LocalYuanrongWorker", "ModelShape", "ReplayConfig", "ReplayReport",
+        "ReuseResult", "TraceError", "TraceRequest", "build_tiny_model", "default_trace_path",
+        "engine_env", "free_port", "load_trace", "lru_hits", "mooncake_extra_config",
+        "prefix_ceiling", "reference_for", "request_tokens", "run_replay",
+    ],
+}
+
+
+def _public_modules(package: str) -> list[str]:
+    """Every module under ``package`` whose dotted path has no ``_``-prefixed part."""
+    out = []
+    pkg = importlib.import_module(package)
+    for info in pkgutil.walk_packages(pkg.__path__, package + "."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            out.append(info.name)
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_package_exports_are_pinned(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(PINNED[package])
+    for name in module.__all__:
+        assert getattr(module, name, None) is not None, f"{package}.{name} is in __all__ only"
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_every_public_module_declares_what_it_exports(package: str) -> None:
+    modules = _public_modules(package)
+    assert modules, f"{package} has no public module"
+    for name in modules:
+        module = importlib.import_module(name)
+        exported = getattr(module, "__all__", None)
+        assert exported is not None, f"{name} is public (no leading _) but has no __all__"
+        missing = [n for n in exported if not hasattr(module, n)]
+        assert not missing, f"{name}.__all__ names {missing}, which it does not define"
