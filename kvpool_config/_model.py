@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpool_agent.vocabulary import KV_ROLES
 from kvpool_connector.backends.memcache import MemcacheConfig
 from kvpool_connector.backends.yuanrong import YuanrongConfig
 from kvpool_connector.config import CONNECTOR_EXTRA_KEYS
@@ -40,7 +41,6 @@ __all__ = [
     "KTC_FIELDS",
     "KVPOOL_BACKEND_KEYS",
     "KVPOOL_EXTRA_KEYS",
-    "KV_ROLES",
     "LOAD_FAILURE_POLICIES",
     "LOCAL_SERVICE_MODES",
     "MOONCAKE_PROTOCOLS",
@@ -57,9 +57,6 @@ __all__ = [
     "StorageMount",
     "UserConfig",
 ]
-
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-"""vLLM ``KVRole`` values."""
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 """vLLM ``KVTransferConfig.kv_load_failure_policy`` values (default ``fail``)."""

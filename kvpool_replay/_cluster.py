@@ -40,9 +40,9 @@ from kvpool_replay._replay import spawn_engine
 from kvpool_replay._services import (
     LocalMooncakeMaster,
     LocalPoolStore,
-    engine_env,
     free_port,
     stop_process_tree,
+    use_local_pool_env,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model
@@ -179,8 +179,7 @@ class DemoCluster:
         from kvpool_agent import FleetHub, generate_keys
 
         trace = load_trace(self.trace_path, limit=self.limit)
-        os.environ["PATH"] = engine_env()["PATH"]
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        use_local_pool_env()
         self.workdir.mkdir(parents=True, exist_ok=True)
         keys = generate_keys(self.keys_dir, force=True)
         self.hub_address = _free_hub_address()

@@ -41,6 +41,7 @@ from kvpool_replay._services import (
     engine_env,
     free_port,
     stop_process_tree,
+    use_local_pool_env,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE, request_tokens
@@ -290,8 +291,7 @@ def run_replay(
                 m = LocalMooncakeMaster(
                     eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio)
                 stack.callback(m.stop)
-                os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-                os.environ["PATH"] = engine_env()["PATH"]
+                use_local_pool_env()
                 m.start()
                 assert m.proc is not None
                 rss.add("master", m.proc.pid)

@@ -55,6 +55,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+MC_BIND_ENV = "MC_TCP_BIND_ADDRESS"
+"""Where Mooncake's transfer engine binds TCP; local pools and engines stay on loopback."""
+
+
 def engine_env() -> dict[str, str]:
     """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1, this
     interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH`` and
@@ -63,11 +67,18 @@ def engine_env() -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[1])
     if src not in env.get("PYTHONPATH", "").split(os.pathsep):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    env[MC_BIND_ENV] = "127.0.0.1"
     bindir = str(Path(sys.executable).parent)
     if bindir not in env.get("PATH", "").split(os.pathsep):
         env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     return env
+
+
+def use_local_pool_env() -> None:
+    """Make this process's own Mooncake client and ``mooncake_master`` lookups local: this
+    interpreter's ``bin`` on ``PATH`` and Mooncake bound to 127.0.0.1 unless already set."""
+    os.environ["PATH"] = engine_env()["PATH"]
+    os.environ.setdefault(MC_BIND_ENV, "127.0.0.1")
 
 
 def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
@@ -176,7 +187,7 @@ class LocalMooncakeMaster:
         cmd = self.command()
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        env = {**os.environ, MC_BIND_ENV: "127.0.0.1"}
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvpool_agent.vocabulary import KVRole
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
 
 __all__ = ["DTYPE_BYTES", "EngineResult", "EngineSpec", "ModelShape"]
@@ -81,7 +82,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     """
 
     engine_id: str
-    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    kv_role: KVRole = "kv_both"
     master_address: str
     model: str = "kvpool-replay"
     shape: ModelShape = msgspec.field(default_factory=ModelShape)

@@ -17,15 +17,6 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
-# The SSH triage tests log in to a real sshd on 127.0.0.1.
-if [ ! -x /usr/sbin/sshd ]; then
-    step "apt: installing openssh-server (sshd for the SSH triage tests)"
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server >/dev/null
-fi
-
 if [ ! -x .venv/bin/python ]; then
     step "creating virtualenv .venv"
     python3 -m venv .venv

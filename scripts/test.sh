@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MC_TCP_BIND_ADDRESS=127.0.0.1
+# The SSH triage tests log in to a real sshd on 127.0.0.1 (only the tests need it, not the demo).
+if [ ! -x /usr/sbin/sshd ]; then
+    printf '==> apt: installing openssh-server (sshd for the SSH triage tests)\n'
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server >/dev/null
+fi
 printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench
 printf '\n==> mypy\n';  .venv/bin/mypy
 printf '\n==> import contracts\n';  .venv/bin/lint-imports

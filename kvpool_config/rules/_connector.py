@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvpool_agent.vocabulary import KV_ROLE_FOR
-from kvpool_config._model import KV_ROLES, LOAD_FAILURE_POLICIES
+from kvpool_agent.vocabulary import KV_ROLE_FOR, KV_ROLES
+from kvpool_config._model import LOAD_FAILURE_POLICIES
 from kvpool_config.rules._finding import Finding
 
 __all__ = [
