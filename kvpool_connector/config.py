@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, INSTANCE_ROLE_OF, InstanceRole, KVRole
+from kvpool_connector._validation import field_problems
 from kvpool_connector.keys import normalize_model_name
 
 if TYPE_CHECKING:
@@ -152,7 +153,8 @@ class KVPoolConfig(BaseModel):
         try:
             fields = _ExtraFields.model_validate(raw)
         except ValidationError as exc:
-            raise ValueError(_describe(exc, "kv_connector_extra_config")) from None
+            raise ValueError(
+                field_problems(exc, "kv_connector_extra_config.", show_input=True)) from None
         role = kv_role or "kv_both"
         if role not in INSTANCE_ROLE_OF:
             raise ValueError(
@@ -179,7 +181,7 @@ class KVPoolConfig(BaseModel):
                 extra=raw,
             )
         except ValidationError as exc:
-            raise ValueError(_describe(exc, "kv_transfer_config")) from None
+            raise ValueError(field_problems(exc, "kv_transfer_config.", show_input=True)) from None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> KVPoolConfig:
@@ -201,11 +203,3 @@ class KVPoolConfig(BaseModel):
             dp_rank=vllm_config.parallel_config.data_parallel_rank,
         )
 
-
-def _describe(exc: ValidationError, prefix: str) -> str:
-    """One line per invalid field: ``<prefix>.<field>: <problem> (got <value>)``."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        lines.append(f"{prefix}.{loc}: {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(lines)

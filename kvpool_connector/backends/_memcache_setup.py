@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from kvpool_connector._validation import field_problems
+
 __all__ = ["MemcacheConfig", "ascend_driver_problem", "probe_init", "reachable"]
 
 _INSTALL_INFO = Path("/etc/ascend_install.info")
@@ -90,10 +92,7 @@ class MemcacheConfig(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"kv_connector_extra_config.memcache_{err['loc'][0]}: {err['msg']}"
-                for err in exc.errors()
-            )
+            problems = field_problems(exc, "kv_connector_extra_config.memcache_")
             raise ValueError(f"bad memcache config: {problems}") from None
 
     def local_config(self) -> Any:

@@ -66,6 +66,7 @@ from pydantic import (
 from kvpool_agent.pool import mooncake_master_health, parse_master_metrics
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.vocabulary import ErrorCode
+from kvpool_connector._validation import field_problems
 from kvpool_connector.backends.base import (
     Backend,
     BackendError,
@@ -190,9 +191,7 @@ class MooncakeConfig(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-            )
+            problems = field_problems(exc)
             raise ValueError(f"bad Mooncake config ({source}): {problems}") from None
 
 

@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.vocabulary import ErrorCode
+from kvpool_connector._validation import field_problems
 from kvpool_connector.backends._yuanrong_names import encode_key, status_code
 from kvpool_connector.backends.base import (
     Backend,
@@ -133,10 +134,7 @@ class YuanrongConfig(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"kv_connector_extra_config.yuanrong_{err['loc'][0]}: {err['msg']}"
-                for err in exc.errors()
-            )
+            problems = field_problems(exc, "kv_connector_extra_config.yuanrong_")
             raise ValueError(f"bad yuanrong config: {problems}") from None
 
 
