@@ -60,7 +60,7 @@ def check_store_connector(
     ctx.add(
         R.check_backend_choice(extra.get("backend"), path=f"{epath}.backend", mindie=ctx.mindie)
     )
-    _check_lookup_ports(ctx, extra, epath, inst)
+    _check_lookup_ports(ctx, name, extra, epath, inst)
     ctx.add(R.check_qos_priority(extra.get("qos_priority"), path=f"{epath}.qos_priority"))
     if extra.get("use_layerwise") is True:
         inst.layerwise.append(f"{epath}.use_layerwise")
@@ -106,8 +106,12 @@ def _check_extra_keys(ctx: Context, name: str, extra: dict[str, Any], epath: str
     )
 
 
-def _check_lookup_ports(ctx: Context, extra: dict[str, Any], epath: str, inst: Instance) -> None:
-    """``lookup_rpc_port`` (or its deprecated name) is a port; MindIE fills it in itself."""
+def _check_lookup_ports(
+    ctx: Context, name: str, extra: dict[str, Any], epath: str, inst: Instance
+) -> None:
+    """``lookup_rpc_port`` (or its deprecated name) is a port; MindIE fills it in itself.
+    KVPoolConnector's 0 (unset) is no port: its socket is then named from vLLM's instance id,
+    different per engine, so it never clashes across instances."""
     if "mooncake_rpc_port" in extra:
         ctx.add(
             Finding(
@@ -133,7 +137,8 @@ def _check_lookup_ports(ctx: Context, extra: dict[str, Any], epath: str, inst: I
                 )
             )
             continue
-        inst.lookup_ports.append((port, f"{epath}.{key}"))
+        if name != "KVPoolConnector" or port:
+            inst.lookup_ports.append((port, f"{epath}.{key}"))
         if ctx.mindie:
             ctx.add(
                 Finding(

@@ -62,7 +62,8 @@ class KVPoolConfig(BaseModel):
             the forward pass.
         consumer_is_to_load / consumer_is_to_put: a ``kv_consumer`` looks up and loads / saves
             only when these are set (vLLM Ascend semantics). ``kv_producer`` never loads.
-        lookup_rpc_port: part of the lookup socket path; distinct per engine on one host.
+        lookup_rpc_port: names the lookup socket; distinct per engine on one host. 0 (unset):
+            the socket is named from ``instance_id`` instead, which already differs per engine.
         lookup_timeout_ms: how long the scheduler waits for the lookup server per query.
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
         lease_ttl_ms: the pool's lease on looked-up keys (Mooncake ``default_kv_lease_ttl``),
@@ -72,6 +73,8 @@ class KVPoolConfig(BaseModel):
         kv_role: vLLM's ``kv_role``.
         model: normalised model name (``keys.normalize_model_name``).
         engine_id: vLLM's ``engine_id`` (or the configured one): names this engine in reports.
+        instance_id: vLLM's ``VllmConfig.instance_id`` (the same in the scheduler and the workers
+            of one engine, new per engine); ``""`` when not built from a ``VllmConfig``.
         dp_rank: data-parallel rank of this engine.
         extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
     """
@@ -93,6 +96,7 @@ class KVPoolConfig(BaseModel):
     kv_role: KVRole = "kv_both"
     model: str
     engine_id: str = "engine"
+    instance_id: str = ""
     dp_rank: int = 0
     extra: dict[str, Any] = Field(default_factory=dict)
 
@@ -131,6 +135,7 @@ class KVPoolConfig(BaseModel):
         block_size: int,
         model: str,
         engine_id: str | None = None,
+        instance_id: str = "",
         dp_rank: int = 0,
     ) -> KVPoolConfig:
         """Parse ``kv_connector_extra_config`` plus the engine facts it depends on.
@@ -177,6 +182,7 @@ class KVPoolConfig(BaseModel):
                 kv_role=cast(KVRole, role),
                 model=normalize_model_name(model),
                 engine_id=fields.engine_id or engine_id or "engine",
+                instance_id=instance_id,
                 dp_rank=dp_rank,
                 extra=raw,
             )
@@ -200,6 +206,7 @@ class KVPoolConfig(BaseModel):
             block_size=vllm_config.cache_config.block_size,
             model=vllm_config.model_config.model,
             engine_id=ktc.engine_id,
+            instance_id=vllm_config.instance_id,
             dp_rank=vllm_config.parallel_config.data_parallel_rank,
         )
 

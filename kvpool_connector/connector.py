@@ -96,6 +96,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     Raises:
         ValueError: a ``kv_connector_extra_config`` field is invalid (the message names it).
         BackendUnavailable: (worker role) the backend's package or service is missing.
+        RuntimeDirError: (an engine that loads) the lookup socket's runtime directory is unsafe
+            or its path too long (``kvpool_connector.lookup``).
     """
 
     def __init__(
@@ -115,8 +117,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             reporter = self._start_agent("scheduler", ParallelLayout(), backend=None)
             lookup = (
-                LookupClient(lookup_rpc_port=cfg.lookup_rpc_port, dp_rank=cfg.dp_rank,
-                             timeout_ms=cfg.lookup_timeout_ms)
+                LookupClient(lookup_rpc_port=cfg.lookup_rpc_port, instance_id=cfg.instance_id,
+                             dp_rank=cfg.dp_rank, timeout_ms=cfg.lookup_timeout_ms)
                 if cfg.should_load else None
             )
             self._scheduler = KVPoolScheduler(cfg, lookup, reporter)
@@ -150,7 +152,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             host=socket.gethostname(), backend=cfg.backend, model=cfg.model,
             # For SSH triage: the lookup socket this engine serves or queries, the master.
             **process_facts(
-                sockets=[str(lookup_socket_path(cfg.lookup_rpc_port, cfg.dp_rank))]
+                sockets=[str(lookup_socket_path(cfg.lookup_rpc_port, cfg.dp_rank,
+                                                instance_id=cfg.instance_id))]
                 if cfg.should_load else [],
                 master=getattr(backend_cfg, "master_server_address", "")),
         )
@@ -216,6 +219,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
         Raises:
             PortInUse: another live engine holds ``lookup_rpc_port`` on this host.
+            RuntimeDirError: the runtime directory of the lookup socket is unsafe.
         """
         worker = self._work()
         worker.register_kv_caches(kv_caches)
@@ -223,7 +227,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if cfg.should_load and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
             self._lookup_server = LookupServer(
                 worker.lookup_chunks, lookup_rpc_port=cfg.lookup_rpc_port,
-                dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
+                instance_id=cfg.instance_id, dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
             )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

@@ -6,11 +6,17 @@ holds one, how many leading chunks of a prompt the pool holds for *every* rank o
 ``LookupKeyClient``.
 
 Transport: a ZMQ ROUTER (server) / DEALER (client) pair on ``ipc://<dir>/kvpool-lookup-<host>-
-<lookup_rpc_port>-dp<dp_rank>.sock``; ``<dir>`` is ``$KVPOOL_RUNTIME_DIR`` or the system temp
-dir. Messages are msgpack-encoded msgspec structs carrying a request id, so a late reply to a
-timed-out query is recognised and dropped. Next to the socket an ``.owner`` JSON file records the
-pid and engine holding it: a second engine on the same port is refused with that owner's
-identity; a socket left by a dead process is removed.
+<name>-dp<dp_rank>.sock``. ``<dir>`` is the per-user runtime directory (``_runtime_dir``:
+``$KVPOOL_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/kvpool``, else ``<tempdir>/kvpool-<uid>``; 0700,
+symbolic links refused). ``<name>`` is ``kv_connector_extra_config.lookup_rpc_port`` when set,
+else ``i`` + 12 hex digits of SHA-256 of vLLM's ``VllmConfig.instance_id`` - one value for the
+scheduler and the workers of an engine (pickled with the config into each process), a new one per
+engine (``time.time_ns()`` at config creation, plus ``_dp<rank>`` per DP engine) - so engines on
+one host never share a socket without configuration. Messages are msgpack-encoded msgspec structs
+carrying a request id, so a late reply to a timed-out query is recognised and dropped. Next to the
+socket an ``.owner`` JSON file (created with ``O_EXCL | O_NOFOLLOW``, the atomic claim of the
+name) records the pid and engine holding it: a second engine on the same port is refused with
+that owner's identity; a socket left by a dead process is removed.
 
 A store failure is never turned into "0 chunks": the server counts and logs it and replies with
 the error; the client raises ``LookupFailed``.
@@ -19,12 +25,13 @@ the error; the client raises ``LookupFailed``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
 import os
+import re
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +42,14 @@ import psutil
 import zmq
 
 from kvpool_agent.vocabulary import error_name
+from kvpool_connector._runtime_dir import (
+    RUNTIME_DIR_ENV,
+    RuntimeDirError,
+    create_private_file,
+    read_private_file,
+    remove_stale,
+    socket_path,
+)
 from kvpool_connector.backends.base import BackendError
 
 __all__ = [
@@ -43,13 +58,11 @@ __all__ = [
     "LookupFailed",
     "LookupServer",
     "PortInUse",
+    "RuntimeDirError",
     "lookup_socket_path",
 ]
 
 logger = logging.getLogger(__name__)
-
-RUNTIME_DIR_ENV = "KVPOOL_RUNTIME_DIR"
-"""Directory of the lookup sockets (default: the system temp dir)."""
 
 _POLL_MS = 100
 
@@ -69,7 +82,8 @@ class LookupFailed(RuntimeError):
 
 
 class PortInUse(RuntimeError):
-    """Another live engine holds this ``lookup_rpc_port`` and DP rank on this host."""
+    """Another live engine holds this lookup socket (``lookup_rpc_port`` or vLLM instance id,
+    and DP rank) on this host."""
 
 
 class _Request(msgspec.Struct, array_like=True):
@@ -84,17 +98,41 @@ class _Reply(msgspec.Struct, array_like=True):
     code: int | None = None
 
 
-def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0, host: str | None = None) -> Path:
-    """Filesystem path of the lookup socket for one engine (DP rank) on this host.
+def lookup_socket_path(lookup_rpc_port: int = 0, dp_rank: int = 0, *, instance_id: str = "",
+                       host: str | None = None) -> Path:
+    """Filesystem path of the lookup socket for one engine (DP rank) on this host, in the
+    runtime directory (created 0700 when missing).
 
     Args:
-        lookup_rpc_port: ``kv_connector_extra_config.lookup_rpc_port``.
+        lookup_rpc_port: ``kv_connector_extra_config.lookup_rpc_port``; 0 = unset.
         dp_rank: the engine's data-parallel rank.
-        host: host name (default ``socket.gethostname()``).
+        instance_id: vLLM's ``VllmConfig.instance_id``; names the socket when the port is 0.
+        host: host name (default ``socket.gethostname()``); its first 16 characters, each one
+            other than a letter, digit, ``.``, ``_`` or ``-`` replaced by ``_`` (the whole path
+            must fit a Unix socket address, ``_runtime_dir.SUN_PATH_MAX``).
+
+    Raises:
+        ValueError: neither a port nor an instance id.
+        RuntimeDirError: the runtime directory is unsafe, or the path is too long for a Unix
+            socket (the message names the path and the fix).
     """
-    base = Path(os.environ.get(RUNTIME_DIR_ENV) or tempfile.gettempdir())
-    host = (host or socket.gethostname()).replace("/", "_")
-    return base / f"kvpool-lookup-{host}-{lookup_rpc_port}-dp{dp_rank}.sock"
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", host or socket.gethostname())[:16]
+    if lookup_rpc_port:
+        name = str(lookup_rpc_port)
+    elif instance_id:
+        # Hashed: an instance id may hold any character and be any length.
+        name = "i" + hashlib.sha256(instance_id.encode()).hexdigest()[:12]
+    else:
+        raise ValueError("the lookup socket needs kv_connector_extra_config.lookup_rpc_port or "
+                         "vLLM's instance_id; neither is set")
+    return socket_path(f"kvpool-lookup-{host}-{name}-dp{dp_rank}.sock")
+
+
+def _named_by(lookup_rpc_port: int, instance_id: str) -> str:
+    """What names the socket, for error messages."""
+    if lookup_rpc_port:
+        return f"lookup_rpc_port {lookup_rpc_port}"
+    return f"vLLM instance_id {instance_id!r}"
 
 
 def _owner_path(sock: Path) -> Path:
@@ -107,8 +145,7 @@ class LookupServer:
     Args:
         lookup_chunks: ``chunk_hashes -> leading chunks present for every rank``; raises
             ``BackendError`` when the store fails (``KVPoolWorker.lookup_chunks``).
-        lookup_rpc_port: port number in the socket path.
-        dp_rank: DP rank in the socket path.
+        lookup_rpc_port, instance_id, dp_rank: select the socket (see ``lookup_socket_path``).
         engine_id: recorded in the owner file so a conflicting engine can be named.
 
     Attributes:
@@ -117,18 +154,25 @@ class LookupServer:
     Raises:
         PortInUse: a live process (another engine) holds the socket; the message names its
             pid, engine id and the socket path, and says to pick another ``lookup_rpc_port``.
+        RuntimeDirError: the runtime directory is unsafe, the socket path is too long, or a
+            symbolic link or directory sits at the socket or owner file path (never followed).
     """
 
     def __init__(
         self,
         lookup_chunks: Callable[[list[str]], int],
         *,
-        lookup_rpc_port: int,
+        lookup_rpc_port: int = 0,
+        instance_id: str = "",
         dp_rank: int = 0,
         engine_id: str = "engine",
     ) -> None:
         self._lookup = lookup_chunks
-        self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        self.path = lookup_socket_path(lookup_rpc_port, dp_rank, instance_id=instance_id)
+        self._named_by = _named_by(lookup_rpc_port, instance_id)
+        self._fix = ("give this engine another kv_connector_extra_config.lookup_rpc_port"
+                     if lookup_rpc_port else
+                     "set kv_connector_extra_config.lookup_rpc_port to a port unique on this host")
         self.engine_id = engine_id
         self.lookups = 0
         self.errors = 0
@@ -141,25 +185,53 @@ class LookupServer:
         self._thread.start()
 
     def _claim(self) -> None:
+        """Take the socket's name: refuse a live holder, remove what a dead one left, then
+        create the owner file (``O_EXCL``: of two engines starting at once, one wins)."""
         owner = _owner_path(self.path)
-        if self.path.exists() or owner.exists():
-            info: dict[str, object] = {}
-            with contextlib.suppress(OSError, ValueError):
-                info = json.loads(owner.read_text())
-            pid = info.get("pid")
-            if isinstance(pid, int) and pid != os.getpid() and psutil.pid_exists(pid):
-                raise PortInUse(
-                    f"lookup_rpc_port is in use: {self.path} is held by engine "
-                    f"{info.get('engine_id')!r} (pid {pid}); give this engine another "
-                    "kv_connector_extra_config.lookup_rpc_port"
-                )
-            # Left behind by a process that died: remove it, or bind would fail.
-            logger.info("removing stale lookup socket %s (owner %s)", self.path, info or "unknown")
-            self.path.unlink(missing_ok=True)
+        info = self._holder(owner)
+        if info is not None:
+            # Left behind by a process that died (or unreadable): remove it.
+            logger.info("removing stale lookup owner file %s (%s)", owner, info or "unreadable")
+            remove_stale(owner)
+        record = {"pid": os.getpid(), "engine_id": self.engine_id, "started": time.time()}
+        try:
+            create_private_file(owner, json.dumps(record).encode())
+        except FileExistsError:
+            raise self._in_use(self._holder(owner) or {}) from None
+        try:
+            # A socket file without a live owner is stale; bind would fail on it.
+            remove_stale(self.path)
+        except RuntimeDirError:
             owner.unlink(missing_ok=True)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        owner.write_text(json.dumps({"pid": os.getpid(), "engine_id": self.engine_id,
-                                     "started": time.time()}))
+            raise
+
+    def _holder(self, owner: Path) -> dict[str, object] | None:
+        """The owner file's record; ``None`` when there is none, ``{}`` when unreadable.
+
+        Raises:
+            PortInUse: a live process other than this one holds the socket.
+            RuntimeDirError: a symbolic link or directory is at the owner file path.
+        """
+        try:
+            raw = read_private_file(owner)
+        except OSError:
+            return {}
+        if raw is None:
+            return None
+        info: dict[str, object] = {}
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(raw)
+            info = loaded if isinstance(loaded, dict) else {}
+        pid = info.get("pid")
+        if isinstance(pid, int) and pid != os.getpid() and psutil.pid_exists(pid):
+            raise self._in_use(info)
+        return info
+
+    def _in_use(self, info: dict[str, object]) -> PortInUse:
+        return PortInUse(
+            f"{self._named_by} is in use: {self.path} is held by engine "
+            f"{info.get('engine_id')!r} (pid {info.get('pid')}); {self._fix}"
+        )
 
     def _serve(self) -> None:
         enc = msgspec.msgpack.Encoder()
@@ -209,14 +281,19 @@ class LookupClient:
     """The scheduler's side: ask worker rank 0 how many leading chunks the pool holds.
 
     Args:
-        lookup_rpc_port, dp_rank: select the socket (see ``lookup_socket_path``).
+        lookup_rpc_port, instance_id, dp_rank: select the socket (see ``lookup_socket_path``).
         timeout_ms: how long one query waits for its reply.
+
+    Raises:
+        RuntimeDirError: the runtime directory is unsafe or the socket path too long.
 
     Not thread-safe: the scheduler calls it from its one thread.
     """
 
-    def __init__(self, *, lookup_rpc_port: int, dp_rank: int = 0, timeout_ms: int = 5_000) -> None:
-        self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+    def __init__(self, *, lookup_rpc_port: int = 0, instance_id: str = "", dp_rank: int = 0,
+                 timeout_ms: int = 5_000) -> None:
+        self.path = lookup_socket_path(lookup_rpc_port, dp_rank, instance_id=instance_id)
+        self._named_by = _named_by(lookup_rpc_port, instance_id)
         self.timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._enc = msgspec.msgpack.Encoder()
@@ -250,7 +327,7 @@ class LookupClient:
             return reply.hit_chunks
         raise LookupFailed(
             f"no reply from the lookup server at {self.path} within {self.timeout_ms} ms "
-            "(is worker rank 0 running with the same lookup_rpc_port?)"
+            f"(is worker rank 0 running, with the same {self._named_by}?)"
         )
 
     def close(self) -> None:

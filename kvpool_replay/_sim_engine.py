@@ -89,8 +89,9 @@ class _BlockPool:
 def _vllm_config(spec: EngineSpec) -> Any:
     """A ``VllmConfig``-shaped object with real vLLM sub-configs: the attributes
     ``KVConnectorBase_V1`` and ``KVPoolConfig.from_vllm_config`` read (``kv_transfer_config``,
-    ``cache_config.block_size``, ``model_config.model``, ``parallel_config``). A full
-    ``VllmConfig`` would need a model checkpoint on disk."""
+    ``cache_config.block_size``, ``model_config.model``, ``parallel_config``, ``instance_id``:
+    new per engine, like vLLM's ``time.time_ns()``). A full ``VllmConfig`` would need a model
+    checkpoint on disk."""
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
 
     extra = {
@@ -125,6 +126,7 @@ def _vllm_config(spec: EngineSpec) -> Any:
         cache_config=CacheConfig(block_size=spec.shape.block_size),
         model_config=model_config,
         parallel_config=ParallelConfig(),
+        instance_id=str(time.time_ns()),
     )
 
 

@@ -152,6 +152,27 @@ def test_lookup_rpc_port_unique_per_instance_on_one_host() -> None:
     assert clash.fix == "give every instance on the host its own lookup_rpc_port"
 
 
+def test_kvpool_lookup_port_unset_on_two_instances_is_no_clash(tmp_path: Path) -> None:
+    """KVPoolConnector without lookup_rpc_port (or with 0) names its socket from vLLM's
+    instance id; AscendStoreConnector's 0 is a real port and still clashes."""
+    paths = []
+    for i, (connector, extra) in enumerate([("KVPoolConnector", {}),
+                                            ("KVPoolConnector", {"lookup_rpc_port": 0}),
+                                            ("AscendStoreConnector", {"lookup_rpc_port": 0}),
+                                            ("AscendStoreConnector", {"lookup_rpc_port": 0})]):
+        doc = json.loads((CASES / "host_a.json").read_text())
+        doc["kv_connector"] = connector
+        doc["kv_connector_extra_config"] = {"backend": "mooncake", **extra}
+        if connector != "KVPoolConnector":
+            del doc["kv_connector_module_path"]
+        paths.append(tmp_path / f"i{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    reports = validate_files(paths)
+    assert [f.rule for r in reports for f in r.findings if f.rule == "lookup-rpc-port"] == [
+        "lookup-rpc-port"]
+    assert [f.rule for f in reports[3].findings] == ["lookup-rpc-port"]
+
+
 def test_ascend_base_port_moves_the_port_window() -> None:
     """The same kv_port 20001 is fine once ASCEND_BASE_PORT moves the window above it."""
     doc = load_json(CASES / "ascend_port_window.json")

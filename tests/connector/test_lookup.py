@@ -1,19 +1,25 @@
 """LookupServer/LookupClient over real ZMQ IPC sockets: answers, store errors, stale sockets,
-port conflicts with a live engine in another process, timeouts."""
+port conflicts with a live engine in another process, timeouts, sockets named from vLLM's
+instance id when no port is configured."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from vllm.config import KVTransferConfig, VllmConfig
 
 from kvpool_connector.backends.base import BackendError
+from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.lookup import (
     LookupClient,
     LookupFailed,
@@ -46,6 +52,30 @@ def test_socket_path_names_host_port_and_dp_rank(tmp_path: Path) -> None:
     assert socket.gethostname() in path.name
     assert "-6123-" in path.name and path.name.endswith("dp3.sock")
     assert lookup_socket_path(6123, dp_rank=0) != path
+
+
+def test_socket_path_without_port_is_named_from_the_instance_id(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A short directory, like /run/user/<uid>/kvpool: pytest's tmp_path is too long for the
+    # longest name.
+    with tempfile.TemporaryDirectory(prefix="kv") as short:
+        monkeypatch.setenv("KVPOOL_RUNTIME_DIR", short)
+        _check_instance_names(Path(short))
+
+
+def _check_instance_names(rt: Path) -> None:
+    path = lookup_socket_path(0, dp_rank=1, instance_id="1796090853985795152_dp1", host="h")
+    assert path.parent == rt
+    assert path.name == "kvpool-lookup-h-ib58b37624a58-dp1.sock"
+    assert lookup_socket_path(0, dp_rank=1, instance_id="1796090853985795153_dp1",
+                              host="h") != path
+    # Any id is a safe, short file name; a hostile host name too.
+    odd = lookup_socket_path(instance_id="../" * 200, host="a/b c" + "x" * 100)
+    assert odd.parent == rt
+    assert odd.name.startswith(f"kvpool-lookup-a_b_c{'x' * 11}-i")
+    assert odd.name.endswith("-dp0.sock") and len(odd.name) == 14 + 16 + 14 + 9
+    with pytest.raises(ValueError, match="lookup_rpc_port or vLLM's instance_id"):
+        lookup_socket_path(0)
 
 
 def test_lookup_returns_leading_present_chunks() -> None:
@@ -172,7 +202,9 @@ def test_port_held_by_live_engine_names_the_holder(tmp_path: Path) -> None:
         with pytest.raises(PortInUse) as info:
             LookupServer(lambda h: 0, lookup_rpc_port=7007, engine_id="engine-B")
         msg = str(info.value)
-        assert "engine-A" in msg and str(holder.pid) in msg and "lookup_rpc_port" in msg
+        assert msg.startswith("lookup_rpc_port 7007 is in use:")
+        assert f"engine 'engine-A' (pid {holder.pid})" in msg
+        assert msg.endswith("give this engine another kv_connector_extra_config.lookup_rpc_port")
         # The holder is untouched and still answers.
         client = LookupClient(lookup_rpc_port=7007, timeout_ms=2000)
         assert client.lookup(["a", "b"]) == 2
@@ -182,3 +214,87 @@ def test_port_held_by_live_engine_names_the_holder(tmp_path: Path) -> None:
         holder.stdin.close()
         holder.wait(timeout=10)
     assert not lookup_socket_path(7007).exists()
+
+
+def _engine_config() -> VllmConfig:
+    vc = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KVPoolConnector", kv_connector_module_path="kvpool_connector",
+        kv_role="kv_both"))
+    vc.model_config = SimpleNamespace(model="m")  # only .model is read: no model to load
+    return vc
+
+
+def test_two_engines_without_a_port_get_their_own_sockets(tmp_path: Path) -> None:
+    """Two vLLM configs, no lookup_rpc_port: each engine's scheduler and workers agree on one
+    socket (vLLM ships the config pickled to the engine core and worker processes), the two
+    engines' sockets differ, and both serve their own lookups at once."""
+    vc_a, vc_b = _engine_config(), _engine_config()
+    cfg_a, cfg_b = (KVPoolConfig.from_vllm_config(vc) for vc in (vc_a, vc_b))
+    assert cfg_a.lookup_rpc_port == 0 and cfg_a.instance_id == vc_a.instance_id
+    assert cfg_a.instance_id != cfg_b.instance_id
+    in_worker = KVPoolConfig.from_vllm_config(pickle.loads(pickle.dumps(vc_a)))
+    path_a = lookup_socket_path(instance_id=cfg_a.instance_id)
+    assert lookup_socket_path(instance_id=in_worker.instance_id) == path_a
+    assert lookup_socket_path(instance_id=cfg_b.instance_id) != path_a
+
+    script = textwrap.dedent(
+        """
+        import sys
+        from kvpool_connector.lookup import LookupServer
+        s = LookupServer(lambda h: 1, instance_id=sys.argv[1], engine_id="engine-A")
+        print("ready", flush=True)
+        sys.stdin.read()
+        s.close()
+        """
+    )
+    engine_a = subprocess.Popen(
+        [sys.executable, "-c", script, cfg_a.instance_id], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, env={**os.environ, "KVPOOL_RUNTIME_DIR": str(tmp_path)},
+        text=True,
+    )
+    server_b = client_a = client_b = None
+    try:
+        assert engine_a.stdout is not None and engine_a.stdout.readline().strip() == "ready"
+        server_b = LookupServer(lambda h: 2, instance_id=cfg_b.instance_id, engine_id="engine-B")
+        client_a = LookupClient(instance_id=in_worker.instance_id, timeout_ms=2000)
+        client_b = LookupClient(instance_id=cfg_b.instance_id, timeout_ms=2000)
+        assert client_a.lookup(["x", "y"]) == 1
+        assert client_b.lookup(["x", "y"]) == 2
+        assert server_b.lookups == 1
+    finally:
+        for c in (client_a, client_b, server_b):
+            if c is not None:
+                c.close()
+        assert engine_a.stdin is not None
+        engine_a.stdin.close()
+        engine_a.wait(timeout=10)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_same_instance_id_held_by_a_live_engine_is_refused_with_the_fix(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        from kvpool_connector.lookup import LookupServer
+        s = LookupServer(lambda h: 1, instance_id="inst-1", engine_id="engine-A")
+        print("ready", flush=True)
+        sys.stdin.read()
+        s.close()
+        """
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "KVPOOL_RUNTIME_DIR": str(tmp_path)}, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with pytest.raises(PortInUse) as info:
+            LookupServer(lambda h: 0, instance_id="inst-1", engine_id="engine-B")
+        msg = str(info.value)
+        assert msg.startswith("vLLM instance_id 'inst-1' is in use:")
+        assert f"engine 'engine-A' (pid {holder.pid})" in msg
+        assert "set kv_connector_extra_config.lookup_rpc_port to a port unique on this host" in msg
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=10)

@@ -171,11 +171,15 @@ def _agents(hub: FleetHub, role: str, want: int = 1) -> list[EngineState]:
         time.sleep(0.1)
 
 
-def _kvpool(role: str, port: int, **extra: Any) -> dict[str, Any]:
+def _kvpool(role: str, port: int | None, **extra: Any) -> dict[str, Any]:
+    """A KVPoolConnector config; ``port=None`` leaves ``lookup_rpc_port`` unset (the lookup
+    socket is then named from vLLM's instance id)."""
+    if port is not None:
+        extra["lookup_rpc_port"] = port
     return {
         "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
         "kv_role": role, "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "mooncake", "lookup_rpc_port": port, **extra},
+        "kv_connector_extra_config": {"backend": "mooncake", **extra},
     }
 
 
@@ -257,8 +261,9 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     assert pool.truncate(_keys(tiny_model, R, BLOCK)) == sum(len(r) // BLOCK for r in R)
 
     # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
+    # No lookup_rpc_port: scheduler and worker find one socket through vLLM's instance id.
     loader = engines.run("loader", P + Q + R,
-                         _kvpool("kv_both", 7102, agent_address=hub.address),
+                         _kvpool("kv_both", None, agent_address=hub.address),
                          multiprocess=True)
     for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
@@ -295,7 +300,9 @@ def test_pd_pair_through_multiconnector_equals_one_engine(
 ) -> None:
     engines.run("saver", P + Q, _kvpool("kv_producer", 7101), prefix_caching=True)
     # Decode side loads asynchronously (finished through get_finished) as P/D deployments do.
-    consumer = _kvpool("kv_consumer", 7103, consumer_is_to_load=True, load_async=True)
+    # No lookup_rpc_port under MultiConnector either (it hands its children copies of the
+    # engine's config, instance id included).
+    consumer = _kvpool("kv_consumer", None, consumer_is_to_load=True, load_async=True)
     ktc = {
         "kv_connector": "MultiConnector", "kv_role": "kv_consumer",
         "kv_load_failure_policy": "recompute",
