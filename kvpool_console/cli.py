@@ -2,7 +2,7 @@
 
 Usage::
 
-    kvpool-console [--hub ADDR] [--keys DIR] [--refresh S]          # the TUI
+    kvpool-console [--hub ADDR] [--keys DIR] [--refresh S] [--ssh-config FILE]  # the TUI
     kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm]
     kvpool-console status [--json] [--fail-on warning|critical]
     kvpool-console health [ENGINE ... | --all] [--json] [--timeout-ms MS]
@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Watch and operate a kvpool KV-cache pool fleet.")
     p.add_argument("--refresh", type=float, default=1.0, metavar="S",
                    help="TUI redraw interval in seconds (default 1; + / - change it live)")
+    p.add_argument("--ssh-config", default=None, metavar="FILE",
+                   help="ssh config file for triage (key t) and the triage command "
+                        "(default ~/.ssh/config)")
     p.add_argument("--demo", action="store_true",
                    help="start a local mooncake_master, engines replaying a trace, and watch them")
     p.add_argument("--trace", default=None,
@@ -343,10 +346,11 @@ def _signals() -> Iterator[_Signals]:
             signal.signal(s, handler)
 
 
-def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals) -> None:
+def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals,
+             ssh_config: str | None) -> None:
     from kvpool_console.app import KVPoolConsole
 
-    sig.app = KVPoolConsole(source, refresh_s=refresh_s)
+    sig.app = KVPoolConsole(source, refresh_s=refresh_s, ssh_config=ssh_config)
     try:
         sig.app.run()
     finally:
@@ -411,7 +415,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) ->
             return _flush(args, src, out, err)
         if args.cmd == "triage":
             return triage_cli.run(args, src, out, err)
-        _run_tui(src, args.refresh, sig)
+        _run_tui(src, args.refresh, sig, args.ssh_config)
         return EXIT_OK
     finally:
         src.close()

@@ -500,3 +500,33 @@ def test_render_makes_controls_visible() -> None:
     assert "    | \\x1b]0;owned\\x07title\n" in text
     assert "    | \\x1b[2Jclear\tand\\x9bcsi\n" in text
     assert not any(c in text for c in "\x1b\x07\x9b")
+
+
+async def test_tui_triage_uses_the_consoles_ssh_config(sshd: Sshd, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvpool-console --ssh-config FILE`` reaches the TUI's triage: with a home that knows
+    no host, the run logs in only through FILE."""
+    from kvpool_agent.protocol import EngineState
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.cli import _parse
+    from kvpool_console.triage.panel import TriagePanel
+
+    assert _parse(["--ssh-config", str(sshd.ssh_config)]).ssh_config == str(sshd.ssh_config)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    now = time.time() * 1e3
+    src = Source(agent_id="cfg/scheduler", engine_id="cfg", instance_role="mixed",
+                 kv_role="kv_both", process_role="replay", pid=os.getpid(),
+                 host="engine-host-1", **process_facts())
+    app = KVPoolConsole(StaticSource({"cfg/scheduler": EngineState(
+        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now,
+        ssh_config=str(sshd.ssh_config))
+    async with app.run_test(size=(120, 50)) as pilot:
+        await pilot.press("t")
+        await pilot.pause()
+        panel = app.screen.query_one(TriagePanel)
+        deadline = time.monotonic() + 10.0
+        while panel.report is None and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert panel.report is not None
+        assert panel.report.hosts[0].ssh_error == ""
+        assert panel.report.hosts[0].processes[0].state == "running"
