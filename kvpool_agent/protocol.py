@@ -87,7 +87,7 @@ OptionalId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS,
 """An :data:`Id`, or ``""`` for unknown (host, backend)."""
 Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS, pattern=_NO_CONTROLS)]
 """A short printable name: a model (``Qwen/Qwen2.5-7B``), request id, error name, place."""
-Path = Annotated[str, msgspec.Meta(max_length=4096, pattern=_NO_CONTROLS)]
+FilePath = Annotated[str, msgspec.Meta(max_length=4096, pattern=_NO_CONTROLS)]
 """A file path (``PATH_MAX`` is 4096 on Linux)."""
 FreeText = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS, pattern=_NO_CONTROLS)]
 """A message: printable, with tabs and newlines."""
@@ -132,11 +132,11 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     start_ticks: int = 0
     """Process start, in clock ticks after boot (``/proc/<pid>/stat`` field 22): with ``pid``
     it names the process exactly, a reused pid has another start."""
-    log_path: Path = ""
+    log_path: FilePath = ""
     """The engine's log file (absolute path) when its output goes to a file."""
     ports: tuple[int, ...] = ()
     """TCP ports the process listens on (at agent start) or is configured to hold."""
-    sockets: tuple[Path, ...] = ()
+    sockets: tuple[FilePath, ...] = ()
     """Unix socket paths of the engine (the lookup socket)."""
     master: Name = ""
     """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
