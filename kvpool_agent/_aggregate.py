@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 import msgspec
 
 from kvpool_agent.protocol import (
+    MAX_ID_CHARS,
     EngineState,
     ErrorRecord,
     LookupStats,
@@ -21,6 +22,7 @@ from kvpool_agent.protocol import (
     Source,
     Transfer,
     TransferStats,
+    clip,
 )
 from kvpool_agent.reporter import (
     Event,
@@ -118,6 +120,12 @@ class Aggregator:
         self._lookup_ms: OrderedDict[str, float] = OrderedDict()
 
     def _record_error(self, err: ErrorRecord) -> None:
+        # Messages quote exceptions and request ids come from API clients: clipped to what a
+        # receiver accepts, so one odd error never gets the whole report refused.
+        err.where, err.name = clip(err.where, MAX_ID_CHARS), clip(err.name, MAX_ID_CHARS)
+        err.message = clip(err.message)
+        if err.req_id is not None:
+            err.req_id = clip(err.req_id, MAX_ID_CHARS)
         self.recent_errors.append(err)
         self.new_errors.append(err)
         if len(self.new_errors) > RECENT_ERRORS:
@@ -179,7 +187,7 @@ class Aggregator:
                 lease_expires_ms = looked_up + self.lease_ttl_ms
         key = (ev.req_id, ev.kind)
         self.in_flight[key] = Transfer(
-            req_id=ev.req_id,
+            req_id=clip(ev.req_id, MAX_ID_CHARS),
             kind=ev.kind,
             blocks=ev.blocks,
             bytes=ev.nbytes,

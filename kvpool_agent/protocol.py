@@ -20,14 +20,16 @@ instant) or durations in milliseconds (``*_ms`` fields that name a span: ``laten
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from kvpool_agent.vocabulary import InstanceRole, KVRole
 
 __all__ = [
+    "MAX_ID_CHARS",
     "MAX_MESSAGE_BYTES",
+    "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
     "CommandName",
     "CommandReply",
@@ -52,6 +54,7 @@ __all__ = [
     "Source",
     "Transfer",
     "TransferStats",
+    "clip",
     "decode",
     "encode",
 ]
@@ -61,6 +64,45 @@ PROTOCOL_VERSION = 2
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Frames larger than this are dropped unread (counted as ``oversized``)."""
+
+MAX_ID_CHARS = 256
+"""Longest id (engine, agent, host, backend, request, segment) or name a receiver accepts."""
+
+MAX_TEXT_CHARS = 16_384
+"""Longest free text (an error message, a health detail) a receiver accepts; senders
+:func:`clip` what they did not write themselves."""
+
+# Ids and names are shown by consoles and handed to SSH triage: one printable word of the
+# characters hosts, paths, model names and vLLM/kvpool ids use, never starting with ``-``
+# (an option to a command). No spaces, brackets (markup), quotes or control characters.
+# ``\Z``, not ``$``: ``$`` also matches before a final newline.
+_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:/@+=~-]*\Z"
+_NO_CONTROLS = r"^[^\x00-\x08\x0b-\x1f\x7f-\x9f]*\Z"
+"""Printable text: tab and newline allowed, other C0/C1 controls (terminal escapes) not."""
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS, pattern=_ID_PATTERN)]
+"""An engine or agent id, e.g. ``prefill-0``, ``engine-2/dp0.tp0.pp0``."""
+OptionalId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS,
+                                         pattern=rf"{_ID_PATTERN}|^\Z")]
+"""An :data:`Id`, or ``""`` for unknown (host, backend)."""
+Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS, pattern=_NO_CONTROLS)]
+"""A short printable name: a model (``Qwen/Qwen2.5-7B``), request id, error name, place."""
+FilePath = Annotated[str, msgspec.Meta(max_length=4096, pattern=_NO_CONTROLS)]
+"""A file path (``PATH_MAX`` is 4096 on Linux)."""
+FreeText = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS, pattern=_NO_CONTROLS)]
+"""A message: printable, with tabs and newlines."""
+
+
+def clip(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` cut to ``limit`` characters and with control characters but tab and newline
+    replaced by ``?``, so it fits a :data:`FreeText` (or :data:`Name`, with
+    ``limit=MAX_ID_CHARS``) field."""
+    cleaned = text.translate(_CONTROL_TO_QUESTION)
+    return cleaned if len(cleaned) <= limit else cleaned[:limit - 1] + "…"
+
+
+_CONTROL_TO_QUESTION = {c: "?" for c in (*range(0x00, 0x09), *range(0x0b, 0x20),
+                                         *range(0x7f, 0xa0))}
 
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
 CommandName = Literal["health", "flush", "drain", "snapshot"]
@@ -73,8 +115,8 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     scheduler, ``f"{engine_id}/dp{dp}.tp{tp}.pp{pp}"`` for a worker.
     """
 
-    agent_id: str
-    engine_id: str
+    agent_id: Id
+    engine_id: Id
     instance_role: InstanceRole
     kv_role: KVRole
     process_role: ProcessRole
@@ -82,21 +124,21 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     tp_rank: int = 0
     pp_rank: int = 0
     pid: int = 0
-    host: str = ""
-    backend: str = ""
-    model: str = ""
+    host: OptionalId = ""
+    backend: OptionalId = ""
+    model: Name = ""
     # Where SSH triage finds this process on its host (kvpool_agent.process_facts). Defaults
     # mean unknown, so agents and consoles of the previous release still decode each other.
     start_ticks: int = 0
     """Process start, in clock ticks after boot (``/proc/<pid>/stat`` field 22): with ``pid``
     it names the process exactly, a reused pid has another start."""
-    log_path: str = ""
+    log_path: FilePath = ""
     """The engine's log file (absolute path) when its output goes to a file."""
     ports: tuple[int, ...] = ()
     """TCP ports the process listens on (at agent start) or is configured to hold."""
-    sockets: tuple[str, ...] = ()
+    sockets: tuple[FilePath, ...] = ()
     """Unix socket paths of the engine (the lookup socket)."""
-    master: str = ""
+    master: Name = ""
     """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
 
 
@@ -128,7 +170,7 @@ class Transfer(msgspec.Struct, kw_only=True):
     (Mooncake grants ``default_kv_lease_ttl`` on every exists/get); ``None`` if unknown.
     """
 
-    req_id: str
+    req_id: Name
     kind: Literal["load", "save"]
     blocks: int
     bytes: int
@@ -159,13 +201,13 @@ class TransferStats(msgspec.Struct, kw_only=True):
     save_bytes_per_s: float = 0.0
     failed_after_hit: int = 0
     max_load_ms: float = 0.0
-    errors_by_name: dict[str, int] = msgspec.field(default_factory=dict)
+    errors_by_name: dict[Name, int] = msgspec.field(default_factory=dict)
 
 
 class SegmentUsage(msgspec.Struct, kw_only=True):
     """One memory segment of the pool (Mooncake: one mounted segment, named ``host:port``)."""
 
-    name: str
+    name: Name
     used_bytes: int
     total_bytes: int
 
@@ -177,7 +219,7 @@ class PoolStats(msgspec.Struct, kw_only=True):
     ``default_kv_lease_ttl``. ``healthy`` is ``None`` when not checked yet.
     """
 
-    backend: str
+    backend: Name
     keys: int = 0
     used_bytes: int = 0
     total_bytes: int = 0
@@ -186,7 +228,7 @@ class PoolStats(msgspec.Struct, kw_only=True):
     high_watermark: float = 0.9
     lease_ttl_ms: int = 0
     healthy: bool | None = None
-    health_detail: str = ""
+    health_detail: FreeText = ""
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)
 
 
@@ -210,11 +252,11 @@ class ErrorRecord(msgspec.Struct, kw_only=True):
     (e.g. ``LEASE_EXPIRED`` for Mooncake -707), else a short class such as ``LOOKUP``."""
 
     ts_ms: float
-    where: str
-    name: str
-    message: str
+    where: Name
+    name: Name
+    message: FreeText
     code: int | None = None
-    req_id: str | None = None
+    req_id: Name | None = None
 
 
 class EngineState(msgspec.Struct, kw_only=True):
@@ -252,8 +294,8 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     kind: Literal["snapshot", "delta"]
     ts_ms: float
     engines: list[EngineState]
-    last_seen_ms: dict[str, float] = msgspec.field(default_factory=dict)
-    report_gaps: dict[str, int] = msgspec.field(default_factory=dict)
+    last_seen_ms: dict[Id, float] = msgspec.field(default_factory=dict)
+    report_gaps: dict[Id, int] = msgspec.field(default_factory=dict)
     """Per agent id: reports the hub never received (sequence gaps) since it first saw it."""
 
 
@@ -262,8 +304,8 @@ class FlushArgs(msgspec.Struct, kw_only=True):
     and parallel layout, the engine named by ``engine_id``) or ``all`` (every kvpool key)."""
 
     scope: Literal["model", "engine", "all"]
-    model: str | None = None
-    engine_id: str | None = None
+    model: Name | None = None
+    engine_id: Id | None = None
     dry_run: bool = True
     force: bool = False
 
@@ -279,10 +321,10 @@ class CommandRequest(msgspec.Struct, tag="cmd", kw_only=True):
 
     v: int
     seq: int
-    request_id: str
+    request_id: Name
     command: CommandName
-    sender: str = ""
-    targets: list[str] = msgspec.field(default_factory=list)
+    sender: Name = ""
+    targets: list[Id] = msgspec.field(default_factory=list)
     flush: FlushArgs | None = None
     drain: DrainArgs | None = None
     timeout_ms: int = 5_000
@@ -293,10 +335,10 @@ class HealthCheck(msgspec.Struct, kw_only=True):
     ``probe_get``, ``probe_remove``; ``code`` the backend's own return code when there is one
     (Mooncake ``health_check()``: 0 healthy, 1 not initialised/closed, 2 master unreachable)."""
 
-    name: str
+    name: Name
     ok: bool
     latency_ms: float
-    detail: str = ""
+    detail: FreeText = ""
     code: int | None = None
 
 
@@ -331,10 +373,10 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
 
     v: int
     seq: int
-    request_id: str
-    agent_id: str
+    request_id: Name
+    agent_id: Id
     ok: bool
-    error: str | None = None
+    error: FreeText | None = None
     health: HealthResult | None = None
     flush: FlushResult | None = None
     drain: DrainResult | None = None

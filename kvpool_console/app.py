@@ -118,9 +118,11 @@ class KVPoolConsole(App[None]):
 
     def __init__(self, source: FleetSource, *, refresh_s: float = 1.0,
                  clock: Callable[[], float] = _wall_ms, stale_after_ms: float = 5_000.0,
-                 down_after_ms: float = 30_000.0) -> None:
+                 down_after_ms: float = 30_000.0, ssh_config: str | None = None) -> None:
         super().__init__()
         self.source = source
+        self.ssh_config = ssh_config
+        """The ssh config file SSH triage uses (``--ssh-config``); None: ``~/.ssh/config``."""
         self.clock = clock
         self.stale_after_ms = stale_after_ms
         self.down_after_ms = down_after_ms
@@ -394,7 +396,8 @@ class KVPoolConsole(App[None]):
         row = next((r for r in self.view.engines if r.engine_id == eid),
                    None) if self.view is not None else None
         self.log_event(f"triage: engine {eid} requested")
-        await show_triage(detail, eid, self.states, reporting=row is not None and not row.stale)
+        await show_triage(detail, eid, self.states, reporting=row is not None and not row.stale,
+                          ssh_config=self.ssh_config)
 
     def action_flush(self) -> None:
         if not self.source.can_flush:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    kvpool-console [--hub ADDR] [--keys DIR] [--refresh S]          # the TUI
+    kvpool-console [--hub ADDR] [--keys DIR] [--refresh S] [--ssh-config FILE]  # the TUI
     kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm]
     kvpool-console status [--json] [--fail-on warning|critical]
     kvpool-console health [ENGINE ... | --all] [--json] [--timeout-ms MS]
@@ -35,8 +35,10 @@ from typing import Any, NoReturn
 import msgspec
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
+from kvpool_console._text import plain
 from kvpool_console.alerts import SEVERITY_RANK, evaluate
 from kvpool_console.model import (
     FleetView,
@@ -104,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Watch and operate a kvpool KV-cache pool fleet.")
     p.add_argument("--refresh", type=float, default=1.0, metavar="S",
                    help="TUI redraw interval in seconds (default 1; + / - change it live)")
+    p.add_argument("--ssh-config", default=None, metavar="FILE",
+                   help="ssh config file for triage (key t) and the triage command "
+                        "(default ~/.ssh/config)")
     p.add_argument("--demo", action="store_true",
                    help="start a local mooncake_master, engines replaying a trace, and watch them")
     p.add_argument("--trace", default=None,
@@ -161,13 +166,13 @@ def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     try:
         src = ClientSource(args.hub, keys_dir=args.keys, pump=args.cmd is None)
     except (ValueError, OSError) as e:
-        err.print(f"[red]kvpool-console: {e}[/red]")
+        err.print(plain(f"kvpool-console: {e}", style="red"))
         return None
     # The TUI starts even before the hub is up (rows appear when it is); one-shots need data.
     if args.cmd is not None and not src.wait_ready(args.wait):
-        err.print(f"[red]kvpool-console: no snapshot from the hub at {args.hub} within "
-                  f"{args.wait:g} s: is `kvpool-agent hub --address {args.hub}` running? "
-                  "(--hub or $KVPOOL_HUB)[/red]")
+        err.print(plain(f"kvpool-console: no snapshot from the hub at {args.hub} within "
+                        f"{args.wait:g} s: is `kvpool-agent hub --address {args.hub}` running? "
+                        "(--hub or $KVPOOL_HUB)", style="red"))
         src.close()
         return None
     return src
@@ -192,7 +197,8 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
             state = "DOWN" if r.down else "STALE" if r.stale else (r.severity or "ok").upper()
             pool = (f"{fmt_bytes(r.segment_used_bytes)}/{fmt_bytes(r.segment_total_bytes)}"
                     if r.segment_total_bytes else "-")
-            t.add_row(r.engine_id, state, r.role, r.kv_role, r.backend, f"{r.hit_rate:.1%}",
+            t.add_row(plain(r.engine_id), state, r.role, r.kv_role, plain(r.backend),
+                      f"{r.hit_rate:.1%}",
                       f"{r.hit_tokens}/{r.lookup_tokens}", str(r.loads_in_flight),
                       str(r.saves_in_flight), str(r.load_errors), pool,
                       fmt_lease(r.next_lease_expiry_ms, view.now_ms), fmt_age(r.age_ms))
@@ -202,8 +208,10 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                   f"hit rate {tot.hit_rate:.1%}, {tot.loads_in_flight} loads in flight, "
                   f"{tot.load_errors} failed loads")
         for a in view.alerts:
-            out.print(f"[{'red' if a.severity == 'critical' else 'yellow'}]{a.severity.upper()}"
-                      f"[/] {a.subject}: {a.message}\n    hint: {a.hint}")
+            # Subject and message name engines and quote agents' errors: data, not markup.
+            line = Text(a.severity.upper(), style="red" if a.severity == "critical" else "yellow")
+            line.append_text(plain(f" {a.subject}: {a.message}\n    hint: {a.hint}"))
+            out.print(line)
     if args.fail_on is not None:
         floor = SEVERITY_RANK[args.fail_on]
         if any(SEVERITY_RANK[a.severity] >= floor for a in view.alerts):
@@ -218,8 +226,8 @@ def _health(args: argparse.Namespace, src: FleetSource, out: Console, err: Conso
         known = {s.source.engine_id for s in states.values()}
         unknown = [e for e in args.engines if e not in known]
         if unknown:
-            err.print(f"[red]health: unknown engine(s) {', '.join(unknown)}; known: "
-                      f"{', '.join(sorted(known)) or 'none'}[/red]")
+            err.print(plain(f"health: unknown engine(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(known)) or 'none'}", style="red"))
             return EXIT_USAGE
         targets = sorted(a for a, s in states.items() if s.source.engine_id in args.engines)
     replies = src.command("health", targets=targets, timeout_ms=args.timeout_ms)
@@ -232,11 +240,11 @@ def _health(args: argparse.Namespace, src: FleetSource, out: Console, err: Conso
         t.add_column(col)
     for r in sorted(replies, key=lambda r: r.agent_id):
         if not r.ok or r.health is None:
-            t.add_row(r.agent_id, "-", "[red]FAIL[/]", "", r.error or "no result")
+            t.add_row(plain(r.agent_id), "-", "[red]FAIL[/]", "", plain(r.error or "no result"))
             continue
         for c in r.health.checks:
-            t.add_row(r.agent_id, c.name, "ok" if c.ok else "[red]FAIL[/]",
-                      f"{c.latency_ms:.1f}", c.detail)
+            t.add_row(plain(r.agent_id), plain(c.name), "ok" if c.ok else "[red]FAIL[/]",
+                      f"{c.latency_ms:.1f}", plain(c.detail))
     out.print(t)
     return EXIT_ALERT if failed else EXIT_OK
 
@@ -270,7 +278,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
     line, ok = _flush_line(dry)
     docs: list[Any] = [msgspec.to_builtins(dry)]
     if not args.json:
-        out.print(f"dry run: {line}")
+        out.print(plain(f"dry run: {line}"))
     if args.dry_run or not ok:
         if args.json:
             sys.stdout.write(msgspec.json.encode({"dry_run": docs[0]}).decode() + "\n")
@@ -290,7 +298,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
         sys.stdout.write(msgspec.json.encode(
             {"dry_run": docs[0], "flush": msgspec.to_builtins(done)}).decode() + "\n")
     else:
-        out.print(line)
+        out.print(plain(line))
     return EXIT_OK if ok else EXIT_ALERT
 
 
@@ -338,10 +346,11 @@ def _signals() -> Iterator[_Signals]:
             signal.signal(s, handler)
 
 
-def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals) -> None:
+def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals,
+             ssh_config: str | None) -> None:
     from kvpool_console.app import KVPoolConsole
 
-    sig.app = KVPoolConsole(source, refresh_s=refresh_s)
+    sig.app = KVPoolConsole(source, refresh_s=refresh_s, ssh_config=ssh_config)
     try:
         sig.app.run()
     finally:
@@ -406,7 +415,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) ->
             return _flush(args, src, out, err)
         if args.cmd == "triage":
             return triage_cli.run(args, src, out, err)
-        _run_tui(src, args.refresh, sig)
+        _run_tui(src, args.refresh, sig, args.ssh_config)
         return EXIT_OK
     finally:
         src.close()

@@ -23,6 +23,7 @@ from kvpool_console._messages import (
     HealthFinished,
     HealthRequested,
 )
+from kvpool_console._text import plain
 from kvpool_console.model import fmt_bytes, sum_flush
 
 __all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen"]
@@ -46,7 +47,7 @@ class HealthScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self._title, classes="dialog-title")
+            yield Label(plain(self._title), classes="dialog-title")
             yield Static("running…", id="health-status")
             yield DataTable(id="health-table", cursor_type="row")
             yield Button("Close", id="close")
@@ -60,7 +61,7 @@ class HealthScreen(ModalScreen[None]):
     def _show(self, answer: HealthFinished) -> None:
         status = self.query_one("#health-status", Static)
         if answer.error is not None:  # a failed command is a result to show, not a crash
-            status.update(Text(answer.error, style="bold red"))
+            status.update(plain(answer.error, style="bold red"))
             return
         replies = answer.replies
         self.replies = replies
@@ -69,15 +70,16 @@ class HealthScreen(ModalScreen[None]):
         for r in sorted(replies, key=lambda r: r.agent_id):
             if not r.ok or r.health is None:
                 bad += 1
-                table.add_row(r.agent_id, "-", Text("FAIL", style="bold red"), "",
-                              r.error or "no health result")
+                table.add_row(plain(r.agent_id), "-", Text("FAIL", style="bold red"), "",
+                              plain(r.error or "no health result"))
                 continue
             for c in r.health.checks:
                 bad += not c.ok
-                table.add_row(r.agent_id, c.name,
+                table.add_row(plain(r.agent_id), plain(c.name),
                               Text("ok", style="green") if c.ok else Text("FAIL", style="bold red"),
                               f"{c.latency_ms:.1f}",
-                              c.detail + (f" (code {c.code})" if c.code is not None else ""))
+                              plain(c.detail + (f" (code {c.code})" if c.code is not None
+                                                else "")))
         verdict = "all checks passed" if not bad else f"{bad} checks failed"
         status.update(Text(f"{len(replies)} agents answered: {verdict}",
                            style="green" if not bad and replies else "bold red"))
@@ -98,7 +100,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self._question, id="question")
+            yield Label(plain(self._question), id="question")
             with Horizontal(classes="buttons"):
                 yield Button("Yes, remove", variant="error", id="yes")
                 yield Button("No", variant="primary", id="no")
@@ -144,7 +146,7 @@ class FlushScreen(ModalScreen[FlushResult | None]):
             yield Label("Flush pool entries", classes="dialog-title")
             with RadioSet(id="scope"):
                 for i, (key, label) in enumerate(self._scopes()):
-                    yield RadioButton(label, value=i == 0, name=key)
+                    yield RadioButton(plain(label), value=i == 0, name=key)
             yield Checkbox("force (also remove leased entries)", id="force")
             yield Static("press Dry run to count what the scope holds", id="flush-status")
             with Horizontal(classes="buttons"):
@@ -162,7 +164,7 @@ class FlushScreen(ModalScreen[FlushResult | None]):
                          dry_run=dry_run, force=self.query_one("#force", Checkbox).value)
 
     def _status(self, text: str, style: str = "") -> None:
-        self.query_one("#flush-status", Static).update(Text(text, style=style))
+        self.query_one("#flush-status", Static).update(plain(text, style=style))
 
     @on(RadioSet.Changed)
     @on(Checkbox.Changed)

@@ -9,12 +9,14 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import HINTS
+from kvpool_console._text import plain, visible
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
 
 __all__ = ["EngineDetail", "EngineDetailScreen", "layer_bar"]
@@ -78,7 +80,7 @@ class EngineDetailScreen(Screen[None]):
                 yield Label("throughput", id="tp-label")
                 yield Sparkline([], id="tp-spark")
         # Columns exist before mount: the app may redraw this screen before it is mounted.
-        t: DataTable[str] = DataTable(id="inflight", cursor_type="row")
+        t: DataTable[str | Text] = DataTable(id="inflight", cursor_type="row")
         t.add_columns("Request", "Kind", "Agent", "Blocks", "Bytes", "Layers", "Lease", "Age")
         e: DataTable[str | Text] = DataTable(id="errors", cursor_type="row")
         e.add_columns("Age", "Error", "Agent", "Where", "Hint", "Message")
@@ -103,17 +105,21 @@ class EngineDetailScreen(Screen[None]):
         hit_history, tp_history = detail.hit_history, detail.throughput_history
         summary = self.query_one("#detail-summary", Static)
         if row is None:
-            summary.update(Text(f"{self.engine_id}: no longer reported", style="red"))
+            summary.update(plain(f"{self.engine_id}: no longer reported", style="red"))
             return
         state = "DOWN" if row.down else "STALE" if row.stale else (row.severity or "ok").upper()
-        summary.update(
-            f"[b]{row.engine_id}[/b] {row.role}/{row.kv_role} {row.ranks} {row.backend} "
-            f"model={row.model or '-'} [b]{state}[/b]\n"
+        # Engine id, backend and model come from the agents' reports: template variables of
+        # Content.from_markup, which inserts them as text, never as markup.
+        summary.update(Content.from_markup(
+            "[b]$engine[/b] $what [b]$state[/b]\n"
             f"hit {row.hit_rate:.1%} (1m {row.hit_rate_1m:.1%}) of {row.lookup_tokens} tok, "
             f"loaded {row.loaded_tokens} tok; lookups {row.lookups} errors {row.lookup_errors}; "
             f"loads ok {row.loads_finished} failed {row.load_errors} "
             f"(after hit {row.failed_after_hit}); max load {row.max_load_ms:.0f} ms, "
-            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago")
+            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago",
+            engine=visible(row.engine_id), state=state,
+            what=visible(f"{row.role}/{row.kv_role} {row.ranks} {row.backend} "
+                         f"model={row.model or '-'}")))
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
         self.query_one("#hit-label", Label).update(
             f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")
@@ -126,7 +132,7 @@ class EngineDetailScreen(Screen[None]):
         t.clear()
         for s in mine:
             for tr in sorted(s.in_flight, key=lambda x: x.started_ms):
-                t.add_row(tr.req_id, tr.kind, s.source.agent_id.rsplit("/", 1)[-1],
+                t.add_row(plain(tr.req_id), tr.kind, plain(s.source.agent_id.rsplit("/", 1)[-1]),
                           str(tr.blocks), fmt_bytes(tr.bytes),
                           layer_bar(tr.layers_done, tr.layers_total),
                           fmt_lease(tr.lease_expires_ms, now_ms),
@@ -138,5 +144,6 @@ class EngineDetailScreen(Screen[None]):
                   (err, s.source.agent_id) for s in mine for err in s.recent_errors}
         errs = sorted(unique.values(), key=lambda x: (-x[0].ts_ms, x[1]))
         for err, agent in errs[:50]:
-            e.add_row(fmt_age(now_ms - err.ts_ms), Text(err.name, style="bold red"),
-                      agent.rsplit("/", 1)[-1], err.where, HINTS.get(err.name, ""), err.message)
+            e.add_row(fmt_age(now_ms - err.ts_ms), plain(err.name, style="bold red"),
+                      plain(agent.rsplit("/", 1)[-1]), plain(err.where),
+                      HINTS.get(err.name, ""), plain(err.message))

@@ -58,10 +58,12 @@ refused (``kernel.dmesg_restrict``), ``journalctl -k``; ``<marker> unreadable`` 
 when neither can be read."""
 
 LOG_TAIL = r"""if [ ! -e "$2" ]; then echo "no such file" >&2; exit 3; fi
+if [ ! -f "$2" ]; then echo "not a regular file" >&2; exit 3; fi
 if [ ! -r "$2" ]; then echo "not readable by this user" >&2; exit 3; fi
 tail -n "$1" -- "$2" | cut -c 1-400
 """
-"""Args: line count, path. The file's last lines, or exit 3 with the reason on stderr."""
+"""Args: line count, path. The file's last lines, or exit 3 with the reason on stderr. Only
+a regular file (after symlinks) is read: a FIFO or device would block or never end."""
 
 PORTS = r"""m=$1
 if command -v ss >/dev/null 2>&1; then
@@ -118,7 +120,20 @@ fi
 """Args: host, port. One TCP connect to the master, bounded to 3 s."""
 
 
-def command(script: str, *args: str | int) -> str:
-    """``sh -c SCRIPT kvpool-triage ARG...`` with every part quoted (``shlex.quote``); the
-    remote login shell only ever parses this one simple command."""
-    return " ".join(shlex.quote(str(a)) for a in ("sh", "-c", script, "kvpool-triage", *args))
+_BOUNDED = r"""t=$1; shift
+if command -v timeout >/dev/null 2>&1; then exec timeout -k 1 "$t" sh -c "$@"; fi
+exec sh -c "$@"
+"""
+"""Args: seconds, script, ``$0`` of the script, its args. Runs the script under coreutils
+``timeout`` (TERM to its process group after the bound, KILL 1 s later) where the host has
+it, so nothing it started outlives the check; plain ``sh`` where it does not."""
+
+
+def command(script: str, *args: str | int, timeout_s: float) -> str:
+    """``sh -c BOUNDED kvpool-triage T SCRIPT kvpool-triage ARG...`` with every part quoted
+    (``shlex.quote``): the remote login shell only ever parses this one simple command, and
+    ``SCRIPT`` runs with ``ARG...`` as its positional parameters, killed on the host after
+    ``timeout_s`` seconds when ``timeout`` is installed there."""
+    parts = ("sh", "-c", _BOUNDED, "kvpool-triage", f"{timeout_s:g}", script, "kvpool-triage",
+             *args)
+    return " ".join(shlex.quote(str(a)) for a in parts)

@@ -31,9 +31,13 @@ class PlanError(ValueError):
 
 
 def safe_host(host: str) -> bool:
-    """A host name or IP literal triage will hand to SSH."""
+    """A host name or IP literal triage will hand to SSH. IPv6 scope ids (``fe80::1%eth0``)
+    are refused: their ``%`` part is free text to ``ipaddress``, and nothing starting with
+    ``-`` could ever be read as an ssh option."""
     if _HOSTNAME.fullmatch(host):
         return True
+    if "%" in host or host.startswith("-"):
+        return False
     try:
         ipaddress.ip_address(host.strip("[]"))
     except ValueError:
@@ -41,9 +45,20 @@ def safe_host(host: str) -> bool:
     return True
 
 
+_DEVICE_TREES = ("/dev", "/proc", "/sys")
+"""Where paths name devices and kernel interfaces, not log files: reading ``/dev/zero`` or
+``/proc/kmsg`` never ends."""
+
+
 def safe_path(path: str) -> bool:
-    """An absolute path of the characters in ``_PATH``, without ``..`` components."""
-    return bool(_PATH.fullmatch(path)) and "/../" not in f"{path}/"
+    """An absolute path of the characters in ``_PATH``, without ``..`` or ``.`` components,
+    empty components, or a place under ``/dev``, ``/proc`` or ``/sys``."""
+    if not _PATH.fullmatch(path):
+        return False
+    parts = path.split("/")[1:]
+    if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
+        return False
+    return not any(path == d or path.startswith(d + "/") for d in _DEVICE_TREES)
 
 
 def _safe_master(address: str) -> bool:
@@ -116,7 +131,7 @@ def _add_values(plan: HostPlan, agent: str, log: str, ports: tuple[int, ...],
             plan.logs.append(log)
         else:
             plan.refused.append(f"{agent}: log path {log!r} refused (not an absolute path of "
-                                "plain characters)")
+                                "plain characters outside /dev, /proc and /sys)")
     for port in ports:
         if 0 < port < 65536 and port not in plan.ports:
             plan.ports.append(port)

@@ -66,7 +66,7 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
         PlanError: unknown engine, or no agent reported a usable host and pid.
     """
     plans = plan_engine(engine_id, states)
-    hosts = await asyncio.gather(*(check_host(p, ssh_config=ssh_config, timeout_s=timeout_s)
+    hosts = await asyncio.gather(*(check_host(p, ssh_config=ssh_config)
                                    for p in plans))
     report = TriageReport(engine_id=engine_id, ts_ms=time.time() * 1e3, reporting=reporting,
                           hosts=list(hosts))
@@ -88,21 +88,21 @@ async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
     gate = asyncio.Semaphore(_CHANNELS)
     marker = f"@@kvpool-triage-{secrets.token_hex(8)}@@"
 
-    async def attempt(cmd: str) -> Outcome:
+    async def attempt(script: str, *args: str | int) -> Outcome:
         async with gate:
-            return await run(conn, cmd, timeout_s)
+            return await run(conn, C.command(script, *args, timeout_s=timeout_s), timeout_s)
 
     async with conn:
         pids = [p.pid for p in plan.procs]
-        master_job = (asyncio.ensure_future(attempt(C.command(C.MASTER, *_host_port(plan.master))))
+        master_job = (asyncio.ensure_future(attempt(C.MASTER, *_host_port(plan.master)))
                       if plan.master else None)
         procs, klog, ports, mem, accel, *logs = await asyncio.gather(
-            attempt(C.command(C.PROCESSES, marker, *pids)),
-            attempt(C.command(C.KERNEL_LOG, marker)),
-            attempt(C.command(C.PORTS, marker)),
-            attempt(C.command(C.MEMINFO)),
-            attempt(C.command(C.ACCEL, marker)),
-            *(attempt(C.command(C.LOG_TAIL, C.LOG_LINES, path)) for path in plan.logs))
+            attempt(C.PROCESSES, marker, *pids),
+            attempt(C.KERNEL_LOG, marker),
+            attempt(C.PORTS, marker),
+            attempt(C.MEMINFO),
+            attempt(C.ACCEL, marker),
+            *(attempt(C.LOG_TAIL, C.LOG_LINES, path) for path in plan.logs))
         master = await master_job if master_job is not None else None
     return HostReport(
         host=plan.host, target=target, refused=plan.refused,

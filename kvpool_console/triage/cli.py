@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
-from rich.text import Text
 
+from kvpool_console._text import plain
 from kvpool_console.model import build_view
 from kvpool_console.source import FleetSource, now_ms
 from kvpool_console.triage._diagnose import exit_status
@@ -35,7 +35,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                         help="log in to an engine's hosts over SSH and diagnose it")
     tr.add_argument("engine", metavar="ENGINE", help="engine id")
     tr.add_argument("--json", action="store_true", help="the TriageReport as JSON")
-    tr.add_argument("--ssh-config", default=None, metavar="FILE",
+    # No default here: the top level's would be overwritten (``--ssh-config F triage E``).
+    tr.add_argument("--ssh-config", default=argparse.SUPPRESS, metavar="FILE",
                     help="ssh config file (default ~/.ssh/config)")
 
 
@@ -55,11 +56,11 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
                                            reporting=reporting(args.engine, src),
                                            ssh_config=args.ssh_config))
     except PlanError as e:
-        err.print(Text(f"triage: {e}", style="red"))
+        err.print(plain(f"triage: {e}", style="red"))
         return 2
     failed = [h.ssh_error for h in report.hosts if h.ssh_error]
     for line in failed:
-        err.print(Text(f"triage: {line}", style="red"))
+        err.print(plain(f"triage: {line}", style="red"))
     if args.json:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
     elif len(failed) < len(report.hosts):

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from kvpool_agent.protocol import EngineState
+from kvpool_console._text import plain
 from kvpool_console.triage._model import TriageReport
 from kvpool_console.triage._plan import PlanError
 from kvpool_console.triage._render import render
@@ -52,7 +52,7 @@ class TriagePanel(VerticalScroll):
         self._args = (dict(states), reporting, ssh_config)
 
     def compose(self) -> ComposeResult:
-        yield Static(Text(f"triage of {self.engine_id}: logging in to its hosts…"),
+        yield Static(plain(f"triage of {self.engine_id}: logging in to its hosts…"),
                      id="triage-body")
 
     def on_mount(self) -> None:
@@ -65,7 +65,7 @@ class TriagePanel(VerticalScroll):
             report = await triage_engine(self.engine_id, states, reporting=reporting,
                                          ssh_config=ssh_config)
         except PlanError as e:
-            body.update(Text(f"triage: {e}", style="bold red"))
+            body.update(plain(f"triage: {e}", style="bold red"))
             return
         self.report = report
         body.update(render(report, log_lines=15))

@@ -10,6 +10,7 @@ from textual.app import ComposeResult
 from textual.reactive import var
 from textual.widgets import DataTable, RichLog, TabPane
 
+from kvpool_console._text import plain, visible
 from kvpool_console.alerts import Alert
 
 __all__ = ["EventsView"]
@@ -45,7 +46,8 @@ class EventsView(TabPane):
         table.clear()
         for a in alerts:
             label, style = _severity(a)
-            table.add_row(Text(label, style=style), a.subject, a.message, a.hint)
+            table.add_row(Text(label, style=style), plain(a.subject), plain(a.message),
+                          plain(a.hint))
 
     def log_alerts(self, alerts: Iterable[Alert], now_ms: float) -> None:
         """Append one line per alert that fired at ``now_ms`` (epoch ms)."""
@@ -54,11 +56,11 @@ class EventsView(TabPane):
             label, style = _severity(a)
             line = Text(f"{_hms(now_ms)} ")
             line.append(label, style=style)
-            line.append(f" {a.subject}: {a.message}")
-            line.append(f" — {a.hint}", style="dim")
+            line.append(visible(f" {a.subject}: {a.message}"))
+            line.append(visible(f" — {a.hint}"), style="dim")
             log.write(line)
 
     def log_action(self, message: str, now_ms: float, style: str = "") -> None:
         """Append an operator action or its result, stamped ``now_ms`` (epoch ms)."""
-        self.query_one("#events-log", RichLog).write(Text(f"{_hms(now_ms)} {message}",
-                                                          style=style))
+        self.query_one("#events-log", RichLog).write(plain(f"{_hms(now_ms)} {message}",
+                                                           style=style))

@@ -24,6 +24,7 @@ from textual.widgets.data_table import ColumnKey, RowKey
 
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._messages import EngineChosen
+from kvpool_console._text import plain
 from kvpool_console.model import (
     AgentRow,
     EngineRow,
@@ -140,7 +141,7 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
     mark = "▾" if expanded else ("▸" if r.agents else " ")
     dim = "dim" if r.stale else ""
     return [
-        Text(f"{mark} {r.engine_id}", style=dim),
+        plain(f"{mark} {r.engine_id}", style=dim),
         _state(r),
         r.role,
         f"{r.hit_rate:.0%}",
@@ -157,7 +158,7 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
         Text(r.kv_role, style="red" if KV_ROLE_FOR.get(r.role, r.kv_role) != r.kv_role
              else ""),
         r.ranks,
-        r.backend,
+        plain(r.backend),
     ]
 
 

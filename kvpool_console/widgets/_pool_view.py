@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.reactive import var
 from textual.widgets import DataTable, Static, TabPane
 
+from kvpool_console._text import plain
 from kvpool_console.model import FleetView, fmt_bytes
 
 __all__ = ["PoolView"]
@@ -45,14 +46,15 @@ class PoolView(TabPane):
             frac = p.used_bytes / p.total_bytes if p.total_bytes else 0.0
             health = (Text("unknown", style="dim") if p.healthy is None else
                       Text("ok", style="green") if p.healthy else
-                      Text(f"DOWN {p.health_detail}", style="bold red"))
-            table.add_row(p.name, str(p.keys), fmt_bytes(p.used_bytes), fmt_bytes(p.total_bytes),
+                      plain(f"DOWN {p.health_detail}", style="bold red"))
+            table.add_row(plain(p.name), str(p.keys), fmt_bytes(p.used_bytes),
+                          fmt_bytes(p.total_bytes),
                           Text(f"{frac:.0%}", style="red" if frac > p.high_watermark else ""),
                           f"{p.high_watermark:.0%}",
                           f"{p.evicted_keys} ({fmt_bytes(p.evicted_bytes)})",
                           f"{p.lease_ttl_ms} ms", health)
             for name, used, total in p.segments:
-                segs.add_row(name, fmt_bytes(used), fmt_bytes(total),
+                segs.add_row(plain(name), fmt_bytes(used), fmt_bytes(total),
                              f"{used / total:.0%}" if total else "-")
         t = view.totals
         self.query_one("#pool-summary", Static).update(

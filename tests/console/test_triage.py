@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import pytest
 from livefleet import hub_address
 from sshd import Sshd, free_port, start_sshd
@@ -33,7 +34,10 @@ from kvpool_console.cli import main
 from kvpool_console.source import StaticSource
 from kvpool_console.triage import TriageReport
 from kvpool_console.triage._commands import PORTS, command
+from kvpool_console.triage._model import HostReport, LogTail
 from kvpool_console.triage._parse import kernel_evidence, parse_proc_sockets, sections
+from kvpool_console.triage._plan import safe_host, safe_path
+from kvpool_console.triage._render import render
 
 STANDIN = Path(__file__).with_name("standin_engine.py")
 
@@ -242,7 +246,8 @@ def _agent(hub: str, engine_id: str, host: str, **facts: Any) -> AgentHandle:
 def test_hostile_values_run_nothing(capsys: pytest.CaptureFixture[str], hub: str, sshd: Sshd,
                                     tmp_path: Path) -> None:
     canary = tmp_path / "canary"
-    name = HOSTILE.format(c=canary)
+    # An engine id like HOSTILE is refused by the wire schema (tests/console/test_hostile_text).
+    name = "hostile-e"
     bad_path = f"/tmp/x'; touch {canary}; echo '"
     handle = _agent(hub, name, "engine-host-1", log_path=bad_path,
                     sockets=(f"/tmp/$(touch {canary})",), master=f"`touch {canary}`:1")
@@ -265,7 +270,7 @@ def test_quoting_keeps_arguments_literal(tmp_path: Path) -> None:
     """Even unchecked text passed to ``command`` reaches the script as one literal argument."""
     canary = tmp_path / "canary"
     hostile = HOSTILE.format(c=canary)
-    out = subprocess.run(["sh", "-c", command('printf "%s" "$1"', hostile)],
+    out = subprocess.run(["sh", "-c", command('printf "%s" "$1"', hostile, timeout_s=5)],
                          capture_output=True, text=True, check=True).stdout
     assert out == hostile and not canary.exists()
 
@@ -316,7 +321,7 @@ def test_proc_fallback_without_ss(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run([str(bin_dir / "sh"), "-c", command(PORTS, marker)],
+        out = subprocess.run([str(bin_dir / "sh"), "-c", command(PORTS, marker, timeout_s=5)],
                              env={"PATH": str(bin_dir)}, capture_output=True, text=True).stdout
     parts = dict(sections(out, marker))
     assert "proc" in parts and "ss" not in parts
@@ -406,3 +411,122 @@ def test_hidden_proc_is_not_called_gone() -> None:
     [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))],
                          (0, out.replace(f"{m} hidepid\n", ""), ""), (0, klog, ""), m)
     assert check.state == "gone" and check.oom_killed is False
+
+
+def test_fifo_log_is_not_read_and_nothing_stays(capsys: pytest.CaptureFixture[str], hub: str,
+                                                sshd: Sshd, tmp_path: Path) -> None:
+    """A FIFO as the log path: refused on the host as not a regular file, and no ``tail``
+    of it is left blocked there after the check."""
+    fifo = tmp_path / "engine.log"
+    os.mkfifo(fifo)
+    handle = _agent(hub, "fifo-e", "engine-host-1", log_path=str(fifo))
+    try:
+        wait_reported(hub, "fifo-e")
+        rc, report, _, err = triage(capsys, hub, "fifo-e", sshd, "--json")
+    finally:
+        handle.stop()
+    assert report is not None, err
+    assert [(log.path, log.error, log.lines) for log in report.hosts[0].logs] == [
+        (str(fifo), "not a regular file", [])]
+    assert rc == 0
+    assert _readers_of(str(fifo)) == []
+
+
+def _readers_of(path: str) -> list[int]:
+    """Pids of processes whose command line names ``path``."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if path in (p.info["cmdline"] or []):
+            found.append(p.info["pid"])
+    return found
+
+
+def test_device_paths_refused_before_sending(capsys: pytest.CaptureFixture[str], hub: str,
+                                             sshd: Sshd) -> None:
+    handle = _agent(hub, "dev-e", "engine-host-1", log_path="/dev/zero")
+    try:
+        wait_reported(hub, "dev-e")
+        rc, report, _, err = triage(capsys, hub, "dev-e", sshd, "--json")
+    finally:
+        handle.stop()
+    assert report is not None, err
+    host = report.hosts[0]
+    assert host.logs == []  # no LOG_TAIL was sent for it
+    assert host.refused == ["dev-e/scheduler: log path '/dev/zero' refused (not an absolute "
+                            "path of plain characters outside /dev, /proc and /sys)"]
+    assert rc == 0
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/proc/kmsg", "/sys/kernel/x", "/dev",
+                                  "//dev/zero", "/./proc/kmsg", "/var/../dev/zero",
+                                  "/var/log/.."])
+def test_safe_path_refuses_device_trees(path: str) -> None:
+    assert not safe_path(path)
+
+
+@pytest.mark.parametrize("path", ["/var/log/vllm/engine.log", "/tmp/e1.log", "/devices.log",
+                                  "/home/u/proc/x.log", "/var/log/"])
+def test_safe_path_keeps_log_files(path: str) -> None:
+    assert safe_path(path)
+
+
+@pytest.mark.parametrize("host", ["fe80::1%a b;c", "::1%\nX", "::1%-oProxyCommand=x",
+                                  "fe80::1%eth0", "-oProxyCommand=x", "[::1%x]", ""])
+def test_safe_host_refuses_scope_ids_and_options(host: str) -> None:
+    assert not safe_host(host)
+
+
+@pytest.mark.parametrize("host", ["engine-host-1", "10.0.0.7", "::1", "[fe80::1]", "fe80::1"])
+def test_safe_host_keeps_names_and_literals(host: str) -> None:
+    assert safe_host(host)
+
+
+def test_remote_script_is_killed_after_its_bound(tmp_path: Path) -> None:
+    """``command`` puts the script under ``timeout``: a check that would block forever (a
+    reader of a FIFO nobody writes) ends, and so does everything it started."""
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    done = subprocess.run(["sh", "-c", command('cat "$1" | cat', str(fifo), timeout_s=0.5)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 124  # timeout(1): the command timed out
+    wait_for(lambda: _readers_of(str(fifo)) == [], "no reader of the FIFO left")
+
+
+def test_render_makes_controls_visible() -> None:
+    report = TriageReport(engine_id="e", ts_ms=0.0, reporting=True, hosts=[HostReport(
+        host="h", target="h:22", logs=[LogTail(path="/l", lines=[
+            "\x1b]0;owned\x07title", "\x1b[2Jclear\tand\x9bcsi"])])])
+    text = render(report).plain
+    assert "    | \\x1b]0;owned\\x07title\n" in text
+    assert "    | \\x1b[2Jclear\tand\\x9bcsi\n" in text
+    assert not any(c in text for c in "\x1b\x07\x9b")
+
+
+async def test_tui_triage_uses_the_consoles_ssh_config(sshd: Sshd, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvpool-console --ssh-config FILE`` reaches the TUI's triage: with a home that knows
+    no host, the run logs in only through FILE."""
+    from kvpool_agent.protocol import EngineState
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.cli import _parse
+    from kvpool_console.triage.panel import TriagePanel
+
+    assert _parse(["--ssh-config", str(sshd.ssh_config)]).ssh_config == str(sshd.ssh_config)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    now = time.time() * 1e3
+    src = Source(agent_id="cfg/scheduler", engine_id="cfg", instance_role="mixed",
+                 kv_role="kv_both", process_role="replay", pid=os.getpid(),
+                 host="engine-host-1", **process_facts())
+    app = KVPoolConsole(StaticSource({"cfg/scheduler": EngineState(
+        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now,
+        ssh_config=str(sshd.ssh_config))
+    async with app.run_test(size=(120, 50)) as pilot:
+        await pilot.press("t")
+        await pilot.pause()
+        panel = app.screen.query_one(TriagePanel)
+        deadline = time.monotonic() + 10.0
+        while panel.report is None and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert panel.report is not None
+        assert panel.report.hosts[0].ssh_error == ""
+        assert panel.report.hosts[0].processes[0].state == "running"
