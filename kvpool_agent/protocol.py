@@ -63,7 +63,7 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Frames larger than this are dropped unread (counted as ``oversized``)."""
 
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
-CommandName = Literal["health", "flush", "drain", "snapshot"]
+CommandName = Literal["health", "flush", "drain", "snapshot", "forget"]
 
 
 class Source(msgspec.Struct, frozen=True, kw_only=True):
@@ -255,6 +255,10 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     last_seen_ms: dict[str, float] = msgspec.field(default_factory=dict)
     report_gaps: dict[str, int] = msgspec.field(default_factory=dict)
     """Per agent id: reports the hub never received (sequence gaps) since it first saw it."""
+    forgotten: list[str] = msgspec.field(default_factory=list)
+    """Agent ids the hub dropped (silent for ``forget_after`` or ``forget``): a console drops
+    them too. Deltas list those dropped since the last update, snapshots every one the hub
+    still remembers dropping."""
 
 
 class FlushArgs(msgspec.Struct, kw_only=True):
@@ -286,6 +290,8 @@ class CommandRequest(msgspec.Struct, tag="cmd", kw_only=True):
     flush: FlushArgs | None = None
     drain: DrainArgs | None = None
     timeout_ms: int = 5_000
+    probe: bool = False
+    """``health`` only: also write, read and remove one probe key (operator port only)."""
 
 
 class HealthCheck(msgspec.Struct, kw_only=True):
@@ -339,6 +345,8 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
     flush: FlushResult | None = None
     drain: DrainResult | None = None
     snapshot: EngineState | None = None
+    forgotten: list[str] = msgspec.field(default_factory=list)
+    """``forget`` (answered by the hub itself): the agent ids it dropped."""
 
 
 Message = Report | FleetUpdate | CommandRequest | CommandReply
