@@ -14,7 +14,7 @@ import httpx
 import pytest
 import zmq
 import zmq.auth
-from agent_testlib import make_source
+from agent_testlib import FakeAgent, Spammer, make_source
 
 from kvpool_agent import UNAUTHORISED, AgentHandle, FleetClient, FleetHub, start_agent
 from kvpool_agent.hub import OPERATOR_ONLY
@@ -153,6 +153,29 @@ def test_flush_scopes_remove_exactly_their_keys(
     assert len(flushes) == 6
     assert all(a["who"].startswith("key:") and not a["refused"] for a in flushes)
     assert flushes[4]["flush"]["force"] and flushes[4]["results"][0]["flush"]["removed_keys"] == 1
+
+
+def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(
+    worker_agent: AgentHandle, hub: FleetHub, hub_address: str, keys_dir: Path, pool: dict,
+    agent_master: LocalMooncakeMaster,
+) -> None:
+    """Issue 10, observation 1: a process reporting every 10 ms as a new store agent does not
+    receive the operator's model flush; the long-connected worker runs it for real."""
+    with zmq.Context() as ctx, _operator(hub_address, keys_dir) as op:
+        fake = FakeAgent(ctx, hub_address)
+        with Spammer(fake, make_source("evil-store", role="store")):
+            deadline = time.monotonic() + 5
+            while len(hub.fleet()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            before = _all_keys(agent_master)
+            (r,) = op.command(
+                "flush", flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False)
+            )
+        assert fake.drain(200) == []
+        fake.sock.close(linger=0)
+    assert r.agent_id == worker_agent.source.agent_id and r.ok and r.flush is not None
+    assert r.flush.removed_keys == 2
+    assert _all_keys(agent_master) == before - set(pool["other_keys"])
 
 
 def test_leased_keys_are_skipped_unless_forced(
