@@ -22,6 +22,7 @@ import threading
 
 import zmq
 
+from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import KeyPaths, generate_keys
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
@@ -65,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
         "authorized_keys/)",
     )
     h.add_argument("--audit-file", metavar="PATH", help="append one JSON line per command")
+    h.add_argument("--audit-max-bytes", type=int, default=AUDIT_MAX_BYTES, metavar="N",
+                   help="rotate the audit file at N bytes (default %(default)s)")
+    h.add_argument("--audit-backups", type=int, default=AUDIT_BACKUPS, metavar="K",
+                   help="rotated audit files kept, PATH.1 newest (default %(default)s)")
 
     k = sub.add_parser("keygen", help="create hub and operator CURVE key pairs in DIR")
     k.add_argument("dir", metavar="DIR")
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 secret_key_file=kp.server_secret if kp else None,
                 audit_file=args.audit_file,
                 forget_after_s=args.forget_after,
+                audit_max_bytes=args.audit_max_bytes,
+                audit_backups=args.audit_backups,
             ).start()
             try:
                 _run_until_signal()

@@ -40,7 +40,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpool_agent._audit import audit
+from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -146,6 +146,8 @@ class FleetHub:
         delta_interval_s: deltas (agents that reported since the last update) this often.
         forget_after_s: agents silent this long (s) are dropped, with ``forgotten`` in the next
             update and a log line.
+        audit_max_bytes: the audit file rotates at this size (bytes), keeping
+            ``audit_backups`` older files (``FILE.1`` newest).
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota),
@@ -168,6 +170,8 @@ class FleetHub:
         snapshot_interval_s: float = 2.0,
         delta_interval_s: float = 0.25,
         forget_after_s: float = FORGET_AFTER_S,
+        audit_max_bytes: int = AUDIT_MAX_BYTES,
+        audit_backups: int = AUDIT_BACKUPS,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -179,6 +183,7 @@ class FleetHub:
         self.authorized_keys_dir = Path(authorized_keys_dir) if authorized_keys_dir else None
         self.secret_key_file = Path(secret_key_file) if secret_key_file else None
         self.audit_file = Path(audit_file) if audit_file else None
+        self._audit = AuditTrail(self.audit_file, audit_max_bytes, audit_backups)
         self.snapshot_interval_s = snapshot_interval_s
         self.delta_interval_s = delta_interval_s
         self.forget_after_s = forget_after_s
@@ -309,6 +314,7 @@ class FleetHub:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+        self._audit.close()
 
     def _run(self) -> None:
         try:
@@ -480,7 +486,7 @@ class FleetHub:
             self.refused += 1
             reply = self._agent_error(req, "hub", needs_key)
             self._send_client(sock, client, [reply])
-            audit(self.audit_file, who, req, [], [reply], refused=True)
+            self._audit.record(who, req, [], [reply], refused=True)
             return
         if req.command == "forget":
             self._forget(sock, client, req, who)
@@ -495,7 +501,7 @@ class FleetHub:
         if problem is not None:
             reply = self._agent_error(req, "hub", problem)
             self._send_client(sock, client, [reply])
-            audit(self.audit_file, who, req, targets, [reply])
+            self._audit.record(who, req, targets, [reply])
             return
         internal = secrets.token_hex(16)
         pend = _Pending(
@@ -557,7 +563,7 @@ class FleetHub:
                 forgotten=ids,
             )
         self._send_client(sock, client, [reply])
-        audit(self.audit_file, who, req, list(req.targets), [reply])
+        self._audit.record(who, req, list(req.targets), [reply])
 
     def _on_reply(self, rid: bytes, rep: CommandReply) -> None:
         pend = self._pending.get(rep.request_id)
@@ -591,7 +597,7 @@ class FleetHub:
         del self._pending[internal]
         replies = [pend.replies[a] for a in pend.expected]
         self._send_client(pend.sock, pend.client, replies)
-        audit(self.audit_file, pend.who, pend.req, pend.expected, replies)
+        self._audit.record(pend.who, pend.req, pend.expected, replies)
 
     def _agent_error(self, req: CommandRequest, agent_id: str, error: str) -> CommandReply:
         return CommandReply(

@@ -5,6 +5,7 @@ forever. (The agent port is not authenticated yet: a new agent id can still regi
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -247,3 +248,26 @@ def test_operator_forgets_an_engine_now(
             viewer.updates(100)
         assert sorted(viewer.fleet()) == ["kept/scheduler"]
     assert sorted(hub.fleet()) == ["kept/scheduler"]
+
+
+def test_the_audit_file_rotates_by_size(hub_address: str, tmp_path: Path) -> None:
+    """A flood of audited commands cannot fill the disk: the file rotates at its size and
+    only ``audit_backups`` older files are kept."""
+    audit = tmp_path / "audit.jsonl"
+    with FleetHub(hub_address, audit_file=audit, audit_max_bytes=2_000, audit_backups=2) as hub:
+        real = start_agent(make_source("eng-a", role="scheduler"), address=hub_address)
+        try:
+            with FleetClient(hub_address) as c:
+                c.wait_for(1, 5)
+                for _ in range(40):
+                    (r,) = c.command("health")
+                    assert r.ok
+        finally:
+            real.stop()
+    assert hub.commands == 40
+    files = sorted(p.name for p in tmp_path.glob("audit.jsonl*"))
+    assert files == ["audit.jsonl", "audit.jsonl.1", "audit.jsonl.2"]
+    for name in files:
+        text = (tmp_path / name).read_text()
+        assert 0 < len(text) <= 2_000
+        assert all(json.loads(line)["command"] == "health" for line in text.splitlines())
