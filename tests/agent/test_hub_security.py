@@ -30,8 +30,6 @@ from kvpool_agent.protocol import (
     encode,
 )
 
-__all__: list[str] = []
-
 
 @pytest.fixture
 def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
