@@ -1,5 +1,8 @@
 """The fleet hub: agents report to it, consoles watch it and send commands through it.
 
+Over 500 lines: every path a frame takes through the one socket-owning thread (routing,
+quotas, reply binding) is kept in one module so it can be checked in one reading.
+
 Ports, for ``address="tcp://HOST:P"``:
 
 - ``P``   ROUTER, agents connect (DEALER) and send ``Report`` / ``CommandReply``;
