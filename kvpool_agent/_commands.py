@@ -73,7 +73,7 @@ class Commands:
             if req.command == "snapshot":
                 return self.reply(req, ok=True, snapshot=self._state())
             if req.command == "health":
-                res = self.health()
+                res = self.health(probe=req.probe)
                 return self.reply(req, ok=res.ok, health=res)
             if req.command == "flush":
                 if req.flush is None:
@@ -91,9 +91,10 @@ class Commands:
             )
             return self.reply(req, ok=False, error=f"{type(e).__name__}: {e}")
 
-    def health(self) -> HealthResult:
-        """The pool client's checks and probe (``PoolOperations.health``) and the master's
-        ``/health`` when ``pool_admin_url`` is known and the client did not check it.
+    def health(self, *, probe: bool = False) -> HealthResult:
+        """The pool client's checks (``PoolOperations.health``; with ``probe`` also its
+        write/read/remove probe) and the master's ``/health`` when ``pool_admin_url`` is known
+        and the client did not check it.
 
         A process with neither (a scheduler: its lookups go through worker rank 0) answers one
         ``agent`` check: the agent itself is alive, and the detail says where the pool checks
@@ -111,7 +112,10 @@ class Commands:
                     )
                 ]
             )
-        checks = self.operations.health() if self.operations is not None else []
+        checks: list[HealthCheck] = []
+        if self.operations is not None:
+            # Without probe, call as before so pool clients without the argument still work.
+            checks = self.operations.health(probe=True) if probe else self.operations.health()
         if self.pool_admin_url is not None and not any(c.name == "master" for c in checks):
             checks.append(mooncake_master_health(self.pool_admin_url))
         return HealthResult(checks=checks)

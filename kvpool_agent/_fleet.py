@@ -2,7 +2,13 @@
 update, which agents a command goes to, and the ``FleetUpdate`` frames consoles receive.
 
 Thread-safe: the hub thread writes, ``FleetHub.fleet()`` reads from any thread. Agents that go
-silent stay with their last state and ``last_seen_ms``; consoles decide when that is stale.
+silent stay with their last state and ``last_seen_ms`` (consoles decide when that is stale) until
+the hub forgets them (``forget``, ``forget_silent``).
+
+An agent id belongs to the ZMQ connection (routing id) that registered it while that connection
+is live: reports for the id from another connection are refused until the holder has been
+silent for ``TAKEOVER_AFTER_S`` (a restarted agent reconnects under the same id then). The agent
+port is not authenticated yet, so this binds ids to connections, not to keys.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvpool_agent.protocol import (
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandRequest,
     EngineState,
@@ -21,11 +30,32 @@ from kvpool_agent.protocol import (
     Report,
 )
 
-__all__ = ["ENGINES_PER_UPDATE", "LIVE_S", "MAX_AGENTS", "Fleet"]
+__all__ = [
+    "ENGINES_PER_UPDATE",
+    "LIVE_S",
+    "MAX_AGENTS",
+    "MAX_STATE_BYTES",
+    "TAKEOVER_AFTER_S",
+    "UPDATE_BUDGET_BYTES",
+    "Fleet",
+]
 
 ENGINES_PER_UPDATE = 128
-"""Engines per ``FleetUpdate`` frame; a large fleet's snapshot spans several frames so each
-stays far below ``MAX_MESSAGE_BYTES``."""
+"""Engines per ``FleetUpdate`` frame at most; a large fleet's snapshot spans several frames."""
+
+MAX_STATE_BYTES = 256 * 1024
+"""Largest encoded ``EngineState`` the hub keeps for one agent (msgpack bytes, after merging
+the agent's recent errors); a report over it is refused and counted. A real engine's state is a
+few KiB; the bound keeps hub memory per agent small and lets every state fit an update frame."""
+
+UPDATE_BUDGET_BYTES = MAX_MESSAGE_BYTES // 2
+"""Encoded states per ``FleetUpdate`` frame at most; the other half leaves room for the frame's
+``last_seen_ms``/``report_gaps``/``forgotten`` maps, so no frame reaches ``MAX_MESSAGE_BYTES``
+(the limit ``FleetClient`` decodes)."""
+
+TAKEOVER_AFTER_S = 2.0
+"""Another connection may take over an agent id after the holder has been silent this long
+(8 report intervals of ``DELTA_INTERVAL_S`` = 0.25 s)."""
 
 MAX_AGENTS = 16_384
 """Agents the hub keeps; reports from further new agent ids are refused."""
@@ -34,6 +64,8 @@ LIVE_S = 15.0
 """An agent heard from within this many seconds is live: commands without targets go to it."""
 
 _RECENT_ERRORS = 50
+_FORGOTTEN_KEPT = 1024
+_state_encoder = msgspec.msgpack.Encoder()
 
 
 @dataclass
@@ -41,6 +73,8 @@ class _Entry:
     state: EngineState
     last_seen_ms: float
     routing_id: bytes
+    first_seen_ms: float
+    size: int = 0
     errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
 
 
@@ -50,6 +84,9 @@ class Fleet:
     def __init__(self) -> None:
         self._agents: dict[str, _Entry] = {}
         self._dirty: set[str] = set()
+        # Forgotten agent id -> when (ms since epoch); told to consoles so they drop it too.
+        self._forgotten: dict[str, float] = {}
+        self._forgotten_new: set[str] = set()
         self._lock = threading.Lock()
 
     def accept(self, routing_id: bytes, rep: Report) -> str | None:
@@ -58,27 +95,78 @@ class Fleet:
         agent's last ``_RECENT_ERRORS``; a snapshot replaces them.
 
         Returns:
-            ``None``, or why the report was refused (the fleet holds ``MAX_AGENTS`` already).
+            ``None``, or why the report was refused: ``"takeover: ..."`` (the id is held by
+            another live connection), ``"oversized: ..."`` (state over ``MAX_STATE_BYTES``) or
+            ``"full: ..."`` (the fleet holds ``MAX_AGENTS`` already).
         """
         st = rep.state
         aid = st.source.agent_id
         now_ms = time.time() * 1e3
         with self._lock:
             ag = self._agents.get(aid)
-            if ag is None:
-                if len(self._agents) >= MAX_AGENTS:
-                    return f"fleet full ({MAX_AGENTS} agents): report of {aid!r} dropped"
-                ag = _Entry(state=st, last_seen_ms=now_ms, routing_id=routing_id)
-                self._agents[aid] = ag
+            if (
+                ag is not None
+                and ag.routing_id != routing_id
+                and now_ms - ag.last_seen_ms < TAKEOVER_AFTER_S * 1e3
+            ):
+                return f"takeover: {aid!r} is held by a live connection; report dropped"
+            if ag is None and len(self._agents) >= MAX_AGENTS:
+                return f"full: {MAX_AGENTS} agents; report of {aid!r} dropped"
+            errors = deque(ag.errors if ag is not None else (), maxlen=_RECENT_ERRORS)
             if rep.kind == "snapshot":
-                ag.errors.clear()
-            ag.errors.extend(st.recent_errors)
-            st.recent_errors = list(ag.errors)
+                errors.clear()
+            errors.extend(st.recent_errors)
+            st.recent_errors = list(errors)
+            size = len(_state_encoder.encode(st))
+            if size > MAX_STATE_BYTES:
+                return f"oversized: state of {aid!r} is {size} bytes > {MAX_STATE_BYTES}"
+            if ag is None:
+                ag = _Entry(state=st, last_seen_ms=now_ms, routing_id=routing_id,
+                            first_seen_ms=now_ms)
+                self._agents[aid] = ag
+                self._forgotten.pop(aid, None)
+                self._forgotten_new.discard(aid)
+            elif ag.routing_id != routing_id:
+                ag.first_seen_ms = now_ms
+            ag.errors = errors
             ag.state = st
+            ag.size = size
             ag.last_seen_ms = now_ms
             ag.routing_id = routing_id
             self._dirty.add(aid)
         return None
+
+    def forget(self, names: list[str]) -> list[str]:
+        """Drop the agents whose agent id or engine id is in ``names``; returns the agent ids
+        dropped (sorted). Consoles are told with the next update's ``forgotten``."""
+        with self._lock:
+            wanted = set(names)
+            ids = sorted(
+                k for k, a in self._agents.items()
+                if k in wanted or a.state.source.engine_id in wanted
+            )
+            self._drop(ids)
+        return ids
+
+    def forget_silent(self, forget_after_s: float) -> list[str]:
+        """Drop the agents not heard from for ``forget_after_s`` seconds; returns their ids."""
+        cutoff = time.time() * 1e3 - forget_after_s * 1e3
+        with self._lock:
+            ids = sorted(k for k, a in self._agents.items() if a.last_seen_ms < cutoff)
+            self._drop(ids)
+        return ids
+
+    def _drop(self, ids: list[str]) -> None:
+        now_ms = time.time() * 1e3
+        for k in ids:
+            del self._agents[k]
+            self._dirty.discard(k)
+            self._forgotten[k] = now_ms
+            self._forgotten_new.add(k)
+        while len(self._forgotten) > _FORGOTTEN_KEPT:
+            oldest = min(self._forgotten, key=self._forgotten.__getitem__)
+            del self._forgotten[oldest]
+            self._forgotten_new.discard(oldest)
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""
@@ -93,15 +181,19 @@ class Fleet:
 
     @property
     def changed(self) -> bool:
-        """Some agent reported since the last ``updates``."""
-        return bool(self._dirty)
+        """Some agent reported or was forgotten since the last ``updates``."""
+        return bool(self._dirty or self._forgotten_new)
 
     def targets(self, req: CommandRequest) -> tuple[list[str], str | None]:
         """The agent ids ``req`` goes to, or why it goes nowhere.
 
         ``req.targets`` when given; otherwise every live agent, except for ``flush``: scope
-        ``engine`` goes to the live worker agents of ``FlushArgs.engine_id``, scopes ``model``
-        and ``all`` are pool-wide and go to the one most recently heard worker or store agent.
+        ``engine`` goes to the live worker agents of ``FlushArgs.engine_id``; scopes ``model``
+        and ``all`` are pool-wide and go to one live agent with a pool client: the
+        longest-connected worker agent (a store agent when no worker is live). Longest
+        connected, not most recently heard, so an agent that just appeared and reports fast
+        cannot draw the flush to itself. The choice is made once, when the command arrives:
+        agents appearing later never receive it.
 
         Returns:
             ``(agent ids, None)`` or ``([], the reason for the operator)``.
@@ -128,29 +220,39 @@ class Fleet:
                 return sorted(
                     ids
                 ), None if ids else f"no live worker agent of engine {fl.engine_id!r}"
-            # model/all scopes are pool-wide: one agent with a pool client does it once.
-            holders = [
-                (a.last_seen_ms, k)
+            holders = sorted(
+                (a.state.source.process_role != "worker", a.first_seen_ms, k)
                 for k, a in live.items()
                 if a.state.source.process_role in ("worker", "store")
-            ]
+            )
             if not holders:
                 return [], "no live worker or store agent to run the flush"
-            return [max(holders)[1]], None
+            return [holders[0][2]], None
 
     def updates(self, kind: str, first_seq: int, gaps: dict[str, int]) -> list[FleetUpdate]:
         """The frames of one ``FleetUpdate``: every agent (``kind="snapshot"``) or those that
-        reported since the last call (``"delta"``), ``ENGINES_PER_UPDATE`` per frame, numbered
-        from ``first_seq``; ``gaps`` (agent id -> reports lost) goes with each agent's state.
-        An empty snapshot is one frame without engines: it tells a console the hub is alive."""
+        reported since the last call (``"delta"``), numbered from ``first_seq``; a frame holds
+        at most ``ENGINES_PER_UPDATE`` engines and ``UPDATE_BUDGET_BYTES`` of encoded states.
+        ``gaps`` (agent id -> reports lost) goes with each agent's state. The first frame lists
+        in ``forgotten`` the agents forgotten since the last update (a snapshot: every one still
+        remembered as forgotten). An empty snapshot is one frame without engines: it tells a
+        console the hub is alive."""
         with self._lock:
             ids = sorted(self._agents) if kind == "snapshot" else sorted(self._dirty)
-            states = [self._agents[i].state for i in ids if i in self._agents]
+            entries = [(self._agents[i].state, self._agents[i].size) for i in ids
+                       if i in self._agents]
             seen = {i: self._agents[i].last_seen_ms for i in ids if i in self._agents}
+            forgotten = sorted(self._forgotten if kind == "snapshot" else self._forgotten_new)
             self._dirty.clear()
-        chunks = [
-            states[i : i + ENGINES_PER_UPDATE] for i in range(0, len(states), ENGINES_PER_UPDATE)
-        ]
+            self._forgotten_new.clear()
+        chunks: list[list[EngineState]] = []
+        room = 0
+        for st, size in entries:
+            if not chunks or len(chunks[-1]) >= ENGINES_PER_UPDATE or size > room:
+                chunks.append([])
+                room = UPDATE_BUDGET_BYTES
+            chunks[-1].append(st)
+            room -= size
         out = []
         for seq, chunk in enumerate(chunks or [[]], start=first_seq):
             ids_in = {s.source.agent_id for s in chunk}
@@ -163,6 +265,7 @@ class Fleet:
                     engines=chunk,
                     last_seen_ms={k: v for k, v in seen.items() if k in ids_in},
                     report_gaps={k: v for k, v in gaps.items() if k in ids_in},
+                    forgotten=forgotten if seq == first_seq else [],
                 )
             )
         return out

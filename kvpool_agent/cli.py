@@ -5,12 +5,14 @@ Examples::
     kvpool-agent keygen /etc/kvpool/keys
     kvpool-agent hub --address tcp://0.0.0.0:7600 --keys /etc/kvpool/keys \\
         --audit-file /var/log/kvpool-audit.jsonl
+    kvpool-agent hub --address tcp://0.0.0.0:7600 --insecure   # a lab without keys
     kvpool-agent store --hub tcp://10.0.0.1:7600 --admin-url http://127.0.0.1:9003
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -20,9 +22,10 @@ import threading
 
 import zmq
 
+from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import KeyPaths, generate_keys
-from kvpool_agent.hub import FleetHub
+from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
 from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
 
@@ -39,8 +42,22 @@ def _parser() -> argparse.ArgumentParser:
     h = sub.add_parser("hub", help="run the fleet hub (agents, consoles and commands)")
     h.add_argument(
         "--address",
-        default="tcp://0.0.0.0:7600",
-        help="agents connect to this tcp://HOST:P; consoles use P+1..P+3 (default %(default)s)",
+        default="tcp://127.0.0.1:7600",
+        help="agents connect to this tcp://HOST:P; consoles use P+1..P+3 (default "
+        "%(default)s; a non-loopback HOST needs --keys or --insecure)",
+    )
+    h.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --address without --keys: anyone who reaches the hub sees "
+        "the fleet and runs read-only commands (a lab only; logged as a warning)",
+    )
+    h.add_argument(
+        "--forget-after",
+        type=float,
+        default=FORGET_AFTER_S,
+        metavar="S",
+        help="drop agents silent for S seconds (default %(default)s)",
     )
     h.add_argument(
         "--keys",
@@ -49,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
         "authorized_keys/)",
     )
     h.add_argument("--audit-file", metavar="PATH", help="append one JSON line per command")
+    h.add_argument("--audit-max-bytes", type=int, default=AUDIT_MAX_BYTES, metavar="N",
+                   help="rotate the audit file at N bytes (default %(default)s)")
+    h.add_argument("--audit-backups", type=int, default=AUDIT_BACKUPS, metavar="K",
+                   help="rotated audit files kept, PATH.1 newest (default %(default)s)")
 
     k = sub.add_parser("keygen", help="create hub and operator CURVE key pairs in DIR")
     k.add_argument("dir", metavar="DIR")
@@ -71,6 +92,18 @@ def _parser() -> argparse.ArgumentParser:
         "--high-watermark", type=float, default=0.9, help="eviction_high_watermark_ratio"
     )
     return p
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether ``tcp://HOST:P`` binds only the loopback interface (``localhost``, 127.0.0.0/8,
+    ``::1``); a wildcard or any other host is not."""
+    host = hub_ports(address).agents[6:].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _run_until_signal() -> None:
@@ -100,11 +133,28 @@ def main(argv: list[str] | None = None) -> int:
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.check_hub()
+            if kp is None and not _is_loopback(args.address):
+                if not args.insecure:
+                    print(
+                        f"kvpool-agent hub: {args.address} is reachable from other hosts and no "
+                        "--keys are configured: give --keys DIR (kvpool-agent keygen), bind "
+                        "tcp://127.0.0.1:P, or pass --insecure for a lab",
+                        file=sys.stderr,
+                    )
+                    return 2
+                logging.getLogger("kvpool.hub").warning(
+                    "INSECURE: kvpool hub on %s without keys: anyone who reaches it reads the "
+                    "whole fleet state and sends read-only commands (--insecure)",
+                    args.address,
+                )
             hub = FleetHub(
                 args.address,
                 authorized_keys_dir=kp.authorized_dir if kp else None,
                 secret_key_file=kp.server_secret if kp else None,
                 audit_file=args.audit_file,
+                forget_after_s=args.forget_after,
+                audit_max_bytes=args.audit_max_bytes,
+                audit_backups=args.audit_backups,
             ).start()
             try:
                 _run_until_signal()

@@ -140,6 +140,8 @@ class FleetClient:
 
     def _merge(self, upd: FleetUpdate) -> None:
         self.last_update_ms = upd.ts_ms
+        for aid in upd.forgotten:
+            self._fleet.pop(aid, None)
         for st in upd.engines:
             aid = st.source.agent_id
             self._fleet[aid] = FleetEntry(
@@ -149,8 +151,9 @@ class FleetClient:
             )
 
     def fleet(self) -> dict[str, FleetEntry]:
-        """Agent id -> ``FleetEntry`` after taking every update already received. Agents
-        never disappear: a silent one keeps its last state and an ageing ``last_seen_ms``."""
+        """Agent id -> ``FleetEntry`` after taking every update already received. A silent
+        agent keeps its last state and an ageing ``last_seen_ms`` until the hub forgets it
+        (``FleetUpdate.forgotten``)."""
         self.updates(0)
         return dict(self._fleet)
 
@@ -172,17 +175,20 @@ class FleetClient:
         timeout_ms: int = 5_000,
         sender: str = "",
         request_id: str | None = None,
+        probe: bool = False,
     ) -> list[CommandReply]:
         """Send one command and wait for its replies (one per target agent).
 
         Args:
-            command: ``health``, ``flush``, ``drain`` or ``snapshot``.
+            command: ``health``, ``flush``, ``drain``, ``snapshot`` or ``forget`` (operator
+                key; ``targets`` are engine or agent ids; the hub answers itself).
             targets: agent ids; empty = every live agent (``flush``: one worker/store agent
                 for scope model/all, the engine's workers for scope engine).
             timeout_ms: how long agents get; the hub turns a missing reply into
                 ``ok=False, error="timeout after N ms"``. Raised to ``drain.timeout_ms + 1000``
                 for a drain.
             sender: operator name for the audit log (authority comes only from the key).
+            probe: ``health`` also writes, reads and removes a probe key (operator key).
 
         Returns:
             The replies; if the hub itself does not answer within ``timeout_ms + 2000`` ms a
@@ -202,6 +208,7 @@ class FleetClient:
             flush=flush,
             drain=drain,
             timeout_ms=timeout_ms,
+            probe=probe,
         )
         with self._cmd_lock:
             s = self._command_socket()

@@ -1,15 +1,26 @@
 """The fleet hub: agents report to it, consoles watch it and send commands through it.
 
+Over 500 lines: every path a frame takes through the one socket-owning thread (routing,
+quotas, reply binding) is kept in one module so it can be checked in one reading.
+
 Ports, for ``address="tcp://HOST:P"``:
 
 - ``P``   ROUTER, agents connect (DEALER) and send ``Report`` / ``CommandReply``;
 - ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
   full snapshot, so a console that joins late sees every agent at once;
-- ``P+2`` ROUTER, plain (no key): read-only commands (``snapshot``, ``health``, ``drain``,
-  ``flush`` with ``dry_run=True``);
+- ``P+2`` ROUTER, plain (no key): read-only commands (``snapshot``, ``health`` without the
+  probe, ``drain``, ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION``
+  in flight per connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all;
 - ``P+3`` ROUTER, CURVE server (only with ``authorized_keys_dir`` and ``secret_key_file``):
-  every command; clients must hold an operator key listed in ``authorized_keys_dir``
-  (pyzmq's ``ThreadAuthenticator``; keys from ``kvpool-agent keygen``).
+  every command, also ``flush``, ``health`` with ``probe`` and ``forget``; clients must hold an
+  operator key listed in ``authorized_keys_dir`` (pyzmq's ``ThreadAuthenticator``; keys from
+  ``kvpool-agent keygen``). ``OPERATOR_RESERVE`` of the pending slots are only for this port.
+
+Commands and replies are bound to connections: the hub forwards a command under a fresh
+unguessable request id (``secrets.token_hex``) to the routing id each target agent last
+reported from, and accepts a reply only from that routing id, for that id, once. Agent ids are
+bound to their connection too (``kvpool_agent._fleet``). Agents silent for ``forget_after_s``
+are dropped and consoles told (``FleetUpdate.forgotten``).
 
 One thread owns every socket. This module is that thread: sockets, message routing and pending
 commands; the fleet's state (which agent said what, who a command goes to, the update frames)
@@ -18,8 +29,8 @@ is ``kvpool_agent._fleet`` and the audit trail ``kvpool_agent._audit``.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +43,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpool_agent._audit import audit
+from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -48,8 +59,12 @@ from kvpool_agent.protocol import (
 
 __all__ = [
     "ENGINES_PER_UPDATE",
+    "FORGET_AFTER_S",
     "MAX_AGENTS",
     "MAX_PENDING",
+    "MAX_PENDING_PER_CONNECTION",
+    "OPERATOR_ONLY",
+    "OPERATOR_RESERVE",
     "UNAUTHORISED",
     "FleetHub",
     "HubPorts",
@@ -59,9 +74,17 @@ __all__ = [
 log = logging.getLogger("kvpool.hub")
 
 UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen)"
+OPERATOR_ONLY = "unauthorised: {what} needs the operator key (kvpool-agent keygen)"
 
 MAX_PENDING = 1024
 """Commands in flight at once; more are answered at once with an error."""
+OPERATOR_RESERVE = 256
+"""Pending slots only the operator port P+3 may use, so read-only traffic never starves it."""
+MAX_PENDING_PER_CONNECTION = 16
+"""Commands one connection of the read-only port P+2 may have in flight."""
+FORGET_AFTER_S = 600.0
+"""Default ``forget_after_s``: agents silent this long are dropped."""
+_FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
 _MAX_READ_BYTES = 16 * 1024 * 1024
@@ -105,6 +128,9 @@ class _Pending:
     who: str
     deadline: float
     expected: list[str]
+    plain: bool
+    # Agent id -> the routing id the command was sent to: the only one whose reply counts.
+    routes: dict[str, bytes] = field(default_factory=dict)
     replies: dict[str, CommandReply] = field(default_factory=dict)
 
 
@@ -121,6 +147,17 @@ class FleetHub:
             the ``kvpool.hub`` log line.
         snapshot_interval_s: full FleetUpdate snapshots this often (and on every join).
         delta_interval_s: deltas (agents that reported since the last update) this often.
+        forget_after_s: agents silent this long (s) are dropped, with ``forgotten`` in the next
+            update and a log line.
+        audit_max_bytes: the audit file rotates at this size (bytes), keeping
+            ``audit_backups`` older files (``FILE.1`` newest).
+
+    Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
+    the operator key on P+2), ``busy`` (commands refused for a full pending quota),
+    ``takeover_refused`` (reports for an id another live connection holds),
+    ``oversized_states`` (reports over ``MAX_STATE_BYTES``), ``rejected_replies`` (replies from
+    a connection the command was not sent to, unknown ids, repeats), ``forgotten``,
+    ``bad_messages``.
 
     Raises:
         ValueError: bad address, or only one of the two key arguments.
@@ -135,6 +172,9 @@ class FleetHub:
         audit_file: str | Path | None = None,
         snapshot_interval_s: float = 2.0,
         delta_interval_s: float = 0.25,
+        forget_after_s: float = FORGET_AFTER_S,
+        audit_max_bytes: int = AUDIT_MAX_BYTES,
+        audit_backups: int = AUDIT_BACKUPS,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -146,16 +186,22 @@ class FleetHub:
         self.authorized_keys_dir = Path(authorized_keys_dir) if authorized_keys_dir else None
         self.secret_key_file = Path(secret_key_file) if secret_key_file else None
         self.audit_file = Path(audit_file) if audit_file else None
+        self._audit = AuditTrail(self.audit_file, audit_max_bytes, audit_backups)
         self.snapshot_interval_s = snapshot_interval_s
         self.delta_interval_s = delta_interval_s
+        self.forget_after_s = forget_after_s
         self.bad_messages = 0
         self.reports = 0
         self.commands = 0
         self.refused = 0
+        self.busy = 0
+        self.takeover_refused = 0
+        self.oversized_states = 0
+        self.rejected_replies = 0
+        self.forgotten = 0
         self.seq_tracker = SeqTracker()
         self._fleet = Fleet()
         self._pending: dict[str, _Pending] = {}
-        self._ids = itertools.count(1)
         self._pub_seq = 0
         # Per agent, so each agent sees its own gap-free command sequence.
         self._agent_seq: dict[str, int] = {}
@@ -271,6 +317,7 @@ class FleetHub:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+        self._audit.close()
 
     def _run(self) -> None:
         try:
@@ -292,7 +339,7 @@ class FleetHub:
         poller = zmq.Poller()
         for s in self.socks:
             poller.register(s, zmq.POLLIN)
-        next_delta = next_snapshot = 0.0
+        next_delta = next_snapshot = next_forget = 0.0
         try:
             while not self._stop.is_set():
                 try:
@@ -307,6 +354,11 @@ class FleetHub:
                         self._recv_commands(self.curve, curve=True)
                     now = time.monotonic()
                     self._expire(now)
+                    if now >= next_forget:
+                        next_forget = now + _FORGET_CHECK_S
+                        self._note_forgotten(
+                            self._fleet.forget_silent(self.forget_after_s), "silent"
+                        )
                     if self._want_snapshot or now >= next_snapshot:
                         self._want_snapshot = False
                         next_snapshot = now + self.snapshot_interval_s
@@ -349,20 +401,29 @@ class FleetHub:
             if isinstance(msg, Report):
                 self._on_report(rid, msg)
             elif isinstance(msg, CommandReply):
-                self.seq_tracker.observe(msg.agent_id, msg.seq)
-                self._on_reply(msg)
+                self._on_reply(rid, msg)
             else:
                 self._bad("agents", f"unexpected {type(msg).__name__} from an agent")
 
     def _on_report(self, rid: bytes, rep: Report) -> None:
         refused = self._fleet.accept(rid, rep)
         if refused is not None:
+            if refused.startswith("takeover:"):
+                self.takeover_refused += 1
+            elif refused.startswith("oversized:"):
+                self.oversized_states += 1
             self._bad("agents", refused)
             return
         self.reports += 1
         self.seq_tracker.observe(rep.state.source.agent_id, rep.seq)
 
     # -- consoles ----------------------------------------------------------------------------
+
+    def _note_forgotten(self, ids: list[str], why: str) -> None:
+        if ids:
+            self.forgotten += len(ids)
+            log.warning("kvpool hub: forgot %d agent(s) (%s): %s", len(ids), why,
+                        ", ".join(ids[:20]))
 
     def _recv_subscriptions(self) -> None:
         for _ in range(_MAX_FRAMES_PER_LOOP):
@@ -417,21 +478,35 @@ class FleetHub:
         self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str, *, curve: bool
     ) -> None:
         self.commands += 1
-        if req.command == "flush" and not curve and (req.flush is None or not req.flush.dry_run):
+        needs_key = None
+        if req.command == "flush" and (req.flush is None or not req.flush.dry_run):
+            needs_key = UNAUTHORISED
+        elif req.command == "health" and req.probe:
+            needs_key = OPERATOR_ONLY.format(what="health --probe")
+        elif req.command == "forget":
+            needs_key = OPERATOR_ONLY.format(what="forget")
+        if needs_key is not None and not curve:
             self.refused += 1
-            reply = self._agent_error(req, "hub", UNAUTHORISED)
+            reply = self._agent_error(req, "hub", needs_key)
             self._send_client(sock, client, [reply])
-            audit(self.audit_file, who, req, [], [reply], refused=True)
+            self._audit.record(who, req, [], [reply], refused=True)
+            return
+        if req.command == "forget":
+            self._forget(sock, client, req, who)
+            return
+        busy = self._busy(client, curve=curve)
+        if busy is not None:
+            # Not audited: a flood of read-only commands must not fill the audit file.
+            self.busy += 1
+            self._send_client(sock, client, [self._agent_error(req, "hub", busy)])
             return
         targets, problem = self._fleet.targets(req)
-        if len(self._pending) >= MAX_PENDING:
-            problem = f"hub busy: {MAX_PENDING} commands in flight, retry later"
         if problem is not None:
             reply = self._agent_error(req, "hub", problem)
             self._send_client(sock, client, [reply])
-            audit(self.audit_file, who, req, targets, [reply])
+            self._audit.record(who, req, targets, [reply])
             return
-        internal = f"hub-{next(self._ids)}"
+        internal = secrets.token_hex(16)
         pend = _Pending(
             sock=sock,
             client=client,
@@ -439,6 +514,7 @@ class FleetHub:
             who=who,
             deadline=time.monotonic() + min(max(req.timeout_ms, 1), MAX_TIMEOUT_MS) / 1e3,
             expected=targets,
+            plain=not curve,
         )
         self._pending[internal] = pend
         fwd = msgspec.structs.replace(req, request_id=internal)
@@ -452,12 +528,58 @@ class FleetHub:
                 self.agents_sock.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
             except zmq.ZMQError as e:
                 pend.replies[aid] = self._agent_error(req, aid, f"agent unreachable: {e}")
+                continue
+            pend.routes[aid] = routing_id
         self._maybe_finish(internal)
 
-    def _on_reply(self, rep: CommandReply) -> None:
+    def _busy(self, client: bytes, *, curve: bool) -> str | None:
+        """Why a new command cannot be taken now (a full pending quota), else ``None``."""
+        if len(self._pending) >= MAX_PENDING:
+            return f"hub busy: {MAX_PENDING} commands in flight, retry later"
+        if curve:
+            return None
+        plain = [p for p in self._pending.values() if p.plain]
+        if len(plain) >= MAX_PENDING - OPERATOR_RESERVE:
+            return "hub busy: the read-only port's commands in flight are at their limit"
+        if sum(1 for p in plain if p.client == client) >= MAX_PENDING_PER_CONNECTION:
+            return (
+                f"hub busy: {MAX_PENDING_PER_CONNECTION} commands of this connection in "
+                "flight, wait for their replies"
+            )
+        return None
+
+    def _forget(
+        self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str
+    ) -> None:
+        if not req.targets:
+            reply = self._agent_error(req, "hub", "forget needs targets (engine or agent ids)")
+        else:
+            ids = self._fleet.forget(req.targets)
+            self._note_forgotten(ids, f"forget by {who}")
+            reply = CommandReply(
+                v=PROTOCOL_VERSION,
+                seq=0,
+                request_id=req.request_id,
+                agent_id="hub",
+                ok=bool(ids),
+                error=None if ids else f"no agent or engine named {', '.join(req.targets)}",
+                forgotten=ids,
+            )
+        self._send_client(sock, client, [reply])
+        self._audit.record(who, req, list(req.targets), [reply])
+
+    def _on_reply(self, rid: bytes, rep: CommandReply) -> None:
         pend = self._pending.get(rep.request_id)
-        if pend is None or rep.agent_id not in pend.expected:
+        if (
+            pend is None
+            or pend.routes.get(rep.agent_id) != rid
+            or rep.agent_id in pend.replies
+        ):
+            self.rejected_replies += 1
+            self._bad("agents", f"reply {rep.request_id[:40]!r} of {rep.agent_id[:80]!r} "
+                      "not expected from this connection")
             return
+        self.seq_tracker.observe(rep.agent_id, rep.seq)
         pend.replies[rep.agent_id] = msgspec.structs.replace(rep, request_id=pend.req.request_id)
         self._maybe_finish(rep.request_id)
 
@@ -478,7 +600,7 @@ class FleetHub:
         del self._pending[internal]
         replies = [pend.replies[a] for a in pend.expected]
         self._send_client(pend.sock, pend.client, replies)
-        audit(self.audit_file, pend.who, pend.req, pend.expected, replies)
+        self._audit.record(pend.who, pend.req, pend.expected, replies)
 
     def _agent_error(self, req: CommandRequest, agent_id: str, error: str) -> CommandReply:
         return CommandReply(

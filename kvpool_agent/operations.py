@@ -29,11 +29,13 @@ class PoolOperations(Protocol):
     and its pool stats see it. Implementations must be safe to call from two agent threads at
     once (commands run on a pool of two)."""
 
-    def health(self) -> list[HealthCheck]:
-        """The client's own checks (e.g. ``client``, ``master``) followed by a write/read/remove
-        probe of one small key (``probe_put``, ``probe_get``, ``probe_remove``), each with its
-        ``latency_ms``. A failing check has ``ok=False`` and, when the store gave one, its
-        Mooncake error ``code``. Never raises."""
+    def health(self, probe: bool = False) -> list[HealthCheck]:
+        """The client's own checks (e.g. ``client``, ``master``), which must not touch pool
+        keys (no write, no lease, no listing); with ``probe`` followed by a write/read/remove
+        probe of one small key of its own (``probe_put``, ``probe_get``, ``probe_remove``;
+        ``health --probe``, operator only), each with its ``latency_ms``. A failing check
+        has ``ok=False`` and, when the store gave one, its Mooncake error ``code``. Never
+        raises."""
         ...
 
     def flush(self, args: FlushArgs) -> FlushResult:

@@ -105,7 +105,7 @@ _CONTROL_TO_QUESTION = {c: "?" for c in (*range(0x00, 0x09), *range(0x0b, 0x20),
                                          *range(0x7f, 0xa0))}
 
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
-CommandName = Literal["health", "flush", "drain", "snapshot"]
+CommandName = Literal["health", "flush", "drain", "snapshot", "forget"]
 
 
 class Source(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,6 +297,10 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     last_seen_ms: dict[Id, float] = msgspec.field(default_factory=dict)
     report_gaps: dict[Id, int] = msgspec.field(default_factory=dict)
     """Per agent id: reports the hub never received (sequence gaps) since it first saw it."""
+    forgotten: list[str] = msgspec.field(default_factory=list)
+    """Agent ids the hub dropped (silent for ``forget_after`` or ``forget``): a console drops
+    them too. Deltas list those dropped since the last update, snapshots every one the hub
+    still remembers dropping."""
 
 
 class FlushArgs(msgspec.Struct, kw_only=True):
@@ -328,6 +332,8 @@ class CommandRequest(msgspec.Struct, tag="cmd", kw_only=True):
     flush: FlushArgs | None = None
     drain: DrainArgs | None = None
     timeout_ms: int = 5_000
+    probe: bool = False
+    """``health`` only: also write, read and remove one probe key (operator port only)."""
 
 
 class HealthCheck(msgspec.Struct, kw_only=True):
@@ -381,6 +387,8 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
     flush: FlushResult | None = None
     drain: DrainResult | None = None
     snapshot: EngineState | None = None
+    forgotten: list[str] = msgspec.field(default_factory=list)
+    """``forget`` (answered by the hub itself): the agent ids it dropped."""
 
 
 Message = Report | FleetUpdate | CommandRequest | CommandReply

@@ -91,10 +91,12 @@ class BackendOperations:
         self.saves: SaveQueue | None = None
         self._prober = _Prober(backend, source.agent_id)
 
-    def health(self) -> list[HealthCheck]:
-        """``Backend.health()`` then the probe (``probe_put``, ``probe_get``,
+    def health(self, probe: bool = False) -> list[HealthCheck]:
+        """``Backend.health()`` (client state and master reachability; no pool key touched),
+        then with ``probe`` the write/read/remove probe (``probe_put``, ``probe_get``,
         ``probe_remove``). Never raises."""
-        return [*self.backend.health(), *self._prober.run()]
+        checks = self.backend.health()
+        return [*checks, *self._prober.run()] if probe else checks
 
     def flush(self, args: FlushArgs) -> FlushResult:
         """Count (dry run) or remove the keys of ``args.scope`` (``flush_pattern``); leased keys

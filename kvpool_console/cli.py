@@ -5,7 +5,8 @@ Usage::
     kvpool-console [--hub ADDR] [--keys DIR] [--refresh S] [--ssh-config FILE]  # the TUI
     kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm]
     kvpool-console status [--json] [--fail-on warning|critical]
-    kvpool-console health [ENGINE ... | --all] [--json] [--timeout-ms MS]
+    kvpool-console health [ENGINE ... | --all] [--probe] [--json] [--timeout-ms MS]
+    kvpool-console forget ENGINE ...                                # operator: drop from hub
     kvpool-console flush --scope model|engine|all [--model M] [--engine E]
                          [--dry-run] [--force] [--yes] [--timeout-ms MS]
     kvpool-console triage ENGINE [--json] [--ssh-config FILE]      # see kvpool_console.triage
@@ -13,7 +14,8 @@ Usage::
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
 console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
 ``--keys`` is a ``kvpool-agent keygen`` directory holding the operator key; without it the
-console is read-only (a real flush is refused before anything is sent).
+console is read-only (a real flush, ``health --probe`` and ``forget`` are refused before anything
+is sent).
 
 Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, or a
 flush reported errors; 2 usage error, hub not reachable or demo not startable (bad trace or
@@ -127,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     he = sub.add_parser("health", parents=[common], help="run health checks")
     he.add_argument("engines", nargs="*", metavar="ENGINE", help="engine ids (default: all)")
     he.add_argument("--all", action="store_true", help="every engine")
+    he.add_argument("--probe", action="store_true",
+                    help="also write, read and remove a probe key in the pool (operator key)")
     he.add_argument("--json", action="store_true")
     he.add_argument("--timeout-ms", type=_at_least(1), default=5_000, metavar="MS",
                     help="how long to wait for the agents' replies (default 5000)")
@@ -140,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--json", action="store_true")
     fl.add_argument("--timeout-ms", type=_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
                     help=f"how long to wait for each flush round (default {FLUSH_TIMEOUT_MS})")
+    fg = sub.add_parser("forget", parents=[common],
+                        help="drop engines from the hub now (e.g. after a scale-down)")
+    fg.add_argument("engines", nargs="+", metavar="ENGINE", help="engine (or agent) ids")
     triage_cli.add_parser(sub, common)
     return p
 
@@ -219,7 +226,32 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     return EXIT_OK
 
 
+def _needs_key(what: str, src: FleetSource, err: Console) -> bool:
+    """Refuse ``what`` without the operator key (before sending: the hub refuses it too)."""
+    if src.can_flush:
+        return False
+    err.print(f"[red]{what} refused: read-only without the operator key; pass --keys DIR "
+              "(kvpool-agent keygen)[/red]")
+    return True
+
+
+def _forget(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) -> int:
+    if _needs_key("forget", src, err):
+        return EXIT_REFUSED
+    replies = src.command("forget", targets=list(args.engines))
+    r = replies[0] if replies else None
+    if r is None or not r.ok:
+        err.print(f"forget: {r.error if r is not None else 'no reply'}", style="red",
+                  markup=False, highlight=False)
+        return EXIT_ALERT
+    out.print(f"forgot {len(r.forgotten)} agent(s): {', '.join(r.forgotten)}",
+              markup=False, highlight=False)
+    return EXIT_OK
+
+
 def _health(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) -> int:
+    if args.probe and _needs_key("health --probe", src, err):
+        return EXIT_REFUSED
     states, _ = src.fleet()
     targets: list[str] = []
     if args.engines and not args.all:
@@ -230,7 +262,8 @@ def _health(args: argparse.Namespace, src: FleetSource, out: Console, err: Conso
                             f"{', '.join(sorted(known)) or 'none'}", style="red"))
             return EXIT_USAGE
         targets = sorted(a for a, s in states.items() if s.source.engine_id in args.engines)
-    replies = src.command("health", targets=targets, timeout_ms=args.timeout_ms)
+    replies = src.command("health", targets=targets, timeout_ms=args.timeout_ms,
+                          probe=args.probe)
     failed = any(not r.ok or r.health is None or not r.health.ok for r in replies)
     if args.json:
         sys.stdout.write(msgspec.json.encode(replies).decode() + "\n")
@@ -413,6 +446,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) ->
             return _health(args, src, out, err)
         if args.cmd == "flush":
             return _flush(args, src, out, err)
+        if args.cmd == "forget":
+            return _forget(args, src, out, err)
         if args.cmd == "triage":
             return triage_cli.run(args, src, out, err)
         _run_tui(src, args.refresh, sig, args.ssh_config)

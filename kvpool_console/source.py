@@ -45,7 +45,8 @@ class FleetSource(Protocol):
     def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]: ...
 
     def command(self, command: CommandName, *, targets: list[str] | None = None,
-                flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
+                flush: FlushArgs | None = None, timeout_ms: int = 5_000,
+                probe: bool = False) -> list[CommandReply]:
         ...
 
     def last_update_ms(self) -> float | None:
@@ -79,7 +80,8 @@ class StaticSource:
         return self._states, self._seen
 
     def command(self, command: CommandName, *, targets: list[str] | None = None,
-                flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
+                flush: FlushArgs | None = None, timeout_ms: int = 5_000,
+                probe: bool = False) -> list[CommandReply]:
         """Every agent answers ``ok=False``: a recorded fleet cannot run commands."""
         return [CommandReply(v=PROTOCOL_VERSION, seq=0, request_id="static", agent_id=a,
                              ok=False, error="static fleet: no live agents")
@@ -160,9 +162,11 @@ class ClientSource:
         return False
 
     def command(self, command: CommandName, *, targets: list[str] | None = None,
-                flush: FlushArgs | None = None, timeout_ms: int = 5_000) -> list[CommandReply]:
+                flush: FlushArgs | None = None, timeout_ms: int = 5_000,
+                probe: bool = False) -> list[CommandReply]:
         """Send ``command`` to ``targets`` (empty: every agent able to run it; for a flush the
-        hub picks one agent per scope so counts are not multiplied).
+        hub picks one agent per scope so counts are not multiplied). ``probe``: ``health``
+        also writes, reads and removes a probe key (the hub requires the operator key).
 
         Raises:
             ReadOnlyError: a real (not dry-run) flush without the operator key.
@@ -170,7 +174,7 @@ class ClientSource:
         if command == "flush" and flush is not None and not flush.dry_run and not self.can_flush:
             raise ReadOnlyError("flush needs the operator key: start with --keys DIR")
         return self.client.command(command, targets=targets or [], flush=flush,
-                                   timeout_ms=timeout_ms, sender=self.sender)
+                                   timeout_ms=timeout_ms, sender=self.sender, probe=probe)
 
     def close(self) -> None:
         """Stop the feed thread and close the client's sockets. Idempotent."""

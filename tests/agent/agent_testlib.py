@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 
-from kvpool_agent.protocol import Source
+import zmq
 
-__all__ = ["free_port_block", "make_source"]
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
+    EngineState,
+    Report,
+    Source,
+    decode,
+    encode,
+)
+
+__all__ = ["FakeAgent", "Spammer", "free_port_block", "make_source"]
 
 
 def free_port_block(n: int = 4) -> int:
@@ -47,3 +60,57 @@ def make_source(engine: str = "e1", role: str = "worker", tp: int = 0, **kw: obj
         backend="mooncake",
         **kw,  # type: ignore[arg-type]
     )
+
+
+class FakeAgent:
+    """A raw DEALER on the agent port that sends what the test says and records every
+    command the hub sends it."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], hub_address: str) -> None:
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(hub_address)
+        self.seq = 0
+        self.received: list[CommandRequest] = []
+
+    def report(self, source: Source, **state: object) -> None:
+        self.seq += 1
+        now = time.time() * 1e3
+        st = EngineState(source=source, started_ms=now, ts_ms=now, **state)  # type: ignore[arg-type]
+        self.sock.send(encode(Report(v=PROTOCOL_VERSION, seq=self.seq, kind="snapshot", state=st)))
+
+    def reply(self, request_id: str, agent_id: str) -> None:
+        self.seq += 1
+        self.sock.send(encode(CommandReply(
+            v=PROTOCOL_VERSION, seq=self.seq, request_id=request_id, agent_id=agent_id,
+            ok=True, error=None,
+        )))
+
+    def drain(self, timeout_ms: int = 0) -> list[CommandRequest]:
+        while self.sock.poll(timeout_ms):
+            msg = decode(self.sock.recv())
+            assert isinstance(msg, CommandRequest)
+            self.received.append(msg)
+            timeout_ms = 0
+        return self.received
+
+
+class Spammer:
+    """Reports ``source`` every 10 ms from its own connection until stopped."""
+
+    def __init__(self, fake: FakeAgent, source: Source) -> None:
+        self.fake, self.source = fake, source
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.fake.report(self.source)
+
+    def __enter__(self) -> Spammer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -80,3 +80,26 @@ def test_hub_and_store_agent_processes(
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
     assert [x["command"] for x in lines] == ["health", "flush"]
     assert lines[1]["who"].startswith("key:")
+
+
+def test_hub_binds_loopback_by_default_and_refuses_open_binds_without_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Issue 10, observation 8: the default address is loopback; a wildcard bind without keys
+    is refused unless ``--insecure``, which starts the hub with a loud warning."""
+    from kvpool_agent.cli import _parser
+
+    assert _parser().parse_args(["hub"]).address == "tcp://127.0.0.1:7600"
+    port = free_port_block()
+    assert main(["hub", "--address", f"tcp://0.0.0.0:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert "no --keys are configured" in err and "--insecure" in err
+    hub = _spawn("hub", "--address", f"tcp://0.0.0.0:{port}", "--insecure")
+    procs.append(hub)
+    with FleetClient(f"tcp://127.0.0.1:{port}") as c:
+        (r,) = c.command("health", timeout_ms=500)
+    assert r.agent_id == "hub" and r.error == "no live agent connected to the hub"
+    hub.send_signal(signal.SIGTERM)
+    assert hub.wait(10) == 0
+    out = hub.stdout.read().decode() if hub.stdout else ""
+    assert "INSECURE: kvpool hub on tcp://0.0.0.0:" in out and "WARNING" in out

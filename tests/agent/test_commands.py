@@ -14,9 +14,10 @@ import httpx
 import pytest
 import zmq
 import zmq.auth
-from agent_testlib import make_source
+from agent_testlib import FakeAgent, Spammer, make_source
 
 from kvpool_agent import UNAUTHORISED, AgentHandle, FleetClient, FleetHub, start_agent
+from kvpool_agent.hub import OPERATOR_ONLY
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -154,6 +155,29 @@ def test_flush_scopes_remove_exactly_their_keys(
     assert flushes[4]["flush"]["force"] and flushes[4]["results"][0]["flush"]["removed_keys"] == 1
 
 
+def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(
+    worker_agent: AgentHandle, hub: FleetHub, hub_address: str, keys_dir: Path, pool: dict,
+    agent_master: LocalMooncakeMaster,
+) -> None:
+    """Issue 10, observation 1: a process reporting every 10 ms as a new store agent does not
+    receive the operator's model flush; the long-connected worker runs it for real."""
+    with zmq.Context() as ctx, _operator(hub_address, keys_dir) as op:
+        fake = FakeAgent(ctx, hub_address)
+        with Spammer(fake, make_source("evil-store", role="store")):
+            deadline = time.monotonic() + 5
+            while len(hub.fleet()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            before = _all_keys(agent_master)
+            (r,) = op.command(
+                "flush", flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False)
+            )
+        assert fake.drain(200) == []
+        fake.sock.close(linger=0)
+    assert r.agent_id == worker_agent.source.agent_id and r.ok and r.flush is not None
+    assert r.flush.removed_keys == 2
+    assert _all_keys(agent_master) == before - set(pool["other_keys"])
+
+
 def test_leased_keys_are_skipped_unless_forced(
     worker_agent: AgentHandle, hub_address: str, keys_dir: Path, pool: dict,
     mooncake_backend: Any, agent_master: LocalMooncakeMaster,
@@ -213,13 +237,24 @@ def test_unknown_operator_key_gets_no_access(
 
 
 def test_health_checks_client_master_and_probe(
-    worker_agent: AgentHandle, hub_address: str, agent_master: LocalMooncakeMaster
+    worker_agent: AgentHandle, hub: FleetHub, hub_address: str, keys_dir: Path,
+    agent_master: LocalMooncakeMaster, tmp_path: Path,
 ) -> None:
     sched = start_agent(make_source("eng-f", role="scheduler"), address=hub_address)
     try:
         with FleetClient(hub_address) as c:
             c.wait_for(2, 5)
+            keys_before = _all_keys(agent_master)
             replies = {r.agent_id: r for r in c.command("health")}  # every live agent
+            # Read-only health touches no pool key; the probe needs the operator key.
+            assert _all_keys(agent_master) == keys_before
+            (refused,) = c.command("health", probe=True)
+            assert not refused.ok and refused.agent_id == "hub"
+            assert refused.error == OPERATOR_ONLY.format(what="health --probe")
+        with FleetClient(hub_address, keys_dir=keys_dir) as op:
+            op.wait_for(2, 5)
+            (probed,) = op.command("health", probe=True,
+                                   targets=[worker_agent.source.agent_id])
     finally:
         sched.stop()
     # The scheduler has no pool client: its agent answers for itself only.
@@ -228,11 +263,20 @@ def test_health_checks_client_master_and_probe(
     r = replies[worker_agent.source.agent_id]
     assert r.ok and r.health is not None, r
     checks = {ch.name: ch for ch in r.health.checks}
-    assert set(checks) == {"client", "master", "probe_put", "probe_get", "probe_remove"}
+    assert set(checks) == {"client", "master"}
     assert checks["client"].code == 0 and checks["client"].detail == "HEALTHY"
+    assert all(ch.ok and ch.latency_ms > 0 for ch in checks.values())
+    assert probed.ok and probed.health is not None, probed
+    checks = {ch.name: ch for ch in probed.health.checks}
+    assert set(checks) == {"client", "master", "probe_put", "probe_get", "probe_remove"}
     assert all(ch.ok and ch.latency_ms > 0 for ch in checks.values())
     # The probe cleaned up after itself.
     assert not any(k.startswith(PROBE_PREFIX) for k in _all_keys(agent_master))
+    assert hub.refused == 1
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(a["who"].split(":")[0], a["refused"]) for a in audit] == [
+        ("plain", False), ("plain", True), ("key", False)
+    ]
 
 
 def test_health_names_an_unreachable_master(hub: FleetHub, hub_address: str) -> None:

@@ -109,6 +109,14 @@ def test_health_and_flush_rules(live_fleet: LiveFleet,
         "p0/dp0.tp0.pp0", "p0/dp0.tp1.pp0", "p0/scheduler"]
     worker = next(r for r in replies if r["agent_id"] == "p0/dp0.tp0.pp0")
     names = {c["name"] for c in worker["health"]["checks"]}
+    assert names == {"client", "master"}  # read-only: no probe key written
+    keys_dir = str(live_fleet.keys.root)
+    assert main(["health", "p0", "--probe", "--hub", hub]) == 3
+    assert "health --probe refused: read-only" in capsys.readouterr().err
+    assert main(["health", "p0", "--probe", "--json", "--keys", keys_dir, "--hub", hub]) == 0
+    replies = json.loads(capsys.readouterr().out)
+    worker = next(r for r in replies if r["agent_id"] == "p0/dp0.tp0.pp0")
+    names = {c["name"] for c in worker["health"]["checks"]}
     assert {"probe_put", "probe_get", "probe_remove"} <= names
     assert main(["health", "nope", "--hub", hub]) == 2
     assert "unknown engine(s) nope" in capsys.readouterr().err
@@ -120,7 +128,6 @@ def test_health_and_flush_rules(live_fleet: LiveFleet,
     assert "would remove 4 keys" in capsys.readouterr().out
     assert live_fleet.present(keys) == [1] * 4
     # With the key but without --yes and no terminal: not confirmed, nothing removed.
-    keys_dir = str(live_fleet.keys.root)
     assert main(["flush", "--scope", "model", "--model", live_fleet.model, "--force",
                  "--keys", keys_dir, "--hub", hub]) == 3
     assert "not confirmed" in capsys.readouterr().err
@@ -132,6 +139,24 @@ def test_health_and_flush_rules(live_fleet: LiveFleet,
     assert sum(r["flush"]["removed_keys"] for r in doc["flush"]) == 4
     assert live_fleet.present(keys) == [0] * 4
     assert main(["flush", "--scope", "engine", "--hub", hub]) == 2
+
+
+def test_forget_drops_an_engine_and_its_alerts(live_fleet: LiveFleet,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 10, observation 6: an engine gone for good (d0 stops reporting) stays down until
+    ``forget d0`` (operator key); then ``status --fail-on critical`` no longer names it."""
+    _feed(live_fleet)
+    hub = live_fleet.address
+    for h in live_fleet.engines["d0"]:
+        h.stop()
+    assert main(["forget", "d0", "--hub", hub]) == 3
+    assert "forget refused: read-only" in capsys.readouterr().err
+    assert main(["forget", "d0", "--keys", str(live_fleet.keys.root), "--hub", hub]) == 0
+    assert "forgot 2 agent(s): d0/dp0.tp0.pp0, d0/scheduler" in capsys.readouterr().out
+    main(["status", "--json", "--hub", hub])
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["engine_id"] for e in doc["engines"]] == ["p0"]
+    assert not any("d0" in a["subject"] for a in doc["alerts"])
 
 
 def test_console_script_runs(live_fleet: LiveFleet) -> None:
@@ -202,7 +227,8 @@ class _RecordingSource:
         return {}, {}
 
     def command(self, command: str, *, targets: list[str] | None = None,
-                flush: object = None, timeout_ms: int = 5_000) -> list[object]:
+                flush: object = None, timeout_ms: int = 5_000,
+                probe: bool = False) -> list[object]:
         self.timeouts.append((command, timeout_ms))
         return []
 
