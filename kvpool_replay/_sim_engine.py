@@ -88,9 +88,10 @@ class _BlockPool:
 
 def _vllm_config(spec: EngineSpec) -> Any:
     """A ``VllmConfig``-shaped object with real vLLM sub-configs: the attributes
-    ``KVConnectorBase_V1`` and ``KVPoolConfig.from_vllm_config`` read (``kv_transfer_config``,
-    ``cache_config.block_size``, ``model_config.model``, ``parallel_config``). A full
-    ``VllmConfig`` would need a model checkpoint on disk."""
+    ``KVConnectorBase_V1``, ``KVPoolConfig.from_vllm_config`` and the layout digest read
+    (``kv_transfer_config``, ``cache_config``, ``model_config``, ``parallel_config``, and a
+    ``compilation_config`` without attention layers). A full ``VllmConfig`` would need a model
+    checkpoint on disk."""
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
 
     extra = {
@@ -114,6 +115,8 @@ def _vllm_config(spec: EngineSpec) -> Any:
     )
     model_config = SimpleNamespace(
         model=spec.model,
+        revision=None,
+        quantization=None,
         use_mla=False,
         dtype=_DTYPES[spec.shape.dtype],
         get_num_layers=lambda *_: spec.shape.layers,
@@ -125,6 +128,7 @@ def _vllm_config(spec: EngineSpec) -> Any:
         cache_config=CacheConfig(block_size=spec.shape.block_size),
         model_config=model_config,
         parallel_config=ParallelConfig(),
+        compilation_config=SimpleNamespace(static_forward_context={}),
     )
 
 

@@ -1,10 +1,12 @@
-"""Engine detail screen: trends, in-flight layer-wise loads and recent errors with hints."""
+"""Engine detail screen: trends, layout digest, in-flight layer-wise loads and recent errors
+with hints."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -113,7 +115,9 @@ class EngineDetailScreen(Screen[None]):
             f"loaded {row.loaded_tokens} tok; lookups {row.lookups} errors {row.lookup_errors}; "
             f"loads ok {row.loads_finished} failed {row.load_errors} "
             f"(after hit {row.failed_after_hit}); max load {row.max_load_ms:.0f} ms, "
-            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago")
+            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago"
+            + (f"\nlayout [b]{row.layout_digest}[/b]: " + escape(
+                " ".join(f"{k}={v}" for k, v in row.layout.items())) if row.layout_digest else ""))
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
         self.query_one("#hit-label", Label).update(
             f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")
