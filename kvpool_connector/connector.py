@@ -96,8 +96,8 @@ def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     mc = vllm_config.model_config
-    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase,  # type: ignore[type-abstract]
-                                         layer_names)
+    layers = get_layers_from_vllm_config(
+        vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
     backends = sorted({layer.get_attn_backend().get_name() for layer in layers.values()})
     return ModelFacts(
         revision=mc.revision or "", quantization=str(mc.quantization or ""),
