@@ -17,7 +17,6 @@ from rich.console import Console
 
 from kvpool_console.cli import FLUSH_TIMEOUT_MS, _flush, _health, _parser, main
 
-
 LAYOUT: dict[str, str | int] = {"scheme": 1, "model": "tiny", "dtype": "bfloat16",
                                  "block_size": 32, "chunk_size": 64, "tp": 2}
 """What p0's workers report their layout digest ``0123456789ab`` hashes."""
