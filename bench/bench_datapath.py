@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                 tag = uuid.uuid4().hex
                 hashes = chunk_hashes([rnd] * (n_chunks * settings.chunk_size), settings.chunk_size,
                                       extra=tag.encode())
-                raw_keys = chunk_keys([shard_prefix("bench-raw", ParallelLayout())], hashes)
+                raw_keys = chunk_keys([shard_prefix("bench-raw", "0" * 12, ParallelLayout())],
+                                      hashes)
                 save_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
                     req_id=f"s{rnd}", block_ids=src_ids, chunk_hashes=hashes,
                     save_from_chunk=0, save_to_chunk=n_chunks, is_last_save=True)])

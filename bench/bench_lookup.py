@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
+import torch
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
@@ -36,6 +37,10 @@ from kvpool_connector.lookup import LookupClient, LookupServer
 from kvpool_connector.scheduler import KVPoolScheduler
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster, free_port
+
+_ALIVE: list[object] = []
+"""Caches and workers (their scratch buffers) registered with the Mooncake client stay
+allocated until it closes (a new registration overlapping a freed one would fail)."""
 
 
 def _pct(samples: list[float], q: int) -> float:
@@ -60,10 +65,14 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
     cfg = KVPoolConfig.from_dicts({"lookup_rpc_port": port}, kv_role="kv_both",
                                   block_size=chunk, model=model)
     hashes = chunk_hashes(prompt, chunk)
-    keys = [str(PoolKey(cfg.model, ParallelLayout(), h)) for h in hashes]
+    worker = KVPoolWorker(cfg, ParallelLayout(), model, backend)
+    # A small cache in vLLM's CPU layout: it gives the keys their layout digest, once.
+    kv = {"layers.0": torch.zeros(4, 1, chunk, 8)}
+    worker.register_kv_caches(kv)
+    _ALIVE.append((kv, worker))
+    keys = [str(PoolKey(cfg.model, worker.layout_digest, ParallelLayout(), h)) for h in hashes]
     for k in keys:
         backend.store.put(k, b"x")
-    worker = KVPoolWorker(cfg, ParallelLayout(), model, backend)
     server = LookupServer(worker.lookup_chunks, lookup_rpc_port=port)
     sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), NullReporter())
     params = SamplingParams(max_tokens=1)

@@ -74,6 +74,7 @@ def raw_backend(shape: ModelShape, chunk_size: int, keys: int, batch: int) -> tu
     """Bytes/s of ``MooncakeBackend.batch_put_from`` / ``batch_get_into`` on chunk-sized values
     laid out like the connector's (one address range per layer per chunk)."""
     from kvpool_connector.backends.mooncake import MooncakeBackend
+    from kvpool_connector.keys import ParallelLayout, chunk_keys, shard_prefix
 
     chunk_tokens_bytes = chunk_size * shape.bytes_per_token // shape.layers
     with LocalMooncakeMaster() as m, LocalPoolStore(
@@ -85,7 +86,8 @@ def raw_backend(shape: ModelShape, chunk_size: int, keys: int, batch: int) -> tu
                     for _ in range(shape.layers)]
             for b in bufs:
                 backend.register_buffer(b.data_ptr(), b.numel())
-            names = [f"kvpool@bench-raw@tp0.pcp0.dcp0.pp0.g0@{i:032x}" for i in range(keys)]
+            names = chunk_keys([shard_prefix("bench-raw", "0" * 12, ParallelLayout())],
+                               [f"{i:032x}" for i in range(keys)])
 
             def ranges(i: int) -> tuple[list[int], list[int]]:
                 return ([b.data_ptr() + i * chunk_tokens_bytes for b in bufs],

@@ -26,6 +26,7 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.reporter import (
     Event,
+    LayoutKnown,
     Loaded,
     Lookup,
     ReportedError,
@@ -151,6 +152,9 @@ class Aggregator:
                     tr = self.transfers
                     tr.saves_skipped += ev.blocks
                     tr.errors_by_name[ev.reason] = tr.errors_by_name.get(ev.reason, 0) + 1
+                case LayoutKnown():
+                    self.source = msgspec.structs.replace(
+                        self.source, layout_digest=ev.digest, layout=dict(ev.facts))
                 case ReportedError():
                     self._record_error(
                         ErrorRecord(ts_ms=ev.ts_ms, where=ev.where, name=ev.name,

@@ -140,6 +140,12 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     """Unix socket paths of the engine (the lookup socket)."""
     master: Name = ""
     """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
+    layout_digest: str = ""
+    """The layout digest in the keys this worker writes and reads ("" until vLLM registered its
+    KV caches, and in a scheduler): engines share pool values only when their digests match."""
+    layout: dict[str, str | int] = msgspec.field(default_factory=dict)
+    """What ``layout_digest`` hashes (model revision, dtypes, cache shape, block and chunk size,
+    layers, KV heads, head size, parallel sizes...), to see why two engines do not share."""
 
 
 class LookupStats(msgspec.Struct, kw_only=True):

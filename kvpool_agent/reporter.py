@@ -22,6 +22,7 @@ import msgspec
 
 __all__ = [
     "Event",
+    "LayoutKnown",
     "Loaded",
     "Lookup",
     "NullReporter",
@@ -114,6 +115,14 @@ class ReportedError(msgspec.Struct, array_like=True, gc=False, frozen=True):
     req_id: str | None
 
 
+class LayoutKnown(msgspec.Struct, array_like=True, frozen=True):
+    """The worker's layout digest and what it covers (see ``Reporter.layout``)."""
+
+    ts_ms: float
+    digest: str
+    facts: dict[str, str | int]
+
+
 Event = (
     Lookup
     | Loaded
@@ -122,6 +131,7 @@ Event = (
     | TransferFinished
     | SaveSkipped
     | ReportedError
+    | LayoutKnown
 )
 """What ``Reporter.drain`` returns; ``ts_ms`` of every event is wall-clock ms since the epoch."""
 
@@ -229,6 +239,12 @@ class Reporter:
         """Any other error worth an operator's eye."""
         self._put(ReportedError(time.time() * 1e3, where, name, message, code, req_id))
 
+    def layout(self, digest: str, facts: dict[str, str | int]) -> None:
+        """The layout digest in this worker's keys and the facts it hashes (once, when vLLM
+        registers the KV caches); the agent reports them in ``Source.layout_digest`` and
+        ``Source.layout``."""
+        self._put(LayoutKnown(time.time() * 1e3, digest, facts))
+
 
 class NullReporter(Reporter):
     """A ``Reporter`` for a process without an agent: every method returns at once, no event
@@ -289,4 +305,7 @@ class NullReporter(Reporter):
         code: int | None = None,
         req_id: str | None = None,
     ) -> None:
+        """Does nothing."""
+
+    def layout(self, digest: str, facts: dict[str, str | int]) -> None:
         """Does nothing."""

@@ -6,9 +6,9 @@ operations, no threads. ``KVPoolWorker`` runs the plans and keeps the bookkeepin
 
 The mapping: chunk ``i`` of a request is the blocks
 ``block_ids[i * bpc:(i + 1) * bpc]`` (``bpc`` = ``chunk_size // block_size``) and one key,
-``PoolKey(model, layout, chunk_hashes[i])``, whose value is those blocks' bytes over all layers
-(layer, region, block order; ``ranges_for_blocks``). In layer-wise mode each (chunk, layer) is
-its own key (``PoolKey.layer``) holding that layer's bytes only.
+``PoolKey(model, digest, layout, chunk_hashes[i])``, whose value is those blocks' bytes over
+all layers (layer, region, block order; ``ranges_for_blocks``). In layer-wise mode each
+(chunk, layer) is its own key (``PoolKey.layer``) holding that layer's bytes only.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class TransferPlanner:
 
     Args:
         layers: the registered KV layers, in model order (``KVLayout.layers``).
-        key_prefix: ``keys.shard_prefix(model, layout)`` of this worker.
+        key_prefix: ``keys.shard_prefix(model, digest, layout)`` of this worker.
         block_size: tokens per vLLM block.
         chunk_size: tokens per chunk (one key), a positive multiple of ``block_size``.
         layerwise: one key per (chunk, layer) instead of one per chunk.

@@ -33,6 +33,7 @@ from kvpool_agent import AgentHandle, start_agent
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter
+from kvpool_connector._layout_digest import ModelFacts
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout
@@ -83,6 +84,29 @@ def _worker_layout(vllm_config: VllmConfig) -> tuple[ParallelLayout, dict[str, i
     layout = ParallelLayout(tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
     return layout, {"tp_size": tp_size, "pcp_size": pcp_size, "dcp_size": dcp_size,
                     "pp_size": pp_size}
+
+
+def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
+    """What vLLM's configuration says decides the KV bytes (``_layout_digest.ModelFacts``).
+
+    Read when vLLM registers the caches: the attention layers (and their backends) exist only
+    once the model is loaded. A layer name that is not an attention layer adds no backend.
+    """
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    mc = vllm_config.model_config
+    layers = get_layers_from_vllm_config(
+        vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
+    backends = sorted({layer.get_attn_backend().get_name() for layer in layers.values()})
+    return ModelFacts(
+        revision=mc.revision or "", quantization=str(mc.quantization or ""),
+        dtype=str(mc.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        attn_backend=",".join(backends),
+        kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=mc.get_head_size(),
+    )
 
 
 class KVPoolConnector(KVConnectorBase_V1):
@@ -158,7 +182,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                 master=getattr(backend_cfg, "master_server_address", "")),
         )
         if backend is not None:
-            self._operations = BackendOperations(backend, source, key_scope=(cfg.model, layout))
+            # The key scope is known once register_kv_caches computed the layout digest.
+            self._operations = BackendOperations(backend, source)
         self._agent = start_agent(
             source, address=cfg.agent_address, operations=self._operations,
             pool_admin_url=getattr(backend_cfg, "admin_url", None),
@@ -214,16 +239,19 @@ class KVPoolConnector(KVConnectorBase_V1):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Record each layer's KV tensor (``KVPoolWorker.register_kv_caches``), start the
-        agent and, on TP rank 0 / PP rank 0 of an engine that loads, the lookup server.
+        """Record each layer's KV tensor and the layout digest of this worker's keys
+        (``KVPoolWorker.register_kv_caches``), give the agent's flush its key scope and, on
+        TP rank 0 / PP rank 0 of an engine that loads, start the lookup server.
 
         Raises:
             PortInUse: another live engine holds ``lookup_rpc_port`` on this host.
             RuntimeDirError: the runtime directory of the lookup socket is unsafe.
         """
         worker = self._work()
-        worker.register_kv_caches(kv_caches)
+        worker.register_kv_caches(kv_caches, _model_facts(self._vllm_config, list(kv_caches)))
         cfg = self.kv_config
+        if self._operations is not None:
+            self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
         if cfg.should_load and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
             self._lookup_server = LookupServer(
                 worker.lookup_chunks, lookup_rpc_port=cfg.lookup_rpc_port,

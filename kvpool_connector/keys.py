@@ -1,20 +1,25 @@
-"""Pool keys: which model, which shard of the parallel layout, which prefix chunk.
+"""Pool keys: which model, which value layout, which shard of the parallel layout, which chunk.
 
 A key names the KV of one chunk (``chunk_size`` tokens, a whole number of vLLM blocks) for one
 shard of one model::
 
-    kvpool@<model>@tp<tp>.pcp<pcp>.dcp<dcp>.pp<pp>.g<group>@<chunk_hash_hex>[@L<layer>]
+    kvpool@<model>@<digest>@tp<tp>.pcp<pcp>.dcp<dcp>.pp<pp>.g<group>@<chunk_hash_hex>[@L<layer>]
 
-``tp`` is the TP rank, or the KV-head rank when KV heads are replicated across TP ranks (MLA
-models store one copy: every TP rank then uses ``tp0``). The chunk hash is a chained SHA-256
-over the prompt's token ids (and the request's LoRA name and ``cache_salt``), so a hash names
-the whole prefix up to the chunk's end, is the same in every process and never depends on
-``PYTHONHASHSEED`` (vLLM's own ``request.block_hashes`` are seeded randomly per process unless
-it is set). Same vocabulary as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
+``digest`` is the 12-hex-digit layout digest of the writing worker
+(``kvpool_connector._layout_digest``: model revision and quantization, dtypes, cache shapes and
+strides, block and chunk size, layer count, KV heads, head size, parallel sizes, hash scheme):
+engines whose values are laid out differently never share a key, engines that match share
+every key on any host. ``tp`` is the TP rank, or the KV-head rank when KV heads are replicated
+across TP ranks (MLA models store one copy: every TP rank then uses ``tp0``). The chunk hash is
+a chained SHA-256 over the prompt's token ids (and the request's LoRA name and ``cache_salt``),
+so a hash names the whole prefix up to the chunk's end, is the same in every process and never
+depends on ``PYTHONHASHSEED`` (vLLM's own ``request.block_hashes`` are seeded randomly per
+process unless it is set). Same vocabulary as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
 
 This module is the only place that writes or reads the format: ``PoolKey``/``chunk_keys``
 build keys (the latter in batches, for the lookup hot path), ``size_group`` reads them back,
-``model_pattern``/``layout_pattern``/``ALL_KEYS_PATTERN`` select them for a flush.
+``model_pattern`` (every digest of a model), ``layout_pattern`` (one digest and shard) and
+``ALL_KEYS_PATTERN`` select them for a flush.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from urllib.parse import quote
 
 __all__ = [
     "ALL_KEYS_PATTERN",
+    "DIGEST_LEN",
     "KEY_PREFIX",
     "PROBE_PREFIX",
     "LayerPoolKey",
@@ -53,12 +59,18 @@ ALL_KEYS_PATTERN = "^" + re.escape(KEY_PREFIX)
 _LAYER = "@L"
 """Separates a chunk key from its layer number (layer-wise keys)."""
 
+DIGEST_LEN = 12
+"""Hex digits of a layout digest in a key."""
+
+_DIGEST_RE = re.compile(f"[0-9a-f]{{{DIGEST_LEN}}}")
+
 _KEY_RE = re.compile(
-    re.escape(KEY_PREFIX) + r"[^@]+@tp\d+\.pcp\d+\.dcp\d+\.pp\d+\.g\d+@(?P<hash>[0-9a-f]{32})"
+    re.escape(KEY_PREFIX) + r"[^@]+@" + _DIGEST_RE.pattern
+    + r"@tp\d+\.pcp\d+\.dcp\d+\.pp\d+\.g\d+@(?P<hash>[0-9a-f]{32})"
     r"(?:" + re.escape(_LAYER) + r"\d+)?"
 )
 """The whole grammar of the module docstring; ``normalize_model_name`` percent-encodes ``@``,
-so a model never contains one."""
+so a model never contains one, and a digest is hex."""
 
 _ROOT = hashlib.sha256(b"kvpool/chunk-hash/v1").digest()
 
@@ -98,14 +110,16 @@ class ParallelLayout:
 
 @dataclass(frozen=True, slots=True)
 class PoolKey:
-    """Key of one chunk's KV for all layers of one shard."""
+    """Key of one chunk's KV for all layers of one shard: ``model`` normalised, ``digest`` the
+    writer's layout digest, ``chunk_hash`` from ``chunk_hashes``."""
 
     model: str
+    digest: str
     layout: ParallelLayout
     chunk_hash: str
 
     def __str__(self) -> str:
-        return shard_prefix(self.model, self.layout) + self.chunk_hash
+        return shard_prefix(self.model, self.digest, self.layout) + self.chunk_hash
 
     def layer(self, layer_id: int) -> LayerPoolKey:
         return LayerPoolKey(self, layer_id)
@@ -122,10 +136,16 @@ class LayerPoolKey:
         return f"{self.chunk}{_LAYER}{self.layer_id}"
 
 
-def shard_prefix(model: str, layout: ParallelLayout) -> str:
-    """What every key of one shard starts with: ``kvpool@<model>@<layout>@``; a chunk key is
-    this plus the chunk hash. ``model`` must already be normalised."""
-    return f"{KEY_PREFIX}{model}@{layout}@"
+def shard_prefix(model: str, digest: str, layout: ParallelLayout) -> str:
+    """What every key of one shard starts with: ``kvpool@<model>@<digest>@<layout>@``; a chunk
+    key is this plus the chunk hash. ``model`` must already be normalised.
+
+    Raises:
+        ValueError: ``digest`` is not ``DIGEST_LEN`` lower-case hex digits.
+    """
+    if not _DIGEST_RE.fullmatch(digest):
+        raise ValueError(f"layout digest must be {DIGEST_LEN} lower-case hex digits: {digest!r}")
+    return f"{KEY_PREFIX}{model}@{digest}@{layout}@"
 
 
 def chunk_keys(
@@ -155,8 +175,8 @@ def chunk_keys(
 
 
 def size_group(key: str) -> str:
-    """``key`` without its chunk hash: the model, shard and layer it belongs to. All chunk keys
-    of one group hold values of one size (``chunk_size`` tokens of the same layers), so a
+    """``key`` without its chunk hash: the model, digest, shard and layer it belongs to. All
+    chunk keys of one group hold values of one size (``chunk_size`` tokens of the same layers), so a
     flush sizes one key per group. A string that is not a kvpool key is its own group."""
     m = _KEY_RE.fullmatch(key)
     if m is None:
@@ -165,13 +185,18 @@ def size_group(key: str) -> str:
 
 
 def model_pattern(model: str) -> str:
-    """Anchored regex matching every key of ``model`` (any layout, any layer)."""
+    """Anchored regex matching every key of ``model`` (any digest, any shard, any layer)."""
     return "^" + re.escape(f"{KEY_PREFIX}{normalize_model_name(model)}@")
 
 
-def layout_pattern(model: str, layout: ParallelLayout) -> str:
-    """Anchored regex matching every key one shard (model + layout) writes."""
-    return "^" + re.escape(shard_prefix(normalize_model_name(model), layout))
+def layout_pattern(model: str, digest: str, layout: ParallelLayout) -> str:
+    """Anchored regex matching every key one shard writes: ``model``, layout ``digest`` and
+    parallel ``layout``; keys of the same model under another digest do not match.
+
+    Raises:
+        ValueError: ``digest`` is not a layout digest (see ``shard_prefix``).
+    """
+    return "^" + re.escape(shard_prefix(normalize_model_name(model), digest, layout))
 
 
 def chunk_hashes(

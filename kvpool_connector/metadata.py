@@ -4,7 +4,7 @@ The scheduler side (``KVPoolScheduler``) decides, per request, which chunks to l
 pool and which to save to it; the worker side (``KVPoolWorker``) moves the bytes. A *chunk* is
 ``chunk_size`` tokens = ``blocks_per_chunk`` whole vLLM blocks; chunk ``i`` of a request covers
 block ids ``block_ids[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]`` and is stored under
-``PoolKey(model, layout, chunk_hashes[i])``.
+``PoolKey(model, digest, layout, chunk_hashes[i])`` (``digest``: the worker's layout digest).
 """
 
 from __future__ import annotations

@@ -37,10 +37,14 @@ from kvpool_connector.keys import (
     model_pattern,
 )
 
-__all__ = ["PROBE_BYTES", "BackendOperations", "SaveQueue", "flush_pattern"]
+__all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "flush_pattern"]
 
 PROBE_BYTES = 4096
 """Size of the health probe value (bytes)."""
+
+KeyScope = tuple[str, str, ParallelLayout]
+"""``(model, layout digest, ParallelLayout)``: the keys one worker writes
+(``keys.layout_pattern``)."""
 
 _BUFFERS: weakref.WeakKeyDictionary[Backend, ctypes.Array[ctypes.c_char]] = (
     weakref.WeakKeyDictionary()
@@ -69,9 +73,10 @@ class BackendOperations:
         backend: the process's pool client.
         source: who the process reports as (its ``agent_id`` names probe keys, its
             ``engine_id`` and ``model`` resolve flush scopes).
-        key_scope: ``(model, ParallelLayout)`` this process writes; ``flush --scope engine``
-            removes exactly ``keys.layout_pattern(*key_scope)``. ``None`` in a process that
-            writes no keys.
+        key_scope: the ``KeyScope`` this process writes; ``flush --scope engine`` removes
+            exactly ``keys.layout_pattern(*key_scope)``. ``None`` in a process that writes no
+            keys, and in a worker until vLLM registered its KV caches (the connector sets it
+            then, with the layout digest).
 
     Attributes:
         saves: the worker whose saves ``wait_for_saves`` waits for; the connector sets it once
@@ -83,7 +88,7 @@ class BackendOperations:
         self,
         backend: Backend,
         source: Source,
-        key_scope: tuple[str, ParallelLayout] | None = None,
+        key_scope: KeyScope | None = None,
     ) -> None:
         self.backend = backend
         self.source = source
@@ -132,12 +137,13 @@ class BackendOperations:
 
 
 def flush_pattern(
-    args: FlushArgs, source: Source, key_scope: tuple[str, ParallelLayout] | None
+    args: FlushArgs, source: Source, key_scope: KeyScope | None
 ) -> str:
     """The anchored key regex a flush scope means for the process ``source``.
 
-    ``model``: ``keys.model_pattern(args.model or this process's model)``; ``engine``:
-    ``keys.layout_pattern`` of ``key_scope`` (its model and shard); ``all``:
+    ``model``: ``keys.model_pattern(args.model or this process's model)``, every layout digest
+    of the model; ``engine``: ``keys.layout_pattern`` of ``key_scope`` (its model, layout
+    digest and shard); ``all``:
     ``keys.ALL_KEYS_PATTERN`` (every ``kvpool@`` key, never other tenants' keys).
 
     Raises:
@@ -157,8 +163,9 @@ def flush_pattern(
         )
     if key_scope is None:
         raise CommandError(
-            f"agent {source.agent_id} has no key scope (a scheduler or store process): send "
-            "flush scope 'engine' to the engine's worker agents"
+            f"agent {source.agent_id} has no key scope (a scheduler or store process, or a "
+            "worker whose KV caches vLLM has not registered yet): send flush scope 'engine' "
+            "to the engine's worker agents"
         )
     return layout_pattern(*key_scope)
 

@@ -38,6 +38,7 @@ from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._layout import KVLayout
+from kvpool_connector._layout_digest import LayoutFacts, ModelFacts, describe_layout
 from kvpool_connector._planning import (
     Transfer,
     TransferPlanner,
@@ -92,6 +93,10 @@ class KVPoolWorker:
         num_blocks: vLLM's number of KV blocks, when known, to pick the block dimension of
             the cache tensors without guessing.
 
+    Attributes:
+        layout_facts: what this worker's layout digest covers; ``None`` until
+            ``register_kv_caches``, which computes it (and the keys' prefixes) once.
+
     Raises:
         ValueError: ``chunk_size`` is not a positive multiple of ``block_size``.
     """
@@ -116,11 +121,13 @@ class KVPoolWorker:
         self.model = normalize_model_name(model)
         self.backend = backend
         self.reporter = reporter if reporter is not None else NullReporter()
-        self._lookup_prefixes = [
-            shard_prefix(self.model, lay) for lay in lookup_layouts(
-                layout, tp_size=tp_size, pcp_size=pcp_size, dcp_size=dcp_size, pp_size=pp_size)
-        ]
+        self._sizes = {"tp_size": tp_size, "pcp_size": pcp_size, "dcp_size": dcp_size,
+                       "pp_size": pp_size}
+        self._lookup_layouts = lookup_layouts(layout, **self._sizes)
+        self._lookup_prefixes: list[str] = []
         self._num_blocks_hint = num_blocks
+        self.layout_facts: LayoutFacts | None = None
+        self._digest = ""
         self.kv: KVLayout | None = None
         self._planner: TransferPlanner | None = None
         self.counters = WorkerCounters()
@@ -144,18 +151,27 @@ class KVPoolWorker:
     # ------------------------------------------------------------------ registration
 
     def register_kv_caches(
-        self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+        self,
+        kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+        model_facts: ModelFacts | None = None,
     ) -> None:
-        """Record each layer's block regions and register the cache memory with the backend.
+        """Record each layer's block regions, compute the layout digest of this worker's keys
+        (reported to the agent) and register the cache memory with the backend.
 
         Args:
             kv_caches: vLLM's ``{layer_name: tensor or tuple of tensors}`` paged caches.
+            model_facts: what vLLM's configuration says about the model and its KV, hashed
+                into the layout digest with the caches' own layout; ``None`` = nothing known.
 
         Raises:
             ValueError: the cache layout cannot be described (see ``KVLayout``).
             BackendError: the backend refused to register the memory.
         """
         kv = KVLayout.from_kv_caches(kv_caches, self._num_blocks_hint)
+        facts = describe_layout(
+            kv_caches, kv.num_blocks, model=self.model, facts=model_facts or ModelFacts(),
+            block_size=self.config.block_size, chunk_size=self.config.chunk_size, **self._sizes)
+        digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)
         biggest = max(r.block_len for layer in kv.layers for r in layer.regions)
@@ -165,15 +181,31 @@ class KVPoolWorker:
         self.backend.register_buffer(self._scratch.data_ptr(), biggest)
         self._device = device_sync_for(kv.device)
         self._planner = TransferPlanner(
-            kv.layers, shard_prefix(self.model, self.layout), block_size=self.config.block_size,
-            chunk_size=self.config.chunk_size, layerwise=self.config.use_layerwise,
-            scratch=self._scratch.data_ptr(),
+            kv.layers, shard_prefix(self.model, digest, self.layout),
+            block_size=self.config.block_size, chunk_size=self.config.chunk_size,
+            layerwise=self.config.use_layerwise, scratch=self._scratch.data_ptr(),
         )
+        self._lookup_prefixes = [shard_prefix(self.model, digest, lay)
+                                 for lay in self._lookup_layouts]
+        self.layout_facts, self._digest = facts, digest
         self.kv = kv
+        self.reporter.layout(digest, facts.as_dict())
         logger.info(
-            "kvpool worker %s/%s: %d layers, %d blocks, %d bytes/block, %d memory spans",
-            self.model, self.layout, len(kv.layers), kv.num_blocks, kv.block_bytes, len(kv.spans),
+            "kvpool worker %s/%s: layout digest %s, %d layers, %d blocks, %d bytes/block, "
+            "%d memory spans (%s)", self.model, self.layout, digest, len(kv.layers),
+            kv.num_blocks, kv.block_bytes, len(kv.spans), facts,
         )
+
+    @property
+    def layout_digest(self) -> str:
+        """The layout digest in this worker's keys.
+
+        Raises:
+            RuntimeError: ``register_kv_caches`` was not called yet.
+        """
+        if not self._digest:
+            raise RuntimeError("register_kv_caches must be called before the layout is known")
+        return self._digest
 
     def _require_kv(self) -> tuple[KVLayout, TransferPlanner]:
         if self.kv is None or self._planner is None:
@@ -182,17 +214,16 @@ class KVPoolWorker:
 
     def lookup_chunks(self, chunk_hashes: list[str]) -> int:
         """Number of leading chunks whose keys exist for every rank of the parallel layout
-        (and every layer, in layer-wise mode).
+        (and every layer, in layer-wise mode), under this worker's layout digest.
 
         Raises:
+            RuntimeError: ``register_kv_caches`` was not called.
             BackendError: the store failed to answer for some key (never reported as a miss).
         """
         if not chunk_hashes:
             return 0
-        layers = (
-            [layer.index for layer in self._require_kv()[0].layers]
-            if self.config.use_layerwise else None
-        )
+        kv = self._require_kv()[0]
+        layers = [layer.index for layer in kv.layers] if self.config.use_layerwise else None
         keys = chunk_keys(self._lookup_prefixes, chunk_hashes, layers)
         hits, code = leading_hits(self.backend.batch_exists(keys), len(keys) // len(chunk_hashes))
         if code is not None:

@@ -60,6 +60,7 @@ class AgentRow(msgspec.Struct, kw_only=True):
     cpu_percent: float
     rss_bytes: int
     dropped: int
+    layout_digest: str = ""
 
 
 class EngineRow(msgspec.Struct, kw_only=True):
@@ -72,6 +73,9 @@ class EngineRow(msgspec.Struct, kw_only=True):
     ``next_lease_expiry_ms`` the earliest lease expiry of its in-flight loads (``None`` when
     none); ``stale`` once silent longer than the stale threshold, ``down`` past the down one.
     ``severity`` is the worst active alert on this engine (``None`` when healthy).
+    ``layout_digest`` is its workers' layout digest (``Source.layout_digest``; several,
+    comma-joined, when they differ; "" until reported) and ``layout`` what the first worker's
+    digest hashes: engines share pool values only when their digests match.
     """
 
     engine_id: str
@@ -108,6 +112,8 @@ class EngineRow(msgspec.Struct, kw_only=True):
     down: bool
     severity: str | None = None
     agents: list[AgentRow] = msgspec.field(default_factory=list)
+    layout_digest: str = ""
+    layout: dict[str, str | int] = msgspec.field(default_factory=dict)
 
 
 class PoolRow(msgspec.Struct, kw_only=True):
@@ -185,6 +191,7 @@ def _agent_row(st: EngineState, seen: float, now_ms: float, stale_after_ms: floa
         next_lease_expiry_ms=min(leases) if leases else None, age_ms=now_ms - seen,
         stale=now_ms - seen > stale_after_ms, cpu_percent=st.process.cpu_percent,
         rss_bytes=st.process.rss_bytes, dropped=st.process.dropped,
+        layout_digest=st.source.layout_digest,
     )
 
 
@@ -211,6 +218,7 @@ def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[
     dims = (len({s.source.dp_rank for s in workers}), len({s.source.tp_rank for s in workers}),
             len({s.source.pp_rank for s in workers}))
     ranks = f"dp{dims[0]} tp{dims[1]} pp{dims[2]}" if workers else "-"
+    described = [s.source for s in workers if s.source.layout_digest]
     age = now_ms - last
     return EngineRow(
         engine_id=engine_id, role=head.instance_role, kv_role=head.kv_role, ranks=ranks,
@@ -235,6 +243,8 @@ def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[
         next_lease_expiry_ms=min(leases) if leases else None,
         last_report_ms=last, age_ms=age, stale=age > stale_after_ms, down=age > down_after_ms,
         agents=[_agent_row(s, seen[s.source.agent_id], now_ms, stale_after_ms) for s in group],
+        layout_digest=",".join(sorted({src.layout_digest for src in described})),
+        layout=dict(described[0].layout) if described else {},
     )
 
 

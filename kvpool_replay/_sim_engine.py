@@ -88,9 +88,10 @@ class _BlockPool:
 
 def _vllm_config(spec: EngineSpec) -> Any:
     """A ``VllmConfig``-shaped object with real vLLM sub-configs: the attributes
-    ``KVConnectorBase_V1`` and ``KVPoolConfig.from_vllm_config`` read (``kv_transfer_config``,
-    ``cache_config.block_size``, ``model_config.model``, ``parallel_config``, ``instance_id``:
-    new per engine, like vLLM's ``time.time_ns()``). A full ``VllmConfig`` would need a model
+    ``KVConnectorBase_V1``, ``KVPoolConfig.from_vllm_config`` and the layout digest read
+    (``kv_transfer_config``, ``cache_config``, ``model_config``, ``parallel_config``, a
+    ``compilation_config`` without attention layers, and ``instance_id``: new per engine, like
+    vLLM's ``time.time_ns()``). A full ``VllmConfig`` would need a model
     checkpoint on disk."""
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
 
@@ -115,6 +116,8 @@ def _vllm_config(spec: EngineSpec) -> Any:
     )
     model_config = SimpleNamespace(
         model=spec.model,
+        revision=None,
+        quantization=None,
         use_mla=False,
         dtype=_DTYPES[spec.shape.dtype],
         get_num_layers=lambda *_: spec.shape.layers,
@@ -127,6 +130,7 @@ def _vllm_config(spec: EngineSpec) -> Any:
         model_config=model_config,
         parallel_config=ParallelConfig(),
         instance_id=str(time.time_ns()),
+        compilation_config=SimpleNamespace(static_forward_context={}),
     )
 
 

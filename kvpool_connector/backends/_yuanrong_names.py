@@ -1,7 +1,7 @@
 """How kvpool's names map onto an openYuanrong datasystem worker's: keys and status codes.
 
 Keys. The worker accepts keys of at most 255 characters from ``[a-zA-Z0-9-_!@#%^*()+=:;]``.
-A ``PoolKey`` (``kvpool@model@tp0.pcp0...``) contains ``.`` and ``/``, so every other
+A ``PoolKey`` (``kvpool@model@<digest>@tp0.pcp0...``) contains ``.`` and ``/``, so every other
 character is written as ``%XX`` (UTF-8 bytes, ``%`` and ``#`` included) and a key still
 longer than 255 is cut to 222 characters plus ``#`` and 32 hex digits of its SHA-256. The
 mapping is the same in every process.

@@ -330,7 +330,7 @@ class MooncakeBackend(Backend):
         anchored by the caller as ``keys.model_pattern`` does).
 
         Keys are listed with the master's ``/get_all_keys``. A dry run sizes one key of each
-        model+layout(+layer) group with ``/query_key`` (all chunk keys of a group have one
+        model+digest+shard(+layer) group with ``/query_key`` (all chunk keys of a group have one
         size); that read, like every read, grants the key a lease of ``default_kv_lease_ttl``,
         so a real flush right after a dry run skips at most one key per group (or pass
         ``force``). A real run calls ``remove_by_regex(pattern, force)``;
@@ -349,8 +349,8 @@ class MooncakeBackend(Backend):
             matched = [k for k in self._all_keys() if rx.search(k)]
             if dry_run:
                 # Every read grants a lease (default_kv_lease_ttl), so size one key per
-                # model+layout(+layer) group: all chunk keys of a group have one size, and an
-                # unforced flush right after skips at most one key per group.
+                # model+digest+shard(+layer) group: all chunk keys of a group have one size, and
+                # an unforced flush right after skips at most one key per group.
                 sizes: dict[str, int] = {}
                 total = 0
                 for k in matched:

@@ -1,4 +1,5 @@
-"""Engine detail screen: trends, in-flight layer-wise loads and recent errors with hints."""
+"""Engine detail screen: trends, layout digest, in-flight layer-wise loads and recent errors
+with hints."""
 
 from __future__ import annotations
 
@@ -116,10 +117,13 @@ class EngineDetailScreen(Screen[None]):
             f"loaded {row.loaded_tokens} tok; lookups {row.lookups} errors {row.lookup_errors}; "
             f"loads ok {row.loads_finished} failed {row.load_errors} "
             f"(after hit {row.failed_after_hit}); max load {row.max_load_ms:.0f} ms, "
-            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago",
+            f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago"
+            + ("\nlayout [b]$digest[/b]: $layout" if row.layout_digest else ""),
             engine=visible(row.engine_id), state=state,
             what=visible(f"{row.role}/{row.kv_role} {row.ranks} {row.backend} "
-                         f"model={row.model or '-'}")))
+                         f"model={row.model or '-'}"),
+            digest=visible(row.layout_digest),
+            layout=visible(" ".join(f"{k}={v}" for k, v in row.layout.items()))))
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
         self.query_one("#hit-label", Label).update(
             f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")

@@ -36,6 +36,8 @@ from kvpool_connector.operations import BackendOperations
 from kvpool_replay import LocalMooncakeMaster
 
 VALUE = 4096
+DIGEST, OTHER_DIGEST = "0123456789ab", "ba9876543210"
+"""The worker agent's layout digest, and another layout's of the same model."""
 
 
 def _all_keys(master: LocalMooncakeMaster) -> set[str]:
@@ -48,13 +50,19 @@ def _all_keys(master: LocalMooncakeMaster) -> set[str]:
 def pool(
     mooncake_backend: Any, pool_buffer: Any, agent_master: LocalMooncakeMaster, model: str
 ) -> Iterator[dict]:
-    """Keys of two layouts of ``model``, of another model, and a key outside kvpool's
-    namespace, all really stored; removed again afterwards."""
+    """Keys of two shards of ``model``, of its tp0 shard under another layout digest, of
+    another model, and a key outside kvpool's namespace, all really stored; removed again
+    afterwards."""
     other_model = model + "-other"
+
+    def keys(m: str, digest: str, tp: int, n: int) -> list[str]:
+        return [str(PoolKey(m, digest, ParallelLayout(tp_rank=tp), f"{i:032x}")) for i in range(n)]
+
     groups = {
-        "tp0": [str(PoolKey(model, ParallelLayout(tp_rank=0), f"{i:032x}")) for i in range(3)],
-        "tp1": [str(PoolKey(model, ParallelLayout(tp_rank=1), f"{i:032x}")) for i in range(2)],
-        "other_keys": [str(PoolKey(other_model, ParallelLayout(), f"{i:032x}")) for i in range(2)],
+        "tp0": keys(model, DIGEST, 0, 3),
+        "tp1": keys(model, DIGEST, 1, 2),
+        "tp0_other_layout": keys(model, OTHER_DIGEST, 0, 2),
+        "other_keys": keys(other_model, DIGEST, 0, 2),
         "foreign": [f"tenant-b/{model}/blob"],
     }
     every = [k for ks in groups.values() for k in ks]
@@ -77,7 +85,7 @@ def worker_agent(
         src,
         address=hub_address,
         operations=BackendOperations(
-            mooncake_backend, src, key_scope=(model, ParallelLayout(tp_rank=0))
+            mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout(tp_rank=0))
         ),
         pool_admin_url=agent_master.admin_url,
     )
@@ -126,13 +134,13 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert r.flush.bytes == 2 * VALUE
         assert _all_keys(agent_master) == before - set(pool["other_keys"])
 
-        # Model scope of this agent's own model (no model given): the tp1 shard goes, the
-        # leased tp0 key stays.
+        # Model scope of this agent's own model (no model given): the tp1 shard and the keys of
+        # the model's other layout go (every digest), the leased tp0 key stays.
         before = _all_keys(agent_master)
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="model", dry_run=False))
         assert r.ok and r.flush is not None
-        assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1)
-        assert _all_keys(agent_master) == before - set(pool["tp1"])
+        assert (r.flush.removed_keys, r.flush.skipped_leased) == (4, 1)
+        assert _all_keys(agent_master) == before - set(pool["tp1"]) - set(pool["tp0_other_layout"])
 
         # Forced engine scope removes the leased shard.
         before = _all_keys(agent_master)

@@ -18,6 +18,7 @@ from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16 * 1024  # bytes per key (one chunk of all layers)
 CHUNK = 256  # tokens per chunk
+DIGEST = "0123456789ab"  # layout digest of the keys written by hand
 
 
 def _wait_state(
@@ -45,14 +46,14 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
     handle = start_agent(
         src,
         address=hub_address,
-        operations=BackendOperations(backend, src, key_scope=(model, ParallelLayout())),
+        operations=BackendOperations(backend, src, key_scope=(model, DIGEST, ParallelLayout())),
         pool_admin_url=agent_master.admin_url,
         lease_ttl_ms=agent_master.default_kv_lease_ttl_ms,
     )
     rep = handle.reporter
     base = ctypes.addressof(pool_buffer)
     tokens = list(range(4 * CHUNK))
-    keys = [str(PoolKey(model, ParallelLayout(), h)) for h in chunk_hashes(tokens, CHUNK)]
+    keys = [str(PoolKey(model, DIGEST, ParallelLayout(), h)) for h in chunk_hashes(tokens, CHUNK)]
     try:
         # Save 4 chunks the way the worker does: started -> batch_put_from -> finished.
         rep.transfer_started("req-save", "save", 4, 4 * BLOCK)
@@ -62,7 +63,8 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
 
         # A lookup of a 6-chunk prompt: the pool holds 4 leading chunks (real batch_exists).
         prompt = tokens + list(range(10_000, 10_000 + 2 * CHUNK))
-        lk_keys = [str(PoolKey(model, ParallelLayout(), h)) for h in chunk_hashes(prompt, CHUNK)]
+        lk_keys = [str(PoolKey(model, DIGEST, ParallelLayout(), h))
+                   for h in chunk_hashes(prompt, CHUNK)]
         t0 = time.perf_counter()
         present = backend.batch_exists(lk_keys)
         latency = (time.perf_counter() - t0) * 1e3
@@ -85,7 +87,7 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         rep.transfer_finished("req-load", "load", ok=True, nbytes=4 * BLOCK)
 
         # A load after a positive lookup of a key that is gone: the real store answers -704.
-        missing = str(PoolKey(model, ParallelLayout(), "f" * 32))
+        missing = str(PoolKey(model, DIGEST, ParallelLayout(), "f" * 32))
         rep.lookup("req-gone", CHUNK * 2, CHUNK, CHUNK, 0.5)
         rep.transfer_started("req-gone", "load", 1, BLOCK)
         (code,) = backend.batch_get_into([missing], [[base]], [[BLOCK]])
@@ -201,9 +203,7 @@ def test_kvpool_worker_saves_and_loads_are_reported(
         name: start_agent(
             src,
             address=hub_address,
-            operations=BackendOperations(
-                mooncake_backend, src, key_scope=(model, ParallelLayout())
-            ),
+            operations=BackendOperations(mooncake_backend, src),
         )
         for name, src in sources.items()
     }
@@ -254,6 +254,12 @@ def test_kvpool_worker_saves_and_loads_are_reported(
         assert loaded.lookup.loaded_tokens == 64 and loaded.lookup.hit_rate == 64 / 69
         (err,) = [e for e in loaded.recent_errors if e.req_id == "l2"]
         assert err.name == "OBJECT_NOT_FOUND" and "after a positive lookup" in err.message
+        # Each worker reported the layout digest of its keys and what it hashes: one layout.
+        assert saver.layout_facts is not None
+        assert saved.source.layout_digest == loaded.source.layout_digest == saver.layout_digest
+        assert saved.source.layout == loaded.source.layout == saver.layout_facts.as_dict()
+        assert saved.source.layout["cache"] == "2x float32(B,2,16,16)/(*,256,16,1)"
+        assert (saved.source.layout["block_size"], saved.source.layout["chunk_size"]) == (16, 32)
     finally:
         for w in workers.values():
             w.shutdown()

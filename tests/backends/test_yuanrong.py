@@ -77,12 +77,13 @@ def block_bytes(cache: list[torch.Tensor], block: int) -> bytes:
 
 
 DEFAULT_LAYOUT = ParallelLayout()
+DIGEST, OTHER_DIGEST = "0123456789ab", "ba9876543210"
 
 
 def keys_for(model: str, n: int, layout: ParallelLayout = DEFAULT_LAYOUT,
-             seed: int = 0) -> list[str]:
+             seed: int = 0, digest: str = DIGEST) -> list[str]:
     toks = torch.randint(0, 32000, (n * 16,), generator=torch.Generator().manual_seed(seed))
-    return [str(PoolKey(model, layout, h)) for h in chunk_hashes(toks.tolist(), 16)]
+    return [str(PoolKey(model, digest, layout, h)) for h in chunk_hashes(toks.tolist(), 16)]
 
 
 def put_blocks(b: YuanrongBackend, keys: list[str], cache: list[torch.Tensor],
@@ -163,10 +164,11 @@ def test_layouts_and_models_never_collide(backend: YuanrongBackend) -> None:
         assert get_blocks(backend, keys_for(model, 2, lay, seed=3), dst, [4, 5]) == [8192] * 2
         assert block_bytes(dst, 4) == block_bytes(cache, 0)
         assert block_bytes(dst, 5) == block_bytes(cache, 1)
-    # Same hashes under another model, another TP rank, or as layer keys: absent.
+    # Same hashes under another model, layout digest or TP rank, or as layer keys: absent.
     assert backend.batch_exists(keys_for(model + "x", 2, seed=3)) == [0, 0]
+    assert backend.batch_exists(keys_for(model, 2, seed=3, digest=OTHER_DIGEST)) == [0, 0]
     assert backend.batch_exists(keys_for(model, 2, ParallelLayout(tp_rank=2), seed=3)) == [0, 0]
-    layer_key = str(PoolKey(model, ParallelLayout(), chunk_hashes(list(range(16)), 16)[0])
+    layer_key = str(PoolKey(model, DIGEST, ParallelLayout(), chunk_hashes(list(range(16)), 16)[0])
                     .layer(0))
     assert backend.batch_exists([layer_key]) == [0]
 
@@ -183,6 +185,12 @@ def test_key_encoding_is_injective_and_fits_the_worker() -> None:
     assert len(encode_key(long_a)) == 255
     assert encode_key(long_a) != encode_key(long_b)
     assert encode_key(long_a) == encode_key(long_a)
+    # Keys of a long model name that differ only in their layout digest (cut off by the
+    # length limit) stay distinct through the SHA-256 suffix.
+    digests = [str(PoolKey("m" * 300, d, ParallelLayout(), "0" * 32))
+               for d in (DIGEST, OTHER_DIGEST)]
+    assert encode_key(digests[0])[:222] == encode_key(digests[1])[:222]
+    assert encode_key(digests[0]) != encode_key(digests[1])
 
 
 def test_long_model_name_round_trips(backend: YuanrongBackend) -> None:

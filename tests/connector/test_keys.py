@@ -1,5 +1,5 @@
-"""The pool key grammar: batch-built keys equal the ``PoolKey`` strings, and flush size groups
-drop only the chunk hash of a key."""
+"""The pool key grammar: batch-built keys equal the ``PoolKey`` strings, flush size groups
+drop only the chunk hash of a key, and keys of two layout digests never meet."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from kvpool_connector.keys import (
 )
 
 MODEL = normalize_model_name("org/Model@v2 ")
+DIGEST, OTHER_DIGEST = "0123456789ab", "ba9876543210"
 HASHES = chunk_hashes(list(range(64)), 16)
 LAYOUTS = [ParallelLayout(tp, 0, dcp, 0, 1) for tp in range(2) for dcp in range(2)]
 
 
 def test_key_strings_follow_the_documented_grammar() -> None:
-    key = PoolKey(MODEL, ParallelLayout(3, 1, 2, 4, 5), HASHES[0])
+    key = PoolKey(MODEL, DIGEST, ParallelLayout(3, 1, 2, 4, 5), HASHES[0])
     assert MODEL == "org/Model%40v2"
-    assert str(key) == f"kvpool@org/Model%40v2@tp3.pcp1.dcp2.pp4.g5@{HASHES[0]}"
+    assert str(key) == f"kvpool@org/Model%40v2@0123456789ab@tp3.pcp1.dcp2.pp4.g5@{HASHES[0]}"
     assert str(key.layer(7)) == f"{key}@L7"
     assert len(HASHES) == 4 and all(re.fullmatch(r"[0-9a-f]{32}", h) for h in HASHES)
 
@@ -37,9 +38,10 @@ def test_key_strings_follow_the_documented_grammar() -> None:
 def test_chunk_keys_equal_pool_key_strings_chunk_major(
         layers: list[int] | None, n_layouts: int) -> None:
     layouts = LAYOUTS[:n_layouts]
-    got = chunk_keys([shard_prefix(MODEL, lay) for lay in layouts], HASHES, layers)
+    got = chunk_keys([shard_prefix(MODEL, DIGEST, lay) for lay in layouts], HASHES, layers)
     want = [
-        str(PoolKey(MODEL, lay, h)) if i is None else str(PoolKey(MODEL, lay, h).layer(i))
+        str(PoolKey(MODEL, DIGEST, lay, h)) if i is None
+        else str(PoolKey(MODEL, DIGEST, lay, h).layer(i))
         for h in HASHES for lay in layouts for i in (layers or [None])
     ]
     assert got == want
@@ -47,32 +49,58 @@ def test_chunk_keys_equal_pool_key_strings_chunk_major(
     assert len(got) == len(HASHES) * per_chunk
     # Chunk i's keys are one contiguous slice, all carrying hash i.
     assert all(HASHES[1] in k for k in got[per_chunk : 2 * per_chunk])
-    assert chunk_keys([shard_prefix(MODEL, LAYOUTS[0])], [], layers) == []
+    assert chunk_keys([shard_prefix(MODEL, DIGEST, LAYOUTS[0])], [], layers) == []
 
 
 @pytest.mark.parametrize("other", [
-    "kvpool-probe@0123",                                    # probe namespace
-    "other@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32,             # another tenant
-    "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 31,            # short hash
-    "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32 + "@Lx",    # bad layer
-    "kvpool@m@tp0.pcp0.dcp0.g0@" + "0" * 32,                # layout without pp
+    "kvpool-probe@0123",                                                 # probe namespace
+    "other@m@0123456789ab@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32,             # another tenant
+    "kvpool@m@0123456789ab@tp0.pcp0.dcp0.pp0.g0@" + "0" * 31,            # short hash
+    "kvpool@m@0123456789ab@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32 + "@Lx",    # bad layer
+    "kvpool@m@0123456789ab@tp0.pcp0.dcp0.g0@" + "0" * 32,                # layout without pp
+    "kvpool@m@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32,                         # no digest (old)
+    "kvpool@m@0123456789AB@tp0.pcp0.dcp0.pp0.g0@" + "0" * 32,            # digest not lower hex
 ])
 def test_strings_outside_the_grammar_are_their_own_size_group(other: str) -> None:
     assert size_group(other) == other
 
 
 def test_size_group_drops_only_the_chunk_hash() -> None:
-    a, b = (PoolKey(MODEL, LAYOUTS[1], h) for h in HASHES[:2])
-    assert size_group(str(a)) == size_group(str(b)) == shard_prefix(MODEL, LAYOUTS[1])
+    a, b = (PoolKey(MODEL, DIGEST, LAYOUTS[1], h) for h in HASHES[:2])
+    assert size_group(str(a)) == size_group(str(b)) == shard_prefix(MODEL, DIGEST, LAYOUTS[1])
     assert size_group(str(a.layer(3))) == size_group(str(b.layer(3)))
     assert size_group(str(a.layer(3))) != size_group(str(a.layer(4)))
-    assert size_group(str(a)) != size_group(str(PoolKey(MODEL, LAYOUTS[2], HASHES[0])))
+    assert size_group(str(a)) != size_group(str(PoolKey(MODEL, DIGEST, LAYOUTS[2], HASHES[0])))
+    # Values of another layout have another size: their own group.
+    assert size_group(str(a)) != size_group(str(PoolKey(MODEL, OTHER_DIGEST, LAYOUTS[1],
+                                                         HASHES[0])))
     assert size_group("kvpool-probe@x") == "kvpool-probe@x"
 
 
 def test_scope_patterns_select_model_and_shard() -> None:
-    key = str(PoolKey(MODEL, LAYOUTS[3], HASHES[0]))
+    key = str(PoolKey(MODEL, DIGEST, LAYOUTS[3], HASHES[0]))
+    other = str(PoolKey(MODEL, OTHER_DIGEST, LAYOUTS[3], HASHES[0]))
+    # ``model`` covers every layout digest of the model, ``layout`` only its own digest.
     assert re.search(model_pattern("org/Model@v2"), key)
+    assert re.search(model_pattern("org/Model@v2"), other)
     assert not re.search(model_pattern("org/Model"), key)
-    assert re.search(layout_pattern("org/Model@v2", LAYOUTS[3]), key + "@L0")
-    assert not re.search(layout_pattern("org/Model@v2", LAYOUTS[2]), key)
+    assert re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[3]), key + "@L0")
+    assert not re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[3]), other)
+    assert not re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[2]), key)
+
+
+def test_keys_of_two_digests_never_collide() -> None:
+    layers = [0, 1]
+    mine = chunk_keys([shard_prefix(MODEL, DIGEST, lay) for lay in LAYOUTS], HASHES, layers)
+    theirs = chunk_keys([shard_prefix(MODEL, OTHER_DIGEST, lay) for lay in LAYOUTS], HASHES,
+                        layers)
+    assert len(set(mine)) == len(mine) and not set(mine) & set(theirs)
+    assert not set(chunk_keys([shard_prefix(MODEL, DIGEST, LAYOUTS[0])], HASHES)) & set(
+        chunk_keys([shard_prefix(MODEL, OTHER_DIGEST, LAYOUTS[0])], HASHES))
+
+
+@pytest.mark.parametrize("bad", ["", "0123456789a", "0123456789abc", "0123456789AB",
+                                 "0123456789a@", "zzzzzzzzzzzz"])
+def test_a_digest_outside_the_grammar_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="12 lower-case hex digits"):
+        shard_prefix(MODEL, bad, LAYOUTS[0])

@@ -186,8 +186,10 @@ def test_remove_by_scope_counts_leases_and_keeps_other_scopes(
         client: tuple[MooncakeBackend, torch.Tensor]) -> None:
     b, buf = client
     model, other = f"org/flush-{uuid.uuid4().hex[:6]}", f"keep-{uuid.uuid4().hex[:6]}"
-    mine = [str(PoolKey(model, ParallelLayout(tp_rank=t), f"{t:032x}")) for t in range(3)]
-    theirs = [str(PoolKey(other, ParallelLayout(), f"{9:032x}"))]
+    # The model's keys under two layout digests: the model scope covers both.
+    mine = [str(PoolKey(model, d, ParallelLayout(tp_rank=t), f"{t:032x}"))
+            for d, t in (("0" * 12, 0), ("0" * 12, 1), ("f" * 12, 0))]
+    theirs = [str(PoolKey(other, "0" * 12, ParallelLayout(), f"{9:032x}"))]
     keys = mine + theirs
     assert b.batch_put_from(keys, [[buf.data_ptr(), buf.data_ptr() + 64]] * 4,
                             [[1000, 24]] * 4) == [0] * 4

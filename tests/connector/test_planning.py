@@ -29,7 +29,8 @@ LAYERS = [
     LayerLayout("layers.0", 0, (Region(K, 256, 256, 32), Region(V, 256, 256, 32))),
     LayerLayout("layers.1", 1, (Region(L1, 512, 128, 32),)),
 ]
-PREFIX = shard_prefix("m", ParallelLayout())
+DIGEST = "0123456789ab"
+PREFIX = shard_prefix("m", DIGEST, ParallelLayout())
 H = ["a" * 32, "b" * 32, "c" * 32]
 
 
@@ -144,11 +145,11 @@ def test_multi_rank_lookup_keys_cover_every_split_dimension() -> None:
         "tp1.pcp0.dcp0.pp1.g2", "tp1.pcp0.dcp1.pp1.g2",
     ]
     assert lookup_layouts(own) == [own]
-    keys = chunk_keys([shard_prefix("m", lay) for lay in layouts], H[:2])
-    assert keys[:4] == [f"kvpool@m@{lay}@{H[0]}" for lay in layouts]
-    assert keys[4:] == [f"kvpool@m@{lay}@{H[1]}" for lay in layouts]
+    keys = chunk_keys([shard_prefix("m", DIGEST, lay) for lay in layouts], H[:2])
+    assert keys[:4] == [f"kvpool@m@{DIGEST}@{lay}@{H[0]}" for lay in layouts]
+    assert keys[4:] == [f"kvpool@m@{DIGEST}@{lay}@{H[1]}" for lay in layouts]
     # A planner for another rank writes that rank's keys.
-    rank3 = planner(prefix=shard_prefix("m", layouts[3]))
+    rank3 = planner(prefix=shard_prefix("m", DIGEST, layouts[3]))
     (row,) = rank3.save(ReqMeta("r", [0, 1], H[:1], save_to_chunk=1))
     assert row[0].key == keys[3]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -27,6 +28,11 @@ from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16
+
+_ALIVE: list[object] = []
+"""Registered caches (and each worker's scratch buffer) stay allocated: a Mooncake client
+refuses memory overlapping a range it registered before, and a freed tensor's range is
+reused."""
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +59,10 @@ class Engine:
                                               block_size=BLOCK, model=self.model)
         self.backend = backend
         self.worker = KVPoolWorker(self.config, ParallelLayout(), self.model, backend)
+        # The keys' layout digest comes from the registered caches (vLLM's CPU layout).
+        kv = {"layers.0": torch.zeros(8, 1, BLOCK, 8)}
+        self.worker.register_kv_caches(kv)
+        _ALIVE.append((kv, self.worker))
         self.server = LookupServer(self.worker.lookup_chunks, lookup_rpc_port=port)
         self.reporter = Reporter()
         client = LookupClient(lookup_rpc_port=port, timeout_ms=3000)
@@ -61,7 +71,7 @@ class Engine:
     def store(self, prompt: list[int], chunks: int, extra: bytes = b"") -> None:
         """Put the first ``chunks`` chunk keys of ``prompt`` into the pool."""
         for h in chunk_hashes(prompt, self.config.chunk_size, extra)[:chunks]:
-            key = str(PoolKey(self.config.model, ParallelLayout(), h))
+            key = str(PoolKey(self.config.model, self.worker.layout_digest, ParallelLayout(), h))
             assert self.backend.store.put(key, b"kv") == 0
 
     def close(self) -> None:

@@ -237,6 +237,42 @@ def test_layouts_and_models_never_collide(engines: tuple[MooncakeBackend, ...]) 
     assert lw.lookup_chunks(hashes) == 0
 
 
+def test_another_value_layout_never_reads_the_values(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    """Same model and the same bytes per chunk, but another dtype or block size: the reader's
+    keys carry another layout digest, so it finds and loads nothing; the same layout on another
+    client reads everything."""
+    model = uniq("value-layout")
+    hashes = chunk_hashes(tokens(64, 31), 32)
+
+    def cpu(dtype: torch.dtype, block: int = BLOCK) -> KVCaches:
+        return {f"layers.{i}": torch.zeros(NUM_BLOCKS, 2, block, 16, dtype=dtype)
+                for i in range(2)}
+
+    src = cpu(torch.bfloat16)
+    fill_random(src, 32)
+    writer = make_worker(engines[0], src, model)
+    save_request(writer, "w", [0, 1, 2, 3], hashes)
+    fp16, wide = cpu(torch.float16), cpu(torch.bfloat16, 2 * BLOCK)
+    readers = [make_worker(engines[1], fp16, model),
+               make_worker(engines[1], wide, model, block_size=2 * BLOCK)]
+    for r, dst, blocks in ((readers[0], fp16, [4, 5, 6, 7]), (readers[1], wide, [4, 5])):
+        assert r.kv is not None and writer.kv is not None
+        assert r.kv.block_bytes * len(blocks) == writer.kv.block_bytes * 4  # same value size
+        assert r.layout_digest != writer.layout_digest
+        assert r.lookup_chunks(hashes) == 0
+        r.start_load_kv(load_meta("r", blocks, hashes, pool_tokens=64))
+        assert r.get_block_ids_with_load_errors() == set(blocks)
+        assert all(set(x) == {0} for b in blocks for x in block_bytes(dst, b))
+    same = cpu(torch.bfloat16)
+    reader = make_worker(engines[1], same, model)
+    assert reader.layout_digest == writer.layout_digest
+    assert reader.lookup_chunks(hashes) == 2
+    reader.start_load_kv(load_meta("s", [4, 5, 6, 7], hashes, pool_tokens=64))
+    assert reader.get_block_ids_with_load_errors() == set()
+    assert [block_bytes(same, b) for b in (4, 5, 6, 7)] == [block_bytes(src, b) for b in range(4)]
+
+
 def _step(w: KVPoolWorker, meta: KVPoolConnectorMetadata) -> None:
     """One engine step as vLLM drives it: loads, per-layer hooks, end-of-forward save."""
     w.start_load_kv(meta)
@@ -433,7 +469,7 @@ def test_partial_and_missing_values_are_load_errors(engines: tuple[MooncakeBacke
     assert w.kv is not None
     save_request(w, "a", [0, 1, 2, 3], hashes[:2])
     # Chunk 2 holds only half its bytes (e.g. written by a differently shaped engine).
-    key = str(PoolKey(normalize_model_name(model), TP0, hashes[2]))
+    key = str(PoolKey(normalize_model_name(model), w.layout_digest, TP0, hashes[2]))
     half = w.kv.block_bytes  # one of its two blocks
     assert engines[0].batch_put_from([key], [[tensors(src)[0].data_ptr()]], [[half]]) == [0]
     rep = Reporter()

@@ -20,6 +20,8 @@ from kvpool_connector.operations import BackendOperations
 from kvpool_replay import LocalMooncakeMaster, free_port
 
 LEASE_TTL_MS = 11_000
+DIGEST = "0123456789ab"
+"""Layout digest of the keys the stand-in workers write."""
 
 
 def hub_address() -> str:
@@ -75,15 +77,15 @@ class LiveFleet:
             worker = src(f"dp0.tp{r}.pp0", "worker", r)
             handles.append(start_agent(
                 worker, address=self.address,
-                operations=BackendOperations(self.backend, worker,
-                                             key_scope=(model, ParallelLayout(tp_rank=r))),
+                operations=BackendOperations(
+                    self.backend, worker, key_scope=(model, DIGEST, ParallelLayout(tp_rank=r))),
                 pool_admin_url=self.master.admin_url, lease_ttl_ms=LEASE_TTL_MS))
         self.engines[engine_id] = handles
         return handles
 
     def put_keys(self, model: str, n: int, tp: int = 2, size: int = 4096) -> list[str]:
         """Write ``n`` chunks per TP rank of ``model`` into the real pool; returns the keys."""
-        keys = [str(PoolKey(model, ParallelLayout(tp_rank=r), f"{i:032x}"))
+        keys = [str(PoolKey(model, DIGEST, ParallelLayout(tp_rank=r), f"{i:032x}"))
                 for r in range(tp) for i in range(n)]
         for k in keys:
             rc = self.backend.store.put(k, b"\x07" * size)

@@ -17,12 +17,19 @@ from rich.console import Console
 
 from kvpool_console.cli import FLUSH_TIMEOUT_MS, _flush, _health, _parser, main
 
+LAYOUT: dict[str, str | int] = {"scheme": 1, "model": "tiny", "dtype": "bfloat16",
+                                 "block_size": 32, "chunk_size": 64, "tp": 2}
+"""What p0's workers report their layout digest ``0123456789ab`` hashes."""
+
 
 def _feed(fleet: LiveFleet) -> float:
-    """p0 healthy prefill (TP2) with one layer-wise load in flight, d0 a decode engine started
-    with kv_role kv_producer (a config mistake). Returns the lease expiry given to the load."""
+    """p0 healthy prefill (TP2) with one layer-wise load in flight and its workers' layout
+    digest, d0 a decode engine started with kv_role kv_producer (a config mistake). Returns the
+    lease expiry given to the load."""
     p0 = fleet.add_engine("p0", "prefill", "kv_producer")
     d0 = fleet.add_engine("d0", "decode", "kv_producer", tp=1)
+    for w in p0[1:]:
+        w.reporter.layout("0123456789ab", LAYOUT)
     p0[0].reporter.lookup("r1", 3000, 0, 2048, 1.0)
     p0[0].reporter.lookup("r2", 1000, 0, 512, 1.0)
     expiry = time.time() * 1e3 + LEASE_TTL_MS
@@ -48,6 +55,7 @@ def _status(fleet: LiveFleet, capsys: pytest.CaptureFixture[str], *extra: str
         doc = json.loads(capsys.readouterr().out)
         by = {e["engine_id"]: e for e in doc["engines"]}
         ready = (len(by) == 2 and by["p0"]["lookup_tokens"] == 4000
+                 and by["p0"]["layout_digest"] != ""
                  and by["d0"]["load_errors"] == 1 and by["p0"]["segment_total_bytes"] > 0)
         if ready or time.monotonic() > deadline:
             return rc, doc
@@ -69,6 +77,10 @@ def test_status_json_field_by_field(live_fleet: LiveFleet,
     assert p0["stale"] is False and p0["workers"] == 2 and p0["ranks"] == "dp1 tp2 pp1"
     assert [a["agent_id"] for a in p0["agents"]] == [
         "p0/scheduler", "p0/dp0.tp0.pp0", "p0/dp0.tp1.pp0"]
+    # The workers' layout digest and what it hashes; the scheduler has none.
+    assert (p0["layout_digest"], p0["layout"]) == ("0123456789ab", LAYOUT)
+    assert [a["layout_digest"] for a in p0["agents"]] == ["", "0123456789ab", "0123456789ab"]
+    assert (d0["layout_digest"], d0["layout"]) == ("", {})
     # Segment usage comes from the real master's /metrics, polled by the worker agents.
     assert p0["segment_total_bytes"] >= 64 << 20
     assert 0 <= p0["segment_used_bytes"] <= p0["segment_total_bytes"]

@@ -1,8 +1,11 @@
-"""Key handling on a frozen fleet: tabs, help, palette entries, detail navigation, Ctrl-C."""
+"""Key handling on a frozen fleet: tabs, help, palette entries, detail navigation (and the
+layout digest it shows), Ctrl-C."""
 
 from __future__ import annotations
 
+import msgspec
 from fleetdata import NOW_MS, sample_fleet
+from textual.widgets import Static
 
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.screens import EngineDetailScreen, HealthScreen, HelpScreen
@@ -87,3 +90,24 @@ async def test_columns_grow_when_values_get_wider() -> None:
         await pilot.pause()
         assert str(table.get_cell("e:e", "fail")) == "246912"  # 2 workers
         assert col.content_width == len("246912")
+
+
+async def test_detail_shows_the_layout_digest_and_what_it_hashes() -> None:
+    layout: dict[str, str | int] = {"dtype": "bfloat16", "block_size": 32, "cache": "2x [odd]"}
+    fleet = {aid: msgspec.structs.replace(st, source=msgspec.structs.replace(
+                 st.source, layout_digest="0123456789ab", layout=layout))
+             if st.source.process_role == "worker" and st.source.engine_id == "prefill-0" else st
+             for aid, st in sample_fleet().items()}
+    app = KVPoolConsole(StaticSource(fleet), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(160, 40)) as pilot:
+        table = app.query_one(FleetTable)
+        for engine, shown in (("prefill-0", True), ("decode-0", False)):
+            table.move_cursor(row=table.get_row_index(f"e:{engine}"))
+            await pilot.press("enter")
+            assert isinstance(app.screen, EngineDetailScreen)
+            text = str(app.screen.query_one("#detail-summary", Static).visual)
+            # Values are shown as they are (no markup parsed from them).
+            assert ("layout 0123456789ab: dtype=bfloat16 block_size=32 cache=2x [odd]"
+                    in text) is shown
+            assert ("layout" in text) is shown
+            await pilot.press("escape")

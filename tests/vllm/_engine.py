@@ -2,7 +2,8 @@
 
 SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transfer_config``
 (dict or null), ``prefix_caching`` (bool), ``rounds`` (the prompts are generated this many times
-in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional).
+in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
+``dtype`` (default ``float32``) and ``block_size`` (default 32).
 OUT: per round, per prompt, the greedy ``tokens``, the ``logprobs`` of those tokens and vLLM's
 ``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector loads).
 """
@@ -27,8 +28,9 @@ def main() -> None:
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     t0 = time.time()
     llm = LLM(
-        model=spec["model"], enforce_eager=True, max_model_len=512, block_size=32,
-        dtype="float32", enable_prefix_caching=spec.get("prefix_caching", False),
+        model=spec["model"], enforce_eager=True, max_model_len=512,
+        block_size=spec.get("block_size", 32), dtype=spec.get("dtype", "float32"),
+        enable_prefix_caching=spec.get("prefix_caching", False),
         max_num_seqs=8, max_num_batched_tokens=512, seed=0, **kwargs,
     )
     started = time.time() - t0

@@ -23,6 +23,13 @@ the suffix only, a differently shaped float32 computation (observed differences 
   ``load_async``, vLLM's ExampleConnector]: serves P, loads it from what the producer saved.
 * ``lw_saver`` / ``lw_loader``: the same with ``use_layerwise`` and ``chunk_size`` = 2 blocks
   on prompt sets L (clean: equals the baseline) and L2 (layer 1's values corrupted: differs).
+* ``lay_a``: bfloat16, block 32, chunk 64, saves prompt set S. ``lay_fp16`` (float16: the same
+  bytes per value) and ``lay_block64`` (block 64: the same bytes per chunk) read S from the pool
+  and load nothing, since their keys carry other layout digests: each equals its own run without
+  a pool (``lay_fp16_nopool``, ``lay_block64_nopool``).
+
+Engines report to one real fleet hub under their run's name (``engine_id``); the layout digest
+a worker reports there (``Source.layout_digest``) names the keys it wrote.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ Q = _prompts(2, [100, 190])
 L = _prompts(3, [130, 200, 64])
 R = _prompts(4, [120, 170])
 L2 = _prompts(5, [140, 180])
+S = _prompts(6, [100, 200, 150])
+LAYOUT_CHUNK = 2 * BLOCK
 
 
 def _loadable(prompt: list[int], chunk: int) -> int:
@@ -161,25 +170,39 @@ def hub() -> Iterator[FleetHub]:
         yield h
 
 
-def _agents(hub: FleetHub, role: str, want: int = 1) -> list[EngineState]:
-    """States of the ``role`` agents, waiting up to 5 s for the hub to have them all."""
+def _agents(hub: FleetHub, engine_id: str, role: str) -> list[EngineState]:
+    """States of engine ``engine_id``'s ``role`` agents, waiting up to 5 s for one."""
     deadline = time.monotonic() + 5
     while True:
-        states = [st for st, _ in hub.fleet().values() if st.source.process_role == role]
-        if len(states) >= want or time.monotonic() > deadline:
+        states = [st for st, _ in hub.fleet().values()
+                  if (st.source.engine_id, st.source.process_role) == (engine_id, role)]
+        if states or time.monotonic() > deadline:
             return states
         time.sleep(0.1)
 
 
-def _kvpool(role: str, port: int | None, **extra: Any) -> dict[str, Any]:
-    """A KVPoolConnector config; ``port=None`` leaves ``lookup_rpc_port`` unset (the lookup
-    socket is then named from vLLM's instance id)."""
+def _worker(hub: FleetHub, engine_id: str) -> EngineState:
+    """The state of engine ``engine_id``'s one worker, once its layout digest is in."""
+    deadline = time.monotonic() + 5
+    while True:
+        (st,) = _agents(hub, engine_id, "worker")
+        if st.source.layout_digest or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def _kvpool(role: str, port: int | None, name: str, hub: FleetHub, **extra: Any
+            ) -> dict[str, Any]:
+    """KVPoolConnector's config for the engine run ``name``, reporting to ``hub`` as
+    ``engine_id`` ``name``; ``port=None`` leaves ``lookup_rpc_port`` unset (the lookup socket is
+    then named from vLLM's instance id)."""
     if port is not None:
         extra["lookup_rpc_port"] = port
     return {
         "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
         "kv_role": role, "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "mooncake", **extra},
+        "kv_connector_extra_config": {"backend": "mooncake", "engine_id": name,
+                                      "agent_address": hub.address, **extra},
     }
 
 
@@ -191,12 +214,13 @@ class Engines:
         self.results: dict[str, dict[str, Any]] = {}
 
     def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
-            *, prefix_caching: bool = False, multiprocess: bool = False
-            ) -> list[dict[str, Any]]:
+            *, prefix_caching: bool = False, multiprocess: bool = False,
+            dtype: str = "float32", block_size: int = BLOCK) -> list[dict[str, Any]]:
         if name not in self.results:
             spec = {"model": str(self.model), "prompts": prompts, "max_tokens": MAX_TOKENS,
                     "kv_transfer_config": ktc, "prefix_caching": prefix_caching,
-                    "num_gpu_blocks": 96}
+                    "num_gpu_blocks": 96 * BLOCK // block_size, "dtype": dtype,
+                    "block_size": block_size}
             spec_path = self.workdir / f"{name}.spec.json"
             out_path = self.workdir / f"{name}.out.json"
             log_path = self.workdir / f"{name}.log"
@@ -233,9 +257,9 @@ def baseline(engines: Engines) -> dict[str, list[dict[str, Any]]]:
             for name, prompts in (("P", P), ("Q", Q), ("L", L), ("R", R), ("L2", L2))}
 
 
-def _keys(model: Path, prompts: list[list[int]], chunk: int) -> list[str]:
+def _keys(model: Path, digest: str, prompts: list[list[int]], chunk: int) -> list[str]:
     name = normalize_model_name(str(model))
-    return [str(PoolKey(name, ParallelLayout(), h))
+    return [str(PoolKey(name, digest, ParallelLayout(), h))
             for p in prompts for h in chunk_hashes(p, chunk)]
 
 
@@ -248,22 +272,24 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path,
     hub: FleetHub,
 ) -> None:
-    saver = engines.run("saver", P + Q + R, _kvpool("kv_producer", 7101), prefix_caching=True)
+    saver = engines.run("saver", P + Q + R, _kvpool("kv_producer", 7101, "saver", hub),
+                        prefix_caching=True)
     # A producer never loads; its own outputs are the baseline's.
     for got, want in zip(saver, baseline["P"] + baseline["Q"] + baseline["R"], strict=True):
         assert got["tokens"] == want["tokens"]
 
-    # The pool holds every whole chunk of P, Q and R (A saved them), found via the master.
-    for key in _keys(tiny_model, P + Q + R, BLOCK):
+    # The pool holds every whole chunk of P, Q and R (A saved them under the layout digest
+    # its worker reported), found via the master.
+    digest = _worker(hub, "saver").source.layout_digest
+    for key in _keys(tiny_model, digest, P + Q + R, BLOCK):
         assert pool.store.is_exist(key) == 1, key
 
-    assert pool.corrupt(_keys(tiny_model, Q, BLOCK)) == sum(len(q) // BLOCK for q in Q)
-    assert pool.truncate(_keys(tiny_model, R, BLOCK)) == sum(len(r) // BLOCK for r in R)
+    assert pool.corrupt(_keys(tiny_model, digest, Q, BLOCK)) == sum(len(q) // BLOCK for q in Q)
+    assert pool.truncate(_keys(tiny_model, digest, R, BLOCK)) == sum(len(r) // BLOCK for r in R)
 
     # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
     # No lookup_rpc_port: scheduler and worker find one socket through vLLM's instance id.
-    loader = engines.run("loader", P + Q + R,
-                         _kvpool("kv_both", None, agent_address=hub.address),
+    loader = engines.run("loader", P + Q + R, _kvpool("kv_both", None, "loader", hub),
                          multiprocess=True)
     for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
@@ -284,25 +310,29 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
     # B's agents reported to the hub: the scheduler's lookups (every prompt of a chunk or
-    # more) and hits, the worker's loads including R's failures.
-    (sched,) = _agents(hub, "scheduler")
+    # more) and hits, the worker's loads including R's failures, and the same layout digest
+    # as A's (another process, same layout: the same keys).
+    (sched,) = _agents(hub, "loader", "scheduler")
     hits = sum(_loadable(p, BLOCK) for p in P + Q + R)
     assert sched.lookup.lookups == len([p for p in P + Q + R if len(p) > BLOCK])
     assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens) == (hits, hits)
     assert sched.lookup.lookup_errors == 0
-    (worker,) = _agents(hub, "worker")
+    worker = _worker(hub, "loader")
     assert worker.transfers.loaded_bytes > 0 and worker.transfers.loads_finished > 0
     assert worker.transfers.loads_failed > 0
+    assert worker.source.layout_digest == digest
+    assert worker.source.layout["dtype"] == "float32" and worker.source.layout["layers"] == 2
 
 
 def test_pd_pair_through_multiconnector_equals_one_engine(
-    engines: Engines, baseline: dict[str, list[dict[str, Any]]], tmp_path: Path
+    engines: Engines, baseline: dict[str, list[dict[str, Any]]], tmp_path: Path, hub: FleetHub
 ) -> None:
-    engines.run("saver", P + Q, _kvpool("kv_producer", 7101), prefix_caching=True)
+    engines.run("saver", P + Q, _kvpool("kv_producer", 7101, "saver", hub), prefix_caching=True)
     # Decode side loads asynchronously (finished through get_finished) as P/D deployments do.
     # No lookup_rpc_port under MultiConnector either (it hands its children copies of the
     # engine's config, instance id included).
-    consumer = _kvpool("kv_consumer", None, consumer_is_to_load=True, load_async=True)
+    consumer = _kvpool("kv_consumer", None, "pd_multi", hub, consumer_is_to_load=True,
+                       load_async=True)
     ktc = {
         "kv_connector": "MultiConnector", "kv_role": "kv_consumer",
         "kv_load_failure_policy": "recompute",
@@ -320,22 +350,24 @@ def test_pd_pair_through_multiconnector_equals_one_engine(
 
 
 def test_layerwise_save_and_load(
-    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path
+    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path,
+    hub: FleetHub,
 ) -> None:
     chunk = 2 * BLOCK
     lw = {"use_layerwise": True, "chunk_size": chunk}
-    engines.run("lw_saver", L + L2, _kvpool("kv_both", 7104, **lw))
+    engines.run("lw_saver", L + L2, _kvpool("kv_both", 7104, "lw_saver", hub, **lw))
     name = normalize_model_name(str(tiny_model))
+    digest = _worker(hub, "lw_saver").source.layout_digest
 
     def layer_keys(prompts: list[list[int]]) -> list[str]:
-        return [str(PoolKey(name, ParallelLayout(), h).layer(i))
+        return [str(PoolKey(name, digest, ParallelLayout(), h).layer(i))
                 for p in prompts for h in chunk_hashes(p, chunk) for i in range(2)]
 
     assert all(pool.store.is_exist(k) == 1 for k in layer_keys(L + L2))
     # Only layer 1's values of L2 are made wrong: the per-layer keys are really used.
     l2_layer1 = [k for k in layer_keys(L2) if k.endswith("@L1")]
     assert pool.corrupt(l2_layer1) == len(l2_layer1) > 0
-    loader = engines.run("lw_loader", L + L2, _kvpool("kv_both", 7105, **lw))
+    loader = engines.run("lw_loader", L + L2, _kvpool("kv_both", 7105, "lw_loader", hub, **lw))
     for prompt, got, want in zip(L, loader[: len(L)], baseline["L"], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, chunk)
         assert got["tokens"] == want["tokens"]
@@ -343,3 +375,49 @@ def test_layerwise_save_and_load(
     for prompt, got, want in zip(L2, loader[len(L):], baseline["L2"], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, chunk)
         assert not _same(got, want)
+
+
+@pytest.fixture(scope="module")
+def layout_writer(engines: Engines, hub: FleetHub, pool: Pool, tiny_model: Path) -> EngineState:
+    """Engine A (bfloat16, block 32, chunk 64) has saved S: its worker's reported state."""
+    engines.run("lay_a", S, _kvpool("kv_producer", 7106, "lay_a", hub, chunk_size=LAYOUT_CHUNK),
+                dtype="bfloat16")
+    a = _worker(hub, "lay_a")
+    assert all(pool.store.is_exist(k) == 1
+               for k in _keys(tiny_model, a.source.layout_digest, S, LAYOUT_CHUNK))
+    return a
+
+
+@pytest.mark.parametrize(("reader", "port", "dtype", "block", "why"), [
+    # Issue 11's cases: float16 reads bfloat16 values (same size), block 64 reads values
+    # written with block 32 (same size per chunk): both gave wrong outputs.
+    ("lay_fp16", 7107, "float16", BLOCK, {"dtype", "cache"}),
+    ("lay_block64", 7108, "bfloat16", 2 * BLOCK, {"block_size", "cache"}),
+])
+def test_engine_of_another_layout_loads_nothing_and_keeps_its_output(
+    engines: Engines, hub: FleetHub, pool: Pool, tiny_model: Path, layout_writer: EngineState,
+    reader: str, port: int, dtype: str, block: int, why: set[str],
+) -> None:
+    own = engines.run(f"{reader}_nopool", S, None, dtype=dtype, block_size=block)
+    got = engines.run(reader, S, _kvpool("kv_both", port, reader, hub, chunk_size=LAYOUT_CHUNK),
+                      dtype=dtype, block_size=block)
+    # B computed every prompt token itself (vLLM's count, B's prefix cache is off) and its
+    # connector found and loaded nothing: its greedy output is its own no-pool output.
+    for g, want in zip(got, own, strict=True):
+        assert g["num_cached_tokens"] == 0
+        assert g["tokens"] == want["tokens"]
+        assert g["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    (sched,) = _agents(hub, reader, "scheduler")
+    assert sched.lookup.lookups == len(S) and sched.lookup.lookup_errors == 0
+    assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens) == (0, 0)
+    b = _worker(hub, reader)
+    assert b.transfers.loads_finished == b.transfers.loads_failed == 0
+    # The operator sees why: the digests differ, and so do exactly these facts.
+    a_src, b_src = layout_writer.source, b.source
+    assert b_src.layout_digest != a_src.layout_digest
+    assert {k for k in a_src.layout if a_src.layout[k] != b_src.layout[k]} == why
+    # A's values are still there, B saved its own beside them: two digests, no shared key.
+    a_keys = _keys(tiny_model, a_src.layout_digest, S, LAYOUT_CHUNK)
+    b_keys = _keys(tiny_model, b_src.layout_digest, S, LAYOUT_CHUNK)
+    assert not set(a_keys) & set(b_keys)
+    assert all(pool.store.is_exist(k) == 1 for k in a_keys + b_keys)
