@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ __all__ = [
     "layout_pattern",
     "model_pattern",
     "normalize_model_name",
+    "probe_key",
     "shard_prefix",
     "size_group",
 ]
@@ -225,3 +227,13 @@ def chunk_hashes(
         parent = hashlib.sha256(parent + chunk).digest()
         out.append(parent[:16].hex())
     return out
+
+
+def probe_key(owner: str = "") -> str:
+    """A fresh health-probe key, ``kvpool-probe@[<owner>@]<12 random hex>``.
+
+    Probe keys live outside ``KEY_PREFIX``, so no KV lookup, load or flush scope ever matches
+    one; the random tail keeps concurrent probes of one owner apart.
+    """
+    tail = secrets.token_hex(6)
+    return f"{PROBE_PREFIX}{owner}@{tail}" if owner else f"{PROBE_PREFIX}{tail}"

@@ -14,7 +14,6 @@ import os
 import re
 import threading
 import time
-import uuid
 import weakref
 from typing import Protocol
 
@@ -31,10 +30,10 @@ from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
-    PROBE_PREFIX,
     ParallelLayout,
     layout_pattern,
     model_pattern,
+    probe_key,
 )
 
 __all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "flush_pattern"]
@@ -171,7 +170,7 @@ def flush_pattern(
 
 
 class _Prober:
-    """Write, read back and remove one small key under ``PROBE_PREFIX``, timing each step.
+    """Write, read back and remove one small key (``keys.probe_key``), timing each step.
 
     Uses a ``2 * PROBE_BYTES`` host buffer registered once per backend (zero-copy batch calls
     only move registered memory). The buffer lives as long as the backend, not the agent: a
@@ -199,7 +198,7 @@ class _Prober:
             return self._run()
 
     def _run(self) -> list[HealthCheck]:
-        key = f"{PROBE_PREFIX}{self._agent_id}@{uuid.uuid4().hex[:12]}"
+        key = probe_key(self._agent_id)
         checks: list[HealthCheck] = []
         t0 = time.perf_counter()
         try:

@@ -42,7 +42,6 @@ import os
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -60,7 +59,7 @@ from kvpool_connector.backends.base import (
     BackendUnavailable,
     RemoveResult,
 )
-from kvpool_connector.keys import PROBE_PREFIX
+from kvpool_connector.keys import probe_key
 
 __all__ = ["YuanrongBackend", "YuanrongConfig", "encode_key", "status_code"]
 
@@ -375,7 +374,7 @@ class YuanrongBackend(Backend):
                                   latency_ms=(time.perf_counter() - t0) * 1e3))
         if not ok:
             return checks
-        key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        key = probe_key()
         payload = os.urandom(64)
         buf = ctypes.create_string_buffer(payload, len(payload))
         addr = ctypes.addressof(buf)

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from kvpool_connector.keys import (
+    ALL_KEYS_PATTERN,
     ParallelLayout,
     PoolKey,
     chunk_hashes,
@@ -15,6 +16,7 @@ from kvpool_connector.keys import (
     layout_pattern,
     model_pattern,
     normalize_model_name,
+    probe_key,
     shard_prefix,
     size_group,
 )
@@ -104,3 +106,12 @@ def test_keys_of_two_digests_never_collide() -> None:
 def test_a_digest_outside_the_grammar_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="12 lower-case hex digits"):
         shard_prefix(MODEL, bad, LAYOUTS[0])
+
+
+def test_probe_keys_are_fresh_and_outside_every_kv_scope() -> None:
+    a, b = probe_key("engine-1/dp0.tp0.pp0"), probe_key("engine-1/dp0.tp0.pp0")
+    assert a != b
+    assert a.startswith("kvpool-probe@engine-1/dp0.tp0.pp0@") and len(a.rsplit("@", 1)[1]) == 12
+    assert probe_key().startswith("kvpool-probe@") and probe_key().count("@") == 1
+    for pattern in (ALL_KEYS_PATTERN, model_pattern("engine-1")):
+        assert re.search(pattern, a) is None
