@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-import msgspec
 import zmq
 
 from kvpool_replay._sim_engine import sim_engine_for
-from kvpool_replay._spec import EngineResult, EngineSpec
+from kvpool_replay._spec import EngineResult, EngineSpec, read_spec, write_result
 from kvpool_replay._trace import TraceRequest, load_trace
 
 __all__ = ["ReplayEngine", "main", "run_engine_spec"]
@@ -125,17 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvpool_replay._engine_proc SPEC.json", file=sys.stderr)
         return 2
-    with open(args[0], "rb") as f:
-        spec = msgspec.json.decode(f.read(), type=EngineSpec)
+    spec = read_spec(args[0])
     result = run_engine_spec(spec, sim_engine_for)
-    data = msgspec.json.encode(result)
-    if spec.result_path:
-        tmp = spec.result_path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, spec.result_path)
-    else:
-        sys.stdout.buffer.write(data + b"\n")
+    write_result(spec, result)
     return 1 if result.error else 0
 
 

@@ -6,6 +6,8 @@ measurements (``EngineResult``, written back as JSON). No torch or vLLM here: th
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Literal
 
 import msgspec
@@ -13,7 +15,9 @@ import msgspec
 from kvpool_agent.vocabulary import KVRole
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
 
-__all__ = ["DTYPE_BYTES", "EngineResult", "EngineSpec", "ModelShape"]
+__all__ = [
+    "DTYPE_BYTES", "EngineResult", "EngineSpec", "ModelShape", "read_spec", "write_result",
+]
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 """Bytes per element of the KV dtypes the engines support (torch's ``element_size()``)."""
@@ -136,3 +140,26 @@ class EngineResult(msgspec.Struct, kw_only=True):
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
     error: str = ""
+
+
+def read_spec(path: str) -> EngineSpec:
+    """The ``EngineSpec`` JSON file an engine process is started with.
+
+    Raises:
+        OSError: unreadable; msgspec.ValidationError / DecodeError: not an ``EngineSpec``.
+    """
+    with open(path, "rb") as f:
+        return msgspec.json.decode(f.read(), type=EngineSpec)
+
+
+def write_result(spec: EngineSpec, result: EngineResult) -> None:
+    """Hand ``result`` back as JSON: atomically to ``spec.result_path`` (written aside, then
+    renamed, so the orchestrator never reads half a file), or one line on stdout without one."""
+    data = msgspec.json.encode(result)
+    if not spec.result_path:
+        sys.stdout.buffer.write(data + b"\n")
+        return
+    tmp = spec.result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, spec.result_path)

@@ -18,10 +18,8 @@ import sys
 import time
 from typing import Any
 
-import msgspec
-
 from kvpool_replay._engine_proc import run_engine_spec
-from kvpool_replay._spec import EngineResult, EngineSpec
+from kvpool_replay._spec import EngineResult, EngineSpec, read_spec, write_result
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceRequest
@@ -100,17 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvpool_replay._vllm_engine SPEC.json", file=sys.stderr)
         return 2
-    with open(args[0], "rb") as f:
-        spec = msgspec.json.decode(f.read(), type=EngineSpec)
+    spec = read_spec(args[0])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.monotonic()
     result = run_engine_spec(spec, lambda s, _reqs: VllmEngine(s))
     result.wall_s = time.monotonic() - t0
-    tmp = spec.result_path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(result))
-    os.replace(tmp, spec.result_path)
+    write_result(spec, result)
     return 1 if result.error else 0
 
 
