@@ -238,7 +238,7 @@ class DemoCluster:
                 master_address=self.master.address, model=model, shape=self.shape,
                 chunk_size=self.chunk_size, trace_path=str(self.trace_path.resolve()),
                 indices=indices, speedup=self.speedup, agent_address=self.hub_address,
-                lookup_rpc_port=free_port(), progress_every=0,
+                lookup_rpc_port=free_port(),
                 result_path=str(self.workdir / f"{eid}.result.json"), go_path=str(go),
                 ready_path=str(self.workdir / f"{eid}.ready"), extra_config=extra,
                 **kw,  # type: ignore[arg-type]
