@@ -133,11 +133,13 @@ class FlushScreen(ModalScreen[FlushResult | None]):
         self.result: FlushResult | None = None
 
     def _scopes(self) -> list[tuple[str, str]]:
+        # Narrowest first: the first scope is preselected, so opened on an engine row the
+        # dialog never starts on a wider scope than the row the operator picked.
         out = []
-        if self.model:
-            out.append(("model", f"model {self.model}"))
         if self.engine_id:
             out.append(("engine", f"engine {self.engine_id}"))
+        if self.model:
+            out.append(("model", f"model {self.model}"))
         out.append(("all", "all kvpool keys"))
         return out
 
@@ -146,7 +148,7 @@ class FlushScreen(ModalScreen[FlushResult | None]):
             yield Label("Flush pool entries", classes="dialog-title")
             with RadioSet(id="scope"):
                 for i, (key, label) in enumerate(self._scopes()):
-                    yield RadioButton(plain(label), value=i == 0, name=key)
+                    yield RadioButton(plain(label), value=i == 0, name=key, id=f"scope-{key}")
             yield Checkbox("force (also remove leased entries)", id="force")
             yield Static("press Dry run to count what the scope holds", id="flush-status")
             with Horizontal(classes="buttons"):
