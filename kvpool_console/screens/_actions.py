@@ -12,7 +12,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, DataTable, Label, RadioButton, RadioSet, Static
 
@@ -144,7 +144,9 @@ class FlushScreen(ModalScreen[FlushResult | None]):
         return out
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog"):
+        # Scrolls when the terminal is too small (40x12 over SSH): the buttons stay reachable
+        # by Tab, and every status update scrolls itself into view.
+        with VerticalScroll(classes="dialog"):
             yield Label("Flush pool entries", classes="dialog-title")
             with RadioSet(id="scope"):
                 for i, (key, label) in enumerate(self._scopes()):
@@ -166,7 +168,9 @@ class FlushScreen(ModalScreen[FlushResult | None]):
                          dry_run=dry_run, force=self.query_one("#force", Checkbox).value)
 
     def _status(self, text: str, style: str = "") -> None:
-        self.query_one("#flush-status", Static).update(plain(text, style=style))
+        status = self.query_one("#flush-status", Static)
+        status.update(plain(text, style=style))
+        status.scroll_visible(animate=False)
 
     @on(RadioSet.Changed)
     @on(Checkbox.Changed)
