@@ -14,6 +14,10 @@ Run (under 5 minutes on 2 shared cores)::
 
     .venv/bin/python bench/bench_replay.py
 
+Whole traces (README's tables; about 25 minutes here)::
+
+    .venv/bin/python bench/bench_replay.py --limit 0 --fig10-limit 0 --fig10-engines 4,8
+
 Prints tables, then says where connector and LRU differ and why.
 """
 
@@ -54,14 +58,15 @@ def _row(cols: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
 
 
-def fig9(trace: str, limit: int, capacities: list[int], shape: ModelShape) -> list[ReplayReport]:
+def fig9(trace: str, limit: int | None, capacities: list[int],
+         shape: ModelShape) -> list[ReplayReport]:
     """Hit rate vs capacity: one replay per capacity (one engine and a fresh pool each), two at
     a time (the engines' vLLM imports overlap with the other run's replay)."""
 
     def one(cap: int) -> ReplayReport:
         t0 = time.monotonic()
-        r = run_replay(ReplayConfig(trace_path=trace, limit=limit, pool_tokens=cap, shape=shape,
-                                    progress_every=0))
+        # Two replays run at once: their per-capacity lines below are the progress.
+        r = run_replay(ReplayConfig(trace_path=trace, limit=limit, pool_tokens=cap, shape=shape))
         print(f"  capacity {cap:>9,} tokens: hit {r.hit_rate:.2%}, LRU {r.lru_hit_rate:.2%} "
               f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         return r
@@ -175,8 +180,12 @@ def main() -> int:
     # The synthetic trace's first 200 requests reuse prefixes over a wider range of distances
     # than the conversation trace's cold start, so four capacities give four distinct points.
     p.add_argument("--trace", default=str(default_trace_path("synthetic_trace.jsonl")))
-    p.add_argument("--limit", type=int, default=200)
-    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--limit", type=int, default=200, help="Figure 9 requests (0 = whole trace)")
+    p.add_argument("--fig10-trace", default=None,
+                   help="trace of the shared vs private runs (default: --trace)")
+    p.add_argument("--fig10-limit", type=int, default=None,
+                   help="shared vs private requests (0 = whole trace; default: --limit)")
+    p.add_argument("--fig10-engines", default="4", help="engine counts, e.g. 4,8")
     p.add_argument("--capacities", default="300000,600000,1000000,2000000",
                    help="pool capacities in tokens for the Figure 9 sweep")
     p.add_argument("--console-seconds", type=float, default=10.0)
@@ -188,17 +197,18 @@ def main() -> int:
     caps = [int(c) for c in args.capacities.split(",")]
     started = time.monotonic()
     trace = args.trace
-    reqs = load_trace(trace, limit=args.limit)
+    limit = args.limit or None
+    reqs = load_trace(trace, limit=limit)
     ceiling, _ = reference_for(reqs, 512, None)
     full, _ = reference_for(load_trace(trace), 512, None)
-    print(f"trace {Path(trace).name}: first {len(reqs)} requests, "
+    print(f"trace {Path(trace).name}: {len(reqs)} requests, "
           f"{ceiling.input_tokens:,} input tokens; model shape {shape.bytes_per_token} B/token, "
           f"chunk 512 tokens, vLLM block {shape.block_size}")
     print(f"prefix-reuse ceiling: {ceiling.hit_rate:.2%} of the slice; whole trace "
           f"({full.input_tokens:,} tokens): {full.hit_rate:.2%}\n", flush=True)
 
     print("== hit rate vs pool capacity (paper Figure 9 axis) ==", flush=True)
-    runs = fig9(trace, args.limit, caps, shape)
+    runs = fig9(trace, limit, caps, shape)
     w = [12, 10, 10, 10, 10, 10, 9, 12]
     print(_row(["capacity tok", "pool MiB", "connector", "exact LRU", "ceiling", "diff pp",
                 "evicted", "load errors"], w))
@@ -208,22 +218,27 @@ def main() -> int:
                     f"{(r.hit_rate - r.lru_hit_rate) * 100:+.2f}", f"{r.pool_evicted_keys:,}",
                     str(r.load_errors)], w))
 
-    print(f"\n== {args.engines} engines: shared pool vs private pools of the same total "
-          "(paper Figure 10) ==", flush=True)
     total = caps[-1]
-    fig10 = {}
-    for mode in ("shared", "private"):
-        fig10[mode] = run_replay(ReplayConfig(trace_path=trace, limit=args.limit,
-                                              engines=args.engines, pool_tokens=total,
-                                              mode=mode, shape=shape,  # type: ignore[arg-type]
-                                              progress_every=0))
-    w2 = [8, 12, 10, 10, 10, 12, 12]
-    print(_row(["mode", "total tok", "connector", "exact LRU", "ceiling", "engine RSS",
-                "master RSS"], w2))
-    for mode, r in fig10.items():
-        print(_row([mode, f"{total:,}", f"{r.hit_rate:.2%}", f"{r.lru_hit_rate:.2%}",
-                    f"{r.ceiling_hit_rate:.2%}", f"{r.peak_rss_engine_bytes / MIB:.0f} MiB",
-                    f"{r.peak_rss_master_bytes / MIB:.0f} MiB"], w2))
+    f10_trace = args.fig10_trace or trace
+    f10_limit = (args.limit if args.fig10_limit is None else args.fig10_limit) or None
+    print(f"\n== shared pool vs private pools of the same total ({total:,} tokens; paper "
+          f"Figure 10), {Path(f10_trace).name}, "
+          f"{'whole trace' if f10_limit is None else f'first {f10_limit} requests'} ==",
+          flush=True)
+    w2 = [8, 8, 10, 10, 10, 12, 12, 8]
+    print(_row(["engines", "mode", "connector", "exact LRU", "ceiling", "engine RSS",
+                "master RSS", "wall s"], w2), flush=True)
+    fig10: dict[tuple[int, str], ReplayReport] = {}
+    for n in [int(e) for e in args.fig10_engines.split(",")]:
+        for mode in ("shared", "private"):
+            cfg = ReplayConfig(trace_path=f10_trace, limit=f10_limit, engines=n,
+                               pool_tokens=total, mode=mode,  # type: ignore[arg-type]
+                               shape=shape, show_progress=True)
+            fig10[n, mode] = r = run_replay(cfg)
+            print(_row([str(n), mode, f"{r.hit_rate:.2%}", f"{r.lru_hit_rate:.2%}",
+                        f"{r.ceiling_hit_rate:.2%}", f"{r.peak_rss_engine_bytes / MIB:.0f} MiB",
+                        f"{r.peak_rss_master_bytes / MIB:.0f} MiB", f"{r.wall_s:.0f}"], w2),
+                  flush=True)
 
     print("\n== KV throughput: replay (connector) vs raw backend batch calls ==", flush=True)
     big = runs[-1]
@@ -261,12 +276,13 @@ def main() -> int:
         else:
             why = "equal: the pool's evictions never removed a chunk the LRU kept"
         print(f"  {cap:>9,} tokens: connector {d:+.2f} pp vs LRU; {why}")
-    sh, pr = fig10["shared"], fig10["private"]
-    print(f"  shared pool, {args.engines} engines: {sh.hit_rate:.2%} vs ceiling "
-          f"{sh.ceiling_hit_rate:.2%}: engines replay concurrently, so a request whose prefix "
-          "another engine is still computing misses it (the ceiling assumes trace order); "
-          f"private pools reach {pr.hit_rate:.2%}, each engine seeing only its own share "
-          "(the paper's global vs local cache)")
+    for n in sorted({n for n, _ in fig10}):
+        sh, pr = fig10[n, "shared"], fig10[n, "private"]
+        print(f"  shared pool, {n} engines: {sh.hit_rate:.2%} vs ceiling "
+              f"{sh.ceiling_hit_rate:.2%}: engines replay concurrently, so a request whose "
+              "prefix another engine is still computing misses it (the ceiling assumes trace "
+              f"order); private pools reach {pr.hit_rate:.2%}, each engine seeing only its own "
+              "share (the paper's global vs local cache)")
     print(f"\ntotal bench time {time.monotonic() - started:.0f} s")
     return 0
 

@@ -117,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="demo trace (default: conversation_trace.jsonl in $KVPOOL_TRACES_DIR "
                         "or ../shared/traces)")
     p.add_argument("--engines", type=_at_least(1), default=4, help="demo engines (default 4)")
-    p.add_argument("--speedup", type=_non_negative, default=20.0,
-                   help="demo replay speed-up: trace time / wall time (default 20)")
+    p.add_argument("--speedup", type=_non_negative, default=5.0,
+                   help="demo replay speed-up: trace time / wall time (default 5)")
     p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm"), default="sim",
                    help="demo engine kind (default sim)")
     sub = p.add_subparsers(dest="cmd")

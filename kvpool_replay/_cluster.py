@@ -50,8 +50,10 @@ from kvpool_replay._trace import default_trace_path, load_trace
 
 __all__ = ["DEMO_SHAPE", "TINY_VLLM_SHAPE", "DemoCluster"]
 
-DEMO_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=16, block_size=16, dtype="float16")
-"""Demo model shape: 256 bytes of KV per token (a 512-token chunk is 128 KiB)."""
+DEMO_SHAPE = ModelShape(layers=2, kv_heads=1, head_size=4, block_size=16, dtype="float16")
+"""Demo model shape: 32 bytes of KV per token (a 512-token chunk is 16 KiB), so that a 512 MiB
+pool holds 16M tokens: about the conversation trace's first 90 s of new prefixes at the demo's
+speed-up (see ``DemoCluster``)."""
 
 TINY_VLLM_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=32, block_size=32, dtype="float32")
 """KV shape of ``tiny_model`` in vLLM (``engine_kind="vllm"``): 1 KiB per token."""
@@ -119,12 +121,14 @@ class DemoCluster:
         trace_path: str | Path | None = None,
         *,
         engines: int = 4,
-        speedup: float = 20.0,
+        speedup: float = 5.0,
         engine_kind: Literal["sim", "vllm"] = "sim",
         limit: int | None = None,
-        # 512 MiB at DEMO_SHAPE: at the default speed-up the hit rate climbs for a minute or
-        # two before the pool reaches the watermark and evictions start.
-        pool_tokens: int = 2_000_000,
+        # 512 MiB at DEMO_SHAPE. At speed-up 5 the conversation trace brings ~8M tokens of new
+        # prefixes a minute: the hit rate climbs with the trace's reuse for about 90 s while
+        # everything fits, then the pool crosses its watermark and evictions start while the
+        # hit rate holds (the trace's reuse distance is short) - pressure without collapse.
+        pool_tokens: int = 16_000_000,
         shape: ModelShape = DEMO_SHAPE,
         chunk_size: int = 512,
         eviction_high_watermark_ratio: float = 0.9,
@@ -238,7 +242,7 @@ class DemoCluster:
                 master_address=self.master.address, model=model, shape=self.shape,
                 chunk_size=self.chunk_size, trace_path=str(self.trace_path.resolve()),
                 indices=indices, speedup=self.speedup, agent_address=self.hub_address,
-                lookup_rpc_port=free_port(), progress_every=0,
+                lookup_rpc_port=free_port(),
                 result_path=str(self.workdir / f"{eid}.result.json"), go_path=str(go),
                 ready_path=str(self.workdir / f"{eid}.ready"), extra_config=extra,
                 **kw,  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import zmq
 
+from kvpool_replay._progress import ProgressSender, ReplayProgress
 from kvpool_replay._sim_engine import sim_engine_for
 from kvpool_replay._spec import EngineResult, EngineSpec, read_spec, write_result
 from kvpool_replay._trace import TraceRequest, load_trace
@@ -42,6 +43,13 @@ class ReplayEngine(Protocol):
     def close(self) -> None: ...
 
 
+def _progress_of(spec: EngineSpec, result: EngineResult, done: int,
+                 total: int) -> ReplayProgress:
+    return ReplayProgress(engine_id=spec.engine_id, done=done, total=total,
+                          input_tokens=result.input_tokens, hit_tokens=result.hit_tokens,
+                          load_errors=result.load_errors)
+
+
 def run_engine_spec(
     spec: EngineSpec,
     factory: Callable[[EngineSpec, list[TraceRequest]], ReplayEngine],
@@ -55,6 +63,7 @@ def run_engine_spec(
     result = EngineResult(engine_id=spec.engine_id)
     engine: ReplayEngine | None = None
     push = pull = None
+    progress = ProgressSender(spec.progress_to) if spec.progress_to else None
     try:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         if spec.feed_from:
@@ -79,7 +88,6 @@ def run_engine_spec(
                 start_at = float(f.read().strip() or 0)
         if not start_at:
             start_at = time.time()
-        t0 = time.monotonic()
         work: Iterator[int]
         if pull is not None:
             work = (int(pull.recv_string()) for _ in range(spec.feed_count))
@@ -96,14 +104,8 @@ def run_engine_spec(
             engine.run_request(i, treq)
             if push is not None:
                 push.send_string(str(i))
-            if spec.progress_every and k % spec.progress_every == 0:
-                el = time.monotonic() - t0
-                hr = result.hit_tokens / result.input_tokens if result.input_tokens else 0.0
-                print(
-                    f"[{spec.engine_id}] {k}/{total} requests, {k / el:.1f} req/s, "
-                    f"hit rate {hr:.1%}, load errors {result.load_errors}",
-                    file=sys.stderr, flush=True,
-                )
+            if progress is not None:
+                progress.update(_progress_of(spec, result, k, total), final=k == total)
         engine.drain()
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -113,6 +115,8 @@ def run_engine_spec(
         for sock in (push, pull):
             if sock is not None:
                 sock.close()
+        if progress is not None:
+            progress.close()
     result.wall_s = time.monotonic() - started
     result.peak_rss_bytes = _peak_rss_bytes()
     return result

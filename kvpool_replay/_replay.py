@@ -34,6 +34,7 @@ from kvpool_replay._pool import (
     pool_bytes_for_tokens,
     require_memory,
 )
+from kvpool_replay._progress import ProgressReceiver
 from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
 from kvpool_replay._services import (
     LocalMooncakeMaster,
@@ -72,7 +73,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         wait_saves: each engine finishes a request's saves before its next lookup.
         load_async, use_layerwise: connector modes.
         eviction_high_watermark_ratio: for masters started here.
-        progress_every: per-engine progress line on stderr every this many requests.
+        show_progress: a progress bar (requests, hit rate, ETA) on stderr while engines run.
         kv_roles: ``kv_role`` per engine (cycled); default all ``kv_both``.
         model: model name in keys (one namespace per run).
     """
@@ -91,7 +92,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     load_async: bool = False
     use_layerwise: bool = False
     eviction_high_watermark_ratio: float = 0.9
-    progress_every: int = 0
+    show_progress: bool = False
     kv_roles: list[str] = msgspec.field(default_factory=list)
     model: str = ""
     vocab_size: int = DEFAULT_VOCAB_SIZE
@@ -270,8 +271,6 @@ def run_replay(
 
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
         f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
-    results: list[EngineResult] = []
-    errors: list[str] = []
     pool_keys = pool_evicted = 0
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
         work = Path(tmp)
@@ -303,6 +302,8 @@ def run_replay(
             rss.add("store", store.proc.pid)
 
         go = work / "go"
+        receiver = stack.enter_context(
+            ProgressReceiver(work, total=len(trace), show=cfg.show_progress))
         procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]] = []
         for i in range(n_eng):
             roles = cfg.kv_roles or ["kv_both"]
@@ -315,7 +316,7 @@ def run_replay(
                 speedup=cfg.speedup, wait_saves=cfg.wait_saves,
                 agent_address=cfg.agent_address, lookup_rpc_port=free_port(),
                 load_async=cfg.load_async, use_layerwise=cfg.use_layerwise,
-                vocab_size=cfg.vocab_size, progress_every=cfg.progress_every,
+                vocab_size=cfg.vocab_size, progress_to=receiver.address,
                 result_path=str(work / f"engine-{i}.result.json"),
                 go_path=str(go), ready_path=str(work / f"engine-{i}.ready"),
                 extra_config=mooncake_extra_config(
@@ -333,17 +334,8 @@ def run_replay(
         _wait_ready(procs, timeout_s=180)
         say("engines ready; replay started")
         go.write_text(f"{time.time():.6f}")
-        for spec, proc in procs:
-            proc.wait()
-            rp = Path(spec.result_path)
-            if rp.exists():
-                res = msgspec.json.decode(rp.read_bytes(), type=EngineResult)
-            else:
-                res = EngineResult(engine_id=spec.engine_id,
-                                   error=f"exited with code {proc.returncode} without a result")
-            if res.error:
-                errors.append(f"{spec.engine_id}: {res.error}")
-            results.append(res)
+        receiver.begin()
+        results, errors = _run_engines(procs, receiver)
         for url in admin_urls:
             k, e = _master_stats(url)
             pool_keys += k
@@ -398,6 +390,31 @@ def run_replay(
         errors=errors,
         per_engine=results,
     )
+
+
+def _run_engines(
+    procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]], receiver: ProgressReceiver,
+) -> tuple[list[EngineResult], list[str]]:
+    """Wait for every engine process (showing progress), then read their results.
+
+    Returns ``(results, errors)``: one ``EngineResult`` per engine in ``procs`` order, and
+    ``"<engine>: <error>"`` for each that failed or exited without a result.
+    """
+    while any(proc.poll() is None for _, proc in procs):
+        receiver.poll(200)
+    results: list[EngineResult] = []
+    errors: list[str] = []
+    for spec, proc in procs:
+        rp = Path(spec.result_path)
+        if rp.exists():
+            res = msgspec.json.decode(rp.read_bytes(), type=EngineResult)
+        else:
+            res = EngineResult(engine_id=spec.engine_id,
+                               error=f"exited with code {proc.returncode} without a result")
+        if res.error:
+            errors.append(f"{spec.engine_id}: {res.error}")
+        results.append(res)
+    return results, errors
 
 
 def _wait_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],

@@ -72,7 +72,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
         lookup_rpc_port: distinct per engine on a host.
         load_async, use_layerwise: connector modes.
         vocab_size: token ids are drawn from ``[0, vocab_size)``.
-        progress_every: print a progress line to stderr every this many requests (0 = never).
+        progress_to: ZMQ address of the orchestrator's ``ProgressReceiver`` ("" = no progress).
         result_path: where the ``EngineResult`` JSON goes.
         go_path: when set, wait for this file (written by the orchestrator once every engine is
             ready); it holds ``start_at``.
@@ -101,7 +101,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     load_async: bool = False
     use_layerwise: bool = False
     vocab_size: int = DEFAULT_VOCAB_SIZE
-    progress_every: int = 0
+    progress_to: str = ""
     result_path: str = ""
     go_path: str = ""
     ready_path: str = ""

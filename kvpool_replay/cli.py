@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layerwise", action="store_true", help="connector use_layerwise mode")
     p.add_argument("--no-wait-saves", dest="wait_saves", action="store_false",
                    help="start a request's lookup while the previous one's saves still run")
-    p.add_argument("--progress-every", type=int, default=100,
-                   help="progress line on stderr every N requests per engine (0 = off)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar on stderr (requests done, req/s, hit rate, ETA)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_size=args.chunk_size, master_address=args.master,
             agent_address=args.agent_address, wait_saves=args.wait_saves,
             load_async=args.load_async, use_layerwise=args.layerwise,
-            progress_every=max(0, args.progress_every),
+            show_progress=args.progress,
         )
         report = run_replay(cfg, on_status=lambda m: print(f"kvpool-replay: {m}",
                                                            file=sys.stderr, flush=True))

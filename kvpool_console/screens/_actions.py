@@ -12,7 +12,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, DataTable, Label, RadioButton, RadioSet, Static
 
@@ -133,20 +133,24 @@ class FlushScreen(ModalScreen[FlushResult | None]):
         self.result: FlushResult | None = None
 
     def _scopes(self) -> list[tuple[str, str]]:
+        # Narrowest first: the first scope is preselected, so opened on an engine row the
+        # dialog never starts on a wider scope than the row the operator picked.
         out = []
-        if self.model:
-            out.append(("model", f"model {self.model}"))
         if self.engine_id:
             out.append(("engine", f"engine {self.engine_id}"))
+        if self.model:
+            out.append(("model", f"model {self.model}"))
         out.append(("all", "all kvpool keys"))
         return out
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog"):
+        # Scrolls when the terminal is too small (40x12 over SSH): the buttons stay reachable
+        # by Tab, and every status update scrolls itself into view.
+        with VerticalScroll(classes="dialog"):
             yield Label("Flush pool entries", classes="dialog-title")
             with RadioSet(id="scope"):
                 for i, (key, label) in enumerate(self._scopes()):
-                    yield RadioButton(plain(label), value=i == 0, name=key)
+                    yield RadioButton(plain(label), value=i == 0, name=key, id=f"scope-{key}")
             yield Checkbox("force (also remove leased entries)", id="force")
             yield Static("press Dry run to count what the scope holds", id="flush-status")
             with Horizontal(classes="buttons"):
@@ -164,7 +168,9 @@ class FlushScreen(ModalScreen[FlushResult | None]):
                          dry_run=dry_run, force=self.query_one("#force", Checkbox).value)
 
     def _status(self, text: str, style: str = "") -> None:
-        self.query_one("#flush-status", Static).update(plain(text, style=style))
+        status = self.query_one("#flush-status", Static)
+        status.update(plain(text, style=style))
+        status.scroll_visible(animate=False)
 
     @on(RadioSet.Changed)
     @on(Checkbox.Changed)

@@ -40,21 +40,30 @@ __all__ = ["COLUMNS", "TOTALS", "AgentKey", "EngineKey", "FleetRowKey", "FleetTa
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("engine", "Engine"),
     ("state", "State"),
-    ("role", "Role"),
     ("hit", "Hit"),
+    ("pool", "Pool/WM"),
+    ("age", "Age"),
+    ("fail", "Fail"),
+    ("role", "Role"),
     ("trend", "Trend"),
     ("tokens", "Hit/Looked tok"),
     ("loads", "Ld"),
     ("saves", "Sv"),
-    ("fail", "Fail"),
-    ("pool", "Pool/WM"),
     ("lease", "Lease"),
-    ("age", "Age"),
     ("kv_role", "KV role"),
     ("ranks", "Ranks"),
     ("backend", "Backend"),
 )
-"""(column key, header) in display order: what triage needs first fits in 80 columns."""
+"""(column key, header) in display order: what triage needs first (engine, state, hit rate,
+pool fill against the watermark, report age, load failures) fits in 80 columns; the rest
+scroll."""
+
+_Cells = dict[str, Text | str]
+"""One row's cells by column key (every key of ``COLUMNS``)."""
+
+
+def _ordered(cells: _Cells) -> list[Text | str]:
+    return [cells[key] for key, _ in COLUMNS]
 
 
 
@@ -137,73 +146,74 @@ def _pool(used: int, total: int, watermark: float) -> Text:
 
 
 def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
-                  expanded: bool) -> list[Text | str]:
+                  expanded: bool) -> _Cells:
     mark = "▾" if expanded else ("▸" if r.agents else " ")
     dim = "dim" if r.stale else ""
-    return [
-        plain(f"{mark} {r.engine_id}", style=dim),
-        _state(r),
-        r.role,
-        f"{r.hit_rate:.0%}",
-        trend(history),
-        _tokens(r.hit_tokens, r.lookup_tokens),
-        str(r.loads_in_flight),
-        str(r.saves_in_flight),
-        Text(str(r.load_errors), style="red" if r.load_errors else ""),
-        _pool(r.segment_used_bytes, r.segment_total_bytes, r.high_watermark),
-        Text(fmt_lease(r.next_lease_expiry_ms, now_ms),
-             style="red" if r.next_lease_expiry_ms is not None
-             and r.next_lease_expiry_ms <= now_ms else ""),
-        Text(fmt_age(r.age_ms), style="yellow" if r.stale else ""),
-        Text(r.kv_role, style="red" if KV_ROLE_FOR.get(r.role, r.kv_role) != r.kv_role
-             else ""),
-        r.ranks,
-        plain(r.backend),
-    ]
+    return {
+        "engine": plain(f"{mark} {r.engine_id}", style=dim),
+        "state": _state(r),
+        "role": r.role,
+        "hit": f"{r.hit_rate:.0%}",
+        "trend": trend(history),
+        "tokens": _tokens(r.hit_tokens, r.lookup_tokens),
+        "loads": str(r.loads_in_flight),
+        "saves": str(r.saves_in_flight),
+        "fail": Text(str(r.load_errors), style="red" if r.load_errors else ""),
+        "pool": _pool(r.segment_used_bytes, r.segment_total_bytes, r.high_watermark),
+        "lease": Text(fmt_lease(r.next_lease_expiry_ms, now_ms),
+                      style="red" if r.next_lease_expiry_ms is not None
+                      and r.next_lease_expiry_ms <= now_ms else ""),
+        "age": Text(fmt_age(r.age_ms), style="yellow" if r.stale else ""),
+        "kv_role": Text(r.kv_role,
+                        style="red" if KV_ROLE_FOR.get(r.role, r.kv_role) != r.kv_role else ""),
+        "ranks": r.ranks,
+        "backend": plain(r.backend),
+    }
 
 
-def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> list[Text | str]:
+def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
     dim = "dim" if a.stale else ""
-    return [
-        Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}", style=dim),
-        Text("STALE", style="yellow") if a.stale else "",
-        a.process_role,
-        f"{a.hit_rate:.0%}" if a.lookup_tokens else "",
-        "",
-        _tokens(a.hit_tokens, a.lookup_tokens) if a.lookup_tokens else "",
-        str(a.loads_in_flight),
-        str(a.saves_in_flight),
-        Text(str(a.load_errors), style="red" if a.load_errors else ""),
-        f"{a.cpu_percent:.0f}%cpu",
-        fmt_lease(a.next_lease_expiry_ms, now_ms),
-        fmt_age(a.age_ms),
-        f"pid {a.pid}",
-        a.ranks,
-        fmt_bytes(a.rss_bytes),
-    ]
+    return {
+        "engine": Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}",
+                       style=dim),
+        "state": Text("STALE", style="yellow") if a.stale else "",
+        "role": a.process_role,
+        "hit": f"{a.hit_rate:.0%}" if a.lookup_tokens else "",
+        "trend": "",
+        "tokens": _tokens(a.hit_tokens, a.lookup_tokens) if a.lookup_tokens else "",
+        "loads": str(a.loads_in_flight),
+        "saves": str(a.saves_in_flight),
+        "fail": Text(str(a.load_errors), style="red" if a.load_errors else ""),
+        "pool": f"{a.cpu_percent:.0f}%cpu",
+        "lease": fmt_lease(a.next_lease_expiry_ms, now_ms),
+        "age": fmt_age(a.age_ms),
+        "kv_role": f"pid {a.pid}",
+        "ranks": a.ranks,
+        "backend": fmt_bytes(a.rss_bytes),
+    }
 
 
-def _totals_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
+def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
     used = f"{fmt_bytes(t.segment_used_bytes)}/{fmt_bytes(t.segment_total_bytes)}" \
         if t.segment_total_bytes else "-"
     health = f"{t.stale}st {t.down}dn" if t.stale or t.down else "ok"
-    return [
-        Text(f"Σ {t.engines} engines", style="bold"),
-        Text(health, style="bold"),
-        f"{t.agents}ag",
-        Text(f"{t.hit_rate:.0%}", style="bold"),
-        trend(history),
-        _tokens(t.hit_tokens, t.lookup_tokens),
-        str(t.loads_in_flight),
-        str(t.saves_in_flight),
-        Text(str(t.load_errors), style="bold red" if t.load_errors else "bold"),
-        used,
-        "",
-        "",
-        "",
-        "",
-        "",
-    ]
+    return {
+        "engine": Text(f"Σ {t.engines} engines", style="bold"),
+        "state": Text(health, style="bold"),
+        "role": f"{t.agents}ag",
+        "hit": Text(f"{t.hit_rate:.0%}", style="bold"),
+        "trend": trend(history),
+        "tokens": _tokens(t.hit_tokens, t.lookup_tokens),
+        "loads": str(t.loads_in_flight),
+        "saves": str(t.saves_in_flight),
+        "fail": Text(str(t.load_errors), style="bold red" if t.load_errors else "bold"),
+        "pool": used,
+        "lease": "",
+        "age": "",
+        "kv_role": "",
+        "ranks": "",
+        "backend": "",
+    }
 
 
 class FleetTable(DataTable[Text | str]):
@@ -259,12 +269,12 @@ class FleetTable(DataTable[Text | str]):
         wanted: list[tuple[FleetRowKey, list[Text | str]]] = []
         for r in rows:
             is_open = r.engine_id in expanded
-            wanted.append((EngineKey(r.engine_id),
-                           _engine_cells(r, now_ms, hit_history.get(r.engine_id, ()), is_open)))
+            wanted.append((EngineKey(r.engine_id), _ordered(
+                _engine_cells(r, now_ms, hit_history.get(r.engine_id, ()), is_open))))
             if is_open:
-                wanted.extend((AgentKey(r.engine_id, a.agent_id), _agent_cells(a, r, now_ms))
-                              for a in r.agents)
-        wanted.append((TOTALS, _totals_cells(totals, fleet_history)))
+                wanted.extend((AgentKey(r.engine_id, a.agent_id),
+                               _ordered(_agent_cells(a, r, now_ms))) for a in r.agents)
+        wanted.append((TOTALS, _ordered(_totals_cells(totals, fleet_history))))
         keys = [k for k, _ in wanted]
         if keys == self._keys:
             for key, cells in wanted:

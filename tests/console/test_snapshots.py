@@ -83,3 +83,17 @@ def test_flush_modal(snap_compare: Callable[..., bool], size: tuple[int, int]) -
 def test_filter_faults_paused_80x24(snap_compare: Callable[..., bool]) -> None:
     assert snap_compare(_app(), terminal_size=(80, 24),
                         press=["slash", *"prefill", "enter", "x", "p"])
+
+
+async def _dry_run(pilot: Pilot) -> None:
+    table = pilot.app.query_one(FleetTable)
+    table.move_cursor(row=table.get_row_index("e:prefill-0"))
+    await pilot.press("f")
+    await pilot.pause()
+    await pilot.press("d")
+    await pilot.pause(0.3)
+
+
+def test_flush_modal_after_dry_run_40x12(snap_compare: Callable[..., bool]) -> None:
+    # The smallest terminal an operator may have over SSH: buttons and the result stay on screen.
+    assert snap_compare(_app(can_flush=True), terminal_size=(40, 12), run_before=_dry_run)

@@ -163,6 +163,9 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
         screen = app.screen
         assert isinstance(screen, FlushScreen)
         assert screen.query_one("#go", Button).disabled  # nothing to confirm before a dry run
+        # Opened on an engine row, the dialog starts on that engine's scope (the narrowest).
+        assert screen.query_one("#scope", RadioSet).pressed_button.name == "engine"
+        await pilot.click("#scope-model")
         assert screen.query_one("#scope", RadioSet).pressed_button.name == "model"
         # batch_exists below takes Mooncake leases on the keys: only a forced flush removes them.
         await pilot.click("#force")

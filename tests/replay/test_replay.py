@@ -62,7 +62,7 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
                                          if p)}
     out = subprocess.run(
         [sys.executable, "-m", "kvpool_replay.cli", str(trace), "--limit", "150",
-         "--json", "--progress-every", "0", "--load-async"],
+         "--json", "--load-async"],
         capture_output=True, text=True, env=env, timeout=170, check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -77,6 +77,10 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
     assert report["hit_tokens"] == ceiling.hit_tokens
     assert report["hit_rate"] == report["ceiling_hit_rate"] == pytest.approx(ceiling.hit_rate)
     assert report["load_errors"] == 0 and report["corrupt_blocks"] == 0
+    # Without a terminal the progress bar becomes log lines; the last one is the final count.
+    lines = [ln for ln in out.stderr.splitlines() if "requests," in ln and "ETA" in ln]
+    assert lines and lines[-1].startswith("kvpool-replay: 150/150 requests"), out.stderr[-2000:]
+    assert f"hit rate {report['hit_rate']:.1%}" in lines[-1]
 
 
 def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
