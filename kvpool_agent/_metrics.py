@@ -236,10 +236,13 @@ class FleetCollector(Collector):
             fams.gauge("kvpool_lease_expiry_timestamp_seconds", "Earliest lease expiry of the "
                        "engine's in-flight loads (Unix time).", _ENGINE).add_metric(
                 labels, min(leases) / 1e3)
-        pools = [s.pool for s in sts if s.pool is not None]
-        if pools:
+        pooled = [s for s in sts if s.pool is not None]
+        if pooled:
+            # The newest pool report, as the console's engine row takes it.
+            pool = max(pooled, key=lambda s: s.ts_ms).pool
+            assert pool is not None
             fams.gauge("kvpool_lease_ttl_seconds", "default_kv_lease_ttl of the engine's pool.",
-                       _ENGINE).add_metric(labels, max(p.lease_ttl_ms for p in pools) / 1e3)
+                       _ENGINE).add_metric(labels, pool.lease_ttl_ms / 1e3)
         newest = max(seen for _, seen in group)
         fams.gauge("kvpool_report_age_seconds", "Time since the engine's newest report.",
                    _ENGINE).add_metric(labels, max(0.0, now_ms - newest) / 1e3)

@@ -53,6 +53,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("kv_role", "KV role"),
     ("ranks", "Ranks"),
     ("backend", "Backend"),
+    ("local", "Local"),
 )
 """(column key, header) in display order: what triage needs first fits in 80 columns."""
 
@@ -159,6 +160,7 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
              else ""),
         r.ranks,
         plain(r.backend),
+        f"{r.local_hit_rate:.0%}",
     ]
 
 
@@ -180,6 +182,7 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> list[Text | str]:
         f"pid {a.pid}",
         a.ranks,
         fmt_bytes(a.rss_bytes),
+        "",
     ]
 
 
@@ -203,6 +206,7 @@ def _totals_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
         "",
         "",
         "",
+        Text(f"{t.local_hit_rate:.0%}", style="bold"),
     ]
 
 

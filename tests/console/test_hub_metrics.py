@@ -112,6 +112,9 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
         assert _get(m, "kvpool_prompt_tokens_total", **lab) == e["lookup_tokens"]
         assert _get(m, "kvpool_pool_hit_tokens_total", **lab) == e["hit_tokens"]
         assert _get(m, "kvpool_loaded_tokens_total", **lab) == e["loaded_tokens"]
+        assert _get(m, "kvpool_local_hit_tokens_total", **lab) == e["local_tokens"]
+        assert _get(m, "kvpool_recomputed_tokens_total", **lab) == e["recomputed_tokens"]
+        assert _get(m, "kvpool_local_hit_ratio", **lab) == pytest.approx(e["local_hit_rate"])
         assert _get(m, "kvpool_lookups_total", **lab) == e["lookups"]
         assert _get(m, "kvpool_pool_hit_ratio", **lab) == pytest.approx(e["hit_rate"])
         assert _get(m, "kvpool_loads_in_flight", **lab) == e["loads_in_flight"]
@@ -120,7 +123,12 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
                 + _get(m, "kvpool_loads_timed_out_total", **lab)) == e["load_errors"]
         assert _get(m, "kvpool_loads_finished_total", **lab) == e["loads_finished"]
         assert _get(m, "kvpool_failed_after_hit_total", **lab) == e["failed_after_hit"]
-        assert _get(m, "kvpool_lease_ttl_seconds", **lab) == e["lease_ttl_ms"] / 1e3
+        # The engine's newest pool report: the scheduler's pool client and the workers' master
+        # poll may say different TTLs, and the newest can change between status and scrape.
+        ttls = {st.pool.lease_ttl_ms / 1e3 for st, _ in metrics_fleet.hub.fleet().values()
+                if st.source.engine_id == eid and st.pool is not None}
+        assert _get(m, "kvpool_lease_ttl_seconds", **lab) in ttls
+        assert e["lease_ttl_ms"] / 1e3 in ttls
         assert _get(m, "kvpool_report_age_seconds", **lab) < 5.0
         assert _get(m, "kvpool_engine_info", **lab, kv_role=e["kv_role"],
                     backend="mooncake", layout_digest="") == 1
@@ -151,6 +159,9 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
     assert [dict(k[1])["pool"] for k in m if k[0] == "kvpool_pool_keys"] == [pool["name"]]
     tot = doc["totals"]
     assert _get(m, "kvpool_fleet_pool_hit_ratio") == pytest.approx(tot["hit_rate"])
+    assert _get(m, "kvpool_fleet_local_hit_ratio") == pytest.approx(tot["local_hit_rate"])
+    assert (tot["local_tokens"], tot["loaded_tokens"], tot["recomputed_tokens"]) == (
+        256, 1792, 4100 - 256 - 1792)
     assert _get(m, "kvpool_fleet_engines") == tot["engines"] == 2
     assert _get(m, "kvpool_fleet_agents", state="up") == tot["agents"] == 5
     assert _get(m, "kvpool_fleet_agents", state="down") == tot["down"] == 0
@@ -172,6 +183,15 @@ def test_forgotten_engine_leaves_the_scrape(metrics_fleet: LiveFleet) -> None:
     for h in handles:
         h.stop()
     metrics_fleet.engines.clear()
+    # A stopped agent's last frames may still be queued at the hub: forget once it is quiet,
+    # or a late report would bring the engine back.
+    seen = {k: t for k, (_, t) in metrics_fleet.hub.fleet().items()}
+    while True:
+        time.sleep(0.6)
+        now = {k: t for k, (_, t) in metrics_fleet.hub.fleet().items()}
+        if now == seen:
+            break
+        seen = now
     metrics_fleet.hub._fleet.forget(["gone"])
     m = _scrape(metrics_fleet.hub)
     assert not any(dict(k[1]).get("engine") == "gone" for k in m)
