@@ -12,16 +12,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from livefleet import LEASE_TTL_MS, LiveFleet, hub_address
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent.auth import generate_keys
 from kvpool_agent.cli import main as agent_main
 from kvpool_agent.hub import FleetHub
+from kvpool_agent.vocabulary import HINTS
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_console.cli import main as console_main
 from kvpool_replay import LocalMooncakeMaster, free_port
 
+CONFIG = Path(__file__).resolve().parents[2] / "config"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -215,3 +218,41 @@ def test_metrics_port_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     # The failed hub released its ZMQ ports: a hub binds them again.
     with FleetHub(other) as again:
         assert again.metrics is None
+
+
+CONSOLE_RULES = {"pool_watermark", "failed_after_hit", "lease_ttl", "lookup_errors",
+                 "backend_errors", "backend_mismatch", "kv_role_mismatch", "pool_unhealthy",
+                 "stale"}
+"""The console's alert rule ids (``kvpool_console.alerts.Alert.rule``)."""
+
+
+def test_rules_and_dashboard_use_only_exported_hub_series(
+        metrics_fleet: LiveFleet, capsys: pytest.CaptureFixture[str],
+        observability_series: dict[str, set[str]]) -> None:
+    """Every ``kvpool_*`` series the Prometheus rules and the Grafana dashboard name is in a
+    real scrape of the hub (a fleet with lookups, a lease in flight, failed loads and a real
+    pool); the ``vllm:kvpool_*`` ones are checked against a real vLLM scrape in
+    ``tests/vllm/test_vllm_observability.py``. Every console alert rule has a Prometheus rule."""
+    _feed(metrics_fleet)
+    _status(metrics_fleet, capsys)
+    # Pool health comes with the agents' pool poll: wait for it in the scrape.
+    deadline = time.monotonic() + 10
+    while "kvpool_pool_healthy" not in (scraped := {n for n, _ in _scrape(metrics_fleet.hub)}):
+        assert time.monotonic() < deadline, "no kvpool_pool_healthy in the scrape"
+        time.sleep(0.3)
+    for which in ("rules", "dashboard"):
+        hub_names = {n for n in observability_series[which] if n.startswith("kvpool_")}
+        assert hub_names, which
+        assert hub_names <= scraped, f"{which} name series the hub does not export: " \
+            f"{sorted(hub_names - scraped)}"
+    rules = yaml.safe_load((CONFIG / "prometheus" / "kvpool-rules.yml").read_text())
+    rows = [r for g in rules["groups"] for r in g["rules"]]
+    assert {r["labels"]["rule"] for r in rows} == CONSOLE_RULES
+    for r in rows:
+        assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
+        assert r["annotations"]["summary"] and r["annotations"]["hint"], r["alert"]
+    # The hints are the console's for the same causes (kvpool_agent.vocabulary.HINTS).
+    hints = {r["alert"]: r["annotations"]["hint"] for r in rows}
+    assert hints["KvpoolLoadsSlowerThanLease"] == HINTS["LEASE_EXPIRED"]
+    assert hints["KvpoolLookupErrors"] == HINTS["LOOKUP"]
+    assert hints["KvpoolPoolUnhealthy"] == HINTS["RPC_FAIL"]

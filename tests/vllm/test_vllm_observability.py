@@ -137,3 +137,16 @@ def test_vllm_prometheus_carries_the_connector_counts(
     assert get("vllm:kvpool_save_seconds_count") == tr.saves_finished + tr.saves_failed > 0
     assert get("vllm:kvpool_save_queue_depth") == 0
     assert not [k for k in m if k[0] == "vllm:kvpool_transfer_errors_total"]
+
+
+def test_rules_and_dashboard_use_only_exported_vllm_series(
+        run: tuple[dict[str, Any], dict[str, EngineState]],
+        observability_series: dict[str, set[str]]) -> None:
+    """Every ``vllm:kvpool_*`` series named by ``config/prometheus/kvpool-rules.yml`` and
+    ``config/grafana/kvpool-dashboard.json`` is in this real engine's Prometheus text (the
+    hub's series are checked in ``tests/console/test_hub_metrics.py``)."""
+    scraped = {name for name, _ in _samples(run[0]["prometheus"])}
+    for which in ("rules", "dashboard"):
+        names = {n for n in observability_series[which] if n.startswith("vllm:")}
+        assert names, which
+        assert names <= scraped, f"{which}: not exported by vLLM: {sorted(names - scraped)}"
