@@ -26,6 +26,7 @@ forwards every event unchanged.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -152,6 +153,11 @@ class StatsTap(Reporter):
         self.errors: deque[str] = deque()
         self.saves_in_flight = 0
         self._starts: dict[tuple[str, TransferKind], float] = {}
+        # An event method Reporter gains later goes straight to the inner reporter, never into
+        # this object's own (zero-capacity) buffer.
+        for name, _ in inspect.getmembers(Reporter, inspect.isfunction):
+            if not name.startswith("_") and name not in StatsTap.__dict__:
+                setattr(self, name, getattr(inner, name))
 
     @property
     def depth(self) -> int:

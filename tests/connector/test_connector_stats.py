@@ -6,6 +6,7 @@ check is ``tests/vllm/test_vllm_observability.py``."""
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -59,6 +60,19 @@ def test_tap_forwards_every_event_and_keeps_samples() -> None:
     assert len(tap.samples["load_seconds"]) == 1 and not tap.samples["save_seconds"]
     assert list(tap.errors) == ["load:OBJECT_NOT_FOUND", "save:NO_AVAILABLE_HANDLE"]
     assert tap.saves_in_flight == 1
+
+
+def test_tap_forwards_every_reporter_method() -> None:
+    """Every public ``Reporter`` method of the tap reaches the inner reporter: overridden here,
+    or (a method added to ``Reporter`` later) bound to the inner reporter's own."""
+    inner = Reporter()
+    tap = StatsTap(inner)
+    names = [n for n, _ in inspect.getmembers(Reporter, inspect.isfunction)
+             if not n.startswith("_")]
+    assert "lookup" in names and "drain" in names
+    for name in names:
+        method = getattr(tap, name)
+        assert name in StatsTap.__dict__ or method.__self__ is inner, name
 
 
 def test_collector_reports_increments_once() -> None:
