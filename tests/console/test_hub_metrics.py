@@ -5,6 +5,9 @@ compared value by value with ``kvpool-console status --json`` of the same fleet.
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -256,3 +259,39 @@ def test_rules_and_dashboard_use_only_exported_hub_series(
     assert hints["KvpoolLoadsSlowerThanLease"] == HINTS["LEASE_EXPIRED"]
     assert hints["KvpoolLookupErrors"] == HINTS["LOOKUP"]
     assert hints["KvpoolPoolUnhealthy"] == HINTS["RPC_FAIL"]
+
+
+def test_hub_command_serves_metrics_on_p_plus_4(tmp_path: Path) -> None:
+    """``kvpool-agent hub`` without ``--metrics-port`` serves /metrics on P+4 of its address;
+    SIGTERM stops it cleanly."""
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + 5):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+        break
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool_agent.cli", "hub", "--address",
+                             f"tcp://127.0.0.1:{base}"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{base + 4}/metrics", timeout=1.0)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "no /metrics on P+4"
+                time.sleep(0.2)
+        fams = {f.name: f for f in text_string_to_metric_families(resp.text)}
+        assert [s.value for s in fams["kvpool_fleet_engines"].samples] == [0.0]
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
