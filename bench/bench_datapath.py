@@ -9,7 +9,10 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
 * ``worker``: ``KVPoolWorker`` driven exactly as vLLM drives it (``start_load_kv``,
   ``wait_for_save`` + waiting for the background save; a synchronous load), including its
   planning, the existence check before puts and the Reporter calls;
-* ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all).
+* ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all);
+* ``... +stats``: the ``worker`` rows with the connector's vLLM stats on (reporter wrapped in
+  ``StatsTap``, ``StatsCollector.take`` after every operation, as vLLM calls
+  ``get_kv_connector_stats`` every step), on keys of their own: the cost of the metrics.
 
 Goal: worker >= 0.9x raw. Rounds alternate the paths; the table shows the median and best.
 
@@ -38,6 +41,7 @@ os.environ["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + os.environ.g
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.reporter import Reporter
 from kvpool_connector._layout import ranges_for_blocks
+from kvpool_connector._stats import StatsCollector, StatsTap
 from kvpool_connector.backends.base import Backend, RemoveResult
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import (
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master:
         total = n_blocks * args.layers * KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
-        segment = max(64 << 20, 3 * total)
+        segment = max(64 << 20, 5 * total)
         cfg = {"master_server_address": master.address, "global_segment_size": segment,
                "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
@@ -152,14 +156,26 @@ def main(argv: list[str] | None = None) -> None:
             writer.register_kv_caches(src)
             reader = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
             reader.register_kv_caches(dst)
+            # Caches of their own: a buffer is registered with the Mooncake client once.
+            src_s = {k: v.clone() for k, v in src.items()}
+            dst_s = _caches(args.layers, num_blocks, fill=False)
+            w_tap, r_tap = StatsTap(Reporter()), StatsTap(Reporter())
+            writer_s = KVPoolWorker(settings, ParallelLayout(), "bench", timed, w_tap)
+            writer_s.register_kv_caches(src_s)
+            reader_s = KVPoolWorker(settings, ParallelLayout(), "bench", timed, r_tap)
+            reader_s.register_kv_caches(dst_s)
+            w_stats = StatsCollector(lambda: writer_s.counters, w_tap, worker=True)
+            r_stats = StatsCollector(lambda: reader_s.counters, r_tap, worker=True)
             assert writer.kv is not None and reader.kv is not None
             chunk_src = [src_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
             chunk_dst = [dst_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
             raw_src = [ranges_for_blocks(writer.kv.layers, ids) for ids in chunk_src]
             raw_dst = [ranges_for_blocks(reader.kv.layers, ids) for ids in chunk_dst]
             times: dict[str, list[float]] = {k: [] for k in (
-                "raw put", "worker save", "raw get", "worker load", "copy")}
-            overhead: dict[str, list[float]] = {"worker save": [], "worker load": []}
+                "raw put", "worker save", "save +stats", "raw get", "worker load", "load +stats",
+                "copy")}
+            overhead: dict[str, list[float]] = {
+                "worker save": [], "save +stats": [], "worker load": [], "load +stats": []}
 
             s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
 
@@ -180,6 +196,16 @@ def main(argv: list[str] | None = None) -> None:
                 load_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
                     req_id=f"l{rnd}", block_ids=dst_ids, chunk_hashes=hashes,
                     load=LoadSpec(0, n_chunks * settings.chunk_size, can_load=True))])
+                # The +stats rows write and read keys of their own (a put of a present key
+                # would be skipped).
+                hashes_s = chunk_hashes([rnd] * (n_chunks * settings.chunk_size),
+                                        settings.chunk_size, extra=(tag + "s").encode())
+                save_meta_s = KVPoolConnectorMetadata(requests=[ReqMeta(
+                    req_id=f"ss{rnd}", block_ids=src_ids, chunk_hashes=hashes_s,
+                    save_from_chunk=0, save_to_chunk=n_chunks, is_last_save=True)])
+                load_meta_s = KVPoolConnectorMetadata(requests=[ReqMeta(
+                    req_id=f"ls{rnd}", block_ids=dst_ids, chunk_hashes=hashes_s,
+                    load=LoadSpec(0, n_chunks * settings.chunk_size, can_load=True))])
 
                 def raw_put(keys: list[str] = raw_keys) -> None:
                     res = backend.batch_put_from(keys, [a for a, _ in raw_src],
@@ -191,6 +217,19 @@ def main(argv: list[str] | None = None) -> None:
                     writer.wait_for_save(meta)
                     assert writer.drain_saves(60)
 
+                def save_stats(meta: KVPoolConnectorMetadata = save_meta_s) -> None:
+                    writer_s.start_load_kv(KVPoolConnectorMetadata())
+                    writer_s.wait_for_save(meta)
+                    assert writer_s.drain_saves(60)
+                    taken = w_stats.take()
+                    assert taken is not None and taken.data["counters"]["saved_bytes"] == total
+
+                def load_stats(meta: KVPoolConnectorMetadata = load_meta_s) -> None:
+                    reader_s.start_load_kv(meta)
+                    assert not reader_s.get_block_ids_with_load_errors()
+                    taken = r_stats.take()
+                    assert taken is not None and taken.data["counters"]["loaded_bytes"] == total
+
                 def raw_get(keys: list[str] = raw_keys) -> None:
                     res = backend.batch_get_into(keys, [a for a, _ in raw_dst],
                                                  [s for _, s in raw_dst])
@@ -201,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                     assert not reader.get_block_ids_with_load_errors()
 
                 order: list[tuple[str, Callable[[], None]]] = [
-                    ("raw put", raw_put), ("worker save", worker_save)]
+                    ("raw put", raw_put), ("worker save", worker_save),
+                    ("save +stats", save_stats)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
@@ -211,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                         times[name].append(elapsed)
                         if name in overhead:
                             overhead[name].append(elapsed - (timed.busy - busy0))
-                order = [("raw get", raw_get), ("worker load", worker_load), ("copy", copy)]
+                order = [("raw get", raw_get), ("worker load", worker_load),
+                         ("load +stats", load_stats), ("copy", copy)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
@@ -226,8 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                         assert torch.equal(src[name][s_b], dst[name][d_b]), "load not bit-exact"
                 backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
 
-            writer.shutdown()
-            reader.shutdown()
+            for w in (writer, reader, writer_s, reader_s):
+                w.shutdown()
         finally:
             backend.close()
 
@@ -241,13 +282,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.rounds} rounds, real mooncake_master over TCP on 127.0.0.1\n")
     print(f"{'path':<13}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
           f"{'vs raw (median)':>17}{'vs raw (best)':>15}")
-    ref = {"raw put": "raw put", "worker save": "raw put", "raw get": "raw get",
-           "worker load": "raw get", "copy": "raw get"}
+    ref = {"raw put": "raw put", "worker save": "raw put", "save +stats": "raw put",
+           "raw get": "raw get", "worker load": "raw get", "load +stats": "raw get",
+           "copy": "raw get"}
     for k in times:
         print(f"{k:<13}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
               f"{med[ref[k]] / med[k]:>16.2f}x{best[ref[k]] / best[k]:>14.2f}x")
     print("\n'vs raw' = raw time / this path's time on the same blocks (goal >= 0.9 for the "
           "worker rows). On a busy shared machine the best rounds are the steadier figure.")
+    for plain, tapped in (("worker save", "save +stats"), ("worker load", "load +stats")):
+        print(f"vLLM stats on: {tapped} / {plain} = {med[tapped] / med[plain]:.3f} (median), "
+              f"{best[tapped] / best[plain]:.3f} (best)")
     print("\nworker time outside the backend calls (planning, threads, bookkeeping), median:")
     for k, v in overhead.items():
         own = statistics.median(v)

@@ -7,7 +7,11 @@ prompt (small values: only existence matters), then measures, per chunk size:
   SHA-256 chunk hashes of the prompt, the ZMQ IPC round trip to the ``LookupServer`` and the
   worker's ``lookup_chunks`` (``batch_is_exist`` on the chunk keys);
 * ``hash only``: ``keys.chunk_hashes`` of the prompt;
-* ``raw batch_is_exist``: the Mooncake client call on the same keys, nothing else.
+* ``raw batch_is_exist``: the Mooncake client call on the same keys, nothing else;
+* ``  with vLLM stats``: ``scheduler`` with the connector's vLLM stats on (its reporter wrapped
+  in ``StatsTap``, ``StatsCollector.take`` after every lookup, as vLLM calls
+  ``get_kv_connector_stats`` every step): the cost of the metrics, timed interleaved with
+  ``scheduler`` (the baseline of the same run).
 
 Prints p50/p99 in ms. Run: ``.venv/bin/python bench/bench_lookup.py [--tokens 32768]
 [--iters 200]``.
@@ -30,6 +34,7 @@ from vllm import SamplingParams
 from vllm.v1.request import Request
 
 from kvpool_agent.reporter import NullReporter
+from kvpool_connector._stats import StatsCollector, StatsTap
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
@@ -57,6 +62,21 @@ def _time(fn: Callable[[], object], iters: int) -> list[float]:
     return out
 
 
+def _time_pair(a: Callable[[], object], b: Callable[[], object], iters: int
+               ) -> tuple[list[float], list[float]]:
+    """``_time`` of ``a`` and ``b`` interleaved call by call, so machine noise hits both."""
+    a()
+    b()
+    out_a: list[float] = []
+    out_b: list[float] = []
+    for i in range(iters):
+        for fn, out in ((a, out_a), (b, out_b)) if i % 2 else ((b, out_b), (a, out_a)):
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return out_a, out_b
+
+
 def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters: int
                  ) -> list[tuple[str, int, list[float]]]:
     """(variant, keys, latencies in ms) for one chunk size."""
@@ -75,27 +95,38 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
         backend.store.put(k, b"x")
     server = LookupServer(worker.lookup_chunks, lookup_rpc_port=port)
     sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), NullReporter())
+    tap = StatsTap(NullReporter())
+    tapped = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), tap)
+    stats = StatsCollector(lambda: tapped.counters, tap, worker=False)
     params = SamplingParams(max_tokens=1)
     # New requests (no cached hashes), built outside the timed region.
-    reqs = iter([Request(f"r{i}", prompt, params, None) for i in range(iters + 1)])
+    reqs = iter([Request(f"r{i}", prompt, params, None) for i in range(2 * iters + 2)])
     want = (len(prompt) - 1) // chunk * chunk
 
-    def lookup() -> None:
+    def lookup(s: KVPoolScheduler = sched) -> None:
         req = next(reqs)
-        got, _ = sched.get_num_new_matched_tokens(req, 0)
+        got, _ = s.get_num_new_matched_tokens(req, 0)
         if got != want:
             raise RuntimeError(f"lookup found {got} tokens, expected {want}")
-        sched.request_finished(req, [])
+        s.request_finished(req, [])
+
+    def lookup_with_stats() -> None:
+        lookup(tapped)
+        if stats.take() is None:
+            raise RuntimeError("a lookup left no stats")
 
     try:
+        plain, with_stats = _time_pair(lookup, lookup_with_stats, iters)
         return [
-            ("scheduler lookup", len(keys), _time(lookup, iters)),
+            ("scheduler lookup", len(keys), plain),
+            ("  with vLLM stats", len(keys), with_stats),
             ("  hash only", len(keys), _time(lambda: chunk_hashes(prompt, chunk), iters)),
             ("raw batch_is_exist", len(keys),
              _time(lambda: backend.store.batch_is_exist(keys), iters)),
         ]
     finally:
         sched.close()
+        tapped.close()
         server.close()
         worker.shutdown()
 

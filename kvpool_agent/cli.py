@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--audit-backups", type=int, default=AUDIT_BACKUPS, metavar="K",
                    help="rotated audit files kept, PATH.1 newest (default %(default)s)")
 
+    h.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT of --address's host (default P+4; "
+                   "0 turns it off)")
+
     k = sub.add_parser("keygen", help="create hub and operator CURVE key pairs in DIR")
     k.add_argument("dir", metavar="DIR")
     k.add_argument("--force", action="store_true", help="replace existing keys")
@@ -104,6 +108,21 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _metrics_port(address: str, given: int | None) -> int | None:
+    """``--metrics-port``: ``None`` (not given) -> P+4 of ``address``; 0 -> no endpoint.
+
+    Raises:
+        ValueError: a port outside 0..65535, or P+4 beyond 65535.
+    """
+    if given is None:
+        given = int(hub_ports(address).agents.rpartition(":")[2]) + 4
+        if given > 65535:
+            raise ValueError(f"--metrics-port: P+4 = {given} is beyond 65535; give a port")
+    if not 0 <= given <= 65535:
+        raise ValueError(f"--metrics-port: {given} is not a port in 0..65535 (0 turns it off)")
+    return given or None
 
 
 def _run_until_signal() -> None:
@@ -155,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 forget_after_s=args.forget_after,
                 audit_max_bytes=args.audit_max_bytes,
                 audit_backups=args.audit_backups,
+                metrics_port=_metrics_port(args.address, args.metrics_port),
             ).start()
             try:
                 _run_until_signal()

@@ -15,6 +15,8 @@ Ports, for ``address="tcp://HOST:P"``:
   every command, also ``flush``, ``health`` with ``probe`` and ``forget``; clients must hold an
   operator key listed in ``authorized_keys_dir`` (pyzmq's ``ThreadAuthenticator``; keys from
   ``kvpool-agent keygen``). ``OPERATOR_RESERVE`` of the pending slots are only for this port.
+- ``metrics_port`` (``kvpool-agent hub`` default ``P+4``): HTTP, Prometheus ``/metrics`` over
+  the fleet state (``kvpool_agent._metrics``), read-only, bound on HOST like the ports above.
 
 Commands and replies are bound to connections: the hub forwards a command under a fresh
 unguessable request id (``secrets.token_hex``) to the routing id each target agent last
@@ -45,6 +47,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
+from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -151,6 +154,8 @@ class FleetHub:
             update and a log line.
         audit_max_bytes: the audit file rotates at this size (bytes), keeping
             ``audit_backups`` older files (``FILE.1`` newest).
+        metrics_port: serve Prometheus ``/metrics`` (``kvpool_agent._metrics``) over HTTP on
+            this port of the address's host; ``None`` serves none.
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota),
@@ -175,6 +180,7 @@ class FleetHub:
         forget_after_s: float = FORGET_AFTER_S,
         audit_max_bytes: int = AUDIT_MAX_BYTES,
         audit_backups: int = AUDIT_BACKUPS,
+        metrics_port: int | None = None,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -210,6 +216,8 @@ class FleetHub:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.metrics_port = metrics_port
+        self.metrics: MetricsServer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -226,10 +234,19 @@ class FleetHub:
         if self._error is not None:
             self._thread.join()
             raise self._error
+        if self.metrics_port is not None:
+            try:
+                self.metrics = MetricsServer(self._collector(), self._host(), self.metrics_port)
+            except OSError:
+                self.stop()
+                raise
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread and close the sockets. Idempotent."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -251,6 +268,18 @@ class FleetHub:
     def fleet(self) -> dict[str, tuple[EngineState, float]]:
         """Agent id -> (latest state, hub receive time of its last message, ms since epoch)."""
         return self._fleet.states()
+
+    def _host(self) -> str:
+        return self.ports.agents[len("tcp://"):].rpartition(":")[0]
+
+    def _collector(self) -> FleetCollector:
+        def counters() -> dict[str, int]:
+            return {"reports": self.reports, "commands": self.commands,
+                    "refused": self.refused, "busy": self.busy,
+                    "bad_messages": self.bad_messages, "forgotten": self.forgotten}
+
+        return FleetCollector(self._fleet.states, lambda: dict(self.seq_tracker.gaps),
+                              counters, lambda: time.time() * 1e3)
 
     @property
     def gaps(self) -> int:

@@ -32,8 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool_agent import AgentHandle, start_agent
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
-from kvpool_agent.reporter import Reporter
 from kvpool_connector._layout_digest import ModelFacts
+from kvpool_connector._stats import (
+    KVPoolConnectorStats,
+    KVPoolPromMetrics,
+    StatsCollector,
+    StatsTap,
+)
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout
@@ -45,6 +50,11 @@ from kvpool_connector.scheduler import KVPoolScheduler
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -145,7 +155,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                              dp_rank=cfg.dp_rank, timeout_ms=cfg.lookup_timeout_ms)
                 if cfg.should_load else None
             )
-            self._scheduler = KVPoolScheduler(cfg, lookup, reporter)
+            sched = self._scheduler = KVPoolScheduler(cfg, lookup, reporter)
+            self._stats = StatsCollector(lambda: sched.counters, reporter, worker=False)
         else:
             from kvpool_connector.backends import create_backend
             from kvpool_connector.worker import KVPoolWorker
@@ -159,12 +170,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
             if self._operations is not None:
                 self._operations.saves = self._worker
+            work = self._worker
+            self._stats = StatsCollector(lambda: work.counters, reporter, worker=True)
 
     # ------------------------------------------------------------------ agent
 
     def _start_agent(self, process_role: str, layout: ParallelLayout, backend: Backend | None
-                     ) -> Reporter:
-        """Start this process's agent; return its reporter."""
+                     ) -> StatsTap:
+        """Start this process's agent; return its reporter, tapped for vLLM's stats."""
         cfg = self.kv_config
         agent_id = (f"{cfg.engine_id}/scheduler" if process_role == "scheduler"
                     else f"{cfg.engine_id}/dp{cfg.dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}")
@@ -191,7 +204,33 @@ class KVPoolConnector(KVConnectorBase_V1):
             # connector's own lease_ttl_ms is unset.
             lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
         )
-        return self._agent.reporter
+        return StatsTap(self._agent.reporter)
+
+    # ------------------------------------------------------------ vLLM stats
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This process's stats since the previous call (``kvpool_connector._stats``); vLLM
+        calls it every step in the scheduler and in every worker and merges the results."""
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild the merged stats from their ``to_dict()`` form, for vLLM's log line."""
+        return KVPoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolPromMetrics:
+        """The ``vllm:kvpool_*`` series of vLLM's Prometheus metrics
+        (``kvpool_connector._stats.KVPoolPromMetrics``)."""
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --------------------------------------------------------------- scheduler
 

@@ -162,8 +162,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def status_document(view: FleetView) -> dict[str, Any]:
     """The ``status --json`` document: ``engines`` (one object per engine with at least
     engine_id, role, kv_role, backend, hit_rate, lookup_tokens, hit_tokens, loads_in_flight,
-    load_errors, segment_used_bytes, segment_total_bytes, next_lease_expiry_ms, stale; plus
-    its ``agents``), ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
+    load_errors, segment_used_bytes, segment_total_bytes, next_lease_expiry_ms, stale,
+    local_tokens, local_hit_rate, loaded_tokens, recomputed_tokens; plus its ``agents``),
+    ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)
     return {"now_ms": doc["now_ms"], "engines": doc["engines"], "alerts": doc["alerts"],
             "pools": doc["pools"], "totals": doc["totals"]}
@@ -212,7 +213,8 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         out.print(t)
         tot = view.totals
         out.print(f"{tot.engines} engines ({tot.stale} stale, {tot.down} down), "
-                  f"hit rate {tot.hit_rate:.1%}, {tot.loads_in_flight} loads in flight, "
+                  f"hit rate {tot.hit_rate:.1%} (local {tot.local_hit_rate:.1%}), "
+                  f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.load_errors} failed loads")
         for a in view.alerts:
             # Subject and message name engines and quote agents' errors: data, not markup.

@@ -76,6 +76,11 @@ class EngineRow(msgspec.Struct, kw_only=True):
     ``layout_digest`` is its workers' layout digest (``Source.layout_digest``; several,
     comma-joined, when they differ; "" until reported) and ``layout`` what the first worker's
     digest hashes: engines share pool values only when their digests match.
+
+    Request-level accounting (the README's "Pool hit rate"): of ``lookup_tokens`` prompt
+    tokens, ``local_tokens`` came from vLLM's own prefix cache (``local_hit_rate`` =
+    local / prompt), ``loaded_tokens`` from the pool and ``recomputed_tokens`` = prompt - local
+    - loaded were computed by vLLM; ``hit_tokens`` are those the pool held beyond the local hit.
     """
 
     engine_id: str
@@ -114,6 +119,9 @@ class EngineRow(msgspec.Struct, kw_only=True):
     agents: list[AgentRow] = msgspec.field(default_factory=list)
     layout_digest: str = ""
     layout: dict[str, str | int] = msgspec.field(default_factory=dict)
+    local_tokens: int = 0
+    local_hit_rate: float = 0.0
+    recomputed_tokens: int = 0
 
 
 class PoolRow(msgspec.Struct, kw_only=True):
@@ -135,7 +143,8 @@ class PoolRow(msgspec.Struct, kw_only=True):
 
 
 class Totals(msgspec.Struct, kw_only=True):
-    """Fleet totals (the table's last row); pool bytes summed over distinct pools."""
+    """Fleet totals (the table's last row); pool bytes summed over distinct pools; token
+    counts and rates as in :class:`EngineRow`, summed over engines."""
 
     engines: int
     agents: int
@@ -151,6 +160,10 @@ class Totals(msgspec.Struct, kw_only=True):
     save_bytes_per_s: float
     segment_used_bytes: int
     segment_total_bytes: int
+    local_tokens: int = 0
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    local_hit_rate: float = 0.0
 
 
 class FleetView(msgspec.Struct, kw_only=True):
@@ -205,6 +218,7 @@ def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[
     last = max(seen.values())
     prompt = sum(s.lookup.prompt_tokens for s in group)
     hits = sum(s.lookup.pool_hit_tokens for s in group)
+    local = sum(s.lookup.local_tokens for s in group)
     # hit_rate_1m is per agent; weight by since-start prompt tokens (only schedulers look up).
     weighted = [(s.lookup.hit_rate_1m, s.lookup.prompt_tokens) for s in group
                 if s.lookup.prompt_tokens]
@@ -245,6 +259,9 @@ def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[
         agents=[_agent_row(s, seen[s.source.agent_id], now_ms, stale_after_ms) for s in group],
         layout_digest=",".join(sorted({src.layout_digest for src in described})),
         layout=dict(described[0].layout) if described else {},
+        local_tokens=local, local_hit_rate=local / prompt if prompt else 0.0,
+        recomputed_tokens=sum(max(0, s.lookup.prompt_tokens - s.lookup.local_tokens
+                                  - s.lookup.loaded_tokens) for s in group),
     )
 
 
@@ -308,6 +325,7 @@ def build_view(
     pools = _pools(states.values())
     prompt = sum(r.lookup_tokens for r in rows)
     hits = sum(r.hit_tokens for r in rows)
+    local = sum(r.local_tokens for r in rows)
     totals = Totals(
         engines=len(rows), agents=len(states), stale=sum(r.stale and not r.down for r in rows),
         down=sum(r.down for r in rows), hit_rate=hits / prompt if prompt else 0.0,
@@ -319,6 +337,9 @@ def build_view(
         save_bytes_per_s=sum(r.save_bytes_per_s for r in rows),
         segment_used_bytes=sum(p.used_bytes for p in pools),
         segment_total_bytes=sum(p.total_bytes for p in pools),
+        local_tokens=local, loaded_tokens=sum(r.loaded_tokens for r in rows),
+        recomputed_tokens=sum(r.recomputed_tokens for r in rows),
+        local_hit_rate=local / prompt if prompt else 0.0,
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals,
                      alerts=list(alerts or []))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import mooncake.store  # noqa: F401  # see below
 import pytest
+import yaml
 
 from kvpool_replay import LocalMooncakeMaster
 
@@ -35,3 +39,20 @@ def fresh_mooncake_master() -> Iterator[LocalMooncakeMaster]:
     """A mooncake_master of the test's own, for tests that fill, kill or flush the pool."""
     with LocalMooncakeMaster() as master:
         yield master
+
+
+_SERIES = re.compile(r"(?<![\w:\"'])((?:vllm:)?kvpool_[A-Za-z0-9_:]*)")
+
+
+@pytest.fixture(scope="session")
+def observability_series() -> dict[str, set[str]]:
+    """Series named by ``config/prometheus/kvpool-rules.yml`` and
+    ``config/grafana/kvpool-dashboard.json``: ``{"rules": names, "dashboard": names}``, each a
+    ``kvpool_*`` (hub) or ``vllm:kvpool_*`` (vLLM) sample name as a scrape shows it."""
+    root = Path(__file__).resolve().parents[1] / "config"
+    rules = yaml.safe_load((root / "prometheus" / "kvpool-rules.yml").read_text())
+    dash = json.loads((root / "grafana" / "kvpool-dashboard.json").read_text())
+    rule_exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    panel_exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return {"rules": {m for e in rule_exprs for m in _SERIES.findall(e)},
+            "dashboard": {m for e in panel_exprs for m in _SERIES.findall(e)}}

@@ -21,7 +21,8 @@ rate, `h` health of the selected engine, `H` health of all, `f` flush (operator 
 **Fleet columns** - *State* OK / WARN / CRIT (worst alert) or STALE / DOWN (no report for 5 s /
 30 s). *Hit* pool hit tokens / looked-up tokens since start, *Trend* the last minute's hit
 rate. *Ld* / *Sv* loads and saves in flight (requests), *Fail* failed or timed-out loads.
-*Pool/WM* pool usage vs `eviction_high_watermark_ratio`. *Lease* time left before the earliest
+*Pool/WM* pool usage vs `eviction_high_watermark_ratio`. *Local* prompt tokens vLLM's own
+prefix cache held / looked-up tokens. *Lease* time left before the earliest
 lease of an in-flight load expires (`default_kv_lease_ttl`). *Age* time since the last report.
 
 **Read-only** - without `--keys DIR` (the operator's CURVE key pair) flush is disabled;

@@ -44,6 +44,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("pool", "Pool/WM"),
     ("age", "Age"),
     ("fail", "Fail"),
+    ("local", "Local"),
     ("role", "Role"),
     ("trend", "Trend"),
     ("tokens", "Hit/Looked tok"),
@@ -168,6 +169,7 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
                         style="red" if KV_ROLE_FOR.get(r.role, r.kv_role) != r.kv_role else ""),
         "ranks": r.ranks,
         "backend": plain(r.backend),
+        "local": f"{r.local_hit_rate:.0%}",
     }
 
 
@@ -190,6 +192,7 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
         "kv_role": f"pid {a.pid}",
         "ranks": a.ranks,
         "backend": fmt_bytes(a.rss_bytes),
+        "local": "",
     }
 
 
@@ -213,6 +216,7 @@ def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
         "kv_role": "",
         "ranks": "",
         "backend": "",
+        "local": Text(f"{t.local_hit_rate:.0%}", style="bold"),
     }
 
 

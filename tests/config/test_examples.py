@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config"
 REAL = ROOT.parent / "shared" / "real-configs"
 SCHEMA_FILE = CONFIG / "kvpool.schema.json"
-EXAMPLES = sorted(p for p in CONFIG.rglob("*.json") if p != SCHEMA_FILE)
+DASHBOARDS = CONFIG / "grafana"
+"""Grafana dashboards, not deployment configs (checked in tests/console/test_hub_metrics.py)."""
+EXAMPLES = sorted(p for p in CONFIG.rglob("*.json")
+                  if p != SCHEMA_FILE and DASHBOARDS not in p.parents)
 
 
 def _group(path: Path) -> tuple[list[Path], Path | None, Options]:

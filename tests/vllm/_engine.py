@@ -3,9 +3,11 @@
 SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transfer_config``
 (dict or null), ``prefix_caching`` (bool), ``rounds`` (the prompts are generated this many times
 in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
-``dtype`` (default ``float32``) and ``block_size`` (default 32).
+``dtype`` (default ``float32``), ``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers,
+Prometheus included, on; default off) and ``kv_events_config`` (vLLM's, optional).
 OUT: per round, per prompt, the greedy ``tokens``, the ``logprobs`` of those tokens and vLLM's
-``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector loads).
+``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector loads);
+with ``log_stats``, ``prometheus``: vLLM's Prometheus text at the end.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ def main() -> None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+    if spec.get("kv_events_config"):
+        kwargs["kv_events_config"] = spec["kv_events_config"]
     t0 = time.time()
     llm = LLM(
         model=spec["model"], enforce_eager=True, max_model_len=512,
         block_size=spec.get("block_size", 32), dtype=spec.get("dtype", "float32"),
         enable_prefix_caching=spec.get("prefix_caching", False),
-        max_num_seqs=8, max_num_batched_tokens=512, seed=0, **kwargs,
+        max_num_seqs=8, max_num_batched_tokens=512, seed=0,
+        disable_log_stats=not spec.get("log_stats", False), **kwargs,
     )
     started = time.time() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0,
@@ -53,9 +58,14 @@ def main() -> None:
             for o in outs
         ])
         round_s.append(time.time() - t1)
+    out = {"rounds": rounds, "startup_s": started, "round_s": round_s,
+           "total_s": time.time() - t0}
+    if spec.get("log_stats"):
+        from prometheus_client import generate_latest
+
+        out["prometheus"] = generate_latest().decode()
     with open(sys.argv[2], "w") as f:
-        json.dump({"rounds": rounds, "startup_s": started, "round_s": round_s,
-                   "total_s": time.time() - t0}, f)
+        json.dump(out, f)
     del llm
 
 

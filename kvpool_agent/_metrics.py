@@ -1,0 +1,328 @@
+"""The hub's Prometheus endpoint: ``/metrics`` over the fleet state the hub already holds.
+
+A custom collector (``prometheus_client``) reads ``Fleet.states()`` at scrape time, so a report
+costs the hub nothing extra and a scrape always sees the newest state of every agent. One series
+set per engine (labels ``engine``, ``model``, ``role``: the agents of an engine summed, like the
+console's engine row) and per pool (labels ``pool``, ``backend``: deduplicated across the agents
+that report it, newest report wins). Names and units follow Prometheus conventions: counters
+end in ``_total``, sizes in ``_bytes``, spans in ``_seconds``, instants are
+``_timestamp_seconds`` (Unix time), fractions ``_ratio``.
+
+Token accounting (the README's "Pool hit rate"): per request, ``prompt`` tokens = ``local``
+(vLLM's own prefix cache) + ``loaded`` (from the pool) + ``recomputed``; ``pool hit`` tokens are
+those the pool held beyond the local hit at lookup (``loaded`` <= ``pool hit``: vLLM may take
+fewer). ``kvpool_pool_hit_ratio`` = pool hit / prompt, ``kvpool_local_hit_ratio`` =
+local / prompt.
+
+Counters are the agents' counters since their start: an agent restart or a forgotten agent
+lowers the engine's sum, which Prometheus' ``rate``/``increase`` treat as a counter reset.
+
+Alerts are not exported here: ``config/prometheus/kvpool-rules.yml`` expresses the console's
+alert rules over these series, and Prometheus itself exports the firing ones (``ALERTS``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvpool_agent.protocol import EngineState, PoolStats
+
+__all__ = [
+    "DOWN_AFTER_S",
+    "STALE_AFTER_S",
+    "FleetCollector",
+    "MetricsServer",
+    "pool_name",
+]
+
+STALE_AFTER_S = 5.0
+"""An agent silent this long is ``stale`` (the console's default ``stale_after_ms``)."""
+DOWN_AFTER_S = 30.0
+"""An agent silent this long is ``down`` (the console's default ``down_after_ms``)."""
+
+_ENGINE = ["engine", "model", "role"]
+_AGENT = [*_ENGINE, "agent"]
+_POOL = ["pool", "backend"]
+_STATES = ("up", "stale", "down")
+
+
+def pool_name(pool: PoolStats, engine_id: str) -> str:
+    """The name a pool goes by: ``backend:segment,segment...`` (sorted) when it reports
+    segments, else ``backend:engine_id``; the console's ``PoolRow.name`` uses the same rule."""
+    if pool.segments:
+        return f"{pool.backend}:" + ",".join(sorted(s.name for s in pool.segments))
+    return f"{pool.backend}:{engine_id}"
+
+
+def _recomputed(st: EngineState) -> int:
+    lk = st.lookup
+    return max(0, lk.prompt_tokens - lk.local_tokens - lk.loaded_tokens)
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+class _Families:
+    """The metric families of one scrape, created on first use, yielded in creation order."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Metric] = {}
+
+    def counter(self, name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+        fam = self._by_name.get(name)
+        if fam is None:
+            fam = self._by_name[name] = CounterMetricFamily(name, doc, labels=labels)
+        assert isinstance(fam, CounterMetricFamily)
+        return fam
+
+    def gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+        fam = self._by_name.get(name)
+        if fam is None:
+            fam = self._by_name[name] = GaugeMetricFamily(name, doc, labels=labels)
+        assert isinstance(fam, GaugeMetricFamily)
+        return fam
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._by_name.values())
+
+
+# Engine counters: (family name without _total, help, value over one engine's agents).
+_ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[list[EngineState]], float]], ...] = (
+    ("kvpool_lookups", "Prefix lookups of the pool (scheduler).",
+     lambda g: sum(s.lookup.lookups for s in g)),
+    ("kvpool_lookup_errors", "Prefix lookups that failed (the request ran without the pool).",
+     lambda g: sum(s.lookup.lookup_errors for s in g)),
+    ("kvpool_prompt_tokens", "Prompt tokens of looked-up requests.",
+     lambda g: sum(s.lookup.prompt_tokens for s in g)),
+    ("kvpool_local_hit_tokens", "Prompt tokens vLLM's local prefix cache already held.",
+     lambda g: sum(s.lookup.local_tokens for s in g)),
+    ("kvpool_pool_hit_tokens", "Prompt tokens the pool held beyond the local hit.",
+     lambda g: sum(s.lookup.pool_hit_tokens for s in g)),
+    ("kvpool_loaded_tokens", "Tokens vLLM accepted to load from the pool.",
+     lambda g: sum(s.lookup.loaded_tokens for s in g)),
+    ("kvpool_recomputed_tokens", "Prompt tokens neither cached locally nor loaded from the "
+     "pool (computed by vLLM).", lambda g: sum(_recomputed(s) for s in g)),
+    ("kvpool_loads_finished", "Loads from the pool that completed.",
+     lambda g: sum(s.transfers.loads_finished for s in g)),
+    ("kvpool_loads_failed", "Loads that failed (timed-out loads included).",
+     lambda g: sum(s.transfers.loads_failed for s in g)),
+    ("kvpool_loads_timed_out", "Loads that timed out.",
+     lambda g: sum(s.transfers.loads_timed_out for s in g)),
+    ("kvpool_failed_after_hit", "Loads that failed with LEASE_EXPIRED or OBJECT_NOT_FOUND "
+     "after a positive lookup.", lambda g: sum(s.transfers.failed_after_hit for s in g)),
+    ("kvpool_saves_finished", "Saves to the pool that completed.",
+     lambda g: sum(s.transfers.saves_finished for s in g)),
+    ("kvpool_saves_failed", "Saves that failed.",
+     lambda g: sum(s.transfers.saves_failed for s in g)),
+    ("kvpool_saves_skipped_blocks", "Blocks whose save was skipped.",
+     lambda g: sum(s.transfers.saves_skipped for s in g)),
+    ("kvpool_loaded_bytes", "Bytes loaded from the pool.",
+     lambda g: sum(s.transfers.loaded_bytes for s in g)),
+    ("kvpool_saved_bytes", "Bytes saved to the pool.",
+     lambda g: sum(s.transfers.saved_bytes for s in g)),
+)
+
+
+class FleetCollector(Collector):
+    """Prometheus collector over the hub's fleet state.
+
+    Args:
+        states: ``Fleet.states``: agent id -> (latest ``EngineState``, hub receive time of its
+            last message in epoch ms); called once per scrape, from the HTTP thread.
+        report_gaps: agent id -> reports the hub never received.
+        hub_counters: the hub's own counters by name (``reports``, ``bad_messages``...),
+            exported as ``kvpool_hub_<name>_total``.
+        clock_ms: wall clock in epoch ms (tests freeze it).
+    """
+
+    def __init__(
+        self,
+        states: Callable[[], Mapping[str, tuple[EngineState, float]]],
+        report_gaps: Callable[[], Mapping[str, int]],
+        hub_counters: Callable[[], Mapping[str, int]],
+        clock_ms: Callable[[], float],
+    ) -> None:
+        self._states = states
+        self._report_gaps = report_gaps
+        self._hub_counters = hub_counters
+        self._clock_ms = clock_ms
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape: every family below, built from one read of the fleet."""
+        fams = _Families()
+        now_ms = self._clock_ms()
+        states = self._states()
+        gaps = self._report_gaps()
+        groups: dict[str, list[tuple[EngineState, float]]] = {}
+        for st, seen in states.values():
+            groups.setdefault(st.source.engine_id, []).append((st, seen))
+        fleet = {"prompt": 0, "local": 0, "pool": 0}
+        agent_states = dict.fromkeys(_STATES, 0)
+        for engine_id in sorted(groups):
+            self._engine(fams, engine_id, groups[engine_id], now_ms, gaps, fleet, agent_states)
+        self._pools(fams, [st for st, _ in states.values()])
+        fams.gauge("kvpool_fleet_engines", "Engines the hub knows.", []).add_metric(
+            [], len(groups))
+        agents = fams.gauge("kvpool_fleet_agents", "Agents the hub knows, by state (up, stale "
+                            f"after {STALE_AFTER_S:g} s silent, down after {DOWN_AFTER_S:g} s).",
+                            ["state"])
+        for name in _STATES:
+            agents.add_metric([name], agent_states[name])
+        fams.gauge("kvpool_fleet_pool_hit_ratio", "Pool hit tokens / prompt tokens over the "
+                   "fleet.", []).add_metric([], _ratio(fleet["pool"], fleet["prompt"]))
+        fams.gauge("kvpool_fleet_local_hit_ratio", "Local prefix cache hit tokens / prompt "
+                   "tokens over the fleet.", []).add_metric([], _ratio(fleet["local"],
+                                                                       fleet["prompt"]))
+        for name, value in sorted(self._hub_counters().items()):
+            fams.counter(f"kvpool_hub_{name}", f"Hub counter {name}.", []).add_metric([], value)
+        return iter(fams)
+
+    def _engine(
+        self,
+        fams: _Families,
+        engine_id: str,
+        group: list[tuple[EngineState, float]],
+        now_ms: float,
+        gaps: Mapping[str, int],
+        fleet: dict[str, int],
+        agent_states: dict[str, int],
+    ) -> None:
+        # The scheduler names the engine's model and role, like the console's engine row.
+        group.sort(key=lambda x: (x[0].source.process_role != "scheduler", x[0].source.agent_id))
+        head = group[0][0].source
+        labels = [engine_id, head.model, head.instance_role]
+        sts = [st for st, _ in group]
+        digests = sorted({s.source.layout_digest for s in sts if s.source.layout_digest})
+        fams.gauge("kvpool_engine_info", "One per engine: its declared role, kv_role, backend "
+                   "and layout digest(s).",
+                   [*_ENGINE, "kv_role", "backend", "layout_digest"]).add_metric(
+            [*labels, head.kv_role, head.backend, ",".join(digests)], 1)
+        for name, doc, value in _ENGINE_COUNTERS:
+            fams.counter(name, doc, _ENGINE).add_metric(labels, value(sts))
+        prompt = sum(s.lookup.prompt_tokens for s in sts)
+        local = sum(s.lookup.local_tokens for s in sts)
+        pool_hits = sum(s.lookup.pool_hit_tokens for s in sts)
+        fleet["prompt"] += prompt
+        fleet["local"] += local
+        fleet["pool"] += pool_hits
+        fams.gauge("kvpool_pool_hit_ratio", "Pool hit tokens / prompt tokens since start.",
+                   _ENGINE).add_metric(labels, _ratio(pool_hits, prompt))
+        fams.gauge("kvpool_local_hit_ratio", "Local prefix cache hit tokens / prompt tokens "
+                   "since start.", _ENGINE).add_metric(labels, _ratio(local, prompt))
+        errors: dict[str, int] = {}
+        for s in sts:
+            for err, n in s.transfers.errors_by_name.items():
+                errors[err] = errors.get(err, 0) + n
+        fam = fams.counter("kvpool_transfer_errors", "Failed loads and saves and skipped saves, "
+                           "by backend error name.", [*_ENGINE, "error"])
+        for err in sorted(errors):
+            fam.add_metric([*labels, err], errors[err])
+        for kind in ("load", "save"):
+            fams.gauge(f"kvpool_{kind}s_in_flight", f"Requests with a {kind} in flight.",
+                       _ENGINE).add_metric(
+                labels, len({t.req_id for s in sts for t in s.in_flight if t.kind == kind}))
+        fams.gauge("kvpool_max_load_seconds", "Longest load since start.", _ENGINE).add_metric(
+            labels, max(s.transfers.max_load_ms for s in sts) / 1e3)
+        leases = [t.lease_expires_ms for s in sts for t in s.in_flight
+                  if t.lease_expires_ms is not None]
+        if leases:
+            fams.gauge("kvpool_lease_expiry_timestamp_seconds", "Earliest lease expiry of the "
+                       "engine's in-flight loads (Unix time).", _ENGINE).add_metric(
+                labels, min(leases) / 1e3)
+        pooled = [s for s in sts if s.pool is not None]
+        if pooled:
+            # The newest pool report, as the console's engine row takes it.
+            pool = max(pooled, key=lambda s: s.ts_ms).pool
+            assert pool is not None
+            fams.gauge("kvpool_lease_ttl_seconds", "default_kv_lease_ttl of the engine's pool.",
+                       _ENGINE).add_metric(labels, pool.lease_ttl_ms / 1e3)
+        newest = max(seen for _, seen in group)
+        fams.gauge("kvpool_report_age_seconds", "Time since the engine's newest report.",
+                   _ENGINE).add_metric(labels, max(0.0, now_ms - newest) / 1e3)
+        state_fam = fams.gauge("kvpool_agent_state", "1 for the agent's state (up, stale, down), "
+                               "0 for the others.", [*_AGENT, "state"])
+        for st, seen in group:
+            age_s = max(0.0, now_ms - seen) / 1e3
+            state = "down" if age_s > DOWN_AFTER_S else "stale" if age_s > STALE_AFTER_S else "up"
+            agent_states[state] += 1
+            alabels = [*labels, st.source.agent_id]
+            for name in _STATES:
+                state_fam.add_metric([*alabels, name], 1 if name == state else 0)
+            fams.gauge("kvpool_agent_report_age_seconds", "Time since the agent's last report.",
+                       _AGENT).add_metric(alabels, age_s)
+            fams.counter("kvpool_agent_report_gaps", "Agent reports the hub never received.",
+                         _AGENT).add_metric(alabels, gaps.get(st.source.agent_id, 0))
+            fams.counter("kvpool_agent_events_dropped", "Engine events the agent's full buffer "
+                         "refused.", _AGENT).add_metric(alabels, st.process.dropped)
+
+    def _pools(self, fams: _Families, states: list[EngineState]) -> None:
+        newest: dict[str, tuple[PoolStats, float]] = {}
+        for st in states:
+            if st.pool is None:
+                continue
+            name = pool_name(st.pool, st.source.engine_id)
+            prev = newest.get(name)
+            if prev is None or st.ts_ms > prev[1]:
+                newest[name] = (st.pool, st.ts_ms)
+        for name in sorted(newest):
+            p = newest[name][0]
+            labels = [name, p.backend]
+            fams.gauge("kvpool_pool_keys", "Keys in the pool.", _POOL).add_metric(labels, p.keys)
+            fams.gauge("kvpool_pool_used_bytes", "Bytes of the pool in use.",
+                       _POOL).add_metric(labels, p.used_bytes)
+            fams.gauge("kvpool_pool_total_bytes", "Bytes of the pool's mounted segments.",
+                       _POOL).add_metric(labels, p.total_bytes)
+            fams.gauge("kvpool_pool_high_watermark_ratio", "eviction_high_watermark_ratio: "
+                       "usage at which the pool evicts.", _POOL).add_metric(
+                labels, p.high_watermark)
+            fams.counter("kvpool_pool_evicted_keys", "Keys the pool evicted.",
+                         _POOL).add_metric(labels, p.evicted_keys)
+            fams.counter("kvpool_pool_evicted_bytes", "Bytes the pool evicted.",
+                         _POOL).add_metric(labels, p.evicted_bytes)
+            if p.healthy is not None:
+                fams.gauge("kvpool_pool_healthy", "1 when the pool's last health check passed, "
+                           "0 when it failed (absent until checked).", _POOL).add_metric(
+                    labels, 1 if p.healthy else 0)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP for one collector, on its own registry and daemon thread.
+
+    Args:
+        collector: what a scrape returns.
+        host: address to bind (``*`` means every interface, like ZMQ's wildcard).
+        port: TCP port.
+
+    Raises:
+        OSError: the port cannot be bound (the message names ``host:port``).
+    """
+
+    def __init__(self, collector: Collector, host: str, port: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        bind = "0.0.0.0" if host in ("*", "") else host.strip("[]")
+        try:
+            server, thread = start_http_server(port, addr=bind, registry=self.registry)
+        except OSError as e:
+            raise OSError(e.errno, f"kvpool hub cannot bind metrics http://{host}:{port}: "
+                          f"{e.strerror or e}") from e
+        self._server: WSGIServer | None = server
+        self._thread: threading.Thread | None = thread
+        self.url = f"http://{host}:{server.server_port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and close the port. Idempotent."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
