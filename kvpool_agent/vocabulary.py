@@ -13,6 +13,8 @@ from typing import Literal
 __all__ = [
     "AGENT_ADDRESS_ENV",
     "HINTS",
+    "INSTANCE_ROLES",
+    "INSTANCE_ROLE_ENV",
     "INSTANCE_ROLE_OF",
     "KV_ROLES",
     "KV_ROLE_FOR",
@@ -34,6 +36,13 @@ KV_ROLES: tuple[KVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
 
 InstanceRole = Literal["prefill", "decode", "mixed"]
 """What an instance serves: MindIE Motor's and vllm-ascend's prefill, decode or PD-mixed."""
+
+INSTANCE_ROLES: tuple[InstanceRole, ...] = ("prefill", "decode", "mixed")
+
+INSTANCE_ROLE_ENV = "KVPOOL_INSTANCE_ROLE"
+"""Environment variable declaring the instance role (``prefill``, ``decode`` or ``mixed``) when
+``kv_connector_extra_config.instance_role`` does not: set by the orchestrator that decided the
+role (MindIE Motor, a Kubernetes template), so ``kv_role`` can be checked against it."""
 
 KV_ROLE_FOR: dict[str, KVRole] = {
     "prefill": "kv_producer",

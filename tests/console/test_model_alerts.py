@@ -26,7 +26,7 @@ def test_engine_rows_merge_scheduler_and_workers() -> None:
     view = build_view(fleet, {}, NOW_MS)
     (row,) = view.engines
     assert row.engine_id == "p0" and row.role == "prefill" and row.kv_role == "kv_producer"
-    assert row.workers == 4 and row.ranks == "dp1 tp4 pp1" and len(row.agents) == 5
+    assert row.workers == 4 and row.ranks == "dp0 tp0-3 pp0" and len(row.agents) == 5
     assert row.agents[0].process_role == "scheduler"
     assert [a.ranks for a in row.agents[1:]] == [f"dp0.tp{r}.pp0" for r in range(4)]
     assert row.lookup_tokens == 10_000 and row.hit_tokens == 4_000 and row.hit_rate == 0.4
@@ -112,12 +112,12 @@ def test_counter_alerts_retire_when_counters_stop() -> None:
         seen = dict.fromkeys(fleet, t)  # reporting all along: never stale
         return [a.rule for a in tracker.update(evaluate(fleet, seen, t), t)]
 
-    fleet = engine("e", lookup_errors=1)
+    fleet = engine("e", lookup_errors=1, loads=0)
     assert step(fleet, NOW_MS) == ["lookup_errors"]
     assert [a.rule for a in tracker.new] == ["lookup_errors"]
     assert step(fleet, NOW_MS + 5_000) == ["lookup_errors"] and tracker.new == []
     assert step(fleet, NOW_MS + 11_000) == []
-    assert step(engine("e", lookup_errors=2), NOW_MS + 12_000) == ["lookup_errors"]
+    assert step(engine("e", lookup_errors=2, loads=0), NOW_MS + 12_000) == ["lookup_errors"]
 
 
 def test_filter_sort_and_faults_only() -> None:
