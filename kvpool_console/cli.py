@@ -207,10 +207,11 @@ def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
 def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
     states, seen = src.fleet()
     now = now_ms()
+    # Callers building their own Namespace may leave the alert options out: their defaults.
     return build_view(states, seen, now, alerts=evaluate(
-        states, seen, now, watermark_ratio=args.watermark_ratio,
-        watermark_margin=args.watermark_margin, stuck_after_ms=args.stuck_after_ms,
-        alive=local_process_alive))
+        states, seen, now, watermark_ratio=getattr(args, "watermark_ratio", None),
+        watermark_margin=getattr(args, "watermark_margin", WATERMARK_MARGIN),
+        stuck_after_ms=getattr(args, "stuck_after_ms", None), alive=local_process_alive))
 
 
 def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:

@@ -264,3 +264,37 @@ def test_hung_then_gone(fleet: Fleet) -> None:
     fleet.procs.pop("h-a")
     fleet.start("h-a")
     fleet.wait("stale cleared", _gone("stale", "h-a"), stale_after_ms=1_000)
+
+
+def test_master_down_one_pool_alert_and_health_shows_checks(
+        fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    from kvpool_console.cli import main
+
+    for eid in ("u-a", "u-b"):
+        fleet.start(eid)
+    fleet.wait("both reporting pool", lambda _: {
+        s.source.engine_id for s in fleet.fleet()[0].values()
+        if s.pool is not None and s.pool.healthy} == {"u-a", "u-b"})
+    fleet.master.kill()
+    pool = f"mooncake@{fleet.master.address}"
+    a = fleet.wait("pool_unhealthy", lambda al: (x := _find("pool_unhealthy", pool)(al))
+                   is not None and "u-a, u-b" in x.message and x)
+    assert sum(x.rule == "pool_unhealthy" for x in fleet.alerts()) == 1
+    assert a.message.startswith("pool health check failed: ") and "unreachable" in a.message
+    assert a.hint == "master unreachable: check mooncake_master and master_server_address"
+    rc = main(["health", "--all", "--hub", fleet.hub_address, "--timeout-ms", "20000"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "no result" not in out
+    master_rows = [line for line in out.splitlines() if "│ master" in line]
+    assert master_rows and all("FAIL" in line and "unreachable" in line
+                               for line in master_rows), out
+    # The same master (same ports) comes back: the alert clears.
+    log = open(fleet.master.log_path, "ab")  # noqa: SIM115 - the child's log
+    fleet.master.proc = subprocess.Popen(fleet.master.command(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    fleet.wait("pool_unhealthy cleared", lambda al: not any(
+        x.rule == "pool_unhealthy" for x in al))
