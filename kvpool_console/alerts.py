@@ -2,8 +2,10 @@
 
 Each rule turns one condition an operator must act on into an :class:`Alert` with a severity
 (``warning`` or ``critical``) and a hint saying what usually fixes it. Hints for backend errors
-come from ``kvpool_connector.errors.HINTS`` so the console, the logs and the docs say the same
-thing. The rules mirror the deployment rules ``kvpool-config validate`` checks before start-up
+come from ``kvpool_agent.vocabulary.HINTS`` so the console, the logs and the docs say the same
+thing. One alert per cause: a pool's alerts are raised once per pool (named by its master),
+listing the engines that see it; an engine that failed to start gets only ``start_failed``.
+The rules mirror the deployment rules ``kvpool-config validate`` checks before start-up
 (kv_role per instance role, one backend for the fleet, ``default_kv_lease_ttl`` above transfer
 times, usage under ``eviction_high_watermark_ratio``), applied to what the fleet actually does.
 
@@ -63,8 +65,10 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
 
     ``rule`` is a stable id (``pool_watermark``, ``failed_after_hit``, ``lease_ttl``,
     ``lookup_errors``, ``backend_errors``, ``backend_mismatch``, ``kv_role_mismatch``,
-    ``pool_unhealthy``, ``stale``); ``subject`` the engine id (or pool name for pool rules);
-    ``key`` = ``f"{rule}:{subject}"`` identifies the alert across refreshes.
+    ``role_topology``, ``pool_unhealthy``, ``stale``, ``start_failed``, ``stuck_transfer``,
+    ``namespace_split``); ``subject`` the engine id (the pool name for pool rules, the model
+    name(s) for ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
+    across refreshes.
     """
 
     key: str
@@ -386,7 +390,8 @@ def _silence_alert(engine_id: str, group: list[EngineState], age: float, now_ms:
     if age > down_after_ms:
         return _alert("stale", "critical", engine_id,
                       f"down: no report for {age / 1e3:.0f} s",
-                      "engine process or its agent is gone; check the engine and "
+                      "the engine is hung or gone, or its agent cannot reach the hub: "
+                      f"`kvpool-console triage {engine_id}` tells which on its host; check "
                       "agent_address / KVPOOL_AGENT_ADDRESS", now_ms)
     return _alert("stale", "warning", engine_id,
                   f"stale: no report for {age / 1e3:.1f} s",

@@ -298,3 +298,21 @@ def test_master_down_one_pool_alert_and_health_shows_checks(
     log.close()
     fleet.wait("pool_unhealthy cleared", lambda al: not any(
         x.rule == "pool_unhealthy" for x in al))
+
+
+def test_bad_config_is_reported_before_the_connector_raises(fleet: Fleet) -> None:
+    # In this process, as vLLM builds the connector: chunk_size is not whole blocks.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpool_connector import KVPoolConnector
+    from kvpool_replay._sim_engine import _vllm_config
+
+    spec = EngineSpec(engine_id="c-a", master_address=fleet.master.address, model=fleet.model,
+                      shape=DEMO_SHAPE, chunk_size=100, trace_path="unused",
+                      agent_address=fleet.hub_address)
+    with pytest.raises(ValueError, match=r"chunk_size: 100 is not a multiple"):
+        KVPoolConnector(_vllm_config(spec), KVConnectorRole.WORKER, None)
+    a = fleet.wait("start_failed", _find("start_failed", "c-a"), timeout_s=10)
+    assert a.message.startswith("failed to start (c-a/dp0.tp0.pp0): ValueError: "
+                                "kv_connector_extra_config.chunk_size: 100 is not a multiple")
+    assert a.hint.startswith("fix the field the message names in kv_transfer_config")
