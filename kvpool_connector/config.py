@@ -65,12 +65,21 @@ _ROLE_WORDS: dict[str, InstanceRole] = {
 }
 
 
+# MindIE Motor's deployer (MindIE-PyMotor examples/deployer/startup/roles/engine.sh) starts each
+# engine with ROLE=prefill|decode|union|encode; "union" is a PD-mixed instance. Other values
+# (encode, or ROLE used by something else) declare nothing.
+_MOTOR_ROLE_ENV = "ROLE"
+_MOTOR_ROLES: dict[str, InstanceRole] = {"prefill": "prefill", "decode": "decode",
+                                         "union": "mixed"}
+
+
 def declared_instance_role(explicit: str | None, engine_id: str,
                            env: dict[str, str] | None = None) -> tuple[InstanceRole | None, str]:
     """The instance role declared outside ``kv_role``, and who declared it.
 
-    In order: ``kv_connector_extra_config.instance_role``, ``$KVPOOL_INSTANCE_ROLE``, a whole
-    word of the engine id (``prefill``/``prefiller``, ``decode``/``decoder``, ``mixed``).
+    In order: ``kv_connector_extra_config.instance_role``, ``$KVPOOL_INSTANCE_ROLE``, MindIE
+    Motor's ``$ROLE`` (``prefill``, ``decode``, ``union`` = mixed), a whole word of the engine
+    id (``prefill``/``prefiller``, ``decode``/``decoder``, ``mixed``).
 
     Returns:
         ``(role, source)``; ``(None, "")`` when nothing declares one (the role then follows
@@ -81,12 +90,16 @@ def declared_instance_role(explicit: str | None, engine_id: str,
     """
     if explicit:
         return explicit, "kv_connector_extra_config.instance_role"  # type: ignore[return-value]
-    value = (os.environ if env is None else env).get(INSTANCE_ROLE_ENV, "").strip().lower()
+    environ = os.environ if env is None else env
+    value = environ.get(INSTANCE_ROLE_ENV, "").strip().lower()
     if value:
         if value not in INSTANCE_ROLES:
             raise ValueError(f"{INSTANCE_ROLE_ENV}: {value!r} is not one of "
                              f"{', '.join(INSTANCE_ROLES)}")
         return value, INSTANCE_ROLE_ENV
+    motor = _MOTOR_ROLES.get(environ.get(_MOTOR_ROLE_ENV, "").strip().lower())
+    if motor is not None:
+        return motor, f"{_MOTOR_ROLE_ENV} (MindIE Motor)"
     words = {_ROLE_WORDS[w] for w in re.split(r"[^a-z]+", engine_id.lower()) if w in _ROLE_WORDS}
     if len(words) == 1:
         return words.pop(), "engine id"
@@ -122,7 +135,8 @@ class KVPoolConfig(BaseModel):
         declared_role: the instance role declared outside ``kv_role``
             (``declared_instance_role``), ``None`` when nothing declares one.
         role_source: who declared it (``kv_connector_extra_config.instance_role``,
-            ``KVPOOL_INSTANCE_ROLE``, ``engine id``); ``""`` when the role follows ``kv_role``.
+            ``KVPOOL_INSTANCE_ROLE``, ``ROLE (MindIE Motor)``, ``engine id``); ``""`` when the
+            role follows ``kv_role``.
         extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
     """
 

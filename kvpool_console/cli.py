@@ -180,10 +180,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def status_document(view: FleetView) -> dict[str, Any]:
     """The ``status --json`` document: ``engines`` (one object per engine with at least
-    engine_id, role, kv_role, backend, hit_rate, lookup_tokens, hit_tokens, loads_in_flight,
-    load_errors, segment_used_bytes, segment_total_bytes, next_lease_expiry_ms, stale; plus
-    its ``agents``), ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
+    engine_id, state (OK/WARNING/CRITICAL/STALE/DOWN/FAILED), role, kv_role, backend, hit_rate,
+    lookup_tokens, hit_tokens, loads_in_flight, load_errors, segment_used_bytes,
+    segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed; plus its ``agents``),
+    ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)
+    for engine, row in zip(doc["engines"], view.engines, strict=True):
+        engine["state"] = row.state
     return {"now_ms": doc["now_ms"], "engines": doc["engines"], "alerts": doc["alerts"],
             "pools": doc["pools"], "totals": doc["totals"]}
 

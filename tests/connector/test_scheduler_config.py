@@ -103,6 +103,7 @@ def test_from_vllm_kv_transfer_config_object() -> None:
 def test_declared_instance_role_comes_from_outside_kv_role(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPOOL_INSTANCE_ROLE", raising=False)
+    monkeypatch.delenv("ROLE", raising=False)
     # Nothing declares it: the role follows kv_role and a swap cannot be seen.
     cfg = parse(role="kv_consumer")
     assert (cfg.instance_role, cfg.declared_role, cfg.role_source) == ("decode", None, "")
@@ -119,6 +120,13 @@ def test_declared_instance_role_comes_from_outside_kv_role(
                                          "prefill, decode, mixed"):
         parse()
     monkeypatch.delenv("KVPOOL_INSTANCE_ROLE")
+    # MindIE Motor's deployer: ROLE=union is a mixed instance; ROLE=encode declares nothing.
+    monkeypatch.setenv("ROLE", "union")
+    cfg = parse({"engine_id": "prefill-0"}, role="kv_producer")
+    assert (cfg.instance_role, cfg.role_source) == ("mixed", "ROLE (MindIE Motor)")
+    monkeypatch.setenv("ROLE", "encode")
+    assert parse({"engine_id": "x"}, role="kv_both").declared_role is None
+    monkeypatch.delenv("ROLE")
     # A whole word of the engine id; none, or two different ones, declare nothing.
     assert parse({"engine_id": "llama.prefill.3"}).role_source == "engine id"
     assert parse({"engine_id": "llama.prefill.3"}).instance_role == "prefill"

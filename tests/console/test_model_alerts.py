@@ -221,8 +221,15 @@ def test_start_failure_topology_and_stuck_rules() -> None:
     assert [(a.rule, a.message, a.hint) for a in alerts] == [(
         "start_failed", "failed to start (p0/dp0.tp0.pp0): PortInUse: lookup socket held by "
         "engine x (pid 7)", "give each engine its own lookup_rpc_port")]
-    row = build_view(fleet, {}, NOW_MS + 120_000, alerts=alerts).engines[0]
+    view = build_view(fleet, {}, NOW_MS + 120_000, alerts=alerts)
+    row = view.engines[0]
     assert row.state == "FAILED" and row.failed.startswith("PortInUse: lookup socket")
+    from kvpool_console.cli import status_document
+
+    (doc,) = status_document(view)["engines"]
+    assert (doc["state"], doc["failed"], doc["failed_hint"]) == (
+        "FAILED", "PortInUse: lookup socket held by engine x (pid 7)",
+        "give each engine its own lookup_rpc_port")
 
     # A prefill that loads and never saves; a decode that saves and never loads.
     fleet = engine("p1", role="prefill", kv_role="kv_both") | engine("d1", role="decode")
