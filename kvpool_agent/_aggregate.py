@@ -20,6 +20,7 @@ from kvpool_agent.protocol import (
     PoolStats,
     ProcessStats,
     Source,
+    StartFailure,
     Transfer,
     TransferStats,
     clip,
@@ -31,6 +32,7 @@ from kvpool_agent.reporter import (
     Lookup,
     ReportedError,
     SaveSkipped,
+    StartFailed,
     TransferFinished,
     TransferProgress,
     TransferStarted,
@@ -119,6 +121,7 @@ class Aggregator:
         self._hits = _Buckets(_HIT_WINDOW_S, 2)
         self._rates = _Buckets(_RATE_WINDOW_S, 2)
         self._lookup_ms: OrderedDict[str, float] = OrderedDict()
+        self.start_failure: StartFailure | None = None
 
     def _record_error(self, err: ErrorRecord) -> None:
         # Messages quote exceptions and request ids come from API clients: clipped to what a
@@ -155,6 +158,10 @@ class Aggregator:
                 case LayoutKnown():
                     self.source = msgspec.structs.replace(
                         self.source, layout_digest=ev.digest, layout=dict(ev.facts))
+                case StartFailed():
+                    self.start_failure = StartFailure(
+                        ts_ms=ev.ts_ms, name=clip(ev.name, MAX_ID_CHARS),
+                        message=clip(ev.message), hint=clip(ev.hint))
                 case ReportedError():
                     self._record_error(
                         ErrorRecord(ts_ms=ev.ts_ms, where=ev.where, name=ev.name,
@@ -209,7 +216,9 @@ class Aggregator:
         if ev.kind == "load":
             tr.loaded_bytes += ev.nbytes
             self._rates.add(ev.ts_ms, ev.nbytes, 0)
-            if t is not None:
+            # A timed-out load ran as long as the timeout, not as long as the pool took: it
+            # must not feed the "slowest load vs lease TTL" rule (its own alert names it).
+            if t is not None and not ev.timed_out:
                 tr.max_load_ms = max(tr.max_load_ms, ev.ts_ms - t.started_ms)
             if ev.ok:
                 tr.loads_finished += 1
@@ -276,5 +285,6 @@ class Aggregator:
             pool=self.pool,
             process=msgspec.structs.replace(self.process),
             recent_errors=errors,
+            start_failure=self.start_failure,
         )
 

@@ -109,6 +109,7 @@ class _Agent:
         self._outbox: deque[CommandReply] = deque(maxlen=64)
         self._pending: set[cf.Future[CommandReply]] = set()
         self._stop = threading.Event()
+        self.failure_sent = threading.Event()
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
         self._http: httpx.Client | None = None
@@ -266,6 +267,8 @@ class _Agent:
         try:
             self.sock.send(frame, zmq.NOBLOCK)
             self.sent += 1
+            if st.start_failure is not None:
+                self.failure_sent.set()
         except zmq.Again:
             self.reports_dropped += 1
 
@@ -372,6 +375,24 @@ class AgentHandle:
         if self._agent is None:
             return EngineState(source=self.source, started_ms=self._started_ms, ts_ms=_now_ms())
         return self._agent.state()
+
+    def report_start_failure(self, name: str, message: str, hint: str,
+                             timeout_s: float = 3.0) -> bool:
+        """Tell the hub this process failed to start, then stop the agent.
+
+        Waits up to ``timeout_s`` for a report carrying the failure to leave (the hub may not
+        be connected yet: reports are dropped until it is), so the failure is a fleet event
+        before the process exits.
+
+        Returns:
+            True when a report with the failure was sent; False without an agent or when
+            ``timeout_s`` ran out. Never raises.
+        """
+        self.reporter.start_failed(name, message, hint)
+        agent = self._agent
+        sent = agent is not None and agent.failure_sent.wait(timeout_s)
+        self.stop()
+        return sent
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the agent thread and close its sockets (waits at most ``timeout_s``).

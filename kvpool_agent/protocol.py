@@ -52,6 +52,7 @@ __all__ = [
     "SegmentUsage",
     "SeqTracker",
     "Source",
+    "StartFailure",
     "Transfer",
     "TransferStats",
     "clip",
@@ -146,6 +147,10 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     layout: dict[str, str | int] = msgspec.field(default_factory=dict)
     """What ``layout_digest`` hashes (model revision, dtypes, cache shape, block and chunk size,
     layers, KV heads, head size, parallel sizes...), to see why two engines do not share."""
+    role_source: Name = ""
+    """Who declared ``instance_role`` (``kv_connector_extra_config.instance_role``,
+    ``KVPOOL_INSTANCE_ROLE``, ``engine id``); ``""``: nothing did, it was derived from
+    ``kv_role`` (so a swapped ``kv_role`` cannot be told from it)."""
 
 
 class LookupStats(msgspec.Struct, kw_only=True):
@@ -192,7 +197,8 @@ class TransferStats(msgspec.Struct, kw_only=True):
     ``errors_by_name`` counts failures by backend error name (``LEASE_EXPIRED``,
     ``OBJECT_NOT_FOUND``, ``NO_AVAILABLE_HANDLE``, ``TRANSFER_FAIL``, ``TIMEOUT``...).
     ``failed_after_hit`` counts loads that failed with LEASE_EXPIRED or OBJECT_NOT_FOUND after
-    a positive lookup. Throughputs are bytes/s over the last 10 s.
+    a positive lookup. Throughputs are bytes/s over the last 10 s. ``max_load_ms`` is the
+    slowest load that ended without timing out (a timed-out load lasted the timeout).
     """
 
     loads_finished: int = 0
@@ -265,8 +271,23 @@ class ErrorRecord(msgspec.Struct, kw_only=True):
     req_id: Name | None = None
 
 
+class StartFailure(msgspec.Struct, kw_only=True):
+    """Why the connector process failed to start (sent before the process exits).
+
+    ``name``: the error's class (``PortInUse``, ``BackendUnavailable``, ``ValueError``...) or
+    backend error name; ``message``: the error as the engine logged it; ``hint``: the fix.
+    """
+
+    ts_ms: float
+    name: Name
+    message: FreeText
+    hint: FreeText = ""
+
+
 class EngineState(msgspec.Struct, kw_only=True):
-    """Everything one agent knows, as of ``ts_ms``."""
+    """Everything one agent knows, as of ``ts_ms``. ``start_failure`` is set when the
+    process failed to start (the console lists the engine as FAILED until it reports again
+    without one, or is forgotten)."""
 
     source: Source
     started_ms: float
@@ -277,6 +298,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     pool: PoolStats | None = None
     process: ProcessStats = msgspec.field(default_factory=ProcessStats)
     recent_errors: list[ErrorRecord] = msgspec.field(default_factory=list)
+    start_failure: StartFailure | None = None
 
 
 class Report(msgspec.Struct, tag="report", kw_only=True):

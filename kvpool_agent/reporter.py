@@ -29,6 +29,7 @@ __all__ = [
     "ReportedError",
     "Reporter",
     "SaveSkipped",
+    "StartFailed",
     "TransferFinished",
     "TransferKind",
     "TransferProgress",
@@ -123,6 +124,15 @@ class LayoutKnown(msgspec.Struct, array_like=True, frozen=True):
     facts: dict[str, str | int]
 
 
+class StartFailed(msgspec.Struct, array_like=True, frozen=True):
+    """The connector failed to start (see ``Reporter.start_failed``)."""
+
+    ts_ms: float
+    name: str
+    message: str
+    hint: str
+
+
 Event = (
     Lookup
     | Loaded
@@ -132,6 +142,7 @@ Event = (
     | SaveSkipped
     | ReportedError
     | LayoutKnown
+    | StartFailed
 )
 """What ``Reporter.drain`` returns; ``ts_ms`` of every event is wall-clock ms since the epoch."""
 
@@ -245,6 +256,12 @@ class Reporter:
         ``Source.layout``."""
         self._put(LayoutKnown(time.time() * 1e3, digest, facts))
 
+    def start_failed(self, name: str, message: str, hint: str) -> None:
+        """The connector failed to start and its process is about to exit: ``name`` of the
+        error (``PortInUse``, ``BackendUnavailable``...), its ``message`` and the ``hint`` that
+        fixes it. The agent reports it in ``EngineState.start_failure``."""
+        self._put(StartFailed(time.time() * 1e3, name, message, hint))
+
 
 class NullReporter(Reporter):
     """A ``Reporter`` for a process without an agent: every method returns at once, no event
@@ -308,4 +325,7 @@ class NullReporter(Reporter):
         """Does nothing."""
 
     def layout(self, digest: str, facts: dict[str, str | int]) -> None:
+        """Does nothing."""
+
+    def start_failed(self, name: str, message: str, hint: str) -> None:
         """Does nothing."""

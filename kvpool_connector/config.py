@@ -12,18 +12,26 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, INSTANCE_ROLE_OF, InstanceRole, KVRole
+from kvpool_agent.vocabulary import (
+    AGENT_ADDRESS_ENV,
+    INSTANCE_ROLE_ENV,
+    INSTANCE_ROLE_OF,
+    INSTANCE_ROLES,
+    InstanceRole,
+    KVRole,
+)
 from kvpool_connector._validation import field_problems
 from kvpool_connector.keys import normalize_model_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CONNECTOR_EXTRA_KEYS", "KVPoolConfig"]
+__all__ = ["CONNECTOR_EXTRA_KEYS", "KVPoolConfig", "declared_instance_role"]
 
 
 class _ExtraFields(BaseModel):
@@ -43,11 +51,59 @@ class _ExtraFields(BaseModel):
     lease_ttl_ms: int = Field(default=0, ge=0)
     agent_address: str | None = None
     engine_id: str | None = None
+    instance_role: InstanceRole | None = None
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
 CONNECTOR_EXTRA_KEYS = _KNOWN
 """The connector's own ``kv_connector_extra_config`` keys (``kvpool-config`` checks these)."""
+
+# Whole words of an engine id that name its role, e.g. ``prefill-0``, ``llama.decode.3``.
+_ROLE_WORDS: dict[str, InstanceRole] = {
+    "prefill": "prefill", "prefiller": "prefill", "decode": "decode", "decoder": "decode",
+    "mixed": "mixed",
+}
+
+
+# MindIE Motor's deployer (MindIE-PyMotor examples/deployer/startup/roles/engine.sh) starts each
+# engine with ROLE=prefill|decode|union|encode; "union" is a PD-mixed instance. Other values
+# (encode, or ROLE used by something else) declare nothing.
+_MOTOR_ROLE_ENV = "ROLE"
+_MOTOR_ROLES: dict[str, InstanceRole] = {"prefill": "prefill", "decode": "decode",
+                                         "union": "mixed"}
+
+
+def declared_instance_role(explicit: str | None, engine_id: str,
+                           env: dict[str, str] | None = None) -> tuple[InstanceRole | None, str]:
+    """The instance role declared outside ``kv_role``, and who declared it.
+
+    In order: ``kv_connector_extra_config.instance_role``, ``$KVPOOL_INSTANCE_ROLE``, MindIE
+    Motor's ``$ROLE`` (``prefill``, ``decode``, ``union`` = mixed), a whole word of the engine
+    id (``prefill``/``prefiller``, ``decode``/``decoder``, ``mixed``).
+
+    Returns:
+        ``(role, source)``; ``(None, "")`` when nothing declares one (the role then follows
+        ``kv_role``, and a swapped ``kv_role`` cannot be seen).
+
+    Raises:
+        ValueError: ``$KVPOOL_INSTANCE_ROLE`` is set to something else than the three roles.
+    """
+    if explicit:
+        return explicit, "kv_connector_extra_config.instance_role"  # type: ignore[return-value]
+    environ = os.environ if env is None else env
+    value = environ.get(INSTANCE_ROLE_ENV, "").strip().lower()
+    if value:
+        if value not in INSTANCE_ROLES:
+            raise ValueError(f"{INSTANCE_ROLE_ENV}: {value!r} is not one of "
+                             f"{', '.join(INSTANCE_ROLES)}")
+        return value, INSTANCE_ROLE_ENV
+    motor = _MOTOR_ROLES.get(environ.get(_MOTOR_ROLE_ENV, "").strip().lower())
+    if motor is not None:
+        return motor, f"{_MOTOR_ROLE_ENV} (MindIE Motor)"
+    words = {_ROLE_WORDS[w] for w in re.split(r"[^a-z]+", engine_id.lower()) if w in _ROLE_WORDS}
+    if len(words) == 1:
+        return words.pop(), "engine id"
+    return None, ""
 
 
 class KVPoolConfig(BaseModel):
@@ -76,6 +132,11 @@ class KVPoolConfig(BaseModel):
         instance_id: vLLM's ``VllmConfig.instance_id`` (the same in the scheduler and the workers
             of one engine, new per engine); ``""`` when not built from a ``VllmConfig``.
         dp_rank: data-parallel rank of this engine.
+        declared_role: the instance role declared outside ``kv_role``
+            (``declared_instance_role``), ``None`` when nothing declares one.
+        role_source: who declared it (``kv_connector_extra_config.instance_role``,
+            ``KVPOOL_INSTANCE_ROLE``, ``ROLE (MindIE Motor)``, ``engine id``); ``""`` when the
+            role follows ``kv_role``.
         extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
     """
 
@@ -99,6 +160,8 @@ class KVPoolConfig(BaseModel):
     instance_id: str = ""
     dp_rank: int = 0
     extra: dict[str, Any] = Field(default_factory=dict)
+    declared_role: InstanceRole | None = None
+    role_source: str = ""
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -107,8 +170,9 @@ class KVPoolConfig(BaseModel):
 
     @property
     def instance_role(self) -> InstanceRole:
-        """``prefill`` for ``kv_producer``, ``decode`` for ``kv_consumer``, else ``mixed``."""
-        return INSTANCE_ROLE_OF[self.kv_role]
+        """The declared role (``declared_role``); without one ``prefill`` for
+        ``kv_producer``, ``decode`` for ``kv_consumer``, else ``mixed``."""
+        return self.declared_role or INSTANCE_ROLE_OF[self.kv_role]
 
     @property
     def should_load(self) -> bool:
@@ -172,7 +236,10 @@ class KVPoolConfig(BaseModel):
                 f"kv_connector_extra_config.chunk_size: {chunk_size} is not a multiple of vLLM's "
                 f"block_size {block_size}; use e.g. {max(1, chunk_size // block_size) * block_size}"
             )
-        values: dict[str, Any] = fields.model_dump(exclude={"chunk_size", "engine_id"})
+        values: dict[str, Any] = fields.model_dump(
+            exclude={"chunk_size", "engine_id", "instance_role"})
+        eid = fields.engine_id or engine_id or "engine"
+        declared, role_source = declared_instance_role(fields.instance_role, eid)
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None
         try:
             return cls(
@@ -181,10 +248,12 @@ class KVPoolConfig(BaseModel):
                 chunk_size=chunk_size,
                 kv_role=cast(KVRole, role),
                 model=normalize_model_name(model),
-                engine_id=fields.engine_id or engine_id or "engine",
+                engine_id=eid,
                 instance_id=instance_id,
                 dp_rank=dp_rank,
                 extra=raw,
+                declared_role=declared,
+                role_source=role_source,
             )
         except ValidationError as exc:
             raise ValueError(field_problems(exc, "kv_transfer_config.", show_input=True)) from None

@@ -32,6 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool_agent import AgentHandle, start_agent
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
+from kvpool_agent.reporter import Reporter
+from kvpool_agent.vocabulary import INSTANCE_ROLE_OF, KV_ROLE_FOR, KV_ROLES
 from kvpool_connector._layout_digest import ModelFacts
 from kvpool_connector._stats import (
     KVPoolConnectorStats,
@@ -39,10 +41,16 @@ from kvpool_connector._stats import (
     StatsCollector,
     StatsTap,
 )
-from kvpool_connector.backends.base import Backend
+from kvpool_connector.backends.base import Backend, BackendUnavailable
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout
-from kvpool_connector.lookup import LookupClient, LookupServer, lookup_socket_path
+from kvpool_connector.lookup import (
+    LookupClient,
+    LookupServer,
+    PortInUse,
+    RuntimeDirError,
+    lookup_socket_path,
+)
 from kvpool_connector.metadata import KVPoolConnectorMetadata
 from kvpool_connector.operations import BackendOperations
 from kvpool_connector.scheduler import KVPoolScheduler
@@ -119,6 +127,25 @@ def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
     )
 
 
+def _start_hint(exc: Exception) -> str:
+    """What fixes a start failure, by its kind (shown by the console next to the error)."""
+    if isinstance(exc, PortInUse):
+        return ("another live engine holds this lookup socket on the host: give each engine "
+                "its own kv_connector_extra_config.lookup_rpc_port, or leave it unset (the "
+                "socket is then named from vLLM's instance_id)")
+    if isinstance(exc, RuntimeDirError):
+        return ("fix the lookup socket's runtime directory named in the message: remove it, "
+                "or set KVPOOL_RUNTIME_DIR to a directory only the engine's user can access")
+    if isinstance(exc, (BackendUnavailable, ImportError)):
+        return ("install the backend's package on this host (mooncake: pip install "
+                "mooncake-transfer-engine) and start its service, or set "
+                "kv_connector_extra_config.backend to one that is installed")
+    if isinstance(exc, (ValueError, KeyError)):
+        return ("fix the field the message names in kv_transfer_config; `kvpool-config "
+                "validate` checks a configuration before the engine starts")
+    return "see the engine's log for the traceback"
+
+
 class KVPoolConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector backed by a shared pool (Mooncake Store, openYuanrong, MemCache).
 
@@ -141,14 +168,28 @@ class KVPoolConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-        self.kv_config = KVPoolConfig.from_vllm_config(vllm_config)
         self._scheduler: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
         self._lookup_server: LookupServer | None = None
         self._agent: AgentHandle | None = None
         self._operations: BackendOperations | None = None
+        self._layout = ParallelLayout()
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        try:
+            self._setup(vllm_config, is_scheduler, kv_cache_config)
+        except Exception as exc:
+            self._report_start_failure(exc, "scheduler" if is_scheduler else "worker")
+            raise
+
+    def _setup(self, vllm_config: VllmConfig, is_scheduler: bool,
+               kv_cache_config: KVCacheConfig | None) -> None:
+        self.kv_config = KVPoolConfig.from_vllm_config(vllm_config)
         cfg = self.kv_config
-        if role == KVConnectorRole.SCHEDULER:
+        if cfg.declared_role is not None and INSTANCE_ROLE_OF[cfg.kv_role] != cfg.declared_role:
+            logger.warning("KVPoolConnector: %s instance (declared by %s) runs kv_role %s; "
+                           "set kv_role to %s", cfg.declared_role, cfg.role_source, cfg.kv_role,
+                           KV_ROLE_FOR[cfg.declared_role])
+        if is_scheduler:
             reporter = self._start_agent("scheduler", ParallelLayout(), backend=None)
             lookup = (
                 LookupClient(lookup_rpc_port=cfg.lookup_rpc_port, instance_id=cfg.instance_id,
@@ -193,6 +234,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                                                 instance_id=cfg.instance_id))]
                 if cfg.should_load else [],
                 master=getattr(backend_cfg, "master_server_address", "")),
+            role_source=cfg.role_source,
         )
         if backend is not None:
             # The key scope is known once register_kv_caches computed the layout digest.
@@ -231,6 +273,55 @@ class KVPoolConnector(KVConnectorBase_V1):
         """The ``vllm:kvpool_*`` series of vLLM's Prometheus metrics
         (``kvpool_connector._stats.KVPoolPromMetrics``)."""
         return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _report_start_failure(self, exc: Exception, process_role: str) -> None:
+        """Report ``exc`` to the hub as this process's start failure (``kvpool_agent``
+        ``StartFailure``: error name, message, fix) before it propagates and the engine exits.
+        Without a hub address nothing is sent; a failure here is logged, never raised."""
+        try:
+            agent = self._agent
+            if agent is None:
+                agent = start_agent(self._failure_source(process_role),
+                                    address=self._failure_address())
+            self._agent = None
+            agent.report_start_failure(type(exc).__name__, str(exc), _start_hint(exc))
+        except Exception:
+            logger.exception("KVPoolConnector: could not report the start failure")
+
+    def _failure_address(self) -> str | None:
+        cfg = getattr(self, "kv_config", None)
+        if cfg is not None:
+            return cfg.agent_address
+        ktc = self._vllm_config.kv_transfer_config
+        extra = (ktc.kv_connector_extra_config if ktc is not None else None) or {}
+        address = extra.get("agent_address")
+        return address if isinstance(address, str) else None
+
+    def _failure_source(self, process_role: str) -> Source:
+        """Who reports a start failure: from the parsed config when it parsed, else from the
+        raw ``kv_transfer_config`` (the failure may be that it does not parse)."""
+        layout = self._layout
+        cfg = getattr(self, "kv_config", None)
+        if cfg is not None:
+            engine_id, kv_role, dp = cfg.engine_id, cfg.kv_role, cfg.dp_rank
+            role, role_source = cfg.instance_role, cfg.role_source
+            backend, model = cfg.backend, cfg.model
+        else:
+            ktc = self._vllm_config.kv_transfer_config
+            extra = (ktc.kv_connector_extra_config if ktc is not None else None) or {}
+            engine_id = str(extra.get("engine_id") or (ktc.engine_id if ktc else "") or "engine")
+            raw_role = ktc.kv_role if ktc is not None else None
+            kv_role = raw_role if raw_role in KV_ROLES else "kv_both"
+            dp = self._vllm_config.parallel_config.data_parallel_rank
+            role, role_source = INSTANCE_ROLE_OF[kv_role], ""
+            backend, model = str(extra.get("backend", "")), ""
+        agent_id = (f"{engine_id}/scheduler" if process_role == "scheduler"
+                    else f"{engine_id}/dp{dp}.tp{layout.tp_rank}.pp{layout.pp_rank}")
+        return Source(agent_id=agent_id, engine_id=engine_id, instance_role=role,
+                      kv_role=kv_role, process_role=process_role,  # type: ignore[arg-type]
+                      dp_rank=dp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
+                      pid=os.getpid(), host=socket.gethostname(), backend=backend, model=model,
+                      role_source=role_source, **process_facts())
 
     # --------------------------------------------------------------- scheduler
 
@@ -292,10 +383,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._operations is not None:
             self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
         if cfg.should_load and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
-            self._lookup_server = LookupServer(
-                worker.lookup_chunks, lookup_rpc_port=cfg.lookup_rpc_port,
-                instance_id=cfg.instance_id, dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
-            )
+            try:
+                self._lookup_server = LookupServer(
+                    worker.lookup_chunks, lookup_rpc_port=cfg.lookup_rpc_port,
+                    instance_id=cfg.instance_id, dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
+                )
+            except (PortInUse, RuntimeDirError) as exc:
+                self._report_start_failure(exc, "worker")
+                raise
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Wait for saves/loads of requests preempted this step before vLLM zeroes or hands

@@ -28,6 +28,7 @@ from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane
 
 from kvpool_agent.protocol import EngineState
+from kvpool_console._liveness import local_process_alive
 from kvpool_console._messages import (
     EngineChosen,
     FlushFinished,
@@ -35,7 +36,7 @@ from kvpool_console._messages import (
     HealthFinished,
     HealthRequested,
 )
-from kvpool_console.alerts import Alert, AlertTracker, evaluate
+from kvpool_console.alerts import WATERMARK_MARGIN, Alert, AlertTracker, evaluate
 from kvpool_console.model import SORT_KEYS, EngineRow, FleetModel, FleetView, select_rows
 from kvpool_console.screens import (
     EngineDetail,
@@ -118,8 +119,14 @@ class KVPoolConsole(App[None]):
 
     def __init__(self, source: FleetSource, *, refresh_s: float = 1.0,
                  clock: Callable[[], float] = _wall_ms, stale_after_ms: float = 5_000.0,
-                 down_after_ms: float = 30_000.0, ssh_config: str | None = None) -> None:
+                 down_after_ms: float = 30_000.0, ssh_config: str | None = None,
+                 watermark_ratio: float | None = None, watermark_margin: float = WATERMARK_MARGIN,
+                 stuck_after_ms: float | None = None) -> None:
         super().__init__()
+        self.watermark_ratio = watermark_ratio
+        self.watermark_margin = watermark_margin
+        self.stuck_after_ms = stuck_after_ms
+        """Alert settings (``kvpool_console.alerts.evaluate``), from the command line."""
         self.source = source
         self.ssh_config = ssh_config
         """The ssh config file SSH triage uses (``--ssh-config``); None: ``~/.ssh/config``."""
@@ -186,7 +193,10 @@ class KVPoolConsole(App[None]):
         now = self.clock()
         alerts = self.tracker.update(
             evaluate(states, seen, now, stale_after_ms=self.stale_after_ms,
-                     down_after_ms=self.down_after_ms), now)
+                     down_after_ms=self.down_after_ms, active=self.tracker.active_keys,
+                     watermark_ratio=self.watermark_ratio,
+                     watermark_margin=self.watermark_margin,
+                     stuck_after_ms=self.stuck_after_ms, alive=local_process_alive), now)
         self.states = states
         self.query_one(EventsView).log_alerts(self.tracker.new, now)
         self.view = self.model.sample(states, seen, now, alerts)

@@ -40,14 +40,16 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
+from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import plain
-from kvpool_console.alerts import SEVERITY_RANK, evaluate
+from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, evaluate
 from kvpool_console.model import (
     FleetView,
     build_view,
     fmt_age,
     fmt_bytes,
     fmt_lease,
+    health_rows,
     sum_flush,
 )
 from kvpool_console.source import ClientSource, FleetSource, now_ms
@@ -82,6 +84,16 @@ def _common(top: bool) -> argparse.ArgumentParser:
                         help="operator key directory (kvpool-agent keygen); omit: read-only")
     common.add_argument("--wait", type=float, default=default(3.0), metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
+    common.add_argument("--watermark-ratio", type=_fraction, default=default(None),
+                        metavar="R", help="pool usage fraction that raises pool_watermark "
+                        "(default: the pool's eviction_high_watermark_ratio)")
+    common.add_argument("--watermark-margin", type=_fraction,
+                        default=default(WATERMARK_MARGIN), metavar="M",
+                        help="pool_watermark clears below ratio - M "
+                             f"(default {WATERMARK_MARGIN})")
+    common.add_argument("--stuck-after-ms", type=_at_least(1), default=default(None),
+                        metavar="MS", help="a load or save in flight longer than this is stuck "
+                        "(default: the pool's lease TTL, else 10000)")
     return common
 
 
@@ -93,6 +105,13 @@ def _at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
     return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value:g}")
+    return value
 
 
 def _non_negative(text: str) -> float:
@@ -161,11 +180,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def status_document(view: FleetView) -> dict[str, Any]:
     """The ``status --json`` document: ``engines`` (one object per engine with at least
-    engine_id, role, kv_role, backend, hit_rate, lookup_tokens, hit_tokens, loads_in_flight,
-    load_errors, segment_used_bytes, segment_total_bytes, next_lease_expiry_ms, stale,
-    local_tokens, local_hit_rate, loaded_tokens, recomputed_tokens; plus its ``agents``),
+    engine_id, state (OK/WARNING/CRITICAL/STALE/DOWN/FAILED), role, kv_role, backend, hit_rate,
+    lookup_tokens, hit_tokens, loads_in_flight, load_errors, segment_used_bytes,
+    segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
+    local_hit_rate, loaded_tokens, recomputed_tokens; plus its ``agents``),
     ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)
+    for engine, row in zip(doc["engines"], view.engines, strict=True):
+        engine["state"] = row.state
     return {"now_ms": doc["now_ms"], "engines": doc["engines"], "alerts": doc["alerts"],
             "pools": doc["pools"], "totals": doc["totals"]}
 
@@ -186,30 +208,34 @@ def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     return src
 
 
-def _view(src: FleetSource) -> FleetView:
+def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
     states, seen = src.fleet()
     now = now_ms()
-    return build_view(states, seen, now, alerts=evaluate(states, seen, now))
+    # Callers building their own Namespace may leave the alert options out: their defaults.
+    return build_view(states, seen, now, alerts=evaluate(
+        states, seen, now, watermark_ratio=getattr(args, "watermark_ratio", None),
+        watermark_margin=getattr(args, "watermark_margin", WATERMARK_MARGIN),
+        stuck_after_ms=getattr(args, "stuck_after_ms", None), alive=local_process_alive))
 
 
 def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
-    view = _view(src)
+    view = _view(src, args)
     if args.json:
         sys.stdout.write(msgspec.json.encode(status_document(view)).decode() + "\n")
     else:
         t = Table(title=f"kvpool fleet @ {src.address}", expand=False)
         for col in ("Engine", "State", "Role", "KV role", "Backend", "Hit", "Hit/Looked",
-                    "Ld", "Sv", "Fail", "Pool", "Lease", "Age"):
+                    "Ld", "Sv", "Fail", "Pool", "Lease", "Age", "Namespace"):
             t.add_column(col)
         for r in view.engines:
-            state = "DOWN" if r.down else "STALE" if r.stale else (r.severity or "ok").upper()
             pool = (f"{fmt_bytes(r.segment_used_bytes)}/{fmt_bytes(r.segment_total_bytes)}"
                     if r.segment_total_bytes else "-")
-            t.add_row(plain(r.engine_id), state, r.role, r.kv_role, plain(r.backend),
+            t.add_row(plain(r.engine_id), r.state, r.role, r.kv_role, plain(r.backend),
                       f"{r.hit_rate:.1%}",
                       f"{r.hit_tokens}/{r.lookup_tokens}", str(r.loads_in_flight),
                       str(r.saves_in_flight), str(r.load_errors), pool,
-                      fmt_lease(r.next_lease_expiry_ms, view.now_ms), fmt_age(r.age_ms))
+                      fmt_lease(r.next_lease_expiry_ms, view.now_ms), fmt_age(r.age_ms),
+                      plain(r.namespace or "-"))
         out.print(t)
         tot = view.totals
         out.print(f"{tot.engines} engines ({tot.stale} stale, {tot.down} down), "
@@ -273,13 +299,8 @@ def _health(args: argparse.Namespace, src: FleetSource, out: Console, err: Conso
     t = Table(title="health")
     for col in ("Agent", "Check", "OK", "ms", "Detail"):
         t.add_column(col)
-    for r in sorted(replies, key=lambda r: r.agent_id):
-        if not r.ok or r.health is None:
-            t.add_row(plain(r.agent_id), "-", "[red]FAIL[/]", "", plain(r.error or "no result"))
-            continue
-        for c in r.health.checks:
-            t.add_row(plain(r.agent_id), plain(c.name), "ok" if c.ok else "[red]FAIL[/]",
-                      f"{c.latency_ms:.1f}", plain(c.detail))
+    for agent, check, ok, ms, detail in health_rows(replies):
+        t.add_row(plain(agent), plain(check), "ok" if ok else "[red]FAIL[/]", ms, plain(detail))
     out.print(t)
     return EXIT_ALERT if failed else EXIT_OK
 
@@ -381,11 +402,13 @@ def _signals() -> Iterator[_Signals]:
             signal.signal(s, handler)
 
 
-def _run_tui(source: FleetSource, refresh_s: float, sig: _Signals,
-             ssh_config: str | None) -> None:
+def _run_tui(source: FleetSource, args: argparse.Namespace, sig: _Signals) -> None:
     from kvpool_console.app import KVPoolConsole
 
-    sig.app = KVPoolConsole(source, refresh_s=refresh_s, ssh_config=ssh_config)
+    sig.app = KVPoolConsole(source, refresh_s=args.refresh, ssh_config=args.ssh_config,
+                            watermark_ratio=args.watermark_ratio,
+                            watermark_margin=args.watermark_margin,
+                            stuck_after_ms=args.stuck_after_ms)
     try:
         sig.app.run()
     finally:
@@ -452,7 +475,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) ->
             return _forget(args, src, out, err)
         if args.cmd == "triage":
             return triage_cli.run(args, src, out, err)
-        _run_tui(src, args.refresh, sig, args.ssh_config)
+        _run_tui(src, args, sig)
         return EXIT_OK
     finally:
         src.close()

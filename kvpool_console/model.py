@@ -18,8 +18,8 @@ from typing import Literal
 
 import msgspec
 
-from kvpool_agent.protocol import CommandReply, EngineState, FlushResult, PoolStats
-from kvpool_console.alerts import SEVERITY_RANK, Alert
+from kvpool_agent.protocol import CommandReply, EngineState, FlushResult
+from kvpool_console.alerts import SEVERITY_RANK, Alert, pool_name
 
 __all__ = [
     "SORT_KEYS",
@@ -33,6 +33,8 @@ __all__ = [
     "fmt_age",
     "fmt_bytes",
     "fmt_lease",
+    "health_rows",
+    "namespace_text",
     "select_rows",
     "sum_flush",
 ]
@@ -81,6 +83,11 @@ class EngineRow(msgspec.Struct, kw_only=True):
     tokens, ``local_tokens`` came from vLLM's own prefix cache (``local_hit_rate`` =
     local / prompt), ``loaded_tokens`` from the pool and ``recomputed_tokens`` = prompt - local
     - loaded were computed by vLLM; ``hit_tokens`` are those the pool held beyond the local hit.
+
+    ``ranks`` names the 0-based ranks its workers hold (``dp0 tp0-3 pp0``); ``failed`` is
+    ``"NAME: message"`` when the engine reported a start failure (state FAILED) and
+    ``failed_hint`` its fix; ``namespace`` its key namespace (``namespace_text``);
+    ``role_source`` who declared ``role`` ("" when it follows ``kv_role``).
     """
 
     engine_id: str
@@ -122,6 +129,18 @@ class EngineRow(msgspec.Struct, kw_only=True):
     local_tokens: int = 0
     local_hit_rate: float = 0.0
     recomputed_tokens: int = 0
+    failed: str = ""
+    failed_hint: str = ""
+    namespace: str = ""
+    role_source: str = ""
+
+    @property
+    def state(self) -> str:
+        """``FAILED``, ``DOWN``, ``STALE``, else the worst alert severity upper-cased or
+        ``OK``."""
+        if self.failed:
+            return "FAILED"
+        return "DOWN" if self.down else "STALE" if self.stale else (self.severity or "ok").upper()
 
 
 class PoolRow(msgspec.Struct, kw_only=True):
@@ -181,10 +200,42 @@ def _ranks(st: EngineState) -> str:
     return f"dp{s.dp_rank}.tp{s.tp_rank}.pp{s.pp_rank}"
 
 
-def _pool_name(p: PoolStats, engine_id: str) -> str:
-    if p.segments:
-        return f"{p.backend}:" + ",".join(sorted(s.name for s in p.segments))
-    return f"{p.backend}:{engine_id}"
+def _span(ranks: set[int]) -> str:
+    """0-based ranks as ``0``, ``0-3`` (contiguous) or ``0,2``."""
+    lo, hi = min(ranks), max(ranks)
+    if len(ranks) == 1:
+        return str(lo)
+    return f"{lo}-{hi}" if len(ranks) == hi - lo + 1 else ",".join(map(str, sorted(ranks)))
+
+
+def namespace_text(model: str, digest: str, layout: Mapping[str, str | int]) -> str:
+    """An engine's key namespace in one line: ``model @digest chunk 512 block 16`` (keys are
+    ``kvpool@<model>@<digest>@<ranks>@<chunk hash>``, the chunk hash salted per request with
+    ``cache_salt`` and the LoRA name); ``""`` until a worker reported its layout."""
+    if not digest:
+        return ""
+    text = f"{model} @{digest}"
+    for k in ("chunk_size", "block_size"):
+        if k in layout:
+            text += f" {k.removesuffix('_size')} {layout[k]}"
+    return text
+
+
+def health_rows(replies: list[CommandReply]) -> list[tuple[str, str, bool, str, str]]:
+    """One row per health check of each reply: ``(agent id, check, ok, latency ms text,
+    detail)``, sorted by agent id. A failed reply that carries checks shows each check with the
+    backend's error (and the reply's error, when any, as a row of its own); one without checks
+    shows its error, or ``"agent sent no health result"``."""
+    rows: list[tuple[str, str, bool, str, str]] = []
+    for r in sorted(replies, key=lambda r: r.agent_id):
+        checks = r.health.checks if r.health is not None else []
+        for c in checks:
+            detail = c.detail + (f" (code {c.code})" if c.code is not None else "")
+            rows.append((r.agent_id, c.name, c.ok, f"{c.latency_ms:.1f}", detail))
+        if r.error or not checks:
+            rows.append((r.agent_id, "reply", False, "",
+                         r.error or "agent sent no health result"))
+    return rows
 
 
 def _in_flight(states: Iterable[EngineState], kind: str) -> int:
@@ -229,10 +280,12 @@ def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[
     leases = [t.lease_expires_ms for s in group for t in s.in_flight
               if t.lease_expires_ms is not None]
     workers = [s for s in group if s.source.process_role == "worker"]
-    dims = (len({s.source.dp_rank for s in workers}), len({s.source.tp_rank for s in workers}),
-            len({s.source.pp_rank for s in workers}))
-    ranks = f"dp{dims[0]} tp{dims[1]} pp{dims[2]}" if workers else "-"
+    ranks = (f"dp{_span({s.source.dp_rank for s in workers})} "
+             f"tp{_span({s.source.tp_rank for s in workers})} "
+             f"pp{_span({s.source.pp_rank for s in workers})}") if workers else "-"
     described = [s.source for s in workers if s.source.layout_digest]
+    failures = [s.start_failure for s in group if s.start_failure is not None]
+    failure = max(failures, key=lambda f: f.ts_ms) if failures else None
     age = now_ms - last
     return EngineRow(
         engine_id=engine_id, role=head.instance_role, kv_role=head.kv_role, ranks=ranks,
@@ -262,6 +315,11 @@ def _engine_row(engine_id: str, group: list[EngineState], last_seen_ms: Mapping[
         local_tokens=local, local_hit_rate=local / prompt if prompt else 0.0,
         recomputed_tokens=sum(max(0, s.lookup.prompt_tokens - s.lookup.local_tokens
                                   - s.lookup.loaded_tokens) for s in group),
+        failed=f"{failure.name}: {failure.message}" if failure else "",
+        failed_hint=failure.hint if failure else "",
+        namespace=namespace_text(described[0].model, described[0].layout_digest,
+                                 described[0].layout) if described else "",
+        role_source=head.role_source,
     )
 
 
@@ -270,7 +328,7 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
     for st in states:
         if st.pool is None:
             continue
-        name = _pool_name(st.pool, st.source.engine_id)
+        name = pool_name(st)
         prev = newest.get(name)
         n = prev[1] + 1 if prev else 1
         newest[name] = (st, n) if prev is None or st.ts_ms > prev[0].ts_ms else (prev[0], n)

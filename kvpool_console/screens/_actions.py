@@ -24,7 +24,7 @@ from kvpool_console._messages import (
     HealthRequested,
 )
 from kvpool_console._text import plain
-from kvpool_console.model import fmt_bytes, sum_flush
+from kvpool_console.model import fmt_bytes, health_rows, sum_flush
 
 __all__ = ["ConfirmScreen", "FlushScreen", "HealthScreen"]
 
@@ -67,19 +67,11 @@ class HealthScreen(ModalScreen[None]):
         self.replies = replies
         table = self.query_one("#health-table", DataTable)
         bad = 0
-        for r in sorted(replies, key=lambda r: r.agent_id):
-            if not r.ok or r.health is None:
-                bad += 1
-                table.add_row(plain(r.agent_id), "-", Text("FAIL", style="bold red"), "",
-                              plain(r.error or "no health result"))
-                continue
-            for c in r.health.checks:
-                bad += not c.ok
-                table.add_row(plain(r.agent_id), plain(c.name),
-                              Text("ok", style="green") if c.ok else Text("FAIL", style="bold red"),
-                              f"{c.latency_ms:.1f}",
-                              plain(c.detail + (f" (code {c.code})" if c.code is not None
-                                                else "")))
+        for agent, check, ok, ms, detail in health_rows(replies):
+            bad += not ok
+            table.add_row(plain(agent), plain(check),
+                          Text("ok", style="green") if ok else Text("FAIL", style="bold red"),
+                          ms, plain(detail))
         verdict = "all checks passed" if not bad else f"{bad} checks failed"
         status.update(Text(f"{len(replies)} agents answered: {verdict}",
                            style="green" if not bad and replies else "bold red"))

@@ -20,6 +20,11 @@ from kvpool_agent.vocabulary import HINTS
 from kvpool_console._text import plain, visible
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
 
+_MESSAGE_WIDTH = 36
+_HINT_WIDTH = 60
+"""Columns of the errors table's message and hint: with age, error name, agent and where
+they fit 160 terminal columns; longer text wraps."""
+
 __all__ = ["EngineDetail", "EngineDetailScreen", "layer_bar"]
 
 
@@ -84,7 +89,11 @@ class EngineDetailScreen(Screen[None]):
         t: DataTable[str | Text] = DataTable(id="inflight", cursor_type="row")
         t.add_columns("Request", "Kind", "Agent", "Blocks", "Bytes", "Layers", "Lease", "Age")
         e: DataTable[str | Text] = DataTable(id="errors", cursor_type="row")
-        e.add_columns("Age", "Error", "Agent", "Where", "Hint", "Message")
+        e.add_columns("Age", "Error", "Agent", "Where")
+        # Message and hint wrap in fixed-width columns (rows grow) instead of running off the
+        # right edge.
+        e.add_column("Message", width=_MESSAGE_WIDTH)
+        e.add_column("Hint", width=_HINT_WIDTH)
         yield Label("In-flight transfers", classes="section")
         yield t
         yield Label("Recent errors", classes="section")
@@ -108,7 +117,7 @@ class EngineDetailScreen(Screen[None]):
         if row is None:
             summary.update(plain(f"{self.engine_id}: no longer reported", style="red"))
             return
-        state = "DOWN" if row.down else "STALE" if row.stale else (row.severity or "ok").upper()
+        state = row.state
         # Engine id, backend and model come from the agents' reports: template variables of
         # Content.from_markup, which inserts them as text, never as markup.
         summary.update(Content.from_markup(
@@ -121,10 +130,15 @@ class EngineDetailScreen(Screen[None]):
             f"loads ok {row.loads_finished} failed {row.load_errors} "
             f"(after hit {row.failed_after_hit}); max load {row.max_load_ms:.0f} ms, "
             f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago"
+            + ("\n[b red]failed to start[/]: $failed\n[b]fix[/]: $fix" if row.failed else "")
+            + ("\nnamespace [b]$namespace[/b]" if row.namespace else "")
             + ("\nlayout [b]$digest[/b]: $layout" if row.layout_digest else ""),
             engine=visible(row.engine_id), state=state,
+            failed=visible(row.failed), fix=visible(row.failed_hint),
+            namespace=visible(row.namespace),
             what=visible(f"{row.role}/{row.kv_role} {row.ranks} {row.backend} "
-                         f"model={row.model or '-'}"),
+                         f"model={row.model or '-'}"
+                         + (f" (role by {row.role_source})" if row.role_source else "")),
             digest=visible(row.layout_digest),
             layout=visible(" ".join(f"{k}={v}" for k, v in row.layout.items()))))
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
@@ -153,4 +167,4 @@ class EngineDetailScreen(Screen[None]):
         for err, agent in errs[:50]:
             e.add_row(fmt_age(now_ms - err.ts_ms), plain(err.name, style="bold red"),
                       plain(agent.rsplit("/", 1)[-1]), plain(err.where),
-                      HINTS.get(err.name, ""), plain(err.message))
+                      plain(err.message), Text(HINTS.get(err.name, "")), height=None)

@@ -127,6 +127,8 @@ def _tokens(hit: int, looked: int) -> str:
 
 
 def _state(r: EngineRow) -> Text:
+    if r.failed:
+        return Text("FAILED", style="bold red")
     if r.down:
         return Text("DOWN", style="bold red")
     if r.stale:

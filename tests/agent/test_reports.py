@@ -165,8 +165,32 @@ def test_in_flight_layerwise_progress_and_lease_expiry(hub: FleetHub, hub_addres
         assert st.transfers.loads_timed_out == 1 and st.transfers.loads_failed == 1
         assert st.transfers.errors_by_name == {"TIMEOUT": 1}
         assert [t.req_id for t in st.in_flight] == ["r2"]
+        # It lasted the timeout, not the pool's time: not the "slowest load".
+        assert st.transfers.max_load_ms == 0.0
     finally:
         handle.stop()
+
+
+def test_start_failure_reaches_the_hub_before_the_agent_stops(
+        hub: FleetHub, hub_address: str) -> None:
+    src = make_source("eng-f")
+    handle = start_agent(src, address=hub_address)
+    # Reported at once after start: the report waits for the hub connection.
+    assert handle.report_start_failure("PortInUse", "lookup socket held by engine x (pid 7)",
+                                       "give each engine its own lookup_rpc_port") is True
+    assert not handle.enabled
+    deadline = time.monotonic() + 10
+    while (src.agent_id not in hub.fleet() or hub.fleet()[src.agent_id][0].start_failure is None
+           ) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = hub.fleet()[src.agent_id][0]
+    assert st.start_failure is not None
+    assert (st.start_failure.name, st.start_failure.message, st.start_failure.hint) == (
+        "PortInUse", "lookup socket held by engine x (pid 7)",
+        "give each engine its own lookup_rpc_port")
+    # Without a hub there is nobody to tell: False, and it returns.
+    lone = start_agent(make_source("eng-g"), address=None)
+    assert lone.report_start_failure("X", "y", "z", timeout_s=0.1) is False
 
 
 # Module-lifetime KV caches: memory registered with the Mooncake client must never be freed

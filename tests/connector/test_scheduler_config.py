@@ -98,3 +98,39 @@ def test_from_vllm_kv_transfer_config_object() -> None:
                                   block_size=32, model="m", engine_id=ktc.engine_id)
     assert cfg.should_load and not cfg.should_save and cfg.lookup_rpc_port == 9
     assert cfg.engine_id == ktc.engine_id and cfg.instance_role == "decode"
+
+
+def test_declared_instance_role_comes_from_outside_kv_role(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOOL_INSTANCE_ROLE", raising=False)
+    monkeypatch.delenv("ROLE", raising=False)
+    # Nothing declares it: the role follows kv_role and a swap cannot be seen.
+    cfg = parse(role="kv_consumer")
+    assert (cfg.instance_role, cfg.declared_role, cfg.role_source) == ("decode", None, "")
+    # The extra-config key wins over everything else.
+    cfg = parse({"instance_role": "prefill", "engine_id": "decode-3"}, role="kv_consumer")
+    assert (cfg.instance_role, cfg.role_source) == (
+        "prefill", "kv_connector_extra_config.instance_role")
+    assert cfg.kv_role == "kv_consumer" and cfg.should_save is False  # kv_role still rules
+    monkeypatch.setenv("KVPOOL_INSTANCE_ROLE", "Decode")
+    cfg = parse({"engine_id": "prefill-0"}, role="kv_producer")
+    assert (cfg.instance_role, cfg.role_source) == ("decode", "KVPOOL_INSTANCE_ROLE")
+    monkeypatch.setenv("KVPOOL_INSTANCE_ROLE", "prefil")
+    with pytest.raises(ValueError, match="KVPOOL_INSTANCE_ROLE: 'prefil' is not one of "
+                                         "prefill, decode, mixed"):
+        parse()
+    monkeypatch.delenv("KVPOOL_INSTANCE_ROLE")
+    # MindIE Motor's deployer: ROLE=union is a mixed instance; ROLE=encode declares nothing.
+    monkeypatch.setenv("ROLE", "union")
+    cfg = parse({"engine_id": "prefill-0"}, role="kv_producer")
+    assert (cfg.instance_role, cfg.role_source) == ("mixed", "ROLE (MindIE Motor)")
+    monkeypatch.setenv("ROLE", "encode")
+    assert parse({"engine_id": "x"}, role="kv_both").declared_role is None
+    monkeypatch.delenv("ROLE")
+    # A whole word of the engine id; none, or two different ones, declare nothing.
+    assert parse({"engine_id": "llama.prefill.3"}).role_source == "engine id"
+    assert parse({"engine_id": "llama.prefill.3"}).instance_role == "prefill"
+    assert parse({"engine_id": "prefiller-decoder"}, role="kv_both").declared_role is None
+    assert parse({"engine_id": "predecode-1"}, role="kv_both").declared_role is None
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.instance_role"):
+        parse({"instance_role": "both"})

@@ -38,6 +38,8 @@ def _feed(fleet: LiveFleet) -> float:
                                     lease_expires_ms=expiry)
         w.reporter.transfer_started("r0", "load", 2, 8192)
         w.reporter.transfer_finished("r0", "load", True, 8192)
+        w.reporter.transfer_started("r0", "save", 2, 8192)  # a prefill saves
+        w.reporter.transfer_finished("r0", "save", True, 8192)
     d0[0].reporter.lookup("r3", 100, 0, 0, 1.0)
     d0[1].reporter.transfer_started("r3", "load", 1, 4096)
     d0[1].reporter.transfer_finished("r3", "load", False, 0, "OBJECT_NOT_FOUND", 1,
@@ -74,7 +76,7 @@ def test_status_json_field_by_field(live_fleet: LiveFleet,
     assert p0["hit_rate"] == pytest.approx(0.64)
     assert p0["loads_in_flight"] == 1 and p0["load_errors"] == 0
     assert p0["next_lease_expiry_ms"] == pytest.approx(expiry, abs=1.0)
-    assert p0["stale"] is False and p0["workers"] == 2 and p0["ranks"] == "dp1 tp2 pp1"
+    assert p0["stale"] is False and p0["workers"] == 2 and p0["ranks"] == "dp0 tp0-1 pp0"
     assert [a["agent_id"] for a in p0["agents"]] == [
         "p0/scheduler", "p0/dp0.tp0.pp0", "p0/dp0.tp1.pp0"]
     # The workers' layout digest and what it hashes; the scheduler has none.
@@ -90,9 +92,9 @@ def test_status_json_field_by_field(live_fleet: LiveFleet,
     alerts = {(a["rule"], a["subject"]): a for a in doc["alerts"]}
     assert alerts[("kv_role_mismatch", "d0")]["severity"] == "critical"
     assert alerts[("kv_role_mismatch", "d0")]["hint"] == "set kv_role to kv_consumer for " \
-        "decode instances"
+        "decode instances (or correct the declared role if the instance really is prefill)"
     assert alerts[("failed_after_hit", "d0")]["hint"].startswith("block evicted or removed")
-    assert not any(subject == "p0" for _, subject in alerts)
+    assert not any(subject == "p0" for _, subject in alerts), alerts
     assert doc["totals"]["engines"] == 2 and doc["totals"]["lookup_tokens"] == 4100
     assert main(["status", "--json", "--hub", live_fleet.address, "--fail-on", "critical"]) == 1
     capsys.readouterr()

@@ -111,3 +111,31 @@ async def test_detail_shows_the_layout_digest_and_what_it_hashes() -> None:
                     in text) is shown
             assert ("layout" in text) is shown
             await pilot.press("escape")
+
+
+async def test_health_modal_lists_each_failed_check_with_the_backend_error() -> None:
+    from textual.widgets import DataTable
+
+    from kvpool_agent.protocol import PROTOCOL_VERSION, CommandReply, HealthCheck, HealthResult
+
+    class MasterDown(StaticSource):
+        def command(self, command: str, **kw: object) -> list[CommandReply]:
+            return [CommandReply(
+                v=PROTOCOL_VERSION, seq=1, request_id="r", agent_id="decode-1/dp0.tp0.pp0",
+                ok=False, health=HealthResult(checks=[
+                    HealthCheck(name="master", ok=False, latency_ms=2.0,
+                                detail="master unreachable: connection refused", code=2),
+                    HealthCheck(name="probe_put", ok=False, latency_ms=1.0,
+                                detail="RPC_FAIL")]))]
+
+    app = KVPoolConsole(MasterDown(sample_fleet()), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("h")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, HealthScreen)
+        table = app.screen.query_one("#health-table", DataTable)
+        rows = [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
+        assert rows == [
+            ["decode-1/dp0.tp0.pp0", "master", "FAIL", "2.0",
+             "master unreachable: connection refused (code 2)"],
+            ["decode-1/dp0.tp0.pp0", "probe_put", "FAIL", "1.0", "RPC_FAIL"]]

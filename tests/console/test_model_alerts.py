@@ -26,7 +26,7 @@ def test_engine_rows_merge_scheduler_and_workers() -> None:
     view = build_view(fleet, {}, NOW_MS)
     (row,) = view.engines
     assert row.engine_id == "p0" and row.role == "prefill" and row.kv_role == "kv_producer"
-    assert row.workers == 4 and row.ranks == "dp1 tp4 pp1" and len(row.agents) == 5
+    assert row.workers == 4 and row.ranks == "dp0 tp0-3 pp0" and len(row.agents) == 5
     assert row.agents[0].process_role == "scheduler"
     assert [a.ranks for a in row.agents[1:]] == [f"dp0.tp{r}.pp0" for r in range(4)]
     assert row.lookup_tokens == 10_000 and row.hit_tokens == 4_000 and row.hit_rate == 0.4
@@ -112,12 +112,12 @@ def test_counter_alerts_retire_when_counters_stop() -> None:
         seen = dict.fromkeys(fleet, t)  # reporting all along: never stale
         return [a.rule for a in tracker.update(evaluate(fleet, seen, t), t)]
 
-    fleet = engine("e", lookup_errors=1)
+    fleet = engine("e", lookup_errors=1, loads=0)
     assert step(fleet, NOW_MS) == ["lookup_errors"]
     assert [a.rule for a in tracker.new] == ["lookup_errors"]
     assert step(fleet, NOW_MS + 5_000) == ["lookup_errors"] and tracker.new == []
     assert step(fleet, NOW_MS + 11_000) == []
-    assert step(engine("e", lookup_errors=2), NOW_MS + 12_000) == ["lookup_errors"]
+    assert step(engine("e", lookup_errors=2, loads=0), NOW_MS + 12_000) == ["lookup_errors"]
 
 
 def test_filter_sort_and_faults_only() -> None:
@@ -183,3 +183,150 @@ def test_request_level_token_split() -> None:
     assert (t.local_tokens, t.loaded_tokens, t.recomputed_tokens) == (3_000, 3_500, 5_500)
     assert t.local_hit_rate == pytest.approx(3_000 / 12_000)
     assert t.local_tokens + t.loaded_tokens + t.recomputed_tokens == t.lookup_tokens
+
+
+def test_pool_alerts_once_per_pool_with_engines_and_hysteresis() -> None:
+    import msgspec
+
+    def on_master(fleet: dict, used: float, healthy: bool | None = True) -> dict:
+        # The master is down: no segments, every engine reports the same master address.
+        p = pool(used=int(used * GB), total=10 * GB, healthy=healthy)
+        p.segments = [] if healthy is False else p.segments
+        return {k: msgspec.structs.replace(
+            s, source=msgspec.structs.replace(s.source, master="127.0.0.1:50051"), pool=p)
+            for k, s in fleet.items()}
+
+    fleet = engine("a") | engine("b") | engine("c") | engine("d")
+    down = evaluate(on_master(fleet, 5, healthy=False), {}, NOW_MS)
+    sick = [a for a in down if a.rule == "pool_unhealthy"]
+    assert len(sick) == 1 and sick[0].subject == "mooncake@127.0.0.1:50051"
+    assert sick[0].message == ("pool health check failed: RPC_FAIL "
+                               "(seen by engines a, b, c, d)")
+    # Watermark 0.90, margin 0.05: raised above 0.90, kept down to 0.85, cleared below.
+    tracker = AlertTracker()
+
+    def marks(used: float, **kw: float) -> list[str]:
+        states = on_master(fleet, used)
+        got = tracker.update(evaluate(states, dict.fromkeys(states, NOW_MS), NOW_MS,
+                                      active=tracker.active_keys, **kw), NOW_MS)
+        return [a.message for a in got if a.rule == "pool_watermark"]
+
+    assert marks(8.8) == []
+    (msg,) = marks(9.2)
+    assert msg == ("pool 92% used, over eviction_high_watermark_ratio 0.90 "
+                   "(9878424780/10737418240 B; engines a, b, c, d)")
+    assert len(marks(8.6)) == 1
+    assert marks(8.4) == []
+    assert marks(8.8) == []
+    # Both are the console's settings.
+    assert len(marks(8.8, watermark_ratio=0.8, watermark_margin=0.1)) == 1
+    assert len(marks(7.1, watermark_ratio=0.8, watermark_margin=0.1)) == 1
+    assert marks(6.9, watermark_ratio=0.8, watermark_margin=0.1) == []
+
+
+def test_start_failure_topology_and_stuck_rules() -> None:
+    import msgspec
+
+    from kvpool_agent.protocol import StartFailure, Transfer
+
+    fleet = engine("p0")
+    w = fleet["p0/dp0.tp0.pp0"]
+    w.start_failure = StartFailure(ts_ms=NOW_MS - 60_000, name="PortInUse",
+                                   message="lookup socket held by engine x (pid 7)",
+                                   hint="give each engine its own lookup_rpc_port")
+    alerts = evaluate(fleet, {}, NOW_MS + 120_000)  # long silent: FAILED, not down
+    assert [(a.rule, a.message, a.hint) for a in alerts] == [(
+        "start_failed", "failed to start (p0/dp0.tp0.pp0): PortInUse: lookup socket held by "
+        "engine x (pid 7)", "give each engine its own lookup_rpc_port")]
+    view = build_view(fleet, {}, NOW_MS + 120_000, alerts=alerts)
+    row = view.engines[0]
+    assert row.state == "FAILED" and row.failed.startswith("PortInUse: lookup socket")
+    from kvpool_console.cli import status_document
+
+    (doc,) = status_document(view)["engines"]
+    assert (doc["state"], doc["failed"], doc["failed_hint"]) == (
+        "FAILED", "PortInUse: lookup socket held by engine x (pid 7)",
+        "give each engine its own lookup_rpc_port")
+
+    # A prefill that loads and never saves; a decode that saves and never loads.
+    fleet = engine("p1", role="prefill", kv_role="kv_both") | engine("d1", role="decode")
+    for k, s in fleet.items():
+        if k.startswith("p1/"):
+            s.transfers.saves_finished = 0
+        else:
+            s.transfers.loads_finished = 0
+    by = {(a.rule, a.subject): a for a in evaluate(fleet, {}, NOW_MS)}
+    assert by[("role_topology", "p1")].message == (
+        "prefill instance loaded 100 times and never saved")
+    assert by[("role_topology", "d1")].message == "decode instance saved 160 times and never loaded"
+    assert ("kv_role_mismatch", "p1") in by
+
+    # A consumer with many lookups and no hits while a producer of its model saves.
+    fleet = engine("p2") | engine("d2", role="decode", hits=0)
+    (a,) = [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "role_topology"]
+    assert a.subject == "d2" and a.message == (
+        "0% pool hits over 100 lookups while producers of tiny-llama save (p2)")
+    assert "key namespaces" in a.hint
+
+    # A save in flight past the lease TTL (11 s) names the transfer, its age and the owner.
+    fleet = engine("s0", loads=0)
+    fleet["s0/dp0.tp1.pp0"].in_flight = [Transfer(
+        req_id="req-9", kind="save", blocks=3, bytes=3 << 20, started_ms=NOW_MS - 18_200)]
+    (a,) = evaluate(fleet, {}, NOW_MS)
+    assert a.rule == "stuck_transfer" and a.subject == "s0"
+    assert a.message == (
+        "save of req-9 on s0/dp0.tp1.pp0 in flight 18.2 s (> 11.0 s lease TTL; 3 blocks); "
+        "likely owner: the store process holding the segments (127.0.0.1:15001, "
+        "127.0.0.1:15002) or the master")
+    assert evaluate(fleet, {}, NOW_MS, stuck_after_ms=20_000) == []
+    fleet = {k: msgspec.structs.replace(s, pool=pool(healthy=False)) for k, s in fleet.items()}
+    stuck = [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "stuck_transfer"]
+    assert "likely owner: master the master (pool health check failing: RPC_FAIL)" in \
+        stuck[0].message
+
+
+def test_namespace_split_and_lookup_hint() -> None:
+    import msgspec
+
+    def described(fleet: dict, model: str, chunk: int) -> dict:
+        layout = {"model": model, "dtype": "float16", "block_size": 16, "chunk_size": chunk}
+        return {k: msgspec.structs.replace(s, source=msgspec.structs.replace(
+            s.source, model=model, layout_digest=f"d{chunk}{model[-1]}", layout=layout))
+            for k, s in fleet.items()}
+
+    fleet = described(engine("a"), "m1", 256) | described(engine("b"), "m1", 512) | \
+        described(engine("c"), "m1", 512)
+    (a,) = [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "namespace_split"]
+    assert a.subject == "m1" and a.message == (
+        "engines of m1 use 2 key namespaces (d5121: b, c; d2561: a): no shared hits: "
+        "chunk_size 512 vs 256")
+    row = build_view(fleet, {}, NOW_MS).engines[0]
+    assert row.namespace == "m1 @d2561 chunk 256 block 16"
+    fleet = described(engine("a"), "m1", 512) | described(engine("b"), "m2", 512)
+    (a,) = [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "namespace_split"]
+    assert a.subject == "m1/m2" and "no shared hits: model m1 vs m2" in a.message
+    assert "--served-model-name" in a.hint
+    # Lookups failing while the pool is unhealthy: the pool is named, not the lookup port.
+    sick = engine("e", lookup_errors=5, pool_stats=pool(healthy=False))
+    (lk,) = [a for a in evaluate(sick, {}, NOW_MS) if a.rule == "lookup_errors"]
+    assert lk.hint.startswith("the pool is unhealthy (see pool_unhealthy): master unreachable")
+
+
+def test_every_mooncake_error_has_a_fix_and_health_rows_show_checks() -> None:
+    from kvpool_agent.protocol import HealthCheck, HealthResult
+    from kvpool_agent.vocabulary import HINTS, ErrorCode
+    from kvpool_console.model import health_rows
+
+    assert all(len(HINTS[c.name]) > 30 for c in ErrorCode)
+    reply = CommandReply(v=PROTOCOL_VERSION, seq=1, request_id="r", agent_id="e/dp0.tp0.pp0",
+                         ok=False, health=HealthResult(checks=[
+                             HealthCheck(name="master", ok=False, latency_ms=1.5,
+                                         detail="master unreachable: connection refused"),
+                             HealthCheck(name="probe_put", ok=False, latency_ms=3.0,
+                                         detail="RPC_FAIL", code=-900)]))
+    assert health_rows([reply, _reply("a", error="timeout after 5000 ms"), _reply("b")]) == [
+        ("a", "reply", False, "", "timeout after 5000 ms"),
+        ("b", "reply", False, "", "agent sent no health result"),
+        ("e/dp0.tp0.pp0", "master", False, "1.5", "master unreachable: connection refused"),
+        ("e/dp0.tp0.pp0", "probe_put", False, "3.0", "RPC_FAIL (code -900)"),
+    ]

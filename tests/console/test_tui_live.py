@@ -66,7 +66,7 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         assert app.view is not None
         p0 = next(r for r in app.view.engines if r.engine_id == "p0")
         assert (p0.role, p0.kv_role, p0.ranks, p0.workers) == ("prefill", "kv_producer",
-                                                               "dp1 tp2 pp1", 2)
+                                                               "dp0 tp0-1 pp0", 2)
         assert (p0.lookup_tokens, p0.hit_tokens, p0.lookups) == (2000, 1300, 2)
         assert p0.loads_in_flight == 1 and p0.failed_after_hit == 2
         assert p0.next_lease_expiry_ms is not None
@@ -97,7 +97,8 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         assert str(errors.get_row_at(0)[1]) == "LEASE_EXPIRED"
         assert {str(errors.get_row_at(i)[2]) for i in range(2)} == {"dp0.tp0.pp0",
                                                                     "dp0.tp1.pp0"}
-        assert "default_kv_lease_ttl" in str(errors.get_row_at(0)[4])
+        assert "failed after a positive lookup" in str(errors.get_row_at(0)[4])
+        assert "default_kv_lease_ttl" in str(errors.get_row_at(0)[5])
         await pilot.press("escape")
         # d0 goes silent: it stays listed, marked STALE, and an alert is logged.
         for h in live_fleet.engines["d0"]:

@@ -1,0 +1,36 @@
+"""Is a silent engine's process still there? Asked for engines on the console's own host.
+
+The console tells "hung" (the pid runs, with the start time the agent reported, but sends
+nothing) from "gone" (no such process, a zombie, or the pid now names another process) when it
+can look: on this host. For other hosts it cannot, and says so (``None``); SSH triage
+(``kvpool-console triage``) looks there.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+
+from kvpool_agent.process_facts import start_ticks
+from kvpool_agent.protocol import Source
+
+__all__ = ["local_process_alive"]
+
+_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def local_process_alive(src: Source) -> bool | None:
+    """``True``: ``src.pid`` runs on this host and is the process that reported (same start
+    ticks, when reported); ``False``: it is gone (no such pid, a zombie, or a reused pid);
+    ``None``: another host, or no pid reported."""
+    if src.pid <= 0 or (src.host not in _LOCAL_NAMES and src.host != socket.gethostname()):
+        return None
+    try:
+        if psutil.Process(src.pid).status() == psutil.STATUS_ZOMBIE:
+            return False
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return None
+    return not (src.start_ticks and start_ticks(src.pid) != src.start_ticks)

@@ -1,0 +1,318 @@
+"""Faults injected on a live fleet (a real FleetHub, a real mooncake_master and pool store,
+engine processes replaying a trace through ``KVPoolConnector``), watched as the console watches
+them: each fault's alert must appear naming the engine and the fix, and clear once the fault is
+removed. Polls with a deadline; nothing here asserts how fast anything was."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_agent import FleetClient, FleetHub
+from kvpool_agent.protocol import EngineState
+from kvpool_console._liveness import local_process_alive
+from kvpool_console.alerts import Alert, evaluate
+from kvpool_console.model import build_view
+from kvpool_replay import (
+    DEMO_SHAPE,
+    EngineSpec,
+    LocalMooncakeMaster,
+    LocalPoolStore,
+    default_trace_path,
+    free_port,
+    mooncake_extra_config,
+)
+from kvpool_replay._replay import spawn_engine
+from kvpool_replay._services import stop_process_tree
+
+LEASE_TTL_MS = 3_000
+WAIT_S = 90.0
+"""Deadline for an engine to come up and its alert to appear (engine start imports torch on a
+shared 2-core machine); the alert itself is evaluated on every poll."""
+
+
+@dataclass
+class Fleet:
+    hub_address: str
+    master: LocalMooncakeMaster
+    store: LocalPoolStore
+    workdir: Path
+    client: FleetClient
+    model: str
+    procs: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, engine_id: str, *, kv_role: str = "kv_both", chunk_size: int = 512,
+              extra: dict[str, Any] | None = None, limit: int = 400,
+              model: str | None = None, port: int | None = None) -> Any:
+        cfg = mooncake_extra_config(self.master.address, self.master.admin_url,
+                                    lease_ttl_ms=LEASE_TTL_MS)
+        spec = EngineSpec(
+            engine_id=engine_id, kv_role=kv_role,  # type: ignore[arg-type]
+            master_address=self.master.address, model=model or self.model, shape=DEMO_SHAPE,
+            chunk_size=chunk_size,
+            trace_path=str(default_trace_path("conversation_trace.jsonl")),
+            indices=list(range(limit)), speedup=4.0, agent_address=self.hub_address,
+            lookup_rpc_port=port or free_port(),
+            result_path=str(self.workdir / f"{engine_id}.result.json"),
+            extra_config={**cfg, **(extra or {})},
+        )
+        log = open(self.workdir / f"{engine_id}.log", "ab")  # noqa: SIM115 - child's stdout
+        proc = spawn_engine(spec, self.workdir, log=log)
+        log.close()
+        self.procs[engine_id] = proc
+        return proc
+
+    def stop(self, engine_id: str) -> None:
+        stop_process_tree(self.procs.pop(engine_id))
+
+    def fleet(self) -> tuple[dict[str, EngineState], dict[str, float]]:
+        entries = self.client.fleet()
+        return ({a: e.state for a, e in entries.items()},
+                {a: e.last_seen_ms for a, e in entries.items()})
+
+    def alerts(self, **kw: Any) -> list[Alert]:
+        states, seen = self.fleet()
+        return evaluate(states, seen, time.time() * 1e3, alive=local_process_alive, **kw)
+
+    def wait(self, what: str, pred: Callable[[list[Alert]], Any], timeout_s: float = WAIT_S,
+             **kw: Any) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alerts = self.alerts(**kw)
+            got = pred(alerts)
+            if got:
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not seen within {timeout_s} s; alerts: "
+                                     + "; ".join(f"{a.key}: {a.message}" for a in alerts))
+            time.sleep(0.2)
+
+
+def _find(rule: str, subject: str) -> Callable[[list[Alert]], Alert | None]:
+    return lambda alerts: next((a for a in alerts if a.rule == rule and a.subject == subject),
+                               None)
+
+
+def _gone(rule: str, subject: str) -> Callable[[list[Alert]], bool]:
+    return lambda alerts: not any(a.rule == rule and a.subject == subject for a in alerts)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    from kvpool_replay._services import use_local_pool_env
+
+    use_local_pool_env()
+    hub_address = f"tcp://127.0.0.1:{_four_ports()}"
+    hub = FleetHub(hub_address, snapshot_interval_s=0.5)
+    hub.start()
+    master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS, log_dir=tmp_path)
+    master.start()
+    store = LocalPoolStore(master, 256 << 20, log_dir=tmp_path)
+    client: FleetClient | None = None
+    f: Fleet | None = None
+    try:
+        store.start()
+        client = FleetClient(hub_address)
+        f = Fleet(hub_address, master, store, tmp_path, client, f"triage-{os.getpid()}")
+        yield f
+    finally:
+        if f is not None:
+            for eid in list(f.procs):
+                f.stop(eid)
+        if client is not None:
+            client.close()
+        for proc in (store.proc, master.proc):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        store.stop()
+        master.stop()
+        hub.stop()
+
+
+def _four_ports() -> int:
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        socks = []
+        try:
+            for q in range(p, p + 4):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return p
+    raise RuntimeError("no 4 consecutive free ports")
+
+
+def test_swapped_role_is_named_and_clears_when_fixed(fleet: Fleet) -> None:
+    # A prefill instance (declared in kv_connector_extra_config) started as kv_consumer.
+    fleet.start("p-a", kv_role="kv_consumer", extra={"instance_role": "prefill"})
+    a = fleet.wait("kv_role_mismatch", _find("kv_role_mismatch", "p-a"))
+    assert a.severity == "critical"
+    assert a.message == ("prefill instance (role declared by "
+                         "kv_connector_extra_config.instance_role) runs kv_role kv_consumer")
+    assert a.hint.startswith("set kv_role to kv_producer for prefill instances")
+    states, seen = fleet.fleet()
+    (row,) = [r for r in build_view(states, seen, time.time() * 1e3).engines
+              if r.engine_id == "p-a"]
+    assert (row.role, row.kv_role, row.role_source) == (
+        "prefill", "kv_consumer", "kv_connector_extra_config.instance_role")
+    fleet.stop("p-a")
+    fleet.start("p-a", kv_role="kv_producer", extra={"instance_role": "prefill"})
+    fleet.wait("kv_role_mismatch cleared", _gone("kv_role_mismatch", "p-a"))
+    states, _ = fleet.fleet()
+    assert {s.source.kv_role for s in states.values() if s.source.engine_id == "p-a"} == {
+        "kv_producer"}
+
+
+def test_start_failure_is_a_fleet_event_until_the_engine_starts(fleet: Fleet) -> None:
+    # The backend package is missing: memcache needs the Ascend driver, absent here.
+    proc = fleet.start("m-a", extra={"backend": "memcache"})
+    a = fleet.wait("start_failed", _find("start_failed", "m-a"))
+    assert proc.wait(timeout=60) != 0
+    assert a.severity == "critical"
+    assert a.message.startswith("failed to start (m-a/dp0.tp0.pp0): BackendUnavailable: ")
+    assert "memcache" in a.message
+    assert a.hint.startswith("install the backend's package on this host")
+    states, seen = fleet.fleet()
+    (row,) = [r for r in build_view(states, seen, time.time() * 1e3).engines
+              if r.engine_id == "m-a"]
+    assert row.state == "FAILED" and row.failed.startswith("BackendUnavailable: ")
+    # Long after the process exited it is FAILED, not stale or down.
+    later = fleet.alerts(stale_after_ms=1.0, down_after_ms=2.0)
+    assert [x.rule for x in later if x.subject == "m-a"] == ["start_failed"]
+    fleet.procs.pop("m-a")
+    fleet.start("m-a")
+    fleet.wait("start_failed cleared", _gone("start_failed", "m-a"))
+
+
+def test_lookup_port_held_is_a_start_failure(fleet: Fleet) -> None:
+    port = free_port()
+    fleet.start("holder", port=port)
+    fleet.wait("holder reporting", lambda _: any(
+        s.source.engine_id == "holder" and s.source.layout_digest
+        for s in fleet.fleet()[0].values()))
+    proc = fleet.start("second", port=port)
+    a = fleet.wait("start_failed", _find("start_failed", "second"))
+    assert proc.wait(timeout=60) != 0
+    assert ": PortInUse: " in a.message and "holder" in a.message
+    assert "its own kv_connector_extra_config.lookup_rpc_port" in a.hint
+    fleet.procs.pop("second")
+    fleet.start("second")  # its own port now
+    fleet.wait("start_failed cleared", _gone("start_failed", "second"))
+
+
+def test_stopped_store_raises_stuck_transfer_and_clears(fleet: Fleet) -> None:
+    fleet.start("e-a")
+    fleet.wait("e-a saving", lambda _: any(
+        s.source.engine_id == "e-a" and s.transfers.saves_finished
+        for s in fleet.fleet()[0].values()))
+    assert fleet.store.proc is not None
+    os.kill(fleet.store.proc.pid, signal.SIGSTOP)
+    try:
+        a = fleet.wait("stuck_transfer", _find("stuck_transfer", "e-a"))
+    finally:
+        os.kill(fleet.store.proc.pid, signal.SIGCONT)
+    assert a.severity == "critical"
+    assert " in flight " in a.message and "s lease TTL" in a.message
+    assert "likely owner: " in a.message
+    assert "store process" in a.hint
+    fleet.wait("stuck_transfer cleared", _gone("stuck_transfer", "e-a"))
+
+
+def test_namespace_split_names_the_difference(fleet: Fleet) -> None:
+    fleet.start("n-a", chunk_size=512)
+    fleet.start("n-b", chunk_size=1024)
+    a = fleet.wait("namespace_split", _find("namespace_split", fleet.model))
+    assert "no shared hits: chunk_size 512 vs 1024" in a.message or \
+        "no shared hits: chunk_size 1024 vs 512" in a.message
+    assert "n-a" in a.message and "n-b" in a.message
+    states, seen = fleet.fleet()
+    rows = {r.engine_id: r for r in build_view(states, seen, time.time() * 1e3).engines}
+    assert rows["n-a"].namespace.startswith(f"{fleet.model} @") and \
+        rows["n-a"].namespace.endswith("chunk 512 block 16")
+    fleet.stop("n-b")
+    fleet.start("n-b", chunk_size=512)
+    fleet.wait("namespace_split cleared", _gone("namespace_split", fleet.model))
+
+
+def test_hung_then_gone(fleet: Fleet) -> None:
+    proc = fleet.start("h-a")
+    fleet.wait("h-a reporting", lambda _: any(
+        s.source.engine_id == "h-a" for s in fleet.fleet()[0].values()))
+    os.kill(proc.pid, signal.SIGSTOP)
+    a = fleet.wait("hung", _find("stale", "h-a"), stale_after_ms=1_000)
+    assert a.message.startswith(f"hung: pid {proc.pid} on ") and "is alive" in a.message
+    assert "kvpool-console triage h-a" in a.hint
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    a = fleet.wait("gone", lambda al: (x := _find("stale", "h-a")(al)) is not None
+                   and x.message.startswith("gone:") and x, stale_after_ms=1_000)
+    assert a.severity == "critical" and "restart it" in a.hint
+    fleet.procs.pop("h-a")
+    fleet.start("h-a")
+    fleet.wait("stale cleared", _gone("stale", "h-a"), stale_after_ms=1_000)
+
+
+def test_master_down_one_pool_alert_and_health_shows_checks(
+        fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    from kvpool_console.cli import main
+
+    for eid in ("u-a", "u-b"):
+        fleet.start(eid)
+    fleet.wait("both reporting pool", lambda _: {
+        s.source.engine_id for s in fleet.fleet()[0].values()
+        if s.pool is not None and s.pool.healthy} == {"u-a", "u-b"})
+    fleet.master.kill()
+    pool = f"mooncake@{fleet.master.address}"
+    a = fleet.wait("pool_unhealthy", lambda al: (x := _find("pool_unhealthy", pool)(al))
+                   is not None and "u-a, u-b" in x.message and x)
+    assert sum(x.rule == "pool_unhealthy" for x in fleet.alerts()) == 1
+    assert a.message.startswith("pool health check failed: ") and "unreachable" in a.message
+    assert a.hint == "master unreachable: check mooncake_master and master_server_address"
+    rc = main(["health", "--all", "--hub", fleet.hub_address, "--timeout-ms", "20000"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "no result" not in out
+    master_rows = [line for line in out.splitlines() if "│ master" in line]
+    assert master_rows and all("FAIL" in line and "unreachable" in line
+                               for line in master_rows), out
+    # The same master (same ports) comes back: the alert clears.
+    log = open(fleet.master.log_path, "ab")  # noqa: SIM115 - the child's log
+    fleet.master.proc = subprocess.Popen(fleet.master.command(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    fleet.wait("pool_unhealthy cleared", lambda al: not any(
+        x.rule == "pool_unhealthy" for x in al))
+
+
+def test_bad_config_is_reported_before_the_connector_raises(fleet: Fleet) -> None:
+    # In this process, as vLLM builds the connector: chunk_size is not whole blocks.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpool_connector import KVPoolConnector
+    from kvpool_replay._sim_engine import _vllm_config
+
+    spec = EngineSpec(engine_id="c-a", master_address=fleet.master.address, model=fleet.model,
+                      shape=DEMO_SHAPE, chunk_size=100, trace_path="unused",
+                      agent_address=fleet.hub_address)
+    with pytest.raises(ValueError, match=r"chunk_size: 100 is not a multiple"):
+        KVPoolConnector(_vllm_config(spec), KVConnectorRole.WORKER, None)
+    a = fleet.wait("start_failed", _find("start_failed", "c-a"), timeout_s=10)
+    assert a.message.startswith("failed to start (c-a/dp0.tp0.pp0): ValueError: "
+                                "kv_connector_extra_config.chunk_size: 100 is not a multiple")
+    assert a.hint.startswith("fix the field the message names in kv_transfer_config")
