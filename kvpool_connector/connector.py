@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool_agent import AgentHandle, start_agent
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
-from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import INSTANCE_ROLE_OF, KV_ROLE_FOR, KV_ROLES
 from kvpool_connector._layout_digest import ModelFacts
 from kvpool_connector._stats import (
