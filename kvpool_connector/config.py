@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, INSTANCE_ROLE_OF, InstanceRole, KVRole
+from kvpool_agent.vocabulary import (
+    AGENT_ADDRESS_ENV,
+    AGENT_KEYS_ENV,
+    INSTANCE_ROLE_OF,
+    InstanceRole,
+    KVRole,
+)
 from kvpool_connector._validation import field_problems
 from kvpool_connector.keys import normalize_model_name
 
@@ -43,6 +49,7 @@ class _ExtraFields(BaseModel):
     lease_ttl_ms: int = Field(default=0, ge=0)
     agent_address: str | None = None
     engine_id: str | None = None
+    agent_keys: str | None = None
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -77,6 +84,8 @@ class KVPoolConfig(BaseModel):
             of one engine, new per engine); ``""`` when not built from a ``VllmConfig``.
         dp_rank: data-parallel rank of this engine.
         extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
+        agent_keys: the agent's CURVE keys directory (``hub.key``, ``agent.key_secret``);
+            falls back to ``$KVPOOL_AGENT_KEYS``; ``None`` = the agent connects without a key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -99,6 +108,7 @@ class KVPoolConfig(BaseModel):
     instance_id: str = ""
     dp_rank: int = 0
     extra: dict[str, Any] = Field(default_factory=dict)
+    agent_keys: str | None = None
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -174,6 +184,7 @@ class KVPoolConfig(BaseModel):
             )
         values: dict[str, Any] = fields.model_dump(exclude={"chunk_size", "engine_id"})
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None
+        values["agent_keys"] = fields.agent_keys or os.environ.get(AGENT_KEYS_ENV) or None
         try:
             return cls(
                 **values,

@@ -13,9 +13,10 @@ Usage::
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
 console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
-``--keys`` is a ``kvpool-agent keygen`` directory holding the operator key; without it the
-console is read-only (a real flush, ``health --probe`` and ``forget`` are refused before anything
-is sent).
+``--keys`` is the console's keys directory: the hub's public ``hub.key`` and an operator
+(``kvpool-agent keygen --role operator``) or viewer pair. Only an operator key allows a real
+flush, ``health --probe`` and ``forget``; with a viewer key or none they are refused before
+anything is sent. A hub running with keys serves nothing to a console without one.
 
 Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, or a
 flush reported errors; 2 usage error, hub not reachable or demo not startable (bad trace or
@@ -79,7 +80,9 @@ def _common(top: bool) -> argparse.ArgumentParser:
     common.add_argument("--hub", default=default(None),
                         help=f"hub address tcp://HOST:P (default $KVPOOL_HUB or {DEFAULT_HUB})")
     common.add_argument("--keys", default=default(None), metavar="DIR",
-                        help="operator key directory (kvpool-agent keygen); omit: read-only")
+                        help="keys directory: hub.key and an operator or viewer key pair "
+                        "(kvpool-agent keygen --role operator|viewer); only operator changes "
+                        "the pool")
     common.add_argument("--wait", type=float, default=default(3.0), metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
     return common
@@ -231,7 +234,7 @@ def _needs_key(what: str, src: FleetSource, err: Console) -> bool:
     if src.can_flush:
         return False
     err.print(f"[red]{what} refused: read-only without the operator key; pass --keys DIR "
-              "(kvpool-agent keygen)[/red]")
+              "with operator.key_secret (kvpool-agent keygen --role operator)[/red]")
     return True
 
 

@@ -13,23 +13,25 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-import zmq.auth
 from agent_testlib import FakeAgent, Spammer, make_source
 
-from kvpool_agent import UNAUTHORISED, AgentHandle, FleetClient, FleetHub, start_agent
+from kvpool_agent import (
+    UNAUTHORISED,
+    AgentHandle,
+    FleetClient,
+    FleetHub,
+    generate_keys,
+    start_agent,
+)
 from kvpool_agent.hub import OPERATOR_ONLY
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
-    PROTOCOL_VERSION,
     DrainArgs,
     DrainResult,
-    EngineState,
     FlushArgs,
     FlushResult,
     HealthCheck,
     PoolStats,
-    Report,
-    encode,
 )
 from kvpool_connector.keys import PROBE_PREFIX, ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
@@ -225,7 +227,7 @@ def test_unauthorised_flush_is_refused_and_removes_nothing(
     assert hub.refused == 3
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert [a["refused"] for a in audit if a["command"] == "flush"] == [True, True, True, False]
-    assert all(a["who"].startswith("plain:") for a in audit)
+    assert all(a["who"] == "key:viewer/viewer" for a in audit)
 
 
 def test_unknown_operator_key_gets_no_access(
@@ -234,9 +236,8 @@ def test_unknown_operator_key_gets_no_access(
 ) -> None:
     # Same hub public key, but an operator key the hub never authorised.
     rogue = tmp_path / "rogue"
-    rogue.mkdir()
-    (rogue / "server.key").write_bytes((keys_dir / "server.key").read_bytes())
-    zmq.auth.create_certificates(str(rogue), "operator")
+    generate_keys(rogue, "operator")
+    (rogue / "hub.key").write_bytes((keys_dir / "hub.key").read_bytes())
     before = _all_keys(agent_master)
     with FleetClient(hub_address, keys_dir=rogue) as c:
         (r,) = c.command("flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=300)
@@ -282,8 +283,9 @@ def test_health_checks_client_master_and_probe(
     assert not any(k.startswith(PROBE_PREFIX) for k in _all_keys(agent_master))
     assert hub.refused == 1
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    assert [(a["who"].split(":")[0], a["refused"]) for a in audit] == [
-        ("plain", False), ("plain", True), ("key", False)
+    assert [(a["who"], a["refused"]) for a in audit] == [
+        ("key:viewer/viewer", False), ("key:viewer/viewer", True),
+        ("key:operator/operator", False),
     ]
 
 
@@ -359,16 +361,17 @@ def test_drain_snapshot_and_timeout(hub: FleetHub, hub_address: str) -> None:
             (gone,) = c.command("snapshot", targets=[plain.source.agent_id], timeout_ms=300)
             assert not gone.ok and "agent unreachable" in (gone.error or "")
             # An agent connected but mute: the hub answers for it after the timeout.
-            with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as mute:
-                mute.connect(hub.ports.agents)
-                st = EngineState(source=make_source("eng-mute"), started_ms=0.0, ts_ms=0.0)
-                mute.send(encode(Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=st)))
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            try:
+                mute = FakeAgent(ctx, hub_address)  # the agent key, from KVPOOL_AGENT_KEYS
+                mute.report(make_source("eng-mute"))
                 c.wait_for(3, 5)
                 t0 = time.monotonic()
-                (late,) = c.command("snapshot", targets=[st.source.agent_id], timeout_ms=300)
+                (late,) = c.command("snapshot", targets=["eng-mute/dp0.tp0.pp0"], timeout_ms=300)
                 assert not late.ok and late.error == "timeout after 300 ms"
                 assert 0.3 <= time.monotonic() - t0 < 2.0
-                mute.close(linger=0)
+            finally:
+                ctx.destroy(linger=0)
             (unknown,) = c.command("snapshot", targets=["nobody"], timeout_ms=300)
             assert not unknown.ok and "unknown agent" in (unknown.error or "")
     finally:
