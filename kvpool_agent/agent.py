@@ -76,6 +76,9 @@ _MAX_PENDING_COMMANDS = 8
 # make ZMQ drop the connection before buffering them, which bounds the agent's memory.
 _MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
 _MAX_FRAMES_PER_LOOP = 256
+_AUTH_RETRY_S = 5.0
+"""After the hub refused this agent's key, connect again this often: ZMQ itself gives up on a
+refused key, and the key may be authorized later without restarting the engine."""
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -103,6 +106,7 @@ class _Agent:
         self.source = source
         self.keys = keys
         self.handshakes_refused = 0
+        self._retry_at: float | None = None
         self.address = address
         self.operations = operations
         self.pool_admin_url = pool_admin_url.rstrip("/") if pool_admin_url else None
@@ -185,6 +189,13 @@ class _Agent:
                                 next_snapshot = 0.0
                             elif ev["event"] & _HANDSHAKE_FAILED:
                                 self._handshake_refused()
+                                if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                                    self._retry_at = now + _AUTH_RETRY_S
+                    if self._retry_at is not None and now >= self._retry_at:
+                        self._retry_at = None
+                        with contextlib.suppress(zmq.ZMQError):
+                            self.sock.disconnect(self.address)
+                        self.sock.connect(self.address)
                     if self.sock in events:
                         self._receive()
                     with self.lock:
