@@ -43,8 +43,8 @@ __all__ = ["main"]
 
 
 def _hub(address: str, keys_root: str | None, conn: Connection) -> None:
-    """The hub process: answers ``"count"`` with (reports accepted, refused connections) until
-    ``"stop"``."""
+    """The hub process: answers ``"count"`` with (reports accepted, refused connections,
+    agents registered) until ``"stop"``."""
     kw = {}
     if keys_root:
         hub_dir = Path(keys_root) / "hub"
@@ -54,7 +54,7 @@ def _hub(address: str, keys_root: str | None, conn: Connection) -> None:
         conn.send("ready")
         while (msg := conn.recv()) != "stop":
             assert msg == "count"
-            conn.send((hub.reports, sum(hub.refused_connections.values())))
+            conn.send((hub.reports, sum(hub.refused_connections.values()), len(hub.fleet())))
 
 
 def _round(args: argparse.Namespace, keys_root: str | None) -> dict[str, float]:
@@ -85,6 +85,14 @@ def _round(args: argparse.Namespace, keys_root: str | None) -> dict[str, float]:
         for r in readies:
             r.wait(60)
         start.set()
+        # Measure the steady state: every agent registered (with keys, each connection's
+        # handshake goes through the hub's ZAP handler first).
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            parent.send("count")
+            if parent.recv()[2] >= agents:
+                break
+            time.sleep(0.5)
 
         samples: list[tuple[float, int, int]] = []
         done = threading.Event()
@@ -93,7 +101,7 @@ def _round(args: argparse.Namespace, keys_root: str | None) -> dict[str, float]:
             # The hub's count every 0.25 s; the console's window is the run's last --seconds.
             while not done.wait(0.25):
                 parent.send("count")
-                n, refused = parent.recv()
+                n, refused, _ = parent.recv()
                 samples.append((time.monotonic(), n, refused))
 
         viewer = str(Path(keys_root) / "viewer") if keys_root else None
