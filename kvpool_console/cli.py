@@ -196,8 +196,12 @@ def _view(src: FleetSource) -> FleetView:
 
 def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     view = _view(src)
+    # Handshakes the hub refused per port (no key, or one not authorized there): only a hub
+    # with keys counts them.
+    refused = dict(src.client.refused_connections) if isinstance(src, ClientSource) else {}
     if args.json:
-        sys.stdout.write(msgspec.json.encode(status_document(view)).decode() + "\n")
+        doc = {**status_document(view), "refused_connections": refused}
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
     else:
         t = Table(title=f"kvpool fleet @ {src.address}", expand=False)
         for col in ("Engine", "State", "Role", "KV role", "Backend", "Hit", "Hit/Looked",
@@ -217,6 +221,9 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         out.print(f"{tot.engines} engines ({tot.stale} stale, {tot.down} down), "
                   f"hit rate {tot.hit_rate:.1%}, {tot.loads_in_flight} loads in flight, "
                   f"{tot.load_errors} failed loads")
+        if any(refused.values()):
+            out.print(Text("hub refused connections without an authorized key: " + ", ".join(
+                f"{port} {n}" for port, n in sorted(refused.items()) if n), style="yellow"))
         for a in view.alerts:
             # Subject and message name engines and quote agents' errors: data, not markup.
             line = Text(a.severity.upper(), style="red" if a.severity == "critical" else "yellow")
