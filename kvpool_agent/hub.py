@@ -379,9 +379,9 @@ class FleetHub:
                 n = self.refused_connections[name]
                 if n <= 3 or n % 1000 == 0:
                     log.warning(
-                        "kvpool hub: refused connection #%d on %s (%s): no key or a key not in "
-                        "authorized_keys/%s", n, name, ev["endpoint"].decode(errors="replace"),
-                        "|".join(ZAP_DOMAINS[_PORT_DOMAIN[name]]),
+                        "kvpool hub: refused connection #%d on %s (%s, %s): no key or a key not "
+                        "in authorized_keys/%s", n, name, ev["endpoint"].decode(errors="replace"),
+                        zmq.Event(ev["event"]).name, "|".join(ZAP_DOMAINS[_PORT_DOMAIN[name]]),
                     )
 
     def _run(self) -> None:
