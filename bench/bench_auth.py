@@ -78,7 +78,9 @@ def _round(args: argparse.Namespace, keys_root: str | None) -> dict[str, float]:
             ready = ctx.Event()
             readies.append(ready)
             d = ctx.Process(target=_drive, args=(address, list(range(lo, hi)), args.workers,
-                                                 args.rate, args.seconds + 40, ready, start,
+                                                 # Until terminated below: the fleet may take
+                                                 # a while to register on a busy machine.
+                                                 args.rate, 3600.0, ready, start,
                                                  agent_keys))
             d.start()
             drivers.append(d)
