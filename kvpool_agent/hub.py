@@ -4,7 +4,7 @@ Over 500 lines: every path a frame takes through the one socket-owning thread (r
 quotas, reply binding, who may connect) is kept in one module so it can be checked in one
 reading.
 
-Ports, for ``address="tcp://HOST:P"``. With keys (``keys_dir``, ``kvpool-agent keygen``) every
+Ports, for ``address="tcp://HOST:P"``. With keys (``kvpool-agent keygen --role hub``) every
 port is a CURVE server and a ZAP handler (pyzmq's ``ThreadAuthenticator`` with
 ``kvpool_agent.auth.AllowList``) admits only the public keys in ``authorized_keys/<role>/``;
 a refused handshake is counted per port (``refused_connections``, also sent to consoles in
@@ -84,8 +84,10 @@ __all__ = [
 
 log = logging.getLogger("kvpool.hub")
 
-UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen)"
-OPERATOR_ONLY = "unauthorised: {what} needs the operator key (kvpool-agent keygen)"
+UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen --role operator)"
+OPERATOR_ONLY = (
+    "unauthorised: {what} needs the operator key (kvpool-agent keygen --role operator)"
+)
 
 MAX_PENDING = 1024
 """Commands in flight at once; more are answered at once with an error."""

@@ -313,7 +313,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
         return EXIT_USAGE
     if not args.dry_run and not src.can_flush:
         err.print("[red]flush refused: read-only without the operator key; pass --keys DIR "
-                  "(kvpool-agent keygen) or use --dry-run[/red]")
+                  "(kvpool-agent keygen --role operator) or use --dry-run[/red]")
         return EXIT_REFUSED
     fa = FlushArgs(scope=args.scope, model=args.model, engine_id=args.engine_id,
                    dry_run=True, force=args.force)
