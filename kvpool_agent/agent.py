@@ -77,8 +77,9 @@ _MAX_PENDING_COMMANDS = 8
 _MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
 _MAX_FRAMES_PER_LOOP = 256
 _AUTH_RETRY_S = 5.0
-"""After the hub refused this agent's key, connect again this often: ZMQ itself gives up on a
-refused key, and the key may be authorized later without restarting the engine."""
+"""After the hub refused the handshake, connect again this long after: ZMQ itself gives up on
+a refused key (and on some failed handshakes), and the key may be authorized later without
+restarting the engine."""
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -189,8 +190,7 @@ class _Agent:
                                 next_snapshot = 0.0
                             elif ev["event"] & _HANDSHAKE_FAILED:
                                 self._handshake_refused()
-                                if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                                    self._retry_at = now + _AUTH_RETRY_S
+                                self._retry_at = now + _AUTH_RETRY_S
                     if self._retry_at is not None and now >= self._retry_at:
                         self._retry_at = None
                         with contextlib.suppress(zmq.ZMQError):

@@ -56,16 +56,16 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
         with caplog.at_level(logging.ERROR, logger="kvpool.agent"):
             real = start_agent(make_source("plain-agent", role="scheduler"), address=hub_address)
             try:
-                _wait(lambda: real.counters["handshakes_refused"] >= 2)
+                _wait(lambda: real.counters["handshakes_refused"] >= 1)
                 counters = real.counters
             finally:
                 real.stop()
-    _wait(lambda: hub.refused_connections["agents"] >= 3)
+    _wait(lambda: hub.refused_connections["agents"] >= 2)
     assert hub.fleet() == {} and hub.reports == 0 and hub.bad_messages == 0
-    assert hub.refused_connections["agents"] >= 3
+    assert hub.refused_connections["agents"] >= 2
     assert {k: v for k, v in hub.refused_connections.items() if k != "agents"} == {
         "pub": 0, "commands": 0, "curve": 0}
-    assert counters["handshakes_refused"] >= 2 and counters["sent"] == 0
+    assert counters["handshakes_refused"] >= 1 and counters["sent"] == 0
     # One line however often ZMQ retried, naming the setting to fix.
     lines = [r.getMessage() for r in caplog.records if "refused the connection" in r.getMessage()]
     assert len(lines) == 1 and AGENT_KEYS_ENV in lines[0]
@@ -73,8 +73,8 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
     with FleetClient(hub_address) as viewer:
         viewer.wait_for(0, 0)
         _wait(lambda: viewer.updates(100) is not None and
-              viewer.refused_connections.get("agents", 0) >= 3)
-        assert viewer.refused_connections["agents"] >= 3
+              viewer.refused_connections.get("agents", 0) >= 2)
+        assert viewer.refused_connections["agents"] >= 2
 
 
 def test_an_agent_key_not_in_the_allow_list_registers_nothing(
