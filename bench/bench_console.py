@@ -42,6 +42,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvpool_agent.auth import KeyPaths
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     EngineState,
@@ -123,14 +124,19 @@ def _state(src: Source, n: int, started_ms: float, now_ms: float, pool: PoolStat
 
 
 def _drive(address: str, engines: list[int], workers: int, rate: float, seconds: float,
-           ready: mp.synchronize.Event, start: mp.synchronize.Event) -> None:
-    """One driver process: a DEALER socket per agent, a report per agent every 1/rate s."""
+           ready: mp.synchronize.Event, start: mp.synchronize.Event,
+           keys_dir: str | None = None) -> None:
+    """One driver process: a DEALER socket per agent, a report per agent every 1/rate s; with
+    ``keys_dir`` (``hub.key``, ``agent.key_secret``) each socket is a CURVE client."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     srcs = _sources(range(engines[0], engines[-1] + 1), workers)
+    keys = KeyPaths.of(keys_dir).client("agent") if keys_dir else None
     socks = []
     for s in srcs:
         sock = ctx.socket(zmq.DEALER)
+        if keys is not None:
+            keys.apply(sock)
         sock.setsockopt(zmq.IDENTITY, s.agent_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 64)
@@ -165,12 +171,13 @@ def _drive(address: str, engines: list[int], workers: int, rate: float, seconds:
 
 
 async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
-                 size: tuple[int, int]) -> dict[str, float]:
+                 size: tuple[int, int], keys_dir: str | None = None) -> dict[str, float]:
     from kvpool_console.app import KVPoolConsole
     from kvpool_console.source import ClientSource
 
     proc = psutil.Process()
-    src = ClientSource(address, pump=True)
+    # keys_dir "" is a console without keys even when KVPOOL_KEYS_DIR is set.
+    src = ClientSource(address, keys_dir=keys_dir or "", pump=True)
     # The timer is parked; frames are driven here so each one is timed end to end.
     app = KVPoolConsole(src, refresh_s=3600)
     frames: list[float] = []

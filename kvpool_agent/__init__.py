@@ -8,15 +8,16 @@
 """
 
 from kvpool_agent.agent import AgentHandle, start_agent
-from kvpool_agent.auth import KeyPaths, generate_keys
+from kvpool_agent.auth import KeyPaths, generate_keys, local_fleet_keys
 from kvpool_agent.client import FleetClient, FleetEntry
 from kvpool_agent.hub import UNAUTHORISED, FleetHub, hub_ports
 from kvpool_agent.operations import CommandError, PoolOperations
 from kvpool_agent.reporter import NullReporter, Reporter
-from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = [
     "AGENT_ADDRESS_ENV",
+    "AGENT_KEYS_ENV",
     "UNAUTHORISED",
     "AgentHandle",
     "CommandError",
@@ -29,5 +30,6 @@ __all__ = [
     "Reporter",
     "generate_keys",
     "hub_ports",
+    "local_fleet_keys",
     "start_agent",
 ]

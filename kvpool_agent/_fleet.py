@@ -5,10 +5,12 @@ Thread-safe: the hub thread writes, ``FleetHub.fleet()`` reads from any thread. 
 silent stay with their last state and ``last_seen_ms`` (consoles decide when that is stale) until
 the hub forgets them (``forget``, ``forget_silent``).
 
-An agent id belongs to the ZMQ connection (routing id) that registered it while that connection
-is live: reports for the id from another connection are refused until the holder has been
-silent for ``TAKEOVER_AFTER_S`` (a restarted agent reconnects under the same id then). The agent
-port is not authenticated yet, so this binds ids to connections, not to keys.
+An agent id belongs to the identity (the agent's CURVE public key when the hub has keys, else
+``""``) and the ZMQ connection (routing id) that registered it. Reports for the id from another
+connection of the same identity are refused until the holder has been silent for
+``TAKEOVER_AFTER_S`` (a restarted or reconnected agent gets its id back then); from another
+identity, until the holder has been silent for ``LIVE_S`` (a live engine's id cannot be taken by
+another key, even a valid one).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class _Entry:
     last_seen_ms: float
     routing_id: bytes
     first_seen_ms: float
+    identity: str = ""
     size: int = 0
     errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
 
@@ -89,27 +92,32 @@ class Fleet:
         self._forgotten_new: set[str] = set()
         self._lock = threading.Lock()
 
-    def accept(self, routing_id: bytes, rep: Report) -> str | None:
+    def accept(self, routing_id: bytes, rep: Report, identity: str = "") -> str | None:
         """Keep ``rep``'s state as its agent's latest (stamped with the receive time) and
         remember the agent's ZMQ routing id for commands. A delta's errors are added to the
         agent's last ``_RECENT_ERRORS``; a snapshot replaces them.
 
+        Args:
+            routing_id: the ZMQ routing id of the connection the report came on.
+            rep: the report.
+            identity: who the connection authenticated as (z85 CURVE public key), ``""``
+                without keys.
+
         Returns:
             ``None``, or why the report was refused: ``"takeover: ..."`` (the id is held by
-            another live connection), ``"oversized: ..."`` (state over ``MAX_STATE_BYTES``) or
-            ``"full: ..."`` (the fleet holds ``MAX_AGENTS`` already).
+            another live connection or identity, see the module docstring),
+            ``"oversized: ..."`` (state over ``MAX_STATE_BYTES``) or ``"full: ..."`` (the fleet
+            holds ``MAX_AGENTS`` already).
         """
         st = rep.state
         aid = st.source.agent_id
         now_ms = time.time() * 1e3
         with self._lock:
             ag = self._agents.get(aid)
-            if (
-                ag is not None
-                and ag.routing_id != routing_id
-                and now_ms - ag.last_seen_ms < TAKEOVER_AFTER_S * 1e3
-            ):
-                return f"takeover: {aid!r} is held by a live connection; report dropped"
+            if ag is not None and ag.routing_id != routing_id:
+                hold_s = TAKEOVER_AFTER_S if ag.identity == identity else LIVE_S
+                if now_ms - ag.last_seen_ms < hold_s * 1e3:
+                    return f"takeover: {aid!r} is held by a live connection; report dropped"
             if ag is None and len(self._agents) >= MAX_AGENTS:
                 return f"full: {MAX_AGENTS} agents; report of {aid!r} dropped"
             errors = deque(ag.errors if ag is not None else (), maxlen=_RECENT_ERRORS)
@@ -133,6 +141,7 @@ class Fleet:
             ag.size = size
             ag.last_seen_ms = now_ms
             ag.routing_id = routing_id
+            ag.identity = identity
             self._dirty.add(aid)
         return None
 

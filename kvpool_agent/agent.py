@@ -4,7 +4,9 @@ The connector only calls ``AgentHandle.reporter`` methods (an append to a bounde
 agent thread drains those events every ``_LOOP_S``, folds them into an ``EngineState``
 (``kvpool_agent._aggregate``) and sends ``Report`` messages on a DEALER socket connected to the
 fleet hub: a snapshot on every (re)connect and every ``SNAPSHOT_INTERVAL_S``, deltas at 4 Hz in
-between (at least one per second as a heartbeat). Sends never block: ``SNDHWM`` is small,
+between (at least one per second as a heartbeat). With a keys directory (``agent_keys`` /
+``KVPOOL_AGENT_KEYS``) the socket is a CURVE client holding the agent key; a hub that refuses
+the handshake is logged once. Sends never block: ``SNDHWM`` is small,
 ``IMMEDIATE`` keeps messages from queueing while no hub is connected, and a send that would
 block is dropped and counted (``ProcessStats.reports_dropped``).
 
@@ -24,6 +26,7 @@ import os
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 import httpx
 import psutil
@@ -32,6 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent._commands import Commands
+from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.operations import PoolOperations
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
@@ -49,7 +53,7 @@ from kvpool_agent.protocol import (
     encode,
 )
 from kvpool_agent.reporter import NullReporter, Reporter
-from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = [
     "DELTA_INTERVAL_S",
@@ -72,6 +76,15 @@ _MAX_PENDING_COMMANDS = 8
 # make ZMQ drop the connection before buffering them, which bounds the agent's memory.
 _MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
 _MAX_FRAMES_PER_LOOP = 256
+_AUTH_RETRY_S = 5.0
+"""After the hub refused the handshake, connect again this long after: ZMQ itself gives up on
+a refused key (and on some failed handshakes), and the key may be authorized later without
+restarting the engine."""
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def _now_ms() -> float:
@@ -89,8 +102,12 @@ class _Agent:
         pool_admin_url: str | None,
         lease_ttl_ms: int,
         high_watermark: float,
+        keys: ClientKeys | None = None,
     ) -> None:
         self.source = source
+        self.keys = keys
+        self.handshakes_refused = 0
+        self._retry_at: float | None = None
         self.address = address
         self.operations = operations
         self.pool_admin_url = pool_admin_url.rstrip("/") if pool_admin_url else None
@@ -124,7 +141,13 @@ class _Agent:
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
             self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
-            self.mon = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            if keys is not None:
+                keys.apply(self.sock)
+            # A snapshot once the handshake (CURVE or plain) completes: before it, IMMEDIATE
+            # would drop the send.
+            self.mon = self.sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+            )
             self.sock.connect(address)
         except BaseException:
             # Close the sockets and the context now (a bad address): left to the garbage
@@ -164,8 +187,16 @@ class _Agent:
                     if self.mon in events:
                         while self.mon.poll(0):
                             ev = recv_monitor_message(self.mon)
-                            if ev["event"] == zmq.EVENT_CONNECTED:
+                            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                                 next_snapshot = 0.0
+                            elif ev["event"] & _HANDSHAKE_FAILED:
+                                self._handshake_refused()
+                                self._retry_at = now + _AUTH_RETRY_S
+                    if self._retry_at is not None and now >= self._retry_at:
+                        self._retry_at = None
+                        with contextlib.suppress(zmq.ZMQError):
+                            self.sock.disconnect(self.address)
+                        self.sock.connect(self.address)
                     if self.sock in events:
                         self._receive()
                     with self.lock:
@@ -195,6 +226,18 @@ class _Agent:
             self._send_report("delta")
         finally:
             self._close()
+
+    def _handshake_refused(self) -> None:
+        # ZMQ retries the connection every 100 ms: one line, not one per attempt.
+        self.handshakes_refused += 1
+        if self.handshakes_refused == 1:
+            how = (f"the {self.keys.role} key of this agent is not in the hub's "
+                   "authorized_keys/agent/ (or hub.key is not this hub's)" if self.keys
+                   else f"the hub requires an agent key: set agent_keys in "
+                   f"kv_connector_extra_config or {AGENT_KEYS_ENV} to a directory with hub.key "
+                   "and agent.key_secret (kvpool-agent keygen --role agent)")
+            log.error("kvpool agent %s: hub %s refused the connection: %s; no reports reach it",
+                      self.source.agent_id, self.address, how)
 
     def _receive(self) -> None:
         for _ in range(_MAX_FRAMES_PER_LOOP):
@@ -357,7 +400,8 @@ class AgentHandle:
     @property
     def counters(self) -> dict[str, int]:
         """Agent-side counters: ``sent`` reports, ``reports_dropped``, ``replies_dropped``,
-        ``bad_messages`` from the hub, command sequence ``gaps``, ``events_dropped``."""
+        ``bad_messages`` from the hub, command sequence ``gaps``, ``events_dropped``,
+        ``handshakes_refused`` (connection attempts the hub refused: no or unknown key)."""
         a = self._agent
         if a is None:
             return {"events_dropped": self.reporter.dropped}
@@ -368,6 +412,7 @@ class AgentHandle:
             "bad_messages": a.bad_messages,
             "gaps": a.commands_seen.total_gaps,
             "events_dropped": self.reporter.dropped,
+            "handshakes_refused": a.handshakes_refused,
         }
 
     def state(self) -> EngineState:
@@ -419,6 +464,7 @@ def start_agent(
     pool_admin_url: str | None = None,
     lease_ttl_ms: int = 0,
     high_watermark: float = 0.9,
+    keys_dir: str | Path | None = None,
 ) -> AgentHandle:
     """Start the agent of one connector process.
 
@@ -436,14 +482,26 @@ def start_agent(
             pool stats come from its ``/metrics`` instead of ``operations.stats()``.
         lease_ttl_ms: ``default_kv_lease_ttl`` (ms) in force, for lease expiry estimates.
         high_watermark: ``eviction_high_watermark_ratio`` of the pool (reported with usage).
+        keys_dir: the agent's keys directory, ``hub.key`` and ``agent.key_secret``
+            (``agent_keys`` in ``kv_connector_extra_config``); ``None`` reads
+            ``KVPOOL_AGENT_KEYS``. Without either the agent connects without a key (a hub with
+            keys refuses it, logged once). A configured directory whose keys cannot be read
+            disables the agent with one error line: it never falls back to no key.
 
     Returns:
-        An ``AgentHandle``. Never raises: a bad address or any setup failure is logged and
-        gives a disabled handle, so the engine always starts.
+        An ``AgentHandle``. Never raises: a bad address, unreadable keys or any setup failure
+        is logged and gives a disabled handle, so the engine always starts.
     """
     try:
         address = address or os.environ.get(AGENT_ADDRESS_ENV) or None
         if not address:
+            return AgentHandle(NullReporter(), source)
+        kd = keys_dir or os.environ.get(AGENT_KEYS_ENV) or None
+        try:
+            keys = KeyPaths.of(kd).client("agent") if kd else None
+        except ValueError as e:
+            log.error("kvpool agent %s disabled: agent keys (agent_keys / %s): %s",
+                      source.agent_id, AGENT_KEYS_ENV, e)
             return AgentHandle(NullReporter(), source)
         agent = _Agent(
             source,
@@ -452,9 +510,11 @@ def start_agent(
             pool_admin_url,
             lease_ttl_ms,
             high_watermark,
+            keys,
         )
         agent.start()
-        log.info("kvpool agent %s reporting to %s", source.agent_id, address)
+        log.info("kvpool agent %s reporting to %s%s", source.agent_id, address,
+                 " with its agent key" if keys else " without a key")
         return AgentHandle(agent.reporter, source, agent)
     except Exception as e:
         log.error(

@@ -1,28 +1,83 @@
-"""Operator keys: ZMQ CURVE key pairs for the hub and for operators allowed to change data.
+"""CURVE keys of a fleet: one key pair per role, an allow-list of public keys per role on the hub.
 
-``kvpool-agent keygen DIR`` writes (pyzmq's ``zmq.auth.create_certificates`` format)::
+Roles (``ROLES``) and what a holder of the role's key may do:
 
-    DIR/server.key            hub public key        (give to consoles)
-    DIR/server.key_secret     hub secret key        (only on the hub)
-    DIR/operator.key          operator public key
-    DIR/operator.key_secret   operator secret key   (only on the operator's machine)
-    DIR/authorized_keys/operator.key   the public keys the hub accepts on its CURVE port
+- ``hub``: the hub's own pair; every client holds its public half (``hub.key``) to check it
+  talks to the real hub.
+- ``agent``: report on the agent port ``P`` and answer commands (a fleet-wide pair, or one per
+  engine);
+- ``viewer``: read the state stream ``P+1`` and send read-only commands on ``P+2``;
+- ``operator``: everything a viewer may, plus every command on ``P+3`` (flush,
+  ``health --probe``, ``forget``).
 
-A hub runs with ``--keys DIR`` (uses ``server.key_secret`` and ``authorized_keys/``); a console
-with ``--keys DIR`` (uses ``server.key`` and ``operator.key_secret``). To allow another operator,
-copy their ``*.key`` (public) into the hub's ``authorized_keys/``.
+``kvpool-agent keygen --role ROLE DIR`` writes ONE role's pair (pyzmq's
+``zmq.auth.create_certificates`` format, the secret file mode 0600)::
+
+    DIR/ROLE.key          public key  (copy it where the other side needs it)
+    DIR/ROLE.key_secret   secret key  (never leaves this machine)
+
+A hub's keys directory (``kvpool-agent hub --keys DIR``)::
+
+    DIR/hub.key, DIR/hub.key_secret
+    DIR/authorized_keys/agent/*.key      public keys allowed on P
+    DIR/authorized_keys/viewer/*.key     allowed on P+1 and P+2 (operator keys are too)
+    DIR/authorized_keys/operator/*.key   allowed on P+1, P+2 and P+3
+
+A client's keys directory (``kvpool-console --keys DIR``, an agent's ``KVPOOL_AGENT_KEYS``)
+holds ``hub.key`` (copied from the hub) and its own role's pair, made on that machine, so the
+hub host never holds an operator's secret (issue 10, observation 9).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, cast
 
 import zmq.auth
 
-__all__ = ["KeyPaths", "generate_keys"]
+__all__ = [
+    "CLIENT_ROLES",
+    "ROLES",
+    "AllowList",
+    "ClientKeys",
+    "KeyPaths",
+    "Role",
+    "authorize_key",
+    "generate_keys",
+    "local_fleet_keys",
+]
+
+Role = Literal["hub", "operator", "viewer", "agent"]
+ROLES: tuple[Role, ...] = ("hub", "operator", "viewer", "agent")
+CLIENT_ROLES: tuple[Role, ...] = ("operator", "viewer", "agent")
+"""Roles whose public keys a hub lists in ``authorized_keys/<role>/``."""
+
+_OLD_LAYOUT = (
+    "keys dir {root} has the old layout (server.key: hub and operator keys in one dir); make "
+    "one pair per role with `kvpool-agent keygen --role hub|operator|viewer|agent DIR` (README, "
+    "Security)"
+)
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a CURVE client socket needs: the hub's public key and the client's own pair
+    (z85 bytes, 40 characters each) and the role of that pair."""
+
+    role: Role
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
+        """Make ``sock`` a CURVE client of the hub (before ``connect``)."""
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
 
 
 @dataclass(frozen=True)
@@ -35,64 +90,223 @@ class KeyPaths:
     def of(cls, root: str | Path) -> KeyPaths:
         return cls(Path(root))
 
-    @property
-    def server_public(self) -> Path:
-        return self.root / "server.key"
+    def public(self, role: Role) -> Path:
+        """``ROLE.key``: the role's public key."""
+        return self.root / f"{role}.key"
+
+    def secret(self, role: Role) -> Path:
+        """``ROLE.key_secret``: the role's secret key."""
+        return self.root / f"{role}.key_secret"
 
     @property
-    def server_secret(self) -> Path:
-        return self.root / "server.key_secret"
+    def hub_public(self) -> Path:
+        return self.public("hub")
 
     @property
-    def operator_public(self) -> Path:
-        return self.root / "operator.key"
-
-    @property
-    def operator_secret(self) -> Path:
-        return self.root / "operator.key_secret"
+    def hub_secret(self) -> Path:
+        return self.secret("hub")
 
     @property
     def authorized_dir(self) -> Path:
         return self.root / "authorized_keys"
 
-    def check_operator(self) -> None:
-        """Raises ValueError naming the missing file when this directory cannot sign commands."""
-        for p in (self.server_public, self.operator_secret):
-            if not p.is_file():
-                raise ValueError(
-                    f"keys dir {self.root}: {p.name} missing (create keys with "
-                    f"`kvpool-agent keygen {self.root}` and copy server.key from the hub)"
-                )
+    def authorized(self, role: Role) -> Path:
+        """``authorized_keys/ROLE/``: the public keys a hub accepts for ``role``."""
+        return self.authorized_dir / role
 
-    def check_hub(self) -> None:
-        """Raises ValueError naming the missing file when a hub cannot serve CURVE from here."""
-        if not self.server_secret.is_file():
-            raise ValueError(
-                f"keys dir {self.root}: server.key_secret missing (kvpool-agent keygen)"
-            )
+    def _check_old_layout(self) -> None:
+        if (self.root / "server.key").exists() and not self.hub_public.exists():
+            raise ValueError(_OLD_LAYOUT.format(root=self.root))
+
+    def console_role(self) -> Role:
+        """``operator`` when this directory holds an operator secret, else ``viewer`` when it
+        holds a viewer secret.
+
+        Raises:
+            ValueError: neither (the message names the keygen call), or the old layout.
+        """
+        self._check_old_layout()
+        for role in ("operator", "viewer"):
+            if self.secret(cast(Role, role)).is_file():
+                return cast(Role, role)
+        raise ValueError(
+            f"keys dir {self.root}: neither operator.key_secret nor viewer.key_secret (make "
+            f"one with `kvpool-agent keygen --role operator {self.root}` and copy hub.key "
+            "from the hub)"
+        )
+
+    def client(self, role: Role) -> ClientKeys:
+        """Load ``hub.key`` and this role's pair.
+
+        Raises:
+            ValueError: a file is missing, unreadable or holds no key (the message names it and
+                the fix), or the old layout.
+        """
+        self._check_old_layout()
+        hint = {
+            "agent": f"`kvpool-agent keygen --role agent {self.root}`, then copy agent.key to "
+            "the hub's authorized_keys/agent/",
+            "viewer": f"`kvpool-agent keygen --role viewer {self.root}`, then copy viewer.key "
+            "to the hub's authorized_keys/viewer/",
+            "operator": f"`kvpool-agent keygen --role operator {self.root}`, then copy "
+            "operator.key to the hub's authorized_keys/operator/",
+        }.get(role, "")
+        server_public = _load(self.hub_public, secret=False,
+                              fix="copy hub.key from the hub's keys dir")
+        secret_file = self.secret(role)
+        public = _load(secret_file, secret=False, fix=hint)
+        secret = _load(secret_file, secret=True, fix=hint)
+        return ClientKeys(role=role, server_public=server_public, public=public, secret=secret)
+
+    def hub(self) -> tuple[bytes, bytes]:
+        """The hub's (public, secret) pair, after checking ``authorized_keys/`` exists.
+
+        Raises:
+            ValueError: a file or directory is missing or unreadable (named), or the old
+                layout.
+        """
+        self._check_old_layout()
+        fix = f"`kvpool-agent keygen --role hub {self.root}`"
+        public = _load(self.hub_secret, secret=False, fix=fix)
+        secret = _load(self.hub_secret, secret=True, fix=fix)
         if not self.authorized_dir.is_dir():
-            raise ValueError(
-                f"keys dir {self.root}: authorized_keys/ missing (kvpool-agent keygen)"
-            )
+            raise ValueError(f"keys dir {self.root}: authorized_keys/ missing ({fix})")
+        return public, secret
 
 
-def generate_keys(root: str | Path, *, force: bool = False) -> KeyPaths:
-    """Create the hub and operator key pairs in ``root`` (created if missing).
+def _load(path: Path, *, secret: bool, fix: str) -> bytes:
+    """One key from a certificate file (z85 bytes).
 
     Raises:
-        FileExistsError: keys already exist there and ``force`` is False (regenerating locks
-            out every console holding the old hub key).
+        ValueError: missing, unreadable, or no such key in it; names ``path`` and ``fix``.
     """
+    try:
+        public, secret_key = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as e:
+        why = "missing" if not path.exists() else f"unreadable ({e})"
+        raise ValueError(f"key file {path} {why}: {fix}") from None
+    key = secret_key if secret else public
+    if not key:
+        raise ValueError(f"key file {path} holds no {'secret' if secret else 'public'} key: {fix}")
+    return key
+
+
+def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPaths:
+    """Create ``role``'s key pair in ``root`` (created if missing, mode 0700): ``ROLE.key`` and
+    ``ROLE.key_secret`` (mode 0600). For ``hub`` also the empty ``authorized_keys/<role>/``
+    directories. Writes nothing for any other role.
+
+    Raises:
+        ValueError: ``role`` is not one of ``ROLES``.
+        FileExistsError: the role's secret exists and ``force`` is False (regenerating a hub
+            key locks out every client holding the old ``hub.key``).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: expected one of {', '.join(ROLES)}")
     paths = KeyPaths.of(root)
-    if paths.server_secret.exists() and not force:
+    if paths.secret(role).exists() and not force:
         raise FileExistsError(
-            f"{paths.server_secret} exists: keys were already generated (use --force to replace)"
+            f"{paths.secret(role)} exists: keys were already generated (use --force to replace)"
         )
-    paths.root.mkdir(parents=True, exist_ok=True)
-    zmq.auth.create_certificates(str(paths.root), "server")
-    zmq.auth.create_certificates(str(paths.root), "operator")
-    for secret in (paths.server_secret, paths.operator_secret):
-        os.chmod(secret, 0o600)
-    paths.authorized_dir.mkdir(exist_ok=True)
-    shutil.copy(paths.operator_public, paths.authorized_dir / "operator.key")
+    paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # create_certificates writes the secret file with the process umask: tighten it to 0600
+    # before anything else reads the directory.
+    old = os.umask(0o077)
+    try:
+        zmq.auth.create_certificates(str(paths.root), role)
+    finally:
+        os.umask(old)
+    os.chmod(paths.secret(role), 0o600)
+    if role == "hub":
+        for r in CLIENT_ROLES:
+            paths.authorized(r).mkdir(mode=0o700, parents=True, exist_ok=True)
     return paths
+
+
+def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
+                  name: str | None = None) -> Path:
+    """Copy ``public_key`` (a ``ROLE.key`` file) into the hub's ``authorized_keys/ROLE/`` as
+    ``NAME.key`` (default: the file's own name); returns the new path.
+
+    Raises:
+        ValueError: ``role`` is not a client role, or the file holds no public key.
+    """
+    if role not in CLIENT_ROLES:
+        raise ValueError(f"role {role!r}: expected one of {', '.join(CLIENT_ROLES)}")
+    src = Path(public_key)
+    _load(src, secret=False, fix="give a public key file made by kvpool-agent keygen")
+    dest_dir = KeyPaths.of(hub_root).authorized(role)
+    dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    dest = dest_dir / f"{name or src.stem}.key"
+    shutil.copyfile(src, dest)
+    return dest
+
+
+def local_fleet_keys(root: str | Path) -> dict[Role, KeyPaths]:
+    """Every role's keys on one machine (the demo, tests): ``root/<role>/`` per role, each
+    client dir with a copy of ``hub.key``, and each client's public key authorized on the hub.
+    Existing keys are replaced. Returns role -> its keys directory."""
+    base = Path(root)
+    dirs: dict[Role, KeyPaths] = {r: KeyPaths.of(base / r) for r in ROLES}
+    hub = dirs["hub"]
+    if hub.root.exists():
+        shutil.rmtree(hub.root)
+    generate_keys(hub.root, "hub", force=True)
+    for role in CLIENT_ROLES:
+        generate_keys(dirs[role].root, role, force=True)
+        shutil.copyfile(hub.hub_public, dirs[role].hub_public)
+        authorize_key(hub.root, role, dirs[role].public(role))
+    return dirs
+
+
+class AllowList:
+    """The hub's ZAP credentials provider (pyzmq ``configure_curve_callback``): which public
+    keys may connect to which socket, from ``authorized_keys/<role>/*.key``.
+
+    A socket's ZAP domain names the roles it accepts (``domains``). The directories are read
+    again when their modification time changes, so a key copied in (or removed) takes effect
+    on the next connection without restarting the hub. Refused handshakes are counted per
+    domain (``refused``) by the hub's socket monitors, not here.
+
+    Args:
+        authorized_dir: the hub's ``authorized_keys/``.
+        domains: ZAP domain -> roles whose keys it accepts.
+    """
+
+    def __init__(self, authorized_dir: Path, domains: dict[str, tuple[Role, ...]]) -> None:
+        self.authorized_dir = authorized_dir
+        self.domains = domains
+        self._lock = threading.Lock()
+        self._seen: dict[Role, int] = {}
+        self._keys: dict[Role, dict[bytes, str]] = {}
+
+    def _role_keys(self, role: Role) -> dict[bytes, str]:
+        d = self.authorized_dir / role
+        try:
+            mtime = d.stat().st_mtime_ns
+        except OSError:
+            return {}
+        if self._seen.get(role) != mtime:
+            keys: dict[bytes, str] = {}
+            for f in sorted(d.glob("*.key")):
+                try:
+                    public, _ = zmq.auth.load_certificate(str(f))
+                except (OSError, ValueError):
+                    continue
+                if public:
+                    keys[public] = f"{role}/{f.stem}"
+            self._keys[role], self._seen[role] = keys, mtime
+        return self._keys[role]
+
+    def name(self, domain: str, key: bytes) -> str | None:
+        """``ROLE/FILE-STEM`` of ``key`` (z85) if ``domain`` accepts it, else ``None``."""
+        with self._lock:
+            for role in self.domains.get(domain, ()):
+                found = self._role_keys(role).get(key)
+                if found is not None:
+                    return found
+        return None
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's credentials-provider hook: may ``key`` (z85) connect in ``domain``."""
+        return self.name(domain, key) is not None

@@ -1,9 +1,12 @@
-"""``kvpool-agent``: run a fleet hub, generate operator keys, or run a standalone store agent.
+"""``kvpool-agent``: run a fleet hub, generate one role's keys, authorize a public key, or run a
+standalone store agent.
 
 Examples::
 
-    kvpool-agent keygen /etc/kvpool/keys
-    kvpool-agent hub --address tcp://0.0.0.0:7600 --keys /etc/kvpool/keys \\
+    kvpool-agent keygen --role hub /etc/kvpool/hub            # on the hub host
+    kvpool-agent keygen --role operator ~/.kvpool/operator    # on the operator's machine
+    kvpool-agent authorize --role operator /etc/kvpool/hub ./alice-operator.key --name alice
+    kvpool-agent hub --address tcp://0.0.0.0:7600 --keys /etc/kvpool/hub \\
         --audit-file /var/log/kvpool-audit.jsonl
     kvpool-agent hub --address tcp://0.0.0.0:7600 --insecure   # a lab without keys
     kvpool-agent store --hub tcp://10.0.0.1:7600 --admin-url http://127.0.0.1:9003
@@ -19,15 +22,23 @@ import signal
 import socket
 import sys
 import threading
+from typing import cast
 
 import zmq
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
 from kvpool_agent.agent import start_agent
-from kvpool_agent.auth import KeyPaths, generate_keys
+from kvpool_agent.auth import (
+    CLIENT_ROLES,
+    ROLES,
+    KeyPaths,
+    Role,
+    authorize_key,
+    generate_keys,
+)
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
 from kvpool_agent.protocol import Source
-from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV
+from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = ["main"]
 
@@ -62,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument(
         "--keys",
         metavar="DIR",
-        help="keygen directory: enables the CURVE port P+3 for flush (server.key_secret, "
-        "authorized_keys/)",
+        help="the hub's keys directory (kvpool-agent keygen --role hub): every port then "
+        "requires a CURVE key listed in DIR/authorized_keys/<role>/, P+3 (operator) opens",
     )
     h.add_argument("--audit-file", metavar="PATH", help="append one JSON line per command")
     h.add_argument("--audit-max-bytes", type=int, default=AUDIT_MAX_BYTES, metavar="N",
@@ -72,18 +83,37 @@ def _parser() -> argparse.ArgumentParser:
                    help="rotated audit files kept, PATH.1 newest (default %(default)s)")
 
     h.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus /metrics on PORT of --address's host (default P+4; "
-                   "0 turns it off)")
+                   help="serve Prometheus /metrics on PORT (default P+4; 0 turns it off)")
+    h.add_argument("--metrics-host", metavar="HOST",
+                   help="address /metrics binds (default: --address's host without --keys, "
+                   "127.0.0.1 with --keys: /metrics has no authentication)")
 
-    k = sub.add_parser("keygen", help="create hub and operator CURVE key pairs in DIR")
+    k = sub.add_parser("keygen", help="create ONE role's CURVE key pair in DIR (ROLE.key, "
+                       "ROLE.key_secret mode 0600)")
+    k.add_argument("--role", required=True, choices=ROLES,
+                   help="hub (also creates DIR/authorized_keys/<role>/), operator, viewer or "
+                   "agent; make each on the machine that uses it")
     k.add_argument("dir", metavar="DIR")
     k.add_argument("--force", action="store_true", help="replace existing keys")
+
+    a = sub.add_parser("authorize", help="allow a public key on a hub: copy it into "
+                       "HUB_DIR/authorized_keys/ROLE/")
+    a.add_argument("--role", required=True, choices=CLIENT_ROLES)
+    a.add_argument("hub_dir", metavar="HUB_DIR", help="the hub's keys directory")
+    a.add_argument("key", metavar="KEY", help="a public key file (ROLE.key)")
+    a.add_argument("--name", help="file name in authorized_keys/ROLE/ (default: KEY's own)")
 
     s = sub.add_parser("store", help="standalone agent beside a store, reporting pool stats")
     s.add_argument(
         "--hub",
         default=os.environ.get(AGENT_ADDRESS_ENV),
         help=f"hub address tcp://HOST:P (default ${AGENT_ADDRESS_ENV})",
+    )
+    s.add_argument(
+        "--keys",
+        default=os.environ.get(AGENT_KEYS_ENV),
+        metavar="DIR",
+        help=f"agent keys directory, hub.key and agent.key_secret (default ${AGENT_KEYS_ENV})",
     )
     s.add_argument(
         "--admin-url",
@@ -125,6 +155,22 @@ def _metrics_port(address: str, given: int | None) -> int | None:
     return given or None
 
 
+def _keygen(role_name: str, root: str, force: bool) -> int:
+    role = cast(Role, role_name)
+    paths = generate_keys(root, role, force=force)
+    print(f"{role} secret key: {paths.secret(role)}  (mode 0600; never copy it off this machine)")
+    print(f"{role} public key: {paths.public(role)}")
+    if role == "hub":
+        print(f"next: copy {paths.hub_public} into every client's keys directory; allow client "
+              f"keys with `kvpool-agent authorize --role ROLE {paths.root} FILE.key`; run "
+              f"`kvpool-agent hub --keys {paths.root}`")
+    else:
+        print(f"next: copy {paths.public(role)} to the hub and run `kvpool-agent authorize "
+              f"--role {role} HUB_DIR {role}.key --name NAME` there; copy the hub's hub.key "
+              f"into {paths.root}/")
+    return 0
+
+
 def _run_until_signal() -> None:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -141,17 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.cmd == "keygen":
-            paths = generate_keys(args.dir, force=args.force)
-            print(f"hub secret key:      {paths.server_secret}  (keep on the hub)")
-            print(f"hub public key:      {paths.server_public}  (copy to consoles)")
-            print(f"operator secret key: {paths.operator_secret}  (keep with the operator)")
-            print(f"authorized keys:     {paths.authorized_dir}/")
-            print(f"run: kvpool-agent hub --keys {paths.root}; kvpool-console --keys {paths.root}")
+            return _keygen(args.role, args.dir, args.force)
+        if args.cmd == "authorize":
+            dest = authorize_key(args.hub_dir, args.role, args.key, args.name)
+            print(f"authorized {args.role} key: {dest} (takes effect on the next connection)")
             return 0
         if args.cmd == "hub":
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
-                kp.check_hub()
+                kp.hub()
             if kp is None and not _is_loopback(args.address):
                 if not args.insecure:
                     print(
@@ -169,13 +213,19 @@ def main(argv: list[str] | None = None) -> int:
             hub = FleetHub(
                 args.address,
                 authorized_keys_dir=kp.authorized_dir if kp else None,
-                secret_key_file=kp.server_secret if kp else None,
+                secret_key_file=kp.hub_secret if kp else None,
                 audit_file=args.audit_file,
                 forget_after_s=args.forget_after,
                 audit_max_bytes=args.audit_max_bytes,
                 audit_backups=args.audit_backups,
                 metrics_port=_metrics_port(args.address, args.metrics_port),
+                metrics_host=args.metrics_host,
             ).start()
+            if kp is not None and args.metrics_host not in (None, "127.0.0.1", "::1",
+                                                            "localhost"):
+                logging.getLogger("kvpool.hub").warning(
+                    "/metrics on %s has no authentication: whoever reaches it reads the fleet "
+                    "state the keyed ports protect (--metrics-host)", args.metrics_host)
             try:
                 _run_until_signal()
             finally:
@@ -204,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                 pool_admin_url=args.admin_url,
                 lease_ttl_ms=args.lease_ttl_ms,
                 high_watermark=args.high_watermark,
+                keys_dir=args.keys,
             )
+            if not handle.enabled:
+                return 2
             try:
                 _run_until_signal()
             finally:

@@ -2,8 +2,9 @@
 
 It subscribes to the hub's ``FleetUpdate`` stream (port ``P+1``); the hub answers every new
 subscription with a full snapshot, so ``fleet()`` is complete within a second of connecting.
-Commands go to the plain port ``P+2`` (read-only) or, with ``keys_dir``, to the CURVE port
-``P+3`` signed with the operator key (required for a real flush).
+Without keys both the stream and the read-only commands (``P+2``) are plain, which a hub with
+keys refuses. With ``keys_dir`` every socket is a CURVE client: an ``operator`` key sends
+commands to ``P+3`` (required for a real flush), a ``viewer`` key to ``P+2`` (read-only).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from pathlib import Path
 from types import TracebackType
 
 import zmq
-import zmq.auth
 
-from kvpool_agent.auth import KeyPaths
+from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -59,15 +59,22 @@ class FleetClient:
 
     Args:
         hub_address: the hub's ``tcp://HOST:P`` (the same address agents use).
-        keys_dir: a ``kvpool-agent keygen`` directory; commands are then sent over CURVE with
-            the operator key (``operator.key_secret``) to the hub's key (``server.key``).
-            ``None`` reads ``KVPOOL_KEYS_DIR``; without keys the client is read-only.
+        keys_dir: a client keys directory (``kvpool_agent.auth``): ``hub.key`` and an
+            ``operator.key_secret`` (operator) or ``viewer.key_secret`` (viewer, read-only).
+            ``None`` reads ``KVPOOL_KEYS_DIR``; without keys the client is plain and read-only
+            (a hub with keys gives it nothing).
 
     Not thread-safe for concurrent ``updates()`` calls; ``command()`` may run on another
     thread than ``updates()`` (separate sockets, each behind its own lock).
 
+    Attributes:
+        role: ``"operator"``, ``"viewer"`` or ``None`` (no keys).
+        refused_connections: the hub's refused handshakes per port, from its last update
+            (``FleetUpdate.refused_connections``).
+
     Raises:
-        ValueError: bad hub address or an incomplete keys directory.
+        ValueError: bad hub address, or a keys directory without ``hub.key`` and an operator or
+            viewer secret (the message names the file and the keygen call), or the old layout.
     """
 
     def __init__(self, hub_address: str, *, keys_dir: str | Path | None = None) -> None:
@@ -75,8 +82,11 @@ class FleetClient:
         self.ports = hub_ports(hub_address)
         kd = keys_dir if keys_dir is not None else os.environ.get("KVPOOL_KEYS_DIR") or None
         self.keys = KeyPaths.of(kd) if kd else None
+        self._curve: ClientKeys | None = None
         if self.keys is not None:
-            self.keys.check_operator()
+            self._curve = self.keys.client(self.keys.console_role())
+        self.role = self._curve.role if self._curve is not None else None
+        self.refused_connections: dict[str, int] = {}
         self.bad_messages = 0
         self.gaps = SeqTracker()
         self._fleet: dict[str, FleetEntry] = {}
@@ -88,6 +98,8 @@ class FleetClient:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 10_000)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._curve is not None:
+            self._curve.apply(self._sub)
         self._sub.connect(self.ports.pub)
         self._cmd: zmq.Socket[bytes] | None = None
         self.last_update_ms = 0.0
@@ -95,21 +107,19 @@ class FleetClient:
     @property
     def authorised(self) -> bool:
         """True when commands go over CURVE with an operator key (flush allowed)."""
-        return self.keys is not None
+        return self.role == "operator"
+
+    @property
+    def _command_port(self) -> str:
+        return self.ports.curve if self.role == "operator" else self.ports.commands
 
     def _command_socket(self) -> zmq.Socket[bytes]:
         if self._cmd is None:
             s: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            if self.keys is not None:
-                server_public, _ = zmq.auth.load_certificate(str(self.keys.server_public))
-                public, secret = zmq.auth.load_certificate(str(self.keys.operator_secret))
-                s.curve_serverkey = server_public
-                s.curve_publickey = public
-                s.curve_secretkey = secret
-                s.connect(self.ports.curve)
-            else:
-                s.connect(self.ports.commands)
+            if self._curve is not None:
+                self._curve.apply(s)
+            s.connect(self._command_port)
             self._cmd = s
         return self._cmd
 
@@ -140,6 +150,7 @@ class FleetClient:
 
     def _merge(self, upd: FleetUpdate) -> None:
         self.last_update_ms = upd.ts_ms
+        self.refused_connections = upd.refused_connections
         for aid in upd.forgotten:
             self._fleet.pop(aid, None)
         for st in upd.engines:
@@ -220,8 +231,9 @@ class FleetClient:
                     # Drop the socket: a late answer must not be read as the next one's.
                     s.close(linger=0)
                     self._cmd = None
-                    port = self.ports.curve if self.keys else self.ports.commands
-                    hint = " (is the operator key authorised on the hub?)" if self.keys else ""
+                    port = self._command_port
+                    hint = (f" (is the {self.role} key in the hub's authorized_keys/"
+                            f"{self.role}/?)" if self.role else "")
                     return [
                         CommandReply(
                             v=PROTOCOL_VERSION,

@@ -1,28 +1,39 @@
 """The fleet hub: agents report to it, consoles watch it and send commands through it.
 
 Over 500 lines: every path a frame takes through the one socket-owning thread (routing,
-quotas, reply binding) is kept in one module so it can be checked in one reading.
+quotas, reply binding, who may connect) is kept in one module so it can be checked in one
+reading.
 
-Ports, for ``address="tcp://HOST:P"``:
+Ports, for ``address="tcp://HOST:P"``. With keys (``kvpool-agent keygen --role hub``) every
+port is a CURVE server and a ZAP handler (pyzmq's ``ThreadAuthenticator`` with
+``kvpool_agent.auth.AllowList``) admits only the public keys in ``authorized_keys/<role>/``;
+a refused handshake is counted per port (``refused_connections``, also sent to consoles in
+``FleetUpdate.refused_connections``). Without keys every port is plain and the hub binds
+loopback unless run ``--insecure`` (``kvpool_agent.cli``).
 
-- ``P``   ROUTER, agents connect (DEALER) and send ``Report`` / ``CommandReply``;
+- ``P``   ROUTER, agents connect (DEALER) and send ``Report`` / ``CommandReply``; with keys an
+  ``agent`` key;
 - ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
-  full snapshot, so a console that joins late sees every agent at once;
-- ``P+2`` ROUTER, plain (no key): read-only commands (``snapshot``, ``health`` without the
-  probe, ``drain``, ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION``
-  in flight per connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all;
-- ``P+3`` ROUTER, CURVE server (only with ``authorized_keys_dir`` and ``secret_key_file``):
-  every command, also ``flush``, ``health`` with ``probe`` and ``forget``; clients must hold an
-  operator key listed in ``authorized_keys_dir`` (pyzmq's ``ThreadAuthenticator``; keys from
-  ``kvpool-agent keygen``). ``OPERATOR_RESERVE`` of the pending slots are only for this port.
+  full snapshot, so a console that joins late sees every agent at once; with keys a
+  ``viewer`` or ``operator`` key;
+- ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
+  ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
+  connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or
+  ``operator`` key (an operator key is still read-only here);
+- ``P+3`` ROUTER, only with keys: every command, also ``flush``, ``health`` with ``probe`` and
+  ``forget``; only ``operator`` keys. ``OPERATOR_RESERVE`` of the pending slots are only for
+  this port.
 - ``metrics_port`` (``kvpool-agent hub`` default ``P+4``): HTTP, Prometheus ``/metrics`` over
-  the fleet state (``kvpool_agent._metrics``), read-only, bound on HOST like the ports above.
+  the fleet state (``kvpool_agent._metrics``), read-only and without authentication (scrapers
+  speak plain HTTP): bound on HOST without keys (where the ports above are open too), on
+  127.0.0.1 with keys unless ``metrics_host`` names another address.
 
 Commands and replies are bound to connections: the hub forwards a command under a fresh
 unguessable request id (``secrets.token_hex``) to the routing id each target agent last
 reported from, and accepts a reply only from that routing id, for that id, once. Agent ids are
-bound to their connection too (``kvpool_agent._fleet``). Agents silent for ``forget_after_s``
-are dropped and consoles told (``FleetUpdate.forgotten``).
+bound to their connection and, with keys, to the agent key that registered them
+(``kvpool_agent._fleet``). Agents silent for ``forget_after_s`` are dropped and consoles told
+(``FleetUpdate.forgotten``).
 
 One thread owns every socket. This module is that thread: sockets, message routing and pending
 commands; the fleet's state (which agent said what, who a command goes to, the update frames)
@@ -35,7 +46,6 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -44,10 +54,12 @@ import msgspec
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent._metrics import FleetCollector, MetricsServer
+from kvpool_agent.auth import AllowList, Role
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -69,6 +81,7 @@ __all__ = [
     "OPERATOR_ONLY",
     "OPERATOR_RESERVE",
     "UNAUTHORISED",
+    "ZAP_DOMAINS",
     "FleetHub",
     "HubPorts",
     "hub_ports",
@@ -76,8 +89,10 @@ __all__ = [
 
 log = logging.getLogger("kvpool.hub")
 
-UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen)"
-OPERATOR_ONLY = "unauthorised: {what} needs the operator key (kvpool-agent keygen)"
+UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen --role operator)"
+OPERATOR_ONLY = (
+    "unauthorised: {what} needs the operator key (kvpool-agent keygen --role operator)"
+)
 
 MAX_PENDING = 1024
 """Commands in flight at once; more are answered at once with an error."""
@@ -91,6 +106,19 @@ _FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
 _MAX_READ_BYTES = 16 * 1024 * 1024
+
+ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
+    "agents": ("agent",),
+    "viewer": ("viewer", "operator"),
+    "operator": ("operator",),
+}
+"""ZAP domain -> roles whose keys it accepts; each port's domain is in ``_PORT_DOMAIN``."""
+_PORT_DOMAIN = {"agents": "agents", "pub": "viewer", "commands": "viewer", "curve": "operator"}
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass(frozen=True)
@@ -142,10 +170,12 @@ class FleetHub:
 
     Args:
         address: ``tcp://HOST:P``; binds ``P..P+3`` (see module docstring).
-        authorized_keys_dir: directory of operator public keys (``*.key``) allowed on the
-            CURVE port.
-        secret_key_file: the hub's CURVE secret key (``server.key_secret`` from
-            ``kvpool-agent keygen``). Both or neither.
+        authorized_keys_dir: the hub's ``authorized_keys/`` with one directory of public keys
+            (``*.key``) per role: ``agent/``, ``viewer/``, ``operator/``
+            (``kvpool_agent.auth``). Read again when a role's directory changes.
+        secret_key_file: the hub's CURVE secret key (``hub.key_secret`` from
+            ``kvpool-agent keygen --role hub``). Both or neither: with them every port requires
+            a key.
         audit_file: append one JSON line per command (who, what, scope, result) here, besides
             the ``kvpool.hub`` log line.
         snapshot_interval_s: full FleetUpdate snapshots this often (and on every join).
@@ -155,14 +185,18 @@ class FleetHub:
         audit_max_bytes: the audit file rotates at this size (bytes), keeping
             ``audit_backups`` older files (``FILE.1`` newest).
         metrics_port: serve Prometheus ``/metrics`` (``kvpool_agent._metrics``) over HTTP on
-            this port of the address's host; ``None`` serves none.
+            this port; ``None`` serves none.
+        metrics_host: the address ``/metrics`` binds; ``None``: the hub's host without keys,
+            127.0.0.1 with keys (the endpoint has no authentication, so a keyed hub never
+            exposes it beyond the host unless asked to).
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota),
     ``takeover_refused`` (reports for an id another live connection holds),
     ``oversized_states`` (reports over ``MAX_STATE_BYTES``), ``rejected_replies`` (replies from
     a connection the command was not sent to, unknown ids, repeats), ``forgotten``,
-    ``bad_messages``.
+    ``bad_messages``, ``refused_connections`` (port name ``agents``/``pub``/``commands``/
+    ``curve`` -> CURVE handshakes refused: no key, or a key not authorized for the port).
 
     Raises:
         ValueError: bad address, or only one of the two key arguments.
@@ -181,13 +215,15 @@ class FleetHub:
         audit_max_bytes: int = AUDIT_MAX_BYTES,
         audit_backups: int = AUDIT_BACKUPS,
         metrics_port: int | None = None,
+        metrics_host: str | None = None,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
         if (authorized_keys_dir is None) != (secret_key_file is None):
             raise ValueError(
                 "FleetHub: give both authorized_keys_dir and secret_key_file (kvpool-agent "
-                "keygen DIR writes DIR/authorized_keys/ and DIR/server.key_secret) or neither"
+                "keygen --role hub DIR writes DIR/authorized_keys/ and DIR/hub.key_secret) or "
+                "neither"
             )
         self.authorized_keys_dir = Path(authorized_keys_dir) if authorized_keys_dir else None
         self.secret_key_file = Path(secret_key_file) if secret_key_file else None
@@ -205,6 +241,8 @@ class FleetHub:
         self.oversized_states = 0
         self.rejected_replies = 0
         self.forgotten = 0
+        self.refused_connections: dict[str, int] = {}
+        self.allow: AllowList | None = None
         self.seq_tracker = SeqTracker()
         self._fleet = Fleet()
         self._pending: dict[str, _Pending] = {}
@@ -217,6 +255,7 @@ class FleetHub:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
         self.metrics: MetricsServer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -236,7 +275,8 @@ class FleetHub:
             raise self._error
         if self.metrics_port is not None:
             try:
-                self.metrics = MetricsServer(self._collector(), self._host(), self.metrics_port)
+                self.metrics = MetricsServer(self._collector(), self._metrics_host(),
+                                             self.metrics_port)
             except OSError:
                 self.stop()
                 raise
@@ -272,11 +312,19 @@ class FleetHub:
     def _host(self) -> str:
         return self.ports.agents[len("tcp://"):].rpartition(":")[0]
 
+    def _metrics_host(self) -> str:
+        if self.metrics_host is not None:
+            return self.metrics_host
+        return "127.0.0.1" if self.secret_key_file is not None else self._host()
+
     def _collector(self) -> FleetCollector:
         def counters() -> dict[str, int]:
             return {"reports": self.reports, "commands": self.commands,
                     "refused": self.refused, "busy": self.busy,
-                    "bad_messages": self.bad_messages, "forgotten": self.forgotten}
+                    "bad_messages": self.bad_messages, "forgotten": self.forgotten,
+                    # CURVE handshakes refused per port (hubs with keys).
+                    **{f"refused_handshakes_{port}": n
+                       for port, n in self.refused_connections.items()}}
 
         return FleetCollector(self._fleet.states, lambda: dict(self.seq_tracker.gaps),
                               counters, lambda: time.time() * 1e3)
@@ -291,14 +339,12 @@ class FleetHub:
     def _bind(self) -> None:
         self.ctx = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
-
         self.socks: list[zmq.Socket[bytes]] = []
+        # Monitor socket -> the port name its handshake failures are counted under.
+        self.monitors: dict[zmq.Socket[bytes], str] = {}
+        keys = self._load_keys()
 
-        def sock(
-            kind: int,
-            endpoint: str,
-            configure: Callable[[zmq.Socket[bytes]], None] | None = None,
-        ) -> zmq.Socket[bytes]:
+        def sock(kind: int, name: str, endpoint: str) -> zmq.Socket[bytes]:
             # Tracked before bind: a socket left out of self.socks would make ctx.term() in
             # _close() wait for it forever when a later bind fails.
             s: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -308,45 +354,82 @@ class FleetHub:
             s.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
             if kind == zmq.ROUTER:
                 s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            if configure is not None:
-                configure(s)
+            if kind == zmq.XPUB:
+                s.setsockopt(zmq.XPUB_VERBOSE, 1)
+            if keys is not None:
+                s.curve_publickey, s.curve_secretkey = keys
+                s.curve_server = True
+                s.zap_domain = _PORT_DOMAIN[name].encode()
+                mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
+                self.monitors[mon] = name
+                self.refused_connections[name] = 0
             try:
                 s.bind(endpoint)
             except zmq.ZMQError as e:
                 raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
             return s
 
-        self.agents_sock = sock(zmq.ROUTER, self.ports.agents)
-        self.pub = sock(zmq.XPUB, self.ports.pub, lambda s: s.setsockopt(zmq.XPUB_VERBOSE, 1))
-        self.plain = sock(zmq.ROUTER, self.ports.commands)
+        self.agents_sock = sock(zmq.ROUTER, "agents", self.ports.agents)
+        self.pub = sock(zmq.XPUB, "pub", self.ports.pub)
+        self.plain = sock(zmq.ROUTER, "commands", self.ports.commands)
         self.curve: zmq.Socket[bytes] | None = None
-        if self.authorized_keys_dir is not None and self.secret_key_file is not None:
-            if not self.authorized_keys_dir.is_dir():
-                raise ValueError(
-                    f"authorized_keys_dir {self.authorized_keys_dir} is not a directory "
-                    "(kvpool-agent keygen DIR creates DIR/authorized_keys)"
-                )
+        if keys is not None:
+            self.curve = sock(zmq.ROUTER, "curve", self.ports.curve)
+
+    def _load_keys(self) -> tuple[bytes, bytes] | None:
+        """The hub's CURVE pair, with the ZAP handler started; ``None`` without keys."""
+        if self.authorized_keys_dir is None or self.secret_key_file is None:
+            return None
+        adir = self.authorized_keys_dir
+        if not adir.is_dir():
+            raise ValueError(
+                f"authorized_keys_dir {adir} is not a directory (kvpool-agent keygen --role hub "
+                "DIR creates DIR/authorized_keys/)"
+            )
+        if any(adir.glob("*.key")) and not any((adir / r).is_dir() for r in ("agent", "viewer",
+                                                                           "operator")):
+            raise ValueError(
+                f"authorized_keys_dir {adir} has the old layout (keys directly in it): put each "
+                "public key in authorized_keys/agent/, viewer/ or operator/ (README, Security)"
+            )
+        try:
             public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
-            if secret is None:
-                raise ValueError(f"secret_key_file {self.secret_key_file} holds no secret key")
-            self.auth = ThreadAuthenticator(self.ctx)
-            self.auth.start()
-            self.auth.configure_curve(domain="*", location=str(self.authorized_keys_dir))
-
-            def curve_server(c: zmq.Socket[bytes]) -> None:
-                c.curve_secretkey = secret
-                c.curve_publickey = public
-                c.curve_server = True
-
-            self.curve = sock(zmq.ROUTER, self.ports.curve, curve_server)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"secret_key_file {self.secret_key_file}: {e}") from None
+        if not secret:
+            raise ValueError(f"secret_key_file {self.secret_key_file} holds no secret key")
+        self.allow = AllowList(adir, ZAP_DOMAINS)
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        for domain in ZAP_DOMAINS:
+            self.auth.configure_curve_callback(domain, self.allow)
+        return public, secret
 
     def _close(self) -> None:
+        for m in self.monitors:
+            m.close(linger=0)
         for s in self.socks:
             s.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
         self._audit.close()
+
+    def _recv_monitors(self, mon: zmq.Socket[bytes]) -> None:
+        name = self.monitors[mon]
+        for _ in range(_MAX_FRAMES_PER_LOOP):
+            if not mon.poll(0):
+                return
+            ev = recv_monitor_message(mon)
+            if ev["event"] & _HANDSHAKE_FAILED:
+                self.refused_connections[name] += 1
+                n = self.refused_connections[name]
+                if n <= 3 or n % 1000 == 0:
+                    log.warning(
+                        "kvpool hub: refused connection #%d on %s (%s, %s): no key or a key not "
+                        "in authorized_keys/%s", n, name, ev["endpoint"].decode(errors="replace"),
+                        zmq.Event(ev["event"]).name, "|".join(ZAP_DOMAINS[_PORT_DOMAIN[name]]),
+                    )
 
     def _run(self) -> None:
         try:
@@ -363,10 +446,11 @@ class FleetHub:
             self.ports.agents,
             self.ports.pub,
             self.ports.commands,
-            f", operator commands (CURVE) {self.ports.curve}" if self.curve is not None else "",
+            f", operator commands {self.ports.curve} (CURVE keys on every port)"
+            if self.curve is not None else " (no keys: plain)",
         )
         poller = zmq.Poller()
-        for s in self.socks:
+        for s in [*self.socks, *self.monitors]:
             poller.register(s, zmq.POLLIN)
         next_delta = next_snapshot = next_forget = 0.0
         try:
@@ -381,6 +465,9 @@ class FleetHub:
                         self._recv_commands(self.plain, curve=False)
                     if self.curve is not None and self.curve in events:
                         self._recv_commands(self.curve, curve=True)
+                    for mon in self.monitors:
+                        if mon in events:
+                            self._recv_monitors(mon)
                     now = time.monotonic()
                     self._expire(now)
                     if now >= next_forget:
@@ -415,27 +502,29 @@ class FleetHub:
     def _recv_agents(self) -> None:
         for _ in range(_MAX_FRAMES_PER_LOOP):
             try:
-                frames = self.agents_sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.agents_sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 self._bad("agents", f"{len(frames) - 1} frames, expected 1")
                 continue
-            rid, frame = frames
+            rid, frame = frames[0].bytes, frames[1]
             try:
-                msg = decode(frame)
+                msg = decode(frame.bytes)
             except ProtocolError as e:
                 self._bad("agents", str(e))
                 continue
             if isinstance(msg, Report):
-                self._on_report(rid, msg)
+                # With keys, the agent key the ZAP handler admitted (z85); agent ids are bound
+                # to it. Without keys every agent is "".
+                self._on_report(rid, msg, _user_id(frame) if self.allow is not None else "")
             elif isinstance(msg, CommandReply):
                 self._on_reply(rid, msg)
             else:
                 self._bad("agents", f"unexpected {type(msg).__name__} from an agent")
 
-    def _on_report(self, rid: bytes, rep: Report) -> None:
-        refused = self._fleet.accept(rid, rep)
+    def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
+        refused = self._fleet.accept(rid, rep, identity)
         if refused is not None:
             if refused.startswith("takeover:"):
                 self.takeover_refused += 1
@@ -467,6 +556,7 @@ class FleetHub:
         updates = self._fleet.updates(kind, self._pub_seq + 1, dict(self.seq_tracker.gaps))
         self._pub_seq += len(updates)
         for upd in updates:
+            upd.refused_connections = dict(self.refused_connections)
             try:
                 self.pub.send(encode(upd), zmq.NOBLOCK)
             except zmq.Again:
@@ -493,12 +583,11 @@ class FleetHub:
             if not isinstance(msg, CommandRequest):
                 self._bad(where, f"unexpected {type(msg).__name__} from a console")
                 continue
-            if curve:
-                try:
-                    user = frame.get("User-Id")
-                except zmq.ZMQError:
-                    user = "?"
-                who = f"key:{user}" + (f" ({msg.sender})" if msg.sender else "")
+            if self.allow is not None:
+                user = _user_id(frame)
+                domain = _PORT_DOMAIN["curve" if curve else "commands"]
+                name = self.allow.name(domain, user.encode()) or user
+                who = f"key:{name}" + (f" ({msg.sender})" if msg.sender else "")
             else:
                 who = f"plain:{msg.sender or 'anonymous'}"
             self._on_command(sock, client, msg, who, curve=curve)
@@ -648,3 +737,11 @@ class FleetHub:
             sock.send_multipart([client, *(encode(r) for r in replies)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("kvpool hub: reply to a console lost (%s)", e)
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The ZAP User-Id of a frame's connection (the z85 CURVE public key), ``""`` if none."""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:
+        return ""

@@ -329,6 +329,10 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     """Agent ids the hub dropped (silent for ``forget_after`` or ``forget``): a console drops
     them too. Deltas list those dropped since the last update, snapshots every one the hub
     still remembers dropping."""
+    refused_connections: dict[str, int] = msgspec.field(default_factory=dict)
+    """Per hub port (``agents``, ``pub``, ``commands``, ``curve``): CURVE handshakes the hub
+    refused since it started (no key, or a key not authorized for the port); empty when the
+    hub runs without keys."""
 
 
 class FlushArgs(msgspec.Struct, kw_only=True):

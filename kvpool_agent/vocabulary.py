@@ -12,6 +12,7 @@ from typing import Literal
 
 __all__ = [
     "AGENT_ADDRESS_ENV",
+    "AGENT_KEYS_ENV",
     "HINTS",
     "INSTANCE_ROLES",
     "INSTANCE_ROLE_ENV",
@@ -28,6 +29,11 @@ __all__ = [
 AGENT_ADDRESS_ENV = "KVPOOL_AGENT_ADDRESS"
 """Environment variable naming the fleet hub (``tcp://HOST:P``) when ``agent_address`` is not
 configured."""
+
+AGENT_KEYS_ENV = "KVPOOL_AGENT_KEYS"
+"""Environment variable naming the agent's keys directory (``hub.key`` and
+``agent.key_secret``, ``kvpool_agent.auth``) when ``agent_keys`` is not configured; without
+either the agent connects without a key, which a hub with keys refuses."""
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 """vLLM's ``KVTransferConfig.kv_role``."""

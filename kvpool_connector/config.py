@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool_agent.vocabulary import (
     AGENT_ADDRESS_ENV,
+    AGENT_KEYS_ENV,
     INSTANCE_ROLE_ENV,
     INSTANCE_ROLE_OF,
     INSTANCE_ROLES,
@@ -52,6 +53,7 @@ class _ExtraFields(BaseModel):
     agent_address: str | None = None
     engine_id: str | None = None
     instance_role: InstanceRole | None = None
+    agent_keys: str | None = None
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -138,6 +140,8 @@ class KVPoolConfig(BaseModel):
             ``KVPOOL_INSTANCE_ROLE``, ``ROLE (MindIE Motor)``, ``engine id``); ``""`` when the
             role follows ``kv_role``.
         extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
+        agent_keys: the agent's CURVE keys directory (``hub.key``, ``agent.key_secret``);
+            falls back to ``$KVPOOL_AGENT_KEYS``; ``None`` = the agent connects without a key.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -162,6 +166,7 @@ class KVPoolConfig(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict)
     declared_role: InstanceRole | None = None
     role_source: str = ""
+    agent_keys: str | None = None
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -241,6 +246,7 @@ class KVPoolConfig(BaseModel):
         eid = fields.engine_id or engine_id or "engine"
         declared, role_source = declared_instance_role(fields.instance_role, eid)
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None
+        values["agent_keys"] = fields.agent_keys or os.environ.get(AGENT_KEYS_ENV) or None
         try:
             return cls(
                 **values,

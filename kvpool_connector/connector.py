@@ -244,6 +244,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             # A worker knows the master's TTL from its Mooncake config even when the
             # connector's own lease_ttl_ms is unset.
             lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
+            keys_dir=cfg.agent_keys,
         )
         return StatsTap(self._agent.reporter)
 

@@ -13,9 +13,10 @@ Usage::
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
 console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
-``--keys`` is a ``kvpool-agent keygen`` directory holding the operator key; without it the
-console is read-only (a real flush, ``health --probe`` and ``forget`` are refused before anything
-is sent).
+``--keys`` is the console's keys directory: the hub's public ``hub.key`` and an operator
+(``kvpool-agent keygen --role operator``) or viewer pair. Only an operator key allows a real
+flush, ``health --probe`` and ``forget``; with a viewer key or none they are refused before
+anything is sent. A hub running with keys serves nothing to a console without one.
 
 Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, or a
 flush reported errors; 2 usage error, hub not reachable or demo not startable (bad trace or
@@ -81,7 +82,9 @@ def _common(top: bool) -> argparse.ArgumentParser:
     common.add_argument("--hub", default=default(None),
                         help=f"hub address tcp://HOST:P (default $KVPOOL_HUB or {DEFAULT_HUB})")
     common.add_argument("--keys", default=default(None), metavar="DIR",
-                        help="operator key directory (kvpool-agent keygen); omit: read-only")
+                        help="keys directory: hub.key and an operator or viewer key pair "
+                        "(kvpool-agent keygen --role operator|viewer); only operator changes "
+                        "the pool")
     common.add_argument("--wait", type=float, default=default(3.0), metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
     common.add_argument("--watermark-ratio", type=_fraction, default=default(None),
@@ -220,8 +223,12 @@ def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
 
 def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     view = _view(src, args)
+    # Handshakes the hub refused per port (no key, or one not authorized there): only a hub
+    # with keys counts them.
+    refused = dict(src.client.refused_connections) if isinstance(src, ClientSource) else {}
     if args.json:
-        sys.stdout.write(msgspec.json.encode(status_document(view)).decode() + "\n")
+        doc = {**status_document(view), "refused_connections": refused}
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
     else:
         t = Table(title=f"kvpool fleet @ {src.address}", expand=False)
         for col in ("Engine", "State", "Role", "KV role", "Backend", "Hit", "Hit/Looked",
@@ -242,6 +249,9 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                   f"hit rate {tot.hit_rate:.1%} (local {tot.local_hit_rate:.1%}), "
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.load_errors} failed loads")
+        if any(refused.values()):
+            out.print(Text("hub refused connections without an authorized key: " + ", ".join(
+                f"{port} {n}" for port, n in sorted(refused.items()) if n), style="yellow"))
         for a in view.alerts:
             # Subject and message name engines and quote agents' errors: data, not markup.
             line = Text(a.severity.upper(), style="red" if a.severity == "critical" else "yellow")
@@ -259,7 +269,7 @@ def _needs_key(what: str, src: FleetSource, err: Console) -> bool:
     if src.can_flush:
         return False
     err.print(f"[red]{what} refused: read-only without the operator key; pass --keys DIR "
-              "(kvpool-agent keygen)[/red]")
+              "with operator.key_secret (kvpool-agent keygen --role operator)[/red]")
     return True
 
 
@@ -326,7 +336,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
         return EXIT_USAGE
     if not args.dry_run and not src.can_flush:
         err.print("[red]flush refused: read-only without the operator key; pass --keys DIR "
-                  "(kvpool-agent keygen) or use --dry-run[/red]")
+                  "(kvpool-agent keygen --role operator) or use --dry-run[/red]")
         return EXIT_REFUSED
     fa = FlushArgs(scope=args.scope, model=args.model, engine_id=args.engine_id,
                    dry_run=True, force=args.force)

@@ -104,8 +104,9 @@ class ClientSource:
 
     Args:
         hub_address: the hub's agent address ``tcp://host:P`` (the client derives P+1..P+3).
-        keys_dir: directory with the operator's CURVE key pair (``kvpool-agent keygen``);
-            ``None`` -> read-only: flush is refused before anything is sent.
+        keys_dir: the console's keys directory (``hub.key`` and an operator or viewer pair,
+            ``kvpool_agent.auth``); ``None`` reads ``KVPOOL_KEYS_DIR``, ``""`` means no key.
+            Without an operator key flush is refused before anything is sent.
         sender: operator name recorded in the hub's audit log.
         pump: receive updates on a background thread.
 

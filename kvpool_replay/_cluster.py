@@ -106,7 +106,9 @@ class DemoCluster:
             a caller can show what the start-up is doing; ``None``: silent.
 
     Attributes (after ``start()``): ``hub_address`` (agents' and consoles' hub address),
-    ``keys_dir`` (operator keys, ``kvpool-agent keygen`` layout), ``master``
+    ``keys_root`` (every role's CURVE keys, one directory per role,
+    ``kvpool_agent.local_fleet_keys``; the hub requires them on every port), ``keys_dir``
+    (the operator's), ``viewer_keys_dir``, ``agent_keys_dir`` (the engines'), ``master``
     (``LocalMooncakeMaster``), ``store`` (``LocalPoolStore``), ``hub`` (``FleetHub``),
     ``processes`` (engine id -> ``subprocess.Popen``).
 
@@ -155,7 +157,10 @@ class DemoCluster:
         self._progress = progress
         self._own_tmp = log_dir is None
         self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
-        self.keys_dir = self.workdir / "keys"
+        self.keys_root = self.workdir / "keys"
+        self.keys_dir = self.keys_root / "operator"
+        self.viewer_keys_dir = self.keys_root / "viewer"
+        self.agent_keys_dir = self.keys_root / "agent"
         self.hub_address = ""
         self.master: LocalMooncakeMaster | None = None
         self.store: LocalPoolStore | None = None
@@ -180,16 +185,19 @@ class DemoCluster:
         return self
 
     def _start(self, ready_timeout_s: float) -> None:
-        from kvpool_agent import FleetHub, generate_keys
+        from kvpool_agent import FleetHub, local_fleet_keys
 
         trace = load_trace(self.trace_path, limit=self.limit)
         use_local_pool_env()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        keys = generate_keys(self.keys_dir, force=True)
+        keys = local_fleet_keys(self.keys_root)
         self.hub_address = _free_hub_address()
-        self._say(f"starting fleet hub on {self.hub_address}")
-        hub = FleetHub(self.hub_address, authorized_keys_dir=keys.authorized_dir,
-                       secret_key_file=keys.server_secret,
+        self._say(f"starting fleet hub on {self.hub_address} (CURVE keys on every port)")
+        self._say(f"keys in {self.keys_root}/: hub/ (the hub's, with authorized_keys/), "
+                  f"operator/ (kvpool-console --keys {self.keys_dir}), viewer/, agent/ "
+                  "(the engines')")
+        hub = FleetHub(self.hub_address, authorized_keys_dir=keys["hub"].authorized_dir,
+                       secret_key_file=keys["hub"].hub_secret,
                        audit_file=self.workdir / "audit.jsonl")
         hub.start()
         self.hub = hub
@@ -224,6 +232,7 @@ class DemoCluster:
             lease_ttl_ms=self.default_kv_lease_ttl_ms,
             high_watermark=self.eviction_high_watermark_ratio,
         )
+        extra["agent_keys"] = str(self.agent_keys_dir)
         go = self.workdir / "go"
         go.unlink(missing_ok=True)
         self._say(f"starting {n} {self.engine_kind} engine(s) replaying {self.trace_path}")

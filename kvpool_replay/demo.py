@@ -2,7 +2,8 @@
 
 ``kvpool-console --demo`` replaces its own process with ``python -m kvpool_replay.demo`` and the
 demo options (``kvpool_console.cli``; the console never imports this package). Here a
-``DemoCluster`` starts (master, store, fleet hub with fresh operator keys, engines), then the
+``DemoCluster`` starts (master, store, fleet hub requiring fresh per-role CURVE keys, engines
+holding the agent key; it prints where the keys are and the hub address), then the
 console's own TUI watches it: ``kvpool_console.cli.main(["--hub", HUB, "--keys", DIR])``, as an
 operator would run it against a real fleet. Everything the demo started stops on the way out.
 

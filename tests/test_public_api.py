@@ -14,9 +14,9 @@ import pytest
 
 PINNED: dict[str, list[str]] = {
     "kvpool_agent": [
-        "AGENT_ADDRESS_ENV", "AgentHandle", "CommandError", "FleetClient", "FleetEntry",
-        "FleetHub", "KeyPaths", "NullReporter", "PoolOperations", "Reporter", "UNAUTHORISED",
-        "generate_keys", "hub_ports", "start_agent",
+        "AGENT_ADDRESS_ENV", "AGENT_KEYS_ENV", "AgentHandle", "CommandError", "FleetClient",
+        "FleetEntry", "FleetHub", "KeyPaths", "NullReporter", "PoolOperations", "Reporter",
+        "UNAUTHORISED", "generate_keys", "hub_ports", "local_fleet_keys", "start_agent",
     ],
     "kvpool_connector": ["KVPoolConnector"],
     # Empty on purpose: importing the console package must not load Textual; it is used

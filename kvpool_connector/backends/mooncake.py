@@ -36,7 +36,9 @@ and the lease in force.
 
 ``master_admin_url`` is the master's HTTP admin endpoint (``mooncake_master --metrics_port``,
 default 9003 on the master host): ``/metrics`` and ``/health`` feed ``stats()`` and
-``health()``, ``/get_all_keys`` and ``/query_key`` feed ``remove_by_scope``'s counts.
+``health()``, ``/get_all_keys`` and ``/batch_query_keys`` feed ``remove_by_scope``'s counts
+(``/batch_query_keys`` reads the master's metadata without granting a lease; ``/query_key``
+and ``get_size`` grant one).
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ __all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
 
-_RAW_SAFE = "/@:.-_~%!$'()*,;="
+_RAW_SAFE = "/@:.-_~%!$'()*;="
+_QUERY_BATCH = 64
+"""Keys per ``/batch_query_keys`` request (bounds the URL at a few KiB)."""
 
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
@@ -313,27 +317,38 @@ class MooncakeBackend(Backend):
         r.raise_for_status()
         return [k for k in r.text.splitlines() if k]
 
-    def _key_size(self, key: str) -> int:
-        # The master matches the query string verbatim (no percent-decoding): send the key's
-        # characters as they are, escaping only what would end the query parameter.
-        r = self._http.get(f"{self.config.admin_url}/query_key?key={quote(key, safe=_RAW_SAFE)}")
-        if r.status_code != 200:
-            return 0
-        try:
-            data = r.json().get("data") or []
-        except ValueError:
-            return 0
-        return max((int(d.get("size_", 0)) for d in data), default=0)
+    def _key_sizes(self, keys: list[str]) -> dict[str, int]:
+        """Bytes of each of ``keys`` from the master's ``/batch_query_keys`` (no lease granted,
+        unlike ``/query_key`` or ``get_size``), ``_QUERY_BATCH`` keys per request; a key the
+        master does not know is 0."""
+        sizes = dict.fromkeys(keys, 0)
+        # The master splits ``keys=`` on commas: a key holding one cannot be asked for.
+        askable = [k for k in keys if "," not in k]
+        for i in range(0, len(askable), _QUERY_BATCH):
+            # The master matches the query string verbatim (no percent-decoding): send the
+            # keys' characters as they are, escaping only what would end the parameter.
+            q = ",".join(quote(k, safe=_RAW_SAFE) for k in askable[i:i + _QUERY_BATCH])
+            r = self._http.get(f"{self.config.admin_url}/batch_query_keys?keys={q}")
+            if r.status_code != 200:
+                continue
+            try:
+                data = r.json().get("data") or {}
+            except ValueError:
+                continue
+            for k, info in data.items():
+                if k in sizes and isinstance(info, dict) and info.get("ok"):
+                    sizes[k] = max((int(v.get("size_", 0)) for v in info.get("values") or []),
+                                   default=0)
+        return sizes
 
     def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
         """Count and remove the keys matching ``pattern`` (a regex, ``re.search`` semantics,
         anchored by the caller as ``keys.model_pattern`` does).
 
         Keys are listed with the master's ``/get_all_keys``. A dry run sizes one key of each
-        model+digest+shard(+layer) group with ``/query_key`` (all chunk keys of a group have one
-        size); that read, like every read, grants the key a lease of ``default_kv_lease_ttl``,
-        so a real flush right after a dry run skips at most one key per group (or pass
-        ``force``). A real run calls ``remove_by_regex(pattern, force)``;
+        model+digest+shard(+layer) group (all chunk keys of a group have one size) with
+        ``/batch_query_keys``, which reads the master's metadata and grants no lease: a dry
+        run leaves every key as it found it. A real run calls ``remove_by_regex(pattern, force)``;
         ``skipped_leased`` counts matched keys still present afterwards and ``bytes`` is what
         the master's ``master_allocated_bytes`` dropped by plus the sizes of those skipped keys.
 
@@ -348,16 +363,11 @@ class MooncakeBackend(Backend):
         try:
             matched = [k for k in self._all_keys() if rx.search(k)]
             if dry_run:
-                # Every read grants a lease (default_kv_lease_ttl), so size one key per
-                # model+digest+shard(+layer) group: all chunk keys of a group have one size, and
-                # an unforced flush right after skips at most one key per group.
-                sizes: dict[str, int] = {}
-                total = 0
-                for k in matched:
-                    group = size_group(k)
-                    if group not in sizes:
-                        sizes[group] = self._key_size(k)
-                    total += sizes[group]
+                # One key per model+digest+shard(+layer) group: all chunk keys of a group have
+                # one size, and a pool of millions of keys is sized in a few requests.
+                first = {size_group(k): k for k in reversed(matched)}
+                sizes = self._key_sizes(list(first.values()))
+                total = sum(sizes[first[size_group(k)]] for k in matched)
                 return RemoveResult(keys=len(matched), bytes=total)
             before = self._allocated_bytes()
             removed = self._call("remove_by_regex", self._store.remove_by_regex, pattern, force)
@@ -368,7 +378,7 @@ class MooncakeBackend(Backend):
             left = set(matched) & {k for k in self._all_keys() if rx.search(k)}
             freed = max(0, before - self._allocated_bytes())
             return RemoveResult(
-                keys=len(matched), bytes=freed + sum(map(self._key_size, left)),
+                keys=len(matched), bytes=freed + sum(self._key_sizes(sorted(left)).values()),
                 removed=int(removed), skipped_leased=len(left),
             )
         except httpx.HTTPError as exc:

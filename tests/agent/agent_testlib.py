@@ -9,6 +9,7 @@ import time
 
 import zmq
 
+from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -19,8 +20,13 @@ from kvpool_agent.protocol import (
     decode,
     encode,
 )
+from kvpool_agent.vocabulary import AGENT_KEYS_ENV
 
-__all__ = ["FakeAgent", "Spammer", "free_port_block", "make_source"]
+__all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "make_source"]
+
+ENV_KEYS = object()
+"""``FakeAgent(keys=ENV_KEYS)``: the agent keys ``KVPOOL_AGENT_KEYS`` names, as a configured
+agent would use (none when it is unset)."""
 
 
 def free_port_block(n: int = 4) -> int:
@@ -62,13 +68,26 @@ def make_source(engine: str = "e1", role: str = "worker", tp: int = 0, **kw: obj
     )
 
 
+def env_keys(role: str) -> ClientKeys | None:
+    """The keys a configured process of ``role`` (``agent`` or ``viewer``) would use:
+    ``KVPOOL_AGENT_KEYS`` or ``KVPOOL_KEYS_DIR``; ``None`` when unset."""
+    env = os.environ.get(AGENT_KEYS_ENV if role == "agent" else "KVPOOL_KEYS_DIR")
+    return KeyPaths.of(env).client(role) if env else None  # type: ignore[arg-type]
+
+
 class FakeAgent:
     """A raw DEALER on the agent port that sends what the test says and records every
-    command the hub sends it."""
+    command the hub sends it. ``keys``: CURVE client keys, ``None`` for none, ``ENV_KEYS``
+    (default) for the ones ``KVPOOL_AGENT_KEYS`` names."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], hub_address: str) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], hub_address: str,
+                 keys: ClientKeys | object | None = ENV_KEYS) -> None:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is ENV_KEYS:
+            keys = env_keys("agent")
+        if isinstance(keys, ClientKeys):
+            keys.apply(self.sock)
         self.sock.connect(hub_address)
         self.seq = 0
         self.received: list[CommandRequest] = []

@@ -1,4 +1,9 @@
-"""Fixtures for the agent tests: a hub on free ports, operator keys, a real Mooncake client."""
+"""Fixtures for the agent tests: a hub on free ports with every role's CURVE keys, a real
+Mooncake client.
+
+The ``hub`` fixture's hub requires keys on every port; it points ``KVPOOL_AGENT_KEYS`` at the
+agent keys and ``KVPOOL_KEYS_DIR`` at the viewer keys for the test, so agents and consoles
+started without explicit keys authenticate as a configured fleet's would."""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from typing import Any
 import pytest
 from agent_testlib import free_port_block
 
-from kvpool_agent import FleetHub, KeyPaths, generate_keys
+from kvpool_agent import AGENT_KEYS_ENV, FleetHub, KeyPaths, local_fleet_keys
+from kvpool_agent.auth import Role
 from kvpool_replay import LocalMooncakeMaster
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -24,10 +30,15 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 
 
 @pytest.fixture(scope="session")
-def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("keys")
-    generate_keys(root)
-    return root
+def fleet_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[Role, KeyPaths]:
+    """Every role's keys directory (``kvpool_agent.auth.local_fleet_keys``)."""
+    return local_fleet_keys(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="session")
+def keys_dir(fleet_keys: dict[Role, KeyPaths]) -> Path:
+    """The operator's keys directory (``hub.key``, ``operator.key_secret``)."""
+    return fleet_keys["operator"].root
 
 
 @pytest.fixture
@@ -36,12 +47,15 @@ def hub_address() -> str:
 
 
 @pytest.fixture
-def hub(hub_address: str, keys_dir: Path, tmp_path: Path) -> Iterator[FleetHub]:
-    kp = KeyPaths.of(keys_dir)
+def hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetHub]:
+    kp = fleet_keys["hub"]
+    monkeypatch.setenv(AGENT_KEYS_ENV, str(fleet_keys["agent"].root))
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
     with FleetHub(
         hub_address,
         authorized_keys_dir=kp.authorized_dir,
-        secret_key_file=kp.server_secret,
+        secret_key_file=kp.hub_secret,
         audit_file=tmp_path / "audit.jsonl",
         snapshot_interval_s=1.0,
     ) as h:

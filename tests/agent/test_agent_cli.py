@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,30 +37,74 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait()
 
 
-def test_keygen_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["keygen", str(tmp_path / "k")]) == 0
-    assert (tmp_path / "k" / "authorized_keys" / "operator.key").is_file()
-    assert oct((tmp_path / "k" / "operator.key_secret").stat().st_mode & 0o777) == "0o600"
-    assert main(["keygen", str(tmp_path / "k")]) == 2
+def test_keygen_writes_one_role_and_refuses_to_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Observation 9: one role per call; the operator's directory holds only the operator pair
+    (secret 0600), the hub's only the hub pair and empty allow-lists."""
+    op, hub = tmp_path / "op", tmp_path / "hub"
+    assert main(["keygen", "--role", "operator", str(op)]) == 0
+    assert sorted(p.name for p in op.iterdir()) == ["operator.key", "operator.key_secret"]
+    assert oct((op / "operator.key_secret").stat().st_mode & 0o777) == "0o600"
+    assert main(["keygen", "--role", "hub", str(hub)]) == 0
+    assert sorted(str(p.relative_to(hub)) for p in hub.rglob("*")) == [
+        "authorized_keys", "authorized_keys/agent", "authorized_keys/operator",
+        "authorized_keys/viewer", "hub.key", "hub.key_secret",
+    ]
+    assert oct((hub / "hub.key_secret").stat().st_mode & 0o777) == "0o600"
+    assert not any(p.name.endswith("key_secret") and "hub" not in p.name for p in hub.rglob("*"))
+    capsys.readouterr()
+    assert main(["keygen", "--role", "operator", str(op)]) == 2
     assert "already generated" in capsys.readouterr().err
-    assert main(["hub", "--address", "udp://x", "--keys", str(tmp_path / "k")]) == 2
+    assert main(["authorize", "--role", "operator", str(hub), str(op / "operator.key"),
+                 "--name", "alice"]) == 0
+    assert (hub / "authorized_keys/operator/alice.key").read_bytes() == (
+        op / "operator.key").read_bytes()
+    assert not list(hub.rglob("*.key_secret"))[1:]  # the hub's own secret only
+    assert main(["hub", "--address", "udp://x", "--keys", str(hub)]) == 2
+
+
+def test_old_layout_keys_dir_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A keys directory of the old layout (server.key, one dir for hub and operator) is
+    refused with one line naming the new keygen, by the hub and the console client alike."""
+    import zmq.auth
+
+    old = tmp_path / "old"
+    old.mkdir()
+    zmq.auth.create_certificates(str(old), "server")
+    zmq.auth.create_certificates(str(old), "operator")
+    (old / "authorized_keys").mkdir()
+    assert main(["hub", "--keys", str(old)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "old layout" in err and "--role" in err
+    with pytest.raises(ValueError, match=r"old layout.*keygen --role"):
+        FleetClient("tcp://127.0.0.1:7600", keys_dir=old)
 
 
 def test_hub_and_store_agent_processes(
     tmp_path: Path, agent_master: LocalMooncakeMaster, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    keys = tmp_path / "keys"
-    assert main(["keygen", str(keys)]) == 0
+    """Hub and agent keys made per role through the CLI, as on separate hosts: the store
+    agent with its agent key registers, the operator's console flushes."""
+    hub_dir, op_dir, agent_dir = tmp_path / "hub", tmp_path / "op", tmp_path / "agent"
+    for role, d in (("hub", hub_dir), ("operator", op_dir), ("agent", agent_dir)):
+        assert main(["keygen", "--role", role, str(d)]) == 0
+    for role, d in (("operator", op_dir), ("agent", agent_dir)):
+        assert main(["authorize", "--role", role, str(hub_dir), str(d / f"{role}.key")]) == 0
+        shutil.copyfile(hub_dir / "hub.key", d / "hub.key")
     address = f"tcp://127.0.0.1:{free_port_block()}"
     audit = tmp_path / "audit.jsonl"
-    hub = _spawn("hub", "--address", address, "--keys", str(keys), "--audit-file", str(audit))
+    hub = _spawn("hub", "--address", address, "--keys", str(hub_dir), "--audit-file", str(audit))
     procs.append(hub)
     store = _spawn(
         "store", "--hub", address, "--admin-url", agent_master.admin_url,
         "--engine-id", "store-1", "--lease-ttl-ms", "10000", "--high-watermark", "0.8",
+        "--keys", str(agent_dir),
     )
     procs.append(store)
-    with FleetClient(address, keys_dir=keys) as c:
+    with FleetClient(address, keys_dir=op_dir) as c:
         deadline_fleet = c.wait_for(1, 10)
         assert "store-1" in deadline_fleet
         for _ in range(60):
@@ -79,7 +124,7 @@ def test_hub_and_store_agent_processes(
         assert p.wait(10) == 0
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
     assert [x["command"] for x in lines] == ["health", "flush"]
-    assert lines[1]["who"].startswith("key:")
+    assert lines[1]["who"].startswith("key:operator/operator")
 
 
 def test_hub_binds_loopback_by_default_and_refuses_open_binds_without_keys(

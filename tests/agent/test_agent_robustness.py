@@ -15,9 +15,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from agent_testlib import free_port_block, make_source
+from agent_testlib import env_keys, free_port_block, make_source
 
-from kvpool_agent import FleetClient, FleetHub, NullReporter, start_agent
+from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, NullReporter, start_agent
 from kvpool_agent.hub import ENGINES_PER_UPDATE
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
@@ -45,6 +45,9 @@ def dealer(hub: FleetHub) -> Iterator[zmq.Socket[bytes]]:
     ctx = zmq.Context()
     s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    keys = env_keys("agent")
+    if keys is not None:
+        keys.apply(s)
     s.connect(hub.ports.agents)
     yield s
     s.close(linger=0)
@@ -260,7 +263,7 @@ def _send_all(sock: zmq.Socket[bytes], frames: list[list[bytes]], prefix: list[b
 
 
 def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
-    hub: FleetHub, hub_address: str, dealer: zmq.Socket[bytes]
+    hub: FleetHub, hub_address: str, dealer: zmq.Socket[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(1234)
     n = 10_000
@@ -268,6 +271,9 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
     _send_all(dealer, _fuzz_frames(n, rng), [])
     ctx = zmq.Context()
     console = ctx.socket(zmq.DEALER)
+    viewer = env_keys("viewer")
+    assert viewer is not None
+    viewer.apply(console)
     console.connect(hub.ports.commands)
     _send_all(console, _fuzz_frames(n, rng), [])
     deadline = time.monotonic() + 30
@@ -280,6 +286,8 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     port = router.bind_to_random_port("tcp://127.0.0.1")
+    agent_keys = os.environ[AGENT_KEYS_ENV]
+    monkeypatch.delenv(AGENT_KEYS_ENV)  # the stand-in hub is plain
     h = start_agent(make_source("eng-fuzz"), address=f"tcp://127.0.0.1:{port}")
     try:
         assert router.poll(5000)
@@ -309,6 +317,7 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
         console.close(linger=0)
         ctx.term()
     # The hub still serves real agents and consoles after its own 20,000.
+    monkeypatch.setenv(AGENT_KEYS_ENV, agent_keys)
     real = start_agent(make_source("eng-after"), address=hub_address)
     try:
         with FleetClient(hub_address) as c:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,23 +14,25 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-import zmq.auth
 from agent_testlib import FakeAgent, Spammer, make_source
 
-from kvpool_agent import UNAUTHORISED, AgentHandle, FleetClient, FleetHub, start_agent
+from kvpool_agent import (
+    UNAUTHORISED,
+    AgentHandle,
+    FleetClient,
+    FleetHub,
+    generate_keys,
+    start_agent,
+)
 from kvpool_agent.hub import OPERATOR_ONLY
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
-    PROTOCOL_VERSION,
     DrainArgs,
     DrainResult,
-    EngineState,
     FlushArgs,
     FlushResult,
     HealthCheck,
     PoolStats,
-    Report,
-    encode,
 )
 from kvpool_connector.keys import PROBE_PREFIX, ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
@@ -101,7 +104,7 @@ def _operator(hub_address: str, keys_dir: Path) -> FleetClient:
 
 def test_flush_scopes_remove_exactly_their_keys(
     worker_agent: AgentHandle, hub_address: str, keys_dir: Path, pool: dict,
-    agent_master: LocalMooncakeMaster, tmp_path: Path,
+    agent_master: LocalMooncakeMaster, tmp_path: Path, mooncake_backend: Any,
 ) -> None:
     aid = worker_agent.source.agent_id
     with _operator(hub_address, keys_dir) as op:
@@ -111,8 +114,8 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert (r.flush.dry_run, r.flush.keys, r.flush.bytes) == (True, 3, 3 * VALUE)
         assert r.flush.removed_keys == 0
         assert set(pool["tp0"]) <= _all_keys(agent_master)
-        # The dry run sized one key of the shard (every Mooncake read grants
-        # default_kv_lease_ttl): an unforced flush right after skips only that one.
+        # A load's read of one key grants it default_kv_lease_ttl: an unforced flush skips it.
+        assert mooncake_backend.store.get_size(pool["tp0"][0]) == VALUE
         before = _all_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
@@ -121,17 +124,22 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert r.ok and r.flush is not None
         assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1), r
         leased = set(pool["tp0"]) & _all_keys(agent_master)
-        assert len(leased) == 1
+        assert leased == {pool["tp0"][0]}
         assert _all_keys(agent_master) == before - (set(pool["tp0"]) - leased)
 
-        # Model scope: every key of the other model, nothing else.
+        # Model scope: every key of the other model, nothing else. The dry run before it read
+        # only the master's metadata: it leased nothing, the unforced flush skips nothing.
+        (r,) = op.command("flush", targets=[aid],
+                          flush=FlushArgs(scope="model", model=pool["other_model"]))
+        assert r.ok and r.flush is not None
+        assert (r.flush.keys, r.flush.bytes, r.flush.removed_keys) == (2, 2 * VALUE, 0)
         before = _all_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False),
         )
-        assert r.ok and r.flush is not None and r.flush.removed_keys == 2
-        assert r.flush.bytes == 2 * VALUE
+        assert r.ok and r.flush is not None
+        assert (r.flush.removed_keys, r.flush.skipped_leased, r.flush.bytes) == (2, 0, 2 * VALUE)
         assert _all_keys(agent_master) == before - set(pool["other_keys"])
 
         # Model scope of this agent's own model (no model given): the tp1 shard and the keys of
@@ -158,9 +166,9 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert set(pool["foreign"]) <= left
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     flushes = [a for a in audit if a["command"] == "flush"]
-    assert len(flushes) == 6
+    assert len(flushes) == 7
     assert all(a["who"].startswith("key:") and not a["refused"] for a in flushes)
-    assert flushes[4]["flush"]["force"] and flushes[4]["results"][0]["flush"]["removed_keys"] == 1
+    assert flushes[5]["flush"]["force"] and flushes[5]["results"][0]["flush"]["removed_keys"] == 1
 
 
 def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(
@@ -225,7 +233,7 @@ def test_unauthorised_flush_is_refused_and_removes_nothing(
     assert hub.refused == 3
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert [a["refused"] for a in audit if a["command"] == "flush"] == [True, True, True, False]
-    assert all(a["who"].startswith("plain:") for a in audit)
+    assert all(a["who"] == "key:viewer/viewer" for a in audit)
 
 
 def test_unknown_operator_key_gets_no_access(
@@ -234,9 +242,8 @@ def test_unknown_operator_key_gets_no_access(
 ) -> None:
     # Same hub public key, but an operator key the hub never authorised.
     rogue = tmp_path / "rogue"
-    rogue.mkdir()
-    (rogue / "server.key").write_bytes((keys_dir / "server.key").read_bytes())
-    zmq.auth.create_certificates(str(rogue), "operator")
+    generate_keys(rogue, "operator")
+    (rogue / "hub.key").write_bytes((keys_dir / "hub.key").read_bytes())
     before = _all_keys(agent_master)
     with FleetClient(hub_address, keys_dir=rogue) as c:
         (r,) = c.command("flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=300)
@@ -282,8 +289,9 @@ def test_health_checks_client_master_and_probe(
     assert not any(k.startswith(PROBE_PREFIX) for k in _all_keys(agent_master))
     assert hub.refused == 1
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    assert [(a["who"].split(":")[0], a["refused"]) for a in audit] == [
-        ("plain", False), ("plain", True), ("key", False)
+    assert [(a["who"], a["refused"]) for a in audit] == [
+        ("key:viewer/viewer", False), ("key:viewer/viewer", True),
+        ("key:operator/operator", False),
     ]
 
 
@@ -359,18 +367,46 @@ def test_drain_snapshot_and_timeout(hub: FleetHub, hub_address: str) -> None:
             (gone,) = c.command("snapshot", targets=[plain.source.agent_id], timeout_ms=300)
             assert not gone.ok and "agent unreachable" in (gone.error or "")
             # An agent connected but mute: the hub answers for it after the timeout.
-            with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as mute:
-                mute.connect(hub.ports.agents)
-                st = EngineState(source=make_source("eng-mute"), started_ms=0.0, ts_ms=0.0)
-                mute.send(encode(Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=st)))
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            try:
+                mute = FakeAgent(ctx, hub_address)  # the agent key, from KVPOOL_AGENT_KEYS
+                mute.report(make_source("eng-mute"))
                 c.wait_for(3, 5)
                 t0 = time.monotonic()
-                (late,) = c.command("snapshot", targets=[st.source.agent_id], timeout_ms=300)
+                (late,) = c.command("snapshot", targets=["eng-mute/dp0.tp0.pp0"], timeout_ms=300)
                 assert not late.ok and late.error == "timeout after 300 ms"
                 assert 0.3 <= time.monotonic() - t0 < 2.0
-                mute.close(linger=0)
+            finally:
+                ctx.destroy(linger=0)
             (unknown,) = c.command("snapshot", targets=["nobody"], timeout_ms=300)
             assert not unknown.ok and "unknown agent" in (unknown.error or "")
     finally:
         with_drain.stop()
         plain.stop()
+
+
+def test_the_health_probe_removes_only_its_own_exact_key(
+    mooncake_backend: Any, pool_buffer: Any, agent_master: LocalMooncakeMaster,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``health --probe`` against the real master: keys that extend, prefix or sit next to the
+    probe key in the probe namespace (another probe of the same agent) all survive."""
+    import kvpool_connector.operations as ops_mod
+
+    src = make_source("eng-probe")
+    mine = f"{PROBE_PREFIX}{src.agent_id}@00000000000a"
+    others = [mine + "0", mine[:-1], f"{PROBE_PREFIX}{src.agent_id}@00000000000b",
+              mine.replace(".", "x"), f"x{mine}"]
+    codes = mooncake_backend.batch_put_from(
+        others, [[ctypes.addressof(pool_buffer)]] * len(others), [[VALUE]] * len(others))
+    assert codes == [0] * len(others)
+    monkeypatch.setattr(ops_mod, "probe_key", lambda owner="": mine)
+    try:
+        checks = {c.name: c for c in BackendOperations(mooncake_backend, src).health(probe=True)}
+        assert all(checks[n].ok for n in ("probe_put", "probe_get", "probe_remove")), checks
+        assert checks["probe_remove"].detail == f"{mine}: removed 1"
+        left = _all_keys(agent_master)
+        assert mine not in left and set(others) <= left
+    finally:
+        for k in others:
+            mooncake_backend.remove_by_scope(f"^{re.escape(k)}$", dry_run=False, force=True)

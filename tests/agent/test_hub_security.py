@@ -1,7 +1,7 @@
 """Issue 10's attacks on the hub, each against a real FleetHub, real ZMQ sockets and real
 agents, asserting the attack had no effect: no id taken over, no command delivered to the
 attacker, no forged reply accepted, no console starved, no operator starved, nothing kept
-forever. (The agent port is not authenticated yet: a new agent id can still register.)"""
+forever; and the CURVE roles: nothing without a key or with a key not allowed on a port."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 import zmq
 from agent_testlib import FakeAgent, Spammer, make_source
 
-from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent.auth import Role
 from kvpool_agent.hub import MAX_PENDING_PER_CONNECTION, OPERATOR_ONLY
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
@@ -118,9 +119,11 @@ def _big_state(n_transfers: int) -> dict[str, object]:
 
 def test_oversized_state_is_refused_and_snapshots_stay_decodable(
     hub: FleetHub, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]],
+    fleet_keys: dict[Role, KeyPaths],
 ) -> None:
     """Observation 4: a 3.6 MB state is refused; 40 agents with large-but-allowed states
     still reach a console, every frame under the consoles' limit."""
+    viewer = fleet_keys["viewer"].client("viewer")
     fake = FakeAgent(ctx, hub_address)
     fake.report(make_source("huge"), **_big_state(30_000))
     assert len(encode(EngineState(source=make_source("huge"), started_ms=0, ts_ms=0,
@@ -133,6 +136,7 @@ def test_oversized_state_is_refused_and_snapshots_stay_decodable(
     with FleetClient(hub_address) as c:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        viewer.apply(sub)
         sub.connect(hub.ports.pub)
         fleet = c.wait_for(40, 10)
         # Every frame of the next full snapshot, as a console receives them.
@@ -155,7 +159,7 @@ def test_oversized_state_is_refused_and_snapshots_stay_decodable(
 
 def test_a_read_only_flood_does_not_starve_the_operator(
     hub: FleetHub, hub_address: str, keys_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]],
-    tmp_path: Path,
+    tmp_path: Path, fleet_keys: dict[Role, KeyPaths],
 ) -> None:
     """Observation 5: 1,024 commands on P+2 at an agent that never answers fill only that
     connection's quota; the operator (and another read-only console) are still served."""
@@ -165,6 +169,7 @@ def test_a_read_only_flood_does_not_starve_the_operator(
     real = start_agent(make_source("eng-r", role="scheduler"), address=hub_address)
     flood = ctx.socket(zmq.DEALER)
     flood.setsockopt(zmq.LINGER, 0)
+    fleet_keys["viewer"].client("viewer").apply(flood)
     flood.connect(hub.ports.commands)
     try:
         with FleetClient(hub_address, keys_dir=keys_dir) as op, FleetClient(hub_address) as ro:
@@ -195,10 +200,13 @@ def test_a_read_only_flood_does_not_starve_the_operator(
 
 
 @pytest.fixture
-def forgetful_hub(hub_address: str, keys_dir: Path) -> Iterator[FleetHub]:
-    kp = KeyPaths.of(keys_dir)
+def forgetful_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
+                  monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetHub]:
+    kp = fleet_keys["hub"]
+    monkeypatch.setenv(AGENT_KEYS_ENV, str(fleet_keys["agent"].root))
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
     with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
-                  secret_key_file=kp.server_secret, snapshot_interval_s=0.5,
+                  secret_key_file=kp.hub_secret, snapshot_interval_s=0.5,
                   forget_after_s=1.5) as h:
         yield h
 

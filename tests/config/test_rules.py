@@ -207,10 +207,12 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "agent_address": "tcp://127.0.0.1:7600",
         "engine_id": "e",
         "lease_ttl_ms": 5000,
+        "agent_keys": "/etc/kvpool/agent",
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
     assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
+    assert cfg.agent_keys == "/etc/kvpool/agent"
     with pytest.raises(ValueError, match="lookup_rpc_prot: unknown field; did you mean"):
         KVPoolConfig.from_dicts({"lookup_rpc_prot": 1}, kv_role="kv_both", block_size=16, model="m")
 

@@ -89,6 +89,14 @@ def test_agent_address_falls_back_to_environment(monkeypatch: pytest.MonkeyPatch
     assert parse().agent_address is None
 
 
+def test_agent_keys_fall_back_to_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_AGENT_KEYS", "/etc/kvpool/agent")
+    assert parse().agent_keys == "/etc/kvpool/agent"
+    assert parse({"agent_keys": "/srv/keys"}).agent_keys == "/srv/keys"
+    monkeypatch.delenv("KVPOOL_AGENT_KEYS")
+    assert parse().agent_keys is None
+
+
 def test_from_vllm_kv_transfer_config_object() -> None:
     ktc = KVTransferConfig(kv_connector="KVPoolConnector",
                            kv_connector_module_path="kvpool_connector", kv_role="kv_consumer",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from livefleet import LiveFleet, hub_address
 
-from kvpool_agent.auth import generate_keys
+from kvpool_agent import AGENT_KEYS_ENV, local_fleet_keys
 from kvpool_agent.hub import FleetHub
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_replay import LocalMooncakeMaster
@@ -26,13 +26,18 @@ def pool_backend(mooncake_master: LocalMooncakeMaster) -> Iterator[MooncakeBacke
 
 @pytest.fixture
 def live_fleet(tmp_path: Path, mooncake_master: LocalMooncakeMaster,
-               pool_backend: MooncakeBackend) -> Iterator[LiveFleet]:
-    keys = generate_keys(tmp_path / "keys")
+               pool_backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
+               ) -> Iterator[LiveFleet]:
+    """The hub requires keys on every port; agents get theirs from ``KVPOOL_AGENT_KEYS`` and a
+    console without ``--keys`` the viewer's from ``KVPOOL_KEYS_DIR``."""
+    keys = local_fleet_keys(tmp_path / "keys")
+    monkeypatch.setenv(AGENT_KEYS_ENV, str(keys["agent"].root))
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(keys["viewer"].root))
     address = hub_address()
-    hub = FleetHub(address, authorized_keys_dir=keys.authorized_dir,
-                   secret_key_file=keys.server_secret, audit_file=tmp_path / "audit.jsonl",
+    hub = FleetHub(address, authorized_keys_dir=keys["hub"].authorized_dir,
+                   secret_key_file=keys["hub"].hub_secret, audit_file=tmp_path / "audit.jsonl",
                    snapshot_interval_s=1.0, delta_interval_s=0.1).start()
-    fleet = LiveFleet(address=address, keys=keys, hub=hub, backend=pool_backend,
+    fleet = LiveFleet(address=address, keys=keys["operator"], hub=hub, backend=pool_backend,
                       master=mooncake_master, model=f"console-{uuid.uuid4().hex[:8]}")
     try:
         yield fleet

@@ -260,3 +260,32 @@ def test_flush_and_health_timeout_ms(capsys: pytest.CaptureFixture[str]) -> None
         _parser().parse_args(["flush", "--scope", "all", "--timeout-ms", "0"])
     assert exc.value.code == 2
     capsys.readouterr()
+
+
+def test_status_shows_the_connections_the_hub_refused(
+    live_fleet: LiveFleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An agent without a key is refused by the hub (it runs with keys); ``status`` says how
+    many handshakes each port refused, in the table view and in ``--json`` (from the snapshot
+    the hub sends a console when it joins)."""
+    import zmq
+
+    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
+    live_fleet.wait_agents(2)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        keyless = ctx.socket(zmq.DEALER)
+        keyless.connect(live_fleet.address)
+        deadline = time.monotonic() + 10
+        while (live_fleet.hub.refused_connections["agents"] < 1
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+    finally:
+        ctx.destroy(linger=0)
+    assert main(["status", "--json", "--hub", live_fleet.address]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["refused_connections"]["agents"] >= 1
+    assert doc["refused_connections"]["curve"] == 0
+    assert sorted(e["engine_id"] for e in doc["engines"]) == ["p0"]
+    assert main(["status", "--hub", live_fleet.address]) == 0
+    assert "hub refused connections without an authorized key: agents " in capsys.readouterr().out

@@ -188,7 +188,7 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
         assert "removed 6 of 6 keys" in str(screen.query_one("#flush-status", Static).content)
     assert live_fleet.present(mine) == [0] * 6
     assert live_fleet.present(others) == [1] * 4  # another model's keys are untouched
-    audit = (live_fleet.keys.root.parent / "audit.jsonl").read_text()
+    audit = (live_fleet.keys.root.parent.parent / "audit.jsonl").read_text()
     assert '"flush"' in audit
 
 

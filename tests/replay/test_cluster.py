@@ -98,7 +98,7 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             out = subprocess.run(
                 [sys.executable, "-m", "kvpool_console.cli", "status", "--hub",
-                 cluster.hub_address, "--json"],
+                 cluster.hub_address, "--keys", str(cluster.viewer_keys_dir), "--json"],
                 capture_output=True, text=True, env=env, timeout=60, check=False,
             )
             status = json.loads(out.stdout)

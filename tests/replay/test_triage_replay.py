@@ -28,7 +28,7 @@ def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.Monkey
                           speedup=8.0, limit=150, pool_tokens=600_000)
     try:
         with cluster:
-            client = FleetClient(cluster.hub_address)
+            client = FleetClient(cluster.hub_address, keys_dir=cluster.viewer_keys_dir)
             try:
                 assert len(client.wait_for(2, timeout_s=30)) == 2
             finally:
@@ -39,6 +39,7 @@ def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.Monkey
                 deadline = time.monotonic() + 5.0
                 while True:
                     main(["triage", engine_id, "--hub", cluster.hub_address, "--json",
+                          "--keys", str(cluster.viewer_keys_dir),
                           "--ssh-config", str(server.ssh_config)])
                     out, err = capsys.readouterr()
                     report = msgspec.json.decode(out, type=TriageReport)
