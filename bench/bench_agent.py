@@ -161,6 +161,7 @@ class _Settings:
     use_layerwise = False
     load_async = False
     layerwise_timeout_ms = 5_000
+    save_budget_bytes = 1 << 30
 
 
 class _DataPath:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, INSTANCE_ROLE_OF, InstanceRole, KVRole
 from kvpool_connector._validation import field_problems
 from kvpool_connector.keys import normalize_model_name
+from kvpool_connector.sizes import parse_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,11 +39,14 @@ class _ExtraFields(BaseModel):
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     lookup_rpc_port: int = Field(default=0, ge=0, le=65535)
-    lookup_timeout_ms: int = Field(default=5_000, gt=0)
+    lookup_timeout_ms: int = Field(default=50, gt=0)
     layerwise_timeout_ms: int = Field(default=10_000, gt=0)
     lease_ttl_ms: int = Field(default=0, ge=0)
     agent_address: str | None = None
     engine_id: str | None = None
+    lookup_breaker_failures: int = Field(default=3, ge=0)
+    lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
+    save_budget: int | float | str = "256MB"
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -64,7 +68,19 @@ class KVPoolConfig(BaseModel):
             only when these are set (vLLM Ascend semantics). ``kv_producer`` never loads.
         lookup_rpc_port: names the lookup socket; distinct per engine on one host. 0 (unset):
             the socket is named from ``instance_id`` instead, which already differs per engine.
-        lookup_timeout_ms: how long the scheduler waits for the lookup server per query.
+        lookup_timeout_ms: how long the scheduler waits for the lookup server per query. The
+            lookup runs on vLLM's scheduler thread, which every running request waits for:
+            50 ms is ~10x a healthy lookup of a 32k-token prompt (~2-6 ms, bench_lookup.py)
+            and about one decode step, so a sick pool costs at most one step per new request
+            before the breaker opens (the former 5,000 ms stalled the engine for seconds).
+        lookup_breaker_failures: after this many failed lookups in a row, lookups are skipped
+            (counted as ``lookup_skipped``, reason ``BREAKER_OPEN``); 0 = never skip.
+        lookup_breaker_open_ms: how long lookups stay skipped before one is tried again.
+        save_budget_bytes: bytes of saves submitted and not finished at most (extra config key
+            ``save_budget``, a size like ``"256MB"``); a save past it is skipped and counted
+            (``SAVE_BUDGET``), never waited for. 256 MB drains in well under a second at the
+            transfer rates of ``bench_datapath.py``, which bounds how long a finished
+            request's blocks wait for its saves.
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
         lease_ttl_ms: the pool's lease on looked-up keys (Mooncake ``default_kv_lease_ttl``),
             to tell operators how long a pending load has before its leases expire; 0 = unknown.
@@ -89,7 +105,7 @@ class KVPoolConfig(BaseModel):
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     lookup_rpc_port: int = 0
-    lookup_timeout_ms: int = 5_000
+    lookup_timeout_ms: int = 50
     layerwise_timeout_ms: int = 10_000
     lease_ttl_ms: int = 0
     agent_address: str | None = None
@@ -99,6 +115,9 @@ class KVPoolConfig(BaseModel):
     instance_id: str = ""
     dp_rank: int = 0
     extra: dict[str, Any] = Field(default_factory=dict)
+    lookup_breaker_failures: int = 3
+    lookup_breaker_open_ms: int = 10_000
+    save_budget_bytes: int = Field(default=256 << 20, gt=0)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -172,7 +191,15 @@ class KVPoolConfig(BaseModel):
                 f"kv_connector_extra_config.chunk_size: {chunk_size} is not a multiple of vLLM's "
                 f"block_size {block_size}; use e.g. {max(1, chunk_size // block_size) * block_size}"
             )
-        values: dict[str, Any] = fields.model_dump(exclude={"chunk_size", "engine_id"})
+        values: dict[str, Any] = fields.model_dump(
+            exclude={"chunk_size", "engine_id", "save_budget"})
+        try:
+            values["save_budget_bytes"] = parse_size(fields.save_budget)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config.save_budget: {exc}") from None
+        if values["save_budget_bytes"] <= 0:
+            raise ValueError("kv_connector_extra_config.save_budget: must be more than 0 bytes, "
+                             'e.g. "256MB"')
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None
         try:
             return cls(

@@ -50,7 +50,7 @@ from kvpool_connector._planning import (
 from kvpool_connector._transfers import LayerLoadTimeout, LoadRunner, SaveQueue, WorkerCounters
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.keys import ParallelLayout, chunk_keys, normalize_model_name, shard_prefix
-from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, ReqMeta
 
 __all__ = ["KVPoolWorker", "LayerLoadTimeout", "WorkerCounters", "WorkerSettings"]
 
@@ -71,6 +71,8 @@ class WorkerSettings(Protocol):
     def load_async(self) -> bool: ...
     @property
     def layerwise_timeout_ms(self) -> int: ...
+    @property
+    def save_budget_bytes(self) -> int: ...  # bytes of saves in flight at most
 
 
 _SavePlan = tuple[ReqMeta, list[list[Transfer]]]
@@ -140,7 +142,8 @@ class KVPoolWorker:
             layerwise_timeout_ms=config.layerwise_timeout_ms,
         )
         self._saves = SaveQueue(backend, self.reporter, self.counters, self._lock,
-                                blocks_per_chunk=self.blocks_per_chunk)
+                                blocks_per_chunk=self.blocks_per_chunk,
+                                budget_bytes=config.save_budget_bytes)
         self._meta: KVPoolConnectorMetadata | None = None
         self._step_saves: list[_SavePlan] | None = None
         # Requests with a save scheduled, and those of them vLLM reported finished.
@@ -264,12 +267,10 @@ class KVPoolWorker:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until layer ``layer_name``'s blocks of this step are loaded (layer-wise mode;
-        returns at once otherwise).
-
-        Raises:
-            LayerLoadTimeout: not loaded within ``layerwise_timeout_ms``; the step's blocks
-                are marked failed first, and later layers of the step do not wait again.
-        """
+        returns at once otherwise), at most ``layerwise_timeout_ms``. A timeout never raises:
+        the step's load blocks are reported by ``get_block_ids_with_load_errors`` (vLLM
+        recomputes them) and the late loader is waited for before the next step's forward
+        pass (``LoadRunner.wait_for_layer``)."""
         self._loads.wait_for_layer(layer_name)
 
     # ------------------------------------------------------------------ saves
@@ -350,6 +351,12 @@ class KVPoolWorker:
         recving = self._loads.take_finished()
         return (sending or None), (recving or None)
 
+    def build_connector_worker_meta(self) -> LoadOutcomes | None:
+        """This step's load outcomes for the scheduler (``LoadOutcomes``); ``None`` when no
+        load ended since the last call."""
+        outcomes = self._loads.take_outcomes()
+        return LoadOutcomes(outcomes) if outcomes else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed or was partial since the last call (then cleared)."""
         return self._loads.take_failed_blocks()
@@ -359,21 +366,24 @@ class KVPoolWorker:
             return
         blocks = load_block_ids(req, self.config.block_size)
         self._loads.fail_blocks(blocks)
+        self._loads.record_outcome(req.req_id, req.load.num_tokens_to_load, 0)
         logger.error("kvpool load of request %s not possible: %s", req.req_id, why)
         self.reporter.transfer_finished(req.req_id, "load", ok=False, error_name="BAD_METADATA",
                                         failed_blocks=len(blocks), after_hit=True)
 
     def handle_preemptions(self, preempted: set[str]) -> None:
-        """vLLM's ``handle_preemptions`` hook (runs before the step zeroes or reuses freed
-        blocks): wait for transfers touching blocks of the ``preempted`` requests."""
+        """vLLM's ``handle_preemptions`` hook (runs every step before the step zeroes or reuses
+        freed blocks): wait for a timed-out layer-wise loader of the previous step and for
+        transfers touching blocks of the ``preempted`` requests."""
+        self._loads.settle_stale()
         if preempted:
             self._settle_preempted(preempted)
 
     def _settle_preempted(self, preempted: set[str]) -> None:
         """Wait for transfers touching blocks of preempted requests: vLLM may hand those
         blocks to other requests in this very step."""
-        saves = self._saves.futures() if self._saves.pending(preempted) else []
-        for f in [*saves, *self._loads.futures_of(preempted)]:
+        self._saves.settle(preempted)
+        for f in self._loads.futures_of(preempted):
             f.result()
 
     def drain_saves(self, timeout_s: float | None = None) -> bool:
