@@ -162,6 +162,7 @@ class _Settings:
     load_async = False
     layerwise_timeout_ms = 5_000
     save_budget_bytes = 1 << 30
+    checksum = False
 
 
 class _DataPath:

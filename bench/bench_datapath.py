@@ -66,6 +66,7 @@ class _Settings:
     load_async: bool = False
     layerwise_timeout_ms: int = 30_000
     save_budget_bytes: int = 1 << 30
+    checksum: bool = False
 
 
 def _caches(layers: int, num_blocks: int, fill: bool) -> dict[str, torch.Tensor]:

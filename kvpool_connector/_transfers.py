@@ -24,6 +24,7 @@ owns them and calls them from vLLM's hooks.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from typing import Any
 
 from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import ErrorCode, error_name
+from kvpool_connector._checksum import CHECKSUM_BYTES, DigestSlots, digest_of
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
@@ -75,6 +77,23 @@ class WorkerCounters:
     load_failed_blocks: int = 0
     layer_timeouts: int = 0
     load_failed_tokens: int = 0
+    checksum_failures: int = 0
+
+
+@dataclass(frozen=True)
+class ChecksumBuffers:
+    """Host buffers of the integrity check (``_checksum``), registered with the backend.
+
+    ``slots``: one digest range per key of a batch call. ``staging`` (``staging_bytes``
+    bytes, at least one value): where a value with ranges routed to ``scratch`` (blocks
+    vLLM already holds) lands whole, so its digest can be checked before its kept blocks are
+    copied into the caches.
+    """
+
+    slots: DigestSlots
+    staging: int = 0
+    staging_bytes: int = 0
+    scratch: int = 0
 
 
 @dataclass
@@ -127,6 +146,8 @@ class LoadRunner:
         self._async: dict[str, Future[None]] = {}
         # Per request whose load ended: (tokens vLLM accepted, tokens really loaded).
         self._outcomes: dict[str, tuple[int, int]] = {}
+        # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
+        self.checksum: ChecksumBuffers | None = None
 
     def settle_stale(self) -> None:
         """Forget the previous step's layer-wise load. A timed-out one may still be writing
@@ -175,34 +196,81 @@ class LoadRunner:
             self._finish(loads.values())
 
     def _get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer]) -> None:
-        """One backend batch get; records per-chunk failures in ``loads`` (by request id)."""
+        """Backend batch gets of ``transfers``; records per-chunk failures in ``loads`` (by
+        request id)."""
         if not transfers:
             return
+        if self.checksum is not None:
+            self._get_checked(loads, transfers, self.checksum)
+            return
+        results = self._call_get(loads, transfers, [t.addrs for t in transfers],
+                                 [t.sizes for t in transfers])
+        for t, res in zip(transfers, results, strict=True):
+            self._settle(loads[t.req_id], t, res == t.nbytes, res)
+
+    def _call_get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+                  addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        """One ``batch_get_into``; per key the bytes read or an error code (a failed call
+        is the same error for every key)."""
         try:
-            results = self.backend.batch_get_into(
-                [t.key for t in transfers], [t.addrs for t in transfers],
-                [t.sizes for t in transfers],
-            )
+            return self.backend.batch_get_into([t.key for t in transfers], addrs, sizes)
         except BackendError as exc:
             name = error_name(exc.code) if exc.code is not None else "BACKEND_ERROR"
             logger.error("kvpool load of %d keys failed: %s", len(transfers), exc)
-            code = exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR
-            results = [code] * len(transfers)
-            for ld in loads.values():
-                ld.error = ld.error or name
-        for t, res in zip(transfers, results, strict=True):
-            load = loads[t.req_id]
-            if res == t.nbytes:
-                load.nbytes += res
-                with self._lock:
-                    self.counters.loaded_keys += 1
-                    self.counters.loaded_bytes += res
-                continue
-            # A short read is as bad as a missing key: the block holds stale bytes.
-            load.failed_chunks.add(t.chunk)
-            load.error = load.error or (error_name(res) if res < 0 else "PARTIAL_READ")
+            for t in transfers:
+                loads[t.req_id].error = loads[t.req_id].error or name
+            return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(
+                transfers)
+
+    def _settle(self, load: _ReqLoad, t: Transfer, ok: bool, res: int,
+                mismatch: bool = False) -> None:
+        """Count one key's get: loaded, or its chunk failed (a short read is as bad as a
+        missing key, a wrong digest as bad as both: the blocks hold untrusted bytes)."""
+        if ok and not mismatch:
+            load.nbytes += t.nbytes
             with self._lock:
-                self.counters.load_failed_keys += 1
+                self.counters.loaded_keys += 1
+                self.counters.loaded_bytes += t.nbytes
+            return
+        load.failed_chunks.add(t.chunk)
+        load.error = load.error or ("CHECKSUM_MISMATCH" if mismatch
+                                    else error_name(res) if res < 0 else "PARTIAL_READ")
+        with self._lock:
+            self.counters.load_failed_keys += 1
+            self.counters.checksum_failures += mismatch
+
+    def _get_checked(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+                     ck: ChecksumBuffers) -> None:
+        """Gets with the integrity check: each value's digest lands in a slot and is compared
+        with the digest of the bytes that landed. A value with ranges routed to the scratch
+        buffer (whose bytes overwrite each other there) is fetched alone into ``staging`` and
+        its kept blocks copied into the caches only once its digest matched."""
+        want = CHECKSUM_BYTES
+        direct = [t for t in transfers if ck.scratch not in t.addrs]
+        cap = ck.slots.capacity
+        for start in range(0, len(direct), cap):
+            part = direct[start : start + cap]
+            results = self._call_get(
+                loads, part, [[*t.addrs, ck.slots.slot(j)] for j, t in enumerate(part)],
+                [[*t.sizes, want] for t in part])
+            for j, (t, res) in enumerate(zip(part, results, strict=True)):
+                ok = res == t.nbytes + want
+                bad = ok and digest_of(t.addrs, t.sizes) != ck.slots.read(j)
+                self._settle(loads[t.req_id], t, ok, res, bad)
+        for t in transfers:
+            if ck.scratch not in t.addrs:
+                continue
+            (res,) = self._call_get(loads, [t], [[ck.staging, ck.slots.slot(0)]],
+                                    [[t.nbytes, want]])
+            ok = res == t.nbytes + want
+            bad = ok and digest_of([ck.staging], [t.nbytes]) != ck.slots.read(0)
+            if ok and not bad:
+                off = 0
+                for addr, size in zip(t.addrs, t.sizes, strict=True):
+                    if addr != ck.scratch:
+                        ctypes.memmove(addr, ck.staging + off, size)
+                    off += size
+            self._settle(loads[t.req_id], t, ok, res, bad)
 
     def _finish(self, loads: Iterable[_ReqLoad], timed_out: bool = False) -> None:
         """Report each request's load, record its failed blocks and its outcome."""
@@ -394,6 +462,8 @@ class SaveQueue:
         self._running: tuple[int, frozenset[str]] | None = None
         # Preempted request -> last batch number whose saves of it must not run.
         self._dropped: dict[str, int] = {}
+        # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
+        self.checksum: DigestSlots | None = None
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> None:
@@ -490,14 +560,30 @@ class SaveQueue:
         todo = [t for t, e in zip(transfers, exists, strict=True) if e != 1]
         if not todo:
             return {}
+        slots = self.checksum
+        if slots is None:
+            codes = self._call_put(todo, [t.addrs for t in todo], [t.sizes for t in todo])
+        else:
+            # Each value carries the digest of its bytes (``_checksum``), computed here, after
+            # the device finished writing them.
+            codes = []
+            for start in range(0, len(todo), slots.capacity):
+                part = todo[start : start + slots.capacity]
+                for j, t in enumerate(part):
+                    slots.write(j, digest_of(t.addrs, t.sizes))
+                codes += self._call_put(
+                    part, [[*t.addrs, slots.slot(j)] for j, t in enumerate(part)],
+                    [[*t.sizes, CHECKSUM_BYTES] for t in part])
+        return {t.key: c for t, c in zip(todo, codes, strict=True)}
+
+    def _call_put(self, todo: list[Transfer], addrs: list[list[int]], sizes: list[list[int]]
+                  ) -> list[int]:
+        """One ``batch_put_from``; per key its result code."""
         try:
-            codes = self.backend.batch_put_from(
-                [t.key for t in todo], [t.addrs for t in todo], [t.sizes for t in todo]
-            )
+            return self.backend.batch_put_from([t.key for t in todo], addrs, sizes)
         except BackendError as exc:
             logger.error("kvpool save of %d keys failed: %s", len(todo), exc)
-            codes = [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)
-        return {t.key: c for t, c in zip(todo, codes, strict=True)}
+            return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)
 
     def _save(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
               n_layers: int) -> None:

@@ -47,6 +47,7 @@ class _ExtraFields(BaseModel):
     lookup_breaker_failures: int = Field(default=3, ge=0)
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
     save_budget: int | float | str = "256MB"
+    checksum: bool = False
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -81,6 +82,9 @@ class KVPoolConfig(BaseModel):
             (``SAVE_BUDGET``), never waited for. 256 MB drains in well under a second at the
             transfer rates of ``bench_datapath.py``, which bounds how long a finished
             request's blocks wait for its saves.
+        checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
+            mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
+            (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
         lease_ttl_ms: the pool's lease on looked-up keys (Mooncake ``default_kv_lease_ttl``),
             to tell operators how long a pending load has before its leases expire; 0 = unknown.
@@ -118,6 +122,7 @@ class KVPoolConfig(BaseModel):
     lookup_breaker_failures: int = 3
     lookup_breaker_open_ms: int = 10_000
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
+    checksum: bool = False
 
     @property
     def blocks_per_chunk(self) -> int:

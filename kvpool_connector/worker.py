@@ -36,6 +36,7 @@ import torch
 
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
+from kvpool_connector._checksum import CHECKSUM_NAME, DigestSlots
 from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._layout_digest import LayoutFacts, ModelFacts, describe_layout
@@ -47,7 +48,13 @@ from kvpool_connector._planning import (
     load_block_ids,
     lookup_layouts,
 )
-from kvpool_connector._transfers import LayerLoadTimeout, LoadRunner, SaveQueue, WorkerCounters
+from kvpool_connector._transfers import (
+    ChecksumBuffers,
+    LayerLoadTimeout,
+    LoadRunner,
+    SaveQueue,
+    WorkerCounters,
+)
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.keys import ParallelLayout, chunk_keys, normalize_model_name, shard_prefix
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, ReqMeta
@@ -73,7 +80,12 @@ class WorkerSettings(Protocol):
     def layerwise_timeout_ms(self) -> int: ...
     @property
     def save_budget_bytes(self) -> int: ...  # bytes of saves in flight at most
+    @property
+    def checksum(self) -> bool: ...  # values carry an XXH3-64 digest, verified on load
 
+
+_DIGEST_SLOTS = 4096
+"""Keys per batch call with the integrity check on (larger batches are split)."""
 
 _SavePlan = tuple[ReqMeta, list[list[Transfer]]]
 """A request and, per chunk to save, its transfers."""
@@ -171,9 +183,14 @@ class KVPoolWorker:
             BackendError: the backend refused to register the memory.
         """
         kv = KVLayout.from_kv_caches(kv_caches, self._num_blocks_hint)
+        if self.config.checksum and kv.device.type != "cpu":
+            raise ValueError(
+                f"kv_connector_extra_config.checksum needs the KV caches in host memory, they "
+                f"are on {kv.device}: turn checksum off")
         facts = describe_layout(
             kv_caches, kv.num_blocks, model=self.model, facts=model_facts or ModelFacts(),
-            block_size=self.config.block_size, chunk_size=self.config.chunk_size, **self._sizes)
+            block_size=self.config.block_size, chunk_size=self.config.chunk_size,
+            checksum=CHECKSUM_NAME if self.config.checksum else "", **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)
@@ -182,6 +199,8 @@ class KVPoolWorker:
         # fetched whole, but those blocks may be shared with running requests.
         self._scratch = torch.empty(biggest, dtype=torch.uint8, device=kv.device)
         self.backend.register_buffer(self._scratch.data_ptr(), biggest)
+        if self.config.checksum:
+            self._enable_checksum(kv, self._scratch.data_ptr())
         self._device = device_sync_for(kv.device)
         self._planner = TransferPlanner(
             kv.layers, shard_prefix(self.model, digest, self.layout),
@@ -198,6 +217,21 @@ class KVPoolWorker:
             "%d memory spans (%s)", self.model, self.layout, digest, len(kv.layers),
             kv.num_blocks, kv.block_bytes, len(kv.spans), facts,
         )
+
+    def _enable_checksum(self, kv: KVLayout, scratch: int) -> None:
+        """Register the integrity check's host buffers (``_checksum``) and hand them to the
+        load and save threads."""
+        load_slots, save_slots = DigestSlots(_DIGEST_SLOTS), DigestSlots(_DIGEST_SLOTS)
+        staging_bytes = self.blocks_per_chunk * kv.block_bytes
+        staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._checksum_buffers = (load_slots, save_slots, staging)
+        for addr, size in ((load_slots.addr, load_slots.nbytes),
+                           (save_slots.addr, save_slots.nbytes),
+                           (staging.data_ptr(), staging_bytes)):
+            self.backend.register_buffer(addr, size)
+        self._loads.checksum = ChecksumBuffers(load_slots, staging.data_ptr(), staging_bytes,
+                                               scratch)
+        self._saves.checksum = save_slots
 
     @property
     def layout_digest(self) -> str:

@@ -191,6 +191,7 @@ def test_kvpool_worker_saves_and_loads_are_reported(
         load_async = False
         layerwise_timeout_ms = 2_000
         save_budget_bytes = 64 << 20
+        checksum = False
 
     def caches() -> dict[str, torch.Tensor]:
         # vLLM's CPU layout: (num_blocks, kv_heads, block_size, 2 * head_size), 2 layers.

@@ -33,6 +33,7 @@ class Settings:
     load_async: bool = False
     layerwise_timeout_ms: int = 5_000
     save_budget_bytes: int = 64 << 20
+    checksum: bool = False
 
 
 def backend_for(worker: LocalYuanrongWorker, **extra: object) -> YuanrongBackend:

@@ -33,6 +33,7 @@ class Settings:
     load_async: bool = False
     layerwise_timeout_ms: int = 2_000
     save_budget_bytes: int = 64 << 20
+    checksum: bool = False
 
 
 KVCaches = dict[str, torch.Tensor | tuple[torch.Tensor, ...]]
@@ -616,3 +617,39 @@ def test_bad_settings_and_metadata_are_clear(engines: tuple[MooncakeBackend, ...
     assert w.get_block_ids_with_load_errors() == {3, 4, 5}
     fin = [e for e in rep.drain() if isinstance(e, TransferFinished)]
     assert fin[-1].error_name == "BAD_METADATA"
+
+
+def test_checksum_detects_a_corrupted_value_and_recomputes(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("checksum")
+    src = cpu_layout()
+    fill_random(src, 41)
+    hashes = chunk_hashes(tokens(96, 42), 32)
+    a = make_worker(engines[0], src, model, checksum=True)
+    save_request(a, "a", [0, 1, 2, 3, 4, 5], hashes)
+    # Values with a digest live under their own layout digest: a reader without it finds
+    # nothing, a reader with it finds every chunk.
+    assert make_worker(engines[1], cpu_layout(), model).lookup_chunks(hashes) == 0
+    rep = Reporter()
+    dst = cpu_layout()
+    b = make_worker(engines[1], dst, model, reporter=rep, checksum=True)
+    assert b.lookup_chunks(hashes) == 3
+    # Chunk 1's value rewritten in the pool: same size, digest intact, one KV byte flipped.
+    key = str(PoolKey(normalize_model_name(model), b.layout_digest, TP0, hashes[1]))
+    raw = bytearray(engines[0].store.get(key))
+    raw[100] ^= 0xFF
+    assert engines[0].store.upsert(key, bytes(raw)) == 0
+    # vLLM holds the first block already: chunk 0 goes through the staging buffer.
+    marker = torch.full_like(dst["layers.0"][8], 7.0)
+    dst["layers.0"][8].copy_(marker)
+    b.start_load_kv(load_meta("b", [8, 9, 10, 11, 12, 13], hashes, pool_tokens=96,
+                              local_tokens=16))
+    assert b.get_block_ids_with_load_errors() == {10, 11}
+    assert torch.equal(dst["layers.0"][8], marker)
+    for s_blk, d_blk in ((1, 9), (4, 12), (5, 13)):
+        assert block_bytes(src, s_blk) == block_bytes(dst, d_blk)
+    assert b.counters.checksum_failures == 1
+    outcomes = b.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.outcomes == {"b": (80, 16)}
+    (fin,) = [e for e in rep.drain() if isinstance(e, TransferFinished)]
+    assert fin.ok is False and fin.error_name == "CHECKSUM_MISMATCH"
