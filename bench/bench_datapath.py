@@ -9,9 +9,12 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
 * ``worker``: ``KVPoolWorker`` driven exactly as vLLM drives it (``start_load_kv``,
   ``wait_for_save`` + waiting for the background save; a synchronous load), including its
   planning, the existence check before puts and the Reporter calls;
-* ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all).
+* ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all);
+* ``... +checksum``: the worker with ``checksum`` on (an XXH3-64 digest computed over every
+  value on save and verified on load), through a second store client on the same caches.
 
-Goal: worker >= 0.9x raw. Rounds alternate the paths; the table shows the median and best.
+Goal: worker >= 0.9x raw; the checksum rows show what the integrity check costs. Rounds
+alternate the paths; the table shows the median and best.
 
     .venv/bin/python bench/bench_datapath.py [--rounds 9] [--blocks 128] [--layers 16]
 """
@@ -148,19 +151,31 @@ def main(argv: list[str] | None = None) -> None:
         cfg = {"master_server_address": master.address, "global_segment_size": segment,
                "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+        # A client registers a memory range once: the checksum workers get their own.
+        ck_backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            **cfg, "global_segment_size": 0}}))
         try:
             timed = _TimedBackend(backend)
             writer = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
             writer.register_kv_caches(src)
             reader = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
             reader.register_kv_caches(dst)
+            ck_settings = _Settings(block_size=BLOCK_SIZE, chunk_size=BLOCK_SIZE * bpc,
+                                    checksum=True)
+            ck_writer = KVPoolWorker(ck_settings, ParallelLayout(), "bench", ck_backend,
+                                     Reporter())
+            ck_writer.register_kv_caches(src)
+            ck_reader = KVPoolWorker(ck_settings, ParallelLayout(), "bench", ck_backend,
+                                     Reporter())
+            ck_reader.register_kv_caches(dst)
             assert writer.kv is not None and reader.kv is not None
             chunk_src = [src_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
             chunk_dst = [dst_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
             raw_src = [ranges_for_blocks(writer.kv.layers, ids) for ids in chunk_src]
             raw_dst = [ranges_for_blocks(reader.kv.layers, ids) for ids in chunk_dst]
             times: dict[str, list[float]] = {k: [] for k in (
-                "raw put", "worker save", "raw get", "worker load", "copy")}
+                "raw put", "worker save", "save +checksum", "raw get", "worker load",
+                "load +checksum", "copy")}
             overhead: dict[str, list[float]] = {"worker save": [], "worker load": []}
 
             s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
@@ -202,8 +217,19 @@ def main(argv: list[str] | None = None) -> None:
                     reader.start_load_kv(meta)
                     assert not reader.get_block_ids_with_load_errors()
 
+                def ck_save(meta: KVPoolConnectorMetadata = save_meta) -> None:
+                    ck_writer.start_load_kv(KVPoolConnectorMetadata())
+                    ck_writer.wait_for_save(meta)
+                    assert ck_writer.drain_saves(60)
+
+                def ck_load(meta: KVPoolConnectorMetadata = load_meta) -> None:
+                    ck_reader.start_load_kv(meta)
+                    assert not ck_reader.get_block_ids_with_load_errors()
+                    assert ck_reader.counters.checksum_failures == 0
+
                 order: list[tuple[str, Callable[[], None]]] = [
-                    ("raw put", raw_put), ("worker save", worker_save)]
+                    ("raw put", raw_put), ("worker save", worker_save),
+                    ("save +checksum", ck_save)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
@@ -213,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                         times[name].append(elapsed)
                         if name in overhead:
                             overhead[name].append(elapsed - (timed.busy - busy0))
-                order = [("raw get", raw_get), ("worker load", worker_load), ("copy", copy)]
+                order = [("raw get", raw_get), ("worker load", worker_load),
+                         ("load +checksum", ck_load), ("copy", copy)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
@@ -228,9 +255,10 @@ def main(argv: list[str] | None = None) -> None:
                         assert torch.equal(src[name][s_b], dst[name][d_b]), "load not bit-exact"
                 backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
 
-            writer.shutdown()
-            reader.shutdown()
+            for w in (writer, reader, ck_writer, ck_reader):
+                w.shutdown()
         finally:
+            ck_backend.close()
             backend.close()
 
     def gbps(t: float) -> float:
@@ -241,12 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nKV data path: {n_blocks} blocks x {args.layers} layers "
           f"({total / 2**20:.0f} MiB per operation, {n_chunks} keys of {bpc} blocks), "
           f"{args.rounds} rounds, real mooncake_master over TCP on 127.0.0.1\n")
-    print(f"{'path':<13}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
+    print(f"{'path':<15}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
           f"{'vs raw (median)':>17}{'vs raw (best)':>15}")
-    ref = {"raw put": "raw put", "worker save": "raw put", "raw get": "raw get",
-           "worker load": "raw get", "copy": "raw get"}
+    ref = {"raw put": "raw put", "worker save": "raw put", "save +checksum": "raw put",
+           "raw get": "raw get", "worker load": "raw get", "load +checksum": "raw get",
+           "copy": "raw get"}
     for k in times:
-        print(f"{k:<13}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
+        print(f"{k:<15}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
               f"{med[ref[k]] / med[k]:>16.2f}x{best[ref[k]] / best[k]:>14.2f}x")
     print("\n'vs raw' = raw time / this path's time on the same blocks (goal >= 0.9 for the "
           "worker rows). On a busy shared machine the best rounds are the steadier figure.")

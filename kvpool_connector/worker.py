@@ -10,19 +10,22 @@ batch calls that move whole vLLM blocks by address (zero copy from/into the regi
 
 * saves run on a background thread after the device finished writing the blocks; a request
   whose save hit ``NO_AVAILABLE_HANDLE`` (pool full) skips its remaining saves, later requests
-  try again (``_transfers.SaveQueue``);
+  try again; saves past ``save_budget_bytes`` in flight are skipped, never queued
+  (``_transfers.SaveQueue``);
 * loads run inline before the forward pass, per layer on a background thread (layer-wise),
   or fully in the background with completion reported by ``get_finished`` (``load_async``)
   (``_transfers.LoadRunner``);
-* every block whose load failed or returned fewer bytes than its size is reported by
-  ``get_block_ids_with_load_errors`` so vLLM (``kv_load_failure_policy="recompute"``)
-  recomputes it; bytes of such a block are never trusted.
+* every block whose load failed, returned fewer bytes than its size or (with ``checksum``)
+  did not match its digest is reported by ``get_block_ids_with_load_errors`` so vLLM
+  (``kv_load_failure_policy="recompute"``) recomputes it; bytes of such a block are never
+  trusted. Each load's outcome (tokens accepted, tokens loaded) goes to the scheduler through
+  ``build_connector_worker_meta`` (``LoadOutcomes``), where hit tokens are counted once.
 
 Contract with the scheduler side: saves are asynchronous, so ``request_finished`` must delay
 freeing (return ``True``) for every request that had a save scheduled; the worker reports such a
 request in ``get_finished``'s ``finished_sending`` once it is in ``finished_req_ids`` and all its
-saves are done. Requests listed in ``metadata.preempted`` have their in-flight transfers waited
-for before the step's forward pass may reuse their blocks.
+saves are done. Requests listed in ``metadata.preempted`` have their queued saves dropped and
+their running transfers waited for before the step's forward pass may reuse their blocks.
 """
 
 from __future__ import annotations

@@ -99,12 +99,15 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         rep.loaded("req-gone", 0, CHUNK)  # the scheduler's count: nothing of it loaded
         # A lookup the store could not answer.
         rep.lookup("req-err", 512, 0, 0, 2.0, error="RPC_FAIL: master unreachable")
+        # Lookups not made: counted apart, by reason, never as lookups or prompt tokens.
+        rep.lookup("req-mm", 300, 0, 0, 0.0, skipped="MULTIMODAL")
+        rep.lookup("req-open", 300, 0, 0, 0.0, skipped="BREAKER_OPEN")
 
         with FleetClient(hub_address) as client:
             st = _wait_state(
                 client,
                 src.agent_id,
-                lambda s: s.lookup.lookups == 3
+                lambda s: s.lookup.lookups == 3 and s.lookup.lookup_skipped == 2
                 and s.transfers.loads_failed == 1
                 and s.pool is not None
                 and s.pool.keys >= 4,
@@ -118,6 +121,8 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         assert abs(lk.hit_rate - 4 * CHUNK / (len(prompt) + 2 * CHUNK)) < 1e-9
         assert abs(lk.hit_rate_1m - lk.hit_rate) < 1e-9
         assert lk.lookup_errors == 1
+        assert lk.lookup_skipped == 2
+        assert lk.skipped_by_reason == {"MULTIMODAL": 1, "BREAKER_OPEN": 1}
         assert 0 < lk.latency_ms_p50 <= lk.latency_ms_p99
         tr = st.transfers
         assert (tr.saves_finished, tr.saved_bytes) == (1, 4 * BLOCK)
