@@ -11,7 +11,8 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
   planning, the existence check before puts and the Reporter calls;
 * ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all);
 * ``... +checksum``: the worker with ``checksum`` on (an XXH3-64 digest computed over every
-  value on save and verified on load), through a second store client on the same caches.
+  value on save and verified on load), through a second store client (with its own segment)
+  on the same caches.
 
 Goal: worker >= 0.9x raw; the checksum rows show what the integrity check costs. Rounds
 alternate the paths; the table shows the median and best.
@@ -147,13 +148,14 @@ def main(argv: list[str] | None = None) -> None:
 
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master:
         total = n_blocks * args.layers * KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
-        segment = max(64 << 20, 3 * total)
+        # raw, worker and checksum-worker copies of the blocks, with room to spare.
+        segment = max(64 << 20, 5 * total)
         cfg = {"master_server_address": master.address, "global_segment_size": segment,
                "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
-        # A client registers a memory range once: the checksum workers get their own.
-        ck_backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
-            **cfg, "global_segment_size": 0}}))
+        # A client registers a memory range once: the checksum workers get their own, with a
+        # segment of its own too, so its values move by local copy like the others'.
+        ck_backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
         try:
             timed = _TimedBackend(backend)
             writer = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
