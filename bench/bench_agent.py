@@ -161,6 +161,8 @@ class _Settings:
     use_layerwise = False
     load_async = False
     layerwise_timeout_ms = 5_000
+    save_budget_bytes = 1 << 30
+    checksum = False
 
 
 class _DataPath:

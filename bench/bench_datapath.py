@@ -13,8 +13,12 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
 * ``... +stats``: the ``worker`` rows with the connector's vLLM stats on (reporter wrapped in
   ``StatsTap``, ``StatsCollector.take`` after every operation, as vLLM calls
   ``get_kv_connector_stats`` every step), on keys of their own: the cost of the metrics.
+* ``... +checksum``: the worker with ``checksum`` on (an XXH3-64 digest computed over every
+  value on save and verified on load), through a second store client (with its own segment)
+  on the same caches.
 
-Goal: worker >= 0.9x raw. Rounds alternate the paths; the table shows the median and best.
+Goal: worker >= 0.9x raw; the checksum rows show what the integrity check costs. Rounds
+alternate the paths; the table shows the median and best.
 
     .venv/bin/python bench/bench_datapath.py [--rounds 9] [--blocks 128] [--layers 16]
 """
@@ -69,6 +73,8 @@ class _Settings:
     use_layerwise: bool = False
     load_async: bool = False
     layerwise_timeout_ms: int = 30_000
+    save_budget_bytes: int = 1 << 30
+    checksum: bool = False
 
 
 def _caches(layers: int, num_blocks: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -146,10 +152,14 @@ def main(argv: list[str] | None = None) -> None:
 
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master:
         total = n_blocks * args.layers * KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
+        # raw, worker (+stats) and checksum-worker copies of the blocks, with room to spare.
         segment = max(64 << 20, 5 * total)
         cfg = {"master_server_address": master.address, "global_segment_size": segment,
                "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+        # A client registers a memory range once: the checksum workers get their own, with a
+        # segment of its own too, so its values move by local copy like the others'.
+        ck_backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
         try:
             timed = _TimedBackend(backend)
             writer = KVPoolWorker(settings, ParallelLayout(), "bench", timed, Reporter())
@@ -166,14 +176,22 @@ def main(argv: list[str] | None = None) -> None:
             reader_s.register_kv_caches(dst_s)
             w_stats = StatsCollector(lambda: writer_s.counters, w_tap, worker=True)
             r_stats = StatsCollector(lambda: reader_s.counters, r_tap, worker=True)
+            ck_settings = _Settings(block_size=BLOCK_SIZE, chunk_size=BLOCK_SIZE * bpc,
+                                    checksum=True)
+            ck_writer = KVPoolWorker(ck_settings, ParallelLayout(), "bench", ck_backend,
+                                     Reporter())
+            ck_writer.register_kv_caches(src)
+            ck_reader = KVPoolWorker(ck_settings, ParallelLayout(), "bench", ck_backend,
+                                     Reporter())
+            ck_reader.register_kv_caches(dst)
             assert writer.kv is not None and reader.kv is not None
             chunk_src = [src_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
             chunk_dst = [dst_ids[i * bpc:(i + 1) * bpc] for i in range(n_chunks)]
             raw_src = [ranges_for_blocks(writer.kv.layers, ids) for ids in chunk_src]
             raw_dst = [ranges_for_blocks(reader.kv.layers, ids) for ids in chunk_dst]
             times: dict[str, list[float]] = {k: [] for k in (
-                "raw put", "worker save", "save +stats", "raw get", "worker load", "load +stats",
-                "copy")}
+                "raw put", "worker save", "save +stats", "save +checksum", "raw get",
+                "worker load", "load +stats", "load +checksum", "copy")}
             overhead: dict[str, list[float]] = {
                 "worker save": [], "save +stats": [], "worker load": [], "load +stats": []}
 
@@ -239,9 +257,19 @@ def main(argv: list[str] | None = None) -> None:
                     reader.start_load_kv(meta)
                     assert not reader.get_block_ids_with_load_errors()
 
+                def ck_save(meta: KVPoolConnectorMetadata = save_meta) -> None:
+                    ck_writer.start_load_kv(KVPoolConnectorMetadata())
+                    ck_writer.wait_for_save(meta)
+                    assert ck_writer.drain_saves(60)
+
+                def ck_load(meta: KVPoolConnectorMetadata = load_meta) -> None:
+                    ck_reader.start_load_kv(meta)
+                    assert not ck_reader.get_block_ids_with_load_errors()
+                    assert ck_reader.counters.checksum_failures == 0
+
                 order: list[tuple[str, Callable[[], None]]] = [
                     ("raw put", raw_put), ("worker save", worker_save),
-                    ("save +stats", save_stats)]
+                    ("save +stats", save_stats), ("save +checksum", ck_save)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
@@ -252,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                         if name in overhead:
                             overhead[name].append(elapsed - (timed.busy - busy0))
                 order = [("raw get", raw_get), ("worker load", worker_load),
-                         ("load +stats", load_stats), ("copy", copy)]
+                         ("load +stats", load_stats), ("load +checksum", ck_load),
+                         ("copy", copy)]
                 if rnd % 2:
                     order.reverse()
                 for name, fn in order:
@@ -267,9 +296,10 @@ def main(argv: list[str] | None = None) -> None:
                         assert torch.equal(src[name][s_b], dst[name][d_b]), "load not bit-exact"
                 backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
 
-            for w in (writer, reader, writer_s, reader_s):
+            for w in (writer, reader, writer_s, reader_s, ck_writer, ck_reader):
                 w.shutdown()
         finally:
+            ck_backend.close()
             backend.close()
 
     def gbps(t: float) -> float:
@@ -280,13 +310,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nKV data path: {n_blocks} blocks x {args.layers} layers "
           f"({total / 2**20:.0f} MiB per operation, {n_chunks} keys of {bpc} blocks), "
           f"{args.rounds} rounds, real mooncake_master over TCP on 127.0.0.1\n")
-    print(f"{'path':<13}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
+    print(f"{'path':<15}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
           f"{'vs raw (median)':>17}{'vs raw (best)':>15}")
     ref = {"raw put": "raw put", "worker save": "raw put", "save +stats": "raw put",
-           "raw get": "raw get", "worker load": "raw get", "load +stats": "raw get",
+           "save +checksum": "raw put", "raw get": "raw get", "worker load": "raw get",
+           "load +stats": "raw get", "load +checksum": "raw get",
            "copy": "raw get"}
     for k in times:
-        print(f"{k:<13}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
+        print(f"{k:<15}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
               f"{med[ref[k]] / med[k]:>16.2f}x{best[ref[k]] / best[k]:>14.2f}x")
     print("\n'vs raw' = raw time / this path's time on the same blocks (goal >= 0.9 for the "
           "worker rows). On a busy shared machine the best rounds are the steadier figure.")

@@ -4,17 +4,20 @@ Starts a real ``mooncake_master`` on 127.0.0.1, fills the pool with every chunk 
 prompt (small values: only existence matters), then measures, per chunk size:
 
 * ``scheduler``: ``KVPoolScheduler.get_num_new_matched_tokens`` for a new request: chained
-  SHA-256 chunk hashes of the prompt, the ZMQ IPC round trip to the ``LookupServer`` and the
+  XXH3-128 chunk hashes of the prompt, the ZMQ IPC round trip to the ``LookupServer`` and the
   worker's ``lookup_chunks`` (``batch_is_exist`` on the chunk keys);
 * ``hash only``: ``keys.chunk_hashes`` of the prompt;
+* ``asked again``: vLLM asking again for a request still waiting (answered from the request's
+  cached lookup);
 * ``raw batch_is_exist``: the Mooncake client call on the same keys, nothing else;
 * ``  with vLLM stats``: ``scheduler`` with the connector's vLLM stats on (its reporter wrapped
   in ``StatsTap``, ``StatsCollector.take`` after every lookup, as vLLM calls
   ``get_kv_connector_stats`` every step): the cost of the metrics, timed interleaved with
   ``scheduler`` (the baseline of the same run).
 
-Prints p50/p99 in ms. Run: ``.venv/bin/python bench/bench_lookup.py [--tokens 32768]
-[--iters 200]``.
+Prints p50/p99 in ms, and per chunk size the goal of issue 11 (scheduler p50 at most
+1.5 x raw p50 + 0.2 ms) with whether this run met it. Run: ``.venv/bin/python
+bench/bench_lookup.py [--tokens 32768] [--iters 200]``.
 """
 
 from __future__ import annotations
@@ -115,12 +118,20 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
         if stats.take() is None:
             raise RuntimeError("a lookup left no stats")
 
+    waiting = Request("waiting", prompt, params, None)
+
+    def ask_again() -> None:
+        got, _ = sched.get_num_new_matched_tokens(waiting, 0)
+        if got != want:
+            raise RuntimeError(f"lookup found {got} tokens, expected {want}")
+
     try:
         plain, with_stats = _time_pair(lookup, lookup_with_stats, iters)
         return [
             ("scheduler lookup", len(keys), plain),
             ("  with vLLM stats", len(keys), with_stats),
             ("  hash only", len(keys), _time(lambda: chunk_hashes(prompt, chunk), iters)),
+            ("  asked again", len(keys), _time(ask_again, iters)),
             ("raw batch_is_exist", len(keys),
              _time(lambda: backend.store.batch_is_exist(keys), iters)),
         ]
@@ -149,9 +160,15 @@ def main() -> None:
             "local_buffer_size": "16MB"}}))
         try:
             for chunk in (int(c) for c in args.chunk_sizes.split(",")):
-                for name, nkeys, s in _bench_chunk(backend, prompt, chunk, args.iters):
+                rows = _bench_chunk(backend, prompt, chunk, args.iters)
+                for name, nkeys, s in rows:
                     print(f"{chunk:>6} {nkeys:>6}  {name:<22} {_pct(s, 50):>8.3f} "
                           f"{_pct(s, 99):>8.3f}", flush=True)
+                p50 = {name: _pct(s, 50) for name, _, s in rows}
+                goal = 1.5 * p50["raw batch_is_exist"] + 0.2
+                met = "met" if p50["scheduler lookup"] <= goal else "NOT met"
+                print(f"{chunk:>6} {'':>6}  goal: scheduler p50 <= {goal:.3f} ms "
+                      f"(1.5 x raw + 0.2): {met}", flush=True)
         finally:
             backend.close()
 

@@ -142,7 +142,11 @@ class Aggregator:
                 case Lookup():
                     self._on_lookup(ev)
                 case Loaded():
-                    self.lookup.loaded_tokens += ev.tokens
+                    lk = self.lookup
+                    lk.loaded_tokens += ev.tokens
+                    lk.pool_hit_tokens += ev.tokens
+                    lk.load_failed_tokens += ev.failed_tokens
+                    self._hits.add(ev.ts_ms, 0, ev.tokens)
                 case TransferStarted():
                     self._on_started(ev)
                 case TransferProgress():
@@ -172,6 +176,10 @@ class Aggregator:
 
     def _on_lookup(self, ev: Lookup) -> None:
         lk = self.lookup
+        if ev.skipped is not None:
+            lk.lookup_skipped += 1
+            lk.skipped_by_reason[ev.skipped] = lk.skipped_by_reason.get(ev.skipped, 0) + 1
+            return
         lk.lookups += 1
         self._latencies.append(ev.latency_ms)
         if ev.error is not None:
@@ -183,8 +191,8 @@ class Aggregator:
             return
         lk.prompt_tokens += ev.prompt_tokens
         lk.local_tokens += ev.local_tokens
-        lk.pool_hit_tokens += ev.pool_tokens
-        self._hits.add(ev.ts_ms, ev.prompt_tokens, ev.pool_tokens)
+        # Hits are counted when a load's outcome is known (Loaded), not on the offer.
+        self._hits.add(ev.ts_ms, ev.prompt_tokens, 0)
         self._lookup_ms[ev.req_id] = ev.ts_ms
         self._lookup_ms.move_to_end(ev.req_id)
         if len(self._lookup_ms) > _LOOKUP_TIMES:
@@ -256,7 +264,8 @@ class Aggregator:
         ``all_errors``: the last ``RECENT_ERRORS`` errors (snapshot) or only those recorded
         since the previous ``state(all_errors=False)`` call (delta; clears that list).
         """
-        lk = msgspec.structs.replace(self.lookup)
+        lk = msgspec.structs.replace(
+            self.lookup, skipped_by_reason=dict(self.lookup.skipped_by_reason))
         if lk.prompt_tokens:
             lk.hit_rate = lk.pool_hit_tokens / lk.prompt_tokens
         prompt_1m, hit_1m = self._hits.sums(now_ms)

@@ -9,10 +9,10 @@ end in ``_total``, sizes in ``_bytes``, spans in ``_seconds``, instants are
 ``_timestamp_seconds`` (Unix time), fractions ``_ratio``.
 
 Token accounting (the README's "Pool hit rate"): per request, ``prompt`` tokens = ``local``
-(vLLM's own prefix cache) + ``loaded`` (from the pool) + ``recomputed``; ``pool hit`` tokens are
-those the pool held beyond the local hit at lookup (``loaded`` <= ``pool hit``: vLLM may take
-fewer). ``kvpool_pool_hit_ratio`` = pool hit / prompt, ``kvpool_local_hit_ratio`` =
-local / prompt.
+(vLLM's own prefix cache) + ``loaded`` (written into vLLM's blocks from the pool, counted once
+per load when its outcome is known) + ``recomputed`` (the rest, failed loads included);
+``pool hit`` tokens = ``loaded``: a failed load is never a hit (``kvpool_load_failed_tokens``).
+``kvpool_pool_hit_ratio`` = pool hit / prompt, ``kvpool_local_hit_ratio`` = local / prompt.
 
 Counters are the agents' counters since their start: an agent restart or a forgotten agent
 lowers the engine's sum, which Prometheus' ``rate``/``increase`` treat as a counter reset.
@@ -103,10 +103,14 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[list[EngineState]], float]], .
      lambda g: sum(s.lookup.prompt_tokens for s in g)),
     ("kvpool_local_hit_tokens", "Prompt tokens vLLM's local prefix cache already held.",
      lambda g: sum(s.lookup.local_tokens for s in g)),
-    ("kvpool_pool_hit_tokens", "Prompt tokens the pool held beyond the local hit.",
+    ("kvpool_pool_hit_tokens", "Prompt tokens served by the pool (= loaded tokens).",
      lambda g: sum(s.lookup.pool_hit_tokens for s in g)),
-    ("kvpool_loaded_tokens", "Tokens vLLM accepted to load from the pool.",
+    ("kvpool_loaded_tokens", "Tokens written into vLLM's blocks from the pool.",
      lambda g: sum(s.lookup.loaded_tokens for s in g)),
+    ("kvpool_load_failed_tokens", "Tokens vLLM accepted from the pool that a load failed to "
+     "bring (recomputed).", lambda g: sum(s.lookup.load_failed_tokens for s in g)),
+    ("kvpool_lookup_skipped", "Prefix lookups not made (breaker open, multimodal...).",
+     lambda g: sum(s.lookup.lookup_skipped for s in g)),
     ("kvpool_recomputed_tokens", "Prompt tokens neither cached locally nor loaded from the "
      "pool (computed by vLLM).", lambda g: sum(_recomputed(s) for s in g)),
     ("kvpool_loads_finished", "Loads from the pool that completed.",

@@ -158,7 +158,11 @@ class LookupStats(msgspec.Struct, kw_only=True):
 
     ``hit_rate`` = ``pool_hit_tokens / prompt_tokens`` since start; ``hit_rate_1m`` the same
     over the last 60 s (0.0 when nothing was looked up). ``local_tokens`` are the prompt tokens
-    vLLM already had in its own prefix cache; ``loaded_tokens`` those actually loaded.
+    vLLM already had in its own prefix cache; ``loaded_tokens`` those actually loaded, and
+    ``pool_hit_tokens`` the same (a hit is what a request loaded, counted once per load);
+    ``load_failed_tokens`` were accepted from the pool but failed to load (recomputed).
+    ``lookup_skipped`` counts lookups not made, by reason in ``skipped_by_reason``
+    (``MULTIMODAL``, ``BREAKER_OPEN``).
     """
 
     lookups: int = 0
@@ -171,6 +175,9 @@ class LookupStats(msgspec.Struct, kw_only=True):
     hit_rate_1m: float = 0.0
     latency_ms_p50: float = 0.0
     latency_ms_p99: float = 0.0
+    load_failed_tokens: int = 0
+    lookup_skipped: int = 0
+    skipped_by_reason: dict[Name, int] = msgspec.field(default_factory=dict)
 
 
 class Transfer(msgspec.Struct, kw_only=True):

@@ -50,14 +50,17 @@ class Lookup(msgspec.Struct, array_like=True, gc=False, frozen=True):
     pool_tokens: int
     latency_ms: float
     error: str | None
+    skipped: str | None = None
 
 
 class Loaded(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """Tokens of ``req_id`` actually loaded from the pool (see ``Reporter.loaded``)."""
+    """Tokens of ``req_id`` actually loaded from the pool, and those vLLM accepted but the
+    load failed to bring (recomputed), see ``Reporter.loaded``."""
 
     ts_ms: float
     req_id: str
     tokens: int
+    failed_tokens: int = 0
 
 
 class TransferStarted(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -191,15 +194,19 @@ class Reporter:
         pool_tokens: int,
         latency_ms: float,
         error: str | None = None,
+        skipped: str | None = None,
     ) -> None:
         """One scheduler lookup: prompt length, tokens vLLM had locally, tokens the pool holds
-        beyond those (``pool_tokens``), lookup latency. ``error`` set when the store failed."""
+        beyond those (``pool_tokens``), lookup latency. ``error`` set when the store failed;
+        ``skipped`` (the reason, e.g. ``MULTIMODAL``, ``BREAKER_OPEN``) when no lookup was
+        made."""
         self._put(Lookup(time.time() * 1e3, req_id, prompt_tokens, local_tokens, pool_tokens,
-                         latency_ms, error))
+                         latency_ms, error, skipped))
 
-    def loaded(self, req_id: str, tokens: int) -> None:
-        """Tokens of ``req_id`` actually loaded from the pool (after allocation)."""
-        self._put(Loaded(time.time() * 1e3, req_id, tokens))
+    def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
+        """A load of ``req_id`` ended: ``tokens`` really loaded, ``failed_tokens`` accepted by
+        vLLM but not brought in (recomputed). Reported once per load, by the scheduler."""
+        self._put(Loaded(time.time() * 1e3, req_id, tokens, failed_tokens))
 
     def transfer_started(
         self,
@@ -278,10 +285,11 @@ class NullReporter(Reporter):
         pool_tokens: int,
         latency_ms: float,
         error: str | None = None,
+        skipped: str | None = None,
     ) -> None:
         """Does nothing."""
 
-    def loaded(self, req_id: str, tokens: int) -> None:
+    def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
         """Does nothing."""
 
     def transfer_started(

@@ -31,9 +31,10 @@ from kvpool_connector.keys import DIGEST_LEN
 
 __all__ = ["LAYOUT_SCHEME", "LayoutFacts", "ModelFacts", "cache_signature", "describe_layout"]
 
-LAYOUT_SCHEME = 1
+LAYOUT_SCHEME = 2
 """Version of the value layout and chunk-hash scheme; bump it when either changes, so values
-written by an older connector are never read as the new layout."""
+written by an older connector are never read as the new layout. 2: chunk hashes are chained
+XXH3-128 (1: chained SHA-256)."""
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +65,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     head_size: int = 0
 
 
-class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True):
+class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Everything the layout digest covers; ``kvpool-console`` shows it next to the digest.
 
     Attributes:
@@ -78,6 +79,9 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True):
         block_size: tokens per vLLM block; chunk_size: tokens per pool value.
         tp, pcp, dcp, pp: parallel sizes the KV is split over (``tp`` is 1 when every TP
             rank holds the same KV, as with MLA).
+        checksum: the digest each value carries (``_checksum.CHECKSUM_NAME``), ``""`` for
+            none; left out of the digest's input when empty, so digests without it are
+            unchanged.
     """
 
     scheme: int
@@ -97,6 +101,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True):
     pcp: int
     dcp: int
     pp: int
+    checksum: str = ""
 
     @property
     def digest(self) -> str:
@@ -141,6 +146,7 @@ def describe_layout(
     pcp_size: int = 1,
     dcp_size: int = 1,
     pp_size: int = 1,
+    checksum: str = "",
 ) -> LayoutFacts:
     """The layout facts of one worker's registered caches.
 
@@ -151,6 +157,7 @@ def describe_layout(
         facts: what vLLM's configuration says (``ModelFacts``).
         block_size, chunk_size: the connector's (tokens).
         tp_size, pcp_size, dcp_size, pp_size: the parallel sizes the worker's keys use.
+        checksum: ``LayoutFacts.checksum``.
 
     Raises:
         ValueError: a tensor has no dimension of ``num_blocks`` blocks.
@@ -166,5 +173,5 @@ def describe_layout(
         quantization=facts.quantization, dtype=facts.dtype, kv_cache_dtype=facts.kv_cache_dtype,
         attn_backend=facts.attn_backend, kv_heads=facts.kv_heads, head_size=facts.head_size,
         layers=len(per_layer), cache=runs, block_size=block_size, chunk_size=chunk_size,
-        tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size,
+        tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size, checksum=checksum,
     )

@@ -120,41 +120,50 @@ class TransferPlanner:
         )
         self._layer_ids = [layer.index for layer in layers] if layerwise else None
 
-    def chunk_blocks(self, req: ReqMeta, chunk: int) -> list[int]:
+    def chunk_blocks(self, req: ReqMeta, chunk: int, end_block: int | None = None) -> list[int]:
         """Block ids of chunk ``chunk`` of ``req``.
 
+        ``end_block``: request positions from this block on may be missing (a trimmed load
+        writes nothing there); a missing one is given as a negative placeholder id.
+
         Raises:
-            ValueError: ``req.block_ids`` does not reach the chunk's end.
+            ValueError: ``req.block_ids`` does not reach the chunk's end (or ``end_block``).
         """
         bpc = self.blocks_per_chunk
         blocks = req.block_ids[chunk * bpc : (chunk + 1) * bpc]
-        if len(blocks) != bpc:
+        need = bpc if end_block is None else min(bpc, max(0, end_block - chunk * bpc))
+        if len(blocks) < need:
             raise ValueError(
                 f"request {req.req_id}: chunk {chunk} needs blocks [{chunk * bpc}, "
-                f"{(chunk + 1) * bpc}) but only {len(req.block_ids)} block ids were given"
+                f"{chunk * bpc + need}) but only {len(req.block_ids)} block ids were given"
             )
-        return blocks
+        return blocks + [-1 - j for j in range(bpc - len(blocks))]
 
     def chunk_transfers(self, req: ReqMeta, chunks: Iterable[int],
-                        skip_below_block: int = 0) -> list[list[Transfer]]:
+                        skip_below_block: int = 0, end_block: int | None = None
+                        ) -> list[list[Transfer]]:
         """Per chunk of ``chunks``, its transfers: one, or one per layer (layer-wise).
 
         Blocks at request positions below ``skip_below_block`` (vLLM already holds them, so
-        a load must not overwrite them: they may be shared) are routed to ``scratch``.
+        a load must not overwrite them: they may be shared) and from ``end_block`` on (vLLM
+        accepted fewer tokens than the chunk holds: those blocks are not the load's to write)
+        are routed to ``scratch``; a value is always moved whole.
 
         Raises:
             ValueError: a chunk has no hash or not all of its block ids (see ``chunk_blocks``).
         """
         out: list[list[Transfer]] = []
         for chunk in chunks:
-            blocks = self.chunk_blocks(req, chunk)
+            blocks = self.chunk_blocks(req, chunk, end_block)
             if chunk >= len(req.chunk_hashes):
                 raise ValueError(
                     f"request {req.req_id}: chunk {chunk} has no hash "
                     f"({len(req.chunk_hashes)} chunk hashes were given)"
                 )
             first = chunk * self.blocks_per_chunk
-            skip = frozenset(b for j, b in enumerate(blocks) if first + j < skip_below_block)
+            stop = first + len(blocks) if end_block is None else end_block
+            skip = frozenset(b for j, b in enumerate(blocks)
+                             if first + j < skip_below_block or first + j >= stop)
             kept = [b for b in blocks if b not in skip]
             keys = chunk_keys([self.key_prefix], [req.chunk_hashes[chunk]], self._layer_ids)
             row = []
@@ -166,7 +175,11 @@ class TransferPlanner:
 
     def load(self, req: ReqMeta) -> LoadPlan | None:
         """The chunks ``req.load`` asks for, from the first one vLLM does not fully hold up
-        to the pool's hit; ``None`` when there is nothing to load.
+        to the last token vLLM accepted; ``None`` when there is nothing to load.
+
+        When vLLM accepted fewer tokens than the pool offered and the cut is inside a chunk
+        (issue 11: a trimmed hit), that chunk is still fetched whole; only its blocks up to
+        the cut are written, the rest of its bytes land in ``scratch``.
 
         Raises:
             ValueError: the metadata does not give the blocks or hashes of those chunks.
@@ -175,9 +188,10 @@ class TransferPlanner:
         if spec is None or spec.num_tokens_to_load <= 0:
             return None
         first = spec.vllm_cached_tokens // self.chunk_size
-        last = spec.kvpool_cached_tokens // self.chunk_size
+        last = -(-spec.kvpool_cached_tokens // self.chunk_size)
         rows = self.chunk_transfers(req, range(first, last),
-                                    spec.vllm_cached_tokens // self.block_size)
+                                    spec.vllm_cached_tokens // self.block_size,
+                                    end_block=-(-spec.kvpool_cached_tokens // self.block_size))
         return LoadPlan(req, first, [t for row in rows for t in row])
 
     def save(self, req: ReqMeta) -> list[list[Transfer]]:
@@ -213,9 +227,11 @@ def load_block_ids(req: ReqMeta, block_size: int) -> set[int]:
 
 def loaded_tokens(spec: LoadSpec, failed_chunks: set[int], chunk_size: int) -> int:
     """Tokens a load really brought in: up to the first failed chunk (a later chunk's KV is
-    useless without its prefix), minus what vLLM already held."""
-    ok_end = min(failed_chunks) if failed_chunks else spec.kvpool_cached_tokens // chunk_size
-    return max(0, ok_end * chunk_size - spec.vllm_cached_tokens)
+    useless without its prefix) and at most what vLLM accepted, minus what vLLM already
+    held."""
+    ok_end = (min(failed_chunks) * chunk_size if failed_chunks
+              else spec.kvpool_cached_tokens)
+    return max(0, min(ok_end, spec.kvpool_cached_tokens) - spec.vllm_cached_tokens)
 
 
 def lookup_layouts(layout: ParallelLayout, *, tp_size: int = 1, pcp_size: int = 1,

@@ -169,16 +169,16 @@ class StatsTap(Reporter):
         return self.inner.drain(limit)
 
     def lookup(self, req_id: str, prompt_tokens: int, local_tokens: int, pool_tokens: int,
-               latency_ms: float, error: str | None = None, **more: Any) -> None:
+               latency_ms: float, error: str | None = None, skipped: str | None = None) -> None:
         """Keep the lookup's latency (a lookup not made has none), then forward."""
-        if not more.get("skipped"):
+        if not skipped:
             self.samples["lookup_seconds"].append(latency_ms / 1e3)
         self.inner.lookup(req_id, prompt_tokens, local_tokens, pool_tokens, latency_ms, error,
-                          **more)
+                          skipped)
 
-    def loaded(self, *args: Any, **kwargs: Any) -> None:
+    def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
         """Forward."""
-        self.inner.loaded(*args, **kwargs)
+        self.inner.loaded(req_id, tokens, failed_tokens)
 
     def transfer_started(self, req_id: str, kind: TransferKind, blocks: int, nbytes: int,
                          layers_total: int = 0, lease_expires_ms: float | None = None) -> None:

@@ -4,11 +4,19 @@
 per layer on a background thread (layer-wise; ``wait_for_layer`` waits for one layer), or
 wholly in the background (``load_async``, finished through ``take_finished``). Every block of
 a chunk whose key failed or came back short is kept for ``take_failed_blocks`` (vLLM
-recomputes it).
+recomputes it), and every request's outcome (tokens accepted, tokens really loaded) for
+``take_outcomes``. A layer-wise wait that times out never raises into the forward pass: the
+step's load blocks are reported failed, the loader stops after its current layer, and the next
+step waits for it before any block can be recomputed or handed to another request.
 
 ``SaveQueue`` stores chunks on a background thread once the device finished writing them:
 keys the pool already holds are not sent again, and a request whose save hit
-``NO_AVAILABLE_HANDLE`` (pool full) skips its remaining saves (later requests try again).
+``NO_AVAILABLE_HANDLE`` (pool full) skips its remaining saves (later requests try again). The
+bytes of saves submitted and not finished are bounded by ``save_budget_bytes``: a request whose
+save would pass it is skipped and counted (``SAVE_BUDGET``), so submitting never blocks the
+engine thread and a finished request waits for at most one budget of saves before its blocks
+are freed. A preempted request's queued saves are dropped (``PREEMPTED``) and only its running
+one is waited for.
 
 Both report every transfer to the agent and add to one ``WorkerCounters``. ``KVPoolWorker``
 owns them and calls them from vLLM's hooks.
@@ -16,6 +24,7 @@ owns them and calls them from vLLM's hooks.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -26,6 +35,7 @@ from typing import Any
 
 from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import ErrorCode, error_name
+from kvpool_connector._checksum import CHECKSUM_BYTES, DigestSlots, digest_of
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
@@ -41,10 +51,16 @@ _STORED = (0, ErrorCode.OBJECT_ALREADY_EXISTS)
 
 _FULL = ErrorCode.NO_AVAILABLE_HANDLE
 
+SAVE_BUDGET = "SAVE_BUDGET"
+"""``SaveSkipped.reason`` of a save skipped because ``save_budget_bytes`` were in flight."""
+
+PREEMPTED = "PREEMPTED"
+"""``SaveSkipped.reason`` of a queued save dropped because its request was preempted."""
+
 
 class LayerLoadTimeout(TimeoutError):
-    """``wait_for_layer_load`` waited longer than ``layerwise_timeout_ms``. The step's loaded
-    blocks are already reported as failed (recomputed) when this is raised."""
+    """Kept for callers that name it; ``wait_for_layer_load`` no longer raises it (a
+    timed-out layer-wise load is reported as load errors and recomputed)."""
 
 
 @dataclass
@@ -60,6 +76,24 @@ class WorkerCounters:
     load_failed_keys: int = 0
     load_failed_blocks: int = 0
     layer_timeouts: int = 0
+    load_failed_tokens: int = 0
+    checksum_failures: int = 0
+
+
+@dataclass(frozen=True)
+class ChecksumBuffers:
+    """Host buffers of the integrity check (``_checksum``), registered with the backend.
+
+    ``slots``: one digest range per key of a batch call. ``staging`` (``staging_bytes``
+    bytes, at least one value): where a value with ranges routed to ``scratch`` (blocks
+    vLLM already holds) lands whole, so its digest can be checked before its kept blocks are
+    copied into the caches.
+    """
+
+    slots: DigestSlots
+    staging: int = 0
+    staging_bytes: int = 0
+    scratch: int = 0
 
 
 @dataclass
@@ -83,6 +117,8 @@ class _LayerwiseLoad:
     cancelled: threading.Event = field(default_factory=threading.Event)
     timed_out: bool = False
     future: Future[None] | None = None
+    # Set by whichever of the loader and a timed-out wait reports the step first.
+    finished: bool = False
 
 
 class LoadRunner:
@@ -108,16 +144,20 @@ class LoadRunner:
         self._failed_blocks: set[int] = set()
         self._finished: set[str] = set()
         self._async: dict[str, Future[None]] = {}
+        # Per request whose load ended: (tokens vLLM accepted, tokens really loaded).
+        self._outcomes: dict[str, tuple[int, int]] = {}
+        # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
+        self.checksum: ChecksumBuffers | None = None
 
     def settle_stale(self) -> None:
-        """Forget the previous step's layer-wise load; a timed-out one may still be writing,
-        so let it land before this step's forward pass reads or recomputes those blocks."""
+        """Forget the previous step's layer-wise load. A timed-out one may still be writing
+        its current layer (it stops before the next): wait for it, so that no late byte lands
+        in a block this step recomputes or vLLM hands to another request. The wait is one
+        layer's batch get at most, which the backend's own transfer timeout bounds."""
         stale, self._layerwise = self._layerwise, None
         if stale is not None and stale.future is not None and not stale.future.done():
-            try:
-                stale.future.result(timeout=self._timeout_ms / 1e3)
-            except TimeoutError:
-                logger.error("kvpool: a timed-out layer-wise load is still running")
+            logger.warning("kvpool: waiting for a timed-out layer-wise load to stop")
+            stale.future.result()
 
     def start(self, plans: Sequence[LoadPlan], device: DeviceSync, *, load_async: bool,
               layerwise: KVLayout | None) -> None:
@@ -156,45 +196,94 @@ class LoadRunner:
             self._finish(loads.values())
 
     def _get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer]) -> None:
-        """One backend batch get; records per-chunk failures in ``loads`` (by request id)."""
+        """Backend batch gets of ``transfers``; records per-chunk failures in ``loads`` (by
+        request id)."""
         if not transfers:
             return
+        if self.checksum is not None:
+            self._get_checked(loads, transfers, self.checksum)
+            return
+        results = self._call_get(loads, transfers, [t.addrs for t in transfers],
+                                 [t.sizes for t in transfers])
+        for t, res in zip(transfers, results, strict=True):
+            self._settle(loads[t.req_id], t, res == t.nbytes, res)
+
+    def _call_get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+                  addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        """One ``batch_get_into``; per key the bytes read or an error code (a failed call
+        is the same error for every key)."""
         try:
-            results = self.backend.batch_get_into(
-                [t.key for t in transfers], [t.addrs for t in transfers],
-                [t.sizes for t in transfers],
-            )
+            return self.backend.batch_get_into([t.key for t in transfers], addrs, sizes)
         except BackendError as exc:
             name = error_name(exc.code) if exc.code is not None else "BACKEND_ERROR"
             logger.error("kvpool load of %d keys failed: %s", len(transfers), exc)
-            code = exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR
-            results = [code] * len(transfers)
-            for ld in loads.values():
-                ld.error = ld.error or name
-        for t, res in zip(transfers, results, strict=True):
-            load = loads[t.req_id]
-            if res == t.nbytes:
-                load.nbytes += res
-                with self._lock:
-                    self.counters.loaded_keys += 1
-                    self.counters.loaded_bytes += res
-                continue
-            # A short read is as bad as a missing key: the block holds stale bytes.
-            load.failed_chunks.add(t.chunk)
-            load.error = load.error or (error_name(res) if res < 0 else "PARTIAL_READ")
+            for t in transfers:
+                loads[t.req_id].error = loads[t.req_id].error or name
+            return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(
+                transfers)
+
+    def _settle(self, load: _ReqLoad, t: Transfer, ok: bool, res: int,
+                mismatch: bool = False) -> None:
+        """Count one key's get: loaded, or its chunk failed (a short read is as bad as a
+        missing key, a wrong digest as bad as both: the blocks hold untrusted bytes)."""
+        if ok and not mismatch:
+            load.nbytes += t.nbytes
             with self._lock:
-                self.counters.load_failed_keys += 1
+                self.counters.loaded_keys += 1
+                self.counters.loaded_bytes += t.nbytes
+            return
+        load.failed_chunks.add(t.chunk)
+        load.error = load.error or ("CHECKSUM_MISMATCH" if mismatch
+                                    else error_name(res) if res < 0 else "PARTIAL_READ")
+        with self._lock:
+            self.counters.load_failed_keys += 1
+            self.counters.checksum_failures += mismatch
+
+    def _get_checked(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+                     ck: ChecksumBuffers) -> None:
+        """Gets with the integrity check: each value's digest lands in a slot and is compared
+        with the digest of the bytes that landed. A value with ranges routed to the scratch
+        buffer (whose bytes overwrite each other there) is fetched alone into ``staging`` and
+        its kept blocks copied into the caches only once its digest matched."""
+        want = CHECKSUM_BYTES
+        direct = [t for t in transfers if ck.scratch not in t.addrs]
+        cap = ck.slots.capacity
+        for start in range(0, len(direct), cap):
+            part = direct[start : start + cap]
+            results = self._call_get(
+                loads, part, [[*t.addrs, ck.slots.slot(j)] for j, t in enumerate(part)],
+                [[*t.sizes, want] for t in part])
+            for j, (t, res) in enumerate(zip(part, results, strict=True)):
+                ok = res == t.nbytes + want
+                bad = ok and digest_of(t.addrs, t.sizes) != ck.slots.read(j)
+                self._settle(loads[t.req_id], t, ok, res, bad)
+        for t in transfers:
+            if ck.scratch not in t.addrs:
+                continue
+            (res,) = self._call_get(loads, [t], [[ck.staging, ck.slots.slot(0)]],
+                                    [[t.nbytes, want]])
+            ok = res == t.nbytes + want
+            bad = ok and digest_of([ck.staging], [t.nbytes]) != ck.slots.read(0)
+            if ok and not bad:
+                off = 0
+                for addr, size in zip(t.addrs, t.sizes, strict=True):
+                    if addr != ck.scratch:
+                        ctypes.memmove(addr, ck.staging + off, size)
+                    off += size
+            self._settle(loads[t.req_id], t, ok, res, bad)
 
     def _finish(self, loads: Iterable[_ReqLoad], timed_out: bool = False) -> None:
-        """Report each request's load and record its failed blocks."""
+        """Report each request's load, record its failed blocks and its outcome."""
         for load in loads:
             req = load.plan.req
             assert req.load is not None
             failed = load.plan.blocks_of(load.failed_chunks)
             self.fail_blocks(failed)
             tokens = loaded_tokens(req.load, load.failed_chunks, self._chunk_size)
-            if tokens:
-                self.reporter.loaded(req.req_id, tokens)
+            accepted = req.load.num_tokens_to_load
+            with self._lock:
+                self._outcomes[req.req_id] = (accepted, tokens)
+                self.counters.load_failed_tokens += accepted - tokens
             error = "TIMEOUT" if timed_out else load.error
             self.reporter.transfer_finished(
                 req.req_id, "load", ok=not failed and not timed_out, nbytes=load.nbytes,
@@ -222,35 +311,55 @@ class LoadRunner:
                 self._async.pop(rid, None)
                 self._finished.add(rid)
 
+    def _finish_job(self, job: _LayerwiseLoad, timed_out: bool) -> bool:
+        """Report a layer-wise step's loads once (the loader and a timed-out wait race for
+        it); False when it was already reported."""
+        with self._lock:
+            if job.finished:
+                return False
+            job.finished = True
+        if timed_out:
+            for load in job.reqs.values():
+                load.failed_chunks.update(t.chunk for t in load.plan.transfers)
+        self._finish(job.reqs.values(), timed_out=timed_out)
+        return True
+
     def _run_layerwise(self, job: _LayerwiseLoad, device: DeviceSync, marker: Any) -> None:
-        device.wait(marker)
-        for i, transfers in enumerate(job.per_layer):
-            if job.cancelled.is_set():
-                break
-            try:
-                self._get(job.reqs, transfers)
-            except Exception as exc:  # fail this layer's blocks, keep the engine going
-                logger.exception("kvpool layer-wise load crashed")
-                for t in transfers:
-                    job.reqs[t.req_id].failed_chunks.add(t.chunk)
-                    job.reqs[t.req_id].error = type(exc).__name__
-            for rid in job.reqs:
-                self.reporter.transfer_progress(rid, "load", i + 1)
-            job.done[i].set()
-        if job.cancelled.is_set():
+        try:
+            device.wait(marker)
+            last = len(job.per_layer) - 1
+            for i, transfers in enumerate(job.per_layer):
+                if job.cancelled.is_set():
+                    break
+                try:
+                    self._get(job.reqs, transfers)
+                except Exception as exc:  # fail this layer's blocks, keep the engine going
+                    logger.exception("kvpool layer-wise load crashed")
+                    for t in transfers:
+                        job.reqs[t.req_id].failed_chunks.add(t.chunk)
+                        job.reqs[t.req_id].error = type(exc).__name__
+                for rid in job.reqs:
+                    self.reporter.transfer_progress(rid, "load", i + 1)
+                if i == last:
+                    # Outcomes are recorded before the forward pass can pass its last layer
+                    # and the step's results (failed blocks, outcomes) are collected.
+                    self._finish_job(job, timed_out=False)
+                job.done[i].set()
+        finally:
             for d in job.done:
                 d.set()
-            return
-        if job.per_layer:
-            self._finish(job.reqs.values())
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Block until layer ``layer_name`` of this step's layer-wise load landed (at once
-        when there is none or the step already timed out).
+        """Block until layer ``layer_name`` of this step's layer-wise load landed, or at most
+        ``layerwise_timeout_ms`` (at once when there is none or the step already timed out).
+
+        A timeout never raises into the forward pass (issue 11): every block of the step's
+        loads is reported as a load error (vLLM recomputes it and drops this step's output
+        for those requests), the loader is told to stop after its current layer, later
+        layers of the step do not wait, and ``settle_stale`` makes the next step wait for the
+        loader before its forward pass.
 
         Raises:
-            LayerLoadTimeout: not within ``layerwise_timeout_ms``; the step's blocks are
-                marked failed first, and later layers of the step do not wait again.
             KeyError: ``layer_name`` is not a registered layer.
         """
         job = self._layerwise
@@ -260,16 +369,14 @@ class LoadRunner:
             return
         job.timed_out = True
         job.cancelled.set()
+        if not self._finish_job(job, timed_out=True):
+            return  # the loader finished in the meantime: nothing failed
         with self._lock:
             self.counters.layer_timeouts += 1
-        for load in job.reqs.values():
-            load.failed_chunks.update(t.chunk for t in load.plan.transfers)
-        self._finish(job.reqs.values(), timed_out=True)
-        raise LayerLoadTimeout(
-            f"layer-wise load of layer {layer_name!r} ({len(job.reqs)} requests) did not "
-            f"finish within layerwise_timeout_ms={self._timeout_ms}; its blocks "
-            "are reported as load errors and will be recomputed (check the pool's health)"
-        )
+        logger.error(
+            "kvpool: layer-wise load of layer %r (%d requests) did not finish within "
+            "layerwise_timeout_ms=%d; its blocks are reported as load errors and recomputed "
+            "(check the pool's health)", layer_name, len(job.reqs), self._timeout_ms)
 
     def fail_blocks(self, blocks: set[int]) -> None:
         """Record ``blocks`` as failed (reported by ``take_failed_blocks``)."""
@@ -281,6 +388,20 @@ class LoadRunner:
         """Blocks whose load failed since the last call."""
         with self._lock:
             out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def record_outcome(self, req_id: str, accepted: int, loaded: int) -> None:
+        """Record a request's load outcome that did not go through a plan (e.g. bad
+        metadata: ``loaded`` 0)."""
+        with self._lock:
+            self._outcomes[req_id] = (accepted, loaded)
+            self.counters.load_failed_tokens += accepted - loaded
+
+    def take_outcomes(self) -> dict[str, tuple[int, int]]:
+        """Per request whose load ended since the last call: (tokens vLLM accepted, tokens
+        really loaded, i.e. up to the first failed chunk)."""
+        with self._lock:
+            out, self._outcomes = self._outcomes, {}
         return out
 
     def take_finished(self) -> set[str]:
@@ -320,51 +441,106 @@ class SaveQueue:
     """
 
     def __init__(self, backend: Backend, reporter: Reporter, counters: WorkerCounters,
-                 lock: threading.Lock, *, blocks_per_chunk: int) -> None:
+                 lock: threading.Lock, *, blocks_per_chunk: int,
+                 budget_bytes: int = 256 << 20) -> None:
         self.backend, self.reporter, self.counters = backend, reporter, counters
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
         self._lock = lock
         self._blocks_per_chunk = blocks_per_chunk
+        self.budget_bytes = budget_bytes
         self._futures: list[Future[None]] = []
         self._pending: dict[str, int] = {}
         self._pool_full: set[str] = set()
         # Save thread only: per request, layer-wise bytes/failed keys/error of this step.
         self._layer_acc: dict[str, _LayerSaveAcc] = {}
+        self._inflight_bytes = 0
+        # Layer-wise: requests refused at layer 0 of the current step (later layers follow).
+        self._step_refused: set[str] = set()
+        # Batches by sequence number; the one the save thread runs (its number, request ids).
+        self._seq = 0
+        self._batches: dict[int, Future[None]] = {}
+        self._running: tuple[int, frozenset[str]] | None = None
+        # Preempted request -> last batch number whose saves of it must not run.
+        self._dropped: dict[str, int] = {}
+        # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
+        self.checksum: DigestSlots | None = None
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> None:
         """Save each request's ``transfers`` once the device finished its work so far.
 
         ``layer``: the layer index of a layer-wise save (``n_layers`` layers in all), ``None``
-        for whole-chunk keys.
+        for whole-chunk keys. A request whose save would take the bytes in flight past
+        ``budget_bytes`` is skipped (counted, reported as ``SAVE_BUDGET``); in layer-wise mode
+        the decision of layer 0 holds for the step's other layers. Never blocks.
         """
+        per_req = self._admit(per_req, layer, n_layers)
+        if not per_req:
+            return
+        nbytes = sum(t.nbytes for _, ts in per_req for t in ts)
         marker = device.record()
         with self._lock:
             for req, _ in per_req:
                 self._pending[req.req_id] = self._pending.get(req.req_id, 0) + 1
+            self._inflight_bytes += nbytes
+            self._seq += 1
+            seq = self._seq
         if layer in (None, 0):
             for req, ts in per_req:
                 self.reporter.transfer_started(
                     req.req_id, "save", len({t.chunk for t in ts}) * self._blocks_per_chunk,
                     sum(t.nbytes for t in ts) * (n_layers or 1), layers_total=n_layers,
                 )
-        fut = self.executor.submit(self._run, per_req, device, marker, layer, n_layers)
+        fut = self.executor.submit(self._run, seq, per_req, device, marker, layer, n_layers,
+                                   nbytes)
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()]
             self._futures.append(fut)
+            self._batches[seq] = fut
 
-    def _run(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
-             marker: Any, layer: int | None, n_layers: int) -> None:
+    def _admit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
+               n_layers: int) -> list[tuple[ReqMeta, list[Transfer]]]:
+        """The requests of ``per_req`` within the save budget; the others are counted."""
+        if layer not in (None, 0):
+            return [(r, ts) for r, ts in per_req if r.req_id not in self._step_refused]
+        self._step_refused = set()
+        with self._lock:
+            free = self.budget_bytes - self._inflight_bytes
+        out = []
+        for req, ts in per_req:
+            cost = sum(t.nbytes for t in ts) * (n_layers or 1)
+            if cost <= free:
+                free -= cost
+                out.append((req, ts))
+                continue
+            self._step_refused.add(req.req_id)
+            self._count_skip(req.req_id, len({t.chunk for t in ts}) * (n_layers or 1),
+                             n_layers, SAVE_BUDGET)
+        return out
+
+    def _run(self, seq: int, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
+             marker: Any, layer: int | None, n_layers: int, nbytes: int) -> None:
+        with self._lock:
+            self._running = (seq, frozenset(r.req_id for r, _ in per_req))
+            dropped = {r.req_id for r, _ in per_req if self._dropped.get(r.req_id, 0) >= seq}
+        for req, ts in per_req:
+            if req.req_id in dropped:
+                self._count_skip(req.req_id, len({t.chunk for t in ts}) * (n_layers or 1),
+                                 n_layers, PREEMPTED)
+        todo = [(r, ts) for r, ts in per_req if r.req_id not in dropped]
         try:
             device.wait(marker)
-            self._save(per_req, layer, n_layers)
+            self._save(todo, layer, n_layers)
         except Exception as exc:  # a failed save never reaches the engine: it is reported
             logger.exception("kvpool save crashed")
-            for req, _ in per_req:
+            for req, _ in todo:
                 self.reporter.transfer_finished(req.req_id, "save", ok=False,
                                                 error_name=type(exc).__name__)
         finally:
             with self._lock:
+                self._running = None
+                self._batches.pop(seq, None)
+                self._inflight_bytes -= nbytes
                 for req, _ in per_req:
                     left = self._pending.get(req.req_id, 1) - 1
                     if left <= 0:
@@ -384,14 +560,30 @@ class SaveQueue:
         todo = [t for t, e in zip(transfers, exists, strict=True) if e != 1]
         if not todo:
             return {}
+        slots = self.checksum
+        if slots is None:
+            codes = self._call_put(todo, [t.addrs for t in todo], [t.sizes for t in todo])
+        else:
+            # Each value carries the digest of its bytes (``_checksum``), computed here, after
+            # the device finished writing them.
+            codes = []
+            for start in range(0, len(todo), slots.capacity):
+                part = todo[start : start + slots.capacity]
+                for j, t in enumerate(part):
+                    slots.write(j, digest_of(t.addrs, t.sizes))
+                codes += self._call_put(
+                    part, [[*t.addrs, slots.slot(j)] for j, t in enumerate(part)],
+                    [[*t.sizes, CHECKSUM_BYTES] for t in part])
+        return {t.key: c for t, c in zip(todo, codes, strict=True)}
+
+    def _call_put(self, todo: list[Transfer], addrs: list[list[int]], sizes: list[list[int]]
+                  ) -> list[int]:
+        """One ``batch_put_from``; per key its result code."""
         try:
-            codes = self.backend.batch_put_from(
-                [t.key for t in todo], [t.addrs for t in todo], [t.sizes for t in todo]
-            )
+            return self.backend.batch_put_from([t.key for t in todo], addrs, sizes)
         except BackendError as exc:
             logger.error("kvpool save of %d keys failed: %s", len(todo), exc)
-            codes = [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)
-        return {t.key: c for t, c in zip(todo, codes, strict=True)}
+            return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)
 
     def _save(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
               n_layers: int) -> None:
@@ -402,7 +594,7 @@ class SaveQueue:
         for req, transfers in per_req:
             rid = req.req_id
             if rid in skipped:
-                self._count_skip(rid, skipped[rid], n_layers)
+                self._count_skip(rid, skipped[rid], n_layers, _FULL.name)
                 continue
             nbytes, error, failed, full = 0, None, 0, 0
             bad_chunks: set[int] = set()
@@ -426,7 +618,7 @@ class SaveQueue:
                 # Pool full: this request's later saves are skipped, other requests retry.
                 with self._lock:
                     self._pool_full.add(rid)
-                self._count_skip(rid, full, n_layers)
+                self._count_skip(rid, full, n_layers, _FULL.name)
             if layer is not None:
                 # Layer-wise: one finished event per request and step, summing its layers.
                 acc = self._layer_acc.setdefault(rid, _LayerSaveAcc())
@@ -445,15 +637,31 @@ class SaveQueue:
                     failed_blocks=len(bad_chunks) * self._blocks_per_chunk,
                 )
 
-    def _count_skip(self, req_id: str, keys: int, n_layers: int = 0) -> None:
-        """Count ``keys`` keys skipped because the pool is full; the report is in blocks (a
-        layer-wise key holds one layer of its blocks, so ``n_layers`` of them make whole
-        blocks)."""
+    def _count_skip(self, req_id: str, keys: int, n_layers: int, reason: str) -> None:
+        """Count ``keys`` keys skipped for ``reason``; the report is in blocks (a layer-wise
+        key holds one layer of its blocks, so ``n_layers`` of them make whole blocks)."""
         with self._lock:
             self.counters.save_skipped_keys += keys
         blocks = keys * self._blocks_per_chunk
-        self.reporter.save_skipped(req_id, blocks // n_layers if n_layers else blocks,
-                                   _FULL.name)
+        self.reporter.save_skipped(req_id, blocks // n_layers if n_layers else blocks, reason)
+
+    def settle(self, req_ids: set[str]) -> None:
+        """Preemption: drop the queued saves of ``req_ids`` (their blocks are about to be
+        reused; counted as ``PREEMPTED``) and wait only for a running save of theirs."""
+        with self._lock:
+            for rid in req_ids:
+                self._dropped[rid] = self._seq
+            running = self._running
+            fut = (self._batches.get(running[0])
+                   if running is not None and running[1] & req_ids else None)
+        if fut is not None:
+            fut.result()
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of saves submitted and not finished (at most ``budget_bytes``)."""
+        with self._lock:
+            return self._inflight_bytes
 
     def pending(self, req_ids: Iterable[str]) -> set[str]:
         """Those of ``req_ids`` with saves submitted and not finished."""
@@ -461,9 +669,11 @@ class SaveQueue:
             return {r for r in req_ids if r in self._pending}
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        """Drop the pool-full mark of finished requests."""
+        """Drop the pool-full and preemption marks of finished requests."""
         with self._lock:
-            self._pool_full.difference_update(req_ids)
+            for rid in req_ids:
+                self._pool_full.discard(rid)
+                self._dropped.pop(rid, None)
 
     def futures(self) -> list[Future[None]]:
         """Every save batch submitted so far and still tracked."""

@@ -28,6 +28,7 @@ from kvpool_agent.vocabulary import (
 )
 from kvpool_connector._validation import field_problems
 from kvpool_connector.keys import normalize_model_name
+from kvpool_connector.sizes import parse_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,13 +48,17 @@ class _ExtraFields(BaseModel):
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     lookup_rpc_port: int = Field(default=0, ge=0, le=65535)
-    lookup_timeout_ms: int = Field(default=5_000, gt=0)
+    lookup_timeout_ms: int = Field(default=50, gt=0)
     layerwise_timeout_ms: int = Field(default=10_000, gt=0)
     lease_ttl_ms: int = Field(default=0, ge=0)
     agent_address: str | None = None
     engine_id: str | None = None
     instance_role: InstanceRole | None = None
     agent_keys: str | None = None
+    lookup_breaker_failures: int = Field(default=3, ge=0)
+    lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
+    save_budget: int | float | str = "256MB"
+    checksum: bool = False
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -122,7 +127,22 @@ class KVPoolConfig(BaseModel):
             only when these are set (vLLM Ascend semantics). ``kv_producer`` never loads.
         lookup_rpc_port: names the lookup socket; distinct per engine on one host. 0 (unset):
             the socket is named from ``instance_id`` instead, which already differs per engine.
-        lookup_timeout_ms: how long the scheduler waits for the lookup server per query.
+        lookup_timeout_ms: how long the scheduler waits for the lookup server per query. The
+            lookup runs on vLLM's scheduler thread, which every running request waits for:
+            50 ms is ~10x a healthy lookup of a 32k-token prompt (~2-6 ms, bench_lookup.py)
+            and about one decode step, so a sick pool costs at most one step per new request
+            before the breaker opens (the former 5,000 ms stalled the engine for seconds).
+        lookup_breaker_failures: after this many failed lookups in a row, lookups are skipped
+            (counted as ``lookup_skipped``, reason ``BREAKER_OPEN``); 0 = never skip.
+        lookup_breaker_open_ms: how long lookups stay skipped before one is tried again.
+        save_budget_bytes: bytes of saves submitted and not finished at most (extra config key
+            ``save_budget``, a size like ``"256MB"``); a save past it is skipped and counted
+            (``SAVE_BUDGET``), never waited for. 256 MB drains in well under a second at the
+            transfer rates of ``bench_datapath.py``, which bounds how long a finished
+            request's blocks wait for its saves.
+        checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
+            mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
+            (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
         lease_ttl_ms: the pool's lease on looked-up keys (Mooncake ``default_kv_lease_ttl``),
             to tell operators how long a pending load has before its leases expire; 0 = unknown.
@@ -154,7 +174,7 @@ class KVPoolConfig(BaseModel):
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     lookup_rpc_port: int = 0
-    lookup_timeout_ms: int = 5_000
+    lookup_timeout_ms: int = 50
     layerwise_timeout_ms: int = 10_000
     lease_ttl_ms: int = 0
     agent_address: str | None = None
@@ -167,6 +187,10 @@ class KVPoolConfig(BaseModel):
     declared_role: InstanceRole | None = None
     role_source: str = ""
     agent_keys: str | None = None
+    lookup_breaker_failures: int = 3
+    lookup_breaker_open_ms: int = 10_000
+    save_budget_bytes: int = Field(default=256 << 20, gt=0)
+    checksum: bool = False
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -242,7 +266,14 @@ class KVPoolConfig(BaseModel):
                 f"block_size {block_size}; use e.g. {max(1, chunk_size // block_size) * block_size}"
             )
         values: dict[str, Any] = fields.model_dump(
-            exclude={"chunk_size", "engine_id", "instance_role"})
+            exclude={"chunk_size", "engine_id", "instance_role", "save_budget"})
+        try:
+            values["save_budget_bytes"] = parse_size(fields.save_budget)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config.save_budget: {exc}") from None
+        if values["save_budget_bytes"] <= 0:
+            raise ValueError("kv_connector_extra_config.save_budget: must be more than 0 bytes, "
+                             'e.g. "256MB"')
         eid = fields.engine_id or engine_id or "engine"
         declared, role_source = declared_instance_role(fields.instance_role, eid)
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None

@@ -50,7 +50,7 @@ from kvpool_connector.lookup import (
     RuntimeDirError,
     lookup_socket_path,
 )
-from kvpool_connector.metadata import KVPoolConnectorMetadata
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes
 from kvpool_connector.operations import BackendOperations
 from kvpool_connector.scheduler import KVPoolScheduler
 
@@ -353,8 +353,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         return self._sched().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Scheduler side: the workers' ``finished_recving`` ends those async loads."""
-        self._sched().loads_finished(connector_output.finished_recving or ())
+        """Scheduler side: count the loads' outcomes (``LoadOutcomes``, the workers'
+        ``build_connector_worker_meta``); ``finished_recving`` ends those async loads."""
+        sched = self._sched()
+        outcomes = connector_output.kv_connector_worker_meta
+        recving = connector_output.finished_recving or ()
+        sched.loads_outcome(outcomes if isinstance(outcomes, LoadOutcomes) else None, recving)
+        sched.loads_finished(recving)
 
     # ------------------------------------------------------------------ worker
 
@@ -404,7 +409,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise mode: block (bounded by ``layerwise_timeout_ms``) until ``layer_name``'s
-        blocks are loaded."""
+        blocks are loaded; a timeout reports the step's load blocks failed, never raises."""
         self._work().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
@@ -427,6 +432,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         """``(finished_sending, finished_recving)`` request ids (see the scheduler contract in
         ``kvpool_connector.scheduler``)."""
         return self._work().get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self) -> LoadOutcomes | None:
+        """This step's load outcomes for the scheduler (``KVPoolWorker``'s)."""
+        return self._work().build_connector_worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call; vLLM recomputes them

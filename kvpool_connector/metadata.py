@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
-__all__ = ["KVPoolConnectorMetadata", "LoadSpec", "ReqMeta"]
+__all__ = ["KVPoolConnectorMetadata", "LoadOutcomes", "LoadSpec", "ReqMeta"]
 
 
 @dataclass
@@ -70,3 +73,25 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
 
     requests: list[ReqMeta] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class LoadOutcomes(KVConnectorWorkerMetadata):
+    """What the workers' loads really brought in (worker -> scheduler, once per step).
+
+    ``outcomes``: request id -> ``(accepted, loaded)`` tokens: what vLLM accepted from the
+    pool for the request and what the load wrote before its first failed chunk. vLLM merges
+    the workers' objects of one step with ``aggregate``; a request counts what every rank
+    loaded (the minimum), since a block failed on any rank is recomputed on all.
+    """
+
+    outcomes: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> LoadOutcomes:
+        """Merge another worker's outcomes of the same step (per request, the minimum)."""
+        assert isinstance(other, LoadOutcomes)
+        merged = dict(self.outcomes)
+        for rid, (accepted, loaded) in other.outcomes.items():
+            mine = merged.get(rid)
+            merged[rid] = (accepted, loaded if mine is None else min(mine[1], loaded))
+        return LoadOutcomes(merged)

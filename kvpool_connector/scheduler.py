@@ -7,9 +7,14 @@ Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1
    ``cache_salt`` mixed in as ``extra``); worker rank 0 is asked how many leading chunks the pool
    holds (``LookupClient``). The answer is truncated to whole chunks and never covers the last
    prompt token (vLLM must compute at least one token to produce logits). The result is kept as a
-   ``LoadSpec``.
+   ``LoadSpec`` and cached for the request until vLLM allocates it (``update_state_after_alloc``)
+   or its token count changes: a request waiting for free blocks is looked up once, not on
+   every scheduler step. A request with media (``mm_features``) skips the pool (its tokens do
+   not identify its KV); after ``lookup_breaker_failures`` failed lookups in a row, lookups are
+   skipped for ``lookup_breaker_open_ms`` (both counted as ``lookup_skipped`` with a reason).
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)``: vLLM allocated blocks;
-   the load is confirmed (``LoadSpec.can_load``) only if vLLM accepted ``num_external_tokens``.
+   the load is confirmed (``LoadSpec.can_load``) for the ``num_external_tokens`` vLLM accepted
+   (fewer than offered: the worker loads up to the cut, even inside a chunk).
 3. ``build_connector_meta(scheduler_output)``: one ``ReqMeta`` per request with work this step:
    its load (once) and the chunks whose prompt tokens are complete after this step (saves).
 4. ``request_finished(request, block_ids)``: returns ``True`` (vLLM keeps the blocks) when a
@@ -19,7 +24,9 @@ Contract with the worker (``KVPoolWorker.get_finished``): the worker reports a r
 ``finished_sending`` exactly when it is in (this or an earlier) ``finished_req_ids`` *and* some
 ``ReqMeta`` for it had a non-empty save range *and* all its saves are done. The worker reports
 an asynchronous load (``load_async``) in ``finished_recving`` once it completed or failed, with
-failed blocks in ``get_block_ids_with_load_errors``.
+failed blocks in ``get_block_ids_with_load_errors``. Every ended load's outcome (tokens accepted,
+tokens really loaded) comes back as ``LoadOutcomes`` (``loads_outcome``): the only place hit
+tokens are counted, once per load; what failed is counted apart as ``load_failed_tokens``.
 
 ``kv_role`` (vLLM Ascend semantics): ``kv_producer`` saves and never loads; ``kv_consumer``
 loads only with ``consumer_is_to_load`` and saves only with ``consumer_is_to_put``;
@@ -31,14 +38,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import chunk_hashes
 from kvpool_connector.lookup import LookupFailed
-from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -60,7 +67,14 @@ class PrefixLookup(Protocol):
 
 @dataclass
 class LookupCounters:
-    """Scheduler-side totals since start (tokens unless named otherwise)."""
+    """Scheduler-side totals since start (tokens unless named otherwise).
+
+    ``pool_hit_tokens`` and ``loaded_tokens`` count what loads really brought in, once per
+    load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load failed to
+    bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``: by
+    reason, ``MULTIMODAL`` or ``BREAKER_OPEN``); ``lookup_cached`` repeated asks answered from
+    the request's cached lookup.
+    """
 
     lookups: int = 0
     lookup_errors: int = 0
@@ -69,6 +83,10 @@ class LookupCounters:
     pool_hit_tokens: int = 0
     loaded_tokens: int = 0
     saves_scheduled_chunks: int = 0
+    load_failed_tokens: int = 0
+    lookup_skipped: int = 0
+    lookup_cached: int = 0
+    skip_reasons: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +105,51 @@ class _PendingLoad:
     spec: LoadSpec
     hashes: list[str]
     block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _CachedLookup:
+    """A request's last lookup: valid while its token count and local hit are unchanged (and
+    the pool's leases on the keys last)."""
+
+    num_tokens: int
+    local_tokens: int
+    answer: tuple[int, bool]
+    spec: LoadSpec | None
+
+
+class _Breaker:
+    """Skip lookups for ``open_ms`` after ``failures`` failed lookups in a row (0: never).
+
+    After the open period one lookup is tried: success closes the breaker, failure opens it
+    again for another ``open_ms``.
+    """
+
+    def __init__(self, failures: int, open_ms: int) -> None:
+        self.failures, self.open_ms = failures, open_ms
+        self.in_a_row = 0
+        self.open_until = 0.0
+
+    def is_open(self, now: float) -> bool:
+        return now < self.open_until
+
+    def failed(self, now: float) -> bool:
+        """Count a failure (``now``: monotonic seconds); True when it opens the breaker."""
+        self.in_a_row += 1
+        if self.failures and self.in_a_row >= self.failures:
+            self.open_until = now + self.open_ms / 1e3
+            self.in_a_row = 0
+            return True
+        return False
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+
+
+def _has_media(request: Request) -> bool:
+    """Whether the request carries media (vLLM's ``mm_features``): its placeholder tokens are
+    the same for every image, so they cannot key its KV (issue 11 item 3)."""
+    return bool(getattr(request, "mm_features", None))
 
 
 def request_extra(request: Request) -> bytes:
@@ -133,15 +196,31 @@ class KVPoolScheduler:
         self._loads_in_flight: set[str] = set()
         self._trackers: dict[str, _Tracker] = {}
         self._saving: set[str] = set()
+        self._lookup_cache: dict[str, _CachedLookup] = {}
+        self._breaker = _Breaker(config.lookup_breaker_failures, config.lookup_breaker_open_ms)
+        # Loads sent to the workers whose outcome has not come back: request id -> tokens
+        # accepted; for async loads, the least loaded by the workers that answered so far.
+        self._awaiting_outcome: dict[str, int] = {}
+        self._async_partial: dict[str, int] = {}
 
     def _hashes_for(self, request: Request) -> list[str]:
+        """The prompt's chunk hashes; none for a request with media, so it neither loads
+        nor saves (its token ids do not say which images they stand for)."""
         rid = request.request_id
         hashes = self._hashes.get(rid)
         if hashes is None:
-            hashes = chunk_hashes(request.prompt_token_ids or [], self.chunk_size,
-                                  request_extra(request))
+            hashes = [] if _has_media(request) else chunk_hashes(
+                request.prompt_token_ids or [], self.chunk_size, request_extra(request))
             self._hashes[rid] = hashes
         return hashes
+
+    def _skip(self, rid: str, prompt_len: int, local: int, reason: str) -> tuple[int, bool]:
+        """Count and report a lookup not made for ``reason``."""
+        c = self.counters
+        c.lookup_skipped += 1
+        c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
+        self.reporter.lookup(rid, prompt_len, local, 0, 0.0, skipped=reason)
+        return 0, False
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -167,6 +246,32 @@ class KVPoolScheduler:
         max_chunks = max(0, prompt_len - 1) // self.chunk_size
         if max_chunks * self.chunk_size <= num_computed_tokens:
             return 0, False
+        cached = self._lookup_cache.get(rid)
+        if (cached is not None and cached.num_tokens == request.num_tokens
+                and cached.local_tokens == num_computed_tokens
+                and (cached.spec is None or cached.spec.lease_expires_ms is None
+                     or cached.spec.lease_expires_ms > time.time() * 1e3)):
+            # The same request still waiting (e.g. for free blocks): same answer, no lookup.
+            self.counters.lookup_cached += 1
+            if cached.spec is not None:
+                self._load_specs[rid] = replace(cached.spec)
+            return cached.answer
+        answer = self._lookup(request, prompt_len, max_chunks, num_computed_tokens)
+        spec = self._load_specs.get(rid)
+        self._lookup_cache[rid] = _CachedLookup(request.num_tokens, num_computed_tokens, answer,
+                                                replace(spec) if spec is not None else None)
+        return answer
+
+    def _lookup(self, request: Request, prompt_len: int, max_chunks: int,
+                num_computed_tokens: int) -> tuple[int, bool]:
+        """One lookup (or a counted skip) for ``get_num_new_matched_tokens``."""
+        assert self.lookup_client is not None
+        rid = request.request_id
+        now = time.monotonic()
+        if _has_media(request):
+            return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
+        if self._breaker.is_open(now):
+            return self._skip(rid, prompt_len, num_computed_tokens, "BREAKER_OPEN")
         hashes = self._hashes_for(request)[:max_chunks]
         self.counters.lookups += 1
         self.counters.prompt_tokens += prompt_len
@@ -181,11 +286,17 @@ class KVPoolScheduler:
                          "running it without the pool", rid, exc.name, exc)
             self.reporter.lookup(rid, prompt_len, num_computed_tokens, 0, latency_ms,
                                  error=f"{exc.name}: {exc}")
+            if self._breaker.failed(time.monotonic()):
+                cfg = self.config
+                msg = (f"{cfg.lookup_breaker_failures} lookups failed in a row (last: "
+                       f"{exc.name}); lookups are skipped for {cfg.lookup_breaker_open_ms} ms")
+                logger.error("kvpool: %s", msg)
+                self.reporter.error("lookup", "LOOKUP_BREAKER_OPEN", msg, req_id=rid)
             return 0, False
+        self._breaker.succeeded()
         latency_ms = (time.perf_counter() - start) * 1e3
         pool_tokens = hit_chunks * self.chunk_size
         new_tokens = max(0, pool_tokens - num_computed_tokens)
-        self.counters.pool_hit_tokens += new_tokens
         self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, latency_ms)
         if new_tokens == 0:
             return 0, False
@@ -206,6 +317,8 @@ class KVPoolScheduler:
         ``MultiConnector`` chose another connector, or an async load's second call).
         """
         rid = request.request_id
+        # The request leaves its waiting period: a later ask (after a preemption) looks up.
+        self._lookup_cache.pop(rid, None)
         # Hash here, where the full Request (with cache_salt) is at hand, for saves too.
         hashes = self._hashes_for(request)
         spec = self._load_specs.pop(rid, None)
@@ -214,13 +327,14 @@ class KVPoolScheduler:
         if num_external_tokens == 0:
             return
         if num_external_tokens != spec.num_tokens_to_load:
-            # vLLM trimmed the hit (e.g. to keep a local sub-block tail): load what it kept.
-            spec.kvpool_cached_tokens = spec.vllm_cached_tokens + num_external_tokens
+            # vLLM trimmed the hit (e.g. to keep a local sub-block tail): load what it kept,
+            # even when the cut is inside a chunk (the planner writes up to the cut).
+            spec.kvpool_cached_tokens = spec.vllm_cached_tokens + min(
+                num_external_tokens, spec.num_tokens_to_load)
         spec.can_load = True
         block_ids = list(blocks.get_block_ids()[0])
         self._pending_loads[rid] = _PendingLoad(spec, hashes, block_ids)
-        self.counters.loaded_tokens += num_external_tokens
-        self.reporter.loaded(rid, num_external_tokens)
+        self._awaiting_outcome[rid] = spec.num_tokens_to_load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
         """This step's loads and saves for the workers (see the module docstring)."""
@@ -309,6 +423,37 @@ class KVPoolScheduler:
         """Workers reported these async loads ended (vLLM's ``finished_recving``)."""
         self._loads_in_flight.difference_update(req_ids)
 
+    def loads_outcome(self, outcomes: LoadOutcomes | None, finished_recving: Iterable[str]
+                      ) -> None:
+        """Count what each ended load really brought in, once (``LoadOutcomes`` from the
+        workers, merged by vLLM over the ranks of one step). Call before ``loads_finished``.
+
+        A synchronous or layer-wise load ends within its step, on every rank, so its outcome
+        is final when it arrives. An async load ends on each rank in its own step: the least
+        loaded so far is kept until vLLM reports the request in ``finished_recving`` (every
+        rank done). Reports ``Reporter.loaded(req_id, loaded, failed_tokens)``.
+        """
+        final: dict[str, int] = {}
+        for rid, (_accepted, loaded) in (outcomes.outcomes if outcomes else {}).items():
+            if rid not in self._awaiting_outcome:
+                continue
+            if rid in self._loads_in_flight:
+                prev = self._async_partial.get(rid)
+                self._async_partial[rid] = loaded if prev is None else min(prev, loaded)
+            else:
+                final[rid] = loaded
+        for rid in finished_recving:
+            if rid in self._async_partial:
+                final[rid] = self._async_partial.pop(rid)
+        c = self.counters
+        for rid, loaded in final.items():
+            accepted = self._awaiting_outcome.pop(rid)
+            loaded = min(loaded, accepted)
+            c.loaded_tokens += loaded
+            c.pool_hit_tokens += loaded
+            c.load_failed_tokens += accepted - loaded
+            self.reporter.loaded(rid, loaded, accepted - loaded)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         """Forget the request; ``(True, None)`` keeps its blocks until the worker reports its
         saves finished (``finished_sending``) or, for a request aborted while its async load
@@ -322,12 +467,16 @@ class KVPoolScheduler:
             self._forget(rid)
             return True, None
         self._forget(rid)
+        # No outcome will be counted for a load this request never ran.
+        self._awaiting_outcome.pop(rid, None)
+        self._async_partial.pop(rid, None)
         if rid in self._saving:
             self._saving.discard(rid)
             return True, None
         return False, None
 
     def _forget(self, rid: str) -> None:
+        self._lookup_cache.pop(rid, None)
         self._load_specs.pop(rid, None)
         self._hashes.pop(rid, None)
         self._pending_loads.pop(rid, None)

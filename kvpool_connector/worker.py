@@ -10,19 +10,22 @@ batch calls that move whole vLLM blocks by address (zero copy from/into the regi
 
 * saves run on a background thread after the device finished writing the blocks; a request
   whose save hit ``NO_AVAILABLE_HANDLE`` (pool full) skips its remaining saves, later requests
-  try again (``_transfers.SaveQueue``);
+  try again; saves past ``save_budget_bytes`` in flight are skipped, never queued
+  (``_transfers.SaveQueue``);
 * loads run inline before the forward pass, per layer on a background thread (layer-wise),
   or fully in the background with completion reported by ``get_finished`` (``load_async``)
   (``_transfers.LoadRunner``);
-* every block whose load failed or returned fewer bytes than its size is reported by
-  ``get_block_ids_with_load_errors`` so vLLM (``kv_load_failure_policy="recompute"``)
-  recomputes it; bytes of such a block are never trusted.
+* every block whose load failed, returned fewer bytes than its size or (with ``checksum``)
+  did not match its digest is reported by ``get_block_ids_with_load_errors`` so vLLM
+  (``kv_load_failure_policy="recompute"``) recomputes it; bytes of such a block are never
+  trusted. Each load's outcome (tokens accepted, tokens loaded) goes to the scheduler through
+  ``build_connector_worker_meta`` (``LoadOutcomes``), where hit tokens are counted once.
 
 Contract with the scheduler side: saves are asynchronous, so ``request_finished`` must delay
 freeing (return ``True``) for every request that had a save scheduled; the worker reports such a
 request in ``get_finished``'s ``finished_sending`` once it is in ``finished_req_ids`` and all its
-saves are done. Requests listed in ``metadata.preempted`` have their in-flight transfers waited
-for before the step's forward pass may reuse their blocks.
+saves are done. Requests listed in ``metadata.preempted`` have their queued saves dropped and
+their running transfers waited for before the step's forward pass may reuse their blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
+from kvpool_connector._checksum import CHECKSUM_NAME, DigestSlots
 from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._layout_digest import LayoutFacts, ModelFacts, describe_layout
@@ -47,10 +51,16 @@ from kvpool_connector._planning import (
     load_block_ids,
     lookup_layouts,
 )
-from kvpool_connector._transfers import LayerLoadTimeout, LoadRunner, SaveQueue, WorkerCounters
+from kvpool_connector._transfers import (
+    ChecksumBuffers,
+    LayerLoadTimeout,
+    LoadRunner,
+    SaveQueue,
+    WorkerCounters,
+)
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.keys import ParallelLayout, chunk_keys, normalize_model_name, shard_prefix
-from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, ReqMeta
 
 __all__ = ["KVPoolWorker", "LayerLoadTimeout", "WorkerCounters", "WorkerSettings"]
 
@@ -71,7 +81,14 @@ class WorkerSettings(Protocol):
     def load_async(self) -> bool: ...
     @property
     def layerwise_timeout_ms(self) -> int: ...
+    @property
+    def save_budget_bytes(self) -> int: ...  # bytes of saves in flight at most
+    @property
+    def checksum(self) -> bool: ...  # values carry an XXH3-64 digest, verified on load
 
+
+_DIGEST_SLOTS = 4096
+"""Keys per batch call with the integrity check on (larger batches are split)."""
 
 _SavePlan = tuple[ReqMeta, list[list[Transfer]]]
 """A request and, per chunk to save, its transfers."""
@@ -140,7 +157,8 @@ class KVPoolWorker:
             layerwise_timeout_ms=config.layerwise_timeout_ms,
         )
         self._saves = SaveQueue(backend, self.reporter, self.counters, self._lock,
-                                blocks_per_chunk=self.blocks_per_chunk)
+                                blocks_per_chunk=self.blocks_per_chunk,
+                                budget_bytes=config.save_budget_bytes)
         self._meta: KVPoolConnectorMetadata | None = None
         self._step_saves: list[_SavePlan] | None = None
         # Requests with a save scheduled, and those of them vLLM reported finished.
@@ -168,9 +186,14 @@ class KVPoolWorker:
             BackendError: the backend refused to register the memory.
         """
         kv = KVLayout.from_kv_caches(kv_caches, self._num_blocks_hint)
+        if self.config.checksum and kv.device.type != "cpu":
+            raise ValueError(
+                f"kv_connector_extra_config.checksum needs the KV caches in host memory, they "
+                f"are on {kv.device}: turn checksum off")
         facts = describe_layout(
             kv_caches, kv.num_blocks, model=self.model, facts=model_facts or ModelFacts(),
-            block_size=self.config.block_size, chunk_size=self.config.chunk_size, **self._sizes)
+            block_size=self.config.block_size, chunk_size=self.config.chunk_size,
+            checksum=CHECKSUM_NAME if self.config.checksum else "", **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)
@@ -179,6 +202,8 @@ class KVPoolWorker:
         # fetched whole, but those blocks may be shared with running requests.
         self._scratch = torch.empty(biggest, dtype=torch.uint8, device=kv.device)
         self.backend.register_buffer(self._scratch.data_ptr(), biggest)
+        if self.config.checksum:
+            self._enable_checksum(kv, self._scratch.data_ptr())
         self._device = device_sync_for(kv.device)
         self._planner = TransferPlanner(
             kv.layers, shard_prefix(self.model, digest, self.layout),
@@ -195,6 +220,21 @@ class KVPoolWorker:
             "%d memory spans (%s)", self.model, self.layout, digest, len(kv.layers),
             kv.num_blocks, kv.block_bytes, len(kv.spans), facts,
         )
+
+    def _enable_checksum(self, kv: KVLayout, scratch: int) -> None:
+        """Register the integrity check's host buffers (``_checksum``) and hand them to the
+        load and save threads."""
+        load_slots, save_slots = DigestSlots(_DIGEST_SLOTS), DigestSlots(_DIGEST_SLOTS)
+        staging_bytes = self.blocks_per_chunk * kv.block_bytes
+        staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._checksum_buffers = (load_slots, save_slots, staging)
+        for addr, size in ((load_slots.addr, load_slots.nbytes),
+                           (save_slots.addr, save_slots.nbytes),
+                           (staging.data_ptr(), staging_bytes)):
+            self.backend.register_buffer(addr, size)
+        self._loads.checksum = ChecksumBuffers(load_slots, staging.data_ptr(), staging_bytes,
+                                               scratch)
+        self._saves.checksum = save_slots
 
     @property
     def layout_digest(self) -> str:
@@ -264,12 +304,10 @@ class KVPoolWorker:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until layer ``layer_name``'s blocks of this step are loaded (layer-wise mode;
-        returns at once otherwise).
-
-        Raises:
-            LayerLoadTimeout: not loaded within ``layerwise_timeout_ms``; the step's blocks
-                are marked failed first, and later layers of the step do not wait again.
-        """
+        returns at once otherwise), at most ``layerwise_timeout_ms``. A timeout never raises:
+        the step's load blocks are reported by ``get_block_ids_with_load_errors`` (vLLM
+        recomputes them) and the late loader is waited for before the next step's forward
+        pass (``LoadRunner.wait_for_layer``)."""
         self._loads.wait_for_layer(layer_name)
 
     # ------------------------------------------------------------------ saves
@@ -350,6 +388,12 @@ class KVPoolWorker:
         recving = self._loads.take_finished()
         return (sending or None), (recving or None)
 
+    def build_connector_worker_meta(self) -> LoadOutcomes | None:
+        """This step's load outcomes for the scheduler (``LoadOutcomes``); ``None`` when no
+        load ended since the last call."""
+        outcomes = self._loads.take_outcomes()
+        return LoadOutcomes(outcomes) if outcomes else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed or was partial since the last call (then cleared)."""
         return self._loads.take_failed_blocks()
@@ -359,21 +403,24 @@ class KVPoolWorker:
             return
         blocks = load_block_ids(req, self.config.block_size)
         self._loads.fail_blocks(blocks)
+        self._loads.record_outcome(req.req_id, req.load.num_tokens_to_load, 0)
         logger.error("kvpool load of request %s not possible: %s", req.req_id, why)
         self.reporter.transfer_finished(req.req_id, "load", ok=False, error_name="BAD_METADATA",
                                         failed_blocks=len(blocks), after_hit=True)
 
     def handle_preemptions(self, preempted: set[str]) -> None:
-        """vLLM's ``handle_preemptions`` hook (runs before the step zeroes or reuses freed
-        blocks): wait for transfers touching blocks of the ``preempted`` requests."""
+        """vLLM's ``handle_preemptions`` hook (runs every step before the step zeroes or reuses
+        freed blocks): wait for a timed-out layer-wise loader of the previous step and for
+        transfers touching blocks of the ``preempted`` requests."""
+        self._loads.settle_stale()
         if preempted:
             self._settle_preempted(preempted)
 
     def _settle_preempted(self, preempted: set[str]) -> None:
         """Wait for transfers touching blocks of preempted requests: vLLM may hand those
         blocks to other requests in this very step."""
-        saves = self._saves.futures() if self._saves.pending(preempted) else []
-        for f in [*saves, *self._loads.futures_of(preempted)]:
+        self._saves.settle(preempted)
+        for f in self._loads.futures_of(preempted):
             f.result()
 
     def drain_saves(self, timeout_s: float | None = None) -> bool:

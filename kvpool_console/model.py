@@ -82,7 +82,7 @@ class EngineRow(msgspec.Struct, kw_only=True):
     Request-level accounting (the README's "Pool hit rate"): of ``lookup_tokens`` prompt
     tokens, ``local_tokens`` came from vLLM's own prefix cache (``local_hit_rate`` =
     local / prompt), ``loaded_tokens`` from the pool and ``recomputed_tokens`` = prompt - local
-    - loaded were computed by vLLM; ``hit_tokens`` are those the pool held beyond the local hit.
+    - loaded were computed by vLLM (failed loads included); ``hit_tokens`` = loaded tokens.
 
     ``ranks`` names the 0-based ranks its workers hold (``dp0 tp0-3 pp0``); ``failed`` is
     ``"NAME: message"`` when the engine reported a start failure (state FAILED) and

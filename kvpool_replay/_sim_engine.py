@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kvpool_connector.keys import chunk_hashes
-from kvpool_replay._spec import EngineResult, EngineSpec
+from kvpool_replay._spec import REPLAY_LOOKUP_TIMEOUT_MS, EngineResult, EngineSpec
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceRequest
 
@@ -103,6 +103,7 @@ def _vllm_config(spec: EngineSpec) -> Any:
         "load_async": spec.load_async,
         "use_layerwise": spec.use_layerwise,
         "consumer_is_to_load": True,
+        "lookup_timeout_ms": REPLAY_LOOKUP_TIMEOUT_MS,
         **spec.extra_config,
     }
     if spec.agent_address:
@@ -237,7 +238,8 @@ class SimEngine:
 
         self.scheduler.update_connector_output(
             KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                              invalid_block_ids=set(self._load_errors))
+                              invalid_block_ids=set(self._load_errors),
+                              kv_connector_worker_meta=self.worker.build_connector_worker_meta())
         )
         self._recving |= recving
         for rid in sending:

@@ -16,11 +16,18 @@ from kvpool_agent.vocabulary import KVRole
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
 
 __all__ = [
-    "DTYPE_BYTES", "EngineResult", "EngineSpec", "ModelShape", "read_spec", "write_result",
+    "DTYPE_BYTES", "REPLAY_LOOKUP_TIMEOUT_MS", "EngineResult", "EngineSpec", "ModelShape",
+    "read_spec", "write_result",
 ]
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 """Bytes per element of the KV dtypes the engines support (torch's ``element_size()``)."""
+
+REPLAY_LOOKUP_TIMEOUT_MS = 5_000
+"""``lookup_timeout_ms`` of replay and demo engines (an ``extra_config`` entry overrides it).
+A replay measures hit rates against an exact ceiling, and several engines, the master and the
+store share a few cores: the connector's 50 ms default (sized to protect a production scheduler
+thread) would turn lookups slowed by the machine into misses and open the lookup breaker."""
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):

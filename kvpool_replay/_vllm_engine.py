@@ -19,7 +19,13 @@ import time
 from typing import Any
 
 from kvpool_replay._engine_proc import run_engine_spec
-from kvpool_replay._spec import EngineResult, EngineSpec, read_spec, write_result
+from kvpool_replay._spec import (
+    REPLAY_LOOKUP_TIMEOUT_MS,
+    EngineResult,
+    EngineSpec,
+    read_spec,
+    write_result,
+)
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceRequest
@@ -47,7 +53,8 @@ class VllmEngine:
         self.vocab = VOCAB_SIZE
         extra: dict[str, Any] = {
             "chunk_size": spec.chunk_size, "lookup_rpc_port": spec.lookup_rpc_port,
-            "engine_id": spec.engine_id, "consumer_is_to_load": True, **spec.extra_config,
+            "engine_id": spec.engine_id, "consumer_is_to_load": True,
+            "lookup_timeout_ms": REPLAY_LOOKUP_TIMEOUT_MS, **spec.extra_config,
         }
         if spec.agent_address:
             extra["agent_address"] = spec.agent_address

@@ -61,6 +61,7 @@ def test_late_and_concurrent_consoles_get_the_full_state_within_a_second(
     try:
         for i, h in enumerate(handles):
             h.reporter.lookup(f"r{i}", 1000, 0, 100 * (i + 1), 1.0)
+            h.reporter.loaded(f"r{i}", 100 * (i + 1))
         time.sleep(0.5)  # the agents have reported before any console exists
         for _ in range(2):  # a console that starts, quits and starts again
             with FleetClient(hub_address) as a, FleetClient(hub_address) as b:
@@ -79,6 +80,7 @@ def test_late_and_concurrent_consoles_get_the_full_state_within_a_second(
 def test_silent_agents_stay_listed_with_their_last_state(hub: FleetHub, hub_address: str) -> None:
     h = start_agent(make_source("eng-quiet"), address=hub_address)
     h.reporter.lookup("r", 512, 0, 256, 1.0)
+    h.reporter.loaded("r", 256)
     aid = h.source.agent_id
     with FleetClient(hub_address) as c:
         c.wait_for(1, 3)
@@ -300,6 +302,7 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
         assert h.counters["bad_messages"] == n
         # Still alive: it answers a real command and keeps reporting its real state.
         h.reporter.lookup("after-fuzz", 100, 0, 50, 1.0)
+        h.reporter.loaded("after-fuzz", 50)
         req = CommandRequest(v=PROTOCOL_VERSION, seq=2, request_id="ok?", command="snapshot")
         router.send_multipart([rid, encode(req)])
         deadline = time.monotonic() + 5
@@ -332,6 +335,7 @@ def test_hub_restart_agents_and_console_reconnect(hub_address: str) -> None:
     h = start_agent(make_source("eng-restart"), address=hub_address)
     try:
         h.reporter.lookup("r", 1000, 0, 400, 1.0)
+        h.reporter.loaded("r", 400)
         with FleetHub(hub_address, snapshot_interval_s=30.0) as first:
             with FleetClient(hub_address) as c:
                 assert h.source.agent_id in c.wait_for(1, 3)
@@ -340,6 +344,7 @@ def test_hub_restart_agents_and_console_reconnect(hub_address: str) -> None:
         # gets a snapshot at reconnect (its periodic snapshots are 30 s away).
         time.sleep(0.5)
         h.reporter.lookup("r2", 1000, 0, 600, 1.0)
+        h.reporter.loaded("r2", 600)
         with FleetHub(hub_address, snapshot_interval_s=30.0) as second, FleetClient(
             hub_address
         ) as c:

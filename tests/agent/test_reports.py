@@ -96,14 +96,18 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
             "req-gone", "load", ok=False, nbytes=0, error_name=error_name(code),
             failed_blocks=1, after_hit=True,
         )
+        rep.loaded("req-gone", 0, CHUNK)  # the scheduler's count: nothing of it loaded
         # A lookup the store could not answer.
         rep.lookup("req-err", 512, 0, 0, 2.0, error="RPC_FAIL: master unreachable")
+        # Lookups not made: counted apart, by reason, never as lookups or prompt tokens.
+        rep.lookup("req-mm", 300, 0, 0, 0.0, skipped="MULTIMODAL")
+        rep.lookup("req-open", 300, 0, 0, 0.0, skipped="BREAKER_OPEN")
 
         with FleetClient(hub_address) as client:
             st = _wait_state(
                 client,
                 src.agent_id,
-                lambda s: s.lookup.lookups == 3
+                lambda s: s.lookup.lookups == 3 and s.lookup.lookup_skipped == 2
                 and s.transfers.loads_failed == 1
                 and s.pool is not None
                 and s.pool.keys >= 4,
@@ -111,11 +115,14 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         lk = st.lookup
         assert lk.prompt_tokens == len(prompt) + 2 * CHUNK
         assert lk.local_tokens == CHUNK
-        assert lk.pool_hit_tokens == 4 * CHUNK + CHUNK
-        assert lk.loaded_tokens == 4 * CHUNK
-        assert abs(lk.hit_rate - 5 * CHUNK / (len(prompt) + 2 * CHUNK)) < 1e-9
+        # A hit is what was loaded; the failed load's tokens are counted apart.
+        assert lk.pool_hit_tokens == lk.loaded_tokens == 4 * CHUNK
+        assert lk.load_failed_tokens == CHUNK
+        assert abs(lk.hit_rate - 4 * CHUNK / (len(prompt) + 2 * CHUNK)) < 1e-9
         assert abs(lk.hit_rate_1m - lk.hit_rate) < 1e-9
         assert lk.lookup_errors == 1
+        assert lk.lookup_skipped == 2
+        assert lk.skipped_by_reason == {"MULTIMODAL": 1, "BREAKER_OPEN": 1}
         assert 0 < lk.latency_ms_p50 <= lk.latency_ms_p99
         tr = st.transfers
         assert (tr.saves_finished, tr.saved_bytes) == (1, 4 * BLOCK)
@@ -212,6 +219,8 @@ def test_kvpool_worker_saves_and_loads_are_reported(
         use_layerwise = False
         load_async = False
         layerwise_timeout_ms = 2_000
+        save_budget_bytes = 64 << 20
+        checksum = False
 
     def caches() -> dict[str, torch.Tensor]:
         # vLLM's CPU layout: (num_blocks, kv_heads, block_size, 2 * head_size), 2 layers.
@@ -262,6 +271,11 @@ def test_kvpool_worker_saves_and_loads_are_reported(
             req_id="l2", block_ids=[8, 9, 10, 11], chunk_hashes=gone,
             load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=64, can_load=True))]))
         assert loader.get_block_ids_with_load_errors() == {8, 9, 10, 11}
+        # The workers' outcomes go to the scheduler, which reports each load once.
+        outcomes = loader.build_connector_worker_meta()
+        assert outcomes is not None and outcomes.outcomes == {"l1": (64, 64), "l2": (64, 0)}
+        for rid, (accepted, got) in outcomes.outcomes.items():
+            agents["eng-load"].reporter.loaded(rid, got, accepted - got)
 
         block_bytes = 2 * 2 * 16 * 16 * 4  # both layers of one block
         with FleetClient(hub_address) as client:
@@ -276,6 +290,7 @@ def test_kvpool_worker_saves_and_loads_are_reported(
         assert tr.errors_by_name == {"OBJECT_NOT_FOUND": 1}
         assert tr.loaded_bytes >= 4 * block_bytes
         assert loaded.lookup.loaded_tokens == 64 and loaded.lookup.hit_rate == 64 / 69
+        assert loaded.lookup.load_failed_tokens == 64
         (err,) = [e for e in loaded.recent_errors if e.req_id == "l2"]
         assert err.name == "OBJECT_NOT_FOUND" and "after a positive lookup" in err.message
         # Each worker reported the layout digest of its keys and what it hashes: one layout.

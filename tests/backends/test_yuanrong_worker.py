@@ -32,6 +32,8 @@ class Settings:
     use_layerwise: bool = False
     load_async: bool = False
     layerwise_timeout_ms: int = 5_000
+    save_budget_bytes: int = 64 << 20
+    checksum: bool = False
 
 
 def backend_for(worker: LocalYuanrongWorker, **extra: object) -> YuanrongBackend:

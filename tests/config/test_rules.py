@@ -208,11 +208,19 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "engine_id": "e",
         "lease_ttl_ms": 5000,
         "agent_keys": "/etc/kvpool/agent",
+        "lookup_breaker_failures": 2,
+        "lookup_breaker_open_ms": 1000,
+        "save_budget": "64MB",
+        "checksum": True,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
     assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
     assert cfg.agent_keys == "/etc/kvpool/agent"
+    assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
+    with pytest.raises(ValueError, match="save_budget: '1GiB' is not a size"):
+        KVPoolConfig.from_dicts({"save_budget": "1GiB"}, kv_role="kv_both", block_size=16,
+                                model="m")
     with pytest.raises(ValueError, match="lookup_rpc_prot: unknown field; did you mean"):
         KVPoolConfig.from_dicts({"lookup_rpc_prot": 1}, kv_role="kv_both", block_size=16, model="m")
 

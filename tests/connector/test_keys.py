@@ -115,3 +115,16 @@ def test_probe_keys_are_fresh_and_outside_every_kv_scope() -> None:
     assert probe_key().startswith("kvpool-probe@") and probe_key().count("@") == 1
     for pattern in (ALL_KEYS_PATTERN, model_pattern("engine-1")):
         assert re.search(pattern, a) is None
+
+
+def test_chunk_hashes_are_pinned_chained_and_salted() -> None:
+    """Scheme 2 (chained XXH3-128): the same hashes in every process and release; a change
+    here changes every key, so it must come with a ``LAYOUT_SCHEME`` bump."""
+    assert chunk_hashes(list(range(32)), 16) == [
+        "5804cf1095b59e19799b8004d0b4f230", "62cc1985df5d4ef6ed93c9288bb13e0c"]
+    assert chunk_hashes(list(range(32)), 16, b"salt=x") == [
+        "399a6faa58949f21989983c8a1de3771", "ed440d4aeff172ea68aeccb8f8295b28"]
+    # Chained: the second chunk's hash depends on the first chunk's tokens; a partial chunk
+    # gets none.
+    assert chunk_hashes([99, *range(1, 32)], 16)[1] != chunk_hashes(list(range(32)), 16)[1]
+    assert len(chunk_hashes(list(range(47)), 16)) == 2

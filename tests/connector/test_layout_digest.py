@@ -47,7 +47,7 @@ def _facts(**change: Any) -> LayoutFacts:
 
 DIGEST = _facts().digest
 
-GOLDEN = "078a53010d28"
+GOLDEN = "85d8e85f1989"
 """``_facts().digest`` as computed once; the same on every host and interpreter. A change means
 every engine's keys change: bump ``LAYOUT_SCHEME`` on purpose, then update this value."""
 
@@ -115,7 +115,7 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
         "dtype": "bfloat16", "kv_cache_dtype": "auto", "attn_backend": "CPU_ATTN",
         "kv_heads": 4, "head_size": 64, "layers": 2,
         "cache": "2x bfloat16(B,4,32,128)/(*,4096,128,1)", "block_size": 32, "chunk_size": 64,
-        "tp": 1, "pcp": 1, "dcp": 1, "pp": 1,
+        "tp": 1, "pcp": 1, "dcp": 1, "pp": 1, "checksum": "",
     }
     # Layers of other layouts keep their order; tuples (separate K/V) join with " + ".
     k = torch.empty(NUM_BLOCKS, 16, 2, 8, dtype=torch.float16, device="meta")
@@ -123,6 +123,11 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
                             facts=ModelFacts(), block_size=16, chunk_size=16)
     sig = "float16(B,16,2,8)/(*,16,8,1)"
     assert mixed.cache == f"2x {sig} + {sig} | 1x {sig}"
+    # Values that carry a digest are another layout.
+    checked = describe_layout({"a": (k, k), "b": (k, k), "c": k}, NUM_BLOCKS, model="m",
+                              facts=ModelFacts(), block_size=16, chunk_size=16,
+                              checksum="xxh3-64")
+    assert checked.as_dict()["checksum"] == "xxh3-64" and checked.digest != mixed.digest
     assert mixed.layers == 3
     # The agent carries them unchanged (Source.layout).
     src = Source(agent_id="e/dp0.tp0.pp0", engine_id="e", instance_role="mixed",

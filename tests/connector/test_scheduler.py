@@ -12,17 +12,18 @@ from typing import Any
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
-from kvpool_agent.reporter import Loaded, Lookup, Reporter
+from kvpool_agent.reporter import Loaded, Lookup, ReportedError, Reporter
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
 from kvpool_connector.lookup import LookupClient, LookupServer
-from kvpool_connector.metadata import KVPoolConnectorMetadata
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes
 from kvpool_connector.scheduler import KVPoolScheduler, request_extra
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
@@ -139,7 +140,8 @@ def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine
         ("r4", 64, 0, 48, None),
     ]
     assert all(e.latency_ms > 0 for e in events)
-    assert engine.sched.counters.lookups == 4 and engine.sched.counters.pool_hit_tokens == 128
+    # An offer is not a hit: nothing was loaded yet.
+    assert engine.sched.counters.lookups == 4 and engine.sched.counters.pool_hit_tokens == 0
 
 
 def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
@@ -149,8 +151,8 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     assert engine.sched.get_num_new_matched_tokens(req, 0) == (32, False)
     blocks = list(range(10, 17))
     engine.sched.update_state_after_alloc(req, _blocks(blocks), 32)
-    loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
-    assert [(e.req_id, e.tokens) for e in loaded] == [("a", 32)]
+    # Accepting is not loading: the hit is counted when the workers' outcome comes back.
+    assert not [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
 
     # Step 1: vLLM computes tokens 32..64 (chunked prefill, budget 32).
     new = NewRequestData.from_request(req, (blocks[:4],))
@@ -165,6 +167,14 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     assert m.load.lease_expires_ms is None  # lease_ttl_ms not configured
     # Chunks 0-1 came from the pool; 2-3 are complete after this step and get saved.
     assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (2, 4, False)
+    # The step's output carries the workers' outcome (merged by vLLM: the least per request).
+    outcome = LoadOutcomes({"a": (32, 32)}).aggregate(LoadOutcomes({"a": (32, 16)}))
+    engine.sched.loads_outcome(outcome, ())
+    engine.sched.loads_outcome(outcome, ())  # never counted twice
+    loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
+    assert [(e.req_id, e.tokens, e.failed_tokens) for e in loaded] == [("a", 16, 16)]
+    c = engine.sched.counters
+    assert (c.pool_hit_tokens, c.loaded_tokens, c.load_failed_tokens) == (16, 16, 16)
 
     # Step 2: the rest of the prompt; the load is not repeated.
     meta = engine.sched.build_connector_meta(_output([], {"a": 36}, _cached("a", blocks[4:], 64)))
@@ -239,9 +249,15 @@ def test_async_load_is_sent_before_the_request_runs(backend: MooncakeBackend) ->
         (m,) = e.sched.build_connector_meta(_output([], {})).requests
         assert m.req_id == "x" and m.block_ids == [5, 6, 7] and m.load is not None
         assert m.save_to_chunk == m.save_from_chunk
+        # Each worker's outcome comes in its own step; the load counts once every rank is
+        # done (finished_recving), with what the least successful rank loaded.
+        e.sched.loads_outcome(LoadOutcomes({"x": (48, 48)}), ())
+        assert e.sched.counters.loaded_tokens == 0
+        e.sched.loads_outcome(LoadOutcomes({"x": (48, 32)}), {"x"})
         # The worker's finished_recving reaches the scheduler (update_connector_output); vLLM's
         # second call after the load completed carries 0 external tokens.
         e.sched.loads_finished({"x"})
+        assert (e.sched.counters.loaded_tokens, e.sched.counters.load_failed_tokens) == (32, 16)
         e.sched.update_state_after_alloc(req, _blocks([5, 6, 7, 8]), 0)
         new = NewRequestData.from_request(req, ([5, 6, 7, 8],))
         new.num_computed_tokens = 48
@@ -350,3 +366,105 @@ def test_preempted_request_resumes_with_new_blocks(engine: Engine) -> None:
     (m,) = engine.sched.build_connector_meta(_output([], {"p": 48}, resumed)).requests
     assert m.block_ids == [7, 8, 9, 10, 11]
     assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (2, 5, True)
+
+
+def test_waiting_request_is_looked_up_once(engine: Engine) -> None:
+    """vLLM asks again on every step while a request waits for free blocks: one lookup."""
+    prompt = _prompt(70, 12)
+    engine.store(prompt, 3)
+    req = _request("w", prompt)
+    for _ in range(5):
+        assert engine.sched.get_num_new_matched_tokens(req, 0) == (48, False)
+    c = engine.sched.counters
+    assert (c.lookups, c.lookup_cached, c.prompt_tokens) == (1, 4, 70)
+    assert len([e for e in engine.reporter.drain() if isinstance(e, Lookup)]) == 1
+    # A different local hit is a new question.
+    assert engine.sched.get_num_new_matched_tokens(req, 16) == (32, False)
+    assert c.lookups == 2
+    # Allocated: the waiting period is over, the cached answer still loads what it said...
+    engine.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3, 4]), 32)
+    new = NewRequestData.from_request(req, ([0, 1, 2, 3, 4],))
+    new.num_computed_tokens = 48
+    (m,) = engine.sched.build_connector_meta(_output([new], {"w": 22})).requests
+    assert m.load is not None and (m.load.vllm_cached_tokens, m.load.kvpool_cached_tokens) == (
+        16, 48)
+    # ...and a later ask (after a preemption) looks up again.
+    assert engine.sched.get_num_new_matched_tokens(req, 16) == (32, False)
+    assert c.lookups == 3
+
+
+def test_breaker_skips_lookups_after_repeated_failures(
+    fresh_mooncake_master: LocalMooncakeMaster,
+) -> None:
+    b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+        "master_server_address": fresh_mooncake_master.address, "global_segment_size": "16MB",
+        "local_buffer_size": "4MB"}}))
+    e = Engine(b, 7207, lookup_breaker_failures=2, lookup_breaker_open_ms=300)
+    try:
+        prompt = _prompt(40, 13)
+        e.store(prompt, 2)
+        fresh_mooncake_master.kill()
+        for i in range(2):
+            assert e.sched.get_num_new_matched_tokens(_request(f"f{i}", prompt), 0) == (0, False)
+        # A query may time out on the client before the dying store answers the server (a
+        # Mooncake client retries a dead master for seconds per call).
+        deadline = time.monotonic() + 60
+        while e.server.errors < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert e.server.errors == 2
+        # Open: the pool is not asked, the skip is counted with its reason.
+        for i in range(3):
+            assert e.sched.get_num_new_matched_tokens(_request(f"s{i}", prompt), 0) == (0, False)
+        c = e.sched.counters
+        assert (e.server.errors, c.lookup_errors, c.lookup_skipped) == (2, 2, 3)
+        assert c.skip_reasons == {"BREAKER_OPEN": 3}
+        events = e.reporter.drain()
+        assert [ev.skipped for ev in events if isinstance(ev, Lookup)] == [
+            None, None, "BREAKER_OPEN", "BREAKER_OPEN", "BREAKER_OPEN"]
+        (err,) = [ev for ev in events if isinstance(ev, ReportedError)]
+        assert err.name == "LOOKUP_BREAKER_OPEN" and "300 ms" in err.message
+        # After the open period one lookup is tried again (and fails: open again).
+        time.sleep(0.4)
+        assert e.sched.get_num_new_matched_tokens(_request("t", prompt), 0) == (0, False)
+        assert (c.lookups, c.lookup_errors, c.lookup_skipped) == (3, 3, 3)
+    finally:
+        e.close()
+        b.close()
+
+
+def test_multimodal_request_skips_the_pool(engine: Engine) -> None:
+    """Placeholder tokens are the same for every image: a request with media neither loads
+    another request's KV nor saves its own under its tokens' keys."""
+    prompt = _prompt(70, 14)
+    engine.store(prompt, 3)
+    image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",
+                                  mm_position=PlaceholderRange(offset=4, length=20),
+                                  mm_hash="img-1")
+    req = _request("mm", prompt, mm_features=[image])
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    c = engine.sched.counters
+    assert (c.lookups, c.lookup_skipped, c.skip_reasons) == (0, 1, {"MULTIMODAL": 1})
+    (ev,) = [e for e in engine.reporter.drain() if isinstance(e, Lookup)]
+    assert ev.skipped == "MULTIMODAL"
+    engine.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3, 4]), 0)
+    new = NewRequestData.from_request(req, ([0, 1, 2, 3, 4],))
+    assert engine.sched.build_connector_meta(_output([new], {"mm": 70})).requests == []
+    assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
+
+
+def test_trimmed_hit_is_loaded_up_to_the_cut(backend: MooncakeBackend) -> None:
+    e = Engine(backend, 7208, chunk_size=2 * BLOCK)
+    try:
+        prompt = _prompt(100, 15)
+        e.store(prompt, 3)
+        req = _request("t", prompt)
+        assert e.sched.get_num_new_matched_tokens(req, 0) == (96, False)
+        # vLLM keeps 80 of the 96 tokens: the cut is inside chunk 2.
+        e.sched.update_state_after_alloc(req, _blocks(list(range(7))), 80)
+        new = NewRequestData.from_request(req, (list(range(7)),))
+        new.num_computed_tokens = 80
+        (m,) = e.sched.build_connector_meta(_output([new], {"t": 20})).requests
+        assert m.load is not None
+        assert (m.load.vllm_cached_tokens, m.load.kvpool_cached_tokens) == (0, 80)
+    finally:
+        e.close()

@@ -17,7 +17,7 @@ from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.worker import KVPoolWorker, LayerLoadTimeout
+from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
 
 BLOCK = 16
@@ -32,6 +32,8 @@ class Settings:
     use_layerwise: bool = False
     load_async: bool = False
     layerwise_timeout_ms: int = 2_000
+    save_budget_bytes: int = 64 << 20
+    checksum: bool = False
 
 
 KVCaches = dict[str, torch.Tensor | tuple[torch.Tensor, ...]]
@@ -176,7 +178,11 @@ def test_round_trip_bit_exact(kind: str, layerwise: bool,
     untouched = block_bytes(dst, 2)
     assert all(set(x) == {0} for x in untouched)
     events = rep_b.drain()
-    assert ("req-b", 96) in [(e.req_id, e.tokens) for e in events if isinstance(e, Loaded)]
+    # The worker does not count hit tokens (the scheduler does, once): it hands the outcome on.
+    assert not [e for e in events if isinstance(e, Loaded)]
+    outcomes = b.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.outcomes == {"req-b": (96, 96)}
+    assert b.build_connector_worker_meta() is None
     fin = [e for e in events if isinstance(e, TransferFinished)]
     assert fin and fin[-1].ok is True and fin[-1].nbytes == 6 * b.kv.block_bytes  # type: ignore[union-attr]
     a.shutdown()
@@ -359,30 +365,86 @@ def test_master_killed_turns_loads_into_load_errors(
         backend.close()
 
 
-def test_layerwise_timeout_raises_and_fails_blocks(
+class SlowStore:
+    """The real backend, with one batch method held until ``gate`` opens (a pool made slow on
+    purpose); ``entered`` is set once a call is waiting at the gate."""
+
+    def __init__(self, backend: MooncakeBackend, method: str = "batch_get_into") -> None:
+        self._backend, self._method = backend, method
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._backend, name)
+        if name != self._method:
+            return attr
+
+        def held(*args: object) -> object:
+            self.entered.set()
+            self.gate.wait()
+            return attr(*args)
+        return held
+
+
+def test_layerwise_timeout_recomputes_and_the_late_loader_is_waited_for(
         engines: tuple[MooncakeBackend, ...]) -> None:
     model = uniq("lwtimeout")
-    src = cpu_layout()
+    src, dst = cpu_layout(), cpu_layout()
     fill_random(src, 13)
     hashes = chunk_hashes(tokens(64, 14), 32)
     save_request(make_worker(engines[0], src, model, use_layerwise=True), "a",
                  [0, 1, 2, 3], hashes)
     rep = Reporter()
-    b = make_worker(engines[1], cpu_layout(), model, reporter=rep, use_layerwise=True,
-                    layerwise_timeout_ms=200)
-    gate = threading.Event()
-    b._loads.executor.submit(gate.wait)  # the load thread is stuck behind another job
+    slow = SlowStore(engines[1])
+    b = make_worker(slow, dst, model, reporter=rep,  # type: ignore[arg-type]
+                    use_layerwise=True, layerwise_timeout_ms=200)
     b.start_load_kv(load_meta("b", [4, 5, 6, 7], hashes, pool_tokens=64))
-    t0 = time.monotonic()
-    with pytest.raises(LayerLoadTimeout, match="layerwise_timeout_ms=200"):
-        b.wait_for_layer_load("layers.0")
-    assert time.monotonic() - t0 < 2
-    assert b.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    assert slow.entered.wait(10)
+    # No exception into the forward pass: the step's load blocks are reported, recomputed.
+    b.wait_for_layer_load("layers.0")
     b.wait_for_layer_load("layers.1")  # the step is already failed: no second wait
-    gate.set()
+    assert b.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    outcomes = b.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.outcomes == {"b": (64, 0)}
+    assert b.counters.layer_timeouts == 1 and b.counters.load_failed_tokens == 64
     fin = [e for e in rep.drain() if isinstance(e, TransferFinished)]
-    assert fin[0].timed_out is True and fin[0].error_name == "TIMEOUT"
+    assert len(fin) == 1 and fin[0].timed_out is True and fin[0].error_name == "TIMEOUT"
+    # The next step (vLLM calls handle_preemptions first, every step) does not run its
+    # forward pass while the late loader may still write into those blocks.
+    next_step = threading.Thread(target=b.handle_preemptions, args=(set(),))
+    next_step.start()
+    next_step.join(0.5)
+    assert next_step.is_alive()
+    slow.gate.set()
+    next_step.join(10)
+    assert not next_step.is_alive()
+    # The late loader finished its layer and stopped: layer 1 was never written.
+    for s_blk, d_blk in zip([0, 1, 2, 3], [4, 5, 6, 7], strict=True):
+        assert block_bytes(src, s_blk)[0] == block_bytes(dst, d_blk)[0]
+        assert set(block_bytes(dst, d_blk)[1]) == {0}
+    assert b.get_block_ids_with_load_errors() == set()
+    assert b.build_connector_worker_meta() is None  # the step was reported once
     b.shutdown()
+
+
+@pytest.mark.parametrize("given_blocks", [5, 6])
+def test_trimmed_hit_loads_up_to_the_cut(given_blocks: int,
+                                         engines: tuple[MooncakeBackend, ...]) -> None:
+    """vLLM accepted 80 of the 96 tokens offered (3 chunks of 32): the cut is inside chunk 2.
+    Blocks up to the cut are written from the pool; the block after it is not touched."""
+    model = uniq("trim")
+    src, dst = cpu_layout(), cpu_layout()
+    fill_random(src, 21)
+    hashes = chunk_hashes(tokens(100, 22), 32)
+    save_request(make_worker(engines[0], src, model), "a", [0, 1, 2, 3, 4, 5], hashes)
+    b = make_worker(engines[1], dst, model)
+    blocks = [10, 11, 12, 13, 14, 15][:given_blocks]
+    b.start_load_kv(load_meta("b", blocks, hashes, pool_tokens=80))
+    assert b.get_block_ids_with_load_errors() == set()
+    for s_blk, d_blk in zip([0, 1, 2, 3, 4], blocks[:5], strict=True):
+        assert block_bytes(src, s_blk) == block_bytes(dst, d_blk)
+    assert all(set(x) == {0} for x in block_bytes(dst, 15))
+    outcomes = b.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.outcomes == {"b": (80, 80)}
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -411,33 +473,78 @@ def test_async_load_completes_through_get_finished(
     b.shutdown()
 
 
-def test_finished_sending_waits_for_saves_and_preemption_waits(
+def save_meta(req_id: str, blocks: list[int], hashes: list[str]) -> KVPoolConnectorMetadata:
+    return KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id=req_id, block_ids=blocks, chunk_hashes=hashes, save_to_chunk=len(hashes),
+        is_last_save=True)])
+
+
+def test_finished_sending_waits_for_saves_and_preemption_waits_for_its_own(
         engines: tuple[MooncakeBackend, ...]) -> None:
     model = uniq("finish")
     kv = cpu_layout()
     fill_random(kv, 18)
-    w = make_worker(engines[0], kv, model)
-    hashes = chunk_hashes(tokens(64, 19), 32)
-    gate = threading.Event()
-    w._saves.executor.submit(gate.wait)  # hold the save thread: the save below stays in flight
-    meta = KVPoolConnectorMetadata(requests=[ReqMeta(
-        req_id="r", block_ids=[0, 1, 2, 3], chunk_hashes=hashes, save_to_chunk=2,
-        is_last_save=True)])
-    w.start_load_kv(meta)
-    w.wait_for_save(meta)
+    rep = Reporter()
+    slow = SlowStore(engines[0], "batch_put_from")
+    w = make_worker(slow, kv, model, reporter=rep)  # type: ignore[arg-type]
+    h_r, h_q = chunk_hashes(tokens(64, 19), 32), chunk_hashes(tokens(64, 20), 32)
+    for rid, blocks, hashes in (("r", [0, 1, 2, 3], h_r), ("q", [4, 5, 6, 7], h_q)):
+        meta = save_meta(rid, blocks, hashes)
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)  # returns at once: r's save holds the save thread, q's queues
+    assert slow.entered.wait(10)
     # Finished but still saving: not released yet; a request that never saved never is.
     assert w.get_finished({"r", "never-saved"}) == (None, None)
-    assert w.inflight_saves == 1
+    assert w.inflight_saves == 2
+    # q is preempted: its queued save is dropped, r's running save is not waited for.
+    w.handle_preemptions({"q"})
+    # r is preempted: its running save is waited for (its blocks are about to be reused).
     preempt = threading.Thread(target=w.handle_preemptions, args=({"r"},))
     preempt.start()
     preempt.join(0.3)
-    assert preempt.is_alive(), "handle_preemptions must wait for the request's save"
-    gate.set()
+    assert preempt.is_alive(), "handle_preemptions must wait for the request's running save"
+    slow.gate.set()
     preempt.join(10)
     assert not preempt.is_alive()
+    assert w.drain_saves(10)
     assert w.get_finished(set()) == ({"r"}, None)
-    assert w.get_finished({"r"}) == (None, None)
-    assert make_worker(engines[1], cpu_layout(), model).lookup_chunks(hashes) == 2
+    assert w.get_finished({"q"}) == ({"q"}, None)
+    reader = make_worker(engines[1], cpu_layout(), model)
+    assert (reader.lookup_chunks(h_r), reader.lookup_chunks(h_q)) == (2, 0)
+    skipped = [(e.req_id, e.blocks, e.reason) for e in rep.drain() if isinstance(e, SaveSkipped)]
+    assert skipped == [("q", 4, "PREEMPTED")]
+
+
+def test_save_budget_skips_saves_instead_of_queueing_them(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("budget")
+    kv = cpu_layout()
+    fill_random(kv, 23)
+    rep = Reporter()
+    slow = SlowStore(engines[0], "batch_put_from")
+    chunk_bytes = 2 * 2 * 2 * BLOCK * 16 * 4  # 2 blocks x 2 layers of (2, 16, 16) float32
+    w = make_worker(slow, kv, model, reporter=rep,  # type: ignore[arg-type]
+                    save_budget_bytes=2 * chunk_bytes + 100)
+    hashes = [chunk_hashes(tokens(64, 30 + i), 32) for i in range(3)]
+    for i, rid in enumerate(("a", "b")):
+        meta = save_meta(rid, [4 * i + j for j in range(4)], hashes[i])
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)  # never blocks: b does not fit next to a, it is skipped
+    assert slow.entered.wait(10)
+    assert w._saves.inflight_bytes == 2 * chunk_bytes
+    assert w.get_finished({"b"}) == ({"b"}, None)  # nothing of b in flight: freed at once
+    slow.gate.set()
+    assert w.drain_saves(10) and w._saves.inflight_bytes == 0
+    # The budget is free again: the next request is saved.
+    meta = save_meta("c", [8, 9, 10, 11], hashes[2])
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+    assert w.drain_saves(10)
+    reader = make_worker(engines[1], cpu_layout(), model)
+    assert [reader.lookup_chunks(h) for h in hashes] == [2, 0, 2]
+    assert w.counters.save_skipped_keys == 2
+    skipped = [(e.req_id, e.blocks, e.reason) for e in rep.drain() if isinstance(e, SaveSkipped)]
+    assert skipped == [("b", 4, "SAVE_BUDGET")]
 
 
 def test_second_engine_does_not_store_chunks_again(engines: tuple[MooncakeBackend, ...]) -> None:
@@ -510,3 +617,39 @@ def test_bad_settings_and_metadata_are_clear(engines: tuple[MooncakeBackend, ...
     assert w.get_block_ids_with_load_errors() == {3, 4, 5}
     fin = [e for e in rep.drain() if isinstance(e, TransferFinished)]
     assert fin[-1].error_name == "BAD_METADATA"
+
+
+def test_checksum_detects_a_corrupted_value_and_recomputes(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    model = uniq("checksum")
+    src = cpu_layout()
+    fill_random(src, 41)
+    hashes = chunk_hashes(tokens(96, 42), 32)
+    a = make_worker(engines[0], src, model, checksum=True)
+    save_request(a, "a", [0, 1, 2, 3, 4, 5], hashes)
+    # Values with a digest live under their own layout digest: a reader without it finds
+    # nothing, a reader with it finds every chunk.
+    assert make_worker(engines[1], cpu_layout(), model).lookup_chunks(hashes) == 0
+    rep = Reporter()
+    dst = cpu_layout()
+    b = make_worker(engines[1], dst, model, reporter=rep, checksum=True)
+    assert b.lookup_chunks(hashes) == 3
+    # Chunk 1's value rewritten in the pool: same size, digest intact, one KV byte flipped.
+    key = str(PoolKey(normalize_model_name(model), b.layout_digest, TP0, hashes[1]))
+    raw = bytearray(engines[0].store.get(key))
+    raw[100] ^= 0xFF
+    assert engines[0].store.upsert(key, bytes(raw)) == 0
+    # vLLM holds the first block already: chunk 0 goes through the staging buffer.
+    marker = torch.full_like(dst["layers.0"][8], 7.0)
+    dst["layers.0"][8].copy_(marker)
+    b.start_load_kv(load_meta("b", [8, 9, 10, 11, 12, 13], hashes, pool_tokens=96,
+                              local_tokens=16))
+    assert b.get_block_ids_with_load_errors() == {10, 11}
+    assert torch.equal(dst["layers.0"][8], marker)
+    for s_blk, d_blk in ((1, 9), (4, 12), (5, 13)):
+        assert block_bytes(src, s_blk) == block_bytes(dst, d_blk)
+    assert b.counters.checksum_failures == 1
+    outcomes = b.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.outcomes == {"b": (80, 16)}
+    (fin,) = [e for e in rep.drain() if isinstance(e, TransferFinished)]
+    assert fin.ok is False and fin.error_name == "CHECKSUM_MISMATCH"

@@ -32,6 +32,8 @@ def _feed(fleet: LiveFleet) -> float:
         w.reporter.layout("0123456789ab", LAYOUT)
     p0[0].reporter.lookup("r1", 3000, 0, 2048, 1.0)
     p0[0].reporter.lookup("r2", 1000, 0, 512, 1.0)
+    for rid, tokens in (("r1", 2048), ("r2", 512)):  # hits are what the loads brought in
+        p0[0].reporter.loaded(rid, tokens)
     expiry = time.time() * 1e3 + LEASE_TTL_MS
     for w in p0[1:]:
         w.reporter.transfer_started("r1", "load", 4, 4 * 4096, layers_total=8,

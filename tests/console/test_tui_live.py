@@ -33,6 +33,8 @@ def _feed(fleet: LiveFleet) -> None:
     d0 = fleet.add_engine("d0", "decode", "kv_consumer")
     p0[0].reporter.lookup("r1", 1000, 0, 700, 1.5)
     p0[0].reporter.lookup("r2", 1000, 100, 600, 2.5)
+    for rid, tokens in (("r1", 700), ("r2", 600)):  # hits are what the loads brought in
+        p0[0].reporter.loaded(rid, tokens)
     for w in p0[1:]:
         w.reporter.transfer_started("r1", "load", 3, 3 * 4096, layers_total=32,
                                     lease_expires_ms=time.time() * 1e3 + LEASE_TTL_MS)
@@ -116,8 +118,9 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
 
 async def test_filter_sort_pause(live_fleet: LiveFleet) -> None:
     _feed(live_fleet)
-    live_fleet.add_engine("p1", "prefill", "kv_producer", tp=1)[0].reporter.lookup(
-        "x", 1000, 0, 900, 1.0)
+    p1 = live_fleet.add_engine("p1", "prefill", "kv_producer", tp=1)[0].reporter
+    p1.lookup("x", 1000, 0, 900, 1.0)
+    p1.loaded("x", 900)
     live_fleet.wait_agents(8)
     app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:
