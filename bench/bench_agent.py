@@ -163,6 +163,7 @@ class _Settings:
     layerwise_timeout_ms = 5_000
     save_budget_bytes = 1 << 30
     checksum = False
+    hash_algo = "sha256"
 
 
 class _DataPath:

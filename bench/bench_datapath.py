@@ -75,6 +75,7 @@ class _Settings:
     layerwise_timeout_ms: int = 30_000
     save_budget_bytes: int = 1 << 30
     checksum: bool = False
+    hash_algo: str = "sha256"
 
 
 def _caches(layers: int, num_blocks: int, fill: bool) -> dict[str, torch.Tensor]:

@@ -82,6 +82,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
         checksum: the digest each value carries (``_checksum.CHECKSUM_NAME``), ``""`` for
             none; left out of the digest's input when empty, so digests without it are
             unchanged.
+        hash_algo: the chunk-hash function (``keys.HashAlgo``); left out when ``sha256``.
     """
 
     scheme: int
@@ -102,6 +103,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     dcp: int
     pp: int
     checksum: str = ""
+    hash_algo: str = "sha256"
 
     @property
     def digest(self) -> str:
@@ -147,6 +149,7 @@ def describe_layout(
     dcp_size: int = 1,
     pp_size: int = 1,
     checksum: str = "",
+    hash_algo: str = "sha256",
 ) -> LayoutFacts:
     """The layout facts of one worker's registered caches.
 
@@ -158,6 +161,7 @@ def describe_layout(
         block_size, chunk_size: the connector's (tokens).
         tp_size, pcp_size, dcp_size, pp_size: the parallel sizes the worker's keys use.
         checksum: ``LayoutFacts.checksum``.
+        hash_algo: ``LayoutFacts.hash_algo``.
 
     Raises:
         ValueError: a tensor has no dimension of ``num_blocks`` blocks.
@@ -174,4 +178,5 @@ def describe_layout(
         attn_backend=facts.attn_backend, kv_heads=facts.kv_heads, head_size=facts.head_size,
         layers=len(per_layer), cache=runs, block_size=block_size, chunk_size=chunk_size,
         tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size, checksum=checksum,
+        hash_algo=hash_algo,
     )

@@ -27,7 +27,7 @@ from kvpool_agent.vocabulary import (
     KVRole,
 )
 from kvpool_connector._validation import field_problems
-from kvpool_connector.keys import normalize_model_name
+from kvpool_connector.keys import HashAlgo, normalize_model_name
 from kvpool_connector.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class _ExtraFields(BaseModel):
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
     save_budget: int | float | str = "256MB"
     checksum: bool = False
+    hash_algo: HashAlgo = "sha256"
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -143,7 +144,13 @@ class KVPoolConfig(BaseModel):
         checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
             mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
             (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
-        layerwise_timeout_ms: bounded wait of ``wait_for_layer_load`` before it raises.
+        hash_algo: chunk-hash function (``keys.chunk_hashes``): ``sha256`` (default; a
+            crafted collision between tenants is out of reach) or ``xxh3_128`` (faster lookups
+            for fleets whose tenants trust each other or set ``cache_salt``). Part of the
+            layout digest: engines with different algorithms never share values.
+        layerwise_timeout_ms: bounded wait of ``wait_for_layer_load``; past it the layers not
+            loaded are reported failed and recomputed (never an exception into the forward
+            pass).
         lease_ttl_ms: the pool's lease on looked-up keys (Mooncake ``default_kv_lease_ttl``),
             to tell operators how long a pending load has before its leases expire; 0 = unknown.
         agent_address: fleet hub address (``tcp://host:port``); falls back to
@@ -191,6 +198,7 @@ class KVPoolConfig(BaseModel):
     lookup_breaker_open_ms: int = 10_000
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
     checksum: bool = False
+    hash_algo: HashAlgo = "sha256"
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -24,11 +24,13 @@ build keys (the latter in batches, for the lookup hot path), ``size_group`` read
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 from urllib.parse import quote
 
 import xxhash
@@ -36,8 +38,10 @@ import xxhash
 __all__ = [
     "ALL_KEYS_PATTERN",
     "DIGEST_LEN",
+    "HASH_ALGOS",
     "KEY_PREFIX",
     "PROBE_PREFIX",
+    "HashAlgo",
     "LayerPoolKey",
     "ParallelLayout",
     "PoolKey",
@@ -75,7 +79,17 @@ _KEY_RE = re.compile(
 """The whole grammar of the module docstring; ``normalize_model_name`` percent-encodes ``@``,
 so a model never contains one, and a digest is hex."""
 
-_ROOT = xxhash.xxh3_128_digest(b"kvpool/chunk-hash/v2")
+HashAlgo = Literal["sha256", "xxh3_128"]
+"""Chunk-hash functions (``hash_algo`` in ``kv_connector_extra_config``), as vLLM's
+``prefix_caching_hash_algo`` offers them: ``sha256`` (default, collision-resistant) or
+``xxh3_128`` (faster, not built to resist crafted collisions)."""
+
+HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "xxh3_128")
+
+_ROOTS: dict[HashAlgo, bytes] = {
+    "sha256": hashlib.sha256(b"kvpool/chunk-hash/v2").digest(),
+    "xxh3_128": xxhash.xxh3_128_digest(b"kvpool/chunk-hash/v2"),
+}
 
 
 def normalize_model_name(model: str) -> str:
@@ -203,7 +217,7 @@ def layout_pattern(model: str, digest: str, layout: ParallelLayout) -> str:
 
 
 def chunk_hashes(
-    token_ids: Sequence[int], chunk_size: int, extra: bytes = b""
+    token_ids: Sequence[int], chunk_size: int, extra: bytes = b"", algo: HashAlgo = "sha256"
 ) -> list[str]:
     """Chained hashes of the whole chunks of ``token_ids``.
 
@@ -212,27 +226,42 @@ def chunk_hashes(
         chunk_size: tokens per chunk (> 0); a trailing partial chunk gets no hash.
         extra: bytes that change what the tokens mean (LoRA name, ``cache_salt``); mixed into
             the first chunk, hence into every later one.
+        algo: ``sha256`` (default) or ``xxh3_128`` (``HashAlgo``).
 
     Returns:
         One 32-hex-digit string per whole chunk; entry ``i`` identifies tokens
-        ``[0, (i + 1) * chunk_size)``: XXH3-128 of the previous chunk's 16-byte digest followed
-        by the chunk's token ids (uint32, little-endian), one call per chunk.
+        ``[0, (i + 1) * chunk_size)``: the hash of the previous chunk's digest followed by the
+        chunk's token ids (uint32, little-endian), one call per chunk. SHA-256 chains its full
+        32-byte digest and names the chunk by its first 16 bytes; XXH3-128 chains and names by
+        its 16 bytes.
 
-    XXH3-128 (scheme 2; ``_layout_digest.LAYOUT_SCHEME``) replaced chained SHA-256 because the
-    scheduler hashes every prompt on vLLM's scheduler thread: for a 32k-token prompt in 16-token
-    chunks SHA-256 cost more than the pool's own ``batch_is_exist`` (``bench/bench_lookup.py``).
-    128 bits keep accidental collisions out of reach; XXH3 is not built to resist crafted
-    collisions, which is why tenants that do not trust each other set ``cache_salt`` (mixed in
-    here as ``extra``): their keys never meet.
+    Raises:
+        ValueError: ``chunk_size`` <= 0 or an unknown ``algo``.
+
+    Why SHA-256 by default: the pool is shared by every engine of a fleet, so a key collision
+    would load one request's KV into another's. With SHA-256 a crafted collision is out of
+    reach (vLLM's own ``prefix_caching_hash_algo`` defaults to it for the same reason);
+    ``xxh3_128`` hashes a 32k-token prompt in 16-token chunks about 3x faster
+    (``bench/bench_lookup.py``) and suits fleets whose tenants trust each other or set
+    ``cache_salt`` (mixed in here as ``extra``, so their keys never meet).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    if algo not in _ROOTS:
+        raise ValueError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
     step = chunk_size * 4
     # uint32 little-endian on every platform vLLM runs on; token ids are < 2**32.
     data = array("I", token_ids[: len(token_ids) // chunk_size * chunk_size]).tobytes()
-    digest = xxhash.xxh3_128_digest
-    parent = digest(_ROOT + extra) if extra else _ROOT
     out: list[str] = []
+    if algo == "sha256":
+        sha = hashlib.sha256
+        parent = sha(_ROOTS[algo] + extra).digest() if extra else _ROOTS[algo]
+        for i in range(0, len(data), step):
+            parent = sha(parent + data[i : i + step]).digest()
+            out.append(parent[:16].hex())
+        return out
+    digest = xxhash.xxh3_128_digest
+    parent = digest(_ROOTS[algo] + extra) if extra else _ROOTS[algo]
     for i in range(0, len(data), step):
         parent = digest(parent + data[i : i + step])
         out.append(parent.hex())

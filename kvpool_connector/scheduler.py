@@ -210,7 +210,8 @@ class KVPoolScheduler:
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = [] if _has_media(request) else chunk_hashes(
-                request.prompt_token_ids or [], self.chunk_size, request_extra(request))
+                request.prompt_token_ids or [], self.chunk_size, request_extra(request),
+                self.config.hash_algo)
             self._hashes[rid] = hashes
         return hashes
 

@@ -85,6 +85,8 @@ class WorkerSettings(Protocol):
     def save_budget_bytes(self) -> int: ...  # bytes of saves in flight at most
     @property
     def checksum(self) -> bool: ...  # values carry an XXH3-64 digest, verified on load
+    @property
+    def hash_algo(self) -> str: ...  # chunk-hash function, part of the layout digest
 
 
 _DIGEST_SLOTS = 4096
@@ -193,7 +195,8 @@ class KVPoolWorker:
         facts = describe_layout(
             kv_caches, kv.num_blocks, model=self.model, facts=model_facts or ModelFacts(),
             block_size=self.config.block_size, chunk_size=self.config.chunk_size,
-            checksum=CHECKSUM_NAME if self.config.checksum else "", **self._sizes)
+            checksum=CHECKSUM_NAME if self.config.checksum else "",
+            hash_algo=self.config.hash_algo, **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)

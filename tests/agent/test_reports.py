@@ -220,6 +220,7 @@ def test_kvpool_worker_saves_and_loads_are_reported(
         load_async = False
         layerwise_timeout_ms = 2_000
         save_budget_bytes = 64 << 20
+        hash_algo = "sha256"
         checksum = False
 
     def caches() -> dict[str, torch.Tensor]:

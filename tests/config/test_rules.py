@@ -212,12 +212,18 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "lookup_breaker_open_ms": 1000,
         "save_budget": "64MB",
         "checksum": True,
+        "instance_role": "prefill",
+        "hash_algo": "xxh3_128",
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
     assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
     assert cfg.agent_keys == "/etc/kvpool/agent"
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
+    assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
+    with pytest.raises(ValueError, match="hash_algo"):
+        KVPoolConfig.from_dicts({"hash_algo": "md5"}, kv_role="kv_both", block_size=16,
+                                model="m")
     with pytest.raises(ValueError, match="save_budget: '1GiB' is not a size"):
         KVPoolConfig.from_dicts({"save_budget": "1GiB"}, kv_role="kv_both", block_size=16,
                                 model="m")

@@ -118,12 +118,19 @@ def test_probe_keys_are_fresh_and_outside_every_kv_scope() -> None:
 
 
 def test_chunk_hashes_are_pinned_chained_and_salted() -> None:
-    """Scheme 2 (chained XXH3-128): the same hashes in every process and release; a change
-    here changes every key, so it must come with a ``LAYOUT_SCHEME`` bump."""
+    """Scheme 2 (chained SHA-256 by default, XXH3-128 opt-in): the same hashes in every process
+    and release; a change here changes every key, so it must come with a ``LAYOUT_SCHEME``
+    bump."""
     assert chunk_hashes(list(range(32)), 16) == [
-        "5804cf1095b59e19799b8004d0b4f230", "62cc1985df5d4ef6ed93c9288bb13e0c"]
+        "61c55c61d07d3525bc655c50acd4cf4f", "fba04066e03cc88c51f4f06314e77e29"]
     assert chunk_hashes(list(range(32)), 16, b"salt=x") == [
+        "f20c764c4684da8841cd2e000de0ba42", "d1e3464b928a18bd6b29a1de1e254280"]
+    assert chunk_hashes(list(range(32)), 16, algo="xxh3_128") == [
+        "5804cf1095b59e19799b8004d0b4f230", "62cc1985df5d4ef6ed93c9288bb13e0c"]
+    assert chunk_hashes(list(range(32)), 16, b"salt=x", algo="xxh3_128") == [
         "399a6faa58949f21989983c8a1de3771", "ed440d4aeff172ea68aeccb8f8295b28"]
+    with pytest.raises(ValueError, match="hash_algo must be one of sha256, xxh3_128"):
+        chunk_hashes(list(range(32)), 16, algo="md5")  # type: ignore[arg-type]
     # Chained: the second chunk's hash depends on the first chunk's tokens; a partial chunk
     # gets none.
     assert chunk_hashes([99, *range(1, 32)], 16)[1] != chunk_hashes(list(range(32)), 16)[1]

@@ -115,7 +115,7 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
         "dtype": "bfloat16", "kv_cache_dtype": "auto", "attn_backend": "CPU_ATTN",
         "kv_heads": 4, "head_size": 64, "layers": 2,
         "cache": "2x bfloat16(B,4,32,128)/(*,4096,128,1)", "block_size": 32, "chunk_size": 64,
-        "tp": 1, "pcp": 1, "dcp": 1, "pp": 1, "checksum": "",
+        "tp": 1, "pcp": 1, "dcp": 1, "pp": 1, "checksum": "", "hash_algo": "sha256",
     }
     # Layers of other layouts keep their order; tuples (separate K/V) join with " + ".
     k = torch.empty(NUM_BLOCKS, 16, 2, 8, dtype=torch.float16, device="meta")
@@ -128,6 +128,12 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
                               facts=ModelFacts(), block_size=16, chunk_size=16,
                               checksum="xxh3-64")
     assert checked.as_dict()["checksum"] == "xxh3-64" and checked.digest != mixed.digest
+    # So are values named by another chunk-hash function.
+    fast = describe_layout({"a": (k, k), "b": (k, k), "c": k}, NUM_BLOCKS, model="m",
+                           facts=ModelFacts(), block_size=16, chunk_size=16,
+                           hash_algo="xxh3_128")
+    assert fast.as_dict()["hash_algo"] == "xxh3_128" and fast.digest != mixed.digest
+    assert mixed.as_dict()["hash_algo"] == "sha256"  # the default, left out of the digest
     assert mixed.layers == 3
     # The agent carries them unchanged (Source.layout).
     src = Source(agent_id="e/dp0.tp0.pp0", engine_id="e", instance_role="mixed",

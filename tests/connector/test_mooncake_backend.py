@@ -240,7 +240,8 @@ def test_standalone_pool_survives_engine_restart(
     try:
         settings = type("S", (), {"block_size": 16, "chunk_size": 16, "use_layerwise": False,
                                   "load_async": False, "layerwise_timeout_ms": 1000,
-                                  "save_budget_bytes": 64 << 20, "checksum": False})()
+                                  "save_budget_bytes": 64 << 20, "checksum": False,
+                                  "hash_algo": "sha256"})()
         src = {f"l{i}": torch.randint(-9, 9, (8, 2, 16, 32), dtype=torch.float32)
                for i in range(2)}
         hashes = chunk_hashes(list(range(64)), 16)

@@ -33,6 +33,7 @@ class Settings:
     load_async: bool = False
     layerwise_timeout_ms: int = 2_000
     save_budget_bytes: int = 64 << 20
+    hash_algo: str = "sha256"
     checksum: bool = False
 
 
