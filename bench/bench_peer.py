@@ -66,6 +66,9 @@ MAX_PROMPT = 2000
 BLOCK = 32
 """vLLM block size (its CPU attention needs a multiple of 32); also both connectors' chunk."""
 RUNS = ("none", "peer", "ours")
+EXTRA_RUNS = ("peer-noseed",)
+"""``peer-noseed``: the peer without a common ``PYTHONHASHSEED`` (what happens when an operator
+does not set one): engine B finds none of A's blocks."""
 
 
 # ----------------------------------------------------------------------------- workload
@@ -195,6 +198,7 @@ def _serve(llm: Any, prompts: list[tuple[str, list[int]]], concurrency: int,
                 t_sub = submitted.pop(rid)
                 done.append({
                     "id": rid, "prompt": len(lens[rid]), "ttft_ms": (first[rid] - t_sub) * 1e3,
+                    "e2e_ms": (now - t_sub) * 1e3,
                     "tokens": list(out.outputs[0].token_ids),
                     "cached": int(out.num_cached_tokens or 0), "end": time.time(),
                 })
@@ -280,7 +284,7 @@ def _kv_config(run: str, engine: str, workdir: Path, master: LocalMooncakeMaster
     """``kv_transfer_config`` and extra environment of engine ``engine`` in run ``run``."""
     if run == "none":
         return None, {}
-    if run == "peer":
+    if run.startswith("peer"):
         cfg = workdir / "peer-mooncake.json"
         cfg.write_text(json.dumps({
             "metadata_server": "P2PHANDSHAKE", "master_server_address": master.address,
@@ -292,7 +296,8 @@ def _kv_config(run: str, engine: str, workdir: Path, master: LocalMooncakeMaster
                  "kv_load_failure_policy": "recompute",
                  "kv_connector_extra_config": {"load_async": True,
                                                "lookup_rpc_port": 1 if engine == "A" else 2}},
-                {"MOONCAKE_CONFIG_PATH": str(cfg), "PYTHONHASHSEED": "0"})
+                {"MOONCAKE_CONFIG_PATH": str(cfg),
+                 **({"PYTHONHASHSEED": "0"} if run == "peer" else {})})
     cfg = workdir / "ours-mooncake.json"
     cfg.write_text(json.dumps({
         "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
@@ -333,7 +338,8 @@ def run_once(run: str, args: argparse.Namespace, model: Path, prompts: list[list
     try:
         for eng in ("A", "B"):
             ktc, extra_env = _kv_config(run, eng, workdir, master)
-            spec = {"model": str(model), "connector": run, "kv_transfer_config": ktc,
+            spec = {"model": str(model), "kv_transfer_config": ktc,
+                    "connector": "peer" if run.startswith("peer") else run,
                     "max_tokens": args.max_tokens, "ready": f[f"{eng}.ready"],
                     "phases": phases[eng], "out": str(workdir / f"{eng}.out.json")}
             (workdir / f"{eng}.spec.json").write_text(json.dumps(spec))
@@ -387,8 +393,15 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     n_mixed = sum(len(ph["requests"]) for ph in mixed)
     ttft = sorted(r["ttft_ms"] for r in reqs)
     lookups = [x * 1e3 for eng in ("A", "B") for x in res[eng]["lookup_s"]]
+    def phase_ttft(name: str) -> float:
+        return statistics.median(r["ttft_ms"] for eng in ("A", "B") for ph in res[eng]["phases"]
+                                 if ph["name"] == name for r in ph["requests"])
+
     s: dict[str, Any] = {
         "hit_tokens": sum(r["cached"] for r in reqs),
+        "warm_ttft_p50_ms": phase_ttft("warm"),
+        "read_ttft_p50_ms": phase_ttft("read"),
+        "mixed_ttft_p50_ms": phase_ttft("mixed"),
         "prompt_tokens": sum(r["prompt"] for r in reqs),
         "ttft_p50_ms": statistics.median(ttft),
         "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
@@ -414,6 +427,9 @@ ROWS = [
     ("prompt tokens", "prompt_tokens", "{:,.0f}"),
     ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
+    ("  A warm: TTFT p50 (ms)", "warm_ttft_p50_ms", "{:.0f}"),
+    ("  B read: TTFT p50 (ms)", "read_ttft_p50_ms", "{:.0f}"),
+    ("  mixed: TTFT p50 (ms)", "mixed_ttft_p50_ms", "{:.0f}"),
     ("mixed: requests/s", "req_per_s", "{:.2f}"),
     ("mixed: output tokens/s", "out_tok_per_s", "{:.1f}"),
     ("KV bytes saved (MB)", "saved_mb", "{:.1f}"),
@@ -437,7 +453,7 @@ def print_table(summ: dict[str, dict[str, Any] | str]) -> None:
         if base is not None:
             diff = sum(1 for k, v in s["tokens"].items() if base.get(k) != v)
             s["equal"] = "yes" if diff == 0 else f"no ({diff} of {len(base)} differ)"
-    names = [r for r in RUNS if r in summ]
+    names = [r for r in RUNS + EXTRA_RUNS if r in summ]
     head = f"| figure | {' | '.join(names)} | ours/peer |"
     print(head)
     print("|" + "---|" * (len(names) + 2))
@@ -463,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--trace", default=None, help="trace JSONL (default: the conversation trace)")
     ap.add_argument("--start", type=int, default=5000, help="first trace request of the slice")
-    ap.add_argument("--requests", type=int, default=24, help="requests in the slice")
-    ap.add_argument("--warm", type=int, default=8, help="A warms, then B reads, these first")
+    ap.add_argument("--requests", type=int, default=16, help="requests in the slice")
+    ap.add_argument("--warm", type=int, default=6, help="A warms, then B reads, these first")
     ap.add_argument("--concurrency", type=int, default=2, help="in flight per engine, mixed")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy output tokens per request")
     ap.add_argument("--layers", type=int, default=6)
@@ -473,15 +489,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--segment-mb", type=int, default=1024, help="pool memory, MiB")
-    ap.add_argument("--runs", default=",".join(RUNS), help="subset of none,peer,ours")
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help="subset of none,peer,ours,peer-noseed (default: the first three)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args(argv)
     if args.engine:
         return engine_main(args.engine)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    bad = [r for r in runs if r not in RUNS]
+    bad = [r for r in runs if r not in RUNS + EXTRA_RUNS]
     if bad or not 0 < args.warm < args.requests:
-        print(f"--runs must be a subset of {','.join(RUNS)} and 0 < --warm < --requests",
+        print(f"--runs must be a subset of {','.join(RUNS + EXTRA_RUNS)} and "
+              "0 < --warm < --requests",
               file=sys.stderr)
         return 2
     trace = load_trace(args.trace or default_trace_path(), limit=args.start + args.requests)
