@@ -518,7 +518,9 @@ def main(argv: list[str] | None = None) -> int:
             summ[run] = f"{res['error']}\n{res['log']}"
         else:
             summ[run] = summarize(res)
-        print(f"run {run}: {time.monotonic() - t0:.0f}s", flush=True)
+        # Other jobs on a shared machine change every figure: show how busy it was.
+        print(f"run {run}: {time.monotonic() - t0:.0f}s, 1-min load average at the end "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
     print("PYTHONHASHSEED: peer engines 0 (required: its keys are vLLM block hashes); "
           "ours unset (each engine process seeded at random)")
     print_table(summ)
