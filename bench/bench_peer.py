@@ -6,7 +6,8 @@ memory, so the pool outlives either engine), one workload, three runs:
 * ``none``: no connector (the baseline every output is compared with);
 * ``peer``: vLLM's ``MooncakeStoreConnector`` (``kv_connector="MooncakeStoreConnector"``,
   ``load_async: true``, Mooncake ``standalone-store`` mode), both engines with
-  ``PYTHONHASHSEED=0`` (its keys are vLLM block hashes, seeded from ``PYTHONHASHSEED``);
+  ``PYTHONHASHSEED=0`` (its keys are vLLM block hashes, whose seed comes from
+  ``PYTHONHASHSEED`` when set; see ``EXTRA_RUNS`` for the peer without it);
 * ``ours``: ``KVPoolConnector`` as the README recommends (``backend: mooncake``, ``kv_both``,
   ``kv_load_failure_policy: recompute``, defaults otherwise), ``PYTHONHASHSEED`` unset, so each
   engine process hashes Python objects with its own random seed: its keys do not depend on it.
@@ -67,8 +68,11 @@ BLOCK = 32
 """vLLM block size (its CPU attention needs a multiple of 32); also both connectors' chunk."""
 RUNS = ("none", "peer", "ours")
 EXTRA_RUNS = ("peer-noseed",)
-"""``peer-noseed``: the peer without a common ``PYTHONHASHSEED`` (what happens when an operator
-does not set one): engine B finds none of A's blocks."""
+"""``peer-noseed``: the peer without a common ``PYTHONHASHSEED``. With vLLM 0.32's default
+``sha256`` block hash the seed of its first block hash is a fixed default when
+``PYTHONHASHSEED`` is unset (``vllm.v1.core.kv_cache_utils.resolve_none_hash_seed``), so B still
+finds A's blocks; a common seed is needed only with ``prefix_caching_hash_algo`` ``xxhash`` or
+``xxhash_cbor`` (random per process otherwise)."""
 
 
 # ----------------------------------------------------------------------------- workload
@@ -521,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         # Other jobs on a shared machine change every figure: show how busy it was.
         print(f"run {run}: {time.monotonic() - t0:.0f}s, 1-min load average at the end "
               f"{os.getloadavg()[0]:.1f}", flush=True)
-    print("PYTHONHASHSEED: peer engines 0 (required: its keys are vLLM block hashes); "
-          "ours unset (each engine process seeded at random)")
+    print("PYTHONHASHSEED: peer engines 0 (its keys are vLLM block hashes; with the default "
+          "sha256 they match without it too, see --runs peer-noseed); ours unset")
     print_table(summ)
     return 0
 
