@@ -31,7 +31,7 @@ time spent in the store's transfer calls (vLLM's per-RPC records for the peer; t
 ``get_num_new_matched_tokens``, measured the same way for both), load errors, and whether
 every greedy output equals the ``none`` run. Then ours/peer for each.
 
-Run (about 6 minutes on 2 shared cores)::
+Run (about 3 minutes on 2 cores at load average 2-4; 12 minutes when the machine is loaded)::
 
     .venv/bin/python bench/bench_peer.py
     .venv/bin/python bench/bench_peer.py --requests 64 --layers 12 --hidden 512   # bigger
