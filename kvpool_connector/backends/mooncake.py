@@ -304,13 +304,33 @@ class MooncakeBackend(Backend):
     def batch_get_into(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """``batch_get_into_multi_buffers``: per key bytes read or a negative ``ErrorCode``."""
+        """``batch_get_into_multi_buffers``: per key bytes read or a negative ``ErrorCode``.
+
+        A key may appear more than once (two requests of one step loading the same chunk into
+        their own blocks). Mooncake fills only one destination of a key repeated within one
+        batch yet reports every entry as read (seen with mooncake-transfer-engine 0.3.13 on TCP;
+        ``bench/bench_peer.py`` produced wrong greedy outputs from it), so each repeat of a
+        key goes into a later call: every call holds each key at most once."""
         if not keys:
             return []
-        return list(self._call(
-            "batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
-            list(keys), [list(a) for a in addrs], [list(s) for s in sizes],
-        ))
+        rounds: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            n = seen.get(key, 0)
+            seen[key] = n + 1
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append(i)
+        results = [0] * len(keys)
+        for idx in rounds:
+            got = self._call(
+                "batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
+                [keys[i] for i in idx], [list(addrs[i]) for i in idx],
+                [list(sizes[i]) for i in idx],
+            )
+            for i, res in zip(idx, got, strict=True):
+                results[i] = int(res)
+        return results
 
     def _all_keys(self) -> list[str]:
         r = self._http.get(f"{self.config.admin_url}/get_all_keys")

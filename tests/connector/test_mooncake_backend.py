@@ -153,6 +153,25 @@ def test_health_and_stats_from_the_master(client: tuple[MooncakeBackend, torch.T
     assert sum(s.used_bytes for s in after.segments) == after.used_bytes
 
 
+def test_a_key_repeated_in_one_load_fills_every_destination(
+        client: tuple[MooncakeBackend, torch.Tensor]) -> None:
+    # Two requests of one step loading the same chunk into their own blocks: Mooncake alone
+    # fills one destination per batch and reports all as read (bench_peer's wrong outputs).
+    b, buf = client
+    n = 4096
+    key, other = f"dup-{uuid.uuid4().hex}", f"dup-{uuid.uuid4().hex}"
+    buf[:2 * n] = torch.randint(1, 256, (2 * n,), dtype=torch.uint8)
+    want_key, want_other = buf[:n].clone(), buf[n:2 * n].clone()
+    base = buf.data_ptr()
+    assert b.batch_put_from([key, other], [[base], [base + n]], [[n], [n]]) == [0, 0]
+    dst = [4 * n, 5 * n, 6 * n, 7 * n]
+    buf[dst[0]:dst[-1] + n] = 0
+    got = b.batch_get_into([key, other, key, key], [[base + d] for d in dst], [[n]] * 4)
+    assert got == [n] * 4
+    for d, want in zip(dst, [want_key, want_other, want_key, want_key], strict=True):
+        assert torch.equal(buf[d:d + n], want)
+
+
 def test_evictions_are_reported_as_the_master_counts_them() -> None:
     """Overfill a 16 MB segment whose leases expire at once: the master evicts, and stats()
     and the agent's pool reader report exactly its (counter-typed) eviction metrics."""
