@@ -186,6 +186,9 @@ def main() -> int:
     p.add_argument("--fig10-limit", type=int, default=None,
                    help="shared vs private requests (0 = whole trace; default: --limit)")
     p.add_argument("--fig10-engines", default="4", help="engine counts, e.g. 4,8")
+    p.add_argument("--fig10-tokens", type=int, default=None,
+                   help="total pool tokens of the shared vs private runs (default: the largest "
+                   "capacity; each private pool must stay >= 16 MiB)")
     p.add_argument("--capacities", default="300000,600000,1000000,2000000",
                    help="pool capacities in tokens for the Figure 9 sweep")
     p.add_argument("--console-seconds", type=float, default=10.0)
@@ -218,7 +221,7 @@ def main() -> int:
                     f"{(r.hit_rate - r.lru_hit_rate) * 100:+.2f}", f"{r.pool_evicted_keys:,}",
                     str(r.load_errors)], w))
 
-    total = caps[-1]
+    total = args.fig10_tokens or caps[-1]
     f10_trace = args.fig10_trace or trace
     f10_limit = (args.limit if args.fig10_limit is None else args.fig10_limit) or None
     print(f"\n== shared pool vs private pools of the same total ({total:,} tokens; paper "
