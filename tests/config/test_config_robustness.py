@@ -37,7 +37,8 @@ _VALUES: list[Any] = [
 
 def _documents() -> list[Any]:
     paths = [
-        *sorted((ROOT / "config").rglob("*.json")),
+        # Deployment examples; config/grafana holds a dashboard, not a deployment config.
+        *sorted(p for p in (ROOT / "config").rglob("*.json") if "grafana" not in p.parts),
         *sorted((ROOT.parent / "shared" / "real-configs").glob("*.json")),
         *sorted((ROOT / "tests" / "config" / "cases").glob("*.json")),
     ]
