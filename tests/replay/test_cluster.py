@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from kvpool_agent import FleetClient
-from kvpool_replay import DemoCluster, default_trace_path
+from kvpool_replay import DEMO_SHAPE, DemoCluster, default_trace_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             pool = states["decode-1/dp0.tp0.pp0"].pool
             assert pool is not None
             assert 0 < pool.used_bytes <= pool.total_bytes
-            assert pool.total_bytes >= 600_000 * 256
+            assert pool.total_bytes >= 600_000 * DEMO_SHAPE.bytes_per_token
             # The master's lease TTL and watermark reach the agents (lease alerts depend on it).
             assert pool.lease_ttl_ms == cluster.default_kv_lease_ttl_ms
             assert pool.high_watermark == cluster.eviction_high_watermark_ratio
@@ -105,7 +105,8 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             by_engine = {e["engine_id"]: e for e in status["engines"]}
             assert {"prefill-0", "decode-1", "engine-2"} <= set(by_engine)
             assert by_engine["decode-1"]["hit_rate"] > 0.5
-            assert by_engine["decode-1"]["segment_total_bytes"] >= 600_000 * 256
+            pool_bytes = 600_000 * DEMO_SHAPE.bytes_per_token
+            assert by_engine["decode-1"]["segment_total_bytes"] >= pool_bytes
 
             replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
                                      timeout_ms=10_000)
