@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.request import Request
 
 from kvpool_agent.reporter import Loaded, Lookup, ReportedError, Reporter
+from kvpool_connector import scheduler as scheduler_module
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
@@ -394,12 +396,14 @@ def test_waiting_request_is_looked_up_once(engine: Engine) -> None:
 
 
 def test_breaker_skips_lookups_after_repeated_failures(
-    fresh_mooncake_master: LocalMooncakeMaster,
+    fresh_mooncake_master: LocalMooncakeMaster, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
         "master_server_address": fresh_mooncake_master.address, "global_segment_size": "16MB",
         "local_buffer_size": "4MB"}}))
-    e = Engine(b, 7207, lookup_breaker_failures=2, lookup_breaker_open_ms=300)
+    # Open for a minute: however slow the machine, the skips below fall inside the open period;
+    # the scheduler's clock is moved past it afterwards instead of sleeping.
+    e = Engine(b, 7207, lookup_breaker_failures=2, lookup_breaker_open_ms=60_000)
     try:
         prompt = _prompt(40, 13)
         e.store(prompt, 2)
@@ -422,9 +426,12 @@ def test_breaker_skips_lookups_after_repeated_failures(
         assert [ev.skipped for ev in events if isinstance(ev, Lookup)] == [
             None, None, "BREAKER_OPEN", "BREAKER_OPEN", "BREAKER_OPEN"]
         (err,) = [ev for ev in events if isinstance(ev, ReportedError)]
-        assert err.name == "LOOKUP_BREAKER_OPEN" and "300 ms" in err.message
+        assert err.name == "LOOKUP_BREAKER_OPEN" and "60000 ms" in err.message
         # After the open period one lookup is tried again (and fails: open again).
-        time.sleep(0.4)
+        later = time.monotonic() + 61
+        monkeypatch.setattr(scheduler_module, "time",
+                            SimpleNamespace(monotonic=lambda: later, time=time.time,
+                                            perf_counter=time.perf_counter))
         assert e.sched.get_num_new_matched_tokens(_request("t", prompt), 0) == (0, False)
         assert (c.lookups, c.lookup_errors, c.lookup_skipped) == (3, 3, 3)
     finally:
