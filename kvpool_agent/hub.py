@@ -59,7 +59,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent._metrics import FleetCollector, MetricsServer
-from kvpool_agent.auth import AllowList, Role
+from kvpool_agent.auth import AllowList, Role, _check_private
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -393,6 +393,7 @@ class FleetHub:
                 "public key in authorized_keys/agent/, viewer/ or operator/ (README, Security)"
             )
         try:
+            _check_private(self.secret_key_file)
             public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
         except (OSError, ValueError) as e:
             raise ValueError(f"secret_key_file {self.secret_key_file}: {e}") from None

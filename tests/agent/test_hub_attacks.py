@@ -71,3 +71,56 @@ def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
     _wait(lambda: "eng-a/dp0.tp1.pp0" in hub.fleet())
     assert "eng-a/dp0.tp1.pp0" in hub.fleet()
 
+
+def test_a_secret_key_others_may_read_or_a_symlinked_one_is_refused_in_one_line(
+    tmp_path: Path, fleet_keys: dict[Role, KeyPaths], hub_address: str,
+) -> None:
+    op = generate_keys(tmp_path / "op", "operator")
+    assert (op.secret("operator").stat().st_mode & 0o777) == 0o600
+    (op.root / "hub.key").write_bytes(fleet_keys["hub"].hub_public.read_bytes())
+    op.client("operator")  # 0600: accepted
+    op.secret("operator").chmod(0o640)
+    with pytest.raises(ValueError, match=r"mode 0640 .*chmod 600"):
+        op.client("operator")
+    with pytest.raises(ValueError, match="chmod 600"):
+        FleetClient(hub_address, keys_dir=op.root)
+    # A symlink to a 0600 secret: the link's target may change under the tool.
+    real = tmp_path / "real_secret"
+    op.secret("operator").rename(real)
+    real.chmod(0o600)
+    op.secret("operator").symlink_to(real)
+    with pytest.raises(ValueError, match="not a symlink"):
+        op.client("operator")
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    hub_dir.hub_secret.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        FleetHub(hub_address, authorized_keys_dir=hub_dir.authorized_dir,
+                 secret_key_file=hub_dir.hub_secret).start()
+
+
+@pytest.mark.parametrize("unsafe", ["file", "role_dir", "symlink"])
+def test_keys_others_may_write_into_authorized_keys_are_not_accepted(
+    tmp_path: Path, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]], unsafe: str,
+) -> None:
+    """A key file (or its directory) writable by group/others, or a symlink, in
+    ``authorized_keys/agent/``: whoever can write there could let in any key. The hub
+    refuses the key: the agent's connection registers nothing and is counted."""
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    agent = _agent_dir(tmp_path, "agent", hub_dir)
+    listed = hub_dir.authorized("agent") / "agent.key"
+    if unsafe == "file":
+        listed.chmod(0o666)
+    elif unsafe == "role_dir":
+        hub_dir.authorized("agent").chmod(0o777)
+    else:
+        target = tmp_path / "elsewhere.key"
+        listed.rename(target)
+        listed.symlink_to(target)
+    with FleetHub(hub_address, authorized_keys_dir=hub_dir.authorized_dir,
+                  secret_key_file=hub_dir.hub_secret) as hub:
+        fake = FakeAgent(ctx, hub_address, keys=agent.client("agent"))
+        for _ in range(5):
+            fake.report(make_source("sneaky"))
+        _wait(lambda: hub.refused_connections["agents"] >= 1)
+        assert hub.refused_connections["agents"] >= 1
+        assert hub.fleet() == {} and hub.reports == 0
