@@ -64,6 +64,7 @@ from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
+    DrainArgs,
     EngineState,
     ProtocolError,
     Report,
@@ -637,6 +638,10 @@ class FleetHub:
         )
         self._pending[internal] = pend
         fwd = msgspec.structs.replace(req, request_id=internal)
+        if req.drain is not None:
+            # No agent waits longer than the hub waits for its reply.
+            fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
+                                                 MAX_TIMEOUT_MS))
         for aid in targets:
             routing_id = self._fleet.routing_id(aid)
             if routing_id is None:

@@ -12,9 +12,16 @@ import pytest
 import zmq
 from agent_testlib import FakeAgent, make_source
 
-from kvpool_agent import FleetClient, FleetHub, KeyPaths
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent.auth import Role, authorize_key, generate_keys
-from kvpool_agent.protocol import FlushArgs, StartFailure
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandRequest,
+    DrainArgs,
+    FlushArgs,
+    StartFailure,
+    encode,
+)
 
 
 @pytest.fixture
@@ -124,3 +131,34 @@ def test_keys_others_may_write_into_authorized_keys_are_not_accepted(
         _wait(lambda: hub.refused_connections["agents"] >= 1)
         assert hub.refused_connections["agents"] >= 1
         assert hub.fleet() == {} and hub.reports == 0
+
+
+def test_a_viewers_endless_drains_do_not_block_operator_commands(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A viewer (read-only, P+2) asks a busy engine's agent for drains of 11 days (the hub
+    waiting 60 s). Before, each held one of the agent's two command threads for as long as a
+    save was in flight, so the operator's health never ran. Now a drain waits no longer than
+    the hub does, one at a time on its own thread: the operator's command is answered."""
+    src = make_source("busy", role="scheduler")
+    agent = start_agent(src, address=hub_address)
+    try:
+        agent.reporter.transfer_started("r1", "save", blocks=1, nbytes=1)  # never finishes
+        _wait(lambda: src.agent_id in hub.fleet()
+              and hub.fleet()[src.agent_id][0].in_flight != [])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        fleet_keys["viewer"].client("viewer").apply(dealer)
+        dealer.connect(hub.ports.commands)
+        for i in range(4):
+            dealer.send(encode(CommandRequest(
+                v=PROTOCOL_VERSION, seq=i + 1, request_id=f"slow-{i}", command="drain",
+                targets=[src.agent_id], drain=DrainArgs(timeout_ms=10**9), timeout_ms=60_000)))
+        _wait(lambda: hub.commands >= 4)
+        with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+            (r,) = op.command("health", targets=[src.agent_id], timeout_ms=3000)
+        assert r.ok and r.health is not None, r.error
+        dealer.close(linger=0)
+    finally:
+        agent.stop()
