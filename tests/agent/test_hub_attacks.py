@@ -14,6 +14,7 @@ from agent_testlib import FakeAgent, make_source
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent.auth import Role, authorize_key, generate_keys
+from kvpool_agent.cli import main
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandRequest,
@@ -162,3 +163,14 @@ def test_a_viewers_endless_drains_do_not_block_operator_commands(
         dealer.close(linger=0)
     finally:
         agent.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_forget_after_that_forgets_all_or_nothing_is_one_line(
+    value: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--forget-after 0``/``-1`` would drop every agent each second (every engine gone from
+    every console), ``nan``/``inf`` would never forget one: refused before anything binds."""
+    assert main(["hub", "--forget-after", value]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvpool-agent hub: --forget-after:") and "above 0" in line
