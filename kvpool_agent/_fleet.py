@@ -10,7 +10,11 @@ An agent id belongs to the identity (the agent's CURVE public key when the hub h
 connection of the same identity are refused until the holder has been silent for
 ``TAKEOVER_AFTER_S`` (a restarted or reconnected agent gets its id back then); from another
 identity, until the holder has been silent for ``LIVE_S`` (a live engine's id cannot be taken by
-another key, even a valid one).
+another key, even a valid one). An engine id is bound the same way: while an agent of the engine
+is live, reports naming that engine from another identity are refused, so one engine's key cannot
+add an agent to another engine (a forged start failure would mark it FAILED, a forged worker
+would receive its ``flush --scope engine``). With one fleet-wide agent key every agent is the
+same identity and only the connection binding applies.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ class Fleet:
 
     def __init__(self) -> None:
         self._agents: dict[str, _Entry] = {}
+        # Engine id -> (identity, ms since epoch) of its newest accepted report.
+        self._engine_owner: dict[str, tuple[str, float]] = {}
         self._dirty: set[str] = set()
         # Forgotten agent id -> when (ms since epoch); told to consoles so they drop it too.
         self._forgotten: dict[str, float] = {}
@@ -118,6 +124,10 @@ class Fleet:
                 hold_s = TAKEOVER_AFTER_S if ag.identity == identity else LIVE_S
                 if now_ms - ag.last_seen_ms < hold_s * 1e3:
                     return f"takeover: {aid!r} is held by a live connection; report dropped"
+            owner = self._engine_owner.get(st.source.engine_id)
+            if owner is not None and owner[0] != identity and now_ms - owner[1] < LIVE_S * 1e3:
+                return (f"takeover: engine {st.source.engine_id!r} belongs to another agent key "
+                        "while it is live; report dropped")
             if ag is None and len(self._agents) >= MAX_AGENTS:
                 return f"full: {MAX_AGENTS} agents; report of {aid!r} dropped"
             errors = deque(ag.errors if ag is not None else (), maxlen=_RECENT_ERRORS)
@@ -142,6 +152,7 @@ class Fleet:
             ag.last_seen_ms = now_ms
             ag.routing_id = routing_id
             ag.identity = identity
+            self._engine_owner[st.source.engine_id] = (identity, now_ms)
             self._dirty.add(aid)
         return None
 
@@ -172,6 +183,9 @@ class Fleet:
             self._dirty.discard(k)
             self._forgotten[k] = now_ms
             self._forgotten_new.add(k)
+        engines = {a.state.source.engine_id for a in self._agents.values()}
+        for e in [e for e in self._engine_owner if e not in engines]:
+            del self._engine_owner[e]
         while len(self._forgotten) > _FORGOTTEN_KEPT:
             oldest = min(self._forgotten, key=self._forgotten.__getitem__)
             del self._forgotten[oldest]

@@ -132,6 +132,10 @@ class _Agent:
         self._http: httpx.Client | None = None
         self._pool_future: cf.Future[PoolStats] | None = None
         self._cmd_exec = cf.ThreadPoolExecutor(2, thread_name_prefix="kvpool-agent-cmd")
+        # Drains wait on the engine's saves (read-only consoles may ask for them): one at a
+        # time on their own thread, so they never hold the threads health and flush run on.
+        self._drain_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-drain")
+        self._drain: cf.Future[CommandReply] | None = None
         self._pool_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-pool")
         self.ctx = zmq.Context()
         try:
@@ -278,7 +282,14 @@ class _Agent:
                 self.commands.reply(req, ok=False, error="agent busy: too many commands")
             )
             return
-        fut = self._cmd_exec.submit(self.commands.run, req)
+        if req.command == "drain":
+            if self._drain is not None and not self._drain.done():
+                self._outbox.append(self.commands.reply(
+                    req, ok=False, error="agent busy: a drain is already running here"))
+                return
+            fut = self._drain = self._drain_exec.submit(self.commands.run, req)
+        else:
+            fut = self._cmd_exec.submit(self.commands.run, req)
         self._pending.add(fut)
         fut.add_done_callback(self._on_command_done)
 
@@ -360,6 +371,7 @@ class _Agent:
     def _close(self) -> None:
         self._cmd_exec.shutdown(wait=False, cancel_futures=True)
         self._pool_exec.shutdown(wait=False, cancel_futures=True)
+        self._drain_exec.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.mon.close(linger=0)

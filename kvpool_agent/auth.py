@@ -30,8 +30,10 @@ hub host never holds an operator's secret (issue 10, observation 9).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,8 @@ Role = Literal["hub", "operator", "viewer", "agent"]
 ROLES: tuple[Role, ...] = ("hub", "operator", "viewer", "agent")
 CLIENT_ROLES: tuple[Role, ...] = ("operator", "viewer", "agent")
 """Roles whose public keys a hub lists in ``authorized_keys/<role>/``."""
+
+log = logging.getLogger("kvpool.hub")
 
 _OLD_LAYOUT = (
     "keys dir {root} has the old layout (server.key: hub and operator keys in one dir); make "
@@ -180,6 +184,8 @@ def _load(path: Path, *, secret: bool, fix: str) -> bytes:
     Raises:
         ValueError: missing, unreadable, or no such key in it; names ``path`` and ``fix``.
     """
+    if secret and path.exists():
+        _check_private(path)
     try:
         public, secret_key = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as e:
@@ -189,6 +195,21 @@ def _load(path: Path, *, secret: bool, fix: str) -> bytes:
     if not key:
         raise ValueError(f"key file {path} holds no {'secret' if secret else 'public'} key: {fix}")
     return key
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a secret key file others may read or replace (like ssh's ``StrictModes``).
+
+    Raises:
+        ValueError: a symlink, not a regular file, or group/other permission bits set.
+    """
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"key file {path}: a secret key must be a regular file, not a "
+                         "symlink (copy it in place, mode 0600)")
+    if st.st_mode & 0o077:
+        raise ValueError(f"key file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others "
+                         f"read the secret key; chmod 600 {path}")
 
 
 def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPaths:
@@ -218,6 +239,7 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
         os.umask(old)
     os.chmod(paths.secret(role), 0o600)
     if role == "hub":
+        paths.authorized_dir.mkdir(mode=0o700, exist_ok=True)
         for r in CLIENT_ROLES:
             paths.authorized(r).mkdir(mode=0o700, parents=True, exist_ok=True)
     return paths
@@ -239,6 +261,7 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     dest = dest_dir / f"{name or src.stem}.key"
     shutil.copyfile(src, dest)
+    os.chmod(dest, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
     return dest
 
 
@@ -283,19 +306,30 @@ class AllowList:
     def _role_keys(self, role: Role) -> dict[bytes, str]:
         d = self.authorized_dir / role
         try:
-            mtime = d.stat().st_mtime_ns
+            st = d.stat()
         except OSError:
             return {}
-        if self._seen.get(role) != mtime:
+        seen = st.st_mtime_ns + st.st_ctime_ns
+        if self._seen.get(role) != seen:
             keys: dict[bytes, str] = {}
-            for f in sorted(d.glob("*.key")):
+            # Whoever may write a directory or key file here may let any key in: refused,
+            # like ssh's StrictModes, and a symlink may point anywhere.
+            unsafe = [p for p in (self.authorized_dir, d) if p.stat().st_mode & 0o022]
+            for f in [] if unsafe else sorted(d.glob("*.key")):
+                fst = f.lstat()
+                if not stat.S_ISREG(fst.st_mode) or fst.st_mode & 0o022:
+                    unsafe.append(f)
+                    continue
                 try:
                     public, _ = zmq.auth.load_certificate(str(f))
                 except (OSError, ValueError):
                     continue
                 if public:
                     keys[public] = f"{role}/{f.stem}"
-            self._keys[role], self._seen[role] = keys, mtime
+            for p in unsafe:
+                log.error("kvpool hub: %s refused: a symlink, or writable by group/others "
+                          "(chmod go-w; copy keys in with kvpool-agent authorize)", p)
+            self._keys[role], self._seen[role] = keys, seen
         return self._keys[role]
 
     def name(self, domain: str, key: bytes) -> str | None:

@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"authorized {args.role} key: {dest} (takes effect on the next connection)")
             return 0
         if args.cmd == "hub":
+            if not 0 < args.forget_after < float("inf"):
+                # 0 or less forgets every agent at once; NaN never forgets any.
+                raise ValueError(f"--forget-after: {args.forget_after} is not a number of "
+                                 f"seconds above 0 (default {FORGET_AFTER_S:g})")
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.hub()

@@ -59,11 +59,12 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent._metrics import FleetCollector, MetricsServer
-from kvpool_agent.auth import AllowList, Role
+from kvpool_agent.auth import AllowList, Role, _check_private
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
+    DrainArgs,
     EngineState,
     ProtocolError,
     Report,
@@ -393,6 +394,7 @@ class FleetHub:
                 "public key in authorized_keys/agent/, viewer/ or operator/ (README, Security)"
             )
         try:
+            _check_private(self.secret_key_file)
             public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
         except (OSError, ValueError) as e:
             raise ValueError(f"secret_key_file {self.secret_key_file}: {e}") from None
@@ -636,6 +638,10 @@ class FleetHub:
         )
         self._pending[internal] = pend
         fwd = msgspec.structs.replace(req, request_id=internal)
+        if req.drain is not None:
+            # No agent waits longer than the hub waits for its reply.
+            fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
+                                                 MAX_TIMEOUT_MS))
         for aid in targets:
             routing_id = self._fleet.routing_id(aid)
             if routing_id is None:

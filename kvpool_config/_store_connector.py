@@ -5,6 +5,7 @@ for every store connector it meets."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvpool_config._model import (
     STORE_ONLY_KEYS,
 )
 from kvpool_config.rules import Finding
+from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.sizes import parse_size
 
 __all__ = ["KVPOOL_MODULE", "UCM_MODULE", "check_store_connector", "check_ucm_store"]
@@ -180,6 +182,25 @@ def _check_kvpool_connector(
                 f'set "kv_connector_module_path": "{KVPOOL_MODULE}"',
             )
         )
+    try:
+        # The connector's own parser: whatever it refuses at engine start is an error here.
+        # block_size 1: chunk_size against the block is the finding below.
+        role = conn.get("kv_role")  # checked (type included) by its own rule
+        KVPoolConfig.from_dicts(extra, kv_role=role if isinstance(role, str) else None,
+                                block_size=1, model="m")
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        where = f"{path}.{field}"
+        # A field another rule already reported (a misspelt key, chunk_size) is that finding,
+        # raised to an error: the connector refuses it, it does not ignore it.
+        known = [i for i, f in enumerate(ctx.findings) if f.path == where]
+        for i in known:
+            f = ctx.findings[i]
+            ctx.findings[i] = dataclasses.replace(f, severity="error", message=f.message.replace(
+                "(the connector ignores it)", "(KVPoolConnector refuses it at start)"))
+        if not known:
+            ctx.add(Finding("error", "connector-config", where, why or str(e),
+                            "fix it: KVPoolConnector refuses it and the engine does not start"))
     chunk = as_int(extra.get("chunk_size"))
     block = as_int(get_arg(engine, "block_size")) or ctx.options.block_size
     if chunk is not None and block is not None:

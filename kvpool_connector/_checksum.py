@@ -1,9 +1,10 @@
 """Optional per-value integrity check (``kv_connector_extra_config.checksum``, off by default).
 
 With it on, every pool value is its KV bytes followed by ``CHECKSUM_BYTES`` bytes: the XXH3-64
-digest of those KV bytes (``xxhash``), written by the saver and verified by the loader after
-the bytes landed. A value whose digest does not match is a load error (``CHECKSUM_MISMATCH``):
-its blocks are reported through ``get_block_ids_with_load_errors`` and recomputed, never used.
+digest of its key and those KV bytes (``xxhash``), written by the saver and verified by the
+loader after the bytes landed. A value whose digest does not match is a load error
+(``CHECKSUM_MISMATCH``): its blocks are reported through ``get_block_ids_with_load_errors``
+and recomputed, never used.
 
 The digests travel zero-copy like the KV: each batch call gets one extra byte range per key,
 pointing into ``DigestSlots``, a small buffer registered with the backend. The KV bytes are
@@ -25,14 +26,15 @@ __all__ = ["CHECKSUM_BYTES", "CHECKSUM_NAME", "DigestSlots", "digest_of"]
 CHECKSUM_BYTES = 8
 """Bytes of the digest appended to each value (XXH3-64)."""
 
-CHECKSUM_NAME = "xxh3-64"
+CHECKSUM_NAME = "xxh3-64+key"
 """``LayoutFacts.checksum`` of values that carry a digest."""
 
 
-def digest_of(addrs: Sequence[int], sizes: Sequence[int]) -> bytes:
-    """XXH3-64 digest (``CHECKSUM_BYTES`` bytes) of the host memory ranges, in order; the
-    bytes are read in place (no copy)."""
-    h = xxhash.xxh3_64()
+def digest_of(key: str, addrs: Sequence[int], sizes: Sequence[int]) -> bytes:
+    """XXH3-64 digest (``CHECKSUM_BYTES`` bytes) of the pool key ``key`` followed by the host
+    memory ranges, in order; the bytes are read in place (no copy). The key is hashed in so a
+    whole value (bytes and digest) found under another key than its own does not check."""
+    h = xxhash.xxh3_64(key.encode())
     for addr, size in zip(addrs, sizes, strict=True):
         h.update((ctypes.c_char * size).from_address(addr))
     return h.digest()

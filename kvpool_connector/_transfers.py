@@ -255,7 +255,7 @@ class LoadRunner:
                 [[*t.sizes, want] for t in part])
             for j, (t, res) in enumerate(zip(part, results, strict=True)):
                 ok = res == t.nbytes + want
-                bad = ok and digest_of(t.addrs, t.sizes) != ck.slots.read(j)
+                bad = ok and digest_of(t.key, t.addrs, t.sizes) != ck.slots.read(j)
                 self._settle(loads[t.req_id], t, ok, res, bad)
         for t in transfers:
             if ck.scratch not in t.addrs:
@@ -263,7 +263,7 @@ class LoadRunner:
             (res,) = self._call_get(loads, [t], [[ck.staging, ck.slots.slot(0)]],
                                     [[t.nbytes, want]])
             ok = res == t.nbytes + want
-            bad = ok and digest_of([ck.staging], [t.nbytes]) != ck.slots.read(0)
+            bad = ok and digest_of(t.key, [ck.staging], [t.nbytes]) != ck.slots.read(0)
             if ok and not bad:
                 off = 0
                 for addr, size in zip(t.addrs, t.sizes, strict=True):
@@ -570,7 +570,7 @@ class SaveQueue:
             for start in range(0, len(todo), slots.capacity):
                 part = todo[start : start + slots.capacity]
                 for j, t in enumerate(part):
-                    slots.write(j, digest_of(t.addrs, t.sizes))
+                    slots.write(j, digest_of(t.key, t.addrs, t.sizes))
                 codes += self._call_put(
                     part, [[*t.addrs, slots.slot(j)] for j, t in enumerate(part)],
                     [[*t.sizes, CHECKSUM_BYTES] for t in part])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvpool_agent.protocol import Source
+from kvpool_connector._checksum import CHECKSUM_NAME
 from kvpool_connector._layout_digest import (
     LAYOUT_SCHEME,
     LayoutFacts,
@@ -126,8 +127,8 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
     # Values that carry a digest are another layout.
     checked = describe_layout({"a": (k, k), "b": (k, k), "c": k}, NUM_BLOCKS, model="m",
                               facts=ModelFacts(), block_size=16, chunk_size=16,
-                              checksum="xxh3-64")
-    assert checked.as_dict()["checksum"] == "xxh3-64" and checked.digest != mixed.digest
+                              checksum=CHECKSUM_NAME)
+    assert checked.as_dict()["checksum"] == CHECKSUM_NAME and checked.digest != mixed.digest
     # So are values named by another chunk-hash function.
     fast = describe_layout({"a": (k, k), "b": (k, k), "c": k}, NUM_BLOCKS, model="m",
                            facts=ModelFacts(), block_size=16, chunk_size=16,

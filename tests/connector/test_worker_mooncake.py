@@ -654,3 +654,25 @@ def test_checksum_detects_a_corrupted_value_and_recomputes(
     assert outcomes is not None and outcomes.outcomes == {"b": (80, 16)}
     (fin,) = [e for e in rep.drain() if isinstance(e, TransferFinished)]
     assert fin.ok is False and fin.error_name == "CHECKSUM_MISMATCH"
+
+
+def test_checksum_refuses_a_whole_value_found_under_another_key(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    """Chunk 0's whole value (its bytes and their digest, self-consistent) written under
+    chunk 1's key: the right size and a digest of the bytes that match, but the wrong KV for
+    chunk 1. The digest covers the key too, so the load is refused and recomputed."""
+    model = uniq("checksum-swap")
+    src = cpu_layout()
+    fill_random(src, 43)
+    hashes = chunk_hashes(tokens(64, 44), 32)
+    a = make_worker(engines[0], src, model, checksum=True)
+    save_request(a, "a", [0, 1, 2, 3], hashes)
+    keys = [str(PoolKey(normalize_model_name(model), a.layout_digest, TP0, h)) for h in hashes]
+    assert engines[0].store.upsert(keys[1], engines[0].store.get(keys[0])) == 0
+    dst = cpu_layout()
+    b = make_worker(engines[1], dst, model, checksum=True)
+    b.start_load_kv(load_meta("b", [8, 9, 10, 11], hashes, pool_tokens=64))
+    assert b.get_block_ids_with_load_errors() == {10, 11}
+    for s_blk, d_blk in ((0, 8), (1, 9)):
+        assert block_bytes(src, s_blk) == block_bytes(dst, d_blk)
+    assert b.counters.checksum_failures == 1

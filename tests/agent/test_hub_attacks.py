@@ -1,0 +1,176 @@
+"""Attacks on a keyed hub by holders of valid but lesser keys (another engine's agent key, a
+viewer key) and careless key handling, each against a real FleetHub with real CURVE keys and
+real sockets, asserting the attack had no effect."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from agent_testlib import FakeAgent, make_source
+
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent.auth import Role, authorize_key, generate_keys
+from kvpool_agent.cli import main
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandRequest,
+    DrainArgs,
+    FlushArgs,
+    StartFailure,
+    encode,
+)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def _wait(cond: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.02)
+
+
+def _agent_dir(tmp_path: Path, name: str, hub_keys: KeyPaths) -> KeyPaths:
+    """A fresh agent key pair with the hub's ``hub.key``, authorized on the hub."""
+    d = generate_keys(tmp_path / name, "agent")
+    (d.root / "hub.key").write_bytes(hub_keys.hub_public.read_bytes())
+    authorize_key(hub_keys.root, "agent", d.public("agent"), name)
+    return d
+
+
+def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Engine B's valid key reports a NEW agent id under engine A's id, with a start failure
+    (console: A FAILED, its other alerts hidden) and as a worker (A's engine flush would go to
+    it). Nothing of it is kept and no command reaches it; A's own key still reports."""
+    key_a = _agent_dir(tmp_path, "engine-a", fleet_keys["hub"])
+    key_b = _agent_dir(tmp_path, "engine-b", fleet_keys["hub"])
+    a = FakeAgent(ctx, hub_address, keys=key_a.client("agent"))
+    b = FakeAgent(ctx, hub_address, keys=key_b.client("agent"))
+    a.report(make_source("eng-a"))
+    _wait(lambda: "eng-a/dp0.tp0.pp0" in hub.fleet())
+    b.report(make_source("eng-b"))
+    _wait(lambda: "eng-b/dp0.tp0.pp0" in hub.fleet())
+    failure = StartFailure(ts_ms=time.time() * 1e3, name="PortInUse", message="forged")
+    for _ in range(20):
+        b.report(make_source("eng-a", tp=7), start_failure=failure)
+        time.sleep(0.01)
+    _wait(lambda: hub.takeover_refused >= 20)
+    assert hub.takeover_refused >= 20
+    assert sorted(hub.fleet()) == ["eng-a/dp0.tp0.pp0", "eng-b/dp0.tp0.pp0"]
+    assert all(st.start_failure is None for st, _ in hub.fleet().values())
+    with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as viewer:
+        (r,) = viewer.command("flush", flush=FlushArgs(scope="engine", engine_id="eng-a"),
+                              timeout_ms=500)
+    assert r.agent_id == "eng-a/dp0.tp0.pp0"
+    assert [c.command for c in a.drain(300)] == ["flush"] and b.drain(300) == []
+    # A's own key still adds agents to A.
+    a.report(make_source("eng-a", tp=1))
+    _wait(lambda: "eng-a/dp0.tp1.pp0" in hub.fleet())
+    assert "eng-a/dp0.tp1.pp0" in hub.fleet()
+
+
+def test_a_secret_key_others_may_read_or_a_symlinked_one_is_refused_in_one_line(
+    tmp_path: Path, fleet_keys: dict[Role, KeyPaths], hub_address: str,
+) -> None:
+    op = generate_keys(tmp_path / "op", "operator")
+    assert (op.secret("operator").stat().st_mode & 0o777) == 0o600
+    (op.root / "hub.key").write_bytes(fleet_keys["hub"].hub_public.read_bytes())
+    op.client("operator")  # 0600: accepted
+    op.secret("operator").chmod(0o640)
+    with pytest.raises(ValueError, match=r"mode 0640 .*chmod 600"):
+        op.client("operator")
+    with pytest.raises(ValueError, match="chmod 600"):
+        FleetClient(hub_address, keys_dir=op.root)
+    # A symlink to a 0600 secret: the link's target may change under the tool.
+    real = tmp_path / "real_secret"
+    op.secret("operator").rename(real)
+    real.chmod(0o600)
+    op.secret("operator").symlink_to(real)
+    with pytest.raises(ValueError, match="not a symlink"):
+        op.client("operator")
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    hub_dir.hub_secret.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        FleetHub(hub_address, authorized_keys_dir=hub_dir.authorized_dir,
+                 secret_key_file=hub_dir.hub_secret).start()
+
+
+@pytest.mark.parametrize("unsafe", ["file", "role_dir", "symlink"])
+def test_keys_others_may_write_into_authorized_keys_are_not_accepted(
+    tmp_path: Path, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]], unsafe: str,
+) -> None:
+    """A key file (or its directory) writable by group/others, or a symlink, in
+    ``authorized_keys/agent/``: whoever can write there could let in any key. The hub
+    refuses the key: the agent's connection registers nothing and is counted."""
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    agent = _agent_dir(tmp_path, "agent", hub_dir)
+    listed = hub_dir.authorized("agent") / "agent.key"
+    if unsafe == "file":
+        listed.chmod(0o666)
+    elif unsafe == "role_dir":
+        hub_dir.authorized("agent").chmod(0o777)
+    else:
+        target = tmp_path / "elsewhere.key"
+        listed.rename(target)
+        listed.symlink_to(target)
+    with FleetHub(hub_address, authorized_keys_dir=hub_dir.authorized_dir,
+                  secret_key_file=hub_dir.hub_secret) as hub:
+        fake = FakeAgent(ctx, hub_address, keys=agent.client("agent"))
+        for _ in range(5):
+            fake.report(make_source("sneaky"))
+        _wait(lambda: hub.refused_connections["agents"] >= 1)
+        assert hub.refused_connections["agents"] >= 1
+        assert hub.fleet() == {} and hub.reports == 0
+
+
+def test_a_viewers_endless_drains_do_not_block_operator_commands(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A viewer (read-only, P+2) asks a busy engine's agent for drains of 11 days (the hub
+    waiting 60 s). Before, each held one of the agent's two command threads for as long as a
+    save was in flight, so the operator's health never ran. Now a drain waits no longer than
+    the hub does, one at a time on its own thread: the operator's command is answered."""
+    src = make_source("busy", role="scheduler")
+    agent = start_agent(src, address=hub_address)
+    try:
+        agent.reporter.transfer_started("r1", "save", blocks=1, nbytes=1)  # never finishes
+        _wait(lambda: src.agent_id in hub.fleet()
+              and hub.fleet()[src.agent_id][0].in_flight != [])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        fleet_keys["viewer"].client("viewer").apply(dealer)
+        dealer.connect(hub.ports.commands)
+        for i in range(4):
+            dealer.send(encode(CommandRequest(
+                v=PROTOCOL_VERSION, seq=i + 1, request_id=f"slow-{i}", command="drain",
+                targets=[src.agent_id], drain=DrainArgs(timeout_ms=10**9), timeout_ms=60_000)))
+        _wait(lambda: hub.commands >= 4)
+        with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+            (r,) = op.command("health", targets=[src.agent_id], timeout_ms=3000)
+        assert r.ok and r.health is not None, r.error
+        dealer.close(linger=0)
+    finally:
+        agent.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_forget_after_that_forgets_all_or_nothing_is_one_line(
+    value: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--forget-after 0``/``-1`` would drop every agent each second (every engine gone from
+    every console), ``nan``/``inf`` would never forget one: refused before anything binds."""
+    assert main(["hub", "--forget-after", value]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvpool-agent hub: --forget-after:") and "above 0" in line
