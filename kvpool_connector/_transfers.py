@@ -505,11 +505,15 @@ class SaveQueue:
             return [(r, ts) for r, ts in per_req if r.req_id not in self._step_refused]
         self._step_refused = set()
         with self._lock:
+            idle = self._inflight_bytes == 0
             free = self.budget_bytes - self._inflight_bytes
         out = []
         for req, ts in per_req:
             cost = sum(t.nbytes for t in ts) * (n_layers or 1)
-            if cost <= free:
+            # With nothing in flight one save runs even if it exceeds the budget: a budget
+            # smaller than a request's save then slows saves to one at a time instead of
+            # skipping every request for ever.
+            if cost <= free or (idle and not out):
                 free -= cost
                 out.append((req, ts))
                 continue

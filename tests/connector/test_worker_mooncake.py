@@ -548,6 +548,25 @@ def test_save_budget_skips_saves_instead_of_queueing_them(
     assert skipped == [("b", 4, "SAVE_BUDGET")]
 
 
+def test_budget_below_one_save_still_saves_one_at_a_time(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    """A budget smaller than one request's save (``save_budget: 256`` means 256 bytes) slows
+    saves to one in flight instead of skipping every request."""
+    model = uniq("tiny-budget")
+    kv = cpu_layout()
+    fill_random(kv, 24)
+    w = make_worker(engines[0], kv, model, save_budget_bytes=256)
+    hashes = [chunk_hashes(tokens(64, 40 + i), 32) for i in range(2)]
+    for i, rid in enumerate(("a", "b")):
+        meta = save_meta(rid, [4 * i + j for j in range(4)], hashes[i])
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert w.drain_saves(10)  # nothing in flight before the next request
+    reader = make_worker(engines[1], cpu_layout(), model)
+    assert [reader.lookup_chunks(h) for h in hashes] == [2, 2]
+    assert w.counters.save_skipped_keys == 0
+
+
 def test_second_engine_does_not_store_chunks_again(engines: tuple[MooncakeBackend, ...]) -> None:
     model = uniq("dedupe")
     hashes = chunk_hashes(tokens(64, 20), 32)
