@@ -40,6 +40,7 @@ __all__ = [
     "ENGINES_PER_UPDATE",
     "LIVE_S",
     "MAX_AGENTS",
+    "MAX_FLEET_STATE_BYTES",
     "MAX_STATE_BYTES",
     "TAKEOVER_AFTER_S",
     "UPDATE_BUDGET_BYTES",
@@ -65,6 +66,12 @@ TAKEOVER_AFTER_S = 2.0
 
 MAX_AGENTS = 16_384
 """Agents the hub keeps; reports from further new agent ids are refused."""
+
+MAX_FLEET_STATE_BYTES = 256 << 20
+"""Encoded states the hub keeps over all agents (bytes); a report that would pass it is
+refused (``full``). 2,304 real agents hold ~10 MiB; without this bound one agent key could
+register thousands of near-``MAX_STATE_BYTES`` agents and grow the hub (and every console's
+snapshot) by gigabytes."""
 
 LIVE_S = 15.0
 """An agent heard from within this many seconds is live: commands without targets go to it."""
@@ -96,6 +103,7 @@ class Fleet:
         # Forgotten agent id -> when (ms since epoch); told to consoles so they drop it too.
         self._forgotten: dict[str, float] = {}
         self._forgotten_new: set[str] = set()
+        self._state_bytes = 0  # sum of the kept agents' encoded state sizes
         self._lock = threading.Lock()
 
     def accept(self, routing_id: bytes, rep: Report, identity: str = "") -> str | None:
@@ -113,7 +121,7 @@ class Fleet:
             ``None``, or why the report was refused: ``"takeover: ..."`` (the id is held by
             another live connection or identity, see the module docstring),
             ``"oversized: ..."`` (state over ``MAX_STATE_BYTES``) or ``"full: ..."`` (the fleet
-            holds ``MAX_AGENTS`` already).
+            holds ``MAX_AGENTS`` already, or the state would pass ``MAX_FLEET_STATE_BYTES``).
         """
         st = rep.state
         aid = st.source.agent_id
@@ -138,6 +146,11 @@ class Fleet:
             size = len(_state_encoder.encode(st))
             if size > MAX_STATE_BYTES:
                 return f"oversized: state of {aid!r} is {size} bytes > {MAX_STATE_BYTES}"
+            total = self._state_bytes - (ag.size if ag is not None else 0) + size
+            if total > MAX_FLEET_STATE_BYTES:
+                return (f"full: fleet state would be {total} bytes > {MAX_FLEET_STATE_BYTES}; "
+                        f"report of {aid!r} dropped")
+            self._state_bytes = total
             if ag is None:
                 ag = _Entry(state=st, last_seen_ms=now_ms, routing_id=routing_id,
                             first_seen_ms=now_ms)
@@ -179,7 +192,7 @@ class Fleet:
     def _drop(self, ids: list[str]) -> None:
         now_ms = time.time() * 1e3
         for k in ids:
-            del self._agents[k]
+            self._state_bytes -= self._agents.pop(k).size
             self._dirty.discard(k)
             self._forgotten[k] = now_ms
             self._forgotten_new.add(k)

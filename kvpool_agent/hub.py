@@ -194,7 +194,8 @@ class FleetHub:
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota),
     ``takeover_refused`` (reports for an id another live connection holds),
-    ``oversized_states`` (reports over ``MAX_STATE_BYTES``), ``rejected_replies`` (replies from
+    ``oversized_states`` (reports over ``MAX_STATE_BYTES``), ``fleet_full`` (reports refused
+    for ``MAX_AGENTS`` or ``MAX_FLEET_STATE_BYTES``), ``rejected_replies`` (replies from
     a connection the command was not sent to, unknown ids, repeats), ``forgotten``,
     ``bad_messages``, ``refused_connections`` (port name ``agents``/``pub``/``commands``/
     ``curve`` -> CURVE handshakes refused: no key, or a key not authorized for the port).
@@ -240,6 +241,7 @@ class FleetHub:
         self.busy = 0
         self.takeover_refused = 0
         self.oversized_states = 0
+        self.fleet_full = 0
         self.rejected_replies = 0
         self.forgotten = 0
         self.refused_connections: dict[str, int] = {}
@@ -532,6 +534,8 @@ class FleetHub:
                 self.takeover_refused += 1
             elif refused.startswith("oversized:"):
                 self.oversized_states += 1
+            elif refused.startswith("full:"):
+                self.fleet_full += 1
             self._bad("agents", refused)
             return
         self.reports += 1

@@ -16,7 +16,7 @@ import pytest
 import zmq
 from agent_testlib import FakeAgent, Spammer, make_source
 
-from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
 from kvpool_agent.auth import Role
 from kvpool_agent.hub import MAX_PENDING_PER_CONNECTION, OPERATOR_ONLY
 from kvpool_agent.protocol import (
@@ -155,6 +155,29 @@ def test_oversized_state_is_refused_and_snapshots_stay_decodable(
     assert all(len(e.state.in_flight) == 1_900 for e in fleet.values())
     assert len(in_snapshot) == 40 and len(sizes) >= 3
     assert sum(sizes) > 8_000_000 and max(sizes) < MAX_MESSAGE_BYTES
+
+
+def test_many_large_agents_cannot_grow_the_hub_past_its_fleet_budget(
+    hub: FleetHub, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One agent key registering agent after agent with large states: the hub keeps at most
+    ``MAX_FLEET_STATE_BYTES`` of state, refuses (and counts) the rest, and the agents it kept
+    go on reporting."""
+    one = len(encode(EngineState(source=make_source("big-00"), started_ms=0, ts_ms=0,
+                                 **_big_state(1_900))))  # type: ignore[arg-type]
+    monkeypatch.setattr(_fleet, "MAX_FLEET_STATE_BYTES", 5 * one + one // 2)
+    agents = [FakeAgent(ctx, hub_address) for _ in range(12)]
+    for i, f in enumerate(agents):
+        f.report(make_source(f"big-{i:02d}"), **_big_state(1_900))
+    _wait(lambda: hub.fleet_full == 7)
+    assert len(hub.fleet()) == 5 and hub.fleet_full == 7
+    kept = sorted(hub.fleet())
+    # A kept agent's next (smaller) report is accepted: the budget bounds, it does not freeze.
+    n = hub.reports
+    agents[int(kept[0][4:6])].report(make_source(kept[0].split("/")[0]), **_big_state(10))
+    _wait(lambda: hub.reports > n)
+    assert len(hub.fleet()[kept[0]][0].in_flight) == 10
 
 
 def test_a_read_only_flood_does_not_starve_the_operator(
