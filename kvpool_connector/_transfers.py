@@ -507,7 +507,7 @@ class SaveQueue:
         with self._lock:
             idle = self._inflight_bytes == 0
             free = self.budget_bytes - self._inflight_bytes
-        out = []
+        out: list[tuple[ReqMeta, list[Transfer]]] = []
         for req, ts in per_req:
             cost = sum(t.nbytes for t in ts) * (n_layers or 1)
             # With nothing in flight one save runs even if it exceeds the budget: a budget
