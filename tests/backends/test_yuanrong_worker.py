@@ -34,6 +34,7 @@ class Settings:
     layerwise_timeout_ms: int = 5_000
     save_budget_bytes: int = 64 << 20
     checksum: bool = False
+    hash_algo: str = "sha256"
 
 
 def backend_for(worker: LocalYuanrongWorker, **extra: object) -> YuanrongBackend:
