@@ -131,6 +131,9 @@ def _drive(address: str, engines: list[int], workers: int, rate: float, seconds:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     srcs = _sources(range(engines[0], engines[-1] + 1), workers)
+    # One socket per agent: past ZMQ's default of 1,023 sockets per context when a driver
+    # holds more than ~113 engines (bench_auth at full size with 2 drivers).
+    ctx.set(zmq.MAX_SOCKETS, len(srcs) + 64)
     keys = KeyPaths.of(keys_dir).client("agent") if keys_dir else None
     socks = []
     for s in srcs:
