@@ -38,7 +38,7 @@ from kvpool_agent import (  # noqa: E402
     start_agent,
 )
 from kvpool_agent.protocol import Source  # noqa: E402
-from kvpool_replay import LocalMooncakeMaster, free_port  # noqa: E402
+from kvpool_replay import LocalMooncakeMaster, free_port, free_port_block  # noqa: E402
 
 __all__ = ["main"]
 
@@ -47,24 +47,6 @@ KV_HEADS = 8
 HEAD_SIZE = 128
 BLOCK_BYTES_PER_LAYER = 2 * 16 * KV_HEADS * HEAD_SIZE * 2  # K+V, 16 tokens, bf16
 CHUNKS_PER_REQ = 4
-
-
-def _free_block(n: int = 4) -> int:
-    while True:
-        base = free_port()
-        if base + n < 65535 and all(_port_free(base + i) for i in range(1, n)):
-            return base
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _source(name: str) -> Source:
@@ -255,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="requests per round (4 chunks each)")
     args = ap.parse_args(argv)
 
-    hub_address = f"tcp://127.0.0.1:{_free_block()}"
+    hub_address = f"tcp://127.0.0.1:{free_port_block()}"
     nobody = f"tcp://127.0.0.1:{free_port()}"
     slow = _SlowListener()
     hub = FleetHub(hub_address).start()

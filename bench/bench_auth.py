@@ -35,9 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_console import _drive, _free_block, _watch
+from bench_console import _drive, _watch
 
 from kvpool_agent import FleetHub, local_fleet_keys
+from kvpool_replay import free_port_block
 
 __all__ = ["main"]
 
@@ -60,7 +61,7 @@ def _hub(address: str, keys_root: str | None, conn: Connection) -> None:
 def _round(args: argparse.Namespace, keys_root: str | None) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     agents = args.engines * (args.workers + 1)
-    address = f"tcp://127.0.0.1:{_free_block()}"
+    address = f"tcp://127.0.0.1:{free_port_block()}"
     parent, child = ctx.Pipe()
     hub = ctx.Process(target=_hub, args=(address, keys_root, child))
     hub.start()

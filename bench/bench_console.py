@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,30 +55,11 @@ from kvpool_agent.protocol import (
     TransferStats,
     encode,
 )
+from kvpool_replay import free_port_block
 
 __all__ = ["main"]
 
 _ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_block() -> int:
-    """First port of 4 consecutive free ports on 127.0.0.1 (the hub binds P..P+3)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
-        if p > 65_000:
-            continue
-        ok = True
-        for q in range(p + 1, p + 4):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    ok = False
-        if ok:
-            return p
-    raise RuntimeError("no 4 consecutive free ports")
 
 
 def _sources(engines: range, workers: int) -> list[Source]:
@@ -248,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                          "so frame time grows with the terminal, not with the fleet")
     args = ap.parse_args(argv)
     agents = args.engines * (args.workers + 1)
-    port = _free_block()
+    port = free_port_block()
     address = f"tcp://127.0.0.1:{port}"
     hub = subprocess.Popen([sys.executable, "-m", "kvpool_agent.cli", "--log-level", "WARNING",
                             "hub", "--address", address], cwd=_ROOT)

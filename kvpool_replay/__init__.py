@@ -25,6 +25,7 @@ from kvpool_replay._services import (
     LocalYuanrongWorker,
     engine_env,
     free_port,
+    free_port_block,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model
@@ -49,6 +50,7 @@ __all__ = [
     "default_trace_path",
     "engine_env",
     "free_port",
+    "free_port_block",
     "load_trace",
     "lru_hits",
     "mooncake_extra_config",

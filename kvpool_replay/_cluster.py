@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -41,6 +40,7 @@ from kvpool_replay._services import (
     LocalMooncakeMaster,
     LocalPoolStore,
     free_port,
+    free_port_block,
     stop_process_tree,
     use_local_pool_env,
 )
@@ -65,22 +65,6 @@ def _tiny_model_dir() -> Path:
 
 
 _ROLE_NAMES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "engine"}
-
-
-def _free_hub_address() -> str:
-    # The hub binds P..P+3: find a base whose three neighbours are free too.
-    for _ in range(50):
-        base = free_port()
-        if base + 3 > 65535:
-            continue
-        try:
-            for off in range(1, 4):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + off))
-        except OSError:
-            continue
-        return f"tcp://127.0.0.1:{base}"
-    raise RuntimeError("no four consecutive free TCP ports on 127.0.0.1 for the fleet hub")
 
 
 class DemoCluster:
@@ -191,7 +175,7 @@ class DemoCluster:
         use_local_pool_env()
         self.workdir.mkdir(parents=True, exist_ok=True)
         keys = local_fleet_keys(self.keys_root)
-        self.hub_address = _free_hub_address()
+        self.hub_address = f"tcp://127.0.0.1:{free_port_block(5)}"
         self._say(f"starting fleet hub on {self.hub_address} (CURVE keys on every port)")
         self._say(f"keys in {self.keys_root}/: hub/ (the hub's, with authorized_keys/), "
                   f"operator/ (kvpool-console --keys {self.keys_dir}), viewer/, agent/ "

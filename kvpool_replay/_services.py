@@ -35,6 +35,7 @@ __all__ = [
     "LocalYuanrongWorker",
     "engine_env",
     "free_port",
+    "free_port_block",
     "stop_process_tree",
     "tail_file",
 ]
@@ -53,6 +54,27 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_port_block(count: int = 5, host: str = "127.0.0.1") -> int:
+    """A port P with ``P..P+count-1`` all free on ``host`` a moment ago (a fleet hub binds P..P+3
+    and, with ``/metrics``, P+4).
+
+    Raises:
+        RuntimeError: no such block found in 50 tries.
+    """
+    for _ in range(50):
+        base = free_port(host)
+        if base + count - 1 > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free TCP ports on {host}")
 
 
 MC_BIND_ENV = "MC_TCP_BIND_ADDRESS"

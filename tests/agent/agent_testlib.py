@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -21,35 +20,13 @@ from kvpool_agent.protocol import (
     encode,
 )
 from kvpool_agent.vocabulary import AGENT_KEYS_ENV
+from kvpool_replay import free_port_block
 
 __all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "make_source"]
 
 ENV_KEYS = object()
 """``FakeAgent(keys=ENV_KEYS)``: the agent keys ``KVPOOL_AGENT_KEYS`` names, as a configured
 agent would use (none when it is unset)."""
-
-
-def free_port_block(n: int = 4) -> int:
-    """A port P with P..P+n-1 all free on 127.0.0.1 a moment ago."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no block of free ports")
 
 
 def make_source(engine: str = "e1", role: str = "worker", tp: int = 0, **kw: object) -> Source:

@@ -4,7 +4,6 @@ client (B's ``MooncakeBackend``) on the session ``mooncake_master``."""
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from kvpool_agent.protocol import Source
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
-from kvpool_replay import LocalMooncakeMaster, free_port
+from kvpool_replay import LocalMooncakeMaster, free_port_block
 
 LEASE_TTL_MS = 11_000
 DIGEST = "0123456789ab"
@@ -25,22 +24,8 @@ DIGEST = "0123456789ab"
 
 
 def hub_address() -> str:
-    """``tcp://127.0.0.1:P`` with P..P+3 free (the hub binds four consecutive ports)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            socks = []
-            for q in range(p, p + 4):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return f"tcp://127.0.0.1:{p}"
-    raise RuntimeError("no 4 consecutive free ports on 127.0.0.1")
+    """``tcp://127.0.0.1:P`` with P..P+4 free (the hub's ports and ``/metrics``)."""
+    return f"tcp://127.0.0.1:{free_port_block(5)}"
 
 
 @dataclass

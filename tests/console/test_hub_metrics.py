@@ -5,7 +5,6 @@ compared value by value with ``kvpool-console status --json`` of the same fleet.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from kvpool_agent.hub import FleetHub
 from kvpool_agent.vocabulary import HINTS
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_console.cli import main as console_main
-from kvpool_replay import LocalMooncakeMaster, free_port
+from kvpool_replay import LocalMooncakeMaster, free_port, free_port_block
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -268,20 +267,7 @@ def test_rules_and_dashboard_use_only_exported_hub_series(
 def test_hub_command_serves_metrics_on_p_plus_4(tmp_path: Path) -> None:
     """``kvpool-agent hub`` without ``--metrics-port`` serves /metrics on P+4 of its address;
     SIGTERM stops it cleanly."""
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for port in range(base, base + 5):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-        break
+    base = free_port_block(5)
     proc = subprocess.Popen([sys.executable, "-m", "kvpool_agent.cli", "hub", "--address",
                              f"tcp://127.0.0.1:{base}"], stderr=subprocess.PIPE, text=True)
     try:

@@ -27,6 +27,7 @@ from kvpool_replay import (
     LocalPoolStore,
     default_trace_path,
     free_port,
+    free_port_block,
     mooncake_extra_config,
 )
 from kvpool_replay._replay import spawn_engine
@@ -109,7 +110,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     from kvpool_replay._services import use_local_pool_env
 
     use_local_pool_env()
-    hub_address = f"tcp://127.0.0.1:{_four_ports()}"
+    hub_address = f"tcp://127.0.0.1:{free_port_block()}"
     hub = FleetHub(hub_address, snapshot_interval_s=0.5)
     hub.start()
     master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS, log_dir=tmp_path)
@@ -134,26 +135,6 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         store.stop()
         master.stop()
         hub.stop()
-
-
-def _four_ports() -> int:
-    import socket
-
-    for _ in range(50):
-        p = free_port()
-        socks = []
-        try:
-            for q in range(p, p + 4):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return p
-    raise RuntimeError("no 4 consecutive free ports")
 
 
 def test_swapped_role_is_named_and_clears_when_fixed(fleet: Fleet) -> None:

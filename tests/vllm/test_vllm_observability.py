@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
-from kvpool_replay import LocalMooncakeMaster, free_port
+from kvpool_replay import LocalMooncakeMaster, free_port_block
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +57,7 @@ def run(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathF
         "master_server_address": mooncake_master.address, "global_segment_size": "64MB",
         "local_buffer_size": "32MB", "store_mode": "standalone",
         "master_admin_url": mooncake_master.admin_url}))
-    with FleetHub(f"tcp://127.0.0.1:{_four_ports()}") as hub:
+    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as hub:
         ktc = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {"backend": "mooncake", "engine_id": "observed",
@@ -81,25 +81,6 @@ def run(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathF
                   if st.source.engine_id == "observed"}
         yield json.loads((work / "out.json").read_text()), states
     holder.close()
-
-
-def _four_ports() -> int:
-    import socket
-
-    for _ in range(50):
-        base, socks = free_port(), []
-        try:
-            for port in range(base, base + 4):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-        return base
-    raise RuntimeError("no 4 consecutive free ports")
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

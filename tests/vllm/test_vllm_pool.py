@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -51,7 +50,7 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
-from kvpool_replay import LocalMooncakeMaster, free_port
+from kvpool_replay import LocalMooncakeMaster, free_port_block
 
 pytestmark = pytest.mark.vllm
 
@@ -144,29 +143,10 @@ def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPath
     p.store.close()
 
 
-def _four_free_ports() -> int:
-    """A port P with P..P+3 all free on 127.0.0.1 a moment ago (the hub binds all four)."""
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for port in range(base, base + 4):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-        return base
-    raise RuntimeError("no 4 consecutive free ports for the fleet hub")
-
-
 @pytest.fixture(scope="module")
 def hub() -> Iterator[FleetHub]:
     """A real fleet hub the loading engine's agents report to (ports P..P+3)."""
-    with FleetHub(f"tcp://127.0.0.1:{_four_free_ports()}") as h:
+    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as h:
         yield h
 
 
