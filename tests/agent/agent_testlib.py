@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -22,7 +23,8 @@ from kvpool_agent.protocol import (
 from kvpool_agent.vocabulary import AGENT_KEYS_ENV
 from kvpool_replay import free_port_block
 
-__all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "make_source"]
+__all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "make_source",
+           "wait_until"]
 
 ENV_KEYS = object()
 """``FakeAgent(keys=ENV_KEYS)``: the agent keys ``KVPOOL_AGENT_KEYS`` names, as a configured
@@ -110,3 +112,11 @@ class Spammer:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def wait_until(cond: Callable[[], object], timeout_s: float = 10.0) -> None:
+    """Poll ``cond`` every 20 ms until it is true or ``timeout_s`` passed (the caller asserts
+    what it waited for, so a timeout fails with the real values)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from agent_testlib import free_port_block
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetHub, KeyPaths, local_fleet_keys
@@ -39,6 +40,14 @@ def fleet_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[Role, KeyPaths]
 def keys_dir(fleet_keys: dict[Role, KeyPaths]) -> Path:
     """The operator's keys directory (``hub.key``, ``operator.key_secret``)."""
     return fleet_keys["operator"].root
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A ZMQ context of the test's own, destroyed without lingering afterwards."""
+    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield c
+    c.destroy(linger=0)
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ real sockets, asserting the attack had no effect."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
-from agent_testlib import FakeAgent, make_source
+from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent.auth import Role, authorize_key, generate_keys
@@ -23,19 +22,6 @@ from kvpool_agent.protocol import (
     StartFailure,
     encode,
 )
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-def _wait(cond: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.02)
 
 
 def _agent_dir(tmp_path: Path, name: str, hub_keys: KeyPaths) -> KeyPaths:
@@ -58,14 +44,14 @@ def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
     a = FakeAgent(ctx, hub_address, keys=key_a.client("agent"))
     b = FakeAgent(ctx, hub_address, keys=key_b.client("agent"))
     a.report(make_source("eng-a"))
-    _wait(lambda: "eng-a/dp0.tp0.pp0" in hub.fleet())
+    wait_until(lambda: "eng-a/dp0.tp0.pp0" in hub.fleet())
     b.report(make_source("eng-b"))
-    _wait(lambda: "eng-b/dp0.tp0.pp0" in hub.fleet())
+    wait_until(lambda: "eng-b/dp0.tp0.pp0" in hub.fleet())
     failure = StartFailure(ts_ms=time.time() * 1e3, name="PortInUse", message="forged")
     for _ in range(20):
         b.report(make_source("eng-a", tp=7), start_failure=failure)
         time.sleep(0.01)
-    _wait(lambda: hub.takeover_refused >= 20)
+    wait_until(lambda: hub.takeover_refused >= 20)
     assert hub.takeover_refused >= 20
     assert sorted(hub.fleet()) == ["eng-a/dp0.tp0.pp0", "eng-b/dp0.tp0.pp0"]
     assert all(st.start_failure is None for st, _ in hub.fleet().values())
@@ -76,7 +62,7 @@ def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
     assert [c.command for c in a.drain(300)] == ["flush"] and b.drain(300) == []
     # A's own key still adds agents to A.
     a.report(make_source("eng-a", tp=1))
-    _wait(lambda: "eng-a/dp0.tp1.pp0" in hub.fleet())
+    wait_until(lambda: "eng-a/dp0.tp1.pp0" in hub.fleet())
     assert "eng-a/dp0.tp1.pp0" in hub.fleet()
 
 
@@ -129,7 +115,7 @@ def test_keys_others_may_write_into_authorized_keys_are_not_accepted(
         fake = FakeAgent(ctx, hub_address, keys=agent.client("agent"))
         for _ in range(5):
             fake.report(make_source("sneaky"))
-        _wait(lambda: hub.refused_connections["agents"] >= 1)
+        wait_until(lambda: hub.refused_connections["agents"] >= 1)
         assert hub.refused_connections["agents"] >= 1
         assert hub.fleet() == {} and hub.reports == 0
 
@@ -146,7 +132,7 @@ def test_a_viewers_endless_drains_do_not_block_operator_commands(
     agent = start_agent(src, address=hub_address)
     try:
         agent.reporter.transfer_started("r1", "save", blocks=1, nbytes=1)  # never finishes
-        _wait(lambda: src.agent_id in hub.fleet()
+        wait_until(lambda: src.agent_id in hub.fleet()
               and hub.fleet()[src.agent_id][0].in_flight != [])
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -156,7 +142,7 @@ def test_a_viewers_endless_drains_do_not_block_operator_commands(
             dealer.send(encode(CommandRequest(
                 v=PROTOCOL_VERSION, seq=i + 1, request_id=f"slow-{i}", command="drain",
                 targets=[src.agent_id], drain=DrainArgs(timeout_ms=10**9), timeout_ms=60_000)))
-        _wait(lambda: hub.commands >= 4)
+        wait_until(lambda: hub.commands >= 4)
         with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
             (r,) = op.command("health", targets=[src.agent_id], timeout_ms=3000)
         assert r.ok and r.health is not None, r.error

@@ -7,30 +7,16 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
-from agent_testlib import FakeAgent, make_source
+from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.protocol import PROTOCOL_VERSION, CommandRequest, FlushArgs, encode
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-def _wait(cond: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.02)
 
 
 def _client_dir(tmp_path: Path, name: str, role: Role, hub_keys: KeyPaths,
@@ -56,11 +42,11 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
         with caplog.at_level(logging.ERROR, logger="kvpool.agent"):
             real = start_agent(make_source("plain-agent", role="scheduler"), address=hub_address)
             try:
-                _wait(lambda: real.counters["handshakes_refused"] >= 1)
+                wait_until(lambda: real.counters["handshakes_refused"] >= 1)
                 counters = real.counters
             finally:
                 real.stop()
-    _wait(lambda: hub.refused_connections["agents"] >= 2)
+    wait_until(lambda: hub.refused_connections["agents"] >= 2)
     assert hub.fleet() == {} and hub.reports == 0 and hub.bad_messages == 0
     assert hub.refused_connections["agents"] >= 2
     assert {k: v for k, v in hub.refused_connections.items() if k != "agents"} == {
@@ -72,7 +58,7 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
     # Consoles see the count.
     with FleetClient(hub_address) as viewer:
         viewer.wait_for(0, 0)
-        _wait(lambda: viewer.updates(100) is not None and
+        wait_until(lambda: viewer.updates(100) is not None and
               viewer.refused_connections.get("agents", 0) >= 2)
         assert viewer.refused_connections["agents"] >= 2
 
@@ -88,7 +74,7 @@ def test_an_agent_key_not_in_the_allow_list_registers_nothing(
     try:
         for _ in range(5):
             fake.report(make_source("rogue-raw", role="scheduler"))
-        _wait(lambda: hub.refused_connections["agents"] >= 2
+        wait_until(lambda: hub.refused_connections["agents"] >= 2
               and real.counters["handshakes_refused"] >= 1)
         counters = real.counters
     finally:
@@ -126,7 +112,7 @@ def test_a_viewer_key_cannot_send_operator_commands(
     reply; on P+2 the same key is read-only."""
     worker = FakeAgent(ctx, hub_address)
     worker.report(make_source("w1"))
-    _wait(lambda: len(hub.fleet()) == 1)
+    wait_until(lambda: len(hub.fleet()) == 1)
     viewer_keys = fleet_keys["viewer"].client("viewer")
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -139,7 +125,7 @@ def test_a_viewer_key_cannot_send_operator_commands(
             flush=FlushArgs(scope=scope, engine_id="w1", dry_run=False),  # type: ignore[arg-type]
         )), zmq.NOBLOCK)
     assert not dealer.poll(1500)
-    _wait(lambda: hub.refused_connections["curve"] >= 1)
+    wait_until(lambda: hub.refused_connections["curve"] >= 1)
     assert hub.refused_connections["curve"] >= 1
     assert worker.drain(500) == [] and hub.commands == 0
     with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as viewer:
@@ -168,7 +154,7 @@ def test_a_viewer_reads_the_state_stream_and_a_keyless_console_gets_nothing(
         (r,) = anon.command("health", targets=["seen/dp0.tp0.pp0"], timeout_ms=200)
     assert not r.ok and r.agent_id == "hub" and "no answer from the hub" in (r.error or "")
     assert worker.drain(300) == [req] and hub.commands == 1
-    _wait(lambda: hub.refused_connections["pub"] >= 1 and
+    wait_until(lambda: hub.refused_connections["pub"] >= 1 and
           hub.refused_connections["commands"] >= 1)
     assert hub.refused_connections["pub"] >= 1 and hub.refused_connections["commands"] >= 1
 
@@ -187,7 +173,7 @@ def test_another_agent_key_cannot_take_a_live_id_and_the_same_key_reconnects(
     b = FakeAgent(ctx, hub_address, keys=key_b.client("agent"))
     forged = msgspec.structs.replace(src, pid=999_999, host="attacker")
     try:
-        _wait(lambda: src.agent_id in hub.fleet())
+        wait_until(lambda: src.agent_id in hub.fleet())
         deadline = time.monotonic() + 3.0  # longer than TAKEOVER_AFTER_S (2 s)
         while time.monotonic() < deadline:
             b.report(forged)
@@ -201,7 +187,7 @@ def test_another_agent_key_cannot_take_a_live_id_and_the_same_key_reconnects(
     restarted = msgspec.structs.replace(src, pid=src.pid + 1)
     second = start_agent(restarted, address=hub_address, keys_dir=key_a.root)
     try:
-        _wait(lambda: hub.fleet()[src.agent_id][0].source.pid == restarted.pid)
+        wait_until(lambda: hub.fleet()[src.agent_id][0].source.pid == restarted.pid)
         assert hub.fleet()[src.agent_id][0].source.pid == restarted.pid
     finally:
         second.stop()
@@ -214,11 +200,11 @@ def test_a_key_authorized_while_the_hub_runs_is_accepted_on_the_next_connection(
     before = start_agent(make_source("late", role="scheduler"), address=hub_address,
                          keys_dir=late.root)
     try:
-        _wait(lambda: before.counters["handshakes_refused"] >= 1)
+        wait_until(lambda: before.counters["handshakes_refused"] >= 1)
         assert hub.fleet() == {}
         authorize_key(fleet_keys["hub"].root, "agent", late.public("agent"), "late")
         # The agent connects again itself (every 5 s after a refused key).
-        _wait(lambda: "late/scheduler" in hub.fleet(), 15)
+        wait_until(lambda: "late/scheduler" in hub.fleet(), 15)
         assert "late/scheduler" in hub.fleet()
     finally:
         before.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from agent_testlib import FakeAgent, Spammer, make_source
+from agent_testlib import FakeAgent, Spammer, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
 from kvpool_agent.auth import Role
@@ -32,19 +32,6 @@ from kvpool_agent.protocol import (
 )
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-def _wait(cond: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.02)
-
-
 def test_a_live_agent_id_cannot_be_taken_over(
     hub: FleetHub, hub_address: str, keys_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
@@ -57,7 +44,7 @@ def test_a_live_agent_id_cannot_be_taken_over(
         with FleetClient(hub_address, keys_dir=keys_dir) as op:
             op.wait_for(1, 5)
             with Spammer(fake, forged):
-                _wait(lambda: hub.takeover_refused >= 20)
+                wait_until(lambda: hub.takeover_refused >= 20)
                 replies = [op.command("health", targets=[aid]) for _ in range(10)]
     finally:
         real.stop()
@@ -103,7 +90,7 @@ def test_replies_count_only_from_the_connection_asked_and_once(
         t.join()
     assert result[1][0].ok and result[1][0].agent_id == mute_src.agent_id
     assert rejected == 3
-    _wait(lambda: hub.rejected_replies == 4)
+    wait_until(lambda: hub.rejected_replies == 4)
     assert hub.rejected_replies == 4
     assert len(req.request_id) == 32 and int(req.request_id, 16) >= 0
     assert req.request_id != req2.request_id
@@ -131,7 +118,7 @@ def test_oversized_state_is_refused_and_snapshots_stay_decodable(
     big = [FakeAgent(ctx, hub_address) for _ in range(40)]
     for i, f in enumerate(big):
         f.report(make_source(f"big-{i:02d}"), **_big_state(1_900))
-    _wait(lambda: len(hub.fleet()) == 40 and hub.oversized_states == 1)
+    wait_until(lambda: len(hub.fleet()) == 40 and hub.oversized_states == 1)
     assert hub.oversized_states == 1 and "huge/dp0.tp0.pp0" not in hub.fleet()
     with FleetClient(hub_address) as c:
         sub = ctx.socket(zmq.SUB)
@@ -170,13 +157,13 @@ def test_many_large_agents_cannot_grow_the_hub_past_its_fleet_budget(
     agents = [FakeAgent(ctx, hub_address) for _ in range(12)]
     for i, f in enumerate(agents):
         f.report(make_source(f"big-{i:02d}"), **_big_state(1_900))
-    _wait(lambda: hub.fleet_full == 7)
+    wait_until(lambda: hub.fleet_full == 7)
     assert len(hub.fleet()) == 5 and hub.fleet_full == 7
     kept = sorted(hub.fleet())
     # A kept agent's next (smaller) report is accepted: the budget bounds, it does not freeze.
     n = hub.reports
     agents[int(kept[0][4:6])].report(make_source(kept[0].split("/")[0]), **_big_state(10))
-    _wait(lambda: hub.reports > n)
+    wait_until(lambda: hub.reports > n)
     assert len(hub.fleet()[kept[0]][0].in_flight) == 10
 
 
@@ -202,7 +189,7 @@ def test_a_read_only_flood_does_not_starve_the_operator(
                     v=PROTOCOL_VERSION, seq=i + 1, request_id=f"f{i}", command="health",
                     targets=[mute_src.agent_id], timeout_ms=60_000,
                 )))
-            _wait(lambda: hub.busy == 1024 - MAX_PENDING_PER_CONNECTION)
+            wait_until(lambda: hub.busy == 1024 - MAX_PENDING_PER_CONNECTION)
             (r,) = op.command("health", targets=[real.source.agent_id])
             (r2,) = ro.command("health", targets=[real.source.agent_id])
     finally:
