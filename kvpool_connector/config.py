@@ -57,7 +57,8 @@ class _ExtraFields(BaseModel):
     agent_keys: str | None = None
     lookup_breaker_failures: int = Field(default=3, ge=0)
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
-    save_budget: int | float | str = "256MB"
+    # Parsed by parse_size below, which refuses a bool (lax pydantic would read True as 1 byte).
+    save_budget: bool | int | float | str = "256MB"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
 
@@ -276,7 +277,7 @@ class KVPoolConfig(BaseModel):
         values: dict[str, Any] = fields.model_dump(
             exclude={"chunk_size", "engine_id", "instance_role", "save_budget"})
         try:
-            values["save_budget_bytes"] = parse_size(fields.save_budget)
+            values["save_budget_bytes"] = parse_size(cast("int | float | str", fields.save_budget))
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config.save_budget: {exc}") from None
         if values["save_budget_bytes"] <= 0:

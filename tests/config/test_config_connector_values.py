@@ -24,6 +24,7 @@ _BASE = {
 @pytest.mark.parametrize(("extra", "path", "says"), [
     ({"save_budget": -5}, "save_budget", "-5 is not a size"),
     ({"save_budget": 0}, "save_budget", "more than 0 bytes"),
+    ({"save_budget": True}, "save_budget", "True is not a size"),
     ({"lookup_timeout_ms": -1}, "lookup_timeout_ms", "greater than 0"),
     ({"save_budgt": "1MB"}, "save_budgt", "refuses it at start"),
 ])
