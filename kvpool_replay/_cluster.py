@@ -175,14 +175,16 @@ class DemoCluster:
         use_local_pool_env()
         self.workdir.mkdir(parents=True, exist_ok=True)
         keys = local_fleet_keys(self.keys_root)
-        self.hub_address = f"tcp://127.0.0.1:{free_port_block(5)}"
-        self._say(f"starting fleet hub on {self.hub_address} (CURVE keys on every port)")
+        port = free_port_block(5)
+        self.hub_address = f"tcp://127.0.0.1:{port}"
+        self._say(f"starting fleet hub on {self.hub_address} (CURVE keys on every port; "
+                  f"Prometheus metrics at http://127.0.0.1:{port + 4}/metrics)")
         self._say(f"keys in {self.keys_root}/: hub/ (the hub's, with authorized_keys/), "
                   f"operator/ (kvpool-console --keys {self.keys_dir}), viewer/, agent/ "
                   "(the engines')")
         hub = FleetHub(self.hub_address, authorized_keys_dir=keys["hub"].authorized_dir,
                        secret_key_file=keys["hub"].hub_secret,
-                       audit_file=self.workdir / "audit.jsonl")
+                       audit_file=self.workdir / "audit.jsonl", metrics_port=port + 4)
         hub.start()
         self.hub = hub
         self.master = LocalMooncakeMaster(

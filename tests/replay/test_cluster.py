@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent import FleetClient
 from kvpool_replay import DEMO_SHAPE, DemoCluster, default_trace_path
@@ -107,6 +109,15 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             assert by_engine["decode-1"]["hit_rate"] > 0.5
             pool_bytes = 600_000 * DEMO_SHAPE.bytes_per_token
             assert by_engine["decode-1"]["segment_total_bytes"] >= pool_bytes
+
+            # The demo's hub serves Prometheus metrics on P+4 (127.0.0.1: a keyed hub).
+            port = int(cluster.hub_address.rsplit(":", 1)[1]) + 4
+            scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            samples = {(s.name, s.labels.get("engine", "")): s.value
+                       for fam in text_string_to_metric_families(scrape) for s in fam.samples}
+            assert samples[("kvpool_fleet_engines", "")] == len(status["engines"])
+            info = {e for (name, e) in samples if name == "kvpool_engine_info"}
+            assert {"prefill-0", "decode-1", "engine-2"} <= info
 
             replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
                                      timeout_ms=10_000)
