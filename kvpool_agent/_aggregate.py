@@ -176,6 +176,11 @@ class Aggregator:
 
     def _on_lookup(self, ev: Lookup) -> None:
         lk = self.lookup
+        # Every request asked about counts its prompt, looked up or not (one hit-rate
+        # denominator); hits are counted when a load's outcome is known (Loaded).
+        lk.prompt_tokens += ev.prompt_tokens
+        lk.local_tokens += ev.local_tokens
+        self._hits.add(ev.ts_ms, ev.prompt_tokens, 0)
         if ev.skipped is not None:
             lk.lookup_skipped += 1
             lk.skipped_by_reason[ev.skipped] = lk.skipped_by_reason.get(ev.skipped, 0) + 1
@@ -189,10 +194,6 @@ class Aggregator:
                             req_id=ev.req_id)
             )
             return
-        lk.prompt_tokens += ev.prompt_tokens
-        lk.local_tokens += ev.local_tokens
-        # Hits are counted when a load's outcome is known (Loaded), not on the offer.
-        self._hits.add(ev.ts_ms, ev.prompt_tokens, 0)
         self._lookup_ms[ev.req_id] = ev.ts_ms
         self._lookup_ms.move_to_end(ev.req_id)
         if len(self._lookup_ms) > _LOOKUP_TIMES:

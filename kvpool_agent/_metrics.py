@@ -99,7 +99,7 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[list[EngineState]], float]], .
      lambda g: sum(s.lookup.lookups for s in g)),
     ("kvpool_lookup_errors", "Prefix lookups that failed (the request ran without the pool).",
      lambda g: sum(s.lookup.lookup_errors for s in g)),
-    ("kvpool_prompt_tokens", "Prompt tokens of looked-up requests.",
+    ("kvpool_prompt_tokens", "Prompt tokens of requests the scheduler was asked about.",
      lambda g: sum(s.lookup.prompt_tokens for s in g)),
     ("kvpool_local_hit_tokens", "Prompt tokens vLLM's local prefix cache already held.",
      lambda g: sum(s.lookup.local_tokens for s in g)),

@@ -157,12 +157,15 @@ class LookupStats(msgspec.Struct, kw_only=True):
     """Scheduler-side prefix lookups (``get_num_new_matched_tokens``), counters since start.
 
     ``hit_rate`` = ``pool_hit_tokens / prompt_tokens`` since start; ``hit_rate_1m`` the same
-    over the last 60 s (0.0 when nothing was looked up). ``local_tokens`` are the prompt tokens
+    over the last 60 s (0.0 when nothing was looked up). ``prompt_tokens`` counts every request
+    the scheduler was asked about (once per waiting period: looked up, skipped or failed).
+    ``local_tokens`` are the prompt tokens
     vLLM already had in its own prefix cache; ``loaded_tokens`` those actually loaded, and
     ``pool_hit_tokens`` the same (a hit is what a request loaded, counted once per load);
     ``load_failed_tokens`` were accepted from the pool but failed to load (recomputed).
     ``lookup_skipped`` counts lookups not made, by reason in ``skipped_by_reason``
-    (``MULTIMODAL``, ``BREAKER_OPEN``).
+    (``MULTIMODAL``, ``BREAKER_OPEN``, ``LOCAL_CACHE``: vLLM's own cache held every whole chunk,
+    ``SHORT_PROMPT``: no whole chunk before the last token).
     """
 
     lookups: int = 0

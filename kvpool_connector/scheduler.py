@@ -69,11 +69,15 @@ class PrefixLookup(Protocol):
 class LookupCounters:
     """Scheduler-side totals since start (tokens unless named otherwise).
 
-    ``pool_hit_tokens`` and ``loaded_tokens`` count what loads really brought in, once per
-    load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load failed to
-    bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``: by
-    reason, ``MULTIMODAL`` or ``BREAKER_OPEN``); ``lookup_cached`` repeated asks answered from
-    the request's cached lookup.
+    ``prompt_tokens`` and ``local_tokens`` count every request vLLM asks about, once per
+    waiting period, whether looked up, skipped or failed (the request-level hit rate's
+    denominator). ``pool_hit_tokens`` and ``loaded_tokens`` count what loads really brought in,
+    once per load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load
+    failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
+    by reason, ``MULTIMODAL``, ``BREAKER_OPEN``, ``LOCAL_CACHE`` when vLLM's own prefix
+    cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
+    before its last token); ``lookup_cached`` repeated asks answered from the
+    request's cached lookup.
     """
 
     lookups: int = 0
@@ -219,6 +223,8 @@ class KVPoolScheduler:
         """Count and report a lookup not made for ``reason``."""
         c = self.counters
         c.lookup_skipped += 1
+        c.prompt_tokens += prompt_len
+        c.local_tokens += local
         c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
         self.reporter.lookup(rid, prompt_len, local, 0, 0.0, skipped=reason)
         return 0, False
@@ -245,8 +251,6 @@ class KVPoolScheduler:
         prompt_len = len(request.prompt_token_ids or [])
         # The last prompt token is always computed by vLLM: it yields the first logits.
         max_chunks = max(0, prompt_len - 1) // self.chunk_size
-        if max_chunks * self.chunk_size <= num_computed_tokens:
-            return 0, False
         cached = self._lookup_cache.get(rid)
         if (cached is not None and cached.num_tokens == request.num_tokens
                 and cached.local_tokens == num_computed_tokens
@@ -257,7 +261,12 @@ class KVPoolScheduler:
             if cached.spec is not None:
                 self._load_specs[rid] = replace(cached.spec)
             return cached.answer
-        answer = self._lookup(request, prompt_len, max_chunks, num_computed_tokens)
+        if max_chunks * self.chunk_size <= num_computed_tokens:
+            # Counted all the same: its prompt belongs in the request-level hit rate.
+            reason = "LOCAL_CACHE" if num_computed_tokens else "SHORT_PROMPT"
+            answer = self._skip(rid, prompt_len, num_computed_tokens, reason)
+        else:
+            answer = self._lookup(request, prompt_len, max_chunks, num_computed_tokens)
         spec = self._load_specs.get(rid)
         self._lookup_cache[rid] = _CachedLookup(request.num_tokens, num_computed_tokens, answer,
                                                 replace(spec) if spec is not None else None)

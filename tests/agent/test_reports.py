@@ -99,7 +99,8 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         rep.loaded("req-gone", 0, CHUNK)  # the scheduler's count: nothing of it loaded
         # A lookup the store could not answer.
         rep.lookup("req-err", 512, 0, 0, 2.0, error="RPC_FAIL: master unreachable")
-        # Lookups not made: counted apart, by reason, never as lookups or prompt tokens.
+        # Lookups not made: counted apart, by reason, never as lookups; their prompts count
+        # (recomputed), as the failed lookup's does.
         rep.lookup("req-mm", 300, 0, 0, 0.0, skipped="MULTIMODAL")
         rep.lookup("req-open", 300, 0, 0, 0.0, skipped="BREAKER_OPEN")
 
@@ -113,12 +114,13 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
                 and s.pool.keys >= 4,
             )
         lk = st.lookup
-        assert lk.prompt_tokens == len(prompt) + 2 * CHUNK
+        prompts = len(prompt) + 2 * CHUNK + 512 + 300 + 300
+        assert lk.prompt_tokens == prompts
         assert lk.local_tokens == CHUNK
         # A hit is what was loaded; the failed load's tokens are counted apart.
         assert lk.pool_hit_tokens == lk.loaded_tokens == 4 * CHUNK
         assert lk.load_failed_tokens == CHUNK
-        assert abs(lk.hit_rate - 4 * CHUNK / (len(prompt) + 2 * CHUNK)) < 1e-9
+        assert abs(lk.hit_rate - 4 * CHUNK / prompts) < 1e-9
         assert abs(lk.hit_rate_1m - lk.hit_rate) < 1e-9
         assert lk.lookup_errors == 1
         assert lk.lookup_skipped == 2

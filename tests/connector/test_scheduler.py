@@ -56,7 +56,7 @@ class Engine:
     """Scheduler + lookup server + worker of one engine, like vLLM wires them."""
 
     def __init__(self, backend: MooncakeBackend, port: int, role: str = "kv_both",
-                 **extra: Any) -> None:
+                 timeout_ms: int = 3000, **extra: Any) -> None:
         self.model = f"test/sched-{uuid.uuid4().hex[:8]}"
         self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port, **extra}, kv_role=role,
                                               block_size=BLOCK, model=self.model)
@@ -68,7 +68,7 @@ class Engine:
         _ALIVE.append((kv, self.worker))
         self.server = LookupServer(self.worker.lookup_chunks, lookup_rpc_port=port)
         self.reporter = Reporter()
-        client = LookupClient(lookup_rpc_port=port, timeout_ms=3000)
+        client = LookupClient(lookup_rpc_port=port, timeout_ms=timeout_ms)
         self.sched = KVPoolScheduler(self.config, client, self.reporter)
 
     def store(self, prompt: list[int], chunks: int, extra: bytes = b"") -> None:
@@ -135,15 +135,22 @@ def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine
     engine.store(short, 1)
     assert engine.sched.get_num_new_matched_tokens(_request("r5", short), 0) == (0, False)
 
+    # Nothing beyond the local hit to look up: no lookup, but the prompt still counts.
+    assert engine.sched.get_num_new_matched_tokens(_request("r6", prompt), 64) == (0, False)
+
     events = [e for e in engine.reporter.drain() if isinstance(e, Lookup)]
-    assert [(e.req_id, e.prompt_tokens, e.local_tokens, e.pool_tokens, e.error)
+    assert [(e.req_id, e.prompt_tokens, e.local_tokens, e.pool_tokens, e.error, e.skipped)
             for e in events] == [
-        ("r1", 70, 0, 48, None), ("r2", 70, 16, 32, None), ("r3", 70, 48, 0, None),
-        ("r4", 64, 0, 48, None),
+        ("r1", 70, 0, 48, None, None), ("r2", 70, 16, 32, None, None),
+        ("r3", 70, 48, 0, None, None), ("r4", 64, 0, 48, None, None),
+        ("r5", 16, 0, 0, None, "SHORT_PROMPT"), ("r6", 70, 64, 0, None, "LOCAL_CACHE"),
     ]
-    assert all(e.latency_ms > 0 for e in events)
+    assert all(e.latency_ms > 0 for e in events if e.skipped is None)
     # An offer is not a hit: nothing was loaded yet.
-    assert engine.sched.counters.lookups == 4 and engine.sched.counters.pool_hit_tokens == 0
+    c = engine.sched.counters
+    assert (c.lookups, c.lookup_skipped, c.pool_hit_tokens) == (4, 2, 0)
+    assert (c.prompt_tokens, c.local_tokens) == (70 * 4 + 64 + 16, 16 + 48 + 64)
+    assert c.skip_reasons == {"SHORT_PROMPT": 1, "LOCAL_CACHE": 1}
 
 
 def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
@@ -330,7 +337,9 @@ def test_store_failure_is_reported_not_a_silent_miss(
     b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
         "master_server_address": fresh_mooncake_master.address, "global_segment_size": "16MB",
         "local_buffer_size": "4MB"}}))
-    e = Engine(b, 7205)
+    # The client waits longer than the store's own RPC retries to a dead master, so the
+    # store's failure (not the client's timeout) is what this test sees, even on a busy host.
+    e = Engine(b, 7205, timeout_ms=30_000)
     try:
         prompt = _prompt(40, 9)
         e.store(prompt, 2)
