@@ -72,6 +72,9 @@ _PROCESS_INTERVAL_S = 1.0
 _POOL_INTERVAL_S = 2.0
 _SEND_HWM = 64
 _MAX_PENDING_COMMANDS = 8
+_OPERATOR_RESERVE = 2
+# Of the pending slots, those only commands that need the operator key may take (the hub checks
+# the key): read-only commands from any number of viewers never starve a flush or a probe.
 # Frames up to this size are read and then refused by ``decode`` (and counted); larger ones
 # make ZMQ drop the connection before buffering them, which bounds the agent's memory.
 _MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
@@ -132,6 +135,8 @@ class _Agent:
         self._http: httpx.Client | None = None
         self._pool_future: cf.Future[PoolStats] | None = None
         self._cmd_exec = cf.ThreadPoolExecutor(2, thread_name_prefix="kvpool-agent-cmd")
+        # Operator commands run on their own thread: slow read-only ones cannot hold it.
+        self._op_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-op")
         # Drains wait on the engine's saves (read-only consoles may ask for them): one at a
         # time on their own thread, so they never hold the threads health and flush run on.
         self._drain_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-drain")
@@ -277,7 +282,8 @@ class _Agent:
 
     def _start_command(self, req: CommandRequest) -> None:
         self._pending = {f for f in self._pending if not f.done()}
-        if len(self._pending) >= _MAX_PENDING_COMMANDS:
+        operator = _needs_operator_key(req)
+        if len(self._pending) >= _MAX_PENDING_COMMANDS - (0 if operator else _OPERATOR_RESERVE):
             self._outbox.append(
                 self.commands.reply(req, ok=False, error="agent busy: too many commands")
             )
@@ -289,7 +295,8 @@ class _Agent:
                 return
             fut = self._drain = self._drain_exec.submit(self.commands.run, req)
         else:
-            fut = self._cmd_exec.submit(self.commands.run, req)
+            pool = self._op_exec if operator else self._cmd_exec
+            fut = pool.submit(self.commands.run, req)
         self._pending.add(fut)
         fut.add_done_callback(self._on_command_done)
 
@@ -370,6 +377,7 @@ class _Agent:
 
     def _close(self) -> None:
         self._cmd_exec.shutdown(wait=False, cancel_futures=True)
+        self._op_exec.shutdown(wait=False, cancel_futures=True)
         self._pool_exec.shutdown(wait=False, cancel_futures=True)
         self._drain_exec.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(zmq.ZMQError):
@@ -538,3 +546,11 @@ def start_agent(
             AGENT_ADDRESS_ENV,
         )
         return AgentHandle(NullReporter(), source)
+
+
+def _needs_operator_key(req: CommandRequest) -> bool:
+    """A flush that removes keys or a health probe (the hub refuses both without the operator
+    key; ``kvpool_agent.hub``)."""
+    if req.command == "flush":
+        return req.flush is None or not req.flush.dry_run
+    return req.command == "health" and req.probe

@@ -3,9 +3,11 @@ keys (checked with the master's /get_all_keys), authorisation by CURVE key, heal
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from kvpool_agent import (
 from kvpool_agent.hub import OPERATOR_ONLY
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
+    CommandReply,
     DrainArgs,
     DrainResult,
     FlushArgs,
@@ -410,3 +413,59 @@ def test_the_health_probe_removes_only_its_own_exact_key(
     finally:
         for k in others:
             mooncake_backend.remove_by_scope(f"^{re.escape(k)}$", dry_run=False, force=True)
+
+
+class _SlowHealth(_DrainOnly):
+    """Health checks that hang until released (a pool client stuck on a dead master); flush
+    answers at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.flushes: list[FlushArgs] = []
+
+    def health(self) -> list[HealthCheck]:
+        self.release.wait(30)
+        return [HealthCheck(name="client", ok=True, latency_ms=1.0, detail="released")]
+
+    def flush(self, args: FlushArgs) -> FlushResult:
+        self.flushes.append(args)
+        return FlushResult(dry_run=args.dry_run, keys=0, bytes=0)
+
+
+def test_viewers_filling_an_agent_never_starve_an_operator_flush(
+    hub: FleetHub, hub_address: str, keys_dir: Path,
+) -> None:
+    ops = _SlowHealth()
+    agent = start_agent(make_source("eng-q"), address=hub_address, operations=ops)
+    target = [agent.source.agent_id]
+
+    def viewer_health() -> CommandReply:
+        with FleetClient(hub_address) as viewer:
+            (r,) = viewer.command("health", targets=target, timeout_ms=20_000)
+            return r
+
+    try:
+        with FleetClient(hub_address, keys_dir=keys_dir) as op, \
+                cf.ThreadPoolExecutor(8) as pool:
+            op.wait_for(1, 5)
+            hung = [pool.submit(viewer_health) for _ in range(8)]
+            # 6 of the agent's 8 slots take read-only commands; the rest are refused at once.
+            first = cf.as_completed(hung, timeout=15)
+            busy = [next(first).result() for _ in range(2)]
+            assert [(r.ok, r.error) for r in busy] == [
+                (False, "agent busy: too many commands")] * 2
+            assert sum(f.done() for f in hung) == 2
+            # The operator's flush runs now, on its own slot and thread, while health hangs.
+            (r,) = op.command("flush", targets=target, timeout_ms=5_000,
+                              flush=FlushArgs(scope="engine", engine_id="eng-q", dry_run=False))
+            assert r.ok and r.flush == FlushResult(dry_run=False, keys=0, bytes=0)
+            assert [f.scope for f in ops.flushes] == ["engine"]
+            assert sum(f.done() for f in hung) == 2
+            ops.release.set()
+            done = [f.result(timeout=30) for f in hung]
+            assert sorted((r.ok, r.error) for r in done) == [
+                (False, "agent busy: too many commands")] * 2 + [(True, None)] * 6
+    finally:
+        ops.release.set()
+        agent.stop()
