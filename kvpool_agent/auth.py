@@ -19,7 +19,8 @@ Roles (``ROLES``) and what a holder of the role's key may do:
 A hub's keys directory (``kvpool-agent hub --keys DIR``)::
 
     DIR/hub.key, DIR/hub.key_secret
-    DIR/authorized_keys/agent/*.key      public keys allowed on P
+    DIR/authorized_keys/agent/*.key      public keys allowed on P; ENGINE.engine.key only
+                                         for engine id ENGINE (``bound_engine``)
     DIR/authorized_keys/viewer/*.key     allowed on P+1 and P+2 (operator keys are too)
     DIR/authorized_keys/operator/*.key   allowed on P+1, P+2 and P+3
 
@@ -49,6 +50,7 @@ __all__ = [
     "KeyPaths",
     "Role",
     "authorize_key",
+    "bound_engine",
     "generate_keys",
     "local_fleet_keys",
 ]
@@ -59,6 +61,10 @@ CLIENT_ROLES: tuple[Role, ...] = ("operator", "viewer", "agent")
 """Roles whose public keys a hub lists in ``authorized_keys/<role>/``."""
 
 log = logging.getLogger("kvpool.hub")
+
+ENGINE_KEY_SUFFIX = ".engine"
+"""An agent key named ``authorized_keys/agent/<engine id>.engine.key`` reports only for that
+engine; any other name is a fleet-wide agent key."""
 
 _OLD_LAYOUT = (
     "keys dir {root} has the old layout (server.key: hub and operator keys in one dir); make "
@@ -246,15 +252,26 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
 
 
 def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
-                  name: str | None = None) -> Path:
+                  name: str | None = None, engine: str | None = None) -> Path:
     """Copy ``public_key`` (a ``ROLE.key`` file) into the hub's ``authorized_keys/ROLE/`` as
-    ``NAME.key`` (default: the file's own name); returns the new path.
+    ``NAME.key`` (default: the file's own name); returns the new path. With ``engine`` (an
+    agent key only), the file is ``ENGINE.engine.key``: the hub accepts that key's reports
+    only for engine id ``ENGINE``.
 
     Raises:
-        ValueError: ``role`` is not a client role, or the file holds no public key.
+        ValueError: ``role`` is not a client role, ``engine`` is given for another role or is
+            no file name, or the file holds no public key.
     """
     if role not in CLIENT_ROLES:
         raise ValueError(f"role {role!r}: expected one of {', '.join(CLIENT_ROLES)}")
+    if engine is not None:
+        if role != "agent" or name is not None:
+            raise ValueError("--engine binds an agent key (--role agent) and names its file; "
+                             "drop --name")
+        if not engine or "/" in engine or engine.startswith((".", "-")):
+            raise ValueError(f"--engine {engine!r}: give the engine id the agents report "
+                             "(kv_connector_extra_config.engine_id), without '/'")
+        name = engine + ENGINE_KEY_SUFFIX
     src = Path(public_key)
     _load(src, secret=False, fix="give a public key file made by kvpool-agent keygen")
     dest_dir = KeyPaths.of(hub_root).authorized(role)
@@ -263,6 +280,15 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
     shutil.copyfile(src, dest)
     os.chmod(dest, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
     return dest
+
+
+def bound_engine(key_name: str) -> str | None:
+    """The engine id an agent key may report for, from its ``AllowList.name``
+    (``agent/prefill-0.engine`` -> ``prefill-0``); ``None``: a fleet-wide key."""
+    stem = key_name.rpartition("/")[2]
+    if stem.endswith(ENGINE_KEY_SUFFIX) and len(stem) > len(ENGINE_KEY_SUFFIX):
+        return stem[: -len(ENGINE_KEY_SUFFIX)]
+    return None
 
 
 def local_fleet_keys(root: str | Path) -> dict[Role, KeyPaths]:

@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("hub_dir", metavar="HUB_DIR", help="the hub's keys directory")
     a.add_argument("key", metavar="KEY", help="a public key file (ROLE.key)")
     a.add_argument("--name", help="file name in authorized_keys/ROLE/ (default: KEY's own)")
+    a.add_argument("--engine", metavar="ENGINE_ID",
+                   help="agent keys: accept this key's reports only for engine ENGINE_ID "
+                   "(file ENGINE_ID.engine.key); without it an agent key reports for any engine")
 
     s = sub.add_parser("store", help="standalone agent beside a store, reporting pool stats")
     s.add_argument(
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "keygen":
             return _keygen(args.role, args.dir, args.force)
         if args.cmd == "authorize":
-            dest = authorize_key(args.hub_dir, args.role, args.key, args.name)
+            dest = authorize_key(args.hub_dir, args.role, args.key, args.name, args.engine)
             print(f"authorized {args.role} key: {dest} (takes effect on the next connection)")
             return 0
         if args.cmd == "hub":

@@ -59,7 +59,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
 from kvpool_agent._metrics import FleetCollector, MetricsServer
-from kvpool_agent.auth import AllowList, Role, _check_private
+from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -528,7 +528,7 @@ class FleetHub:
                 self._bad("agents", f"unexpected {type(msg).__name__} from an agent")
 
     def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
-        refused = self._fleet.accept(rid, rep, identity)
+        refused = self._bound_elsewhere(rep, identity) or self._fleet.accept(rid, rep, identity)
         if refused is not None:
             if refused.startswith("takeover:"):
                 self.takeover_refused += 1
@@ -540,6 +540,17 @@ class FleetHub:
             return
         self.reports += 1
         self.seq_tracker.observe(rep.state.source.agent_id, rep.seq)
+
+    def _bound_elsewhere(self, rep: Report, identity: str) -> str | None:
+        """Why a report from an engine-bound agent key names another engine, else ``None``."""
+        if self.allow is None:
+            return None
+        name = self.allow.name(_PORT_DOMAIN["agents"], identity.encode()) or ""
+        engine = bound_engine(name)
+        if engine is None or engine == rep.state.source.engine_id:
+            return None
+        return (f"takeover: key {name} is bound to engine {engine!r}; report for "
+                f"{rep.state.source.engine_id!r} dropped")
 
     # -- consoles ----------------------------------------------------------------------------
 

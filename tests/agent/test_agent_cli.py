@@ -61,6 +61,17 @@ def test_keygen_writes_one_role_and_refuses_to_overwrite(
     assert (hub / "authorized_keys/operator/alice.key").read_bytes() == (
         op / "operator.key").read_bytes()
     assert not list(hub.rglob("*.key_secret"))[1:]  # the hub's own secret only
+    # An agent key bound to one engine; --engine on another role is one line, exit 2.
+    ag = tmp_path / "ag"
+    assert main(["keygen", "--role", "agent", str(ag)]) == 0
+    assert main(["authorize", "--role", "agent", str(hub), str(ag / "agent.key"),
+                 "--engine", "prefill-0"]) == 0
+    assert (hub / "authorized_keys/agent/prefill-0.engine.key").is_file()
+    capsys.readouterr()
+    assert main(["authorize", "--role", "viewer", str(hub), str(ag / "agent.key"),
+                 "--engine", "prefill-0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--engine binds an agent key" in err
     assert main(["hub", "--address", "udp://x", "--keys", str(hub)]) == 2
 
 

@@ -24,12 +24,40 @@ from kvpool_agent.protocol import (
 )
 
 
-def _agent_dir(tmp_path: Path, name: str, hub_keys: KeyPaths) -> KeyPaths:
-    """A fresh agent key pair with the hub's ``hub.key``, authorized on the hub."""
+def _agent_dir(tmp_path: Path, name: str, hub_keys: KeyPaths,
+               engine: str | None = None) -> KeyPaths:
+    """A fresh agent key pair with the hub's ``hub.key``, authorized on the hub (fleet-wide,
+    or bound to ``engine``)."""
     d = generate_keys(tmp_path / name, "agent")
     (d.root / "hub.key").write_bytes(hub_keys.hub_public.read_bytes())
-    authorize_key(hub_keys.root, "agent", d.public("agent"), name)
+    authorize_key(hub_keys.root, "agent", d.public("agent"),
+                  name if engine is None else None, engine)
     return d
+
+
+def test_an_engine_bound_agent_key_reports_only_for_its_engine(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A key authorized with ``--engine eng-p`` cannot claim an engine nobody has reported
+    yet (no live owner to protect it): its reports for ``eng-new`` are dropped and counted;
+    for its own engine they are kept."""
+    bound = _agent_dir(tmp_path, "bound", fleet_keys["hub"], engine="eng-p")
+    assert (fleet_keys["hub"].authorized("agent") / "eng-p.engine.key").is_file()
+    agent = FakeAgent(ctx, hub_address, keys=bound.client("agent"))
+    failure = StartFailure(ts_ms=time.time() * 1e3, name="PortInUse", message="forged")
+    for _ in range(5):
+        agent.report(make_source("eng-new"), start_failure=failure)
+        time.sleep(0.01)
+    wait_until(lambda: hub.takeover_refused >= 5)
+    assert hub.takeover_refused == 5 and hub.fleet() == {}
+    agent.report(make_source("eng-p"))
+    wait_until(lambda: "eng-p/dp0.tp0.pp0" in hub.fleet())
+    assert sorted(hub.fleet()) == ["eng-p/dp0.tp0.pp0"] and hub.takeover_refused == 5
+    with pytest.raises(ValueError, match="--engine binds an agent key"):
+        authorize_key(fleet_keys["hub"].root, "viewer", bound.public("agent"), engine="eng-p")
+    with pytest.raises(ValueError, match="without '/'"):
+        authorize_key(fleet_keys["hub"].root, "agent", bound.public("agent"), engine="a/b")
 
 
 def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
