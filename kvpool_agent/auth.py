@@ -203,19 +203,41 @@ def _load(path: Path, *, secret: bool, fix: str) -> bytes:
     return key
 
 
+def _unsafe(path: Path, *, secret: bool) -> str | None:
+    """Why others could read (a secret) or replace a key file, else ``None`` (like ssh's
+    ``StrictModes``). A symlink is followed (Kubernetes mounts secrets as symlinks) and judged
+    by what it points to: a regular file owned by this user or root, in a directory only they
+    may write, without group/other write bits (and, for a secret, no group/other bits at all)."""
+    try:
+        real = path.resolve(strict=True)
+        st, dst = real.stat(), real.parent.stat()
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    where = f" (a symlink to {real})" if real != path.absolute() else ""
+    owners = {os.getuid(), 0}
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file{where}"
+    if st.st_uid not in owners or dst.st_uid not in owners:
+        return f"owned by another user{where}; copy it in place"
+    if dst.st_mode & 0o022:
+        return f"its directory {real.parent} is writable by group/others{where}; chmod go-w"
+    if secret and st.st_mode & 0o077:
+        return (f"mode {stat.S_IMODE(st.st_mode):04o} lets others read the secret key{where}; "
+                f"chmod 600 {real}")
+    if st.st_mode & 0o022:
+        return f"writable by group/others{where}; chmod go-w {real}"
+    return None
+
+
 def _check_private(path: Path) -> None:
-    """Refuse a secret key file others may read or replace (like ssh's ``StrictModes``).
+    """Refuse a secret key file others may read or replace (``_unsafe``).
 
     Raises:
-        ValueError: a symlink, not a regular file, or group/other permission bits set.
+        ValueError: names the file, what is wrong and the fix.
     """
-    st = path.lstat()
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"key file {path}: a secret key must be a regular file, not a "
-                         "symlink (copy it in place, mode 0600)")
-    if st.st_mode & 0o077:
-        raise ValueError(f"key file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others "
-                         f"read the secret key; chmod 600 {path}")
+    why = _unsafe(path, secret=True)
+    if why is not None:
+        raise ValueError(f"key file {path}: {why}")
 
 
 def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPaths:
@@ -339,11 +361,10 @@ class AllowList:
         if self._seen.get(role) != seen:
             keys: dict[bytes, str] = {}
             # Whoever may write a directory or key file here may let any key in: refused,
-            # like ssh's StrictModes, and a symlink may point anywhere.
+            # like ssh's StrictModes (a symlink is judged by its target).
             unsafe = [p for p in (self.authorized_dir, d) if p.stat().st_mode & 0o022]
             for f in [] if unsafe else sorted(d.glob("*.key")):
-                fst = f.lstat()
-                if not stat.S_ISREG(fst.st_mode) or fst.st_mode & 0o022:
+                if _unsafe(f, secret=False) is not None:
                     unsafe.append(f)
                     continue
                 try:
@@ -353,8 +374,9 @@ class AllowList:
                 if public:
                     keys[public] = f"{role}/{f.stem}"
             for p in unsafe:
-                log.error("kvpool hub: %s refused: a symlink, or writable by group/others "
-                          "(chmod go-w; copy keys in with kvpool-agent authorize)", p)
+                log.error("kvpool hub: %s refused: %s (copy keys in with kvpool-agent "
+                          "authorize)", p, _unsafe(p, secret=False) or "writable by group/others; "
+                          "chmod go-w")
             self._keys[role], self._seen[role] = keys, seen
         return self._keys[role]
 

@@ -94,7 +94,7 @@ def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
     assert "eng-a/dp0.tp1.pp0" in hub.fleet()
 
 
-def test_a_secret_key_others_may_read_or_a_symlinked_one_is_refused_in_one_line(
+def test_a_secret_key_others_may_read_or_replace_is_refused_in_one_line(
     tmp_path: Path, fleet_keys: dict[Role, KeyPaths], hub_address: str,
 ) -> None:
     op = generate_keys(tmp_path / "op", "operator")
@@ -106,13 +106,26 @@ def test_a_secret_key_others_may_read_or_a_symlinked_one_is_refused_in_one_line(
         op.client("operator")
     with pytest.raises(ValueError, match="chmod 600"):
         FleetClient(hub_address, keys_dir=op.root)
-    # A symlink to a 0600 secret: the link's target may change under the tool.
-    real = tmp_path / "real_secret"
+    # A symlink is judged by its target: a 0600 secret in a directory others may write can
+    # be replaced under the tool; the same in a Kubernetes-style secret volume (a private
+    # directory behind ..data links) is fine.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    real = shared / "secret"
     op.secret("operator").rename(real)
     real.chmod(0o600)
     op.secret("operator").symlink_to(real)
-    with pytest.raises(ValueError, match="not a symlink"):
+    with pytest.raises(ValueError, match=r"directory .*shared is writable by group/others "
+                                         r"\(a symlink to .*\); chmod go-w"):
         op.client("operator")
+    mounted = tmp_path / "volume" / "..2026_12_01"
+    mounted.mkdir(parents=True, mode=0o755)
+    real.rename(mounted / "operator.key_secret")
+    (tmp_path / "volume" / "..data").symlink_to(mounted.name)
+    op.secret("operator").unlink()
+    op.secret("operator").symlink_to(tmp_path / "volume" / "..data" / "operator.key_secret")
+    op.client("operator")  # accepted
     hub_dir = generate_keys(tmp_path / "hub", "hub")
     hub_dir.hub_secret.chmod(0o644)
     with pytest.raises(ValueError, match="chmod 600"):
@@ -135,7 +148,10 @@ def test_keys_others_may_write_into_authorized_keys_are_not_accepted(
     elif unsafe == "role_dir":
         hub_dir.authorized("agent").chmod(0o777)
     else:
-        target = tmp_path / "elsewhere.key"
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)  # the target's directory: anyone could replace the key there
+        target = shared / "elsewhere.key"
         listed.rename(target)
         listed.symlink_to(target)
     with FleetHub(hub_address, authorized_keys_dir=hub_dir.authorized_dir,
@@ -188,3 +204,25 @@ def test_a_forget_after_that_forgets_all_or_nothing_is_one_line(
     assert main(["hub", "--forget-after", value]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kvpool-agent hub: --forget-after:") and "above 0" in line
+
+
+def test_a_key_mounted_as_a_kubernetes_secret_symlink_is_accepted(
+    tmp_path: Path, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Kubernetes mounts a secret as ``key -> ..data/key``, ``..data -> ..TIMESTAMP/`` (a
+    directory only root writes). The hub judges the link by its target and accepts it."""
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    agent = _agent_dir(tmp_path, "agent", hub_dir)
+    listed = hub_dir.authorized("agent") / "agent.key"
+    volume = tmp_path / "volume"
+    (volume / "..2026_12_01").mkdir(parents=True, mode=0o755)
+    listed.rename(volume / "..2026_12_01" / "agent.key")
+    (volume / "..data").symlink_to("..2026_12_01")
+    listed.symlink_to(volume / "..data" / "agent.key")
+    with FleetHub(hub_address, authorized_keys_dir=hub_dir.authorized_dir,
+                  secret_key_file=hub_dir.hub_secret) as hub:
+        fake = FakeAgent(ctx, hub_address, keys=agent.client("agent"))
+        fake.report(make_source("mounted"))
+        wait_until(lambda: "mounted/dp0.tp0.pp0" in hub.fleet())
+        assert sorted(hub.fleet()) == ["mounted/dp0.tp0.pp0"]
+        assert hub.refused_connections["agents"] == 0
