@@ -176,7 +176,8 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
             # Textual left the alternate screen: the terminal is usable again.
             assert b"\x1b[?1049l" in buf[drawn:]
         # Start-up progress came before the TUI, on the terminal.
-        for line in (b"starting fleet hub on tcp://127.0.0.1:", b"(CURVE keys on every port)",
+        for line in (b"starting fleet hub on tcp://127.0.0.1:", b"(CURVE keys on every port; "
+                     b"Prometheus metrics at http://127.0.0.1:",
                      b"operator/ (kvpool-console --keys ", b"starting mooncake_master",
                      b"starting 1 sim engine(s)", b"waiting for engines to be ready"):
             assert line in start, start[-2000:]
