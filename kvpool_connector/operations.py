@@ -14,11 +14,17 @@ import os
 import re
 import threading
 import time
+import uuid
 import weakref
+from collections import deque
 from typing import Protocol
 
+from kvpool_agent._audit import audit
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
     DrainResult,
     FlushArgs,
     FlushResult,
@@ -31,9 +37,11 @@ from kvpool_connector.backends.base import Backend
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
     ParallelLayout,
+    digest_pattern,
     layout_pattern,
     model_pattern,
     probe_key,
+    shard_prefix,
 )
 
 __all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "flush_pattern"]
@@ -94,6 +102,8 @@ class BackendOperations:
         self.key_scope = key_scope
         self.saves: SaveQueue | None = None
         self._prober = _Prober(backend, source.agent_id)
+        # Scopes of operator flushes that removed this process's keys, for the KV events.
+        self._flushes: deque[str] = deque(maxlen=64)
 
     def health(self, probe: bool = False) -> list[HealthCheck]:
         """``Backend.health()`` (client state and master reachability; no pool key touched),
@@ -112,6 +122,9 @@ class BackendOperations:
         """
         pattern = flush_pattern(args, self.source, self.key_scope)
         res = self.backend.remove_by_scope(pattern, dry_run=args.dry_run, force=args.force)
+        scope = self.key_scope
+        if not args.dry_run and scope is not None and re.match(pattern, shard_prefix(*scope)):
+            self._flushes.append(args.scope)
         return FlushResult(
             dry_run=args.dry_run,
             keys=res.keys,
@@ -119,6 +132,61 @@ class BackendOperations:
             removed_keys=0 if args.dry_run else res.removed,
             skipped_leased=res.skipped_leased,
         )
+
+    def take_flushes(self) -> list[str]:
+        """Scopes of the operator flushes (not dry runs) whose pattern covers this process's
+        keys, since the last call (at most the last 64); the connector announces them as
+        ``BlockRemoved`` (``kvpool_connector._events``)."""
+        out = []
+        while self._flushes:
+            out.append(self._flushes.popleft())
+        return out
+
+    def reset_flush(self, saves_timeout_s: float = 30.0) -> FlushResult:
+        """``reset_flush_scope`` ``engine`` (vLLM's ``reset_prefix_cache`` reaching the
+        connector): wait for this process's saves, then remove every key of this engine's
+        model and layout digest (``keys.digest_pattern``: every shard and layer; other digests
+        and models stay), leased keys included. Audited like a console flush: one
+        ``kvpool_agent._audit`` line (``who`` ``engine:<engine_id> (reset_prefix_cache)``,
+        command ``flush``, scope ``engine``) on the ``kvpool.hub`` log, failures too.
+        Sizes in bytes.
+
+        Raises:
+            CommandError: no key scope yet (vLLM has not registered the KV caches), or the
+                saves did not finish within ``saves_timeout_s`` seconds (nothing removed).
+            BackendError: the store failed.
+        """
+        src = self.source
+        args = FlushArgs(scope="engine", model=self.key_scope[0] if self.key_scope else None,
+                         engine_id=src.engine_id, dry_run=False, force=True)
+        req = CommandRequest(v=PROTOCOL_VERSION, seq=0, request_id=f"reset-{uuid.uuid4().hex}",
+                             command="flush", sender="reset_prefix_cache",
+                             targets=[src.agent_id], flush=args)
+        who = f"engine:{src.engine_id} (reset_prefix_cache)"
+        try:
+            result = self._reset_flush(saves_timeout_s)
+        except Exception as exc:
+            audit(None, who, req, [src.agent_id], [CommandReply(
+                v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=src.agent_id,
+                ok=False, error=f"{type(exc).__name__}: {exc}")])
+            raise
+        audit(None, who, req, [src.agent_id], [CommandReply(
+            v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=src.agent_id,
+            ok=True, flush=result)])
+        return result
+
+    def _reset_flush(self, saves_timeout_s: float) -> FlushResult:
+        scope = self.key_scope
+        if scope is None:
+            raise CommandError("the engine's KV caches are not registered yet: nothing to flush")
+        saves = self.saves
+        if saves is not None and not saves.drain_saves(saves_timeout_s):
+            raise CommandError(f"saves still running after {saves_timeout_s:.0f} s; nothing "
+                               "removed (reset_prefix_cache again once they finished)")
+        res = self.backend.remove_by_scope(digest_pattern(scope[0], scope[1]), dry_run=False,
+                                           force=True)
+        return FlushResult(dry_run=False, keys=res.keys, bytes=res.bytes,
+                           removed_keys=res.removed, skipped_leased=res.skipped_leased)
 
     def wait_for_saves(self, timeout_ms: int) -> DrainResult:
         """Wait up to ``timeout_ms`` ms for the worker's in-flight saves (``saves``)."""

@@ -426,6 +426,28 @@ class KVPoolWorker:
         for f in self._loads.futures_of(preempted):
             f.result()
 
+    # ------------------------------------------------------------------ KV events
+
+    def enable_kv_events(self) -> None:
+        """Record every chunk a save writes, for ``take_written_chunks`` (vLLM's KV events,
+        ``kvpool_connector._events``). Off unless called: recording costs a set per save."""
+        with self._lock:
+            if self._saves.written is None:
+                self._saves.written = []
+
+    def take_written_chunks(self) -> list[tuple[str, int]]:
+        """``(request id, chunk index)`` of every chunk whose value a save of this worker
+        wrote to the pool (put result 0) since the last call; empty when not recorded. A
+        request reported in ``get_finished``'s ``finished_sending`` has all its chunks in this
+        or an earlier call."""
+        return self._saves.take_written()
+
+    @property
+    def lookup_shards(self) -> int:
+        """Shards that must hold a chunk before a lookup counts it a hit (every rank of the
+        split parallel dimensions; ``lookup_chunks``)."""
+        return len(self._lookup_layouts)
+
     def drain_saves(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted save has finished; True if all did within
         ``timeout_s`` seconds (``None``: no limit)."""
