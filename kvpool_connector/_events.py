@@ -14,7 +14,8 @@ MooncakeStore):
   with the request's vLLM block hashes (``Request.block_hashes``, the hashes a router knows; pool
   keys use the connector's own chunk hashes) and emits one ``BlockStored`` per chunk once every
   shard of the layout wrote it (``ChunkWritten.shards``: what a lookup requires before it counts
-  a hit); ``take_events`` hands the events to vLLM's publisher.
+  a hit) and it was not announced already (two requests of one step may both write a chunk);
+  ``take_events`` hands the events to vLLM's publisher.
 * a flush of this engine's keys (``reset_cache`` with ``reset_flush_scope``, or an operator
   flush reaching a worker) emits ``BlockRemoved`` for the chunks announced so far (the last
   ``REMEMBERED_CHUNKS`` of them). The pool's own evictions are not seen by the connector and
@@ -177,9 +178,15 @@ class PoolEventJoiner:
         hashes = request.block_hashes[chunk * n:(chunk + 1) * n]
         if len(hashes) < n:
             return  # vLLM has not hashed these tokens (cannot happen for a saved chunk)
+        block_hashes = [maybe_convert_block_hash(h) for h in hashes]
+        key = tuple(block_hashes)
+        if key in self._announced:
+            # Two requests of one step wrote the same chunk: the router knows it already.
+            self._announced.move_to_end(key)
+            return
         lora = request.lora_request
         ev = BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+            block_hashes=block_hashes,
             parent_block_hash=(maybe_convert_block_hash(request.block_hashes[chunk * n - 1])
                                if chunk else None),
             token_ids=list(request.all_token_ids[chunk * self.chunk_size:
@@ -191,9 +198,7 @@ class PoolEventJoiner:
             group_idx=0,
         )
         self._out.append(ev)
-        key = tuple(ev.block_hashes)
         self._announced[key] = None
-        self._announced.move_to_end(key)
         while len(self._announced) > self._remember:
             self._announced.popitem(last=False)
 

@@ -103,3 +103,17 @@ def test_container_merges_like_vllms_aggregator() -> None:
 def test_chunk_must_be_whole_hash_blocks() -> None:
     with pytest.raises(ValueError, match="multiple of vLLM's hash block size"):
         PoolEventJoiner(medium="m", chunk_size=24, hash_block_size=16)
+
+
+def test_a_chunk_two_requests_wrote_is_announced_once() -> None:
+    tokens = list(range(2 * BLOCK))
+    a, b = _request("a", tokens), _request("b", tokens + [7] * BLOCK)
+    joiner = PoolEventJoiner(medium="m", chunk_size=BLOCK, hash_block_size=BLOCK)
+    joiner.track(a)
+    joiner.track(b)
+    joiner.add([_written(r, c, "tp0", shards=1) for r in ("a", "b") for c in range(2)])
+    assert [e.token_ids for e in joiner.take() if isinstance(e, BlockStored)] == [
+        tokens[:BLOCK], tokens[BLOCK:]]
+    joiner.add([_written("b", 2, "tp0", shards=1)])
+    (third,) = joiner.take()
+    assert isinstance(third, BlockStored) and third.parent_block_hash == _ext(b)[1]
