@@ -28,6 +28,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -467,8 +468,9 @@ class SaveQueue:
         # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
         self.checksum: DigestSlots | None = None
         # (request id, chunk) of every chunk a save wrote, when KV events are on
-        # (KVPoolWorker.enable_kv_events); None = not recorded.
-        self.written: list[tuple[str, int]] | None = None
+        # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
+        # MultiConnector nobody takes them (it does not forward connector KV events).
+        self.written: deque[tuple[str, int]] | None = None
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> None:
@@ -684,7 +686,8 @@ class SaveQueue:
         with self._lock:
             if not self.written:
                 return []
-            out, self.written = self.written, []
+            out = list(self.written)
+            self.written.clear()
         return out
 
     @property
