@@ -280,6 +280,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
             keys_dir=cfg.agent_keys,
         )
+        if self._operations is not None:
+            self._operations.reporter = self._agent.reporter
         return StatsTap(self._agent.reporter)
 
     # ------------------------------------------------------------ vLLM stats

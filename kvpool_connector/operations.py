@@ -22,16 +22,20 @@ from typing import Protocol
 from kvpool_agent._audit import audit
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
+    MAX_ID_CHARS,
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
     DrainResult,
     FlushArgs,
+    FlushRecord,
     FlushResult,
     HealthCheck,
     PoolStats,
     Source,
+    clip,
 )
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.keys import (
@@ -89,6 +93,8 @@ class BackendOperations:
         saves: the worker whose saves ``wait_for_saves`` waits for; the connector sets it once
             the worker exists (the worker needs the agent's reporter first). While ``None``
             there is no save to wait for.
+        reporter: the agent's reporter, which takes ``reset_flush``'s audit record to the hub
+            (``Reporter.flush_audited``); the connector sets it once the agent runs.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class BackendOperations:
         self.source = source
         self.key_scope = key_scope
         self.saves: SaveQueue | None = None
+        self.reporter: Reporter = NullReporter()
         self._prober = _Prober(backend, source.agent_id)
         # Scopes of operator flushes that removed this process's keys, for the KV events.
         self._flushes: deque[str] = deque(maxlen=64)
@@ -148,7 +155,8 @@ class BackendOperations:
         model and layout digest (``keys.digest_pattern``: every shard and layer; other digests
         and models stay), leased keys included. Audited like a console flush: one
         ``kvpool_agent._audit`` line (``who`` ``engine:<engine_id> (reset_prefix_cache)``,
-        command ``flush``, scope ``engine``) on the ``kvpool.hub`` log, failures too.
+        command ``flush``, scope ``engine``) on the ``kvpool.hub`` log, failures too, and a
+        ``FlushRecord`` to ``reporter``: the hub writes it to its audit trail.
         Sizes in bytes.
 
         Raises:
@@ -166,14 +174,23 @@ class BackendOperations:
         try:
             result = self._reset_flush(saves_timeout_s)
         except Exception as exc:
-            audit(None, who, req, [src.agent_id], [CommandReply(
-                v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=src.agent_id,
-                ok=False, error=f"{type(exc).__name__}: {exc}")])
+            self._audit_reset(who, req, None, clip(f"{type(exc).__name__}: {exc}"))
             raise
-        audit(None, who, req, [src.agent_id], [CommandReply(
-            v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=src.agent_id,
-            ok=True, flush=result)])
+        self._audit_reset(who, req, result, None)
         return result
+
+    def _audit_reset(self, who: str, req: CommandRequest, result: FlushResult | None,
+                     error: str | None) -> None:
+        """The reset flush's audit line, here and (through the agent) in the hub's trail."""
+        aid = self.source.agent_id
+        audit(None, who, req, [aid], [CommandReply(
+            v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=aid,
+            ok=error is None, error=error, flush=result)])
+        assert req.flush is not None
+        self.reporter.flush_audited(FlushRecord(
+            ts_ms=time.time() * 1e3, request_id=req.request_id, who=clip(who, MAX_ID_CHARS),
+            flush=req.flush,
+            ok=error is None, result=result, error=error))
 
     def _reset_flush(self, saves_timeout_s: float) -> FlushResult:
         scope = self.key_scope

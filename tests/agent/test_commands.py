@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from agent_testlib import FakeAgent, Spammer, make_source
+from agent_testlib import FakeAgent, Spammer, make_source, wait_until
 
 from kvpool_agent import (
     UNAUTHORISED,
@@ -214,6 +214,41 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     (failed,) = [json.loads(r.getMessage().split("kvpool audit: ", 1)[1])
                  for r in caplog.records if "kvpool audit: " in r.getMessage()]
     assert not failed["results"][0]["ok"] and "not registered" in failed["results"][0]["error"]
+
+
+def test_reset_flush_reaches_the_hubs_audit_trail_once(
+    hub: FleetHub, hub_address: str, pool: dict, mooncake_backend: Any, model: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reset flush's record goes through the worker's agent to the hub, which writes it to
+    its audit file once (later snapshots repeat it), attributed to the agent it came from."""
+    monkeypatch.setattr("kvpool_agent.agent.SNAPSHOT_INTERVAL_S", 0.3)
+    src = make_source("eng-h", tp=0, model=model)
+    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout()))
+    handle = start_agent(src, address=hub_address, operations=ops)
+    try:
+        ops.reporter = handle.reporter
+        res = ops.reset_flush()
+        audit_file = tmp_path / "audit.jsonl"
+
+        def lines() -> list[dict]:
+            text = audit_file.read_text() if audit_file.exists() else ""
+            return [json.loads(x) for x in text.splitlines()]
+
+        wait_until(lambda: lines())
+        # Snapshots (every 0.3 s here) repeat the record: still one line.
+        seen = hub.reports
+        wait_until(lambda: hub.reports >= seen + 4)
+        (line,) = lines()
+        assert line["who"] == f"agent:{src.agent_id} (engine:eng-h (reset_prefix_cache))"
+        assert (line["command"], line["targets"], line["refused"]) == (
+            "flush", [src.agent_id], False)
+        assert line["flush"]["scope"] == "engine" and line["flush"]["force"]
+        assert line["results"] == [{"agent": src.agent_id, "ok": True, "flush": {
+            "dry_run": False, "keys": res.keys, "bytes": res.bytes, "removed_keys": 5,
+            "skipped_leased": 0}}]
+    finally:
+        handle.stop()
 
 
 def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(
