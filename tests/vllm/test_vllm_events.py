@@ -139,7 +139,8 @@ def setup(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPat
     work = tmp_path_factory.mktemp("events")
     model = build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
     pool = Pool(mooncake_master, work)
-    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as hub:
+    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}",
+                  audit_file=work / "audit.jsonl") as hub:
         yield work, pool, hub, model
     pool.store.close()
 
@@ -197,13 +198,19 @@ def test_block_stored_for_exactly_the_chunks_saved_and_reset_flushes_this_layout
     # The pool: this layout's keys are back (saved after the reset), the others never left.
     assert pool.present(_keys(name, digest, A) + _keys(name, digest, B)) == [True] * 6
     assert pool.present(survivors) == [True] * len(survivors)
-    # Audited like a console flush: one line on the kvpool.hub log, with the result.
+    # Audited like a console flush: one line on the engine's kvpool.hub log, and the same in
+    # the hub's audit file, attributed to the worker's agent.
     (line,) = [json.loads(x.split("kvpool audit: ", 1)[1]) for x in out["log"].splitlines()
                if "kvpool audit: " in x]
     assert (line["who"], line["command"], line["flush"]["scope"], line["flush"]["force"]) == (
         "engine:events (reset_prefix_cache)", "flush", "engine", True)
     (result,) = line["results"]
     assert result["ok"] and result["flush"]["removed_keys"] == 4
+    (hub_line,) = [json.loads(x) for x in (work / "audit.jsonl").read_text().splitlines()]
+    (agent,) = line["targets"]
+    assert hub_line["who"] == f"agent:{agent} (engine:events (reset_prefix_cache))"
+    assert (hub_line["request_id"], hub_line["results"]) == (line["request_id"],
+                                                             line["results"])
 
 
 def test_default_reset_leaves_the_pool(setup: tuple[Path, Pool, FleetHub, Path]) -> None:
@@ -218,3 +225,6 @@ def test_default_reset_leaves_the_pool(setup: tuple[Path, Pool, FleetHub, Path])
     assert out["rounds"][0][0]["num_cached_tokens"] == 0
     assert out["after_reset"][0][0]["num_cached_tokens"] == 2 * CHUNK
     assert "kvpool audit: " not in out["log"]
+    audit_file = work / "audit.jsonl"
+    lines = audit_file.read_text().splitlines() if audit_file.exists() else []
+    assert not [x for x in lines if json.loads(x)["targets"][0].startswith("keeper/")]
