@@ -39,6 +39,7 @@ from kvpool_agent.protocol import (
 
 __all__ = [
     "ENGINES_PER_UPDATE",
+    "FLUSHES_PER_REPORT",
     "LIVE_S",
     "MAX_AGENTS",
     "MAX_FLEET_STATE_BYTES",
@@ -99,6 +100,10 @@ _AUDITED_FLUSHES = 64
 """Per agent, the request ids of its own flushes remembered as audited (a snapshot repeats
 the last 16)."""
 
+FLUSHES_PER_REPORT = 16
+"""Own flushes of one report the hub audits at most (the newest; an agent keeps 16): a report
+listing thousands cannot flood the audit trail."""
+
 
 class Fleet:
     """Every agent the hub has heard from, by agent id."""
@@ -115,13 +120,14 @@ class Fleet:
         self._lock = threading.Lock()
 
     def unaudited_flushes(self, agent_id: str, records: list[FlushRecord]) -> list[FlushRecord]:
-        """Those of ``records`` (the agent's ``EngineState.flushes`` just accepted) not audited
-        yet, now marked audited; ``[]`` for an agent the fleet does not hold."""
+        """Those of the last ``FLUSHES_PER_REPORT`` of ``records`` (the agent's
+        ``EngineState.flushes`` just accepted) not audited yet, now marked audited; ``[]`` for
+        an agent the fleet does not hold."""
         with self._lock:
             ag = self._agents.get(agent_id)
             if ag is None:
                 return []
-            out = [r for r in records if r.request_id not in ag.audited]
+            out = [r for r in records[-FLUSHES_PER_REPORT:] if r.request_id not in ag.audited]
             ag.audited.extend(r.request_id for r in out)
         return out
 
