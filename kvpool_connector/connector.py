@@ -8,6 +8,11 @@ reporter receives the connector's events, and without an agent address it is a
 ``NullReporter`` and every event costs one empty call. A worker hands its agent a
 ``BackendOperations`` (``kvpool_connector.operations``) for the operator commands.
 
+With vLLM's ``kv_events_config`` on, the connector's KV events (``BlockStored`` /
+``BlockRemoved`` for what the pool holds, ``kvpool_connector._events``) go out with vLLM's own;
+``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) flushes this engine's
+layout when ``reset_flush_scope`` says so.
+
 Select it with ``kv_transfer_config={"kv_connector": "KVPoolConnector",
 "kv_connector_module_path": "kvpool_connector", "kv_role": ..., "kv_connector_extra_config":
 {...}}``; the extra config fields are documented in ``kvpool_connector.config.KVPoolConfig``.

@@ -5,6 +5,8 @@ vLLM's own block hasher. The end-to-end test with vLLM's ZMQ publisher is in
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -91,7 +93,8 @@ def test_remembered_chunks_are_bounded() -> None:
 
 def test_container_merges_like_vllms_aggregator() -> None:
     a = KVPoolKVEvents([_written("r", 0, "tp0")])
-    b = KVPoolKVEvents([_written("r", 0, "tp1")])
+    # With several workers vLLM pickles each worker's output through its message queue.
+    b = pickle.loads(pickle.dumps(KVPoolKVEvents([_written("r", 0, "tp1")])))
     a.add_events(b.get_all_events())
     a.increment_workers(1)
     assert a.aggregate() is a and a.get_number_of_workers() == 2
