@@ -161,6 +161,8 @@ class PoolEventJoiner:
         """Join the workers' reports of one step (``ChunkWritten``, ``PoolFlushed``)."""
         for ev in reports:
             if isinstance(ev, ChunkWritten):
+                if ev.req_id not in self._requests:
+                    continue  # released (or never saving): nothing to join it with
                 key = (ev.req_id, ev.chunk)
                 shards = self._partial.setdefault(key, set())
                 shards.add(ev.shard)

@@ -77,6 +77,9 @@ def test_released_and_unknown_requests_announce_nothing() -> None:
     joiner.release(["r"])
     joiner.add([_written("r", 0, "tp1"), _written("ghost", 0, "tp0", shards=1)])
     assert joiner.take() == []
+    # Reports of unknown requests leave nothing behind.
+    joiner.add([_written("ghost", 1, "tp0")])
+    assert joiner._partial == {}
 
 
 def test_remembered_chunks_are_bounded() -> None:
