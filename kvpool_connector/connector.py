@@ -201,7 +201,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._layout = ParallelLayout()
         self._events: PoolEventJoiner | None = None
         self._lookup_client: LookupClient | None = None
-        self._kv_events = kv_events_enabled(vllm_config.kv_events_config)
+        # getattr: the demo's simulated engine passes a stand-in config without one.
+        self._kv_events = kv_events_enabled(getattr(vllm_config, "kv_events_config", None))
         is_scheduler = role == KVConnectorRole.SCHEDULER
         try:
             self._setup(vllm_config, is_scheduler, kv_cache_config)
