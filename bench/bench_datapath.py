@@ -12,7 +12,10 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
 * ``copy``: ``torch.index_select`` of the same blocks into another cache (no pool at all);
 * ``... +stats``: the ``worker`` rows with the connector's vLLM stats on (reporter wrapped in
   ``StatsTap``, ``StatsCollector.take`` after every operation, as vLLM calls
-  ``get_kv_connector_stats`` every step), on keys of their own: the cost of the metrics.
+  ``get_kv_connector_stats`` every step) and, on the save, its KV events too
+  (``enable_kv_events``, ``take_written_chunks`` after every save, as vLLM calls
+  ``get_kv_connector_kv_cache_events`` every step), on keys of their own: the cost of the
+  metrics and events.
 * ``... +checksum``: the worker with ``checksum`` on (an XXH3-64 digest computed over every
   value on save and verified on load), through a second store client (with its own segment)
   on the same caches.
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             w_tap, r_tap = StatsTap(Reporter()), StatsTap(Reporter())
             writer_s = KVPoolWorker(settings, ParallelLayout(), "bench", timed, w_tap)
             writer_s.register_kv_caches(src_s)
+            writer_s.enable_kv_events()
             reader_s = KVPoolWorker(settings, ParallelLayout(), "bench", timed, r_tap)
             reader_s.register_kv_caches(dst_s)
             w_stats = StatsCollector(lambda: writer_s.counters, w_tap, worker=True)
@@ -242,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                     assert writer_s.drain_saves(60)
                     taken = w_stats.take()
                     assert taken is not None and taken.data["counters"]["saved_bytes"] == total
+                    assert len(writer_s.take_written_chunks()) == n_chunks
 
                 def load_stats(meta: KVPoolConnectorMetadata = load_meta_s) -> None:
                     reader_s.start_load_kv(meta)

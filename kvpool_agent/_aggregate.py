@@ -16,6 +16,7 @@ from kvpool_agent.protocol import (
     MAX_ID_CHARS,
     EngineState,
     ErrorRecord,
+    FlushRecord,
     LookupStats,
     PoolStats,
     ProcessStats,
@@ -27,6 +28,7 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.reporter import (
     Event,
+    FlushAudited,
     LayoutKnown,
     Loaded,
     Lookup,
@@ -38,13 +40,16 @@ from kvpool_agent.reporter import (
     TransferStarted,
 )
 
-__all__ = ["MAX_IN_FLIGHT", "RECENT_ERRORS", "Aggregator"]
+__all__ = ["MAX_IN_FLIGHT", "RECENT_ERRORS", "RECENT_FLUSHES", "Aggregator"]
 
 RECENT_ERRORS = 50
 """Errors kept in a snapshot (``EngineState.recent_errors``)."""
 
 MAX_IN_FLIGHT = 4096
 """In-flight transfers tracked; beyond this the oldest entry is forgotten."""
+
+RECENT_FLUSHES = 16
+"""Flushes a process ran on its own kept in a snapshot (``EngineState.flushes``)."""
 
 _LATENCY_SAMPLES = 1024
 _LOOKUP_TIMES = 16_384
@@ -122,6 +127,8 @@ class Aggregator:
         self._rates = _Buckets(_RATE_WINDOW_S, 2)
         self._lookup_ms: OrderedDict[str, float] = OrderedDict()
         self.start_failure: StartFailure | None = None
+        self.recent_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
+        self.new_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
 
     def _record_error(self, err: ErrorRecord) -> None:
         # Messages quote exceptions and request ids come from API clients: clipped to what a
@@ -166,6 +173,9 @@ class Aggregator:
                     self.start_failure = StartFailure(
                         ts_ms=ev.ts_ms, name=clip(ev.name, MAX_ID_CHARS),
                         message=clip(ev.message), hint=clip(ev.hint))
+                case FlushAudited():
+                    self.recent_flushes.append(ev.record)
+                    self.new_flushes.append(ev.record)
                 case ReportedError():
                     self._record_error(
                         ErrorRecord(ts_ms=ev.ts_ms, where=ev.where, name=ev.name,
@@ -262,8 +272,9 @@ class Aggregator:
     def state(self, now_ms: float, *, all_errors: bool = True) -> EngineState:
         """A detached copy of the current state.
 
-        ``all_errors``: the last ``RECENT_ERRORS`` errors (snapshot) or only those recorded
-        since the previous ``state(all_errors=False)`` call (delta; clears that list).
+        ``all_errors``: the last ``RECENT_ERRORS`` errors and ``RECENT_FLUSHES`` flushes
+        (snapshot) or only those recorded since the previous ``state(all_errors=False)`` call
+        (delta; clears those lists).
         """
         lk = msgspec.structs.replace(
             self.lookup, skipped_by_reason=dict(self.lookup.skipped_by_reason))
@@ -282,9 +293,12 @@ class Aggregator:
         tr.save_bytes_per_s = save_b / _RATE_WINDOW_S
         if all_errors:
             errors = list(self.recent_errors)
+            flushes = list(self.recent_flushes)
         else:
             errors = self.new_errors
             self.new_errors = []
+            flushes = list(self.new_flushes)
+            self.new_flushes.clear()
         return EngineState(
             source=self.source,
             started_ms=self.started_ms,
@@ -296,5 +310,6 @@ class Aggregator:
             process=msgspec.structs.replace(self.process),
             recent_errors=errors,
             start_failure=self.start_failure,
+            flushes=flushes,
         )
 

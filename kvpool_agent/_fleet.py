@@ -33,11 +33,13 @@ from kvpool_agent.protocol import (
     EngineState,
     ErrorRecord,
     FleetUpdate,
+    FlushRecord,
     Report,
 )
 
 __all__ = [
     "ENGINES_PER_UPDATE",
+    "FLUSHES_PER_REPORT",
     "LIVE_S",
     "MAX_AGENTS",
     "MAX_FLEET_STATE_BYTES",
@@ -90,6 +92,17 @@ class _Entry:
     identity: str = ""
     size: int = 0
     errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
+    # request ids of the agent's own flushes (EngineState.flushes) already audited.
+    audited: deque[str] = field(default_factory=lambda: deque(maxlen=_AUDITED_FLUSHES))
+
+
+_AUDITED_FLUSHES = 64
+"""Per agent, the request ids of its own flushes remembered as audited (a snapshot repeats
+the last 16)."""
+
+FLUSHES_PER_REPORT = 16
+"""Own flushes of one report the hub audits at most (the newest; an agent keeps 16): a report
+listing thousands cannot flood the audit trail."""
 
 
 class Fleet:
@@ -105,6 +118,18 @@ class Fleet:
         self._forgotten_new: set[str] = set()
         self._state_bytes = 0  # sum of the kept agents' encoded state sizes
         self._lock = threading.Lock()
+
+    def unaudited_flushes(self, agent_id: str, records: list[FlushRecord]) -> list[FlushRecord]:
+        """Those of the last ``FLUSHES_PER_REPORT`` of ``records`` (the agent's
+        ``EngineState.flushes`` just accepted) not audited yet, now marked audited; ``[]`` for
+        an agent the fleet does not hold."""
+        with self._lock:
+            ag = self._agents.get(agent_id)
+            if ag is None:
+                return []
+            out = [r for r in records[-FLUSHES_PER_REPORT:] if r.request_id not in ag.audited]
+            ag.audited.extend(r.request_id for r in out)
+        return out
 
     def accept(self, routing_id: bytes, rep: Report, identity: str = "") -> str | None:
         """Keep ``rep``'s state as its agent's latest (stamped with the receive time) and

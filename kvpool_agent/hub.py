@@ -539,7 +539,16 @@ class FleetHub:
             self._bad("agents", refused)
             return
         self.reports += 1
-        self.seq_tracker.observe(rep.state.source.agent_id, rep.seq)
+        aid = rep.state.source.agent_id
+        self.seq_tracker.observe(aid, rep.seq)
+        for rec in self._fleet.unaudited_flushes(aid, rep.state.flushes):
+            # The agent's own claim of who started it, prefixed with the agent it came from.
+            req = CommandRequest(v=PROTOCOL_VERSION, seq=0, request_id=rec.request_id,
+                                 command="flush", sender=rec.who, targets=[aid],
+                                 flush=rec.flush)
+            self._audit.record(f"agent:{aid} ({rec.who})", req, [aid], [CommandReply(
+                v=PROTOCOL_VERSION, seq=0, request_id=rec.request_id, agent_id=aid,
+                ok=rec.ok, error=rec.error, flush=rec.result)])
 
     def _bound_elsewhere(self, rep: Report, identity: str) -> str | None:
         """Why a report from an engine-bound agent key names another engine, else ``None``."""

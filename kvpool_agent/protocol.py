@@ -40,6 +40,7 @@ __all__ = [
     "ErrorRecord",
     "FleetUpdate",
     "FlushArgs",
+    "FlushRecord",
     "FlushResult",
     "HealthCheck",
     "HealthResult",
@@ -309,6 +310,10 @@ class EngineState(msgspec.Struct, kw_only=True):
     process: ProcessStats = msgspec.field(default_factory=ProcessStats)
     recent_errors: list[ErrorRecord] = msgspec.field(default_factory=list)
     start_failure: StartFailure | None = None
+    flushes: list[FlushRecord] = msgspec.field(default_factory=list)
+    """Flushes the process ran on its own (vLLM's ``reset_prefix_cache`` with the connector's
+    ``reset_flush_scope``), for the hub's audit trail: the last 16 in a snapshot, those since
+    the previous report in a delta."""
 
 
 class Report(msgspec.Struct, tag="report", kw_only=True):
@@ -407,6 +412,21 @@ class FlushResult(msgspec.Struct, kw_only=True):
     bytes: int
     removed_keys: int = 0
     skipped_leased: int = 0
+
+
+class FlushRecord(msgspec.Struct, kw_only=True):
+    """One flush a process ran on its own, not on an operator's command (vLLM's
+    ``reset_prefix_cache`` with ``reset_flush_scope``): ``who`` started it (e.g.
+    ``engine:<engine_id> (reset_prefix_cache)``), what it removed (``result``) or why it failed
+    (``error``). ``request_id`` is unique per flush: the hub audits each once."""
+
+    ts_ms: float
+    request_id: Name
+    who: Name
+    flush: FlushArgs
+    ok: bool
+    result: FlushResult | None = None
+    error: FreeText | None = None
 
 
 class DrainResult(msgspec.Struct, kw_only=True):

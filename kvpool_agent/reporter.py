@@ -20,8 +20,11 @@ from typing import Literal
 
 import msgspec
 
+from kvpool_agent.protocol import FlushRecord
+
 __all__ = [
     "Event",
+    "FlushAudited",
     "LayoutKnown",
     "Loaded",
     "Lookup",
@@ -136,6 +139,11 @@ class StartFailed(msgspec.Struct, array_like=True, frozen=True):
     hint: str
 
 
+class FlushAudited(msgspec.Struct, array_like=True, frozen=True):
+    ts_ms: float
+    record: FlushRecord
+
+
 Event = (
     Lookup
     | Loaded
@@ -146,6 +154,7 @@ Event = (
     | ReportedError
     | LayoutKnown
     | StartFailed
+    | FlushAudited
 )
 """What ``Reporter.drain`` returns; ``ts_ms`` of every event is wall-clock ms since the epoch."""
 
@@ -270,6 +279,12 @@ class Reporter:
         self._put(StartFailed(time.time() * 1e3, name, message, hint))
 
 
+    def flush_audited(self, record: FlushRecord) -> None:
+        """The process ran a flush on its own (``FlushRecord``); the agent reports it in
+        ``EngineState.flushes`` and the hub writes it to its audit trail."""
+        self._put(FlushAudited(time.time() * 1e3, record))
+
+
 class NullReporter(Reporter):
     """A ``Reporter`` for a process without an agent: every method returns at once, no event
     is built, ``depth`` and ``dropped`` stay 0 and ``drain`` returns ``[]``."""
@@ -336,4 +351,7 @@ class NullReporter(Reporter):
         """Does nothing."""
 
     def start_failed(self, name: str, message: str, hint: str) -> None:
+        """Does nothing."""
+
+    def flush_audited(self, record: FlushRecord) -> None:
         """Does nothing."""

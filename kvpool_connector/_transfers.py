@@ -28,6 +28,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -429,6 +430,8 @@ class _LayerSaveAcc:
     nbytes: int = 0
     bad_chunks: set[int] = field(default_factory=set)
     error: str | None = None
+    # Chunks whose every layer key so far this save wrote (KV events); None before layer 0.
+    written: set[int] | None = None
 
 
 class SaveQueue:
@@ -464,6 +467,10 @@ class SaveQueue:
         self._dropped: dict[str, int] = {}
         # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
         self.checksum: DigestSlots | None = None
+        # (request id, chunk) of every chunk a save wrote, when KV events are on
+        # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
+        # MultiConnector nobody takes them (it does not forward connector KV events).
+        self.written: deque[tuple[str, int]] | None = None
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> None:
@@ -614,6 +621,8 @@ class SaveQueue:
                 else:
                     failed += 1
                     error = error or error_name(code)
+            written = ({t.chunk for t in transfers if results.get(t.key) == 0}
+                       if self.written is not None else None)
             with self._lock:
                 self.counters.saved_bytes += nbytes
                 self.counters.saved_keys += sum(1 for t in transfers if results.get(t.key) == 0)
@@ -629,11 +638,21 @@ class SaveQueue:
                 acc.nbytes += nbytes
                 acc.bad_chunks |= bad_chunks
                 acc.error = acc.error or error
+                if written is not None:
+                    # A chunk is written once every one of its layer keys was.
+                    acc.written = written if acc.written is None else acc.written & written
+                    written = acc.written if last_layer and not full else None
                 nbytes, bad_chunks, error = acc.nbytes, acc.bad_chunks, acc.error
                 if not full:
                     self.reporter.transfer_progress(rid, "save", layer + 1)
                 if last_layer or full:
                     self._layer_acc.pop(rid, None)
+            if written:
+                # Recorded before the save's pending count drops: a request reported in
+                # finished_sending has every chunk of its saves in the events already.
+                with self._lock:
+                    if self.written is not None:
+                        self.written.extend((rid, c) for c in sorted(written))
             if last_layer or full:
                 self.reporter.transfer_finished(
                     rid, "save", ok=not bad_chunks, nbytes=nbytes,
@@ -660,6 +679,16 @@ class SaveQueue:
                    if running is not None and running[1] & req_ids else None)
         if fut is not None:
             fut.result()
+
+    def take_written(self) -> list[tuple[str, int]]:
+        """``(request id, chunk)`` of the chunks saves wrote since the last call (empty when
+        not recorded)."""
+        with self._lock:
+            if not self.written:
+                return []
+            out = list(self.written)
+            self.written.clear()
+        return out
 
     @property
     def inflight_bytes(self) -> int:

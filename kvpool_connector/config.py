@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,7 +33,11 @@ from kvpool_connector.sizes import parse_size
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CONNECTOR_EXTRA_KEYS", "KVPoolConfig", "declared_instance_role"]
+__all__ = ["CONNECTOR_EXTRA_KEYS", "KVPoolConfig", "ResetFlushScope", "declared_instance_role"]
+
+ResetFlushScope = Literal["none", "engine"]
+"""What vLLM's ``reset_prefix_cache(reset_connector=True)`` does to the pool
+(``KVPoolConfig.reset_flush_scope``)."""
 
 
 class _ExtraFields(BaseModel):
@@ -61,6 +65,7 @@ class _ExtraFields(BaseModel):
     save_budget: bool | int | float | str = "256MB"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
+    reset_flush_scope: ResetFlushScope = "none"
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -170,6 +175,13 @@ class KVPoolConfig(BaseModel):
         extra: the raw ``kv_connector_extra_config`` (backends read their own keys from it).
         agent_keys: the agent's CURVE keys directory (``hub.key``, ``agent.key_secret``);
             falls back to ``$KVPOOL_AGENT_KEYS``; ``None`` = the agent connects without a key.
+        reset_flush_scope: what vLLM's ``reset_prefix_cache(reset_connector=True)`` (the
+            connector's ``reset_cache``) does to the pool: ``none`` (default) nothing, only
+            the engine's own caches are reset; ``engine`` removes every key of this engine's
+            layout (its model and layout digest, every shard; other layouts and models stay),
+            leased keys included, after worker rank 0's saves finished. The flush runs on
+            worker rank 0 (through the lookup socket) before ``reset_cache`` returns, and is
+            audited like a console flush (``kvpool_agent._audit``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -200,6 +212,7 @@ class KVPoolConfig(BaseModel):
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
+    reset_flush_scope: ResetFlushScope = "none"
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -8,6 +8,11 @@ reporter receives the connector's events, and without an agent address it is a
 ``NullReporter`` and every event costs one empty call. A worker hands its agent a
 ``BackendOperations`` (``kvpool_connector.operations``) for the operator commands.
 
+With vLLM's ``kv_events_config`` on, the connector's KV events (``BlockStored`` /
+``BlockRemoved`` for what the pool holds, ``kvpool_connector._events``) go out with vLLM's own;
+``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``) flushes this engine's
+layout when ``reset_flush_scope`` says so.
+
 Select it with ``kv_transfer_config={"kv_connector": "KVPoolConnector",
 "kv_connector_module_path": "kvpool_connector", "kv_role": ..., "kv_connector_extra_config":
 {...}}``; the extra config fields are documented in ``kvpool_connector.config.KVPoolConfig``.
@@ -33,6 +38,13 @@ from kvpool_agent import AgentHandle, start_agent
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import INSTANCE_ROLE_OF, KV_ROLE_FOR, KV_ROLES
+from kvpool_connector._events import (
+    ChunkWritten,
+    KVPoolKVEvents,
+    PoolEventJoiner,
+    PoolFlushed,
+    kv_events_enabled,
+)
 from kvpool_connector._layout_digest import ModelFacts
 from kvpool_connector._stats import (
     KVPoolConnectorStats,
@@ -45,6 +57,7 @@ from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout
 from kvpool_connector.lookup import (
     LookupClient,
+    LookupFailed,
     LookupServer,
     PortInUse,
     RuntimeDirError,
@@ -55,8 +68,11 @@ from kvpool_connector.operations import BackendOperations
 from kvpool_connector.scheduler import KVPoolScheduler
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorStats,
         PromMetric,
@@ -75,6 +91,16 @@ if TYPE_CHECKING:
 __all__ = ["KVPoolConnector"]
 
 logger = logging.getLogger(__name__)
+
+
+RESET_FLUSH_TIMEOUT_MS = 60_000
+"""Longest wait of ``reset_cache`` for worker rank 0's flush (ms): its saves (30 s at most)
+and the removal."""
+
+
+def _serves_lookups(cfg: KVPoolConfig) -> bool:
+    """Whether worker rank 0 runs the lookup server: for lookups, and for the reset flush."""
+    return cfg.should_load or cfg.reset_flush_scope != "none"
 
 
 def _group(name: str) -> tuple[int, int]:
@@ -173,6 +199,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._agent: AgentHandle | None = None
         self._operations: BackendOperations | None = None
         self._layout = ParallelLayout()
+        self._events: PoolEventJoiner | None = None
+        self._lookup_client: LookupClient | None = None
+        # getattr: the demo's simulated engine passes a stand-in config without one.
+        self._kv_events = kv_events_enabled(getattr(vllm_config, "kv_events_config", None))
         is_scheduler = role == KVConnectorRole.SCHEDULER
         try:
             self._setup(vllm_config, is_scheduler, kv_cache_config)
@@ -193,10 +223,18 @@ class KVPoolConnector(KVConnectorBase_V1):
             lookup = (
                 LookupClient(lookup_rpc_port=cfg.lookup_rpc_port, instance_id=cfg.instance_id,
                              dp_rank=cfg.dp_rank, timeout_ms=cfg.lookup_timeout_ms)
-                if cfg.should_load else None
+                if _serves_lookups(cfg) else None
             )
+            self._lookup_client = lookup
+            self._world_size = vllm_config.parallel_config.world_size
             sched = self._scheduler = KVPoolScheduler(cfg, lookup, reporter)
             self._stats = StatsCollector(lambda: sched.counters, reporter, worker=False)
+            if self._kv_events and cfg.should_save:
+                self._events = PoolEventJoiner(
+                    medium=cfg.backend, chunk_size=cfg.chunk_size,
+                    hash_block_size=getattr(kv_cache_config, "hash_block_size", None)
+                    or cfg.block_size)
+                sched.events = self._events
         else:
             from kvpool_connector.backends import create_backend
             from kvpool_connector.worker import KVPoolWorker
@@ -212,6 +250,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self._operations.saves = self._worker
             work = self._worker
             self._stats = StatsCollector(lambda: work.counters, reporter, worker=True)
+            if self._kv_events and cfg.should_save:
+                work.enable_kv_events()
 
     # ------------------------------------------------------------------ agent
 
@@ -231,7 +271,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             **process_facts(
                 sockets=[str(lookup_socket_path(cfg.lookup_rpc_port, cfg.dp_rank,
                                                 instance_id=cfg.instance_id))]
-                if cfg.should_load else [],
+                if _serves_lookups(cfg) else [],
                 master=getattr(backend_cfg, "master_server_address", "")),
             role_source=cfg.role_source,
         )
@@ -246,6 +286,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
             keys_dir=cfg.agent_keys,
         )
+        if self._operations is not None:
+            self._operations.reporter = self._agent.reporter
         return StatsTap(self._agent.reporter)
 
     # ------------------------------------------------------------ vLLM stats
@@ -360,6 +402,56 @@ class KVPoolConnector(KVConnectorBase_V1):
         recving = connector_output.finished_recving or ()
         sched.loads_outcome(outcomes if isinstance(outcomes, LoadOutcomes) else None, recving)
         sched.loads_finished(recving)
+        sched.saves_finished(connector_output.finished_sending or ())
+        if self._events is not None:
+            reports = connector_output.kv_cache_events
+            if isinstance(reports, KVPoolKVEvents):
+                self._events.add(reports.get_all_events())
+            # Every worker finished these requests' saves: their chunks are all reported.
+            self._events.release(connector_output.finished_sending or ())
+
+    def reset_cache(self) -> bool | None:
+        """Scheduler side of vLLM's ``reset_prefix_cache(reset_connector=True)``.
+
+        ``reset_flush_scope`` ``none`` (default): the pool is left as it is (True).
+        ``engine``: worker rank 0 waits for its saves and removes every key of this
+        engine's model and layout digest (``BackendOperations.reset_flush``, audited), before
+        this returns, so no later lookup finds them; the chunks announced to routers get a
+        ``BlockRemoved``. Returns False (logged; nothing removed, call again) when the flush
+        failed or, with more than one worker, finished requests' saves are still running on
+        workers rank 0 cannot wait for. Worker side: ``None``.
+        """
+        sched = self._scheduler
+        if sched is None:
+            return None
+        cfg = self.kv_config
+        if cfg.reset_flush_scope == "none":
+            return True
+        if self._world_size > 1 and sched.saves_outstanding:
+            logger.warning("kvpool reset_cache: %d finished requests' saves are still running; "
+                           "the pool is not flushed (reset_prefix_cache again once they "
+                           "finished)", sched.saves_outstanding)
+            return False
+        assert self._lookup_client is not None  # created whenever reset_flush_scope is set
+        try:
+            removed = self._lookup_client.reset_flush(RESET_FLUSH_TIMEOUT_MS)
+        except LookupFailed as exc:
+            logger.error("kvpool reset_cache: flushing this engine's keys failed (%s): %s",
+                         exc.name, exc)
+            return False
+        sched.forget_lookups()
+        if self._events is not None:
+            self._events.flushed()
+        logger.warning("kvpool reset_cache: removed %d keys of this engine's layout "
+                       "(reset_flush_scope engine)", removed)
+        return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler side: ``BlockStored`` for chunks every shard wrote to the pool and
+        ``BlockRemoved`` after flushes of this engine's keys, since the last call; vLLM
+        publishes them with its KV-event publisher (``kvpool_connector._events``). Nothing
+        unless ``kv_events_config.enable_kv_cache_events``."""
+        return self._events.take() if self._events is not None else ()
 
     # ------------------------------------------------------------------ worker
 
@@ -387,11 +479,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         cfg = self.kv_config
         if self._operations is not None:
             self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
-        if cfg.should_load and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
+        if _serves_lookups(cfg) and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
+            ops = self._operations
             try:
                 self._lookup_server = LookupServer(
                     worker.lookup_chunks, lookup_rpc_port=cfg.lookup_rpc_port,
                     instance_id=cfg.instance_id, dp_rank=cfg.dp_rank, engine_id=cfg.engine_id,
+                    reset_flush=(lambda: ops.reset_flush().removed_keys)
+                    if ops is not None and cfg.reset_flush_scope == "engine" else None,
                 )
             except (PortInUse, RuntimeDirError) as exc:
                 self._report_start_failure(exc, "worker")
@@ -436,6 +531,22 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> LoadOutcomes | None:
         """This step's load outcomes for the scheduler (``KVPoolWorker``'s)."""
         return self._work().build_connector_worker_meta()
+
+    def get_kv_connector_kv_cache_events(self) -> KVPoolKVEvents | None:
+        """Worker side: one ``ChunkWritten`` per chunk this worker's saves wrote since the
+        last call (and a ``PoolFlushed`` per operator flush of this engine's keys), for the
+        scheduler's ``update_connector_output``; ``None`` when there is none or vLLM's KV
+        events are off."""
+        if not self._kv_events or self._worker is None:
+            return None
+        work = self._worker
+        shard, shards = str(self._layout), work.lookup_shards
+        reports: list[KVCacheEvent] = [ChunkWritten(req_id=rid, chunk=c, shard=shard,
+                                                    shards=shards)
+                                       for rid, c in work.take_written_chunks()]
+        if self._operations is not None:
+            reports += [PoolFlushed(scope=scope) for scope in self._operations.take_flushes()]
+        return KVPoolKVEvents(reports) if reports else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call; vLLM recomputes them

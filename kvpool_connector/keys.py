@@ -47,6 +47,7 @@ __all__ = [
     "PoolKey",
     "chunk_hashes",
     "chunk_keys",
+    "digest_pattern",
     "layout_pattern",
     "model_pattern",
     "normalize_model_name",
@@ -214,6 +215,17 @@ def layout_pattern(model: str, digest: str, layout: ParallelLayout) -> str:
         ValueError: ``digest`` is not a layout digest (see ``shard_prefix``).
     """
     return "^" + re.escape(shard_prefix(normalize_model_name(model), digest, layout))
+
+
+def digest_pattern(model: str, digest: str) -> str:
+    """Anchored regex matching every key of ``model`` under layout ``digest``, whatever the
+    shard or layer: all keys one engine's workers write (``reset_flush_scope`` ``engine``).
+
+    Raises:
+        ValueError: ``digest`` is not a layout digest (see ``shard_prefix``).
+    """
+    prefix = shard_prefix(normalize_model_name(model), digest, ParallelLayout())
+    return "^" + re.escape(prefix[: prefix.rindex("@", 0, -1) + 1])
 
 
 def chunk_hashes(

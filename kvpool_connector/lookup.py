@@ -89,6 +89,8 @@ class PortInUse(RuntimeError):
 class _Request(msgspec.Struct, array_like=True):
     id: int
     chunk_hashes: list[str]
+    # "lookup", or "reset_flush": run the reset flush (``reset_flush_scope``) on rank 0.
+    op: str = "lookup"
 
 
 class _Reply(msgspec.Struct, array_like=True):
@@ -96,6 +98,7 @@ class _Reply(msgspec.Struct, array_like=True):
     hit_chunks: int = 0
     error: str | None = None
     code: int | None = None
+    removed_keys: int = 0
 
 
 def lookup_socket_path(lookup_rpc_port: int = 0, dp_rank: int = 0, *, instance_id: str = "",
@@ -147,6 +150,9 @@ class LookupServer:
             ``BackendError`` when the store fails (``KVPoolWorker.lookup_chunks``).
         lookup_rpc_port, instance_id, dp_rank: select the socket (see ``lookup_socket_path``).
         engine_id: recorded in the owner file so a conflicting engine can be named.
+        reset_flush: runs the scheduler's ``reset_cache`` flush (``reset_flush_scope``) and
+            returns the keys removed; ``None``: such a request is answered with an error.
+            Runs on the server thread, so no lookup is answered while it runs.
 
     Attributes:
         lookups: queries answered; ``errors``: queries answered with an error.
@@ -166,8 +172,10 @@ class LookupServer:
         instance_id: str = "",
         dp_rank: int = 0,
         engine_id: str = "engine",
+        reset_flush: Callable[[], int] | None = None,
     ) -> None:
         self._lookup = lookup_chunks
+        self._reset_flush = reset_flush
         self.path = lookup_socket_path(lookup_rpc_port, dp_rank, instance_id=instance_id)
         self._named_by = _named_by(lookup_rpc_port, instance_id)
         self._fix = ("give this engine another kv_connector_extra_config.lookup_rpc_port"
@@ -252,6 +260,8 @@ class LookupServer:
             self._sock.send_multipart([ident, enc.encode(self._answer(req))])
 
     def _answer(self, req: _Request) -> _Reply:
+        if req.op == "reset_flush":
+            return self._flush(req)
         self.lookups += 1
         try:
             return _Reply(req.id, hit_chunks=self._lookup(req.chunk_hashes))
@@ -263,6 +273,18 @@ class LookupServer:
         except Exception as exc:  # the server thread must outlive any bug in one lookup
             self.errors += 1
             logger.exception("kvpool lookup of %d chunks failed", len(req.chunk_hashes))
+            return _Reply(req.id, error=f"{type(exc).__name__}: {exc}")
+
+    def _flush(self, req: _Request) -> _Reply:
+        if self._reset_flush is None:
+            return _Reply(req.id, error="this engine's reset_flush_scope is none")
+        try:
+            return _Reply(req.id, removed_keys=self._reset_flush())
+        except BackendError as exc:
+            logger.error("kvpool reset flush failed in the store: %s (code %s)", exc, exc.code)
+            return _Reply(req.id, error=str(exc), code=exc.code)
+        except Exception as exc:  # the server thread must outlive a failed flush
+            logger.exception("kvpool reset flush failed")
             return _Reply(req.id, error=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
@@ -327,6 +349,31 @@ class LookupClient:
             return reply.hit_chunks
         raise LookupFailed(
             f"no reply from the lookup server at {self.path} within {self.timeout_ms} ms "
+            f"(is worker rank 0 running, with the same {self._named_by}?)"
+        )
+
+    def reset_flush(self, timeout_ms: int) -> int:
+        """Ask worker rank 0 to run the reset flush (``reset_flush_scope``) and wait up to
+        ``timeout_ms`` for it; returns the keys removed.
+
+        Raises:
+            LookupFailed: the flush failed (with the store's code when known), this engine
+                does not flush on reset, or no reply within ``timeout_ms``.
+        """
+        req = _Request(next(self._ids), [], op="reset_flush")
+        self._sock.send(self._enc.encode(req))
+        deadline = time.monotonic() + timeout_ms / 1e3
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1e3) + 1):
+                break
+            reply = self._dec.decode(self._sock.recv())
+            if reply.id != req.id:
+                continue  # the late answer to an earlier, timed-out query
+            if reply.error is not None:
+                raise LookupFailed(f"pool reset flush failed: {reply.error}", reply.code)
+            return reply.removed_keys
+        raise LookupFailed(
+            f"no reply from the lookup server at {self.path} within {timeout_ms} ms "
             f"(is worker rank 0 running, with the same {self._named_by}?)"
         )
 

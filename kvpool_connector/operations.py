@@ -14,26 +14,38 @@ import os
 import re
 import threading
 import time
+import uuid
 import weakref
+from collections import deque
 from typing import Protocol
 
+from kvpool_agent._audit import audit
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
+    MAX_ID_CHARS,
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
     DrainResult,
     FlushArgs,
+    FlushRecord,
     FlushResult,
     HealthCheck,
     PoolStats,
     Source,
+    clip,
 )
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.backends.base import Backend
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
     ParallelLayout,
+    digest_pattern,
     layout_pattern,
     model_pattern,
     probe_key,
+    shard_prefix,
 )
 
 __all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "flush_pattern"]
@@ -81,6 +93,8 @@ class BackendOperations:
         saves: the worker whose saves ``wait_for_saves`` waits for; the connector sets it once
             the worker exists (the worker needs the agent's reporter first). While ``None``
             there is no save to wait for.
+        reporter: the agent's reporter, which takes ``reset_flush``'s audit record to the hub
+            (``Reporter.flush_audited``); the connector sets it once the agent runs.
     """
 
     def __init__(
@@ -93,7 +107,10 @@ class BackendOperations:
         self.source = source
         self.key_scope = key_scope
         self.saves: SaveQueue | None = None
+        self.reporter: Reporter = NullReporter()
         self._prober = _Prober(backend, source.agent_id)
+        # Scopes of operator flushes that removed this process's keys, for the KV events.
+        self._flushes: deque[str] = deque(maxlen=64)
 
     def health(self, probe: bool = False) -> list[HealthCheck]:
         """``Backend.health()`` (client state and master reachability; no pool key touched),
@@ -112,6 +129,9 @@ class BackendOperations:
         """
         pattern = flush_pattern(args, self.source, self.key_scope)
         res = self.backend.remove_by_scope(pattern, dry_run=args.dry_run, force=args.force)
+        scope = self.key_scope
+        if not args.dry_run and scope is not None and re.match(pattern, shard_prefix(*scope)):
+            self._flushes.append(args.scope)
         return FlushResult(
             dry_run=args.dry_run,
             keys=res.keys,
@@ -119,6 +139,71 @@ class BackendOperations:
             removed_keys=0 if args.dry_run else res.removed,
             skipped_leased=res.skipped_leased,
         )
+
+    def take_flushes(self) -> list[str]:
+        """Scopes of the operator flushes (not dry runs) whose pattern covers this process's
+        keys, since the last call (at most the last 64); the connector announces them as
+        ``BlockRemoved`` (``kvpool_connector._events``)."""
+        out = []
+        while self._flushes:
+            out.append(self._flushes.popleft())
+        return out
+
+    def reset_flush(self, saves_timeout_s: float = 30.0) -> FlushResult:
+        """``reset_flush_scope`` ``engine`` (vLLM's ``reset_prefix_cache`` reaching the
+        connector): wait for this process's saves, then remove every key of this engine's
+        model and layout digest (``keys.digest_pattern``: every shard and layer; other digests
+        and models stay), leased keys included. Audited like a console flush: one
+        ``kvpool_agent._audit`` line (``who`` ``engine:<engine_id> (reset_prefix_cache)``,
+        command ``flush``, scope ``engine``) on the ``kvpool.hub`` log, failures too, and a
+        ``FlushRecord`` to ``reporter``: the hub writes it to its audit trail.
+        Sizes in bytes.
+
+        Raises:
+            CommandError: no key scope yet (vLLM has not registered the KV caches), or the
+                saves did not finish within ``saves_timeout_s`` seconds (nothing removed).
+            BackendError: the store failed.
+        """
+        src = self.source
+        args = FlushArgs(scope="engine", model=self.key_scope[0] if self.key_scope else None,
+                         engine_id=src.engine_id, dry_run=False, force=True)
+        req = CommandRequest(v=PROTOCOL_VERSION, seq=0, request_id=f"reset-{uuid.uuid4().hex}",
+                             command="flush", sender="reset_prefix_cache",
+                             targets=[src.agent_id], flush=args)
+        who = f"engine:{src.engine_id} (reset_prefix_cache)"
+        try:
+            result = self._reset_flush(saves_timeout_s)
+        except Exception as exc:
+            self._audit_reset(who, req, None, clip(f"{type(exc).__name__}: {exc}"))
+            raise
+        self._audit_reset(who, req, result, None)
+        return result
+
+    def _audit_reset(self, who: str, req: CommandRequest, result: FlushResult | None,
+                     error: str | None) -> None:
+        """The reset flush's audit line, here and (through the agent) in the hub's trail."""
+        aid = self.source.agent_id
+        audit(None, who, req, [aid], [CommandReply(
+            v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=aid,
+            ok=error is None, error=error, flush=result)])
+        assert req.flush is not None
+        self.reporter.flush_audited(FlushRecord(
+            ts_ms=time.time() * 1e3, request_id=req.request_id, who=clip(who, MAX_ID_CHARS),
+            flush=req.flush,
+            ok=error is None, result=result, error=error))
+
+    def _reset_flush(self, saves_timeout_s: float) -> FlushResult:
+        scope = self.key_scope
+        if scope is None:
+            raise CommandError("the engine's KV caches are not registered yet: nothing to flush")
+        saves = self.saves
+        if saves is not None and not saves.drain_saves(saves_timeout_s):
+            raise CommandError(f"saves still running after {saves_timeout_s:.0f} s; nothing "
+                               "removed (reset_prefix_cache again once they finished)")
+        res = self.backend.remove_by_scope(digest_pattern(scope[0], scope[1]), dry_run=False,
+                                           force=True)
+        return FlushResult(dry_run=False, keys=res.keys, bytes=res.bytes,
+                           removed_keys=res.removed, skipped_leased=res.skipped_leased)
 
     def wait_for_saves(self, timeout_ms: int) -> DrainResult:
         """Wait up to ``timeout_ms`` ms for the worker's in-flight saves (``saves``)."""

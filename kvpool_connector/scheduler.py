@@ -65,6 +65,15 @@ class PrefixLookup(Protocol):
     def close(self) -> None: ...
 
 
+class RequestEvents(Protocol):
+    """What the scheduler tells the KV-event joiner (``_events.PoolEventJoiner``) about
+    request lifetimes."""
+
+    def track(self, request: Request) -> None: ...
+
+    def release(self, req_ids: Iterable[str]) -> None: ...
+
+
 @dataclass
 class LookupCounters:
     """Scheduler-side totals since start (tokens unless named otherwise).
@@ -206,6 +215,11 @@ class KVPoolScheduler:
         # accepted; for async loads, the least loaded by the workers that answered so far.
         self._awaiting_outcome: dict[str, int] = {}
         self._async_partial: dict[str, int] = {}
+        # Set by the connector when vLLM publishes KV events: keeps each request whose saves
+        # may still be reported (released at request_finished or finished_sending).
+        self.events: RequestEvents | None = None
+        # Finished requests whose blocks vLLM keeps until their saves' finished_sending.
+        self._held_for_saves: set[str] = set()
 
     def _hashes_for(self, request: Request) -> list[str]:
         """The prompt's chunk hashes; none for a request with media, so it neither loads
@@ -331,6 +345,8 @@ class KVPoolScheduler:
         self._lookup_cache.pop(rid, None)
         # Hash here, where the full Request (with cache_salt) is at hand, for saves too.
         hashes = self._hashes_for(request)
+        if self.events is not None and self.config.should_save and hashes:
+            self.events.track(request)
         spec = self._load_specs.pop(rid, None)
         if spec is None:
             return
@@ -475,15 +491,35 @@ class KVPoolScheduler:
             # still writes this request's KV into them.
             self._loads_in_flight.discard(rid)
             self._forget(rid)
+            if self.events is not None and rid not in self._saving:
+                self.events.release([rid])
             return True, None
         self._forget(rid)
         # No outcome will be counted for a load this request never ran.
         self._awaiting_outcome.pop(rid, None)
         self._async_partial.pop(rid, None)
         if rid in self._saving:
+            # Its saves' chunks may still be reported: released at its finished_sending.
             self._saving.discard(rid)
+            self._held_for_saves.add(rid)
             return True, None
+        if self.events is not None:
+            self.events.release([rid])
         return False, None
+
+    def saves_finished(self, req_ids: Iterable[str]) -> None:
+        """Every worker finished these requests' saves (vLLM's ``finished_sending``)."""
+        self._held_for_saves.difference_update(req_ids)
+
+    @property
+    def saves_outstanding(self) -> int:
+        """Finished requests whose saves some worker may still be running."""
+        return len(self._held_for_saves)
+
+    def forget_lookups(self) -> None:
+        """Drop every kept lookup answer (the pool was flushed: ask again)."""
+        self._lookup_cache.clear()
+        self._load_specs.clear()
 
     def _forget(self, rid: str) -> None:
         self._lookup_cache.pop(rid, None)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -88,6 +89,9 @@ class WorkerSettings(Protocol):
     @property
     def hash_algo(self) -> str: ...  # chunk-hash function, part of the layout digest
 
+
+_WRITTEN_CHUNKS_KEPT = 1 << 16
+"""Written chunks kept for ``take_written_chunks`` at most (oldest dropped first)."""
 
 _DIGEST_SLOTS = 4096
 """Keys per batch call with the integrity check on (larger batches are split)."""
@@ -425,6 +429,28 @@ class KVPoolWorker:
         self._saves.settle(preempted)
         for f in self._loads.futures_of(preempted):
             f.result()
+
+    # ------------------------------------------------------------------ KV events
+
+    def enable_kv_events(self) -> None:
+        """Record every chunk a save writes, for ``take_written_chunks`` (vLLM's KV events,
+        ``kvpool_connector._events``). Off unless called: recording costs a set per save."""
+        with self._lock:
+            if self._saves.written is None:
+                self._saves.written = deque(maxlen=_WRITTEN_CHUNKS_KEPT)
+
+    def take_written_chunks(self) -> list[tuple[str, int]]:
+        """``(request id, chunk index)`` of every chunk whose value a save of this worker
+        wrote to the pool (put result 0) since the last call, the last ``_WRITTEN_CHUNKS_KEPT``
+        at most; empty when not recorded. A request reported in ``get_finished``'s
+        ``finished_sending`` has all its chunks in this or an earlier call."""
+        return self._saves.take_written()
+
+    @property
+    def lookup_shards(self) -> int:
+        """Shards that must hold a chunk before a lookup counts it a hit (every rank of the
+        split parallel dimensions; ``lookup_chunks``)."""
+        return len(self._lookup_layouts)
 
     def drain_saves(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted save has finished; True if all did within

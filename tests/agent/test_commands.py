@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import json
+import logging
 import re
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from agent_testlib import FakeAgent, Spammer, make_source
+from agent_testlib import FakeAgent, Spammer, make_source, wait_until
 
 from kvpool_agent import (
     UNAUTHORISED,
@@ -172,6 +173,85 @@ def test_flush_scopes_remove_exactly_their_keys(
     assert len(flushes) == 7
     assert all(a["who"].startswith("key:") and not a["refused"] for a in flushes)
     assert flushes[5]["flush"]["force"] and flushes[5]["results"][0]["flush"]["removed_keys"] == 1
+
+
+def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
+    pool: dict, agent_master: LocalMooncakeMaster, mooncake_backend: Any, model: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``reset_flush_scope: engine`` (vLLM's ``reset_prefix_cache`` on worker rank 0): every key
+    of the model's layout digest goes, whatever the shard; the model's other layout, other
+    models and foreign keys stay; one audit line like a console flush's. Console flushes that
+    covered this process's keys are kept for the KV events' ``BlockRemoved``; dry runs and
+    flushes of other keys are not."""
+    src = make_source("eng-r", tp=0, model=model)
+    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout()))
+    before = _all_keys(agent_master)
+    with caplog.at_level(logging.INFO, logger="kvpool.hub"):
+        res = ops.reset_flush()
+    assert (res.dry_run, res.keys, res.removed_keys, res.skipped_leased) == (False, 5, 5, 0)
+    assert _all_keys(agent_master) == before - set(pool["tp0"]) - set(pool["tp1"])
+    (line,) = [json.loads(r.getMessage().split("kvpool audit: ", 1)[1])
+               for r in caplog.records if "kvpool audit: " in r.getMessage()]
+    assert (line["who"], line["command"], line["targets"]) == (
+        "engine:eng-r (reset_prefix_cache)", "flush", [src.agent_id])
+    assert line["flush"] == {"scope": "engine", "model": model, "engine_id": "eng-r",
+                             "dry_run": False, "force": True}
+    assert line["results"] == [{"agent": src.agent_id, "ok": True, "flush": {
+        "dry_run": False, "keys": 5, "bytes": 5 * VALUE, "removed_keys": 5,
+        "skipped_leased": 0}}]
+    assert ops.take_flushes() == []  # the scheduler announces its own reset
+    ops.flush(FlushArgs(scope="model", model=pool["other_model"], dry_run=False))
+    ops.flush(FlushArgs(scope="engine", dry_run=True))
+    assert ops.take_flushes() == []
+    ops.flush(FlushArgs(scope="model", dry_run=False))
+    assert ops.take_flushes() == ["model"]
+    assert ops.take_flushes() == []
+    # Without a key scope (KV caches not registered): refused, nothing removed, audited.
+    caplog.clear()
+    before = _all_keys(agent_master)
+    with caplog.at_level(logging.INFO, logger="kvpool.hub"), pytest.raises(
+            CommandError, match="not registered"):
+        BackendOperations(mooncake_backend, src).reset_flush()
+    assert _all_keys(agent_master) == before
+    (failed,) = [json.loads(r.getMessage().split("kvpool audit: ", 1)[1])
+                 for r in caplog.records if "kvpool audit: " in r.getMessage()]
+    assert not failed["results"][0]["ok"] and "not registered" in failed["results"][0]["error"]
+
+
+def test_reset_flush_reaches_the_hubs_audit_trail_once(
+    hub: FleetHub, hub_address: str, pool: dict, mooncake_backend: Any, model: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reset flush's record goes through the worker's agent to the hub, which writes it to
+    its audit file once (later snapshots repeat it), attributed to the agent it came from."""
+    monkeypatch.setattr("kvpool_agent.agent.SNAPSHOT_INTERVAL_S", 0.3)
+    src = make_source("eng-h", tp=0, model=model)
+    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout()))
+    handle = start_agent(src, address=hub_address, operations=ops)
+    try:
+        ops.reporter = handle.reporter
+        res = ops.reset_flush()
+        audit_file = tmp_path / "audit.jsonl"
+
+        def lines() -> list[dict]:
+            text = audit_file.read_text() if audit_file.exists() else ""
+            return [json.loads(x) for x in text.splitlines()]
+
+        wait_until(lambda: lines())
+        # Snapshots (every 0.3 s here) repeat the record: still one line.
+        seen = hub.reports
+        wait_until(lambda: hub.reports >= seen + 4)
+        (line,) = lines()
+        assert line["who"] == f"agent:{src.agent_id} (engine:eng-h (reset_prefix_cache))"
+        assert (line["command"], line["targets"], line["refused"]) == (
+            "flush", [src.agent_id], False)
+        assert line["flush"]["scope"] == "engine" and line["flush"]["force"]
+        assert line["results"] == [{"agent": src.agent_id, "ok": True, "flush": {
+            "dry_run": False, "keys": res.keys, "bytes": res.bytes, "removed_keys": 5,
+            "skipped_leased": 0}}]
+    finally:
+        handle.stop()
 
 
 def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(

@@ -4,6 +4,7 @@ real sockets, asserting the attack had no effect."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent._fleet import FLUSHES_PER_REPORT
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.cli import main
 from kvpool_agent.protocol import (
@@ -19,6 +21,8 @@ from kvpool_agent.protocol import (
     CommandRequest,
     DrainArgs,
     FlushArgs,
+    FlushRecord,
+    FlushResult,
     StartFailure,
     encode,
 )
@@ -226,3 +230,24 @@ def test_a_key_mounted_as_a_kubernetes_secret_symlink_is_accepted(
         wait_until(lambda: "mounted/dp0.tp0.pp0" in hub.fleet())
         assert sorted(hub.fleet()) == ["mounted/dp0.tp0.pp0"]
         assert hub.refused_connections["agents"] == 0
+
+
+def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
+    hub: FleetHub, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path,
+) -> None:
+    """An agent's own flush records (``EngineState.flushes``) are claims: the hub audits at most
+    ``FLUSHES_PER_REPORT`` per report, each once, every line attributed to the agent, however
+    the record names its author."""
+    agent = FakeAgent(ctx, hub_address)
+    src = make_source("eng-flood")
+    result = FlushResult(dry_run=False, keys=0, bytes=0)
+    forged = [FlushRecord(ts_ms=0.0, request_id=f"r{i}", who="key:operator (console)",
+                          flush=FlushArgs(scope="all", dry_run=False), ok=True, result=result)
+              for i in range(1000)]
+    for _ in range(3):
+        agent.report(src, flushes=forged)
+    wait_until(lambda: hub.reports >= 3)
+    lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert len(lines) == FLUSHES_PER_REPORT
+    assert {x["request_id"] for x in lines} == {f"r{i}" for i in range(984, 1000)}
+    assert {x["who"] for x in lines} == {f"agent:{src.agent_id} (key:operator (console))"}

@@ -214,6 +214,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "checksum": True,
         "instance_role": "prefill",
         "hash_algo": "xxh3_128",
+        "reset_flush_scope": "engine",
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
@@ -221,6 +222,12 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert cfg.agent_keys == "/etc/kvpool/agent"
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
+    assert cfg.reset_flush_scope == "engine"
+    assert KVPoolConfig.from_dicts({}, kv_role="kv_both", block_size=16,
+                                   model="m").reset_flush_scope == "none"
+    with pytest.raises(ValueError, match="reset_flush_scope"):
+        KVPoolConfig.from_dicts({"reset_flush_scope": "all"}, kv_role="kv_both", block_size=16,
+                                model="m")
     with pytest.raises(ValueError, match="hash_algo"):
         KVPoolConfig.from_dicts({"hash_algo": "md5"}, kv_role="kv_both", block_size=16,
                                 model="m")

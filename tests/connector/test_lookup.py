@@ -298,3 +298,35 @@ def test_same_instance_id_held_by_a_live_engine_is_refused_with_the_fix(tmp_path
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(timeout=10)
+
+
+def test_reset_flush_runs_on_the_server_and_its_failures_are_errors() -> None:
+    """The scheduler's ``reset_cache`` flush over the lookup socket: the server runs it and
+    answers the keys removed; a store failure is an error with its code; an engine without
+    ``reset_flush_scope`` refuses; lookups keep working around them."""
+    results: list[int | Exception] = [7, BackendError("remove failed", code=-900)]
+
+    def flush() -> int:
+        r = results.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    server = LookupServer(_prefix_counter({"a"}), lookup_rpc_port=7011, reset_flush=flush)
+    plain = LookupServer(_prefix_counter({"a"}), lookup_rpc_port=7012)
+    client = LookupClient(lookup_rpc_port=7011, timeout_ms=2000)
+    other = LookupClient(lookup_rpc_port=7012, timeout_ms=2000)
+    try:
+        assert client.reset_flush(2000) == 7
+        with pytest.raises(LookupFailed, match="remove failed") as info:
+            client.reset_flush(2000)
+        assert info.value.code == -900
+        assert client.lookup(["a", "b"]) == 1 and server.lookups == 1
+        with pytest.raises(LookupFailed, match="reset_flush_scope is none"):
+            other.reset_flush(2000)
+        assert other.lookup(["a"]) == 1
+    finally:
+        for c in (client, other):
+            c.close()
+        for s in (server, plain):
+            s.close()

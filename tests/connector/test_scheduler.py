@@ -484,3 +484,52 @@ def test_trimmed_hit_is_loaded_up_to_the_cut(backend: MooncakeBackend) -> None:
         assert (m.load.vllm_cached_tokens, m.load.kvpool_cached_tokens) == (0, 80)
     finally:
         e.close()
+
+
+class _Tracked:
+    """Records what the scheduler tells the KV-event joiner (``RequestEvents``)."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+        self.released: list[str] = []
+
+    def track(self, request: Request) -> None:
+        self.live.add(request.request_id)
+
+    def release(self, req_ids: Any) -> None:
+        for rid in req_ids:
+            self.live.discard(rid)
+            self.released.append(rid)
+
+
+def test_requests_are_kept_for_kv_events_until_their_saves_are_reported(engine: Engine) -> None:
+    """With KV events on, a request that saved is kept (its block hashes) until its
+    ``finished_sending``, one that did not is released when it finishes; finished requests'
+    saves outstanding are counted for ``reset_cache``, and a reset forgets kept lookups."""
+    tracked = _Tracked()
+    engine.sched.events = tracked
+    saver, idle = _request("s", _prompt(40, 9)), _request("i", _prompt(10, 9))
+    for req, blocks in ((saver, [1, 2, 3]), (idle, [4])):
+        assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        engine.sched.update_state_after_alloc(req, _blocks(blocks), 0)
+    # The 10-token prompt has no whole chunk: nothing to save, nothing to announce.
+    assert tracked.live == {"s"}
+    new = NewRequestData.from_request(saver, ([1, 2, 3],))
+    (m,) = engine.sched.build_connector_meta(_output([new], {"s": 40})).requests
+    assert (m.save_from_chunk, m.save_to_chunk) == (0, 2)
+    assert engine.sched.request_finished(saver, [1, 2, 3]) == (True, None)
+    assert engine.sched.request_finished(idle, [4]) == (False, None)
+    assert tracked.live == {"s"} and tracked.released == ["i"]
+    assert engine.sched.saves_outstanding == 1
+    engine.sched.saves_finished({"s"})
+    assert engine.sched.saves_outstanding == 0
+    # A waiting request's kept lookup is dropped by a reset: it is asked again.
+    waiting = _request("w", _prompt(40, 10))
+    engine.store(waiting.prompt_token_ids or [], 2)
+    engine.sched.get_num_new_matched_tokens(waiting, 0)
+    engine.sched.get_num_new_matched_tokens(waiting, 0)
+    # (The 10-token prompt was never looked up: it has no whole chunk.)
+    assert (engine.sched.counters.lookups, engine.sched.counters.lookup_cached) == (2, 1)
+    engine.sched.forget_lookups()
+    assert engine.sched.get_num_new_matched_tokens(waiting, 0) == (32, False)
+    assert (engine.sched.counters.lookups, engine.sched.counters.lookup_cached) == (3, 1)

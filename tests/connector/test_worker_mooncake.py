@@ -695,3 +695,33 @@ def test_checksum_refuses_a_whole_value_found_under_another_key(
     for s_blk, d_blk in ((0, 8), (1, 9)):
         assert block_bytes(src, s_blk) == block_bytes(dst, d_blk)
     assert b.counters.checksum_failures == 1
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_written_chunks_are_those_the_save_wrote(layerwise: bool,
+                                                 engines: tuple[MooncakeBackend, ...]) -> None:
+    """KV events (``take_written_chunks``): every chunk whose value(s) this save put, once;
+    a chunk the pool already held (another engine wrote it) is not reported again, and a
+    worker without ``enable_kv_events`` records nothing."""
+    model = uniq(f"events-{layerwise}")
+    shared = chunk_hashes(tokens(64, 30), 32)
+    own = chunk_hashes(tokens(96, 31), 32)
+    kv_a, kv_b, kv_off = cpu_layout(), cpu_layout(), cpu_layout()
+    for i, kv in enumerate((kv_a, kv_b, kv_off)):
+        fill_random(kv, 32 + i)
+    a = make_worker(engines[0], kv_a, model, use_layerwise=layerwise)
+    a.enable_kv_events()
+    save_request(a, "a", [0, 1, 2, 3], shared)
+    assert a.take_written_chunks() == [("a", 0), ("a", 1)]
+    assert a.take_written_chunks() == []
+    b = make_worker(engines[1], kv_b, model, use_layerwise=layerwise)
+    b.enable_kv_events()
+    # The first two chunks are the ones a wrote: only b's third chunk is new.
+    save_request(b, "b", [4, 5, 6, 7, 8, 9], [*shared, own[2]])
+    assert b.take_written_chunks() == [("b", 2)]
+    per_chunk = len(kv_b) if layerwise else 1
+    assert b.counters.saved_keys == per_chunk
+    assert b.lookup_shards == 1
+    off = make_worker(engines[1], kv_off, uniq("events-off"), use_layerwise=layerwise)
+    save_request(off, "c", [10, 11, 12, 13], shared)
+    assert off.counters.saved_keys == 2 * per_chunk and off.take_written_chunks() == []

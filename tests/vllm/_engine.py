@@ -4,10 +4,14 @@ SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transf
 (dict or null), ``prefix_caching`` (bool), ``rounds`` (the prompts are generated this many times
 in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
 ``dtype`` (default ``float32``), ``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers,
-Prometheus included, on; default off) and ``kv_events_config`` (vLLM's, optional).
+Prometheus included, on; default off) and ``kv_events_config`` (vLLM's, optional). ``reset``:
+after the rounds, step the engine until every finished request's saves are reported (in-process
+engine core only), call ``LLM.reset_prefix_cache(reset_connector=True)`` and generate the
+prompts ``rounds_after_reset`` more times (default 1).
 OUT: per round, per prompt, the greedy ``tokens``, the ``logprobs`` of those tokens and vLLM's
 ``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector loads);
-with ``log_stats``, ``prometheus``: vLLM's Prometheus text at the end.
+with ``log_stats``, ``prometheus``: vLLM's Prometheus text at the end; with ``reset``, ``reset``
+(what ``reset_prefix_cache`` returned) and ``after_reset`` (rounds like ``rounds``).
 """
 
 from __future__ import annotations
@@ -41,13 +45,14 @@ def main() -> None:
     started = time.time() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0,
                             ignore_eos=True)
-    rounds = []
-    round_s = []
-    for _ in range(spec.get("rounds", 1)):
+    round_s: list[float] = []
+
+    def generate(llm: LLM) -> list[dict[str, object]]:
         t1 = time.time()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params,
                             use_tqdm=False)
-        rounds.append([
+        round_s.append(time.time() - t1)
+        return [
             {
                 "tokens": list(o.outputs[0].token_ids),
                 "logprobs": [lp[t].logprob for t, lp in
@@ -56,10 +61,20 @@ def main() -> None:
                 "num_cached_tokens": o.num_cached_tokens,
             }
             for o in outs
-        ])
-        round_s.append(time.time() - t1)
-    out = {"rounds": rounds, "startup_s": started, "round_s": round_s,
-           "total_s": time.time() - t0}
+        ]
+
+    rounds = [generate(llm) for _ in range(spec.get("rounds", 1))]
+    out: dict[str, object] = {"rounds": rounds, "startup_s": started, "round_s": round_s}
+    if spec.get("reset"):
+        settle(llm)
+        out["reset"] = llm.reset_prefix_cache(reset_connector=True)
+        out["after_reset"] = [generate(llm) for _ in range(spec.get("rounds_after_reset", 1))]
+    if spec.get("kv_events_config"):
+        settle(llm)
+        # vLLM's publisher thread sends queued batches every 0.1 s at most; its shutdown
+        # closes the socket without lingering, so give the last batches time to leave.
+        time.sleep(1.0)
+    out["total_s"] = time.time() - t0
     if spec.get("log_stats"):
         from prometheus_client import generate_latest
 
@@ -67,6 +82,19 @@ def main() -> None:
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
     del llm
+
+
+def settle(llm: object, timeout_s: float = 60.0) -> None:
+    """Step the in-process engine core until no finished request waits for its saves: their
+    ``finished_sending`` (and the connector's KV events) reach the scheduler only in a step,
+    and ``LLM.generate`` returns before."""
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests still held after {timeout_s} s")
+        core.step()
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
