@@ -139,3 +139,25 @@ async def test_health_modal_lists_each_failed_check_with_the_backend_error() -> 
             ["decode-1/dp0.tp0.pp0", "master", "FAIL", "2.0",
              "master unreachable: connection refused (code 2)"],
             ["decode-1/dp0.tp0.pp0", "probe_put", "FAIL", "1.0", "RPC_FAIL"]]
+
+
+async def test_a_click_selects_the_row_clicked_where_other_rows_read_the_same() -> None:
+    """Cells that read the same share one render (FleetTable._render_cell); each keeps its
+    own row for mouse clicks."""
+    app = _app()
+    async with app.run_test(size=(160, 30)) as pilot:
+        table = app.query_one(FleetTable)
+        await pilot.pause()
+        order = [str(k.value) for k in table.columns]
+        x = sum(table.columns[k].get_render_width(table)
+                for k in list(table.columns)[:order.index("fail")]) + 1
+        row = table.get_row_index("e:prefill-2")
+        assert str(table.get_cell("e:prefill-2", "fail")) == "0"
+        assert [str(table.get_cell_at((r, order.index("fail")))) for r in range(row)].count(
+            "0") >= 2
+        for target in (row, 0, row):
+            await pilot.click(FleetTable, offset=(x, 1 + target))  # line 0 is the header
+            await pilot.pause()
+            assert table.cursor_row == target
+            assert table.selected_engine_id == table.selected_key.engine_id  # type: ignore[union-attr]
+        assert table.selected_key == EngineKey("prefill-2")
