@@ -153,7 +153,7 @@ def _pool(used: int, total: int, watermark: float) -> Text:
 
 def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
                   expanded: bool) -> _Cells:
-    mark = "▾" if expanded else ("▸" if r.agents else " ")
+    mark = "▾" if expanded else ("▸" if r.agent_ids else " ")
     dim = "dim" if r.stale else ""
     return {
         "engine": plain(f"{mark} {r.engine_id}", style=dim),
