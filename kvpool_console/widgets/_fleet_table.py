@@ -12,16 +12,18 @@ back through a dict, so no row key is ever parsed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from functools import partial
 
 from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual import on
-from textual.coordinate import Coordinate
+from textual.geometry import Region
+from textual.strip import Strip
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowKey
 
@@ -67,7 +69,22 @@ _Cells = dict[str, Text | str]
 
 
 def _ordered(cells: _Cells) -> list[Text | str]:
-    return [cells[key] for key, _ in COLUMNS]
+    # Text, never str: DataTable parses a str cell as markup each time it renders a row;
+    # these values are plain already (``plain`` for those from the network).
+    return [c if isinstance(c, Text) else Text(c, end="", no_wrap=True)
+            for c in (cells[key] for key, _ in COLUMNS)]
+
+
+def _look(cell: Text | str) -> object:
+    """What decides how ``cell`` is drawn (``Text`` equality ignores styles)."""
+    if isinstance(cell, str):
+        return cell
+    return (cell.plain, cell.style, tuple(cell.spans), cell.justify, cell.overflow,
+            cell.no_wrap, cell.end)
+
+
+_MARGIN_ROWS = 4
+"""Rows above and below the screen that ``FleetTable.show`` keeps up to date as well."""
 
 
 
@@ -225,6 +242,19 @@ def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
     }
 
 
+def _engine_row_cells(r: EngineRow, now_ms: float, history: Sequence[float],
+                      expanded: bool) -> list[Text | str]:
+    return _ordered(_engine_cells(r, now_ms, history, expanded))
+
+
+def _agent_row_cells(a: AgentRow, r: EngineRow, now_ms: float) -> list[Text | str]:
+    return _ordered(_agent_cells(a, r, now_ms))
+
+
+def _totals_row_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
+    return _ordered(_totals_cells(t, history))
+
+
 class FleetTable(DataTable[Text | str]):
     """DataTable of engines, their agents when expanded, and the totals row.
 
@@ -236,8 +266,12 @@ class FleetTable(DataTable[Text | str]):
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
                          **kwargs)  # type: ignore[arg-type]
         self._keys: list[FleetRowKey] = []
-        self._cells: dict[FleetRowKey, list[Text | str]] = {}
+        self._looks: dict[FleetRowKey, list[object]] = {}
+        """``_look`` of each cell the DataTable holds, by row."""
+        self._flags: tuple[object, ...] = ()
         self._by_row_key: dict[RowKey, FleetRowKey] = {}
+        # Rows out of view: how to compute their cells once they scroll into view (show).
+        self._pending: dict[FleetRowKey, Callable[[], list[Text | str]]] = {}
         # Rendered cells by what decides their look, wherever they are (many cells read the
         # same: "OK", "0", "0.4s"), and by place: see _render_cell.
         self._by_look: dict[tuple[object, ...], list[list[Segment]]] = {}
@@ -276,13 +310,8 @@ class FleetTable(DataTable[Text | str]):
         if row_index < 0 or column_index < 0:  # header and row labels: DataTable's own cache
             return super()._render_cell(row_index, column_index, base_style, width, cursor,
                                         hover)
-        value = self.get_cell_at(Coordinate(row_index, column_index))
-        content: object = value if isinstance(value, str) else (
-            value.plain, value.style, tuple(value.spans), value.justify, value.overflow,
-            value.no_wrap)
-        look = (content, base_style, width, cursor, hover, column_index < self.fixed_columns,
-                self.show_cursor, self.has_focus, self._show_hover_cursor,
-                self._pseudo_class_state)
+        look = (self._looks[self._keys[row_index]][column_index], base_style, width, cursor,
+                hover, column_index < self.fixed_columns, self._flags)
         place = (row_index, column_index, base_style)
         hit = self._by_place.get(place)
         if hit is not None and hit[0] == look:
@@ -301,6 +330,17 @@ class FleetTable(DataTable[Text | str]):
         self._by_place[place] = (look, lines)
         return lines
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # What else decides a cell's look, the same for every cell of this render.
+        self._flags = (self.show_cursor, self._show_hover_cursor, self.get_pseudo_class_state())
+        return super().render_lines(crop)
+
+    def notify_style_update(self) -> None:
+        # CSS or theme changed: cursor and hover colours with it.
+        super().notify_style_update()
+        self._by_look.clear()
+        self._by_place.clear()
+
     @on(DataTable.RowSelected)
     def _chosen(self, event: DataTable.RowSelected) -> None:
         key = self._by_row_key.get(event.row_key)
@@ -312,6 +352,11 @@ class FleetTable(DataTable[Text | str]):
              fleet_history: Sequence[float]) -> None:
         """Display ``rows`` (already filtered and sorted) followed by the totals row.
 
+        When the rows are the ones shown, in the same order, only the rows in view (and a
+        few around them) are brought up to date, changed cells only; the others are brought
+        up to date when they scroll into view. A 256-engine fleet whose every row changes
+        each refresh costs the ~40 rows a screen shows, not 256.
+
         Args:
             rows, totals: from the latest ``FleetView``.
             now_ms: that view's wall clock (epoch ms), for lease times left.
@@ -319,34 +364,68 @@ class FleetTable(DataTable[Text | str]):
             hit_history: engine id -> its 1-minute hit rates in [0, 1], oldest first (Trend).
             fleet_history: the fleet's hit rates in [0, 1], oldest first (the totals' Trend).
         """
-        wanted: list[tuple[FleetRowKey, list[Text | str]]] = []
+        wanted: list[tuple[FleetRowKey, Callable[[], list[Text | str]]]] = []
         for r in rows:
             is_open = r.engine_id in expanded
-            wanted.append((EngineKey(r.engine_id), _ordered(
-                _engine_cells(r, now_ms, hit_history.get(r.engine_id, ()), is_open))))
+            wanted.append((EngineKey(r.engine_id), partial(
+                _engine_row_cells, r, now_ms, hit_history.get(r.engine_id, ()), is_open)))
             if is_open:
                 wanted.extend((AgentKey(r.engine_id, a.agent_id),
-                               _ordered(_agent_cells(a, r, now_ms))) for a in r.agents)
-        wanted.append((TOTALS, _ordered(_totals_cells(totals, fleet_history))))
+                               partial(_agent_row_cells, a, r, now_ms)) for a in r.agents)
+        wanted.append((TOTALS, partial(_totals_row_cells, totals, fleet_history)))
         keys = [k for k, _ in wanted]
         if keys == self._keys:
-            for key, cells in wanted:
-                old = self._cells[key]
-                for i, (cell, prev) in enumerate(zip(cells, old, strict=True)):
-                    if cell != prev:
-                        # Re-measuring widths costs a rich render per cell: only when the
-                        # new value is wider than the column already is.
-                        width = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
-                        col = self.columns[ColumnKey(COLUMNS[i][0])]
-                        self.update_cell(key.row_key, COLUMNS[i][0], cell,
-                                         update_width=width > col.content_width)
-                self._cells[key] = cells
+            near = self._near_view()
+            for i, (key, cells_of) in enumerate(wanted):
+                if i in near:
+                    self._pending.pop(key, None)
+                    self._update_row(key, cells_of())
+                else:
+                    self._pending[key] = cells_of
             return
         selected = self.selected_key
         self._by_place.clear()
+        self._pending.clear()
         self.clear()
-        self._by_row_key = {self.add_row(*cells, key=key.row_key): key for key, cells in wanted}
+        built = [(key, cells_of()) for key, cells_of in wanted]
+        self._by_row_key = {self.add_row(*cells, key=key.row_key): key for key, cells in built}
         self._keys = keys
-        self._cells = dict(wanted)
-        if selected in self._cells:
+        self._looks = {key: [_look(c) for c in cells] for key, cells in built}
+        if selected in self._looks:
             self.move_cursor(row=keys.index(selected), animate=False)
+
+    def _near_view(self) -> range:
+        """Row indexes on screen, with a few rows of margin either side."""
+        top = int(self.scroll_y)
+        height = self.scrollable_content_region.height
+        return range(max(0, top - _MARGIN_ROWS), top + height + _MARGIN_ROWS)
+
+    def _update_row(self, key: FleetRowKey, cells: list[Text | str]) -> None:
+        old = self._looks[key]
+        looks = [_look(c) for c in cells]
+        for i, (cell, look, prev) in enumerate(zip(cells, looks, old, strict=True)):
+            if look != prev:
+                # Re-measuring widths costs a rich render per cell: only when the new value
+                # is wider than the column already is.
+                width = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
+                col = self.columns[ColumnKey(COLUMNS[i][0])]
+                self.update_cell(key.row_key, COLUMNS[i][0], cell,
+                                 update_width=width > col.content_width)
+        self._looks[key] = looks
+
+    def _catch_up(self) -> None:
+        """Bring the rows that came into view up to date."""
+        if not self._pending:
+            return
+        near = self._near_view()
+        for i in range(near.start, min(near.stop, len(self._keys))):
+            cells_of = self._pending.pop(self._keys[i], None)
+            if cells_of is not None:
+                self._update_row(self._keys[i], cells_of())
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        self._catch_up()
+
+    def on_resize(self) -> None:
+        self._catch_up()
