@@ -130,7 +130,11 @@ FleetRowKey = EngineKey | AgentKey | TotalsKey
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def trend(values: Iterable[float], width: int = 8) -> str:
+_TREND_WIDTH = 8
+"""Samples the Trend column shows."""
+
+
+def trend(values: Iterable[float], width: int = _TREND_WIDTH) -> str:
     """The last ``width`` values in [0, 1] as block characters (a sparkline in one cell)."""
     vals = list(values)[-width:]
     return "".join(_BLOCKS[min(int(max(v, 0.0) * len(_BLOCKS)), len(_BLOCKS) - 1)] for v in vals)
@@ -269,6 +273,7 @@ class FleetTable(DataTable[Text | str]):
         self._looks: dict[FleetRowKey, list[object]] = {}
         """``_look`` of each cell the DataTable holds, by row."""
         self._flags: tuple[object, ...] = ()
+        self._render_style: Style | None = None
         self._by_row_key: dict[RowKey, FleetRowKey] = {}
         # Rows out of view: how to compute their cells once they scroll into view (show).
         self._pending: dict[FleetRowKey, Callable[[], list[Text | str]]] = {}
@@ -280,7 +285,9 @@ class FleetTable(DataTable[Text | str]):
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
-            self.add_column(label, key=key)
+            # Trend as wide as it gets from the start: a column that widens costs a layout
+            # of the whole screen, once per refresh while the history fills.
+            self.add_column(label, key=key, width=_TREND_WIDTH if key == "trend" else None)
 
     @property
     def selected_key(self) -> FleetRowKey | None:
@@ -333,7 +340,26 @@ class FleetTable(DataTable[Text | str]):
     def render_lines(self, crop: Region) -> list[Strip]:
         # What else decides a cell's look, the same for every cell of this render.
         self._flags = (self.show_cursor, self._show_hover_cursor, self.get_pseudo_class_state())
-        return super().render_lines(crop)
+        # DataTable asks for the widget's style once per line, a walk over every ancestor's
+        # styles each time; it cannot change during one render.
+        self._render_style = super().rich_style
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._render_style = None
+
+    @property
+    def rich_style(self) -> Style:
+        """The widget's Rich style (during a render: as at its start)."""
+        return self._render_style if self._render_style is not None else super().rich_style
+
+    def _get_row_style(self, row_index: int, base_style: Style) -> Style:
+        # DataTable computes the zebra row style from the CSS for every line it renders;
+        # Textual's cached component style is the same until the next refresh.
+        if row_index >= self.fixed_rows and self.zebra_stripes:
+            return self.get_component_rich_style(
+                "datatable--odd-row" if row_index % 2 else "datatable--even-row")
+        return super()._get_row_style(row_index, base_style)
 
     def notify_style_update(self) -> None:
         # CSS or theme changed: cursor and hover colours with it.
