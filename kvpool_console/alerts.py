@@ -188,10 +188,15 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
                 f"{INSTANCE_ROLE_OF[s.source.kv_role]})", now_ms))
             break
     head = group[0].source
-    tr = [s.transfers for s in group]
-    loads = sum(t.loads_finished + t.loads_failed for t in tr)
-    saves = sum(t.saves_finished + t.saves_failed + t.saves_skipped for t in tr)
-    saved = sum(t.saves_finished for t in tr)
+    loads = saves = saved = lookups = prompt = hits = 0
+    for s in group:  # one pass: this runs for every engine on every console refresh
+        t, lk = s.transfers, s.lookup
+        loads += t.loads_finished + t.loads_failed
+        saves += t.saves_finished + t.saves_failed + t.saves_skipped
+        saved += t.saves_finished
+        lookups += lk.lookups
+        prompt += lk.prompt_tokens
+        hits += lk.pool_hit_tokens
     if head.instance_role == "prefill" and loads and not saves:
         out.append(_alert(
             "role_topology", "warning", engine_id,
@@ -204,9 +209,6 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
             f"decode instance saved {saved} times and never loaded",
             "a decode instance loads what prefill saved: use kv_role kv_consumer with "
             "consumer_is_to_load, and consumer_is_to_put only if it should save", now_ms))
-    lookups = sum(s.lookup.lookups for s in group)
-    prompt = sum(s.lookup.prompt_tokens for s in group)
-    hits = sum(s.lookup.pool_hit_tokens for s in group)
     others = producers_saving.get(head.model, set()) - {engine_id}
     if (head.kv_role == "kv_consumer" and lookups >= _TOPOLOGY_MIN_LOOKUPS and prompt
             and not hits and others):
@@ -258,11 +260,26 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
 def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: str | None,
                    now_ms: float) -> list[Alert]:
     out: list[Alert] = []
-    failed_after_hit = sum(s.transfers.failed_after_hit for s in group)
-    loads_total = sum(s.transfers.loads_finished + s.transfers.loads_failed for s in group)
-    errors: Counter[str] = Counter()
+    # One pass over the agents (this runs for every engine on every console refresh).
+    failed_after_hit = loads_total = lookups = lookup_errors = skipped = 0
+    max_load = 0.0
+    ttl = 0
+    errors: dict[str, int] = {}
+    backends: set[str] = set()
     for s in group:
-        errors.update(s.transfers.errors_by_name)
+        tr, lk = s.transfers, s.lookup
+        failed_after_hit += tr.failed_after_hit
+        loads_total += tr.loads_finished + tr.loads_failed
+        skipped += tr.saves_skipped
+        max_load = max(max_load, tr.max_load_ms)
+        for n, c in tr.errors_by_name.items():
+            errors[n] = errors.get(n, 0) + c
+        lookups += lk.lookups
+        lookup_errors += lk.lookup_errors
+        if s.pool is not None and s.pool.lease_ttl_ms > 0:
+            ttl = s.pool.lease_ttl_ms if not ttl else min(ttl, s.pool.lease_ttl_ms)
+        if s.source.backend:
+            backends.add(s.source.backend)
     if failed_after_hit:
         cause = max(("LEASE_EXPIRED", "OBJECT_NOT_FOUND"), key=lambda n: errors.get(n, 0))
         sev: Severity = "critical" if loads_total and failed_after_hit * 2 >= loads_total \
@@ -273,10 +290,7 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
             f"(LEASE_EXPIRED {errors.get('LEASE_EXPIRED', 0)}, "
             f"OBJECT_NOT_FOUND {errors.get('OBJECT_NOT_FOUND', 0)})",
             HINTS[cause], now_ms))
-    max_load = max((s.transfers.max_load_ms for s in group), default=0.0)
-    ttls = [s.pool.lease_ttl_ms for s in group if s.pool is not None and s.pool.lease_ttl_ms > 0]
-    if ttls and max_load > 0:
-        ttl = min(ttls)
+    if ttl and max_load > 0:
         if max_load >= ttl:
             out.append(_alert("lease_ttl", "critical", engine_id,
                               f"slowest load {max_load:.0f} ms >= lease TTL {ttl} ms "
@@ -285,8 +299,6 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
             out.append(_alert("lease_ttl", "warning", engine_id,
                               f"slowest load {max_load:.0f} ms is within 20% of lease TTL "
                               f"{ttl} ms (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"], now_ms))
-    lookups = sum(s.lookup.lookups for s in group)
-    lookup_errors = sum(s.lookup.lookup_errors for s in group)
     if lookup_errors:
         sev = "critical" if lookups and lookup_errors * 2 >= lookups else "warning"
         last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
@@ -296,7 +308,6 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
                           _lookup_hint(group), now_ms))
     other = {n: c for n, c in errors.items()
              if n not in ("LEASE_EXPIRED", "OBJECT_NOT_FOUND") or not failed_after_hit}
-    skipped = sum(s.transfers.saves_skipped for s in group)
     if skipped and "NO_AVAILABLE_HANDLE" not in other:
         other["NO_AVAILABLE_HANDLE"] = skipped
     if other:
@@ -304,7 +315,6 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
         listing = ", ".join(f"{n} {c}" for n, c in sorted(other.items(), key=lambda kv: -kv[1]))
         out.append(_alert("backend_errors", "warning", engine_id, f"backend errors: {listing}",
                           HINTS.get(top, "see the engine's log for the backend message"), now_ms))
-    backends = {s.source.backend for s in group if s.source.backend}
     if majority_backend is not None and backends and backends != {majority_backend}:
         out.append(_alert(
             "backend_mismatch", "critical", engine_id,

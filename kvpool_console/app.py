@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+import msgspec
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -199,7 +200,8 @@ class KVPoolConsole(App[None]):
                      stuck_after_ms=self.stuck_after_ms, alive=local_process_alive), now)
         self.states = states
         self.query_one(EventsView).log_alerts(self.tracker.new, now)
-        self.view = self.model.sample(states, seen, now, alerts)
+        self.view = self.model.sample(states, seen, now, alerts,
+                                      agent_rows_for=self.expanded)
         ms = (time.perf_counter() - t0) * 1e3
         self.last_tick_ms = ms
         self.frames += 1
@@ -263,8 +265,13 @@ class KVPoolConsole(App[None]):
         view = self.view
         if view is None or self.tab != "fleet":
             return
+        # Agent rows are built for expanded engines only; one expanded since the last sample
+        # gets them from that sample.
+        rows = [r if r.agents or r.engine_id not in self.expanded
+                else msgspec.structs.replace(r, agents=self.model.agent_rows(r.engine_id))
+                for r in self.visible_rows()]
         self.query_one(FleetTable).show(
-            self.visible_rows(), view.totals, now_ms=view.now_ms, expanded=self.expanded,
+            rows, view.totals, now_ms=view.now_ms, expanded=self.expanded,
             hit_history=self.model.hit_history, fleet_history=self.model.fleet_hit_history)
 
     def _detail(self, engine_id: str) -> EngineDetail:
@@ -385,7 +392,7 @@ class KVPoolConsole(App[None]):
 
     def action_health(self, everyone: bool) -> None:
         row = None if everyone else self.selected_engine()
-        targets = [a.agent_id for a in row.agents] if row is not None else []
+        targets = list(row.agent_ids) if row is not None else []
         title = f"health: engine {row.engine_id}" if row is not None else "health: all agents"
         self.push_screen(HealthScreen(title, targets))
 

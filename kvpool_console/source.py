@@ -26,6 +26,10 @@ from kvpool_agent.protocol import (
 
 __all__ = ["ClientSource", "FleetSource", "ReadOnlyError", "StaticSource", "now_ms"]
 
+_PUBLISH_S = 0.1
+"""How often the pump publishes a copy of the fleet while updates keep arriving (s): ten
+times per second of the fastest refresh step (0.25 s) is fresh enough."""
+
 
 class ReadOnlyError(PermissionError):
     """A data-changing command was asked of a console started without the operator key."""
@@ -129,10 +133,20 @@ class ClientSource:
             self._pump.start()
 
     def _run_pump(self) -> None:
+        # A large fleet's update spans many frames (128 engines each): publishing a copy of
+        # the fleet after each one costs more than decoding it and holds the GIL the UI thread
+        # needs, so a copy is published at most every _PUBLISH_S, and at once when the hub
+        # goes quiet.
+        pending = False
+        last = 0.0
         while not self._stop.is_set():
             try:
-                if self.client.updates(100):
+                got = bool(self.client.updates(10 if pending else 100))
+                pending = pending or got
+                now = time.monotonic()
+                if pending and (not got or now - last >= _PUBLISH_S):
                     self._latest = self._split(self.client.fleet())
+                    pending, last = False, now
             except zmq.ZMQError:
                 return  # socket closed by close(): the console is going away
 

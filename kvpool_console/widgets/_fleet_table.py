@@ -12,13 +12,18 @@ back through a dict, so no row key is ever parsed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from functools import partial
 
 from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on
+from textual.geometry import Region
+from textual.strip import Strip
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowKey
 
@@ -64,7 +69,22 @@ _Cells = dict[str, Text | str]
 
 
 def _ordered(cells: _Cells) -> list[Text | str]:
-    return [cells[key] for key, _ in COLUMNS]
+    # Text, never str: DataTable parses a str cell as markup each time it renders a row;
+    # these values are plain already (``plain`` for those from the network).
+    return [c if isinstance(c, Text) else Text(c, end="", no_wrap=True)
+            for c in (cells[key] for key, _ in COLUMNS)]
+
+
+def _look(cell: Text | str) -> object:
+    """What decides how ``cell`` is drawn (``Text`` equality ignores styles)."""
+    if isinstance(cell, str):
+        return cell
+    return (cell.plain, cell.style, tuple(cell.spans), cell.justify, cell.overflow,
+            cell.no_wrap, cell.end)
+
+
+_MARGIN_ROWS = 4
+"""Rows above and below the screen that ``FleetTable.show`` keeps up to date as well."""
 
 
 
@@ -110,7 +130,11 @@ FleetRowKey = EngineKey | AgentKey | TotalsKey
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def trend(values: Iterable[float], width: int = 8) -> str:
+_TREND_WIDTH = 8
+"""Samples the Trend column shows."""
+
+
+def trend(values: Iterable[float], width: int = _TREND_WIDTH) -> str:
     """The last ``width`` values in [0, 1] as block characters (a sparkline in one cell)."""
     vals = list(values)[-width:]
     return "".join(_BLOCKS[min(int(max(v, 0.0) * len(_BLOCKS)), len(_BLOCKS) - 1)] for v in vals)
@@ -150,7 +174,7 @@ def _pool(used: int, total: int, watermark: float) -> Text:
 
 def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
                   expanded: bool) -> _Cells:
-    mark = "▾" if expanded else ("▸" if r.agents else " ")
+    mark = "▾" if expanded else ("▸" if r.agent_ids else " ")
     dim = "dim" if r.stale else ""
     return {
         "engine": plain(f"{mark} {r.engine_id}", style=dim),
@@ -222,6 +246,19 @@ def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
     }
 
 
+def _engine_row_cells(r: EngineRow, now_ms: float, history: Sequence[float],
+                      expanded: bool) -> list[Text | str]:
+    return _ordered(_engine_cells(r, now_ms, history, expanded))
+
+
+def _agent_row_cells(a: AgentRow, r: EngineRow, now_ms: float) -> list[Text | str]:
+    return _ordered(_agent_cells(a, r, now_ms))
+
+
+def _totals_row_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
+    return _ordered(_totals_cells(t, history))
+
+
 class FleetTable(DataTable[Text | str]):
     """DataTable of engines, their agents when expanded, and the totals row.
 
@@ -233,12 +270,24 @@ class FleetTable(DataTable[Text | str]):
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
                          **kwargs)  # type: ignore[arg-type]
         self._keys: list[FleetRowKey] = []
-        self._cells: dict[FleetRowKey, list[Text | str]] = {}
+        self._looks: dict[FleetRowKey, list[object]] = {}
+        """``_look`` of each cell the DataTable holds, by row."""
+        self._flags: tuple[object, ...] = ()
+        self._render_style: Style | None = None
         self._by_row_key: dict[RowKey, FleetRowKey] = {}
+        # Rows out of view: how to compute their cells once they scroll into view (show).
+        self._pending: dict[FleetRowKey, Callable[[], list[Text | str]]] = {}
+        # Rendered cells by what decides their look, wherever they are (many cells read the
+        # same: "OK", "0", "0.4s"), and by place: see _render_cell.
+        self._by_look: dict[tuple[object, ...], list[list[Segment]]] = {}
+        self._by_place: dict[tuple[int, int, Style], tuple[tuple[object, ...],
+                                                            list[list[Segment]]]] = {}
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
-            self.add_column(label, key=key)
+            # Trend as wide as it gets from the start: a column that widens costs a layout
+            # of the whole screen, once per refresh while the history fills.
+            self.add_column(label, key=key, width=_TREND_WIDTH if key == "trend" else None)
 
     @property
     def selected_key(self) -> FleetRowKey | None:
@@ -254,6 +303,70 @@ class FleetTable(DataTable[Text | str]):
         key = self.selected_key
         return None if key is None or isinstance(key, TotalsKey) else key.engine_id
 
+    def _render_cell(self, row_index: int, column_index: int, base_style: Style, width: int,
+                     cursor: bool = False, hover: bool = False) -> list[list[Segment]]:
+        """DataTable's cell render, cached by the cell's value instead of for one update.
+
+        DataTable keys its render caches by a counter that every ``update_cell`` bumps, so
+        one changed cell re-renders every visible cell (a rich render each, ~0.2 ms: 700
+        cells of a full screen cost 150 ms a frame when every report ages). Here a cell
+        renders again only when its value or look changed; a value already rendered
+        elsewhere (same text, style, width, cursor) is reused with this cell's
+        ``row``/``column`` meta (what mouse clicks read), without a rich render.
+        """
+        if row_index < 0 or column_index < 0:  # header and row labels: DataTable's own cache
+            return super()._render_cell(row_index, column_index, base_style, width, cursor,
+                                        hover)
+        look = (self._looks[self._keys[row_index]][column_index], base_style, width, cursor,
+                hover, column_index < self.fixed_columns, self._flags)
+        place = (row_index, column_index, base_style)
+        hit = self._by_place.get(place)
+        if hit is not None and hit[0] == look:
+            return hit[1]
+        lines = self._by_look.get(look)
+        if lines is None:
+            lines = super()._render_cell(row_index, column_index, base_style, width, cursor,
+                                         hover)
+            if len(self._by_look) > 8192:  # distinct values come and go: bound the cache
+                self._by_look.clear()
+            self._by_look[look] = lines
+        else:
+            meta = Style.from_meta({"row": row_index, "column": column_index})
+            lines = [[Segment(seg.text, seg.style + meta if seg.style else meta, seg.control)
+                      for seg in line] for line in lines]
+        self._by_place[place] = (look, lines)
+        return lines
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # What else decides a cell's look, the same for every cell of this render.
+        self._flags = (self.show_cursor, self._show_hover_cursor, self.get_pseudo_class_state())
+        # DataTable asks for the widget's style once per line, a walk over every ancestor's
+        # styles each time; it cannot change during one render.
+        self._render_style = super().rich_style
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._render_style = None
+
+    @property
+    def rich_style(self) -> Style:
+        """The widget's Rich style (during a render: as at its start)."""
+        return self._render_style if self._render_style is not None else super().rich_style
+
+    def _get_row_style(self, row_index: int, base_style: Style) -> Style:
+        # DataTable computes the zebra row style from the CSS for every line it renders;
+        # Textual's cached component style is the same until the next refresh.
+        if row_index >= self.fixed_rows and self.zebra_stripes:
+            return self.get_component_rich_style(
+                "datatable--odd-row" if row_index % 2 else "datatable--even-row")
+        return super()._get_row_style(row_index, base_style)
+
+    def notify_style_update(self) -> None:
+        # CSS or theme changed: cursor and hover colours with it.
+        super().notify_style_update()
+        self._by_look.clear()
+        self._by_place.clear()
+
     @on(DataTable.RowSelected)
     def _chosen(self, event: DataTable.RowSelected) -> None:
         key = self._by_row_key.get(event.row_key)
@@ -265,6 +378,11 @@ class FleetTable(DataTable[Text | str]):
              fleet_history: Sequence[float]) -> None:
         """Display ``rows`` (already filtered and sorted) followed by the totals row.
 
+        When the rows are the ones shown, in the same order, only the rows in view (and a
+        few around them) are brought up to date, changed cells only; the others are brought
+        up to date when they scroll into view. A 256-engine fleet whose every row changes
+        each refresh costs the ~40 rows a screen shows, not 256.
+
         Args:
             rows, totals: from the latest ``FleetView``.
             now_ms: that view's wall clock (epoch ms), for lease times left.
@@ -272,33 +390,68 @@ class FleetTable(DataTable[Text | str]):
             hit_history: engine id -> its 1-minute hit rates in [0, 1], oldest first (Trend).
             fleet_history: the fleet's hit rates in [0, 1], oldest first (the totals' Trend).
         """
-        wanted: list[tuple[FleetRowKey, list[Text | str]]] = []
+        wanted: list[tuple[FleetRowKey, Callable[[], list[Text | str]]]] = []
         for r in rows:
             is_open = r.engine_id in expanded
-            wanted.append((EngineKey(r.engine_id), _ordered(
-                _engine_cells(r, now_ms, hit_history.get(r.engine_id, ()), is_open))))
+            wanted.append((EngineKey(r.engine_id), partial(
+                _engine_row_cells, r, now_ms, hit_history.get(r.engine_id, ()), is_open)))
             if is_open:
                 wanted.extend((AgentKey(r.engine_id, a.agent_id),
-                               _ordered(_agent_cells(a, r, now_ms))) for a in r.agents)
-        wanted.append((TOTALS, _ordered(_totals_cells(totals, fleet_history))))
+                               partial(_agent_row_cells, a, r, now_ms)) for a in r.agents)
+        wanted.append((TOTALS, partial(_totals_row_cells, totals, fleet_history)))
         keys = [k for k, _ in wanted]
         if keys == self._keys:
-            for key, cells in wanted:
-                old = self._cells[key]
-                for i, (cell, prev) in enumerate(zip(cells, old, strict=True)):
-                    if cell != prev:
-                        # Re-measuring widths costs a rich render per cell: only when the
-                        # new value is wider than the column already is.
-                        width = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
-                        col = self.columns[ColumnKey(COLUMNS[i][0])]
-                        self.update_cell(key.row_key, COLUMNS[i][0], cell,
-                                         update_width=width > col.content_width)
-                self._cells[key] = cells
+            near = self._near_view()
+            for i, (key, cells_of) in enumerate(wanted):
+                if i in near:
+                    self._pending.pop(key, None)
+                    self._update_row(key, cells_of())
+                else:
+                    self._pending[key] = cells_of
             return
         selected = self.selected_key
+        self._by_place.clear()
+        self._pending.clear()
         self.clear()
-        self._by_row_key = {self.add_row(*cells, key=key.row_key): key for key, cells in wanted}
+        built = [(key, cells_of()) for key, cells_of in wanted]
+        self._by_row_key = {self.add_row(*cells, key=key.row_key): key for key, cells in built}
         self._keys = keys
-        self._cells = dict(wanted)
-        if selected in self._cells:
+        self._looks = {key: [_look(c) for c in cells] for key, cells in built}
+        if selected in self._looks:
             self.move_cursor(row=keys.index(selected), animate=False)
+
+    def _near_view(self) -> range:
+        """Row indexes on screen, with a few rows of margin either side."""
+        top = int(self.scroll_y)
+        height = self.scrollable_content_region.height
+        return range(max(0, top - _MARGIN_ROWS), top + height + _MARGIN_ROWS)
+
+    def _update_row(self, key: FleetRowKey, cells: list[Text | str]) -> None:
+        old = self._looks[key]
+        looks = [_look(c) for c in cells]
+        for i, (cell, look, prev) in enumerate(zip(cells, looks, old, strict=True)):
+            if look != prev:
+                # Re-measuring widths costs a rich render per cell: only when the new value
+                # is wider than the column already is.
+                width = cell.cell_len if isinstance(cell, Text) else cell_len(cell)
+                col = self.columns[ColumnKey(COLUMNS[i][0])]
+                self.update_cell(key.row_key, COLUMNS[i][0], cell,
+                                 update_width=width > col.content_width)
+        self._looks[key] = looks
+
+    def _catch_up(self) -> None:
+        """Bring the rows that came into view up to date."""
+        if not self._pending:
+            return
+        near = self._near_view()
+        for i in range(near.start, min(near.stop, len(self._keys))):
+            cells_of = self._pending.pop(self._keys[i], None)
+            if cells_of is not None:
+                self._update_row(self._keys[i], cells_of())
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        self._catch_up()
+
+    def on_resize(self) -> None:
+        self._catch_up()

@@ -139,3 +139,81 @@ async def test_health_modal_lists_each_failed_check_with_the_backend_error() -> 
             ["decode-1/dp0.tp0.pp0", "master", "FAIL", "2.0",
              "master unreachable: connection refused (code 2)"],
             ["decode-1/dp0.tp0.pp0", "probe_put", "FAIL", "1.0", "RPC_FAIL"]]
+
+
+async def test_a_click_selects_the_row_clicked_where_other_rows_read_the_same() -> None:
+    """Cells that read the same share one render (FleetTable._render_cell); each keeps its
+    own row for mouse clicks."""
+    app = _app()
+    async with app.run_test(size=(160, 30)) as pilot:
+        table = app.query_one(FleetTable)
+        await pilot.pause()
+        order = [str(k.value) for k in table.columns]
+        x = sum(table.columns[k].get_render_width(table)
+                for k in list(table.columns)[:order.index("fail")]) + 1
+        row = table.get_row_index("e:prefill-2")
+        assert str(table.get_cell("e:prefill-2", "fail")) == "0"
+        assert [str(table.get_cell_at((r, order.index("fail")))) for r in range(row)].count(
+            "0") >= 2
+        for target in (row, 0, row):
+            await pilot.click(FleetTable, offset=(x, 1 + target))  # line 0 is the header
+            await pilot.pause()
+            assert table.cursor_row == target
+            assert table.selected_engine_id == table.selected_key.engine_id  # type: ignore[union-attr]
+        assert table.selected_key == EngineKey("prefill-2")
+
+
+async def test_rows_below_the_screen_are_current_once_scrolled_to() -> None:
+    """Only rows near the screen are updated each refresh; the others when they come into
+    view (FleetTable.show)."""
+    from fleetdata import engine
+
+    def fleet(errors: int) -> dict:
+        out: dict = {}
+        for i in range(60):
+            out |= engine(f"e{i:02d}", load_errors=errors if i == 59 else 0)
+        return out
+
+    app = KVPoolConsole(StaticSource(fleet(0)), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(100, 20)) as pilot:
+        table = app.query_one(FleetTable)
+        await pilot.pause()
+        assert str(table.get_cell("e:e59", "fail")) == "0"
+        app.source = StaticSource(fleet(7))
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell("e:e00", "fail")) == "0"
+        # The cursor moved down (scrolls the table), or the table scrolled: both catch up.
+        table.move_cursor(row=table.get_row_index("e:e59"), animate=False)
+        await pilot.pause()
+        assert str(table.get_cell("e:e59", "fail")) == "14"  # 2 workers
+        assert str(table.get_cell("__totals__", "fail")) == "14"
+        app.source = StaticSource(fleet(9))
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell("e:e59", "fail")) == "18"  # in view: updated at once
+        table.scroll_home(animate=False)
+        await pilot.pause()
+        app.source = StaticSource(fleet(11))
+        app.tick()
+        table.scroll_end(animate=False)
+        await pilot.pause()
+        assert str(table.get_cell("e:e59", "fail")) == "22"
+
+
+async def test_a_cell_whose_text_stays_but_style_changes_is_redrawn() -> None:
+    """A row going stale keeps its engine id and dims it (rich Text equality ignores
+    styles)."""
+    from fleetdata import engine
+
+    app = KVPoolConsole(StaticSource(engine("e", age_ms=300)), refresh_s=3600,
+                        clock=lambda: NOW_MS)
+    async with app.run_test(size=(120, 30)) as pilot:
+        table = app.query_one(FleetTable)
+        await pilot.pause()
+        assert table.get_cell("e:e", "engine").style == ""  # type: ignore[union-attr]
+        app.source = StaticSource(engine("e", age_ms=9_000))
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell("e:e", "engine")) == "▸ e"
+        assert table.get_cell("e:e", "engine").style == "dim"  # type: ignore[union-attr]

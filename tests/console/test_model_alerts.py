@@ -330,3 +330,40 @@ def test_every_mooncake_error_has_a_fix_and_health_rows_show_checks() -> None:
         ("e/dp0.tp0.pp0", "master", False, "1.5", "master unreachable: connection refused"),
         ("e/dp0.tp0.pp0", "probe_put", False, "3.0", "RPC_FAIL (code -900)"),
     ]
+
+
+def test_agent_rows_on_request_and_totals_kept_for_engines_without_reports() -> None:
+    import msgspec
+
+    fleet = sample_fleet()
+    alerts = evaluate(fleet, {}, NOW_MS)
+    full = build_view(fleet, {}, NOW_MS, alerts=alerts)
+    lean = build_view(fleet, {}, NOW_MS, alerts=alerts, agent_rows_for={"decode-1"})
+    for f, lr in zip(full.engines, lean.engines, strict=True):
+        assert lr.agent_ids == [a.agent_id for a in f.agents]
+        assert lr.agents == (f.agents if f.engine_id == "decode-1" else [])
+        assert msgspec.structs.replace(lr, agents=f.agents) == f
+    assert lean.totals == full.totals and lean.pools == full.pools
+    # The filter still finds an engine by one of its agents' ids.
+    assert [r.engine_id for r in select_rows(lean.engines, text="decode-1/dp0.tp1")] == [
+        "decode-1"]
+    # FleetModel: an engine with no new report keeps its totals and is aged; one whose
+    # worker reported is summed again; agent rows of any engine come from the last sample.
+    model = FleetModel()
+    model.sample(fleet, {}, NOW_MS, alerts, agent_rows_for=())
+    later = dict(fleet)
+    w = later["prefill-0/dp0.tp1.pp0"]
+    later["prefill-0/dp0.tp1.pp0"] = msgspec.structs.replace(
+        w, ts_ms=NOW_MS + 500, transfers=msgspec.structs.replace(
+            w.transfers, loads_failed=w.transfers.loads_failed + 5))
+    seen = {k: NOW_MS + 500 if k == "prefill-0/dp0.tp1.pp0" else s.ts_ms
+            for k, s in later.items()}
+    view = model.sample(later, seen, NOW_MS + 1_000, alerts, agent_rows_for=())
+    fresh = build_view(later, seen, NOW_MS + 1_000, alerts=alerts, agent_rows_for=())
+    assert view.engines == fresh.engines
+    rows = {r.engine_id: r for r in view.engines}
+    assert rows["prefill-0"].load_errors == 5 and rows["prefill-0"].age_ms == 500.0
+    assert rows["decode-0"].age_ms == 1_300.0
+    assert model.agent_rows("prefill-0") == build_view(later, seen, NOW_MS + 1_000).engines[
+        [r.engine_id for r in view.engines].index("prefill-0")].agents
+    assert model.agent_rows("nope") == []

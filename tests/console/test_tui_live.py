@@ -92,6 +92,12 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         await _until(pilot, lambda: app.screen.query("#inflight").first().row_count == 2,
                      "detail in-flight rows")
         await pilot.pause()
+        # Loaded tokens once per request (700 + 600, from the scheduler's load outcomes), not
+        # once per worker that loaded its shard of r1: prompt 2000 = local 100 + pool 1300 +
+        # recomputed 600.
+        summary = str(app.screen.query_one("#detail-summary", Static).visual)
+        assert "hit 65.0% (1m 65.0%) of 2000 tok, loaded 1300 tok;" in summary
+        assert "prompt 2000 tok = local 100 (5.0%) + pool 1300 + recomputed 600;" in summary
         inflight = app.screen.query_one("#inflight")
         assert str(inflight.get_row_at(0)[5]).startswith("10/32 ")
         errors = app.screen.query_one("#errors")
