@@ -10,8 +10,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
-from agent_testlib import free_port_block
+from agent_testlib import free_port_block, wait_until
 
 from kvpool_agent import FleetClient
 from kvpool_agent.cli import main
@@ -152,6 +153,12 @@ def test_hub_binds_loopback_by_default_and_refuses_open_binds_without_keys(
     assert "no --keys are configured" in err and "--insecure" in err
     hub = _spawn("hub", "--address", f"tcp://0.0.0.0:{port}", "--insecure")
     procs.append(hub)
+
+    def listening() -> bool:  # the hub's commands port; a busy host starts Python slowly
+        conns = psutil.Process(hub.pid).net_connections(kind="tcp")
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port + 2 for c in conns)
+
+    wait_until(listening, timeout_s=60)
     with FleetClient(f"tcp://127.0.0.1:{port}") as c:
         (r,) = c.command("health", timeout_ms=500)
     assert r.agent_id == "hub" and r.error == "no live agent connected to the hub"
