@@ -93,6 +93,75 @@ def test_lookup_returns_leading_present_chunks() -> None:
     assert not server.path.exists()
 
 
+def test_lookup_sent_in_two_parts_gives_the_same_answer() -> None:
+    """``begin(first)`` then ``lookup(all)``: the same leading hits as one ``lookup(all)``; a
+    miss in the first part decides without sending the rest; late replies of a decided
+    lookup never answer the next one."""
+    seen: list[list[str]] = []
+    counter = _prefix_counter({"a", "b", "c", "d"})
+
+    def recording(hashes: list[str]) -> int:
+        seen.append(hashes)
+        return counter(hashes)
+
+    server = LookupServer(recording, lookup_rpc_port=7010)
+    client = LookupClient(lookup_rpc_port=7010, timeout_ms=2000)
+    try:
+        for first, rest in ((["a", "b"], ["c", "d"]), (["a", "b"], ["c", "x", "d"]),
+                            (["a", "x"], ["c", "d"]), (["x"], ["a"]), (["a"], [])):
+            want = client.lookup(first + rest)
+            seen.clear()
+            client.begin(first)
+            time.sleep(0.05)  # the first part's answer is back before the rest is sent
+            assert client.lookup(first + rest) == want, (first, rest)
+            # The rest is asked only when the first part was all present.
+            assert seen == ([first, rest] if rest and want >= len(first) else [first])
+        # The rest sent before the first part's answer came (a miss): the rest's late answer
+        # is dropped, the next lookup gets its own.
+        client.begin(["x"])
+        assert client.lookup(["x", "a", "b"]) == 0
+        assert client.lookup(["a", "b", "c"]) == 3
+        assert client.lookup(["a", "b", "x"]) == 2
+        assert server.errors == 0
+    finally:
+        client.close()
+        server.close()
+
+
+def test_two_part_lookup_raises_a_store_failure_of_the_deciding_part() -> None:
+    def failing_on_y(hashes: list[str]) -> int:
+        for i, h in enumerate(hashes):
+            if h == "y":
+                raise BackendError("batch_is_exist failed", code=-900)
+            if h == "x":
+                return i
+        return len(hashes)
+
+    server = LookupServer(failing_on_y, lookup_rpc_port=7011)
+    client = LookupClient(lookup_rpc_port=7011, timeout_ms=2000)
+    try:
+        client.begin(["a", "y"])
+        with pytest.raises(LookupFailed) as info:
+            client.lookup(["a", "y", "b"])
+        assert info.value.code == -900
+        client.begin(["a", "b"])
+        with pytest.raises(LookupFailed):
+            client.lookup(["a", "b", "y"])
+        # A failure in a part after the deciding miss is not the answer's concern.
+        client.begin(["a", "x"])
+        assert client.lookup(["a", "x", "y"]) == 1
+    finally:
+        client.close()
+        server.close()
+    # No server: begin times out like a lookup.
+    lone = LookupClient(lookup_rpc_port=7012, timeout_ms=100)
+    try:
+        with pytest.raises(LookupFailed, match="no reply from the lookup server"):
+            lone.begin(["a"])
+    finally:
+        lone.close()
+
+
 def test_store_failure_is_an_error_not_zero_hits() -> None:
     def failing(hashes: list[str]) -> int:
         raise BackendError("batch_is_exist failed", code=-900)
