@@ -17,8 +17,10 @@ prompt (small values: only existence matters), then measures, per chunk size:
 * ``raw batch_is_exist``: the Mooncake client call on the same keys, nothing else;
 * ``  with vLLM stats``: ``scheduler`` with the connector's vLLM stats on (its reporter wrapped
   in ``StatsTap``, ``StatsCollector.take`` after every lookup, as vLLM calls
-  ``get_kv_connector_stats`` every step): the cost of the metrics, timed interleaved with
-  ``scheduler`` (the baseline of the same run).
+  ``get_kv_connector_stats`` every step): the cost of the metrics.
+
+Every variant is timed interleaved with the others, call by call, so the load of a shared
+machine falls on all of them alike.
 
 Prints p50/p99 in ms, the load average, and per chunk size the goal of issues 11 and 13
 (scheduler p50 at most 1.5 x raw p50 + 0.2 ms) with whether this run met it, for a new prompt
@@ -62,29 +64,19 @@ def _pct(samples: list[float], q: int) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[q - 1]
 
 
-def _time(fn: Callable[[], object], iters: int) -> list[float]:
-    fn()  # warm up (connections, caches)
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
-
-
-def _time_pair(a: Callable[[], object], b: Callable[[], object], iters: int
-               ) -> tuple[list[float], list[float]]:
-    """``_time`` of ``a`` and ``b`` interleaved call by call, so machine noise hits both."""
-    a()
-    b()
-    out_a: list[float] = []
-    out_b: list[float] = []
+def _time_interleaved(fns: list[Callable[[], object]], iters: int) -> list[list[float]]:
+    """Latencies (ms) of each of ``fns``, called in turn (the order rotating every round), so
+    the machine's busy and quiet moments fall on every variant alike."""
+    for fn in fns:
+        fn()  # warm up (connections, caches)
+    out: list[list[float]] = [[] for _ in fns]
     for i in range(iters):
-        for fn, out in ((a, out_a), (b, out_b)) if i % 2 else ((b, out_b), (a, out_a)):
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
             t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return out_a, out_b
+            fns[k]()
+            out[k].append((time.perf_counter() - t) * 1e3)
+    return out
 
 
 def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters: int,
@@ -135,17 +127,13 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
             raise RuntimeError(f"lookup found {got} tokens, expected {want}")
 
     try:
-        plain, with_stats = _time_pair(lookup, lookup_with_stats, iters)
-        return [
-            ("scheduler lookup", len(keys), plain),
-            ("  with vLLM stats", len(keys), with_stats),
-            ("  prompt seen before", len(keys), _time(lambda: lookup(seen=True), iters)),
-            ("  hash only", len(keys),
-             _time(lambda: chunk_hashes(prompt, chunk, algo=algo), iters)),
-            ("  asked again", len(keys), _time(ask_again, iters)),
-            ("raw batch_is_exist", len(keys),
-             _time(lambda: backend.store.batch_is_exist(keys), iters)),
-        ]
+        names = ["scheduler lookup", "  with vLLM stats", "  prompt seen before",
+                 "  hash only", "  asked again", "raw batch_is_exist"]
+        samples = _time_interleaved([
+            lookup, lookup_with_stats, lambda: lookup(seen=True),
+            lambda: chunk_hashes(prompt, chunk, algo=algo), ask_again,
+            lambda: backend.store.batch_is_exist(keys)], iters)
+        return [(name, len(keys), s) for name, s in zip(names, samples, strict=True)]
     finally:
         sched.close()
         tapped.close()
