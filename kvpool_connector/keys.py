@@ -30,7 +30,7 @@ import re
 import secrets
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import quote
@@ -360,18 +360,8 @@ class ChunkHashCache:
         self._entries.clear()
         self._tokens = 0
 
-    def hashes(self, token_ids: Sequence[int], extra: bytes = b"", *,
-               first: Callable[[list[str]], object] | None = None,
-               first_chunks: int = 0) -> list[str]:
+    def hashes(self, token_ids: Sequence[int], extra: bytes = b"") -> list[str]:
         """``chunk_hashes(token_ids, chunk_size, extra, algo)``, reusing a cached prefix.
-
-        Args:
-            token_ids, extra: as for ``chunk_hashes``.
-            first: called with the names of the first ``first_chunks`` chunks as soon as they
-                are known, before the later chunks are hashed - only when some of those are
-                left to hash (the scheduler sends the first part of its lookup ahead,
-                ``LookupClient.begin``).
-            first_chunks: see ``first``; > 0 to call it.
 
         Returns:
             A new list (the caller may keep it) of one 32-hex-digit name per whole chunk.
@@ -390,13 +380,7 @@ class ChunkHashCache:
         else:
             names, parents = [], []
         parent = parents[-1] if same else _root(self.algo, extra)
-        rest = data[same * step :]
-        if first is not None and first_chunks > 0 and max(same, first_chunks) < len(data) // step:
-            cut = max(0, first_chunks - same) * step
-            _chain(rest[:cut], step, parent, self.algo, names, parents)
-            first(names[:first_chunks])
-            parent, rest = parents[-1], rest[cut:]
-        _chain(rest, step, parent, self.algo, names, parents)
+        _chain(data[same * step :], step, parent, self.algo, names, parents)
         self.reused_chunks += same
         self.hashed_chunks += len(names) - same
         if len(data) // 4 <= self.max_tokens:

@@ -13,10 +13,7 @@ else ``i`` + 12 hex digits of SHA-256 of vLLM's ``VllmConfig.instance_id`` - one
 scheduler and the workers of an engine (pickled with the config into each process), a new one per
 engine (``time.time_ns()`` at config creation, plus ``_dp<rank>`` per DP engine) - so engines on
 one host never share a socket without configuration. Messages are msgpack-encoded msgspec structs
-carrying a request id, so a late reply to a timed-out query is recognised and dropped. A long
-prompt's lookup may come in two parts of one id (``LookupClient.begin`` sends the first while
-the scheduler hashes the rest; the server acknowledges it, then answers each part): the answer
-is the first part's hits, plus the second's when the first was all present. Next to the
+carrying a request id, so a late reply to a timed-out query is recognised and dropped. Next to the
 socket an ``.owner`` JSON file (created with ``O_EXCL | O_NOFOLLOW``, the atomic claim of the
 name) records the pid and engine holding it: a second engine on the same port is refused with
 that owner's identity; a socket left by a dead process is removed.
@@ -92,10 +89,6 @@ class PortInUse(RuntimeError):
 class _Request(msgspec.Struct, array_like=True):
     id: int
     chunk_hashes: list[str]
-    # A lookup sent in two parts (``LookupClient.begin``): part 0 leads, part 1 follows.
-    part: int = 0
-    # Acknowledge receipt before answering (``LookupClient.begin`` waits for it).
-    ack: bool = False
 
 
 class _Reply(msgspec.Struct, array_like=True):
@@ -103,8 +96,6 @@ class _Reply(msgspec.Struct, array_like=True):
     hit_chunks: int = 0
     error: str | None = None
     code: int | None = None
-    part: int = 0
-    ack: bool = False
 
 
 def lookup_socket_path(lookup_rpc_port: int = 0, dp_rank: int = 0, *, instance_id: str = "",
@@ -258,24 +249,21 @@ class LookupServer:
                 self.errors += 1
                 logger.error("kvpool lookup: malformed request dropped: %s", exc)
                 continue
-            if req.ack:
-                self._sock.send_multipart([ident, enc.encode(_Reply(req.id, part=req.part,
-                                                                    ack=True))])
             self._sock.send_multipart([ident, enc.encode(self._answer(req))])
 
     def _answer(self, req: _Request) -> _Reply:
         self.lookups += 1
         try:
-            return _Reply(req.id, hit_chunks=self._lookup(req.chunk_hashes), part=req.part)
+            return _Reply(req.id, hit_chunks=self._lookup(req.chunk_hashes))
         except BackendError as exc:
             self.errors += 1
             logger.error("kvpool lookup of %d chunks failed in the store: %s (code %s)",
                          len(req.chunk_hashes), exc, exc.code)
-            return _Reply(req.id, error=str(exc), code=exc.code, part=req.part)
+            return _Reply(req.id, error=str(exc), code=exc.code)
         except Exception as exc:  # the server thread must outlive any bug in one lookup
             self.errors += 1
             logger.exception("kvpool lookup of %d chunks failed", len(req.chunk_hashes))
-            return _Reply(req.id, error=f"{type(exc).__name__}: {exc}", part=req.part)
+            return _Reply(req.id, error=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Stop the thread, close the socket and remove the socket and owner files.
@@ -313,38 +301,9 @@ class LookupClient:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{self.path}")
-        # After begin(): request id, chunks sent, deadline, replies received so far.
-        self._begun: tuple[int, int, float, dict[int, _Reply]] | None = None
-
-    def begin(self, first: list[str]) -> None:
-        """Send the leading chunk hashes of the next ``lookup`` ahead of the others.
-
-        The store checks them while the caller hashes the rest of the prompt; ``lookup``
-        (called next, with every chunk hash, ``first`` leading) sends only the rest, and
-        not even that when the first part already missed. Returns once the server has taken
-        the request: when the scheduler and worker rank 0 share a process (one GIL), the
-        server thread then runs until the store call releases the GIL, instead of waiting for
-        the hashing thread's switch interval (5 ms).
-
-        Raises:
-            LookupFailed: no acknowledgement within ``timeout_ms`` (the lookup is abandoned).
-        """
-        self._begun = None
-        if not first:
-            return
-        rid = next(self._ids)
-        deadline = time.monotonic() + self.timeout_ms / 1e3
-        self._sock.send(self._enc.encode(_Request(rid, first, ack=True)))
-        answers: dict[int, _Reply] = {}
-        if not self._receive(rid, answers, deadline, -1):
-            raise self._timed_out()
-        self._begun = (rid, len(first), deadline, answers)
 
     def lookup(self, chunk_hashes: list[str]) -> int:
         """Leading chunks of ``chunk_hashes`` present in the pool for every rank.
-
-        After ``begin(first)``, ``chunk_hashes`` must start with ``first``; within
-        ``timeout_ms`` of ``begin``.
 
         Returns:
             0 .. ``len(chunk_hashes)``.
@@ -352,61 +311,24 @@ class LookupClient:
         Raises:
             LookupFailed: the store failed (with its code) or no reply within ``timeout_ms``.
         """
-        begun, self._begun = self._begun, None
-        if begun is None:
-            if not chunk_hashes:
-                return 0
-            rid = next(self._ids)
-            self._sock.send(self._enc.encode(_Request(rid, chunk_hashes)))
-            return self._collect(rid, [len(chunk_hashes)], {},
-                                 time.monotonic() + self.timeout_ms / 1e3)
-        rid, n_first, deadline, answers = begun
-        parts = [n_first]
-        if len(chunk_hashes) > n_first:
-            # The first part's answer may be here already: a miss there decides the lookup.
-            self._receive(rid, answers, time.monotonic(), 0)
-            first = answers.get(0)
-            if first is None or (first.error is None and first.hit_chunks == n_first):
-                self._sock.send(self._enc.encode(_Request(rid, chunk_hashes[n_first:],
-                                                          part=1)))
-                parts.append(len(chunk_hashes) - n_first)
-        return self._collect(rid, parts, answers, deadline)
-
-    def _collect(self, rid: int, parts: list[int], answers: dict[int, _Reply],
-                 deadline: float) -> int:
-        """Leading hits over ``parts`` (chunk counts, in order): each part's answer adds its
-        hits until one is not whole, which decides (the later parts' answers are dropped
-        when they arrive, as stale)."""
-        total = 0
-        for part, n in enumerate(parts):
-            if not self._receive(rid, answers, deadline, part):
-                raise self._timed_out()
-            reply = answers[part]
+        if not chunk_hashes:
+            return 0
+        rid = next(self._ids)
+        self._sock.send(self._enc.encode(_Request(rid, chunk_hashes)))
+        deadline = time.monotonic() + self.timeout_ms / 1e3
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1e3) + 1):
+                break
+            reply = self._dec.decode(self._sock.recv())
+            if reply.id != rid:
+                continue  # the late answer to an earlier, timed-out query
             if reply.error is not None:
                 raise LookupFailed(f"pool lookup failed: {reply.error}", reply.code)
-            total += reply.hit_chunks
-            if reply.hit_chunks < n:
-                break
-        return total
-
-    def _receive(self, rid: int, answers: dict[int, _Reply], deadline: float, want: int) -> bool:
-        """Read replies to ``rid`` into ``answers`` (by part; an acknowledgement as -1) until
-        ``want`` is among them or ``deadline`` (monotonic seconds; one already past reads only
-        what has arrived); replies to earlier, abandoned lookups are dropped. Returns whether
-        ``want`` arrived."""
-        while want not in answers:
-            left = deadline - time.monotonic()
-            if not self._sock.poll(int(left * 1e3) + 1 if left > 0 else 0):
-                return False
-            reply = self._dec.decode(self._sock.recv())
-            if reply.id == rid:
-                answers[-1 if reply.ack else reply.part] = reply
-        return True
-
-    def _timed_out(self) -> LookupFailed:
-        return LookupFailed(
+            return reply.hit_chunks
+        raise LookupFailed(
             f"no reply from the lookup server at {self.path} within {self.timeout_ms} ms "
-            f"(is worker rank 0 running, with the same {self._named_by}?)")
+            f"(is worker rank 0 running, with the same {self._named_by}?)"
+        )
 
     def close(self) -> None:
         """Close the socket. Idempotent."""

@@ -5,8 +5,7 @@ Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: the prompt's whole chunks are
    hashed (``keys.chunk_hashes`` over ``request.prompt_token_ids``, LoRA name and
    ``cache_salt`` mixed in as ``extra``; a prefix shared with a recent prompt is not hashed
-   again, ``keys.ChunkHashCache``; a long prompt's first half is sent ahead while the rest is
-   hashed, ``LookupClient.begin``); worker rank 0 is asked how many leading chunks the pool
+   again, ``keys.ChunkHashCache``); worker rank 0 is asked how many leading chunks the pool
    holds (``LookupClient``). The answer is truncated to whole chunks and never covers the last
    prompt token (vLLM must compute at least one token to produce logits). The result is kept as a
    ``LoadSpec`` and cached for the request until vLLM allocates it (``update_state_after_alloc``)
@@ -39,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,17 +57,9 @@ __all__ = ["KVPoolScheduler", "LookupCounters", "PrefixLookup", "request_extra"]
 
 logger = logging.getLogger(__name__)
 
-_SPLIT_MIN_CHUNKS = 256
-"""With SHA-256, a prompt with at least this many chunks to hash and look up (4k tokens at
-16-token chunks) sends its first half ahead (``LookupClient.begin``), so the store checks it
-while the rest is hashed. Below it, or with XXH3-128 (hashing 3x faster), the extra round trip
-and store call cost about what the overlap gains (``bench/bench_lookup.py``)."""
-
 
 class PrefixLookup(Protocol):
     """What the scheduler needs from a lookup client (``LookupClient``)."""
-
-    def begin(self, first: list[str]) -> None: ...
 
     def lookup(self, chunk_hashes: list[str]) -> int: ...
 
@@ -219,18 +210,14 @@ class KVPoolScheduler:
         self._awaiting_outcome: dict[str, int] = {}
         self._async_partial: dict[str, int] = {}
 
-    def _hashes_for(self, request: Request, first: Callable[[list[str]], object] | None = None,
-                    first_chunks: int = 0) -> list[str]:
+    def _hashes_for(self, request: Request) -> list[str]:
         """The prompt's chunk hashes; none for a request with media, so it neither loads
-        nor saves (its token ids do not say which images they stand for). ``first`` and
-        ``first_chunks``: see ``ChunkHashCache.hashes`` (only when the hashes are not known
-        yet)."""
+        nor saves (its token ids do not say which images they stand for)."""
         rid = request.request_id
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = [] if _has_media(request) else self.hash_cache.hashes(
-                request.prompt_token_ids or [], request_extra(request), first=first,
-                first_chunks=first_chunks)
+                request.prompt_token_ids or [], request_extra(request))
             self._hashes[rid] = hashes
         return hashes
 
@@ -292,31 +279,13 @@ class KVPoolScheduler:
             return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
         if self._breaker.is_open(now):
             return self._skip(rid, prompt_len, num_computed_tokens, "BREAKER_OPEN")
-        client = self.lookup_client
-        waited = 0.0  # seconds in the lookup client's calls
-        begun: LookupFailed | None = None
-
-        def send_first(first: list[str]) -> None:
-            # The store checks the first half while the rest of the prompt is hashed.
-            nonlocal waited, begun
-            t = time.perf_counter()
-            try:
-                client.begin(first)
-            except LookupFailed as exc:
-                begun = exc
-            waited += time.perf_counter() - t
-
-        split = max_chunks // 2 if (max_chunks >= _SPLIT_MIN_CHUNKS
-                                    and self.config.hash_algo == "sha256") else 0
-        hashes = self._hashes_for(request, send_first if split else None, split)[:max_chunks]
+        hashes = self._hashes_for(request)[:max_chunks]
         self.counters.lookups += 1
         self.counters.prompt_tokens += prompt_len
         self.counters.local_tokens += num_computed_tokens
-        start = time.perf_counter() - waited
+        start = time.perf_counter()
         try:
-            if begun is not None:
-                raise begun
-            hit_chunks = min(client.lookup(hashes), max_chunks)
+            hit_chunks = min(self.lookup_client.lookup(hashes), max_chunks)
         except LookupFailed as exc:
             latency_ms = (time.perf_counter() - start) * 1e3
             self.counters.lookup_errors += 1

@@ -118,34 +118,6 @@ def _cached(rid: str, new_blocks: list[int], computed: int) -> CachedRequestData
                              num_computed_tokens=[computed], num_output_tokens=[0])
 
 
-def test_long_prompt_is_looked_up_in_two_parts_with_the_same_answer(engine: Engine) -> None:
-    """A prompt of 300 chunks sends its first 150 ahead while the rest is hashed
-    (``LookupClient.begin``); hits before, in and after the first part, and a prompt seen
-    before (hashes cached: one part), all count exactly the leading chunks stored."""
-    prompt = _prompt(300 * BLOCK + 5, 9)
-    calls: list[int] = []
-    client = engine.sched.lookup_client
-    assert isinstance(client, LookupClient)
-    begin = client.begin
-
-    def counting_begin(first: list[str]) -> None:
-        calls.append(len(first))
-        begin(first)
-
-    client.begin = counting_begin  # type: ignore[method-assign]
-    for i, stored in enumerate((0, 100, 149, 150, 151, 300)):
-        engine.store(prompt, stored)
-        engine.sched.hash_cache.clear()
-        got = engine.sched.get_num_new_matched_tokens(_request(f"long{i}", prompt), 0)
-        assert got == ((stored * BLOCK, False) if stored else (0, False)), stored
-        assert calls == [150], stored  # max_chunks 300 // 2
-        calls.clear()
-        # The same prompt again: hashes from the cache, one part, the same answer.
-        again = engine.sched.get_num_new_matched_tokens(_request(f"again{i}", prompt), 0)
-        assert again == got and calls == []
-    assert engine.server.errors == 0
-
-
 def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine) -> None:
     prompt = _prompt(70, 1)  # 4 whole chunks of 16 + 6 tokens
     engine.store(prompt, 3)
