@@ -393,15 +393,17 @@ class ChunkHashCache:
 
 
 def _common_chunks(a: bytes, b: bytes, step: int) -> int:
-    """Number of leading ``step``-byte chunks ``a`` and ``b`` have in common (byte compares
-    in C: one when one is a prefix of the other, else a binary search)."""
-    n = min(len(a), len(b)) // step
-    if a[: n * step] == b[: n * step]:
+    """Number of leading ``step``-byte chunks ``a`` and ``b`` (whole chunks both) have in
+    common (byte compares in C: one when one is a prefix of the other, else a binary search)."""
+    short, long = (a, b) if len(a) <= len(b) else (b, a)
+    n = len(short) // step
+    if long.startswith(short):  # both are whole chunks: no copy
         return n
+    view = memoryview(short)
     lo, hi = 0, n - 1  # chunks [0, lo) are equal; chunk n - 1 differs somewhere in [lo, n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[: mid * step] == b[: mid * step]:
+        if long.startswith(view[: mid * step]):
             lo = mid
         else:
             hi = mid - 1
