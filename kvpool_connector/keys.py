@@ -252,11 +252,16 @@ def _chain(data: bytes, step: int, parent: bytes, algo: HashAlgo, names: list[st
             keep(parent)
         return
     digest = xxhash.xxh3_128_digest
+    if parents is None:
+        for i in range(0, len(data), step):
+            parent = digest(parent + data[i : i + step])
+            add(parent.hex())
+        return
+    keep = parents.append
     for i in range(0, len(data), step):
         parent = digest(parent + data[i : i + step])
         add(parent.hex())
-        if parents is not None:
-            parents.append(parent)
+        keep(parent)
 
 
 def _token_bytes(token_ids: Sequence[int], chunk_size: int) -> bytes:
@@ -313,7 +318,7 @@ def chunk_hashes(
 class _Cached:
     data: bytes
     names: list[str]
-    parents: list[bytes]
+    parents: list[bytes] | None
 
 
 class ChunkHashCache:
@@ -373,14 +378,22 @@ class ChunkHashCache:
         key = (extra, data[:step])
         old = self._entries.pop(key, None)
         same = 0
+        # SHA-256 chains its whole digest, of which a name holds half: the chain values are
+        # kept. An XXH3-128 chain value is its name's bytes: nothing more to keep.
+        parents: list[bytes] | None = [] if self.algo == "sha256" else None
         if old is not None:
             self._tokens -= len(old.data) // 4
             same = _common_chunks(old.data, data, step)
-            names, parents = old.names[:same], old.parents[:same]
+            names = old.names[:same]
+            if parents is not None and old.parents is not None:
+                parents = old.parents[:same]
         else:
-            names, parents = [], []
-        parent = parents[-1] if same else _root(self.algo, extra)
-        _chain(data[same * step :], step, parent, self.algo, names, parents)
+            names = []
+        if not same:
+            parent = _root(self.algo, extra)
+        else:
+            parent = parents[-1] if parents is not None else bytes.fromhex(names[-1])
+        _chain(data[same * step :] if same else data, step, parent, self.algo, names, parents)
         self.reused_chunks += same
         self.hashed_chunks += len(names) - same
         if len(data) // 4 <= self.max_tokens:
