@@ -4,10 +4,11 @@ Starts a real ``mooncake_master`` on 127.0.0.1, fills the pool with every chunk 
 prompt (small values: only existence matters), then measures, per chunk size:
 
 * ``scheduler``: ``KVPoolScheduler.get_num_new_matched_tokens`` for a new request with a
-  prompt the scheduler has not seen (its ``hash_cache`` is cleared before each lookup, outside
-  the timed region): chained chunk hashes of the prompt (``hash_algo``: SHA-256 by default,
-  XXH3-128 opt-in; each is timed), the ZMQ IPC round trip to the ``LookupServer`` and the
-  worker's ``lookup_chunks`` (``batch_is_exist`` on the chunk keys);
+  prompt the scheduler has not seen (its ``hash_cache`` is cleared at the start of each timed
+  lookup, which frees the previous prompt's entry as a full cache frees its oldest): chained
+  chunk hashes of the prompt (``hash_algo``: SHA-256 by default, XXH3-128 opt-in; each is
+  timed), the ZMQ IPC round trip to the ``LookupServer`` and the worker's ``lookup_chunks``
+  (``batch_is_exist`` on the chunk keys);
 * ``prompt seen before``: the same for a new request whose prompt the scheduler hashed
   recently (a repeated prompt; a later conversation turn or a shared system prompt reuses its
   common prefix the same way): the hashes come from ``hash_cache``;
