@@ -126,6 +126,8 @@ def test_chunk_hashes_are_pinned_chained_and_salted() -> None:
     bump."""
     assert chunk_hashes(list(range(32)), 16) == [
         "61c55c61d07d3525bc655c50acd4cf4f", "fba04066e03cc88c51f4f06314e77e29"]
+    # Any sequence of token ids (vLLM hands lists; tuples take another conversion path).
+    assert chunk_hashes(tuple(range(33)), 16) == chunk_hashes(list(range(32)), 16)
     assert chunk_hashes(list(range(32)), 16, b"salt=x") == [
         "f20c764c4684da8841cd2e000de0ba42", "d1e3464b928a18bd6b29a1de1e254280"]
     assert chunk_hashes(list(range(32)), 16, algo="xxh3_128") == [
