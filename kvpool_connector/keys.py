@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -239,22 +240,24 @@ def _chain(data: bytes, step: int, parent: bytes, algo: HashAlgo, names: list[st
     whole cost, so the loop does nothing else.
     """
     add = names.append
+    # Whole chunks only: iter_unpack hands each chunk over as bytes without index arithmetic.
+    chunks = struct.Struct(f"{step}s").iter_unpack(data)
     if algo == "sha256":
         sha = hashlib.sha256
         if parents is None:
-            for i in range(0, len(data), step):
-                parent = sha(parent + data[i : i + step]).digest()
+            for (chunk,) in chunks:
+                parent = sha(parent + chunk).digest()
                 add(parent[:16].hex())
             return
         keep = parents.append
-        for i in range(0, len(data), step):
-            parent = sha(parent + data[i : i + step]).digest()
+        for (chunk,) in chunks:
+            parent = sha(parent + chunk).digest()
             add(parent[:16].hex())
             keep(parent)
         return
     digest = xxhash.xxh3_128_digest
-    for i in range(0, len(data), step):
-        parent = digest(parent + data[i : i + step])
+    for (chunk,) in chunks:
+        parent = digest(parent + chunk)
         add(parent.hex())
 
 
