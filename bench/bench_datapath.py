@@ -22,7 +22,7 @@ integrity check costs. Rounds alternate the paths; the table shows the median, b
 spread (min-max) of the rounds, then the goal with the per-round ratio of worker to raw (the
 two run back to back in each round) and the load average.
 
-    .venv/bin/python bench/bench_datapath.py [--rounds 21] [--blocks 128] [--layers 16]
+    .venv/bin/python bench/bench_datapath.py [--rounds 41] [--blocks 128] [--layers 16]
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _timed(fn: Callable[[], None]) -> float:
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print the table (throughput in GB/s = 1e9 bytes/s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=21,
+    ap.add_argument("--rounds", type=int, default=41,
                     help="timed rounds (one warm-up round more); the median needs many on a "
                     "busy machine")
     ap.add_argument("--blocks", type=int, default=128, help="blocks moved per operation")
