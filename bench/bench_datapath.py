@@ -20,10 +20,12 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
   value on save and verified on load), through a second store client (with its own segment)
   on the same caches.
 
-Goal: worker >= 0.9x raw; the checksum rows show what the integrity check costs. Rounds
-alternate the paths; the table shows the median and best.
+Goal (issue 13): worker >= 0.9x raw on the median of rounds; the checksum rows show what the
+integrity check costs. Rounds alternate the paths; the table shows the median, best and
+spread (min-max) of the rounds, then the goal with the per-round ratio of worker to raw (the
+two run back to back in each round) and the load average.
 
-    .venv/bin/python bench/bench_datapath.py [--rounds 9] [--blocks 128] [--layers 16]
+    .venv/bin/python bench/bench_datapath.py [--rounds 41] [--blocks 128] [--layers 16]
 """
 
 from __future__ import annotations
@@ -139,11 +141,14 @@ def _timed(fn: Callable[[], None]) -> float:
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print the table (throughput in GB/s = 1e9 bytes/s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=41,
+                    help="timed rounds (one warm-up round more); the median needs many on a "
+                    "busy machine")
     ap.add_argument("--blocks", type=int, default=128, help="blocks moved per operation")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--blocks-per-chunk", type=int, default=4)
     args = ap.parse_args(argv)
+    load_start = os.getloadavg()[0]
     bpc = args.blocks_per_chunk
     n_chunks = args.blocks // bpc
     n_blocks = n_chunks * bpc
@@ -315,18 +320,29 @@ def main(argv: list[str] | None = None) -> None:
     best = {k: min(v) for k, v in times.items()}
     print(f"\nKV data path: {n_blocks} blocks x {args.layers} layers "
           f"({total / 2**20:.0f} MiB per operation, {n_chunks} keys of {bpc} blocks), "
-          f"{args.rounds} rounds, real mooncake_master over TCP on 127.0.0.1\n")
+          f"{args.rounds} rounds, real mooncake_master over TCP on 127.0.0.1; load average "
+          f"{load_start:.2f} at start, {os.getloadavg()[0]:.2f} at the end\n")
     print(f"{'path':<15}{'median GB/s':>13}{'best GB/s':>11}{'median ms':>11}"
-          f"{'vs raw (median)':>17}{'vs raw (best)':>15}")
+          f"{'min-max ms':>14}{'vs raw (median)':>17}{'vs raw (best)':>15}")
     ref = {"raw put": "raw put", "worker save": "raw put", "save +stats": "raw put",
            "save +checksum": "raw put", "raw get": "raw get", "worker load": "raw get",
            "load +stats": "raw get", "load +checksum": "raw get",
            "copy": "raw get"}
     for k in times:
+        spread = f"{min(times[k]) * 1e3:.0f}-{max(times[k]) * 1e3:.0f}"
         print(f"{k:<15}{gbps(med[k]):>13.2f}{gbps(best[k]):>11.2f}{med[k] * 1e3:>11.1f}"
-              f"{med[ref[k]] / med[k]:>16.2f}x{best[ref[k]] / best[k]:>14.2f}x")
-    print("\n'vs raw' = raw time / this path's time on the same blocks (goal >= 0.9 for the "
-          "worker rows). On a busy shared machine the best rounds are the steadier figure.")
+              f"{spread:>14}{med[ref[k]] / med[k]:>16.2f}x{best[ref[k]] / best[k]:>14.2f}x")
+    print("\n'vs raw' = raw time / this path's time on the same blocks. On a busy shared "
+          "machine the best rounds are the steadier figure.")
+    print("goal (issue 13): worker >= 0.9x raw on the median of rounds")
+    for path, raw in (("worker save", "raw put"), ("worker load", "raw get")):
+        # Raw and worker run back to back in each round: their ratio per round cancels
+        # most of the machine's slow and fast phases.
+        paired = sorted(r / w for r, w in zip(times[raw], times[path], strict=True))
+        ratio = med[raw] / med[path]
+        print(f"  {path}: median {ratio:.2f}x raw, best {best[raw] / best[path]:.2f}x; per "
+              f"round {statistics.median(paired):.2f}x (min {paired[0]:.2f}, max "
+              f"{paired[-1]:.2f}): {'met' if ratio >= 0.9 else 'NOT met'}")
     for plain, tapped in (("worker save", "save +stats"), ("worker load", "load +stats")):
         print(f"vLLM stats on: {tapped} / {plain} = {med[tapped] / med[plain]:.3f} (median), "
               f"{best[tapped] / best[plain]:.3f} (best)")

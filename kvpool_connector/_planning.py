@@ -262,6 +262,8 @@ def leading_hits(results: Sequence[int], per_chunk: int) -> tuple[int, int | Non
         is the first negative result within chunk ``n`` (the store failed to answer, which
         must never count as a miss), else ``None``.
     """
+    if min(results, default=1) == 1:  # every key present (results are 1, 0 or < 0): C speed
+        return len(results) // per_chunk, None
     first_miss = next((i for i, r in enumerate(results) if r != 1), len(results))
     n = first_miss // per_chunk
     if first_miss < len(results):

@@ -4,7 +4,8 @@ Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1
 
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: the prompt's whole chunks are
    hashed (``keys.chunk_hashes`` over ``request.prompt_token_ids``, LoRA name and
-   ``cache_salt`` mixed in as ``extra``); worker rank 0 is asked how many leading chunks the pool
+   ``cache_salt`` mixed in as ``extra``; a prefix shared with a recent prompt is not hashed
+   again, ``keys.ChunkHashCache``); worker rank 0 is asked how many leading chunks the pool
    holds (``LookupClient``). The answer is truncated to whole chunks and never covers the last
    prompt token (vLLM must compute at least one token to produce logits). The result is kept as a
    ``LoadSpec`` and cached for the request until vLLM allocates it (``update_state_after_alloc``)
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.keys import chunk_hashes
+from kvpool_connector.keys import ChunkHashCache
 from kvpool_connector.lookup import LookupFailed
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
 
@@ -189,6 +190,10 @@ class KVPoolScheduler:
         lookup: client of worker rank 0's lookup server; ``None`` when this engine never loads
             (``config.should_load`` false).
         reporter: agent event buffer (lookups and loaded tokens are reported to it).
+
+    Attributes:
+        hash_cache: the chunk hashes of recent prompts (``keys.ChunkHashCache``, at most 2**20
+            prompt tokens), so a prompt sharing a prefix with one hashes only its new chunks.
     """
 
     def __init__(
@@ -210,6 +215,8 @@ class KVPoolScheduler:
         self._trackers: dict[str, _Tracker] = {}
         self._saving: set[str] = set()
         self._lookup_cache: dict[str, _CachedLookup] = {}
+        # Repeats, later turns of a conversation, a common system prompt: hashed once.
+        self.hash_cache = ChunkHashCache(config.chunk_size, config.hash_algo)
         self._breaker = _Breaker(config.lookup_breaker_failures, config.lookup_breaker_open_ms)
         # Loads sent to the workers whose outcome has not come back: request id -> tokens
         # accepted; for async loads, the least loaded by the workers that answered so far.
@@ -227,9 +234,8 @@ class KVPoolScheduler:
         rid = request.request_id
         hashes = self._hashes.get(rid)
         if hashes is None:
-            hashes = [] if _has_media(request) else chunk_hashes(
-                request.prompt_token_ids or [], self.chunk_size, request_extra(request),
-                self.config.hash_algo)
+            hashes = [] if _has_media(request) else self.hash_cache.hashes(
+                request.prompt_token_ids or [], request_extra(request))
             self._hashes[rid] = hashes
         return hashes
 

@@ -283,7 +283,9 @@ class MooncakeBackend(Backend):
         """Per key 1/0, or INTERNAL_ERROR when the master did not answer."""
         if not keys:
             return []
-        return list(self._call("batch_is_exist", self._store.batch_is_exist, list(keys)))
+        res = self._call("batch_is_exist", self._store.batch_is_exist,
+                         keys if isinstance(keys, list) else list(keys))
+        return res if isinstance(res, list) else list(res)
 
     def register_buffer(self, addr: int, size: int) -> None:
         rc = self._call("register_buffer", self._store.register_buffer, addr, size)

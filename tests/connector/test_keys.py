@@ -3,12 +3,15 @@ drop only the chunk hash of a key, and keys of two layout digests never meet."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
 
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
+    ChunkHashCache,
+    HashAlgo,
     ParallelLayout,
     PoolKey,
     chunk_hashes,
@@ -123,6 +126,8 @@ def test_chunk_hashes_are_pinned_chained_and_salted() -> None:
     bump."""
     assert chunk_hashes(list(range(32)), 16) == [
         "61c55c61d07d3525bc655c50acd4cf4f", "fba04066e03cc88c51f4f06314e77e29"]
+    # Any sequence of token ids (vLLM hands lists; tuples take another conversion path).
+    assert chunk_hashes(tuple(range(33)), 16) == chunk_hashes(list(range(32)), 16)
     assert chunk_hashes(list(range(32)), 16, b"salt=x") == [
         "f20c764c4684da8841cd2e000de0ba42", "d1e3464b928a18bd6b29a1de1e254280"]
     assert chunk_hashes(list(range(32)), 16, algo="xxh3_128") == [
@@ -135,3 +140,56 @@ def test_chunk_hashes_are_pinned_chained_and_salted() -> None:
     # gets none.
     assert chunk_hashes([99, *range(1, 32)], 16)[1] != chunk_hashes(list(range(32)), 16)[1]
     assert len(chunk_hashes(list(range(47)), 16)) == 2
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3_128"])
+def test_chunk_hash_cache_gives_exactly_chunk_hashes(algo: HashAlgo) -> None:
+    """Repeated, extended, truncated, edited, salted and unrelated prompts: the cache answers
+    exactly ``chunk_hashes`` every time, reuses a shared prefix and stays within its bound."""
+    rng = random.Random(7)
+    cache = ChunkHashCache(4, algo, max_tokens=300)
+    base = [rng.randrange(40) for _ in range(120)]
+    for step in range(300):
+        kind = step % 5
+        if kind == 0:
+            prompt = base[: rng.randrange(len(base) + 1)]
+        elif kind == 1:
+            prompt = base + [rng.randrange(40) for _ in range(rng.randrange(30))]
+        elif kind == 2:
+            prompt = list(base)
+            prompt[rng.randrange(len(prompt))] += 1  # one token differs
+        elif kind == 3:
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(50))]
+        else:
+            prompt = list(base)
+        extra = rng.choice([b"", b"salt=a", b"salt=b"])
+        want = chunk_hashes(prompt, 4, extra, algo)
+        got = cache.hashes(prompt, extra)
+        assert got == want, (step, kind)
+        got.append("caller's list")  # the caller owns the returned list
+        assert cache.hashes(prompt, extra) == want
+        if 8 <= len(prompt) < 200 and rng.random() < 0.3:
+            base = prompt
+    assert cache.reused_chunks > cache.hashed_chunks > 0
+    assert len(cache) > 0 and cache._tokens <= 300
+
+
+def test_chunk_hash_cache_reuses_a_prefix_and_keeps_salts_apart() -> None:
+    cache = ChunkHashCache(16)
+    turn1 = list(range(100, 164))  # 4 chunks
+    assert cache.hashes(turn1) == chunk_hashes(turn1, 16)
+    assert (cache.reused_chunks, cache.hashed_chunks) == (0, 4)
+    turn2 = [*turn1, *range(7, 39)]  # the next turn of the conversation: 2 new chunks
+    assert cache.hashes(turn2) == chunk_hashes(turn2, 16)
+    assert (cache.reused_chunks, cache.hashed_chunks) == (4, 6)
+    edited = [*turn1[:40], 1, *turn1[41:]]  # differs in chunk 2: chunks 0-1 reused
+    assert cache.hashes(edited) == chunk_hashes(edited, 16)
+    assert (cache.reused_chunks, cache.hashed_chunks) == (6, 8)
+    # Another salt shares nothing with the unsalted prompt.
+    assert cache.hashes(turn1, b"salt=x") == chunk_hashes(turn1, 16, b"salt=x")
+    assert (cache.reused_chunks, cache.hashed_chunks) == (6, 12)
+    assert cache.hashes(list(range(15))) == []
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        ChunkHashCache(16, max_tokens=-1)
+    cache.clear()
+    assert len(cache) == 0

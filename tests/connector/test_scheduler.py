@@ -329,6 +329,25 @@ def test_cache_salt_and_lora_separate_keys(engine: Engine) -> None:
     other = _request("o", prompt, cache_salt="tenant-b")
     assert engine.sched.get_num_new_matched_tokens(other, 0) == (0, False)
     assert request_extra(salted) != request_extra(other) != b""
+    # The scheduler's hash cache never lends one salt's hashes to another: each of the three
+    # was hashed in full, and a second request of tenant-a reuses tenant-a's.
+    cache = engine.sched.hash_cache
+    assert (cache.reused_chunks, cache.hashed_chunks) == (0, 6)
+    again = _request("s2", prompt, cache_salt="tenant-a")
+    assert engine.sched.get_num_new_matched_tokens(again, 0) == (32, False)
+    assert (cache.reused_chunks, cache.hashed_chunks) == (2, 6)
+
+
+def test_next_conversation_turn_hashes_only_its_new_chunks(engine: Engine) -> None:
+    turn1 = _prompt(50, 11)  # 3 whole chunks
+    turn2 = [*turn1[:48], *_prompt(60, 12)]  # the same 3 chunks, then 3 more (+12 tokens)
+    engine.store(turn2, 5)
+    assert engine.sched.get_num_new_matched_tokens(_request("t1", turn1), 0) == (48, False)
+    assert engine.sched.get_num_new_matched_tokens(_request("t2", turn2), 0) == (80, False)
+    cache = engine.sched.hash_cache
+    assert (cache.reused_chunks, cache.hashed_chunks) == (3, 6)
+    # The saves of turn 2 use the same keys a fresh hash gives.
+    assert engine.sched._hashes["t2"] == chunk_hashes(turn2, BLOCK)
 
 
 def test_store_failure_is_reported_not_a_silent_miss(
