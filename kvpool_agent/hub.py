@@ -551,15 +551,26 @@ class FleetHub:
                 ok=rec.ok, error=rec.error, flush=rec.result)])
 
     def _bound_elsewhere(self, rep: Report, identity: str) -> str | None:
-        """Why a report from an engine-bound agent key names another engine, else ``None``."""
+        """Why a report from an engine-bound agent key names another engine, else ``None``.
+
+        The agent id counts too: it must be the engine id or ``<engine id>/<one part>``
+        (``Source``'s forms), else a bound key could hold another engine's agent id (commands
+        sent to that id would reach it, and that engine's own agent would be refused)."""
         if self.allow is None:
             return None
         name = self.allow.name(_PORT_DOMAIN["agents"], identity.encode()) or ""
         engine = bound_engine(name)
-        if engine is None or engine == rep.state.source.engine_id:
+        src = rep.state.source
+        if engine is None:
             return None
-        return (f"takeover: key {name} is bound to engine {engine!r}; report for "
-                f"{rep.state.source.engine_id!r} dropped")
+        if engine != src.engine_id:
+            return (f"takeover: key {name} is bound to engine {engine!r}; report for "
+                    f"{src.engine_id!r} dropped")
+        head, _, tail = src.agent_id.partition(engine + "/")
+        if src.agent_id != engine and (head or not tail or "/" in tail):
+            return (f"takeover: key {name} is bound to engine {engine!r}; agent id "
+                    f"{src.agent_id!r} is not one of its agents; report dropped")
+        return None
 
     # -- consoles ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
@@ -62,6 +63,37 @@ def test_an_engine_bound_agent_key_reports_only_for_its_engine(
         authorize_key(fleet_keys["hub"].root, "viewer", bound.public("agent"), engine="eng-p")
     with pytest.raises(ValueError, match="without '/'"):
         authorize_key(fleet_keys["hub"].root, "agent", bound.public("agent"), engine="a/b")
+
+
+def test_an_engine_bound_key_cannot_hold_another_engines_agent_id(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A key bound to ``eng-p`` reports its own engine id but another engine's agent id
+    (``eng-v/scheduler``, before eng-v's agent connects), or one that reads as an agent of an
+    engine ``eng-p/x``. Nothing is kept: eng-v's own agent registers, and a command sent to
+    ``eng-v/scheduler`` reaches eng-v's agent, not the bound key's holder."""
+    bound = _agent_dir(tmp_path, "bound", fleet_keys["hub"], engine="eng-p")
+    fleet_v = _agent_dir(tmp_path, "fleet-v", fleet_keys["hub"])
+    attacker = FakeAgent(ctx, hub_address, keys=bound.client("agent"))
+    forged = [msgspec.structs.replace(make_source("eng-p", role="scheduler"), agent_id=aid)
+              for aid in ("eng-v/scheduler", "eng-p/x/scheduler", "eng-p/", "xeng-p/dp0")]
+    for _ in range(3):
+        for src in forged:
+            attacker.report(src)
+        time.sleep(0.01)
+    wait_until(lambda: hub.takeover_refused >= 12)
+    assert hub.takeover_refused == 12 and hub.fleet() == {}
+    victim = FakeAgent(ctx, hub_address, keys=fleet_v.client("agent"))
+    victim.report(make_source("eng-v", role="scheduler"))
+    wait_until(lambda: "eng-v/scheduler" in hub.fleet())
+    attacker.report(make_source("eng-p", role="scheduler"))  # its own agent id: kept
+    wait_until(lambda: "eng-p/scheduler" in hub.fleet())
+    assert sorted(hub.fleet()) == ["eng-p/scheduler", "eng-v/scheduler"]
+    with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as viewer:
+        (r,) = viewer.command("health", targets=["eng-v/scheduler"], timeout_ms=500)
+    assert r.agent_id == "eng-v/scheduler"
+    assert [c.command for c in victim.drain(300)] == ["health"] and attacker.drain(300) == []
 
 
 def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
