@@ -191,7 +191,8 @@ def _load(path: Path, *, secret: bool, fix: str) -> bytes:
         ValueError: missing, unreadable, or no such key in it; names ``path`` and ``fix``.
     """
     if secret and path.exists():
-        _check_private(path)
+        # Read the file that was checked, not the link again (it may be re-pointed since).
+        path = _check_private(path)
     try:
         public, secret_key = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as e:
@@ -204,15 +205,29 @@ def _load(path: Path, *, secret: bool, fix: str) -> bytes:
 
 
 def _unsafe(path: Path, *, secret: bool) -> str | None:
-    """Why others could read (a secret) or replace a key file, else ``None`` (like ssh's
-    ``StrictModes``). A symlink is followed (Kubernetes mounts secrets as symlinks) and judged
-    by what it points to: a regular file owned by this user or root, in a directory only they
-    may write, without group/other write bits (and, for a secret, no group/other bits at all)."""
+    """Why others could read (a secret) or replace a key file, else ``None`` (``_judge``)."""
+    return _judge(path, secret=secret)[1]
+
+
+def _judge(path: Path, *, secret: bool) -> tuple[Path, str | None]:
+    """The file ``path`` resolves to, and why others could read (a secret) or replace it, else
+    ``None`` (like ssh's ``StrictModes``). A symlink is followed (Kubernetes mounts secrets as
+    symlinks) and judged by what it points to: a regular file owned by this user or root, in a
+    directory only they may write, without group/other write bits (and, for a secret, no
+    group/other bits at all). Callers read the returned path, never ``path`` again: a link
+    in the chain may sit in a directory others write (only the target's directory is
+    checked), so following it twice could read a file that was never judged."""
     try:
         real = path.resolve(strict=True)
         st, dst = real.stat(), real.parent.stat()
     except OSError as e:
-        return f"unreadable ({e.strerror})"
+        return path, f"unreadable ({e.strerror})"
+    return real, _why(path, real, st, dst, secret=secret)
+
+
+def _why(path: Path, real: Path, st: os.stat_result, dst: os.stat_result, *,
+         secret: bool) -> str | None:
+    """``_judge``'s verdict on ``real`` (``st``) in its directory (``dst``)."""
     where = f" (a symlink to {real})" if real != path.absolute() else ""
     owners = {os.getuid(), 0}
     if not stat.S_ISREG(st.st_mode):
@@ -229,15 +244,17 @@ def _unsafe(path: Path, *, secret: bool) -> str | None:
     return None
 
 
-def _check_private(path: Path) -> None:
-    """Refuse a secret key file others may read or replace (``_unsafe``).
+def _check_private(path: Path) -> Path:
+    """Refuse a secret key file others may read or replace (``_judge``); returns the file it
+    resolves to, the one to read.
 
     Raises:
         ValueError: names the file, what is wrong and the fix.
     """
-    why = _unsafe(path, secret=True)
+    real, why = _judge(path, secret=True)
     if why is not None:
         raise ValueError(f"key file {path}: {why}")
+    return real
 
 
 def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPaths:
@@ -364,11 +381,12 @@ class AllowList:
             # like ssh's StrictModes (a symlink is judged by its target).
             unsafe = [p for p in (self.authorized_dir, d) if p.stat().st_mode & 0o022]
             for f in [] if unsafe else sorted(d.glob("*.key")):
-                if _unsafe(f, secret=False) is not None:
+                real, why = _judge(f, secret=False)
+                if why is not None:
                     unsafe.append(f)
                     continue
                 try:
-                    public, _ = zmq.auth.load_certificate(str(f))
+                    public, _ = zmq.auth.load_certificate(str(real))
                 except (OSError, ValueError):
                     continue
                 if public:

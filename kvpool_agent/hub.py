@@ -396,8 +396,8 @@ class FleetHub:
                 "public key in authorized_keys/agent/, viewer/ or operator/ (README, Security)"
             )
         try:
-            _check_private(self.secret_key_file)
-            public, secret = zmq.auth.load_certificate(str(self.secret_key_file))
+            real = _check_private(self.secret_key_file)
+            public, secret = zmq.auth.load_certificate(str(real))
         except (OSError, ValueError) as e:
             raise ValueError(f"secret_key_file {self.secret_key_file}: {e}") from None
         if not secret:

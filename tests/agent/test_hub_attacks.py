@@ -5,6 +5,7 @@ real sockets, asserting the attack had no effect."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -13,9 +14,9 @@ import pytest
 import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
-from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, auth, start_agent
 from kvpool_agent._fleet import FLUSHES_PER_REPORT
-from kvpool_agent.auth import Role, authorize_key, generate_keys
+from kvpool_agent.auth import AllowList, Role, authorize_key, generate_keys
 from kvpool_agent.cli import main
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -262,6 +263,53 @@ def test_a_key_mounted_as_a_kubernetes_secret_symlink_is_accepted(
         wait_until(lambda: "mounted/dp0.tp0.pp0" in hub.fleet())
         assert sorted(hub.fleet()) == ["mounted/dp0.tp0.pp0"]
         assert hub.refused_connections["agents"] == 0
+
+
+def test_a_key_link_re_pointed_after_its_check_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KEY -> shared/..data/KEY``, ``..data -> ..v1/`` (a private directory) where ``shared/``
+    is a directory others may write: only ``..v1/`` is judged, so anyone may re-point ``..data``
+    to a directory of their own. They do so right after the check (the race window, made
+    certain by hooking the check): the hub's allow-list and a client read the file that was
+    judged, never the one the link points to now."""
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    _agent_dir(tmp_path, "good", hub_dir)
+    evil = generate_keys(tmp_path / "evil", "agent")
+    op = generate_keys(tmp_path / "op", "operator")
+    evil_op = generate_keys(tmp_path / "evil-op", "operator")
+    shared = tmp_path / "shared"
+    for d in ("..v1", "..evil"):
+        (shared / d).mkdir(parents=True, mode=0o755)
+    shared.chmod(0o777)
+    listed = hub_dir.authorized("agent") / "good.key"
+    listed.rename(shared / "..v1" / "agent.key")
+    shutil.copyfile(evil.public("agent"), shared / "..evil" / "agent.key")
+    op.secret("operator").rename(shared / "..v1" / "operator.key_secret")
+    shutil.copyfile(evil_op.secret("operator"), shared / "..evil" / "operator.key_secret")
+    (shared / "..data").symlink_to("..v1")
+    listed.symlink_to(shared / "..data" / "agent.key")
+    op.secret("operator").symlink_to(shared / "..data" / "operator.key_secret")
+    (op.root / "hub.key").write_bytes(hub_dir.hub_public.read_bytes())
+    good_public, _ = zmq.auth.load_certificate(str(shared / "..v1" / "agent.key"))
+    evil_public, _ = zmq.auth.load_certificate(str(evil.public("agent")))
+    _, good_secret = zmq.auth.load_certificate(str(shared / "..v1" / "operator.key_secret"))
+    judge = auth._judge
+
+    def racing(path: Path, *, secret: bool) -> tuple[Path, str | None]:
+        out = judge(path, secret=secret)
+        (shared / "..next").unlink(missing_ok=True)
+        (shared / "..next").symlink_to("..evil")
+        (shared / "..next").replace(shared / "..data")  # the attacker's atomic re-point
+        return out
+
+    monkeypatch.setattr(auth, "_judge", racing)
+    allow = AllowList(hub_dir.authorized_dir, {"d": ("agent",)})
+    assert allow.name("d", good_public) == "agent/good"
+    assert allow.name("d", evil_public) is None
+    (shared / "..data").unlink()
+    (shared / "..data").symlink_to("..v1")
+    assert op.client("operator").secret == good_secret
 
 
 def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
