@@ -389,7 +389,9 @@ class AllowList:
                     public, _ = zmq.auth.load_certificate(str(real))
                 except (OSError, ValueError):
                     continue
-                if public:
+                # One key under two names: an engine-bound name keeps its binding, whatever
+                # order the names sort in (a fleet-wide copy left behind must not lift it).
+                if public and bound_engine(keys.get(public, "")) is None:
                     keys[public] = f"{role}/{f.stem}"
             for p in unsafe:
                 log.error("kvpool hub: %s refused: %s (copy keys in with kvpool-agent "

@@ -16,7 +16,7 @@ from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, auth, start_agent
 from kvpool_agent._fleet import FLUSHES_PER_REPORT
-from kvpool_agent.auth import AllowList, Role, authorize_key, generate_keys
+from kvpool_agent.auth import AllowList, Role, authorize_key, bound_engine, generate_keys
 from kvpool_agent.cli import main
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -95,6 +95,20 @@ def test_an_engine_bound_key_cannot_hold_another_engines_agent_id(
         (r,) = viewer.command("health", targets=["eng-v/scheduler"], timeout_ms=500)
     assert r.agent_id == "eng-v/scheduler"
     assert [c.command for c in victim.drain(300)] == ["health"] and attacker.drain(300) == []
+
+
+def test_a_fleet_wide_copy_of_a_bound_key_does_not_lift_its_binding(tmp_path: Path) -> None:
+    """The same agent key authorized twice, bound (``eng-p.engine.key``) and fleet-wide under
+    names sorting before and after it: the key stays bound to ``eng-p`` either way."""
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    bound = _agent_dir(tmp_path, "bound", hub_dir, engine="eng-p")
+    public, _ = zmq.auth.load_certificate(str(bound.public("agent")))
+    allow = AllowList(hub_dir.authorized_dir, {"d": ("agent",)})
+    for name in ("aa-fleet", "zz-fleet"):
+        authorize_key(hub_dir.root, "agent", bound.public("agent"), name)
+        time.sleep(0.01)  # a new directory mtime: the allow-list reads it again
+        assert allow.name("d", public) == "agent/eng-p.engine"
+        assert bound_engine(allow.name("d", public) or "") == "eng-p"
 
 
 def test_another_engines_key_cannot_add_an_agent_to_a_live_engine(
