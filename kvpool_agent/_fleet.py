@@ -127,8 +127,12 @@ class Fleet:
             ag = self._agents.get(agent_id)
             if ag is None:
                 return []
-            out = [r for r in records[-FLUSHES_PER_REPORT:] if r.request_id not in ag.audited]
-            ag.audited.extend(r.request_id for r in out)
+            out: list[FlushRecord] = []
+            for r in records[-FLUSHES_PER_REPORT:]:
+                # Checked one by one: a report repeating one id is audited once.
+                if r.request_id not in ag.audited:
+                    ag.audited.append(r.request_id)
+                    out.append(r)
         return out
 
     def accept(self, routing_id: bytes, rep: Report, identity: str = "") -> str | None:

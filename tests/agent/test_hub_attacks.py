@@ -345,3 +345,11 @@ def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
     assert len(lines) == FLUSHES_PER_REPORT
     assert {x["request_id"] for x in lines} == {f"r{i}" for i in range(984, 1000)}
     assert {x["who"] for x in lines} == {f"agent:{src.agent_id} (key:operator (console))"}
+    # One id repeated through a whole report: audited once (the next report's record marks
+    # where that report's lines end: the hub handles reports in order).
+    agent.report(src, flushes=[msgspec.structs.replace(forged[0], request_id="dup")] * 16)
+    agent.report(src, flushes=[msgspec.structs.replace(forged[0], request_id="end")])
+    audit = tmp_path / "audit.jsonl"
+    wait_until(lambda: '"end"' in audit.read_text())
+    lines = [json.loads(x) for x in audit.read_text().splitlines()]
+    assert [x["request_id"] for x in lines[FLUSHES_PER_REPORT:]] == ["dup", "end"]
