@@ -42,6 +42,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ChunkHashCache
@@ -170,16 +172,16 @@ def request_extra(request: Request) -> bytes:
     """Bytes that change what a prompt's tokens mean: LoRA adapter name and ``cache_salt``.
 
     Mixed into the first chunk hash so two adapters (or two tenants salting their cache)
-    never share a key for the same tokens.
+    never share a key for the same tokens. ``b""`` for neither; else the msgpack of
+    ``[lora name or None, salt or None]``: a name holding a separator cannot read as another
+    name and salt (a runtime-loaded adapter's name, like a salt, is the client's choice).
     """
-    parts: list[str] = []
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append("lora=" + str(getattr(lora, "lora_name", lora)))
+    name = None if lora is None else str(getattr(lora, "lora_name", lora))
     salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append("salt=" + str(salt))
-    return "\x00".join(parts).encode()
+    if name is None and not salt:
+        return b""
+    return msgspec.msgpack.encode([name, str(salt) if salt else None])
 
 
 class KVPoolScheduler:

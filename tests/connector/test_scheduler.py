@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -336,6 +337,22 @@ def test_cache_salt_and_lora_separate_keys(engine: Engine) -> None:
     again = _request("s2", prompt, cache_salt="tenant-a")
     assert engine.sched.get_num_new_matched_tokens(again, 0) == (32, False)
     assert (cache.reused_chunks, cache.hashed_chunks) == (2, 6)
+
+
+def test_a_lora_name_holding_a_salt_does_not_share_a_salted_requests_keys(
+    engine: Engine,
+) -> None:
+    """Adapter ``L`` with salt ``S`` stores a prefix; an adapter named ``L\\x00salt=S`` (a
+    runtime-loaded adapter's name is the client's choice) without a salt asks for the same
+    tokens: other keys, no hit (the old ``lora=..\\x00salt=..`` join gave both one key)."""
+    prompt = _prompt(40, 9)
+    victim = _request("v", prompt, lora_request=LoRARequest("L", 1, "/a"), cache_salt="S")
+    engine.store(prompt, 2, extra=request_extra(victim))
+    assert engine.sched.get_num_new_matched_tokens(victim, 0) == (32, False)
+    forged = _request("f", prompt, lora_request=LoRARequest("L\x00salt=S", 2, "/b"))
+    assert engine.sched.get_num_new_matched_tokens(forged, 0) == (0, False)
+    assert request_extra(forged) != request_extra(victim)
+    assert request_extra(_request("n", prompt)) == b""  # unsalted, no adapter: keys unchanged
 
 
 def test_next_conversation_turn_hashes_only_its_new_chunks(engine: Engine) -> None:
