@@ -347,12 +347,32 @@ def local_fleet_keys(root: str | Path) -> dict[Role, KeyPaths]:
     return dirs
 
 
+def _link_targets(d: Path) -> list[int]:
+    """Device, inode and times of what each symlinked ``*.key`` in ``d`` points to (``-1`` for a
+    dangling one): a key replaced or revoked at its link's target (a Kubernetes secret update
+    re-points ``..data``) leaves ``d``'s own times as they were."""
+    out: list[int] = []
+    # scandir: an entry's type comes with the listing, so only the links cost a stat (the
+    # hub calls this on every handshake).
+    with os.scandir(d) as entries:
+        for e in sorted(entries, key=lambda e: e.name):
+            if e.name.endswith(".key") and e.is_symlink():
+                try:
+                    t = os.stat(e.path)
+                except OSError:
+                    out.append(-1)
+                    continue
+                out += [t.st_dev, t.st_ino, t.st_mtime_ns, t.st_ctime_ns]
+    return out
+
+
 class AllowList:
     """The hub's ZAP credentials provider (pyzmq ``configure_curve_callback``): which public
     keys may connect to which socket, from ``authorized_keys/<role>/*.key``.
 
     A socket's ZAP domain names the roles it accepts (``domains``). The directories are read
-    again when their modification time changes, so a key copied in (or removed) takes effect
+    again when their modification time (or a symlinked key's target) changes, so a key copied
+    in (or removed, or rotated behind a Kubernetes secret's links) takes effect
     on the next connection without restarting the hub. Refused handshakes are counted per
     domain (``refused``) by the hub's socket monitors, not here.
 
@@ -365,7 +385,7 @@ class AllowList:
         self.authorized_dir = authorized_dir
         self.domains = domains
         self._lock = threading.Lock()
-        self._seen: dict[Role, int] = {}
+        self._seen: dict[Role, tuple[int, ...]] = {}
         self._keys: dict[Role, dict[bytes, str]] = {}
 
     def _role_keys(self, role: Role) -> dict[bytes, str]:
@@ -374,7 +394,7 @@ class AllowList:
             st = d.stat()
         except OSError:
             return {}
-        seen = st.st_mtime_ns + st.st_ctime_ns
+        seen = (st.st_mtime_ns, st.st_ctime_ns, *_link_targets(d))
         if self._seen.get(role) != seen:
             keys: dict[bytes, str] = {}
             # Whoever may write a directory or key file here may let any key in: refused,

@@ -286,7 +286,8 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
     is a directory others may write: only ``..v1/`` is judged, so anyone may re-point ``..data``
     to a directory of their own. They do so right after the check (the race window, made
     certain by hooking the check): the hub's allow-list and a client read the file that was
-    judged, never the one the link points to now."""
+    judged, never the one the link points to now; the hub judges the new target on the next
+    handshake."""
     hub_dir = generate_keys(tmp_path / "hub", "hub")
     _agent_dir(tmp_path, "good", hub_dir)
     evil = generate_keys(tmp_path / "evil", "agent")
@@ -301,6 +302,9 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
     shutil.copyfile(evil.public("agent"), shared / "..evil" / "agent.key")
     op.secret("operator").rename(shared / "..v1" / "operator.key_secret")
     shutil.copyfile(evil_op.secret("operator"), shared / "..evil" / "operator.key_secret")
+    # The attacker's directory: refused whenever it is judged (as another user's would be;
+    # a test running as one user cannot make one).
+    (shared / "..evil").chmod(0o777)
     (shared / "..data").symlink_to("..v1")
     listed.symlink_to(shared / "..data" / "agent.key")
     op.secret("operator").symlink_to(shared / "..data" / "operator.key_secret")
@@ -320,10 +324,36 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
     monkeypatch.setattr(auth, "_judge", racing)
     allow = AllowList(hub_dir.authorized_dir, {"d": ("agent",)})
     assert allow.name("d", good_public) == "agent/good"
-    assert allow.name("d", evil_public) is None
+    # The next handshake sees the link's new target, judges it and refuses it.
+    assert allow.name("d", evil_public) is None and allow.name("d", good_public) is None
     (shared / "..data").unlink()
     (shared / "..data").symlink_to("..v1")
     assert op.client("operator").secret == good_secret
+
+
+def test_a_key_revoked_behind_a_kubernetes_secrets_links_is_refused(tmp_path: Path) -> None:
+    """``authorized_keys/agent/agent.key -> volume/..data/agent.key``: the secret is updated
+    (kubelet writes ``..v2/`` with another key and re-points ``..data``), which leaves
+    ``authorized_keys/agent/`` untouched. The old key is refused from then on, the new one
+    accepted; the secret emptied (a dangling link), neither."""
+    hub_dir = generate_keys(tmp_path / "hub", "hub")
+    old = generate_keys(tmp_path / "old", "agent")
+    new = generate_keys(tmp_path / "new", "agent")
+    volume = tmp_path / "volume"
+    for version, keys in (("..v1", old), ("..v2", new)):
+        (volume / version).mkdir(parents=True, mode=0o755)
+        shutil.copyfile(keys.public("agent"), volume / version / "agent.key")
+    (volume / "..data").symlink_to("..v1")
+    (hub_dir.authorized("agent") / "agent.key").symlink_to(volume / "..data" / "agent.key")
+    old_public, _ = zmq.auth.load_certificate(str(old.public("agent")))
+    new_public, _ = zmq.auth.load_certificate(str(new.public("agent")))
+    allow = AllowList(hub_dir.authorized_dir, {"d": ("agent",)})
+    assert allow.name("d", old_public) == "agent/agent" and allow.name("d", new_public) is None
+    (volume / "..next").symlink_to("..v2")
+    (volume / "..next").replace(volume / "..data")
+    assert allow.name("d", old_public) is None and allow.name("d", new_public) == "agent/agent"
+    shutil.rmtree(volume / "..v2")
+    assert allow.name("d", old_public) is None and allow.name("d", new_public) is None
 
 
 def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
