@@ -36,6 +36,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -347,7 +348,7 @@ def local_fleet_keys(root: str | Path) -> dict[Role, KeyPaths]:
     return dirs
 
 
-def _link_targets(d: Path) -> list[int]:
+def _link_targets(d: Path) -> tuple[int, ...]:
     """Device, inode and times of what each symlinked ``*.key`` in ``d`` points to (``-1`` for a
     dangling one): a key replaced or revoked at its link's target (a Kubernetes secret update
     re-points ``..data``) leaves ``d``'s own times as they were."""
@@ -363,7 +364,12 @@ def _link_targets(d: Path) -> list[int]:
                     out.append(-1)
                     continue
                 out += [t.st_dev, t.st_ino, t.st_mtime_ns, t.st_ctime_ns]
-    return out
+    return tuple(out)
+
+
+_LINK_RECHECK_S = 1.0
+"""How often the hub looks again at what symlinked authorized keys point to (a rotated or
+revoked Kubernetes secret takes effect within this many seconds)."""
 
 
 class AllowList:
@@ -371,10 +377,10 @@ class AllowList:
     keys may connect to which socket, from ``authorized_keys/<role>/*.key``.
 
     A socket's ZAP domain names the roles it accepts (``domains``). The directories are read
-    again when their modification time (or a symlinked key's target) changes, so a key copied
-    in (or removed, or rotated behind a Kubernetes secret's links) takes effect
-    on the next connection without restarting the hub. Refused handshakes are counted per
-    domain (``refused``) by the hub's socket monitors, not here.
+    again when their modification time changes, so a key copied in (or removed) takes effect
+    on the next connection without restarting the hub; a key rotated or revoked behind a
+    symlink (a Kubernetes secret's ``..data``) within ``_LINK_RECHECK_S``. Refused handshakes
+    are counted per domain (``refused``) by the hub's socket monitors, not here.
 
     Args:
         authorized_dir: the hub's ``authorized_keys/``.
@@ -386,6 +392,7 @@ class AllowList:
         self.domains = domains
         self._lock = threading.Lock()
         self._seen: dict[Role, tuple[int, ...]] = {}
+        self._links: dict[Role, tuple[float, tuple[int, ...]] | None] = {}
         self._keys: dict[Role, dict[bytes, str]] = {}
 
     def _role_keys(self, role: Role) -> dict[bytes, str]:
@@ -394,8 +401,16 @@ class AllowList:
             st = d.stat()
         except OSError:
             return {}
-        seen = (st.st_mtime_ns, st.st_ctime_ns, *_link_targets(d))
+        # Symlinked keys' targets count too, looked at only where the last read found links
+        # and at most every _LINK_RECHECK_S (the hub asks on every handshake and report).
+        now = time.monotonic()
+        links = self._links.get(role)
+        if links is not None and now - links[0] >= _LINK_RECHECK_S:
+            links = self._links[role] = (now, _link_targets(d))
+        seen = (st.st_mtime_ns, st.st_ctime_ns, *(links[1] if links is not None else ()))
         if self._seen.get(role) != seen:
+            # Before reading: a link re-pointed while the keys are read is seen next time.
+            targets = _link_targets(d)
             keys: dict[bytes, str] = {}
             # Whoever may write a directory or key file here may let any key in: refused,
             # like ssh's StrictModes (a symlink is judged by its target).
@@ -417,7 +432,9 @@ class AllowList:
                 log.error("kvpool hub: %s refused: %s (copy keys in with kvpool-agent "
                           "authorize)", p, _unsafe(p, secret=False) or "writable by group/others; "
                           "chmod go-w")
-            self._keys[role], self._seen[role] = keys, seen
+            self._links[role] = (now, targets) if targets else None
+            self._keys[role] = keys
+            self._seen[role] = (st.st_mtime_ns, st.st_ctime_ns, *targets)
         return self._keys[role]
 
     def name(self, domain: str, key: bytes) -> str | None:

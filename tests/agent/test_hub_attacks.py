@@ -322,6 +322,7 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
         return out
 
     monkeypatch.setattr(auth, "_judge", racing)
+    monkeypatch.setattr(auth, "_LINK_RECHECK_S", 0.0)  # the next handshake looks again
     allow = AllowList(hub_dir.authorized_dir, {"d": ("agent",)})
     assert allow.name("d", good_public) == "agent/good"
     # The next handshake sees the link's new target, judges it and refuses it.
@@ -331,11 +332,15 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
     assert op.client("operator").secret == good_secret
 
 
-def test_a_key_revoked_behind_a_kubernetes_secrets_links_is_refused(tmp_path: Path) -> None:
+def test_a_key_revoked_behind_a_kubernetes_secrets_links_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``authorized_keys/agent/agent.key -> volume/..data/agent.key``: the secret is updated
     (kubelet writes ``..v2/`` with another key and re-points ``..data``), which leaves
-    ``authorized_keys/agent/`` untouched. The old key is refused from then on, the new one
-    accepted; the secret emptied (a dangling link), neither."""
+    ``authorized_keys/agent/`` untouched. The old key is refused from then on (here at once:
+    ``_LINK_RECHECK_S`` 0), the new one accepted; the secret emptied (a dangling link),
+    neither."""
+    monkeypatch.setattr(auth, "_LINK_RECHECK_S", 0.0)
     hub_dir = generate_keys(tmp_path / "hub", "hub")
     old = generate_keys(tmp_path / "old", "agent")
     new = generate_keys(tmp_path / "new", "agent")
