@@ -65,7 +65,8 @@ _PROBE_LOCK = threading.Lock()
 
 
 class SaveQueue(Protocol):
-    """What ``BackendOperations.wait_for_saves`` needs of ``KVPoolWorker``."""
+    """What ``BackendOperations.wait_for_saves`` and ``reset_flush`` need of
+    ``KVPoolWorker``."""
 
     def drain_saves(self, timeout_s: float | None = None) -> bool:
         """True once every submitted save finished within ``timeout_s`` seconds."""
@@ -74,6 +75,10 @@ class SaveQueue(Protocol):
     @property
     def inflight_saves(self) -> int:
         """Save batches submitted and not finished yet."""
+        ...
+
+    def take_written_chunks(self) -> list[tuple[str, int]]:
+        """``(request id, chunk)`` of the chunks saves wrote since the last call (KV events)."""
         ...
 
 
@@ -202,6 +207,10 @@ class BackendOperations:
                                "removed (reset_prefix_cache again once they finished)")
         res = self.backend.remove_by_scope(digest_pattern(scope[0], scope[1]), dry_run=False,
                                            force=True)
+        if saves is not None:
+            # Chunks written before the removal and not yet reported are gone: reported after
+            # the reset's BlockRemoved they would tell routers the pool holds them.
+            saves.take_written_chunks()
         return FlushResult(dry_run=False, keys=res.keys, bytes=res.bytes,
                            removed_keys=res.removed, skipped_leased=res.skipped_leased)
 

@@ -219,6 +219,32 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     assert not failed["results"][0]["ok"] and "not registered" in failed["results"][0]["error"]
 
 
+def test_reset_flush_drops_the_unreported_chunks_it_removed(
+    pool: dict, agent_master: LocalMooncakeMaster, mooncake_backend: Any, model: str,
+) -> None:
+    """Saves finished just before vLLM's ``reset_prefix_cache`` leave ``ChunkWritten`` reports
+    the scheduler would get at the next step, after the reset's ``BlockRemoved``: routers would
+    be told the pool holds chunks the reset removed. The reset drops them with the keys."""
+
+    class Saves:  # the two calls reset_flush makes of KVPoolWorker, and its written chunks
+        inflight_saves = 0
+        written = [("r", 0), ("r", 1)]
+
+        def drain_saves(self, timeout_s: float | None = None) -> bool:
+            return True
+
+        def take_written_chunks(self) -> list[tuple[str, int]]:
+            out, self.written = self.written, []
+            return out
+
+    ops = BackendOperations(mooncake_backend, make_source("eng-w", model=model),
+                            key_scope=(model, DIGEST, ParallelLayout()))
+    ops.saves = saves = Saves()
+    assert ops.reset_flush().removed_keys == 5
+    assert not set(pool["tp0"]) & _all_keys(agent_master)
+    assert saves.written == []  # nothing left for the next step's KV events
+
+
 def test_reset_flush_reaches_the_hubs_audit_trail_once(
     hub: FleetHub, hub_address: str, pool: dict, mooncake_backend: Any, model: str,
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
