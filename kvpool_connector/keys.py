@@ -349,8 +349,9 @@ class ChunkHashCache:
         chunk_size: tokens per chunk (> 0).
         algo: the chunk-hash function (``HashAlgo``).
         max_tokens: bound on the prompt tokens held (about 14 bytes per token at 16-token
-            chunks, 5 at 256); least recently used prompts are dropped first, and a prompt
-            longer than the bound is not kept.
+            chunks, 5 at 256, ``extra`` held as its 16- or 32-byte chain root whatever its
+            length); least recently used prompts are dropped first, and a prompt longer than
+            the bound is not kept.
 
     Raises:
         ValueError: ``chunk_size`` <= 0, an unknown ``algo`` or ``max_tokens`` < 0.
@@ -389,7 +390,10 @@ class ChunkHashCache:
         data = _token_bytes(token_ids, self.chunk_size)
         if not data:
             return []
-        key = (extra, data[:step])
+        # Keyed by the chain's root, not by ``extra``: a salt is the client's choice of any
+        # length, and only its root reaches the hashes.
+        root = _root(self.algo, extra)
+        key = (root, data[:step])
         old = self._entries.pop(key, None)
         same = 0
         # SHA-256 chains its whole digest, of which a name holds half: the chain values are
@@ -404,7 +408,7 @@ class ChunkHashCache:
         else:
             names = []
         if not same:
-            parent = _root(self.algo, extra)
+            parent = root
         else:
             parent = parents[-1] if parents is not None else bytes.fromhex(names[-1])
         _chain(data[same * step :] if same else data, step, parent, self.algo, names, parents)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import tracemalloc
 
 import pytest
 
@@ -193,3 +194,22 @@ def test_chunk_hash_cache_reuses_a_prefix_and_keeps_salts_apart() -> None:
         ChunkHashCache(16, max_tokens=-1)
     cache.clear()
     assert len(cache) == 0
+
+
+def test_chunk_hash_cache_holds_no_copy_of_a_long_salt() -> None:
+    """``cache_salt`` is the client's choice, of any length: 32 requests with distinct 1 MiB
+    salts and one-chunk prompts leave the cache holding a few KiB, not 32 MiB (it kept each
+    salt as part of its key); the hashes stay those of ``chunk_hashes``."""
+    cache = ChunkHashCache(16)
+    prompt = list(range(16))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(32):
+            salt = bytes([i]) * (1 << 20)
+            assert cache.hashes(prompt, salt) == chunk_hashes(prompt, 16, salt)
+            del salt
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(cache) == 32 and held < 64 * 1024
