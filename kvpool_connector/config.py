@@ -179,7 +179,8 @@ class KVPoolConfig(BaseModel):
             connector's ``reset_cache``) does to the pool: ``none`` (default) nothing, only
             the engine's own caches are reset; ``engine`` removes every key of this engine's
             layout (its model and layout digest, every shard; other layouts and models stay),
-            leased keys included, after worker rank 0's saves finished. The flush runs on
+            after worker rank 0's saves finished; a key a reader holds a lease on is removed
+            once the lease ends (never by force, 15 s at most). The flush runs on
             worker rank 0 (through the lookup socket) before ``reset_cache`` returns, and is
             audited like a console flush (``kvpool_agent._audit``).
     """

@@ -94,8 +94,8 @@ logger = logging.getLogger(__name__)
 
 
 RESET_FLUSH_TIMEOUT_MS = 60_000
-"""Longest wait of ``reset_cache`` for worker rank 0's flush (ms): its saves (30 s at most)
-and the removal."""
+"""Longest wait of ``reset_cache`` for worker rank 0's flush (ms): its saves (30 s at most),
+readers' leases on the keys (15 s at most) and the removal."""
 
 
 def _serves_lookups(cfg: KVPoolConfig) -> bool:

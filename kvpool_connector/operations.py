@@ -19,6 +19,8 @@ import weakref
 from collections import deque
 from typing import Protocol
 
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
+
 from kvpool_agent._audit import audit
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
@@ -37,7 +39,7 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
-from kvpool_connector.backends.base import Backend
+from kvpool_connector.backends.base import Backend, RemoveResult
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
     ParallelLayout,
@@ -154,30 +156,35 @@ class BackendOperations:
             out.append(self._flushes.popleft())
         return out
 
-    def reset_flush(self, saves_timeout_s: float = 30.0) -> FlushResult:
+    def reset_flush(self, saves_timeout_s: float = 30.0,
+                    leases_timeout_s: float = 15.0) -> FlushResult:
         """``reset_flush_scope`` ``engine`` (vLLM's ``reset_prefix_cache`` reaching the
         connector): wait for this process's saves, then remove every key of this engine's
         model and layout digest (``keys.digest_pattern``: every shard and layer; other digests
-        and models stay), leased keys included. Audited like a console flush: one
+        and models stay). A key another engine is reading holds a lease (Mooncake
+        ``default_kv_lease_ttl``): it is never removed by force (its memory could be reused
+        under the reader's transfer: wrong KV there), but removed once its lease ended, for up
+        to ``leases_timeout_s`` seconds. Audited like a console flush: one
         ``kvpool_agent._audit`` line (``who`` ``engine:<engine_id> (reset_prefix_cache)``,
         command ``flush``, scope ``engine``) on the ``kvpool.hub`` log, failures too, and a
         ``FlushRecord`` to ``reporter``: the hub writes it to its audit trail.
         Sizes in bytes.
 
         Raises:
-            CommandError: no key scope yet (vLLM has not registered the KV caches), or the
-                saves did not finish within ``saves_timeout_s`` seconds (nothing removed).
+            CommandError: no key scope yet (vLLM has not registered the KV caches), the saves
+                did not finish within ``saves_timeout_s`` seconds (nothing removed), or keys
+                were still leased after ``leases_timeout_s`` seconds (the others removed).
             BackendError: the store failed.
         """
         src = self.source
         args = FlushArgs(scope="engine", model=self.key_scope[0] if self.key_scope else None,
-                         engine_id=src.engine_id, dry_run=False, force=True)
+                         engine_id=src.engine_id, dry_run=False, force=False)
         req = CommandRequest(v=PROTOCOL_VERSION, seq=0, request_id=f"reset-{uuid.uuid4().hex}",
                              command="flush", sender="reset_prefix_cache",
                              targets=[src.agent_id], flush=args)
         who = f"engine:{src.engine_id} (reset_prefix_cache)"
         try:
-            result = self._reset_flush(saves_timeout_s)
+            result = self._reset_flush(saves_timeout_s, leases_timeout_s)
         except Exception as exc:
             self._audit_reset(who, req, None, clip(f"{type(exc).__name__}: {exc}"))
             raise
@@ -197,7 +204,7 @@ class BackendOperations:
             flush=req.flush,
             ok=error is None, result=result, error=error))
 
-    def _reset_flush(self, saves_timeout_s: float) -> FlushResult:
+    def _reset_flush(self, saves_timeout_s: float, leases_timeout_s: float) -> FlushResult:
         scope = self.key_scope
         if scope is None:
             raise CommandError("the engine's KV caches are not registered yet: nothing to flush")
@@ -205,14 +212,28 @@ class BackendOperations:
         if saves is not None and not saves.drain_saves(saves_timeout_s):
             raise CommandError(f"saves still running after {saves_timeout_s:.0f} s; nothing "
                                "removed (reset_prefix_cache again once they finished)")
-        res = self.backend.remove_by_scope(digest_pattern(scope[0], scope[1]), dry_run=False,
-                                           force=True)
+        pattern = digest_pattern(scope[0], scope[1])
+        rounds: list[RemoveResult] = []
+
+        def remove() -> RemoveResult:
+            rounds.append(self.backend.remove_by_scope(pattern, dry_run=False, force=False))
+            return rounds[-1]
+
+        # Leased keys are tried again until their leases end; store errors are not retried.
+        Retrying(stop=stop_after_delay(leases_timeout_s), wait=wait_fixed(0.5),
+                 retry=retry_if_result(lambda r: r.skipped_leased > 0),
+                 retry_error_callback=_last_result)(remove)
         if saves is not None:
             # Chunks written before the removal and not yet reported are gone: reported after
             # the reset's BlockRemoved they would tell routers the pool holds them.
             saves.take_written_chunks()
-        return FlushResult(dry_run=False, keys=res.keys, bytes=res.bytes,
-                           removed_keys=res.removed, skipped_leased=res.skipped_leased)
+        first, last = rounds[0], rounds[-1]
+        if last.skipped_leased:
+            raise CommandError(
+                f"{last.skipped_leased} of {first.keys} keys still leased by readers after "
+                f"{leases_timeout_s:.0f} s (the others removed); reset_prefix_cache again")
+        return FlushResult(dry_run=False, keys=first.keys, bytes=first.bytes,
+                           removed_keys=sum(r.removed for r in rounds))
 
     def wait_for_saves(self, timeout_ms: int) -> DrainResult:
         """Wait up to ``timeout_ms`` ms for the worker's in-flight saves (``saves``)."""
@@ -227,6 +248,13 @@ class BackendOperations:
     def stats(self) -> PoolStats:
         """``Backend.stats()``. Never raises."""
         return self.backend.stats()
+
+
+def _last_result(state: RetryCallState) -> RemoveResult:
+    """The last attempt's result when tenacity stops retrying (instead of ``RetryError``)."""
+    assert state.outcome is not None
+    result: RemoveResult = state.outcome.result()
+    return result
 
 
 def flush_pattern(

@@ -196,7 +196,7 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     assert (line["who"], line["command"], line["targets"]) == (
         "engine:eng-r (reset_prefix_cache)", "flush", [src.agent_id])
     assert line["flush"] == {"scope": "engine", "model": model, "engine_id": "eng-r",
-                             "dry_run": False, "force": True}
+                             "dry_run": False, "force": False}
     assert line["results"] == [{"agent": src.agent_id, "ok": True, "flush": {
         "dry_run": False, "keys": 5, "bytes": 5 * VALUE, "removed_keys": 5,
         "skipped_leased": 0}}]
@@ -217,6 +217,27 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     (failed,) = [json.loads(r.getMessage().split("kvpool audit: ", 1)[1])
                  for r in caplog.records if "kvpool audit: " in r.getMessage()]
     assert not failed["results"][0]["ok"] and "not registered" in failed["results"][0]["error"]
+
+
+def test_reset_flush_never_forces_a_key_another_engine_is_reading(
+    pool: dict, agent_master: LocalMooncakeMaster, mooncake_backend: Any, model: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reader's lease (``default_kv_lease_ttl``, 10 s on this master) protects the memory
+    its transfer reads: a forced removal could hand it to a new value under that transfer. The
+    reset removes the rest, waits for the lease to end and then removes the key; if the lease
+    outlives the wait, the reset fails (audited) and the leased key is still there."""
+    ops = BackendOperations(mooncake_backend, make_source("eng-l", model=model),
+                            key_scope=(model, DIGEST, ParallelLayout()))
+    leased = pool["tp0"][0]
+    assert mooncake_backend.store.get_size(leased) == VALUE  # a read: leased for 10 s
+    with pytest.raises(CommandError, match=r"1 of 5 keys still leased by readers after 1 s"):
+        ops.reset_flush(leases_timeout_s=1.0)
+    layout = set(pool["tp0"]) | set(pool["tp1"])
+    assert layout & _all_keys(agent_master) == {leased}
+    res = ops.reset_flush(leases_timeout_s=20.0)  # outlasts the lease
+    assert (res.keys, res.removed_keys, res.skipped_leased) == (1, 1, 0)
+    assert not layout & _all_keys(agent_master)
 
 
 def test_reset_flush_drops_the_unreported_chunks_it_removed(
@@ -272,7 +293,7 @@ def test_reset_flush_reaches_the_hubs_audit_trail_once(
         assert line["who"] == f"agent:{src.agent_id} (engine:eng-h (reset_prefix_cache))"
         assert (line["command"], line["targets"], line["refused"]) == (
             "flush", [src.agent_id], False)
-        assert line["flush"]["scope"] == "engine" and line["flush"]["force"]
+        assert line["flush"]["scope"] == "engine" and not line["flush"]["force"]
         assert line["results"] == [{"agent": src.agent_id, "ok": True, "flush": {
             "dry_run": False, "keys": res.keys, "bytes": res.bytes, "removed_keys": 5,
             "skipped_leased": 0}}]

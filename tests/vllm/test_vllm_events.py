@@ -203,7 +203,7 @@ def test_block_stored_for_exactly_the_chunks_saved_and_reset_flushes_this_layout
     (line,) = [json.loads(x.split("kvpool audit: ", 1)[1]) for x in out["log"].splitlines()
                if "kvpool audit: " in x]
     assert (line["who"], line["command"], line["flush"]["scope"], line["flush"]["force"]) == (
-        "engine:events (reset_prefix_cache)", "flush", "engine", True)
+        "engine:events (reset_prefix_cache)", "flush", "engine", False)
     (result,) = line["results"]
     assert result["ok"] and result["flush"]["removed_keys"] == 4
     (hub_line,) = [json.loads(x) for x in (work / "audit.jsonl").read_text().splitlines()]
