@@ -162,7 +162,7 @@ class KeyPaths:
             "operator": f"`kvpool-agent keygen --role operator {self.root}`, then copy "
             "operator.key to the hub's authorized_keys/operator/",
         }.get(role, "")
-        server_public = _load(self.hub_public, secret=False,
+        server_public = _load(self.hub_public, secret=False, trusted=True,
                               fix="copy hub.key from the hub's keys dir")
         secret_file = self.secret(role)
         public = _load(secret_file, secret=False, fix=hint)
@@ -185,15 +185,18 @@ class KeyPaths:
         return public, secret
 
 
-def _load(path: Path, *, secret: bool, fix: str) -> bytes:
-    """One key from a certificate file (z85 bytes).
+def _load(path: Path, *, secret: bool, fix: str, trusted: bool = False) -> bytes:
+    """One key from a certificate file (z85 bytes). A secret, or a public key the caller
+    trusts (``trusted``: a client's ``hub.key``, whoever may replace it could pose as the
+    hub), must be safe from others (``_check_private``).
 
     Raises:
-        ValueError: missing, unreadable, or no such key in it; names ``path`` and ``fix``.
+        ValueError: missing, unreadable, unsafe, or no such key in it; names ``path`` and
+            ``fix``.
     """
-    if secret and path.exists():
+    if (secret or trusted) and path.exists():
         # Read the file that was checked, not the link again (it may be re-pointed since).
-        path = _check_private(path)
+        path = _check_private(path, secret=secret)
     try:
         public, secret_key = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as e:
@@ -245,14 +248,14 @@ def _why(path: Path, real: Path, st: os.stat_result, dst: os.stat_result, *,
     return None
 
 
-def _check_private(path: Path) -> Path:
-    """Refuse a secret key file others may read or replace (``_judge``); returns the file it
-    resolves to, the one to read.
+def _check_private(path: Path, *, secret: bool = True) -> Path:
+    """Refuse a key file others may replace, or read when ``secret`` (``_judge``); returns the
+    file it resolves to, the one to read.
 
     Raises:
         ValueError: names the file, what is wrong and the fix.
     """
-    real, why = _judge(path, secret=True)
+    real, why = _judge(path, secret=secret)
     if why is not None:
         raise ValueError(f"key file {path}: {why}")
     return real
