@@ -335,22 +335,8 @@ class LookupClient:
         """
         if not chunk_hashes:
             return 0
-        rid = next(self._ids)
-        self._sock.send(self._enc.encode(_Request(rid, chunk_hashes)))
-        deadline = time.monotonic() + self.timeout_ms / 1e3
-        while (left := deadline - time.monotonic()) > 0:
-            if not self._sock.poll(int(left * 1e3) + 1):
-                break
-            reply = self._dec.decode(self._sock.recv())
-            if reply.id != rid:
-                continue  # the late answer to an earlier, timed-out query
-            if reply.error is not None:
-                raise LookupFailed(f"pool lookup failed: {reply.error}", reply.code)
-            return reply.hit_chunks
-        raise LookupFailed(
-            f"no reply from the lookup server at {self.path} within {self.timeout_ms} ms "
-            f"(is worker rank 0 running, with the same {self._named_by}?)"
-        )
+        return self._ask(_Request(next(self._ids), chunk_hashes), self.timeout_ms,
+                         "pool lookup").hit_chunks
 
     def reset_flush(self, timeout_ms: int) -> int:
         """Ask worker rank 0 to run the reset flush (``reset_flush_scope``) and wait up to
@@ -361,6 +347,16 @@ class LookupClient:
                 does not flush on reset, or no reply within ``timeout_ms``.
         """
         req = _Request(next(self._ids), [], op="reset_flush")
+        return self._ask(req, timeout_ms, "pool reset flush").removed_keys
+
+    def _ask(self, req: _Request, timeout_ms: int, what: str) -> _Reply:
+        """Send ``req`` and wait up to ``timeout_ms`` for its reply (late answers to earlier,
+        timed-out requests are skipped).
+
+        Raises:
+            LookupFailed: the reply names an error (``what`` failed, with the store's code
+                when known), or no reply within ``timeout_ms``.
+        """
         self._sock.send(self._enc.encode(req))
         deadline = time.monotonic() + timeout_ms / 1e3
         while (left := deadline - time.monotonic()) > 0:
@@ -370,8 +366,8 @@ class LookupClient:
             if reply.id != req.id:
                 continue  # the late answer to an earlier, timed-out query
             if reply.error is not None:
-                raise LookupFailed(f"pool reset flush failed: {reply.error}", reply.code)
-            return reply.removed_keys
+                raise LookupFailed(f"{what} failed: {reply.error}", reply.code)
+            return reply
         raise LookupFailed(
             f"no reply from the lookup server at {self.path} within {timeout_ms} ms "
             f"(is worker rank 0 running, with the same {self._named_by}?)"
