@@ -4,10 +4,17 @@ client (B's ``MooncakeBackend``) on the session ``mooncake_master``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from kvpool_agent import start_agent
+import pytest
+
+from kvpool_agent import AGENT_KEYS_ENV, local_fleet_keys, start_agent
 from kvpool_agent.agent import AgentHandle
 from kvpool_agent.auth import KeyPaths
 from kvpool_agent.client import FleetClient
@@ -92,3 +99,26 @@ class LiveFleet:
         raise AssertionError(f"hub saw {len(self.hub.fleet())} agents, wanted {n}")
 
 
+@contextlib.contextmanager
+def keyed_live_fleet(keys_root: Path, master: LocalMooncakeMaster, backend: MooncakeBackend,
+                     monkeypatch: pytest.MonkeyPatch, model_prefix: str,
+                     **hub_options: Any) -> Iterator[LiveFleet]:
+    """A started hub requiring keys on every port (every role's keys under ``keys_root``;
+    agents get theirs from ``KVPOOL_AGENT_KEYS``, a console without ``--keys`` the viewer's
+    from ``KVPOOL_KEYS_DIR``), snapshots every 1 s and deltas every 0.1 s, plus
+    ``hub_options``; every engine started on it and the hub are stopped on exit."""
+    keys = local_fleet_keys(keys_root)
+    monkeypatch.setenv(AGENT_KEYS_ENV, str(keys["agent"].root))
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(keys["viewer"].root))
+    hub = FleetHub(hub_address(), authorized_keys_dir=keys["hub"].authorized_dir,
+                   secret_key_file=keys["hub"].hub_secret, snapshot_interval_s=1.0,
+                   delta_interval_s=0.1, **hub_options).start()
+    fleet = LiveFleet(address=hub.address, keys=keys["operator"], hub=hub, backend=backend,
+                      master=master, model=f"{model_prefix}-{uuid.uuid4().hex[:8]}")
+    try:
+        yield fleet
+    finally:
+        for handles in fleet.engines.values():
+            for h in handles:
+                h.stop()
+        hub.stop()

@@ -8,17 +8,15 @@ import json
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from livefleet import LEASE_TTL_MS, LiveFleet, hub_address
+from livefleet import LEASE_TTL_MS, LiveFleet, hub_address, keyed_live_fleet
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool_agent import AGENT_KEYS_ENV, local_fleet_keys
 from kvpool_agent.cli import main as agent_main
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.vocabulary import HINTS
@@ -35,21 +33,9 @@ def metrics_fleet(tmp_path: Path, mooncake_master: LocalMooncakeMaster,
                   pool_backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
                   ) -> Iterator[LiveFleet]:
     """A keyed hub with /metrics (bound on 127.0.0.1, as a keyed hub does by default)."""
-    keys = local_fleet_keys(tmp_path / "keys")
-    monkeypatch.setenv(AGENT_KEYS_ENV, str(keys["agent"].root))
-    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(keys["viewer"].root))
-    hub = FleetHub(hub_address(), authorized_keys_dir=keys["hub"].authorized_dir,
-                   secret_key_file=keys["hub"].hub_secret, snapshot_interval_s=1.0,
-                   delta_interval_s=0.1, metrics_port=free_port()).start()
-    fleet = LiveFleet(address=hub.address, keys=keys["operator"], hub=hub, backend=pool_backend,
-                      master=mooncake_master, model=f"metrics-{uuid.uuid4().hex[:8]}")
-    try:
+    with keyed_live_fleet(tmp_path / "keys", mooncake_master, pool_backend, monkeypatch,
+                          "metrics", metrics_port=free_port()) as fleet:
         yield fleet
-    finally:
-        for handles in fleet.engines.values():
-            for h in handles:
-                h.stop()
-        hub.stop()
 
 
 def _scrape(hub: FleetHub) -> Samples:
