@@ -7,7 +7,9 @@ prompt (small values: only existence matters), then measures, per chunk size:
   prompt the scheduler has not seen (its ``hash_cache`` is cleared at the start of each timed
   lookup, which frees the previous prompt's entry as a full cache frees its oldest): chained
   chunk hashes of the prompt (``hash_algo``: SHA-256 by default, XXH3-128 opt-in; each is
-  timed), the ZMQ IPC round trip to the ``LookupServer`` and the worker's ``lookup_chunks``
+  timed), the hand-off to the ``LookupServer`` (its local thread, as when vLLM's ``uni``
+  executor runs worker rank 0 in the scheduler's process at TP = 1; ``--socket``: the ZMQ IPC
+  round trip, as when worker rank 0 is another process) and the worker's ``lookup_chunks``
   (``batch_is_exist`` on the chunk keys);
 * ``prompt seen before``: the same for a new request whose prompt the scheduler hashed
   recently (a repeated prompt; a later conversation turn or a shared system prompt reuses its
@@ -81,7 +83,7 @@ def _time_interleaved(fns: list[Callable[[], object]], iters: int) -> list[list[
 
 
 def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters: int,
-                 algo: HashAlgo) -> list[tuple[str, int, list[float]]]:
+                 algo: HashAlgo, in_process: bool) -> list[tuple[str, int, list[float]]]:
     """(variant, keys, latencies in ms) for one chunk size and chunk-hash function."""
     model = f"bench/lookup-{uuid.uuid4().hex[:6]}"
     port = free_port()
@@ -97,9 +99,11 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
     for k in keys:
         backend.store.put(k, b"x")
     server = LookupServer(worker.lookup_chunks, lookup_rpc_port=port)
-    sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), NullReporter())
+    sched = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port, in_process=in_process),
+                            NullReporter())
     tap = StatsTap(NullReporter())
-    tapped = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port), tap)
+    tapped = KVPoolScheduler(cfg, LookupClient(lookup_rpc_port=port, in_process=in_process),
+                             tap)
     stats = StatsCollector(lambda: tapped.counters, tap, worker=False)
     params = SamplingParams(max_tokens=1)
     # New requests (no cached hashes), built outside the timed region.
@@ -150,11 +154,15 @@ def main() -> None:
                     help="comma-separated chunk sizes in tokens (block_size = chunk size)")
     ap.add_argument("--hash-algos", default=",".join(HASH_ALGOS),
                     help="comma-separated chunk-hash functions (hash_algo), each timed")
+    ap.add_argument("--socket", action="store_true",
+                    help="scheduler asks over the IPC socket (worker rank 0 in another process)")
     args = ap.parse_args()
     os.environ.setdefault("KVPOOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="kvpool-bench-"))
     prompt = [(i * 7919) % 30000 + 3 for i in range(args.tokens)]
+    server = "over the IPC socket" if args.socket else "in process"
     print(f"prompt: {args.tokens} tokens; {args.iters} timed lookups per variant; "
-          f"all chunks present; load average {os.getloadavg()[0]:.2f} at start")
+          f"all chunks present; lookup server {server}; "
+          f"load average {os.getloadavg()[0]:.2f} at start")
     print(f"{'chunk':>6} {'keys':>6}  {'variant':<22} {'p50 ms':>8} {'p99 ms':>8}")
     with LocalMooncakeMaster() as master:
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
@@ -163,7 +171,8 @@ def main() -> None:
         try:
             for chunk in (int(c) for c in args.chunk_sizes.split(",")):
                 for algo in cast(list[HashAlgo], args.hash_algos.split(",")):
-                    rows = _bench_chunk(backend, prompt, chunk, args.iters, algo)
+                    rows = _bench_chunk(backend, prompt, chunk, args.iters, algo,
+                                        not args.socket)
                     print(f"{chunk:>6} {'':>6}  hash_algo {algo}")
                     for name, nkeys, s in rows:
                         print(f"{chunk:>6} {nkeys:>6}  {name:<22} {_pct(s, 50):>8.3f} "

@@ -309,6 +309,7 @@ class KVPoolScheduler:
         self.counters.prompt_tokens += prompt_len
         self.counters.local_tokens += num_computed_tokens
         start = time.perf_counter()
+        asked_ms = time.time() * 1e3  # Mooncake grants the lease when batch_is_exist runs
         try:
             hit_chunks = min(self.lookup_client.lookup(hashes), max_chunks)
         except LookupFailed as exc:
@@ -335,8 +336,8 @@ class KVPoolScheduler:
         ttl = self.config.lease_ttl_ms
         self._load_specs[rid] = LoadSpec(
             vllm_cached_tokens=num_computed_tokens, kvpool_cached_tokens=pool_tokens,
-            # Mooncake grants the lease when batch_is_exist answers: just before now.
-            lease_expires_ms=time.time() * 1e3 + ttl if ttl else None,
+            # Counted from before the query: the lease never looks longer than it is.
+            lease_expires_ms=asked_ms + ttl if ttl else None,
         )
         return new_tokens, self.config.load_async
 

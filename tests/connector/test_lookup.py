@@ -1,4 +1,5 @@
-"""LookupServer/LookupClient over real ZMQ IPC sockets: answers, store errors, stale sockets,
+"""LookupServer/LookupClient over real ZMQ IPC sockets and, for a client in the server's process
+(vLLM's ``uni`` executor), over the server's local thread: answers, store errors, stale sockets,
 port conflicts with a live engine in another process, timeouts, sockets named from vLLM's
 instance id when no port is configured."""
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +34,12 @@ from kvpool_connector.lookup import (
 @pytest.fixture(autouse=True)
 def _runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_RUNTIME_DIR", str(tmp_path))
+
+
+@pytest.fixture(params=[True, False], ids=["in-process", "socket"])
+def in_process(request: pytest.FixtureRequest) -> bool:
+    """Whether the client hands queries to the server of its own process or uses the socket."""
+    return bool(request.param)
 
 
 def _prefix_counter(present: set[str]):
@@ -78,9 +86,9 @@ def _check_instance_names(rt: Path) -> None:
         lookup_socket_path(0)
 
 
-def test_lookup_returns_leading_present_chunks() -> None:
+def test_lookup_returns_leading_present_chunks(in_process: bool) -> None:
     server = LookupServer(_prefix_counter({"a", "b", "c"}), lookup_rpc_port=7001)
-    client = LookupClient(lookup_rpc_port=7001, timeout_ms=2000)
+    client = LookupClient(lookup_rpc_port=7001, in_process=in_process, timeout_ms=2000)
     try:
         assert client.lookup(["a", "b", "x", "c"]) == 2
         assert client.lookup(["a", "b", "c"]) == 3
@@ -93,12 +101,12 @@ def test_lookup_returns_leading_present_chunks() -> None:
     assert not server.path.exists()
 
 
-def test_store_failure_is_an_error_not_zero_hits() -> None:
+def test_store_failure_is_an_error_not_zero_hits(in_process: bool) -> None:
     def failing(hashes: list[str]) -> int:
         raise BackendError("batch_is_exist failed", code=-900)
 
     server = LookupServer(failing, lookup_rpc_port=7002)
-    client = LookupClient(lookup_rpc_port=7002, timeout_ms=2000)
+    client = LookupClient(lookup_rpc_port=7002, in_process=in_process, timeout_ms=2000)
     try:
         with pytest.raises(LookupFailed) as info:
             client.lookup(["a"])
@@ -114,7 +122,7 @@ def test_store_failure_is_an_error_not_zero_hits() -> None:
         server.close()
 
 
-def test_unexpected_exception_keeps_server_alive() -> None:
+def test_unexpected_exception_keeps_server_alive(in_process: bool) -> None:
     calls = []
 
     def flaky(hashes: list[str]) -> int:
@@ -124,7 +132,7 @@ def test_unexpected_exception_keeps_server_alive() -> None:
         return len(hashes)
 
     server = LookupServer(flaky, lookup_rpc_port=7003)
-    client = LookupClient(lookup_rpc_port=7003, timeout_ms=2000)
+    client = LookupClient(lookup_rpc_port=7003, in_process=in_process, timeout_ms=2000)
     try:
         with pytest.raises(LookupFailed, match="KeyError"):
             client.lookup(["a"])
@@ -146,7 +154,7 @@ def test_no_server_times_out_with_a_clear_error() -> None:
     assert time.monotonic() - start < 2
 
 
-def test_late_reply_to_timed_out_query_is_ignored() -> None:
+def test_late_reply_to_timed_out_query_is_ignored(in_process: bool) -> None:
     def slow_first(hashes: list[str]) -> int:
         if hashes == ["slow"]:
             time.sleep(0.5)
@@ -154,7 +162,7 @@ def test_late_reply_to_timed_out_query_is_ignored() -> None:
         return 1
 
     server = LookupServer(slow_first, lookup_rpc_port=7005)
-    client = LookupClient(lookup_rpc_port=7005, timeout_ms=200)
+    client = LookupClient(lookup_rpc_port=7005, in_process=in_process, timeout_ms=200)
     try:
         with pytest.raises(LookupFailed):
             client.lookup(["slow"])
@@ -300,7 +308,7 @@ def test_same_instance_id_held_by_a_live_engine_is_refused_with_the_fix(tmp_path
         holder.wait(timeout=10)
 
 
-def test_reset_flush_runs_on_the_server_and_its_failures_are_errors() -> None:
+def test_reset_flush_runs_on_the_server_and_its_failures_are_errors(in_process: bool) -> None:
     """The scheduler's ``reset_cache`` flush over the lookup socket: the server runs it and
     answers the keys removed; a store failure is an error with its code; an engine without
     ``reset_flush_scope`` refuses; lookups keep working around them."""
@@ -314,8 +322,8 @@ def test_reset_flush_runs_on_the_server_and_its_failures_are_errors() -> None:
 
     server = LookupServer(_prefix_counter({"a"}), lookup_rpc_port=7011, reset_flush=flush)
     plain = LookupServer(_prefix_counter({"a"}), lookup_rpc_port=7012)
-    client = LookupClient(lookup_rpc_port=7011, timeout_ms=2000)
-    other = LookupClient(lookup_rpc_port=7012, timeout_ms=2000)
+    client = LookupClient(lookup_rpc_port=7011, timeout_ms=2000, in_process=in_process)
+    other = LookupClient(lookup_rpc_port=7012, timeout_ms=2000, in_process=in_process)
     try:
         assert client.reset_flush(2000) == 7
         with pytest.raises(LookupFailed, match="remove failed") as info:
@@ -330,3 +338,32 @@ def test_reset_flush_runs_on_the_server_and_its_failures_are_errors() -> None:
             c.close()
         for s in (server, plain):
             s.close()
+
+
+def test_client_in_the_servers_process_is_answered_on_its_local_thread() -> None:
+    """A client started before the server uses the server's local thread once it runs, the
+    socket thread when asked to, and the socket again after the server closed."""
+    threads: list[str] = []
+
+    def lookup(hashes: list[str]) -> int:
+        threads.append(threading.current_thread().name)
+        return len(hashes)
+
+    client = LookupClient(lookup_rpc_port=7013, timeout_ms=2000)
+    socket_client = LookupClient(lookup_rpc_port=7013, timeout_ms=2000, in_process=False)
+    server = LookupServer(lookup, lookup_rpc_port=7013)
+    try:
+        assert client.lookup(["a", "b"]) == 2
+        assert socket_client.lookup(["a"]) == 1
+        assert threads == ["kvpool-lookup-local", "kvpool-lookup"]
+        assert server.lookups == 2
+    finally:
+        server.close()
+    client.timeout_ms = 200
+    try:
+        with pytest.raises(LookupFailed, match="no reply from the lookup server"):
+            client.lookup(["a"])
+        assert threads == ["kvpool-lookup-local", "kvpool-lookup"]
+    finally:
+        client.close()
+        socket_client.close()
