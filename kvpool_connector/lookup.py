@@ -74,6 +74,8 @@ _SERVED_HERE: dict[Path, LookupServer] = {}
 scheduler's process when TP = PP = 1 (its ``uni`` executor): the scheduler's client then hands
 its requests to that server's own thread as objects, skipping msgpack, the socket file and
 ZMQ's I/O thread (about 0.4 ms of a 2,048-chunk lookup)."""
+# A forked child has none of its parent's server threads: it asks over the socket.
+os.register_at_fork(after_in_child=_SERVED_HERE.clear)
 
 
 class LookupFailed(RuntimeError):

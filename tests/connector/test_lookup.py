@@ -367,3 +367,24 @@ def test_client_in_the_servers_process_is_answered_on_its_local_thread() -> None
     finally:
         client.close()
         socket_client.close()
+
+
+def test_forked_child_asks_over_the_socket() -> None:
+    """A child forked after the server started has none of its threads: its client must use
+    the socket (the parent's socket thread answers), not wait on a local thread that is gone."""
+    server = LookupServer(_prefix_counter({"a", "b"}), lookup_rpc_port=7014)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only when the socket answered
+            code = 1
+            try:
+                client = LookupClient(lookup_rpc_port=7014, timeout_ms=2000)
+                code = 0 if client.lookup(["a", "b", "c"]) == 2 else 1
+                client.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert server.lookups == 1
+    finally:
+        server.close()
