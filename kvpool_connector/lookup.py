@@ -400,10 +400,11 @@ class LookupClient:
         # Per query: vLLM may start the worker or the scheduler first.
         server = _SERVED_HERE.get(self.path) if self.in_process else None
         if server is not None:
+            fut = server._submit(req)
             try:
-                reply = server._submit(req).result(timeout_ms / 1e3)
+                reply = fut.result(timeout_ms / 1e3)
             except FutureTimeout:
-                pass  # the same as no reply over the socket
+                fut.cancel()  # still queued behind a stuck one: never sent to the store
             else:
                 if reply.error is not None:
                     raise LookupFailed(f"{what} failed: {reply.error}", reply.code)

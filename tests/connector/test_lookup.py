@@ -388,3 +388,30 @@ def test_forked_child_asks_over_the_socket() -> None:
         assert server.lookups == 1
     finally:
         server.close()
+
+
+def test_queries_timed_out_behind_a_stuck_store_never_reach_it() -> None:
+    """In process: lookups that timed out while the store hung are dropped from the queue
+    (the store is not asked them later); the next one after the store recovers is answered."""
+    release = threading.Event()
+    asked: list[list[str]] = []
+
+    def stuck_first(hashes: list[str]) -> int:
+        asked.append(hashes)
+        if hashes == ["stuck"]:
+            release.wait(10)
+        return len(hashes)
+
+    server = LookupServer(stuck_first, lookup_rpc_port=7015)
+    client = LookupClient(lookup_rpc_port=7015, timeout_ms=100)
+    try:
+        for hashes in (["stuck"], ["late-1"], ["late-2"]):
+            with pytest.raises(LookupFailed, match="no reply"):
+                client.lookup(hashes)
+        release.set()
+        client.timeout_ms = 2000
+        assert client.lookup(["a", "b"]) == 2
+        assert asked == [["stuck"], ["a", "b"]]
+    finally:
+        client.close()
+        server.close()
