@@ -163,8 +163,8 @@ class LookupServer:
         engine_id: recorded in the owner file so a conflicting engine can be named.
         reset_flush: runs the scheduler's ``reset_cache`` flush (``reset_flush_scope``) and
             returns the keys removed; ``None``: such a request is answered with an error.
-            Runs on the thread that answers its caller's lookups (the socket's, or the one
-            for clients of this process), so none of them is answered while it runs.
+            No lookup is answered while it runs (the socket's thread and the one for
+            clients of this process answer one query at a time between them).
 
     Attributes:
         lookups: queries answered; ``errors``: queries answered with an error.
@@ -201,6 +201,7 @@ class LookupServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"ipc://{self.path}")
         self._stop = threading.Event()
+        self._answering = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="kvpool-lookup", daemon=True)
         self._thread.start()
         self._local: queue.SimpleQueue[tuple[_Request, Future[_Reply]] | None] = (
@@ -296,6 +297,12 @@ class LookupServer:
                            if self._stop.is_set() else self._answer(req))
 
     def _answer(self, req: _Request) -> _Reply:
+        # One at a time across both threads: a reset flush never overlaps a lookup, and the
+        # counters stay exact.
+        with self._answering:
+            return self._answer_one(req)
+
+    def _answer_one(self, req: _Request) -> _Reply:
         if req.op == "reset_flush":
             return self._flush(req)
         self.lookups += 1

@@ -462,3 +462,42 @@ def test_queries_queued_when_the_server_closes_never_reach_the_store() -> None:
     assert results["stuck"] == 1
     failed = results["queued"]
     assert isinstance(failed, LookupFailed) and "the lookup server closed" in str(failed)
+
+
+def test_no_lookup_of_this_process_is_answered_while_a_socket_reset_flush_runs() -> None:
+    """The socket thread and the local thread answer one query at a time between them: a
+    lookup never reads the pool while a reset flush is removing keys."""
+    flushing, release = threading.Event(), threading.Event()
+    during: list[bool] = []
+
+    def flush() -> int:
+        flushing.set()
+        release.wait(10)
+        return 3
+
+    def lookup(hashes: list[str]) -> int:
+        during.append(flushing.is_set() and not release.is_set())
+        return len(hashes)
+
+    server = LookupServer(lookup, lookup_rpc_port=7016, reset_flush=flush)
+    remote = LookupClient(lookup_rpc_port=7016, timeout_ms=5000, in_process=False)
+    local = LookupClient(lookup_rpc_port=7016, timeout_ms=200)
+    removed: list[int] = []
+    flusher = threading.Thread(target=lambda: removed.append(remote.reset_flush(5000)))
+    try:
+        flusher.start()
+        assert flushing.wait(5)
+        with pytest.raises(LookupFailed, match="no reply"):
+            local.lookup(["a"])
+        release.set()
+        flusher.join(5)
+        assert removed == [3]
+        local.timeout_ms = 2000
+        assert local.lookup(["a", "b"]) == 2
+        # Both lookups ran, the timed-out one too, but only after the flush ended.
+        assert during == [False, False]
+    finally:
+        release.set()
+        for c in (remote, local):
+            c.close()
+        server.close()
