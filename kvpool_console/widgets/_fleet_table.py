@@ -22,10 +22,12 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual import on
+from textual.color import Color
+from textual.css.styles import RenderStyles
 from textual.geometry import Region
 from textual.strip import Strip
 from textual.widgets import DataTable
-from textual.widgets.data_table import ColumnKey, RowKey
+from textual.widgets.data_table import Column, ColumnKey, RowKey
 
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._messages import EngineChosen
@@ -259,12 +261,30 @@ def _totals_row_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
     return _ordered(_totals_cells(t, history))
 
 
+class _OneRenderStyles(RenderStyles):
+    """A component's styles whose Rich style (a walk over its node's ancestors) is computed
+    once, for the one render they are used in."""
+
+    def __init__(self, styles: RenderStyles) -> None:
+        super().__init__(styles.node, styles.base, styles.inline)  # type: ignore[arg-type]
+        self._one_rich_style = styles.rich_style
+
+    @property
+    def rich_style(self) -> Style:
+        return self._one_rich_style
+
+
 class FleetTable(DataTable[Text | str]):
     """DataTable of engines, their agents when expanded, and the totals row.
 
     Posts :class:`~kvpool_console._messages.EngineChosen` when ``enter`` selects an engine row
     or one of its agents' rows.
     """
+
+    # Set during a render only (render_lines); class defaults: DataTable's own __init__
+    # already reads ordered_columns.
+    _render_background: tuple[Color, Color] | None = None
+    _render_columns: list[Column] | None = None
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
@@ -274,6 +294,7 @@ class FleetTable(DataTable[Text | str]):
         """``_look`` of each cell the DataTable holds, by row."""
         self._flags: tuple[object, ...] = ()
         self._render_style: Style | None = None
+        self._render_components: dict[tuple[str, ...], RenderStyles] = {}
         self._by_row_key: dict[RowKey, FleetRowKey] = {}
         # Rows out of view: how to compute their cells once they scroll into view (show).
         self._pending: dict[FleetRowKey, Callable[[], list[Text | str]]] = {}
@@ -340,18 +361,49 @@ class FleetTable(DataTable[Text | str]):
     def render_lines(self, crop: Region) -> list[Strip]:
         # What else decides a cell's look, the same for every cell of this render.
         self._flags = (self.show_cursor, self._show_hover_cursor, self.get_pseudo_class_state())
-        # DataTable asks for the widget's style once per line, a walk over every ancestor's
-        # styles each time; it cannot change during one render.
+        # DataTable asks for the widget's style, its header and fixed-column styles, its
+        # background and its column order once per line or cell, each a walk over styles or
+        # columns (~1 ms a line together); none of them can change during one render.
         self._render_style = super().rich_style
+        self._render_background = super().background_colors
+        self._render_columns = super().ordered_columns
         try:
             return super().render_lines(crop)
         finally:
             self._render_style = None
+            self._render_background = None
+            self._render_columns = None
+            self._render_components.clear()
 
     @property
     def rich_style(self) -> Style:
         """The widget's Rich style (during a render: as at its start)."""
         return self._render_style if self._render_style is not None else super().rich_style
+
+    @property
+    def background_colors(self) -> tuple[Color, Color]:
+        """Background colors adjusted for opacity (during a render: as at its start)."""
+        if self._render_background is not None:
+            return self._render_background
+        return super().background_colors
+
+    @property
+    def ordered_columns(self) -> list[Column]:
+        """The columns in display order (during a render: as at its start)."""
+        if self._render_columns is not None:
+            return self._render_columns
+        return super().ordered_columns
+
+    def get_component_styles(self, *names: str) -> RenderStyles:
+        """A component's styles; during a render, one object per component whose Rich style
+        is computed once."""
+        if self._render_style is None:
+            return super().get_component_styles(*names)
+        styles = self._render_components.get(names)
+        if styles is None:
+            styles = self._render_components[names] = _OneRenderStyles(
+                super().get_component_styles(*names))
+        return styles
 
     def _get_row_style(self, row_index: int, base_style: Style) -> Style:
         # DataTable computes the zebra row style from the CSS for every line it renders;
