@@ -230,9 +230,11 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
         known = len(src.fleet()[0])
         cpu0 = proc.cpu_times()
         t0 = time.monotonic()
+        shown0 = app.batches_shown
         measuring = True
         await asyncio.sleep(seconds)
         measuring = False
+        batches = app.batches_shown - shown0
         wall = time.monotonic() - t0
         cpu1 = proc.cpu_times()
         await asyncio.gather(*tasks)
@@ -247,7 +249,7 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
     def pct(xs: list[float], q: float) -> float:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
-    return {"agents_seen": known, "engine_rows": rows, "frames": len(frames),
+    return {"agents_seen": known, "engine_rows": rows, "frames": len(frames), "batches": batches,
             "frame_ms_p50": statistics.median(frames), "frame_ms_p95": pct(frames, 0.95),
             "frame_ms_max": frames[-1], "frame_cpu_ms_p50": statistics.median(frame_cpu),
             "frame_cpu_ms_p95": pct(frame_cpu, 0.95), "tick_ms_p50": statistics.median(ticks),
@@ -322,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(drivers)} processes; console {args.size} refresh {args.refresh:g} s for "
           f"{args.seconds:g} s")
     print(f"console saw {res['agents_seen']}/{agents} agents, {res['engine_rows']} engine rows, "
-          f"{res['frames']} frames")
+          f"{res['frames']} frames ({res['batches']} showing a batch sampled on the feed thread, "
+          "the rest sampled in the frame)")
     frame = res["frame_ms_p50"]
     print(f"frame time ms: p50 {frame:.1f} ({_vs(frame, GOAL_FRAME_MS)})"
           f"  p95 {res['frame_ms_p95']:.1f}  max {res['frame_ms_max']:.1f}  (of which data+table "

@@ -361,6 +361,7 @@ class Fleet:
                     last_seen_ms={k: v for k, v in seen.items() if k in ids_in},
                     report_gaps={k: v for k, v in gaps.items() if k in ids_in},
                     forgotten=forgotten if seq == first_seq else [],
+                    more=seq < first_seq + len(chunks) - 1,
                 )
             )
         return out

@@ -351,6 +351,10 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     """Per hub port (``agents``, ``pub``, ``commands``, ``curve``): CURVE handshakes the hub
     refused since it started (no key, or a key not authorized for the port); empty when the
     hub runs without keys."""
+    more: bool = False
+    """More frames of this update follow (a large fleet's update spans a frame per
+    ``ENGINES_PER_UPDATE`` agents): a console redraws once the last one is merged. Hubs
+    before this field send none, so each of their frames reads as the last."""
 
 
 class FlushArgs(msgspec.Struct, kw_only=True):

@@ -31,9 +31,6 @@ _PUBLISH_S = 0.1
 """How often the pump publishes a copy of the fleet while updates keep arriving (s): ten
 times per second of the fastest refresh step (0.25 s) is fresh enough."""
 
-_QUIET_MS = 10
-"""A batch of updates (one hub tick spans a frame per 128 agents) is complete once no frame
-came for this long (ms)."""
 
 
 def tier_for(refresh_s: float) -> int | None:
@@ -166,20 +163,22 @@ class ClientSource:
         # A large fleet's update spans many frames (128 engines each): publishing a copy of
         # the fleet after each one costs more than decoding it and holds the GIL the UI thread
         # needs, so a copy is published at most every _PUBLISH_S while frames keep coming, and
-        # when the batch is complete (_QUIET_MS without a frame); only then is the UI told.
+        # once the update's last frame (FleetUpdate.more false) is merged; only then is the UI
+        # told, so it never redraws half a batch while the rest is being decoded.
         pending = False
         last = 0.0
         while not self._stop.is_set():
             try:
                 if self._every_ms != self.client.every_ms:
                     self.client.set_every_ms(self._every_ms)
-                got = bool(self.client.updates(_QUIET_MS if pending else 100))
-                pending = pending or got
+                got = self.client.updates(100)
+                pending = pending or bool(got)
+                complete = bool(got) and not got[-1].more
                 now = time.monotonic()
-                if pending and (not got or now - last >= _PUBLISH_S):
+                if pending and (complete or now - last >= _PUBLISH_S):
                     self._latest = self._split(self.client.fleet())
                     last = now
-                    if not got:
+                    if complete:
                         pending = False
                         if self._on_data is not None:
                             self._on_data()

@@ -14,7 +14,7 @@ import zmq
 from agent_testlib import env_keys, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths
-from kvpool_agent._fleet import FULL_RATE, Fleet
+from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, Fleet
 from kvpool_agent.auth import Role
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -96,6 +96,17 @@ def test_fleet_keeps_a_dirty_set_per_stream() -> None:
     # A snapshot is an update of every stream.
     fleet.updates("snapshot", 2, {})
     assert not fleet.changed_for(FULL_RATE) and not fleet.changed_for(1000)
+
+
+def test_a_multi_frame_update_marks_all_but_its_last_frame_more() -> None:
+    # A console redraws once the last frame of an update is merged, never half a batch.
+    fleet = Fleet()
+    for i in range(2 * ENGINES_PER_UPDATE + 1):
+        assert fleet.accept(b"r%d" % i, _report(f"m{i:04d}", 1)) is None
+    frames = fleet.updates("snapshot", 7, {})
+    assert [(u.seq, len(u.engines), u.more) for u in frames] == [
+        (7, ENGINES_PER_UPDATE, True), (8, ENGINES_PER_UPDATE, True), (9, 1, False)]
+    assert [u.more for u in fleet.updates("delta", 10, {})] == [False]  # nothing changed
 
 
 def test_tier_subscriber_gets_every_latest_state_from_deltas_and_old_subscriber_no_tier_frame(
