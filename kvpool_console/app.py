@@ -179,6 +179,7 @@ class KVPoolConsole(App[None]):
         batch (ms; 0 for sources sampled in ``tick``, whose time is in ``last_tick_ms``)."""
         self._sample_lock = threading.Lock()
         self._prepared: _Frame | None = None
+        self._retired: object = None
         self._last_tick = float("-inf")  # time.monotonic() of the latest tick
         self._deferred: Timer | None = None
         self._timer: Timer | None = None
@@ -252,6 +253,7 @@ class KVPoolConsole(App[None]):
         if not self.is_running or self.paused:
             return
         t0 = time.perf_counter()
+        self._retired = None
         with self._sample_lock:
             self._sample()
         self.last_sample_ms = (time.perf_counter() - t0) * 1e3
@@ -299,6 +301,9 @@ class KVPoolConsole(App[None]):
                 self.batches_shown += 1
             frame, self._prepared = self._prepared, None
         assert frame is not None
+        # The shown sample's states (2,304 agents: ~10^5 objects) are freed by the feed
+        # thread when it takes the next batch (_batch_in), not here in the middle of a frame.
+        self._retired = (self.states, self.view)
         self.states = frame.states
         events = self.query_one(EventsView)
         for new, now in frame.fired:

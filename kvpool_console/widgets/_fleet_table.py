@@ -85,6 +85,37 @@ def _look(cell: Text | str) -> object:
             cell.no_wrap, cell.end)
 
 
+def _shape(look: tuple[object, ...]) -> tuple[object, ...] | None:
+    """What a cell's render depends on besides its text, when the text is one run of
+    single-width characters without spans (then a render of another text of the same length
+    differs only in that text): ``None`` otherwise."""
+    value = look[0]
+    if not isinstance(value, tuple) or value[2] or not value[0]:
+        return None
+    text = str(value[0])
+    if cell_len(text) != len(text):
+        return None
+    return (len(text), value[1:], *look[1:])
+
+
+def _text_at(lines: list[list[Segment]], text: str) -> tuple[int, int] | None:
+    """(line, segment) of the one segment of ``lines`` whose text is ``text``; ``None`` when
+    there is none or more than one (then a render cannot be reused by swapping it)."""
+    at = [(i, j) for i, line in enumerate(lines) for j, seg in enumerate(line)
+          if seg.text == text]
+    return at[0] if len(at) == 1 else None
+
+
+def _swap_text(template: tuple[list[list[Segment]], int, int], text: str
+               ) -> list[list[Segment]]:
+    """The template render with its text segment's text replaced by ``text``."""
+    lines, i, j = template
+    out = [list(line) for line in lines]
+    seg = out[i][j]
+    out[i][j] = Segment(text, seg.style, seg.control)
+    return out
+
+
 _MARGIN_ROWS = 4
 """Rows above and below the screen that ``FleetTable.show`` keeps up to date as well."""
 
@@ -301,6 +332,7 @@ class FleetTable(DataTable[Text | str]):
         # Rendered cells by what decides their look, wherever they are (many cells read the
         # same: "OK", "0", "0.4s"), and by place: see _render_cell.
         self._by_look: dict[tuple[object, ...], list[list[Segment]]] = {}
+        self._by_shape: dict[tuple[object, ...], tuple[list[list[Segment]], int, int]] = {}
         self._by_place: dict[tuple[int, int, Style], tuple[tuple[object, ...],
                                                             list[list[Segment]]]] = {}
 
@@ -333,25 +365,40 @@ class FleetTable(DataTable[Text | str]):
         cells of a full screen cost 150 ms a frame when every report ages). Here a cell
         renders again only when its value or look changed; a value already rendered
         elsewhere (same text, style, width, cursor) is reused with this cell's
-        ``row``/``column`` meta (what mouse clicks read), without a rich render.
+        ``row``/``column`` meta (what mouse clicks read), without a rich render. A new value
+        of the same length and look as one rendered before (an age, a count, a trend: most
+        of what changes) is that render with the text segment swapped (``_by_shape``).
         """
         if row_index < 0 or column_index < 0:  # header and row labels: DataTable's own cache
             return super()._render_cell(row_index, column_index, base_style, width, cursor,
                                         hover)
-        look = (self._looks[self._keys[row_index]][column_index], base_style, width, cursor,
-                hover, column_index < self.fixed_columns, self._flags)
+        value = self._looks[self._keys[row_index]][column_index]
+        look = (value, base_style, width, cursor, hover, column_index < self.fixed_columns,
+                self._flags)
         place = (row_index, column_index, base_style)
         hit = self._by_place.get(place)
         if hit is not None and hit[0] == look:
             return hit[1]
         lines = self._by_look.get(look)
+        fresh = False
         if lines is None:
-            lines = super()._render_cell(row_index, column_index, base_style, width, cursor,
-                                         hover)
-            if len(self._by_look) > 8192:  # distinct values come and go: bound the cache
+            shape = _shape(look)
+            text = str(value[0]) if isinstance(value, tuple) else ""
+            template = self._by_shape.get(shape) if shape is not None else None
+            if template is not None:
+                lines = _swap_text(template, text)
+            else:
+                lines = super()._render_cell(row_index, column_index, base_style, width,
+                                             cursor, hover)
+                fresh = True
+                found = _text_at(lines, text) if shape is not None else None
+                if shape is not None and found is not None:
+                    self._by_shape[shape] = (lines, *found)
+            if len(self._by_look) > 8192:  # distinct values come and go: bound the caches
                 self._by_look.clear()
+                self._by_shape.clear()
             self._by_look[look] = lines
-        else:
+        if not fresh:  # rendered for another place: this cell's row/column meta
             meta = Style.from_meta({"row": row_index, "column": column_index})
             lines = [[Segment(seg.text, seg.style + meta if seg.style else meta, seg.control)
                       for seg in line] for line in lines]
@@ -417,6 +464,7 @@ class FleetTable(DataTable[Text | str]):
         # CSS or theme changed: cursor and hover colours with it.
         super().notify_style_update()
         self._by_look.clear()
+        self._by_shape.clear()
         self._by_place.clear()
 
     @on(DataTable.RowSelected)
