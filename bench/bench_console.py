@@ -177,7 +177,7 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
 
     proc = psutil.Process()
     # keys_dir "" is a console without keys even when KVPOOL_KEYS_DIR is set.
-    src = ClientSource(address, keys_dir=keys_dir or "", pump=True)
+    src = ClientSource(address, keys_dir=keys_dir or "", pump=True, refresh_s=refresh_s)
     app = KVPoolConsole(src, refresh_s=refresh_s)
     frames: list[float] = []
     frame_cpu: list[float] = []

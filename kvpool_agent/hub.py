@@ -264,6 +264,9 @@ class FleetHub:
         # tier stays on once subscribed: unsubscriptions cannot be told apart from forged
         # ones (any subscriber can send one), and a stream nobody reads costs encoding only.
         self._tiers: dict[int, list[float]] = {}
+        # The full-rate stream likewise starts with its first subscriber (a b"" one, as every
+        # console before tiers; a hub watched by tier consoles only never encodes it).
+        self._full_rate = False
         # Per agent, so each agent sees its own gap-free command sequence.
         self._agent_seq: dict[str, int] = {}
         self._want_snapshot = False
@@ -504,7 +507,7 @@ class FleetHub:
                     else:
                         if now >= next_delta:
                             next_delta = now + self.delta_interval_s
-                            if self._fleet.changed:
+                            if self._full_rate and self._fleet.changed:
                                 self._publish("delta")
                         for tier, stream in self._tiers.items():
                             if now >= stream[1]:
@@ -621,7 +624,9 @@ class FleetHub:
                 self.pub.setsockopt(option, prefix)
             if subscribe:
                 self._want_snapshot = True
-                if tier is not None and tier not in self._tiers:
+                if tier is None:
+                    self._full_rate = True
+                elif tier not in self._tiers:
                     self._fleet.add_stream(tier)
                     self._tiers[tier] = [0.0, 0.0]
 
@@ -629,12 +634,14 @@ class FleetHub:
         return max(tier / 1e3, self.delta_interval_s)
 
     def _publish(self, kind: str) -> None:
-        """One update on the full-rate stream; a snapshot goes to every tier too."""
-        updates = self._fleet.updates(kind, self._pub_seq + 1, dict(self.seq_tracker.gaps))
-        self._pub_seq += len(updates)
-        for upd in updates:
-            upd.refused_connections = dict(self.refused_connections)
-            self._send([encode(upd)])
+        """One update on the full-rate stream (once it has had a subscriber); a snapshot goes
+        to every tier too."""
+        if self._full_rate:
+            updates = self._fleet.updates(kind, self._pub_seq + 1, dict(self.seq_tracker.gaps))
+            self._pub_seq += len(updates)
+            for upd in updates:
+                upd.refused_connections = dict(self.refused_connections)
+                self._send([encode(upd)])
         if kind == "snapshot":
             for tier in self._tiers:
                 self._publish_tier(kind, tier)

@@ -125,16 +125,20 @@ class ClientSource:
             Without an operator key flush is refused before anything is sent.
         sender: operator name recorded in the hub's audit log.
         pump: receive updates on a background thread.
+        refresh_s: the redraw interval the feed starts with (:meth:`watch` changes it): the
+            hub's update tier for it from the first subscription; ``None``: the hub's
+            full-rate stream.
 
     Raises:
         ValueError: bad hub address or incomplete keys directory (from FleetClient).
     """
 
     def __init__(self, hub_address: str, *, keys_dir: str | None = None,
-                 sender: str = "", pump: bool = False) -> None:
+                 sender: str = "", pump: bool = False, refresh_s: float | None = None) -> None:
         self.address = hub_address
         self.sender = sender or f"{os.environ.get('USER', 'operator')}@kvpool-console"
-        self.client = FleetClient(hub_address, keys_dir=keys_dir)
+        self.client = FleetClient(hub_address, keys_dir=keys_dir,
+                                  every_ms=tier_for(refresh_s) if refresh_s else None)
         self.can_flush = self.client.authorised
         self._latest: tuple[dict[str, EngineState], dict[str, float]] = ({}, {})
         self._every_ms = self.client.every_ms

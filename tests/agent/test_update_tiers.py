@@ -163,6 +163,24 @@ def test_tier_subscriber_gets_every_latest_state_from_deltas_and_old_subscriber_
         tier.close()
 
 
+def test_full_rate_stream_starts_with_its_first_subscriber(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # Watched by tier consoles only, the hub encodes no full-rate update: the first b""
+    # subscriber's stream starts at its join snapshot, numbered 1.
+    with FleetClient(quiet_hub.address, every_ms=1000) as tier:
+        for seq in (1, 2):
+            agent.send(encode(_report("fr", seq)))
+            wait_until(lambda seq=seq: tier.fleet().get("fr") is not None
+                       and tier.fleet()["fr"].state.ts_ms == seq)
+            assert tier.fleet()["fr"].state.ts_ms == seq
+        old = _sub(ctx, quiet_hub, b"")
+        assert old.poll(10_000), "no join snapshot for the b\"\" subscriber"
+        first = decode(old.recv())
+        assert isinstance(first, FleetUpdate) and first.kind == "snapshot" and first.seq == 1
+        assert [s.source.agent_id for s in first.engines] == ["fr"]
+
+
 def test_forged_unsubscriptions_stop_no_stream(
     quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
