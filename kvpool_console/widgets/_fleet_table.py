@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
+from typing import Self
 
 from rich.cells import cell_len
 from rich.segment import Segment
@@ -316,6 +317,8 @@ class FleetTable(DataTable[Text | str]):
     # already reads ordered_columns.
     _render_background: tuple[Color, Color] | None = None
     _render_columns: list[Column] | None = None
+    # While show() updates cells: whether a repaint was asked for (None: not in show()).
+    _refresh_asked: bool | None = None
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
@@ -502,12 +505,20 @@ class FleetTable(DataTable[Text | str]):
         keys = [k for k, _ in wanted]
         if keys == self._keys:
             near = self._near_view()
-            for i, (key, cells_of) in enumerate(wanted):
-                if i in near:
-                    self._pending.pop(key, None)
-                    self._update_row(key, cells_of())
-                else:
-                    self._pending[key] = cells_of
+            # Each update_cell asks for a refresh (a walk over the widget's regions); one
+            # for all of them does the same.
+            self._refresh_asked = False
+            try:
+                for i, (key, cells_of) in enumerate(wanted):
+                    if i in near:
+                        self._pending.pop(key, None)
+                        self._update_row(key, cells_of())
+                    else:
+                        self._pending[key] = cells_of
+            finally:
+                asked, self._refresh_asked = self._refresh_asked, None
+            if asked:
+                self.refresh()
             return
         selected = self.selected_key
         self._by_place.clear()
@@ -519,6 +530,15 @@ class FleetTable(DataTable[Text | str]):
         self._looks = {key: [_look(c) for c in cells] for key, cells in built}
         if selected in self._looks:
             self.move_cursor(row=keys.index(selected), animate=False)
+
+    def refresh(self, *regions: Region, repaint: bool = True, layout: bool = False,
+                recompose: bool = False) -> Self:
+        """Widget.refresh; a plain repaint asked for while ``show`` updates cells is done
+        once, when it is done."""
+        if self._refresh_asked is not None and not (regions or layout or recompose):
+            self._refresh_asked = self._refresh_asked or repaint
+            return self
+        return super().refresh(*regions, repaint=repaint, layout=layout, recompose=recompose)
 
     def _near_view(self) -> range:
         """Row indexes on screen, with a few rows of margin either side."""
