@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 
-class AgentRow(msgspec.Struct, kw_only=True):
+# The view's structs are gc=False (data only, never in a reference cycle): a view of 256
+# engines is rebuilt every refresh and the cyclic GC need not walk it.
+class AgentRow(msgspec.Struct, gc=False, kw_only=True):
     """One agent (scheduler or worker process) of an engine; shown when the engine is expanded."""
 
     agent_id: str
@@ -71,7 +73,7 @@ class AgentRow(msgspec.Struct, kw_only=True):
     layout_digest: str = ""
 
 
-class EngineRow(msgspec.Struct, kw_only=True):
+class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     """One engine: its scheduler and workers merged.
 
     ``hit_rate`` is pool hit tokens / looked-up prompt tokens since start (``hit_rate_1m``
@@ -154,7 +156,7 @@ class EngineRow(msgspec.Struct, kw_only=True):
         return "DOWN" if self.down else "STALE" if self.stale else (self.severity or "ok").upper()
 
 
-class PoolRow(msgspec.Struct, kw_only=True):
+class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     """One pool (a store all engines share), deduplicated across the agents reporting it."""
 
     name: str
@@ -172,7 +174,7 @@ class PoolRow(msgspec.Struct, kw_only=True):
     reported_by: int
 
 
-class Totals(msgspec.Struct, kw_only=True):
+class Totals(msgspec.Struct, gc=False, kw_only=True):
     """Fleet totals (the table's last row); pool bytes summed over distinct pools; token
     counts and rates as in :class:`EngineRow`, summed over engines."""
 
@@ -196,7 +198,7 @@ class Totals(msgspec.Struct, kw_only=True):
     local_hit_rate: float = 0.0
 
 
-class FleetView(msgspec.Struct, kw_only=True):
+class FleetView(msgspec.Struct, gc=False, kw_only=True):
     """Everything one console frame shows, as of ``now_ms``."""
 
     now_ms: float
