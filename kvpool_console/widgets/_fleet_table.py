@@ -336,6 +336,7 @@ class FleetTable(DataTable[Text | str]):
         # same: "OK", "0", "0.4s"), and by place: see _render_cell.
         self._by_look: dict[tuple[object, ...], list[list[Segment]]] = {}
         self._by_shape: dict[tuple[object, ...], tuple[list[list[Segment]], int, int]] = {}
+        self._stamps: dict[tuple[Style | None, int, int], Style] = {}
         self._by_place: dict[tuple[int, int, Style], tuple[tuple[object, ...],
                                                             list[list[Segment]]]] = {}
 
@@ -402,11 +403,23 @@ class FleetTable(DataTable[Text | str]):
                 self._by_shape.clear()
             self._by_look[look] = lines
         if not fresh:  # rendered for another place: this cell's row/column meta
-            meta = Style.from_meta({"row": row_index, "column": column_index})
-            lines = [[Segment(seg.text, seg.style + meta if seg.style else meta, seg.control)
-                      for seg in line] for line in lines]
+            lines = [[Segment(seg.text, self._stamped(seg.style, row_index, column_index),
+                              seg.control) for seg in line] for line in lines]
         self._by_place[place] = (look, lines)
         return lines
+
+    def _stamped(self, style: Style | None, row: int, column: int) -> Style:
+        """``style`` with the ``row``/``column`` meta of a cell; the same few styles recur in
+        every place each refresh, so each combination is made once."""
+        key = (style, row, column)
+        out = self._stamps.get(key)
+        if out is None:
+            meta = Style.from_meta({"row": row, "column": column})
+            out = style + meta if style else meta
+            if len(self._stamps) > 65536:  # styles come and go with themes and values
+                self._stamps.clear()
+            self._stamps[key] = out
+        return out
 
     def render_lines(self, crop: Region) -> list[Strip]:
         # What else decides a cell's look, the same for every cell of this render.
@@ -469,6 +482,7 @@ class FleetTable(DataTable[Text | str]):
         self._by_look.clear()
         self._by_shape.clear()
         self._by_place.clear()
+        self._stamps.clear()
 
     @on(DataTable.RowSelected)
     def _chosen(self, event: DataTable.RowSelected) -> None:
