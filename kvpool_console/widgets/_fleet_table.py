@@ -94,26 +94,29 @@ def _shape(look: tuple[object, ...]) -> tuple[object, ...] | None:
     if not isinstance(value, tuple) or value[2] or not value[0]:
         return None
     text = str(value[0])
-    if cell_len(text) != len(text):
+    if cell_len(text) != len(text) or not text.strip():
         return None
     return (len(text), value[1:], *look[1:])
 
 
-def _text_at(lines: list[list[Segment]], text: str) -> tuple[int, int] | None:
-    """(line, segment) of the one segment of ``lines`` whose text is ``text``; ``None`` when
-    there is none or more than one (then a render cannot be reused by swapping it)."""
-    at = [(i, j) for i, line in enumerate(lines) for j, seg in enumerate(line)
-          if seg.text == text]
-    return at[0] if len(at) == 1 else None
+def _text_at(lines: list[list[Segment]], text: str) -> tuple[int, int, int] | None:
+    """(line, segment, offset) of ``text`` in ``lines`` when it occurs exactly once, within
+    one segment; ``None`` otherwise (then a render cannot be reused by swapping it)."""
+    at = [(i, j, seg.text.find(text)) for i, line in enumerate(lines)
+          for j, seg in enumerate(line) if text in seg.text]
+    if len(at) != 1 or sum(seg.text.count(text) for line in lines for seg in line) != 1:
+        return None
+    return at[0]
 
 
-def _swap_text(template: tuple[list[list[Segment]], int, int], text: str
+def _swap_text(template: tuple[list[list[Segment]], int, int, int], text: str
                ) -> list[list[Segment]]:
-    """The template render with its text segment's text replaced by ``text``."""
-    lines, i, j = template
+    """The template render with its text (same length as ``text``) replaced by ``text``."""
+    lines, i, j, at = template
     out = [list(line) for line in lines]
     seg = out[i][j]
-    out[i][j] = Segment(text, seg.style, seg.control)
+    out[i][j] = Segment(seg.text[:at] + text + seg.text[at + len(text):], seg.style,
+                        seg.control)
     return out
 
 
@@ -335,7 +338,8 @@ class FleetTable(DataTable[Text | str]):
         # Rendered cells by what decides their look, wherever they are (many cells read the
         # same: "OK", "0", "0.4s"), and by place: see _render_cell.
         self._by_look: dict[tuple[object, ...], list[list[Segment]]] = {}
-        self._by_shape: dict[tuple[object, ...], tuple[list[list[Segment]], int, int]] = {}
+        self._by_shape: dict[tuple[object, ...],
+                             tuple[list[list[Segment]], int, int, int]] = {}
         self._stamps: dict[tuple[Style | None, int, int], Style] = {}
         self._by_place: dict[tuple[int, int, Style], tuple[tuple[object, ...],
                                                             list[list[Segment]]]] = {}
@@ -392,8 +396,10 @@ class FleetTable(DataTable[Text | str]):
             if template is not None:
                 lines = _swap_text(template, text)
             else:
-                lines = super()._render_cell(row_index, column_index, base_style, width,
-                                             cursor, hover)
+                # Runs of one style merged (a cell's padding and text often share theirs):
+                # fewer segments for every line operation after this.
+                lines = [list(Segment.simplify(line)) for line in super()._render_cell(
+                    row_index, column_index, base_style, width, cursor, hover)]
                 fresh = True
                 found = _text_at(lines, text) if shape is not None else None
                 if shape is not None and found is not None:
