@@ -320,6 +320,7 @@ class FleetTable(DataTable[Text | str]):
     # already reads ordered_columns.
     _render_background: tuple[Color, Color] | None = None
     _render_columns: list[Column] | None = None
+    _render_fixed: int | None = None
     # While show() updates cells: whether a repaint was asked for (None: not in show()).
     _refresh_asked: bool | None = None
 
@@ -381,8 +382,8 @@ class FleetTable(DataTable[Text | str]):
             return super()._render_cell(row_index, column_index, base_style, width, cursor,
                                         hover)
         value = self._looks[self._keys[row_index]][column_index]
-        look = (value, base_style, width, cursor, hover, column_index < self.fixed_columns,
-                self._flags)
+        fixed = self._render_fixed if self._render_fixed is not None else self.fixed_columns
+        look = (value, base_style, width, cursor, hover, column_index < fixed, self._flags)
         place = (row_index, column_index, base_style)
         hit = self._by_place.get(place)
         if hit is not None and hit[0] == look:
@@ -436,12 +437,14 @@ class FleetTable(DataTable[Text | str]):
         self._render_style = super().rich_style
         self._render_background = super().background_colors
         self._render_columns = super().ordered_columns
+        self._render_fixed = self.fixed_columns  # a reactive: a lookup chain per cell
         try:
             return super().render_lines(crop)
         finally:
             self._render_style = None
             self._render_background = None
             self._render_columns = None
+            self._render_fixed = None
             self._render_components.clear()
 
     @property
