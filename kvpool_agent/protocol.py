@@ -31,6 +31,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
+    "UPDATE_TIERS_MS",
     "CommandName",
     "CommandReply",
     "CommandRequest",
@@ -59,6 +60,8 @@ __all__ = [
     "clip",
     "decode",
     "encode",
+    "tier_of",
+    "tier_topic",
 ]
 
 PROTOCOL_VERSION = 2
@@ -110,7 +113,10 @@ ProcessRole = Literal["scheduler", "worker", "store", "replay"]
 CommandName = Literal["health", "flush", "drain", "snapshot", "forget"]
 
 
-class Source(msgspec.Struct, frozen=True, kw_only=True):
+# Data structs below are gc=False: a console or hub holds ~20 of them per agent (2,304 agents:
+# ~50,000 objects replaced every update) and none can be part of a reference cycle (they hold
+# data, never their container), so the cyclic GC need not walk them; refcounting frees them.
+class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """Who sent a report: one connector process (scheduler or one worker rank) of one engine.
 
     ``agent_id`` is unique per process in the fleet: ``f"{engine_id}/{process_role}"`` for the
@@ -154,7 +160,7 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     ``kv_role`` (so a swapped ``kv_role`` cannot be told from it)."""
 
 
-class LookupStats(msgspec.Struct, kw_only=True):
+class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     """Scheduler-side prefix lookups (``get_num_new_matched_tokens``), counters since start.
 
     ``hit_rate`` = ``pool_hit_tokens / prompt_tokens`` since start; ``hit_rate_1m`` the same
@@ -184,7 +190,7 @@ class LookupStats(msgspec.Struct, kw_only=True):
     skipped_by_reason: dict[Name, int] = msgspec.field(default_factory=dict)
 
 
-class Transfer(msgspec.Struct, kw_only=True):
+class Transfer(msgspec.Struct, gc=False, kw_only=True):
     """One load or save in flight for one request.
 
     ``layers_total`` is 0 unless layer-wise; then ``layers_done`` counts finished layers.
@@ -202,7 +208,7 @@ class Transfer(msgspec.Struct, kw_only=True):
     lease_expires_ms: float | None = None
 
 
-class TransferStats(msgspec.Struct, kw_only=True):
+class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     """Worker-side load/save outcomes since start.
 
     ``errors_by_name`` counts failures by backend error name (``LEASE_EXPIRED``,
@@ -227,7 +233,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
     errors_by_name: dict[Name, int] = msgspec.field(default_factory=dict)
 
 
-class SegmentUsage(msgspec.Struct, kw_only=True):
+class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
     """One memory segment of the pool (Mooncake: one mounted segment, named ``host:port``)."""
 
     name: Name
@@ -235,7 +241,7 @@ class SegmentUsage(msgspec.Struct, kw_only=True):
     total_bytes: int
 
 
-class PoolStats(msgspec.Struct, kw_only=True):
+class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     """The pool as this agent sees it (Mooncake: master ``/metrics`` and ``/health``).
 
     ``high_watermark`` is ``eviction_high_watermark_ratio``; ``lease_ttl_ms`` is
@@ -255,7 +261,7 @@ class PoolStats(msgspec.Struct, kw_only=True):
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)
 
 
-class ProcessStats(msgspec.Struct, kw_only=True):
+class ProcessStats(msgspec.Struct, gc=False, kw_only=True):
     """The engine process (psutil) and the agent's own queue."""
 
     cpu_percent: float = 0.0
@@ -270,7 +276,7 @@ class ProcessStats(msgspec.Struct, kw_only=True):
     counts engine events the Reporter's full buffer refused."""
 
 
-class ErrorRecord(msgspec.Struct, kw_only=True):
+class ErrorRecord(msgspec.Struct, gc=False, kw_only=True):
     """One error seen by the connector. ``name`` is the backend error name when there is one
     (e.g. ``LEASE_EXPIRED`` for Mooncake -707), else a short class such as ``LOOKUP``."""
 
@@ -282,7 +288,7 @@ class ErrorRecord(msgspec.Struct, kw_only=True):
     req_id: Name | None = None
 
 
-class StartFailure(msgspec.Struct, kw_only=True):
+class StartFailure(msgspec.Struct, gc=False, kw_only=True):
     """Why the connector process failed to start (sent before the process exits).
 
     ``name``: the error's class (``PortInUse``, ``BackendUnavailable``, ``ValueError``...) or
@@ -295,7 +301,7 @@ class StartFailure(msgspec.Struct, kw_only=True):
     hint: FreeText = ""
 
 
-class EngineState(msgspec.Struct, kw_only=True):
+class EngineState(msgspec.Struct, gc=False, kw_only=True):
     """Everything one agent knows, as of ``ts_ms``. ``start_failure`` is set when the
     process failed to start (the console lists the engine as FAILED until it reports again
     without one, or is forgotten)."""
@@ -348,9 +354,13 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     """Per hub port (``agents``, ``pub``, ``commands``, ``curve``): CURVE handshakes the hub
     refused since it started (no key, or a key not authorized for the port); empty when the
     hub runs without keys."""
+    more: bool = False
+    """More frames of this update follow (a large fleet's update spans a frame per
+    ``ENGINES_PER_UPDATE`` agents): a console redraws once the last one is merged. Hubs
+    before this field send none, so each of their frames reads as the last."""
 
 
-class FlushArgs(msgspec.Struct, kw_only=True):
+class FlushArgs(msgspec.Struct, gc=False, kw_only=True):
     """``scope``: ``model`` (every key of ``model``), ``engine`` (keys of one engine's model
     and parallel layout, the engine named by ``engine_id``) or ``all`` (every kvpool key)."""
 
@@ -403,7 +413,7 @@ class HealthResult(msgspec.Struct, kw_only=True):
         return all(c.ok for c in self.checks)
 
 
-class FlushResult(msgspec.Struct, kw_only=True):
+class FlushResult(msgspec.Struct, gc=False, kw_only=True):
     """``keys``/``bytes``: what the scope matched; ``removed_keys``: what was removed (0 on a
     dry run); ``skipped_leased``: matched keys held by a lease and left in place."""
 
@@ -414,7 +424,7 @@ class FlushResult(msgspec.Struct, kw_only=True):
     skipped_leased: int = 0
 
 
-class FlushRecord(msgspec.Struct, kw_only=True):
+class FlushRecord(msgspec.Struct, gc=False, kw_only=True):
     """One flush a process ran on its own, not on an operator's command (vLLM's
     ``reset_prefix_cache`` with ``reset_flush_scope``): ``who`` started it (e.g.
     ``engine:<engine_id> (reset_prefix_cache)``), what it removed (``result``) or why it failed
@@ -513,3 +523,38 @@ class SeqTracker:
         if missing:
             self.gaps[sender] = self.gaps.get(sender, 0) + missing
         return missing
+
+
+UPDATE_TIERS_MS: tuple[int, ...] = (500, 1_000, 2_000)
+"""Slower update streams a console may subscribe to (ms between deltas) instead of the hub's
+full-rate stream (a delta every ``delta_interval_s``, 250 ms by default): a console that
+redraws once a second decodes each agent's state once a second, not four times. A tier's
+delta carries every agent that reported since that tier's previous update (nothing is lost
+between its ticks); snapshots (on every subscription and every ``snapshot_interval_s``) go to
+every stream, so a tier slower than the snapshot interval gets snapshots only."""
+
+_TIER_TOPIC = b"\xc1kvpool-every-ms:"
+# 0xc1 is the one byte msgpack never uses: no plain FleetUpdate frame starts with it, so a
+# tier's frames never match a full-rate subscriber's prefixes and the reverse.
+
+
+def tier_topic(every_ms: int) -> bytes:
+    """The subscription topic (SUB ``SUBSCRIBE``) of the hub's update stream every
+    ``every_ms`` ms. Frames of a tier are two-part: ``[topic, FleetUpdate]``, with their own
+    ``seq`` sequence; a subscription to ``b""`` (consoles before tiers) still gets the
+    full-rate stream of one-part frames and never a tier's.
+
+    Raises:
+        ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
+    """
+    if every_ms not in UPDATE_TIERS_MS:
+        raise ValueError(f"update tier {every_ms} ms: expected one of {UPDATE_TIERS_MS}")
+    return _TIER_TOPIC + b"%d;" % every_ms
+
+
+def tier_of(topic: bytes) -> int | None:
+    """The tier (ms) ``topic`` subscribes to, or ``None`` when it is not a tier's topic."""
+    for every_ms in UPDATE_TIERS_MS:
+        if topic == _TIER_TOPIC + b"%d;" % every_ms:
+            return every_ms
+    return None

@@ -14,8 +14,12 @@ from textual.message_pump import MessagePump
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
 
-__all__ = ["EngineChosen", "FlushFinished", "FlushRequested", "HealthFinished",
+__all__ = ["EngineChosen", "FleetArrived", "FlushFinished", "FlushRequested", "HealthFinished",
            "HealthRequested"]
+
+
+class FleetArrived(Message):
+    """The fleet source merged a whole batch of hub updates (posted from its feed thread)."""
 
 
 class EngineChosen(Message):

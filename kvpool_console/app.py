@@ -1,9 +1,17 @@
 """The Textual application behind ``kvpool-console``.
 
 Data flow: a :class:`~kvpool_console.source.FleetSource` (normally the hub's feed through
-``FleetClient``) holds the merged fleet state; the app samples it on a timer (``refresh_s``,
-changeable with ``+``/``-``), never per message, so a 2,000-agent fleet or a slow SSH link costs
-one redraw per tick. Each tick evaluates the alert rules and sets :attr:`KVPoolConsole.view`.
+``FleetClient``) holds the merged fleet state; the app samples it at most once per
+``refresh_s`` (changeable with ``+``/``-``), never per message, so a 2,000-agent fleet or a slow
+SSH link costs one redraw per tick. A live hub feed (``ClientSource``) receives the hub's update
+tier matching ``refresh_s`` and says when a batch is in: the tick runs then (or once the
+interval since the previous tick has passed), so what is shown is as old as the hub's tick plus
+the decode, not plus a refresh interval out of step with the hub; without a batch for 1.5
+intervals (hub silent) a tick runs anyway, so ages and staleness move on. Other sources are
+sampled every ``refresh_s``. A sample evaluates the alert rules and builds the view: for a
+live feed on its feed thread right after each batch (the UI thread only puts it on screen;
+``batches_shown`` counts those ticks), else in the tick. Each tick sets
+:attr:`KVPoolConsole.view`.
 
 State lives in reactive attributes: the latest view and the operator's choices (tab, filter,
 faults only, sort, expanded engines, pause, refresh rate). Nothing is redrawn by hand: the status
@@ -16,8 +24,10 @@ flush modals ask for their command, the app runs it in a thread worker and answe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import msgspec
 from textual import on, work
@@ -32,6 +42,7 @@ from kvpool_agent.protocol import EngineState
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._messages import (
     EngineChosen,
+    FleetArrived,
     FlushFinished,
     FlushRequested,
     HealthFinished,
@@ -46,7 +57,7 @@ from kvpool_console.screens import (
     HealthScreen,
     HelpScreen,
 )
-from kvpool_console.source import FleetSource, ReadOnlyError
+from kvpool_console.source import ClientSource, FleetSource, ReadOnlyError
 from kvpool_console.widgets import EventsView, FleetTable, PoolView, StatusBar
 
 __all__ = ["REFRESH_STEPS", "KVPoolConsole"]
@@ -59,9 +70,27 @@ _HUB_SILENT_MS = 6_000.0
 
 _READ_ONLY = "read-only console: flush needs the operator key (restart with --keys DIR)"
 
+_IN_STEP = 0.5
+"""A batch arriving at least this many refresh intervals after the previous tick is shown at
+once; one arriving sooner waits until the interval has passed."""
+
+_SILENT_TICKS = 1.5
+"""With a feed that signals batches: a tick runs without one after this many refresh
+intervals (ages and staleness keep moving while the hub is silent)."""
+
 
 def _wall_ms() -> float:
     return time.time() * 1e3
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One sample, ready to show: the states it was built from, the view, and the alerts that
+    fired (each with the frame time it fired at) since the last frame shown."""
+
+    states: Mapping[str, EngineState]
+    view: FleetView
+    fired: list[tuple[list[Alert], float]]
 
 
 class KVPoolConsole(App[None]):
@@ -142,6 +171,17 @@ class KVPoolConsole(App[None]):
         self.frame_ms_total = 0.0
         self.frame_ms_max = 0.0
         self.last_tick_ms = 0.0
+        self.batches_shown = 0
+        """Ticks that showed a batch sampled on the feed thread (the rest sampled in the
+        tick: no live feed, the hub silent, or resumed from pause)."""
+        self.last_sample_ms = 0.0
+        """How long the feed thread took to evaluate alerts and build the view of the latest
+        batch (ms; 0 for sources sampled in ``tick``, whose time is in ``last_tick_ms``)."""
+        self._sample_lock = threading.Lock()
+        self._prepared: _Frame | None = None
+        self._retired: object = None
+        self._last_tick = float("-inf")  # time.monotonic() of the latest tick
+        self._deferred: Timer | None = None
         self._timer: Timer | None = None
         self.set_reactive(KVPoolConsole.refresh_s, refresh_s)
 
@@ -172,12 +212,75 @@ class KVPoolConsole(App[None]):
         self.query_one("#filter", Input).display = False
         self.query_one(FleetTable).focus()
         self.tick()
-        self._timer = self.set_interval(self.refresh_s, self.tick)
+        self._watch_source()
+
+    def _watch_source(self) -> None:
+        """(Re)start the refresh timer; a live feed gets the hub tier for ``refresh_s`` and
+        reports each batch (``_arrived``)."""
+        if self._timer is not None:
+            self._timer.stop()
+        if isinstance(self.source, ClientSource) and self.source.pumping:
+            self.source.watch(self.refresh_s, self._batch_in)
+            self._timer = self.set_interval(self.refresh_s, self._silent_tick)
+        else:
+            self._timer = self.set_interval(self.refresh_s, self.tick)
 
     def on_unmount(self) -> None:
         self.source.close()
 
     # ---- refresh ------------------------------------------------------------------------
+
+    @on(FleetArrived)
+    def _arrived(self) -> None:
+        """A batch is in: tick now, or when a refresh interval has passed since the last."""
+        if self._deferred is not None:
+            return  # a tick is already on its way and will show this batch
+        since = time.monotonic() - self._last_tick
+        # Early by less than half an interval (jitter of the hub's tick or of the decode):
+        # wait for the interval. Later than that: tick now, which also brings ticks that
+        # started out of step with the hub (the first one, a silent one) in step at once.
+        if since >= _IN_STEP * self.refresh_s:
+            self.tick()
+        else:
+            self._deferred = self.set_timer(self.refresh_s - since, self._deferred_tick)
+
+    def _deferred_tick(self) -> None:
+        self._deferred = None
+        self.tick()
+
+    def _batch_in(self) -> None:
+        """The feed thread merged a batch: sample it there, then let the UI tick show it."""
+        if not self.is_running or self.paused:
+            return
+        t0 = time.perf_counter()
+        self._retired = None
+        with self._sample_lock:
+            self._sample()
+        self.last_sample_ms = (time.perf_counter() - t0) * 1e3
+        self.post_message(FleetArrived())
+
+    def _sample(self) -> None:
+        """Evaluate the alerts and build the view from the source's latest fleet into
+        ``_prepared`` (alerts that fired in a frame not shown yet are kept for the events
+        log). On the feed thread for each batch of a live feed, else in ``tick``; callers
+        hold ``_sample_lock`` (tracker and model are changed here only)."""
+        states, seen = self.source.fleet()
+        now = self.clock()
+        alerts = self.tracker.update(
+            evaluate(states, seen, now, stale_after_ms=self.stale_after_ms,
+                     down_after_ms=self.down_after_ms, active=self.tracker.active_keys,
+                     watermark_ratio=self.watermark_ratio,
+                     watermark_margin=self.watermark_margin,
+                     stuck_after_ms=self.stuck_after_ms, alive=local_process_alive), now)
+        view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded)
+        fired = self._prepared.fired if self._prepared is not None else []
+        if self.tracker.new:
+            fired = [*fired, (self.tracker.new, now)]
+        self._prepared = _Frame(states=states, view=view, fired=fired)
+
+    def _silent_tick(self) -> None:
+        if time.monotonic() - self._last_tick >= _SILENT_TICKS * self.refresh_s:
+            self.tick()
 
     def tick(self) -> None:
         """Sample the source into :attr:`view` (skipped while paused; the data keeps
@@ -189,19 +292,23 @@ class KVPoolConsole(App[None]):
         self.hub_silent_ms = silent if silent > _HUB_SILENT_MS else None
         if self.paused:
             return
+        self._last_tick = time.monotonic()
         t0 = time.perf_counter()
-        states, seen = self.source.fleet()
-        now = self.clock()
-        alerts = self.tracker.update(
-            evaluate(states, seen, now, stale_after_ms=self.stale_after_ms,
-                     down_after_ms=self.down_after_ms, active=self.tracker.active_keys,
-                     watermark_ratio=self.watermark_ratio,
-                     watermark_margin=self.watermark_margin,
-                     stuck_after_ms=self.stuck_after_ms, alive=local_process_alive), now)
-        self.states = states
-        self.query_one(EventsView).log_alerts(self.tracker.new, now)
-        self.view = self.model.sample(states, seen, now, alerts,
-                                      agent_rows_for=self.expanded)
+        with self._sample_lock:
+            if self._prepared is None:  # no batch sampled on the feed thread: sample here
+                self._sample()
+            else:
+                self.batches_shown += 1
+            frame, self._prepared = self._prepared, None
+        assert frame is not None
+        # The shown sample's states (2,304 agents: ~10^5 objects) are freed by the feed
+        # thread when it takes the next batch (_batch_in), not here in the middle of a frame.
+        self._retired = (self.states, self.view)
+        self.states = frame.states
+        events = self.query_one(EventsView)
+        for new, now in frame.fired:
+            events.log_alerts(new, now)
+        self.view = frame.view
         ms = (time.perf_counter() - t0) * 1e3
         self.last_tick_ms = ms
         self.frames += 1
@@ -245,10 +352,8 @@ class KVPoolConsole(App[None]):
         if not paused:
             self.tick()
 
-    def watch_refresh_s(self, refresh_s: float) -> None:
-        if self._timer is not None:
-            self._timer.stop()
-        self._timer = self.set_interval(refresh_s, self.tick)
+    def watch_refresh_s(self) -> None:
+        self._watch_source()
 
     def _show_tab(self) -> None:
         """Hand the view to the active tab's widget."""

@@ -197,7 +197,8 @@ def status_document(view: FleetView) -> dict[str, Any]:
 
 def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     try:
-        src = ClientSource(args.hub, keys_dir=args.keys, pump=args.cmd is None)
+        src = ClientSource(args.hub, keys_dir=args.keys, pump=args.cmd is None,
+                           refresh_s=args.refresh if args.cmd is None else None)
     except (ValueError, OSError) as e:
         err.print(plain(f"kvpool-console: {e}", style="red"))
         return None

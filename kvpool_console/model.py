@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 
-class AgentRow(msgspec.Struct, kw_only=True):
+# The view's structs are gc=False (data only, never in a reference cycle): a view of 256
+# engines is rebuilt every refresh and the cyclic GC need not walk it.
+class AgentRow(msgspec.Struct, gc=False, kw_only=True):
     """One agent (scheduler or worker process) of an engine; shown when the engine is expanded."""
 
     agent_id: str
@@ -71,7 +73,7 @@ class AgentRow(msgspec.Struct, kw_only=True):
     layout_digest: str = ""
 
 
-class EngineRow(msgspec.Struct, kw_only=True):
+class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     """One engine: its scheduler and workers merged.
 
     ``hit_rate`` is pool hit tokens / looked-up prompt tokens since start (``hit_rate_1m``
@@ -154,7 +156,7 @@ class EngineRow(msgspec.Struct, kw_only=True):
         return "DOWN" if self.down else "STALE" if self.stale else (self.severity or "ok").upper()
 
 
-class PoolRow(msgspec.Struct, kw_only=True):
+class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     """One pool (a store all engines share), deduplicated across the agents reporting it."""
 
     name: str
@@ -172,7 +174,7 @@ class PoolRow(msgspec.Struct, kw_only=True):
     reported_by: int
 
 
-class Totals(msgspec.Struct, kw_only=True):
+class Totals(msgspec.Struct, gc=False, kw_only=True):
     """Fleet totals (the table's last row); pool bytes summed over distinct pools; token
     counts and rates as in :class:`EngineRow`, summed over engines."""
 
@@ -196,7 +198,7 @@ class Totals(msgspec.Struct, kw_only=True):
     local_hit_rate: float = 0.0
 
 
-class FleetView(msgspec.Struct, kw_only=True):
+class FleetView(msgspec.Struct, gc=False, kw_only=True):
     """Everything one console frame shows, as of ``now_ms``."""
 
     now_ms: float
@@ -433,7 +435,7 @@ def build_view(
         A FleetView with engines sorted by engine id.
     """
     return _view(states, last_seen_ms, now_ms, alerts=alerts, stale_after_ms=stale_after_ms,
-                 down_after_ms=down_after_ms, agent_rows_for=agent_rows_for, cache=None)
+                 down_after_ms=down_after_ms, agent_rows_for=agent_rows_for, cache={})[0]
 
 
 _TotalsCache = dict[str, tuple[list[EngineState], EngineRow]]
@@ -442,10 +444,12 @@ _TotalsCache = dict[str, tuple[list[EngineState], EngineRow]]
 
 def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], now_ms: float,
           *, alerts: list[Alert] | None, stale_after_ms: float, down_after_ms: float,
-          agent_rows_for: Collection[str] | None, cache: _TotalsCache | None) -> FleetView:
-    """:func:`build_view`; with ``cache``, an engine whose agents' states are the same objects
-    as in the previous call (no new report: ``FleetClient`` replaces a state per report)
-    reuses its totals, and ``cache`` is updated to this call's engines."""
+          agent_rows_for: Collection[str] | None,
+          cache: _TotalsCache) -> tuple[FleetView, _TotalsCache]:
+    """:func:`build_view` and the totals of this call's engines: an engine whose agents'
+    states are the same objects as in ``cache`` (the previous call's; no new report:
+    ``FleetClient`` replaces a state per report) reuses its totals. ``cache`` is not
+    modified (the UI thread may read it while the feed thread builds the next view)."""
     groups: dict[str, list[EngineState]] = {}
     for st in states.values():
         groups.setdefault(st.source.engine_id, []).append(st)
@@ -458,7 +462,7 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
     rows = []
     for eid in sorted(groups):
         group = groups[eid]
-        hit = cache.get(eid) if cache is not None else None
+        hit = cache.get(eid)
         if (hit is not None and len(hit[0]) == len(group)
                 and {id(s) for s in hit[0]} == {id(s) for s in group}):
             group, totals = hit
@@ -470,9 +474,6 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
                     agent_rows_for is None or eid in agent_rows_for)
         row.severity = worst.get(eid)
         rows.append(row)
-    if cache is not None:
-        cache.clear()
-        cache.update(fresh)
     pools = _pools(states.values())
     prompt = sum(r.lookup_tokens for r in rows)
     hits = sum(r.hit_tokens for r in rows)
@@ -493,7 +494,7 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         local_hit_rate=local / prompt if prompt else 0.0,
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals_row,
-                     alerts=list(alerts or []))
+                     alerts=list(alerts or [])), fresh
 
 
 SortKey = Literal["engine", "role", "hit", "tokens", "loads", "errors", "usage", "lease", "age"]
@@ -632,9 +633,10 @@ class FleetModel:
 
         ``agent_rows_for`` is :func:`build_view`'s. An engine none of whose agents reported
         since the previous sample keeps its totals (only its age is new)."""
-        view = _view(states, last_seen_ms, now_ms, alerts=alerts,
-                     stale_after_ms=self.stale_after_ms, down_after_ms=self.down_after_ms,
-                     agent_rows_for=agent_rows_for, cache=self._totals)
+        view, self._totals = _view(states, last_seen_ms, now_ms, alerts=alerts,
+                                   stale_after_ms=self.stale_after_ms,
+                                   down_after_ms=self.down_after_ms,
+                                   agent_rows_for=agent_rows_for, cache=self._totals)
         self._seen = last_seen_ms
         for r in view.engines:
             if r.stale:

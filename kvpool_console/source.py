@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import zmq
@@ -18,17 +18,28 @@ import zmq
 from kvpool_agent.client import FleetClient, FleetEntry
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
+    UPDATE_TIERS_MS,
     CommandName,
     CommandReply,
     EngineState,
     FlushArgs,
 )
 
-__all__ = ["ClientSource", "FleetSource", "ReadOnlyError", "StaticSource", "now_ms"]
+__all__ = ["ClientSource", "FleetSource", "ReadOnlyError", "StaticSource", "now_ms", "tier_for"]
 
 _PUBLISH_S = 0.1
 """How often the pump publishes a copy of the fleet while updates keep arriving (s): ten
 times per second of the fastest refresh step (0.25 s) is fresh enough."""
+
+
+
+def tier_for(refresh_s: float) -> int | None:
+    """The hub update tier (ms, ``kvpool_agent.protocol.UPDATE_TIERS_MS``) for a console
+    redrawing every ``refresh_s`` seconds: the slowest tier not slower than the redraw, so
+    each redraw has an update of its own; ``None`` (the hub's full-rate stream) when the
+    redraw is faster than every tier."""
+    fits = [t for t in UPDATE_TIERS_MS if t <= refresh_s * 1e3 + 1e-6]
+    return max(fits) if fits else None
 
 
 class ReadOnlyError(PermissionError):
@@ -104,7 +115,8 @@ class ClientSource:
     With ``pump=True`` (the TUI) a daemon thread keeps receiving and decoding the hub's
     updates as they arrive and publishes a copy of the merged fleet after each batch, so the
     UI thread only swaps a reference per frame and the SUB socket never backs up while the
-    screen is busy or paused. One-shot commands use ``pump=False`` and ``wait_ready``.
+    screen is busy or paused; :meth:`watch` matches the hub's update rate to the redraw and
+    tells the UI when a batch is in. One-shot commands use ``pump=False`` and ``wait_ready``.
 
     Args:
         hub_address: the hub's agent address ``tcp://host:P`` (the client derives P+1..P+3).
@@ -113,18 +125,24 @@ class ClientSource:
             Without an operator key flush is refused before anything is sent.
         sender: operator name recorded in the hub's audit log.
         pump: receive updates on a background thread.
+        refresh_s: the redraw interval the feed starts with (:meth:`watch` changes it): the
+            hub's update tier for it from the first subscription; ``None``: the hub's
+            full-rate stream.
 
     Raises:
         ValueError: bad hub address or incomplete keys directory (from FleetClient).
     """
 
     def __init__(self, hub_address: str, *, keys_dir: str | None = None,
-                 sender: str = "", pump: bool = False) -> None:
+                 sender: str = "", pump: bool = False, refresh_s: float | None = None) -> None:
         self.address = hub_address
         self.sender = sender or f"{os.environ.get('USER', 'operator')}@kvpool-console"
-        self.client = FleetClient(hub_address, keys_dir=keys_dir)
+        self.client = FleetClient(hub_address, keys_dir=keys_dir,
+                                  every_ms=tier_for(refresh_s) if refresh_s else None)
         self.can_flush = self.client.authorised
         self._latest: tuple[dict[str, EngineState], dict[str, float]] = ({}, {})
+        self._every_ms = self.client.every_ms
+        self._on_data: Callable[[], object] | None = None
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
         if pump:
@@ -132,21 +150,42 @@ class ClientSource:
                                           daemon=True)
             self._pump.start()
 
+    @property
+    def pumping(self) -> bool:
+        """Updates are received on the feed thread (``pump=True``)."""
+        return self._pump is not None
+
+    def watch(self, refresh_s: float, on_data: Callable[[], object] | None) -> None:
+        """Receive the hub's update tier for a redraw every ``refresh_s`` s (:func:`tier_for`)
+        and call ``on_data`` (from the feed thread; it must only post a message or set a
+        flag) each time a whole batch of updates has been merged, so the UI can redraw as soon
+        as a batch is in instead of up to a refresh interval later. Only with ``pump``."""
+        self._every_ms = tier_for(refresh_s)
+        self._on_data = on_data
+
     def _run_pump(self) -> None:
         # A large fleet's update spans many frames (128 engines each): publishing a copy of
         # the fleet after each one costs more than decoding it and holds the GIL the UI thread
-        # needs, so a copy is published at most every _PUBLISH_S, and at once when the hub
-        # goes quiet.
+        # needs, so a copy is published at most every _PUBLISH_S while frames keep coming, and
+        # once the update's last frame (FleetUpdate.more false) is merged; only then is the UI
+        # told, so it never redraws half a batch while the rest is being decoded.
         pending = False
         last = 0.0
         while not self._stop.is_set():
             try:
-                got = bool(self.client.updates(10 if pending else 100))
-                pending = pending or got
+                if self._every_ms != self.client.every_ms:
+                    self.client.set_every_ms(self._every_ms)
+                got = self.client.updates(100)
+                pending = pending or bool(got)
+                complete = bool(got) and not got[-1].more
                 now = time.monotonic()
-                if pending and (not got or now - last >= _PUBLISH_S):
+                if pending and (complete or now - last >= _PUBLISH_S):
                     self._latest = self._split(self.client.fleet())
-                    pending, last = False, now
+                    last = now
+                    if complete:
+                        pending = False
+                        if self._on_data is not None:
+                            self._on_data()
             except zmq.ZMQError:
                 return  # socket closed by close(): the console is going away
 

@@ -16,16 +16,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
+from typing import Self
 
 from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual import on
+from textual.color import Color
+from textual.css.styles import RenderStyles
 from textual.geometry import Region
 from textual.strip import Strip
 from textual.widgets import DataTable
-from textual.widgets.data_table import ColumnKey, RowKey
+from textual.widgets.data_table import Column, ColumnKey, RowKey
 
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._messages import EngineChosen
@@ -81,6 +84,40 @@ def _look(cell: Text | str) -> object:
         return cell
     return (cell.plain, cell.style, tuple(cell.spans), cell.justify, cell.overflow,
             cell.no_wrap, cell.end)
+
+
+def _shape(look: tuple[object, ...]) -> tuple[object, ...] | None:
+    """What a cell's render depends on besides its text, when the text is one run of
+    single-width characters without spans (then a render of another text of the same length
+    differs only in that text): ``None`` otherwise."""
+    value = look[0]
+    if not isinstance(value, tuple) or value[2] or not value[0]:
+        return None
+    text = str(value[0])
+    if cell_len(text) != len(text) or not text.strip():
+        return None
+    return (len(text), value[1:], *look[1:])
+
+
+def _text_at(lines: list[list[Segment]], text: str) -> tuple[int, int, int] | None:
+    """(line, segment, offset) of ``text`` in ``lines`` when it occurs exactly once, within
+    one segment; ``None`` otherwise (then a render cannot be reused by swapping it)."""
+    at = [(i, j, seg.text.find(text)) for i, line in enumerate(lines)
+          for j, seg in enumerate(line) if text in seg.text]
+    if len(at) != 1 or sum(seg.text.count(text) for line in lines for seg in line) != 1:
+        return None
+    return at[0]
+
+
+def _swap_text(template: tuple[list[list[Segment]], int, int, int], text: str
+               ) -> list[list[Segment]]:
+    """The template render with its text (same length as ``text``) replaced by ``text``."""
+    lines, i, j, at = template
+    out = [list(line) for line in lines]
+    seg = out[i][j]
+    out[i][j] = Segment(seg.text[:at] + text + seg.text[at + len(text):], seg.style,
+                        seg.control)
+    return out
 
 
 _MARGIN_ROWS = 4
@@ -259,12 +296,33 @@ def _totals_row_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
     return _ordered(_totals_cells(t, history))
 
 
+class _OneRenderStyles(RenderStyles):
+    """A component's styles whose Rich style (a walk over its node's ancestors) is computed
+    once, for the one render they are used in."""
+
+    def __init__(self, styles: RenderStyles) -> None:
+        super().__init__(styles.node, styles.base, styles.inline)  # type: ignore[arg-type]
+        self._one_rich_style = styles.rich_style
+
+    @property
+    def rich_style(self) -> Style:
+        return self._one_rich_style
+
+
 class FleetTable(DataTable[Text | str]):
     """DataTable of engines, their agents when expanded, and the totals row.
 
     Posts :class:`~kvpool_console._messages.EngineChosen` when ``enter`` selects an engine row
     or one of its agents' rows.
     """
+
+    # Set during a render only (render_lines); class defaults: DataTable's own __init__
+    # already reads ordered_columns.
+    _render_background: tuple[Color, Color] | None = None
+    _render_columns: list[Column] | None = None
+    _render_fixed: int | None = None
+    # While show() updates cells: whether a repaint was asked for (None: not in show()).
+    _refresh_asked: bool | None = None
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1,
@@ -274,12 +332,16 @@ class FleetTable(DataTable[Text | str]):
         """``_look`` of each cell the DataTable holds, by row."""
         self._flags: tuple[object, ...] = ()
         self._render_style: Style | None = None
+        self._render_components: dict[tuple[str, ...], RenderStyles] = {}
         self._by_row_key: dict[RowKey, FleetRowKey] = {}
         # Rows out of view: how to compute their cells once they scroll into view (show).
         self._pending: dict[FleetRowKey, Callable[[], list[Text | str]]] = {}
         # Rendered cells by what decides their look, wherever they are (many cells read the
         # same: "OK", "0", "0.4s"), and by place: see _render_cell.
         self._by_look: dict[tuple[object, ...], list[list[Segment]]] = {}
+        self._by_shape: dict[tuple[object, ...],
+                             tuple[list[list[Segment]], int, int, int]] = {}
+        self._stamps: dict[tuple[Style | None, int, int], Style] = {}
         self._by_place: dict[tuple[int, int, Style], tuple[tuple[object, ...],
                                                             list[list[Segment]]]] = {}
 
@@ -312,46 +374,108 @@ class FleetTable(DataTable[Text | str]):
         cells of a full screen cost 150 ms a frame when every report ages). Here a cell
         renders again only when its value or look changed; a value already rendered
         elsewhere (same text, style, width, cursor) is reused with this cell's
-        ``row``/``column`` meta (what mouse clicks read), without a rich render.
+        ``row``/``column`` meta (what mouse clicks read), without a rich render. A new value
+        of the same length and look as one rendered before (an age, a count, a trend: most
+        of what changes) is that render with the text segment swapped (``_by_shape``).
         """
         if row_index < 0 or column_index < 0:  # header and row labels: DataTable's own cache
             return super()._render_cell(row_index, column_index, base_style, width, cursor,
                                         hover)
-        look = (self._looks[self._keys[row_index]][column_index], base_style, width, cursor,
-                hover, column_index < self.fixed_columns, self._flags)
+        value = self._looks[self._keys[row_index]][column_index]
+        fixed = self._render_fixed if self._render_fixed is not None else self.fixed_columns
+        look = (value, base_style, width, cursor, hover, column_index < fixed, self._flags)
         place = (row_index, column_index, base_style)
         hit = self._by_place.get(place)
         if hit is not None and hit[0] == look:
             return hit[1]
         lines = self._by_look.get(look)
+        fresh = False
         if lines is None:
-            lines = super()._render_cell(row_index, column_index, base_style, width, cursor,
-                                         hover)
-            if len(self._by_look) > 8192:  # distinct values come and go: bound the cache
+            shape = _shape(look)
+            text = str(value[0]) if isinstance(value, tuple) else ""
+            template = self._by_shape.get(shape) if shape is not None else None
+            if template is not None:
+                lines = _swap_text(template, text)
+            else:
+                # Runs of one style merged (a cell's padding and text often share theirs):
+                # fewer segments for every line operation after this.
+                lines = [list(Segment.simplify(line)) for line in super()._render_cell(
+                    row_index, column_index, base_style, width, cursor, hover)]
+                fresh = True
+                found = _text_at(lines, text) if shape is not None else None
+                if shape is not None and found is not None:
+                    self._by_shape[shape] = (lines, *found)
+            if len(self._by_look) > 8192:  # distinct values come and go: bound the caches
                 self._by_look.clear()
+                self._by_shape.clear()
             self._by_look[look] = lines
-        else:
-            meta = Style.from_meta({"row": row_index, "column": column_index})
-            lines = [[Segment(seg.text, seg.style + meta if seg.style else meta, seg.control)
-                      for seg in line] for line in lines]
+        if not fresh:  # rendered for another place: this cell's row/column meta
+            lines = [[Segment(seg.text, self._stamped(seg.style, row_index, column_index),
+                              seg.control) for seg in line] for line in lines]
         self._by_place[place] = (look, lines)
         return lines
+
+    def _stamped(self, style: Style | None, row: int, column: int) -> Style:
+        """``style`` with the ``row``/``column`` meta of a cell; the same few styles recur in
+        every place each refresh, so each combination is made once."""
+        key = (style, row, column)
+        out = self._stamps.get(key)
+        if out is None:
+            meta = Style.from_meta({"row": row, "column": column})
+            out = style + meta if style else meta
+            if len(self._stamps) > 65536:  # styles come and go with themes and values
+                self._stamps.clear()
+            self._stamps[key] = out
+        return out
 
     def render_lines(self, crop: Region) -> list[Strip]:
         # What else decides a cell's look, the same for every cell of this render.
         self._flags = (self.show_cursor, self._show_hover_cursor, self.get_pseudo_class_state())
-        # DataTable asks for the widget's style once per line, a walk over every ancestor's
-        # styles each time; it cannot change during one render.
+        # DataTable asks for the widget's style, its header and fixed-column styles, its
+        # background and its column order once per line or cell, each a walk over styles or
+        # columns (~1 ms a line together); none of them can change during one render.
         self._render_style = super().rich_style
+        self._render_background = super().background_colors
+        self._render_columns = super().ordered_columns
+        self._render_fixed = self.fixed_columns  # a reactive: a lookup chain per cell
         try:
             return super().render_lines(crop)
         finally:
             self._render_style = None
+            self._render_background = None
+            self._render_columns = None
+            self._render_fixed = None
+            self._render_components.clear()
 
     @property
     def rich_style(self) -> Style:
         """The widget's Rich style (during a render: as at its start)."""
         return self._render_style if self._render_style is not None else super().rich_style
+
+    @property
+    def background_colors(self) -> tuple[Color, Color]:
+        """Background colors adjusted for opacity (during a render: as at its start)."""
+        if self._render_background is not None:
+            return self._render_background
+        return super().background_colors
+
+    @property
+    def ordered_columns(self) -> list[Column]:
+        """The columns in display order (during a render: as at its start)."""
+        if self._render_columns is not None:
+            return self._render_columns
+        return super().ordered_columns
+
+    def get_component_styles(self, *names: str) -> RenderStyles:
+        """A component's styles; during a render, one object per component whose Rich style
+        is computed once."""
+        if self._render_style is None:
+            return super().get_component_styles(*names)
+        styles = self._render_components.get(names)
+        if styles is None:
+            styles = self._render_components[names] = _OneRenderStyles(
+                super().get_component_styles(*names))
+        return styles
 
     def _get_row_style(self, row_index: int, base_style: Style) -> Style:
         # DataTable computes the zebra row style from the CSS for every line it renders;
@@ -365,7 +489,9 @@ class FleetTable(DataTable[Text | str]):
         # CSS or theme changed: cursor and hover colours with it.
         super().notify_style_update()
         self._by_look.clear()
+        self._by_shape.clear()
         self._by_place.clear()
+        self._stamps.clear()
 
     @on(DataTable.RowSelected)
     def _chosen(self, event: DataTable.RowSelected) -> None:
@@ -402,12 +528,20 @@ class FleetTable(DataTable[Text | str]):
         keys = [k for k, _ in wanted]
         if keys == self._keys:
             near = self._near_view()
-            for i, (key, cells_of) in enumerate(wanted):
-                if i in near:
-                    self._pending.pop(key, None)
-                    self._update_row(key, cells_of())
-                else:
-                    self._pending[key] = cells_of
+            # Each update_cell asks for a refresh (a walk over the widget's regions); one
+            # for all of them does the same.
+            self._refresh_asked = False
+            try:
+                for i, (key, cells_of) in enumerate(wanted):
+                    if i in near:
+                        self._pending.pop(key, None)
+                        self._update_row(key, cells_of())
+                    else:
+                        self._pending[key] = cells_of
+            finally:
+                asked, self._refresh_asked = self._refresh_asked, None
+            if asked:
+                self.refresh()
             return
         selected = self.selected_key
         self._by_place.clear()
@@ -419,6 +553,15 @@ class FleetTable(DataTable[Text | str]):
         self._looks = {key: [_look(c) for c in cells] for key, cells in built}
         if selected in self._looks:
             self.move_cursor(row=keys.index(selected), animate=False)
+
+    def refresh(self, *regions: Region, repaint: bool = True, layout: bool = False,
+                recompose: bool = False) -> Self:
+        """Widget.refresh; a plain repaint asked for while ``show`` updates cells is done
+        once, when it is done."""
+        if self._refresh_asked is not None and not (regions or layout or recompose):
+            self._refresh_asked = self._refresh_asked or repaint
+            return self
+        return super().refresh(*regions, repaint=repaint, layout=layout, recompose=recompose)
 
     def _near_view(self) -> range:
         """Row indexes on screen, with a few rows of margin either side."""

@@ -1,0 +1,65 @@
+"""The console on a live hub feed: it asks the hub for the update tier of its refresh
+interval, builds each batch's alerts and view on the feed thread as the batch arrives, and
+its ticks show those batches (alerts fired on the feed thread reach the events log). Real hub
+with keys, real agents, Pilot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from livefleet import LiveFleet
+from textual.pilot import Pilot
+from textual.widgets import RichLog
+
+from kvpool_console.app import KVPoolConsole
+from kvpool_console.source import ClientSource, tier_for
+from kvpool_console.widgets import FleetTable
+
+
+async def _until(pilot: Pilot, cond: Callable[[], bool], what: str, timeout_s: float = 10.0
+                 ) -> None:
+    for _ in range(int(timeout_s / 0.1)):
+        if cond():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_tier_for_refresh() -> None:
+    # The slowest tier that still gives each redraw an update of its own.
+    assert [tier_for(s) for s in (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)] == [
+        None, 500, 1000, 2000, 2000, 2000]
+
+
+async def test_batches_drive_the_ticks_on_the_tier_of_the_refresh(live_fleet: LiveFleet) -> None:
+    p0 = live_fleet.add_engine("p0", "prefill", "kv_producer")
+    live_fleet.wait_agents(3)
+    src = ClientSource(live_fleet.address, pump=True)
+    app = KVPoolConsole(src, refresh_s=0.5)
+    async with app.run_test(size=(160, 40)) as pilot:
+        table = app.query_one(FleetTable)
+        await _until(pilot, lambda: src.client.every_ms == 500, "tier 500 subscribed")
+        await _until(pilot, lambda: "e:p0" in table.rows, "p0 shown")
+        # A failed load after a hit, reported now: its alert is evaluated on the feed thread
+        # and shown by a tick that takes that batch.
+        w = p0[1].reporter
+        w.transfer_started("r1", "load", 2, 8192)
+        w.transfer_finished("r1", "load", False, 0, "LEASE_EXPIRED", 2, after_hit=True)
+        await _until(pilot, lambda: str(table.get_cell("e:p0", "fail")) == "1", "failure shown")
+        assert app.batches_shown >= 1 and app.last_sample_ms > 0
+        assert any(a.rule == "failed_after_hit" for a in app.alerts)
+        await pilot.press("3")  # the Events tab: its log renders once it has a size
+        log = app.query_one("#events-log", RichLog)
+        await _until(pilot, lambda: any("failed after a positive lookup" in line.text
+                                        for line in log.lines), "the alert in the events log")
+        await pilot.press("1")
+        # A faster refresh moves to a faster tier; one faster than every tier to the hub's
+        # full-rate stream.
+        await pilot.press("plus")
+        assert app.refresh_s == 0.25
+        await _until(pilot, lambda: src.client.every_ms is None, "full-rate stream")
+        shown = app.batches_shown
+        await _until(pilot, lambda: app.batches_shown > shown, "a batch of the full-rate stream")
+        await pilot.press("minus", "minus")
+        assert app.refresh_s == 1.0
+        await _until(pilot, lambda: src.client.every_ms == 1000, "tier 1000")
