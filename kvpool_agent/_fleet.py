@@ -40,6 +40,7 @@ from kvpool_agent.protocol import (
 __all__ = [
     "ENGINES_PER_UPDATE",
     "FLUSHES_PER_REPORT",
+    "FULL_RATE",
     "LIVE_S",
     "MAX_AGENTS",
     "MAX_FLEET_STATE_BYTES",
@@ -48,6 +49,10 @@ __all__ = [
     "UPDATE_BUDGET_BYTES",
     "Fleet",
 ]
+
+FULL_RATE = 0
+"""The update stream of every delta (``FleetHub.delta_interval_s``); the other streams are
+named by their tier in ms (``kvpool_agent.protocol.UPDATE_TIERS_MS``)."""
 
 ENGINES_PER_UPDATE = 128
 """Engines per ``FleetUpdate`` frame at most; a large fleet's snapshot spans several frames."""
@@ -112,10 +117,12 @@ class Fleet:
         self._agents: dict[str, _Entry] = {}
         # Engine id -> (identity, ms since epoch) of its newest accepted report.
         self._engine_owner: dict[str, tuple[str, float]] = {}
-        self._dirty: set[str] = set()
+        # Per update stream (FULL_RATE, or a tier's ms): agents reported / forgotten since that
+        # stream's last update, so a slow stream loses nothing between its ticks.
+        self._dirty: dict[int, set[str]] = {FULL_RATE: set()}
         # Forgotten agent id -> when (ms since epoch); told to consoles so they drop it too.
         self._forgotten: dict[str, float] = {}
-        self._forgotten_new: set[str] = set()
+        self._forgotten_new: dict[int, set[str]] = {FULL_RATE: set()}
         self._state_bytes = 0  # sum of the kept agents' encoded state sizes
         self._lock = threading.Lock()
 
@@ -185,7 +192,8 @@ class Fleet:
                             first_seen_ms=now_ms)
                 self._agents[aid] = ag
                 self._forgotten.pop(aid, None)
-                self._forgotten_new.discard(aid)
+                for gone in self._forgotten_new.values():
+                    gone.discard(aid)
             elif ag.routing_id != routing_id:
                 ag.first_seen_ms = now_ms
             ag.errors = errors
@@ -195,7 +203,8 @@ class Fleet:
             ag.routing_id = routing_id
             ag.identity = identity
             self._engine_owner[st.source.engine_id] = (identity, now_ms)
-            self._dirty.add(aid)
+            for dirty in self._dirty.values():
+                dirty.add(aid)
         return None
 
     def forget(self, names: list[str]) -> list[str]:
@@ -222,16 +231,18 @@ class Fleet:
         now_ms = time.time() * 1e3
         for k in ids:
             self._state_bytes -= self._agents.pop(k).size
-            self._dirty.discard(k)
             self._forgotten[k] = now_ms
-            self._forgotten_new.add(k)
+            for stream, dirty in self._dirty.items():
+                dirty.discard(k)
+                self._forgotten_new[stream].add(k)
         engines = {a.state.source.engine_id for a in self._agents.values()}
         for e in [e for e in self._engine_owner if e not in engines]:
             del self._engine_owner[e]
         while len(self._forgotten) > _FORGOTTEN_KEPT:
             oldest = min(self._forgotten, key=self._forgotten.__getitem__)
             del self._forgotten[oldest]
-            self._forgotten_new.discard(oldest)
+            for gone in self._forgotten_new.values():
+                gone.discard(oldest)
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""
@@ -246,8 +257,22 @@ class Fleet:
 
     @property
     def changed(self) -> bool:
-        """Some agent reported or was forgotten since the last ``updates``."""
-        return bool(self._dirty or self._forgotten_new)
+        """Some agent reported or was forgotten since the full-rate stream's last update."""
+        return self.changed_for(FULL_RATE)
+
+    def changed_for(self, stream: int) -> bool:
+        """Some agent reported or was forgotten since ``stream``'s last update (a stream not
+        added yet: ``False``)."""
+        with self._lock:
+            return bool(self._dirty.get(stream) or self._forgotten_new.get(stream))
+
+    def add_stream(self, stream: int) -> None:
+        """Track what ``stream`` (a tier's ms, ``kvpool_agent.protocol.UPDATE_TIERS_MS``) has
+        not been sent yet, from now on (the hub sends a snapshot on every subscription).
+        Idempotent."""
+        with self._lock:
+            self._dirty.setdefault(stream, set())
+            self._forgotten_new.setdefault(stream, set())
 
     def targets(self, req: CommandRequest) -> tuple[list[str], str | None]:
         """The agent ids ``req`` goes to, or why it goes nowhere.
@@ -294,22 +319,27 @@ class Fleet:
                 return [], "no live worker or store agent to run the flush"
             return [holders[0][2]], None
 
-    def updates(self, kind: str, first_seq: int, gaps: dict[str, int]) -> list[FleetUpdate]:
+    def updates(self, kind: str, first_seq: int, gaps: dict[str, int],
+                stream: int = FULL_RATE) -> list[FleetUpdate]:
         """The frames of one ``FleetUpdate``: every agent (``kind="snapshot"``) or those that
-        reported since the last call (``"delta"``), numbered from ``first_seq``; a frame holds
+        reported since ``stream``'s last update (``"delta"``; ``stream`` is ``FULL_RATE`` or a
+        tier added with ``add_stream``), numbered from ``first_seq``. A snapshot counts as an
+        update of every stream (each gets it). A frame holds
         at most ``ENGINES_PER_UPDATE`` engines and ``UPDATE_BUDGET_BYTES`` of encoded states.
         ``gaps`` (agent id -> reports lost) goes with each agent's state. The first frame lists
         in ``forgotten`` the agents forgotten since the last update (a snapshot: every one still
         remembered as forgotten). An empty snapshot is one frame without engines: it tells a
         console the hub is alive."""
         with self._lock:
-            ids = sorted(self._agents) if kind == "snapshot" else sorted(self._dirty)
+            snapshot = kind == "snapshot"
+            ids = sorted(self._agents) if snapshot else sorted(self._dirty[stream])
             entries = [(self._agents[i].state, self._agents[i].size) for i in ids
                        if i in self._agents]
             seen = {i: self._agents[i].last_seen_ms for i in ids if i in self._agents}
-            forgotten = sorted(self._forgotten if kind == "snapshot" else self._forgotten_new)
-            self._dirty.clear()
-            self._forgotten_new.clear()
+            forgotten = sorted(self._forgotten if snapshot else self._forgotten_new[stream])
+            for s in self._dirty if snapshot else (stream,):
+                self._dirty[s].clear()
+                self._forgotten_new[s].clear()
         chunks: list[list[EngineState]] = []
         room = 0
         for st, size in entries:

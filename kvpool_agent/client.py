@@ -35,6 +35,7 @@ from kvpool_agent.protocol import (
     SeqTracker,
     decode,
     encode,
+    tier_topic,
 )
 
 __all__ = ["FleetClient", "FleetEntry"]
@@ -63,6 +64,11 @@ class FleetClient:
             ``operator.key_secret`` (operator) or ``viewer.key_secret`` (viewer, read-only).
             ``None`` reads ``KVPOOL_KEYS_DIR``; without keys the client is plain and read-only
             (a hub with keys gives it nothing).
+        every_ms: receive the hub's update tier of this interval (one of
+            ``kvpool_agent.protocol.UPDATE_TIERS_MS``, ms; needs a hub of this release)
+            instead of its full-rate stream (``None``, every hub): each update then carries
+            every agent that reported since the previous one, so nothing is lost, only fewer
+            intermediate states are decoded. ``set_every_ms`` changes it.
 
     Not thread-safe for concurrent ``updates()`` calls; ``command()`` may run on another
     thread than ``updates()`` (separate sockets, each behind its own lock).
@@ -74,10 +80,12 @@ class FleetClient:
 
     Raises:
         ValueError: bad hub address, or a keys directory without ``hub.key`` and an operator or
-            viewer secret (the message names the file and the keygen call), or the old layout.
+            viewer secret (the message names the file and the keygen call), or the old layout,
+            or ``every_ms`` not a tier.
     """
 
-    def __init__(self, hub_address: str, *, keys_dir: str | Path | None = None) -> None:
+    def __init__(self, hub_address: str, *, keys_dir: str | Path | None = None,
+                 every_ms: int | None = None) -> None:
         self.hub_address = hub_address
         self.ports = hub_ports(hub_address)
         kd = keys_dir if keys_dir is not None else os.environ.get("KVPOOL_KEYS_DIR") or None
@@ -97,7 +105,9 @@ class FleetClient:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 10_000)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._topic = b"" if every_ms is None else tier_topic(every_ms)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self.every_ms = every_ms
         if self._curve is not None:
             self._curve.apply(self._sub)
         self._sub.connect(self.ports.pub)
@@ -123,6 +133,23 @@ class FleetClient:
             self._cmd = s
         return self._cmd
 
+    def set_every_ms(self, every_ms: int | None) -> None:
+        """Switch to the hub's update tier ``every_ms`` (``None``: its full-rate stream); the
+        hub answers the new subscription with a snapshot.
+
+        Raises:
+            ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
+        """
+        topic = b"" if every_ms is None else tier_topic(every_ms)
+        with self._sub_lock:
+            if topic == self._topic:
+                return
+            # Subscribe first: no moment without a stream (a frame of both is merged twice,
+            # which is harmless: each carries the agents' latest states).
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+            self._sub.setsockopt(zmq.UNSUBSCRIBE, self._topic)
+            self._topic, self.every_ms = topic, every_ms
+
     def updates(self, timeout_ms: int = 0) -> list[FleetUpdate]:
         """Receive every pending ``FleetUpdate`` (waiting up to ``timeout_ms`` for the first),
         merge them into ``fleet()`` and return them. Bad frames are counted and skipped."""
@@ -132,18 +159,23 @@ class FleetClient:
                 return out
             while True:
                 try:
-                    frame = self._sub.recv(zmq.NOBLOCK)
+                    frames = self._sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if len(frames) > 2:  # one frame, or a tier's [topic, update]
+                    self.bad_messages += 1
+                    continue
                 try:
-                    msg = decode(frame)
+                    msg = decode(frames[-1])
                 except ProtocolError:
                     self.bad_messages += 1
                     continue
                 if not isinstance(msg, FleetUpdate):
                     self.bad_messages += 1
                     continue
-                self.gaps.observe("hub", msg.seq)
+                # Each stream numbers its frames on its own.
+                self.gaps.observe(f"hub:{frames[0].hex()}" if len(frames) == 2 else "hub",
+                                  msg.seq)
                 self._merge(msg)
                 out.append(msg)
         return out

@@ -15,7 +15,12 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   ``agent`` key;
 - ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
   full snapshot, so a console that joins late sees every agent at once; with keys a
-  ``viewer`` or ``operator`` key;
+  ``viewer`` or ``operator`` key. A subscription to ``b""`` gets the full-rate stream (a
+  delta every ``delta_interval_s``); one to ``kvpool_agent.protocol.tier_topic(ms)`` gets
+  that slower tier instead (a console decodes each agent once per redraw, not four times).
+  The socket is in ``XPUB_MANUAL`` mode: the hub, not the subscriber's prefix, decides which
+  frames each connection gets (``_subscribe``), so a ``b""`` subscriber never sees a tier's
+  frames;
 - ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
   ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
   connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or
@@ -71,6 +76,8 @@ from kvpool_agent.protocol import (
     SeqTracker,
     decode,
     encode,
+    tier_of,
+    tier_topic,
 )
 
 __all__ = [
@@ -106,6 +113,9 @@ FORGET_AFTER_S = 600.0
 _FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
+_FULL_RATE_PREFIXES = (*(bytes([b]) for b in range(0x80, 0x90)), b"\xde", b"\xdf")
+"""What a ``b""`` subscription is applied as: the first byte of every plain ``FleetUpdate``
+frame (a msgpack map: fixmap, map16, map32), and not of a tier's (``0xc1``)."""
 _MAX_READ_BYTES = 16 * 1024 * 1024
 
 ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
@@ -250,6 +260,10 @@ class FleetHub:
         self._fleet = Fleet()
         self._pending: dict[str, _Pending] = {}
         self._pub_seq = 0
+        # Tier (ms) -> its stream's last seq and when its next delta is due (monotonic s). A
+        # tier stays on once subscribed: unsubscriptions cannot be told apart from forged
+        # ones (any subscriber can send one), and a stream nobody reads costs encoding only.
+        self._tiers: dict[int, list[float]] = {}
         # Per agent, so each agent sees its own gap-free command sequence.
         self._agent_seq: dict[str, int] = {}
         self._want_snapshot = False
@@ -358,7 +372,8 @@ class FleetHub:
             if kind == zmq.ROUTER:
                 s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if kind == zmq.XPUB:
-                s.setsockopt(zmq.XPUB_VERBOSE, 1)
+                # Every (un)subscription reaches _recv_subscriptions, which applies it.
+                s.setsockopt(zmq.XPUB_MANUAL, 1)
             if keys is not None:
                 s.curve_publickey, s.curve_secretkey = keys
                 s.curve_server = True
@@ -484,10 +499,18 @@ class FleetHub:
                         next_snapshot = now + self.snapshot_interval_s
                         next_delta = now + self.delta_interval_s
                         self._publish("snapshot")
-                    elif now >= next_delta:
-                        next_delta = now + self.delta_interval_s
-                        if self._fleet.changed:
-                            self._publish("delta")
+                        for tier, stream in self._tiers.items():
+                            stream[1] = now + self._tier_interval_s(tier)
+                    else:
+                        if now >= next_delta:
+                            next_delta = now + self.delta_interval_s
+                            if self._fleet.changed:
+                                self._publish("delta")
+                        for tier, stream in self._tiers.items():
+                            if now >= stream[1]:
+                                stream[1] = now + self._tier_interval_s(tier)
+                                if self._fleet.changed_for(tier):
+                                    self._publish_tier("delta", tier)
                 except Exception:
                     log.exception("kvpool hub: loop iteration failed")
                     time.sleep(0.05)
@@ -586,18 +609,51 @@ class FleetHub:
                 frame = self.pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if frame[:1] == b"\x01":
+            if frame[:1] not in (b"\x00", b"\x01"):
+                self._bad("pub", "not a subscription message")
+                continue
+            subscribe, topic = frame[:1] == b"\x01", frame[1:]
+            tier = tier_of(topic)
+            # XPUB_MANUAL: a SUBSCRIBE/UNSUBSCRIBE option applies to the connection whose
+            # message was received last (libzmq), so it is set before the next recv.
+            option = zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE
+            for prefix in _FULL_RATE_PREFIXES if topic == b"" else (topic,):
+                self.pub.setsockopt(option, prefix)
+            if subscribe:
                 self._want_snapshot = True
+                if tier is not None and tier not in self._tiers:
+                    self._fleet.add_stream(tier)
+                    self._tiers[tier] = [0.0, 0.0]
+
+    def _tier_interval_s(self, tier: int) -> float:
+        return max(tier / 1e3, self.delta_interval_s)
 
     def _publish(self, kind: str) -> None:
+        """One update on the full-rate stream; a snapshot goes to every tier too."""
         updates = self._fleet.updates(kind, self._pub_seq + 1, dict(self.seq_tracker.gaps))
         self._pub_seq += len(updates)
         for upd in updates:
             upd.refused_connections = dict(self.refused_connections)
-            try:
-                self.pub.send(encode(upd), zmq.NOBLOCK)
-            except zmq.Again:
-                log.debug("kvpool hub: publish dropped (no room)")
+            self._send([encode(upd)])
+        if kind == "snapshot":
+            for tier in self._tiers:
+                self._publish_tier(kind, tier)
+
+    def _publish_tier(self, kind: str, tier: int) -> None:
+        stream = self._tiers[tier]
+        updates = self._fleet.updates(kind, int(stream[0]) + 1, dict(self.seq_tracker.gaps),
+                                      stream=tier)
+        stream[0] += len(updates)
+        topic = tier_topic(tier)
+        for upd in updates:
+            upd.refused_connections = dict(self.refused_connections)
+            self._send([topic, encode(upd)])
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self.pub.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("kvpool hub: publish dropped (no room)")
 
     # -- commands ----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
+    "UPDATE_TIERS_MS",
     "CommandName",
     "CommandReply",
     "CommandRequest",
@@ -59,6 +60,8 @@ __all__ = [
     "clip",
     "decode",
     "encode",
+    "tier_of",
+    "tier_topic",
 ]
 
 PROTOCOL_VERSION = 2
@@ -513,3 +516,38 @@ class SeqTracker:
         if missing:
             self.gaps[sender] = self.gaps.get(sender, 0) + missing
         return missing
+
+
+UPDATE_TIERS_MS: tuple[int, ...] = (500, 1_000, 2_000)
+"""Slower update streams a console may subscribe to (ms between deltas) instead of the hub's
+full-rate stream (a delta every ``delta_interval_s``, 250 ms by default): a console that
+redraws once a second decodes each agent's state once a second, not four times. A tier's
+delta carries every agent that reported since that tier's previous update (nothing is lost
+between its ticks); snapshots (on every subscription and every ``snapshot_interval_s``) go to
+every stream, so a tier slower than the snapshot interval gets snapshots only."""
+
+_TIER_TOPIC = b"\xc1kvpool-every-ms:"
+# 0xc1 is the one byte msgpack never uses: no plain FleetUpdate frame starts with it, so a
+# tier's frames never match a full-rate subscriber's prefixes and the reverse.
+
+
+def tier_topic(every_ms: int) -> bytes:
+    """The subscription topic (SUB ``SUBSCRIBE``) of the hub's update stream every
+    ``every_ms`` ms. Frames of a tier are two-part: ``[topic, FleetUpdate]``, with their own
+    ``seq`` sequence; a subscription to ``b""`` (consoles before tiers) still gets the
+    full-rate stream of one-part frames and never a tier's.
+
+    Raises:
+        ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
+    """
+    if every_ms not in UPDATE_TIERS_MS:
+        raise ValueError(f"update tier {every_ms} ms: expected one of {UPDATE_TIERS_MS}")
+    return _TIER_TOPIC + b"%d;" % every_ms
+
+
+def tier_of(topic: bytes) -> int | None:
+    """The tier (ms) ``topic`` subscribes to, or ``None`` when it is not a tier's topic."""
+    for every_ms in UPDATE_TIERS_MS:
+        if topic == _TIER_TOPIC + b"%d;" % every_ms:
+            return every_ms
+    return None

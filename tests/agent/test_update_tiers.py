@@ -1,0 +1,203 @@
+"""The hub's slower update tiers (``protocol.tier_topic``): a tier subscriber gets every
+agent's latest state with nothing lost between its ticks, a ``b""`` subscriber (consoles
+before tiers) still gets the full-rate stream and never a tier's frames, and forged
+unsubscriptions stop nobody's stream. Real hub with CURVE keys on every port, real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from agent_testlib import env_keys, make_source, wait_until
+
+from kvpool_agent import FleetClient, FleetHub, KeyPaths
+from kvpool_agent._fleet import FULL_RATE, Fleet
+from kvpool_agent.auth import Role
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    EngineState,
+    FleetUpdate,
+    Report,
+    decode,
+    encode,
+    tier_of,
+    tier_topic,
+)
+
+
+def _report(agent_id: str, seq: int) -> Report:
+    src = msgspec.structs.replace(make_source(), agent_id=agent_id, engine_id=agent_id)
+    return Report(v=PROTOCOL_VERSION, seq=seq, kind="snapshot" if seq == 1 else "delta",
+                  state=EngineState(source=src, started_ms=1.0, ts_ms=float(seq)))
+
+
+@pytest.fixture
+def quiet_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetHub]:
+    """A keyed hub whose periodic snapshot never comes during a test: what a subscriber gets
+    after its join snapshot comes from deltas only."""
+    kp = fleet_keys["hub"]
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
+    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                  snapshot_interval_s=3600.0) as h:
+        yield h
+
+
+@pytest.fixture
+def agent(quiet_hub: FleetHub, ctx: zmq.Context[zmq.Socket[bytes]],
+          fleet_keys: dict[Role, KeyPaths]) -> zmq.Socket[bytes]:
+    s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    fleet_keys["agent"].client("agent").apply(s)
+    s.connect(quiet_hub.ports.agents)
+    return s
+
+
+def _sub(ctx: zmq.Context[zmq.Socket[bytes]], hub: FleetHub, topic: bytes) -> zmq.Socket[bytes]:
+    """A raw SUB with the viewer key, subscribed to ``topic`` (``b""``: as consoles before
+    tiers did)."""
+    s: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    keys = env_keys("viewer")
+    assert keys is not None
+    keys.apply(s)
+    s.setsockopt(zmq.SUBSCRIBE, topic)
+    s.connect(hub.ports.pub)
+    return s
+
+
+def _drain(s: zmq.Socket[bytes], out: list[list[bytes]]) -> list[list[bytes]]:
+    while s.poll(0):
+        out.append(s.recv_multipart())
+    return out
+
+
+def test_fleet_keeps_a_dirty_set_per_stream() -> None:
+    # The full-rate stream taking its delta must not take the tier's: the tier's next delta
+    # still holds every agent that reported since the tier's previous update.
+    fleet = Fleet()
+    fleet.add_stream(1000)
+    for i in range(3):
+        assert fleet.accept(b"r%d" % i, _report(f"a{i}", 1)) is None
+    full = fleet.updates("delta", 1, {})
+    assert [s.source.agent_id for u in full for s in u.engines] == ["a0", "a1", "a2"]
+    assert not fleet.changed and fleet.changed_for(1000)
+    assert fleet.accept(b"r0", _report("a0", 2)) is None
+    assert fleet.forget(["a2"]) == ["a2"]
+    tier = fleet.updates("delta", 1, {}, stream=1000)
+    assert [(s.source.agent_id, s.ts_ms) for u in tier for s in u.engines] == [
+        ("a0", 2.0), ("a1", 1.0)]
+    assert tier[0].forgotten == ["a2"]
+    assert fleet.changed_for(FULL_RATE) and not fleet.changed_for(1000)
+    # A snapshot is an update of every stream.
+    fleet.updates("snapshot", 2, {})
+    assert not fleet.changed_for(FULL_RATE) and not fleet.changed_for(1000)
+
+
+def test_tier_subscriber_gets_every_latest_state_from_deltas_and_old_subscriber_no_tier_frame(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    old = _sub(ctx, quiet_hub, b"")
+    raw_tier = _sub(ctx, quiet_hub, tier_topic(1000))
+    tier = FleetClient(quiet_hub.address, every_ms=1000)
+    old_frames: list[list[bytes]] = []
+    tier_frames: list[list[bytes]] = []
+    try:
+        # Join snapshots first (the hub sends one to every stream on each subscription).
+        wait_until(lambda: len(_drain(old, old_frames)) >= 1
+                   and len(_drain(raw_tier, tier_frames)) >= 1)
+        assert old_frames and tier_frames
+        tier.updates(500)
+        # Agents report in two rounds: the full-rate stream publishes each round in its own
+        # delta (and so clears its dirty set) before the next round is sent.
+        last: dict[str, int] = {}
+        for rnd, ids in enumerate([[f"t{i}" for i in range(5)], [f"t{i}" for i in range(3, 8)]]):
+            for aid in ids:
+                last[aid] = last.get(aid, 0) + 1
+                agent.send(encode(_report(aid, last[aid])))
+            want = dict(last)
+
+            def old_has(want: dict[str, int] = want) -> bool:
+                _drain(old, old_frames)
+                got = {s.source.agent_id: int(s.ts_ms) for f in old_frames
+                       for s in decode(f[0]).engines}  # type: ignore[union-attr]
+                return all(got.get(a) == n for a, n in want.items())
+
+            wait_until(old_has)
+            assert old_has(), f"round {rnd}: the full-rate subscriber missed reports"
+        fleet: dict[str, float] = {}
+
+        def tier_has_all() -> bool:
+            for u in tier.updates(100):
+                assert u.kind == "delta", "only deltas after the join snapshot"
+            fleet.update({k: e.state.ts_ms for k, e in tier.fleet().items()})
+            return all(fleet.get(a) == float(n) for a, n in last.items())
+
+        wait_until(tier_has_all)
+        assert {a: fleet.get(a) for a in last} == {a: float(n) for a, n in last.items()}
+        assert tier.gaps.total_gaps == 0 and tier.bad_messages == 0
+        # Frame shapes: the old subscriber only one-part FleetUpdates, the tier two-part
+        # [its topic, FleetUpdate] frames numbered without gaps.
+        _drain(old, old_frames)
+        _drain(raw_tier, tier_frames)
+        assert all(len(f) == 1 and isinstance(decode(f[0]), FleetUpdate) for f in old_frames)
+        assert all(len(f) == 2 and tier_of(f[0]) == 1000 for f in tier_frames)
+        seqs = [decode(f[1]).seq for f in tier_frames]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    finally:
+        tier.close()
+
+
+def test_forged_unsubscriptions_stop_no_stream(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # Any subscriber may send unsubscribe messages for topics it never held: the hub applies
+    # them to that connection only, so the others keep their streams.
+    old = FleetClient(quiet_hub.address)
+    tier = FleetClient(quiet_hub.address, every_ms=500)
+    forger: zmq.Socket[bytes] = ctx.socket(zmq.XSUB)
+    forger.setsockopt(zmq.LINGER, 0)
+    keys = env_keys("viewer")
+    assert keys is not None
+    keys.apply(forger)
+    forger.connect(quiet_hub.ports.pub)
+    try:
+        wait_until(lambda: old.updates(50) is not None and tier.updates(50) is not None
+                   and old.last_update_ms > 0 and tier.last_update_ms > 0)
+        # Connected once its own subscription is answered (a join snapshot on tier 2000).
+        forger.send(b"\x01" + tier_topic(2000))
+        assert forger.poll(10_000), "the hub never answered the forger's subscription"
+        while forger.poll(0):
+            forger.recv_multipart()
+        for topic in (b"", tier_topic(500), tier_topic(1000), b"\x8a"):
+            forger.send(b"\x00" + topic)
+        # The hub reads one connection's messages in order: once this subscription is
+        # answered too, the forged ones were applied.
+        forger.send(b"\x00" + tier_topic(2000))
+        forger.send(b"\x01" + tier_topic(2000))
+        assert forger.poll(10_000), "the hub never answered the forger's subscription"
+        agent.send(encode(_report("after-forgery", 1)))
+        wait_until(lambda: "after-forgery" in old.fleet() and "after-forgery" in tier.fleet())
+        assert "after-forgery" in old.fleet() and "after-forgery" in tier.fleet()
+    finally:
+        old.close()
+        tier.close()
+
+
+def test_switching_tier_gets_a_snapshot_on_the_new_stream(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes]
+) -> None:
+    agent.send(encode(_report("sw", 1)))
+    wait_until(lambda: "sw" in quiet_hub.fleet())
+    with FleetClient(quiet_hub.address, every_ms=2000) as c:
+        wait_until(lambda: "sw" in c.fleet())
+        c.set_every_ms(500)
+        wait_until(lambda: any(u.kind == "snapshot" for u in c.updates(50)))
+        assert c.every_ms == 500 and "sw" in c.fleet()
+        assert f"hub:{tier_topic(500).hex()}" in c.gaps.last
+        with pytest.raises(ValueError, match="update tier 750 ms"):
+            c.set_every_ms(750)
