@@ -15,12 +15,17 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   ``agent`` key;
 - ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
   full snapshot, so a console that joins late sees every agent at once; with keys a
-  ``viewer`` or ``operator`` key. A subscription to ``b""`` gets the full-rate stream (a
-  delta every ``delta_interval_s``); one to ``kvpool_agent.protocol.tier_topic(ms)`` gets
-  that slower tier instead (a console decodes each agent once per redraw, not four times).
-  The socket is in ``XPUB_MANUAL`` mode: the hub, not the subscriber's prefix, decides which
-  frames each connection gets (``_subscribe``), so a ``b""`` subscriber never sees a tier's
-  frames;
+  ``viewer`` or ``operator`` key. The full-rate stream (a delta every
+  ``delta_interval_s``) is one-part frames; a subscription to
+  ``kvpool_agent.protocol.tier_topic(ms)`` gets that slower tier's ``[topic, update]``
+  frames (a console decodes each agent once per redraw, not four times).
+  libzmq applies each connection's subscriptions to that connection (prefix matching), so no
+  subscriber changes what another receives. Not ``XPUB_MANUAL``: there the hub's
+  ``SUBSCRIBE`` goes to the connection libzmq last queued a subscription from, and a
+  non-subscription message (any ``XSUB`` may send one) shifts that pairing, so one subscriber
+  could hand another's subscription to itself and blind it. ``FleetClient`` subscribes to
+  ``protocol.FULL_RATE_TOPICS`` for the full-rate stream alone; a ``b""`` subscriber
+  (consoles before tiers) also gets the frames of every tier some console subscribed to;
 - ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
   ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
   connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or
@@ -113,9 +118,6 @@ FORGET_AFTER_S = 600.0
 _FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
-_FULL_RATE_PREFIXES = (*(bytes([b]) for b in range(0x80, 0x90)), b"\xde", b"\xdf")
-"""What a ``b""`` subscription is applied as: the first byte of every plain ``FleetUpdate``
-frame (a msgpack map: fixmap, map16, map32), and not of a tier's (``0xc1``)."""
 _MAX_READ_BYTES = 16 * 1024 * 1024
 
 ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
@@ -372,8 +374,9 @@ class FleetHub:
             if kind == zmq.ROUTER:
                 s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if kind == zmq.XPUB:
-                # Every (un)subscription reaches _recv_subscriptions, which applies it.
-                s.setsockopt(zmq.XPUB_MANUAL, 1)
+                # Every subscription reaches _recv_subscriptions (a join snapshot), also
+                # repeats.
+                s.setsockopt(zmq.XPUB_VERBOSE, 1)
             if keys is not None:
                 s.curve_publickey, s.curve_secretkey = keys
                 s.curve_server = True
@@ -612,13 +615,9 @@ class FleetHub:
             if frame[:1] not in (b"\x00", b"\x01"):
                 self._bad("pub", "not a subscription message")
                 continue
+            # libzmq has applied it to its connection already; an unsubscription needs nothing.
             subscribe, topic = frame[:1] == b"\x01", frame[1:]
             tier = tier_of(topic)
-            # XPUB_MANUAL: a SUBSCRIBE/UNSUBSCRIBE option applies to the connection whose
-            # message was received last (libzmq), so it is set before the next recv.
-            option = zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE
-            for prefix in _FULL_RATE_PREFIXES if topic == b"" else (topic,):
-                self.pub.setsockopt(option, prefix)
             if subscribe:
                 self._want_snapshot = True
                 if tier is not None and tier not in self._tiers:
