@@ -119,6 +119,11 @@ _FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
 _MAX_READ_BYTES = 16 * 1024 * 1024
+_MAX_SUBSCRIPTION_BYTES = 1024
+"""Longest message the XPUB reads (bytes); a longer one drops its connection. libzmq keeps
+each subscribed topic in a trie of ~50 bytes per topic byte for as long as the subscriber
+stays, so one 16 MiB subscription held ~800 MiB of the hub. A subscription needs 24 bytes,
+a CURVE handshake's INITIATE (bounded by the same limit) ~300."""
 
 ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
     "agents": ("agent",),
@@ -377,6 +382,7 @@ class FleetHub:
                 # Every subscription reaches _recv_subscriptions (a join snapshot), also
                 # repeats.
                 s.setsockopt(zmq.XPUB_VERBOSE, 1)
+                s.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
             if keys is not None:
                 s.curve_publickey, s.curve_secretkey = keys
                 s.curve_server = True
