@@ -196,7 +196,10 @@ class FleetHub:
             a key.
         audit_file: append one JSON line per command (who, what, scope, result) here, besides
             the ``kvpool.hub`` log line.
-        snapshot_interval_s: full FleetUpdate snapshots this often (and on every join).
+        snapshot_interval_s: full FleetUpdate snapshots this often, and on a join (a
+            subscription), at most one per ``delta_interval_s``: each goes to every
+            subscriber, so a subscriber repeating its subscription cannot make the hub
+            encode and send the whole fleet to everyone as fast as it sends them.
         delta_interval_s: deltas (agents that reported since the last update) this often.
         forget_after_s: agents silent this long (s) are dropped, with ``forgotten`` in the next
             update and a log line.
@@ -480,7 +483,7 @@ class FleetHub:
         poller = zmq.Poller()
         for s in [*self.socks, *self.monitors]:
             poller.register(s, zmq.POLLIN)
-        next_delta = next_snapshot = next_forget = 0.0
+        next_delta = next_snapshot = next_forget = last_snapshot = 0.0
         try:
             while not self._stop.is_set():
                 try:
@@ -503,8 +506,10 @@ class FleetHub:
                         self._note_forgotten(
                             self._fleet.forget_silent(self.forget_after_s), "silent"
                         )
-                    if self._want_snapshot or now >= next_snapshot:
+                    joined = self._want_snapshot and now >= last_snapshot + self.delta_interval_s
+                    if joined or now >= next_snapshot:
                         self._want_snapshot = False
+                        last_snapshot = now
                         next_snapshot = now + self.snapshot_interval_s
                         next_delta = now + self.delta_interval_s
                         self._publish("snapshot")

@@ -6,6 +6,7 @@ one's stream. Real hub with CURVE keys on every port, real sockets."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,7 +115,10 @@ def test_tier_subscriber_gets_every_latest_state_from_deltas_and_full_rate_no_ti
         wait_until(lambda: len(_drain(old, old_frames)) >= 1
                    and len(_drain(raw_tier, tier_frames)) >= 1)
         assert old_frames and tier_frames
-        tier.updates(500)
+        # Joins within a delta interval share one snapshot, a later join's comes up to an
+        # interval later: take them all before the deltas under test.
+        while any(u.kind == "snapshot" for u in tier.updates(750)):
+            pass
         # Agents report in two rounds: the full-rate stream publishes each round in its own
         # delta (and so clears its dirty set) before the next round is sent.
         last: dict[str, int] = {}
@@ -248,3 +252,31 @@ def test_a_subscriber_sending_non_subscriptions_cannot_take_another_consoles_sub
     finally:
         for v in victims:
             v.close()
+
+
+def test_a_subscription_flood_gets_no_more_than_one_snapshot_per_delta_interval(
+    quiet_hub: FleetHub, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # Each subscription asks for a join snapshot, which goes to every subscriber. Before, a
+    # viewer repeating its subscription made the hub encode and send the whole fleet to every
+    # console once per loop turn (~one per subscription); now joins share one snapshot per
+    # delta interval, and a console joining during the flood still gets its snapshot.
+    observer = FleetClient(quiet_hub.address)
+    flooder = _sub(ctx, quiet_hub, tier_topic(2000))
+    try:
+        wait_until(lambda: any(u.kind == "snapshot" for u in observer.updates(50)))
+        start = time.monotonic()
+        for _ in range(400):
+            flooder.setsockopt(zmq.SUBSCRIBE, tier_topic(2000))
+            time.sleep(0.002)
+        late = FleetClient(quiet_hub.address)
+        try:
+            wait_until(lambda: late.updates(50) != [])
+            assert late.last_update_ms > 0, "a console joining during the flood got nothing"
+        finally:
+            late.close()
+        snapshots = sum(u.kind == "snapshot" for u in observer.updates(100))
+        allowed = (time.monotonic() - start) / quiet_hub.delta_interval_s + 2
+        assert snapshots <= allowed, f"{snapshots} snapshots, {allowed:.0f} allowed"
+    finally:
+        observer.close()
