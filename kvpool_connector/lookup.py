@@ -207,8 +207,9 @@ class LookupServer:
             queue.SimpleQueue())
         # A daemon thread, like the socket's: a store call stuck at exit cannot hold up the
         # engine's shutdown (a ThreadPoolExecutor's worker would be joined).
-        threading.Thread(target=self._serve_local, name="kvpool-lookup-local",
-                         daemon=True).start()
+        self._local_thread = threading.Thread(target=self._serve_local,
+                                              name="kvpool-lookup-local", daemon=True)
+        self._local_thread.start()
         _SERVED_HERE[self.path] = self
 
     def _claim(self) -> None:
@@ -288,8 +289,11 @@ class LookupServer:
     def _serve_local(self) -> None:
         while (item := self._local.get()) is not None:
             req, fut = item
-            if fut.set_running_or_notify_cancel():
-                fut.set_result(self._answer(req))
+            if not fut.set_running_or_notify_cancel():
+                continue
+            # Queued when close() came: its owner closes the store next, so it is not asked.
+            fut.set_result(_Reply(req.id, error="the lookup server closed")
+                           if self._stop.is_set() else self._answer(req))
 
     def _answer(self, req: _Request) -> _Reply:
         if req.op == "reset_flush":
@@ -320,8 +324,9 @@ class LookupServer:
             return _Reply(req.id, error=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        """Stop the thread, close the socket and remove the socket and owner files.
-        Idempotent."""
+        """Stop the threads (waiting up to 2 s each for a store call under way), close the
+        socket and remove the socket and owner files; queries of this process still queued
+        are answered with an error, not asked of the store. Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -329,6 +334,7 @@ class LookupServer:
             del _SERVED_HERE[self.path]
         self._local.put(None)
         self._thread.join(timeout=2)
+        self._local_thread.join(timeout=2)
         self._sock.close(linger=0)
         self.path.unlink(missing_ok=True)
         _owner_path(self.path).unlink(missing_ok=True)

@@ -415,3 +415,50 @@ def test_queries_timed_out_behind_a_stuck_store_never_reach_it() -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_queries_queued_when_the_server_closes_never_reach_the_store() -> None:
+    """In process: close() while one lookup hangs in the store and another waits behind it.
+    Before, close() returned at once and the waiting one was asked of the store afterwards
+    (its owner closes the store right after close()). Now close() waits for the hung call like
+    for the socket thread's, and the waiting query is answered with an error unasked."""
+    release = threading.Event()
+    asked: list[list[str]] = []
+
+    def stuck_first(hashes: list[str]) -> int:
+        asked.append(hashes)
+        if hashes == ["stuck"]:
+            release.wait(10)
+        return len(hashes)
+
+    server = LookupServer(stuck_first, lookup_rpc_port=7016)
+    results: dict[str, int | LookupFailed] = {}
+
+    def ask(hashes: list[str]) -> None:
+        client = LookupClient(lookup_rpc_port=7016, timeout_ms=5000)
+        try:
+            results[hashes[0]] = client.lookup(hashes)
+        except LookupFailed as exc:
+            results[hashes[0]] = exc
+        finally:
+            client.close()
+
+    askers = [threading.Thread(target=ask, args=(["stuck"],))]
+    askers[0].start()
+    deadline = time.monotonic() + 10
+    while asked != [["stuck"]] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    askers.append(threading.Thread(target=ask, args=(["queued"],)))
+    askers[1].start()
+    # The local thread's queue: the second query is in it, behind the hung one.
+    while server._local.qsize() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asked == [["stuck"]] and server._local.qsize() == 1
+    threading.Timer(0.3, release.set).start()
+    server.close()
+    for t in askers:
+        t.join(10)
+    assert asked == [["stuck"]], "a query queued before close() reached the store after it"
+    assert results["stuck"] == 1
+    failed = results["queued"]
+    assert isinstance(failed, LookupFailed) and "the lookup server closed" in str(failed)
