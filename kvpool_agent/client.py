@@ -153,6 +153,9 @@ class FleetClient:
             for topic in self._topics:
                 self._sub.setsockopt(zmq.UNSUBSCRIBE, topic)
             self._topics, self.every_ms = topics, every_ms
+            # The hub kept numbering the new stream while this client was away from it: its
+            # next frame starts a new count, the ones sent meanwhile are no loss.
+            self.gaps.last.pop(_stream(None if every_ms is None else topics[0]), None)
 
     def updates(self, timeout_ms: int = 0) -> list[FleetUpdate]:
         """Receive every pending ``FleetUpdate`` (waiting up to ``timeout_ms`` for the first),
@@ -178,8 +181,7 @@ class FleetClient:
                     self.bad_messages += 1
                     continue
                 # Each stream numbers its frames on its own.
-                self.gaps.observe(f"hub:{frames[0].hex()}" if len(frames) == 2 else "hub",
-                                  msg.seq)
+                self.gaps.observe(_stream(frames[0] if len(frames) == 2 else None), msg.seq)
                 self._merge(msg)
                 out.append(msg)
         return out
@@ -323,3 +325,9 @@ def _topics(every_ms: int | None) -> tuple[bytes, ...]:
         ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
     """
     return FULL_RATE_TOPICS if every_ms is None else (tier_topic(every_ms),)
+
+
+def _stream(topic: bytes | None) -> str:
+    """The sender name ``gaps`` counts a stream's frames under: ``hub`` for the full-rate
+    stream (``None``), ``hub:<topic hex>`` for a tier's."""
+    return "hub" if topic is None else f"hub:{topic.hex()}"

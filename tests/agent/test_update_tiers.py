@@ -280,3 +280,21 @@ def test_a_subscription_flood_gets_no_more_than_one_snapshot_per_delta_interval(
         assert snapshots <= allowed, f"{snapshots} snapshots, {allowed:.0f} allowed"
     finally:
         observer.close()
+
+
+def test_switching_back_to_a_stream_counts_no_gap_for_its_frames_while_away(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes]
+) -> None:
+    # Each stream numbers its frames on its own, also while a console is subscribed to
+    # another one. Before, switching back compared the stream's next seq with the last one
+    # seen before leaving and counted every frame sent meanwhile as lost.
+    with FleetClient(quiet_hub.address, every_ms=500) as c:
+        for every_ms, aid in ((1000, "away-1"), (500, "back-1"), (None, "away-2"),
+                              (500, "back-2"), (None, "back-3")):
+            c.set_every_ms(every_ms)
+            wait_until(lambda: any(u.kind == "snapshot" for u in c.updates(50)))
+            # An update of every stream, the one left included.
+            agent.send(encode(_report(aid, 1)))
+            wait_until(lambda aid=aid: aid in c.fleet())
+            assert aid in c.fleet()
+        assert c.gaps.total_gaps == 0, c.gaps.gaps
