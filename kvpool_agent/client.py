@@ -23,6 +23,7 @@ import zmq
 from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
+    FULL_RATE_TOPICS,
     PROTOCOL_VERSION,
     CommandName,
     CommandReply,
@@ -105,8 +106,9 @@ class FleetClient:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 10_000)
-        self._topic = b"" if every_ms is None else tier_topic(every_ms)
-        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._topics = _topics(every_ms)
+        for topic in self._topics:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.every_ms = every_ms
         if self._curve is not None:
             self._curve.apply(self._sub)
@@ -140,15 +142,20 @@ class FleetClient:
         Raises:
             ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
         """
-        topic = b"" if every_ms is None else tier_topic(every_ms)
+        topics = _topics(every_ms)
         with self._sub_lock:
-            if topic == self._topic:
+            if topics == self._topics:
                 return
             # Subscribe first: no moment without a stream (a frame of both is merged twice,
             # which is harmless: each carries the agents' latest states).
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-            self._sub.setsockopt(zmq.UNSUBSCRIBE, self._topic)
-            self._topic, self.every_ms = topic, every_ms
+            for topic in topics:
+                self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+            for topic in self._topics:
+                self._sub.setsockopt(zmq.UNSUBSCRIBE, topic)
+            self._topics, self.every_ms = topics, every_ms
+            # The hub kept numbering the new stream while this client was away from it: its
+            # next frame starts a new count, the ones sent meanwhile are no loss.
+            self.gaps.last.pop(_stream(None if every_ms is None else topics[0]), None)
 
     def updates(self, timeout_ms: int = 0) -> list[FleetUpdate]:
         """Receive every pending ``FleetUpdate`` (waiting up to ``timeout_ms`` for the first),
@@ -174,8 +181,7 @@ class FleetClient:
                     self.bad_messages += 1
                     continue
                 # Each stream numbers its frames on its own.
-                self.gaps.observe(f"hub:{frames[0].hex()}" if len(frames) == 2 else "hub",
-                                  msg.seq)
+                self.gaps.observe(_stream(frames[0] if len(frames) == 2 else None), msg.seq)
                 self._merge(msg)
                 out.append(msg)
         return out
@@ -309,3 +315,19 @@ class FleetClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _topics(every_ms: int | None) -> tuple[bytes, ...]:
+    """The SUB topics of the hub's stream every ``every_ms`` ms (``None``: the full-rate one,
+    whose topics no tier's frame matches).
+
+    Raises:
+        ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
+    """
+    return FULL_RATE_TOPICS if every_ms is None else (tier_topic(every_ms),)
+
+
+def _stream(topic: bytes | None) -> str:
+    """The sender name ``gaps`` counts a stream's frames under: ``hub`` for the full-rate
+    stream (``None``), ``hub:<topic hex>`` for a tier's."""
+    return "hub" if topic is None else f"hub:{topic.hex()}"

@@ -15,12 +15,17 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   ``agent`` key;
 - ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
   full snapshot, so a console that joins late sees every agent at once; with keys a
-  ``viewer`` or ``operator`` key. A subscription to ``b""`` gets the full-rate stream (a
-  delta every ``delta_interval_s``); one to ``kvpool_agent.protocol.tier_topic(ms)`` gets
-  that slower tier instead (a console decodes each agent once per redraw, not four times).
-  The socket is in ``XPUB_MANUAL`` mode: the hub, not the subscriber's prefix, decides which
-  frames each connection gets (``_subscribe``), so a ``b""`` subscriber never sees a tier's
-  frames;
+  ``viewer`` or ``operator`` key. The full-rate stream (a delta every
+  ``delta_interval_s``) is one-part frames; a subscription to
+  ``kvpool_agent.protocol.tier_topic(ms)`` gets that slower tier's ``[topic, update]``
+  frames (a console decodes each agent once per redraw, not four times).
+  libzmq applies each connection's subscriptions to that connection (prefix matching), so no
+  subscriber changes what another receives. Not ``XPUB_MANUAL``: there the hub's
+  ``SUBSCRIBE`` goes to the connection libzmq last queued a subscription from, and a
+  non-subscription message (any ``XSUB`` may send one) shifts that pairing, so one subscriber
+  could hand another's subscription to itself and blind it. ``FleetClient`` subscribes to
+  ``protocol.FULL_RATE_TOPICS`` for the full-rate stream alone; a ``b""`` subscriber
+  (consoles before tiers) also gets the frames of every tier some console subscribed to;
 - ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
   ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
   connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or
@@ -113,10 +118,12 @@ FORGET_AFTER_S = 600.0
 _FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
-_FULL_RATE_PREFIXES = (*(bytes([b]) for b in range(0x80, 0x90)), b"\xde", b"\xdf")
-"""What a ``b""`` subscription is applied as: the first byte of every plain ``FleetUpdate``
-frame (a msgpack map: fixmap, map16, map32), and not of a tier's (``0xc1``)."""
 _MAX_READ_BYTES = 16 * 1024 * 1024
+_MAX_SUBSCRIPTION_BYTES = 1024
+"""Longest message the XPUB reads (bytes); a longer one drops its connection. libzmq keeps
+each subscribed topic in a trie of ~50 bytes per topic byte for as long as the subscriber
+stays, so one 16 MiB subscription held ~800 MiB of the hub. A subscription needs 24 bytes,
+a CURVE handshake's INITIATE (bounded by the same limit) ~300."""
 
 ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
     "agents": ("agent",),
@@ -189,7 +196,10 @@ class FleetHub:
             a key.
         audit_file: append one JSON line per command (who, what, scope, result) here, besides
             the ``kvpool.hub`` log line.
-        snapshot_interval_s: full FleetUpdate snapshots this often (and on every join).
+        snapshot_interval_s: full FleetUpdate snapshots this often, and on a join (a
+            subscription), at most one per ``delta_interval_s``: each goes to every
+            subscriber, so a subscriber repeating its subscription cannot make the hub
+            encode and send the whole fleet to everyone as fast as it sends them.
         delta_interval_s: deltas (agents that reported since the last update) this often.
         forget_after_s: agents silent this long (s) are dropped, with ``forgotten`` in the next
             update and a log line.
@@ -375,8 +385,10 @@ class FleetHub:
             if kind == zmq.ROUTER:
                 s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if kind == zmq.XPUB:
-                # Every (un)subscription reaches _recv_subscriptions, which applies it.
-                s.setsockopt(zmq.XPUB_MANUAL, 1)
+                # Every subscription reaches _recv_subscriptions (a join snapshot), also
+                # repeats.
+                s.setsockopt(zmq.XPUB_VERBOSE, 1)
+                s.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
             if keys is not None:
                 s.curve_publickey, s.curve_secretkey = keys
                 s.curve_server = True
@@ -474,7 +486,7 @@ class FleetHub:
         poller = zmq.Poller()
         for s in [*self.socks, *self.monitors]:
             poller.register(s, zmq.POLLIN)
-        next_delta = next_snapshot = next_forget = 0.0
+        next_delta = next_snapshot = next_forget = last_snapshot = 0.0
         try:
             while not self._stop.is_set():
                 try:
@@ -497,8 +509,10 @@ class FleetHub:
                         self._note_forgotten(
                             self._fleet.forget_silent(self.forget_after_s), "silent"
                         )
-                    if self._want_snapshot or now >= next_snapshot:
+                    joined = self._want_snapshot and now >= last_snapshot + self.delta_interval_s
+                    if joined or now >= next_snapshot:
                         self._want_snapshot = False
+                        last_snapshot = now
                         next_snapshot = now + self.snapshot_interval_s
                         next_delta = now + self.delta_interval_s
                         self._publish("snapshot")
@@ -615,13 +629,9 @@ class FleetHub:
             if frame[:1] not in (b"\x00", b"\x01"):
                 self._bad("pub", "not a subscription message")
                 continue
+            # libzmq has applied it to its connection already; an unsubscription needs nothing.
             subscribe, topic = frame[:1] == b"\x01", frame[1:]
             tier = tier_of(topic)
-            # XPUB_MANUAL: a SUBSCRIBE/UNSUBSCRIBE option applies to the connection whose
-            # message was received last (libzmq), so it is set before the next recv.
-            option = zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE
-            for prefix in _FULL_RATE_PREFIXES if topic == b"" else (topic,):
-                self.pub.setsockopt(option, prefix)
             if subscribe:
                 self._want_snapshot = True
                 if tier is None:

@@ -27,6 +27,7 @@ import msgspec
 from kvpool_agent.vocabulary import InstanceRole, KVRole
 
 __all__ = [
+    "FULL_RATE_TOPICS",
     "MAX_ID_CHARS",
     "MAX_MESSAGE_BYTES",
     "MAX_TEXT_CHARS",
@@ -541,8 +542,9 @@ _TIER_TOPIC = b"\xc1kvpool-every-ms:"
 def tier_topic(every_ms: int) -> bytes:
     """The subscription topic (SUB ``SUBSCRIBE``) of the hub's update stream every
     ``every_ms`` ms. Frames of a tier are two-part: ``[topic, FleetUpdate]``, with their own
-    ``seq`` sequence; a subscription to ``b""`` (consoles before tiers) still gets the
-    full-rate stream of one-part frames and never a tier's.
+    ``seq`` sequence. The full-rate stream's one-part frames are subscribed to with
+    ``FULL_RATE_TOPICS``; a subscription to ``b""`` (consoles before tiers) matches every
+    stream's frames.
 
     Raises:
         ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
@@ -558,3 +560,11 @@ def tier_of(topic: bytes) -> int | None:
         if topic == _TIER_TOPIC + b"%d;" % every_ms:
             return every_ms
     return None
+
+
+FULL_RATE_TOPICS: tuple[bytes, ...] = (*(bytes([b]) for b in range(0x80, 0x90)), b"\xde", b"\xdf")
+"""The subscription topics (SUB ``SUBSCRIBE``, all of them) of the hub's full-rate stream and
+no tier's: the first byte of every one-part ``FleetUpdate`` frame (a msgpack map: fixmap,
+map16, map32), never a tier topic's ``0xc1``. The hub's XPUB matches prefixes itself (libzmq
+applies each connection's subscriptions to that connection), so no subscriber can change what
+another one receives."""

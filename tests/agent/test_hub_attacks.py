@@ -5,7 +5,10 @@ real sockets, asserting the attack had no effect."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -395,3 +398,51 @@ def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
     wait_until(lambda: '"end"' in audit.read_text())
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
     assert [x["request_id"] for x in lines[FLUSHES_PER_REPORT:]] == ["dup", "end"]
+
+
+_HUGE_SUBSCRIBER = """
+import os, sys, zmq
+from kvpool_agent import KeyPaths
+s = zmq.Context().socket(zmq.XSUB)
+KeyPaths.of(sys.argv[1]).client("viewer").apply(s)
+s.connect(sys.argv[2])
+s.send(b"\\x01" + b"z" * int(sys.argv[3]))
+s.send(b"\\x01")
+print("answered" if s.poll(2000) else "silent", flush=True)
+sys.stdin.read()
+os._exit(0)  # its own copy of the topic would be freed recursively on close
+"""
+
+
+def _rss_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_a_viewers_huge_subscription_does_not_grow_the_hub(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths]
+) -> None:
+    """A viewer subscribes to a 4 MiB topic. libzmq keeps every subscribed topic in a trie of
+    ~50 bytes per topic byte, so before it cost the hub ~200 MiB (a 16 MiB one, the old
+    message limit, ~800 MiB) for as long as the viewer stayed connected. Now the XPUB refuses
+    a message longer than a subscription or a CURVE handshake needs, and drops the
+    connection: the hub does not grow and consoles keep their stream. The attacker runs in
+    its own process so only the hub's memory is measured here."""
+    before = _rss_bytes()
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", _HUGE_SUBSCRIBER, str(fleet_keys["viewer"].root),
+         hub.ports.pub, str(4 << 20)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert attacker.stdout is not None
+        attacker.stdout.readline()
+        grown = _rss_bytes() - before
+        assert grown < 32 << 20, f"the hub grew by {grown >> 20} MiB"
+        with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as console:
+            wait_until(lambda: console.updates(100) != [])
+            assert console.last_update_ms > 0
+    finally:
+        attacker.kill()
+        attacker.wait()

@@ -1,10 +1,12 @@
 """The hub's slower update tiers (``protocol.tier_topic``): a tier subscriber gets every
-agent's latest state with nothing lost between its ticks, a ``b""`` subscriber (consoles
-before tiers) still gets the full-rate stream and never a tier's frames, and forged
-unsubscriptions stop nobody's stream. Real hub with CURVE keys on every port, real sockets."""
+agent's latest state with nothing lost between its ticks, a subscriber of
+``FULL_RATE_TOPICS`` gets the full-rate stream and never a tier's frames, and what one
+subscriber sends (forged unsubscriptions, messages that are no subscription) changes no other
+one's stream. Real hub with CURVE keys on every port, real sockets."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from kvpool_agent import FleetClient, FleetHub, KeyPaths
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, Fleet
 from kvpool_agent.auth import Role
 from kvpool_agent.protocol import (
+    FULL_RATE_TOPICS,
     PROTOCOL_VERSION,
     EngineState,
     FleetUpdate,
@@ -57,15 +60,16 @@ def agent(quiet_hub: FleetHub, ctx: zmq.Context[zmq.Socket[bytes]],
     return s
 
 
-def _sub(ctx: zmq.Context[zmq.Socket[bytes]], hub: FleetHub, topic: bytes) -> zmq.Socket[bytes]:
-    """A raw SUB with the viewer key, subscribed to ``topic`` (``b""``: as consoles before
-    tiers did)."""
+def _sub(ctx: zmq.Context[zmq.Socket[bytes]], hub: FleetHub,
+         *topics: bytes) -> zmq.Socket[bytes]:
+    """A raw SUB with the viewer key, subscribed to ``topics``."""
     s: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.LINGER, 0)
     keys = env_keys("viewer")
     assert keys is not None
     keys.apply(s)
-    s.setsockopt(zmq.SUBSCRIBE, topic)
+    for topic in topics:
+        s.setsockopt(zmq.SUBSCRIBE, topic)
     s.connect(hub.ports.pub)
     return s
 
@@ -109,10 +113,10 @@ def test_a_multi_frame_update_marks_all_but_its_last_frame_more() -> None:
     assert [u.more for u in fleet.updates("delta", 10, {})] == [False]  # nothing changed
 
 
-def test_tier_subscriber_gets_every_latest_state_from_deltas_and_old_subscriber_no_tier_frame(
+def test_tier_subscriber_gets_every_latest_state_from_deltas_and_full_rate_no_tier_frame(
     quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    old = _sub(ctx, quiet_hub, b"")
+    old = _sub(ctx, quiet_hub, *FULL_RATE_TOPICS)
     raw_tier = _sub(ctx, quiet_hub, tier_topic(1000))
     tier = FleetClient(quiet_hub.address, every_ms=1000)
     old_frames: list[list[bytes]] = []
@@ -122,7 +126,10 @@ def test_tier_subscriber_gets_every_latest_state_from_deltas_and_old_subscriber_
         wait_until(lambda: len(_drain(old, old_frames)) >= 1
                    and len(_drain(raw_tier, tier_frames)) >= 1)
         assert old_frames and tier_frames
-        tier.updates(500)
+        # Joins within a delta interval share one snapshot, a later join's comes up to an
+        # interval later: take them all before the deltas under test.
+        while any(u.kind == "snapshot" for u in tier.updates(750)):
+            pass
         # Agents report in two rounds: the full-rate stream publishes each round in its own
         # delta (and so clears its dirty set) before the next round is sent.
         last: dict[str, int] = {}
@@ -151,7 +158,7 @@ def test_tier_subscriber_gets_every_latest_state_from_deltas_and_old_subscriber_
         wait_until(tier_has_all)
         assert {a: fleet.get(a) for a in last} == {a: float(n) for a, n in last.items()}
         assert tier.gaps.total_gaps == 0 and tier.bad_messages == 0
-        # Frame shapes: the old subscriber only one-part FleetUpdates, the tier two-part
+        # Frame shapes: the full-rate subscriber only one-part FleetUpdates, the tier two-part
         # [its topic, FleetUpdate] frames numbered without gaps.
         _drain(old, old_frames)
         _drain(raw_tier, tier_frames)
@@ -230,3 +237,93 @@ def test_switching_tier_gets_a_snapshot_on_the_new_stream(
         assert f"hub:{tier_topic(500).hex()}" in c.gaps.last
         with pytest.raises(ValueError, match="update tier 750 ms"):
             c.set_every_ms(750)
+
+
+def test_a_subscriber_sending_non_subscriptions_cannot_take_another_consoles_subscription(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # An XSUB may send messages that are no subscription. Under XPUB_MANUAL, libzmq paired the
+    # hub's SUBSCRIBE with the connection of the next queued subscription after each one: a
+    # viewer flooding them around consoles' joins took their subscriptions for itself and
+    # left them blind for good. Each console must get its stream whatever another sends.
+    attacker: zmq.Socket[bytes] = ctx.socket(zmq.XSUB)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.setsockopt(zmq.SNDHWM, 0)
+    keys = env_keys("viewer")
+    assert keys is not None
+    keys.apply(attacker)
+    attacker.connect(quiet_hub.ports.pub)
+    attacker.send(b"\x01" + tier_topic(2000))
+    assert attacker.poll(10_000), "the hub never answered the attacker's subscription"
+    burst = 50_000
+
+    def flood() -> None:
+        for _ in range(burst):
+            attacker.send(b"\x02")
+            attacker.send(b"\x01" + tier_topic(2000))
+
+    flood()
+    victims = [FleetClient(quiet_hub.address) for _ in range(3)]
+    victims += [FleetClient(quiet_hub.address, every_ms=ms) for ms in (500, 1000)]
+    try:
+        flood()
+        wait_until(lambda: quiet_hub.bad_messages >= 2 * burst, timeout_s=60.0)
+        assert quiet_hub.bad_messages == 2 * burst, "the hub never read the whole flood"
+        agent.send(encode(_report("after-flood", 1)))
+        wait_until(lambda: all("after-flood" in v.fleet() for v in victims))
+        assert ["after-flood" in v.fleet() for v in victims] == [True] * len(victims)
+        for v in victims:
+            v.updates(100)
+            assert v.bad_messages == 0 and v.gaps.total_gaps == 0
+            # The full-rate consoles got no tier frame, the tier ones only their own tier's.
+            want = {"hub"} if v.every_ms is None else {f"hub:{tier_topic(v.every_ms).hex()}"}
+            assert set(v.gaps.last) == want
+    finally:
+        for v in victims:
+            v.close()
+
+
+def test_a_subscription_flood_gets_no_more_than_one_snapshot_per_delta_interval(
+    quiet_hub: FleetHub, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # Each subscription asks for a join snapshot, which goes to every subscriber. Before, a
+    # viewer repeating its subscription made the hub encode and send the whole fleet to every
+    # console once per loop turn (~one per subscription); now joins share one snapshot per
+    # delta interval, and a console joining during the flood still gets its snapshot.
+    observer = FleetClient(quiet_hub.address)
+    flooder = _sub(ctx, quiet_hub, tier_topic(2000))
+    try:
+        wait_until(lambda: any(u.kind == "snapshot" for u in observer.updates(50)))
+        start = time.monotonic()
+        for _ in range(400):
+            flooder.setsockopt(zmq.SUBSCRIBE, tier_topic(2000))
+            time.sleep(0.002)
+        late = FleetClient(quiet_hub.address)
+        try:
+            wait_until(lambda: late.updates(50) != [])
+            assert late.last_update_ms > 0, "a console joining during the flood got nothing"
+        finally:
+            late.close()
+        snapshots = sum(u.kind == "snapshot" for u in observer.updates(100))
+        allowed = (time.monotonic() - start) / quiet_hub.delta_interval_s + 2
+        assert snapshots <= allowed, f"{snapshots} snapshots, {allowed:.0f} allowed"
+    finally:
+        observer.close()
+
+
+def test_switching_back_to_a_stream_counts_no_gap_for_its_frames_while_away(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes]
+) -> None:
+    # Each stream numbers its frames on its own, also while a console is subscribed to
+    # another one. Before, switching back compared the stream's next seq with the last one
+    # seen before leaving and counted every frame sent meanwhile as lost.
+    with FleetClient(quiet_hub.address, every_ms=500) as c:
+        for every_ms, aid in ((1000, "away-1"), (500, "back-1"), (None, "away-2"),
+                              (500, "back-2"), (None, "back-3")):
+            c.set_every_ms(every_ms)
+            wait_until(lambda: any(u.kind == "snapshot" for u in c.updates(50)))
+            # An update of every stream, the one left included.
+            agent.send(encode(_report(aid, 1)))
+            wait_until(lambda aid=aid: aid in c.fleet())
+            assert aid in c.fleet()
+        assert c.gaps.total_gaps == 0, c.gaps.gaps
