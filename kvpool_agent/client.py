@@ -36,6 +36,7 @@ from kvpool_agent.protocol import (
     SeqTracker,
     decode,
     encode,
+    split_frame,
     tier_topic,
 )
 
@@ -169,11 +170,12 @@ class FleetClient:
                     frames = self._sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(frames) > 2:  # one frame, or a tier's [topic, update]
+                if len(frames) != 1:  # the hub sends every update as one frame
                     self.bad_messages += 1
                     continue
                 try:
-                    msg = decode(frames[-1])
+                    topic, payload = split_frame(frames[0])
+                    msg = decode(payload)
                 except ProtocolError:
                     self.bad_messages += 1
                     continue
@@ -181,7 +183,7 @@ class FleetClient:
                     self.bad_messages += 1
                     continue
                 # Each stream numbers its frames on its own.
-                self.gaps.observe(_stream(frames[0] if len(frames) == 2 else None), msg.seq)
+                self.gaps.observe(_stream(topic), msg.seq)
                 self._merge(msg)
                 out.append(msg)
         return out

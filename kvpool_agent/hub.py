@@ -16,16 +16,17 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
 - ``P+1`` XPUB, consoles subscribe (SUB) to ``FleetUpdate``; a new subscription triggers a
   full snapshot, so a console that joins late sees every agent at once; with keys a
   ``viewer`` or ``operator`` key. The full-rate stream (a delta every
-  ``delta_interval_s``) is one-part frames; a subscription to
-  ``kvpool_agent.protocol.tier_topic(ms)`` gets that slower tier's ``[topic, update]``
-  frames (a console decodes each agent once per redraw, not four times).
+  ``delta_interval_s``) is plain ``FleetUpdate`` frames; a subscription to
+  ``kvpool_agent.protocol.tier_topic(ms)`` gets that slower tier's frames, the topic then the
+  update (a console decodes each agent once per redraw, not four times).
   libzmq applies each connection's subscriptions to that connection (prefix matching), so no
   subscriber changes what another receives. Not ``XPUB_MANUAL``: there the hub's
   ``SUBSCRIBE`` goes to the connection libzmq last queued a subscription from, and a
   non-subscription message (any ``XSUB`` may send one) shifts that pairing, so one subscriber
   could hand another's subscription to itself and blind it. ``FleetClient`` subscribes to
   ``protocol.FULL_RATE_TOPICS`` for the full-rate stream alone; a ``b""`` subscriber
-  (consoles before tiers) also gets the frames of every tier some console subscribed to;
+  (consoles before tiers) also gets the frames of every tier some console subscribed to, and
+  skips them as bad messages;
 - ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
   ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
   connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or
@@ -664,7 +665,7 @@ class FleetHub:
         topic = tier_topic(tier)
         for upd in updates:
             upd.refused_connections = dict(self.refused_connections)
-            self._send([topic, encode(upd)])
+            self._send([topic + encode(upd)])
 
     def _send(self, frames: list[bytes]) -> None:
         try:

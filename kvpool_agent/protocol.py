@@ -61,6 +61,7 @@ __all__ = [
     "clip",
     "decode",
     "encode",
+    "split_frame",
     "tier_of",
     "tier_topic",
 ]
@@ -480,7 +481,7 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(frame: bytes) -> Message:
+def decode(frame: bytes | memoryview) -> Message:
     """Decode one frame.
 
     Raises:
@@ -541,10 +542,11 @@ _TIER_TOPIC = b"\xc1kvpool-every-ms:"
 
 def tier_topic(every_ms: int) -> bytes:
     """The subscription topic (SUB ``SUBSCRIBE``) of the hub's update stream every
-    ``every_ms`` ms. Frames of a tier are two-part: ``[topic, FleetUpdate]``, with their own
-    ``seq`` sequence. The full-rate stream's one-part frames are subscribed to with
-    ``FULL_RATE_TOPICS``; a subscription to ``b""`` (consoles before tiers) matches every
-    stream's frames.
+    ``every_ms`` ms. A tier's frame is the topic followed by the encoded ``FleetUpdate``, one
+    ZMQ frame (``split_frame``), with its own ``seq`` sequence. The full-rate stream's frames
+    are subscribed to with ``FULL_RATE_TOPICS``; a subscription to ``b""`` (consoles before
+    tiers) matches every stream's frames, and such a console skips a tier's as a bad message
+    (no msgpack value starts with ``0xc1``) instead of taking it for the full-rate stream's.
 
     Raises:
         ValueError: ``every_ms`` is not one of ``UPDATE_TIERS_MS``.
@@ -552,6 +554,22 @@ def tier_topic(every_ms: int) -> bytes:
     if every_ms not in UPDATE_TIERS_MS:
         raise ValueError(f"update tier {every_ms} ms: expected one of {UPDATE_TIERS_MS}")
     return _TIER_TOPIC + b"%d;" % every_ms
+
+
+def split_frame(frame: bytes) -> tuple[bytes | None, memoryview]:
+    """``(tier topic, update bytes)`` of one hub PUB frame: the topic is ``None`` for the
+    full-rate stream's frames (the whole frame is the update).
+
+    Raises:
+        ProtocolError: the frame starts like a tier's but names no tier.
+    """
+    view = memoryview(frame)
+    if frame[:1] != _TIER_TOPIC[:1]:
+        return None, view
+    end = frame.find(b";", len(_TIER_TOPIC), len(_TIER_TOPIC) + 8) + 1
+    if not end or tier_of(frame[:end]) is None:
+        raise ProtocolError("malformed tier frame: unknown topic")
+    return frame[:end], view[end:]
 
 
 def tier_of(topic: bytes) -> int | None:

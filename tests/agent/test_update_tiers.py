@@ -23,9 +23,11 @@ from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     EngineState,
     FleetUpdate,
+    ProtocolError,
     Report,
     decode,
     encode,
+    split_frame,
     tier_of,
     tier_topic,
 )
@@ -158,13 +160,15 @@ def test_tier_subscriber_gets_every_latest_state_from_deltas_and_full_rate_no_ti
         wait_until(tier_has_all)
         assert {a: fleet.get(a) for a in last} == {a: float(n) for a, n in last.items()}
         assert tier.gaps.total_gaps == 0 and tier.bad_messages == 0
-        # Frame shapes: the full-rate subscriber only one-part FleetUpdates, the tier two-part
-        # [its topic, FleetUpdate] frames numbered without gaps.
+        # Frame shapes: the full-rate subscriber only FleetUpdates, the tier one frame each of
+        # its topic then a FleetUpdate, numbered without gaps.
         _drain(old, old_frames)
         _drain(raw_tier, tier_frames)
         assert all(len(f) == 1 and isinstance(decode(f[0]), FleetUpdate) for f in old_frames)
-        assert all(len(f) == 2 and tier_of(f[0]) == 1000 for f in tier_frames)
-        seqs = [decode(f[1]).seq for f in tier_frames]
+        tiers = [split_frame(f[0]) for f in tier_frames]
+        assert all(len(f) == 1 for f in tier_frames)
+        assert all(topic is not None and tier_of(topic) == 1000 for topic, _ in tiers)
+        seqs = [decode(payload).seq for _, payload in tiers]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     finally:
         tier.close()
@@ -186,6 +190,35 @@ def test_full_rate_stream_starts_with_its_first_subscriber(
         first = decode(old.recv())
         assert isinstance(first, FleetUpdate) and first.kind == "snapshot" and first.seq == 1
         assert [s.source.agent_id for s in first.engines] == ["fr"]
+
+
+def test_a_console_from_before_tiers_skips_tier_frames_and_counts_no_false_gap(
+    quiet_hub: FleetHub, agent: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # A b"" subscriber that reads one frame at a time and decodes each (the client before
+    # tiers) gets a tier's frames too: none of them decodes, so none is merged or counted in
+    # the full-rate stream's sequence.
+    with FleetClient(quiet_hub.address, every_ms=500) as tier:
+        old = _sub(ctx, quiet_hub, b"")
+        for seq in range(1, 4):
+            agent.send(encode(_report("ob", seq)))
+            wait_until(lambda seq=seq: tier.fleet().get("ob") is not None
+                       and tier.fleet()["ob"].state.ts_ms == seq)
+        frames: list[bytes] = []
+        while old.poll(1_000):
+            frames.append(old.recv())
+        plain, refused = [], 0
+        for f in frames:
+            try:
+                msg = decode(f)
+            except ProtocolError:
+                refused += 1
+                assert split_frame(f)[0] == tier_topic(500)
+                continue
+            assert isinstance(msg, FleetUpdate)
+            plain.append(msg.seq)
+        assert refused >= 3  # the tier's join snapshot and its deltas
+        assert plain == list(range(1, len(plain) + 1)) and plain
 
 
 def test_forged_unsubscriptions_stop_no_stream(
