@@ -32,7 +32,6 @@ _PUBLISH_S = 0.1
 times per second of the fastest refresh step (0.25 s) is fresh enough."""
 
 
-
 def tier_for(refresh_s: float) -> int | None:
     """The hub update tier (ms, ``kvpool_agent.protocol.UPDATE_TIERS_MS``) for a console
     redrawing every ``refresh_s`` seconds: the slowest tier not slower than the redraw, so
