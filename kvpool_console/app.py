@@ -179,6 +179,7 @@ class KVPoolConsole(App[None]):
         batch (ms; 0 for sources sampled in ``tick``, whose time is in ``last_tick_ms``)."""
         self._sample_lock = threading.Lock()
         self._prepared: _Frame | None = None
+        self._resample = False  # the feed thread failed to sample its batch
         self._retired: object = None
         self._last_tick = float("-inf")  # time.monotonic() of the latest tick
         self._deferred: Timer | None = None
@@ -254,8 +255,13 @@ class KVPoolConsole(App[None]):
             return
         t0 = time.perf_counter()
         self._retired = None
-        with self._sample_lock:
-            self._sample()
+        try:
+            with self._sample_lock:
+                self._sample()
+        except Exception:
+            # Never kill the feed thread (the screen would freeze, silently): the tick
+            # samples again on the UI thread, where an error shows like any other.
+            self._resample = True
         self.last_sample_ms = (time.perf_counter() - t0) * 1e3
         self.post_message(FleetArrived())
 
@@ -295,7 +301,8 @@ class KVPoolConsole(App[None]):
         self._last_tick = time.monotonic()
         t0 = time.perf_counter()
         with self._sample_lock:
-            if self._prepared is None:  # no batch sampled on the feed thread: sample here
+            if self._prepared is None or self._resample:  # not sampled on the feed thread
+                self._resample = False
                 self._sample()
             else:
                 self.batches_shown += 1

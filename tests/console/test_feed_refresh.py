@@ -5,12 +5,16 @@ with keys, real agents, Pilot."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 from livefleet import LiveFleet
 from textual.pilot import Pilot
 from textual.widgets import RichLog
 
+from kvpool_console import app as app_module
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.source import ClientSource, tier_for
 from kvpool_console.widgets import FleetTable
@@ -63,3 +67,34 @@ async def test_batches_drive_the_ticks_on_the_tier_of_the_refresh(live_fleet: Li
         await pilot.press("minus", "minus")
         assert app.refresh_s == 1.0
         await _until(pilot, lambda: src.client.every_ms == 1000, "tier 1000")
+
+
+async def test_a_sample_failing_on_the_feed_thread_keeps_the_screen_live(
+        live_fleet: LiveFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bug in the alert rules hit only on the feed thread must not stop the feed: each tick
+    # samples again on the UI thread and the screen keeps following the fleet.
+    real = app_module.evaluate
+    failed: list[str] = []
+
+    def evaluate_off_main(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            failed.append(threading.current_thread().name)
+            raise RuntimeError("rule bug")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(app_module, "evaluate", evaluate_off_main)
+    p0 = live_fleet.add_engine("p0", "prefill", "kv_producer")
+    live_fleet.wait_agents(3)
+    src = ClientSource(live_fleet.address, pump=True)
+    app = KVPoolConsole(src, refresh_s=0.5)
+    async with app.run_test(size=(160, 40)) as pilot:
+        table = app.query_one(FleetTable)
+        await _until(pilot, lambda: "e:p0" in table.rows, "p0 shown")
+        await _until(pilot, lambda: len(failed) >= 2, "two batches failing on the feed thread")
+        w = p0[1].reporter
+        w.transfer_started("r1", "load", 2, 8192)
+        w.transfer_finished("r1", "load", False, 0, "LEASE_EXPIRED", 2, after_hit=True)
+        await _until(pilot, lambda: str(table.get_cell("e:p0", "fail")) == "1",
+                     "a report after the failures shown")
+        assert src._pump is not None and src._pump.is_alive()
+        assert app.batches_shown == 0 and set(failed) == {"kvpool-console-feed"}
