@@ -71,6 +71,11 @@ class FleetClient:
             instead of its full-rate stream (``None``, every hub): each update then carries
             every agent that reported since the previous one, so nothing is lost, only fewer
             intermediate states are decoded. ``set_every_ms`` changes it.
+        tier_fallback_s: a hub of an earlier release has no tiers and never sends a tier's
+            frames (a hub of this release answers a tier subscription with a snapshot at
+            once): when a tier stays silent this many seconds after subscribing, the client
+            also takes the full-rate stream (``tiers_missing``) and drops it again once a
+            tier frame arrives (the hub was down, or was upgraded). Seconds.
 
     Not thread-safe for concurrent ``updates()`` calls; ``command()`` may run on another
     thread than ``updates()`` (separate sockets, each behind its own lock).
@@ -79,6 +84,9 @@ class FleetClient:
         role: ``"operator"``, ``"viewer"`` or ``None`` (no keys).
         refused_connections: the hub's refused handshakes per port, from its last update
             (``FleetUpdate.refused_connections``).
+        tiers_missing: True while the requested tier has been silent for
+            ``tier_fallback_s`` and the full-rate stream is taken instead (a hub of an
+            earlier release, or a hub not answering).
 
     Raises:
         ValueError: bad hub address, or a keys directory without ``hub.key`` and an operator or
@@ -87,7 +95,7 @@ class FleetClient:
     """
 
     def __init__(self, hub_address: str, *, keys_dir: str | Path | None = None,
-                 every_ms: int | None = None) -> None:
+                 every_ms: int | None = None, tier_fallback_s: float = 5.0) -> None:
         self.hub_address = hub_address
         self.ports = hub_ports(hub_address)
         kd = keys_dir if keys_dir is not None else os.environ.get("KVPOOL_KEYS_DIR") or None
@@ -111,6 +119,10 @@ class FleetClient:
         for topic in self._topics:
             self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.every_ms = every_ms
+        self.tier_fallback_s = tier_fallback_s
+        self.tiers_missing = False
+        self._tier_heard = False
+        self._tier_since = time.monotonic()
         if self._curve is not None:
             self._curve.apply(self._sub)
         self._sub.connect(self.ports.pub)
@@ -147,22 +159,46 @@ class FleetClient:
         with self._sub_lock:
             if topics == self._topics:
                 return
-            # Subscribe first: no moment without a stream (a frame of both is merged twice,
-            # which is harmless: each carries the agents' latest states).
-            for topic in topics:
-                self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-            for topic in self._topics:
-                self._sub.setsockopt(zmq.UNSUBSCRIBE, topic)
+            before = self._subscribed()
+            # A hub found without tiers stays on the full-rate stream too until a tier speaks.
+            self.tiers_missing = self.tiers_missing and every_ms is not None
             self._topics, self.every_ms = topics, every_ms
+            self._tier_heard, self._tier_since = False, time.monotonic()
+            self._resubscribe(before)
             # The hub kept numbering the new stream while this client was away from it: its
             # next frame starts a new count, the ones sent meanwhile are no loss.
             self.gaps.last.pop(_stream(None if every_ms is None else topics[0]), None)
+
+    def _subscribed(self) -> set[bytes]:
+        """The topics the SUB socket holds now: the requested stream's, plus the full-rate
+        ones while ``tiers_missing``."""
+        return set(self._topics) | (set(FULL_RATE_TOPICS) if self.tiers_missing else set())
+
+    def _resubscribe(self, before: set[bytes]) -> None:
+        """Move the SUB socket from ``before`` to ``_subscribed()``. New topics go first: no
+        moment without a stream (a frame of both is merged twice, which is harmless: each
+        carries the agents' latest states); a topic held already is not subscribed twice
+        (libzmq counts subscriptions). Call with ``_sub_lock`` held."""
+        after = self._subscribed()
+        for topic in sorted(after - before):
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        for topic in sorted(before - after):
+            self._sub.setsockopt(zmq.UNSUBSCRIBE, topic)
+        if FULL_RATE_TOPICS[0] in before - after:
+            # The hub kept numbering the full-rate stream while this client was away from
+            # it: its next frame there starts a new count.
+            self.gaps.last.pop(_stream(None), None)
 
     def updates(self, timeout_ms: int = 0) -> list[FleetUpdate]:
         """Receive every pending ``FleetUpdate`` (waiting up to ``timeout_ms`` for the first),
         merge them into ``fleet()`` and return them. Bad frames are counted and skipped."""
         out: list[FleetUpdate] = []
         with self._sub_lock:
+            if (self.every_ms is not None and not self._tier_heard and not self.tiers_missing
+                    and time.monotonic() - self._tier_since >= self.tier_fallback_s):
+                before = self._subscribed()
+                self.tiers_missing = True
+                self._resubscribe(before)
             if not self._sub.poll(timeout_ms):
                 return out
             while True:
@@ -182,6 +218,12 @@ class FleetClient:
                 if not isinstance(msg, FleetUpdate):
                     self.bad_messages += 1
                     continue
+                if topic is not None and topic in self._topics:
+                    self._tier_heard = True
+                    if self.tiers_missing:
+                        before = self._subscribed()
+                        self.tiers_missing = False
+                        self._resubscribe(before)
                 # Each stream numbers its frames on its own.
                 self.gaps.observe(_stream(topic), msg.seq)
                 self._merge(msg)

@@ -6,6 +6,7 @@ one's stream. Real hub with CURVE keys on every port, real sockets."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from agent_testlib import env_keys, make_source, wait_until
 from kvpool_agent import FleetClient, FleetHub, KeyPaths
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, Fleet
 from kvpool_agent.auth import Role
+from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
     FULL_RATE_TOPICS,
     PROTOCOL_VERSION,
@@ -360,3 +362,66 @@ def test_switching_back_to_a_stream_counts_no_gap_for_its_frames_while_away(
             wait_until(lambda aid=aid: aid in c.fleet())
             assert aid in c.fleet()
         assert c.gaps.total_gaps == 0, c.gaps.gaps
+
+
+def _earlier_release_hub_frame(agent_id: str, seq: int) -> bytes:
+    """A ``FleetUpdate`` snapshot as a hub of an earlier release publishes it: one frame, no
+    topic (the full-rate stream is all such a hub has)."""
+    src = msgspec.structs.replace(make_source(), agent_id=agent_id, engine_id=agent_id)
+    return encode(FleetUpdate(v=PROTOCOL_VERSION, seq=seq, kind="snapshot", ts_ms=float(seq),
+                              engines=[EngineState(source=src, started_ms=1.0, ts_ms=1.0)]))
+
+
+def test_a_tier_subscriber_falls_back_to_full_rate_on_a_hub_without_tiers(
+    hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hub from before tiers (git 2be666c) publishes plain frames only: a console asking for
+    # a tier saw no agent at all, then every engine DOWN with a critical "hung" alert each.
+    monkeypatch.delenv("KVPOOL_KEYS_DIR", raising=False)
+    pub: zmq.Socket[bytes] = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(hub_ports(hub_address).pub)
+    seq = itertools.count(1)
+    with FleetClient(hub_address, every_ms=1000, tier_fallback_s=3600.0) as c:
+        for _ in range(20):
+            pub.send(_earlier_release_hub_frame("old-1", next(seq)))
+            c.updates(20)
+        assert c.fleet() == {} and not c.tiers_missing  # still within the fallback window
+        c.tier_fallback_s = 0.0
+
+        def fed() -> bool:
+            pub.send(_earlier_release_hub_frame("old-1", next(seq)))
+            return "old-1" in c.fleet()
+
+        wait_until(fed)
+        assert c.tiers_missing and c.every_ms == 1000 and "old-1" in c.fleet()
+        # A tier switch keeps the full-rate stream while the hub still has no tiers.
+        c.set_every_ms(2000)
+        assert c.tiers_missing and set(FULL_RATE_TOPICS) < c._subscribed()
+        c.set_every_ms(None)
+        assert not c.tiers_missing and c._subscribed() == set(FULL_RATE_TOPICS)
+
+
+def test_a_tier_fallback_ends_once_the_hub_sends_the_tier(
+    hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A console started before its hub (or while it restarts) falls back at once here
+    # (tier_fallback_s=0); the tier snapshot of this release's hub, once it is up, ends it.
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
+    with FleetClient(hub_address, every_ms=1000, tier_fallback_s=0.0) as c:
+        c.updates(0)
+        assert c.tiers_missing and set(FULL_RATE_TOPICS) < c._subscribed()
+        kp = fleet_keys["hub"]
+        with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                      secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                      snapshot_interval_s=3600.0) as hub:
+            s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            fleet_keys["agent"].client("agent").apply(s)
+            s.connect(hub.ports.agents)
+            s.send(encode(_report("fb", 1)))
+            wait_until(lambda: "fb" in c.fleet() and not c.tiers_missing)
+            assert not c.tiers_missing and "fb" in c.fleet()
+            assert c._subscribed() == {tier_topic(1000)}
+            assert c.gaps.total_gaps == 0, c.gaps.gaps
