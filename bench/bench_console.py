@@ -13,9 +13,11 @@ Topology, all on 127.0.0.1 and all real sockets:
   refresh and redraws when a batch is in, at most once per refresh interval.
 
 Measured in the console process (terminal ``--size``), on every frame the app runs itself:
-frame time (one refresh: sample the client, evaluate alerts, build the view, update the
-table, then Textual's render, which is forced at once; ms, median / p95 / max) and the UI
-thread's CPU time for it (wall time on a shared machine also counts the time other processes
+frame time (one refresh: take the alerts and view the feed thread built as the batch arrived,
+or, without a batch, sample the client, evaluate the alerts and build the view; update the
+table, then Textual's render, which is forced at once; ms, median / p95 / max); the feed
+thread's time building each batch's alerts and view (printed beside it); the UI
+thread's CPU time per frame (wall time on a shared machine also counts the time other processes
 and the console's feed thread held the cores); the age of what the screen shows (for each
 agent whose report changed since the previous frame: the time the frame is on screen minus
 the report's send time ``EngineState.ts_ms``; includes the hub's tier interval, the decode and
