@@ -143,10 +143,13 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
             # Hysteresis: an active alert stays until usage drops below ratio - margin.
             if frac > ratio or (key in active and frac > ratio - watermark_margin):
                 sev: Severity = "critical" if frac >= _CRITICAL_USAGE else "warning"
+                where = (f"over eviction_high_watermark_ratio {ratio:.2f}" if frac > ratio
+                         else f"back under eviction_high_watermark_ratio {ratio:.2f}, alert "
+                         f"clears below {ratio - watermark_margin:.2f}")
                 out.append(_alert(
                     "pool_watermark", sev, name,
-                    f"pool {frac:.0%} used, over eviction_high_watermark_ratio "
-                    f"{ratio:.2f} ({p.used_bytes}/{p.total_bytes} B; {seen_by})",
+                    f"pool {frac:.0%} used, {where} ({p.used_bytes}/{p.total_bytes} B; "
+                    f"{seen_by})",
                     "eviction is running; if hit rate drops, add segment memory "
                     "(global_segment_size) or more segments", now_ms))
         if name in unhealthy:
