@@ -200,6 +200,7 @@ class LookupServer:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"ipc://{self.path}")
+        self._pid = os.getpid()
         self._stop = threading.Event()
         self._answering = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="kvpool-lookup", daemon=True)
@@ -333,8 +334,9 @@ class LookupServer:
     def close(self) -> None:
         """Stop the threads (waiting up to 2 s each for a store call under way), close the
         socket and remove the socket and owner files; queries of this process still queued
-        are answered with an error, not asked of the store. Idempotent."""
-        if self._stop.is_set():
+        are answered with an error, not asked of the store. Idempotent. In a process forked
+        from the server's it does nothing: the threads, socket and files are the parent's."""
+        if self._stop.is_set() or os.getpid() != self._pid:
             return
         self._stop.set()
         if _SERVED_HERE.get(self.path) is self:

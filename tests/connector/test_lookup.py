@@ -386,6 +386,20 @@ def test_forked_child_asks_over_the_socket() -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert server.lookups == 1
+        # A child closing the server it inherited leaves the parent's socket and files alone.
+        pid = os.fork()
+        if pid == 0:
+            try:
+                server.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert server.path.exists()
+        client = LookupClient(lookup_rpc_port=7014, timeout_ms=2000, in_process=False)
+        try:
+            assert client.lookup(["a"]) == 1
+        finally:
+            client.close()
     finally:
         server.close()
 
