@@ -3,7 +3,9 @@
 The scheduler (``KVPoolScheduler``) has no pool client of its own: it asks worker rank 0, which
 holds one, how many leading chunks of a prompt the pool holds for *every* rank of the layout
 (``KVPoolWorker.lookup_chunks``). Same split as vLLM Ascend's ``LookupKeyServer``/
-``LookupKeyClient``.
+``LookupKeyClient``. When worker rank 0 runs in the scheduler's own process (vLLM's ``uni``
+executor, TP = PP = 1), the client hands its query to the server's local thread instead of the
+socket (``_SERVED_HERE``): same answers, errors and timeouts.
 
 Transport: a ZMQ ROUTER (server) / DEALER (client) pair on ``ipc://<dir>/kvpool-lookup-<host>-
 <name>-dp<dp_rank>.sock``. ``<dir>`` is the per-user runtime directory (``_runtime_dir``:
