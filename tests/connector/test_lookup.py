@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -404,17 +405,25 @@ def test_forked_child_asks_over_the_socket() -> None:
         server.close()
 
 
+def _hangs_on_stuck(release: threading.Event, asked: list[list[str]]
+                    ) -> Callable[[list[str]], int]:
+    """A store whose lookup of ``["stuck"]`` hangs until ``release`` (at most 10 s); every
+    query it is asked goes to ``asked``; the answer is every chunk."""
+    def lookup(hashes: list[str]) -> int:
+        asked.append(hashes)
+        if hashes == ["stuck"]:
+            release.wait(10)
+        return len(hashes)
+
+    return lookup
+
+
 def test_queries_timed_out_behind_a_stuck_store_never_reach_it() -> None:
     """In process: lookups that timed out while the store hung are dropped from the queue
     (the store is not asked them later); the next one after the store recovers is answered."""
     release = threading.Event()
     asked: list[list[str]] = []
-
-    def stuck_first(hashes: list[str]) -> int:
-        asked.append(hashes)
-        if hashes == ["stuck"]:
-            release.wait(10)
-        return len(hashes)
+    stuck_first = _hangs_on_stuck(release, asked)
 
     server = LookupServer(stuck_first, lookup_rpc_port=7015)
     client = LookupClient(lookup_rpc_port=7015, timeout_ms=100)
@@ -438,12 +447,7 @@ def test_queries_queued_when_the_server_closes_never_reach_the_store() -> None:
     for the socket thread's, and the waiting query is answered with an error unasked."""
     release = threading.Event()
     asked: list[list[str]] = []
-
-    def stuck_first(hashes: list[str]) -> int:
-        asked.append(hashes)
-        if hashes == ["stuck"]:
-            release.wait(10)
-        return len(hashes)
+    stuck_first = _hangs_on_stuck(release, asked)
 
     server = LookupServer(stuck_first, lookup_rpc_port=7016)
     results: dict[str, int | LookupFailed] = {}
@@ -493,9 +497,9 @@ def test_no_lookup_of_this_process_is_answered_while_a_socket_reset_flush_runs()
         during.append(flushing.is_set() and not release.is_set())
         return len(hashes)
 
-    server = LookupServer(lookup, lookup_rpc_port=7016, reset_flush=flush)
-    remote = LookupClient(lookup_rpc_port=7016, timeout_ms=5000, in_process=False)
-    local = LookupClient(lookup_rpc_port=7016, timeout_ms=200)
+    server = LookupServer(lookup, lookup_rpc_port=7017, reset_flush=flush)
+    remote = LookupClient(lookup_rpc_port=7017, timeout_ms=5000, in_process=False)
+    local = LookupClient(lookup_rpc_port=7017, timeout_ms=200)
     removed: list[int] = []
     flusher = threading.Thread(target=lambda: removed.append(remote.reset_flush(5000)))
     try:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.pilot import Pilot
 
 from kvpool_agent import AGENT_KEYS_ENV, local_fleet_keys, start_agent
 from kvpool_agent.agent import AgentHandle
@@ -122,3 +123,14 @@ def keyed_live_fleet(keys_root: Path, master: LocalMooncakeMaster, backend: Moon
             for h in handles:
                 h.stop()
         hub.stop()
+
+
+async def until(pilot: Pilot, cond: Callable[[], bool], what: str, timeout_s: float = 10.0
+                ) -> None:
+    """Let the app run until ``cond()`` holds (checked every 0.1 s); fail naming ``what``
+    after ``timeout_s``."""
+    for _ in range(int(timeout_s / 0.1)):
+        if cond():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

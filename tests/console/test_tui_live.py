@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
-from livefleet import LEASE_TTL_MS, LiveFleet
-from textual.pilot import Pilot
+from livefleet import LEASE_TTL_MS, LiveFleet, until
 from textual.widgets import Button, RadioSet, Static
 
 from kvpool_agent.protocol import FlushArgs
@@ -16,15 +14,6 @@ from kvpool_console.app import KVPoolConsole
 from kvpool_console.screens import ConfirmScreen, FlushScreen, HealthScreen
 from kvpool_console.source import ClientSource
 from kvpool_console.widgets import FleetTable
-
-
-async def _until(pilot: Pilot, cond: Callable[[], bool], what: str, timeout_s: float = 10.0
-                 ) -> None:
-    for _ in range(int(timeout_s / 0.1)):
-        if cond():
-            return
-        await pilot.pause(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _feed(fleet: LiveFleet) -> None:
@@ -62,7 +51,7 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
                         stale_after_ms=1500)
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: app.view is not None and len(app.view.engines) == 2
+        await until(pilot, lambda: app.view is not None and len(app.view.engines) == 2
                      and app.view.engines[1].lookup_tokens == 2000
                      and app.view.engines[1].load_errors == 2, "both engines reported")
         assert app.view is not None
@@ -73,7 +62,7 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         assert p0.loads_in_flight == 1 and p0.failed_after_hit == 2
         assert p0.next_lease_expiry_ms is not None
         assert 0 < p0.next_lease_expiry_ms - app.clock() <= LEASE_TTL_MS
-        await _until(pilot, lambda: _cell(table, "e:p0", "hit") == "65%", "p0 row drawn")
+        await until(pilot, lambda: _cell(table, "e:p0", "hit") == "65%", "p0 row drawn")
         assert _cell(table, "e:p0", "tokens") == "1.3k/2.0k"
         assert _cell(table, "e:p0", "loads") == "1"
         assert _cell(table, "e:p0", "fail") == "2"
@@ -84,12 +73,12 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         # Expand p0: its scheduler and two worker rows appear under it.
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("space")
-        await _until(pilot, lambda: "a:p0/dp0.tp1.pp0" in table.rows, "worker rows")
+        await until(pilot, lambda: "a:p0/dp0.tp1.pp0" in table.rows, "worker rows")
         assert _cell(table, "a:p0/dp0.tp1.pp0", "loads") == "1"
         # Engine detail: layer progress of the in-flight layer-wise load, error with its hint.
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("enter")
-        await _until(pilot, lambda: app.screen.query("#inflight").first().row_count == 2,
+        await until(pilot, lambda: app.screen.query("#inflight").first().row_count == 2,
                      "detail in-flight rows")
         await pilot.pause()
         # Loaded tokens once per request (700 + 600, from the scheduler's load outcomes), not
@@ -111,13 +100,13 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
         # d0 goes silent: it stays listed, marked STALE, and an alert is logged.
         for h in live_fleet.engines["d0"]:
             h.stop()
-        await _until(pilot, lambda: _cell(table, "e:d0", "state") == "STALE", "d0 stale")
+        await until(pilot, lambda: _cell(table, "e:d0", "state") == "STALE", "d0 stale")
         assert any(a.rule == "stale" and a.subject == "d0" for a in app.alerts)
         # Every finished load of p0 failed after a positive lookup: critical.
         assert _cell(table, "e:p0", "state") == "CRIT"
         # The hub itself goes away: the status bar says so, the last rows stay visible.
         live_fleet.hub.stop()
-        await _until(pilot, lambda: "HUB SILENT" in str(
+        await until(pilot, lambda: "HUB SILENT" in str(
             app.query_one("#status-bar", Static).content), "hub silent", 15)
         assert "e:p0" in table.rows
 
@@ -131,25 +120,25 @@ async def test_filter_sort_pause(live_fleet: LiveFleet) -> None:
     app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: _shown(table) == ["e:d0", "e:p0", "e:p1", "__totals__"]
+        await until(pilot, lambda: _shown(table) == ["e:d0", "e:p0", "e:p1", "__totals__"]
                      and _cell(table, "e:p1", "hit") == "90%", "three engines")
         # Sort by hit rate (s: engine -> role -> hit), highest first with r.
         await pilot.press("s", "s", "r")
-        await _until(pilot, lambda: _shown(table)[:3] == ["e:p1", "e:p0", "e:d0"], "hit sort")
+        await until(pilot, lambda: _shown(table)[:3] == ["e:p1", "e:p0", "e:d0"], "hit sort")
         await pilot.press("slash")
         await pilot.press(*"prefill")
-        await _until(pilot, lambda: _shown(table) == ["e:p1", "e:p0", "__totals__"], "filter")
+        await until(pilot, lambda: _shown(table) == ["e:p1", "e:p0", "__totals__"], "filter")
         await pilot.press("enter")
         assert "filter 'prefill'" in str(app.query_one("#status-bar", Static).content)
         await pilot.press("x")  # faults only: p0 has failed loads after hits
-        await _until(pilot, lambda: _shown(table) == ["e:p0", "__totals__"], "faults only")
+        await until(pilot, lambda: _shown(table) == ["e:p0", "__totals__"], "faults only")
         await pilot.press("p")
         assert app.paused and "PAUSED" in str(app.query_one("#status-bar", Static).content)
         frames = app.frames
         await pilot.pause(0.6)
         assert app.frames == frames
         await pilot.press("p", "x")
-        await _until(pilot, lambda: not app.paused and _shown(table) == [
+        await until(pilot, lambda: not app.paused and _shown(table) == [
             "e:p1", "e:p0", "__totals__"], "resumed")
         await pilot.press("minus")
         assert app.refresh_s == 0.5
@@ -166,10 +155,10 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
                         refresh_s=0.25)
     async with app.run_test(size=(120, 36)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: "e:p0" in table.rows, "p0")
+        await until(pilot, lambda: "e:p0" in table.rows, "p0")
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("f")
-        await _until(pilot, lambda: isinstance(app.screen, FlushScreen), "flush modal")
+        await until(pilot, lambda: isinstance(app.screen, FlushScreen), "flush modal")
         screen = app.screen
         assert isinstance(screen, FlushScreen)
         assert screen.query_one("#go", Button).disabled  # nothing to confirm before a dry run
@@ -180,19 +169,19 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
         # batch_exists below takes Mooncake leases on the keys: only a forced flush removes them.
         await pilot.click("#force")
         await pilot.click("#dry")
-        await _until(pilot, lambda: screen.dry is not None, "dry run", 15)
+        await until(pilot, lambda: screen.dry is not None, "dry run", 15)
         assert screen.dry is not None and screen.dry.keys == 6
         assert "would remove 6 keys" in str(screen.query_one("#flush-status", Static).content)
         assert live_fleet.present(mine) == [1] * 6  # a dry run removes nothing
         await pilot.click("#go")
-        await _until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirmation")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirmation")
         await pilot.click("#no")
-        await _until(pilot, lambda: app.screen is screen, "back to flush modal")
+        await until(pilot, lambda: app.screen is screen, "back to flush modal")
         assert live_fleet.present(mine) == [1] * 6
         await pilot.click("#go")
-        await _until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirmation 2")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirmation 2")
         await pilot.click("#yes")
-        await _until(pilot, lambda: screen.result is not None, "flush result", 15)
+        await until(pilot, lambda: screen.result is not None, "flush result", 15)
         assert screen.result is not None and screen.result.removed_keys == 6
         assert "removed 6 of 6 keys" in str(screen.query_one("#flush-status", Static).content)
     assert live_fleet.present(mine) == [0] * 6
@@ -210,7 +199,7 @@ async def test_read_only_console_refuses_flush(live_fleet: LiveFleet) -> None:
     app = KVPoolConsole(src, refresh_s=0.25)
     async with app.run_test(size=(120, 30)) as pilot:
         table = app.query_one(FleetTable)
-        await _until(pilot, lambda: "e:p0" in table.rows, "p0")
+        await until(pilot, lambda: "e:p0" in table.rows, "p0")
         assert "READ-ONLY" in str(app.query_one("#status-bar", Static).content)
         assert app.check_action("flush", ()) is None  # disabled, shown dimmed in the footer
         await pilot.press("f")
@@ -224,7 +213,7 @@ async def test_read_only_console_refuses_flush(live_fleet: LiveFleet) -> None:
         # Health needs no key and shows its results in place.
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("h")
-        await _until(pilot, lambda: isinstance(app.screen, HealthScreen)
+        await until(pilot, lambda: isinstance(app.screen, HealthScreen)
                      and app.screen.replies is not None, "health replies", 20)
         assert isinstance(app.screen, HealthScreen) and app.screen.replies is not None
         assert sorted(r.agent_id for r in app.screen.replies) == [
