@@ -68,7 +68,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
-from kvpool_agent._fleet import ENGINES_PER_UPDATE, MAX_AGENTS, Fleet
+from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, MAX_AGENTS, Fleet
 from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
 from kvpool_agent.protocol import (
@@ -184,6 +184,18 @@ class _Pending:
     replies: dict[str, CommandReply] = field(default_factory=dict)
 
 
+@dataclass
+class _Stream:
+    """One update stream the hub publishes: its ``topic`` (``b""`` for the full-rate one),
+    ``interval_s`` between deltas, last ``seq`` sent and when the next delta is due
+    (``time.monotonic()`` s)."""
+
+    topic: bytes
+    interval_s: float
+    seq: int = 0
+    due: float = 0.0
+
+
 class FleetHub:
     """The hub process (or thread) of a fleet.
 
@@ -270,14 +282,11 @@ class FleetHub:
         self.seq_tracker = SeqTracker()
         self._fleet = Fleet()
         self._pending: dict[str, _Pending] = {}
-        self._pub_seq = 0
-        # Tier (ms) -> its stream's last seq and when its next delta is due (monotonic s). A
-        # tier stays on once subscribed: unsubscriptions cannot be told apart from forged
-        # ones (any subscriber can send one), and a stream nobody reads costs encoding only.
-        self._tiers: dict[int, list[float]] = {}
-        # The full-rate stream likewise starts with its first subscriber (a b"" one, as every
-        # console before tiers; a hub watched by tier consoles only never encodes it).
-        self._full_rate = False
+        # Update streams (FULL_RATE or a tier's ms), each started by its first subscriber: a
+        # hub watched by tier consoles only never encodes the full-rate one. A stream stays on
+        # once subscribed: unsubscriptions cannot be told apart from forged ones (any
+        # subscriber can send one), and a stream nobody reads costs encoding only.
+        self._streams: dict[int, _Stream] = {}
         # Per agent, so each agent sees its own gap-free command sequence.
         self._agent_seq: dict[str, int] = {}
         self._want_snapshot = False
@@ -487,7 +496,7 @@ class FleetHub:
         poller = zmq.Poller()
         for s in [*self.socks, *self.monitors]:
             poller.register(s, zmq.POLLIN)
-        next_delta = next_snapshot = next_forget = last_snapshot = 0.0
+        next_snapshot = next_forget = last_snapshot = 0.0
         try:
             while not self._stop.is_set():
                 try:
@@ -515,20 +524,16 @@ class FleetHub:
                         self._want_snapshot = False
                         last_snapshot = now
                         next_snapshot = now + self.snapshot_interval_s
-                        next_delta = now + self.delta_interval_s
-                        self._publish("snapshot")
-                        for tier, stream in self._tiers.items():
-                            stream[1] = now + self._tier_interval_s(tier)
+                        # A snapshot is an update of every stream (the full-rate one first).
+                        for key, stream in sorted(self._streams.items()):
+                            stream.due = now + stream.interval_s
+                            self._publish("snapshot", key)
                     else:
-                        if now >= next_delta:
-                            next_delta = now + self.delta_interval_s
-                            if self._full_rate and self._fleet.changed:
-                                self._publish("delta")
-                        for tier, stream in self._tiers.items():
-                            if now >= stream[1]:
-                                stream[1] = now + self._tier_interval_s(tier)
-                                if self._fleet.changed_for(tier):
-                                    self._publish_tier("delta", tier)
+                        for key, stream in self._streams.items():
+                            if now >= stream.due:
+                                stream.due = now + stream.interval_s
+                                if self._fleet.changed_for(key):
+                                    self._publish("delta", key)
                 except Exception:
                     log.exception("kvpool hub: loop iteration failed")
                     time.sleep(0.05)
@@ -635,43 +640,26 @@ class FleetHub:
             tier = tier_of(topic)
             if subscribe:
                 self._want_snapshot = True
-                if tier is None:
-                    self._full_rate = True
-                elif tier not in self._tiers:
-                    self._fleet.add_stream(tier)
-                    self._tiers[tier] = [0.0, 0.0]
+                key = FULL_RATE if tier is None else tier
+                if key not in self._streams:
+                    self._fleet.add_stream(key)
+                    self._streams[key] = _Stream(
+                        b"" if tier is None else tier_topic(tier),
+                        max(key / 1e3, self.delta_interval_s))
 
-    def _tier_interval_s(self, tier: int) -> float:
-        return max(tier / 1e3, self.delta_interval_s)
-
-    def _publish(self, kind: str) -> None:
-        """One update on the full-rate stream (once it has had a subscriber); a snapshot goes
-        to every tier too."""
-        if self._full_rate:
-            updates = self._fleet.updates(kind, self._pub_seq + 1, dict(self.seq_tracker.gaps))
-            self._pub_seq += len(updates)
-            for upd in updates:
-                upd.refused_connections = dict(self.refused_connections)
-                self._send([encode(upd)])
-        if kind == "snapshot":
-            for tier in self._tiers:
-                self._publish_tier(kind, tier)
-
-    def _publish_tier(self, kind: str, tier: int) -> None:
-        stream = self._tiers[tier]
-        updates = self._fleet.updates(kind, int(stream[0]) + 1, dict(self.seq_tracker.gaps),
-                                      stream=tier)
-        stream[0] += len(updates)
-        topic = tier_topic(tier)
+    def _publish(self, kind: str, key: int) -> None:
+        """One update (``snapshot`` or ``delta``) on stream ``key``: frames numbered on from
+        the stream's last, each its topic (none for the full-rate stream) then the update."""
+        stream = self._streams[key]
+        updates = self._fleet.updates(kind, stream.seq + 1, dict(self.seq_tracker.gaps),
+                                      stream=key)
+        stream.seq += len(updates)
         for upd in updates:
             upd.refused_connections = dict(self.refused_connections)
-            self._send([topic + encode(upd)])
-
-    def _send(self, frames: list[bytes]) -> None:
-        try:
-            self.pub.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("kvpool hub: publish dropped (no room)")
+            try:
+                self.pub.send(stream.topic + encode(upd), zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("kvpool hub: publish dropped (no room)")
 
     # -- commands ----------------------------------------------------------------------------
 
