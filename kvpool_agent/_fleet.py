@@ -255,11 +255,6 @@ class Fleet:
         with self._lock:
             return {k: (a.state, a.last_seen_ms) for k, a in self._agents.items()}
 
-    @property
-    def changed(self) -> bool:
-        """Some agent reported or was forgotten since the full-rate stream's last update."""
-        return self.changed_for(FULL_RATE)
-
     def changed_for(self, stream: int) -> bool:
         """Some agent reported or was forgotten since ``stream``'s last update (a stream not
         added yet: ``False``)."""

@@ -93,7 +93,7 @@ def test_fleet_keeps_a_dirty_set_per_stream() -> None:
         assert fleet.accept(b"r%d" % i, _report(f"a{i}", 1)) is None
     full = fleet.updates("delta", 1, {})
     assert [s.source.agent_id for u in full for s in u.engines] == ["a0", "a1", "a2"]
-    assert not fleet.changed and fleet.changed_for(1000)
+    assert not fleet.changed_for(FULL_RATE) and fleet.changed_for(1000)
     assert fleet.accept(b"r0", _report("a0", 2)) is None
     assert fleet.forget(["a2"]) == ["a2"]
     tier = fleet.updates("delta", 1, {}, stream=1000)
