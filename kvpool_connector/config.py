@@ -151,9 +151,10 @@ class KVPoolConfig(BaseModel):
             mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
             (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
         hash_algo: chunk-hash function (``keys.chunk_hashes``): ``sha256`` (default; a
-            crafted collision between tenants is out of reach) or ``xxh3_128`` (faster lookups
-            for fleets whose tenants trust each other or set ``cache_salt``). Part of the
-            layout digest: engines with different algorithms never share values.
+            crafted collision between tenants is out of reach; hashed in C, as fast as the
+            other) or ``xxh3_128`` (not collision-resistant: only for fleets whose tenants
+            trust each other or set ``cache_salt``; kept for fleets that chose it). Part of
+            the layout digest: engines with different algorithms never share values.
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load``; past it the layers not
             loaded are reported failed and recomputed (never an exception into the forward
             pass).

@@ -8,13 +8,18 @@ cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*"; }
 
-# Every Mooncake binary links libibverbs, even over TCP.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
-    step "apt: installing libibverbs1 (needed by mooncake_master even over TCP)"
+# Every Mooncake binary links libibverbs, even over TCP. The pool keys' C extension
+# (setup.py) needs a C compiler and OpenSSL's headers.
+APT=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || APT+=(libibverbs1)
+command -v cc >/dev/null || APT+=(gcc)
+[ -f /usr/include/openssl/evp.h ] || APT+=(libssl-dev)
+if [ ${#APT[@]} -gt 0 ]; then
+    step "apt: installing ${APT[*]} (mooncake_master's RDMA library; kvpool's C extension)"
     SUDO=""
     [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -38,7 +43,8 @@ pip_step() {
     fi
 }
 
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAMP" ] \
+    || [ kvpool_connector/_chunk_hash.c -nt "$STAMP" ]; then
     : >"$LOG"
     step "pip: upgrading pip"
     pip_step -q --upgrade pip
@@ -51,6 +57,6 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
     touch "$STAMP"
 else
-    step "dependencies already installed (.venv is newer than pyproject.toml)"
+    step "dependencies already installed (.venv is newer than pyproject.toml, setup.py and the C source)"
 fi
 step "setup done: $(.venv/bin/python -c 'import vllm, mooncake.store; print("vllm", vllm.__version__, "+ mooncake")' 2>/dev/null | tail -n 1)"

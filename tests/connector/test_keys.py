@@ -3,12 +3,21 @@ drop only the chunk hash of a key, and keys of two layout digests never meet."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
+import sys
+import threading
+import time
 import tracemalloc
+from array import array
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kvpool_connector._chunk_hash import sha256_chain, token_bytes
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
     ChunkHashCache,
@@ -141,6 +150,109 @@ def test_chunk_hashes_are_pinned_chained_and_salted() -> None:
     # gets none.
     assert chunk_hashes([99, *range(1, 32)], 16)[1] != chunk_hashes(list(range(32)), 16)[1]
     assert len(chunk_hashes(list(range(47)), 16)) == 2
+
+
+def _hashlib_chain(data: bytes, step: int, parent: bytes) -> tuple[list[str], bytes]:
+    """The reference the C loop must equal: one ``hashlib.sha256`` per whole chunk."""
+    values = []
+    for start in range(0, len(data) // step * step, step):
+        parent = hashlib.sha256(parent + data[start : start + step]).digest()
+        values.append(parent)
+    return [v[:16].hex() for v in values], b"".join(values)
+
+
+@given(data=st.binary(max_size=600), step=st.integers(1, 130),
+       parent=st.binary(max_size=40), view=st.booleans())
+def test_the_c_chain_equals_hashlib_chunk_by_chunk(
+        data: bytes, step: int, parent: bytes, view: bool) -> None:
+    """Any bytes, chunk size and parent (a trailing partial chunk is not hashed; a
+    memoryview reads as its bytes)."""
+    arg = memoryview(bytearray(data))[:] if view else data
+    assert sha256_chain(arg, step, parent) == _hashlib_chain(data, step, parent)
+
+
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=80), cut=st.integers(0, 80),
+       as_tuple=st.booleans())
+def test_token_bytes_equal_array_uint32_little_endian(
+        ids: list[int], cut: int, as_tuple: bool) -> None:
+    count = min(cut, len(ids))
+    want = array("I", ids[:count])
+    if sys.byteorder == "big":
+        want.byteswap()
+    assert token_bytes(tuple(ids) if as_tuple else ids, count) == want.tobytes()
+
+
+def test_token_bytes_refuse_ids_outside_uint32_and_take_index_types() -> None:
+    with pytest.raises(OverflowError, match=r"token id -1 at position 1 is outside \[0, 2\*\*32\)"):
+        token_bytes([5, -1], 2)
+    with pytest.raises(OverflowError, match=r"token id 4294967296 at position 0"):
+        token_bytes([2**32], 1)
+    with pytest.raises(OverflowError, match=r"token id 18446744073709551616 at position 0"):
+        token_bytes([2**64], 1)
+    with pytest.raises(TypeError):
+        token_bytes([1.5], 1)
+    with pytest.raises(TypeError, match="token ids must be a sequence of int"):
+        token_bytes(7, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"count must be in \[0, 2\], got 3"):
+        token_bytes([1, 2], 3)
+    # Only the first ``count`` ids are read: a bad id past them is no error.
+    assert token_bytes([1, -1], 1) == b"\x01\x00\x00\x00"
+    # An id whose __index__ empties the list: an error, never a read past its end.
+    ids: list[object] = [1, 2, 3, 4]
+
+    class Shrinks:
+        def __index__(self) -> int:
+            ids.clear()
+            return 9
+
+    ids[1] = Shrinks()
+    with pytest.raises(RuntimeError, match="token ids changed size while being packed"):
+        token_bytes(ids, 4)  # type: ignore[arg-type]
+    # numpy's integers (``__index__``) and bools pack as their value, as with array("I").
+    assert token_bytes([np.uint32(258), np.int64(7), True], 3) == (
+        b"\x02\x01\x00\x00\x07\x00\x00\x00\x01\x00\x00\x00")
+
+
+def test_the_c_chain_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="step must be > 0, got 0"):
+        sha256_chain(b"abcd", 0, b"")
+    with pytest.raises(ValueError, match="step must be > 0, got -4"):
+        sha256_chain(b"abcd", -4, b"")
+    with pytest.raises(TypeError):
+        sha256_chain("text", 4, b"")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        sha256_chain(b"abcd", 4)  # type: ignore[call-arg]
+    assert sha256_chain(b"", 4, b"root") == ([], b"")
+
+
+def test_the_c_chain_lets_other_threads_run_on_a_long_input() -> None:
+    """From 1 MiB on, the hashing runs with the GIL released, so an engine's other threads
+    are not held up: a Python thread ticks while the chain is well under way. (Were the GIL
+    held, no tick could land between 10 ms after the call began and 10 ms before it ended:
+    the ticker gets the GIL at most once per 5 ms switch interval before the C loop starts.)"""
+    data = bytes(range(256)) * (1 << 19)  # 128 MiB: 120-180 ms of SHA-256 here
+    ticks: list[float] = []
+    calling, stop = threading.Event(), threading.Event()
+
+    def tick() -> None:
+        calling.wait()
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        calling.set()
+        start = time.perf_counter()
+        names, _ = sha256_chain(data, 1 << 16, b"")
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        ticker.join()
+    assert len(names) == 2048
+    assert end - start > 0.03, "the input hashed too fast to tell"
+    assert any(start + 0.01 < t < end - 0.01 for t in ticks)
 
 
 @pytest.mark.parametrize("algo", ["sha256", "xxh3_128"])

@@ -1,0 +1,232 @@
+/* The hot loops of kvpool_connector.keys' chunk hashes, in C.
+ *
+ * A 32k-token prompt in 16-token chunks is 32,768 token ids to pack and 2,048 chained
+ * hashes. In Python the packing cost 0.28 ms (array.fromlist) and each hash a Python call, a
+ * hash object and a bytes concatenation (about 1 us): together more than issue 13's
+ * scheduler-lookup goal leaves above the store's own batch_is_exist. Here both loops run in
+ * C, the hashes over OpenSSL's SHA-256 (the implementation hashlib.sha256 uses), giving the
+ * same bytes and digests: keys.py owns the scheme (root, chunk bytes, which 16 bytes name a
+ * chunk); this file only runs its loops.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <openssl/evp.h>
+#include <openssl/opensslv.h>
+
+#define DIGEST_BYTES 32
+#define NAME_BYTES 16 /* a chunk is named by the first 16 bytes of its chain value */
+
+/* Inputs at least this long are hashed with the GIL released: about 4 ms of work, long
+ * enough that the engine's other threads should run meanwhile. Shorter ones keep it, since
+ * taking it back can wait a whole switch interval (5 ms) behind a thread that took it. */
+#define GIL_FREE_BYTES (1 << 20)
+
+static const EVP_MD *sha256_md;
+
+static PyObject *
+token_bytes(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *ids;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "On:token_bytes", &ids, &count)) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(ids, "token ids must be a sequence of int");
+    if (seq == NULL) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (count < 0 || count > PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_Format(PyExc_ValueError, "count must be in [0, %zd], got %zd",
+                     PySequence_Fast_GET_SIZE(seq), count);
+        goto fail;
+    }
+    out = PyBytes_FromStringAndSize(NULL, 4 * count);
+    if (out == NULL) {
+        goto fail;
+    }
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        /* Like array("I"): any int, or an object with __index__ (a numpy integer). Its
+         * __index__ may run any code, even shrink the list: hold the item, then check. */
+        if (i >= PySequence_Fast_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_RuntimeError, "token ids changed size while being packed");
+            goto fail;
+        }
+        PyObject *given = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *item = PyLong_CheckExact(given) ? Py_NewRef(given) : PyNumber_Index(given);
+        if (item == NULL) {
+            Py_DECREF(given);
+            goto fail;
+        }
+        unsigned long id = PyLong_AsUnsignedLong(item);
+        Py_DECREF(item);
+        int overflow = id > 0xffffffffUL;
+        if (id == (unsigned long)-1 && PyErr_Occurred()) {
+            overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+            if (!overflow) {
+                Py_DECREF(given);
+                goto fail;
+            }
+            PyErr_Clear();
+        }
+        if (overflow) {
+            PyErr_Format(PyExc_OverflowError,
+                         "token id %R at position %zd is outside [0, 2**32)", given, i);
+            Py_DECREF(given);
+            goto fail;
+        }
+        Py_DECREF(given);
+        o[4 * i] = (unsigned char)id;
+        o[4 * i + 1] = (unsigned char)(id >> 8);
+        o[4 * i + 2] = (unsigned char)(id >> 16);
+        o[4 * i + 3] = (unsigned char)(id >> 24);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static int
+hash_chunks(EVP_MD_CTX *ctx, const unsigned char *data, Py_ssize_t step, Py_ssize_t count,
+            const unsigned char *parent, size_t parent_len, unsigned char *out)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned char *digest = out + i * DIGEST_BYTES;
+        if (!EVP_DigestInit_ex(ctx, sha256_md, NULL)
+            || !EVP_DigestUpdate(ctx, parent, parent_len)
+            || !EVP_DigestUpdate(ctx, data + i * step, (size_t)step)
+            || !EVP_DigestFinal_ex(ctx, digest, NULL)) {
+            return 0;
+        }
+        parent = digest;
+        parent_len = DIGEST_BYTES;
+    }
+    return 1;
+}
+
+static PyObject *
+hex_names(const unsigned char *values, Py_ssize_t count)
+{
+    static const char hex[] = "0123456789abcdef";
+    PyObject *names = PyList_New(count);
+    if (names == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_New(2 * NAME_BYTES, 127);
+        if (name == NULL) {
+            Py_DECREF(names);
+            return NULL;
+        }
+        Py_UCS1 *text = PyUnicode_1BYTE_DATA(name);
+        const unsigned char *value = values + i * DIGEST_BYTES;
+        for (int j = 0; j < NAME_BYTES; j++) {
+            text[2 * j] = (Py_UCS1)hex[value[j] >> 4];
+            text[2 * j + 1] = (Py_UCS1)hex[value[j] & 0xf];
+        }
+        PyList_SET_ITEM(names, i, name);
+    }
+    return names;
+}
+
+static PyObject *
+sha256_chain(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Py_buffer data, parent;
+    Py_ssize_t step;
+    if (!PyArg_ParseTuple(args, "y*ny*:sha256_chain", &data, &step, &parent)) {
+        return NULL;
+    }
+    PyObject *values = NULL, *names = NULL, *result = NULL;
+    EVP_MD_CTX *ctx = NULL;
+    if (step <= 0) {
+        PyErr_Format(PyExc_ValueError, "step must be > 0, got %zd", step);
+        goto done;
+    }
+    Py_ssize_t count = data.len / step;
+    if (count > PY_SSIZE_T_MAX / DIGEST_BYTES) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    values = PyBytes_FromStringAndSize(NULL, count * DIGEST_BYTES);
+    ctx = EVP_MD_CTX_new();
+    if (values == NULL || ctx == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(values);
+    int ok;
+    if (data.len >= GIL_FREE_BYTES) {
+        /* The buffers stay exported (a bytearray cannot be resized) until released below. */
+        Py_BEGIN_ALLOW_THREADS
+        ok = hash_chunks(ctx, data.buf, step, count, parent.buf, (size_t)parent.len, out);
+        Py_END_ALLOW_THREADS
+    } else {
+        ok = hash_chunks(ctx, data.buf, step, count, parent.buf, (size_t)parent.len, out);
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL's SHA-256 failed");
+        goto done;
+    }
+    names = hex_names(out, count);
+    if (names != NULL) {
+        result = PyTuple_Pack(2, names, values);
+    }
+done:
+    EVP_MD_CTX_free(ctx);
+    Py_XDECREF(names);
+    Py_XDECREF(values);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&parent);
+    return result;
+}
+
+PyDoc_STRVAR(token_bytes_doc,
+"token_bytes(token_ids, count, /) -> bytes\n\n"
+"The first count token ids as uint32 little-endian, 4 bytes each. Raises OverflowError for an\n"
+"id outside [0, 2**32), TypeError for one that is not an int, ValueError for a count outside\n"
+"[0, len(token_ids)].");
+
+PyDoc_STRVAR(sha256_chain_doc,
+"sha256_chain(data, step, parent, /) -> (names, values)\n\n"
+"Chained SHA-256 over the whole step-byte chunks of data (a trailing partial chunk is not\n"
+"hashed): chain value i = SHA-256(chain value i-1 + chunk i), chain value -1 = parent.\n"
+"names: one str per chunk, the hex of its chain value's first 16 bytes; values: the\n"
+"chain values, 32 bytes each, concatenated. Raises ValueError if step <= 0.");
+
+static PyMethodDef methods[] = {
+    {"token_bytes", token_bytes, METH_VARARGS, token_bytes_doc},
+    {"sha256_chain", sha256_chain, METH_VARARGS, sha256_chain_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_chunk_hash",
+    .m_doc = "The hot loops of kvpool_connector.keys' chunk hashes, in C.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__chunk_hash(void)
+{
+#if OPENSSL_VERSION_NUMBER >= 0x30000000L
+    /* Fetched once (kept for the process's life): EVP_sha256() would look the
+     * implementation up again on every EVP_DigestInit_ex. */
+    sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+#else
+    sha256_md = EVP_sha256();
+#endif
+    if (sha256_md == NULL) {
+        PyErr_SetString(PyExc_ImportError, "OpenSSL offers no SHA-256");
+        return NULL;
+    }
+    return PyModule_Create(&module_def);
+}

@@ -1,0 +1,20 @@
+"""kvpool's one C extension; everything else about the build is in pyproject.toml.
+
+``kvpool_connector._chunk_hash`` runs the hot loops of the pool keys' chunk hashes (packing
+token ids, the chained SHA-256 through OpenSSL; see its source). Building it needs a C
+compiler, the Python headers and OpenSSL's headers (Debian: libssl-dev; ``scripts/setup.sh``
+installs it).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvpool_connector._chunk_hash",
+            sources=["kvpool_connector/_chunk_hash.c"],
+            libraries=["crypto"],
+            extra_compile_args=["-Wall", "-Wextra"],
+        )
+    ]
+)
