@@ -254,9 +254,9 @@ def _chain(data: bytes | memoryview, step: int, parent: bytes,
         values (32 bytes each, concatenated; a name holds half of one). For XXH3-128 ``values``
         is empty: a chain value is its name's bytes.
 
-    SHA-256 runs the whole chain in one C call (``_sha256_chain``, OpenSSL): through hashlib
-    the per-chunk call (about 1 us) was the whole cost. XXH3-128 loops here, one call per
-    chunk (about 0.25 us each).
+    SHA-256 runs the whole chain in one C call (``_chunk_hash.sha256_chain``, OpenSSL):
+    through hashlib the per-chunk call (about 1 us) was the whole cost. XXH3-128 loops here,
+    one call per chunk (about 0.25 us each).
     """
     if algo == "sha256":
         return sha256_chain(data, step, parent)
