@@ -187,11 +187,109 @@ done:
     return result;
 }
 
+/* prefix + name + suffix as one new str: a single allocation and copy when all three are
+ * ASCII (every pool key is), else through PyUnicode_Concat. */
+static PyObject *
+join3(PyObject *prefix, PyObject *name, PyObject *suffix)
+{
+    if (PyUnicode_IS_COMPACT_ASCII(prefix) && PyUnicode_IS_COMPACT_ASCII(name)
+        && (suffix == NULL || PyUnicode_IS_COMPACT_ASCII(suffix))) {
+        Py_ssize_t lp = PyUnicode_GET_LENGTH(prefix), ln = PyUnicode_GET_LENGTH(name);
+        Py_ssize_t ls = suffix == NULL ? 0 : PyUnicode_GET_LENGTH(suffix);
+        PyObject *key = PyUnicode_New(lp + ln + ls, 127);
+        if (key == NULL) {
+            return NULL;
+        }
+        Py_UCS1 *text = PyUnicode_1BYTE_DATA(key);
+        memcpy(text, PyUnicode_1BYTE_DATA(prefix), (size_t)lp);
+        memcpy(text + lp, PyUnicode_1BYTE_DATA(name), (size_t)ln);
+        if (ls) {
+            memcpy(text + lp + ln, PyUnicode_1BYTE_DATA(suffix), (size_t)ls);
+        }
+        return key;
+    }
+    PyObject *head = PyUnicode_Concat(prefix, name);
+    if (head == NULL || suffix == NULL) {
+        return head;
+    }
+    PyObject *key = PyUnicode_Concat(head, suffix);
+    Py_DECREF(head);
+    return key;
+}
+
+static PyObject *
+prefixed_keys(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *prefixes_arg, *names_arg, *suffixes_arg = Py_None;
+    if (!PyArg_ParseTuple(args, "OO|O:prefixed_keys", &prefixes_arg, &names_arg,
+                          &suffixes_arg)) {
+        return NULL;
+    }
+    /* Tuples or lists are used as they are (no copy); other sequences are copied once. No
+     * Python code runs below, so none of them can change while the keys are built. */
+    PyObject *prefixes = PySequence_Fast(prefixes_arg, "prefixes must be a sequence of str");
+    PyObject *names = prefixes == NULL ? NULL
+        : PySequence_Fast(names_arg, "names must be a sequence of str");
+    PyObject *suffixes = names == NULL || suffixes_arg == Py_None ? NULL
+        : PySequence_Fast(suffixes_arg, "suffixes must be a sequence of str");
+    PyObject *keys = NULL;
+    if (names == NULL || (suffixes_arg != Py_None && suffixes == NULL)) {
+        goto done;
+    }
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(prefixes), nn = PySequence_Fast_GET_SIZE(names);
+    Py_ssize_t ns = suffixes == NULL ? 1 : PySequence_Fast_GET_SIZE(suffixes);
+    PyObject **all[3] = {PySequence_Fast_ITEMS(prefixes), PySequence_Fast_ITEMS(names),
+                         suffixes == NULL ? NULL : PySequence_Fast_ITEMS(suffixes)};
+    Py_ssize_t sizes[3] = {np, nn, suffixes == NULL ? 0 : ns};
+    for (int k = 0; k < 3; k++) {
+        for (Py_ssize_t i = 0; i < sizes[k]; i++) {
+            if (!PyUnicode_Check(all[k][i])) {
+                PyErr_Format(PyExc_TypeError, "%s must be str, got %.100s",
+                             k == 0 ? "prefixes" : k == 1 ? "names" : "suffixes",
+                             Py_TYPE(all[k][i])->tp_name);
+                goto done;
+            }
+        }
+    }
+    if (np && ns && nn > PY_SSIZE_T_MAX / np / ns) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    keys = PyList_New(nn * np * ns);
+    if (keys == NULL) {
+        goto done;
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < nn; i++) {
+        for (Py_ssize_t j = 0; j < np; j++) {
+            for (Py_ssize_t k = 0; k < ns; k++) {
+                PyObject *key = join3(all[0][j], all[1][i], suffixes == NULL ? NULL : all[2][k]);
+                if (key == NULL) {
+                    Py_CLEAR(keys);
+                    goto done;
+                }
+                PyList_SET_ITEM(keys, at++, key);
+            }
+        }
+    }
+done:
+    Py_XDECREF(prefixes);
+    Py_XDECREF(names);
+    Py_XDECREF(suffixes);
+    return keys;
+}
+
 PyDoc_STRVAR(token_bytes_doc,
 "token_bytes(token_ids, count, /) -> bytes\n\n"
 "The first count token ids as uint32 little-endian, 4 bytes each. Raises OverflowError for an\n"
 "id outside [0, 2**32), TypeError for one that is not an int, ValueError for a count outside\n"
 "[0, len(token_ids)].");
+
+PyDoc_STRVAR(prefixed_keys_doc,
+"prefixed_keys(prefixes, names, suffixes=None, /) -> list[str]\n\n"
+"prefix + name (+ suffix) for every name, then prefix, then suffix: the same list as\n"
+"[p + n + s for n in names for p in prefixes for s in suffixes] ([''] for None). Raises\n"
+"TypeError for an item that is not a str.");
 
 PyDoc_STRVAR(sha256_chain_doc,
 "sha256_chain(data, step, parent, /) -> (names, values)\n\n"
@@ -202,6 +300,7 @@ PyDoc_STRVAR(sha256_chain_doc,
 
 static PyMethodDef methods[] = {
     {"token_bytes", token_bytes, METH_VARARGS, token_bytes_doc},
+    {"prefixed_keys", prefixed_keys, METH_VARARGS, prefixed_keys_doc},
     {"sha256_chain", sha256_chain, METH_VARARGS, sha256_chain_doc},
     {NULL, NULL, 0, NULL},
 };

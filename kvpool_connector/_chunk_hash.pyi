@@ -13,6 +13,15 @@ def token_bytes(token_ids: Sequence[int], count: int, /) -> bytes:
         ValueError: ``count`` outside [0, ``len(token_ids)``].
     """
 
+def prefixed_keys(prefixes: Sequence[str], names: Sequence[str],
+                  suffixes: Sequence[str] | None = None, /) -> list[str]:
+    """``[p + n + s for n in names for p in prefixes for s in suffixes]`` (``suffixes``
+    ``None``: ``[""]``), one allocation and copy per key.
+
+    Raises:
+        TypeError: an item that is not a ``str``.
+    """
+
 def sha256_chain(data: Buffer, step: int, parent: Buffer, /) -> tuple[list[str], bytes]:
     """Chained SHA-256 over the whole ``step``-byte chunks of ``data``.
 

@@ -37,7 +37,7 @@ from urllib.parse import quote
 
 import xxhash
 
-from kvpool_connector._chunk_hash import sha256_chain, token_bytes
+from kvpool_connector._chunk_hash import prefixed_keys, sha256_chain, token_bytes
 
 __all__ = [
     "ALL_KEYS_PATTERN",
@@ -178,8 +178,10 @@ def chunk_keys(
 ) -> list[str]:
     """Key strings of every chunk for every shard (and layer), in one batch.
 
-    The same strings ``str(PoolKey(...))``/``str(LayerPoolKey(...))`` give, built by plain
-    joins because the scheduler's lookup builds thousands per request.
+    The same strings ``str(PoolKey(...))``/``str(LayerPoolKey(...))`` give, built in C
+    (``_chunk_hash.prefixed_keys``: one allocation and copy per key) because the scheduler's
+    lookup builds thousands per request: 2,048 keys in 0.05-0.07 ms, 0.09-0.23 ms as a list
+    comprehension.
 
     Args:
         prefixes: ``shard_prefix`` of each shard, built once by the caller.
@@ -189,15 +191,12 @@ def chunk_keys(
     Returns:
         ``len(chunk_hashes) * len(prefixes) * len(layers or [None])`` keys, chunk-major, then
         shard, then layer: the keys of chunk ``i`` are one contiguous slice.
+
+    Raises:
+        TypeError: a prefix or chunk hash that is not a ``str``.
     """
-    if layers is None:
-        if len(prefixes) == 1:
-            (prefix,) = prefixes
-            # A comprehension: 0.14 ms for 2,048 keys, map(prefix.__add__) 0.20 ms.
-            return [prefix + h for h in chunk_hashes]
-        return [p + h for h in chunk_hashes for p in prefixes]
-    suffixes = [f"{_LAYER}{i}" for i in layers]
-    return [p + h + sfx for h in chunk_hashes for p in prefixes for sfx in suffixes]
+    return prefixed_keys(prefixes, chunk_hashes,
+                         None if layers is None else [f"{_LAYER}{i}" for i in layers])
 
 
 def size_group(key: str) -> str:

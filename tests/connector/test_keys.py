@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool_connector._chunk_hash import sha256_chain, token_bytes
+from kvpool_connector._chunk_hash import prefixed_keys, sha256_chain, token_bytes
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
     ChunkHashCache,
@@ -211,6 +211,39 @@ def test_token_bytes_refuse_ids_outside_uint32_and_take_index_types() -> None:
     # numpy's integers (``__index__``) and bools pack as their value, as with array("I").
     assert token_bytes([np.uint32(258), np.int64(7), True], 3) == (
         b"\x02\x01\x00\x00\x07\x00\x00\x00\x01\x00\x00\x00")
+
+
+class _Str(str):
+    pass
+
+
+_TEXT = st.text(alphabet=st.sampled_from("az09@%./\u00e9\u4e2d\U0001f600"), max_size=6)
+
+
+@given(prefixes=st.lists(_TEXT, max_size=3), names=st.lists(_TEXT, max_size=5),
+       suffixes=st.none() | st.lists(_TEXT, max_size=3), subclass=st.booleans())
+def test_prefixed_keys_equal_the_comprehension(
+        prefixes: list[str], names: list[str], suffixes: list[str] | None,
+        subclass: bool) -> None:
+    """ASCII (the fast copy), other text and str subclasses (through concatenation); lists,
+    tuples or any sequence."""
+    if subclass:
+        names = [_Str(n) for n in names]
+    want = [p + n + s for n in names for p in prefixes
+            for s in ([""] if suffixes is None else suffixes)]
+    got = prefixed_keys(tuple(prefixes), iter(names), suffixes)  # type: ignore[arg-type]
+    assert got == want and all(type(k) is str for k in got)
+
+
+def test_prefixed_keys_refuse_what_is_not_str() -> None:
+    with pytest.raises(TypeError, match="names must be str, got bytes"):
+        prefixed_keys(["p@"], ["ab", b"cd"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="prefixes must be str, got int"):
+        prefixed_keys([1], ["ab"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="suffixes must be str, got NoneType"):
+        prefixed_keys(["p@"], ["ab"], [None])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="names must be a sequence of str"):
+        prefixed_keys(["p@"], 5)  # type: ignore[arg-type]
 
 
 def test_the_c_chain_refuses_bad_arguments() -> None:
