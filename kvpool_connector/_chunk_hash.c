@@ -1,12 +1,14 @@
-/* The hot loops of kvpool_connector.keys' chunk hashes, in C.
+/* The hot loops of kvpool_connector.keys, in C: what a scheduler lookup does per token and
+ * per chunk.
  *
- * A 32k-token prompt in 16-token chunks is 32,768 token ids to pack and 2,048 chained
- * hashes. In Python the packing cost 0.28 ms (array.fromlist) and each hash a Python call, a
- * hash object and a bytes concatenation (about 1 us): together more than issue 13's
- * scheduler-lookup goal leaves above the store's own batch_is_exist. Here both loops run in
- * C, the hashes over OpenSSL's SHA-256 (the implementation hashlib.sha256 uses), giving the
- * same bytes and digests: keys.py owns the scheme (root, chunk bytes, which 16 bytes name a
- * chunk); this file only runs its loops.
+ * A 32k-token prompt in 16-token chunks is 32,768 token ids to pack, 2,048 chained hashes
+ * and 2,048 key strings to build. In Python the packing cost 0.28 ms (array.fromlist), each
+ * hash a Python call, a hash object and a bytes concatenation (about 1 us), each key a
+ * concatenation: together more than issue 13's scheduler-lookup goal leaves above the
+ * store's own batch_is_exist. Here the loops run in C, the hashes over OpenSSL's SHA-256 (the
+ * implementation hashlib.sha256 uses), giving the same bytes, digests and strings: keys.py
+ * owns the scheme (root, chunk bytes, which 16 bytes name a chunk, the key grammar); this
+ * file only runs its loops.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -308,7 +310,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_chunk_hash",
-    .m_doc = "The hot loops of kvpool_connector.keys' chunk hashes, in C.",
+    .m_doc = "The hot loops of kvpool_connector.keys, in C.",
     .m_size = -1,
     .m_methods = methods,
 };

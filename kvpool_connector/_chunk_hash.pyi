@@ -1,4 +1,4 @@
-"""The hot loops of ``kvpool_connector.keys``' chunk hashes, in C (``_chunk_hash.c``)."""
+"""The hot loops of ``kvpool_connector.keys``, in C (``_chunk_hash.c``)."""
 
 from collections.abc import Sequence
 
