@@ -33,8 +33,9 @@ __all__ = ["LAYOUT_SCHEME", "LayoutFacts", "ModelFacts", "cache_signature", "des
 
 LAYOUT_SCHEME = 2
 """Version of the value layout and chunk-hash scheme; bump it when either changes, so values
-written by an older connector are never read as the new layout. 2: chunk hashes are chained
-XXH3-128 (1: chained SHA-256)."""
+written by an older connector are never read as the new layout. 2: chunk hashes chained from
+the v2 root, SHA-256 unless ``hash_algo`` says otherwise (a digest field of its own); 1: chained
+SHA-256 from the v1 root."""
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):

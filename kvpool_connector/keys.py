@@ -37,7 +37,13 @@ from urllib.parse import quote
 
 import xxhash
 
-from kvpool_connector._chunk_hash import prefixed_keys, sha256_chain, token_bytes
+try:
+    from kvpool_connector._chunk_hash import prefixed_keys, sha256_chain, token_bytes
+except ImportError as exc:  # not built, or built from an older _chunk_hash.c
+    raise ImportError(
+        f"kvpool's C extension kvpool_connector._chunk_hash is missing or out of date ({exc}): "
+        "run `make setup` (or `pip install -e .`; it needs gcc, the Python headers and "
+        "libssl-dev)") from exc
 
 __all__ = [
     "ALL_KEYS_PATTERN",
@@ -312,7 +318,7 @@ def chunk_hashes(
     would load one request's KV into another's. With SHA-256 a crafted collision is out of
     reach (vLLM's own ``prefix_caching_hash_algo`` defaults to it for the same reason). Its
     chain runs in one C call (``_chunk_hash``): a 32k-token prompt in 16-token chunks hashes
-    in about 0.9 ms, no slower than ``xxh3_128``'s Python loop (``bench/bench_lookup.py``,
+    in 0.5-0.9 ms, no slower than ``xxh3_128``'s Python loop (``bench/bench_lookup.py``,
     "hash only"). ``ChunkHashCache`` gives the same hashes without rehashing a prefix seen
     recently.
     """

@@ -8,14 +8,25 @@ cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*"; }
 
-# Every Mooncake binary links libibverbs, even over TCP. The pool keys' C extension
-# (setup.py) needs a C compiler and OpenSSL's headers.
-APT=()
-ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || APT+=(libibverbs1)
-command -v cc >/dev/null || APT+=(gcc)
-[ -f /usr/include/openssl/evp.h ] || APT+=(libssl-dev)
+# Every Mooncake binary links libibverbs, even over TCP. The connector's C extension
+# (setup.py: kvpool_connector/_chunk_hash.c) needs a C compiler with libc's headers, the Python
+# headers and OpenSSL's.
+APT=() WHY=()
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    APT+=(libibverbs1) WHY+=("libibverbs1: mooncake_master links it")
+fi
+if ! command -v cc >/dev/null || [ ! -f /usr/include/stdio.h ]; then
+    APT+=(gcc libc6-dev) WHY+=("gcc, libc6-dev: to compile kvpool's C extension")
+fi
+if ! python3 -c 'import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    APT+=(python3-dev) WHY+=("python3-dev: Python.h for the C extension")
+fi
+if [ ! -f /usr/include/openssl/evp.h ]; then
+    APT+=(libssl-dev) WHY+=("libssl-dev: OpenSSL's SHA-256 for the C extension")
+fi
 if [ ${#APT[@]} -gt 0 ]; then
-    step "apt: installing ${APT[*]} (mooncake_master's RDMA library; kvpool's C extension)"
+    step "apt: installing $(IFS=';'; echo "${WHY[*]}" | sed 's/;/; /g')"
     SUDO=""
     [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
@@ -33,7 +44,9 @@ pip_step() {
     # Show each package pip resolves as progress; keep pip's whole output in $LOG.
     set +e
     .venv/bin/pip install --progress-bar off "$@" 2>&1 | tee -a "$LOG" \
-        | sed -un 's/^Collecting \([^ ;<>=!~(]*\).*/    collecting \1/p'
+        | sed -un -e 's/^Collecting \([^ ;<>=!~(]*\).*/    collecting \1/p' \
+            -e 's/^ *Building editable for kvpool.*started$/    building kvpool (its C extension)/p' \
+            -e 's/^Installing collected packages: .*/    installing the collected packages/p'
     local rc=${PIPESTATUS[0]}
     set -e
     if [ "$rc" -ne 0 ]; then

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -244,6 +245,19 @@ def test_prefixed_keys_refuse_what_is_not_str() -> None:
         prefixed_keys(["p@"], ["ab"], [None])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="names must be a sequence of str"):
         prefixed_keys(["p@"], 5)  # type: ignore[arg-type]
+
+
+def test_a_missing_c_extension_names_the_fix() -> None:
+    """Not built (or built from an older source): the import says what to run."""
+    code = ("import sys; sys.modules['kvpool_connector._chunk_hash'] = None; "
+            "import kvpool_connector.keys")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: kvpool's C extension kvpool_connector._chunk_hash is "
+                           "missing or out of date"), last
+    assert "run `make setup`" in last and "libssl-dev" in last
 
 
 def test_the_c_chain_refuses_bad_arguments() -> None:
