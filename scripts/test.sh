@@ -13,7 +13,7 @@ if [ ! -x /usr/sbin/sshd ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server >/dev/null
 fi
-printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench
+printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench setup.py
 printf '\n==> mypy\n';  .venv/bin/mypy
 printf '\n==> import contracts\n';  .venv/bin/lint-imports
 printf '\n==> pytest\n'
