@@ -160,14 +160,15 @@ def main() -> None:
     os.environ.setdefault("KVPOOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="kvpool-bench-"))
     prompt = [(i * 7919) % 30000 + 3 for i in range(args.tokens)]
     server = "over the IPC socket" if args.socket else "in process"
-    print(f"prompt: {args.tokens} tokens; {args.iters} timed lookups per variant; "
-          f"all chunks present; lookup server {server}; "
-          f"load average {os.getloadavg()[0]:.2f} at start")
-    print(f"{'chunk':>6} {'keys':>6}  {'variant':<22} {'p50 ms':>8} {'p99 ms':>8}")
     with LocalMooncakeMaster() as master:
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": "64MB",
             "local_buffer_size": "16MB"}}))
+        # After the client connected: Mooncake's start-up log lines come before the table.
+        print(f"prompt: {args.tokens} tokens; {args.iters} timed lookups per variant; "
+              f"all chunks present; lookup server {server}; "
+              f"load average {os.getloadavg()[0]:.2f} at start")
+        print(f"{'chunk':>6} {'keys':>6}  {'variant':<22} {'p50 ms':>8} {'p99 ms':>8}")
         try:
             for chunk in (int(c) for c in args.chunk_sizes.split(",")):
                 for algo in cast(list[HashAlgo], args.hash_algos.split(",")):
