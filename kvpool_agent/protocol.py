@@ -174,7 +174,8 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     ``load_failed_tokens`` were accepted from the pool but failed to load (recomputed).
     ``lookup_skipped`` counts lookups not made, by reason in ``skipped_by_reason``
     (``MULTIMODAL``, ``BREAKER_OPEN``, ``LOCAL_CACHE``: vLLM's own cache held every whole chunk,
-    ``SHORT_PROMPT``: no whole chunk before the last token).
+    ``SHORT_PROMPT``: no whole chunk before the last token, ``BAD_TOKEN_IDS``: a prompt token
+    id that is not an int in [0, 2**32)).
     """
 
     lookups: int = 0

@@ -62,28 +62,37 @@ token_bytes(PyObject *Py_UNUSED(module), PyObject *args)
         }
         PyObject *given = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
         PyObject *item = PyLong_CheckExact(given) ? Py_NewRef(given) : PyNumber_Index(given);
+        Py_DECREF(given);
         if (item == NULL) {
-            Py_DECREF(given);
             goto fail;
         }
         unsigned long id = PyLong_AsUnsignedLong(item);
-        Py_DECREF(item);
         int overflow = id > 0xffffffffUL;
         if (id == (unsigned long)-1 && PyErr_Occurred()) {
             overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
             if (!overflow) {
-                Py_DECREF(given);
+                Py_DECREF(item);
                 goto fail;
             }
             PyErr_Clear();
         }
         if (overflow) {
-            PyErr_Format(PyExc_OverflowError,
-                         "token id %R at position %zd is outside [0, 2**32)", given, i);
-            Py_DECREF(given);
+            /* The message shows the int __index__ gave, never the item's repr (any code, any
+             * exception), nor an int too long for a C long long: Python refuses to print one
+             * of more than 4,300 digits with ValueError, and the error must stay this one. */
+            int wide;
+            long long shown = PyLong_AsLongLongAndOverflow(item, &wide);
+            if (wide) {
+                PyErr_Format(PyExc_OverflowError, "token id at position %zd is outside "
+                             "[0, 2**32): %s", i, wide > 0 ? "at least 2**63" : "below -2**63");
+            } else {
+                PyErr_Format(PyExc_OverflowError, "token id %lld at position %zd is outside "
+                             "[0, 2**32)", shown, i);
+            }
+            Py_DECREF(item);
             goto fail;
         }
-        Py_DECREF(given);
+        Py_DECREF(item);
         o[4 * i] = (unsigned char)id;
         o[4 * i + 1] = (unsigned char)(id >> 8);
         o[4 * i + 2] = (unsigned char)(id >> 16);

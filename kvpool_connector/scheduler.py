@@ -12,7 +12,9 @@ Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1
    or its token count changes: a request waiting for free blocks is looked up once, not on
    every scheduler step. A request with media (``mm_features``) skips the pool (its tokens do
    not identify its KV); after ``lookup_breaker_failures`` failed lookups in a row, lookups are
-   skipped for ``lookup_breaker_open_ms`` (both counted as ``lookup_skipped`` with a reason).
+   skipped for ``lookup_breaker_open_ms``; a prompt with a token id no key can hold (not an int
+   in [0, 2**32), which vLLM lets through without a tokenizer) skips the pool, load and saves
+   (all counted as ``lookup_skipped`` with a reason).
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)``: vLLM allocated blocks;
    the load is confirmed (``LoadSpec.can_load``) for the ``num_external_tokens`` vLLM accepted
    (fewer than offered: the worker loads up to the cut, even inside a chunk).
@@ -236,10 +238,27 @@ class KVPoolScheduler:
         rid = request.request_id
         hashes = self._hashes.get(rid)
         if hashes is None:
-            hashes = [] if _has_media(request) else self.hash_cache.hashes(
-                request.prompt_token_ids or [], request_extra(request))
+            hashes = [] if _has_media(request) else self._hash_prompt(request)
             self._hashes[rid] = hashes
         return hashes
+
+    def _hash_prompt(self, request: Request) -> list[str]:
+        """``_hashes_for`` a request without media; none (reported as ``BAD_TOKEN_IDS``) when a
+        token id is not an int in [0, 2**32), which no key can name.
+
+        vLLM checks token ids against the vocabulary only when it has a tokenizer
+        (``skip_tokenizer_init`` skips the check), and with TP > 1 its embedding zeroes an id
+        outside the vocabulary instead of failing: such a request runs, so hashing it must not
+        raise into vLLM's scheduler (that ends the engine). It is recomputed and never saved.
+        """
+        try:
+            return self.hash_cache.hashes(request.prompt_token_ids or [], request_extra(request))
+        except (OverflowError, TypeError) as exc:
+            rid = request.request_id
+            msg = f"request {rid}'s prompt cannot be keyed ({exc}): it runs without the pool"
+            logger.error("kvpool: %s", msg)
+            self.reporter.error("lookup", "BAD_TOKEN_IDS", msg, req_id=rid)
+            return []
 
     def _skip(self, rid: str, prompt_len: int, local: int, reason: str) -> tuple[int, bool]:
         """Count and report a lookup not made for ``reason``."""
@@ -305,6 +324,8 @@ class KVPoolScheduler:
         if self._breaker.is_open(now):
             return self._skip(rid, prompt_len, num_computed_tokens, "BREAKER_OPEN")
         hashes = self._hashes_for(request)[:max_chunks]
+        if not hashes:  # max_chunks >= 1 here: the prompt could not be hashed (_hash_prompt)
+            return self._skip(rid, prompt_len, num_computed_tokens, "BAD_TOKEN_IDS")
         self.counters.lookups += 1
         self.counters.prompt_tokens += prompt_len
         self.counters.local_tokens += num_computed_tokens

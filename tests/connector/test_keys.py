@@ -188,7 +188,7 @@ def test_token_bytes_refuse_ids_outside_uint32_and_take_index_types() -> None:
         token_bytes([5, -1], 2)
     with pytest.raises(OverflowError, match=r"token id 4294967296 at position 0"):
         token_bytes([2**32], 1)
-    with pytest.raises(OverflowError, match=r"token id 18446744073709551616 at position 0"):
+    with pytest.raises(OverflowError, match=r"token id at position 0 .*: at least 2\*\*63"):
         token_bytes([2**64], 1)
     with pytest.raises(TypeError):
         token_bytes([1.5], 1)
@@ -212,6 +212,29 @@ def test_token_bytes_refuse_ids_outside_uint32_and_take_index_types() -> None:
     # numpy's integers (``__index__``) and bools pack as their value, as with array("I").
     assert token_bytes([np.uint32(258), np.int64(7), True], 3) == (
         b"\x02\x01\x00\x00\x07\x00\x00\x00\x01\x00\x00\x00")
+
+
+def test_token_bytes_overflow_is_an_overflow_error_whatever_the_id() -> None:
+    """Every id outside [0, 2**32) is the documented OverflowError: the message never turns
+    the id into text through its ``repr`` (a Python int of more than 4,300 digits refuses
+    that with ValueError, an ``__index__`` object's ``__repr__`` may raise anything)."""
+    with pytest.raises(OverflowError,
+                       match=r"token id at position 1 is outside \[0, 2\*\*32\): at least 2\*\*63"):
+        token_bytes([0, 10**5000], 2)
+    with pytest.raises(OverflowError, match=r"token id at position 0 .*: below -2\*\*63"):
+        token_bytes([-(10**5000)], 1)
+    with pytest.raises(OverflowError, match=r"token id 9223372036854775807 at position 0"):
+        token_bytes([2**63 - 1], 1)
+
+    class Unprintable:
+        def __index__(self) -> int:
+            return 2**40
+
+        def __repr__(self) -> str:
+            raise KeyError("no repr")
+
+    with pytest.raises(OverflowError, match=r"token id 1099511627776 at position 0 is outside"):
+        token_bytes([Unprintable()], 1)  # type: ignore[list-item]
 
 
 class _Str(str):

@@ -3,6 +3,7 @@ LookupServer (real ZMQ IPC) backed by a real KVPoolWorker and a real mooncake_ma
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -502,6 +503,45 @@ def test_multimodal_request_skips_the_pool(engine: Engine) -> None:
     new = NewRequestData.from_request(req, ([0, 1, 2, 3, 4],))
     assert engine.sched.build_connector_meta(_output([new], {"mm": 70})).requests == []
     assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
+
+
+@pytest.mark.parametrize(("bad_id", "why"), [(-1, r"token id -1 at position 40 is outside"),
+                                             (2**32, r"token id 4294967296 at position 40"),
+                                             (2**64, r"at position 40 .*: at least 2\*\*63"),
+                                             (1.5, r"'float' object cannot be interpreted")])
+def test_token_ids_outside_uint32_run_without_the_pool(
+        engine: Engine, bad_id: Any, why: str) -> None:
+    """vLLM checks prompt token ids against the vocabulary only when it has a tokenizer
+    (``skip_tokenizer_init`` skips the check) and with TP > 1 its embedding zeroes an id
+    outside the vocabulary instead of failing: such a request runs. The connector must not end
+    the engine with an exception from hashing it; no key can name its tokens, so it neither
+    loads nor saves (recomputed), and the error is reported once with the request id."""
+    prompt = _prompt(70, 15)
+    engine.store(prompt, 3)
+    bad = [*prompt[:40], bad_id, *prompt[41:]]
+    req = _request("bad-ids", bad)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    c = engine.sched.counters
+    assert (c.lookups, c.lookup_skipped, c.skip_reasons) == (0, 1, {"BAD_TOKEN_IDS": 1})
+    events = engine.reporter.drain()
+    (err,) = [e for e in events if isinstance(e, ReportedError)]
+    assert (err.name, err.req_id) == ("BAD_TOKEN_IDS", "bad-ids")
+    assert re.search(r"request bad-ids's prompt cannot be keyed \(.*" + why, err.message)
+    (ev,) = [e for e in events if isinstance(e, Lookup)]
+    assert ev.skipped == "BAD_TOKEN_IDS"
+    engine.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3, 4]), 0)
+    new = NewRequestData.from_request(req, ([0, 1, 2, 3, 4],))
+    assert engine.sched.build_connector_meta(_output([new], {"bad-ids": 70})).requests == []
+    assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
+    assert [e for e in engine.reporter.drain() if isinstance(e, ReportedError)] == []
+    # A short prompt with such an id (no lookup to make) is saved by no one either.
+    short = _request("bad-short", [5, bad_id, 6])
+    assert engine.sched.get_num_new_matched_tokens(short, 0) == (0, False)
+    engine.sched.update_state_after_alloc(short, _blocks([5]), 0)
+    new = NewRequestData.from_request(short, ([5],))
+    assert engine.sched.build_connector_meta(_output([new], {"bad-short": 3})).requests == []
+    # The engine goes on: the good prompt still loads what the pool holds.
+    assert engine.sched.get_num_new_matched_tokens(_request("good", prompt), 0) == (48, False)
 
 
 def test_trimmed_hit_is_loaded_up_to_the_cut(backend: MooncakeBackend) -> None:
