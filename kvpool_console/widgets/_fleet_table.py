@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
-from typing import Self
 
 from rich.cells import cell_len
 from rich.segment import Segment
@@ -555,7 +554,7 @@ class FleetTable(DataTable[Text | str]):
             self.move_cursor(row=keys.index(selected), animate=False)
 
     def refresh(self, *regions: Region, repaint: bool = True, layout: bool = False,
-                recompose: bool = False) -> Self:
+                recompose: bool = False) -> FleetTable:
         """Widget.refresh; a plain repaint asked for while ``show`` updates cells is done
         once, when it is done."""
         if self._refresh_asked is not None and not (regions or layout or recompose):
