@@ -9,7 +9,8 @@ prompt (small values: only existence matters), then measures, per chunk size:
   chunk hashes of the prompt (``hash_algo``: SHA-256 by default, XXH3-128 opt-in; each is
   timed), the hand-off to the ``LookupServer`` (its local thread, as when vLLM's ``uni``
   executor runs worker rank 0 in the scheduler's process at TP = 1; ``--socket``: the ZMQ IPC
-  round trip, as when worker rank 0 is another process) and the worker's ``lookup_chunks``
+  round trip a worker rank 0 in another process takes, with the server's thread still in this
+  process) and the worker's ``lookup_chunks``
   (``batch_is_exist`` on the chunk keys);
 * ``prompt seen before``: the same for a new request whose prompt the scheduler hashed
   recently (a repeated prompt; a later conversation turn or a shared system prompt reuses its
@@ -155,7 +156,8 @@ def main() -> None:
     ap.add_argument("--hash-algos", default=",".join(HASH_ALGOS),
                     help="comma-separated chunk-hash functions (hash_algo), each timed")
     ap.add_argument("--socket", action="store_true",
-                    help="scheduler asks over the IPC socket (worker rank 0 in another process)")
+                    help="scheduler asks over the IPC socket, as it does a worker rank 0 in "
+                         "another process (the server's thread stays in this one)")
     args = ap.parse_args()
     os.environ.setdefault("KVPOOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="kvpool-bench-"))
     prompt = [(i * 7919) % 30000 + 3 for i in range(args.tokens)]
