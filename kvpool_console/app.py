@@ -24,6 +24,7 @@ flush modals ask for their command, the app runs it in a thread worker and answe
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,6 +34,7 @@ import msgspec
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
+from textual.driver import Driver
 from textual.reactive import var
 from textual.screen import Screen
 from textual.timer import Timer
@@ -190,6 +192,18 @@ class KVPoolConsole(App[None]):
     def alerts(self) -> list[Alert]:
         """The active alerts of the latest sample."""
         return self.view.alerts if self.view is not None else []
+
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver for this platform, with ``HangupSafeDriver`` in place of its
+        ``LinuxDriver`` (every POSIX terminal): the console must leave on its own when an SSH
+        session drops, whatever its output thread was doing."""
+        driver = super().get_driver_class()
+        if sys.platform == "win32":
+            return driver
+        from textual.drivers.linux_driver import LinuxDriver  # termios: POSIX only
+
+        from kvpool_console._terminal import HangupSafeDriver
+        return HangupSafeDriver if driver is LinuxDriver else driver
 
     # ---- layout -------------------------------------------------------------------------
 

@@ -393,6 +393,11 @@ class _Signals:
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             os.close(null)
+            # The kernel follows the hangup's SIGHUP with a SIGCONT, on which Textual's driver
+            # would re-enter application mode: a second output and input thread on a terminal
+            # that is gone, and its first input thread (not a daemon) left to notice the exit
+            # within 0.1 s or keep the process alive for ever.
+            signal.signal(signal.SIGCONT, signal.SIG_DFL)
         loop = getattr(self.app, "_loop", None) if self.app is not None else None
         if loop is None:
             raise _Stopped(f"signal {signum}")

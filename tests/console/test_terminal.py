@@ -1,12 +1,18 @@
 """The TUI in a real pseudo-terminal: it starts, draws, and exits when the terminal goes away
-(an SSH session dropping closes the pty and the kernel sends SIGHUP)."""
+(an SSH session dropping closes the pty and the kernel sends SIGHUP, then SIGCONT), also when the
+terminal had stopped reading its output first."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import select
+import signal
+import struct
+import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -28,33 +34,110 @@ def _read_until(fd: int, needle: bytes, timeout_s: float) -> bytes:
     return buf
 
 
-def test_quits_when_terminal_goes_away(live_fleet: LiveFleet) -> None:
-    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
-    live_fleet.wait_agents(2)
+def _console_on_pty(live_fleet: LiveFleet) -> tuple[int, int]:
+    """``kvpool-console --hub ...`` in a child on a new pty, as over SSH: (pid, master fd)."""
     pid, fd = pty.fork()
-    if pid == 0:  # child: the console on the pty, as over SSH
+    if pid == 0:
         os.chdir(_ROOT)
         os.environ.update(TERM="xterm-256color", COLUMNS="100", LINES="30")
         os.execv(sys.executable, [sys.executable, "-m", "kvpool_console.cli",
                                   "--hub", live_fleet.address, "--refresh", "0.5"])
+    return pid, fd
+
+
+def _exit_status(pid: int, timeout_s: float) -> int | None:
+    """The child's wait status once it exited within ``timeout_s``, else None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return st
+        time.sleep(0.1)
+    return None
+
+
+def _unread(fd: int) -> int:
+    """Bytes the console wrote to the pty that nobody read yet (FIONREAD on the master)."""
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def test_quits_when_terminal_goes_away(live_fleet: LiveFleet) -> None:
+    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
+    live_fleet.wait_agents(2)
+    pid, fd = _console_on_pty(live_fleet)
     try:
         out = _read_until(fd, b"p0", 30)
         assert b"p0" in out, out[-2000:]
         os.close(fd)  # the terminal is gone
-        deadline = time.monotonic() + 15
-        status = None
-        while time.monotonic() < deadline:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-                break
-            time.sleep(0.1)
+        status = _exit_status(pid, 15)
         assert status is not None, "console still running 15 s after its terminal closed"
         # It left on its own (SIGHUP handler: sockets closed, exit 129), not killed.
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
     finally:
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _kill(pid)
+
+
+def test_quits_when_terminal_goes_away_with_its_output_backed_up(live_fleet: LiveFleet) -> None:
+    """A stalled SSH session: the terminal stops reading, the console's writes back up until its
+    output thread blocks on the full pty; then the terminal goes away. The blocked write fails
+    (EIO) before the SIGHUP is handled. Textual's output thread would end there and the app
+    block for ever on its full queue (``kvpool_console._terminal``): it must leave on its own."""
+    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
+    live_fleet.wait_agents(2)
+    pid, fd = _console_on_pty(live_fleet)
+    try:
+        out = _read_until(fd, b"p0", 30)
+        assert b"p0" in out, out[-2000:]
+        # Each resize repaints the whole screen; nobody reads: the pty fills up and stays full.
+        sizes = [(30, 100), (31, 120)]
+        before, stalled_since, deadline = -1, time.monotonic(), time.monotonic() + 30
+        i = 0
+        while time.monotonic() - stalled_since < 2 and time.monotonic() < deadline:
+            rows, cols = sizes[i % 2]
+            i += 1
+            fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+            time.sleep(0.05)
+            now = _unread(fd)
+            if now != before:
+                before, stalled_since = now, time.monotonic()
+        # The master's read buffer (4 KiB) stayed full for 2 s of repaints: backed up.
+        assert before >= 4000 and i >= 10, (before, i)
+        os.close(fd)  # the terminal is gone
+        status = _exit_status(pid, 15)
+        assert status is not None, "console still running 15 s after its terminal closed"
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
+    finally:
+        _kill(pid)
+
+
+_HANGUP = """
+import os, signal, sys
+from kvpool_console import cli
+
+signal.signal(signal.SIGCONT, lambda *_: None)  # what Textual's driver installs
+with cli._signals() as sig:
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+    except cli._Stopped:
+        pass
+with open(sys.argv[1], "w") as out:
+    out.write(f"{sig.signum} {signal.getsignal(signal.SIGCONT) is signal.SIG_DFL}")
+"""
+
+
+def test_hangup_stops_textual_from_resuming_on_the_sigcont_that_follows(tmp_path: Path) -> None:
+    """SIGHUP hands SIGCONT back to the default action: Textual would otherwise restart its
+    terminal threads on the dead terminal when the kernel's SIGCONT follows the hangup."""
+    result = tmp_path / "result"
+    done = subprocess.run([sys.executable, "-c", _HANGUP, str(result)], cwd=_ROOT,
+                          capture_output=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert result.read_text() == f"{int(signal.SIGHUP)} True"
