@@ -244,7 +244,8 @@ class KVPoolScheduler:
 
     def _hash_prompt(self, request: Request) -> list[str]:
         """``_hashes_for`` a request without media; none (reported as ``BAD_TOKEN_IDS``) when a
-        token id is not an int in [0, 2**32), which no key can name.
+        token id is not an int in [0, 2**32), which no key can name, or the token ids cannot be
+        read whole (a sequence whose length is not its items', or that changes while read).
 
         vLLM checks token ids against the vocabulary only when it has a tokenizer
         (``skip_tokenizer_init`` skips the check), and with TP > 1 its embedding zeroes an id
@@ -253,7 +254,7 @@ class KVPoolScheduler:
         """
         try:
             return self.hash_cache.hashes(request.prompt_token_ids or [], request_extra(request))
-        except (OverflowError, TypeError) as exc:
+        except (OverflowError, TypeError, ValueError, RuntimeError) as exc:
             rid = request.request_id
             msg = f"request {rid}'s prompt cannot be keyed ({exc}): it runs without the pool"
             logger.error("kvpool: %s", msg)

@@ -505,10 +505,22 @@ def test_multimodal_request_skips_the_pool(engine: Engine) -> None:
     assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
 
 
+class _Shrinking:
+    """A token id whose ``__index__`` empties the list it is read from."""
+
+    def __init__(self, ids: list[Any]) -> None:
+        self.ids = ids
+
+    def __index__(self) -> int:
+        self.ids.clear()
+        return 7
+
+
 @pytest.mark.parametrize(("bad_id", "why"), [(-1, r"token id -1 at position 40 is outside"),
                                              (2**32, r"token id 4294967296 at position 40"),
                                              (2**64, r"at position 40 .*: at least 2\*\*63"),
-                                             (1.5, r"'float' object cannot be interpreted")])
+                                             (1.5, r"'float' object cannot be interpreted"),
+                                             ("shrinks", r"changed size while being packed")])
 def test_token_ids_outside_uint32_run_without_the_pool(
         engine: Engine, bad_id: Any, why: str) -> None:
     """vLLM checks prompt token ids against the vocabulary only when it has a tokenizer
@@ -519,6 +531,8 @@ def test_token_ids_outside_uint32_run_without_the_pool(
     prompt = _prompt(70, 15)
     engine.store(prompt, 3)
     bad = [*prompt[:40], bad_id, *prompt[41:]]
+    if bad_id == "shrinks":  # an id whose __index__ empties the prompt it is read from
+        bad[40] = _Shrinking(bad)
     req = _request("bad-ids", bad)
     assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     c = engine.sched.counters
@@ -535,7 +549,10 @@ def test_token_ids_outside_uint32_run_without_the_pool(
     assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
     assert [e for e in engine.reporter.drain() if isinstance(e, ReportedError)] == []
     # A short prompt with such an id (no lookup to make) is saved by no one either.
-    short = _request("bad-short", [5, bad_id, 6])
+    short_ids = [5, bad_id, 6]
+    if bad_id == "shrinks":
+        short_ids[1] = _Shrinking(short_ids)
+    short = _request("bad-short", short_ids)
     assert engine.sched.get_num_new_matched_tokens(short, 0) == (0, False)
     engine.sched.update_state_after_alloc(short, _blocks([5]), 0)
     new = NewRequestData.from_request(short, ([5],))
