@@ -126,6 +126,86 @@ def _drain(fd: int, buf: bytearray, needle: bytes, timeout_s: float) -> bool:
     return needle in buf
 
 
+def _demo_on_pty(tmp_path: Path) -> tuple[int, int]:
+    """``kvpool-console --demo`` (one sim engine) in a child on a new pty, as over SSH, with
+    TMPDIR at ``tmp_path``: (pid, master fd)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(REPO)
+        os.environ.update(TERM="xterm-256color", COLUMNS="120", LINES="30",
+                          TMPDIR=str(tmp_path))
+        os.execv(sys.executable, [
+            sys.executable, "-m", "kvpool_console.cli", "--demo", "--engines", "1",
+            "--speedup", "1", "--refresh", "0.5",
+            "--trace", str(SYNTHETIC)])
+    return pid, fd
+
+
+def _stop_and_wait(pid: int, fd: int, how: str, buf: bytearray) -> int | None:
+    """Send SIGTERM to ``pid`` or close its terminal (``how``); its wait status once it left
+    within 20 s, else None. Keeps reading the pty after a SIGTERM so that the last writes
+    never block."""
+    if how == "SIGTERM":
+        os.kill(pid, signal.SIGTERM)
+    else:
+        os.close(fd)  # the terminal is gone
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if how == "SIGTERM":
+            _drain(fd, buf, b"\0never", 0.1)
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return st
+        time.sleep(0.05)
+    return None
+
+
+def _leave_nothing(pid: int, fd: int, tree: list[psutil.Process], workdirs: set[Path],
+                   tmp_path: Path) -> None:
+    """On failure, leave nothing behind either: the console, what it started, its files."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = tree or psutil.Process(pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    for d in workdirs or _demo_dirs(tmp_path):
+        shutil.rmtree(d, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+@pytest.mark.skipif(not SYNTHETIC.is_file(),
+                    reason="shared traces not available")
+@pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
+def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: Path) -> None:
+    """A SIGTERM, or the terminal going away, while the demo waits for its engines (before the
+    TUI): the demo's own handler stops the master, store and engines it already started and
+    removes the work directory."""
+    pid, fd = _demo_on_pty(tmp_path)
+    buf = bytearray()
+    tree: list[psutil.Process] = []
+    workdirs: set[Path] = set()
+    try:
+        assert _drain(fd, buf, b"waiting for engines to be ready", 60), bytes(buf[-2000:])
+        tree = psutil.Process(pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in tree)
+        assert "mooncake_master" in names and "engine_proc" in names, names
+        workdirs = _demo_dirs(tmp_path)
+        assert len(workdirs) == 1
+        status = _stop_and_wait(pid, fd, how, buf)
+        assert status is not None, f"demo still starting 20 s after {how}"
+        assert os.WIFEXITED(status)
+        assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
+        assert [p.pid for p in tree if _alive(p)] == []
+        assert not any(d.exists() for d in workdirs)
+        assert b"engine-0" not in buf  # it stopped before the TUI drew
+    finally:
+        _leave_nothing(pid, fd, tree, workdirs, tmp_path)
+
+
 @pytest.mark.skipif(not SYNTHETIC.is_file(),
                     reason="shared traces not available")
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
@@ -133,15 +213,7 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
     """``kvpool-console --demo`` on a real pty: a SIGTERM, or the terminal going away (the
     kernel sends SIGHUP), stops the master, store and engines, removes the work directory and
     (SIGTERM) restores the terminal."""
-    pid, fd = pty.fork()
-    if pid == 0:  # child: the demo on the pty, as over SSH
-        os.chdir(Path(__file__).parents[2])
-        os.environ.update(TERM="xterm-256color", COLUMNS="120", LINES="30",
-                          TMPDIR=str(tmp_path))
-        os.execv(sys.executable, [
-            sys.executable, "-m", "kvpool_console.cli", "--demo", "--engines", "1",
-            "--speedup", "1", "--refresh", "0.5",
-            "--trace", str(SYNTHETIC)])
+    pid, fd = _demo_on_pty(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
     workdirs: set[Path] = set()
@@ -155,18 +227,7 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
         workdirs = _demo_dirs(tmp_path)
         assert len(workdirs) == 1
         drawn = len(buf)
-        if how == "SIGTERM":
-            os.kill(pid, signal.SIGTERM)
-        else:
-            os.close(fd)  # the terminal is gone
-        deadline = time.monotonic() + 20
-        status = None
-        while status is None and time.monotonic() < deadline:
-            if how == "SIGTERM":  # keep reading so the TUI's last writes never block
-                _drain(fd, buf, b"\0never", 0.1)
-            done, st = os.waitpid(pid, os.WNOHANG)
-            status = st if done else None
-            time.sleep(0.05)
+        status = _stop_and_wait(pid, fd, how, buf)
         assert status is not None, f"console still running 20 s after {how}"
         assert os.WIFEXITED(status)
         assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
@@ -182,16 +243,4 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
                      b"starting 1 sim engine(s)", b"waiting for engines to be ready"):
             assert line in start, start[-2000:]
     finally:
-        # On failure, leave nothing behind either: the console, what it started, its files.
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tree = tree or psutil.Process(pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        for d in workdirs or _demo_dirs(tmp_path):
-            shutil.rmtree(d, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        _leave_nothing(pid, fd, tree, workdirs, tmp_path)
