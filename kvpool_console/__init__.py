@@ -6,7 +6,8 @@ exports nothing on purpose: importing it must not load Textual, which the one-sh
 (``main``), :mod:`~kvpool_console.app` (``KVPoolConsole``, for the demo and the benchmarks),
 :mod:`~kvpool_console.source` (where the fleet comes from), :mod:`~kvpool_console.model` and
 :mod:`~kvpool_console.alerts` (the view model and alert rules behind the TUI and
-``status --json``), and the :mod:`~kvpool_console.screens` and :mod:`~kvpool_console.widgets`
+``status --json``), :mod:`~kvpool_console.signals` (SIGHUP and SIGTERM as an orderly exit, also
+for the demo), and the :mod:`~kvpool_console.screens` and :mod:`~kvpool_console.widgets`
 packages; modules named ``_*`` are private.
 """
 

@@ -56,7 +56,7 @@ class HangupSafeDriver(LinuxDriver):
 
     Only the stream the output thread writes to differs. Pair it with a SIGHUP handler that
     asks the app to exit and stops Textual from re-entering application mode on the SIGCONT
-    that follows every hangup (``kvpool_console.cli``).
+    that follows every hangup (``kvpool_console.signals``).
     """
 
     def __init__(self, app: App[Any], *, debug: bool = False, mouse: bool = True,

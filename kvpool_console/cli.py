@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from types import FrameType
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -53,6 +51,7 @@ from kvpool_console.model import (
     health_rows,
     sum_flush,
 )
+from kvpool_console.signals import Stopped, StopSignals, stop_signals
 from kvpool_console.source import ClientSource, FleetSource, now_ms
 from kvpool_console.triage import cli as triage_cli
 
@@ -369,56 +368,7 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
     return EXIT_OK if ok else EXIT_ALERT
 
 
-class _Stopped(Exception):
-    """SIGHUP or SIGTERM arrived while no TUI was running (e.g. before it was up)."""
-
-
-class _Signals:
-    """SIGHUP/SIGTERM turn into an orderly exit instead of killing the process on the spot, so
-    ``finally`` blocks run: the demo's processes and work directory are removed and Textual
-    restores the terminal. ``signum`` is the signal that arrived (None: none)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.app: Any = None
-
-    def handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.signum is not None:
-            return  # already stopping: a second signal must not abort the clean-up
-        self.signum = signum
-        if signum == signal.SIGHUP:
-            # The terminal is gone (SSH dropped): point stdio at /dev/null so Textual's
-            # shutdown writes nowhere instead of blocking or failing on the dead tty.
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            os.close(null)
-            # The kernel follows the hangup's SIGHUP with a SIGCONT, on which Textual's driver
-            # would re-enter application mode: a second output and input thread on a terminal
-            # that is gone, and its first input thread (not a daemon) left to notice the exit
-            # within 0.1 s or keep the process alive for ever.
-            signal.signal(signal.SIGCONT, signal.SIG_DFL)
-        loop = getattr(self.app, "_loop", None) if self.app is not None else None
-        if loop is None:
-            raise _Stopped(f"signal {signum}")
-        # The handler runs between two steps of Textual's event loop: ask the loop to exit
-        # the app rather than touching its message queue from here.
-        loop.call_soon_threadsafe(self.app.exit)
-
-
-@contextlib.contextmanager
-def _signals() -> Iterator[_Signals]:
-    """Route SIGHUP and SIGTERM to a ``_Signals`` for the duration of the block."""
-    sig = _Signals()
-    before = {s: signal.signal(s, sig.handle) for s in (signal.SIGHUP, signal.SIGTERM)}
-    try:
-        yield sig
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-
-
-def _run_tui(source: FleetSource, args: argparse.Namespace, sig: _Signals) -> None:
+def _run_tui(source: FleetSource, args: argparse.Namespace, sig: StopSignals) -> None:
     from kvpool_console.app import KVPoolConsole
 
     sig.app = KVPoolConsole(source, refresh_s=args.refresh, ssh_config=args.ssh_config,
@@ -466,15 +416,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
     # soft_wrap: an error is one line even when stderr is a pipe (Rich would wrap at 80).
     err = Console(stderr=True, soft_wrap=True)
-    with _signals() as sig:
+    with stop_signals() as sig:
         rc = EXIT_OK
         # The finally blocks on the way out of _run stopped whatever it had started.
-        with contextlib.suppress(_Stopped):
+        with contextlib.suppress(Stopped):
             rc = _run(args, out, err, sig)
         return 128 + sig.signum if sig.signum is not None else rc
 
 
-def _run(args: argparse.Namespace, out: Console, err: Console, sig: _Signals) -> int:
+def _run(args: argparse.Namespace, out: Console, err: Console, sig: StopSignals) -> int:
     if args.demo:
         _demo(args)
     src = _connect(args, err)

@@ -21,17 +21,14 @@ everything the demo started and restoring the terminal. Messages start with
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 from rich.console import Console
 
 from kvpool_console.cli import main as console_main
+from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._cluster import DemoCluster
 from kvpool_replay._trace import TraceError, default_trace_path
 
@@ -55,51 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", type=float, required=True, metavar="S",
                    help="TUI redraw interval in seconds")
     return p
-
-
-class _Stopped(BaseException):
-    """SIGHUP or SIGTERM while the console's TUI was not running (start-up, or between the TUI
-    and the clean-up). A ``BaseException``, like ``KeyboardInterrupt``, so that no
-    ``except Exception`` on the way out swallows it."""
-
-
-class _Signals:
-    """SIGHUP/SIGTERM outside the TUI become an orderly exit instead of killing the process on
-    the spot, so the cluster's processes and work directory are removed (while the TUI runs,
-    ``kvpool_console.cli.main`` handles them itself and returns 128+N).
-
-    ``signum`` is the first signal that arrived (None: none); ``cleaning_up`` is set once the
-    clean-up started, which a later signal must not abort."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.cleaning_up = False
-
-    def handle(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGHUP:
-            # The terminal is gone (SSH dropped): point stdio at /dev/null so the clean-up's
-            # messages go nowhere instead of failing on the dead tty.
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            os.close(null)
-        if self.signum is not None or self.cleaning_up:
-            self.signum = self.signum or signum
-            return
-        self.signum = signum
-        raise _Stopped(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def _signals() -> Iterator[_Signals]:
-    """Route SIGHUP and SIGTERM to a ``_Signals`` for the duration of the block."""
-    sig = _Signals()
-    before = {s: signal.signal(s, sig.handle) for s in (signal.SIGHUP, signal.SIGTERM)}
-    try:
-        yield sig
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 def _start_and_watch(cluster: DemoCluster, trace: Path, refresh_s: float, err: Console) -> int:
@@ -137,12 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = DemoCluster(trace, engines=args.engines, speedup=args.speedup,
                           engine_kind=args.engine_kind, progress=progress)
     rc = EXIT_OK
-    with _signals() as sig:
+    with stop_signals() as sig:
         # Not ``with cluster``: a failing start() (bad trace) would skip __exit__ and leave the
         # work directory behind; start() already stops what it started, cleanup() the rest.
         try:
             rc = _start_and_watch(cluster, trace, args.refresh, err)
-        except _Stopped:
+        except Stopped:
             pass
         finally:
             sig.cleaning_up = True

@@ -120,13 +120,13 @@ def test_quits_when_terminal_goes_away_with_its_output_backed_up(live_fleet: Liv
 
 _HANGUP = """
 import os, signal, sys
-from kvpool_console import cli
+from kvpool_console.signals import Stopped, stop_signals
 
 signal.signal(signal.SIGCONT, lambda *_: None)  # what Textual's driver installs
-with cli._signals() as sig:
+with stop_signals() as sig:
     try:
         os.kill(os.getpid(), signal.SIGHUP)
-    except cli._Stopped:
+    except Stopped:
         pass
 with open(sys.argv[1], "w") as out:
     out.write(f"{sig.signum} {signal.getsignal(signal.SIGCONT) is signal.SIG_DFL}")
