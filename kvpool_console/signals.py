@@ -7,7 +7,8 @@ TUI running, raises ``Stopped`` where the main thread is, so every ``finally`` o
 runs; the caller then exits with 128 + ``StopSignals.signum``, as a shell reports a signal.
 
 A SIGHUP means the terminal is gone (an SSH session dropped): stdin, stdout and stderr are
-pointed at ``/dev/null`` so that what is still written goes nowhere instead of failing, and
+pointed at ``/dev/null`` so that what is still written goes nowhere instead of failing (all but
+a terminal still there, as after a ``kill -HUP`` by hand, which Textual then restores), and
 SIGCONT is given back its default action. The kernel sends a SIGCONT after every hangup's
 SIGHUP, on which Textual's driver would re-enter application mode: a second output and input
 thread on the dead terminal, and its first input thread (not a daemon) left to notice the exit
@@ -58,7 +59,10 @@ class StopSignals:
         if signum == signal.SIGHUP:
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
-                os.dup2(null, fd)
+                # A terminal that is still there (``kill -HUP`` by hand) stays: Textual
+                # restores it on the way out. A hung-up one fails isatty()'s ioctl (EIO).
+                if not os.isatty(fd):
+                    os.dup2(null, fd)
             os.close(null)
             signal.signal(signal.SIGCONT, signal.SIG_DFL)
         if self.signum is not None or self.cleaning_up:

@@ -118,6 +118,30 @@ def test_quits_when_terminal_goes_away_with_its_output_backed_up(live_fleet: Liv
         _kill(pid)
 
 
+def test_sighup_on_a_live_terminal_restores_it(live_fleet: LiveFleet) -> None:
+    """``kill -HUP`` with the terminal still there (an operator, a supervisor): the console
+    leaves as on a hangup, and the terminal it leaves is usable again: out of the alternate
+    screen, echo and line editing back on (not raw mode on a screen nobody can read)."""
+    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
+    live_fleet.wait_agents(2)
+    pid, fd = _console_on_pty(live_fleet)
+    try:
+        out = _read_until(fd, b"p0", 30)
+        assert b"p0" in out, out[-2000:]
+        lflag = termios.tcgetattr(fd)[3]  # the slave's modes, as the console set them
+        assert not lflag & (termios.ECHO | termios.ICANON), lflag
+        os.kill(pid, signal.SIGHUP)
+        status = _exit_status(pid, 15)
+        rest = _read_until(fd, b"\x1b[?1049l", 5)
+        assert status is not None, "console still running 15 s after SIGHUP"
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
+        assert b"\x1b[?1049l" in rest, rest[-300:]  # left the alternate screen
+        lflag = termios.tcgetattr(fd)[3]
+        assert lflag & termios.ECHO and lflag & termios.ICANON, lflag
+    finally:
+        _kill(pid)
+
+
 _HANGUP = """
 import os, signal, sys
 from kvpool_console.signals import Stopped, stop_signals
