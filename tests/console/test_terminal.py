@@ -4,6 +4,7 @@ terminal had stopped reading its output first."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pty
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from livefleet import LiveFleet
@@ -69,20 +71,33 @@ def _kill(pid: int) -> None:
         pass
 
 
-def test_quits_when_terminal_goes_away(live_fleet: LiveFleet) -> None:
+@contextlib.contextmanager
+def _console_up(live_fleet: LiveFleet) -> Iterator[tuple[int, int]]:
+    """A console on a pty (``_console_on_pty``) once it drew engine ``p0``: (pid, master fd);
+    killed on the way out if it is still there."""
     live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
     live_fleet.wait_agents(2)
     pid, fd = _console_on_pty(live_fleet)
     try:
         out = _read_until(fd, b"p0", 30)
         assert b"p0" in out, out[-2000:]
-        os.close(fd)  # the terminal is gone
-        status = _exit_status(pid, 15)
-        assert status is not None, "console still running 15 s after its terminal closed"
-        # It left on its own (SIGHUP handler: sockets closed, exit 129), not killed.
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
+        yield pid, fd
     finally:
         _kill(pid)
+
+
+def _assert_left_with_129(pid: int, after: str) -> None:
+    """The console left on its own within 15 s (SIGHUP handler: sockets closed, exit 129),
+    not killed."""
+    status = _exit_status(pid, 15)
+    assert status is not None, f"console still running 15 s after {after}"
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
+
+
+def test_quits_when_terminal_goes_away(live_fleet: LiveFleet) -> None:
+    with _console_up(live_fleet) as (pid, fd):
+        os.close(fd)  # the terminal is gone
+        _assert_left_with_129(pid, "its terminal closed")
 
 
 def test_quits_when_terminal_goes_away_with_its_output_backed_up(live_fleet: LiveFleet) -> None:
@@ -90,12 +105,7 @@ def test_quits_when_terminal_goes_away_with_its_output_backed_up(live_fleet: Liv
     output thread blocks on the full pty; then the terminal goes away. The blocked write fails
     (EIO) before the SIGHUP is handled. Textual's output thread would end there and the app
     block for ever on its full queue (``kvpool_console._terminal``): it must leave on its own."""
-    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
-    live_fleet.wait_agents(2)
-    pid, fd = _console_on_pty(live_fleet)
-    try:
-        out = _read_until(fd, b"p0", 30)
-        assert b"p0" in out, out[-2000:]
+    with _console_up(live_fleet) as (pid, fd):
         # Each resize repaints the whole screen; nobody reads: the pty fills up and stays full.
         sizes = [(30, 100), (31, 120)]
         before, stalled_since, deadline = -1, time.monotonic(), time.monotonic() + 30
@@ -111,35 +121,22 @@ def test_quits_when_terminal_goes_away_with_its_output_backed_up(live_fleet: Liv
         # The master's read buffer (4 KiB) stayed full for 2 s of repaints: backed up.
         assert before >= 4000 and i >= 10, (before, i)
         os.close(fd)  # the terminal is gone
-        status = _exit_status(pid, 15)
-        assert status is not None, "console still running 15 s after its terminal closed"
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
-    finally:
-        _kill(pid)
+        _assert_left_with_129(pid, "its terminal closed")
 
 
 def test_sighup_on_a_live_terminal_restores_it(live_fleet: LiveFleet) -> None:
     """``kill -HUP`` with the terminal still there (an operator, a supervisor): the console
     leaves as on a hangup, and the terminal it leaves is usable again: out of the alternate
     screen, echo and line editing back on (not raw mode on a screen nobody can read)."""
-    live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
-    live_fleet.wait_agents(2)
-    pid, fd = _console_on_pty(live_fleet)
-    try:
-        out = _read_until(fd, b"p0", 30)
-        assert b"p0" in out, out[-2000:]
+    with _console_up(live_fleet) as (pid, fd):
         lflag = termios.tcgetattr(fd)[3]  # the slave's modes, as the console set them
         assert not lflag & (termios.ECHO | termios.ICANON), lflag
         os.kill(pid, signal.SIGHUP)
-        status = _exit_status(pid, 15)
+        _assert_left_with_129(pid, "SIGHUP")
         rest = _read_until(fd, b"\x1b[?1049l", 5)
-        assert status is not None, "console still running 15 s after SIGHUP"
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
         assert b"\x1b[?1049l" in rest, rest[-300:]  # left the alternate screen
         lflag = termios.tcgetattr(fd)[3]
         assert lflag & termios.ECHO and lflag & termios.ICANON, lflag
-    finally:
-        _kill(pid)
 
 
 _HANGUP = """

@@ -177,6 +177,28 @@ def _leave_nothing(pid: int, fd: int, tree: list[psutil.Process], workdirs: set[
         os.close(fd)
 
 
+def _demo_running(pid: int, fd: int, buf: bytearray, shown: bytes,
+                  tmp_path: Path) -> tuple[list[psutil.Process], set[Path]]:
+    """Read the demo's pty into ``buf`` until it shows ``shown``; then its processes (the
+    master and an engine among them) and its one work directory."""
+    assert _drain(fd, buf, shown, 60), bytes(buf[-2000:])
+    tree = psutil.Process(pid).children(recursive=True)
+    names = " ".join(" ".join(p.cmdline()) for p in tree)
+    assert "mooncake_master" in names and "engine_proc" in names, names
+    workdirs = _demo_dirs(tmp_path)
+    assert len(workdirs) == 1
+    return tree, workdirs
+
+
+def _assert_stopped(status: int, how: str, tree: list[psutil.Process],
+                    workdirs: set[Path]) -> None:
+    """The demo left with 128 + the signal's number and left no process or directory."""
+    assert os.WIFEXITED(status)
+    assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
+    assert [p.pid for p in tree if _alive(p)] == []
+    assert not any(d.exists() for d in workdirs)
+
+
 @pytest.mark.skipif(not SYNTHETIC.is_file(),
                     reason="shared traces not available")
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
@@ -189,18 +211,11 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
     tree: list[psutil.Process] = []
     workdirs: set[Path] = set()
     try:
-        assert _drain(fd, buf, b"waiting for engines to be ready", 60), bytes(buf[-2000:])
-        tree = psutil.Process(pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in tree)
-        assert "mooncake_master" in names and "engine_proc" in names, names
-        workdirs = _demo_dirs(tmp_path)
-        assert len(workdirs) == 1
+        tree, workdirs = _demo_running(pid, fd, buf, b"waiting for engines to be ready",
+                                       tmp_path)
         status = _stop_and_wait(pid, fd, how, buf)
         assert status is not None, f"demo still starting 20 s after {how}"
-        assert os.WIFEXITED(status)
-        assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
-        assert [p.pid for p in tree if _alive(p)] == []
-        assert not any(d.exists() for d in workdirs)
+        _assert_stopped(status, how, tree, workdirs)
         assert b"engine-0" not in buf  # it stopped before the TUI drew
     finally:
         _leave_nothing(pid, fd, tree, workdirs, tmp_path)
@@ -219,20 +234,12 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
     workdirs: set[Path] = set()
     try:
         # The TUI is up once it draws the engine's row.
-        assert _drain(fd, buf, b"engine-0", 60), bytes(buf[-2000:])
-        tree = psutil.Process(pid).children(recursive=True)
+        tree, workdirs = _demo_running(pid, fd, buf, b"engine-0", tmp_path)
         start = bytes(buf[:buf.index(b"engine-0")])
-        names = " ".join(" ".join(p.cmdline()) for p in tree)
-        assert "mooncake_master" in names and "engine_proc" in names, names
-        workdirs = _demo_dirs(tmp_path)
-        assert len(workdirs) == 1
         drawn = len(buf)
         status = _stop_and_wait(pid, fd, how, buf)
         assert status is not None, f"console still running 20 s after {how}"
-        assert os.WIFEXITED(status)
-        assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
-        assert [p.pid for p in tree if _alive(p)] == []
-        assert not any(d.exists() for d in workdirs)
+        _assert_stopped(status, how, tree, workdirs)
         if how == "SIGTERM":
             # Textual left the alternate screen: the terminal is usable again.
             assert b"\x1b[?1049l" in buf[drawn:]
