@@ -324,7 +324,9 @@ class KVPoolScheduler:
             return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
         if self._breaker.is_open(now):
             return self._skip(rid, prompt_len, num_computed_tokens, "BREAKER_OPEN")
-        hashes = self._hashes_for(request)[:max_chunks]
+        hashes = self._hashes_for(request)
+        if len(hashes) > max_chunks:  # a copy only then: never mutated, shared read-only
+            hashes = hashes[:max_chunks]
         if not hashes:  # max_chunks >= 1 here: the prompt could not be hashed (_hash_prompt)
             return self._skip(rid, prompt_len, num_computed_tokens, "BAD_TOKEN_IDS")
         self.counters.lookups += 1
