@@ -281,6 +281,9 @@ def _token_bytes(token_ids: Sequence[int], chunk_size: int) -> bytes:
 
     Raises:
         OverflowError: a token id outside [0, 2**32).
+        TypeError: a token id that is not an int.
+        ValueError, RuntimeError: a sequence whose length is not its items', or that changes
+            while it is packed (``_chunk_hash.token_bytes``).
     """
     return token_bytes(token_ids, len(token_ids) // chunk_size * chunk_size)
 
