@@ -280,15 +280,20 @@ def run_replay(
         masters: list[str] = []
         admin_urls: list[str | None] = []
         lease_ttls: list[int | None] = []
-        for _ in range(n_pools):
+        for i in range(n_pools):
+            # Logs in the work directory: removed with it, whatever ends the replay.
+            logs = work / f"pool-{i}"
+            logs.mkdir()
             if cfg.master_address:
                 masters.append(cfg.master_address)
                 admin_urls.append(None)
                 lease_ttls.append(None)
-                store = stack.enter_context(LocalPoolStore(cfg.master_address, segment))
+                store = stack.enter_context(
+                    LocalPoolStore(cfg.master_address, segment, log_dir=logs))
             else:
                 m = LocalMooncakeMaster(
-                    eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio)
+                    eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio,
+                    log_dir=logs)
                 stack.callback(m.stop)
                 use_local_pool_env()
                 m.start()
@@ -297,7 +302,7 @@ def run_replay(
                 masters.append(m.address)
                 admin_urls.append(m.admin_url)
                 lease_ttls.append(m.default_kv_lease_ttl_ms)
-                store = stack.enter_context(LocalPoolStore(m, segment))
+                store = stack.enter_context(LocalPoolStore(m, segment, log_dir=logs))
             assert store.proc is not None
             rss.add("store", store.proc.pid)
 

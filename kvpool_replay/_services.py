@@ -251,7 +251,13 @@ class LocalMooncakeMaster:
             self._log.close()
 
     def __enter__(self) -> LocalMooncakeMaster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            # Interrupted while waiting for /health (Ctrl-C, a stop signal): __exit__ will
+            # not run, and the child would outlive us.
+            self.stop()
+            raise
 
     def __exit__(
         self,
@@ -330,7 +336,12 @@ class LocalPoolStore:
             self._log.close()
 
     def __enter__(self) -> LocalPoolStore:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            # Interrupted while waiting for the segment: __exit__ will not run.
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

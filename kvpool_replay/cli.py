@@ -14,6 +14,7 @@ import sys
 
 import msgspec
 
+from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._replay import ReplayConfig, ReplayReport, run_replay
 from kvpool_replay._spec import ModelShape
 from kvpool_replay._trace import TraceError, default_trace_path
@@ -115,7 +116,9 @@ def format_report(r: ReplayReport) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvpool-replay``. Exit status: 0 ok, 1 an engine failed, 2 bad input
     (options, a missing, invalid or empty trace, a pool larger than the memory available), with
-    one line on stderr saying why."""
+    one line on stderr saying why; 130 on Ctrl-C, 128+N on SIGHUP or SIGTERM (129, 143), after
+    stopping every process it started (master, store, engines) and removing its work
+    directory."""
     parser = build_parser()
     args = parser.parse_args(argv)
     trace = args.trace_opt or args.trace or str(default_trace_path())
@@ -130,8 +133,20 @@ def main(argv: list[str] | None = None) -> int:
             load_async=args.load_async, use_layerwise=args.layerwise,
             show_progress=args.progress,
         )
-        report = run_replay(cfg, on_status=lambda m: print(f"kvpool-replay: {m}",
-                                                           file=sys.stderr, flush=True))
+        # Killed on the spot it would leave its master, store and engines running: the signal
+        # raises Stopped instead, and run_replay stops what it started on the way out.
+        with stop_signals() as sig:
+            try:
+                report = run_replay(cfg, on_status=lambda m: print(
+                    f"kvpool-replay: {m}", file=sys.stderr, flush=True))
+            except Stopped:
+                pass
+            finally:
+                sig.cleaning_up = True
+        if sig.signum is not None:
+            print(f"kvpool-replay: stopped by signal {sig.signum}; every process it started "
+                  "was stopped", file=sys.stderr)
+            return 128 + sig.signum
     except (FileNotFoundError, TraceError, ValueError) as exc:
         print(f"kvpool-replay: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,93 @@
+"""``kvpool-replay`` on SIGTERM or SIGHUP once its services run (a real ``mooncake_master``,
+store and engine): it stops every process it started, removes its work directory and the
+pool's logs, and exits 128 + the signal (143, 129), like the demo."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvpool_replay import default_trace_path
+
+REPO = Path(__file__).resolve().parents[2]
+TRACE = default_trace_path("conversation_trace.jsonl")
+READY = b"engines ready; replay started"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _read_until(proc: subprocess.Popen[bytes], buf: bytearray, needle: bytes,
+                timeout_s: float) -> bool:
+    """Read ``proc``'s stderr into ``buf`` until ``needle`` shows up (True), it exits or the
+    time is up."""
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    deadline = time.monotonic() + timeout_s
+    while needle not in buf and time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+    return needle in buf
+
+
+def _leftovers(tmp: Path) -> list[Path]:
+    """Directories a replay (and the master and store it starts) makes under TMPDIR."""
+    return sorted(p for p in tmp.iterdir()
+                  if p.name.startswith(("kvpool-replay-", "kvpool-master-", "kvpool-store-")))
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not available")
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=["SIGTERM", "SIGHUP"])
+def test_replay_stops_everything_it_started_on_a_signal(signum: int, status: int,
+                                                       tmp_path: Path) -> None:
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    # 200 requests over 72 s of trace time at --speedup 1: still replaying when signalled.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
+         "--speedup", "1", "--no-progress"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    buf = bytearray()
+    tree: list[psutil.Process] = []
+    try:
+        assert _read_until(proc, buf, READY, 240), bytes(buf[-3000:])
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in tree if _alive(p))
+        for started in ("mooncake_master", "mooncake_client", "engine_proc"):
+            assert started in names, names
+        # One work directory, the master's and the store's logs inside it.
+        assert [p.name[:14] for p in _leftovers(tmp_path)] == ["kvpool-replay-"]
+        proc.send_signal(signum)
+        _read_until(proc, buf, b"\0never", 60)  # to its end: the pipe must never fill
+        assert proc.wait(timeout=60) == status, bytes(buf[-3000:])
+        assert b"Traceback" not in buf
+        if signum == signal.SIGTERM:  # a hangup points stderr at /dev/null (the terminal is gone)
+            assert b"kvpool-replay: stopped by signal 15; every process it started" in buf
+        assert [" ".join(p.cmdline()) for p in tree if _alive(p)] == []
+        assert _leftovers(tmp_path) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
