@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -88,7 +89,7 @@ class KeyHelp:
     text: str
 
 
-def help_rows(app: App[object]) -> list[KeyHelp]:
+def help_rows(app: App[Any]) -> list[KeyHelp]:
     """The help table's rows from ``app``'s bindings and those of the screens it opens.
 
     Keys bound to the same action share a row (``q, ctrl+c``); rows are grouped as
