@@ -25,9 +25,11 @@ bench: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
-# docs/connector/config-reference.md from kvpool_connector/config.py (a test checks it).
+# docs/connector/config-reference.md from kvpool_connector/config.py and
+# docs/snippets/console-keys.md from the console's key bindings (tests check both).
 docs-reference: setup
 	.venv/bin/python scripts/gen_config_reference.py
+	.venv/bin/python scripts/gen_console_keys.py
 
 # docs/img/*.svg: the real console's screens over docs/data/demo-fleet.json
 # (re-record that fleet with .venv/bin/python scripts/record_demo_fleet.py).

@@ -8,7 +8,7 @@ without words here is still listed, with its binding's own description.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ ACTION_HELP: dict[str, tuple[str, str]] = {
     "tab('fleet')": ("Screens", "fleet: a row per engine"),
     "tab('pool')": ("Screens", "pool: keys, bytes, watermark, evictions, segments"),
     "tab('events')": ("Screens", "events: alerts as they fire and clear"),
-    "help": ("Screens", "this help"),
+    "help": ("Screens", "help: every key and what it does"),
     "expand": ("Fleet", "show or hide the selected engine's worker agents"),
     "filter": ("Fleet", "filter engines by id, role, kv_role, backend, model or agent id"),
     "faults": ("Fleet", "only engines with an alert, or stale / down"),
@@ -89,12 +89,15 @@ class KeyHelp:
     text: str
 
 
-def help_rows(app: App[Any]) -> list[KeyHelp]:
+def help_rows(app: App[Any], key_display: Callable[[Binding], str] | None = None
+              ) -> list[KeyHelp]:
     """The help table's rows from ``app``'s bindings and those of the screens it opens.
 
-    Keys bound to the same action share a row (``q, ctrl+c``); rows are grouped as
-    ``ACTION_HELP`` says, in the bindings' order within a group.
+    Keys bound to the same action share a row (``q, ^c``); rows are grouped as
+    ``ACTION_HELP`` says, in the bindings' order within a group. ``key_display`` shows a key
+    (default: as the app's footer does, ``app.get_key_display``).
     """
+    show = key_display or app.get_key_display
     sources: list[tuple[str | None, Iterable[BindingType]]] = [
         (None, app.BINDINGS),
         ("Engine detail", EngineDetailScreen.BINDINGS),
@@ -108,12 +111,12 @@ def help_rows(app: App[Any]) -> list[KeyHelp]:
             group, text = ACTION_HELP.get(b.action, (default_group or "Other",
                                                      b.description or b.action))
             slot = (group, b.action)
-            shown = app.get_key_display(b)
+            shown = show(b)
             if shown not in keys.setdefault(slot, []):
                 keys[slot].append(shown)
             texts[slot] = text
     rows = [KeyHelp(", ".join(keys[slot]), slot[0], texts[slot]) for slot in keys]
-    rows += [KeyHelp(app.get_key_display(Binding(k, "")), g, t) for k, g, t in _NOT_BINDINGS]
+    rows += [KeyHelp(show(Binding(k, "")), g, t) for k, g, t in _NOT_BINDINGS]
     order = {g: i for i, g in enumerate(_GROUPS)}
     # Stable sort: within a group the bindings keep their order.
     return sorted(rows, key=lambda r: order.get(r.group, len(_GROUPS)))
