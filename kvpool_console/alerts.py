@@ -10,30 +10,45 @@ The rules mirror the deployment rules ``kvpool-config validate`` checks before s
 times, usage under ``eviction_high_watermark_ratio``), applied to what the fleet actually does.
 
 Counter rules (failed loads, lookup errors, backend errors) fire on counters since agent start;
-:class:`AlertTracker` keeps them active only while the counter grew within ``window_ms``, so an
-old failure does not stay red for ever in the TUI, while a one-shot ``status`` (no history) sees
-every non-zero counter.
+they retire once the newest error they count (``EngineState.recent_errors``, stamped by the
+agent) is older than ``COUNTER_WINDOW_MS``, which a one-shot ``status`` sees as well as the TUI.
+:class:`AlertModel` is the one model both run: those rules, :class:`AlertTracker` (retirement of
+counters without error records), the pauses it observed (a load that waited on a stopped master
+or engine is ``pause_wait``, not TTL advice) and the pool's eviction rate (``pool_evicting``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
-from kvpool_agent.protocol import EngineState, PoolStats, Source
+from kvpool_agent.protocol import (
+    EngineState,
+    ErrorRecord,
+    PoolStats,
+    Source,
+    Transfer,
+    TransferStats,
+)
 from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
 
 __all__ = [
-    "DEFAULT_STUCK_AFTER_MS",
+    "COUNTER_WINDOW_MS",
     "SEVERITY_RANK",
+    "STALE_AFTER_MS",
+    "STUCK_FLOOR_MS",
+    "STUCK_MULTIPLE",
     "WATERMARK_MARGIN",
     "Alert",
+    "AlertModel",
     "AlertTracker",
     "Severity",
     "evaluate",
+    "fmt_ms",
     "pool_name",
 ]
 
@@ -50,11 +65,31 @@ WATERMARK_MARGIN = 0.05
 """Hysteresis of ``pool_watermark``: raised above the ratio, cleared only below the ratio minus
 this (usage swings a few percent around the ratio while eviction works: no flapping)."""
 
-DEFAULT_STUCK_AFTER_MS = 10_000.0
-"""A transfer in flight longer than this is stuck, when the pool's lease TTL
-(``default_kv_lease_ttl``) is unknown; with it, the TTL is the threshold: a load still running
-after its lease expired fails anyway, and Mooncake's transfer timeouts are below it when the
-deployment follows ``kvpool-config validate`` (the TTL must exceed them)."""
+STUCK_FLOOR_MS = 2_500.0
+"""A transfer is never ``stuck_transfer`` before this age (ms): below it, scheduling jitter of a
+loaded host, not a stopped store. Low enough that a stopped store is named within 5 s."""
+
+STUCK_MULTIPLE = 8.0
+"""A transfer is stuck once in flight this many times longer than expected: its bytes over the
+agent's recent rate for its kind (``TransferStats.load_bytes_per_s`` / ``save_bytes_per_s``).
+Not the lease TTL: with a 50 ms ``default_kv_lease_ttl`` every ordinary save outlives it."""
+
+STALE_AFTER_MS = 3_000.0
+"""Silence (ms) after which an engine is ``stale``: agents send a heartbeat every second, so
+three missed ones are a fault, and a stopped engine is named within 5 s."""
+
+COUNTER_WINDOW_MS = 60_000.0
+"""A counter alert stays active this long (ms) after the newest error it counts."""
+
+_AFTERMATH_MS = 10_000.0
+"""After a pause ends, failures for this long (ms) are its aftermath: loads looked up before
+the pause fail with LEASE_EXPIRED once it ends."""
+
+_GAP_MS = 2_500.0
+"""An engine whose reports stop this long (ms; heartbeats come every second) was paused."""
+
+_AFTER_HIT = ("LEASE_EXPIRED", "OBJECT_NOT_FOUND")
+"""Error names of a load that failed after a positive lookup (``failed_after_hit``)."""
 
 _TOPOLOGY_MIN_LOOKUPS = 20
 """Lookups a consumer makes before "0% hits while producers save" is a finding, not chance."""
@@ -66,8 +101,9 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     ``rule`` is a stable id (``pool_watermark``, ``failed_after_hit``, ``lease_ttl``,
     ``lookup_errors``, ``backend_errors``, ``backend_mismatch``, ``kv_role_mismatch``,
     ``role_topology``, ``pool_unhealthy``, ``stale``, ``start_failed``, ``stuck_transfer``,
-    ``namespace_split``); ``subject`` the engine id (the pool name for pool rules, the model
-    name(s) for ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
+    ``namespace_split``; :class:`AlertModel` adds ``pause_wait`` and ``pool_evicting``);
+    ``subject`` the engine id (the pool name for pool rules, the model name(s) for
+    ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
     across refreshes.
     """
 
@@ -78,6 +114,16 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     hint: str
     ts_ms: float
+
+
+def fmt_ms(ms: float) -> str:
+    """A duration given in ms, for messages: ``"850 ms"`` below a second, ``"3.2 s"`` below
+    a minute, else ``"2.5 min"``."""
+    if ms < 1_000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1e3:.1f} s"
+    return f"{ms / 6e4:.1f} min"
 
 
 def _alert(rule: str, severity: Severity, subject: str, message: str, hint: str,
@@ -140,8 +186,11 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
             frac = p.used_bytes / p.total_bytes
             ratio = watermark_ratio if watermark_ratio is not None else p.high_watermark
             key = f"pool_watermark:{name}"
-            # Hysteresis: an active alert stays until usage drops below ratio - margin.
-            if frac > ratio or (key in active and frac > ratio - watermark_margin):
+            # Hysteresis: raised above the ratio, held until usage drops below ratio - margin.
+            # A pool that evicted has been over its watermark: the one-shot holds it as the
+            # TUI (which saw it raised) does.
+            held = key in active or p.evicted_keys > 0
+            if frac > ratio or (held and frac > ratio - watermark_margin):
                 sev: Severity = "critical" if frac >= _CRITICAL_USAGE else "warning"
                 where = (f"over eviction_high_watermark_ratio {ratio:.2f}" if frac > ratio
                          else f"back under eviction_high_watermark_ratio {ratio:.2f}, alert "
@@ -225,16 +274,34 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
     return out
 
 
+def _stuck_limit(t: Transfer, tr: TransferStats, stuck_after_ms: float | None) -> tuple[float, str]:
+    """How long ``t`` may be in flight (ms) before it is stuck, and why that long."""
+    if stuck_after_ms is not None:
+        return stuck_after_ms, "threshold"
+    rate = tr.load_bytes_per_s if t.kind == "load" else tr.save_bytes_per_s
+    if rate <= 0 or t.bytes <= 0:
+        return STUCK_FLOOR_MS, "floor; no recent transfer rate"
+    expected = t.bytes / rate * 1e3
+    why = f"{fmt_ms(expected)} expected at {rate / 1e6:.1f} MB/s"
+    if STUCK_MULTIPLE * expected > STUCK_FLOOR_MS:
+        return STUCK_MULTIPLE * expected, f"{STUCK_MULTIPLE:g}x the {why}"
+    return STUCK_FLOOR_MS, f"floor; {why}"
+
+
 def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
                   stuck_after_ms: float | None) -> list[Alert]:
-    ttls = [s.pool.lease_ttl_ms for s in group if s.pool is not None and s.pool.lease_ttl_ms > 0]
-    limit = stuck_after_ms if stuck_after_ms is not None else (
-        float(min(ttls)) if ttls else DEFAULT_STUCK_AFTER_MS)
-    stuck = [(now_ms - t.started_ms, t, s) for s in group for t in s.in_flight
-             if now_ms - t.started_ms > limit]
+    stuck: list[tuple[float, Transfer, EngineState, float, str]] = []
+    for s in group:
+        for t in s.in_flight:
+            age = now_ms - t.started_ms
+            # The limit is never below the floor: most transfers are skipped without it.
+            if age > STUCK_FLOOR_MS or stuck_after_ms is not None:
+                limit, why = _stuck_limit(t, s.transfers, stuck_after_ms)
+                if age > limit:
+                    stuck.append((age, t, s, limit, why))
     if not stuck:
         return []
-    age, t, s = max(stuck, key=lambda x: x[0])
+    age, t, s, limit, why = max(stuck, key=lambda x: x[0])
     reqs = {(x[1].req_id, x[1].kind) for x in stuck}
     more = f"; {len(reqs) - 1} more stuck" if len(reqs) > 1 else ""
     layers = (f", layer {t.layers_done}/{t.layers_total}" if t.layers_total else "")
@@ -252,17 +319,25 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
         hint = ("check that the store process (mooncake_client or the engines contributing "
                 "segments) runs and is not stopped, and the network to it; `kvpool-console "
                 f"triage {engine_id}` shows the engine's host")
-    limit_text = "lease TTL" if stuck_after_ms is None and ttls else "threshold"
     return [_alert(
         "stuck_transfer", "critical", engine_id,
-        f"{t.kind} of {t.req_id} on {s.source.agent_id} in flight {age / 1e3:.1f} s "
-        f"(> {limit / 1e3:.1f} s {limit_text}; {t.blocks} blocks{layers}){more}; likely owner: "
+        f"{t.kind} of {t.req_id} on {s.source.agent_id} in flight {fmt_ms(age)} "
+        f"(> {fmt_ms(limit)}: {why}; {t.blocks} blocks{layers}){more}; likely owner: "
         f"{owner}", hint, now_ms)]
 
 
+def _retired(group: list[EngineState], cutoff_ms: float,
+             match: Callable[[ErrorRecord], bool]) -> bool:
+    """True when the agents recorded errors ``match`` selects and the newest is older than
+    ``cutoff_ms``; False also when none is recorded (nothing says how old the counter is)."""
+    newest = max((e.ts_ms for s in group for e in s.recent_errors if match(e)), default=None)
+    return newest is not None and newest < cutoff_ms
+
+
 def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: str | None,
-                   now_ms: float) -> list[Alert]:
+                   now_ms: float, window_ms: float) -> list[Alert]:
     out: list[Alert] = []
+    cutoff = now_ms - window_ms
     # One pass over the agents (this runs for every engine on every console refresh).
     failed_after_hit = loads_total = lookups = lookup_errors = skipped = 0
     max_load = 0.0
@@ -283,8 +358,9 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
             ttl = s.pool.lease_ttl_ms if not ttl else min(ttl, s.pool.lease_ttl_ms)
         if s.source.backend:
             backends.add(s.source.backend)
-    if failed_after_hit:
-        cause = max(("LEASE_EXPIRED", "OBJECT_NOT_FOUND"), key=lambda n: errors.get(n, 0))
+    if failed_after_hit and not _retired(group, cutoff, lambda e: e.where == "load"
+                                         and e.name in _AFTER_HIT):
+        cause = max(_AFTER_HIT, key=lambda n: errors.get(n, 0))
         sev: Severity = "critical" if loads_total and failed_after_hit * 2 >= loads_total \
             else "warning"
         out.append(_alert(
@@ -296,24 +372,24 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
     if ttl and max_load > 0:
         if max_load >= ttl:
             out.append(_alert("lease_ttl", "critical", engine_id,
-                              f"slowest load {max_load:.0f} ms >= lease TTL {ttl} ms "
+                              f"slowest load {fmt_ms(max_load)} >= lease TTL {fmt_ms(ttl)} "
                               "(default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"], now_ms))
         elif max_load >= 0.8 * ttl:
             out.append(_alert("lease_ttl", "warning", engine_id,
-                              f"slowest load {max_load:.0f} ms is within 20% of lease TTL "
-                              f"{ttl} ms (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"], now_ms))
-    if lookup_errors:
+                              f"slowest load {fmt_ms(max_load)} is within 20% of lease TTL "
+                              f"{fmt_ms(ttl)} (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"],
+                              now_ms))
+    if lookup_errors and not _retired(group, cutoff, lambda e: e.where == "lookup"):
         sev = "critical" if lookups and lookup_errors * 2 >= lookups else "warning"
         last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
         detail = f"; last: {last[-1].name}: {last[-1].message}" if last else ""
         out.append(_alert("lookup_errors", sev, engine_id,
                           f"{lookup_errors} of {lookups} lookups failed{detail}",
                           _lookup_hint(group), now_ms))
-    other = {n: c for n, c in errors.items()
-             if n not in ("LEASE_EXPIRED", "OBJECT_NOT_FOUND") or not failed_after_hit}
+    other = {n: c for n, c in errors.items() if n not in _AFTER_HIT or not failed_after_hit}
     if skipped and "NO_AVAILABLE_HANDLE" not in other:
         other["NO_AVAILABLE_HANDLE"] = skipped
-    if other:
+    if other and not _retired(group, cutoff, lambda e: e.name in other):
         top = max(other, key=lambda n: other[n])
         listing = ", ".join(f"{n} {c}" for n, c in sorted(other.items(), key=lambda kv: -kv[1]))
         out.append(_alert("backend_errors", "warning", engine_id, f"backend errors: {listing}",
@@ -390,24 +466,24 @@ def _silence_alert(engine_id: str, group: list[EngineState], age: float, now_ms:
     where = f"pid {head.pid} on {head.host or '?'}"
     if state is True:
         return _alert("stale", "critical" if age > down_after_ms else "warning", engine_id,
-                      f"hung: {where} is alive but sent no report for {age / 1e3:.0f} s",
+                      f"hung: {where} is alive but sent no report for {fmt_ms(age)}",
                       "the process is stopped or stuck (SIGSTOP, a debugger, a blocked "
                       f"thread): `kvpool-console triage {engine_id}` shows its state and log; "
                       "restart it if it does not recover", now_ms)
     if state is False:
         return _alert("stale", "critical", engine_id,
-                      f"gone: {where} is not running; last report {age / 1e3:.0f} s ago",
+                      f"gone: {where} is not running; last report {fmt_ms(age)} ago",
                       "the engine exited or was killed: read its log (`kvpool-console triage "
                       f"{engine_id}`), restart it, or `kvpool-console forget {engine_id}` after "
                       "a scale-down", now_ms)
     if age > down_after_ms:
         return _alert("stale", "critical", engine_id,
-                      f"down: no report for {age / 1e3:.0f} s",
+                      f"down: no report for {fmt_ms(age)}",
                       "the engine is hung or gone, or its agent cannot reach the hub: "
                       f"`kvpool-console triage {engine_id}` tells which on its host; check "
                       "agent_address / KVPOOL_AGENT_ADDRESS", now_ms)
     return _alert("stale", "warning", engine_id,
-                  f"stale: no report for {age / 1e3:.1f} s",
+                  f"stale: no report for {fmt_ms(age)}",
                   "engine busy, hung or unreachable; its numbers are out of date", now_ms)
 
 
@@ -416,11 +492,12 @@ def evaluate(
     last_seen_ms: Mapping[str, float],
     now_ms: float,
     *,
-    stale_after_ms: float = 5_000.0,
+    stale_after_ms: float = STALE_AFTER_MS,
     down_after_ms: float = 30_000.0,
     watermark_ratio: float | None = None,
     watermark_margin: float = WATERMARK_MARGIN,
     stuck_after_ms: float | None = None,
+    counter_window_ms: float = COUNTER_WINDOW_MS,
     active: Collection[str] = (),
     alive: Callable[[Source], bool | None] | None = None,
 ) -> list[Alert]:
@@ -437,7 +514,9 @@ def evaluate(
             the pool's own ``eviction_high_watermark_ratio``.
         watermark_margin: an active ``pool_watermark`` clears only below ratio - margin.
         stuck_after_ms: age (ms) after which an in-flight load or save is ``stuck_transfer``;
-            ``None``: the pool's lease TTL, else ``DEFAULT_STUCK_AFTER_MS``.
+            ``None``: ``STUCK_MULTIPLE`` times what its bytes take at its agent's recent rate,
+            at least ``STUCK_FLOOR_MS``.
+        counter_window_ms: a counter alert retires once the newest error it counts is older.
         active: keys of the alerts active before this call (``AlertTracker.active_keys``), for
             hysteresis; empty for a one-shot evaluation.
         alive: tells whether a silent engine's process still runs (``True``: hung, ``False``:
@@ -473,7 +552,7 @@ def evaluate(
                               f"failed to start ({f.source.agent_id}): {sf.name}: {sf.message}",
                               sf.hint or "see the engine's log", now_ms))
             continue
-        out.extend(_engine_alerts(engine_id, group, majority, now_ms))
+        out.extend(_engine_alerts(engine_id, group, majority, now_ms, counter_window_ms))
         out.extend(_role_alerts(engine_id, group, saving, now_ms))
         seen = max(last_seen_ms.get(s.source.agent_id, s.ts_ms) for s in group)
         silence = _silence_alert(engine_id, group, now_ms - seen, now_ms, stale_after_ms,
@@ -529,3 +608,273 @@ class AlertTracker:
     def active_keys(self) -> frozenset[str]:
         """Keys of the alerts active after the last ``update`` (``evaluate(active=...)``)."""
         return frozenset(self._active)
+
+
+_NOT_TTL = "; default_kv_lease_ttl is not the cause"
+
+
+@dataclass
+class _Pause:
+    """A span (epoch ms) in which a pool's master failed its health check or an engine sent no
+    report; ``end_ms`` is None while it lasts."""
+
+    what: str
+    hint: str
+    start_ms: float
+    end_ms: float | None = None
+
+    def remembered(self, now_ms: float) -> bool:
+        """Failures and its alert still belong to it (it lasts, or ended < aftermath ago)."""
+        return self.end_ms is None or now_ms <= self.end_ms + _AFTERMATH_MS
+
+
+@dataclass
+class _Excuse:
+    """What of one agent's counters a pause explains: subtracted before the rules run."""
+
+    pause: _Pause
+    failed_after_hit: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    max_load_seen: float | None = None
+    """The slowest load that overlapped the pause (``TransferStats.max_load_ms``)..."""
+    max_load_before: float = 0.0
+    """...and the slowest before it, which the lease TTL rule sees while that is the max."""
+
+
+@dataclass
+class _Seen:
+    """One agent's counters at the previous update (``ts_ms``), and its hub receive time
+    then (``seen_ms``)."""
+
+    ts_ms: float
+    seen_ms: float
+    failed_after_hit: int
+    errors: dict[str, int]
+    max_load_ms: float
+
+
+class _PauseLedger:
+    """Pauses the console observed, and the slow loads and failed-after-hit loads they explain.
+
+    A pause of a pool: from the first update that sees an agent report its health check failing
+    to the first that sees none. Of an engine: from its last report before a silence longer than
+    ``_GAP_MS`` to the first after. A load whose span (its ``max_load_ms`` ending by this update)
+    overlaps a pause of its pool or engine, and a ``failed_after_hit`` that grew during one or in
+    its aftermath, are taken off the counters the rules see (so no TTL advice) and reported as
+    ``pause_wait`` with the pause's hint until the pause is no longer remembered.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[str, _Pause] = {}
+        self._engines: dict[str, _Pause] = {}
+        self._past: list[tuple[str, _Pause]] = []
+        self._seen: dict[str, _Seen] = {}
+        self._excused: dict[str, _Excuse] = {}
+        self._updated_ms: float | None = None
+
+    def _open_close(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
+                    now_ms: float) -> None:
+        sick: dict[str, str] = {}
+        masters: dict[str, str] = {}
+        for st in states.values():
+            if st.pool is not None:
+                name = pool_name(st)
+                masters[name] = st.source.master or name
+                if st.pool.healthy is False:
+                    sick[name] = st.pool.health_detail or "unhealthy"
+        for name in set(self._pools) | set(sick):
+            p = self._pools.get(name)
+            if name in sick and p is None:
+                self._pools[name] = _Pause(
+                    f"master {masters[name]} failed its health check ({sick[name]})",
+                    HINTS["RPC_FAIL"] + "; the load waited on it (see pool_unhealthy)"
+                    + _NOT_TTL, now_ms)
+            elif name not in sick and p is not None:
+                p.end_ms = now_ms
+                self._past.append((name, self._pools.pop(name)))
+        last: dict[str, float] = {}
+        for a, st in states.items():
+            eid = st.source.engine_id
+            last[eid] = max(last.get(eid, 0.0), last_seen_ms.get(a, st.ts_ms))
+        # A jump of the receive time is a pause only if this model looked in between: else
+        # it is the model's own gap (a slow refresh), not the engine's.
+        looked = self._updated_ms is not None and now_ms - self._updated_ms <= _GAP_MS
+        self._updated_ms = now_ms
+        for eid, seen in last.items():
+            p = self._engines.get(eid)
+            prev = max((self._seen[a].seen_ms for a, st in states.items()
+                        if st.source.engine_id == eid and a in self._seen), default=None)
+            jumped = looked and prev is not None and seen - prev > _GAP_MS
+            if p is None and (now_ms - seen > _GAP_MS or jumped):
+                p = self._engines[eid] = _Pause(
+                    f"engine {eid} sent no report (stopped or stalled)",
+                    "the engine process was stopped or stalled (SIGSTOP, a debugger, swapping) "
+                    f"and its load waited with it: `kvpool-console triage {eid}` if it "
+                    "recurs" + _NOT_TTL, prev if jumped and prev is not None else seen)
+            if p is not None and now_ms - seen <= _GAP_MS:
+                p.end_ms = seen
+                self._past.append((eid, self._engines.pop(eid)))
+        self._past = [(k, p) for k, p in self._past if p.remembered(now_ms)]
+
+    def _pause_of(self, st: EngineState, start_ms: float, end_ms: float) -> _Pause | None:
+        """A pause of ``st``'s pool or engine overlapping ``[start_ms, end_ms]``, aftermath
+        included."""
+        keys = {st.source.engine_id, pool_name(st) if st.pool is not None else ""}
+        spans = [p for k, p in [*self._pools.items(), *self._engines.items(), *self._past]
+                 if k in keys]
+        return next((p for p in spans if p.start_ms <= end_ms and (
+            p.end_ms is None or start_ms <= p.end_ms + _AFTERMATH_MS)), None)
+
+    def adjust(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
+               now_ms: float) -> dict[str, EngineState]:
+        """Record this update's pauses and what they explain; returns ``states`` with the
+        explained counts taken off (the same objects for agents with nothing explained)."""
+        self._open_close(states, last_seen_ms, now_ms)
+        out = dict(states)
+        for a, st in states.items():
+            tr = st.transfers
+            prev = self._seen.get(a)
+            ex = self._excused.get(a)
+            if prev is not None and (tr.failed_after_hit < prev.failed_after_hit
+                                     or tr.max_load_ms < prev.max_load_ms):
+                prev = ex = None  # the agent restarted: its counters began again
+                self._excused.pop(a, None)
+            if prev is not None:
+                grew = tr.failed_after_hit - prev.failed_after_hit
+                pause = self._pause_of(st, now_ms, now_ms) if grew > 0 else None
+                if pause is not None:
+                    ex = self._excused.setdefault(a, _Excuse(pause))
+                    ex.pause = pause
+                    ex.failed_after_hit += grew
+                    for n in _AFTER_HIT:
+                        ex.errors[n] += max(0, tr.errors_by_name.get(n, 0) - prev.errors.get(n, 0))
+                if tr.max_load_ms > prev.max_load_ms:
+                    pause = self._pause_of(st, prev.ts_ms - tr.max_load_ms, now_ms)
+                    if pause is not None:
+                        ex = self._excused.setdefault(a, _Excuse(pause))
+                        ex.pause = pause
+                        if ex.max_load_seen is None:
+                            ex.max_load_before = prev.max_load_ms
+                        ex.max_load_seen = tr.max_load_ms
+            self._seen[a] = _Seen(now_ms, last_seen_ms.get(a, st.ts_ms), tr.failed_after_hit,
+                                  dict(tr.errors_by_name),
+                                  tr.max_load_ms)
+            if ex is not None:
+                errors = {n: c - ex.errors[n] for n, c in tr.errors_by_name.items()
+                          if c - ex.errors[n] > 0}
+                max_load = (ex.max_load_before if ex.max_load_seen == tr.max_load_ms
+                            else tr.max_load_ms)
+                out[a] = msgspec.structs.replace(st, transfers=msgspec.structs.replace(
+                    tr, failed_after_hit=tr.failed_after_hit - ex.failed_after_hit,
+                    errors_by_name=errors, max_load_ms=max_load))
+        for a in set(self._seen) - set(states):
+            del self._seen[a]
+            self._excused.pop(a, None)
+        return out
+
+    def alerts(self, states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
+        """One ``pause_wait`` per engine with explained loads whose pause is remembered."""
+        by_engine: dict[str, list[_Excuse]] = {}
+        for a, ex in self._excused.items():
+            st = states.get(a)
+            if st is not None and ex.pause.remembered(now_ms):
+                by_engine.setdefault(st.source.engine_id, []).append(ex)
+        out = []
+        for eid, exs in sorted(by_engine.items()):
+            pause = max((x.pause for x in exs), key=lambda p: p.start_ms)
+            failed = sum(x.failed_after_hit for x in exs)
+            slowest = max((x.max_load_seen or 0.0 for x in exs), default=0.0)
+            parts = ([f"{failed} loads failed after a positive lookup"] if failed else []) + (
+                [f"slowest load {fmt_ms(slowest)}"] if slowest else [])
+            span = (f"{fmt_ms(pause.end_ms - pause.start_ms)}" if pause.end_ms is not None
+                    else "ongoing")
+            out.append(_alert("pause_wait", "warning", eid,
+                              f"{', '.join(parts)} while {pause.what} ({span})",
+                              pause.hint, now_ms))
+        return out
+
+
+class AlertModel:
+    """The alerts the TUI and the one-shot modes show: :func:`evaluate` on the fleet with
+    what observed pauses explain taken off (``pause_wait``), :class:`AlertTracker`'s
+    retirement, and ``pool_evicting`` while a pool's ``evicted_keys`` grew within
+    ``window_ms``. Feed it every sample (:meth:`update`); a one-shot feeds the samples of its
+    observation window, so it sees the pauses and evictions inside that window only.
+
+    Args:
+        window_ms: counter alerts and ``pool_evicting`` retire this long after their last
+            growth (ms).
+        stale_after_ms, down_after_ms, watermark_ratio, watermark_margin, stuck_after_ms,
+            alive: as :func:`evaluate`'s.
+    """
+
+    def __init__(self, *, window_ms: float = COUNTER_WINDOW_MS,
+                 stale_after_ms: float = STALE_AFTER_MS, down_after_ms: float = 30_000.0,
+                 watermark_ratio: float | None = None,
+                 watermark_margin: float = WATERMARK_MARGIN,
+                 stuck_after_ms: float | None = None,
+                 alive: Callable[[Source], bool | None] | None = None) -> None:
+        self.window_ms = window_ms
+        self.stale_after_ms = stale_after_ms
+        self.down_after_ms = down_after_ms
+        self.watermark_ratio = watermark_ratio
+        self.watermark_margin = watermark_margin
+        self.stuck_after_ms = stuck_after_ms
+        self.alive = alive
+        self.tracker = AlertTracker(window_ms)
+        self._pauses = _PauseLedger()
+        # pool name -> (evicted keys, evicted bytes) at the previous update, and the growth
+        # since the first update of the current eviction episode: (start ms, last growth
+        # ms, keys, bytes).
+        self._evicted: dict[str, tuple[int, int]] = {}
+        self._evicting: dict[str, tuple[float, float, int, int]] = {}
+
+    def _eviction_alerts(self, states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
+        pools: dict[str, PoolStats] = {}
+        for st in states.values():
+            if st.pool is not None:
+                pools[pool_name(st)] = st.pool
+        out = []
+        for name, p in sorted(pools.items()):
+            prev = self._evicted.get(name)
+            self._evicted[name] = (p.evicted_keys, p.evicted_bytes)
+            ep = self._evicting.get(name)
+            if prev is not None and p.evicted_keys > prev[0]:
+                start = ep[0] if ep is not None else now_ms
+                keys = (ep[2] if ep is not None else 0) + p.evicted_keys - prev[0]
+                nbytes = (ep[3] if ep is not None else 0) + max(0, p.evicted_bytes - prev[1])
+                ep = self._evicting[name] = (start, now_ms, keys, nbytes)
+            if ep is None:
+                continue
+            if now_ms - ep[1] > self.window_ms:
+                del self._evicting[name]
+                continue
+            used = f"{p.used_bytes / p.total_bytes:.0%} used, " if p.total_bytes else ""
+            out.append(_alert(
+                "pool_evicting", "warning", name,
+                f"pool evicting: {ep[2]} keys ({ep[3]} B) evicted since "
+                f"{fmt_ms(now_ms - ep[0])} ago ({used}eviction_high_watermark_ratio "
+                f"{p.high_watermark:.2f})",
+                "usage reached the high watermark and the master drops the least recently "
+                "used values: if the hit rate drops, add segment memory (global_segment_size) "
+                "or more segments", now_ms))
+        return out
+
+    def update(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
+               now_ms: float) -> list[Alert]:
+        """The active alerts at ``now_ms`` (epoch ms), critical first; ``new`` holds those
+        that became active or changed severity in this update."""
+        adjusted = self._pauses.adjust(states, last_seen_ms, now_ms)
+        alerts = evaluate(adjusted, last_seen_ms, now_ms, stale_after_ms=self.stale_after_ms,
+                          down_after_ms=self.down_after_ms, watermark_ratio=self.watermark_ratio,
+                          watermark_margin=self.watermark_margin,
+                          stuck_after_ms=self.stuck_after_ms, counter_window_ms=self.window_ms,
+                          active=self.tracker.active_keys, alive=self.alive)
+        alerts += self._pauses.alerts(states, now_ms) + self._eviction_alerts(states, now_ms)
+        alerts.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.key))
+        return self.tracker.update(alerts, now_ms)
+
+    @property
+    def new(self) -> list[Alert]:
+        """Alerts that became active (or changed severity) in the last :meth:`update`."""
+        return self.tracker.new

@@ -50,7 +50,7 @@ from kvpool_console._messages import (
     HealthFinished,
     HealthRequested,
 )
-from kvpool_console.alerts import WATERMARK_MARGIN, Alert, AlertTracker, evaluate
+from kvpool_console.alerts import STALE_AFTER_MS, WATERMARK_MARGIN, Alert, AlertModel
 from kvpool_console.model import SORT_KEYS, EngineRow, FleetModel, FleetView, select_rows
 from kvpool_console.screens import (
     EngineDetail,
@@ -150,15 +150,11 @@ class KVPoolConsole(App[None]):
     """Time since the hub's last update (ms) once past ``_HUB_SILENT_MS``, else None."""
 
     def __init__(self, source: FleetSource, *, refresh_s: float = 1.0,
-                 clock: Callable[[], float] = _wall_ms, stale_after_ms: float = 5_000.0,
+                 clock: Callable[[], float] = _wall_ms, stale_after_ms: float = STALE_AFTER_MS,
                  down_after_ms: float = 30_000.0, ssh_config: str | None = None,
                  watermark_ratio: float | None = None, watermark_margin: float = WATERMARK_MARGIN,
                  stuck_after_ms: float | None = None) -> None:
         super().__init__()
-        self.watermark_ratio = watermark_ratio
-        self.watermark_margin = watermark_margin
-        self.stuck_after_ms = stuck_after_ms
-        """Alert settings (``kvpool_console.alerts.evaluate``), from the command line."""
         self.source = source
         self.ssh_config = ssh_config
         """The ssh config file SSH triage uses (``--ssh-config``); None: ``~/.ssh/config``."""
@@ -166,7 +162,11 @@ class KVPoolConsole(App[None]):
         self.stale_after_ms = stale_after_ms
         self.down_after_ms = down_after_ms
         self.model = FleetModel(stale_after_ms=stale_after_ms, down_after_ms=down_after_ms)
-        self.tracker = AlertTracker()
+        # The alert settings come from the command line.
+        self.alert_model = AlertModel(stale_after_ms=stale_after_ms, down_after_ms=down_after_ms,
+                                      watermark_ratio=watermark_ratio,
+                                      watermark_margin=watermark_margin,
+                                      stuck_after_ms=stuck_after_ms, alive=local_process_alive)
         self.states: Mapping[str, EngineState] = {}
         """Raw agent states of the latest sample (the detail screen shows their transfers)."""
         self.frames = 0
@@ -283,19 +283,14 @@ class KVPoolConsole(App[None]):
         """Evaluate the alerts and build the view from the source's latest fleet into
         ``_prepared`` (alerts that fired in a frame not shown yet are kept for the events
         log). On the feed thread for each batch of a live feed, else in ``tick``; callers
-        hold ``_sample_lock`` (tracker and model are changed here only)."""
+        hold ``_sample_lock`` (alert model and view model are changed here only)."""
         states, seen = self.source.fleet()
         now = self.clock()
-        alerts = self.tracker.update(
-            evaluate(states, seen, now, stale_after_ms=self.stale_after_ms,
-                     down_after_ms=self.down_after_ms, active=self.tracker.active_keys,
-                     watermark_ratio=self.watermark_ratio,
-                     watermark_margin=self.watermark_margin,
-                     stuck_after_ms=self.stuck_after_ms, alive=local_process_alive), now)
+        alerts = self.alert_model.update(states, seen, now)
         view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded)
         fired = self._prepared.fired if self._prepared is not None else []
-        if self.tracker.new:
-            fired = [*fired, (self.tracker.new, now)]
+        if self.alert_model.new:
+            fired = [*fired, (self.alert_model.new, now)]
         self._prepared = _Frame(states=states, view=view, fired=fired)
 
     def _silent_tick(self) -> None:

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -41,7 +42,7 @@ from rich.text import Text
 from kvpool_agent.protocol import CommandReply, FlushArgs
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import plain
-from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, evaluate
+from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel
 from kvpool_console.model import (
     FleetView,
     build_view,
@@ -95,7 +96,8 @@ def _common(top: bool) -> argparse.ArgumentParser:
                              f"(default {WATERMARK_MARGIN})")
     common.add_argument("--stuck-after-ms", type=_at_least(1), default=default(None),
                         metavar="MS", help="a load or save in flight longer than this is stuck "
-                        "(default: the pool's lease TTL, else 10000)")
+                        "(default: 8x what its bytes take at its agent's recent rate, at least "
+                        "2500)")
     return common
 
 
@@ -147,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="JSON for scripts and alerting")
     st.add_argument("--fail-on", choices=("warning", "critical"), default=None,
                     help="exit 1 when an alert of this severity (or worse) is active")
+    st.add_argument("--observe", type=_non_negative, default=0.0, metavar="S",
+                    help="watch the fleet for S seconds before printing, as the TUI does: "
+                         "pauses, evictions and alerts raised in that window (default 0)")
     he = sub.add_parser("health", parents=[common], help="run health checks")
     he.add_argument("engines", nargs="*", metavar="ENGINE", help="engine ids (default: all)")
     he.add_argument("--all", action="store_true", help="every engine")
@@ -211,14 +216,26 @@ def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     return src
 
 
+_OBSERVE_STEP_S = 0.25
+"""Sampling interval of ``status --observe`` (the hub sends deltas at 4 Hz)."""
+
+
 def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
-    states, seen = src.fleet()
-    now = now_ms()
     # Callers building their own Namespace may leave the alert options out: their defaults.
-    return build_view(states, seen, now, alerts=evaluate(
-        states, seen, now, watermark_ratio=getattr(args, "watermark_ratio", None),
-        watermark_margin=getattr(args, "watermark_margin", WATERMARK_MARGIN),
-        stuck_after_ms=getattr(args, "stuck_after_ms", None), alive=local_process_alive))
+    model = AlertModel(watermark_ratio=getattr(args, "watermark_ratio", None),
+                       watermark_margin=getattr(args, "watermark_margin", WATERMARK_MARGIN),
+                       stuck_after_ms=getattr(args, "stuck_after_ms", None),
+                       alive=local_process_alive)
+    # The TUI's alert model, fed for the observation window: what it saw raised, paused or
+    # evicting there it shows as the TUI does; before the window it knows what agents report.
+    until = time.monotonic() + getattr(args, "observe", 0.0)
+    while True:
+        states, seen = src.fleet()
+        now = now_ms()
+        alerts = model.update(states, seen, now)
+        if time.monotonic() >= until:
+            return build_view(states, seen, now, alerts=alerts)
+        time.sleep(_OBSERVE_STEP_S)
 
 
 def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:

@@ -25,7 +25,7 @@ from kvpool_agent.protocol import (
     Source,
     StartFailure,
 )
-from kvpool_console.alerts import SEVERITY_RANK, Alert, pool_name
+from kvpool_console.alerts import SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
 
 __all__ = [
     "SORT_KEYS",
@@ -414,7 +414,7 @@ def build_view(
     now_ms: float,
     *,
     alerts: list[Alert] | None = None,
-    stale_after_ms: float = 5_000.0,
+    stale_after_ms: float = STALE_AFTER_MS,
     down_after_ms: float = 30_000.0,
     agent_rows_for: Collection[str] | None = None,
 ) -> FleetView:
@@ -614,7 +614,7 @@ class FleetModel:
         stale_after_ms, down_after_ms: silence thresholds passed to :func:`build_view`.
     """
 
-    def __init__(self, history: int = 60, *, stale_after_ms: float = 5_000.0,
+    def __init__(self, history: int = 60, *, stale_after_ms: float = STALE_AFTER_MS,
                  down_after_ms: float = 30_000.0) -> None:
         self.history = history
         self.stale_after_ms = stale_after_ms

@@ -102,7 +102,9 @@ async def test_tui_shows_markup_literally() -> None:
         assert "\\x1b[2J" in detail and "\x1b" not in detail
 
 
-def test_status_table_shows_markup_literally() -> None:
+def test_status_table_shows_markup_literally(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fleet's clock: its errors are recent, so their counter alerts are active.
+    monkeypatch.setattr("kvpool_console.cli.now_ms", lambda: NOW_MS)
     buf = io.StringIO()
     out = Console(file=buf, width=400, color_system=None)
     rc = _status(Namespace(json=False, fail_on="critical"), StaticSource(_hostile_fleet()), out)

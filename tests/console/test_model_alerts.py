@@ -71,7 +71,7 @@ def test_every_alert_rule_fires_with_hint() -> None:
     }
     by = {a.rule: a for a in alerts}
     assert "default_kv_lease_ttl" in by["lease_ttl"].hint
-    assert "12500 ms >= lease TTL 11000 ms" in by["lease_ttl"].message
+    assert "slowest load 12.5 s >= lease TTL 11.0 s" in by["lease_ttl"].message
     assert by["failed_after_hit"].hint.startswith("load started after the lookup's lease")
     assert "LEASE_EXPIRED 6" in by["failed_after_hit"].message
     assert "set kv_role to kv_consumer" in by["kv_role_mismatch"].hint
@@ -188,10 +188,12 @@ def test_request_level_token_split() -> None:
 def test_pool_alerts_once_per_pool_with_engines_and_hysteresis() -> None:
     import msgspec
 
-    def on_master(fleet: dict, used: float, healthy: bool | None = True) -> dict:
+    def on_master(fleet: dict, used: float, healthy: bool | None = True,
+                  evicted: int = 0) -> dict:
         # The master is down: no segments, every engine reports the same master address.
         p = pool(used=int(used * GB), total=10 * GB, healthy=healthy)
         p.segments = [] if healthy is False else p.segments
+        p.evicted_keys = evicted
         return {k: msgspec.structs.replace(
             s, source=msgspec.structs.replace(s.source, master="127.0.0.1:50051"), pool=p)
             for k, s in fleet.items()}
@@ -225,6 +227,14 @@ def test_pool_alerts_once_per_pool_with_engines_and_hysteresis() -> None:
     assert len(marks(8.8, watermark_ratio=0.8, watermark_margin=0.1)) == 1
     assert len(marks(7.1, watermark_ratio=0.8, watermark_margin=0.1)) == 1
     assert marks(6.9, watermark_ratio=0.8, watermark_margin=0.1) == []
+    # A pool that evicted has been over its watermark: held inside the margin without history,
+    # as a one-shot `status` evaluates it.
+    held = on_master(fleet, 8.6, evicted=5)
+    assert [a.message for a in evaluate(held, {}, NOW_MS) if a.rule == "pool_watermark"] == [
+        "pool 86% used, back under eviction_high_watermark_ratio 0.90, alert clears below "
+        "0.85 (9234179686/10737418240 B; engines a, b, c, d)"]
+    assert not [a for a in evaluate(on_master(fleet, 8.4, evicted=5), {}, NOW_MS)
+                if a.rule == "pool_watermark"]
 
 
 def test_start_failure_topology_and_stuck_rules() -> None:
@@ -271,19 +281,27 @@ def test_start_failure_topology_and_stuck_rules() -> None:
         "0% pool hits over 100 lookups while producers of tiny-llama save (p2)")
     assert "key namespaces" in a.hint
 
-    # A save in flight past the lease TTL (11 s) names the transfer, its age and the owner.
+    # A save in flight 8x longer than its bytes take at the agent's save rate (1 MiB/s), and
+    # past the floor, names the transfer, its age, the threshold and the owner.
     fleet = engine("s0", loads=0)
     fleet["s0/dp0.tp1.pp0"].in_flight = [Transfer(
-        req_id="req-9", kind="save", blocks=3, bytes=3 << 20, started_ms=NOW_MS - 18_200)]
+        req_id="req-9", kind="save", blocks=3, bytes=256 << 10, started_ms=NOW_MS - 18_200)]
     (a,) = evaluate(fleet, {}, NOW_MS)
     assert a.rule == "stuck_transfer" and a.subject == "s0"
     assert a.message == (
-        "save of req-9 on s0/dp0.tp1.pp0 in flight 18.2 s (> 11.0 s lease TTL; 3 blocks); "
-        "likely owner: the store process holding the segments (127.0.0.1:15001, "
-        "127.0.0.1:15002) or the master")
+        "save of req-9 on s0/dp0.tp1.pp0 in flight 18.2 s (> 2.5 s: floor; 250 ms expected at "
+        "1.0 MB/s; 3 blocks); likely owner: the store process holding the segments "
+        "(127.0.0.1:15001, 127.0.0.1:15002) or the master")
     assert evaluate(fleet, {}, NOW_MS, stuck_after_ms=20_000) == []
+    # A big save is stuck only past 8x its expected 3 s.
+    fleet["s0/dp0.tp1.pp0"].in_flight[0].bytes = 3 << 20
+    assert evaluate(fleet, {}, NOW_MS) == []
+    (a,) = evaluate(fleet, dict.fromkeys(fleet, NOW_MS + 6_000), NOW_MS + 6_000)
+    assert "in flight 24.2 s (> 24.0 s: 8x the 3.0 s expected at 1.0 MB/s; 3 blocks)" in \
+        a.message
     fleet = {k: msgspec.structs.replace(s, pool=pool(healthy=False)) for k, s in fleet.items()}
-    stuck = [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "stuck_transfer"]
+    stuck = [a for a in evaluate(fleet, dict.fromkeys(fleet, NOW_MS + 6_000), NOW_MS + 6_000)
+             if a.rule == "stuck_transfer"]
     assert "likely owner: master the master (pool health check failing: RPC_FAIL)" in \
         stuck[0].message
 
