@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.driver import Driver
@@ -347,6 +347,10 @@ class KVPoolConsole(App[None]):
 
     def watch_tab(self, tab: str) -> None:
         self.query_one("#tabs", TabbedContent).active = tab
+        if tab != "fleet":
+            # The filter is the fleet table's: kept across tabs, it would make the fleet look
+            # emptied on the way back, with the engine the other tab named missing.
+            self._clear_filter()
         self._show_tab()
 
     def watch_filter_text(self) -> None:
@@ -476,6 +480,19 @@ class KVPoolConsole(App[None]):
         box = self.query_one("#filter", Input)
         box.display = bool(event.value)
         self.query_one(FleetTable).focus()
+
+    def _clear_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.value = ""
+        box.display = False
+        self.filter_text = ""
+
+    def on_key(self, event: events.Key) -> None:
+        """Escape in the filter box clears the filter and returns to the fleet table."""
+        if event.key == "escape" and self.focused is self.query_one("#filter", Input):
+            event.stop()
+            self._clear_filter()
+            self.query_one(FleetTable).focus()
 
     def action_faults(self) -> None:
         self.faults_only = not self.faults_only
