@@ -13,13 +13,18 @@ from collections import OrderedDict, deque
 import msgspec
 
 from kvpool_agent.protocol import (
+    MAX_BIG_COUNT,
+    MAX_COUNT,
+    MAX_CPU_PERCENT,
     MAX_ID_CHARS,
+    MAX_MS,
     EngineState,
     ErrorRecord,
     FlushRecord,
     LookupStats,
     PoolStats,
     ProcessStats,
+    SegmentUsage,
     Source,
     StartFailure,
     Transfer,
@@ -89,6 +94,35 @@ class _Buckets:
         return out
 
 
+def _bounded(value: float, high: float) -> float:
+    """``value`` within [0, ``high``], NaN as 0: what the wire schema accepts, so a clock step,
+    a psutil glitch or a ratio over events the full buffer dropped never gets a report
+    refused."""
+    return min(value, high) if value > 0.0 else 0.0
+
+
+def _count(value: int, limit: int) -> int:
+    """``value`` within [0, ``limit``)."""
+    return min(max(value, 0), limit - 1)
+
+
+def _sane_pool(p: PoolStats) -> PoolStats:
+    """``p`` (parsed from the master's HTTP text, or from the backend) within the schema's
+    bounds: names and detail clipped, numbers clamped."""
+    return msgspec.structs.replace(
+        p, backend=clip(p.backend, MAX_ID_CHARS), keys=_count(p.keys, MAX_COUNT),
+        used_bytes=_count(p.used_bytes, MAX_BIG_COUNT),
+        total_bytes=_count(p.total_bytes, MAX_BIG_COUNT),
+        evicted_keys=_count(p.evicted_keys, MAX_COUNT),
+        evicted_bytes=_count(p.evicted_bytes, MAX_BIG_COUNT),
+        high_watermark=_bounded(p.high_watermark, 1.0),
+        lease_ttl_ms=_count(p.lease_ttl_ms, MAX_COUNT), health_detail=clip(p.health_detail),
+        segments=[SegmentUsage(name=clip(s.name, MAX_ID_CHARS),
+                               used_bytes=_count(s.used_bytes, MAX_BIG_COUNT),
+                               total_bytes=_count(s.total_bytes, MAX_BIG_COUNT))
+                  for s in p.segments])
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
@@ -130,6 +164,11 @@ class Aggregator:
         self.recent_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self.new_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
 
+    def set_pool(self, stats: PoolStats) -> None:
+        """The pool's latest stats, clamped to what a report may carry (``_sane_pool``)."""
+        self.pool = _sane_pool(stats)
+        self.changed = True
+
     def _record_error(self, err: ErrorRecord) -> None:
         # Messages quote exceptions and request ids come from API clients: clipped to what a
         # receiver accepts, so one odd error never gets the whole report refused.
@@ -167,8 +206,11 @@ class Aggregator:
                     tr.saves_skipped += ev.blocks
                     tr.errors_by_name[ev.reason] = tr.errors_by_name.get(ev.reason, 0) + 1
                 case LayoutKnown():
+                    # A cache signature of a model with many kinds of layers may run long.
                     self.source = msgspec.structs.replace(
-                        self.source, layout_digest=ev.digest, layout=dict(ev.facts))
+                        self.source, layout_digest=ev.digest,
+                        layout={clip(k, MAX_ID_CHARS): clip(v, one_line=True)
+                                if isinstance(v, str) else v for k, v in ev.facts.items()})
                 case StartFailed():
                     self.start_failure = StartFailure(
                         ts_ms=ev.ts_ms, name=clip(ev.name, MAX_ID_CHARS),
@@ -278,19 +320,22 @@ class Aggregator:
         """
         lk = msgspec.structs.replace(
             self.lookup, skipped_by_reason=dict(self.lookup.skipped_by_reason))
+        # Hits can outnumber the prompt tokens counted: a Lookup event the full buffer dropped,
+        # a load counted in the window after its lookup's. A rate is at most 1.
         if lk.prompt_tokens:
-            lk.hit_rate = lk.pool_hit_tokens / lk.prompt_tokens
+            lk.hit_rate = min(1.0, lk.pool_hit_tokens / lk.prompt_tokens)
         prompt_1m, hit_1m = self._hits.sums(now_ms)
-        lk.hit_rate_1m = hit_1m / prompt_1m if prompt_1m else 0.0
+        lk.hit_rate_1m = min(1.0, hit_1m / prompt_1m) if prompt_1m else 0.0
         lat = sorted(self._latencies)
-        lk.latency_ms_p50 = _percentile(lat, 0.50)
-        lk.latency_ms_p99 = _percentile(lat, 0.99)
+        lk.latency_ms_p50 = _bounded(_percentile(lat, 0.50), MAX_MS)
+        lk.latency_ms_p99 = _bounded(_percentile(lat, 0.99), MAX_MS)
         tr = msgspec.structs.replace(
             self.transfers, errors_by_name=dict(self.transfers.errors_by_name)
         )
         load_b, save_b = self._rates.sums(now_ms)
-        tr.load_bytes_per_s = load_b / _RATE_WINDOW_S
-        tr.save_bytes_per_s = save_b / _RATE_WINDOW_S
+        tr.load_bytes_per_s = _bounded(load_b / _RATE_WINDOW_S, MAX_BIG_COUNT)
+        tr.save_bytes_per_s = _bounded(save_b / _RATE_WINDOW_S, MAX_BIG_COUNT)
+        tr.max_load_ms = _bounded(tr.max_load_ms, MAX_MS)
         if all_errors:
             errors = list(self.recent_errors)
             flushes = list(self.recent_flushes)
@@ -307,7 +352,8 @@ class Aggregator:
             transfers=tr,
             in_flight=[msgspec.structs.replace(t) for t in self.in_flight.values()],
             pool=self.pool,
-            process=msgspec.structs.replace(self.process),
+            process=msgspec.structs.replace(
+                self.process, cpu_percent=_bounded(self.process.cpu_percent, MAX_CPU_PERCENT)),
             recent_errors=errors,
             start_failure=self.start_failure,
             flushes=flushes,

@@ -356,8 +356,7 @@ class _Agent:
                 if self.lease_ttl_ms and not stats.lease_ttl_ms:
                     stats.lease_ttl_ms = self.lease_ttl_ms
                 with self.lock:
-                    self.agg.pool = stats
-                    self.agg.changed = True
+                    self.agg.set_pool(stats)
             except Exception as e:
                 log.warning("kvpool agent %s: pool stats failed: %s", self.source.agent_id, e)
             self._pool_future = None

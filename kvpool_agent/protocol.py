@@ -16,10 +16,18 @@ Topology (see ``kvpool_agent.hub``)::
 Units: times are wall-clock milliseconds since the Unix epoch (``*_ms`` fields that name an
 instant) or durations in milliseconds (``*_ms`` fields that name a span: ``latency_ms``,
 ``ttl_ms``...); sizes are bytes; token counts are tokens.
+
+Reports are data, checked at decode: every number is finite and within its range (counts in
+[0, 2**53), bytes in [0, 2**63), ms in [0, 2**53], ratios in [0, 1]; :data:`MAX_COUNT` and the
+others), every string a printable id, name, text or hex digest, so a frame carrying NaN, an
+infinity, 2**64-1 or a terminal escape is refused as a whole (``ProtocolError``) and counted as
+a bad message by its receiver. Senders keep what they do not control within range
+(``kvpool_agent._aggregate``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -64,6 +72,7 @@ __all__ = [
     "split_frame",
     "tier_of",
     "tier_topic",
+    "visible",
 ]
 
 PROTOCOL_VERSION = 2
@@ -98,18 +107,57 @@ FilePath = Annotated[str, msgspec.Meta(max_length=4096, pattern=_NO_CONTROLS)]
 """A file path (``PATH_MAX`` is 4096 on Linux)."""
 FreeText = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS, pattern=_NO_CONTROLS)]
 """A message: printable, with tabs and newlines."""
+Digest = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*\Z")]
+"""A layout digest: lowercase hex (12 digits today, at most a whole SHA-256), ``""`` unknown."""
+LayoutText = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS,
+                                         pattern=r"^[^\x00-\x1f\x7f-\x9f]*\Z")]
+"""One layout fact (a cache signature runs to ~40 characters a layer): one printable line."""
+
+# Numbers are bounded so that no report carries NaN, an infinity or a count no real process
+# reaches: a float range refuses NaN and ±inf with it (msgspec compares, and NaN compares false).
+MAX_COUNT = 2**53
+"""Counts (events, tokens, keys, blocks, ranks, pids) are below this: exact as a float64, so
+sums and ratios over a fleet stay exact (a scheduler at 10^6 tokens/s takes 285 years)."""
+MAX_BIG_COUNT = 2**63
+"""Bytes and clock ticks are below this (int64): 8 EiB."""
+MAX_MS = 2.0**53
+"""Times in ms (instants since the epoch, and spans) are within [0, this]: 285,000 years."""
+MAX_CPU_PERCENT = 1e7
+"""``cpu_percent`` is at most this (psutil reports up to 100 per core: 100,000 cores)."""
+Count = Annotated[int, msgspec.Meta(ge=0, lt=MAX_COUNT)]
+BigCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BIG_COUNT - 1)]
+Int64 = Annotated[int, msgspec.Meta(ge=-MAX_BIG_COUNT, le=MAX_BIG_COUNT - 1)]
+"""A signed code (a backend's return code, e.g. Mooncake -707)."""
+Port = Annotated[int, msgspec.Meta(ge=0, le=65_535)]
+Ms = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_MS)]
+"""An instant (ms since the epoch) or a span (ms): finite, in [0, ``MAX_MS``]."""
+Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+BytesPerS = Annotated[float, msgspec.Meta(ge=0.0, le=float(MAX_BIG_COUNT))]
+CpuPercent = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_CPU_PERCENT)]
 
 
-def clip(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+def clip(text: str, limit: int = MAX_TEXT_CHARS, *, one_line: bool = False) -> str:
     """``text`` cut to ``limit`` characters and with control characters but tab and newline
-    replaced by ``?``, so it fits a :data:`FreeText` (or :data:`Name`, with
-    ``limit=MAX_ID_CHARS``) field."""
-    cleaned = text.translate(_CONTROL_TO_QUESTION)
+    (``one_line``: every one) replaced by ``?``, so it fits a :data:`FreeText` (or
+    :data:`Name`, with ``limit=MAX_ID_CHARS``; :data:`LayoutText` with ``one_line``) field."""
+    cleaned = text.translate(_LINE_CONTROL_TO_QUESTION if one_line else _CONTROL_TO_QUESTION)
     return cleaned if len(cleaned) <= limit else cleaned[:limit - 1] + "…"
 
 
 _CONTROL_TO_QUESTION = {c: "?" for c in (*range(0x00, 0x09), *range(0x0b, 0x20),
                                          *range(0x7f, 0xa0))}
+_LINE_CONTROL_TO_QUESTION = {**_CONTROL_TO_QUESTION, 0x09: "?", 0x0a: "?"}
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_LINE_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def visible(text: str, *, one_line: bool = False) -> str:
+    """``text`` for a terminal: each C0 control but tab and newline (``one_line``: every C0
+    control), DEL and each C1 control replaced by its Python escape, e.g. ``"\\x1b[2J"`` ->
+    ``"\\\\x1b[2J"`` (the four characters ``\\x1b``), so ``ESC ]0;`` cannot retitle a window
+    nor ``ESC [2J`` clear it. Receivers show what :func:`clip` would have cleaned with it."""
+    pattern = _LINE_CONTROL if one_line else _CONTROL
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
 CommandName = Literal["health", "flush", "drain", "snapshot", "forget"]
@@ -130,30 +178,31 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     instance_role: InstanceRole
     kv_role: KVRole
     process_role: ProcessRole
-    dp_rank: int = 0
-    tp_rank: int = 0
-    pp_rank: int = 0
-    pid: int = 0
+    dp_rank: Count = 0
+    tp_rank: Count = 0
+    pp_rank: Count = 0
+    pid: Count = 0
     host: OptionalId = ""
     backend: OptionalId = ""
     model: Name = ""
     # Where SSH triage finds this process on its host (kvpool_agent.process_facts). Defaults
     # mean unknown, so agents and consoles of the previous release still decode each other.
-    start_ticks: int = 0
+    start_ticks: BigCount = 0
     """Process start, in clock ticks after boot (``/proc/<pid>/stat`` field 22): with ``pid``
     it names the process exactly, a reused pid has another start."""
     log_path: FilePath = ""
     """The engine's log file (absolute path) when its output goes to a file."""
-    ports: tuple[int, ...] = ()
+    ports: tuple[Port, ...] = ()
     """TCP ports the process listens on (at agent start) or is configured to hold."""
     sockets: tuple[FilePath, ...] = ()
     """Unix socket paths of the engine (the lookup socket)."""
     master: Name = ""
     """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
-    layout_digest: str = ""
+    layout_digest: Digest = ""
     """The layout digest in the keys this worker writes and reads ("" until vLLM registered its
     KV caches, and in a scheduler): engines share pool values only when their digests match."""
-    layout: dict[str, str | int] = msgspec.field(default_factory=dict)
+    layout: Annotated[dict[Name, LayoutText | Count], msgspec.Meta(max_length=64)] = \
+        msgspec.field(default_factory=dict)
     """What ``layout_digest`` hashes (model revision, dtypes, cache shape, block and chunk size,
     layers, KV heads, head size, parallel sizes...), to see why two engines do not share."""
     role_source: Name = ""
@@ -178,19 +227,19 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     id that is not an int in [0, 2**32)).
     """
 
-    lookups: int = 0
-    lookup_errors: int = 0
-    prompt_tokens: int = 0
-    local_tokens: int = 0
-    pool_hit_tokens: int = 0
-    loaded_tokens: int = 0
-    hit_rate: float = 0.0
-    hit_rate_1m: float = 0.0
-    latency_ms_p50: float = 0.0
-    latency_ms_p99: float = 0.0
-    load_failed_tokens: int = 0
-    lookup_skipped: int = 0
-    skipped_by_reason: dict[Name, int] = msgspec.field(default_factory=dict)
+    lookups: Count = 0
+    lookup_errors: Count = 0
+    prompt_tokens: Count = 0
+    local_tokens: Count = 0
+    pool_hit_tokens: Count = 0
+    loaded_tokens: Count = 0
+    hit_rate: Ratio = 0.0
+    hit_rate_1m: Ratio = 0.0
+    latency_ms_p50: Ms = 0.0
+    latency_ms_p99: Ms = 0.0
+    load_failed_tokens: Count = 0
+    lookup_skipped: Count = 0
+    skipped_by_reason: dict[Name, Count] = msgspec.field(default_factory=dict)
 
 
 class Transfer(msgspec.Struct, gc=False, kw_only=True):
@@ -203,12 +252,12 @@ class Transfer(msgspec.Struct, gc=False, kw_only=True):
 
     req_id: Name
     kind: Literal["load", "save"]
-    blocks: int
-    bytes: int
-    started_ms: float
-    layers_done: int = 0
-    layers_total: int = 0
-    lease_expires_ms: float | None = None
+    blocks: Count
+    bytes: BigCount
+    started_ms: Ms
+    layers_done: Count = 0
+    layers_total: Count = 0
+    lease_expires_ms: Ms | None = None
 
 
 class TransferStats(msgspec.Struct, gc=False, kw_only=True):
@@ -221,27 +270,27 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     slowest load that ended without timing out (a timed-out load lasted the timeout).
     """
 
-    loads_finished: int = 0
-    loads_failed: int = 0
-    loads_timed_out: int = 0
-    saves_finished: int = 0
-    saves_failed: int = 0
-    saves_skipped: int = 0
-    loaded_bytes: int = 0
-    saved_bytes: int = 0
-    load_bytes_per_s: float = 0.0
-    save_bytes_per_s: float = 0.0
-    failed_after_hit: int = 0
-    max_load_ms: float = 0.0
-    errors_by_name: dict[Name, int] = msgspec.field(default_factory=dict)
+    loads_finished: Count = 0
+    loads_failed: Count = 0
+    loads_timed_out: Count = 0
+    saves_finished: Count = 0
+    saves_failed: Count = 0
+    saves_skipped: Count = 0
+    loaded_bytes: BigCount = 0
+    saved_bytes: BigCount = 0
+    load_bytes_per_s: BytesPerS = 0.0
+    save_bytes_per_s: BytesPerS = 0.0
+    failed_after_hit: Count = 0
+    max_load_ms: Ms = 0.0
+    errors_by_name: dict[Name, Count] = msgspec.field(default_factory=dict)
 
 
 class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
     """One memory segment of the pool (Mooncake: one mounted segment, named ``host:port``)."""
 
     name: Name
-    used_bytes: int
-    total_bytes: int
+    used_bytes: BigCount
+    total_bytes: BigCount
 
 
 class PoolStats(msgspec.Struct, gc=False, kw_only=True):
@@ -252,13 +301,13 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     """
 
     backend: Name
-    keys: int = 0
-    used_bytes: int = 0
-    total_bytes: int = 0
-    evicted_keys: int = 0
-    evicted_bytes: int = 0
-    high_watermark: float = 0.9
-    lease_ttl_ms: int = 0
+    keys: Count = 0
+    used_bytes: BigCount = 0
+    total_bytes: BigCount = 0
+    evicted_keys: Count = 0
+    evicted_bytes: BigCount = 0
+    high_watermark: Ratio = 0.9
+    lease_ttl_ms: Count = 0
     healthy: bool | None = None
     health_detail: FreeText = ""
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)
@@ -267,14 +316,14 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
 class ProcessStats(msgspec.Struct, gc=False, kw_only=True):
     """The engine process (psutil) and the agent's own queue."""
 
-    cpu_percent: float = 0.0
-    rss_bytes: int = 0
-    threads: int = 0
-    open_files: int = 0
-    queue_depth: int = 0
-    dropped: int = 0
-    bad_messages: int = 0
-    reports_dropped: int = 0
+    cpu_percent: CpuPercent = 0.0
+    rss_bytes: BigCount = 0
+    threads: Count = 0
+    open_files: Count = 0
+    queue_depth: Count = 0
+    dropped: Count = 0
+    bad_messages: Count = 0
+    reports_dropped: Count = 0
     """Reports the agent could not hand to its socket (hub absent or slow); ``dropped``
     counts engine events the Reporter's full buffer refused."""
 
@@ -283,11 +332,11 @@ class ErrorRecord(msgspec.Struct, gc=False, kw_only=True):
     """One error seen by the connector. ``name`` is the backend error name when there is one
     (e.g. ``LEASE_EXPIRED`` for Mooncake -707), else a short class such as ``LOOKUP``."""
 
-    ts_ms: float
+    ts_ms: Ms
     where: Name
     name: Name
     message: FreeText
-    code: int | None = None
+    code: Int64 | None = None
     req_id: Name | None = None
 
 
@@ -298,7 +347,7 @@ class StartFailure(msgspec.Struct, gc=False, kw_only=True):
     backend error name; ``message``: the error as the engine logged it; ``hint``: the fix.
     """
 
-    ts_ms: float
+    ts_ms: Ms
     name: Name
     message: FreeText
     hint: FreeText = ""
@@ -310,8 +359,8 @@ class EngineState(msgspec.Struct, gc=False, kw_only=True):
     without one, or is forgotten)."""
 
     source: Source
-    started_ms: float
-    ts_ms: float
+    started_ms: Ms
+    ts_ms: Ms
     lookup: LookupStats = msgspec.field(default_factory=LookupStats)
     transfers: TransferStats = msgspec.field(default_factory=TransferStats)
     in_flight: list[Transfer] = msgspec.field(default_factory=list)
@@ -330,8 +379,8 @@ class Report(msgspec.Struct, tag="report", kw_only=True):
     ``kind="delta"`` carries current counters and in-flight list but only the errors
     recorded since the previous report."""
 
-    v: int
-    seq: int
+    v: Int64
+    seq: Count
     kind: Literal["snapshot", "delta"]
     state: EngineState
 
@@ -341,19 +390,19 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     every few seconds); ``kind="delta"``: only agents that reported since the last update.
     ``last_seen_ms`` maps agent id to the hub's receive time of that agent's last report."""
 
-    v: int
-    seq: int
+    v: Int64
+    seq: Count
     kind: Literal["snapshot", "delta"]
-    ts_ms: float
+    ts_ms: Ms
     engines: list[EngineState]
-    last_seen_ms: dict[Id, float] = msgspec.field(default_factory=dict)
-    report_gaps: dict[Id, int] = msgspec.field(default_factory=dict)
+    last_seen_ms: dict[Id, Ms] = msgspec.field(default_factory=dict)
+    report_gaps: dict[Id, Count] = msgspec.field(default_factory=dict)
     """Per agent id: reports the hub never received (sequence gaps) since it first saw it."""
-    forgotten: list[str] = msgspec.field(default_factory=list)
+    forgotten: list[Id] = msgspec.field(default_factory=list)
     """Agent ids the hub dropped (silent for ``forget_after`` or ``forget``): a console drops
     them too. Deltas list those dropped since the last update, snapshots every one the hub
     still remembers dropping."""
-    refused_connections: dict[str, int] = msgspec.field(default_factory=dict)
+    refused_connections: dict[Name, Count] = msgspec.field(default_factory=dict)
     """Per hub port (``agents``, ``pub``, ``commands``, ``curve``): CURVE handshakes the hub
     refused since it started (no key, or a key not authorized for the port); empty when the
     hub runs without keys."""
@@ -403,9 +452,9 @@ class HealthCheck(msgspec.Struct, kw_only=True):
 
     name: Name
     ok: bool
-    latency_ms: float
+    latency_ms: Ms
     detail: FreeText = ""
-    code: int | None = None
+    code: Int64 | None = None
 
 
 class HealthResult(msgspec.Struct, kw_only=True):
@@ -433,7 +482,7 @@ class FlushRecord(msgspec.Struct, gc=False, kw_only=True):
     ``engine:<engine_id> (reset_prefix_cache)``), what it removed (``result``) or why it failed
     (``error``). ``request_id`` is unique per flush: the hub audits each once."""
 
-    ts_ms: float
+    ts_ms: Ms
     request_id: Name
     who: Name
     flush: FlushArgs
@@ -444,8 +493,8 @@ class FlushRecord(msgspec.Struct, gc=False, kw_only=True):
 
 class DrainResult(msgspec.Struct, kw_only=True):
     drained: bool
-    waited_ms: float
-    remaining_saves: int
+    waited_ms: Ms
+    remaining_saves: Count
 
 
 class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
