@@ -17,6 +17,11 @@ per load when its outcome is known) + ``recomputed`` (the rest, failed loads inc
 Counters are the agents' counters since their start: an agent restart or a forgotten agent
 lowers the engine's sum, which Prometheus' ``rate``/``increase`` treat as a counter reset.
 
+Label values are what agents reported: ids are printable words by the wire schema; names
+(model, error, segment) may hold tabs and newlines, shown as ``\x09``/``\x0a``
+(``protocol.visible``), so no scrape carries a control character to whoever reads it in a
+terminal.
+
 Alerts are not exported here: ``config/prometheus/kvpool-rules.yml`` expresses the console's
 alert rules over these series, and Prometheus itself exports the firing ones (``ALERTS``).
 """
@@ -31,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpool_agent.protocol import EngineState, PoolStats
+from kvpool_agent.protocol import EngineState, PoolStats, visible
 
 __all__ = [
     "DOWN_AFTER_S",
@@ -66,7 +71,13 @@ def _recomputed(st: EngineState) -> int:
 
 
 def _ratio(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0
+    # Exact: int / int rounds once, however large the sums. At most 1: hits counted without
+    # their prompt (an agent's dropped events) never read as more than every token.
+    return min(1.0, part / whole) if whole > 0 else 0.0
+
+
+def _label(name: str) -> str:
+    return visible(name, one_line=True)
 
 
 class _Families:
@@ -201,7 +212,7 @@ class FleetCollector(Collector):
         # The scheduler names the engine's model and role, like the console's engine row.
         group.sort(key=lambda x: (x[0].source.process_role != "scheduler", x[0].source.agent_id))
         head = group[0][0].source
-        labels = [engine_id, head.model, head.instance_role]
+        labels = [engine_id, _label(head.model), head.instance_role]
         sts = [st for st, _ in group]
         digests = sorted({s.source.layout_digest for s in sts if s.source.layout_digest})
         fams.gauge("kvpool_engine_info", "One per engine: its declared role, kv_role, backend "
@@ -227,7 +238,7 @@ class FleetCollector(Collector):
         fam = fams.counter("kvpool_transfer_errors", "Failed loads and saves and skipped saves, "
                            "by backend error name.", [*_ENGINE, "error"])
         for err in sorted(errors):
-            fam.add_metric([*labels, err], errors[err])
+            fam.add_metric([*labels, _label(err)], errors[err])
         for kind in ("load", "save"):
             fams.gauge(f"kvpool_{kind}s_in_flight", f"Requests with a {kind} in flight.",
                        _ENGINE).add_metric(
@@ -277,7 +288,7 @@ class FleetCollector(Collector):
                 newest[name] = (st.pool, st.ts_ms)
         for name in sorted(newest):
             p = newest[name][0]
-            labels = [name, p.backend]
+            labels = [_label(name), p.backend]
             fams.gauge("kvpool_pool_keys", "Keys in the pool.", _POOL).add_metric(labels, p.keys)
             fams.gauge("kvpool_pool_used_bytes", "Bytes of the pool in use.",
                        _POOL).add_metric(labels, p.used_bytes)

@@ -41,7 +41,7 @@ from rich.text import Text
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
 from kvpool_console._liveness import local_process_alive
-from kvpool_console._text import plain
+from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel
 from kvpool_console.model import (
     FleetView,
@@ -245,7 +245,7 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     refused = dict(src.client.refused_connections) if isinstance(src, ClientSource) else {}
     if args.json:
         doc = {**status_document(view), "refused_connections": refused}
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        sys.stdout.write(json_line(doc) + "\n")
     else:
         t = Table(title=f"kvpool fleet @ {src.address}", expand=False)
         for col in ("Engine", "State", "Role", "KV role", "Backend", "Hit", "Hit/Looked",

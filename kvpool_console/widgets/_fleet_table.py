@@ -171,9 +171,14 @@ _TREND_WIDTH = 8
 
 
 def trend(values: Iterable[float], width: int = _TREND_WIDTH) -> str:
-    """The last ``width`` values in [0, 1] as block characters (a sparkline in one cell)."""
-    vals = list(values)[-width:]
-    return "".join(_BLOCKS[min(int(max(v, 0.0) * len(_BLOCKS)), len(_BLOCKS) - 1)] for v in vals)
+    """The last ``width`` values in [0, 1] as block characters (a sparkline in one cell).
+    Values outside are drawn at the nearest end, NaN as 0: the schema refuses such rates at
+    decode, but a state built another way must not end the app either (``int(nan)``
+    raises)."""
+    top = len(_BLOCKS) - 1
+    return "".join(_BLOCKS[min(int(v * len(_BLOCKS)), top) if 0.0 < v <= 1.0
+                           else top if v > 1.0 else 0]
+                   for v in list(values)[-width:])
 
 
 def _tokens(hit: int, looked: int) -> str:

@@ -7,21 +7,29 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
+import os
 import re
 import time
 from argparse import Namespace
+from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
+import zmq
 from fleetdata import NOW_MS, engine, pool
-from livefleet import LiveFleet
+from livefleet import LiveFleet, keyed_live_fleet, until
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from kvpool_agent import start_agent
+from kvpool_agent import AGENT_KEYS_ENV, start_agent
+from kvpool_agent.auth import KeyPaths
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     EngineState,
     ErrorRecord,
+    LookupStats,
     ProtocolError,
     Report,
     Source,
@@ -29,12 +37,14 @@ from kvpool_agent.protocol import (
     decode,
     encode,
 )
-from kvpool_console._text import plain, visible
+from kvpool_connector.backends.mooncake import MooncakeBackend
+from kvpool_console._text import json_line, plain, visible
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.cli import _status, main
 from kvpool_console.screens import EngineDetailScreen
-from kvpool_console.source import StaticSource
+from kvpool_console.source import ClientSource, StaticSource
 from kvpool_console.widgets import FleetTable
+from kvpool_replay import LocalMooncakeMaster, free_port
 
 MARKUP = "[/x] [bold red]boom[/] [link=https://evil.example]click[/link]"
 """Each part alone breaks markup parsing or changes what is shown."""
@@ -187,3 +197,158 @@ def test_visible_and_plain() -> None:
     assert visible("a\x1b]0;t\x07b\x1b[2J\tc\nd\x9b\x7f") == \
         "a\\x1b]0;t\\x07b\\x1b[2J\tc\nd\\x9b\\x7f"
     assert plain("[/x]").plain == "[/x]" and plain("[bold]x[/]").spans == []
+
+
+# -- numbers and escapes that killed consoles (issue 27, items 6 and 8) -----------------------
+
+_RAW_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+"""Every C0 control but newline, DEL and every C1 control."""
+_BAD_NUMBERS = (math.nan, math.inf, -math.inf, 1e308, -1e308)
+
+
+def _raw_agent(address: str) -> zmq.Socket[bytes]:
+    """A DEALER on the hub's agent port holding the fleet's agent key (as any engine host
+    does): it sends whatever frames the test writes, no agent code in between."""
+    ctx = zmq.Context.instance()
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    KeyPaths.of(os.environ[AGENT_KEYS_ENV]).client("agent").apply(sock)
+    sock.connect(address)
+    return sock
+
+
+def _report(source: Source, seq: int, **state: object) -> bytes:
+    now = time.time() * 1e3
+    return encode(Report(v=PROTOCOL_VERSION, seq=seq, kind="snapshot", state=EngineState(
+        source=source, started_ms=now, ts_ms=now, **state)))  # type: ignore[arg-type]
+
+
+def _hostile_reports(source: Source) -> list[bytes]:
+    """NaN / inf / 1e308 rates, a 2**64-1 token count, escape-laden layout strings."""
+    frames = [_report(source, 100 + i, lookup=LookupStats(prompt_tokens=10, hit_rate_1m=v,
+                                                          hit_rate=v))
+              for i, v in enumerate(_BAD_NUMBERS)]
+    frames.append(_report(source, 110, lookup=LookupStats(prompt_tokens=2**64 - 1)))
+    frames.append(_report(msgspec.structs.replace(
+        source, layout_digest="\x1b]0;PWNED\x07\x1b[2J",
+        layout={"cache": "\x9b2J", "model\x1b[2J": 1}), 111))
+    return frames
+
+
+async def test_tui_keeps_running_after_nan_inf_and_huge_reports(live_fleet: LiveFleet) -> None:
+    """A running TUI on a live keyed hub: an agent-key holder sends NaN, ±inf, 1e308 and
+    2**64-1 reports, for a real engine's agent and for one of its own. The hub counts each as a
+    bad message; the TUI keeps running and keeps following the real engine."""
+    p0 = live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
+    p0[0].reporter.lookup("r1", 1000, 0, 400, 1.0)
+    p0[0].reporter.loaded("r1", 400)
+    live_fleet.wait_agents(2)
+    app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.2)
+    sock = _raw_agent(live_fleet.address)
+    try:
+        async with app.run_test(size=(160, 40)) as pilot:
+            table = app.query_one(FleetTable)
+            await until(pilot, lambda: "e:p0" in table.rows
+                        and str(table.get_cell("e:p0", "hit")) == "40%", "p0 drawn")
+            before = live_fleet.hub.bad_messages
+            frames = [*_hostile_reports(p0[0].source),
+                      *_hostile_reports(msgspec.structs.replace(
+                          p0[0].source, agent_id="evil/scheduler", engine_id="evil"))]
+            for f in frames:
+                sock.send(f)
+            await until(pilot, lambda: live_fleet.hub.bad_messages - before >= len(frames),
+                        "the hub refused every hostile report")
+            # The console crashed 0.8 s after such a frame: give it several refreshes.
+            p0[0].reporter.lookup("r2", 1000, 0, 1000, 1.0)
+            p0[0].reporter.loaded("r2", 1000)
+            await until(pilot, lambda: str(table.get_cell("e:p0", "hit")) == "70%",
+                        "p0's next report drawn")
+            assert app.is_running and app.return_code is None
+            assert live_fleet.hub.bad_messages - before == len(frames)
+            assert "e:evil" not in table.rows
+            assert str(table.get_cell("__totals__", "tokens")) == "1.4k/2.0k"
+            assert set(str(table.get_cell("e:p0", "trend"))) <= set("▁▂▃▄▅▆▇█")
+    finally:
+        sock.close()
+
+
+async def test_tui_survives_non_finite_rates_it_is_handed() -> None:
+    """A state that never went through the schema (a recorded fleet) with NaN, ±inf and
+    ±1e308 rates: every refresh draws, the Trend cell included, and the app keeps running."""
+    fleet: dict[str, EngineState] = {}
+    for i, v in enumerate(_BAD_NUMBERS):
+        for aid, st in engine(f"e{i}", hit_1m=v).items():
+            fleet[aid] = msgspec.structs.replace(st, lookup=msgspec.structs.replace(
+                st.lookup, hit_rate=v), transfers=msgspec.structs.replace(
+                st.transfers, load_bytes_per_s=v, max_load_ms=v))
+    app = KVPoolConsole(StaticSource(fleet), refresh_s=0.1, clock=lambda: NOW_MS)
+    async with app.run_test(size=(200, 40)) as pilot:
+        table = app.query_one(FleetTable)
+        await until(pilot, lambda: all(len(app.model.hit_history.get(f"e{i}", ())) >= 3
+                                       for i in range(len(_BAD_NUMBERS))), "three refreshes")
+        trends = [str(table.get_cell(f"e:e{i}", "trend")) for i in range(len(_BAD_NUMBERS))]
+        assert trends[0].startswith("▁") and trends[1].startswith("█")  # NaN low, inf high
+        assert trends[2].startswith("▁") and trends[3].startswith("█")
+        assert app.is_running and app.return_code is None
+
+
+def test_metrics_and_status_json_carry_no_control_characters(
+        tmp_path: Path, mooncake_master: LocalMooncakeMaster, pool_backend: MooncakeBackend,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Names a report may carry (tabs, newlines, quotes, backslashes in a model or error name)
+    reach ``/metrics`` and ``status --json`` escaped; the escape-laden layout of the attack is
+    refused at the hub; a 2**64-1 prompt count cannot zero the fleet's hit rate."""
+    model = 'm\tx\n"q"\\ [b] é'
+    with keyed_live_fleet(tmp_path / "keys", mooncake_master, pool_backend, monkeypatch,
+                          "ctl", metrics_port=free_port()) as fleet:
+        p0 = fleet.add_engine("p0", "prefill", "kv_producer", tp=1, model=model)
+        p0[0].reporter.lookup("r1", 1000, 0, 250, 1.0)
+        p0[0].reporter.loaded("r1", 250)
+        p0[1].reporter.transfer_started("r2", "load", 1, 4096)
+        p0[1].reporter.transfer_finished("r2", "load", False, 0, "E\tX\nY", 1)
+        sock = _raw_agent(fleet.address)
+        try:
+            for f in _hostile_reports(msgspec.structs.replace(
+                    p0[0].source, agent_id="evil/scheduler", engine_id="evil")):
+                sock.send(f)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                assert fleet.hub.metrics is not None
+                body = httpx.get(fleet.hub.metrics.url, timeout=5.0).content
+                if b"E\\\\x09X\\\\x0aY" in body and fleet.hub.bad_messages >= 7:
+                    break
+                time.sleep(0.1)
+        finally:
+            sock.close()
+        text = body.decode()
+        assert _RAW_CONTROL.search(text) is None, _RAW_CONTROL.findall(text)
+        # Label values as a scraper reads them: the controls as visible escapes.
+        labels = {s.labels.get("model") for fam in text_string_to_metric_families(text)
+                  for s in fam.samples} - {None}
+        assert labels == {'m\\x09x\\x0a"q"\\ [b] é'}
+        assert "PWNED" not in text and 'engine="evil"' not in text
+        assert "kvpool_fleet_pool_hit_ratio 0.25" in text
+        assert main(["status", "--json", "--hub", fleet.address]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and _RAW_CONTROL.search(out[:-1]) is None
+    doc = json.loads(out)
+    assert [e["model"] for e in doc["engines"]] == [model]
+    assert doc["totals"]["hit_rate"] == 0.25
+
+
+def test_status_json_escapes_c1_controls(capsys: pytest.CaptureFixture[str]) -> None:
+    """A state built without the schema (a recorded fleet, an older hub's) with C1 controls
+    and escapes in its layout: ``status --json`` prints them as ``\\u`` escapes, and a JSON
+    reader gets the same strings back."""
+    hostile = "\x9b2J\x1b]0;PWNED\x07\x7f\x85"
+    fleet = {aid: msgspec.structs.replace(st, source=msgspec.structs.replace(
+        st.source, model=f"m{hostile}", layout_digest=f"d{hostile}",
+        layout={"cache": hostile}))
+        for aid, st in engine("e0").items()}
+    rc = _status(Namespace(json=True, fail_on=None), StaticSource(fleet), Console())
+    out = capsys.readouterr().out
+    assert rc == 0 and _RAW_CONTROL.search(out[:-1]) is None
+    assert "\\u009b2J\\u001b]0;PWNED\\u0007\\u007f\\u0085" in out
+    (row,) = json.loads(out)["engines"]
+    assert row["model"] == f"m{hostile}" and row["layout"] == {"cache": hostile}
+    assert json_line({"s": "\x00\x1f\x80\x9f é"}) == '{"s":"\\u0000\\u001f\\u0080\\u009f é"}'
