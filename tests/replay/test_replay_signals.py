@@ -91,3 +91,48 @@ def test_replay_stops_everything_it_started_on_a_signal(signum: int, status: int
         for p in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not available")
+def test_replay_stops_what_it_started_on_sigterm_during_start_up(tmp_path: Path) -> None:
+    """SIGTERM while the store (or the engine) is still starting: what
+    already runs stops and nothing more starts (every child seen until the exit is gone)."""
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
+         "--speedup", "1", "--no-progress"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen: dict[int, psutil.Process] = {}
+
+    def look() -> str:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                seen.setdefault(p.pid, p)
+        return " ".join(" ".join(p.cmdline()) for p in seen.values() if _alive(p))
+
+    try:
+        deadline = time.monotonic() + 120
+        while "mooncake_client" not in look():
+            assert proc.poll() is None and time.monotonic() < deadline, look()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            look()  # a child started after the signal would be seen here
+            time.sleep(0.01)
+        assert proc.poll() == 143
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert b"Traceback" not in err and b"stopped by signal 15" in err, err[-3000:]
+        assert READY not in err
+        assert [" ".join(p.cmdline()) for p in seen.values() if _alive(p)] == []
+        assert _leftovers(tmp_path) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        for p in seen.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
