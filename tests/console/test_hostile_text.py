@@ -209,7 +209,7 @@ _BAD_NUMBERS = (math.nan, math.inf, -math.inf, 1e308, -1e308)
 def _raw_agent(address: str) -> zmq.Socket[bytes]:
     """A DEALER on the hub's agent port holding the fleet's agent key (as any engine host
     does): it sends whatever frames the test writes, no agent code in between."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     KeyPaths.of(os.environ[AGENT_KEYS_ENV]).client("agent").apply(sock)
