@@ -238,6 +238,12 @@ def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
         time.sleep(_OBSERVE_STEP_S)
 
 
+def _percent(rate: float) -> str:
+    """``rate`` (a fraction) as ``"12.3%"``; a rate above 0 that rounds to 0.0% is
+    ``"<0.1%"``, so one engine with a huge token count cannot show hits as none."""
+    return "<0.1%" if 0.0 < rate < 0.0005 else f"{rate:.1%}"
+
+
 def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     view = _view(src, args)
     # Handshakes the hub refused per port (no key, or one not authorized there): only a hub
@@ -255,7 +261,7 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
             pool = (f"{fmt_bytes(r.segment_used_bytes)}/{fmt_bytes(r.segment_total_bytes)}"
                     if r.segment_total_bytes else "-")
             t.add_row(plain(r.engine_id), r.state, r.role, r.kv_role, plain(r.backend),
-                      f"{r.hit_rate:.1%}",
+                      _percent(r.hit_rate),
                       f"{r.hit_tokens}/{r.lookup_tokens}", str(r.loads_in_flight),
                       str(r.saves_in_flight), str(r.load_errors), pool,
                       fmt_lease(r.next_lease_expiry_ms, view.now_ms), fmt_age(r.age_ms),
@@ -263,7 +269,7 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         out.print(t)
         tot = view.totals
         out.print(f"{tot.engines} engines ({tot.stale} stale, {tot.down} down), "
-                  f"hit rate {tot.hit_rate:.1%} (local {tot.local_hit_rate:.1%}), "
+                  f"hit rate {_percent(tot.hit_rate)} (local {_percent(tot.local_hit_rate)}), "
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.load_errors} failed loads")
         if any(refused.values()):

@@ -352,3 +352,15 @@ def test_status_json_escapes_c1_controls(capsys: pytest.CaptureFixture[str]) -> 
     (row,) = json.loads(out)["engines"]
     assert row["model"] == f"m{hostile}" and row["layout"] == {"cache": hostile}
     assert json_line({"s": "\x00\x1f\x80\x9f é"}) == '{"s":"\\u0000\\u001f\\u0080\\u009f é"}'
+
+
+def test_status_never_shows_hits_as_none() -> None:
+    """An engine claiming 2**53-1 prompt tokens (the most a report may carry) outweighs the
+    others' hits: the fleet's rate is tiny but above 0, and ``status`` says so."""
+    fleet = {**engine("big", prompt=2**53 - 1, hits=0), **engine("p0", prompt=1000, hits=500)}
+    buf = io.StringIO()
+    _status(Namespace(json=False, fail_on=None), StaticSource(fleet),
+            Console(file=buf, width=400, color_system=None))
+    text = buf.getvalue()
+    assert "hit rate <0.1% (local 0.0%)" in text
+    assert " 50.0% " in text and " 0.0% " in text  # p0's row and big's
