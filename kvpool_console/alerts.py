@@ -643,14 +643,16 @@ class _Excuse:
 
 @dataclass
 class _Seen:
-    """One agent's counters at the previous update (``ts_ms``), and its hub receive time
-    then (``seen_ms``)."""
+    """One agent's counters at the previous update (``ts_ms``), its hub receive time then
+    (``seen_ms``), and its state then with what :meth:`_PauseLedger.adjust` made of it."""
 
     ts_ms: float
     seen_ms: float
     failed_after_hit: int
     errors: dict[str, int]
     max_load_ms: float
+    state: EngineState
+    adjusted: EngineState
 
 
 class _PauseLedger:
@@ -692,18 +694,23 @@ class _PauseLedger:
             elif name not in sick and p is not None:
                 p.end_ms = now_ms
                 self._past.append((name, self._pools.pop(name)))
+        # One pass over the agents (this runs on every refresh of a 2,304-agent fleet):
+        # each engine's newest receive time now and at the previous update.
         last: dict[str, float] = {}
+        before: dict[str, float] = {}
         for a, st in states.items():
             eid = st.source.engine_id
             last[eid] = max(last.get(eid, 0.0), last_seen_ms.get(a, st.ts_ms))
+            old = self._seen.get(a)
+            if old is not None:
+                before[eid] = max(before.get(eid, 0.0), old.seen_ms)
         # A jump of the receive time is a pause only if this model looked in between: else
         # it is the model's own gap (a slow refresh), not the engine's.
         looked = self._updated_ms is not None and now_ms - self._updated_ms <= _GAP_MS
         self._updated_ms = now_ms
         for eid, seen in last.items():
             p = self._engines.get(eid)
-            prev = max((self._seen[a].seen_ms for a, st in states.items()
-                        if st.source.engine_id == eid and a in self._seen), default=None)
+            prev = before.get(eid)
             jumped = looked and prev is not None and seen - prev > _GAP_MS
             if p is None and (now_ms - seen > _GAP_MS or jumped):
                 p = self._engines[eid] = _Pause(
@@ -732,8 +739,13 @@ class _PauseLedger:
         self._open_close(states, last_seen_ms, now_ms)
         out = dict(states)
         for a, st in states.items():
-            tr = st.transfers
             prev = self._seen.get(a)
+            if prev is not None and prev.state is st:
+                # No report since (FleetClient replaces a state per report): same counters.
+                prev.ts_ms, prev.seen_ms = now_ms, last_seen_ms.get(a, st.ts_ms)
+                out[a] = prev.adjusted
+                continue
+            tr = st.transfers
             ex = self._excused.get(a)
             if prev is not None and (tr.failed_after_hit < prev.failed_after_hit
                                      or tr.max_load_ms < prev.max_load_ms):
@@ -756,9 +768,6 @@ class _PauseLedger:
                         if ex.max_load_seen is None:
                             ex.max_load_before = prev.max_load_ms
                         ex.max_load_seen = tr.max_load_ms
-            self._seen[a] = _Seen(now_ms, last_seen_ms.get(a, st.ts_ms), tr.failed_after_hit,
-                                  dict(tr.errors_by_name),
-                                  tr.max_load_ms)
             if ex is not None:
                 errors = {n: c - ex.errors[n] for n, c in tr.errors_by_name.items()
                           if c - ex.errors[n] > 0}
@@ -767,6 +776,8 @@ class _PauseLedger:
                 out[a] = msgspec.structs.replace(st, transfers=msgspec.structs.replace(
                     tr, failed_after_hit=tr.failed_after_hit - ex.failed_after_hit,
                     errors_by_name=errors, max_load_ms=max_load))
+            self._seen[a] = _Seen(now_ms, last_seen_ms.get(a, st.ts_ms), tr.failed_after_hit,
+                                  dict(tr.errors_by_name), tr.max_load_ms, st, out[a])
         for a in set(self._seen) - set(states):
             del self._seen[a]
             self._excused.pop(a, None)
