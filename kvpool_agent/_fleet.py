@@ -15,6 +15,11 @@ is live, reports naming that engine from another identity are refused, so one en
 add an agent to another engine (a forged start failure would mark it FAILED, a forged worker
 would receive its ``flush --scope engine``). With one fleet-wide agent key every agent is the
 same identity and only the connection binding applies.
+
+An engine holds at most ``MAX_AGENTS_PER_ENGINE`` agent ids, so one engine-bound key cannot fill
+the fleet. Who has held each engine id since when (its *tenure*: the identity and the time it
+took the id) is kept across hub restarts (``tenure``/``load_tenure``, the hub's state file):
+pool-wide flushes go to the worker whose key has held its engine longest, per pool.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "FULL_RATE",
     "LIVE_S",
     "MAX_AGENTS",
+    "MAX_AGENTS_PER_ENGINE",
     "MAX_FLEET_STATE_BYTES",
     "MAX_STATE_BYTES",
     "TAKEOVER_AFTER_S",
@@ -73,6 +79,11 @@ TAKEOVER_AFTER_S = 2.0
 
 MAX_AGENTS = 16_384
 """Agents the hub keeps; reports from further new agent ids are refused."""
+
+MAX_AGENTS_PER_ENGINE = 1_024
+"""Agent ids one engine id holds at most (a real engine has one per rank plus its scheduler:
+DP x TP x PP + 1); reports of further new ids of that engine are refused (``full``). An
+engine-bound agent key reports for one engine only, so this is also what one such key holds."""
 
 MAX_FLEET_STATE_BYTES = 256 << 20
 """Encoded states the hub keeps over all agents (bytes); a report that would pass it is
@@ -120,7 +131,13 @@ class Fleet:
         # Per update stream (FULL_RATE, or a tier's ms): agents reported / forgotten since that
         # stream's last update, so a slow stream loses nothing between its ticks.
         self._dirty: dict[int, set[str]] = {FULL_RATE: set()}
-        # Forgotten agent id -> when (ms since epoch); told to consoles so they drop it too.
+        # Engine id -> agent ids it holds (for MAX_AGENTS_PER_ENGINE and dropping owners).
+        self._engine_agents: dict[str, int] = {}
+        # Engine id -> (identity, since ms, last seen ms): who holds it since when.
+        self._tenure: dict[str, tuple[str, float, float]] = {}
+        self.tenure_changed = False
+        # Forgotten agent id -> when (ms since epoch), oldest first (insertion order: trimmed
+        # in O(1) per id); told to consoles so they drop it too.
         self._forgotten: dict[str, float] = {}
         self._forgotten_new: dict[int, set[str]] = {FULL_RATE: set()}
         self._state_bytes = 0  # sum of the kept agents' encoded state sizes
@@ -172,8 +189,13 @@ class Fleet:
             if owner is not None and owner[0] != identity and now_ms - owner[1] < LIVE_S * 1e3:
                 return (f"takeover: engine {st.source.engine_id!r} belongs to another agent key "
                         "while it is live; report dropped")
+            engine = st.source.engine_id
             if ag is None and len(self._agents) >= MAX_AGENTS:
                 return f"full: {MAX_AGENTS} agents; report of {aid!r} dropped"
+            moves = ag is None or ag.state.source.engine_id != engine
+            if moves and self._engine_agents.get(engine, 0) >= MAX_AGENTS_PER_ENGINE:
+                return (f"full: engine {engine[:80]!r} holds {MAX_AGENTS_PER_ENGINE} agent ids; "
+                        f"report of {aid[:80]!r} dropped")
             errors = deque(ag.errors if ag is not None else (), maxlen=_RECENT_ERRORS)
             if rep.kind == "snapshot":
                 errors.clear()
@@ -187,6 +209,10 @@ class Fleet:
                 return (f"full: fleet state would be {total} bytes > {MAX_FLEET_STATE_BYTES}; "
                         f"report of {aid!r} dropped")
             self._state_bytes = total
+            if moves:
+                if ag is not None:
+                    self._leave_engine(ag.state.source.engine_id)
+                self._engine_agents[engine] = self._engine_agents.get(engine, 0) + 1
             if ag is None:
                 ag = _Entry(state=st, last_seen_ms=now_ms, routing_id=routing_id,
                             first_seen_ms=now_ms)
@@ -196,20 +222,27 @@ class Fleet:
                     gone.discard(aid)
             elif ag.routing_id != routing_id:
                 ag.first_seen_ms = now_ms
+            held = self._tenure.get(engine)
+            if held is None or held[0] != identity:
+                self._tenure[engine] = (identity, now_ms, now_ms)
+                self.tenure_changed = True
+            else:
+                self._tenure[engine] = (identity, held[1], now_ms)
             ag.errors = errors
             ag.state = st
             ag.size = size
             ag.last_seen_ms = now_ms
             ag.routing_id = routing_id
             ag.identity = identity
-            self._engine_owner[st.source.engine_id] = (identity, now_ms)
+            self._engine_owner[engine] = (identity, now_ms)
             for dirty in self._dirty.values():
                 dirty.add(aid)
         return None
 
     def forget(self, names: list[str]) -> list[str]:
-        """Drop the agents whose agent id or engine id is in ``names``; returns the agent ids
-        dropped (sorted). Consoles are told with the next update's ``forgotten``."""
+        """Drop the agents whose agent id or engine id is in ``names`` (O(agents + names));
+        returns the agent ids dropped (sorted). Consoles are told with the next update's
+        ``forgotten``."""
         with self._lock:
             wanted = set(names)
             ids = sorted(
@@ -228,21 +261,49 @@ class Fleet:
         return ids
 
     def _drop(self, ids: list[str]) -> None:
+        """Forget ``ids`` (held agents): O(1) per id, however many are remembered."""
         now_ms = time.time() * 1e3
         for k in ids:
-            self._state_bytes -= self._agents.pop(k).size
+            ag = self._agents.pop(k)
+            self._state_bytes -= ag.size
+            self._leave_engine(ag.state.source.engine_id, forget=True)
+            # Re-inserted at the end: the dict stays oldest first.
+            self._forgotten.pop(k, None)
             self._forgotten[k] = now_ms
             for stream, dirty in self._dirty.items():
                 dirty.discard(k)
                 self._forgotten_new[stream].add(k)
-        engines = {a.state.source.engine_id for a in self._agents.values()}
-        for e in [e for e in self._engine_owner if e not in engines]:
-            del self._engine_owner[e]
         while len(self._forgotten) > _FORGOTTEN_KEPT:
-            oldest = min(self._forgotten, key=self._forgotten.__getitem__)
+            oldest = next(iter(self._forgotten))
             del self._forgotten[oldest]
             for gone in self._forgotten_new.values():
                 gone.discard(oldest)
+
+    def _leave_engine(self, engine: str, *, forget: bool = False) -> None:
+        """One agent id of ``engine`` is gone (dropped, or it moved to another engine); the
+        engine's owner goes with its last agent, its tenure too when it was forgotten."""
+        left = self._engine_agents.get(engine, 0) - 1
+        if left > 0:
+            self._engine_agents[engine] = left
+            return
+        self._engine_agents.pop(engine, None)
+        self._engine_owner.pop(engine, None)
+        if forget and self._tenure.pop(engine, None) is not None:
+            self.tenure_changed = True
+
+    def tenure(self) -> dict[str, tuple[str, float, float]]:
+        """Engine id -> (identity holding it, since when, last report; ms since epoch), for
+        the hub's state file; clears ``tenure_changed``."""
+        with self._lock:
+            self.tenure_changed = False
+            return dict(self._tenure)
+
+    def load_tenure(self, held: dict[str, tuple[str, float, float]]) -> None:
+        """Take tenures saved by an earlier hub (``tenure``); an engine's next report from
+        the same identity keeps its ``since``, from another identity starts a new one."""
+        with self._lock:
+            for engine, entry in held.items():
+                self._tenure.setdefault(engine, entry)
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""
@@ -274,11 +335,13 @@ class Fleet:
 
         ``req.targets`` when given; otherwise every live agent, except for ``flush``: scope
         ``engine`` goes to the live worker agents of ``FlushArgs.engine_id``; scopes ``model``
-        and ``all`` are pool-wide and go to one live agent with a pool client: the
-        longest-connected worker agent (a store agent when no worker is live). Longest
-        connected, not most recently heard, so an agent that just appeared and reports fast
-        cannot draw the flush to itself. The choice is made once, when the command arrives:
-        agents appearing later never receive it.
+        and ``all`` are pool-wide and go to one live agent with a pool client per pool
+        (agents grouped by ``Source.master``): a worker agent (a store agent when the pool has
+        no live worker) whose identity has held its engine id the longest (``tenure``, kept
+        across hub restarts), then the longest connected. Tenure, not most recently heard nor
+        first to reconnect, so an agent that just appeared, or reconnects fastest after a hub
+        restart, cannot draw the flush to itself. The choice is made once, when the command
+        arrives: agents appearing later never receive it.
 
         Returns:
             ``(agent ids, None)`` or ``([], the reason for the operator)``.
@@ -305,14 +368,40 @@ class Fleet:
                 return sorted(
                     ids
                 ), None if ids else f"no live worker agent of engine {fl.engine_id!r}"
-            holders = sorted(
-                (a.state.source.process_role != "worker", a.first_seen_ms, k)
-                for k, a in live.items()
-                if a.state.source.process_role in ("worker", "store")
-            )
-            if not holders:
+            best: dict[str, tuple[bool, float, float, str]] = {}
+            for k, a in live.items():
+                src = a.state.source
+                if src.process_role not in ("worker", "store"):
+                    continue
+                held = self._tenure.get(src.engine_id)
+                since = held[1] if held is not None and held[0] == a.identity else now_ms
+                rank = (src.process_role != "worker", since, a.first_seen_ms, k)
+                if src.master not in best or rank < best[src.master]:
+                    best[src.master] = rank
+            if not best:
                 return [], "no live worker or store agent to run the flush"
-            return [holders[0][2]], None
+            return sorted(r[3] for r in best.values()), None
+
+    def pool_keys(self, agent_id: str) -> int | None:
+        """The key count of ``agent_id``'s pool (``Source.master``) as agents report it
+        (``PoolStats.keys``, the largest): agents of other identities when any report it, else
+        other agents of the same identity, else the agent's own; ``None`` when no agent reports
+        that pool (nothing to check a flush's answer against)."""
+        with self._lock:
+            ag = self._agents.get(agent_id)
+            if ag is None:
+                return None
+            master = ag.state.source.master
+            others: list[int] = []
+            strangers: list[int] = []
+            for k, a in self._agents.items():
+                pool = a.state.pool
+                if k == agent_id or pool is None or a.state.source.master != master:
+                    continue
+                (strangers if a.identity != ag.identity else others).append(pool.keys)
+            own = [ag.state.pool.keys] if ag.state.pool is not None else []
+            counts = strangers or others or own
+            return max(counts) if counts else None
 
     def updates(self, kind: str, first_seq: int, gaps: dict[str, int],
                 stream: int = FULL_RATE) -> list[FleetUpdate]:
