@@ -512,7 +512,13 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
     drain: DrainResult | None = None
     snapshot: EngineState | None = None
     forgotten: list[str] = msgspec.field(default_factory=list)
-    """``forget`` (answered by the hub itself): the agent ids it dropped."""
+    """``forget`` (answered by the hub itself): the agent ids it dropped (the first 1,000,
+    sorted, when it dropped more)."""
+    forgotten_count: int = 0
+    """``forget``: how many agent ids it dropped (hubs before this field send 0)."""
+    suspect: FreeText | None = None
+    """Set by the hub on a flush answer that disagrees with the pool's key count as other
+    agents report it (why); such a reply has ``ok=False``: shown as suspect, not as done."""
 
 
 Message = Report | FleetUpdate | CommandRequest | CommandReply
