@@ -397,6 +397,17 @@ class AllowList:
         self._seen: dict[Role, tuple[int, ...]] = {}
         self._links: dict[Role, tuple[float, tuple[int, ...]] | None] = {}
         self._keys: dict[Role, dict[bytes, str]] = {}
+        # z85 key -> time.monotonic() until which it is refused (``ban``).
+        self._banned: dict[bytes, float] = {}
+
+    def ban(self, key: bytes, seconds: float) -> None:
+        """Refuse ``key`` (z85) in every domain for ``seconds`` from now (its connections
+        already open stay; its next handshakes are refused)."""
+        with self._lock:
+            now = time.monotonic()
+            for k in [k for k, until in self._banned.items() if until <= now]:
+                del self._banned[k]
+            self._banned[key] = now + seconds
 
     def _role_keys(self, role: Role) -> dict[bytes, str]:
         d = self.authorized_dir / role
@@ -450,5 +461,10 @@ class AllowList:
         return None
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """pyzmq's credentials-provider hook: may ``key`` (z85) connect in ``domain``."""
+        """pyzmq's credentials-provider hook: may ``key`` (z85) connect in ``domain`` (listed
+        for it and not banned)."""
+        with self._lock:
+            until = self._banned.get(key)
+        if until is not None and time.monotonic() < until:
+            return False
         return self.name(domain, key) is not None

@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--audit-backups", type=int, default=AUDIT_BACKUPS, metavar="K",
                    help="rotated audit files kept, PATH.1 newest (default %(default)s)")
 
+    h.add_argument("--state-file", metavar="PATH",
+                   help="keep which key has held each engine id since when here, so pool-wide "
+                   "flush targets survive a restart (default DIR/hub-state.json with --keys, "
+                   "none without)")
+
     h.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on PORT (default P+4; 0 turns it off)")
     h.add_argument("--metrics-host", metavar="HOST",
@@ -227,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 audit_backups=args.audit_backups,
                 metrics_port=_metrics_port(args.address, args.metrics_port),
                 metrics_host=args.metrics_host,
+                state_file=args.state_file or (kp.root / "hub-state.json" if kp else None),
             ).start()
             if kp is not None and args.metrics_host not in (None, "127.0.0.1", "::1",
                                                             "localhost"):

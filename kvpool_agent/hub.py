@@ -26,11 +26,17 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   could hand another's subscription to itself and blind it. ``FleetClient`` subscribes to
   ``protocol.FULL_RATE_TOPICS`` for the full-rate stream alone; a ``b""`` subscriber
   (consoles before tiers) also gets the frames of every tier some console subscribed to, and
-  skips them as bad messages;
+  skips them as bad messages. libzmq keeps every distinct topic of every subscriber, so a
+  subscription to a topic the hub does not publish (a bug, or a viewer growing the hub's
+  memory) bans that key for ``SUBSCRIPTION_BAN_S`` (ZAP refuses its handshakes on every port;
+  counted in ``refused_by_key``) and rebuilds the XPUB, which frees every subscription:
+  consoles' SUB sockets reconnect and subscribe again, each getting a snapshot. Without keys
+  the port is rebuilt, nobody banned;
 - ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
   ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
-  connection and ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or
-  ``operator`` key (an operator key is still read-only here);
+  connection, ``MAX_PENDING_PER_KEY`` per key (over all its connections) and
+  ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or ``operator`` key (an
+  operator key is still read-only here);
 - ``P+3`` ROUTER, only with keys: every command, also ``flush``, ``health`` with ``probe`` and
   ``forget``; only ``operator`` keys. ``OPERATOR_RESERVE`` of the pending slots are only for
   this port.
@@ -38,6 +44,18 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   the fleet state (``kvpool_agent._metrics``), read-only and without authentication (scrapers
   speak plain HTTP): bound on HOST without keys (where the ports above are open too), on
   127.0.0.1 with keys unless ``metrics_host`` names another address.
+
+Cost is bounded per key (the ZAP User-Id's key name; ``plain`` without keys), not per
+message: commands in flight per key (above), explicit targets per command (``MAX_TARGETS``;
+unknown ones are answered by one ``hub`` reply), audit bytes per key and minute
+(``kvpool_agent._audit``), agent ids per engine (``kvpool_agent._fleet.MAX_AGENTS_PER_ENGINE``),
+and the largest message each port reads (``_MAX_COMMAND_BYTES`` on the command ports,
+``MAX_MESSAGE_BYTES`` on the agent port, ``_MAX_SUBSCRIPTION_BYTES`` on the XPUB). Refusals
+are counted per key (``refused_by_key``, ``/metrics`` ``kvpool_hub_refused_key_<name>_total``).
+The one thread serves the operator first: each turn it takes the operator port's frames, then
+at most ``_AGENT_BATCH`` agent frames and ``_READONLY_BATCH`` read-only commands (for
+``_READONLY_SLICE_S`` at most), taking the operator's frames again before each read-only
+command, so an operator command waits for one agent batch or one read-only command at most.
 
 Commands and replies are bound to connections: the hub forwards a command under a fresh
 unguessable request id (``secrets.token_hex``) to the routing id each target agent last
@@ -54,6 +72,8 @@ is ``kvpool_agent._fleet`` and the audit trail ``kvpool_agent._audit``.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import secrets
 import threading
 import time
@@ -67,11 +87,19 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES, AuditTrail
+from kvpool_agent._audit import (
+    AUDIT_BACKUPS,
+    AUDIT_IDS_SHOWN,
+    AUDIT_KEY_BYTES_PER_MIN,
+    AUDIT_MAX_BYTES,
+    AuditTrail,
+)
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, MAX_AGENTS, Fleet
 from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
 from kvpool_agent.protocol import (
+    FULL_RATE_TOPICS,
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
@@ -92,8 +120,11 @@ __all__ = [
     "MAX_AGENTS",
     "MAX_PENDING",
     "MAX_PENDING_PER_CONNECTION",
+    "MAX_PENDING_PER_KEY",
+    "MAX_TARGETS",
     "OPERATOR_ONLY",
     "OPERATOR_RESERVE",
+    "SUBSCRIPTION_BAN_S",
     "UNAUTHORISED",
     "ZAP_DOMAINS",
     "FleetHub",
@@ -114,12 +145,46 @@ OPERATOR_RESERVE = 256
 """Pending slots only the operator port P+3 may use, so read-only traffic never starves it."""
 MAX_PENDING_PER_CONNECTION = 16
 """Commands one connection of the read-only port P+2 may have in flight."""
+MAX_PENDING_PER_KEY = 64
+"""Commands one key may have in flight on the read-only port P+2, over all its connections
+(``plain`` counts as one key)."""
+MAX_TARGETS = 4096
+"""Agent ids one command may name (``targets``); a longer list is refused at once."""
+FORGOTTEN_SHOWN = 1000
+"""Agent ids a ``forget`` reply lists at most (``forgotten_count`` has them all), so the reply
+stays far below ``MAX_MESSAGE_BYTES``."""
 FORGET_AFTER_S = 600.0
 """Default ``forget_after_s``: agents silent this long are dropped."""
 _FORGET_CHECK_S = 1.0
 MAX_TIMEOUT_MS = 600_000
 _MAX_FRAMES_PER_LOOP = 1024
-_MAX_READ_BYTES = 16 * 1024 * 1024
+_OPERATOR_BATCH = 64
+_AGENT_BATCH = 64
+_READONLY_BATCH = 64
+"""Frames per loop turn and port: the operator port's first (taken again before each
+read-only command and after the agents' batch), then agents', then read-only commands'."""
+_READONLY_SLICE_S = 0.01
+"""A turn stops taking read-only commands after this long (s), so agents get their turn."""
+_MAX_COMMAND_BYTES = 2 * 1024 * 1024
+"""Largest frame the command ports read (bytes): a request naming ``MAX_TARGETS`` ids of
+``MAX_ID_CHARS`` is ~1.1 MB. libzmq refuses a longer frame at its header and drops the
+connection, before buffering it."""
+_COMMAND_RCVHWM = 64
+"""Messages queued per command connection before libzmq stops reading it."""
+_SUSPECT_SLACK_KEYS = 1024
+"""Keys a flush may match beyond its pool's last reported count (the pool grows between
+reports) before its answer is suspect; also an eighth of the count."""
+_STATE_SAVE_S = 2.0
+_STATE_REFRESH_S = 60.0
+_TENURE_KEPT_S = 7 * 86400.0
+"""Tenures of engines not heard from this long (s) are not loaded again."""
+SUBSCRIPTION_BAN_S = 600.0
+"""How long (s) a key that subscribed to an unknown topic is refused on every port."""
+_SUBSCRIPTION_RCVHWM = 32
+"""Subscription messages queued per console connection (a console sends 18 at its start;
+more wait in TCP, nothing is lost)."""
+_KNOWN_TOPICS = frozenset((b"", *FULL_RATE_TOPICS))
+"""Subscriptions the hub publishes to, besides the tiers' (``tier_of``)."""
 _MAX_SUBSCRIPTION_BYTES = 1024
 """Longest message the XPUB reads (bytes); a longer one drops its connection. libzmq keeps
 each subscribed topic in a trie of ~50 bytes per topic byte for as long as the subscriber
@@ -179,9 +244,14 @@ class _Pending:
     deadline: float
     expected: list[str]
     plain: bool
+    key: str = ""
+    # Targets the fleet does not hold: answered together in one reply.
+    unknown: list[str] = field(default_factory=list)
     # Agent id -> the routing id the command was sent to: the only one whose reply counts.
     routes: dict[str, bytes] = field(default_factory=dict)
     replies: dict[str, CommandReply] = field(default_factory=dict)
+    # Flush: agent id -> its pool's key count when sent (``Fleet.pool_keys``).
+    pool_keys: dict[str, int | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,7 +278,8 @@ class FleetHub:
             ``kvpool-agent keygen --role hub``). Both or neither: with them every port requires
             a key.
         audit_file: append one JSON line per command (who, what, scope, result) here, besides
-            the ``kvpool.hub`` log line.
+            the ``kvpool.hub`` log line; the read-only port's lines go to
+            ``audit_file.readonly`` (``kvpool_agent._audit``).
         snapshot_interval_s: full FleetUpdate snapshots this often, and on a join (a
             subscription), at most one per ``delta_interval_s``: each goes to every
             subscriber, so a subscriber repeating its subscription cannot make the hub
@@ -216,8 +287,13 @@ class FleetHub:
         delta_interval_s: deltas (agents that reported since the last update) this often.
         forget_after_s: agents silent this long (s) are dropped, with ``forgotten`` in the next
             update and a log line.
-        audit_max_bytes: the audit file rotates at this size (bytes), keeping
+        audit_max_bytes: each audit file rotates at this size (bytes), keeping
             ``audit_backups`` older files (``FILE.1`` newest).
+        audit_key_bytes_per_min: audit bytes one key's read-only commands (and an agent key's
+            own flushes) write per minute; the rest is summarised in one line.
+        state_file: a small JSON file (written atomically, mode 0600) keeping which key has
+            held each engine id since when, so pool-wide flush targets survive a hub restart;
+            ``None`` keeps it in memory only.
         metrics_port: serve Prometheus ``/metrics`` (``kvpool_agent._metrics``) over HTTP on
             this port; ``None`` serves none.
         metrics_host: the address ``/metrics`` binds; ``None``: the hub's host without keys,
@@ -229,9 +305,12 @@ class FleetHub:
     ``takeover_refused`` (reports for an id another live connection holds),
     ``oversized_states`` (reports over ``MAX_STATE_BYTES``), ``fleet_full`` (reports refused
     for ``MAX_AGENTS`` or ``MAX_FLEET_STATE_BYTES``), ``rejected_replies`` (replies from
-    a connection the command was not sent to, unknown ids, repeats), ``forgotten``,
+    a connection the command was not sent to, unknown ids, repeats), ``lost_replies`` (to a
+    console gone before its answer), ``forgotten``,
     ``bad_messages``, ``refused_connections`` (port name ``agents``/``pub``/``commands``/
-    ``curve`` -> CURVE handshakes refused: no key, or a key not authorized for the port).
+    ``curve`` -> CURVE handshakes refused: no key, or a key not authorized for the port),
+    ``refused_by_key`` (key name, ``plain`` without keys -> its commands, reports or audit
+    lines refused for a budget, a missing role or a bound; logged rate-limited).
 
     Raises:
         ValueError: bad address, or only one of the two key arguments.
@@ -251,6 +330,8 @@ class FleetHub:
         audit_backups: int = AUDIT_BACKUPS,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        audit_key_bytes_per_min: int = AUDIT_KEY_BYTES_PER_MIN,
+        state_file: str | Path | None = None,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -263,7 +344,9 @@ class FleetHub:
         self.authorized_keys_dir = Path(authorized_keys_dir) if authorized_keys_dir else None
         self.secret_key_file = Path(secret_key_file) if secret_key_file else None
         self.audit_file = Path(audit_file) if audit_file else None
-        self._audit = AuditTrail(self.audit_file, audit_max_bytes, audit_backups)
+        self._audit = AuditTrail(self.audit_file, audit_max_bytes, audit_backups,
+                                 audit_key_bytes_per_min)
+        self.state_file = Path(state_file) if state_file else None
         self.snapshot_interval_s = snapshot_interval_s
         self.delta_interval_s = delta_interval_s
         self.forget_after_s = forget_after_s
@@ -276,11 +359,14 @@ class FleetHub:
         self.oversized_states = 0
         self.fleet_full = 0
         self.rejected_replies = 0
+        self.lost_replies = 0
         self.forgotten = 0
         self.refused_connections: dict[str, int] = {}
+        self.refused_by_key: dict[str, int] = {}
         self.allow: AllowList | None = None
         self.seq_tracker = SeqTracker()
         self._fleet = Fleet()
+        self._state_warned = False
         self._pending: dict[str, _Pending] = {}
         # Update streams (FULL_RATE or a tier's ms), each started by its first subscriber: a
         # hub watched by tier consoles only never encodes the full-rate one. A stream stays on
@@ -364,7 +450,10 @@ class FleetHub:
                     "bad_messages": self.bad_messages, "forgotten": self.forgotten,
                     # CURVE handshakes refused per port (hubs with keys).
                     **{f"refused_handshakes_{port}": n
-                       for port, n in self.refused_connections.items()}}
+                       for port, n in self.refused_connections.items()},
+                    # Refusals per key: the names of the keys the hub authorized.
+                    **{f"refused_key_{_metric_word(key)}": n
+                       for key, n in dict(self.refused_by_key).items()}}
 
         return FleetCollector(self._fleet.states, lambda: dict(self.seq_tracker.gaps),
                               counters, lambda: time.time() * 1e3)
@@ -382,42 +471,79 @@ class FleetHub:
         self.socks: list[zmq.Socket[bytes]] = []
         # Monitor socket -> the port name its handshake failures are counted under.
         self.monitors: dict[zmq.Socket[bytes], str] = {}
-        keys = self._load_keys()
+        self._keys = self._load_keys()
+        self.poller = zmq.Poller()
 
-        def sock(kind: int, name: str, endpoint: str) -> zmq.Socket[bytes]:
-            # Tracked before bind: a socket left out of self.socks would make ctx.term() in
-            # _close() wait for it forever when a later bind fails.
-            s: zmq.Socket[bytes] = self.ctx.socket(kind)
-            self.socks.append(s)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 1000)
-            s.setsockopt(zmq.MAXMSGSIZE, _MAX_READ_BYTES)
-            if kind == zmq.ROUTER:
-                s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            if kind == zmq.XPUB:
-                # Every subscription reaches _recv_subscriptions (a join snapshot), also
-                # repeats.
-                s.setsockopt(zmq.XPUB_VERBOSE, 1)
-                s.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
-            if keys is not None:
-                s.curve_publickey, s.curve_secretkey = keys
-                s.curve_server = True
-                s.zap_domain = _PORT_DOMAIN[name].encode()
-                mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
-                self.monitors[mon] = name
-                self.refused_connections[name] = 0
-            try:
-                s.bind(endpoint)
-            except zmq.ZMQError as e:
-                raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
-            return s
-
-        self.agents_sock = sock(zmq.ROUTER, "agents", self.ports.agents)
-        self.pub = sock(zmq.XPUB, "pub", self.ports.pub)
-        self.plain = sock(zmq.ROUTER, "commands", self.ports.commands)
+        self.agents_sock = self._socket(zmq.ROUTER, "agents", self.ports.agents)
+        self.pub = self._socket(zmq.XPUB, "pub", self.ports.pub)
+        self.plain = self._socket(zmq.ROUTER, "commands", self.ports.commands)
         self.curve: zmq.Socket[bytes] | None = None
-        if keys is not None:
-            self.curve = sock(zmq.ROUTER, "curve", self.ports.curve)
+        if self._keys is not None:
+            self.curve = self._socket(zmq.ROUTER, "curve", self.ports.curve)
+
+    def _socket(self, kind: int, name: str, endpoint: str) -> zmq.Socket[bytes]:
+        """A bound socket of port ``name``, registered with the poller (and its monitor)."""
+        # Tracked before bind: a socket left out of self.socks would make ctx.term() in
+        # _close() wait for it forever when a later bind fails.
+        s: zmq.Socket[bytes] = self.ctx.socket(kind)
+        self.socks.append(s)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 1000)
+        # What each port needs, so a part over it is refused at its header (libzmq
+        # buffers a multipart message whole before the hub sees any part of it).
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES if name == "agents"
+                     else _MAX_COMMAND_BYTES)
+        if name in ("commands", "curve"):
+            s.setsockopt(zmq.RCVHWM, _COMMAND_RCVHWM)
+        if kind == zmq.ROUTER:
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == zmq.XPUB:
+            # Every subscription reaches _recv_subscriptions (a join snapshot), also
+            # repeats.
+            s.setsockopt(zmq.XPUB_VERBOSE, 1)
+            s.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
+            # libzmq adds every queued subscription to its trie when the hub reads the first:
+            # a short queue per connection bounds what one read adds before the hub sees it.
+            s.setsockopt(zmq.RCVHWM, _SUBSCRIPTION_RCVHWM)
+        if self._keys is not None:
+            s.curve_publickey, s.curve_secretkey = self._keys
+            s.curve_server = True
+            s.zap_domain = _PORT_DOMAIN[name].encode()
+        try:
+            s.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
+        if self._keys is not None:
+            # Right after bind: a handshake refused within those microseconds goes uncounted.
+            mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
+            self.monitors[mon] = name
+            self.refused_connections.setdefault(name, 0)
+            self.poller.register(mon, zmq.POLLIN)
+        self.poller.register(s, zmq.POLLIN)
+        return s
+
+    def _rebuild_pub(self) -> None:
+        """Close the XPUB (freeing libzmq's subscription trie of every subscriber) and bind a
+        new one on the same port: consoles' SUB sockets reconnect and subscribe again by
+        themselves (each subscription brings a snapshot)."""
+        for mon, name in list(self.monitors.items()):
+            if name == "pub":
+                self.poller.unregister(mon)
+                del self.monitors[mon]
+                mon.close(linger=0)
+        self.poller.unregister(self.pub)
+        self.socks.remove(self.pub)
+        self.pub.close(linger=0)
+        for attempt in range(50):
+            try:
+                self.pub = self._socket(zmq.XPUB, "pub", self.ports.pub)
+                return
+            except zmq.ZMQError:
+                # The closed listener is released by libzmq's I/O thread: moments, not more.
+                if attempt == 49:
+                    raise
+                self.socks.pop().close(linger=0)
+                time.sleep(0.02)
 
     def _load_keys(self) -> tuple[bytes, bytes] | None:
         """The hub's CURVE pair, with the ZAP handler started; ``None`` without keys."""
@@ -449,7 +575,42 @@ class FleetHub:
             self.auth.configure_curve_callback(domain, self.allow)
         return public, secret
 
+    def _load_state(self) -> None:
+        """Tenures from ``state_file`` (a missing file: none; an unreadable one is logged and
+        ignored: the hub starts, flush targets fall back to the longest connected)."""
+        if self.state_file is None:
+            return
+        try:
+            data = msgspec.json.decode(self.state_file.read_bytes(), type=_HubState)
+        except FileNotFoundError:
+            return
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("kvpool hub: state file %s ignored: %s", self.state_file, e)
+            return
+        cutoff = time.time() * 1e3 - _TENURE_KEPT_S * 1e3
+        self._fleet.load_tenure({e: t for e, t in data.tenure.items() if t[2] >= cutoff})
+
+    def _save_state(self) -> None:
+        """Write the tenures to ``state_file`` atomically (a temporary file renamed over it);
+        a failure is logged once and the hub goes on."""
+        if self.state_file is None:
+            return
+        body = msgspec.json.encode(_HubState(tenure=self._fleet.tenure()))
+        tmp = self.state_file.with_name(self.state_file.name + f".{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.state_file)
+        except OSError as e:
+            if not self._state_warned:
+                self._state_warned = True
+                log.warning("kvpool hub: cannot write state file %s (%s): flush targets are "
+                            "not kept across a restart", self.state_file, e)
+            tmp.unlink(missing_ok=True)
+
     def _close(self) -> None:
+        self._save_state()
         for m in self.monitors:
             m.close(linger=0)
         for s in self.socks:
@@ -477,6 +638,7 @@ class FleetHub:
 
     def _run(self) -> None:
         try:
+            self._load_state()
             self._bind()
         except BaseException as e:
             self._error = e
@@ -493,22 +655,21 @@ class FleetHub:
             f", operator commands {self.ports.curve} (CURVE keys on every port)"
             if self.curve is not None else " (no keys: plain)",
         )
-        poller = zmq.Poller()
-        for s in [*self.socks, *self.monitors]:
-            poller.register(s, zmq.POLLIN)
         next_snapshot = next_forget = last_snapshot = 0.0
+        next_save = next_refresh = time.monotonic() + _STATE_SAVE_S
         try:
             while not self._stop.is_set():
                 try:
-                    events = dict(poller.poll(50))
-                    if self.agents_sock in events:
-                        self._recv_agents()
+                    events = dict(self.poller.poll(50))
+                    # The operator first, and again after each batch of the others: an
+                    # operator frame waits for one small batch at most (socket reads that find
+                    # nothing cost a microsecond; unread frames make the next poll return).
+                    self._recv_operator()
+                    self._recv_agents(_AGENT_BATCH)
+                    self._recv_commands(self.plain, curve=False, limit=_READONLY_BATCH)
+                    self._recv_operator()
                     if self.pub in events:
                         self._recv_subscriptions()
-                    if self.plain in events:
-                        self._recv_commands(self.plain, curve=False)
-                    if self.curve is not None and self.curve in events:
-                        self._recv_commands(self.curve, curve=True)
                     for mon in self.monitors:
                         if mon in events:
                             self._recv_monitors(mon)
@@ -519,6 +680,11 @@ class FleetHub:
                         self._note_forgotten(
                             self._fleet.forget_silent(self.forget_after_s), "silent"
                         )
+                        self._audit.tick()
+                    if now >= next_save and (self._fleet.tenure_changed or now >= next_refresh):
+                        next_save = now + _STATE_SAVE_S
+                        next_refresh = now + _STATE_REFRESH_S
+                        self._save_state()
                     joined = self._want_snapshot and now >= last_snapshot + self.delta_interval_s
                     if joined or now >= next_snapshot:
                         self._want_snapshot = False
@@ -549,8 +715,20 @@ class FleetHub:
 
     # -- agents ------------------------------------------------------------------------------
 
-    def _recv_agents(self) -> None:
-        for _ in range(_MAX_FRAMES_PER_LOOP):
+    def _recv_operator(self) -> None:
+        # EVENTS first: the common case (nothing from the operator) costs no exception.
+        if self.curve is not None and int(self.curve.get(zmq.EVENTS)) & zmq.POLLIN:
+            self._recv_commands(self.curve, curve=True, limit=_OPERATOR_BATCH)
+
+    def _refuse(self, key: str, why: str) -> None:
+        """Count one refusal of ``key``'s (a command, report or audit line over a budget or
+        bound), logged for a key's first 3 and every 1000th."""
+        n = self.refused_by_key[key] = self.refused_by_key.get(key, 0) + 1
+        if n <= 3 or n % 1000 == 0:
+            log.warning("kvpool hub: refused #%d of key %s: %s", n, key, why[:200])
+
+    def _recv_agents(self, limit: int) -> None:
+        for _ in range(limit):
             try:
                 frames = self.agents_sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -573,6 +751,12 @@ class FleetHub:
             else:
                 self._bad("agents", f"unexpected {type(msg).__name__} from an agent")
 
+    def _key_name(self, domain: str, identity: str) -> str:
+        """The authorized key's name (``agent/eng-0.engine``), ``plain`` without keys."""
+        if self.allow is None:
+            return "plain"
+        return self.allow.name(_PORT_DOMAIN[domain], identity.encode()) or identity
+
     def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
         refused = self._bound_elsewhere(rep, identity) or self._fleet.accept(rid, rep, identity)
         if refused is not None:
@@ -583,18 +767,22 @@ class FleetHub:
             elif refused.startswith("full:"):
                 self.fleet_full += 1
             self._bad("agents", refused)
+            self._refuse(self._key_name("agents", identity), refused)
             return
         self.reports += 1
         aid = rep.state.source.agent_id
         self.seq_tracker.observe(aid, rep.seq)
-        for rec in self._fleet.unaudited_flushes(aid, rep.state.flushes):
+        records = self._fleet.unaudited_flushes(aid, rep.state.flushes)
+        budget = f"agent:{self._key_name('agents', identity)}" if records else ""
+        for rec in records:
             # The agent's own claim of who started it, prefixed with the agent it came from.
             req = CommandRequest(v=PROTOCOL_VERSION, seq=0, request_id=rec.request_id,
                                  command="flush", sender=rec.who, targets=[aid],
                                  flush=rec.flush)
-            self._audit.record(f"agent:{aid} ({rec.who})", req, [aid], [CommandReply(
-                v=PROTOCOL_VERSION, seq=0, request_id=rec.request_id, agent_id=aid,
-                ok=rec.ok, error=rec.error, flush=rec.result)])
+            if not self._audit.record(f"agent:{aid} ({rec.who})", req, [aid], [CommandReply(
+                    v=PROTOCOL_VERSION, seq=0, request_id=rec.request_id, agent_id=aid,
+                    ok=rec.ok, error=rec.error, flush=rec.result)], budget_key=budget):
+                self._refuse(budget, "audit budget spent: own flush line suppressed")
 
     def _bound_elsewhere(self, rep: Report, identity: str) -> str | None:
         """Why a report from an engine-bound agent key names another engine, else ``None``.
@@ -629,15 +817,20 @@ class FleetHub:
     def _recv_subscriptions(self) -> None:
         for _ in range(_MAX_FRAMES_PER_LOOP):
             try:
-                frame = self.pub.recv(zmq.NOBLOCK)
+                msg = self.pub.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frame = msg.bytes
             if frame[:1] not in (b"\x00", b"\x01"):
                 self._bad("pub", "not a subscription message")
                 continue
             # libzmq has applied it to its connection already; an unsubscription needs nothing.
             subscribe, topic = frame[:1] == b"\x01", frame[1:]
             tier = tier_of(topic)
+            if subscribe and tier is None and topic not in _KNOWN_TOPICS:
+                self._unknown_subscription(_user_id(msg) if self.allow is not None else "",
+                                           topic)
+                return
             if subscribe:
                 self._want_snapshot = True
                 key = FULL_RATE if tier is None else tier
@@ -646,6 +839,22 @@ class FleetHub:
                     self._streams[key] = _Stream(
                         b"" if tier is None else tier_topic(tier),
                         max(key / 1e3, self.delta_interval_s))
+
+    def _unknown_subscription(self, identity: str, topic: bytes) -> None:
+        """A subscription to no topic the hub publishes: a bug or an attack on the hub's memory
+        (libzmq keeps every distinct topic of every subscriber, ~50 bytes per topic byte).
+        With keys the key is banned for ``SUBSCRIPTION_BAN_S`` (refused at its next
+        handshake on every port, counted and logged by name); with or without keys the XPUB
+        is rebuilt, which frees every subscription (consoles subscribe again)."""
+        key = self._key_name("pub", identity)
+        why = f"subscribed to an unknown topic {topic[:40]!r} ({len(topic)} bytes)"
+        self._bad("pub", why)
+        if self.allow is not None:
+            self.allow.ban(identity.encode(), SUBSCRIPTION_BAN_S)
+            why += f"; key banned for {SUBSCRIPTION_BAN_S:g} s"
+        self._refuse(key, why)
+        log.warning("kvpool hub: %s by key %s: the console port is rebuilt", why, key)
+        self._rebuild_pub()
 
     def _publish(self, kind: str, key: int) -> None:
         """One update (``snapshot`` or ``delta``) on stream ``key``: frames numbered on from
@@ -663,9 +872,15 @@ class FleetHub:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def _recv_commands(self, sock: zmq.Socket[bytes], *, curve: bool) -> None:
+    def _recv_commands(self, sock: zmq.Socket[bytes], *, curve: bool, limit: int) -> None:
         where = "curve" if curve else "commands"
-        for _ in range(_MAX_FRAMES_PER_LOOP):
+        until = time.monotonic() + _READONLY_SLICE_S
+        for _ in range(limit):
+            if not curve:
+                # The operator waits for one read-only command at most.
+                self._recv_operator()
+                if time.monotonic() >= until:
+                    return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -683,16 +898,24 @@ class FleetHub:
                 self._bad(where, f"unexpected {type(msg).__name__} from a console")
                 continue
             if self.allow is not None:
-                user = _user_id(frame)
-                domain = _PORT_DOMAIN["curve" if curve else "commands"]
-                name = self.allow.name(domain, user.encode()) or user
-                who = f"key:{name}" + (f" ({msg.sender})" if msg.sender else "")
+                key = self._key_name(where, _user_id(frame))
+                who = f"key:{key}" + (f" ({msg.sender})" if msg.sender else "")
             else:
+                key = "plain"
                 who = f"plain:{msg.sender or 'anonymous'}"
-            self._on_command(sock, client, msg, who, curve=curve)
+            self._on_command(sock, client, msg, who, key, curve=curve)
+
+    def _record(self, who: str, key: str, req: CommandRequest, targets: list[str],
+                replies: list[CommandReply], *, curve: bool, refused: bool = False) -> None:
+        """Audit one command: the operator port's lines in full, the read-only port's within
+        ``key``'s budget (a line over it is counted as a refusal of ``key``)."""
+        if not self._audit.record(who, req, targets, replies, refused=refused,
+                                  readonly=not curve, budget_key=None if curve else key):
+            self._refuse(key, "audit budget spent: line suppressed")
 
     def _on_command(
-        self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str, *, curve: bool
+        self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str, key: str,
+        *, curve: bool,
     ) -> None:
         self.commands += 1
         needs_key = None
@@ -702,28 +925,40 @@ class FleetHub:
             needs_key = OPERATOR_ONLY.format(what="health --probe")
         elif req.command == "forget":
             needs_key = OPERATOR_ONLY.format(what="forget")
-        if needs_key is not None and not curve:
+        refusal = needs_key if not curve else None
+        if len(req.targets) > MAX_TARGETS:
+            refusal = f"refused: {len(req.targets)} targets, at most {MAX_TARGETS} per command"
+        elif refusal is not None:
             self.refused += 1
-            reply = self._agent_error(req, "hub", needs_key)
+        if refusal is not None:
+            self._refuse(key, refusal)
+            reply = self._agent_error(req, "hub", refusal)
             self._send_client(sock, client, [reply])
-            self._audit.record(who, req, [], [reply], refused=True)
+            # What was tried: the targets it named (the line shows the first few).
+            self._record(who, key, req, list(req.targets), [reply], curve=curve, refused=True)
             return
         if req.command == "forget":
             self._forget(sock, client, req, who)
             return
-        busy = self._busy(client, curve=curve)
+        busy = self._busy(client, key, curve=curve)
         if busy is not None:
             # Not audited: a flood of read-only commands must not fill the audit file.
             self.busy += 1
+            self._refuse(key, busy)
             self._send_client(sock, client, [self._agent_error(req, "hub", busy)])
             return
         targets, problem = self._fleet.targets(req)
         if problem is not None:
             reply = self._agent_error(req, "hub", problem)
             self._send_client(sock, client, [reply])
-            self._audit.record(who, req, targets, [reply])
+            self._record(who, key, req, targets, [reply], curve=curve)
             return
-        internal = secrets.token_hex(16)
+        routes = {aid: self._fleet.routing_id(aid) for aid in targets}
+        # Unknown ids get one answer for them all: a request naming thousands costs one reply
+        # and one short audit line, not one of each per id.
+        unknown = [aid for aid, r in routes.items() if r is None]
+        known = {aid: r for aid, r in routes.items() if r is not None}
+        targets = list(known)
         pend = _Pending(
             sock=sock,
             client=client,
@@ -732,18 +967,22 @@ class FleetHub:
             deadline=time.monotonic() + min(max(req.timeout_ms, 1), MAX_TIMEOUT_MS) / 1e3,
             expected=targets,
             plain=not curve,
+            key=key,
+            unknown=unknown,
         )
+        if not targets:
+            self._finish(pend)
+            return
+        internal = secrets.token_hex(16)
         self._pending[internal] = pend
         fwd = msgspec.structs.replace(req, request_id=internal)
         if req.drain is not None:
             # No agent waits longer than the hub waits for its reply.
             fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
                                                  MAX_TIMEOUT_MS))
-        for aid in targets:
-            routing_id = self._fleet.routing_id(aid)
-            if routing_id is None:
-                pend.replies[aid] = self._agent_error(req, aid, f"unknown agent {aid!r}")
-                continue
+        for aid, routing_id in known.items():
+            if req.command == "flush":
+                pend.pool_keys[aid] = self._fleet.pool_keys(aid)
             fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
                 self.agents_sock.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
@@ -753,7 +992,7 @@ class FleetHub:
             pend.routes[aid] = routing_id
         self._maybe_finish(internal)
 
-    def _busy(self, client: bytes, *, curve: bool) -> str | None:
+    def _busy(self, client: bytes, key: str, *, curve: bool) -> str | None:
         """Why a new command cannot be taken now (a full pending quota), else ``None``."""
         if len(self._pending) >= MAX_PENDING:
             return f"hub busy: {MAX_PENDING} commands in flight, retry later"
@@ -767,6 +1006,9 @@ class FleetHub:
                 f"hub busy: {MAX_PENDING_PER_CONNECTION} commands of this connection in "
                 "flight, wait for their replies"
             )
+        if sum(1 for p in plain if p.key == key) >= MAX_PENDING_PER_KEY:
+            return (f"hub busy: {MAX_PENDING_PER_KEY} commands of this key in flight (all "
+                    "its connections), wait for their replies")
         return None
 
     def _forget(
@@ -777,14 +1019,18 @@ class FleetHub:
         else:
             ids = self._fleet.forget(req.targets)
             self._note_forgotten(ids, f"forget by {who}")
+            named = ", ".join(req.targets[:AUDIT_IDS_SHOWN])
+            more = len(req.targets) - AUDIT_IDS_SHOWN
             reply = CommandReply(
                 v=PROTOCOL_VERSION,
                 seq=0,
                 request_id=req.request_id,
                 agent_id="hub",
                 ok=bool(ids),
-                error=None if ids else f"no agent or engine named {', '.join(req.targets)}",
-                forgotten=ids,
+                error=None if ids else f"no agent or engine named {named}"
+                + (f" (and {more} more)" if more > 0 else ""),
+                forgotten=ids[:FORGOTTEN_SHOWN],
+                forgotten_count=len(ids),
             )
         self._send_client(sock, client, [reply])
         self._audit.record(who, req, list(req.targets), [reply])
@@ -819,9 +1065,50 @@ class FleetHub:
         if pend is None or len(pend.replies) < len(pend.expected):
             return
         del self._pending[internal]
-        replies = [pend.replies[a] for a in pend.expected]
+        self._finish(pend)
+
+    def _finish(self, pend: _Pending) -> None:
+        """Answer the console (flush answers checked, unknown targets in one reply) and audit."""
+        replies = [self._checked(pend, pend.replies[a]) for a in pend.expected]
+        if len(pend.unknown) == 1:
+            (aid,) = pend.unknown
+            replies.append(self._agent_error(pend.req, aid, f"unknown agent {aid!r}"))
+        elif pend.unknown:
+            first = ", ".join(pend.unknown[:AUDIT_IDS_SHOWN])
+            replies.append(self._agent_error(
+                pend.req, "hub", f"unknown agents: {len(pend.unknown)} ({first}"
+                + (", ..." if len(pend.unknown) > AUDIT_IDS_SHOWN else "") + ")"))
         self._send_client(pend.sock, pend.client, replies)
-        self._audit.record(pend.who, pend.req, pend.expected, replies)
+        self._record(pend.who, pend.key, pend.req, [*pend.expected, *pend.unknown], replies,
+                     curve=not pend.plain)
+
+    def _checked(self, pend: _Pending, rep: CommandReply) -> CommandReply:
+        """``rep``, or when it is a flush answer that cannot be true of its pool (more keys
+        matched than the pool holds as other agents report it, more removed than matched, a
+        removal on a dry run) the same marked ``suspect`` with ``ok=False``."""
+        res, args = rep.flush, pend.req.flush
+        if pend.req.command != "flush" or res is None or args is None or not rep.ok:
+            return rep
+        why = None
+        if res.dry_run != args.dry_run or (args.dry_run and res.removed_keys):
+            why = f"a {'dry run' if args.dry_run else 'flush'} answered as " + (
+                "a dry run" if res.dry_run else f"removing {res.removed_keys} keys")
+        elif res.removed_keys + res.skipped_leased > res.keys:
+            why = (f"removed {res.removed_keys} and skipped {res.skipped_leased} of "
+                   f"{res.keys} matched keys")
+        else:
+            now = self._fleet.pool_keys(rep.agent_id)
+            known = [n for n in (pend.pool_keys.get(rep.agent_id), now) if n is not None]
+            held = max(known) if known else None
+            # Slack: the pool may have grown since its agents last reported (every 2 s).
+            if held is not None and res.keys > held + max(held // 8, _SUSPECT_SLACK_KEYS):
+                why = (f"{res.keys} keys matched, but the pool holds {held} as its agents "
+                       "report it")
+        if why is None:
+            return rep
+        log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
+        return msgspec.structs.replace(rep, ok=False, suspect=why,
+                                       error=f"suspect answer, not counted as done: {why}")
 
     def _agent_error(self, req: CommandRequest, agent_id: str, error: str) -> CommandReply:
         return CommandReply(
@@ -839,7 +1126,11 @@ class FleetHub:
         try:
             sock.send_multipart([client, *(encode(r) for r in replies)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            log.warning("kvpool hub: reply to a console lost (%s)", e)
+            # Rate-limited: a console that disconnects with replies pending is no log flood.
+            self.lost_replies += 1
+            if self.lost_replies <= 10 or self.lost_replies % 1000 == 0:
+                log.warning("kvpool hub: reply #%d to a console lost (%s)",
+                            self.lost_replies, e)
 
 
 def _user_id(frame: zmq.Frame) -> str:
@@ -848,3 +1139,14 @@ def _user_id(frame: zmq.Frame) -> str:
         return str(frame.get("User-Id"))
     except zmq.ZMQError:
         return ""
+
+
+class _HubState(msgspec.Struct):
+    """The hub's state file: engine id -> [identity, since ms, last seen ms]."""
+
+    tenure: dict[str, tuple[str, float, float]] = msgspec.field(default_factory=dict)
+
+
+def _metric_word(key: str) -> str:
+    """``key`` as a Prometheus name part (``viewer/ops-1`` -> ``viewer_ops_1``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", key)[:120]

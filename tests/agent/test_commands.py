@@ -361,9 +361,12 @@ def test_unauthorised_flush_is_refused_and_removes_nothing(
         assert r.ok and r.flush is not None and r.flush.keys == 3 and r.flush.removed_keys == 0
     assert _all_keys(agent_master) == before
     assert hub.refused == 3
-    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    # Read-only port lines go to the read-only file; the operator's file has none of them.
+    audit = [json.loads(line) for line in
+             (tmp_path / "audit.jsonl.readonly").read_text().splitlines()]
     assert [a["refused"] for a in audit if a["command"] == "flush"] == [True, True, True, False]
     assert all(a["who"] == "key:viewer/viewer" for a in audit)
+    assert not (tmp_path / "audit.jsonl").exists()
 
 
 def test_unknown_operator_key_gets_no_access(
@@ -418,11 +421,13 @@ def test_health_checks_client_master_and_probe(
     # The probe cleaned up after itself.
     assert not any(k.startswith(PROBE_PREFIX) for k in _all_keys(agent_master))
     assert hub.refused == 1
-    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    assert [(a["who"], a["refused"]) for a in audit] == [
-        ("key:viewer/viewer", False), ("key:viewer/viewer", True),
-        ("key:operator/operator", False),
-    ]
+    def lines(name: str) -> list[tuple[str, bool]]:
+        text = (tmp_path / name).read_text()
+        return [(a["who"], a["refused"]) for a in map(json.loads, text.splitlines())]
+
+    assert lines("audit.jsonl.readonly") == [("key:viewer/viewer", False),
+                                             ("key:viewer/viewer", True)]
+    assert lines("audit.jsonl") == [("key:operator/operator", False)]
 
 
 def test_health_names_an_unreachable_master(hub: FleetHub, hub_address: str) -> None:

@@ -205,8 +205,10 @@ def test_a_read_only_flood_does_not_starve_the_operator(
         busy += 1
     flood.close(linger=0)
     assert busy == 1024 - MAX_PENDING_PER_CONNECTION
-    # Refusals are counted, not audited: the audit file holds the two served commands.
-    assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 2
+    # Refusals are counted, not audited: the audit files hold the two served commands (the
+    # operator's, and the read-only console's in the read-only file).
+    assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 1
+    assert len((tmp_path / "audit.jsonl.readonly").read_text().splitlines()) == 1
 
 
 @pytest.fixture
@@ -268,7 +270,8 @@ def test_operator_forgets_an_engine_now(
 
 def test_the_audit_file_rotates_by_size(hub_address: str, tmp_path: Path) -> None:
     """A flood of audited commands cannot fill the disk: the file rotates at its size and
-    only ``audit_backups`` older files are kept."""
+    only ``audit_backups`` older files are kept. Without keys every command comes on the
+    read-only port: its file (``FILE.readonly``) rotates, the operator's file is not made."""
     audit = tmp_path / "audit.jsonl"
     with FleetHub(hub_address, audit_file=audit, audit_max_bytes=2_000, audit_backups=2) as hub:
         real = start_agent(make_source("eng-a", role="scheduler"), address=hub_address)
@@ -282,7 +285,7 @@ def test_the_audit_file_rotates_by_size(hub_address: str, tmp_path: Path) -> Non
             real.stop()
     assert hub.commands == 40
     files = sorted(p.name for p in tmp_path.glob("audit.jsonl*"))
-    assert files == ["audit.jsonl", "audit.jsonl.1", "audit.jsonl.2"]
+    assert files == ["audit.jsonl.readonly", "audit.jsonl.readonly.1", "audit.jsonl.readonly.2"]
     for name in files:
         text = (tmp_path / name).read_text()
         assert 0 < len(text) <= 2_000
