@@ -1,0 +1,205 @@
+"""Operator ``health`` latency through a keyed hub while lesser keys flood it (issue 27).
+
+A real ``FleetHub`` with CURVE keys on every port (in this process), one real agent (the health
+target), and floods run in their own processes, as attackers would:
+
+- ``none``: no flood;
+- ``viewer``: a viewer key pipelining read-only ``snapshot`` commands on P+2 from several
+  connections, each naming ``MAX_TARGETS`` unknown 256-character ids (the heaviest read-only
+  command the hub accepts), 16 in flight per connection;
+- ``agent``: an agent key's connections reporting as fast as they can on P;
+- ``both``.
+
+Per round and configuration the operator sends ``--commands`` health commands one after the
+other on P+3; the table shows the median over rounds of each round's p50 and p99 (ms) and
+their spread (min-max over rounds), and what the floods got through (commands and reports per
+second the hub handled). Configurations are interleaved round by round (order rotated).
+Goal: operator p99 under 1 s under every flood.
+
+    .venv/bin/python bench/bench_hub_flood.py [--rounds 5] [--commands 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpool_agent import FleetClient, FleetHub, local_fleet_keys, start_agent
+from kvpool_agent.hub import MAX_TARGETS
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandRequest,
+    EngineState,
+    Report,
+    Source,
+    encode,
+)
+from kvpool_replay import free_port_block
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
+
+__all__ = ["main"]
+
+CONFIGS = ("none", "viewer", "agent", "both")
+
+
+def _source(engine: str, role: str = "worker") -> Source:
+    return Source(agent_id=f"{engine}/{'scheduler' if role == 'scheduler' else 'dp0.tp0.pp0'}",
+                  engine_id=engine, instance_role="mixed", kv_role="kv_both",
+                  process_role=role, pid=os.getpid(), backend="mooncake")  # type: ignore[arg-type]
+
+
+def _viewer_flood(keys_dir: str, endpoint: str, stop: Event) -> None:
+    """One viewer connection keeping 16 heavy snapshots in flight until ``stop``."""
+    import zmq
+
+    from kvpool_agent import KeyPaths
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    KeyPaths.of(keys_dir).client("viewer").apply(s)
+    s.connect(endpoint)
+    ids = [f"x{i:08d}".ljust(256, "z") for i in range(MAX_TARGETS)]
+    body = encode(CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="flood",
+                                 command="snapshot", targets=ids))
+    out = 0
+    while not stop.is_set():
+        while out < 16:
+            s.send(body)
+            out += 1
+        if s.poll(50):
+            s.recv_multipart()
+            out -= 1
+    ctx.destroy(linger=0)
+
+
+def _agent_flood(keys_dir: str, endpoint: str, engine: str, stop: Event) -> None:
+    """One agent connection sending reports as fast as its socket takes them until ``stop``."""
+    import zmq
+
+    from kvpool_agent import KeyPaths
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    KeyPaths.of(keys_dir).client("agent").apply(s)
+    s.connect(endpoint)
+    src = _source(engine)
+    seq = 0
+    while not stop.is_set():
+        for _ in range(100):
+            seq += 1
+            st = EngineState(source=src, started_ms=0.0, ts_ms=time.time() * 1e3)
+            s.send(encode(Report(v=PROTOCOL_VERSION, seq=seq, kind="snapshot", state=st)))
+    ctx.destroy(linger=0)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], target: str,
+              commands: int, viewers: int, agents: int) -> tuple[list[float], float, float]:
+    """Operator health latencies (s) under ``config``'s flood, and the read-only commands and
+    reports per second the hub handled meanwhile. The agent flood reports engines named after
+    ``tag`` (new ids each round: an id the previous round's connection held is refused for
+    ``TAKEOVER_AFTER_S``)."""
+    stop = mp.get_context("spawn").Event()
+    procs = []
+    spawn = mp.get_context("spawn")
+    if config in ("viewer", "both"):
+        procs += [spawn.Process(target=_viewer_flood, args=(str(keys["viewer"]),
+                                                            hub.ports.commands, stop))
+                  for _ in range(viewers)]
+    if config in ("agent", "both"):
+        procs += [spawn.Process(target=_agent_flood, args=(str(keys["agent"]), hub.ports.agents,
+                                                           f"flood-{tag}-{i}", stop))
+                  for i in range(agents)]
+    for p in procs:
+        p.start()
+    took: list[float] = []
+    try:
+        with FleetClient(hub.address, keys_dir=keys["operator"]) as op:
+            op.wait_for(1, 10)
+            time.sleep(1.0 if procs else 0.0)  # the floods connect and reach full rate
+            c0, r0, t0 = hub.commands, hub.reports, time.monotonic()
+            for _ in range(commands):
+                start = time.monotonic()
+                (r,) = op.command("health", targets=[target], timeout_ms=30_000)
+                took.append(time.monotonic() - start)
+                if not r.ok:
+                    print(f"  ({config}: health failed: {r.error})")
+            span = time.monotonic() - t0
+            rates = ((hub.commands - c0 - commands) / span, (hub.reports - r0) / span)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return took, rates[0], rates[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration")
+    ap.add_argument("--commands", type=int, default=50, help="operator health commands a round")
+    ap.add_argument("--viewers", type=int, default=2, help="viewer flood connections")
+    ap.add_argument("--agents", type=int, default=2, help="agent flood connections")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = local_fleet_keys(tmp)
+        keys: dict[str, Path] = {str(role): kp.root for role, kp in dirs.items()}
+        address = f"tcp://127.0.0.1:{free_port_block()}"
+        os.environ["KVPOOL_AGENT_KEYS"] = str(keys["agent"])
+        hub = FleetHub(address, authorized_keys_dir=dirs["hub"].authorized_dir,
+                       secret_key_file=dirs["hub"].hub_secret,
+                       audit_file=Path(tmp) / "audit.jsonl").start()
+        agent = start_agent(_source("eng-target", "scheduler"), address=address)
+        p50: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        p99: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        cmd_rate: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        rep_rate: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        try:
+            for rnd in range(args.rounds):
+                for config in CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]:
+                    took, cr, rr = run_round(config, f"{config}-{rnd}", hub, keys,
+                                             agent.source.agent_id, args.commands,
+                                             args.viewers, args.agents)
+                    p50[config].append(statistics.median(took) * 1e3)
+                    p99[config].append(_percentile(took, 0.99) * 1e3)
+                    cmd_rate[config].append(cr)
+                    rep_rate[config].append(rr)
+        finally:
+            agent.stop()
+            hub.stop()
+    print(f"== operator health latency (ms) through a keyed hub, {args.commands} commands a "
+          f"round, median (min-max) of {args.rounds} rounds ==")
+    print(f"{'flood':<8} {'p50':>8} {'p50 spread':>16} {'p99':>8} {'p99 spread':>16} "
+          f"{'flood cmds/s':>13} {'reports/s':>10}")
+    for c in CONFIGS:
+        print(f"{c:<8} {statistics.median(p50[c]):>8.1f} "
+              f"{min(p50[c]):>7.1f}-{max(p50[c]):<8.1f} {statistics.median(p99[c]):>8.1f} "
+              f"{min(p99[c]):>7.1f}-{max(p99[c]):<8.1f} "
+              f"{statistics.median(cmd_rate[c]):>13.0f} {statistics.median(rep_rate[c]):>10.0f}")
+    print(f"(viewer flood: {args.viewers} connections x 16 snapshots of {MAX_TARGETS} unknown ids "
+          f"in flight; agent flood: {args.agents} connections reporting flat out; goal: p99 < "
+          "1000 ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
