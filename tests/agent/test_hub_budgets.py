@@ -27,7 +27,12 @@ import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
-from kvpool_agent._audit import AUDIT_IDS_SHOWN, AUDIT_LINE_MAX_BYTES, READONLY_SUFFIX
+from kvpool_agent._audit import (
+    AUDIT_IDS_SHOWN,
+    AUDIT_LINE_MAX_BYTES,
+    READONLY_SUFFIX,
+    audit_line,
+)
 from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE, Fleet
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.hub import FORGOTTEN_SHOWN, MAX_TARGETS
@@ -159,10 +164,15 @@ def test_a_viewer_cannot_wipe_the_operators_audit_lines(
 def test_a_refused_forget_is_audited_with_what_it_named(
     hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
 ) -> None:
-    """Observation 10: the line of a viewer's refused ``forget`` names its targets."""
+    """Observation 10: the line of a viewer's refused ``forget`` names its targets; the
+    refusal is counted against the viewer's key, also on ``/metrics``."""
     with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as viewer:
         (r,) = viewer.command("forget", targets=["eng-a", "eng-b"])
     assert not r.ok and r.agent_id == "hub"
+    assert hub.refused_by_key == {"viewer/viewer": 1}
+    scraped = {m.name: m.samples[0].value for m in hub._collector().collect()
+               if m.name.startswith("kvpool_hub_refused_key_")}
+    assert scraped == {"kvpool_hub_refused_key_viewer_viewer": 1}
     (line,) = [json.loads(x) for x in
                Path(str(tmp_path / "audit.jsonl") + READONLY_SUFFIX).read_text().splitlines()]
     assert (line["command"], line["refused"], line["targets"]) == (
@@ -647,3 +657,18 @@ def test_a_viewers_many_subscriptions_do_not_grow_the_hub(
             attacker.wait()
     grown = (peak - base) >> 20
     assert grown < 64, f"the hub grew by {grown} MiB"
+
+
+def test_an_audit_line_stays_under_its_bound_whatever_the_replies_say() -> None:
+    """A command to 10,000 agents whose replies carry 16,384-character non-ASCII errors (six
+    bytes each in JSON) and long forgotten lists: one line under ``AUDIT_LINE_MAX_BYTES``,
+    counting what it does not list."""
+    req = CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="r" * 256, command="health",
+                         sender="é" * 256, targets=_unknown_ids(10_000))
+    replies = [CommandReply(v=PROTOCOL_VERSION, seq=0, request_id="r", agent_id=aid,
+                            ok=i % 2 == 0, error="é" * 16_384, forgotten=_unknown_ids(100))
+               for i, aid in enumerate(req.targets)]
+    line = audit_line("key:viewer/v (" + "é" * 256 + ")", req, req.targets, replies)
+    assert len(json.dumps(line)) <= AUDIT_LINE_MAX_BYTES
+    assert line["targets_count"] == 10_000 and line["results_count"] == 10_000
+    assert len(line["targets"]) == AUDIT_IDS_SHOWN  # type: ignore[arg-type]
