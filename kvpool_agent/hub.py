@@ -168,7 +168,9 @@ _READONLY_SLICE_S = 0.01
 _MAX_COMMAND_BYTES = 2 * 1024 * 1024
 """Largest frame the command ports read (bytes): a request naming ``MAX_TARGETS`` ids of
 ``MAX_ID_CHARS`` is ~1.1 MB. libzmq refuses a longer frame at its header and drops the
-connection, before buffering it."""
+connection, before buffering it (with CURVE the bound applies to the encrypted frame, a few
+dozen bytes longer than the message). It bounds a part, not a multipart message: libzmq
+queues every part of one until its last has come (parts x bound)."""
 _COMMAND_RCVHWM = 64
 """Messages queued per command connection before libzmq stops reading it."""
 _SUSPECT_SLACK_KEYS = 1024
