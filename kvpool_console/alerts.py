@@ -69,10 +69,12 @@ STUCK_FLOOR_MS = 2_500.0
 """A transfer is never ``stuck_transfer`` before this age (ms): below it, scheduling jitter of a
 loaded host, not a stopped store. Low enough that a stopped store is named within 5 s."""
 
-STUCK_MULTIPLE = 8.0
+STUCK_MULTIPLE = 2.0
 """A transfer is stuck once in flight this many times longer than expected: its bytes over the
 agent's recent rate for its kind (``TransferStats.load_bytes_per_s`` / ``save_bytes_per_s``).
-Not the lease TTL: with a 50 ms ``default_kv_lease_ttl`` every ordinary save outlives it."""
+That rate is throughput over 10 s, idle time included, so the expected time is already an upper
+bound of what the link takes. Not the lease TTL: with a 50 ms ``default_kv_lease_ttl`` every
+ordinary save outlives it."""
 
 STALE_AFTER_MS = 3_000.0
 """Silence (ms) after which an engine is ``stale``: agents send a heartbeat every second, so

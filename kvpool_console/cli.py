@@ -4,7 +4,7 @@ Usage::
 
     kvpool-console [--hub ADDR] [--keys DIR] [--refresh S] [--ssh-config FILE]  # the TUI
     kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm]
-    kvpool-console status [--json] [--fail-on warning|critical]
+    kvpool-console status [--json] [--fail-on warning|critical] [--observe S]
     kvpool-console health [ENGINE ... | --all] [--probe] [--json] [--timeout-ms MS]
     kvpool-console forget ENGINE ...                                # operator: drop from hub
     kvpool-console flush --scope model|engine|all [--model M] [--engine E]
@@ -96,7 +96,7 @@ def _common(top: bool) -> argparse.ArgumentParser:
                              f"(default {WATERMARK_MARGIN})")
     common.add_argument("--stuck-after-ms", type=_at_least(1), default=default(None),
                         metavar="MS", help="a load or save in flight longer than this is stuck "
-                        "(default: 8x what its bytes take at its agent's recent rate, at least "
+                        "(default: 2x what its bytes take at its agent's recent rate, at least "
                         "2500)")
     return common
 

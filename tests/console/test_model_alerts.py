@@ -281,7 +281,7 @@ def test_start_failure_topology_and_stuck_rules() -> None:
         "0% pool hits over 100 lookups while producers of tiny-llama save (p2)")
     assert "key namespaces" in a.hint
 
-    # A save in flight 8x longer than its bytes take at the agent's save rate (1 MiB/s), and
+    # A save in flight 2x longer than its bytes take at the agent's save rate (1 MiB/s), and
     # past the floor, names the transfer, its age, the threshold and the owner.
     fleet = engine("s0", loads=0)
     fleet["s0/dp0.tp1.pp0"].in_flight = [Transfer(
@@ -293,11 +293,11 @@ def test_start_failure_topology_and_stuck_rules() -> None:
         "1.0 MB/s; 3 blocks); likely owner: the store process holding the segments "
         "(127.0.0.1:15001, 127.0.0.1:15002) or the master")
     assert evaluate(fleet, {}, NOW_MS, stuck_after_ms=20_000) == []
-    # A big save is stuck only past 8x its expected 3 s.
-    fleet["s0/dp0.tp1.pp0"].in_flight[0].bytes = 3 << 20
+    # A big save is stuck only past 2x its expected 12 s.
+    fleet["s0/dp0.tp1.pp0"].in_flight[0].bytes = 12 << 20
     assert evaluate(fleet, {}, NOW_MS) == []
     (a,) = evaluate(fleet, dict.fromkeys(fleet, NOW_MS + 6_000), NOW_MS + 6_000)
-    assert "in flight 24.2 s (> 24.0 s: 8x the 3.0 s expected at 1.0 MB/s; 3 blocks)" in \
+    assert "in flight 24.2 s (> 24.0 s: 2x the 12.0 s expected at 1.0 MB/s; 3 blocks)" in \
         a.message
     fleet = {k: msgspec.structs.replace(s, pool=pool(healthy=False)) for k, s in fleet.items()}
     stuck = [a for a in evaluate(fleet, dict.fromkeys(fleet, NOW_MS + 6_000), NOW_MS + 6_000)
