@@ -18,10 +18,12 @@ from kvpool_agent.protocol import (
     MAX_CPU_PERCENT,
     MAX_ID_CHARS,
     MAX_MS,
+    RECENT_PAUSES,
     EngineState,
     ErrorRecord,
     FlushRecord,
     LookupStats,
+    PauseWindow,
     PoolStats,
     ProcessStats,
     SegmentUsage,
@@ -45,7 +47,7 @@ from kvpool_agent.reporter import (
     TransferStarted,
 )
 
-__all__ = ["MAX_IN_FLIGHT", "RECENT_ERRORS", "RECENT_FLUSHES", "Aggregator"]
+__all__ = ["MAX_IN_FLIGHT", "RECENT_ERRORS", "RECENT_FLUSHES", "STALL_MS", "Aggregator"]
 
 RECENT_ERRORS = 50
 """Errors kept in a snapshot (``EngineState.recent_errors``)."""
@@ -55,6 +57,10 @@ MAX_IN_FLIGHT = 4096
 
 RECENT_FLUSHES = 16
 """Flushes a process ran on its own kept in a snapshot (``EngineState.flushes``)."""
+
+STALL_MS = 2_000.0
+"""Two passes of the agent loop (every 50 ms) further apart than this (ms, monotonic) bound a
+``process_stalled`` pause window: the whole process was stopped or starved, its loads too."""
 
 _LATENCY_SAMPLES = 1024
 _LOOKUP_TIMES = 16_384
@@ -142,6 +148,12 @@ class Aggregator:
     in ``loads_timed_out``; ``saves_skipped`` counts skipped blocks; ``errors_by_name`` counts
     failed transfers and skipped saves by backend error name (``TIMEOUT`` for a timed-out load
     without a name, ``UNKNOWN`` for a failure without one).
+
+    Pause windows (``pauses``, :meth:`tick` and :meth:`set_pool` record them) are matched
+    against each load when it ends: the time it spent in them is taken off its duration for
+    ``max_unpaused_load_ms``, and a failed-after-hit load whose lease (from its lookup) would not
+    have run out without that time counts in ``paused_after_hit``. A window recorded after a
+    load ended explains nothing of it.
     """
 
     def __init__(self, source: Source, lease_ttl_ms: int = 0, now_ms: float = 0.0) -> None:
@@ -149,8 +161,12 @@ class Aggregator:
         self.lease_ttl_ms = lease_ttl_ms
         self.started_ms = now_ms
         self.lookup = LookupStats()
-        self.transfers = TransferStats()
+        self.transfers = TransferStats(max_unpaused_load_ms=0.0)
         self.pool: PoolStats | None = None
+        self.pauses: deque[PauseWindow] = deque(maxlen=RECENT_PAUSES)
+        self._tick_ms: float | None = None
+        self._pool_pause: PauseWindow | None = None
+        self._pool_ok_ms: float | None = None
         self.process = ProcessStats()
         self.in_flight: OrderedDict[tuple[str, str], Transfer] = OrderedDict()
         self.recent_errors: deque[ErrorRecord] = deque(maxlen=RECENT_ERRORS)
@@ -164,10 +180,54 @@ class Aggregator:
         self.recent_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self.new_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
 
-    def set_pool(self, stats: PoolStats) -> None:
-        """The pool's latest stats, clamped to what a report may carry (``_sane_pool``)."""
+    def tick(self, mono_ms: float, now_ms: float) -> None:
+        """The agent loop runs at ``mono_ms`` (monotonic ms) = ``now_ms`` (epoch ms): after a
+        gap longer than ``STALL_MS`` since the previous call, a ``process_stalled`` window of
+        the gap's length ending at ``now_ms`` (monotonic, so a wall-clock step is no stall)."""
+        last, self._tick_ms = self._tick_ms, mono_ms
+        if last is not None and mono_ms - last > STALL_MS:
+            self._add_pause(PauseWindow(kind="process_stalled",
+                                        start_ms=now_ms - (mono_ms - last), end_ms=now_ms))
+
+    def _add_pause(self, pause: PauseWindow) -> None:
+        self.pauses.append(pause)
+        self.changed = True
+
+    def set_pool(self, stats: PoolStats, checked_ms: float | None = None) -> None:
+        """The pool's latest stats, clamped to what a report may carry (``_sane_pool``).
+
+        ``checked_ms``: when the health check in ``stats`` ended (epoch ms). A failing one
+        opens a ``pool_unhealthy`` window from the end of the last passing one (the last time
+        the pool was known to answer; the failing check's end if none passed yet), the next
+        passing one closes it at its end."""
         self.pool = _sane_pool(stats)
         self.changed = True
+        if checked_ms is None or stats.healthy is None:
+            return
+        if stats.healthy:
+            self._pool_ok_ms = checked_ms
+            if self._pool_pause is not None:
+                self._pool_pause.end_ms = checked_ms
+                self._pool_pause = None
+        elif self._pool_pause is None:
+            self._pool_pause = PauseWindow(
+                kind="pool_unhealthy",
+                start_ms=checked_ms if self._pool_ok_ms is None else self._pool_ok_ms,
+                detail=clip(stats.health_detail, MAX_ID_CHARS))
+            self._add_pause(self._pool_pause)
+
+    def _paused(self, start_ms: float, end_ms: float) -> tuple[float, list[PauseWindow]]:
+        """How long (ms) of ``[start_ms, end_ms]`` lies in pause windows (overlapping windows
+        counted once), and the windows that overlap it."""
+        hit = [w for w in self.pauses
+               if w.start_ms < end_ms and (w.end_ms is None or w.end_ms > start_ms)]
+        total, reached = 0.0, start_ms
+        for lo, hi in sorted((max(w.start_ms, start_ms),
+                              end_ms if w.end_ms is None else min(w.end_ms, end_ms))
+                             for w in hit):
+            total += max(0.0, hi - max(lo, reached))
+            reached = max(reached, hi)
+        return total, hit
 
     def _record_error(self, err: ErrorRecord) -> None:
         # Messages quote exceptions and request ids come from API clients: clipped to what a
@@ -277,10 +337,19 @@ class Aggregator:
         if ev.kind == "load":
             tr.loaded_bytes += ev.nbytes
             self._rates.add(ev.ts_ms, ev.nbytes, 0)
-            # A timed-out load ran as long as the timeout, not as long as the pool took: it
-            # must not feed the "slowest load vs lease TTL" rule (its own alert names it).
-            if t is not None and not ev.timed_out:
-                tr.max_load_ms = max(tr.max_load_ms, ev.ts_ms - t.started_ms)
+            if t is not None:
+                took = ev.ts_ms - t.started_ms
+                paused, waited = self._paused(t.started_ms, ev.ts_ms)
+                for w in waited:
+                    w.loads += 1
+                # A timed-out load ran as long as the timeout, not as long as the pool took:
+                # it must not feed the "slowest load vs lease TTL" rule (its own alert names
+                # it).
+                if not ev.timed_out:
+                    tr.max_load_ms = max(tr.max_load_ms, took)
+                    tr.max_unpaused_load_ms = max(tr.max_unpaused_load_ms or 0.0, took - paused)
+                    for w in waited:
+                        w.max_load_ms = max(w.max_load_ms, took)
             if ev.ok:
                 tr.loads_finished += 1
             else:
@@ -300,6 +369,8 @@ class Aggregator:
         tr.errors_by_name[name] = tr.errors_by_name.get(name, 0) + 1
         if ev.kind == "load" and ev.after_hit and name in _AFTER_HIT_NAMES:
             tr.failed_after_hit += 1
+            if t is not None:
+                self._explain_after_hit(t, ev.ts_ms, name)
         self._record_error(
             ErrorRecord(
                 ts_ms=ev.ts_ms,
@@ -310,6 +381,22 @@ class Aggregator:
                 req_id=ev.req_id,
             )
         )
+
+    def _explain_after_hit(self, t: Transfer, end_ms: float, name: str) -> None:
+        """Count a load that failed after its hit in ``paused_after_hit`` (and in the windows
+        it overlapped) when a pause explains it: time in pause windows from its lookup (the
+        lease's start; the load's start when unknown) to ``end_ms``, and without that time it
+        would have ended before its lease expired (when the expiry is known)."""
+        expires = t.lease_expires_ms
+        start = (expires - self.lease_ttl_ms if expires is not None and self.lease_ttl_ms > 0
+                 else t.started_ms)
+        paused, waited = self._paused(start, end_ms)
+        if not paused or (expires is not None and end_ms - paused >= expires):
+            return
+        by_name = self.transfers.paused_after_hit
+        by_name[name] = by_name.get(name, 0) + 1
+        for w in waited:
+            w.failed_after_hit += 1
 
     def state(self, now_ms: float, *, all_errors: bool = True) -> EngineState:
         """A detached copy of the current state.
@@ -330,12 +417,13 @@ class Aggregator:
         lk.latency_ms_p50 = _bounded(_percentile(lat, 0.50), MAX_MS)
         lk.latency_ms_p99 = _bounded(_percentile(lat, 0.99), MAX_MS)
         tr = msgspec.structs.replace(
-            self.transfers, errors_by_name=dict(self.transfers.errors_by_name)
-        )
+            self.transfers, errors_by_name=dict(self.transfers.errors_by_name),
+            paused_after_hit=dict(self.transfers.paused_after_hit))
         load_b, save_b = self._rates.sums(now_ms)
         tr.load_bytes_per_s = _bounded(load_b / _RATE_WINDOW_S, MAX_BIG_COUNT)
         tr.save_bytes_per_s = _bounded(save_b / _RATE_WINDOW_S, MAX_BIG_COUNT)
         tr.max_load_ms = _bounded(tr.max_load_ms, MAX_MS)
+        tr.max_unpaused_load_ms = _bounded(tr.max_unpaused_load_ms or 0.0, MAX_MS)
         if all_errors:
             errors = list(self.recent_errors)
             flushes = list(self.recent_flushes)
@@ -357,5 +445,8 @@ class Aggregator:
             recent_errors=errors,
             start_failure=self.start_failure,
             flushes=flushes,
+            pauses=[msgspec.structs.replace(
+                w, start_ms=_bounded(w.start_ms, MAX_MS),
+                max_load_ms=_bounded(w.max_load_ms, MAX_MS)) for w in self.pauses],
         )
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -94,6 +96,13 @@ def _now_ms() -> float:
     return time.time() * 1e3
 
 
+def _checked(fetch: Callable[[], PoolStats]) -> tuple[PoolStats, float]:
+    """``fetch()`` and when it returned (epoch ms): the result reaches the agent loop up to
+    ``_POOL_INTERVAL_S`` later, and pool pause windows are bounded by the check itself."""
+    stats = fetch()
+    return stats, _now_ms()
+
+
 class _Agent:
     """The agent thread and everything it owns (see the module docstring)."""
 
@@ -133,7 +142,7 @@ class _Agent:
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
         self._http: httpx.Client | None = None
-        self._pool_future: cf.Future[PoolStats] | None = None
+        self._pool_future: cf.Future[tuple[PoolStats, float]] | None = None
         self._cmd_exec = cf.ThreadPoolExecutor(2, thread_name_prefix="kvpool-agent-cmd")
         # Operator commands run on their own thread: slow read-only ones cannot hold it.
         self._op_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-agent-op")
@@ -168,8 +177,14 @@ class _Agent:
 
     # -- state, used by the agent thread and by command threads --------------------------
 
+    def _tick(self) -> None:
+        """Record a stall of this process before folding in the events that ended after it
+        (caller holds ``lock``): a command thread may be the first to run after a SIGCONT."""
+        self.agg.tick(time.monotonic() * 1e3, _now_ms())
+
     def state(self, *, all_errors: bool = True) -> EngineState:
         with self.lock:
+            self._tick()
             self.agg.apply(self.reporter.drain())
             st = self.agg.state(_now_ms(), all_errors=all_errors)
             self.agg.changed = False
@@ -209,6 +224,7 @@ class _Agent:
                     if self.sock in events:
                         self._receive()
                     with self.lock:
+                        self._tick()
                         self.agg.apply(self.reporter.drain())
                     self._flush_outbox()
                     if now >= next_process:
@@ -352,11 +368,11 @@ class _Agent:
             if not fut.done():
                 return
             try:
-                stats = fut.result()
+                stats, checked_ms = fut.result()
                 if self.lease_ttl_ms and not stats.lease_ttl_ms:
                     stats.lease_ttl_ms = self.lease_ttl_ms
                 with self.lock:
-                    self.agg.set_pool(stats)
+                    self.agg.set_pool(stats, checked_ms)
             except Exception as e:
                 log.warning("kvpool agent %s: pool stats failed: %s", self.source.agent_id, e)
             self._pool_future = None
@@ -365,14 +381,11 @@ class _Agent:
                 self._http = httpx.Client(timeout=1.0)
             http, url = self._http, self.pool_admin_url
             self._pool_future = self._pool_exec.submit(
-                fetch_mooncake_stats,
-                url,
-                client=http,
-                high_watermark=self.high_watermark,
-                lease_ttl_ms=self.lease_ttl_ms,
-            )
+                _checked, functools.partial(
+                    fetch_mooncake_stats, url, client=http,
+                    high_watermark=self.high_watermark, lease_ttl_ms=self.lease_ttl_ms))
         elif self.operations is not None:
-            self._pool_future = self._pool_exec.submit(self.operations.stats)
+            self._pool_future = self._pool_exec.submit(_checked, self.operations.stats)
 
     def _close(self) -> None:
         self._cmd_exec.shutdown(wait=False, cancel_futures=True)

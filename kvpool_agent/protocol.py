@@ -40,6 +40,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
+    "RECENT_PAUSES",
     "UPDATE_TIERS_MS",
     "CommandName",
     "CommandReply",
@@ -56,6 +57,7 @@ __all__ = [
     "HealthResult",
     "LookupStats",
     "Message",
+    "PauseWindow",
     "PoolStats",
     "ProcessStats",
     "ProtocolError",
@@ -283,6 +285,14 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     failed_after_hit: Count = 0
     max_load_ms: Ms = 0.0
     errors_by_name: dict[Name, Count] = msgspec.field(default_factory=dict)
+    # Defaults mean "not told" (agents before these fields), so older peers decode each other.
+    max_unpaused_load_ms: Ms | None = None
+    """The slowest load as ``max_load_ms`` counts it, less the time it spent inside this
+    process's pause windows (``EngineState.pauses``): what the lease TTL must cover. ``None``
+    from agents before this field."""
+    paused_after_hit: dict[Name, Count] = msgspec.field(default_factory=dict)
+    """Of ``failed_after_hit``, by error name, the loads a pause window explains: without the
+    time paused, their lease (looked up to load end) would not have run out."""
 
 
 class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
@@ -326,6 +336,29 @@ class ProcessStats(msgspec.Struct, gc=False, kw_only=True):
     reports_dropped: Count = 0
     """Reports the agent could not hand to its socket (hub absent or slow); ``dropped``
     counts engine events the Reporter's full buffer refused."""
+
+
+RECENT_PAUSES = 8
+"""Pause windows an agent keeps and reports (``EngineState.pauses``), newest last."""
+
+
+class PauseWindow(msgspec.Struct, gc=False, kw_only=True):
+    """A span (epoch ms) in which this agent's process could not have moved a load.
+
+    ``process_stalled``: the agent thread ran more than 2 s late (the process was stopped,
+    e.g. SIGSTOP or a debugger, or starved); ``pool_unhealthy``: from the end of the last
+    passing pool health check to the end of the next passing one (``detail``: the first
+    failure). ``end_ms`` is ``None`` while it lasts. ``loads`` counts loads in flight during
+    it, ``max_load_ms`` is the slowest of them (whole duration, ms), ``failed_after_hit`` the
+    failed-after-hit loads it explains (``TransferStats.paused_after_hit``)."""
+
+    kind: Literal["process_stalled", "pool_unhealthy"]
+    start_ms: Ms
+    end_ms: Ms | None = None
+    detail: Name = ""
+    loads: Count = 0
+    max_load_ms: Ms = 0.0
+    failed_after_hit: Count = 0
 
 
 class ErrorRecord(msgspec.Struct, gc=False, kw_only=True):
@@ -372,6 +405,10 @@ class EngineState(msgspec.Struct, gc=False, kw_only=True):
     """Flushes the process ran on its own (vLLM's ``reset_prefix_cache`` with the connector's
     ``reset_flush_scope``), for the hub's audit trail: the last 16 in a snapshot, those since
     the previous report in a delta."""
+    pauses: Annotated[list[PauseWindow], msgspec.Meta(max_length=RECENT_PAUSES)] = \
+        msgspec.field(default_factory=list)
+    """The last ``RECENT_PAUSES`` pause windows of this process, oldest first (every report):
+    a console that did not watch a pause still attributes the loads that waited on it."""
 
 
 class Report(msgspec.Struct, tag="report", kw_only=True):

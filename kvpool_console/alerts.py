@@ -13,8 +13,10 @@ Counter rules (failed loads, lookup errors, backend errors) fire on counters sin
 they retire once the newest error they count (``EngineState.recent_errors``, stamped by the
 agent) is older than ``COUNTER_WINDOW_MS``, which a one-shot ``status`` sees as well as the TUI.
 :class:`AlertModel` is the one model both run: those rules, :class:`AlertTracker` (retirement of
-counters without error records), the pauses it observed (a load that waited on a stopped master
-or engine is ``pause_wait``, not TTL advice) and the pool's eviction rate (``pool_evicting``).
+counters without error records), the pauses it observed and those agents report in
+``EngineState.pauses`` (a load that waited on a stopped master or engine is ``pause_wait``, not
+TTL advice, also in a one-shot that did not watch the pause) and the pool's eviction rate
+(``pool_evicting``).
 """
 
 from __future__ import annotations
@@ -615,6 +617,15 @@ class AlertTracker:
 _NOT_TTL = "; default_kv_lease_ttl is not the cause"
 
 
+def _master_pause_hint() -> str:
+    return HINTS["RPC_FAIL"] + "; the load waited on it (see pool_unhealthy)" + _NOT_TTL
+
+
+def _engine_pause_hint(engine_id: str) -> str:
+    return ("the engine process was stopped or stalled (SIGSTOP, a debugger, swapping) and its "
+            f"load waited with it: `kvpool-console triage {engine_id}` if it recurs" + _NOT_TTL)
+
+
 @dataclass
 class _Pause:
     """A span (epoch ms) in which a pool's master failed its health check or an engine sent no
@@ -657,6 +668,45 @@ class _Seen:
     adjusted: EngineState
 
 
+def _agent_excused(tr: TransferStats) -> TransferStats:
+    """``tr`` less what its agent's own pause windows explain (``max_unpaused_load_ms`` for
+    ``max_load_ms``, ``paused_after_hit`` off ``failed_after_hit`` and ``errors_by_name``):
+    ``tr`` itself when they take nothing off (and from an agent before those fields)."""
+    if not tr.paused_after_hit and tr.max_unpaused_load_ms in (None, tr.max_load_ms):
+        return tr
+    paused = tr.paused_after_hit
+    return msgspec.structs.replace(
+        tr, failed_after_hit=max(0, tr.failed_after_hit - sum(paused.values())),
+        errors_by_name={n: c - paused.get(n, 0) for n, c in tr.errors_by_name.items()
+                        if c > paused.get(n, 0)},
+        max_load_ms=tr.max_load_ms if tr.max_unpaused_load_ms is None
+        else tr.max_unpaused_load_ms)
+
+
+def _agent_pauses(st: EngineState, now_ms: float) -> list[tuple[_Pause, int, float]]:
+    """``st``'s own remembered pause windows that explain TTL advice (a failed-after-hit load,
+    or a load that waited in one for >= 80% of the lease TTL: what ``lease_ttl`` would have
+    said): ``(pause, failed after hit, slowest load ms)``."""
+    if not st.pauses:
+        return []
+    ttl = st.pool.lease_ttl_ms if st.pool is not None else 0
+    eid = st.source.engine_id
+    out = []
+    for w in st.pauses:
+        if not (w.failed_after_hit or (ttl and w.max_load_ms >= 0.8 * ttl)):
+            continue
+        if w.kind == "pool_unhealthy":
+            pause = _Pause(f"master {st.source.master or pool_name(st)} failed its health check "
+                           f"({w.detail or 'unhealthy'})", _master_pause_hint(), w.start_ms,
+                           w.end_ms)
+        else:
+            pause = _Pause(f"process {st.source.agent_id} was stopped or stalled",
+                           _engine_pause_hint(eid), w.start_ms, w.end_ms)
+        if pause.remembered(now_ms):
+            out.append((pause, w.failed_after_hit, w.max_load_ms))
+    return out
+
+
 class _PauseLedger:
     """Pauses the console observed, and the slow loads and failed-after-hit loads they explain.
 
@@ -691,8 +741,7 @@ class _PauseLedger:
             if name in sick and p is None:
                 self._pools[name] = _Pause(
                     f"master {masters[name]} failed its health check ({sick[name]})",
-                    HINTS["RPC_FAIL"] + "; the load waited on it (see pool_unhealthy)"
-                    + _NOT_TTL, now_ms)
+                    _master_pause_hint(), now_ms)
             elif name not in sick and p is not None:
                 p.end_ms = now_ms
                 self._past.append((name, self._pools.pop(name)))
@@ -717,9 +766,7 @@ class _PauseLedger:
             if p is None and (now_ms - seen > _GAP_MS or jumped):
                 p = self._engines[eid] = _Pause(
                     f"engine {eid} sent no report (stopped or stalled)",
-                    "the engine process was stopped or stalled (SIGSTOP, a debugger, swapping) "
-                    f"and its load waited with it: `kvpool-console triage {eid}` if it "
-                    "recurs" + _NOT_TTL, prev if jumped and prev is not None else seen)
+                    _engine_pause_hint(eid), prev if jumped and prev is not None else seen)
             if p is not None and now_ms - seen <= _GAP_MS:
                 p.end_ms = seen
                 self._past.append((eid, self._engines.pop(eid)))
@@ -737,7 +784,9 @@ class _PauseLedger:
     def adjust(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
                now_ms: float) -> dict[str, EngineState]:
         """Record this update's pauses and what they explain; returns ``states`` with the
-        explained counts taken off (the same objects for agents with nothing explained)."""
+        explained counts taken off, first what the agents' own pause windows explain
+        (``_agent_excused``), then what this ledger's pauses explain of the rest (the same
+        objects for agents with nothing explained)."""
         self._open_close(states, last_seen_ms, now_ms)
         out = dict(states)
         for a, st in states.items():
@@ -747,7 +796,9 @@ class _PauseLedger:
                 prev.ts_ms, prev.seen_ms = now_ms, last_seen_ms.get(a, st.ts_ms)
                 out[a] = prev.adjusted
                 continue
-            tr = st.transfers
+            tr = _agent_excused(st.transfers)
+            base = st if tr is st.transfers else msgspec.structs.replace(st, transfers=tr)
+            out[a] = base
             ex = self._excused.get(a)
             if prev is not None and (tr.failed_after_hit < prev.failed_after_hit
                                      or tr.max_load_ms < prev.max_load_ms):
@@ -775,7 +826,7 @@ class _PauseLedger:
                           if c - ex.errors[n] > 0}
                 max_load = (ex.max_load_before if ex.max_load_seen == tr.max_load_ms
                             else tr.max_load_ms)
-                out[a] = msgspec.structs.replace(st, transfers=msgspec.structs.replace(
+                out[a] = msgspec.structs.replace(base, transfers=msgspec.structs.replace(
                     tr, failed_after_hit=tr.failed_after_hit - ex.failed_after_hit,
                     errors_by_name=errors, max_load_ms=max_load))
             self._seen[a] = _Seen(now_ms, last_seen_ms.get(a, st.ts_ms), tr.failed_after_hit,
@@ -786,17 +837,25 @@ class _PauseLedger:
         return out
 
     def alerts(self, states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
-        """One ``pause_wait`` per engine with explained loads whose pause is remembered."""
-        by_engine: dict[str, list[_Excuse]] = {}
+        """One ``pause_wait`` per engine with explained loads whose pause is remembered: the
+        pauses this ledger saw and those the engine's agents reported (``_agent_pauses``),
+        named by the latest."""
+        by_engine: dict[str, list[tuple[_Pause, int, float]]] = {}
         for a, ex in self._excused.items():
             st = states.get(a)
             if st is not None and ex.pause.remembered(now_ms):
-                by_engine.setdefault(st.source.engine_id, []).append(ex)
+                by_engine.setdefault(st.source.engine_id, []).append(
+                    (ex.pause, ex.failed_after_hit, ex.max_load_seen or 0.0))
+        for st in states.values():
+            if st.pauses:
+                by_engine.setdefault(st.source.engine_id, []).extend(_agent_pauses(st, now_ms))
         out = []
         for eid, exs in sorted(by_engine.items()):
-            pause = max((x.pause for x in exs), key=lambda p: p.start_ms)
-            failed = sum(x.failed_after_hit for x in exs)
-            slowest = max((x.max_load_seen or 0.0 for x in exs), default=0.0)
+            if not exs:
+                continue
+            pause = max((x[0] for x in exs), key=lambda p: p.start_ms)
+            failed = sum(x[1] for x in exs)
+            slowest = max(x[2] for x in exs)
             parts = ([f"{failed} loads failed after a positive lookup"] if failed else []) + (
                 [f"slowest load {fmt_ms(slowest)}"] if slowest else [])
             span = (f"{fmt_ms(pause.end_ms - pause.start_ms)}" if pause.end_ms is not None
@@ -809,10 +868,11 @@ class _PauseLedger:
 
 class AlertModel:
     """The alerts the TUI and the one-shot modes show: :func:`evaluate` on the fleet with
-    what observed pauses explain taken off (``pause_wait``), :class:`AlertTracker`'s
-    retirement, and ``pool_evicting`` while a pool's ``evicted_keys`` grew within
-    ``window_ms``. Feed it every sample (:meth:`update`); a one-shot feeds the samples of its
-    observation window, so it sees the pauses and evictions inside that window only.
+    what pauses explain taken off (``pause_wait``), :class:`AlertTracker`'s retirement, and
+    ``pool_evicting`` while a pool's ``evicted_keys`` grew within ``window_ms``. Feed it every
+    sample (:meth:`update`); a one-shot feeds the samples of its observation window, so it sees
+    the evictions and the pauses it observed inside that window only, and the pauses agents
+    recorded themselves (``EngineState.pauses``) whenever they were.
 
     Args:
         window_ms: counter alerts and ``pool_evicting`` retire this long after their last

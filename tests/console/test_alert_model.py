@@ -1,14 +1,15 @@
 """The one alert model of the TUI and the one-shot modes (``AlertModel``) on fleet states built
 from the wire schema, with a frozen clock: pauses explain the loads that waited on them,
 counter alerts retire by the agents' error timestamps, evictions raise ``pool_evicting``, and
-a one-shot evaluation agrees with one that watched all along."""
+a one-shot evaluation agrees with one that watched all along. Pauses the agents recorded
+themselves (``EngineState.pauses``) explain loads to a model that never watched them."""
 
 from __future__ import annotations
 
 import msgspec
 from fleetdata import GB, NOW_MS, engine, pool
 
-from kvpool_agent.protocol import EngineState, ErrorRecord
+from kvpool_agent.protocol import EngineState, ErrorRecord, PauseWindow
 from kvpool_console.alerts import AlertModel, evaluate, fmt_ms
 
 MASTER = "127.0.0.1:50051"
@@ -184,3 +185,95 @@ def test_eviction_starts_an_event_and_retires() -> None:
     t += 61_000
     assert [a.rule for a in model.update(evicting, dict.fromkeys(evicting, t), t)] == [
         "pool_watermark"]
+
+
+def _agent_paused(fleet: Fleet, engine_id: str, t: float, window: PauseWindow, *,
+                  failed: int, explained: int, max_load_ms: float,
+                  unpaused_ms: float) -> Fleet:
+    """``engine_id``'s workers as ``_failed_after`` has them, and each reports ``window`` as
+    its own pause, ``explained`` of its ``failed`` loads as the window's and a slowest load of
+    ``unpaused_ms`` without the time paused."""
+    out = _failed_after(fleet, engine_id, t, failed=failed, max_load_ms=max_load_ms)
+    for k, s in out.items():
+        if s.source.engine_id == engine_id and s.source.process_role == "worker":
+            tr = msgspec.structs.replace(
+                s.transfers, max_unpaused_load_ms=unpaused_ms,
+                paused_after_hit={"LEASE_EXPIRED": explained} if explained else {})
+            out[k] = msgspec.structs.replace(s, transfers=tr, pauses=[window])
+    return out
+
+
+def test_a_one_shot_takes_the_pause_an_agent_recorded_not_ttl_advice() -> None:
+    start, end = NOW_MS - 30_000, NOW_MS - 1_000
+    window = PauseWindow(kind="pool_unhealthy", start_ms=start, end_ms=end, detail="RPC_FAIL",
+                         loads=2, max_load_ms=29_448.0, failed_after_hit=3)
+    t = NOW_MS
+    fleet = _agent_paused(_on_master(engine("a", loads=0)), "a", t, window, failed=3,
+                          explained=3, max_load_ms=29_448.0, unpaused_ms=400.0)
+    # Without the agents' windows the counters are TTL advice; a fresh model takes them off.
+    assert {x.rule for x in evaluate(fleet, _seen(fleet, t), t)} == {
+        "failed_after_hit", "lease_ttl"}
+    (a,) = AlertModel().update(fleet, _seen(fleet, t), t)
+    assert (a.rule, a.severity, a.subject) == ("pause_wait", "warning", "a")
+    assert a.message == (f"6 loads failed after a positive lookup, slowest load 29.4 s while "
+                         f"master {MASTER} failed its health check (RPC_FAIL) (29.0 s)")
+    assert a.hint == ("master unreachable: check mooncake_master and master_server_address; "
+                      "the load waited on it (see pool_unhealthy); default_kv_lease_ttl is not "
+                      "the cause")
+    # The window's aftermath over, nothing: no pause_wait, and no TTL advice comes back.
+    t = end + 10_500
+    assert AlertModel().update(fleet, _seen(fleet, t), t) == []
+    # A later load slower than the TTL without any pause is the TTL's, although the slowest
+    # load since start (the paused one, 29.4 s) is still slower.
+    slower = _agent_paused(_on_master(engine("a", loads=0)), "a", t, window, failed=3,
+                           explained=3, max_load_ms=29_448.0, unpaused_ms=12_000.0)
+    (a,) = AlertModel().update(slower, _seen(slower, t), t)
+    assert (a.rule, a.severity, a.message) == (
+        "lease_ttl", "critical", "slowest load 12.0 s >= lease TTL 11.0 s (default_kv_lease_ttl)")
+
+
+def test_a_stall_an_agent_recorded_names_the_process_and_leaves_the_rest() -> None:
+    t = NOW_MS
+    window = PauseWindow(kind="process_stalled", start_ms=t - 9_000, end_ms=t - 1_000,
+                         loads=1, max_load_ms=8_100.0, failed_after_hit=2)
+    # Of 3 failed-after-hit loads per worker the stall explains 2: one is still TTL advice.
+    fleet = _agent_paused(_on_master(engine("b", loads=0)), "b", t, window, failed=3,
+                          explained=2, max_load_ms=8_100.0, unpaused_ms=100.0)
+    alerts = AlertModel().update(fleet, _seen(fleet, t), t)
+    assert _keys(alerts) == [("failed_after_hit", "warning", "b"), ("pause_wait", "warning", "b")]
+    assert alerts[0].message == ("2 loads failed after a positive lookup (LEASE_EXPIRED 2, "
+                                 "OBJECT_NOT_FOUND 0)")
+    assert alerts[1].message == ("4 loads failed after a positive lookup, slowest load 8.1 s "
+                                 "while process b/dp0.tp0.pp0 was stopped or stalled (8.0 s)")
+    assert alerts[1].hint.startswith("the engine process was stopped or stalled (SIGSTOP, ")
+    assert alerts[1].hint.endswith("`kvpool-console triage b` if it recurs; "
+                                   "default_kv_lease_ttl is not the cause")
+    # A window whose loads were quick and did not fail explains nothing worth an alert.
+    quiet = msgspec.structs.replace(window, max_load_ms=300.0, failed_after_hit=0)
+    fleet = _agent_paused(_on_master(engine("b", loads=0)), "b", t, quiet, failed=0,
+                          explained=0, max_load_ms=300.0, unpaused_ms=100.0)
+    assert AlertModel().update(fleet, _seen(fleet, t), t) == []
+
+
+def test_a_watching_model_counts_a_pause_its_agents_recorded_once() -> None:
+    model = AlertModel()
+    healthy = _on_master(engine("a", loads=0))
+    stopped = _on_master(engine("a", loads=0), healthy=False)
+    assert model.update(healthy, _seen(healthy, NOW_MS), NOW_MS) == []
+    t = NOW_MS + 2_000
+    assert _keys(model.update(stopped, _seen(stopped, t), t)) == [
+        ("pool_unhealthy", "critical", POOL)]
+    t = NOW_MS + 31_000
+    assert model.update(healthy, _seen(healthy, t), t) == []
+    t += 1_000
+    window = PauseWindow(kind="pool_unhealthy", start_ms=NOW_MS + 1_000, end_ms=NOW_MS + 30_500,
+                         detail="RPC_FAIL", loads=2, max_load_ms=29_448.0, failed_after_hit=3)
+    resumed = _agent_paused(healthy, "a", t, window, failed=3, explained=3,
+                            max_load_ms=29_448.0, unpaused_ms=400.0)
+    alerts = model.update(resumed, _seen(resumed, t), t)
+    assert _keys(alerts) == [("pause_wait", "warning", "a")]
+    assert alerts[0].message.startswith("6 loads failed after a positive lookup, slowest load "
+                                        "29.4 s while master ")
+    # What a fresh one-shot says at the same moment, but for the rules only watching sees.
+    once = AlertModel().update(resumed, _seen(resumed, t), t)
+    assert _keys(once) == _keys(alerts)
