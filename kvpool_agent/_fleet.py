@@ -16,10 +16,11 @@ add an agent to another engine (a forged start failure would mark it FAILED, a f
 would receive its ``flush --scope engine``). With one fleet-wide agent key every agent is the
 same identity and only the connection binding applies.
 
-An engine holds at most ``MAX_AGENTS_PER_ENGINE`` agent ids, so one engine-bound key cannot fill
-the fleet. Who has held each engine id since when (its *tenure*: the identity and the time it
-took the id) is kept across hub restarts (``tenure``/``load_tenure``, the hub's state file):
-pool-wide flushes go to the worker whose key has held its engine longest, per pool.
+An engine holds at most ``MAX_AGENTS_PER_ENGINE`` agent ids and ``MAX_ENGINE_STATE_BYTES`` of state,
+so one engine-bound key cannot fill the fleet (by count or by bytes). Who has held each engine id
+since when (its *tenure*: the identity and the time it took the id) is kept across hub restarts
+(``tenure``/``load_tenure``, the hub's state file): pool-wide flushes go to the worker whose key has
+held its engine longest, per pool.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "LIVE_S",
     "MAX_AGENTS",
     "MAX_AGENTS_PER_ENGINE",
+    "MAX_ENGINE_STATE_BYTES",
     "MAX_FLEET_STATE_BYTES",
     "MAX_STATE_BYTES",
     "TAKEOVER_AFTER_S",
@@ -90,6 +92,13 @@ MAX_FLEET_STATE_BYTES = 256 << 20
 refused (``full``). 2,304 real agents hold ~10 MiB; without this bound one agent key could
 register thousands of near-``MAX_STATE_BYTES`` agents and grow the hub (and every console's
 snapshot) by gigabytes."""
+
+MAX_ENGINE_STATE_BYTES = 16 << 20
+"""Encoded states one engine id's agents hold together (bytes); a report that would pass it
+is refused (``full``). A real engine's agents hold a few KiB each (65 agents of DP x TP x PP
+= 64: < 1 MiB). Without it one engine-bound key's ``MAX_AGENTS_PER_ENGINE`` agents of
+``MAX_STATE_BYTES`` each are exactly ``MAX_FLEET_STATE_BYTES``: the fleet full for every
+other engine (and 256 MiB in every console's snapshot)."""
 
 LIVE_S = 15.0
 """An agent heard from within this many seconds is live: commands without targets go to it."""
@@ -133,6 +142,8 @@ class Fleet:
         self._dirty: dict[int, set[str]] = {FULL_RATE: set()}
         # Engine id -> agent ids it holds (for MAX_AGENTS_PER_ENGINE and dropping owners).
         self._engine_agents: dict[str, int] = {}
+        # Engine id -> encoded state bytes of its agents (for MAX_ENGINE_STATE_BYTES).
+        self._engine_bytes: dict[str, int] = {}
         # Engine id -> (identity, since ms, last seen ms): who holds it since when.
         self._tenure: dict[str, tuple[str, float, float]] = {}
         self.tenure_changed = False
@@ -208,11 +219,17 @@ class Fleet:
             if total > MAX_FLEET_STATE_BYTES:
                 return (f"full: fleet state would be {total} bytes > {MAX_FLEET_STATE_BYTES}; "
                         f"report of {aid!r} dropped")
+            held_here = ag.size if ag is not None and not moves else 0
+            engine_total = self._engine_bytes.get(engine, 0) - held_here + size
+            if engine_total > MAX_ENGINE_STATE_BYTES:
+                return (f"full: engine {engine[:80]!r}'s state would be {engine_total} bytes > "
+                        f"{MAX_ENGINE_STATE_BYTES}; report of {aid[:80]!r} dropped")
             self._state_bytes = total
             if moves:
                 if ag is not None:
-                    self._leave_engine(ag.state.source.engine_id)
+                    self._leave_engine(ag.state.source.engine_id, ag.size)
                 self._engine_agents[engine] = self._engine_agents.get(engine, 0) + 1
+            self._engine_bytes[engine] = engine_total
             if ag is None:
                 ag = _Entry(state=st, last_seen_ms=now_ms, routing_id=routing_id,
                             first_seen_ms=now_ms)
@@ -266,7 +283,7 @@ class Fleet:
         for k in ids:
             ag = self._agents.pop(k)
             self._state_bytes -= ag.size
-            self._leave_engine(ag.state.source.engine_id, forget=True)
+            self._leave_engine(ag.state.source.engine_id, ag.size, forget=True)
             # Re-inserted at the end: the dict stays oldest first.
             self._forgotten.pop(k, None)
             self._forgotten[k] = now_ms
@@ -279,14 +296,17 @@ class Fleet:
             for gone in self._forgotten_new.values():
                 gone.discard(oldest)
 
-    def _leave_engine(self, engine: str, *, forget: bool = False) -> None:
-        """One agent id of ``engine`` is gone (dropped, or it moved to another engine); the
-        engine's owner goes with its last agent, its tenure too when it was forgotten."""
+    def _leave_engine(self, engine: str, size: int, *, forget: bool = False) -> None:
+        """One agent id of ``engine`` (holding ``size`` state bytes) is gone (dropped, or it
+        moved to another engine); the engine's owner goes with its last agent, its tenure too
+        when it was forgotten."""
         left = self._engine_agents.get(engine, 0) - 1
         if left > 0:
             self._engine_agents[engine] = left
+            self._engine_bytes[engine] = self._engine_bytes.get(engine, 0) - size
             return
         self._engine_agents.pop(engine, None)
+        self._engine_bytes.pop(engine, None)
         self._engine_owner.pop(engine, None)
         if forget and self._tenure.pop(engine, None) is not None:
             self.tenure_changed = True

@@ -49,11 +49,14 @@ Cost is bounded per key (the ZAP User-Id's key name; ``plain`` without keys), no
 message: commands in flight per key (above), explicit targets per command (``MAX_TARGETS``;
 unknown ones are answered by one ``hub`` reply), audit bytes per key and minute
 (``kvpool_agent._audit``), agent ids per engine (``kvpool_agent._fleet.MAX_AGENTS_PER_ENGINE``),
-and the largest message each port reads (``_MAX_COMMAND_BYTES`` on the command ports,
-``MAX_MESSAGE_BYTES`` on the agent port, ``_MAX_SUBSCRIPTION_BYTES`` on the XPUB). Refusals
-are counted per key (``refused_by_key``, ``/metrics`` ``kvpool_hub_refused_key_<name>_total``).
+state bytes per engine (``MAX_ENGINE_STATE_BYTES``), agent frames queued per connection
+(``_AGENT_RCVHWM``), and the largest message each port reads (``_MAX_COMMAND_BYTES`` on the
+command ports, ``MAX_MESSAGE_BYTES`` on the agent port, ``_MAX_SUBSCRIPTION_BYTES`` on the
+XPUB). Refusals are counted per key (``refused_by_key``, ``/metrics``
+``kvpool_hub_refused_key_<name>_total``).
 The one thread serves the operator first: each turn it takes the operator port's frames, then
-at most ``_AGENT_BATCH`` agent frames and ``_READONLY_BATCH`` read-only commands (for
+at most ``_AGENT_BATCH`` agent frames (for ``_AGENT_SLICE_S`` at most, taking the operator's
+frames again before each) and ``_READONLY_BATCH`` read-only commands (for
 ``_READONLY_SLICE_S`` at most), taking the operator's frames again before each read-only
 command, so an operator command waits for one agent batch or one read-only command at most.
 
@@ -163,6 +166,12 @@ _AGENT_BATCH = 64
 _READONLY_BATCH = 64
 """Frames per loop turn and port: the operator port's first (taken again before each
 read-only command and after the agents' batch), then agents', then read-only commands'."""
+_AGENT_SLICE_S = 0.01
+"""A turn stops taking agent frames after this long (s)."""
+_AGENT_RCVHWM = 16
+"""Messages queued per agent connection before libzmq stops reading it (an agent sends a
+report every 0.25 s): the default 1,000 let one agent key queue 1,000 frames of up to
+``MAX_MESSAGE_BYTES`` per connection in the hub (1 MiB reports: ~1 GB RSS)."""
 _READONLY_SLICE_S = 0.01
 """A turn stops taking read-only commands after this long (s), so agents get their turn."""
 _MAX_COMMAND_BYTES = 2 * 1024 * 1024
@@ -497,6 +506,8 @@ class FleetHub:
                      else _MAX_COMMAND_BYTES)
         if name in ("commands", "curve"):
             s.setsockopt(zmq.RCVHWM, _COMMAND_RCVHWM)
+        if name == "agents":
+            s.setsockopt(zmq.RCVHWM, _AGENT_RCVHWM)
         if kind == zmq.ROUTER:
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if kind == zmq.XPUB:
@@ -730,7 +741,13 @@ class FleetHub:
             log.warning("kvpool hub: refused #%d of key %s: %s", n, key, why[:200])
 
     def _recv_agents(self, limit: int) -> None:
+        until = time.monotonic() + _AGENT_SLICE_S
         for _ in range(limit):
+            # A report may be ~MAX_MESSAGE_BYTES to decode and validate (~8 ms for 1 MiB):
+            # the operator waits for one agent frame at most, not a batch of 64.
+            self._recv_operator()
+            if time.monotonic() >= until:
+                return
             try:
                 frames = self.agents_sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
