@@ -87,6 +87,7 @@ from types import TracebackType
 import msgspec
 import zmq
 import zmq.auth
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
@@ -182,9 +183,11 @@ dozen bytes longer than the message). It bounds a part, not a multipart message:
 queues every part of one until its last has come (parts x bound)."""
 _COMMAND_RCVHWM = 64
 """Messages queued per command connection before libzmq stops reading it."""
-_SUSPECT_SLACK_KEYS = 1024
+_SUSPECT_SLACK_KEYS = 64
 """Keys a flush may match beyond its pool's last reported count (the pool grows between
-reports) before its answer is suspect; also an eighth of the count."""
+reports, every 2 s) before its answer is suspect; also an eighth of the count. Small, so a
+forged answer for a small pool cannot claim much more than the pool holds; a genuine flush of a
+fast-growing small pool may be shown as suspect, and a second dry run clears it."""
 _STATE_SAVE_S = 2.0
 _STATE_REFRESH_S = 60.0
 _TENURE_KEPT_S = 7 * 86400.0
@@ -547,16 +550,18 @@ class FleetHub:
         self.poller.unregister(self.pub)
         self.socks.remove(self.pub)
         self.pub.close(linger=0)
-        for attempt in range(50):
+
+        def bind() -> zmq.Socket[bytes]:
             try:
-                self.pub = self._socket(zmq.XPUB, "pub", self.ports.pub)
-                return
+                return self._socket(zmq.XPUB, "pub", self.ports.pub)
             except zmq.ZMQError:
-                # The closed listener is released by libzmq's I/O thread: moments, not more.
-                if attempt == 49:
-                    raise
-                self.socks.pop().close(linger=0)
-                time.sleep(0.02)
+                self.socks.pop().close(linger=0)  # tracked by _socket before its bind failed
+                raise
+
+        # The closed listener is released by libzmq's I/O thread: moments, not more.
+        self.pub = Retrying(retry=retry_if_exception_type(zmq.ZMQError),
+                            stop=stop_after_attempt(50), wait=wait_fixed(0.02),
+                            reraise=True)(bind)
 
     def _load_keys(self) -> tuple[bytes, bytes] | None:
         """The hub's CURVE pair, with the ZAP handler started; ``None`` without keys."""
@@ -952,9 +957,10 @@ class FleetHub:
         if refusal is not None:
             self._refuse(key, refusal)
             reply = self._agent_error(req, "hub", refusal)
-            self._send_client(sock, client, [reply])
-            # What was tried: the targets it named (the line shows the first few).
+            # What was tried: the targets it named (the line shows the first few). Audited
+            # before the answer leaves, so whoever holds the answer finds the line.
             self._record(who, key, req, list(req.targets), [reply], curve=curve, refused=True)
+            self._send_client(sock, client, [reply])
             return
         if req.command == "forget":
             self._forget(sock, client, req, who)
@@ -969,8 +975,8 @@ class FleetHub:
         targets, problem = self._fleet.targets(req)
         if problem is not None:
             reply = self._agent_error(req, "hub", problem)
-            self._send_client(sock, client, [reply])
             self._record(who, key, req, targets, [reply], curve=curve)
+            self._send_client(sock, client, [reply])
             return
         routes = {aid: self._fleet.routing_id(aid) for aid in targets}
         # Unknown ids get one answer for them all: a request naming thousands costs one reply
@@ -1051,8 +1057,8 @@ class FleetHub:
                 forgotten=ids[:FORGOTTEN_SHOWN],
                 forgotten_count=len(ids),
             )
-        self._send_client(sock, client, [reply])
         self._audit.record(who, req, list(req.targets), [reply])
+        self._send_client(sock, client, [reply])
 
     def _on_reply(self, rid: bytes, rep: CommandReply) -> None:
         pend = self._pending.get(rep.request_id)
@@ -1087,7 +1093,7 @@ class FleetHub:
         self._finish(pend)
 
     def _finish(self, pend: _Pending) -> None:
-        """Answer the console (flush answers checked, unknown targets in one reply) and audit."""
+        """Audit, then answer the console (flush answers checked, unknown targets in one reply)."""
         replies = [self._checked(pend, pend.replies[a]) for a in pend.expected]
         if len(pend.unknown) == 1:
             (aid,) = pend.unknown
@@ -1097,9 +1103,9 @@ class FleetHub:
             replies.append(self._agent_error(
                 pend.req, "hub", f"unknown agents: {len(pend.unknown)} ({first}"
                 + (", ..." if len(pend.unknown) > AUDIT_IDS_SHOWN else "") + ")"))
-        self._send_client(pend.sock, pend.client, replies)
         self._record(pend.who, pend.key, pend.req, [*pend.expected, *pend.unknown], replies,
                      curve=not pend.plain)
+        self._send_client(pend.sock, pend.client, replies)
 
     def _checked(self, pend: _Pending, rep: CommandReply) -> CommandReply:
         """``rep``, or when it is a flush answer that cannot be true of its pool (more keys
