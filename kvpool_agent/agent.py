@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -136,6 +137,11 @@ class _Agent:
         self.bad_messages = 0
         self.commands_seen = SeqTracker()
         self._outbox: deque[CommandReply] = deque(maxlen=64)
+        # A command thread's finished reply wakes the loop, which owns the socket: without it
+        # the reply waited for the loop's next poll timeout (up to _LOOP_S).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._pending: set[cf.Future[CommandReply]] = set()
         self._stop = threading.Event()
         self.failure_sent = threading.Event()
@@ -201,6 +207,7 @@ class _Agent:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.mon, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_delta = next_snapshot = next_process = next_pool = 0.0
         last_sent = 0.0
         try:
@@ -221,6 +228,9 @@ class _Agent:
                         with contextlib.suppress(zmq.ZMQError):
                             self.sock.disconnect(self.address)
                         self.sock.connect(self.address)
+                    if self._wake_r.fileno() in events:
+                        with contextlib.suppress(BlockingIOError):
+                            self._wake_r.recv(4096)
                     if self.sock in events:
                         self._receive()
                     with self.lock:
@@ -319,6 +329,7 @@ class _Agent:
     def _on_command_done(self, fut: cf.Future[CommandReply]) -> None:
         if not fut.cancelled():
             self._outbox.append(fut.result())
+            self._wake()
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -400,13 +411,22 @@ class _Agent:
         self.ctx.term()
         if self._http is not None:
             self._http.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self, timeout_s: float) -> None:
         self._stop.set()
+        self._wake()
         self.thread.join(timeout_s)
+
+    def _wake(self) -> None:
+        """Make the loop's poll return now (it owns the socket; other threads may not send)."""
+        # A full pipe already holds a wake-up; a closed one: the agent has stopped.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
 
 
 class AgentHandle:

@@ -601,3 +601,21 @@ def test_viewers_filling_an_agent_never_starve_an_operator_flush(
     finally:
         ops.release.set()
         agent.stop()
+
+
+def test_a_finished_reply_wakes_the_agent_loop(
+    hub: FleetHub, hub_address: str, keys_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command thread's reply is sent at once, not at the agent loop's next poll timeout:
+    with that timeout at 60 s, ten ``health`` commands each answer within their 20 s timeout.
+    Before the wake-up every reply through a keyed hub waited out the loop's 50 ms poll."""
+    monkeypatch.setattr("kvpool_agent.agent._LOOP_S", 60.0)
+    handle = start_agent(make_source("eng-w", role="scheduler"), address=hub_address)
+    try:
+        with _operator(hub_address, keys_dir) as op:
+            for _ in range(10):
+                (r,) = op.command("health", targets=[handle.source.agent_id],
+                                  timeout_ms=20_000)
+                assert r.ok and r.agent_id == handle.source.agent_id, r
+    finally:
+        handle.stop()
