@@ -419,8 +419,10 @@ def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
     # Enough requests to replay through every phase (400 last about a minute).
     fleet.start("w-a", limit=4000)
     fleet.start("t-a", limit=4000, lease_ttl_ms=TINY_TTL_MS)
+    # A loaded machine replays slowly, and a pool full from earlier tests evicts: allow time.
     watch.until("both engines loading and saving", lambda _: (
-        (w := _sums(fleet, "w-a"))[0] and w[1] and (t := _sums(fleet, "t-a"))[0] and t[1] >= 5))
+        (w := _sums(fleet, "w-a"))[0] and w[1] and (t := _sums(fleet, "t-a"))[0] and t[1] >= 5),
+        timeout_s=4 * WAIT_S)
 
     # Tiny TTL: ordinary saves outlive 50 ms; none is stuck, and the TTL is named in ms.
     t0 = time.monotonic()
