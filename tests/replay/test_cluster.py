@@ -35,10 +35,7 @@ def _descendants(pids: list[int]) -> set[int]:
 
 def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
     cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=3,
-                          # Requests enough that no engine finishes its replay (and exits)
-                          # before the checks below on a loaded machine: the cluster stops
-                          # them all at the end of the block.
-                          speedup=8.0, limit=2000, pool_tokens=600_000)
+                          speedup=8.0, limit=150, pool_tokens=600_000)
     with cluster:
         started = [p.pid for p in cluster.processes.values()]
         assert cluster.master is not None and cluster.master.proc is not None
@@ -70,6 +67,10 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
                 used = dpool.used_bytes if dpool is not None else 0
                 if decode.lookup.hit_rate > 0.5 and loaded > 20 and used > 0 and seen_in_flight:
                     break
+            # Right away: an engine whose replay ends disconnects its agents.
+            replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
+                                     timeout_ms=10_000)
+            assert len(replies) == 1 and replies[0].ok, replies
             states = {a: e.state for a, e in fleet.items()}
             roles = {s.source.engine_id: (s.source.instance_role, s.source.kv_role)
                      for s in states.values()}
@@ -122,9 +123,6 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             info = {e for (name, e) in samples if name == "kvpool_engine_info"}
             assert {"prefill-0", "decode-1", "engine-2"} <= info
 
-            replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
-                                     timeout_ms=10_000)
-            assert len(replies) == 1 and replies[0].ok, replies
         finally:
             client.close()
     assert cluster.leftover_pids() == []
