@@ -90,16 +90,23 @@ class Fleet:
 
     def wait(self, what: str, pred: Callable[[list[Alert]], Any], timeout_s: float = WAIT_S,
              **kw: Any) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            alerts = self.alerts(**kw)
-            got = pred(alerts)
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not seen within {timeout_s} s; alerts: "
-                                     + "; ".join(f"{a.key}: {a.message}" for a in alerts))
-            time.sleep(0.2)
+        return _wait_for_alerts(what, lambda: self.alerts(**kw), pred, timeout_s)
+
+
+def _wait_for_alerts(what: str, fetch: Callable[[], list[Alert]],
+                     pred: Callable[[list[Alert]], Any], timeout_s: float) -> Any:
+    """``pred``'s first true answer over ``fetch()`` polled every 0.2 s, or AssertionError
+    naming ``what`` and the alerts last seen after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alerts = fetch()
+        got = pred(alerts)
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within {timeout_s} s; alerts: "
+                                 + "; ".join(f"{a.key}: {a.message}" for a in alerts))
+        time.sleep(0.2)
 
 
 def _find(rule: str, subject: str) -> Callable[[list[Alert]], Alert | None]:
@@ -339,16 +346,7 @@ class Watch:
 
     def until(self, what: str, pred: Callable[[list[Alert]], Any],
               timeout_s: float = WAIT_S) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            alerts = self.poll()
-            got = pred(alerts)
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not seen within {timeout_s} s; alerts: "
-                                     + "; ".join(f"{a.key}: {a.message}" for a in alerts))
-            time.sleep(0.2)
+        return _wait_for_alerts(what, self.poll, pred, timeout_s)
 
     def since(self, t0: float) -> list[Alert]:
         """Every alert the model showed from ``t0`` on."""
