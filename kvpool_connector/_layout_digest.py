@@ -84,6 +84,9 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             none; left out of the digest's input when empty, so digests without it are
             unchanged.
         hash_algo: the chunk-hash function (``keys.HashAlgo``); left out when ``sha256``.
+        groups: vLLM's KV-cache groups (``_groups.KVGroup.describe``, ``|``-joined: kind,
+            spec, layers, block size), ``""`` with one full-attention group; left out when
+            empty, so digests of one-group engines are unchanged.
     """
 
     scheme: int
@@ -105,6 +108,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     pp: int
     checksum: str = ""
     hash_algo: str = "sha256"
+    groups: str = ""
 
     @property
     def digest(self) -> str:
@@ -151,6 +155,7 @@ def describe_layout(
     pp_size: int = 1,
     checksum: str = "",
     hash_algo: str = "sha256",
+    groups: str = "",
 ) -> LayoutFacts:
     """The layout facts of one worker's registered caches.
 
@@ -163,6 +168,7 @@ def describe_layout(
         tp_size, pcp_size, dcp_size, pp_size: the parallel sizes the worker's keys use.
         checksum: ``LayoutFacts.checksum``.
         hash_algo: ``LayoutFacts.hash_algo``.
+        groups: ``LayoutFacts.groups``.
 
     Raises:
         ValueError: a tensor has no dimension of ``num_blocks`` blocks.
@@ -179,5 +185,5 @@ def describe_layout(
         attn_backend=facts.attn_backend, kv_heads=facts.kv_heads, head_size=facts.head_size,
         layers=len(per_layer), cache=runs, block_size=block_size, chunk_size=chunk_size,
         tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size, checksum=checksum,
-        hash_algo=hash_algo,
+        hash_algo=hash_algo, groups=groups,
     )

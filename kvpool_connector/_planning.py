@@ -9,6 +9,11 @@ The mapping: chunk ``i`` of a request is the blocks
 ``PoolKey(model, digest, layout, chunk_hashes[i])``, whose value is those blocks' bytes over
 all layers (layer, region, block order; ``ranges_for_blocks``). In layer-wise mode each
 (chunk, layer) is its own key (``PoolKey.layer``) holding that layer's bytes only.
+
+With several KV-cache groups (vLLM's hybrid allocator, ``_groups``) each group has a planner of
+its own: its layers, its block table (``ReqMeta.group_block_ids``), its keys (``.g<group>``); a
+sliding-window group's value of a chunk is the chunk's last ``KVGroup.tail_blocks`` blocks, and
+its loads fill only the window before the hit's end.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import TYPE_CHECKING
 
+from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector._layout import LayerLayout, ranges_for_blocks
 from kvpool_connector.keys import ParallelLayout, chunk_keys
 
@@ -102,42 +108,60 @@ class TransferPlanner:
         layerwise: one key per (chunk, layer) instead of one per chunk.
         scratch: address of a buffer of at least the largest region's ``block_len`` bytes;
             bytes loaded for blocks vLLM already holds land there (0 if there is none).
+        group: the KV-cache group planned (hybrid models): its block table is
+            ``req.group_block_ids[group.index]``, a sliding-window group's values hold each
+            chunk's last ``tail_blocks`` blocks, and no transfer may touch the null block.
+            ``None``: one group, ``req.block_ids``, whole chunks.
 
     Raises:
         ValueError: ``chunk_size`` is not a positive multiple of ``block_size``.
     """
 
     def __init__(self, layers: Sequence[LayerLayout], key_prefix: str, *, block_size: int,
-                 chunk_size: int, layerwise: bool, scratch: int = 0) -> None:
+                 chunk_size: int, layerwise: bool, scratch: int = 0,
+                 group: KVGroup | None = None) -> None:
         self.blocks_per_chunk = blocks_per_chunk(block_size, chunk_size)
         self.key_prefix = key_prefix
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.scratch = scratch
+        self.group = group
+        # Positions of a chunk before this offset are not part of its value (sliding window).
+        self.tail_offset = (self.blocks_per_chunk - group.tail_blocks(self.blocks_per_chunk)
+                            if group is not None else 0)
         # Per key of a chunk: (layer index or None, layers whose bytes form its value).
         self._groups: list[tuple[int | None, Sequence[LayerLayout]]] = (
             [(layer.index, [layer]) for layer in layers] if layerwise else [(None, list(layers))]
         )
         self._layer_ids = [layer.index for layer in layers] if layerwise else None
 
+    def table(self, req: ReqMeta) -> list[int]:
+        """The block table this planner reads: its group's, or ``req.block_ids``."""
+        if self.group is None or not req.group_block_ids:
+            return req.block_ids
+        return req.group_block_ids[self.group.index]
+
     def chunk_blocks(self, req: ReqMeta, chunk: int, end_block: int | None = None) -> list[int]:
-        """Block ids of chunk ``chunk`` of ``req``.
+        """Block ids of chunk ``chunk``'s value (its last ``blocks_per_chunk - tail_offset``
+        blocks).
 
         ``end_block``: request positions from this block on may be missing (a trimmed load
         writes nothing there); a missing one is given as a negative placeholder id.
 
         Raises:
-            ValueError: ``req.block_ids`` does not reach the chunk's end (or ``end_block``).
+            ValueError: the block table does not reach the chunk's end (or ``end_block``).
         """
         bpc = self.blocks_per_chunk
-        blocks = req.block_ids[chunk * bpc : (chunk + 1) * bpc]
-        need = bpc if end_block is None else min(bpc, max(0, end_block - chunk * bpc))
+        table = self.table(req)
+        first, end = chunk * bpc + self.tail_offset, (chunk + 1) * bpc
+        blocks = table[first:end]
+        need = end - first if end_block is None else min(end - first, max(0, end_block - first))
         if len(blocks) < need:
             raise ValueError(
-                f"request {req.req_id}: chunk {chunk} needs blocks [{chunk * bpc}, "
-                f"{chunk * bpc + need}) but only {len(req.block_ids)} block ids were given"
+                f"request {req.req_id}: chunk {chunk} needs blocks [{first}, "
+                f"{first + need}) but only {len(table)} block ids were given"
             )
-        return blocks + [-1 - j for j in range(bpc - len(blocks))]
+        return blocks + [-1 - j for j in range(end - first - len(blocks))]
 
     def chunk_transfers(self, req: ReqMeta, chunks: Iterable[int],
                         skip_below_block: int = 0, end_block: int | None = None
@@ -160,11 +184,17 @@ class TransferPlanner:
                     f"request {req.req_id}: chunk {chunk} has no hash "
                     f"({len(req.chunk_hashes)} chunk hashes were given)"
                 )
-            first = chunk * self.blocks_per_chunk
+            first = chunk * self.blocks_per_chunk + self.tail_offset
             stop = first + len(blocks) if end_block is None else end_block
             skip = frozenset(b for j, b in enumerate(blocks)
                              if first + j < skip_below_block or first + j >= stop)
             kept = [b for b in blocks if b not in skip]
+            if self.group is not None and NULL_BLOCK_ID in kept:
+                # vLLM freed this part of the window (or never allocated it): its bytes are
+                # not this request's KV, and the null block must never be written.
+                raise ValueError(
+                    f"request {req.req_id}: chunk {chunk} of KV-cache group {self.group.index} "
+                    f"maps to vLLM's null block (WINDOW_FREED)")
             keys = chunk_keys([self.key_prefix], [req.chunk_hashes[chunk]], self._layer_ids)
             row = []
             for key, (layer, layers) in zip(keys, self._groups, strict=True):
@@ -189,9 +219,14 @@ class TransferPlanner:
             return None
         first = spec.vllm_cached_tokens // self.chunk_size
         last = -(-spec.kvpool_cached_tokens // self.chunk_size)
-        rows = self.chunk_transfers(req, range(first, last),
-                                    spec.vllm_cached_tokens // self.block_size,
-                                    end_block=-(-spec.kvpool_cached_tokens // self.block_size))
+        skip_below = spec.vllm_cached_tokens // self.block_size
+        end_block = -(-spec.kvpool_cached_tokens // self.block_size)
+        g = self.group
+        if g is not None and g.kind == "sliding_window":
+            # Only the window before the hit's end: vLLM holds null blocks before it.
+            skip_below = max(skip_below, end_block - g.window_blocks)
+            first = max(first, g.needed_chunks(last, self.blocks_per_chunk).start)
+        rows = self.chunk_transfers(req, range(first, last), skip_below, end_block=end_block)
         return LoadPlan(req, first, [t for row in rows for t in row])
 
     def save(self, req: ReqMeta) -> list[list[Transfer]]:

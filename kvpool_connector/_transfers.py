@@ -149,6 +149,10 @@ class LoadRunner:
         self._outcomes: dict[str, tuple[int, int]] = {}
         # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
         self.checksum: ChecksumBuffers | None = None
+        # Hybrid models: a load with a failed key fails its whole request (vLLM's
+        # failed_recving; its block-level report cannot name a KV-cache group).
+        self.fail_whole_requests = False
+        self._failed_reqs: set[str] = set()
 
     def settle_stale(self) -> None:
         """Forget the previous step's layer-wise load. A timed-out one may still be writing
@@ -279,8 +283,13 @@ class LoadRunner:
             req = load.plan.req
             assert req.load is not None
             failed = load.plan.blocks_of(load.failed_chunks)
-            self.fail_blocks(failed)
-            tokens = loaded_tokens(req.load, load.failed_chunks, self._chunk_size)
+            if self.fail_whole_requests:
+                tokens = 0 if failed else req.load.num_tokens_to_load
+                if failed:
+                    self.fail_request(req.req_id)
+            else:
+                self.fail_blocks(failed)
+                tokens = loaded_tokens(req.load, load.failed_chunks, self._chunk_size)
             accepted = req.load.num_tokens_to_load
             with self._lock:
                 self._outcomes[req.req_id] = (accepted, tokens)
@@ -391,12 +400,27 @@ class LoadRunner:
             out, self._failed_blocks = self._failed_blocks, set()
         return out
 
-    def record_outcome(self, req_id: str, accepted: int, loaded: int) -> None:
+    def record_outcome(self, req_id: str, accepted: int, loaded: int, *,
+                       finished: bool = False) -> None:
         """Record a request's load outcome that did not go through a plan (e.g. bad
-        metadata: ``loaded`` 0)."""
+        metadata: ``loaded`` 0); ``finished``: an async load, which must still end in
+        ``take_finished`` (vLLM waits for it)."""
         with self._lock:
             self._outcomes[req_id] = (accepted, loaded)
             self.counters.load_failed_tokens += accepted - loaded
+            if finished:
+                self._finished.add(req_id)
+
+    def fail_request(self, req_id: str) -> None:
+        """Record ``req_id``'s whole load as failed (``take_failed_requests``)."""
+        with self._lock:
+            self._failed_reqs.add(req_id)
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed as a whole since the last call."""
+        with self._lock:
+            out, self._failed_reqs = self._failed_reqs, set()
+        return out
 
     def take_outcomes(self) -> dict[str, tuple[int, int]]:
         """Per request whose load ended since the last call: (tokens vLLM accepted, tokens
@@ -473,17 +497,21 @@ class SaveQueue:
         self.written: deque[tuple[str, int]] | None = None
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
-               layer: int | None = None, n_layers: int = 0) -> None:
+               layer: int | None = None, n_layers: int = 0) -> Future[None] | None:
         """Save each request's ``transfers`` once the device finished its work so far.
 
         ``layer``: the layer index of a layer-wise save (``n_layers`` layers in all), ``None``
         for whole-chunk keys. A request whose save would take the bytes in flight past
         ``budget_bytes`` is skipped (counted, reported as ``SAVE_BUDGET``); in layer-wise mode
         the decision of layer 0 holds for the step's other layers. Never blocks.
+
+        Returns:
+            The batch's future (done once every admitted save ended), ``None`` when none was
+            admitted.
         """
         per_req = self._admit(per_req, layer, n_layers)
         if not per_req:
-            return
+            return None
         nbytes = sum(t.nbytes for _, ts in per_req for t in ts)
         marker = device.record()
         with self._lock:
@@ -504,6 +532,7 @@ class SaveQueue:
             self._futures = [f for f in self._futures if not f.done()]
             self._futures.append(fut)
             self._batches[seq] = fut
+        return fut
 
     def _admit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
                n_layers: int) -> list[tuple[ReqMeta, list[Transfer]]]:

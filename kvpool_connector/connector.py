@@ -29,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 # The agent is a hard dependency: it ships in the same ``kvpool`` distribution as the connector
@@ -45,6 +47,7 @@ from kvpool_connector._events import (
     PoolFlushed,
     kv_events_enabled,
 )
+from kvpool_connector._groups import KVGroup, kv_groups
 from kvpool_connector._layout_digest import ModelFacts
 from kvpool_connector._stats import (
     KVPoolConnectorStats,
@@ -80,6 +83,7 @@ if TYPE_CHECKING:
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -115,18 +119,24 @@ def _group(name: str) -> tuple[int, int]:
     return group.rank_in_group, group.world_size
 
 
-def _worker_layout(vllm_config: VllmConfig) -> tuple[ParallelLayout, dict[str, int]]:
-    """This worker's shard and the layout sizes ``KVPoolWorker`` needs for lookups.
+def _worker_layout(vllm_config: VllmConfig
+                   ) -> tuple[ParallelLayout, dict[str, int], tuple[int, int]]:
+    """This worker's shard, the layout sizes ``KVPoolWorker`` needs for lookups, and its save
+    stripe ``(rank, size)``.
 
-    MLA caches are identical on every TP rank, so all TP ranks share the ``tp0`` keys.
+    MLA caches are identical on every TP rank, so all TP ranks share the ``tp0`` keys (the
+    keys and the layout digest do not depend on the TP size) and each rank saves every
+    TP-size-th chunk (vLLM's ``MooncakeStoreConnector`` stripes the same way).
     """
     (tp, tp_size), (pcp, pcp_size) = _group("tp"), _group("pcp")
     (dcp, dcp_size), (pp, pp_size) = _group("dcp"), _group("pp")
+    stripe = (0, 1)
     if vllm_config.model_config.use_mla:
+        stripe = (tp, tp_size)
         tp, tp_size = 0, 1
     layout = ParallelLayout(tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
     return layout, {"tp_size": tp_size, "pcp_size": pcp_size, "dcp_size": dcp_size,
-                    "pp_size": pp_size}
+                    "pp_size": pp_size}, stripe
 
 
 def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
@@ -171,8 +181,12 @@ def _start_hint(exc: Exception) -> str:
     return "see the engine's log for the traceback"
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector backed by a shared pool (Mooncake Store, openYuanrong, MemCache).
+
+    Supports vLLM's hybrid memory allocator (``SupportsHMA``): every KV-cache group is saved
+    and loaded (``kvpool_connector._groups``); with several groups loads are asynchronous
+    and layer-wise mode is off (vLLM takes a hybrid model's load failures per request only).
 
     Args:
         vllm_config: the engine's ``VllmConfig``; ``kv_transfer_config`` selects this class.
@@ -212,8 +226,17 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def _setup(self, vllm_config: VllmConfig, is_scheduler: bool,
                kv_cache_config: KVCacheConfig | None) -> None:
-        self.kv_config = KVPoolConfig.from_vllm_config(vllm_config)
-        cfg = self.kv_config
+        cfg = KVPoolConfig.from_vllm_config(vllm_config)
+        self._groups: list[KVGroup] = kv_groups(kv_cache_config, cfg.block_size)
+        self._hybrid = len(self._groups) > 1 or self._groups[0].kind != "full"
+        if self._hybrid and (cfg.use_layerwise or not cfg.load_async):
+            # vLLM reports a hybrid model's failed loads only per request and only for
+            # asynchronous loads (failed_recving): a block-level report raises in its scheduler.
+            if cfg.use_layerwise:
+                logger.warning("KVPoolConnector: %d KV-cache groups: use_layerwise is off, "
+                               "loads are asynchronous", len(self._groups))
+            cfg = cfg.model_copy(update={"use_layerwise": False, "load_async": True})
+        self.kv_config = cfg
         if cfg.declared_role is not None and INSTANCE_ROLE_OF[cfg.kv_role] != cfg.declared_role:
             logger.warning("KVPoolConnector: %s instance (declared by %s) runs kv_role %s; "
                            "set kv_role to %s", cfg.declared_role, cfg.role_source, cfg.kv_role,
@@ -227,7 +250,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
             self._lookup_client = lookup
             self._world_size = vllm_config.parallel_config.world_size
-            sched = self._scheduler = KVPoolScheduler(cfg, lookup, reporter)
+            sched = self._scheduler = KVPoolScheduler(
+                cfg, lookup, reporter, groups=self._groups, world_size=self._world_size)
             self._stats = StatsCollector(lambda: sched.counters, reporter, worker=False)
             if self._kv_events and cfg.should_save:
                 self._events = PoolEventJoiner(
@@ -239,12 +263,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             from kvpool_connector.backends import create_backend
             from kvpool_connector.worker import KVPoolWorker
 
-            self._layout, sizes = _worker_layout(vllm_config)
+            self._layout, sizes, stripe = _worker_layout(vllm_config)
             self._backend = create_backend(cfg.backend, cfg.extra)
             reporter = self._start_agent("worker", self._layout, backend=self._backend)
             self._worker = KVPoolWorker(
                 cfg, self._layout, cfg.model, self._backend, reporter,
-                num_blocks=kv_cache_config.num_blocks if kv_cache_config else None, **sizes,
+                num_blocks=kv_cache_config.num_blocks if kv_cache_config else None,
+                groups=self._groups if self._hybrid else None, stripe=stripe, **sizes,
             )
             if self._operations is not None:
                 self._operations.saves = self._worker
@@ -394,6 +419,24 @@ class KVPoolConnector(KVConnectorBase_V1):
         """See ``KVPoolScheduler.request_finished``."""
         return self._sched().request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request finished in every KV-cache group; ``(True, None)``
+        keeps every group's blocks until its saves' ``finished_sending`` (see
+        ``KVPoolScheduler.request_finished``)."""
+        return self._sched().request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's block pool: a hybrid model's saves hold the sliding-window blocks they read
+        in it (``KVPoolScheduler.bind_block_pool``)."""
+        self._sched().bind_block_pool(gpu_block_pool)
+
+    def has_pending_push_work(self) -> bool:
+        """Scheduler side: saves still hold blocks in vLLM's pool; vLLM keeps stepping so the
+        workers can report them ended."""
+        return self._scheduler is not None and self._scheduler.has_held_blocks
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler side: count the loads' outcomes (``LoadOutcomes``, the workers'
         ``build_connector_worker_meta``); ``finished_recving`` ends those async loads."""
@@ -527,6 +570,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         """``(finished_sending, finished_recving)`` request ids (see the scheduler contract in
         ``kvpool_connector.scheduler``)."""
         return self._work().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s requests, and (hybrid models) the requests whose load failed:
+        vLLM recomputes them whole (``failed_recving``)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        work = self._work()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+            failed_recving=work.take_failed_requests() if work.hybrid else set())
 
     def build_connector_worker_meta(self) -> LoadOutcomes | None:
         """This step's load outcomes for the scheduler (``KVPoolWorker``'s)."""

@@ -48,6 +48,9 @@ class ReqMeta:
     Attributes:
         req_id: vLLM request id.
         block_ids: the request's vLLM block ids (KV-cache group 0), in token order.
+        group_block_ids: with several KV-cache groups (vLLM's hybrid allocator), every
+            group's block table, position for position (the null block, id 0, where vLLM
+            holds nothing: before a sliding window); empty with one group.
         chunk_hashes: ``keys.chunk_hashes`` of the prompt, one per whole chunk.
         load: chunks ``[load.vllm_cached_tokens // chunk_size,
             load.kvpool_cached_tokens // chunk_size)`` are loaded; ``None``: nothing to load.
@@ -55,6 +58,9 @@ class ReqMeta:
             complete after this step and must be saved (empty range: nothing to save).
         is_last_save: no further saves will follow for this request (the worker may report it
             finished sending once this save is done).
+        save_job: the scheduler holds this save's sliding-window blocks (vLLM frees blocks
+            that leave the window while the request runs) until every worker reported the
+            job in ``LoadOutcomes.saves_done``; ``None`` when nothing is held.
     """
 
     req_id: str
@@ -64,6 +70,8 @@ class ReqMeta:
     save_from_chunk: int = 0
     save_to_chunk: int = 0
     is_last_save: bool = False
+    group_block_ids: tuple[list[int], ...] = ()
+    save_job: int | None = None
 
 
 @dataclass
@@ -77,21 +85,29 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class LoadOutcomes(KVConnectorWorkerMetadata):
-    """What the workers' loads really brought in (worker -> scheduler, once per step).
+    """What the workers' loads really brought in, and which held saves ended (worker ->
+    scheduler, once per step).
 
     ``outcomes``: request id -> ``(accepted, loaded)`` tokens: what vLLM accepted from the
     pool for the request and what the load wrote before its first failed chunk. vLLM merges
     the workers' objects of one step with ``aggregate``; a request counts what every rank
     loaded (the minimum), since a block failed on any rank is recomputed on all.
+    ``saves_done``: ``ReqMeta.save_job`` -> workers that finished it (summed by
+    ``aggregate``); the scheduler releases the job's blocks once every worker did.
     """
 
     outcomes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    saves_done: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> LoadOutcomes:
-        """Merge another worker's outcomes of the same step (per request, the minimum)."""
+        """Merge another worker's outcomes of the same step (per request, the minimum; per
+        save job, the sum of workers)."""
         assert isinstance(other, LoadOutcomes)
         merged = dict(self.outcomes)
         for rid, (accepted, loaded) in other.outcomes.items():
             mine = merged.get(rid)
             merged[rid] = (accepted, loaded if mine is None else min(mine[1], loaded))
-        return LoadOutcomes(merged)
+        done = dict(self.saves_done)
+        for job, n in other.saves_done.items():
+            done[job] = done.get(job, 0) + n
+        return LoadOutcomes(merged, done)

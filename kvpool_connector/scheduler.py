@@ -31,6 +31,16 @@ failed blocks in ``get_block_ids_with_load_errors``. Every ended load's outcome 
 tokens really loaded) comes back as ``LoadOutcomes`` (``loads_outcome``): the only place hit
 tokens are counted, once per load; what failed is counted apart as ``load_failed_tokens``.
 
+Hybrid models (several KV-cache groups, vLLM's hybrid allocator; ``_groups``): the block
+tables of every group go to the workers, taken from vLLM's current tables
+(``SchedulerOutput.kv_connector_block_state``); loads are asynchronous (a failure is reported
+per request, ``failed_recving``); the blocks a sliding-window group's save reads are held in
+vLLM's block pool (``bind_gpu_block_pool``; vLLM frees blocks that leave the window while the
+request runs) until every worker reported the save job ended (``LoadOutcomes.saves_done``),
+and ``has_pending_push_work`` keeps vLLM stepping until then. An engine with a group the pool
+cannot restore (``KVGroup.kind`` ``unsupported``) neither loads nor saves
+(``UNSUPPORTED_KV_GROUP``).
+
 ``kv_role`` (vLLM Ascend semantics): ``kv_producer`` saves and never loads; ``kv_consumer``
 loads only with ``consumer_is_to_load`` and saves only with ``consumer_is_to_put``;
 ``kv_both`` does both.
@@ -42,17 +52,19 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from kvpool_agent.reporter import NullReporter, Reporter
+from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ChunkHashCache
 from kvpool_connector.lookup import LookupFailed
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -88,7 +100,8 @@ class LookupCounters:
     denominator). ``pool_hit_tokens`` and ``loaded_tokens`` count what loads really brought in,
     once per load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load
     failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
-    by reason, ``MULTIMODAL``, ``BREAKER_OPEN``, ``LOCAL_CACHE`` when vLLM's own prefix
+    by reason, ``MULTIMODAL``, ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the
+    pool cannot restore, ``_groups``), ``LOCAL_CACHE`` when vLLM's own prefix
     cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
     before its last token); ``lookup_cached`` repeated asks answered from the
     request's cached lookup.
@@ -114,6 +127,7 @@ class _Tracker:
     hashes: list[str]
     block_ids: list[int]
     saved_chunks: int = 0
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -123,6 +137,7 @@ class _PendingLoad:
     spec: LoadSpec
     hashes: list[str]
     block_ids: list[int] = field(default_factory=list)
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -194,6 +209,8 @@ class KVPoolScheduler:
         lookup: client of worker rank 0's lookup server; ``None`` when this engine never loads
             (``config.should_load`` false).
         reporter: agent event buffer (lookups and loaded tokens are reported to it).
+        groups: vLLM's KV-cache groups (``_groups.kv_groups``); ``None``: one full group.
+        world_size: workers that each report a save job's end (vLLM's world size).
 
     Attributes:
         hash_cache: the chunk hashes of recent prompts (``keys.ChunkHashCache``, at most 2**20
@@ -201,9 +218,20 @@ class KVPoolScheduler:
     """
 
     def __init__(
-        self, config: KVPoolConfig, lookup: PrefixLookup | None, reporter: Reporter | None = None
+        self, config: KVPoolConfig, lookup: PrefixLookup | None, reporter: Reporter | None = None,
+        *, groups: list[KVGroup] | None = None, world_size: int = 1,
     ) -> None:
         self.config = config
+        self.groups = groups or []
+        self.hybrid = len(self.groups) > 1 or any(g.kind != "full" for g in self.groups)
+        self.unsupported = [g for g in self.groups
+                            if g.kind == "unsupported" or g.block_size != config.block_size]
+        self._window_groups = [g for g in self.groups if g.kind == "sliding_window"]
+        self._world_size = world_size
+        self._block_pool: BlockPool | None = None
+        # Save job -> (blocks held in vLLM's block pool, workers yet to report it ended).
+        self._held: dict[int, tuple[list[int], int]] = {}
+        self._next_job = 0
         self.chunk_size = config.chunk_size
         self.lookup_client = lookup
         self.reporter = reporter or NullReporter()
@@ -320,6 +348,8 @@ class KVPoolScheduler:
         assert self.lookup_client is not None
         rid = request.request_id
         now = time.monotonic()
+        if self.unsupported:
+            return self._skip(rid, prompt_len, num_computed_tokens, "UNSUPPORTED_KV_GROUP")
         if _has_media(request):
             return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
         if self._breaker.is_open(now):
@@ -391,15 +421,19 @@ class KVPoolScheduler:
             spec.kvpool_cached_tokens = spec.vllm_cached_tokens + min(
                 num_external_tokens, spec.num_tokens_to_load)
         spec.can_load = True
-        block_ids = list(blocks.get_block_ids()[0])
-        self._pending_loads[rid] = _PendingLoad(spec, hashes, block_ids)
+        tables = blocks.get_block_ids()
+        block_ids = list(tables[0])
+        self._pending_loads[rid] = _PendingLoad(
+            spec, hashes, block_ids,
+            tuple(list(t) for t in tables) if self.hybrid else ())
         self._awaiting_outcome[rid] = spec.num_tokens_to_load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
         """This step's loads and saves for the workers (see the module docstring)."""
         meta = KVPoolConnectorMetadata()
-        save = self.config.should_save
+        save = self.config.should_save and not self.unsupported
         num_sched = scheduler_output.num_scheduled_tokens
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id
             hashes = self._hashes.get(rid)
@@ -416,6 +450,7 @@ class KVPoolScheduler:
                 pool_tokens = load.kvpool_cached_tokens
             tracker.saved_chunks = pool_tokens // self.chunk_size
             self._trackers[rid] = tracker
+            self._current_tables(rid, tracker, block_state)
             req = self._step_meta(rid, tracker, new.num_computed_tokens + num_sched.get(rid, 0),
                                   save)
             if load is not None:
@@ -436,6 +471,7 @@ class KVPoolScheduler:
                 tracker.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 tracker.block_ids.extend(new_ids[0])
+            self._current_tables(rid, tracker, block_state)
             done = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
             req = self._step_meta(rid, tracker, done, save)
             pending = self._pending_loads.pop(rid, None)
@@ -452,14 +488,81 @@ class KVPoolScheduler:
             self._sent_loads[rid] = pending.spec.kvpool_cached_tokens
             self._loads_in_flight.add(rid)
             meta.requests.append(ReqMeta(req_id=rid, block_ids=pending.block_ids,
-                                         chunk_hashes=pending.hashes, load=pending.spec))
+                                         chunk_hashes=pending.hashes, load=pending.spec,
+                                         group_block_ids=pending.group_block_ids))
 
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
+        if self._window_groups:
+            self._hold_window_blocks(meta)
         return meta
+
+    def _current_tables(self, rid: str, tracker: _Tracker, block_state: Any) -> None:
+        """Hybrid models: every group's current block table (vLLM's, with null blocks where
+        a window was freed), instead of the append-only copy of group 0."""
+        if not self.hybrid:
+            return
+        tables = block_state.get_block_ids(rid) if block_state is not None else None
+        if tables is None:
+            return
+        tracker.group_block_ids = tuple(list(t) for t in tables)
+        # Whole chunks are counted on the full-attention group, which frees nothing.
+        ref = next((g.index for g in self.groups if g.kind == "full"), 0)
+        tracker.block_ids = list(tables[ref])
+
+    def _hold_window_blocks(self, meta: KVPoolConnectorMetadata) -> None:
+        """Take a reference in vLLM's block pool on the sliding-window blocks each save of
+        this step reads, released when every worker reported the save ended
+        (``saves_finished_jobs``): vLLM frees blocks that leave the window while the request
+        runs, and another request could overwrite them before the save read them."""
+        pool = self._block_pool
+        if pool is None:
+            return
+        bpc = self.config.blocks_per_chunk
+        for req in meta.requests:
+            if req.save_to_chunk <= req.save_from_chunk or not req.group_block_ids:
+                continue
+            held: list[int] = []
+            for g in self._window_groups:
+                table = req.group_block_ids[g.index]
+                off = bpc - g.tail_blocks(bpc)
+                for c in range(req.save_from_chunk, req.save_to_chunk):
+                    held += [b for b in table[c * bpc + off:(c + 1) * bpc]
+                             if b != NULL_BLOCK_ID]
+            if not held:
+                continue
+            pool.touch([pool.blocks[b] for b in held])
+            req.save_job, self._next_job = self._next_job, self._next_job + 1
+            self._held[req.save_job] = (held, self._world_size)
+
+    def saves_finished_jobs(self, done: dict[int, int]) -> None:
+        """Workers reported these save jobs ended (``LoadOutcomes.saves_done``: job ->
+        workers); a job's blocks go back to vLLM's pool once every worker did."""
+        pool = self._block_pool
+        for job, n in done.items():
+            entry = self._held.get(job)
+            if entry is None:
+                continue
+            blocks, left = entry
+            if left - n > 0:
+                self._held[job] = (blocks, left - n)
+                continue
+            del self._held[job]
+            if pool is not None:
+                pool.free_blocks(pool.blocks[b] for b in reversed(blocks))
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        """vLLM's block pool (``bind_gpu_block_pool``), to hold blocks saves read."""
+        self._block_pool = pool
+
+    @property
+    def has_held_blocks(self) -> bool:
+        """Save jobs still holding blocks (vLLM's ``has_pending_push_work``)."""
+        return bool(self._held)
 
     def _empty_meta(self, rid: str, tracker: _Tracker) -> ReqMeta:
         return ReqMeta(req_id=rid, block_ids=list(tracker.block_ids),
-                       chunk_hashes=tracker.hashes)
+                       chunk_hashes=tracker.hashes,
+                       group_block_ids=tuple(list(t) for t in tracker.group_block_ids))
 
     def _step_meta(self, rid: str, tracker: _Tracker, tokens_done: int, save: bool
                    ) -> ReqMeta | None:
@@ -492,6 +595,8 @@ class KVPoolScheduler:
         loaded so far is kept until vLLM reports the request in ``finished_recving`` (every
         rank done). Reports ``Reporter.loaded(req_id, loaded, failed_tokens)``.
         """
+        if outcomes is not None and outcomes.saves_done:
+            self.saves_finished_jobs(outcomes.saves_done)
         final: dict[str, int] = {}
         for rid, (_accepted, loaded) in (outcomes.outcomes if outcomes else {}).items():
             if rid not in self._awaiting_outcome:

@@ -21,6 +21,14 @@ batch calls that move whole vLLM blocks by address (zero copy from/into the regi
   trusted. Each load's outcome (tokens accepted, tokens loaded) goes to the scheduler through
   ``build_connector_worker_meta`` (``LoadOutcomes``), where hit tokens are counted once.
 
+Several KV-cache groups (vLLM's hybrid allocator, ``_groups``): one planner per group, keys
+``.g<group>``; a hit is the longest prefix every group can serve (``_groups.hybrid_hit``), loads
+are asynchronous and a load with any failed key fails its whole request (vLLM recomputes it
+from scratch: its block-level failure report cannot name a group), reported by
+``take_failed_requests``. Each save with a ``save_job`` is reported in ``LoadOutcomes.saves_done``
+once it ended. MLA (KV the same on every TP rank, ``stripe``): rank ``r`` of ``n`` saves chunk
+``i`` only when ``i % n == r``; every rank loads every chunk.
+
 Contract with the scheduler side: saves are asynchronous, so ``request_finished`` must delay
 freeing (return ``True``) for every request that had a save scheduled; the worker reports such a
 request in ``get_finished``'s ``finished_sending`` once it is in ``finished_req_ids`` and all its
@@ -34,6 +42,8 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -42,9 +52,11 @@ from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector._checksum import CHECKSUM_NAME, DigestSlots
 from kvpool_connector._device import DeviceSync, device_sync_for
+from kvpool_connector._groups import KVGroup, hybrid_hit
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._layout_digest import LayoutFacts, ModelFacts, describe_layout
 from kvpool_connector._planning import (
+    LoadPlan,
     Transfer,
     TransferPlanner,
     blocks_per_chunk,
@@ -115,6 +127,11 @@ class KVPoolWorker:
             replicated (MLA: every TP rank uses ``tp0``).
         num_blocks: vLLM's number of KV blocks, when known, to pick the block dimension of
             the cache tensors without guessing.
+        groups: vLLM's KV-cache groups (``_groups.kv_groups``); ``None``: one full-attention
+            group of every registered layer.
+        stripe: ``(rank, size)``: this worker saves chunk ``i`` only when
+            ``i % size == rank`` (MLA: the TP rank and size; every rank writes the same KV, so
+            each writes a share of it once); ``(0, 1)`` saves every chunk.
 
     Attributes:
         layout_facts: what this worker's layout digest covers; ``None`` until
@@ -137,8 +154,12 @@ class KVPoolWorker:
         dcp_size: int = 1,
         pp_size: int = 1,
         num_blocks: int | None = None,
+        groups: Sequence[KVGroup] | None = None,
+        stripe: tuple[int, int] = (0, 1),
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk(config.block_size, config.chunk_size)
+        self.groups: list[KVGroup] | None = list(groups) if groups is not None else None
+        self.stripe = stripe
         self.config = config
         self.layout = layout
         self.model = normalize_model_name(model)
@@ -153,6 +174,11 @@ class KVPoolWorker:
         self._digest = ""
         self.kv: KVLayout | None = None
         self._planner: TransferPlanner | None = None
+        # Hybrid models: one planner and one list of lookup prefixes per KV-cache group.
+        self._group_planners: list[TransferPlanner] = []
+        self._group_prefixes: list[list[str]] = []
+        # Save jobs (ReqMeta.save_job) per submitted batch (None: nothing was submitted).
+        self._save_jobs: list[tuple[Future[None] | None, list[int]]] = []
         self.counters = WorkerCounters()
         self._device: DeviceSync = DeviceSync()
         self._scratch: torch.Tensor | None = None
@@ -165,6 +191,7 @@ class KVPoolWorker:
         self._saves = SaveQueue(backend, self.reporter, self.counters, self._lock,
                                 blocks_per_chunk=self.blocks_per_chunk,
                                 budget_bytes=config.save_budget_bytes)
+        self._loads.fail_whole_requests = self.hybrid
         self._meta: KVPoolConnectorMetadata | None = None
         self._step_saves: list[_SavePlan] | None = None
         # Requests with a save scheduled, and those of them vLLM reported finished.
@@ -200,7 +227,9 @@ class KVPoolWorker:
             kv_caches, kv.num_blocks, model=self.model, facts=model_facts or ModelFacts(),
             block_size=self.config.block_size, chunk_size=self.config.chunk_size,
             checksum=CHECKSUM_NAME if self.config.checksum else "",
-            hash_algo=self.config.hash_algo, **self._sizes)
+            hash_algo=self.config.hash_algo,
+            groups=" | ".join(g.describe() for g in self.groups or ()) if self.hybrid else "",
+            **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)
@@ -219,6 +248,18 @@ class KVPoolWorker:
         )
         self._lookup_prefixes = [shard_prefix(self.model, digest, lay)
                                  for lay in self._lookup_layouts]
+        if self.hybrid:
+            assert self.groups is not None
+            self._group_planners = [
+                TransferPlanner(
+                    [kv.layers[kv.layer_index(n)] for n in g.layer_names],
+                    shard_prefix(self.model, digest, replace(self.layout, group=g.index)),
+                    block_size=self.config.block_size, chunk_size=self.config.chunk_size,
+                    layerwise=False, scratch=self._scratch.data_ptr(), group=g)
+                for g in self.groups]
+            self._group_prefixes = [
+                [shard_prefix(self.model, digest, replace(lay, group=g.index))
+                 for lay in self._lookup_layouts] for g in self.groups]
         self.layout_facts, self._digest = facts, digest
         self.kv = kv
         self.reporter.layout(digest, facts.as_dict())
@@ -242,6 +283,13 @@ class KVPoolWorker:
         self._loads.checksum = ChecksumBuffers(load_slots, staging.data_ptr(), staging_bytes,
                                                scratch)
         self._saves.checksum = save_slots
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the engine runs several KV-cache groups (or one that is not full
+        attention): planned per group (see the module docstring)."""
+        return self.groups is not None and (
+            len(self.groups) > 1 or self.groups[0].kind != "full")
 
     @property
     def layout_digest(self) -> str:
@@ -270,6 +318,8 @@ class KVPoolWorker:
         if not chunk_hashes:
             return 0
         kv = self._require_kv()[0]
+        if self.hybrid:
+            return self._lookup_groups(chunk_hashes)
         layers = [layer.index for layer in kv.layers] if self.config.use_layerwise else None
         keys = chunk_keys(self._lookup_prefixes, chunk_hashes, layers)
         hits, code = leading_hits(self.backend.batch_exists(keys), len(keys) // len(chunk_hashes))
@@ -277,6 +327,25 @@ class KVPoolWorker:
             raise BackendError(
                 f"lookup failed: batch_exists returned {code} ({error_name(code)})", code)
         return hits
+
+    def _lookup_groups(self, chunk_hashes: list[str]) -> int:
+        """``lookup_chunks`` of a hybrid model: one ``batch_exists`` over every group's keys,
+        then the longest prefix every group can serve (``_groups.hybrid_hit``)."""
+        assert self.groups is not None
+        keys = [k for prefixes in self._group_prefixes
+                for k in chunk_keys(prefixes, chunk_hashes)]
+        results = self.backend.batch_exists(keys)
+        bad = min(results, default=0)
+        if bad < 0:
+            raise BackendError(
+                f"lookup failed: batch_exists returned {bad} ({error_name(bad)})", bad)
+        n, shards = len(chunk_hashes), len(self._lookup_layouts)
+        present = []
+        for g in range(len(self.groups)):
+            row = results[g * n * shards:(g + 1) * n * shards]
+            present.append([all(r == 1 for r in row[c * shards:(c + 1) * shards])
+                            for c in range(n)])
+        return hybrid_hit(self.groups, present, self.blocks_per_chunk)
 
     # ------------------------------------------------------------------ loads
 
@@ -300,7 +369,7 @@ class KVPoolWorker:
         plans = []
         for req in metadata.requests:
             try:
-                plan = planner.load(req)
+                plan = self._plan_load(req, planner)
             except ValueError as exc:
                 self._fail_request_blocks(req, str(exc))
                 continue
@@ -308,6 +377,16 @@ class KVPoolWorker:
                 plans.append(plan)
         self._loads.start(plans, self._device, load_async=self.config.load_async,
                           layerwise=kv if self.config.use_layerwise else None)
+
+    def _plan_load(self, req: ReqMeta, planner: TransferPlanner) -> LoadPlan | None:
+        """``planner.load``, or every group's load in one plan (hybrid models)."""
+        if not self.hybrid:
+            return planner.load(req)
+        parts = [p for p in (gp.load(req) for gp in self._group_planners) if p is not None]
+        if not parts:
+            return None
+        return LoadPlan(req, min(p.first_chunk for p in parts),
+                        [t for p in parts for t in p.transfers])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until layer ``layer_name``'s blocks of this step are loaded (layer-wise mode;
@@ -327,13 +406,28 @@ class KVPoolWorker:
             with self._lock:
                 self._saving_reqs.add(req.req_id)
             try:
-                rows = self._require_kv()[1].save(req)
+                rows = self._plan_save(req)
             except ValueError as exc:
                 logger.error("kvpool save skipped: %s", exc)
                 self.reporter.error("save", "BAD_METADATA", str(exc), req_id=req.req_id)
                 continue
-            out.append((req, rows))
+            if rows:
+                out.append((req, rows))
         return out
+
+    def _plan_save(self, req: ReqMeta) -> list[list[Transfer]]:
+        """Per chunk of the save range this worker writes (its stripe), the transfers of
+        every group."""
+        planner = self._require_kv()[1]
+        if self.hybrid:
+            per_group = [gp.save(req) for gp in self._group_planners]
+            rows = [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))]
+        else:
+            rows = planner.save(req)
+        rank, size = self.stripe
+        if size > 1:
+            rows = [row for row in rows if row and row[0].chunk % size == rank]
+        return rows
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None,
                       **kwargs: Any) -> None:
@@ -367,9 +461,14 @@ class KVPoolWorker:
                 self._step_saves = self._plan_saves(meta)
             return
         plans = self._plan_saves(meta)
+        fut = None
         if plans:
-            self._saves.submit([(req, [t for row in rows for t in row]) for req, rows in plans],
-                               self._device)
+            fut = self._saves.submit(
+                [(req, [t for row in rows for t in row]) for req, rows in plans], self._device)
+        jobs = [req.save_job for req in meta.requests if req.save_job is not None]
+        if jobs:
+            with self._lock:
+                self._save_jobs.append((fut, jobs))
 
     # ------------------------------------------------------------------ completion
 
@@ -399,7 +498,23 @@ class KVPoolWorker:
         """This step's load outcomes for the scheduler (``LoadOutcomes``); ``None`` when no
         load ended since the last call."""
         outcomes = self._loads.take_outcomes()
-        return LoadOutcomes(outcomes) if outcomes else None
+        with self._lock:
+            ended = [jobs for fut, jobs in self._save_jobs if fut is None or fut.done()]
+            self._save_jobs = [(f, j) for f, j in self._save_jobs
+                               if not (f is None or f.done())]
+        done = {job: 1 for jobs in ended for job in jobs}
+        return LoadOutcomes(outcomes, done) if outcomes or done else None
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed since the last call (hybrid models, where a failure is
+        reported per request: vLLM's ``failed_recving``)."""
+        return self._loads.take_failed_requests()
+
+    @property
+    def has_held_saves(self) -> bool:
+        """Save jobs whose end has not been reported to the scheduler yet."""
+        with self._lock:
+            return bool(self._save_jobs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed or was partial since the last call (then cleared)."""
@@ -409,8 +524,12 @@ class KVPoolWorker:
         if req.load is None:
             return
         blocks = load_block_ids(req, self.config.block_size)
-        self._loads.fail_blocks(blocks)
-        self._loads.record_outcome(req.req_id, req.load.num_tokens_to_load, 0)
+        if self.hybrid:
+            self._loads.fail_request(req.req_id)
+        else:
+            self._loads.fail_blocks(blocks)
+        self._loads.record_outcome(req.req_id, req.load.num_tokens_to_load, 0,
+                                   finished=self.config.load_async)
         logger.error("kvpool load of request %s not possible: %s", req.req_id, why)
         self.reporter.transfer_finished(req.req_id, "load", ok=False, error_name="BAD_METADATA",
                                         failed_blocks=len(blocks), after_hit=True)

@@ -4,9 +4,19 @@ Used by the real-vLLM tests and by ``kvpool-console --demo --engine vllm``: vLLM
 it and generates in seconds. The weights are random but fixed (seeded), so greedy decoding is
 deterministic and any change in the KV it attends to shows in its tokens and logprobs.
 
-Shape (``config.json``): 2 layers, hidden 128, 4 attention heads, 2 KV heads (GQA, head dim
-32: the smallest vLLM's CPU attention supports), intermediate 256, vocabulary ``VOCAB_SIZE``,
-float32, ``max_position_embeddings`` 2048.
+Shapes (``config.json``), ``SHAPES``:
+
+* ``llama`` (default): 2 layers, hidden 128, 4 attention heads, 2 KV heads (GQA, head dim 32: the
+  smallest vLLM's CPU attention supports), intermediate 256.
+* ``gemma3``: a Gemma 3 text model with vLLM's hybrid KV-cache groups: 4 layers, 3 with a
+  sliding window of ``GEMMA3_WINDOW`` tokens and 1 with full attention (``layer_types``),
+  4 heads, 2 KV heads, head dim 32.
+* ``mla``: a DeepSeek-V2 shape with multi-head latent attention (``kv_lora_rank`` 512,
+  ``qk_rope_head_dim`` 64, ``qk_nope_head_dim`` 32, ``v_head_dim`` 32, no ``q_lora_rank``),
+  2 dense layers (``first_k_dense_replace`` 2: no layer uses its experts): one latent KV of 576
+  values per token, the same on every TP rank.
+
+All: vocabulary ``VOCAB_SIZE``, float32, ``max_position_embeddings`` 2048, the same tokenizer.
 """
 
 from __future__ import annotations
@@ -16,14 +26,21 @@ import os
 import random
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["DEFAULT_PATH", "VOCAB_SIZE", "build_tiny_model"]
+__all__ = ["DEFAULT_PATH", "GEMMA3_WINDOW", "SHAPES", "VOCAB_SIZE", "build_tiny_model"]
 
 VOCAB_SIZE = 1024
 """Token ids are ``0 .. VOCAB_SIZE - 1``."""
 
 DEFAULT_PATH = Path(".cache/tiny-llama")
 """Where ``build_tiny_model()`` puts the model when no path is given (relative to the cwd)."""
+
+GEMMA3_WINDOW = 64
+"""Sliding window (tokens) of the ``gemma3`` shape's sliding-window layers."""
+
+SHAPES = ("llama", "gemma3", "mla")
+"""Model shapes ``build_tiny_model`` builds."""
 
 _MARKER = "kvpool-tiny-llama.json"
 _VERSION = 3
@@ -40,10 +57,10 @@ def _corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
             for _ in range(n_lines)]
 
 
-def _build(path: Path) -> None:
+def _build(path: Path, shape: str) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -58,21 +75,42 @@ def _build(path: Path) -> None:
         model_max_length=2048,
     )
     fast.save_pretrained(path)
-
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        # Larger than the usual 0.02 so logits are peaked and depend strongly on the context:
-        # a wrong KV block then changes the greedy tokens, not just the 5th decimal.
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)  # float32: torch's default dtype
-    model.save_pretrained(path, safe_serialization=True)
+    _model(shape).save_pretrained(path, safe_serialization=True)  # float32: torch's default
 
 
-def build_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
-    """Build the tiny model at ``path`` (default ``DEFAULT_PATH``) unless already built.
+def _model(shape: str) -> object:
+    """The randomly initialised model of ``shape`` (seeded by the caller)."""
+    # Larger than the usual 0.02 so logits are peaked and depend strongly on the context:
+    # a wrong KV block then changes the greedy tokens, not just the 5th decimal.
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
+        "max_position_embeddings": 2048, "initializer_range": 0.2, "bos_token_id": 1,
+        "eos_token_id": 2, "tie_word_embeddings": False}
+    if shape == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, query_pre_attn_scalar=32, sliding_window=GEMMA3_WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], pad_token_id=0))
+    if shape == "mla":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        return DeepseekV2ForCausalLM(DeepseekV2Config(
+            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
+            v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+            moe_intermediate_size=256, rope_scaling=None))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2))
+
+
+def build_tiny_model(path: str | os.PathLike[str] | None = None, shape: str = "llama") -> Path:
+    """Build the tiny model of ``shape`` (one of ``SHAPES``) at ``path`` (default
+    ``DEFAULT_PATH``) unless already built.
 
     Safe to call from several processes: the model is built in a temporary directory next to
     ``path`` and renamed into place.
@@ -83,13 +121,16 @@ def build_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
     Raises:
         ImportError: ``torch``, ``transformers`` or ``tokenizers`` is missing (install the
             ``vllm`` extra).
+        ValueError: ``shape`` is not one of ``SHAPES``.
     """
+    if shape not in SHAPES:
+        raise ValueError(f"tiny model shape {shape!r}: use one of {', '.join(SHAPES)}")
     target = Path(path) if path is not None else DEFAULT_PATH
     if _is_current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".build-", dir=target.parent))
-    _build(tmp)
+    _build(tmp, shape)
     (tmp / _MARKER).write_text(json.dumps({"version": _VERSION}))
     try:
         tmp.rename(target)

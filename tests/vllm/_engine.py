@@ -4,7 +4,9 @@ SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transf
 (dict or null), ``prefix_caching`` (bool), ``rounds`` (the prompts are generated this many times
 in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
 ``dtype`` (default ``float32``), ``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers,
-Prometheus included, on; default off) and ``kv_events_config`` (vLLM's, optional). ``reset``:
+Prometheus included, on; default off), ``kv_events_config`` (vLLM's, optional),
+``tensor_parallel_size`` (default 1) and ``hma`` (true: vLLM's hybrid KV-cache manager on, false:
+off; default: vLLM's choice). ``reset``:
 after the rounds, step the engine until every finished request's saves are reported (in-process
 engine core only), call ``LLM.reset_prefix_cache(reset_connector=True)`` and generate the
 prompts ``rounds_after_reset`` more times (default 1).
@@ -34,6 +36,11 @@ def main() -> None:
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("kv_events_config"):
         kwargs["kv_events_config"] = spec["kv_events_config"]
+    if spec.get("hma") is not None:
+        kwargs["disable_hybrid_kv_cache_manager"] = not spec["hma"]
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        kwargs["distributed_executor_backend"] = "mp"
     t0 = time.time()
     llm = LLM(
         model=spec["model"], enforce_eager=True, max_model_len=512,

@@ -34,12 +34,7 @@ a worker reports there (``Source.layout_digest``) names the keys it wrote.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,12 +47,11 @@ from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 from kvpool_replay import LocalMooncakeMaster, free_port_block
 
+from _harness import BLOCK, Engines, Pool, agent_states, kvpool, worker_state  # isort: skip
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).with_name("_engine.py")
-BLOCK = 32  # vLLM's CPU attention needs block sizes that are multiples of 32
-MAX_TOKENS = 8
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -88,53 +82,6 @@ def tiny_model() -> Path:
     return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
 
 
-class Pool:
-    """The test's view of the pool: master, segment-holding client, engine config file."""
-
-    def __init__(self, master: LocalMooncakeMaster, workdir: Path) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        self.master = master
-        self.workdir = workdir
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 256 << 20, 64 << 20, "tcp", "",
-                              master.address)
-        assert rc == 0, f"segment holder setup failed: {rc}"
-        self.config_path = workdir / "mooncake.json"
-        self.config_path.write_text(json.dumps({
-            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
-            "protocol": "tcp", "master_server_address": master.address,
-            "global_segment_size": "256MB", "local_buffer_size": "64MB",
-            "store_mode": "standalone", "master_admin_url": master.admin_url,
-        }))
-
-    def truncate(self, keys: list[str]) -> int:
-        """Replace each present key's value with its first half: a load of it cannot be
-        complete. Returns how many keys were rewritten."""
-        done = 0
-        for key in keys:
-            raw = self.store.get(key)
-            if not raw:
-                continue
-            assert self.store.upsert(key, raw[: len(raw) // 2]) == 0
-            done += 1
-        return done
-
-    def corrupt(self, keys: list[str]) -> int:
-        """Overwrite each present key's value with its float32 values reversed: same size,
-        plausible numbers, wrong KV. Returns how many keys were rewritten."""
-        done = 0
-        for key in keys:
-            raw = self.store.get(key)
-            if not raw:
-                continue
-            vals = np.frombuffer(raw, dtype=np.float32)[::-1].copy()
-            assert self.store.upsert(key, vals.tobytes()) == 0
-            assert self.store.get(key) != raw
-            done += 1
-        return done
-
-
 @pytest.fixture(scope="module")
 def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Pool]:
@@ -148,80 +95,6 @@ def hub() -> Iterator[FleetHub]:
     """A real fleet hub the loading engine's agents report to (ports P..P+3)."""
     with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as h:
         yield h
-
-
-def _agents(hub: FleetHub, engine_id: str, role: str) -> list[EngineState]:
-    """States of engine ``engine_id``'s ``role`` agents, waiting up to 5 s for one."""
-    deadline = time.monotonic() + 5
-    while True:
-        states = [st for st, _ in hub.fleet().values()
-                  if (st.source.engine_id, st.source.process_role) == (engine_id, role)]
-        if states or time.monotonic() > deadline:
-            return states
-        time.sleep(0.1)
-
-
-def _worker(hub: FleetHub, engine_id: str) -> EngineState:
-    """The state of engine ``engine_id``'s one worker, once its layout digest is in."""
-    deadline = time.monotonic() + 5
-    while True:
-        (st,) = _agents(hub, engine_id, "worker")
-        if st.source.layout_digest or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
-
-
-def _kvpool(role: str, port: int | None, name: str, hub: FleetHub, **extra: Any
-            ) -> dict[str, Any]:
-    """KVPoolConnector's config for the engine run ``name``, reporting to ``hub`` as
-    ``engine_id`` ``name``; ``port=None`` leaves ``lookup_rpc_port`` unset (the lookup socket is
-    then named from vLLM's instance id)."""
-    if port is not None:
-        extra["lookup_rpc_port"] = port
-    return {
-        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
-        "kv_role": role, "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "mooncake", "engine_id": name,
-                                      "agent_address": hub.address, **extra},
-    }
-
-
-class Engines:
-    """Runs ``_engine.py`` processes and caches their outputs by name."""
-
-    def __init__(self, model: Path, pool: Pool | None, workdir: Path) -> None:
-        self.model, self.pool, self.workdir = model, pool, workdir
-        self.results: dict[str, dict[str, Any]] = {}
-
-    def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
-            *, prefix_caching: bool = False, multiprocess: bool = False,
-            dtype: str = "float32", block_size: int = BLOCK) -> list[dict[str, Any]]:
-        if name not in self.results:
-            spec = {"model": str(self.model), "prompts": prompts, "max_tokens": MAX_TOKENS,
-                    "kv_transfer_config": ktc, "prefix_caching": prefix_caching,
-                    "num_gpu_blocks": 96 * BLOCK // block_size, "dtype": dtype,
-                    "block_size": block_size}
-            spec_path = self.workdir / f"{name}.spec.json"
-            out_path = self.workdir / f"{name}.out.json"
-            log_path = self.workdir / f"{name}.log"
-            spec_path.write_text(json.dumps(spec))
-            env = {
-                **os.environ, "PYTHONPATH": str(REPO),
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-                "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-                "KVPOOL_RUNTIME_DIR": str(self.workdir), "TOKENIZERS_PARALLELISM": "false",
-            }
-            if self.pool is not None:
-                env["MOONCAKE_CONFIG_PATH"] = str(self.pool.config_path)
-            with open(log_path, "w") as log:
-                proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path),
-                                       str(out_path)], stdout=log, stderr=subprocess.STDOUT,
-                                      env=env, timeout=300, check=False)
-            if proc.returncode != 0:
-                tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-                pytest.fail(f"engine {name} exited {proc.returncode}; log tail:\n{tail}")
-            self.results[name] = json.loads(out_path.read_text())
-        return self.results[name]["rounds"][0]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +125,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path,
     hub: FleetHub,
 ) -> None:
-    saver = engines.run("saver", P + Q + R, _kvpool("kv_producer", 7101, "saver", hub),
+    saver = engines.run("saver", P + Q + R, kvpool("kv_producer", 7101, "saver", hub),
                         prefix_caching=True)
     # A producer never loads; its own outputs are the baseline's.
     for got, want in zip(saver, baseline["P"] + baseline["Q"] + baseline["R"], strict=True):
@@ -260,7 +133,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
 
     # The pool holds every whole chunk of P, Q and R (A saved them under the layout digest
     # its worker reported), found via the master.
-    digest = _worker(hub, "saver").source.layout_digest
+    digest = worker_state(hub, "saver").source.layout_digest
     for key in _keys(tiny_model, digest, P + Q + R, BLOCK):
         assert pool.store.is_exist(key) == 1, key
 
@@ -269,7 +142,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
 
     # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
     # No lookup_rpc_port: scheduler and worker find one socket through vLLM's instance id.
-    loader = engines.run("loader", P + Q + R, _kvpool("kv_both", None, "loader", hub),
+    loader = engines.run("loader", P + Q + R, kvpool("kv_both", None, "loader", hub),
                          multiprocess=True)
     for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
@@ -292,7 +165,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     # B's agents reported to the hub: the scheduler's lookups (every prompt of a chunk or
     # more) and hits, the worker's loads including R's failures, and the same layout digest
     # as A's (another process, same layout: the same keys).
-    (sched,) = _agents(hub, "loader", "scheduler")
+    (sched,) = agent_states(hub, "loader", "scheduler")
     hits = sum(_loadable(p, BLOCK) for p in P + Q)
     failed = sum(_loadable(r, BLOCK) for r in R)
     assert sched.lookup.lookups == len([p for p in P + Q + R if len(p) > BLOCK])
@@ -300,7 +173,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens,
             sched.lookup.load_failed_tokens) == (hits, hits, failed)
     assert sched.lookup.lookup_errors == 0
-    worker = _worker(hub, "loader")
+    worker = worker_state(hub, "loader")
     assert worker.transfers.loaded_bytes > 0 and worker.transfers.loads_finished > 0
     assert worker.transfers.loads_failed > 0
     assert worker.source.layout_digest == digest
@@ -310,11 +183,11 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
 def test_pd_pair_through_multiconnector_equals_one_engine(
     engines: Engines, baseline: dict[str, list[dict[str, Any]]], tmp_path: Path, hub: FleetHub
 ) -> None:
-    engines.run("saver", P + Q, _kvpool("kv_producer", 7101, "saver", hub), prefix_caching=True)
+    engines.run("saver", P + Q, kvpool("kv_producer", 7101, "saver", hub), prefix_caching=True)
     # Decode side loads asynchronously (finished through get_finished) as P/D deployments do.
     # No lookup_rpc_port under MultiConnector either (it hands its children copies of the
     # engine's config, instance id included).
-    consumer = _kvpool("kv_consumer", None, "pd_multi", hub, consumer_is_to_load=True,
+    consumer = kvpool("kv_consumer", None, "pd_multi", hub, consumer_is_to_load=True,
                        load_async=True)
     ktc = {
         "kv_connector": "MultiConnector", "kv_role": "kv_consumer",
@@ -338,9 +211,9 @@ def test_layerwise_save_and_load(
 ) -> None:
     chunk = 2 * BLOCK
     lw = {"use_layerwise": True, "chunk_size": chunk}
-    engines.run("lw_saver", L + L2, _kvpool("kv_both", 7104, "lw_saver", hub, **lw))
+    engines.run("lw_saver", L + L2, kvpool("kv_both", 7104, "lw_saver", hub, **lw))
     name = normalize_model_name(str(tiny_model))
-    digest = _worker(hub, "lw_saver").source.layout_digest
+    digest = worker_state(hub, "lw_saver").source.layout_digest
 
     def layer_keys(prompts: list[list[int]]) -> list[str]:
         return [str(PoolKey(name, digest, ParallelLayout(), h).layer(i))
@@ -350,7 +223,7 @@ def test_layerwise_save_and_load(
     # Only layer 1's values of L2 are made wrong: the per-layer keys are really used.
     l2_layer1 = [k for k in layer_keys(L2) if k.endswith("@L1")]
     assert pool.corrupt(l2_layer1) == len(l2_layer1) > 0
-    loader = engines.run("lw_loader", L + L2, _kvpool("kv_both", 7105, "lw_loader", hub, **lw))
+    loader = engines.run("lw_loader", L + L2, kvpool("kv_both", 7105, "lw_loader", hub, **lw))
     for prompt, got, want in zip(L, loader[: len(L)], baseline["L"], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, chunk)
         assert got["tokens"] == want["tokens"]
@@ -363,9 +236,9 @@ def test_layerwise_save_and_load(
 @pytest.fixture(scope="module")
 def layout_writer(engines: Engines, hub: FleetHub, pool: Pool, tiny_model: Path) -> EngineState:
     """Engine A (bfloat16, block 32, chunk 64) has saved S: its worker's reported state."""
-    engines.run("lay_a", S, _kvpool("kv_producer", 7106, "lay_a", hub, chunk_size=LAYOUT_CHUNK),
+    engines.run("lay_a", S, kvpool("kv_producer", 7106, "lay_a", hub, chunk_size=LAYOUT_CHUNK),
                 dtype="bfloat16")
-    a = _worker(hub, "lay_a")
+    a = worker_state(hub, "lay_a")
     assert all(pool.store.is_exist(k) == 1
                for k in _keys(tiny_model, a.source.layout_digest, S, LAYOUT_CHUNK))
     return a
@@ -382,7 +255,7 @@ def test_engine_of_another_layout_loads_nothing_and_keeps_its_output(
     reader: str, port: int, dtype: str, block: int, why: set[str],
 ) -> None:
     own = engines.run(f"{reader}_nopool", S, None, dtype=dtype, block_size=block)
-    got = engines.run(reader, S, _kvpool("kv_both", port, reader, hub, chunk_size=LAYOUT_CHUNK),
+    got = engines.run(reader, S, kvpool("kv_both", port, reader, hub, chunk_size=LAYOUT_CHUNK),
                       dtype=dtype, block_size=block)
     # B computed every prompt token itself (vLLM's count, B's prefix cache is off) and its
     # connector found and loaded nothing: its greedy output is its own no-pool output.
@@ -390,10 +263,10 @@ def test_engine_of_another_layout_loads_nothing_and_keeps_its_output(
         assert g["num_cached_tokens"] == 0
         assert g["tokens"] == want["tokens"]
         assert g["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
-    (sched,) = _agents(hub, reader, "scheduler")
+    (sched,) = agent_states(hub, reader, "scheduler")
     assert sched.lookup.lookups == len(S) and sched.lookup.lookup_errors == 0
     assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens) == (0, 0)
-    b = _worker(hub, reader)
+    b = worker_state(hub, reader)
     assert b.transfers.loads_finished == b.transfers.loads_failed == 0
     # The operator sees why: the digests differ, and so do exactly these facts.
     a_src, b_src = layout_writer.source, b.source

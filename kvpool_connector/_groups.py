@@ -1,0 +1,150 @@
+"""vLLM's KV-cache groups as the pool sees them: what each group must hold for a hit.
+
+With vLLM's hybrid memory allocator (HMA) a model's attention layers fall into KV-cache groups
+(``KVCacheConfig.kv_cache_groups``), each with its own block table: full attention (every token
+before a position), sliding window (only the last ``sliding_window - 1`` tokens before it),
+Mamba / linear attention (a state per position). Every group's block ids come from one block
+pool and the layers of different groups alias the same memory, so a block id means a place in
+memory only together with its group's layers.
+
+A pool hit of ``n`` chunks is usable only if every group has what it needs at the boundary
+``n * chunk_size``: a ``full`` group every chunk before it, a ``sliding_window`` group the
+``window_blocks`` blocks right before it. So a sliding-window group stores of each chunk only
+its last ``tail_blocks`` blocks (the window before the next boundary a later prompt can hit),
+and a load fills only the window before the hit's end: vLLM holds the null block (id 0) at the
+positions before the window and never reads them.
+
+Groups the pool cannot restore correctly (Mamba state, chunked local attention, cross
+attention, encoder-only) are ``unsupported``: an engine with one loads and saves nothing and
+says so (``UNSUPPORTED_KV_GROUP``). vLLM 0.32 on CPU runs no Mamba model here, so the Mamba
+plan (a state per chunk boundary, vLLM's ``align`` prefix-caching mode) is not built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["NULL_BLOCK_ID", "GroupKind", "KVGroup", "hybrid_hit", "kv_groups", "single_group"]
+
+GroupKind = Literal["full", "sliding_window", "unsupported"]
+
+NULL_BLOCK_ID = 0
+"""vLLM's null block (``BlockPool.null_block``, the first block taken from the free queue):
+what a sliding-window table holds before the window. Never read or written by a transfer."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV-cache group.
+
+    Attributes:
+        index: the group's index in ``kv_cache_groups`` (the ``.g<group>`` of its keys).
+        kind: ``full``, ``sliding_window`` or ``unsupported``.
+        spec: vLLM's spec class name (``FullAttentionSpec``, ``SlidingWindowSpec``,
+            ``MLAAttentionSpec``, ``MambaSpec``...).
+        layer_names: the group's layers, in model order.
+        block_size: tokens per block of this group.
+        window: the sliding window in tokens (``sliding_window``); 0 for other kinds.
+    """
+
+    index: int
+    kind: GroupKind
+    spec: str
+    layer_names: tuple[str, ...]
+    block_size: int
+    window: int = 0
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks right before a block-aligned boundary that a sliding-window group needs to
+        go on from it: the tokens ``[boundary - (window - 1), boundary)``, as vLLM's
+        ``SlidingWindowManager`` keeps them. 0 for other kinds."""
+        return _cdiv(self.window - 1, self.block_size) if self.kind == "sliding_window" else 0
+
+    def tail_blocks(self, blocks_per_chunk: int) -> int:
+        """Blocks of each chunk this group stores: the chunk's last ``window_blocks`` (all of
+        them when the window is as long as the chunk), every block for a full group."""
+        if self.kind == "sliding_window":
+            return max(1, min(blocks_per_chunk, self.window_blocks))
+        return blocks_per_chunk
+
+    def needed_chunks(self, hit_chunks: int, blocks_per_chunk: int) -> range:
+        """Chunks whose values this group needs for a hit of ``hit_chunks`` chunks."""
+        if self.kind != "sliding_window":
+            return range(hit_chunks)
+        first_block = max(0, hit_chunks * blocks_per_chunk - self.window_blocks)
+        return range(first_block // blocks_per_chunk, hit_chunks)
+
+    def describe(self) -> str:
+        """A short text for the layout digest and the console: ``full x1 b32``,
+        ``sliding_window(64) x3 b32``."""
+        kind = f"sliding_window({self.window})" if self.kind == "sliding_window" else self.kind
+        return f"{kind}:{self.spec} x{len(self.layer_names)} b{self.block_size}"
+
+
+def single_group(layer_names: Sequence[str], block_size: int) -> list[KVGroup]:
+    """The one full-attention group of an engine without HMA (or a worker built outside
+    vLLM)."""
+    return [KVGroup(0, "full", "FullAttentionSpec", tuple(layer_names), block_size)]
+
+
+def kv_groups(kv_cache_config: Any, fallback_block_size: int) -> list[KVGroup]:
+    """The groups of vLLM's ``KVCacheConfig`` (``kv_cache_groups[i].kv_cache_spec`` and
+    ``.layer_names``); one full group of no layers when the config has none (a stand-in config,
+    as the demo's simulated engine passes).
+
+    Kinds by spec class (vLLM 0.32 ``vllm.v1.kv_cache_interface``): ``SlidingWindowSpec`` ->
+    ``sliding_window``; ``FullAttentionSpec`` and ``MLAAttentionSpec`` -> ``full``; everything
+    else (``MambaSpec``, ``ChunkedLocalAttentionSpec``,
+    ``CrossAttentionSpec``, ``EncoderOnlyAttentionSpec``...) -> ``unsupported``.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not groups:
+        return single_group([], fallback_block_size)
+    out: list[KVGroup] = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        name = type(spec).__name__
+        kind: GroupKind = "unsupported"
+        window = 0
+        # By exact class: a subclass vLLM adds later (sinks, sparse indexers...) may lay its
+        # blocks out otherwise, so it stays unsupported until it is looked at.
+        if name == "SlidingWindowSpec":
+            kind, window = "sliding_window", int(spec.sliding_window)
+        elif name in ("FullAttentionSpec", "MLAAttentionSpec") and not getattr(
+                spec, "sliding_window", None):
+            kind = "full"
+        out.append(KVGroup(i, kind, name, tuple(g.layer_names), int(spec.block_size), window))
+    return out
+
+
+def hybrid_hit(groups: Sequence[KVGroup], present: Sequence[Sequence[bool]],
+               blocks_per_chunk: int) -> int:
+    """The longest hit (chunks) for which every group has what it needs.
+
+    Args:
+        groups: the engine's groups (none ``unsupported``).
+        present: per group, per chunk of the prompt: whether the pool holds that group's value
+            of the chunk (for every shard).
+        blocks_per_chunk: blocks per chunk.
+
+    Returns:
+        The largest ``n`` such that every full group holds chunks ``[0, n)`` and every
+        sliding-window group holds its ``needed_chunks(n)``; 0 when there is none.
+    """
+    n = len(present[0]) if present else 0
+    for g, row in zip(groups, present, strict=True):
+        if g.kind == "full":
+            n = min(n, next((i for i, ok in enumerate(row) if not ok), len(row)))
+    while n > 0:
+        if all(all(row[c] for c in g.needed_chunks(n, blocks_per_chunk))
+               for g, row in zip(groups, present, strict=True) if g.kind == "sliding_window"):
+            return n
+        n -= 1
+    return 0

