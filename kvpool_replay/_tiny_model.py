@@ -79,7 +79,7 @@ def _build(path: Path, shape: str) -> None:
     _model(shape).save_pretrained(path, safe_serialization=True)  # float32: torch's default
 
 
-def _model(shape: str) -> object:
+def _model(shape: str) -> Any:
     """The randomly initialised model of ``shape`` (seeded by the caller)."""
     # Larger than the usual 0.02 so logits are peaked and depend strongly on the context:
     # a wrong KV block then changes the greedy tokens, not just the 5th decimal.
@@ -101,7 +101,7 @@ def _model(shape: str) -> object:
             **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
             v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
-            moe_intermediate_size=256, rope_scaling=None))
+            moe_intermediate_size=256))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=2, num_attention_heads=4,
