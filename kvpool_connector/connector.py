@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -213,6 +214,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._agent: AgentHandle | None = None
         self._operations: BackendOperations | None = None
         self._layout = ParallelLayout()
+        self._tp_rank = 0
         self._events: PoolEventJoiner | None = None
         self._lookup_client: LookupClient | None = None
         # getattr: the demo's simulated engine passes a stand-in config without one.
@@ -265,7 +267,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._layout, sizes, stripe = _worker_layout(vllm_config)
             self._backend = create_backend(cfg.backend, cfg.extra)
-            reporter = self._start_agent("worker", self._layout, backend=self._backend)
+            # MLA: every rank uses the tp0 keys, but each is its own agent (its real rank),
+            # and only the real rank 0 serves lookups.
+            self._tp_rank = stripe[0] if stripe[1] > 1 else self._layout.tp_rank
+            reporter = self._start_agent("worker", replace(self._layout, tp_rank=self._tp_rank),
+                                         backend=self._backend)
             self._worker = KVPoolWorker(
                 cfg, self._layout, cfg.model, self._backend, reporter,
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config else None,
@@ -522,7 +528,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self.kv_config
         if self._operations is not None:
             self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
-        if _serves_lookups(cfg) and self._layout.tp_rank == 0 and self._layout.pp_rank == 0:
+        if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations
             try:
                 self._lookup_server = LookupServer(

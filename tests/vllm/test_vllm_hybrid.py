@@ -7,9 +7,6 @@
   sliding-window group stored and loaded only the window before each chunk boundary (bytes
   counted). ``gemma_one_group`` runs with the hybrid allocator off (one group): another
   layout digest, so it loads nothing.
-* DeepSeek-V2 shape with MLA (``shape="mla"``, vLLM's ``CPU_MLA`` backend, block 16): TP=1 and
-  TP=2 engines write and read each other's values in both directions; the pool holds one
-  value per chunk (not one per rank) and each TP=2 rank saved about half of them.
 
 Engines run in their own processes against the module's real ``mooncake_master``
 (``_harness``); every engine pins its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), since vLLM
@@ -41,9 +38,6 @@ WINDOW_BLOCKS = -(-(GEMMA3_WINDOW - 1) // BLOCK)
 LAYER_BLOCK_BYTES = 2 * 2 * BLOCK * 32 * 4
 ONE_CPU = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
-MLA_BLOCK = 16  # vLLM's CPU_MLA backend
-MLA_CHUNK = 2 * MLA_BLOCK
-
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
@@ -52,8 +46,6 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 # Longer than the window, whole chunks and not, one under a chunk (nothing to load).
 G = _prompts(21, [300, 200, 257, 100])
-M = _prompts(22, [100, 75, 140])
-M2 = _prompts(23, [90, 130])
 
 
 def _loadable(prompt: list[int], chunk: int) -> int:
@@ -80,13 +72,6 @@ def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
 
     model = build_tiny_model(REPO / ".cache" / "tiny-gemma3", shape="gemma3").resolve()
     return Engines(model, pool, tmp_path_factory.mktemp("engines"))
-
-
-@pytest.fixture(scope="module")
-def mla_model() -> Path:
-    from kvpool_replay import build_tiny_model
-
-    return build_tiny_model(REPO / ".cache" / "tiny-mla", shape="mla").resolve()
 
 
 def _same(got: list[dict[str, Any]], want: list[dict[str, Any]], atol: float = 1e-5) -> None:
@@ -164,3 +149,4 @@ def test_engine_with_other_kv_cache_groups_loads_nothing(
     assert worker_state(hub, "gemma_one_group").source.layout_digest != worker_state(
         hub, "gemma_writer").source.layout_digest
     _same(out, gemma["baseline"])
+

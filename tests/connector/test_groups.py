@@ -1,0 +1,136 @@
+"""What each KV-cache group needs for a hit (``_groups``) and how a worker stripes MLA saves
+over TP ranks (real ``mooncake_master``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpool_connector._groups import KVGroup, hybrid_hit, kv_groups
+from kvpool_connector.backends.mooncake import MooncakeBackend
+from kvpool_connector.keys import chunk_hashes
+from kvpool_connector.worker import KVPoolWorker
+from kvpool_replay import LocalMooncakeMaster
+
+from test_worker_mooncake import (  # isort: skip
+    _ALIVE, NUM_BLOCKS, TP0, Settings, block_bytes, fill_random, load_meta, make_backend,
+    make_worker, save_request, tokens, uniq,
+)
+
+FULL = KVGroup(1, "full", "FullAttentionSpec", ("full",), 32)
+SW64 = KVGroup(0, "sliding_window", "SlidingWindowSpec", ("sw",), 32, window=64)
+SW200 = KVGroup(2, "sliding_window", "SlidingWindowSpec", ("sw2",), 32, window=200)
+
+
+def test_a_sliding_window_group_needs_the_window_before_the_boundary() -> None:
+    # Window 64, block 32: tokens [T - 63, T) are 2 blocks; of a 4-block chunk the last 2.
+    assert SW64.window_blocks == 2 and SW64.tail_blocks(4) == 2
+    assert list(SW64.needed_chunks(3, 4)) == [2]
+    # A window longer than a chunk spans chunks, each stored whole.
+    assert SW200.window_blocks == 7 and SW200.tail_blocks(4) == 4
+    assert list(SW200.needed_chunks(3, 4)) == [1, 2]
+    assert list(FULL.needed_chunks(3, 4)) == [0, 1, 2] and FULL.tail_blocks(4) == 4
+
+
+def test_a_hit_is_the_longest_prefix_every_group_serves() -> None:
+    t, f = True, False
+    # Full attention holds chunks 0-3; the window group lost chunk 0 (not needed past it) and
+    # chunk 3 (needed for a hit of 4): the hit is 3.
+    assert hybrid_hit([FULL, SW64], [[t, t, t, t], [f, t, t, f]], 4) == 3
+    # A full group's gap ends the hit there, whatever the window group holds.
+    assert hybrid_hit([FULL, SW64], [[t, f, t, t], [t, t, t, t]], 4) == 1
+    # Nothing usable: the window group lacks every chunk.
+    assert hybrid_hit([FULL, SW64], [[t, t], [f, f]], 4) == 0
+    assert hybrid_hit([FULL, SW200], [[t, t, t], [f, t, t]], 4) == 3
+    assert hybrid_hit([FULL, SW200], [[t, t, t], [t, f, t]], 4) == 1
+
+
+def test_vllm_groups_by_spec_class() -> None:
+    class SlidingWindowSpec:
+        block_size, sliding_window = 32, 64
+
+    class FullAttentionSpec:
+        block_size, sliding_window = 32, None
+
+    class MambaSpec:
+        block_size = 528
+
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["a"]),
+        SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["b", "c"]),
+        SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["d"]),
+    ])
+    groups = kv_groups(cfg, 32)
+    assert [(g.index, g.kind, g.window, g.layer_names) for g in groups] == [
+        (0, "sliding_window", 64, ("a",)), (1, "full", 0, ("b", "c")),
+        (2, "unsupported", 0, ("d",))]
+    assert groups[0].describe() == "sliding_window(64):SlidingWindowSpec x1 b32"
+    assert [g.kind for g in kv_groups(SimpleNamespace(), 16)] == ["full"]
+
+
+@pytest.fixture(scope="module")
+def backends(mooncake_master: LocalMooncakeMaster) -> Iterator[list[MooncakeBackend]]:
+    """Two TP ranks' store clients (one contributes the segment); a client takes ~2 s to
+    close, so the module shares them."""
+    pair = [make_backend(mooncake_master), make_backend(mooncake_master, segment="0")]
+    yield pair
+    for b in pair:
+        b.close()
+
+
+def _mla_caches() -> dict[str, torch.Tensor]:
+    return {f"layers.{i}": torch.zeros(NUM_BLOCKS, 16, 576, dtype=torch.float32)
+            for i in range(2)}
+
+
+def test_mla_saves_are_striped_over_tp_ranks_and_read_by_any_tp_size(
+        backends: list[MooncakeBackend]) -> None:
+    model = uniq("mla-stripe")
+    src = [_mla_caches(), _mla_caches()]
+    fill_random(src[0], seed=7)
+    for t_src, t_dst in zip(src[0].values(), src[1].values(), strict=True):
+        t_dst.copy_(t_src)  # MLA: every TP rank holds the same latent KV
+    ranks = []
+    for r in (0, 1):
+        w = KVPoolWorker(Settings(), TP0, model, backends[r], stripe=(r, 2))  # type: ignore[arg-type]
+        w.register_kv_caches(src[r])
+        _ALIVE.append((src[r], w))
+        ranks.append(w)
+    hashes = chunk_hashes(tokens(5 * 32 + 3, seed=8), 32)
+    blocks = list(range(2, 12))
+    for r, w in enumerate(ranks):
+        save_request(w, f"req-{r}", blocks, hashes)
+    # Chunk i was written once, by rank i % 2: 3 keys and 2 keys, 5 values in the pool.
+    assert [w.counters.saved_keys for w in ranks] == [3, 2]
+    assert [w.counters.save_skipped_keys for w in ranks] == [0, 0]
+    assert ranks[0].layout_digest == ranks[1].layout_digest
+
+    dst = _mla_caches()
+    reader = make_worker(backends[1], dst, model)  # TP=1: every chunk, one value each
+    assert reader.layout_digest == ranks[0].layout_digest
+    assert reader.lookup_chunks(hashes) == 5
+    dst_blocks = list(range(12, 22))
+    reader.start_load_kv(load_meta("req-r", dst_blocks, hashes, pool_tokens=160))
+    assert reader.get_block_ids_with_load_errors() == set()
+    for s, d in zip(blocks, dst_blocks, strict=True):
+        assert block_bytes(src[0], s) == block_bytes(dst, d)
+    for w in (*ranks, reader):
+        w.shutdown()
+
+
+@pytest.mark.parametrize("stripe", [(0, 1), (1, 3)])
+def test_a_stripe_names_the_chunks_a_rank_saves(stripe: tuple[int, int],
+                                                backends: list[MooncakeBackend]) -> None:
+    backend = backends[0]
+    kv = _mla_caches()
+    w = KVPoolWorker(Settings(), TP0, uniq("stripe"), backend, stripe=stripe)  # type: ignore[arg-type]
+    w.register_kv_caches(kv)
+    _ALIVE.append((kv, w))
+    hashes = chunk_hashes(tokens(7 * 32, seed=9), 32)
+    save_request(w, "req", list(range(14)), hashes)
+    rank, size = stripe
+    assert w.counters.saved_keys == len(range(rank, 7, size))
+    w.shutdown()
