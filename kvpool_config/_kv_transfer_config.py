@@ -176,7 +176,9 @@ def check_kv_transfer_config(
         R.check_load_failure_policy(
             ktc.get("kv_load_failure_policy"),
             has_store=any(_classify(c.name) == "store" for c in children),
-            hybrid=_is_hybrid(ctx, engine),
+            # KVPoolConnector recomputes a hybrid model's failed load (vLLM's failed_recving).
+            hybrid=_is_hybrid(ctx, engine) and not any(
+                c.name == "KVPoolConnector" for c in children),
             path=f"{path}.kv_load_failure_policy",
         )
     )
@@ -449,6 +451,12 @@ def _check_engine_fit(ctx: Context, engine: dict[str, Any], inst: Instance) -> N
             ctx.add(
                 R.check_hybrid_transfer_connector(cname, model=model, path=f"{cpath}.kv_connector")
             )
+        for cname, conf, cpath in inst.stores:
+            if cname == "KVPoolConnector":
+                extra = conf.get("kv_connector_extra_config")
+                ctx.extend(R.check_hybrid_kvpool(
+                    extra if isinstance(extra, dict) else {}, model=model, path=cpath,
+                    allocator_off=get_arg(engine, "disable_hybrid_kv_cache_manager") is True))
     if inst.layerwise:
         ctx.add(
             R.check_layerwise_graph(

@@ -16,6 +16,7 @@ __all__ = [
     "HYBRID_MODEL_PATTERN",
     "check_agent_address",
     "check_block_multiple",
+    "check_hybrid_kvpool",
     "check_hybrid_transfer_connector",
     "check_kv_role",
     "check_layerwise_graph",
@@ -26,9 +27,13 @@ __all__ = [
     "is_hybrid_attention_model",
 ]
 
-HYBRID_MODEL_PATTERN = re.compile(r"deepseek[-_ ]?v4|qwen[-_ ]?3\.5", re.IGNORECASE)
-"""Model names of hybrid-attention models named by the guides (MindIE Motor kv_cache_store
-README table 1: DeepSeek V4 / V4 Flash / V4 Pro; vllm-ascend kv_pool.md: DeepSeekV4, Qwen 3.5)."""
+HYBRID_MODEL_PATTERN = re.compile(
+    r"deepseek[-_ ]?v4|qwen[-_ ]?3\.5|qwen[-_ ]?3[-_ ]?next|gemma[-_ ]?[23]|gpt[-_ ]?oss",
+    re.IGNORECASE)
+"""Model names of hybrid-attention models: those the guides name (MindIE Motor kv_cache_store
+README table 1: DeepSeek V4 / V4 Flash / V4 Pro; vllm-ascend kv_pool.md: DeepSeekV4, Qwen 3.5)
+and those vLLM runs with several KV-cache groups (Qwen3-Next: linear attention; Gemma 2/3 and
+gpt-oss: sliding-window next to full attention)."""
 
 
 def check_kv_role(instance: str, kv_role: str | None, *, path: str) -> Finding | None:
@@ -184,6 +189,31 @@ def check_hybrid_transfer_connector(connector: str, *, model: str, path: str) ->
         "decode instances crash and restart during inference",
         'use "kv_connector": "MooncakeHybridConnector" at connectors[0]',
     )
+
+
+def check_hybrid_kvpool(extra: dict[str, Any], *, allocator_off: bool, model: str,
+                        path: str) -> list[Finding]:
+    """``KVPoolConnector`` on a hybrid-attention model: it supports vLLM's hybrid allocator
+    (``SupportsHMA``), which lets each sliding-window group store and load only its window, so
+    turning the allocator off (``disable_hybrid_kv_cache_manager``) only costs pool bytes; and
+    ``use_layerwise`` is turned off (vLLM takes a hybrid model's load failures only per
+    request, for asynchronous loads). ``allocator_off``: the engine sets vLLM's
+    ``disable_hybrid_kv_cache_manager``."""
+    out: list[Finding] = []
+    if allocator_off:
+        out.append(Finding(
+            "warning", "hybrid-allocator-off", path,
+            f"{model!r} runs with vLLM's hybrid KV-cache manager off: every layer is stored "
+            "and loaded as full attention, the sliding-window layers' whole prompts included",
+            "drop disable_hybrid_kv_cache_manager: KVPoolConnector supports the hybrid "
+            "manager and stores only each sliding window"))
+    if extra.get("use_layerwise") is True:
+        out.append(Finding(
+            "warning", "hybrid-layerwise", f"{path}.kv_connector_extra_config.use_layerwise",
+            f"{model!r} is a hybrid-attention model: use_layerwise is turned off and loads "
+            "run asynchronously (vLLM reports a hybrid model's failed loads per request only)",
+            "remove use_layerwise (or set load_async: true)"))
+    return out
 
 
 def check_load_failure_policy(

@@ -83,6 +83,8 @@ ISSUE_RULES: dict[str, list[str]] = {
     "prefill_pp_layer_partition sums to the model's layer count": ["pp_partition.json"],
     "block size multiple of the hash block size": ["block_size.json", "chunk_size.json"],
     "hybrid-attention model needs MooncakeHybridConnector": ["hybrid_connector.json"],
+    "KVPoolConnector on a hybrid model: keep vLLM's hybrid allocator, no use_layerwise": [
+        "hybrid_kvpool.json"],
     "UCM: kv_both on prefill only, decode does not load it": [
         "ucm_role.json",
         "ucm_decode.json",
