@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -100,6 +100,10 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     ``"NAME: message"`` when the engine reported a start failure (state FAILED) and
     ``failed_hint`` its fix; ``namespace`` its key namespace (``namespace_text``);
     ``role_source`` who declared ``role`` ("" when it follows ``kv_role``).
+    ``kv_groups`` are vLLM's KV-cache groups as the pool stores them (``kind:spec xLAYERS
+    bBLOCK``, e.g. ``sliding_window(64):SlidingWindowSpec x3 b32``; one ``full`` group unless
+    the engine runs vLLM's hybrid allocator); ``mla`` whether its attention is MLA (one latent
+    KV stored once, whatever the TP size).
     """
 
     engine_id: str
@@ -146,6 +150,8 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     namespace: str = ""
     role_source: str = ""
     agent_ids: list[str] = msgspec.field(default_factory=list)
+    kv_groups: list[str] = msgspec.field(default_factory=list)
+    mla: bool = False
 
     @property
     def state(self) -> str:
@@ -366,7 +372,20 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
                                  described.layout) if described else "",
         role_source=head.role_source,
         agent_ids=[s.source.agent_id for s in group],
+        **_kv_facts(described.layout if described else {}),
     )
+
+
+def _kv_facts(layout: Mapping[str, str | int]) -> dict[str, Any]:
+    """``EngineRow.kv_groups`` and ``mla`` from a worker's layout facts
+    (``_layout_digest.LayoutFacts``: ``groups``, ``|``-joined; ``attn_backend``, whose MLA
+    backends vLLM names ``*MLA*``)."""
+    groups = str(layout.get("groups") or "")
+    return {
+        "kv_groups": [g.strip() for g in groups.split("|")] if groups else
+        ["full"] if layout else [],
+        "mla": "MLA" in str(layout.get("attn_backend", "")),
+    }
 
 
 def _aged(totals: EngineRow, group: list[EngineState], last_seen_ms: Mapping[str, float],

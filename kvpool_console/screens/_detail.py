@@ -132,7 +132,8 @@ class EngineDetailScreen(Screen[None]):
             f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago"
             + ("\n[b red]failed to start[/]: $failed\n[b]fix[/]: $fix" if row.failed else "")
             + ("\nnamespace [b]$namespace[/b]" if row.namespace else "")
-            + ("\nlayout [b]$digest[/b]: $layout" if row.layout_digest else ""),
+            + ("\nlayout [b]$digest[/b]: $layout" if row.layout_digest else "")
+            + ("\nKV-cache groups: $groups" if len(row.kv_groups) > 1 or row.mla else ""),
             engine=visible(row.engine_id), state=state,
             failed=visible(row.failed), fix=visible(row.failed_hint),
             namespace=visible(row.namespace),
@@ -140,7 +141,10 @@ class EngineDetailScreen(Screen[None]):
                          f"model={row.model or '-'}"
                          + (f" (role by {row.role_source})" if row.role_source else "")),
             digest=visible(row.layout_digest),
-            layout=visible(" ".join(f"{k}={v}" for k, v in row.layout.items()))))
+            layout=visible(" ".join(f"{k}={v}" for k, v in row.layout.items()
+                                    if k != "groups")),
+            groups=visible("; ".join(row.kv_groups)
+                           + ("; MLA: one copy for every TP rank" if row.mla else ""))))
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
         self.query_one("#hit-label", Label).update(
             f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")

@@ -5,8 +5,8 @@ SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transf
 in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
 ``dtype`` (default ``float32``), ``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers,
 Prometheus included, on; default off), ``kv_events_config`` (vLLM's, optional),
-``tensor_parallel_size`` (default 1) and ``hma`` (true: vLLM's hybrid KV-cache manager on, false:
-off; default: vLLM's choice). ``reset``:
+``tensor_parallel_size`` (default 1), ``max_num_seqs`` (default 8) and ``hma`` (true: vLLM's
+hybrid KV-cache manager on, false: off; default: vLLM's choice). ``reset``:
 after the rounds, step the engine until every finished request's saves are reported (in-process
 engine core only), call ``LLM.reset_prefix_cache(reset_connector=True)`` and generate the
 prompts ``rounds_after_reset`` more times (default 1).
@@ -46,7 +46,7 @@ def main() -> None:
         model=spec["model"], enforce_eager=True, max_model_len=512,
         block_size=spec.get("block_size", 32), dtype=spec.get("dtype", "float32"),
         enable_prefix_caching=spec.get("prefix_caching", False),
-        max_num_seqs=8, max_num_batched_tokens=512, seed=0,
+        max_num_seqs=spec.get("max_num_seqs", 8), max_num_batched_tokens=512, seed=0,
         disable_log_stats=not spec.get("log_stats", False), **kwargs,
     )
     started = time.time() - t0

@@ -117,20 +117,22 @@ class Engines:
     def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
             *, prefix_caching: bool = False, multiprocess: bool = False,
             dtype: str = "float32", block_size: int = BLOCK, model: Path | None = None,
-            tp: int = 1, hma: bool | None = None, env: dict[str, str] | None = None,
+            tp: int = 1, hma: bool | None = None, max_num_seqs: int = 8,
+            env: dict[str, str] | None = None,
             ) -> list[dict[str, Any]]:
         """Run engine ``name`` once (cached) over ``prompts``; its first round's outputs.
 
         ``model``: another model than the harness's; ``tp``: vLLM's tensor_parallel_size
         (TP=2 on this 2-core host binds one OpenMP thread per rank); ``hma``: vLLM's hybrid
-        KV-cache manager on (True) or off (False), ``None``: vLLM's choice; ``env``: more
-        environment."""
+        KV-cache manager on (True) or off (False), ``None``: vLLM's choice; ``max_num_seqs``:
+        vLLM's batch size; ``env``: more environment."""
         if name not in self.results:
             spec = {"model": str(model or self.model), "prompts": prompts,
                     "max_tokens": MAX_TOKENS, "kv_transfer_config": ktc,
                     "prefix_caching": prefix_caching,
                     "num_gpu_blocks": 96 * BLOCK // block_size, "dtype": dtype,
-                    "block_size": block_size, "tensor_parallel_size": tp, "hma": hma}
+                    "block_size": block_size, "tensor_parallel_size": tp, "hma": hma,
+                    "max_num_seqs": max_num_seqs}
             spec_path = self.workdir / f"{name}.spec.json"
             out_path = self.workdir / f"{name}.out.json"
             log_path = self.workdir / f"{name}.log"

@@ -7,6 +7,17 @@
   sliding-window group stored and loaded only the window before each chunk boundary (bytes
   counted). ``gemma_one_group`` runs with the hybrid allocator off (one group): another
   layout digest, so it loads nothing.
+* DeepSeek-V2 shape with MLA (``shape="mla"``, vLLM's ``CPU_MLA`` backend, block 16): a TP=1
+  writer of M; a TP=2 engine that loads M and writes M2; a TP=1 reader of both. Every
+  direction loads every whole chunk; the pool holds one value per chunk (none under ``tp1``)
+  and each TP=2 rank saved its stripe (chunk ``i`` on rank ``i % 2``) and loaded every chunk.
+  Outputs are not compared: ``CPU_MLA`` (this CPU has no AMX for ``AMX_MLA``) has no prefill
+  over cached context (vLLM turns prefix caching and chunked prefill off for it), so an engine
+  that loads a prefix computes its suffix wrongly whatever the KV (seen: the first token
+  differs after a load from a same-TP writer); its output also depends on which sequences
+  share a batch and differs between TP=1 and TP=2 without any pool. The bytes a TP rank loads
+  are checked bit for bit against what the other TP size wrote in
+  ``tests/connector/test_groups.py``.
 
 Engines run in their own processes against the module's real ``mooncake_master``
 (``_harness``); every engine pins its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), since vLLM
@@ -37,6 +48,10 @@ WINDOW_BLOCKS = -(-(GEMMA3_WINDOW - 1) // BLOCK)
 # K and V, 2 KV heads, 32 tokens, head dim 32, float32: bytes of one block of one layer.
 LAYER_BLOCK_BYTES = 2 * 2 * BLOCK * 32 * 4
 ONE_CPU = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+TWO_CPUS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # TP=2: one thread per rank
+
+MLA_BLOCK = 16  # vLLM's CPU_MLA backend
+MLA_CHUNK = 2 * MLA_BLOCK
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -46,6 +61,8 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 # Longer than the window, whole chunks and not, one under a chunk (nothing to load).
 G = _prompts(21, [300, 200, 257, 100])
+M = _prompts(22, [100, 75])
+M2 = _prompts(23, [90, 140])
 
 
 def _loadable(prompt: list[int], chunk: int) -> int:
@@ -72,6 +89,13 @@ def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
 
     model = build_tiny_model(REPO / ".cache" / "tiny-gemma3", shape="gemma3").resolve()
     return Engines(model, pool, tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="module")
+def mla_model() -> Path:
+    from kvpool_replay import build_tiny_model
+
+    return build_tiny_model(REPO / ".cache" / "tiny-mla", shape="mla").resolve()
 
 
 def _same(got: list[dict[str, Any]], want: list[dict[str, Any]], atol: float = 1e-5) -> None:
@@ -150,3 +174,54 @@ def test_engine_with_other_kv_cache_groups_loads_nothing(
         hub, "gemma_writer").source.layout_digest
     _same(out, gemma["baseline"])
 
+
+
+@pytest.fixture(scope="module")
+def mla(engines: Engines, hub: FleetHub, mla_model: Path) -> dict[str, list[dict[str, Any]]]:
+    """The MLA runs: TP=1 writer of M, TP=2 ``kv_both`` engine over M (loads it) then M2
+    (saves it), TP=1 reader of M and M2. One sequence at a time, so each prompt is alone in
+    its batch."""
+    extra = {"chunk_size": MLA_CHUNK}
+    kw: dict[str, Any] = {"model": mla_model, "block_size": MLA_BLOCK, "max_num_seqs": 1}
+    run = engines.run
+    return {
+        "w1": run("mla_w1", M, kvpool("kv_producer", 7311, "mla_w1", hub, **extra),
+                  env=ONE_CPU, **kw),
+        "tp2": run("mla_tp2", M + M2, kvpool("kv_both", 7312, "mla_tp2", hub, **extra), tp=2,
+                   env=TWO_CPUS, **kw),
+        "r1": run("mla_r1", M + M2, kvpool("kv_both", 7313, "mla_r1", hub, **extra),
+                  env=ONE_CPU, **kw),
+    }
+
+
+def test_mla_is_stored_once_and_shared_across_tp_sizes(
+    mla: dict[str, list[dict[str, Any]]], hub: FleetHub, pool: Pool, mla_model: Path,
+) -> None:
+    loadable = [_loadable(p, MLA_CHUNK) for p in M + M2]
+    # TP=1 -> TP=2: the TP=2 engine loaded every whole chunk of M (and nothing of M2, which
+    # it saved).
+    assert [o["num_cached_tokens"] for o in mla["tp2"]] == loadable[:len(M)] + [0] * len(M2)
+    # TP=1 -> TP=1 and TP=2 -> TP=1: the reader loaded everything.
+    assert [o["num_cached_tokens"] for o in mla["r1"]] == loadable
+
+    # One layout digest whatever the TP size, and one value per chunk: under tp0, none under
+    # tp1.
+    states = [worker_state(hub, e) for e in ("mla_w1", "mla_r1")]
+    states += agent_states(hub, "mla_tp2", "worker")
+    assert len({st.source.layout_digest for st in states}) == 1
+    digest = states[0].source.layout_digest
+    name = normalize_model_name(str(mla_model))
+    for h in (h for p in M + M2 for h in chunk_hashes(p, MLA_CHUNK)):
+        assert pool.store.is_exist(str(PoolKey(name, digest, ParallelLayout(), h))) == 1
+        assert pool.store.is_exist(str(PoolKey(name, digest, ParallelLayout(tp_rank=1), h))) == 0
+
+    # The TP=2 engine's ranks each saved their stripe of M2: chunk i on rank i % 2, and each
+    # loaded all of M.
+    ranks = {st.source.tp_rank: st.transfers for st in agent_states(hub, "mla_tp2", "worker")}
+    assert sorted(ranks) == [0, 1]
+    n_chunks = [len(p) // MLA_CHUNK for p in M2]
+    value = ranks[0].saved_bytes // sum(len(range(0, n, 2)) for n in n_chunks)
+    assert value > 0
+    for rank, tr in ranks.items():
+        assert tr.saved_bytes == sum(len(range(rank, n, 2)) for n in n_chunks) * value
+        assert tr.loaded_bytes == sum(_loadable(p, MLA_CHUNK) // MLA_CHUNK for p in M) * value
