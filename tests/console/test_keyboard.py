@@ -8,6 +8,8 @@ from fleetdata import NOW_MS, sample_fleet
 from textual.widgets import Static
 
 from kvpool_console.app import KVPoolConsole
+from kvpool_console.cli import status_document
+from kvpool_console.model import build_view
 from kvpool_console.screens import EngineDetailScreen, HealthScreen, HelpScreen
 from kvpool_console.source import StaticSource
 from kvpool_console.widgets import TOTALS, AgentKey, EngineKey, FleetTable
@@ -110,6 +112,41 @@ async def test_detail_shows_the_layout_digest_and_what_it_hashes() -> None:
             assert ("layout 0123456789ab: dtype=bfloat16 block_size=32 cache=2x [odd]"
                     in text) is shown
             assert ("layout" in text) is shown
+            await pilot.press("escape")
+
+
+async def test_detail_and_status_name_the_kv_cache_groups_and_mla() -> None:
+    groups = ("sliding_window(64):SlidingWindowSpec x3 b32 | "
+              "full:FullAttentionSpec x1 b32")
+    layouts: dict[str, dict[str, str | int]] = {
+        "prefill-0": {"attn_backend": "CPU_ATTN", "groups": groups},
+        "decode-0": {"attn_backend": "CPU_MLA"},
+    }
+    fleet = {aid: msgspec.structs.replace(st, source=msgspec.structs.replace(
+                 st.source, layout_digest="0123456789ab",
+                 layout=layouts[st.source.engine_id]))
+             if st.source.process_role == "worker" and st.source.engine_id in layouts else st
+             for aid, st in sample_fleet().items()}
+    view = build_view(fleet, {aid: NOW_MS for aid in fleet}, NOW_MS)
+    rows = {e.engine_id: e for e in view.engines}
+    assert (rows["prefill-0"].kv_groups, rows["prefill-0"].mla) == (
+        ["sliding_window(64):SlidingWindowSpec x3 b32", "full:FullAttentionSpec x1 b32"], False)
+    assert (rows["decode-0"].kv_groups, rows["decode-0"].mla) == (["full"], True)
+    doc = status_document(view)
+    assert [e["kv_groups"] for e in doc["engines"] if e["engine_id"] == "prefill-0"] == [
+        rows["prefill-0"].kv_groups]
+    app = KVPoolConsole(StaticSource(fleet), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(160, 40)) as pilot:
+        table = app.query_one(FleetTable)
+        for engine, line in (
+                ("prefill-0", "KV-cache groups: sliding_window(64):SlidingWindowSpec x3 b32; "
+                              "full:FullAttentionSpec x1 b32"),
+                ("decode-0", "KV-cache groups: full; MLA: one copy for every TP rank")):
+            table.move_cursor(row=table.get_row_index(f"e:{engine}"))
+            await pilot.press("enter")
+            text = str(app.screen.query_one("#detail-summary", Static).visual)
+            assert line in text
+            assert "groups=" not in text
             await pilot.press("escape")
 
 
