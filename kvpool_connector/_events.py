@@ -14,13 +14,14 @@ MooncakeStore):
   with the request's vLLM block hashes (``Request.block_hashes``, the hashes a router knows; pool
   keys use the connector's own chunk hashes) and emits one ``BlockStored`` per chunk once every
   shard of the layout wrote it (``ChunkWritten.shards``: what a lookup requires before it counts
-  a hit) and it was not announced already (two requests of one step may both write a chunk);
+  a hit), per KV-cache group (``group_idx``: a hybrid model's groups are stored apart), and it
+  was not announced already (two requests of one step may both write a chunk);
   ``take_events`` hands the events to vLLM's publisher.
 * a flush of this engine's keys (``reset_cache`` with ``reset_flush_scope``, or an operator
-  flush reaching a worker) emits ``BlockRemoved`` for the chunks announced so far (the last
-  ``REMEMBERED_CHUNKS`` of them). The pool's own evictions are not seen by the connector and
-  are not announced: a router then expects a hit that the lookup does not find, and the engine
-  computes the prefix (a miss, never wrong KV).
+  flush reaching a worker) emits ``BlockRemoved``, one per group, for the chunks announced so
+  far (the last ``REMEMBERED_CHUNKS`` of them). The pool's own evictions are not seen by the
+  connector and are not announced: a router then expects a hit that the lookup does not find,
+  and the engine computes the prefix (a miss, never wrong KV).
 
 Nothing here runs unless vLLM's ``kv_events_config.enable_kv_cache_events`` is set.
 """
@@ -58,13 +59,14 @@ most ~10 MB of hashes at 4 hashes per chunk); older ones are forgotten first."""
 
 class ChunkWritten(KVCacheEvent):
     """Worker -> scheduler: this worker's save wrote chunk ``chunk`` (index in the request's
-    chunk hashes) of request ``req_id`` under shard ``shard`` (``ParallelLayout`` string); a
-    chunk is a pool hit once ``shards`` distinct shards wrote it."""
+    chunk hashes) of request ``req_id`` under shard ``shard`` (``ParallelLayout`` string) for
+    KV-cache group ``group``; a chunk is a pool hit once ``shards`` distinct shards wrote it."""
 
     req_id: str
     chunk: int
     shard: str
     shards: int
+    group: int = 0
 
 
 class PoolFlushed(KVCacheEvent):
@@ -140,9 +142,11 @@ class PoolEventJoiner:
         self._per_chunk = chunk_size // hash_block_size
         self._remember = remember
         self._requests: dict[str, Request] = {}
-        # (request id, chunk) -> shards that wrote it so far.
-        self._partial: dict[tuple[str, int], set[str]] = {}
-        self._announced: OrderedDict[tuple[ExternalBlockHash, ...], None] = OrderedDict()
+        # (request id, chunk, group) -> shards that wrote it so far.
+        self._partial: dict[tuple[str, int, int], set[str]] = {}
+        # (group, the chunk's block hashes), oldest first.
+        self._announced: OrderedDict[tuple[int, tuple[ExternalBlockHash, ...]], None] = (
+            OrderedDict())
         self._out: list[KVCacheEvent] = []
 
     def track(self, request: Request) -> None:
@@ -163,16 +167,16 @@ class PoolEventJoiner:
             if isinstance(ev, ChunkWritten):
                 if ev.req_id not in self._requests:
                     continue  # released (or never saving): nothing to join it with
-                key = (ev.req_id, ev.chunk)
+                key = (ev.req_id, ev.chunk, ev.group)
                 shards = self._partial.setdefault(key, set())
                 shards.add(ev.shard)
                 if len(shards) >= ev.shards:
                     del self._partial[key]
-                    self._stored(ev.req_id, ev.chunk)
+                    self._stored(ev.req_id, ev.chunk, ev.group)
             elif isinstance(ev, PoolFlushed):
                 self.flushed()
 
-    def _stored(self, rid: str, chunk: int) -> None:
+    def _stored(self, rid: str, chunk: int, group: int) -> None:
         request = self._requests.get(rid)
         if request is None:
             return
@@ -181,7 +185,7 @@ class PoolEventJoiner:
         if len(hashes) < n:
             return  # vLLM has not hashed these tokens (cannot happen for a saved chunk)
         block_hashes = [maybe_convert_block_hash(h) for h in hashes]
-        key = tuple(block_hashes)
+        key = (group, tuple(block_hashes))
         if key in self._announced:
             # Two requests of one step wrote the same chunk: the router knows it already.
             self._announced.move_to_end(key)
@@ -197,7 +201,7 @@ class PoolEventJoiner:
             lora_id=lora.adapter_id if lora else None,
             medium=self.medium,
             lora_name=lora.name if lora else None,
-            group_idx=0,
+            group_idx=group,
         )
         self._out.append(ev)
         self._announced[key] = None
@@ -205,13 +209,15 @@ class PoolEventJoiner:
             self._announced.popitem(last=False)
 
     def flushed(self) -> None:
-        """This engine's keys left the pool: one ``BlockRemoved`` for every chunk announced
-        (and remembered) so far."""
-        if not self._announced:
-            return
-        hashes = [h for chunk in self._announced for h in chunk]
+        """This engine's keys left the pool: per KV-cache group, one ``BlockRemoved`` for every
+        chunk announced (and remembered) so far."""
+        by_group: dict[int, list[ExternalBlockHash]] = {}
+        for group, chunk in self._announced:
+            by_group.setdefault(group, []).extend(chunk)
         self._announced.clear()
-        self._out.append(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=0))
+        for group, hashes in sorted(by_group.items()):
+            self._out.append(BlockRemoved(block_hashes=hashes, medium=self.medium,
+                                          group_idx=group))
 
     def take(self) -> list[KVCacheEvent]:
         """The events to publish since the last call, in order."""

@@ -71,6 +71,7 @@ class Transfer:
         block_ids: vLLM blocks whose bytes the key carries; blocks routed to the scratch
             buffer (already in vLLM's prefix cache) are not listed.
         nbytes: ``sum(sizes)``: the value's size.
+        group: the KV-cache group the key belongs to (``.g<group>``).
     """
 
     req_id: str
@@ -81,6 +82,7 @@ class Transfer:
     sizes: list[int]
     block_ids: list[int]
     nbytes: int
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -199,7 +201,8 @@ class TransferPlanner:
             row = []
             for key, (layer, layers) in zip(keys, self._groups, strict=True):
                 addrs, sizes = ranges_for_blocks(layers, blocks, skip, self.scratch)
-                row.append(Transfer(req.req_id, key, chunk, layer, addrs, sizes, kept, sum(sizes)))
+                row.append(Transfer(req.req_id, key, chunk, layer, addrs, sizes, kept, sum(sizes),
+                                    self.group.index if self.group is not None else 0))
             out.append(row)
         return out
 

@@ -455,7 +455,7 @@ class _LayerSaveAcc:
     bad_chunks: set[int] = field(default_factory=set)
     error: str | None = None
     # Chunks whose every layer key so far this save wrote (KV events); None before layer 0.
-    written: set[int] | None = None
+    written: set[tuple[int, int]] | None = None
 
 
 class SaveQueue:
@@ -494,7 +494,7 @@ class SaveQueue:
         # (request id, chunk) of every chunk a save wrote, when KV events are on
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).
-        self.written: deque[tuple[str, int]] | None = None
+        self.written: deque[tuple[str, int, int]] | None = None
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> Future[None] | None:
@@ -650,7 +650,7 @@ class SaveQueue:
                 else:
                     failed += 1
                     error = error or error_name(code)
-            written = ({t.chunk for t in transfers if results.get(t.key) == 0}
+            written = ({(t.chunk, t.group) for t in transfers if results.get(t.key) == 0}
                        if self.written is not None else None)
             with self._lock:
                 self.counters.saved_bytes += nbytes
@@ -681,7 +681,7 @@ class SaveQueue:
                 # finished_sending has every chunk of its saves in the events already.
                 with self._lock:
                     if self.written is not None:
-                        self.written.extend((rid, c) for c in sorted(written))
+                        self.written.extend((rid, c, g) for c, g in sorted(written))
             if last_layer or full:
                 self.reporter.transfer_finished(
                     rid, "save", ok=not bad_chunks, nbytes=nbytes,
@@ -709,9 +709,9 @@ class SaveQueue:
         if fut is not None:
             fut.result()
 
-    def take_written(self) -> list[tuple[str, int]]:
-        """``(request id, chunk)`` of the chunks saves wrote since the last call (empty when
-        not recorded)."""
+    def take_written(self) -> list[tuple[str, int, int]]:
+        """``(request id, chunk, KV-cache group)`` of the chunks saves wrote since the last
+        call (empty when not recorded)."""
         with self._lock:
             if not self.written:
                 return []

@@ -600,8 +600,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         work = self._worker
         shard, shards = str(self._layout), work.lookup_shards
         reports: list[KVCacheEvent] = [ChunkWritten(req_id=rid, chunk=c, shard=shard,
-                                                    shards=shards)
-                                       for rid, c in work.take_written_chunks()]
+                                                    shards=shards, group=g)
+                                       for rid, c, g in work.take_written_chunks()]
         if self._operations is not None:
             reports += [PoolFlushed(scope=scope) for scope in self._operations.take_flushes()]
         return KVPoolKVEvents(reports) if reports else None

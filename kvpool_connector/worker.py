@@ -558,11 +558,12 @@ class KVPoolWorker:
             if self._saves.written is None:
                 self._saves.written = deque(maxlen=_WRITTEN_CHUNKS_KEPT)
 
-    def take_written_chunks(self) -> list[tuple[str, int]]:
-        """``(request id, chunk index)`` of every chunk whose value a save of this worker
-        wrote to the pool (put result 0) since the last call, the last ``_WRITTEN_CHUNKS_KEPT``
-        at most; empty when not recorded. A request reported in ``get_finished``'s
-        ``finished_sending`` has all its chunks in this or an earlier call."""
+    def take_written_chunks(self) -> list[tuple[str, int, int]]:
+        """``(request id, chunk index, KV-cache group)`` of every chunk whose value a save of
+        this worker wrote to the pool (put result 0) since the last call, the last
+        ``_WRITTEN_CHUNKS_KEPT`` at most; empty when not recorded. A request reported in
+        ``get_finished``'s ``finished_sending`` has all its chunks in this or an earlier
+        call."""
         return self._saves.take_written()
 
     @property

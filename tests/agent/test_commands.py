@@ -254,7 +254,7 @@ def test_reset_flush_drops_the_unreported_chunks_it_removed(
         def drain_saves(self, timeout_s: float | None = None) -> bool:
             return True
 
-        def take_written_chunks(self) -> list[tuple[str, int]]:
+        def take_written_chunks(self) -> list[tuple[str, int, int]]:
             out, self.written = self.written, []
             return out
 

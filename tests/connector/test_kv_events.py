@@ -35,8 +35,25 @@ def _ext(req: Request) -> list[object]:
     return [maybe_convert_block_hash(h) for h in req.block_hashes]
 
 
-def _written(rid: str, chunk: int, shard: str, shards: int = 2) -> ChunkWritten:
-    return ChunkWritten(req_id=rid, chunk=chunk, shard=shard, shards=shards)
+def _written(rid: str, chunk: int, shard: str, shards: int = 2, group: int = 0
+             ) -> ChunkWritten:
+    return ChunkWritten(req_id=rid, chunk=chunk, shard=shard, shards=shards, group=group)
+
+
+def test_each_kv_cache_group_is_announced_and_removed_on_its_own() -> None:
+    req = _request("h", list(range(300, 300 + 4 * BLOCK)))
+    joiner = PoolEventJoiner(medium="mooncake", chunk_size=2 * BLOCK, hash_block_size=BLOCK)
+    joiner.track(req)
+    # One shard; chunk 0 of groups 0 and 3 (a hybrid model's window and full groups).
+    joiner.add([_written("h", 0, "tp0", 1, group=0), _written("h", 0, "tp0", 1, group=3),
+                _written("h", 0, "tp0", 1, group=3)])
+    stored = joiner.take()
+    assert [(type(e).__name__, e.group_idx, e.block_hashes) for e in stored] == [
+        ("BlockStored", 0, _ext(req)[0:2]), ("BlockStored", 3, _ext(req)[0:2])]
+    joiner.flushed()
+    removed = joiner.take()
+    assert [(type(e).__name__, e.group_idx, e.block_hashes) for e in removed] == [
+        ("BlockRemoved", 0, _ext(req)[0:2]), ("BlockRemoved", 3, _ext(req)[0:2])]
 
 
 def test_a_chunk_is_announced_once_every_shard_wrote_it() -> None:

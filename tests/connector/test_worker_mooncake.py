@@ -712,13 +712,13 @@ def test_written_chunks_are_those_the_save_wrote(layerwise: bool,
     a = make_worker(engines[0], kv_a, model, use_layerwise=layerwise)
     a.enable_kv_events()
     save_request(a, "a", [0, 1, 2, 3], shared)
-    assert a.take_written_chunks() == [("a", 0), ("a", 1)]
+    assert a.take_written_chunks() == [("a", 0, 0), ("a", 1, 0)]
     assert a.take_written_chunks() == []
     b = make_worker(engines[1], kv_b, model, use_layerwise=layerwise)
     b.enable_kv_events()
     # The first two chunks are the ones a wrote: only b's third chunk is new.
     save_request(b, "b", [4, 5, 6, 7, 8, 9], [*shared, own[2]])
-    assert b.take_written_chunks() == [("b", 2)]
+    assert b.take_written_chunks() == [("b", 2, 0)]
     per_chunk = len(kv_b) if layerwise else 1
     assert b.counters.saved_keys == per_chunk
     assert b.lookup_shards == 1
