@@ -79,8 +79,9 @@ class SaveQueue(Protocol):
         """Save batches submitted and not finished yet."""
         ...
 
-    def take_written_chunks(self) -> list[tuple[str, int]]:
-        """``(request id, chunk)`` of the chunks saves wrote since the last call (KV events)."""
+    def take_written_chunks(self) -> list[tuple[str, int, int]]:
+        """``(request id, chunk, KV-cache group)`` of the chunks saves wrote since the last
+        call (KV events)."""
         ...
 
 
