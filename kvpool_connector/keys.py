@@ -222,12 +222,15 @@ def model_pattern(model: str) -> str:
 
 def layout_pattern(model: str, digest: str, layout: ParallelLayout) -> str:
     """Anchored regex matching every key one shard writes: ``model``, layout ``digest`` and
-    parallel ``layout``; keys of the same model under another digest do not match.
+    parallel ``layout``, in every KV-cache group (a hybrid model's worker writes one key per
+    group and chunk; ``layout.group`` is not matched); keys of the same model under another
+    digest or shard do not match.
 
     Raises:
         ValueError: ``digest`` is not a layout digest (see ``shard_prefix``).
     """
-    return "^" + re.escape(shard_prefix(normalize_model_name(model), digest, layout))
+    prefix = shard_prefix(normalize_model_name(model), digest, layout)
+    return "^" + re.escape(prefix[: prefix.rindex(".g") + 2]) + r"\d+@"
 
 
 def digest_pattern(model: str, digest: str) -> str:

@@ -12,6 +12,7 @@ import threading
 import time
 import tracemalloc
 from array import array
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -103,6 +104,11 @@ def test_scope_patterns_select_model_and_shard() -> None:
     assert re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[3]), key + "@L0")
     assert not re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[3]), other)
     assert not re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[2]), key)
+    # Every KV-cache group of the shard (a hybrid model's), and no other shard's.
+    for group in (0, 1, 12):
+        grouped = str(PoolKey(MODEL, DIGEST, replace(LAYOUTS[3], group=group), HASHES[0]))
+        assert re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[3]), grouped)
+        assert not re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[2]), grouped)
 
 
 def test_keys_of_two_digests_never_collide() -> None:
