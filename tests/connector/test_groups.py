@@ -3,6 +3,7 @@ over TP ranks (real ``mooncake_master``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 from kvpool_connector._groups import KVGroup, hybrid_hit, kv_groups
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_hashes
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
 
@@ -134,3 +136,81 @@ def test_a_stripe_names_the_chunks_a_rank_saves(stripe: tuple[int, int],
     rank, size = stripe
     assert w.counters.saved_keys == len(range(rank, 7, size))
     w.shutdown()
+
+
+def _hybrid_worker(backend: MooncakeBackend, model: str, **settings: object) -> tuple[
+        KVPoolWorker, dict[str, torch.Tensor]]:
+    """A worker of two groups, one layer each: ``sw`` (window 32 tokens) and ``full``."""
+    groups = [KVGroup(0, "sliding_window", "SlidingWindowSpec", ("sw",), 16, window=32),
+              KVGroup(1, "full", "FullAttentionSpec", ("full",), 16)]
+    kv = {name: torch.zeros(32, 16, 64, dtype=torch.float32) for name in ("sw", "full")}
+    w = KVPoolWorker(Settings(chunk_size=64, **settings), TP0, model, backend,  # type: ignore[arg-type]
+                     groups=groups)
+    w.register_kv_caches(kv)
+    _ALIVE.append((kv, w))
+    return w, kv
+
+
+def _table(first: int, n: int) -> list[int]:
+    return list(range(first, first + n))
+
+
+def _wait_recving(w: KVPoolWorker, timeout_s: float = 60.0) -> set[str]:
+    """The async loads that ended, polled until one did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = w.get_finished(set())[1]
+        if done:
+            return done
+        time.sleep(0.01)
+    raise TimeoutError(f"no async load ended within {timeout_s} s")
+
+
+def test_hybrid_worker_stores_the_window_and_a_failed_key_fails_the_whole_request(
+        backends: list[MooncakeBackend]) -> None:
+    model = uniq("hybrid")
+    writer, src = _hybrid_worker(backends[0], model)
+    fill_random(src, seed=11)
+    hashes = chunk_hashes(tokens(3 * 64 + 5, seed=12), 64)
+    # Window 32 tokens over 16-token blocks: a window value is a chunk's last 2 of 4 blocks.
+    tables = (_table(1, 12), _table(13, 12))
+    meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="w", block_ids=tables[1], chunk_hashes=hashes, save_from_chunk=0,
+        save_to_chunk=3, is_last_save=True, group_block_ids=tables)])
+    writer.start_load_kv(meta)
+    writer.wait_for_save(meta)
+    assert writer.drain_saves(10)
+    block = 16 * 64 * 4
+    assert writer.counters.saved_bytes == 3 * (2 + 4) * block
+
+    # An async reader: the window group before the hit's end is 2 blocks of chunk 2; the
+    # null block (0) stands where vLLM freed the window, and is never written.
+    reader, dst = _hybrid_worker(backends[1], model, load_async=True)
+    assert reader.lookup_chunks(hashes) == 3
+    load = ReqMeta(req_id="r", block_ids=_table(1, 12), chunk_hashes=hashes,
+                   load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192, can_load=True),
+                   group_block_ids=([0] * 10 + [20, 21], _table(1, 12)))
+    reader.start_load_kv(KVPoolConnectorMetadata(requests=[load]))
+    assert _wait_recving(reader) == {"r"}
+    assert reader.take_failed_requests() == set()
+    assert reader.counters.loaded_bytes == (12 + 2) * block
+    for s, d in ((11, 20), (12, 21)):  # the window: blocks 10 and 11 of the writer's sw table
+        assert block_bytes({"sw": src["sw"]}, s) == block_bytes({"sw": dst["sw"]}, d)
+    assert all(set(b) == {0} for b in block_bytes({"sw": dst["sw"]}, 0))
+
+    # The pool lost the window value of the last chunk: no hit reaches past chunk 2; and a
+    # load already planned that meets the missing key fails its whole request (vLLM's
+    # failed_recving), never single blocks (vLLM cannot map them to a group).
+    backends[0].remove_by_scope(f"^kvpool@.*{hashes[2]}$", dry_run=False, force=True)
+    assert reader.lookup_chunks(hashes) == 2
+    again = ReqMeta(req_id="r2", block_ids=_table(1, 12), chunk_hashes=hashes,
+                    load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192, can_load=True),
+                    group_block_ids=([0] * 10 + [20, 21], _table(1, 12)))
+    reader.start_load_kv(KVPoolConnectorMetadata(requests=[again]))
+    assert _wait_recving(reader) == {"r2"}
+    assert reader.take_failed_requests() == {"r2"}
+    assert reader.get_block_ids_with_load_errors() == set()
+    outcomes = reader.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.outcomes["r2"] == (192, 0)
+    writer.shutdown()
+    reader.shutdown()
