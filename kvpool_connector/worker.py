@@ -228,7 +228,7 @@ class KVPoolWorker:
             block_size=self.config.block_size, chunk_size=self.config.chunk_size,
             checksum=CHECKSUM_NAME if self.config.checksum else "",
             hash_algo=self.config.hash_algo,
-            groups=" | ".join(g.describe() for g in self.groups or ()) if self.hybrid else "",
+            groups=" | ".join(self._describe_groups(kv)) if self.hybrid else "",
             **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
@@ -283,6 +283,15 @@ class KVPoolWorker:
         self._loads.checksum = ChecksumBuffers(load_slots, staging.data_ptr(), staging_bytes,
                                                scratch)
         self._saves.checksum = save_slots
+
+    def _describe_groups(self, kv: KVLayout) -> list[str]:
+        """Each group as the layout digest and the console show it: ``KVGroup.describe`` and
+        the group's KV bytes per token on this worker (``16384B/tok``)."""
+        out = []
+        for g in self.groups or ():
+            per_block = sum(kv.layers[kv.layer_index(n)].block_bytes for n in g.layer_names)
+            out.append(f"{g.describe()} {per_block // g.block_size}B/tok")
+        return out
 
     @property
     def hybrid(self) -> bool:

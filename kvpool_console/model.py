@@ -101,7 +101,8 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     ``failed_hint`` its fix; ``namespace`` its key namespace (``namespace_text``);
     ``role_source`` who declared ``role`` ("" when it follows ``kv_role``).
     ``kv_groups`` are vLLM's KV-cache groups as the pool stores them (``kind:spec xLAYERS
-    bBLOCK``, e.g. ``sliding_window(64):SlidingWindowSpec x3 b32``; one ``full`` group unless
+    bBLOCK BYTESB/tok``, e.g. ``sliding_window(64):SlidingWindowSpec x1 b32 512B/tok``: its
+    layers, block size and KV bytes per token on one worker; one ``full`` group unless
     the engine runs vLLM's hybrid allocator); ``mla`` whether its attention is MLA (one latent
     KV stored once, whatever the TP size).
     """

@@ -139,6 +139,7 @@ def test_hybrid_reader_loads_every_group_and_equals_its_run_without_a_pool(
     assert w.layout_digest == r.layout_digest
     groups = str(w.layout.get("groups", ""))
     assert groups.count("sliding_window(64)") == 3 and groups.count("full:") == 1, groups
+    assert groups.count(f" {LAYER_BLOCK_BYTES // BLOCK}B/tok") == 4, groups
 
     # The pool holds every chunk of every group; a sliding-window value is the chunk's last
     # WINDOW_BLOCKS blocks (the window before the next boundary), a full one all 4.
