@@ -37,6 +37,7 @@ from kvpool_agent.vocabulary import InstanceRole, KVRole
 __all__ = [
     "FULL_RATE_TOPICS",
     "MAX_ID_CHARS",
+    "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
@@ -56,6 +57,7 @@ __all__ = [
     "HealthCheck",
     "HealthResult",
     "LookupStats",
+    "MasterView",
     "Message",
     "PauseWindow",
     "PoolStats",
@@ -303,11 +305,30 @@ class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
     total_bytes: BigCount
 
 
+MAX_MASTERS = 16
+"""Masters one ``PoolStats`` lists (an HA pool runs 2-3)."""
+
+
+class MasterView(msgspec.Struct, gc=False, kw_only=True):
+    """One master of an HA pool as its ``/health`` answered (``kvpool_agent.masters``):
+    ``role`` leader/standby, ``ha_state`` (``serving``, ``leader_warmup``, ``standby``...),
+    ``serving`` (leads and serves clients), ``view_version`` (the election view it has seen)."""
+
+    admin_url: Name
+    reachable: bool = False
+    role: Name = ""
+    ha_state: Name = ""
+    serving: bool = False
+    leader_address: Name = ""
+    view_version: Count = 0
+
+
 class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     """The pool as this agent sees it (Mooncake: master ``/metrics`` and ``/health``).
 
     ``high_watermark`` is ``eviction_high_watermark_ratio``; ``lease_ttl_ms`` is
-    ``default_kv_lease_ttl``. ``healthy`` is ``None`` when not checked yet.
+    ``default_kv_lease_ttl``. ``healthy`` is ``None`` when not checked yet. ``masters``: every
+    master of an HA pool (empty for a single master), in configured order.
     """
 
     backend: Name
@@ -321,6 +342,8 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     healthy: bool | None = None
     health_detail: FreeText = ""
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)
+    masters: Annotated[list[MasterView], msgspec.Meta(max_length=MAX_MASTERS)] = \
+        msgspec.field(default_factory=list)
 
 
 class ProcessStats(msgspec.Struct, gc=False, kw_only=True):

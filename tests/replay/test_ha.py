@@ -74,6 +74,10 @@ def test_connector_backend_and_store_agent_stats_over_etcd_address(
         assert stats.keys >= 5 and stats.total_bytes >= 32 << 20
         agent_stats = fetch_mooncake_stats(pool.admin_urls)
         assert agent_stats.healthy and agent_stats.keys == stats.keys
+        leader = pool.wait_leader()
+        assert [(m.admin_url, m.serving) for m in agent_stats.masters] == [
+            (m.admin_url, m is leader) for m in pool.masters]
+        assert {m.leader_address for m in agent_stats.masters} == {leader.address}
     finally:
         backend.close()
 
