@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def test_one_master_leads_and_the_other_stands_by(
     assert mooncake_master_health(pool.admin_urls).ok
 
 
-def test_connector_backend_and_store_agent_stats_over_etcd_address(
+def test_connector_backend_and_store_agent_over_etcd_and_a_restart_of_every_master(
     ha_pool: tuple[LocalHaPool, LocalPoolStore],
 ) -> None:
     pool, _ = ha_pool
@@ -78,6 +79,24 @@ def test_connector_backend_and_store_agent_stats_over_etcd_address(
         assert [(m.admin_url, m.serving) for m in agent_stats.masters] == [
             (m.admin_url, m is leader) for m in pool.masters]
         assert {m.leader_address for m in agent_stats.masters} == {leader.address}
+
+        # Every master stopped and started again (etcd stays): the new leader replays the
+        # OpLog, lists the keys again and the values load intact from the store's segment.
+        pool.stop_masters()
+        for m in pool.masters:
+            m.start()
+        leader = pool.wait_leader(ELECTION_S)
+        deadline = time.monotonic() + 30
+        while not set(keys) <= all_keys(leader.admin_url):
+            assert time.monotonic() < deadline, "keys not restored 30 s after the restart"
+            time.sleep(0.2)
+        out = ctypes.create_string_buffer(4096)
+        backend.register_buffer(ctypes.addressof(out), 4096)
+        deadline = time.monotonic() + 30
+        while backend.batch_get_into(keys[:1], [[ctypes.addressof(out)]], [[4096]]) != [4096]:
+            assert time.monotonic() < deadline, "the client did not follow the new leader"
+            time.sleep(0.2)
+        assert out.raw == b"x" * 4096
     finally:
         backend.close()
 
