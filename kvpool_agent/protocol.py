@@ -201,7 +201,8 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     sockets: tuple[FilePath, ...] = ()
     """Unix socket paths of the engine (the lookup socket)."""
     master: Name = ""
-    """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
+    """``host:port`` of the pool's master, or ``etcd://host:port`` of an HA pool (Mooncake
+    ``master_server_address``)."""
     layout_digest: Digest = ""
     """The layout digest in the keys this worker writes and reads ("" until vLLM registered its
     KV caches, and in a scheduler): engines share pool values only when their digests match."""
