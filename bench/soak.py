@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,10 @@ def soak(minutes: float, engines: int, seed: int) -> dict[str, object]:
             if p is not None:
                 stop_process_tree(p, timeout_s=5)
         pool.stop()
+        if errors or corrupt:
+            print(f"soak: logs kept in {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return {"finished": finished, "killed": killed, "corrupt_blocks": corrupt,
             "loaded_bytes": loaded,
             "errors": errors, **summary}
