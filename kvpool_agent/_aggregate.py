@@ -17,6 +17,7 @@ from kvpool_agent.protocol import (
     MAX_COUNT,
     MAX_CPU_PERCENT,
     MAX_ID_CHARS,
+    MAX_MASTERS,
     MAX_MS,
     RECENT_PAUSES,
     EngineState,
@@ -126,7 +127,12 @@ def _sane_pool(p: PoolStats) -> PoolStats:
         segments=[SegmentUsage(name=clip(s.name, MAX_ID_CHARS),
                                used_bytes=_count(s.used_bytes, MAX_BIG_COUNT),
                                total_bytes=_count(s.total_bytes, MAX_BIG_COUNT))
-                  for s in p.segments])
+                  for s in p.segments],
+        masters=[msgspec.structs.replace(
+            m, admin_url=clip(m.admin_url, MAX_ID_CHARS), role=clip(m.role, MAX_ID_CHARS),
+            ha_state=clip(m.ha_state, MAX_ID_CHARS),
+            leader_address=clip(m.leader_address, MAX_ID_CHARS),
+            view_version=_count(m.view_version, MAX_COUNT)) for m in p.masters[:MAX_MASTERS]])
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

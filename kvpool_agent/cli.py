@@ -126,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--admin-url",
         required=True,
-        help="mooncake_master HTTP admin URL, e.g. http://127.0.0.1:9003 (its --metrics_port)",
+        help="mooncake_master HTTP admin URL, e.g. http://127.0.0.1:9003 (its --metrics_port); "
+        "an HA pool's masters comma-separated (stats are read from the serving leader)",
     )
     s.add_argument("--engine-id", default=f"store@{socket.gethostname()}")
     s.add_argument("--lease-ttl-ms", type=int, default=0, help="default_kv_lease_ttl in force")

@@ -14,9 +14,17 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
+from kvpool_agent.masters import (
+    MasterState,
+    leader_admin_url,
+    probe_masters,
+    split_admin_urls,
+)
+from kvpool_agent.protocol import HealthCheck, MasterView, PoolStats, SegmentUsage
 
-__all__ = ["fetch_mooncake_stats", "mooncake_master_health", "parse_master_metrics"]
+__all__ = [
+    "fetch_mooncake_stats", "master_view", "mooncake_master_health", "parse_master_metrics",
+]
 
 
 _SCALARS = {
@@ -57,6 +65,13 @@ def parse_master_metrics(text: str, stats: PoolStats) -> None:
     stats.segments = sorted(segments.values(), key=lambda g: g.name)
 
 
+def master_view(state: MasterState) -> MasterView:
+    """A probed master as the wire schema carries it."""
+    return MasterView(admin_url=state.admin_url, reachable=state.reachable, role=state.role,
+                      ha_state=state.ha_state, serving=state.serving_leader,
+                      leader_address=state.leader_address, view_version=state.view_version)
+
+
 def fetch_mooncake_stats(
     admin_url: str,
     *,
@@ -68,7 +83,9 @@ def fetch_mooncake_stats(
     """Pool usage from ``{admin_url}/metrics`` and health from ``{admin_url}/health``.
 
     Args:
-        admin_url: e.g. ``"http://127.0.0.1:9003"`` (the master's ``metrics_port``).
+        admin_url: e.g. ``"http://127.0.0.1:9003"`` (the master's ``metrics_port``); for an HA
+            pool the masters' URLs comma-separated, read from the serving leader
+            (``kvpool_agent.masters``), every master's state in ``masters``.
         high_watermark: ``eviction_high_watermark_ratio`` the master runs with (not exported
             by the master itself), copied into the result.
         lease_ttl_ms: ``default_kv_lease_ttl`` in ms, copied into the result.
@@ -80,6 +97,11 @@ def fetch_mooncake_stats(
     stats = PoolStats(backend="mooncake", high_watermark=high_watermark, lease_ttl_ms=lease_ttl_ms)
     http = client or httpx.Client(timeout=timeout_s)
     try:
+        urls = split_admin_urls(admin_url)
+        if len(urls) > 1:
+            states = probe_masters(urls, client=http, timeout_s=timeout_s)
+            stats.masters = [master_view(m) for m in states]
+            admin_url = next((m.admin_url for m in states if m.serving_leader), urls[0])
         text = http.get(f"{admin_url}/metrics", timeout=timeout_s).raise_for_status().text
         parse_master_metrics(text, stats)
         check = mooncake_master_health(admin_url, client=http, timeout_s=timeout_s)
@@ -98,9 +120,11 @@ def mooncake_master_health(
     admin_url: str, *, client: httpx.Client | None = None, timeout_s: float = 1.0
 ) -> HealthCheck:
     """``GET {admin_url}/health`` as a ``HealthCheck`` named ``master`` with its latency (ms).
-    Never raises: an unreachable master is ``ok=False`` with the error in ``detail``."""
+    Never raises: an unreachable master is ``ok=False`` with the error in ``detail``. For an HA
+    pool (comma-separated URLs) the serving leader's answer, or the first master's."""
     t0 = time.perf_counter()
     try:
+        admin_url = leader_admin_url(admin_url, client=client, timeout_s=timeout_s)
         if client is None:
             r = httpx.get(f"{admin_url}/health", timeout=timeout_s)
         else:

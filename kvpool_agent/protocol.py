@@ -37,6 +37,7 @@ from kvpool_agent.vocabulary import InstanceRole, KVRole
 __all__ = [
     "FULL_RATE_TOPICS",
     "MAX_ID_CHARS",
+    "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
@@ -56,6 +57,7 @@ __all__ = [
     "HealthCheck",
     "HealthResult",
     "LookupStats",
+    "MasterView",
     "Message",
     "PauseWindow",
     "PoolStats",
@@ -199,7 +201,8 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     sockets: tuple[FilePath, ...] = ()
     """Unix socket paths of the engine (the lookup socket)."""
     master: Name = ""
-    """``host:port`` of the pool's master (Mooncake ``master_server_address``)."""
+    """``host:port`` of the pool's master, or ``etcd://host:port`` of an HA pool (Mooncake
+    ``master_server_address``)."""
     layout_digest: Digest = ""
     """The layout digest in the keys this worker writes and reads ("" until vLLM registered its
     KV caches, and in a scheduler): engines share pool values only when their digests match."""
@@ -303,11 +306,30 @@ class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
     total_bytes: BigCount
 
 
+MAX_MASTERS = 16
+"""Masters one ``PoolStats`` lists (an HA pool runs 2-3)."""
+
+
+class MasterView(msgspec.Struct, gc=False, kw_only=True):
+    """One master of an HA pool as its ``/health`` answered (``kvpool_agent.masters``):
+    ``role`` leader/standby, ``ha_state`` (``serving``, ``leader_warmup``, ``standby``...),
+    ``serving`` (leads and serves clients), ``view_version`` (the election view it has seen)."""
+
+    admin_url: Name
+    reachable: bool = False
+    role: Name = ""
+    ha_state: Name = ""
+    serving: bool = False
+    leader_address: Name = ""
+    view_version: Count = 0
+
+
 class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     """The pool as this agent sees it (Mooncake: master ``/metrics`` and ``/health``).
 
     ``high_watermark`` is ``eviction_high_watermark_ratio``; ``lease_ttl_ms`` is
-    ``default_kv_lease_ttl``. ``healthy`` is ``None`` when not checked yet.
+    ``default_kv_lease_ttl``. ``healthy`` is ``None`` when not checked yet. ``masters``: every
+    master of an HA pool (empty for a single master), in configured order.
     """
 
     backend: Name
@@ -321,6 +343,8 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     healthy: bool | None = None
     health_detail: FreeText = ""
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)
+    masters: Annotated[list[MasterView], msgspec.Meta(max_length=MAX_MASTERS)] = \
+        msgspec.field(default_factory=list)
 
 
 class ProcessStats(msgspec.Struct, gc=False, kw_only=True):

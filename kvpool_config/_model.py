@@ -328,7 +328,9 @@ class MooncakeClientConfig(_Open):
     protocol: str | None = Field(default=None, json_schema_extra={"enum": list(MOONCAKE_PROTOCOLS)})
     device_name: str | None = None
     master_server_address: str | None = Field(
-        default=None, description="host:port of mooncake_master (MOONCAKE_MASTER overrides it)."
+        default=None,
+        description="host:port of mooncake_master, or etcd://host:port of an HA pool's etcd "
+        "(MOONCAKE_MASTER overrides it).",
     )
     global_segment_size: int | str | None = Field(default=None, json_schema_extra=_SIZE_SCHEMA)
     local_buffer_size: int | str | None = Field(default=None, json_schema_extra=_SIZE_SCHEMA)
@@ -338,7 +340,9 @@ class MooncakeClientConfig(_Open):
         json_schema_extra={"enum": list(STORE_MODES)},
     )
     master_admin_url: str | None = Field(
-        default=None, description="mooncake_master HTTP admin URL (kvpool's Mooncake backend)."
+        default=None,
+        description="mooncake_master HTTP admin URL (kvpool's Mooncake backend); an HA pool's "
+        "masters comma-separated.",
     )
     preferred_segment: bool | None = None
     prefer_alloc_in_same_node: bool | None = None

@@ -2,7 +2,8 @@
 (vllm-ascend kv_pool.md "mooncake.json Parameters"; what ``kvpool-config render`` writes and
 the Mooncake backend's ``MooncakeConfig`` reads).
 
-Checked: types, unknown keys, ``master_server_address`` as host:port, the protocol, the segment
+Checked: types, unknown keys, ``master_server_address`` as host:port or an HA pool's
+``etcd://host:port``, the protocol, the segment
 size (read with the runtime's size parser) and the SSD offload path.
 """
 
@@ -11,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool_config import rules as R
-from kvpool_config._context import Options, as_int, type_findings
+from kvpool_config._context import Options, type_findings
 from kvpool_config._model import MooncakeClientConfig
 from kvpool_config.rules import Finding
+from kvpool_connector.backends.mooncake_address import parse_master_address
 
 __all__ = ["DESCRIPTION", "IDENTIFYING_KEYS", "check"]
 
@@ -38,16 +40,17 @@ def check(
         only_close=True,
     )
     address = doc.get("master_server_address")
-    host, _, port_text = str(address).rpartition(":")
-    port = as_int(port_text)
-    if not host or port is None or not 0 < port < 65536:
+    try:
+        parse_master_address(str(address))
+    except ValueError:
         findings.append(
             Finding(
                 "error",
                 "master-address",
                 "$.master_server_address",
-                f"master_server_address {address!r} is not host:port",
-                'write it as "<master_ip>:50088" (the port mooncake_master listens on)',
+                f"master_server_address {address!r} is not host:port or etcd://host:port",
+                'write it as "<master_ip>:50088" (the port mooncake_master listens on), or '
+                '"etcd://<etcd_ip>:2379" for an HA pool (masters run with --enable_ha)',
             )
         )
     checks = (

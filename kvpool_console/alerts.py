@@ -16,7 +16,9 @@ agent) is older than ``COUNTER_WINDOW_MS``, which a one-shot ``status`` sees as 
 counters without error records), the pauses it observed and those agents report in
 ``EngineState.pauses`` (a load that waited on a stopped master or engine is ``pause_wait``, not
 TTL advice, also in a one-shot that did not watch the pause) and the pool's eviction rate
-(``pool_evicting``).
+(``pool_evicting``). HA pools (``PoolStats.masters``): ``no_leader`` while no master serves,
+``master_behind`` for a master that does not answer or follows an older election, and (the
+model) ``pool_failover`` after the leader changed, with the time without one.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     ``rule`` is a stable id (``pool_watermark``, ``failed_after_hit``, ``lease_ttl``,
     ``lookup_errors``, ``backend_errors``, ``backend_mismatch``, ``kv_role_mismatch``,
     ``role_topology``, ``pool_unhealthy``, ``stale``, ``start_failed``, ``stuck_transfer``,
-    ``namespace_split``; :class:`AlertModel` adds ``pause_wait`` and ``pool_evicting``);
+    ``namespace_split``, ``no_leader``, ``master_behind``; :class:`AlertModel` adds
+    ``pause_wait``, ``pool_evicting`` and ``pool_failover``);
     ``subject`` the engine id (the pool name for pool rules, the model name(s) for
     ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
     across refreshes.
@@ -205,6 +208,7 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
                     f"{seen_by})",
                     "eviction is running; if hit rate drops, add segment memory "
                     "(global_segment_size) or more segments", now_ms))
+        out.extend(_master_alerts(name, p, seen_by, now_ms))
         if name in unhealthy:
             sick = [s for s in states.values() if s.pool is not None and s.pool.healthy is False
                     and pool_name(s) == name]
@@ -213,6 +217,47 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
                               f"pool health check failed: {detail or 'unhealthy'} "
                               f"(seen by engines {_engines_text(unhealthy[name])})",
                               HINTS["RPC_FAIL"], now_ms))
+    return out
+
+
+_ELECTION_HINT = (
+    "a failover takes about 10 s (the dead leader's etcd lease expiring, then the new leader's "
+    "5 s warm-up); if it lasts, check etcd (--etcd_endpoints) and that a standby "
+    "mooncake_master runs with --enable_ha")
+
+
+def _master_alerts(name: str, p: PoolStats, seen_by: str, now_ms: float) -> list[Alert]:
+    """``no_leader`` when no master of an HA pool serves; ``master_behind`` for each master
+    that does not answer or has not seen the serving leader's election (an older
+    ``view_version`` or another leader), read from the masters' ``/health``."""
+    if not p.masters:
+        return []
+    leaders = [m for m in p.masters if m.serving]
+    if not leaders:
+        states = ", ".join(f"{m.admin_url} {m.role or 'unreachable'}"
+                           f"{'/' + m.ha_state if m.ha_state else ''}" for m in p.masters)
+        return [_alert("no_leader", "critical", name,
+                       f"no master of the HA pool leads and serves ({states}; {seen_by}): "
+                       "lookups and saves fail until one does", _ELECTION_HINT, now_ms)]
+    lead = leaders[0]
+    out = []
+    for m in p.masters:
+        if m.serving:
+            continue
+        if not m.reachable:
+            why = "does not answer /health"
+            hint = ("restart it with --enable_ha --enable_oplog and the pool's "
+                    "--etcd_endpoints: until then the pool has no standby for this master")
+        elif m.view_version < lead.view_version or m.leader_address != lead.leader_address:
+            why = (f"has seen election view {m.view_version} (leader "
+                   f"{m.leader_address or 'none'}), the leader view {lead.view_version} "
+                   f"({lead.leader_address})")
+            hint = ("it does not follow the current leader: check its --etcd_endpoints and "
+                    "its connection to etcd; restart it if it stays behind")
+        else:
+            continue
+        out.append(_alert("master_behind", "warning", f"{name} {m.admin_url}",
+                          f"master {m.admin_url} of pool {name} {why}", hint, now_ms))
     return out
 
 
@@ -901,6 +946,45 @@ class AlertModel:
         # ms, keys, bytes).
         self._evicted: dict[str, tuple[int, int]] = {}
         self._evicting: dict[str, tuple[float, float, int, int]] = {}
+        # HA pools: pool name -> the serving leader's address at the previous update, since
+        # when none serves (ms), and the last failover (ms when a new leader served, old
+        # leader, new leader, ms without a serving leader).
+        self._leader: dict[str, str] = {}
+        self._leaderless: dict[str, float] = {}
+        self._failover: dict[str, tuple[float, str, str, float]] = {}
+
+    def _failover_alerts(self, states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
+        """``pool_failover`` for ``window_ms`` after an HA pool's leader changed: the old and
+        new leader and how long no master served (from the first update without one)."""
+        pools: dict[str, PoolStats] = {}
+        for st in states.values():
+            if st.pool is not None and st.pool.masters:
+                pools[pool_name(st)] = st.pool
+        out = []
+        for name, p in sorted(pools.items()):
+            serving = next((m.leader_address for m in p.masters if m.serving), None)
+            prev = self._leader.get(name)
+            if serving is None:
+                self._leaderless.setdefault(name, now_ms)
+            else:
+                since = self._leaderless.pop(name, None)
+                if prev is not None and serving != prev:
+                    self._failover[name] = (now_ms, prev, serving,
+                                            now_ms - since if since is not None else 0.0)
+                self._leader[name] = serving
+            fo = self._failover.get(name)
+            if fo is None:
+                continue
+            if now_ms - fo[0] > self.window_ms:
+                del self._failover[name]
+                continue
+            out.append(_alert(
+                "pool_failover", "warning", name,
+                f"failover: leader {fo[1]} -> {fo[2]} after {fmt_ms(fo[3])} without a serving "
+                f"leader ({fmt_ms(now_ms - fo[0])} ago)",
+                "lookups and saves failed meanwhile and were recomputed; restart the old "
+                "master as a standby (see master_behind)", now_ms))
+        return out
 
     def _eviction_alerts(self, states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
         pools: dict[str, PoolStats] = {}
@@ -943,7 +1027,8 @@ class AlertModel:
                           watermark_margin=self.watermark_margin,
                           stuck_after_ms=self.stuck_after_ms, counter_window_ms=self.window_ms,
                           active=self.tracker.active_keys, alive=self.alive)
-        alerts += self._pauses.alerts(states, now_ms) + self._eviction_alerts(states, now_ms)
+        alerts += (self._pauses.alerts(states, now_ms) + self._eviction_alerts(states, now_ms)
+                   + self._failover_alerts(states, now_ms))
         alerts.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.key))
         return self.tracker.update(alerts, now_ms)
 

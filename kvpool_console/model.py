@@ -22,6 +22,7 @@ from kvpool_agent.protocol import (
     CommandReply,
     EngineState,
     FlushResult,
+    MasterView,
     Source,
     StartFailure,
 )
@@ -179,6 +180,8 @@ class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     health_detail: str
     segments: list[tuple[str, int, int]]
     reported_by: int
+    masters: list[MasterView] = msgspec.field(default_factory=list)
+    """An HA pool's masters (``PoolStats.masters``); empty for one master."""
 
 
 class Totals(msgspec.Struct, gc=False, kw_only=True):
@@ -424,7 +427,7 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
             evicted_bytes=p.evicted_bytes, high_watermark=p.high_watermark,
             lease_ttl_ms=p.lease_ttl_ms, healthy=p.healthy, health_detail=p.health_detail,
             segments=[(s.name, s.used_bytes, s.total_bytes) for s in p.segments],
-            reported_by=n))
+            reported_by=n, masters=list(p.masters)))
     return out
 
 

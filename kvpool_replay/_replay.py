@@ -27,7 +27,9 @@ import httpx
 import msgspec
 import psutil
 
+from kvpool_agent.masters import leader_admin_url
 from kvpool_connector.keys import chunk_hashes
+from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._pool import (
     MIN_SEGMENT_BYTES,
     mooncake_extra_config,
@@ -75,6 +77,10 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         eviction_high_watermark_ratio: for masters started here.
         show_progress: a progress bar (requests, hit rate, ETA) on stderr while engines run.
         kv_roles: ``kv_role`` per engine (cycled); default all ``kv_both``.
+        ha: ``0``: one ``mooncake_master``; ``N``: an HA pool of a local etcd and N masters
+            (``_ha.LocalHaPool``, shared mode only), addressed as ``etcd://``.
+        kill_leader_after_s: with ``ha`` >= 2, SIGKILL the leader master this many seconds
+            after the replay started (``_ha.FailoverDrill``).
         model: model name in keys (one namespace per run).
     """
 
@@ -96,6 +102,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kv_roles: list[str] = msgspec.field(default_factory=list)
     model: str = ""
     vocab_size: int = DEFAULT_VOCAB_SIZE
+    ha: int = 0
+    kill_leader_after_s: float | None = None
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -107,6 +115,11 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``pool_tokens / engines`` in private mode), equal to the ceiling when unbounded.
     ``save_bytes_per_s``/``load_bytes_per_s``: bytes over the time engines spent in the
     connector's save/load calls. Peak RSS in bytes (engines: the largest one).
+    ``lookup_errors``/``save_failed_keys``: lookups that failed and values whose save failed
+    (all engines); ``max_lookup_s``: the longest lookup of any engine. With
+    ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
+    ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves);
+    ``None`` when no leader was killed.
     """
 
     requests: int
@@ -134,6 +147,12 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     peak_rss_replay_bytes: int
     pool_evicted_keys: int = 0
     pool_keys: int = 0
+    lookup_errors: int = 0
+    save_failed_keys: int = 0
+    max_lookup_s: float = 0.0
+    failover_s: float | None = None
+    keys_at_kill: int | None = None
+    keys_kept: int | None = None
     errors: list[str] = msgspec.field(default_factory=list)
     per_engine: list[EngineResult] = msgspec.field(default_factory=list)
 
@@ -216,7 +235,7 @@ def _master_stats(admin_url: str | None) -> tuple[int, int]:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(f"{admin_url}/metrics", timeout=2.0).text
+        text = httpx.get(f"{leader_admin_url(admin_url)}/metrics", timeout=2.0).text
     except httpx.HTTPError:
         return 0, 0
     keys = evicted = 0
@@ -247,6 +266,12 @@ def run_replay(
     if cfg.mode == "private" and cfg.master_address:
         raise ValueError("--master works only with --shared: private mode starts one master "
                          "per engine")
+    if cfg.ha and (cfg.mode == "private" or cfg.master_address):
+        raise ValueError("--ha starts its own pool of masters: use it with --shared and "
+                         "without --master")
+    if cfg.kill_leader_after_s is not None and cfg.ha < 2:
+        raise ValueError("--kill-leader-after needs --ha 2 or more (a standby master to take "
+                         "over)")
     if cfg.chunk_size % cfg.shape.block_size:
         raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
                          f"{cfg.shape.block_size}")
@@ -272,6 +297,8 @@ def run_replay(
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
         f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
     pool_keys = pool_evicted = 0
+    drill: FailoverDrill | None = None
+    ha_pool: LocalHaPool | None = None
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
         work = Path(tmp)
         rss = stack.enter_context(_RssWatch())
@@ -284,7 +311,23 @@ def run_replay(
             # Logs in the work directory: removed with it, whatever ends the replay.
             logs = work / f"pool-{i}"
             logs.mkdir()
-            if cfg.master_address:
+            if cfg.ha:
+                ha_pool = LocalHaPool(
+                    cfg.ha, log_dir=logs,
+                    eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio)
+                stack.callback(ha_pool.stop)
+                use_local_pool_env()
+                say(f"starting etcd and {cfg.ha} HA masters; waiting for a leader")
+                ha_pool.start()
+                for hm in ha_pool.masters:
+                    assert hm.proc is not None
+                    rss.add("master", hm.proc.pid)
+                masters.append(ha_pool.address)
+                admin_urls.append(ha_pool.admin_urls)
+                lease_ttls.append(ha_pool.masters[0].default_kv_lease_ttl_ms)
+                store = stack.enter_context(LocalPoolStore(ha_pool.address, segment,
+                                                           log_dir=logs))
+            elif cfg.master_address:
                 masters.append(cfg.master_address)
                 admin_urls.append(None)
                 lease_ttls.append(None)
@@ -340,7 +383,13 @@ def run_replay(
         say("engines ready; replay started")
         go.write_text(f"{time.time():.6f}")
         receiver.begin()
+        if ha_pool is not None and cfg.kill_leader_after_s is not None:
+            drill = FailoverDrill(ha_pool, cfg.kill_leader_after_s, on_status=say).start()
         results, errors = _run_engines(procs, receiver)
+        if drill is not None:
+            drill.join()
+            if drill.error:
+                errors.append(f"failover: {drill.error}")
         for url in admin_urls:
             k, e = _master_stats(url)
             pool_keys += k
@@ -392,6 +441,12 @@ def run_replay(
         peak_rss_replay_bytes=peaks.get("replay", 0),
         pool_evicted_keys=pool_evicted,
         pool_keys=pool_keys,
+        lookup_errors=sum(r.lookup_errors for r in results),
+        save_failed_keys=sum(r.save_failed_keys for r in results),
+        max_lookup_s=max((r.max_lookup_s for r in results), default=0.0),
+        failover_s=drill.failover_s if drill else None,
+        keys_at_kill=drill.keys_at_kill if drill else None,
+        keys_kept=drill.keys_kept if drill else None,
         errors=errors,
         per_engine=results,
     )

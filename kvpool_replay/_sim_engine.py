@@ -188,6 +188,11 @@ class SimEngine:
         self.worker = KVPoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
         self.worker.register_kv_caches(self.kv_caches)
         self.scheduler = KVPoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+        # The counters vLLM's KV connector stats carry (kvpool_connector._stats), read
+        # directly: this engine owns both roles in one process.
+        sched, work = self.scheduler._scheduler, self.worker._worker
+        assert sched is not None and work is not None
+        self._lookup_counters, self._save_counters = sched.counters, work.counters
         self._forward_context = SimpleNamespace(
             no_compile_layers={}, attn_metadata={}, virtual_engine=0
         )
@@ -296,7 +301,9 @@ class SimEngine:
         live = _Live(index, req, chunk_hashes(tokens, spec.chunk_size))
         n = len(tokens)
 
+        asked = time.perf_counter()
         matched, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        self.result.max_lookup_s = max(self.result.max_lookup_s, time.perf_counter() - asked)
         while matched is None:
             # "needs more time": vLLM asks again on a later step.
             self._step([], None)
@@ -403,7 +410,9 @@ class SimEngine:
             time.sleep(_IDLE_STEP_S)
 
     def close(self) -> None:
-        """Shut both connector roles down."""
+        """Copy the connector's failure counters into the result; shut both roles down."""
+        self.result.lookup_errors = self._lookup_counters.lookup_errors
+        self.result.save_failed_keys = self._save_counters.save_failed_keys
         for conn in (self.scheduler, self.worker):
             try:
                 conn.shutdown()

@@ -129,7 +129,10 @@ class EngineResult(msgspec.Struct, kw_only=True):
     was asked to save / loaded successfully. ``load_s``: wall time of synchronous loads
     (``start_load_kv``) or from submission to ``finished_recving`` for asynchronous ones;
     ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
-    ``wait_saves``).
+    ``wait_saves``). ``lookup_errors``: lookups that failed (the request ran without the
+    pool); ``save_failed_keys``: pool values whose save failed; ``max_lookup_s``: the longest
+    ``get_num_new_matched_tokens`` call (bounded by ``lookup_timeout_ms`` while the pool is
+    away). The three are the connector's own counters, filled by the simulated engine.
     """
 
     engine_id: str
@@ -142,6 +145,9 @@ class EngineResult(msgspec.Struct, kw_only=True):
     loaded_bytes: int = 0
     load_errors: int = 0
     corrupt_blocks: int = 0
+    lookup_errors: int = 0
+    save_failed_keys: int = 0
+    max_lookup_s: float = 0.0
     save_s: float = 0.0
     load_s: float = 0.0
     wall_s: float = 0.0

@@ -4,6 +4,7 @@ Examples::
 
     kvpool-replay ../shared/traces/conversation_trace.jsonl --limit 300 --json
     kvpool-replay --limit 2000 --engines 4 --pool-tokens 2000000 --private
+    kvpool-replay --limit 600 --engines 2 --ha 2 --kill-leader-after 5 --json
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def _speedup(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool-replay`` argument parser."""
     p = argparse.ArgumentParser(
@@ -68,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace time / wall time (0 = as fast as possible; default 0)")
     p.add_argument("--master", default=None,
                    help="use this mooncake_master host:port instead of starting one")
+    p.add_argument("--ha", type=_positive_int, default=0, metavar="N",
+                   help="replay against an HA pool: a local etcd and N mooncake_master "
+                   "processes with leader election (etcd-server must be installed)")
+    p.add_argument("--kill-leader-after", type=_positive_float, default=None, metavar="S",
+                   help="with --ha 2 or more: SIGKILL the leader master S seconds into the "
+                   "replay (--json then has failover_s and keys_kept)")
     p.add_argument("--agent-address", default=None,
                    help="fleet hub agent address (tcp://host:port) the engines report to")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per pool key")
@@ -104,11 +121,16 @@ def format_report(r: ReplayReport) -> str:
         f"load errors         {r.load_errors} blocks (recomputed), corrupt blocks "
         f"{r.corrupt_blocks}",
         f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted",
+        f"failures            {r.lookup_errors} lookups, {r.save_failed_keys} saved values "
+        f"(longest lookup {r.max_lookup_s * 1e3:.0f} ms)",
         f"peak RSS            engine {r.peak_rss_engine_bytes / mib:.0f} MiB, master "
         f"{r.peak_rss_master_bytes / mib:.0f} MiB, store {r.peak_rss_store_bytes / mib:.0f} "
         f"MiB, replay {r.peak_rss_replay_bytes / mib:.0f} MiB",
         f"wall                {r.wall_s:.1f} s",
     ]
+    if r.failover_s is not None:
+        lines.append(f"failover            {r.failover_s:.1f} s without a serving leader; "
+                     f"{r.keys_kept:,} of {r.keys_at_kill:,} keys kept")
     lines += [f"error               {e}" for e in r.errors]
     return "\n".join(lines)
 
@@ -131,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             chunk_size=args.chunk_size, master_address=args.master,
             agent_address=args.agent_address, wait_saves=args.wait_saves,
             load_async=args.load_async, use_layerwise=args.layerwise,
-            show_progress=args.progress,
+            show_progress=args.progress, ha=args.ha,
+            kill_leader_after_s=args.kill_leader_after,
         )
         # Killed on the spot it would leave its master, store and engines running: the signal
         # raises Stopped instead, and run_replay stops what it started on the way out.

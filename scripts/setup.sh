@@ -8,12 +8,17 @@ cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*"; }
 
-# Every Mooncake binary links libibverbs, even over TCP. The connector's C extension
+# Every Mooncake binary links libibverbs, even over TCP. Mooncake's HA masters elect their
+# leader in etcd (Debian's etcd-server; kvpool starts its own on free ports and never uses the
+# service the package enables on hosts with systemd). The connector's C extension
 # (setup.py: kvpool_connector/_chunk_hash.c) needs a C compiler with libc's headers, the Python
 # headers and OpenSSL's.
 APT=() WHY=()
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
     APT+=(libibverbs1) WHY+=("libibverbs1: mooncake_master links it")
+fi
+if ! command -v etcd >/dev/null; then
+    APT+=(etcd-server) WHY+=("etcd-server: the local Mooncake HA pool's leader election (kvpool-replay --ha)")
 fi
 if ! command -v cc >/dev/null || [ ! -f /usr/include/stdio.h ]; then
     APT+=(gcc libc6-dev) WHY+=("gcc, libc6-dev: to compile kvpool's C extension")

@@ -7,13 +7,13 @@ Configuration (same fields as the vLLM Ascend Mooncake guide), from the JSON fil
     {
       "local_hostname": "127.0.0.1",
       "metadata_server": "P2PHANDSHAKE",
-      "master_server_address": "127.0.0.1:50051",
+      "master_server_address": "127.0.0.1:50051",   # or "etcd://127.0.0.1:2379" (HA pool)
       "protocol": "tcp",                 # "ascend" on NPUs, "rdma" with RDMA NICs
       "device_name": "",
       "global_segment_size": "1GB",      # memory this engine contributes; 0 = standalone
       "local_buffer_size": "64MB",
       "store_mode": "embedded",          # or "standalone"
-      "master_admin_url": "http://127.0.0.1:9003",
+      "master_admin_url": "http://127.0.0.1:9003",  # HA: every master's, comma-separated
       "eviction_high_watermark_ratio": 0.9,   # as passed to mooncake_master (for stats)
       "default_kv_lease_ttl": 5000            # ms, as passed to mooncake_master (for stats)
     }
@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -65,6 +64,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.pool import mooncake_master_health, parse_master_metrics
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.vocabulary import ErrorCode
@@ -74,6 +74,10 @@ from kvpool_connector.backends.base import (
     BackendError,
     BackendUnavailable,
     RemoveResult,
+)
+from kvpool_connector.backends.mooncake_address import (
+    parse_master_address,
+    reachable_problem,
 )
 from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
@@ -117,9 +121,7 @@ class MooncakeConfig(BaseModel):
     @field_validator("master_server_address")
     @classmethod
     def _host_port(cls, v: str) -> str:
-        host, _, port = v.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{v!r} is not host:port (e.g. '127.0.0.1:50051')")
+        parse_master_address(v)
         return v
 
     @field_validator("global_segment_size")
@@ -143,10 +145,11 @@ class MooncakeConfig(BaseModel):
 
     @property
     def admin_url(self) -> str:
-        """``master_admin_url`` or ``http://<master host>:9003`` (the master's default)."""
+        """``master_admin_url`` or ``http://<master host>:9003`` (the master's default); an HA
+        pool's masters comma-separated (``kvpool_agent.masters``)."""
         if self.master_admin_url:
             return self.master_admin_url.rstrip("/")
-        return f"http://{self.master_server_address.rpartition(':')[0]}:9003"
+        return f"http://{parse_master_address(self.master_server_address).host}:9003"
 
     @classmethod
     def load(cls, extra_config: dict[str, Any] | None = None) -> MooncakeConfig:
@@ -200,16 +203,13 @@ class MooncakeConfig(BaseModel):
 
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
-    """Fail fast when nothing listens at the master's address: ``setup`` itself retries for
-    about 90 s before giving up."""
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as exc:
+    """Fail fast when nothing listens at the master's address (or the HA pool's etcd):
+    ``setup`` itself retries for about 90 s before giving up."""
+    problem = reachable_problem(parse_master_address(address), timeout_s)
+    if problem is not None:
         raise BackendUnavailable(
-            f"mooncake_master at {address} is not reachable ({exc}): start it or fix "
-            "master_server_address / MOONCAKE_MASTER"
-        ) from exc
+            f"{problem}: start it or fix master_server_address / MOONCAKE_MASTER"
+        )
 
 
 class MooncakeBackend(Backend):
@@ -334,8 +334,12 @@ class MooncakeBackend(Backend):
                 results[i] = int(res)
         return results
 
+    def _admin_url(self) -> str:
+        """The admin URL to ask: the HA pool's serving leader when several are configured."""
+        return leader_admin_url(self.config.admin_url, client=self._http)
+
     def _all_keys(self) -> list[str]:
-        r = self._http.get(f"{self.config.admin_url}/get_all_keys")
+        r = self._http.get(f"{self._admin_url()}/get_all_keys")
         r.raise_for_status()
         return [k for k in r.text.splitlines() if k]
 
@@ -350,7 +354,7 @@ class MooncakeBackend(Backend):
             # The master matches the query string verbatim (no percent-decoding): send the
             # keys' characters as they are, escaping only what would end the parameter.
             q = ",".join(quote(k, safe=_RAW_SAFE) for k in askable[i:i + _QUERY_BATCH])
-            r = self._http.get(f"{self.config.admin_url}/batch_query_keys?keys={q}")
+            r = self._http.get(f"{self._admin_url()}/batch_query_keys?keys={q}")
             if r.status_code != 200:
                 continue
             try:
@@ -410,7 +414,7 @@ class MooncakeBackend(Backend):
             ) from exc
 
     def _allocated_bytes(self) -> int:
-        r = self._http.get(f"{self.config.admin_url}/metrics")
+        r = self._http.get(f"{self._admin_url()}/metrics")
         r.raise_for_status()
         for family in text_string_to_metric_families(r.text):
             for sample in family.samples:
@@ -439,7 +443,7 @@ class MooncakeBackend(Backend):
                         high_watermark=self.config.eviction_high_watermark_ratio,
                         lease_ttl_ms=self.config.default_kv_lease_ttl)
         try:
-            r = self._http.get(f"{self.config.admin_url}/metrics")
+            r = self._http.get(f"{self._admin_url()}/metrics")
             r.raise_for_status()
             text = r.text
         except httpx.HTTPError as exc:

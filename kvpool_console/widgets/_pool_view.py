@@ -1,4 +1,5 @@
-"""The Pool tab: one line of fleet pool totals, a row per pool, a row per pool segment."""
+"""The Pool tab: one line of fleet pool totals, a row per pool, a row per pool segment, and an
+HA pool's masters (``_masters``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
 from kvpool_console.model import FleetView, fmt_bytes
+from kvpool_console.widgets._masters import MastersTable
 
 __all__ = ["PoolView"]
 
@@ -28,6 +30,7 @@ class PoolView(TabPane):
         yield Static(id="pool-summary")
         yield DataTable(id="pool-table", cursor_type="row")
         yield DataTable(id="segments-table", cursor_type="row")
+        yield MastersTable(id="masters-table", cursor_type="row")
 
     def on_mount(self) -> None:
         self.query_one("#pool-table", DataTable).add_columns(
@@ -56,6 +59,7 @@ class PoolView(TabPane):
             for name, used, total in p.segments:
                 segs.add_row(plain(name), fmt_bytes(used), fmt_bytes(total),
                              f"{used / total:.0%}" if total else "-")
+        self.query_one(MastersTable).show(view)
         t = view.totals
         self.query_one("#pool-summary", Static).update(
             f"{len(view.pools)} pools, {fmt_bytes(t.segment_used_bytes)} of "

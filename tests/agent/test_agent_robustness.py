@@ -61,7 +61,14 @@ def test_late_and_concurrent_consoles_get_the_full_state_within_a_second(
         for i, h in enumerate(handles):
             h.reporter.lookup(f"r{i}", 1000, 0, 100 * (i + 1), 1.0)
             h.reporter.loaded(f"r{i}", 100 * (i + 1))
-        time.sleep(0.5)  # the agents have reported before any console exists
+        # The agents have reported before any console exists (polled: under load the
+        # reports take longer than any fixed pause).
+        ids = {h.source.agent_id for h in handles}
+        deadline = time.monotonic() + 30
+        while sorted(st.lookup.pool_hit_tokens for aid, (st, _) in hub.fleet().items()
+                     if aid in ids) != [100, 200, 300]:
+            assert time.monotonic() < deadline, "the agents' reports did not reach the hub"
+            time.sleep(0.02)
         for _ in range(2):  # a console that starts, quits and starts again
             with FleetClient(hub_address) as a, FleetClient(hub_address) as b:
                 t0 = time.monotonic()

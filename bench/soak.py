@@ -1,0 +1,209 @@
+"""Soak: several replaying engines on one small HA pool (constant eviction) for N minutes, with
+random engine kills and restarts, one leader failover and one store-agent restart; every block
+an engine loads is checked against what was saved (``EngineResult.corrupt_blocks``).
+
+Real parts: an etcd and two ``mooncake_master`` with ``--enable_ha --enable_oplog``
+(``kvpool_replay._ha``), a ``mooncake_client`` store, a fleet hub and a store agent as
+``kvpool-agent`` processes, simulated engines driving the real connector
+(``kvpool_replay._engine_proc``). Prints progress, then one JSON line: engine runs finished
+and killed, bytes loaded by finished runs, corrupt blocks, errors, the failover, the hub's and
+store agent's RSS at start and end, the pool's keys at the end. Exit 1 when a block was
+corrupt, an engine run failed or none finished, or the failover did not complete (its error
+is in ``errors``). Figures depend on the machine: measure on a quiet one.
+
+    .venv/bin/python bench/soak.py [--minutes 10] [--engines 3] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+from kvpool_replay import EngineResult, EngineSpec, ModelShape, default_trace_path
+from kvpool_replay._ha import FailoverDrill, LocalHaPool, all_keys
+from kvpool_replay._pool import MIN_SEGMENT_BYTES, mooncake_extra_config
+from kvpool_replay._replay import spawn_engine
+from kvpool_replay._services import (
+    LocalPoolStore,
+    engine_env,
+    free_port,
+    free_port_block,
+    stop_process_tree,
+    use_local_pool_env,
+)
+from kvpool_replay._trace import load_trace
+
+SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
+SHARE = 6
+"""Trace requests per engine run: short runs, so engines finish and restart often (a run also
+spends ~15 s starting and ~30 s closing its HA pool client)."""
+KILL_EVERY_S = (15.0, 30.0)
+"""An engine is SIGKILLed every so many seconds (uniformly drawn)."""
+
+
+def _rss(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return int(psutil.Process(proc.pid).memory_info().rss)
+    except psutil.Error:
+        return 0
+
+
+def _agent(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - the child holds it; closed when the soak ends
+    return subprocess.Popen([sys.executable, "-m", "kvpool_agent.cli", *args], stdout=out,
+                            stderr=out, env=engine_env(), start_new_session=True)
+
+
+def soak(minutes: float, engines: int, seed: int) -> dict[str, object]:
+    """Run the soak; returns its summary (see the module docstring)."""
+    rng = random.Random(seed)
+    duration = minutes * 60
+    trace_path = default_trace_path("conversation_trace.jsonl")
+    n_trace = len(load_trace(trace_path))
+    work = Path(tempfile.mkdtemp(prefix="kvpool-soak-"))
+    use_local_pool_env()
+    pool = LocalHaPool(2, log_dir=work / "pool", default_kv_lease_ttl_ms=5_000)
+    procs: dict[int, tuple[EngineSpec, subprocess.Popen[bytes]]] = {}
+    summary: dict[str, object] = {}
+    finished = killed = corrupt = loaded = 0
+    errors: list[str] = []
+    hub = store_agent = None
+    try:
+        print(f"soak: starting etcd, 2 HA masters and a {MIN_SEGMENT_BYTES >> 20} MiB store",
+              flush=True)
+        pool.start()
+        store = LocalPoolStore(pool.address, MIN_SEGMENT_BYTES, log_dir=work).start()
+        base = free_port_block()
+        hub_address = f"tcp://127.0.0.1:{base}"
+        hub = _agent(["hub", "--address", hub_address, "--metrics-port", "0"], work / "hub.log")
+        store_args = ["store", "--hub", hub_address, "--admin-url", pool.admin_urls,
+                      "--engine-id", "soak-store"]
+        store_agent = _agent(store_args, work / "store-agent.log")
+        model = f"soak-{os.getpid()}"
+        runs = 0
+
+        def spawn(slot: int) -> None:
+            nonlocal runs
+            runs += 1
+            first = rng.randrange(0, max(1, n_trace - SHARE))
+            spec = EngineSpec(
+                engine_id=f"engine-{slot}-run{runs}", master_address=pool.address,
+                model=model, shape=SHAPE, trace_path=str(trace_path),
+                indices=list(range(first, first + SHARE)), agent_address=hub_address,
+                lookup_rpc_port=free_port(),
+                result_path=str(work / f"engine-{slot}-run{runs}.result.json"),
+                extra_config=mooncake_extra_config(pool.address, pool.admin_urls,
+                                                   lease_ttl_ms=5_000),
+            )
+            with open(work / f"{spec.engine_id}.log", "wb") as log:
+                procs[slot] = (spec, spawn_engine(spec, work, log=log))
+
+        for slot in range(engines):
+            spawn(slot)
+        start = time.monotonic()
+        rss_start = {"hub": 0, "store_agent": 0}
+        drill: FailoverDrill | None = None
+        agent_restarted = False
+        next_kill = start + rng.uniform(*KILL_EVERY_S)
+        last_report = start
+        while time.monotonic() - start < duration:
+            now = time.monotonic()
+            if not rss_start["hub"] and now - start > 3:  # both agents are up by then
+                rss_start = {"hub": _rss(hub), "store_agent": _rss(store_agent)}
+            for slot, (spec, proc) in list(procs.items()):
+                if proc.poll() is None:
+                    continue
+                rp = Path(spec.result_path)
+                res = (msgspec.json.decode(rp.read_bytes(), type=EngineResult) if rp.exists()
+                       else EngineResult(engine_id=spec.engine_id,
+                                         error=f"exited {proc.returncode} without a result"))
+                finished += 1
+                corrupt += res.corrupt_blocks
+                loaded += res.loaded_bytes
+                if res.error:
+                    errors.append(f"{spec.engine_id}: {res.error}")
+                spawn(slot)
+            if now >= next_kill:
+                victim = rng.randrange(engines)
+                spec, proc = procs[victim]
+                stop_process_tree(proc, timeout_s=0)  # SIGTERM then SIGKILL: a crash
+                killed += 1
+                print(f"soak: killed {spec.engine_id}", flush=True)
+                spawn(victim)
+                next_kill = now + rng.uniform(*KILL_EVERY_S)
+            # Late enough that engines have saved (start-up takes ~15 s), early enough that
+            # they save and load again after it.
+            if drill is None and now - start > duration * 0.4:
+                print("soak: SIGKILL of the leader master", flush=True)
+                drill = FailoverDrill(pool, 0.0, on_status=lambda m: print(f"soak: {m}",
+                                                                           flush=True)).start()
+            if not agent_restarted and now - start > duration * 0.6:
+                stop_process_tree(store_agent, timeout_s=5)
+                store_agent = _agent(store_args, work / "store-agent.log")
+                agent_restarted = True
+                print("soak: restarted the store agent", flush=True)
+            if now - last_report > 15:
+                last_report = now
+                print(f"soak: {now - start:.0f}/{duration:.0f} s, {finished} engine runs "
+                      f"finished, {killed} killed, corrupt blocks {corrupt}", flush=True)
+            time.sleep(0.2)
+        if drill is not None:
+            drill.join()
+            summary["failover_s"] = drill.failover_s
+            summary["keys_kept"] = drill.keys_kept
+            summary["keys_at_kill"] = drill.keys_at_kill
+            if drill.error or drill.failover_s is None:
+                errors.append(f"failover: {drill.error or 'not finished'}")
+        summary["rss_start"] = rss_start
+        summary["rss_end"] = {"hub": _rss(hub), "store_agent": _rss(store_agent)}
+        leader = pool.leader()
+        summary["pool_keys_end"] = len(all_keys(leader.admin_url)) if leader else None
+        summary["store_alive"] = store.proc is not None and store.proc.poll() is None
+        store.stop()
+    finally:
+        for _spec, proc in procs.values():
+            stop_process_tree(proc, timeout_s=5)
+        for p in (store_agent, hub):
+            if p is not None:
+                stop_process_tree(p, timeout_s=5)
+        pool.stop()
+        if errors or corrupt:
+            print(f"soak: logs kept in {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"finished": finished, "killed": killed, "corrupt_blocks": corrupt,
+            "loaded_bytes": loaded,
+            "errors": errors, **summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.engines < 1:
+        print("soak: --minutes must be > 0 and --engines >= 1", file=sys.stderr)
+        return 2
+    summary = soak(args.minutes, args.engines, args.seed)
+    print(json.dumps(summary))
+    bad = summary["corrupt_blocks"] or summary["errors"] or not summary["finished"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Which of several HA ``mooncake_master`` processes leads, from their HTTP admin ports.
+
+A master started with ``--enable_ha`` (leader election over etcd, ``--etcd_endpoints``) answers
+``GET /health`` on its ``--metrics_port`` with JSON such as::
+
+    {"status": "ok", "role": "leader", "ha_state": "serving", "service_ready": true,
+     "leader_address": "127.0.0.1:50051", "view_version": 2}
+
+(``role`` is ``leader`` or ``standby``; ``ha_state`` ``serving``, ``leader_warmup``,
+``standby``, ``candidate``...; read from mooncake-transfer-engine 0.3.13's master). Only the
+leader with ``service_ready`` serves clients, and only its ``/metrics`` count the pool's keys,
+so everything that reads pool usage from an HA pool asks the masters which one that is.
+
+An HA pool's admin address is a comma-separated list of admin URLs
+(``http://m1:9003,http://m2:9003``): ``master_admin_url`` in the Mooncake config, the store
+agent's ``--admin-url``.
+"""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+
+__all__ = ["MasterState", "leader_admin_url", "probe_master", "probe_masters", "split_admin_urls"]
+
+
+class MasterState(msgspec.Struct, kw_only=True):
+    """One master's answer to ``/health``.
+
+    Attributes:
+        admin_url: the URL asked.
+        reachable: it answered HTTP 200 with a JSON object.
+        role: ``leader`` / ``standby`` (``""`` when unreachable or not in HA mode).
+        ha_state: Mooncake's HA runtime state (``serving`` for a leader that serves).
+        service_ready: the master serves client RPCs.
+        leader_address: the RPC ``host:port`` this master believes leads (``""`` if none).
+        view_version: the election view it has seen (grows with each election).
+        error: why it was not reachable (``""`` when it was).
+    """
+
+    admin_url: str
+    reachable: bool = False
+    role: str = ""
+    ha_state: str = ""
+    service_ready: bool = False
+    leader_address: str = ""
+    view_version: int = 0
+    error: str = ""
+
+    @property
+    def serving_leader(self) -> bool:
+        """Leads and serves clients (a leader in warm-up does not yet)."""
+        return self.reachable and self.role == "leader" and self.service_ready
+
+
+def split_admin_urls(text: str) -> list[str]:
+    """``"http://a:9003, http://b:9003/"`` -> ``["http://a:9003", "http://b:9003"]``."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
+def probe_master(
+    admin_url: str, *, client: httpx.Client | None = None, timeout_s: float = 1.0
+) -> MasterState:
+    """``GET {admin_url}/health`` as a ``MasterState``; never raises."""
+    try:
+        if client is None:
+            r = httpx.get(f"{admin_url}/health", timeout=timeout_s)
+        else:
+            r = client.get(f"{admin_url}/health", timeout=timeout_s)
+        body = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as e:
+        return MasterState(admin_url=admin_url, error=str(e) or type(e).__name__)
+    if not isinstance(body, dict):
+        return MasterState(admin_url=admin_url, error=f"HTTP {r.status_code}: {r.text[:200]}")
+    version = body.get("view_version", 0)
+    return MasterState(
+        admin_url=admin_url,
+        reachable=True,
+        role=str(body.get("role", "")),
+        ha_state=str(body.get("ha_state", "")),
+        service_ready=body.get("service_ready") is True,
+        leader_address=str(body.get("leader_address") or ""),
+        view_version=version if isinstance(version, int) else 0,
+    )
+
+
+def probe_masters(
+    admin_urls: list[str], *, client: httpx.Client | None = None, timeout_s: float = 1.0
+) -> list[MasterState]:
+    """``probe_master`` for each URL, in order (one at a time: a pool has 2-3 masters)."""
+    return [probe_master(u, client=client, timeout_s=timeout_s) for u in admin_urls]
+
+
+def leader_admin_url(
+    admin_urls: str, *, client: httpx.Client | None = None, timeout_s: float = 1.0
+) -> str:
+    """The admin URL to read pool usage from: itself for a single URL (no probe), else the
+    serving leader's among the comma-separated ``admin_urls``, else the first (whose answers
+    then say why the pool does not serve)."""
+    urls = split_admin_urls(admin_urls)
+    if len(urls) <= 1:
+        return urls[0] if urls else admin_urls
+    for state in probe_masters(urls, client=client, timeout_s=timeout_s):
+        if state.serving_leader:
+            return state.admin_url
+    return urls[0]
