@@ -340,6 +340,10 @@ class Aggregator:
     def _on_finished(self, ev: TransferFinished) -> None:
         tr = self.transfers
         t = self.in_flight.pop((ev.req_id, ev.kind), None)
+        if ev.bytes_by_group:
+            per = tr.loaded_bytes_by_group if ev.kind == "load" else tr.saved_bytes_by_group
+            for g, n in ev.bytes_by_group.items():
+                per[f"g{g}"] = per.get(f"g{g}", 0) + n
         if ev.kind == "load":
             tr.loaded_bytes += ev.nbytes
             self._rates.add(ev.ts_ms, ev.nbytes, 0)
@@ -424,6 +428,8 @@ class Aggregator:
         lk.latency_ms_p99 = _bounded(_percentile(lat, 0.99), MAX_MS)
         tr = msgspec.structs.replace(
             self.transfers, errors_by_name=dict(self.transfers.errors_by_name),
+            loaded_bytes_by_group=dict(self.transfers.loaded_bytes_by_group),
+            saved_bytes_by_group=dict(self.transfers.saved_bytes_by_group),
             paused_after_hit=dict(self.transfers.paused_after_hit))
         load_b, save_b = self._rates.sums(now_ms)
         tr.load_bytes_per_s = _bounded(load_b / _RATE_WINDOW_S, MAX_BIG_COUNT)

@@ -296,6 +296,13 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     paused_after_hit: dict[Name, Count] = msgspec.field(default_factory=dict)
     """Of ``failed_after_hit``, by error name, the loads a pause window explains: without the
     time paused, their lease (looked up to load end) would not have run out."""
+    loaded_bytes_by_group: Annotated[dict[Name, BigCount], msgspec.Meta(max_length=64)] = \
+        msgspec.field(default_factory=dict)
+    """``loaded_bytes`` by KV-cache group (``g0``, ``g1``...) of a hybrid model (vLLM's
+    hybrid allocator); empty with one group."""
+    saved_bytes_by_group: Annotated[dict[Name, BigCount], msgspec.Meta(max_length=64)] = \
+        msgspec.field(default_factory=dict)
+    """``saved_bytes`` by KV-cache group, as ``loaded_bytes_by_group``."""
 
 
 class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):

@@ -89,7 +89,8 @@ class TransferProgress(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 
 class TransferFinished(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """A transfer ended (see ``Reporter.transfer_finished``); ``nbytes`` moved, in bytes."""
+    """A transfer ended (see ``Reporter.transfer_finished``); ``nbytes`` moved, in bytes;
+    ``bytes_by_group`` those bytes by KV-cache group (hybrid models; ``None`` otherwise)."""
 
     ts_ms: float
     req_id: str
@@ -100,6 +101,7 @@ class TransferFinished(msgspec.Struct, array_like=True, gc=False, frozen=True):
     failed_blocks: int
     after_hit: bool
     timed_out: bool
+    bytes_by_group: dict[int, int] | None = None
 
 
 class SaveSkipped(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -244,12 +246,14 @@ class Reporter:
         failed_blocks: int = 0,
         after_hit: bool = False,
         timed_out: bool = False,
+        bytes_by_group: dict[int, int] | None = None,
     ) -> None:
         """A transfer ended. ``nbytes`` moved; on failure the backend ``error_name`` (e.g.
         ``LEASE_EXPIRED``), how many blocks failed, whether the lookup had reported them
-        present (``after_hit``) and whether it was a layer-wise wait timeout."""
+        present (``after_hit``) and whether it was a layer-wise wait timeout;
+        ``bytes_by_group``: ``nbytes`` by KV-cache group (hybrid models)."""
         self._put(TransferFinished(time.time() * 1e3, req_id, kind, ok, nbytes, error_name,
-                                   failed_blocks, after_hit, timed_out))
+                                   failed_blocks, after_hit, timed_out, bytes_by_group))
 
     def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
         """Saves of ``blocks`` blocks were skipped (``reason`` e.g. ``NO_AVAILABLE_HANDLE``)."""
@@ -331,6 +335,7 @@ class NullReporter(Reporter):
         failed_blocks: int = 0,
         after_hit: bool = False,
         timed_out: bool = False,
+        bytes_by_group: dict[int, int] | None = None,
     ) -> None:
         """Does nothing."""
 

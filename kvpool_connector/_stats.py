@@ -201,7 +201,8 @@ class StatsTap(Reporter):
 
     def transfer_finished(self, req_id: str, kind: TransferKind, ok: bool, nbytes: int = 0,
                           error_name: str | None = None, failed_blocks: int = 0,
-                          after_hit: bool = False, timed_out: bool = False) -> None:
+                          after_hit: bool = False, timed_out: bool = False,
+                          bytes_by_group: dict[int, int] | None = None) -> None:
         """Keep the duration and, on failure, the error name; then forward."""
         started = self._starts.pop((req_id, kind), None)
         if started is not None:
@@ -212,7 +213,7 @@ class StatsTap(Reporter):
             name = error_name or ("TIMEOUT" if timed_out else "UNKNOWN")
             self.errors.append(f"{kind}:{name}")
         self.inner.transfer_finished(req_id, kind, ok, nbytes, error_name, failed_blocks,
-                                     after_hit, timed_out)
+                                     after_hit, timed_out, bytes_by_group)
 
     def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
         """Count the skip under its reason, then forward."""

@@ -59,6 +59,12 @@ PREEMPTED = "PREEMPTED"
 """``SaveSkipped.reason`` of a queued save dropped because its request was preempted."""
 
 
+def _hybrid_only(by_group: dict[int, int]) -> dict[int, int] | None:
+    """``by_group`` when some bytes are of a group other than 0 (a hybrid model), else
+    ``None``: a one-group engine reports no per-group figures."""
+    return by_group if any(by_group) else None
+
+
 class LayerLoadTimeout(TimeoutError):
     """Kept for callers that name it; ``wait_for_layer_load`` no longer raises it (a
     timed-out layer-wise load is reported as load errors and recomputed)."""
@@ -105,6 +111,8 @@ class _ReqLoad:
     failed_chunks: set[int] = field(default_factory=set)
     error: str | None = None
     nbytes: int = 0
+    # Bytes loaded by KV-cache group (hybrid models).
+    by_group: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -233,6 +241,7 @@ class LoadRunner:
         missing key, a wrong digest as bad as both: the blocks hold untrusted bytes)."""
         if ok and not mismatch:
             load.nbytes += t.nbytes
+            load.by_group[t.group] = load.by_group.get(t.group, 0) + t.nbytes
             with self._lock:
                 self.counters.loaded_keys += 1
                 self.counters.loaded_bytes += t.nbytes
@@ -299,6 +308,7 @@ class LoadRunner:
                 req.req_id, "load", ok=not failed and not timed_out, nbytes=load.nbytes,
                 error_name=error if failed else None,
                 failed_blocks=len(failed), after_hit=True, timed_out=timed_out,
+                bytes_by_group=_hybrid_only(load.by_group),
             )
             if failed:
                 logger.warning(
@@ -638,11 +648,13 @@ class SaveQueue:
                 continue
             nbytes, error, failed, full = 0, None, 0, 0
             bad_chunks: set[int] = set()
+            by_group: dict[int, int] = {}
             for t in transfers:
                 code = results.get(t.key, 0)
                 if code in _STORED:
                     if t.key in results and code == 0:
                         nbytes += t.nbytes
+                        by_group[t.group] = by_group.get(t.group, 0) + t.nbytes
                     continue
                 bad_chunks.add(t.chunk)
                 if code == _FULL:
@@ -687,6 +699,8 @@ class SaveQueue:
                     rid, "save", ok=not bad_chunks, nbytes=nbytes,
                     error_name=_FULL.name if full else error,
                     failed_blocks=len(bad_chunks) * self._blocks_per_chunk,
+                    # Layer-wise saves are never hybrid (the connector turns them off).
+                    bytes_by_group=_hybrid_only(by_group) if layer is None else None,
                 )
 
     def _count_skip(self, req_id: str, keys: int, n_layers: int, reason: str) -> None:

@@ -105,7 +105,9 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     bBLOCK BYTESB/tok``, e.g. ``sliding_window(64):SlidingWindowSpec x1 b32 512B/tok``: its
     layers, block size and KV bytes per token on one worker; one ``full`` group unless
     the engine runs vLLM's hybrid allocator); ``mla`` whether its attention is MLA (one latent
-    KV stored once, whatever the TP size).
+    KV stored once, whatever the TP size); ``loaded_bytes_by_group`` /
+    ``saved_bytes_by_group`` its workers' bytes by group (``g0``...: a sliding-window group
+    moves only its window), empty with one group.
     """
 
     engine_id: str
@@ -154,6 +156,8 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     agent_ids: list[str] = msgspec.field(default_factory=list)
     kv_groups: list[str] = msgspec.field(default_factory=list)
     mla: bool = False
+    loaded_bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)
+    saved_bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def state(self) -> str:
@@ -306,6 +310,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
     tp: set[int] = set()
     pp: set[int] = set()
     workers = 0
+    by_group: dict[str, dict[str, int]] = {"loaded": {}, "saved": {}}
     digests: set[str] = set()
     described: Source | None = None
     failure: StartFailure | None = None
@@ -329,6 +334,10 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         load_bps += tr.load_bytes_per_s
         save_bps += tr.save_bytes_per_s
         max_load = max(max_load, tr.max_load_ms)
+        for what, per in (("loaded", tr.loaded_bytes_by_group),
+                          ("saved", tr.saved_bytes_by_group)):
+            for g, n in per.items():
+                by_group[what][g] = by_group[what].get(g, 0) + n
         if s.pool is not None and (pool_st is None or s.ts_ms > pool_st.ts_ms):
             pool_st = s
         for t in s.in_flight:
@@ -377,6 +386,8 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         role_source=head.role_source,
         agent_ids=[s.source.agent_id for s in group],
         **_kv_facts(described.layout if described else {}),
+        loaded_bytes_by_group=dict(sorted(by_group["loaded"].items())),
+        saved_bytes_by_group=dict(sorted(by_group["saved"].items())),
     )
 
 

@@ -133,7 +133,9 @@ class EngineDetailScreen(Screen[None]):
             + ("\n[b red]failed to start[/]: $failed\n[b]fix[/]: $fix" if row.failed else "")
             + ("\nnamespace [b]$namespace[/b]" if row.namespace else "")
             + ("\nlayout [b]$digest[/b]: $layout" if row.layout_digest else "")
-            + ("\nKV-cache groups: $groups" if len(row.kv_groups) > 1 or row.mla else ""),
+            + ("\nKV-cache groups: $groups" if len(row.kv_groups) > 1 or row.mla else "")
+            + ("\nbytes by group: $by_group" if row.loaded_bytes_by_group
+               or row.saved_bytes_by_group else ""),
             engine=visible(row.engine_id), state=state,
             failed=visible(row.failed), fix=visible(row.failed_hint),
             namespace=visible(row.namespace),
@@ -144,7 +146,11 @@ class EngineDetailScreen(Screen[None]):
             layout=visible(" ".join(f"{k}={v}" for k, v in row.layout.items()
                                     if k != "groups")),
             groups=visible("; ".join(row.kv_groups)
-                           + ("; MLA: one copy for every TP rank" if row.mla else ""))))
+                           + ("; MLA: one copy for every TP rank" if row.mla else "")),
+            by_group=visible(", ".join(
+                f"{g} loaded {fmt_bytes(row.loaded_bytes_by_group.get(g, 0))} saved "
+                f"{fmt_bytes(row.saved_bytes_by_group.get(g, 0))}"
+                for g in sorted({*row.loaded_bytes_by_group, *row.saved_bytes_by_group})))))
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
         self.query_one("#hit-label", Label).update(
             f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")

@@ -127,14 +127,26 @@ async def test_detail_and_status_name_the_kv_cache_groups_and_mla() -> None:
                  layout=layouts[st.source.engine_id]))
              if st.source.process_role == "worker" and st.source.engine_id in layouts else st
              for aid, st in sample_fleet().items()}
+    # prefill-0's workers moved bytes by group: summed over its workers.
+    for aid, st in fleet.items():
+        if st.source.engine_id == "prefill-0" and st.source.process_role == "worker":
+            fleet[aid] = msgspec.structs.replace(st, transfers=msgspec.structs.replace(
+                st.transfers, loaded_bytes_by_group={"g0": 1 << 20, "g1": 4 << 20},
+                saved_bytes_by_group={"g1": 2 << 20}))
+    n_workers = sum(1 for st in fleet.values() if st.source.engine_id == "prefill-0"
+                    and st.source.process_role == "worker")
     view = build_view(fleet, {aid: NOW_MS for aid in fleet}, NOW_MS)
     rows = {e.engine_id: e for e in view.engines}
     assert (rows["prefill-0"].kv_groups, rows["prefill-0"].mla) == (
         ["sliding_window(64):SlidingWindowSpec x3 b32", "full:FullAttentionSpec x1 b32"], False)
     assert (rows["decode-0"].kv_groups, rows["decode-0"].mla) == (["full"], True)
+    assert rows["prefill-0"].loaded_bytes_by_group == {
+        "g0": n_workers << 20, "g1": 4 * n_workers << 20}
+    assert rows["decode-0"].loaded_bytes_by_group == {}
     doc = status_document(view)
-    assert [e["kv_groups"] for e in doc["engines"] if e["engine_id"] == "prefill-0"] == [
-        rows["prefill-0"].kv_groups]
+    assert [(e["kv_groups"], e["saved_bytes_by_group"]) for e in doc["engines"]
+            if e["engine_id"] == "prefill-0"] == [
+        (rows["prefill-0"].kv_groups, {"g1": 2 * n_workers << 20})]
     app = KVPoolConsole(StaticSource(fleet), refresh_s=3600, clock=lambda: NOW_MS)
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)
@@ -147,6 +159,7 @@ async def test_detail_and_status_name_the_kv_cache_groups_and_mla() -> None:
             text = str(app.screen.query_one("#detail-summary", Static).visual)
             assert line in text
             assert "groups=" not in text
+            assert ("bytes by group: g0 loaded" in text) is (engine == "prefill-0")
             await pilot.press("escape")
 
 

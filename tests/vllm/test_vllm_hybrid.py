@@ -160,6 +160,16 @@ def test_hybrid_reader_loads_every_group_and_equals_its_run_without_a_pool(
                for p in G if _loadable(p, CHUNK)) * LAYER_BLOCK_BYTES
     assert rs.transfers.loaded_bytes == want
     assert rs.transfers.loads_failed == 0
+    # The same by group, as the agents report them (status --json, the detail screen).
+    hits = [_loadable(p, CHUNK) for p in G if _loadable(p, CHUNK)]
+    window = len(hits) * WINDOW_BLOCKS * LAYER_BLOCK_BYTES
+    assert rs.transfers.loaded_bytes_by_group == {
+        "g0": window, "g1": window, "g2": window,
+        "g3": sum(hits) // BLOCK * LAYER_BLOCK_BYTES}
+    assert ws.transfers.saved_bytes_by_group == {
+        "g0": chunks * WINDOW_BLOCKS * LAYER_BLOCK_BYTES,
+        "g1": chunks * WINDOW_BLOCKS * LAYER_BLOCK_BYTES,
+        "g2": chunks * WINDOW_BLOCKS * LAYER_BLOCK_BYTES, "g3": chunks * 4 * LAYER_BLOCK_BYTES}
 
 
 def test_engine_with_other_kv_cache_groups_loads_nothing(
