@@ -101,7 +101,10 @@ def run_engine_spec(
                 delay = start_at + treq.timestamp / 1e3 / spec.speedup - time.time()
                 if delay > 0:
                     time.sleep(delay)
+            asked = time.monotonic()
+            result.request_starts.append(time.time())
             engine.run_request(i, treq)
+            result.max_request_s = max(result.max_request_s, time.monotonic() - asked)
             if push is not None:
                 push.send_string(str(i))
             if progress is not None:

@@ -261,8 +261,9 @@ class FailoverDrill:
     Attributes once ``join()`` returned: ``failover_s`` (from the kill until a master leads
     and serves again), ``keys_at_kill`` (keys the old leader held just before the kill),
     ``keys_kept`` (how many of them the new leader lists within ``settle_s`` seconds of
-    serving), ``error`` (why the
-    drill failed, ``""`` if it did not). ``None`` while not measured.
+    serving), ``killed_at`` and ``served_at`` (epoch seconds of the kill and of the first
+    serving leader after it), ``error`` (why the drill failed, ``""`` if it did not).
+    ``None`` while not measured.
     """
 
     def __init__(self, pool: LocalHaPool, after_s: float,
@@ -276,6 +277,8 @@ class FailoverDrill:
         self.failover_s: float | None = None
         self.keys_at_kill: int | None = None
         self.keys_kept: int | None = None
+        self.killed_at: float | None = None
+        self.served_at: float | None = None
         self.error = ""
         self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="failover-drill")
@@ -293,6 +296,7 @@ class FailoverDrill:
             return
         before = all_keys(leader.admin_url)
         t0 = time.monotonic()
+        killed_at = time.time()
         try:
             self.pool.kill_leader()
         except RuntimeError as exc:
@@ -306,6 +310,7 @@ class FailoverDrill:
             self.error = str(exc).splitlines()[0]
             return
         self.failover_s = time.monotonic() - t0
+        self.killed_at, self.served_at = killed_at, time.time()
         self.keys_at_kill = len(before)
         self.keys_kept = self._kept(new, before)
         self._say(f"new leader {new.address} serves after {self.failover_s:.1f} s; "

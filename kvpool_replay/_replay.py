@@ -50,7 +50,8 @@ from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE, request_tokens
 from kvpool_replay._trace import TraceRequest, load_trace
 
-__all__ = ["ReplayConfig", "ReplayReport", "reference_for", "run_replay", "spawn_engine"]
+__all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "reference_for", "run_replay",
+           "spawn_engine"]
 
 _MIB = 1 << 20
 
@@ -118,8 +119,8 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``lookup_errors``/``save_failed_keys``: lookups that failed and values whose save failed
     (all engines); ``max_lookup_s``: the longest lookup of any engine. With
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
-    ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves);
-    ``None`` when no leader was killed.
+    ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
+    ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
     """
 
     requests: int
@@ -153,8 +154,25 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     failover_s: float | None = None
     keys_at_kill: int | None = None
     keys_kept: int | None = None
+    hits_lost: int | None = None
     errors: list[str] = msgspec.field(default_factory=list)
     per_engine: list[EngineResult] = msgspec.field(default_factory=list)
+
+
+def hits_lost_in_outage(results: Sequence[EngineResult], reference: Sequence[int],
+                        killed_at: float, served_at: float) -> int:
+    """Hit tokens lost to a failover: over the requests that began between the leader's
+    kill and the first serving leader after it (``EngineResult.request_starts``, epoch
+    seconds), what the exact-LRU reference (``reference``: hit tokens per trace index) would
+    have hit minus what they hit (never below 0 per request). Not counted: later misses of
+    chunks whose saves failed in the outage, and what the replay misses anyway (the
+    reference is a bound, not a replay without the kill)."""
+    lost = 0
+    for r in results:
+        for (index, hit), began in zip(r.per_request, r.request_starts, strict=False):
+            if killed_at <= began <= served_at:
+                lost += max(0, reference[index] - hit)
+    return lost
 
 
 def reference_for(
@@ -447,6 +465,10 @@ def run_replay(
         failover_s=drill.failover_s if drill else None,
         keys_at_kill=drill.keys_at_kill if drill else None,
         keys_kept=drill.keys_kept if drill else None,
+        hits_lost=(hits_lost_in_outage(results, lru.per_request, drill.killed_at,
+                                       drill.served_at)
+                   if drill and drill.killed_at and drill.served_at and cfg.mode == "shared"
+                   else None),
         errors=errors,
         per_engine=results,
     )

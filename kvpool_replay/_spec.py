@@ -132,7 +132,12 @@ class EngineResult(msgspec.Struct, kw_only=True):
     ``wait_saves``). ``lookup_errors``: lookups that failed (the request ran without the
     pool); ``save_failed_keys``: pool values whose save failed; ``max_lookup_s``: the longest
     ``get_num_new_matched_tokens`` call (bounded by ``lookup_timeout_ms`` while the pool is
-    away). The three are the connector's own counters, filled by the simulated engine.
+    away). The three are the connector's own counters; the real-vLLM engine reads them from
+    vLLM's Prometheus series, so its ``max_lookup_s`` is a histogram bound
+    (``_vllm_engine.pool_counters``).
+    ``max_request_s``: the longest request, from the engine taking it (after its trace
+    timestamp's wait) until it returned (lookup, loads, compute, saves; any engine).
+    ``request_starts``: when each request of ``per_request`` began (epoch seconds, same order).
     """
 
     engine_id: str
@@ -148,6 +153,8 @@ class EngineResult(msgspec.Struct, kw_only=True):
     lookup_errors: int = 0
     save_failed_keys: int = 0
     max_lookup_s: float = 0.0
+    max_request_s: float = 0.0
+    request_starts: list[float] = msgspec.field(default_factory=list)
     save_s: float = 0.0
     load_s: float = 0.0
     wall_s: float = 0.0

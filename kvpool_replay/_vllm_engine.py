@@ -7,6 +7,11 @@ modulo the model's vocabulary) truncated to ``MAX_PROMPT_TOKENS``; requests keep
 prefixes. vLLM's local prefix cache is off, so every reused token comes from the pool;
 ``num_cached_tokens`` of each output is the request's hit.
 
+vLLM's stat loggers are on, so the connector's counters reach vLLM's Prometheus registry
+(``KVPoolPromMetrics``, in this frontend process): ``lookup_errors``, ``save_failed_keys`` and
+``max_lookup_s`` of the result are read from there when the engine closes, as of the last
+step vLLM ran (a save that fails after it is not counted).
+
 Run as ``python -m kvpool_replay._vllm_engine SPEC.json`` (an ``EngineSpec`` whose
 ``model`` is the tiny model's directory).
 """
@@ -17,6 +22,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvpool_replay._engine_proc import run_engine_spec
 from kvpool_replay._spec import (
@@ -30,13 +37,40 @@ from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceRequest
 
-__all__ = ["MAX_PROMPT_TOKENS", "VllmEngine", "main"]
+__all__ = ["MAX_PROMPT_TOKENS", "VllmEngine", "main", "pool_counters"]
 
 MAX_PROMPT_TOKENS = 2000
 """Prompt tokens kept per request (the tiny model has 2048 positions; a few are left to
 generate)."""
 
 _MAX_NEW_TOKENS = 4
+
+
+def pool_counters(result: EngineResult, registry: CollectorRegistry = REGISTRY) -> None:
+    """Fill ``result``'s ``lookup_errors``, ``save_failed_keys`` and ``max_lookup_s`` from
+    the connector's series in ``registry`` (``vllm:kvpool_lookup_errors_total``,
+    ``vllm:kvpool_save_failed_keys_total``, the ``vllm:kvpool_lookup_seconds`` histogram;
+    summed over their labels: one engine per process). A histogram keeps no maximum, so
+    ``max_lookup_s`` is the tightest bound it gives: the smallest bucket bound that holds every
+    lookup, or the sum of all lookups when that is smaller (0 without a lookup)."""
+    totals = {"vllm:kvpool_lookup_errors_total": 0.0, "vllm:kvpool_save_failed_keys_total": 0.0}
+    buckets: dict[float, float] = {}
+    count = seconds = 0.0
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+            elif sample.name == "vllm:kvpool_lookup_seconds_bucket":
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name == "vllm:kvpool_lookup_seconds_count":
+                count += sample.value
+            elif sample.name == "vllm:kvpool_lookup_seconds_sum":
+                seconds += sample.value
+    result.lookup_errors = int(totals["vllm:kvpool_lookup_errors_total"])
+    result.save_failed_keys = int(totals["vllm:kvpool_save_failed_keys_total"])
+    bound = min((le for le, n in buckets.items() if n >= count), default=float("inf"))
+    result.max_lookup_s = min(bound, seconds) if count else 0.0
 
 
 class VllmEngine:
@@ -61,7 +95,7 @@ class VllmEngine:
         self.llm = LLM(
             model=spec.model, enforce_eager=True, max_model_len=2048,
             block_size=spec.shape.block_size, dtype="float32", enable_prefix_caching=False,
-            max_num_seqs=4, max_num_batched_tokens=2048, seed=0,
+            max_num_seqs=4, max_num_batched_tokens=2048, seed=0, disable_log_stats=False,
             kv_transfer_config={
                 "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
                 "kv_role": spec.kv_role, "engine_id": spec.engine_id,
@@ -94,7 +128,9 @@ class VllmEngine:
         """vLLM frees a request's blocks only after its saves finished: nothing to wait for."""
 
     def close(self) -> None:
-        """Shut the engine down (its EngineCore process and the connector's agents)."""
+        """Read the connector's counters (``pool_counters``), then shut the engine down (its
+        EngineCore process and the connector's agents)."""
+        pool_counters(self.result)
         del self.llm
 
 

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "processes with leader election (etcd-server must be installed)")
     p.add_argument("--kill-leader-after", type=_positive_float, default=None, metavar="S",
                    help="with --ha 2 or more: SIGKILL the leader master S seconds into the "
-                   "replay (--json then has failover_s and keys_kept)")
+                   "replay (--json then has failover_s, keys_kept and hits_lost)")
     p.add_argument("--agent-address", default=None,
                    help="fleet hub agent address (tcp://host:port) the engines report to")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per pool key")
@@ -130,7 +130,8 @@ def format_report(r: ReplayReport) -> str:
     ]
     if r.failover_s is not None:
         lines.append(f"failover            {r.failover_s:.1f} s without a serving leader; "
-                     f"{r.keys_kept:,} of {r.keys_at_kill:,} keys kept")
+                     f"{r.keys_kept:,} of {r.keys_at_kill:,} keys kept; "
+                     f"{r.hits_lost or 0:,} hit tokens lost")
     lines += [f"error               {e}" for e in r.errors]
     return "\n".join(lines)
 

@@ -152,7 +152,8 @@ def test_replay_rides_through_a_leader_sigkill() -> None:
         shape=SHAPE, ha=2, kill_leader_after_s=2.0))
     seen = {f: getattr(report, f) for f in (
         "errors", "requests", "failover_s", "keys_at_kill", "keys_kept", "lookup_errors",
-        "save_failed_keys", "max_lookup_s", "corrupt_blocks", "hit_rate", "wall_s")}
+        "save_failed_keys", "max_lookup_s", "corrupt_blocks", "hit_rate", "wall_s",
+        "hits_lost", "hit_tokens")}
     seen["tail_hits"] = [sum(h for _, h in e.per_request[-len(e.per_request) // 4:])
                          for e in report.per_engine]
     print(seen)
@@ -162,6 +163,13 @@ def test_replay_rides_through_a_leader_sigkill() -> None:
     assert report.keys_at_kill is not None and report.keys_at_kill > 0, seen
     assert report.keys_kept == report.keys_at_kill, seen
     assert report.lookup_errors > 0, seen
+    # Requests that began without a leader ran without the pool, and this slice reuses
+    # prefixes throughout: some of their would-be hits are lost, never more than all hits
+    # the reference allows.
+    assert report.hits_lost is not None and report.hits_lost > 0, seen
+    assert all(len(e.request_starts) == len(e.per_request) for e in report.per_engine), seen
+    # A lookup is part of its request.
+    assert 0 < report.max_lookup_s <= max(e.max_request_s for e in report.per_engine), seen
     assert report.max_lookup_s < REPLAY_LOOKUP_TIMEOUT_MS / 1e3 + 1.0, seen
     assert report.corrupt_blocks == 0, seen
     # The last quarter of each engine's requests ran well after the new leader served; in

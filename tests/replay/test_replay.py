@@ -154,3 +154,18 @@ def test_require_memory_compares_with_what_is_available() -> None:
     require_memory(100, available_bytes=100)
     with pytest.raises(ValueError, match=r"needs 101 bytes of memory but only 100 bytes are "):
         require_memory(101, available_bytes=100)
+
+
+def test_hits_lost_in_outage_counts_only_requests_begun_without_a_leader() -> None:
+    from kvpool_replay import EngineResult
+    from kvpool_replay._replay import hits_lost_in_outage
+
+    reference = [0, 64, 128, 32, 96]
+    a = EngineResult(engine_id="a", per_request=[(0, 0), (1, 64), (3, 0)],
+                     request_starts=[100.0, 105.0, 112.0])
+    b = EngineResult(engine_id="b", per_request=[(2, 16), (4, 96)],
+                     request_starts=[106.0, 120.0])
+    # Kill at 104.5, a leader serves at 115: requests 1 (no loss), 2 (112 lost of 128) and
+    # 3 (32 lost) began in between; 0 before, 4 after. A hit above the reference is no gain.
+    assert hits_lost_in_outage([a, b], reference, 104.5, 115.0) == 112 + 32
+    assert hits_lost_in_outage([a, b], [0, 0, 0, 0, 0], 104.5, 115.0) == 0

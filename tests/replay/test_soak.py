@@ -1,7 +1,9 @@
 """The short soak (``bench/soak.py``, 90 s): engines replaying on a small HA pool while engines
 are SIGKILLed and restarted, the leader master is SIGKILLed and the store agent restarts.
 Nothing loaded is corrupt, every finished run ends without error, the failover keeps the keys,
-and the hub's and store agent's memory stay flat."""
+the hub's, store agent's and console's memory stay flat, no request of a finished run took
+longer than the lookup budget allows, and once the engines stopped the pool settles: keys and
+allocated bytes unchanged after the lease TTL, the leader's clients back to their start."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from kvpool_replay._spec import REPLAY_LOOKUP_TIMEOUT_MS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,5 +32,13 @@ def test_short_soak_loads_nothing_wrong() -> None:
     assert s["failover_s"] is not None and s["failover_s"] < 30, s
     assert s["keys_at_kill"] > 0 and s["keys_kept"] == s["keys_at_kill"], s
     assert s["store_alive"] and s["pool_keys_end"] > 0, s
-    for who in ("hub", "store_agent"):
+    # A request does a lookup (at most the lookup budget), then loads, computes and saves a
+    # few chunks of a tiny model: far under this even on a loaded 2-core machine.
+    assert 0 < s["max_request_s"] < REPLAY_LOOKUP_TIMEOUT_MS / 1e3 + 10, s
+    end = s["pool_end"]
+    assert end["settled"], s
+    assert end["keys"] == s["pool_stopped"]["keys"] == s["pool_keys_end"], s
+    assert end["used_bytes"] == s["pool_stopped"]["used_bytes"] > 0, s
+    assert end["active_clients"] == s["master_active_clients_start"] >= 1, s
+    for who in ("hub", "store_agent", "console"):
         assert 0 < s["rss_end"][who] < 1.5 * s["rss_start"][who], s
