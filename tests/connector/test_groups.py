@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kvpool_connector._groups import KVGroup, hybrid_hit, kv_groups
+from kvpool_connector._layout import LayerLayout, Region
+from kvpool_connector._planning import TransferPlanner
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_hashes
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
@@ -214,3 +216,49 @@ def test_hybrid_worker_stores_the_window_and_a_failed_key_fails_the_whole_reques
     assert outcomes is not None and outcomes.outcomes["r2"] == (192, 0)
     writer.shutdown()
     reader.shutdown()
+
+
+def _window_planner(window: int) -> TransferPlanner:
+    """A planner of one sliding-window group (16-token blocks, 64-token chunks: 4 blocks)."""
+    layer = LayerLayout("sw", 0, (Region(0x10000, 256, 256, 64),))
+    group = KVGroup(0, "sliding_window", "SlidingWindowSpec", ("sw",), 16, window=window)
+    return TransferPlanner([layer], "p", block_size=16, chunk_size=64, layerwise=False,
+                           scratch=0xF000, group=group)
+
+
+def _vllm_window_table(hit_tokens: int, window: int, first_id: int) -> list[int]:
+    """The block table vLLM 0.32's ``SlidingWindowManager`` gives a request whose hit of
+    ``hit_tokens`` is all external: null blocks for the tokens its window skips
+    (``get_num_skipped_tokens``: ``hit - window + 1``), then a new block per position."""
+    skipped = max(0, hit_tokens - window + 1) // 16
+    return [0] * skipped + list(range(first_id, first_id + -(-hit_tokens // 16) - skipped))
+
+
+def test_a_window_load_writes_every_block_vllm_allocated_or_fails() -> None:
+    hashes = ["a" * 32, "b" * 32, "c" * 32]
+    # A whole-chunk hit (192 tokens, window 32): vLLM allocated blocks 10 and 11, the last two
+    # of chunk 2's value; both are written and nothing else.
+    table = _vllm_window_table(192, 32, 50)
+    req = ReqMeta("r", block_ids=[], chunk_hashes=hashes, group_block_ids=(table,),
+                  load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192, can_load=True))
+    plan = _window_planner(32).load(req)
+    assert plan is not None and [t.block_ids for t in plan.transfers] == [[50, 51]]
+    # vLLM trimmed the hit to block 6 (mid chunk 1): its window needs blocks 4 and 5, which
+    # no value holds (chunk 1's holds blocks 6 and 7). Writing nothing there would leave
+    # vLLM's allocated blocks 4 and 5 unwritten yet counted as computed (and cached): the load
+    # must fail instead (vLLM recomputes the request).
+    table = _vllm_window_table(96, 32, 50)
+    assert table == [0, 0, 0, 0, 50, 51]
+    trimmed = ReqMeta("t", block_ids=[], chunk_hashes=hashes, group_block_ids=(table,),
+                      load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=96,
+                                    can_load=True))
+    with pytest.raises(ValueError, match="WINDOW_NOT_STORED"):
+        _window_planner(32).load(trimmed)
+    # vLLM keeps more of the window than the pool stored (a longer retained window, e.g.
+    # vLLM's ``extra_retained_tokens``): the block before the stored tail is not in the pool.
+    longer = ReqMeta("l", block_ids=[], chunk_hashes=hashes,
+                     group_block_ids=([0] * 9 + [50, 51, 52],),
+                     load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192,
+                                   can_load=True))
+    with pytest.raises(ValueError, match="WINDOW_NOT_STORED"):
+        _window_planner(32).load(longer)
