@@ -262,3 +262,18 @@ def test_a_window_load_writes_every_block_vllm_allocated_or_fails() -> None:
                                    can_load=True))
     with pytest.raises(ValueError, match="WINDOW_NOT_STORED"):
         _window_planner(32).load(longer)
+
+
+def test_a_window_layer_vllm_promoted_to_full_attention_is_a_full_group() -> None:
+    # vLLM's hybrid allocator off (``disable_hybrid_kv_cache_manager``, or a MultiConnector
+    # with a connector that is not SupportsHMA): ``unify_hybrid_kv_cache_specs`` rebuilds a
+    # sliding-window layer as a FullAttentionSpec that keeps ``sliding_window`` but allocates
+    # and keeps a block per position, as the pool stored every model before issue 22.
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, replace_as
+
+    sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                           sliding_window=64)
+    promoted = replace_as(sw, FullAttentionSpec, drop=("extra_retained_tokens",))
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=promoted, layer_names=["a", "b"])])
+    assert [(g.kind, g.window) for g in kv_groups(cfg, 16)] == [("full", 0)]
