@@ -261,10 +261,18 @@ class TransferPlanner:
         """Per chunk in ``[req.save_from_chunk, req.save_to_chunk)``, its transfers (empty
         when the range is).
 
+        A sliding-window chunk whose stored tail vLLM no longer holds (null blocks: it left
+        the window, e.g. a local prefix hit) gets an empty row: nothing of it can be saved,
+        and a hit that would need it stops before it (``_groups.hybrid_hit``).
+
         Raises:
             ValueError: the metadata does not give the blocks or hashes of those chunks.
         """
-        return self.chunk_transfers(req, range(req.save_from_chunk, req.save_to_chunk))
+        chunks = range(req.save_from_chunk, req.save_to_chunk)
+        if self.group is None or self.group.kind != "sliding_window":
+            return self.chunk_transfers(req, chunks)
+        return [self.chunk_transfers(req, [c])[0]
+                if NULL_BLOCK_ID not in self.chunk_blocks(req, c) else [] for c in chunks]
 
 
 def by_layer(transfers: Iterable[Transfer], n_layers: int) -> list[list[Transfer]]:

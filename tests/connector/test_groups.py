@@ -277,3 +277,16 @@ def test_a_window_layer_vllm_promoted_to_full_attention_is_a_full_group() -> Non
     cfg = SimpleNamespace(kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=promoted, layer_names=["a", "b"])])
     assert [(g.kind, g.window) for g in kv_groups(cfg, 16)] == [("full", 0)]
+
+
+def test_a_window_save_leaves_out_chunks_vllm_freed_and_saves_the_rest() -> None:
+    # A request with a local prefix hit of 2 chunks (window 32): vLLM padded the window table
+    # with null blocks up to the window (blocks 0-5), so chunk 0's stored tail (blocks 2, 3)
+    # is gone; chunks 1 and 2 hold theirs. The scheduler saves from chunk 0 (the pool may
+    # lack what vLLM caches): chunk 0 has no window value, the others are saved.
+    hashes = ["a" * 32, "b" * 32, "c" * 32]
+    req = ReqMeta("r", block_ids=[], chunk_hashes=hashes, save_from_chunk=0, save_to_chunk=3,
+                  group_block_ids=([0] * 6 + [56, 57, 58, 59, 60, 61],))
+    rows = _window_planner(32).save(req)
+    assert [[t.block_ids for t in row] for row in rows] == [[], [[56, 57]], [[60, 61]]]
+    assert [t.chunk for row in rows for t in row] == [1, 2]
