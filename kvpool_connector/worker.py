@@ -379,7 +379,9 @@ class KVPoolWorker:
         for req in metadata.requests:
             try:
                 plan = self._plan_load(req, planner)
-            except ValueError as exc:
+            except (ValueError, IndexError) as exc:
+                # IndexError: a block id outside the registered caches (LayerLayout.addr);
+                # like bad metadata it fails this request, never vLLM's worker thread.
                 self._fail_request_blocks(req, str(exc))
                 continue
             if plan is not None:
@@ -416,7 +418,7 @@ class KVPoolWorker:
                 self._saving_reqs.add(req.req_id)
             try:
                 rows = self._plan_save(req)
-            except ValueError as exc:
+            except (ValueError, IndexError) as exc:  # IndexError: see start_load_kv
                 logger.error("kvpool save skipped: %s", exc)
                 self.reporter.error("save", "BAD_METADATA", str(exc), req_id=req.req_id)
                 continue

@@ -290,3 +290,28 @@ def test_a_window_save_leaves_out_chunks_vllm_freed_and_saves_the_rest() -> None
     rows = _window_planner(32).save(req)
     assert [[t.block_ids for t in row] for row in rows] == [[], [[56, 57]], [[60, 61]]]
     assert [t.chunk for row in rows for t in row] == [1, 2]
+
+
+def test_a_block_id_outside_the_caches_fails_its_request_not_the_engine(
+        backends: list[MooncakeBackend]) -> None:
+    # The worker's caches have 32 blocks; a table naming block 99 (a scheduler/worker
+    # mismatch) raises IndexError in the planner. It must end as that request's failure
+    # (load: recomputed; save: skipped, its held blocks released), never raise in vLLM's
+    # worker thread.
+    w, _ = _hybrid_worker(backends[0], uniq("oob"), load_async=True)
+    hashes = chunk_hashes(tokens(2 * 64 + 1, seed=21), 64)
+    bad = _table(90, 8)
+    save = ReqMeta(req_id="s", block_ids=bad, chunk_hashes=hashes, save_from_chunk=0,
+                   save_to_chunk=2, is_last_save=True, group_block_ids=(bad, bad), save_job=7)
+    w.start_load_kv(KVPoolConnectorMetadata(requests=[save]))
+    w.wait_for_save(KVPoolConnectorMetadata(requests=[save]))
+    outcomes = w.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.saves_done == {7: 1}
+    assert w.counters.saved_bytes == 0
+    load = ReqMeta(req_id="l", block_ids=bad, chunk_hashes=hashes,
+                   load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=128, can_load=True),
+                   group_block_ids=(bad, bad))
+    w.start_load_kv(KVPoolConnectorMetadata(requests=[load]))
+    assert _wait_recving(w) == {"l"}
+    assert w.take_failed_requests() == {"l"}
+    w.shutdown()
