@@ -16,7 +16,7 @@ from kvpool_connector._planning import TransferPlanner
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_hashes
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.worker import KVPoolWorker
+from kvpool_connector.worker import KVPoolWorker, _ranges
 from kvpool_replay import LocalMooncakeMaster
 
 from test_worker_mooncake import (  # isort: skip
@@ -315,3 +315,28 @@ def test_a_block_id_outside_the_caches_fails_its_request_not_the_engine(
     assert _wait_recving(w) == {"l"}
     assert w.take_failed_requests() == {"l"}
     w.shutdown()
+
+
+def test_engines_whose_groups_hold_other_layers_never_share(
+        backends: list[MooncakeBackend]) -> None:
+    # The same four layers and group kinds, counts and block sizes, but the window group holds
+    # layers (a, c) on one engine and (a, b) on the other (another vLLM's grouping): the
+    # ``.g0`` value of one is not the other's KV, so their layout digests differ.
+    def worker(window_layers: tuple[str, str]) -> KVPoolWorker:
+        full = tuple(n for n in "abcd" if n not in window_layers)
+        groups = [KVGroup(0, "sliding_window", "SlidingWindowSpec", window_layers, 16, 32),
+                  KVGroup(1, "full", "FullAttentionSpec", full, 16)]
+        kv = {n: torch.zeros(8, 16, 64, dtype=torch.float32) for n in "abcd"}
+        w = KVPoolWorker(Settings(chunk_size=64), TP0, "m", backends[0],  # type: ignore[arg-type]
+                         groups=groups)
+        w.register_kv_caches(kv)
+        _ALIVE.append((kv, w))
+        return w
+
+    one, other, again = worker(("a", "c")), worker(("a", "b")), worker(("a", "c"))
+    assert one.layout_digest != other.layout_digest
+    assert one.layout_digest == again.layout_digest
+    assert one.layout_facts is not None and " L0,2 " in f"{one.layout_facts.groups} "
+    assert _ranges([0, 1, 2, 4, 6, 7]) == "0-2,4,6-7"
+    for w in (one, other, again):
+        w.shutdown()
