@@ -15,7 +15,7 @@ from kvpool_connector._layout import LayerLayout, Region
 from kvpool_connector._planning import TransferPlanner
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_hashes
-from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
 from kvpool_connector.worker import KVPoolWorker, _ranges
 from kvpool_replay import LocalMooncakeMaster
 
@@ -340,3 +340,58 @@ def test_engines_whose_groups_hold_other_layers_never_share(
     assert _ranges([0, 1, 2, 4, 6, 7]) == "0-2,4,6-7"
     for w in (one, other, again):
         w.shutdown()
+
+
+def test_window_blocks_a_save_reads_are_held_until_every_worker_reported_it() -> None:
+    # vLLM's own BlockPool and request objects; a producer scheduler of two groups (window 32,
+    # 16-token blocks, 64-token chunks) over 2 workers.
+    from vllm import SamplingParams
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import (
+        CachedRequestData,
+        KVConnectorBlockState,
+        NewRequestData,
+        SchedulerOutput,
+    )
+    from vllm.v1.request import Request
+
+    from kvpool_connector.config import KVPoolConfig
+    from kvpool_connector.scheduler import KVPoolScheduler
+
+    cfg = KVPoolConfig.from_dicts({"chunk_size": 64}, kv_role="kv_producer", block_size=16,
+                                  model=uniq("hold"))
+    groups = [KVGroup(0, "sliding_window", "SlidingWindowSpec", ("sw",), 16, window=32),
+              KVGroup(1, "full", "FullAttentionSpec", ("full",), 16)]
+    sched = KVPoolScheduler(cfg, None, groups=groups, world_size=2)
+    pool = BlockPool(64, enable_caching=True, hash_block_size=16)
+    sched.bind_block_pool(pool)
+    sw, full = pool.get_new_blocks(12), pool.get_new_blocks(12)
+    tables = ([b.block_id for b in sw], [b.block_id for b in full])
+    req = Request("r", list(range(3, 203)), SamplingParams(max_tokens=4), None)
+    sched.update_state_after_alloc(req, KVCacheBlocks((sw, full)), 0)
+    new = NewRequestData.from_request(req, tables)
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={"r": 192}, total_num_scheduled_tokens=192,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[], kv_connector_block_state=KVConnectorBlockState(
+            req_ids={"r"}, resolve_block_ids=lambda _rid: tables,
+            boundary_state_offloads={}))
+    (m,) = sched.build_connector_meta(out).requests
+    assert (m.save_from_chunk, m.save_to_chunk, m.save_job) == (0, 3, 0)
+    # Each chunk's stored tail (its last 2 window blocks) is held, nothing else.
+    held = [tables[0][i] for i in (2, 3, 6, 7, 10, 11)]
+    assert [pool.blocks[b].ref_cnt for b in tables[0]] == [
+        2 if b in held else 1 for b in tables[0]]
+    assert sched.has_held_blocks
+    # vLLM frees the request's blocks (the window moved on): held ones stay out of the free
+    # queue until both workers reported the job; a second report of a job changes nothing.
+    pool.free_blocks(sw)
+    sched.loads_outcome(LoadOutcomes({}, {0: 1}), ())
+    assert sched.has_held_blocks and all(pool.blocks[b].ref_cnt == 1 for b in held)
+    sched.loads_outcome(LoadOutcomes({}, {0: 1}), ())
+    assert not sched.has_held_blocks and all(pool.blocks[b].ref_cnt == 0 for b in held)
+    free = pool.get_num_free_blocks()
+    sched.loads_outcome(LoadOutcomes({}, {0: 2}), ())
+    assert pool.get_num_free_blocks() == free and all(pool.blocks[b].ref_cnt == 0 for b in held)
