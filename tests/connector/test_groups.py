@@ -395,3 +395,16 @@ def test_window_blocks_a_save_reads_are_held_until_every_worker_reported_it() ->
     free = pool.get_num_free_blocks()
     sched.loads_outcome(LoadOutcomes({}, {0: 2}), ())
     assert pool.get_num_free_blocks() == free and all(pool.blocks[b].ref_cnt == 0 for b in held)
+
+
+@pytest.mark.parametrize("window", [17, 31, 32, 33, 48, 64, 65, 100, 200])
+def test_a_window_load_fills_exactly_vllms_window_for_any_window(window: int) -> None:
+    # Windows shorter or longer than a chunk (64 tokens), multiples of the block (16) or
+    # not: a whole-chunk hit writes exactly the blocks vLLM allocated, never the null block.
+    table = _vllm_window_table(192, window, 50)
+    req = ReqMeta("r", block_ids=[], chunk_hashes=["a" * 32, "b" * 32, "c" * 32],
+                  group_block_ids=(table,),
+                  load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192, can_load=True))
+    plan = _window_planner(window).load(req)
+    assert plan is not None
+    assert sorted(b for t in plan.transfers for b in t.block_ids) == [b for b in table if b]
