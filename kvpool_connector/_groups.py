@@ -100,7 +100,8 @@ def kv_groups(kv_cache_config: Any, fallback_block_size: int) -> list[KVGroup]:
     as the demo's simulated engine passes).
 
     Kinds by spec class (vLLM 0.32 ``vllm.v1.kv_cache_interface``): ``SlidingWindowSpec`` ->
-    ``sliding_window``; ``FullAttentionSpec`` and ``MLAAttentionSpec`` -> ``full``; everything
+    ``sliding_window``; ``FullAttentionSpec`` and ``MLAAttentionSpec`` -> ``full`` (also with
+    a ``sliding_window``: a window layer vLLM keeps whole with its hybrid allocator off); everything
     else (``MambaSpec``, ``ChunkedLocalAttentionSpec``,
     ``CrossAttentionSpec``, ``EncoderOnlyAttentionSpec``...) -> ``unsupported``.
     """
@@ -114,11 +115,13 @@ def kv_groups(kv_cache_config: Any, fallback_block_size: int) -> list[KVGroup]:
         kind: GroupKind = "unsupported"
         window = 0
         # By exact class: a subclass vLLM adds later (sinks, sparse indexers...) may lay its
-        # blocks out otherwise, so it stays unsupported until it is looked at.
+        # blocks out otherwise, so it stays unsupported until it is looked at. A
+        # FullAttentionSpec with a sliding_window (or attention_chunk_size) is a local layer
+        # vLLM promoted with its hybrid allocator off (``unify_hybrid_kv_cache_specs``): it
+        # keeps a block per position, so the pool stores it whole like any full layer.
         if name == "SlidingWindowSpec":
             kind, window = "sliding_window", int(spec.sliding_window)
-        elif name in ("FullAttentionSpec", "MLAAttentionSpec") and not getattr(
-                spec, "sliding_window", None):
+        elif name in ("FullAttentionSpec", "MLAAttentionSpec"):
             kind = "full"
         out.append(KVGroup(i, kind, name, tuple(g.layer_names), int(spec.block_size), window))
     return out

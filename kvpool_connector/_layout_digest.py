@@ -84,10 +84,10 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             none; left out of the digest's input when empty, so digests without it are
             unchanged.
         hash_algo: the chunk-hash function (``keys.HashAlgo``); left out when ``sha256``.
-        groups: vLLM's KV-cache groups (``_groups.KVGroup.describe`` and bytes per token,
-            ``|``-joined: kind, spec, layers, block size, ``512B/tok``), ``""`` with one
-            full-attention group; left out when
-            empty, so digests of one-group engines are unchanged.
+        groups: vLLM's KV-cache groups (``_groups.KVGroup.describe``, bytes per token and
+            layer indices, ``|``-joined: kind, spec, layers, block size, ``512B/tok``,
+            ``L0-2``), ``""`` with one full-attention group; left out when empty, so digests
+            of one-group engines are unchanged.
     """
 
     scheme: int

@@ -224,22 +224,55 @@ class TransferPlanner:
         last = -(-spec.kvpool_cached_tokens // self.chunk_size)
         skip_below = spec.vllm_cached_tokens // self.block_size
         end_block = -(-spec.kvpool_cached_tokens // self.block_size)
-        g = self.group
-        if g is not None and g.kind == "sliding_window":
-            # Only the window before the hit's end: vLLM holds null blocks before it.
-            skip_below = max(skip_below, end_block - g.window_blocks)
-            first = max(first, g.needed_chunks(last, self.blocks_per_chunk).start)
+        if self.group is not None and self.group.kind == "sliding_window":
+            skip_below = self._window_start(req, skip_below, end_block)
+            first = max(first, skip_below // self.blocks_per_chunk)
         rows = self.chunk_transfers(req, range(first, last), skip_below, end_block=end_block)
         return LoadPlan(req, first, [t for row in rows for t in row])
+
+    def _window_start(self, req: ReqMeta, skip_below: int, end_block: int) -> int:
+        """The first position a sliding-window load writes: the first block vLLM allocated
+        for the hit (it holds the null block before the window).
+
+        vLLM counts every position of ``[skip_below, end_block)`` it gave a real block as
+        loaded, and prefix-caches it, so each must be written; one outside the stored tail of
+        its chunk (a hit trimmed inside a chunk, a window vLLM keeps longer than the stored
+        one) cannot be.
+
+        Raises:
+            ValueError: such a position (``WINDOW_NOT_STORED``): the load fails, vLLM
+                recomputes the request.
+        """
+        table = self.table(req)
+        start = skip_below
+        while start < min(end_block, len(table)) and table[start] == NULL_BLOCK_ID:
+            start += 1
+        bpc = self.blocks_per_chunk
+        missing = [p for p in range(start, end_block) if p % bpc < self.tail_offset]
+        if missing:
+            assert self.group is not None
+            raise ValueError(
+                f"request {req.req_id}: KV-cache group {self.group.index} needs blocks "
+                f"{missing} the pool does not store (each chunk's last "
+                f"{bpc - self.tail_offset} blocks only) (WINDOW_NOT_STORED)")
+        return start
 
     def save(self, req: ReqMeta) -> list[list[Transfer]]:
         """Per chunk in ``[req.save_from_chunk, req.save_to_chunk)``, its transfers (empty
         when the range is).
 
+        A sliding-window chunk whose stored tail vLLM no longer holds (null blocks: it left
+        the window, e.g. a local prefix hit) gets an empty row: nothing of it can be saved,
+        and a hit that would need it stops before it (``_groups.hybrid_hit``).
+
         Raises:
             ValueError: the metadata does not give the blocks or hashes of those chunks.
         """
-        return self.chunk_transfers(req, range(req.save_from_chunk, req.save_to_chunk))
+        chunks = range(req.save_from_chunk, req.save_to_chunk)
+        if self.group is None or self.group.kind != "sliding_window":
+            return self.chunk_transfers(req, chunks)
+        return [self.chunk_transfers(req, [c])[0]
+                if NULL_BLOCK_ID not in self.chunk_blocks(req, c) else [] for c in chunks]
 
 
 def by_layer(transfers: Iterable[Transfer], n_layers: int) -> list[list[Transfer]]:

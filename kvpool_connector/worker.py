@@ -112,6 +112,17 @@ _SavePlan = tuple[ReqMeta, list[list[Transfer]]]
 """A request and, per chunk to save, its transfers."""
 
 
+def _ranges(indices: Sequence[int]) -> str:
+    """Sorted indices as runs: ``[0, 1, 2, 4]`` -> ``0-2,4``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 class KVPoolWorker:
     """Worker side of ``KVPoolConnector``: saves and loads whole KV blocks through a ``Backend``.
 
@@ -285,12 +296,15 @@ class KVPoolWorker:
         self._saves.checksum = save_slots
 
     def _describe_groups(self, kv: KVLayout) -> list[str]:
-        """Each group as the layout digest and the console show it: ``KVGroup.describe`` and
-        the group's KV bytes per token on this worker (``16384B/tok``)."""
+        """Each group as the layout digest and the console show it: ``KVGroup.describe``,
+        the group's KV bytes per token on this worker (``16384B/tok``) and its layers' indices
+        (``L0-2,4``): a group's values are its layers' KV, so engines that group the same
+        layers otherwise (another vLLM) never share."""
         out = []
         for g in self.groups or ():
-            per_block = sum(kv.layers[kv.layer_index(n)].block_bytes for n in g.layer_names)
-            out.append(f"{g.describe()} {per_block // g.block_size}B/tok")
+            idx = sorted(kv.layer_index(n) for n in g.layer_names)
+            per_block = sum(kv.layers[i].block_bytes for i in idx)
+            out.append(f"{g.describe()} {per_block // g.block_size}B/tok L{_ranges(idx)}")
         return out
 
     @property
@@ -379,7 +393,9 @@ class KVPoolWorker:
         for req in metadata.requests:
             try:
                 plan = self._plan_load(req, planner)
-            except ValueError as exc:
+            except (ValueError, IndexError) as exc:
+                # IndexError: a block id outside the registered caches (LayerLayout.addr);
+                # like bad metadata it fails this request, never vLLM's worker thread.
                 self._fail_request_blocks(req, str(exc))
                 continue
             if plan is not None:
@@ -416,7 +432,7 @@ class KVPoolWorker:
                 self._saving_reqs.add(req.req_id)
             try:
                 rows = self._plan_save(req)
-            except ValueError as exc:
+            except (ValueError, IndexError) as exc:  # IndexError: see start_load_kv
                 logger.error("kvpool save skipped: %s", exc)
                 self.reporter.error("save", "BAD_METADATA", str(exc), req_id=req.req_id)
                 continue

@@ -102,8 +102,9 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     ``failed_hint`` its fix; ``namespace`` its key namespace (``namespace_text``);
     ``role_source`` who declared ``role`` ("" when it follows ``kv_role``).
     ``kv_groups`` are vLLM's KV-cache groups as the pool stores them (``kind:spec xLAYERS
-    bBLOCK BYTESB/tok``, e.g. ``sliding_window(64):SlidingWindowSpec x1 b32 512B/tok``: its
-    layers, block size and KV bytes per token on one worker; one ``full`` group unless
+    bBLOCK BYTESB/tok LINDICES``, e.g. ``sliding_window(64):SlidingWindowSpec x1 b32 512B/tok
+    L0``: its layers, block size, KV bytes per token on one worker and layer indices; one
+    ``full`` group unless
     the engine runs vLLM's hybrid allocator); ``mla`` whether its attention is MLA (one latent
     KV stored once, whatever the TP size); ``loaded_bytes_by_group`` /
     ``saved_bytes_by_group`` its workers' bytes by group (``g0``...: a sliding-window group

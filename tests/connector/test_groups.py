@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from kvpool_connector._groups import KVGroup, hybrid_hit, kv_groups
+from kvpool_connector._layout import LayerLayout, Region
+from kvpool_connector._planning import TransferPlanner
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_hashes
-from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.worker import KVPoolWorker
+from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
+from kvpool_connector.worker import KVPoolWorker, _ranges
 from kvpool_replay import LocalMooncakeMaster
 
 from test_worker_mooncake import (  # isort: skip
@@ -214,3 +216,195 @@ def test_hybrid_worker_stores_the_window_and_a_failed_key_fails_the_whole_reques
     assert outcomes is not None and outcomes.outcomes["r2"] == (192, 0)
     writer.shutdown()
     reader.shutdown()
+
+
+def _window_planner(window: int) -> TransferPlanner:
+    """A planner of one sliding-window group (16-token blocks, 64-token chunks: 4 blocks)."""
+    layer = LayerLayout("sw", 0, (Region(0x10000, 256, 256, 64),))
+    group = KVGroup(0, "sliding_window", "SlidingWindowSpec", ("sw",), 16, window=window)
+    return TransferPlanner([layer], "p", block_size=16, chunk_size=64, layerwise=False,
+                           scratch=0xF000, group=group)
+
+
+def _vllm_window_table(hit_tokens: int, window: int, first_id: int) -> list[int]:
+    """The block table vLLM 0.32's ``SlidingWindowManager`` gives a request whose hit of
+    ``hit_tokens`` is all external: null blocks for the tokens its window skips
+    (``get_num_skipped_tokens``: ``hit - window + 1``), then a new block per position."""
+    skipped = max(0, hit_tokens - window + 1) // 16
+    return [0] * skipped + list(range(first_id, first_id + -(-hit_tokens // 16) - skipped))
+
+
+def test_a_window_load_writes_every_block_vllm_allocated_or_fails() -> None:
+    hashes = ["a" * 32, "b" * 32, "c" * 32]
+    # A whole-chunk hit (192 tokens, window 32): vLLM allocated blocks 10 and 11, the last two
+    # of chunk 2's value; both are written and nothing else.
+    table = _vllm_window_table(192, 32, 50)
+    req = ReqMeta("r", block_ids=[], chunk_hashes=hashes, group_block_ids=(table,),
+                  load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192, can_load=True))
+    plan = _window_planner(32).load(req)
+    assert plan is not None and [t.block_ids for t in plan.transfers] == [[50, 51]]
+    # vLLM trimmed the hit to block 6 (mid chunk 1): its window needs blocks 4 and 5, which
+    # no value holds (chunk 1's holds blocks 6 and 7). Writing nothing there would leave
+    # vLLM's allocated blocks 4 and 5 unwritten yet counted as computed (and cached): the load
+    # must fail instead (vLLM recomputes the request).
+    table = _vllm_window_table(96, 32, 50)
+    assert table == [0, 0, 0, 0, 50, 51]
+    trimmed = ReqMeta("t", block_ids=[], chunk_hashes=hashes, group_block_ids=(table,),
+                      load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=96,
+                                    can_load=True))
+    with pytest.raises(ValueError, match="WINDOW_NOT_STORED"):
+        _window_planner(32).load(trimmed)
+    # vLLM keeps more of the window than the pool stored (a longer retained window, e.g.
+    # vLLM's ``extra_retained_tokens``): the block before the stored tail is not in the pool.
+    longer = ReqMeta("l", block_ids=[], chunk_hashes=hashes,
+                     group_block_ids=([0] * 9 + [50, 51, 52],),
+                     load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192,
+                                   can_load=True))
+    with pytest.raises(ValueError, match="WINDOW_NOT_STORED"):
+        _window_planner(32).load(longer)
+
+
+def test_a_window_layer_vllm_promoted_to_full_attention_is_a_full_group() -> None:
+    # vLLM's hybrid allocator off (``disable_hybrid_kv_cache_manager``, or a MultiConnector
+    # with a connector that is not SupportsHMA): ``unify_hybrid_kv_cache_specs`` rebuilds a
+    # sliding-window layer as a FullAttentionSpec that keeps ``sliding_window`` but allocates
+    # and keeps a block per position, as the pool stored every model before issue 22.
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, replace_as
+
+    sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                           sliding_window=64)
+    promoted = replace_as(sw, FullAttentionSpec, drop=("extra_retained_tokens",))
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=promoted, layer_names=["a", "b"])])
+    assert [(g.kind, g.window) for g in kv_groups(cfg, 16)] == [("full", 0)]
+
+
+def test_a_window_save_leaves_out_chunks_vllm_freed_and_saves_the_rest() -> None:
+    # A request with a local prefix hit of 2 chunks (window 32): vLLM padded the window table
+    # with null blocks up to the window (blocks 0-5), so chunk 0's stored tail (blocks 2, 3)
+    # is gone; chunks 1 and 2 hold theirs. The scheduler saves from chunk 0 (the pool may
+    # lack what vLLM caches): chunk 0 has no window value, the others are saved.
+    hashes = ["a" * 32, "b" * 32, "c" * 32]
+    req = ReqMeta("r", block_ids=[], chunk_hashes=hashes, save_from_chunk=0, save_to_chunk=3,
+                  group_block_ids=([0] * 6 + [56, 57, 58, 59, 60, 61],))
+    rows = _window_planner(32).save(req)
+    assert [[t.block_ids for t in row] for row in rows] == [[], [[56, 57]], [[60, 61]]]
+    assert [t.chunk for row in rows for t in row] == [1, 2]
+
+
+def test_a_block_id_outside_the_caches_fails_its_request_not_the_engine(
+        backends: list[MooncakeBackend]) -> None:
+    # The worker's caches have 32 blocks; a table naming block 99 (a scheduler/worker
+    # mismatch) raises IndexError in the planner. It must end as that request's failure
+    # (load: recomputed; save: skipped, its held blocks released), never raise in vLLM's
+    # worker thread.
+    w, _ = _hybrid_worker(backends[0], uniq("oob"), load_async=True)
+    hashes = chunk_hashes(tokens(2 * 64 + 1, seed=21), 64)
+    bad = _table(90, 8)
+    save = ReqMeta(req_id="s", block_ids=bad, chunk_hashes=hashes, save_from_chunk=0,
+                   save_to_chunk=2, is_last_save=True, group_block_ids=(bad, bad), save_job=7)
+    w.start_load_kv(KVPoolConnectorMetadata(requests=[save]))
+    w.wait_for_save(KVPoolConnectorMetadata(requests=[save]))
+    outcomes = w.build_connector_worker_meta()
+    assert outcomes is not None and outcomes.saves_done == {7: 1}
+    assert w.counters.saved_bytes == 0
+    load = ReqMeta(req_id="l", block_ids=bad, chunk_hashes=hashes,
+                   load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=128, can_load=True),
+                   group_block_ids=(bad, bad))
+    w.start_load_kv(KVPoolConnectorMetadata(requests=[load]))
+    assert _wait_recving(w) == {"l"}
+    assert w.take_failed_requests() == {"l"}
+    w.shutdown()
+
+
+def test_engines_whose_groups_hold_other_layers_never_share(
+        backends: list[MooncakeBackend]) -> None:
+    # The same four layers and group kinds, counts and block sizes, but the window group holds
+    # layers (a, c) on one engine and (a, b) on the other (another vLLM's grouping): the
+    # ``.g0`` value of one is not the other's KV, so their layout digests differ.
+    def worker(window_layers: tuple[str, str]) -> KVPoolWorker:
+        full = tuple(n for n in "abcd" if n not in window_layers)
+        groups = [KVGroup(0, "sliding_window", "SlidingWindowSpec", window_layers, 16, 32),
+                  KVGroup(1, "full", "FullAttentionSpec", full, 16)]
+        kv = {n: torch.zeros(8, 16, 64, dtype=torch.float32) for n in "abcd"}
+        w = KVPoolWorker(Settings(chunk_size=64), TP0, "m", backends[0],  # type: ignore[arg-type]
+                         groups=groups)
+        w.register_kv_caches(kv)
+        _ALIVE.append((kv, w))
+        return w
+
+    one, other, again = worker(("a", "c")), worker(("a", "b")), worker(("a", "c"))
+    assert one.layout_digest != other.layout_digest
+    assert one.layout_digest == again.layout_digest
+    assert one.layout_facts is not None and " L0,2 " in f"{one.layout_facts.groups} "
+    assert _ranges([0, 1, 2, 4, 6, 7]) == "0-2,4,6-7"
+    for w in (one, other, again):
+        w.shutdown()
+
+
+def test_window_blocks_a_save_reads_are_held_until_every_worker_reported_it() -> None:
+    # vLLM's own BlockPool and request objects; a producer scheduler of two groups (window 32,
+    # 16-token blocks, 64-token chunks) over 2 workers.
+    from vllm import SamplingParams
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import (
+        CachedRequestData,
+        KVConnectorBlockState,
+        NewRequestData,
+        SchedulerOutput,
+    )
+    from vllm.v1.request import Request
+
+    from kvpool_connector.config import KVPoolConfig
+    from kvpool_connector.scheduler import KVPoolScheduler
+
+    cfg = KVPoolConfig.from_dicts({"chunk_size": 64}, kv_role="kv_producer", block_size=16,
+                                  model=uniq("hold"))
+    groups = [KVGroup(0, "sliding_window", "SlidingWindowSpec", ("sw",), 16, window=32),
+              KVGroup(1, "full", "FullAttentionSpec", ("full",), 16)]
+    sched = KVPoolScheduler(cfg, None, groups=groups, world_size=2)
+    pool = BlockPool(64, enable_caching=True, hash_block_size=16)
+    sched.bind_block_pool(pool)
+    sw, full = pool.get_new_blocks(12), pool.get_new_blocks(12)
+    tables = ([b.block_id for b in sw], [b.block_id for b in full])
+    req = Request("r", list(range(3, 203)), SamplingParams(max_tokens=4), None)
+    sched.update_state_after_alloc(req, KVCacheBlocks((sw, full)), 0)
+    new = NewRequestData.from_request(req, tables)
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={"r": 192}, total_num_scheduled_tokens=192,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[], kv_connector_block_state=KVConnectorBlockState(
+            req_ids={"r"}, resolve_block_ids=lambda _rid: tables,
+            boundary_state_offloads={}))
+    (m,) = sched.build_connector_meta(out).requests
+    assert (m.save_from_chunk, m.save_to_chunk, m.save_job) == (0, 3, 0)
+    # Each chunk's stored tail (its last 2 window blocks) is held, nothing else.
+    held = [tables[0][i] for i in (2, 3, 6, 7, 10, 11)]
+    assert [pool.blocks[b].ref_cnt for b in tables[0]] == [
+        2 if b in held else 1 for b in tables[0]]
+    assert sched.has_held_blocks
+    # vLLM frees the request's blocks (the window moved on): held ones stay out of the free
+    # queue until both workers reported the job; a second report of a job changes nothing.
+    pool.free_blocks(sw)
+    sched.loads_outcome(LoadOutcomes({}, {0: 1}), ())
+    assert sched.has_held_blocks and all(pool.blocks[b].ref_cnt == 1 for b in held)
+    sched.loads_outcome(LoadOutcomes({}, {0: 1}), ())
+    assert not sched.has_held_blocks and all(pool.blocks[b].ref_cnt == 0 for b in held)
+    free = pool.get_num_free_blocks()
+    sched.loads_outcome(LoadOutcomes({}, {0: 2}), ())
+    assert pool.get_num_free_blocks() == free and all(pool.blocks[b].ref_cnt == 0 for b in held)
+
+
+@pytest.mark.parametrize("window", [17, 31, 32, 33, 48, 64, 65, 100, 200])
+def test_a_window_load_fills_exactly_vllms_window_for_any_window(window: int) -> None:
+    # Windows shorter or longer than a chunk (64 tokens), multiples of the block (16) or
+    # not: a whole-chunk hit writes exactly the blocks vLLM allocated, never the null block.
+    table = _vllm_window_table(192, window, 50)
+    req = ReqMeta("r", block_ids=[], chunk_hashes=["a" * 32, "b" * 32, "c" * 32],
+                  group_block_ids=(table,),
+                  load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=192, can_load=True))
+    plan = _window_planner(window).load(req)
+    assert plan is not None
+    assert sorted(b for t in plan.transfers for b in t.block_ids) == [b for b in table if b]
