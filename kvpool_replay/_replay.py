@@ -27,6 +27,7 @@ import httpx
 import msgspec
 import psutil
 
+from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay._pool import (
     MIN_SEGMENT_BYTES,
@@ -76,6 +77,9 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         show_progress: a progress bar (requests, hit rate, ETA) on stderr while engines run.
         kv_roles: ``kv_role`` per engine (cycled); default all ``kv_both``.
         model: model name in keys (one namespace per run).
+        admission: the engines' ``kv_connector_extra_config.admission`` (``all`` | ``adaptive``);
+            ``adaptive`` needs ``pool_tokens`` and is told each engine's share of the pool
+            (``admission_pool_tokens``: pool tokens / engines on it).
     """
 
     trace_path: str
@@ -96,6 +100,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kv_roles: list[str] = msgspec.field(default_factory=list)
     model: str = ""
     vocab_size: int = DEFAULT_VOCAB_SIZE
+    admission: AdmissionMode = "all"
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -106,7 +111,8 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     engine in private mode); ``lru_hit_rate`` an exact LRU of ``pool_tokens`` (per engine of
     ``pool_tokens / engines`` in private mode), equal to the ceiling when unbounded.
     ``save_bytes_per_s``/``load_bytes_per_s``: bytes over the time engines spent in the
-    connector's save/load calls. Peak RSS in bytes (engines: the largest one).
+    connector's save/load calls. Peak RSS in bytes (engines: the largest one). ``admission``:
+    the engines' admission policy.
     """
 
     requests: int
@@ -134,6 +140,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     peak_rss_replay_bytes: int
     pool_evicted_keys: int = 0
     pool_keys: int = 0
+    admission: str = "all"
     errors: list[str] = msgspec.field(default_factory=list)
     per_engine: list[EngineResult] = msgspec.field(default_factory=list)
 
@@ -247,6 +254,9 @@ def run_replay(
     if cfg.mode == "private" and cfg.master_address:
         raise ValueError("--master works only with --shared: private mode starts one master "
                          "per engine")
+    if cfg.admission == "adaptive" and cfg.pool_tokens is None:
+        raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
+                         "of that capacity")
     if cfg.chunk_size % cfg.shape.block_size:
         raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
                          f"{cfg.shape.block_size}")
@@ -271,6 +281,11 @@ def run_replay(
 
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
         f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
+    # Each engine's admission sees its share of the traffic: it simulates its share of the pool.
+    engines_per_pool = n_eng if cfg.mode == "shared" else 1
+    admission: dict[str, object] = {"admission": cfg.admission}
+    if cfg.admission == "adaptive":
+        admission["admission_pool_tokens"] = max(1, per_pool_tokens // engines_per_pool)
     pool_keys = pool_evicted = 0
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
         work = Path(tmp)
@@ -329,7 +344,7 @@ def run_replay(
                     lease_ttl_ms=lease_ttls[i % n_pools],
                     high_watermark=None if cfg.master_address
                     else cfg.eviction_high_watermark_ratio,
-                ),
+                ) | admission,
             )
             proc = spawn_engine(spec, work)
             stack.callback(stop_process_tree, proc)
@@ -392,6 +407,7 @@ def run_replay(
         peak_rss_replay_bytes=peaks.get("replay", 0),
         pool_evicted_keys=pool_evicted,
         pool_keys=pool_keys,
+        admission=cfg.admission,
         errors=errors,
         per_engine=results,
     )
