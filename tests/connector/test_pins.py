@@ -81,10 +81,13 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     r = pins.pin("template", later, mode="hard")
     assert (r.pinned_now, r.pending) == (0, 3)
     assert r.pinned_bytes == 7 * VALUE == pins.pinned_bytes
-    assert _put(b, buf, later_keys) == [0, 0, 0]  # saved later: pinned as it is put
+    # Saved later, in one batch with an unpinned key: the pinned ones are put pinned.
+    late_unpinned = _keys(chunk_hashes([11] * CHUNK, CHUNK))
+    assert _put(b, buf, [later_keys[0], *late_unpinned, *later_keys[1:]]) == [0] * 4
+    unpinned += late_unpinned
 
     _flood(b, buf, "a")
-    assert b.batch_exists(unpinned) == [0, 0]
+    assert b.batch_exists(unpinned) == [0, 0, 0]
     assert b.batch_exists(saved_keys + later_keys) == [1] * 7
     got = b.store.get(saved_keys[0])
     assert got == bytes(buf.numpy())  # the value itself, not only its key
