@@ -353,7 +353,7 @@ class MooncakeBackend(Backend):
     def unpin_keys(self, keys: Sequence[str]) -> list[int]:
         """Forget the pins of ``keys`` and remove them from the pool: Mooncake keeps a pin
         through an upsert and refuses ``SoftPinAction.DISABLE`` with a TTL (-600, seen with
-        mooncake-transfer-engine 0.3.x), so the value goes and the next request that computes
+        mooncake-transfer-engine 0.3.13.post1), so the value goes and the next request that computes
         it saves it unpinned. Per key 0 removed, or a negative ``ErrorCode`` (a key under a
         lease is not removed: retry after ``default_kv_lease_ttl``)."""
         for key in keys:
