@@ -27,6 +27,7 @@ from kvpool_agent.vocabulary import (
     KVRole,
 )
 from kvpool_connector._validation import field_problems
+from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
 from kvpool_connector.sizes import parse_size
 
@@ -66,6 +67,8 @@ class _ExtraFields(BaseModel):
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
     reset_flush_scope: ResetFlushScope = "none"
+    admission: AdmissionMode = "all"
+    admission_pool_tokens: int | None = Field(default=None, gt=0)
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -184,6 +187,14 @@ class KVPoolConfig(BaseModel):
             once the lease ends (never by force, 15 s at most). The flush runs on
             worker rank 0 (through the lookup socket) before ``reset_cache`` returns, and is
             audited like a console flush (``kvpool_agent._audit``).
+        admission: which chunks are saved (``kvpool_connector.admission``): ``all`` (default)
+            every whole chunk; ``adaptive`` follows whichever of *all* and a doorkeeper (save
+            only chunks an earlier request asked for, after W-TinyLFU) would have hit more,
+            simulated on ghost caches of ``admission_pool_tokens``. A ``kv_producer`` saves
+            every chunk either way: its saves are its decode engine's hand-over.
+        admission_pool_tokens: the pool's capacity in tokens of this model (pool bytes over
+            bytes per token; divided by the engines sharing it), which the adaptive policy's
+            ghost caches simulate; needed with ``admission: adaptive``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -215,6 +226,8 @@ class KVPoolConfig(BaseModel):
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
     reset_flush_scope: ResetFlushScope = "none"
+    admission: AdmissionMode = "all"
+    admission_pool_tokens: int | None = None
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -298,6 +311,11 @@ class KVPoolConfig(BaseModel):
         if values["save_budget_bytes"] <= 0:
             raise ValueError("kv_connector_extra_config.save_budget: must be more than 0 bytes, "
                              'e.g. "256MB"')
+        if fields.admission == "adaptive" and fields.admission_pool_tokens is None:
+            raise ValueError(
+                "kv_connector_extra_config.admission_pool_tokens: admission 'adaptive' needs "
+                "the pool's capacity in tokens of this model (pool bytes / bytes per token), "
+                "e.g. 2000000")
         eid = fields.engine_id or engine_id or "engine"
         declared, role_source = declared_instance_role(fields.instance_role, eid)
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None

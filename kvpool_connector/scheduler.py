@@ -58,6 +58,7 @@ import msgspec
 
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
+from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ChunkHashCache
 from kvpool_connector.lookup import LookupFailed
@@ -122,12 +123,14 @@ class LookupCounters:
 
 @dataclass
 class _Tracker:
-    """One running request: its prompt's chunk hashes, block ids and save progress."""
+    """One running request: its prompt's chunk hashes, block ids and save progress;
+    ``save_limit``: leading chunks its admission policy lets it save."""
 
     hashes: list[str]
     block_ids: list[int]
     saved_chunks: int = 0
     group_block_ids: tuple[list[int], ...] = ()
+    save_limit: int = 0
 
 
 @dataclass
@@ -250,6 +253,9 @@ class KVPoolScheduler:
         # Repeats, later turns of a conversation, a common system prompt: hashed once.
         self.hash_cache = ChunkHashCache(config.chunk_size, config.hash_algo)
         self._breaker = _Breaker(config.lookup_breaker_failures, config.lookup_breaker_open_ms)
+        # Which leading chunks of a new request are saved (admission: all | adaptive).
+        self.admission = admission_for(config.admission, config.kv_role,
+                                       config.admission_pool_tokens, config.chunk_size)
         # Loads sent to the workers whose outcome has not come back: request id -> tokens
         # accepted; for async loads, the least loaded by the workers that answered so far.
         self._awaiting_outcome: dict[str, int] = {}
@@ -443,7 +449,9 @@ class KVPoolScheduler:
                 continue
             pending = self._pending_loads.pop(rid, None)
             load = pending.spec if pending is not None else None
-            tracker = _Tracker(hashes, list(new.block_ids[0]))
+            # The one place a save is decided: once per request, when it is first scheduled.
+            tracker = _Tracker(hashes, list(new.block_ids[0]),
+                               save_limit=self.admission.admit(hashes) if save else 0)
             # Chunks the pool already holds need no save.
             pool_tokens = self._sent_loads.pop(rid, 0)
             if load is not None:
@@ -569,13 +577,13 @@ class KVPoolScheduler:
         """A ``ReqMeta`` saving the chunks completed by ``tokens_done`` tokens, if any."""
         if not save:
             return None
-        complete = min(len(tracker.hashes), tokens_done // self.chunk_size,
+        complete = min(tracker.save_limit, tokens_done // self.chunk_size,
                        len(tracker.block_ids) // self.config.blocks_per_chunk)
         if complete <= tracker.saved_chunks:
             return None
         req = self._empty_meta(rid, tracker)
         req.save_from_chunk, req.save_to_chunk = tracker.saved_chunks, complete
-        req.is_last_save = complete == len(tracker.hashes)
+        req.is_last_save = complete == tracker.save_limit
         self.counters.saves_scheduled_chunks += complete - tracker.saved_chunks
         tracker.saved_chunks = complete
         self._saving.add(rid)

@@ -3,7 +3,8 @@
 
 - ``run_replay``/``ReplayConfig``/``ReplayReport``: the replay behind ``kvpool-replay``
   (``kvpool_replay.cli``): engine processes replay a Mooncake trace through ``KVPoolConnector``
-  and a real pool, set against ``reference_for`` (``prefix_ceiling``, ``lru_hits``);
+  and a real pool, set against ``reference_for`` (``prefix_ceiling``, ``lru_hits``); Belady's
+  MIN is ``belady_hits``;
 - ``DemoCluster``: master + store, fleet hub, operator keys and engine processes replaying a
   trace; ``kvpool-console --demo`` runs it with the console's TUI (``kvpool_replay.demo``);
 - ``LocalMooncakeMaster``, ``LocalPoolStore``, ``LocalYuanrongWorker``, ``free_port``,
@@ -17,7 +18,7 @@ Importing the package loads neither torch nor vLLM: only the engine processes do
 
 from kvpool_replay._cluster import DEMO_SHAPE, DemoCluster
 from kvpool_replay._pool import mooncake_extra_config
-from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
+from kvpool_replay._reference import ReuseResult, belady_hits, lru_hits, prefix_ceiling
 from kvpool_replay._replay import ReplayConfig, ReplayReport, reference_for, run_replay
 from kvpool_replay._services import (
     LocalMooncakeMaster,
@@ -46,6 +47,7 @@ __all__ = [
     "ReuseResult",
     "TraceError",
     "TraceRequest",
+    "belady_hits",
     "build_tiny_model",
     "default_trace_path",
     "engine_env",

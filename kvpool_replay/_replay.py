@@ -28,6 +28,7 @@ import msgspec
 import psutil
 
 from kvpool_agent.masters import leader_admin_url
+from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._pool import (
@@ -83,6 +84,9 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         kill_leader_after_s: with ``ha`` >= 2, SIGKILL the leader master this many seconds
             after the replay started (``_ha.FailoverDrill``).
         model: model name in keys (one namespace per run).
+        admission: the engines' ``kv_connector_extra_config.admission`` (``all`` | ``adaptive``);
+            ``adaptive`` needs ``pool_tokens`` and is told each engine's share of the pool
+            (``admission_pool_tokens``: pool tokens / engines on it).
     """
 
     trace_path: str
@@ -105,6 +109,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     vocab_size: int = DEFAULT_VOCAB_SIZE
     ha: int = 0
     kill_leader_after_s: float | None = None
+    admission: AdmissionMode = "all"
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -121,6 +126,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
+    ``admission``: the engines' admission policy.
     """
 
     requests: int
@@ -155,6 +161,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     keys_at_kill: int | None = None
     keys_kept: int | None = None
     hits_lost: int | None = None
+    admission: str = "all"
     errors: list[str] = msgspec.field(default_factory=list)
     per_engine: list[EngineResult] = msgspec.field(default_factory=list)
 
@@ -290,6 +297,9 @@ def run_replay(
     if cfg.kill_leader_after_s is not None and cfg.ha < 2:
         raise ValueError("--kill-leader-after needs --ha 2 or more (a standby master to take "
                          "over)")
+    if cfg.admission == "adaptive" and cfg.pool_tokens is None:
+        raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
+                         "of that capacity")
     if cfg.chunk_size % cfg.shape.block_size:
         raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
                          f"{cfg.shape.block_size}")
@@ -314,6 +324,11 @@ def run_replay(
 
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
         f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
+    # Each engine's admission sees its share of the traffic: it simulates its share of the pool.
+    engines_per_pool = n_eng if cfg.mode == "shared" else 1
+    admission: dict[str, object] = {"admission": cfg.admission}
+    if cfg.admission == "adaptive":
+        admission["admission_pool_tokens"] = max(1, per_pool_tokens // engines_per_pool)
     pool_keys = pool_evicted = 0
     drill: FailoverDrill | None = None
     ha_pool: LocalHaPool | None = None
@@ -390,7 +405,7 @@ def run_replay(
                     lease_ttl_ms=lease_ttls[i % n_pools],
                     high_watermark=None if cfg.master_address
                     else cfg.eviction_high_watermark_ratio,
-                ),
+                ) | admission,
             )
             proc = spawn_engine(spec, work)
             stack.callback(stop_process_tree, proc)
@@ -469,6 +484,7 @@ def run_replay(
                                        drill.served_at)
                    if drill and drill.killed_at and drill.served_at and cfg.mode == "shared"
                    else None),
+        admission=cfg.admission,
         errors=errors,
         per_engine=results,
     )

@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a request's lookup while the previous one's saves still run")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar on stderr (requests done, req/s, hit rate, ETA)")
+    p.add_argument("--admission", choices=["all", "adaptive"], default="all",
+                   help="the connector's save admission: all (default) saves every chunk; "
+                   "adaptive skips chunks never asked for before when that would hit more "
+                   "(needs --pool-tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -110,7 +114,8 @@ def format_report(r: ReplayReport) -> str:
     pool = "unbounded" if r.pool_tokens is None else f"{r.pool_tokens:,} tokens"
     lines = [
         f"requests            {r.requests:,} on {r.engines} engine(s), {r.mode} pool ({pool}, "
-        f"{r.pool_bytes / mib:.0f} MiB, {r.bytes_per_token} B/token, chunk {r.chunk_size})",
+        f"{r.pool_bytes / mib:.0f} MiB, {r.bytes_per_token} B/token, chunk {r.chunk_size}), "
+        f"admission {r.admission}",
         f"input tokens        {r.input_tokens:,}",
         f"hit tokens          {r.hit_tokens:,}",
         f"hit rate            {r.hit_rate:.2%}   (ceiling {r.ceiling_hit_rate:.2%}, "
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             agent_address=args.agent_address, wait_saves=args.wait_saves,
             load_async=args.load_async, use_layerwise=args.layerwise,
             show_progress=args.progress, ha=args.ha,
-            kill_leader_after_s=args.kill_leader_after,
+            kill_leader_after_s=args.kill_leader_after, admission=args.admission,
         )
         # Killed on the spot it would leave its master, store and engines running: the signal
         # raises Stopped instead, and run_replay stops what it started on the way out.

@@ -40,6 +40,7 @@ UNITS: dict[str, str] = {
     "lookup_breaker_failures": "lookups",
     "lookup_breaker_open_ms": "ms",
     "save_budget": "bytes",
+    "admission_pool_tokens": "tokens",
 }
 DEFAULT_WHEN_UNSET: dict[str, str] = {
     "chunk_size": "vLLM's block size",
@@ -48,6 +49,7 @@ DEFAULT_WHEN_UNSET: dict[str, str] = {
     "agent_keys": "unset: no key",
     "instance_role": "unset: follows `kv_role`",
     "lookup_rpc_port": "0: named from vLLM's `instance_id`",
+    "admission_pool_tokens": "unset (needed by `adaptive`)",
 }
 TYPES: dict[str, str] = {
     # Parsed by kvpool_connector.sizes.parse_size (Mooncake's grammar, K/M/G/T = 1024^n).

@@ -30,7 +30,8 @@ PINNED: dict[str, list[str]] = {
     "kvpool_replay": [
         "DEMO_SHAPE", "DemoCluster", "EngineResult", "EngineSpec", "LocalMooncakeMaster",
         "LocalPoolStore", "LocalYuanrongWorker", "ModelShape", "ReplayConfig", "ReplayReport",
-        "ReuseResult", "TraceError", "TraceRequest", "build_tiny_model", "default_trace_path",
+        "ReuseResult", "TraceError", "TraceRequest", "belady_hits", "build_tiny_model",
+        "default_trace_path",
         "engine_env", "free_port", "free_port_block", "load_trace", "lru_hits",
         "mooncake_extra_config", "prefix_ceiling", "reference_for", "request_tokens", "run_replay",
     ],

@@ -259,6 +259,8 @@ class MooncakeBackend(Backend):
                     rc,
                 )
         self._store = store
+        # Pool key -> ReplicateConfig with its pin (kvpool_connector.pins): saves put it pinned.
+        self._pins: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> MooncakeBackend:
@@ -295,13 +297,76 @@ class MooncakeBackend(Backend):
     def batch_put_from(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
-        """``batch_put_from_multi_buffers``: per key 0 or a negative ``ErrorCode``."""
+        """``batch_put_from_multi_buffers``: per key 0 or a negative ``ErrorCode``. A key
+        ``pin_keys`` pinned is put with its pin, in a call of its own."""
         if not keys:
             return []
-        return list(self._call(
-            "batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
-            list(keys), [list(a) for a in addrs], [list(s) for s in sizes],
-        ))
+        pins = self._pins
+        if not pins or not any(k in pins for k in keys):
+            return list(self._call(
+                "batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
+                list(keys), [list(a) for a in addrs], [list(s) for s in sizes],
+            ))
+        results = [0] * len(keys)
+        groups: dict[int, list[int]] = {}
+        configs: dict[int, Any] = {}
+        for i, k in enumerate(keys):
+            cfg = pins.get(k)
+            groups.setdefault(id(cfg), []).append(i)
+            configs[id(cfg)] = cfg
+        for gid, idx in groups.items():
+            args: list[Any] = [[keys[i] for i in idx], [list(addrs[i]) for i in idx],
+                               [list(sizes[i]) for i in idx]]
+            if configs[gid] is not None:
+                args.append(configs[gid])
+            got = self._call("batch_put_from_multi_buffers",
+                             self._store.batch_put_from_multi_buffers, *args)
+            for i, rc in zip(idx, got, strict=True):
+                results[i] = int(rc)
+        return results
+
+    def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int) -> list[int]:
+        """Pin ``keys`` (``kvpool_connector.pins``): a key in the pool is upserted with the pin
+        (Mooncake ``ReplicateConfig``: ``soft_pin_action`` ENABLE with ``soft_pin_ttl_ms``, or
+        ``with_hard_pin``); every key, present or not, is put with it by later saves of this
+        client. Per key 1 pinned now, 0 not in the pool (pinned when saved), or a negative
+        ``ErrorCode``."""
+        from mooncake.store import ReplicateConfig, SoftPinAction
+
+        cfg = ReplicateConfig()
+        if hard:
+            cfg.with_hard_pin = True
+        else:
+            cfg.soft_pin_action = SoftPinAction.ENABLE
+            cfg.soft_pin_ttl_ms = ttl_ms
+        out = []
+        for key in keys:
+            self._pins[key] = cfg
+            value = self._call("get", self._store.get, key)
+            if not value:
+                out.append(0)
+                continue
+            rc = int(self._call("upsert", self._store.upsert, key, value, cfg))
+            out.append(1 if rc == 0 else rc)
+        return out
+
+    def unpin_keys(self, keys: Sequence[str]) -> list[int]:
+        """Forget the pins of ``keys`` and remove them from the pool: Mooncake keeps a pin
+        through an upsert and refuses ``SoftPinAction.DISABLE`` with a TTL (-600, seen with
+        mooncake-transfer-engine 0.3.13.post1), so the value goes and the next request that computes
+        it saves it unpinned. Per key 0 removed, or a negative ``ErrorCode`` (a key under a
+        lease is not removed: retry after ``default_kv_lease_ttl``)."""
+        for key in keys:
+            self._pins.pop(key, None)
+        if not keys:
+            return []
+        return [int(rc) for rc in self._call("batch_remove", self._store.batch_remove,
+                                             list(keys), False)]
+
+    @property
+    def pinned_keys(self) -> int:
+        """Keys this client pins (``pin_keys``, not yet ``unpin_keys``)."""
+        return len(self._pins)
 
     def batch_get_into(
         self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]

@@ -217,6 +217,8 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "instance_role": "prefill",
         "hash_algo": "xxh3_128",
         "reset_flush_scope": "engine",
+        "admission": "adaptive",
+        "admission_pool_tokens": 2_000_000,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
@@ -225,6 +227,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"
+    assert (cfg.admission, cfg.admission_pool_tokens) == ("adaptive", 2_000_000)
     assert KVPoolConfig.from_dicts({}, kv_role="kv_both", block_size=16,
                                    model="m").reset_flush_scope == "none"
     with pytest.raises(ValueError, match="reset_flush_scope"):

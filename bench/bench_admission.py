@@ -1,0 +1,153 @@
+"""Admission benchmark (issue 24): the connector with ``admission: all`` and ``adaptive`` against
+exact LRU, Belady's MIN and the prefix-reuse ceiling, on the paper's Figure 9 axis.
+
+Per trace and capacity (tokens):
+
+* ``all`` / ``adaptive``: real replays through ``KVPoolConnector`` and a real ``mooncake_master``
+  (one engine, 64 B/token, chunk 512), two at a time;
+* exact LRU, Belady's MIN, the ceiling: computed offline from the trace (``kvpool_replay``'s
+  ``lru_hits``, ``belady_hits``, ``prefix_ceiling``), and ``model``: the exact LRU behind the
+  adaptive policy itself (``lru_hits(..., admission=AdaptiveAdmission)``);
+* ``gap closed``: ``(adaptive - LRU) / (MIN - LRU)``, the share of what future knowledge would
+  add over LRU that the adaptive connector reaches.
+
+Goals (issue 24): adaptive >= exact LRU at every capacity of both traces; >= 1.5x exact LRU on the
+conversation trace at 1M and 2M tokens.
+
+Run (a slice, ~3 minutes here)::
+
+    .venv/bin/python bench/bench_admission.py --limit 600
+
+Whole traces (the docs' table; about an hour on 2 shared cores)::
+
+    .venv/bin/python bench/bench_admission.py --limit 0 --json-out /tmp/admission.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpool_connector.admission import AdaptiveAdmission
+from kvpool_connector.keys import chunk_hashes
+from kvpool_replay import (
+    ModelShape,
+    ReplayConfig,
+    belady_hits,
+    default_trace_path,
+    engine_env,
+    load_trace,
+    lru_hits,
+    prefix_ceiling,
+    request_tokens,
+    run_replay,
+)
+
+CHUNK = 512
+# 64 B/token: the smallest pool (300k tokens) is above Mooncake's 16 MiB minimum segment.
+SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
+CAPACITIES = {
+    "synthetic_trace.jsonl": [300_000, 600_000, 1_000_000, 2_000_000],
+    "conversation_trace.jsonl": [1_000_000, 2_000_000, 5_000_000, 20_000_000],
+}
+
+
+def offline(trace: str, limit: int | None, caps: list[int]) -> dict[int, dict[str, float]]:
+    """Exact LRU, Belady's MIN, the adaptive policy's model and the ceiling per capacity."""
+    reqs = load_trace(trace, limit=limit)
+    items = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+    ceiling = prefix_ceiling(items, CHUNK).hit_rate
+    out = {}
+    for cap in caps:
+        out[cap] = {
+            "lru": lru_hits(items, CHUNK, cap).hit_rate,
+            "belady": belady_hits(items, CHUNK, cap).hit_rate,
+            "model": lru_hits(items, CHUNK, cap, AdaptiveAdmission(cap // CHUNK)).hit_rate,
+            "ceiling": ceiling,
+        }
+    return out
+
+
+Job = tuple[str, int, str]
+"""A replay: trace path, capacity in tokens, admission."""
+
+
+def replays(jobs: list[Job], limit: int | None) -> dict[Job, float]:
+    """Hit rate of each ``(trace, capacity, admission)`` replay, two at a time."""
+
+    def one(job: Job) -> float:
+        trace, cap, admission = job
+        t0 = time.monotonic()
+        r = run_replay(ReplayConfig(trace_path=trace, limit=limit, pool_tokens=cap, shape=SHAPE,
+                                    admission=admission))  # type: ignore[arg-type]
+        if r.errors:
+            raise RuntimeError(f"{Path(trace).name} at {cap:,} tokens, {admission}: {r.errors}")
+        # Two replays run at once: these lines are the progress.
+        print(f"  {Path(trace).name} {cap:>10,} tokens {admission:<8}: hit {r.hit_rate:.2%} "
+              f"(LRU {r.lru_hit_rate:.2%}, {time.monotonic() - t0:.0f} s)", file=sys.stderr,
+              flush=True)
+        return r.hit_rate
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(jobs, pool.map(one, jobs), strict=True))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--limit", type=int, default=600, help="requests per trace (0 = whole)")
+    p.add_argument("--traces", default=",".join(CAPACITIES),
+                   help="trace file names in the shared traces directory")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON")
+    args = p.parse_args()
+    os.environ.update({k: v for k, v in engine_env().items() if k in ("PATH", "PYTHONPATH")})
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    limit = args.limit or None
+    started = time.monotonic()
+    names = args.traces.split(",")
+    paths = {n: str(default_trace_path(n)) for n in names}
+    print("offline: exact LRU, Belady's MIN, the adaptive policy's model, ceiling", flush=True)
+    ref = {n: offline(paths[n], limit, CAPACITIES[n]) for n in names}
+    jobs = [(paths[n], cap, adm) for n in names for cap in CAPACITIES[n]
+            for adm in ("all", "adaptive")]
+    print(f"replaying {len(jobs)} runs (two at a time)", flush=True)
+    hit = replays(jobs, limit)
+    rows = []
+    widths = [24, 11, 9, 9, 9, 9, 9, 9, 8, 7]
+    head = ["trace", "capacity", "all", "adaptive", "LRU", "MIN", "model", "ceiling",
+            "x LRU", "gap"]
+    print("\n" + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    for n in names:
+        for cap in CAPACITIES[n]:
+            r = ref[n][cap]
+            a, d = hit[paths[n], cap, "all"], hit[paths[n], cap, "adaptive"]
+            gap = (d - r["lru"]) / (r["belady"] - r["lru"]) if r["belady"] > r["lru"] else 0.0
+            rows.append({"trace": n, "pool_tokens": cap, "all": a, "adaptive": d, **r,
+                         "x_lru": d / r["lru"] if r["lru"] else 0.0, "gap_closed": gap})
+            cols = [n, f"{cap:,}", f"{a:.2%}", f"{d:.2%}", f"{r['lru']:.2%}",
+                    f"{r['belady']:.2%}", f"{r['model']:.2%}", f"{r['ceiling']:.2%}",
+                    f"{rows[-1]['x_lru']:.2f}", f"{gap:.0%}"]
+            print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    below = [f"{r['trace']} at {r['pool_tokens']:,}" for r in rows if r["adaptive"] < r["lru"]]
+    print("\ngoal adaptive >= exact LRU everywhere: "
+          + ("met" if not below else f"missed at {', '.join(below)}"))
+    conv = [r for r in rows if r["trace"] == "conversation_trace.jsonl"
+            and r["pool_tokens"] in (1_000_000, 2_000_000)]
+    for r in conv:
+        print(f"goal >= 1.5x LRU, conversation at {r['pool_tokens']:,}: {r['x_lru']:.2f}x "
+              f"({'met' if r['x_lru'] >= 1.5 else 'missed'})")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"limit": limit, "rows": rows}, indent=1))
+        print(f"wrote {args.json_out}")
+    print(f"total bench time {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Save admission: how many leading chunks of a request the connector saves to the pool.
+
+``kv_connector_extra_config.admission`` picks the policy (``KVPoolConfig.admission``):
+
+* ``all`` (default): every whole chunk of every prompt is saved (the behaviour before issue 24).
+* ``adaptive``: two candidate policies are simulated on ghost caches (keys only) of the pool's
+  capacity (``admission_pool_tokens``), and the one that would have hit more recently decides:
+
+  - *all*: save every chunk;
+  - *doorkeeper*: save only the chunks some earlier request already asked for (W-TinyLFU's
+    doorkeeper, Einziger et al., "TinyLFU", ACM TOS 2017): a chunk asked for once is never saved,
+    so one long prompt that nobody repeats cannot flush a small pool.
+
+  A small pool fills with chunks that are never asked for again, and the doorkeeper wins (on the
+  conversation trace at 1M tokens it holds 1.6x the hits of an exact LRU); a pool that holds the
+  working set loses the second use of every chunk to the doorkeeper, and *all* wins. Which is the
+  case depends on capacity and traffic, so the ghosts decide, with scores that decay by half every
+  ``half_life`` requests (recent traffic counts most).
+
+Chunk hashes are chained (``keys.chunk_hashes``: hash ``i`` names tokens ``[0, (i + 1) *
+chunk_size)``), so the chunks of a prompt that were asked for before form a prefix of it, and so
+do the chunks any policy admits: a policy answers with a count of leading chunks.
+
+Not used for ``kv_producer`` engines: a prefill engine's saves are the hand-over to its decode
+engine (``kv_consumer`` with ``consumer_is_to_load``), which finds nothing unless every chunk is
+saved (``admission_for``).
+
+Memory: the doorkeeper is two generations of a Bloom filter of ``8 x capacity`` chunks each
+(10 bits per chunk, 4 probes: ~1.2% false positives; a full generation becomes the old one, after
+TinyLFU's reset); each ghost holds at most ``max_ghost_keys`` 64-bit keys. A pool of more chunks
+is simulated on a hash-sampled subset of its chunks, the capacity scaled by the same rate
+(Waldspurger et al., "Efficient MRC construction with SHARDS", FAST'15).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+__all__ = [
+    "AdaptiveAdmission",
+    "AdmissionMode",
+    "AdmissionPolicy",
+    "AdmitAll",
+    "admission_for",
+]
+
+AdmissionMode = Literal["all", "adaptive"]
+"""Values of ``kv_connector_extra_config.admission``."""
+
+_KEY_SPACE = 1 << 64
+
+
+class AdmissionPolicy(Protocol):
+    """Decides, once per request, how many leading chunks of its prompt are saved."""
+
+    def admit(self, hashes: Sequence[str]) -> int:
+        """Leading chunks of ``hashes`` (a prompt's chained chunk hashes) to save; also
+        records that the request asked for them."""
+        ...
+
+
+class AdmitAll:
+    """Every chunk is saved (``admission: all``)."""
+
+    def admit(self, hashes: Sequence[str]) -> int:
+        return len(hashes)
+
+
+class _Doorkeeper:
+    """Chunks asked for recently: two generations of a Bloom filter of ``entries`` each.
+
+    Probes come from the chunk hash itself (uniform: it is SHA-256 or XXH3-128 output).
+    """
+
+    _PROBES = 4
+    _BITS_PER_ENTRY = 10
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self.bits = entries * self._BITS_PER_ENTRY
+        self._current = bytearray(-(-self.bits // 8))
+        self._previous = bytearray(len(self._current))
+        self._added = 0
+
+    def _positions(self, h: str) -> list[int]:
+        v = int(h[:32], 16)
+        return [((v >> (32 * i)) & 0xFFFFFFFF) % self.bits for i in range(self._PROBES)]
+
+    @staticmethod
+    def _has(bits: bytearray, pos: list[int]) -> bool:
+        return all(bits[p >> 3] & (1 << (p & 7)) for p in pos)
+
+    def seen(self, h: str) -> bool:
+        pos = self._positions(h)
+        return self._has(self._current, pos) or self._has(self._previous, pos)
+
+    def add(self, h: str) -> None:
+        pos = self._positions(h)
+        if self._has(self._current, pos):
+            return
+        for p in pos:
+            self._current[p >> 3] |= 1 << (p & 7)
+        self._added += 1
+        if self._added >= self.entries:
+            self._previous, self._current = self._current, bytearray(len(self._current))
+            self._added = 0
+
+
+class _Ghost:
+    """An exact LRU of chunk keys (no values): what the pool would hold under one policy."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[int, None] = OrderedDict()
+
+    def leading(self, keys: Sequence[int]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+    def insert(self, keys: Sequence[int], admitted: int) -> None:
+        """Refresh every key present; insert the first ``admitted`` keys that are not."""
+        for i, k in enumerate(keys):
+            if k in self.keys:
+                self.keys.move_to_end(k)
+            elif i < admitted:
+                self.keys[k] = None
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+
+class AdaptiveAdmission:
+    """``admission: adaptive`` (module docstring): ghosts of *all* and *doorkeeper* at the
+    pool's capacity; the one with the higher decayed score of leading hits decides.
+
+    Args:
+        capacity_chunks: chunks the pool holds (``admission_pool_tokens / chunk_size``), > 0.
+        half_life: requests after which a ghost's past hits count half (> 0).
+        max_ghost_keys: most keys per ghost; above it ghosts run on a hash-sampled subset.
+
+    Attributes:
+        doorkeeper_active: the policy used for the last request was the doorkeeper.
+        decisions: requests decided so far, per policy (``all``, ``doorkeeper``).
+    """
+
+    def __init__(self, capacity_chunks: int, half_life: int = 200,
+                 max_ghost_keys: int = 65_536) -> None:
+        if capacity_chunks < 1 or half_life < 1 or max_ghost_keys < 1:
+            raise ValueError(
+                f"capacity_chunks, half_life and max_ghost_keys must be >= 1, got "
+                f"{capacity_chunks}, {half_life}, {max_ghost_keys}")
+        rate = min(1.0, max_ghost_keys / capacity_chunks)
+        self._threshold = int(rate * _KEY_SPACE)
+        ghost_cap = max(1, round(capacity_chunks * rate))
+        self._all = _Ghost(ghost_cap)
+        self._door = _Ghost(ghost_cap)
+        self._seen = _Doorkeeper(max(4096, 8 * capacity_chunks))
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._score_all = 0.0
+        self._score_door = 0.0
+        self.doorkeeper_active = False
+        self.decisions = {"all": 0, "doorkeeper": 0}
+
+    def _sampled(self, hashes: Sequence[str]) -> list[int]:
+        keys = (int(h[:16], 16) for h in hashes)
+        return [k for k in keys if k < self._threshold]
+
+    def admit(self, hashes: Sequence[str]) -> int:
+        keys = self._sampled(hashes)
+        self._score_all = self._score_all * self._decay + self._all.leading(keys)
+        self._score_door = self._score_door * self._decay + self._door.leading(keys)
+        self.doorkeeper_active = self._score_door > self._score_all
+        seen = 0
+        for h in hashes:
+            if not self._seen.seen(h):
+                break
+            seen += 1
+        # Sampled keys seen before: a prefix of the sampled keys, as the chunks are chained.
+        seen_keys = sum(1 for h in hashes[:seen] if int(h[:16], 16) < self._threshold)
+        self._all.insert(keys, len(keys))
+        self._door.insert(keys, seen_keys)
+        for h in hashes:
+            self._seen.add(h)
+        if self.doorkeeper_active:
+            self.decisions["doorkeeper"] += 1
+            return seen
+        self.decisions["all"] += 1
+        return len(hashes)
+
+
+def admission_for(mode: AdmissionMode, kv_role: str, pool_tokens: int | None,
+                  chunk_size: int) -> AdmissionPolicy:
+    """The policy an engine uses: ``AdmitAll`` for ``all`` and for every ``kv_producer`` (its
+    saves are what its decode engine loads), else ``AdaptiveAdmission`` at ``pool_tokens //
+    chunk_size`` chunks.
+
+    Raises:
+        ValueError: ``adaptive`` without ``pool_tokens`` (``KVPoolConfig`` checks this first).
+    """
+    if mode == "all" or kv_role == "kv_producer":
+        return AdmitAll()
+    if not pool_tokens:
+        raise ValueError("kv_connector_extra_config.admission_pool_tokens: adaptive admission "
+                         "needs the pool's capacity in tokens of this model, e.g. 2000000")
+    return AdaptiveAdmission(max(1, pool_tokens // chunk_size))

@@ -1,0 +1,189 @@
+"""Pinned prefixes: an operator keeps a prompt prefix (a system prompt, an agent template)
+resident in a bounded pool.
+
+A pin names a prefix by its token ids; its keys are the prefix's whole-chunk keys of one layout
+(``keys.chunk_hashes`` then the layout's key function), so one worker per layout pins for every
+rank. Pins use Mooncake's own mechanisms (``ReplicateConfig``):
+
+* ``soft`` (default): ``soft_pin_action`` ENABLE with ``soft_pin_ttl_ms``; the master evicts
+  soft-pinned objects only after every other one (``allow_evict_soft_pinned_objects``, default
+  true) and drops the pin after the TTL (``max_kv_soft_pin_ttl`` caps it, 24 h by default);
+* ``hard``: ``with_hard_pin``; never evicted.
+
+Chunks already in the pool are upserted with the pin; chunks not in the pool yet are pinned when
+this client saves them (``MooncakeBackend.pin_keys``). A pin whose chunks would take more than
+``share`` of the pool (default 30%) together with the pins already held is refused with the
+numbers (``PinRefused``): a pool full of pins evicts nothing else and serves nothing new.
+
+Unpinning removes the pinned values (Mooncake keeps a pin through an upsert,
+``MooncakeBackend.unpin_keys``): keys under a reader's lease are retried until the lease ends
+(``default_kv_lease_ttl``, never by force: a forced remove frees memory a reader may be copying).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from kvpool_agent.vocabulary import ErrorCode
+from kvpool_connector.keys import HashAlgo, chunk_hashes
+
+__all__ = [
+    "DEFAULT_PIN_SHARE",
+    "DEFAULT_SOFT_PIN_TTL_MS",
+    "Pin",
+    "PinMode",
+    "PinRefused",
+    "PinResult",
+    "PinnableBackend",
+    "Pins",
+]
+
+PinMode = Literal["soft", "hard"]
+
+DEFAULT_PIN_SHARE = 0.30
+"""Most of the pool (fraction of its bytes) that pins may take together (issue 24)."""
+
+DEFAULT_SOFT_PIN_TTL_MS = 1_800_000
+"""Soft pin TTL when none is given: Mooncake master's ``default_kv_soft_pin_ttl`` (30 min)."""
+
+
+class PinnableBackend(Protocol):
+    """What pins need of a backend (``MooncakeBackend``)."""
+
+    def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int) -> list[int]: ...
+
+    def unpin_keys(self, keys: Sequence[str]) -> list[int]: ...
+
+
+class PinRefused(ValueError):
+    """A pin would take more than its share of the pool; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One pinned prefix: ``keys`` of its whole chunks, ``tokens`` pinned (whole chunks only),
+    ``ttl_ms`` for a soft pin (0 for hard)."""
+
+    pin_id: str
+    mode: PinMode
+    ttl_ms: int
+    tokens: int
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PinResult:
+    """What ``Pins.pin`` did. Bytes: ``pin_bytes`` this pin, ``pinned_bytes`` every pin held
+    here after it, ``pool_bytes`` the pool's capacity."""
+
+    pin: Pin
+    pinned_now: int
+    pending: int
+    pin_bytes: int
+    pinned_bytes: int
+    pool_bytes: int
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class Pins:
+    """The pins of one layout, applied by one worker.
+
+    Args:
+        backend: the worker's pool client.
+        keys_of: pool keys of chunk hashes in this layout (one key per chunk).
+        chunk_size: tokens per chunk; ``hash_algo`` the layout's chunk-hash function.
+        chunk_bytes: bytes of one chunk's value in this layout (for the share check).
+        pool_bytes: the pool's capacity in bytes (``PoolStats.total_bytes``), asked per pin.
+        share: most of ``pool_bytes`` all pins together may take (0 < share <= 1).
+        lease_wait_s: how long ``unpin`` retries keys under a reader's lease.
+    """
+
+    def __init__(self, backend: PinnableBackend, keys_of: Callable[[Sequence[str]], list[str]],
+                 chunk_size: int, chunk_bytes: int, pool_bytes: Callable[[], int], *,
+                 hash_algo: HashAlgo = "sha256", share: float = DEFAULT_PIN_SHARE,
+                 lease_wait_s: float = 15.0) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.backend, self.keys_of = backend, keys_of
+        self.chunk_size, self.chunk_bytes, self.hash_algo = chunk_size, chunk_bytes, hash_algo
+        self.pool_bytes, self.share, self.lease_wait_s = pool_bytes, share, lease_wait_s
+        self._pins: dict[str, Pin] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of every distinct chunk pinned here."""
+        with self._lock:
+            return len({k for p in self._pins.values() for k in p.keys}) * self.chunk_bytes
+
+    def list(self) -> list[Pin]:
+        with self._lock:
+            return list(self._pins.values())
+
+    def pin(self, pin_id: str, token_ids: Sequence[int], mode: PinMode = "soft",
+            ttl_ms: int = DEFAULT_SOFT_PIN_TTL_MS, extra: bytes = b"") -> PinResult:
+        """Pin the whole chunks of ``token_ids`` (``extra``: LoRA name / ``cache_salt`` bytes,
+        ``scheduler.request_extra``) under ``pin_id``; pinning an id again replaces it.
+
+        Raises:
+            ValueError: no whole chunk in ``token_ids``, a soft pin without a positive TTL.
+            PinRefused: the pins would take more than ``share`` of the pool.
+        """
+        if mode == "soft" and ttl_ms <= 0:
+            raise ValueError(f"a soft pin needs ttl_ms > 0, got {ttl_ms}")
+        hashes = chunk_hashes(token_ids, self.chunk_size, extra, self.hash_algo)
+        if not hashes:
+            raise ValueError(f"{len(token_ids)} tokens hold no whole chunk of {self.chunk_size} "
+                             "tokens: nothing to pin")
+        keys = tuple(self.keys_of(hashes))
+        pin = Pin(pin_id, mode, ttl_ms if mode == "soft" else 0, len(hashes) * self.chunk_size,
+                  keys)
+        pool = self.pool_bytes()
+        with self._lock:
+            others = {k for p in self._pins.values() if p.pin_id != pin_id for k in p.keys}
+            total = len(others | set(keys)) * self.chunk_bytes
+            limit = int(pool * self.share)
+            if total > limit:
+                raise PinRefused(
+                    f"pin {pin_id!r} refused: {len(keys)} chunks ({len(keys) * self.chunk_bytes:,}"
+                    f" bytes) would bring pinned bytes to {total:,}, over {self.share:.0%} of "
+                    f"the pool's {pool:,} bytes ({limit:,}); unpin another prefix or pin less")
+            self._pins[pin_id] = pin
+        codes = self.backend.pin_keys(keys, hard=mode == "hard", ttl_ms=pin.ttl_ms)
+        errors = {k: rc for k, rc in zip(keys, codes, strict=True) if rc < 0}
+        return PinResult(pin, pinned_now=sum(1 for rc in codes if rc == 1),
+                         pending=sum(1 for rc in codes if rc == 0),
+                         pin_bytes=len(keys) * self.chunk_bytes, pinned_bytes=total,
+                         pool_bytes=pool, errors=errors)
+
+    def unpin(self, pin_id: str) -> int:
+        """Drop pin ``pin_id``: its keys no other pin holds are removed from the pool (leased
+        ones retried for up to ``lease_wait_s``). Returns the keys removed.
+
+        Raises:
+            KeyError: no such pin here.
+        """
+        with self._lock:
+            pin = self._pins.pop(pin_id)
+            kept = {k for p in self._pins.values() for k in p.keys}
+        todo = [k for k in pin.keys if k not in kept]
+        removed = 0
+
+        def attempt() -> list[str]:
+            nonlocal removed
+            codes = self.backend.unpin_keys(todo)
+            removed += sum(1 for rc in codes if rc == 0)
+            todo[:] = [k for k, rc in zip(todo, codes, strict=True)
+                       if rc == ErrorCode.OBJECT_HAS_LEASE]
+            return todo
+
+        # Leased keys come back: retried until the readers' leases end.
+        Retrying(retry=retry_if_result(bool), wait=wait_fixed(0.5),
+                 stop=stop_after_delay(self.lease_wait_s),
+                 retry_error_callback=lambda state: None)(attempt)
+        return removed
