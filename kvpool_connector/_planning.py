@@ -257,9 +257,10 @@ class TransferPlanner:
                 f"{bpc - self.tail_offset} blocks only) (WINDOW_NOT_STORED)")
         return start
 
-    def save(self, req: ReqMeta) -> list[list[Transfer]]:
-        """Per chunk in ``[req.save_from_chunk, req.save_to_chunk)``, its transfers (empty
-        when the range is).
+    def save(self, req: ReqMeta, stripe: tuple[int, int] = (0, 1)) -> list[list[Transfer]]:
+        """Per chunk in ``[req.save_from_chunk, req.save_to_chunk)`` whose index is
+        ``stripe[0]`` modulo ``stripe[1]`` (MLA: this TP rank's share; ``(0, 1)``: every
+        chunk), its transfers (empty when the range is).
 
         A sliding-window chunk whose stored tail vLLM no longer holds (null blocks: it left
         the window, e.g. a local prefix hit) gets an empty row: nothing of it can be saved,
@@ -268,7 +269,8 @@ class TransferPlanner:
         Raises:
             ValueError: the metadata does not give the blocks or hashes of those chunks.
         """
-        chunks = range(req.save_from_chunk, req.save_to_chunk)
+        rank, size = stripe
+        chunks = [c for c in range(req.save_from_chunk, req.save_to_chunk) if c % size == rank]
         if self.group is None or self.group.kind != "sliding_window":
             return self.chunk_transfers(req, chunks)
         return [self.chunk_transfers(req, [c])[0]

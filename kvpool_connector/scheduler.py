@@ -570,7 +570,7 @@ class KVPoolScheduler:
     def _empty_meta(self, rid: str, tracker: _Tracker) -> ReqMeta:
         return ReqMeta(req_id=rid, block_ids=list(tracker.block_ids),
                        chunk_hashes=tracker.hashes,
-                       group_block_ids=tuple(list(t) for t in tracker.group_block_ids))
+                       group_block_ids=tracker.group_block_ids)
 
     def _step_meta(self, rid: str, tracker: _Tracker, tokens_done: int, save: bool
                    ) -> ReqMeta | None:

@@ -444,15 +444,10 @@ class KVPoolWorker:
         """Per chunk of the save range this worker writes (its stripe), the transfers of
         every group."""
         planner = self._require_kv()[1]
-        if self.hybrid:
-            per_group = [gp.save(req) for gp in self._group_planners]
-            rows = [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))]
-        else:
-            rows = planner.save(req)
-        rank, size = self.stripe
-        if size > 1:
-            rows = [row for row in rows if row and row[0].chunk % size == rank]
-        return rows
+        if not self.hybrid:
+            return planner.save(req, self.stripe)
+        per_group = [gp.save(req, self.stripe) for gp in self._group_planners]
+        return [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None,
                       **kwargs: Any) -> None:

@@ -27,7 +27,6 @@ gives an engine with a connector more threads than one without on a 2-core host.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ import pytest
 
 from kvpool_agent.hub import FleetHub
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
-from kvpool_replay import LocalMooncakeMaster, free_port_block
 from kvpool_replay._tiny_model import GEMMA3_WINDOW
 
 from _harness import REPO, Engines, Pool, agent_states, kvpool, worker_state  # isort: skip
@@ -67,20 +65,6 @@ M2 = _prompts(23, [90, 140])
 
 def _loadable(prompt: list[int], chunk: int) -> int:
     return (len(prompt) - 1) // chunk * chunk
-
-
-@pytest.fixture(scope="module")
-def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Pool]:
-    p = Pool(mooncake_master, tmp_path_factory.mktemp("vllm-hybrid"))
-    yield p
-    p.store.close()
-
-
-@pytest.fixture(scope="module")
-def hub() -> Iterator[FleetHub]:
-    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as h:
-        yield h
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,6 @@ a worker reports there (``Source.layout_digest``) names the keys it wrote.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,6 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
-from kvpool_replay import LocalMooncakeMaster, free_port_block
 
 from _harness import BLOCK, Engines, Pool, agent_states, kvpool, worker_state  # isort: skip
 
@@ -80,21 +78,6 @@ def tiny_model() -> Path:
     from kvpool_replay import build_tiny_model
 
     return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
-
-
-@pytest.fixture(scope="module")
-def pool(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Pool]:
-    p = Pool(mooncake_master, tmp_path_factory.mktemp("vllm-pool"))
-    yield p
-    p.store.close()
-
-
-@pytest.fixture(scope="module")
-def hub() -> Iterator[FleetHub]:
-    """A real fleet hub the loading engine's agents report to (ports P..P+3)."""
-    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as h:
-        yield h
 
 
 @pytest.fixture(scope="module")
