@@ -76,6 +76,10 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
     "load_failed_blocks": ("vllm:kvpool_load_failed_blocks",
                            "vLLM blocks reported failed (recomputed)."),
     "layer_timeouts": ("vllm:kvpool_layer_timeouts", "Layer-wise load waits that timed out."),
+    "handover_waits": ("vllm:kvpool_handover_waits",
+                       "Lookups answered later: a P/D hand-over was not all in the pool yet."),
+    "handover_short": ("vllm:kvpool_handover_short",
+                       "P/D hand-overs run with fewer tokens than promised (recomputed)."),
 }
 """Connector counter -> (vLLM metric name without ``_total``, help). Counters are summed over
 the engine's processes: bytes and keys over worker ranks, tokens come from the scheduler."""

@@ -69,6 +69,7 @@ class _ExtraFields(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
+    handover_wait_ms: int = Field(default=5_000, ge=0)
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -134,7 +135,9 @@ class KVPoolConfig(BaseModel):
         load_async: loads finish between scheduler steps (``get_finished``) instead of before
             the forward pass.
         consumer_is_to_load / consumer_is_to_put: a ``kv_consumer`` looks up and loads / saves
-            only when these are set (vLLM Ascend semantics). ``kv_producer`` never loads.
+            only when these are set; ``kv_producer`` and ``kv_both`` always look up and load
+            (vllm-ascend's ``AscendStoreConnector`` and vLLM's ``MooncakeStoreConnector`` do
+            the same: a prefill engine reuses the prefixes the pool holds).
         lookup_rpc_port: names the lookup socket; distinct per engine on one host. 0 (unset):
             the socket is named from ``instance_id`` instead, which already differs per engine.
         lookup_timeout_ms: how long the scheduler waits for the lookup server per query. The
@@ -195,6 +198,10 @@ class KVPoolConfig(BaseModel):
         admission_pool_tokens: the pool's capacity in tokens of this model (pool bytes over
             bytes per token; divided by the engines sharing it), which the adaptive policy's
             ghost caches simulate; needed with ``admission: adaptive``.
+        handover_wait_ms: P/D through the pool (``kvpool_connector.handover``): how long a
+            loading engine keeps a request waiting for the chunks its prefill engine said it
+            saved (the request's ``kv_transfer_params``) before it runs with what the pool
+            holds; 0 = never wait. Other requests are scheduled meanwhile.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -228,6 +235,7 @@ class KVPoolConfig(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
+    handover_wait_ms: int = 5_000
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -243,8 +251,6 @@ class KVPoolConfig(BaseModel):
     @property
     def should_load(self) -> bool:
         """Whether this engine looks up and loads prefixes from the pool."""
-        if self.kv_role == "kv_producer":
-            return False
         if self.kv_role == "kv_consumer":
             return self.consumer_is_to_load
         return True

@@ -41,9 +41,9 @@ and ``has_pending_push_work`` keeps vLLM stepping until then. An engine with a g
 cannot restore (``KVGroup.kind`` ``unsupported``) neither loads nor saves
 (``UNSUPPORTED_KV_GROUP``).
 
-``kv_role`` (vLLM Ascend semantics): ``kv_producer`` saves and never loads; ``kv_consumer``
-loads only with ``consumer_is_to_load`` and saves only with ``consumer_is_to_put``;
-``kv_both`` does both.
+``kv_role`` (vllm-ascend's ``AscendStoreConnector`` semantics): ``kv_producer`` and ``kv_both``
+load and save; ``kv_consumer`` loads only with ``consumer_is_to_load`` and saves only with
+``consumer_is_to_put``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.handover import (
+    HandoverWaits,
+    handover_params,
+    promised_tokens,
+    wants_handover,
+)
 from kvpool_connector.keys import ChunkHashCache
 from kvpool_connector.lookup import LookupFailed
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
@@ -105,7 +111,10 @@ class LookupCounters:
     pool cannot restore, ``_groups``), ``LOCAL_CACHE`` when vLLM's own prefix
     cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
     before its last token); ``lookup_cached`` repeated asks answered from the
-    request's cached lookup.
+    request's cached lookup. ``handover_waits``: asks answered "later" while a P/D
+    hand-over's chunks were not all in the pool yet (``handover``; such an ask is counted in
+    ``lookups`` once, when answered); ``handover_short``: hand-overs that ran with fewer tokens
+    than their prefill engine promised, after ``handover_wait_ms``.
     """
 
     lookups: int = 0
@@ -119,6 +128,8 @@ class LookupCounters:
     lookup_skipped: int = 0
     lookup_cached: int = 0
     skip_reasons: dict[str, int] = field(default_factory=dict)
+    handover_waits: int = 0
+    handover_short: int = 0
 
 
 @dataclass
@@ -265,6 +276,7 @@ class KVPoolScheduler:
         self.events: RequestEvents | None = None
         # Finished requests whose blocks vLLM keeps until their saves' finished_sending.
         self._held_for_saves: set[str] = set()
+        self._handover = HandoverWaits(config.handover_wait_ms)
 
     def _hashes_for(self, request: Request) -> list[str]:
         """The prompt's chunk hashes; none for a request with media, so it neither loads
@@ -307,7 +319,7 @@ class KVPoolScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that can be loaded from the pool.
 
         Args:
@@ -319,6 +331,9 @@ class KVPoolScheduler:
             ``num_computed_tokens``, 0 when the pool holds nothing beyond the local hit or the
             lookup failed (the failure is counted, logged as an error and reported to the
             agent with its name); ``load_async`` is ``config.load_async`` when ``tokens > 0``.
+            ``(None, False)`` (vLLM asks again at a later step) while a P/D hand-over the
+            request's ``kv_transfer_params`` promise is not all in the pool yet
+            (``kvpool_connector.handover``, at most ``handover_wait_ms``).
         """
         rid = request.request_id
         self._load_specs.pop(rid, None)
@@ -342,14 +357,18 @@ class KVPoolScheduler:
             reason = "LOCAL_CACHE" if num_computed_tokens else "SHORT_PROMPT"
             answer = self._skip(rid, prompt_len, num_computed_tokens, reason)
         else:
-            answer = self._lookup(request, prompt_len, max_chunks, num_computed_tokens)
+            found, load_async = self._lookup(request, prompt_len, max_chunks,
+                                             num_computed_tokens)
+            if found is None:  # a P/D hand-over not all saved yet: never cached
+                return None, False
+            answer = (found, load_async)
         spec = self._load_specs.get(rid)
         self._lookup_cache[rid] = _CachedLookup(request.num_tokens, num_computed_tokens, answer,
                                                 replace(spec) if spec is not None else None)
         return answer
 
     def _lookup(self, request: Request, prompt_len: int, max_chunks: int,
-                num_computed_tokens: int) -> tuple[int, bool]:
+                num_computed_tokens: int) -> tuple[int | None, bool]:
         """One lookup (or a counted skip) for ``get_num_new_matched_tokens``."""
         assert self.lookup_client is not None
         rid = request.request_id
@@ -387,6 +406,23 @@ class KVPoolScheduler:
                 self.reporter.error("lookup", "LOOKUP_BREAKER_OPEN", msg, req_id=rid)
             return 0, False
         self._breaker.succeeded()
+        promised = promised_tokens(getattr(request, "kv_transfer_params", None), prompt_len)
+        if promised is not None:
+            expected = min(promised, max_chunks * self.chunk_size)
+            found = max(hit_chunks * self.chunk_size, num_computed_tokens)
+            c = self.counters
+            if self._handover.keep_waiting(rid, found, expected):
+                # Asked again at a later step: this ask is counted then, once.
+                c.lookups -= 1
+                c.prompt_tokens -= prompt_len
+                c.local_tokens -= num_computed_tokens
+                c.handover_waits += 1
+                return None, False
+            if found < expected:
+                c.handover_short += 1
+                logger.warning("kvpool: request %s: its prefill engine handed over %d tokens; "
+                               "after %d ms the pool holds %d: the rest is recomputed", rid,
+                               expected, self.config.handover_wait_ms, found)
         latency_ms = (time.perf_counter() - start) * 1e3
         pool_tokens = hit_chunks * self.chunk_size
         new_tokens = max(0, pool_tokens - num_computed_tokens)
@@ -626,12 +662,20 @@ class KVPoolScheduler:
             c.load_failed_tokens += accepted - loaded
             self.reporter.loaded(rid, loaded, accepted - loaded)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        """Forget the request; ``(True, None)`` keeps its blocks until the worker reports its
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; ``(True, params)`` keeps its blocks until the worker reports its
         saves finished (``finished_sending``) or, for a request aborted while its async load
         was in flight, until the load's ``finished_recving`` (vLLM frees the blocks of a
-        finished request then); ``(False, None)`` frees them now."""
+        finished request then); ``(False, params)`` frees them now.
+
+        ``params`` (vLLM's ``kv_transfer_params`` of the request's output) is
+        ``handover.handover_params`` for a request a P/D proxy marked ``do_remote_decode``
+        when this engine saves and the pool will hold some of its chunks, else ``None``.
+        """
         rid = request.request_id
+        self._handover.forget(rid)
+        params = self._handover_params(request)
         if rid in self._loads_in_flight:
             # Freeing now would let vLLM hand the blocks to another request while the worker
             # still writes this request's KV into them.
@@ -639,19 +683,33 @@ class KVPoolScheduler:
             self._forget(rid)
             if self.events is not None and rid not in self._saving:
                 self.events.release([rid])
-            return True, None
+            return True, params
+        never_sent = rid in self._pending_loads
         self._forget(rid)
-        # No outcome will be counted for a load this request never ran.
-        self._awaiting_outcome.pop(rid, None)
-        self._async_partial.pop(rid, None)
+        if never_sent:
+            # No outcome will be counted for a load this request never ran.
+            self._awaiting_outcome.pop(rid, None)
+            self._async_partial.pop(rid, None)
+        # A load sent this step is counted when the step's outcome arrives: vLLM finishes a
+        # request (a P/D prefill's one token) before it hands over the connector's output.
         if rid in self._saving:
             # Its saves' chunks may still be reported: released at its finished_sending.
             self._saving.discard(rid)
             self._held_for_saves.add(rid)
-            return True, None
+            return True, params
         if self.events is not None:
             self.events.release([rid])
-        return False, None
+        return False, params
+
+    def _handover_params(self, request: Request) -> dict[str, Any] | None:
+        """``kv_transfer_params`` for a decode engine (``handover``): the leading tokens whose
+        chunks the pool held or this engine's saves write (call before ``_forget``)."""
+        tracker = self._trackers.get(request.request_id)
+        if (tracker is None or not self.config.should_save
+                or not wants_handover(getattr(request, "kv_transfer_params", None))):
+            return None
+        tokens = tracker.saved_chunks * self.chunk_size
+        return handover_params(tokens) if tokens else None
 
     def saves_finished(self, req_ids: Iterable[str]) -> None:
         """Every worker finished these requests' saves (vLLM's ``finished_sending``)."""

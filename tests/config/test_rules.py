@@ -219,6 +219,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "reset_flush_scope": "engine",
         "admission": "adaptive",
         "admission_pool_tokens": 2_000_000,
+        "handover_wait_ms": 2000,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")

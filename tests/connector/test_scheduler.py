@@ -220,7 +220,7 @@ def test_request_without_saves_frees_blocks_at_once(backend: MooncakeBackend) ->
 @pytest.mark.parametrize(
     ("role", "extra", "loads", "saves"),
     [
-        ("kv_producer", {}, False, True),
+        ("kv_producer", {}, True, True),
         ("kv_consumer", {}, False, False),
         ("kv_consumer", {"consumer_is_to_load": True}, True, False),
         ("kv_consumer", {"consumer_is_to_load": True, "consumer_is_to_put": True}, True, True),
@@ -626,3 +626,111 @@ def test_requests_are_kept_for_kv_events_until_their_saves_are_reported(engine: 
     engine.sched.forget_lookups()
     assert engine.sched.get_num_new_matched_tokens(waiting, 0) == (32, False)
     assert (engine.sched.counters.lookups, engine.sched.counters.lookup_cached) == (3, 1)
+
+
+def _pd_request(rid: str, prompt: list[int], params: dict[str, Any]) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=1,
+                                               extra_args={"kv_transfer_params": params}), None)
+
+
+def test_pd_handover_prefill_promises_its_chunks_and_decode_waits_for_them(
+        backend: MooncakeBackend) -> None:
+    # The proxy's prefill request (vLLM's toy proxy marks it do_remote_decode) answers with
+    # the tokens its saves write; the decode engine, given them, waits until the pool holds
+    # them, then loads them all.
+    prefill = Engine(backend, 7211)
+    decode = Engine(backend, 7212, role="kv_consumer", consumer_is_to_load=True,
+                    handover_wait_ms=60_000)
+    try:
+        prompt = _prompt(50, 21)  # 3 whole chunks
+        req = _pd_request("p", prompt, {"do_remote_decode": True, "remote_engine_id": None})
+        assert prefill.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        prefill.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3]), 0)
+        new = NewRequestData.from_request(req, ([0, 1, 2, 3],))
+        prefill.sched.build_connector_meta(_output([new], {"p": 50}))
+        held, params = prefill.sched.request_finished(req, [0, 1, 2, 3])
+        assert (held, params) == (True, {"kvpool_handover": {"tokens": 48}})
+
+        # The prefill's saves land in the pool one by one (here written as the decode
+        # engine's keys: each test engine has a model of its own).
+        dreq = _pd_request("d", prompt, params)
+        before = decode.sched.counters.lookups
+        # Nothing saved yet: asked again later, not counted as a lookup.
+        assert decode.sched.get_num_new_matched_tokens(dreq, 0) == (None, False)
+        decode.store(prompt, 2)
+        assert decode.sched.get_num_new_matched_tokens(dreq, 0) == (None, False)
+        assert decode.sched.counters.lookups == before
+        assert decode.sched.counters.handover_waits == 2
+        decode.store(prompt, 3)
+        # The last prompt token is computed by decode: 3 chunks of 16 hold 48 < 50 tokens.
+        assert decode.sched.get_num_new_matched_tokens(dreq, 0) == (48, False)
+        assert decode.sched.counters.lookups == before + 1
+        assert decode.sched.counters.handover_short == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"kvpool_handover": {"tokens": 10**9}}, {"kvpool_handover": {"tokens": "48"}},
+    {"kvpool_handover": {"tokens": True}}, {"kvpool_handover": 48}, {"kvpool_handover": None},
+    {"do_remote_decode": True},
+])
+def test_pd_handover_a_bad_promise_is_no_reason_to_wait(
+        backend: MooncakeBackend, params: dict[str, Any]) -> None:
+    # kv_transfer_params are the API caller's: a promise that is not an int within the
+    # prompt makes nothing wait (and a prefill-side marker on a decode engine neither).
+    decode = Engine(backend, 7213, role="kv_consumer", consumer_is_to_load=True,
+                    handover_wait_ms=60_000)
+    try:
+        prompt = _prompt(50, 22)
+        decode.store(prompt, 1)
+        assert decode.sched.get_num_new_matched_tokens(
+            _pd_request("b", prompt, params), 0) == (16, False)
+        assert decode.sched.counters.handover_waits == 0
+    finally:
+        decode.close()
+
+
+def test_pd_handover_runs_short_after_handover_wait_ms(backend: MooncakeBackend) -> None:
+    decode = Engine(backend, 7214, role="kv_consumer", consumer_is_to_load=True,
+                    handover_wait_ms=1)
+    try:
+        prompt = _prompt(50, 23)
+        decode.store(prompt, 1)
+        req = _pd_request("s", prompt, {"kvpool_handover": {"tokens": 48}})
+        answer = decode.sched.get_num_new_matched_tokens(req, 0)
+        while answer[0] is None:  # waits at most handover_wait_ms (1 ms) of its own clock
+            answer = decode.sched.get_num_new_matched_tokens(req, 0)
+        assert answer == (16, False)
+        assert decode.sched.counters.handover_short == 1
+    finally:
+        decode.close()
+
+
+def test_no_handover_params_without_the_proxys_marker(engine: Engine) -> None:
+    prompt = _prompt(50, 24)
+    req = _pd_request("n", prompt, {"do_remote_decode": False})
+    engine.sched.get_num_new_matched_tokens(req, 0)
+    engine.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3]), 0)
+    engine.sched.build_connector_meta(_output([NewRequestData.from_request(req, ([0, 1, 2, 3],))],
+                                              {"n": 50}))
+    assert engine.sched.request_finished(req, [0, 1, 2, 3]) == (True, None)
+
+
+def test_a_load_of_a_request_finished_in_its_step_is_counted(engine: Engine) -> None:
+    # A P/D prefill's request computes one token: vLLM finishes it (request_finished) before
+    # it hands over that step's connector output, which carries the load's outcome.
+    prompt = _prompt(50, 25)
+    engine.store(prompt, 2)
+    req = Request("one", prompt, SamplingParams(max_tokens=1), None)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    engine.sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3]), 32)
+    new = NewRequestData.from_request(req, ([0, 1, 2, 3],))
+    new.num_computed_tokens = 32
+    engine.sched.build_connector_meta(_output([new], {"one": 18}))
+    engine.sched.request_finished(req, [0, 1, 2, 3])
+    engine.sched.loads_outcome(LoadOutcomes({"one": (32, 32)}), ())
+    assert engine.sched.counters.pool_hit_tokens == 32
+    loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
+    assert [(e.req_id, e.tokens) for e in loaded] == [("one", 32)]

@@ -68,7 +68,7 @@ def test_backend_keys_pass_through_untouched() -> None:
 @pytest.mark.parametrize(
     ("role", "extra", "loads", "saves"),
     [
-        ("kv_producer", {}, False, True),
+        ("kv_producer", {}, True, True),
         ("kv_consumer", {}, False, False),
         ("kv_consumer", {"consumer_is_to_load": True}, True, False),
         ("kv_consumer", {"consumer_is_to_put": True}, False, True),

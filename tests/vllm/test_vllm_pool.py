@@ -110,7 +110,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
 ) -> None:
     saver = engines.run("saver", P + Q + R, kvpool("kv_producer", 7101, "saver", hub),
                         prefix_caching=True)
-    # A producer never loads; its own outputs are the baseline's.
+    # Its own outputs are the baseline's (nothing of these prompts was in the pool before).
     for got, want in zip(saver, baseline["P"] + baseline["Q"] + baseline["R"], strict=True):
         assert got["tokens"] == want["tokens"]
 
