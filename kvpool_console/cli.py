@@ -3,7 +3,7 @@
 Usage::
 
     kvpool-console [--hub ADDR] [--keys DIR] [--refresh S] [--ssh-config FILE]  # the TUI
-    kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm]
+    kvpool-console --demo [--trace PATH] [--engines N] [--speedup X] [--engine sim|vllm|pd]
     kvpool-console status [--json] [--fail-on warning|critical] [--observe S]
     kvpool-console health [ENGINE ... | --all] [--probe] [--json] [--timeout-ms MS]
     kvpool-console forget ENGINE ...                                # operator: drop from hub
@@ -142,8 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=_at_least(1), default=4, help="demo engines (default 4)")
     p.add_argument("--speedup", type=_non_negative, default=5.0,
                    help="demo replay speed-up: trace time / wall time (default 5)")
-    p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm"), default="sim",
-                   help="demo engine kind (default sim)")
+    p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm", "pd"), default="sim",
+                   help="demo engine kind (default sim); pd: a real prefill/decode pair of "
+                        "vllm serve engines behind the P/D proxy, the pool as the hand-over")
     sub = p.add_subparsers(dest="cmd")
     st = sub.add_parser("status", parents=[common], help="print the fleet once")
     st.add_argument("--json", action="store_true", help="JSON for scripts and alerting")

@@ -11,7 +11,11 @@ their agents, replaying a share of a trace at a chosen speed-up:
 * further engines are ``kv_both`` and replay their round-robin share of the trace.
 
 ``engine_kind="vllm"`` runs real vLLM engines (``vllm.LLM`` with the tiny local model of
-``_tiny_model`` and ``KVPoolConnector``) instead of simulated ones.
+``_tiny_model`` and ``KVPoolConnector``) instead of simulated ones. ``engine_kind="pd"`` runs
+the real P/D topology instead: a prefill and a decode ``vllm serve`` engine behind the
+``mooncake-transfer-engine`` wheel's P/D proxy, the pool as the hand-over
+(``_pd.LocalPdPair``), the trace sent through the proxy (``_pd.ProxyReplay``); ``engines`` is
+then ignored.
 
 Leaving the context (or ``stop()``, also on Ctrl-C) stops every process it started: each runs in
 its own process group, which is terminated and then killed; ``leftover_pids()`` checks with
@@ -21,6 +25,7 @@ psutil that none is left.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -34,6 +39,7 @@ from typing import Literal
 import msgspec
 import psutil
 
+from kvpool_replay._pd import LocalPdPair, ProxyReplay
 from kvpool_replay._pool import mooncake_extra_config, pool_bytes_for_tokens
 from kvpool_replay._replay import spawn_engine
 from kvpool_replay._services import (
@@ -46,7 +52,7 @@ from kvpool_replay._services import (
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model
-from kvpool_replay._trace import default_trace_path, load_trace
+from kvpool_replay._trace import TraceRequest, default_trace_path, load_trace
 
 __all__ = ["DEMO_SHAPE", "TINY_VLLM_SHAPE", "DemoCluster"]
 
@@ -75,8 +81,9 @@ class DemoCluster:
             .jsonl``).
         engines: engine processes (>= 1); with >= 2, engines 0 and 1 are a prefill/decode pair.
         speedup: trace time / wall time (``0`` = as fast as possible).
-        engine_kind: ``"sim"`` (connector driven exactly as vLLM calls it, real KV bytes) or
-            ``"vllm"`` (real vLLM engines with the tiny local model).
+        engine_kind: ``"sim"`` (connector driven exactly as vLLM calls it, real KV bytes),
+            ``"vllm"`` (real vLLM engines with the tiny local model) or ``"pd"`` (a real
+            prefill/decode pair of ``vllm serve`` engines behind the P/D proxy).
         limit: replay only the first ``limit`` requests.
         pool_tokens: pool capacity in tokens of KV (``shape.bytes_per_token`` each).
         shape: simulated model shape (``engine_kind="vllm"`` uses the tiny model's,
@@ -108,7 +115,7 @@ class DemoCluster:
         *,
         engines: int = 4,
         speedup: float = 5.0,
-        engine_kind: Literal["sim", "vllm"] = "sim",
+        engine_kind: Literal["sim", "vllm", "pd"] = "sim",
         limit: int | None = None,
         # 512 MiB at DEMO_SHAPE. At speed-up 5 the conversation trace brings ~8M tokens of new
         # prefixes a minute: the hit rate climbs with the trace's reuse for about 90 s while
@@ -124,8 +131,8 @@ class DemoCluster:
     ) -> None:
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
-        if engine_kind not in ("sim", "vllm"):
-            raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
+        if engine_kind not in ("sim", "vllm", "pd"):
+            raise ValueError(f"engine_kind must be 'sim', 'vllm' or 'pd', got {engine_kind!r}")
         if speedup < 0:
             raise ValueError(f"speedup must be >= 0, got {speedup}")
         self.trace_path = Path(trace_path) if trace_path else default_trace_path()
@@ -153,6 +160,8 @@ class DemoCluster:
         self.specs: dict[str, EngineSpec] = {}
         self._started_pids: set[int] = set()
         self._logs: list[object] = []
+        self.pd_pair: LocalPdPair | None = None
+        self.pd_replay: ProxyReplay | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -198,7 +207,7 @@ class DemoCluster:
         self._started_pids.add(self.master.proc.pid)
 
         model = f"demo-{os.getpid()}"
-        if self.engine_kind == "vllm":
+        if self.engine_kind in ("vllm", "pd"):
             model = str(build_tiny_model(_tiny_model_dir()))
             self.shape = TINY_VLLM_SHAPE
         self._say(f"starting mooncake_client pool store (master {self.master.address})")
@@ -208,6 +217,9 @@ class DemoCluster:
         self.store.start()
         assert self.store.proc is not None
         self._started_pids.add(self.store.proc.pid)
+        if self.engine_kind == "pd":
+            self._start_pd(Path(model), trace, ready_timeout_s)
+            return
         n = self.engines
         both = list(range(2, n)) if n >= 2 else [0]
         sources = ([0] if n >= 2 else []) + both
@@ -249,6 +261,25 @@ class DemoCluster:
         self._say(f"waiting for engines to be ready (up to {ready_timeout_s:.0f} s)")
         self._wait_ready(ready_timeout_s)
         go.write_text(f"{time.time():.6f}")
+
+    def _start_pd(self, model: Path, trace: list[TraceRequest], timeout_s: float) -> None:
+        """The P/D pair over this cluster's pool and hub, and the trace through its proxy."""
+        assert self.master is not None
+        cfg = self.workdir / "pd-mooncake.json"
+        # The engines hold no pool memory: the store does (as in config/local-pd/).
+        cfg.write_text(json.dumps({
+            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp", "master_server_address": self.master.address,
+            "master_admin_url": self.master.admin_url, "global_segment_size": "0",
+            "local_buffer_size": "64MB"}))
+        self._say(f"starting the P/D pair (vllm serve x2 and the proxy; up to {timeout_s:.0f} s)")
+        self.pd_pair = LocalPdPair(model, cfg, self.workdir / "pd", hub_address=self.hub_address,
+                                   agent_keys=self.agent_keys_dir, chunk_size=128,
+                                   on_status=self._say).start(timeout_s)
+        self._started_pids.update(self.pd_pair.pids)
+        self._say(f"replaying {self.trace_path} through the proxy at {self.pd_pair.proxy_url}")
+        self.pd_replay = ProxyReplay(self.pd_pair.proxy_url, trace, self.speedup,
+                                     on_status=self._say).start()
 
     def _say(self, line: str) -> None:
         if self._progress is not None:
@@ -301,6 +332,10 @@ class DemoCluster:
 
     def stop(self) -> None:
         """Stop engines, store, master and hub (process groups: TERM, then KILL). Idempotent."""
+        if self.pd_replay is not None:
+            self.pd_replay.stop()
+        if self.pd_pair is not None:
+            self.pd_pair.stop()
         for proc in self.processes.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

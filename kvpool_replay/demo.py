@@ -9,7 +9,7 @@ operator would run it against a real fleet. Everything the demo started stops on
 
 Usage (what the console passes on; every option but ``--trace`` is always given)::
 
-    python -m kvpool_replay.demo --engines N --speedup X --engine sim|vllm --refresh S
+    python -m kvpool_replay.demo --engines N --speedup X --engine sim|vllm|pd --refresh S
                                  [--trace PATH]
 
 Exit status, as documented for ``kvpool-console``: 0 ok; 2 demo not startable (missing or invalid
@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, required=True, help="engines (>= 1)")
     p.add_argument("--speedup", type=float, required=True,
                    help="trace time / wall time (0 = as fast as possible)")
-    p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm"), required=True)
+    p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm", "pd"), required=True)
     p.add_argument("--refresh", type=float, required=True, metavar="S",
                    help="TUI redraw interval in seconds")
     return p
