@@ -39,7 +39,8 @@ vLLM's block pool (``bind_gpu_block_pool``; vLLM frees blocks that leave the win
 request runs) until every worker reported the save job ended (``LoadOutcomes.saves_done``),
 and ``has_pending_push_work`` keeps vLLM stepping until then. An engine with a group the pool
 cannot restore (``KVGroup.kind`` ``unsupported``) neither loads nor saves
-(``UNSUPPORTED_KV_GROUP``).
+(``UNSUPPORTED_KV_GROUP``); one whose attention backend cannot prefill over loaded context
+(``_context_prefill``, vLLM's ``CPU_MLA``) loads nothing and saves (``NO_CONTEXT_PREFILL``).
 
 ``kv_role`` (vLLM Ascend semantics): ``kv_producer`` saves and never loads; ``kv_consumer``
 loads only with ``consumer_is_to_load`` and saves only with ``consumer_is_to_put``;
@@ -57,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from kvpool_agent.reporter import NullReporter, Reporter
+from kvpool_connector._context_prefill import NO_CONTEXT_PREFILL
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
@@ -102,7 +104,8 @@ class LookupCounters:
     once per load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load
     failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
     by reason, ``MULTIMODAL``, ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the
-    pool cannot restore, ``_groups``), ``LOCAL_CACHE`` when vLLM's own prefix
+    pool cannot restore, ``_groups``), ``NO_CONTEXT_PREFILL`` (an attention backend that cannot
+    prefill over loaded context, ``_context_prefill``), ``LOCAL_CACHE`` when vLLM's own prefix
     cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
     before its last token); ``lookup_cached`` repeated asks answered from the
     request's cached lookup.
@@ -214,6 +217,9 @@ class KVPoolScheduler:
         reporter: agent event buffer (lookups and loaded tokens are reported to it).
         groups: vLLM's KV-cache groups (``_groups.kv_groups``); ``None``: one full group.
         world_size: workers that each report a save job's end (vLLM's world size).
+        no_context_prefill: the engine's attention backend when it cannot prefill over loaded
+            context (``_context_prefill.context_prefill_gap``): nothing is looked up or loaded
+            (``NO_CONTEXT_PREFILL``), saves go on.
 
     Attributes:
         hash_cache: the chunk hashes of recent prompts (``keys.ChunkHashCache``, at most 2**20
@@ -223,8 +229,10 @@ class KVPoolScheduler:
     def __init__(
         self, config: KVPoolConfig, lookup: PrefixLookup | None, reporter: Reporter | None = None,
         *, groups: list[KVGroup] | None = None, world_size: int = 1,
+        no_context_prefill: str | None = None,
     ) -> None:
         self.config = config
+        self.no_context_prefill = no_context_prefill
         self.groups = groups or []
         self.hybrid = len(self.groups) > 1 or any(g.kind != "full" for g in self.groups)
         self.unsupported = [g for g in self.groups
@@ -356,6 +364,8 @@ class KVPoolScheduler:
         now = time.monotonic()
         if self.unsupported:
             return self._skip(rid, prompt_len, num_computed_tokens, "UNSUPPORTED_KV_GROUP")
+        if self.no_context_prefill:
+            return self._skip(rid, prompt_len, num_computed_tokens, NO_CONTEXT_PREFILL)
         if _has_media(request):
             return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
         if self._breaker.is_open(now):
