@@ -229,7 +229,9 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     ``lookup_skipped`` counts lookups not made, by reason in ``skipped_by_reason``
     (``MULTIMODAL``, ``BREAKER_OPEN``, ``LOCAL_CACHE``: vLLM's own cache held every whole chunk,
     ``SHORT_PROMPT``: no whole chunk before the last token, ``BAD_TOKEN_IDS``: a prompt token
-    id that is not an int in [0, 2**32)).
+    id that is not an int in [0, 2**32), ``UNSUPPORTED_KV_GROUP``: a KV-cache group the pool
+    cannot restore, ``NO_CONTEXT_PREFILL``: an attention backend that cannot prefill over
+    loaded context).
     """
 
     lookups: Count = 0

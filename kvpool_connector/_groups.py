@@ -9,15 +9,27 @@ memory only together with its group's layers.
 
 A pool hit of ``n`` chunks is usable only if every group has what it needs at the boundary
 ``n * chunk_size``: a ``full`` group every chunk before it, a ``sliding_window`` group the
-``window_blocks`` blocks right before it. So a sliding-window group stores of each chunk only
-its last ``tail_blocks`` blocks (the window before the next boundary a later prompt can hit),
-and a load fills only the window before the hit's end: vLLM holds the null block (id 0) at the
-positions before the window and never reads them.
+``window_blocks`` blocks right before it, a ``mamba`` group the state at it. So a
+sliding-window group stores of each chunk only its last ``tail_blocks`` blocks (the window
+before the next boundary a later prompt can hit), and a load fills only the window before the
+hit's end: vLLM holds the null block (id 0) at the positions before the window and never reads
+them.
 
-Groups the pool cannot restore correctly (Mamba state, chunked local attention, cross
-attention, encoder-only) are ``unsupported``: an engine with one loads and saves nothing and
-says so (``UNSUPPORTED_KV_GROUP``). vLLM 0.32 on CPU runs no Mamba model here, so the Mamba
-plan (a state per chunk boundary, vLLM's ``align`` prefix-caching mode) is not built.
+A ``mamba`` group (``MambaSpec`` with vLLM's ``mamba_cache_mode == "align"``, its prefix
+caching of Mamba / linear-attention state) stores for chunk ``i`` the state after the chunk,
+at the boundary ``(i + 1) * chunk_size``, and only when vLLM hands that state over: in align
+mode vLLM keeps a state only at block boundaries, nulls and reuses the blocks of the others,
+and offers each kept one by exact block id (``KVConnectorBlockState.boundary_state_offloads``:
+``(group, block id, boundary tokens)``), so a save never reads a block table by position. A
+load writes the state of the hit's end into the block vLLM resumes from: the table's block
+holding the hit's last token (``MambaManager``: null blocks before it). A value is one block
+of the group's layers (a state fills one block in align mode).
+
+Groups the pool cannot restore correctly (Mamba in another ``mamba_cache_mode``, chunked local
+attention, cross attention, encoder-only) are ``unsupported``: an engine with one loads and
+saves nothing and says so (``UNSUPPORTED_KV_GROUP``). vLLM 0.32 on CPU runs no Mamba model
+(no ``selective_scan_fwd`` kernel), so the Mamba plan is tested without an engine, against
+vLLM's own spec and scheduler-output objects (``tests/connector/test_groups.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from typing import Any, Literal
 
 __all__ = ["NULL_BLOCK_ID", "GroupKind", "KVGroup", "hybrid_hit", "kv_groups", "single_group"]
 
-GroupKind = Literal["full", "sliding_window", "unsupported"]
+GroupKind = Literal["full", "sliding_window", "mamba", "unsupported"]
 
 NULL_BLOCK_ID = 0
 """vLLM's null block (``BlockPool.null_block``, the first block taken from the free queue):
@@ -45,7 +57,7 @@ class KVGroup:
 
     Attributes:
         index: the group's index in ``kv_cache_groups`` (the ``.g<group>`` of its keys).
-        kind: ``full``, ``sliding_window`` or ``unsupported``.
+        kind: ``full``, ``sliding_window``, ``mamba`` (align mode) or ``unsupported``.
         spec: vLLM's spec class name (``FullAttentionSpec``, ``SlidingWindowSpec``,
             ``MLAAttentionSpec``, ``MambaSpec``...).
         layer_names: the group's layers, in model order.
@@ -69,22 +81,31 @@ class KVGroup:
 
     def tail_blocks(self, blocks_per_chunk: int) -> int:
         """Blocks of each chunk this group stores: the chunk's last ``window_blocks`` (all of
-        them when the window is as long as the chunk), every block for a full group."""
+        them when the window is as long as the chunk), the one block holding the state at the
+        chunk's end for a Mamba group, every block for a full group."""
         if self.kind == "sliding_window":
             return max(1, min(blocks_per_chunk, self.window_blocks))
+        if self.kind == "mamba":
+            return 1
         return blocks_per_chunk
 
     def needed_chunks(self, hit_chunks: int, blocks_per_chunk: int) -> range:
-        """Chunks whose values this group needs for a hit of ``hit_chunks`` chunks."""
+        """Chunks whose values this group needs for a hit of ``hit_chunks`` chunks: all
+        before it (full), those the window reaches into (sliding window), the last one, whose
+        value is the state at the hit's end (Mamba)."""
+        if self.kind == "mamba":
+            return range(max(0, hit_chunks - 1), hit_chunks)
         if self.kind != "sliding_window":
             return range(hit_chunks)
         first_block = max(0, hit_chunks * blocks_per_chunk - self.window_blocks)
         return range(first_block // blocks_per_chunk, hit_chunks)
 
     def describe(self) -> str:
-        """A short text for the layout digest and the console: ``full x1 b32``,
-        ``sliding_window(64) x3 b32``."""
-        kind = f"sliding_window({self.window})" if self.kind == "sliding_window" else self.kind
+        """A short text for the layout digest and the console: ``full:FullAttentionSpec x1
+        b32``, ``sliding_window(64):SlidingWindowSpec x3 b32``, ``mamba(align):MambaSpec x2
+        b32``."""
+        kind = {"sliding_window": f"sliding_window({self.window})",
+                "mamba": "mamba(align)"}.get(self.kind, self.kind)
         return f"{kind}:{self.spec} x{len(self.layer_names)} b{self.block_size}"
 
 
@@ -101,8 +122,9 @@ def kv_groups(kv_cache_config: Any, fallback_block_size: int) -> list[KVGroup]:
 
     Kinds by spec class (vLLM 0.32 ``vllm.v1.kv_cache_interface``): ``SlidingWindowSpec`` ->
     ``sliding_window``; ``FullAttentionSpec`` and ``MLAAttentionSpec`` -> ``full`` (also with
-    a ``sliding_window``: a window layer vLLM keeps whole with its hybrid allocator off); everything
-    else (``MambaSpec``, ``ChunkedLocalAttentionSpec``,
+    a ``sliding_window``: a window layer vLLM keeps whole with its hybrid allocator off);
+    ``MambaSpec`` with ``mamba_cache_mode == "align"`` -> ``mamba``; everything else
+    (``MambaSpec`` in modes ``none`` and ``all``, ``ChunkedLocalAttentionSpec``,
     ``CrossAttentionSpec``, ``EncoderOnlyAttentionSpec``...) -> ``unsupported``.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
@@ -123,6 +145,10 @@ def kv_groups(kv_cache_config: Any, fallback_block_size: int) -> list[KVGroup]:
             kind, window = "sliding_window", int(spec.sliding_window)
         elif name in ("FullAttentionSpec", "MLAAttentionSpec"):
             kind = "full"
+        elif name == "MambaSpec" and getattr(spec, "mamba_cache_mode", "none") == "align":
+            # Only align mode keeps a state per block boundary and hands it over by block id;
+            # "all" keeps one per block positionally and "none" none at all: unsupported.
+            kind = "mamba"
         out.append(KVGroup(i, kind, name, tuple(g.layer_names), int(spec.block_size), window))
     return out
 
@@ -139,7 +165,7 @@ def hybrid_hit(groups: Sequence[KVGroup], present: Sequence[Sequence[bool]],
 
     Returns:
         The largest ``n`` such that every full group holds chunks ``[0, n)`` and every
-        sliding-window group holds its ``needed_chunks(n)``; 0 when there is none.
+        sliding-window or Mamba group holds its ``needed_chunks(n)``; 0 when there is none.
     """
     n = len(present[0]) if present else 0
     for g, row in zip(groups, present, strict=True):
@@ -147,7 +173,7 @@ def hybrid_hit(groups: Sequence[KVGroup], present: Sequence[Sequence[bool]],
             n = min(n, next((i for i, ok in enumerate(row) if not ok), len(row)))
     while n > 0:
         if all(all(row[c] for c in g.needed_chunks(n, blocks_per_chunk))
-               for g, row in zip(groups, present, strict=True) if g.kind == "sliding_window"):
+               for g, row in zip(groups, present, strict=True) if g.kind != "full"):
             return n
         n -= 1
     return 0

@@ -13,7 +13,9 @@ all layers (layer, region, block order; ``ranges_for_blocks``). In layer-wise mo
 With several KV-cache groups (vLLM's hybrid allocator, ``_groups``) each group has a planner of
 its own: its layers, its block table (``ReqMeta.group_block_ids``), its keys (``.g<group>``); a
 sliding-window group's value of a chunk is the chunk's last ``KVGroup.tail_blocks`` blocks, and
-its loads fill only the window before the hit's end.
+its loads fill only the window before the hit's end. A Mamba group's (vLLM's align mode) value
+of a chunk is the state after it, one block: saved from the exact block vLLM handed over
+(``ReqMeta.boundary_states``), loaded into the block vLLM resumes the hit from.
 """
 
 from __future__ import annotations
@@ -220,6 +222,8 @@ class TransferPlanner:
         spec = req.load
         if spec is None or spec.num_tokens_to_load <= 0:
             return None
+        if self.group is not None and self.group.kind == "mamba":
+            return self._load_state(req, spec)
         first = spec.vllm_cached_tokens // self.chunk_size
         last = -(-spec.kvpool_cached_tokens // self.chunk_size)
         skip_below = spec.vllm_cached_tokens // self.block_size
@@ -229,6 +233,28 @@ class TransferPlanner:
             first = max(first, skip_below // self.blocks_per_chunk)
         rows = self.chunk_transfers(req, range(first, last), skip_below, end_block=end_block)
         return LoadPlan(req, first, [t for row in rows for t in row])
+
+    def _load_state(self, req: ReqMeta, spec: LoadSpec) -> LoadPlan:
+        """A Mamba group's load: the state at the hit's end, chunk ``n - 1``'s value, into the
+        table's block holding the hit's last token (vLLM's ``MambaManager`` in align mode
+        resumes a hit from there and holds the null block before it).
+
+        Raises:
+            ValueError: the hit does not end at a chunk boundary (vLLM trimmed it: the state
+                there is not stored) or vLLM gave that position no block
+                (``STATE_NOT_STORED``): the load fails, vLLM recomputes the request.
+        """
+        assert self.group is not None
+        end = spec.kvpool_cached_tokens
+        block = end // self.block_size - 1
+        table = self.table(req)
+        if end % self.chunk_size or block >= len(table) or table[block] == NULL_BLOCK_ID:
+            raise ValueError(
+                f"request {req.req_id}: KV-cache group {self.group.index} needs the state at "
+                f"token {end}, which the pool stores only at chunk ends ({self.chunk_size} "
+                f"tokens) into a block vLLM allocated (STATE_NOT_STORED)")
+        chunk = end // self.chunk_size - 1
+        return LoadPlan(req, chunk, self.chunk_transfers(req, [chunk])[0])
 
     def _window_start(self, req: ReqMeta, skip_below: int, end_block: int) -> int:
         """The first position a sliding-window load writes: the first block vLLM allocated
@@ -262,6 +288,9 @@ class TransferPlanner:
         ``stripe[0]`` modulo ``stripe[1]`` (MLA: this TP rank's share; ``(0, 1)``: every
         chunk), its transfers (empty when the range is).
 
+        A Mamba group instead saves the states vLLM handed over this step
+        (``_save_states``), one row each.
+
         A sliding-window chunk whose stored tail vLLM no longer holds (null blocks: it left
         the window, e.g. a local prefix hit) gets an empty row: nothing of it can be saved,
         and a hit that would need it stops before it (``_groups.hybrid_hit``).
@@ -270,11 +299,37 @@ class TransferPlanner:
             ValueError: the metadata does not give the blocks or hashes of those chunks.
         """
         rank, size = stripe
+        if self.group is not None and self.group.kind == "mamba":
+            return self._save_states(req, stripe)
         chunks = [c for c in range(req.save_from_chunk, req.save_to_chunk) if c % size == rank]
         if self.group is None or self.group.kind != "sliding_window":
             return self.chunk_transfers(req, chunks)
         return [self.chunk_transfers(req, [c])[0]
                 if NULL_BLOCK_ID not in self.chunk_blocks(req, c) else [] for c in chunks]
+
+    def _save_states(self, req: ReqMeta, stripe: tuple[int, int]) -> list[list[Transfer]]:
+        """Per state of this group in ``req.boundary_states`` whose chunk is in ``stripe``,
+        its transfer: the exact block vLLM named, under the chunk's key.
+
+        Raises:
+            ValueError: a state's chunk has no hash, or its block is the null block.
+        """
+        assert self.group is not None
+        rank, size = stripe
+        rows = []
+        for group, chunk, block in req.boundary_states:
+            if group != self.group.index or chunk % size != rank:
+                continue
+            if block == NULL_BLOCK_ID or not 0 <= chunk < len(req.chunk_hashes):
+                raise ValueError(
+                    f"request {req.req_id}: KV-cache group {group}'s state after chunk {chunk} "
+                    f"is in block {block} ({len(req.chunk_hashes)} chunk hashes were given)")
+            (key,) = chunk_keys([self.key_prefix], [req.chunk_hashes[chunk]])
+            ((_, layers),) = self._groups
+            addrs, sizes = ranges_for_blocks(layers, [block], frozenset(), self.scratch)
+            rows.append([Transfer(req.req_id, key, chunk, None, addrs, sizes, [block],
+                                  sum(sizes), group)])
+        return rows
 
 
 def by_layer(transfers: Iterable[Transfer], n_layers: int) -> list[list[Transfer]]:

@@ -41,6 +41,7 @@ from kvpool_agent import AgentHandle, start_agent
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import INSTANCE_ROLE_OF, KV_ROLE_FOR, KV_ROLES
+from kvpool_connector._context_prefill import context_prefill_gap
 from kvpool_connector._events import (
     ChunkWritten,
     KVPoolKVEvents,
@@ -253,7 +254,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._lookup_client = lookup
             self._world_size = vllm_config.parallel_config.world_size
             sched = self._scheduler = KVPoolScheduler(
-                cfg, lookup, reporter, groups=self._groups, world_size=self._world_size)
+                cfg, lookup, reporter, groups=self._groups, world_size=self._world_size,
+                no_context_prefill=context_prefill_gap(vllm_config) if cfg.should_load else None)
+            if sched.no_context_prefill:
+                logger.warning("KVPoolConnector: vLLM's %s attention backend cannot prefill over "
+                               "loaded context: this engine loads nothing from the pool "
+                               "(NO_CONTEXT_PREFILL) and still saves", sched.no_context_prefill)
             self._stats = StatsCollector(lambda: sched.counters, reporter, worker=False)
             if self._kv_events and cfg.should_save:
                 self._events = PoolEventJoiner(

@@ -59,8 +59,13 @@ class ReqMeta:
         is_last_save: no further saves will follow for this request (the worker may report it
             finished sending once this save is done).
         save_job: the scheduler holds this save's sliding-window blocks (vLLM frees blocks
-            that leave the window while the request runs) until every worker reported the
-            job in ``LoadOutcomes.saves_done``; ``None`` when nothing is held.
+            that leave the window while the request runs) and Mamba state blocks until every
+            worker reported the job in ``LoadOutcomes.saves_done``; ``None`` when nothing is
+            held.
+        boundary_states: Mamba states (align mode) to save this step, ``(group, chunk,
+            block id)``: the state after chunk ``chunk`` of group ``group`` is in block
+            ``block id``, as vLLM handed it over (``boundary_state_offloads``), never read from
+            the block table by position.
     """
 
     req_id: str
@@ -72,6 +77,12 @@ class ReqMeta:
     is_last_save: bool = False
     group_block_ids: tuple[list[int], ...] = ()
     save_job: int | None = None
+    boundary_states: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def has_save(self) -> bool:
+        """Whether this step saves anything for the request: chunks or Mamba states."""
+        return self.save_to_chunk > self.save_from_chunk or bool(self.boundary_states)
 
 
 @dataclass

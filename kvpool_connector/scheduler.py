@@ -37,9 +37,13 @@ tables of every group go to the workers, taken from vLLM's current tables
 per request, ``failed_recving``); the blocks a sliding-window group's save reads are held in
 vLLM's block pool (``bind_gpu_block_pool``; vLLM frees blocks that leave the window while the
 request runs) until every worker reported the save job ended (``LoadOutcomes.saves_done``),
-and ``has_pending_push_work`` keeps vLLM stepping until then. An engine with a group the pool
-cannot restore (``KVGroup.kind`` ``unsupported``) neither loads nor saves
-(``UNSUPPORTED_KV_GROUP``).
+and ``has_pending_push_work`` keeps vLLM stepping until then. A Mamba group (vLLM's align
+mode) saves only the states vLLM hands over by block id
+(``KVConnectorBlockState.boundary_state_offloads``), at chunk ends, held the same way
+(``ReqMeta.boundary_states``). An engine with a group the pool cannot restore
+(``KVGroup.kind`` ``unsupported``) neither loads nor saves (``UNSUPPORTED_KV_GROUP``); one
+whose attention backend cannot prefill over loaded context (``_context_prefill``, vLLM's
+``CPU_MLA``) loads nothing and saves (``NO_CONTEXT_PREFILL``).
 
 ``kv_role`` (vllm-ascend's ``AscendStoreConnector`` semantics): ``kv_producer`` and ``kv_both``
 load and save; ``kv_consumer`` loads only with ``consumer_is_to_load`` and saves only with
@@ -57,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from kvpool_agent.reporter import NullReporter, Reporter
+from kvpool_connector._context_prefill import NO_CONTEXT_PREFILL
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
@@ -108,7 +113,8 @@ class LookupCounters:
     once per load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load
     failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
     by reason, ``MULTIMODAL``, ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the
-    pool cannot restore, ``_groups``), ``LOCAL_CACHE`` when vLLM's own prefix
+    pool cannot restore, ``_groups``), ``NO_CONTEXT_PREFILL`` (an attention backend that cannot
+    prefill over loaded context, ``_context_prefill``), ``LOCAL_CACHE`` when vLLM's own prefix
     cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
     before its last token); ``lookup_cached`` repeated asks answered from the
     request's cached lookup. ``handover_waits``: asks answered "later" while a P/D
@@ -135,13 +141,15 @@ class LookupCounters:
 @dataclass
 class _Tracker:
     """One running request: its prompt's chunk hashes, block ids and save progress;
-    ``save_limit``: leading chunks its admission policy lets it save."""
+    ``save_limit``: leading chunks its admission policy lets it save; ``saved_states``: the
+    ``(group, chunk)`` Mamba states already sent to the workers."""
 
     hashes: list[str]
     block_ids: list[int]
     saved_chunks: int = 0
     group_block_ids: tuple[list[int], ...] = ()
     save_limit: int = 0
+    saved_states: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -225,6 +233,9 @@ class KVPoolScheduler:
         reporter: agent event buffer (lookups and loaded tokens are reported to it).
         groups: vLLM's KV-cache groups (``_groups.kv_groups``); ``None``: one full group.
         world_size: workers that each report a save job's end (vLLM's world size).
+        no_context_prefill: the engine's attention backend when it cannot prefill over loaded
+            context (``_context_prefill.context_prefill_gap``): nothing is looked up or loaded
+            (``NO_CONTEXT_PREFILL``), saves go on.
 
     Attributes:
         hash_cache: the chunk hashes of recent prompts (``keys.ChunkHashCache``, at most 2**20
@@ -234,13 +245,16 @@ class KVPoolScheduler:
     def __init__(
         self, config: KVPoolConfig, lookup: PrefixLookup | None, reporter: Reporter | None = None,
         *, groups: list[KVGroup] | None = None, world_size: int = 1,
+        no_context_prefill: str | None = None,
     ) -> None:
         self.config = config
+        self.no_context_prefill = no_context_prefill
         self.groups = groups or []
         self.hybrid = len(self.groups) > 1 or any(g.kind != "full" for g in self.groups)
         self.unsupported = [g for g in self.groups
                             if g.kind == "unsupported" or g.block_size != config.block_size]
         self._window_groups = [g for g in self.groups if g.kind == "sliding_window"]
+        self._mamba_groups = {g.index for g in self.groups if g.kind == "mamba"}
         self._world_size = world_size
         self._block_pool: BlockPool | None = None
         # Save job -> (blocks held in vLLM's block pool, workers yet to report it ended).
@@ -375,6 +389,8 @@ class KVPoolScheduler:
         now = time.monotonic()
         if self.unsupported:
             return self._skip(rid, prompt_len, num_computed_tokens, "UNSUPPORTED_KV_GROUP")
+        if self.no_context_prefill:
+            return self._skip(rid, prompt_len, num_computed_tokens, NO_CONTEXT_PREFILL)
         if _has_media(request):
             return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
         if self._breaker.is_open(now):
@@ -536,9 +552,43 @@ class KVPoolScheduler:
                                          group_block_ids=pending.group_block_ids))
 
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
-        if self._window_groups:
-            self._hold_window_blocks(meta)
+        if self._mamba_groups and save and block_state is not None:
+            self._attach_states(meta, block_state.boundary_state_offloads)
+        if self._window_groups or self._mamba_groups:
+            self._hold_save_blocks(meta)
         return meta
+
+    def _attach_states(self, meta: KVPoolConnectorMetadata,
+                       offloads: dict[str, list[tuple[int, int, int]]]) -> None:
+        """Mamba groups (vLLM's align mode): the states vLLM handed over this step
+        (``KVConnectorBlockState.boundary_state_offloads``: request -> ``(group, block id,
+        boundary tokens)``) that a later hit can use go to the workers as
+        ``ReqMeta.boundary_states``: a state at a chunk end, of a chunk the request saves (its
+        admission limit, a prompt chunk), not sent before. Other boundaries (inside a chunk,
+        past the prompt) are never a pool hit's end, and the null block holds no state."""
+        by_req = {req.req_id: req for req in meta.requests}
+        for rid, entries in offloads.items():
+            tracker = self._trackers.get(rid)
+            if tracker is None:
+                continue
+            limit = min(tracker.save_limit, len(tracker.hashes))
+            states = []
+            for group, block, boundary in entries:
+                chunk = boundary // self.chunk_size - 1
+                if (group not in self._mamba_groups or block == NULL_BLOCK_ID
+                        or boundary % self.chunk_size or not 0 <= chunk < limit
+                        or (group, chunk) in tracker.saved_states):
+                    continue
+                tracker.saved_states.add((group, chunk))
+                states.append((group, chunk, block))
+            if not states:
+                continue
+            req = by_req.get(rid)
+            if req is None:
+                req = by_req[rid] = self._empty_meta(rid, tracker)
+                meta.requests.append(req)
+            req.boundary_states = states
+            self._saving.add(rid)
 
     def _current_tables(self, rid: str, tracker: _Tracker, block_state: Any) -> None:
         """Hybrid models: every group's current block table (vLLM's, with null blocks where
@@ -553,25 +603,27 @@ class KVPoolScheduler:
         ref = next((g.index for g in self.groups if g.kind == "full"), 0)
         tracker.block_ids = list(tables[ref])
 
-    def _hold_window_blocks(self, meta: KVPoolConnectorMetadata) -> None:
-        """Take a reference in vLLM's block pool on the sliding-window blocks each save of
-        this step reads, released when every worker reported the save ended
-        (``saves_finished_jobs``): vLLM frees blocks that leave the window while the request
-        runs, and another request could overwrite them before the save read them."""
+    def _hold_save_blocks(self, meta: KVPoolConnectorMetadata) -> None:
+        """Take a reference in vLLM's block pool on the sliding-window blocks and Mamba state
+        blocks each save of this step reads, released when every worker reported the save
+        ended (``saves_finished_jobs``): vLLM frees blocks that leave the window while the
+        request runs, and an align-mode state block once the request moves past it (vLLM's
+        ``take_pending_boundary_state_offloads``: "a caller that reads them asynchronously
+        must pin them first"); another request could overwrite them before the save read
+        them."""
         pool = self._block_pool
         if pool is None:
             return
         bpc = self.config.blocks_per_chunk
         for req in meta.requests:
-            if req.save_to_chunk <= req.save_from_chunk or not req.group_block_ids:
-                continue
-            held: list[int] = []
-            for g in self._window_groups:
-                table = req.group_block_ids[g.index]
-                off = bpc - g.tail_blocks(bpc)
-                for c in range(req.save_from_chunk, req.save_to_chunk):
-                    held += [b for b in table[c * bpc + off:(c + 1) * bpc]
-                             if b != NULL_BLOCK_ID]
+            held = [block for _, _, block in req.boundary_states]
+            if req.save_to_chunk > req.save_from_chunk and req.group_block_ids:
+                for g in self._window_groups:
+                    table = req.group_block_ids[g.index]
+                    off = bpc - g.tail_blocks(bpc)
+                    for c in range(req.save_from_chunk, req.save_to_chunk):
+                        held += [b for b in table[c * bpc + off:(c + 1) * bpc]
+                                 if b != NULL_BLOCK_ID]
             if not held:
                 continue
             pool.touch([pool.blocks[b] for b in held])

@@ -297,14 +297,17 @@ class KVPoolWorker:
 
     def _describe_groups(self, kv: KVLayout) -> list[str]:
         """Each group as the layout digest and the console show it: ``KVGroup.describe``,
-        the group's KV bytes per token on this worker (``16384B/tok``) and its layers' indices
+        the group's KV bytes per token on this worker (``16384B/tok``; a Mamba group's bytes
+        of one state, ``B/state``) and its layers' indices
         (``L0-2,4``): a group's values are its layers' KV, so engines that group the same
         layers otherwise (another vLLM) never share."""
         out = []
         for g in self.groups or ():
             idx = sorted(kv.layer_index(n) for n in g.layer_names)
             per_block = sum(kv.layers[i].block_bytes for i in idx)
-            out.append(f"{g.describe()} {per_block // g.block_size}B/tok L{_ranges(idx)}")
+            size = (f"{per_block}B/state" if g.kind == "mamba"
+                    else f"{per_block // g.block_size}B/tok")
+            out.append(f"{g.describe()} {size} L{_ranges(idx)}")
         return out
 
     @property
@@ -426,7 +429,7 @@ class KVPoolWorker:
     def _plan_saves(self, metadata: KVPoolConnectorMetadata) -> list[_SavePlan]:
         out: list[_SavePlan] = []
         for req in metadata.requests:
-            if req.save_to_chunk <= req.save_from_chunk:
+            if not req.has_save:
                 continue
             with self._lock:
                 self._saving_reqs.add(req.req_id)
@@ -442,12 +445,17 @@ class KVPoolWorker:
 
     def _plan_save(self, req: ReqMeta) -> list[list[Transfer]]:
         """Per chunk of the save range this worker writes (its stripe), the transfers of
-        every group."""
+        every group; then one row per Mamba state vLLM handed over this step."""
         planner = self._require_kv()[1]
         if not self.hybrid:
             return planner.save(req, self.stripe)
-        per_group = [gp.save(req, self.stripe) for gp in self._group_planners]
-        return [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))]
+        per_group = [gp.save(req, self.stripe) for gp in self._group_planners
+                     if gp.group is None or gp.group.kind != "mamba"]
+        rows = [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))
+                ] if per_group else []
+        return rows + [row for gp in self._group_planners
+                       if gp.group is not None and gp.group.kind == "mamba"
+                       for row in gp.save(req, self.stripe)]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None,
                       **kwargs: Any) -> None:

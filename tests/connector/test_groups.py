@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -408,3 +410,222 @@ def test_a_window_load_fills_exactly_vllms_window_for_any_window(window: int) ->
     plan = _window_planner(window).load(req)
     assert plan is not None
     assert sorted(b for t in plan.transfers for b in t.block_ids) == [b for b in table if b]
+
+
+# ---------------------------------------------------------------- Mamba (vLLM's align mode)
+# vLLM 0.32 on CPU runs no Mamba model (no ``selective_scan_fwd``), so the Mamba plan is
+# tested against vLLM's own objects: its KVCacheConfig and specs, its KVCacheManager (which
+# builds the align-mode block tables and hands the boundary states over) and its
+# SchedulerOutput / KVConnectorBlockState, with real workers over the real mooncake_master.
+
+MAMBA = KVGroup(1, "mamba", "MambaSpec", ("mamba",), 16)
+M_FULL = KVGroup(0, "full", "FullAttentionSpec", ("full",), 16)
+
+
+def _mamba_config(mode: str = "align", num_blocks: int = 32) -> Any:
+    """vLLM's KVCacheConfig of a full-attention group and a Mamba group (16-token blocks)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8), (2, 8)),
+                      dtypes=(torch.float32, torch.float32), mamba_cache_mode=mode)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["full"], full), KVCacheGroupSpec(["mamba"], mamba)])
+
+
+def test_only_an_align_mode_mamba_group_is_supported() -> None:
+    groups = kv_groups(_mamba_config("align"), 16)
+    assert [(g.kind, g.spec, g.layer_names) for g in groups] == [
+        ("full", "FullAttentionSpec", ("full",)), ("mamba", "MambaSpec", ("mamba",))]
+    assert groups[1].describe() == "mamba(align):MambaSpec x1 b16"
+    # "all" keeps a state per block by position, "none" keeps none: no hit can resume there.
+    for mode in ("all", "none"):
+        assert [g.kind for g in kv_groups(_mamba_config(mode), 16)] == ["full", "unsupported"]
+
+
+def test_a_mamba_group_needs_the_state_at_the_hit_end() -> None:
+    # A chunk's value is the state after it: one block, the chunk's last.
+    assert MAMBA.tail_blocks(2) == 1 and list(MAMBA.needed_chunks(3, 2)) == [2]
+    assert list(MAMBA.needed_chunks(0, 2)) == []
+    t, f = True, False
+    # vLLM handed over the states after chunks 1 and 3 only: a hit ends where a state is.
+    assert hybrid_hit([M_FULL, MAMBA], [[t, t, t, t], [f, t, f, t]], 2) == 4
+    assert hybrid_hit([M_FULL, MAMBA], [[t, t, t, f], [f, t, f, t]], 2) == 2
+    assert hybrid_hit([M_FULL, MAMBA], [[t, t], [f, f]], 2) == 0
+    # A Mamba-only model: the hit is the last state the pool holds.
+    assert hybrid_hit([replace(MAMBA, index=0)], [[t, f, t, f]], 2) == 3
+
+
+def _mamba_worker(backend: MooncakeBackend, model: str, **settings: object) -> tuple[
+        KVPoolWorker, dict[str, Any]]:
+    """A worker of the two groups of ``_mamba_config``: ``full`` (one layer) and ``mamba``
+    (one layer whose state is two tensors, as vLLM's conv and SSM states)."""
+    groups = kv_groups(_mamba_config(), 16)
+    kv: dict[str, Any] = {"full": torch.zeros(32, 16, 64, dtype=torch.float32),
+                          "mamba": (torch.zeros(32, 4, 8), torch.zeros(32, 2, 8))}
+    w = KVPoolWorker(Settings(chunk_size=32, **settings), TP0, model, backend,  # type: ignore[arg-type]
+                     groups=groups)
+    w.register_kv_caches(kv)
+    _ALIVE.append((kv, w))
+    return w, kv
+
+
+def _step(mgr: Any, sched: Any, req: Any, tokens_now: int, new: bool) -> Any:
+    """One scheduler step of vLLM's KVCacheManager (``tokens_now`` more tokens of ``req``)
+    and the connector metadata ``sched`` builds from vLLM's SchedulerOutput."""
+    from vllm.v1.core.sched.output import (
+        CachedRequestData,
+        KVConnectorBlockState,
+        NewRequestData,
+        SchedulerOutput,
+    )
+
+    blocks = mgr.allocate_slots(req, tokens_now)
+    assert blocks is not None
+    tables = mgr.get_block_ids(req.request_id)
+    if new:
+        sched.update_state_after_alloc(req, mgr.get_blocks(req.request_id), 0)
+        news, cached = [NewRequestData.from_request(req, tables)], CachedRequestData.make_empty()
+    else:
+        news = []
+        cached = CachedRequestData(
+            req_ids=[req.request_id], resumed_req_ids=set(), new_token_ids=[[]],
+            all_token_ids={}, new_block_ids=[blocks.get_block_ids()],
+            num_computed_tokens=[req.num_computed_tokens], num_output_tokens=[0])
+    out = SchedulerOutput(
+        scheduled_new_reqs=news, scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: tokens_now}, total_num_scheduled_tokens=tokens_now,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[], kv_connector_block_state=KVConnectorBlockState(
+            req_ids={req.request_id}, resolve_block_ids=mgr.get_block_ids,
+            boundary_state_offloads=mgr.take_boundary_state_offloads()))
+    meta = sched.build_connector_meta(out)
+    req.num_computed_tokens += tokens_now
+    return meta
+
+
+def test_mamba_states_move_by_the_exact_block_ids_vllm_hands_over(
+        backends: list[MooncakeBackend]) -> None:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from kvpool_connector.config import KVPoolConfig
+    from kvpool_connector.scheduler import KVPoolScheduler
+
+    init_none_hash(sha256)
+    model = uniq("mamba")
+    cfg = KVPoolConfig.from_dicts({"chunk_size": 32}, kv_role="kv_producer", block_size=16,
+                                  model=model)
+    sched = KVPoolScheduler(cfg, None, groups=kv_groups(_mamba_config(), 16), world_size=1)
+    assert sched.unsupported == []
+    mgr = KVCacheManager(_mamba_config(), max_model_len=512, scheduler_block_size=16,
+                         hash_block_size=16, enable_caching=True)
+    sched.bind_block_pool(mgr.block_pool)
+    writer, src = _mamba_worker(backends[0], model)
+    fill_random(src, seed=31)
+    prompt = tokens(100, seed=32)
+    req = Request("w", prompt, SamplingParams(max_tokens=4), None,
+                  block_hasher=get_request_block_hasher(16, sha256))
+
+    # vLLM computes the prompt in block-aligned steps of 48, 16 and 36 tokens, then decodes,
+    # and keeps a state only where a step ends on a block: it offers the states at 48 (inside
+    # chunk 1: no hit ends there) and 64 (after chunk 1), each by block id, never one at 32.
+    metas, offered, states = [], [], []
+    for n, new in ((48, True), (16, False), (36, False), (1, False)):
+        if n == 1:
+            req.append_output_token_ids(7)
+        meta = _step(mgr, sched, req, n, new)
+        metas.append(meta)
+        offered.append([b for r in meta.requests for _, _, b in r.boundary_states])
+        states += [s for r in meta.requests for s in r.boundary_states]
+        writer.start_load_kv(meta)
+        writer.wait_for_save(meta)
+    (state,) = states
+    assert state[:2] == (1, 1) and offered == [[], [state[2]], [], []]
+    # vLLM has since nulled that position of the table and freed the block (the running
+    # state moved on); the scheduler's hold alone keeps it until the save ended.
+    table = mgr.get_block_ids("w")[1]
+    assert table[3] == 0 and state[2] not in table
+    assert mgr.block_pool.blocks[state[2]].ref_cnt == 1
+    assert writer.drain_saves(10)
+    sched.loads_outcome(writer.build_connector_worker_meta(), ())
+    assert not sched.has_held_blocks and mgr.block_pool.blocks[state[2]].ref_cnt == 0
+    state_bytes = (4 * 8 + 2 * 8) * 4
+    full_block = 16 * 64 * 4
+    # Three chunks of full attention (2 blocks each) and one state.
+    assert writer.counters.saved_bytes == 3 * 2 * full_block + state_bytes
+
+    # A reader: the longest hit every group serves ends at the one stored state (64 tokens,
+    # not the 96 full attention holds). vLLM allocates the hit as external tokens; the state
+    # goes into the block holding the hit's last token, the full-attention blocks into theirs.
+    reader, dst = _mamba_worker(backends[1], model, load_async=True)
+    assert reader.layout_digest == writer.layout_digest
+    # The digest names the group: its kind, spec, layers, block size and state bytes.
+    assert writer.layout_facts is not None
+    assert f"mamba(align):MambaSpec x1 b16 {state_bytes}B/state L1" in writer.layout_facts.groups
+    hashes = metas[0].requests[0].chunk_hashes
+    assert reader.lookup_chunks(hashes) == 2
+    rmgr = KVCacheManager(_mamba_config(), max_model_len=512, scheduler_block_size=16,
+                          hash_block_size=16, enable_caching=True)
+    r = Request("r", prompt, SamplingParams(max_tokens=4), None,
+                block_hasher=get_request_block_hasher(16, sha256))
+    assert rmgr.allocate_slots(r, 100 - 64, num_external_computed_tokens=64) is not None
+    full_t, mamba_t = rmgr.get_block_ids("r")
+    assert mamba_t[:3] == [0, 0, 0] and mamba_t[3] != 0
+    load = ReqMeta(req_id="r", block_ids=list(full_t), chunk_hashes=hashes,
+                   load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=64, can_load=True),
+                   group_block_ids=(list(full_t), list(mamba_t)))
+    reader.start_load_kv(KVPoolConnectorMetadata(requests=[load]))
+    assert _wait_recving(reader) == {"r"}
+    assert reader.take_failed_requests() == set()
+    assert block_bytes({"m": src["mamba"]}, state[2]) == block_bytes({"m": dst["mamba"]},
+                                                                     mamba_t[3])
+    wfull = mgr.get_block_ids("w")[0]
+    for s, d in zip(wfull[:4], full_t[:4], strict=True):
+        assert block_bytes({"f": src["full"]}, s) == block_bytes({"f": dst["full"]}, d)
+    assert reader.counters.loaded_bytes == 4 * full_block + state_bytes
+    writer.shutdown()
+    reader.shutdown()
+
+
+def _mamba_planner() -> TransferPlanner:
+    layer = LayerLayout("mamba", 0, (Region(0x10000, 192, 192, 64),))
+    return TransferPlanner([layer], "p", block_size=16, chunk_size=32, layerwise=False,
+                           scratch=0xF000, group=MAMBA)
+
+
+def test_a_mamba_load_or_save_that_cannot_use_a_stored_state_fails() -> None:
+    hashes = ["a" * 32, "b" * 32, "c" * 32]
+
+    def load(tokens: int, table: list[int]) -> ReqMeta:
+        return ReqMeta("r", block_ids=[], chunk_hashes=hashes, group_block_ids=([], table),
+                       load=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=tokens,
+                                     can_load=True))
+
+    plan = _mamba_planner().load(load(64, [0, 0, 0, 40]))
+    assert plan is not None and [(t.chunk, t.block_ids) for t in plan.transfers] == [(1, [40])]
+    # vLLM trimmed the hit inside a chunk (48 tokens): no state is stored there.
+    with pytest.raises(ValueError, match="STATE_NOT_STORED"):
+        _mamba_planner().load(load(48, [0, 0, 40]))
+    # No block where the state goes: never write the null block.
+    with pytest.raises(ValueError, match="STATE_NOT_STORED"):
+        _mamba_planner().load(load(64, [0, 0, 0, 0]))
+    # A save reads only the states vLLM handed over, and no chunk range.
+    save = ReqMeta("s", block_ids=[], chunk_hashes=hashes, save_from_chunk=0, save_to_chunk=3,
+                   group_block_ids=([], [7, 8, 9, 10, 11, 12]),
+                   boundary_states=[(1, 0, 21), (0, 1, 5), (1, 2, 23)])
+    rows = _mamba_planner().save(save)
+    assert [[(t.chunk, t.block_ids, t.group) for t in row] for row in rows] == [
+        [(0, [21], 1)], [(2, [23], 1)]]
+    assert [t.chunk for row in _mamba_planner().save(save, (1, 2)) for t in row] == []
+    bad = replace(save, boundary_states=[(1, 0, 0)])
+    with pytest.raises(ValueError, match="block 0"):
+        _mamba_planner().save(bad)

@@ -505,6 +505,26 @@ def test_multimodal_request_skips_the_pool(engine: Engine) -> None:
     assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
 
 
+def test_a_backend_without_prefill_over_context_loads_nothing_and_saves(engine: Engine) -> None:
+    """vLLM's CPU_MLA computes a suffix over loaded context wrongly: the engine never looks up
+    (a named, counted skip), and still saves what it computes from token 0."""
+    sched = KVPoolScheduler(engine.config, engine.sched.lookup_client, engine.reporter,
+                            no_context_prefill="CPU_MLA")
+    prompt = _prompt(70, 15)
+    engine.store(prompt, 3)
+    req = _request("nc", prompt)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    c = sched.counters
+    assert (c.lookups, c.lookup_skipped, c.skip_reasons) == (0, 1, {"NO_CONTEXT_PREFILL": 1})
+    (ev,) = [e for e in engine.reporter.drain() if isinstance(e, Lookup)]
+    assert ev.skipped == "NO_CONTEXT_PREFILL"
+    sched.update_state_after_alloc(req, _blocks([0, 1, 2, 3, 4]), 0)
+    new = NewRequestData.from_request(req, ([0, 1, 2, 3, 4],))
+    (meta,) = sched.build_connector_meta(_output([new], {"nc": 70})).requests
+    assert meta.load is None
+    assert (meta.save_from_chunk, meta.save_to_chunk) == (0, 70 // engine.config.chunk_size)
+
+
 class _Shrinking:
     """A token id whose ``__index__`` empties the list it is read from."""
 
