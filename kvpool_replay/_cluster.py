@@ -5,7 +5,8 @@ holding the pool memory, a ``FleetHub`` (in this process) with freshly generated
 and several engine processes, each running ``KVPoolConnector`` (scheduler and worker roles) and
 their agents, replaying a share of a trace at a chosen speed-up:
 
-* engine 0 is a prefill engine (``kv_producer``): it computes and saves prompts;
+* engine 0 is a prefill engine (``kv_producer``): it loads what the pool holds and saves its
+  prompts;
 * engine 1 is its decode engine (``kv_consumer`` with ``consumer_is_to_load``): it replays every
   request engine 0 finished and loads the prompt's KV from the pool (P/D disaggregation);
 * further engines are ``kv_both`` and replay their round-robin share of the trace.
