@@ -17,27 +17,30 @@ recompute the rest. The hand-over closes that gap:
   then loads what is there (a short hand-over is counted: ``HANDOVER_INCOMPLETE``).
 
 ``kv_transfer_params`` come from whoever calls the engine's API: a promise is only a reason to
-wait, bounded by ``handover_wait_ms`` per request, and never decides what is loaded (the lookup
-does).
+wait, and never decides what is loaded (the lookup does). What one costs is bounded: a request
+waits at most ``handover_wait_ms``, asks the pool again at most every ``RECHECK_MS`` (vLLM's
+scheduler asks on every step, which on an idle engine is a busy loop), and at most
+``MAX_WAITING`` requests wait at once (the next ones run with what the pool holds).
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["HANDOVER_PARAM", "HandoverWaits", "handover_params", "promised_tokens",
-           "wants_handover"]
+__all__ = ["HANDOVER_PARAM", "MAX_WAITING", "RECHECK_MS", "HandoverWaits", "handover_params",
+           "promised_tokens", "wants_handover"]
 
 HANDOVER_PARAM = "kvpool_handover"
 """The ``kv_transfer_params`` key of the hand-over (distinct from vLLM's P/D connectors' keys,
 so ``MultiConnector`` merges it without a clash)."""
 
-_MAX_WAITING = 4096
-"""Requests whose wait start is remembered at most (a request that never returns, e.g. aborted
-while waiting, is forgotten oldest first)."""
+MAX_WAITING = 1024
+"""Requests that may wait for a hand-over at once."""
+
+RECHECK_MS = 20
+"""A waiting request asks the pool again at most this often (ms)."""
 
 
 def wants_handover(params: Mapping[str, Any] | None) -> bool:
@@ -74,7 +77,15 @@ class HandoverWaits:
 
     def __init__(self, wait_ms: int) -> None:
         self.wait_s = wait_ms / 1e3
-        self._since: OrderedDict[str, float] = OrderedDict()
+        # Request -> (when it began waiting, when it last asked the pool).
+        self._waiting: dict[str, tuple[float, float]] = {}
+
+    def ask_later(self, req_id: str, now: float | None = None) -> bool:
+        """Whether waiting request ``req_id`` asked the pool less than ``RECHECK_MS`` ago
+        (answer "later" again without a lookup)."""
+        entry = self._waiting.get(req_id)
+        now = time.monotonic() if now is None else now
+        return entry is not None and now - entry[1] < RECHECK_MS / 1e3
 
     def keep_waiting(self, req_id: str, found: int, promised: int,
                      now: float | None = None) -> bool:
@@ -82,17 +93,18 @@ class HandoverWaits:
         ``promised`` tokens and its wait has not reached ``wait_ms``. Forgets the request
         once the answer is no."""
         now = time.monotonic() if now is None else now
+        entry = self._waiting.pop(req_id, None)
         if found >= promised or self.wait_s <= 0:
-            self._since.pop(req_id, None)
             return False
-        since = self._since.setdefault(req_id, now)
-        if now - since < self.wait_s:
-            if len(self._since) > _MAX_WAITING:
-                self._since.popitem(last=False)
-            return True
-        del self._since[req_id]
-        return False
+        if entry is None:
+            if len(self._waiting) >= MAX_WAITING:
+                return False
+            entry = (now, now)
+        if now - entry[0] >= self.wait_s:
+            return False
+        self._waiting[req_id] = (entry[0], now)
+        return True
 
     def forget(self, req_id: str) -> None:
         """The request finished (or was aborted) while it may have been waiting."""
-        self._since.pop(req_id, None)
+        self._waiting.pop(req_id, None)

@@ -400,6 +400,9 @@ class KVPoolScheduler:
             hashes = hashes[:max_chunks]
         if not hashes:  # max_chunks >= 1 here: the prompt could not be hashed (_hash_prompt)
             return self._skip(rid, prompt_len, num_computed_tokens, "BAD_TOKEN_IDS")
+        if self._handover.ask_later(rid):
+            self.counters.handover_waits += 1
+            return None, False
         self.counters.lookups += 1
         self.counters.prompt_tokens += prompt_len
         self.counters.local_tokens += num_computed_tokens

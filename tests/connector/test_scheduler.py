@@ -682,8 +682,12 @@ def test_pd_handover_prefill_promises_its_chunks_and_decode_waits_for_them(
         assert decode.sched.counters.lookups == before
         assert decode.sched.counters.handover_waits == 2
         decode.store(prompt, 3)
+        # Asked again within RECHECK_MS: "later" without a lookup; then the whole hand-over.
+        deadline = time.monotonic() + 30
+        while (answer := decode.sched.get_num_new_matched_tokens(dreq, 0))[0] is None:
+            assert time.monotonic() < deadline
         # The last prompt token is computed by decode: 3 chunks of 16 hold 48 < 50 tokens.
-        assert decode.sched.get_num_new_matched_tokens(dreq, 0) == (48, False)
+        assert answer == (48, False)
         assert decode.sched.counters.lookups == before + 1
         assert decode.sched.counters.handover_short == 0
     finally:
@@ -754,3 +758,22 @@ def test_a_load_of_a_request_finished_in_its_step_is_counted(engine: Engine) -> 
     assert engine.sched.counters.pool_hit_tokens == 32
     loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
     assert [(e.req_id, e.tokens) for e in loaded] == [("one", 32)]
+
+
+def test_handover_waits_are_bounded_in_time_rate_and_number() -> None:
+    from kvpool_connector.handover import MAX_WAITING, RECHECK_MS, HandoverWaits
+
+    w = HandoverWaits(1_000)
+    assert w.keep_waiting("a", 0, 64, now=100.0)
+    assert w.ask_later("a", now=100.0 + RECHECK_MS / 2e3)  # no lookup before RECHECK_MS
+    assert not w.ask_later("a", now=100.0 + 2 * RECHECK_MS / 1e3)
+    assert w.keep_waiting("a", 32, 64, now=100.5)
+    assert not w.keep_waiting("a", 32, 64, now=101.0)  # handover_wait_ms is up
+    assert not w.ask_later("a", now=101.001)  # forgotten: nothing more to wait for
+    assert not w.keep_waiting("b", 64, 64, now=100.0)  # all there
+    for i in range(MAX_WAITING):
+        assert w.keep_waiting(f"r{i}", 0, 64, now=200.0)
+    assert not w.keep_waiting("one-too-many", 0, 64, now=200.0)
+    w.forget("r0")
+    assert w.keep_waiting("one-too-many", 0, 64, now=200.0)
+    assert not HandoverWaits(0).keep_waiting("c", 0, 64, now=1.0)
