@@ -69,6 +69,7 @@ class _ExtraFields(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
+    store_tp_size: int | None = Field(default=None, gt=0)
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -195,6 +196,11 @@ class KVPoolConfig(BaseModel):
         admission_pool_tokens: the pool's capacity in tokens of this model (pool bytes over
             bytes per token; divided by the engines sharing it), which the adaptive policy's
             ghost caches simulate; needed with ``admission: adaptive``.
+        store_tp_size: KV-head shares per chunk for GQA/MHA models (``kvpool_connector._heads``,
+            named like vLLM's ``MooncakeStoreConnector`` option); ``None`` (default): one per
+            KV head, so engines of every TP size that divides the heads (or that they divide)
+            share values. A smaller one (dividing the heads) means fewer, larger values, shared
+            by TP sizes that divide it. Part of the layout digest (``kv_share``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -228,6 +234,7 @@ class KVPoolConfig(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
+    store_tp_size: int | None = None
 
     @property
     def blocks_per_chunk(self) -> int:
