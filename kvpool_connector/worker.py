@@ -182,6 +182,8 @@ class KVPoolWorker:
         self.stripe = stripe
         self.config = config
         self.shares, self._kv_share = shares, kv_share
+        # The rank's own shard and TP size: per-rank values if the caches cannot be shared.
+        self._rank_layout, self._rank_tp_size = layout, tp_size
         if shares is not None:
             layout, tp_size = replace(layout, tp_rank=shares.first_share), shares.store_size
         self.layout = layout
@@ -245,6 +247,11 @@ class KVPoolWorker:
             BackendError: the backend refused to register the memory.
         """
         kv = KVLayout.from_kv_caches(kv_caches, self._num_blocks_hint)
+        if self.shares is not None:
+            try:
+                share_layers(kv_caches, kv.num_blocks, self.shares, self.shares.first_share)
+            except ValueError as exc:  # no KV-head dimension to cut the caches along
+                self._per_rank(str(exc))
         if self.config.checksum and kv.device.type != "cpu":
             raise ValueError(
                 f"kv_connector_extra_config.checksum needs the KV caches in host memory, they "
@@ -297,6 +304,14 @@ class KVPoolWorker:
             "%d memory spans (%s)", self.model, self.layout, digest, len(kv.layers),
             kv.num_blocks, kv.block_bytes, len(kv.spans), facts,
         )
+
+    def _per_rank(self, why: str) -> None:
+        """Store values per rank after all (``why``: ``LayoutFacts.kv_share``)."""
+        logger.warning("kvpool worker %s: values per TP rank, not per KV-head share: %s",
+                       self.model, why)
+        self.shares, self._kv_share = None, why
+        self.layout, self._sizes["tp_size"] = self._rank_layout, self._rank_tp_size
+        self._lookup_layouts = lookup_layouts(self.layout, **self._sizes)
 
     def _shard_layers(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
                       kv: KVLayout) -> list[tuple[ParallelLayout, list[LayerLayout]]]:

@@ -217,12 +217,21 @@ def test_the_digest_names_the_stored_share_not_the_tp_size() -> None:
     assert fallback["kv_share"] == why and fallback["tp"] == 2
 
 
-def test_a_cache_whose_head_dimension_is_ambiguous_is_refused() -> None:
-    plan = plan_shares(16, 0, 1)
+def test_a_cache_whose_head_dimension_is_ambiguous_is_stored_per_rank(
+        backends: list[MooncakeBackend]) -> None:
+    plan = plan_shares(16, 1, 2)
     assert isinstance(plan, HeadShares)
-    same = torch.zeros(NUM_BLOCKS, 16, 16, 8)  # heads == block size
+    same = {"a": torch.zeros(NUM_BLOCKS, 8, BLOCK // 2, 8)}  # 8 heads, block size 8
     with pytest.raises(ValueError, match="per-rank: cannot tell the KV-head dimension"):
-        share_layers({"a": same}, NUM_BLOCKS, plan, 0)
+        share_layers(same, NUM_BLOCKS, plan, plan.first_share)
+    w = KVPoolWorker(Settings(block_size=8, chunk_size=16), ParallelLayout(tp_rank=1),  # type: ignore[arg-type]
+                     "m", backends[0], tp_size=2, shares=plan)
+    w.register_kv_caches(same, ModelFacts(kv_heads=8, head_size=8))
+    _ALIVE.append((same, w))
+    assert w.shares is None and w.layout == ParallelLayout(tp_rank=1) and w.lookup_shards == 2
+    assert w.layout_facts is not None and w.layout_facts.tp == 2
+    assert w.layout_facts.kv_share.startswith("per-rank: cannot tell the KV-head dimension")
+    w.shutdown()
 
 
 @pytest.fixture(scope="module")
