@@ -434,7 +434,7 @@ class KVPoolWorker:
         Raises:
             RuntimeError: ``register_kv_caches`` was not called.
         """
-        kv, planner = self._require_kv()
+        kv = self._require_kv()[0]
         self._meta = metadata
         self._step_saves = None
         self._loads.settle_stale()
@@ -443,7 +443,7 @@ class KVPoolWorker:
         plans = []
         for req in metadata.requests:
             try:
-                plan = self._plan_load(req, planner)
+                plan = self._plan_load(req)
             except (ValueError, IndexError) as exc:
                 # IndexError: a block id outside the registered caches (LayerLayout.addr);
                 # like bad metadata it fails this request, never vLLM's worker thread.
@@ -454,12 +454,12 @@ class KVPoolWorker:
         self._loads.start(plans, self._device, load_async=self.config.load_async,
                           layerwise=kv if self.config.use_layerwise else None)
 
-    def _plan_load(self, req: ReqMeta, planner: TransferPlanner) -> LoadPlan | None:
-        """``planner.load``, or every group's and share's load in one plan (hybrid models,
+    def _plan_load(self, req: ReqMeta) -> LoadPlan | None:
+        """The one planner's load, or every group's and share's load in one plan (hybrid models,
         several head shares), in chunk order."""
         planners = self._group_planners if self.hybrid else self._planners
         if len(planners) == 1:
-            return planner.load(req)
+            return planners[0].load(req)
         parts = [p for p in (gp.load(req) for gp in planners) if p is not None]
         if not parts:
             return None
@@ -496,10 +496,10 @@ class KVPoolWorker:
     def _plan_save(self, req: ReqMeta) -> list[list[Transfer]]:
         """Per chunk of the save range this worker writes (its stripe), the transfers of
         every group and head share."""
-        planner = self._require_kv()[1]
+        self._require_kv()
         planners = self._group_planners if self.hybrid else self._planners
         if len(planners) == 1:
-            return planner.save(req, self.stripe)
+            return planners[0].save(req, self.stripe)
         per_group = [gp.save(req, self.stripe) for gp in planners]
         return [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))]
 
