@@ -260,14 +260,16 @@ def _blocks(t: torch.Tensor, blocks: list[int], heads: slice = slice(None)) -> t
     return t[:, blocks][..., heads, :].contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize(("kind", "layerwise"), [("cpu", False), ("cpu", True), ("nhd", False)])
+@pytest.mark.parametrize(("kind", "layerwise", "checksum"), [
+    ("cpu", False, False), ("cpu", True, False), ("nhd", False, False), ("cpu", False, True)])
 def test_workers_of_two_tp_sizes_share_values_through_the_pool(
-        backends: list[MooncakeBackend], kind: str, layerwise: bool) -> None:
+        backends: list[MooncakeBackend], kind: str, layerwise: bool, checksum: bool) -> None:
     model, heads, make = uniq("heads"), 2, CACHES[kind]
     full = {f"layers.{i}": make(heads) for i in range(2)}
     fill_random(full, seed=31)  # type: ignore[arg-type]
     ranks = [{n: _split(t, 2)[r] for n, t in full.items()} for r in range(2)]
-    writers = [_worker(backends[r], ranks[r], model, heads, r, 2, use_layerwise=layerwise)
+    writers = [_worker(backends[r], ranks[r], model, heads, r, 2, use_layerwise=layerwise,
+                     checksum=checksum)
                for r in range(2)]
     hashes = chunk_hashes(tokens(3 * 32 + 5, seed=32), 32)
     blocks = list(range(2, 8))
@@ -276,7 +278,8 @@ def test_workers_of_two_tp_sizes_share_values_through_the_pool(
     per_chunk = 2 if layerwise else 1  # keys of one chunk and share
     assert [w.counters.saved_keys for w in writers] == [3 * per_chunk] * 2
     dst_kv = {n: make(heads) for n in full}
-    reader = _worker(backends[1], dst_kv, model, heads, 0, 1, use_layerwise=layerwise)
+    reader = _worker(backends[1], dst_kv, model, heads, 0, 1, use_layerwise=layerwise,
+                     checksum=checksum)
     assert reader.layout_digest == writers[0].layout_digest == writers[1].layout_digest
     assert reader.lookup_shards == 2 and reader.own_shards == [
         "tp0.pcp0.dcp0.pp0.g0", "tp1.pcp0.dcp0.pp0.g0"]
@@ -301,7 +304,8 @@ def test_workers_of_two_tp_sizes_share_values_through_the_pool(
     save_request(reader, "r-save", dst[:4], again)
     assert reader.counters.saved_keys == 2 * 2 * per_chunk  # 2 chunks x 2 shares
     rank1 = {n: make(1) for n in full}
-    tp2 = _worker(backends[0], rank1, model, heads, 1, 2, use_layerwise=layerwise)
+    tp2 = _worker(backends[0], rank1, model, heads, 1, 2, use_layerwise=layerwise,
+                     checksum=checksum)
     assert tp2.lookup_chunks(again) == 2
     tp2.start_load_kv(load_meta("r2", [20, 21, 22, 23], again, pool_tokens=64))
     for i in range(2):
