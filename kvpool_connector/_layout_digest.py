@@ -5,7 +5,9 @@ two engines may share a value only when they would write the very same bytes for
 tokens: the same model weights (name, revision, quantization), the same model and KV-cache
 dtypes, attention backend, per-layer cache shapes and strides, block size (a value spans
 ``chunk_size / block_size`` blocks), layer count, KV heads and head size, and the same parallel
-sizes (ranks are in the key's own fields, ``keys.ParallelLayout``). ``LayoutFacts`` lists them;
+sizes (ranks are in the key's own fields, ``keys.ParallelLayout``), except where values are
+stored per KV-head share (``_heads``: then the facts describe one share and no TP size, and
+the key's ``tp`` field names the share). ``LayoutFacts`` lists them;
 ``LayoutFacts.digest`` hashes them. Keys carry the digest (``keys.shard_prefix``), so engines
 that differ in any of them never read each other's values, and engines that match share every
 value on any host: the facts are plain strings and integers, encoded canonically (msgspec JSON,
@@ -26,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import torch
 
+from kvpool_connector._heads import HeadShares, share_signature
 from kvpool_connector._layout import find_block_dim
 from kvpool_connector.keys import DIGEST_LEN
 
@@ -88,6 +91,11 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             layer indices, ``|``-joined: kind, spec, layers, block size, ``512B/tok``,
             ``L0-2``), ``""`` with one full-attention group; left out when empty, so digests
             of one-group engines are unchanged.
+        kv_share: how values split the KV heads (``_heads``): ``2x1h`` (2 shares of 1 KV
+            head per chunk; then ``tp`` is 1, ``kv_heads`` the model's and ``cache`` one
+            share's signature, so engines of any TP size that fits share), or why this
+            engine keeps per-rank values (``per-rank: TP 2 does not divide the 3 KV
+            heads``); left out when empty (MLA, workers built outside vLLM).
     """
 
     scheme: int
@@ -110,6 +118,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     checksum: str = ""
     hash_algo: str = "sha256"
     groups: str = ""
+    kv_share: str = ""
 
     @property
     def digest(self) -> str:
@@ -157,6 +166,8 @@ def describe_layout(
     checksum: str = "",
     hash_algo: str = "sha256",
     groups: str = "",
+    shares: HeadShares | None = None,
+    kv_share: str = "",
 ) -> LayoutFacts:
     """The layout facts of one worker's registered caches.
 
@@ -170,21 +181,32 @@ def describe_layout(
         checksum: ``LayoutFacts.checksum``.
         hash_algo: ``LayoutFacts.hash_algo``.
         groups: ``LayoutFacts.groups``.
+        shares: the head shares this worker stores (``_heads.plan_shares``); ``None``: values
+            per rank.
+        kv_share: ``LayoutFacts.kv_share`` when ``shares`` is ``None`` (why not shared).
 
     Raises:
-        ValueError: a tensor has no dimension of ``num_blocks`` blocks.
+        ValueError: a tensor has no dimension of ``num_blocks`` blocks, or (with ``shares``)
+            no KV-head dimension that can be told from the others.
     """
+    def signature(t: torch.Tensor) -> str:
+        return (cache_signature(t, num_blocks) if shares is None
+                else share_signature(t, num_blocks, shares))
+
     per_layer = [
-        " + ".join(cache_signature(t, num_blocks)
+        " + ".join(signature(t)
                    for t in ([cache] if isinstance(cache, torch.Tensor) else cache))
         for cache in kv_caches.values()
     ]
+    kv_heads = facts.kv_heads
+    if shares is not None:
+        tp_size, kv_heads, kv_share = 1, shares.total_heads, shares.describe()
     runs = " | ".join(f"{len(list(group))}x {sig}" for sig, group in itertools.groupby(per_layer))
     return LayoutFacts(
         scheme=LAYOUT_SCHEME, model=model, revision=facts.revision,
         quantization=facts.quantization, dtype=facts.dtype, kv_cache_dtype=facts.kv_cache_dtype,
-        attn_backend=facts.attn_backend, kv_heads=facts.kv_heads, head_size=facts.head_size,
+        attn_backend=facts.attn_backend, kv_heads=kv_heads, head_size=facts.head_size,
         layers=len(per_layer), cache=runs, block_size=block_size, chunk_size=chunk_size,
         tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size, checksum=checksum,
-        hash_algo=hash_algo, groups=groups,
+        hash_algo=hash_algo, groups=groups, kv_share=kv_share,
     )

@@ -662,7 +662,11 @@ class SaveQueue:
                 else:
                     failed += 1
                     error = error or error_name(code)
+            # A chunk (of a group) is written unless one of its keys (one per head share)
+            # failed.
             written = ({(t.chunk, t.group) for t in transfers if results.get(t.key) == 0}
+                       - {(t.chunk, t.group) for t in transfers
+                          if results.get(t.key, 0) not in _STORED}
                        if self.written is not None else None)
             with self._lock:
                 self.counters.saved_bytes += nbytes

@@ -70,6 +70,7 @@ class _ExtraFields(BaseModel):
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
     handover_wait_ms: int = Field(default=5_000, ge=0)
+    store_tp_size: int | None = Field(default=None, gt=0)
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -202,6 +203,11 @@ class KVPoolConfig(BaseModel):
             loading engine keeps a request waiting for the chunks its prefill engine said it
             saved (the request's ``kv_transfer_params``) before it runs with what the pool
             holds; 0 = never wait. Other requests are scheduled meanwhile.
+        store_tp_size: KV-head shares per chunk for GQA/MHA models (``kvpool_connector._heads``,
+            named like vLLM's ``MooncakeStoreConnector`` option); ``None`` (default): one per
+            KV head, so engines of every TP size that divides the heads (or that they divide)
+            share values. A smaller one (dividing the heads) means fewer, larger values, shared
+            by TP sizes that divide it. Part of the layout digest (``kv_share``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -236,6 +242,7 @@ class KVPoolConfig(BaseModel):
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
     handover_wait_ms: int = 5_000
+    store_tp_size: int | None = None
 
     @property
     def blocks_per_chunk(self) -> int:

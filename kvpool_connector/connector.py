@@ -50,6 +50,7 @@ from kvpool_connector._events import (
     kv_events_enabled,
 )
 from kvpool_connector._groups import KVGroup, kv_groups
+from kvpool_connector._heads import HeadShares, plan_shares
 from kvpool_connector._layout_digest import ModelFacts
 from kvpool_connector._stats import (
     KVPoolConnectorStats,
@@ -121,24 +122,33 @@ def _group(name: str) -> tuple[int, int]:
     return group.rank_in_group, group.world_size
 
 
-def _worker_layout(vllm_config: VllmConfig
-                   ) -> tuple[ParallelLayout, dict[str, int], tuple[int, int]]:
-    """This worker's shard, the layout sizes ``KVPoolWorker`` needs for lookups, and its save
-    stripe ``(rank, size)``.
+def _worker_layout(vllm_config: VllmConfig, store_tp_size: int | None = None
+                   ) -> tuple[ParallelLayout, dict[str, int], tuple[int, int],
+                              HeadShares | str]:
+    """This worker's shard, the layout sizes ``KVPoolWorker`` needs for lookups, its save
+    stripe ``(rank, size)`` and its KV-head shares (or why it has none).
 
     MLA caches are identical on every TP rank, so all TP ranks share the ``tp0`` keys (the
     keys and the layout digest do not depend on the TP size) and each rank saves every
-    TP-size-th chunk (vLLM's ``MooncakeStoreConnector`` stripes the same way).
+    TP-size-th chunk (vLLM's ``MooncakeStoreConnector`` stripes the same way). GQA/MHA values
+    are per KV-head share (``_heads.plan_shares``); TP ranks that hold the same head (TP larger
+    than the heads) stripe their saves the same way.
     """
     (tp, tp_size), (pcp, pcp_size) = _group("tp"), _group("pcp")
     (dcp, dcp_size), (pp, pp_size) = _group("dcp"), _group("pp")
     stripe = (0, 1)
+    shares: HeadShares | str = ""
     if vllm_config.model_config.use_mla:
         stripe = (tp, tp_size)
         tp, tp_size = 0, 1
+    else:
+        shares = plan_shares(vllm_config.model_config.get_total_num_kv_heads(), tp, tp_size,
+                             store_tp_size=store_tp_size, pcp_size=pcp_size, dcp_size=dcp_size)
+        if isinstance(shares, HeadShares) and shares.replicas > 1:
+            stripe = (shares.replica, shares.replicas)
     layout = ParallelLayout(tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
     return layout, {"tp_size": tp_size, "pcp_size": pcp_size, "dcp_size": dcp_size,
-                    "pp_size": pp_size}, stripe
+                    "pp_size": pp_size}, stripe, shares
 
 
 def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
@@ -271,17 +281,19 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             from kvpool_connector.backends import create_backend
             from kvpool_connector.worker import KVPoolWorker
 
-            self._layout, sizes, stripe = _worker_layout(vllm_config)
+            self._layout, sizes, stripe, shares = _worker_layout(vllm_config, cfg.store_tp_size)
             self._backend = create_backend(cfg.backend, cfg.extra)
             # MLA: every rank uses the tp0 keys, but each is its own agent (its real rank),
             # and only the real rank 0 serves lookups.
-            self._tp_rank = stripe[0] if stripe[1] > 1 else self._layout.tp_rank
+            self._tp_rank = stripe[0] if vllm_config.model_config.use_mla else self._layout.tp_rank
             reporter = self._start_agent("worker", replace(self._layout, tp_rank=self._tp_rank),
                                          backend=self._backend)
             self._worker = KVPoolWorker(
                 cfg, self._layout, cfg.model, self._backend, reporter,
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config else None,
-                groups=self._groups if self._hybrid else None, stripe=stripe, **sizes,
+                groups=self._groups if self._hybrid else None, stripe=stripe,
+                shares=shares if isinstance(shares, HeadShares) else None,
+                kv_share=shares if isinstance(shares, str) else "", **sizes,
             )
             if self._operations is not None:
                 self._operations.saves = self._worker
@@ -533,7 +545,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         worker.register_kv_caches(kv_caches, _model_facts(self._vllm_config, list(kv_caches)))
         cfg = self.kv_config
         if self._operations is not None:
-            self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
+            self._operations.key_scope = (cfg.model, worker.layout_digest, worker.layout)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations
             try:
@@ -604,10 +616,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._kv_events or self._worker is None:
             return None
         work = self._worker
-        shard, shards = str(self._layout), work.lookup_shards
+        own, shards = work.own_shards, work.lookup_shards
         reports: list[KVCacheEvent] = [ChunkWritten(req_id=rid, chunk=c, shard=shard,
                                                     shards=shards, group=g)
-                                       for rid, c, g in work.take_written_chunks()]
+                                       for rid, c, g in work.take_written_chunks()
+                                       for shard in own]
         if self._operations is not None:
             reports += [PoolFlushed(scope=scope) for scope in self._operations.take_flushes()]
         return KVPoolKVEvents(reports) if reports else None

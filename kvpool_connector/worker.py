@@ -27,7 +27,9 @@ are asynchronous and a load with any failed key fails its whole request (vLLM re
 from scratch: its block-level failure report cannot name a group), reported by
 ``take_failed_requests``. Each save with a ``save_job`` is reported in ``LoadOutcomes.saves_done``
 once it ended. MLA (KV the same on every TP rank, ``stripe``): rank ``r`` of ``n`` saves chunk
-``i`` only when ``i % n == r``; every rank loads every chunk.
+``i`` only when ``i % n == r``; every rank loads every chunk. GQA/MHA values per KV-head share
+(``_heads``, ``shares``): one planner per share the rank holds, keys ``tp<share>``; a chunk is a
+hit once every share of it is in the pool, whichever engines of which TP sizes wrote them.
 
 Contract with the scheduler side: saves are asynchronous, so ``request_finished`` must delay
 freeing (return ``True``) for every request that had a save scheduled; the worker reports such a
@@ -53,7 +55,8 @@ from kvpool_agent.vocabulary import error_name
 from kvpool_connector._checksum import CHECKSUM_NAME, DigestSlots
 from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._groups import KVGroup, hybrid_hit
-from kvpool_connector._layout import KVLayout
+from kvpool_connector._heads import HeadShares, share_layers
+from kvpool_connector._layout import KVLayout, LayerLayout
 from kvpool_connector._layout_digest import LayoutFacts, ModelFacts, describe_layout
 from kvpool_connector._planning import (
     LoadPlan,
@@ -143,6 +146,10 @@ class KVPoolWorker:
         stripe: ``(rank, size)``: this worker saves chunk ``i`` only when
             ``i % size == rank`` (MLA: the TP rank and size; every rank writes the same KV, so
             each writes a share of it once); ``(0, 1)`` saves every chunk.
+        shares: the KV-head shares this rank holds (``_heads.plan_shares``): values per share,
+            keys ``tp<share>``, lookups over all ``shares.store_size`` shares (``layout``'s
+            and ``tp_size``'s TP fields are then not used); ``None``: values per rank.
+        kv_share: ``LayoutFacts.kv_share`` without ``shares``: why values are per rank.
 
     Attributes:
         layout_facts: what this worker's layout digest covers; ``None`` until
@@ -167,11 +174,18 @@ class KVPoolWorker:
         num_blocks: int | None = None,
         groups: Sequence[KVGroup] | None = None,
         stripe: tuple[int, int] = (0, 1),
+        shares: HeadShares | None = None,
+        kv_share: str = "",
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk(config.block_size, config.chunk_size)
         self.groups: list[KVGroup] | None = list(groups) if groups is not None else None
         self.stripe = stripe
         self.config = config
+        self.shares, self._kv_share = shares, kv_share
+        # The rank's own shard and TP size: per-rank values if the caches cannot be shared.
+        self._rank_layout, self._rank_tp_size = layout, tp_size
+        if shares is not None:
+            layout, tp_size = replace(layout, tp_rank=shares.first_share), shares.store_size
         self.layout = layout
         self.model = normalize_model_name(model)
         self.backend = backend
@@ -185,7 +199,10 @@ class KVPoolWorker:
         self._digest = ""
         self.kv: KVLayout | None = None
         self._planner: TransferPlanner | None = None
-        # Hybrid models: one planner and one list of lookup prefixes per KV-cache group.
+        # One planner per head share held (``_planner`` is the first); one share without.
+        self._planners: list[TransferPlanner] = []
+        # Hybrid models: one planner per KV-cache group (and share), one list of lookup
+        # prefixes per KV-cache group.
         self._group_planners: list[TransferPlanner] = []
         self._group_prefixes: list[list[str]] = []
         # Save jobs (ReqMeta.save_job) per submitted batch (None: nothing was submitted).
@@ -230,6 +247,11 @@ class KVPoolWorker:
             BackendError: the backend refused to register the memory.
         """
         kv = KVLayout.from_kv_caches(kv_caches, self._num_blocks_hint)
+        if self.shares is not None:
+            try:
+                share_layers(kv_caches, kv.num_blocks, self.shares, self.shares.first_share)
+            except ValueError as exc:  # no KV-head dimension to cut the caches along
+                self._per_rank(str(exc))
         if self.config.checksum and kv.device.type != "cpu":
             raise ValueError(
                 f"kv_connector_extra_config.checksum needs the KV caches in host memory, they "
@@ -240,7 +262,7 @@ class KVPoolWorker:
             checksum=CHECKSUM_NAME if self.config.checksum else "",
             hash_algo=self.config.hash_algo,
             groups=" | ".join(self._describe_groups(kv)) if self.hybrid else "",
-            **self._sizes)
+            shares=self.shares, kv_share=self._kv_share, **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)
@@ -252,22 +274,25 @@ class KVPoolWorker:
         if self.config.checksum:
             self._enable_checksum(kv, self._scratch.data_ptr())
         self._device = device_sync_for(kv.device)
-        self._planner = TransferPlanner(
-            kv.layers, shard_prefix(self.model, digest, self.layout),
-            block_size=self.config.block_size, chunk_size=self.config.chunk_size,
-            layerwise=self.config.use_layerwise, scratch=self._scratch.data_ptr(),
-        )
+        shards = self._shard_layers(kv_caches, kv)
+        self._planners = [
+            TransferPlanner(
+                layers, shard_prefix(self.model, digest, lay),
+                block_size=self.config.block_size, chunk_size=self.config.chunk_size,
+                layerwise=self.config.use_layerwise, scratch=self._scratch.data_ptr())
+            for lay, layers in shards]
+        self._planner = self._planners[0]
         self._lookup_prefixes = [shard_prefix(self.model, digest, lay)
                                  for lay in self._lookup_layouts]
         if self.hybrid:
             assert self.groups is not None
             self._group_planners = [
                 TransferPlanner(
-                    [kv.layers[kv.layer_index(n)] for n in g.layer_names],
-                    shard_prefix(self.model, digest, replace(self.layout, group=g.index)),
+                    [layers[kv.layer_index(n)] for n in g.layer_names],
+                    shard_prefix(self.model, digest, replace(lay, group=g.index)),
                     block_size=self.config.block_size, chunk_size=self.config.chunk_size,
                     layerwise=False, scratch=self._scratch.data_ptr(), group=g)
-                for g in self.groups]
+                for g in self.groups for lay, layers in shards]
             self._group_prefixes = [
                 [shard_prefix(self.model, digest, replace(lay, group=g.index))
                  for lay in self._lookup_layouts] for g in self.groups]
@@ -279,6 +304,32 @@ class KVPoolWorker:
             "%d memory spans (%s)", self.model, self.layout, digest, len(kv.layers),
             kv.num_blocks, kv.block_bytes, len(kv.spans), facts,
         )
+
+    def _per_rank(self, why: str) -> None:
+        """Store values per rank after all (``why``: ``LayoutFacts.kv_share``)."""
+        logger.warning("kvpool worker %s: values per TP rank, not per KV-head share: %s",
+                       self.model, why)
+        self.shares, self._kv_share = None, why
+        self.layout, self._sizes["tp_size"] = self._rank_layout, self._rank_tp_size
+        self._lookup_layouts = lookup_layouts(self.layout, **self._sizes)
+
+    def _shard_layers(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+                      kv: KVLayout) -> list[tuple[ParallelLayout, list[LayerLayout]]]:
+        """Each shard this worker writes and reads, with the layers (regions) of its values:
+        its one rank's whole caches, or one entry per KV-head share it holds."""
+        if self.shares is None:
+            return [(self.layout, kv.layers)]
+        return [(replace(self.layout, tp_rank=s),
+                 share_layers(kv_caches, kv.num_blocks, self.shares, s))
+                for s in self.shares.shares]
+
+    @property
+    def own_shards(self) -> list[str]:
+        """The shards (``ParallelLayout`` strings) whose values this worker writes: its rank,
+        or each KV-head share it holds."""
+        if self.shares is None:
+            return [str(self.layout)]
+        return [str(replace(self.layout, tp_rank=s)) for s in self.shares.shares]
 
     def _enable_checksum(self, kv: KVLayout, scratch: int) -> None:
         """Register the integrity check's host buffers (``_checksum``) and hand them to the
@@ -386,7 +437,7 @@ class KVPoolWorker:
         Raises:
             RuntimeError: ``register_kv_caches`` was not called.
         """
-        kv, planner = self._require_kv()
+        kv = self._require_kv()[0]
         self._meta = metadata
         self._step_saves = None
         self._loads.settle_stale()
@@ -395,7 +446,7 @@ class KVPoolWorker:
         plans = []
         for req in metadata.requests:
             try:
-                plan = self._plan_load(req, planner)
+                plan = self._plan_load(req)
             except (ValueError, IndexError) as exc:
                 # IndexError: a block id outside the registered caches (LayerLayout.addr);
                 # like bad metadata it fails this request, never vLLM's worker thread.
@@ -406,15 +457,17 @@ class KVPoolWorker:
         self._loads.start(plans, self._device, load_async=self.config.load_async,
                           layerwise=kv if self.config.use_layerwise else None)
 
-    def _plan_load(self, req: ReqMeta, planner: TransferPlanner) -> LoadPlan | None:
-        """``planner.load``, or every group's load in one plan (hybrid models)."""
-        if not self.hybrid:
-            return planner.load(req)
-        parts = [p for p in (gp.load(req) for gp in self._group_planners) if p is not None]
+    def _plan_load(self, req: ReqMeta) -> LoadPlan | None:
+        """The one planner's load, or every group's and share's load in one plan (hybrid models,
+        several head shares), in chunk order."""
+        planners = self._group_planners if self.hybrid else self._planners
+        if len(planners) == 1:
+            return planners[0].load(req)
+        parts = [p for p in (gp.load(req) for gp in planners) if p is not None]
         if not parts:
             return None
         return LoadPlan(req, min(p.first_chunk for p in parts),
-                        [t for p in parts for t in p.transfers])
+                        sorted((t for p in parts for t in p.transfers), key=lambda t: t.chunk))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until layer ``layer_name``'s blocks of this step are loaded (layer-wise mode;
@@ -445,17 +498,17 @@ class KVPoolWorker:
 
     def _plan_save(self, req: ReqMeta) -> list[list[Transfer]]:
         """Per chunk of the save range this worker writes (its stripe), the transfers of
-        every group; then one row per Mamba state vLLM handed over this step."""
-        planner = self._require_kv()[1]
-        if not self.hybrid:
-            return planner.save(req, self.stripe)
-        per_group = [gp.save(req, self.stripe) for gp in self._group_planners
-                     if gp.group is None or gp.group.kind != "mamba"]
+        every group and head share; then one row per Mamba state vLLM handed over this step."""
+        self._require_kv()
+        planners = self._group_planners if self.hybrid else self._planners
+        if len(planners) == 1:
+            return planners[0].save(req, self.stripe)
+        chunked = [p for p in planners if p.group is None or p.group.kind != "mamba"]
+        per_group = [p.save(req, self.stripe) for p in chunked]
         rows = [[t for g in per_group for t in g[i]] for i in range(len(per_group[0]))
                 ] if per_group else []
-        return rows + [row for gp in self._group_planners
-                       if gp.group is not None and gp.group.kind == "mamba"
-                       for row in gp.save(req, self.stripe)]
+        return rows + [row for p in planners if p.group is not None and p.group.kind == "mamba"
+                       for row in p.save(req, self.stripe)]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None,
                       **kwargs: Any) -> None:
@@ -473,7 +526,8 @@ class KVPoolWorker:
             self._step_saves = self._plan_saves(self._meta)
         if not self._step_saves:
             return
-        per_req = [(req, [row[idx] for row in rows]) for req, rows in self._step_saves]
+        per_req = [(req, [t for row in rows for t in row if t.layer == idx])
+                   for req, rows in self._step_saves]
         self._saves.submit(per_req, self._device, layer=idx, n_layers=len(kv.layers))
 
     def wait_for_save(self, metadata: KVPoolConnectorMetadata | None = None) -> None:

@@ -123,6 +123,7 @@ def _vllm_config(spec: EngineSpec) -> Any:
         dtype=_DTYPES[spec.shape.dtype],
         get_num_layers=lambda *_: spec.shape.layers,
         get_num_kv_heads=lambda *_: spec.shape.kv_heads,
+        get_total_num_kv_heads=lambda: spec.shape.kv_heads,  # TP=1: every head
         get_head_size=lambda: spec.shape.head_size,
     )
     return SimpleNamespace(

@@ -220,6 +220,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "admission": "adaptive",
         "admission_pool_tokens": 2_000_000,
         "handover_wait_ms": 2000,
+        "store_tp_size": 4,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
@@ -229,6 +230,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"
     assert (cfg.admission, cfg.admission_pool_tokens) == ("adaptive", 2_000_000)
+    assert cfg.store_tp_size == 4
     assert KVPoolConfig.from_dicts({}, kv_role="kv_both", block_size=16,
                                    model="m").reset_flush_scope == "none"
     with pytest.raises(ValueError, match="reset_flush_scope"):

@@ -333,6 +333,29 @@ def test_namespace_split_and_lookup_hint() -> None:
     assert lk.hint.startswith("the pool is unhealthy (see pool_unhealthy): master unreachable")
 
 
+def test_namespace_split_says_why_an_engine_keeps_per_rank_values() -> None:
+    import msgspec
+
+    from kvpool_connector._heads import plan_shares
+
+    why = plan_shares(8, 0, 2, dcp_size=2)
+    assert isinstance(why, str)
+
+    def described(fleet: dict, digest: str, **layout: str | int) -> dict:
+        facts = {"model": "m", "dtype": "float16", "block_size": 16, **layout}
+        return {k: msgspec.structs.replace(s, source=msgspec.structs.replace(
+            s.source, model="m", layout_digest=digest, layout=facts))
+            for k, s in fleet.items()}
+
+    fleet = described(engine("a"), "d1", tp=1, kv_share="8x1h") | described(
+        engine("b"), "d1", tp=1, kv_share="8x1h") | described(engine("c"), "d2", tp=2,
+                                                              dcp=2, kv_share=why)
+    (a,) = [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "namespace_split"]
+    assert a.message.endswith(
+        "no shared hits: dcp - vs 2; kv_share 8x1h vs per-rank: PCP 1 / DCP 2 split the "
+        "tokens, not the heads; tp 1 vs 2")
+
+
 def test_every_mooncake_error_has_a_fix_and_health_rows_show_checks() -> None:
     from kvpool_agent.protocol import HealthCheck, HealthResult
     from kvpool_agent.vocabulary import HINTS, ErrorCode

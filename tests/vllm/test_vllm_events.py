@@ -205,7 +205,8 @@ def test_block_stored_for_exactly_the_chunks_saved_and_reset_flushes_this_layout
     assert (line["who"], line["command"], line["flush"]["scope"], line["flush"]["force"]) == (
         "engine:events (reset_prefix_cache)", "flush", "engine", False)
     (result,) = line["results"]
-    assert result["ok"] and result["flush"]["removed_keys"] == 4
+    # 4 chunks, one value per KV head (2 heads: ``kvpool_connector._heads``).
+    assert result["ok"] and result["flush"]["removed_keys"] == 4 * 2
     (hub_line,) = [json.loads(x) for x in (work / "audit.jsonl").read_text().splitlines()]
     (agent,) = line["targets"]
     assert hub_line["who"] == f"agent:{agent} (engine:events (reset_prefix_cache))"

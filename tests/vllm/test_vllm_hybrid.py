@@ -87,10 +87,10 @@ def _same(got: list[dict[str, Any]], want: list[dict[str, Any]], atol: float = 1
         assert g["logprobs"] == pytest.approx(w["logprobs"], abs=atol)
 
 
-def _keys(model: Path, digest: str, prompts: list[list[int]], chunk: int, group: int = 0
-          ) -> list[str]:
+def _keys(model: Path, digest: str, prompts: list[list[int]], chunk: int, group: int = 0,
+          share: int = 0) -> list[str]:
     name = normalize_model_name(str(model))
-    return [str(PoolKey(name, digest, ParallelLayout(group=group), h))
+    return [str(PoolKey(name, digest, ParallelLayout(tp_rank=share, group=group), h))
             for p in prompts for h in chunk_hashes(p, chunk)]
 
 
@@ -124,14 +124,17 @@ def test_hybrid_reader_loads_every_group_and_equals_its_run_without_a_pool(
     assert groups.count("sliding_window(64)") == 3 and groups.count("full:") == 1, groups
     assert groups.count(f" {LAYER_BLOCK_BYTES // BLOCK}B/tok") == 4, groups
 
-    # The pool holds every chunk of every group; a sliding-window value is the chunk's last
-    # WINDOW_BLOCKS blocks (the window before the next boundary), a full one all 4.
+    # The pool holds every chunk of every group, one value per KV head (``_heads``); a
+    # sliding-window value is the chunk's last WINDOW_BLOCKS blocks (the window before the
+    # next boundary), a full one all 4.
     chunks = sum(len(p) // CHUNK for p in G)
     for g in range(4):
-        keys = _keys(engines.model, w.layout_digest, G, CHUNK, group=g)
-        assert len(keys) == chunks
-        blocks = 4 if g == 3 else WINDOW_BLOCKS
-        assert [len(pool.store.get(k)) for k in keys] == [blocks * LAYER_BLOCK_BYTES] * chunks
+        for share in (0, 1):
+            keys = _keys(engines.model, w.layout_digest, G, CHUNK, group=g, share=share)
+            assert len(keys) == chunks
+            blocks = 4 if g == 3 else WINDOW_BLOCKS
+            assert [len(pool.store.get(k)) for k in keys] == [
+                blocks * LAYER_BLOCK_BYTES // 2] * chunks
 
     # What moved: the writer saved 4 + 3 x 2 blocks per chunk (not 4 x 4); the reader loaded,
     # per prompt, every full-attention block of its hit and only the window before its end
