@@ -29,6 +29,7 @@ from kvpool_agent.vocabulary import (
 from kvpool_connector._validation import field_problems
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
+from kvpool_connector.pins import DEFAULT_PIN_SHARE
 from kvpool_connector.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class _ExtraFields(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
+    pin_share: float = Field(default=DEFAULT_PIN_SHARE, gt=0, le=1)
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -195,6 +197,9 @@ class KVPoolConfig(BaseModel):
         admission_pool_tokens: the pool's capacity in tokens of this model (pool bytes over
             bytes per token; divided by the engines sharing it), which the adaptive policy's
             ghost caches simulate; needed with ``admission: adaptive``.
+        pin_share: the most of the pool (fraction of its bytes) the pins of this worker's
+            layout may take together (``kvpool-console pin``, ``kvpool_connector.pins``); a
+            pin past it is refused with the numbers.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -228,6 +233,7 @@ class KVPoolConfig(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
+    pin_share: float = DEFAULT_PIN_SHARE
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -68,7 +68,8 @@ from kvpool_connector.lookup import (
     lookup_socket_path,
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes
-from kvpool_connector.operations import BackendOperations
+from kvpool_connector.operations import BackendOperations, Tokenize
+from kvpool_connector.pins import PinnableBackend, Pins
 from kvpool_connector.scheduler import KVPoolScheduler
 
 if TYPE_CHECKING:
@@ -161,6 +162,31 @@ def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
         kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
         head_size=mc.get_head_size(),
     )
+
+
+def _engine_tokenizer(vllm_config: VllmConfig) -> Tokenize | None:
+    """vLLM's own tokenizer of the model, for text pins (``kvpool-console pin --text``),
+    loaded at the first text pin (``cached_tokenizer_from_config``, the one vLLM's input
+    processor uses); ``None`` when the engine has none (``skip_tokenizer_init``, or a stand-in
+    config without ``model_config.tokenizer``, as the replay's simulated engines pass)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None or getattr(mc, "tokenizer", None) is None or mc.skip_tokenizer_init:
+        return None
+
+    def tokenize(text: str, chat_template: bool) -> list[int]:
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tok = cached_tokenizer_from_config(mc)
+        if chat_template:
+            # The prefix as the engine sees a chat that starts with this system prompt.
+            ids = tok.apply_chat_template([{"role": "system", "content": text}],
+                                          tokenize=True, add_generation_prompt=False)
+        else:
+            # As vLLM encodes a text prompt: with the tokenizer's special tokens (BOS).
+            ids = tok.encode(text)
+        return [int(t) for t in ids]
+
+    return tokenize
 
 
 def _start_hint(exc: Exception) -> str:
@@ -528,6 +554,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self.kv_config
         if self._operations is not None:
             self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
+            backend = self._backend
+            if isinstance(backend, PinnableBackend) and not worker.hybrid:
+                self._operations.pins = Pins(
+                    backend, worker.rank_keys, cfg.chunk_size, worker.key_bytes,
+                    lambda: backend.stats().total_bytes, hash_algo=cfg.hash_algo,
+                    share=cfg.pin_share)
+                self._operations.tokenize = _engine_tokenizer(self._vllm_config)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations
             try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
@@ -35,6 +35,7 @@ from kvpool_connector.keys import HashAlgo, chunk_hashes
 __all__ = [
     "DEFAULT_PIN_SHARE",
     "DEFAULT_SOFT_PIN_TTL_MS",
+    "MAX_PINS",
     "Pin",
     "PinMode",
     "PinRefused",
@@ -48,10 +49,15 @@ PinMode = Literal["soft", "hard"]
 DEFAULT_PIN_SHARE = 0.30
 """Most of the pool (fraction of its bytes) that pins may take together (issue 24)."""
 
+MAX_PINS = 64
+"""Most pins one layout holds: each is a record the worker keeps and reports, and each
+``pin`` reads and upserts its keys' values (a key holder's flood of pins stops here)."""
+
 DEFAULT_SOFT_PIN_TTL_MS = 1_800_000
 """Soft pin TTL when none is given: Mooncake master's ``default_kv_soft_pin_ttl`` (30 min)."""
 
 
+@runtime_checkable
 class PinnableBackend(Protocol):
     """What pins need of a backend (``MooncakeBackend``)."""
 
@@ -95,9 +101,10 @@ class Pins:
 
     Args:
         backend: the worker's pool client.
-        keys_of: pool keys of chunk hashes in this layout (one key per chunk).
+        keys_of: pool keys of chunk hashes in this layout: every rank's (and layer's) keys of
+            each chunk (``KVPoolWorker.rank_keys``).
         chunk_size: tokens per chunk; ``hash_algo`` the layout's chunk-hash function.
-        chunk_bytes: bytes of one chunk's value in this layout (for the share check).
+        chunk_bytes: bytes of one key's value in this layout (for the share check).
         pool_bytes: the pool's capacity in bytes (``PoolStats.total_bytes``), asked per pin.
         share: most of ``pool_bytes`` all pins together may take (0 < share <= 1).
         lease_wait_s: how long ``unpin`` retries keys under a reader's lease.
@@ -132,7 +139,8 @@ class Pins:
 
         Raises:
             ValueError: no whole chunk in ``token_ids``, a soft pin without a positive TTL.
-            PinRefused: the pins would take more than ``share`` of the pool.
+            PinRefused: the pins would take more than ``share`` of the pool, or this layout
+                holds ``MAX_PINS`` already.
         """
         if mode == "soft" and ttl_ms <= 0:
             raise ValueError(f"a soft pin needs ttl_ms > 0, got {ttl_ms}")
@@ -145,14 +153,18 @@ class Pins:
                   keys)
         pool = self.pool_bytes()
         with self._lock:
+            if pin_id not in self._pins and len(self._pins) >= MAX_PINS:
+                raise PinRefused(f"pin {pin_id!r} refused: {len(self._pins)} pins held, at most "
+                                 f"{MAX_PINS} per layout; unpin one first")
             others = {k for p in self._pins.values() if p.pin_id != pin_id for k in p.keys}
             total = len(others | set(keys)) * self.chunk_bytes
             limit = int(pool * self.share)
             if total > limit:
                 raise PinRefused(
-                    f"pin {pin_id!r} refused: {len(keys)} chunks ({len(keys) * self.chunk_bytes:,}"
-                    f" bytes) would bring pinned bytes to {total:,}, over {self.share:.0%} of "
-                    f"the pool's {pool:,} bytes ({limit:,}); unpin another prefix or pin less")
+                    f"pin {pin_id!r} refused: {len(hashes)} chunks ({len(keys)} keys, "
+                    f"{len(keys) * self.chunk_bytes:,} bytes) would bring pinned bytes to "
+                    f"{total:,}, over {self.share:.0%} of the pool's {pool:,} bytes "
+                    f"({limit:,}); unpin another prefix or pin less")
             self._pins[pin_id] = pin
         codes = self.backend.pin_keys(keys, hard=mode == "hard", ttl_ms=pin.ttl_ms)
         errors = {k: rc for k, rc in zip(keys, codes, strict=True) if rc < 0}

@@ -351,6 +351,28 @@ class KVPoolWorker:
                 f"lookup failed: batch_exists returned {code} ({error_name(code)})", code)
         return hits
 
+    def rank_keys(self, chunk_hashes: Sequence[str]) -> list[str]:
+        """Every rank's keys of ``chunk_hashes`` in this layout (and every layer, layer-wise):
+        the keys ``lookup_chunks`` asks for, chunk-major (``kvpool_connector.pins``).
+
+        Raises:
+            RuntimeError: ``register_kv_caches`` was not called.
+            ValueError: a hybrid model (several KV-cache groups: not pinned).
+        """
+        kv = self._require_kv()[0]
+        if self.hybrid:
+            raise ValueError("pins of a model with several KV-cache groups are not supported")
+        layers = [layer.index for layer in kv.layers] if self.config.use_layerwise else None
+        return chunk_keys(self._lookup_prefixes, list(chunk_hashes), layers)
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one key's value on this rank (a whole chunk, or one layer of it
+        layer-wise); other ranks' values of one layout are the same size."""
+        kv = self._require_kv()[0]
+        chunk = self.blocks_per_chunk * kv.block_bytes
+        return chunk // len(kv.layers) if self.config.use_layerwise else chunk
+
     def _lookup_groups(self, chunk_hashes: list[str]) -> int:
         """``lookup_chunks`` of a hybrid model: one ``batch_exists`` over every group's keys,
         then the longest prefix every group can serve (``_groups.hybrid_hit``)."""

@@ -82,7 +82,11 @@ from kvpool_connector.backends.mooncake_address import (
 from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
 
-__all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
+__all__ = ["HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
+
+HARD_PIN_UPSERT_TTL_MS = 86_400_000
+"""Soft pin TTL (ms) a hard pin gives the values already in the pool, which an upsert cannot
+hard-pin: Mooncake master's ``max_kv_soft_pin_ttl`` default (24 h), the longest it grants."""
 
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
@@ -326,19 +330,25 @@ class MooncakeBackend(Backend):
         return results
 
     def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int) -> list[int]:
-        """Pin ``keys`` (``kvpool_connector.pins``): a key in the pool is upserted with the pin
-        (Mooncake ``ReplicateConfig``: ``soft_pin_action`` ENABLE with ``soft_pin_ttl_ms``, or
-        ``with_hard_pin``); every key, present or not, is put with it by later saves of this
-        client. Per key 1 pinned now, 0 not in the pool (pinned when saved), or a negative
-        ``ErrorCode``."""
+        """Pin ``keys`` (``kvpool_connector.pins``) with Mooncake's ``ReplicateConfig``: every
+        key, present or not, is put with its pin by later saves of this client (soft:
+        ``soft_pin_action`` ENABLE with ``soft_pin_ttl_ms`` = ``ttl_ms``; hard:
+        ``with_hard_pin``). A key already in the pool is upserted with the pin; an upsert
+        keeps no hard pin (mooncake-transfer-engine 0.3.13: a value upserted with
+        ``with_hard_pin`` alone was evicted by the next flood), so a hard pin's present keys
+        are upserted soft-pinned for ``HARD_PIN_UPSERT_TTL_MS`` as well. Per key 1 pinned now,
+        0 not in the pool (pinned when saved), or a negative ``ErrorCode``."""
         from mooncake.store import ReplicateConfig, SoftPinAction
 
         cfg = ReplicateConfig()
+        now = ReplicateConfig()
         if hard:
-            cfg.with_hard_pin = True
+            cfg.with_hard_pin = now.with_hard_pin = True
         else:
             cfg.soft_pin_action = SoftPinAction.ENABLE
             cfg.soft_pin_ttl_ms = ttl_ms
+        now.soft_pin_action = SoftPinAction.ENABLE
+        now.soft_pin_ttl_ms = HARD_PIN_UPSERT_TTL_MS if hard else ttl_ms
         out = []
         for key in keys:
             self._pins[key] = cfg
@@ -346,7 +356,7 @@ class MooncakeBackend(Backend):
             if not value:
                 out.append(0)
                 continue
-            rc = int(self._call("upsert", self._store.upsert, key, value, cfg))
+            rc = int(self._call("upsert", self._store.upsert, key, value, now))
             out.append(1 if rc == 0 else rc)
         return out
 
