@@ -39,7 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent._commands import Commands
 from kvpool_agent.auth import ClientKeys, KeyPaths
-from kvpool_agent.operations import PoolOperations
+from kvpool_agent.operations import PinOperations, PoolOperations
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
@@ -382,6 +382,9 @@ class _Agent:
                 stats, checked_ms = fut.result()
                 if self.lease_ttl_ms and not stats.lease_ttl_ms:
                     stats.lease_ttl_ms = self.lease_ttl_ms
+                if isinstance(self.operations, PinOperations):
+                    # Only this process knows its pins; the master's /metrics does not.
+                    stats.pinned_bytes, stats.pins = self.operations.pinned()
                 with self.lock:
                     self.agg.set_pool(stats, checked_ms)
             except Exception as e:

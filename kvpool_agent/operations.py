@@ -90,3 +90,8 @@ class PinOperations(Protocol):
     def pins_held(self, args: PinArgs) -> PinOutcome:
         """Every pin held here (of ``args.model``, every model when ``""``)."""
         ...
+
+    def pinned(self) -> tuple[int, int]:
+        """``(bytes, pins)`` the pins held here take: reported in ``PoolStats.pinned_bytes``
+        and ``pins`` with every pool stats report. Never raises."""
+        ...

@@ -264,13 +264,13 @@ class BackendOperations:
                            remaining_saves=saves.inflight_saves)
 
     def stats(self) -> PoolStats:
-        """``Backend.stats()``, with this worker's pins (``pinned_bytes``, ``pins``). Never
-        raises."""
-        stats = self.backend.stats()
+        """``Backend.stats()``. Never raises."""
+        return self.backend.stats()
+
+    def pinned(self) -> tuple[int, int]:
+        """``(bytes, pins)`` of this worker's pins (``PinOperations.pinned``)."""
         pins = self.pins
-        if pins is not None:
-            stats.pinned_bytes, stats.pins = pins.pinned_bytes, len(pins.list())
-        return stats
+        return (pins.pinned_bytes, len(pins.list())) if pins is not None else (0, 0)
 
     def pin(self, args: PinArgs) -> PinOutcome:
         """Pin ``args``'s prefix in this worker's layout (``Pins.pin``): by ``token_ids``, or

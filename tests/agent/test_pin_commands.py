@@ -161,6 +161,18 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
             and f"{4 * CHUNK} tokens, 4 keys" in out
             and "2 in the pool now, 2 pinned when saved" in out), out
 
+    # The worker's agent reports its pins' bytes with its pool stats: status --json has them
+    # next to the pool's watermark.
+    def status_pool() -> dict[str, Any]:
+        rc, out, err = console(pool, capsys, pool.viewer, "status", "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["pools"]
+        return dict(p)
+
+    wait_until(lambda: status_pool()["pinned_bytes"] == 4 * CHUNK_BYTES, 15)
+    p = status_pool()
+    assert (p["pins"], p["high_watermark"], p["total_bytes"]) == (1, 0.9, SEGMENT)
+
     # A viewer key's pin: refused by the hub, never reaching the worker.
     with FleetClient(pool.hub_address, keys_dir=pool.viewer) as viewer:
         (r,) = viewer.command("pin", pin=PinArgs(model=pool.model, pin_id="viewer",
@@ -191,6 +203,7 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     assert rc == 0, err
     assert "unpinned 'system'" in out and "4 of 4 keys removed" in out, out
     assert pool.held(system) == 0
+    wait_until(lambda: status_pool()["pinned_bytes"] == 0, 15)
     # Computed again, it is saved unpinned: the next flood evicts it.
     assert pool.run(system) == 0
     pool.flood(2000, gone=system)
