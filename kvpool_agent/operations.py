@@ -93,5 +93,6 @@ class PinOperations(Protocol):
 
     def pinned(self) -> tuple[int, int]:
         """``(bytes, pins)`` the pins held here take: reported in ``PoolStats.pinned_bytes``
-        and ``pins`` with every pool stats report. Never raises."""
+        and ``pins`` with every pool stats report (on the agent's pool thread, every 2 s: it
+        may read the pins' shared records). Never raises."""
         ...

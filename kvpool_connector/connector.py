@@ -56,9 +56,9 @@ from kvpool_connector._stats import (
     StatsCollector,
     StatsTap,
 )
-from kvpool_connector.backends.base import Backend, BackendUnavailable
+from kvpool_connector.backends.base import Backend, BackendError, BackendUnavailable
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.keys import ParallelLayout
+from kvpool_connector.keys import ParallelLayout, pins_key
 from kvpool_connector.lookup import (
     LookupClient,
     LookupFailed,
@@ -556,10 +556,17 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._operations.key_scope = (cfg.model, worker.layout_digest, self._layout)
             backend = self._backend
             if isinstance(backend, PinnableBackend) and not worker.hybrid:
-                self._operations.pins = Pins(
-                    backend, worker.rank_keys, cfg.chunk_size, worker.key_bytes,
-                    lambda: backend.stats().total_bytes, hash_algo=cfg.hash_algo,
-                    share=cfg.pin_share)
+                pins = Pins(backend, worker.rank_keys, cfg.chunk_size, worker.key_bytes,
+                            lambda: backend.stats().total_bytes, hash_algo=cfg.hash_algo,
+                            share=cfg.pin_share,
+                            record_key=pins_key(cfg.model, worker.layout_digest))
+                try:
+                    # The layout's pins live in the pool: a restarted engine saves them pinned.
+                    pins.refresh(force=True)
+                except BackendError as exc:
+                    logger.warning("KVPoolConnector: pin records not read (%s): read again "
+                                   "with the next pool stats", exc)
+                self._operations.pins = pins
                 self._operations.tokenize = _engine_tokenizer(self._vllm_config)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations

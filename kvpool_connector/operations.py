@@ -10,6 +10,7 @@ package.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import threading
@@ -68,6 +69,8 @@ KeyScope = tuple[str, str, ParallelLayout]
 Tokenize = Callable[[str, bool], list[int]]
 """The engine's tokenizer: ``(text, chat_template)`` -> the token ids the engine would see
 (with the chat template: ``text`` as a system message)."""
+
+logger = logging.getLogger(__name__)
 
 _BUFFERS: weakref.WeakKeyDictionary[Backend, ctypes.Array[ctypes.c_char]] = (
     weakref.WeakKeyDictionary()
@@ -268,9 +271,17 @@ class BackendOperations:
         return self.backend.stats()
 
     def pinned(self) -> tuple[int, int]:
-        """``(bytes, pins)`` of this worker's pins (``PinOperations.pinned``)."""
+        """``(bytes, pins)`` of this worker's layout's pins (``PinOperations.pinned``), after
+        taking those other workers made or dropped from the pool's records (``Pins.refresh``,
+        every ``refresh_s``). Never raises."""
         pins = self.pins
-        return (pins.pinned_bytes, len(pins.list())) if pins is not None else (0, 0)
+        if pins is None:
+            return 0, 0
+        try:
+            pins.refresh()
+        except Exception as exc:  # the stats report must go out; the next one tries again
+            logger.warning("kvpool pins of %s: records not read: %s", self.source.agent_id, exc)
+        return pins.pinned_bytes, len(pins.list())
 
     def pin(self, args: PinArgs) -> PinOutcome:
         """Pin ``args``'s prefix in this worker's layout (``Pins.pin``): by ``token_ids``, or

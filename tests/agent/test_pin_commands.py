@@ -28,10 +28,12 @@ from kvpool_console.cli import main as console_main
 from kvpool_replay import (
     EngineSpec,
     LocalMooncakeMaster,
+    LocalPoolStore,
     ModelShape,
     TraceRequest,
     free_port,
     free_port_block,
+    mooncake_extra_config,
     request_tokens,
 )
 
@@ -40,7 +42,8 @@ SHAPE = ModelShape(layers=4, kv_heads=4, head_size=64, block_size=16)
 """4,096 bytes per token: a 512-token chunk is one 2 MiB value."""
 CHUNK_BYTES = CHUNK * SHAPE.bytes_per_token
 SEGMENT = 32 << 20
-"""The pool: one 32 MiB segment, 16 chunk values; pins may take 30% of it (4 chunks)."""
+"""The pool: one 32 MiB segment of a store process, 16 chunk values; pins may take 30% of it
+(4 chunks)."""
 
 
 @dataclass
@@ -53,7 +56,28 @@ class Pool:
     operator: Path
     viewer: Path
     audit: Path
+    extra_config: dict[str, Any]
     runs: int = 0
+
+    def start_engine(self) -> None:
+        """A simulated engine (its real connector worker and scheduler in this process) on the
+        pool, reporting to the hub; returns once its worker reported its layout and pool."""
+        from kvpool_replay._sim_engine import SimEngine
+
+        spec = EngineSpec(engine_id="pin-e", master_address=self.master.address,
+                          model=self.model, shape=SHAPE, chunk_size=CHUNK, trace_path="unused",
+                          wait_saves=True, agent_address=self.hub_address,
+                          lookup_rpc_port=free_port(), extra_config=self.extra_config)
+        self.engine = SimEngine(spec, num_blocks=512)
+        started_ms = time.time() * 1e3
+
+        def reported() -> bool:
+            return any(s.source.process_role == "worker" and s.source.layout_digest
+                       and s.started_ms >= started_ms - 1000 and s.pool is not None
+                       and s.pool.total_bytes for s, _ in self.hub.fleet().values())
+
+        # A restarted engine's agent takes its id back once the old one is silent 2 s.
+        wait_until(reported, 30)
 
     def run(self, hash_ids: list[int]) -> int:
         """Replay one prompt of ``hash_ids`` (512 tokens each, one token more than their whole
@@ -61,6 +85,13 @@ class Pool:
         self.runs += 1
         req = TraceRequest(0, len(hash_ids) * CHUNK + 1, 1, [*hash_ids, 10**9 + self.runs])
         return int(self.engine.run_request(self.runs, req))
+
+    def save(self, hash_ids: list[int], deadline_s: float = 30.0) -> None:
+        """Replay ``hash_ids``'s prompt until the pool holds its every chunk: a save into a full
+        pool fails (``NO_AVAILABLE_HANDLE``) until the master evicted, and is made again."""
+        end = time.monotonic() + deadline_s
+        while self.run(hash_ids) < len(hash_ids) * CHUNK or self.held(hash_ids) < len(hash_ids):
+            assert time.monotonic() < end, f"{hash_ids} never saved whole"
 
     def held(self, hash_ids: list[int]) -> int:
         """Leading chunks of ``hash_ids``'s prompt the pool holds (the worker's own lookup)."""
@@ -93,39 +124,26 @@ def tokens(hash_ids: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def pool(fleet_keys: dict[Role, KeyPaths], tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Pool]:
-    from kvpool_replay._sim_engine import SimEngine
-
     work = tmp_path_factory.mktemp("pins")
     address = f"tcp://127.0.0.1:{free_port_block()}"
     kp = fleet_keys["hub"]
     # A short lease: every lookup leases its chunks, and unpin waits leases out.
-    with LocalMooncakeMaster(default_kv_lease_ttl_ms=500) as master, FleetHub(
-            address, authorized_keys_dir=kp.authorized_dir, secret_key_file=kp.hub_secret,
-            audit_file=work / "audit.jsonl", snapshot_interval_s=1.0) as hub:
+    # The pool's memory is a store process's, as in production: an engine's restart leaves it.
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=500) as master, \
+            LocalPoolStore(master, SEGMENT), FleetHub(
+                address, authorized_keys_dir=kp.authorized_dir, secret_key_file=kp.hub_secret,
+                audit_file=work / "audit.jsonl", snapshot_interval_s=1.0) as hub:
         model = f"org/pins-{uuid.uuid4().hex[:8]}"
-        extra = {"backend": "mooncake", "agent_keys": str(fleet_keys["agent"].root),
-                 "mooncake": {"master_server_address": master.address,
-                              "master_admin_url": master.admin_url, "protocol": "tcp",
-                              "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
-                              "global_segment_size": SEGMENT, "local_buffer_size": "16MB",
-                              "default_kv_lease_ttl": 500}}
-        spec = EngineSpec(engine_id="pin-e", master_address=master.address, model=model,
-                          shape=SHAPE, chunk_size=CHUNK, trace_path="unused", wait_saves=True,
-                          agent_address=address, lookup_rpc_port=free_port(),
-                          extra_config=extra)
-        engine = SimEngine(spec, num_blocks=512)
-        p = Pool(address, hub, master, engine, model, fleet_keys["operator"].root,
-                 fleet_keys["viewer"].root, work / "audit.jsonl")
-
-        def reported() -> bool:
-            return any(s.source.layout_digest and s.pool is not None and s.pool.total_bytes
-                       for s, _ in hub.fleet().values())
-
-        wait_until(reported, 30)
+        extra = {**mooncake_extra_config(master.address, master.admin_url, lease_ttl_ms=500),
+                 "agent_keys": str(fleet_keys["agent"].root)}
+        p = Pool(address, hub, master, None, model, fleet_keys["operator"].root,
+                 fleet_keys["viewer"].root, work / "audit.jsonl",
+                 extra_config=extra)
+        p.start_engine()
         try:
             yield p
         finally:
-            engine.close()
+            p.engine.close()
 
 
 def console(p: Pool, capsys: pytest.CaptureFixture[str], keys: Path, *argv: str
@@ -187,6 +205,7 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
 
     # The rest of the prefix, saved after the pin, is saved pinned.
     assert pool.run(system) == 2 * CHUNK
+    pool.save(system)
     pool.flood(1000, gone=viewers)  # the viewer's prefix goes with the unpinned
     assert pool.held(system) == 4
     assert pool.run(system) == 4 * CHUNK
@@ -270,6 +289,36 @@ def test_a_text_pin_without_a_tokenizer_is_refused_in_one_line(
     assert err == ("pin failed on pin-e/dp0.tp0.pp0: CommandError: agent pin-e/dp0.tp0.pp0 "
                    "has no tokenizer (an engine without vLLM's, e.g. a replay's simulated "
                    "engine): pin by token ids (--tokens)\n")
+
+
+def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    prefix = [61, 62, 63]  # never saved before the pin: every chunk pending
+    ids = ",".join(map(str, tokens(prefix)))
+    rc, out, err = console(pool, capsys, pool.operator, "pin", "--model", pool.model,
+                           "--tokens", ids, "--id", "template")
+    assert rc == 0, err
+    assert "0 in the pool now, 3 pinned when saved" in out, out
+
+    # A new engine process (its own pool client) reads the layout's pins from the pool...
+    pool.engine.close()
+    pool.start_engine()
+    rc, out, err = console(pool, capsys, pool.viewer, "pins", "--model", pool.model, "--json")
+    assert rc == 0, err
+    (reply,) = json.loads(out)
+    assert [(p["pin_id"], p["mode"], p["tokens"]) for p in reply["pins"]["pins"]] == [
+        ("template", "soft", 3 * CHUNK)]
+    # ...and saves the prefix's chunks pinned: they outlive a flood.
+    assert pool.run(prefix) == 0
+    pool.save(prefix)
+    pool.flood(3000, gone=[21, 22])
+    assert pool.held(prefix) == 3
+
+    rc, out, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
+                           "--id", "template")
+    assert rc == 0, err
+    assert "3 of 3 keys removed" in out, out
+    assert pool.held(prefix) == 0
 
 
 def test_pin_commands_per_key_are_bounded_per_minute(pool: Pool) -> None:
