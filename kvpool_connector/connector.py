@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 # (pyproject's packages), so there is no "agent not installed" case to fall back from; without
 # an agent address ``start_agent`` returns a handle whose reporter does nothing.
 from kvpool_agent import AgentHandle, start_agent
+from kvpool_agent.operations import CommandError
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import INSTANCE_ROLE_OF, KV_ROLE_FOR, KV_ROLES
@@ -177,6 +178,9 @@ def _engine_tokenizer(vllm_config: VllmConfig) -> Tokenize | None:
         from vllm.tokenizers import cached_tokenizer_from_config
 
         tok = cached_tokenizer_from_config(mc)
+        if chat_template and not getattr(tok, "chat_template", None):
+            raise CommandError(f"the tokenizer of {mc.model} has no chat template: pin the "
+                               "text without --chat-template, or as the engine's token ids")
         if chat_template:
             # The prefix as the engine sees a chat that starts with this system prompt.
             ids = tok.apply_chat_template([{"role": "system", "content": text}],

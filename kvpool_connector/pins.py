@@ -11,7 +11,11 @@ rank. Pins use Mooncake's own mechanisms (``ReplicateConfig``):
 * ``hard``: ``with_hard_pin``; never evicted.
 
 Chunks already in the pool are upserted with the pin; chunks not in the pool yet are pinned when
-this client saves them (``MooncakeBackend.pin_keys``). A pin whose chunks would take more than
+this client saves them (``MooncakeBackend.pin_keys``). The pins of a layout live in the pool
+too, as one hard-pinned record (``record_key``, ``keys.pins_key``): written on every ``pin`` and
+``unpin``, read by every worker of the layout at start and every ``refresh_s`` (``refresh``), so
+a restarted engine, another TP rank or another engine of the layout saves the pinned chunks
+pinned as well. A pin whose chunks would take more than
 ``share`` of the pool (default 30%) together with the pins already held is refused with the
 numbers (``PinRefused``): a pool full of pins evicts nothing else and serves nothing new.
 
