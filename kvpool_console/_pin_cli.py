@@ -30,7 +30,7 @@ from kvpool_console._text import json_line, plain
 from kvpool_console.model import fmt_bytes
 from kvpool_console.source import FleetSource
 
-__all__ = ["PIN_TIMEOUT_MS", "add_parsers", "run"]
+__all__ = ["PIN_TIMEOUT_MS", "add_parsers", "pins_summary", "run"]
 
 PIN_TIMEOUT_MS = 30_000
 """Default ``--timeout-ms`` of ``pin`` / ``unpin``: an unpin waits out readers' leases."""
@@ -189,6 +189,16 @@ def _done_line(cmd: str, r: CommandReply) -> str:
     if res.failed:
         line += f"; {res.failed} keys the store refused"
     return line
+
+
+def pins_summary(model: str, replies: list[CommandReply]) -> str:
+    """One line of ``pins`` replies (the TUI's events log): every pin, then each failure."""
+    held = [f"{p.pin_id} ({p.model} layout {p.layout_digest}, {p.mode}, {p.tokens} tokens, "
+            f"{fmt_bytes(p.bytes)})"
+            for r in replies if r.ok and r.pins is not None for p in r.pins.pins]
+    line = f"pins of {model or 'every model'}: " + (", ".join(held) or "none")
+    failed = [f"{r.agent_id}: {r.error}" for r in replies if not r.ok]
+    return line + ("; failed: " + "; ".join(failed) if failed else "")
 
 
 def _print_pins(replies: list[CommandReply], out: Console) -> None:

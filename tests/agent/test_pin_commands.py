@@ -321,6 +321,43 @@ def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixtur
     assert pool.held(prefix) == 0
 
 
+async def test_the_tui_lists_pins_in_the_events_log(
+        pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+    from textual.widgets import RichLog
+
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.model import fmt_bytes
+    from kvpool_console.source import ClientSource
+
+    ids = ",".join(map(str, tokens([71])))
+    rc, _, err = console(pool, capsys, pool.operator, "pin", "--model", pool.model,
+                         "--tokens", ids, "--id", "tui", "--mode", "hard")
+    assert rc == 0, err
+    # A viewer's console: listing is read-only.
+    app = KVPoolConsole(ClientSource(pool.hub_address, keys_dir=pool.viewer, pump=True),
+                        refresh_s=0.25)
+    want = ("pins of every model requested", f"pins of every model: tui ({pool.model} layout ",
+            f", hard, {CHUNK} tokens, {fmt_bytes(CHUNK_BYTES)})")
+    async with app.run_test(size=(200, 40)) as pilot:
+        await pilot.press("3")  # the events tab: its log draws once it has a size
+        await pilot.press("n")  # no engine selected: every model's pins
+
+        def logged() -> str:
+            # The log wraps long lines: their words, joined again.
+            log = app.query_one("#events-log", RichLog)
+            return " ".join(" ".join(line.text for line in log.lines).split())
+
+        for _ in range(100):
+            if all(w in logged() for w in want):
+                break
+            await pilot.pause(0.1)
+        text = logged()
+    assert all(w in text for w in want), text
+    rc, _, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
+                         "--id", "tui")
+    assert rc == 0, err
+
+
 def test_pin_commands_per_key_are_bounded_per_minute(pool: Pool) -> None:
     # Last in this module: it spends the operator key's minute. Unpins of a pin nobody holds
     # are answered by the worker (CommandError) until the key's budget is spent; the earlier
