@@ -57,6 +57,8 @@ READONLY_SUFFIX = ".readonly"
 """Appended to the audit file's name for the read-only port's lines."""
 
 _WINDOW_S = 60.0
+_CHANGES = frozenset(("flush", "pin", "unpin"))
+"""Commands whose lines are logged as warnings: they change what the pool holds."""
 log = logging.getLogger("kvpool.hub")
 
 
@@ -122,7 +124,7 @@ class AuditTrail:
         text = json.dumps(line)
         if budget_key is not None and not self._spend(budget_key, readonly, len(text) + 1):
             return False
-        warn = req.command == "flush" or refused or any(r.suspect for r in replies)
+        warn = req.command in _CHANGES or refused or any(r.suspect for r in replies)
         log.log(logging.WARNING if warn else logging.INFO, "kvpool audit: %s", text)
         self._write(readonly, text)
         return True
@@ -198,9 +200,10 @@ def audit_line(
         refused: the hub refused it (no operator key, a full budget).
 
     The line: ``{"ts_ms", "who", "command", "request_id", "targets", "targets_count"?, "flush",
-    "refused", "probe"?, "results": [{"agent", "ok", "error"?, "flush"?, "suspect"?,
-    "forgotten"?, "forgotten_count"?}], "results_count"?, "failed_count"?}``; the ``*_count``
-    fields appear when their list was cut to ``AUDIT_IDS_SHOWN`` (failures listed first).
+    "refused", "probe"?, "pin"?, "results": [{"agent", "ok", "error"?, "flush"?, "suspect"?,
+    "pins"?, "forgotten"?, "forgotten_count"?}], "results_count"?, "failed_count"?}``; the
+    ``*_count`` fields appear when their list was cut to ``AUDIT_IDS_SHOWN`` (failures listed
+    first).
     """
     shown = replies
     if len(replies) > AUDIT_IDS_SHOWN:
@@ -214,6 +217,8 @@ def audit_line(
             item["flush"] = msgspec.to_builtins(r.flush)
         if r.suspect:
             item["suspect"] = _clip(r.suspect)
+        if r.pins is not None:
+            item["pins"] = _pin_result(r)
         if r.forgotten:
             item["forgotten"] = r.forgotten[:AUDIT_IDS_SHOWN]
             total = max(r.forgotten_count, len(r.forgotten))
@@ -237,11 +242,31 @@ def audit_line(
         line["failed_count"] = sum(1 for r in replies if not r.ok)
     if req.probe:
         line["probe"] = True
+    if req.pin is not None:
+        # Counts, not the token ids or the text: a line stays short whatever was pinned.
+        a = req.pin
+        line["pin"] = {"model": a.model, "pin_id": a.pin_id, "mode": a.mode,
+                       "ttl_ms": a.ttl_ms if a.mode == "soft" else 0,
+                       "token_ids": len(a.token_ids),
+                       "text_chars": None if a.text is None else len(a.text),
+                       "chat_template": a.chat_template}
     if len(json.dumps(line)) > AUDIT_LINE_MAX_BYTES:
         # Only non-ASCII errors escaped six bytes a character get here: keep the counts.
         line["results"] = [{"agent": r.agent_id, "ok": r.ok} for r in shown]
         line["results_count"] = len(replies)
     return line
+
+
+def _pin_result(r: CommandReply) -> dict[str, object]:
+    """A ``pin`` / ``unpin`` / ``pins`` result's counts (the pin it made, what it did)."""
+    assert r.pins is not None
+    out: dict[str, object] = {k: getattr(r.pins, k) for k in (
+        "pinned_now", "pending", "failed", "removed_keys", "pinned_bytes", "pool_bytes")}
+    out["pins"] = len(r.pins.pins)
+    if r.pins.pin is not None:
+        p = r.pins.pin
+        out.update(layout_digest=p.layout_digest, tokens=p.tokens, keys=p.keys, bytes=p.bytes)
+    return out
 
 
 def audit(
@@ -257,7 +282,7 @@ def audit(
     ``audit_file`` (a connector process logs its own reset flush this way, without budgets).
     Never raises."""
     text = json.dumps(audit_line(who, req, targets, replies, refused=refused))
-    warn = req.command == "flush" or refused
+    warn = req.command in _CHANGES or refused
     log.log(logging.WARNING if warn else logging.INFO, "kvpool audit: %s", text)
     if audit_file is not None:
         audit_file.handle(logging.makeLogRecord({"msg": text, "args": None}))

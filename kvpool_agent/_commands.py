@@ -1,4 +1,5 @@
-"""What an agent does for each operator command: ``snapshot``, ``health``, ``flush``, ``drain``.
+"""What an agent does for each operator command: ``snapshot``, ``health``, ``flush``, ``drain``,
+``pin``, ``unpin``, ``pins``.
 
 Runs on the agent's command threads, never on an engine thread. The pool work itself is the
 process's ``PoolOperations`` (``kvpool_agent.operations``); without one the agent answers from
@@ -11,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvpool_agent.operations import CommandError, PoolOperations
+from kvpool_agent.operations import CommandError, PinOperations, PoolOperations
 from kvpool_agent.pool import mooncake_master_health
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -23,6 +24,8 @@ from kvpool_agent.protocol import (
     FlushResult,
     HealthCheck,
     HealthResult,
+    PinArgs,
+    PinOutcome,
     Source,
 )
 
@@ -84,6 +87,8 @@ class Commands:
                 timeout_ms = req.drain.timeout_ms if req.drain else max(0, req.timeout_ms - 500)
                 dr = self.drain(timeout_ms)
                 return self.reply(req, ok=dr.drained, drain=dr)
+            if req.command in ("pin", "unpin", "pins"):
+                return self.reply(req, ok=True, pins=self.pin(req.command, req.pin))
             raise CommandError(f"unknown command {req.command!r}")
         except Exception as e:
             log.warning(
@@ -131,6 +136,25 @@ class Commands:
                 f"agent {self.source.agent_id} has no pool backend: target a worker agent"
             )
         return self.operations.flush(args)
+
+    def pin(self, command: str, args: PinArgs | None) -> PinOutcome:
+        """``PinOperations.pin`` / ``unpin`` / ``pins_held``.
+
+        Raises:
+            CommandError: no ``PinArgs`` (``pin``, ``unpin``), or this process's pool client
+                cannot pin (a scheduler, a store, a backend other than Mooncake).
+        """
+        ops = self.operations
+        if not isinstance(ops, PinOperations):
+            raise CommandError(f"agent {self.source.agent_id} cannot pin (no Mooncake worker "
+                               "in this process): target a worker agent of the model")
+        if args is None:
+            if command != "pins":
+                raise CommandError(f"{command} needs PinArgs (model, pin_id)")
+            args = PinArgs()
+        if command == "pin":
+            return ops.pin(args)
+        return ops.unpin(args) if command == "unpin" else ops.pins_held(args)
 
     def drain(self, timeout_ms: int) -> DrainResult:
         """``PoolOperations.wait_for_saves``; without a pool client, wait up to ``timeout_ms``

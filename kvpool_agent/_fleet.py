@@ -373,6 +373,8 @@ class Fleet:
             live = {
                 k: a for k, a in self._agents.items() if now_ms - a.last_seen_ms < LIVE_S * 1e3
             }
+            if req.command in ("pin", "unpin", "pins"):
+                return self._pin_targets(req, live, now_ms)
             if req.command != "flush":
                 return sorted(live), None if live else "no live agent connected to the hub"
             fl = req.flush
@@ -393,14 +395,46 @@ class Fleet:
                 src = a.state.source
                 if src.process_role not in ("worker", "store"):
                     continue
-                held = self._tenure.get(src.engine_id)
-                since = held[1] if held is not None and held[0] == a.identity else now_ms
-                rank = (src.process_role != "worker", since, a.first_seen_ms, k)
+                rank = (src.process_role != "worker", *self._held_since(a, now_ms), k)
                 if src.master not in best or rank < best[src.master]:
                     best[src.master] = rank
             if not best:
                 return [], "no live worker or store agent to run the flush"
             return sorted(r[3] for r in best.values()), None
+
+    def _held_since(self, a: _Entry, now_ms: float) -> tuple[float, float]:
+        """How an agent ranks as a pool-wide command's target: since when its identity has
+        held its engine id (``tenure``), then since when it is connected (earliest first)."""
+        held = self._tenure.get(a.state.source.engine_id)
+        return (held[1] if held is not None and held[0] == a.identity else now_ms,
+                a.first_seen_ms)
+
+    def _pin_targets(self, req: CommandRequest, live: dict[str, _Entry],
+                     now_ms: float) -> tuple[list[str], str | None]:
+        """``pin`` / ``unpin`` / ``pins``: one live worker agent per pool and layout digest of
+        the model (``PinArgs.model``; ``pins`` without one: of every model), ranked as a
+        pool-wide flush's target: one worker computes every rank's keys of its layout."""
+        model = req.pin.model if req.pin is not None else ""
+        if not model and req.command != "pins":
+            return [], f"{req.command} needs PinArgs.model (the model's name as engines report it)"
+        best: dict[tuple[str, str, str], tuple[float, float, str]] = {}
+        for k, a in live.items():
+            src = a.state.source
+            if src.process_role != "worker" or not src.layout_digest:
+                continue
+            if model and src.model != model:
+                continue
+            group = (src.master, src.model, src.layout_digest)
+            rank = (*self._held_since(a, now_ms), k)
+            if group not in best or rank < best[group]:
+                best[group] = rank
+        if not best:
+            models = sorted({a.state.source.model for a in live.values()
+                             if a.state.source.process_role == "worker" and a.state.source.model})
+            return [], (f"no live worker agent of model {model!r} (known: "
+                        f"{', '.join(models[:8]) or 'none'})" if model
+                        else "no live worker agent with a registered KV layout")
+        return sorted(r[2] for r in best.values()), None
 
     def pool_keys(self, agent_id: str) -> int | None:
         """The key count of ``agent_id``'s pool (``Source.master``) as agents report it

@@ -39,7 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent._commands import Commands
 from kvpool_agent.auth import ClientKeys, KeyPaths
-from kvpool_agent.operations import PoolOperations
+from kvpool_agent.operations import PinOperations, PoolOperations
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
     MAX_MESSAGE_BYTES,
@@ -97,10 +97,15 @@ def _now_ms() -> float:
     return time.time() * 1e3
 
 
-def _checked(fetch: Callable[[], PoolStats]) -> tuple[PoolStats, float]:
+def _checked(fetch: Callable[[], PoolStats], pins: object = None) -> tuple[PoolStats, float]:
     """``fetch()`` and when it returned (epoch ms): the result reaches the agent loop up to
-    ``_POOL_INTERVAL_S`` later, and pool pause windows are bounded by the check itself."""
+    ``_POOL_INTERVAL_S`` later, and pool pause windows are bounded by the check itself. With
+    ``pins`` (the process's ``PinOperations``) the stats carry its pins' bytes, asked here, on
+    the pool thread: only this process knows its pins (the master's /metrics does not), and
+    asking may read its pin records from the pool."""
     stats = fetch()
+    if isinstance(pins, PinOperations):
+        stats.pinned_bytes, stats.pins = pins.pinned()
     return stats, _now_ms()
 
 
@@ -394,9 +399,11 @@ class _Agent:
             self._pool_future = self._pool_exec.submit(
                 _checked, functools.partial(
                     fetch_mooncake_stats, url, client=http,
-                    high_watermark=self.high_watermark, lease_ttl_ms=self.lease_ttl_ms))
+                    high_watermark=self.high_watermark, lease_ttl_ms=self.lease_ttl_ms),
+                self.operations)
         elif self.operations is not None:
-            self._pool_future = self._pool_exec.submit(_checked, self.operations.stats)
+            self._pool_future = self._pool_exec.submit(_checked, self.operations.stats,
+                                                       self.operations)
 
     def _close(self) -> None:
         self._cmd_exec.shutdown(wait=False, cancel_futures=True)

@@ -32,6 +32,7 @@ from kvpool_agent.protocol import (
     EngineState,
     FleetUpdate,
     FlushArgs,
+    PinArgs,
     ProtocolError,
     SeqTracker,
     decode,
@@ -269,6 +270,7 @@ class FleetClient:
         sender: str = "",
         request_id: str | None = None,
         probe: bool = False,
+        pin: PinArgs | None = None,
     ) -> list[CommandReply]:
         """Send one command and wait for its replies (one per target agent).
 
@@ -282,6 +284,8 @@ class FleetClient:
                 for a drain.
             sender: operator name for the audit log (authority comes only from the key).
             probe: ``health`` also writes, reads and removes a probe key (operator key).
+            pin: ``pin`` / ``unpin`` (operator key) / ``pins``: the model, pin id and prefix;
+                without ``targets`` the hub sends it to one worker per layout of the model.
 
         Returns:
             The replies; if the hub itself does not answer within ``timeout_ms + 2000`` ms a
@@ -302,6 +306,7 @@ class FleetClient:
             drain=drain,
             timeout_ms=timeout_ms,
             probe=probe,
+            pin=pin,
         )
         with self._cmd_lock:
             s = self._command_socket()

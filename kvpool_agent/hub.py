@@ -33,12 +33,13 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   consoles' SUB sockets reconnect and subscribe again, each getting a snapshot. Without keys
   the port is rebuilt, nobody banned;
 - ``P+2`` ROUTER, read-only commands (``snapshot``, ``health`` without the probe, ``drain``,
-  ``flush`` with ``dry_run=True``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
+  ``flush`` with ``dry_run=True``, ``pins``), at most ``MAX_PENDING_PER_CONNECTION`` in flight per
   connection, ``MAX_PENDING_PER_KEY`` per key (over all its connections) and
   ``MAX_PENDING - OPERATOR_RESERVE`` in all; with keys a ``viewer`` or ``operator`` key (an
   operator key is still read-only here);
-- ``P+3`` ROUTER, only with keys: every command, also ``flush``, ``health`` with ``probe`` and
-  ``forget``; only ``operator`` keys. ``OPERATOR_RESERVE`` of the pending slots are only for
+- ``P+3`` ROUTER, only with keys: every command, also ``flush``, ``health`` with ``probe``,
+  ``forget``, ``pin`` and ``unpin`` (at most ``PIN_COMMANDS_PER_MIN`` per key); only
+  ``operator`` keys. ``OPERATOR_RESERVE`` of the pending slots are only for
   this port.
 - ``metrics_port`` (``kvpool-agent hub`` default ``P+4``): HTTP, Prometheus ``/metrics`` over
   the fleet state (``kvpool_agent._metrics``), read-only and without authentication (scrapers
@@ -80,6 +81,7 @@ import re
 import secrets
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -128,6 +130,7 @@ __all__ = [
     "MAX_TARGETS",
     "OPERATOR_ONLY",
     "OPERATOR_RESERVE",
+    "PIN_COMMANDS_PER_MIN",
     "SUBSCRIPTION_BAN_S",
     "UNAUTHORISED",
     "ZAP_DOMAINS",
@@ -152,6 +155,11 @@ MAX_PENDING_PER_CONNECTION = 16
 MAX_PENDING_PER_KEY = 64
 """Commands one key may have in flight on the read-only port P+2, over all its connections
 (``plain`` counts as one key)."""
+PIN_COMMANDS_PER_MIN = 30
+"""``pin`` and ``unpin`` commands one operator key may send per minute (sliding window); more
+are refused at once, unaudited, like a full pending quota. Bounds what a flood of pins costs
+the workers (each pin reads and upserts up to ``MAX_PIN_TOKENS`` tokens' values) and the
+audit file."""
 MAX_TARGETS = 4096
 """Agent ids one command may name (``targets``); a longer list is refused at once."""
 FORGOTTEN_SHOWN = 1000
@@ -389,6 +397,8 @@ class FleetHub:
         self._streams: dict[int, _Stream] = {}
         # Per agent, so each agent sees its own gap-free command sequence.
         self._agent_seq: dict[str, int] = {}
+        # Operator key -> when its last PIN_COMMANDS_PER_MIN pin/unpin commands were taken.
+        self._pin_times: dict[str, deque[float]] = {}
         self._want_snapshot = False
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -947,8 +957,8 @@ class FleetHub:
             needs_key = UNAUTHORISED
         elif req.command == "health" and req.probe:
             needs_key = OPERATOR_ONLY.format(what="health --probe")
-        elif req.command == "forget":
-            needs_key = OPERATOR_ONLY.format(what="forget")
+        elif req.command in ("forget", "pin", "unpin"):
+            needs_key = OPERATOR_ONLY.format(what=req.command)
         refusal = needs_key if not curve else None
         if len(req.targets) > MAX_TARGETS:
             refusal = f"refused: {len(req.targets)} targets, at most {MAX_TARGETS} per command"
@@ -965,7 +975,7 @@ class FleetHub:
         if req.command == "forget":
             self._forget(sock, client, req, who)
             return
-        busy = self._busy(client, key, curve=curve)
+        busy = self._busy(client, key, curve=curve, command=req.command)
         if busy is not None:
             # Not audited: a flood of read-only commands must not fill the audit file.
             self.busy += 1
@@ -1017,11 +1027,22 @@ class FleetHub:
             pend.routes[aid] = routing_id
         self._maybe_finish(internal)
 
-    def _busy(self, client: bytes, key: str, *, curve: bool) -> str | None:
-        """Why a new command cannot be taken now (a full pending quota), else ``None``."""
+    def _busy(self, client: bytes, key: str, *, curve: bool,
+              command: str = "") -> str | None:
+        """Why a new command cannot be taken now (a full pending quota, a key's pin commands
+        over ``PIN_COMMANDS_PER_MIN``), else ``None``."""
         if len(self._pending) >= MAX_PENDING:
             return f"hub busy: {MAX_PENDING} commands in flight, retry later"
         if curve:
+            if command not in ("pin", "unpin"):
+                return None
+            # Each pin makes a worker read and upsert up to MAX_PIN_TOKENS tokens' values.
+            now = time.monotonic()
+            sent = self._pin_times.setdefault(key, deque(maxlen=PIN_COMMANDS_PER_MIN))
+            if len(sent) == PIN_COMMANDS_PER_MIN and now - sent[0] < 60.0:
+                return (f"hub busy: {PIN_COMMANDS_PER_MIN} pin/unpin commands of this key in "
+                        f"the last minute; retry in {60.0 - (now - sent[0]):.0f} s")
+            sent.append(now)
             return None
         plain = [p for p in self._pending.values() if p.plain]
         if len(plain) >= MAX_PENDING - OPERATOR_RESERVE:

@@ -11,11 +11,19 @@ Every method runs on one of the agent's command or stats threads, never on an en
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from kvpool_agent.protocol import DrainResult, FlushArgs, FlushResult, HealthCheck, PoolStats
+from kvpool_agent.protocol import (
+    DrainResult,
+    FlushArgs,
+    FlushResult,
+    HealthCheck,
+    PinArgs,
+    PinOutcome,
+    PoolStats,
+)
 
-__all__ = ["CommandError", "PoolOperations"]
+__all__ = ["CommandError", "PinOperations", "PoolOperations"]
 
 
 class CommandError(RuntimeError):
@@ -59,4 +67,32 @@ class PoolOperations(Protocol):
     def stats(self) -> PoolStats:
         """Pool usage as the service reports it (bytes, keys). Never raises: an unreachable
         service gives ``healthy=False`` and the reason in ``health_detail``."""
+        ...
+
+
+@runtime_checkable
+class PinOperations(Protocol):
+    """A pool client that pins prefixes (``kvpool-console pin``; a connector worker over
+    Mooncake, ``kvpool_connector.operations.BackendOperations``). The agent's ``pin``,
+    ``unpin`` and ``pins`` commands need it; an agent whose client lacks it answers them
+    with a ``CommandError``."""
+
+    def pin(self, args: PinArgs) -> PinOutcome:
+        """Pin ``args``'s prefix. Raises ``CommandError`` (or ``ValueError``) naming what to
+        fix: no tokenizer for a text pin, no whole chunk, over the pool's pin share."""
+        ...
+
+    def unpin(self, args: PinArgs) -> PinOutcome:
+        """Drop pin ``args.pin_id`` and remove its values. Raises ``CommandError``: no such
+        pin."""
+        ...
+
+    def pins_held(self, args: PinArgs) -> PinOutcome:
+        """Every pin held here (of ``args.model``, every model when ``""``)."""
+        ...
+
+    def pinned(self) -> tuple[int, int]:
+        """``(bytes, pins)`` the pins held here take: reported in ``PoolStats.pinned_bytes``
+        and ``pins`` with every pool stats report (on the agent's pool thread, every 2 s: it
+        may read the pins' shared records). Never raises."""
         ...

@@ -39,6 +39,9 @@ __all__ = [
     "MAX_ID_CHARS",
     "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
+    "MAX_PIN_TEXT_CHARS",
+    "MAX_PIN_TOKENS",
+    "MAX_SOFT_PIN_TTL_MS",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
     "RECENT_PAUSES",
@@ -60,6 +63,9 @@ __all__ = [
     "MasterView",
     "Message",
     "PauseWindow",
+    "PinArgs",
+    "PinInfo",
+    "PinOutcome",
     "PoolStats",
     "ProcessStats",
     "ProtocolError",
@@ -164,7 +170,7 @@ def visible(text: str, *, one_line: bool = False) -> str:
     return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
-CommandName = Literal["health", "flush", "drain", "snapshot", "forget"]
+CommandName = Literal["health", "flush", "drain", "snapshot", "forget", "pin", "unpin", "pins"]
 
 
 # Data structs below are gc=False: a console or hub holds ~20 of them per agent (2,304 agents:
@@ -349,6 +355,11 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     evicted_bytes: BigCount = 0
     high_watermark: Ratio = 0.9
     lease_ttl_ms: Count = 0
+    pinned_bytes: BigCount = 0
+    """Bytes of the chunks this agent's pins hold (``kvpool-console pin``), of its layout;
+    agents of one layout report the same pins (``kvpool_connector.pins``)."""
+    pins: Count = 0
+    """Pinned prefixes this agent holds."""
     healthy: bool | None = None
     health_detail: FreeText = ""
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)
@@ -493,6 +504,63 @@ class FlushArgs(msgspec.Struct, gc=False, kw_only=True):
     force: bool = False
 
 
+MAX_PIN_TOKENS = 131_072
+"""Most token ids one ``pin`` command carries (a 128k-token prefix: ~650 KB of msgpack)."""
+MAX_PIN_TEXT_CHARS = 262_144
+"""Longest text one ``pin`` command carries (characters), tokenized by the engine."""
+MAX_SOFT_PIN_TTL_MS = 86_400_000
+"""Longest soft pin TTL (ms): Mooncake master's ``max_kv_soft_pin_ttl`` default, 24 h."""
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+PinText = Annotated[str, msgspec.Meta(max_length=MAX_PIN_TEXT_CHARS)]
+
+
+class PinArgs(msgspec.Struct, gc=False, kw_only=True):
+    """``pin``: pin prefix ``pin_id`` of ``model``, by ``token_ids`` or by ``text`` (tokenized
+    by the engine's own tokenizer, with its chat template when ``chat_template``), ``mode``
+    soft (``ttl_ms``) or hard. ``unpin``: ``model`` and ``pin_id``. ``pins``: ``model`` (``""``:
+    every model)."""
+
+    model: Name = ""
+    pin_id: OptionalId = ""
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PIN_TOKENS)] = \
+        msgspec.field(default_factory=list)
+    text: PinText | None = None
+    chat_template: bool = False
+    mode: Literal["soft", "hard"] = "soft"
+    ttl_ms: Annotated[int, msgspec.Meta(ge=1, le=MAX_SOFT_PIN_TTL_MS)] = 1_800_000
+
+
+class PinInfo(msgspec.Struct, gc=False, kw_only=True):
+    """One pin as its agent holds it: ``tokens`` pinned (whole chunks), ``keys`` (every rank's
+    chunk keys of its layout), ``bytes`` of their values, ``ttl_ms`` (0: hard)."""
+
+    pin_id: Id
+    model: Name
+    layout_digest: Digest
+    mode: Literal["soft", "hard"]
+    ttl_ms: Count
+    tokens: Count
+    keys: Count
+    bytes: BigCount
+
+
+class PinOutcome(msgspec.Struct, gc=False, kw_only=True):
+    """What ``pin`` / ``unpin`` / ``pins`` did on one agent: ``pin`` the pin made or dropped,
+    ``pinned_now`` keys upserted with the pin, ``pending`` keys pinned when saved,
+    ``failed`` keys the store refused, ``removed_keys`` by ``unpin``; ``pins`` every pin the
+    agent holds after the command; ``pinned_bytes`` their bytes and ``pool_bytes`` the pool's
+    capacity (bytes)."""
+
+    pin: PinInfo | None = None
+    pinned_now: Count = 0
+    pending: Count = 0
+    failed: Count = 0
+    removed_keys: Count = 0
+    pins: list[PinInfo] = msgspec.field(default_factory=list)
+    pinned_bytes: BigCount = 0
+    pool_bytes: BigCount = 0
+
+
 class DrainArgs(msgspec.Struct, kw_only=True):
     timeout_ms: int = 30_000
 
@@ -510,6 +578,7 @@ class CommandRequest(msgspec.Struct, tag="cmd", kw_only=True):
     targets: list[Id] = msgspec.field(default_factory=list)
     flush: FlushArgs | None = None
     drain: DrainArgs | None = None
+    pin: PinArgs | None = None
     timeout_ms: int = 5_000
     probe: bool = False
     """``health`` only: also write, read and remove one probe key (operator port only)."""
@@ -580,6 +649,7 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
     health: HealthResult | None = None
     flush: FlushResult | None = None
     drain: DrainResult | None = None
+    pins: PinOutcome | None = None
     snapshot: EngineState | None = None
     forgotten: list[str] = msgspec.field(default_factory=list)
     """``forget`` (answered by the hub itself): the agent ids it dropped (the first 1,000,

@@ -29,6 +29,7 @@ from kvpool_agent.vocabulary import (
 from kvpool_connector._validation import field_problems
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
+from kvpool_connector.pins import DEFAULT_PIN_SHARE
 from kvpool_connector.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class _ExtraFields(BaseModel):
     admission_pool_tokens: int | None = Field(default=None, gt=0)
     handover_wait_ms: int = Field(default=5_000, ge=0)
     store_tp_size: int | None = Field(default=None, gt=0)
+    pin_share: float = Field(default=DEFAULT_PIN_SHARE, gt=0, le=1)
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -208,6 +210,9 @@ class KVPoolConfig(BaseModel):
             KV head, so engines of every TP size that divides the heads (or that they divide)
             share values. A smaller one (dividing the heads) means fewer, larger values, shared
             by TP sizes that divide it. Part of the layout digest (``kv_share``).
+        pin_share: the most of the pool (fraction of its bytes) the pins of this worker's
+            layout may take together (``kvpool-console pin``, ``kvpool_connector.pins``); a
+            pin past it is refused with the numbers.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -243,6 +248,7 @@ class KVPoolConfig(BaseModel):
     admission_pool_tokens: int | None = None
     handover_wait_ms: int = 5_000
     store_tp_size: int | None = None
+    pin_share: float = DEFAULT_PIN_SHARE
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 # (pyproject's packages), so there is no "agent not installed" case to fall back from; without
 # an agent address ``start_agent`` returns a handle whose reporter does nothing.
 from kvpool_agent import AgentHandle, start_agent
+from kvpool_agent.operations import CommandError
 from kvpool_agent.process_facts import process_facts
 from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import INSTANCE_ROLE_OF, KV_ROLE_FOR, KV_ROLES
@@ -58,9 +59,9 @@ from kvpool_connector._stats import (
     StatsCollector,
     StatsTap,
 )
-from kvpool_connector.backends.base import Backend, BackendUnavailable
+from kvpool_connector.backends.base import Backend, BackendError, BackendUnavailable
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.keys import ParallelLayout
+from kvpool_connector.keys import ParallelLayout, pins_key
 from kvpool_connector.lookup import (
     LookupClient,
     LookupFailed,
@@ -70,7 +71,8 @@ from kvpool_connector.lookup import (
     lookup_socket_path,
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes
-from kvpool_connector.operations import BackendOperations
+from kvpool_connector.operations import BackendOperations, Tokenize
+from kvpool_connector.pins import PinnableBackend, Pins
 from kvpool_connector.scheduler import KVPoolScheduler
 
 if TYPE_CHECKING:
@@ -172,6 +174,34 @@ def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
         kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
         head_size=mc.get_head_size(),
     )
+
+
+def _engine_tokenizer(vllm_config: VllmConfig) -> Tokenize | None:
+    """vLLM's own tokenizer of the model, for text pins (``kvpool-console pin --text``),
+    loaded at the first text pin (``cached_tokenizer_from_config``, the one vLLM's input
+    processor uses); ``None`` when the engine has none (``skip_tokenizer_init``, or a stand-in
+    config without ``model_config.tokenizer``, as the replay's simulated engines pass)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None or getattr(mc, "tokenizer", None) is None or mc.skip_tokenizer_init:
+        return None
+
+    def tokenize(text: str, chat_template: bool) -> list[int]:
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tok = cached_tokenizer_from_config(mc)
+        if chat_template and not getattr(tok, "chat_template", None):
+            raise CommandError(f"the tokenizer of {mc.model} has no chat template: pin the "
+                               "text without --chat-template, or as the engine's token ids")
+        if chat_template:
+            # The prefix as the engine sees a chat that starts with this system prompt.
+            ids = tok.apply_chat_template([{"role": "system", "content": text}],
+                                          tokenize=True, add_generation_prompt=False)
+        else:
+            # As vLLM encodes a text prompt: with the tokenizer's special tokens (BOS).
+            ids = tok.encode(text)
+        return [int(t) for t in ids]
+
+    return tokenize
 
 
 def _start_hint(exc: Exception) -> str:
@@ -546,6 +576,20 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self.kv_config
         if self._operations is not None:
             self._operations.key_scope = (cfg.model, worker.layout_digest, worker.layout)
+            backend = self._backend
+            if isinstance(backend, PinnableBackend) and not worker.hybrid:
+                pins = Pins(backend, worker.rank_keys, cfg.chunk_size, worker.key_bytes,
+                            lambda: backend.stats().total_bytes, hash_algo=cfg.hash_algo,
+                            share=cfg.pin_share,
+                            record_key=pins_key(cfg.model, worker.layout_digest))
+                try:
+                    # The layout's pins live in the pool: a restarted engine saves them pinned.
+                    pins.refresh(force=True)
+                except BackendError as exc:
+                    logger.warning("KVPoolConnector: pin records not read (%s): read again "
+                                   "with the next pool stats", exc)
+                self._operations.pins = pins
+                self._operations.tokenize = _engine_tokenizer(self._vllm_config)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations
             try:

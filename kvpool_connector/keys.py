@@ -50,6 +50,7 @@ __all__ = [
     "DIGEST_LEN",
     "HASH_ALGOS",
     "KEY_PREFIX",
+    "PINS_PREFIX",
     "PROBE_PREFIX",
     "ChunkHashCache",
     "HashAlgo",
@@ -62,6 +63,7 @@ __all__ = [
     "layout_pattern",
     "model_pattern",
     "normalize_model_name",
+    "pins_key",
     "probe_key",
     "shard_prefix",
     "size_group",
@@ -72,6 +74,9 @@ KEY_PREFIX = "kvpool@"
 
 PROBE_PREFIX = "kvpool-probe@"
 """Reserved namespace for health probes (write/read/remove of a small key)."""
+
+PINS_PREFIX = "kvpool-pins@"
+"""Reserved namespace for the pin records of a layout (``pins_key``)."""
 
 ALL_KEYS_PATTERN = "^" + re.escape(KEY_PREFIX)
 
@@ -443,6 +448,13 @@ def _common_chunks(a: bytes, b: bytes, step: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def pins_key(model: str, digest: str) -> str:
+    """The key of the pin records of one layout, ``kvpool-pins@<model>@<digest>``
+    (``kvpool_connector.pins``): outside ``KEY_PREFIX``, so no lookup, load or flush scope
+    matches it; only ``unpin`` changes what it holds."""
+    return f"{PINS_PREFIX}{normalize_model_name(model)}@{digest}"
 
 
 def probe_key(owner: str = "") -> str:

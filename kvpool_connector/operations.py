@@ -10,6 +10,7 @@ package.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import threading
@@ -17,6 +18,7 @@ import time
 import uuid
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
@@ -33,6 +35,9 @@ from kvpool_agent.protocol import (
     FlushRecord,
     FlushResult,
     HealthCheck,
+    PinArgs,
+    PinInfo,
+    PinOutcome,
     PoolStats,
     Source,
     clip,
@@ -49,8 +54,10 @@ from kvpool_connector.keys import (
     probe_key,
     shard_prefix,
 )
+from kvpool_connector.pins import Pin, Pins
 
-__all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "flush_pattern"]
+__all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "Tokenize",
+           "flush_pattern"]
 
 PROBE_BYTES = 4096
 """Size of the health probe value (bytes)."""
@@ -58,6 +65,12 @@ PROBE_BYTES = 4096
 KeyScope = tuple[str, str, ParallelLayout]
 """``(model, layout digest, ParallelLayout)``: the keys one worker writes
 (``keys.layout_pattern``)."""
+
+Tokenize = Callable[[str, bool], list[int]]
+"""The engine's tokenizer: ``(text, chat_template)`` -> the token ids the engine would see
+(with the chat template: ``text`` as a system message)."""
+
+logger = logging.getLogger(__name__)
 
 _BUFFERS: weakref.WeakKeyDictionary[Backend, ctypes.Array[ctypes.c_char]] = (
     weakref.WeakKeyDictionary()
@@ -103,6 +116,11 @@ class BackendOperations:
             there is no save to wait for.
         reporter: the agent's reporter, which takes ``reset_flush``'s audit record to the hub
             (``Reporter.flush_audited``); the connector sets it once the agent runs.
+        pins: this worker's pinned prefixes (``kvpool_connector.pins``), set by the connector
+            with the key scope when the backend can pin (Mooncake); ``None``: ``pin`` is
+            refused here.
+        tokenize: the engine's tokenizer for text pins; ``None`` (an engine without one, the
+            replay's simulated engines): a text pin is refused.
     """
 
     def __init__(
@@ -116,6 +134,8 @@ class BackendOperations:
         self.key_scope = key_scope
         self.saves: SaveQueue | None = None
         self.reporter: Reporter = NullReporter()
+        self.pins: Pins | None = None
+        self.tokenize: Tokenize | None = None
         self._prober = _Prober(backend, source.agent_id)
         # Scopes of operator flushes that removed this process's keys, for the KV events.
         self._flushes: deque[str] = deque(maxlen=64)
@@ -249,6 +269,90 @@ class BackendOperations:
     def stats(self) -> PoolStats:
         """``Backend.stats()``. Never raises."""
         return self.backend.stats()
+
+    def pinned(self) -> tuple[int, int]:
+        """``(bytes, pins)`` of this worker's layout's pins (``PinOperations.pinned``), after
+        taking those other workers made or dropped from the pool's records (``Pins.refresh``,
+        every ``refresh_s``). Never raises."""
+        pins = self.pins
+        if pins is None:
+            return 0, 0
+        try:
+            pins.refresh()
+        except Exception as exc:  # the stats report must go out; the next one tries again
+            logger.warning("kvpool pins of %s: records not read: %s", self.source.agent_id, exc)
+        return pins.pinned_bytes, len(pins.list())
+
+    def pin(self, args: PinArgs) -> PinOutcome:
+        """Pin ``args``'s prefix in this worker's layout (``Pins.pin``): by ``token_ids``, or
+        ``text`` through the engine's tokenizer (``tokenize``).
+
+        Raises:
+            CommandError: no pins here, another model, no pin id, no tokens, a text pin
+                without a tokenizer.
+            PinRefused: over the pool's pin share or ``MAX_PINS`` (the message has the
+                numbers).
+            ValueError: no whole chunk in the prefix.
+        """
+        pins = self._pins_of(args.model)
+        if not args.pin_id:
+            raise CommandError("pin needs a pin id (PinArgs.pin_id)")
+        if args.text is not None:
+            if self.tokenize is None:
+                raise CommandError(
+                    f"agent {self.source.agent_id} has no tokenizer (an engine without "
+                    "vLLM's, e.g. a replay's simulated engine): pin by token ids (--tokens)")
+            tokens = self.tokenize(args.text, args.chat_template)
+        else:
+            tokens = list(args.token_ids)
+        if not tokens:
+            raise CommandError("pin needs token ids or text: got neither")
+        r = pins.pin(args.pin_id, tokens, args.mode, args.ttl_ms)
+        return PinOutcome(pin=self._info(r.pin), pinned_now=r.pinned_now, pending=r.pending,
+                          failed=len(r.errors), pins=[self._info(p) for p in pins.list()],
+                          pinned_bytes=r.pinned_bytes, pool_bytes=r.pool_bytes)
+
+    def unpin(self, args: PinArgs) -> PinOutcome:
+        """Drop pin ``args.pin_id`` (``Pins.unpin``: its values are removed, leased ones
+        retried until their leases end).
+
+        Raises:
+            CommandError: no pins here, another model, no such pin.
+        """
+        pins = self._pins_of(args.model)
+        held = {p.pin_id: p for p in pins.list()}
+        if args.pin_id not in held:
+            raise CommandError(f"no pin {args.pin_id!r} of {self.source.model} here (pinned: "
+                               f"{', '.join(sorted(held)) or 'none'})")
+        removed = pins.unpin(args.pin_id)
+        return PinOutcome(pin=self._info(held[args.pin_id]), removed_keys=removed,
+                          pins=[self._info(p) for p in pins.list()],
+                          pinned_bytes=pins.pinned_bytes)
+
+    def pins_held(self, args: PinArgs) -> PinOutcome:
+        """Every pin held here (``PinOperations.pins``)."""
+        pins = self._pins_of(args.model)
+        return PinOutcome(pins=[self._info(p) for p in pins.list()],
+                          pinned_bytes=pins.pinned_bytes)
+
+    def _pins_of(self, model: str) -> Pins:
+        if model and model != self.source.model:
+            raise CommandError(f"agent {self.source.agent_id} serves model "
+                               f"{self.source.model!r}, not {model!r}")
+        if self.pins is None:
+            raise CommandError(
+                f"agent {self.source.agent_id} cannot pin: its backend "
+                f"{self.source.backend or '?'} has no pins (Mooncake only) or vLLM has not "
+                "registered its KV caches yet")
+        return self.pins
+
+    def _info(self, pin: Pin) -> PinInfo:
+        scope = self.key_scope
+        assert self.pins is not None
+        return PinInfo(pin_id=pin.pin_id, model=self.source.model,
+                       layout_digest=scope[1] if scope else "", mode=pin.mode,
+                       ttl_ms=pin.ttl_ms, tokens=pin.tokens, keys=len(pin.keys),
+                       bytes=len(pin.keys) * self.pins.chunk_bytes)
 
 
 def _last_result(state: RetryCallState) -> RemoveResult:

@@ -210,6 +210,7 @@ class KVPoolWorker:
         self.counters = WorkerCounters()
         self._device: DeviceSync = DeviceSync()
         self._scratch: torch.Tensor | None = None
+        self._value_block_bytes = 0
         self._lock = threading.Lock()
         self._loads = LoadRunner(
             backend, self.reporter, self.counters, self._lock, chunk_size=config.chunk_size,
@@ -275,6 +276,8 @@ class KVPoolWorker:
             self._enable_checksum(kv, self._scratch.data_ptr())
         self._device = device_sync_for(kv.device)
         shards = self._shard_layers(kv_caches, kv)
+        # Bytes of one block of one value: the rank's whole block, or one head share's.
+        self._value_block_bytes = sum(layer.block_bytes for layer in shards[0][1])
         self._planners = [
             TransferPlanner(
                 layers, shard_prefix(self.model, digest, lay),
@@ -404,6 +407,29 @@ class KVPoolWorker:
             raise BackendError(
                 f"lookup failed: batch_exists returned {code} ({error_name(code)})", code)
         return hits
+
+    def rank_keys(self, chunk_hashes: Sequence[str]) -> list[str]:
+        """Every rank's keys of ``chunk_hashes`` in this layout (and every layer, layer-wise):
+        the keys ``lookup_chunks`` asks for, chunk-major (``kvpool_connector.pins``).
+
+        Raises:
+            RuntimeError: ``register_kv_caches`` was not called.
+            ValueError: a hybrid model (several KV-cache groups: not pinned).
+        """
+        kv = self._require_kv()[0]
+        if self.hybrid:
+            raise ValueError("pins of a model with several KV-cache groups are not supported")
+        layers = [layer.index for layer in kv.layers] if self.config.use_layerwise else None
+        return chunk_keys(self._lookup_prefixes, list(chunk_hashes), layers)
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one key's value on this rank (a whole chunk of its rank or KV-head share,
+        or one layer of it layer-wise); other ranks' and shares' values of one layout are the
+        same size."""
+        kv = self._require_kv()[0]
+        chunk = self.blocks_per_chunk * self._value_block_bytes
+        return chunk // len(kv.layers) if self.config.use_layerwise else chunk
 
     def _lookup_groups(self, chunk_hashes: list[str]) -> int:
         """``lookup_chunks`` of a hybrid model: one ``batch_exists`` over every group's keys,

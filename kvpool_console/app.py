@@ -40,7 +40,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane
 
-from kvpool_agent.protocol import EngineState
+from kvpool_agent.protocol import EngineState, PinArgs
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._messages import (
     EngineChosen,
@@ -50,6 +50,7 @@ from kvpool_console._messages import (
     HealthFinished,
     HealthRequested,
 )
+from kvpool_console._pin_cli import pins_summary
 from kvpool_console.alerts import STALE_AFTER_MS, WATERMARK_MARGIN, Alert, AlertModel
 from kvpool_console.model import SORT_KEYS, EngineRow, FleetModel, FleetView, select_rows
 from kvpool_console.screens import (
@@ -121,6 +122,7 @@ class KVPoolConsole(App[None]):
         Binding("h", "health(False)", "Health"),
         Binding("H", "health(True)", "Health all", show=False),
         Binding("f", "flush", "Flush"),
+        Binding("n", "pins", "Pins", show=False),
         Binding("t", "triage", "Triage", show=False),
         Binding("plus,equals_sign", "rate(-1)", "Faster", show=False),
         Binding("minus", "rate(1)", "Slower", show=False),
@@ -561,6 +563,25 @@ class KVPoolConsole(App[None]):
         row = self.selected_engine()
         self.push_screen(FlushScreen(row.engine_id if row else None,
                                      row.model if row and row.model else None))
+
+    def action_pins(self) -> None:
+        """List the pinned prefixes of the selected engine's model (every model's without a
+        selection) in the events log: ``kvpool-console pins``, read-only."""
+        row = self.selected_engine()
+        model = row.model if row is not None and row.model else ""
+        self.log_event(f"pins of {model or 'every model'} requested")
+        self._run_pins(model)
+
+    @work(thread=True)
+    def _run_pins(self, model: str) -> None:
+        try:
+            replies = self.source.command("pins", pin=PinArgs(model=model))
+        except Exception as e:  # a failed command is a result to show, not a crash
+            self.call_from_thread(self.log_event, f"pins: {type(e).__name__}: {e}", "red")
+            return
+        line = pins_summary(model, replies)
+        self.call_from_thread(self.log_event, line, "" if all(r.ok for r in replies) else "red")
+        self.call_from_thread(self.notify, line, title="pins")
 
     # ---- commands (asked for by the modals, run off the UI thread) ----------------------
 

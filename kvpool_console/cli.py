@@ -9,19 +9,24 @@ Usage::
     kvpool-console forget ENGINE ...                                # operator: drop from hub
     kvpool-console flush --scope model|engine|all [--model M] [--engine E]
                          [--dry-run] [--force] [--yes] [--timeout-ms MS]
+    kvpool-console pin --model M (--tokens IDS | --text TEXT [--chat-template]) [--id ID]
+                       [--mode soft|hard] [--ttl-s S] [--json]       # operator
+    kvpool-console unpin --model M --id ID [--json]                 # operator
+    kvpool-console pins [--model M] [--json]
     kvpool-console triage ENGINE [--json] [--ssh-config FILE]      # see kvpool_console.triage
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
 console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
 ``--keys`` is the console's keys directory: the hub's public ``hub.key`` and an operator
 (``kvpool-agent keygen --role operator``) or viewer pair. Only an operator key allows a real
-flush, ``health --probe`` and ``forget``; with a viewer key or none they are refused before
-anything is sent. A hub running with keys serves nothing to a console without one.
+flush, ``health --probe``, ``forget``, ``pin`` and ``unpin`` (``kvpool_console._pin_cli``);
+with a viewer key or none they are refused before anything is sent. A hub running with keys
+serves nothing to a console without one.
 
 Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, or a
-flush reported errors; 2 usage error, hub not reachable or demo not startable (bad trace or
-option); 3 refused (read-only, not confirmed); 128+N left on signal N (SIGHUP, SIGTERM), after
-stopping everything a demo started and restoring the terminal.
+flush, pin or unpin reported errors; 2 usage error, hub not reachable or demo not startable
+(bad trace or option); 3 refused (read-only, not confirmed); 128+N left on signal N (SIGHUP,
+SIGTERM), after stopping everything a demo started and restoring the terminal.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
+from kvpool_console import _pin_cli as pin_cli
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel
@@ -174,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     fg = sub.add_parser("forget", parents=[common],
                         help="drop engines from the hub now (e.g. after a scale-down)")
     fg.add_argument("engines", nargs="+", metavar="ENGINE", help="engine (or agent) ids")
+    pin_cli.add_parsers(sub, common)
     triage_cli.add_parser(sub, common)
     return p
 
@@ -467,6 +474,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: StopSignals)
             return _flush(args, src, out, err)
         if args.cmd == "forget":
             return _forget(args, src, out, err)
+        if args.cmd in ("pin", "unpin", "pins"):
+            return pin_cli.run(args, src, out, err)
         if args.cmd == "triage":
             return triage_cli.run(args, src, out, err)
         _run_tui(src, args, sig)

@@ -187,6 +187,11 @@ class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     reported_by: int
     masters: list[MasterView] = msgspec.field(default_factory=list)
     """An HA pool's masters (``PoolStats.masters``); empty for one master."""
+    pinned_bytes: int = 0
+    """Bytes the pool's pinned prefixes hold (``kvpool-console pin``): per layout digest the
+    largest any of its worker agents reports (``PoolStats.pinned_bytes``), summed."""
+    pins: int = 0
+    """Pinned prefixes, counted the same way."""
 
 
 class Totals(msgspec.Struct, gc=False, kw_only=True):
@@ -422,10 +427,17 @@ def _aged(totals: EngineRow, group: list[EngineState], last_seen_ms: Mapping[str
 
 def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
     newest: dict[str, tuple[EngineState, int]] = {}
+    # Pool -> layout digest -> (pinned bytes, pins): the agents of one layout hold its pins.
+    pinned: dict[str, dict[str, tuple[int, int]]] = {}
     for st in states:
         if st.pool is None:
             continue
         name = pool_name(st)
+        if st.pool.pinned_bytes or st.pool.pins:
+            layouts = pinned.setdefault(name, {})
+            digest = st.source.layout_digest
+            layouts[digest] = max(layouts.get(digest, (0, 0)),
+                                  (st.pool.pinned_bytes, st.pool.pins))
         prev = newest.get(name)
         n = prev[1] + 1 if prev else 1
         newest[name] = (st, n) if prev is None or st.ts_ms > prev[0].ts_ms else (prev[0], n)
@@ -439,7 +451,9 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
             evicted_bytes=p.evicted_bytes, high_watermark=p.high_watermark,
             lease_ttl_ms=p.lease_ttl_ms, healthy=p.healthy, health_detail=p.health_detail,
             segments=[(s.name, s.used_bytes, s.total_bytes) for s in p.segments],
-            reported_by=n, masters=list(p.masters)))
+            reported_by=n, masters=list(p.masters),
+            pinned_bytes=sum(b for b, _ in pinned.get(name, {}).values()),
+            pins=sum(k for _, k in pinned.get(name, {}).values())))
     return out
 
 

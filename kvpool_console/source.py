@@ -23,6 +23,7 @@ from kvpool_agent.protocol import (
     CommandReply,
     EngineState,
     FlushArgs,
+    PinArgs,
 )
 
 __all__ = ["ClientSource", "FleetSource", "ReadOnlyError", "StaticSource", "now_ms", "tier_for"]
@@ -60,7 +61,7 @@ class FleetSource(Protocol):
 
     def command(self, command: CommandName, *, targets: list[str] | None = None,
                 flush: FlushArgs | None = None, timeout_ms: int = 5_000,
-                probe: bool = False) -> list[CommandReply]:
+                probe: bool = False, pin: PinArgs | None = None) -> list[CommandReply]:
         ...
 
     def last_update_ms(self) -> float | None:
@@ -95,7 +96,7 @@ class StaticSource:
 
     def command(self, command: CommandName, *, targets: list[str] | None = None,
                 flush: FlushArgs | None = None, timeout_ms: int = 5_000,
-                probe: bool = False) -> list[CommandReply]:
+                probe: bool = False, pin: PinArgs | None = None) -> list[CommandReply]:
         """Every agent answers ``ok=False``: a recorded fleet cannot run commands."""
         return [CommandReply(v=PROTOCOL_VERSION, seq=0, request_id="static", agent_id=a,
                              ok=False, error="static fleet: no live agents")
@@ -216,10 +217,12 @@ class ClientSource:
 
     def command(self, command: CommandName, *, targets: list[str] | None = None,
                 flush: FlushArgs | None = None, timeout_ms: int = 5_000,
-                probe: bool = False) -> list[CommandReply]:
+                probe: bool = False, pin: PinArgs | None = None) -> list[CommandReply]:
         """Send ``command`` to ``targets`` (empty: every agent able to run it; for a flush the
         hub picks one agent per scope so counts are not multiplied). ``probe``: ``health``
         also writes, reads and removes a probe key (the hub requires the operator key).
+        ``pin``: the ``pin`` / ``unpin`` / ``pins`` arguments (the hub requires the operator
+        key for the first two).
 
         Raises:
             ReadOnlyError: a real (not dry-run) flush without the operator key.
@@ -227,7 +230,8 @@ class ClientSource:
         if command == "flush" and flush is not None and not flush.dry_run and not self.can_flush:
             raise ReadOnlyError("flush needs the operator key: start with --keys DIR")
         return self.client.command(command, targets=targets or [], flush=flush,
-                                   timeout_ms=timeout_ms, sender=self.sender, probe=probe)
+                                   timeout_ms=timeout_ms, sender=self.sender, probe=probe,
+                                   pin=pin)
 
     def close(self) -> None:
         """Stop the feed thread and close the client's sockets. Idempotent."""

@@ -82,7 +82,11 @@ from kvpool_connector.backends.mooncake_address import (
 from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
 
-__all__ = ["HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
+__all__ = ["HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
+
+HARD_PIN_UPSERT_TTL_MS = 86_400_000
+"""Soft pin TTL (ms) a hard pin gives the values already in the pool, which an upsert cannot
+hard-pin: Mooncake master's ``max_kv_soft_pin_ttl`` default (24 h), the longest it grants."""
 
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
@@ -325,28 +329,40 @@ class MooncakeBackend(Backend):
                 results[i] = int(rc)
         return results
 
-    def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int) -> list[int]:
-        """Pin ``keys`` (``kvpool_connector.pins``): a key in the pool is upserted with the pin
-        (Mooncake ``ReplicateConfig``: ``soft_pin_action`` ENABLE with ``soft_pin_ttl_ms``, or
-        ``with_hard_pin``); every key, present or not, is put with it by later saves of this
-        client. Per key 1 pinned now, 0 not in the pool (pinned when saved), or a negative
+    def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int, *,
+                 upsert: bool = True) -> list[int]:
+        """Pin ``keys`` (``kvpool_connector.pins``) with Mooncake's ``ReplicateConfig``: every
+        key, present or not, is put with its pin by later saves of this client (soft:
+        ``soft_pin_action`` ENABLE with ``soft_pin_ttl_ms`` = ``ttl_ms``; hard:
+        ``with_hard_pin``). A key already in the pool is upserted with the pin; an upsert
+        keeps no hard pin (mooncake-transfer-engine 0.3.13: a value upserted with
+        ``with_hard_pin`` alone was evicted by the next flood), so a hard pin's present keys
+        are upserted soft-pinned for ``HARD_PIN_UPSERT_TTL_MS`` as well. ``upsert=False``
+        (pins another worker made, ``Pins.refresh``): only later saves are pinned, every key
+        answers 0. Per key 1 pinned now, 0 not in the pool (pinned when saved), or a negative
         ``ErrorCode``."""
         from mooncake.store import ReplicateConfig, SoftPinAction
 
         cfg = ReplicateConfig()
+        now = ReplicateConfig()
         if hard:
-            cfg.with_hard_pin = True
+            cfg.with_hard_pin = now.with_hard_pin = True
         else:
             cfg.soft_pin_action = SoftPinAction.ENABLE
             cfg.soft_pin_ttl_ms = ttl_ms
+        now.soft_pin_action = SoftPinAction.ENABLE
+        now.soft_pin_ttl_ms = HARD_PIN_UPSERT_TTL_MS if hard else ttl_ms
         out = []
         for key in keys:
             self._pins[key] = cfg
+            if not upsert:
+                out.append(0)
+                continue
             value = self._call("get", self._store.get, key)
             if not value:
                 out.append(0)
                 continue
-            rc = int(self._call("upsert", self._store.upsert, key, value, cfg))
+            rc = int(self._call("upsert", self._store.upsert, key, value, now))
             out.append(1 if rc == 0 else rc)
         return out
 
@@ -362,6 +378,29 @@ class MooncakeBackend(Backend):
             return []
         return [int(rc) for rc in self._call("batch_remove", self._store.batch_remove,
                                              list(keys), False)]
+
+    def forget_pins(self, keys: Sequence[str]) -> None:
+        """Save ``keys`` unpinned from now on, leaving their values (a soft pin whose TTL
+        ended: the master dropped it too)."""
+        for key in keys:
+            self._pins.pop(key, None)
+
+    def read_record(self, key: str) -> bytes:
+        """The small value at ``key`` (``b""``: none), e.g. a layout's pin records."""
+        return bytes(self._call("get", self._store.get, key) or b"")
+
+    def write_record(self, key: str, data: bytes) -> int:
+        """Store ``data`` at ``key`` hard-pinned (never evicted): put with ``with_hard_pin``
+        the first time, then upserted (an upsert keeps the hard pin of the value it replaces
+        and works under readers' leases, mooncake-transfer-engine 0.3.13). 0 or a negative
+        ``ErrorCode``."""
+        from mooncake.store import ReplicateConfig
+
+        if self._call("get", self._store.get, key):
+            return int(self._call("upsert", self._store.upsert, key, data, ReplicateConfig()))
+        cfg = ReplicateConfig()
+        cfg.with_hard_pin = True
+        return int(self._call("put", self._store.put, key, data, cfg))
 
     @property
     def pinned_keys(self) -> int:

@@ -42,6 +42,8 @@ ACTION_HELP: dict[str, tuple[str, str]] = {
     "health(False)": ("Commands", "health checks of the selected engine (no pool key touched)"),
     "health(True)": ("Commands", "health checks of every engine"),
     "flush": ("Commands", "flush pool keys: scope, dry-run count, confirm (operator key)"),
+    "pins": ("Commands", "pinned prefixes of the selected engine's model, in the events log "
+             "(kvpool-console pin / unpin change them)"),
     "triage": ("Commands", "SSH triage: log in to the engine's hosts, say hung / gone / why"),
     "quit": ("Console", "quit (--demo stops everything it started)"),
     "app.pop_screen": ("Engine detail", "back to the fleet"),

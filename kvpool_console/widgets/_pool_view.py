@@ -34,7 +34,8 @@ class PoolView(TabPane):
 
     def on_mount(self) -> None:
         self.query_one("#pool-table", DataTable).add_columns(
-            "Pool", "Keys", "Used", "Total", "Use", "WM", "Evicted", "Lease TTL", "Health")
+            "Pool", "Keys", "Used", "Total", "Use", "WM", "Pinned", "Evicted", "Lease TTL",
+            "Health")
         self.query_one("#segments-table", DataTable).add_columns(
             "Segment", "Used", "Total", "Use")
 
@@ -54,6 +55,7 @@ class PoolView(TabPane):
                           fmt_bytes(p.total_bytes),
                           Text(f"{frac:.0%}", style="red" if frac > p.high_watermark else ""),
                           f"{p.high_watermark:.0%}",
+                          f"{fmt_bytes(p.pinned_bytes)} ({p.pins})" if p.pins else "-",
                           f"{p.evicted_keys} ({fmt_bytes(p.evicted_bytes)})",
                           f"{p.lease_ttl_ms} ms", health)
             for name, used, total in p.segments:
