@@ -41,6 +41,8 @@ CHUNK = 512
 SHAPE = ModelShape(layers=4, kv_heads=4, head_size=64, block_size=16)
 """4,096 bytes per token: a 512-token chunk is one 2 MiB value."""
 CHUNK_BYTES = CHUNK * SHAPE.bytes_per_token
+SHARES = SHAPE.kv_heads
+"""Values per chunk: one per KV head (the pool stores GQA KV per head share)."""
 SEGMENT = 32 << 20
 """The pool: one 32 MiB segment of a store process, 16 chunk values; pins may take 30% of it
 (4 chunks)."""
@@ -176,8 +178,8 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
                            "--tokens", ids, "--id", "system", "--mode", "hard")
     assert rc == 0, err
     assert (f"pinned 'system' of {pool.model}" in out
-            and f"{4 * CHUNK} tokens, 4 keys" in out
-            and "2 in the pool now, 2 pinned when saved" in out), out
+            and f"{4 * CHUNK} tokens, {4 * SHARES} keys" in out
+            and f"{2 * SHARES} in the pool now, {2 * SHARES} pinned when saved" in out), out
 
     # The worker's agent reports its pins' bytes with its pool stats: status --json has them
     # next to the pool's watermark.
@@ -215,12 +217,12 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     (reply,) = json.loads(out)
     assert [(p["pin_id"], p["mode"], p["tokens"], p["keys"], p["bytes"])
             for p in reply["pins"]["pins"]] == [
-        ("system", "hard", 4 * CHUNK, 4, 4 * CHUNK_BYTES)]
+        ("system", "hard", 4 * CHUNK, 4 * SHARES, 4 * CHUNK_BYTES)]
 
     rc, out, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
                            "--id", "system")
     assert rc == 0, err
-    assert "unpinned 'system'" in out and "4 of 4 keys removed" in out, out
+    assert "unpinned 'system'" in out and f"{4 * SHARES} of {4 * SHARES} keys removed" in out, out
     assert pool.held(system) == 0
     wait_until(lambda: status_pool()["pinned_bytes"] == 0, 15)
     # Computed again, it is saved unpinned: the next flood evicts it.
@@ -237,8 +239,8 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     assert done[0]["who"].startswith("key:operator")
     res = done[0]["results"][0]["pins"]
     assert (res["tokens"], res["keys"], res["pinned_now"], res["pending"]) == (
-        4 * CHUNK, 4, 2, 2)
-    assert unpin[0]["results"][0]["pins"]["removed_keys"] == 4
+        4 * CHUNK, 4 * SHARES, 2 * SHARES, 2 * SHARES)
+    assert unpin[0]["results"][0]["pins"]["removed_keys"] == 4 * SHARES
 
 
 def test_pin_over_the_share_is_refused_with_the_numbers(
@@ -253,7 +255,7 @@ def test_pin_over_the_share_is_refused_with_the_numbers(
     assert (rc, out) == (1, "")
     line = err.strip()
     assert line == (
-        f"pin failed on pin-e/dp0.tp0.pp0: PinRefused: pin 'big' refused: 2 chunks (2 keys, "
+        f"pin failed on pin-e/dp0.tp0.pp0: PinRefused: pin 'big' refused: 2 chunks ({2 * SHARES} keys, "
         f"{2 * CHUNK_BYTES:,} bytes) would bring pinned bytes to {5 * CHUNK_BYTES:,}, over 30% "
         f"of the pool's {SEGMENT:,} bytes ({int(SEGMENT * 0.3):,}); unpin another prefix or "
         "pin less"), line
@@ -298,7 +300,7 @@ def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixtur
     rc, out, err = console(pool, capsys, pool.operator, "pin", "--model", pool.model,
                            "--tokens", ids, "--id", "template")
     assert rc == 0, err
-    assert "0 in the pool now, 3 pinned when saved" in out, out
+    assert f"0 in the pool now, {3 * SHARES} pinned when saved" in out, out
 
     # A new engine process (its own pool client) reads the layout's pins from the pool...
     pool.engine.close()
@@ -317,7 +319,7 @@ def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixtur
     rc, out, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
                            "--id", "template")
     assert rc == 0, err
-    assert "3 of 3 keys removed" in out, out
+    assert f"{3 * SHARES} of {3 * SHARES} keys removed" in out, out
     assert pool.held(prefix) == 0
 
 
