@@ -12,7 +12,9 @@ import msgspec
 import pytest
 from mooncake.store import ReplicateConfig
 
-from kvpool_agent.protocol import MAX_PIN_TOKENS
+from kvpool_agent.operations import CommandError
+from kvpool_agent.protocol import MAX_PIN_TOKENS, PinArgs, Source
+from kvpool_connector.operations import BackendOperations
 from kvpool_connector.pins import MAX_PINS, Pins
 
 CHUNK = 16
@@ -82,3 +84,16 @@ def test_a_planted_record_holds_no_more_than_pin_allows(
         assert len(pins.list()) <= MAX_PINS
         assert pool.pinned <= MAX_PINS
         assert all(p.tokens <= MAX_PIN_TOKENS for p in pins.list())
+
+
+def test_a_text_pin_tokenized_past_max_pin_tokens_is_refused() -> None:
+    # 262,144 characters are in MAX_PIN_TEXT_CHARS; a tokenizer may give a token per char.
+    ops = BackendOperations(_Pool(b""), Source(  # type: ignore[arg-type]
+        agent_id="e/dp0.tp0.pp0", engine_id="e", instance_role="mixed", model="m",
+        kv_role="kv_both", process_role="worker"))
+    pool = _Pool(b"")
+    ops.pins = _pins(pool)
+    ops.tokenize = lambda text, chat: [ord(c) for c in text]
+    with pytest.raises(CommandError, match=f"at most {MAX_PIN_TOKENS}"):
+        ops.pin(PinArgs(model="m", pin_id="long", text="a" * (2 * MAX_PIN_TOKENS)))
+    assert pool.pinned == 0 and ops.pins.list() == []
