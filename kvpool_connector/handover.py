@@ -19,8 +19,10 @@ recompute the rest. The hand-over closes that gap:
 ``kv_transfer_params`` come from whoever calls the engine's API: a promise is only a reason to
 wait, and never decides what is loaded (the lookup does). What one costs is bounded: a request
 waits at most ``handover_wait_ms``, asks the pool again at most every ``RECHECK_MS`` (vLLM's
-scheduler asks on every step, which on an idle engine is a busy loop), and at most
-``MAX_WAITING`` requests wait at once (the next ones run with what the pool holds).
+scheduler asks on every step, which on an idle engine is a busy loop), at most ``MAX_RECHECKS``
+waiting requests ask again per ``RECHECK_MS`` in all (each lookup runs on vLLM's scheduler
+thread, ahead of the running requests' next step), and at most ``MAX_WAITING`` requests wait at
+once (the next ones run with what the pool holds).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["HANDOVER_PARAM", "MAX_WAITING", "RECHECK_MS", "HandoverWaits", "handover_params",
-           "promised_tokens", "wants_handover"]
+__all__ = ["HANDOVER_PARAM", "MAX_RECHECKS", "MAX_WAITING", "RECHECK_MS", "HandoverWaits",
+           "handover_params", "promised_tokens", "wants_handover"]
 
 HANDOVER_PARAM = "kvpool_handover"
 """The ``kv_transfer_params`` key of the hand-over (distinct from vLLM's P/D connectors' keys,
@@ -41,6 +43,11 @@ MAX_WAITING = 1024
 
 RECHECK_MS = 20
 """A waiting request asks the pool again at most this often (ms)."""
+
+MAX_RECHECKS = 32
+"""Waiting requests that may ask the pool again per ``RECHECK_MS``, all together; a request
+whose ``handover_wait_ms`` is up makes its last lookup regardless (its own, as without a
+promise)."""
 
 
 def wants_handover(params: Mapping[str, Any] | None) -> bool:
@@ -79,13 +86,25 @@ class HandoverWaits:
         self.wait_s = wait_ms / 1e3
         # Request -> (when it began waiting, when it last asked the pool).
         self._waiting: dict[str, tuple[float, float]] = {}
+        # The current RECHECK_MS window of rechecks: when it began, rechecks made in it.
+        self._window, self._rechecks = -float("inf"), 0
 
     def ask_later(self, req_id: str, now: float | None = None) -> bool:
-        """Whether waiting request ``req_id`` asked the pool less than ``RECHECK_MS`` ago
-        (answer "later" again without a lookup)."""
+        """Whether waiting request ``req_id`` asked the pool less than ``RECHECK_MS`` ago, or
+        ``MAX_RECHECKS`` waiting requests asked again in this ``RECHECK_MS`` already (answer
+        "later" again without a lookup); never once its ``wait_ms`` is up."""
         entry = self._waiting.get(req_id)
         now = time.monotonic() if now is None else now
-        return entry is not None and now - entry[1] < RECHECK_MS / 1e3
+        if entry is None or now - entry[0] >= self.wait_s:
+            return False
+        if now - entry[1] < RECHECK_MS / 1e3:
+            return True
+        if now - self._window >= RECHECK_MS / 1e3:
+            self._window, self._rechecks = now, 0
+        if self._rechecks >= MAX_RECHECKS:
+            return True
+        self._rechecks += 1
+        return False
 
     def keep_waiting(self, req_id: str, found: int, promised: int,
                      now: float | None = None) -> bool:

@@ -27,6 +27,7 @@ from kvpool_agent._audit import audit
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
     MAX_ID_CHARS,
+    MAX_PIN_TOKENS,
     PROTOCOL_VERSION,
     CommandReply,
     CommandRequest,
@@ -289,7 +290,7 @@ class BackendOperations:
 
         Raises:
             CommandError: no pins here, another model, no pin id, no tokens, a text pin
-                without a tokenizer.
+                without a tokenizer or of more than ``MAX_PIN_TOKENS`` tokens.
             PinRefused: over the pool's pin share or ``MAX_PINS`` (the message has the
                 numbers).
             ValueError: no whole chunk in the prefix.
@@ -307,6 +308,9 @@ class BackendOperations:
             tokens = list(args.token_ids)
         if not tokens:
             raise CommandError("pin needs token ids or text: got neither")
+        if len(tokens) > MAX_PIN_TOKENS:  # text: a tokenizer may give a token per character
+            raise CommandError(f"pin {args.pin_id!r}: the text is {len(tokens)} tokens, at most "
+                               f"{MAX_PIN_TOKENS} per pin")
         r = pins.pin(args.pin_id, tokens, args.mode, args.ttl_ms)
         return PinOutcome(pin=self._info(r.pin), pinned_now=r.pinned_now, pending=r.pending,
                           failed=len(r.errors), pins=[self._info(p) for p in pins.list()],

@@ -36,6 +36,7 @@ from typing import Literal, Protocol, runtime_checkable
 import msgspec
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from kvpool_agent.protocol import MAX_PIN_TOKENS, MAX_SOFT_PIN_TTL_MS
 from kvpool_agent.vocabulary import ErrorCode, error_name
 from kvpool_connector.keys import HashAlgo, chunk_hashes
 
@@ -289,7 +290,17 @@ class Pins:
                         self.record_key, exc)
             return
         now = time.time() * 1e3
-        live = {r.pin_id: r for r in records if r.mode == "hard" or r.expires_ms > now}
+        # Any pool writer can store the records: none holds more than ``pin`` allows.
+        most = MAX_PIN_TOKENS // self.chunk_size
+        bad = {r.pin_id for r in records[MAX_PINS:]} | {
+            r.pin_id for r in records[:MAX_PINS] if len(r.hashes) > most
+            or (r.mode == "soft" and r.expires_ms - now > MAX_SOFT_PIN_TTL_MS)}
+        if bad:
+            log.warning("kvpool pins: records at %s: %d pins ignored (over %d pins, %d chunks "
+                        "per pin or a %d ms TTL): %s", self.record_key, len(bad), MAX_PINS,
+                        most, MAX_SOFT_PIN_TTL_MS, sorted(bad)[:8])
+        live = {r.pin_id: r for r in records[:MAX_PINS] if r.pin_id not in bad
+                and (r.mode == "hard" or r.expires_ms > now)}
         with self._lock:
             gone = [p for p in self._pins.values()
                     if (r := live.get(p.pin_id)) is None
