@@ -255,7 +255,8 @@ def test_pin_over_the_share_is_refused_with_the_numbers(
     assert (rc, out) == (1, "")
     line = err.strip()
     assert line == (
-        f"pin failed on pin-e/dp0.tp0.pp0: PinRefused: pin 'big' refused: 2 chunks ({2 * SHARES} keys, "
+        "pin failed on pin-e/dp0.tp0.pp0: PinRefused: pin 'big' refused: 2 chunks "
+        f"({2 * SHARES} keys, "
         f"{2 * CHUNK_BYTES:,} bytes) would bring pinned bytes to {5 * CHUNK_BYTES:,}, over 30% "
         f"of the pool's {SEGMENT:,} bytes ({int(SEGMENT * 0.3):,}); unpin another prefix or "
         "pin less"), line
