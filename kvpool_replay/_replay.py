@@ -44,6 +44,7 @@ from kvpool_replay._services import (
     LocalPoolStore,
     engine_env,
     free_port,
+    spawn,
     stop_process_tree,
     use_local_pool_env,
 )
@@ -247,10 +248,8 @@ def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
     path = workdir / f"{spec.engine_id}.spec.json"
     path.write_bytes(msgspec.json.encode(spec))
     out = sys.stderr if log is None else log
-    return subprocess.Popen(
-        [sys.executable, "-m", module, str(path)],
-        stdout=out, stderr=out, env=engine_env(), start_new_session=True,
-    )
+    return spawn([sys.executable, "-m", module, str(path)],
+                 stdout=out, stderr=out, env=engine_env(), start_new_session=True)
 
 
 def _master_stats(admin_url: str | None) -> tuple[int, int]:

@@ -20,8 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 import psutil
@@ -101,6 +103,36 @@ def use_local_pool_env() -> None:
     interpreter's ``bin`` on ``PATH`` and Mooncake bound to 127.0.0.1 unless already set."""
     os.environ["PATH"] = engine_env()["PATH"]
     os.environ.setdefault(MC_BIND_ENV, "127.0.0.1")
+
+
+@contextlib.contextmanager
+def reaping(cmd: list[str]) -> Iterator[None]:
+    """Around starting ``cmd`` and keeping its ``Popen``: on an exception, kill the new
+    children of this process running ``cmd`` (or not yet exec'd: still this process's command
+    line) before it goes on.
+
+    A signal handler that raises (``kvpool_console.signals.Stopped``, on SIGTERM or SIGHUP)
+    can interrupt ``Popen`` after its fork, or land between ``Popen`` returning and its result
+    being stored: the child runs and nothing would stop it.
+    """
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    try:
+        yield
+    except BaseException:
+        mine = me.cmdline()
+        for p in me.children():
+            with contextlib.suppress(psutil.Error):
+                if p.pid not in before and p.cmdline() in (cmd, mine):
+                    p.kill()
+        raise
+
+
+def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(cmd, **kwargs)`` under ``reaping(cmd)`` (a child whose ``Popen`` an
+    exception interrupted is killed; the caller still stores the result itself)."""
+    with reaping(cmd):
+        return subprocess.Popen(cmd, **kwargs)
 
 
 def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
@@ -210,9 +242,9 @@ class LocalMooncakeMaster:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
         env = {**os.environ, MC_BIND_ENV: "127.0.0.1"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with reaping(cmd):
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         self._log = log
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -295,13 +327,13 @@ class LocalPoolStore:
             )
         self.log_path = self._log_dir / "mooncake_client.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, f"--master_server_address={self.master_address}",
-             "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={free_port()}",
-             f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
-             "--local_buffer_size=16MB"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+        cmd = [binary, f"--master_server_address={self.master_address}",
+               "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={free_port()}",
+               f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
+               "--local_buffer_size=16MB"]
+        with reaping(cmd):
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
