@@ -298,7 +298,9 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
         lookups += lk.lookups
         prompt += lk.prompt_tokens
         hits += lk.pool_hit_tokens
-    if head.instance_role == "prefill" and loads and not saves:
+    # A kv_producer loads too (a prompt the pool holds whole needs no save); the rule is
+    # for a prefill that runs as a loader.
+    if head.instance_role == "prefill" and head.kv_role != "kv_producer" and loads and not saves:
         out.append(_alert(
             "role_topology", "warning", engine_id,
             f"prefill instance loaded {loads} times and never saved",

@@ -273,6 +273,11 @@ def test_start_failure_topology_and_stuck_rules() -> None:
         "prefill instance loaded 100 times and never saved")
     assert by[("role_topology", "d1")].message == "decode instance saved 160 times and never loaded"
     assert ("kv_role_mismatch", "p1") in by
+    # A kv_producer that loaded whole prompts from the pool and had nothing to save is fine.
+    fleet = engine("p3", role="prefill")
+    for s in fleet.values():
+        s.transfers.saves_finished = 0
+    assert not [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "role_topology"]
 
     # A consumer with many lookups and no hits while a producer of its model saves.
     fleet = engine("p2") | engine("d2", role="decode", hits=0)
