@@ -32,7 +32,8 @@ from kvpool_connector._heads import HeadShares, share_signature
 from kvpool_connector._layout import find_block_dim
 from kvpool_connector.keys import DIGEST_LEN
 
-__all__ = ["LAYOUT_SCHEME", "LayoutFacts", "ModelFacts", "cache_signature", "describe_layout"]
+__all__ = ["LAYOUT_SCHEME", "LayoutFacts", "ModelFacts", "cache_signature", "describe_layout",
+           "layer_signatures"]
 
 LAYOUT_SCHEME = 2
 """Version of the value layout and chunk-hash scheme; bump it when either changes, so values
@@ -96,6 +97,11 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             share's signature, so engines of any TP size that fits share), or why this
             engine keeps per-rank values (``per-rank: TP 2 does not divide the 3 KV
             heads``); left out when empty (MLA, workers built outside vLLM).
+        pp_split: how values split the layers (``_stages``): ``10+22`` (layers per stored
+            range; then ``pp`` is 1, ``layers`` the model's and ``cache`` one layer's
+            signature, so engines of any PP split on those boundaries share), or why this
+            engine keeps per-stage values (``per-stage: ...``); left out when empty (no
+            ``store_pp_layer_partition``).
     """
 
     scheme: int
@@ -119,6 +125,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     hash_algo: str = "sha256"
     groups: str = ""
     kv_share: str = ""
+    pp_split: str = ""
 
     @property
     def digest(self) -> str:
@@ -151,6 +158,24 @@ def cache_signature(t: torch.Tensor, num_blocks: int) -> str:
     return f"{dtype}({','.join(shape)})/({','.join(strides)})"
 
 
+def layer_signatures(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+                     num_blocks: int, shares: HeadShares | None = None) -> list[str]:
+    """Each layer's cache signature (``cache_signature``, or one head share's with
+    ``shares``), tensors of a tuple joined by `` + ``, in ``kv_caches`` order.
+
+    Raises:
+        ValueError: a tensor has no dimension of ``num_blocks`` blocks, or (with ``shares``)
+            no KV-head dimension that can be told from the others.
+    """
+    def signature(t: torch.Tensor) -> str:
+        return (cache_signature(t, num_blocks) if shares is None
+                else share_signature(t, num_blocks, shares))
+
+    return [" + ".join(signature(t)
+                       for t in ([cache] if isinstance(cache, torch.Tensor) else cache))
+            for cache in kv_caches.values()]
+
+
 def describe_layout(
     kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
     num_blocks: int,
@@ -168,6 +193,8 @@ def describe_layout(
     groups: str = "",
     shares: HeadShares | None = None,
     kv_share: str = "",
+    pp_split: str = "",
+    total_layers: int | None = None,
 ) -> LayoutFacts:
     """The layout facts of one worker's registered caches.
 
@@ -184,29 +211,30 @@ def describe_layout(
         shares: the head shares this worker stores (``_heads.plan_shares``); ``None``: values
             per rank.
         kv_share: ``LayoutFacts.kv_share`` when ``shares`` is ``None`` (why not shared).
+        pp_split: ``LayoutFacts.pp_split``; a partition (not ``per-stage: ...``) describes
+            the model's ``total_layers`` by one layer's signature (they are all the same).
+        total_layers: the model's layers, with a ``pp_split`` partition.
 
     Raises:
         ValueError: a tensor has no dimension of ``num_blocks`` blocks, or (with ``shares``)
             no KV-head dimension that can be told from the others.
     """
-    def signature(t: torch.Tensor) -> str:
-        return (cache_signature(t, num_blocks) if shares is None
-                else share_signature(t, num_blocks, shares))
-
-    per_layer = [
-        " + ".join(signature(t)
-                   for t in ([cache] if isinstance(cache, torch.Tensor) else cache))
-        for cache in kv_caches.values()
-    ]
+    per_layer = layer_signatures(kv_caches, num_blocks, shares)
     kv_heads = facts.kv_heads
     if shares is not None:
         tp_size, kv_heads, kv_share = 1, shares.total_heads, shares.describe()
+    n_layers = len(per_layer)
+    if pp_split and not pp_split.startswith("per-stage"):
+        # A stage's layers are a part of the model: describe the whole, as every stage and
+        # every split on the same boundaries does.
+        pp_size, n_layers = 1, total_layers if total_layers is not None else n_layers
+        per_layer = per_layer[:1]
     runs = " | ".join(f"{len(list(group))}x {sig}" for sig, group in itertools.groupby(per_layer))
     return LayoutFacts(
         scheme=LAYOUT_SCHEME, model=model, revision=facts.revision,
         quantization=facts.quantization, dtype=facts.dtype, kv_cache_dtype=facts.kv_cache_dtype,
         attn_backend=facts.attn_backend, kv_heads=kv_heads, head_size=facts.head_size,
-        layers=len(per_layer), cache=runs, block_size=block_size, chunk_size=chunk_size,
+        layers=n_layers, cache=runs, block_size=block_size, chunk_size=chunk_size,
         tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size, checksum=checksum,
-        hash_algo=hash_algo, groups=groups, kv_share=kv_share,
+        hash_algo=hash_algo, groups=groups, kv_share=kv_share, pp_split=pp_split,
     )

@@ -8,7 +8,8 @@ The mapping: chunk ``i`` of a request is the blocks
 ``block_ids[i * bpc:(i + 1) * bpc]`` (``bpc`` = ``chunk_size // block_size``) and one key,
 ``PoolKey(model, digest, layout, chunk_hashes[i])``, whose value is those blocks' bytes over
 all layers (layer, region, block order; ``ranges_for_blocks``). In layer-wise mode each
-(chunk, layer) is its own key (``PoolKey.layer``) holding that layer's bytes only.
+(chunk, layer) is its own key (``PoolKey.layer``, the layer's place among the planner's layers)
+holding that layer's bytes only.
 
 With several KV-cache groups (vLLM's hybrid allocator, ``_groups``) each group has a planner of
 its own: its layers, its block table (``ReqMeta.group_block_ids``), its keys (``.g<group>``); a
@@ -137,7 +138,9 @@ class TransferPlanner:
         self._groups: list[tuple[int | None, Sequence[LayerLayout]]] = (
             [(layer.index, [layer]) for layer in layers] if layerwise else [(None, list(layers))]
         )
-        self._layer_ids = [layer.index for layer in layers] if layerwise else None
+        # Layer-wise keys name a layer by its place in the value's layers (``@L0``...), so a
+        # stored layer range's keys are the same in every stage that holds it (``_stages``).
+        self._layer_ids = list(range(len(layers))) if layerwise else None
 
     def table(self, req: ReqMeta) -> list[int]:
         """The block table this planner reads: its group's, or ``req.block_ids``."""

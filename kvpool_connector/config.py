@@ -15,7 +15,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from kvpool_agent.vocabulary import (
     AGENT_ADDRESS_ENV,
@@ -72,6 +72,7 @@ class _ExtraFields(BaseModel):
     admission_pool_tokens: int | None = Field(default=None, gt=0)
     handover_wait_ms: int = Field(default=5_000, ge=0)
     store_tp_size: int | None = Field(default=None, gt=0)
+    store_pp_layer_partition: tuple[PositiveInt, ...] | None = Field(default=None, min_length=1)
     pin_share: float = Field(default=DEFAULT_PIN_SHARE, gt=0, le=1)
 
 
@@ -210,6 +211,12 @@ class KVPoolConfig(BaseModel):
             KV head, so engines of every TP size that divides the heads (or that they divide)
             share values. A smaller one (dividing the heads) means fewer, larger values, shared
             by TP sizes that divide it. Part of the layout digest (``kv_share``).
+        store_pp_layer_partition: layers per stored layer range for pipeline-parallel
+            engines (``kvpool_connector._stages``), e.g. ``[10, 22]``; it must sum to the
+            model's layers and every sharing engine's stage boundaries must fall on its
+            boundaries (prefill ``VLLM_PP_LAYER_PARTITION=10,22`` and a PP=1 decode: ``[10,
+            22]``). ``None`` (default): values per stage, shared only by the same PP split.
+            Part of the layout digest (``pp_split``).
         pin_share: the most of the pool (fraction of its bytes) the pins of this worker's
             layout may take together (``kvpool-console pin``, ``kvpool_connector.pins``); a
             pin past it is refused with the numbers.
@@ -248,6 +255,7 @@ class KVPoolConfig(BaseModel):
     admission_pool_tokens: int | None = None
     handover_wait_ms: int = 5_000
     store_tp_size: int | None = None
+    store_pp_layer_partition: tuple[int, ...] | None = None
     pin_share: float = DEFAULT_PIN_SHARE
 
     @property

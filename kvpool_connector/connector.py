@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,18 @@ def _worker_layout(vllm_config: VllmConfig, store_tp_size: int | None = None
     layout = ParallelLayout(tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
     return layout, {"tp_size": tp_size, "pcp_size": pcp_size, "dcp_size": dcp_size,
                     "pp_size": pp_size}, stripe, shares
+
+
+def _layer_ids(kv_caches: Mapping[str, object]) -> list[int]:
+    """The model's index of each registered layer, read from its name as vLLM reads it
+    (``extract_layer_index``: ``model.layers.12.self_attn.attn`` is 12); empty when a name
+    holds no single index (``_stages.plan_ranges`` then keeps per-stage values)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return [extract_layer_index(name) for name in kv_caches]
+    except (AssertionError, ValueError):
+        return []
 
 
 def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
@@ -323,7 +336,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config else None,
                 groups=self._groups if self._hybrid else None, stripe=stripe,
                 shares=shares if isinstance(shares, HeadShares) else None,
-                kv_share=shares if isinstance(shares, str) else "", **sizes,
+                kv_share=shares if isinstance(shares, str) else "",
+                pp_partition=cfg.store_pp_layer_partition,
+                total_layers=vllm_config.model_config.get_total_num_hidden_layers(), **sizes,
             )
             if self._operations is not None:
                 self._operations.saves = self._worker
@@ -572,7 +587,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             RuntimeDirError: the runtime directory of the lookup socket is unsafe.
         """
         worker = self._work()
-        worker.register_kv_caches(kv_caches, _model_facts(self._vllm_config, list(kv_caches)))
+        worker.register_kv_caches(kv_caches, _model_facts(self._vllm_config, list(kv_caches)),
+                                  layer_ids=_layer_ids(kv_caches))
         cfg = self.kv_config
         if self._operations is not None:
             self._operations.key_scope = (cfg.model, worker.layout_digest, worker.layout)

@@ -30,6 +30,9 @@ once it ended. MLA (KV the same on every TP rank, ``stripe``): rank ``r`` of ``n
 ``i`` only when ``i % n == r``; every rank loads every chunk. GQA/MHA values per KV-head share
 (``_heads``, ``shares``): one planner per share the rank holds, keys ``tp<share>``; a chunk is a
 hit once every share of it is in the pool, whichever engines of which TP sizes wrote them.
+Pipeline stages with ``store_pp_layer_partition`` (``_stages``): one planner per stored layer
+range the stage holds (and share), keys ``pp<range>``; a chunk is a hit once every range is in
+the pool, whichever stages of which PP splits wrote them.
 
 Contract with the scheduler side: saves are asynchronous, so ``request_finished`` must delay
 freeing (return ``True``) for every request that had a save scheduled; the worker reports such a
@@ -57,7 +60,12 @@ from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._groups import KVGroup, hybrid_hit
 from kvpool_connector._heads import HeadShares, share_layers
 from kvpool_connector._layout import KVLayout, LayerLayout
-from kvpool_connector._layout_digest import LayoutFacts, ModelFacts, describe_layout
+from kvpool_connector._layout_digest import (
+    LayoutFacts,
+    ModelFacts,
+    describe_layout,
+    layer_signatures,
+)
 from kvpool_connector._planning import (
     LoadPlan,
     Transfer,
@@ -67,6 +75,7 @@ from kvpool_connector._planning import (
     load_block_ids,
     lookup_layouts,
 )
+from kvpool_connector._stages import LayerRanges, plan_ranges
 from kvpool_connector._transfers import (
     ChecksumBuffers,
     LayerLoadTimeout,
@@ -150,6 +159,11 @@ class KVPoolWorker:
             keys ``tp<share>``, lookups over all ``shares.store_size`` shares (``layout``'s
             and ``tp_size``'s TP fields are then not used); ``None``: values per rank.
         kv_share: ``LayoutFacts.kv_share`` without ``shares``: why values are per rank.
+        pp_partition: ``store_pp_layer_partition`` (layers per stored range, ``_stages``):
+            values per layer range, keys ``pp<range>``, lookups over every range (``layout``'s
+            and ``pp_size``'s PP fields are then not used); ``None``: values per stage.
+        total_layers: the model's layers (with ``pp_partition``); ``None``: the registered
+            layers are the whole model.
 
     Attributes:
         layout_facts: what this worker's layout digest covers; ``None`` until
@@ -176,12 +190,18 @@ class KVPoolWorker:
         stripe: tuple[int, int] = (0, 1),
         shares: HeadShares | None = None,
         kv_share: str = "",
+        pp_partition: Sequence[int] | None = None,
+        total_layers: int | None = None,
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk(config.block_size, config.chunk_size)
         self.groups: list[KVGroup] | None = list(groups) if groups is not None else None
         self.stripe = stripe
         self.config = config
         self.shares, self._kv_share = shares, kv_share
+        self._pp_partition, self._total_layers = pp_partition, total_layers
+        # Stored layer ranges this stage holds (or why none): known at registration.
+        self.ranges: LayerRanges | None = None
+        self._pp_split = ""
         # The rank's own shard and TP size: per-rank values if the caches cannot be shared.
         self._rank_layout, self._rank_tp_size = layout, tp_size
         if shares is not None:
@@ -210,7 +230,7 @@ class KVPoolWorker:
         self.counters = WorkerCounters()
         self._device: DeviceSync = DeviceSync()
         self._scratch: torch.Tensor | None = None
-        self._value_block_bytes = 0
+        self._value_block_bytes = self._layer_block_bytes = 0
         self._lock = threading.Lock()
         self._loads = LoadRunner(
             backend, self.reporter, self.counters, self._lock, chunk_size=config.chunk_size,
@@ -234,6 +254,7 @@ class KVPoolWorker:
         self,
         kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
         model_facts: ModelFacts | None = None,
+        layer_ids: Sequence[int] | None = None,
     ) -> None:
         """Record each layer's block regions, compute the layout digest of this worker's keys
         (reported to the agent) and register the cache memory with the backend.
@@ -242,6 +263,8 @@ class KVPoolWorker:
             kv_caches: vLLM's ``{layer_name: tensor or tuple of tensors}`` paged caches.
             model_facts: what vLLM's configuration says about the model and its KV, hashed
                 into the layout digest with the caches' own layout; ``None`` = nothing known.
+            layer_ids: the model's index of each layer of ``kv_caches`` (a pipeline stage's
+                are not 0-based); ``None``: 0, 1, ... in order.
 
         Raises:
             ValueError: the cache layout cannot be described (see ``KVLayout``).
@@ -253,6 +276,7 @@ class KVPoolWorker:
                 share_layers(kv_caches, kv.num_blocks, self.shares, self.shares.first_share)
             except ValueError as exc:  # no KV-head dimension to cut the caches along
                 self._per_rank(str(exc))
+        self._plan_ranges(kv_caches, kv, layer_ids)
         if self.config.checksum and kv.device.type != "cpu":
             raise ValueError(
                 f"kv_connector_extra_config.checksum needs the KV caches in host memory, they "
@@ -263,7 +287,8 @@ class KVPoolWorker:
             checksum=CHECKSUM_NAME if self.config.checksum else "",
             hash_algo=self.config.hash_algo,
             groups=" | ".join(self._describe_groups(kv)) if self.hybrid else "",
-            shares=self.shares, kv_share=self._kv_share, **self._sizes)
+            shares=self.shares, kv_share=self._kv_share, pp_split=self._pp_split,
+            total_layers=self._total_layers, **self._sizes)
         digest = facts.digest
         for addr, size in kv.spans:
             self.backend.register_buffer(addr, size)
@@ -276,8 +301,13 @@ class KVPoolWorker:
             self._enable_checksum(kv, self._scratch.data_ptr())
         self._device = device_sync_for(kv.device)
         shards = self._shard_layers(kv_caches, kv)
-        # Bytes of one block of one value: the rank's whole block, or one head share's.
+        # Bytes of one block of one value: the rank's whole block, or one head share's (of
+        # every stored layer range: they are the same layers' worth on average).
         self._value_block_bytes = sum(layer.block_bytes for layer in shards[0][1])
+        self._layer_block_bytes = shards[0][1][0].block_bytes
+        if self.ranges is not None:
+            self._value_block_bytes = (self._layer_block_bytes * sum(self.ranges.partition)
+                                       // self.ranges.store_size)
         self._planners = [
             TransferPlanner(
                 layers, shard_prefix(self.model, digest, lay),
@@ -316,23 +346,51 @@ class KVPoolWorker:
         self.layout, self._sizes["tp_size"] = self._rank_layout, self._rank_tp_size
         self._lookup_layouts = lookup_layouts(self.layout, **self._sizes)
 
+    def _plan_ranges(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+                     kv: KVLayout, layer_ids: Sequence[int] | None) -> None:
+        """Decide the stored layer ranges this stage holds (``_stages``), or why it keeps
+        per-stage values (``LayoutFacts.pp_split``)."""
+        if self._pp_partition is None:
+            return
+        ids = list(layer_ids) if layer_ids is not None else list(range(len(kv.layers)))
+        signatures = layer_signatures(kv_caches, kv.num_blocks, self.shares)
+        ranges = plan_ranges(
+            ids, self._total_layers if self._total_layers is not None else len(ids),
+            self._pp_partition, uniform=len(set(signatures)) == 1,
+            groups=len(self.groups) if self.groups is not None else 1)
+        if isinstance(ranges, str):
+            logger.warning("kvpool worker %s: values per pipeline stage, not per layer "
+                           "range: %s", self.model, ranges)
+            self._pp_split = ranges
+            return
+        self.ranges, self._pp_split = ranges, ranges.describe()
+        self.layout = replace(self.layout, pp_rank=ranges.first)
+        self._sizes["pp_size"] = ranges.store_size
+        self._lookup_layouts = lookup_layouts(self.layout, **self._sizes)
+
     def _shard_layers(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
                       kv: KVLayout) -> list[tuple[ParallelLayout, list[LayerLayout]]]:
         """Each shard this worker writes and reads, with the layers (regions) of its values:
-        its one rank's whole caches, or one entry per KV-head share it holds."""
+        its one rank's whole caches, or one entry per KV-head share it holds, each cut into
+        the stored layer ranges the stage holds."""
         if self.shares is None:
-            return [(self.layout, kv.layers)]
-        return [(replace(self.layout, tp_rank=s),
-                 share_layers(kv_caches, kv.num_blocks, self.shares, s))
-                for s in self.shares.shares]
+            by_share = [(self.layout, kv.layers)]
+        else:
+            by_share = [(replace(self.layout, tp_rank=s),
+                         share_layers(kv_caches, kv.num_blocks, self.shares, s))
+                        for s in self.shares.shares]
+        if self.ranges is None:
+            return by_share
+        return [(replace(lay, pp_rank=r), layers[cut])
+                for lay, layers in by_share for r, cut in self.ranges.local_slices()]
 
     @property
     def own_shards(self) -> list[str]:
         """The shards (``ParallelLayout`` strings) whose values this worker writes: its rank,
-        or each KV-head share it holds."""
-        if self.shares is None:
-            return [str(self.layout)]
-        return [str(replace(self.layout, tp_rank=s)) for s in self.shares.shares]
+        or each KV-head share and stored layer range it holds."""
+        tps = [self.layout.tp_rank] if self.shares is None else list(self.shares.shares)
+        pps = [self.layout.pp_rank] if self.ranges is None else list(self.ranges.held)
+        return [str(replace(self.layout, tp_rank=t, pp_rank=p)) for t in tps for p in pps]
 
     def _enable_checksum(self, kv: KVLayout, scratch: int) -> None:
         """Register the integrity check's host buffers (``_checksum``) and hand them to the
@@ -400,8 +458,7 @@ class KVPoolWorker:
         kv = self._require_kv()[0]
         if self.hybrid:
             return self._lookup_groups(chunk_hashes)
-        layers = [layer.index for layer in kv.layers] if self.config.use_layerwise else None
-        keys = chunk_keys(self._lookup_prefixes, chunk_hashes, layers)
+        keys = self._lookup_keys(kv, chunk_hashes)
         hits, code = leading_hits(self.backend.batch_exists(keys), len(keys) // len(chunk_hashes))
         if code is not None:
             raise BackendError(
@@ -419,17 +476,34 @@ class KVPoolWorker:
         kv = self._require_kv()[0]
         if self.hybrid:
             raise ValueError("pins of a model with several KV-cache groups are not supported")
-        layers = [layer.index for layer in kv.layers] if self.config.use_layerwise else None
-        return chunk_keys(self._lookup_prefixes, list(chunk_hashes), layers)
+        return self._lookup_keys(kv, list(chunk_hashes))
+
+    def _lookup_keys(self, kv: KVLayout, chunk_hashes: list[str]) -> list[str]:
+        """Every shard's keys of ``chunk_hashes`` (every layer of it, layer-wise), chunk-major:
+        a stored layer range has its partition's layers, another stage as many as this one."""
+        if not self.config.use_layerwise:
+            return chunk_keys(self._lookup_prefixes, chunk_hashes)
+        if self.ranges is None:
+            return chunk_keys(self._lookup_prefixes, chunk_hashes, range(len(kv.layers)))
+        partition = self.ranges.partition
+        per_shard = [(chunk_keys([p], chunk_hashes, range(partition[lay.pp_rank])),
+                      partition[lay.pp_rank])
+                     for p, lay in zip(self._lookup_prefixes, self._lookup_layouts, strict=True)]
+        return [k for i in range(len(chunk_hashes))
+                for keys, n in per_shard for k in keys[i * n:(i + 1) * n]]
 
     @property
     def key_bytes(self) -> int:
         """Bytes of one key's value on this rank (a whole chunk of its rank or KV-head share,
         or one layer of it layer-wise); other ranks' and shares' values of one layout are the
-        same size."""
+        same size (stored layer ranges: the mean over the ranges)."""
         kv = self._require_kv()[0]
         chunk = self.blocks_per_chunk * self._value_block_bytes
-        return chunk // len(kv.layers) if self.config.use_layerwise else chunk
+        if not self.config.use_layerwise:
+            return chunk
+        if self.ranges is not None:  # one layer of a range; every layer's is the same size
+            return self.blocks_per_chunk * self._layer_block_bytes
+        return chunk // len(kv.layers)
 
     def _lookup_groups(self, chunk_hashes: list[str]) -> int:
         """``lookup_chunks`` of a hybrid model: one ``batch_exists`` over every group's keys,

@@ -221,6 +221,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "admission_pool_tokens": 2_000_000,
         "handover_wait_ms": 2000,
         "store_tp_size": 4,
+        "store_pp_layer_partition": [10, 22],
         "pin_share": 0.2,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
@@ -231,7 +232,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"
     assert (cfg.admission, cfg.admission_pool_tokens) == ("adaptive", 2_000_000)
-    assert cfg.store_tp_size == 4
+    assert cfg.store_tp_size == 4 and cfg.store_pp_layer_partition == (10, 22)
     assert cfg.pin_share == 0.2
     with pytest.raises(ValueError, match=r"pin_share"):
         KVPoolConfig.from_dicts({"pin_share": 1.5}, kv_role="kv_both", block_size=16, model="m")

@@ -117,7 +117,7 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
         "kv_heads": 4, "head_size": 64, "layers": 2,
         "cache": "2x bfloat16(B,4,32,128)/(*,4096,128,1)", "block_size": 32, "chunk_size": 64,
         "tp": 1, "pcp": 1, "dcp": 1, "pp": 1, "checksum": "", "hash_algo": "sha256", "groups": "",
-        "kv_share": "",
+        "kv_share": "", "pp_split": "",
     }
     # Layers of other layouts keep their order; tuples (separate K/V) join with " + ".
     k = torch.empty(NUM_BLOCKS, 16, 2, 8, dtype=torch.float16, device="meta")

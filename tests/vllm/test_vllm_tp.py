@@ -34,6 +34,7 @@ TWO_CPUS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # TP=2: one thread per rank
 # One KV head of one layer and block: K and V, 32 tokens, head dim 32, float32.
 HEAD_BLOCK_BYTES = 2 * BLOCK * 32 * 4
 LAYERS = 2
+PARTITION = [1, 1]  # store_pp_layer_partition: one stored layer range per layer
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -61,7 +62,7 @@ def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
 def runs(engines: Engines, hub: FleetHub) -> dict[str, list[dict[str, Any]]]:
     """Writers first (TP=2 of A, TP=1 of A and B), the TP=2 run of B without a pool, then
     the readers of the other TP size. Five engines: each is one direction's writer, reader
-    or baseline."""
+    or baseline. Then a writer and a reader of A by stored layer range."""
     # A cold engine's first lookup (a fresh store client, two TP processes on two cores) can
     # miss the default 50 ms and run without the pool: these runs are about what loads.
     extra = {"chunk_size": CHUNK, "lookup_timeout_ms": 2000}
@@ -78,6 +79,13 @@ def runs(engines: Engines, hub: FleetHub) -> dict[str, list[dict[str, Any]]]:
         "r1": run("tp_r1", A, kvpool("kv_both", 7323, "tp_r1", hub, **extra), env=ONE_CPU,
                   **kw),
         "r2": run("tp_r2", B, kvpool("kv_both", 7324, "tp_r2", hub, **extra), tp=2,
+                  env=TWO_CPUS, **kw),
+        # Values per stored layer range (``_stages``): a TP=1 writer of A, a TP=2 reader.
+        "pw": run("pp_w", A, kvpool("kv_consumer", 7325, "pp_w", hub, consumer_is_to_put=True,
+                                    store_pp_layer_partition=PARTITION, **extra),
+                  env=ONE_CPU, **kw),
+        "pr": run("pp_r", A, kvpool("kv_both", 7326, "pp_r", hub,
+                                    store_pp_layer_partition=PARTITION, **extra), tp=2,
                   env=TWO_CPUS, **kw),
     }
 
@@ -133,3 +141,33 @@ def test_tp2_and_tp1_engines_load_each_others_prefixes(
         assert st.transfers.loaded_bytes == sum(_loadable(p) for p in B) // CHUNK * value
         assert st.transfers.loads_failed == 0
 
+
+
+def test_values_by_layer_range_are_written_and_read_by_real_engines(
+    runs: dict[str, list[dict[str, Any]]], hub: FleetHub, pool: Pool, engines: Engines,
+) -> None:
+    # vLLM CPU cannot run PP > 1 here, so layer ranges are checked on PP=1 engines holding
+    # every range (and, at TP=2, every range of their head): the partition comes from
+    # kv_connector_extra_config, the layer indices from vLLM's layer names.
+    assert [o["num_cached_tokens"] for o in runs["pr"]] == [_loadable(p) for p in A]
+    assert [o["num_cached_tokens"] for o in runs["pw"]] == [0] * len(A)
+    _same(runs["pw"], runs["w1"][:len(A)])
+    _same(runs["pr"], runs["w2"])
+    srcs = [st.source for e in ("pp_w", "pp_r") for st in agent_states(hub, e, "worker")]
+    assert len(srcs) == 3 and len({s.layout_digest for s in srcs}) == 1
+    assert {(s.layout["pp_split"], s.layout["pp"], s.layout["layers"], s.layout["kv_share"])
+            for s in srcs} == {("1+1", 1, LAYERS, "2x1h")}
+    others = {st.source.layout_digest for st in agent_states(hub, "tp_w1", "worker")}
+    assert srcs[0].layout_digest not in others  # ranges are another layout than whole values
+    # One value per chunk, KV head and layer range: tp0/tp1 x pp0/pp1, one layer's bytes each.
+    name = normalize_model_name(str(engines.model))
+    digest = srcs[0].layout_digest
+    value = CHUNK // BLOCK * HEAD_BLOCK_BYTES
+    for h in (h for p in A for h in chunk_hashes(p, CHUNK)):
+        keys = [str(PoolKey(name, digest, ParallelLayout(tp_rank=t, pp_rank=r), h))
+                for t in range(2) for r in range(3)]
+        assert [pool.store.is_exist(k) for k in keys] == [1, 1, 0, 1, 1, 0]
+        assert {len(pool.store.get(k)) for k in keys if pool.store.is_exist(k)} == {value}
+    for st in agent_states(hub, "pp_r", "worker"):  # each rank its head's two ranges
+        assert st.transfers.loaded_bytes == sum(_loadable(p) for p in A) // CHUNK * 2 * value
+        assert st.transfers.loads_failed == 0
