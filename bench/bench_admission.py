@@ -21,6 +21,14 @@ Run (a slice, ~3 minutes here)::
 Whole traces (the docs' table; about an hour on 2 shared cores)::
 
     .venv/bin/python bench/bench_admission.py --limit 0 --json-out /tmp/admission.json
+
+The SSD tier (``--disk-tier-tokens``): instead of the grid, per trace two real replays
+(``admission: all``) at ``--memory-tokens`` of memory, one alone and one with a disk tier of
+``--disk-tier-tokens`` behind it (Mooncake SSD offload into a temporary directory), next to an
+exact LRU of the memory alone and of memory + disk::
+
+    .venv/bin/python bench/bench_admission.py --traces conversation_trace.jsonl \
+        --limit 300 --memory-tokens 1000000 --disk-tier-tokens 4000000
 """
 
 from __future__ import annotations
@@ -99,12 +107,50 @@ def replays(jobs: list[Job], limit: int | None) -> dict[Job, float]:
         return dict(zip(jobs, pool.map(one, jobs), strict=True))
 
 
+def disk_tier(paths: dict[str, str], limit: int | None, memory: int, disk: int) -> int:
+    """Memory alone vs memory + disk tier, per trace (``--disk-tier-tokens``)."""
+    jobs = [(n, d) for n in paths for d in (None, disk)]
+
+    def one(job: tuple[str, int | None]) -> tuple[float, int, int]:
+        name, d = job
+        t0 = time.monotonic()
+        r = run_replay(ReplayConfig(trace_path=paths[name], limit=limit, pool_tokens=memory,
+                                    shape=SHAPE, disk_tier_tokens=d))
+        if r.errors:
+            raise RuntimeError(f"{name} at {memory:,} tokens, disk {d}: {r.errors}")
+        print(f"  {name} memory {memory:,} disk {d or 0:,}: hit {r.hit_rate:.2%} "
+              f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        return r.hit_rate, r.pool_disk_hits, r.pool_memory_hits
+
+    print(f"replaying {len(jobs)} runs (two at a time)", flush=True)
+    with ThreadPoolExecutor(2) as pool:
+        got = dict(zip(jobs, pool.map(one, jobs), strict=True))
+    widths = [24, 11, 11, 9, 9, 9, 9, 13]
+    head = ["trace", "memory", "disk", "memory", "mem+disk", "LRU mem", "LRU m+d",
+            "reads m/disk"]
+    print("\n" + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    for name, path in paths.items():
+        reqs = load_trace(path, limit=limit)
+        items = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+        alone, both = got[name, None][0], got[name, disk]
+        cols = [name, f"{memory:,}", f"{disk:,}", f"{alone:.2%}", f"{both[0]:.2%}",
+                f"{lru_hits(items, CHUNK, memory).hit_rate:.2%}",
+                f"{lru_hits(items, CHUNK, memory + disk).hit_rate:.2%}",
+                f"{both[2]}/{both[1]}"]
+        print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--limit", type=int, default=600, help="requests per trace (0 = whole)")
     p.add_argument("--traces", default=",".join(CAPACITIES),
                    help="trace file names in the shared traces directory")
     p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--disk-tier-tokens", type=int, default=None, metavar="N",
+                   help="compare memory alone with memory + a disk tier of N tokens instead")
+    p.add_argument("--memory-tokens", type=int, default=1_000_000, metavar="M",
+                   help="memory tier of the --disk-tier-tokens comparison, tokens")
     args = p.parse_args()
     os.environ.update({k: v for k, v in engine_env().items() if k in ("PATH", "PYTHONPATH")})
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -112,6 +158,10 @@ def main() -> int:
     started = time.monotonic()
     names = args.traces.split(",")
     paths = {n: str(default_trace_path(n)) for n in names}
+    if args.disk_tier_tokens:
+        status = disk_tier(paths, limit, args.memory_tokens, args.disk_tier_tokens)
+        print(f"total bench time {time.monotonic() - started:.0f} s")
+        return status
     print("offline: exact LRU, Belady's MIN, the adaptive policy's model, ceiling", flush=True)
     ref = {n: offline(paths[n], limit, CAPACITIES[n]) for n in names}
     jobs = [(paths[n], cap, adm) for n in names for cap in CAPACITIES[n]

@@ -124,6 +124,12 @@ def _sane_pool(p: PoolStats) -> PoolStats:
         evicted_bytes=_count(p.evicted_bytes, MAX_BIG_COUNT),
         high_watermark=_bounded(p.high_watermark, 1.0),
         lease_ttl_ms=_count(p.lease_ttl_ms, MAX_COUNT), health_detail=clip(p.health_detail),
+        disk_keys=_count(p.disk_keys, MAX_COUNT),
+        disk_used_bytes=_count(p.disk_used_bytes, MAX_BIG_COUNT),
+        disk_total_bytes=_count(p.disk_total_bytes, MAX_BIG_COUNT),
+        memory_hits=_count(p.memory_hits, MAX_COUNT), disk_hits=_count(p.disk_hits, MAX_COUNT),
+        memory_hit_bytes=_count(p.memory_hit_bytes, MAX_BIG_COUNT),
+        disk_hit_bytes=_count(p.disk_hit_bytes, MAX_BIG_COUNT),
         segments=[SegmentUsage(name=clip(s.name, MAX_ID_CHARS),
                                used_bytes=_count(s.used_bytes, MAX_BIG_COUNT),
                                total_bytes=_count(s.total_bytes, MAX_BIG_COUNT))

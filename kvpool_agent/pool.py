@@ -3,7 +3,11 @@
 ``mooncake_master --metrics_port=N`` serves Prometheus text on ``/metrics`` (``master_key_count``,
 ``master_allocated_bytes``, ``master_total_capacity_bytes``, ``master_evicted_key_count``,
 ``master_evicted_size_bytes`` and per segment ``segment_allocated_bytes{segment="host:port"}`` /
-``segment_total_capacity_bytes{...}``) and JSON on ``/health`` (``{"status": "ok", ...}``).
+``segment_total_capacity_bytes{...}``; with SSD offload ``file_cache_nums_``,
+``master_allocated_file_size_bytes``, ``master_total_file_capacity_bytes``, and the reads
+served from each tier ``mem_cache_hit_nums_`` / ``file_cache_hit_nums_`` and their bytes
+``mem_cache_hit_bytes_total`` / ``file_cache_hit_bytes_total``) and JSON on ``/health``
+(``{"status": "ok", ...}``).
 The text is parsed with prometheus_client's parser, never by hand.
 """
 
@@ -33,11 +37,21 @@ _SCALARS = {
     "master_total_capacity_bytes": "total_bytes",
     "master_evicted_key_count": "evicted_keys",
     "master_evicted_size_bytes": "evicted_bytes",
+    # The disk tier (SSD offload) and the tier each read was served from. Counter families
+    # lose their ``_total`` suffix in prometheus_client's parser.
+    "file_cache_nums_": "disk_keys",
+    "master_allocated_file_size_bytes": "disk_used_bytes",
+    "master_total_file_capacity_bytes": "disk_total_bytes",
+    "mem_cache_hit_nums_": "memory_hits",
+    "file_cache_hit_nums_": "disk_hits",
+    "mem_cache_hit_bytes": "memory_hit_bytes",
+    "file_cache_hit_bytes": "disk_hit_bytes",
 }
 
 
 def parse_master_metrics(text: str, stats: PoolStats) -> None:
-    """Fill ``stats`` (keys, used/total bytes, evictions, segments) from the master's
+    """Fill ``stats`` (keys, used/total bytes, evictions, segments, the disk tier and the
+    reads served from each tier) from the master's
     ``/metrics`` Prometheus text.
 
     Matches metric *families*: prometheus_client names the samples of a counter family

@@ -360,6 +360,18 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     agents of one layout report the same pins (``kvpool_connector.pins``)."""
     pins: Count = 0
     """Pinned prefixes this agent holds."""
+    disk_keys: Count = 0
+    """Values on the pool's disk tier (Mooncake SSD offload; 0 without one)."""
+    disk_used_bytes: BigCount = 0
+    disk_total_bytes: BigCount = 0
+    """Bytes used and the capacity of the disk tier (0 without one)."""
+    memory_hits: Count = 0
+    disk_hits: Count = 0
+    """Reads the master served from memory and from the disk tier (counters, since the
+    master started)."""
+    memory_hit_bytes: BigCount = 0
+    disk_hit_bytes: BigCount = 0
+    """Bytes of those reads."""
     healthy: bool | None = None
     health_detail: FreeText = ""
     segments: list[SegmentUsage] = msgspec.field(default_factory=list)

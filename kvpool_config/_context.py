@@ -30,6 +30,8 @@ class Options:
             ``engine_config.hf_overrides.num_hidden_layers`` when present).
         hybrid: force hybrid-attention on/off; ``None`` = judge from the model name.
         target: the target service's user_config (for ``target_job_id``), if available.
+        value_bytes: the largest value the engines save (chunk tokens x KV bytes per token),
+            bytes, for the SSD tier's staging buffer; ``None`` = not checked.
     """
 
     role: str | None = None
@@ -37,6 +39,7 @@ class Options:
     num_layers: int | None = None
     hybrid: bool | None = None
     target: dict[str, Any] | None = None
+    value_bytes: int | None = None
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Checked: types, that the ASCEND transfer variables sit where the engines read them (not only in
 the kv_store pod's section), their unit (``ASCEND_CONNECT_TIMEOUT`` and
 ``ASCEND_TRANSFER_TIMEOUT`` are integer milliseconds for Mooncake's Ascend Direct Transport), and
-that prefill and decode agree on the transport switches. A user_config.json given with
-``--env`` also reads this file for its own rules (lease against timeouts, FabricMem,
-``PYTHONHASHSEED``).
+that prefill and decode agree on the transport switches, and the SSD tier's
+``MOONCAKE_OFFLOAD_*`` variables in any section (``rules.check_offload_env``). A
+user_config.json given with ``--env`` also reads this file for its own rules (lease against
+timeouts, FabricMem, ``PYTHONHASHSEED``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ _ENGINE_SECTIONS = ("motor_engine_prefill_env", "motor_engine_decode_env", "moto
 def check(
     doc: dict[str, Any], *, env: dict[str, Any] | None, options: Options
 ) -> list[Finding]:
-    """Findings of an env.json (``env`` and ``options`` are not used)."""
+    """Findings of an env.json (``env`` is not used; ``options.value_bytes`` checks the SSD
+    tier's staging buffer)."""
     findings = type_findings(EnvFile, doc, "$", "env.json")
+    for section, values in doc.items():
+        if isinstance(values, dict):
+            findings += R.check_offload_env(values, section=section,
+                                            value_bytes=options.value_bytes)
     findings += _misplaced_ascend(doc)
     findings += _timeout_units(doc)
     findings += _prefill_decode_agree(doc)

@@ -100,6 +100,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         hybrid={"auto": None, "yes": True, "no": False}[args.hybrid_attention],
         target=target if isinstance(target, dict) else None,
+        value_bytes=args.value_bytes,
     )
     reports = validate_files(args.files, env_path=args.env, options=options)
     status = exit_status(reports, strict=args.strict)
@@ -137,6 +138,17 @@ def _cmd_schema(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
     return EXIT_CLEAN
+
+
+def _positive_int(text: str) -> int:
+    """``--value-bytes``: a whole number of bytes above 0 (argparse reports anything else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,6 +192,12 @@ def _parser() -> argparse.ArgumentParser:
         help="whether the model uses hybrid attention (auto: from the model name)",
     )
     val.add_argument("--target", help="user_config.json of the service named by target_job_id")
+    val.add_argument(
+        "--value-bytes",
+        type=_positive_int,
+        help="largest value the engines save (chunk tokens x KV bytes per token), bytes: checks "
+        "the SSD tier's staging buffer MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES",
+    )
     val.set_defaults(func=_cmd_validate)
     ren = sub.add_parser("render", help="write the mooncake_master command and mooncake.json")
     ren.add_argument("file", help="MindIE user_config.json with kv_cache_store_config (mooncake)")

@@ -192,6 +192,22 @@ class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     largest any of its worker agents reports (``PoolStats.pinned_bytes``), summed."""
     pins: int = 0
     """Pinned prefixes, counted the same way."""
+    disk_keys: int = 0
+    disk_used_bytes: int = 0
+    disk_total_bytes: int = 0
+    """The pool's disk tier (Mooncake SSD offload): values, bytes used, capacity; 0 without
+    one (``PoolStats``)."""
+    memory_hits: int = 0
+    disk_hits: int = 0
+    memory_hit_bytes: int = 0
+    disk_hit_bytes: int = 0
+    """Reads the master served from memory and from disk, and their bytes (counters)."""
+
+    @property
+    def disk_hit_share(self) -> float | None:
+        """Fraction of the pool's reads served from its disk tier; ``None`` before any read."""
+        reads = self.memory_hits + self.disk_hits
+        return self.disk_hits / reads if reads else None
 
 
 class Totals(msgspec.Struct, gc=False, kw_only=True):
@@ -453,7 +469,11 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
             segments=[(s.name, s.used_bytes, s.total_bytes) for s in p.segments],
             reported_by=n, masters=list(p.masters),
             pinned_bytes=sum(b for b, _ in pinned.get(name, {}).values()),
-            pins=sum(k for _, k in pinned.get(name, {}).values())))
+            pins=sum(k for _, k in pinned.get(name, {}).values()),
+            disk_keys=p.disk_keys, disk_used_bytes=p.disk_used_bytes,
+            disk_total_bytes=p.disk_total_bytes, memory_hits=p.memory_hits,
+            disk_hits=p.disk_hits, memory_hit_bytes=p.memory_hit_bytes,
+            disk_hit_bytes=p.disk_hit_bytes))
     return out
 
 

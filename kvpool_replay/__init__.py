@@ -7,7 +7,8 @@
   MIN is ``belady_hits``;
 - ``DemoCluster``: master + store, fleet hub, operator keys and engine processes replaying a
   trace; ``kvpool-console --demo`` runs it with the console's TUI (``kvpool_replay.demo``);
-- ``LocalMooncakeMaster``, ``LocalPoolStore``, ``LocalYuanrongWorker``, ``free_port``,
+- ``LocalMooncakeMaster``, ``LocalPoolStore`` (with ``DiskTier``, an SSD tier),
+  ``LocalYuanrongWorker``, ``free_port``,
   ``engine_env``, ``mooncake_extra_config``: real services on 127.0.0.1 and how to reach them;
 - ``load_trace``, ``request_tokens``, ``default_trace_path``: trace input;
   ``ModelShape``/``EngineSpec``/``EngineResult``: what engines are told and report;
@@ -21,6 +22,7 @@ from kvpool_replay._pool import mooncake_extra_config
 from kvpool_replay._reference import ReuseResult, belady_hits, lru_hits, prefix_ceiling
 from kvpool_replay._replay import ReplayConfig, ReplayReport, reference_for, run_replay
 from kvpool_replay._services import (
+    DiskTier,
     LocalMooncakeMaster,
     LocalPoolStore,
     LocalYuanrongWorker,
@@ -36,6 +38,7 @@ from kvpool_replay._trace import TraceError, TraceRequest, default_trace_path, l
 __all__ = [
     "DEMO_SHAPE",
     "DemoCluster",
+    "DiskTier",
     "EngineResult",
     "EngineSpec",
     "LocalMooncakeMaster",

@@ -28,6 +28,8 @@ import msgspec
 import psutil
 
 from kvpool_agent.masters import leader_admin_url
+from kvpool_agent.pool import parse_master_metrics
+from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
@@ -40,6 +42,7 @@ from kvpool_replay._pool import (
 from kvpool_replay._progress import ProgressReceiver
 from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
 from kvpool_replay._services import (
+    DiskTier,
     LocalMooncakeMaster,
     LocalPoolStore,
     engine_env,
@@ -88,6 +91,11 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         admission: the engines' ``kv_connector_extra_config.admission`` (``all`` | ``adaptive``);
             ``adaptive`` needs ``pool_tokens`` and is told each engine's share of the pool
             (``admission_pool_tokens``: pool tokens / engines on it).
+        disk_tier_tokens: a disk tier (Mooncake SSD offload) of this many tokens of KV behind
+            each pool's memory (``/ engines`` per pool in private mode); ``None`` = memory only.
+            Needs ``pool_tokens`` and a master started here.
+        disk_tier_dir: absolute directory for the disk tiers' files (one subdirectory per
+            pool, left in place); ``None`` = the run's temporary directory.
     """
 
     trace_path: str
@@ -111,6 +119,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     ha: int = 0
     kill_leader_after_s: float | None = None
     admission: AdmissionMode = "all"
+    disk_tier_tokens: int | None = None
+    disk_tier_dir: str | None = None
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -127,7 +137,9 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
-    ``admission``: the engines' admission policy.
+    ``admission``: the engines' admission policy. With a disk tier: ``disk_tier_tokens``,
+    ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
+    (reads the masters served from each tier).
     """
 
     requests: int
@@ -155,6 +167,10 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     peak_rss_replay_bytes: int
     pool_evicted_keys: int = 0
     pool_keys: int = 0
+    disk_tier_tokens: int | None = None
+    pool_disk_keys: int = 0
+    pool_disk_hits: int = 0
+    pool_memory_hits: int = 0
     lookup_errors: int = 0
     save_failed_keys: int = 0
     max_lookup_s: float = 0.0
@@ -252,24 +268,18 @@ def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
                  stdout=out, stderr=out, env=engine_env(), start_new_session=True)
 
 
-def _master_stats(admin_url: str | None) -> tuple[int, int]:
-    """``(keys, evicted keys)`` from the master's ``/metrics`` (0, 0 when unavailable)."""
+def _master_stats(admin_url: str | None) -> PoolStats:
+    """The pool as its master's ``/metrics`` says (keys, evictions, both tiers); all 0 when
+    unavailable."""
+    stats = PoolStats(backend="mooncake")
     if admin_url is None:
-        return 0, 0
-    from prometheus_client.parser import text_string_to_metric_families
-
+        return stats
     try:
         text = httpx.get(f"{leader_admin_url(admin_url)}/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return 0, 0
-    keys = evicted = 0
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            if sample.name == "master_key_count":
-                keys += int(sample.value)
-            elif sample.name in ("master_evicted_key_count", "master_evicted_key_count_total"):
-                evicted += int(sample.value)
-    return keys, evicted
+        parse_master_metrics(text, stats)
+    except (httpx.HTTPError, ValueError):
+        return PoolStats(backend="mooncake")
+    return stats
 
 
 def run_replay(
@@ -299,6 +309,13 @@ def run_replay(
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")
+    if cfg.disk_tier_tokens is not None and (cfg.pool_tokens is None or cfg.master_address
+                                             or cfg.ha):
+        raise ValueError("--disk-tier-tokens needs --pool-tokens (a memory tier to overflow) "
+                         "and a master started here (no --master, no --ha)")
+    if cfg.disk_tier_dir is not None and not Path(cfg.disk_tier_dir).is_absolute():
+        raise ValueError(f"--disk-tier-dir {cfg.disk_tier_dir!r} is relative: give an "
+                         "absolute directory")
     if cfg.chunk_size % cfg.shape.block_size:
         raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
                          f"{cfg.shape.block_size}")
@@ -319,6 +336,10 @@ def run_replay(
     else:
         per_pool_tokens = cfg.pool_tokens if cfg.mode == "shared" else cfg.pool_tokens // n_eng
     segment = pool_bytes_for_tokens(per_pool_tokens, cfg.shape)
+    disk_bytes = 0
+    if cfg.disk_tier_tokens is not None:
+        per_pool_disk = cfg.disk_tier_tokens // (n_eng if cfg.mode == "private" else 1)
+        disk_bytes = max(1, per_pool_disk) * cfg.shape.bytes_per_token
     require_memory(segment * (n_eng if cfg.mode == "private" else 1))
 
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
@@ -328,7 +349,7 @@ def run_replay(
     admission: dict[str, object] = {"admission": cfg.admission}
     if cfg.admission == "adaptive":
         admission["admission_pool_tokens"] = max(1, per_pool_tokens // engines_per_pool)
-    pool_keys = pool_evicted = 0
+    pool_keys = pool_evicted = disk_keys = disk_hits = memory_hits = 0
     drill: FailoverDrill | None = None
     ha_pool: LocalHaPool | None = None
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
@@ -368,7 +389,7 @@ def run_replay(
             else:
                 m = LocalMooncakeMaster(
                     eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio,
-                    log_dir=logs)
+                    enable_offload=bool(disk_bytes), log_dir=logs)
                 stack.callback(m.stop)
                 use_local_pool_env()
                 m.start()
@@ -377,7 +398,11 @@ def run_replay(
                 masters.append(m.address)
                 admin_urls.append(m.admin_url)
                 lease_ttls.append(m.default_kv_lease_ttl_ms)
-                store = stack.enter_context(LocalPoolStore(m, segment, log_dir=logs))
+                disk = None
+                if disk_bytes:
+                    base = Path(cfg.disk_tier_dir) if cfg.disk_tier_dir else work
+                    disk = DiskTier((base / f"disk-{i}").resolve(), disk_bytes)
+                store = stack.enter_context(LocalPoolStore(m, segment, log_dir=logs, disk=disk))
             assert store.proc is not None
             rss.add("store", store.proc.pid)
 
@@ -423,9 +448,12 @@ def run_replay(
             if drill.error:
                 errors.append(f"failover: {drill.error}")
         for url in admin_urls:
-            k, e = _master_stats(url)
-            pool_keys += k
-            pool_evicted += e
+            ps = _master_stats(url)
+            pool_keys += ps.keys
+            pool_evicted += ps.evicted_keys
+            disk_keys += ps.disk_keys
+            disk_hits += ps.disk_hits
+            memory_hits += ps.memory_hits
         peaks = dict(rss.peaks)
 
     say("computing the reference (prefix-reuse ceiling, exact LRU)")
@@ -473,6 +501,10 @@ def run_replay(
         peak_rss_replay_bytes=peaks.get("replay", 0),
         pool_evicted_keys=pool_evicted,
         pool_keys=pool_keys,
+        disk_tier_tokens=cfg.disk_tier_tokens,
+        pool_disk_keys=disk_keys,
+        pool_disk_hits=disk_hits,
+        pool_memory_hits=memory_hits,
         lookup_errors=sum(r.lookup_errors for r in results),
         save_failed_keys=sum(r.save_failed_keys for r in results),
         max_lookup_s=max((r.max_lookup_s for r in results), default=0.0),

@@ -6,6 +6,11 @@ group).
 ``mooncake_master`` and ``mooncake_client`` are the binaries the ``mooncake-transfer-engine``
 wheel puts on PATH. The master listens for clients on ``rpc_port`` and serves ``/metrics``,
 ``/health``, ``/get_all_keys`` and ``/query_key`` on its HTTP admin port (``metrics_port``).
+
+A store may add a disk tier (``DiskTier``, Mooncake's SSD offload): the master runs with
+``--enable_offload=true`` and the store with ``--enable_offload=true`` and the
+``MOONCAKE_OFFLOAD_*`` environment naming a local directory, its capacity and its staging
+buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,6 +38,7 @@ from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 
 __all__ = [
+    "DiskTier",
     "LocalMooncakeMaster",
     "LocalPoolStore",
     "LocalYuanrongWorker",
@@ -162,6 +169,62 @@ def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) ->
                 continue
 
 
+DEFAULT_STAGING_BYTES = 64 << 20
+"""A local disk tier's staging buffer (``MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES``): Mooncake's
+own default, 1.25 GiB, is allocated whole when the store starts."""
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """A store's disk tier: Mooncake's SSD offload into a local directory.
+
+    The master offloads a value to the disk of the store holding it in memory; once there, a
+    read whose memory copy was evicted is served from disk (``get`` falls back by itself, and
+    ``get_replica_desc`` lists a local-disk replica). Values are kept one file per key
+    (``file_per_key_storage_backend``: the default bucket backend never wrote a bucket here
+    and kept every offloaded value pinned in memory).
+
+    Args:
+        directory: where the files go; absolute (a relative path is refused), created if
+            missing.
+        capacity_bytes: the most the tier holds, bytes (``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES``;
+            the master publishes it as ``master_total_file_capacity_bytes``).
+        staging_bytes: the store's buffer every value passes through on its way to and from
+            disk, bytes (``MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES``); must exceed the largest
+            value.
+        heartbeat_s: how often the store asks the master what to offload, seconds
+            (``MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS``; Mooncake's default is 10).
+
+    Raises:
+        ValueError: a relative directory or a size that is not positive (the message names
+            the field).
+    """
+
+    directory: Path
+    capacity_bytes: int
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    heartbeat_s: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", Path(self.directory))
+        if not self.directory.is_absolute():
+            raise ValueError(f"disk tier directory {str(self.directory)!r} is relative: give "
+                             "an absolute path")
+        for name in ("capacity_bytes", "staging_bytes", "heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"disk tier {name} is {getattr(self, name)}: it must be > 0")
+
+    def env(self) -> dict[str, str]:
+        """The store's ``MOONCAKE_OFFLOAD_*`` environment for this tier."""
+        return {
+            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(self.directory),
+            "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend",
+            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(self.capacity_bytes),
+            "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(self.staging_bytes),
+            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": str(self.heartbeat_s),
+        }
+
+
 class LocalMooncakeMaster:
     """A ``mooncake_master`` child process on 127.0.0.1 with free ports.
 
@@ -169,6 +232,7 @@ class LocalMooncakeMaster:
         eviction_high_watermark_ratio: fraction of segment memory in use that starts eviction.
         eviction_ratio: fraction of objects evicted per eviction round.
         default_kv_lease_ttl_ms: lease granted on every exists/get, milliseconds.
+        enable_offload: ``--enable_offload=true``, needed by stores with a ``DiskTier``.
         extra_args: further ``-flag=value`` arguments for the master.
 
     Attributes after ``start()``: ``rpc_port``, ``metrics_port``, ``address``
@@ -187,10 +251,12 @@ class LocalMooncakeMaster:
         eviction_high_watermark_ratio: float = 0.9,
         eviction_ratio: float = 0.05,
         default_kv_lease_ttl_ms: int = 10_000,
+        enable_offload: bool = False,
         extra_args: list[str] | None = None,
         log_dir: str | Path | None = None,
     ) -> None:
         self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
+        self.enable_offload = enable_offload
         self.eviction_ratio = eviction_ratio
         self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
         self.extra_args = list(extra_args or [])
@@ -232,6 +298,7 @@ class LocalMooncakeMaster:
             f"--eviction_ratio={self.eviction_ratio}",
             f"--default_kv_lease_ttl={self.default_kv_lease_ttl_ms}",
             "--logtostderr=1",
+            *(["--enable_offload=true"] if self.enable_offload else []),
             *self.extra_args,
         ]
 
@@ -302,19 +369,27 @@ class LocalMooncakeMaster:
 
 class LocalPoolStore:
     """A ``mooncake_client`` store process contributing ``segment_bytes`` of pool memory to a
-    master (Mooncake standalone mode). Context manager; ``.proc`` is the child process.
+    master (Mooncake standalone mode), and with ``disk`` a disk tier. Context manager;
+    ``.proc`` is the child process.
 
     Raises:
+        ValueError: ``disk`` with a ``LocalMooncakeMaster`` started without
+            ``enable_offload``.
         FileNotFoundError: ``mooncake_client`` is not installed (``kvpool[mooncake]``).
-        RuntimeError: the store did not mount its segment within ``timeout_s`` (the message
-            carries its log tail).
+        RuntimeError: the store did not mount its segment (and disk tier) within
+            ``timeout_s`` (the message carries its log tail).
     """
 
     def __init__(self, master: LocalMooncakeMaster | str, segment_bytes: int,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None, *, disk: DiskTier | None = None) -> None:
+        if disk is not None and isinstance(master, LocalMooncakeMaster) \
+                and not master.enable_offload:
+            raise ValueError("a store with a disk tier needs its master started with "
+                             "enable_offload=True (mooncake_master --enable_offload=true)")
         self.master_address = master if isinstance(master, str) else master.address
         self.admin_url = None if isinstance(master, str) else master.admin_url
         self.segment_bytes = segment_bytes
+        self.disk = disk
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-store-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -331,6 +406,10 @@ class LocalPoolStore:
                "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={free_port()}",
                f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
                "--local_buffer_size=16MB"]
+        if self.disk is not None:
+            self.disk.directory.mkdir(parents=True, exist_ok=True)
+            cmd.append("--enable_offload=true")
+            env.update(self.disk.env())
         with reaping(cmd):
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
@@ -358,7 +437,8 @@ class LocalPoolStore:
             parse_master_metrics(text, stats)
         except ValueError:
             return False
-        return stats.total_bytes >= self.segment_bytes
+        disk_ready = self.disk is None or stats.disk_total_bytes >= self.disk.capacity_bytes
+        return stats.total_bytes >= self.segment_bytes and disk_ready
 
     def stop(self) -> None:
         """Stop the store (its segment, and every object in it, goes away). Idempotent."""

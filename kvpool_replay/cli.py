@@ -4,6 +4,7 @@ Examples::
 
     kvpool-replay ../shared/traces/conversation_trace.jsonl --limit 300 --json
     kvpool-replay --limit 2000 --engines 4 --pool-tokens 2000000 --private
+    kvpool-replay --pool-tokens 1000000 --disk-tier-tokens 4000000   # memory + an SSD tier
     kvpool-replay --limit 600 --engines 2 --ha 2 --kill-leader-after 5 --json
 """
 
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the connector's save admission: all (default) saves every chunk; "
                    "adaptive skips chunks never asked for before when that would hit more "
                    "(needs --pool-tokens)")
+    p.add_argument("--disk-tier-tokens", type=_positive_int, default=None, metavar="N",
+                   help="a disk tier (Mooncake SSD offload) of N tokens of KV behind the pool's "
+                   "memory (needs --pool-tokens; split per engine with --private)")
+    p.add_argument("--disk-tier-dir", default=None, metavar="DIR",
+                   help="absolute directory for the disk tier's files (default: the run's "
+                   "temporary directory, removed at the end)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -125,7 +132,10 @@ def format_report(r: ReplayReport) -> str:
         "calls)",
         f"load errors         {r.load_errors} blocks (recomputed), corrupt blocks "
         f"{r.corrupt_blocks}",
-        f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted",
+        f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted"
+        + ("" if r.disk_tier_tokens is None else
+           f"; disk tier {r.disk_tier_tokens:,} tokens, {r.pool_disk_keys:,} values on disk, "
+           f"reads served {r.pool_memory_hits:,} from memory / {r.pool_disk_hits:,} from disk"),
         f"failures            {r.lookup_errors} lookups, {r.save_failed_keys} saved values "
         f"(longest lookup {r.max_lookup_s * 1e3:.0f} ms)",
         f"peak RSS            engine {r.peak_rss_engine_bytes / mib:.0f} MiB, master "
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             load_async=args.load_async, use_layerwise=args.layerwise,
             show_progress=args.progress, ha=args.ha,
             kill_leader_after_s=args.kill_leader_after, admission=args.admission,
+            disk_tier_tokens=args.disk_tier_tokens, disk_tier_dir=args.disk_tier_dir,
         )
         # Killed on the spot it would leave its master, store and engines running: the signal
         # raises Stopped instead, and run_replay stops what it started on the way out.

@@ -31,6 +31,7 @@ __all__ = [
     "check_global_segment_size",
     "check_lease_ttl",
     "check_local_service_mode",
+    "check_offload_env",
     "check_protocol",
     "check_ratio",
     "check_size",
@@ -44,6 +45,10 @@ ASCEND_DEFAULT_TIMEOUT_MS = 10_000
 (milliseconds; the older doc table says 3000, the code is what runs)."""
 
 GIB = 1 << 30
+
+OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
+OFFLOAD_TOTAL_ENV = "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"
+OFFLOAD_STAGING_ENV = "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"
 
 
 def check_lease_ttl(
@@ -314,3 +319,71 @@ def check_ssd_offload_path(value: Any, *, path: str, enabled: bool) -> Finding |
         )
     return None
 
+
+
+def _whole_bytes(value: Any) -> int | None:
+    """A positive whole byte count written as a number or a digit string, else ``None``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, str) and value.strip().isdecimal():
+        return int(value.strip()) or None
+    return None
+
+
+def check_offload_env(
+    values: dict[str, Any], *, section: str, value_bytes: int | None = None
+) -> list[Finding]:
+    """The SSD tier's environment of a Mooncake store (``mooncake_client --enable_offload``):
+    ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` absolute without ``..``;
+    ``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`` (the tier's capacity) and
+    ``MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES`` (the staging buffer every value passes through
+    to and from disk; 1.25 GiB, allocated at start, when unset) whole positive byte counts; the
+    staging buffer at least one value (``value_bytes``: chunk tokens x KV bytes per token, when
+    the caller knows it) and no larger than the tier.
+
+    Args:
+        values: one env.json section (variable -> value).
+        section: its name, for the finding's path.
+        value_bytes: the largest value the engines save, bytes; ``None`` = not checked.
+    """
+    out: list[Finding] = []
+    where = f"$.{section}"
+    raw_path = values.get(OFFLOAD_PATH_ENV)
+    if raw_path is not None:
+        text = str(raw_path)
+        if not text.startswith("/") or ".." in text.split("/"):
+            out.append(Finding(
+                "error", "ssd-offload-path", f"{where}.{OFFLOAD_PATH_ENV}",
+                f"{OFFLOAD_PATH_ENV} {text!r} must be an absolute path without '..': the store "
+                "resolves a relative one against its own working directory",
+                'use an absolute directory such as "/nvme/mooncake_offload"'))
+    sizes: dict[str, int] = {}
+    for key in (OFFLOAD_TOTAL_ENV, OFFLOAD_STAGING_ENV):
+        if key not in values:
+            continue
+        size = _whole_bytes(values[key])
+        if size is None:
+            out.append(Finding(
+                "error", "offload-size", f"{where}.{key}",
+                f"{key} {values[key]!r} is not a whole positive number of bytes",
+                f"write bytes as digits, e.g. {4 * GIB} for 4 GiB"))
+        else:
+            sizes[key] = size
+    staging, total = sizes.get(OFFLOAD_STAGING_ENV), sizes.get(OFFLOAD_TOTAL_ENV)
+    if staging is not None and value_bytes and staging < value_bytes:
+        out.append(Finding(
+            "error", "offload-staging", f"{where}.{OFFLOAD_STAGING_ENV}",
+            f"{OFFLOAD_STAGING_ENV} {staging} is smaller than one value ({value_bytes} bytes, "
+            "--value-bytes): a value on disk cannot be read back through it (the store logs "
+            "'Failed to allocate batch objects', INVALID_PARAMS, and the read misses)",
+            f"set it to at least {value_bytes} (several values: offload batches them)"))
+    if staging is not None and total is not None and staging > total:
+        out.append(Finding(
+            "warning", "offload-staging", f"{where}.{OFFLOAD_STAGING_ENV}",
+            f"{OFFLOAD_STAGING_ENV} {staging} exceeds the disk tier's capacity "
+            f"{OFFLOAD_TOTAL_ENV} {total}: the store allocates the whole buffer in memory at "
+            "start for a tier that holds less",
+            f"lower it below {total}"))
+    return out

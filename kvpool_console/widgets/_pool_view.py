@@ -1,5 +1,6 @@
-"""The Pool tab: one line of fleet pool totals, a row per pool, a row per pool segment, and an
-HA pool's masters (``_masters``)."""
+"""The Pool tab: one line of fleet pool totals, a row per pool (with its disk tier and the reads
+served from memory and from disk), a row per pool segment, and an HA pool's masters
+(``_masters``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from textual.reactive import var
 from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
-from kvpool_console.model import FleetView, fmt_bytes
+from kvpool_console.model import FleetView, PoolRow, fmt_bytes
 from kvpool_console.widgets._masters import MastersTable
 
 __all__ = ["PoolView"]
@@ -34,8 +35,8 @@ class PoolView(TabPane):
 
     def on_mount(self) -> None:
         self.query_one("#pool-table", DataTable).add_columns(
-            "Pool", "Keys", "Used", "Total", "Use", "WM", "Pinned", "Evicted", "Lease TTL",
-            "Health")
+            "Pool", "Keys", "Used", "Total", "Use", "WM", "Pinned", "Evicted", "Disk",
+            "Hits mem/disk", "Lease TTL", "Health")
         self.query_one("#segments-table", DataTable).add_columns(
             "Segment", "Used", "Total", "Use")
 
@@ -57,7 +58,7 @@ class PoolView(TabPane):
                           f"{p.high_watermark:.0%}",
                           f"{fmt_bytes(p.pinned_bytes)} ({p.pins})" if p.pins else "-",
                           f"{p.evicted_keys} ({fmt_bytes(p.evicted_bytes)})",
-                          f"{p.lease_ttl_ms} ms", health)
+                          _disk(p), _hits(p), f"{p.lease_ttl_ms} ms", health)
             for name, used, total in p.segments:
                 segs.add_row(plain(name), fmt_bytes(used), fmt_bytes(total),
                              f"{used / total:.0%}" if total else "-")
@@ -67,3 +68,18 @@ class PoolView(TabPane):
             f"{len(view.pools)} pools, {fmt_bytes(t.segment_used_bytes)} of "
             f"{fmt_bytes(t.segment_total_bytes)} used; load {fmt_bytes(t.load_bytes_per_s)}/s "
             f"save {fmt_bytes(t.save_bytes_per_s)}/s")
+
+
+def _disk(p: PoolRow) -> str:
+    """The disk tier as ``used/capacity (values)``; ``-`` for a pool without one."""
+    if not p.disk_total_bytes:
+        return "-"
+    return f"{fmt_bytes(p.disk_used_bytes)}/{fmt_bytes(p.disk_total_bytes)} ({p.disk_keys})"
+
+
+def _hits(p: PoolRow) -> str:
+    """Reads served from memory / from disk, with the disk's share; ``-`` before any read."""
+    share = p.disk_hit_share
+    if share is None:
+        return "-"
+    return f"{p.memory_hits}/{p.disk_hits} ({share:.0%} disk)"

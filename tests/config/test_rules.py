@@ -75,6 +75,10 @@ ISSUE_RULES: dict[str, list[str]] = {
     ],
     "store_mode embedded|standalone": ["store_mode.json"],
     "ssd_offload_path absolute": ["ssd_path.json"],
+    "SSD tier environment: absolute path, byte counts, staging buffer vs value and tier": [
+        "offload_env.env.json",
+        "offload_staging.env.json",
+    ],
     "protocol is known": ["protocol.json", "protocol_npu.json", "mooncake_address.json"],
     "memcache local_service_mode inprocess|standalone": ["local_service_mode.json"],
     "kv_port inside the Ascend Direct Transport port range collides": ["ascend_port_window.json"],

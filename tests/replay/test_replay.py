@@ -189,3 +189,18 @@ def test_cli_adaptive_admission_needs_a_pool_size(capsys: pytest.CaptureFixture[
     assert main([str(good), "--limit", "5", "--admission", "adaptive"]) == 2
     assert capsys.readouterr().err == ("kvpool-replay: --admission adaptive needs --pool-tokens: "
                                        "the policy simulates a pool of that capacity\n")
+
+
+def test_cli_disk_tier_needs_a_memory_tier_and_an_absolute_dir(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay.cli import main
+
+    good = default_trace_path("conversation_trace.jsonl")
+    assert main([str(good), "--limit", "5", "--disk-tier-tokens", "4000000"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool-replay: --disk-tier-tokens needs --pool-tokens (a memory tier to overflow) and "
+        "a master started here (no --master, no --ha)\n")
+    assert main([str(good), "--limit", "5", "--pool-tokens", "1000000", "--disk-tier-tokens",
+                 "4000000", "--disk-tier-dir", "disk"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool-replay: --disk-tier-dir 'disk' is relative: give an absolute directory\n")
