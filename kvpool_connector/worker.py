@@ -327,12 +327,17 @@ class KVPoolWorker:
                 for s in self.shares.shares]
 
     @property
-    def own_shards(self) -> list[str]:
-        """The shards (``ParallelLayout`` strings) whose values this worker writes: its rank,
-        or each KV-head share it holds."""
+    def shard_layouts(self) -> list[ParallelLayout]:
+        """The shards whose values this worker writes: its rank, or each KV-head share it
+        holds (``operations.KeyScope``: a flush of this engine removes them all)."""
         if self.shares is None:
-            return [str(self.layout)]
-        return [str(replace(self.layout, tp_rank=s)) for s in self.shares.shares]
+            return [self.layout]
+        return [replace(self.layout, tp_rank=s) for s in self.shares.shares]
+
+    @property
+    def own_shards(self) -> list[str]:
+        """``shard_layouts`` as strings (``tp0.pcp0.dcp0.pp0.g0``)."""
+        return [str(x) for x in self.shard_layouts]
 
     def _enable_checksum(self, kv: KVLayout, scratch: int) -> None:
         """Register the integrity check's host buffers (``_checksum``) and hand them to the
