@@ -591,7 +591,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                                   layer_ids=_layer_ids(kv_caches))
         cfg = self.kv_config
         if self._operations is not None:
-            self._operations.key_scope = (cfg.model, worker.layout_digest, worker.layout)
+            # Every shard the worker writes: with KV-head shares a rank writes several.
+            self._operations.key_scope = (cfg.model, worker.layout_digest,
+                                          tuple(worker.shard_layouts))
             backend = self._backend
             if isinstance(backend, PinnableBackend) and not worker.hybrid:
                 pins = Pins(backend, worker.rank_keys, cfg.chunk_size, worker.key_bytes,

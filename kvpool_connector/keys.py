@@ -19,8 +19,8 @@ as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
 
 This module is the only place that writes or reads the format: ``PoolKey``/``chunk_keys``
 build keys (the latter in batches, for the lookup hot path), ``size_group`` reads them back,
-``model_pattern`` (every digest of a model), ``layout_pattern`` (one digest and shard) and
-``ALL_KEYS_PATTERN`` select them for a flush.
+``model_pattern`` (every digest of a model), ``layout_pattern`` (one digest, the shards of a
+worker) and ``ALL_KEYS_PATTERN`` select them for a flush.
 """
 
 from __future__ import annotations
@@ -225,17 +225,25 @@ def model_pattern(model: str) -> str:
     return "^" + re.escape(f"{KEY_PREFIX}{normalize_model_name(model)}@")
 
 
-def layout_pattern(model: str, digest: str, layout: ParallelLayout) -> str:
-    """Anchored regex matching every key one shard writes: ``model``, layout ``digest`` and
-    parallel ``layout``, in every KV-cache group (a hybrid model's worker writes one key per
-    group and chunk; ``layout.group`` is not matched); keys of the same model under another
-    digest or shard do not match.
+def layout_pattern(model: str, digest: str, *layouts: ParallelLayout) -> str:
+    """Anchored regex matching every key the shards ``layouts`` write under ``model`` and
+    layout ``digest``, in every KV-cache group (a hybrid model's worker writes one key per
+    group and chunk; ``layout.group`` is not matched). A worker holding several KV-head
+    shares (``_heads``) writes one shard per share: pass them all. Keys of the same model
+    under another digest or shard do not match.
 
     Raises:
-        ValueError: ``digest`` is not a layout digest (see ``shard_prefix``).
+        ValueError: no ``layouts``, or ``digest`` is not a layout digest (see
+            ``shard_prefix``).
     """
-    prefix = shard_prefix(normalize_model_name(model), digest, layout)
-    return "^" + re.escape(prefix[: prefix.rindex(".g") + 2]) + r"\d+@"
+    if not layouts:
+        raise ValueError("layout_pattern needs at least one ParallelLayout")
+    name = normalize_model_name(model)
+    stems = []
+    for layout in dict.fromkeys(layouts):
+        prefix = shard_prefix(name, digest, layout)
+        stems.append(re.escape(prefix[: prefix.rindex(".g") + 2]))
+    return "^" + (stems[0] if len(stems) == 1 else f"(?:{'|'.join(stems)})") + r"\d+@"
 
 
 def digest_pattern(model: str, digest: str) -> str:

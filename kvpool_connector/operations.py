@@ -52,6 +52,7 @@ from kvpool_connector.keys import (
     digest_pattern,
     layout_pattern,
     model_pattern,
+    normalize_model_name,
     probe_key,
     shard_prefix,
 )
@@ -63,9 +64,9 @@ __all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "Tokeniz
 PROBE_BYTES = 4096
 """Size of the health probe value (bytes)."""
 
-KeyScope = tuple[str, str, ParallelLayout]
-"""``(model, layout digest, ParallelLayout)``: the keys one worker writes
-(``keys.layout_pattern``)."""
+KeyScope = tuple[str, str, tuple[ParallelLayout, ...]]
+"""``(model, layout digest, shards)``: the keys one worker writes (``keys.layout_pattern``):
+its rank's shard, or one shard per KV-head share it holds (``KVPoolWorker.key_scope``)."""
 
 Tokenize = Callable[[str, bool], list[int]]
 """The engine's tokenizer: ``(text, chat_template)`` -> the token ids the engine would see
@@ -107,9 +108,9 @@ class BackendOperations:
         source: who the process reports as (its ``agent_id`` names probe keys, its
             ``engine_id`` and ``model`` resolve flush scopes).
         key_scope: the ``KeyScope`` this process writes; ``flush --scope engine`` removes
-            exactly ``keys.layout_pattern(*key_scope)``. ``None`` in a process that writes no
-            keys, and in a worker until vLLM registered its KV caches (the connector sets it
-            then, with the layout digest).
+            exactly ``keys.layout_pattern`` of its model, digest and every shard. ``None`` in
+            a process that writes no keys, and in a worker until vLLM registered its KV caches
+            (the connector sets it then, with the layout digest and shards).
 
     Attributes:
         saves: the worker whose saves ``wait_for_saves`` waits for; the connector sets it once
@@ -159,7 +160,8 @@ class BackendOperations:
         pattern = flush_pattern(args, self.source, self.key_scope)
         res = self.backend.remove_by_scope(pattern, dry_run=args.dry_run, force=args.force)
         scope = self.key_scope
-        if not args.dry_run and scope is not None and re.match(pattern, shard_prefix(*scope)):
+        if not args.dry_run and scope is not None and re.match(
+                pattern, shard_prefix(normalize_model_name(scope[0]), scope[1], scope[2][0])):
             self._flushes.append(args.scope)
         return FlushResult(
             dry_run=args.dry_run,
@@ -373,7 +375,7 @@ def flush_pattern(
 
     ``model``: ``keys.model_pattern(args.model or this process's model)``, every layout digest
     of the model; ``engine``: ``keys.layout_pattern`` of ``key_scope`` (its model, layout
-    digest and shard); ``all``:
+    digest and every shard it writes: one per KV-head share); ``all``:
     ``keys.ALL_KEYS_PATTERN`` (every ``kvpool@`` key, never other tenants' keys).
 
     Raises:
@@ -397,7 +399,8 @@ def flush_pattern(
             "worker whose KV caches vLLM has not registered yet): send flush scope 'engine' "
             "to the engine's worker agents"
         )
-    return layout_pattern(*key_scope)
+    model, digest, shards = key_scope
+    return layout_pattern(model, digest, *shards)
 
 
 class _Prober:

@@ -385,12 +385,18 @@ class KVPoolWorker:
                 for lay, layers in by_share for r, cut in self.ranges.local_slices()]
 
     @property
-    def own_shards(self) -> list[str]:
-        """The shards (``ParallelLayout`` strings) whose values this worker writes: its rank,
-        or each KV-head share and stored layer range it holds."""
+    def shard_layouts(self) -> list[ParallelLayout]:
+        """The shards whose values this worker writes: its rank, or each KV-head share and
+        stored layer range it holds (``operations.KeyScope``: a flush of this engine removes
+        them all)."""
         tps = [self.layout.tp_rank] if self.shares is None else list(self.shares.shares)
         pps = [self.layout.pp_rank] if self.ranges is None else list(self.ranges.held)
-        return [str(replace(self.layout, tp_rank=t, pp_rank=p)) for t in tps for p in pps]
+        return [replace(self.layout, tp_rank=t, pp_rank=p) for t in tps for p in pps]
+
+    @property
+    def own_shards(self) -> list[str]:
+        """``shard_layouts`` as strings (``tp0.pcp0.dcp0.pp0.g0``)."""
+        return [str(x) for x in self.shard_layouts]
 
     def _enable_checksum(self, kv: KVLayout, scratch: int) -> None:
         """Register the integrity check's host buffers (``_checksum``) and hand them to the

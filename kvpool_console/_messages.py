@@ -1,21 +1,24 @@
 """Messages between the console's widgets, screens and app.
 
 Selection bubbles up from the fleet table (:class:`EngineChosen`). Commands are asked for by the
-modal that shows their result (:class:`HealthRequested`, :class:`FlushRequested`, bubbling up
-to the app, which owns the fleet source) and answered by the app posting
-:class:`HealthFinished` / :class:`FlushFinished` to that modal. The app runs the command in a
-thread worker, so the answer is posted from that thread (``post_message`` is thread-safe).
+modal that shows their result (:class:`HealthRequested`, :class:`FlushRequested`,
+:class:`PinRequested`, bubbling up to the app, which owns the fleet source) and answered by the
+app posting :class:`HealthFinished` / :class:`FlushFinished` / :class:`PinFinished` to that
+modal. The app runs the command in a thread worker, so the answer is posted from that thread
+(``post_message`` is thread-safe).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from kvpool_agent.protocol import CommandReply, FlushArgs
+from kvpool_agent.protocol import CommandReply, FlushArgs, PinArgs
 
 __all__ = ["EngineChosen", "FleetArrived", "FlushFinished", "FlushRequested", "HealthFinished",
-           "HealthRequested"]
+           "HealthRequested", "PinFinished", "PinRequested"]
 
 
 class FleetArrived(Message):
@@ -82,5 +85,34 @@ class FlushFinished(Message):
                  error: str | None = None) -> None:
         super().__init__()
         self.args = args
+        self.replies = replies
+        self.error = error
+
+
+class PinRequested(Message):
+    """Run ``pin`` or ``unpin`` with ``args`` (checked already: ``_pins.pin_args``).
+
+    Args:
+        requester: where to post the :class:`PinFinished` answer.
+        command: ``pin`` or ``unpin``.
+        args: model, pin id and, for a pin, the prefix, mode and TTL.
+    """
+
+    def __init__(self, requester: MessagePump, command: Literal["pin", "unpin"],
+                 args: PinArgs) -> None:
+        super().__init__()
+        self.requester = requester
+        self.command: Literal["pin", "unpin"] = command
+        self.args = args
+
+
+class PinFinished(Message):
+    """Answer to :class:`PinRequested`: one reply per worker that ran it, or the error that
+    stopped it before any did (read-only console, hub unreachable)."""
+
+    bubble = False  # posted to the modal that asked; nothing above it needs it
+
+    def __init__(self, replies: list[CommandReply], error: str | None = None) -> None:
+        super().__init__()
         self.replies = replies
         self.error = error

@@ -18,8 +18,9 @@ faults only, sort, expanded engines, pause, refresh rate). Nothing is redrawn by
 bar is bound to them (``data_bind``); their watchers hand the view to the active tab's widget
 only (the fleet table of a 2,000-agent fleet is the costly part of a refresh; the other tabs
 catch up when shown) and to an open engine detail screen. Selection and commands are messages
-(:mod:`kvpool_console._messages`): the fleet table says which engine was chosen, the health and
-flush modals ask for their command, the app runs it in a thread worker and answers the modal.
+(:mod:`kvpool_console._messages`): the fleet table says which engine was chosen, the health,
+flush, pin and unpin modals ask for their command, the app runs it in a thread worker and
+answers the modal.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ from kvpool_console._messages import (
     FlushRequested,
     HealthFinished,
     HealthRequested,
+    PinFinished,
+    PinRequested,
 )
-from kvpool_console._pin_cli import pins_summary
+from kvpool_console._pins import PIN_TIMEOUT_MS, pins_summary
 from kvpool_console.alerts import STALE_AFTER_MS, WATERMARK_MARGIN, Alert, AlertModel
 from kvpool_console.model import SORT_KEYS, EngineRow, FleetModel, FleetView, select_rows
 from kvpool_console.screens import (
@@ -59,7 +62,10 @@ from kvpool_console.screens import (
     FlushScreen,
     HealthScreen,
     HelpScreen,
+    PinScreen,
+    UnpinScreen,
 )
+from kvpool_console.screens._pins import result_lines
 from kvpool_console.source import ClientSource, FleetSource, ReadOnlyError
 from kvpool_console.widgets import EventsView, FleetTable, PoolView, StatusBar
 
@@ -71,7 +77,11 @@ REFRESH_STEPS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 _HUB_SILENT_MS = 6_000.0
 """No update from the hub for this long (it sends a snapshot every 2 s): hub down or cut off."""
 
-_READ_ONLY = "read-only console: flush needs the operator key (restart with --keys DIR)"
+_READ_ONLY = "read-only console: {} needs the operator key (restart with --keys DIR)"
+"""Why a data-changing command is refused (``.format`` its name)."""
+
+_OPERATOR_ONLY = ("flush", "pin", "unpin")
+"""Actions refused without the operator key: shown disabled, and say why when run."""
 
 _IN_STEP = 0.5
 """A batch arriving at least this many refresh intervals after the previous tick is shown at
@@ -123,6 +133,8 @@ class KVPoolConsole(App[None]):
         Binding("H", "health(True)", "Health all", show=False),
         Binding("f", "flush", "Flush"),
         Binding("n", "pins", "Pins", show=False),
+        Binding("N", "pin", "Pin", show=False),
+        Binding("u", "unpin", "Unpin", show=False),
         Binding("t", "triage", "Triage", show=False),
         Binding("plus,equals_sign", "rate(-1)", "Faster", show=False),
         Binding("minus", "rate(1)", "Slower", show=False),
@@ -433,7 +445,7 @@ class KVPoolConsole(App[None]):
     # ---- actions -----------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "flush" and not self.source.can_flush:
+        if action in _OPERATOR_ONLY and not self.source.can_flush:
             return None  # shown disabled in the footer; the palette entry says why
         return True
 
@@ -444,8 +456,14 @@ class KVPoolConsole(App[None]):
         yield SystemCommand("Health check: all engines", "run health on every agent",
                             lambda: self.action_health(True))
         yield SystemCommand("Flush pool entries",
-                            "scope, dry run, confirm" if self.source.can_flush else _READ_ONLY,
-                            self.action_flush)
+                            "scope, dry run, confirm" if self.source.can_flush
+                            else _READ_ONLY.format("flush"), self.action_flush)
+        yield SystemCommand("Pin a prefix: selected engine's model",
+                            "token ids or text, soft (TTL) or hard" if self.source.can_flush
+                            else _READ_ONLY.format("pin"), self.action_pin)
+        yield SystemCommand("Unpin a prefix: selected engine's model", "by its pin id"
+                            if self.source.can_flush else _READ_ONLY.format("unpin"),
+                            self.action_unpin)
         yield SystemCommand("SSH triage: selected engine",
                             "log in to its hosts, diagnose hung / gone / port held",
                             self.action_triage)
@@ -558,7 +576,7 @@ class KVPoolConsole(App[None]):
 
     def action_flush(self) -> None:
         if not self.source.can_flush:
-            self.notify(_READ_ONLY, severity="warning", title="flush disabled")
+            self.notify(_READ_ONLY.format("flush"), severity="warning", title="flush disabled")
             return
         row = self.selected_engine()
         self.push_screen(FlushScreen(row.engine_id if row else None,
@@ -571,6 +589,32 @@ class KVPoolConsole(App[None]):
         model = row.model if row is not None and row.model else ""
         self.log_event(f"pins of {model or 'every model'} requested")
         self._run_pins(model)
+
+    def action_pin(self) -> None:
+        """Open the pin dialog for the selected engine's model (operator key)."""
+        model = self._pin_model("pin")
+        if model is not None:
+            self.push_screen(PinScreen(model))
+
+    def action_unpin(self) -> None:
+        """Open the unpin dialog for the selected engine's model (operator key)."""
+        model = self._pin_model("unpin")
+        if model is not None:
+            self.push_screen(UnpinScreen(model))
+
+    def _pin_model(self, command: str) -> str | None:
+        """The model a pin or unpin is for: the selected engine's; None (and a notification
+        saying why) without the operator key or an engine with a model selected."""
+        if not self.source.can_flush:
+            self.notify(_READ_ONLY.format(command), severity="warning",
+                        title=f"{command} disabled")
+            return None
+        row = self.selected_engine()
+        if row is None or not row.model:
+            self.notify(f"{command}: select an engine of the model first (its row in the "
+                        "fleet table)", severity="warning", title=command)
+            return None
+        return row.model
 
     @work(thread=True)
     def _run_pins(self, model: str) -> None:
@@ -599,6 +643,33 @@ class KVPoolConsole(App[None]):
             return
         request.requester.post_message(HealthFinished(replies))
 
+    @on(PinRequested)
+    def _pin_requested(self, request: PinRequested) -> None:
+        a = request.args
+        self.log_event(f"{request.command} {a.pin_id!r} of {a.model} requested")
+        self._run_pin(request)
+
+    @work(thread=True)
+    def _run_pin(self, request: PinRequested) -> None:
+        cmd = request.command
+        try:
+            if not self.source.can_flush:
+                # The hub would refuse it too (and audit the refusal): never send it.
+                raise ReadOnlyError(_READ_ONLY.format(cmd))
+            replies = self.source.command(cmd, pin=request.args, timeout_ms=PIN_TIMEOUT_MS)
+        except Exception as e:  # shown in the modal: read-only console, hub unreachable
+            error = f"{type(e).__name__}: {e}"
+            self.call_from_thread(self.log_event, f"{cmd}: {error}", "red")
+            request.requester.post_message(PinFinished([], error))
+            return
+        lines = result_lines(cmd, replies)
+        for line, ok in lines:
+            self.call_from_thread(self.log_event, line, "" if ok else "red")
+        failed = not all(ok for _, ok in lines)
+        self.call_from_thread(self.notify, "\n".join(line for line, _ in lines), title=cmd,
+                              severity="error" if failed else "information")
+        request.requester.post_message(PinFinished(replies))
+
     @on(FlushRequested)
     def _flush_requested(self, request: FlushRequested) -> None:
         self._run_flush(request)
@@ -608,7 +679,7 @@ class KVPoolConsole(App[None]):
         args = request.args
         try:
             if not args.dry_run and not self.source.can_flush:
-                raise ReadOnlyError(_READ_ONLY)
+                raise ReadOnlyError(_READ_ONLY.format("flush"))
             # No targets: the hub picks the agents a scope needs (one per pool for model/all,
             # the engine's workers for engine), so removed counts add up exactly.
             replies = self.source.command("flush", flush=args)

@@ -1,7 +1,7 @@
 """Help screen (``?``): a table of the keys and what they do, then what each column means.
 
 The keys come from the bindings themselves (the app's ``BINDINGS``, hidden ones included, and
-those of the engine detail and flush screens), so a key added, moved or removed there shows up
+those of the engine detail, flush and pin screens), so a key added, moved or removed there shows up
 here as it is; this module only says in words what each action does (``ACTION_HELP``). An action
 without words here is still listed, with its binding's own description.
 """
@@ -22,6 +22,7 @@ from textual.widgets import Markdown, Static
 
 from kvpool_console.screens._actions import ConfirmScreen, FlushScreen
 from kvpool_console.screens._detail import EngineDetailScreen
+from kvpool_console.screens._pins import PinScreen, UnpinScreen
 
 __all__ = ["ACTION_HELP", "HelpScreen", "KeyHelp", "help_rows"]
 
@@ -42,8 +43,11 @@ ACTION_HELP: dict[str, tuple[str, str]] = {
     "health(False)": ("Commands", "health checks of the selected engine (no pool key touched)"),
     "health(True)": ("Commands", "health checks of every engine"),
     "flush": ("Commands", "flush pool keys: scope, dry-run count, confirm (operator key)"),
-    "pins": ("Commands", "pinned prefixes of the selected engine's model, in the events log "
-             "(kvpool-console pin / unpin change them)"),
+    "pins": ("Commands", "pinned prefixes of the selected engine's model, in the events log"),
+    "pin": ("Commands", "pin a prefix of the selected engine's model: token ids or text, soft "
+            "(TTL) or hard (operator key)"),
+    "unpin": ("Commands", "unpin a prefix of the selected engine's model by its pin id; its "
+              "values leave the pool (operator key)"),
     "triage": ("Commands", "SSH triage: log in to the engine's hosts, say hung / gone / why"),
     "quit": ("Console", "quit (--demo stops everything it started)"),
     "app.pop_screen": ("Engine detail", "back to the fleet"),
@@ -51,6 +55,7 @@ ACTION_HELP: dict[str, tuple[str, str]] = {
     "cancel": ("Flush dialog", "close without flushing"),
     "answer(True)": ("Confirm", "yes: run the flush"),
     "answer(False)": ("Confirm", "no: do not flush"),
+    "close_dialog": ("Pin dialogs", "close (a pin or unpin already sent still finishes)"),
 }
 """What each bound action does, in the help table's words, and the group it is listed under."""
 
@@ -61,15 +66,16 @@ _NOT_BINDINGS: list[tuple[str, str, str]] = [
 ]
 
 _GROUPS = ("Screens", "Fleet", "Commands", "Console", "Engine detail", "Flush dialog", "Confirm",
-           "Other")
+           "Pin dialogs", "Other")
 
 KEYED_HUB_TEXT = """\
 **Keys a keyed hub needs** - a hub started with `--keys` requires a CURVE key on every port, so
 `--keys DIR` must hold the hub's public key (`hub.key`) and one key pair of this console:
 `viewer.key_secret` watches the fleet and runs health checks and flush dry runs;
-`operator.key_secret` can also flush, `health --probe` and `forget`. Without a key a keyed hub
-refuses the console: it sees nothing. A hub without `--keys` binds loopback (unless started
-with `--insecure`); a console without the operator key is read-only (flush disabled).
+`operator.key_secret` can also flush, pin, unpin, `health --probe` and `forget`. Without a key
+a keyed hub refuses the console: it sees nothing. A hub without `--keys` binds loopback (unless
+started with `--insecure`); a console without the operator key is read-only (flush, pin and
+unpin disabled).
 """
 
 COLUMNS_TEXT = """\
@@ -105,6 +111,8 @@ def help_rows(app: App[Any], key_display: Callable[[Binding], str] | None = None
         ("Engine detail", EngineDetailScreen.BINDINGS),
         ("Flush dialog", FlushScreen.BINDINGS),
         ("Confirm", ConfirmScreen.BINDINGS),
+        ("Pin dialogs", PinScreen.BINDINGS),
+        ("Pin dialogs", UnpinScreen.BINDINGS),
     ]
     keys: dict[tuple[str, str], list[str]] = {}
     texts: dict[tuple[str, str], str] = {}

@@ -92,7 +92,7 @@ def worker_agent(
         src,
         address=hub_address,
         operations=BackendOperations(
-            mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout(tp_rank=0))
+            mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(tp_rank=0),))
         ),
         pool_admin_url=agent_master.admin_url,
     )
@@ -185,7 +185,7 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     covered this process's keys are kept for the KV events' ``BlockRemoved``; dry runs and
     flushes of other keys are not."""
     src = make_source("eng-r", tp=0, model=model)
-    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout()))
+    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(),)))
     before = _all_keys(agent_master)
     with caplog.at_level(logging.INFO, logger="kvpool.hub"):
         res = ops.reset_flush()
@@ -228,7 +228,7 @@ def test_reset_flush_never_forces_a_key_another_engine_is_reading(
     reset removes the rest, waits for the lease to end and then removes the key; if the lease
     outlives the wait, the reset fails (audited) and the leased key is still there."""
     ops = BackendOperations(mooncake_backend, make_source("eng-l", model=model),
-                            key_scope=(model, DIGEST, ParallelLayout()))
+                            key_scope=(model, DIGEST, (ParallelLayout(),)))
     leased = pool["tp0"][0]
     assert mooncake_backend.store.get_size(leased) == VALUE  # a read: leased for 10 s
     with pytest.raises(CommandError, match=r"1 of 5 keys still leased by readers after 1 s"):
@@ -259,7 +259,7 @@ def test_reset_flush_drops_the_unreported_chunks_it_removed(
             return out
 
     ops = BackendOperations(mooncake_backend, make_source("eng-w", model=model),
-                            key_scope=(model, DIGEST, ParallelLayout()))
+                            key_scope=(model, DIGEST, (ParallelLayout(),)))
     ops.saves = saves = Saves()
     assert ops.reset_flush().removed_keys == 5
     assert not set(pool["tp0"]) & _all_keys(agent_master)
@@ -274,7 +274,7 @@ def test_reset_flush_reaches_the_hubs_audit_trail_once(
     its audit file once (later snapshots repeat it), attributed to the agent it came from."""
     monkeypatch.setattr("kvpool_agent.agent.SNAPSHOT_INTERVAL_S", 0.3)
     src = make_source("eng-h", tp=0, model=model)
-    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, ParallelLayout()))
+    ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(),)))
     handle = start_agent(src, address=hub_address, operations=ops)
     try:
         ops.reporter = handle.reporter

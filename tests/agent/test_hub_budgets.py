@@ -449,7 +449,7 @@ def _worker(hub_address: str, mooncake_backend: Any, master: LocalMooncakeMaster
 
     src = make_source("eng-w", model=model, master=master.address)
     return start_agent(src, address=hub_address, operations=BackendOperations(
-        mooncake_backend, src, key_scope=(model, "0123456789ab", ParallelLayout(tp_rank=0))),
+        mooncake_backend, src, key_scope=(model, "0123456789ab", (ParallelLayout(tp_rank=0),))),
         pool_admin_url=master.admin_url)
 
 

@@ -271,7 +271,7 @@ def test_pin_over_the_share_is_refused_with_the_numbers(
     (["--model", "{model}", "--tokens", ","],
      "pin: --tokens: no token ids; give them comma-separated, e.g. 1,15043,29892"),
     (["--model", "{model}", "--tokens", "1,x"],
-     "pin: --tokens: '1,x' is not comma-separated integers; e.g. --tokens 1,15043,29892"),
+     "pin: --tokens: '1,x' is not comma-separated integers; e.g. 1,15043,29892"),
     (["--model", "{model}", "--tokens", "1,-2"],
      "pin: --tokens: token ids are integers in 0..4294967295"),
     (["--model", "{model}", "--tokens", "1", "--ttl-s", "0"],

@@ -46,7 +46,7 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
     handle = start_agent(
         src,
         address=hub_address,
-        operations=BackendOperations(backend, src, key_scope=(model, DIGEST, ParallelLayout())),
+        operations=BackendOperations(backend, src, key_scope=(model, DIGEST, (ParallelLayout(),))),
         pool_admin_url=agent_master.admin_url,
         lease_ttl_ms=agent_master.default_kv_lease_ttl_ms,
     )

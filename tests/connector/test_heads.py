@@ -6,15 +6,18 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import torch
 
+from kvpool_agent.protocol import FlushArgs, Source
 from kvpool_connector._heads import HeadShares, plan_shares, share_layers, share_signature
 from kvpool_connector._layout import ranges_for_blocks
 from kvpool_connector._layout_digest import ModelFacts, describe_layout
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
+from kvpool_connector.operations import BackendOperations
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
 
@@ -320,3 +323,41 @@ def test_workers_of_two_tp_sizes_share_values_through_the_pool(
     assert reader.lookup_chunks(half) == 0
     for w in (*writers, reader, tp2):
         w.shutdown()
+
+
+def test_engine_flush_removes_every_share_the_worker_holds(
+        backends: list[MooncakeBackend]) -> None:
+    """``flush --scope engine`` on a TP=1 worker of a 4-head model with ``store_tp_size`` 2
+    (two 2-head shares per chunk): the key scope the connector gives the agent
+    (``KVPoolWorker.shard_layouts``) covers both shares, so the flush removes every value
+    the worker wrote, not only its first share's; a value of a share it does not hold stays."""
+    model, heads = uniq("flush-shares"), 4
+    plan = plan_shares(heads, 0, 1, store_tp_size=2)
+    assert isinstance(plan, HeadShares) and list(plan.shares) == [0, 1]
+    kv = {f"layers.{i}": _cpu(heads) for i in range(2)}
+    fill_random(kv, seed=41)  # type: ignore[arg-type]
+    w = KVPoolWorker(Settings(), ParallelLayout(), model, backends[0],  # type: ignore[arg-type]
+                     tp_size=1, shares=plan)
+    w.register_kv_caches(kv, ModelFacts(kv_heads=heads, head_size=HEAD))
+    _ALIVE.append((kv, w))
+    hashes = chunk_hashes(tokens(3 * 32, seed=42), 32)
+    save_request(w, "flush", list(range(2, 8)), hashes)
+    digest = w.layout_digest
+    written = [str(PoolKey(w.model, digest, ParallelLayout(tp_rank=s), h))
+               for s in (0, 1) for h in hashes]
+    foreign = str(PoolKey(w.model, digest, ParallelLayout(tp_rank=2), hashes[0]))
+    assert backends[0].store.put(foreign, b"\x05" * 4096) == 0
+    assert backends[0].batch_exists([*written, foreign]) == [1] * 7
+
+    src = Source(agent_id="flush-e/dp0.tp0.pp0", engine_id="flush-e", instance_role="mixed",
+                 kv_role="kv_both", process_role="worker", tp_rank=0, pid=1, host="localhost",
+                 backend="mooncake", model=model)
+    ops = BackendOperations(backends[0], src,
+                            key_scope=(model, digest, tuple(w.shard_layouts)))
+    args = FlushArgs(scope="engine", engine_id="flush-e", dry_run=True)
+    assert ops.flush(args).keys == 6
+    res = ops.flush(msgspec.structs.replace(args, dry_run=False, force=True))
+    assert (res.keys, res.removed_keys, res.skipped_leased) == (6, 6, 0)
+    assert backends[0].batch_exists([*written, foreign]) == [0] * 6 + [1]
+    assert ops.take_flushes() == ["engine"]
+    w.shutdown()

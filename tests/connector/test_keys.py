@@ -109,6 +109,14 @@ def test_scope_patterns_select_model_and_shard() -> None:
         grouped = str(PoolKey(MODEL, DIGEST, replace(LAYOUTS[3], group=group), HASHES[0]))
         assert re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[3]), grouped)
         assert not re.search(layout_pattern("org/Model@v2", DIGEST, LAYOUTS[2]), grouped)
+    # Several shards (a worker's KV-head shares): each of them, no other.
+    two = layout_pattern("org/Model@v2", DIGEST, LAYOUTS[2], LAYOUTS[3])
+    assert re.search(two, key) and re.search(two, str(PoolKey(MODEL, DIGEST, LAYOUTS[2],
+                                                               HASHES[0])))
+    assert not any(re.search(two, str(PoolKey(MODEL, DIGEST, x, HASHES[0])))
+                   for x in LAYOUTS if x not in (LAYOUTS[2], LAYOUTS[3]))
+    with pytest.raises(ValueError, match="at least one ParallelLayout"):
+        layout_pattern("org/Model@v2", DIGEST)
 
 
 def test_keys_of_two_digests_never_collide() -> None:

@@ -71,7 +71,7 @@ class LiveFleet:
             handles.append(start_agent(
                 worker, address=self.address,
                 operations=BackendOperations(
-                    self.backend, worker, key_scope=(model, DIGEST, ParallelLayout(tp_rank=r))),
+                    self.backend, worker, key_scope=(model, DIGEST, (ParallelLayout(tp_rank=r),))),
                 pool_admin_url=self.master.admin_url, lease_ttl_ms=LEASE_TTL_MS))
         self.engines[engine_id] = handles
         return handles
