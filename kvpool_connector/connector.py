@@ -338,7 +338,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 shares=shares if isinstance(shares, HeadShares) else None,
                 kv_share=shares if isinstance(shares, str) else "",
                 pp_partition=cfg.store_pp_layer_partition,
-                total_layers=vllm_config.model_config.get_total_num_hidden_layers(), **sizes,
+                total_layers=(vllm_config.model_config.get_total_num_hidden_layers()
+                              if cfg.store_pp_layer_partition else None), **sizes,
             )
             if self._operations is not None:
                 self._operations.saves = self._worker
