@@ -56,7 +56,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx
+
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, build_tiny_model
+from kvpool_replay._pd import LocalPdPair, ProxyReplay
 from kvpool_replay._services import engine_env
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
@@ -284,25 +287,16 @@ def engine_main(spec_path: str) -> int:
 # ----------------------------------------------------------------------------- orchestration
 
 
-def _kv_config(run: str, engine: str, workdir: Path, master: LocalMooncakeMaster
-               ) -> tuple[dict[str, Any] | None, dict[str, str]]:
-    """``kv_transfer_config`` and extra environment of engine ``engine`` in run ``run``."""
-    if run == "none":
-        return None, {}
-    if run.startswith("peer"):
+def _mooncake_config(kind: str, workdir: Path, master: LocalMooncakeMaster) -> Path:
+    """The ``mooncake.json`` of the ``peer`` or ``ours`` engines (``MOONCAKE_CONFIG_PATH``)."""
+    if kind == "peer":
         cfg = workdir / "peer-mooncake.json"
         cfg.write_text(json.dumps({
             "metadata_server": "P2PHANDSHAKE", "master_server_address": master.address,
             "protocol": "tcp", "device_name": "", "mode": "standalone-store",
             "global_segment_size": 0, "local_buffer_size": "256MB",
         }))
-        # Its lookup socket is named by lookup_rpc_port and host only: one per engine.
-        return ({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                 "kv_load_failure_policy": "recompute",
-                 "kv_connector_extra_config": {"load_async": True,
-                                               "lookup_rpc_port": 1 if engine == "A" else 2}},
-                {"MOONCAKE_CONFIG_PATH": str(cfg),
-                 **({"PYTHONHASHSEED": "0"} if run == "peer" else {})})
+        return cfg
     cfg = workdir / "ours-mooncake.json"
     cfg.write_text(json.dumps({
         "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
@@ -310,6 +304,24 @@ def _kv_config(run: str, engine: str, workdir: Path, master: LocalMooncakeMaster
         "local_buffer_size": "256MB", "store_mode": "standalone",
         "master_admin_url": master.admin_url,
     }))
+    return cfg
+
+
+def _kv_config(run: str, engine: str, workdir: Path, master: LocalMooncakeMaster
+               ) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """``kv_transfer_config`` and extra environment of engine ``engine`` in run ``run``."""
+    if run == "none":
+        return None, {}
+    if run.startswith("peer"):
+        cfg = _mooncake_config("peer", workdir, master)
+        # Its lookup socket is named by lookup_rpc_port and host only: one per engine.
+        return ({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                 "kv_load_failure_policy": "recompute",
+                 "kv_connector_extra_config": {"load_async": True,
+                                               "lookup_rpc_port": 1 if engine == "A" else 2}},
+                {"MOONCAKE_CONFIG_PATH": str(cfg),
+                 **({"PYTHONHASHSEED": "0"} if run == "peer" else {})})
+    cfg = _mooncake_config("ours", workdir, master)
     return ({"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
              "kv_connector_extra_config": {"backend": "mooncake", "engine_id": f"bench-{engine}",
@@ -479,9 +491,250 @@ def print_table(summ: dict[str, dict[str, Any] | str]) -> None:
             print(f"\n{n} did not run: {v}")
 
 
+# ----------------------------------------------------------------------------- P/D run
+
+PD_RUNS = ("none", "peer", "ours")
+"""``--pd``: one engine without a connector (the outputs' reference), then the peer pair, then
+ours, each behind the Mooncake wheel's proxy over a fresh master and pool store."""
+P2P_REASON = ("vLLM's MooncakeConnector (P2P) cannot start on a CPU build: "
+              "torch.accelerator.current_device_index() raises 'Cannot access accelerator "
+              "device when none is available'; the pool is the hand-over")
+
+_PEER_PD = (
+    # Prefill: saves every block; it also looks its prompt up (enable_lookup defaults to on).
+    {"kv_connector": "MooncakeStoreConnector", "kv_connector_module_path": None,
+     "kv_role": "kv_producer", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"load_async": True}},
+    # Decode: a kv_consumer loads what the store holds when enable_lookup is on (its
+    # default, spelt out); it saves nothing without save_decode_cache.
+    {"kv_connector": "MooncakeStoreConnector", "kv_connector_module_path": None,
+     "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"load_async": True, "enable_lookup": True}},
+)
+
+
+def pd_serve_main(argv: list[str]) -> None:
+    """The peer pair's engine process: vLLM's OpenAI server (arguments ``argv``) with the
+    benchmark-only CUDA event shim (``_shim_cuda_event``) applied first."""
+    import runpy
+
+    _shim_cuda_event()
+    sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """Sums of one engine's Prometheus counters (``url``/metrics) this benchmark reads:
+    ``prompt`` (prompt tokens), ``pool_hit`` / ``computed`` (prompt tokens from the connector /
+    computed, vLLM's ``prompt_tokens_by_source``), ``loaded_bytes`` / ``saved_bytes`` (ours:
+    ``vllm:kvpool_*_bytes``; the peer: ``vllm:mooncake_store_operation_bytes`` of
+    ``load_get`` / ``save_put``).
+
+    Raises:
+        httpx.HTTPError: the engine did not answer.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
+    out = dict.fromkeys(("prompt", "pool_hit", "computed", "loaded_bytes", "saved_bytes"), 0.0)
+    sources = {"external_kv_transfer": "pool_hit", "local_compute": "computed"}
+    operations = {"load_get": "loaded_bytes", "save_put": "saved_bytes"}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if not smp.name.endswith("_total"):
+                continue  # a counter's _created sample
+            key = None
+            if fam.name == "vllm:prompt_tokens":
+                key = "prompt"
+            elif fam.name == "vllm:prompt_tokens_by_source":
+                key = sources.get(smp.labels.get("source", ""))
+            elif fam.name in ("vllm:kvpool_loaded_bytes", "vllm:kvpool_saved_bytes"):
+                key = fam.name.removeprefix("vllm:kvpool_")
+            elif fam.name == "vllm:mooncake_store_operation_bytes":
+                key = operations.get(smp.labels.get("operation", ""))
+            if key is not None:
+                out[key] += smp.value
+    return out
+
+
+def _settled_counters(url: str, prompt_tokens: int, timeout_s: float = 60.0
+                      ) -> dict[str, float]:
+    """The engine's counters once it has counted ``prompt_tokens`` prompt tokens and two
+    scrapes a second apart agree (the stats of a step reach Prometheus after its output)."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, float] | None = None
+    while True:
+        now = engine_counters(url)
+        if now["prompt"] >= prompt_tokens and now == last:
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}: counters not settled in {timeout_s:.0f} s: {now}")
+        last = now
+        time.sleep(1.0)
+
+
+def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[TraceRequest],
+           say: Any) -> dict[str, Any]:
+    """One P/D run (``PD_RUNS``): its engines over a fresh master and pool store, the slice
+    through the proxy one request at a time, streamed; returns per-request TTFT (ms) and
+    output token ids and each engine's counters, or ``{"error": ...}``."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvp-pd-{run}-"))
+    master = LocalMooncakeMaster(log_dir=workdir).start()
+    store = (LocalPoolStore(master, args.segment_mb << 20, log_dir=workdir).start()
+             if run != "none" else None)
+    pair = LocalPdPair(
+        model, _mooncake_config("peer" if run == "peer" else "ours", workdir, master),
+        workdir / "pd", chunk_size=BLOCK, block_size=BLOCK,
+        on_status=lambda m: say(f"[{run}] {m}"),
+        kv_transfer_configs=_PEER_PD if run == "peer" else (None, None),
+        engine_command=([sys.executable, __file__, "--pd-serve"] if run == "peer" else None),
+        single_engine=run == "none")
+    try:
+        try:
+            pair.start(timeout_s=args.timeout)
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        t0 = time.monotonic()
+        replay = ProxyReplay(pair.proxy_url, requests, speedup=0,
+                             on_status=lambda m: say(f"[{run}] {m}"),
+                             max_tokens=args.max_tokens, stream=True).start()
+        if not replay.join(args.timeout):
+            replay.stop()
+            return {"error": f"{replay.done} of {len(requests)} requests answered in "
+                             f"{args.timeout:.0f} s"}
+        if replay.failed:
+            return {"error": f"{replay.failed} requests failed: {replay.error}"}
+        wall = time.monotonic() - t0
+        # The prompts ProxyReplay sent (the same token runs and cut as build_workload's).
+        prompt_tokens = sum(len(request_tokens(r, VOCAB_SIZE)[:MAX_PROMPT]) for r in requests)
+        engines = {"prefill": pair.prefill_url}
+        if pair.decode_url:
+            engines["decode"] = pair.decode_url
+        return {"wall_s": wall, "ttft_ms": [r.ttft_ms for r in replay.results],
+                "tokens": [r.token_ids for r in replay.results],
+                "counters": {name: _settled_counters(url, prompt_tokens)
+                             for name, url in engines.items()}}
+    finally:
+        pair.stop()
+        if store is not None:
+            store.stop()
+        master.stop()
+
+
+def summarize_pd(res: dict[str, Any], base: list[list[int]] | None) -> dict[str, Any]:
+    """A P/D run's figures (see ``PD_ROWS``); ``base``: the ``none`` run's outputs."""
+    ttft = sorted(res["ttft_ms"])
+    pre = res["counters"]["prefill"]
+    dec = res["counters"].get("decode")
+    s: dict[str, Any] = {
+        "ttft_p50_ms": statistics.median(ttft),
+        "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "ttft_min_ms": ttft[0], "ttft_max_ms": ttft[-1],
+        "req_per_s": len(ttft) / res["wall_s"],
+        "prefill_hit": pre["pool_hit"], "prefill_computed": pre["computed"],
+    }
+    if dec is not None:
+        s.update(decode_hit=dec["pool_hit"], decode_computed=dec["computed"],
+                 prefill_loaded_mb=pre["loaded_bytes"] / 1e6,
+                 prefill_saved_mb=pre["saved_bytes"] / 1e6,
+                 decode_loaded_mb=dec["loaded_bytes"] / 1e6, p2p_mb=0.0)
+    if base is not None:
+        diff = sum(1 for a, b in zip(res["tokens"], base, strict=True) if a != b)
+        s["equal"] = "yes" if diff == 0 else f"no ({diff} of {len(base)} differ)"
+    return s
+
+
+PD_ROWS = [
+    ("TTFT p50 (ms, at the proxy)", "ttft_p50_ms", "{:.0f}"),
+    ("TTFT p99 (ms, at the proxy)", "ttft_p99_ms", "{:.0f}"),
+    ("TTFT min (ms)", "ttft_min_ms", "{:.0f}"),
+    ("TTFT max (ms)", "ttft_max_ms", "{:.0f}"),
+    ("requests/s (one at a time)", "req_per_s", "{:.2f}"),
+    ("prefill: pool hit tokens", "prefill_hit", "{:,.0f}"),
+    ("prefill: computed prompt tokens", "prefill_computed", "{:,.0f}"),
+    ("decode: pool hit tokens", "decode_hit", "{:,.0f}"),
+    ("decode: recomputed prompt tokens", "decode_computed", "{:,.0f}"),
+    ("prefill: KV bytes saved to the pool (MB)", "prefill_saved_mb", "{:.1f}"),
+    ("prefill: KV bytes loaded from the pool (MB)", "prefill_loaded_mb", "{:.1f}"),
+    ("decode: KV bytes loaded from the pool (MB)", "decode_loaded_mb", "{:.1f}"),
+    ("KV bytes over P2P (MB)", "p2p_mb", "{:.1f}"),
+    ("outputs equal to none (token ids)", "equal", "{}"),
+]
+
+
+def print_pd_table(summ: dict[str, dict[str, Any] | str]) -> None:
+    """The P/D figures of every run, then ours/peer per figure."""
+    names = [r for r in PD_RUNS if r in summ]
+    print(f"| figure | {' | '.join(names)} | ours/peer |")
+    print("|" + "---|" * (len(names) + 2))
+    for label, key, fmt in PD_ROWS:
+        cells = []
+        for n in names:
+            v = summ[n].get(key) if isinstance(summ[n], dict) else None
+            cells.append("-" if v is None else fmt.format(v))
+        ratio = "-"
+        o, p = (summ.get(r) for r in ("ours", "peer"))
+        if isinstance(o, dict) and isinstance(p, dict):
+            ov, pv = o.get(key), p.get(key)
+            if isinstance(ov, int | float) and isinstance(pv, int | float) and pv:
+                ratio = f"{ov / pv:.2f}x"
+        print(f"| {label} | {' | '.join(cells)} | {ratio} |")
+    print(f"\nKV bytes over P2P: 0 for both pairs. {P2P_REASON}. none: one engine, no proxy "
+          "(its TTFT is the engine's own).")
+    for n, v in summ.items():
+        if isinstance(v, str):
+            print(f"\n{n} did not run: {v}")
+
+
+def main_pd(args: argparse.Namespace) -> int:
+    """``--pd``: the runs of ``PD_RUNS`` (or ``--runs``) over one trace slice; prints the
+    table."""
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else list(PD_RUNS)
+    bad = [r for r in runs if r not in PD_RUNS]
+    if bad:
+        print(f"--runs with --pd must be a subset of {','.join(PD_RUNS)} (got {','.join(bad)})",
+              file=sys.stderr)
+        return 2
+    trace = load_trace(args.trace or default_trace_path(), limit=args.start + args.requests)
+    requests = trace[args.start:args.start + args.requests]
+    if not requests:
+        print(f"--start {args.start}: the trace has {len(trace)} requests", file=sys.stderr)
+        return 2
+    model = build_bench_model(args.layers, args.hidden, args.heads, args.kv_heads,
+                              args.intermediate)
+    print(f"P/D: model {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads; "
+          f"workload trace[{args.start}:{args.start + len(requests)}], one request at a time "
+          f"through the proxy, {args.max_tokens} greedy tokens each", flush=True)
+
+    def say(line: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+    summ: dict[str, dict[str, Any] | str] = {}
+    base: list[list[int]] | None = None
+    for run in runs:
+        t0 = time.monotonic()
+        res = run_pd(run, args, model, requests, say)
+        if "error" in res:
+            summ[run] = res["error"]
+        else:
+            if run == "none":
+                base = res["tokens"]
+            summ[run] = summarize_pd(res, base)
+        say(f"run {run}: {time.monotonic() - t0:.0f} s, 1-min load average "
+            f"{os.getloadavg()[0]:.1f}")
+    print_pd_table(summ)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--pd-serve"]:
+        pd_serve_main(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", help=argparse.SUPPRESS)
+    ap.add_argument("--pd", action="store_true",
+                    help="the P/D run: prefill and decode engines behind a proxy, peer vs ours")
     ap.add_argument("--trace", default=None, help="trace JSONL (default: the conversation trace)")
     ap.add_argument("--start", type=int, default=5000, help="first trace request of the slice")
     ap.add_argument("--requests", type=int, default=16, help="requests in the slice")
@@ -494,13 +747,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--segment-mb", type=int, default=1024, help="pool memory, MiB")
-    ap.add_argument("--runs", default=",".join(RUNS),
-                    help="subset of none,peer,ours,peer-noseed (default: the first three)")
+    ap.add_argument("--runs", default=None,
+                    help="subset of none,peer,ours,peer-noseed (default: the first three; "
+                         "with --pd a subset of none,peer,ours)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args(argv)
     if args.engine:
         return engine_main(args.engine)
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if args.pd:
+        return main_pd(args)
+    runs = [r.strip() for r in (args.runs or ",".join(RUNS)).split(",") if r.strip()]
     bad = [r for r in runs if r not in RUNS + EXTRA_RUNS]
     if bad or not 0 < args.warm < args.requests:
         print(f"--runs must be a subset of {','.join(RUNS + EXTRA_RUNS)} and "
