@@ -66,7 +66,8 @@ PROBE_BYTES = 4096
 
 KeyScope = tuple[str, str, tuple[ParallelLayout, ...]]
 """``(model, layout digest, shards)``: the keys one worker writes (``keys.layout_pattern``):
-its rank's shard, or one shard per KV-head share it holds (``KVPoolWorker.key_scope``)."""
+its rank's shard, or one shard per KV-head share and stored layer range it holds
+(``KVPoolWorker.shard_layouts``)."""
 
 Tokenize = Callable[[str, bool], list[int]]
 """The engine's tokenizer: ``(text, chat_template)`` -> the token ids the engine would see
