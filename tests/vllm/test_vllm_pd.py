@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,10 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
-from kvpool_replay._pd import LocalPdPair
+from kvpool_replay._pd import LocalPdPair, ProxyReplay
+from kvpool_replay._tiny_model import VOCAB_SIZE
+from kvpool_replay._tokens import request_tokens
+from kvpool_replay._trace import TraceRequest
 
 from _harness import REPO, Pool, agent_states  # isort: skip
 
@@ -33,6 +37,12 @@ A = [_rng.randrange(3, 1000) for _ in range(300)]
 B = A[:192] + [_rng.randrange(3, 1000) for _ in range(100)]  # 3 chunks shared with A
 
 
+def _tiny_model() -> Path:
+    from kvpool_replay import build_tiny_model
+
+    return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
+
+
 def _loadable(prompt: list[int]) -> int:
     return (len(prompt) - 1) // CHUNK * CHUNK
 
@@ -40,10 +50,7 @@ def _loadable(prompt: list[int]) -> int:
 @pytest.fixture(scope="module")
 def pair(pool: Pool, hub: FleetHub, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[LocalPdPair]:
-    from kvpool_replay import build_tiny_model
-
-    model = build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
-    with LocalPdPair(model, pool.config_path, tmp_path_factory.mktemp("pd"),
+    with LocalPdPair(_tiny_model(), pool.config_path, tmp_path_factory.mktemp("pd"),
                      hub_address=hub.address, chunk_size=CHUNK) as p:
         yield p
 
@@ -125,3 +132,25 @@ def test_pd_pair_hands_over_through_the_pool_and_equals_one_engine(
                 lambda s: s.transfers.loaded_bytes >= handed // CHUNK * value)
     assert dw.transfers.loaded_bytes == handed // CHUNK * value
     assert dw.transfers.saved_bytes == 0
+
+
+def test_streamed_replay_through_the_proxy_equals_an_engine_without_a_connector(
+        pair: LocalPdPair, pool: Pool, tmp_path: Path) -> None:
+    # What bench_peer's P/D run measures: a trace request streamed through the proxy
+    # (``ProxyReplay``), against the no-pool baseline (``single_engine``: one engine, no
+    # connector, no proxy).
+    req = TraceRequest(timestamp=0, input_length=700, output_length=MAX_TOKENS,
+                       hash_ids=[23_001, 23_002])
+    replay = ProxyReplay(pair.proxy_url, [req], speedup=0, max_tokens=MAX_TOKENS,
+                         stream=True).start()
+    assert replay.join(300)
+    assert (replay.done, replay.failed) == (1, 0), replay.error
+    (res,) = replay.results
+    assert res.index == 0 and 0 < res.ttft_ms <= res.e2e_ms
+    with LocalPdPair(_tiny_model(), pool.config_path, tmp_path / "one",
+                     single_engine=True) as one:
+        assert one.decode_url == "" and one.proxy_url == one.prefill_url
+        assert len(one.pids) == 1
+        ref = _complete(one.proxy_url, request_tokens(req, VOCAB_SIZE))
+    assert len(ref["token_ids"]) == MAX_TOKENS
+    assert res.token_ids == ref["token_ids"]
