@@ -63,7 +63,7 @@ from kvpool_replay._pd import LocalPdPair, ProxyReplay
 from kvpool_replay._services import engine_env
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
-from kvpool_replay._trace import TraceRequest, default_trace_path, load_trace
+from kvpool_replay._trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_PROMPT = 2000
@@ -500,6 +500,15 @@ P2P_REASON = ("vLLM's MooncakeConnector (P2P) cannot start on a CPU build: "
               "torch.accelerator.current_device_index() raises 'Cannot access accelerator "
               "device when none is available'; the pool is the hand-over")
 
+def pd_warmup(requests: list[TraceRequest]) -> list[TraceRequest]:
+    """The P/D runs' warm-up request: a ``MAX_PROMPT``-token prompt of hash ids above every id
+    of ``requests``, so it shares no chunk with the workload."""
+    top = max(h for r in requests for h in r.hash_ids)
+    n = -(-MAX_PROMPT // TRACE_BLOCK_TOKENS)
+    return [TraceRequest(timestamp=0, input_length=MAX_PROMPT, output_length=8,
+                         hash_ids=list(range(top + 1, top + 1 + n)))]
+
+
 _PEER_PD = (
     # Prefill: saves every block; it also looks its prompt up (enable_lookup defaults to on).
     {"kv_connector": "MooncakeStoreConnector", "kv_connector_module_path": None,
@@ -576,8 +585,9 @@ def _settled_counters(url: str, prompt_tokens: int, timeout_s: float = 60.0
 def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[TraceRequest],
            say: Any) -> dict[str, Any]:
     """One P/D run (``PD_RUNS``): its engines over a fresh master and pool store, the slice
-    through the proxy one request at a time, streamed; returns per-request TTFT (ms) and
-    output token ids and each engine's counters, or ``{"error": ...}``."""
+    through the proxy one request at a time, streamed, after one warm-up request
+    (``pd_warmup``); returns per-request TTFT (ms) and output token ids, the warm-up's TTFT and
+    what the slice added to each engine's counters, or ``{"error": ...}``."""
     workdir = Path(tempfile.mkdtemp(prefix=f"kvp-pd-{run}-"))
     master = LocalMooncakeMaster(log_dir=workdir).start()
     store = (LocalPoolStore(master, args.segment_mb << 20, log_dir=workdir).start()
@@ -594,6 +604,21 @@ def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[Trace
             pair.start(timeout_s=args.timeout)
         except RuntimeError as exc:
             return {"error": str(exc)}
+        engines = {"prefill": pair.prefill_url}
+        if pair.decode_url:
+            engines["decode"] = pair.decode_url
+        # A warm-up request first, not counted (vllm bench serve's initial test run): each
+        # engine's first forward pays one-time costs. Its prompt shares no chunk with the
+        # workload, and the counters below are what the workload adds to its settled ones.
+        warmup = pd_warmup(requests)
+        warm = ProxyReplay(pair.proxy_url, warmup, speedup=0, max_tokens=args.max_tokens,
+                           stream=True).start()
+        if not warm.join(args.timeout) or warm.failed:
+            warm.stop()
+            return {"error": f"the warm-up request was not answered: {warm.error}"}
+        warm_tokens = sum(len(request_tokens(r, VOCAB_SIZE)[:MAX_PROMPT]) for r in warmup)
+        before = {name: _settled_counters(url, warm_tokens) for name, url in engines.items()}
+        say(f"[{run}] warm-up request: TTFT {warm.results[0].ttft_ms:.0f} ms (not counted)")
         t0 = time.monotonic()
         replay = ProxyReplay(pair.proxy_url, requests, speedup=0,
                              on_status=lambda m: say(f"[{run}] {m}"),
@@ -607,13 +632,13 @@ def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[Trace
         wall = time.monotonic() - t0
         # The prompts ProxyReplay sent (the same token runs and cut as build_workload's).
         prompt_tokens = sum(len(request_tokens(r, VOCAB_SIZE)[:MAX_PROMPT]) for r in requests)
-        engines = {"prefill": pair.prefill_url}
-        if pair.decode_url:
-            engines["decode"] = pair.decode_url
+        counters = {}
+        for name, url in engines.items():
+            after = _settled_counters(url, before[name]["prompt"] + prompt_tokens)
+            counters[name] = {k: v - before[name][k] for k, v in after.items()}
         return {"wall_s": wall, "ttft_ms": [r.ttft_ms for r in replay.results],
-                "tokens": [r.token_ids for r in replay.results],
-                "counters": {name: _settled_counters(url, prompt_tokens)
-                             for name, url in engines.items()}}
+                "warmup_ttft_ms": warm.results[0].ttft_ms,
+                "tokens": [r.token_ids for r in replay.results], "counters": counters}
     finally:
         pair.stop()
         if store is not None:
@@ -630,7 +655,7 @@ def summarize_pd(res: dict[str, Any], base: list[list[int]] | None) -> dict[str,
         "ttft_p50_ms": statistics.median(ttft),
         "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
         "ttft_min_ms": ttft[0], "ttft_max_ms": ttft[-1],
-        "req_per_s": len(ttft) / res["wall_s"],
+        "req_per_s": len(ttft) / res["wall_s"], "warmup_ttft_ms": res["warmup_ttft_ms"],
         "prefill_hit": pre["pool_hit"], "prefill_computed": pre["computed"],
     }
     if dec is not None:
@@ -650,6 +675,7 @@ PD_ROWS = [
     ("TTFT min (ms)", "ttft_min_ms", "{:.0f}"),
     ("TTFT max (ms)", "ttft_max_ms", "{:.0f}"),
     ("requests/s (one at a time)", "req_per_s", "{:.2f}"),
+    ("warm-up request TTFT (ms, not counted above)", "warmup_ttft_ms", "{:.0f}"),
     ("prefill: pool hit tokens", "prefill_hit", "{:,.0f}"),
     ("prefill: computed prompt tokens", "prefill_computed", "{:,.0f}"),
     ("decode: pool hit tokens", "decode_hit", "{:,.0f}"),

@@ -53,3 +53,20 @@ def test_empty_slice_is_refused() -> None:
     bench = _bench()
     with pytest.raises(ValueError, match="empty"):
         bench.build_workload([TraceRequest(0, 10, 1, [1])], 5, 3)
+
+
+def test_the_pd_warmup_prompt_shares_no_chunk_with_the_workload() -> None:
+    from kvpool_connector.keys import chunk_hashes
+    from kvpool_replay._tokens import request_tokens
+
+    bench = _bench()
+    work = [TraceRequest(0, 2000, 8, [5, 9, 700, 3]), TraceRequest(1, 900, 8, [5, 12])]
+    (warm,) = bench.pd_warmup(work)
+    prompt = request_tokens(warm)
+    assert len(prompt) == bench.MAX_PROMPT
+    assert min(warm.hash_ids) == 701
+    warm_chunks = set(chunk_hashes(prompt, 32))
+    for req in work:
+        toks = request_tokens(req)
+        assert _common_prefix(prompt, toks) < 32
+        assert warm_chunks.isdisjoint(chunk_hashes(toks, 32))
