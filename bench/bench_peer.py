@@ -582,6 +582,12 @@ def _settled_counters(url: str, prompt_tokens: int, timeout_s: float = 60.0
         time.sleep(1.0)
 
 
+def _sent_tokens(requests: list[TraceRequest]) -> int:
+    """Prompt tokens ``ProxyReplay`` sends for ``requests`` (the same token runs and cut as
+    ``build_workload``'s)."""
+    return sum(len(request_tokens(r, VOCAB_SIZE)[:MAX_PROMPT]) for r in requests)
+
+
 def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[TraceRequest],
            say: Any) -> dict[str, Any]:
     """One P/D run (``PD_RUNS``): its engines over a fresh master and pool store, the slice
@@ -616,8 +622,8 @@ def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[Trace
         if not warm.join(args.timeout) or warm.failed:
             warm.stop()
             return {"error": f"the warm-up request was not answered: {warm.error}"}
-        warm_tokens = sum(len(request_tokens(r, VOCAB_SIZE)[:MAX_PROMPT]) for r in warmup)
-        before = {name: _settled_counters(url, warm_tokens) for name, url in engines.items()}
+        before = {name: _settled_counters(url, _sent_tokens(warmup))
+                  for name, url in engines.items()}
         say(f"[{run}] warm-up request: TTFT {warm.results[0].ttft_ms:.0f} ms (not counted)")
         t0 = time.monotonic()
         replay = ProxyReplay(pair.proxy_url, requests, speedup=0,
@@ -630,11 +636,9 @@ def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[Trace
         if replay.failed:
             return {"error": f"{replay.failed} requests failed: {replay.error}"}
         wall = time.monotonic() - t0
-        # The prompts ProxyReplay sent (the same token runs and cut as build_workload's).
-        prompt_tokens = sum(len(request_tokens(r, VOCAB_SIZE)[:MAX_PROMPT]) for r in requests)
         counters = {}
         for name, url in engines.items():
-            after = _settled_counters(url, before[name]["prompt"] + prompt_tokens)
+            after = _settled_counters(url, before[name]["prompt"] + _sent_tokens(requests))
             counters[name] = {k: v - before[name][k] for k, v in after.items()}
         return {"wall_s": wall, "ttft_ms": [r.ttft_ms for r in replay.results],
                 "warmup_ttft_ms": warm.results[0].ttft_ms,
