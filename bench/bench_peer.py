@@ -470,11 +470,17 @@ def print_table(summ: dict[str, dict[str, Any] | str]) -> None:
         if base is not None:
             diff = sum(1 for k, v in s["tokens"].items() if base.get(k) != v)
             s["equal"] = "yes" if diff == 0 else f"no ({diff} of {len(base)} differ)"
-    names = [r for r in RUNS + EXTRA_RUNS if r in summ]
-    head = f"| figure | {' | '.join(names)} | ours/peer |"
-    print(head)
+    _print_rows(summ, [r for r in RUNS + EXTRA_RUNS if r in summ], ROWS)
+    _print_not_run(summ)
+
+
+def _print_rows(summ: dict[str, dict[str, Any] | str], names: list[str],
+                rows: list[tuple[str, str, str]]) -> None:
+    """A markdown table: a column per run of ``names``, a row per ``(label, key, format)``
+    of ``rows``, then ours/peer."""
+    print(f"| figure | {' | '.join(names)} | ours/peer |")
     print("|" + "---|" * (len(names) + 2))
-    for label, key, fmt in ROWS:
+    for label, key, fmt in rows:
         cells = []
         for n in names:
             v = summ[n].get(key) if isinstance(summ[n], dict) else None
@@ -486,6 +492,10 @@ def print_table(summ: dict[str, dict[str, Any] | str]) -> None:
             if isinstance(ov, int | float) and isinstance(pv, int | float) and pv:
                 ratio = f"{ov / pv:.2f}x"
         print(f"| {label} | {' | '.join(cells)} | {ratio} |")
+
+
+def _print_not_run(summ: dict[str, dict[str, Any] | str]) -> None:
+    """Why each run that did not finish did not."""
     for n, v in summ.items():
         if isinstance(v, str):
             print(f"\n{n} did not run: {v}")
@@ -694,26 +704,10 @@ PD_ROWS = [
 
 def print_pd_table(summ: dict[str, dict[str, Any] | str]) -> None:
     """The P/D figures of every run, then ours/peer per figure."""
-    names = [r for r in PD_RUNS if r in summ]
-    print(f"| figure | {' | '.join(names)} | ours/peer |")
-    print("|" + "---|" * (len(names) + 2))
-    for label, key, fmt in PD_ROWS:
-        cells = []
-        for n in names:
-            v = summ[n].get(key) if isinstance(summ[n], dict) else None
-            cells.append("-" if v is None else fmt.format(v))
-        ratio = "-"
-        o, p = (summ.get(r) for r in ("ours", "peer"))
-        if isinstance(o, dict) and isinstance(p, dict):
-            ov, pv = o.get(key), p.get(key)
-            if isinstance(ov, int | float) and isinstance(pv, int | float) and pv:
-                ratio = f"{ov / pv:.2f}x"
-        print(f"| {label} | {' | '.join(cells)} | {ratio} |")
+    _print_rows(summ, [r for r in PD_RUNS if r in summ], PD_ROWS)
     print(f"\nKV bytes over P2P: 0 for both pairs. {P2P_REASON}. none: one engine, no proxy "
           "(its TTFT is the engine's own).")
-    for n, v in summ.items():
-        if isinstance(v, str):
-            print(f"\n{n} did not run: {v}")
+    _print_not_run(summ)
 
 
 def main_pd(args: argparse.Namespace) -> int:
