@@ -29,12 +29,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
 from kvpool_agent.masters import MasterState, probe_masters
-from kvpool_replay._services import LocalMooncakeMaster, free_port, stop_process_tree, tail_file
+from kvpool_replay._services import (
+    LocalMooncakeMaster,
+    LocalService,
+    free_port,
+    stop_process_tree,
+    tail_file,
+)
 
 __all__ = ["HA_FLAGS", "FailoverDrill", "LocalEtcd", "LocalHaPool", "all_keys"]
 
@@ -54,7 +59,7 @@ def all_keys(admin_url: str, timeout_s: float = 5.0) -> set[str]:
     return {k for k in r.text.splitlines() if k.strip()}
 
 
-class LocalEtcd:
+class LocalEtcd(LocalService):
     """One etcd member on 127.0.0.1 with free client and peer ports and its own data directory
     (removed by ``stop``; a directory it was given keeps the log). ``endpoint`` is
     ``127.0.0.1:<client port>`` (what ``--etcd_endpoints`` and ``etcd://`` take).
@@ -118,18 +123,8 @@ class LocalEtcd:
         shutil.rmtree(self.work_dir if self._own_dir else self.work_dir / "data",
                       ignore_errors=True)
 
-    def __enter__(self) -> LocalEtcd:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class LocalHaPool:
+class LocalHaPool(LocalService):
     """``masters`` HA ``mooncake_master`` processes over an etcd of their own (``LocalEtcd``),
     one of which leads.
 
@@ -237,21 +232,6 @@ class LocalHaPool:
         """Stop every master, then etcd. Idempotent."""
         self.stop_masters()
         self.etcd.stop()
-
-    def __enter__(self) -> LocalHaPool:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class FailoverDrill:

@@ -30,12 +30,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 
-from kvpool_replay._services import engine_env, free_port, stop_process_tree, tail_file
+from kvpool_replay._services import (
+    LocalService,
+    engine_env,
+    free_port,
+    stop_process_tree,
+    tail_file,
+)
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceRequest
@@ -84,7 +89,7 @@ def pd_kv_transfer_configs(hub_address: str | None, prefill_port: int, decode_po
     return out[0], out[1]
 
 
-class LocalPdPair:
+class LocalPdPair(LocalService):
     """Prefill and decode ``vllm serve`` engines over one pool, behind the wheel's proxy.
 
     Args:
@@ -231,13 +236,6 @@ class LocalPdPair:
             proc = self._procs.pop(name, None)
             if proc is not None:
                 stop_process_tree(proc, timeout_s=20.0)
-
-    def __enter__(self) -> LocalPdPair:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
 
 _MAX_PROMPT_TOKENS = 2000

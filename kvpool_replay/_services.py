@@ -28,8 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import psutil
@@ -41,6 +40,7 @@ __all__ = [
     "DiskTier",
     "LocalMooncakeMaster",
     "LocalPoolStore",
+    "LocalService",
     "LocalYuanrongWorker",
     "engine_env",
     "free_port",
@@ -174,6 +174,30 @@ DEFAULT_STAGING_BYTES = 64 << 20
 own default, 1.25 GiB, is allocated whole when the store starts."""
 
 
+class LocalService:
+    """A local service this package starts (a process, or a group of them) for tests, the demo
+    and benchmarks: ``start()`` returns it once it serves; ``stop()`` stops everything it
+    started and is idempotent. As a context manager it also stops what a ``start()`` that
+    raised or was interrupted (Ctrl-C, a stop signal while it waits for health) had started:
+    ``__exit__`` does not run then, and a child would outlive us."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @dataclass(frozen=True)
 class DiskTier:
     """A store's disk tier: Mooncake's SSD offload into a local directory.
@@ -225,7 +249,7 @@ class DiskTier:
         }
 
 
-class LocalMooncakeMaster:
+class LocalMooncakeMaster(LocalService):
     """A ``mooncake_master`` child process on 127.0.0.1 with free ports.
 
     Args:
@@ -349,25 +373,8 @@ class LocalMooncakeMaster:
         if getattr(self, "_log", None):
             self._log.close()
 
-    def __enter__(self) -> LocalMooncakeMaster:
-        try:
-            return self.start()
-        except BaseException:
-            # Interrupted while waiting for /health (Ctrl-C, a stop signal): __exit__ will
-            # not run, and the child would outlive us.
-            self.stop()
-            raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class LocalPoolStore:
+class LocalPoolStore(LocalService):
     """A ``mooncake_client`` store process contributing ``segment_bytes`` of pool memory to a
     master (Mooncake standalone mode), and with ``disk`` a disk tier. Context manager;
     ``.proc`` is the child process.
@@ -447,19 +454,8 @@ class LocalPoolStore:
         if getattr(self, "_log", None):
             self._log.close()
 
-    def __enter__(self) -> LocalPoolStore:
-        try:
-            return self.start()
-        except BaseException:
-            # Interrupted while waiting for the segment: __exit__ will not run.
-            self.stop()
-            raise
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class LocalYuanrongWorker:
+class LocalYuanrongWorker(LocalService):
     """An openYuanrong datasystem worker on 127.0.0.1 with free ports, started with ``dscli``.
 
     Runs ``dscli start -w --worker_address 127.0.0.1:P --metastore_address 127.0.0.1:M
@@ -599,13 +595,3 @@ class LocalYuanrongWorker:
         except psutil.NoSuchProcess:
             pass
 
-    def __enter__(self) -> LocalYuanrongWorker:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
