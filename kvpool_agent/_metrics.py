@@ -54,6 +54,7 @@ DOWN_AFTER_S = 30.0
 _ENGINE = ["engine", "model", "role"]
 _AGENT = [*_ENGINE, "agent"]
 _POOL = ["pool", "backend"]
+_POOL_TIER = [*_POOL, "tier"]
 _STATES = ("up", "stale", "down")
 
 
@@ -301,6 +302,20 @@ class FleetCollector(Collector):
                          _POOL).add_metric(labels, p.evicted_keys)
             fams.counter("kvpool_pool_evicted_bytes", "Bytes the pool evicted.",
                          _POOL).add_metric(labels, p.evicted_bytes)
+            fams.gauge("kvpool_pool_disk_keys", "Values on the pool's disk tier (Mooncake SSD "
+                       "offload; 0 without one).", _POOL).add_metric(labels, p.disk_keys)
+            fams.gauge("kvpool_pool_disk_used_bytes", "Bytes of the disk tier in use.",
+                       _POOL).add_metric(labels, p.disk_used_bytes)
+            fams.gauge("kvpool_pool_disk_total_bytes", "Capacity of the disk tier (0 without "
+                       "one).", _POOL).add_metric(labels, p.disk_total_bytes)
+            reads = fams.counter("kvpool_pool_reads", "Reads the master served, by tier "
+                                 "(memory, disk), since it started.", _POOL_TIER)
+            read_bytes = fams.counter("kvpool_pool_read_bytes", "Bytes of those reads, by tier.",
+                                      _POOL_TIER)
+            for tier, hits, nbytes in (("memory", p.memory_hits, p.memory_hit_bytes),
+                                       ("disk", p.disk_hits, p.disk_hit_bytes)):
+                reads.add_metric([*labels, tier], hits)
+                read_bytes.add_metric([*labels, tier], nbytes)
             if p.healthy is not None:
                 fams.gauge("kvpool_pool_healthy", "1 when the pool's last health check passed, "
                            "0 when it failed (absent until checked).", _POOL).add_metric(

@@ -1,13 +1,17 @@
 """A pool's disk tier and the reads served from each tier (``PoolStats.disk_*``,
-``memory_hits``/``disk_hits``) in ``status --json`` and on the Pool tab; a pool without one shows
-``-``. The values a real master reports are tested in tests/replay/test_disk_tier.py."""
+``memory_hits``/``disk_hits``) in ``status --json``, on the Pool tab and in the hub's Prometheus
+export; a pool without one shows ``-``. The values a real master reports are tested in
+tests/replay/test_disk_tier.py."""
 
 from __future__ import annotations
 
 import msgspec
 from fleetdata import NOW_MS, engine, pool
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from textual.widgets import DataTable
 
+from kvpool_agent._metrics import FleetCollector
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.cli import status_document
 from kvpool_console.model import build_view
@@ -57,3 +61,29 @@ async def test_pool_tab_without_disk_tier_or_reads() -> None:
     row = await _pool_row(_fleet(disk_keys=0, disk_used_bytes=0, disk_total_bytes=0,
                                  memory_hits=0, disk_hits=0))
     assert (row["Disk"], row["Hits mem/disk"]) == ("-", "-")
+
+
+def test_prometheus_exports_both_tiers() -> None:
+    states = _fleet(disk_keys=300, disk_used_bytes=600 * MB, disk_total_bytes=4096 * MB,
+                    memory_hits=70, disk_hits=30, memory_hit_bytes=140 * MB,
+                    disk_hit_bytes=60 * MB)
+    reg = CollectorRegistry()
+    reg.register(FleetCollector(lambda: {a: (st, NOW_MS) for a, st in states.items()},
+                                dict, dict, lambda: NOW_MS))
+    got = {(s.name, frozenset(s.labels.items())): s.value
+           for fam in text_string_to_metric_families(generate_latest(reg).decode())
+           for s in fam.samples}
+    pools = {dict(k[1])["pool"] for k in got if k[0] == "kvpool_pool_disk_keys"}
+    (name,) = pools  # every agent of the engine reports the same pool: exported once
+    lab = {"pool": name, "backend": "mooncake"}
+
+    def value(metric: str, **extra: str) -> float:
+        return got[metric, frozenset({**lab, **extra}.items())]
+
+    assert value("kvpool_pool_disk_keys") == 300
+    assert value("kvpool_pool_disk_used_bytes") == 600 * MB
+    assert value("kvpool_pool_disk_total_bytes") == 4096 * MB
+    assert value("kvpool_pool_reads_total", tier="memory") == 70
+    assert value("kvpool_pool_reads_total", tier="disk") == 30
+    assert value("kvpool_pool_read_bytes_total", tier="memory") == 140 * MB
+    assert value("kvpool_pool_read_bytes_total", tier="disk") == 60 * MB
