@@ -184,8 +184,40 @@ def check_kv_transfer_config(
     )
     for child in children:
         _check_connector(ctx, child, engine, inst)
+    _check_consumer_uses_pool(ctx, ktc, children)
     _check_engine_fit(ctx, engine, inst)
     return inst
+
+
+def _check_consumer_uses_pool(ctx: Context, ktc: dict[str, Any], children: list[_Child]) -> None:
+    """A ``kv_consumer`` whose pool connector neither loads (``consumer_is_to_load``) nor saves
+    (``consumer_is_to_put``, both off by default in vllm-ascend's ``AscendStoreConnector`` and
+    here) and has no P/D transfer connector beside it gets no KV from anywhere: every prompt
+    is recomputed. With a transfer connector the KV arrives over P2P, and a pool that decode
+    does not read is the guides' default."""
+    if any(_classify(c.name) == "transfer" for c in children):
+        return
+    for c in children:
+        if c.name not in ("AscendStoreConnector", "KVPoolConnector"):
+            continue
+        extra = c.conf.get("kv_connector_extra_config") or {}
+        if c.conf.get("kv_role", ktc.get("kv_role")) != "kv_consumer" or not isinstance(
+                extra, dict):
+            continue  # a malformed extra config is its own finding
+        if extra.get("consumer_is_to_load") is True or extra.get("consumer_is_to_put") is True:
+            continue
+        ctx.add(
+            Finding(
+                "warning",
+                "consumer-unused",
+                f"{c.path}.kv_connector_extra_config.consumer_is_to_load",
+                f"{c.name} on a kv_consumer with no P/D transfer connector beside it neither "
+                "loads (consumer_is_to_load) nor saves (consumer_is_to_put): the instance "
+                "never uses the pool and recomputes every prompt",
+                'set "consumer_is_to_load": true (P/D through the pool), or put the P/D '
+                "transfer connector before it in a MultiConnector",
+            )
+        )
 
 
 def _check_top_level_keys(ctx: Context, ktc: dict[str, Any], path: str) -> None:

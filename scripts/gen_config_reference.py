@@ -33,7 +33,7 @@ OUT = ROOT / "docs" / "connector" / "config-reference.md"
 # _ExtraFields; render() refuses one that does not (a renamed field must be renamed here too).
 UNITS: dict[str, str] = {
     "chunk_size": "tokens",
-    "lookup_rpc_port": "port number",
+    "lookup_rpc_port": "number in the IPC socket's name (no TCP port)",
     "lookup_timeout_ms": "ms",
     "layerwise_timeout_ms": "ms",
     "lease_ttl_ms": "ms",
@@ -41,6 +41,10 @@ UNITS: dict[str, str] = {
     "lookup_breaker_open_ms": "ms",
     "save_budget": "bytes",
     "admission_pool_tokens": "tokens",
+    "handover_wait_ms": "ms",
+    "store_tp_size": "KV-head shares",
+    "store_pp_layer_partition": "layers per stored range",
+    "pin_share": "fraction of the pool's memory",
 }
 DEFAULT_WHEN_UNSET: dict[str, str] = {
     "chunk_size": "vLLM's block size",

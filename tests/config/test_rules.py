@@ -95,6 +95,8 @@ ISSUE_RULES: dict[str, list[str]] = {
         "ucm_mount.json",
         "ucm_capacity.json",
     ],
+    "a kv_consumer's pool connector loads or saves, or a P/D transfer connector is beside it": [
+        "consumer_unused.json"],
     "target_job_id: what happens, deploy_mode mismatch": ["target_job.json"],
     "kv_load_failure_policy recompute recommended, top level under MultiConnector": [
         "load_policy_unset.json",
