@@ -38,6 +38,8 @@ def main() -> None:
         kwargs["kv_events_config"] = spec["kv_events_config"]
     if spec.get("hma") is not None:
         kwargs["disable_hybrid_kv_cache_manager"] = not spec["hma"]
+    if spec.get("attention_backend"):
+        kwargs["attention_config"] = {"backend": spec["attention_backend"]}
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
         kwargs["distributed_executor_backend"] = "mp"

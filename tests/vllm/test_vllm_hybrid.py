@@ -9,14 +9,14 @@
   layout digest, so it loads nothing.
 * DeepSeek-V2 shape with MLA (``shape="mla"``, vLLM's ``CPU_MLA`` backend, block 16): a TP=1
   writer of M; a TP=2 ``kv_both`` engine over M and M2; a TP=1 ``kv_both`` reader of both.
-  ``CPU_MLA`` (this CPU has no AMX for ``AMX_MLA``) gets a prefill over cached context wrong
-  (vLLM turns prefix caching off for it; with its own prefix cache forced on, a hit gives other
-  tokens), so no engine here loads: every lookup is the named skip ``NO_CONTEXT_PREFILL``
-  (``kvpool_connector._context_prefill``) and the reader's outputs equal the writer's run
-  without a load. Saves go on: the pool holds one value per chunk (none under ``tp1``), one
-  layout digest whatever the TP size, and each TP=2 rank saved its stripe of M2 (chunk ``i``
-  on rank ``i % 2``). The bytes a TP rank would load are checked bit for bit against what the
-  other TP size wrote in ``tests/connector/test_groups.py``.
+  ``CPU_MLA`` (asked for: a CPU with AMX would pick ``AMX_MLA``) gets a prefill over cached
+  context wrong (vLLM turns prefix caching off for it; with its own prefix cache forced on, a
+  hit gives other tokens), so no engine here loads: every lookup is the named skip
+  ``NO_CONTEXT_PREFILL`` (``kvpool_connector._context_prefill``) and the reader's outputs equal
+  the writer's run without a load. Saves go on: the pool holds one value per chunk (none under
+  ``tp1``), one layout digest whatever the TP size, and each TP=2 rank saved its stripe of M2
+  (chunk ``i`` on rank ``i % 2``). The bytes a TP rank would load are checked bit for bit
+  against what the other TP size wrote in ``tests/connector/test_groups.py``.
 
 Engines run in their own processes against the module's real ``mooncake_master``
 (``_harness``); every engine pins its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), since vLLM
@@ -179,7 +179,10 @@ def mla(engines: Engines, hub: FleetHub, mla_model: Path) -> dict[str, list[dict
     ``kv_both`` reader of M and M2. One sequence at a time, so each prompt is alone in its
     batch."""
     extra = {"chunk_size": MLA_CHUNK}
-    kw: dict[str, Any] = {"model": mla_model, "block_size": MLA_BLOCK, "max_num_seqs": 1}
+    # CPU_MLA asked for: on a CPU with AMX vLLM picks AMX_MLA, which needs bf16/fp16 weights
+    # ("expect weight to be bfloat16, float16, ...") and is not the backend these tests cover.
+    kw: dict[str, Any] = {"model": mla_model, "block_size": MLA_BLOCK, "max_num_seqs": 1,
+                          "attention_backend": "CPU_MLA"}
     run = engines.run
     return {
         "w1": run("mla_w1", M, kvpool("kv_producer", 7311, "mla_w1", hub, **extra),
