@@ -28,6 +28,7 @@ from kvpool_config._context import (
 from kvpool_config._model import CONNECTOR_KEYS, KTC_FIELDS, STORE_ONLY_KEYS, KVTransferConfig
 from kvpool_config._store_connector import UCM_MODULE, check_store_connector
 from kvpool_config.rules import Finding
+from kvpool_connector.config import KVPoolConfig
 
 __all__ = [
     "ASCEND_CONNECTORS",
@@ -190,21 +191,30 @@ def check_kv_transfer_config(
 
 
 def _check_consumer_uses_pool(ctx: Context, ktc: dict[str, Any], children: list[_Child]) -> None:
-    """A ``kv_consumer`` whose pool connector neither loads (``consumer_is_to_load``) nor saves
-    (``consumer_is_to_put``, both off by default in vllm-ascend's ``AscendStoreConnector`` and
-    here) and has no P/D transfer connector beside it gets no KV from anywhere: every prompt
-    is recomputed. With a transfer connector the KV arrives over P2P, and a pool that decode
-    does not read is the guides' default."""
+    """A ``kv_consumer`` whose pool connector neither loads nor saves and has no P/D transfer
+    connector beside it gets no KV from anywhere: every prompt is recomputed. With a transfer
+    connector the KV arrives over P2P, and a pool that decode does not read is the guides'
+    default. Whether it loads or saves is the connector's own rule: ``KVPoolConfig``'s
+    ``should_load`` / ``should_save``; vllm-ascend's ``AscendStoreConnector`` reads
+    ``consumer_is_to_load`` / ``consumer_is_to_put`` as truthy values, off by default."""
     if any(_classify(c.name) == "transfer" for c in children):
         return
     for c in children:
-        if c.name not in ("AscendStoreConnector", "KVPoolConnector"):
-            continue
         extra = c.conf.get("kv_connector_extra_config") or {}
-        if c.conf.get("kv_role", ktc.get("kv_role")) != "kv_consumer" or not isinstance(
-                extra, dict):
+        role = c.conf.get("kv_role", ktc.get("kv_role"))
+        if role != "kv_consumer" or not isinstance(extra, dict):
             continue  # a malformed extra config is its own finding
-        if extra.get("consumer_is_to_load") is True or extra.get("consumer_is_to_put") is True:
+        if c.name == "KVPoolConnector":
+            try:
+                cfg = KVPoolConfig.from_dicts(extra, kv_role=role, block_size=1, model="m")
+            except ValueError:
+                continue  # the connector refuses it: that finding is _check_kvpool_connector's
+            uses_pool = cfg.should_load or cfg.should_save
+        elif c.name == "AscendStoreConnector":
+            uses_pool = bool(extra.get("consumer_is_to_load") or extra.get("consumer_is_to_put"))
+        else:
+            continue
+        if uses_pool:
             continue
         ctx.add(
             Finding(

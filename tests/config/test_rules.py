@@ -284,3 +284,18 @@ def test_info_notes_say_what_will_happen() -> None:
     assert _infos(validate_document(demo, "kv_transfer_config"))["backend"].startswith(
         "the memcache backend needs Ascend drivers"
     )
+
+
+@pytest.mark.parametrize("extra", [{"consumer_is_to_load": "true"},  # the connector reads it
+                                   {"consumer_is_to_put": True}])
+def test_a_consumer_that_loads_or_saves_uses_the_pool(tmp_path: Path,
+                                                      extra: dict[str, Any]) -> None:
+    doc = json.loads((CASES / "consumer_unused.json").read_text())
+    doc["kv_connector_extra_config"] = {"backend": "mooncake", **extra}
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(doc))
+    (report,) = validate_files([path])
+    assert [f.rule for f in report.findings if f.rule == "consumer-unused"] == []
+    # The case itself, unchanged, is warned about (test_broken_case_produces_exactly_...).
+    (broken,) = validate_files([CASES / "consumer_unused.json"])
+    assert [f.rule for f in broken.findings if f.severity != "info"] == ["consumer-unused"]
