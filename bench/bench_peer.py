@@ -510,6 +510,7 @@ P2P_REASON = ("vLLM's MooncakeConnector (P2P) cannot start on a CPU build: "
               "torch.accelerator.current_device_index() raises 'Cannot access accelerator "
               "device when none is available'; the pool is the hand-over")
 
+
 def pd_warmup(requests: list[TraceRequest]) -> list[TraceRequest]:
     """The P/D runs' warm-up request: a ``MAX_PROMPT``-token prompt of hash ids above every id
     of ``requests``, so it shares no chunk with the workload."""

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,18 +175,20 @@ DEFAULT_STAGING_BYTES = 64 << 20
 own default, 1.25 GiB, is allocated whole when the store starts."""
 
 
-class LocalService:
+class LocalService(ABC):
     """A local service this package starts (a process, or a group of them) for tests, the demo
     and benchmarks: ``start()`` returns it once it serves; ``stop()`` stops everything it
     started and is idempotent. As a context manager it also stops what a ``start()`` that
     raised or was interrupted (Ctrl-C, a stop signal while it waits for health) had started:
     ``__exit__`` does not run then, and a child would outlive us."""
 
+    @abstractmethod
     def start(self) -> Self:
-        raise NotImplementedError
+        """Start the service; return it once it serves."""
 
+    @abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """Stop everything ``start`` started. Idempotent."""
 
     def __enter__(self) -> Self:
         try:
