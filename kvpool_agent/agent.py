@@ -102,10 +102,11 @@ def _checked(fetch: Callable[[], PoolStats], pins: object = None) -> tuple[PoolS
     ``_POOL_INTERVAL_S`` later, and pool pause windows are bounded by the check itself. With
     ``pins`` (the process's ``PinOperations``) the stats carry its pins' bytes, asked here, on
     the pool thread: only this process knows its pins (the master's /metrics does not), and
-    asking may read its pin records from the pool."""
+    asking may read its pin records from the pool: not after a failed health check, where
+    the read would wait out the store's RPC timeout and hold the unhealthy report back."""
     stats = fetch()
     if isinstance(pins, PinOperations):
-        stats.pinned_bytes, stats.pins = pins.pinned()
+        stats.pinned_bytes, stats.pins = pins.pinned(refresh=stats.healthy is not False)
     return stats, _now_ms()
 
 

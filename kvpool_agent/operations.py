@@ -91,8 +91,9 @@ class PinOperations(Protocol):
         """Every pin held here (of ``args.model``, every model when ``""``)."""
         ...
 
-    def pinned(self) -> tuple[int, int]:
+    def pinned(self, refresh: bool = True) -> tuple[int, int]:
         """``(bytes, pins)`` the pins held here take: reported in ``PoolStats.pinned_bytes``
-        and ``pins`` with every pool stats report (on the agent's pool thread, every 2 s: it
-        may read the pins' shared records). Never raises."""
+        and ``pins`` with every pool stats report (on the agent's pool thread, every 2 s).
+        With ``refresh`` it first reads the pins' shared records from the pool; without, it
+        counts what it holds. Never raises."""
         ...

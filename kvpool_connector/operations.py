@@ -274,15 +274,16 @@ class BackendOperations:
         """``Backend.stats()``. Never raises."""
         return self.backend.stats()
 
-    def pinned(self) -> tuple[int, int]:
-        """``(bytes, pins)`` of this worker's layout's pins (``PinOperations.pinned``), after
-        taking those other workers made or dropped from the pool's records (``Pins.refresh``,
-        every ``refresh_s``). Never raises."""
+    def pinned(self, refresh: bool = True) -> tuple[int, int]:
+        """``(bytes, pins)`` of this worker's layout's pins (``PinOperations.pinned``); with
+        ``refresh``, after taking those other workers made or dropped from the pool's records
+        (``Pins.refresh``, every ``refresh_s``). Never raises."""
         pins = self.pins
         if pins is None:
             return 0, 0
         try:
-            pins.refresh()
+            if refresh:
+                pins.refresh()
         except Exception as exc:  # the stats report must go out; the next one tries again
             logger.warning("kvpool pins of %s: records not read: %s", self.source.agent_id, exc)
         return pins.pinned_bytes, len(pins.list())

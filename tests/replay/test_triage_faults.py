@@ -39,6 +39,10 @@ from kvpool_replay._replay import spawn_engine
 from kvpool_replay._services import stop_process_tree
 
 LEASE_TTL_MS = 3_000
+LONG_REPLAY = 12_000
+"""Requests for the engines of the longest test: the conversation trace's first 12,000 span
+about 3,500 s, 15 min at speedup 4, longer than the test on a loaded machine (4,000 span 325 s,
+and a slow CI run saw both engines finish before it ended)."""
 WAIT_S = 90.0
 """Deadline for an engine to come up and its alert to appear (engine start imports torch on a
 shared 2-core machine); the alert itself is evaluated on every poll."""
@@ -416,9 +420,8 @@ def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     timings: dict[str, float | None] = {}
     watch = Watch(fleet)
-    # Enough requests to replay through every phase (400 last about a minute).
-    fleet.start("w-a", limit=4000)
-    fleet.start("t-a", limit=4000, lease_ttl_ms=TINY_TTL_MS)
+    fleet.start("w-a", limit=LONG_REPLAY)
+    fleet.start("t-a", limit=LONG_REPLAY, lease_ttl_ms=TINY_TTL_MS)
     # A loaded machine replays slowly, and a pool full from earlier tests evicts: allow time.
     watch.until("both engines loading and saving", lambda _: (
         (w := _sums(fleet, "w-a"))[0] and w[1] and (t := _sums(fleet, "t-a"))[0] and t[1] >= 5),
