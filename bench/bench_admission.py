@@ -141,11 +141,26 @@ def disk_tier(paths: dict[str, str], limit: int | None, memory: int, disk: int) 
     return 0
 
 
+def _capacities(text: str) -> list[int]:
+    """``--capacities 20000000,5000000`` -> ``[20000000, 5000000]`` (tokens, each >= 1)."""
+    try:
+        caps = [int(c) for c in text.split(",")]
+    except ValueError:
+        caps = []
+    if not caps or min(caps) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give pool capacities in tokens, comma-separated, e.g. 1000000,2000000")
+    return caps
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--limit", type=int, default=600, help="requests per trace (0 = whole)")
     p.add_argument("--traces", default=",".join(CAPACITIES),
                    help="trace file names in the shared traces directory")
+    p.add_argument("--capacities", type=_capacities, default=None, metavar="TOKENS",
+                   help="pool capacities (tokens, comma-separated) instead of each trace's "
+                        "Figure-9 list, e.g. 20000000 to measure one row")
     p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON")
     p.add_argument("--disk-tier-tokens", type=int, default=None, metavar="N",
                    help="compare memory alone with memory + a disk tier of N tokens instead")
@@ -157,14 +172,18 @@ def main() -> int:
     limit = args.limit or None
     started = time.monotonic()
     names = args.traces.split(",")
+    unknown = [n for n in names if n not in CAPACITIES]
+    if unknown and not args.capacities:
+        p.error(f"--traces: {', '.join(unknown)} has no Figure-9 capacities; give --capacities")
+    capacities = {n: args.capacities or CAPACITIES[n] for n in names}
     paths = {n: str(default_trace_path(n)) for n in names}
     if args.disk_tier_tokens:
         status = disk_tier(paths, limit, args.memory_tokens, args.disk_tier_tokens)
         print(f"total bench time {time.monotonic() - started:.0f} s")
         return status
     print("offline: exact LRU, Belady's MIN, the adaptive policy's model, ceiling", flush=True)
-    ref = {n: offline(paths[n], limit, CAPACITIES[n]) for n in names}
-    jobs = [(paths[n], cap, adm) for n in names for cap in CAPACITIES[n]
+    ref = {n: offline(paths[n], limit, capacities[n]) for n in names}
+    jobs = [(paths[n], cap, adm) for n in names for cap in capacities[n]
             for adm in ("all", "adaptive")]
     print(f"replaying {len(jobs)} runs (two at a time)", flush=True)
     hit = replays(jobs, limit)
@@ -174,7 +193,7 @@ def main() -> int:
             "x LRU", "gap"]
     print("\n" + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     for n in names:
-        for cap in CAPACITIES[n]:
+        for cap in capacities[n]:
             r = ref[n][cap]
             a, d = hit[paths[n], cap, "all"], hit[paths[n], cap, "adaptive"]
             gap = (d - r["lru"]) / (r["belady"] - r["lru"]) if r["belady"] > r["lru"] else 0.0
