@@ -42,7 +42,7 @@ import psutil
 
 from kvpool_replay._pd import LocalPdPair, ProxyReplay
 from kvpool_replay._pool import mooncake_extra_config, pool_bytes_for_tokens
-from kvpool_replay._replay import spawn_engine
+from kvpool_replay._replay import spawn_engine, wait_engines_ready
 from kvpool_replay._services import (
     LocalMooncakeMaster,
     LocalPoolStore,
@@ -50,6 +50,7 @@ from kvpool_replay._services import (
     free_port_block,
     stop_process_tree,
     use_local_pool_env,
+    wait_until,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model
@@ -260,7 +261,8 @@ class DemoCluster:
             self.processes[eid] = proc
             self._started_pids.add(proc.pid)
         self._say(f"waiting for engines to be ready (up to {ready_timeout_s:.0f} s)")
-        self._wait_ready(ready_timeout_s)
+        wait_engines_ready([(self.specs[e], p) for e, p in self.processes.items()],
+                           ready_timeout_s)
         go.write_text(f"{time.time():.6f}")
 
     def _start_pd(self, model: Path, trace: list[TraceRequest], timeout_s: float) -> None:
@@ -294,23 +296,6 @@ class DemoCluster:
                   else "kvpool_replay._vllm_engine")
         return spawn_engine(spec, self.workdir, log=log, module=module)
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = dict(self.processes)
-        while pending:
-            for eid, proc in list(pending.items()):
-                spec = self.specs[eid]
-                if Path(spec.ready_path).exists():
-                    del pending[eid]
-                elif proc.poll() is not None:
-                    res = self.result(eid)
-                    detail = res.error if res else f"exit code {proc.returncode}"
-                    raise RuntimeError(f"demo engine {eid} failed to start: {detail}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"demo engines not ready after {timeout_s:.0f}s: "
-                                   f"{sorted(pending)}")
-            time.sleep(0.05)
-
     def result(self, engine_id: str) -> EngineResult | None:
         """The engine's final ``EngineResult`` once it finished its share, else ``None``."""
         p = Path(self.specs[engine_id].result_path)
@@ -324,12 +309,7 @@ class DemoCluster:
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until every engine finished its share; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self.running():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
+        return wait_until(lambda: not self.running(), timeout_s) is not None
 
     def stop(self) -> None:
         """Stop engines, store, master and hub (process groups: TERM, then KILL). Idempotent."""

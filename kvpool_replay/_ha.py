@@ -36,15 +36,24 @@ from kvpool_agent.masters import MasterState, probe_masters
 from kvpool_replay._services import (
     LocalMooncakeMaster,
     LocalService,
+    alive,
     free_port,
     stop_process_tree,
     tail_file,
+    wait_until,
 )
 
 __all__ = ["HA_FLAGS", "FailoverDrill", "LocalEtcd", "LocalHaPool", "all_keys"]
 
 HA_FLAGS = ("--enable_ha=true", "--enable_oplog=true")
 """Flags every master of a ``LocalHaPool`` runs with, besides its etcd and cluster id."""
+
+
+def _etcd_healthy(client_url: str) -> bool:
+    """etcd's ``/health`` says ``{"health": "true"}``."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return bool(httpx.get(f"{client_url}/health", timeout=1.0).json().get("health") == "true")
+    return False
 
 
 def all_keys(admin_url: str, timeout_s: float = 5.0) -> set[str]:
@@ -102,15 +111,10 @@ class LocalEtcd(LocalService):
              "--initial-cluster", f"kvpool={peer}"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited ({self.proc.returncode}):\n{tail_file(self.log_path)}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if httpx.get(f"{client}/health", timeout=1.0).json().get("health") == "true":
-                    return self
-            time.sleep(0.1)
+        proc = self.proc
+        if wait_until(lambda: alive("etcd", proc, self.log_path) and _etcd_healthy(client),
+                      timeout_s):
+            return self
         self.stop()
         raise RuntimeError(f"etcd not healthy in {timeout_s}s:\n{tail_file(self.log_path)}")
 
@@ -199,12 +203,9 @@ class LocalHaPool(LocalService):
             RuntimeError: none within ``timeout_s`` (the message carries every master's
                 state and the first master's log tail).
         """
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = self.leader()
-            if found is not None:
-                return found
-            time.sleep(0.1)
+        found = wait_until(self.leader, timeout_s)
+        if found is not None:
+            return found
         states = "; ".join(f"{s.admin_url} {s.role or '-'}/{s.ha_state or s.error}"
                            for s in self.states())
         raise RuntimeError(f"no serving leader in {timeout_s}s ({states}):\n"
@@ -301,12 +302,13 @@ class FailoverDrill:
         began serving lists no key until the store's client re-registers its segment with it
         (the client reconnects after 3 failed pings, one a second), then all of them."""
         best = 0
-        deadline = time.monotonic() + self.settle_s
-        while best < len(before):
+
+        def all_back() -> bool:
+            nonlocal best
             best = max(best, len(all_keys(new.admin_url) & before))
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+            return best >= len(before)
+
+        wait_until(all_back, self.settle_s, interval_s=0.25)
         return best
 
     def join(self) -> None:

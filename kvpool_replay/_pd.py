@@ -21,7 +21,6 @@ decode, pool hits on prefill, loads on decode).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -36,10 +35,13 @@ import httpx
 
 from kvpool_replay._services import (
     LocalService,
+    alive,
     engine_env,
     free_port,
+    http_ok,
     stop_process_tree,
     tail_file,
+    wait_until,
 )
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
@@ -212,18 +214,11 @@ class LocalPdPair(LocalService):
         return self
 
     def _wait_healthy(self, name: str, url: str, deadline: float) -> None:
-        while True:
-            proc = self._procs[name]
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}):\n"
-                                   f"{tail_file(self.workdir / f'{name}.log')}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not healthy in time:\n"
-                                   f"{tail_file(self.workdir / f'{name}.log')}")
-            time.sleep(0.5)
+        log = self.workdir / f"{name}.log"
+        proc = self._procs[name]
+        if not wait_until(lambda: alive(name, proc, log) and http_ok(url, timeout_s=2.0),
+                          deadline - time.monotonic(), interval_s=0.5):
+            raise RuntimeError(f"{name} was not healthy in time:\n{tail_file(log)}")
 
     @property
     def pids(self) -> list[int]:

@@ -50,13 +50,14 @@ from kvpool_replay._services import (
     spawn,
     stop_process_tree,
     use_local_pool_env,
+    wait_until,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE, request_tokens
 from kvpool_replay._trace import TraceRequest, load_trace
 
 __all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "reference_for", "run_replay",
-           "spawn_engine"]
+           "spawn_engine", "wait_engines_ready"]
 
 _MIB = 1 << 20
 
@@ -436,7 +437,7 @@ def run_replay(
             rss.add("engine", proc.pid)
             procs.append((spec, proc))
 
-        _wait_ready(procs, timeout_s=180)
+        wait_engines_ready(procs, timeout_s=180)
         say("engines ready; replay started")
         go.write_text(f"{time.time():.6f}")
         receiver.begin()
@@ -546,11 +547,18 @@ def _run_engines(
     return results, errors
 
 
-def _wait_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
-                timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_engines_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
+                       timeout_s: float) -> None:
+    """Wait until every engine wrote its ``ready_path`` (its connector is up, the pool
+    reachable).
+
+    Raises:
+        RuntimeError: an engine exited first (its code and ``EngineResult.error``), or some
+            were not ready within ``timeout_s`` s (named).
+    """
     pending = list(procs)
-    while pending:
+
+    def all_ready() -> bool:
         for spec, proc in list(pending):
             if Path(spec.ready_path).exists():
                 pending.remove((spec, proc))
@@ -559,9 +567,10 @@ def _wait_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
                 detail = ""
                 if rp.exists():
                     detail = msgspec.json.decode(rp.read_bytes(), type=EngineResult).error
-                raise RuntimeError(f"{spec.engine_id} exited during start-up "
+                raise RuntimeError(f"engine {spec.engine_id} exited during start-up "
                                    f"(code {proc.returncode}): {detail}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"engines not ready after {timeout_s}s: "
-                               f"{[s.engine_id for s, _ in pending]}")
-        time.sleep(0.05)
+        return not pending
+
+    if not wait_until(all_ready, timeout_s, interval_s=0.05):
+        raise RuntimeError(f"engines not ready after {timeout_s:.0f} s: "
+                           f"{[s.engine_id for s, _ in pending]}")

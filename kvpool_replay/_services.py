@@ -26,13 +26,14 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import httpx
 import psutil
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
@@ -43,12 +44,18 @@ __all__ = [
     "LocalPoolStore",
     "LocalService",
     "LocalYuanrongWorker",
+    "alive",
     "engine_env",
     "free_port",
     "free_port_block",
+    "http_ok",
     "stop_process_tree",
     "tail_file",
+    "wait_until",
 ]
+
+
+_T = TypeVar("_T")
 
 
 def tail_file(path: Path, n: int = 20) -> str:
@@ -57,6 +64,35 @@ def tail_file(path: Path, n: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+def wait_until(ready: Callable[[], _T], timeout_s: float, interval_s: float = 0.1) -> _T | None:
+    """Call ``ready()`` every ``interval_s`` s; its first truthy answer, or ``None`` once
+    ``timeout_s`` s have passed. An exception ``ready`` raises (a process that exited while
+    being waited for) propagates at once."""
+    got: _T | None = Retrying(retry=retry_if_result(lambda r: not r), wait=wait_fixed(interval_s),
+                              stop=stop_after_delay(timeout_s),
+                              retry_error_callback=lambda state: None)(ready)
+    return got
+
+
+def alive(name: str, proc: subprocess.Popen[bytes], log_path: Path) -> bool:
+    """True while ``proc`` runs: a ``wait_until`` condition's first part.
+
+    Raises:
+        RuntimeError: it exited; the message has its exit code and ``log_path``'s tail.
+    """
+    if proc.poll() is not None:
+        raise RuntimeError(f"{name} exited ({proc.returncode}):\n{tail_file(log_path)}")
+    return True
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """``GET url`` answered 200 (False when it cannot be reached)."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -340,19 +376,10 @@ class LocalMooncakeMaster(LocalService):
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         self._log = log
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"mooncake_master exited ({self.proc.returncode}):\n"
-                    f"{tail_file(self.log_path)}"
-                )
-            try:
-                if httpx.get(f"{self.admin_url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        proc = self.proc
+        if wait_until(lambda: alive("mooncake_master", proc, self.log_path)
+                      and http_ok(f"{self.admin_url}/health"), timeout_s):
+            return self
         self.stop()
         raise RuntimeError(
             f"mooncake_master did not become healthy in {timeout_s}s:\n"
@@ -423,14 +450,10 @@ class LocalPoolStore(LocalService):
         with reaping(cmd):
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited ({self.proc.returncode}):\n"
-                                   f"{tail_file(self.log_path)}")
-            if self._mounted():
-                return self
-            time.sleep(0.1)
+        proc = self.proc
+        if wait_until(lambda: alive("mooncake_client", proc, self.log_path) and self._mounted(),
+                      timeout_s):
+            return self
         self.stop()
         raise RuntimeError(f"mooncake_client did not mount its segment in {timeout_s}s:\n"
                            f"{tail_file(self.log_path)}")
