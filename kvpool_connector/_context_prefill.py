@@ -30,7 +30,9 @@ wrong. ``CPU_MLA`` (vLLM 0.32 ``v1/attention/backends/mla/cpu_mla.py``, the refe
 backend of a CPU without AMX): ``CpuPlatform.check_and_update_config`` turns prefix caching
 and chunked prefill off for it, and with vLLM's own prefix cache forced back on, a prompt that
 hits its cached prefix gives other tokens than its run from token 0 (the same tokens as after
-a pool load; ``tests/vllm/test_vllm_hybrid.py``)."""
+a pool load; ``tests/vllm/test_vllm_hybrid.py``). ``AMX_MLA``, vLLM's MLA backend on a CPU
+with AMX tiles, is not listed: vLLM keeps its prefix cache on for it, and a prefill over a
+loaded prefix gives, to the bit, what one over vLLM's own cached prefix gives (same test)."""
 
 
 def context_prefill_gap(vllm_config: VllmConfig) -> str | None:

@@ -17,6 +17,10 @@
   ``tp1``), one layout digest whatever the TP size, and each TP=2 rank saved its stripe of M2
   (chunk ``i`` on rank ``i % 2``). The bytes a TP rank would load are checked bit for bit
   against what the other TP size wrote in ``tests/connector/test_groups.py``.
+* The same MLA model on ``AMX_MLA`` (vLLM's choice on a CPU with AMX tiles; bf16, block 32;
+  skipped on a CPU without): it prefills over cached context, so the connector loads; a
+  reader's outputs over the loaded prefix equal, to the bit, those of vLLM's own prefix cache
+  hitting the same prefix.
 
 Engines run in their own processes against the module's real ``mooncake_master``
 (``_harness``); every engine pins its OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), since vLLM
@@ -49,6 +53,8 @@ TWO_CPUS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # TP=2: one thread per rank
 
 MLA_BLOCK = 16  # vLLM's CPU_MLA backend
 MLA_CHUNK = 2 * MLA_BLOCK
+AMX_BLOCK = 32  # vLLM's AMX_MLA backend: bf16 only, blocks a multiple of 32 tokens
+AMX_CHUNK = 2 * AMX_BLOCK
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -60,6 +66,8 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 G = _prompts(21, [300, 200, 257, 100])
 M = _prompts(22, [100, 75])
 M2 = _prompts(23, [90, 140])
+# Loadable prefixes (whole chunks) equal to vLLM's own cache hits (whole blocks): 128 and 192.
+A = _prompts(24, [150, 200])
 
 
 def _loadable(prompt: list[int], chunk: int) -> int:
@@ -232,3 +240,47 @@ def test_mla_is_stored_once_and_shared_across_tp_sizes(
     for rank, tr in ranks.items():
         assert tr.saved_bytes == sum(len(range(rank, n, 2)) for n in n_chunks) * value
         assert tr.loaded_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def amx_mla(engines: Engines, hub: FleetHub, mla_model: Path) -> dict[str, Any]:
+    """The MLA model on ``AMX_MLA`` (vLLM's choice on a CPU with AMX tiles; bf16): vLLM's own
+    prefix cache over two rounds (the second prefills each prompt over its cached prefix), a
+    TP=1 writer and a TP=1 reader of the same prompts."""
+    import torch
+
+    # The check vLLM's CpuPlatform makes before it picks AMX_MLA.
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles: vLLM runs MLA on CPU_MLA here (tested above)")
+    kw: dict[str, Any] = {"model": mla_model, "block_size": AMX_BLOCK, "dtype": "bfloat16",
+                          "max_num_seqs": 1, "env": ONE_CPU}
+    extra = {"chunk_size": AMX_CHUNK}
+    run = engines.run
+    run("amx_own", A, prefix_caching=True, rounds=2, **kw)
+    return {
+        "own": engines.results["amx_own"]["rounds"],
+        "w": run("amx_w", A, kvpool("kv_producer", 7314, "amx_w", hub, **extra), **kw),
+        "r": run("amx_r", A, kvpool("kv_both", 7315, "amx_r", hub, **extra), **kw),
+    }
+
+
+def test_mla_on_amx_mla_loads_and_equals_a_prefill_over_its_own_cache(
+    amx_mla: dict[str, Any], hub: FleetHub,
+) -> None:
+    # AMX_MLA prefills over cached context (vLLM keeps its prefix cache on for it): the reader
+    # loads every whole chunk, as vLLM's own cache hits the same prefix in its second round.
+    own_first, own_hit = amx_mla["own"]
+    loadable = [_loadable(p, AMX_CHUNK) for p in A]
+    assert loadable == [128, 192]
+    assert [o["num_cached_tokens"] for o in own_hit] == loadable
+    assert [o["num_cached_tokens"] for o in amx_mla["r"]] == loadable
+    (sched,) = agent_states(hub, "amx_r", "scheduler")
+    assert "NO_CONTEXT_PREFILL" not in sched.lookup.skipped_by_reason
+    assert worker_state(hub, "amx_r").transfers.loaded_bytes > 0
+    # Over the loaded prefix the reader computes what vLLM computes over its own cached KV, to
+    # the bit. Not what the run from token 0 computes: on this model AMX_MLA's outputs depend
+    # on what it prefills together (both prompts in one batch give other tokens than one at a
+    # time; a llama in bf16 on CPU_ATTN gives the same tokens after a cache hit), so vLLM's own
+    # cache hit is the reference.
+    _same(amx_mla["r"], own_hit, atol=0.0)
+    assert [o["tokens"] for o in amx_mla["w"]] == [o["tokens"] for o in own_first]
