@@ -425,7 +425,7 @@ def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
     # A loaded machine replays slowly, and a pool full from earlier tests evicts: allow time.
     watch.until("both engines loading and saving", lambda _: (
         (w := _sums(fleet, "w-a"))[0] and w[1] and (t := _sums(fleet, "t-a"))[0] and t[1] >= 5),
-        timeout_s=4 * WAIT_S)
+        timeout_s=6 * WAIT_S)
 
     # Tiny TTL: ordinary saves outlive it; none is stuck, and the TTL is named in ms.
     t0 = time.monotonic()
