@@ -16,7 +16,9 @@ bytes of saves submitted and not finished are bounded by ``save_budget_bytes``: 
 save would pass it is skipped and counted (``SAVE_BUDGET``), so submitting never blocks the
 engine thread and a finished request waits for at most one budget of saves before its blocks
 are freed. A preempted request's queued saves are dropped (``PREEMPTED``) and only its running
-one is waited for.
+one is waited for. With ``eviction: connector`` the same thread removes the keys the scheduler's
+LRU evicted (``SaveQueue.remove``) before it runs the saves submitted after them, so the pool
+has room for them; a key under a reader's lease is removed with a later batch.
 
 Both report every transfer to the agent and add to one ``WorkerCounters``. ``KVPoolWorker``
 owns them and calls them from vLLM's hooks.
@@ -55,6 +57,9 @@ _FULL = ErrorCode.NO_AVAILABLE_HANDLE
 SAVE_BUDGET = "SAVE_BUDGET"
 """``SaveSkipped.reason`` of a save skipped because ``save_budget_bytes`` were in flight."""
 
+MAX_LEASED_REMOVES = 65_536
+"""Evicted keys a lease kept that ``SaveQueue`` tries again at most (``SaveQueue.remove``)."""
+
 PREEMPTED = "PREEMPTED"
 """``SaveSkipped.reason`` of a queued save dropped because its request was preempted."""
 
@@ -85,6 +90,8 @@ class WorkerCounters:
     layer_timeouts: int = 0
     load_failed_tokens: int = 0
     checksum_failures: int = 0
+    evicted_keys: int = 0
+    evict_failed_keys: int = 0
 
 
 @dataclass(frozen=True)
@@ -501,6 +508,8 @@ class SaveQueue:
         self._dropped: dict[str, int] = {}
         # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
         self.checksum: DigestSlots | None = None
+        # Save thread only: evicted keys a reader's lease kept (removed with the next batch).
+        self._leased: dict[str, None] = {}
         # (request id, chunk) of every chunk a save wrote, when KV events are on
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).
@@ -543,6 +552,44 @@ class SaveQueue:
             self._futures.append(fut)
             self._batches[seq] = fut
         return fut
+
+    def remove(self, keys: Sequence[str]) -> Future[None]:
+        """Remove ``keys`` from the pool (``eviction: connector``) on the save thread, before
+        any save submitted later; never by force (``Backend.batch_remove``). Never blocks.
+
+        Keys under a lease (Mooncake -706 OBJECT_HAS_LEASE) are removed with the next batch;
+        ``MAX_LEASED_REMOVES`` of them at most are kept (the oldest are dropped: the pool's
+        own eviction takes them then). Removed keys and failed removes are counted
+        (``evicted_keys``, ``evict_failed_keys``).
+        """
+        return self.executor.submit(self._remove, list(keys))
+
+    def _remove(self, keys: list[str]) -> None:
+        leased = self._leased
+        todo = list(dict.fromkeys([*leased, *keys]))
+        leased.clear()
+        try:
+            codes = self.backend.batch_remove(todo)
+        except BackendError as exc:
+            logger.error("kvpool eviction of %d keys failed: %s", len(todo), exc)
+            self.reporter.error("evict", error_name(exc.code or ErrorCode.INTERNAL_ERROR),
+                                str(exc))
+            with self._lock:
+                self.counters.evict_failed_keys += len(todo)
+            return
+        removed = failed = 0
+        for key, rc in zip(todo, codes, strict=True):
+            if rc == 0:
+                removed += 1
+            elif rc == ErrorCode.OBJECT_HAS_LEASE:
+                leased[key] = None
+            elif rc != ErrorCode.OBJECT_NOT_FOUND:  # not found: never stored, or gone already
+                failed += 1
+        while len(leased) > MAX_LEASED_REMOVES:
+            del leased[next(iter(leased))]
+        with self._lock:
+            self.counters.evicted_keys += removed
+            self.counters.evict_failed_keys += failed
 
     def _admit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
                n_layers: int) -> list[tuple[ReqMeta, list[Transfer]]]:

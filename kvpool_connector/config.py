@@ -28,6 +28,7 @@ from kvpool_agent.vocabulary import (
 )
 from kvpool_connector._validation import field_problems
 from kvpool_connector.admission import AdmissionMode
+from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
 from kvpool_connector.pins import DEFAULT_PIN_SHARE
 from kvpool_connector.sizes import parse_size
@@ -70,6 +71,7 @@ class _ExtraFields(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
+    eviction: EvictionMode = "pool"
     handover_wait_ms: int = Field(default=5_000, ge=0)
     store_tp_size: int | None = Field(default=None, gt=0)
     store_pp_layer_partition: tuple[PositiveInt, ...] | None = Field(default=None, min_length=1)
@@ -201,7 +203,11 @@ class KVPoolConfig(BaseModel):
             every chunk either way: its saves are its decode engine's hand-over.
         admission_pool_tokens: the pool's capacity in tokens of this model (pool bytes over
             bytes per token; divided by the engines sharing it), which the adaptive policy's
-            ghost caches simulate; needed with ``admission: adaptive``.
+            ghost caches simulate and ``eviction: connector`` keeps; needed with either.
+        eviction: who evicts (``kvpool_connector.eviction``): ``pool`` (default) the pool's
+            own eviction; ``connector`` the scheduler keeps an exact LRU of
+            ``admission_pool_tokens`` and worker rank 0 removes what falls out of it (Mooncake
+            only: ``batch_remove``).
         handover_wait_ms: P/D through the pool (``kvpool_connector.handover``): how long a
             loading engine keeps a request waiting for the chunks its prefill engine said it
             saved (the request's ``kv_transfer_params``) before it runs with what the pool
@@ -253,6 +259,7 @@ class KVPoolConfig(BaseModel):
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
+    eviction: EvictionMode = "pool"
     handover_wait_ms: int = 5_000
     store_tp_size: int | None = None
     store_pp_layer_partition: tuple[int, ...] | None = None
@@ -343,6 +350,14 @@ class KVPoolConfig(BaseModel):
                 "kv_connector_extra_config.admission_pool_tokens: admission 'adaptive' needs "
                 "the pool's capacity in tokens of this model (pool bytes / bytes per token), "
                 "e.g. 2000000")
+        if fields.eviction == "connector" and fields.admission_pool_tokens is None:
+            raise ValueError(
+                "kv_connector_extra_config.admission_pool_tokens: eviction 'connector' needs "
+                "this engine's share of the pool in tokens of this model, e.g. 2000000")
+        if fields.eviction == "connector" and fields.backend != "mooncake":
+            raise ValueError(
+                f"kv_connector_extra_config.eviction: 'connector' removes keys with Mooncake's "
+                f"batch_remove; backend {fields.backend!r} has none: use eviction 'pool'")
         eid = fields.engine_id or engine_id or "engine"
         declared, role_source = declared_instance_role(fields.instance_role, eid)
         values["agent_address"] = fields.agent_address or os.environ.get(AGENT_ADDRESS_ENV) or None

@@ -339,7 +339,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_share=shares if isinstance(shares, str) else "",
                 pp_partition=cfg.store_pp_layer_partition,
                 total_layers=(vllm_config.model_config.get_total_num_hidden_layers()
-                              if cfg.store_pp_layer_partition else None), **sizes,
+                              if cfg.store_pp_layer_partition else None),
+                # The scheduler's LRU names chunks; the rank that serves lookups removes them.
+                evicts=cfg.eviction == "connector" and self._tp_rank == 0
+                and self._layout.pp_rank == 0, **sizes,
             )
             if self._operations is not None:
                 self._operations.saves = self._worker
@@ -608,6 +611,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                     logger.warning("KVPoolConnector: pin records not read (%s): read again "
                                    "with the next pool stats", exc)
                 self._operations.pins = pins
+                worker.pinned_keys = pins.pinned_keys
                 self._operations.tokenize = _engine_tokenizer(self._vllm_config)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations

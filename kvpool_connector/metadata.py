@@ -87,11 +87,13 @@ class ReqMeta:
 
 @dataclass
 class KVPoolConnectorMetadata(KVConnectorMetadata):
-    """Per-step metadata: ``requests`` to load or save, and ``preempted`` request ids whose
-    pending loads must be abandoned."""
+    """Per-step metadata: ``requests`` to load or save, ``preempted`` request ids whose
+    pending loads must be abandoned, and ``evict``: chunk hashes worker rank 0 removes from the
+    pool before this step's saves (``eviction: connector``, ``kvpool_connector.eviction``)."""
 
     requests: list[ReqMeta] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    evict: list[str] = field(default_factory=list)
 
 
 @dataclass

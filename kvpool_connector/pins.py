@@ -175,6 +175,11 @@ class Pins:
         with self._lock:
             return len({k for p in self._pins.values() for k in p.keys}) * self.chunk_bytes
 
+    def pinned_keys(self) -> frozenset[str]:
+        """Every key some pin of this layout holds (the connector's eviction keeps them)."""
+        with self._lock:
+            return frozenset(k for p in self._pins.values() for k in p.keys)
+
     def list(self) -> list[Pin]:
         with self._lock:
             return list(self._pins.values())

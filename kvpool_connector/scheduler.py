@@ -65,6 +65,7 @@ from kvpool_connector._context_prefill import NO_CONTEXT_PREFILL
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.eviction import ConnectorEviction
 from kvpool_connector.handover import (
     HandoverWaits,
     handover_params,
@@ -281,6 +282,10 @@ class KVPoolScheduler:
         # Which leading chunks of a new request are saved (admission: all | adaptive).
         self.admission = admission_for(config.admission, config.kv_role,
                                        config.admission_pool_tokens, config.chunk_size)
+        # eviction: connector: this engine's exact LRU of the pool (kvpool_connector.eviction).
+        self.eviction = (
+            ConnectorEviction(max(1, (config.admission_pool_tokens or 0) // config.chunk_size))
+            if config.eviction == "connector" and config.should_save else None)
         # Loads sent to the workers whose outcome has not come back: request id -> tokens
         # accepted; for async loads, the least loaded by the workers that answered so far.
         self._awaiting_outcome: dict[str, int] = {}
@@ -507,6 +512,8 @@ class KVPoolScheduler:
             # The one place a save is decided: once per request, when it is first scheduled.
             tracker = _Tracker(hashes, list(new.block_ids[0]),
                                save_limit=self.admission.admit(hashes) if save else 0)
+            if save and self.eviction is not None:
+                meta.evict += self.eviction.record(hashes, tracker.save_limit)
             # Chunks the pool already holds need no save.
             pool_tokens = self._sent_loads.pop(rid, 0)
             if load is not None:

@@ -46,7 +46,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Protocol
@@ -164,8 +165,12 @@ class KVPoolWorker:
             and ``pp_size``'s PP fields are then not used); ``None``: values per stage.
         total_layers: the model's layers (with ``pp_partition``); ``None``: the registered
             layers are the whole model.
+        evicts: this worker removes the chunks ``KVPoolConnectorMetadata.evict`` names
+            (``eviction: connector``; one worker per engine, every rank's keys).
 
     Attributes:
+        pinned_keys: with ``evicts``, the keys a pin holds (``Pins.pinned_keys``): never
+            removed by the eviction; ``None``: no pins known.
         layout_facts: what this worker's layout digest covers; ``None`` until
             ``register_kv_caches``, which computes it (and the keys' prefixes) once.
 
@@ -192,8 +197,13 @@ class KVPoolWorker:
         kv_share: str = "",
         pp_partition: Sequence[int] | None = None,
         total_layers: int | None = None,
+        evicts: bool = False,
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk(config.block_size, config.chunk_size)
+        # eviction: connector: this worker removes every rank's keys of the chunks the
+        # scheduler's LRU evicts (one worker per engine), except keys a pin holds.
+        self.evicts = evicts
+        self.pinned_keys: Callable[[], AbstractSet[str]] | None = None
         self.groups: list[KVGroup] | None = list(groups) if groups is not None else None
         self.stripe = stripe
         self.config = config
@@ -530,6 +540,21 @@ class KVPoolWorker:
                             for c in range(n)])
         return hybrid_hit(self.groups, present, self.blocks_per_chunk)
 
+    def _evict(self, chunk_hashes: list[str]) -> None:
+        """Remove every rank's keys (every group's, hybrid) of ``chunk_hashes`` before this
+        step's saves (``SaveQueue.remove``)."""
+        kv = self._require_kv()[0]
+        if self.hybrid:
+            keys = [k for prefixes in self._group_prefixes
+                    for k in chunk_keys(prefixes, chunk_hashes)]
+        else:
+            keys = self._lookup_keys(kv, chunk_hashes)
+        if self.pinned_keys is not None:
+            pinned = self.pinned_keys()
+            keys = [k for k in keys if k not in pinned]
+        if keys:
+            self._saves.remove(keys)
+
     # ------------------------------------------------------------------ loads
 
     def start_load_kv(self, metadata: KVPoolConnectorMetadata) -> None:
@@ -549,6 +574,8 @@ class KVPoolWorker:
         self._loads.settle_stale()
         if metadata.preempted:
             self._settle_preempted(metadata.preempted)
+        if metadata.evict and self.evicts:
+            self._evict(metadata.evict)
         plans = []
         for req in metadata.requests:
             try:

@@ -91,6 +91,14 @@ class Backend(abc.ABC):
         sizes on success), or a negative ``ErrorCode`` (OBJECT_NOT_FOUND, LEASE_EXPIRED...).
         A key whose result is not the full size must be treated as not loaded."""
 
+    def batch_remove(self, keys: Sequence[str]) -> list[int]:
+        """Remove each key, never by force. Per key: 0 removed, or a negative ``ErrorCode``
+        (OBJECT_NOT_FOUND, OBJECT_HAS_LEASE while a reader holds a lease). Raises
+        ``BackendError`` if the backend has no such call (only Mooncake's ``batch_remove``
+        is used: ``eviction: connector`` is checked against the backend in
+        ``KVPoolConfig``) or failed as a whole."""
+        raise BackendError(f"{type(self).__name__} cannot remove single keys")
+
     @abc.abstractmethod
     def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
         """Remove every key matching the regular expression ``pattern`` (anchored by the

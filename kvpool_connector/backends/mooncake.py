@@ -374,6 +374,11 @@ class MooncakeBackend(Backend):
         lease is not removed: retry after ``default_kv_lease_ttl``)."""
         for key in keys:
             self._pins.pop(key, None)
+        return self.batch_remove(keys)
+
+    def batch_remove(self, keys: Sequence[str]) -> list[int]:
+        """``batch_remove(keys, force=False)``: per key 0 removed or a negative
+        ``ErrorCode`` (-704 OBJECT_NOT_FOUND, -706 OBJECT_HAS_LEASE)."""
         if not keys:
             return []
         return [int(rc) for rc in self._call("batch_remove", self._store.batch_remove,

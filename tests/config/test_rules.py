@@ -225,6 +225,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "reset_flush_scope": "engine",
         "admission": "adaptive",
         "admission_pool_tokens": 2_000_000,
+        "eviction": "connector",
         "handover_wait_ms": 2000,
         "store_tp_size": 4,
         "store_pp_layer_partition": [10, 22],
@@ -238,6 +239,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"
     assert (cfg.admission, cfg.admission_pool_tokens) == ("adaptive", 2_000_000)
+    assert cfg.eviction == "connector"
     assert cfg.store_tp_size == 4 and cfg.store_pp_layer_partition == (10, 22)
     assert cfg.pin_share == 0.2
     with pytest.raises(ValueError, match=r"pin_share"):

@@ -1,0 +1,97 @@
+"""Eviction: who decides which chunks leave the pool.
+
+``kv_connector_extra_config.eviction`` picks it (``KVPoolConfig.eviction``):
+
+* ``pool`` (default): the pool does. Mooncake evicts once usage passes
+  ``eviction_high_watermark_ratio``, ``eviction_ratio`` of its objects at a time, by lease
+  order (``lease_timeout``, shard by shard: a put sets it to now, an exists or get to now +
+  ``default_kv_lease_ttl``), and never an object under a lease. That pool holds less than its
+  capacity, in an order far from LRU when requests come faster than the lease TTL (measured in
+  docs/benchmarks.md).
+* ``connector``: the scheduler keeps an exact LRU of this engine's chunks of
+  ``admission_pool_tokens`` (``ConnectorEviction``): every chunk of a request it schedules that
+  the LRU holds is refreshed, every chunk its admission policy saves is inserted, and the least
+  recently used chunks past the capacity are removed from the pool by worker rank 0 before that
+  step's saves (``KVPoolConnectorMetadata.evict``; every rank's keys, never by force: a key
+  under a reader's lease is removed on a later step). The pool then holds what an exact LRU of
+  that capacity (under the admission policy) holds, if its own eviction never runs first: set
+  the master's ``eviction_high_watermark_ratio`` above the share of the segments that
+  ``admission_pool_tokens`` fills.
+
+With several engines on one pool each one steers only the chunks it scheduled, in a capacity of
+its own (``admission_pool_tokens``: its share). Keys are shared by layout, so one engine may
+remove a chunk another still uses; the other then recomputes it (a load in progress holds a
+lease, and a load that finds the chunk gone recomputes it).
+
+Memory: one ``OrderedDict`` entry per chunk of the capacity (a hex hash key, about
+200 bytes per entry: 2M tokens at chunk 256 is 7,813 entries, ~1.6 MB).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+__all__ = ["ConnectorEviction", "EvictionMode"]
+
+EvictionMode = Literal["pool", "connector"]
+"""Values of ``kv_connector_extra_config.eviction``."""
+
+
+class ConnectorEviction:
+    """``eviction: connector``: an exact LRU of chunk hashes (module docstring).
+
+    Args:
+        capacity_chunks: chunks this engine may keep in the pool (``admission_pool_tokens //
+            chunk_size``), >= 1.
+
+    Attributes:
+        evicted: chunks handed out for removal so far.
+
+    Raises:
+        ValueError: ``capacity_chunks`` < 1.
+    """
+
+    def __init__(self, capacity_chunks: int) -> None:
+        if capacity_chunks < 1:
+            raise ValueError(f"capacity_chunks must be >= 1, got {capacity_chunks}")
+        self.capacity = capacity_chunks
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, chunk_hash: object) -> bool:
+        return chunk_hash in self._lru
+
+    def record(self, hashes: Sequence[str], admitted: int) -> list[str]:
+        """A request is scheduled: refresh each of ``hashes`` (its prompt's chained chunk
+        hashes, ``keys.chunk_hashes``) the LRU holds, insert the first ``admitted`` ones it
+        does not (those its admission policy saves), in prompt order (as
+        ``kvpool_replay.lru_hits`` does).
+
+        Returns:
+            The chunk hashes to remove from the pool, least recently used first: those past
+            the capacity, except this request's own (a prompt longer than the capacity keeps
+            its chunks; the pool's own eviction is the bound then).
+        """
+        lru = self._lru
+        for i, h in enumerate(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            elif i < admitted:
+                lru[h] = None
+        out: list[str] = []
+        if len(lru) <= self.capacity:
+            return out
+        own = set(hashes)
+        while len(lru) > self.capacity:
+            h = next(iter(lru))
+            if h in own:
+                break
+            del lru[h]
+            out.append(h)
+        self.evicted += len(out)
+        return out

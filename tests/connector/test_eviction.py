@@ -1,0 +1,151 @@
+"""``eviction: connector`` (issue 24): the scheduler's exact LRU against a reference and the
+replay's own exact LRU, its removals against a real ``mooncake_master`` (leases respected), and
+the config's one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool_agent.reporter import NullReporter
+from kvpool_connector._transfers import SaveQueue, WorkerCounters
+from kvpool_connector.admission import AdaptiveAdmission
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.eviction import ConnectorEviction
+from kvpool_connector.keys import chunk_hashes
+from kvpool_replay import LocalMooncakeMaster, default_trace_path, load_trace, lru_hits
+from kvpool_replay import request_tokens as trace_tokens
+
+MB = 1 << 20
+
+
+def _chained(ids: Sequence[int]) -> list[str]:
+    """Chunk hashes of a prompt of blocks ``ids``: hash ``k`` names the first k+1 ids."""
+    return [hashlib.sha256(":".join(map(str, ids[: k + 1])).encode()).hexdigest()[:32]
+            for k in range(len(ids))]
+
+
+def _reference(cap: int, hashes: Sequence[str], admitted: int, lru: list[str]) -> list[str]:
+    """The module docstring's rule on a plain list, least recent first."""
+    for i, h in enumerate(hashes):
+        if h in lru:
+            lru.remove(h)
+            lru.append(h)
+        elif i < admitted:
+            lru.append(h)
+    out = []
+    while len(lru) > cap and lru[0] not in hashes:
+        out.append(lru.pop(0))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=7),
+                          st.integers(0, 7)), min_size=1, max_size=50),
+       st.integers(1, 9))
+def test_evicts_what_the_reference_lru_evicts(requests: list[tuple[list[int], int]],
+                                              cap: int) -> None:
+    ev, ref = ConnectorEviction(cap), []
+    removed = 0
+    for ids, admitted in requests:
+        hashes = _chained(ids)
+        got = ev.record(hashes, admitted)
+        assert got == _reference(cap, hashes, admitted, ref)
+        assert list(ev._lru) == ref
+        removed += len(got)
+        # Over the capacity only with the current request's own chunks.
+        assert len(ev) <= max(cap, len(set(hashes)))
+    assert ev.evicted == removed
+
+
+def test_holds_what_the_replays_exact_lru_holds_on_a_trace_slice() -> None:
+    """Leading chunks the connector's LRU holds, request by request, are the hits of
+    ``kvpool_replay.lru_hits`` with the same admission (the *model* column of
+    docs/benchmarks.md), on 400 synthetic requests in a 300k-token pool."""
+    chunk, cap = 512, 300_000
+    reqs = load_trace(str(default_trace_path("synthetic_trace.jsonl")), limit=400)
+    items = [(r.input_length, chunk_hashes(trace_tokens(r), chunk)) for r in reqs]
+    want = lru_hits(items, chunk, cap, AdaptiveAdmission(cap // chunk))
+    ev, policy = ConnectorEviction(cap // chunk), AdaptiveAdmission(cap // chunk)
+    hits = []
+    for n, hashes in items:
+        claimable = min(len(hashes), (n - 1) // chunk)  # a hit leaves the last token to compute
+        lead = 0
+        while lead < claimable and hashes[lead] in ev:
+            lead += 1
+        hits.append(lead * chunk)
+        ev.record(hashes, policy.admit(hashes))
+    assert hits == want.per_request
+    assert want.evicted_chunks == ev.evicted > 0
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="capacity_chunks must be >= 1, got 0"):
+        ConnectorEviction(0)
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.admission_pool_tokens: "
+                                         r"eviction 'connector' needs"):
+        KVPoolConfig.from_dicts({"eviction": "connector"}, kv_role="kv_both", block_size=16,
+                                model="m")
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.eviction: 'connector' "
+                                         r"removes keys with Mooncake's batch_remove; backend "
+                                         r"'yuanrong' has none"):
+        KVPoolConfig.from_dicts({"eviction": "connector", "admission_pool_tokens": 4096,
+                                 "backend": "yuanrong"}, kv_role="kv_both", block_size=16,
+                                model="m")
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.eviction"):
+        KVPoolConfig.from_dicts({"eviction": "lru"}, kv_role="kv_both", block_size=16,
+                                model="m")
+    cfg = KVPoolConfig.from_dicts({"eviction": "connector", "admission_pool_tokens": 4096},
+                                  kv_role="kv_both", block_size=16, model="m")
+    assert (cfg.eviction, cfg.admission, cfg.admission_pool_tokens) == ("connector", "all", 4096)
+    assert KVPoolConfig.from_dicts({}, kv_role="kv_both", block_size=16,
+                                   model="m").eviction == "pool"
+
+
+@pytest.fixture(scope="module")
+def leased_pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
+    """A master of its own whose leases end after 300 ms, and a client with a buffer."""
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=300) as master:
+        b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            "master_server_address": master.address, "global_segment_size": "16MB",
+            "local_buffer_size": "4MB", "default_kv_lease_ttl": 300}}))
+        buf = torch.randint(0, 256, (MB,), dtype=torch.uint8)
+        b.register_buffer(buf.data_ptr(), buf.numel())
+        try:
+            yield b, buf
+        finally:
+            b.close()
+
+
+def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, torch.Tensor]
+                                          ) -> None:
+    """A key under a lease is not removed by force: it is removed with a later batch once
+    the lease ended; a key never stored is no failure."""
+    b, buf = leased_pool
+    keys = ["ev-a", "ev-b", "ev-keep"]
+    assert b.batch_put_from(keys, [[buf.data_ptr()]] * 3, [[4096]] * 3) == [0, 0, 0]
+    counters = WorkerCounters()
+    q = SaveQueue(b, NullReporter(), counters, threading.Lock(), blocks_per_chunk=1)
+    try:
+        assert b.batch_exists(keys) == [1, 1, 1]  # a reader's lookup: leases on all three
+        q.remove(["ev-a", "ev-b", "ev-never-stored"]).result()
+        assert (counters.evicted_keys, counters.evict_failed_keys) == (0, 0)
+        deadline = time.monotonic() + 30
+        while counters.evicted_keys < 2 and time.monotonic() < deadline:
+            q.remove([]).result()  # each batch takes the leased ones again
+        assert (counters.evicted_keys, counters.evict_failed_keys) == (2, 0)
+        assert b.batch_exists(keys) == [0, 0, 1]
+    finally:
+        q.shutdown()
+        b.batch_remove(["ev-keep"])
