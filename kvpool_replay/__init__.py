@@ -2,7 +2,8 @@
 ``kvpool-console --demo``, tests and benchmarks).
 
 - ``run_replay``/``ReplayConfig``/``ReplayReport``: the replay behind ``kvpool-replay``
-  (``kvpool_replay.cli``): engine processes replay a Mooncake trace through ``KVPoolConnector``
+  (``kvpool_replay.cli``; ``CONNECTOR_EVICTION_LEASE_MS`` its masters' lease with
+  ``--eviction connector``): engine processes replay a Mooncake trace through ``KVPoolConnector``
   and a real pool, set against ``reference_for`` (``prefix_ceiling``, ``lru_hits``); Belady's
   MIN is ``belady_hits``;
 - ``DemoCluster``: master + store, fleet hub, operator keys and engine processes replaying a
@@ -20,7 +21,13 @@ Importing the package loads neither torch nor vLLM: only the engine processes do
 from kvpool_replay._cluster import DEMO_SHAPE, DemoCluster
 from kvpool_replay._pool import mooncake_extra_config
 from kvpool_replay._reference import ReuseResult, belady_hits, lru_hits, prefix_ceiling
-from kvpool_replay._replay import ReplayConfig, ReplayReport, reference_for, run_replay
+from kvpool_replay._replay import (
+    CONNECTOR_EVICTION_LEASE_MS,
+    ReplayConfig,
+    ReplayReport,
+    reference_for,
+    run_replay,
+)
 from kvpool_replay._services import (
     DiskTier,
     LocalMooncakeMaster,
@@ -36,6 +43,7 @@ from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceError, TraceRequest, default_trace_path, load_trace
 
 __all__ = [
+    "CONNECTOR_EVICTION_LEASE_MS",
     "DEMO_SHAPE",
     "DemoCluster",
     "DiskTier",

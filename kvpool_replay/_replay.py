@@ -31,6 +31,7 @@ from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
+from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._pool import (
@@ -60,6 +61,14 @@ __all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "reference_for
            "spawn_engine", "wait_engines_ready"]
 
 _MIB = 1 << 20
+
+
+CONNECTOR_EVICTION_LEASE_MS = 200
+"""``default_kv_lease_ttl`` (ms) of the masters ``kvpool-replay --eviction connector`` and
+``bench_admission``'s *steered* replays start: a replay turns a small pool over in well under a
+second, and a lookup's lease that outlives a chunk's turn at the connector's LRU tail delays its
+removal (the next put then finds no room). A pool of millions of tokens at production rates
+turns over in minutes, far beyond Mooncake's default lease."""
 
 
 class ReplayConfig(msgspec.Struct, kw_only=True):
@@ -92,6 +101,11 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         admission: the engines' ``kv_connector_extra_config.admission`` (``all`` | ``adaptive``);
             ``adaptive`` needs ``pool_tokens`` and is told each engine's share of the pool
             (``admission_pool_tokens``: pool tokens / engines on it).
+        eviction: the engines' ``kv_connector_extra_config.eviction`` (``pool`` |
+            ``connector``); ``connector`` needs ``pool_tokens`` and keeps each engine's share
+            (``admission_pool_tokens``); set ``eviction_high_watermark_ratio`` to 1.0 then, so
+            the master evicts only when a put finds no room.
+        default_kv_lease_ttl_ms: the lease (ms) masters started here grant on a lookup or read.
         disk_tier_tokens: a disk tier (Mooncake SSD offload) of this many tokens of KV behind
             each pool's memory (``/ engines`` per pool in private mode); ``None`` = memory only.
             Needs ``pool_tokens`` and a master started here.
@@ -120,6 +134,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     ha: int = 0
     kill_leader_after_s: float | None = None
     admission: AdmissionMode = "all"
+    eviction: EvictionMode = "pool"
+    default_kv_lease_ttl_ms: int = 10_000
     disk_tier_tokens: int | None = None
     disk_tier_dir: str | None = None
 
@@ -138,7 +154,9 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
-    ``admission``: the engines' admission policy. With a disk tier: ``disk_tier_tokens``,
+    ``admission``/``eviction``: the engines' admission policy and who evicts;
+    ``evicted_keys``: values the connectors removed (``eviction: connector``),
+    ``pool_evicted_keys`` those the masters evicted. With a disk tier: ``disk_tier_tokens``,
     ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
     (reads the masters served from each tier).
     """
@@ -167,6 +185,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     peak_rss_store_bytes: int
     peak_rss_replay_bytes: int
     pool_evicted_keys: int = 0
+    evicted_keys: int = 0
     pool_keys: int = 0
     disk_tier_tokens: int | None = None
     pool_disk_keys: int = 0
@@ -180,6 +199,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     keys_kept: int | None = None
     hits_lost: int | None = None
     admission: str = "all"
+    eviction: str = "pool"
     errors: list[str] = msgspec.field(default_factory=list)
     per_engine: list[EngineResult] = msgspec.field(default_factory=list)
 
@@ -307,6 +327,9 @@ def run_replay(
     if cfg.kill_leader_after_s is not None and cfg.ha < 2:
         raise ValueError("--kill-leader-after needs --ha 2 or more (a standby master to take "
                          "over)")
+    if cfg.eviction == "connector" and cfg.pool_tokens is None:
+        raise ValueError("--eviction connector needs --pool-tokens: the connector keeps an LRU "
+                         "of the pool's capacity, e.g. --pool-tokens 1000000")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")
@@ -348,8 +371,9 @@ def run_replay(
     # Each engine's admission sees its share of the traffic: it simulates its share of the pool.
     engines_per_pool = n_eng if cfg.mode == "shared" else 1
     admission: dict[str, object] = {"admission": cfg.admission}
-    if cfg.admission == "adaptive":
+    if cfg.admission == "adaptive" or cfg.eviction == "connector":
         admission["admission_pool_tokens"] = max(1, per_pool_tokens // engines_per_pool)
+    admission["eviction"] = cfg.eviction
     pool_keys = pool_evicted = disk_keys = disk_hits = memory_hits = 0
     drill: FailoverDrill | None = None
     ha_pool: LocalHaPool | None = None
@@ -390,6 +414,7 @@ def run_replay(
             else:
                 m = LocalMooncakeMaster(
                     eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio,
+                    default_kv_lease_ttl_ms=cfg.default_kv_lease_ttl_ms,
                     enable_offload=bool(disk_bytes), log_dir=logs)
                 stack.callback(m.stop)
                 use_local_pool_env()
@@ -501,6 +526,7 @@ def run_replay(
         peak_rss_store_bytes=peaks.get("store", 0),
         peak_rss_replay_bytes=peaks.get("replay", 0),
         pool_evicted_keys=pool_evicted,
+        evicted_keys=sum(r.evicted_keys for r in results),
         pool_keys=pool_keys,
         disk_tier_tokens=cfg.disk_tier_tokens,
         pool_disk_keys=disk_keys,
@@ -517,6 +543,7 @@ def run_replay(
                    if drill and drill.killed_at and drill.served_at and cfg.mode == "shared"
                    else None),
         admission=cfg.admission,
+        eviction=cfg.eviction,
         errors=errors,
         per_engine=results,
     )

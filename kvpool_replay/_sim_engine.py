@@ -414,6 +414,7 @@ class SimEngine:
         """Copy the connector's failure counters into the result; shut both roles down."""
         self.result.lookup_errors = self._lookup_counters.lookup_errors
         self.result.save_failed_keys = self._save_counters.save_failed_keys
+        self.result.evicted_keys = self._save_counters.evicted_keys
         for conn in (self.scheduler, self.worker):
             try:
                 conn.shutdown()

@@ -17,7 +17,12 @@ import sys
 import msgspec
 
 from kvpool_console.signals import Stopped, stop_signals
-from kvpool_replay._replay import ReplayConfig, ReplayReport, run_replay
+from kvpool_replay._replay import (
+    CONNECTOR_EVICTION_LEASE_MS,
+    ReplayConfig,
+    ReplayReport,
+    run_replay,
+)
 from kvpool_replay._spec import ModelShape
 from kvpool_replay._trace import TraceError, default_trace_path
 
@@ -105,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the connector's save admission: all (default) saves every chunk; "
                    "adaptive skips chunks never asked for before when that would hit more "
                    "(needs --pool-tokens)")
+    p.add_argument("--eviction", choices=["pool", "connector"], default="pool",
+                   help="who evicts: pool (default) the master, past its watermark; connector "
+                   "an exact LRU in the connector (needs --pool-tokens; masters started here "
+                   f"run at watermark 1.0 with a {CONNECTOR_EVICTION_LEASE_MS} ms lease)")
     p.add_argument("--disk-tier-tokens", type=_positive_int, default=None, metavar="N",
                    help="a disk tier (Mooncake SSD offload) of N tokens of KV behind the pool's "
                    "memory (needs --pool-tokens; split per engine with --private)")
@@ -122,7 +131,7 @@ def format_report(r: ReplayReport) -> str:
     lines = [
         f"requests            {r.requests:,} on {r.engines} engine(s), {r.mode} pool ({pool}, "
         f"{r.pool_bytes / mib:.0f} MiB, {r.bytes_per_token} B/token, chunk {r.chunk_size}), "
-        f"admission {r.admission}",
+        f"admission {r.admission}, eviction {r.eviction}",
         f"input tokens        {r.input_tokens:,}",
         f"hit tokens          {r.hit_tokens:,}",
         f"hit rate            {r.hit_rate:.2%}   (ceiling {r.ceiling_hit_rate:.2%}, "
@@ -133,6 +142,8 @@ def format_report(r: ReplayReport) -> str:
         f"load errors         {r.load_errors} blocks (recomputed), corrupt blocks "
         f"{r.corrupt_blocks}",
         f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted"
+        + (f" by the master, {r.evicted_keys:,} by the connector"
+           if r.eviction == "connector" else "")
         + ("" if r.disk_tier_tokens is None else
            f"; disk tier {r.disk_tier_tokens:,} tokens, {r.pool_disk_keys:,} values on disk, "
            f"reads served {r.pool_memory_hits:,} from memory / {r.pool_disk_hits:,} from disk"),
@@ -171,8 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             load_async=args.load_async, use_layerwise=args.layerwise,
             show_progress=args.progress, ha=args.ha,
             kill_leader_after_s=args.kill_leader_after, admission=args.admission,
+            eviction=args.eviction,
             disk_tier_tokens=args.disk_tier_tokens, disk_tier_dir=args.disk_tier_dir,
         )
+        if cfg.eviction == "connector":
+            # The connector keeps the pool at its capacity; the master evicts only when a put
+            # finds no room.
+            cfg = msgspec.structs.replace(cfg, eviction_high_watermark_ratio=1.0,
+                                          default_kv_lease_ttl_ms=CONNECTOR_EVICTION_LEASE_MS)
         # Killed on the spot it would leave its master, store and engines running: the signal
         # raises Stopped instead, and run_replay stops what it started on the way out.
         with stop_signals() as sig:

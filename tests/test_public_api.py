@@ -28,8 +28,8 @@ PINNED: dict[str, list[str]] = {
         "schema_text", "validate_document", "validate_files",
     ],
     "kvpool_replay": [
-        "DEMO_SHAPE", "DemoCluster", "DiskTier", "EngineResult", "EngineSpec",
-        "LocalMooncakeMaster",
+        "CONNECTOR_EVICTION_LEASE_MS", "DEMO_SHAPE", "DemoCluster", "DiskTier", "EngineResult",
+        "EngineSpec", "LocalMooncakeMaster",
         "LocalPoolStore", "LocalYuanrongWorker", "ModelShape", "ReplayConfig", "ReplayReport",
         "ReuseResult", "TraceError", "TraceRequest", "belady_hits", "build_tiny_model",
         "default_trace_path",

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from kvpool_connector.admission import AdaptiveAdmission
+from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import (
+    CONNECTOR_EVICTION_LEASE_MS,
     ModelShape,
     ReplayConfig,
     default_trace_path,
     load_trace,
+    lru_hits,
     prefix_ceiling,
     reference_for,
     request_tokens,
@@ -171,15 +175,26 @@ def test_hits_lost_in_outage_counts_only_requests_begun_without_a_leader() -> No
     assert hits_lost_in_outage([a, b], [0, 0, 0, 0, 0], 104.5, 115.0) == 0
 
 
-def test_adaptive_admission_slice_holds_at_least_lru() -> None:
-    """600 conversation requests in a 300k-token pool: the slice where the policy's model
-    (``lru_hits`` with ``AdaptiveAdmission``) first leaves LRU, 4.48% vs 3.70%."""
+def test_steered_pool_holds_what_the_policys_model_holds() -> None:
+    """600 conversation requests in a 300k-token pool, ``admission: adaptive`` with
+    ``eviction: connector``: the slice where the policy's model (``lru_hits`` with
+    ``AdaptiveAdmission``, an exact LRU behind the policy) first leaves LRU, 4.48% vs 3.70%.
+    The pool evicts nothing itself, so the replay hits exactly what the model hits."""
     trace = default_trace_path("conversation_trace.jsonl")
-    report = run_replay(ReplayConfig(trace_path=str(trace), limit=600, shape=SHAPE,
-                                     pool_tokens=300_000, admission="adaptive"))
-    assert report.errors == [] and report.admission == "adaptive"
+    report = run_replay(ReplayConfig(
+        trace_path=str(trace), limit=600, shape=SHAPE, pool_tokens=300_000,
+        admission="adaptive", eviction="connector", eviction_high_watermark_ratio=1.0,
+        default_kv_lease_ttl_ms=CONNECTOR_EVICTION_LEASE_MS))
+    assert report.errors == [] and (report.admission, report.eviction) == ("adaptive",
+                                                                           "connector")
     assert report.load_errors == 0 and report.corrupt_blocks == 0
+    items = [(r.input_length, chunk_hashes(request_tokens(r), 512))
+             for r in load_trace(str(trace), limit=600)]
+    model = lru_hits(items, 512, 300_000, AdaptiveAdmission(300_000 // 512))
+    assert report.hit_tokens == model.hit_tokens
     assert 0 < report.lru_hit_rate < report.hit_rate <= report.ceiling_hit_rate
+    assert report.pool_evicted_keys == 0 and report.evicted_keys > 0
+    assert report.pool_keys <= 300_000 // 512
 
 
 def test_cli_adaptive_admission_needs_a_pool_size(capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,6 +204,16 @@ def test_cli_adaptive_admission_needs_a_pool_size(capsys: pytest.CaptureFixture[
     assert main([str(good), "--limit", "5", "--admission", "adaptive"]) == 2
     assert capsys.readouterr().err == ("kvpool-replay: --admission adaptive needs --pool-tokens: "
                                        "the policy simulates a pool of that capacity\n")
+
+
+def test_cli_connector_eviction_needs_a_pool_size(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay.cli import main
+
+    good = default_trace_path("conversation_trace.jsonl")
+    assert main([str(good), "--limit", "5", "--eviction", "connector"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool-replay: --eviction connector needs --pool-tokens: the connector keeps an LRU "
+        "of the pool's capacity, e.g. --pool-tokens 1000000\n")
 
 
 def test_cli_disk_tier_needs_a_memory_tier_and_an_absolute_dir(
