@@ -62,6 +62,7 @@ from kvpool_connector._stats import (
 )
 from kvpool_connector.backends.base import Backend, BackendError, BackendUnavailable
 from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.eviction import watermark_conflict
 from kvpool_connector.keys import ParallelLayout, pins_key
 from kvpool_connector.lookup import (
     LookupClient,
@@ -613,6 +614,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 self._operations.pins = pins
                 worker.pinned_keys = pins.pinned_keys
                 self._operations.tokenize = _engine_tokenizer(self._vllm_config)
+            if worker.evicts and worker.chunk_pool_bytes:
+                self._check_watermark(backend, worker.chunk_pool_bytes)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations
             try:
@@ -625,6 +628,19 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             except (PortInUse, RuntimeDirError) as exc:
                 self._report_start_failure(exc, "worker")
                 raise
+
+    def _check_watermark(self, backend: Backend, chunk_bytes: int) -> None:
+        """``eviction: connector``: warn when the master's watermark (as the Mooncake config
+        states it) would evict before this engine's LRU is full."""
+        cfg = self.kv_config
+        watermark = getattr(getattr(backend, "config", None), "eviction_high_watermark_ratio",
+                            None)
+        if watermark is None or cfg.admission_pool_tokens is None:
+            return
+        why = watermark_conflict(cfg.admission_pool_tokens, cfg.chunk_size, chunk_bytes,
+                                 backend.stats().total_bytes, watermark)
+        if why:
+            logger.warning("KVPoolConnector: %s", why)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Wait for saves/loads of requests preempted this step before vLLM zeroes or hands

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["ConnectorEviction", "EvictionMode"]
+__all__ = ["ConnectorEviction", "EvictionMode", "watermark_conflict"]
 
 EvictionMode = Literal["pool", "connector"]
 """Values of ``kv_connector_extra_config.eviction``."""
@@ -95,3 +95,24 @@ class ConnectorEviction:
             out.append(h)
         self.evicted += len(out)
         return out
+
+
+def watermark_conflict(capacity_tokens: int, chunk_size: int, chunk_bytes: int, pool_bytes: int,
+                       watermark: float) -> str | None:
+    """Why the master would evict before the connector's LRU is full, or ``None``.
+
+    Args:
+        capacity_tokens: ``admission_pool_tokens``.
+        chunk_size: tokens per chunk.
+        chunk_bytes: bytes one chunk takes in the pool, every rank's keys (bytes).
+        pool_bytes: the pool's capacity (``PoolStats.total_bytes``, bytes); 0 = unknown.
+        watermark: the master's ``eviction_high_watermark_ratio`` (as configured).
+    """
+    need = capacity_tokens // chunk_size * chunk_bytes
+    if not pool_bytes or need <= watermark * pool_bytes:
+        return None
+    return (f"eviction 'connector' keeps {capacity_tokens:,} tokens ({need:,} bytes), above "
+            f"the master's watermark ({watermark:g} of {pool_bytes:,} bytes): Mooncake evicts "
+            f"first, in its own order; start mooncake_master with "
+            f"--eviction_high_watermark_ratio=1.0 (and set it in the Mooncake config) or lower "
+            f"admission_pool_tokens to {int(watermark * pool_bytes) // chunk_bytes * chunk_size:,}")

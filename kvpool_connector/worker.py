@@ -540,6 +540,15 @@ class KVPoolWorker:
                             for c in range(n)])
         return hybrid_hit(self.groups, present, self.blocks_per_chunk)
 
+    @property
+    def chunk_pool_bytes(self) -> int:
+        """Bytes one chunk takes in the pool, every rank's keys of it; 0 for a hybrid model
+        (its groups' values differ in size)."""
+        kv = self._require_kv()[0]
+        if self.hybrid:
+            return 0
+        return len(self._lookup_keys(kv, ["0" * 32])) * self.key_bytes
+
     def _evict(self, chunk_hashes: list[str]) -> None:
         """Remove every rank's keys (every group's, hybrid) of ``chunk_hashes`` before this
         step's saves (``SaveQueue.remove``)."""

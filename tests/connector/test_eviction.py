@@ -19,7 +19,7 @@ from kvpool_connector._transfers import SaveQueue, WorkerCounters
 from kvpool_connector.admission import AdaptiveAdmission
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.eviction import ConnectorEviction
+from kvpool_connector.eviction import ConnectorEviction, watermark_conflict
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import LocalMooncakeMaster, default_trace_path, load_trace, lru_hits
 from kvpool_replay import request_tokens as trace_tokens
@@ -111,6 +111,20 @@ def test_config_errors_name_the_field() -> None:
     assert (cfg.eviction, cfg.admission, cfg.admission_pool_tokens) == ("connector", "all", 4096)
     assert KVPoolConfig.from_dicts({}, kv_role="kv_both", block_size=16,
                                    model="m").eviction == "pool"
+
+
+def test_warns_when_the_masters_watermark_would_evict_first() -> None:
+    # 300k tokens at 512 per chunk: 585 chunks of 32 KiB = 19,169,280 bytes.
+    pool = 19_200_000
+    assert watermark_conflict(300_000, 512, 32_768, pool, 1.0) is None
+    assert watermark_conflict(300_000, 512, 32_768, 0, 0.9) is None  # pool size unknown
+    assert watermark_conflict(300_000, 512, 32_768, pool, 0.9) == (
+        "eviction 'connector' keeps 300,000 tokens (19,169,280 bytes), above the master's "
+        "watermark (0.9 of 19,200,000 bytes): Mooncake evicts first, in its own order; start "
+        "mooncake_master with --eviction_high_watermark_ratio=1.0 (and set it in the Mooncake "
+        "config) or lower admission_pool_tokens to 269,824")
+    # The suggested capacity fits under the watermark.
+    assert watermark_conflict(269_824, 512, 32_768, pool, 0.9) is None
 
 
 @pytest.fixture(scope="module")
