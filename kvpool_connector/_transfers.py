@@ -60,6 +60,12 @@ SAVE_BUDGET = "SAVE_BUDGET"
 MAX_LEASED_REMOVES = 65_536
 """Evicted keys a lease kept that ``SaveQueue`` tries again at most (``SaveQueue.remove``)."""
 
+LEASED_RETRY_S = 0.02
+"""Shortest pause (s) between two tries of the evicted keys a lease kept."""
+
+_WAIT_REMOVE = (ErrorCode.OBJECT_HAS_LEASE, ErrorCode.REPLICA_IS_NOT_READY)
+"""``batch_remove`` results after which the key is tried again later."""
+
 PREEMPTED = "PREEMPTED"
 """``SaveSkipped.reason`` of a queued save dropped because its request was preempted."""
 
@@ -510,6 +516,7 @@ class SaveQueue:
         self.checksum: DigestSlots | None = None
         # Save thread only: evicted keys a reader's lease kept (removed with the next batch).
         self._leased: dict[str, None] = {}
+        self._leased_retry_at = 0.0
         # (request id, chunk) of every chunk a save wrote, when KV events are on
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).
@@ -553,27 +560,41 @@ class SaveQueue:
             self._batches[seq] = fut
         return fut
 
-    def remove(self, keys: Sequence[str]) -> Future[None]:
+    def remove(self, keys: Sequence[str], keep: Sequence[str] = ()) -> Future[None]:
         """Remove ``keys`` from the pool (``eviction: connector``) on the save thread, before
         any save submitted later; never by force (``Backend.batch_remove``). Never blocks.
 
-        Keys under a lease (Mooncake -706 OBJECT_HAS_LEASE) are removed with the next batch;
-        ``MAX_LEASED_REMOVES`` of them at most are kept (the oldest are dropped: the pool's
-        own eviction takes them then). Removed keys and failed removes are counted
-        (``evicted_keys``, ``evict_failed_keys``).
+        A key under a lease (Mooncake -706 OBJECT_HAS_LEASE) or still being written (-703
+        REPLICA_IS_NOT_READY) waits and is tried again with a later batch, at most every
+        ``LEASED_RETRY_S``; ``MAX_LEASED_REMOVES`` of them at most wait (the oldest are
+        dropped: the master evicts them when a put finds no room). ``keep``: waiting keys
+        whose chunk the scheduler took back (dropped from the wait). Removed keys and failed
+        removes are counted (``evicted_keys``, ``evict_failed_keys``).
         """
-        return self.executor.submit(self._remove, list(keys))
+        fut = self.executor.submit(self._remove, list(keys), list(keep))
+        with self._lock:  # drain() and shutdown wait for removals too
+            self._futures = [f for f in self._futures if not f.done()]
+            self._futures.append(fut)
+        return fut
 
-    def _remove(self, keys: list[str]) -> None:
+    def _remove(self, keys: list[str], keep: list[str]) -> None:
         leased = self._leased
-        todo = list(dict.fromkeys([*leased, *keys]))
-        leased.clear()
+        for k in keep:
+            leased.pop(k, None)
+        now = time.monotonic()
+        todo = keys
+        if leased and now >= self._leased_retry_at:
+            todo = list(dict.fromkeys([*leased, *keys]))
+            leased.clear()
+            self._leased_retry_at = now + LEASED_RETRY_S
+        if not todo:
+            return
         try:
             codes = self.backend.batch_remove(todo)
-        except BackendError as exc:
+        except Exception as exc:  # an eviction never reaches the engine: it is reported
+            code = exc.code if isinstance(exc, BackendError) else None
             logger.error("kvpool eviction of %d keys failed: %s", len(todo), exc)
-            self.reporter.error("evict", error_name(exc.code or ErrorCode.INTERNAL_ERROR),
-                                str(exc))
+            self.reporter.error("evict", error_name(code or ErrorCode.INTERNAL_ERROR), str(exc))
             with self._lock:
                 self.counters.evict_failed_keys += len(todo)
             return
@@ -581,7 +602,7 @@ class SaveQueue:
         for key, rc in zip(todo, codes, strict=True):
             if rc == 0:
                 removed += 1
-            elif rc == ErrorCode.OBJECT_HAS_LEASE:
+            elif rc in _WAIT_REMOVE:
                 leased[key] = None
             elif rc != ErrorCode.OBJECT_NOT_FOUND:  # not found: never stored, or gone already
                 failed += 1

@@ -354,6 +354,12 @@ class KVPoolConfig(BaseModel):
             raise ValueError(
                 "kv_connector_extra_config.admission_pool_tokens: eviction 'connector' needs "
                 "this engine's share of the pool in tokens of this model, e.g. 2000000")
+        if (fields.eviction == "connector" and fields.admission_pool_tokens is not None
+                and fields.admission_pool_tokens < chunk_size):
+            raise ValueError(
+                f"kv_connector_extra_config.admission_pool_tokens: "
+                f"{fields.admission_pool_tokens} tokens hold no whole chunk of {chunk_size}; "
+                f"eviction 'connector' needs at least one, e.g. 2000000")
         if fields.eviction == "connector" and fields.backend != "mooncake":
             raise ValueError(
                 f"kv_connector_extra_config.eviction: 'connector' removes keys with Mooncake's "

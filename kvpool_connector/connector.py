@@ -341,8 +341,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_partition=cfg.store_pp_layer_partition,
                 total_layers=(vllm_config.model_config.get_total_num_hidden_layers()
                               if cfg.store_pp_layer_partition else None),
-                # The scheduler's LRU names chunks; the rank that serves lookups removes them.
-                evicts=cfg.eviction == "connector" and self._tp_rank == 0
+                # The scheduler's LRU names chunks; TP rank 0 / PP rank 0 (where lookups are
+                # served) removes every rank's keys of them.
+                evicts=cfg.eviction == "connector" and cfg.should_save and self._tp_rank == 0
                 and self._layout.pp_rank == 0, **sizes,
             )
             if self._operations is not None:

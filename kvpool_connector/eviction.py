@@ -33,14 +33,22 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["ConnectorEviction", "EvictionMode", "watermark_conflict"]
+__all__ = ["RECENT_EVICTIONS", "ConnectorEviction", "EvictionMode", "watermark_conflict"]
 
 EvictionMode = Literal["pool", "connector"]
 """Values of ``kv_connector_extra_config.eviction``."""
 
 
+RECENT_EVICTIONS = 65_536
+"""Chunks evicted in earlier steps that ``ConnectorEviction`` remembers (their removal may still
+wait for a lease): one of them inserted again is sent back as ``keep``."""
+
+
 class ConnectorEviction:
     """``eviction: connector``: an exact LRU of chunk hashes (module docstring).
+
+    Per scheduler step: ``record`` each newly scheduled request, then ``take`` the step's
+    removals (and the chunks whose earlier removal must be dropped).
 
     Args:
         capacity_chunks: chunks this engine may keep in the pool (``admission_pool_tokens //
@@ -58,6 +66,11 @@ class ConnectorEviction:
             raise ValueError(f"capacity_chunks must be >= 1, got {capacity_chunks}")
         self.capacity = capacity_chunks
         self._lru: OrderedDict[str, None] = OrderedDict()
+        # This step's evictions (a chunk inserted again in the same step is never sent), the
+        # earlier steps' (bounded), and chunks of those inserted again.
+        self._step: dict[str, None] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._keep: dict[str, None] = {}
         self.evicted = 0
 
     def __len__(self) -> int:
@@ -66,35 +79,48 @@ class ConnectorEviction:
     def __contains__(self, chunk_hash: object) -> bool:
         return chunk_hash in self._lru
 
-    def record(self, hashes: Sequence[str], admitted: int) -> list[str]:
+    def record(self, hashes: Sequence[str], admitted: int) -> None:
         """A request is scheduled: refresh each of ``hashes`` (its prompt's chained chunk
         hashes, ``keys.chunk_hashes``) the LRU holds, insert the first ``admitted`` ones it
         does not (those its admission policy saves), in prompt order (as
-        ``kvpool_replay.lru_hits`` does).
-
-        Returns:
-            The chunk hashes to remove from the pool, least recently used first: those past
-            the capacity, except this request's own (a prompt longer than the capacity keeps
-            its chunks; the pool's own eviction is the bound then).
-        """
+        ``kvpool_replay.lru_hits`` does), then evict the least recently used chunks past the
+        capacity, except this request's own (a prompt longer than the capacity keeps its
+        chunks; the pool's own eviction is the bound then)."""
         lru = self._lru
         for i, h in enumerate(hashes):
             if h in lru:
                 lru.move_to_end(h)
             elif i < admitted:
                 lru[h] = None
-        out: list[str] = []
+                if h in self._step:  # evicted earlier in this step: never sent
+                    del self._step[h]
+                elif h in self._recent:
+                    del self._recent[h]
+                    self._keep[h] = None
         if len(lru) <= self.capacity:
-            return out
+            return
         own = set(hashes)
         while len(lru) > self.capacity:
             h = next(iter(lru))
             if h in own:
                 break
             del lru[h]
-            out.append(h)
-        self.evicted += len(out)
-        return out
+            self._step[h] = None
+
+    def take(self) -> tuple[list[str], list[str]]:
+        """The step's ``(evict, keep)``: chunk hashes to remove from the pool, least recently
+        used first, and chunks evicted in an earlier step and inserted again since, whose
+        removal (if a lease still delays it) must be dropped."""
+        evict, keep = list(self._step), list(self._keep)
+        self._step.clear()
+        self._keep.clear()
+        self.evicted += len(evict)
+        recent = self._recent
+        for h in evict:
+            recent[h] = None
+        while len(recent) > RECENT_EVICTIONS:
+            del recent[next(iter(recent))]
+        return evict, keep
 
 
 def watermark_conflict(capacity_tokens: int, chunk_size: int, chunk_bytes: int, pool_bytes: int,

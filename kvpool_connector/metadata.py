@@ -88,12 +88,15 @@ class ReqMeta:
 @dataclass
 class KVPoolConnectorMetadata(KVConnectorMetadata):
     """Per-step metadata: ``requests`` to load or save, ``preempted`` request ids whose
-    pending loads must be abandoned, and ``evict``: chunk hashes worker rank 0 removes from the
-    pool before this step's saves (``eviction: connector``, ``kvpool_connector.eviction``)."""
+    pending loads must be abandoned; with ``eviction: connector``
+    (``kvpool_connector.eviction``), ``evict``: chunk hashes worker rank 0 removes from the pool
+    before this step's saves, and ``keep``: chunks evicted earlier and taken back since, whose
+    removal (still waiting for a lease) is dropped."""
 
     requests: list[ReqMeta] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     evict: list[str] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -513,7 +513,7 @@ class KVPoolScheduler:
             tracker = _Tracker(hashes, list(new.block_ids[0]),
                                save_limit=self.admission.admit(hashes) if save else 0)
             if save and self.eviction is not None:
-                meta.evict += self.eviction.record(hashes, tracker.save_limit)
+                self.eviction.record(hashes, tracker.save_limit)
             # Chunks the pool already holds need no save.
             pool_tokens = self._sent_loads.pop(rid, 0)
             if load is not None:
@@ -562,6 +562,8 @@ class KVPoolScheduler:
                                          group_block_ids=pending.group_block_ids))
 
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
+        if self.eviction is not None:
+            meta.evict, meta.keep = self.eviction.take()
         if self._mamba_groups and save and block_state is not None:
             self._attach_states(meta, block_state.boundary_state_offloads)
         if self._window_groups or self._mamba_groups:

@@ -549,20 +549,23 @@ class KVPoolWorker:
             return 0
         return len(self._lookup_keys(kv, ["0" * 32])) * self.key_bytes
 
-    def _evict(self, chunk_hashes: list[str]) -> None:
+    def _evict(self, chunk_hashes: list[str], keep: list[str]) -> None:
         """Remove every rank's keys (every group's, hybrid) of ``chunk_hashes`` before this
-        step's saves (``SaveQueue.remove``)."""
-        kv = self._require_kv()[0]
-        if self.hybrid:
-            keys = [k for prefixes in self._group_prefixes
-                    for k in chunk_keys(prefixes, chunk_hashes)]
-        else:
-            keys = self._lookup_keys(kv, chunk_hashes)
-        if self.pinned_keys is not None:
+        step's saves, and drop the waiting removals of ``keep``'s (``SaveQueue.remove``)."""
+        keys = self._all_keys(chunk_hashes)
+        if self.pinned_keys is not None and keys:
             pinned = self.pinned_keys()
             keys = [k for k in keys if k not in pinned]
-        if keys:
-            self._saves.remove(keys)
+        self._saves.remove(keys, keep=self._all_keys(keep))
+
+    def _all_keys(self, chunk_hashes: list[str]) -> list[str]:
+        if not chunk_hashes:
+            return []
+        kv = self._require_kv()[0]
+        if self.hybrid:
+            return [k for prefixes in self._group_prefixes
+                    for k in chunk_keys(prefixes, chunk_hashes)]
+        return self._lookup_keys(kv, chunk_hashes)
 
     # ------------------------------------------------------------------ loads
 
@@ -583,8 +586,8 @@ class KVPoolWorker:
         self._loads.settle_stale()
         if metadata.preempted:
             self._settle_preempted(metadata.preempted)
-        if metadata.evict and self.evicts:
-            self._evict(metadata.evict)
+        if (metadata.evict or metadata.keep) and self.evicts:
+            self._evict(metadata.evict, metadata.keep)
         plans = []
         for req in metadata.requests:
             try:

@@ -57,8 +57,11 @@ def test_evicts_what_the_reference_lru_evicts(requests: list[tuple[list[int], in
     removed = 0
     for ids, admitted in requests:
         hashes = _chained(ids)
-        got = ev.record(hashes, admitted)
+        ev.record(hashes, admitted)
+        got, keep = ev.take()
         assert got == _reference(cap, hashes, admitted, ref)
+        # A chunk evicted before and inserted again: its waiting removal is dropped.
+        assert set(keep) <= set(hashes[:admitted])
         assert list(ev._lru) == ref
         removed += len(got)
         # Over the capacity only with the current request's own chunks.
@@ -83,8 +86,25 @@ def test_holds_what_the_replays_exact_lru_holds_on_a_trace_slice() -> None:
             lead += 1
         hits.append(lead * chunk)
         ev.record(hashes, policy.admit(hashes))
+        ev.take()
     assert hits == want.per_request
     assert want.evicted_chunks == ev.evicted > 0
+
+
+def test_a_chunk_taken_back_is_not_removed() -> None:
+    """Two requests of one step: the second takes back what the first evicted, which is then
+    never sent; taken back in a later step, its earlier removal is dropped (``keep``)."""
+    a, b, c = _chained([1]), _chained([2]), _chained([3])
+    ev = ConnectorEviction(1)
+    ev.record(a, 1)
+    assert ev.take() == ([], [])
+    ev.record(b, 1)  # evicts a ...
+    ev.record(a, 1)  # ... taken back in the same step (evicts b)
+    assert ev.take() == (b, [])
+    ev.record(b, 1)  # b was sent for removal a step ago: keep it
+    assert ev.take() == (a, b)
+    ev.record(c, 0)  # not admitted: nothing changes
+    assert ev.take() == ([], []) and b[0] in ev and ev.evicted == 2
 
 
 def test_capacity_must_be_positive() -> None:
@@ -105,6 +125,11 @@ def test_config_errors_name_the_field() -> None:
                                 model="m")
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\.eviction"):
         KVPoolConfig.from_dicts({"eviction": "lru"}, kv_role="kv_both", block_size=16,
+                                model="m")
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.admission_pool_tokens: "
+                                         r"100 tokens hold no whole chunk of 256"):
+        KVPoolConfig.from_dicts({"eviction": "connector", "admission_pool_tokens": 100,
+                                 "chunk_size": 256}, kv_role="kv_both", block_size=16,
                                 model="m")
     cfg = KVPoolConfig.from_dicts({"eviction": "connector", "admission_pool_tokens": 4096},
                                   kv_role="kv_both", block_size=16, model="m")
@@ -129,11 +154,11 @@ def test_warns_when_the_masters_watermark_would_evict_first() -> None:
 
 @pytest.fixture(scope="module")
 def leased_pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
-    """A master of its own whose leases end after 300 ms, and a client with a buffer."""
-    with LocalMooncakeMaster(default_kv_lease_ttl_ms=300) as master:
+    """A master of its own whose leases end after 2 s, and a client with a buffer."""
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=2000) as master:
         b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": "16MB",
-            "local_buffer_size": "4MB", "default_kv_lease_ttl": 300}}))
+            "local_buffer_size": "4MB", "default_kv_lease_ttl": 2000}}))
         buf = torch.randint(0, 256, (MB,), dtype=torch.uint8)
         b.register_buffer(buf.data_ptr(), buf.numel())
         try:
@@ -145,21 +170,24 @@ def leased_pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
 def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, torch.Tensor]
                                           ) -> None:
     """A key under a lease is not removed by force: it is removed with a later batch once
-    the lease ended; a key never stored is no failure."""
+    the lease ended, unless the scheduler took its chunk back; a key never stored is no
+    failure."""
     b, buf = leased_pool
-    keys = ["ev-a", "ev-b", "ev-keep"]
-    assert b.batch_put_from(keys, [[buf.data_ptr()]] * 3, [[4096]] * 3) == [0, 0, 0]
+    keys = ["ev-a", "ev-b", "ev-back", "ev-other"]
+    assert b.batch_put_from(keys, [[buf.data_ptr()]] * 4, [[4096]] * 4) == [0] * 4
     counters = WorkerCounters()
     q = SaveQueue(b, NullReporter(), counters, threading.Lock(), blocks_per_chunk=1)
     try:
-        assert b.batch_exists(keys) == [1, 1, 1]  # a reader's lookup: leases on all three
-        q.remove(["ev-a", "ev-b", "ev-never-stored"]).result()
+        assert b.batch_exists(keys) == [1, 1, 1, 1]  # a reader's lookup: leases on all four
+        q.remove(["ev-a", "ev-b", "ev-back", "ev-never-stored"]).result()
+        # Read before the lease of 2 s can end: the remove ran right after the lookup.
         assert (counters.evicted_keys, counters.evict_failed_keys) == (0, 0)
-        deadline = time.monotonic() + 30
+        q.remove([], keep=["ev-back"]).result()
+        deadline = time.monotonic() + 60
         while counters.evicted_keys < 2 and time.monotonic() < deadline:
-            q.remove([]).result()  # each batch takes the leased ones again
+            time.sleep(0.05)
+            q.remove([]).result()  # each batch takes the waiting ones again
         assert (counters.evicted_keys, counters.evict_failed_keys) == (2, 0)
-        assert b.batch_exists(keys) == [0, 0, 1]
+        assert b.batch_exists(keys) == [0, 0, 1, 1]
     finally:
         q.shutdown()
-        b.batch_remove(["ev-keep"])
