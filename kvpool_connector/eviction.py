@@ -24,7 +24,8 @@ remove a chunk another still uses; the other then recomputes it (a load in progr
 lease, and a load that finds the chunk gone recomputes it).
 
 Memory: one ``OrderedDict`` entry per chunk of the capacity (a hex hash key, about
-200 bytes per entry: 2M tokens at chunk 256 is 7,813 entries, ~1.6 MB).
+200 bytes per entry: 2M tokens at chunk 256 is 7,813 entries, ~1.6 MB), and as many for the
+last ``RECENT_EVICTIONS`` evicted chunks (~1.6 MB).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ EvictionMode = Literal["pool", "connector"]
 """Values of ``kv_connector_extra_config.eviction``."""
 
 
-RECENT_EVICTIONS = 65_536
+RECENT_EVICTIONS = 8_192
 """Chunks evicted in earlier steps that ``ConnectorEviction`` remembers (their removal may still
 wait for a lease): one of them inserted again is sent back as ``keep``."""
 

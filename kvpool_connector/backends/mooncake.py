@@ -378,7 +378,8 @@ class MooncakeBackend(Backend):
 
     def batch_remove(self, keys: Sequence[str]) -> list[int]:
         """``batch_remove(keys, force=False)``: per key 0 removed or a negative
-        ``ErrorCode`` (-704 OBJECT_NOT_FOUND, -706 OBJECT_HAS_LEASE)."""
+        ``ErrorCode`` (-704 OBJECT_NOT_FOUND, -706 OBJECT_HAS_LEASE, -703 REPLICA_IS_NOT_READY
+        while a put of it runs)."""
         if not keys:
             return []
         return [int(rc) for rc in self._call("batch_remove", self._store.batch_remove,
