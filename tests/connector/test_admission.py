@@ -181,7 +181,9 @@ class _Engine:
         self.config = KVPoolConfig.from_dicts(
             {"lookup_rpc_port": port, "admission": "adaptive", "admission_pool_tokens": 3 * BLOCK,
              **extra}, kv_role=role, block_size=BLOCK, model=model)
-        self.worker = KVPoolWorker(self.config, ParallelLayout(), model, backend)
+        # As the connector sets it on TP rank 0 / PP rank 0 of an engine that saves.
+        self.worker = KVPoolWorker(self.config, ParallelLayout(), model, backend,
+                                   evicts=self.config.eviction == "connector")
         kv = {"layers.0": torch.zeros(8, 1, BLOCK, 8)}
         self.worker.register_kv_caches(kv)
         _ALIVE.append((kv, self.worker))
@@ -243,4 +245,28 @@ def test_pd_handover_finds_every_chunk_prefill_saved(backend: MooncakeBackend) -
         assert decode.sched.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
     finally:
         for e in (prefill, decode, mixed):
+            e.close()
+
+
+def test_pd_producer_with_connector_eviction_keeps_its_latest_hand_overs(
+        backend: MooncakeBackend) -> None:
+    """``eviction: connector`` on a prefill engine whose share holds two hand-overs: the third
+    removes the oldest from the pool (its decode engine finds nothing of it and recomputes),
+    the two latest stay whole."""
+    model = f"test/pd-evict-{uuid.uuid4().hex[:8]}"
+    prefill = _Engine(backend, model, 7314, "kv_producer", eviction="connector",
+                      admission_pool_tokens=10 * BLOCK)
+    decode = _Engine(backend, model, 7315, "kv_consumer", consumer_is_to_load=True)
+    try:
+        assert decode.sched.eviction is None and not decode.worker.evicts  # it saves nothing
+        prompts = [_prompt(5 * BLOCK + 3, seed) for seed in (11, 12, 13)]
+        for i, prompt in enumerate(prompts):
+            assert prefill.run_prefill(f"p{i}", prompt) == (0, 5)
+        assert prefill.worker.counters.evicted_keys == 5
+        found = [decode.sched.get_num_new_matched_tokens(
+            Request(f"d{i}", prompt, SamplingParams(max_tokens=1), None), 0)[0]
+            for i, prompt in enumerate(prompts)]
+        assert found == [0, 5 * BLOCK, 5 * BLOCK]
+    finally:
+        for e in (prefill, decode):
             e.close()
