@@ -71,15 +71,31 @@ class FakeAgent:
         self.seq = 0
         self.received: list[CommandRequest] = []
 
-    def report(self, source: Source, **state: object) -> None:
+    def _send(self, frame: bytes, timeout_ms: int = 30_000) -> bool:
+        """Send ``frame`` once the socket can queue it (a flood waits while the hub drains
+        it); False after ``timeout_ms`` without a peer to queue for: a hub that refused this
+        socket's handshake before the first send tore its pipe down, and a plain send would
+        wait for ever."""
+        if not self.sock.poll(timeout_ms, zmq.POLLOUT):
+            return False
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def report(self, source: Source, send_timeout_ms: int = 30_000, **state: object) -> bool:
+        """Send a snapshot of ``source`` with ``state``; False if it could not be queued
+        within ``send_timeout_ms`` (``_send``)."""
         self.seq += 1
         now = time.time() * 1e3
         st = EngineState(source=source, started_ms=now, ts_ms=now, **state)  # type: ignore[arg-type]
-        self.sock.send(encode(Report(v=PROTOCOL_VERSION, seq=self.seq, kind="snapshot", state=st)))
+        return self._send(encode(Report(v=PROTOCOL_VERSION, seq=self.seq, kind="snapshot",
+                                        state=st)), send_timeout_ms)
 
-    def reply(self, request_id: str, agent_id: str) -> None:
+    def reply(self, request_id: str, agent_id: str) -> bool:
         self.seq += 1
-        self.sock.send(encode(CommandReply(
+        return self._send(encode(CommandReply(
             v=PROTOCOL_VERSION, seq=self.seq, request_id=request_id, agent_id=agent_id,
             ok=True, error=None,
         )))

@@ -36,7 +36,8 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
 ) -> None:
     raw = FakeAgent(ctx, hub_address, keys=None)
     for _ in range(5):
-        raw.report(make_source("nokey", role="scheduler"))
+        # Queued only if the hub has not refused the handshake yet (then the pipe is gone).
+        raw.report(make_source("nokey", role="scheduler"), send_timeout_ms=1000)
     with monkeypatch.context() as m:
         m.delenv(AGENT_KEYS_ENV)
         with caplog.at_level(logging.ERROR, logger="kvpool.agent"):
@@ -73,7 +74,8 @@ def test_an_agent_key_not_in_the_allow_list_registers_nothing(
                        keys_dir=rogue.root)
     try:
         for _ in range(5):
-            fake.report(make_source("rogue-raw", role="scheduler"))
+            # Queued only if the hub has not refused the handshake yet (then the pipe is gone).
+            fake.report(make_source("rogue-raw", role="scheduler"), send_timeout_ms=1000)
         wait_until(lambda: hub.refused_connections["agents"] >= 2
               and real.counters["handshakes_refused"] >= 1)
         counters = real.counters
