@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvpool_connector.admission import AdaptiveAdmission
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import (
-    CONNECTOR_EVICTION_LEASE_MS,
     ModelShape,
     ReplayConfig,
     belady_hits,
@@ -91,9 +90,8 @@ def offline(trace: str, limit: int | None, caps: list[int]) -> dict[int, dict[st
 POLICIES: dict[str, dict[str, object]] = {
     "all": {"admission": "all"},
     "adaptive": {"admission": "adaptive"},
-    "steered": {"admission": "adaptive", "eviction": "connector",
-                "eviction_high_watermark_ratio": 1.0,
-                "default_kv_lease_ttl_ms": CONNECTOR_EVICTION_LEASE_MS},
+    # The replay starts its master at watermark 1.0 with a CONNECTOR_EVICTION_LEASE_MS lease.
+    "steered": {"admission": "adaptive", "eviction": "connector"},
 }
 """Replay columns: ``ReplayConfig`` fields of each."""
 

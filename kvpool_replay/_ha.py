@@ -34,6 +34,7 @@ import httpx
 
 from kvpool_agent.masters import MasterState, probe_masters
 from kvpool_replay._services import (
+    MASTER_LEASE_TTL_MS,
     LocalMooncakeMaster,
     LocalService,
     alive,
@@ -150,7 +151,7 @@ class LocalHaPool(LocalService):
         extra_args: list[str] | None = None,
         log_dir: Path | None = None,
         eviction_high_watermark_ratio: float = 0.9,
-        default_kv_lease_ttl_ms: int = 10_000,
+        default_kv_lease_ttl_ms: int = MASTER_LEASE_TTL_MS,
     ) -> None:
         if masters < 1:
             raise ValueError(f"an HA pool needs at least 1 master, got {masters}")

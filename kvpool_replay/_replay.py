@@ -43,6 +43,7 @@ from kvpool_replay._pool import (
 from kvpool_replay._progress import ProgressReceiver
 from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
 from kvpool_replay._services import (
+    MASTER_LEASE_TTL_MS,
     DiskTier,
     LocalMooncakeMaster,
     LocalPoolStore,
@@ -63,9 +64,13 @@ __all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "reference_for
 _MIB = 1 << 20
 
 
+_POOL_WATERMARK = 0.9
+"""``eviction_high_watermark_ratio`` of masters started here with ``eviction: pool``
+(Mooncake's own default)."""
+
 CONNECTOR_EVICTION_LEASE_MS = 200
-"""``default_kv_lease_ttl`` (ms) of the masters ``kvpool-replay --eviction connector`` and
-``bench_admission``'s *steered* replays start: a replay turns a small pool over in well under a
+"""``default_kv_lease_ttl`` (ms) of the masters a replay with ``eviction: connector`` starts
+(``ReplayConfig.default_kv_lease_ttl_ms``): a replay turns a small pool over in well under a
 second, and a lookup's lease that outlives a chunk's turn at the connector's LRU tail delays its
 removal (the next put then finds no room). A pool of millions of tokens at production rates
 turns over in minutes, far beyond Mooncake's default lease."""
@@ -90,7 +95,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         agent_address: fleet hub the engines' agents report to.
         wait_saves: each engine finishes a request's saves before its next lookup.
         load_async, use_layerwise: connector modes.
-        eviction_high_watermark_ratio: for masters started here.
+        eviction_high_watermark_ratio: for masters started here; ``None``: 0.9, or 1.0 with
+            ``eviction: connector`` (the master evicts only when a put finds no room).
         show_progress: a progress bar (requests, hit rate, ETA) on stderr while engines run.
         kv_roles: ``kv_role`` per engine (cycled); default all ``kv_both``.
         ha: ``0``: one ``mooncake_master``; ``N``: an HA pool of a local etcd and N masters
@@ -103,9 +109,10 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
             (``admission_pool_tokens``: pool tokens / engines on it).
         eviction: the engines' ``kv_connector_extra_config.eviction`` (``pool`` |
             ``connector``); ``connector`` needs ``pool_tokens`` and keeps each engine's share
-            (``admission_pool_tokens``); set ``eviction_high_watermark_ratio`` to 1.0 then, so
-            the master evicts only when a put finds no room.
-        default_kv_lease_ttl_ms: the lease (ms) masters started here grant on a lookup or read.
+            (``admission_pool_tokens``).
+        default_kv_lease_ttl_ms: the lease (ms) masters started here grant on a lookup or read;
+            ``None``: ``MASTER_LEASE_TTL_MS`` (10 s), or ``CONNECTOR_EVICTION_LEASE_MS`` with
+            ``eviction: connector``.
         disk_tier_tokens: a disk tier (Mooncake SSD offload) of this many tokens of KV behind
             each pool's memory (``/ engines`` per pool in private mode); ``None`` = memory only.
             Needs ``pool_tokens`` and a master started here.
@@ -126,7 +133,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     wait_saves: bool = True
     load_async: bool = False
     use_layerwise: bool = False
-    eviction_high_watermark_ratio: float = 0.9
+    eviction_high_watermark_ratio: float | None = None
     show_progress: bool = False
     kv_roles: list[str] = msgspec.field(default_factory=list)
     model: str = ""
@@ -135,7 +142,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kill_leader_after_s: float | None = None
     admission: AdmissionMode = "all"
     eviction: EvictionMode = "pool"
-    default_kv_lease_ttl_ms: int = 10_000
+    default_kv_lease_ttl_ms: int | None = None
     disk_tier_tokens: int | None = None
     disk_tier_dir: str | None = None
 
@@ -344,6 +351,15 @@ def run_replay(
         raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
                          f"{cfg.shape.block_size}")
     t_start = time.monotonic()
+    # With eviction: connector the connector keeps the pool at its capacity (docs/connector/
+    # pool-memory.md#eviction): masters started here evict only when a put finds no room.
+    steered = cfg.eviction == "connector"
+    watermark = cfg.eviction_high_watermark_ratio
+    if watermark is None:
+        watermark = 1.0 if steered else _POOL_WATERMARK
+    lease_ms = cfg.default_kv_lease_ttl_ms
+    if lease_ms is None:
+        lease_ms = CONNECTOR_EVICTION_LEASE_MS if steered else MASTER_LEASE_TTL_MS
     trace = load_trace(cfg.trace_path, limit=cfg.limit)
     n_eng = cfg.engines
     shares = [list(range(i, len(trace), n_eng)) for i in range(n_eng)]
@@ -353,7 +369,7 @@ def run_replay(
         unique = _unique_chunks(trace, cfg.chunk_size, cfg.vocab_size)
         # Room for every chunk below the eviction watermark, plus allocator slack.
         per_pool_tokens = max(
-            math.ceil(unique * cfg.chunk_size / cfg.eviction_high_watermark_ratio * 1.25)
+            math.ceil(unique * cfg.chunk_size / watermark * 1.25)
             + 64 * cfg.chunk_size,
             math.ceil(MIN_SEGMENT_BYTES / cfg.shape.bytes_per_token),
         )
@@ -371,7 +387,7 @@ def run_replay(
     # Each engine's admission sees its share of the traffic: it simulates its share of the pool.
     engines_per_pool = n_eng if cfg.mode == "shared" else 1
     admission: dict[str, object] = {"admission": cfg.admission}
-    if cfg.admission == "adaptive" or cfg.eviction == "connector":
+    if cfg.admission == "adaptive" or steered:
         admission["admission_pool_tokens"] = max(1, per_pool_tokens // engines_per_pool)
     admission["eviction"] = cfg.eviction
     pool_keys = pool_evicted = disk_keys = disk_hits = memory_hits = 0
@@ -392,7 +408,7 @@ def run_replay(
             if cfg.ha:
                 ha_pool = LocalHaPool(
                     cfg.ha, log_dir=logs,
-                    eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio)
+                    eviction_high_watermark_ratio=watermark, default_kv_lease_ttl_ms=lease_ms)
                 stack.callback(ha_pool.stop)
                 use_local_pool_env()
                 say(f"starting etcd and {cfg.ha} HA masters; waiting for a leader")
@@ -413,8 +429,7 @@ def run_replay(
                     LocalPoolStore(cfg.master_address, segment, log_dir=logs))
             else:
                 m = LocalMooncakeMaster(
-                    eviction_high_watermark_ratio=cfg.eviction_high_watermark_ratio,
-                    default_kv_lease_ttl_ms=cfg.default_kv_lease_ttl_ms,
+                    eviction_high_watermark_ratio=watermark, default_kv_lease_ttl_ms=lease_ms,
                     enable_offload=bool(disk_bytes), log_dir=logs)
                 stack.callback(m.stop)
                 use_local_pool_env()
@@ -454,7 +469,7 @@ def run_replay(
                     masters[i % n_pools], admin_urls[i % n_pools],
                     lease_ttl_ms=lease_ttls[i % n_pools],
                     high_watermark=None if cfg.master_address
-                    else cfg.eviction_high_watermark_ratio,
+                    else watermark,
                 ) | admission,
             )
             proc = spawn_engine(spec, work)

@@ -288,6 +288,10 @@ class DiskTier:
         }
 
 
+MASTER_LEASE_TTL_MS = 10_000
+"""``--default_kv_lease_ttl`` (ms) of the masters started here unless told otherwise."""
+
+
 class LocalMooncakeMaster(LocalService):
     """A ``mooncake_master`` child process on 127.0.0.1 with free ports.
 
@@ -313,7 +317,7 @@ class LocalMooncakeMaster(LocalService):
         *,
         eviction_high_watermark_ratio: float = 0.9,
         eviction_ratio: float = 0.05,
-        default_kv_lease_ttl_ms: int = 10_000,
+        default_kv_lease_ttl_ms: int = MASTER_LEASE_TTL_MS,
         enable_offload: bool = False,
         extra_args: list[str] | None = None,
         log_dir: str | Path | None = None,

@@ -185,11 +185,6 @@ def main(argv: list[str] | None = None) -> int:
             eviction=args.eviction,
             disk_tier_tokens=args.disk_tier_tokens, disk_tier_dir=args.disk_tier_dir,
         )
-        if cfg.eviction == "connector":
-            # The connector keeps the pool at its capacity; the master evicts only when a put
-            # finds no room.
-            cfg = msgspec.structs.replace(cfg, eviction_high_watermark_ratio=1.0,
-                                          default_kv_lease_ttl_ms=CONNECTOR_EVICTION_LEASE_MS)
         # Killed on the spot it would leave its master, store and engines running: the signal
         # raises Stopped instead, and run_replay stops what it started on the way out.
         with stop_signals() as sig:

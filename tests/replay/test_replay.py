@@ -15,7 +15,6 @@ import pytest
 from kvpool_connector.admission import AdaptiveAdmission
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import (
-    CONNECTOR_EVICTION_LEASE_MS,
     ModelShape,
     ReplayConfig,
     default_trace_path,
@@ -181,10 +180,10 @@ def test_steered_pool_holds_what_the_policys_model_holds() -> None:
     ``AdaptiveAdmission``, an exact LRU behind the policy) first leaves LRU, 4.48% vs 3.70%.
     The pool evicts nothing itself, so the replay hits exactly what the model hits."""
     trace = default_trace_path("conversation_trace.jsonl")
+    # The replay's master: watermark 1.0, a CONNECTOR_EVICTION_LEASE_MS lease.
     report = run_replay(ReplayConfig(
         trace_path=str(trace), limit=600, shape=SHAPE, pool_tokens=300_000,
-        admission="adaptive", eviction="connector", eviction_high_watermark_ratio=1.0,
-        default_kv_lease_ttl_ms=CONNECTOR_EVICTION_LEASE_MS))
+        admission="adaptive", eviction="connector"))
     assert report.errors == [] and (report.admission, report.eviction) == ("adaptive",
                                                                            "connector")
     assert report.load_errors == 0 and report.corrupt_blocks == 0
