@@ -31,7 +31,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -560,7 +561,8 @@ class SaveQueue:
             self._batches[seq] = fut
         return fut
 
-    def remove(self, keys: Sequence[str], keep: Sequence[str] = ()) -> Future[None]:
+    def remove(self, keys: Sequence[str], keep: Sequence[str] = (),
+               pinned: Callable[[], AbstractSet[str]] | None = None) -> Future[None]:
         """Remove ``keys`` from the pool (``eviction: connector``) on the save thread, before
         any save submitted later; never by force (``Backend.batch_remove``). Never blocks.
 
@@ -568,16 +570,18 @@ class SaveQueue:
         REPLICA_IS_NOT_READY) waits and is tried again with a later batch, at most every
         ``LEASED_RETRY_S``; ``MAX_LEASED_REMOVES`` of them at most wait (the oldest are
         dropped: the master evicts them when a put finds no room). ``keep``: waiting keys
-        whose chunk the scheduler took back (dropped from the wait). Removed keys and failed
-        removes are counted (``evicted_keys``, ``evict_failed_keys``).
+        whose chunk the scheduler took back (dropped from the wait). ``pinned``: the keys a
+        pin holds, asked on the save thread before each batch (never removed). Removed keys
+        and failed removes are counted (``evicted_keys``, ``evict_failed_keys``).
         """
-        fut = self.executor.submit(self._remove, list(keys), list(keep))
+        fut = self.executor.submit(self._remove, list(keys), list(keep), pinned)
         with self._lock:  # drain() and shutdown wait for removals too
             self._futures = [f for f in self._futures if not f.done()]
             self._futures.append(fut)
         return fut
 
-    def _remove(self, keys: list[str], keep: list[str]) -> None:
+    def _remove(self, keys: list[str], keep: list[str],
+                pinned: Callable[[], AbstractSet[str]] | None) -> None:
         leased = self._leased
         for k in keep:
             leased.pop(k, None)
@@ -587,6 +591,9 @@ class SaveQueue:
             todo = list(dict.fromkeys([*leased, *keys]))
             leased.clear()
             self._leased_retry_at = now + LEASED_RETRY_S
+        if todo and pinned is not None:
+            held = pinned()
+            todo = [k for k in todo if k not in held]
         if not todo:
             return
         try:

@@ -615,8 +615,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 self._operations.pins = pins
                 worker.pinned_keys = pins.pinned_keys
                 self._operations.tokenize = _engine_tokenizer(self._vllm_config)
-            if worker.evicts and worker.chunk_pool_bytes:
-                self._check_watermark(backend, worker.chunk_pool_bytes)
+            chunk_bytes = worker.chunk_pool_bytes if worker.evicts else 0
+            if chunk_bytes:
+                self._check_watermark(backend, chunk_bytes)
         if _serves_lookups(cfg) and self._tp_rank == 0 and self._layout.pp_rank == 0:
             ops = self._operations
             try:

@@ -284,7 +284,7 @@ class KVPoolScheduler:
                                        config.admission_pool_tokens, config.chunk_size)
         # eviction: connector: this engine's exact LRU of the pool (kvpool_connector.eviction).
         self.eviction = (
-            ConnectorEviction(max(1, (config.admission_pool_tokens or 0) // config.chunk_size))
+            ConnectorEviction((config.admission_pool_tokens or 0) // config.chunk_size)
             if config.eviction == "connector" and config.should_save else None)
         # Loads sent to the workers whose outcome has not come back: request id -> tokens
         # accepted; for async loads, the least loaded by the workers that answered so far.

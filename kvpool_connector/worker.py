@@ -550,13 +550,11 @@ class KVPoolWorker:
         return len(self._lookup_keys(kv, ["0" * 32])) * self.key_bytes
 
     def _evict(self, chunk_hashes: list[str], keep: list[str]) -> None:
-        """Remove every rank's keys (every group's, hybrid) of ``chunk_hashes`` before this
-        step's saves, and drop the waiting removals of ``keep``'s (``SaveQueue.remove``)."""
-        keys = self._all_keys(chunk_hashes)
-        if self.pinned_keys is not None and keys:
-            pinned = self.pinned_keys()
-            keys = [k for k in keys if k not in pinned]
-        self._saves.remove(keys, keep=self._all_keys(keep))
+        """Remove every rank's keys (every group's, hybrid) of ``chunk_hashes`` but pinned
+        ones before this step's saves, and drop the waiting removals of ``keep``'s
+        (``SaveQueue.remove``)."""
+        self._saves.remove(self._all_keys(chunk_hashes), keep=self._all_keys(keep),
+                           pinned=self.pinned_keys)
 
     def _all_keys(self, chunk_hashes: list[str]) -> list[str]:
         if not chunk_hashes:

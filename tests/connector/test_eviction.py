@@ -4,13 +4,13 @@ the config's one-line errors."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from chunk_testlib import chained, lru_insert
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,20 +27,9 @@ from kvpool_replay import request_tokens as trace_tokens
 MB = 1 << 20
 
 
-def _chained(ids: Sequence[int]) -> list[str]:
-    """Chunk hashes of a prompt of blocks ``ids``: hash ``k`` names the first k+1 ids."""
-    return [hashlib.sha256(":".join(map(str, ids[: k + 1])).encode()).hexdigest()[:32]
-            for k in range(len(ids))]
-
-
 def _reference(cap: int, hashes: Sequence[str], admitted: int, lru: list[str]) -> list[str]:
     """The module docstring's rule on a plain list, least recent first."""
-    for i, h in enumerate(hashes):
-        if h in lru:
-            lru.remove(h)
-            lru.append(h)
-        elif i < admitted:
-            lru.append(h)
+    lru_insert(lru, hashes, admitted)
     out = []
     while len(lru) > cap and lru[0] not in hashes:
         out.append(lru.pop(0))
@@ -56,7 +45,7 @@ def test_evicts_what_the_reference_lru_evicts(requests: list[tuple[list[int], in
     ev, ref = ConnectorEviction(cap), []
     removed = 0
     for ids, admitted in requests:
-        hashes = _chained(ids)
+        hashes = chained(ids)
         ev.record(hashes, admitted)
         got, keep = ev.take()
         assert got == _reference(cap, hashes, admitted, ref)
@@ -94,7 +83,7 @@ def test_holds_what_the_replays_exact_lru_holds_on_a_trace_slice() -> None:
 def test_a_chunk_taken_back_is_not_removed() -> None:
     """Two requests of one step: the second takes back what the first evicted, which is then
     never sent; taken back in a later step, its earlier removal is dropped (``keep``)."""
-    a, b, c = _chained([1]), _chained([2]), _chained([3])
+    a, b, c = chained([1]), chained([2]), chained([3])
     ev = ConnectorEviction(1)
     ev.record(a, 1)
     assert ev.take() == ([], [])
@@ -154,11 +143,11 @@ def test_warns_when_the_masters_watermark_would_evict_first() -> None:
 
 @pytest.fixture(scope="module")
 def leased_pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
-    """A master of its own whose leases end after 2 s, and a client with a buffer."""
-    with LocalMooncakeMaster(default_kv_lease_ttl_ms=2000) as master:
+    """A master of its own whose leases end after 3 s, and a client with a buffer."""
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=3000) as master:
         b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": "16MB",
-            "local_buffer_size": "4MB", "default_kv_lease_ttl": 2000}}))
+            "local_buffer_size": "4MB", "default_kv_lease_ttl": 3000}}))
         buf = torch.randint(0, 256, (MB,), dtype=torch.uint8)
         b.register_buffer(buf.data_ptr(), buf.numel())
         try:
@@ -180,7 +169,7 @@ def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, to
     try:
         assert b.batch_exists(keys) == [1, 1, 1, 1]  # a reader's lookup: leases on all four
         q.remove(["ev-a", "ev-b", "ev-back", "ev-never-stored"]).result()
-        # Read before the lease of 2 s can end: the remove ran right after the lookup.
+        # Read before the lease of 3 s can end: the remove ran right after the lookup.
         assert (counters.evicted_keys, counters.evict_failed_keys) == (0, 0)
         q.remove([], keep=["ev-back"]).result()
         deadline = time.monotonic() + 60
@@ -189,5 +178,20 @@ def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, to
             q.remove([]).result()  # each batch takes the waiting ones again
         assert (counters.evicted_keys, counters.evict_failed_keys) == (2, 0)
         assert b.batch_exists(keys) == [0, 0, 1, 1]
+    finally:
+        q.shutdown()
+
+
+def test_pinned_keys_are_never_removed(leased_pool: tuple[MooncakeBackend, torch.Tensor]
+                                       ) -> None:
+    b, buf = leased_pool
+    keys = ["ev-pinned", "ev-loose"]
+    assert b.batch_put_from(keys, [[buf.data_ptr()]] * 2, [[4096]] * 2) == [0, 0]
+    counters = WorkerCounters()
+    q = SaveQueue(b, NullReporter(), counters, threading.Lock(), blocks_per_chunk=1)
+    try:
+        q.remove(keys, pinned=lambda: frozenset({"ev-pinned"})).result()
+        assert (counters.evicted_keys, counters.evict_failed_keys) == (1, 0)
+        assert b.batch_exists(keys) == [1, 0]
     finally:
         q.shutdown()
