@@ -4,13 +4,13 @@ plain reference model, its bounds, the config key, and a P/D hand-over through a
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from chunk_testlib import chained, lru_insert
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import SamplingParams
@@ -27,15 +27,6 @@ from kvpool_connector.lookup import LookupClient, LookupServer
 from kvpool_connector.scheduler import KVPoolScheduler
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
-
-
-def _hex(chain: str) -> str:
-    return hashlib.sha256(chain.encode()).hexdigest()[:32]
-
-
-def _chained(ids: Sequence[int]) -> list[str]:
-    """Chunk hashes of a prompt made of blocks ``ids``: hash ``k`` names the first k+1 ids."""
-    return [_hex(":".join(map(str, ids[: k + 1]))) for k in range(len(ids))]
 
 
 class _Reference:
@@ -57,12 +48,7 @@ class _Reference:
         return n
 
     def _insert(self, lru: list[str], hashes: Sequence[str], admitted: int) -> None:
-        for i, h in enumerate(hashes):
-            if h in lru:
-                lru.remove(h)
-                lru.append(h)
-            elif i < admitted:
-                lru.append(h)
+        lru_insert(lru, hashes, admitted)
         del lru[: max(0, len(lru) - self.cap)]
 
     def admit(self, hashes: Sequence[str]) -> tuple[int, bool]:
@@ -87,7 +73,7 @@ def test_adaptive_decides_as_the_reference_model(prompts: list[list[int]], cap: 
     policy = AdaptiveAdmission(cap, half_life=half_life)
     ref = _Reference(cap, half_life)
     for ids in prompts:
-        hashes = _chained(ids)
+        hashes = chained(ids)
         want, door = ref.admit(hashes)
         assert policy.admit(hashes) == want
         assert policy.doorkeeper_active == door
@@ -98,43 +84,43 @@ def _doorkeeper_wins(policy: AdaptiveAdmission) -> None:
     """A hot 2-chunk prompt between one-off 3-chunk prompts, a pool of 3 chunks: under *all*
     every one-off flushes the hot prompt; the doorkeeper never saves a one-off."""
     for i in range(20):
-        policy.admit(_chained([0, 1]))
-        policy.admit(_chained([100 + i, 1, 2]))
+        policy.admit(chained([0, 1]))
+        policy.admit(chained([100 + i, 1, 2]))
     assert policy.doorkeeper_active
 
 
 def test_doorkeeper_skips_what_was_never_asked_for_and_all_wins_a_big_pool() -> None:
     small = AdaptiveAdmission(3)
     _doorkeeper_wins(small)
-    assert small.admit(_chained([999, 1, 2])) == 0  # never asked for: not saved
-    assert small.admit(_chained([0, 1, 7])) == 2  # the hot chunks were asked for before
+    assert small.admit(chained([999, 1, 2])) == 0  # never asked for: not saved
+    assert small.admit(chained([0, 1, 7])) == 2  # the hot chunks were asked for before
     assert small.decisions["doorkeeper"] > 0
     # A pool that holds everything: the doorkeeper only loses second uses, *all* rules.
     big = AdaptiveAdmission(1000)
     for i in range(20):
-        big.admit(_chained([0, 1]))
-        assert big.admit(_chained([100 + i, 1, 2])) == 3
+        big.admit(chained([0, 1]))
+        assert big.admit(chained([100 + i, 1, 2])) == 3
     assert not big.doorkeeper_active
 
 
 def test_doorkeeper_forgets_after_two_generations() -> None:
     policy = AdaptiveAdmission(3)  # doorkeeper generations of 4096 chunks (its minimum)
     _doorkeeper_wins(policy)
-    first = _chained([5000])
+    first = chained([5000])
     policy.admit(first)
     for i in range(4096):
-        policy.admit(_chained([10_000 + i]))
+        policy.admit(chained([10_000 + i]))
     assert policy.admit(first) == 1  # in the previous generation: still known
     for i in range(2 * 4096):
-        policy.admit(_chained([20_000 + i]))
+        policy.admit(chained([20_000 + i]))
     assert policy.doorkeeper_active
-    assert policy.admit(_chained([5000])) == 0
+    assert policy.admit(chained([5000])) == 0
 
 
 def test_ghosts_sample_a_big_pool_within_their_bound() -> None:
     policy = AdaptiveAdmission(1_000_000, max_ghost_keys=1000)
     for i in range(3000):
-        policy.admit(_chained([i, 1, 2, 3]))
+        policy.admit(chained([i, 1, 2, 3]))
     sizes = (len(policy._all.keys), len(policy._door.keys))
     assert 0 < sizes[0] <= 1000 and sizes[1] <= 1000
     # ~1000/1e6 of 12,000 distinct chunks are sampled.
