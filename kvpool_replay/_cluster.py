@@ -79,8 +79,8 @@ class DemoCluster:
     """A local master + store, fleet hub, operator keys and engine processes.
 
     Args:
-        trace_path: Mooncake JSON-lines trace (default ``../shared/traces/conversation_trace
-            .jsonl``).
+        trace_path: Mooncake JSON-lines trace, plain or ``.xz`` (default
+            ``default_trace_path()``: the conversation trace).
         engines: engine processes (>= 1); with >= 2, engines 0 and 1 are a prefill/decode pair.
         speedup: trace time / wall time (``0`` = as fast as possible).
         engine_kind: ``"sim"`` (connector driven exactly as vLLM calls it, real KV bytes),

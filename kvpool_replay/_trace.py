@@ -1,4 +1,4 @@
-"""Request traces in the Mooncake FAST'25 format (``../shared/traces/*.jsonl``).
+"""Request traces in the Mooncake FAST'25 format (``*.jsonl``, or ``*.jsonl.xz`` compressed).
 
 One JSON object per line::
 
@@ -7,17 +7,24 @@ One JSON object per line::
 ``timestamp`` is the arrival time in ms from the start of the trace, ``input_length`` and
 ``output_length`` are token counts, ``hash_ids`` holds one id per 512-token prompt block (the last
 block may be partial). Format from the Mooncake repository, ``FAST25-release/traces``.
+
+Both FAST'25 traces ship xz-compressed in ``kvpool_replay/traces/`` (source and licence in its
+README), so a bare clone or a wheel replays them with nothing beside it.
 """
 
 from __future__ import annotations
 
+import lzma
 import os
 from pathlib import Path
+from typing import IO
 
 import msgspec
 
 __all__ = [
     "DEFAULT_TRACE",
+    "EMBEDDED_TRACES",
+    "TRACES_DIR_ENV",
     "TRACE_BLOCK_TOKENS",
     "TraceError",
     "TraceRequest",
@@ -30,15 +37,38 @@ TRACE_BLOCK_TOKENS = 512
 
 DEFAULT_TRACE = "conversation_trace.jsonl"
 
+TRACES_DIR_ENV = "KVPOOL_TRACES_DIR"
+"""Environment variable naming a directory of traces that overrides every other copy."""
+
+EMBEDDED_TRACES = Path(__file__).resolve().parent / "traces"
+"""The traces shipped in the package, each as ``<name>.xz`` (byte-identical once decompressed)."""
+
+_BESIDE_REPO = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+"""``../shared/traces`` next to a checkout: a developer's uncompressed copies, read first."""
+
 
 def default_trace_path(name: str = DEFAULT_TRACE) -> Path:
-    """Where the shared traces live: ``../shared/traces/<name>`` next to the repository root
-    (``$KVPOOL_TRACES_DIR/<name>`` when that environment variable is set)."""
-    env = os.environ.get("KVPOOL_TRACES_DIR")
+    """The one rule for where a named trace is read from, first match wins:
+
+    1. ``$KVPOOL_TRACES_DIR/<name>`` when that variable is set (even if the file is missing
+       there: an explicit override that points nowhere is an error, not a silent fallback);
+    2. ``../shared/traces/<name>`` beside the repository root, if that file exists;
+    3. the embedded ``kvpool_replay/traces/<name>.xz``.
+    """
+    env = os.environ.get(TRACES_DIR_ENV)
     if env:
         return Path(env) / name
-    repo_root = Path(__file__).resolve().parents[1]
-    return repo_root.parent / "shared" / "traces" / name
+    beside = _BESIDE_REPO / name
+    if beside.is_file():
+        return beside
+    return EMBEDDED_TRACES / f"{name}.xz"
+
+
+def _open(path: Path) -> IO[bytes]:
+    """``path`` for reading bytes, decompressed on the fly when its name ends in ``.xz``."""
+    if path.suffix == ".xz":
+        return lzma.open(path, "rb")
+    return path.open("rb")
 
 
 class TraceRequest(msgspec.Struct, frozen=True):
@@ -82,8 +112,23 @@ def _check(req: TraceRequest) -> str | None:
     return None
 
 
+def _parse(p: Path, lineno: int, line: bytes) -> TraceRequest:
+    try:
+        req = _decoder.decode(line)
+    except msgspec.ValidationError as e:
+        # msgspec names the field as "at `$.hash_ids[3]`" in its message.
+        raise TraceError(f"{p}:{lineno}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise TraceError(f"{p}:{lineno}: not a JSON object: {e}") from None
+    problem = _check(req)
+    if problem:
+        raise TraceError(f"{p}:{lineno}: {problem}")
+    return req
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read the first ``limit`` requests (all when ``None``) of a JSON-lines trace.
+    """Read the first ``limit`` requests (all when ``None``) of a JSON-lines trace, plain or
+    xz-compressed (a name ending in ``.xz``).
 
     Blank lines are skipped; a trace must hold at least one request.
 
@@ -91,7 +136,8 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
         FileNotFoundError: ``path`` does not exist (the message says where traces live).
         TraceError: a line is not valid JSON, lacks a field, has a field of the wrong type, or
             its ``hash_ids`` do not match ``input_length`` (the message names file, line and
-            field), or the file holds no request at all (empty or blank lines only).
+            field), or the file holds no request at all (empty or blank lines only), or an
+            ``.xz`` file is not a complete xz stream.
         ValueError: ``limit`` < 1.
     """
     p = Path(path)
@@ -99,27 +145,22 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
         raise ValueError(f"limit must be >= 1 request, got {limit}")
     if not p.is_file():
         raise FileNotFoundError(
-            f"trace {p} not found: pass --trace PATH (the Mooncake traces are in "
-            f"{default_trace_path().parent})"
+            f"trace {p} not found: pass --trace PATH (the Mooncake traces ship in "
+            f"{EMBEDDED_TRACES})"
         )
     out: list[TraceRequest] = []
-    with p.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                req = _decoder.decode(line)
-            except msgspec.ValidationError as e:
-                # msgspec names the field as "at `$.hash_ids[3]`" in its message.
-                raise TraceError(f"{p}:{lineno}: {e}") from None
-            except msgspec.DecodeError as e:
-                raise TraceError(f"{p}:{lineno}: not a JSON object: {e}") from None
-            problem = _check(req)
-            if problem:
-                raise TraceError(f"{p}:{lineno}: {problem}")
-            out.append(req)
-            if limit is not None and len(out) >= limit:
-                break
+    try:
+        with _open(p) as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                out.append(_parse(p, lineno, line))
+                if limit is not None and len(out) >= limit:
+                    break
+    except (lzma.LZMAError, EOFError) as e:
+        # EOFError: an xz stream cut short (lzma's word for a truncated file).
+        raise TraceError(f"{p}: not a complete xz file ({e}): pass the .jsonl or a whole "
+                         ".jsonl.xz") from None
     if not out:
         raise TraceError(f"{p}: no requests (the file is empty or holds only blank lines)")
     return out

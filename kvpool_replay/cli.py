@@ -2,7 +2,8 @@
 
 Examples::
 
-    kvpool-replay ../shared/traces/conversation_trace.jsonl --limit 300 --json
+    kvpool-replay --limit 300 --json        # the conversation trace (default_trace_path)
+    kvpool-replay /data/my_trace.jsonl.xz --limit 300 --json
     kvpool-replay --limit 2000 --engines 4 --pool-tokens 2000000 --private
     kvpool-replay --pool-tokens 1000000 --disk-tier-tokens 4000000   # memory + an SSD tier
     kvpool-replay --limit 600 --engines 2 --ha 2 --kill-leader-after 5 --json
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exact LRU cache of the same capacity.",
     )
     p.add_argument("trace", nargs="?", default=None,
-                   help=f"JSON-lines trace (default: {default_trace_path()})")
+                   help=f"JSON-lines trace, plain or .xz (default: {default_trace_path()})")
     p.add_argument("--trace", dest="trace_opt", default=None, help="same as the positional")
     p.add_argument("--limit", type=_positive_int, default=None,
                    help="replay only the first N requests")

@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Start a local demo fleet replaying a "
                                 "trace and watch it in the kvpool console.")
     p.add_argument("--trace", default=None,
-                   help="Mooncake trace (default: conversation_trace.jsonl in "
-                        "$KVPOOL_TRACES_DIR or ../shared/traces)")
+                   help="Mooncake trace (default: conversation_trace.jsonl from "
+                        "$KVPOOL_TRACES_DIR, else ../shared/traces, else the copy shipped in "
+                        "kvpool_replay/traces)")
     p.add_argument("--engines", type=int, required=True, help="engines (>= 1)")
     p.add_argument("--speedup", type=float, required=True,
                    help="trace time / wall time (0 = as fast as possible)")
@@ -78,8 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not trace.is_file():
         origin = "--trace" if args.trace else "the default trace"
         err.print(f"[red]{PROG}: {origin} {trace} not found: pass --trace PATH or set "
-                  "KVPOOL_TRACES_DIR to the directory holding conversation_trace.jsonl (the "
-                  "Mooncake traces)[/red]")
+                  "KVPOOL_TRACES_DIR to the directory holding conversation_trace.jsonl (unset, "
+                  "the copy shipped in kvpool_replay/traces is used)[/red]")
         return EXIT_USAGE
 
     def progress(line: str) -> None:

@@ -8,8 +8,9 @@ over that file, so the pictures show a real fleet and stay the same between runs
 
     .venv/bin/python scripts/record_demo_fleet.py [--seconds 120] [--out docs/data/demo-fleet.json]
 
-Needs the Mooncake binaries and the traces (``$KVPOOL_TRACES_DIR`` or ``../shared/traces``),
-like ``make demo``; takes ``--seconds`` plus about 30 s of start-up.
+Needs the Mooncake binaries, like ``make demo``, and reads the trace ``default_trace_path()``
+names (the copy shipped in ``kvpool_replay/traces`` unless overridden); takes ``--seconds``
+plus about 30 s of start-up.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_demo_missing_default_trace_and_broken_or_empty_trace(tmp_path: Path) ->
     assert out.stderr == (
         f"kvpool-console --demo: the default trace {tmp_path / 'none' / 'conversation_trace.jsonl'}"
         " not found: pass --trace PATH or set KVPOOL_TRACES_DIR to the directory holding "
-        "conversation_trace.jsonl (the Mooncake traces)\n")
+        "conversation_trace.jsonl (unset, the copy shipped in kvpool_replay/traces is used)\n")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"timestamp": 0, "input_length": 10}\n')
     out = _console("--demo", "--engines", "1", "--trace", str(broken), tmp=tmp_path)
@@ -216,8 +216,6 @@ def _assert_stopped(status: int, how: str, tree: list[psutil.Process],
     assert not any(d.exists() for d in workdirs)
 
 
-@pytest.mark.skipif(not SYNTHETIC.is_file(),
-                    reason="shared traces not available")
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
 def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: Path) -> None:
     """A SIGTERM, or the terminal going away, while the demo waits for its engines (before the
@@ -238,8 +236,6 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
         _leave_nothing(pid, fd, tree, workdirs, tmp_path)
 
 
-@pytest.mark.skipif(not SYNTHETIC.is_file(),
-                    reason="shared traces not available")
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
 def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -> None:
     """``kvpool-console --demo`` on a real pty: a SIGTERM, or the terminal going away (the

@@ -3,6 +3,8 @@ measured against."""
 
 from __future__ import annotations
 
+import hashlib
+import lzma
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from kvpool_replay import (
     ModelShape,
     TraceError,
     TraceRequest,
+    _trace,
     default_trace_path,
     load_trace,
     lru_hits,
@@ -20,6 +23,7 @@ from kvpool_replay import (
 )
 from kvpool_replay._reference import claimable_chunks
 from kvpool_replay._tokens import block_tokens
+from kvpool_replay._trace import EMBEDDED_TRACES, TRACES_DIR_ENV
 
 
 def test_shared_traces_load_with_limit() -> None:
@@ -28,6 +32,59 @@ def test_shared_traces_load_with_limit() -> None:
     assert conv[0].input_length == 6758 and conv[0].hash_ids[:3] == [0, 1, 2]
     synth = load_trace(default_trace_path("synthetic_trace.jsonl"))
     assert len(synth) == 3993
+
+
+# The originals' size and sha256 (kvcache-ai/Mooncake, FAST25-release/traces), as in
+# kvpool_replay/traces/README.md.
+EMBEDDED = {
+    "conversation_trace.jsonl": (12_031, 3_029_533,
+                                 "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"),
+    "synthetic_trace.jsonl": (3_993, 1_136_313,
+                              "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDED))
+def test_embedded_trace_is_the_original(name: str) -> None:
+    requests, size, digest = EMBEDDED[name]
+    path = EMBEDDED_TRACES / f"{name}.xz"
+    raw = lzma.decompress(path.read_bytes())
+    assert (len(raw), hashlib.sha256(raw).hexdigest()) == (size, digest)
+    assert len(load_trace(path)) == requests == raw.count(b"\n")
+
+
+def test_default_trace_resolution_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    beside = tmp_path / "shared" / "traces"
+    monkeypatch.setattr(_trace, "_BESIDE_REPO", beside)
+    monkeypatch.delenv(TRACES_DIR_ENV, raising=False)
+    # A bare clone: nothing beside the checkout, so the embedded copy.
+    assert default_trace_path() == EMBEDDED_TRACES / "conversation_trace.jsonl.xz"
+    assert default_trace_path("synthetic_trace.jsonl") == (
+        EMBEDDED_TRACES / "synthetic_trace.jsonl.xz")
+    beside.mkdir(parents=True)
+    (beside / "synthetic_trace.jsonl").write_text("")
+    assert default_trace_path("synthetic_trace.jsonl") == beside / "synthetic_trace.jsonl"
+    assert default_trace_path() == EMBEDDED_TRACES / "conversation_trace.jsonl.xz"
+    # The variable wins, even where it holds no such file (then loading says it is missing).
+    mine = tmp_path / "mine"
+    monkeypatch.setenv(TRACES_DIR_ENV, str(mine))
+    assert default_trace_path("synthetic_trace.jsonl") == mine / "synthetic_trace.jsonl"
+
+
+def test_xz_trace_reads_like_plain_and_a_cut_one_is_an_error(tmp_path: Path) -> None:
+    lines = ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}\n'
+             '{"timestamp": 5, "input_length": 600, "output_length": 2, "hash_ids": [7, 8]}\n')
+    plain = tmp_path / "t.jsonl"
+    plain.write_text(lines)
+    packed = tmp_path / "t.jsonl.xz"
+    packed.write_bytes(lzma.compress(lines.encode()))
+    assert load_trace(packed) == load_trace(plain)
+    assert len(load_trace(plain)) == 2
+    cut = tmp_path / "cut.jsonl.xz"
+    cut.write_bytes(packed.read_bytes()[:-20])
+    with pytest.raises(TraceError) as info:
+        load_trace(cut)
+    assert str(info.value).startswith(f"{cut}: not a complete xz file (")
 
 
 @pytest.mark.parametrize(
