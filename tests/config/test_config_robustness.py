@@ -37,9 +37,9 @@ _VALUES: list[Any] = [
 
 def _documents() -> list[Any]:
     paths = [
-        # Deployment examples; config/grafana holds a dashboard, not a deployment config.
+        # Deployment examples and MindIE Motor's samples (config/mindie-samples);
+        # config/grafana holds a dashboard, not a deployment config.
         *sorted(p for p in (ROOT / "config").rglob("*.json") if "grafana" not in p.parts),
-        *sorted((ROOT.parent / "shared" / "real-configs").glob("*.json")),
         *sorted((ROOT / "tests" / "config" / "cases").glob("*.json")),
     ]
     return [json.loads(p.read_text()) for p in paths if p.name not in _UNREADABLE]

@@ -1,5 +1,6 @@
-"""The examples in ``config/`` validate clean; the real published samples read without error and
-everything the validator says about them is true; the JSON Schema is current and accepts them."""
+"""The examples in ``config/`` validate clean; the real published samples
+(``config/mindie-samples``) read without error and everything the validator says about them is
+true; the JSON Schema is current and accepts them."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from kvpool_config.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config"
-REAL = ROOT.parent / "shared" / "real-configs"
+REAL = CONFIG / "mindie-samples"
+"""MindIE Motor's samples as published: real findings, not clean examples."""
 SCHEMA_FILE = CONFIG / "kvpool.schema.json"
 DASHBOARDS = CONFIG / "grafana"
 """Grafana dashboards, not deployment configs (checked in tests/console/test_hub_metrics.py)."""
 EXAMPLES = sorted(p for p in CONFIG.rglob("*.json")
-                  if p != SCHEMA_FILE and DASHBOARDS not in p.parents)
+                  if p != SCHEMA_FILE and {DASHBOARDS, REAL}.isdisjoint(p.parents))
 
 
 def _group(path: Path) -> tuple[list[Path], Path | None, Options]:
