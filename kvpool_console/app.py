@@ -25,6 +25,7 @@ answers the modal.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -54,7 +55,7 @@ from kvpool_console._messages import (
     PinRequested,
 )
 from kvpool_console._pins import PIN_TIMEOUT_MS, pins_summary
-from kvpool_console.alerts import STALE_AFTER_MS, WATERMARK_MARGIN, Alert, AlertModel
+from kvpool_console.alerts import Alert, AlertModel, AlertSettings
 from kvpool_console.model import SORT_KEYS, EngineRow, FleetModel, FleetView, select_rows
 from kvpool_console.screens import (
     EngineDetail,
@@ -113,7 +114,8 @@ class KVPoolConsole(App[None]):
         source: the fleet (``ClientSource`` for a hub, ``StaticSource`` for fixed data).
         refresh_s: seconds between redraws (one of ``REFRESH_STEPS`` preferably).
         clock: wall clock in epoch ms; tests pass a frozen one so ages are stable.
-        stale_after_ms, down_after_ms: silence thresholds for STALE and DOWN.
+        alert_settings: the alert rules' thresholds (their silence thresholds also decide
+            STALE and DOWN in the fleet table); defaults when ``None``.
     """
 
     CSS_PATH = "console.tcss"
@@ -164,23 +166,19 @@ class KVPoolConsole(App[None]):
     """Time since the hub's last update (ms) once past ``_HUB_SILENT_MS``, else None."""
 
     def __init__(self, source: FleetSource, *, refresh_s: float = 1.0,
-                 clock: Callable[[], float] = _wall_ms, stale_after_ms: float = STALE_AFTER_MS,
-                 down_after_ms: float = 30_000.0, ssh_config: str | None = None,
-                 watermark_ratio: float | None = None, watermark_margin: float = WATERMARK_MARGIN,
-                 stuck_after_ms: float | None = None) -> None:
+                 clock: Callable[[], float] = _wall_ms, ssh_config: str | None = None,
+                 alert_settings: AlertSettings | None = None) -> None:
         super().__init__()
         self.source = source
         self.ssh_config = ssh_config
         """The ssh config file SSH triage uses (``--ssh-config``); None: ``~/.ssh/config``."""
         self.clock = clock
-        self.stale_after_ms = stale_after_ms
-        self.down_after_ms = down_after_ms
-        self.model = FleetModel(stale_after_ms=stale_after_ms, down_after_ms=down_after_ms)
-        # The alert settings come from the command line.
-        self.alert_model = AlertModel(stale_after_ms=stale_after_ms, down_after_ms=down_after_ms,
-                                      watermark_ratio=watermark_ratio,
-                                      watermark_margin=watermark_margin,
-                                      stuck_after_ms=stuck_after_ms, alive=local_process_alive)
+        # The alert settings come from the command line; a silent engine's process is looked
+        # up on this host (``triage``'s rule).
+        cfg = dataclasses.replace(alert_settings or AlertSettings(), alive=local_process_alive)
+        self.model = FleetModel(stale_after_ms=cfg.stale_after_ms,
+                                down_after_ms=cfg.down_after_ms)
+        self.alert_model = AlertModel(cfg)
         self.states: Mapping[str, EngineState] = {}
         """Raw agent states of the latest sample (the detail screen shows their transfers)."""
         self.frames = 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ from kvpool_agent.protocol import CommandReply, FlushArgs
 from kvpool_console import _pin_cli as pin_cli
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
-from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel
+from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
 from kvpool_console.model import (
     FleetView,
     build_view,
@@ -143,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="start a local mooncake_master, engines replaying a trace, and watch them")
     p.add_argument("--trace", default=None,
-                   help="demo trace (default: conversation_trace.jsonl in $KVPOOL_TRACES_DIR "
-                        "or ../shared/traces)")
+                   help="demo trace (default: conversation_trace.jsonl from $KVPOOL_TRACES_DIR, "
+                        "else ../shared/traces, else the copy shipped with kvpool)")
     p.add_argument("--engines", type=_at_least(1), default=4, help="demo engines (default 4)")
     p.add_argument("--speedup", type=_non_negative, default=5.0,
                    help="demo replay speed-up: trace time / wall time (default 5)")
@@ -228,12 +229,18 @@ _OBSERVE_STEP_S = 0.25
 """Sampling interval of ``status --observe`` (the hub sends deltas at 4 Hz)."""
 
 
+def _alert_settings(args: argparse.Namespace) -> AlertSettings:
+    """The alert options of the command line (``--watermark-ratio``, ``--watermark-margin``,
+    ``--stuck-after-ms``); callers building their own Namespace may leave them out."""
+    defaults = AlertSettings()
+    return AlertSettings(
+        watermark_ratio=getattr(args, "watermark_ratio", defaults.watermark_ratio),
+        watermark_margin=getattr(args, "watermark_margin", defaults.watermark_margin),
+        stuck_after_ms=getattr(args, "stuck_after_ms", defaults.stuck_after_ms))
+
+
 def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
-    # Callers building their own Namespace may leave the alert options out: their defaults.
-    model = AlertModel(watermark_ratio=getattr(args, "watermark_ratio", None),
-                       watermark_margin=getattr(args, "watermark_margin", WATERMARK_MARGIN),
-                       stuck_after_ms=getattr(args, "stuck_after_ms", None),
-                       alive=local_process_alive)
+    model = AlertModel(dataclasses.replace(_alert_settings(args), alive=local_process_alive))
     # The TUI's alert model, fed for the observation window: what it saw raised, paused or
     # evicting there it shows as the TUI does; before the window it knows what agents report.
     until = time.monotonic() + getattr(args, "observe", 0.0)
@@ -407,9 +414,7 @@ def _run_tui(source: FleetSource, args: argparse.Namespace, sig: StopSignals) ->
     from kvpool_console.app import KVPoolConsole
 
     sig.app = KVPoolConsole(source, refresh_s=args.refresh, ssh_config=args.ssh_config,
-                            watermark_ratio=args.watermark_ratio,
-                            watermark_margin=args.watermark_margin,
-                            stuck_after_ms=args.stuck_after_ms)
+                            alert_settings=_alert_settings(args))
     try:
         sig.app.run()
     finally:

@@ -14,7 +14,7 @@ from textual.widgets import RichLog
 
 from kvpool_agent.agent import AgentHandle
 from kvpool_agent.reporter import Reporter
-from kvpool_console import alerts as alerts_module
+from kvpool_console.alerts import rules as alert_rules
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.source import ClientSource, tier_for
 from kvpool_console.widgets import FleetTable
@@ -75,7 +75,7 @@ async def test_a_sample_failing_on_the_feed_thread_keeps_the_screen_live(
         live_fleet: LiveFleet, monkeypatch: pytest.MonkeyPatch) -> None:
     # A bug in the alert rules hit only on the feed thread must not stop the feed: each tick
     # samples again on the UI thread and the screen keeps following the fleet.
-    real = alerts_module.evaluate
+    real = alert_rules.evaluate
     failed: list[str] = []
 
     def evaluate_off_main(*args: Any, **kw: Any) -> Any:
@@ -84,7 +84,7 @@ async def test_a_sample_failing_on_the_feed_thread_keeps_the_screen_live(
             raise RuntimeError("rule bug")
         return real(*args, **kw)
 
-    monkeypatch.setattr(alerts_module, "evaluate", evaluate_off_main)
+    monkeypatch.setattr(alert_rules, "evaluate", evaluate_off_main)
     p0, src, app = _console_on_prefill(live_fleet)
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)

@@ -9,7 +9,7 @@ import msgspec
 from fleetdata import NOW_MS, engine, pool, sample_fleet
 
 from kvpool_agent.protocol import EngineState, MasterView
-from kvpool_console.alerts import AlertModel, evaluate
+from kvpool_console.alerts import AlertModel, AlertSettings, evaluate
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.source import StaticSource
 from kvpool_console.widgets._masters import MastersTable
@@ -76,7 +76,7 @@ def test_a_dead_or_stale_master_beside_a_leader_is_behind() -> None:
 
 
 def test_the_model_reports_a_failover_with_its_duration_then_retires_it() -> None:
-    model = AlertModel(window_ms=60_000)
+    model = AlertModel(AlertSettings(window_ms=60_000))
     before = _fleet(_leader(M1, "127.0.0.1:50051", 2), _standby(M2, "127.0.0.1:50051", 2))
     during = _fleet(DOWN, _standby(M2, "127.0.0.1:50051", 2))
     after = _fleet(DOWN, _leader(M2, "127.0.0.1:50052", 3))

@@ -6,7 +6,7 @@ import pytest
 from fleetdata import GB, NOW_MS, engine, pool, sample_fleet
 
 from kvpool_agent.protocol import PROTOCOL_VERSION, CommandReply, FlushResult
-from kvpool_console.alerts import AlertTracker, evaluate
+from kvpool_console.alerts import AlertSettings, AlertTracker, evaluate
 from kvpool_console.model import (
     FleetModel,
     build_view,
@@ -210,7 +210,7 @@ def test_pool_alerts_once_per_pool_with_engines_and_hysteresis() -> None:
     def marks(used: float, **kw: float) -> list[str]:
         states = on_master(fleet, used)
         got = tracker.update(evaluate(states, dict.fromkeys(states, NOW_MS), NOW_MS,
-                                      active=tracker.active_keys, **kw), NOW_MS)
+                                      AlertSettings(**kw), active=tracker.active_keys), NOW_MS)
         return [a.message for a in got if a.rule == "pool_watermark"]
 
     assert marks(8.8) == []
@@ -297,7 +297,7 @@ def test_start_failure_topology_and_stuck_rules() -> None:
         "save of req-9 on s0/dp0.tp1.pp0 in flight 18.2 s (> 2.5 s: floor; 250 ms expected at "
         "1.0 MB/s; 3 blocks); likely owner: the store process holding the segments "
         "(127.0.0.1:15001, 127.0.0.1:15002) or the master")
-    assert evaluate(fleet, {}, NOW_MS, stuck_after_ms=20_000) == []
+    assert evaluate(fleet, {}, NOW_MS, AlertSettings(stuck_after_ms=20_000)) == []
     # A big save is stuck only past 2x its expected 12 s.
     fleet["s0/dp0.tp1.pp0"].in_flight[0].bytes = 12 << 20
     assert evaluate(fleet, {}, NOW_MS) == []

@@ -10,6 +10,7 @@ from livefleet import LEASE_TTL_MS, LiveFleet, until
 from textual.widgets import Button, RadioSet, Static
 
 from kvpool_agent.protocol import FlushArgs
+from kvpool_console.alerts import AlertSettings
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.screens import ConfirmScreen, FlushScreen, HealthScreen
 from kvpool_console.source import ClientSource
@@ -48,7 +49,7 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
     _feed(live_fleet)
     live_fleet.wait_agents(6)
     app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25,
-                        stale_after_ms=1500)
+                        alert_settings=AlertSettings(stale_after_ms=1500))
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)
         await until(pilot, lambda: app.view is not None and len(app.view.engines) == 2

@@ -23,7 +23,7 @@ from kvpool_agent import FleetClient, FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console._liveness import local_process_alive
-from kvpool_console.alerts import Alert, AlertModel, evaluate
+from kvpool_console.alerts import Alert, AlertModel, AlertSettings, evaluate
 from kvpool_console.model import build_view
 from kvpool_replay import (
     DEMO_SHAPE,
@@ -90,7 +90,8 @@ class Fleet:
 
     def alerts(self, **kw: Any) -> list[Alert]:
         states, seen = self.fleet()
-        return evaluate(states, seen, time.time() * 1e3, alive=local_process_alive, **kw)
+        return evaluate(states, seen, time.time() * 1e3,
+                        AlertSettings(alive=local_process_alive, **kw))
 
     def wait(self, what: str, pred: Callable[[list[Alert]], Any], timeout_s: float = WAIT_S,
              **kw: Any) -> Any:
@@ -341,7 +342,8 @@ class Watch:
     batch: what it said, and when (``time.monotonic()``)."""
 
     fleet: Fleet
-    model: AlertModel = field(default_factory=lambda: AlertModel(alive=local_process_alive))
+    model: AlertModel = field(
+        default_factory=lambda: AlertModel(AlertSettings(alive=local_process_alive)))
     log: list[tuple[float, list[Alert]]] = field(default_factory=list)
 
     def poll(self) -> list[Alert]:

@@ -1,0 +1,73 @@
+"""One alert (:class:`Alert`), its severities and the names rules give pools and durations."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvpool_agent.protocol import EngineState
+
+__all__ = ["AFTER_HIT", "SEVERITY_RANK", "Alert", "Severity", "fmt_ms", "make_alert", "pool_name"]
+
+Severity = Literal["warning", "critical"]
+
+SEVERITY_RANK: dict[str, int] = {"warning": 1, "critical": 2}
+"""Order of severities for ``--fail-on``: an alert counts when its rank is >= the chosen one."""
+
+
+AFTER_HIT = ("LEASE_EXPIRED", "OBJECT_NOT_FOUND")
+"""Error names of a load that failed after a positive lookup (``failed_after_hit``)."""
+
+
+class Alert(msgspec.Struct, frozen=True, kw_only=True):
+    """One active alert.
+
+    ``rule`` is a stable id (``pool_watermark``, ``failed_after_hit``, ``lease_ttl``,
+    ``lookup_errors``, ``backend_errors``, ``backend_mismatch``, ``kv_role_mismatch``,
+    ``role_topology``, ``pool_unhealthy``, ``stale``, ``start_failed``, ``stuck_transfer``,
+    ``namespace_split``, ``no_leader``, ``master_behind``; :class:`AlertModel` adds
+    ``pause_wait``, ``pool_evicting`` and ``pool_failover``);
+    ``subject`` the engine id (the pool name for pool rules, the model name(s) for
+    ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
+    across refreshes.
+    """
+
+    key: str
+    rule: str
+    severity: Severity
+    subject: str
+    message: str
+    hint: str
+    ts_ms: float
+
+
+def fmt_ms(ms: float) -> str:
+    """A duration given in ms, for messages: ``"850 ms"`` below a second, ``"3.2 s"`` below
+    a minute, else ``"2.5 min"``."""
+    if ms < 1_000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1e3:.1f} s"
+    return f"{ms / 6e4:.1f} min"
+
+
+def make_alert(rule: str, severity: Severity, subject: str, message: str, hint: str,
+           ts_ms: float) -> Alert:
+    return Alert(key=f"{rule}:{subject}", rule=rule, severity=severity, subject=subject,
+                 message=message, hint=hint, ts_ms=ts_ms)
+
+
+
+def pool_name(st: EngineState) -> str:
+    """Which pool an agent reports: its backend at its master's address when known (the same
+    pool for every engine, also when the master is down and reports no segments), else at its
+    segments, else the engine's own."""
+    p = st.pool
+    backend = p.backend if p is not None else st.source.backend
+    if st.source.master:
+        return f"{backend}@{st.source.master}"
+    if p is not None and p.segments:
+        return f"{backend}:" + ",".join(sorted(s.name for s in p.segments))
+    return f"{backend}:{st.source.engine_id}"
+

@@ -1,0 +1,489 @@
+"""The stateless alert rules: :func:`evaluate` turns one fleet sample into alerts (pool rules
+once per pool, then per engine). What needs memory across samples (pauses, eviction episodes,
+failovers, counter retirement) is :class:`~kvpool_console.alerts.model.AlertModel`'s."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+
+import msgspec
+
+from kvpool_agent.protocol import (
+    EngineState,
+    ErrorRecord,
+    PoolStats,
+    Transfer,
+    TransferStats,
+)
+from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
+from kvpool_console.alerts.alert import (
+    AFTER_HIT,
+    SEVERITY_RANK,
+    Alert,
+    Severity,
+    fmt_ms,
+    make_alert,
+    pool_name,
+)
+from kvpool_console.alerts.settings import STUCK_FLOOR_MS, STUCK_MULTIPLE, AlertSettings
+
+__all__ = ["evaluate"]
+
+_CRITICAL_USAGE = 0.98
+"""Pool usage fraction at which new saves start failing with NO_AVAILABLE_HANDLE."""
+
+_TOPOLOGY_MIN_LOOKUPS = 20
+"""Lookups a consumer makes before "0% hits while producers save" is a finding, not chance."""
+
+
+def _by_engine(states: Mapping[str, EngineState]) -> dict[str, list[EngineState]]:
+    out: dict[str, list[EngineState]] = {}
+    for st in states.values():
+        out.setdefault(st.source.engine_id, []).append(st)
+    return out
+
+
+
+def _engines_text(engines: Collection[str], limit: int = 8) -> str:
+    names = sorted(engines)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
+                 watermark_ratio: float | None, watermark_margin: float,
+                 active: Collection[str]) -> list[Alert]:
+    # Every agent of a fleet reports the same shared pool: one alert per pool, naming the
+    # engines that see it, not one per agent or engine.
+    pools: dict[str, EngineState] = {}
+    engines: dict[str, set[str]] = {}
+    unhealthy: dict[str, set[str]] = {}
+    for st in states.values():
+        p = st.pool
+        if p is None:
+            continue
+        name = pool_name(st)
+        engines.setdefault(name, set()).add(st.source.engine_id)
+        if p.healthy is False:
+            unhealthy.setdefault(name, set()).add(st.source.engine_id)
+        prev = pools.get(name)
+        if prev is None or st.ts_ms > prev.ts_ms:
+            pools[name] = st
+    out: list[Alert] = []
+    for name, st in sorted(pools.items()):
+        p = st.pool
+        assert p is not None
+        seen_by = f"engines {_engines_text(engines[name])}"
+        if p.total_bytes > 0:
+            frac = p.used_bytes / p.total_bytes
+            ratio = watermark_ratio if watermark_ratio is not None else p.high_watermark
+            key = f"pool_watermark:{name}"
+            # Hysteresis: raised above the ratio, held until usage drops below ratio - margin.
+            # A pool that evicted has been over its watermark: the one-shot holds it as the
+            # TUI (which saw it raised) does.
+            held = key in active or p.evicted_keys > 0
+            if frac > ratio or (held and frac > ratio - watermark_margin):
+                sev: Severity = "critical" if frac >= _CRITICAL_USAGE else "warning"
+                where = (f"over eviction_high_watermark_ratio {ratio:.2f}" if frac > ratio
+                         else f"back under eviction_high_watermark_ratio {ratio:.2f}, alert "
+                         f"clears below {ratio - watermark_margin:.2f}")
+                out.append(make_alert(
+                    "pool_watermark", sev, name,
+                    f"pool {frac:.0%} used, {where} ({p.used_bytes}/{p.total_bytes} B; "
+                    f"{seen_by})",
+                    "eviction is running; if hit rate drops, add segment memory "
+                    "(global_segment_size) or more segments", now_ms))
+        out.extend(_master_alerts(name, p, seen_by, now_ms))
+        if name in unhealthy:
+            sick = [s for s in states.values() if s.pool is not None and s.pool.healthy is False
+                    and pool_name(s) == name]
+            detail = max(sick, key=lambda s: s.ts_ms).pool.health_detail  # type: ignore[union-attr]
+            out.append(make_alert("pool_unhealthy", "critical", name,
+                                  f"pool health check failed: {detail or 'unhealthy'} "
+                                  f"(seen by engines {_engines_text(unhealthy[name])})",
+                                  HINTS["RPC_FAIL"], now_ms))
+    return out
+
+
+_ELECTION_HINT = (
+    "a failover takes about 10 s (the dead leader's etcd lease expiring, then the new leader's "
+    "5 s warm-up); if it lasts, check etcd (--etcd_endpoints) and that a standby "
+    "mooncake_master runs with --enable_ha")
+
+
+def _master_alerts(name: str, p: PoolStats, seen_by: str, now_ms: float) -> list[Alert]:
+    """``no_leader`` when no master of an HA pool serves; ``master_behind`` for each master
+    that does not answer or has not seen the serving leader's election (an older
+    ``view_version`` or another leader), read from the masters' ``/health``."""
+    if not p.masters:
+        return []
+    leaders = [m for m in p.masters if m.serving]
+    if not leaders:
+        states = ", ".join(f"{m.admin_url} {m.role or 'unreachable'}"
+                           f"{'/' + m.ha_state if m.ha_state else ''}" for m in p.masters)
+        return [make_alert("no_leader", "critical", name,
+                           f"no master of the HA pool leads and serves ({states}; {seen_by}): "
+                           "lookups and saves fail until one does", _ELECTION_HINT, now_ms)]
+    lead = leaders[0]
+    out = []
+    for m in p.masters:
+        if m.serving:
+            continue
+        if not m.reachable:
+            why = "does not answer /health"
+            hint = ("restart it with --enable_ha --enable_oplog and the pool's "
+                    "--etcd_endpoints: until then the pool has no standby for this master")
+        elif m.view_version < lead.view_version or m.leader_address != lead.leader_address:
+            why = (f"has seen election view {m.view_version} (leader "
+                   f"{m.leader_address or 'none'}), the leader view {lead.view_version} "
+                   f"({lead.leader_address})")
+            hint = ("it does not follow the current leader: check its --etcd_endpoints and "
+                    "its connection to etcd; restart it if it stays behind")
+        else:
+            continue
+        out.append(make_alert("master_behind", "warning", f"{name} {m.admin_url}",
+                              f"master {m.admin_url} of pool {name} {why}", hint, now_ms))
+    return out
+
+
+def _lookup_hint(group: list[EngineState]) -> str:
+    # A lookup waits on the pool: when the pool's health check fails, that is the cause, not
+    # the lookup socket.
+    if any(s.pool is not None and s.pool.healthy is False for s in group):
+        return "the pool is unhealthy (see pool_unhealthy): " + HINTS["RPC_FAIL"]
+    last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
+    if last and last[-1].message.startswith("no reply from the lookup server"):
+        return ("worker rank 0 did not answer the lookup: check that it runs and is not "
+                "stalled (`kvpool-console health`), then that scheduler and worker use the "
+                "same lookup_rpc_port")
+    return HINTS["LOOKUP"]
+
+
+def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Mapping[str, set[str]],
+                 now_ms: float) -> list[Alert]:
+    out: list[Alert] = []
+    for s in group:
+        want = KV_ROLE_FOR.get(s.source.instance_role)
+        if want is not None and s.source.kv_role != want:
+            by = (f" (role declared by {s.source.role_source})" if s.source.role_source else "")
+            out.append(make_alert(
+                "kv_role_mismatch", "critical", engine_id,
+                f"{s.source.instance_role} instance{by} runs kv_role {s.source.kv_role}",
+                f"set kv_role to {want} for {s.source.instance_role} instances (or correct the "
+                "declared role if the instance really is "
+                f"{INSTANCE_ROLE_OF[s.source.kv_role]})", now_ms))
+            break
+    head = group[0].source
+    loads = saves = saved = lookups = prompt = hits = 0
+    for s in group:  # one pass: this runs for every engine on every console refresh
+        t, lk = s.transfers, s.lookup
+        loads += t.loads_finished + t.loads_failed
+        saves += t.saves_finished + t.saves_failed + t.saves_skipped
+        saved += t.saves_finished
+        lookups += lk.lookups
+        prompt += lk.prompt_tokens
+        hits += lk.pool_hit_tokens
+    # A kv_producer loads too (a prompt the pool holds whole needs no save); the rule is
+    # for a prefill that runs as a loader.
+    if head.instance_role == "prefill" and head.kv_role != "kv_producer" and loads and not saves:
+        out.append(make_alert(
+            "role_topology", "warning", engine_id,
+            f"prefill instance loaded {loads} times and never saved",
+            "a prefill instance saves for its decode instances: check its kv_role "
+            "(kv_producer) and its declared role", now_ms))
+    elif head.instance_role == "decode" and saved and not loads:
+        out.append(make_alert(
+            "role_topology", "warning", engine_id,
+            f"decode instance saved {saved} times and never loaded",
+            "a decode instance loads what prefill saved: use kv_role kv_consumer with "
+            "consumer_is_to_load, and consumer_is_to_put only if it should save", now_ms))
+    others = producers_saving.get(head.model, set()) - {engine_id}
+    if (head.kv_role == "kv_consumer" and lookups >= _TOPOLOGY_MIN_LOOKUPS and prompt
+            and not hits and others):
+        out.append(make_alert(
+            "role_topology", "warning", engine_id,
+            f"0% pool hits over {lookups} lookups while producers of {head.model} save "
+            f"({_engines_text(others)})",
+            "their keys never meet: compare the key namespaces (model name, layout digest, "
+            "chunk_size, block_size) of this engine and the producers in `kvpool-console "
+            "status`", now_ms))
+    return out
+
+
+def _stuck_limit(t: Transfer, tr: TransferStats, stuck_after_ms: float | None) -> tuple[float, str]:
+    """How long ``t`` may be in flight (ms) before it is stuck, and why that long."""
+    if stuck_after_ms is not None:
+        return stuck_after_ms, "threshold"
+    rate = tr.load_bytes_per_s if t.kind == "load" else tr.save_bytes_per_s
+    if rate <= 0 or t.bytes <= 0:
+        return STUCK_FLOOR_MS, "floor; no recent transfer rate"
+    expected = t.bytes / rate * 1e3
+    why = f"{fmt_ms(expected)} expected at {rate / 1e6:.1f} MB/s"
+    if STUCK_MULTIPLE * expected > STUCK_FLOOR_MS:
+        return STUCK_MULTIPLE * expected, f"{STUCK_MULTIPLE:g}x the {why}"
+    return STUCK_FLOOR_MS, f"floor; {why}"
+
+
+def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
+                  stuck_after_ms: float | None) -> list[Alert]:
+    stuck: list[tuple[float, Transfer, EngineState, float, str]] = []
+    for s in group:
+        for t in s.in_flight:
+            age = now_ms - t.started_ms
+            # The limit is never below the floor: most transfers are skipped without it.
+            if age > STUCK_FLOOR_MS or stuck_after_ms is not None:
+                limit, why = _stuck_limit(t, s.transfers, stuck_after_ms)
+                if age > limit:
+                    stuck.append((age, t, s, limit, why))
+    if not stuck:
+        return []
+    age, t, s, limit, why = max(stuck, key=lambda x: x[0])
+    reqs = {(x[1].req_id, x[1].kind) for x in stuck}
+    more = f"; {len(reqs) - 1} more stuck" if len(reqs) > 1 else ""
+    layers = (f", layer {t.layers_done}/{t.layers_total}" if t.layers_total else "")
+    pool: PoolStats | None = s.pool
+    master = s.source.master or "the master"
+    if pool is not None and pool.healthy is False:
+        owner = f"master {master} (pool health check failing: {pool.health_detail or '?'})"
+        hint = HINTS["RPC_FAIL"]
+    else:
+        segs = ", ".join(x.name for x in pool.segments) if pool is not None and pool.segments \
+            else "the segments' hosts"
+        owner = (f"the store process holding the segments ({segs}) or {master}"
+                 if t.kind == "save" else
+                 f"the segment owner(s) ({segs}) or the transfer engine of this worker")
+        hint = ("check that the store process (mooncake_client or the engines contributing "
+                "segments) runs and is not stopped, and the network to it; `kvpool-console "
+                f"triage {engine_id}` shows the engine's host")
+    return [make_alert(
+        "stuck_transfer", "critical", engine_id,
+        f"{t.kind} of {t.req_id} on {s.source.agent_id} in flight {fmt_ms(age)} "
+        f"(> {fmt_ms(limit)}: {why}; {t.blocks} blocks{layers}){more}; likely owner: "
+        f"{owner}", hint, now_ms)]
+
+
+def _retired(group: list[EngineState], cutoff_ms: float,
+             match: Callable[[ErrorRecord], bool]) -> bool:
+    """True when the agents recorded errors ``match`` selects and the newest is older than
+    ``cutoff_ms``; False also when none is recorded (nothing says how old the counter is)."""
+    newest = max((e.ts_ms for s in group for e in s.recent_errors if match(e)), default=None)
+    return newest is not None and newest < cutoff_ms
+
+
+def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: str | None,
+                   now_ms: float, window_ms: float) -> list[Alert]:
+    out: list[Alert] = []
+    cutoff = now_ms - window_ms
+    # One pass over the agents (this runs for every engine on every console refresh).
+    failed_after_hit = loads_total = lookups = lookup_errors = skipped = 0
+    max_load = 0.0
+    ttl = 0
+    errors: dict[str, int] = {}
+    backends: set[str] = set()
+    for s in group:
+        tr, lk = s.transfers, s.lookup
+        failed_after_hit += tr.failed_after_hit
+        loads_total += tr.loads_finished + tr.loads_failed
+        skipped += tr.saves_skipped
+        max_load = max(max_load, tr.max_load_ms)
+        for n, c in tr.errors_by_name.items():
+            errors[n] = errors.get(n, 0) + c
+        lookups += lk.lookups
+        lookup_errors += lk.lookup_errors
+        if s.pool is not None and s.pool.lease_ttl_ms > 0:
+            ttl = s.pool.lease_ttl_ms if not ttl else min(ttl, s.pool.lease_ttl_ms)
+        if s.source.backend:
+            backends.add(s.source.backend)
+    if failed_after_hit and not _retired(group, cutoff, lambda e: e.where == "load"
+                                         and e.name in AFTER_HIT):
+        cause = max(AFTER_HIT, key=lambda n: errors.get(n, 0))
+        sev: Severity = "critical" if loads_total and failed_after_hit * 2 >= loads_total \
+            else "warning"
+        out.append(make_alert(
+            "failed_after_hit", sev, engine_id,
+            f"{failed_after_hit} loads failed after a positive lookup "
+            f"(LEASE_EXPIRED {errors.get('LEASE_EXPIRED', 0)}, "
+            f"OBJECT_NOT_FOUND {errors.get('OBJECT_NOT_FOUND', 0)})",
+            HINTS[cause], now_ms))
+    if ttl and max_load > 0:
+        if max_load >= ttl:
+            out.append(make_alert("lease_ttl", "critical", engine_id,
+                                  f"slowest load {fmt_ms(max_load)} >= lease TTL {fmt_ms(ttl)} "
+                                  "(default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"], now_ms))
+        elif max_load >= 0.8 * ttl:
+            out.append(make_alert("lease_ttl", "warning", engine_id,
+                                  f"slowest load {fmt_ms(max_load)} is within 20% of lease TTL "
+                                  f"{fmt_ms(ttl)} (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"],
+                                  now_ms))
+    if lookup_errors and not _retired(group, cutoff, lambda e: e.where == "lookup"):
+        sev = "critical" if lookups and lookup_errors * 2 >= lookups else "warning"
+        last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
+        detail = f"; last: {last[-1].name}: {last[-1].message}" if last else ""
+        out.append(make_alert("lookup_errors", sev, engine_id,
+                              f"{lookup_errors} of {lookups} lookups failed{detail}",
+                              _lookup_hint(group), now_ms))
+    other = {n: c for n, c in errors.items() if n not in AFTER_HIT or not failed_after_hit}
+    if skipped and "NO_AVAILABLE_HANDLE" not in other:
+        other["NO_AVAILABLE_HANDLE"] = skipped
+    if other and not _retired(group, cutoff, lambda e: e.name in other):
+        top = max(other, key=lambda n: other[n])
+        listing = ", ".join(f"{n} {c}" for n, c in sorted(other.items(), key=lambda kv: -kv[1]))
+        out.append(make_alert("backend_errors", "warning", engine_id,
+                              f"backend errors: {listing}",
+                              HINTS.get(top, "see the engine's log for the backend message"),
+                              now_ms))
+    if majority_backend is not None and backends and backends != {majority_backend}:
+        out.append(make_alert(
+            "backend_mismatch", "critical", engine_id,
+            f"backend {'/'.join(sorted(backends))} differs from the fleet's {majority_backend}",
+            "every engine of one pool must use the same backend "
+            "(kv_connector_extra_config.backend = kv_cache_store_config.backend)", now_ms))
+    return out
+
+
+def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) -> list[Alert]:
+    """Engines whose keys can never meet although they serve the same model: same model name
+    but different layout digests, or the same layout under different model names."""
+    # engine id -> (model, digest, layout facts) from its first worker that described its keys
+    described: dict[str, tuple[str, str, dict[str, str | int]]] = {}
+    for eid, group in groups.items():
+        for s in group:
+            if s.source.layout_digest and s.start_failure is None:
+                described[eid] = (s.source.model, s.source.layout_digest, dict(s.source.layout))
+                break
+    out: list[Alert] = []
+    by_model: dict[str, dict[str, list[str]]] = {}
+    for eid, (model, digest, _) in described.items():
+        by_model.setdefault(model, {}).setdefault(digest, []).append(eid)
+    for model, digests in sorted(by_model.items()):
+        if len(digests) < 2:
+            continue
+        ordered = sorted(digests.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+        base = described[ordered[0][1][0]][2]
+        diffs: list[str] = []
+        parts: list[str] = []
+        for digest, eids in ordered:
+            facts = described[eids[0]][2]
+            parts.append(f"{digest}: {_engines_text(eids, 4)}")
+            for k in sorted(set(base) | set(facts)):
+                if base.get(k) != facts.get(k):
+                    diffs.append(f"{k} {base.get(k, '-')} vs {facts.get(k, '-')}")
+        why = "; ".join(dict.fromkeys(diffs)) or "layout digests differ"
+        out.append(make_alert(
+            "namespace_split", "warning", model,
+            f"engines of {model} use {len(digests)} key namespaces ({'; '.join(parts)}): "
+            f"no shared hits: {why}",
+            "engines share pool values only when model name and layout match: give them the "
+            "same chunk_size, block_size, dtypes and parallel sizes", now_ms))
+    by_layout: dict[str, dict[str, list[str]]] = {}
+    for eid, (model, _, facts) in described.items():
+        shape = msgspec.json.encode({k: v for k, v in facts.items() if k != "model"},
+                                    order="sorted").decode()
+        by_layout.setdefault(shape, {}).setdefault(model, []).append(eid)
+    for models in by_layout.values():
+        if len(models) < 2:
+            continue
+        names = sorted(models)
+        listing = "; ".join(f"{m}: {_engines_text(models[m], 4)}" for m in names)
+        out.append(make_alert(
+            "namespace_split", "warning", "/".join(names),
+            f"the same layout under {len(names)} model names ({listing}): no shared hits: "
+            f"model {' vs '.join(names)}",
+            "keys start with the model name: serve the same weights under one model name "
+            "(--served-model-name) on every engine that should share", now_ms))
+    return out
+
+
+def _silence_alert(engine_id: str, group: list[EngineState], age: float, now_ms: float,
+                   cfg: AlertSettings) -> Alert | None:
+    if age <= cfg.stale_after_ms:
+        return None
+    down_after_ms = cfg.down_after_ms
+    head = next((s.source for s in group if s.source.pid), group[0].source)
+    state = cfg.alive(head) if cfg.alive is not None else None
+    where = f"pid {head.pid} on {head.host or '?'}"
+    if state is True:
+        return make_alert("stale", "critical" if age > down_after_ms else "warning", engine_id,
+                          f"hung: {where} is alive but sent no report for {fmt_ms(age)}",
+                          "the process is stopped or stuck (SIGSTOP, a debugger, a blocked "
+                          f"thread): `kvpool-console triage {engine_id}` shows its state and log; "
+                          "restart it if it does not recover", now_ms)
+    if state is False:
+        return make_alert("stale", "critical", engine_id,
+                          f"gone: {where} is not running; last report {fmt_ms(age)} ago",
+                          "the engine exited or was killed: read its log (`kvpool-console "
+                          f"triage {engine_id}`), restart it, or `kvpool-console forget "
+                          f"{engine_id}` after a scale-down", now_ms)
+    if age > down_after_ms:
+        return make_alert("stale", "critical", engine_id,
+                          f"down: no report for {fmt_ms(age)}",
+                          "the engine is hung or gone, or its agent cannot reach the hub: "
+                          f"`kvpool-console triage {engine_id}` tells which on its host; check "
+                          "agent_address / KVPOOL_AGENT_ADDRESS", now_ms)
+    return make_alert("stale", "warning", engine_id,
+                      f"stale: no report for {fmt_ms(age)}",
+                      "engine busy, hung or unreachable; its numbers are out of date", now_ms)
+
+
+def evaluate(
+    states: Mapping[str, EngineState],
+    last_seen_ms: Mapping[str, float],
+    now_ms: float,
+    settings: AlertSettings | None = None,
+    *,
+    active: Collection[str] = (),
+) -> list[Alert]:
+    """Every alert the current fleet state raises, pool alerts first, then per engine.
+
+    Args:
+        states: agent id -> latest EngineState (as ``FleetClient.fleet()`` holds it).
+        last_seen_ms: agent id -> hub receive time of its last report (epoch ms); an agent
+            missing here is aged by its own ``EngineState.ts_ms``.
+        now_ms: current wall clock, epoch ms (tests pass a frozen value).
+        settings: the thresholds (``AlertSettings()``'s defaults when ``None``).
+        active: keys of the alerts active before this call (``AlertTracker.active_keys``), for
+            hysteresis; empty for a one-shot evaluation.
+
+    Returns:
+        Alerts sorted by severity (critical first) then key. An engine that reported a start
+        failure gets ``start_failed`` (with its error and fix) and no silence alert.
+    """
+    cfg = settings if settings is not None else AlertSettings()
+    out = _pool_alerts(states, now_ms, watermark_ratio=cfg.watermark_ratio,
+                       watermark_margin=cfg.watermark_margin, active=active)
+    groups = _by_engine(states)
+    counts = Counter(s.source.backend for s in states.values() if s.source.backend)
+    majority: str | None = None
+    if counts:
+        ranked = counts.most_common()
+        # With a tie there is no "rest of the fleet" to differ from.
+        if len(ranked) == 1 or ranked[0][1] > ranked[1][1]:
+            majority = ranked[0][0]
+    saving: dict[str, set[str]] = {}
+    for st in states.values():
+        if st.source.kv_role != "kv_consumer" and st.transfers.saves_finished:
+            saving.setdefault(st.source.model, set()).add(st.source.engine_id)
+    out.extend(_namespace_alerts(groups, now_ms))
+    for engine_id in sorted(groups):
+        group = groups[engine_id]
+        failures = [s for s in group if s.start_failure is not None]
+        if failures:
+            f = max(failures, key=lambda s: s.start_failure.ts_ms)  # type: ignore[union-attr]
+            sf = f.start_failure
+            assert sf is not None
+            out.append(make_alert("start_failed", "critical", engine_id,
+                                  f"failed to start ({f.source.agent_id}): {sf.name}: {sf.message}",
+                                  sf.hint or "see the engine's log", now_ms))
+            continue
+        out.extend(_engine_alerts(engine_id, group, majority, now_ms, cfg.window_ms))
+        out.extend(_role_alerts(engine_id, group, saving, now_ms))
+        seen = max(last_seen_ms.get(s.source.agent_id, s.ts_ms) for s in group)
+        silence = _silence_alert(engine_id, group, now_ms - seen, now_ms, cfg)
+        if silence is not None:
+            out.append(silence)
+        else:
+            # A silent engine's in-flight list is as old as its last report.
+            out.extend(_stuck_alerts(engine_id, group, now_ms, cfg.stuck_after_ms))
+    out.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.key))
+    return out
