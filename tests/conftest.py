@@ -12,6 +12,7 @@ from pathlib import Path
 import mooncake.store  # noqa: F401  # see below
 import pytest
 import yaml
+from _timing import install as install_suite_timing
 
 from kvpool_replay import LocalMooncakeMaster
 
@@ -24,6 +25,11 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 _BIN = os.path.join(sys.prefix, "bin")
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Wall time per test directory and the suite's budget (KVPOOL_TEST_BUDGET_S): tests/_timing.py.
+    install_suite_timing(config)
 
 
 @pytest.fixture(scope="session")
