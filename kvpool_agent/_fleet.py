@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvpool_agent._hub_memory import UPDATE_STATES_BYTES
 from kvpool_agent.protocol import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandRequest,
     EngineState,
@@ -70,10 +70,10 @@ MAX_STATE_BYTES = 256 * 1024
 the agent's recent errors); a report over it is refused and counted. A real engine's state is a
 few KiB; the bound keeps hub memory per agent small and lets every state fit an update frame."""
 
-UPDATE_BUDGET_BYTES = MAX_MESSAGE_BYTES // 2
-"""Encoded states per ``FleetUpdate`` frame at most; the other half leaves room for the frame's
-``last_seen_ms``/``report_gaps``/``forgotten`` maps, so no frame reaches ``MAX_MESSAGE_BYTES``
-(the limit ``FleetClient`` decodes)."""
+UPDATE_BUDGET_BYTES = UPDATE_STATES_BYTES
+"""Encoded states per ``FleetUpdate`` frame at most; the rest of ``MAX_UPDATE_FRAME_BYTES``
+leaves room for the frame's ``last_seen_ms``/``report_gaps``/``forgotten`` maps
+(``kvpool_agent._hub_memory``: what a subscriber's queue holds is frames x that bound)."""
 
 TAKEOVER_AFTER_S = 2.0
 """Another connection may take over an agent id after the holder has been silent this long

@@ -27,6 +27,7 @@ from typing import cast
 import zmq
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
+from kvpool_agent._hub_memory import return_large_blocks_to_os
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import (
     CLIENT_ROLES,
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                     "whole fleet state and sends read-only commands (--insecure)",
                     args.address,
                 )
+            # The hub is this process: its freed frames go back to the system.
+            return_large_blocks_to_os()
             hub = FleetHub(
                 args.address,
                 authorized_keys_dir=kp.authorized_dir if kp else None,

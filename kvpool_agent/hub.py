@@ -51,7 +51,7 @@ message: commands in flight per key (above), explicit targets per command (``MAX
 unknown ones are answered by one ``hub`` reply), audit bytes per key and minute
 (``kvpool_agent._audit``), agent ids per engine (``kvpool_agent._fleet.MAX_AGENTS_PER_ENGINE``),
 state bytes per engine (``MAX_ENGINE_STATE_BYTES``), agent frames queued per connection
-(``_AGENT_RCVHWM``), and the largest message each port reads (``_MAX_COMMAND_BYTES`` on the
+(``AGENT_RCVHWM``), and the largest message each port reads (``MAX_COMMAND_BYTES`` on the
 command ports, ``MAX_MESSAGE_BYTES`` on the agent port, ``_MAX_SUBSCRIPTION_BYTES`` on the
 XPUB). Refusals are counted per key (``refused_by_key``, ``/metrics``
 ``kvpool_hub_refused_key_<name>_total``).
@@ -101,6 +101,14 @@ from kvpool_agent._audit import (
     AuditTrail,
 )
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, MAX_AGENTS, Fleet
+from kvpool_agent._hub_memory import (
+    AGENT_RCVHWM,
+    AGENT_SNDHWM,
+    COMMAND_RCVHWM,
+    MAX_COMMAND_BYTES,
+    MAX_UPDATE_FRAME_BYTES,
+    PUB_SNDHWM,
+)
 from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
 from kvpool_agent.protocol import (
@@ -177,20 +185,8 @@ _READONLY_BATCH = 64
 read-only command and after the agents' batch), then agents', then read-only commands'."""
 _AGENT_SLICE_S = 0.01
 """A turn stops taking agent frames after this long (s)."""
-_AGENT_RCVHWM = 16
-"""Messages queued per agent connection before libzmq stops reading it (an agent sends a
-report every 0.25 s): the default 1,000 let one agent key queue 1,000 frames of up to
-``MAX_MESSAGE_BYTES`` per connection in the hub (1 MiB reports: ~1 GB RSS)."""
 _READONLY_SLICE_S = 0.01
 """A turn stops taking read-only commands after this long (s), so agents get their turn."""
-_MAX_COMMAND_BYTES = 2 * 1024 * 1024
-"""Largest frame the command ports read (bytes): a request naming ``MAX_TARGETS`` ids of
-``MAX_ID_CHARS`` is ~1.1 MB. libzmq refuses a longer frame at its header and drops the
-connection, before buffering it (with CURVE the bound applies to the encrypted frame, a few
-dozen bytes longer than the message). It bounds a part, not a multipart message: libzmq
-queues every part of one until its last has come (parts x bound)."""
-_COMMAND_RCVHWM = 64
-"""Messages queued per command connection before libzmq stops reading it."""
 _SUSPECT_SLACK_KEYS = 64
 """Keys a flush may match beyond its pool's last reported count (the pool grows between
 reports, every 2 s) before its answer is suspect; also an eighth of the count. Small, so a
@@ -512,15 +508,18 @@ class FleetHub:
         s: zmq.Socket[bytes] = self.ctx.socket(kind)
         self.socks.append(s)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 1000)
+        # Per connection, in messages (libzmq counts no bytes): each port's messages are
+        # bounded in bytes, so each queue is too (kvpool_agent._hub_memory).
+        s.setsockopt(zmq.SNDHWM, {"agents": AGENT_SNDHWM, "pub": PUB_SNDHWM}.get(
+            name, COMMAND_RCVHWM))
         # What each port needs, so a part over it is refused at its header (libzmq
         # buffers a multipart message whole before the hub sees any part of it).
         s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES if name == "agents"
-                     else _MAX_COMMAND_BYTES)
+                     else MAX_COMMAND_BYTES)
         if name in ("commands", "curve"):
-            s.setsockopt(zmq.RCVHWM, _COMMAND_RCVHWM)
+            s.setsockopt(zmq.RCVHWM, COMMAND_RCVHWM)
         if name == "agents":
-            s.setsockopt(zmq.RCVHWM, _AGENT_RCVHWM)
+            s.setsockopt(zmq.RCVHWM, AGENT_RCVHWM)
         if kind == zmq.ROUTER:
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if kind == zmq.XPUB:
@@ -899,8 +898,14 @@ class FleetHub:
         stream.seq += len(updates)
         for upd in updates:
             upd.refused_connections = dict(self.refused_connections)
+            frame = stream.topic + encode(upd)
+            if len(frame) > MAX_UPDATE_FRAME_BYTES:
+                # Cannot happen by _fleet's budgets; if it did, the queue bound would not hold.
+                self._bad("pub", f"update frame of {len(frame)} bytes > "
+                          f"{MAX_UPDATE_FRAME_BYTES}: not sent")
+                continue
             try:
-                self.pub.send(stream.topic + encode(upd), zmq.NOBLOCK)
+                self.pub.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 log.debug("kvpool hub: publish dropped (no room)")
 
@@ -1010,7 +1015,9 @@ class FleetHub:
             return
         internal = secrets.token_hex(16)
         self._pending[internal] = pend
-        fwd = msgspec.structs.replace(req, request_id=internal)
+        # Without the targets: agents do not read them, and a request naming MAX_TARGETS ids
+        # (~1.1 MB) would be queued once per target agent (AGENT_SNDHWM deep each).
+        fwd = msgspec.structs.replace(req, request_id=internal, targets=[])
         if req.drain is not None:
             # No agent waits longer than the hub waits for its reply.
             fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
