@@ -81,10 +81,6 @@ class _BlockPool:
         self._free.extend(ids)
         self._free.sort(reverse=True)
 
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
 
 def _vllm_config(spec: EngineSpec) -> Any:
     """A ``VllmConfig``-shaped object with real vLLM sub-configs: the attributes
