@@ -19,38 +19,10 @@ agent's ``--admin-url``.
 from __future__ import annotations
 
 import httpx
-import msgspec
 
-__all__ = ["MasterState", "leader_admin_url", "probe_master", "probe_masters", "split_admin_urls"]
+from kvpool_agent.protocol import MAX_COUNT, MAX_ID_CHARS, MasterView, clip
 
-
-class MasterState(msgspec.Struct, kw_only=True):
-    """One master's answer to ``/health``.
-
-    Attributes:
-        admin_url: the URL asked.
-        reachable: it answered HTTP 200 with a JSON object.
-        role: ``leader`` / ``standby`` (``""`` when unreachable or not in HA mode).
-        ha_state: Mooncake's HA runtime state (``serving`` for a leader that serves).
-        service_ready: the master serves client RPCs.
-        leader_address: the RPC ``host:port`` this master believes leads (``""`` if none).
-        view_version: the election view it has seen (grows with each election).
-        error: why it was not reachable (``""`` when it was).
-    """
-
-    admin_url: str
-    reachable: bool = False
-    role: str = ""
-    ha_state: str = ""
-    service_ready: bool = False
-    leader_address: str = ""
-    view_version: int = 0
-    error: str = ""
-
-    @property
-    def serving_leader(self) -> bool:
-        """Leads and serves clients (a leader in warm-up does not yet)."""
-        return self.reachable and self.role == "leader" and self.service_ready
+__all__ = ["leader_admin_url", "probe_master", "probe_masters", "split_admin_urls"]
 
 
 def split_admin_urls(text: str) -> list[str]:
@@ -60,8 +32,10 @@ def split_admin_urls(text: str) -> list[str]:
 
 def probe_master(
     admin_url: str, *, client: httpx.Client | None = None, timeout_s: float = 1.0
-) -> MasterState:
-    """``GET {admin_url}/health`` as a ``MasterState``; never raises."""
+) -> MasterView:
+    """``GET {admin_url}/health`` as a ``MasterView`` (the wire's type: its strings clipped to
+    their fields' limits, so a master's odd answer never makes a report invalid); never
+    raises: an unreachable master is ``reachable=False`` with the reason in ``error``."""
     try:
         if client is None:
             r = httpx.get(f"{admin_url}/health", timeout=timeout_s)
@@ -69,24 +43,31 @@ def probe_master(
             r = client.get(f"{admin_url}/health", timeout=timeout_s)
         body = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as e:
-        return MasterState(admin_url=admin_url, error=str(e) or type(e).__name__)
+        return MasterView(admin_url=admin_url,
+                          error=clip(str(e) or type(e).__name__, one_line=True))
     if not isinstance(body, dict):
-        return MasterState(admin_url=admin_url, error=f"HTTP {r.status_code}: {r.text[:200]}")
+        return MasterView(admin_url=admin_url,
+                          error=clip(f"HTTP {r.status_code}: {r.text[:200]}", one_line=True))
     version = body.get("view_version", 0)
-    return MasterState(
+    role = _name(body.get("role", ""))
+    return MasterView(
         admin_url=admin_url,
         reachable=True,
-        role=str(body.get("role", "")),
-        ha_state=str(body.get("ha_state", "")),
-        service_ready=body.get("service_ready") is True,
-        leader_address=str(body.get("leader_address") or ""),
-        view_version=version if isinstance(version, int) else 0,
+        role=role,
+        ha_state=_name(body.get("ha_state", "")),
+        serving=role == "leader" and body.get("service_ready") is True,
+        leader_address=_name(body.get("leader_address") or ""),
+        view_version=min(max(version, 0), MAX_COUNT - 1) if isinstance(version, int) else 0,
     )
+
+
+def _name(value: object) -> str:
+    return clip(str(value), MAX_ID_CHARS, one_line=True)
 
 
 def probe_masters(
     admin_urls: list[str], *, client: httpx.Client | None = None, timeout_s: float = 1.0
-) -> list[MasterState]:
+) -> list[MasterView]:
     """``probe_master`` for each URL, in order (one at a time: a pool has 2-3 masters)."""
     return [probe_master(u, client=client, timeout_s=timeout_s) for u in admin_urls]
 
@@ -101,6 +82,6 @@ def leader_admin_url(
     if len(urls) <= 1:
         return urls[0] if urls else admin_urls
     for state in probe_masters(urls, client=client, timeout_s=timeout_s):
-        if state.serving_leader:
+        if state.serving:
             return state.admin_url
     return urls[0]

@@ -18,16 +18,11 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool_agent.masters import (
-    MasterState,
-    leader_admin_url,
-    probe_masters,
-    split_admin_urls,
-)
-from kvpool_agent.protocol import HealthCheck, MasterView, PoolStats, SegmentUsage
+from kvpool_agent.masters import leader_admin_url, probe_masters, split_admin_urls
+from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
 
 __all__ = [
-    "fetch_mooncake_stats", "master_view", "mooncake_master_health", "parse_master_metrics",
+    "fetch_mooncake_stats", "mooncake_master_health", "parse_master_metrics",
 ]
 
 
@@ -79,13 +74,6 @@ def parse_master_metrics(text: str, stats: PoolStats) -> None:
     stats.segments = sorted(segments.values(), key=lambda g: g.name)
 
 
-def master_view(state: MasterState) -> MasterView:
-    """A probed master as the wire schema carries it."""
-    return MasterView(admin_url=state.admin_url, reachable=state.reachable, role=state.role,
-                      ha_state=state.ha_state, serving=state.serving_leader,
-                      leader_address=state.leader_address, view_version=state.view_version)
-
-
 def fetch_mooncake_stats(
     admin_url: str,
     *,
@@ -114,8 +102,8 @@ def fetch_mooncake_stats(
         urls = split_admin_urls(admin_url)
         if len(urls) > 1:
             states = probe_masters(urls, client=http, timeout_s=timeout_s)
-            stats.masters = [master_view(m) for m in states]
-            admin_url = next((m.admin_url for m in states if m.serving_leader), urls[0])
+            stats.masters = states
+            admin_url = next((m.admin_url for m in states if m.serving), urls[0])
         text = http.get(f"{admin_url}/metrics", timeout=timeout_s).raise_for_status().text
         parse_master_metrics(text, stats)
         check = mooncake_master_health(admin_url, client=http, timeout_s=timeout_s)

@@ -326,9 +326,22 @@ MAX_MASTERS = 16
 
 
 class MasterView(msgspec.Struct, gc=False, kw_only=True):
-    """One master of an HA pool as its ``/health`` answered (``kvpool_agent.masters``):
-    ``role`` leader/standby, ``ha_state`` (``serving``, ``leader_warmup``, ``standby``...),
-    ``serving`` (leads and serves clients), ``view_version`` (the election view it has seen)."""
+    """One master of an HA pool as its ``/health`` answered (``kvpool_agent.masters``, which
+    probes into this very type: the agent's and the wire's master are one).
+
+    Attributes:
+        admin_url: the URL asked.
+        reachable: it answered HTTP 200 with a JSON object.
+        role: ``leader`` / ``standby`` (``""`` when unreachable; a master without HA answers
+            ``leader``).
+        ha_state: Mooncake's HA runtime state (``serving``, ``leader_warmup``, ``standby``...).
+        serving: leads and serves client RPCs (role ``leader`` and ``service_ready``; a leader
+            in warm-up does not yet).
+        leader_address: the RPC ``host:port`` this master believes leads (``""`` if none).
+        view_version: the election view it has seen (grows with each election).
+        error: why it was not reachable (``""`` when it was), one line, so the console can say
+            why a master is down.
+    """
 
     admin_url: Name
     reachable: bool = False
@@ -337,6 +350,7 @@ class MasterView(msgspec.Struct, gc=False, kw_only=True):
     serving: bool = False
     leader_address: Name = ""
     view_version: Count = 0
+    error: FreeText = ""
 
 
 class PoolStats(msgspec.Struct, gc=False, kw_only=True):

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from kvpool_agent.masters import MasterState, probe_masters
+from kvpool_agent.masters import probe_masters
+from kvpool_agent.protocol import MasterView
 from kvpool_replay._services import (
     MASTER_LEASE_TTL_MS,
     LocalMooncakeMaster,
@@ -186,14 +187,14 @@ class LocalHaPool(LocalService):
         self.wait_leader(timeout_s)
         return self
 
-    def states(self) -> list[MasterState]:
+    def states(self) -> list[MasterView]:
         """Every master's ``/health`` answer, in start order (a killed one unreachable)."""
         return probe_masters([m.admin_url for m in self.masters], timeout_s=1.0)
 
     def leader(self) -> LocalMooncakeMaster | None:
         """The master that leads and serves now, or ``None``."""
         for m, s in zip(self.masters, self.states(), strict=True):
-            if s.serving_leader:
+            if s.serving:
                 return m
         return None
 

@@ -131,7 +131,7 @@ def _master_alerts(name: str, p: PoolStats, seen_by: str, now_ms: float) -> list
         if m.serving:
             continue
         if not m.reachable:
-            why = "does not answer /health"
+            why = f"does not answer /health ({m.error or 'no answer'})"
             hint = ("restart it with --enable_ha --enable_oplog and the pool's "
                     "--etcd_endpoints: until then the pool has no standby for this master")
         elif m.view_version < lead.view_version or m.leader_address != lead.leader_address:

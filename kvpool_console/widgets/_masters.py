@@ -17,7 +17,7 @@ class MastersTable(DataTable[Text | str]):
     """One row per master of every HA pool in a ``FleetView``."""
 
     def on_mount(self) -> None:
-        self.add_columns("Pool", "Master", "Role", "State", "Leader", "View")
+        self.add_columns("Pool", "Master", "Role", "State", "Leader", "View", "Error")
         self.display = False
 
     def show(self, view: FleetView) -> None:
@@ -29,5 +29,6 @@ class MastersTable(DataTable[Text | str]):
                         Text("unreachable", style="bold red") if not m.reachable else
                         plain(m.role or "-"))
                 self.add_row(plain(p.name), plain(m.admin_url), role, plain(m.ha_state or "-"),
-                             plain(m.leader_address or "-"), str(m.view_version))
+                             plain(m.leader_address or "-"), str(m.view_version),
+                             plain(m.error or "-"))
         self.display = self.row_count > 0

@@ -31,7 +31,7 @@ def _standby(url: str, leader: str, view: int) -> MasterView:
                       leader_address=leader, view_version=view)
 
 
-DOWN = MasterView(admin_url=M1)
+DOWN = MasterView(admin_url=M1, error="All connection attempts failed")
 
 
 def _fleet(*masters: MasterView) -> Fleet:
@@ -66,7 +66,8 @@ def test_a_dead_or_stale_master_beside_a_leader_is_behind() -> None:
     down = evaluate(_fleet(DOWN, _leader(M2, "127.0.0.1:50052", 3)), {}, NOW_MS)
     assert _ha(down) == [("master_behind", "warning", f"{POOL} {M1}")]
     (a,) = [a for a in down if a.rule == "master_behind"]
-    assert a.message == f"master {M1} of pool {POOL} does not answer /health"
+    assert a.message == (f"master {M1} of pool {POOL} does not answer /health (All connection "
+                         "attempts failed)")
     assert "--enable_oplog" in a.hint
     stale = evaluate(_fleet(_standby(M1, "127.0.0.1:50051", 2),
                             _leader(M2, "127.0.0.1:50052", 3)), {}, NOW_MS)
@@ -108,6 +109,6 @@ async def test_the_pool_tab_lists_the_masters_and_who_leads() -> None:
     shown, rows = await _masters_rows(
         _fleet(DOWN, _leader(M2, "127.0.0.1:50052", 3)))
     assert shown
-    assert rows == [[POOL, M1, "unreachable", "-", "-", "0"],
-                    [POOL, M2, "leader", "serving", "127.0.0.1:50052", "3"]]
+    assert rows == [[POOL, M1, "unreachable", "-", "-", "0", "All connection attempts failed"],
+                    [POOL, M2, "leader", "serving", "127.0.0.1:50052", "3", "-"]]
     assert await _masters_rows(sample_fleet()) == (False, [])
