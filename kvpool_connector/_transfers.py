@@ -45,8 +45,9 @@ from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.metadata import ReqMeta
+from kvpool_connector.staging import SizedCalls
 
-__all__ = ["LayerLoadTimeout", "LoadRunner", "SaveQueue", "WorkerCounters"]
+__all__ = ["LoadRunner", "SaveQueue", "WorkerCounters"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +76,6 @@ def _hybrid_only(by_group: dict[int, int]) -> dict[int, int] | None:
     """``by_group`` when some bytes are of a group other than 0 (a hybrid model), else
     ``None``: a one-group engine reports no per-group figures."""
     return by_group if any(by_group) else None
-
-
-class LayerLoadTimeout(TimeoutError):
-    """Kept for callers that name it; ``wait_for_layer_load`` no longer raises it (a
-    timed-out layer-wise load is reported as load errors and recomputed)."""
 
 
 @dataclass
@@ -175,6 +171,7 @@ class LoadRunner:
         # failed_recving; its block-level report cannot name a KV-cache group).
         self.fail_whole_requests = False
         self._failed_reqs: set[str] = set()
+        self.calls = SizedCalls.for_backend(backend)  # staging: staging.attach_staging
 
     def settle_stale(self) -> None:
         """Forget the previous step's layer-wise load. A timed-out one may still be writing
@@ -240,7 +237,7 @@ class LoadRunner:
         """One ``batch_get_into``; per key the bytes read or an error code (a failed call
         is the same error for every key)."""
         try:
-            return self.backend.batch_get_into([t.key for t in transfers], addrs, sizes)
+            return self.calls.get([t.key for t in transfers], addrs, sizes)
         except BackendError as exc:
             name = error_name(exc.code) if exc.code is not None else "BACKEND_ERROR"
             logger.error("kvpool load of %d keys failed: %s", len(transfers), exc)
@@ -522,6 +519,7 @@ class SaveQueue:
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).
         self.written: deque[tuple[str, int, int]] | None = None
+        self.calls = SizedCalls.for_backend(backend)  # staging: staging.attach_staging
 
     def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> Future[None] | None:
@@ -705,7 +703,7 @@ class SaveQueue:
                   ) -> list[int]:
         """One ``batch_put_from``; per key its result code."""
         try:
-            return self.backend.batch_put_from([t.key for t in todo], addrs, sizes)
+            return self.calls.put([t.key for t in todo], addrs, sizes)
         except BackendError as exc:
             logger.error("kvpool save of %d keys failed: %s", len(todo), exc)
             return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)

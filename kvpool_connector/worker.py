@@ -56,7 +56,7 @@ import torch
 
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
-from kvpool_connector._checksum import CHECKSUM_NAME, DigestSlots
+from kvpool_connector._checksum import CHECKSUM_BYTES, CHECKSUM_NAME, DigestSlots
 from kvpool_connector._device import DeviceSync, device_sync_for
 from kvpool_connector._groups import KVGroup, hybrid_hit
 from kvpool_connector._heads import HeadShares, share_layers
@@ -79,7 +79,6 @@ from kvpool_connector._planning import (
 from kvpool_connector._stages import LayerRanges, plan_ranges
 from kvpool_connector._transfers import (
     ChecksumBuffers,
-    LayerLoadTimeout,
     LoadRunner,
     SaveQueue,
     WorkerCounters,
@@ -87,8 +86,9 @@ from kvpool_connector._transfers import (
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.keys import ParallelLayout, chunk_keys, normalize_model_name, shard_prefix
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, ReqMeta
+from kvpool_connector.staging import DEFAULT_STAGING_BYTES, attach_staging
 
-__all__ = ["KVPoolWorker", "LayerLoadTimeout", "WorkerCounters", "WorkerSettings"]
+__all__ = ["KVPoolWorker", "WorkerCounters", "WorkerSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +309,10 @@ class KVPoolWorker:
         self.backend.register_buffer(self._scratch.data_ptr(), biggest)
         if self.config.checksum:
             self._enable_checksum(kv, self._scratch.data_ptr())
+        # Settings objects of older callers may not name it: the default then.
+        attach_staging([self._loads.calls, self._saves.calls], self.backend, kv.device.type,
+                       getattr(self.config, "staging_buffer_bytes", DEFAULT_STAGING_BYTES),
+                       self.blocks_per_chunk * kv.block_bytes + CHECKSUM_BYTES)
         self._device = device_sync_for(kv.device)
         shards = self._shard_layers(kv_caches, kv)
         # Bytes of one block of one value: the rank's whole block, or one head share's (of
@@ -734,12 +738,6 @@ class KVPoolWorker:
         """Requests whose load failed since the last call (hybrid models, where a failure is
         reported per request: vLLM's ``failed_recving``)."""
         return self._loads.take_failed_requests()
-
-    @property
-    def has_held_saves(self) -> bool:
-        """Save jobs whose end has not been reported to the scheduler yet."""
-        with self._lock:
-            return bool(self._save_jobs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed or was partial since the last call (then cleared)."""

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from kvpool_agent.protocol import HealthCheck, PoolStats
+from kvpool_connector.staging import NO_LIMITS, TransportLimits
 
 __all__ = ["Backend", "BackendError", "BackendUnavailable", "RemoveResult"]
 
@@ -74,6 +75,11 @@ class Backend(abc.ABC):
     def register_buffer(self, addr: int, size: int) -> None:
         """Register ``size`` bytes at ``addr`` for zero-copy transfers.
         Raises ``BackendError`` if the backend refuses."""
+
+    def transport_limits(self) -> TransportLimits:
+        """What one ``batch_put_from``/``batch_get_into`` call may carry
+        (``kvpool_connector.staging``); ``NO_LIMITS`` unless the transport has a slice queue."""
+        return NO_LIMITS
 
     @abc.abstractmethod
     def batch_put_from(

@@ -81,6 +81,7 @@ from kvpool_connector.backends.mooncake_address import (
 )
 from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
+from kvpool_connector.staging import TCP_LIMITS, TransportLimits
 
 __all__ = ["HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
 
@@ -292,6 +293,13 @@ class MooncakeBackend(Backend):
         res = self._call("batch_is_exist", self._store.batch_is_exist,
                          keys if isinstance(keys, list) else list(keys))
         return res if isinstance(res, list) else list(res)
+
+    def transport_limits(self) -> TransportLimits:
+        """``TCP_LIMITS`` over TCP (measured, ``kvpool_connector.staging``); RDMA and Ascend
+        keep its slice cap and move values zero-copy (not measured here)."""
+        if self.config.protocol == "tcp":
+            return TCP_LIMITS
+        return TransportLimits(self.config.protocol, TCP_LIMITS.max_slices, 0)
 
     def register_buffer(self, addr: int, size: int) -> None:
         rc = self._call("register_buffer", self._store.register_buffer, addr, size)

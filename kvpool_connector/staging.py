@@ -1,0 +1,248 @@
+"""Backend calls sized to the transport: a per-call slice cap, and staging of fragmented values.
+
+A value (one pool key) is a list of address ranges, one per (layer, region, run of adjacent
+blocks) (``_layout.ranges_for_blocks`` already merges adjacent blocks). Each range is one slice
+of Mooncake's transfer engine. Measured here with mooncake-transfer-engine 0.3.13.post1, TCP on
+127.0.0.1, the segment in a separate ``mooncake_client`` process (``bench/bench_datapath.py
+--cross-process`` repeats it):
+
+* one ``batch_put_from_multi_buffers`` of 2,048 slices of 16 KiB completes; one of 3,072 is
+  refused by the TCP lane (``TCP lane queue-full rejection``) and every key fails with -800
+  TRANSFER_FAIL after 60 s. The queue is per peer and shared by every call of the client, and a
+  worker runs one save and one load thread at once: ``TCP_LIMITS.max_slices`` is half of it;
+* slices of 16-64 KiB move at 0.2-0.5 GB/s, slices of 256 KiB and more (and contiguous values)
+  at 0.6-1.8 GB/s on the same machine, while a host memory copy runs at several GB/s: a value
+  whose mean slice is below ``TCP_LIMITS.stage_below`` is copied into a registered staging
+  buffer and moved as one contiguous range (copy-then-put; get-then-scatter on loads).
+
+RDMA and Ascend (HCCS/RoCE) transports post one work request per slice with their own queue
+depths; they are not measured here, so they keep the same per-call slice cap (a bound that is
+never wrong, at worst one more call) and move values zero-copy (``stage_below`` 0). Yuanrong
+and MemCache take a value's ranges in one call of their own SDK with no slice queue seen:
+``Backend.transport_limits`` gives them no limit.
+
+Staging copies with ``ctypes.memmove``, so it needs the KV caches in host memory; caches on a
+device (CUDA, NPU) are only split by the slice cap (``SizedCalls`` is built without staging).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool_connector.backends.base import Backend
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "NO_LIMITS",
+    "TCP_LIMITS",
+    "SizedCalls",
+    "StagingBuffer",
+    "TransportLimits",
+    "attach_staging",
+]
+
+DEFAULT_STAGING_BYTES = 64 << 20
+"""Default staging buffer per transfer thread (bytes): a Llama-3-8B chunk of 512 tokens
+(128 KiB per token); a buffer is never smaller than one value (``StagingBuffer.sized``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportLimits:
+    """What one backend call may carry.
+
+    Attributes:
+        name: the transport (``tcp``, ``rdma``, ``ascend``, ``none``).
+        max_slices: address ranges per call, all keys together (a key is never split: a key
+            of more ranges goes alone, staged when it can be).
+        stage_below: a value whose mean range is smaller than this (bytes) is staged; 0 never.
+    """
+
+    name: str
+    max_slices: int
+    stage_below: int
+
+
+TCP_LIMITS = TransportLimits("tcp", max_slices=1024, stage_below=256 << 10)
+"""Mooncake TCP (see the module docstring for the measurements behind both figures)."""
+
+NO_LIMITS = TransportLimits("none", max_slices=1 << 30, stage_below=0)
+"""Backends without a slice queue: one call per batch, zero-copy."""
+
+
+class StagingBuffer:
+    """A reusable host buffer of ``nbytes`` bytes, registered with the backend once.
+
+    Args:
+        nbytes: size in bytes (> 0).
+        register: ``Backend.register_buffer``, called with the buffer's address and size.
+
+    Raises:
+        BackendError: the backend refused to register the buffer.
+    """
+
+    def __init__(self, nbytes: int, register: Callable[[int, int], None]) -> None:
+        # ctypes, not torch: backends.base imports this module and kvpool_config (which
+        # never imports torch) imports the backends.
+        self._mem = (ctypes.c_char * nbytes)()
+        self.addr = ctypes.addressof(self._mem)
+        self.nbytes = nbytes
+        register(self.addr, nbytes)
+
+    @staticmethod
+    def sized(configured: int, value_bytes: int) -> int:
+        """Bytes of a staging buffer: ``configured``, raised to hold one value of
+        ``value_bytes`` bytes (a value is staged whole or not at all)."""
+        return max(configured, value_bytes)
+
+
+class SizedCalls:
+    """Puts and gets of a batch of keys as backend calls within ``limits``.
+
+    Args:
+        put, get: ``Backend.batch_put_from`` / ``batch_get_into``.
+        limits: the transport's (``Backend.transport_limits``).
+        staging: the buffer of this thread (one per transfer thread: calls of one
+            ``SizedCalls`` never overlap); ``None``: zero-copy only.
+
+    ``staged_bytes``/``staged_keys``/``calls`` count what went through (for benchmarks and
+    tests).
+    """
+
+    def __init__(self, put: Callable[..., list[int]], get: Callable[..., list[int]],
+                 limits: TransportLimits = NO_LIMITS, staging: StagingBuffer | None = None
+                 ) -> None:
+        self._put, self._get = put, get
+        self.limits = limits
+        self.staging = staging
+        self.staged_bytes = 0
+        self.staged_keys = 0
+        self.calls = 0
+
+    @classmethod
+    def for_backend(cls, backend: Backend) -> SizedCalls:
+        """Zero-copy calls within ``backend.transport_limits()`` (``attach_staging`` adds a
+        staging buffer)."""
+        return cls(backend.batch_put_from, backend.batch_get_into, backend.transport_limits())
+
+    def _staged(self, addrs: Sequence[int], sizes: Sequence[int]) -> bool:
+        if self.staging is None or len(addrs) < 2:
+            return False
+        total = sum(sizes)
+        return total <= self.staging.nbytes and total < self.limits.stage_below * len(addrs)
+
+    def _calls(self, addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+               ) -> list[tuple[list[int], list[bool]]]:
+        """Per call: the key indices it carries and whether each is staged. A call ends
+        before it would pass ``max_slices`` or (staged keys) the staging buffer."""
+        cap = self.limits.max_slices
+        room = self.staging.nbytes if self.staging is not None else 0
+        out: list[tuple[list[int], list[bool]]] = []
+        idx: list[int] = []
+        staged: list[bool] = []
+        slices = used = 0
+        for i, (a, s) in enumerate(zip(addrs, sizes, strict=True)):
+            st = self._staged(a, s)
+            n = 1 if st else len(a)
+            nbytes = sum(s) if st else 0
+            if idx and (slices + n > cap or used + nbytes > room):
+                out.append((idx, staged))
+                idx, staged, slices, used = [], [], 0, 0
+            idx.append(i)
+            staged.append(st)
+            slices += n
+            used += nbytes
+        if idx:
+            out.append((idx, staged))
+        return out
+
+    def put(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+            sizes: Sequence[Sequence[int]]) -> list[int]:
+        """``Backend.batch_put_from`` of every key, in calls within the limits; staged values
+        are copied into the staging buffer first (their source blocks are read once, before
+        the call). Per key the put's result code. Raises what the backend raises."""
+        results = [0] * len(keys)
+        for idx, staged in self._calls(addrs, sizes):
+            c_addrs, c_sizes = self._layout(idx, staged, addrs, sizes, copy_in=True)
+            got = self._put([keys[i] for i in idx], c_addrs, c_sizes)
+            self.calls += 1
+            for i, rc in zip(idx, got, strict=True):
+                results[i] = int(rc)
+        return results
+
+    def get(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+            sizes: Sequence[Sequence[int]]) -> list[int]:
+        """``Backend.batch_get_into`` of every key, in calls within the limits; a staged value
+        lands in the staging buffer and is scattered into its ranges only when it came back
+        whole. Per key the bytes read or an error code. Raises what the backend raises."""
+        results = [0] * len(keys)
+        for idx, staged in self._calls(addrs, sizes):
+            c_addrs, c_sizes = self._layout(idx, staged, addrs, sizes, copy_in=False)
+            got = self._get([keys[i] for i in idx], c_addrs, c_sizes)
+            self.calls += 1
+            for j, (i, res) in enumerate(zip(idx, got, strict=True)):
+                results[i] = int(res)
+                if staged[j] and res == c_sizes[j][0]:
+                    _scatter(c_addrs[j][0], addrs[i], sizes[i])
+        return results
+
+    def _layout(self, idx: list[int], staged: list[bool], addrs: Sequence[Sequence[int]],
+                sizes: Sequence[Sequence[int]], *, copy_in: bool
+                ) -> tuple[list[list[int]], list[list[int]]]:
+        """The call's ranges: a staged key's one range in the staging buffer (filled from its
+        ranges when ``copy_in``), the others' own ranges."""
+        out_a: list[list[int]] = []
+        out_s: list[list[int]] = []
+        off = 0
+        for i, st in zip(idx, staged, strict=True):
+            if not st:
+                out_a.append(list(addrs[i]))
+                out_s.append(list(sizes[i]))
+                continue
+            assert self.staging is not None
+            dst = self.staging.addr + off
+            if copy_in:
+                _gather(dst, addrs[i], sizes[i])
+            n = sum(sizes[i])
+            out_a.append([dst])
+            out_s.append([n])
+            off += n
+            self.staged_bytes += n
+            self.staged_keys += 1
+        return out_a, out_s
+
+
+def attach_staging(calls: Sequence[SizedCalls], backend: Backend, device_type: str,
+                   configured: int, value_bytes: int) -> int:
+    """Give each of ``calls`` (one per transfer thread) a staging buffer of its own, registered
+    with ``backend``, when its transport stages fragmented values and the caches are in host
+    memory (``device_type`` ``cpu``). Each buffer holds ``configured`` bytes
+    (``staging_buffer_bytes``) and at least one value of ``value_bytes`` bytes (a chunk of
+    every layer, with its digest). Returns the bytes of each buffer (0: none).
+
+    Raises:
+        BackendError: the backend refused to register a buffer.
+    """
+    if device_type != "cpu" or not calls or calls[0].limits.stage_below <= 0:
+        return 0
+    nbytes = StagingBuffer.sized(configured, value_bytes)
+    for c in calls:
+        c.staging = StagingBuffer(nbytes, backend.register_buffer)
+    return nbytes
+
+
+def _gather(dst: int, addrs: Sequence[int], sizes: Sequence[int]) -> None:
+    """Copy the ranges one after another to ``dst`` (host memory)."""
+    for a, s in zip(addrs, sizes, strict=True):
+        ctypes.memmove(dst, a, s)
+        dst += s
+
+
+def _scatter(src: int, addrs: Sequence[int], sizes: Sequence[int]) -> None:
+    """Copy the bytes at ``src`` back into the ranges, in order (host memory)."""
+    for a, s in zip(addrs, sizes, strict=True):
+        ctypes.memmove(a, src, s)
+        src += s
