@@ -46,7 +46,7 @@ def odd_master() -> Iterator[str]:
                        "view_version": MAX_COUNT * 4}).encode()
 
     class Handler(BaseHTTPRequestHandler):
-
+        def do_GET(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
