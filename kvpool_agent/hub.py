@@ -93,13 +93,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool_agent._audit import (
-    AUDIT_BACKUPS,
-    AUDIT_IDS_SHOWN,
-    AUDIT_KEY_BYTES_PER_MIN,
-    AUDIT_MAX_BYTES,
-    AuditTrail,
-)
+from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_KEY_BYTES_PER_MIN, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, MAX_AGENTS, Fleet
 from kvpool_agent._hub_memory import (
     AGENT_RCVHWM,
@@ -110,6 +104,7 @@ from kvpool_agent._hub_memory import (
     PUB_SNDHWM,
 )
 from kvpool_agent._metrics import FleetCollector, MetricsServer
+from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
 from kvpool_agent.protocol import (
     FULL_RATE_TOPICS,
@@ -297,7 +292,8 @@ class FleetHub:
             a key.
         audit_file: append one JSON line per command (who, what, scope, result) here, besides
             the ``kvpool.hub`` log line; the read-only port's lines go to
-            ``audit_file.readonly`` (``kvpool_agent._audit``).
+            ``audit_file.readonly``, agents' own flushes to ``audit_file.agents``
+            (``kvpool_agent._audit``).
         snapshot_interval_s: full FleetUpdate snapshots this often, and on a join (a
             subscription), at most one per ``delta_interval_s``: each goes to every
             subscriber, so a subscriber repeating its subscription cannot make the hub
@@ -814,7 +810,8 @@ class FleetHub:
                                  flush=rec.flush)
             if not self._audit.record(f"agent:{aid} ({rec.who})", req, [aid], [CommandReply(
                     v=PROTOCOL_VERSION, seq=0, request_id=rec.request_id, agent_id=aid,
-                    ok=rec.ok, error=rec.error, flush=rec.result)], budget_key=budget):
+                    ok=rec.ok, error=rec.error, flush=rec.result)], channel="agents",
+                    budget_key=budget):
                 self._refuse(budget, "audit budget spent: own flush line suppressed")
 
     def _bound_elsewhere(self, rep: Report, identity: str) -> str | None:
@@ -949,7 +946,8 @@ class FleetHub:
         """Audit one command: the operator port's lines in full, the read-only port's within
         ``key``'s budget (a line over it is counted as a refusal of ``key``)."""
         if not self._audit.record(who, req, targets, replies, refused=refused,
-                                  readonly=not curve, budget_key=None if curve else key):
+                                  channel="operator" if curve else "readonly",
+                                  budget_key=None if curve else key):
             self._refuse(key, "audit budget spent: line suppressed")
 
     def _on_command(

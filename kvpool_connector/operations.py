@@ -23,7 +23,7 @@ from typing import Protocol
 
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from kvpool_agent._audit import audit
+from kvpool_agent.audit import audit
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import (
     MAX_ID_CHARS,

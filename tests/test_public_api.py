@@ -67,3 +67,17 @@ def test_every_public_module_declares_what_it_exports(package: str) -> None:
         assert exported is not None, f"{name} is public (no leading _) but has no __all__"
         missing = [n for n in exported if not hasattr(module, n)]
         assert not missing, f"{name}.__all__ names {missing}, which it does not define"
+
+
+MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
+    # kvpool_connector.operations audits its own reset flush with the hub's line format.
+    "kvpool_agent.audit": ["AUDIT_ERROR_CHARS", "AUDIT_IDS_SHOWN", "AUDIT_LINE_MAX_BYTES",
+                           "CHANGES", "audit", "audit_line"],
+}
+"""Public modules another kvpool package imports from, their ``__all__`` pinned too."""
+
+
+@pytest.mark.parametrize("module", sorted(MODULES_USED_ACROSS_PACKAGES))
+def test_modules_used_across_packages_are_pinned(module: str) -> None:
+    assert sorted(importlib.import_module(module).__all__) == sorted(
+        MODULES_USED_ACROSS_PACKAGES[module])

@@ -271,7 +271,8 @@ def test_reset_flush_reaches_the_hubs_audit_trail_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The reset flush's record goes through the worker's agent to the hub, which writes it to
-    its audit file once (later snapshots repeat it), attributed to the agent it came from."""
+    its agents' audit file once (later snapshots repeat it), attributed to the agent it came
+    from; the operator's file gets none."""
     monkeypatch.setattr("kvpool_agent.agent.SNAPSHOT_INTERVAL_S", 0.3)
     src = make_source("eng-h", tp=0, model=model)
     ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(),)))
@@ -279,7 +280,7 @@ def test_reset_flush_reaches_the_hubs_audit_trail_once(
     try:
         ops.reporter = handle.reporter
         res = ops.reset_flush()
-        audit_file = tmp_path / "audit.jsonl"
+        audit_file = tmp_path / "audit.jsonl.agents"
 
         def lines() -> list[dict]:
             text = audit_file.read_text() if audit_file.exists() else ""
@@ -297,6 +298,7 @@ def test_reset_flush_reaches_the_hubs_audit_trail_once(
         assert line["results"] == [{"agent": src.agent_id, "ok": True, "flush": {
             "dry_run": False, "keys": res.keys, "bytes": res.bytes, "removed_keys": 5,
             "skipped_leased": 0}}]
+        assert not (tmp_path / "audit.jsonl").exists()
     finally:
         handle.stop()
 

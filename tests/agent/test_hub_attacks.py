@@ -18,6 +18,7 @@ import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, auth, start_agent
+from kvpool_agent._audit import AGENTS_SUFFIX
 from kvpool_agent._fleet import FLUSHES_PER_REPORT
 from kvpool_agent.auth import AllowList, Role, authorize_key, bound_engine, generate_keys
 from kvpool_agent.cli import main
@@ -373,20 +374,30 @@ def test_a_key_revoked_behind_a_kubernetes_secrets_links_is_refused(
 
 def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
     hub: FleetHub, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path,
+    fleet_keys: dict[Role, KeyPaths],
 ) -> None:
     """An agent's own flush records (``EngineState.flushes``) are claims: the hub audits at most
     ``FLUSHES_PER_REPORT`` per report, each once, every line attributed to the agent, however
-    the record names its author."""
+    the record names its author, in ``FILE.agents``: none reaches the operator's file (an
+    agent key wrote 256 KiB a minute there, issue 42), whose own lines stay."""
     agent = FakeAgent(ctx, hub_address)
     src = make_source("eng-flood")
     result = FlushResult(dry_run=False, keys=0, bytes=0)
     forged = [FlushRecord(ts_ms=0.0, request_id=f"r{i}", who="key:operator (console)",
                           flush=FlushArgs(scope="all", dry_run=False), ok=True, result=result)
               for i in range(1000)]
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        assert op.command("snapshot", targets=["nobody"], timeout_ms=2000)
+    operator_file = tmp_path / "audit.jsonl"
+    before = operator_file.read_text()
+    assert json.loads(before)["command"] == "snapshot"
     for _ in range(3):
         agent.report(src, flushes=forged)
     wait_until(lambda: hub.reports >= 3)
-    lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    audit = Path(str(operator_file) + AGENTS_SUFFIX)
+    wait_until(lambda: audit.exists() and len(audit.read_text().splitlines())
+               >= FLUSHES_PER_REPORT)
+    lines = [json.loads(x) for x in audit.read_text().splitlines()]
     assert len(lines) == FLUSHES_PER_REPORT
     assert {x["request_id"] for x in lines} == {f"r{i}" for i in range(984, 1000)}
     assert {x["who"] for x in lines} == {f"agent:{src.agent_id} (key:operator (console))"}
@@ -394,10 +405,10 @@ def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
     # where that report's lines end: the hub handles reports in order).
     agent.report(src, flushes=[msgspec.structs.replace(forged[0], request_id="dup")] * 16)
     agent.report(src, flushes=[msgspec.structs.replace(forged[0], request_id="end")])
-    audit = tmp_path / "audit.jsonl"
     wait_until(lambda: '"end"' in audit.read_text())
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
     assert [x["request_id"] for x in lines[FLUSHES_PER_REPORT:]] == ["dup", "end"]
+    assert operator_file.read_text() == before
 
 
 _HUGE_SUBSCRIBER = """

@@ -27,13 +27,9 @@ import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
-from kvpool_agent._audit import (
-    AUDIT_IDS_SHOWN,
-    AUDIT_LINE_MAX_BYTES,
-    READONLY_SUFFIX,
-    audit_line,
-)
+from kvpool_agent._audit import READONLY_SUFFIX
 from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE, Fleet
+from kvpool_agent.audit import AUDIT_IDS_SHOWN, AUDIT_LINE_MAX_BYTES, audit_line
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.hub import FORGOTTEN_SHOWN, MAX_TARGETS
 from kvpool_agent.protocol import (
