@@ -8,6 +8,9 @@ Commands:
 - ``kvpool-config render USER_CONFIG.json [--out DIR] [--master-host HOST]``: the
   ``mooncake_master`` command line and the ``MOONCAKE_CONFIG_PATH`` JSON.
 - ``kvpool-config schema [--out FILE]``: the JSON Schema (``config/kvpool.schema.json``).
+- ``kvpool-config fingerprint MODEL_DIR [--json]``: the content fingerprint of a local
+  safetensors checkpoint (``kvpool_connector.fingerprint``), what it read and how long it
+  took; exit 2 with the reason when the directory cannot be fingerprinted.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from kvpool_config._render import (
 )
 from kvpool_config._schema import schema_text
 from kvpool_config.rules import Finding
+from kvpool_connector.fingerprint import NotFingerprintable, checkpoint_fingerprint
 
 __all__ = ["EXIT_CLEAN", "EXIT_ERRORS", "EXIT_WARNINGS", "exit_status", "main"]
 
@@ -140,6 +145,28 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
+def _cmd_fingerprint(args: argparse.Namespace) -> int:
+    """The weights' content fingerprint; an engine's layout fact ``fingerprint`` adds its
+    settings (``hf_overrides``, RoPE...) to it, so compare engines by that fact."""
+    t0 = time.perf_counter()
+    try:
+        fp = checkpoint_fingerprint(args.model_dir)
+    except NotFingerprintable as exc:
+        print(f"kvpool-config fingerprint: {exc}: set kv_connector_extra_config."
+              "model_fingerprint on every engine that runs these weights", file=sys.stderr)
+        return EXIT_ERRORS
+    ms = (time.perf_counter() - t0) * 1e3
+    if args.json:
+        print(json.dumps({"model_dir": args.model_dir, "weights": fp.digest, "files": fp.files,
+                          "tensors": fp.tensors, "bytes_read": fp.bytes_read,
+                          "commit": fp.commit, "elapsed_ms": round(ms, 3)}))
+    else:
+        commit = f", hub commit {fp.commit}" if fp.commit else ""
+        print(f"{fp.digest}  {args.model_dir} ({fp.files} files, {fp.tensors} tensors, "
+              f"{fp.bytes_read} bytes read in {ms:.1f} ms{commit})")
+    return EXIT_CLEAN
+
+
 def _positive_int(text: str) -> int:
     """``--value-bytes``: a whole number of bytes above 0 (argparse reports anything else)."""
     try:
@@ -211,6 +238,11 @@ def _parser() -> argparse.ArgumentParser:
     sch = sub.add_parser("schema", help="print or write the JSON Schema of the KV-pool part")
     sch.add_argument("--out", help="file to write (config/kvpool.schema.json)")
     sch.set_defaults(func=_cmd_schema)
+    fin = sub.add_parser("fingerprint",
+                         help="the content fingerprint of a local safetensors checkpoint")
+    fin.add_argument("model_dir", help="the directory vLLM loads (config.json, *.safetensors)")
+    fin.add_argument("--json", action="store_true", help="machine-readable output")
+    fin.set_defaults(func=_cmd_fingerprint)
     return parser
 
 

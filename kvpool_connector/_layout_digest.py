@@ -2,13 +2,13 @@
 
 A value is a chunk's blocks copied byte for byte out of vLLM's paged caches (``_layout``), so
 two engines may share a value only when they would write the very same bytes for the same
-tokens: the same model weights (name, revision, quantization), the same model and KV-cache
-dtypes, attention backend, per-layer cache shapes and strides, block size (a value spans
-``chunk_size / block_size`` blocks), layer count, KV heads and head size, and the same parallel
-sizes (ranks are in the key's own fields, ``keys.ParallelLayout``), except where values are
-stored per KV-head share (``_heads``: then the facts describe one share and no TP size, and
-the key's ``tp`` field names the share). ``LayoutFacts`` lists them;
-``LayoutFacts.digest`` hashes them. Keys carry the digest (``keys.shard_prefix``), so engines
+tokens: the same model weights (by content: ``fingerprint``; revision, quantization), the
+same model and KV-cache dtypes, attention backend, per-layer cache shapes and strides, block
+size (a value spans ``chunk_size / block_size`` blocks), layer count, KV heads and head size,
+and the same parallel sizes (ranks are in the key's own fields, ``keys.ParallelLayout``),
+except where values are stored per KV-head share (``_heads``: then the facts describe one
+share and no TP size, and the key's ``tp`` field names the share). ``LayoutFacts`` lists
+them; ``LayoutFacts.digest`` hashes them. Keys carry the digest (``keys.shard_prefix``), so engines
 that differ in any of them never read each other's values, and engines that match share every
 value on any host: the facts are plain strings and integers, encoded canonically (msgspec JSON,
 keys sorted), never Python ``hash()``.
@@ -35,9 +35,11 @@ from kvpool_connector.keys import DIGEST_LEN
 __all__ = ["LAYOUT_SCHEME", "LayoutFacts", "ModelFacts", "cache_signature", "describe_layout",
            "layer_signatures"]
 
-LAYOUT_SCHEME = 2
+LAYOUT_SCHEME = 3
 """Version of the value layout and chunk-hash scheme; bump it when either changes, so values
-written by an older connector are never read as the new layout. 2: chunk hashes chained from
+written by an older connector are never read as the new layout. 3: the model is named by the
+content of its weights (``fingerprint``, issue 39) and a LoRA request's chunk hashes by its
+adapter's content (``scheduler.request_extra``); 2: chunk hashes chained from
 the v2 root, SHA-256 unless ``hash_algo`` says otherwise (a digest field of its own); 1: chained
 SHA-256 from the v1 root."""
 
@@ -59,6 +61,9 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
             (``CPU_ATTN``, ``FLASH_ATTN``...): they decide the element order inside a block.
         kv_heads: KV heads per worker (``ModelConfig.get_num_kv_heads``).
         head_size: ``ModelConfig.get_head_size()``.
+        fingerprint: the engine's model identity (``fingerprint.engine_identity``:
+            ``<source>:<32 hex>`` over the weights' content, or the operator's
+            ``model_fingerprint``, and the settings that shape K and V); ``""`` unknown.
     """
 
     revision: str = ""
@@ -68,6 +73,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     attn_backend: str = ""
     kv_heads: int = 0
     head_size: int = 0
+    fingerprint: str = ""
 
 
 class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -102,6 +108,8 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             signature, so engines of any PP split on those boundaries share), or why this
             engine keeps per-stage values (``per-stage: ...``); left out when empty (no
             ``store_pp_layer_partition``).
+        fingerprint: ``ModelFacts.fingerprint``; left out when empty (workers built outside
+            vLLM).
     """
 
     scheme: int
@@ -126,6 +134,7 @@ class LayoutFacts(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     groups: str = ""
     kv_share: str = ""
     pp_split: str = ""
+    fingerprint: str = ""
 
     @property
     def digest(self) -> str:
@@ -237,4 +246,5 @@ def describe_layout(
         layers=n_layers, cache=runs, block_size=block_size, chunk_size=chunk_size,
         tp=tp_size, pcp=pcp_size, dcp=dcp_size, pp=pp_size, checksum=checksum,
         hash_algo=hash_algo, groups=groups, kv_share=kv_share, pp_split=pp_split,
+        fingerprint=facts.fingerprint,
     )

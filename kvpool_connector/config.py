@@ -32,6 +32,7 @@ from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
 from kvpool_connector.pins import DEFAULT_PIN_SHARE
 from kvpool_connector.sizes import parse_size
+from kvpool_connector.staging import DEFAULT_STAGING_BYTES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,8 +67,11 @@ class _ExtraFields(BaseModel):
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
     # Parsed by parse_size below, which refuses a bool (lax pydantic would read True as 1 byte).
     save_budget: bool | int | float | str = "256MB"
+    # A string, as the config reference shows it; equal to staging.DEFAULT_STAGING_BYTES.
+    staging_buffer: bool | int | float | str = "64MB"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
+    model_fingerprint: str | None = Field(default=None, min_length=1, max_length=256)
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
@@ -159,6 +163,11 @@ class KVPoolConfig(BaseModel):
             (``SAVE_BUDGET``), never waited for. 256 MB drains in well under a second at the
             transfer rates of ``bench_datapath.py``, which bounds how long a finished
             request's blocks wait for its saves.
+        staging_buffer_bytes: bytes of each of the worker's two staging buffers (save and load
+            thread; extra config key ``staging_buffer``, a size like ``"64MB"``): values of
+            fragmented KV (mean range under 256 KiB, e.g. 16-token blocks) are copied there and
+            moved as one range, as Mooncake's TCP transport needs (``kvpool_connector.staging``).
+            Raised to one value (a chunk of every layer) when smaller; host caches only.
         checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
             mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
             (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
@@ -167,6 +176,14 @@ class KVPoolConfig(BaseModel):
             other) or ``xxh3_128`` (not collision-resistant: only for fleets whose tenants
             trust each other or set ``cache_salt``; kept for fleets that chose it). Part of
             the layout digest: engines with different algorithms never share values.
+        model_fingerprint: the identity of the engine's weights, set by the operator when
+            they are not a local safetensors directory vLLM loads as it is (a custom loader,
+            a stream, ``.bin`` or GGUF weights): the same string on every engine that runs
+            these very weights (e.g. the checkpoint's build id), another for any other.
+            ``None`` (default): the weights' content fingerprint
+            (``kvpool_connector.fingerprint``), or, when there is none, no sharing with any
+            other engine (logged). Set, it replaces the content fingerprint. Part of the
+            layout digest (``fingerprint``).
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load``; past it the layers not
             loaded are reported failed and recomputed (never an exception into the forward
             pass).
@@ -254,8 +271,10 @@ class KVPoolConfig(BaseModel):
     lookup_breaker_failures: int = 3
     lookup_breaker_open_ms: int = 10_000
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
+    staging_buffer_bytes: int = Field(default=DEFAULT_STAGING_BYTES, gt=0)
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
+    model_fingerprint: str | None = None
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
@@ -337,7 +356,8 @@ class KVPoolConfig(BaseModel):
                 f"block_size {block_size}; use e.g. {max(1, chunk_size // block_size) * block_size}"
             )
         values: dict[str, Any] = fields.model_dump(
-            exclude={"chunk_size", "engine_id", "instance_role", "save_budget"})
+            exclude={"chunk_size", "engine_id", "instance_role", "save_budget",
+                     "staging_buffer"})
         try:
             values["save_budget_bytes"] = parse_size(cast("int | float | str", fields.save_budget))
         except ValueError as exc:
@@ -345,6 +365,14 @@ class KVPoolConfig(BaseModel):
         if values["save_budget_bytes"] <= 0:
             raise ValueError("kv_connector_extra_config.save_budget: must be more than 0 bytes, "
                              'e.g. "256MB"')
+        try:
+            values["staging_buffer_bytes"] = parse_size(
+                cast("int | float | str", fields.staging_buffer))
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config.staging_buffer: {exc}") from None
+        if values["staging_buffer_bytes"] <= 0:
+            raise ValueError("kv_connector_extra_config.staging_buffer: must be more than 0 "
+                             'bytes, e.g. "64MB"')
         if fields.admission == "adaptive" and fields.admission_pool_tokens is None:
             raise ValueError(
                 "kv_connector_extra_config.admission_pool_tokens: admission 'adaptive' needs "

@@ -63,6 +63,7 @@ from kvpool_connector._stats import (
 from kvpool_connector.backends.base import Backend, BackendError, BackendUnavailable
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.eviction import watermark_conflict
+from kvpool_connector.fingerprint import engine_identity
 from kvpool_connector.keys import ParallelLayout, pins_key
 from kvpool_connector.lookup import (
     LookupClient,
@@ -167,11 +168,15 @@ def _layer_ids(kv_caches: Mapping[str, object]) -> list[int]:
         return []
 
 
-def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
-    """What vLLM's configuration says decides the KV bytes (``_layout_digest.ModelFacts``).
+def _model_facts(vllm_config: VllmConfig, layer_names: list[str],
+                 model_fingerprint: str | None = None) -> ModelFacts:
+    """What vLLM's configuration and the weights' content say decides the KV bytes
+    (``_layout_digest.ModelFacts``; the model's identity from ``fingerprint.engine_identity``
+    with the operator's ``model_fingerprint``, logged with what it cost).
 
     Read when vLLM registers the caches: the attention layers (and their backends) exist only
-    once the model is loaded. A layer name that is not an attention layer adds no backend.
+    once the model is loaded, and the weights are local by then. A layer name that is not an
+    attention layer adds no backend.
     """
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -180,13 +185,18 @@ def _model_facts(vllm_config: VllmConfig, layer_names: list[str]) -> ModelFacts:
     layers = get_layers_from_vllm_config(
         vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
     backends = sorted({layer.get_attn_backend().get_name() for layer in layers.values()})
+    ident = engine_identity(vllm_config, model_fingerprint)
+    w = ident.weights
+    logger.info("KVPoolConnector: model fingerprint %s (%s) in %.1f ms", ident.fingerprint,
+                f"{w.files} files, {w.tensors} tensors, {w.bytes_read} bytes read"
+                if w is not None else ident.why or "model_fingerprint", ident.elapsed_ms)
     return ModelFacts(
         revision=mc.revision or "", quantization=str(mc.quantization or ""),
         dtype=str(mc.dtype).removeprefix("torch."),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         attn_backend=",".join(backends),
         kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=mc.get_head_size(),
+        head_size=mc.get_head_size(), fingerprint=ident.fingerprint,
     )
 
 
@@ -593,8 +603,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             RuntimeDirError: the runtime directory of the lookup socket is unsafe.
         """
         worker = self._work()
-        worker.register_kv_caches(kv_caches, _model_facts(self._vllm_config, list(kv_caches)),
-                                  layer_ids=_layer_ids(kv_caches))
+        worker.register_kv_caches(
+            kv_caches, _model_facts(self._vllm_config, list(kv_caches),
+                                    self.kv_config.model_fingerprint),
+            layer_ids=_layer_ids(kv_caches))
         cfg = self.kv_config
         if self._operations is not None:
             # Every shard the worker writes: with KV-head shares a rank writes several.

@@ -5,17 +5,19 @@ shard of one model::
 
     kvpool@<model>@<digest>@tp<tp>.pcp<pcp>.dcp<dcp>.pp<pp>.g<group>@<chunk_hash_hex>[@L<layer>]
 
-``digest`` is the 12-hex-digit layout digest of the writing worker
-(``kvpool_connector._layout_digest``: model revision and quantization, dtypes, cache shapes and
-strides, block and chunk size, layer count, KV heads, head size, parallel sizes, hash scheme):
-engines whose values are laid out differently never share a key, engines that match share
-every key on any host. ``tp`` is the TP rank, or the KV-head rank when KV heads are replicated
-across TP ranks (MLA models store one copy: every TP rank then uses ``tp0``). The chunk hash is
-a chained SHA-256 (``hash_algo: xxh3_128`` opt-in) over the prompt's token ids (and the
-request's LoRA name and ``cache_salt``), so a hash names the whole prefix up to the chunk's
-end, is the same in every process and never depends on ``PYTHONHASHSEED`` (vLLM's own
-``request.block_hashes`` are seeded randomly per process unless it is set). Same vocabulary
-as vLLM Ascend's ``PoolKey``/``LayerPoolKey``.
+``model`` is the model's name (``normalize_model_name``: a local directory's last component,
+not its path). ``digest`` is the 12-hex-digit layout digest of the writing worker
+(``kvpool_connector._layout_digest``: the weights' content fingerprint, model revision and
+quantization, dtypes, cache shapes and strides, block and chunk size, layer count, KV heads,
+head size, parallel sizes, hash scheme): engines whose values are laid out differently never
+share a key, engines that match share every key on any host. ``tp`` is the TP rank, or the
+KV-head rank when KV heads are replicated across TP ranks (MLA models store one copy: every
+TP rank then uses ``tp0``). The chunk hash is a chained SHA-256 (``hash_algo: xxh3_128``
+opt-in) over the prompt's token ids (and the request's LoRA adapter fingerprint and
+``cache_salt``), so a hash names the whole prefix up to the chunk's end, is the same in every
+process and never depends on ``PYTHONHASHSEED`` (vLLM's own ``request.block_hashes`` are
+seeded randomly per process unless it is set). Same vocabulary as vLLM Ascend's
+``PoolKey``/``LayerPoolKey``.
 
 This module is the only place that writes or reads the format: ``PoolKey``/``chunk_keys``
 build keys (the latter in batches, for the lookup hot path), ``size_group`` reads them back,
@@ -111,19 +113,36 @@ _ROOTS: dict[HashAlgo, bytes] = {
 }
 
 
+_HUB_SNAPSHOT_RE = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+(?:/.*)?$")
+
+
 def normalize_model_name(model: str) -> str:
-    """The model's key component, identical in every process for the same model.
+    """The model's key component: its name, identical in every process for the same model,
+    wherever its files are.
+
+    A local path (absolute, or starting with ``./``, ``../`` or ``~``) is named by its last
+    component (``/models/llama-3-8b`` and ``/nfs/llama-3-8b`` are both ``llama-3-8b``), a
+    Hugging Face cache snapshot (``.../models--org--name/snapshots/<commit>``) by its repo id
+    (``org/name``); a hub id stays as it is. The name scopes keys for operators (flush
+    ``--scope model``, pins, the console); which weights made a value is the layout digest's
+    ``fingerprint`` (``kvpool_connector.fingerprint``, issue 39): engines running the same
+    weights from different paths share values, and different weights under one name never do.
 
     Strips surrounding whitespace and trailing ``/``, collapses repeated ``/`` and
-    percent-encodes characters that would break the key grammar (``@``, spaces...).
+    percent-encodes characters that would break the key grammar (``@``, spaces...); ``%``
+    stays, so a normalised name normalises to itself.
 
     Raises:
         ValueError: ``model`` is empty after normalisation.
     """
     name = re.sub(r"/{2,}", "/", model.strip()).rstrip("/")
-    if not name:
-        raise ValueError("model name is empty: set the engine's model (vLLM --model)")
-    return quote(name, safe="/._-:+")
+    if name.startswith(("/", "./", "../", "~")):
+        hub = _HUB_SNAPSHOT_RE.search(name)
+        name = f"{hub.group(1)}/{hub.group(2)}" if hub else name.rsplit("/", 1)[-1]
+    if not name or name in (".", "..", "~"):
+        raise ValueError(f"model name is empty in {model!r}: set the engine's model "
+                         "(vLLM --model) to a directory or hub id")
+    return quote(name, safe="/._-:+%")
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,31 @@ def test_key_strings_follow_the_documented_grammar() -> None:
     assert len(HASHES) == 4 and all(re.fullmatch(r"[0-9a-f]{32}", h) for h in HASHES)
 
 
+@pytest.mark.parametrize(("model", "name"), [
+    # A local directory is named, not located: the same weights elsewhere share a name
+    # (which weights they are is the layout digest's fingerprint).
+    ("/models/llama-3-8b", "llama-3-8b"),
+    ("/nfs//llama-3-8b/", "llama-3-8b"),
+    ("./llama-3-8b", "llama-3-8b"),
+    ("~/models/llama 3", "llama%203"),
+    # A hub cache snapshot by its repo id, a hub id as it is.
+    ("/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/"
+     "0123456789abcdef0123456789abcdef01234567", "Qwen/Qwen3-0.6B"),
+    ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+    ("org/Model@v2 ", "org/Model%40v2"),
+])
+def test_model_names_say_which_model_not_where(model: str, name: str) -> None:
+    assert normalize_model_name(model) == name
+    assert normalize_model_name(name) == name  # a name normalises to itself
+    assert re.search(model_pattern(model), str(PoolKey(name, DIGEST, ParallelLayout(), HASHES[0])))
+
+
+@pytest.mark.parametrize("model", ["", " / ", "/", "./"])
+def test_an_empty_model_name_is_refused(model: str) -> None:
+    with pytest.raises(ValueError, match="model name is empty"):
+        normalize_model_name(model)
+
+
 @pytest.mark.parametrize("layers", [None, [0, 1, 2]])
 @pytest.mark.parametrize("n_layouts", [1, 4])
 def test_chunk_keys_equal_pool_key_strings_chunk_major(

@@ -48,7 +48,7 @@ def _facts(**change: Any) -> LayoutFacts:
 
 DIGEST = _facts().digest
 
-GOLDEN = "85d8e85f1989"
+GOLDEN = "b47ebd8c81c1"
 """``_facts().digest`` as computed once; the same on every host and interpreter. A change means
 every engine's keys change: bump ``LAYOUT_SCHEME`` on purpose, then update this value."""
 
@@ -72,6 +72,9 @@ every engine's keys change: bump ``LAYOUT_SCHEME`` on purpose, then update this 
     {"facts": {**BASE["facts"], "dtype": "float16"}},            # model dtype
     {"facts": {**BASE["facts"], "kv_cache_dtype": "fp8_e4m3"}},
     {"facts": {**BASE["facts"], "attn_backend": "FLASH_ATTN"}},
+    # Other weights (issue 39): the content fingerprint, an operator's, or a private one.
+    {"facts": {**BASE["facts"], "fingerprint": "safetensors:" + "0" * 32}},
+    {"facts": {**BASE["facts"], "fingerprint": "configured:" + "0" * 32}},
     {"model": "org/tiny-2"},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())[:60])
 def test_every_fact_changes_the_digest(change: dict[str, Any]) -> None:
@@ -117,7 +120,7 @@ def test_facts_list_what_is_hashed_run_length_coded() -> None:
         "kv_heads": 4, "head_size": 64, "layers": 2,
         "cache": "2x bfloat16(B,4,32,128)/(*,4096,128,1)", "block_size": 32, "chunk_size": 64,
         "tp": 1, "pcp": 1, "dcp": 1, "pp": 1, "checksum": "", "hash_algo": "sha256", "groups": "",
-        "kv_share": "", "pp_split": "",
+        "kv_share": "", "pp_split": "", "fingerprint": "",
     }
     # Layers of other layouts keep their order; tuples (separate K/V) join with " + ".
     k = torch.empty(NUM_BLOCKS, 16, 2, 8, dtype=torch.float16, device="meta")
