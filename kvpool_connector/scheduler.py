@@ -3,18 +3,19 @@
 Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1``):
 
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: the prompt's whole chunks are
-   hashed (``keys.chunk_hashes`` over ``request.prompt_token_ids``, LoRA name and
-   ``cache_salt`` mixed in as ``extra``; a prefix shared with a recent prompt is not hashed
-   again, ``keys.ChunkHashCache``); worker rank 0 is asked how many leading chunks the pool
-   holds (``LookupClient``). The answer is truncated to whole chunks and never covers the last
-   prompt token (vLLM must compute at least one token to produce logits). The result is kept as a
-   ``LoadSpec`` and cached for the request until vLLM allocates it (``update_state_after_alloc``)
-   or its token count changes: a request waiting for free blocks is looked up once, not on
-   every scheduler step. A request with media (``mm_features``) skips the pool (its tokens do
-   not identify its KV); after ``lookup_breaker_failures`` failed lookups in a row, lookups are
-   skipped for ``lookup_breaker_open_ms``; a prompt with a token id no key can hold (not an int
-   in [0, 2**32), which vLLM lets through without a tokenizer) skips the pool, load and saves
-   (all counted as ``lookup_skipped`` with a reason).
+   hashed (``keys.chunk_hashes`` over ``request.prompt_token_ids``, the LoRA adapter's
+   content fingerprint and ``cache_salt`` mixed in as ``extra``; a prefix shared with a
+   recent prompt is not hashed again, ``keys.ChunkHashCache``); worker rank 0 is asked how
+   many leading chunks the pool holds (``LookupClient``). The answer is truncated to whole
+   chunks and never covers the last prompt token (vLLM must compute at least one token to
+   produce logits). The result is kept as a ``LoadSpec`` and cached for the request until
+   vLLM allocates it (``update_state_after_alloc``) or its token count changes: a request
+   waiting for free blocks is looked up once, not on every scheduler step. A request with
+   media (``mm_features``) or prompt embeddings (``prompt_embeds``) skips the pool (its
+   tokens do not identify its KV); after ``lookup_breaker_failures`` failed lookups in a row,
+   lookups are skipped for ``lookup_breaker_open_ms``; a prompt with a token id no key can
+   hold (not an int in [0, 2**32), which vLLM lets through without a tokenizer) skips the
+   pool, load and saves (all counted as ``lookup_skipped`` with a reason).
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)``: vLLM allocated blocks;
    the load is confirmed (``LoadSpec.can_load``) for the ``num_external_tokens`` vLLM accepted
    (fewer than offered: the worker loads up to the cut, even inside a chunk).
@@ -66,6 +67,7 @@ from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.eviction import ConnectorEviction
+from kvpool_connector.fingerprint import adapter_identity
 from kvpool_connector.handover import (
     HandoverWaits,
     handover_params,
@@ -113,7 +115,8 @@ class LookupCounters:
     denominator). ``pool_hit_tokens`` and ``loaded_tokens`` count what loads really brought in,
     once per load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load
     failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
-    by reason, ``MULTIMODAL``, ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the
+    by reason, ``MULTIMODAL``, ``PROMPT_EMBEDS`` (a request with prompt embeddings: neither
+    loaded nor saved), ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the
     pool cannot restore, ``_groups``), ``NO_CONTEXT_PREFILL`` (an attention backend that cannot
     prefill over loaded context, ``_context_prefill``), ``LOCAL_CACHE`` when vLLM's own prefix
     cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
@@ -208,16 +211,24 @@ def _has_media(request: Request) -> bool:
     return bool(getattr(request, "mm_features", None))
 
 
+def _has_prompt_embeds(request: Request) -> bool:
+    """Whether the request carries prompt embeddings (vLLM ``--enable-prompt-embeds``): its
+    token ids do not say which embeddings the model saw (issue 39 item 3)."""
+    return getattr(request, "prompt_embeds", None) is not None
+
+
 def request_extra(request: Request) -> bytes:
-    """Bytes that change what a prompt's tokens mean: LoRA adapter name and ``cache_salt``.
+    """Bytes that change what a prompt's tokens mean: the LoRA adapter and ``cache_salt``.
 
     Mixed into the first chunk hash so two adapters (or two tenants salting their cache)
-    never share a key for the same tokens. ``b""`` for neither; else the msgpack of
-    ``[lora name or None, salt or None]``: a name holding a separator cannot read as another
-    name and salt (a runtime-loaded adapter's name, like a salt, is the client's choice).
+    never share a key for the same tokens. The adapter is named by its content
+    (``fingerprint.adapter_identity`` of ``lora_path``), not by its name: one name pointed at
+    a new adapter never reads the old one's KV, one adapter under two names shares. ``b""``
+    for neither; else the msgpack of ``[adapter identity or None, salt or None]``: a value
+    holding a separator cannot read as another pair (a salt is the client's choice).
     """
     lora = getattr(request, "lora_request", None)
-    name = None if lora is None else str(getattr(lora, "lora_name", lora))
+    name = None if lora is None else adapter_identity(str(lora.lora_name), str(lora.lora_path))
     salt = getattr(request, "cache_salt", None)
     if name is None and not salt:
         return b""
@@ -298,12 +309,14 @@ class KVPoolScheduler:
         self._handover = HandoverWaits(config.handover_wait_ms)
 
     def _hashes_for(self, request: Request) -> list[str]:
-        """The prompt's chunk hashes; none for a request with media, so it neither loads
-        nor saves (its token ids do not say which images they stand for)."""
+        """The prompt's chunk hashes; none for a request with media or prompt embeddings, so
+        it neither loads nor saves (its token ids do not say which images or embeddings they
+        stand for)."""
         rid = request.request_id
         hashes = self._hashes.get(rid)
         if hashes is None:
-            hashes = [] if _has_media(request) else self._hash_prompt(request)
+            hashes = ([] if _has_media(request) or _has_prompt_embeds(request)
+                      else self._hash_prompt(request))
             self._hashes[rid] = hashes
         return hashes
 
@@ -358,7 +371,9 @@ class KVPoolScheduler:
         self._load_specs.pop(rid, None)
         if not self.config.should_load or self.lookup_client is None:
             return 0, False
-        prompt_len = len(request.prompt_token_ids or [])
+        # A prompt of embeddings alone has no token ids, and its length all the same.
+        prompt_len = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
+                      else request.num_prompt_tokens)
         # The last prompt token is always computed by vLLM: it yields the first logits.
         max_chunks = max(0, prompt_len - 1) // self.chunk_size
         cached = self._lookup_cache.get(rid)
@@ -373,7 +388,8 @@ class KVPoolScheduler:
             return cached.answer
         if max_chunks * self.chunk_size <= num_computed_tokens:
             # Counted all the same: its prompt belongs in the request-level hit rate.
-            reason = "LOCAL_CACHE" if num_computed_tokens else "SHORT_PROMPT"
+            reason = ("PROMPT_EMBEDS" if _has_prompt_embeds(request)
+                      else "LOCAL_CACHE" if num_computed_tokens else "SHORT_PROMPT")
             answer = self._skip(rid, prompt_len, num_computed_tokens, reason)
         else:
             found, load_async = self._lookup(request, prompt_len, max_chunks,
@@ -398,6 +414,8 @@ class KVPoolScheduler:
             return self._skip(rid, prompt_len, num_computed_tokens, NO_CONTEXT_PREFILL)
         if _has_media(request):
             return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
+        if _has_prompt_embeds(request):
+            return self._skip(rid, prompt_len, num_computed_tokens, "PROMPT_EMBEDS")
         if self._breaker.is_open(now):
             return self._skip(rid, prompt_len, num_computed_tokens, "BREAKER_OPEN")
         hashes = self._hashes_for(request)

@@ -505,6 +505,78 @@ def test_multimodal_request_skips_the_pool(engine: Engine) -> None:
     assert engine.sched.request_finished(req, [0, 1, 2, 3, 4]) == (False, None)
 
 
+def _adapter(root: Path, seed: int) -> str:
+    """A LoRA adapter directory on k_proj/v_proj (PEFT's file names), weights from ``seed``."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "lora_alpha": 8, "target_modules": ["k_proj", "v_proj"]}))
+    rng = np.random.default_rng(seed)
+    save_file({f"base_model.model.layers.0.self_attn.{m}.lora_{ab}.weight":
+               rng.standard_normal((4, 64), dtype=np.float32)
+               for m in ("k_proj", "v_proj") for ab in "AB"},
+              str(root / "adapter_model.safetensors"))
+    return str(root)
+
+
+def test_one_lora_name_over_two_adapters_never_shares(engine: Engine, tmp_path: Path) -> None:
+    """The name ``sql`` is pointed at a new adapter: a request through it never reads the KV
+    the old adapter made, and the scheduler's hash cache lends it none of the old hashes."""
+    prompt = _prompt(40, 16)
+    v1, v2 = _adapter(tmp_path / "sql-v1", 1), _adapter(tmp_path / "sql-v2", 2)
+    old = _request("old", prompt, lora_request=LoRARequest("sql", 1, v1))
+    engine.store(prompt, 2, extra=request_extra(old))
+    assert engine.sched.get_num_new_matched_tokens(old, 0) == (32, False)
+    new = _request("new", prompt, lora_request=LoRARequest("sql", 1, v2))
+    assert engine.sched.get_num_new_matched_tokens(new, 0) == (0, False)
+    assert request_extra(new) != request_extra(old)
+    assert engine.sched.hash_cache.reused_chunks == 0
+
+
+def test_one_adapter_under_two_names_shares(engine: Engine, tmp_path: Path) -> None:
+    prompt = _prompt(40, 17)
+    path = _adapter(tmp_path / "shared", 3)
+    copy = tmp_path / "copy-of-shared"
+    import shutil
+
+    shutil.copytree(path, copy)
+    a = _request("a", prompt, lora_request=LoRARequest("tenant-a-sql", 1, path))
+    engine.store(prompt, 2, extra=request_extra(a))
+    b = _request("b", prompt, lora_request=LoRARequest("tenant-b-sql", 7, str(copy)))
+    assert request_extra(b) == request_extra(a) != b""
+    assert engine.sched.get_num_new_matched_tokens(b, 0) == (32, False)
+    # Without the adapter the same tokens are another prefix.
+    assert engine.sched.get_num_new_matched_tokens(_request("n", prompt), 0) == (0, False)
+
+
+def test_a_prompt_embeds_request_skips_the_pool(engine: Engine) -> None:
+    """vLLM's ``--enable-prompt-embeds``: a request's token ids (none, or placeholders next to
+    the embeddings) do not say what the model saw, so it never reads another prompt's KV and
+    never saves its own under those ids: a named, counted skip."""
+    prompt = _prompt(70, 18)
+    engine.store(prompt, 3)
+    embeds = torch.randn(70, 64)
+    mixed = Request("pe", prompt, SamplingParams(max_tokens=4), None, prompt_embeds=embeds,
+                    prompt_is_token_ids=[i < 4 for i in range(70)])
+    only = Request("pe2", None, SamplingParams(max_tokens=4), None, prompt_embeds=embeds)
+    for req in (mixed, only):
+        assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    c = engine.sched.counters
+    assert (c.lookups, c.lookup_skipped, c.skip_reasons) == (0, 2, {"PROMPT_EMBEDS": 2})
+    assert [e.skipped for e in engine.reporter.drain() if isinstance(e, Lookup)] == [
+        "PROMPT_EMBEDS", "PROMPT_EMBEDS"]
+    engine.sched.update_state_after_alloc(mixed, _blocks([0, 1, 2, 3, 4]), 0)
+    new = NewRequestData.from_request(mixed, ([0, 1, 2, 3, 4],))
+    assert engine.sched.build_connector_meta(_output([new], {"pe": 70})).requests == []
+    assert engine.sched.request_finished(mixed, [0, 1, 2, 3, 4]) == (False, None)
+    # The same token ids without embeddings still find the stored prefix.
+    assert engine.sched.get_num_new_matched_tokens(_request("t", prompt), 0) == (48, False)
+
+
 def test_a_backend_without_prefill_over_context_loads_nothing_and_saves(engine: Engine) -> None:
     """vLLM's CPU_MLA computes a suffix over loaded context wrongly: the engine never looks up
     (a named, counted skip), and still saves what it computes from token 0."""
