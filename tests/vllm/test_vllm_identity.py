@@ -1,0 +1,116 @@
+"""Never another model's KV (issue 39): engines share pool values by what their weights are,
+not where they are, in real vLLM (CPU, tiny Llama, greedy, float32) over a real
+``mooncake_master`` and the module's segment holder; each engine is its own process.
+
+The tiny model is copied into ``a/cur`` (v1). Three engine runs, prefix caching off (every
+token not computed came from the pool, and vLLM's ``num_cached_tokens`` counts them):
+
+* ``writer``: ``a/cur`` holds v1; saves prompt set S. The pool held none of S, so it computes
+  every token: its outputs are v1's own run without a pool.
+* ``copy``: v1 copied to ``b/cur`` (another path, the same directory name, hence the same
+  model name): the same fingerprint and layout digest, so it loads every whole chunk of S
+  and equals the writer's outputs.
+* ``new_weights``: ``a/cur`` then holds v2 (the same config, other weights), as after an
+  in-place rolling deploy: another fingerprint and digest, so it loads none of v1's KV; having
+  computed every token it is its own run without a pool, and its tokens differ from v1's
+  (the weights really differ).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_agent.hub import FleetHub
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
+
+from _harness import BLOCK, Engines, Pool, kvpool, worker_state  # isort: skip
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+
+_rng = random.Random(39)
+S = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 97, 230)]
+
+
+def _loadable(prompt: list[int]) -> int:
+    """Tokens the pool can supply: whole chunks, never the last prompt token."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def _write_new_weights(model_dir: Path) -> None:
+    """Overwrite ``model_dir``'s weights in place with others of the same names, shapes and
+    dtypes (and so the same safetensors header): v2 of the same model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    gen = torch.Generator().manual_seed(2)
+    tensors = {name: (t + 0.5 * t.float().std() * torch.randn(t.shape, generator=gen)).to(t.dtype)
+               if t.numel() > 1 else t
+               for name, t in load_file(path).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from kvpool_replay import build_tiny_model
+
+    tiny = build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
+    root = tmp_path_factory.mktemp("identity")
+    cur = root / "a" / "cur"
+    shutil.copytree(tiny, cur)
+    copy = root / "b" / "cur"
+    shutil.copytree(tiny, copy)
+    return {"cur": cur, "copy": copy}
+
+
+@pytest.fixture(scope="module")
+def engines(models: dict[str, Path], pool: Pool, tmp_path_factory: pytest.TempPathFactory
+            ) -> Engines:
+    return Engines(models["cur"], pool, tmp_path_factory.mktemp("engines"))
+
+
+def _layout(hub: FleetHub, name: str) -> tuple[str, dict[str, Any]]:
+    src = worker_state(hub, name).source
+    return src.layout_digest, dict(src.layout)
+
+
+def test_same_weights_share_new_weights_at_the_same_path_never_do(
+    engines: Engines, models: dict[str, Path], pool: Pool, hub: FleetHub,
+) -> None:
+    writer = engines.run("writer", S, kvpool("kv_both", None, "writer", hub))
+    assert [o["num_cached_tokens"] for o in writer] == [0, 0, 0]
+    digest, facts = _layout(hub, "writer")
+    assert facts["model"] == "cur"
+    assert facts["fingerprint"].startswith("safetensors:")
+    name = normalize_model_name(str(models["cur"]))
+    assert name == "cur"
+    for p in S:
+        for h in chunk_hashes(p, BLOCK):
+            assert pool.store.is_exist(str(PoolKey(name, digest, ParallelLayout(), h))) == 1
+
+    # The same weights at another path: the same identity, every whole chunk loaded.
+    copy = engines.run("copy", S, kvpool("kv_both", None, "copy", hub), model=models["copy"])
+    assert _layout(hub, "copy") == (digest, facts)
+    assert [o["num_cached_tokens"] for o in copy] == [_loadable(p) for p in S]
+    for got, want in zip(copy, writer, strict=True):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+    # New weights in the same directory: another identity, nothing of v1's KV loaded.
+    _write_new_weights(models["cur"])
+    new = engines.run("new_weights", S, kvpool("kv_both", None, "new_weights", hub))
+    new_digest, new_facts = _layout(hub, "new_weights")
+    assert new_facts["model"] == "cur"
+    assert new_facts["fingerprint"] != facts["fingerprint"]
+    assert new_digest != digest
+    assert [o["num_cached_tokens"] for o in new] == [0, 0, 0]
+    # v2 computes other tokens than v1 for these prompts: had it read v1's KV, it could
+    # have followed v1 (as the issue saw); it computed all of them from its own weights.
+    assert [o["tokens"] for o in new] != [o["tokens"] for o in writer]
