@@ -159,6 +159,8 @@ def _check_kvpool_connector(
     """KVPoolConnector: agent address, module path, ``chunk_size`` a multiple of the block."""
     epath = f"{path}.kv_connector_extra_config"
     ctx.add(R.check_agent_address(extra.get("agent_address"), path=f"{epath}.agent_address"))
+    ctx.add(R.check_staging_buffer(extra.get("staging_buffer"),
+                                   path=f"{epath}.staging_buffer"))
     if extra.get("backend") == "memcache":
         ctx.add(
             Finding(

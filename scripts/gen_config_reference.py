@@ -40,6 +40,7 @@ UNITS: dict[str, str] = {
     "lookup_breaker_failures": "lookups",
     "lookup_breaker_open_ms": "ms",
     "save_budget": "bytes",
+    "staging_buffer": "bytes per transfer thread",
     "admission_pool_tokens": "tokens",
     "handover_wait_ms": "ms",
     "store_tp_size": "KV-head shares",
@@ -58,6 +59,7 @@ DEFAULT_WHEN_UNSET: dict[str, str] = {
 TYPES: dict[str, str] = {
     # Parsed by kvpool_connector.sizes.parse_size (Mooncake's grammar, K/M/G/T = 1024^n).
     "save_budget": 'size: bytes or a string like `"256MB"`',
+    "staging_buffer": 'size: bytes or a string like `"64MB"`',
 }
 ENV_FALLBACK: dict[str, str] = {
     "agent_address": f"`${AGENT_ADDRESS_ENV}`",
@@ -66,6 +68,7 @@ ENV_FALLBACK: dict[str, str] = {
 }
 # Extra-config key -> the KVPoolConfig attribute whose docstring describes it.
 ATTRIBUTE_OF: dict[str, str] = {"save_budget": "save_budget_bytes",
+                                "staging_buffer": "staging_buffer_bytes",
                                 "instance_role": "declared_role"}
 
 

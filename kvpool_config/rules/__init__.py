@@ -25,6 +25,7 @@ from kvpool_config.rules._connector import (
     check_pp_layer_partition,
     check_pythonhashseed,
     check_qos_priority,
+    check_staging_buffer,
     is_hybrid_attention_model,
 )
 from kvpool_config.rules._finding import (
@@ -91,6 +92,7 @@ __all__ = [
     "check_ratio",
     "check_size",
     "check_ssd_offload_path",
+    "check_staging_buffer",
     "check_store_mode",
     "check_unknown_keys",
     "is_hybrid_attention_model",

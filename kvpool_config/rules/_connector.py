@@ -1,7 +1,7 @@
 """Rules on the connectors and the engines that load them: kv_role per instance, P/D transfer
 connector for hybrid-attention models, load-failure policy, layer-wise transfer, prefill PP
-partition, block and chunk sizes, store-connector options (QoS, agent address) and
-``PYTHONHASHSEED``."""
+partition, block and chunk sizes, store-connector options (QoS, agent address, staging
+buffer) and ``PYTHONHASHSEED``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from kvpool_agent.vocabulary import KV_ROLE_FOR, KV_ROLES
 from kvpool_config._model import LOAD_FAILURE_POLICIES
 from kvpool_config.rules._finding import Finding
+from kvpool_connector.sizes import parse_size
 
 __all__ = [
     "HYBRID_MODEL_PATTERN",
@@ -24,6 +25,7 @@ __all__ = [
     "check_pp_layer_partition",
     "check_pythonhashseed",
     "check_qos_priority",
+    "check_staging_buffer",
     "is_hybrid_attention_model",
 ]
 
@@ -313,3 +315,33 @@ def check_agent_address(value: Any, *, path: str) -> Finding | None:
         'use the hub\'s address, e.g. "tcp://127.0.0.1:7600"',
     )
 
+
+
+STAGING_BUFFER_WARN_BYTES = 1 << 30
+"""Above this ``staging_buffer`` (bytes) ``kvpool-config`` warns: each worker holds two (save and
+load thread) in host memory, and one value (a chunk of every layer) is all a buffer must hold
+(``kvpool_connector.staging``): 1 GiB is a 2,048-token chunk of Llama-3-70B (320 KiB/token)."""
+
+
+def check_staging_buffer(value: Any, *, path: str) -> Finding | None:
+    """KVPoolConnector's ``staging_buffer`` (a size): each worker allocates two in host memory
+    (``kvpool_connector.staging``: fragmented values go through it over Mooncake TCP). A value
+    the connector refuses is the parser's error finding; this warns above
+    ``STAGING_BUFFER_WARN_BYTES``."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        nbytes = parse_size(value)
+    except ValueError:
+        return None  # the connector's own parser reports it as an error
+    if nbytes <= STAGING_BUFFER_WARN_BYTES:
+        return None
+    return Finding(
+        "warning",
+        "staging-buffer",
+        path,
+        f"staging_buffer {value!r} is {nbytes} bytes: every worker allocates two of them in "
+        f"host memory ({2 * nbytes >> 20} MiB per worker); a buffer needs to hold one chunk "
+        "of every layer only, and is raised to it when smaller",
+        'use the default ("64MB") or the bytes of one chunk (chunk_size x KV bytes per token)',
+    )

@@ -219,6 +219,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "lookup_breaker_failures": 2,
         "lookup_breaker_open_ms": 1000,
         "save_budget": "64MB",
+        "staging_buffer": "32MB",
         "checksum": True,
         "instance_role": "prefill",
         "hash_algo": "xxh3_128",
@@ -236,6 +237,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
     assert cfg.agent_keys == "/etc/kvpool/agent"
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
+    assert cfg.staging_buffer_bytes == 32 << 20
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"
     assert (cfg.admission, cfg.admission_pool_tokens) == ("adaptive", 2_000_000)

@@ -1,0 +1,64 @@
+"""``staging_buffer`` (issue 38): KVPoolConnector parses it as a size (default 64 MiB) and
+``kvpool-config validate`` refuses what the connector refuses (exit 2, the field named) and warns
+above 1 GiB (two buffers per worker in host memory)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool_config.cli import main
+from kvpool_config.rules import check_staging_buffer
+from kvpool_connector.config import KVPoolConfig
+
+_BASE = {
+    "kv_connector": "KVPoolConnector",
+    "kv_connector_module_path": "kvpool_connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"backend": "mooncake", "engine_id": "engine-a"},
+}
+
+
+def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object
+              ) -> tuple[int, list[dict[str, str]]]:
+    cfg = json.loads(json.dumps(_BASE))
+    cfg["kv_connector_extra_config"]["staging_buffer"] = value
+    f = tmp_path / "kv_transfer_config.json"
+    f.write_text(json.dumps(cfg))
+    rc = main(["validate", "--json", str(f)])
+    return rc, json.loads(capsys.readouterr().out)["findings"]
+
+
+def test_connector_parses_the_size_and_defaults_to_64mb() -> None:
+    kw = {"kv_role": "kv_both", "block_size": 16, "model": "m"}
+    assert KVPoolConfig.from_dicts({}, **kw).staging_buffer_bytes == 64 << 20
+    assert KVPoolConfig.from_dicts({"staging_buffer": "160MB"}, **kw).staging_buffer_bytes \
+        == 160 << 20
+    with pytest.raises(ValueError, match="staging_buffer: must be more than 0 bytes"):
+        KVPoolConfig.from_dicts({"staging_buffer": 0}, **kw)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (0, "more than 0 bytes"), ("lots", "'lots' is not a size"), (True, "True is not a size"),
+])
+def test_validate_refuses_what_the_connector_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object, says: str) -> None:
+    rc, findings = _validate(tmp_path, capsys, value)
+    errors = [x for x in findings if x["severity"] == "error"]
+    assert rc == 2 and len(errors) == 1, findings
+    assert errors[0]["path"] == "$.kv_connector_extra_config.staging_buffer"
+    assert says in errors[0]["message"]
+
+
+def test_validate_warns_above_1gib_and_is_clean_at_the_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, findings = _validate(tmp_path, capsys, "2GB")
+    (warn,) = [x for x in findings if x["rule"] == "staging-buffer"]
+    assert warn["severity"] == "warning" and "4096 MiB per worker" in warn["message"]
+    rc, findings = _validate(tmp_path, capsys, "64MB")
+    assert rc == 0 and not [x for x in findings if x["rule"] == "staging-buffer"]
+    assert check_staging_buffer(1 << 30, path="$.x") is None
+    assert check_staging_buffer((1 << 30) + 1, path="$.x") is not None
