@@ -71,6 +71,7 @@ class _ExtraFields(BaseModel):
     staging_buffer: bool | int | float | str = "64MB"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
+    model_fingerprint: str | None = Field(default=None, min_length=1, max_length=256)
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
@@ -175,6 +176,14 @@ class KVPoolConfig(BaseModel):
             other) or ``xxh3_128`` (not collision-resistant: only for fleets whose tenants
             trust each other or set ``cache_salt``; kept for fleets that chose it). Part of
             the layout digest: engines with different algorithms never share values.
+        model_fingerprint: the identity of the engine's weights, set by the operator when
+            they are not a local safetensors directory vLLM loads as it is (a custom loader,
+            a stream, ``.bin`` or GGUF weights): the same string on every engine that runs
+            these very weights (e.g. the checkpoint's build id), another for any other.
+            ``None`` (default): the weights' content fingerprint
+            (``kvpool_connector.fingerprint``), or, when there is none, no sharing with any
+            other engine (logged). Set, it replaces the content fingerprint. Part of the
+            layout digest (``fingerprint``).
         layerwise_timeout_ms: bounded wait of ``wait_for_layer_load``; past it the layers not
             loaded are reported failed and recomputed (never an exception into the forward
             pass).
@@ -265,6 +274,7 @@ class KVPoolConfig(BaseModel):
     staging_buffer_bytes: int = Field(default=DEFAULT_STAGING_BYTES, gt=0)
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
+    model_fingerprint: str | None = None
     reset_flush_scope: ResetFlushScope = "none"
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
