@@ -115,6 +115,9 @@ class _Entry:
     routing_id: bytes
     first_seen_ms: float
     identity: str = ""
+    # The identity is a key bound to one engine (``kvpool-agent authorize --engine``): alone,
+    # it cannot vouch for a pool (``targets``).
+    bound: bool = False
     size: int = 0
     errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
     # request ids of the agent's own flushes (EngineState.flushes) already audited.
@@ -170,7 +173,8 @@ class Fleet:
                     out.append(r)
         return out
 
-    def accept(self, routing_id: bytes, rep: Report, identity: str = "") -> str | None:
+    def accept(self, routing_id: bytes, rep: Report, identity: str = "",
+               bound: bool = False) -> str | None:
         """Keep ``rep``'s state as its agent's latest (stamped with the receive time) and
         remember the agent's ZMQ routing id for commands. A delta's errors are added to the
         agent's last ``_RECENT_ERRORS``; a snapshot replaces them.
@@ -180,6 +184,7 @@ class Fleet:
             rep: the report.
             identity: who the connection authenticated as (z85 CURVE public key), ``""``
                 without keys.
+            bound: ``identity`` is a key bound to one engine.
 
         Returns:
             ``None``, or why the report was refused: ``"takeover: ..."`` (the id is held by
@@ -251,6 +256,7 @@ class Fleet:
             ag.last_seen_ms = now_ms
             ag.routing_id = routing_id
             ag.identity = identity
+            ag.bound = bound
             self._engine_owner[engine] = (identity, now_ms)
             for dirty in self._dirty.values():
                 dirty.add(aid)
@@ -283,7 +289,7 @@ class Fleet:
         for k in ids:
             ag = self._agents.pop(k)
             self._state_bytes -= ag.size
-            self._leave_engine(ag.state.source.engine_id, ag.size, forget=True)
+            self._leave_engine(ag.state.source.engine_id, ag.size)
             # Re-inserted at the end: the dict stays oldest first.
             self._forgotten.pop(k, None)
             self._forgotten[k] = now_ms
@@ -296,10 +302,13 @@ class Fleet:
             for gone in self._forgotten_new.values():
                 gone.discard(oldest)
 
-    def _leave_engine(self, engine: str, size: int, *, forget: bool = False) -> None:
+    def _leave_engine(self, engine: str, size: int) -> None:
         """One agent id of ``engine`` (holding ``size`` state bytes) is gone (dropped, or it
-        moved to another engine); the engine's owner goes with its last agent, its tenure too
-        when it was forgotten."""
+        moved to another engine); the engine's owner goes with its last agent. Its tenure
+        stays (``prune_tenure`` ends it): a forgotten or silent engine that comes back with
+        its key keeps its place, so neither ``forget`` nor silence hands pool-wide commands to
+        a newcomer (issue 42: the real workers re-registered with fresh tenure and an impostor
+        of the pool got the operator's ``flush --scope all``)."""
         left = self._engine_agents.get(engine, 0) - 1
         if left > 0:
             self._engine_agents[engine] = left
@@ -308,8 +317,6 @@ class Fleet:
         self._engine_agents.pop(engine, None)
         self._engine_bytes.pop(engine, None)
         self._engine_owner.pop(engine, None)
-        if forget and self._tenure.pop(engine, None) is not None:
-            self.tenure_changed = True
 
     def tenure(self) -> dict[str, tuple[str, float, float]]:
         """Engine id -> (identity holding it, since when, last report; ms since epoch), for
@@ -317,6 +324,23 @@ class Fleet:
         with self._lock:
             self.tenure_changed = False
             return dict(self._tenure)
+
+    def prune_tenure(self, kept_s: float) -> None:
+        """End the tenures of engines no agent holds that were last heard ``kept_s`` seconds
+        ago or more, then of the longest unheard beyond ``MAX_AGENTS`` tenures (one key cannot
+        grow the table by cycling engine ids). O(tenures); the hub calls it once a second."""
+        cutoff = time.time() * 1e3 - kept_s * 1e3
+        with self._lock:
+            gone = [e for e, t in self._tenure.items()
+                    if t[2] < cutoff and e not in self._engine_agents]
+            over = len(self._tenure) - len(gone) - MAX_AGENTS
+            if over > 0:
+                unheld = sorted((t[2], e) for e, t in self._tenure.items()
+                                if e not in self._engine_agents and t[2] >= cutoff)
+                gone += [e for _, e in unheld[:over]]
+            for e in gone:
+                del self._tenure[e]
+            self.tenure_changed = self.tenure_changed or bool(gone)
 
     def load_tenure(self, held: dict[str, tuple[str, float, float]]) -> None:
         """Take tenures saved by an earlier hub (``tenure``); an engine's next report from
@@ -350,7 +374,7 @@ class Fleet:
             self._dirty.setdefault(stream, set())
             self._forgotten_new.setdefault(stream, set())
 
-    def targets(self, req: CommandRequest) -> tuple[list[str], str | None]:
+    def targets(self, req: CommandRequest) -> tuple[list[str], str | None, list[str]]:
         """The agent ids ``req`` goes to, or why it goes nowhere.
 
         ``req.targets`` when given; otherwise every live agent, except for ``flush``: scope
@@ -361,46 +385,65 @@ class Fleet:
         across hub restarts), then the longest connected. Tenure, not most recently heard nor
         first to reconnect, so an agent that just appeared, or reconnects fastest after a hub
         restart, cannot draw the flush to itself. The choice is made once, when the command
-        arrives: agents appearing later never receive it.
+        arrives: agents appearing later never receive it. A pool whose live agents all belong
+        to one engine-bound key (``unvouched``) gets no pool-wide command (flush, pin, pins):
+        one engine's key cannot make the hub count a pool nobody else reports.
 
         Returns:
-            ``(agent ids, None)`` or ``([], the reason for the operator)``.
+            ``(agent ids, None, pools refused as unvouched)`` or ``([], the reason for the
+            operator, pools refused)``.
         """
         with self._lock:
             if req.targets:
-                return list(dict.fromkeys(req.targets)), None
+                return list(dict.fromkeys(req.targets)), None, []
             now_ms = time.time() * 1e3
             live = {
                 k: a for k, a in self._agents.items() if now_ms - a.last_seen_ms < LIVE_S * 1e3
             }
+            refused = self._unvouched(live)
             if req.command in ("pin", "unpin", "pins"):
-                return self._pin_targets(req, live, now_ms)
+                ids, problem = self._pin_targets(req, live, now_ms, refused)
+                return ids, problem, sorted(refused)
             if req.command != "flush":
-                return sorted(live), None if live else "no live agent connected to the hub"
+                return sorted(live), None if live else "no live agent connected to the hub", []
             fl = req.flush
             if fl is not None and fl.scope == "engine":
                 if not fl.engine_id:
-                    return [], "flush scope 'engine' needs FlushArgs.engine_id or targets"
+                    return [], "flush scope 'engine' needs FlushArgs.engine_id or targets", []
                 ids = [
                     k
                     for k, a in live.items()
                     if a.state.source.engine_id == fl.engine_id
                     and a.state.source.process_role == "worker"
                 ]
-                return sorted(
-                    ids
-                ), None if ids else f"no live worker agent of engine {fl.engine_id!r}"
+                return sorted(ids), None if ids else (
+                    f"no live worker agent of engine {fl.engine_id!r}"), []
             best: dict[str, tuple[bool, float, float, str]] = {}
             for k, a in live.items():
                 src = a.state.source
-                if src.process_role not in ("worker", "store"):
+                if src.process_role not in ("worker", "store") or src.master in refused:
                     continue
                 rank = (src.process_role != "worker", *self._held_since(a, now_ms), k)
                 if src.master not in best or rank < best[src.master]:
                     best[src.master] = rank
             if not best:
-                return [], "no live worker or store agent to run the flush"
-            return sorted(r[3] for r in best.values()), None
+                return [], "no live worker or store agent to run the flush", sorted(refused)
+            return sorted(r[3] for r in best.values()), None, sorted(refused)
+
+    @staticmethod
+    def _unvouched(live: dict[str, _Entry]) -> set[str]:
+        """Pools (``Source.master``) of ``live`` reported by one engine-bound key alone: a key
+        bound to one engine may claim any master, so alone it proves no pool (issue 42: a
+        phantom pool got its share of a fleet-wide flush and its forged 4,242 keys were added
+        to the total). A second key, or one not bound to an engine (a fleet-wide agent key, a
+        store agent's, none without keys), vouches for it."""
+        keys: dict[str, set[str]] = {}
+        free: set[str] = set()
+        for a in live.values():
+            keys.setdefault(a.state.source.master, set()).add(a.identity)
+            if not a.bound:
+                free.add(a.state.source.master)
+        return {m for m, ids in keys.items() if m not in free and len(ids) < 2}
 
     def _held_since(self, a: _Entry, now_ms: float) -> tuple[float, float]:
         """How an agent ranks as a pool-wide command's target: since when its identity has
@@ -409,8 +452,8 @@ class Fleet:
         return (held[1] if held is not None and held[0] == a.identity else now_ms,
                 a.first_seen_ms)
 
-    def _pin_targets(self, req: CommandRequest, live: dict[str, _Entry],
-                     now_ms: float) -> tuple[list[str], str | None]:
+    def _pin_targets(self, req: CommandRequest, live: dict[str, _Entry], now_ms: float,
+                     refused: set[str]) -> tuple[list[str], str | None]:
         """``pin`` / ``unpin`` / ``pins``: one live worker agent per pool and layout digest of
         the model (``PinArgs.model``; ``pins`` without one: of every model), ranked as a
         pool-wide flush's target: one worker computes every rank's keys of its layout."""
@@ -420,7 +463,7 @@ class Fleet:
         best: dict[tuple[str, str, str], tuple[float, float, str]] = {}
         for k, a in live.items():
             src = a.state.source
-            if src.process_role != "worker" or not src.layout_digest:
+            if src.process_role != "worker" or not src.layout_digest or src.master in refused:
                 continue
             if model and src.model != model:
                 continue

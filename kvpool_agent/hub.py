@@ -93,6 +93,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from kvpool_agent._answers import checked_answer, unvouched_note
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_KEY_BYTES_PER_MIN, AUDIT_MAX_BYTES, AuditTrail
 from kvpool_agent._fleet import ENGINES_PER_UPDATE, FULL_RATE, MAX_AGENTS, Fleet
 from kvpool_agent._hub_memory import (
@@ -182,11 +183,6 @@ _AGENT_SLICE_S = 0.01
 """A turn stops taking agent frames after this long (s)."""
 _READONLY_SLICE_S = 0.01
 """A turn stops taking read-only commands after this long (s), so agents get their turn."""
-_SUSPECT_SLACK_KEYS = 64
-"""Keys a flush may match beyond its pool's last reported count (the pool grows between
-reports, every 2 s) before its answer is suspect; also an eighth of the count. Small, so a
-forged answer for a small pool cannot claim much more than the pool holds; a genuine flush of a
-fast-growing small pool may be shown as suspect, and a second dry run clears it."""
 _STATE_SAVE_S = 2.0
 _STATE_REFRESH_S = 60.0
 _TENURE_KEPT_S = 7 * 86400.0
@@ -260,6 +256,8 @@ class _Pending:
     key: str = ""
     # Targets the fleet does not hold: answered together in one reply.
     unknown: list[str] = field(default_factory=list)
+    # Pools left out of a pool-wide command: reported by one engine-bound key alone.
+    unvouched: list[str] = field(default_factory=list)
     # Agent id -> the routing id the command was sent to: the only one whose reply counts.
     routes: dict[str, bytes] = field(default_factory=dict)
     replies: dict[str, CommandReply] = field(default_factory=dict)
@@ -703,6 +701,7 @@ class FleetHub:
                         self._note_forgotten(
                             self._fleet.forget_silent(self.forget_after_s), "silent"
                         )
+                        self._fleet.prune_tenure(_TENURE_KEPT_S)
                         self._audit.tick()
                     if now >= next_save and (self._fleet.tenure_changed or now >= next_refresh):
                         next_save = now + _STATE_SAVE_S
@@ -787,7 +786,10 @@ class FleetHub:
         return self.allow.name(_PORT_DOMAIN[domain], identity.encode()) or identity
 
     def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
-        refused = self._bound_elsewhere(rep, identity) or self._fleet.accept(rid, rep, identity)
+        bound = (self.allow is not None
+                 and bound_engine(self._key_name("agents", identity)) is not None)
+        refused = (self._bound_elsewhere(rep, identity)
+                   or self._fleet.accept(rid, rep, identity, bound=bound))
         if refused is not None:
             if refused.startswith("takeover:"):
                 self.takeover_refused += 1
@@ -985,9 +987,9 @@ class FleetHub:
             self._refuse(key, busy)
             self._send_client(sock, client, [self._agent_error(req, "hub", busy)])
             return
-        targets, problem = self._fleet.targets(req)
+        targets, problem, unvouched = self._fleet.targets(req)
         if problem is not None:
-            reply = self._agent_error(req, "hub", problem)
+            reply = self._agent_error(req, "hub", problem + unvouched_note(unvouched))
             self._record(who, key, req, targets, [reply], curve=curve)
             self._send_client(sock, client, [reply])
             return
@@ -1007,6 +1009,7 @@ class FleetHub:
             plain=not curve,
             key=key,
             unknown=unknown,
+            unvouched=unvouched,
         )
         if not targets:
             self._finish(pend)
@@ -1120,7 +1123,9 @@ class FleetHub:
 
     def _finish(self, pend: _Pending) -> None:
         """Audit, then answer the console (flush answers checked, unknown targets in one reply)."""
-        replies = [self._checked(pend, pend.replies[a]) for a in pend.expected]
+        replies = [checked_answer(pend.req, pend.replies[a], (pend.pool_keys.get(a),
+                                                              self._fleet.pool_keys(a)))
+                   for a in pend.expected]
         if len(pend.unknown) == 1:
             (aid,) = pend.unknown
             replies.append(self._agent_error(pend.req, aid, f"unknown agent {aid!r}"))
@@ -1129,37 +1134,12 @@ class FleetHub:
             replies.append(self._agent_error(
                 pend.req, "hub", f"unknown agents: {len(pend.unknown)} ({first}"
                 + (", ..." if len(pend.unknown) > AUDIT_IDS_SHOWN else "") + ")"))
+        if pend.unvouched:
+            replies.append(self._agent_error(pend.req, "hub", "not sent"
+                                             + unvouched_note(pend.unvouched)))
         self._record(pend.who, pend.key, pend.req, [*pend.expected, *pend.unknown], replies,
                      curve=not pend.plain)
         self._send_client(pend.sock, pend.client, replies)
-
-    def _checked(self, pend: _Pending, rep: CommandReply) -> CommandReply:
-        """``rep``, or when it is a flush answer that cannot be true of its pool (more keys
-        matched than the pool holds as other agents report it, more removed than matched, a
-        removal on a dry run) the same marked ``suspect`` with ``ok=False``."""
-        res, args = rep.flush, pend.req.flush
-        if pend.req.command != "flush" or res is None or args is None or not rep.ok:
-            return rep
-        why = None
-        if res.dry_run != args.dry_run or (args.dry_run and res.removed_keys):
-            why = f"a {'dry run' if args.dry_run else 'flush'} answered as " + (
-                "a dry run" if res.dry_run else f"removing {res.removed_keys} keys")
-        elif res.removed_keys + res.skipped_leased > res.keys:
-            why = (f"removed {res.removed_keys} and skipped {res.skipped_leased} of "
-                   f"{res.keys} matched keys")
-        else:
-            now = self._fleet.pool_keys(rep.agent_id)
-            known = [n for n in (pend.pool_keys.get(rep.agent_id), now) if n is not None]
-            held = max(known) if known else None
-            # Slack: the pool may have grown since its agents last reported (every 2 s).
-            if held is not None and res.keys > held + max(held // 8, _SUSPECT_SLACK_KEYS):
-                why = (f"{res.keys} keys matched, but the pool holds {held} as its agents "
-                       "report it")
-        if why is None:
-            return rep
-        log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
-        return msgspec.structs.replace(rep, ok=False, suspect=why,
-                                       error=f"suspect answer, not counted as done: {why}")
 
     def _agent_error(self, req: CommandRequest, agent_id: str, error: str) -> CommandReply:
         return CommandReply(

@@ -220,7 +220,8 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_flush_as_done(
     to it (pool membership is the agent's claim, tenure first come). Its answer "removed 1000 of
     1000" was within the old slack (1,024 keys) of the real worker's count of 5 and was taken
     as done while the pool kept every key; now it is suspect. A forgery within
-    ``_SUSPECT_SLACK_KEYS`` of the pool's count still passes (docs/security.md, known limits)."""
+    ``SUSPECT_SLACK_KEYS`` (``kvpool_agent._answers``) of the pool's count still passes
+    (docs/security.md, known limits)."""
     evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
     attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
     src = make_source("evil-0", master=_MASTER)

@@ -1,0 +1,181 @@
+"""Issue 42's attacks on pool-wide commands by an insider's engine-bound agent key, against a
+keyed hub with real CURVE keys (and a real Mooncake pool where keys must really go): after the
+operator's ``forget`` an impostor of the pool receives nothing pool-wide and the real flush
+removes the keys; an answer that matches fewer keys than the pool holds is suspect; a pool only
+the attacker reports gets no share of a fleet-wide flush."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from agent_testlib import FakeAgent, make_source, wait_until
+
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent.auth import Role, authorize_key, generate_keys
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    FlushArgs,
+    FlushResult,
+    PoolStats,
+    encode,
+)
+from kvpool_connector.keys import ParallelLayout, PoolKey
+from kvpool_connector.operations import BackendOperations
+from kvpool_replay import LocalMooncakeMaster
+
+DIGEST = "0123456789ab"
+_VALUE = 4096
+
+
+def _bound_agent(tmp_path: Path, hub_keys: KeyPaths, engine: str) -> KeyPaths:
+    """A fresh agent key bound to ``engine`` (``kvpool-agent authorize --engine``)."""
+    d = generate_keys(tmp_path / engine, "agent")
+    (d.root / "hub.key").write_bytes(hub_keys.hub_public.read_bytes())
+    authorize_key(hub_keys.root, "agent", d.public("agent"), None, engine)
+    return d
+
+
+def _all_keys(master: LocalMooncakeMaster) -> set[str]:
+    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
+    r.raise_for_status()
+    return {k for k in r.text.splitlines() if k}
+
+
+def _answer(agent: FakeAgent, aid: str, keys: int, *, dry_run: bool) -> list[str]:
+    """Answer every flush ``agent`` receives within 2 s with a forged ``keys`` matched (and
+    removed unless a dry run); returns the commands it received."""
+    seen: list[str] = []
+    done = len(agent.received)
+    for req in agent.drain(2_000)[done:]:
+        seen.append(req.command)
+        agent.seq += 1
+        agent.sock.send(encode(CommandReply(
+            v=PROTOCOL_VERSION, seq=agent.seq, request_id=req.request_id, agent_id=aid, ok=True,
+            flush=FlushResult(dry_run=dry_run, keys=keys, bytes=keys,
+                              removed_keys=0 if dry_run else keys))))
+    return seen
+
+
+@pytest.fixture
+def real_keys(mooncake_backend: Any, pool_buffer: ctypes.Array[ctypes.c_char],
+              agent_master: LocalMooncakeMaster, model: str) -> Iterator[list[str]]:
+    """Six keys of ``model`` really stored in the agent tests' pool."""
+    keys = [str(PoolKey(model, DIGEST, ParallelLayout(), f"{i:032x}")) for i in range(6)]
+    codes = mooncake_backend.batch_put_from(
+        keys, [[ctypes.addressof(pool_buffer)]] * len(keys), [[_VALUE]] * len(keys))
+    assert codes == [0] * len(keys)
+    yield keys
+    mooncake_backend.remove_by_scope(f"^kvpool@{model}", dry_run=False, force=True)
+
+
+def test_after_forget_an_impostor_of_the_pool_receives_nothing_pool_wide(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]], mooncake_backend: Any,
+    agent_master: LocalMooncakeMaster, model: str, real_keys: list[str],
+) -> None:
+    """Issue 42, attack 2: a key bound to ``imp-0`` copies the real worker's master, model and
+    digest and waits. The operator forgets the real engine (its agent re-registers at its next
+    report): before the fix that gave the real worker a fresh tenure, and the impostor, now
+    the oldest, alone received ``flush --scope all``, ``pins`` and ``pin``. Now tenure
+    outlives ``forget``: both go to the real worker, the impostor receives nothing, and the
+    real flush removes the pool's keys."""
+    src = make_source("eng-r", model=model, master=agent_master.address, layout_digest=DIGEST)
+    handle = start_agent(src, address=hub_address, pool_admin_url=agent_master.admin_url,
+                         operations=BackendOperations(
+                             mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(),))))
+    try:
+        wait_until(lambda: src.agent_id in hub.fleet())
+        imp_keys = _bound_agent(tmp_path, fleet_keys["hub"], "imp-0")
+        impostor = FakeAgent(ctx, hub_address, keys=imp_keys.client("agent"))
+        isrc = make_source("imp-0", model=model, master=agent_master.address,
+                           layout_digest=DIGEST)
+        assert impostor.report(isrc)
+        wait_until(lambda: isrc.agent_id in hub.fleet())
+        with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+            (r,) = op.command("forget", targets=["eng-r"])
+            assert r.ok and r.forgotten == [src.agent_id], r
+            wait_until(lambda: src.agent_id in hub.fleet())
+            assert src.agent_id in hub.fleet()
+            flushed = op.command("flush", flush=FlushArgs(scope="all", dry_run=False),
+                                 timeout_ms=10_000)
+            listed = op.command("pins", timeout_ms=10_000)
+        assert impostor.drain(200) == []
+    finally:
+        handle.stop()
+    assert [r.agent_id for r in flushed] == [src.agent_id], flushed
+    (r,) = flushed
+    assert r.ok and r.flush is not None and r.flush.removed_keys >= len(real_keys), r
+    assert not set(real_keys) & _all_keys(agent_master)
+    assert [r.agent_id for r in listed] == [src.agent_id], listed
+
+
+def test_an_under_counted_flush_answer_is_suspect(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Issue 42, attack 2: the pool's own agents report 5,000 keys; the flush went to an impostor
+    that answered "removed 10 of 10 keys", which the console printed with exit 0 and the audit
+    called ok (only an over-claim was suspect). Now an answer of scope ``all`` that matches
+    fewer keys than the pool holds, beyond the slack, is suspect both ways."""
+    master = "10.0.0.9:50051"
+    impostor = FakeAgent(ctx, hub_address,
+                         keys=_bound_agent(tmp_path, fleet_keys["hub"], "imp-1").client("agent"))
+    isrc = make_source("imp-1", master=master)
+    assert impostor.report(isrc)
+    wait_until(lambda: isrc.agent_id in hub.fleet())
+    honest = FakeAgent(ctx, hub_address)
+    assert honest.report(make_source("real-1", master=master),
+                         pool=PoolStats(backend="mooncake", keys=5000))
+    wait_until(lambda: "real-1/dp0.tp0.pp0" in hub.fleet())
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        got: list[CommandReply] = []
+        t = threading.Thread(target=lambda: got.extend(op.command(
+            "flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=5_000)))
+        t.start()
+        assert _answer(impostor, isrc.agent_id, 10, dry_run=False) == ["flush"]
+        t.join()
+    (r,) = got
+    assert r.agent_id == isrc.agent_id and not r.ok, r
+    assert r.suspect is not None and "only 10 keys matched" in r.suspect, r
+    audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    (line,) = [x for x in audit if x["command"] == "flush"]
+    assert "suspect" in line["results"][0] and not line["results"][0]["ok"]
+
+
+def test_a_pool_only_one_bound_key_reports_gets_no_share_of_a_fleet_wide_flush(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Issue 42, attack 2: a bound key claims a master nobody else reports; before the fix it
+    got its share of a fleet-wide flush and its forged 4,242 keys were added to the total. Now
+    the phantom pool receives nothing (dry run or not), the real pool's worker does, and the
+    operator is told which pool was left out and why."""
+    phantom = FakeAgent(ctx, hub_address,
+                        keys=_bound_agent(tmp_path, fleet_keys["hub"], "ph-0").client("agent"))
+    psrc = make_source("ph-0", master="10.6.6.6:50051")
+    assert phantom.report(psrc, pool=PoolStats(backend="mooncake", keys=4242))
+    real = FakeAgent(ctx, hub_address)
+    rsrc = make_source("real-2", master="10.0.0.2:50051")
+    assert real.report(rsrc, pool=PoolStats(backend="mooncake", keys=7))
+    wait_until(lambda: {psrc.agent_id, rsrc.agent_id} <= set(hub.fleet()))
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        for dry_run in (True, False):
+            got: list[CommandReply] = []
+            t = threading.Thread(target=lambda d=dry_run, out=got: out.extend(op.command(
+                "flush", flush=FlushArgs(scope="all", dry_run=d), timeout_ms=5_000)))
+            t.start()
+            assert _answer(real, rsrc.agent_id, 7, dry_run=dry_run) == ["flush"]
+            t.join()
+            assert [r.agent_id for r in got] == [rsrc.agent_id, "hub"], got
+            assert got[0].ok and got[0].flush is not None and got[0].flush.keys == 7
+            assert not got[1].ok and got[1].error is not None and "10.6.6.6" in got[1].error
+    assert phantom.drain(200) == []
