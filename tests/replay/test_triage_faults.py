@@ -326,9 +326,14 @@ TINY_TTL_MS = 2
 below what a load through the real master takes on any machine, so the slowest load reaches it
 however fast this one is (at 50 ms, a fast machine's loads never came near it)."""
 
-PAUSE_S = 8.0
-"""How long a paused master or engine stays stopped: past the 3 s lease TTL, so a load looked
-up before the pause outlives its lease."""
+PAUSE_S = LEASE_TTL_MS / 1e3 + 2.0
+"""How long a paused master or engine stays stopped, seconds: 2 s past the 3 s lease TTL, so a
+load looked up before the pause outlives its lease (a longer pause shows nothing more)."""
+
+AFTERMATH_S = 11.0
+"""How long the model is fed once it saw a pause end, seconds: past the console's 10 s
+aftermath (``kvpool_console/alerts/pauses.py``), so TTL advice that the pause's failures would
+raise once the pause is forgotten shows here."""
 
 GOAL_S = 5.0
 """The console names a fault's cause within this long of its injection."""
@@ -379,10 +384,18 @@ def _waited(before: tuple[int, int, int, float], after: tuple[int, int, int, flo
 
 
 def _hold(watch: Watch, seconds: float) -> None:
-    """Keep the model fed for ``seconds`` (a fault's duration, not an outcome)."""
+    """Keep the model fed for ``seconds`` (a fault's duration, not an outcome; none if <= 0)."""
+    seconds = max(0.0, seconds)
     end = time.monotonic() + seconds
     watch.until(f"{seconds} s passed", lambda _: time.monotonic() >= end,
                 timeout_s=seconds + 5)
+
+
+def _pause_named(watch: Watch, t0: float, why: str) -> list[Alert]:
+    """The ``pause_wait`` alerts of w-a since ``t0``, awaited: one can come late in the
+    aftermath (the waiting load reports when it ends)."""
+    return list(watch.until(f"{why}: a pause_wait naming it", lambda _: [
+        a for a in watch.since(t0) if a.key == "pause_wait:w-a"]))
 
 
 _HISTORY_RULES = ("pause_wait", "pool_evicting")
@@ -462,17 +475,17 @@ def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
     assert hung.message.startswith(f"hung: pid {proc.pid} on ") and "is alive" in hung.message
     assert "kvpool-console triage w-a" in hung.hint
     watch.until("w-a reporting again", _gone("stale", "w-a"))
+    ended = time.monotonic()
     _one_shot_after_pause(fleet, capsys, before)
-    _hold(watch, 11.0)  # the pause's aftermath: failures now are the pause's
-    assert not [a.message for a in watch.since(t0)
-                if a.subject == "w-a" and a.rule in _TTL_ADVICE]
-    waited = [a for a in watch.since(t0) if a.key == "pause_wait:w-a"]
+    _hold(watch, AFTERMATH_S - (time.monotonic() - ended))  # failures now are the pause's
     if _waited(before, _sums(fleet, "w-a")):
-        assert waited, "a load waited on the stopped engine and no pause_wait named it"
+        waited = _pause_named(watch, t0, "a load waited on the stopped engine")
         assert waited[0].hint == (
             "the engine process was stopped or stalled (SIGSTOP, a debugger, swapping) and "
             "its load waited with it: `kvpool-console triage w-a` if it recurs; "
             "default_kv_lease_ttl is not the cause")
+    assert not [a.message for a in watch.since(t0)
+                if a.subject == "w-a" and a.rule in _TTL_ADVICE]
     timings["engine SIGSTOP: pause_wait"] = watch.first(t0, lambda a: a.key == "pause_wait:w-a")
 
     # A stopped master: pool_unhealthy within 5 s, then no TTL advice for the loads that waited.
@@ -492,17 +505,17 @@ def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
     assert sick.message.startswith("pool health check failed: master admin ") and \
         "unreachable" in sick.message and "(seen by engines " in sick.message
     watch.until("pool healthy again", _gone("pool_unhealthy", pool))
+    ended = time.monotonic()
     _one_shot_after_pause(fleet, capsys, before)
-    _hold(watch, 11.0)
-    assert not [a.message for a in watch.since(t0)
-                if a.subject == "w-a" and a.rule in _TTL_ADVICE]
-    waited = [a for a in watch.since(t0) if a.key == "pause_wait:w-a"]
+    _hold(watch, AFTERMATH_S - (time.monotonic() - ended))
     if _waited(before, _sums(fleet, "w-a")):
-        assert waited, "a load waited on the stopped master and no pause_wait named it"
+        waited = _pause_named(watch, t0, "a load waited on the stopped master")
         assert waited[0].hint == (
             f"{HINTS['RPC_FAIL']}; the load waited on it (see pool_unhealthy); "
             "default_kv_lease_ttl is not the cause")
         assert f"master {fleet.master.address} failed its health check" in waited[0].message
+    assert not [a.message for a in watch.since(t0)
+                if a.subject == "w-a" and a.rule in _TTL_ADVICE]
     timings["master SIGSTOP: pause_wait"] = watch.first(t0, lambda a: a.key == "pause_wait:w-a")
     timings["master SIGSTOP: first stuck_transfer"] = watch.first(
         t0, lambda a: a.rule == "stuck_transfer")
