@@ -388,8 +388,10 @@ def engine_settings(vllm_config: VllmConfig) -> dict[str, Any]:
     attention backend and cache shapes are layout facts of their own
     (``_layout_digest.ModelFacts``)."""
     mc = vllm_config.model_config
-    overrides = mc.hf_overrides
-    text = mc.hf_text_config
+    # getattr: a stand-in config (kvpool_replay's simulated engines) carries only what the
+    # connector reads elsewhere; what it lacks it does not set.
+    overrides = getattr(mc, "hf_overrides", None)
+    text = getattr(mc, "hf_text_config", None)
     return {
         "hf_overrides": (f"{getattr(overrides, '__module__', '')}."
                          f"{getattr(overrides, '__qualname__', repr(overrides))}"
@@ -437,7 +439,8 @@ def _model_dir(vllm_config: VllmConfig) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(mc.model, revision=mc.revision,
-                                      cache_dir=vllm_config.load_config.download_dir,
+                                      cache_dir=getattr(vllm_config.load_config,
+                                                        "download_dir", None),
                                       local_files_only=True))
     except Exception as exc:  # any failure means: no local snapshot
         raise NotFingerprintable(f"{mc.model}: no local directory or hub snapshot "
@@ -464,8 +467,12 @@ def engine_identity(vllm_config: VllmConfig, configured: str | None = None, *,
         source: FingerprintSource = "configured"
         ident = configured.encode()
     else:
-        load_format = str(vllm_config.load_config.load_format)
+        load_config = getattr(vllm_config, "load_config", None)
+        load_format = str(getattr(load_config, "load_format", ""))
         try:
+            if load_config is None:
+                raise NotFingerprintable("the engine's config has no load_config (not a vLLM "
+                                         "engine's VllmConfig)")
             if load_format not in CONTENT_LOAD_FORMATS:
                 raise NotFingerprintable(f"load_format {load_format!r} does not load the "
                                          "directory's safetensors as they are")

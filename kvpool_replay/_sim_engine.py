@@ -100,6 +100,8 @@ def _vllm_config(spec: EngineSpec) -> Any:
         "use_layerwise": spec.use_layerwise,
         "consumer_is_to_load": True,
         "lookup_timeout_ms": REPLAY_LOOKUP_TIMEOUT_MS,
+        # No weights to fingerprint: simulated engines of one model share by its name.
+        "model_fingerprint": f"simulated:{spec.model}",
         **spec.extra_config,
     }
     if spec.agent_address:
