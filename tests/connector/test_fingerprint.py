@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from kvpool_connector.fingerprint import (
     adapter_fingerprint,
     adapter_identity,
     checkpoint_fingerprint,
+    engine_identity,
     hub_commit,
 )
 
@@ -205,3 +209,46 @@ def test_kvpool_config_fingerprint_shows_it(tmp_path: Path,
     assert main(["fingerprint", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model_fingerprint" in err and "Traceback" not in err
+
+
+def _config(model: Path | str, *, load_format: str = "auto", rope_theta: float = 10000.0,
+            hf_overrides: Any = None, instance_id: str = "engine-1") -> Any:
+    """The ``VllmConfig`` attributes ``engine_identity`` reads, by vLLM's names (a real one
+    takes ~20 s to build on this host: the real-vLLM path is tests/vllm/test_vllm_identity)."""
+    text = SimpleNamespace(rope_theta=rope_theta, rope_scaling=None,
+                           max_position_embeddings=2048)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=str(model), revision=None, hf_text_config=text,
+                                     hf_overrides=hf_overrides or {}, model_impl="auto"),
+        load_config=SimpleNamespace(load_format=load_format, download_dir=None),
+        cache_config=SimpleNamespace(calculate_kv_scales=False), instance_id=instance_id)
+
+
+def test_engine_identity_by_content_settings_operator_or_nobody(tmp_path: Path) -> None:
+    a = _checkpoint(tmp_path / "a" / "cur")
+    b = tmp_path / "b" / "cur"
+    shutil.copytree(a, b)
+    ident = engine_identity(_config(a))
+    assert ident.source == "safetensors" and ident.why == ""
+    assert ident.weights == checkpoint_fingerprint(a)
+    assert re.fullmatch(r"safetensors:[0-9a-f]{32}", ident.fingerprint)
+    # The same weights elsewhere, in another engine: the same identity.
+    assert engine_identity(_config(b, instance_id="engine-2")).fingerprint == ident.fingerprint
+    # Settings that change K before it is cached: another identity.
+    assert engine_identity(_config(a, rope_theta=500000.0)).fingerprint != ident.fingerprint
+    assert engine_identity(_config(a, hf_overrides={"rope_theta": 1e6})).fingerprint != (
+        ident.fingerprint)
+    # The operator's identity replaces the content's, and is shared by every engine given it.
+    op = engine_identity(_config(a), "llama-3-8b-build-42")
+    assert op.source == "configured" and op.weights is None
+    assert op.fingerprint == engine_identity(_config(tmp_path / "nowhere"),
+                                             "llama-3-8b-build-42").fingerprint
+    # Weights that are not a local safetensors directory: private to the engine, never
+    # shared by path.
+    for cfg in (_config(a, load_format="dummy"), _config(tmp_path / "no-such-model")):
+        private = engine_identity(cfg)
+        assert private.source == "unshared" and private.why
+        assert private.fingerprint.startswith("unshared:")
+        assert private.fingerprint != engine_identity(
+            _config(a, load_format="dummy", instance_id="engine-2")).fingerprint
+    assert "load_format 'dummy'" in engine_identity(_config(a, load_format="dummy")).why
