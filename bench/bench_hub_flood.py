@@ -8,7 +8,15 @@ target), and floods run in their own processes, as attackers would:
   connections, each naming ``MAX_TARGETS`` unknown 256-character ids (the heaviest read-only
   command the hub accepts), 16 in flight per connection;
 - ``agent``: an agent key's connections reporting as fast as they can on P;
-- ``both``.
+- ``both``;
+- ``stalled`` (issue 42): an agent key reporting at its engine budget (64 agents of ~240 KiB
+  every 0.25 s) while ``--stalled`` viewers subscribe and never read;
+- ``suspended`` (issue 42): the same reporter while a console that watched the fleet is stopped
+  with SIGSTOP (Ctrl-Z).
+
+The hub runs in this process (with the target agent and the operator's client): the table's
+RSS column is this process's peak growth during a round (MB), sampled every 50 ms; the bound
+the hub promises for the connections of each flood is ``kvpool_agent._hub_memory``'s.
 
 Per round and configuration the operator sends ``--commands`` health commands one after the
 other on P+3; the table shows the median over rounds of each round's p50 and p99 (ms) and
@@ -16,7 +24,7 @@ their spread (min-max over rounds), and what the floods got through (commands an
 second the hub handled). Configurations are interleaved round by round (order rotated).
 Goal: operator p99 under 1 s under every flood.
 
-    .venv/bin/python bench/bench_hub_flood.py [--rounds 5] [--commands 50]
+    .venv/bin/python bench/bench_hub_flood.py [--rounds 5] [--commands 50] [--configs none,stalled]
 """
 
 from __future__ import annotations
@@ -24,18 +32,24 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil
+
 from kvpool_agent import FleetClient, FleetHub, local_fleet_keys, start_agent
 from kvpool_agent.hub import MAX_TARGETS
 from kvpool_agent.protocol import (
+    FULL_RATE_TOPICS,
+    MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
     CommandRequest,
     EngineState,
@@ -50,7 +64,9 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-CONFIGS = ("none", "viewer", "agent", "both")
+CONFIGS = ("none", "viewer", "agent", "both", "stalled", "suspended")
+_BUDGET_AGENTS = 64
+_BUDGET_STATE_BYTES = 240 * 1024
 
 
 def _source(engine: str, role: str = "worker") -> Source:
@@ -105,20 +121,119 @@ def _agent_flood(keys_dir: str, endpoint: str, engine: str, stop: Event) -> None
     ctx.destroy(linger=0)
 
 
+def _budget_reporter(keys_dir: str, endpoint: str, engine: str, stop: Event) -> None:
+    """One agent connection reporting ``_BUDGET_AGENTS`` agents of ``engine`` of about
+    ``_BUDGET_STATE_BYTES`` each every 0.25 s (text in their layout: ~15 MiB, inside the
+    engine's 16 MiB) until ``stop``."""
+    import msgspec
+    import zmq
+
+    from kvpool_agent import KeyPaths
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    KeyPaths.of(keys_dir).client("agent").apply(s)
+    s.connect(endpoint)
+    pad = _BUDGET_STATE_BYTES
+    layout = {f"k{i:02d}": "A" * min(MAX_TEXT_CHARS, pad - i * MAX_TEXT_CHARS)
+              for i in range(64) if pad > i * MAX_TEXT_CHARS}
+    srcs = [msgspec.structs.replace(_source(engine), agent_id=f"{engine}/a{i:02d}",
+                                    layout=layout) for i in range(_BUDGET_AGENTS)]
+    seq = 0
+    while not stop.wait(0.25):
+        for src in srcs:
+            seq += 1
+            st = EngineState(source=src, started_ms=0.0, ts_ms=time.time() * 1e3)
+            s.send(encode(Report(v=PROTOCOL_VERSION, seq=seq, kind="snapshot", state=st)))
+    ctx.destroy(linger=0)
+
+
+def _stalled_viewer(keys_dir: str, endpoint: str, stop: Event) -> None:
+    """A viewer that subscribes like a console and never reads (one frame on its side, a 4 KiB
+    kernel buffer) until ``stop``."""
+    import zmq
+
+    from kvpool_agent import KeyPaths
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    KeyPaths.of(keys_dir).client("viewer").apply(s)
+    for topic in FULL_RATE_TOPICS:
+        s.setsockopt(zmq.SUBSCRIBE, topic)
+    s.connect(endpoint)
+    stop.wait()
+    ctx.destroy(linger=0)
+
+
+def _console(keys_dir: str, address: str, ready: Event, stop: Event) -> None:
+    """A console reading the fleet's updates until ``stop`` (the parent stops it with SIGSTOP
+    once ``ready``: its first update came)."""
+    with FleetClient(address, keys_dir=keys_dir) as c:
+        while not c.updates(100) and not stop.is_set():
+            pass
+        ready.set()
+        while not stop.is_set():
+            c.updates(100)
+
+
+class _PeakRss:
+    """This process's peak RSS (bytes) sampled every 50 ms while in the ``with`` block."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _percentile(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
 def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], target: str,
-              commands: int, viewers: int, agents: int) -> tuple[list[float], float, float]:
-    """Operator health latencies (s) under ``config``'s flood, and the read-only commands and
-    reports per second the hub handled meanwhile. The agent flood reports engines named after
-    ``tag`` (new ids each round: an id the previous round's connection held is refused for
-    ``TAKEOVER_AFTER_S``)."""
-    stop = mp.get_context("spawn").Event()
-    procs = []
+              commands: int, viewers: int, agents: int,
+              stalled: int) -> tuple[list[float], float, float, float]:
+    """Operator health latencies (s) under ``config``'s flood, the read-only commands and
+    reports per second the hub handled meanwhile, and this process's peak RSS growth (MB).
+    The agent floods report engines named after ``tag`` (new ids each round: an id the
+    previous round's connection held is refused for ``TAKEOVER_AFTER_S``)."""
     spawn = mp.get_context("spawn")
+    stop = spawn.Event()
+    procs = []
+    console = None
+    if config in ("stalled", "suspended"):
+        procs.append(spawn.Process(target=_budget_reporter, args=(
+            str(keys["agent"]), hub.ports.agents, f"budget-{tag}", stop)))
+    if config == "stalled":
+        procs += [spawn.Process(target=_stalled_viewer, args=(str(keys["viewer"]),
+                                                              hub.ports.pub, stop))
+                  for _ in range(stalled)]
+    if config == "suspended":
+        ready = spawn.Event()
+        console = spawn.Process(target=_console, args=(str(keys["viewer"]), hub.address,
+                                                       ready, stop))
+        console.start()
+        if not ready.wait(30):
+            raise RuntimeError("the console got no update in 30 s")
+        assert console.pid is not None
+        os.kill(console.pid, signal.SIGSTOP)
     if config in ("viewer", "both"):
         procs += [spawn.Process(target=_viewer_flood, args=(str(keys["viewer"]),
                                                             hub.ports.commands, stop))
@@ -131,9 +246,16 @@ def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], targe
         p.start()
     took: list[float] = []
     try:
-        with FleetClient(hub.address, keys_dir=keys["operator"]) as op:
+        with _PeakRss() as rss, FleetClient(hub.address, keys_dir=keys["operator"]) as op:
             op.wait_for(1, 10)
-            time.sleep(1.0 if procs else 0.0)  # the floods connect and reach full rate
+            if config in ("stalled", "suspended"):
+                # The reporter's agents are in the fleet (spawned processes start in seconds on
+                # a loaded machine), then the stalled queues fill.
+                deadline = time.monotonic() + 60
+                while (sum(1 for a in hub.fleet() if a.startswith(f"budget-{tag}/"))
+                       < _BUDGET_AGENTS and time.monotonic() < deadline):
+                    time.sleep(0.1)
+            time.sleep(2.0 if config in ("stalled", "suspended") else 1.0 if procs else 0.0)
             c0, r0, t0 = hub.commands, hub.reports, time.monotonic()
             for _ in range(commands):
                 start = time.monotonic()
@@ -145,11 +267,14 @@ def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], targe
             rates = ((hub.commands - c0 - commands) / span, (hub.reports - r0) / span)
     finally:
         stop.set()
+        if console is not None and console.pid is not None:
+            os.kill(console.pid, signal.SIGCONT)
+            procs.append(console)
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return took, rates[0], rates[1]
+    return took, rates[0], rates[1], (rss.peak - rss.base) / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commands", type=int, default=50, help="operator health commands a round")
     ap.add_argument("--viewers", type=int, default=2, help="viewer flood connections")
     ap.add_argument("--agents", type=int, default=2, help="agent flood connections")
+    ap.add_argument("--stalled", type=int, default=4,
+                    help="viewers that never read, in the stalled configuration")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"configurations to run, comma-separated (of {', '.join(CONFIGS)})")
     args = ap.parse_args(argv)
+    configs = tuple(c for c in CONFIGS if c in args.configs.split(","))
+    if not configs or set(args.configs.split(",")) - set(CONFIGS):
+        ap.error(f"--configs: {args.configs!r}: choose from {', '.join(CONFIGS)}")
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = local_fleet_keys(tmp)
@@ -169,35 +301,40 @@ def main(argv: list[str] | None = None) -> int:
                        secret_key_file=dirs["hub"].hub_secret,
                        audit_file=Path(tmp) / "audit.jsonl").start()
         agent = start_agent(_source("eng-target", "scheduler"), address=address)
-        p50: dict[str, list[float]] = {c: [] for c in CONFIGS}
-        p99: dict[str, list[float]] = {c: [] for c in CONFIGS}
-        cmd_rate: dict[str, list[float]] = {c: [] for c in CONFIGS}
-        rep_rate: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        p50: dict[str, list[float]] = {c: [] for c in configs}
+        p99: dict[str, list[float]] = {c: [] for c in configs}
+        cmd_rate: dict[str, list[float]] = {c: [] for c in configs}
+        rep_rate: dict[str, list[float]] = {c: [] for c in configs}
+        grown: dict[str, list[float]] = {c: [] for c in configs}
         try:
             for rnd in range(args.rounds):
-                for config in CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]:
-                    took, cr, rr = run_round(config, f"{config}-{rnd}", hub, keys,
-                                             agent.source.agent_id, args.commands,
-                                             args.viewers, args.agents)
+                for config in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
+                    took, cr, rr, mb = run_round(config, f"{config}-{rnd}", hub, keys,
+                                                 agent.source.agent_id, args.commands,
+                                                 args.viewers, args.agents, args.stalled)
                     p50[config].append(statistics.median(took) * 1e3)
                     p99[config].append(_percentile(took, 0.99) * 1e3)
                     cmd_rate[config].append(cr)
                     rep_rate[config].append(rr)
+                    grown[config].append(mb)
         finally:
             agent.stop()
             hub.stop()
     print(f"== operator health latency (ms) through a keyed hub, {args.commands} commands a "
           f"round, median (min-max) of {args.rounds} rounds ==")
-    print(f"{'flood':<8} {'p50':>8} {'p50 spread':>16} {'p99':>8} {'p99 spread':>16} "
-          f"{'flood cmds/s':>13} {'reports/s':>10}")
-    for c in CONFIGS:
-        print(f"{c:<8} {statistics.median(p50[c]):>8.1f} "
+    print(f"{'flood':<10} {'p50':>8} {'p50 spread':>16} {'p99':>8} {'p99 spread':>16} "
+          f"{'flood cmds/s':>13} {'reports/s':>10} {'RSS +MB':>8} {'RSS spread':>14}")
+    for c in configs:
+        print(f"{c:<10} {statistics.median(p50[c]):>8.1f} "
               f"{min(p50[c]):>7.1f}-{max(p50[c]):<8.1f} {statistics.median(p99[c]):>8.1f} "
               f"{min(p99[c]):>7.1f}-{max(p99[c]):<8.1f} "
-              f"{statistics.median(cmd_rate[c]):>13.0f} {statistics.median(rep_rate[c]):>10.0f}")
+              f"{statistics.median(cmd_rate[c]):>13.0f} {statistics.median(rep_rate[c]):>10.0f} "
+              f"{statistics.median(grown[c]):>8.0f} {min(grown[c]):>6.0f}-{max(grown[c]):<7.0f}")
     print(f"(viewer flood: {args.viewers} connections x 16 snapshots of {MAX_TARGETS} unknown ids "
-          f"in flight; agent flood: {args.agents} connections reporting flat out; goal: p99 < "
-          "1000 ms)")
+          f"in flight; agent flood: {args.agents} connections reporting flat out; stalled: "
+          f"{args.stalled} viewers that never read and one key reporting {_BUDGET_AGENTS} x "
+          f"{_BUDGET_STATE_BYTES >> 10} KiB every 0.25 s; suspended: that reporter and a "
+          "SIGSTOPped console; goal: p99 < 1000 ms)")
     return 0
 
 
