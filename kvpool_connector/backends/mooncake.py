@@ -44,6 +44,7 @@ and ``get_size`` grant one).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -83,7 +84,11 @@ from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
 from kvpool_connector.staging import TCP_LIMITS, TransportLimits
 
-__all__ = ["HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "MooncakeBackend", "MooncakeConfig"]
+__all__ = [
+    "CLOSE_WAIT_S", "HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "MooncakeBackend", "MooncakeConfig",
+]
+
+logger = logging.getLogger(__name__)
 
 HARD_PIN_UPSERT_TTL_MS = 86_400_000
 """Soft pin TTL (ms) a hard pin gives the values already in the pool, which an upsert cannot
@@ -98,6 +103,16 @@ _QUERY_BATCH = 64
 
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
+
+CLOSE_WAIT_S = 5.0
+"""How long ``close`` waits (s) for calls still inside the store client before it leaves the
+client open. Closing it under a running ``batch_put_from_multi_buffers`` crashed the process
+(SIGSEGV in ``RealClient``, mooncake-transfer-engine 0.3.13, issue 38); a transfer the store
+does not answer runs up to Mooncake's 60 s transfer timeout, too long for a shutdown."""
+
+_ABANDONED: list[Any] = []
+"""Store clients ``close`` gave up on: referenced for the life of the process so that neither
+they nor the memory they use is freed under a thread still inside them."""
 
 
 class MooncakeConfig(BaseModel):
@@ -236,6 +251,9 @@ class MooncakeBackend(Backend):
         self._http = httpx.Client(timeout=3.0)
         self._closed = False
         self._lock = threading.Lock()
+        # Calls inside the store client now; close() waits on _idle until none is.
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
         if store is None:
             try:
                 from mooncake.store import MooncakeDistributedStore
@@ -278,13 +296,26 @@ class MooncakeBackend(Backend):
         return self._store
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
-        if self._closed:
-            raise BackendError(f"mooncake {what}: backend is closed",
-                               ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+        """``fn(*args)`` counted as a call inside the store client (``close`` waits for it).
+
+        Raises:
+            BackendError: the backend is closed (UNAVAILABLE_IN_CURRENT_STATUS, the call was
+                not made) or the client raised.
+        """
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"mooncake {what}: backend is closed",
+                                   ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+            self._inflight += 1
         try:
             return fn(*args)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise BackendError(f"mooncake {what} failed: {exc}") from exc
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
 
     def batch_exists(self, keys: Sequence[str]) -> list[int]:
         """Per key 1/0, or INTERNAL_ERROR when the master did not answer."""
@@ -546,13 +577,21 @@ class MooncakeBackend(Backend):
         checks: list[HealthCheck] = []
         t0 = time.perf_counter()
         try:
-            code = 1 if self._closed else int(self._store.health_check())
+            code = int(self._call("health_check", self._store.health_check))
             detail = HEALTH_CODES.get(code, f"UNKNOWN_{code}")
+        except BackendError as exc:
+            code = 1 if self._closed else ErrorCode.INTERNAL_ERROR
+            detail = "backend is closed" if self._closed else str(exc)
         except Exception as exc:  # a health check reports, never raises
             code, detail = ErrorCode.INTERNAL_ERROR, f"health_check raised {exc!r}"
         checks.append(HealthCheck(name="client", ok=code == 0, code=code, detail=detail,
                                   latency_ms=(time.perf_counter() - t0) * 1e3))
-        checks.append(mooncake_master_health(self.config.admin_url, client=self._http))
+        try:
+            checks.append(mooncake_master_health(self.config.admin_url, client=self._http))
+        except RuntimeError as exc:  # httpx: the client was closed by close()
+            checks.append(HealthCheck(name="master", ok=False,
+                                      code=ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
+                                      detail=f"backend is closed ({exc})", latency_ms=0.0))
         return checks
 
     def stats(self) -> PoolStats:
@@ -564,7 +603,7 @@ class MooncakeBackend(Backend):
             r = self._http.get(f"{self._admin_url()}/metrics")
             r.raise_for_status()
             text = r.text
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: closed by close()
             out.healthy = False
             out.health_detail = f"{self.config.admin_url}/metrics: {exc}"
             return out
@@ -576,13 +615,26 @@ class MooncakeBackend(Backend):
         out.healthy = True
         return out
 
-    def close(self) -> None:
-        """Close the store client (its embedded segment leaves the pool). Idempotent."""
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Close the store client (its embedded segment leaves the pool). Idempotent.
+
+        Calls started from now on fail (UNAVAILABLE_IN_CURRENT_STATUS); calls already inside
+        the client (saves, loads, lookups, pin reads, agent probes) are waited for, at most
+        ``timeout_s`` seconds. A client still in use then is never closed nor freed (kept in
+        ``_ABANDONED``, logged): a leak, never a crash. Callers stop their users first
+        (``KVPoolWorker.shutdown``) so the wait is normally nil."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            idle = self._idle.wait_for(lambda: not self._inflight, timeout_s)
+            left = self._inflight
         try:
-            self._store.close()
+            if idle:
+                self._store.close()
+            else:
+                _ABANDONED.append(self._store)
+                logger.error("mooncake close: %d calls still inside the store client after "
+                             "%.1f s; the client is left open", left, timeout_s)
         finally:
             self._http.close()
