@@ -23,9 +23,19 @@ block_size, 2 * head_size)``, bf16, one tensor per layer) in the same run, again
 Goal (issue 13): worker >= 0.9x raw on the median of rounds; the checksum rows show what the
 integrity check costs. Rounds alternate the paths; the table shows the median, best and
 spread (min-max) of the rounds, then the goal with the per-round ratio of worker to raw (the
-two run back to back in each round) and the load average.
+two run back to back in each round) and the load average. This default mode moves blocks into
+a segment the benchmark's own client holds: a local copy, not the network.
+
+``--cross-process`` (issue 38) runs real models' KV shapes (``--shapes``: Llama-3-8B 128 KiB,
+Llama-3-70B 320 KiB, DeepSeek-V3 MLA 68.6 KiB per token; ``--block-sizes`` 16 and 128) with the
+pool in a separate ``mooncake_client`` process and this client holding no segment, TCP on
+127.0.0.1, one engine: ``worker`` save/load (sized calls and staging,
+``kvpool_connector.staging``) against ``raw contig`` (``batch_put_from``/``batch_get_into`` of
+the same bytes as one contiguous range per key) and ``copy`` (``index_select`` into another
+cache); median and min-max of the rounds. Goal: worker >= 0.9x raw contiguous at every shape.
 
     .venv/bin/python bench/bench_datapath.py [--rounds 41] [--blocks 128] [--layers 16]
+    .venv/bin/python bench/bench_datapath.py --cross-process [--rounds 11] [--chunks 2]
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from kvpool_connector.keys import (
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
 from kvpool_connector.worker import KVPoolWorker
-from kvpool_replay import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster, LocalPoolStore
 
 __all__ = ["main"]
 
@@ -138,6 +148,138 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b": (80, 8, 128),
+    # MLA's 576-element latent as the CPU layout's K and V halves of one head (same bytes).
+    "deepseek-v3-mla": (61, 1, 288),
+}
+"""``--cross-process`` shapes: (layers, KV heads, head size), bf16."""
+
+
+def _shape_caches(layers: int, heads: int, head: int, block: int, num_blocks: int,
+                  fill: bool) -> dict[str, torch.Tensor]:
+    shape = (num_blocks, heads, block, 2 * head)
+    make = torch.randn if fill else torch.zeros
+    return {f"model.layers.{i}.self_attn.attn": make(shape, dtype=torch.bfloat16)
+            for i in range(layers)}
+
+
+def _cross_shape(name: str, block: int, args: argparse.Namespace,
+                 master: LocalMooncakeMaster) -> dict[str, list[float]]:
+    """One shape's rounds: seconds per operation of each path."""
+    layers, heads, head = SHAPES[name]
+    bpc = args.chunk_tokens // block
+    n_chunks = args.chunks
+    n_blocks = n_chunks * bpc
+    src = _shape_caches(layers, heads, head, block, 2 * n_blocks + 2, fill=True)
+    dst = _shape_caches(layers, heads, head, block, 2 * n_blocks + 2, fill=False)
+    src_ids = list(range(0, 2 * n_blocks, 2))  # every other block: unmerged ranges
+    dst_ids = list(range(1, 2 * n_blocks, 2))
+    value = bpc * layers * heads * block * 2 * head * 2
+    flat_src = torch.randint(-128, 127, (n_chunks * value,), dtype=torch.int8)
+    flat_dst = torch.zeros_like(flat_src)
+    settings = _Settings(block_size=block, chunk_size=args.chunk_tokens)
+    cfg = {"master_server_address": master.address, "global_segment_size": 0,
+           "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
+    # A client per shape: Mooncake keeps a registration for the client's life, and the next
+    # shape's tensors may reuse this one's addresses.
+    backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+    times: dict[str, list[float]] = {k: [] for k in (
+        "raw contig put", "worker save", "raw contig get", "worker load", "copy")}
+    try:
+        for t in (flat_src, flat_dst):
+            backend.register_buffer(t.data_ptr(), t.numel())
+        writer = KVPoolWorker(settings, ParallelLayout(), "bench", backend, Reporter())
+        writer.register_kv_caches(src)
+        reader = KVPoolWorker(settings, ParallelLayout(), "bench", backend, Reporter())
+        reader.register_kv_caches(dst)
+        s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
+        for rnd in range(args.rounds + 1):
+            tag = uuid.uuid4().hex
+            hashes = chunk_hashes([rnd] * (n_chunks * args.chunk_tokens), args.chunk_tokens,
+                                  extra=tag.encode())
+            raw_keys = chunk_keys([shard_prefix("bench-raw", "0" * 12, ParallelLayout())],
+                                  hashes)
+            save_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+                req_id=f"s{rnd}", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
+                save_to_chunk=n_chunks, is_last_save=True)])
+            load_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+                req_id=f"l{rnd}", block_ids=dst_ids, chunk_hashes=hashes,
+                load=LoadSpec(0, n_chunks * args.chunk_tokens, can_load=True))])
+
+            def raw_put(keys: list[str] = raw_keys) -> None:
+                res = backend.batch_put_from(
+                    keys, [[flat_src.data_ptr() + i * value] for i in range(n_chunks)],
+                    [[value]] * n_chunks)
+                assert res == [0] * n_chunks, res
+
+            def raw_get(keys: list[str] = raw_keys) -> None:
+                res = backend.batch_get_into(
+                    keys, [[flat_dst.data_ptr() + i * value] for i in range(n_chunks)],
+                    [[value]] * n_chunks)
+                assert res == [value] * n_chunks, res
+
+            def save(meta: KVPoolConnectorMetadata = save_meta) -> None:
+                writer.start_load_kv(KVPoolConnectorMetadata())
+                writer.wait_for_save(meta)
+                assert writer.drain_saves(120)
+                assert writer.counters.save_failed_keys == 0
+
+            def load(meta: KVPoolConnectorMetadata = load_meta) -> None:
+                reader.start_load_kv(meta)
+                assert not reader.get_block_ids_with_load_errors()
+
+            def copy() -> None:
+                for lname, t in src.items():
+                    dst[lname].index_copy_(0, d_idx, t.index_select(0, s_idx))
+
+            groups: list[list[tuple[str, Callable[[], None]]]] = [
+                [("raw contig put", raw_put), ("worker save", save)],
+                [("raw contig get", raw_get), ("worker load", load), ("copy", copy)]]
+            for group in groups:
+                for pname, fn in (reversed(group) if rnd % 2 else group):
+                    elapsed = _timed(fn)
+                    if rnd:  # round 0 warms the segment's pages up
+                        times[pname].append(elapsed)
+            for lname in src:
+                assert torch.equal(src[lname][src_ids[-1]], dst[lname][dst_ids[-1]]), \
+                    "load not bit-exact"
+            backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
+        writer.shutdown()
+        reader.shutdown()
+    finally:
+        backend.close()
+    return times
+
+
+def cross_process(args: argparse.Namespace) -> None:
+    """``--cross-process``: the table per shape (GB/s = 1e9 bytes/s of KV moved)."""
+    load_start = os.getloadavg()[0]
+    rows = [(s, b) for s in args.shapes for b in args.block_sizes]
+    per_token = {s: layers * heads * 2 * head * 2 for s, (layers, heads, head) in SHAPES.items()}
+    need = max(2 * args.chunks * args.chunk_tokens * per_token[s] for s in args.shapes)
+    with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master, \
+            LocalPoolStore(master, max(64 << 20, 2 * need)):
+        results = {(s, b): _cross_shape(s, b, args, master) for s, b in rows}
+    print(f"\nKV data path across processes: the pool in its own mooncake_client, TCP on "
+          f"127.0.0.1, 1 engine, {args.chunks} chunks of {args.chunk_tokens} tokens per "
+          f"operation, {args.rounds} rounds; load average {load_start:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at the end\n")
+    print(f"{'shape':<18}{'block':>6}{'path':>16}{'median GB/s':>13}{'min-max GB/s':>15}"
+          f"{'vs raw contig':>15}")
+    for (s, b), times in results.items():
+        total = args.chunks * args.chunk_tokens * per_token[s]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ref = {"worker save": "raw contig put", "worker load": "raw contig get",
+               "copy": "raw contig get"}
+        for k, v in times.items():
+            vs = f"{med[ref[k]] / med[k]:.2f}x" if k in ref else ""
+            print(f"{s:<18}{b:>6}{k:>16}{total / med[k] / 1e9:>13.2f}"
+                  f"{f'{total / max(v) / 1e9:.2f}-{total / min(v) / 1e9:.2f}':>15}{vs:>15}")
+    print("\ngoal (issue 38): worker >= 0.9x raw contiguous at every shape")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print the table (throughput in GB/s = 1e9 bytes/s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -147,7 +289,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=128, help="blocks moved per operation")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--blocks-per-chunk", type=int, default=4)
+    ap.add_argument("--cross-process", action="store_true",
+                    help="real shapes, the pool in its own mooncake_client (see above)")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 128])
+    ap.add_argument("--chunk-tokens", type=int, default=512, help="--cross-process chunk")
+    ap.add_argument("--chunks", type=int, default=2, help="--cross-process keys per operation")
     args = ap.parse_args(argv)
+    if args.cross_process:
+        cross_process(args)
+        return
     load_start = os.getloadavg()[0]
     bpc = args.blocks_per_chunk
     n_chunks = args.blocks // bpc
