@@ -30,9 +30,9 @@ of a large tensor). A retrained, fine-tuned or re-quantized checkpoint moves eve
 bytes and is seen; for edits finer than that, set ``model_fingerprint`` on every engine.
 
 Errors: ``NotFingerprintable`` (a ``ValueError``) when a directory holds no safetensors
-weights, a header is malformed or a file cannot be read; the connector then takes the
-operator's ``model_fingerprint`` or gives the engine a private identity (``connector``), never
-a path-only one.
+weights, a header is malformed or a file cannot be read; ``engine_identity`` (what the
+connector's workers call when vLLM registers the caches) then takes the operator's
+``model_fingerprint`` or gives the engine a private identity, never a path-only one.
 """
 
 from __future__ import annotations
