@@ -28,6 +28,7 @@ device (CUDA, NPU) are only split by the slice cap (``SizedCalls`` is built with
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,8 +74,18 @@ NO_LIMITS = TransportLimits("none", max_slices=1 << 30, stage_below=0)
 """Backends without a slice queue: one call per batch, zero-copy."""
 
 
+_RETAINED: list[mmap.mmap] = []
+"""Every staging buffer's memory, never unmapped: Mooncake keeps a registration for the life of
+its client (memory freed and handed out again is refused as overlapping, -600, or written by a
+late transfer), and a transfer thread may still be inside a call at shutdown. A leak, never a
+free under a thread."""
+
+
 class StagingBuffer:
     """A reusable host buffer of ``nbytes`` bytes, registered with the backend once.
+
+    Anonymous ``mmap`` memory: pages are resident only once touched, so a buffer sized for a
+    large value costs nothing until values of that size move through it.
 
     Args:
         nbytes: size in bytes (> 0).
@@ -85,10 +96,11 @@ class StagingBuffer:
     """
 
     def __init__(self, nbytes: int, register: Callable[[int, int], None]) -> None:
-        # ctypes, not torch: backends.base imports this module and kvpool_config (which
+        # mmap, not torch: backends.base imports this module and kvpool_config (which
         # never imports torch) imports the backends.
-        self._mem = (ctypes.c_char * nbytes)()
-        self.addr = ctypes.addressof(self._mem)
+        mem = mmap.mmap(-1, nbytes)
+        _RETAINED.append(mem)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
         self.nbytes = nbytes
         register(self.addr, nbytes)
 
