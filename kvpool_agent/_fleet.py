@@ -199,6 +199,8 @@ class Fleet:
             ag = self._agents.get(aid)
             if ag is not None and ag.routing_id != routing_id:
                 hold_s = TAKEOVER_AFTER_S if ag.identity == identity else LIVE_S
+                if not ag.routing_id and ag.identity == identity:
+                    hold_s = 0.0  # its connection was dropped by the hub (reset_routes)
                 if now_ms - ag.last_seen_ms < hold_s * 1e3:
                     return f"takeover: {aid!r} is held by a live connection; report dropped"
             owner = self._engine_owner.get(st.source.engine_id)
@@ -348,6 +350,13 @@ class Fleet:
         with self._lock:
             for engine, entry in held.items():
                 self._tenure.setdefault(engine, entry)
+
+    def reset_routes(self) -> None:
+        """The hub dropped every agent connection (``FleetHub._shed``): each agent takes its
+        id back from its next connection at once, with its own key only."""
+        with self._lock:
+            for ag in self._agents.values():
+                ag.routing_id = b""
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""

@@ -22,10 +22,10 @@ bytes, so each connection's share is ``messages x bytes``:
 MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` encoded; Python
 holds them decoded, ``DECODED_STATE_FACTOR`` times that for text-heavy states).
 
-Not covered, known: a multipart message. libzmq hands none of its parts to the hub before its
-last one has come (tested: a ROUTER polls nothing between parts), and bounds only each part
-(``MAXMSGSIZE``), so one message of many parts is held whole; no socket option of libzmq 4.3
-bounds it and the draft socket types without multipart (``SERVER``) are not in pyzmq's build.
+Not covered by these queues: a multipart message. libzmq hands none of its parts to the hub
+before its last one has come (tested: a ROUTER polls nothing between parts) and bounds only each
+part (``MAXMSGSIZE``), so one message of many parts is held whole; the hub bounds it by its RSS
+instead (``MEMORY_LIMIT_MB``, ``kvpool_agent._memory_guard``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ __all__ = [
     "DECODED_STATE_FACTOR",
     "MAX_COMMAND_BYTES",
     "MAX_UPDATE_FRAME_BYTES",
+    "MEMORY_LIMIT_MB",
     "PUB_SNDHWM",
     "UPDATE_STATES_BYTES",
     "hub_memory_bound",
@@ -85,6 +86,12 @@ DECODED_STATE_FACTOR = 2
 """Bytes Python holds per encoded state byte for text-heavy states (strings decode to one byte a
 character plus ~50 bytes an object). States of many tiny map entries take more: ~15 (measured:
 a count map of 30,000 entries); keeping states encoded is the next step."""
+
+
+MEMORY_LIMIT_MB = 2048
+"""``kvpool-agent hub --memory-limit-mb`` default (MiB of RSS): past it the hub drops every
+connection (``kvpool_agent._memory_guard``). Above the bound a fleet of the limits' size
+needs (256 MiB of states, decoded x 2, ~45 MiB base) with room for its connections' queues."""
 
 
 def hub_memory_bound(*, subscribers: int, agent_connections: int, command_connections: int,

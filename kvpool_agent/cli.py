@@ -27,7 +27,7 @@ from typing import cast
 import zmq
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
-from kvpool_agent._hub_memory import return_large_blocks_to_os
+from kvpool_agent._hub_memory import MEMORY_LIMIT_MB, return_large_blocks_to_os
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import (
     CLIENT_ROLES,
@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep which key has held each engine id since when here, so pool-wide "
                    "flush targets survive a restart (default DIR/hub-state.json with --keys, "
                    "none without)")
+
+    h.add_argument("--memory-limit-mb", type=int, default=MEMORY_LIMIT_MB, metavar="MB",
+                   help="past this RSS the hub drops every connection (they reconnect), the "
+                   "bound for a multipart message libzmq holds whole (default %(default)s; 0: "
+                   "none)")
 
     h.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on PORT (default P+4; 0 turns it off)")
@@ -207,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                 # 0 or less forgets every agent at once; NaN never forgets any.
                 raise ValueError(f"--forget-after: {args.forget_after} is not a number of "
                                  f"seconds above 0 (default {FORGET_AFTER_S:g})")
+            if args.memory_limit_mb < 0:
+                raise ValueError(f"--memory-limit-mb: {args.memory_limit_mb} is below 0 (0: "
+                                 f"no limit; default {MEMORY_LIMIT_MB})")
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.hub()
@@ -237,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics_port=_metrics_port(args.address, args.metrics_port),
                 metrics_host=args.metrics_host,
                 state_file=args.state_file or (kp.root / "hub-state.json" if kp else None),
+                memory_limit_bytes=args.memory_limit_mb << 20 if args.memory_limit_mb else None,
             ).start()
             if kp is not None and args.metrics_host not in (None, "127.0.0.1", "::1",
                                                             "localhost"):

@@ -53,7 +53,10 @@ unknown ones are answered by one ``hub`` reply), audit bytes per key and minute
 state bytes per engine (``MAX_ENGINE_STATE_BYTES``), agent frames queued per connection
 (``AGENT_RCVHWM``), and the largest message each port reads (``MAX_COMMAND_BYTES`` on the
 command ports, ``MAX_MESSAGE_BYTES`` on the agent port, ``_MAX_SUBSCRIPTION_BYTES`` on the
-XPUB). Refusals are counted per key (``refused_by_key``, ``/metrics``
+XPUB), and the process's RSS (``memory_limit_bytes``, ``kvpool-agent hub --memory-limit-mb``:
+past it every port is rebuilt, which frees what libzmq holds for the connections, a multipart
+message included; ``kvpool_agent._memory_guard``; what each queue holds:
+``kvpool_agent._hub_memory``). Refusals are counted per key (``refused_by_key``, ``/metrics``
 ``kvpool_hub_refused_key_<name>_total``).
 The one thread serves the operator first: each turn it takes the operator port's frames, then
 at most ``_AGENT_BATCH`` agent frames (for ``_AGENT_SLICE_S`` at most, taking the operator's
@@ -76,7 +79,6 @@ is ``kvpool_agent._fleet`` and the audit trail ``kvpool_agent._audit``.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import secrets
 import threading
@@ -104,6 +106,8 @@ from kvpool_agent._hub_memory import (
     MAX_UPDATE_FRAME_BYTES,
     PUB_SNDHWM,
 )
+from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
+from kvpool_agent._memory_guard import MemoryGuard
 from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
@@ -185,8 +189,6 @@ _READONLY_SLICE_S = 0.01
 """A turn stops taking read-only commands after this long (s), so agents get their turn."""
 _STATE_SAVE_S = 2.0
 _STATE_REFRESH_S = 60.0
-_TENURE_KEPT_S = 7 * 86400.0
-"""Tenures of engines not heard from this long (s) are not loaded again."""
 SUBSCRIPTION_BAN_S = 600.0
 """How long (s) a key that subscribed to an unknown topic is refused on every port."""
 _SUBSCRIPTION_RCVHWM = 32
@@ -207,6 +209,8 @@ ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
 }
 """ZAP domain -> roles whose keys it accepts; each port's domain is in ``_PORT_DOMAIN``."""
 _PORT_DOMAIN = {"agents": "agents", "pub": "viewer", "commands": "viewer", "curve": "operator"}
+_PORT_ATTR = {"agents": "agents_sock", "pub": "pub", "commands": "plain", "curve": "curve"}
+"""Port name -> the ``FleetHub`` attribute holding its socket."""
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -311,6 +315,9 @@ class FleetHub:
         metrics_host: the address ``/metrics`` binds; ``None``: the hub's host without keys,
             127.0.0.1 with keys (the endpoint has no authentication, so a keyed hub never
             exposes it beyond the host unless asked to).
+        memory_limit_bytes: past this RSS (bytes, the whole process's) the hub rebuilds every
+            port (``kvpool_agent._memory_guard``): the bound for what libzmq cannot bound, a
+            multipart message. ``None``: no limit (a hub embedded in a larger process).
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota),
@@ -344,6 +351,7 @@ class FleetHub:
         metrics_host: str | None = None,
         audit_key_bytes_per_min: int = AUDIT_KEY_BYTES_PER_MIN,
         state_file: str | Path | None = None,
+        memory_limit_bytes: int | None = None,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -359,6 +367,9 @@ class FleetHub:
         self._audit = AuditTrail(self.audit_file, audit_max_bytes, audit_backups,
                                  audit_key_bytes_per_min)
         self.state_file = Path(state_file) if state_file else None
+        self.memory_limit_bytes = memory_limit_bytes
+        self._guard = MemoryGuard(memory_limit_bytes)
+        self.memory_sheds = 0
         self.snapshot_interval_s = snapshot_interval_s
         self.delta_interval_s = delta_interval_s
         self.forget_after_s = forget_after_s
@@ -378,7 +389,7 @@ class FleetHub:
         self.allow: AllowList | None = None
         self.seq_tracker = SeqTracker()
         self._fleet = Fleet()
-        self._state_warned = False
+        self._state = StateFile(self.state_file, self._fleet)
         self._pending: dict[str, _Pending] = {}
         # Update streams (FULL_RATE or a tier's ms), each started by its first subscriber: a
         # hub watched by tier consoles only never encodes the full-rate one. A stream stays on
@@ -462,6 +473,7 @@ class FleetHub:
             return {"reports": self.reports, "commands": self.commands,
                     "refused": self.refused, "busy": self.busy,
                     "bad_messages": self.bad_messages, "forgotten": self.forgotten,
+                    "memory_sheds": self.memory_sheds,
                     # CURVE handshakes refused per port (hubs with keys).
                     **{f"refused_handshakes_{port}": n
                        for port, n in self.refused_connections.items()},
@@ -541,30 +553,52 @@ class FleetHub:
         self.poller.register(s, zmq.POLLIN)
         return s
 
-    def _rebuild_pub(self) -> None:
-        """Close the XPUB (freeing libzmq's subscription trie of every subscriber) and bind a
-        new one on the same port: consoles' SUB sockets reconnect and subscribe again by
-        themselves (each subscription brings a snapshot)."""
-        for mon, name in list(self.monitors.items()):
-            if name == "pub":
+    def _rebuild(self, name: str) -> None:
+        """Close port ``name``'s socket (freeing all libzmq holds for its connections: the
+        XPUB's subscription trie, messages queued or half received) and bind a new one on the
+        same endpoint: agents' and consoles' sockets reconnect by themselves (a console's
+        subscription brings a snapshot)."""
+        for mon, port in list(self.monitors.items()):
+            if port == name:
                 self.poller.unregister(mon)
                 del self.monitors[mon]
                 mon.close(linger=0)
-        self.poller.unregister(self.pub)
-        self.socks.remove(self.pub)
-        self.pub.close(linger=0)
+        old: zmq.Socket[bytes] = getattr(self, _PORT_ATTR[name])
+        self.poller.unregister(old)
+        self.socks.remove(old)
+        old.close(linger=0)
+        kind = zmq.XPUB if name == "pub" else zmq.ROUTER
 
         def bind() -> zmq.Socket[bytes]:
             try:
-                return self._socket(zmq.XPUB, "pub", self.ports.pub)
+                return self._socket(kind, name, getattr(self.ports, name))
             except zmq.ZMQError:
                 self.socks.pop().close(linger=0)  # tracked by _socket before its bind failed
                 raise
 
         # The closed listener is released by libzmq's I/O thread: moments, not more.
-        self.pub = Retrying(retry=retry_if_exception_type(zmq.ZMQError),
-                            stop=stop_after_attempt(50), wait=wait_fixed(0.02),
-                            reraise=True)(bind)
+        setattr(self, _PORT_ATTR[name], Retrying(
+            retry=retry_if_exception_type(zmq.ZMQError), stop=stop_after_attempt(50),
+            wait=wait_fixed(0.02), reraise=True)(bind))
+
+    def _shed(self, rss: int) -> None:
+        """The RSS is over ``memory_limit_bytes`` (``kvpool_agent._memory_guard``): answer
+        every command in flight with an error, then rebuild every port; agents keep their
+        ids when they report again from their new connections."""
+        self.memory_sheds += 1
+        log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: every port is "
+                    "rebuilt (connections drop and reconnect; a multipart message held whole "
+                    "by libzmq is freed)", rss >> 20, (self.memory_limit_bytes or 0) >> 20)
+        for internal, pend in list(self._pending.items()):
+            for aid in pend.expected:
+                if aid not in pend.replies:
+                    pend.replies[aid] = self._agent_error(
+                        pend.req, aid, "hub over its memory limit: connections dropped")
+            self._maybe_finish(internal)
+        for name in _PORT_ATTR:
+            if name != "curve" or self.curve is not None:
+                self._rebuild(name)
+        self._fleet.reset_routes()
 
     def _load_keys(self) -> tuple[bytes, bytes] | None:
         """The hub's CURVE pair, with the ZAP handler started; ``None`` without keys."""
@@ -596,42 +630,8 @@ class FleetHub:
             self.auth.configure_curve_callback(domain, self.allow)
         return public, secret
 
-    def _load_state(self) -> None:
-        """Tenures from ``state_file`` (a missing file: none; an unreadable one is logged and
-        ignored: the hub starts, flush targets fall back to the longest connected)."""
-        if self.state_file is None:
-            return
-        try:
-            data = msgspec.json.decode(self.state_file.read_bytes(), type=_HubState)
-        except FileNotFoundError:
-            return
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("kvpool hub: state file %s ignored: %s", self.state_file, e)
-            return
-        cutoff = time.time() * 1e3 - _TENURE_KEPT_S * 1e3
-        self._fleet.load_tenure({e: t for e, t in data.tenure.items() if t[2] >= cutoff})
-
-    def _save_state(self) -> None:
-        """Write the tenures to ``state_file`` atomically (a temporary file renamed over it);
-        a failure is logged once and the hub goes on."""
-        if self.state_file is None:
-            return
-        body = msgspec.json.encode(_HubState(tenure=self._fleet.tenure()))
-        tmp = self.state_file.with_name(self.state_file.name + f".{os.getpid()}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            os.replace(tmp, self.state_file)
-        except OSError as e:
-            if not self._state_warned:
-                self._state_warned = True
-                log.warning("kvpool hub: cannot write state file %s (%s): flush targets are "
-                            "not kept across a restart", self.state_file, e)
-            tmp.unlink(missing_ok=True)
-
     def _close(self) -> None:
-        self._save_state()
+        self._state.save()
         for m in self.monitors:
             m.close(linger=0)
         for s in self.socks:
@@ -659,7 +659,7 @@ class FleetHub:
 
     def _run(self) -> None:
         try:
-            self._load_state()
+            self._state.load()
             self._bind()
         except BaseException as e:
             self._error = e
@@ -695,18 +695,21 @@ class FleetHub:
                         if mon in events:
                             self._recv_monitors(mon)
                     now = time.monotonic()
+                    rss = self._guard.over(now)
+                    if rss is not None:
+                        self._shed(rss)
                     self._expire(now)
                     if now >= next_forget:
                         next_forget = now + _FORGET_CHECK_S
                         self._note_forgotten(
                             self._fleet.forget_silent(self.forget_after_s), "silent"
                         )
-                        self._fleet.prune_tenure(_TENURE_KEPT_S)
+                        self._fleet.prune_tenure(TENURE_KEPT_S)
                         self._audit.tick()
                     if now >= next_save and (self._fleet.tenure_changed or now >= next_refresh):
                         next_save = now + _STATE_SAVE_S
                         next_refresh = now + _STATE_REFRESH_S
-                        self._save_state()
+                        self._state.save()
                     joined = self._want_snapshot and now >= last_snapshot + self.delta_interval_s
                     if joined or now >= next_snapshot:
                         self._want_snapshot = False
@@ -886,7 +889,7 @@ class FleetHub:
             why += f"; key banned for {SUBSCRIPTION_BAN_S:g} s"
         self._refuse(key, why)
         log.warning("kvpool hub: %s by key %s: the console port is rebuilt", why, key)
-        self._rebuild_pub()
+        self._rebuild("pub")
 
     def _publish(self, kind: str, key: int) -> None:
         """One update (``snapshot`` or ``delta``) on stream ``key``: frames numbered on from
@@ -1170,12 +1173,6 @@ def _user_id(frame: zmq.Frame) -> str:
         return str(frame.get("User-Id"))
     except zmq.ZMQError:
         return ""
-
-
-class _HubState(msgspec.Struct):
-    """The hub's state file: engine id -> [identity, since ms, last seen ms]."""
-
-    tenure: dict[str, tuple[str, float, float]] = msgspec.field(default_factory=dict)
 
 
 def _metric_word(key: str) -> str:

@@ -1,7 +1,8 @@
 """Issue 42's memory attacks on a keyed hub run as its own process (its RSS alone is measured):
-stalled subscribers and a suspended console while an agent key reports at its engine budget,
-and a multipart flood. Each asserts the hub stays under the bound ``kvpool_agent._hub_memory``
-documents and still serves a console."""
+stalled subscribers and a suspended console while an agent key reports at its engine budget
+(under the bound ``kvpool_agent._hub_memory`` documents), and a multipart message of 512 parts
+of 2 MiB (under ``--memory-limit-mb``, ``kvpool_agent._memory_guard``). Each asserts the hub
+still serves a console afterwards."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +18,13 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from agent_testlib import FakeAgent, make_source, wait_until
+from agent_testlib import FakeAgent, Spammer, make_source, wait_until
 
 from kvpool_agent import FleetClient, KeyPaths
 from kvpool_agent._fleet import MAX_ENGINE_STATE_BYTES
 from kvpool_agent._hub_memory import PUB_SNDHWM, hub_memory_bound
 from kvpool_agent.auth import Role
+from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
     FULL_RATE_TOPICS,
     MAX_TEXT_CHARS,
@@ -48,15 +51,40 @@ with FleetClient(sys.argv[1], keys_dir=sys.argv[2]) as c:
 """
 
 
-@pytest.fixture
-def hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths],
-                tmp_path: Path) -> Iterator[psutil.Process]:
-    """``kvpool-agent hub --keys`` as its own process, ready when a viewer gets a snapshot."""
+_LIMIT_MB = 256
+"""The multipart test's ``--memory-limit-mb``: a keyed hub idles at ~45 MiB."""
+_OVERSHOOT_MB = 128
+"""What the RSS may pass the limit by: what arrives within one check and libzmq's release of
+the closed sockets (``kvpool_agent._memory_guard``)."""
+
+_MULTIPART = """
+import sys, zmq
+from kvpool_agent import KeyPaths
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.setsockopt(zmq.SNDHWM, 0)
+s.setsockopt(zmq.IMMEDIATE, 1)  # a dropped connection drops what is still queued
+KeyPaths.of(sys.argv[1]).client("viewer").apply(s)
+s.connect(sys.argv[2])
+part = b"\\x00" * (2 * 2**20 - 1024)  # within the port's 2 MiB part limit, with CURVE
+assert s.poll(30_000, zmq.POLLOUT)
+for _ in range(511):
+    s.send(part, zmq.SNDMORE, copy=False)
+s.send(part, copy=False)
+print("sent", flush=True)
+sys.stdin.read()
+"""
+
+
+def _hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+                 *args: str) -> Iterator[psutil.Process]:
+    """``kvpool-agent hub --keys ARGS`` as its own process (its log in ``tmp_path/hub.log``),
+    ready when a viewer gets a snapshot."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool_agent.cli", "hub", "--address", hub_address, "--keys",
          str(fleet_keys["hub"].root), "--metrics-port", "0", "--state-file",
-         str(tmp_path / "state.json")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         str(tmp_path / "state.json"), *args],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "hub.log").open("wb"),
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
@@ -67,6 +95,21 @@ def hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths],
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture
+def hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths],
+                tmp_path: Path) -> Iterator[psutil.Process]:
+    """The hub with its default memory limit (``MEMORY_LIMIT_MB``)."""
+    yield from _hub_process(hub_address, fleet_keys, tmp_path)
+
+
+@pytest.fixture
+def limited_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
+                tmp_path: Path) -> Iterator[psutil.Process]:
+    """The hub with ``--memory-limit-mb 256``."""
+    yield from _hub_process(hub_address, fleet_keys, tmp_path, "--memory-limit-mb",
+                            str(_LIMIT_MB))
 
 
 def _padded(aid: str, engine: str, size: int, round_no: int) -> EngineState:
@@ -153,3 +196,57 @@ def test_stalled_subscribers_and_a_suspended_console_do_not_swell_the_hub(
     grown = peak - base
     assert grown < bound, (f"hub RSS grew by {grown >> 20} MiB, bound {bound >> 20} MiB "
                            f"(PUB_SNDHWM={PUB_SNDHWM})")
+
+
+def test_a_multipart_message_of_512_parts_of_2_mib_leaves_the_hub_under_its_limit(
+    limited_hub: psutil.Process, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Issue 42, attack 4: libzmq holds a multipart message whole until its last part (each part
+    within the port's 2 MiB), so 512 parts of 1.99 MiB from a viewer grew the hub by 996 MiB.
+    Now past ``--memory-limit-mb`` the hub drops every connection, which frees the message:
+    its RSS, sampled every 20 ms until the shed is logged, stays under the limit plus one
+    check's intake, falls under the limit again, and the hub serves a console and a command,
+    and an agent reporting every 10 ms throughout keeps its id from its new connection at once
+    (no report refused as a takeover of its dropped one)."""
+    agent = FakeAgent(ctx, hub_address, keys=fleet_keys["agent"].client("agent"))
+    src = make_source("eng-m")
+    base = limited_hub.memory_info().rss
+    assert base < _LIMIT_MB << 20
+    log = tmp_path / "hub.log"
+    peak = base
+    with Spammer(agent, src):
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", _MULTIPART, str(fleet_keys["viewer"].root),
+             hub_ports(hub_address).commands],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while ("over the memory limit" not in log.read_text()
+                   and time.monotonic() < deadline):
+                peak = max(peak, limited_hub.memory_info().rss)
+                time.sleep(0.02)  # sampling interval, not a wait for an outcome
+            assert "over the memory limit" in log.read_text()
+            after_ms = time.time() * 1e3
+            wait_until(lambda: limited_hub.memory_info().rss < _LIMIT_MB << 20, 10)
+            assert limited_hub.memory_info().rss < _LIMIT_MB << 20
+        finally:
+            attacker.kill()
+            attacker.wait()
+        with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as c:
+            def reported_again() -> bool:
+                e = c.fleet().get(src.agent_id)
+                return e is not None and e.state.ts_ms >= after_ms
+
+            wait_until(reported_again)
+            assert reported_again() and c.last_update_ms > 0
+    assert peak < (_LIMIT_MB + _OVERSHOOT_MB) << 20, f"peak RSS {peak >> 20} MiB"
+    assert "takeover" not in log.read_text()
+    with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as c:
+        (r,) = c.command("snapshot", targets=["nobody"], timeout_ms=5_000)
+        assert r.agent_id == "nobody" and r.error is not None and "unknown" in r.error, r
+        # The command reaches the agent on its new connection.
+        (r,) = c.command("health", targets=[src.agent_id], timeout_ms=300)
+        assert [q.command for q in agent.drain(1_000)] == ["health"], r

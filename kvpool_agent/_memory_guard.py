@@ -1,0 +1,69 @@
+"""The hub's memory limit, enforced where libzmq cannot bound a queue: past the limit the hub
+closes and binds again every port (``FleetHub._shed``), which frees everything libzmq holds for
+its connections, a multipart message in the middle of its parts included.
+
+Why: libzmq 4.3 hands no part of a multipart message to the hub before its last part has come
+(a ROUTER polls nothing between parts), bounds each part only (``MAXMSGSIZE``) and counts whole
+messages in its queues, so one message of many parts is held whole, outside every bound of
+``kvpool_agent._hub_memory`` (issue 42: 512 parts of 1.99 MiB from a viewer grew the hub by
+996 MiB). No socket option of libzmq bounds it, and the socket types without multipart
+(``SERVER``) are drafts missing from pyzmq's build, so the hub watches its own RSS instead.
+
+What it costs: connections drop at once (agents and consoles reconnect by themselves within
+libzmq's reconnect interval, 0.1 s; agents keep their ids), commands in flight are answered
+with an error, replies on their way to consoles are lost. The RSS may pass the limit by what
+arrives within one check (``CHECK_S``) and the libzmq I/O thread's release of the closed
+sockets (a few ms).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["CHECK_S", "COOLDOWN_S", "MemoryGuard", "rss_bytes"]
+
+CHECK_S = 0.01
+"""Seconds between two reads of the hub's RSS at most (a read costs ~10 us)."""
+COOLDOWN_S = 0.25
+"""Seconds after a shed before the RSS is checked again: libzmq frees the closed sockets'
+queues on its own thread, and the RSS falls only then."""
+
+_STATM = Path("/proc/self/statm")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (bytes), ``None`` where ``/proc`` is missing."""
+    try:
+        return int(_STATM.read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class MemoryGuard:
+    """Says when the process's RSS is over ``limit_bytes`` (``None``: never).
+
+    Args:
+        limit_bytes: the RSS (bytes) past which the hub sheds its connections.
+    """
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.limit_bytes = limit_bytes
+        self._next = 0.0
+
+    def over(self, now: float | None = None) -> int | None:
+        """The RSS (bytes) when it is over the limit and due to be checked, else ``None``;
+        after a ``True``-ish answer the next check waits ``COOLDOWN_S``."""
+        if self.limit_bytes is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return None
+        rss = rss_bytes()
+        if rss is None or rss <= self.limit_bytes:
+            self._next = now + CHECK_S
+            return None
+        self._next = now + COOLDOWN_S
+        return rss
