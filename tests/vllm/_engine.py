@@ -5,8 +5,9 @@ SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transf
 in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
 ``dtype`` (default ``float32``), ``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers,
 Prometheus included, on; default off), ``kv_events_config`` (vLLM's, optional),
-``tensor_parallel_size`` (default 1), ``max_num_seqs`` (default 8) and ``hma`` (true: vLLM's
-hybrid KV-cache manager on, false: off; default: vLLM's choice). ``reset``:
+``tensor_parallel_size`` (default 1), ``max_num_seqs`` (default 8), ``hma`` (true: vLLM's
+hybrid KV-cache manager on, false: off; default: vLLM's choice) and ``lora`` (``{"name",
+"path", "rank"}``: vLLM's LoRA on, every prompt through that adapter). ``reset``:
 after the rounds, step the engine until every finished request's saves are reported (in-process
 engine core only), call ``LLM.reset_prefix_cache(reset_connector=True)`` and generate the
 prompts ``rounds_after_reset`` more times (default 1).
@@ -40,6 +41,13 @@ def main() -> None:
         kwargs["disable_hybrid_kv_cache_manager"] = not spec["hma"]
     if spec.get("attention_backend"):
         kwargs["attention_config"] = {"backend": spec["attention_backend"]}
+    lora_request = None
+    if spec.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        kwargs["enable_lora"] = True
+        kwargs["max_lora_rank"] = spec["lora"]["rank"]
+        lora_request = LoRARequest(spec["lora"]["name"], 1, spec["lora"]["path"])
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
         kwargs["distributed_executor_backend"] = "mp"
@@ -59,7 +67,7 @@ def main() -> None:
     def generate(llm: LLM) -> list[dict[str, object]]:
         t1 = time.time()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params,
-                            use_tqdm=False)
+                            use_tqdm=False, lora_request=lora_request)
         round_s.append(time.time() - t1)
         return [
             {

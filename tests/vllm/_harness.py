@@ -119,7 +119,7 @@ class Engines:
             dtype: str = "float32", block_size: int = BLOCK, model: Path | None = None,
             tp: int = 1, hma: bool | None = None, max_num_seqs: int = 8,
             env: dict[str, str] | None = None, attention_backend: str | None = None,
-            rounds: int = 1) -> list[dict[str, Any]]:
+            rounds: int = 1, lora: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Run engine ``name`` once (cached) over ``prompts``; its first round's outputs.
 
         ``model``: another model than the harness's; ``tp``: vLLM's tensor_parallel_size
@@ -128,7 +128,8 @@ class Engines:
         vLLM's batch size; ``env``: more environment; ``attention_backend``: vLLM's
         ``attention_config.backend`` (e.g. ``CPU_MLA``), ``None``: vLLM's choice; ``rounds``:
         the prompts are generated this many times in one engine (``self.results[name]
-        ["rounds"]`` holds every round's outputs)."""
+        ["rounds"]`` holds every round's outputs); ``lora``: every prompt through this LoRA
+        adapter (``_engine.py``'s ``lora``)."""
         if name not in self.results:
             spec = {"model": str(model or self.model), "prompts": prompts,
                     "max_tokens": MAX_TOKENS, "kv_transfer_config": ktc,
@@ -136,7 +137,7 @@ class Engines:
                     "num_gpu_blocks": 96 * BLOCK // block_size, "dtype": dtype,
                     "block_size": block_size, "tensor_parallel_size": tp, "hma": hma,
                     "max_num_seqs": max_num_seqs, "attention_backend": attention_backend,
-                    "rounds": rounds}
+                    "rounds": rounds, "lora": lora}
             spec_path = self.workdir / f"{name}.spec.json"
             out_path = self.workdir / f"{name}.out.json"
             log_path = self.workdir / f"{name}.log"

@@ -14,6 +14,15 @@ token not computed came from the pool, and vLLM's ``num_cached_tokens`` counts t
   in-place rolling deploy: another fingerprint and digest, so it loads none of v1's KV; having
   computed every token it is its own run without a pool, and its tokens differ from v1's
   (the weights really differ).
+
+LoRA (adapters on k_proj/v_proj, which shape the cached K and V), on v1 at ``b/cur``, three
+runs over prompt set T:
+
+* ``lora_writer``: adapter 1 under the name ``sql``; saves T, computing every token.
+* ``lora_renamed``: adapter 1 (a copy at another path) under the name ``chat``: the same
+  adapter by content, so it loads every whole chunk and equals ``lora_writer``.
+* ``lora_new``: the name ``sql`` now points at adapter 2: loads nothing, and its tokens
+  differ from adapter 1's.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 _rng = random.Random(39)
 S = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 97, 230)]
+T = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (140, 200)]
+LORA_RANK = 8
 
 
 def _loadable(prompt: list[int]) -> int:
@@ -57,6 +68,28 @@ def _write_new_weights(model_dir: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _adapter(root: Path, seed: int) -> Path:
+    """A PEFT LoRA adapter of rank ``LORA_RANK`` on every layer's k_proj and v_proj of the tiny
+    model (hidden 128, 2 KV heads of 32), weights drawn from ``seed``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+        "target_modules": ["k_proj", "v_proj"], "bias": "none", "lora_dropout": 0.0,
+        "fan_in_fan_out": False, "task_type": "CAUSAL_LM"}))
+    gen = torch.Generator().manual_seed(seed)
+    save_file({f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight":
+               torch.randn(shape, generator=gen) * 0.3
+               for i in range(2) for m in ("k_proj", "v_proj")
+               for ab, shape in (("A", (LORA_RANK, 128)), ("B", (64, LORA_RANK)))},
+              str(root / "adapter_model.safetensors"))
+    return root
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from kvpool_replay import build_tiny_model
@@ -67,7 +100,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(tiny, cur)
     copy = root / "b" / "cur"
     shutil.copytree(tiny, copy)
-    return {"cur": cur, "copy": copy}
+    one = _adapter(root / "adapters" / "one", 1)
+    one_copy = root / "adapters" / "one-copy"
+    shutil.copytree(one, one_copy)
+    return {"cur": cur, "copy": copy, "one": one, "one_copy": one_copy,
+            "two": _adapter(root / "adapters" / "two", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -113,4 +150,24 @@ def test_same_weights_share_new_weights_at_the_same_path_never_do(
     assert [o["num_cached_tokens"] for o in new] == [0, 0, 0]
     # v2 computes other tokens than v1 for these prompts: had it read v1's KV, it could
     # have followed v1 (as the issue saw); it computed all of them from its own weights.
+    assert [o["tokens"] for o in new] != [o["tokens"] for o in writer]
+
+
+def test_a_lora_name_over_two_adapters_never_shares_one_adapter_under_two_names_does(
+    engines: Engines, models: dict[str, Path], hub: FleetHub,
+) -> None:
+    def run(name: str, lora: str, adapter: str) -> list[dict[str, Any]]:
+        return engines.run(name, T, kvpool("kv_both", None, name, hub), model=models["copy"],
+                           lora={"name": lora, "path": str(models[adapter]),
+                                 "rank": LORA_RANK})
+
+    writer = run("lora_writer", "sql", "one")
+    assert [o["num_cached_tokens"] for o in writer] == [0, 0]
+    renamed = run("lora_renamed", "chat", "one_copy")
+    assert [o["num_cached_tokens"] for o in renamed] == [_loadable(p) for p in T]
+    for got, want in zip(renamed, writer, strict=True):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    new = run("lora_new", "sql", "two")
+    assert [o["num_cached_tokens"] for o in new] == [0, 0]
     assert [o["tokens"] for o in new] != [o["tokens"] for o in writer]
