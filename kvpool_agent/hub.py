@@ -109,6 +109,7 @@ from kvpool_agent._hub_memory import (
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._memory_guard import MemoryGuard
 from kvpool_agent._metrics import FleetCollector, MetricsServer
+from kvpool_agent._work_budget import WORK_UNITS_PER_MIN, WorkBudget, cost
 from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
 from kvpool_agent.protocol import (
@@ -315,6 +316,9 @@ class FleetHub:
         metrics_host: the address ``/metrics`` binds; ``None``: the hub's host without keys,
             127.0.0.1 with keys (the endpoint has no authentication, so a keyed hub never
             exposes it beyond the host unless asked to).
+        work_units_per_min: engine work one key may cause a minute (``kvpool_agent.
+            _work_budget``: one unit per agent reached by a dry-run flush, ``pins`` or
+            ``health --probe``); past it such commands are answered ``hub busy``.
         memory_limit_bytes: past this RSS (bytes, the whole process's) the hub rebuilds every
             port (``kvpool_agent._memory_guard``): the bound for what libzmq cannot bound, a
             multipart message. ``None``: no limit (a hub embedded in a larger process).
@@ -352,6 +356,7 @@ class FleetHub:
         audit_key_bytes_per_min: int = AUDIT_KEY_BYTES_PER_MIN,
         state_file: str | Path | None = None,
         memory_limit_bytes: int | None = None,
+        work_units_per_min: int = WORK_UNITS_PER_MIN,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -368,6 +373,7 @@ class FleetHub:
                                  audit_key_bytes_per_min)
         self.state_file = Path(state_file) if state_file else None
         self.memory_limit_bytes = memory_limit_bytes
+        self._work = WorkBudget(work_units_per_min)
         self._guard = MemoryGuard(memory_limit_bytes)
         self.memory_sheds = 0
         self.snapshot_interval_s = snapshot_interval_s
@@ -1002,6 +1008,16 @@ class FleetHub:
         unknown = [aid for aid, r in routes.items() if r is None]
         known = {aid: r for aid, r in routes.items() if r is not None}
         targets = list(known)
+        wait_s = self._work.spend(key, cost(req, len(known)))
+        if wait_s is not None:
+            # Not audited, like a full pending quota: a flood must not fill the audit file.
+            self.busy += 1
+            why = (f"hub busy: this key's engine work budget ({self._work.capacity} agent "
+                   f"commands a minute of dry-run flush, pins, health --probe) is spent; "
+                   f"retry in {wait_s:.0f} s")
+            self._refuse(key, why)
+            self._send_client(sock, client, [self._agent_error(req, "hub", why)])
+            return
         pend = _Pending(
             sock=sock,
             client=client,
