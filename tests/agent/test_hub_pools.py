@@ -2,7 +2,8 @@
 keyed hub with real CURVE keys (and a real Mooncake pool where keys must really go): after the
 operator's ``forget`` an impostor of the pool receives nothing pool-wide and the real flush
 removes the keys; an answer that matches fewer keys than the pool holds is suspect; a pool only
-the attacker reports gets no share of a fleet-wide flush."""
+the attacker reports gets no share of a fleet-wide flush; silence keeps tenure too (the fleet's
+own state, no sockets needed)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent._fleet import Fleet
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
+    CommandRequest,
+    EngineState,
     FlushArgs,
     FlushResult,
     PoolStats,
+    Report,
     encode,
 )
 from kvpool_connector.keys import ParallelLayout, PoolKey
@@ -179,3 +184,28 @@ def test_a_pool_only_one_bound_key_reports_gets_no_share_of_a_fleet_wide_flush(
             assert got[0].ok and got[0].flush is not None and got[0].flush.keys == 7
             assert not got[1].ok and got[1].error is not None and "10.6.6.6" in got[1].error
     assert phantom.drain(200) == []
+
+
+def _worker_report(engine: str, master: str) -> Report:
+    src = make_source(engine, master=master)
+    return Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot",
+                  state=EngineState(source=src, started_ms=1.0, ts_ms=1.0))
+
+
+def test_silence_keeps_tenure_and_only_unheld_tenures_are_pruned() -> None:
+    """Issue 42, attack 2, the silent case: the real workers go silent past ``forget_after``
+    (dropped) and come back after an impostor of their pool joined: the real one's tenure is
+    kept, so the pool-wide flush still goes to it. Tenures are pruned only for engines no agent
+    holds, once unheard for the kept time."""
+    fleet = Fleet()
+    pool = "10.0.0.5:50051"
+    flush_all = CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="r", command="flush",
+                               flush=FlushArgs(scope="all", dry_run=True))
+    assert fleet.accept(b"r1", _worker_report("eng-real", pool), "real-key") is None
+    assert fleet.forget_silent(-1.0) == ["eng-real/dp0.tp0.pp0"]  # silent past the limit
+    assert fleet.accept(b"i1", _worker_report("eng-imp", pool), "imp-key", bound=True) is None
+    assert fleet.accept(b"r2", _worker_report("eng-real", pool), "real-key") is None
+    assert fleet.targets(flush_all) == (["eng-real/dp0.tp0.pp0"], None, [])
+    fleet.forget(["eng-real"])
+    fleet.prune_tenure(-1.0)  # every tenure is "old": only the unheld one goes
+    assert set(fleet.tenure()) == {"eng-imp"}
