@@ -223,6 +223,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "checksum": True,
         "instance_role": "prefill",
         "hash_algo": "xxh3_128",
+        "model_fingerprint": "llama-3-8b-build-42",
         "reset_flush_scope": "engine",
         "admission": "adaptive",
         "admission_pool_tokens": 2_000_000,
@@ -238,6 +239,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert cfg.agent_keys == "/etc/kvpool/agent"
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
     assert cfg.staging_buffer_bytes == 32 << 20
+    assert cfg.model_fingerprint == "llama-3-8b-build-42"
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"
     assert (cfg.admission, cfg.admission_pool_tokens) == ("adaptive", 2_000_000)
