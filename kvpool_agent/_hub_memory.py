@@ -16,7 +16,8 @@ bytes, so each connection's share is ``messages x bytes``:
   forwarded without their ``targets``: a read-only command is a few hundred bytes; only an
   operator's ``pin`` comes near the bound);
 - a command connection (``P+2``, ``P+3``): ``COMMAND_RCVHWM`` commands of at most
-  ``MAX_COMMAND_BYTES``.
+  ``MAX_COMMAND_BYTES``, and ``COMMAND_SNDHWM`` replies (a reply's size follows its targets':
+  not in ``hub_memory_bound``).
 
 ``hub_memory_bound`` is the sum, besides the hub's own base (interpreter, libzmq, code: ~45
 MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` encoded; Python
@@ -39,6 +40,7 @@ __all__ = [
     "AGENT_RCVHWM",
     "AGENT_SNDHWM",
     "COMMAND_RCVHWM",
+    "COMMAND_SNDHWM",
     "DECODED_STATE_FACTOR",
     "MAX_COMMAND_BYTES",
     "MAX_UPDATE_FRAME_BYTES",
@@ -75,6 +77,11 @@ AGENT_SNDHWM = 64
 
 COMMAND_RCVHWM = 64
 """Commands queued per command connection before libzmq stops reading it."""
+
+COMMAND_SNDHWM = 64
+"""Replies queued per command connection (a console reads one command's replies at a time);
+past it a reply is lost and counted (``FleetHub.lost_replies``): a console that sends without
+reading cannot make the hub keep its replies."""
 
 MAX_COMMAND_BYTES = 2 * 1024 * 1024
 """Largest frame the command ports read (bytes): a request naming ``MAX_TARGETS`` ids of

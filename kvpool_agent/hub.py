@@ -102,6 +102,7 @@ from kvpool_agent._hub_memory import (
     AGENT_RCVHWM,
     AGENT_SNDHWM,
     COMMAND_RCVHWM,
+    COMMAND_SNDHWM,
     MAX_COMMAND_BYTES,
     MAX_UPDATE_FRAME_BYTES,
     PUB_SNDHWM,
@@ -523,7 +524,7 @@ class FleetHub:
         # Per connection, in messages (libzmq counts no bytes): each port's messages are
         # bounded in bytes, so each queue is too (kvpool_agent._hub_memory).
         s.setsockopt(zmq.SNDHWM, {"agents": AGENT_SNDHWM, "pub": PUB_SNDHWM}.get(
-            name, COMMAND_RCVHWM))
+            name, COMMAND_SNDHWM))
         # What each port needs, so a part over it is refused at its header (libzmq
         # buffers a multipart message whole before the hub sees any part of it).
         s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES if name == "agents"
