@@ -317,15 +317,16 @@ class FleetHub:
         metrics_host: the address ``/metrics`` binds; ``None``: the hub's host without keys,
             127.0.0.1 with keys (the endpoint has no authentication, so a keyed hub never
             exposes it beyond the host unless asked to).
-        work_units_per_min: engine work one key may cause a minute (``kvpool_agent.
-            _work_budget``: one unit per agent reached by a dry-run flush, ``pins`` or
-            ``health --probe``); past it such commands are answered ``hub busy``.
+        work_units_per_min: engine work one key may cause a minute: one unit per agent
+            reached by a dry-run flush, ``pins`` or ``health --probe``
+            (``kvpool_agent._work_budget``); past it such commands are answered ``hub busy``.
         memory_limit_bytes: past this RSS (bytes, the whole process's) the hub rebuilds every
             port (``kvpool_agent._memory_guard``): the bound for what libzmq cannot bound, a
             multipart message. ``None``: no limit (a hub embedded in a larger process).
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
-    the operator key on P+2), ``busy`` (commands refused for a full pending quota),
+    the operator key on P+2), ``busy`` (commands refused for a full pending quota or a key's
+    spent engine work budget), ``memory_sheds`` (times the RSS passed ``memory_limit_bytes``),
     ``takeover_refused`` (reports for an id another live connection holds),
     ``oversized_states`` (reports over ``MAX_STATE_BYTES``), ``fleet_full`` (reports refused
     for ``MAX_AGENTS`` or ``MAX_FLEET_STATE_BYTES``), ``rejected_replies`` (replies from
