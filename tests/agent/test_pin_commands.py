@@ -167,7 +167,7 @@ def audit_lines(p: Pool, command: str) -> list[dict[str, Any]]:
 
 
 def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
-        pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+        pool: Pool, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest) -> None:
     system = [1, 2, 3, 4]  # 4 chunks: 2 saved before the pin, 2 after it
     viewers = [21, 22]
     assert pool.run(system[:2]) == 0 and pool.run(viewers) == 0
@@ -177,6 +177,11 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     rc, out, err = console(pool, capsys, pool.operator, "pin", "--model", pool.model,
                            "--tokens", ids, "--id", "system", "--mode", "hard")
     assert rc == 0, err
+    # A failure below must not leave the pin holding the pool's pin share for the next tests.
+    pinned = [True]
+    request.addfinalizer(lambda: pinned[0] and console_main([
+        "unpin", "--model", pool.model, "--id", "system", "--hub", pool.hub_address,
+        "--keys", str(pool.operator), "--wait", "10"]))
     assert (f"pinned 'system' of {pool.model}" in out
             and f"{4 * CHUNK} tokens, {4 * SHARES} keys" in out
             and f"{2 * SHARES} in the pool now, {2 * SHARES} pinned when saved" in out), out
@@ -210,7 +215,11 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     pool.save(system)
     pool.flood(1000, gone=viewers)  # the viewer's prefix goes with the unpinned
     assert pool.held(system) == 4
-    assert pool.run(system) == 4 * CHUNK
+    # Loaded whole; on a loaded host a load can outlive the pool's 500 ms lease and be
+    # recomputed (0 hits), so the pinned prefix is asked for until a load completes.
+    hits: list[int] = []
+    wait_until(lambda: hits.append(pool.run(system)) or hits[-1] == 4 * CHUNK, 30)
+    assert hits[-1] == 4 * CHUNK, hits
 
     rc, out, err = console(pool, capsys, pool.viewer, "pins", "--model", pool.model, "--json")
     assert rc == 0, err
@@ -223,6 +232,7 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
                            "--id", "system")
     assert rc == 0, err
     assert "unpinned 'system'" in out and f"{4 * SHARES} of {4 * SHARES} keys removed" in out, out
+    pinned[0] = False
     assert pool.held(system) == 0
     wait_until(lambda: status_pool()["pinned_bytes"] == 0, 15)
     # Computed again, it is saved unpinned: the next flood evicts it.
