@@ -36,20 +36,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpool_agent.protocol import EngineState, PoolStats, visible
+from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, PoolStats, visible
 
 __all__ = [
-    "DOWN_AFTER_S",
-    "STALE_AFTER_S",
     "FleetCollector",
     "MetricsServer",
     "pool_name",
 ]
 
-STALE_AFTER_S = 5.0
-"""An agent silent this long is ``stale`` (the console's default ``stale_after_ms``)."""
-DOWN_AFTER_S = 30.0
-"""An agent silent this long is ``down`` (the console's default ``down_after_ms``)."""
+# The console's thresholds: one owner (the wire contract), so a scrape and the console never
+# disagree on whether an agent is stale.
+_STALE_AFTER_S = STALE_AFTER_MS / 1e3
+_DOWN_AFTER_S = DOWN_AFTER_MS / 1e3
 
 _ENGINE = ["engine", "model", "role"]
 _AGENT = [*_ENGINE, "agent"]
@@ -187,7 +185,7 @@ class FleetCollector(Collector):
         fams.gauge("kvpool_fleet_engines", "Engines the hub knows.", []).add_metric(
             [], len(groups))
         agents = fams.gauge("kvpool_fleet_agents", "Agents the hub knows, by state (up, stale "
-                            f"after {STALE_AFTER_S:g} s silent, down after {DOWN_AFTER_S:g} s).",
+                            f"after {_STALE_AFTER_S:g} s silent, down after {_DOWN_AFTER_S:g} s).",
                             ["state"])
         for name in _STATES:
             agents.add_metric([name], agent_states[name])
@@ -266,7 +264,7 @@ class FleetCollector(Collector):
                                "0 for the others.", [*_AGENT, "state"])
         for st, seen in group:
             age_s = max(0.0, now_ms - seen) / 1e3
-            state = "down" if age_s > DOWN_AFTER_S else "stale" if age_s > STALE_AFTER_S else "up"
+            state = "down" if age_s > _DOWN_AFTER_S else "stale" if age_s > _STALE_AFTER_S else "up"
             agent_states[state] += 1
             alabels = [*labels, st.source.agent_id]
             for name in _STATES:

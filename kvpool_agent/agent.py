@@ -42,6 +42,7 @@ from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.operations import PinOperations, PoolOperations
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_agent.protocol import (
+    HEARTBEAT_MS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandReply,
@@ -69,7 +70,7 @@ log = logging.getLogger("kvpool.agent")
 
 DELTA_INTERVAL_S = 0.25
 SNAPSHOT_INTERVAL_S = 5.0
-_HEARTBEAT_S = 1.0
+_HEARTBEAT_S = HEARTBEAT_MS / 1e3
 _LOOP_S = 0.05
 _PROCESS_INTERVAL_S = 1.0
 _POOL_INTERVAL_S = 2.0

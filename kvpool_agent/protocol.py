@@ -35,7 +35,9 @@ import msgspec
 from kvpool_agent.vocabulary import InstanceRole, KVRole
 
 __all__ = [
+    "DOWN_AFTER_MS",
     "FULL_RATE_TOPICS",
+    "HEARTBEAT_MS",
     "MAX_ID_CHARS",
     "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
@@ -45,6 +47,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
     "RECENT_PAUSES",
+    "STALE_AFTER_MS",
     "UPDATE_TIERS_MS",
     "CommandName",
     "CommandReply",
@@ -87,6 +90,16 @@ __all__ = [
 
 PROTOCOL_VERSION = 2
 """Bumped on any change a receiver of the previous version would misread."""
+
+HEARTBEAT_MS = 1_000
+"""An agent reports at least this often (ms), a heartbeat when nothing changed."""
+
+STALE_AFTER_MS = 3_000.0
+"""Silence (ms) after which every reader (the console, the hub's ``/metrics``) calls an agent
+``stale``: three missed heartbeats are a fault, so a stopped engine is named within 5 s."""
+
+DOWN_AFTER_MS = 30_000.0
+"""Silence (ms) after which an agent is ``down``, not only ``stale``."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Frames larger than this are dropped unread (counted as ``oversized``)."""

@@ -26,7 +26,7 @@ from kvpool_agent.protocol import (
     Source,
     StartFailure,
 )
-from kvpool_console.alerts import SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
+from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
 
 __all__ = [
     "SORT_KEYS",
@@ -484,7 +484,7 @@ def build_view(
     *,
     alerts: list[Alert] | None = None,
     stale_after_ms: float = STALE_AFTER_MS,
-    down_after_ms: float = 30_000.0,
+    down_after_ms: float = DOWN_AFTER_MS,
     agent_rows_for: Collection[str] | None = None,
 ) -> FleetView:
     """Group agents into engine rows, deduplicate pools and total the fleet.
@@ -684,7 +684,7 @@ class FleetModel:
     """
 
     def __init__(self, history: int = 60, *, stale_after_ms: float = STALE_AFTER_MS,
-                 down_after_ms: float = 30_000.0) -> None:
+                 down_after_ms: float = DOWN_AFTER_MS) -> None:
         self.history = history
         self.stale_after_ms = stale_after_ms
         self.down_after_ms = down_after_ms

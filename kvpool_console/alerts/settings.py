@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool_agent.protocol import Source
+# Silence thresholds are the wire contract's: the hub's /metrics call an agent stale alike.
+from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, Source
 
 __all__ = ["COUNTER_WINDOW_MS", "DOWN_AFTER_MS", "STALE_AFTER_MS", "STUCK_FLOOR_MS",
            "STUCK_MULTIPLE", "WATERMARK_MARGIN", "AlertSettings"]
@@ -27,16 +28,8 @@ That rate is throughput over 10 s, idle time included, so the expected time is a
 bound of what the link takes. Not the lease TTL: with a 50 ms ``default_kv_lease_ttl`` every
 ordinary save outlives it."""
 
-STALE_AFTER_MS = 3_000.0
-"""Silence (ms) after which an engine is ``stale``: agents send a heartbeat every second, so
-three missed ones are a fault, and a stopped engine is named within 5 s."""
-
 COUNTER_WINDOW_MS = 60_000.0
 """A counter alert stays active this long (ms) after the newest error it counts."""
-
-DOWN_AFTER_MS = 30_000.0
-"""Silence (ms) after which an engine is ``down`` (critical), not only ``stale``."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class AlertSettings:
