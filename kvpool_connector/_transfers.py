@@ -16,9 +16,14 @@ bytes of saves submitted and not finished are bounded by ``save_budget_bytes``: 
 save would pass it is skipped and counted (``SAVE_BUDGET``), so submitting never blocks the
 engine thread and a finished request waits for at most one budget of saves before its blocks
 are freed. A preempted request's queued saves are dropped (``PREEMPTED``) and only its running
-one is waited for. With ``eviction: connector`` the same thread removes the keys the scheduler's
-LRU evicted (``SaveQueue.remove``) before it runs the saves submitted after them, so the pool
-has room for them; a key under a reader's lease is removed with a later batch.
+one is waited for. Backend calls are sized to the transport (``staging.SizedCalls``). A batch
+whose values are all staged and fit the staging buffer at once releases its requests (they leave
+the pending set: ``get_finished`` reports them, vLLM frees their blocks) once the values are
+copied, before the put (with KV events off: events are recorded when the put ends), so a store
+that does not answer holds no engine block and a preempted request waits for the copy only.
+With ``eviction: connector`` the same thread removes the keys the scheduler's LRU evicted
+(``SaveQueue.remove``) before it runs the saves submitted after them, so the pool has room for
+them; a key under a reader's lease is removed with a later batch (``_removals``).
 
 Both report every transfer to the agent and add to one ``WorkerCounters``. ``KVPoolWorker``
 owns them and calls them from vLLM's hooks.
@@ -43,6 +48,7 @@ from kvpool_connector._checksum import CHECKSUM_BYTES, DigestSlots, digest_of
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
+from kvpool_connector._removals import LeasedKeys
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.metadata import ReqMeta
 from kvpool_connector.staging import SizedCalls
@@ -58,15 +64,6 @@ _FULL = ErrorCode.NO_AVAILABLE_HANDLE
 
 SAVE_BUDGET = "SAVE_BUDGET"
 """``SaveSkipped.reason`` of a save skipped because ``save_budget_bytes`` were in flight."""
-
-MAX_LEASED_REMOVES = 65_536
-"""Evicted keys a lease kept that ``SaveQueue`` tries again at most (``SaveQueue.remove``)."""
-
-LEASED_RETRY_S = 0.02
-"""Shortest pause (s) between two tries of the evicted keys a lease kept."""
-
-_WAIT_REMOVE = (ErrorCode.OBJECT_HAS_LEASE, ErrorCode.REPLICA_IS_NOT_READY)
-"""``batch_remove`` results after which the key is tried again later."""
 
 PREEMPTED = "PREEMPTED"
 """``SaveSkipped.reason`` of a queued save dropped because its request was preempted."""
@@ -506,15 +503,15 @@ class SaveQueue:
         self._step_refused: set[str] = set()
         # Batches by sequence number; the one the save thread runs (its number, request ids).
         self._seq = 0
-        self._batches: dict[int, Future[None]] = {}
+        # Per batch, set once it reads engine blocks no more (copied to staging, or ended).
+        self._copied: dict[int, threading.Event] = {}
         self._running: tuple[int, frozenset[str]] | None = None
         # Preempted request -> last batch number whose saves of it must not run.
         self._dropped: dict[str, int] = {}
         # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
         self.checksum: DigestSlots | None = None
         # Save thread only: evicted keys a reader's lease kept (removed with the next batch).
-        self._leased: dict[str, None] = {}
-        self._leased_retry_at = 0.0
+        self._leased = LeasedKeys()
         # (request id, chunk) of every chunk a save wrote, when KV events are on
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).
@@ -545,6 +542,7 @@ class SaveQueue:
             self._inflight_bytes += nbytes
             self._seq += 1
             seq = self._seq
+            self._copied[seq] = threading.Event()
         if layer in (None, 0):
             for req, ts in per_req:
                 self.reporter.transfer_started(
@@ -556,7 +554,6 @@ class SaveQueue:
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()]
             self._futures.append(fut)
-            self._batches[seq] = fut
         return fut
 
     def remove(self, keys: Sequence[str], keep: Sequence[str] = (),
@@ -565,9 +562,8 @@ class SaveQueue:
         any save submitted later; never by force (``Backend.batch_remove``). Never blocks.
 
         A key under a lease (Mooncake -706 OBJECT_HAS_LEASE) or still being written (-703
-        REPLICA_IS_NOT_READY) waits and is tried again with a later batch, at most every
-        ``LEASED_RETRY_S``; ``MAX_LEASED_REMOVES`` of them at most wait (the oldest are
-        dropped: the master evicts them when a put finds no room). ``keep``: waiting keys
+        REPLICA_IS_NOT_READY) waits and is tried again with a later batch (``_removals``:
+        how often, how many at most). ``keep``: waiting keys
         whose chunk the scheduler took back (dropped from the wait). ``pinned``: the keys a
         pin holds, asked on the save thread before each batch (never removed). Removed keys
         and failed removes are counted (``evicted_keys``, ``evict_failed_keys``).
@@ -580,18 +576,7 @@ class SaveQueue:
 
     def _remove(self, keys: list[str], keep: list[str],
                 pinned: Callable[[], AbstractSet[str]] | None) -> None:
-        leased = self._leased
-        for k in keep:
-            leased.pop(k, None)
-        now = time.monotonic()
-        todo = keys
-        if leased and now >= self._leased_retry_at:
-            todo = list(dict.fromkeys([*leased, *keys]))
-            leased.clear()
-            self._leased_retry_at = now + LEASED_RETRY_S
-        if todo and pinned is not None:
-            held = pinned()
-            todo = [k for k in todo if k not in held]
+        todo = self._leased.batch(keys, keep, pinned)
         if not todo:
             return
         try:
@@ -603,16 +588,7 @@ class SaveQueue:
             with self._lock:
                 self.counters.evict_failed_keys += len(todo)
             return
-        removed = failed = 0
-        for key, rc in zip(todo, codes, strict=True):
-            if rc == 0:
-                removed += 1
-            elif rc in _WAIT_REMOVE:
-                leased[key] = None
-            elif rc != ErrorCode.OBJECT_NOT_FOUND:  # not found: never stored, or gone already
-                failed += 1
-        while len(leased) > MAX_LEASED_REMOVES:
-            del leased[next(iter(leased))]
+        removed, failed = self._leased.settle(todo, codes)
         with self._lock:
             self.counters.evicted_keys += removed
             self.counters.evict_failed_keys += failed
@@ -651,29 +627,37 @@ class SaveQueue:
                 self._count_skip(req.req_id, len({t.chunk for t in ts}) * (n_layers or 1),
                                  n_layers, PREEMPTED)
         todo = [(r, ts) for r, ts in per_req if r.req_id not in dropped]
+
+        def release() -> None:  # the engine may reuse the batch's blocks from now on
+            with self._lock:
+                if not self._copied[seq].is_set():
+                    self._copied[seq].set()
+                    for rid in (r.req_id for r, _ in per_req):
+                        self._pending[rid] = self._pending.get(rid, 1) - 1
+                        if self._pending[rid] <= 0:
+                            del self._pending[rid]
         try:
             device.wait(marker)
-            self._save(todo, layer, n_layers)
+            # KV events promise a request in finished_sending has its chunks recorded: with
+            # them on, blocks are released when the save ends, after the records.
+            self._save(todo, layer, n_layers, release if self.written is None else None)
         except Exception as exc:  # a failed save never reaches the engine: it is reported
             logger.exception("kvpool save crashed")
             for req, _ in todo:
                 self.reporter.transfer_finished(req.req_id, "save", ok=False,
                                                 error_name=type(exc).__name__)
         finally:
+            release()
             with self._lock:
                 self._running = None
-                self._batches.pop(seq, None)
+                self._copied.pop(seq, None)
                 self._inflight_bytes -= nbytes
-                for req, _ in per_req:
-                    left = self._pending.get(req.req_id, 1) - 1
-                    if left <= 0:
-                        self._pending.pop(req.req_id, None)
-                    else:
-                        self._pending[req.req_id] = left
 
-    def _put_new(self, transfers: list[Transfer]) -> dict[str, int]:
+    def _put_new(self, transfers: list[Transfer], copied: Callable[[], None] | None = None
+                 ) -> dict[str, int]:
         """Put the keys the pool does not hold yet (one ``batch_exists`` first, so chunks
-        another engine stored are not sent again); per key put, its result code."""
+        another engine stored are not sent again); per key put, its result code. ``copied``:
+        called once no engine block is read any more (``SizedCalls.put``)."""
         if not transfers:
             return {}
         try:
@@ -685,7 +669,8 @@ class SaveQueue:
             return {}
         slots = self.checksum
         if slots is None:
-            codes = self._call_put(todo, [t.addrs for t in todo], [t.sizes for t in todo])
+            codes = self._call_put(todo, [t.addrs for t in todo], [t.sizes for t in todo],
+                                   copied)
         else:
             # Each value carries the digest of its bytes (``_checksum``), computed here, after
             # the device finished writing them.
@@ -696,23 +681,24 @@ class SaveQueue:
                     slots.write(j, digest_of(t.key, t.addrs, t.sizes))
                 codes += self._call_put(
                     part, [[*t.addrs, slots.slot(j)] for j, t in enumerate(part)],
-                    [[*t.sizes, CHECKSUM_BYTES] for t in part])
+                    [[*t.sizes, CHECKSUM_BYTES] for t in part],
+                    copied if start + slots.capacity >= len(todo) else None)
         return {t.key: c for t, c in zip(todo, codes, strict=True)}
 
-    def _call_put(self, todo: list[Transfer], addrs: list[list[int]], sizes: list[list[int]]
-                  ) -> list[int]:
+    def _call_put(self, todo: list[Transfer], addrs: list[list[int]], sizes: list[list[int]],
+                  copied: Callable[[], None] | None = None) -> list[int]:
         """One ``batch_put_from``; per key its result code."""
         try:
-            return self.calls.put([t.key for t in todo], addrs, sizes)
+            return self.calls.put([t.key for t in todo], addrs, sizes, copied)
         except BackendError as exc:
             logger.error("kvpool save of %d keys failed: %s", len(todo), exc)
             return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)
 
     def _save(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
-              n_layers: int) -> None:
+              n_layers: int, copied: Callable[[], None] | None = None) -> None:
         skipped = {req.req_id: len(ts) for req, ts in per_req if req.req_id in self._pool_full}
         results = self._put_new([t for req, ts in per_req if req.req_id not in skipped
-                                 for t in ts])
+                                 for t in ts], copied)
         last_layer = layer is None or layer == n_layers - 1
         for req, transfers in per_req:
             rid = req.req_id
@@ -790,15 +776,16 @@ class SaveQueue:
 
     def settle(self, req_ids: set[str]) -> None:
         """Preemption: drop the queued saves of ``req_ids`` (their blocks are about to be
-        reused; counted as ``PREEMPTED``) and wait only for a running save of theirs."""
+        reused; counted as ``PREEMPTED``) and wait only for a running save of theirs to stop
+        reading their blocks: once its values are in the staging buffer, not its put."""
         with self._lock:
             for rid in req_ids:
                 self._dropped[rid] = self._seq
             running = self._running
-            fut = (self._batches.get(running[0])
-                   if running is not None and running[1] & req_ids else None)
-        if fut is not None:
-            fut.result()
+            ev = (self._copied.get(running[0])
+                  if running is not None and running[1] & req_ids else None)
+        if ev is not None:
+            ev.wait()
 
     def take_written(self) -> list[tuple[str, int, int]]:
         """``(request id, chunk, KV-cache group)`` of the chunks saves wrote since the last

@@ -172,18 +172,41 @@ class SizedCalls:
         return out
 
     def put(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
-            sizes: Sequence[Sequence[int]]) -> list[int]:
+            sizes: Sequence[Sequence[int]], copied: Callable[[], None] | None = None
+            ) -> list[int]:
         """``Backend.batch_put_from`` of every key, in calls within the limits; staged values
         are copied into the staging buffer first (their source blocks are read once, before
-        the call). Per key the put's result code. Raises what the backend raises."""
+        the call). Per key the put's result code. Raises what the backend raises.
+
+        ``copied`` is called once the source ranges are read no more: before the first call
+        when every value is staged and all fit in the buffer at once (the engine's blocks are
+        then free however long the store takes to answer), else after the last call."""
         results = [0] * len(keys)
-        for idx, staged in self._calls(addrs, sizes):
-            c_addrs, c_sizes = self._layout(idx, staged, addrs, sizes, copy_in=True)
-            got = self._put([keys[i] for i in idx], c_addrs, c_sizes)
-            self.calls += 1
-            for i, rc in zip(idx, got, strict=True):
-                results[i] = int(rc)
+        plan = self._calls(addrs, sizes)
+        room = self.staging.nbytes if self.staging is not None else 0
+        if copied is not None and all(all(st) for _, st in plan) \
+                and sum(sum(s) for s in sizes) <= room:
+            filled, off = [], 0
+            for idx, staged in plan:  # one fill of the buffer for every call: offsets run on
+                c_addrs, c_sizes, off = self._layout(idx, staged, addrs, sizes, True, off)
+                filled.append((idx, c_addrs, c_sizes))
+            copied()
+            for idx, c_addrs, c_sizes in filled:
+                self._put_call(keys, idx, c_addrs, c_sizes, results)
+            return results
+        for idx, staged in plan:
+            c_addrs, c_sizes, _ = self._layout(idx, staged, addrs, sizes, True)
+            self._put_call(keys, idx, c_addrs, c_sizes, results)
+        if copied is not None:
+            copied()
         return results
+
+    def _put_call(self, keys: Sequence[str], idx: list[int], addrs: list[list[int]],
+                  sizes: list[list[int]], results: list[int]) -> None:
+        got = self._put([keys[i] for i in idx], addrs, sizes)
+        self.calls += 1
+        for i, rc in zip(idx, got, strict=True):
+            results[i] = int(rc)
 
     def get(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
             sizes: Sequence[Sequence[int]]) -> list[int]:
@@ -192,7 +215,7 @@ class SizedCalls:
         whole. Per key the bytes read or an error code. Raises what the backend raises."""
         results = [0] * len(keys)
         for idx, staged in self._calls(addrs, sizes):
-            c_addrs, c_sizes = self._layout(idx, staged, addrs, sizes, copy_in=False)
+            c_addrs, c_sizes, _ = self._layout(idx, staged, addrs, sizes, False)
             got = self._get([keys[i] for i in idx], c_addrs, c_sizes)
             self.calls += 1
             for j, (i, res) in enumerate(zip(idx, got, strict=True)):
@@ -202,13 +225,13 @@ class SizedCalls:
         return results
 
     def _layout(self, idx: list[int], staged: list[bool], addrs: Sequence[Sequence[int]],
-                sizes: Sequence[Sequence[int]], *, copy_in: bool
-                ) -> tuple[list[list[int]], list[list[int]]]:
-        """The call's ranges: a staged key's one range in the staging buffer (filled from its
-        ranges when ``copy_in``), the others' own ranges."""
+                sizes: Sequence[Sequence[int]], copy_in: bool, off: int = 0
+                ) -> tuple[list[list[int]], list[list[int]], int]:
+        """The call's ranges: a staged key's one range in the staging buffer from offset
+        ``off`` on (filled from its ranges when ``copy_in``), the others' own ranges; and the
+        offset after the last staged value."""
         out_a: list[list[int]] = []
         out_s: list[list[int]] = []
-        off = 0
         for i, st in zip(idx, staged, strict=True):
             if not st:
                 out_a.append(list(addrs[i]))
@@ -224,7 +247,7 @@ class SizedCalls:
             off += n
             self.staged_bytes += n
             self.staged_keys += 1
-        return out_a, out_s
+        return out_a, out_s, off
 
 
 def attach_staging(calls: Sequence[SizedCalls], backend: Backend, device_type: str,

@@ -7,8 +7,11 @@ The batch is the one Mooncake's TCP lane refuses when sent as one call: 3,072 sl
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -32,16 +35,22 @@ overlaps one it made before, and freed tensors get reused."""
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[MooncakeBackend]:
+def store() -> Iterator[tuple[LocalMooncakeMaster, LocalPoolStore]]:
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master, \
-            LocalPoolStore(master, 256 << 20):
-        cfg = {"master_server_address": master.address, "global_segment_size": 0,
-               "master_admin_url": master.admin_url, "local_buffer_size": "16MB"}
-        backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
-        try:
-            yield backend
-        finally:
-            backend.close()
+            LocalPoolStore(master, 256 << 20) as pool_store:
+        yield master, pool_store
+
+
+@pytest.fixture(scope="module")
+def client(store: tuple[LocalMooncakeMaster, LocalPoolStore]) -> Iterator[MooncakeBackend]:
+    master = store[0]
+    cfg = {"master_server_address": master.address, "global_segment_size": 0,
+           "master_admin_url": master.admin_url, "local_buffer_size": "16MB"}
+    backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+    try:
+        yield backend
+    finally:
+        backend.close()
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +170,67 @@ def test_worker_moves_llama3_8b_blocks_through_staging(client: MooncakeBackend,
     assert saves.calls == loads.calls == chunks
     writer.shutdown()
     reader.shutdown()
+
+
+def _until(cond: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_stopped_store_never_holds_engine_blocks(
+        store: tuple[LocalMooncakeMaster, LocalPoolStore], client: MooncakeBackend) -> None:
+    """The store SIGSTOPped during a save (issue 38): the values are copied to the staging
+    buffer, the request is reported finished_sending (vLLM frees its blocks) while the put is
+    still stuck, the blocks are then overwritten as vLLM would reuse them, and after SIGCONT the
+    pool holds the bytes of the save, never the overwritten ones."""
+    proc = store[1].proc
+    assert proc is not None
+    settings = _Settings(staging_buffer_bytes=32 << 20)  # the whole save at once
+    chunks, bpc = 4, settings.chunk_size // settings.block_size
+    shape = (2 * chunks * bpc + 1, 8, 16, 256)  # 8 layers of Llama-3's KV heads, every other
+    src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
+           for i in range(8)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    writer = KVPoolWorker(settings, ParallelLayout(), "stopped", client, Reporter())
+    writer.register_kv_caches(src)
+    reader = KVPoolWorker(settings, ParallelLayout(), "stopped", client, Reporter())
+    reader.register_kv_caches(dst)
+    _KEEP.append((src, dst, writer, reader))
+    src_ids = list(range(0, 2 * chunks * bpc, 2))
+    dst_ids = list(range(1, 2 * chunks * bpc + 1, 2))
+    saved = {k: v[src_ids].clone() for k, v in src.items()}
+    tokens = chunks * settings.chunk_size
+    hashes = chunk_hashes(list(range(tokens)), settings.chunk_size, extra=uuid.uuid4().bytes)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        writer.start_load_kv(KVPoolConnectorMetadata())
+        writer.wait_for_save(KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="w", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
+            save_to_chunk=chunks, is_last_save=True)]))
+        finished: set[str] = set()
+
+        def released() -> bool:
+            finished.update(writer.get_finished({"w"})[0] or ())
+            return "w" in finished
+
+        assert _until(released, 20), "blocks held while the store does not answer"
+        assert writer.inflight_saves == 1  # the put itself is still waiting for the store
+        for t in src.values():  # vLLM hands the freed blocks to another request
+            t[src_ids] = 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert writer.drain_saves(120)
+    reader.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="r", block_ids=dst_ids, chunk_hashes=hashes,
+        load=LoadSpec(0, tokens, can_load=True))]))
+    failed = reader.get_block_ids_with_load_errors()
+    assert writer.counters.saved_keys + writer.counters.save_failed_keys == chunks
+    for name, want in saved.items():
+        got = dst[name][dst_ids]
+        for j, block in enumerate(dst_ids):  # a block is the saved bytes, or failed: recompute
+            assert block in failed or torch.equal(got[j], want[j]), (name, block)
+    assert writer.counters.saved_keys == chunks and not failed  # the put went through

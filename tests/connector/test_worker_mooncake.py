@@ -480,35 +480,44 @@ def save_meta(req_id: str, blocks: list[int], hashes: list[str]) -> KVPoolConnec
         is_last_save=True)])
 
 
+@pytest.mark.parametrize("events", [False, True], ids=["staged", "kv-events"])
 def test_finished_sending_waits_for_saves_and_preemption_waits_for_its_own(
-        engines: tuple[MooncakeBackend, ...]) -> None:
-    model = uniq("finish")
+        engines: tuple[MooncakeBackend, ...], events: bool) -> None:
+    """Staged values (KV events off): a request's blocks are released once its values are in
+    the staging buffer, while the put still waits for the store, and preempting it waits for
+    nothing. With KV events on (a request in finished_sending has its chunks recorded) the
+    blocks are held until the save ends and a preemption waits for the running save."""
+    model = uniq(f"finish-{events}")
     kv = cpu_layout()
     fill_random(kv, 18)
     rep = Reporter()
     slow = SlowStore(engines[0], "batch_put_from")
     w = make_worker(slow, kv, model, reporter=rep)  # type: ignore[arg-type]
+    if events:
+        w.enable_kv_events()
     h_r, h_q = chunk_hashes(tokens(64, 19), 32), chunk_hashes(tokens(64, 20), 32)
     for rid, blocks, hashes in (("r", [0, 1, 2, 3], h_r), ("q", [4, 5, 6, 7], h_q)):
         meta = save_meta(rid, blocks, hashes)
         w.start_load_kv(meta)
         w.wait_for_save(meta)  # returns at once: r's save holds the save thread, q's queues
     assert slow.entered.wait(10)
-    # Finished but still saving: not released yet; a request that never saved never is.
-    assert w.get_finished({"r", "never-saved"}) == (None, None)
-    assert w.inflight_saves == 2
-    # q is preempted: its queued save is dropped, r's running save is not waited for.
-    w.handle_preemptions({"q"})
-    # r is preempted: its running save is waited for (its blocks are about to be reused).
-    preempt = threading.Thread(target=w.handle_preemptions, args=({"r"},))
-    preempt.start()
-    preempt.join(0.3)
-    assert preempt.is_alive(), "handle_preemptions must wait for the request's running save"
-    slow.gate.set()
+    try:
+        # A request that never saved is never reported.
+        assert w.get_finished({"r", "never-saved"}) == (({"r"} if not events else None), None)
+        assert w.inflight_saves == 2
+        # q is preempted: its queued save is dropped, r's running save is not waited for.
+        w.handle_preemptions({"q"})
+        # r is preempted: its running save is waited for while it reads r's blocks.
+        preempt = threading.Thread(target=w.handle_preemptions, args=({"r"},))
+        preempt.start()
+        preempt.join(0.3 if events else 10)
+        assert preempt.is_alive() == events
+    finally:
+        slow.gate.set()
     preempt.join(10)
     assert not preempt.is_alive()
     assert w.drain_saves(10)
-    assert w.get_finished(set()) == ({"r"}, None)
+    assert w.get_finished(set()) == (({"r"} if events else None), None)
     assert w.get_finished({"q"}) == ({"q"}, None)
     reader = make_worker(engines[1], cpu_layout(), model)
     assert (reader.lookup_chunks(h_r), reader.lookup_chunks(h_q)) == (2, 0)
