@@ -32,13 +32,15 @@ def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object
     return rc, json.loads(capsys.readouterr().out)["findings"]
 
 
+def _parse(extra: dict[str, object]) -> KVPoolConfig:
+    return KVPoolConfig.from_dicts(extra, kv_role="kv_both", block_size=16, model="m")
+
+
 def test_connector_parses_the_size_and_defaults_to_64mb() -> None:
-    kw = {"kv_role": "kv_both", "block_size": 16, "model": "m"}
-    assert KVPoolConfig.from_dicts({}, **kw).staging_buffer_bytes == 64 << 20
-    assert KVPoolConfig.from_dicts({"staging_buffer": "160MB"}, **kw).staging_buffer_bytes \
-        == 160 << 20
+    assert _parse({}).staging_buffer_bytes == 64 << 20
+    assert _parse({"staging_buffer": "160MB"}).staging_buffer_bytes == 160 << 20
     with pytest.raises(ValueError, match="staging_buffer: must be more than 0 bytes"):
-        KVPoolConfig.from_dicts({"staging_buffer": 0}, **kw)
+        _parse({"staging_buffer": 0})
 
 
 @pytest.mark.parametrize(("value", "says"), [
