@@ -101,8 +101,8 @@ def _state(src: Source, n: int, started_ms: float, now_ms: float, pool: PoolStat
            rnd: random.Random) -> EngineState:
     sched = src.process_role == "scheduler"
     prompt = 4096 * n
-    lookup = LookupStats(lookups=n, prompt_tokens=prompt, pool_hit_tokens=prompt * 6 // 10,
-                         loaded_tokens=prompt // 2, hit_rate=0.6,
+    lookup = LookupStats(lookups=n, prompt_tokens=prompt, loaded_tokens=prompt * 6 // 10,
+                         hit_rate=0.6,
                          hit_rate_1m=0.5 + 0.3 * rnd.random(), latency_ms_p50=0.7,
                          latency_ms_p99=2.1) if sched else LookupStats()
     transfers = TransferStats() if sched else TransferStats(

@@ -262,7 +262,6 @@ class Aggregator:
                 case Loaded():
                     lk = self.lookup
                     lk.loaded_tokens += ev.tokens
-                    lk.pool_hit_tokens += ev.tokens
                     lk.load_failed_tokens += ev.failed_tokens
                     self._hits.add(ev.ts_ms, 0, ev.tokens)
                 case TransferStarted():
@@ -426,7 +425,7 @@ class Aggregator:
         # Hits can outnumber the prompt tokens counted: a Lookup event the full buffer dropped,
         # a load counted in the window after its lookup's. A rate is at most 1.
         if lk.prompt_tokens:
-            lk.hit_rate = min(1.0, lk.pool_hit_tokens / lk.prompt_tokens)
+            lk.hit_rate = min(1.0, lk.loaded_tokens / lk.prompt_tokens)
         prompt_1m, hit_1m = self._hits.sums(now_ms)
         lk.hit_rate_1m = min(1.0, hit_1m / prompt_1m) if prompt_1m else 0.0
         lat = sorted(self._latencies)

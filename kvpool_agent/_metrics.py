@@ -11,7 +11,8 @@ end in ``_total``, sizes in ``_bytes``, spans in ``_seconds``, instants are
 Token accounting (the README's "Pool hit rate"): per request, ``prompt`` tokens = ``local``
 (vLLM's own prefix cache) + ``loaded`` (written into vLLM's blocks from the pool, counted once
 per load when its outcome is known) + ``recomputed`` (the rest, failed loads included);
-``pool hit`` tokens = ``loaded``: a failed load is never a hit (``kvpool_load_failed_tokens``).
+a pool hit is a loaded token (one counter, ``kvpool_loaded_tokens``): a failed load is never
+a hit (``kvpool_load_failed_tokens``).
 ``kvpool_pool_hit_ratio`` = pool hit / prompt, ``kvpool_local_hit_ratio`` = local / prompt.
 
 Counters are the agents' counters since their start: an agent restart or a forgotten agent
@@ -113,9 +114,8 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[list[EngineState]], float]], .
      lambda g: sum(s.lookup.prompt_tokens for s in g)),
     ("kvpool_local_hit_tokens", "Prompt tokens vLLM's local prefix cache already held.",
      lambda g: sum(s.lookup.local_tokens for s in g)),
-    ("kvpool_pool_hit_tokens", "Prompt tokens served by the pool (= loaded tokens).",
-     lambda g: sum(s.lookup.pool_hit_tokens for s in g)),
-    ("kvpool_loaded_tokens", "Tokens written into vLLM's blocks from the pool.",
+    ("kvpool_loaded_tokens", "Prompt tokens loaded from the pool into vLLM's blocks: the "
+     "pool's hits (a failed load is none).",
      lambda g: sum(s.lookup.loaded_tokens for s in g)),
     ("kvpool_load_failed_tokens", "Tokens vLLM accepted from the pool that a load failed to "
      "bring (recomputed).", lambda g: sum(s.lookup.load_failed_tokens for s in g)),
@@ -222,11 +222,11 @@ class FleetCollector(Collector):
             fams.counter(name, doc, _ENGINE).add_metric(labels, value(sts))
         prompt = sum(s.lookup.prompt_tokens for s in sts)
         local = sum(s.lookup.local_tokens for s in sts)
-        pool_hits = sum(s.lookup.pool_hit_tokens for s in sts)
+        pool_hits = sum(s.lookup.loaded_tokens for s in sts)
         fleet["prompt"] += prompt
         fleet["local"] += local
         fleet["pool"] += pool_hits
-        fams.gauge("kvpool_pool_hit_ratio", "Pool hit tokens / prompt tokens since start.",
+        fams.gauge("kvpool_pool_hit_ratio", "Loaded tokens / prompt tokens since start.",
                    _ENGINE).add_metric(labels, _ratio(pool_hits, prompt))
         fams.gauge("kvpool_local_hit_ratio", "Local prefix cache hit tokens / prompt tokens "
                    "since start.", _ENGINE).add_metric(labels, _ratio(local, prompt))

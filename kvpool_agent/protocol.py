@@ -238,12 +238,12 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
 class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     """Scheduler-side prefix lookups (``get_num_new_matched_tokens``), counters since start.
 
-    ``hit_rate`` = ``pool_hit_tokens / prompt_tokens`` since start; ``hit_rate_1m`` the same
+    ``hit_rate`` = ``loaded_tokens / prompt_tokens`` since start; ``hit_rate_1m`` the same
     over the last 60 s (0.0 when nothing was looked up). ``prompt_tokens`` counts every request
     the scheduler was asked about (once per waiting period: looked up, skipped or failed).
     ``local_tokens`` are the prompt tokens
-    vLLM already had in its own prefix cache; ``loaded_tokens`` those actually loaded, and
-    ``pool_hit_tokens`` the same (a hit is what a request loaded, counted once per load);
+    vLLM already had in its own prefix cache; ``loaded_tokens`` those actually loaded: the
+    pool's hits (a hit is what a request loaded, counted once per load);
     ``load_failed_tokens`` were accepted from the pool but failed to load (recomputed).
     ``lookup_skipped`` counts lookups not made, by reason in ``skipped_by_reason``
     (``MULTIMODAL``, ``BREAKER_OPEN``, ``LOCAL_CACHE``: vLLM's own cache held every whole chunk,
@@ -257,7 +257,6 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     lookup_errors: Count = 0
     prompt_tokens: Count = 0
     local_tokens: Count = 0
-    pool_hit_tokens: Count = 0
     loaded_tokens: Count = 0
     hit_rate: Ratio = 0.0
     hit_rate_1m: Ratio = 0.0

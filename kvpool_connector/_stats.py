@@ -59,9 +59,9 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
                       "Prompt tokens of requests the scheduler was asked about."),
     "local_tokens": ("vllm:kvpool_local_hit_tokens",
                      "Prompt tokens vLLM's prefix cache already held."),
-    "pool_hit_tokens": ("vllm:kvpool_pool_hit_tokens",
-                        "Prompt tokens the pool held beyond the local hit."),
-    "loaded_tokens": ("vllm:kvpool_loaded_tokens", "Tokens vLLM accepted to load."),
+    "loaded_tokens": ("vllm:kvpool_loaded_tokens",
+                      "Prompt tokens loaded from the pool: the pool's hits (a failed load is "
+                      "none)."),
     "load_failed_tokens": ("vllm:kvpool_load_failed_tokens",
                            "Tokens accepted to load whose load failed (recomputed)."),
     "saves_scheduled_chunks": ("vllm:kvpool_save_scheduled_chunks",

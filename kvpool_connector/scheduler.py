@@ -110,28 +110,27 @@ class RequestEvents(Protocol):
 class LookupCounters:
     """Scheduler-side totals since start (tokens unless named otherwise).
 
-    ``prompt_tokens`` and ``local_tokens`` count every request vLLM asks about, once per
-    waiting period, whether looked up, skipped or failed (the request-level hit rate's
-    denominator). ``pool_hit_tokens`` and ``loaded_tokens`` count what loads really brought in,
-    once per load (``loads_outcome``); ``load_failed_tokens`` what vLLM accepted but a load
+    ``prompt_tokens`` and ``local_tokens`` count every request vLLM asks about, once per waiting
+    period, whether looked up, skipped or failed (the request-level hit rate's denominator).
+    ``loaded_tokens`` counts what loads really brought in, once per load (``loads_outcome``):
+    the pool's hits (one fact, one name); ``load_failed_tokens`` what vLLM accepted but a load
     failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
     by reason, ``MULTIMODAL``, ``PROMPT_EMBEDS`` (a request with prompt embeddings: neither
-    loaded nor saved), ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the
-    pool cannot restore, ``_groups``), ``NO_CONTEXT_PREFILL`` (an attention backend that cannot
+    loaded nor saved), ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the pool
+    cannot restore, ``_groups``), ``NO_CONTEXT_PREFILL`` (an attention backend that cannot
     prefill over loaded context, ``_context_prefill``), ``LOCAL_CACHE`` when vLLM's own prefix
     cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
-    before its last token); ``lookup_cached`` repeated asks answered from the
-    request's cached lookup. ``handover_waits``: asks answered "later" while a P/D
-    hand-over's chunks were not all in the pool yet (``handover``; such an ask is counted in
-    ``lookups`` once, when answered); ``handover_short``: hand-overs that ran with fewer tokens
-    than their prefill engine promised, after ``handover_wait_ms``.
+    before its last token); ``lookup_cached`` repeated asks answered from the request's cached
+    lookup. ``handover_waits``: asks answered "later" while a P/D hand-over's chunks were not
+    all in the pool yet (``handover``; such an ask is counted in ``lookups`` once, when
+    answered); ``handover_short``: hand-overs that ran with fewer tokens than their prefill
+    engine promised, after ``handover_wait_ms``.
     """
 
     lookups: int = 0
     lookup_errors: int = 0
     prompt_tokens: int = 0
     local_tokens: int = 0
-    pool_hit_tokens: int = 0
     loaded_tokens: int = 0
     saves_scheduled_chunks: int = 0
     load_failed_tokens: int = 0
@@ -740,7 +739,6 @@ class KVPoolScheduler:
             accepted = self._awaiting_outcome.pop(rid)
             loaded = min(loaded, accepted)
             c.loaded_tokens += loaded
-            c.pool_hit_tokens += loaded
             c.load_failed_tokens += accepted - loaded
             self.reporter.loaded(rid, loaded, accepted - loaded)
 

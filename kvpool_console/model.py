@@ -297,7 +297,7 @@ def _agent_row(st: EngineState, seen: float, now_ms: float, stale_after_ms: floa
     return AgentRow(
         agent_id=st.source.agent_id, process_role=st.source.process_role, ranks=_ranks(st),
         pid=st.source.pid, host=st.source.host, hit_rate=st.lookup.hit_rate,
-        lookup_tokens=st.lookup.prompt_tokens, hit_tokens=st.lookup.pool_hit_tokens,
+        lookup_tokens=st.lookup.prompt_tokens, hit_tokens=st.lookup.loaded_tokens,
         loads_in_flight=_in_flight([st], "load"), saves_in_flight=_in_flight([st], "save"),
         load_errors=tr.loads_failed + tr.loads_timed_out,
         load_bytes_per_s=tr.load_bytes_per_s, save_bytes_per_s=tr.save_bytes_per_s,
@@ -343,7 +343,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
             # hit_rate_1m is per agent; weight by since-start prompt tokens (only schedulers
             # look up).
             weighted_1m += lk.hit_rate_1m * lk.prompt_tokens
-        hits += lk.pool_hit_tokens
+        hits += lk.loaded_tokens
         local += lk.local_tokens
         loaded += lk.loaded_tokens
         lookups += lk.lookups

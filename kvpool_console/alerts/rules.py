@@ -183,7 +183,7 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
         saved += t.saves_finished
         lookups += lk.lookups
         prompt += lk.prompt_tokens
-        hits += lk.pool_hit_tokens
+        hits += lk.loaded_tokens
     # A kv_producer loads too (a prompt the pool holds whole needs no save); the rule is
     # for a prefill that runs as a loader.
     if head.instance_role == "prefill" and head.kv_role != "kv_producer" and loads and not saves:

@@ -65,7 +65,7 @@ def test_late_and_concurrent_consoles_get_the_full_state_within_a_second(
         # reports take longer than any fixed pause).
         ids = {h.source.agent_id for h in handles}
         deadline = time.monotonic() + 30
-        while sorted(st.lookup.pool_hit_tokens for aid, (st, _) in hub.fleet().items()
+        while sorted(st.lookup.loaded_tokens for aid, (st, _) in hub.fleet().items()
                      if aid in ids) != [100, 200, 300]:
             assert time.monotonic() < deadline, "the agents' reports did not reach the hub"
             time.sleep(0.02)
@@ -75,7 +75,7 @@ def test_late_and_concurrent_consoles_get_the_full_state_within_a_second(
                 fa, fb = a.wait_for(3, 1.0), b.wait_for(3, 1.0)
                 assert time.monotonic() - t0 < 1.0
                 for fleet in (fa, fb):
-                    hits = sorted(e.state.lookup.pool_hit_tokens for e in fleet.values())
+                    hits = sorted(e.state.lookup.loaded_tokens for e in fleet.values())
                     assert hits == [100, 200, 300]
                 assert a.gaps.total_gaps == 0 and b.bad_messages == 0
     finally:
@@ -94,7 +94,7 @@ def test_silent_agents_stay_listed_with_their_last_state(hub: FleetHub, hub_addr
         time.sleep(1.5)  # hub snapshots keep coming; this agent's last_seen does not move
         c.updates(1000)
         entry = c.fleet()[aid]
-        assert entry.state.lookup.pool_hit_tokens == 256
+        assert entry.state.lookup.loaded_tokens == 256
         assert entry.age_s() >= 1.0
         assert aid in hub.fleet()
 
@@ -320,7 +320,7 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
             msg = msgspec.msgpack.decode(frame)
             if msg.get("type") == "reply":
                 assert msg["ok"] and msg["snapshot"]["process"]["bad_messages"] == n
-                assert msg["snapshot"]["lookup"]["pool_hit_tokens"] == 50
+                assert msg["snapshot"]["lookup"]["loaded_tokens"] == 50
                 break
     finally:
         h.stop()
@@ -360,7 +360,7 @@ def test_hub_restart_agents_and_console_reconnect(hub_address: str) -> None:
             fleet = c.wait_for(1, 3)
             assert time.monotonic() - t0 < 2.0
             st = fleet[h.source.agent_id].state
-            assert st.lookup.pool_hit_tokens == 1000 and st.lookup.lookups == 2
+            assert st.lookup.loaded_tokens == 1000 and st.lookup.lookups == 2
             assert second.fleet()[h.source.agent_id][0].lookup.lookups == 2
     finally:
         h.stop()

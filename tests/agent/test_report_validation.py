@@ -87,7 +87,7 @@ HOSTILE: dict[str, Edit] = {
     "latency p50 -inf": _lookup(latency_ms_p50=-INF),
     "prompt_tokens 2**64-1": _lookup(prompt_tokens=2**64 - 1),
     "prompt_tokens 2**53": _lookup(prompt_tokens=MAX_COUNT),
-    "pool_hit_tokens -1": _lookup(pool_hit_tokens=-1),
+    "loaded_tokens -1": _lookup(loaded_tokens=-1),
     "skipped count 2**64-1": _lookup(skipped_by_reason={"MULTIMODAL": 2**64 - 1}),
     "load_bytes_per_s inf": _transfers(load_bytes_per_s=INF),
     "max_load_ms 1e308": _transfers(max_load_ms=1e308),
@@ -145,7 +145,7 @@ def test_decode_refuses_a_hub_update_relaying_nan() -> None:
 
 
 def test_the_bounds_and_real_values_decode() -> None:
-    st = _lookup(prompt_tokens=MAX_COUNT - 1, pool_hit_tokens=MAX_COUNT - 1, hit_rate=1.0,
+    st = _lookup(prompt_tokens=MAX_COUNT - 1, loaded_tokens=MAX_COUNT - 1, hit_rate=1.0,
                  hit_rate_1m=0.0, latency_ms_p99=2.0**53)(_state())
     st = _transfers(loaded_bytes=MAX_BIG_COUNT - 1, load_bytes_per_s=1e12)(st)
     st = _pool(high_watermark=1.0, used_bytes=MAX_BIG_COUNT - 1,
@@ -198,7 +198,7 @@ def test_hub_counts_hostile_reports_as_bad_and_keeps_the_real_state(
     state, never shows the new one, and a good report after them is taken as before."""
     fake = FakeAgent(ctx, hub.address)
     good = make_source("good", "scheduler")
-    fake.report(good, lookup=LookupStats(prompt_tokens=1000, pool_hit_tokens=250,
+    fake.report(good, lookup=LookupStats(prompt_tokens=1000, loaded_tokens=250,
                                          hit_rate=0.25))
     wait_until(lambda: "good/scheduler" in hub.fleet())
     assert "good/scheduler" in hub.fleet()
@@ -216,7 +216,7 @@ def test_hub_counts_hostile_reports_as_bad_and_keeps_the_real_state(
     kept = fleet["good/scheduler"][0]
     assert (kept.lookup.prompt_tokens, kept.lookup.hit_rate) == (1000, 0.25)
     assert kept.source.layout_digest == "" and kept.source.layout == {}
-    fake.report(good, lookup=LookupStats(prompt_tokens=2000, pool_hit_tokens=1000,
+    fake.report(good, lookup=LookupStats(prompt_tokens=2000, loaded_tokens=1000,
                                          hit_rate=0.5))
     wait_until(lambda: hub.fleet()["good/scheduler"][0].lookup.prompt_tokens == 2000)
     assert hub.fleet()["good/scheduler"][0].lookup.hit_rate == 0.5

@@ -150,7 +150,7 @@ def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine
     assert all(e.latency_ms > 0 for e in events if e.skipped is None)
     # An offer is not a hit: nothing was loaded yet.
     c = engine.sched.counters
-    assert (c.lookups, c.lookup_skipped, c.pool_hit_tokens) == (4, 2, 0)
+    assert (c.lookups, c.lookup_skipped, c.loaded_tokens) == (4, 2, 0)
     assert (c.prompt_tokens, c.local_tokens) == (70 * 4 + 64 + 16, 16 + 48 + 64)
     assert c.skip_reasons == {"SHORT_PROMPT": 1, "LOCAL_CACHE": 1}
 
@@ -185,7 +185,7 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
     assert [(e.req_id, e.tokens, e.failed_tokens) for e in loaded] == [("a", 16, 16)]
     c = engine.sched.counters
-    assert (c.pool_hit_tokens, c.loaded_tokens, c.load_failed_tokens) == (16, 16, 16)
+    assert (c.loaded_tokens, c.load_failed_tokens) == (16, 16)
 
     # Step 2: the rest of the prompt; the load is not repeated.
     meta = engine.sched.build_connector_meta(_output([], {"a": 36}, _cached("a", blocks[4:], 64)))
@@ -827,7 +827,7 @@ def test_a_load_of_a_request_finished_in_its_step_is_counted(engine: Engine) -> 
     engine.sched.build_connector_meta(_output([new], {"one": 18}))
     engine.sched.request_finished(req, [0, 1, 2, 3])
     engine.sched.loads_outcome(LoadOutcomes({"one": (32, 32)}), ())
-    assert engine.sched.counters.pool_hit_tokens == 32
+    assert engine.sched.counters.loaded_tokens == 32
     loaded = [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
     assert [(e.req_id, e.tokens) for e in loaded] == [("one", 32)]
 

@@ -54,7 +54,7 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
     out = {f"{engine_id}/scheduler": EngineState(
         source=src("scheduler", "scheduler"), started_ms=NOW_MS - 3_600_000, ts_ms=ts,
         lookup=LookupStats(lookups=100, lookup_errors=lookup_errors, prompt_tokens=prompt,
-                           local_tokens=0, pool_hit_tokens=hits, loaded_tokens=hits,
+                           local_tokens=0, loaded_tokens=hits,
                            hit_rate=hits / prompt if prompt else 0.0, hit_rate_1m=hit_1m,
                            latency_ms_p50=0.8, latency_ms_p99=3.0),
         pool=pool_stats,

@@ -101,12 +101,12 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
     m = _scrape(metrics_fleet.hub)
     model = metrics_fleet.model
     by = {e["engine_id"]: e for e in doc["engines"]}
+    assert not [k for k in m if k[0] == "kvpool_pool_hit_tokens_total"]  # one fact, one series
     for eid, role in (("p0", "prefill"), ("d0", "decode")):
         e = by[eid]
         lab = {"engine": eid, "model": model, "role": role}
         assert _get(m, "kvpool_prompt_tokens_total", **lab) == e["lookup_tokens"]
-        assert _get(m, "kvpool_pool_hit_tokens_total", **lab) == e["hit_tokens"]
-        assert _get(m, "kvpool_loaded_tokens_total", **lab) == e["loaded_tokens"]
+        assert _get(m, "kvpool_loaded_tokens_total", **lab) == e["loaded_tokens"] == e["hit_tokens"]
         assert _get(m, "kvpool_local_hit_tokens_total", **lab) == e["local_tokens"]
         assert _get(m, "kvpool_recomputed_tokens_total", **lab) == e["recomputed_tokens"]
         assert _get(m, "kvpool_local_hit_ratio", **lab) == pytest.approx(e["local_hit_rate"])

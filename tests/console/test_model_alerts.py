@@ -173,14 +173,14 @@ def test_request_level_token_split() -> None:
     the local hit rate is local / prompt (the README's "Pool hit rate")."""
     fleet = {**engine("p0", prompt=10_000, hits=4_000), **engine("p1", prompt=2_000, hits=0)}
     sched = fleet["p0/scheduler"].lookup
-    sched.local_tokens, sched.loaded_tokens = 3_000, 3_500
+    sched.local_tokens = 3_000
     view = build_view(fleet, {}, NOW_MS)
     p0, p1 = view.engines
-    assert (p0.local_tokens, p0.loaded_tokens, p0.recomputed_tokens) == (3_000, 3_500, 3_500)
+    assert (p0.local_tokens, p0.loaded_tokens, p0.recomputed_tokens) == (3_000, 4_000, 3_000)
     assert p0.local_hit_rate == 0.3 and p0.hit_rate == 0.4
     assert (p1.local_tokens, p1.recomputed_tokens, p1.local_hit_rate) == (0, 2_000, 0.0)
     t = view.totals
-    assert (t.local_tokens, t.loaded_tokens, t.recomputed_tokens) == (3_000, 3_500, 5_500)
+    assert (t.local_tokens, t.loaded_tokens, t.recomputed_tokens) == (3_000, 4_000, 5_000)
     assert t.local_hit_rate == pytest.approx(3_000 / 12_000)
     assert t.local_tokens + t.loaded_tokens + t.recomputed_tokens == t.lookup_tokens
 

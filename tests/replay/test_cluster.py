@@ -80,10 +80,10 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             # The decode engine loads nearly whole prompts the prefill engine saved.
             decode = states["decode-1/scheduler"].lookup
             assert decode.lookups > 10 and 0.5 < decode.hit_rate < 1.0
-            assert decode.pool_hit_tokens <= decode.prompt_tokens
+            assert decode.loaded_tokens <= decode.prompt_tokens
             # The prefill engine (kv_producer) looks up too, as vllm-ascend's does, and saves.
             prefill = states["prefill-0/scheduler"].lookup
-            assert prefill.lookups > 0 and prefill.pool_hit_tokens <= prefill.prompt_tokens
+            assert prefill.lookups > 0 and prefill.loaded_tokens <= prefill.prompt_tokens
             prefill_w = states["prefill-0/dp0.tp0.pp0"].transfers
             assert prefill_w.saves_finished > 0 and prefill_w.saved_bytes > 0
             decode_w = states["decode-1/dp0.tp0.pp0"].transfers

@@ -110,15 +110,15 @@ def test_pd_pair_hands_over_through_the_pool_and_equals_one_engine(
     # Decode loaded every whole chunk of both prompts from the pool: none recomputed, since
     # it waited for the hand-over (each prompt once: decode computes the last token itself).
     handed = _loadable(A) + _loadable(B)
-    dec = _state(hub, "decode-0", "scheduler", lambda s: s.lookup.pool_hit_tokens >= handed)
-    assert dec.lookup.pool_hit_tokens == handed
+    dec = _state(hub, "decode-0", "scheduler", lambda s: s.lookup.loaded_tokens >= handed)
+    assert dec.lookup.loaded_tokens == handed
     assert dec.lookup.lookup_errors == 0 and dec.lookup.load_failed_tokens == 0
     assert dec.source.instance_role == "decode"
     # Prefill: the proxy's A hit what its own run saved; B hit the 3 chunks shared with A; its
     # direct run of B then hit B's chunks the proxy's B saved.
     reused = _loadable(A) + 3 * CHUNK + _loadable(B)
-    pre = _state(hub, "prefill-0", "scheduler", lambda s: s.lookup.pool_hit_tokens >= reused)
-    assert pre.lookup.pool_hit_tokens == reused
+    pre = _state(hub, "prefill-0", "scheduler", lambda s: s.lookup.loaded_tokens >= reused)
+    assert pre.lookup.loaded_tokens == reused
     assert pre.source.instance_role == "prefill"
     # Bytes: what decode loaded (the hand-over) is accounted apart from prefill's reuse, on
     # each engine's worker; decode saves nothing (kv_consumer without consumer_is_to_put).

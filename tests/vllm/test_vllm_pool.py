@@ -153,8 +153,7 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     failed = sum(_loadable(r, BLOCK) for r in R)
     assert sched.lookup.lookups == len([p for p in P + Q + R if len(p) > BLOCK])
     # A hit is what a request really loaded, once; R's failed loads are counted apart.
-    assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens,
-            sched.lookup.load_failed_tokens) == (hits, hits, failed)
+    assert (sched.lookup.loaded_tokens, sched.lookup.load_failed_tokens) == (hits, failed)
     assert sched.lookup.lookup_errors == 0
     worker = worker_state(hub, "loader")
     assert worker.transfers.loaded_bytes > 0 and worker.transfers.loads_finished > 0
@@ -248,7 +247,7 @@ def test_engine_of_another_layout_loads_nothing_and_keeps_its_output(
         assert g["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
     (sched,) = agent_states(hub, reader, "scheduler")
     assert sched.lookup.lookups == len(S) and sched.lookup.lookup_errors == 0
-    assert (sched.lookup.pool_hit_tokens, sched.lookup.loaded_tokens) == (0, 0)
+    assert sched.lookup.loaded_tokens == 0
     b = worker_state(hub, reader)
     assert b.transfers.loads_finished == b.transfers.loads_failed == 0
     # The operator sees why: the digests differ, and so do exactly these facts.
