@@ -342,9 +342,20 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
     return out
 
 
+FINGERPRINT_FACT = "fingerprint"
+"""The layout fact naming the weights' identity (``kvpool_connector.fingerprint``):
+``<source>:<hex>``."""
+
+UNSHARED = "unshared"
+"""The fingerprint source of an engine whose weights have no content identity: it shares with
+no other engine (``kvpool_connector.fingerprint.FingerprintSource``)."""
+
+
 def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) -> list[Alert]:
     """Engines whose keys can never meet although they serve the same model: same model name
-    but different layout digests, or the same layout under different model names."""
+    but different layout digests (``model_versions`` when only the weights' fingerprint
+    differs: a rolling update), or the same layout under different model names; and engines
+    with no content identity, which share with nobody (``unshared_identity``)."""
     # engine id -> (model, digest, layout facts) from its first worker that described its keys
     described: dict[str, tuple[str, str, dict[str, str | int]]] = {}
     for eid, group in groups.items():
@@ -369,6 +380,20 @@ def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) ->
             for k in sorted(set(base) | set(facts)):
                 if base.get(k) != facts.get(k):
                     diffs.append(f"{k} {base.get(k, '-')} vs {facts.get(k, '-')}")
+        if diffs and all(d.startswith(f"{FINGERPRINT_FACT} ") for d in diffs):
+            # Only the weights differ: a rolling update (or a node left on old weights).
+            versions = "; ".join(
+                f"{described[eids[0]][2].get(FINGERPRINT_FACT, '-')}: {_engines_text(eids, 4)}"
+                for _, eids in ordered)
+            out.append(make_alert(
+                "model_versions", "warning", model,
+                f"engines of {model} run on {len(digests)} versions of its weights "
+                f"({versions}): engines of different versions never share",
+                "expected while a rolling update of the weights runs; once it is over every "
+                "engine should report one fingerprint: restart the engines still on the old "
+                "weights (`kvpool-config fingerprint MODEL_DIR` prints a checkpoint's)",
+                now_ms))
+            continue
         why = "; ".join(dict.fromkeys(diffs)) or "layout digests differ"
         out.append(make_alert(
             "namespace_split", "warning", model,
@@ -376,6 +401,16 @@ def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) ->
             f"no shared hits: {why}",
             "engines share pool values only when model name and layout match: give them the "
             "same chunk_size, block_size, dtypes and parallel sizes", now_ms))
+    for eid, (model, _, facts) in sorted(described.items()):
+        if str(facts.get(FINGERPRINT_FACT, "")).startswith(f"{UNSHARED}:"):
+            out.append(make_alert(
+                "unshared_identity", "warning", eid,
+                f"{eid} ({model}) shares with no other engine: its weights could not be "
+                "fingerprinted by content (not a local safetensors directory) and no "
+                "model_fingerprint is set",
+                "set model_fingerprint in kv_connector_extra_config to the same value on "
+                "every engine that loads these weights, or load them from a local safetensors "
+                "directory", now_ms))
     by_layout: dict[str, dict[str, list[str]]] = {}
     for eid, (model, _, facts) in described.items():
         shape = msgspec.json.encode({k: v for k, v in facts.items() if k != "model"},

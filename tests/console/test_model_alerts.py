@@ -416,3 +416,39 @@ def test_agent_rows_on_request_and_totals_kept_for_engines_without_reports() -> 
     assert model.agent_rows("prefill-0") == build_view(later, seen, NOW_MS + 1_000).engines[
         [r.engine_id for r in view.engines].index("prefill-0")].agents
     assert model.agent_rows("nope") == []
+
+
+def test_weights_versions_and_an_unshared_identity_are_named() -> None:
+    import msgspec
+
+    def described(fleet: dict, digest: str, fingerprint: str) -> dict:
+        facts = {"model": "m", "dtype": "bfloat16", "block_size": 16,
+                 "fingerprint": fingerprint}
+        return {k: msgspec.structs.replace(s, source=msgspec.structs.replace(
+            s.source, model="m", layout_digest=digest, layout=facts))
+            for k, s in fleet.items()}
+
+    v1, v2 = "safetensors:" + "1" * 32, "safetensors:" + "2" * 32
+    # A rolling update: two engines on v2, one still on v1; only the weights differ.
+    fleet = described(engine("a"), "d1", v1) | described(engine("b"), "d2", v2) | described(
+        engine("c"), "d2", v2)
+    alerts = evaluate(fleet, {}, NOW_MS)
+    assert not [a for a in alerts if a.rule == "namespace_split"]
+    (a,) = [a for a in alerts if a.rule == "model_versions"]
+    assert (a.subject, a.severity) == ("m", "warning")
+    assert a.message == (f"engines of m run on 2 versions of its weights ({v2}: b, c; {v1}: a): "
+                         "engines of different versions never share")
+    assert "rolling update" in a.hint and "kvpool-config fingerprint" in a.hint
+    # Weights and another fact differ: a namespace split naming both, not a version.
+    other = described(engine("a"), "d1", v1) | {
+        k: msgspec.structs.replace(s, source=msgspec.structs.replace(
+            s.source, layout={**s.source.layout, "block_size": 32}))
+        for k, s in described(engine("b"), "d2", v2).items()}
+    rules = {a.rule for a in evaluate(other, {}, NOW_MS)}
+    assert "namespace_split" in rules and "model_versions" not in rules
+    # An engine without a content identity shares with nobody: a warning naming the fix.
+    lone = described(engine("x"), "d3", "unshared:" + "3" * 32) | described(engine("y"), "d1",
+                                                                           v1)
+    (u,) = [a for a in evaluate(lone, {}, NOW_MS) if a.rule == "unshared_identity"]
+    assert u.subject == "x" and "model_fingerprint" in u.hint
+    assert not [a for a in evaluate(fleet, {}, NOW_MS) if a.rule == "unshared_identity"]
