@@ -8,7 +8,7 @@ Usage::
     kvpool-console health [ENGINE ... | --all] [--probe] [--json] [--timeout-ms MS]
     kvpool-console forget ENGINE ...                                # operator: drop from hub
     kvpool-console flush --scope model|engine|all [--model M] [--engine E]
-                         [--dry-run] [--force] [--yes] [--timeout-ms MS]
+                         [--dry-run] [--force --accept-torn-reads] [--yes] [--timeout-ms MS]
     kvpool-console pin --model M (--tokens IDS | --text TEXT [--chat-template]) [--id ID]
                        [--mode soft|hard] [--ttl-s S] [--json]       # operator
     kvpool-console unpin --model M --id ID [--json]                 # operator
@@ -173,7 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--model", default=None, help="model name (scope model)")
     fl.add_argument("--engine", dest="engine_id", default=None, help="engine id (scope engine)")
     fl.add_argument("--dry-run", action="store_true", help="only count what would be removed")
-    fl.add_argument("--force", action="store_true", help="also remove leased entries")
+    fl.add_argument("--force", action="store_true",
+                    help="also remove leased entries (with --accept-torn-reads: see FORCE_RISK)")
+    fl.add_argument("--accept-torn-reads", action="store_true",
+                    help="acknowledge what --force risks: a load still copying a removed entry "
+                         "can read memory a new value reuses")
     fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     fl.add_argument("--json", action="store_true")
     fl.add_argument("--timeout-ms", type=_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
@@ -369,7 +373,19 @@ def _flush_line(replies: list[CommandReply]) -> tuple[str, bool]:
     return line, not errors
 
 
+FORCE_RISK = (
+    "--force removes entries engines may be reading now: a load still copying one after its "
+    "lease lapsed can take memory a new value reuses as its KV (wrong output, no error). Stop "
+    "or drain the engines that read this pool first, then add --accept-torn-reads; without "
+    "--force a flush skips leased entries and is safe while engines serve")
+"""Why ``flush --force`` needs ``--accept-torn-reads`` (a Mooncake read holds a lease, not a
+reference: a forced ``remove`` frees what a transfer may still copy; issue 39)."""
+
+
 def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) -> int:
+    if args.force and not args.dry_run and not args.accept_torn_reads:
+        err.print(plain(f"flush refused: {FORCE_RISK}"))
+        return EXIT_USAGE
     if args.scope == "model" and not args.model:
         err.print("[red]flush: --scope model needs --model MODEL[/red]")
         return EXIT_USAGE

@@ -189,7 +189,9 @@ class FlushScreen(ModalScreen[FlushResult | None]):
         what = {"model": f"model {a.model}", "engine": f"engine {a.engine_id}",
                 "all": "ALL kvpool keys"}[a.scope]
         question = (f"Remove {self.dry.keys} keys ({fmt_bytes(self.dry.bytes)}) of {what}?"
-                    + (" Leased entries too (force)." if a.force else ""))
+                    + (" Leased entries too (force): an engine still copying one may take "
+                       "memory a new value reuses as its KV. Stop the engines reading this "
+                       "pool first." if a.force else ""))
 
         def answered(yes: bool | None) -> None:
             if yes:

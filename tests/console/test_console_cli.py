@@ -143,13 +143,20 @@ def test_health_and_flush_rules(live_fleet: LiveFleet,
                  "--hub", hub]) == 0
     assert "would remove 4 keys" in capsys.readouterr().out
     assert live_fleet.present(keys) == [1] * 4
+    # --force without the acknowledgement of its risk: one line, exit 2, nothing sent.
+    assert main(["flush", "--scope", "model", "--model", live_fleet.model, "--force",
+                 "--yes", "--keys", keys_dir, "--hub", hub]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("flush refused: --force removes entries engines may be reading")
+    assert "--accept-torn-reads" in line
+    assert live_fleet.present(keys) == [1] * 4
     # With the key but without --yes and no terminal: not confirmed, nothing removed.
     assert main(["flush", "--scope", "model", "--model", live_fleet.model, "--force",
-                 "--keys", keys_dir, "--hub", hub]) == 3
+                 "--accept-torn-reads", "--keys", keys_dir, "--hub", hub]) == 3
     assert "not confirmed" in capsys.readouterr().err
     assert live_fleet.present(keys) == [1] * 4
     assert main(["flush", "--scope", "model", "--model", live_fleet.model, "--force", "--yes",
-                 "--keys", keys_dir, "--hub", hub, "--json"]) == 0
+                 "--accept-torn-reads", "--keys", keys_dir, "--hub", hub, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["dry_run"][0]["flush"]["keys"] == 4
     assert sum(r["flush"]["removed_keys"] for r in doc["flush"]) == 4
