@@ -191,6 +191,7 @@ class SimEngine:
         # directly: this engine owns both roles in one process.
         sched, work = self.scheduler._scheduler, self.worker._worker
         assert sched is not None and work is not None
+        self._work = work
         self._lookup_counters, self._save_counters = sched.counters, work.counters
         self._forward_context = SimpleNamespace(
             no_compile_layers={}, attn_metadata={}, virtual_engine=0
@@ -376,6 +377,10 @@ class SimEngine:
                     raise RuntimeError(f"saves of {rid} did not finish in 120 s")
                 self._step([], None)
                 time.sleep(_IDLE_STEP_S)
+            # finished_sending frees the blocks once the values are staged
+            # (kvpool_connector.staging); the puts themselves may still run.
+            if not self._work.drain_saves(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"saves of {rid} did not finish in 120 s")
             # From the save's submission to the worker reporting it finished.
             self.result.save_s += time.perf_counter() - save_started
         return computed
