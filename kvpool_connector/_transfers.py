@@ -7,7 +7,9 @@ a chunk whose key failed or came back short is kept for ``take_failed_blocks`` (
 recomputes it), and every request's outcome (tokens accepted, tokens really loaded) for
 ``take_outcomes``. A layer-wise wait that times out never raises into the forward pass: the
 step's load blocks are reported failed, the loader stops after its current layer, and the next
-step waits for it before any block can be recomputed or handed to another request.
+step waits for it before any block can be recomputed or handed to another request. An inline
+load whose values are all staged waits ``layerwise_timeout_ms`` at most, then fails (recompute)
+and its late bytes are never scattered.
 
 ``SaveQueue`` stores chunks on a background thread once the device finished writing them:
 keys the pool already holds are not sent again, and a request whose save hit
@@ -45,6 +47,7 @@ from typing import Any
 from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import ErrorCode, error_name
 from kvpool_connector._checksum import CHECKSUM_BYTES, DigestSlots, digest_of
+from kvpool_connector._counters import WorkerCounters
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
@@ -73,25 +76,6 @@ def _hybrid_only(by_group: dict[int, int]) -> dict[int, int] | None:
     """``by_group`` when some bytes are of a group other than 0 (a hybrid model), else
     ``None``: a one-group engine reports no per-group figures."""
     return by_group if any(by_group) else None
-
-
-@dataclass
-class WorkerCounters:
-    """Running totals of this worker (bytes, keys, blocks), for tests, benchmarks and the agent."""
-
-    saved_bytes: int = 0
-    saved_keys: int = 0
-    save_skipped_keys: int = 0
-    save_failed_keys: int = 0
-    loaded_bytes: int = 0
-    loaded_keys: int = 0
-    load_failed_keys: int = 0
-    load_failed_blocks: int = 0
-    layer_timeouts: int = 0
-    load_failed_tokens: int = 0
-    checksum_failures: int = 0
-    evicted_keys: int = 0
-    evict_failed_keys: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,7 +128,8 @@ class LoadRunner:
         backend, reporter, counters: where bytes come from, events go to, totals add up.
         lock: guards ``counters`` (shared with ``SaveQueue``) and this runner's state.
         chunk_size, blocks_per_chunk: the connector's chunk geometry.
-        layerwise_timeout_ms: how long ``wait_for_layer`` waits for one layer.
+        layerwise_timeout_ms: how long ``wait_for_layer`` waits for one layer (and an inline
+            load whose values are all staged, ``_get_inline``).
     """
 
     def __init__(self, backend: Backend, reporter: Reporter, counters: WorkerCounters,
@@ -213,28 +198,55 @@ class LoadRunner:
             job.future = self.executor.submit(self._run_layerwise, job, device, marker)
         else:
             device.wait(marker)
-            self._get(loads, [t for p in plans for t in p.transfers])
-            self._finish(loads.values())
+            self._get_inline(loads, [t for p in plans for t in p.transfers])
 
-    def _get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer]) -> None:
+    def _get_inline(self, loads: dict[str, _ReqLoad], transfers: list[Transfer]) -> None:
+        """An inline load. When every value is staged (no byte lands in a block before its
+        value is whole), the engine waits for it ``layerwise_timeout_ms`` at most: past it the
+        load fails (``TIMEOUT``: recomputed) and its late bytes are never scattered; the load
+        thread's copy of ``loads`` keeps it apart from the step's report."""
+        if self.checksum is not None or not self.calls.stages_all(
+                [t.addrs for t in transfers], [t.sizes for t in transfers]):
+            self._get(loads, transfers)
+            self._finish(loads.values())
+            return
+        cancel, shadow = threading.Event(), {r: _ReqLoad(ld.plan) for r, ld in loads.items()}
+        try:
+            self.executor.submit(self._get, shadow, transfers, cancel).result(
+                timeout=self._timeout_ms / 1e3)
+        except TimeoutError:
+            cancel.set()
+            logger.error("kvpool: inline load of %d keys did not finish within %d ms; its "
+                         "blocks are recomputed", len(transfers), self._timeout_ms)
+            for load in loads.values():
+                load.failed_chunks.update(t.chunk for t in load.plan.transfers)
+            self._finish(loads.values(), timed_out=True)
+            return
+        self._finish(shadow.values())
+
+    def _get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+             cancel: threading.Event | None = None) -> None:
         """Backend batch gets of ``transfers``; records per-chunk failures in ``loads`` (by
-        request id)."""
+        request id); nothing once ``cancel`` is set (``_get_inline``)."""
         if not transfers:
             return
         if self.checksum is not None:
             self._get_checked(loads, transfers, self.checksum)
             return
         results = self._call_get(loads, transfers, [t.addrs for t in transfers],
-                                 [t.sizes for t in transfers])
+                                 [t.sizes for t in transfers], cancel)
+        if cancel is not None and cancel.is_set():
+            return
         for t, res in zip(transfers, results, strict=True):
             self._settle(loads[t.req_id], t, res == t.nbytes, res)
 
     def _call_get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
-                  addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+                  addrs: list[list[int]], sizes: list[list[int]],
+                  cancel: threading.Event | None = None) -> list[int]:
         """One ``batch_get_into``; per key the bytes read or an error code (a failed call
         is the same error for every key)."""
         try:
-            return self.calls.get([t.key for t in transfers], addrs, sizes)
+            return self.calls.get([t.key for t in transfers], addrs, sizes, cancel)
         except BackendError as exc:
             name = error_name(exc.code) if exc.code is not None else "BACKEND_ERROR"
             logger.error("kvpool load of %d keys failed: %s", len(transfers), exc)
@@ -815,16 +827,13 @@ class SaveQueue:
                 self._pool_full.discard(rid)
                 self._dropped.pop(rid, None)
 
-    def futures(self) -> list[Future[None]]:
-        """Every save batch submitted so far and still tracked."""
-        with self._lock:
-            return list(self._futures)
-
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted save has finished; True if all did within
         ``timeout_s`` seconds (``None``: no limit)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for f in self.futures():
+        with self._lock:
+            futures = list(self._futures)
+        for f in futures:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 f.result(timeout=left)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -146,6 +147,12 @@ class SizedCalls:
         total = sum(sizes)
         return total <= self.staging.nbytes and total < self.limits.stage_below * len(addrs)
 
+    def stages_all(self, addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+                   ) -> bool:
+        """True when every value goes through the staging buffer (a get of them writes no
+        destination range before its value came back whole)."""
+        return all(self._staged(a, s) for a, s in zip(addrs, sizes, strict=True))
+
     def _calls(self, addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
                ) -> list[tuple[list[int], list[bool]]]:
         """Per call: the key indices it carries and whether each is staged. A call ends
@@ -209,10 +216,12 @@ class SizedCalls:
             results[i] = int(rc)
 
     def get(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
-            sizes: Sequence[Sequence[int]]) -> list[int]:
+            sizes: Sequence[Sequence[int]], cancel: threading.Event | None = None
+            ) -> list[int]:
         """``Backend.batch_get_into`` of every key, in calls within the limits; a staged value
         lands in the staging buffer and is scattered into its ranges only when it came back
-        whole. Per key the bytes read or an error code. Raises what the backend raises."""
+        whole and ``cancel`` is not set (its reader gave up on it). Per key the bytes read or
+        an error code. Raises what the backend raises."""
         results = [0] * len(keys)
         for idx, staged in self._calls(addrs, sizes):
             c_addrs, c_sizes, _ = self._layout(idx, staged, addrs, sizes, False)
@@ -220,7 +229,7 @@ class SizedCalls:
             self.calls += 1
             for j, (i, res) in enumerate(zip(idx, got, strict=True)):
                 results[i] = int(res)
-                if staged[j] and res == c_sizes[j][0]:
+                if staged[j] and res == c_sizes[j][0] and not (cancel and cancel.is_set()):
                     _scatter(c_addrs[j][0], addrs[i], sizes[i])
         return results
 

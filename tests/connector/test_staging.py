@@ -234,3 +234,49 @@ def test_stopped_store_never_holds_engine_blocks(
         for j, block in enumerate(dst_ids):  # a block is the saved bytes, or failed: recompute
             assert block in failed or torch.equal(got[j], want[j]), (name, block)
     assert writer.counters.saved_keys == chunks and not failed  # the put went through
+
+
+def test_stopped_store_turns_an_inline_load_into_recompute(
+        store: tuple[LocalMooncakeMaster, LocalPoolStore], client: MooncakeBackend) -> None:
+    """A load the SIGSTOPped store does not answer (issue 38): the step waits
+    ``layerwise_timeout_ms``, not Mooncake's 60 s transfer timeout, every block of the load is
+    reported failed (vLLM recomputes it), and the bytes that arrive after SIGCONT are never
+    scattered into the blocks."""
+    proc = store[1].proc
+    assert proc is not None
+    settings = _Settings(layerwise_timeout_ms=500)
+    chunks, bpc = 2, settings.chunk_size // settings.block_size
+    shape = (2 * chunks * bpc + 1, 8, 16, 256)
+    src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
+           for i in range(8)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    writer = KVPoolWorker(settings, ParallelLayout(), "stalled-load", client, Reporter())
+    writer.register_kv_caches(src)
+    reader = KVPoolWorker(settings, ParallelLayout(), "stalled-load", client, Reporter())
+    reader.register_kv_caches(dst)
+    _KEEP.append((src, dst, writer, reader))
+    src_ids = list(range(0, 2 * chunks * bpc, 2))
+    dst_ids = list(range(1, 2 * chunks * bpc + 1, 2))
+    tokens = chunks * settings.chunk_size
+    hashes = chunk_hashes(list(range(tokens)), settings.chunk_size, extra=uuid.uuid4().bytes)
+    writer.start_load_kv(KVPoolConnectorMetadata())
+    writer.wait_for_save(KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="w", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
+        save_to_chunk=chunks, is_last_save=True)]))
+    assert writer.drain_saves(60) and writer.counters.saved_keys == chunks
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        reader.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id="r", block_ids=dst_ids, chunk_hashes=hashes,
+            load=LoadSpec(0, tokens, can_load=True))]))
+        waited = time.monotonic() - started
+        assert reader.get_block_ids_with_load_errors() == set(dst_ids)
+        # Bounded by the budget, far below Mooncake's 60 s (a loaded machine adds seconds).
+        assert waited < 30, waited
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    # The load thread's late get ends; nothing of it reaches the blocks.
+    reader._loads.executor.submit(lambda: None).result(120)
+    assert all(not t.any() for t in dst.values())
+    assert reader.counters.loaded_keys == 0
