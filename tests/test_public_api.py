@@ -73,6 +73,10 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # kvpool_connector.operations audits its own reset flush with the hub's line format.
     "kvpool_agent.audit": ["AUDIT_ERROR_CHARS", "AUDIT_IDS_SHOWN", "AUDIT_LINE_MAX_BYTES",
                            "CHANGES", "audit", "audit_line"],
+    # kvpool_replay's reference figures are the agent's cache models (one owner).
+    "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
+                           "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",
+                           "prefix_ceiling"],
 }
 """Public modules another kvpool package imports from, their ``__all__`` pinned too."""
 
