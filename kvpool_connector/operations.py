@@ -58,7 +58,7 @@ from kvpool_connector.keys import (
 )
 from kvpool_connector.pins import Pin, Pins
 
-__all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SaveQueue", "Tokenize",
+__all__ = ["PROBE_BYTES", "BackendOperations", "KeyScope", "SavesInFlight", "Tokenize",
            "flush_pattern"]
 
 PROBE_BYTES = 4096
@@ -82,7 +82,7 @@ _BUFFERS_LOCK = threading.Lock()
 _PROBE_LOCK = threading.Lock()
 
 
-class SaveQueue(Protocol):
+class SavesInFlight(Protocol):
     """What ``BackendOperations.wait_for_saves`` and ``reset_flush`` need of
     ``KVPoolWorker``."""
 
@@ -135,7 +135,7 @@ class BackendOperations:
         self.backend = backend
         self.source = source
         self.key_scope = key_scope
-        self.saves: SaveQueue | None = None
+        self.saves: SavesInFlight | None = None
         self.reporter: Reporter = NullReporter()
         self.pins: Pins | None = None
         self.tokenize: Tokenize | None = None
