@@ -1,0 +1,88 @@
+"""The hub's access window (``kvpool_agent._access_window``): the live reuse ceiling and the
+what-if curve over compact chunk ids equal the replay's reference over the full hashes of the
+same trace slice; the window is bounded and counts what it cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool_agent._access_window import (
+    FLEET,
+    MAX_ACCESS_CHUNKS,
+    AccessWindow,
+    Ceiling,
+    chunk_id,
+)
+from kvpool_agent.reuse import CURVE_FACTORS
+from kvpool_connector.keys import chunk_hashes
+from kvpool_replay import (
+    belady_hits,
+    default_trace_path,
+    load_trace,
+    lru_hits,
+    prefix_ceiling,
+    request_tokens,
+)
+
+CHUNK = 512
+
+
+@pytest.fixture(scope="module")
+def conversation() -> list[tuple[int, list[str]]]:
+    reqs = load_trace(default_trace_path("conversation_trace.jsonl"), limit=200)
+    return [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+
+
+def test_ceiling_and_whatif_equal_the_trace_reference(
+        conversation: list[tuple[int, list[str]]]) -> None:
+    window = AccessWindow()
+    for tokens, hashes in conversation:
+        window.add("llama", CHUNK, tokens, [chunk_id(h) for h in hashes])
+    acc = window.snapshot()
+    ref = prefix_ceiling(conversation, CHUNK)
+    assert ref.hit_tokens > 0
+    got = AccessWindow.ceiling(acc)
+    assert got["llama"] == got[FLEET] == Ceiling(ref.input_tokens, ref.hit_tokens)
+    # The what-if at a pool of a quarter of the slice's distinct chunks: exact LRU and MIN.
+    pool = len({h for _, hs in conversation for h in hs}) // 4 * CHUNK
+    points = AccessWindow.whatif(acc, "llama", pool)
+    assert [p.capacity_tokens for p in points] == [int(pool * f) for f in CURVE_FACTORS]
+    one = points[CURVE_FACTORS.index(1.0)]
+    assert one.lru_hit_rate == lru_hits(conversation, CHUNK, pool).hit_rate < ref.hit_rate
+    assert one.min_hit_rate == belady_hits(conversation, CHUNK, pool).hit_rate
+    assert points[-1].lru_hit_rate == ref.hit_rate  # 8x a quarter holds every chunk
+    assert AccessWindow.whatif(acc, "other-model", pool) == []
+
+
+def test_models_are_separate_pools_and_the_fleet_is_their_sum() -> None:
+    window = AccessWindow()
+    for model in ("a", "b"):
+        window.add(model, 4, 9, [1, 2])
+        window.add(model, 4, 9, [1, 2])  # hits both chunks: 8 tokens
+    window.add("b", 16, 33, [1, 2])  # another chunk size: another pool, a miss
+    got = AccessWindow.ceiling(window.snapshot())
+    assert got == {"a": Ceiling(18, 8), "b": Ceiling(51, 8), FLEET: Ceiling(69, 16)}
+    assert got[FLEET].hit_rate == pytest.approx(16 / 69)
+    assert Ceiling(0, 0).hit_rate == 0.0
+
+
+def test_window_keeps_the_newest_chunks_and_cuts_long_prompts() -> None:
+    window = AccessWindow(max_chunks=10)
+    for i in range(5):
+        window.add("m", 4, 17, [10 * i + k for k in range(4)])
+    # 20 chunks added, 10 kept: the last access's 4 plus the 4 before it; a third would pass.
+    assert (window.chunks, len(window), window.added) == (8, 2, 5)
+    assert [a.chunks[0] for a in window.snapshot()] == [30, 40]
+    window.add("m", 4, 10**6, list(range(MAX_ACCESS_CHUNKS + 5)))
+    assert window.truncated == 1
+    # One access longer than the window is kept alone (a window never drops its newest).
+    assert (window.chunks, len(window)) == (MAX_ACCESS_CHUNKS, 1)
+    with pytest.raises(ValueError):
+        AccessWindow(max_chunks=0)
+
+
+def test_chunk_id_is_the_hash_prefix() -> None:
+    assert chunk_id("00000000000000ff" + "0" * 16) == 255
+    assert chunk_id("f" * 32) == 2**64 - 1
+    with pytest.raises(ValueError):
+        chunk_id("abc")
