@@ -27,7 +27,15 @@ from kvpool_replay._replay import (
 from kvpool_replay._spec import ModelShape
 from kvpool_replay._trace import TraceError, default_trace_path
 
-__all__ = ["build_parser", "format_report", "main"]
+__all__ = ["MODEL_SHAPES", "build_parser", "format_report", "main", "model_shape"]
+
+MODEL_SHAPES: dict[str, dict[str, int | str]] = {
+    "llama3-8b": {"layers": 32, "kv_heads": 8, "head_size": 128, "dtype": "bfloat16"},
+    "llama3-70b": {"layers": 80, "kv_heads": 8, "head_size": 128, "dtype": "bfloat16"},
+    # MLA's 576-element latent per layer as the CPU layout's K and V halves of one head.
+    "deepseek-v3-mla": {"layers": 61, "kv_heads": 1, "head_size": 288, "dtype": "bfloat16"},
+}
+"""``--model-shape`` presets: real models' KV per token (128 KiB, 320 KiB, 68.6 KiB)."""
 
 
 def _positive_int(text: str) -> int:
@@ -101,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive_int, default=16,
                    help="vLLM block size in tokens")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                   help="a real model's KV shape; replaces --layers, --kv-heads, --head-size "
+                   "and --dtype (--block-size still applies)")
     p.add_argument("--load-async", action="store_true", help="connector load_async mode")
     p.add_argument("--layerwise", action="store_true", help="connector use_layerwise mode")
     p.add_argument("--no-wait-saves", dest="wait_saves", action="store_false",
@@ -163,6 +174,19 @@ def format_report(r: ReplayReport) -> str:
     return "\n".join(lines)
 
 
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The replay's KV shape: ``--model-shape``'s preset, else ``--layers``, ``--kv-heads``,
+    ``--head-size`` and ``--dtype``; ``--block-size`` either way.
+
+    Raises:
+        ValueError: a dimension below 1 (``ModelShape``).
+    """
+    dims: dict[str, int | str] = MODEL_SHAPES[args.model_shape] if args.model_shape else {
+        "layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
+        "dtype": args.dtype}
+    return ModelShape(block_size=args.block_size, **dims)  # type: ignore[arg-type]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvpool-replay``. Exit status: 0 ok, 1 an engine failed, 2 bad input
     (options, a missing, invalid or empty trace, a pool larger than the memory available), with
@@ -173,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     trace = args.trace_opt or args.trace or str(default_trace_path())
     try:
-        shape = ModelShape(layers=args.layers, kv_heads=args.kv_heads, head_size=args.head_size,
-                           block_size=args.block_size, dtype=args.dtype)
+        shape = model_shape(args)
         cfg = ReplayConfig(
             trace_path=trace, limit=args.limit, engines=args.engines,
             pool_tokens=args.pool_tokens, mode=args.mode, speedup=args.speedup, shape=shape,

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from kvpool_replay import ModelShape, ReplayConfig, ReplayReport, default_trace_path, run_replay
+from kvpool_replay.cli import MODEL_SHAPES, build_parser, model_shape
 
-LLAMA3_8B = dict(layers=32, kv_heads=8, head_size=128, dtype="bfloat16")  # 128 KiB/token
-LLAMA3_70B = dict(layers=80, kv_heads=8, head_size=128, dtype="bfloat16")  # 320 KiB/token
-# DeepSeek-V3 MLA: 61 layers x 576 x bf16 (68.6 KiB/token). The sim engine's cache carries a K
-# and a V half per head: 2 x 288 elements are the 576 of the latent, the same bytes per block.
-DEEPSEEK_V3_MLA = dict(layers=61, kv_heads=1, head_size=288, dtype="bfloat16")
+# DeepSeek-V3 MLA is 61 layers x 576 x bf16 (68.6 KiB/token): the sim engine's cache carries a
+# K and a V half per head, 2 x 288 elements are the 576 of the latent, the same bytes per block.
+LLAMA3_8B, LLAMA3_70B = MODEL_SHAPES["llama3-8b"], MODEL_SHAPES["llama3-70b"]
+DEEPSEEK_V3_MLA = MODEL_SHAPES["deepseek-v3-mla"]
 
 REQUESTS = 4
 MAX_INPUT = 1_100
@@ -82,3 +82,13 @@ def test_real_shape_replay_matches_toy(short_trace: Path, toy: ReplayReport,
     assert report.loaded_bytes == report.hit_tokens * per_token
     assert report.saved_bytes >= report.loaded_bytes > 0
     assert report.pool_evicted_keys == 0
+
+
+def test_model_shape_presets_of_the_cli() -> None:
+    args = build_parser().parse_args(["t.jsonl", "--model-shape", "llama3-70b",
+                                      "--block-size", "128", "--layers", "3"])
+    assert model_shape(args) == ModelShape(layers=80, kv_heads=8, head_size=128,
+                                           block_size=128, dtype="bfloat16")
+    assert model_shape(args).bytes_per_token == 320 << 10
+    args = build_parser().parse_args(["t.jsonl", "--layers", "3"])
+    assert model_shape(args) == ModelShape(layers=3, kv_heads=1, head_size=8)
