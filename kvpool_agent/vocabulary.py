@@ -140,8 +140,9 @@ HINTS: dict[str, str] = {
     "OBJECT_ALREADY_EXISTS": "another engine saved the same chunk first: harmless (the value is "
     "shared); nothing to do",
     "OBJECT_HAS_LEASE": "entry is leased by an in-flight load; flush again later or with force",
-    "LEASE_EXPIRED": "load started after the lookup's lease ran out: raise default_kv_lease_ttl "
-    "above the transfer timeouts (ASCEND_TRANSFER_TIMEOUT)",
+    "LEASE_EXPIRED": "load started after the lookup's lease ran out, or lasted longer than the "
+    "lease (its bytes are recomputed): raise default_kv_lease_ttl above load times and the "
+    "transfer timeouts (ASCEND_TRANSFER_TIMEOUT)",
     "TRANSFER_FAIL": "transfer engine could not move the bytes: check protocol/device_name and "
     "the network between the segment owner and this engine",
     "RPC_FAIL": "master unreachable: check mooncake_master and master_server_address",

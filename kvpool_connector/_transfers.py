@@ -9,7 +9,11 @@ recomputes it), and every request's outcome (tokens accepted, tokens really load
 step's load blocks are reported failed, the loader stops after its current layer, and the next
 step waits for it before any block can be recomputed or handed to another request. An inline
 load whose values are all staged waits ``layerwise_timeout_ms`` at most, then fails (recompute)
-and its late bytes are never scattered.
+and its late bytes are never scattered. A get that lasted the pool's lease or longer
+(``Backend.lease_ttl_ms``) fails its keys as ``LEASE_EXPIRED``: a read holds a lease, not a
+reference, so once the lease lapsed mid-transfer a remove (connector eviction, an unforced
+flush, another engine's) may have freed the bytes being copied and a put reused them; what
+lands is doubtful, and doubtful KV is recomputed, never used (issue 39).
 
 ``SaveQueue`` stores chunks on a background thread once the device finished writing them:
 keys the pool already holds are not sent again, and a request whose save hit
@@ -154,6 +158,7 @@ class LoadRunner:
         self.fail_whole_requests = False
         self._failed_reqs: set[str] = set()
         self.calls = SizedCalls.for_backend(backend)  # staging: staging.attach_staging
+        self.lease_ttl_ms = backend.lease_ttl_ms()
 
     def settle_stale(self) -> None:
         """Forget the previous step's layer-wise load. A timed-out one may still be writing
@@ -244,9 +249,12 @@ class LoadRunner:
                   addrs: list[list[int]], sizes: list[list[int]],
                   cancel: threading.Event | None = None) -> list[int]:
         """One ``batch_get_into``; per key the bytes read or an error code (a failed call
-        is the same error for every key)."""
+        is the same error for every key; a call that outlasted the lease, ``LEASE_EXPIRED``
+        for every key: see the module docstring)."""
+        # Before the call: the leases are granted inside it, so this is a conservative start.
+        began = time.monotonic()
         try:
-            return self.calls.get([t.key for t in transfers], addrs, sizes, cancel)
+            results = self.calls.get([t.key for t in transfers], addrs, sizes, cancel)
         except BackendError as exc:
             name = error_name(exc.code) if exc.code is not None else "BACKEND_ERROR"
             logger.error("kvpool load of %d keys failed: %s", len(transfers), exc)
@@ -254,6 +262,14 @@ class LoadRunner:
                 loads[t.req_id].error = loads[t.req_id].error or name
             return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(
                 transfers)
+        took_ms = (time.monotonic() - began) * 1e3
+        if self.lease_ttl_ms and took_ms >= self.lease_ttl_ms:
+            logger.warning("kvpool load of %d keys took %.0f ms, not less than the pool's "
+                           "%d ms lease (default_kv_lease_ttl): a remove may have reused the "
+                           "bytes mid-copy, so they are recomputed; raise default_kv_lease_ttl "
+                           "above load times", len(transfers), took_ms, self.lease_ttl_ms)
+            return [ErrorCode.LEASE_EXPIRED] * len(transfers)
+        return results
 
     def _settle(self, load: _ReqLoad, t: Transfer, ok: bool, res: int,
                 mismatch: bool = False) -> None:

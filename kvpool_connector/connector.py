@@ -393,7 +393,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             pool_admin_url=getattr(backend_cfg, "admin_url", None),
             # A worker knows the master's TTL from its Mooncake config even when the
             # connector's own lease_ttl_ms is unset.
-            lease_ttl_ms=cfg.lease_ttl_ms or getattr(backend_cfg, "default_kv_lease_ttl", 0),
+            lease_ttl_ms=cfg.lease_ttl_ms or (backend.lease_ttl_ms() if backend else 0),
             keys_dir=cfg.agent_keys,
         )
         if self._operations is not None:

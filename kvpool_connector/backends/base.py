@@ -76,6 +76,11 @@ class Backend(abc.ABC):
         """Register ``size`` bytes at ``addr`` for zero-copy transfers.
         Raises ``BackendError`` if the backend refuses."""
 
+    def lease_ttl_ms(self) -> int:
+        """How long (ms) a read's lease keeps a key from being removed by another client
+        (Mooncake ``default_kv_lease_ttl``); 0 when the backend grants none or does not say."""
+        return 0
+
     def transport_limits(self) -> TransportLimits:
         """What one ``batch_put_from``/``batch_get_into`` call may carry
         (``kvpool_connector.staging``); ``NO_LIMITS`` unless the transport has a slice queue."""

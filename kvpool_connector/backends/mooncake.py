@@ -325,6 +325,10 @@ class MooncakeBackend(Backend):
                          keys if isinstance(keys, list) else list(keys))
         return res if isinstance(res, list) else list(res)
 
+    def lease_ttl_ms(self) -> int:
+        """``default_kv_lease_ttl`` as the Mooncake config repeats the master's (ms)."""
+        return self.config.default_kv_lease_ttl
+
     def transport_limits(self) -> TransportLimits:
         """``TCP_LIMITS`` over TCP (measured, ``kvpool_connector.staging``); RDMA and Ascend
         keep its slice cap and move values zero-copy (not measured here)."""

@@ -734,3 +734,53 @@ def test_written_chunks_are_those_the_save_wrote(layerwise: bool,
     off = make_worker(engines[1], kv_off, uniq("events-off"), use_layerwise=layerwise)
     save_request(off, "c", [10, 11, 12, 13], shared)
     assert off.counters.saved_keys == 2 * per_chunk and off.take_written_chunks() == []
+
+
+class OutlivingStore:
+    """The real backend whose gets last the pool's lease or longer (a transfer the lease does
+    not cover): the real bytes land, then the call returns once ``lease_ms`` passed."""
+
+    def __init__(self, backend: MooncakeBackend, lease_ms: int) -> None:
+        self._backend, self._lease_ms = backend, lease_ms
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
+
+    def lease_ttl_ms(self) -> int:
+        return self._lease_ms
+
+    def batch_get_into(self, *args: object) -> list[int]:
+        end = time.monotonic() + self._lease_ms / 1e3
+        out = self._backend.batch_get_into(*args)  # type: ignore[arg-type]
+        while time.monotonic() < end:
+            time.sleep(0.005)
+        return out
+
+
+def test_a_load_that_outlives_its_lease_is_recomputed(
+        engines: tuple[MooncakeBackend, ...]) -> None:
+    """A read holds a lease, not a reference: once a get lasted the lease, a remove may have
+    reused the bytes mid-copy, so the load is doubtful and recomputed (issue 39)."""
+    model = uniq("outlived")
+    src = cpu_layout()
+    fill_random(src, 31)
+    hashes = chunk_hashes(tokens(64, 32), 32)
+    save_request(make_worker(engines[0], src, model), "a", [0, 1, 2, 3], hashes)
+    # The Mooncake config's default_kv_lease_ttl (the master's own default: 10 s).
+    assert engines[1].lease_ttl_ms() == 10_000
+    rep = Reporter()
+    slow = make_worker(OutlivingStore(engines[1], 200), cpu_layout(), model,  # type: ignore[arg-type]
+                       reporter=rep)
+    slow.start_load_kv(load_meta("b", [4, 5, 6, 7], hashes, pool_tokens=64))
+    assert slow.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+    assert slow.counters.load_failed_keys == 2 and slow.counters.loaded_keys == 0
+    fin = [e for e in rep.drain() if isinstance(e, TransferFinished)][-1]
+    assert (fin.ok, fin.error_name, fin.failed_blocks, fin.after_hit) == (
+        False, "LEASE_EXPIRED", 4, True)
+    # The same get within the lease loads every block bit-exactly.
+    dst = cpu_layout()
+    fast = make_worker(engines[1], dst, model)
+    fast.start_load_kv(load_meta("c", [8, 9, 10, 11], hashes, pool_tokens=64))
+    assert fast.get_block_ids_with_load_errors() == set()
+    for s_blk, d_blk in zip([0, 1, 2, 3], [8, 9, 10, 11], strict=True):
+        assert block_bytes(src, s_blk) == block_bytes(dst, d_blk)
