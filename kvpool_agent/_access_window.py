@@ -1,7 +1,7 @@
 """The hub's window of recorded lookups: what the fleet's traffic could have hit (issue 41).
 
 Every lookup an engine reports is an access: its prompt's length in tokens and the compact ids
-of its whole chunks (``chunk_id``: the first 8 bytes of each chained chunk hash), under the
+of its whole chunks (``protocol.chunk_id``: the first 8 bytes of each chained chunk hash), under the
 engine's model and chunk size. ``AccessWindow`` keeps the most recent accesses, at most
 ``max_chunks`` chunk ids in all (default ``WINDOW_CHUNKS``), and runs ``kvpool_agent.reuse``'s
 models over them:
@@ -16,8 +16,8 @@ with probability <= n^2 / 2^65 (200,000 chunks: ~1e-9); a shared id is a false h
 window starts empty: the first use in the window of a chunk saved before it is a miss, so the
 ceiling and the what-if rates are low by at most the share of the window's tokens whose chunks
 were first used there (it vanishes as the window covers the traffic's reuse distance).
-(3) an access keeps at most ``MAX_ACCESS_CHUNKS`` chunks (the leading ones): hits past them are
-not counted.
+(3) an access keeps at most ``protocol.MAX_ACCESS_CHUNKS`` chunks (the leading ones): hits
+past them are not counted.
 
 Memory: 8 bytes per chunk id (``array('Q')``) plus ~120 bytes per access: 200,000 chunks in
 accesses of 64 chunks are ~2 MB. Cost: ``ceiling`` is O(chunks), ``whatif`` O(factors x
@@ -32,30 +32,16 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool_agent.protocol import MAX_ACCESS_CHUNKS
 from kvpool_agent.reuse import CURVE_FACTORS, CurvePoint, capacity_curve, prefix_ceiling
 
-__all__ = ["FLEET", "MAX_ACCESS_CHUNKS", "WINDOW_CHUNKS", "AccessWindow", "Ceiling", "chunk_id"]
+__all__ = ["FLEET", "WINDOW_CHUNKS", "AccessWindow", "Ceiling"]
 
 WINDOW_CHUNKS = 200_000
 """Chunk ids the hub keeps over every engine's recent lookups (issue 41's suggested size)."""
 
-MAX_ACCESS_CHUNKS = 2_048
-"""Chunk ids one access keeps (the leading ones): 32,768 tokens at chunk 16, 524,288 at 256."""
-
 FLEET = ""
 """``Ceiling`` key of the fleet-wide figure (every model's)."""
-
-
-def chunk_id(chunk_hash: str) -> int:
-    """The compact id of a chunk: the first 8 bytes (16 hex digits) of its chained hash
-    (``kvpool_connector.keys.chunk_hashes``), as an unsigned 64-bit int.
-
-    Raises:
-        ValueError: ``chunk_hash`` does not start with 16 hex digits.
-    """
-    if len(chunk_hash) < 16:
-        raise ValueError(f"a chunk hash has at least 16 hex digits, got {chunk_hash!r}")
-    return int(chunk_hash[:16], 16)
 
 
 @dataclass(frozen=True)
@@ -112,7 +98,7 @@ class AccessWindow:
 
     def add(self, model: str, chunk_size: int, tokens: int, chunks: Sequence[int]) -> None:
         """One lookup of a prompt of ``tokens`` tokens whose whole chunks have ids ``chunks``
-        (``chunk_id``), by an engine of ``model`` storing ``chunk_size``-token chunks."""
+        (``protocol.chunk_id``), by an engine of ``model`` storing ``chunk_size``-token chunks."""
         if len(chunks) > MAX_ACCESS_CHUNKS:
             chunks = chunks[:MAX_ACCESS_CHUNKS]
             self.truncated += 1

@@ -13,13 +13,17 @@ from collections import OrderedDict, deque
 import msgspec
 
 from kvpool_agent.protocol import (
+    MAX_ACCESS_CHUNKS,
     MAX_BIG_COUNT,
     MAX_COUNT,
     MAX_CPU_PERCENT,
     MAX_ID_CHARS,
     MAX_MASTERS,
     MAX_MS,
+    MAX_REPORT_ACCESSES,
     RECENT_PAUSES,
+    REPORT_ACCESS_CHUNKS,
+    Access,
     EngineState,
     ErrorRecord,
     FlushRecord,
@@ -32,6 +36,7 @@ from kvpool_agent.protocol import (
     StartFailure,
     Transfer,
     TransferStats,
+    chunk_id,
     clip,
 )
 from kvpool_agent.reporter import (
@@ -48,7 +53,10 @@ from kvpool_agent.reporter import (
     TransferStarted,
 )
 
-__all__ = ["MAX_IN_FLIGHT", "RECENT_ERRORS", "RECENT_FLUSHES", "STALL_MS", "Aggregator"]
+__all__ = [
+    "ACCESS_QUEUE_CHUNKS", "MAX_IN_FLIGHT", "RECENT_ERRORS", "RECENT_FLUSHES", "STALL_MS",
+    "Aggregator",
+]
 
 RECENT_ERRORS = 50
 """Errors kept in a snapshot (``EngineState.recent_errors``)."""
@@ -62,6 +70,10 @@ RECENT_FLUSHES = 16
 STALL_MS = 2_000.0
 """Two passes of the agent loop (every 50 ms) further apart than this (ms, monotonic) bound a
 ``process_stalled`` pause window: the whole process was stopped or starved, its loads too."""
+
+ACCESS_QUEUE_CHUNKS = 4 * REPORT_ACCESS_CHUNKS
+"""Chunk ids of lookups waiting for a report (four reports' worth, ~0.5 MiB of ints); a lookup
+that would pass it is dropped and counted in ``LookupStats.accesses_dropped``."""
 
 _LATENCY_SAMPLES = 1024
 _LOOKUP_TIMES = 16_384
@@ -191,6 +203,8 @@ class Aggregator:
         self.start_failure: StartFailure | None = None
         self.recent_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self.new_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
+        self._accesses: deque[Access] = deque()
+        self._access_chunks = 0
 
     def tick(self, mono_ms: float, now_ms: float) -> None:
         """The agent loop runs at ``mono_ms`` (monotonic ms) = ``now_ms`` (epoch ms): after a
@@ -310,6 +324,8 @@ class Aggregator:
             return
         lk.lookups += 1
         self._latencies.append(ev.latency_ms)
+        if ev.chunks:
+            self._queue_access(ev)
         if ev.error is not None:
             lk.lookup_errors += 1
             self._record_error(
@@ -321,6 +337,38 @@ class Aggregator:
         self._lookup_ms.move_to_end(ev.req_id)
         if len(self._lookup_ms) > _LOOKUP_TIMES:
             self._lookup_ms.popitem(last=False)
+
+    def _queue_access(self, ev: Lookup) -> None:
+        """Keep the lookup's leading chunk ids for ``take_accesses`` (``ACCESS_QUEUE_CHUNKS``
+        bound: past it the lookup is dropped and counted)."""
+        hashes = ev.chunks or []
+        n = min(len(hashes), MAX_ACCESS_CHUNKS)
+        if self._access_chunks + n > ACCESS_QUEUE_CHUNKS or ev.chunk_size < 1:
+            self.lookup.accesses_dropped += 1
+            return
+        try:
+            ids = [chunk_id(h) for h in hashes[:n]]
+        except ValueError:  # not a chunk hash: nothing the hub could match
+            self.lookup.accesses_dropped += 1
+            return
+        self._accesses.append(Access(tokens=ev.prompt_tokens, chunk_size=ev.chunk_size,
+                                     chunks=ids))
+        self._access_chunks += n
+
+    def take_accesses(self) -> list[Access]:
+        """The oldest queued lookups for one report: at most ``MAX_REPORT_ACCESSES`` records
+        and ``REPORT_ACCESS_CHUNKS`` chunk ids (one record always, whatever its size)."""
+        out: list[Access] = []
+        chunks = 0
+        q = self._accesses
+        while q and len(out) < MAX_REPORT_ACCESSES:
+            n = len(q[0].chunks)
+            if out and chunks + n > REPORT_ACCESS_CHUNKS:
+                break
+            out.append(q.popleft())
+            chunks += n
+        self._access_chunks -= chunks
+        return out
 
     def _on_started(self, ev: TransferStarted) -> None:
         lease_expires_ms = ev.lease_expires_ms

@@ -37,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvpool_agent._access_window import FLEET, WINDOW_CHUNKS, Ceiling
 from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, PoolStats, visible
 
 __all__ = [
@@ -154,6 +155,8 @@ class FleetCollector(Collector):
         hub_counters: the hub's own counters by name (``reports``, ``bad_messages``...),
             exported as ``kvpool_hub_<name>_total``.
         clock_ms: wall clock in epoch ms (tests freeze it).
+        reuse_ceilings: the hub's last live reuse ceilings (``ReuseService.ceilings``: model
+            -> ``Ceiling``, the fleet's under ``""``); ``None``: none exported.
     """
 
     def __init__(
@@ -162,8 +165,10 @@ class FleetCollector(Collector):
         report_gaps: Callable[[], Mapping[str, int]],
         hub_counters: Callable[[], Mapping[str, int]],
         clock_ms: Callable[[], float],
+        reuse_ceilings: Callable[[], Mapping[str, Ceiling]] | None = None,
     ) -> None:
         self._states = states
+        self._reuse_ceilings = reuse_ceilings
         self._report_gaps = report_gaps
         self._hub_counters = hub_counters
         self._clock_ms = clock_ms
@@ -194,9 +199,25 @@ class FleetCollector(Collector):
         fams.gauge("kvpool_fleet_local_hit_ratio", "Local prefix cache hit tokens / prompt "
                    "tokens over the fleet.", []).add_metric([], _ratio(fleet["local"],
                                                                        fleet["prompt"]))
+        if self._reuse_ceilings is not None:
+            self._reuse(fams, self._reuse_ceilings())
         for name, value in sorted(self._hub_counters().items()):
             fams.counter(f"kvpool_hub_{name}", f"Hub counter {name}.", []).add_metric([], value)
         return iter(fams)
+
+    @staticmethod
+    def _reuse(fams: _Families, ceilings: Mapping[str, Ceiling]) -> None:
+        """The live reuse ceiling (``kvpool_agent._access_window``): per model and fleet-wide,
+        the share of the window's looked-up prompt tokens an unbounded pool would have hit."""
+        doc = (f"Prompt tokens an unbounded shared pool would have hit / prompt tokens, over "
+               f"the hub's window of the last {WINDOW_CHUNKS} looked-up chunks")
+        per_model = fams.gauge("kvpool_reuse_ceiling_ratio", doc + " (per model).", ["model"])
+        for model, c in sorted(ceilings.items()):
+            if model == FLEET:
+                fams.gauge("kvpool_fleet_reuse_ceiling_ratio", doc + ".", []).add_metric(
+                    [], c.hit_rate)
+            else:
+                per_model.add_metric([_label(model)], c.hit_rate)
 
     def _engine(
         self,

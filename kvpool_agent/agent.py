@@ -350,6 +350,8 @@ class _Agent:
 
     def _send_report(self, kind: str) -> None:
         st = self.state(all_errors=kind == "snapshot")
+        with self.lock:
+            accesses = self.agg.take_accesses()
         self.seq += 1
         frame = encode(
             Report(
@@ -357,6 +359,7 @@ class _Agent:
                 seq=self.seq,
                 kind="snapshot" if kind == "snapshot" else "delta",
                 state=st,
+                accesses=accesses,
             )
         )
         try:
@@ -366,6 +369,8 @@ class _Agent:
                 self.failure_sent.set()
         except zmq.Again:
             self.reports_dropped += 1
+            with self.lock:
+                self.agg.lookup.accesses_dropped += len(accesses)
 
     def _process_stats(self) -> None:
         p = self.agg.process

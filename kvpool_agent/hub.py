@@ -110,6 +110,7 @@ from kvpool_agent._hub_memory import (
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._memory_guard import MemoryGuard
 from kvpool_agent._metrics import FleetCollector, MetricsServer
+from kvpool_agent._reuse_service import REUSE_REFRESH_S, ReuseService
 from kvpool_agent._work_budget import WORK_UNITS_PER_MIN, WorkBudget, cost
 from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
@@ -323,6 +324,9 @@ class FleetHub:
         memory_limit_bytes: past this RSS (bytes, the whole process's) the hub rebuilds every
             port (``kvpool_agent._memory_guard``): the bound for what libzmq cannot bound, a
             multipart message. ``None``: no limit (a hub embedded in a larger process).
+        reuse_refresh_s: the live reuse ceiling over agents' lookups (``Report.accesses``,
+            ``kvpool_agent._reuse_service``) is recomputed at most this often (s), on its own
+            thread.
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota or a key's
@@ -359,6 +363,7 @@ class FleetHub:
         state_file: str | Path | None = None,
         memory_limit_bytes: int | None = None,
         work_units_per_min: int = WORK_UNITS_PER_MIN,
+        reuse_refresh_s: float = REUSE_REFRESH_S,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -416,6 +421,7 @@ class FleetHub:
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.metrics: MetricsServer | None = None
+        self.reuse = ReuseService(refresh_s=reuse_refresh_s)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -432,6 +438,7 @@ class FleetHub:
         if self._error is not None:
             self._thread.join()
             raise self._error
+        self.reuse.start()
         if self.metrics_port is not None:
             try:
                 self.metrics = MetricsServer(self._collector(), self._metrics_host(),
@@ -450,6 +457,7 @@ class FleetHub:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        self.reuse.stop(timeout_s)
 
     def __enter__(self) -> FleetHub:
         return self.start()
@@ -490,7 +498,7 @@ class FleetHub:
                        for key, n in dict(self.refused_by_key).items()}}
 
         return FleetCollector(self._fleet.states, lambda: dict(self.seq_tracker.gaps),
-                              counters, lambda: time.time() * 1e3)
+                              counters, lambda: time.time() * 1e3, self.reuse.ceilings)
 
     @property
     def gaps(self) -> int:
@@ -813,6 +821,7 @@ class FleetHub:
             return
         self.reports += 1
         aid = rep.state.source.agent_id
+        self.reuse.add(rep.state.source.model, rep.accesses)
         self.seq_tracker.observe(aid, rep.seq)
         records = self._fleet.unaudited_flushes(aid, rep.state.flushes)
         budget = f"agent:{self._key_name('agents', identity)}" if records else ""

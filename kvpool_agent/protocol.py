@@ -38,17 +38,21 @@ __all__ = [
     "DOWN_AFTER_MS",
     "FULL_RATE_TOPICS",
     "HEARTBEAT_MS",
+    "MAX_ACCESS_CHUNKS",
     "MAX_ID_CHARS",
     "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
     "MAX_PIN_TEXT_CHARS",
     "MAX_PIN_TOKENS",
+    "MAX_REPORT_ACCESSES",
     "MAX_SOFT_PIN_TTL_MS",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
     "RECENT_PAUSES",
+    "REPORT_ACCESS_CHUNKS",
     "STALE_AFTER_MS",
     "UPDATE_TIERS_MS",
+    "Access",
     "CommandName",
     "CommandReply",
     "CommandRequest",
@@ -79,6 +83,7 @@ __all__ = [
     "StartFailure",
     "Transfer",
     "TransferStats",
+    "chunk_id",
     "clip",
     "decode",
     "encode",
@@ -265,6 +270,8 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     load_failed_tokens: Count = 0
     lookup_skipped: Count = 0
     skipped_by_reason: dict[Name, Count] = msgspec.field(default_factory=dict)
+    accesses_dropped: Count = 0
+    """Lookups whose chunk ids (``Report.accesses``) were dropped for the report budget."""
 
 
 class Transfer(msgspec.Struct, gc=False, kw_only=True):
@@ -493,6 +500,42 @@ class EngineState(msgspec.Struct, gc=False, kw_only=True):
     a console that did not watch a pause still attributes the loads that waited on it."""
 
 
+MAX_ACCESS_CHUNKS = 2_048
+"""Chunk ids one ``Access`` carries at most (its prompt's leading whole chunks): 32,768 tokens
+at chunk 16, 524,288 at chunk 256."""
+MAX_REPORT_ACCESSES = 1_024
+"""``Access`` records one ``Report`` carries at most (a receiver refuses more)."""
+REPORT_ACCESS_CHUNKS = 16_384
+"""Chunk ids an agent puts in one report (~150 KB of msgpack at 9 bytes an id); lookups past
+it wait for the next report, and past its queue are dropped and counted
+(``LookupStats.accesses_dropped``)."""
+ChunkId = Annotated[int, msgspec.Meta(ge=0)]
+"""A chunk's compact id: the first 8 bytes of its chained hash, an unsigned 64-bit int (msgspec
+takes no bound past int64; msgpack's widest int, uint64, is the upper bound on the wire)."""
+
+
+def chunk_id(chunk_hash: str) -> int:
+    """The compact id of a chunk: the first 8 bytes (16 hex digits) of its chained hash
+    (``kvpool_connector.keys.chunk_hashes``), as an unsigned 64-bit int.
+
+    Raises:
+        ValueError: ``chunk_hash`` does not start with 16 hex digits.
+    """
+    if len(chunk_hash) < 16:
+        raise ValueError(f"a chunk hash has at least 16 hex digits, got {chunk_hash!r}")
+    return int(chunk_hash[:16], 16)
+
+
+class Access(msgspec.Struct, gc=False, array_like=True, kw_only=True):
+    """One prefix lookup as the hub's reuse window keeps it (issue 41): a prompt of ``tokens``
+    tokens whose whole chunks of ``chunk_size`` tokens have the ids ``chunks`` (the leading
+    ``MAX_ACCESS_CHUNKS``), in prompt order."""
+
+    tokens: Count
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, lt=MAX_COUNT)]
+    chunks: Annotated[list[ChunkId], msgspec.Meta(max_length=MAX_ACCESS_CHUNKS)]
+
+
 class Report(msgspec.Struct, tag="report", kw_only=True):
     """Agent -> hub. ``kind="snapshot"`` carries the full state (the last 50 errors);
     ``kind="delta"`` carries current counters and in-flight list but only the errors
@@ -502,6 +545,11 @@ class Report(msgspec.Struct, tag="report", kw_only=True):
     seq: Count
     kind: Literal["snapshot", "delta"]
     state: EngineState
+    accesses: Annotated[list[Access], msgspec.Meta(max_length=MAX_REPORT_ACCESSES)] = \
+        msgspec.field(default_factory=list)
+    """The scheduler's lookups since its previous report (``Access``; at most
+    ``REPORT_ACCESS_CHUNKS`` chunk ids from this agent); the hub keeps them in its reuse window,
+    never in the state it forwards. Hubs before this field ignore it."""
 
 
 class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):

@@ -54,6 +54,10 @@ class Lookup(msgspec.Struct, array_like=True, gc=False, frozen=True):
     latency_ms: float
     error: str | None
     skipped: str | None = None
+    chunk_size: int = 0
+    chunks: list[str] | None = None
+    """The prompt's chained chunk hashes (hex, the scheduler's own list: read, never changed),
+    turned into ``protocol.Access`` ids on the agent thread."""
 
 
 class Loaded(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -206,13 +210,16 @@ class Reporter:
         latency_ms: float,
         error: str | None = None,
         skipped: str | None = None,
+        chunk_size: int = 0,
+        chunks: list[str] | None = None,
     ) -> None:
         """One scheduler lookup: prompt length, tokens vLLM had locally, tokens the pool holds
         beyond those (``pool_tokens``), lookup latency. ``error`` set when the store failed;
         ``skipped`` (the reason, e.g. ``MULTIMODAL``, ``BREAKER_OPEN``) when no lookup was
-        made."""
+        made. ``chunks``: the hashes looked up (``chunk_size`` tokens each), kept by reference
+        (O(1) here) for the hub's reuse window; the caller never changes the list after."""
         self._put(Lookup(time.time() * 1e3, req_id, prompt_tokens, local_tokens, pool_tokens,
-                         latency_ms, error, skipped))
+                         latency_ms, error, skipped, chunk_size, chunks))
 
     def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
         """A load of ``req_id`` ended: ``tokens`` really loaded, ``failed_tokens`` accepted by
@@ -305,6 +312,8 @@ class NullReporter(Reporter):
         latency_ms: float,
         error: str | None = None,
         skipped: str | None = None,
+        chunk_size: int = 0,
+        chunks: list[str] | None = None,
     ) -> None:
         """Does nothing."""
 

@@ -178,12 +178,13 @@ class StatsTap(Reporter):
         return self.inner.drain(limit)
 
     def lookup(self, req_id: str, prompt_tokens: int, local_tokens: int, pool_tokens: int,
-               latency_ms: float, error: str | None = None, skipped: str | None = None) -> None:
+               latency_ms: float, error: str | None = None, skipped: str | None = None,
+               chunk_size: int = 0, chunks: list[str] | None = None) -> None:
         """Keep the lookup's latency (a lookup not made has none), then forward."""
         if not skipped:
             self.samples["lookup_seconds"].append(latency_ms / 1e3)
         self.inner.lookup(req_id, prompt_tokens, local_tokens, pool_tokens, latency_ms, error,
-                          skipped)
+                          skipped, chunk_size, chunks)
 
     def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
         """Forward."""

@@ -438,7 +438,8 @@ class KVPoolScheduler:
             logger.error("kvpool: prefix lookup for request %s failed (%s): %s; "
                          "running it without the pool", rid, exc.name, exc)
             self.reporter.lookup(rid, prompt_len, num_computed_tokens, 0, latency_ms,
-                                 error=f"{exc.name}: {exc}")
+                                 error=f"{exc.name}: {exc}", chunk_size=self.chunk_size,
+                                 chunks=hashes)
             if self._breaker.failed(time.monotonic()):
                 cfg = self.config
                 msg = (f"{cfg.lookup_breaker_failures} lookups failed in a row (last: "
@@ -467,7 +468,8 @@ class KVPoolScheduler:
         latency_ms = (time.perf_counter() - start) * 1e3
         pool_tokens = hit_chunks * self.chunk_size
         new_tokens = max(0, pool_tokens - num_computed_tokens)
-        self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, latency_ms)
+        self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, latency_ms,
+                             chunk_size=self.chunk_size, chunks=hashes)
         if new_tokens == 0:
             return 0, False
         ttl = self.config.lease_ttl_ms

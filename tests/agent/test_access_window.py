@@ -1,18 +1,28 @@
 """The hub's access window (``kvpool_agent._access_window``): the live reuse ceiling and the
 what-if curve over compact chunk ids equal the replay's reference over the full hashes of the
-same trace slice; the window is bounded and counts what it cut."""
+same trace slice; the window is bounded and counts what it cut; the agent's queue of accesses
+and the wire keep their bounds."""
 
 from __future__ import annotations
 
 import pytest
+from agent_testlib import make_source
 
-from kvpool_agent._access_window import (
-    FLEET,
+from kvpool_agent._access_window import FLEET, AccessWindow, Ceiling
+from kvpool_agent._aggregate import ACCESS_QUEUE_CHUNKS, Aggregator
+from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
-    AccessWindow,
-    Ceiling,
+    MAX_REPORT_ACCESSES,
+    PROTOCOL_VERSION,
+    REPORT_ACCESS_CHUNKS,
+    Access,
+    ProtocolError,
+    Report,
     chunk_id,
+    decode,
+    encode,
 )
+from kvpool_agent.reporter import Lookup
 from kvpool_agent.reuse import CURVE_FACTORS
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import (
@@ -86,3 +96,50 @@ def test_chunk_id_is_the_hash_prefix() -> None:
     assert chunk_id("f" * 32) == 2**64 - 1
     with pytest.raises(ValueError):
         chunk_id("abc")
+
+
+def _lookup(agg: Aggregator, chunks: list[str] | None, chunk_size: int = 4) -> None:
+    agg.apply([Lookup(1.0, "r", 4 * len(chunks or []) + 1, 0, 0, 0.1, None, None,
+                      chunk_size, chunks)])
+
+
+def test_agent_queues_accesses_within_its_budgets() -> None:
+    agg = Aggregator(make_source("e", role="scheduler"))
+    h = "0123456789abcdef" * 2
+    # Two lookups of 10,000 chunks (each cut to MAX_ACCESS_CHUNKS) and one of 3.
+    _lookup(agg, [h] * 10_000)
+    _lookup(agg, [h] * 10_000)
+    _lookup(agg, [h] * 3)
+    _lookup(agg, None)  # no hashes: no access, not a drop
+    _lookup(agg, ["not-a-hash"])  # counted as a drop, never sent
+    assert agg.lookup.accesses_dropped == 1
+    got = agg.take_accesses()
+    assert [len(a.chunks) for a in got] == [MAX_ACCESS_CHUNKS, MAX_ACCESS_CHUNKS, 3]
+    assert got[2] == Access(tokens=13, chunk_size=4, chunks=[chunk_id(h)] * 3)
+    assert agg.take_accesses() == []
+    # The queue holds ACCESS_QUEUE_CHUNKS ids: past them lookups are dropped and counted; one
+    # report takes at most REPORT_ACCESS_CHUNKS of them.
+    fits = ACCESS_QUEUE_CHUNKS // MAX_ACCESS_CHUNKS
+    for _ in range(fits + 2):
+        _lookup(agg, [h] * MAX_ACCESS_CHUNKS)
+    assert agg.lookup.accesses_dropped == 1 + 2
+    first = agg.take_accesses()
+    assert sum(len(a.chunks) for a in first) == REPORT_ACCESS_CHUNKS
+    assert len(first) + len(agg.take_accesses()) + len(agg.take_accesses()) + len(
+        agg.take_accesses()) + len(agg.take_accesses()) == fits
+
+
+def test_a_report_past_the_wire_bounds_is_refused() -> None:
+    st = Aggregator(make_source("e", role="scheduler")).state(1.0)
+
+    def report(accesses: list[Access]) -> bytes:
+        return encode(Report(v=PROTOCOL_VERSION, seq=1, kind="delta", state=st,
+                             accesses=accesses))
+
+    ok = Access(tokens=9, chunk_size=4, chunks=[2**64 - 1, 0])
+    assert isinstance(msg := decode(report([ok])), Report) and msg.accesses == [ok]
+    for bad in ([Access(tokens=9, chunk_size=4, chunks=[0] * (MAX_ACCESS_CHUNKS + 1))],
+                [ok] * (MAX_REPORT_ACCESSES + 1),
+                [Access(tokens=9, chunk_size=0, chunks=[1])]):
+        with pytest.raises(ProtocolError):
+            decode(report(bad))
