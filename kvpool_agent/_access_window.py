@@ -143,13 +143,19 @@ class AccessWindow:
         return out
 
     @staticmethod
+    def main_chunk_size(accesses: list[_Access], model: str) -> int:
+        """``model``'s most used chunk size in ``accesses`` (by accesses); 0 for none."""
+        by_size = AccessWindow._of(accesses, model)
+        return max(by_size, key=lambda k: len(by_size[k])) if by_size else 0
+
+    @staticmethod
     def whatif(accesses: list[_Access], model: str, capacity_tokens: int,
                factors: Sequence[float] = CURVE_FACTORS) -> list[CurvePoint]:
         """LRU and MIN hit rates over ``model``'s accesses at ``factors`` x ``capacity_tokens``
         (``kvpool_agent.reuse.capacity_curve``), for its most used chunk size (by accesses);
         ``[]`` when the window holds none of ``model``'s accesses."""
-        by_size = AccessWindow._of(accesses, model)
-        if not by_size:
+        size = AccessWindow.main_chunk_size(accesses, model)
+        if not size:
             return []
-        size, reqs = max(by_size.items(), key=lambda kv: len(kv[1]))
-        return capacity_curve(reqs, size, capacity_tokens, factors)
+        return capacity_curve(AccessWindow._of(accesses, model)[size], size, capacity_tokens,
+                              factors)

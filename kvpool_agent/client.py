@@ -34,6 +34,7 @@ from kvpool_agent.protocol import (
     FlushArgs,
     PinArgs,
     ProtocolError,
+    ReuseView,
     SeqTracker,
     decode,
     encode,
@@ -85,6 +86,8 @@ class FleetClient:
         role: ``"operator"``, ``"viewer"`` or ``None`` (no keys).
         refused_connections: the hub's refused handshakes per port, from its last update
             (``FleetUpdate.refused_connections``).
+        reuse: the hub's last reuse figures (live ceiling, what-if: ``FleetUpdate.reuse``),
+            ``None`` until a snapshot carried them.
         tiers_missing: True while the requested tier has been silent for
             ``tier_fallback_s`` and the full-rate stream is taken instead (a hub of an
             earlier release, or a hub not answering).
@@ -106,6 +109,7 @@ class FleetClient:
             self._curve = self.keys.client(self.keys.console_role())
         self.role = self._curve.role if self._curve is not None else None
         self.refused_connections: dict[str, int] = {}
+        self.reuse: ReuseView | None = None
         self.bad_messages = 0
         self.gaps = SeqTracker()
         self._fleet: dict[str, FleetEntry] = {}
@@ -234,6 +238,8 @@ class FleetClient:
     def _merge(self, upd: FleetUpdate) -> None:
         self.last_update_ms = upd.ts_ms
         self.refused_connections = upd.refused_connections
+        if upd.reuse is not None:
+            self.reuse = upd.reuse
         for aid in upd.forgotten:
             self._fleet.pop(aid, None)
         for st in upd.engines:

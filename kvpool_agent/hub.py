@@ -110,7 +110,12 @@ from kvpool_agent._hub_memory import (
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._memory_guard import MemoryGuard
 from kvpool_agent._metrics import FleetCollector, MetricsServer
-from kvpool_agent._reuse_service import REUSE_REFRESH_S, ReuseService
+from kvpool_agent._reuse_service import (
+    REUSE_REFRESH_S,
+    WHATIF_REFRESH_S,
+    ReuseService,
+    pool_capacity_tokens,
+)
 from kvpool_agent._work_budget import WORK_UNITS_PER_MIN, WorkBudget, cost
 from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.auth import AllowList, Role, _check_private, bound_engine
@@ -326,7 +331,8 @@ class FleetHub:
             multipart message. ``None``: no limit (a hub embedded in a larger process).
         reuse_refresh_s: the live reuse ceiling over agents' lookups (``Report.accesses``,
             ``kvpool_agent._reuse_service``) is recomputed at most this often (s), on its own
-            thread.
+            thread; ``whatif_refresh_s``: its what-if curves (the costly part). Consoles get
+            them in snapshots (``FleetUpdate.reuse``).
 
     Counters (read from any thread): ``reports``, ``commands``, ``refused`` (commands needing
     the operator key on P+2), ``busy`` (commands refused for a full pending quota or a key's
@@ -364,6 +370,7 @@ class FleetHub:
         memory_limit_bytes: int | None = None,
         work_units_per_min: int = WORK_UNITS_PER_MIN,
         reuse_refresh_s: float = REUSE_REFRESH_S,
+        whatif_refresh_s: float = WHATIF_REFRESH_S,
     ) -> None:
         self.address = address
         self.ports = hub_ports(address)
@@ -421,7 +428,10 @@ class FleetHub:
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.metrics: MetricsServer | None = None
-        self.reuse = ReuseService(refresh_s=reuse_refresh_s)
+        self.reuse = ReuseService(
+            refresh_s=reuse_refresh_s, whatif_refresh_s=whatif_refresh_s,
+            capacity=lambda model, size: pool_capacity_tokens(
+                (st for st, _ in self._fleet.states().values()), model, size))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -915,6 +925,8 @@ class FleetHub:
         updates = self._fleet.updates(kind, stream.seq + 1, dict(self.seq_tracker.gaps),
                                       stream=key)
         stream.seq += len(updates)
+        if kind == "snapshot":
+            updates[0].reuse = self.reuse.view()
         for upd in updates:
             upd.refused_connections = dict(self.refused_connections)
             frame = stream.topic + encode(upd)

@@ -39,12 +39,14 @@ __all__ = [
     "FULL_RATE_TOPICS",
     "HEARTBEAT_MS",
     "MAX_ACCESS_CHUNKS",
+    "MAX_CURVE_POINTS",
     "MAX_ID_CHARS",
     "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
     "MAX_PIN_TEXT_CHARS",
     "MAX_PIN_TOKENS",
     "MAX_REPORT_ACCESSES",
+    "MAX_REUSE_MODELS",
     "MAX_SOFT_PIN_TTL_MS",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
@@ -69,6 +71,7 @@ __all__ = [
     "LookupStats",
     "MasterView",
     "Message",
+    "ModelReuse",
     "PauseWindow",
     "PinArgs",
     "PinInfo",
@@ -77,12 +80,14 @@ __all__ = [
     "ProcessStats",
     "ProtocolError",
     "Report",
+    "ReuseView",
     "SegmentUsage",
     "SeqTracker",
     "Source",
     "StartFailure",
     "Transfer",
     "TransferStats",
+    "WhatIfPoint",
     "chunk_id",
     "clip",
     "decode",
@@ -536,6 +541,51 @@ class Access(msgspec.Struct, gc=False, array_like=True, kw_only=True):
     chunks: Annotated[list[ChunkId], msgspec.Meta(max_length=MAX_ACCESS_CHUNKS)]
 
 
+MAX_REUSE_MODELS = 64
+"""Models a ``ReuseView`` describes at most (the most looked-up first)."""
+MAX_CURVE_POINTS = 16
+"""Capacities one ``ModelReuse.whatif`` holds at most (``kvpool_agent.reuse.CURVE_FACTORS``)."""
+
+
+class WhatIfPoint(msgspec.Struct, gc=False, kw_only=True):
+    """Hit rates (of the window's prompt tokens) an exact LRU and Belady's MIN holding
+    ``capacity_tokens`` tokens would give (``kvpool_agent.reuse.capacity_curve``)."""
+
+    capacity_tokens: Count
+    lru_hit_rate: Ratio
+    min_hit_rate: Ratio
+
+
+class ModelReuse(msgspec.Struct, gc=False, kw_only=True):
+    """One model's figures over the hub's window: ``prompt_tokens`` looked up, of which
+    ``ceiling_tokens`` an unbounded shared pool would have hit; ``pool_capacity_tokens`` the
+    pool's estimated capacity for this model (0: unknown, then no ``whatif``) and the what-if
+    curve at multiples of it, computed at ``whatif_ms`` (epoch ms; 0: not yet)."""
+
+    model: Name
+    chunk_size: Count = 0
+    prompt_tokens: Count = 0
+    ceiling_tokens: Count = 0
+    pool_capacity_tokens: Count = 0
+    whatif_ms: Ms = 0.0
+    whatif: Annotated[list[WhatIfPoint], msgspec.Meta(max_length=MAX_CURVE_POINTS)] = \
+        msgspec.field(default_factory=list)
+
+
+class ReuseView(msgspec.Struct, gc=False, kw_only=True):
+    """The hub's reuse figures (issue 41; ``kvpool_agent._reuse_service``), as of ``ts_ms``
+    (epoch ms): the window's size (``accesses`` lookups, ``chunks`` chunk ids), the fleet-wide
+    ceiling (``prompt_tokens``, ``ceiling_tokens``: the models' sums) and each model's."""
+
+    ts_ms: Ms
+    accesses: Count = 0
+    chunks: Count = 0
+    prompt_tokens: Count = 0
+    ceiling_tokens: Count = 0
+    models: Annotated[list[ModelReuse], msgspec.Meta(max_length=MAX_REUSE_MODELS)] = \
+        msgspec.field(default_factory=list)
+
+
 class Report(msgspec.Struct, tag="report", kw_only=True):
     """Agent -> hub. ``kind="snapshot"`` carries the full state (the last 50 errors);
     ``kind="delta"`` carries current counters and in-flight list but only the errors
@@ -573,6 +623,9 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     """Per hub port (``agents``, ``pub``, ``commands``, ``curve``): CURVE handshakes the hub
     refused since it started (no key, or a key not authorized for the port); empty when the
     hub runs without keys."""
+    reuse: ReuseView | None = None
+    """The hub's last reuse figures (live ceiling, what-if), in the first frame of a snapshot;
+    ``None`` in deltas, before the first computation and from hubs before this field."""
     more: bool = False
     """More frames of this update follow (a large fleet's update spans a frame per
     ``ENGINES_PER_UPDATE`` agents): a console redraws once the last one is merged. Hubs

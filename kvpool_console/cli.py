@@ -14,6 +14,7 @@ Usage::
     kvpool-console unpin --model M --id ID [--json]                 # operator
     kvpool-console pins [--model M] [--json]
     kvpool-console triage ENGINE [--json] [--ssh-config FILE]      # see kvpool_console.triage
+    kvpool-console whatif [--json]                 # reuse ceiling, LRU/MIN at 0.25x..8x pool
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the
 console uses P+1..P+3); like ``--keys`` and ``--wait`` it may come before or after the command.
@@ -47,6 +48,7 @@ from rich.text import Text
 
 from kvpool_agent.protocol import CommandReply, FlushArgs
 from kvpool_console import _pin_cli as pin_cli
+from kvpool_console import _whatif_cli as whatif_cli
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
@@ -187,6 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     fg.add_argument("engines", nargs="+", metavar="ENGINE", help="engine (or agent) ids")
     pin_cli.add_parsers(sub, common)
     triage_cli.add_parser(sub, common)
+    whatif_cli.add_parser(sub, common)
     return p
 
 
@@ -499,6 +502,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console, sig: StopSignals)
             return pin_cli.run(args, src, out, err)
         if args.cmd == "triage":
             return triage_cli.run(args, src, out, err)
+        if args.cmd == "whatif":
+            return whatif_cli.run(args, src, out, err)
         _run_tui(src, args, sig)
         return EXIT_OK
     finally:

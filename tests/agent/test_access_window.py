@@ -10,12 +10,15 @@ from agent_testlib import make_source
 
 from kvpool_agent._access_window import FLEET, AccessWindow, Ceiling
 from kvpool_agent._aggregate import ACCESS_QUEUE_CHUNKS, Aggregator
+from kvpool_agent._reuse_service import pool_capacity_tokens
 from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
     MAX_REPORT_ACCESSES,
     PROTOCOL_VERSION,
     REPORT_ACCESS_CHUNKS,
     Access,
+    EngineState,
+    PoolStats,
     ProtocolError,
     Report,
     chunk_id,
@@ -143,3 +146,21 @@ def test_a_report_past_the_wire_bounds_is_refused() -> None:
                 [Access(tokens=9, chunk_size=0, chunks=[1])]):
         with pytest.raises(ProtocolError):
             decode(report(bad))
+
+
+def test_pool_capacity_is_the_watermark_over_a_chunks_keys() -> None:
+    pool = PoolStats(backend="mooncake", keys=100, used_bytes=100 * 1_000,
+                     total_bytes=1_000_000, high_watermark=0.8)
+
+    def worker(engine: str, tp: int, model: str = "m", with_pool: bool = True) -> EngineState:
+        return EngineState(source=make_source(engine, tp=tp, model=model), started_ms=0.0,
+                           ts_ms=0.0, pool=pool if with_pool else None)
+
+    # Two ranks: a chunk is 2 keys of 1,000 bytes; 800,000 bytes before eviction = 400 chunks.
+    states = [worker("e1", 0), worker("e1", 1, with_pool=False), worker("e2", 0, "other"),
+              EngineState(source=make_source("e1", role="scheduler", model="m"),
+                          started_ms=0.0, ts_ms=0.0, pool=pool)]
+    assert pool_capacity_tokens(states, "m", 16) == 400 * 16
+    assert pool_capacity_tokens(states, "other", 16) == 800 * 16
+    assert pool_capacity_tokens(states, "absent", 16) == 0
+    assert pool_capacity_tokens([worker("e1", 0, with_pool=False)], "m", 16) == 0

@@ -1,11 +1,16 @@
-"""The live reuse ceiling end to end (issue 41): a real agent's lookups with their chunk hashes
-reach a real hub over ZMQ with CURVE in ``Report.accesses``; the hub's window equals the trace's
-own prefix-reuse ceiling on the same slice, per model and fleet-wide, in ``/metrics`` too."""
+"""The live reuse ceiling and what-if end to end (issue 41): a real agent's lookups with their
+chunk hashes reach a real hub over ZMQ with CURVE in ``Report.accesses``; the hub's window
+equals the trace's own prefix-reuse ceiling on the same slice, per model and fleet-wide, in
+``/metrics`` too; ``kvpool-console whatif --json`` prints the exact LRU and MIN of the same
+accesses at multiples of the real pool's capacity."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -14,11 +19,16 @@ from agent_testlib import make_source, wait_until
 from kvpool_agent import AGENT_KEYS_ENV, FleetHub, KeyPaths, start_agent
 from kvpool_agent._access_window import FLEET, Ceiling
 from kvpool_agent.auth import Role
+from kvpool_agent.reuse import CURVE_FACTORS
 from kvpool_connector.keys import chunk_hashes
+from kvpool_console.cli import main as console_main
 from kvpool_replay import (
+    LocalMooncakeMaster,
+    belady_hits,
     default_trace_path,
     free_port,
     load_trace,
+    lru_hits,
     prefix_ceiling,
     request_tokens,
 )
@@ -31,9 +41,10 @@ def reuse_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path
               monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetHub]:
     kp = fleet_keys["hub"]
     monkeypatch.setenv(AGENT_KEYS_ENV, str(fleet_keys["agent"].root))
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
     with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
                   secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
-                  metrics_port=free_port(), reuse_refresh_s=0.1) as h:
+                  metrics_port=free_port(), reuse_refresh_s=0.1, whatif_refresh_s=0.1) as h:
         yield h
 
 
@@ -68,3 +79,52 @@ def test_hub_ceiling_equals_the_trace_ceiling(reuse_hub: FleetHub, hub_address: 
     finally:
         a.stop()
         b.stop()
+
+
+def test_whatif_json_is_lru_and_min_at_the_real_pool_capacity(
+        reuse_hub: FleetHub, hub_address: str, agent_master: LocalMooncakeMaster,
+        mooncake_backend: Any, pool_buffer: Any, model: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The real pool holds keys: its average key size and capacity give the model's capacity.
+    base = ctypes.addressof(pool_buffer)
+    keys = [f"{model}/reuse-{i}" for i in range(4)]
+    assert mooncake_backend.batch_put_from(keys, [[base]] * 4, [[64 * 1024]] * 4) == [0] * 4
+    worker = start_agent(make_source("eng-w", model=model), address=hub_address,
+                         pool_admin_url=agent_master.admin_url)
+    sched = start_agent(make_source("eng-w", role="scheduler", model=model),
+                        address=hub_address)
+    reqs = load_trace(default_trace_path("conversation_trace.jsonl"), limit=60)
+    items = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+    try:
+        wait_until(lambda: (e := reuse_hub.fleet().get(worker.source.agent_id)) is not None
+                   and e[0].pool is not None and e[0].pool.keys > 0)
+        for i, (n, hashes) in enumerate(items):
+            sched.reporter.lookup(f"r{i}", n, 0, 0, 0.1, chunk_size=CHUNK, chunks=hashes)
+
+        def curve() -> list[Any]:
+            v = reuse_hub.reuse.view()
+            return [m for m in v.models if m.whatif and m.prompt_tokens == sum(
+                n for n, _ in items)] if v else []
+
+        wait_until(curve)
+        assert console_main(["whatif", "--json", "--hub", hub_address]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        (m,) = [m for m in doc["models"] if m["model"] == model]
+        cap = m["pool_capacity_tokens"]
+        assert cap > 0 and cap % CHUNK == 0
+        assert m["ceiling_hit_rate"] == prefix_ceiling(items, CHUNK).hit_rate
+        assert [p["capacity_tokens"] for p in m["points"]] == [
+            int(cap * f) for f in CURVE_FACTORS]
+        for p in m["points"]:
+            assert p["lru_hit_rate"] == lru_hits(items, CHUNK, p["capacity_tokens"]).hit_rate
+            assert p["min_hit_rate"] == belady_hits(items, CHUNK, p["capacity_tokens"]).hit_rate
+        # The table names the gain of twice the pool and MIN at its size.
+        one, two = m["points"][2], m["points"][3]
+        assert console_main(["whatif", "--hub", hub_address]) == 0
+        text = capsys.readouterr().out
+        assert (f"2x the pool: {(two['lru_hit_rate'] - one['lru_hit_rate']) * 100:+.1f} points; "
+                f"MIN at this size: {one['min_hit_rate']:.1%}") in text
+    finally:
+        sched.stop()
+        worker.stop()
+        mooncake_backend.batch_remove(keys)
