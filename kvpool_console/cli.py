@@ -24,10 +24,11 @@ flush, ``health --probe``, ``forget``, ``pin`` and ``unpin`` (``kvpool_console._
 with a viewer key or none they are refused before anything is sent. A hub running with keys
 serves nothing to a console without one.
 
-Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, or a
-flush, pin or unpin reported errors; 2 usage error, hub not reachable or demo not startable
-(bad trace or option); 3 refused (read-only, not confirmed); 128+N left on signal N (SIGHUP,
-SIGTERM), after stopping everything a demo started and restoring the terminal.
+Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, a
+flush, pin or unpin reported errors, or ``whatif`` got no reuse figures within ``--wait``; 2 usage
+error, hub not reachable or demo not startable (bad trace or option); 3 refused (read-only, not
+confirmed); 128+N left on signal N (SIGHUP, SIGTERM), after stopping everything a demo started
+and restoring the terminal.
 """
 
 from __future__ import annotations
