@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 
 import msgspec
 
+from kvpool_agent._misses import MissCounter
 from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
     MAX_BIG_COUNT,
@@ -204,6 +205,7 @@ class Aggregator:
         self.recent_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self.new_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self._accesses: deque[Access] = deque()
+        self.misses = MissCounter()
         self._access_chunks = 0
 
     def tick(self, mono_ms: float, now_ms: float) -> None:
@@ -318,6 +320,10 @@ class Aggregator:
         lk.prompt_tokens += ev.prompt_tokens
         lk.local_tokens += ev.local_tokens
         self._hits.add(ev.ts_ms, ev.prompt_tokens, 0)
+        self.misses.lookup(ev.prompt_tokens, ev.local_tokens, ev.pool_tokens,
+                           skipped=ev.skipped, error=ev.error is not None,
+                           chunks=None if ev.chunks is None else len(ev.chunks),
+                           chunk_size=ev.chunk_size)
         if ev.skipped is not None:
             lk.lookup_skipped += 1
             lk.skipped_by_reason[ev.skipped] = lk.skipped_by_reason.get(ev.skipped, 0) + 1
@@ -469,7 +475,9 @@ class Aggregator:
         (delta; clears those lists).
         """
         lk = msgspec.structs.replace(
-            self.lookup, skipped_by_reason=dict(self.lookup.skipped_by_reason))
+            self.lookup, skipped_by_reason=dict(self.lookup.skipped_by_reason),
+            miss_tokens={k: _count(v, MAX_COUNT) for k, v in self.misses.snapshot(
+                self.lookup.loaded_tokens, self.lookup.load_failed_tokens).items()})
         # Hits can outnumber the prompt tokens counted: a Lookup event the full buffer dropped,
         # a load counted in the window after its lookup's. A rate is at most 1.
         if lk.prompt_tokens:

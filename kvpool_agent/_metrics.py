@@ -259,6 +259,15 @@ class FleetCollector(Collector):
                            "by backend error name.", [*_ENGINE, "error"])
         for err in sorted(errors):
             fam.add_metric([*labels, _label(err)], errors[err])
+        misses: dict[str, int] = {}
+        for s in sts:
+            for reason, n in s.lookup.miss_tokens.items():
+                misses[reason] = misses.get(reason, 0) + n
+        fam = fams.counter("kvpool_miss_tokens", "Prompt tokens not served from the pool, by "
+                           "reason (tail, not_in_pool, lookup_error, load_failed, not_loaded, a "
+                           "skip reason): prompt = local + loaded + misses.", [*_ENGINE, "reason"])
+        for reason in sorted(misses):
+            fam.add_metric([*labels, _label(reason)], misses[reason])
         for kind in ("load", "save"):
             fams.gauge(f"kvpool_{kind}s_in_flight", f"Requests with a {kind} in flight.",
                        _ENGINE).add_metric(

@@ -73,9 +73,23 @@ def test_hub_ceiling_equals_the_trace_ceiling(reuse_hub: FleetHub, hub_address: 
         for aid in ("eng-a/scheduler", "eng-b/scheduler"):
             st, _ = reuse_hub.fleet()[aid]
             assert st.lookup.accesses_dropped == 0
+        # Every prompt token is local, a hit or a miss with one reason (nothing was loaded).
+        wait_until(lambda: reuse_hub.fleet()["eng-b/scheduler"][0].lookup.lookups == 4)
+        lk_a = reuse_hub.fleet()["eng-a/scheduler"][0].lookup
+        lk_b = reuse_hub.fleet()["eng-b/scheduler"][0].lookup
+        claimable = sum(min(len(h), (n - 1) // CHUNK) * CHUNK for n, h in items)
+        assert lk_a.miss_tokens == {"not_in_pool": claimable,
+                                    "tail": ref.input_tokens - claimable}
+        assert lk_b.miss_tokens == {"not_in_pool": 96, "tail": 3, "MULTIMODAL": 33,
+                                    "unattributed": 33}
+        for lk in (lk_a, lk_b):
+            assert lk.prompt_tokens == lk.local_tokens + lk.loaded_tokens + sum(
+                lk.miss_tokens.values())
         text = httpx.get(reuse_hub.metrics.url if reuse_hub.metrics else "", timeout=5.0).text
         assert f'kvpool_reuse_ceiling_ratio{{model="llama"}} {ref.hit_rate}' in text
         assert f"kvpool_fleet_reuse_ceiling_ratio {want[FLEET].hit_rate}" in text
+        assert ('kvpool_miss_tokens_total{engine="eng-b",model="qwen",reason="MULTIMODAL",'
+                'role="mixed"} 33.0') in text
     finally:
         a.stop()
         b.stop()

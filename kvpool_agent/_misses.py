@@ -1,0 +1,84 @@
+"""Why prompt tokens were not served from the pool: one reason per token (issue 41, first slice).
+
+Per lookup the scheduler reports (``reporter.Lookup``) the prompt's length, the tokens vLLM's own
+cache held (``local``), the tokens the pool holds beyond them (``found``) and, for a lookup made,
+the chunk hashes it asked about (``chunks``: the whole chunks it may claim, ``chunk_size`` tokens
+each). Every prompt token is then exactly one of: local, found, or a miss:
+
+* a lookup not made: the rest of the prompt, under the skip reason (``MULTIMODAL``,
+  ``BREAKER_OPEN``, ``PROMPT_EMBEDS``...), except ``LOCAL_CACHE`` (vLLM held every whole chunk) and
+  ``SHORT_PROMPT`` (no whole chunk), whose rest is ``tail``;
+* a lookup that failed: the rest, ``lookup_error``;
+* a lookup made: ``tail`` (past the last whole chunk it may claim: the last token is never
+  claimed, a partial chunk is never stored), ``not_in_pool`` (whole chunks the pool did not hold:
+  never saved, evicted or saved under another layout; the hub's saved-set is what will tell
+  them apart), or ``unattributed`` when the caller gave no chunks.
+
+Found tokens end as hits (``loaded_tokens``) or misses when their load's outcome is known:
+``load_failed`` (accepted, not brought: recomputed) and ``not_loaded`` (no load outcome yet: in
+flight, or the request left before loading). So, per agent and at any time::
+
+    prompt_tokens == local_tokens + loaded_tokens + sum(miss_tokens.values())
+
+(exact while no event was dropped; ``not_loaded`` is clamped at 0 otherwise).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LOAD_FAILED", "MAX_REASONS", "NOT_LOADED", "TAIL_SKIPS", "MissCounter"]
+
+MAX_REASONS = 48
+"""Distinct reasons one agent counts; further ones are counted under ``other`` (the wire
+allows 64)."""
+
+TAIL_SKIPS = frozenset({"LOCAL_CACHE", "SHORT_PROMPT"})
+"""Skip reasons whose unserved tokens are the tail: nothing claimable was left to look up."""
+
+LOAD_FAILED = "load_failed"
+NOT_LOADED = "not_loaded"
+
+
+class MissCounter:
+    """Miss tokens by reason (module docstring). Counts in tokens, since the agent started."""
+
+    def __init__(self) -> None:
+        self.by_reason: dict[str, int] = {}
+        self.found_tokens = 0
+
+    def _add(self, reason: str, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        if reason not in self.by_reason and len(self.by_reason) >= MAX_REASONS:
+            reason = "other"
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + tokens
+
+    def lookup(self, prompt: int, local: int, found: int, *, skipped: str | None,
+               error: bool, chunks: int | None, chunk_size: int) -> None:
+        """One reported lookup (``chunks``: how many chunk hashes it asked about, ``None``
+        when unknown)."""
+        rest = max(0, prompt - local)
+        if skipped is not None:
+            self._add("tail" if skipped in TAIL_SKIPS else skipped, rest)
+            return
+        if error:
+            self._add("lookup_error", rest)
+            return
+        found = min(max(0, found), rest)
+        self.found_tokens += found
+        if chunks is None or chunk_size < 1:
+            self._add("unattributed", rest - found)
+            return
+        covered = min(chunks * chunk_size, prompt)
+        self._add("not_in_pool", max(0, covered - local - found))
+        self._add("tail", prompt - max(covered, local + found))
+
+    def snapshot(self, loaded: int, load_failed: int) -> dict[str, int]:
+        """The reasons' token counts, with ``load_failed`` and ``not_loaded`` from the loads'
+        outcomes so far (``loaded``/``load_failed``: ``LookupStats``' counters)."""
+        out = dict(self.by_reason)
+        if load_failed:
+            out[LOAD_FAILED] = load_failed
+        rest = self.found_tokens - loaded - load_failed
+        if rest > 0:
+            out[NOT_LOADED] = rest
+        return out
