@@ -44,6 +44,7 @@ __all__ = [
     "namespace_text",
     "select_rows",
     "sum_flush",
+    "top_reason",
 ]
 
 
@@ -159,6 +160,11 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     mla: bool = False
     loaded_bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)
     saved_bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)
+    miss_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    """Prompt tokens not served from the pool by reason (``LookupStats.miss_tokens``), summed
+    over the engine's agents: ``lookup_tokens = local + loaded + sum(miss_tokens)``."""
+    top_miss: str = ""
+    """The reason holding the most miss tokens (``""``: none)."""
 
     @property
     def state(self) -> str:
@@ -232,6 +238,8 @@ class Totals(msgspec.Struct, gc=False, kw_only=True):
     loaded_tokens: int = 0
     recomputed_tokens: int = 0
     local_hit_rate: float = 0.0
+    miss_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    top_miss: str = ""
 
 
 class FleetView(msgspec.Struct, gc=False, kw_only=True):
@@ -242,6 +250,12 @@ class FleetView(msgspec.Struct, gc=False, kw_only=True):
     pools: list[PoolRow]
     totals: Totals
     alerts: list[Alert] = msgspec.field(default_factory=list)
+
+
+def top_reason(miss_tokens: Mapping[str, int]) -> str:
+    """The miss reason holding the most tokens (ties: the first by name), ``""`` for none."""
+    best = max(sorted(miss_tokens.items()), key=lambda kv: kv[1], default=("", 0))
+    return best[0] if best[1] > 0 else ""
 
 
 def _ranks(st: EngineState) -> str:
@@ -336,6 +350,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
     digests: set[str] = set()
     described: Source | None = None
     failure: StartFailure | None = None
+    misses: dict[str, int] = {}
     for s in group:
         lk, tr, src = s.lookup, s.transfers, s.source
         if lk.prompt_tokens:
@@ -349,6 +364,8 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         lookups += lk.lookups
         lookup_errors += lk.lookup_errors
         recomputed += max(0, lk.prompt_tokens - lk.local_tokens - lk.loaded_tokens)
+        for reason, n in lk.miss_tokens.items():
+            misses[reason] = misses.get(reason, 0) + n
         load_errors += tr.loads_failed + tr.loads_timed_out
         loads_finished += tr.loads_finished
         save_errors += tr.saves_failed
@@ -407,6 +424,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
                                  described.layout) if described else "",
         role_source=head.role_source,
         agent_ids=[s.source.agent_id for s in group],
+        miss_tokens=misses, top_miss=top_reason(misses),
         **_kv_facts(described.layout if described else {}),
         loaded_bytes_by_group=dict(sorted(by_group["loaded"].items())),
         saved_bytes_by_group=dict(sorted(by_group["saved"].items())),
@@ -547,6 +565,10 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
     prompt = sum(r.lookup_tokens for r in rows)
     hits = sum(r.hit_tokens for r in rows)
     local = sum(r.local_tokens for r in rows)
+    fleet_misses: dict[str, int] = {}
+    for r in rows:
+        for reason, n in r.miss_tokens.items():
+            fleet_misses[reason] = fleet_misses.get(reason, 0) + n
     totals_row = Totals(
         engines=len(rows), agents=len(states), stale=sum(r.stale and not r.down for r in rows),
         down=sum(r.down for r in rows), hit_rate=hits / prompt if prompt else 0.0,
@@ -561,6 +583,7 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         local_tokens=local, loaded_tokens=sum(r.loaded_tokens for r in rows),
         recomputed_tokens=sum(r.recomputed_tokens for r in rows),
         local_hit_rate=local / prompt if prompt else 0.0,
+        miss_tokens=fleet_misses, top_miss=top_reason(fleet_misses),
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals_row,
                      alerts=list(alerts or [])), fresh

@@ -48,7 +48,8 @@ def reuse_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path
         yield h
 
 
-def test_hub_ceiling_equals_the_trace_ceiling(reuse_hub: FleetHub, hub_address: str) -> None:
+def test_hub_ceiling_equals_the_trace_ceiling(reuse_hub: FleetHub, hub_address: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     reqs = load_trace(default_trace_path("conversation_trace.jsonl"), limit=120)
     items = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
     ref = prefix_ceiling(items, CHUNK)
@@ -85,6 +86,17 @@ def test_hub_ceiling_equals_the_trace_ceiling(reuse_hub: FleetHub, hub_address: 
         for lk in (lk_a, lk_b):
             assert lk.prompt_tokens == lk.local_tokens + lk.loaded_tokens + sum(
                 lk.miss_tokens.values())
+        # status --json: each engine's reasons and top reason, the fleet's in totals.
+        assert console_main(["status", "--json", "--hub", hub_address]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        rows = {e["engine_id"]: e for e in doc["engines"]}
+        assert rows["eng-a"]["miss_tokens"] == lk_a.miss_tokens
+        assert (rows["eng-a"]["top_miss"], rows["eng-b"]["top_miss"]) == ("not_in_pool",
+                                                                          "not_in_pool")
+        tot = doc["totals"]
+        assert tot["lookup_tokens"] == tot["local_tokens"] + tot["loaded_tokens"] + sum(
+            tot["miss_tokens"].values())
+        assert tot["top_miss"] == "not_in_pool"
         text = httpx.get(reuse_hub.metrics.url if reuse_hub.metrics else "", timeout=5.0).text
         assert f'kvpool_reuse_ceiling_ratio{{model="llama"}} {ref.hit_rate}' in text
         assert f"kvpool_fleet_reuse_ceiling_ratio {want[FLEET].hit_rate}" in text
