@@ -298,7 +298,8 @@ class KVPoolConsole(App[None]):
         hold ``_sample_lock`` (alert model and view model are changed here only)."""
         states, seen = self.source.fleet()
         now = self.clock()
-        alerts = self.alert_model.update(states, seen, now)
+        reuse = self.source.client.reuse if isinstance(self.source, ClientSource) else None
+        alerts = self.alert_model.update(states, seen, now, reuse)
         view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded)
         fired = self._prepared.fired if self._prepared is not None else []
         if self.alert_model.new:

@@ -256,7 +256,8 @@ def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
     while True:
         states, seen = src.fleet()
         now = now_ms()
-        alerts = model.update(states, seen, now)
+        alerts = model.update(states, seen, now,
+                              src.client.reuse if isinstance(src, ClientSource) else None)
         if time.monotonic() >= until:
             return build_view(states, seen, now, alerts=alerts)
         time.sleep(_OBSERVE_STEP_S)

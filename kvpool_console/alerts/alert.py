@@ -28,7 +28,8 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     ``role_topology``, ``pool_unhealthy``, ``stale``, ``start_failed``, ``stuck_transfer``,
     ``namespace_split``, ``model_versions``, ``unshared_identity``, ``no_leader``,
     ``master_behind``; :class:`AlertModel` adds
-    ``pause_wait``, ``pool_evicting`` and ``pool_failover``);
+    ``pause_wait``, ``pool_evicting``, ``pool_failover`` and, from the hub's reuse figures,
+    ``silent_miss``, subject the model name);
     ``subject`` the engine id (the pool name for pool rules, the model name(s) for
     ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
     across refreshes.

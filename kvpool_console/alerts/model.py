@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpool_agent.protocol import EngineState, PoolStats
+from kvpool_agent.protocol import EngineState, PoolStats, ReuseView
 from kvpool_console.alerts import rules
 from kvpool_console.alerts.alert import SEVERITY_RANK, Alert, fmt_ms, make_alert, pool_name
 from kvpool_console.alerts.pauses import PauseLedger
 from kvpool_console.alerts.settings import AlertSettings
+from kvpool_console.alerts.silent_miss import silent_miss_alerts
 from kvpool_console.alerts.tracker import AlertTracker
 
 __all__ = ["AlertModel"]
@@ -108,15 +109,17 @@ class AlertModel:
         return out
 
     def update(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
-               now_ms: float) -> list[Alert]:
+               now_ms: float, reuse: ReuseView | None = None) -> list[Alert]:
         """The active alerts at ``now_ms`` (epoch ms), critical first; ``new`` holds those
-        that became active or changed severity in this update."""
+        that became active or changed severity in this update. ``reuse``: the hub's reuse
+        figures (``FleetClient.reuse``), for ``silent_miss``."""
         adjusted = self._pauses.adjust(states, last_seen_ms, now_ms)
         # Looked up on the module at each call: tests replace ``rules.evaluate``.
         alerts = rules.evaluate(adjusted, last_seen_ms, now_ms, self.settings,
                                 active=self.tracker.active_keys)
         alerts += (self._pauses.alerts(states, now_ms) + self._eviction_alerts(states, now_ms)
-                   + self._failover_alerts(states, now_ms))
+                   + self._failover_alerts(states, now_ms)
+                   + silent_miss_alerts(reuse, states, now_ms))
         alerts.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.key))
         return self.tracker.update(alerts, now_ms)
 
