@@ -199,7 +199,8 @@ def test_block_stored_for_exactly_the_chunks_saved_and_reset_flushes_this_layout
     assert pool.present(_keys(name, digest, A) + _keys(name, digest, B)) == [True] * 6
     assert pool.present(survivors) == [True] * len(survivors)
     # Audited like a console flush: one line on the engine's kvpool.hub log, and the same in
-    # the hub's audit file, attributed to the worker's agent.
+    # the hub's audit file of agents' own flushes (never the operator's), attributed to the
+    # worker's agent.
     (line,) = [json.loads(x.split("kvpool audit: ", 1)[1]) for x in out["log"].splitlines()
                if "kvpool audit: " in x]
     assert (line["who"], line["command"], line["flush"]["scope"], line["flush"]["force"]) == (
@@ -207,7 +208,9 @@ def test_block_stored_for_exactly_the_chunks_saved_and_reset_flushes_this_layout
     (result,) = line["results"]
     # 4 chunks, one value per KV head (2 heads: ``kvpool_connector._heads``).
     assert result["ok"] and result["flush"]["removed_keys"] == 4 * 2
-    (hub_line,) = [json.loads(x) for x in (work / "audit.jsonl").read_text().splitlines()]
+    (hub_line,) = [json.loads(x) for x in
+                   (work / "audit.jsonl.agents").read_text().splitlines()]
+    assert not (work / "audit.jsonl").exists() or not (work / "audit.jsonl").read_text()
     (agent,) = line["targets"]
     assert hub_line["who"] == f"agent:{agent} (engine:events (reset_prefix_cache))"
     assert (hub_line["request_id"], hub_line["results"]) == (line["request_id"],
@@ -226,6 +229,6 @@ def test_default_reset_leaves_the_pool(setup: tuple[Path, Pool, FleetHub, Path])
     assert out["rounds"][0][0]["num_cached_tokens"] == 0
     assert out["after_reset"][0][0]["num_cached_tokens"] == 2 * CHUNK
     assert "kvpool audit: " not in out["log"]
-    audit_file = work / "audit.jsonl"
-    lines = audit_file.read_text().splitlines() if audit_file.exists() else []
+    lines = [x for f in (work / "audit.jsonl", work / "audit.jsonl.agents") if f.exists()
+             for x in f.read_text().splitlines()]
     assert not [x for x in lines if json.loads(x)["targets"][0].startswith("keeper/")]
