@@ -8,16 +8,18 @@ fingerprint of their content:
 
 * ``checkpoint_fingerprint(model_dir)``: SHA-256 over the model's ``config.json`` (canonical
   JSON, without ``_name_or_path`` and ``transformers_version``, which say where and by what it
-  was written, not what it computes), every top-level ``*.safetensors`` file's name and header
-  (tensor names, dtypes, shapes and offsets, ``__metadata__``; canonical JSON), a sampled digest
+  was written, not what it computes), the name and header of every ``*.safetensors`` file vLLM
+  loads (those the ``model.safetensors.index.json`` weight map names, with that map, when the
+  index exists; else every top-level one; headers: tensor names, dtypes, shapes and offsets,
+  ``__metadata__``, canonical JSON), a sampled digest
   of every tensor's bytes (three samples per tensor: its first, middle and last
   ``sample_bytes``, the whole tensor when smaller) and the hub commit when the directory is a
   Hugging Face cache snapshot (``.../snapshots/<commit>``). The same weights at another path
   give the same fingerprint; new weights in the same path give another.
 * ``adapter_fingerprint(adapter_dir)``: the same over a LoRA adapter's
-  ``adapter_config.json`` (without ``base_model_name_or_path``) and its weight files
-  (``*.safetensors`` as above; ``*.bin`` by size and sampled bytes), cached per path while
-  the files' sizes and mtimes stay.
+  ``adapter_config.json`` (without ``base_model_name_or_path``) and the one weight file vLLM
+  loads (``adapter_model.safetensors`` as above, else ``.bin``, else ``.pt``, by size and
+  sampled bytes), cached per path while the files' sizes, inodes, mtimes and ctimes stay.
 
 Cost (``bench/bench_fingerprint.py``): the headers plus at most ``budget_bytes`` (16 MiB) of
 samples: ``sample_bytes`` is ``budget_bytes / (3 x tensors)``, clamped to [64, 4096] bytes, so
@@ -54,9 +56,11 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
+    "ADAPTER_WEIGHTS",
     "CONTENT_LOAD_FORMATS",
     "DEFAULT_BUDGET_BYTES",
     "FINGERPRINT_LEN",
+    "SAFETENSORS_INDEX",
     "EngineIdentity",
     "Fingerprint",
     "FingerprintSource",
@@ -235,6 +239,42 @@ def _hash_safetensors(h: Any, files: list[Path], budget_bytes: int) -> tuple[int
             os.close(fd)
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+"""The index vLLM reads to pick a checkpoint's weight files (``weight_utils.
+filter_duplicate_safetensors_files``): with it, only the files its ``weight_map`` names load."""
+
+
+def _loaded_safetensors(root: Path) -> tuple[list[Path], bytes]:
+    """The ``*.safetensors`` files vLLM loads from ``root`` (those the index's ``weight_map``
+    names when ``SAFETENSORS_INDEX`` exists, else every top-level one) and the canonical
+    ``weight_map`` (``b""`` without an index): which file holds which tensor is part of the
+    identity, so two directories of the same files under different indexes differ.
+
+    Raises:
+        NotFingerprintable: no such file, an unreadable or malformed index, or an index naming
+            a file that is missing (vLLM refuses to load that checkpoint too).
+    """
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise NotFingerprintable(f"{root}: no *.safetensors weights")
+    index_path = root / SAFETENSORS_INDEX
+    if not index_path.exists():
+        return files, b""
+    try:
+        weight_map = json.loads(index_path.read_bytes())["weight_map"]
+        named = {str(v) for v in weight_map.values()}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            AttributeError) as exc:
+        raise NotFingerprintable(f"{index_path}: not a safetensors index ({exc})") from None
+    chosen = [p for p in files if p.name in named]
+    if len(chosen) != len(named):
+        missing = sorted(named - {p.name for p in chosen})
+        raise NotFingerprintable(f"{index_path}: names files that are not top-level "
+                                 f"*.safetensors files: {', '.join(missing[:3])}")
+    canonical = json.dumps(weight_map, sort_keys=True, separators=(",", ":")).encode()
+    return chosen, canonical
+
+
 def checkpoint_fingerprint(model_dir: str | os.PathLike[str], *,
                            budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Fingerprint:
     """The content fingerprint of a local safetensors checkpoint (see the module docstring).
@@ -253,9 +293,7 @@ def checkpoint_fingerprint(model_dir: str | os.PathLike[str], *,
     if not root.is_dir():
         raise NotFingerprintable(f"{model_dir}: not a local directory")
     config = root / "config.json"
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise NotFingerprintable(f"{model_dir}: no *.safetensors weights")
+    files, index = _loaded_safetensors(root)
     try:
         raw = config.read_bytes()
     except OSError as exc:
@@ -264,6 +302,7 @@ def checkpoint_fingerprint(model_dir: str | os.PathLike[str], *,
     h.update(_canonical_json(raw, _WHERE_FIELDS) + b"\0")
     commit = hub_commit(root.absolute())
     h.update(commit.encode() + b"\0")
+    h.update(index + b"\0")
     tensors, read = _hash_safetensors(h, files, budget_bytes)
     return Fingerprint(h.hexdigest()[:FINGERPRINT_LEN], len(files), tensors, read + len(raw),
                        commit)
@@ -285,32 +324,43 @@ def _hash_raw_file(h: Any, path: Path, sample: int) -> int:
 
 _ADAPTER_CACHE_MAX = 1024
 """Adapter directories whose fingerprints are kept (runtime-loaded adapters come and go)."""
-_adapter_cache: dict[str, tuple[tuple[tuple[str, int, int], ...], Fingerprint]] = {}
+_adapter_cache: dict[str, tuple[tuple[tuple[str, int, int, int, int], ...], Fingerprint]] = {}
 _adapter_lock = threading.Lock()
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+"""The adapter weight files vLLM loads, the first present one only (``lora_model.LoRAModel.
+from_local_checkpoint``): the fingerprint reads exactly that file."""
 
 
 def _adapter_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir()
-                  if p.suffix in (".safetensors", ".bin") or p.name == "adapter_config.json")
+    """``adapter_config.json`` and the one weight file vLLM loads (when present)."""
+    weights = next((root / n for n in ADAPTER_WEIGHTS if (root / n).is_file()), None)
+    return [root / "adapter_config.json", *([weights] if weights is not None else [])]
 
 
 def adapter_fingerprint(adapter_dir: str | os.PathLike[str], *,
                         budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Fingerprint:
     """The content fingerprint of a LoRA adapter directory (``LoRARequest.lora_path``):
-    ``adapter_config.json`` (canonical, without ``base_model_name_or_path``) and every
-    ``*.safetensors`` (headers and samples) and ``*.bin`` (size and samples) file in it.
+    ``adapter_config.json`` (canonical, without ``base_model_name_or_path``) and the one
+    weight file vLLM loads (``ADAPTER_WEIGHTS``: safetensors by headers and samples, ``.bin``
+    and ``.pt`` by size and samples).
 
-    Cached per directory while its files' names, sizes and mtimes stay the same (one
-    ``stat`` per file per call), so the scheduler may call it for every request.
+    Cached per directory while its files' names, sizes, inodes, mtimes and ctimes stay the
+    same (one ``stat`` per file per call; a file replaced with its mtime kept, as ``cp -p`` or
+    ``rsync -a`` do, changes its ctime), so the scheduler may call it for every request.
 
     Raises:
         NotFingerprintable: ``adapter_dir`` is not a local directory, has no
             ``adapter_config.json`` or no weight file, or a file is unreadable or malformed.
     """
     root = Path(adapter_dir)
+    if not (root / "adapter_config.json").is_file():
+        raise NotFingerprintable(f"{adapter_dir}: no adapter_config.json (not a local LoRA "
+                                 "adapter directory)")
     try:
         files = _adapter_files(root)
-        stamp = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
+        stamp = tuple((p.name, (st := p.stat()).st_size, st.st_ino, st.st_mtime_ns,
+                       st.st_ctime_ns) for p in files)
     except OSError as exc:
         raise NotFingerprintable(f"{adapter_dir}: not a readable local directory "
                                  f"({exc.strerror})") from None
@@ -319,11 +369,11 @@ def adapter_fingerprint(adapter_dir: str | os.PathLike[str], *,
         cached = _adapter_cache.get(key)
     if cached is not None and cached[0] == stamp:
         return cached[1]
-    config = root / "adapter_config.json"
-    weights = [p for p in files if p.suffix in (".safetensors", ".bin")]
-    if not config.is_file() or not weights:
+    config = files[0]
+    weights = files[1:]
+    if not weights:
         raise NotFingerprintable(f"{adapter_dir}: needs adapter_config.json and a weight file "
-                                 "(*.safetensors or *.bin)")
+                                 f"({' or '.join(ADAPTER_WEIGHTS)})")
     try:
         raw = config.read_bytes()
         h = hashlib.sha256(b"kvpool/adapter-fingerprint/v1\0")
@@ -331,7 +381,7 @@ def adapter_fingerprint(adapter_dir: str | os.PathLike[str], *,
         tensors, read = _hash_safetensors(
             h, [p for p in weights if p.suffix == ".safetensors"], budget_bytes)
         for p in weights:
-            if p.suffix == ".bin":
+            if p.suffix != ".safetensors":
                 read += _hash_raw_file(h, p, _MAX_SAMPLE)
     except OSError as exc:
         raise NotFingerprintable(f"{adapter_dir}: {exc.strerror}") from None

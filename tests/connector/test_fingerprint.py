@@ -252,3 +252,53 @@ def test_engine_identity_by_content_settings_operator_or_nobody(tmp_path: Path) 
         assert private.fingerprint != engine_identity(
             _config(a, load_format="dummy", instance_id="engine-2")).fingerprint
     assert "load_format 'dummy'" in engine_identity(_config(a, load_format="dummy")).why
+
+
+def test_the_index_decides_which_files_are_the_weights(tmp_path: Path) -> None:
+    """vLLM loads only the files ``model.safetensors.index.json`` names: two directories of
+    the same files under indexes naming different ones are different weights; a file the
+    index leaves out is not read."""
+    good = _checkpoint(tmp_path / "good", shards=2)
+    evil = tmp_path / "evil"
+    shutil.copytree(good, evil)
+    extra = _checkpoint(tmp_path / "extra", seed=7, shards=1)
+    for d in (good, evil):
+        shutil.copy(next(extra.glob("*.safetensors")), d / "other.safetensors")
+
+    def index(root: Path, second: str) -> None:
+        names = {"model.layers.0.self_attn.k_proj.weight": "model-00001-of-00002.safetensors",
+                 "model.layers.1.self_attn.k_proj.weight": second}
+        (root / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": 1}, "weight_map": names}))
+
+    index(good, "model-00002-of-00002.safetensors")
+    index(evil, "other.safetensors")
+    fg, fe = checkpoint_fingerprint(good), checkpoint_fingerprint(evil)
+    assert fg.digest != fe.digest and fg.files == fe.files == 2
+    # A file the index does not name changes nothing.
+    before = fg.digest
+    save_file(_tensors(9, 0), str(good / "stray.safetensors"))
+    assert checkpoint_fingerprint(good).digest == before
+    # An index naming a file that is not there: no content identity (vLLM refuses it too).
+    index(good, "gone.safetensors")
+    with pytest.raises(NotFingerprintable, match=r"gone\.safetensors"):
+        checkpoint_fingerprint(good)
+
+
+def test_the_adapter_file_vllm_loads_is_the_one_read(tmp_path: Path) -> None:
+    """vLLM loads adapter_model.safetensors, else .bin, else .pt: the fingerprint follows it,
+    and a file replaced with its size and mtime kept (``cp -p``) is seen by a running
+    process."""
+    root = tmp_path / "pt"
+    root.mkdir()
+    (root / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (root / "adapter_model.pt").write_bytes(b"\x01" * 4096)
+    (root / "training_args.bin").write_bytes(b"\x02" * 4096)
+    first = adapter_fingerprint(root)
+    (root / "training_args.bin").write_bytes(b"\x03" * 4096)
+    assert adapter_fingerprint(root).digest == first.digest  # not a weight file vLLM loads
+    pt = root / "adapter_model.pt"
+    st = pt.stat()
+    pt.write_bytes(b"\x04" * 4096)
+    os.utime(pt, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime as before
+    assert adapter_fingerprint(root).digest != first.digest
