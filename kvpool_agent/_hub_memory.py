@@ -21,7 +21,9 @@ bytes, so each connection's share is ``messages x bytes``:
 
 ``hub_memory_bound`` is the sum, besides the hub's own base (interpreter, libzmq, code: ~45
 MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` encoded; Python
-holds them decoded, ``DECODED_STATE_FACTOR`` times that for text-heavy states).
+holds them decoded, ``DECODED_STATE_FACTOR`` times that for text-heavy states), and the reuse
+window (``kvpool_agent._access_window``: 200,000 chunk ids, ~2 MB, plus a snapshot's copy of its
+list while the reuse worker computes).
 
 Not covered by these queues: a multipart message. libzmq hands none of its parts to the hub
 before its last one has come (tested: a ROUTER polls nothing between parts) and bounds only each
@@ -64,8 +66,9 @@ UPDATE_STATES_BYTES = 512 * 1024
 MAX_UPDATE_FRAME_BYTES = 1024 * 1024
 """Largest update frame the hub publishes (bytes, topic included): ``UPDATE_STATES_BYTES`` of
 states, their agents' ``last_seen_ms``/``report_gaps`` (128 ids of at most 256 characters:
-< 70 KiB) and the first frame's ``forgotten`` (1,024 ids: < 270 KiB). A frame over it is not
-sent (``FleetHub`` counts it as a bad message)."""
+< 70 KiB), the first frame's ``forgotten`` (1,024 ids: < 270 KiB) and, in a snapshot's first
+frame, the hub's ``ReuseView`` (64 models of 16 what-if points: < 100 KiB). A frame over it is
+not sent (``FleetHub`` counts it as a bad message)."""
 
 AGENT_RCVHWM = 16
 """Reports queued per agent connection before libzmq stops reading it (an agent reports every

@@ -5,6 +5,7 @@ and the wire keep their bounds."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from agent_testlib import make_source
 
@@ -13,14 +14,21 @@ from kvpool_agent._aggregate import ACCESS_QUEUE_CHUNKS, Aggregator
 from kvpool_agent._reuse_service import pool_capacity_tokens
 from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
+    MAX_COUNT,
+    MAX_CURVE_POINTS,
+    MAX_ID_CHARS,
     MAX_REPORT_ACCESSES,
+    MAX_REUSE_MODELS,
     PROTOCOL_VERSION,
     REPORT_ACCESS_CHUNKS,
     Access,
     EngineState,
+    ModelReuse,
     PoolStats,
     ProtocolError,
     Report,
+    ReuseView,
+    WhatIfPoint,
     chunk_id,
     decode,
     encode,
@@ -164,3 +172,15 @@ def test_pool_capacity_is_the_watermark_over_a_chunks_keys() -> None:
     assert pool_capacity_tokens(states, "other", 16) == 800 * 16
     assert pool_capacity_tokens(states, "absent", 16) == 0
     assert pool_capacity_tokens([worker("e1", 0, with_pool=False)], "m", 16) == 0
+
+
+def test_the_largest_reuse_view_fits_its_frame_share() -> None:
+    point = WhatIfPoint(capacity_tokens=MAX_COUNT - 1, lru_hit_rate=0.123456789,
+                        min_hit_rate=0.987654321)
+    models = [ModelReuse(model="m" * MAX_ID_CHARS, chunk_size=MAX_COUNT - 1,
+                         prompt_tokens=MAX_COUNT - 1, ceiling_tokens=MAX_COUNT - 1,
+                         pool_capacity_tokens=MAX_COUNT - 1, whatif_ms=1.7e12,
+                         whatif=[point] * MAX_CURVE_POINTS)] * MAX_REUSE_MODELS
+    view = ReuseView(ts_ms=1.7e12, accesses=MAX_COUNT - 1, chunks=MAX_COUNT - 1,
+                     prompt_tokens=MAX_COUNT - 1, ceiling_tokens=MAX_COUNT - 1, models=models)
+    assert len(msgspec.msgpack.encode(view)) < 100 * 1024  # _hub_memory's share of a frame
