@@ -21,6 +21,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
+from kvpool_agent._aggregate import Aggregator
+from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Loaded, Lookup, ReportedError, Reporter
 from kvpool_connector import scheduler as scheduler_module
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
@@ -148,6 +150,18 @@ def test_matched_tokens_are_whole_chunks_and_never_the_last_token(engine: Engine
         ("r5", 16, 0, 0, None, "SHORT_PROMPT"), ("r6", 70, 64, 0, None, "LOCAL_CACHE"),
     ]
     assert all(e.latency_ms > 0 for e in events if e.skipped is None)
+    # Lookups made carry the hashes asked about (the claimable whole chunks) for the hub's
+    # reuse window; skipped ones none.
+    assert [(e.chunk_size, len(e.chunks or [])) for e in events] == [
+        (16, 4), (16, 4), (16, 4), (16, 3), (0, 0), (0, 0)]
+    assert events[0].chunks == events[1].chunks
+    # The agent attributes every prompt token: r1-r3 miss one whole chunk and a 6-token tail
+    # each, r4 its last chunk (tail), r5 is short, r6 all local but its tail; found: 128.
+    agg = Aggregator(Source(agent_id="e/scheduler", engine_id="e", instance_role="mixed",
+                            kv_role="kv_both", process_role="scheduler"))
+    agg.apply(events)
+    assert agg.state(1.0).lookup.miss_tokens == {"not_in_pool": 48, "tail": 56,
+                                                 "not_loaded": 128}
     # An offer is not a hit: nothing was loaded yet.
     c = engine.sched.counters
     assert (c.lookups, c.lookup_skipped, c.loaded_tokens) == (4, 2, 0)
