@@ -19,9 +19,12 @@ from kvpool_agent.protocol import (
     MAX_COUNT,
     MAX_CPU_PERCENT,
     MAX_ID_CHARS,
+    MAX_IN_FLIGHT,
     MAX_MASTERS,
     MAX_MS,
+    MAX_NAMES,
     MAX_REPORT_ACCESSES,
+    OTHER_NAME,
     RECENT_PAUSES,
     REPORT_ACCESS_CHUNKS,
     Access,
@@ -55,15 +58,22 @@ from kvpool_agent.reporter import (
 )
 
 __all__ = [
-    "ACCESS_QUEUE_CHUNKS", "MAX_IN_FLIGHT", "RECENT_ERRORS", "RECENT_FLUSHES", "STALL_MS",
+    "ACCESS_QUEUE_CHUNKS", "RECENT_ERRORS", "RECENT_FLUSHES", "STALL_MS",
     "Aggregator",
 ]
 
 RECENT_ERRORS = 50
 """Errors kept in a snapshot (``EngineState.recent_errors``)."""
 
-MAX_IN_FLIGHT = 4096
-"""In-flight transfers tracked; beyond this the oldest entry is forgotten."""
+# MAX_IN_FLIGHT (protocol): in-flight transfers tracked; beyond it the oldest is forgotten.
+
+def count_name(counts: dict[str, int], name: str) -> None:
+    """Add one to ``counts[name]``; a name past ``MAX_NAMES - 1`` distinct ones counts under
+    ``OTHER_NAME``, so the map stays within the wire's bound (``protocol.NameCounts``)."""
+    if name not in counts and len(counts) >= MAX_NAMES - 1:
+        name = OTHER_NAME
+    counts[name] = counts.get(name, 0) + 1
+
 
 RECENT_FLUSHES = 16
 """Flushes a process ran on its own kept in a snapshot (``EngineState.flushes``)."""
@@ -291,7 +301,7 @@ class Aggregator:
                 case SaveSkipped():
                     tr = self.transfers
                     tr.saves_skipped += ev.blocks
-                    tr.errors_by_name[ev.reason] = tr.errors_by_name.get(ev.reason, 0) + 1
+                    count_name(tr.errors_by_name, ev.reason)
                 case LayoutKnown():
                     # A cache signature of a model with many kinds of layers may run long.
                     self.source = msgspec.structs.replace(
@@ -326,7 +336,7 @@ class Aggregator:
                            chunk_size=ev.chunk_size)
         if ev.skipped is not None:
             lk.lookup_skipped += 1
-            lk.skipped_by_reason[ev.skipped] = lk.skipped_by_reason.get(ev.skipped, 0) + 1
+            count_name(lk.skipped_by_reason, ev.skipped)
             return
         lk.lookups += 1
         self._latencies.append(ev.latency_ms)
@@ -435,7 +445,7 @@ class Aggregator:
         if ev.ok:
             return
         name = ev.error_name or ("TIMEOUT" if ev.timed_out else "UNKNOWN")
-        tr.errors_by_name[name] = tr.errors_by_name.get(name, 0) + 1
+        count_name(tr.errors_by_name, name)
         if ev.kind == "load" and ev.after_hit and name in _AFTER_HIT_NAMES:
             tr.failed_after_hit += 1
             if t is not None:
@@ -462,8 +472,7 @@ class Aggregator:
         paused, waited = self._paused(start, end_ms)
         if not paused or (expires is not None and end_ms - paused >= expires):
             return
-        by_name = self.transfers.paused_after_hit
-        by_name[name] = by_name.get(name, 0) + 1
+        count_name(self.transfers.paused_after_hit, name)
         for w in waited:
             w.failed_after_hit += 1
 

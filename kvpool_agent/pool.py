@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent.masters import leader_admin_url, probe_masters, split_admin_urls
-from kvpool_agent.protocol import HealthCheck, PoolStats, SegmentUsage
+from kvpool_agent.protocol import MAX_SEGMENTS, HealthCheck, PoolStats, SegmentUsage
 
 __all__ = [
     "fetch_mooncake_stats", "mooncake_master_health", "parse_master_metrics",
@@ -71,7 +71,7 @@ def parse_master_metrics(text: str, stats: PoolStats) -> None:
                     seg.used_bytes = int(s.value)
                 else:
                     seg.total_bytes = int(s.value)
-    stats.segments = sorted(segments.values(), key=lambda g: g.name)
+    stats.segments = sorted(segments.values(), key=lambda g: g.name)[:MAX_SEGMENTS]
 
 
 def fetch_mooncake_stats(

@@ -40,15 +40,20 @@ __all__ = [
     "HEARTBEAT_MS",
     "MAX_ACCESS_CHUNKS",
     "MAX_CURVE_POINTS",
+    "MAX_FLUSHES",
     "MAX_ID_CHARS",
+    "MAX_IN_FLIGHT",
     "MAX_MASTERS",
     "MAX_MESSAGE_BYTES",
+    "MAX_NAMES",
     "MAX_PIN_TEXT_CHARS",
     "MAX_PIN_TOKENS",
     "MAX_REPORT_ACCESSES",
     "MAX_REUSE_MODELS",
+    "MAX_SEGMENTS",
     "MAX_SOFT_PIN_TTL_MS",
     "MAX_TEXT_CHARS",
+    "OTHER_NAME",
     "PROTOCOL_VERSION",
     "RECENT_PAUSES",
     "REPORT_ACCESS_CHUNKS",
@@ -72,6 +77,7 @@ __all__ = [
     "MasterView",
     "Message",
     "ModelReuse",
+    "NameCounts",
     "PauseWindow",
     "PinArgs",
     "PinInfo",
@@ -274,7 +280,7 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     latency_ms_p99: Ms = 0.0
     load_failed_tokens: Count = 0
     lookup_skipped: Count = 0
-    skipped_by_reason: dict[Name, Count] = msgspec.field(default_factory=dict)
+    skipped_by_reason: NameCounts = msgspec.field(default_factory=dict)
     accesses_dropped: Count = 0
     """Lookups whose chunk ids (``Report.accesses``) were dropped for the report budget."""
     miss_tokens: Annotated[dict[Name, Count], msgspec.Meta(max_length=64)] = \
@@ -324,13 +330,13 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     save_bytes_per_s: BytesPerS = 0.0
     failed_after_hit: Count = 0
     max_load_ms: Ms = 0.0
-    errors_by_name: dict[Name, Count] = msgspec.field(default_factory=dict)
+    errors_by_name: NameCounts = msgspec.field(default_factory=dict)
     # Defaults mean "not told" (agents before these fields), so older peers decode each other.
     max_unpaused_load_ms: Ms | None = None
     """The slowest load as ``max_load_ms`` counts it, less the time it spent inside this
     process's pause windows (``EngineState.pauses``): what the lease TTL must cover. ``None``
     from agents before this field."""
-    paused_after_hit: dict[Name, Count] = msgspec.field(default_factory=dict)
+    paused_after_hit: NameCounts = msgspec.field(default_factory=dict)
     """Of ``failed_after_hit``, by error name, the loads a pause window explains: without the
     time paused, their lease (looked up to load end) would not have run out."""
     loaded_bytes_by_group: Annotated[dict[Name, BigCount], msgspec.Meta(max_length=64)] = \
@@ -349,6 +355,26 @@ class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
     used_bytes: BigCount
     total_bytes: BigCount
 
+
+MAX_NAMES = 64
+"""Entries of a by-name counter map (errors, skip reasons) a receiver accepts; an agent folds
+names past ``MAX_NAMES - 1`` into ``OTHER_NAME`` (an agent key cannot grow the hub with
+many tiny map entries: ~15x their encoded size once decoded, issue 42)."""
+
+OTHER_NAME = "OTHER"
+"""The name counts past ``MAX_NAMES - 1`` distinct names are folded into."""
+
+MAX_SEGMENTS = 4_096
+"""Segments one ``PoolStats`` lists (one per store client holding pool memory)."""
+
+MAX_IN_FLIGHT = 4_096
+"""Transfers one ``EngineState.in_flight`` lists (the agent keeps the newest)."""
+
+MAX_FLUSHES = 64
+"""Flush records one ``EngineState.flushes`` carries."""
+
+NameCounts = Annotated[dict[Name, Count], msgspec.Meta(max_length=MAX_NAMES)]
+"""A by-name counter map, bounded (``MAX_NAMES``)."""
 
 MAX_MASTERS = 16
 """Masters one ``PoolStats`` lists (an HA pool runs 2-3)."""
@@ -417,7 +443,8 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
     """Bytes of those reads."""
     healthy: bool | None = None
     health_detail: FreeText = ""
-    segments: list[SegmentUsage] = msgspec.field(default_factory=list)
+    segments: Annotated[list[SegmentUsage], msgspec.Meta(max_length=MAX_SEGMENTS)] = \
+        msgspec.field(default_factory=list)
     masters: Annotated[list[MasterView], msgspec.Meta(max_length=MAX_MASTERS)] = \
         msgspec.field(default_factory=list)
 
@@ -495,12 +522,14 @@ class EngineState(msgspec.Struct, gc=False, kw_only=True):
     ts_ms: Ms
     lookup: LookupStats = msgspec.field(default_factory=LookupStats)
     transfers: TransferStats = msgspec.field(default_factory=TransferStats)
-    in_flight: list[Transfer] = msgspec.field(default_factory=list)
+    in_flight: Annotated[list[Transfer], msgspec.Meta(max_length=MAX_IN_FLIGHT)] = \
+        msgspec.field(default_factory=list)
     pool: PoolStats | None = None
     process: ProcessStats = msgspec.field(default_factory=ProcessStats)
     recent_errors: list[ErrorRecord] = msgspec.field(default_factory=list)
     start_failure: StartFailure | None = None
-    flushes: list[FlushRecord] = msgspec.field(default_factory=list)
+    flushes: Annotated[list[FlushRecord], msgspec.Meta(max_length=MAX_FLUSHES)] = \
+        msgspec.field(default_factory=list)
     """Flushes the process ran on its own (vLLM's ``reset_prefix_cache`` with the connector's
     ``reset_flush_scope``), for the hub's audit trail: the last 16 in a snapshot, those since
     the previous report in a delta."""

@@ -20,6 +20,10 @@ from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import (
     MAX_BIG_COUNT,
     MAX_COUNT,
+    MAX_IN_FLIGHT,
+    MAX_NAMES,
+    MAX_SEGMENTS,
+    OTHER_NAME,
     PROTOCOL_VERSION,
     EngineState,
     ErrorRecord,
@@ -36,7 +40,7 @@ from kvpool_agent.protocol import (
     decode,
     encode,
 )
-from kvpool_agent.reporter import LayoutKnown, Loaded, Lookup
+from kvpool_agent.reporter import LayoutKnown, Loaded, Lookup, SaveSkipped
 
 NAN, INF = math.nan, math.inf
 Edit = Callable[[EngineState], EngineState]
@@ -118,6 +122,15 @@ HOSTILE: dict[str, Edit] = {
     "layout int -1": _source(layout={"layers": -1}),
     "layout value float": _source(layout={"layers": 1.5}),
     "layout 65 entries": _source(layout={f"k{i}": i for i in range(65)}),
+    # Many tiny map entries grow a hub ~15x their encoded size once decoded (issue 42).
+    "skipped_by_reason 65 names": _lookup(skipped_by_reason={f"R{i}": 1 for i in range(65)}),
+    "errors_by_name 65 names": _transfers(errors_by_name={f"E{i}": 1 for i in range(65)}),
+    "paused_after_hit 65 names": _transfers(paused_after_hit={f"E{i}": 1 for i in range(65)}),
+    "in_flight 4,097": lambda st: msgspec.structs.replace(st, in_flight=[Transfer(
+        req_id=f"r{i}", kind="load", blocks=1, bytes=1, started_ms=1.0)
+        for i in range(MAX_IN_FLIGHT + 1)]),
+    "segments 4,097": _pool(segments=[SegmentUsage(name=f"h:{i}", used_bytes=0, total_bytes=1)
+                                      for i in range(MAX_SEGMENTS + 1)]),
 }
 
 
@@ -189,6 +202,22 @@ def test_a_real_agent_clamps_what_it_does_not_control() -> None:
     assert got.pool.health_detail == "?]0;x?" and got.pool.segments[0].name == "h?:1"
     assert len(str(got.source.layout["cache"])) == 16_384
     assert got.source.layout["rev"] == "a?b?" and got.source.layout["layers"] == 2
+
+
+def test_an_agent_folds_names_past_the_bound_into_other() -> None:
+    """However many distinct skip reasons and error names a connector reports, the agent's
+    state stays within the schema: names past ``MAX_NAMES - 1`` count under ``OTHER``."""
+    agg = Aggregator(make_source("e1", "worker"), 1_000, 1e12)
+    now = time.time() * 1e3
+    agg.apply([Lookup(now, f"r{i}", 10, 0, 0, 1.0, None, f"REASON_{i}") for i in range(100)])
+    agg.apply([SaveSkipped(now, f"s{i}", 1, f"SKIP_{i}") for i in range(100)])
+    msg = decode(_frame(agg.state(now)))
+    assert isinstance(msg, Report)
+    skipped = msg.state.lookup.skipped_by_reason
+    assert len(skipped) == MAX_NAMES and skipped[OTHER_NAME] == 100 - (MAX_NAMES - 1)
+    assert sum(skipped.values()) == msg.state.lookup.lookup_skipped == 100
+    errors = msg.state.transfers.errors_by_name
+    assert len(errors) == MAX_NAMES and sum(errors.values()) == 100
 
 
 def test_hub_counts_hostile_reports_as_bad_and_keeps_the_real_state(
