@@ -195,6 +195,9 @@ class Fleet:
         st = rep.state
         aid = st.source.agent_id
         now_ms = time.time() * 1e3
+        # A report from the future would outrank every honest one wherever readers keep the
+        # newest (the console's pool row): an agent's clock says no more than the hub's.
+        st.ts_ms = min(st.ts_ms, now_ms)
         with self._lock:
             ag = self._agents.get(aid)
             if ag is not None and ag.routing_id != routing_id:
