@@ -13,7 +13,12 @@ What it costs: connections drop at once (agents and consoles reconnect by themse
 libzmq's reconnect interval, 0.1 s; agents keep their ids), commands in flight are answered
 with an error, replies on their way to consoles are lost. The RSS may pass the limit by what
 arrives within one check (``CHECK_S``) and the libzmq I/O thread's release of the closed
-sockets (a few ms).
+sockets (a few ms). The operator port is never rebuilt: only operator keys reach it.
+
+A shed frees what libzmq holds, not the fleet's state: when the RSS is still over the limit
+after one (an agent key's states, attack found in review: 95 rebuilds in 30 s), the next shed
+waits until the RSS has grown by ``REGROW`` of the limit since, so a message arriving later is
+still freed and the hub never drops everyone over and over for memory a rebuild cannot free.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["CHECK_S", "COOLDOWN_S", "MemoryGuard", "rss_bytes"]
+__all__ = ["CHECK_S", "COOLDOWN_S", "REGROW", "MemoryGuard", "rss_bytes"]
 
 CHECK_S = 0.01
 """Seconds between two reads of the hub's RSS at most (a read costs ~10 us)."""
 COOLDOWN_S = 0.25
 """Seconds after a shed before the RSS is checked again: libzmq frees the closed sockets'
 queues on its own thread, and the RSS falls only then."""
+
+REGROW = 1 / 8
+"""Growth (a fraction of the limit) past the RSS of the last shed that allows the next one
+while the RSS stays over the limit."""
 
 _STATM = Path("/proc/self/statm")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -52,10 +61,15 @@ class MemoryGuard:
     def __init__(self, limit_bytes: int | None) -> None:
         self.limit_bytes = limit_bytes
         self._next = 0.0
+        # The RSS when the last shed was decided, while the RSS stays over the limit.
+        self._shed_at: int | None = None
+        self.futile = 0
+        """Checks over the limit that did not shed: the last shed freed too little."""
 
     def over(self, now: float | None = None) -> int | None:
-        """The RSS (bytes) when it is over the limit and due to be checked, else ``None``;
-        after a ``True``-ish answer the next check waits ``COOLDOWN_S``."""
+        """The RSS (bytes) when it is over the limit, due to be checked and not held since the
+        last shed (grown by less than ``REGROW`` of the limit), else ``None``; after an
+        answer over the limit the next check waits ``COOLDOWN_S``."""
         if self.limit_bytes is None:
             return None
         now = time.monotonic() if now is None else now
@@ -64,6 +78,12 @@ class MemoryGuard:
         rss = rss_bytes()
         if rss is None or rss <= self.limit_bytes:
             self._next = now + CHECK_S
+            self._shed_at = None
+            return None
+        if self._shed_at is not None and rss <= self._shed_at + self.limit_bytes * REGROW:
+            self._next = now + COOLDOWN_S
+            self.futile += 1
             return None
         self._next = now + COOLDOWN_S
+        self._shed_at = rss
         return rss

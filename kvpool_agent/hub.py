@@ -54,7 +54,8 @@ state bytes per engine (``MAX_ENGINE_STATE_BYTES``), agent frames queued per con
 (``AGENT_RCVHWM``), and the largest message each port reads (``MAX_COMMAND_BYTES`` on the
 command ports, ``MAX_MESSAGE_BYTES`` on the agent port, ``_MAX_SUBSCRIPTION_BYTES`` on the
 XPUB), and the process's RSS (``memory_limit_bytes``, ``kvpool-agent hub --memory-limit-mb``:
-past it every port is rebuilt, which frees what libzmq holds for the connections, a multipart
+past it every port but the operator's is rebuilt, which frees what libzmq holds for the
+connections (not again while the RSS stays over it without growing), a multipart
 message included; ``kvpool_agent._memory_guard``; what each queue holds:
 ``kvpool_agent._hub_memory``). Refusals are counted per key (``refused_by_key``, ``/metrics``
 ``kvpool_hub_refused_key_<name>_total``).
@@ -327,8 +328,9 @@ class FleetHub:
             reached by a dry-run flush, ``pins`` or ``health --probe``
             (``kvpool_agent._work_budget``); past it such commands are answered ``hub busy``.
         memory_limit_bytes: past this RSS (bytes, the whole process's) the hub rebuilds every
-            port (``kvpool_agent._memory_guard``): the bound for what libzmq cannot bound, a
-            multipart message. ``None``: no limit (a hub embedded in a larger process).
+            port but the operator's (``kvpool_agent._memory_guard``): the bound for what
+            libzmq cannot bound, a multipart message. ``None``: no limit (a hub embedded in
+            a larger process).
         reuse_refresh_s: the live reuse ceiling over agents' lookups (``Report.accesses``,
             ``kvpool_agent._reuse_service``) is recomputed at most this often (s), on its own
             thread; ``whatif_refresh_s``: its what-if curves (the costly part). Consoles get
@@ -609,20 +611,23 @@ class FleetHub:
 
     def _shed(self, rss: int) -> None:
         """The RSS is over ``memory_limit_bytes`` (``kvpool_agent._memory_guard``): answer
-        every command in flight with an error, then rebuild every port; agents keep their
-        ids when they report again from their new connections."""
+        every command in flight with an error, then rebuild every port but the operator's;
+        agents keep their ids when they report again from their new connections."""
         self.memory_sheds += 1
-        log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: every port is "
-                    "rebuilt (connections drop and reconnect; a multipart message held whole "
-                    "by libzmq is freed)", rss >> 20, (self.memory_limit_bytes or 0) >> 20)
+        log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: every port but "
+                    "the operator's is rebuilt (connections drop and reconnect; a multipart "
+                    "message held whole by libzmq is freed)", rss >> 20,
+                    (self.memory_limit_bytes or 0) >> 20)
         for internal, pend in list(self._pending.items()):
             for aid in pend.expected:
                 if aid not in pend.replies:
                     pend.replies[aid] = self._agent_error(
                         pend.req, aid, "hub over its memory limit: connections dropped")
             self._maybe_finish(internal)
+        # Not the operator port: only operator keys reach it, and an operator must keep
+        # reaching the hub while a viewer's message is being dropped.
         for name in _PORT_ATTR:
-            if name != "curve" or self.curve is not None:
+            if name != "curve":
                 self._rebuild(name)
         self._fleet.reset_routes()
 

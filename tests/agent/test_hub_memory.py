@@ -250,3 +250,28 @@ def test_a_multipart_message_of_512_parts_of_2_mib_leaves_the_hub_under_its_limi
         # The command reaches the agent on its new connection.
         (r,) = c.command("health", targets=[src.agent_id], timeout_ms=300)
         assert [q.command for q in agent.drain(1_000)] == ["health"], r
+
+
+def test_the_guard_does_not_shed_again_for_memory_a_shed_cannot_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the limit after a shed (the fleet's state, not libzmq's queues: an attack found in
+    review made 95 rebuilds in 30 s), the guard sheds again only once the RSS grew by
+    ``REGROW`` of the limit (a new message arrived), and again freely once under the limit."""
+    from kvpool_agent import _memory_guard as mg
+
+    rss = [900 << 20]
+    monkeypatch.setattr(mg, "rss_bytes", lambda: rss[0])
+    guard = mg.MemoryGuard(800 << 20)
+    assert guard.over(now=0.0) == 900 << 20  # the first time over: shed
+    # Still over, grown by less than 1/8 of the limit: held, counted as futile.
+    rss[0] = (900 << 20) + (50 << 20)
+    assert guard.over(now=1.0) is None and guard.futile == 1
+    # A new message of 200 MiB: shed again.
+    rss[0] = 1150 << 20
+    assert guard.over(now=2.0) == 1150 << 20
+    # Under the limit, then over again: shed at once.
+    rss[0] = 700 << 20
+    assert guard.over(now=3.0) is None
+    rss[0] = 820 << 20
+    assert guard.over(now=4.0) == 820 << 20
+    assert guard.futile == 1
