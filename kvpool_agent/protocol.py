@@ -283,8 +283,7 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     skipped_by_reason: NameCounts = msgspec.field(default_factory=dict)
     accesses_dropped: Count = 0
     """Lookups whose chunk ids (``Report.accesses``) were dropped for the report budget."""
-    miss_tokens: Annotated[dict[Name, Count], msgspec.Meta(max_length=64)] = \
-        msgspec.field(default_factory=dict)
+    miss_tokens: NameCounts = msgspec.field(default_factory=dict)
     """Prompt tokens not served from the pool, by reason (``kvpool_agent._misses``:
     ``tail``, ``not_in_pool``, ``lookup_error``, ``load_failed``, ``not_loaded``, a skip reason,
     ``unattributed``): ``prompt_tokens == local_tokens + loaded_tokens + sum(miss_tokens)``."""
