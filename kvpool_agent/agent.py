@@ -15,6 +15,9 @@ to the master, or ``PoolOperations.stats()``) run on another thread so a slow ma
 delays reports. What the process's pool client can do (health, flush, wait for saves, stats)
 reaches the agent as a ``kvpool_agent.operations.PoolOperations`` object; the agent never
 imports the connector.
+
+Over 600 lines: the agent thread's loop, its command handling and its start-up fallbacks
+share one socket-owning thread, kept in one reading like the hub's.
 """
 
 from __future__ import annotations

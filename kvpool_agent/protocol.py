@@ -23,6 +23,10 @@ others), every string a printable id, name, text or hex digest, so a frame carry
 infinity, 2**64-1 or a terminal escape is refused as a whole (``ProtocolError``) and counted as
 a bad message by its receiver. Senders keep what they do not control within range
 (``kvpool_agent._aggregate``).
+
+Over 600 lines: the whole wire schema stays one module, so every field, bound and
+version rule an agent, the hub and a console exchange is reviewed in one reading (as vLLM's
+``kv_events.py`` keeps its events together).
 """
 
 from __future__ import annotations

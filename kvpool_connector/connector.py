@@ -16,6 +16,9 @@ layout when ``reset_flush_scope`` says so.
 Select it with ``kv_transfer_config={"kv_connector": "KVPoolConnector",
 "kv_connector_module_path": "kvpool_connector", "kv_role": ..., "kv_connector_extra_config":
 {...}}``; the extra config fields are documented in ``kvpool_connector.config.KVPoolConfig``.
+
+Over 600 lines: not split yet (issue 37: the wiring of the scheduler, worker, agent and
+``BackendOperations`` is to move to a wiring module).
 """
 
 from __future__ import annotations

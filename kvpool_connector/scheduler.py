@@ -49,6 +49,8 @@ whose attention backend cannot prefill over loaded context (``_context_prefill``
 ``kv_role`` (vllm-ascend's ``AscendStoreConnector`` semantics): ``kv_producer`` and ``kv_both``
 load and save; ``kv_consumer`` loads only with ``consumer_is_to_load`` and saves only with
 ``consumer_is_to_put``.
+
+Over 600 lines: not split yet (issue 37: one record per request with explicit phases).
 """
 
 from __future__ import annotations

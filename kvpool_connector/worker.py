@@ -39,6 +39,8 @@ freeing (return ``True``) for every request that had a save scheduled; the worke
 request in ``get_finished``'s ``finished_sending`` once it is in ``finished_req_ids`` and all its
 saves are done. Requests listed in ``metadata.preempted`` have their queued saves dropped and
 their running transfers waited for before the step's forward pass may reuse their blocks.
+
+Over 600 lines: not split yet (issue 37, thin rooms).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ catch up when shown) and to an open engine detail screen. Selection and commands
 (:mod:`kvpool_console._messages`): the fleet table says which engine was chosen, the health,
 flush, pin and unpin modals ask for their command, the app runs it in a thread worker and
 answers the modal.
+
+Over 600 lines: the application's key bindings, feed thread and modal flows; not split yet
+(issue 37, thin rooms).
 """
 
 from __future__ import annotations

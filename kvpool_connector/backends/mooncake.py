@@ -39,6 +39,9 @@ default 9003 on the master host): ``/metrics`` and ``/health`` feed ``stats()`` 
 ``health()``, ``/get_all_keys`` and ``/batch_query_keys`` feed ``remove_by_scope``'s counts
 (``/batch_query_keys`` reads the master's metadata without granting a lease; ``/query_key``
 and ``get_size`` grant one).
+
+Over 600 lines: the only module that calls the Mooncake client; every call goes through its
+counted wrapper (a safe close) and its error mapping, kept in one reading.
 """
 
 from __future__ import annotations
