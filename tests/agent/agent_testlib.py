@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import psutil
 import zmq
 
 from kvpool_agent.auth import ClientKeys, KeyPaths
+from kvpool_agent.client import FleetClient
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -23,8 +29,8 @@ from kvpool_agent.protocol import (
 from kvpool_agent.vocabulary import AGENT_KEYS_ENV
 from kvpool_replay import free_port_block
 
-__all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "make_source",
-           "wait_until"]
+__all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "hub_process_of",
+           "make_source", "wait_until"]
 
 ENV_KEYS = object()
 """``FakeAgent(keys=ENV_KEYS)``: the agent keys ``KVPOOL_AGENT_KEYS`` names, as a configured
@@ -136,3 +142,24 @@ def wait_until(cond: Callable[[], object], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def hub_process_of(hub_address: str, fleet_keys: dict[Any, KeyPaths], tmp_path: Path,
+                   *args: str) -> Iterator[psutil.Process]:
+    """``kvpool-agent hub --keys ARGS`` as its own process (its log in ``tmp_path/hub.log``),
+    ready when a viewer gets a snapshot."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool_agent.cli", "hub", "--address", hub_address, "--keys",
+         str(fleet_keys["hub"].root), "--metrics-port", "0", "--state-file",
+         str(tmp_path / "state.json"), *args],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "hub.log").open("wb"),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as c:
+            wait_until(lambda: c.updates(100) != [], 30)
+            assert c.last_update_ms > 0
+        yield psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -24,7 +24,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from agent_testlib import FakeAgent, make_source, wait_until
+from agent_testlib import FakeAgent, hub_process_of, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
 from kvpool_agent._audit import READONLY_SUFFIX
@@ -284,21 +284,7 @@ def hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths],
                 tmp_path: Path) -> Iterator[psutil.Process]:
     """``kvpool-agent hub --keys`` as its own process (its RSS is measured), ready when a
     viewer gets a snapshot."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool_agent.cli", "hub", "--address", hub_address, "--keys",
-         str(fleet_keys["hub"].root), "--metrics-port", "0", "--state-file",
-         str(tmp_path / "state.json")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    try:
-        with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as c:
-            wait_until(lambda: c.updates(100) != [], 30)
-            assert c.last_update_ms > 0
-        yield psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    yield from hub_process_of(hub_address, fleet_keys, tmp_path)
 
 
 @pytest.mark.parametrize(("port", "role", "part"), [

@@ -18,7 +18,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from agent_testlib import FakeAgent, Spammer, make_source, wait_until
+from agent_testlib import FakeAgent, Spammer, hub_process_of, make_source, wait_until
 
 from kvpool_agent import FleetClient, KeyPaths
 from kvpool_agent._fleet import MAX_ENGINE_STATE_BYTES
@@ -76,39 +76,18 @@ sys.stdin.read()
 """
 
 
-def _hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
-                 *args: str) -> Iterator[psutil.Process]:
-    """``kvpool-agent hub --keys ARGS`` as its own process (its log in ``tmp_path/hub.log``),
-    ready when a viewer gets a snapshot."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool_agent.cli", "hub", "--address", hub_address, "--keys",
-         str(fleet_keys["hub"].root), "--metrics-port", "0", "--state-file",
-         str(tmp_path / "state.json"), *args],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "hub.log").open("wb"),
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    try:
-        with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as c:
-            wait_until(lambda: c.updates(100) != [], 30)
-            assert c.last_update_ms > 0
-        yield psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 @pytest.fixture
 def hub_process(hub_address: str, fleet_keys: dict[Role, KeyPaths],
                 tmp_path: Path) -> Iterator[psutil.Process]:
     """The hub with its default memory limit (``MEMORY_LIMIT_MB``)."""
-    yield from _hub_process(hub_address, fleet_keys, tmp_path)
+    yield from hub_process_of(hub_address, fleet_keys, tmp_path)
 
 
 @pytest.fixture
 def limited_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
                 tmp_path: Path) -> Iterator[psutil.Process]:
     """The hub with ``--memory-limit-mb 256``."""
-    yield from _hub_process(hub_address, fleet_keys, tmp_path, "--memory-limit-mb",
+    yield from hub_process_of(hub_address, fleet_keys, tmp_path, "--memory-limit-mb",
                             str(_LIMIT_MB))
 
 
