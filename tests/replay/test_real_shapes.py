@@ -92,3 +92,19 @@ def test_model_shape_presets_of_the_cli() -> None:
     assert model_shape(args).bytes_per_token == 320 << 10
     args = build_parser().parse_args(["t.jsonl", "--layers", "3"])
     assert model_shape(args) == ModelShape(layers=3, kv_heads=1, head_size=8)
+
+
+def test_a_lease_far_below_the_load_time_never_serves_wrong_kv(short_trace: Path,
+                                                               toy: ReplayReport) -> None:
+    """Issue 39: a read holds a lease, not a reference. With ``eviction: connector`` (keys
+    removed as soon as no lease holds them) and a 5 ms lease, far below the load time of a
+    Llama-3-8B chunk (64 MiB over TCP), every load outlives its lease and fails (Mooncake's
+    own check or the worker's, ``test_a_load_that_outlives_its_lease_is_recomputed``): each
+    is recomputed, no hit is served and no loaded block is corrupt."""
+    shape = ModelShape(block_size=16, **LLAMA3_8B)  # type: ignore[arg-type]
+    report = run_replay(ReplayConfig(trace_path=str(short_trace), shape=shape,
+                                     pool_tokens=POOL_TOKENS, eviction="connector",
+                                     default_kv_lease_ttl_ms=5))
+    assert report.errors == [] and report.corrupt_blocks == 0
+    assert toy.hit_tokens > 0 and report.load_errors > 0
+    assert report.hit_tokens == 0
