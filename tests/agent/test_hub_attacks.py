@@ -23,6 +23,7 @@ from kvpool_agent._fleet import FLUSHES_PER_REPORT
 from kvpool_agent.auth import AllowList, Role, authorize_key, bound_engine, generate_keys
 from kvpool_agent.cli import main
 from kvpool_agent.protocol import (
+    MAX_FLUSHES,
     PROTOCOL_VERSION,
     CommandRequest,
     DrainArgs,
@@ -385,12 +386,17 @@ def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
     result = FlushResult(dry_run=False, keys=0, bytes=0)
     forged = [FlushRecord(ts_ms=0.0, request_id=f"r{i}", who="key:operator (console)",
                           flush=FlushArgs(scope="all", dry_run=False), ok=True, result=result)
-              for i in range(1000)]
+              for i in range(MAX_FLUSHES)]
     with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
         assert op.command("snapshot", targets=["nobody"], timeout_ms=2000)
     operator_file = tmp_path / "audit.jsonl"
     before = operator_file.read_text()
     assert json.loads(before)["command"] == "snapshot"
+    # Past the schema's MAX_FLUSHES a report is refused whole (a bad message), auditing nothing.
+    bad = hub.bad_messages
+    agent.report(src, flushes=forged * 16)
+    wait_until(lambda: hub.bad_messages > bad)
+    assert hub.bad_messages == bad + 1
     for _ in range(3):
         agent.report(src, flushes=forged)
     wait_until(lambda: hub.reports >= 3)
@@ -399,7 +405,8 @@ def test_an_agent_cannot_flood_the_audit_trail_or_speak_for_an_operator(
                >= FLUSHES_PER_REPORT)
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
     assert len(lines) == FLUSHES_PER_REPORT
-    assert {x["request_id"] for x in lines} == {f"r{i}" for i in range(984, 1000)}
+    assert {x["request_id"] for x in lines} == {
+        f"r{i}" for i in range(MAX_FLUSHES - FLUSHES_PER_REPORT, MAX_FLUSHES)}
     assert {x["who"] for x in lines} == {f"agent:{src.agent_id} (key:operator (console))"}
     # One id repeated through a whole report: audited once (the next report's record marks
     # where that report's lines end: the hub handles reports in order).

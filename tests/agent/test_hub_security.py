@@ -21,6 +21,7 @@ from kvpool_agent._hub_memory import COMMAND_SNDHWM
 from kvpool_agent.auth import Role
 from kvpool_agent.hub import MAX_PENDING_PER_CONNECTION, OPERATOR_ONLY
 from kvpool_agent.protocol import (
+    MAX_IN_FLIGHT,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     CommandReply,
@@ -97,10 +98,10 @@ def test_replies_count_only_from_the_connection_asked_and_once(
     assert req.request_id != req2.request_id
 
 
-def _big_state(n_transfers: int) -> dict[str, object]:
+def _big_state(n_transfers: int, id_chars: int = 9) -> dict[str, object]:
     return {"in_flight": [
-        Transfer(req_id=f"r{i:08d}", kind="save", blocks=i, bytes=i * 4096,
-                 started_ms=1.7e12 + i, lease_expires_ms=1.7e12 + i)
+        Transfer(req_id=f"r{i:08d}".ljust(id_chars, "x"), kind="save", blocks=i,
+                 bytes=i * 4096, started_ms=1.7e12 + i, lease_expires_ms=1.7e12 + i)
         for i in range(n_transfers)
     ]}
 
@@ -109,13 +110,22 @@ def test_oversized_state_is_refused_and_snapshots_stay_decodable(
     hub: FleetHub, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]],
     fleet_keys: dict[Role, KeyPaths],
 ) -> None:
-    """Observation 4: a 3.6 MB state is refused; 40 agents with large-but-allowed states
-    still reach a console, every frame under the consoles' limit."""
+    """Observation 4: a 3.6 MB state is refused (past the schema's ``MAX_IN_FLIGHT``: a bad
+    message), so is one within the schema but over ``_fleet.MAX_STATE_BYTES`` (oversized); 40
+    agents with large-but-allowed states still reach a console, every frame under the consoles'
+    limit."""
     viewer = fleet_keys["viewer"].client("viewer")
     fake = FakeAgent(ctx, hub_address)
+    bad = hub.bad_messages
     fake.report(make_source("huge"), **_big_state(30_000))
     assert len(encode(EngineState(source=make_source("huge"), started_ms=0, ts_ms=0,
                                   **_big_state(30_000)))) > 3_000_000  # type: ignore[arg-type]
+    wait_until(lambda: hub.bad_messages > bad)
+    assert hub.bad_messages == bad + 1
+    fake.report(make_source("huge"), **_big_state(MAX_IN_FLIGHT, id_chars=100))
+    assert len(encode(EngineState(source=make_source("huge"), started_ms=0, ts_ms=0,
+                                  **_big_state(MAX_IN_FLIGHT, id_chars=100)))
+               ) > _fleet.MAX_STATE_BYTES  # type: ignore[arg-type]
     big = [FakeAgent(ctx, hub_address) for _ in range(40)]
     for i, f in enumerate(big):
         f.report(make_source(f"big-{i:02d}"), **_big_state(1_900))
