@@ -181,6 +181,31 @@ def _until(cond: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+Caches = dict[str, torch.Tensor]
+
+
+def _writer_and_reader(settings: _Settings, client: MooncakeBackend, model: str, chunks: int
+                       ) -> tuple[Caches, Caches, KVPoolWorker, KVPoolWorker, list[int],
+                                  list[int], list[str]]:
+    """A writer and a reader of ``model`` over 8 layers of Llama-3's KV heads (8 x 128,
+    bf16), their caches, the writer's blocks (every other one: values are fragmented, so they
+    are staged), the reader's, and the hashes of ``chunks`` chunks of a fresh prompt."""
+    bpc = settings.chunk_size // settings.block_size
+    shape = (2 * chunks * bpc + 1, 8, 16, 256)
+    src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
+           for i in range(8)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    writer = KVPoolWorker(settings, ParallelLayout(), model, client, Reporter())
+    writer.register_kv_caches(src)
+    reader = KVPoolWorker(settings, ParallelLayout(), model, client, Reporter())
+    reader.register_kv_caches(dst)
+    _KEEP.append((src, dst, writer, reader))
+    tokens = chunks * settings.chunk_size
+    hashes = chunk_hashes(list(range(tokens)), settings.chunk_size, extra=uuid.uuid4().bytes)
+    return (src, dst, writer, reader, list(range(0, 2 * chunks * bpc, 2)),
+            list(range(1, 2 * chunks * bpc + 1, 2)), hashes)
+
+
 def test_stopped_store_never_holds_engine_blocks(
         store: tuple[LocalMooncakeMaster, LocalPoolStore], client: MooncakeBackend) -> None:
     """The store SIGSTOPped during a save (issue 38): the values are copied to the staging
@@ -190,21 +215,11 @@ def test_stopped_store_never_holds_engine_blocks(
     proc = store[1].proc
     assert proc is not None
     settings = _Settings(staging_buffer_bytes=32 << 20)  # the whole save at once
-    chunks, bpc = 4, settings.chunk_size // settings.block_size
-    shape = (2 * chunks * bpc + 1, 8, 16, 256)  # 8 layers of Llama-3's KV heads, every other
-    src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
-           for i in range(8)}
-    dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    writer = KVPoolWorker(settings, ParallelLayout(), "stopped", client, Reporter())
-    writer.register_kv_caches(src)
-    reader = KVPoolWorker(settings, ParallelLayout(), "stopped", client, Reporter())
-    reader.register_kv_caches(dst)
-    _KEEP.append((src, dst, writer, reader))
-    src_ids = list(range(0, 2 * chunks * bpc, 2))
-    dst_ids = list(range(1, 2 * chunks * bpc + 1, 2))
+    chunks = 4
+    src, dst, writer, reader, src_ids, dst_ids, hashes = _writer_and_reader(
+        settings, client, "stopped", chunks)
     saved = {k: v[src_ids].clone() for k, v in src.items()}
     tokens = chunks * settings.chunk_size
-    hashes = chunk_hashes(list(range(tokens)), settings.chunk_size, extra=uuid.uuid4().bytes)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         writer.start_load_kv(KVPoolConnectorMetadata())
@@ -245,20 +260,10 @@ def test_stopped_store_turns_an_inline_load_into_recompute(
     proc = store[1].proc
     assert proc is not None
     settings = _Settings(layerwise_timeout_ms=500)
-    chunks, bpc = 2, settings.chunk_size // settings.block_size
-    shape = (2 * chunks * bpc + 1, 8, 16, 256)
-    src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
-           for i in range(8)}
-    dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    writer = KVPoolWorker(settings, ParallelLayout(), "stalled-load", client, Reporter())
-    writer.register_kv_caches(src)
-    reader = KVPoolWorker(settings, ParallelLayout(), "stalled-load", client, Reporter())
-    reader.register_kv_caches(dst)
-    _KEEP.append((src, dst, writer, reader))
-    src_ids = list(range(0, 2 * chunks * bpc, 2))
-    dst_ids = list(range(1, 2 * chunks * bpc + 1, 2))
+    chunks = 2
+    _, dst, writer, reader, src_ids, dst_ids, hashes = _writer_and_reader(
+        settings, client, "stalled-load", chunks)
     tokens = chunks * settings.chunk_size
-    hashes = chunk_hashes(list(range(tokens)), settings.chunk_size, extra=uuid.uuid4().bytes)
     writer.start_load_kv(KVPoolConnectorMetadata())
     writer.wait_for_save(KVPoolConnectorMetadata(requests=[ReqMeta(
         req_id="w", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
