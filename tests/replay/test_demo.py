@@ -113,8 +113,31 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _drain(fd: int, buf: bytearray, needle: bytes, timeout_s: float) -> bool:
-    """Read the pty into ``buf`` until ``needle`` shows up (True) or the time is up."""
+class _Pty:
+    """The master side of the demo's pty, closed at most once.
+
+    A second ``os.close`` of the same number would close whatever the process opened under it
+    meanwhile: this pytest process still runs Mooncake client threads of earlier tests (a
+    client abandoned by ``MooncakeBackend.close``), and one of their sockets closed from here
+    left its RPC thread using, and then closing, the next test's pty ("Socket operation on
+    non-socket" from master_client.cpp, and a demo that lost its terminal).
+    """
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid, self.fd = pid, fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _drain(term: _Pty, buf: bytearray, needle: bytes, timeout_s: float) -> bool:
+    """Read the pty into ``buf`` until ``needle`` shows up (True) or the time is up (or the
+    pty is closed)."""
+    fd = term.fd
+    if fd < 0:
+        return needle in buf
     deadline = time.monotonic() + timeout_s
     while needle not in buf and time.monotonic() < deadline:
         r, _, _ = select.select([fd], [], [], 0.2)
@@ -126,9 +149,9 @@ def _drain(fd: int, buf: bytearray, needle: bytes, timeout_s: float) -> bool:
     return needle in buf
 
 
-def _demo_on_pty(tmp_path: Path) -> tuple[int, int]:
+def _demo_on_pty(tmp_path: Path) -> _Pty:
     """``kvpool-console --demo`` (one sim engine) in a child on a new pty, as over SSH, with
-    TMPDIR at ``tmp_path``: (pid, master fd)."""
+    TMPDIR at ``tmp_path``."""
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(REPO)
@@ -138,44 +161,43 @@ def _demo_on_pty(tmp_path: Path) -> tuple[int, int]:
             sys.executable, "-m", "kvpool_console.cli", "--demo", "--engines", "1",
             "--speedup", "1", "--refresh", "0.5",
             "--trace", str(SYNTHETIC)])
-    return pid, fd
+    return _Pty(pid, fd)
 
 
-def _stop_and_wait(pid: int, fd: int, how: str, buf: bytearray) -> int | None:
-    """Send SIGTERM to ``pid`` or close its terminal (``how``); its wait status once it left
+def _stop_and_wait(term: _Pty, how: str, buf: bytearray) -> int | None:
+    """Send SIGTERM to the demo or close its terminal (``how``); its wait status once it left
     within 60 s (stopping the engines, store and master takes a few seconds, more under load),
     else None. Keeps reading the pty after a SIGTERM so that the last writes
     never block."""
     if how == "SIGTERM":
-        os.kill(pid, signal.SIGTERM)
+        os.kill(term.pid, signal.SIGTERM)
     else:
-        os.close(fd)  # the terminal is gone
+        term.close()  # the terminal is gone
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if how == "SIGTERM":
-            _drain(fd, buf, b"\0never", 0.1)
-        done, st = os.waitpid(pid, os.WNOHANG)
+            _drain(term, buf, b"\0never", 0.1)
+        done, st = os.waitpid(term.pid, os.WNOHANG)
         if done:
             return st
         time.sleep(0.05)
     return None
 
 
-def _leave_nothing(pid: int, fd: int, tree: list[psutil.Process], workdirs: set[Path],
+def _leave_nothing(term: _Pty, tree: list[psutil.Process], workdirs: set[Path],
                    tmp_path: Path) -> None:
     """On failure, leave nothing behind either: the console, what it started, its files."""
     with contextlib.suppress(psutil.NoSuchProcess):
-        tree = tree or psutil.Process(pid).children(recursive=True)
+        tree = tree or psutil.Process(term.pid).children(recursive=True)
     with contextlib.suppress(ProcessLookupError, ChildProcessError):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        os.kill(term.pid, signal.SIGKILL)
+        os.waitpid(term.pid, 0)
     for p in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     for d in workdirs or _demo_dirs(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.close(fd)
+    term.close()
 
 
 def _tree(pid: int) -> tuple[list[psutil.Process], str]:
@@ -189,19 +211,19 @@ def _tree(pid: int) -> tuple[list[psutil.Process], str]:
     return tree, " ".join(names)
 
 
-def _demo_running(pid: int, fd: int, buf: bytearray, shown: bytes,
+def _demo_running(term: _Pty, buf: bytearray, shown: bytes,
                   tmp_path: Path) -> tuple[list[psutil.Process], set[Path]]:
     """Read the demo's pty into ``buf`` until it shows ``shown``; then, once the master and an
     engine are among its processes, those processes and its one work directory. On a loaded
     machine both can come late: the line is awaited up to 180 s, the processes up to 60 s
     more (the pty is read meanwhile, so the demo never blocks on its terminal)."""
-    assert _drain(fd, buf, shown, 180), bytes(buf[-2000:])
+    assert _drain(term, buf, shown, 180), bytes(buf[-2000:])
     deadline = time.monotonic() + 60
-    tree, names = _tree(pid)
+    tree, names = _tree(term.pid)
     while not ("mooncake_master" in names and "engine_proc" in names):
         assert time.monotonic() < deadline, names
-        _drain(fd, buf, b"\0never", 0.2)
-        tree, names = _tree(pid)
+        _drain(term, buf, b"\0never", 0.2)
+        tree, names = _tree(term.pid)
     workdirs = _demo_dirs(tmp_path)
     assert len(workdirs) == 1
     return tree, workdirs
@@ -221,19 +243,19 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
     """A SIGTERM, or the terminal going away, while the demo waits for its engines (before the
     TUI): the demo's own handler stops the master, store and engines it already started and
     removes the work directory."""
-    pid, fd = _demo_on_pty(tmp_path)
+    term = _demo_on_pty(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
     workdirs: set[Path] = set()
     try:
-        tree, workdirs = _demo_running(pid, fd, buf, b"waiting for engines to be ready",
+        tree, workdirs = _demo_running(term, buf, b"waiting for engines to be ready",
                                        tmp_path)
-        status = _stop_and_wait(pid, fd, how, buf)
+        status = _stop_and_wait(term, how, buf)
         assert status is not None, f"demo still starting 60 s after {how}"
         _assert_stopped(status, how, tree, workdirs)
         assert b"engine-0" not in buf  # it stopped before the TUI drew
     finally:
-        _leave_nothing(pid, fd, tree, workdirs, tmp_path)
+        _leave_nothing(term, tree, workdirs, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
@@ -241,16 +263,16 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
     """``kvpool-console --demo`` on a real pty: a SIGTERM, or the terminal going away (the
     kernel sends SIGHUP), stops the master, store and engines, removes the work directory and
     (SIGTERM) restores the terminal."""
-    pid, fd = _demo_on_pty(tmp_path)
+    term = _demo_on_pty(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
     workdirs: set[Path] = set()
     try:
         # The TUI is up once it draws the engine's row.
-        tree, workdirs = _demo_running(pid, fd, buf, b"engine-0", tmp_path)
+        tree, workdirs = _demo_running(term, buf, b"engine-0", tmp_path)
         start = bytes(buf[:buf.index(b"engine-0")])
         drawn = len(buf)
-        status = _stop_and_wait(pid, fd, how, buf)
+        status = _stop_and_wait(term, how, buf)
         assert status is not None, f"console still running 60 s after {how}"
         _assert_stopped(status, how, tree, workdirs)
         if how == "SIGTERM":
@@ -263,4 +285,4 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
                      b"starting 1 sim engine(s)", b"waiting for engines to be ready"):
             assert line in start, start[-2000:]
     finally:
-        _leave_nothing(pid, fd, tree, workdirs, tmp_path)
+        _leave_nothing(term, tree, workdirs, tmp_path)
