@@ -391,15 +391,17 @@ class Fleet:
 
         ``req.targets`` when given; otherwise every live agent, except for ``flush``: scope
         ``engine`` goes to the live worker agents of ``FlushArgs.engine_id``; scopes ``model``
-        and ``all`` are pool-wide and go to one live agent with a pool client per pool
-        (agents grouped by ``Source.master``): a worker agent (a store agent when the pool has
-        no live worker) whose identity has held its engine id the longest (``tenure``, kept
-        across hub restarts), then the longest connected. Tenure, not most recently heard nor
-        first to reconnect, so an agent that just appeared, or reconnects fastest after a hub
-        restart, cannot draw the flush to itself. The choice is made once, when the command
-        arrives: agents appearing later never receive it. A pool whose live agents all belong
-        to one engine-bound key (``unvouched``) gets no pool-wide command (flush, pin, pins):
-        one engine's key cannot make the hub count a pool nobody else reports.
+        and ``all`` are pool-wide and go to one live agent with a pool client per pool (agents
+        grouped by ``Source.master``): a worker agent (a store agent when the pool has no live
+        worker), of a key not bound to one engine when the pool has one (a fleet-wide key is the
+        operator's own deployment; an engine-bound key may be an insider's that claims the pool,
+        issue 42), whose identity has held its engine id the longest (``tenure``, kept across
+        hub restarts), then the longest connected. Tenure, not most recently heard nor first to
+        reconnect, so an agent that just appeared, or reconnects fastest after a hub restart,
+        cannot draw the flush to itself. The choice is made once, when the command arrives:
+        agents appearing later never receive it. A pool whose live agents all belong to one
+        engine-bound key (``unvouched``) gets no pool-wide command (flush, pin, pins): one
+        engine's key cannot make the hub count a pool nobody else reports.
 
         Returns:
             ``(agent ids, None, pools refused as unvouched)`` or ``([], the reason for the
@@ -430,17 +432,17 @@ class Fleet:
                 ]
                 return sorted(ids), None if ids else (
                     f"no live worker agent of engine {fl.engine_id!r}"), []
-            best: dict[str, tuple[bool, float, float, str]] = {}
+            best: dict[str, tuple[bool, bool, float, float, str]] = {}
             for k, a in live.items():
                 src = a.state.source
                 if src.process_role not in ("worker", "store") or src.master in refused:
                     continue
-                rank = (src.process_role != "worker", *self._held_since(a, now_ms), k)
+                rank = (src.process_role != "worker", a.bound, *self._held_since(a, now_ms), k)
                 if src.master not in best or rank < best[src.master]:
                     best[src.master] = rank
             if not best:
                 return [], "no live worker or store agent to run the flush", sorted(refused)
-            return sorted(r[3] for r in best.values()), None, sorted(refused)
+            return sorted(r[4] for r in best.values()), None, sorted(refused)
 
     @staticmethod
     def _unvouched(live: dict[str, _Entry]) -> set[str]:
@@ -468,11 +470,12 @@ class Fleet:
                      refused: set[str]) -> tuple[list[str], str | None]:
         """``pin`` / ``unpin`` / ``pins``: one live worker agent per pool and layout digest of
         the model (``PinArgs.model``; ``pins`` without one: of every model), ranked as a
-        pool-wide flush's target: one worker computes every rank's keys of its layout."""
+        pool-wide flush's target (fleet-wide keys first, then tenure): one worker computes
+        every rank's keys of its layout."""
         model = req.pin.model if req.pin is not None else ""
         if not model and req.command != "pins":
             return [], f"{req.command} needs PinArgs.model (the model's name as engines report it)"
-        best: dict[tuple[str, str, str], tuple[float, float, str]] = {}
+        best: dict[tuple[str, str, str], tuple[bool, float, float, str]] = {}
         for k, a in live.items():
             src = a.state.source
             if src.process_role != "worker" or not src.layout_digest or src.master in refused:
@@ -480,7 +483,7 @@ class Fleet:
             if model and src.model != model:
                 continue
             group = (src.master, src.model, src.layout_digest)
-            rank = (*self._held_since(a, now_ms), k)
+            rank = (a.bound, *self._held_since(a, now_ms), k)
             if group not in best or rank < best[group]:
                 best[group] = rank
         if not best:
@@ -489,27 +492,34 @@ class Fleet:
             return [], (f"no live worker agent of model {model!r} (known: "
                         f"{', '.join(models[:8]) or 'none'})" if model
                         else "no live worker agent with a registered KV layout")
-        return sorted(r[2] for r in best.values()), None
+        return sorted(r[3] for r in best.values()), None
 
     def pool_keys(self, agent_id: str) -> int | None:
         """The key count of ``agent_id``'s pool (``Source.master``) as agents report it
-        (``PoolStats.keys``, the largest): agents of other identities when any report it, else
-        other agents of the same identity, else the agent's own; ``None`` when no agent reports
-        that pool (nothing to check a flush's answer against)."""
+        (``PoolStats.keys``: the master's own count, the same from every member), from the
+        most trusted reporters that report it, the largest of theirs: keys not bound to one
+        engine (a fleet-wide agent key, a store agent's) before engine-bound ones, then other
+        identities before the agent's own, then other agents before the agent itself. An
+        engine-bound key can report any master (issue 42): its count never outranks a
+        fleet-wide key's, so its ``keys=0`` cannot make a genuine flush look suspect, nor its
+        forged count cover a forged answer. ``None`` when no agent reports that pool (nothing
+        to check a flush's answer against)."""
         with self._lock:
             ag = self._agents.get(agent_id)
             if ag is None:
                 return None
             master = ag.state.source.master
-            others: list[int] = []
-            strangers: list[int] = []
+            best: tuple[bool, bool, bool] | None = None
+            counts: list[int] = []
             for k, a in self._agents.items():
                 pool = a.state.pool
-                if k == agent_id or pool is None or a.state.source.master != master:
+                if pool is None or a.state.source.master != master:
                     continue
-                (strangers if a.identity != ag.identity else others).append(pool.keys)
-            own = [ag.state.pool.keys] if ag.state.pool is not None else []
-            counts = strangers or others or own
+                rank = (a.bound, a.identity == ag.identity, k == agent_id)
+                if best is None or rank < best:
+                    best, counts = rank, []
+                if rank == best:
+                    counts.append(pool.keys)
             return max(counts) if counts else None
 
     def updates(self, kind: str, first_seq: int, gaps: dict[str, int],

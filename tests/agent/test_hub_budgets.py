@@ -425,14 +425,16 @@ def model_keys(mooncake_backend: Any, pool_buffer: Any, agent_master: LocalMoonc
 
 
 def _worker(hub_address: str, mooncake_backend: Any, master: LocalMooncakeMaster,
-            model: str) -> Any:
+            model: str, keys_dir: Path | None = None) -> Any:
+    """A real agent of worker ``eng-w`` over the real pool, with the fleet-wide agent key
+    (``$KVPOOL_AGENT_KEYS``) or the one in ``keys_dir``."""
     from kvpool_connector.keys import ParallelLayout
     from kvpool_connector.operations import BackendOperations
 
     src = make_source("eng-w", model=model, master=master.address)
     return start_agent(src, address=hub_address, operations=BackendOperations(
         mooncake_backend, src, key_scope=(model, "0123456789ab", (ParallelLayout(tp_rank=0),))),
-        pool_admin_url=master.admin_url)
+        pool_admin_url=master.admin_url, keys_dir=keys_dir)
 
 
 def _keyed_hub(address: str, keys: dict[Role, KeyPaths], tmp_path: Path) -> FleetHub:
@@ -531,16 +533,18 @@ def test_a_flush_answer_the_pool_contradicts_is_shown_as_suspect(
     model: str, model_keys: list[str], capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The attacker's key held its engine (in the real pool) before the real worker came, so
-    it is the pool's flush target; its forged 'removed 4242 of 4242' disagrees with the pool's
-    key count as the real worker (another key) reports it. The reply is marked suspect, the
-    console prints it as suspect, not done, and exits nonzero (without running the flush);
-    the audit line says suspect."""
+    it is the pool's flush target (every key of the pool is bound to its engine: a fleet-wide
+    key's worker would be chosen first); its forged 'removed 4242 of 4242' disagrees with the
+    pool's key count as the real worker (another key) reports it. The reply is marked
+    suspect, the console prints it as suspect, not done, and exits nonzero (without running
+    the flush); the audit line says suspect."""
     monkeypatch.setenv(AGENT_KEYS_ENV, str(fleet_keys["agent"].root))
     evil = _agent_dir(tmp_path, "evil", fleet_keys["hub"], engine="evil-0")
+    real = _agent_dir(tmp_path, "real", fleet_keys["hub"], engine="eng-w")
     with _keyed_hub(hub_address, fleet_keys, tmp_path) as hub, \
             _Reconnector(hub_address, evil, agent_master.address) as attacker:
         wait_until(lambda: "evil-0/dp0.tp0.pp0" in hub.fleet())
-        worker = _worker(hub_address, mooncake_backend, agent_master, model)
+        worker = _worker(hub_address, mooncake_backend, agent_master, model, real.root)
         try:
             aid = worker.source.agent_id
             wait_until(lambda: aid in hub.fleet() and hub.fleet()[aid][0].pool is not None, 15)

@@ -130,14 +130,17 @@ def test_an_under_counted_flush_answer_is_suspect(
     """Issue 42, attack 2: the pool's own agents report 5,000 keys; the flush went to an impostor
     that answered "removed 10 of 10 keys", which the console printed with exit 0 and the audit
     called ok (only an over-claim was suspect). Now an answer of scope ``all`` that matches
-    fewer keys than the pool holds, beyond the slack, is suspect both ways."""
+    fewer keys than the pool holds, beyond the slack, is suspect both ways. Every key of the
+    pool is bound to its engine, so the impostor's older tenure still draws the flush (with a
+    fleet-wide key in the pool, that key's worker would: test_hub_review)."""
     master = "10.0.0.9:50051"
     impostor = FakeAgent(ctx, hub_address,
                          keys=_bound_agent(tmp_path, fleet_keys["hub"], "imp-1").client("agent"))
     isrc = make_source("imp-1", master=master)
     assert impostor.report(isrc)
     wait_until(lambda: isrc.agent_id in hub.fleet())
-    honest = FakeAgent(ctx, hub_address)
+    honest = FakeAgent(ctx, hub_address,
+                       keys=_bound_agent(tmp_path, fleet_keys["hub"], "real-1").client("agent"))
     assert honest.report(make_source("real-1", master=master),
                          pool=PoolStats(backend="mooncake", keys=5000))
     wait_until(lambda: "real-1/dp0.tp0.pp0" in hub.fleet())

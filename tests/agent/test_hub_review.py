@@ -57,13 +57,14 @@ def keyed_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path
 
 
 class _HonestWorker:
-    """A worker of the fleet-wide agent key in pool ``_MASTER`` holding ``keys`` keys: reports
-    every 50 ms and answers every flush truthfully (matched ``keys``, removed them unless a dry
-    run)."""
+    """A worker of engine ``real-0`` in pool ``_MASTER`` holding ``keys`` keys: reports every
+    50 ms and answers every flush truthfully (matched ``keys``, removed them unless a dry
+    run). Its key is the fleet-wide agent key, or ``bound`` (one bound to ``real-0``)."""
 
-    def __init__(self, address: str, keys: int) -> None:
+    def __init__(self, address: str, keys: int, bound: KeyPaths | None = None) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fake = FakeAgent(self.ctx, address)
+        self.fake = (FakeAgent(self.ctx, address) if bound is None
+                     else FakeAgent(self.ctx, address, keys=bound.client("agent")))
         self.src = make_source("real-0", master=_MASTER)
         self.keys = keys
         self._stop = threading.Event()
@@ -94,8 +95,6 @@ class _HonestWorker:
         self.ctx.destroy(linger=0)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: the hub cannot tell which identity's pool "
-                   "count is honest; a lower count of another key still makes a flush suspect")
 def test_a_bound_key_cannot_make_a_genuine_flush_look_suspect(
     keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
     ctx: zmq.Context[zmq.Socket[bytes]],
@@ -104,7 +103,8 @@ def test_a_bound_key_cannot_make_a_genuine_flush_look_suspect(
     pool's master with ``pool.keys=0``. The pool's real worker (the fleet-wide key) holds 5,000
     keys and answers the operator's pool-wide flush truthfully. Before the fix the attacker's
     0 was the only count "of another identity", so the hub took it over the worker's own
-    5,000 and marked the genuine answer suspect (ok=False, "not counted as done")."""
+    5,000 and marked the genuine answer suspect (ok=False, "not counted as done"). Now a
+    fleet-wide key's count outranks every engine-bound key's (``Fleet.pool_keys``)."""
     evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
     attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
     src = make_source("evil-0", role="scheduler", master=_MASTER)
@@ -210,18 +210,32 @@ def test_a_bound_agent_keys_largest_valid_reports_neither_stall_the_operator_nor
     assert grown < 256, f"hub RSS grew by {grown} MiB"
 
 
-def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_flush_as_done(
+def _forge_flush(attacker: FakeAgent, aid: str, op: FleetClient) -> list[CommandReply]:
+    """The operator's ``flush --scope all`` while ``attacker`` answers every command it gets
+    with "removed 1000 of 1000 keys"; returns the operator's replies."""
+    got: list[CommandReply] = []
+    t = threading.Thread(target=lambda: got.extend(op.command(
+        "flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=3_000)))
+    t.start()
+    for req in attacker.drain(2_000):
+        attacker.seq += 1
+        attacker.sock.send(encode(CommandReply(
+            v=PROTOCOL_VERSION, seq=attacker.seq, request_id=req.request_id, agent_id=aid,
+            ok=True, flush=FlushResult(dry_run=False, keys=1000, bytes=1000,
+                                       removed_keys=1000))))
+    t.join()
+    return got
+
+
+def test_a_bound_key_first_in_a_pool_does_not_get_the_pool_wide_flush(
     keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """A key bound to ``evil-0`` reports a worker naming the real pool's master before the
-    pool's real worker joins (a pool added after the key, or a worker whose tenure was reset by
-    ``forget`` or a new key). Its engine's tenure is the oldest, so the pool-wide flush goes
-    to it (pool membership is the agent's claim, tenure first come). Its answer "removed 1000 of
-    1000" was within the old slack (1,024 keys) of the real worker's count of 5 and was taken
-    as done while the pool kept every key; now it is suspect. A forgery within
-    ``SUSPECT_SLACK_KEYS`` (``kvpool_agent._answers``) of the pool's count still passes
-    (docs/security.md, known limits)."""
+    pool's real worker (the fleet-wide key) joins, so its tenure is the oldest. Before the fix
+    the pool-wide flush went to it (tenure first come) and its "removed 1000 of 1000" passed
+    for a pool of 5. Now a fleet-wide key's worker is chosen first: the attacker receives
+    nothing, the real worker removes its 5 keys."""
     evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
     attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
     src = make_source("evil-0", master=_MASTER)
@@ -230,18 +244,32 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_flush_as_done(
     with _HonestWorker(hub_address, 5) as worker:
         wait_until(lambda: worker.src.agent_id in keyed_hub.fleet())
         with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
-            got: list[CommandReply] = []
-            t = threading.Thread(target=lambda: got.extend(op.command(
-                "flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=3_000)))
-            t.start()
-            for req in attacker.drain(2_000):
-                attacker.seq += 1
-                attacker.sock.send(encode(CommandReply(
-                    v=PROTOCOL_VERSION, seq=attacker.seq, request_id=req.request_id,
-                    agent_id=src.agent_id, ok=True,
-                    flush=FlushResult(dry_run=False, keys=1000, bytes=1000,
-                                      removed_keys=1000))))
-            t.join()
+            got = _forge_flush(attacker, src.agent_id, op)
+    assert attacker.received == []
+    (r,) = got
+    assert r.agent_id == worker.src.agent_id and r.ok and r.suspect is None, r
+    assert r.flush is not None and r.flush.removed_keys == 5
+
+
+def test_a_bound_key_first_in_a_pool_of_bound_keys_cannot_pass_off_a_forged_flush_as_done(
+    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Every worker of the pool has a key bound to its engine, and ``evil-0``'s is the oldest
+    in the pool: the pool-wide flush goes to it (tenure). Its answer "removed 1000 of 1000" is
+    held against the real worker's count of 5 (another identity) and is suspect. A forgery
+    within ``SUSPECT_SLACK_KEYS`` (``kvpool_agent._answers``) of the pool's count still passes
+    (docs/security.md, known limits)."""
+    evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
+    real = _bound_agent(tmp_path, fleet_keys["hub"], "real-0")
+    attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
+    src = make_source("evil-0", master=_MASTER)
+    attacker.report(src, pool=PoolStats(backend="mooncake", keys=5))
+    wait_until(lambda: src.agent_id in keyed_hub.fleet())
+    with _HonestWorker(hub_address, 5, bound=real) as worker:
+        wait_until(lambda: worker.src.agent_id in keyed_hub.fleet())
+        with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+            got = _forge_flush(attacker, src.agent_id, op)
     (r,) = got
     assert r.agent_id == src.agent_id and not r.ok, r
     assert r.suspect is not None and "1000 keys matched" in r.suspect, r
