@@ -24,6 +24,7 @@ from kvpool_agent.protocol import (
     MAX_MS,
     MAX_NAMES,
     MAX_REPORT_ACCESSES,
+    MAX_REPORT_SAVES,
     OTHER_NAME,
     RECENT_PAUSES,
     REPORT_ACCESS_CHUNKS,
@@ -50,6 +51,7 @@ from kvpool_agent.reporter import (
     Loaded,
     Lookup,
     ReportedError,
+    Saved,
     SaveSkipped,
     StartFailed,
     TransferFinished,
@@ -58,7 +60,11 @@ from kvpool_agent.reporter import (
 )
 
 __all__ = [
-    "ACCESS_QUEUE_CHUNKS", "RECENT_ERRORS", "RECENT_FLUSHES", "STALL_MS",
+    "ACCESS_QUEUE_CHUNKS",
+    "RECENT_ERRORS",
+    "RECENT_FLUSHES",
+    "SAVE_QUEUE_CHUNKS",
+    "STALL_MS",
     "Aggregator",
 ]
 
@@ -85,6 +91,10 @@ STALL_MS = 2_000.0
 ACCESS_QUEUE_CHUNKS = 4 * REPORT_ACCESS_CHUNKS
 """Chunk ids of lookups waiting for a report (four reports' worth, ~0.5 MiB of ints); a lookup
 that would pass it is dropped and counted in ``LookupStats.accesses_dropped``."""
+
+SAVE_QUEUE_CHUNKS = 4 * MAX_REPORT_SAVES
+"""Saved chunk ids waiting for a report (four reports' worth, ~0.5 MiB of ints); a save that
+would pass it is dropped and counted in ``TransferStats.saves_unreported``."""
 
 _LATENCY_SAMPLES = 1024
 _LOOKUP_TIMES = 16_384
@@ -217,6 +227,7 @@ class Aggregator:
         self._accesses: deque[Access] = deque()
         self.misses = MissCounter()
         self._access_chunks = 0
+        self._saves: deque[int] = deque()
 
     def tick(self, mono_ms: float, now_ms: float) -> None:
         """The agent loop runs at ``mono_ms`` (monotonic ms) = ``now_ms`` (epoch ms): after a
@@ -302,6 +313,8 @@ class Aggregator:
                     tr = self.transfers
                     tr.saves_skipped += ev.blocks
                     count_name(tr.errors_by_name, ev.reason)
+                case Saved():
+                    self._queue_saves(ev)
                 case LayoutKnown():
                     # A cache signature of a model with many kinds of layers may run long.
                     self.source = msgspec.structs.replace(
@@ -367,8 +380,13 @@ class Aggregator:
         except ValueError:  # not a chunk hash: nothing the hub could match
             self.lookup.accesses_dropped += 1
             return
+        # The leading tokens held (vLLM's cache) or found, as MissCounter counts them: the
+        # hub splits the not_in_pool chunks past them; a failed lookup has none to split.
+        served = (ev.prompt_tokens if ev.error is not None else ev.local_tokens
+                  + min(max(0, ev.pool_tokens), max(0, ev.prompt_tokens - ev.local_tokens)))
         self._accesses.append(Access(tokens=ev.prompt_tokens, chunk_size=ev.chunk_size,
-                                     chunks=ids))
+                                     chunks=ids, ts_ms=_bounded(ev.ts_ms, MAX_MS),
+                                     served=_count(served, MAX_COUNT)))
         self._access_chunks += n
 
     def take_accesses(self) -> list[Access]:
@@ -385,6 +403,24 @@ class Aggregator:
             chunks += n
         self._access_chunks -= chunks
         return out
+
+    def _queue_saves(self, ev: Saved) -> None:
+        """Keep a save's chunk ids for ``take_saves`` (``SAVE_QUEUE_CHUNKS`` bound: past it
+        the save's chunks are dropped and counted)."""
+        if len(self._saves) + len(ev.chunks) > SAVE_QUEUE_CHUNKS:
+            self.transfers.saves_unreported += len(ev.chunks)
+            return
+        try:
+            ids = [chunk_id(h) for h in ev.chunks]
+        except ValueError:  # not a chunk hash: nothing the hub could match
+            self.transfers.saves_unreported += len(ev.chunks)
+            return
+        self._saves.extend(ids)
+
+    def take_saves(self) -> list[int]:
+        """The oldest queued saved chunk ids for one report (at most ``MAX_REPORT_SAVES``)."""
+        q = self._saves
+        return [q.popleft() for _ in range(min(len(q), MAX_REPORT_SAVES))]
 
     def _on_started(self, ev: TransferStarted) -> None:
         lease_expires_ms = ev.lease_expires_ms

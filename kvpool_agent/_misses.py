@@ -10,9 +10,11 @@ each). Every prompt token is then exactly one of: local, found, or a miss:
   ``SHORT_PROMPT`` (no whole chunk), whose rest is ``tail``;
 * a lookup that failed: the rest, ``lookup_error``;
 * a lookup made: ``tail`` (past the last whole chunk it may claim: the last token is never
-  claimed, a partial chunk is never stored), ``not_in_pool`` (whole chunks the pool did not hold:
-  never saved, evicted or saved under another layout; the hub's saved-set is what will tell
-  them apart), or ``unattributed`` when the caller gave no chunks.
+  claimed, a partial chunk is never stored), ``not_in_pool`` (whole chunks the pool did not hold),
+  or ``unattributed`` when the caller gave no chunks. The hub splits ``not_in_pool`` into
+  ``never_saved``, ``evicted`` and ``other_digest`` with its saved-chunk memory
+  (``kvpool_agent._saved_chunks``); ``split_not_in_pool`` applies that split to the agent's
+  counts, keeping their sum.
 
 Found tokens end as hits (``loaded_tokens``) or misses when their load's outcome is known:
 ``load_failed`` (accepted, not brought: recomputed) and ``not_loaded`` (no load outcome yet: in
@@ -25,7 +27,12 @@ flight, or the request left before loading). So, per agent and at any time::
 
 from __future__ import annotations
 
-__all__ = ["LOAD_FAILED", "MAX_REASONS", "NOT_LOADED", "TAIL_SKIPS", "MissCounter"]
+from collections.abc import Mapping
+
+__all__ = [
+    "LOAD_FAILED", "MAX_REASONS", "NOT_IN_POOL", "NOT_LOADED", "TAIL_SKIPS", "MissCounter",
+    "split_not_in_pool",
+]
 
 MAX_REASONS = 48
 """Distinct reasons one agent counts; further ones are counted under ``other`` (the wire
@@ -34,6 +41,7 @@ allows 64)."""
 TAIL_SKIPS = frozenset({"LOCAL_CACHE", "SHORT_PROMPT"})
 """Skip reasons whose unserved tokens are the tail: nothing claimable was left to look up."""
 
+NOT_IN_POOL = "not_in_pool"
 LOAD_FAILED = "load_failed"
 NOT_LOADED = "not_loaded"
 
@@ -69,7 +77,7 @@ class MissCounter:
             self._add("unattributed", rest - found)
             return
         covered = min(chunks * chunk_size, prompt)
-        self._add("not_in_pool", max(0, covered - local - found))
+        self._add(NOT_IN_POOL, max(0, covered - local - found))
         self._add("tail", prompt - max(covered, local + found))
 
     def snapshot(self, loaded: int, load_failed: int) -> dict[str, int]:
@@ -82,3 +90,29 @@ class MissCounter:
         if rest > 0:
             out[NOT_LOADED] = rest
         return out
+
+
+def split_not_in_pool(miss_tokens: Mapping[str, int],
+                      split: Mapping[str, int] | None) -> dict[str, int]:
+    """``miss_tokens`` (an agent's, by reason) with its ``not_in_pool`` tokens split as the
+    hub's ``split`` says (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
+    ``other_digest`` tokens of the same agent's lookups); the tokens the hub could not split
+    (lookups it never received, an engine whose digest it did not know yet) stay
+    ``not_in_pool``. The sum is kept: were the hub's counts above the agent's (a scheduler
+    report still in flight), they are scaled down to the agent's ``not_in_pool``."""
+    out = dict(miss_tokens)
+    total = out.pop(NOT_IN_POOL, 0)
+    parts = {k: v for k, v in (split or {}).items() if v > 0}
+    given = sum(parts.values())
+    if given > total:
+        scaled = {k: v * total // given for k, v in parts.items()}
+        # Floor division leaves a few tokens: the largest part takes them, the sum is kept.
+        top = max(scaled, key=lambda k: parts[k])
+        scaled[top] += total - sum(scaled.values())
+        parts, given = scaled, total
+    for k, v in parts.items():
+        if v:
+            out[k] = out.get(k, 0) + v
+    if total > given:
+        out[NOT_IN_POOL] = total - given
+    return out

@@ -15,27 +15,49 @@ takes, that is the pool's average key (``used_bytes / keys``) times the keys one
 engine's worker agents: one key per rank), times ``chunk_size`` tokens. It is off when the
 pool's keys differ in size (several models: the average) and high for layouts whose ranks
 share a key (MLA ``kv_share``: fewer keys per chunk than workers).
+
+The ``not_in_pool`` split (``add_report``): workers' ``Report.saves`` feed the saved-chunk
+memory (``kvpool_agent._saved_chunks``, its error stated there); each scheduler lookup's chunks
+past ``Access.served`` are looked up in it under the engine's layout digest (learnt from its
+workers' reports) and their tokens counted per engine as ``never_saved``, ``evicted`` or
+``other_digest`` since that scheduler agent started (a new ``started_ms`` restarts its counts,
+as the agent's own counters restart). Lookups of an engine whose digest no worker reported yet,
+cut past ``MAX_ACCESS_CHUNKS`` or dropped before the hub stay ``not_in_pool``
+(``kvpool_agent._misses.split_not_in_pool``). Cost on the socket thread: O(chunks not in
+the pool x (1 + other layouts probed)) a report.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from kvpool_agent._access_window import FLEET, WINDOW_CHUNKS, AccessWindow, Ceiling, _Access
+from kvpool_agent._saved_chunks import SAVED_SLOTS, SavedChunks
 from kvpool_agent.protocol import (
     MAX_REUSE_MODELS,
+    MAX_SPLIT_ENGINES,
     Access,
     EngineState,
     ModelReuse,
+    Report,
     ReuseView,
     WhatIfPoint,
 )
 
 __all__ = [
-    "REUSE_REFRESH_S", "WHATIF_REFRESH_S", "ReuseService", "pool_capacity_tokens",
+    "MAX_ENGINES", "REUSE_REFRESH_S", "WHATIF_REFRESH_S", "ReuseService",
+    "pool_capacity_tokens",
 ]
+
+_V = TypeVar("_V")
+
+MAX_ENGINES = 16_384
+"""Engines whose layout digest and miss split the service keeps at most (the least recently
+reporting leave first): ~300 bytes each, ~5 MB in all."""
 
 REUSE_REFRESH_S = 5.0
 """Seconds between two computations of the ceiling at most (one after new accesses)."""
@@ -75,6 +97,7 @@ class ReuseService:
         whatif_refresh_s: seconds between two computations of the what-if curves at most.
         capacity: ``(model, chunk_size) -> tokens`` of the pool for that model (0: unknown,
             no curve); ``None``: no what-if.
+        saved_slots: slots of the saved-chunk memory (``_saved_chunks.SAVED_SLOTS``).
 
     Attributes:
         computed: computations done so far (read from any thread).
@@ -83,7 +106,8 @@ class ReuseService:
     def __init__(self, max_chunks: int = WINDOW_CHUNKS,
                  refresh_s: float = REUSE_REFRESH_S,
                  whatif_refresh_s: float = WHATIF_REFRESH_S,
-                 capacity: Callable[[str, int], int] | None = None) -> None:
+                 capacity: Callable[[str, int], int] | None = None,
+                 saved_slots: int = SAVED_SLOTS) -> None:
         if refresh_s <= 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
         self.refresh_s = refresh_s
@@ -99,6 +123,48 @@ class ReuseService:
         self._ceilings: dict[str, Ceiling] = {}
         self._thread: threading.Thread | None = None
         self.computed = 0
+        self.saved = SavedChunks(saved_slots)
+        self._digest: OrderedDict[str, str] = OrderedDict()  # engine id -> layout digest
+        # engine id -> (its scheduler's started_ms, not_in_pool tokens by reason)
+        self._split: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
+
+    def add_report(self, rep: Report) -> None:
+        """One accepted report (the hub's socket thread): its lookups into the window and
+        the ``not_in_pool`` split, its saves into the saved-chunk memory (module docstring)."""
+        src = rep.state.source
+        with self._lock:
+            if src.layout_digest:
+                _touch(self._digest, src.engine_id, src.layout_digest)
+                self.saved.add(src.model, src.layout_digest, rep.saves, rep.state.ts_ms)
+            digest = self._digest.get(src.engine_id, "")
+            if rep.accesses and digest:
+                self._attribute(src.engine_id, rep.state.started_ms, src.model, digest,
+                                rep.accesses, rep.state.ts_ms)
+        self.add(src.model, rep.accesses)
+
+    def _attribute(self, engine: str, started_ms: float, model: str, digest: str,
+                   accesses: list[Access], report_ms: float) -> None:
+        """Count the tokens of each access's chunks past ``served`` (up to its prompt's
+        length) by the memory's reason, for ``engine`` (caller holds the lock)."""
+        prev = self._split.get(engine)
+        counts = prev[1] if prev is not None and prev[0] == started_ms else {}
+        for a in accesses:
+            size = a.chunk_size
+            covered = min(len(a.chunks) * size, a.tokens)
+            at = a.ts_ms or report_ms
+            for i in range(a.served // size, len(a.chunks)):
+                tokens = min((i + 1) * size, covered) - max(i * size, a.served)
+                if tokens <= 0:
+                    break
+                why = self.saved.reason(model, digest, a.chunks[i], at)
+                counts[why] = counts.get(why, 0) + tokens
+        _touch(self._split, engine, (started_ms, counts))
+
+    def not_in_pool(self) -> dict[str, dict[str, int]]:
+        """Per engine id: its ``not_in_pool`` tokens split by reason, since its scheduler
+        agent started (a copy; any thread)."""
+        with self._lock:
+            return {e: dict(c) for e, (_, c) in self._split.items()}
 
     def add(self, model: str, accesses: list[Access]) -> None:
         """One accepted report's lookups, by an engine of ``model``."""
@@ -154,13 +220,16 @@ class ReuseService:
             if now - self._whatif_at >= self.whatif_refresh_s:
                 self._whatif = self._curves(accesses, ceilings)
                 self._whatif_at = now
+            split = self.not_in_pool()
+            top = sorted(split, key=lambda e: -sum(split[e].values()))[:MAX_SPLIT_ENGINES]
             fleet = ceilings[FLEET]
             models = sorted((m for m in ceilings if m != FLEET),
                             key=lambda m: -ceilings[m].prompt_tokens)[:MAX_REUSE_MODELS]
             self._view = ReuseView(
                 ts_ms=time.time() * 1e3, accesses=len(accesses), chunks=chunks,
                 prompt_tokens=fleet.prompt_tokens, ceiling_tokens=fleet.hit_tokens,
-                models=[self._model_view(m, ceilings[m]) for m in models])
+                models=[self._model_view(m, ceilings[m]) for m in models],
+                not_in_pool={e: split[e] for e in top if split[e]})
             self._ceilings = ceilings  # one reference swap each: atomic for readers
             self.computed += 1
             self._stop.wait(self.refresh_s)
@@ -192,3 +261,11 @@ class ReuseService:
                                     lru_hit_rate=min(1.0, p.lru_hit_rate),
                                     min_hit_rate=min(1.0, p.min_hit_rate)) for p in points])
         return out
+
+
+def _touch(d: OrderedDict[str, _V], key: str, value: _V) -> None:
+    """``d[key] = value`` as the most recent entry; past ``MAX_ENGINES`` the oldest leaves."""
+    d[key] = value
+    d.move_to_end(key)
+    if len(d) > MAX_ENGINES:
+        d.popitem(last=False)

@@ -355,6 +355,7 @@ class _Agent:
         st = self.state(all_errors=kind == "snapshot")
         with self.lock:
             accesses = self.agg.take_accesses()
+            saves = self.agg.take_saves()
         self.seq += 1
         frame = encode(
             Report(
@@ -363,6 +364,7 @@ class _Agent:
                 kind="snapshot" if kind == "snapshot" else "delta",
                 state=st,
                 accesses=accesses,
+                saves=saves,
             )
         )
         try:
@@ -374,6 +376,7 @@ class _Agent:
             self.reports_dropped += 1
             with self.lock:
                 self.agg.lookup.accesses_dropped += len(accesses)
+                self.agg.transfers.saves_unreported += len(saves)
 
     def _process_stats(self) -> None:
         p = self.agg.process

@@ -53,9 +53,11 @@ __all__ = [
     "MAX_PIN_TEXT_CHARS",
     "MAX_PIN_TOKENS",
     "MAX_REPORT_ACCESSES",
+    "MAX_REPORT_SAVES",
     "MAX_REUSE_MODELS",
     "MAX_SEGMENTS",
     "MAX_SOFT_PIN_TTL_MS",
+    "MAX_SPLIT_ENGINES",
     "MAX_TEXT_CHARS",
     "OTHER_NAME",
     "PROTOCOL_VERSION",
@@ -349,6 +351,9 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     saved_bytes_by_group: Annotated[dict[Name, BigCount], msgspec.Meta(max_length=64)] = \
         msgspec.field(default_factory=dict)
     """``saved_bytes`` by KV-cache group, as ``loaded_bytes_by_group``."""
+    saves_unreported: Count = 0
+    """Saved chunks whose ids (``Report.saves``) were dropped for the report budget: the
+    hub's saved-chunk memory never heard of them (their misses read as ``never_saved``)."""
 
 
 class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
@@ -576,10 +581,23 @@ class Access(msgspec.Struct, gc=False, array_like=True, kw_only=True):
     tokens: Count
     chunk_size: Annotated[int, msgspec.Meta(ge=1, lt=MAX_COUNT)]
     chunks: Annotated[list[ChunkId], msgspec.Meta(max_length=MAX_ACCESS_CHUNKS)]
+    ts_ms: Ms = 0.0
+    """When the lookup ran (epoch ms); 0 from agents before this field (then the report's)."""
+    served: Count = 0
+    """Leading prompt tokens the engine held or the pool had (``local`` + ``found``): the
+    chunks from ``served // chunk_size`` on were looked up and not in the pool (the
+    ``not_in_pool`` miss the hub splits, ``kvpool_agent._saved_chunks``). 0 from agents
+    before this field: then every chunk counts as looked up and not found."""
 
+
+MAX_REPORT_SAVES = 16_384
+"""Chunk ids one ``Report.saves`` carries at most (~150 KB of msgpack)."""
 
 MAX_REUSE_MODELS = 64
 """Models a ``ReuseView`` describes at most (the most looked-up first)."""
+MAX_SPLIT_ENGINES = 512
+"""Engines whose miss split a ``ReuseView`` carries at most (~40 KB of msgpack at ~75 bytes an
+engine: within the view's share of a snapshot frame, ``kvpool_agent._hub_memory``)."""
 MAX_CURVE_POINTS = 16
 """Capacities one ``ModelReuse.whatif`` holds at most (``kvpool_agent.reuse.CURVE_FACTORS``)."""
 
@@ -621,6 +639,13 @@ class ReuseView(msgspec.Struct, gc=False, kw_only=True):
     ceiling_tokens: Count = 0
     models: Annotated[list[ModelReuse], msgspec.Meta(max_length=MAX_REUSE_MODELS)] = \
         msgspec.field(default_factory=list)
+    not_in_pool: Annotated[dict[Id, NameCounts],
+                           msgspec.Meta(max_length=MAX_SPLIT_ENGINES)] = \
+        msgspec.field(default_factory=dict)
+    """Per engine id: its scheduler's ``not_in_pool`` miss tokens (since that agent started)
+    the hub split by its saved-chunk memory (``kvpool_agent._saved_chunks``) into
+    ``never_saved``, ``evicted`` and ``other_digest``; at most ``MAX_SPLIT_ENGINES`` engines
+    (the most split tokens). Empty from hubs before this field."""
 
 
 class Report(msgspec.Struct, tag="report", kw_only=True):
@@ -637,6 +662,11 @@ class Report(msgspec.Struct, tag="report", kw_only=True):
     """The scheduler's lookups since its previous report (``Access``; at most
     ``REPORT_ACCESS_CHUNKS`` chunk ids from this agent); the hub keeps them in its reuse window,
     never in the state it forwards. Hubs before this field ignore it."""
+    saves: Annotated[list[ChunkId], msgspec.Meta(max_length=MAX_REPORT_SAVES)] = \
+        msgspec.field(default_factory=list)
+    """A worker's chunks saved (or found already stored) since its previous report, as
+    ``chunk_id``s under its ``Source.layout_digest``: what the hub's saved-chunk memory
+    remembers (``kvpool_agent._saved_chunks``). Hubs before this field ignore it."""
 
 
 class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):

@@ -32,6 +32,7 @@ __all__ = [
     "ReportedError",
     "Reporter",
     "SaveSkipped",
+    "Saved",
     "StartFailed",
     "TransferFinished",
     "TransferKind",
@@ -117,6 +118,14 @@ class SaveSkipped(msgspec.Struct, array_like=True, gc=False, frozen=True):
     reason: str
 
 
+class Saved(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Chunks a worker's save left stored in the pool (see ``Reporter.saved``)."""
+
+    ts_ms: float
+    chunks: list[str]
+    """Their chained chunk hashes (hex), the caller's list: read, never changed."""
+
+
 class ReportedError(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """Any other error worth an operator's eye (see ``Reporter.error``)."""
 
@@ -157,6 +166,7 @@ Event = (
     | TransferProgress
     | TransferFinished
     | SaveSkipped
+    | Saved
     | ReportedError
     | LayoutKnown
     | StartFailed
@@ -266,6 +276,12 @@ class Reporter:
         """Saves of ``blocks`` blocks were skipped (``reason`` e.g. ``NO_AVAILABLE_HANDLE``)."""
         self._put(SaveSkipped(time.time() * 1e3, req_id, blocks, reason))
 
+    def saved(self, chunk_hashes: list[str]) -> None:
+        """A save ended with these chunks (hex chunk hashes) stored in the pool under this
+        worker's layout digest, written now or already there. Kept by reference (O(1) here);
+        the agent sends their ids to the hub's saved-chunk memory (``Report.saves``)."""
+        self._put(Saved(time.time() * 1e3, chunk_hashes))
+
     def error(
         self,
         where: str,
@@ -349,6 +365,9 @@ class NullReporter(Reporter):
         """Does nothing."""
 
     def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
+        """Does nothing."""
+
+    def saved(self, chunk_hashes: list[str]) -> None:
         """Does nothing."""
 
     def error(

@@ -789,6 +789,11 @@ class SaveQueue:
                     if self.written is not None:
                         self.written.extend((rid, c, g) for c, g in sorted(written))
             if last_layer or full:
+                # The chunks this save left stored, for the hub's saved-chunk memory (issue
+                # 41: evicted vs never saved). A key is kvpool@model@digest@layout@hash[@L..].
+                stored = {t.chunk: t.key for t in transfers if t.chunk not in bad_chunks}
+                if stored:
+                    self.reporter.saved([stored[c].split("@")[4] for c in sorted(stored)])
                 self.reporter.transfer_finished(
                     rid, "save", ok=not bad_chunks, nbytes=nbytes,
                     error_name=_FULL.name if full else error,

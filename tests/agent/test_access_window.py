@@ -10,7 +10,7 @@ import pytest
 from agent_testlib import make_source
 
 from kvpool_agent._access_window import FLEET, AccessWindow, Ceiling
-from kvpool_agent._aggregate import ACCESS_QUEUE_CHUNKS, Aggregator
+from kvpool_agent._aggregate import ACCESS_QUEUE_CHUNKS, SAVE_QUEUE_CHUNKS, Aggregator
 from kvpool_agent._reuse_service import pool_capacity_tokens
 from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
@@ -18,6 +18,7 @@ from kvpool_agent.protocol import (
     MAX_CURVE_POINTS,
     MAX_ID_CHARS,
     MAX_REPORT_ACCESSES,
+    MAX_REPORT_SAVES,
     MAX_REUSE_MODELS,
     PROTOCOL_VERSION,
     REPORT_ACCESS_CHUNKS,
@@ -33,7 +34,7 @@ from kvpool_agent.protocol import (
     decode,
     encode,
 )
-from kvpool_agent.reporter import Lookup
+from kvpool_agent.reporter import Lookup, Saved
 from kvpool_agent.reuse import CURVE_FACTORS
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import (
@@ -126,7 +127,9 @@ def test_agent_queues_accesses_within_its_budgets() -> None:
     assert agg.lookup.accesses_dropped == 1
     got = agg.take_accesses()
     assert [len(a.chunks) for a in got] == [MAX_ACCESS_CHUNKS, MAX_ACCESS_CHUNKS, 3]
-    assert got[2] == Access(tokens=13, chunk_size=4, chunks=[chunk_id(h)] * 3)
+    # Looked up at 1.0 ms, nothing local nor found: every chunk is past ``served``.
+    assert got[2] == Access(tokens=13, chunk_size=4, chunks=[chunk_id(h)] * 3, ts_ms=1.0,
+                            served=0)
     assert agg.take_accesses() == []
     # The queue holds ACCESS_QUEUE_CHUNKS ids: past them lookups are dropped and counted; one
     # report takes at most REPORT_ACCESS_CHUNKS of them.
@@ -184,3 +187,17 @@ def test_the_largest_reuse_view_fits_its_frame_share() -> None:
     view = ReuseView(ts_ms=1.7e12, accesses=MAX_COUNT - 1, chunks=MAX_COUNT - 1,
                      prompt_tokens=MAX_COUNT - 1, ceiling_tokens=MAX_COUNT - 1, models=models)
     assert len(msgspec.msgpack.encode(view)) < 100 * 1024  # _hub_memory's share of a frame
+
+
+def test_agent_queues_saved_chunks_within_its_budget() -> None:
+    """A worker's saved chunk ids go to the hub in reports of at most MAX_REPORT_SAVES; past
+    SAVE_QUEUE_CHUNKS queued, a save's chunks are dropped and counted (never sent)."""
+    agg = Aggregator(make_source("e", role="worker"))
+    h = "0123456789abcdef" * 2
+    agg.apply([Saved(1.0, [h] * 3), Saved(1.0, ["not-a-hash"])])
+    assert agg.transfers.saves_unreported == 1
+    assert agg.take_saves() == [chunk_id(h)] * 3 and agg.take_saves() == []
+    for _ in range(SAVE_QUEUE_CHUNKS // MAX_REPORT_SAVES + 1):
+        agg.apply([Saved(1.0, [h] * MAX_REPORT_SAVES)])
+    assert agg.transfers.saves_unreported == 1 + MAX_REPORT_SAVES
+    assert [len(agg.take_saves()) for _ in range(5)] == [MAX_REPORT_SAVES] * 4 + [0]

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool_agent._aggregate import Aggregator
-from kvpool_agent._misses import MAX_REASONS, MissCounter
+from kvpool_agent._misses import MAX_REASONS, MissCounter, split_not_in_pool
+from kvpool_agent._reuse_service import ReuseService
+from kvpool_agent.protocol import EngineState, Report, chunk_id
 from kvpool_agent.reporter import Loaded, Lookup
 
 
@@ -67,3 +69,53 @@ def test_prompt_is_local_plus_hits_plus_misses(lookups: list[tuple]) -> None:  #
     lk = agg.state(3.0).lookup
     assert lk.prompt_tokens == lk.local_tokens + lk.loaded_tokens + sum(lk.miss_tokens.values())
     assert all(n > 0 for n in lk.miss_tokens.values())
+
+
+def test_split_by_hand() -> None:
+    miss = {"not_in_pool": 100, "tail": 4}
+    assert split_not_in_pool(miss, {"evicted": 60, "never_saved": 30}) == {
+        "evicted": 60, "never_saved": 30, "not_in_pool": 10, "tail": 4}
+    assert split_not_in_pool(miss, None) == miss
+    # The hub ahead of the agent (its report in flight): scaled to the agent's 100.
+    assert split_not_in_pool(miss, {"evicted": 150, "other_digest": 50}) == {
+        "evicted": 75, "other_digest": 25, "tail": 4}
+    assert split_not_in_pool({"tail": 4}, {"evicted": 3}) == {"tail": 4}
+
+
+_DIGEST = "d" * 12
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(0, 600), st.integers(0, 600),
+                          st.booleans()), min_size=1, max_size=20),
+       st.sets(st.integers(0, 40)))
+def test_hub_split_keeps_every_token(lookups: list[tuple[int, int, int, bool]],
+                                     saved: set[int]) -> None:
+    """Lookups through a scheduler's aggregator, its report through the hub's service, some
+    chunks saved by a worker before: the split sums to the agent's ``not_in_pool`` exactly
+    (every access reached the hub), so prompt = local + loaded + split misses."""
+    sched = Aggregator(make_source("e", role="scheduler", model="m"))
+    size = 16
+    hashes = [f"{i:032x}" for i in range(41)]
+    for i, (prompt, local, found, error) in enumerate(lookups):
+        local = min(local, prompt - 1) // size * size
+        claim = (prompt - 1) // size
+        found = 0 if error else max(0, min(found, claim * size) - local) // size * size
+        sched.apply([Lookup(5_000.0, f"r{i}", prompt, local, found, 0.1,
+                            "boom" if error else None, None, size, hashes[:claim])])
+        if found:
+            sched.apply([Loaded(5_000.0, f"r{i}", found)])
+    svc = ReuseService()
+    worker = make_source("e", role="worker", model="m", layout_digest=_DIGEST)
+    svc.add_report(Report(v=2, seq=1, kind="delta", state=EngineState(
+        source=worker, started_ms=0.0, ts_ms=1_000.0),
+        saves=[chunk_id(hashes[c]) for c in sorted(saved)]))
+    st_ = sched.state(6_000.0)
+    svc.add_report(Report(v=2, seq=1, kind="delta", state=st_, accesses=sched.take_accesses()))
+    lk = st_.lookup
+    split = svc.not_in_pool().get("e", {})
+    assert sum(split.values()) == lk.miss_tokens.get("not_in_pool", 0)
+    assert set(split) <= {"evicted", "never_saved"}
+    merged = split_not_in_pool(lk.miss_tokens, split)
+    assert "not_in_pool" not in merged
+    assert lk.prompt_tokens == lk.local_tokens + lk.loaded_tokens + sum(merged.values())

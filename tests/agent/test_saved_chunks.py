@@ -1,0 +1,68 @@
+"""The hub's saved-chunk memory (``kvpool_agent._saved_chunks``): a not-in-pool chunk is
+evicted, saved under another digest or never saved, and the memory's stated error holds."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvpool_agent._saved_chunks import (
+    EVICTED,
+    MAX_LAYOUTS,
+    NEVER_SAVED,
+    OTHER_DIGEST,
+    SAVED_SLOTS,
+    SavedChunks,
+)
+
+A, B = "a" * 12, "b" * 12
+
+
+def test_reasons_by_hand() -> None:
+    m = SavedChunks(slots=1 << 10)
+    m.add("llama", A, [11, 12], ts_ms=10_000.0)
+    m.add("llama", B, [13], ts_ms=10_000.0)
+    m.add("qwen", B, [14], ts_ms=10_000.0)
+    assert m.reason("llama", A, 11, ts_ms=20_000.0) == EVICTED
+    assert m.reason("llama", B, 11, ts_ms=20_000.0) == OTHER_DIGEST
+    assert m.reason("llama", A, 13, ts_ms=20_000.0) == OTHER_DIGEST
+    # Another model's save of the same chunk hash is not this model's.
+    assert m.reason("llama", A, 14, ts_ms=20_000.0) == NEVER_SAVED
+    assert m.reason("llama", A, 99, ts_ms=20_000.0) == NEVER_SAVED
+    # A lookup before the save's report (1 s stamps, rounded up) never counts it saved.
+    assert m.reason("llama", A, 11, ts_ms=9_999.0) == NEVER_SAVED
+    m.add("llama", A, [15], ts_ms=30_000.5)
+    assert m.reason("llama", A, 15, ts_ms=30_500.0) == NEVER_SAVED
+    assert m.reason("llama", A, 15, ts_ms=31_000.0) == EVICTED
+    assert m.saved == 5
+
+
+def test_memory_and_bounds() -> None:
+    assert SavedChunks().nbytes == 14 * SAVED_SLOTS == 7 * 2**20
+    with pytest.raises(ValueError, match="power of two"):
+        SavedChunks(slots=1000)
+    m = SavedChunks(slots=16)
+    for i in range(MAX_LAYOUTS):
+        m.add("m", f"{i:012x}", [1], ts_ms=0.0)
+    m.add("m", "f" * 12, [1, 2, 3], ts_ms=0.0)
+    assert m.layouts_full == 3 and m.saved == MAX_LAYOUTS
+
+
+def test_forgetting_matches_the_stated_error() -> None:
+    """Of chunks saved before ``s`` later distinct saves, ``exp(-s/slots)`` are remembered
+    (the module's error (1)); never a false "saved" for chunks never added."""
+    slots, s = 1 << 14, 1 << 14
+    rng = random.Random(41)
+    m = SavedChunks(slots=slots)
+    first = [rng.getrandbits(64) for _ in range(5_000)]
+    m.add("m", A, first, ts_ms=0.0)
+    m.add("m", A, [rng.getrandbits(64) for _ in range(s)], ts_ms=0.0)
+    kept = sum(m.reason("m", A, c, ts_ms=1e3) == EVICTED for c in first) / len(first)
+    # The i-th of the first n chunks has n - 1 - i later saves of its own batch, then s.
+    n = len(first)
+    expected = sum(math.exp(-(s + n - 1 - i) / slots) for i in range(n)) / n
+    assert kept == pytest.approx(expected, abs=0.02)
+    assert all(m.reason("m", A, rng.getrandbits(64), ts_ms=1e3) == NEVER_SAVED
+               for _ in range(5_000))
