@@ -16,7 +16,7 @@ engine's worker agents: one key per rank), times ``chunk_size`` tokens. It is of
 pool's keys differ in size (several models: the average) and high for layouts whose ranks
 share a key (MLA ``kv_share``: fewer keys per chunk than workers).
 
-The ``not_in_pool`` split (``add_report``): workers' ``Report.saves`` feed the saved-chunk
+The ``not_in_pool`` split (``split``): workers' ``Report.saves`` feed the saved-chunk
 memory (``kvpool_agent._saved_chunks``, its error stated there); each scheduler lookup's chunks
 past ``Access.served`` are looked up in it under the engine's layout digest (learnt from its
 workers' reports) and their tokens counted per engine as ``never_saved``, ``evicted`` or
@@ -128,9 +128,9 @@ class ReuseService:
         # engine id -> (its scheduler's started_ms, not_in_pool tokens by reason)
         self._split: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
 
-    def add_report(self, rep: Report) -> None:
-        """One accepted report (the hub's socket thread): its lookups into the window and
-        the ``not_in_pool`` split, its saves into the saved-chunk memory (module docstring)."""
+    def split(self, rep: Report) -> None:
+        """One accepted report (the hub's socket thread, next to ``add``): its saves into the
+        saved-chunk memory, its lookups' ``not_in_pool`` chunks split (module docstring)."""
         src = rep.state.source
         with self._lock:
             if src.layout_digest:
@@ -140,7 +140,6 @@ class ReuseService:
             if rep.accesses and digest:
                 self._attribute(src.engine_id, rep.state.started_ms, src.model, digest,
                                 rep.accesses, rep.state.ts_ms)
-        self.add(src.model, rep.accesses)
 
     def _attribute(self, engine: str, started_ms: float, model: str, digest: str,
                    accesses: list[Access], report_ms: float) -> None:

@@ -303,7 +303,8 @@ class KVPoolConsole(App[None]):
         now = self.clock()
         reuse = self.source.client.reuse if isinstance(self.source, ClientSource) else None
         alerts = self.alert_model.update(states, seen, now, reuse)
-        view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded)
+        view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded,
+                                 reuse=reuse)
         fired = self._prepared.fired if self._prepared is not None else []
         if self.alert_model.new:
             fired = [*fired, (self.alert_model.new, now)]

@@ -256,10 +256,10 @@ def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
     while True:
         states, seen = src.fleet()
         now = now_ms()
-        alerts = model.update(states, seen, now,
-                              src.client.reuse if isinstance(src, ClientSource) else None)
+        reuse = src.client.reuse if isinstance(src, ClientSource) else None
+        alerts = model.update(states, seen, now, reuse)
         if time.monotonic() >= until:
-            return build_view(states, seen, now, alerts=alerts)
+            return build_view(states, seen, now, alerts=alerts, reuse=reuse)
         time.sleep(_OBSERVE_STEP_S)
 
 

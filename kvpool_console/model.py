@@ -20,11 +20,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvpool_agent._misses import split_not_in_pool
 from kvpool_agent.protocol import (
     CommandReply,
     EngineState,
     FlushResult,
     MasterView,
+    ReuseView,
     Source,
     StartFailure,
 )
@@ -506,6 +508,7 @@ def build_view(
     stale_after_ms: float = STALE_AFTER_MS,
     down_after_ms: float = DOWN_AFTER_MS,
     agent_rows_for: Collection[str] | None = None,
+    reuse: ReuseView | None = None,
 ) -> FleetView:
     """Group agents into engine rows, deduplicate pools and total the fleet.
 
@@ -519,12 +522,16 @@ def build_view(
         agent_rows_for: engine ids whose rows carry ``agents`` (one ``AgentRow`` per agent);
             ``None``: every engine. The console asks only for the engines it shows expanded:
             2,304 agent rows a refresh cost more than the engine rows they would feed.
+        reuse: the hub's reuse figures (``FleetClient.reuse``): each engine's ``not_in_pool``
+            miss tokens are split as its ``not_in_pool`` says (``never_saved``, ``evicted``,
+            ``other_digest``; ``kvpool_agent._misses.split_not_in_pool``).
 
     Returns:
         A FleetView with engines sorted by engine id.
     """
     return _view(states, last_seen_ms, now_ms, alerts=alerts, stale_after_ms=stale_after_ms,
-                 down_after_ms=down_after_ms, agent_rows_for=agent_rows_for, cache={})[0]
+                 down_after_ms=down_after_ms, agent_rows_for=agent_rows_for, cache={},
+                 reuse=reuse)[0]
 
 
 _TotalsCache = dict[str, tuple[list[EngineState], EngineRow]]
@@ -534,7 +541,8 @@ _TotalsCache = dict[str, tuple[list[EngineState], EngineRow]]
 def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], now_ms: float,
           *, alerts: list[Alert] | None, stale_after_ms: float, down_after_ms: float,
           agent_rows_for: Collection[str] | None,
-          cache: _TotalsCache) -> tuple[FleetView, _TotalsCache]:
+          cache: _TotalsCache, reuse: ReuseView | None = None
+          ) -> tuple[FleetView, _TotalsCache]:
     """:func:`build_view` and the totals of this call's engines: an engine whose agents'
     states are the same objects as in ``cache`` (the previous call's; no new report:
     ``FleetClient`` replaces a state per report) reuses its totals. ``cache`` is not
@@ -562,6 +570,11 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         row = _aged(totals, group, last_seen_ms, now_ms, stale_after_ms, down_after_ms,
                     agent_rows_for is None or eid in agent_rows_for)
         row.severity = worst.get(eid)
+        # Split after the cache: the hub's split changes without a new report of the engine.
+        split = reuse.not_in_pool.get(eid) if reuse is not None else None
+        if split:
+            row.miss_tokens = split_not_in_pool(row.miss_tokens, split)
+            row.top_miss = top_reason(row.miss_tokens)
         rows.append(row)
     pools = _pools(states.values())
     prompt = sum(r.lookup_tokens for r in rows)
@@ -722,15 +735,17 @@ class FleetModel:
 
     def sample(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
                now_ms: float, alerts: list[Alert] | None = None, *,
-               agent_rows_for: Collection[str] | None = None) -> FleetView:
+               agent_rows_for: Collection[str] | None = None,
+               reuse: ReuseView | None = None) -> FleetView:
         """Build the view for ``now_ms`` and extend the histories; returns the view.
 
-        ``agent_rows_for`` is :func:`build_view`'s. An engine none of whose agents reported
-        since the previous sample keeps its totals (only its age is new)."""
+        ``agent_rows_for`` and ``reuse`` are :func:`build_view`'s. An engine none of whose
+        agents reported since the previous sample keeps its totals (only its age is new)."""
         view, self._totals = _view(states, last_seen_ms, now_ms, alerts=alerts,
                                    stale_after_ms=self.stale_after_ms,
                                    down_after_ms=self.down_after_ms,
-                                   agent_rows_for=agent_rows_for, cache=self._totals)
+                                   agent_rows_for=agent_rows_for, cache=self._totals,
+                                   reuse=reuse)
         self._seen = last_seen_ms
         for r in view.engines:
             if r.stale:

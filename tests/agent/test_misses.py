@@ -107,11 +107,11 @@ def test_hub_split_keeps_every_token(lookups: list[tuple[int, int, int, bool]],
             sched.apply([Loaded(5_000.0, f"r{i}", found)])
     svc = ReuseService()
     worker = make_source("e", role="worker", model="m", layout_digest=_DIGEST)
-    svc.add_report(Report(v=2, seq=1, kind="delta", state=EngineState(
+    svc.split(Report(v=2, seq=1, kind="delta", state=EngineState(
         source=worker, started_ms=0.0, ts_ms=1_000.0),
         saves=[chunk_id(hashes[c]) for c in sorted(saved)]))
     st_ = sched.state(6_000.0)
-    svc.add_report(Report(v=2, seq=1, kind="delta", state=st_, accesses=sched.take_accesses()))
+    svc.split(Report(v=2, seq=1, kind="delta", state=st_, accesses=sched.take_accesses()))
     lk = st_.lookup
     split = svc.not_in_pool().get("e", {})
     assert sum(split.values()) == lk.miss_tokens.get("not_in_pool", 0)

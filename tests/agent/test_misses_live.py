@@ -1,0 +1,195 @@
+"""Miss reasons on a live pool (issue 41): a real mooncake_master, a separate mooncake store
+process over TCP, real connector workers saving through it and a real ``KVPoolScheduler`` looking
+up through a ``LookupServer``, their agents reporting to a real hub over CURVE. Injected faults
+land under the right reason of the hub's saved-chunk memory: chunks removed between their save
+and the lookup (a flush) are ``evicted``, chunks another layout digest of the model saved are
+``other_digest``, chunks nobody saved are ``never_saved``; ``status --json`` shows the split and
+still adds up to the prompt tokens.
+
+The hub calls ``ReuseService.split`` from its report handler once hub.py has the one-line hook
+(``_on_report``: ``self.reuse.split(rep)`` next to ``self.reuse.add``); until then this test's
+hub adds that one line in a subclass, and nothing else."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from agent_testlib import make_source, wait_until
+from vllm import SamplingParams
+from vllm.v1.request import Request
+
+from kvpool_agent import AGENT_KEYS_ENV, AgentHandle, FleetHub, KeyPaths, start_agent
+from kvpool_agent._misses import split_not_in_pool
+from kvpool_agent._saved_chunks import EVICTED
+from kvpool_agent.auth import Role
+from kvpool_agent.protocol import Report, chunk_id
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
+from kvpool_connector.lookup import LookupClient, LookupServer
+from kvpool_connector.metadata import KVPoolConnectorMetadata, ReqMeta
+from kvpool_connector.scheduler import KVPoolScheduler
+from kvpool_connector.worker import KVPoolWorker
+from kvpool_console.cli import main as console_main
+from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, free_port
+
+BLOCK = 16
+PROMPT = 100
+"""Tokens a prompt has: 6 whole chunks of 16 claimable (never the last token), a 4-token tail."""
+CLAIMABLE = (PROMPT - 1) // BLOCK * BLOCK
+
+_ALIVE: list[object] = []
+"""Registered caches stay allocated: a Mooncake client refuses memory overlapping a range it
+registered before, and a freed tensor's range is reused."""
+
+
+class _Hub(FleetHub):
+    """A real hub plus the one hook line hub.py does not have yet (module docstring)."""
+
+    def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
+        before = self.reports
+        super()._on_report(rid, rep, identity)
+        if self.reports > before:  # accepted
+            self.reuse.split(rep)
+
+
+@pytest.fixture
+def split_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetHub]:
+    kp = fleet_keys["hub"]
+    monkeypatch.setenv(AGENT_KEYS_ENV, str(fleet_keys["agent"].root))
+    monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
+    monkeypatch.setenv("KVPOOL_RUNTIME_DIR", str(tmp_path))
+    with _Hub(hub_address, authorized_keys_dir=kp.authorized_dir,
+              secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+              snapshot_interval_s=0.5, reuse_refresh_s=0.1) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def store_client(agent_master: LocalMooncakeMaster) -> Iterator[MooncakeBackend]:
+    """A store process holding the pool's memory, and a client contributing none (the
+    engines' side of a pool with a separate store)."""
+    with LocalPoolStore(agent_master, 64 << 20):
+        b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            "master_server_address": agent_master.address, "global_segment_size": "0",
+            "local_buffer_size": "4MB", "master_admin_url": agent_master.admin_url}}))
+        yield b
+        b.close()
+
+
+class _Engine:
+    """One engine's worker (its layout digest from its cache's head size) and, when it looks
+    up, its scheduler asking the worker through a real LookupServer; each process its agent."""
+
+    def __init__(self, engine_id: str, model: str, backend: MooncakeBackend, hub_address: str,
+                 head_size: int, *, schedules: bool) -> None:
+        port = free_port()
+        self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port}, kv_role="kv_both",
+                                              block_size=BLOCK, model=model)
+        self.backend = backend
+        self.worker_agent = start_agent(make_source(engine_id, model=model),
+                                        address=hub_address)
+        self.agents: list[AgentHandle] = [self.worker_agent]
+        self.worker = KVPoolWorker(self.config, ParallelLayout(), model, backend,
+                                   self.worker_agent.reporter)
+        kv = {"layers.0": torch.zeros(8, 1, BLOCK, head_size)}
+        self.worker.register_kv_caches(kv)
+        _ALIVE.append((kv, self.worker))
+        self.server: LookupServer | None = None
+        self.sched: KVPoolScheduler | None = None
+        if schedules:
+            self.server = LookupServer(self.worker.lookup_chunks, lookup_rpc_port=port)
+            sched_agent = start_agent(make_source(engine_id, role="scheduler", model=model),
+                                      address=hub_address)
+            self.agents.append(sched_agent)
+            self.sched = KVPoolScheduler(self.config, LookupClient(lookup_rpc_port=port),
+                                         sched_agent.reporter)
+
+    def save(self, rid: str, prompt: list[int]) -> list[str]:
+        """Save the prompt's claimable chunks through the worker's save path; their keys."""
+        hashes = chunk_hashes(prompt, BLOCK)[:CLAIMABLE // BLOCK]
+        meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+            req_id=rid, block_ids=list(range(len(hashes))), chunk_hashes=hashes,
+            save_from_chunk=0, save_to_chunk=len(hashes), is_last_save=True)])
+        self.worker.start_load_kv(meta)
+        self.worker.save_kv_layer("layers.0", None)
+        self.worker.wait_for_save(meta)
+        assert self.worker.drain_saves(10)
+        return [str(PoolKey(self.config.model, self.worker.layout_digest, ParallelLayout(), h))
+                for h in hashes]
+
+    def lookup(self, rid: str, prompt: list[int]) -> int:
+        assert self.sched is not None
+        req = Request(rid, prompt, SamplingParams(max_tokens=4), None)
+        found, _ = self.sched.get_num_new_matched_tokens(req, 0)
+        assert isinstance(found, int)
+        return found
+
+    def close(self) -> None:
+        if self.sched is not None:
+            self.sched.close()
+        if self.server is not None:
+            self.server.close()
+        self.worker.shutdown()
+        for a in self.agents:
+            a.stop()
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 3 for i in range(PROMPT)]
+
+
+def test_injected_faults_land_under_their_reason(
+        split_hub: FleetHub, hub_address: str, store_client: MooncakeBackend,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    model = f"org/misses-{uuid.uuid4().hex[:8]}"
+    a = _Engine("eng-a", model, store_client, hub_address, head_size=8, schedules=True)
+    b = _Engine("eng-b", model, store_client, hub_address, head_size=16, schedules=False)
+    try:
+        assert a.worker.layout_digest != b.worker.layout_digest
+        flushed, other, fresh, kept = _prompt(1), _prompt(2), _prompt(3), _prompt(4)
+        keys = a.save("s1", flushed)
+        a.save("s4", kept)
+        b.save("s2", other)
+        # The hub remembers the saves (its memory's stamps are whole seconds of the report).
+        last = chunk_hashes(other, BLOCK)[CLAIMABLE // BLOCK - 1]
+        for digest, h in ((a.worker.layout_digest, chunk_hashes(flushed, BLOCK)[0]),
+                          (b.worker.layout_digest, last)):
+            wait_until(lambda d=digest, h=h: split_hub.reuse.saved.reason(  # type: ignore[misc]
+                model, d, chunk_id(h), time.time() * 1e3) == EVICTED)
+        # The fault: a flush between the save and the lookup removes the first prompt's keys.
+        assert store_client.batch_remove(keys) == [0] * len(keys)
+        assert [a.lookup(f"r{i}", p) for i, p in enumerate((flushed, other, fresh, kept))] == [
+            0, 0, 0, CLAIMABLE]
+        want = {"evicted": CLAIMABLE, "other_digest": CLAIMABLE, "never_saved": CLAIMABLE}
+        wait_until(lambda: split_hub.reuse.not_in_pool().get("eng-a") == want)
+        sched_id = "eng-a/scheduler"
+        wait_until(lambda: split_hub.fleet()[sched_id][0].lookup.lookups == 4)
+        lk = split_hub.fleet()[sched_id][0].lookup
+        assert lk.miss_tokens == {"not_in_pool": 3 * CLAIMABLE, "tail": 4 * (PROMPT - CLAIMABLE),
+                                  "not_loaded": CLAIMABLE}
+        merged = split_not_in_pool(lk.miss_tokens, want)
+        assert lk.prompt_tokens == 4 * PROMPT == lk.local_tokens + lk.loaded_tokens + sum(
+            merged.values())
+        # The console shows the split once the hub's view carries it.
+        wait_until(lambda: (v := split_hub.reuse.view()) is not None
+                   and v.not_in_pool.get("eng-a") == want)
+
+        def row() -> dict[str, Any]:
+            assert console_main(["status", "--json", "--hub", hub_address]) == 0
+            doc = json.loads(capsys.readouterr().out)
+            return next(e for e in doc["engines"] if e["engine_id"] == "eng-a")
+
+        wait_until(lambda: row()["miss_tokens"] == {**want, "tail": 4 * (PROMPT - CLAIMABLE),
+                                                    "not_loaded": CLAIMABLE})
+    finally:
+        a.close()
+        b.close()
