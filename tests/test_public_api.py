@@ -27,6 +27,10 @@ PINNED: dict[str, list[str]] = {
         "Shape", "detect_shape", "kvpool_schema", "load_json", "render_mooncake",
         "schema_text", "validate_document", "validate_files",
     ],
+    "kvpool_policy": [
+        "AccessRecord", "Decision", "PoolPolicy", "per_engine_hits", "policy_hits",
+        "simulate_row",
+    ],
     "kvpool_replay": [
         "CONNECTOR_EVICTION_LEASE_MS", "DEMO_SHAPE", "DemoCluster", "DiskTier", "EngineResult",
         "EngineSpec", "LocalMooncakeMaster",
@@ -73,6 +77,11 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # kvpool_connector.operations audits its own reset flush with the hub's line format.
     "kvpool_agent.audit": ["AUDIT_ERROR_CHARS", "AUDIT_IDS_SHOWN", "AUDIT_LINE_MAX_BYTES",
                            "CHANGES", "audit", "audit_line"],
+    # kvpool_policy's offline model runs the connector's own admission and eviction.
+    "kvpool_connector.admission": ["AdaptiveAdmission", "AdmissionMode", "AdmissionPolicy",
+                                   "AdmitAll", "admission_for"],
+    "kvpool_connector.eviction": ["RECENT_EVICTIONS", "ConnectorEviction", "EvictionMode",
+                                  "watermark_conflict"],
     # kvpool_replay's reference figures are the agent's cache models (one owner).
     "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
                            "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",

@@ -1,0 +1,115 @@
+"""Pool-wide policy benchmark (issue 40): N engines sharing one pool, offline, whole traces.
+
+Per trace, capacity (tokens) and N = 1, 2, 4, 8 engines (requests round-robin in trace order,
+as ``kvpool-replay`` sends them), token-weighted hit rates as ``kvpool-replay`` counts them
+(chunk 512 tokens, ``kvpool_replay.request_tokens`` and SHA-256 ``chunk_hashes``):
+
+* ``per-engine``: today's ``admission: adaptive`` + ``eviction: connector``, each engine with its
+  own admission and exact LRU of capacity / N (``kvpool_policy.per_engine_hits``);
+* ``LRU`` / ``MIN``: an exact LRU and Belady's MIN of the whole pool (``kvpool_agent.reuse``);
+* ``policy``: ``kvpool_policy.PoolPolicy`` (pool-wide adaptive admission, leaf-first LRU);
+  ``s3fifo``: the same admission with S3-FIFO eviction (the frequency-aware candidate);
+* ``gap``: the share of the LRU-to-MIN gap the policy closes.
+
+The pool-wide columns see every record in trace order with no delay, so they are the same for
+every N (docs/policy.md says what the model leaves out). An offline model, not a replay.
+
+Goals (issue 40): policy >= LRU at every capacity and N; >= 1.5x LRU at conversation 1M and 2M
+with 8 engines; >= 15% of the LRU-to-MIN gap closed on the synthetic trace.
+
+Run (a slice while developing; the whole traces take about 10 minutes on 2 shared cores)::
+
+    .venv/bin/python bench/bench_policy.py --limit 800
+    .venv/bin/python bench/bench_policy.py --json-out /tmp/policy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpool_agent.reuse import belady_hits, lru_hits
+from kvpool_connector.keys import chunk_hashes
+from kvpool_policy import policy_hits, simulate_row
+from kvpool_replay import default_trace_path, load_trace, request_tokens
+
+CHUNK = 512
+CAPACITIES = {
+    "synthetic_trace.jsonl": [300_000, 600_000, 1_000_000, 2_000_000],
+    "conversation_trace.jsonl": [1_000_000, 2_000_000, 5_000_000, 20_000_000],
+}
+ENGINES = (1, 2, 4, 8)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--limit", type=int, default=0, help="requests per trace (0 = whole)")
+    p.add_argument("--traces", default=",".join(CAPACITIES), help="trace names, comma-separated")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the rows as JSON")
+    args = p.parse_args()
+    rows: list[dict[str, object]] = []
+    cpu_s = chunk_accesses = 0.0
+    for name in args.traces.split(","):
+        reqs = load_trace(default_trace_path(name), limit=args.limit or None)
+        _say(f"{name}: {len(reqs):,} requests, hashing chunks of {CHUNK} tokens")
+        acc = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+        for cap in CAPACITIES[name]:
+            lru = lru_hits(acc, CHUNK, cap).hit_rate
+            belady = belady_hits(acc, CHUNK, cap).hit_rate
+            t0 = time.process_time()
+            pol = policy_hits(acc, CHUNK, cap).hit_rate
+            cpu_s += time.process_time() - t0
+            chunk_accesses += sum(len(h) for _, h in acc)
+            s3 = policy_hits(acc, CHUNK, cap, eviction="s3fifo").hit_rate
+            _say(f"  {name} {cap:>10,} tokens: LRU {lru:.2%} MIN {belady:.2%} policy {pol:.2%} "
+                 f"s3fifo {s3:.2%}")
+            for n in ENGINES:
+                row = simulate_row(acc, CHUNK, cap, n, pool_wide=(lru, belady, pol))
+                _say(f"    {n} engines: per-engine {row.per_engine:.2%}")
+                rows.append({"trace": name, "capacity_tokens": cap, "engines": n,
+                             "per_engine": row.per_engine, "lru": lru, "belady": belady,
+                             "policy": pol, "s3fifo": s3, "x_lru": row.x_lru,
+                             "per_engine_x_lru": row.per_engine_x_lru,
+                             "gap_closed": row.gap_closed})
+    head = ["trace", "capacity", "N", "per-engine", "x LRU", "LRU", "MIN", "policy", "x LRU",
+            "gap", "s3fifo"]
+    print("| " + " | ".join(head) + " |")
+    print("|---|" + "---:|" * (len(head) - 1))
+    for r in rows:
+        print(f"| {str(r['trace']).split('_')[0]} | {r['capacity_tokens']:,} | {r['engines']} | "
+              f"{r['per_engine']:.2%} | {r['per_engine_x_lru']:.2f}x | {r['lru']:.2%} | "
+              f"{r['belady']:.2%} | {r['policy']:.2%} | {r['x_lru']:.2f}x | "
+              f"{r['gap_closed']:.1%} | {r['s3fifo']:.2%} |")
+    below = [r for r in rows if r["policy"] < r["lru"]]  # type: ignore[operator]
+    print("\ngoal policy >= LRU everywhere: " + ("met" if not below else "missed at " + ", ".join(
+        f"{r['trace']} {r['capacity_tokens']:,} N={r['engines']}" for r in below)))
+    for r in rows:
+        if r["trace"] == "conversation_trace.jsonl" and r["engines"] == 8 \
+                and r["capacity_tokens"] in (1_000_000, 2_000_000):
+            x = float(r["x_lru"])  # type: ignore[arg-type]
+            print(f"goal >= 1.5x LRU, conversation {r['capacity_tokens']:,}, 8 engines: "
+                  f"{x:.2f}x ({'met' if x >= 1.5 else 'missed'})")
+        if r["trace"] == "synthetic_trace.jsonl" and r["engines"] == 1:
+            g = float(r["gap_closed"])  # type: ignore[arg-type]
+            print(f"goal >= 15% of the LRU-to-MIN gap, synthetic {r['capacity_tokens']:,}: "
+                  f"{g:.1%} ({'met' if g >= 0.15 else 'missed'})")
+    if chunk_accesses:
+        print(f"policy CPU: {cpu_s / chunk_accesses * 1e6:.1f} s per million chunk accesses "
+              "(rough: measured on a shared machine, pure Python, one thread)")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"limit": args.limit, "rows": rows}, indent=1))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
