@@ -10,13 +10,14 @@ hub's ``/metrics`` uses it too).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import msgspec
 from rich.text import Text
 
 from kvpool_agent.protocol import visible
 
-__all__ = ["json_line", "plain", "visible"]
+__all__ = ["json_line", "plain", "top_miss_text", "visible"]
 
 _JSON_RAW_CONTROL = re.compile(r"[\x7f-\x9f]")
 """What JSON leaves raw in a string that a terminal obeys: DEL and the C1 controls (U+009B is
@@ -42,3 +43,11 @@ def json_line(doc: object) -> str:
     # decodes to the same character.
     text = msgspec.json.encode(doc).decode()
     return _JSON_RAW_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def top_miss_text(reason: str, misses: Mapping[str, int], prompt: int) -> str:
+    """The reason holding the most miss tokens with its share of the prompt tokens
+    (``evicted 42%``), for the fleet table; ``-`` before any miss."""
+    if not reason or not prompt:
+        return "-"
+    return f"{reason} {misses.get(reason, 0) / prompt:.0%}"

@@ -301,7 +301,7 @@ class KVPoolConsole(App[None]):
         hold ``_sample_lock`` (alert model and view model are changed here only)."""
         states, seen = self.source.fleet()
         now = self.clock()
-        reuse = self.source.client.reuse if isinstance(self.source, ClientSource) else None
+        reuse = self.source.reuse()
         alerts = self.alert_model.update(states, seen, now, reuse)
         view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded,
                                  reuse=reuse)

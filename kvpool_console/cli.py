@@ -256,7 +256,7 @@ def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
     while True:
         states, seen = src.fleet()
         now = now_ms()
-        reuse = src.client.reuse if isinstance(src, ClientSource) else None
+        reuse = src.reuse()
         alerts = model.update(states, seen, now, reuse)
         if time.monotonic() >= until:
             return build_view(states, seen, now, alerts=alerts, reuse=reuse)

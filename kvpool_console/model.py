@@ -254,6 +254,8 @@ class FleetView(msgspec.Struct, gc=False, kw_only=True):
     pools: list[PoolRow]
     totals: Totals
     alerts: list[Alert] = msgspec.field(default_factory=list)
+    reuse: ReuseView | None = None
+    """The hub's reuse figures (live ceiling, what-if, miss split) the frame was built with."""
 
 
 def top_reason(miss_tokens: Mapping[str, int]) -> str:
@@ -601,7 +603,7 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         miss_tokens=fleet_misses, top_miss=top_reason(fleet_misses),
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals_row,
-                     alerts=list(alerts or [])), fresh
+                     alerts=list(alerts or []), reuse=reuse), fresh
 
 
 SortKey = Literal["engine", "role", "hit", "tokens", "loads", "errors", "usage", "lease", "age"]

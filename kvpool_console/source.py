@@ -24,6 +24,7 @@ from kvpool_agent.protocol import (
     EngineState,
     FlushArgs,
     PinArgs,
+    ReuseView,
 )
 
 __all__ = ["ClientSource", "FleetSource", "ReadOnlyError", "StaticSource", "now_ms", "tier_for"]
@@ -68,6 +69,10 @@ class FleetSource(Protocol):
         """Hub time (epoch ms) of the newest update received; None when not from a hub."""
         ...
 
+    def reuse(self) -> ReuseView | None:
+        """The hub's last reuse figures (ceiling, what-if, miss split); None before any."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -80,11 +85,14 @@ class StaticSource:
         last_seen_ms: agent id -> receive time, epoch ms (default: each state's ``ts_ms``).
         address: shown in the header.
         can_flush: show the console as holding the operator key (flush enabled).
+        reuse: the hub's reuse figures to show (``ReuseView``), if any.
     """
 
     def __init__(self, states: Mapping[str, EngineState],
                  last_seen_ms: Mapping[str, float] | None = None,
-                 address: str = "static", *, can_flush: bool = False) -> None:
+                 address: str = "static", *, can_flush: bool = False,
+                 reuse: ReuseView | None = None) -> None:
+        self._reuse = reuse
         self.address = address
         self.can_flush = can_flush
         self._states = dict(states)
@@ -104,6 +112,9 @@ class StaticSource:
 
     def last_update_ms(self) -> float | None:
         return None
+
+    def reuse(self) -> ReuseView | None:
+        return self._reuse
 
     def close(self) -> None:
         return None
@@ -205,6 +216,10 @@ class ClientSource:
         hub publishes at least a snapshot every few seconds, so an old value means the hub
         is down or unreachable."""
         return self.client.last_update_ms or None
+
+    def reuse(self) -> ReuseView | None:
+        """The reuse figures of the hub's last snapshot (``FleetClient.reuse``)."""
+        return self.client.reuse
 
     def wait_ready(self, timeout_s: float = 3.0) -> bool:
         """Block until the hub's first full snapshot arrived (the hub sends one to every new

@@ -19,6 +19,7 @@ from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console._text import plain, visible
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
+from kvpool_console.widgets._miss_table import MissTable
 
 _MESSAGE_WIDTH = 36
 _HINT_WIDTH = 60
@@ -94,6 +95,8 @@ class EngineDetailScreen(Screen[None]):
         # right edge.
         e.add_column("Message", width=_MESSAGE_WIDTH)
         e.add_column("Hint", width=_HINT_WIDTH)
+        yield Label("Where the prompt tokens went", classes="section")
+        yield MissTable(id="misses")
         yield Label("In-flight transfers", classes="section")
         yield t
         yield Label("Recent errors", classes="section")
@@ -151,6 +154,7 @@ class EngineDetailScreen(Screen[None]):
                 f"{g} loaded {fmt_bytes(row.loaded_bytes_by_group.get(g, 0))} saved "
                 f"{fmt_bytes(row.saved_bytes_by_group.get(g, 0))}"
                 for g in sorted({*row.loaded_bytes_by_group, *row.saved_bytes_by_group})))))
+        self.query_one(MissTable).show(row)
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
         self.query_one("#hit-label", Label).update(
             f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")

@@ -31,7 +31,7 @@ from textual.widgets.data_table import Column, ColumnKey, RowKey
 
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._messages import EngineChosen
-from kvpool_console._text import plain
+from kvpool_console._text import plain, top_miss_text
 from kvpool_console.model import (
     AgentRow,
     EngineRow,
@@ -52,6 +52,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("age", "Age"),
     ("fail", "Fail"),
     ("local", "Local"),
+    ("miss", "Top miss"),
     ("role", "Role"),
     ("trend", "Trend"),
     ("tokens", "Hit/Looked tok"),
@@ -237,6 +238,7 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
         "ranks": r.ranks,
         "backend": plain(r.backend),
         "local": f"{r.local_hit_rate:.0%}",
+        "miss": top_miss_text(r.top_miss, r.miss_tokens, r.lookup_tokens),
     }
 
 
@@ -260,6 +262,7 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
         "ranks": a.ranks,
         "backend": fmt_bytes(a.rss_bytes),
         "local": "",
+        "miss": "",
     }
 
 
@@ -284,6 +287,7 @@ def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
         "ranks": "",
         "backend": "",
         "local": Text(f"{t.local_hit_rate:.0%}", style="bold"),
+        "miss": top_miss_text(t.top_miss, t.miss_tokens, t.lookup_tokens),
     }
 
 

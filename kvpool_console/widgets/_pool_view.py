@@ -1,5 +1,6 @@
-"""The Pool tab: one line of fleet pool totals, a row per pool (with its disk tier and the reads
-served from memory and from disk), a row per pool segment, and an HA pool's masters
+"""The Pool tab: one line of fleet pool totals, the reuse panel (hit rate next to the hub's
+reuse ceiling and the what-if curve, ``_reuse_panel``), a row per pool (with its disk tier and
+the reads served from memory and from disk), a row per pool segment, and an HA pool's masters
 (``_masters``)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from textual.widgets import DataTable, Static, TabPane
 from kvpool_console._text import plain
 from kvpool_console.model import FleetView, PoolRow, fmt_bytes
 from kvpool_console.widgets._masters import MastersTable
+from kvpool_console.widgets._reuse_panel import ReusePanel
 
 __all__ = ["PoolView"]
 
@@ -29,6 +31,7 @@ class PoolView(TabPane):
 
     def compose(self) -> ComposeResult:
         yield Static(id="pool-summary")
+        yield ReusePanel(id="reuse-panel")
         yield DataTable(id="pool-table", cursor_type="row")
         yield DataTable(id="segments-table", cursor_type="row")
         yield MastersTable(id="masters-table", cursor_type="row")
@@ -63,6 +66,7 @@ class PoolView(TabPane):
                 segs.add_row(plain(name), fmt_bytes(used), fmt_bytes(total),
                              f"{used / total:.0%}" if total else "-")
         self.query_one(MastersTable).show(view)
+        self.query_one(ReusePanel).show(view.reuse, view.engines)
         t = view.totals
         self.query_one("#pool-summary", Static).update(
             f"{len(view.pools)} pools, {fmt_bytes(t.segment_used_bytes)} of "

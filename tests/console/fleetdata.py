@@ -6,11 +6,14 @@ from kvpool_agent.protocol import (
     EngineState,
     ErrorRecord,
     LookupStats,
+    ModelReuse,
     PoolStats,
+    ReuseView,
     SegmentUsage,
     Source,
     Transfer,
     TransferStats,
+    WhatIfPoint,
 )
 
 NOW_MS = 1_780_000_000_000.0
@@ -38,8 +41,10 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
            hit_1m: float = 0.5, loads: int = 1, load_errors: int = 0, failed_after_hit: int = 0,
            errors: dict[str, int] | None = None, max_load_ms: float = 120.0,
            lookup_errors: int = 0, age_ms: float = 300.0, pool_stats: PoolStats | None = None,
-           model: str = "tiny-llama") -> dict[str, EngineState]:
-    """One engine: a scheduler agent (lookups) and ``tp`` worker agents (transfers)."""
+           model: str = "tiny-llama", misses: dict[str, int] | None = None,
+           ) -> dict[str, EngineState]:
+    """One engine: a scheduler agent (lookups) and ``tp`` worker agents (transfers);
+    ``misses``: its scheduler's miss tokens by reason (``prompt - hits`` of them)."""
     kv = kv_role or {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}[role]
     ts = NOW_MS - age_ms
     pool_stats = pool_stats if pool_stats is not None else pool()
@@ -56,7 +61,8 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
         lookup=LookupStats(lookups=100, lookup_errors=lookup_errors, prompt_tokens=prompt,
                            local_tokens=0, loaded_tokens=hits,
                            hit_rate=hits / prompt if prompt else 0.0, hit_rate_1m=hit_1m,
-                           latency_ms_p50=0.8, latency_ms_p99=3.0),
+                           latency_ms_p50=0.8, latency_ms_p99=3.0,
+                           miss_tokens=dict(misses or {})),
         pool=pool_stats,
         recent_errors=[ErrorRecord(ts_ms=ts - 2000, where="lookup", name="RPC_FAIL",
                                    message="master unreachable", code=-900)]
@@ -82,17 +88,47 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
     return out
 
 
-def sample_fleet() -> dict[str, EngineState]:
+MISSES = {
+    "prefill-0": {"not_in_pool": 30_000, "tail": 9_000, "not_loaded": 3_000},
+    "prefill-1": {"not_in_pool": 24_000, "load_failed": 3_000, "tail": 3_000},
+    "prefill-2": {"MULTIMODAL": 4_000, "not_in_pool": 2_000, "tail": 1_000},
+}
+"""``sample_fleet(misses=True)``'s miss tokens by engine: each adds up to prompt - hits."""
+
+
+def sample_fleet(*, misses: bool = False) -> dict[str, EngineState]:
     """Five engines: healthy P and D, one with failed loads after hits and a short lease TTL,
-    one with the wrong kv_role and another backend, one stale."""
+    one with the wrong kv_role and another backend, one stale; ``misses``: the prefill
+    engines' schedulers report ``MISSES``."""
+    m = MISSES if misses else {}
     fleet: dict[str, EngineState] = {}
-    fleet |= engine("prefill-0", role="prefill", prompt=120_000, hits=78_000, hit_1m=0.7)
+    fleet |= engine("prefill-0", role="prefill", prompt=120_000, hits=78_000, hit_1m=0.7,
+                    misses=m.get("prefill-0"))
     fleet |= engine("decode-0", role="decode", prompt=0, hits=0, hit_1m=0.0, loads=2)
     fleet |= engine("prefill-1", role="prefill", prompt=50_000, hits=20_000, hit_1m=0.4,
                     load_errors=3, failed_after_hit=3, errors={"LEASE_EXPIRED": 3},
-                    max_load_ms=12_500.0)
+                    max_load_ms=12_500.0, misses=m.get("prefill-1"))
     fleet |= engine("decode-1", role="decode", kv_role="kv_producer", backend="memcache",
                     prompt=0, hits=0, hit_1m=0.0, loads=0)
     fleet |= engine("prefill-2", role="prefill", prompt=8_000, hits=1_000, hit_1m=0.1,
-                    age_ms=9_000, loads=0)
+                    age_ms=9_000, loads=0, misses=m.get("prefill-2"))
     return fleet
+
+
+def sample_reuse() -> ReuseView:
+    """The hub's reuse figures for ``sample_fleet(misses=True)``: tiny-llama's ceiling 68%
+    over its 178,000 window tokens, its what-if at 0.25x..8x of 400,000 tokens, and the
+    not_in_pool split of prefill-0 (2,000 tokens left unsplit) and prefill-1."""
+    cap = 400_000
+    curve = [(0.25, 0.21, 0.30), (0.5, 0.33, 0.44), (1.0, 0.45, 0.55), (2.0, 0.56, 0.63),
+             (4.0, 0.64, 0.67), (8.0, 0.68, 0.68)]
+    return ReuseView(
+        ts_ms=NOW_MS - 2_000, accesses=5_200, chunks=180_000, prompt_tokens=178_000,
+        ceiling_tokens=121_040,
+        models=[ModelReuse(model="tiny-llama", chunk_size=256, prompt_tokens=178_000,
+                           ceiling_tokens=121_040, pool_capacity_tokens=cap,
+                           whatif_ms=NOW_MS - 30_000,
+                           whatif=[WhatIfPoint(capacity_tokens=int(cap * f), lru_hit_rate=lru,
+                                               min_hit_rate=mn) for f, lru, mn in curve])],
+        not_in_pool={"prefill-0": {"evicted": 18_000, "never_saved": 10_000},
+                     "prefill-1": {"other_digest": 16_000, "never_saved": 8_000}})

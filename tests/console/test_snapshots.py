@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from fleetdata import NOW_MS, sample_fleet
+from fleetdata import NOW_MS, sample_fleet, sample_reuse
 from textual.pilot import Pilot
 from textual.widgets import RichLog
 
@@ -23,8 +23,8 @@ SIZES = [(80, 24), (160, 48)]
 
 def _app(*, can_flush: bool = False) -> KVPoolConsole:
     # One sample per run (the timer never fires in time) keeps trends and ages fixed.
-    return KVPoolConsole(StaticSource(sample_fleet(), address="tcp://hub:7600",
-                                      can_flush=can_flush),
+    return KVPoolConsole(StaticSource(sample_fleet(misses=True), address="tcp://hub:7600",
+                                      can_flush=can_flush, reuse=sample_reuse()),
                          refresh_s=3600, clock=lambda: NOW_MS)
 
 

@@ -1,0 +1,49 @@
+"""The console's miss reasons with the hub's split (issue 41): each engine's not_in_pool split
+by the hub's saved-chunk memory in the view model (status --json and the TUI read it), every
+row still adding up to its prompt tokens; the Pool tab's reuse panel text."""
+
+from __future__ import annotations
+
+from fleetdata import MISSES, NOW_MS, sample_fleet, sample_reuse
+
+from kvpool_console.model import build_view
+from kvpool_console.widgets._reuse_panel import render_reuse
+
+
+def test_the_hub_split_replaces_not_in_pool_and_keeps_every_token() -> None:
+    states = sample_fleet(misses=True)
+    plain = {r.engine_id: r for r in build_view(states, {}, NOW_MS).engines}
+    view = build_view(states, {}, NOW_MS, reuse=sample_reuse())
+    rows = {r.engine_id: r for r in view.engines}
+    assert plain["prefill-0"].miss_tokens == MISSES["prefill-0"]
+    assert plain["prefill-0"].top_miss == "not_in_pool"
+    assert rows["prefill-0"].miss_tokens == {"evicted": 18_000, "never_saved": 10_000,
+                                             "not_in_pool": 2_000, "tail": 9_000,
+                                             "not_loaded": 3_000}
+    assert rows["prefill-0"].top_miss == "evicted"
+    assert rows["prefill-1"].miss_tokens == {"other_digest": 16_000, "never_saved": 8_000,
+                                             "load_failed": 3_000, "tail": 3_000}
+    assert rows["prefill-1"].top_miss == "other_digest"
+    # No split for prefill-2: its reasons as its agent reported them.
+    assert rows["prefill-2"].miss_tokens == MISSES["prefill-2"]
+    for r in rows.values():
+        assert r.lookup_tokens == r.local_tokens + r.loaded_tokens + sum(
+            r.miss_tokens.values())
+    t = view.totals
+    assert t.miss_tokens["never_saved"] == 18_000 and t.top_miss == "evicted"
+    assert t.lookup_tokens == t.local_tokens + t.loaded_tokens + sum(t.miss_tokens.values())
+
+
+def test_reuse_panel_says_hit_rate_ceiling_and_what_2x_buys() -> None:
+    view = build_view(sample_fleet(misses=True), {}, NOW_MS, reuse=sample_reuse())
+    text = render_reuse(view.reuse, view.engines).plain
+    # tiny-llama's engines: 99,000 loaded of 178,000 looked up; ceiling 121,040 of 178,000.
+    assert "tiny-llama: hit 55.6% of ceiling 68.0% (178,000 tokens in the window)" in text
+    assert "2x the pool: +11.0 points; MIN at this size: 55.0% (LRU 45.0%)" in text
+    # One bar line per capacity, LRU then MIN.
+    lines = [ln.split() for ln in text.splitlines() if ln.strip().endswith("%")
+             and ln.split()[0].endswith("x")]
+    assert [(ln[0], ln[2], ln[4]) for ln in lines] == [
+        ("0.25x", "21.0%", "30.0%"), ("0.5x", "33.0%", "44.0%"), ("1x", "45.0%", "55.0%"),
+        ("2x", "56.0%", "63.0%"), ("4x", "64.0%", "67.0%"), ("8x", "68.0%", "68.0%")]
+    assert "none from the hub yet" in render_reuse(None, view.engines).plain
