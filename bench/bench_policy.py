@@ -17,7 +17,7 @@ every N (docs/policy.md says what the model leaves out). An offline model, not a
 Goals (issue 40): policy >= LRU at every capacity and N; >= 1.5x LRU at conversation 1M and 2M
 with 8 engines; >= 15% of the LRU-to-MIN gap closed on the synthetic trace.
 
-Run (a slice while developing; the whole traces take about 10 minutes on 2 shared cores)::
+Run (a slice while developing; the whole traces take several minutes, one core)::
 
     .venv/bin/python bench/bench_policy.py --limit 800
     .venv/bin/python bench/bench_policy.py --json-out /tmp/policy.json
@@ -50,6 +50,26 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def table(rows: list[dict[str, object]]) -> str:
+    """The rows as one Markdown table, a line per trace and capacity: the per-engine policy at
+    each N, then the pool-wide columns (the same for every N in this model)."""
+    lines = ["| trace | capacity (tokens) | " + " | ".join(
+        f"per-engine, {n} engine{'s' * (n > 1)}" for n in ENGINES)
+        + " | exact LRU | Belady's MIN | policy | policy / LRU | gap closed | S3-FIFO |",
+        "|---|---:|" + "---:|" * (len(ENGINES) + 6)]
+    seen: dict[tuple[object, object], dict[int, dict[str, object]]] = {}
+    for r in rows:
+        seen.setdefault((r["trace"], r["capacity_tokens"]), {})[r["engines"]] = r  # type: ignore[index]
+    for (trace, cap), by_n in seen.items():
+        r = next(iter(by_n.values()))
+        per = " | ".join(f"{by_n[n]['per_engine']:.2%} ({by_n[n]['per_engine_x_lru']:.2f}x)"
+                         if n in by_n else "-" for n in ENGINES)
+        lines.append(f"| {str(trace).split('_')[0]} | {cap:,} | {per} | {r['lru']:.2%} | "
+                     f"{r['belady']:.2%} | **{r['policy']:.2%}** | {r['x_lru']:.2f}x | "
+                     f"{r['gap_closed']:.1%} | {r['s3fifo']:.2%} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--limit", type=int, default=0, help="requests per trace (0 = whole)")
@@ -80,15 +100,7 @@ def main() -> int:
                              "policy": pol, "s3fifo": s3, "x_lru": row.x_lru,
                              "per_engine_x_lru": row.per_engine_x_lru,
                              "gap_closed": row.gap_closed})
-    head = ["trace", "capacity", "N", "per-engine", "x LRU", "LRU", "MIN", "policy", "x LRU",
-            "gap", "s3fifo"]
-    print("| " + " | ".join(head) + " |")
-    print("|---|" + "---:|" * (len(head) - 1))
-    for r in rows:
-        print(f"| {str(r['trace']).split('_')[0]} | {r['capacity_tokens']:,} | {r['engines']} | "
-              f"{r['per_engine']:.2%} | {r['per_engine_x_lru']:.2f}x | {r['lru']:.2%} | "
-              f"{r['belady']:.2%} | {r['policy']:.2%} | {r['x_lru']:.2f}x | "
-              f"{r['gap_closed']:.1%} | {r['s3fifo']:.2%} |")
+    print(table(rows))
     below = [r for r in rows if r["policy"] < r["lru"]]  # type: ignore[operator]
     print("\ngoal policy >= LRU everywhere: " + ("met" if not below else "missed at " + ", ".join(
         f"{r['trace']} {r['capacity_tokens']:,} N={r['engines']}" for r in below)))
