@@ -94,3 +94,34 @@ def test_too_small_a_pool_is_refused() -> None:
         per_engine_hits([], CHUNK, CHUNK * 3, 4)
     with pytest.raises(ValueError):
         policy_hits([], 0, 100)
+
+
+def test_a_prompt_one_engine_keeps_hot_survives_the_other_engines_traffic() -> None:
+    """Two engines round-robin: engine 0 asks for the same 2-chunk prompt every time, engine 1
+    sends a new 3-chunk prompt every time. In a pool of 8 chunks the pool-wide policy keeps the
+    hot prompt: every repeat hits."""
+    hot = [(2 * CHUNK + 1, [hashlib.md5(f"hot:{i}".encode()).hexdigest() for i in range(2)])]
+    acc: list[tuple[int, list[str]]] = []
+    for doc in range(40):
+        acc += hot
+        cold = [hashlib.md5(f"{doc}:{i}".encode()).hexdigest() for i in range(3)]
+        acc.append((3 * CHUNK + 1, cold))
+    pol = policy_hits(acc, CHUNK, 8 * CHUNK, 2).per_request
+    assert pol[0::2] == [0] + [2 * CHUNK] * 39
+
+
+def test_per_engine_removes_what_another_engine_uses_and_the_pool_policy_does_not() -> None:
+    """A pool of 4 chunks, 2 engines (round-robin: even requests engine 0, odd engine 1).
+    Engine 0 saves a prompt, engine 1 loads it, then engine 0's next prompt overflows its own
+    LRU of 2 chunks, which removes the shared prompt from the pool: engine 1's repeat misses.
+    The pool-wide policy of 4 chunks holds both prompts."""
+    def doc(name: str) -> tuple[int, list[str]]:
+        return (2 * CHUNK + 1, [hashlib.md5(f"{name}:{i}".encode()).hexdigest()
+                                for i in range(2)])
+    acc = [doc("shared"), doc("shared"), doc("a"), doc("shared")]
+    per = per_engine_hits(acc, CHUNK, 4 * CHUNK, 2)
+    pol = policy_hits(acc, CHUNK, 4 * CHUNK, 2)
+    assert per.per_request == [0, 2 * CHUNK, 0, 0]
+    assert per.evicted_chunks == 2
+    assert pol.per_request == [0, 2 * CHUNK, 0, 2 * CHUNK]
+    assert pol.evicted_chunks == 0
