@@ -58,7 +58,7 @@ from kvpool_connector._counters import WorkerCounters
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
-from kvpool_connector._removals import LeasedKeys
+from kvpool_connector._removals import LeasedKeys, grace_s_of
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.metadata import ReqMeta
 from kvpool_connector.staging import SizedCalls
@@ -541,8 +541,9 @@ class SaveQueue:
         self._dropped: dict[str, int] = {}
         # Set by KVPoolWorker.register_kv_caches when the integrity check is on.
         self.checksum: DigestSlots | None = None
-        # Save thread only: evicted keys a reader's lease kept (removed with the next batch).
-        self._leased = LeasedKeys()
+        # Save thread only: evicted keys a reader's lease kept (tried again with a batch once
+        # the transfer timeout passed since the refusal: _removals).
+        self._leased = LeasedKeys(grace_s_of(backend.transfer_timeout_ms()))
         # (request id, chunk) of every chunk a save wrote, when KV events are on
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_before_delay, wait_fixed
 
 from kvpool_agent.audit import audit
 from kvpool_agent.operations import CommandError
@@ -45,6 +45,7 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_agent.vocabulary import error_name
+from kvpool_connector._removals import grace_s_of
 from kvpool_connector.backends.base import Backend, RemoveResult
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
@@ -188,17 +189,19 @@ class BackendOperations:
         model and layout digest (``keys.digest_pattern``: every shard and layer; other digests
         and models stay). A key another engine is reading holds a lease (Mooncake
         ``default_kv_lease_ttl``): it is never removed by force (its memory could be reused
-        under the reader's transfer: wrong KV there), but removed once its lease ended, for up
-        to ``leases_timeout_s`` seconds. Audited like a console flush: one
-        ``kvpool_agent._audit`` line (``who`` ``engine:<engine_id> (reset_prefix_cache)``,
-        command ``flush``, scope ``engine``) on the ``kvpool.hub`` log, failures too, and a
-        ``FlushRecord`` to ``reporter``: the hub writes it to its audit trail.
-        Sizes in bytes.
+        under the reader's transfer: wrong KV there), and tried again no sooner than the
+        backend's transfer timeout after each refusal (``Backend.transfer_timeout_ms``, 60 s
+        on Mooncake: ``_removals``), while that fits in ``leases_timeout_s`` seconds. Audited
+        like a console flush: one ``kvpool_agent._audit`` line (``who``
+        ``engine:<engine_id> (reset_prefix_cache)``, command ``flush``, scope ``engine``) on
+        the ``kvpool.hub`` log, failures too, and a ``FlushRecord`` to ``reporter``: the hub
+        writes it to its audit trail. Sizes in bytes.
 
         Raises:
             CommandError: no key scope yet (vLLM has not registered the KV caches), the saves
                 did not finish within ``saves_timeout_s`` seconds (nothing removed), or keys
-                were still leased after ``leases_timeout_s`` seconds (the others removed).
+                were still leased when the next try would pass ``leases_timeout_s`` seconds (the
+                others removed).
             BackendError: the store failed.
         """
         src = self.source
@@ -244,8 +247,10 @@ class BackendOperations:
             rounds.append(self.backend.remove_by_scope(pattern, dry_run=False, force=False))
             return rounds[-1]
 
-        # Leased keys are tried again until their leases end; store errors are not retried.
-        Retrying(stop=stop_after_delay(leases_timeout_s), wait=wait_fixed(0.5),
+        # Leased keys are tried again a grace after each refusal (the reader may copy them
+        # until its transfer timeout, _removals), within the wait; store errors are not retried.
+        grace_s = grace_s_of(self.backend.transfer_timeout_ms())
+        Retrying(stop=stop_before_delay(leases_timeout_s), wait=wait_fixed(max(0.5, grace_s)),
                  retry=retry_if_result(lambda r: r.skipped_leased > 0),
                  retry_error_callback=_last_result)(remove)
         if saves is not None:
@@ -256,7 +261,9 @@ class BackendOperations:
         if last.skipped_leased:
             raise CommandError(
                 f"{last.skipped_leased} of {first.keys} keys still leased by readers after "
-                f"{leases_timeout_s:.0f} s (the others removed); reset_prefix_cache again")
+                f"{leases_timeout_s:.0f} s (the others removed; a key seen leased is removed no "
+                f"sooner than {grace_s:.0f} s after, the transfer timeout); reset_prefix_cache "
+                "again")
         return FlushResult(dry_run=False, keys=first.keys, bytes=first.bytes,
                            removed_keys=sum(r.removed for r in rounds))
 

@@ -20,8 +20,10 @@ pinned as well. A pin whose chunks would take more than
 numbers (``PinRefused``): a pool full of pins evicts nothing else and serves nothing new.
 
 Unpinning removes the pinned values (Mooncake keeps a pin through an upsert,
-``MooncakeBackend.unpin_keys``): keys under a reader's lease are retried until the lease ends
-(``default_kv_lease_ttl``, never by force: a forced remove frees memory a reader may be copying).
+``MooncakeBackend.unpin_keys``), never by force (a forced remove frees memory a reader may be
+copying): a key under a reader's lease is tried again no sooner than the transport's transfer
+timeout after the refusal (``kvpool_connector._removals``), on a timer thread once that passes
+``lease_wait_s``.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import Retrying, retry_if_result, stop_before_delay, wait_fixed
 
 from kvpool_agent.protocol import MAX_PIN_TOKENS, MAX_SOFT_PIN_TTL_MS
 from kvpool_agent.vocabulary import ErrorCode, error_name
+from kvpool_connector._removals import REMOVAL_GRACE, grace_s_of, remove_later
+from kvpool_connector.backends.base import Backend
+from kvpool_connector.backends.mooncake import TRANSFER_TIMEOUT_MS
 from kvpool_connector.keys import HashAlgo, chunk_hashes
 
 __all__ = [
@@ -53,6 +58,11 @@ __all__ = [
 ]
 
 PinMode = Literal["soft", "hard"]
+
+_Keys = list[str]
+_Codes = list[int]
+"""Pool keys and their per-key codes (named here: ``Pins.list`` shadows ``list`` in the
+class)."""
 
 DEFAULT_PIN_SHARE = 0.30
 """Most of the pool (fraction of its bytes) that pins may take together (issue 24)."""
@@ -146,7 +156,8 @@ class Pins:
         chunk_bytes: bytes of one key's value in this layout (for the share check).
         pool_bytes: the pool's capacity in bytes (``PoolStats.total_bytes``), asked per pin.
         share: most of ``pool_bytes`` all pins together may take (0 < share <= 1).
-        lease_wait_s: how long ``unpin`` retries keys under a reader's lease.
+        lease_wait_s: how long ``unpin`` itself waits for keys under a reader's lease (s); the
+            ones still leased are removed later on a timer thread.
         record_key: where this layout's pin records live in the pool (``keys.pins_key``);
             ``None`` keeps the pins in this object only.
         refresh_s: ``refresh`` reads the records at most this often (s) unless forced.
@@ -162,6 +173,10 @@ class Pins:
         self.backend, self.keys_of = backend, keys_of
         self.chunk_size, self.chunk_bytes, self.hash_algo = chunk_size, chunk_bytes, hash_algo
         self.pool_bytes, self.share, self.lease_wait_s = pool_bytes, share, lease_wait_s
+        # The wait after a key was refused under a lease: the backend's transfer timeout
+        # (Mooncake's 60 s unless its config says otherwise).
+        self.grace_s = grace_s_of(backend.transfer_timeout_ms() if isinstance(backend, Backend)
+                                  else TRANSFER_TIMEOUT_MS)
         self.record_key, self.refresh_s = record_key, refresh_s
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
@@ -237,8 +252,11 @@ class Pins:
                          pool_bytes=pool, errors=errors)
 
     def unpin(self, pin_id: str) -> int:
-        """Drop pin ``pin_id``: its keys no other pin holds are removed from the pool (leased
-        ones retried for up to ``lease_wait_s``). Returns the keys removed.
+        """Drop pin ``pin_id``: its keys no other pin holds are removed from the pool, never by
+        force. A key refused under a reader's lease is tried again ``grace_s`` after the
+        refusal (``_removals``: the reader may copy it until its transfer timeout), here while
+        that fits in ``lease_wait_s``, then on a timer thread (``remove_later``). Returns the
+        keys removed before it returns.
 
         Raises:
             KeyError: no such pin in this layout.
@@ -258,17 +276,30 @@ class Pins:
 
         def attempt() -> list[str]:
             nonlocal removed
-            codes = self.backend.unpin_keys(todo)
+            codes = self._remove_unheld(todo)
             removed += sum(1 for rc in codes if rc == 0)
             todo[:] = [k for k, rc in zip(todo, codes, strict=True)
                        if rc == ErrorCode.OBJECT_HAS_LEASE]
             return todo
 
-        # Leased keys come back: retried until the readers' leases end.
-        Retrying(retry=retry_if_result(bool), wait=wait_fixed(0.5),
-                 stop=stop_after_delay(self.lease_wait_s),
+        # Leased keys come back: tried again a grace after each refusal, within the wait.
+        Retrying(retry=retry_if_result(bool), wait=wait_fixed(self.grace_s),
+                 stop=stop_before_delay(self.lease_wait_s),
                  retry_error_callback=lambda state: None)(attempt)
+        if todo:
+            log.info("kvpool pins: unpin %r: %d keys leased by readers, removed no sooner than "
+                     "%.0f s after (%s)", pin_id, len(todo), self.grace_s, REMOVAL_GRACE)
+            remove_later(self._remove_unheld, todo, self.grace_s, f"unpin {pin_id!r}")
         return removed
+
+    def _remove_unheld(self, keys: _Keys) -> _Codes:
+        """``unpin_keys`` of the ``keys`` no pin holds now (a pin made since may hold them
+        again); per key its code, 0 for a held key (left, not to be tried again)."""
+        with self._lock:
+            held = {k for p in self._pins.values() for k in p.keys}
+        free = [k for k in keys if k not in held]
+        codes = dict(zip(free, self.backend.unpin_keys(free), strict=True)) if free else {}
+        return [codes.get(k, 0) for k in keys]
 
     def refresh(self, *, force: bool = False) -> None:
         """Take the pins other workers of this layout made or dropped from the records

@@ -81,6 +81,13 @@ class Backend(abc.ABC):
         (Mooncake ``default_kv_lease_ttl``); 0 when the backend grants none or does not say."""
         return 0
 
+    def transfer_timeout_ms(self) -> int:
+        """How long (ms) a read's transfer may run after its lease lapsed, before the client
+        fails it (Mooncake: ``MooncakeConfig.transfer_timeout_ms``, 60 s): a key seen under a
+        lease is removed no sooner than this after (``kvpool_connector._removals``); 0 when
+        the backend grants no leases."""
+        return 0
+
     def transport_limits(self) -> TransportLimits:
         """What one ``batch_put_from``/``batch_get_into`` call may carry
         (``kvpool_connector.staging``); ``NO_LIMITS`` unless the transport has a slice queue."""

@@ -15,7 +15,8 @@ Configuration (same fields as the vLLM Ascend Mooncake guide), from the JSON fil
       "store_mode": "embedded",          # or "standalone"
       "master_admin_url": "http://127.0.0.1:9003",  # HA: every master's, comma-separated
       "eviction_high_watermark_ratio": 0.9,   # as passed to mooncake_master (for stats)
-      "default_kv_lease_ttl": 5000            # ms, as passed to mooncake_master (for stats)
+      "default_kv_lease_ttl": 5000,           # ms, as passed to mooncake_master (for stats)
+      "transfer_timeout_ms": 60000            # ms, the store client's transfer timeout
     }
 
 ``MOONCAKE_MASTER`` overrides ``master_server_address`` and ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
@@ -33,6 +34,11 @@ Store modes:
 ``eviction_high_watermark_ratio`` and ``default_kv_lease_ttl`` (ms) repeat the master's own
 flags (the master does not publish them) so ``stats()`` can show usage against the watermark
 and the lease in force.
+
+``transfer_timeout_ms`` is how long a read's transfer may still run (ms): the store client
+fails a transfer only after 60 s (``TRANSFER_TIMEOUT_MS``), whatever the lease. The connector
+removes a key it saw under a reader's lease no sooner than this after it saw it
+(``kvpool_connector._removals``); lower it only with a transport that gives up sooner.
 
 ``master_admin_url`` is the master's HTTP admin endpoint (``mooncake_master --metrics_port``,
 default 9003 on the master host): ``/metrics`` and ``/health`` feed ``stats()`` and
@@ -88,7 +94,8 @@ from kvpool_connector.sizes import parse_size
 from kvpool_connector.staging import TCP_LIMITS, TransportLimits
 
 __all__ = [
-    "CLOSE_WAIT_S", "HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "MooncakeBackend", "MooncakeConfig",
+    "CLOSE_WAIT_S", "HARD_PIN_UPSERT_TTL_MS", "HEALTH_CODES", "TRANSFER_TIMEOUT_MS",
+    "MooncakeBackend", "MooncakeConfig",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +113,13 @@ _QUERY_BATCH = 64
 
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
+
+TRANSFER_TIMEOUT_MS = 60_000
+"""How long (ms) the Mooncake store client waits for a transfer before failing it: the
+constant ``timeout_milliseconds = 60 * 1000`` of ``TransferEngineOperationState::
+wait_for_completion`` (mooncake-store/src/transfer_task.cpp; its log line "Failed to complete
+transfers after 60000 milliseconds"). A reader's lease (``default_kv_lease_ttl``, 5-10 s) can
+lapse long before its transfer ends."""
 
 CLOSE_WAIT_S = 5.0
 """How long ``close`` waits (s) for calls still inside the store client before it leaves the
@@ -135,6 +149,7 @@ class MooncakeConfig(BaseModel):
     eviction_high_watermark_ratio: float = Field(default=0.9, gt=0, le=1)
     # mooncake_master's own default (--default_kv_lease_ttl, ms).
     default_kv_lease_ttl: int = Field(default=10_000, ge=0)
+    transfer_timeout_ms: int = Field(default=TRANSFER_TIMEOUT_MS, ge=0)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
@@ -331,6 +346,11 @@ class MooncakeBackend(Backend):
     def lease_ttl_ms(self) -> int:
         """``default_kv_lease_ttl`` as the Mooncake config repeats the master's (ms)."""
         return self.config.default_kv_lease_ttl
+
+    def transfer_timeout_ms(self) -> int:
+        """``transfer_timeout_ms`` of the Mooncake config (ms; default ``TRANSFER_TIMEOUT_MS``,
+        the store client's own 60 s)."""
+        return self.config.transfer_timeout_ms
 
     def transport_limits(self) -> TransportLimits:
         """``TCP_LIMITS`` over TCP (measured, ``kvpool_connector.staging``); RDMA and Ascend

@@ -89,6 +89,9 @@ def mooncake_backend(agent_master: LocalMooncakeMaster) -> Iterator[Any]:
             master_admin_url=agent_master.admin_url,
             global_segment_size="64MB",
             local_buffer_size="16MB",
+            # A key seen leased is tried again this long after (kvpool_connector._removals):
+            # short, so a reset flush outlasts a reader's 10 s lease within its 20 s.
+            transfer_timeout_ms=2_000,
         )
     )
     yield backend

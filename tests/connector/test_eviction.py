@@ -143,11 +143,13 @@ def test_warns_when_the_masters_watermark_would_evict_first() -> None:
 
 @pytest.fixture(scope="module")
 def leased_pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
-    """A master of its own whose leases end after 3 s, and a client with a buffer."""
+    """A master of its own whose leases end after 3 s, and a client with a buffer whose
+    transfer timeout (the wait after a refused remove, ``_removals``) is 4 s."""
     with LocalMooncakeMaster(default_kv_lease_ttl_ms=3000) as master:
         b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": "16MB",
-            "local_buffer_size": "4MB", "default_kv_lease_ttl": 3000}}))
+            "local_buffer_size": "4MB", "default_kv_lease_ttl": 3000,
+            "transfer_timeout_ms": 4000}}))
         buf = torch.randint(0, 256, (MB,), dtype=torch.uint8)
         b.register_buffer(buf.data_ptr(), buf.numel())
         try:
@@ -159,8 +161,8 @@ def leased_pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
 def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, torch.Tensor]
                                           ) -> None:
     """A key under a lease is not removed by force: it is removed with a later batch once
-    the lease ended, unless the scheduler took its chunk back; a key never stored is no
-    failure."""
+    the transfer timeout passed since the refusal (the lease ended before), unless the
+    scheduler took its chunk back; a key never stored is no failure."""
     b, buf = leased_pool
     keys = ["ev-a", "ev-b", "ev-back", "ev-other"]
     assert b.batch_put_from(keys, [[buf.data_ptr()]] * 4, [[4096]] * 4) == [0] * 4
@@ -169,6 +171,7 @@ def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, to
     try:
         assert b.batch_exists(keys) == [1, 1, 1, 1]  # a reader's lookup: leases on all four
         q.remove(["ev-a", "ev-b", "ev-back", "ev-never-stored"]).result()
+        refused = time.monotonic()
         # Read before the lease of 3 s can end: the remove ran right after the lookup.
         assert (counters.evicted_keys, counters.evict_failed_keys) == (0, 0)
         q.remove([], keep=["ev-back"]).result()
@@ -177,6 +180,7 @@ def test_removes_wait_for_a_readers_lease(leased_pool: tuple[MooncakeBackend, to
             time.sleep(0.05)
             q.remove([]).result()  # each batch takes the waiting ones again
         assert (counters.evicted_keys, counters.evict_failed_keys) == (2, 0)
+        assert time.monotonic() - refused >= 4.0
         assert b.batch_exists(keys) == [0, 0, 1, 1]
     finally:
         q.shutdown()

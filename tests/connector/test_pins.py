@@ -22,11 +22,13 @@ _ALIVE: list[object] = []
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[tuple[MooncakeBackend, torch.Tensor]]:
-    # A short lease: every exists check takes one, and unpin waits leases out.
+    # A short lease: every exists check takes one, and unpin waits leases out, then a short
+    # transfer timeout (a leased key is tried again that long after, kvpool_connector._removals).
     with LocalMooncakeMaster(default_kv_lease_ttl_ms=500) as m:
         b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": m.address, "global_segment_size": "32MB",
-            "local_buffer_size": "4MB", "master_admin_url": m.admin_url}}))
+            "local_buffer_size": "4MB", "master_admin_url": m.admin_url,
+            "transfer_timeout_ms": 1000}}))
         buf = torch.randint(0, 255, (VALUE,), dtype=torch.uint8)
         b.register_buffer(buf.data_ptr(), buf.numel())
         _ALIVE.append(buf)
