@@ -35,12 +35,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import msgspec
 import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent._commands import Commands
+from kvpool_agent._versions import package_versions
 from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.operations import PinOperations, PoolOperations
 from kvpool_agent.pool import fetch_mooncake_stats
@@ -575,6 +577,8 @@ def start_agent(
             log.error("kvpool agent %s disabled: agent keys (agent_keys / %s): %s",
                       source.agent_id, AGENT_KEYS_ENV, e)
             return AgentHandle(NullReporter(), source)
+        if not source.versions:
+            source = msgspec.structs.replace(source, versions=package_versions())
         agent = _Agent(
             source,
             address,

@@ -255,6 +255,11 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """Who declared ``instance_role`` (``kv_connector_extra_config.instance_role``,
     ``KVPOOL_INSTANCE_ROLE``, ``engine id``); ``""``: nothing did, it was derived from
     ``kv_role`` (so a swapped ``kv_role`` cannot be told from it)."""
+    versions: Annotated[dict[Name, Name], msgspec.Meta(max_length=16)] = \
+        msgspec.field(default_factory=dict)
+    """Versions this process runs: ``protocol`` and the installed ``kvpool``, ``vllm`` and
+    store client (``mooncake``, ``memcache``, ``yuanrong``) packages
+    (``kvpool_agent._versions``); empty from agents before this field."""
 
 
 class LookupStats(msgspec.Struct, gc=False, kw_only=True):

@@ -169,6 +169,9 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     over the engine's agents: ``lookup_tokens = local + loaded + sum(miss_tokens)``."""
     top_miss: str = ""
     """The reason holding the most miss tokens (``""``: none)."""
+    versions: dict[str, str] = msgspec.field(default_factory=dict)
+    """What the engine's processes run (``Source.versions``: ``kvpool``, ``mooncake``,
+    ``vllm``, ``protocol``...); versions that differ between its agents joined by ``/``."""
 
     @property
     def state(self) -> str:
@@ -357,8 +360,11 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
     described: Source | None = None
     failure: StartFailure | None = None
     misses: dict[str, int] = {}
+    versions: dict[str, set[str]] = {}
     for s in group:
         lk, tr, src = s.lookup, s.transfers, s.source
+        for pkg, v in src.versions.items():
+            versions.setdefault(pkg, set()).add(v)
         if lk.prompt_tokens:
             prompt += lk.prompt_tokens
             # hit_rate_1m is per agent; weight by since-start prompt tokens (only schedulers
@@ -431,6 +437,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         role_source=head.role_source,
         agent_ids=[s.source.agent_id for s in group],
         miss_tokens=misses, top_miss=top_reason(misses),
+        versions={p: "/".join(sorted(vs)) for p, vs in sorted(versions.items())},
         **_kv_facts(described.layout if described else {}),
         loaded_bytes_by_group=dict(sorted(by_group["loaded"].items())),
         saved_bytes_by_group=dict(sorted(by_group["saved"].items())),

@@ -27,6 +27,7 @@ from kvpool_console.alerts.alert import (
     pool_name,
 )
 from kvpool_console.alerts.settings import STUCK_FLOOR_MS, STUCK_MULTIPLE, AlertSettings
+from kvpool_console.alerts.versions import version_alerts
 
 __all__ = ["evaluate"]
 
@@ -500,6 +501,7 @@ def evaluate(
         if st.source.kv_role != "kv_consumer" and st.transfers.saves_finished:
             saving.setdefault(st.source.model, set()).add(st.source.engine_id)
     out.extend(_namespace_alerts(groups, now_ms))
+    out.extend(version_alerts(groups, now_ms))
     for engine_id in sorted(groups):
         group = groups[engine_id]
         failures = [s for s in group if s.start_failure is not None]

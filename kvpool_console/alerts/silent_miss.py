@@ -10,20 +10,27 @@ is named, with its fix):
 
 1. engines of the model write keys under different layout digests (namespaces or fingerprints
    split: they cannot share);
-2. saves were skipped (``TransferStats.saves_skipped``: a save budget, a breaker);
-3. the top miss reason is a skip rule (``LookupStats.miss_tokens``: media, breaker...) or failed
-   loads;
-4. the pool evicted and its what-if LRU at 1x stays below 90% of the ceiling (or no what-if
+2. its engines run different kvpool or store-client versions (``alerts.versions``: a Mooncake
+   client/master mismatch once served a silent 0%);
+3. saves were skipped (``TransferStats.saves_skipped``: a save budget, a breaker);
+4. the top miss reason (``LookupStats.miss_tokens``, ``not_in_pool`` split by the hub's
+   ``ReuseView.not_in_pool``) is a skip rule (media, breaker...), failed loads or
+   ``other_digest`` (another layout saved the chunks: an engine gone or restarted on another
+   layout still holds them);
+5. the pool evicted and its what-if LRU at 1x stays below 90% of the ceiling (or no what-if
    yet): too small;
-5. otherwise the missing chunks were never in the pool (saves not made or not reaching it).
+6. the top miss reason is ``evicted`` (saved, then removed: flushes, unpins);
+7. otherwise the missing chunks were never in the pool (saves not made or not reaching it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvpool_agent._misses import split_not_in_pool
 from kvpool_agent.protocol import EngineState, ModelReuse, ReuseView
 from kvpool_console.alerts.alert import Alert, make_alert
+from kvpool_console.alerts.versions import SHARING_PACKAGES
 
 __all__ = ["SILENT_CEILING", "SILENT_MIN_TOKENS", "SILENT_SHARE", "silent_miss_alerts"]
 
@@ -41,11 +48,15 @@ _MISS_FIXES = {
     "load_failed": "loads fail after the lookup found the chunks: see failed_after_hit "
                    "(raise default_kv_lease_ttl above load times)",
     "lookup_error": "lookups fail: see lookup_errors (is the master reachable?)",
+    "other_digest": "another layout digest of the model saved these chunks: align the "
+                    "engines' layouts and model_fingerprint (see namespace_split)",
 }
 
 
-def _cause(m: ModelReuse, engines: list[EngineState]) -> tuple[str, str]:
-    """(what the likeliest cause is, its fix) for a silent miss of ``m.model``."""
+def _cause(m: ModelReuse, engines: list[EngineState],
+           split: Mapping[str, Mapping[str, int]]) -> tuple[str, str]:
+    """(what the likeliest cause is, its fix) for a silent miss of ``m.model``; ``split``:
+    the hub's ``not_in_pool`` split by engine id."""
     digests = {s.source.layout_digest for s in engines
                if s.source.process_role == "worker" and s.source.layout_digest}
     if len(digests) > 1:
@@ -53,13 +64,20 @@ def _cause(m: ModelReuse, engines: list[EngineState]) -> tuple[str, str]:
                 "namespaces or fingerprints split",
                 "align the engines' layouts and model_fingerprint (see namespace_split, "
                 "model_versions)")
+    for pkg in SHARING_PACKAGES:
+        versions = {s.source.versions[pkg] for s in engines if s.source.versions.get(pkg)}
+        if len(versions) > 1:
+            return (f"its engines run {pkg} {', '.join(sorted(versions))}",
+                    "run one version on every engine, matching the master's (see "
+                    "version_skew)")
     skipped = sum(s.transfers.saves_skipped for s in engines)
     if skipped:
         return (f"{skipped} block saves were skipped",
                 "raise the save budget (save_budget) or fix what trips the save breaker")
     misses: dict[str, int] = {}
     for s in engines:
-        for reason, n in s.lookup.miss_tokens.items():
+        for reason, n in split_not_in_pool(s.lookup.miss_tokens,
+                                           split.get(s.source.engine_id)).items():
             misses[reason] = misses.get(reason, 0) + n
     top = max(sorted(misses.items()), key=lambda kv: kv[1], default=("", 0))[0]
     if top in _MISS_FIXES:
@@ -77,6 +95,9 @@ def _cause(m: ModelReuse, engines: list[EngineState]) -> tuple[str, str]:
                 if two is not None else "")
         return (f"the pool is too small (it evicted {evicted} keys){gain}",
                 "add segment memory (global_segment_size) or segments; kvpool-console whatif")
+    if top == "evicted":
+        return ("most misses are chunks saved, then removed before the lookup",
+                "look for flushes and unpins (events log, audit file); kvpool-console whatif")
     return ("the missing chunks were never in the pool",
             "check that engines save (kv_role kv_producer/kv_both, saves_finished) to the "
             "pool their lookups read")
@@ -100,7 +121,7 @@ def silent_miss_alerts(reuse: ReuseView | None, states: Mapping[str, EngineState
         hit = sum(s.lookup.hit_rate_1m * s.lookup.prompt_tokens for s in engines) / prompt
         if hit >= SILENT_SHARE * ceiling:
             continue
-        cause, fix = _cause(m, engines)
+        cause, fix = _cause(m, engines, reuse.not_in_pool)
         out.append(make_alert(
             "silent_miss", "warning", m.model,
             f"hit rate {hit:.0%} vs a reuse ceiling of {ceiling:.0%} over the hub's window; "

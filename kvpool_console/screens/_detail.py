@@ -138,8 +138,10 @@ class EngineDetailScreen(Screen[None]):
             + ("\nlayout [b]$digest[/b]: $layout" if row.layout_digest else "")
             + ("\nKV-cache groups: $groups" if len(row.kv_groups) > 1 or row.mla else "")
             + ("\nbytes by group: $by_group" if row.loaded_bytes_by_group
-               or row.saved_bytes_by_group else ""),
+               or row.saved_bytes_by_group else "")
+            + ("\nversions: $versions" if row.versions else ""),
             engine=visible(row.engine_id), state=state,
+            versions=visible(" ".join(f"{k} {v}" for k, v in row.versions.items())),
             failed=visible(row.failed), fix=visible(row.failed_hint),
             namespace=visible(row.namespace),
             what=visible(f"{row.role}/{row.kv_role} {row.ranks} {row.backend} "

@@ -7,9 +7,11 @@ import ctypes
 import time
 from typing import Any
 
+import msgspec
 from agent_testlib import make_source
 
 from kvpool_agent import FleetClient, FleetHub, start_agent
+from kvpool_agent._versions import package_versions
 from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import error_name
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, model_pattern
@@ -142,7 +144,9 @@ def test_real_saves_and_loads_are_reported_with_exact_numbers(
         assert any(seg.total_bytes == 64 << 20 for seg in st.pool.segments)
         # Process stats from psutil.
         assert st.process.rss_bytes > 10 << 20 and st.process.threads > 1
-        assert st.source == src
+        # The agent adds the versions it runs (issue 41: version skew) to its source.
+        assert st.source == msgspec.structs.replace(src, versions=package_versions())
+        assert st.source.versions["protocol"] == "2" and st.source.versions["kvpool"]
     finally:
         backend.remove_by_scope(model_pattern(model), dry_run=False, force=True)
         handle.stop()

@@ -42,9 +42,10 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
            errors: dict[str, int] | None = None, max_load_ms: float = 120.0,
            lookup_errors: int = 0, age_ms: float = 300.0, pool_stats: PoolStats | None = None,
            model: str = "tiny-llama", misses: dict[str, int] | None = None,
-           ) -> dict[str, EngineState]:
+           versions: dict[str, str] | None = None) -> dict[str, EngineState]:
     """One engine: a scheduler agent (lookups) and ``tp`` worker agents (transfers);
-    ``misses``: its scheduler's miss tokens by reason (``prompt - hits`` of them)."""
+    ``misses``: its scheduler's miss tokens by reason (``prompt - hits`` of them);
+    ``versions``: what every agent runs (``Source.versions``)."""
     kv = kv_role or {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}[role]
     ts = NOW_MS - age_ms
     pool_stats = pool_stats if pool_stats is not None else pool()
@@ -54,7 +55,8 @@ def engine(engine_id: str, *, role: str = "prefill", kv_role: str | None = None,
                       instance_role=role,  # type: ignore[arg-type]
                       kv_role=kv,  # type: ignore[arg-type]
                       process_role=prole, tp_rank=rank,  # type: ignore[arg-type]
-                      pid=1000 + rank, host="node1", backend=backend, model=model)
+                      pid=1000 + rank, host="node1", backend=backend, model=model,
+                      versions=dict(versions or {}))
 
     out = {f"{engine_id}/scheduler": EngineState(
         source=src("scheduler", "scheduler"), started_ms=NOW_MS - 3_600_000, ts_ms=ts,
@@ -96,22 +98,30 @@ MISSES = {
 """``sample_fleet(misses=True)``'s miss tokens by engine: each adds up to prompt - hits."""
 
 
-def sample_fleet(*, misses: bool = False) -> dict[str, EngineState]:
+VERSIONS = {"kvpool": "0.1.0", "mooncake": "0.3.13", "protocol": "2", "vllm": "0.32.0"}
+"""``sample_fleet(versions=True)``'s versions (the stale prefill-2 runs Mooncake 0.3.7)."""
+
+
+def sample_fleet(*, misses: bool = False, versions: bool = False) -> dict[str, EngineState]:
     """Five engines: healthy P and D, one with failed loads after hits and a short lease TTL,
     one with the wrong kv_role and another backend, one stale; ``misses``: the prefill
-    engines' schedulers report ``MISSES``."""
+    engines' schedulers report ``MISSES``; ``versions``: every agent reports ``VERSIONS``
+    but prefill-2's, on an older Mooncake client."""
     m = MISSES if misses else {}
+    v = VERSIONS if versions else None
     fleet: dict[str, EngineState] = {}
     fleet |= engine("prefill-0", role="prefill", prompt=120_000, hits=78_000, hit_1m=0.7,
-                    misses=m.get("prefill-0"))
-    fleet |= engine("decode-0", role="decode", prompt=0, hits=0, hit_1m=0.0, loads=2)
+                    misses=m.get("prefill-0"), versions=v)
+    fleet |= engine("decode-0", role="decode", prompt=0, hits=0, hit_1m=0.0, loads=2,
+                    versions=v)
     fleet |= engine("prefill-1", role="prefill", prompt=50_000, hits=20_000, hit_1m=0.4,
                     load_errors=3, failed_after_hit=3, errors={"LEASE_EXPIRED": 3},
-                    max_load_ms=12_500.0, misses=m.get("prefill-1"))
+                    max_load_ms=12_500.0, misses=m.get("prefill-1"), versions=v)
     fleet |= engine("decode-1", role="decode", kv_role="kv_producer", backend="memcache",
-                    prompt=0, hits=0, hit_1m=0.0, loads=0)
+                    prompt=0, hits=0, hit_1m=0.0, loads=0, versions=v)
     fleet |= engine("prefill-2", role="prefill", prompt=8_000, hits=1_000, hit_1m=0.1,
-                    age_ms=9_000, loads=0, misses=m.get("prefill-2"))
+                    age_ms=9_000, loads=0, misses=m.get("prefill-2"),
+                    versions={**VERSIONS, "mooncake": "0.3.7"} if versions else None)
     return fleet
 
 

@@ -23,7 +23,7 @@ SIZES = [(80, 24), (160, 48)]
 
 def _app(*, can_flush: bool = False) -> KVPoolConsole:
     # One sample per run (the timer never fires in time) keeps trends and ages fixed.
-    return KVPoolConsole(StaticSource(sample_fleet(misses=True), address="tcp://hub:7600",
+    return KVPoolConsole(StaticSource(sample_fleet(misses=True, versions=True), address="tcp://hub:7600",
                                       can_flush=can_flush, reuse=sample_reuse()),
                          refresh_s=3600, clock=lambda: NOW_MS)
 
