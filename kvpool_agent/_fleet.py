@@ -41,6 +41,7 @@ from kvpool_agent.protocol import (
     FleetUpdate,
     FlushRecord,
     Report,
+    Source,
 )
 
 __all__ = [
@@ -360,6 +361,17 @@ class Fleet:
         with self._lock:
             for ag in self._agents.values():
                 ag.routing_id = b""
+
+    def members(self, agent_ids: list[str]) -> dict[str, tuple[Source, str, bool]]:
+        """Agent id -> (its source, the identity holding it, whether that is an engine-bound
+        key), for the held ones of ``agent_ids``."""
+        with self._lock:
+            return {k: (a.state.source, a.identity, a.bound) for k in agent_ids
+                    if (a := self._agents.get(k)) is not None}
+
+    def pools_of(self, agent_ids: list[str]) -> set[str]:
+        """The pools (``Source.master``) of the held ones of ``agent_ids``."""
+        return {src.master for src, _, _ in self.members(agent_ids).values()}
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""

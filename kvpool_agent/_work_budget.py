@@ -1,14 +1,25 @@
 """What each key may make engines do through the hub: a budget of engine work units per key.
 
-Some read-only commands make every agent they reach do real work inside its serving process
-(issue 42: a viewer's ``flush --dry-run`` naming every worker, 64 in flight, made each list
-every pool key, 153 enumerations a second: engine CPU from 6% to 134%, the master's from 1% to
-22%, the scheduler's lookup p99 from 12-13 to 15-18 ms). Commands in flight per key bound the
-concurrency, not the rate; this bounds the rate. One unit is one agent doing one such command
-(``cost``); each key has ``capacity`` units, refilled evenly over a minute. A command is taken
-while the key has units left, and its whole cost is spent (the balance may go below zero: one
-command naming thousands of agents is taken once, then the key waits for the refill), so a key
-makes engines do at most ``capacity`` units a minute on average, plus one command's burst.
+Some commands make every agent they reach do real work inside its serving process (issue 42: a
+viewer's ``flush --dry-run`` naming every worker, 64 in flight, made each list every pool key,
+153 enumerations a second: engine CPU from 6% to 134%, the master's from 1% to 22%, the
+scheduler's lookup p99 from 12-13 to 15-18 ms). Commands in flight per key bound the
+concurrency, not the rate; this bounds the rate. Every command a console sends costs (``cost``):
+one unit is one agent doing one pool listing's worth of work; each key has ``capacity`` units,
+refilled evenly over a minute. A command is taken while the key has units left, and its whole
+cost is spent (the balance may go below zero: one command naming thousands of agents is taken
+once, then the key waits for the refill), so a key makes engines do at most ``capacity`` units a
+minute on average, plus one command's burst.
+
+Costs are per agent reached, by what the agent does (``COSTS``): a pool listing (a dry-run or
+real flush: Mooncake ``/get_all_keys`` then matching and sizing, O(pool keys) under the engine's
+GIL), a listing of the pool's pin records (``pins``, ``pin``, ``unpin``) or a write, read and
+remove (``health --probe``) cost 1; plain ``health`` (the client's own checks and the master's
+``/health``: one HTTP request, no pool keys) 1/16; ``snapshot`` and ``drain`` (the agent's own
+state; a drain waits without working) 1/64; ``forget`` (the hub's own table) 1 for the
+command. So ``health`` of 2,304 agents costs 144 units: any key may ask it of the whole fleet
+about once a minute within the default 240, and a second time at once (the balance goes below
+zero), while a viewer's flood of it reaches each agent a few times a minute at most.
 """
 
 from __future__ import annotations
@@ -17,22 +28,35 @@ import time
 
 from kvpool_agent.protocol import CommandRequest
 
-__all__ = ["WORK_UNITS_PER_MIN", "WorkBudget", "cost"]
+__all__ = ["COSTS", "WORK_UNITS_PER_MIN", "WorkBudget", "cost"]
 
 WORK_UNITS_PER_MIN = 240
 """Default engine work units one key may spend a minute (4 a second on average): a console's
-dry run of a pool, ``pins`` or a probe of each engine now and then fits many times over."""
+dry run of a pool, ``pins``, a probe of each engine now and then, ``health`` of a fleet of
+2,304 agents once a minute fit."""
+
+COSTS: dict[str, float] = {
+    "flush": 1.0,
+    "pins": 1.0,
+    "pin": 1.0,
+    "unpin": 1.0,
+    "health --probe": 1.0,
+    "health": 1 / 16,
+    "snapshot": 1 / 64,
+    "drain": 1 / 64,
+}
+"""Units per agent reached, by command (``health --probe``: ``health`` with ``probe``)."""
+_FORGET_COST = 1.0
+"""Units of one ``forget`` (the hub's own table, no agent reached)."""
 
 
-def cost(req: CommandRequest, agents: int) -> int:
-    """Units ``req`` costs when it reaches ``agents`` agents: one per agent for a dry-run
-    flush (a pool listing and sizing), ``pins`` (a listing of the pool's pin records) and
-    ``health --probe`` (a write, read and remove); 0 for the others (a flush itself, ``pin``
-    and ``unpin`` are operator commands with their own bounds; ``health`` without a probe,
-    ``snapshot`` and ``drain`` read the process's own state)."""
-    heavy = (req.command == "pins" or (req.command == "health" and req.probe)
-             or (req.command == "flush" and req.flush is not None and req.flush.dry_run))
-    return agents if heavy else 0
+def cost(req: CommandRequest, agents: int) -> float:
+    """Units ``req`` costs when it reaches ``agents`` agents (``COSTS``; ``forget``: 1 for the
+    command). An unknown command costs as much as a listing per agent."""
+    if req.command == "forget":
+        return _FORGET_COST
+    name = "health --probe" if req.command == "health" and req.probe else req.command
+    return COSTS.get(name, 1.0) * agents
 
 
 class WorkBudget:
@@ -48,7 +72,7 @@ class WorkBudget:
         # key names ("plain" without keys): as many as the authorized_keys directory holds.
         self._left: dict[str, tuple[float, float]] = {}
 
-    def spend(self, key: str, units: int, now: float | None = None) -> float | None:
+    def spend(self, key: str, units: float, now: float | None = None) -> float | None:
         """Spend ``units`` of ``key``'s budget; ``None`` when taken, else the seconds until the
         key has units again (nothing spent)."""
         if units <= 0:

@@ -43,6 +43,8 @@ from typing import Literal, cast
 
 import zmq.auth
 
+from kvpool_agent.protocol import Source
+
 __all__ = [
     "CLIENT_ROLES",
     "ROLES",
@@ -51,6 +53,7 @@ __all__ = [
     "KeyPaths",
     "Role",
     "authorize_key",
+    "bound_elsewhere",
     "bound_engine",
     "generate_keys",
     "local_fleet_keys",
@@ -331,6 +334,26 @@ def bound_engine(key_name: str) -> str | None:
     stem = key_name.rpartition("/")[2]
     if stem.endswith(ENGINE_KEY_SUFFIX) and len(stem) > len(ENGINE_KEY_SUFFIX):
         return stem[: -len(ENGINE_KEY_SUFFIX)]
+    return None
+
+
+def bound_elsewhere(key_name: str, src: Source) -> str | None:
+    """Why a report of agent ``src`` from key ``key_name`` is not the key's to send, when the
+    key is bound to one engine (``bound_engine``), else ``None``.
+
+    The agent id counts too: it must be the engine id or ``<engine id>/<one part>``
+    (``Source``'s forms), else a bound key could hold another engine's agent id (commands sent
+    to that id would reach it, and that engine's own agent would be refused)."""
+    engine = bound_engine(key_name)
+    if engine is None:
+        return None
+    if engine != src.engine_id:
+        return (f"takeover: key {key_name} is bound to engine {engine!r}; report for "
+                f"{src.engine_id!r} dropped")
+    head, _, tail = src.agent_id.partition(engine + "/")
+    if src.agent_id != engine and (head or not tail or "/" in tail):
+        return (f"takeover: key {key_name} is bound to engine {engine!r}; agent id "
+                f"{src.agent_id!r} is not one of its agents; report dropped")
     return None
 
 

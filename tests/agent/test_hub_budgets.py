@@ -29,9 +29,9 @@ from agent_testlib import FakeAgent, hub_process_of, make_source, wait_until
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
 from kvpool_agent._audit import READONLY_SUFFIX
 from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE, Fleet
+from kvpool_agent._hub_commands import FORGOTTEN_SHOWN, MAX_TARGETS
 from kvpool_agent.audit import AUDIT_IDS_SHOWN, AUDIT_LINE_MAX_BYTES, audit_line
 from kvpool_agent.auth import Role, authorize_key, generate_keys
-from kvpool_agent.hub import FORGOTTEN_SHOWN, MAX_TARGETS
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -562,7 +562,9 @@ def test_a_flush_answer_the_pool_contradicts_is_shown_as_suspect(
             worker.stop()
     out = capsys.readouterr().out
     assert code != 0 and "flush SUSPECT, not done: evil-0/dp0.tp0.pp0: 4242 keys" in out
-    assert [f.flush.dry_run for f in attacker.flushes if f.flush] == [True, True]
+    # The console's dry run came within LISTING_SHARED_S of the first: answered from that
+    # listing (still suspect), never a second listing nor the flush itself.
+    assert [f.flush.dry_run for f in attacker.flushes if f.flush] == [True]
     assert set(model_keys) <= _all_keys(agent_master)
     lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     flushes = [x for x in lines if x["command"] == "flush"]

@@ -1,0 +1,389 @@
+"""The hub's command routing: a console's command in, the agents it goes to, their replies back,
+checked, audited, answered.
+
+Commands and replies are bound to connections: the hub forwards a command under a fresh
+unguessable request id (``secrets.token_hex``) to the routing id each target agent last
+reported from, and accepts a reply only from that routing id, for that id, once. What a command
+may cost is ``kvpool_agent._hub_quotas`` (in flight, pins, engine work); who may send it is the
+port it came on (``P+2`` read-only, ``P+3`` operator); a dry-run flush lists each pool once
+(``kvpool_agent._hub_listings``); a pool-wide flush's answer is held against the pool's count
+(``kvpool_agent._answers``); each command is one audit line (``kvpool_agent._audit``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvpool_agent._answers import checked_answer, unvouched_note
+from kvpool_agent._audit import AuditTrail
+from kvpool_agent._fleet import Fleet
+from kvpool_agent._hub_counters import HubCounters
+from kvpool_agent._hub_listings import PoolListings, shared_answer
+from kvpool_agent._hub_quotas import Quotas
+from kvpool_agent._hub_sockets import HubSockets, user_id
+from kvpool_agent._work_budget import cost
+from kvpool_agent.audit import AUDIT_IDS_SHOWN
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
+    DrainArgs,
+    ProtocolError,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "FORGOTTEN_SHOWN",
+    "MAX_TARGETS",
+    "MAX_TIMEOUT_MS",
+    "OPERATOR_ONLY",
+    "UNAUTHORISED",
+    "CommandRouter",
+]
+
+log = logging.getLogger("kvpool.hub")
+
+UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen --role operator)"
+OPERATOR_ONLY = (
+    "unauthorised: {what} needs the operator key (kvpool-agent keygen --role operator)"
+)
+MAX_TARGETS = 4096
+"""Agent ids one command may name (``targets``); a longer list is refused at once."""
+FORGOTTEN_SHOWN = 1000
+"""Agent ids a ``forget`` reply lists at most (``forgotten_count`` has them all), so the reply
+stays far below ``MAX_MESSAGE_BYTES``."""
+MAX_TIMEOUT_MS = 600_000
+"""Longest a command waits for its agents' replies (ms), whatever the console asked."""
+
+
+@dataclass
+class _Pending:
+    sock: zmq.Socket[bytes]
+    client: bytes
+    req: CommandRequest
+    who: str
+    deadline: float
+    expected: list[str]
+    plain: bool
+    key: str = ""
+    # Targets the fleet does not hold: answered together in one reply.
+    unknown: list[str] = field(default_factory=list)
+    # Pools left out of a pool-wide command: reported by one engine-bound key alone.
+    unvouched: list[str] = field(default_factory=list)
+    # Agent id -> the routing id the command was sent to: the only one whose reply counts.
+    routes: dict[str, bytes] = field(default_factory=dict)
+    replies: dict[str, CommandReply] = field(default_factory=dict)
+    # Flush: agent id -> its pool's key count when sent (``Fleet.pool_keys``).
+    pool_keys: dict[str, int | None] = field(default_factory=dict)
+    # Dry run: agent id -> the agent whose listing it shares; lister -> its share key.
+    shared: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+class CommandRouter:
+    """Commands in flight and what happens to each (hub thread only).
+
+    Args:
+        sockets: the hub's sockets (commands go out on ``sockets.agents``).
+        fleet: who the agents are and where they are.
+        audit: the audit trail.
+        counters: the hub's counters.
+        quotas: the keys' quotas.
+    """
+
+    def __init__(self, sockets: HubSockets, fleet: Fleet, audit: AuditTrail,
+                 counters: HubCounters, quotas: Quotas) -> None:
+        self.sockets = sockets
+        self.fleet = fleet
+        self.audit = audit
+        self.counters = counters
+        self.quotas = quotas
+        self.listings = PoolListings()
+        self.pending: dict[str, _Pending] = {}
+        # Per agent, so each agent sees its own gap-free command sequence.
+        self._agent_seq: dict[str, int] = {}
+
+    def recv(self, sock: zmq.Socket[bytes], *, curve: bool, limit: int, until: float,
+             between: Callable[[], None] | None = None) -> None:
+        """Take up to ``limit`` commands from ``sock`` (the operator port when ``curve``), until
+        ``time.monotonic()`` passes ``until``; ``between`` (a callable) runs before each
+        read-only command (the operator's turn)."""
+        where = "curve" if curve else "commands"
+        for _ in range(limit):
+            if not curve:
+                if between is not None:
+                    between()
+                if time.monotonic() >= until:
+                    return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.counters.bad(where, f"{len(frames) - 1} frames, expected 1")
+                continue
+            client, frame = frames[0].bytes, frames[1]
+            try:
+                msg = decode(frame.bytes)
+            except ProtocolError as e:
+                self.counters.bad(where, str(e))
+                continue
+            if not isinstance(msg, CommandRequest):
+                self.counters.bad(where, f"unexpected {type(msg).__name__} from a console")
+                continue
+            if self.sockets.allow is not None:
+                key = self.sockets.key_name(where, user_id(frame))
+                who = f"key:{key}" + (f" ({msg.sender})" if msg.sender else "")
+            else:
+                key = "plain"
+                who = f"plain:{msg.sender or 'anonymous'}"
+            self.on_command(sock, client, msg, who, key, curve=curve)
+
+    def _record(self, who: str, key: str, req: CommandRequest, targets: list[str],
+                replies: list[CommandReply], *, curve: bool, refused: bool = False) -> None:
+        """Audit one command: the operator port's lines in full, the read-only port's within
+        ``key``'s budget (a line over it is counted as a refusal of ``key``)."""
+        if not self.audit.record(who, req, targets, replies, refused=refused,
+                                 channel="operator" if curve else "readonly",
+                                 budget_key=None if curve else key):
+            self.counters.refuse(key, "audit budget spent: line suppressed")
+
+    def _refuse_busy(self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest,
+                     key: str, why: str) -> None:
+        """Answer ``why`` at once, unaudited (a flood must not fill the audit file)."""
+        self.counters.busy += 1
+        self.counters.refuse(key, why)
+        self.send_client(sock, client, [agent_error(req, "hub", why)])
+
+    def on_command(
+        self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str, key: str,
+        *, curve: bool,
+    ) -> None:
+        """One console command: refused, answered by the hub, or sent to its agents."""
+        self.counters.commands += 1
+        needs_key = None
+        if req.command == "flush" and (req.flush is None or not req.flush.dry_run):
+            needs_key = UNAUTHORISED
+        elif req.command == "health" and req.probe:
+            needs_key = OPERATOR_ONLY.format(what="health --probe")
+        elif req.command in ("forget", "pin", "unpin"):
+            needs_key = OPERATOR_ONLY.format(what=req.command)
+        refusal = needs_key if not curve else None
+        if len(req.targets) > MAX_TARGETS:
+            refusal = f"refused: {len(req.targets)} targets, at most {MAX_TARGETS} per command"
+        elif refusal is not None:
+            self.counters.refused += 1
+        if refusal is not None:
+            self.counters.refuse(key, refusal)
+            reply = agent_error(req, "hub", refusal)
+            # What was tried: the targets it named (the line shows the first few). Audited
+            # before the answer leaves, so whoever holds the answer finds the line.
+            self._record(who, key, req, list(req.targets), [reply], curve=curve, refused=True)
+            self.send_client(sock, client, [reply])
+            return
+        if req.command == "forget":
+            # Answered at once by the hub: no slot in flight, only its cost.
+            busy = self.quotas.spend(key, cost(req, 0))
+            if busy is not None:
+                self._refuse_busy(sock, client, req, key, busy)
+            else:
+                self._forget(sock, client, req, who)
+            return
+        busy = self.quotas.busy(((p.plain, p.client, p.key) for p in self.pending.values()),
+                                client, key, curve=curve, command=req.command)
+        if busy is not None:
+            self._refuse_busy(sock, client, req, key, busy)
+            return
+        targets, problem, unvouched = self.fleet.targets(req)
+        if problem is not None:
+            reply = agent_error(req, "hub", problem + unvouched_note(unvouched))
+            self._record(who, key, req, targets, [reply], curve=curve)
+            self.send_client(sock, client, [reply])
+            return
+        routes = {aid: self.fleet.routing_id(aid) for aid in targets}
+        # Unknown ids get one answer for them all: a request naming thousands costs one reply
+        # and one short audit line, not one of each per id.
+        unknown = [aid for aid, r in routes.items() if r is None]
+        known = {aid: r for aid, r in routes.items() if r is not None}
+        pend = _Pending(
+            sock=sock, client=client, req=req, who=who,
+            deadline=time.monotonic() + min(max(req.timeout_ms, 1), MAX_TIMEOUT_MS) / 1e3,
+            expected=list(known), plain=not curve, key=key, unknown=unknown,
+            unvouched=unvouched,
+        )
+        send = list(known)
+        dry_run = req.command == "flush" and req.flush is not None and req.flush.dry_run
+        if dry_run:
+            plan = self.listings.plan(req, self.fleet.members(list(known)), key,
+                                      readonly=not curve)
+            if plan.busy and not plan.send and not plan.shared and all(
+                    not r.ok for r in plan.answered.values()):
+                self._refuse_busy(sock, client, req, key, plan.busy)
+                return
+            if plan.busy:
+                self.counters.refuse(key, plan.busy)
+            send = plan.send
+            pend.replies.update(plan.answered)
+            pend.shared, pend.groups = plan.shared, plan.groups
+            self.counters.shared_listings += len(plan.shared) + sum(
+                1 for r in plan.answered.values() if r.ok)
+        why = self.quotas.spend(key, cost(req, len(send)))
+        if why is not None:
+            self._refuse_busy(sock, client, req, key, why)
+            return
+        if req.command == "flush" and not dry_run:
+            self.listings.flushed(self.fleet.pools_of(send))
+        if not send:
+            self._maybe_finish_pending(pend)
+            return
+        internal = secrets.token_hex(16)
+        self.pending[internal] = pend
+        # Without the targets: agents do not read them, and a request naming MAX_TARGETS ids
+        # (~1.1 MB) would be queued once per target agent (AGENT_SNDHWM deep each).
+        fwd = msgspec.structs.replace(req, request_id=internal, targets=[])
+        if req.drain is not None:
+            # No agent waits longer than the hub waits for its reply.
+            fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
+                                                 MAX_TIMEOUT_MS))
+        for aid in send:
+            routing_id = known[aid]
+            if req.command == "flush":
+                pend.pool_keys[aid] = self.fleet.pool_keys(aid)
+            fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
+            try:
+                self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                pend.replies[aid] = agent_error(req, aid, f"agent unreachable: {e}")
+                continue
+            pend.routes[aid] = routing_id
+        self.maybe_finish(internal)
+
+    def _forget(
+        self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str
+    ) -> None:
+        if not req.targets:
+            reply = agent_error(req, "hub", "forget needs targets (engine or agent ids)")
+        else:
+            ids = self.fleet.forget(req.targets)
+            self.note_forgotten(ids, f"forget by {who}")
+            named = ", ".join(req.targets[:AUDIT_IDS_SHOWN])
+            more = len(req.targets) - AUDIT_IDS_SHOWN
+            reply = CommandReply(
+                v=PROTOCOL_VERSION,
+                seq=0,
+                request_id=req.request_id,
+                agent_id="hub",
+                ok=bool(ids),
+                error=None if ids else f"no agent or engine named {named}"
+                + (f" (and {more} more)" if more > 0 else ""),
+                forgotten=ids[:FORGOTTEN_SHOWN],
+                forgotten_count=len(ids),
+            )
+        self.audit.record(who, req, list(req.targets), [reply])
+        self.send_client(sock, client, [reply])
+
+    def note_forgotten(self, ids: list[str], why: str) -> None:
+        """Count and log agents the hub dropped."""
+        if ids:
+            self.counters.forgotten += len(ids)
+            log.warning("kvpool hub: forgot %d agent(s) (%s): %s", len(ids), why,
+                        ", ".join(ids[:20]))
+
+    def on_reply(self, rid: bytes, rep: CommandReply) -> None:
+        """An agent's reply from connection ``rid``: counted only when the command went there."""
+        pend = self.pending.get(rep.request_id)
+        if (
+            pend is None
+            or pend.routes.get(rep.agent_id) != rid
+            or rep.agent_id in pend.replies
+        ):
+            self.counters.rejected_replies += 1
+            self.counters.bad("agents", f"reply {rep.request_id[:40]!r} of "
+                              f"{rep.agent_id[:80]!r} not expected from this connection")
+            return
+        reply = msgspec.structs.replace(rep, request_id=pend.req.request_id)
+        pend.replies[rep.agent_id] = reply
+        group = pend.groups.get(rep.agent_id)
+        if group is not None:
+            self.listings.keep(group, reply)
+        self.maybe_finish(rep.request_id)
+
+    def expire(self, now: float, why: str | None = None) -> None:
+        """Answer the commands past their deadline (``why``: every command, for that reason)
+        with an error for each agent that has not replied."""
+        for internal in [k for k, p in self.pending.items() if why or now >= p.deadline]:
+            pend = self.pending[internal]
+            for aid in pend.expected:
+                if aid not in pend.replies and aid not in pend.shared:
+                    pend.replies[aid] = agent_error(
+                        pend.req, aid, why or f"timeout after {pend.req.timeout_ms} ms")
+            self.maybe_finish(internal)
+
+    def maybe_finish(self, internal: str) -> None:
+        """Answer command ``internal`` once every agent it waits for has replied."""
+        pend = self.pending.get(internal)
+        if pend is None or not self._complete(pend):
+            return
+        del self.pending[internal]
+        self._finish(pend)
+
+    def _maybe_finish_pending(self, pend: _Pending) -> None:
+        if self._complete(pend):
+            self._finish(pend)
+
+    @staticmethod
+    def _complete(pend: _Pending) -> bool:
+        return all(a in pend.replies or a in pend.shared for a in pend.expected)
+
+    def _finish(self, pend: _Pending) -> None:
+        """Audit, then answer the console (flush answers checked, shared listings copied,
+        unknown targets in one reply)."""
+        for aid, lister in pend.shared.items():
+            pend.replies[aid] = shared_answer(pend.req, aid, pend.replies[lister])
+        replies = [checked_answer(pend.req, pend.replies[a], (pend.pool_keys.get(a),
+                                                              self.fleet.pool_keys(a)))
+                   for a in pend.expected]
+        if len(pend.unknown) == 1:
+            (aid,) = pend.unknown
+            replies.append(agent_error(pend.req, aid, f"unknown agent {aid!r}"))
+        elif pend.unknown:
+            first = ", ".join(pend.unknown[:AUDIT_IDS_SHOWN])
+            replies.append(agent_error(
+                pend.req, "hub", f"unknown agents: {len(pend.unknown)} ({first}"
+                + (", ..." if len(pend.unknown) > AUDIT_IDS_SHOWN else "") + ")"))
+        if pend.unvouched:
+            replies.append(agent_error(pend.req, "hub", "not sent"
+                                       + unvouched_note(pend.unvouched)))
+        self._record(pend.who, pend.key, pend.req, [*pend.expected, *pend.unknown], replies,
+                     curve=not pend.plain)
+        self.send_client(pend.sock, pend.client, replies)
+
+    def send_client(
+        self, sock: zmq.Socket[bytes], client: bytes, replies: list[CommandReply]
+    ) -> None:
+        """Send ``replies`` to console connection ``client``; a reply that cannot go is lost
+        and counted (a console that disconnects with replies pending is no log flood)."""
+        try:
+            sock.send_multipart([client, *(encode(r) for r in replies)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.counters.lose_reply(e)
+
+
+def agent_error(req: CommandRequest, agent_id: str, error: str) -> CommandReply:
+    """A failed answer to ``req`` in ``agent_id``'s name (``"hub"`` for the hub's own)."""
+    return CommandReply(
+        v=PROTOCOL_VERSION,
+        seq=0,
+        request_id=req.request_id,
+        agent_id=agent_id,
+        ok=False,
+        error=error,
+    )

@@ -1,0 +1,102 @@
+"""The hub's counters: one object the hub thread writes and anything reads (issue 37: they were
+eleven loose attributes beside persistence and quotas).
+
+Each counter counts since the hub started; ``/metrics`` serves them as
+``kvpool_hub_<name>_total`` (``kvpool_agent._metrics``), ``FleetHub`` reads them through as
+attributes of its own (``hub.reports``), and ``FleetUpdate.refused_connections`` carries the
+handshakes refused per port to consoles. Plain ints written by one thread: a reader on another
+thread sees a value at most one increment old.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field, fields
+
+__all__ = ["COUNTER_NAMES", "HubCounters"]
+
+log = logging.getLogger("kvpool.hub")
+
+_LOGGED_FIRST = 3
+"""Refusals of a key, and bad messages, logged one by one before the log is rate-limited
+(then every ``_LOGGED_EVERY``th): a flood is no log flood."""
+_LOGGED_EVERY = 1000
+
+
+@dataclass
+class HubCounters:
+    """What the hub counted since it started.
+
+    ``reports`` accepted; ``commands`` received; ``refused`` (commands needing the operator
+    key on the read-only port); ``busy`` (commands refused for a full pending quota, a key's
+    spent engine work budget or its pool listing interval); ``memory_sheds`` (times the RSS
+    passed the hub's memory limit and every port but the operator's was rebuilt,
+    ``kvpool_agent._memory_guard``); ``takeover_refused`` (reports for an id another live
+    connection holds); ``oversized_states`` (reports over ``MAX_STATE_BYTES``);
+    ``fleet_full`` (reports refused for ``MAX_AGENTS`` or a state budget);
+    ``rejected_replies`` (replies from a connection the command was not sent to, unknown
+    ids, repeats); ``lost_replies`` (to a console gone before its answer); ``forgotten``
+    (agent ids dropped); ``bad_messages``; ``shared_listings`` (dry-run answers given from
+    another agent's listing of the same pool instead of a listing of their own,
+    ``kvpool_agent._hub_listings``); ``refused_connections`` (port name -> CURVE
+    handshakes refused: no key, or a key not authorized for the port); ``refused_by_key``
+    (key name, ``plain`` without keys -> its commands, reports or audit lines refused for a
+    budget, a missing role or a bound).
+    """
+
+    reports: int = 0
+    commands: int = 0
+    refused: int = 0
+    busy: int = 0
+    memory_sheds: int = 0
+    takeover_refused: int = 0
+    oversized_states: int = 0
+    fleet_full: int = 0
+    rejected_replies: int = 0
+    lost_replies: int = 0
+    forgotten: int = 0
+    bad_messages: int = 0
+    shared_listings: int = 0
+    refused_connections: dict[str, int] = field(default_factory=dict)
+    refused_by_key: dict[str, int] = field(default_factory=dict)
+
+    def bad(self, where: str, why: str) -> None:
+        """Count one message dropped on port ``where``, logged rate-limited."""
+        self.bad_messages += 1
+        n = self.bad_messages
+        if n <= 10 or n % _LOGGED_EVERY == 0:
+            log.warning("kvpool hub: dropped bad message #%d on %s: %s", n, where, why[:200])
+
+    def refuse(self, key: str, why: str) -> None:
+        """Count one refusal of ``key``'s (a command, report or audit line over a budget or
+        bound), logged for a key's first 3 and every 1000th."""
+        n = self.refused_by_key[key] = self.refused_by_key.get(key, 0) + 1
+        if n <= _LOGGED_FIRST or n % _LOGGED_EVERY == 0:
+            log.warning("kvpool hub: refused #%d of key %s: %s", n, key, why[:200])
+
+    def lose_reply(self, why: object) -> None:
+        """Count one reply a console never got (it disconnected, or its queue is full)."""
+        self.lost_replies += 1
+        if self.lost_replies <= 10 or self.lost_replies % _LOGGED_EVERY == 0:
+            log.warning("kvpool hub: reply #%d to a console lost (%s)", self.lost_replies, why)
+
+    def metrics(self) -> dict[str, int]:
+        """Name -> count for ``/metrics``: the hub's own counters, CURVE handshakes refused per
+        port (``refused_handshakes_<port>``) and refusals per key (``refused_key_<name>``,
+        the names of the keys the hub authorized)."""
+        out = {name: getattr(self, name) for name in COUNTER_NAMES}
+        out.update({f"refused_handshakes_{port}": n
+                    for port, n in dict(self.refused_connections).items()})
+        out.update({f"refused_key_{_metric_word(key)}": n
+                    for key, n in dict(self.refused_by_key).items()})
+        return out
+
+
+COUNTER_NAMES = tuple(f.name for f in fields(HubCounters) if f.type == "int")
+"""The plain counters of ``HubCounters`` (not the per-port and per-key maps)."""
+
+
+def _metric_word(key: str) -> str:
+    """``key`` as a Prometheus name part (``viewer/ops-1`` -> ``viewer_ops_1``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", key)[:120]
