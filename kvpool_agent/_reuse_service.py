@@ -150,12 +150,14 @@ class ReuseService:
         for a in accesses:
             size = a.chunk_size
             covered = min(len(a.chunks) * size, a.tokens)
-            at = a.ts_ms or report_ms
-            for i in range(a.served // size, len(a.chunks)):
-                tokens = min((i + 1) * size, covered) - max(i * size, a.served)
-                if tokens <= 0:
-                    break
-                why = self.saved.reason(model, digest, a.chunks[i], at)
+            first = a.served // size
+            # Chunk i's tokens past ``served`` and within the prompt (the last may be partial).
+            spans = [min((i + 1) * size, covered) - max(i * size, a.served)
+                     for i in range(first, len(a.chunks))]
+            spans = [n for n in spans if n > 0]
+            whys = self.saved.reasons(model, digest, a.chunks[first:first + len(spans)],
+                                      a.ts_ms or report_ms)
+            for why, tokens in zip(whys, spans, strict=True):
                 counts[why] = counts.get(why, 0) + tokens
         _touch(self._split, engine, (started_ms, counts))
 

@@ -124,12 +124,21 @@ class SavedChunks:
     def reason(self, model: str, digest: str, cid: int, ts_ms: float) -> str:
         """Why chunk ``cid``, looked up at ``ts_ms`` (epoch ms) by an engine of ``model`` under
         ``digest``, was not in the pool: ``EVICTED``, ``OTHER_DIGEST`` or ``NEVER_SAVED``."""
+        return self.reasons(model, digest, [cid], ts_ms)[0]
+
+    def reasons(self, model: str, digest: str, ids: Sequence[int], ts_ms: float) -> list[str]:
+        """``reason`` of each of ``ids``, all looked up at ``ts_ms`` (the layouts probed are
+        found once)."""
         before_s = ts_ms / 1e3
         own = self._index.get((model, digest))
-        if own is not None and self._saved_before(cid, own, before_s):
-            return EVICTED
-        others = [d for d in self._of_model.get(model, ()) if d != digest][-PROBE_LAYOUTS:]
-        for d in others:
-            if self._saved_before(cid, self._index[(model, d)], before_s):
-                return OTHER_DIGEST
-        return NEVER_SAVED
+        others = [self._index[(model, d)] for d in self._of_model.get(model, ())
+                  if d != digest][-PROBE_LAYOUTS:]
+        out = []
+        for cid in ids:
+            if own is not None and self._saved_before(cid, own, before_s):
+                out.append(EVICTED)
+            elif any(self._saved_before(cid, idx, before_s) for idx in others):
+                out.append(OTHER_DIGEST)
+            else:
+                out.append(NEVER_SAVED)
+        return out

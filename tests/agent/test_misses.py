@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent._misses import MAX_REASONS, MissCounter, split_not_in_pool
 from kvpool_agent._reuse_service import ReuseService
-from kvpool_agent.protocol import EngineState, Report, chunk_id
+from kvpool_agent.protocol import Access, EngineState, Report, chunk_id
 from kvpool_agent.reporter import Loaded, Lookup
 
 
@@ -119,3 +119,35 @@ def test_hub_split_keeps_every_token(lookups: list[tuple[int, int, int, bool]],
     merged = split_not_in_pool(lk.miss_tokens, split)
     assert "not_in_pool" not in merged
     assert lk.prompt_tokens == lk.local_tokens + lk.loaded_tokens + sum(merged.values())
+
+
+def _report(src: object, *, started_ms: float = 0.0, ts_ms: float = 10_000.0,
+            **kw: object) -> Report:
+    return Report(v=2, seq=1, kind="delta", state=EngineState(
+        source=src, started_ms=started_ms, ts_ms=ts_ms), **kw)  # type: ignore[arg-type]
+
+
+def test_service_split_by_hand() -> None:
+    """Per engine: chunks past ``served`` by the memory's reason, in tokens (a partial last
+    chunk counts its tokens); an engine whose digest no worker reported is not split; a
+    scheduler restart restarts its counts."""
+    svc = ReuseService()
+    a_w = make_source("a", model="m", layout_digest="a" * 12)
+    b_w = make_source("b", model="m", layout_digest="b" * 12)
+    svc.split(_report(a_w, saves=[1, 2]))
+    svc.split(_report(b_w, saves=[3]))
+    # Prompt of 70 tokens, chunk 16, 4 chunks asked about (64 tokens), 16 held locally.
+    look = Access(tokens=70, chunk_size=16, chunks=[1, 3, 4, 2], ts_ms=20_000.0, served=16)
+    svc.split(_report(make_source("a", role="scheduler", model="m"), accesses=[look]))
+    assert svc.not_in_pool() == {"a": {"other_digest": 16, "never_saved": 16, "evicted": 16}}
+    # A lookup before the saves' report (10 s) finds none of them saved.
+    early = Access(tokens=70, chunk_size=16, chunks=[1, 3], ts_ms=9_000.0, served=0)
+    svc.split(_report(make_source("a", role="scheduler", model="m"), accesses=[early]))
+    assert svc.not_in_pool()["a"] == {"other_digest": 16, "never_saved": 48, "evicted": 16}
+    # Unknown engine digest: nothing split.
+    svc.split(_report(make_source("c", role="scheduler", model="m"), accesses=[look]))
+    assert "c" not in svc.not_in_pool()
+    # The scheduler restarted: its agent's counters and the split start again.
+    svc.split(_report(make_source("a", role="scheduler", model="m"), started_ms=5.0,
+                      accesses=[Access(tokens=40, chunk_size=16, chunks=[2, 9], served=0)]))
+    assert svc.not_in_pool()["a"] == {"evicted": 16, "never_saved": 16}
