@@ -31,6 +31,7 @@ every N); removals wait for leases. Chunk bytes are equal (one layout).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -95,21 +96,47 @@ def per_engine_hits(accesses: Sequence[Access], chunk_size: int, capacity_tokens
 def policy_hits(accesses: Sequence[Access], chunk_size: int, capacity_tokens: int,
                 engines: int = 1, eviction: EvictionKind = "lru",
                 admission: Literal["adaptive", "all"] = "adaptive",
-                chunk_bytes: int = 1) -> ReuseResult:
+                chunk_bytes: int = 1, timestamps_ms: Sequence[int] | None = None,
+                delay_ms: int = 0) -> ReuseResult:
     """``PoolPolicy`` of ``capacity_tokens`` (``chunk_bytes`` per chunk) fed every engine's
-    records in trace order; ``engines`` only labels the records (module docstring).
+    records in trace order.
+
+    With ``delay_ms`` = 0 every record reaches the policy at once and ``engines`` only labels
+    them. With ``delay_ms`` > 0 (and ``timestamps_ms``, each request's arrival) admission is
+    decided the way engines would decide from snapshots: each engine runs a replica of the
+    pool-wide ``AdaptiveAdmission`` that takes its own records at once and every other
+    engine's ``delay_ms`` after they arrived (the snapshot interval); the policy, admitting
+    what the engines save, keeps the one eviction order.
 
     Raises:
-        ValueError: ``chunk_size`` or ``engines`` < 1, or less than a chunk per engine.
+        ValueError: ``chunk_size`` or ``engines`` < 1, less than a chunk per engine, or a
+            ``delay_ms`` > 0 without one timestamp per access.
     """
     _check(chunk_size, capacity_tokens, engines)
-    policy = PoolPolicy(capacity_tokens // chunk_size * chunk_bytes, eviction=eviction,
-                        admission=admission)
+    delayed = delay_ms > 0 and engines > 1 and admission == "adaptive"
+    if delayed and (timestamps_ms is None or len(timestamps_ms) != len(accesses)):
+        raise ValueError("delay_ms needs timestamps_ms, one per access")
+    capacity_chunks = capacity_tokens // chunk_size
+    policy = PoolPolicy(capacity_chunks * chunk_bytes, eviction=eviction,
+                        admission="all" if delayed else admission)
+    replicas = [AdaptiveAdmission(capacity_chunks) for _ in range(engines if delayed else 0)]
+    pending: deque[tuple[int, int]] = deque()  # (when the others see it, access index)
     total = hits = removed = 0
     per: list[int] = []
     for i, (n, hashes) in enumerate(accesses):
-        d = policy.record(AccessRecord(_DIGEST, tuple(hashes), chunk_bytes, len(hashes),
-                                       engine=str(i % engines)))
+        e = i % engines
+        wants = len(hashes)
+        if delayed:
+            now = timestamps_ms[i]  # type: ignore[index]
+            while pending and pending[0][0] <= now:
+                j = pending.popleft()[1]
+                for f, replica in enumerate(replicas):
+                    if f != j % engines:
+                        replica.admit(accesses[j][1])
+            wants = replicas[e].admit(hashes)
+            pending.append((now + delay_ms, i))
+        d = policy.record(AccessRecord(_DIGEST, tuple(hashes), chunk_bytes, wants,
+                                       engine=str(e)))
         hit = min(d.hits, claimable_chunks(n, chunk_size)) * chunk_size
         per.append(hit)
         hits += hit

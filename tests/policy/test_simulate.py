@@ -125,3 +125,22 @@ def test_per_engine_removes_what_another_engine_uses_and_the_pool_policy_does_no
     assert per.evicted_chunks == 2
     assert pol.per_request == [0, 2 * CHUNK, 0, 2 * CHUNK]
     assert pol.evicted_chunks == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=reqs_st, engines=st.sampled_from([2, 4, 8]), chunks=st.integers(8, 40))
+def test_snapshots_that_arrive_before_the_next_request_change_nothing(
+        reqs: list, engines: int, chunks: int) -> None:
+    """Engines deciding admission from replicas that see every other record before the next
+    request (1 ms apart, 1 ms delay) decide as the one pool-wide admission does."""
+    acc = _accesses(reqs)
+    want = policy_hits(acc, CHUNK, chunks * CHUNK, engines)
+    got = policy_hits(acc, CHUNK, chunks * CHUNK, engines, timestamps_ms=range(len(acc)),
+                      delay_ms=1)
+    assert got.per_request == want.per_request
+
+
+def test_a_delay_needs_timestamps() -> None:
+    acc = _accesses([(0, 2, 1)])
+    with pytest.raises(ValueError, match="timestamps_ms"):
+        policy_hits(acc, CHUNK, 8 * CHUNK, 2, delay_ms=1000)
