@@ -21,12 +21,13 @@ The models (each returns a ``kvpool_agent.reuse.ReuseResult``):
   docs/benchmarks.md that the real replay matched.
 * ``lru_hits`` / ``belady_hits`` (``kvpool_agent.reuse``): an exact LRU and Belady's MIN of the
   whole pool; they do not depend on N.
-* ``policy_hits``: ``PoolPolicy`` over the whole pool, fed every engine's record in trace order.
+* ``policy_hits``: ``PoolPolicy`` over the whole pool, fed every engine's record in trace order:
+  at once (the same for every N), or with admission decided by the engines from snapshots that
+  show other engines' records ``delay_ms`` late (``delay_ms``, by the trace's timestamps).
 
 What the model leaves out: engines replay concurrently (a prefix another engine is still
-computing is a miss in a real replay, a hit here); the service's records arrive batched and its
-decisions reach engines through a snapshot, late (the policy's column is therefore the same for
-every N); removals wait for leases. Chunk bytes are equal (one layout).
+computing is a miss in a real replay, a hit here); records dropped when the service is slow;
+removals wait for leases. Chunk bytes are equal (one layout).
 """
 
 from __future__ import annotations
