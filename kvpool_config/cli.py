@@ -10,7 +10,8 @@ Commands:
 - ``kvpool-config schema [--out FILE]``: the JSON Schema (``config/kvpool.schema.json``).
 - ``kvpool-config fingerprint MODEL_DIR [--json]``: the content fingerprint of a local
   safetensors checkpoint (``kvpool_connector.fingerprint``), what it read and how long it
-  took; exit 2 with the reason when the directory cannot be fingerprinted.
+  took; exit 2 with the reason when the directory cannot be fingerprinted. With
+  ``--adapter``, the LoRA adapter directory's (``lora:<hex>``, what its requests' keys mix in).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ from kvpool_config._render import (
 )
 from kvpool_config._schema import schema_text
 from kvpool_config.rules import Finding
-from kvpool_connector.fingerprint import NotFingerprintable, checkpoint_fingerprint
+from kvpool_connector.fingerprint import (
+    NotFingerprintable,
+    adapter_fingerprint,
+    checkpoint_fingerprint,
+)
 
 __all__ = ["EXIT_CLEAN", "EXIT_ERRORS", "EXIT_WARNINGS", "exit_status", "main"]
 
@@ -147,22 +152,27 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 def _cmd_fingerprint(args: argparse.Namespace) -> int:
     """The weights' content fingerprint; an engine's layout fact ``fingerprint`` adds its
-    settings (``hf_overrides``, RoPE...) to it, so compare engines by that fact."""
+    settings (``hf_overrides``, RoPE...) to it, so compare engines by that fact. With
+    ``--adapter`` a LoRA adapter's, as ``fingerprint.adapter_identity`` puts it in the keys."""
     t0 = time.perf_counter()
     try:
-        fp = checkpoint_fingerprint(args.model_dir)
+        fp = (adapter_fingerprint if args.adapter else checkpoint_fingerprint)(args.model_dir)
     except NotFingerprintable as exc:
-        print(f"kvpool-config fingerprint: {exc}: set kv_connector_extra_config."
-              "model_fingerprint on every engine that runs these weights", file=sys.stderr)
+        fix = ("its requests share with no other engine: give vLLM a local adapter directory"
+               if args.adapter else "set kv_connector_extra_config.model_fingerprint on every "
+               "engine that runs these weights")
+        print(f"kvpool-config fingerprint: {exc}: {fix}", file=sys.stderr)
         return EXIT_ERRORS
     ms = (time.perf_counter() - t0) * 1e3
+    digest = f"lora:{fp.digest}" if args.adapter else fp.digest
     if args.json:
-        print(json.dumps({"model_dir": args.model_dir, "weights": fp.digest, "files": fp.files,
+        print(json.dumps({"model_dir": args.model_dir, "adapter": args.adapter,
+                          "weights": digest, "files": fp.files,
                           "tensors": fp.tensors, "bytes_read": fp.bytes_read,
                           "commit": fp.commit, "elapsed_ms": round(ms, 3)}))
     else:
         commit = f", hub commit {fp.commit}" if fp.commit else ""
-        print(f"{fp.digest}  {args.model_dir} ({fp.files} files, {fp.tensors} tensors, "
+        print(f"{digest}  {args.model_dir} ({fp.files} files, {fp.tensors} tensors, "
               f"{fp.bytes_read} bytes read in {ms:.1f} ms{commit})")
     return EXIT_CLEAN
 
@@ -241,6 +251,8 @@ def _parser() -> argparse.ArgumentParser:
     fin = sub.add_parser("fingerprint",
                          help="the content fingerprint of a local safetensors checkpoint")
     fin.add_argument("model_dir", help="the directory vLLM loads (config.json, *.safetensors)")
+    fin.add_argument("--adapter", action="store_true",
+                     help="MODEL_DIR is a LoRA adapter (adapter_config.json and its weights)")
     fin.add_argument("--json", action="store_true", help="machine-readable output")
     fin.set_defaults(func=_cmd_fingerprint)
     return parser

@@ -13,7 +13,8 @@
   the LRU holds is refreshed, every chunk its admission policy saves is inserted, and the least
   recently used chunks past the capacity are removed from the pool by worker rank 0 before that
   step's saves (``KVPoolConnectorMetadata.evict``; every rank's keys, never by force: a key
-  under a reader's lease is removed on a later step). The pool then holds what an exact LRU of
+  refused under a reader's lease is tried again on a later step no sooner than the transport's
+  transfer timeout after the refusal, ``_removals``). The pool then holds what an exact LRU of
   that capacity (under the admission policy) holds, if its own eviction never runs first: set
   the master's ``eviction_high_watermark_ratio`` above the share of the segments that
   ``admission_pool_tokens`` fills.
@@ -21,7 +22,8 @@
 With several engines on one pool each one steers only the chunks it scheduled, in a capacity of
 its own (``admission_pool_tokens``: its share). Keys are shared by layout, so one engine may
 remove a chunk another still uses; the other then recomputes it (a load in progress holds a
-lease, and a load that finds the chunk gone recomputes it).
+lease, a load that outlived its lease is failed as ``LEASE_EXPIRED``, and a load that finds
+the chunk gone recomputes it).
 
 Memory: one ``OrderedDict`` entry per chunk of the capacity (a hex hash key, about
 200 bytes per entry: 2M tokens at chunk 256 is 7,813 entries, ~1.6 MB), and as many for the

@@ -211,6 +211,29 @@ def test_kvpool_config_fingerprint_shows_it(tmp_path: Path,
     assert err.count("\n") == 1 and "model_fingerprint" in err and "Traceback" not in err
 
 
+def test_kvpool_config_fingerprint_shows_an_adapters_identity(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--adapter`` prints what a LoRA request's keys mix in (``adapter_identity``): one
+    adapter under two paths shows one identity, another adapter another."""
+    from kvpool_config.cli import main
+
+    one, copy, two = (_adapter(tmp_path / "one", 1), tmp_path / "copy",
+                      _adapter(tmp_path / "two", 2))
+    shutil.copytree(one, copy)
+    want = adapter_identity("any-name", str(one))
+    assert want.startswith("lora:")
+    assert main(["fingerprint", "--adapter", str(copy), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["weights"], out["adapter"], out["files"]) == (want, True, 1)
+    assert main(["fingerprint", "--adapter", str(two)]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith(f"{adapter_identity('any-name', str(two))}  {two} (1 files, 2 ")
+    assert want not in line
+    assert main(["fingerprint", "--adapter", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "adapter_config.json" in err and "Traceback" not in err
+
+
 def _config(model: Path | str, *, load_format: str = "auto", rope_theta: float = 10000.0,
             hf_overrides: Any = None, instance_id: str = "engine-1") -> Any:
     """The ``VllmConfig`` attributes ``engine_identity`` reads, by vLLM's names (a real one
