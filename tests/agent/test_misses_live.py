@@ -3,8 +3,8 @@ process over TCP, real connector workers saving through it and a real ``KVPoolSc
 up through a ``LookupServer``, their agents reporting to a real hub over CURVE. Injected faults
 land under the right reason of the hub's saved-chunk memory: chunks removed between their save
 and the lookup (a flush) are ``evicted``, chunks another layout digest of the model saved are
-``other_digest``, chunks nobody saved are ``never_saved``; ``status --json`` shows the split and
-still adds up to the prompt tokens.
+``other_digest``, chunks whose save a tiny save budget skipped and chunks nobody saved are
+``never_saved``; ``status --json`` shows the split and still adds up to the prompt tokens.
 
 The hub calls ``ReuseService.split`` from its report handler once hub.py has the one-line hook
 (``_on_report``: ``self.reuse.split(rep)`` next to ``self.reuse.add``); until then this test's
@@ -90,17 +90,17 @@ class _Engine:
     up, its scheduler asking the worker through a real LookupServer; each process its agent."""
 
     def __init__(self, engine_id: str, model: str, backend: MooncakeBackend, hub_address: str,
-                 head_size: int, *, schedules: bool) -> None:
+                 head_size: int, *, schedules: bool, **extra: Any) -> None:
         port = free_port()
-        self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port}, kv_role="kv_both",
-                                              block_size=BLOCK, model=model)
+        self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port, **extra},
+                                              kv_role="kv_both", block_size=BLOCK, model=model)
         self.backend = backend
         self.worker_agent = start_agent(make_source(engine_id, model=model),
                                         address=hub_address)
         self.agents: list[AgentHandle] = [self.worker_agent]
         self.worker = KVPoolWorker(self.config, ParallelLayout(), model, backend,
                                    self.worker_agent.reporter)
-        kv = {"layers.0": torch.zeros(8, 1, BLOCK, head_size)}
+        kv = {"layers.0": torch.zeros(2 * PROMPT // BLOCK, 1, BLOCK, head_size)}
         self.worker.register_kv_caches(kv)
         _ALIVE.append((kv, self.worker))
         self.server: LookupServer | None = None
@@ -113,18 +113,21 @@ class _Engine:
             self.sched = KVPoolScheduler(self.config, LookupClient(lookup_rpc_port=port),
                                          sched_agent.reporter)
 
-    def save(self, rid: str, prompt: list[int]) -> list[str]:
-        """Save the prompt's claimable chunks through the worker's save path; their keys."""
-        hashes = chunk_hashes(prompt, BLOCK)[:CLAIMABLE // BLOCK]
+    def save(self, *prompts: list[int]) -> list[str]:
+        """Save the prompts' claimable chunks through the worker's save path, in one step
+        (one request each); the keys of the first."""
+        n = CLAIMABLE // BLOCK
+        hashes = [chunk_hashes(p, BLOCK)[:n] for p in prompts]
         meta = KVPoolConnectorMetadata(requests=[ReqMeta(
-            req_id=rid, block_ids=list(range(len(hashes))), chunk_hashes=hashes,
-            save_from_chunk=0, save_to_chunk=len(hashes), is_last_save=True)])
+            req_id=f"s-{uuid.uuid4().hex[:8]}", block_ids=list(range(i * n, (i + 1) * n)),
+            chunk_hashes=h, save_from_chunk=0, save_to_chunk=n, is_last_save=True)
+            for i, h in enumerate(hashes)])
         self.worker.start_load_kv(meta)
         self.worker.save_kv_layer("layers.0", None)
         self.worker.wait_for_save(meta)
         assert self.worker.drain_saves(10)
         return [str(PoolKey(self.config.model, self.worker.layout_digest, ParallelLayout(), h))
-                for h in hashes]
+                for h in hashes[0]]
 
     def lookup(self, rid: str, prompt: list[int]) -> int:
         assert self.sched is not None
@@ -153,12 +156,20 @@ def test_injected_faults_land_under_their_reason(
     model = f"org/misses-{uuid.uuid4().hex[:8]}"
     a = _Engine("eng-a", model, store_client, hub_address, head_size=8, schedules=True)
     b = _Engine("eng-b", model, store_client, hub_address, head_size=16, schedules=False)
+    # A save budget of one byte: with nothing in flight one request's save runs, the other
+    # request of the same step is skipped (SAVE_BUDGET).
+    c = _Engine("eng-c", model, store_client, hub_address, head_size=8, schedules=False,
+                save_budget="1")
     try:
         assert a.worker.layout_digest != b.worker.layout_digest
+        assert a.worker.layout_digest == c.worker.layout_digest
         flushed, other, fresh, kept = _prompt(1), _prompt(2), _prompt(3), _prompt(4)
-        keys = a.save("s1", flushed)
-        a.save("s4", kept)
-        b.save("s2", other)
+        budget_ok, budget_skipped = _prompt(5), _prompt(6)
+        keys = a.save(flushed)
+        a.save(kept)
+        b.save(other)
+        c.save(budget_ok, budget_skipped)
+        assert c.worker.counters.save_skipped_keys == CLAIMABLE // BLOCK
         # The hub remembers the saves (its memory's stamps are whole seconds of the report).
         last = chunk_hashes(other, BLOCK)[CLAIMABLE // BLOCK - 1]
         for digest, h in ((a.worker.layout_digest, chunk_hashes(flushed, BLOCK)[0]),
@@ -167,18 +178,23 @@ def test_injected_faults_land_under_their_reason(
                 model, d, chunk_id(h), time.time() * 1e3) == EVICTED)
         # The fault: a flush between the save and the lookup removes the first prompt's keys.
         assert store_client.batch_remove(keys) == [0] * len(keys)
-        assert [a.lookup(f"r{i}", p) for i, p in enumerate((flushed, other, fresh, kept))] == [
-            0, 0, 0, CLAIMABLE]
-        want = {"evicted": CLAIMABLE, "other_digest": CLAIMABLE, "never_saved": CLAIMABLE}
+        prompts = (flushed, other, fresh, kept, budget_ok, budget_skipped)
+        assert [a.lookup(f"r{i}", p) for i, p in enumerate(prompts)] == [
+            0, 0, 0, CLAIMABLE, CLAIMABLE, 0]
+        want = {"evicted": CLAIMABLE, "other_digest": CLAIMABLE, "never_saved": 2 * CLAIMABLE}
         wait_until(lambda: split_hub.reuse.not_in_pool().get("eng-a") == want)
         sched_id = "eng-a/scheduler"
-        wait_until(lambda: split_hub.fleet()[sched_id][0].lookup.lookups == 4)
+        wait_until(lambda: split_hub.fleet()[sched_id][0].lookup.lookups == len(prompts))
         lk = split_hub.fleet()[sched_id][0].lookup
-        assert lk.miss_tokens == {"not_in_pool": 3 * CLAIMABLE, "tail": 4 * (PROMPT - CLAIMABLE),
-                                  "not_loaded": CLAIMABLE}
+        tail = len(prompts) * (PROMPT - CLAIMABLE)
+        assert lk.miss_tokens == {"not_in_pool": 4 * CLAIMABLE, "tail": tail,
+                                  "not_loaded": 2 * CLAIMABLE}
         merged = split_not_in_pool(lk.miss_tokens, want)
-        assert lk.prompt_tokens == 4 * PROMPT == lk.local_tokens + lk.loaded_tokens + sum(
-            merged.values())
+        assert lk.prompt_tokens == len(prompts) * PROMPT == (
+            lk.local_tokens + lk.loaded_tokens + sum(merged.values()))
+        # The skipped save is in eng-c's worker report, by its reason.
+        wait_until(lambda: split_hub.fleet()["eng-c/dp0.tp0.pp0"][0].transfers.errors_by_name
+                   == {"SAVE_BUDGET": 1})
         # The console shows the split once the hub's view carries it.
         wait_until(lambda: (v := split_hub.reuse.view()) is not None
                    and v.not_in_pool.get("eng-a") == want)
@@ -188,8 +204,8 @@ def test_injected_faults_land_under_their_reason(
             doc = json.loads(capsys.readouterr().out)
             return next(e for e in doc["engines"] if e["engine_id"] == "eng-a")
 
-        wait_until(lambda: row()["miss_tokens"] == {**want, "tail": 4 * (PROMPT - CLAIMABLE),
-                                                    "not_loaded": CLAIMABLE})
+        wait_until(lambda: row()["miss_tokens"] == {**want, "tail": tail,
+                                                    "not_loaded": 2 * CLAIMABLE})
     finally:
-        a.close()
-        b.close()
+        for e in (a, b, c):
+            e.close()
