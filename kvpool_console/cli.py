@@ -207,8 +207,9 @@ def status_document(view: FleetView) -> dict[str, Any]:
     engine_id, state (OK/WARNING/CRITICAL/STALE/DOWN/FAILED), role, kv_role, backend, hit_rate,
     lookup_tokens, hit_tokens, loads_in_flight, load_errors, segment_used_bytes,
     segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
-    local_hit_rate, loaded_tokens, recomputed_tokens, miss_tokens (by reason) and top_miss;
-    plus its ``agents``),
+    local_hit_rate, loaded_tokens, recomputed_tokens, miss_tokens (by reason, not_in_pool split
+    by the hub into never_saved, evicted and other_digest), top_miss and versions; plus its
+    ``agents``),
     ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)
     for engine, row in zip(doc["engines"], view.engines, strict=True):
