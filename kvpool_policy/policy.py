@@ -245,6 +245,10 @@ class PoolPolicy:
         admission: ``"adaptive"`` (the pool-wide ghosts and doorkeeper) or ``"all"``.
         half_life: ``AdaptiveAdmission``'s, in records (> 0).
 
+    The admission's ghosts count chunks: they are sized on the first record, at
+    ``capacity_bytes // chunk_bytes`` chunks (with layouts of different chunk sizes on one pool
+    they approximate the capacity).
+
     Attributes:
         used_bytes: bytes of chunks resident now (pinned included), <= ``capacity_bytes``.
         records: records seen so far.
@@ -309,7 +313,7 @@ class PoolPolicy:
 
     def _admit(self, rec: AccessRecord) -> int:
         if self._admission_kind == "all":
-            return rec.wants
+            return min(rec.wants, len(rec.hashes))
         if self._admission is None:
             self._admission = AdaptiveAdmission(
                 max(1, self.capacity_bytes // rec.chunk_bytes), half_life=self._half_life)
@@ -327,9 +331,14 @@ class PoolPolicy:
         return True
 
     def record(self, rec: AccessRecord) -> Decision:
-        """Apply one access record (module docstring, steps 1-3)."""
-        if rec.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {rec.chunk_bytes}")
+        """Apply one access record (module docstring, steps 1-3).
+
+        Raises:
+            ValueError: ``chunk_bytes`` < 1 or ``wants`` < 0.
+        """
+        if rec.chunk_bytes < 1 or rec.wants < 0:
+            raise ValueError(f"chunk_bytes must be >= 1 and wants >= 0, got "
+                             f"{rec.chunk_bytes}, {rec.wants}")
         self.records += 1
         keys = [(rec.digest, h) for h in rec.hashes]
         hits = 0

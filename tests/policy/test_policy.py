@@ -193,3 +193,8 @@ def test_bad_arguments_are_refused() -> None:
         PoolPolicy(10, eviction="fifo")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         PoolPolicy(10).record(AccessRecord(DIGESTS[0], (chunk_hash(0, 0),), 0, 1))
+    with pytest.raises(ValueError):
+        PoolPolicy(10).record(AccessRecord(DIGESTS[0], (chunk_hash(0, 0),), 1, -1))
+    # An engine that wants more chunks than its prompt has gets its prompt.
+    d = PoolPolicy(10, admission="all").record(AccessRecord(DIGESTS[0], (chunk_hash(0, 0),), 1, 5))
+    assert d.admitted == 1
