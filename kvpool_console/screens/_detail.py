@@ -19,6 +19,7 @@ from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console._text import plain, visible
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
+from kvpool_console.widgets._identity import identity_line
 from kvpool_console.widgets._miss_table import MissTable
 
 _MESSAGE_WIDTH = 36
@@ -139,8 +140,9 @@ class EngineDetailScreen(Screen[None]):
             + ("\nKV-cache groups: $groups" if len(row.kv_groups) > 1 or row.mla else "")
             + ("\nbytes by group: $by_group" if row.loaded_bytes_by_group
                or row.saved_bytes_by_group else "")
-            + ("\nversions: $versions" if row.versions else ""),
-            engine=visible(row.engine_id), state=state,
+            + ("\nversions: $versions" if row.versions else "")
+            + ("\nidentity: $identity" if (identity := identity_line(row, states)) else ""),
+            engine=visible(row.engine_id), state=state, identity=visible(identity),
             versions=visible(" ".join(f"{k} {v}" for k, v in row.versions.items())),
             failed=visible(row.failed), fix=visible(row.failed_hint),
             namespace=visible(row.namespace),
