@@ -600,9 +600,11 @@ MAX_REPORT_SAVES = 16_384
 
 MAX_REUSE_MODELS = 64
 """Models a ``ReuseView`` describes at most (the most looked-up first)."""
-MAX_SPLIT_ENGINES = 512
-"""Engines whose miss split a ``ReuseView`` carries at most (~40 KB of msgpack at ~75 bytes an
-engine: within the view's share of a snapshot frame, ``kvpool_agent._hub_memory``)."""
+MAX_SPLIT_ENGINES = 64
+"""Engines whose miss split a ``ReuseView`` carries at most (the most split tokens first): at
+most ~20 KiB of msgpack (256-character ids), which with the 64 models' figures (< 95 KiB)
+keeps the view under 120 KiB of a snapshot's first frame (``kvpool_agent._hub_memory``). The
+console shows the other engines' ``not_in_pool`` unsplit; the hub's ``/metrics`` has them all."""
 MAX_CURVE_POINTS = 16
 """Capacities one ``ModelReuse.whatif`` holds at most (``kvpool_agent.reuse.CURVE_FACTORS``)."""
 

@@ -20,6 +20,7 @@ from kvpool_agent.protocol import (
     MAX_REPORT_ACCESSES,
     MAX_REPORT_SAVES,
     MAX_REUSE_MODELS,
+    MAX_SPLIT_ENGINES,
     PROTOCOL_VERSION,
     REPORT_ACCESS_CHUNKS,
     Access,
@@ -184,9 +185,18 @@ def test_the_largest_reuse_view_fits_its_frame_share() -> None:
                          prompt_tokens=MAX_COUNT - 1, ceiling_tokens=MAX_COUNT - 1,
                          pool_capacity_tokens=MAX_COUNT - 1, whatif_ms=1.7e12,
                          whatif=[point] * MAX_CURVE_POINTS)] * MAX_REUSE_MODELS
+    split = {f"e{i:03d}" + "x" * (MAX_ID_CHARS - 4): {
+        "never_saved": MAX_COUNT - 1, "evicted": MAX_COUNT - 1, "other_digest": MAX_COUNT - 1}
+        for i in range(MAX_SPLIT_ENGINES)}
     view = ReuseView(ts_ms=1.7e12, accesses=MAX_COUNT - 1, chunks=MAX_COUNT - 1,
-                     prompt_tokens=MAX_COUNT - 1, ceiling_tokens=MAX_COUNT - 1, models=models)
-    assert len(msgspec.msgpack.encode(view)) < 100 * 1024  # _hub_memory's share of a frame
+                     prompt_tokens=MAX_COUNT - 1, ceiling_tokens=MAX_COUNT - 1, models=models,
+                     not_in_pool=split)
+    # The view's share of a snapshot's first frame (protocol.MAX_SPLIT_ENGINES).
+    assert len(msgspec.msgpack.encode(view)) < 120 * 1024
+    # One engine more is refused on the wire.
+    view.not_in_pool["one-more"] = {"evicted": 1}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(view), type=ReuseView)
 
 
 def test_agent_queues_saved_chunks_within_its_budget() -> None:
