@@ -32,7 +32,9 @@ class HubCounters:
     key on the read-only port); ``busy`` (commands refused for a full pending quota, a key's
     spent engine work budget or its pool listing interval); ``memory_sheds`` (times the RSS
     passed the hub's memory limit and every port but the operator's was rebuilt,
-    ``kvpool_agent._memory_guard``); ``takeover_refused`` (reports for an id another live
+    ``kvpool_agent._memory_guard``); ``connection_sheds`` (times it passed the limit and the
+    one connection that sent the most was dropped instead, ``kvpool_agent._hub_connections``);
+    ``takeover_refused`` (reports for an id another live
     connection holds); ``oversized_states`` (reports over ``MAX_STATE_BYTES``);
     ``fleet_full`` (reports refused for ``MAX_AGENTS`` or a state budget);
     ``rejected_replies`` (replies from a connection the command was not sent to, unknown
@@ -50,6 +52,7 @@ class HubCounters:
     refused: int = 0
     busy: int = 0
     memory_sheds: int = 0
+    connection_sheds: int = 0
     takeover_refused: int = 0
     oversized_states: int = 0
     fleet_full: int = 0

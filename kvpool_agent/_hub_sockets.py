@@ -20,6 +20,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
 from kvpool_agent._hub_memory import (
     AGENT_RCVHWM,
@@ -69,6 +70,7 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 
 @dataclass(frozen=True)
@@ -118,11 +120,15 @@ class HubSockets:
             or ``None`` (no keys: every port plain).
         secret_key_file: the hub's CURVE secret key, or ``None``.
         counters: where refused handshakes are counted.
+        connections: where the accepted connections are kept, from each port's monitor
+            (``kvpool_agent._hub_connections``); ``None``: not kept.
     """
 
     def __init__(self, ports: HubPorts, authorized_keys_dir: Path | None,
-                 secret_key_file: Path | None, counters: HubCounters) -> None:
+                 secret_key_file: Path | None, counters: HubCounters,
+                 connections: ConnectionTable | None = None) -> None:
         self.ports = ports
+        self.connections = connections
         self.authorized_keys_dir = authorized_keys_dir
         self.secret_key_file = secret_key_file
         self.counters = counters
@@ -193,11 +199,15 @@ class HubSockets:
             s.bind(endpoint)
         except zmq.ZMQError as e:
             raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
-        if self._keys is not None:
-            # Right after bind: a handshake refused within those microseconds goes uncounted.
-            mon = s.get_monitor_socket(_HANDSHAKE_FAILED)
+        events = (_HANDSHAKE_FAILED if self._keys is not None else 0) | (
+            _CONNECTION_EVENTS if self.connections is not None else 0)
+        if events:
+            # Right after bind: a handshake refused (or a connection accepted) within those
+            # microseconds goes unseen.
+            mon = s.get_monitor_socket(events)
             self.monitors[mon] = name
-            self.counters.refused_connections.setdefault(name, 0)
+            if self._keys is not None:
+                self.counters.refused_connections.setdefault(name, 0)
             self.poller.register(mon, zmq.POLLIN)
         self.poller.register(s, zmq.POLLIN)
         return s
@@ -212,6 +222,8 @@ class HubSockets:
                 self.poller.unregister(mon)
                 del self.monitors[mon]
                 mon.close(linger=0)
+        if self.connections is not None:
+            self.connections.closed_port(name)
         old: zmq.Socket[bytes] = getattr(self, _PORT_ATTR[name])
         self.poller.unregister(old)
         self.socks.remove(old)
@@ -268,7 +280,8 @@ class HubSockets:
         return public, secret
 
     def recv_monitors(self, events: dict[zmq.Socket[bytes], int]) -> None:
-        """Count the handshakes refused on each port whose monitor has ``events``."""
+        """Count the handshakes refused on each port whose monitor has ``events``, and keep
+        its connections accepted and closed (``connections``)."""
         for mon, name in self.monitors.items():
             if mon not in events:
                 continue
@@ -276,6 +289,13 @@ class HubSockets:
                 if not mon.poll(0):
                     break
                 ev = recv_monitor_message(mon)
+                if self.connections is not None and ev["event"] & _CONNECTION_EVENTS:
+                    # The event's value is the connection's file descriptor.
+                    if ev["event"] == zmq.EVENT_ACCEPTED:
+                        self.connections.accepted(name, ev["value"])
+                    else:
+                        self.connections.closed(ev["value"])
+                    continue
                 if not ev["event"] & _HANDSHAKE_FAILED:
                     continue
                 self.counters.refused_connections[name] += 1

@@ -1,6 +1,8 @@
 """The hub's memory limit, enforced where libzmq cannot bound a queue: past the limit the hub
-closes and binds again every port (``FleetHub._shed``), which frees everything libzmq holds for
-its connections, a multipart message in the middle of its parts included.
+drops the connection that sent the most since its RSS was calm (``kvpool_agent._hub_connections``:
+a multipart message in the middle of its parts is its sender's alone), or, when none sent enough
+or that freed too little, closes and binds again every port but the operator's
+(``FleetHub._shed``), which frees everything libzmq holds for its connections.
 
 Why: libzmq 4.3 hands no part of a multipart message to the hub before its last part has come
 (a ROUTER polls nothing between parts), bounds each part only (``MAXMSGSIZE``) and counts whole
@@ -9,16 +11,19 @@ messages in its queues, so one message of many parts is held whole, outside ever
 996 MiB). No socket option of libzmq bounds it, and the socket types without multipart
 (``SERVER``) are drafts missing from pyzmq's build, so the hub watches its own RSS instead.
 
-What it costs: connections drop at once (agents and consoles reconnect by themselves within
-libzmq's reconnect interval, 0.1 s; agents keep their ids), commands in flight are answered
-with an error, replies on their way to consoles are lost. The RSS may pass the limit by what
-arrives within one check (``CHECK_S``) and the libzmq I/O thread's release of the closed
-sockets (a few ms). The operator port is never rebuilt: only operator keys reach it.
+What it costs: the sender's connection drops (its socket reconnects by itself; its message is
+lost). A rebuild of every port drops every connection but the operator's at once (agents and
+consoles reconnect by themselves within libzmq's reconnect interval, 0.1 s; agents keep their
+ids), commands in flight are answered with an error, replies on their way to consoles are
+lost. The RSS may pass the limit by what arrives within one check (``CHECK_S``) and the libzmq
+I/O thread's release of the closed connection (a few ms). The operator port is never rebuilt:
+only operator keys reach it.
 
 A shed frees what libzmq holds, not the fleet's state: when the RSS is still over the limit
 after one (an agent key's states, attack found in review: 95 rebuilds in 30 s), the next shed
-waits until the RSS has grown by ``REGROW`` of the limit since, so a message arriving later is
-still freed and the hub never drops everyone over and over for memory a rebuild cannot free.
+waits until the RSS has grown by ``REGROW`` of the limit since, and is then a rebuild of every
+port (``again``), so a message arriving later is still freed and the hub never drops everyone
+over and over for memory a rebuild cannot free.
 """
 
 from __future__ import annotations
@@ -65,6 +70,11 @@ class MemoryGuard:
         self._shed_at: int | None = None
         self.futile = 0
         """Checks over the limit that did not shed: the last shed freed too little."""
+        self.rss = 0
+        """The RSS (bytes) at the last check."""
+        self.again = False
+        """The last answer over the limit came without a check under it since the shed
+        before: that shed freed too little (``FleetHub._shed`` then drops every port)."""
 
     def over(self, now: float | None = None) -> int | None:
         """The RSS (bytes) when it is over the limit, due to be checked and not held since the
@@ -76,6 +86,7 @@ class MemoryGuard:
         if now < self._next:
             return None
         rss = rss_bytes()
+        self.rss = rss or 0
         if rss is None or rss <= self.limit_bytes:
             self._next = now + CHECK_S
             self._shed_at = None
@@ -85,5 +96,6 @@ class MemoryGuard:
             self.futile += 1
             return None
         self._next = now + COOLDOWN_S
+        self.again = self._shed_at is not None
         self._shed_at = rss
         return rss

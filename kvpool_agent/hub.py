@@ -89,6 +89,7 @@ from kvpool_agent._hub_commands import (
     UNAUTHORISED,
     CommandRouter,
 )
+from kvpool_agent._hub_connections import CALM, ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
 from kvpool_agent._hub_quotas import (
     MAX_PENDING,
@@ -101,7 +102,7 @@ from kvpool_agent._hub_quotas import (
 from kvpool_agent._hub_sockets import ZAP_DOMAINS, HubPorts, HubSockets, hub_ports, user_id
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._hub_updates import SUBSCRIPTION_BAN_S, UpdateStreams
-from kvpool_agent._memory_guard import MemoryGuard
+from kvpool_agent._memory_guard import REGROW, MemoryGuard
 from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent._reuse_service import (
     REUSE_REFRESH_S,
@@ -208,8 +209,8 @@ class FleetHub:
             them in snapshots (``FleetUpdate.reuse``).
 
     Counters (read from any thread): ``counters`` (``kvpool_agent._hub_counters.HubCounters``:
-    what each counts), each also an attribute of the hub (``hub.reports``,
-    ``hub.memory_sheds``, ``hub.refused_by_key``...).
+    what each counts); those older than that object are also attributes of the hub
+    (``hub.reports``, ``hub.memory_sheds``, ``hub.refused_by_key``...).
 
     Raises:
         ValueError: bad address, or only one of the two key arguments.
@@ -259,8 +260,10 @@ class FleetHub:
         self.seq_tracker = SeqTracker()
         self._fleet = Fleet()
         self._state = StateFile(self.state_file, self._fleet)
+        # Connections are kept only where a memory limit may have to drop one of them.
+        self._connections = ConnectionTable() if memory_limit_bytes is not None else None
         self._sockets = HubSockets(self.ports, self.authorized_keys_dir, self.secret_key_file,
-                                   self.counters)
+                                   self.counters, self._connections)
         self._commands = CommandRouter(self._sockets, self._fleet, self._audit, self.counters,
                                        Quotas(work_units_per_min))
         self._updates = UpdateStreams(self._sockets, self._fleet, self.counters,
@@ -401,11 +404,6 @@ class FleetHub:
         return self.counters.bad_messages
 
     @property
-    def shared_listings(self) -> int:
-        """``HubCounters.shared_listings``."""
-        return self.counters.shared_listings
-
-    @property
     def refused_connections(self) -> dict[str, int]:
         """``HubCounters.refused_connections``: CURVE handshakes refused per port."""
         return self.counters.refused_connections
@@ -431,14 +429,27 @@ class FleetHub:
     # -- the thread --------------------------------------------------------------------------
 
     def _shed(self, rss: int) -> None:
-        """The RSS is over ``memory_limit_bytes`` (``kvpool_agent._memory_guard``): answer
-        every command in flight with an error, then rebuild every port but the operator's;
-        agents keep their ids when they report again from their new connections."""
+        """The RSS is over ``memory_limit_bytes`` (``kvpool_agent._memory_guard``): drop the
+        connection that received the most since the RSS was calm when that is at least
+        ``REGROW`` of the limit (``kvpool_agent._hub_connections``: a multipart message held
+        whole is its sender's alone); else, or when the last shed freed too little, answer
+        every command in flight with an error and rebuild every port but the operator's
+        (agents keep their ids when they report again from their new connections)."""
+        limit = self.memory_limit_bytes or 0
+        heaviest = self._connections.heaviest() if self._connections is not None else None
+        if heaviest is not None and not self._guard.again and heaviest[1] >= limit * REGROW:
+            conn, grown = heaviest
+            if self._connections is not None and self._connections.drop(conn):
+                self.counters.connection_sheds += 1
+                log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: the "
+                            "connection from %s on port %s, %d MiB received since the RSS was "
+                            "calm, is dropped (others stay)", rss >> 20, limit >> 20,
+                            conn.peer, conn.port, grown >> 20)
+                return
         self.counters.memory_sheds += 1
         log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: every port but "
                     "the operator's is rebuilt (connections drop and reconnect; a multipart "
-                    "message held whole by libzmq is freed)", rss >> 20,
-                    (self.memory_limit_bytes or 0) >> 20)
+                    "message held whole by libzmq is freed)", rss >> 20, limit >> 20)
         self._commands.expire(time.monotonic(),
                               "hub over its memory limit: connections dropped")
         self._sockets.rebuild_all_but_operator()
@@ -491,6 +502,9 @@ class FleetHub:
                     rss = self._guard.over(now)
                     if rss is not None:
                         self._shed(rss)
+                    elif self._connections is not None and self.memory_limit_bytes:
+                        self._connections.baseline(
+                            self._guard.rss < self.memory_limit_bytes * CALM, now)
                     self._commands.expire(now)
                     if now >= next_forget:
                         next_forget = now + _FORGET_CHECK_S

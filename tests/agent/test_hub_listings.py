@@ -92,7 +92,7 @@ def test_a_viewers_dry_run_flood_lists_the_pool_once_per_window(
     for replies in answers:
         assert sorted(r.agent_id for r in replies) == sorted(ids), replies
         assert all(r.ok and r.flush is not None and r.flush.keys == 6 for r in replies), replies
-    assert hub.shared_listings == 40 * _WORKERS - listed
+    assert hub.counters.shared_listings == 40 * _WORKERS - listed
     audit = Path(str(tmp_path / "audit.jsonl") + READONLY_SUFFIX).read_text().splitlines()
     assert len([x for x in map(json.loads, audit) if x["command"] == "flush"]) == 40
 
