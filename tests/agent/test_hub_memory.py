@@ -273,3 +273,18 @@ def test_the_guard_does_not_shed_again_for_memory_a_shed_cannot_free(
     assert guard.over(now=4.0) == 820 << 20
     assert not guard.again
     assert guard.futile == 1
+
+
+def test_memory_sheds_are_on_metrics(hub_address: str) -> None:
+    """Issue 42 item 6: every shed is counted on ``/metrics`` (``kvpool_hub_memory_sheds_total``
+    for a rebuild of every port, ``kvpool_hub_connection_sheds_total`` for one sender's
+    connection). A hub whose limit is 1 byte is over it at once and, with no connection to
+    drop, rebuilds its ports."""
+    from kvpool_agent import FleetHub
+
+    with FleetHub(hub_address, memory_limit_bytes=1) as hub:
+        wait_until(lambda: hub.memory_sheds >= 1)
+        scraped = {m.name: m.samples[0].value for m in hub._collector().collect()
+                   if m.name.startswith("kvpool_hub_") and m.name.endswith("_sheds")}
+    assert scraped["kvpool_hub_memory_sheds"] >= 1
+    assert scraped["kvpool_hub_connection_sheds"] == 0
