@@ -17,7 +17,14 @@ import msgspec
 from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.protocol import CommandReply, CommandRequest
 
-__all__ = ["SUSPECT_SLACK_KEYS", "checked_answer", "unvouched_note"]
+__all__ = [
+    "SUSPECT_SLACK_KEYS",
+    "VERIFY_S",
+    "checked_answer",
+    "needs_verifying",
+    "unvouched_note",
+    "verified_answer",
+]
 
 log = logging.getLogger("kvpool.hub")
 
@@ -61,6 +68,53 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
                "report it")
     if why is None:
         return rep
+    log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
+    return msgspec.structs.replace(rep, ok=False, suspect=why,
+                                   error=f"suspect answer, not counted as done: {why}")
+
+
+VERIFY_S = 5.0
+"""Seconds the hub waits after a flush for another key's count of the pool to show the keys
+gone: agents measure their pool every 2 s and report every 0.25 s, so a genuine flush shows
+within ~2.5 s."""
+
+
+def _slack(count: int) -> int:
+    return max(count // 8, SUSPECT_SLACK_KEYS)
+
+
+def needs_verifying(req: CommandRequest, rep: CommandReply, verifiers: dict[str, int]) -> bool:
+    """Whether ``rep``, a flush's answer not suspect so far, claims a removal the pool's other
+    keys' counts (``verifiers``: agent id -> count when the flush was sent,
+    ``Fleet.pool_verifiers``) can confirm: more keys than the slack of some count."""
+    res = rep.flush
+    return (req.command == "flush" and req.flush is not None and not req.flush.dry_run
+            and rep.ok and res is not None and rep.suspect is None
+            and any(res.removed_keys > _slack(n) for n in verifiers.values()))
+
+
+def verified_answer(rep: CommandReply, verifiers: dict[str, int], now: dict[str, int],
+                    done: bool) -> CommandReply | None:
+    """``rep`` (``needs_verifying``) once one verifier's count ``now`` shows the keys gone: at
+    most its count when the flush was sent (``verifiers``), less the keys removed, plus the
+    slack; marked ``suspect`` when ``done`` (``VERIFY_S`` passed) without; ``None``: wait.
+    Issue 42: an impostor's "removed 10 of 10 keys" matching the pool's own count was printed
+    as done while the pool kept every key."""
+    res = rep.flush
+    assert res is not None
+    removed = res.removed_keys
+    for aid, after in now.items():
+        before = verifiers[aid]
+        if after <= before - removed + _slack(before):
+            return rep
+    if not done:
+        return None
+    if now:
+        aid, after = next(iter(now.items()))
+        why = (f"removed {removed} keys, but {VERIFY_S:g} s later the pool holds {after} of "
+               f"its {verifiers[aid]} as {aid[:80]} reports it")
+    else:
+        why = f"removed {removed} keys, but no other key reports the pool any more"
     log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
     return msgspec.structs.replace(rep, ok=False, suspect=why,
                                    error=f"suspect answer, not counted as done: {why}")

@@ -534,6 +534,31 @@ class Fleet:
                     counts.append(pool.keys)
             return max(counts) if counts else None
 
+    def pool_verifiers(self, agent_id: str) -> dict[str, int]:
+        """Agent id -> its pool key count, for the agents that may confirm what ``agent_id``
+        says it did to its pool: of the same pool and another key; keys not bound to one
+        engine only, when the pool has any (an insider's engine-bound key can neither accuse a
+        fleet-wide key's answer nor vouch for another bound key's), else bound ones."""
+        with self._lock:
+            ag = self._agents.get(agent_id)
+            if ag is None:
+                return {}
+            master = ag.state.source.master
+            others = [(k, a) for k, a in self._agents.items()
+                      if a.state.pool is not None and a.state.source.master == master
+                      and a.identity != ag.identity]
+            free = [(k, a) for k, a in others if not a.bound]
+            if not free and not ag.bound:
+                return {}
+            return {k: a.state.pool.keys for k, a in free or others if a.state.pool is not None}
+
+    def pool_counts(self, agent_ids: list[str]) -> dict[str, int]:
+        """Agent id -> its pool key count now, for the held ones of ``agent_ids`` that report
+        one."""
+        with self._lock:
+            return {k: a.state.pool.keys for k in agent_ids
+                    if (a := self._agents.get(k)) is not None and a.state.pool is not None}
+
     def updates(self, kind: str, first_seq: int, gaps: dict[str, int],
                 stream: int = FULL_RATE) -> list[FleetUpdate]:
         """The frames of one ``FleetUpdate``: every agent (``kind="snapshot"``) or those that

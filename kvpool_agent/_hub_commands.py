@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from kvpool_agent._answers import checked_answer, unvouched_note
+from kvpool_agent._answers import (
+    VERIFY_S,
+    checked_answer,
+    needs_verifying,
+    unvouched_note,
+    verified_answer,
+)
 from kvpool_agent._audit import AuditTrail
 from kvpool_agent._fleet import Fleet
 from kvpool_agent._hub_counters import HubCounters
@@ -62,6 +68,9 @@ FORGOTTEN_SHOWN = 1000
 stays far below ``MAX_MESSAGE_BYTES``."""
 MAX_TIMEOUT_MS = 600_000
 """Longest a command waits for its agents' replies (ms), whatever the console asked."""
+_VERIFY_GRACE_S = 1.5
+"""How long past a command's deadline (s) the hub may hold its answer to check a flush
+(``kvpool_agent._answers.VERIFY_S``): ``FleetClient`` waits 2 s past it."""
 
 
 @dataclass
@@ -86,6 +95,11 @@ class _Pending:
     # Dry run: agent id -> the agent whose listing it shares; lister -> its share key.
     shared: dict[str, str] = field(default_factory=dict)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Flush: agent id -> the pool counts of the other keys that may confirm its answer, when
+    # sent (``Fleet.pool_verifiers``); the answers held for that and until when (monotonic s).
+    verifiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    held: dict[str, CommandReply] = field(default_factory=dict)
+    verify_until: float = 0.0
 
 
 class CommandRouter:
@@ -108,6 +122,8 @@ class CommandRouter:
         self.quotas = quotas
         self.listings = PoolListings()
         self.pending: dict[str, _Pending] = {}
+        # Flushes answered by their agents, held until other keys' counts confirm them.
+        self.verifying: list[_Pending] = []
         # Per agent, so each agent sees its own gap-free command sequence.
         self._agent_seq: dict[str, int] = {}
 
@@ -257,6 +273,8 @@ class CommandRouter:
             routing_id = known[aid]
             if req.command == "flush":
                 pend.pool_keys[aid] = self.fleet.pool_keys(aid)
+                if not dry_run:
+                    pend.verifiers[aid] = self.fleet.pool_verifiers(aid)
             fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
                 self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
@@ -318,7 +336,9 @@ class CommandRouter:
 
     def expire(self, now: float, why: str | None = None) -> None:
         """Answer the commands past their deadline (``why``: every command, for that reason)
-        with an error for each agent that has not replied."""
+        with an error for each agent that has not replied, and the flushes whose check is
+        done."""
+        self._verify(now)
         for internal in [k for k, p in self.pending.items() if why or now >= p.deadline]:
             pend = self.pending[internal]
             for aid in pend.expected:
@@ -344,13 +364,43 @@ class CommandRouter:
         return all(a in pend.replies or a in pend.shared for a in pend.expected)
 
     def _finish(self, pend: _Pending) -> None:
-        """Audit, then answer the console (flush answers checked, shared listings copied,
-        unknown targets in one reply)."""
+        """Every agent has answered: shared listings copied, flush answers checked against
+        the pool's count, a real flush's answer held until other keys' counts confirm it
+        (``_verify``), then audited and sent (``_answer``)."""
         for aid, lister in pend.shared.items():
             pend.replies[aid] = shared_answer(pend.req, aid, pend.replies[lister])
-        replies = [checked_answer(pend.req, pend.replies[a], (pend.pool_keys.get(a),
-                                                              self.fleet.pool_keys(a)))
-                   for a in pend.expected]
+        for a in pend.expected:
+            pend.replies[a] = checked_answer(pend.req, pend.replies[a], (
+                pend.pool_keys.get(a), self.fleet.pool_keys(a)))
+        pend.held = {a: r for a, r in pend.replies.items()
+                     if needs_verifying(pend.req, r, pend.verifiers.get(a, {}))}
+        if pend.held:
+            now = time.monotonic()
+            pend.verify_until = min(now + VERIFY_S, pend.deadline + _VERIFY_GRACE_S)
+            self.verifying.append(pend)
+            self._verify(now)
+            return
+        self._answer(pend)
+
+    def _verify(self, now: float) -> None:
+        """Answer the held flushes that other keys' pool counts confirm now, or whose check
+        is over (unconfirmed: suspect)."""
+        for pend in list(self.verifying):
+            done = now >= pend.verify_until
+            for aid, rep in list(pend.held.items()):
+                verifiers = pend.verifiers[aid]
+                checked = verified_answer(rep, verifiers, self.fleet.pool_counts(list(verifiers)),
+                                          done)
+                if checked is not None:
+                    pend.replies[aid] = checked
+                    del pend.held[aid]
+            if not pend.held:
+                self.verifying.remove(pend)
+                self._answer(pend)
+
+    def _answer(self, pend: _Pending) -> None:
+        """Audit the command's answers and send them to the console."""
+        replies = [pend.replies[a] for a in pend.expected]
         if len(pend.unknown) == 1:
             (aid,) = pend.unknown
             replies.append(agent_error(pend.req, aid, f"unknown agent {aid!r}"))

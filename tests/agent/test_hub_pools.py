@@ -212,3 +212,105 @@ def test_silence_keeps_tenure_and_only_unheld_tenures_are_pruned() -> None:
     fleet.forget(["eng-real"])
     fleet.prune_tenure(-1.0)  # every tenure is "old": only the unheld one goes
     assert set(fleet.tenure()) == {"eng-imp"}
+
+
+_MANY = 100
+"""Keys a flush must remove to be checked after it: more than the slack (64)."""
+
+
+@pytest.fixture
+def many_keys(mooncake_backend: Any, pool_buffer: ctypes.Array[ctypes.c_char],
+              model: str) -> Iterator[list[str]]:
+    """``_MANY`` keys of ``model`` really stored in the agent tests' pool."""
+    keys = [str(PoolKey(model, DIGEST, ParallelLayout(), f"{i:032x}")) for i in range(_MANY)]
+    codes = mooncake_backend.batch_put_from(
+        keys, [[ctypes.addressof(pool_buffer)]] * len(keys), [[_VALUE]] * len(keys))
+    assert codes == [0] * len(keys)
+    yield keys
+    mooncake_backend.remove_by_scope(f"^kvpool@{model}", dry_run=False, force=True)
+
+
+def _real_worker(engine: str, keys: KeyPaths, hub_address: str, mooncake_backend: Any,
+                 master: LocalMooncakeMaster, model: str) -> Any:
+    """A real agent of worker ``engine`` over the real pool, with ``keys`` (bound to it)."""
+    src = make_source(engine, model=model, master=master.address, layout_digest=DIGEST)
+    return start_agent(src, address=hub_address, pool_admin_url=master.admin_url,
+                       keys_dir=keys.root, operations=BackendOperations(
+                           mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(),))))
+
+
+def test_a_flush_the_pool_does_not_show_is_suspect(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]], mooncake_backend: Any,
+    agent_master: LocalMooncakeMaster, model: str, many_keys: list[str],
+) -> None:
+    """Issue 42, attack 2, the last form: every worker of the pool has a key bound to its
+    engine and an impostor's is the oldest, so ``flush --scope all`` goes to it. It answers
+    "removed N of N" with N the pool's own count as the real worker reports it, which every
+    check of the answer alone passes (before: printed as done, exit 0, the pool kept every
+    key). Now the hub holds the answer until another key's count of the pool shows the keys
+    gone; the real worker's count still holds them, so the answer is suspect."""
+    imp = FakeAgent(ctx, hub_address,
+                    keys=_bound_agent(tmp_path, fleet_keys["hub"], "imp-2").client("agent"))
+    isrc = make_source("imp-2", model=model, master=agent_master.address, layout_digest=DIGEST)
+    assert imp.report(isrc)
+    wait_until(lambda: isrc.agent_id in hub.fleet())
+    real = _real_worker("eng-v", _bound_agent(tmp_path, fleet_keys["hub"], "eng-v"),
+                        hub_address, mooncake_backend, agent_master, model)
+    try:
+        aid = real.source.agent_id
+
+        def counted() -> int:
+            st = hub.fleet().get(aid)
+            return st[0].pool.keys if st is not None and st[0].pool is not None else 0
+
+        wait_until(lambda: counted() >= _MANY, 15)
+        n = counted()
+        with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+            got: list[CommandReply] = []
+            t = threading.Thread(target=lambda: got.extend(op.command(
+                "flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=8_000)))
+            t.start()
+            assert _answer(imp, isrc.agent_id, n, dry_run=False) == ["flush"]
+            t.join()
+    finally:
+        real.stop()
+    (r,) = got
+    assert r.agent_id == isrc.agent_id and not r.ok, r
+    assert r.suspect is not None and "later the pool holds" in r.suspect, r
+    assert set(many_keys) <= _all_keys(agent_master)
+
+
+def test_a_genuine_flush_is_confirmed_by_another_keys_count(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    mooncake_backend: Any, agent_master: LocalMooncakeMaster, model: str,
+    many_keys: list[str],
+) -> None:
+    """Two real workers of the pool, each with a key bound to its engine: the older runs
+    ``flush --scope all``, the other's count of the pool confirms the keys gone (it measures
+    the master every 2 s), and the answer is done, not suspect."""
+    first = _real_worker("eng-f", _bound_agent(tmp_path, fleet_keys["hub"], "eng-f"),
+                         hub_address, mooncake_backend, agent_master, model)
+    try:
+        wait_until(lambda: first.source.agent_id in hub.fleet())
+        second = _real_worker("eng-s", _bound_agent(tmp_path, fleet_keys["hub"], "eng-s"),
+                              hub_address, mooncake_backend, agent_master, model)
+        try:
+            sid = second.source.agent_id
+
+            def counted() -> int:
+                st = hub.fleet().get(sid)
+                return st[0].pool.keys if st is not None and st[0].pool is not None else 0
+
+            wait_until(lambda: counted() >= _MANY, 15)
+            with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+                (r,) = op.command("flush", flush=FlushArgs(scope="all", dry_run=False),
+                                  timeout_ms=8_000)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+    assert r.agent_id == first.source.agent_id, r
+    assert r.ok and r.suspect is None and r.flush is not None, r
+    assert r.flush.removed_keys >= _MANY
+    assert not set(many_keys) & _all_keys(agent_master)
