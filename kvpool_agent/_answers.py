@@ -5,7 +5,9 @@ A flush answer is a claim of the agent that ran it (an agent key may be an insid
 holds it against the pool's key count as the pool's agents report it (``Fleet.pool_keys``) and
 marks one that cannot be true ``suspect`` with ``ok=False``: the console prints ``flush
 SUSPECT, not done`` and exits 1, the audit line says why. Checked both ways since issue 42 (an
-impostor's "removed 10 of 10 keys" of a pool of thousands was printed as done).
+impostor's "removed 10 of 10 keys" of a pool of thousands was printed as done), and a real
+flush's removal is confirmed by another key's count of the pool after it (``verified_answer``:
+"removed N of N" with N the pool's own count passes every check of the answer alone).
 """
 
 from __future__ import annotations

@@ -288,3 +288,55 @@ def test_memory_sheds_are_on_metrics(hub_address: str) -> None:
                    if m.name.startswith("kvpool_hub_") and m.name.endswith("_sheds")}
     assert scraped["kvpool_hub_memory_sheds"] >= 1
     assert scraped["kvpool_hub_connection_sheds"] == 0
+
+
+def test_the_connection_table_drops_the_heaviest_sender_and_never_a_reused_descriptor() -> None:
+    """``kvpool_agent._hub_connections`` on real TCP connections (the test reads them as libzmq
+    would): the one that received the most since its baseline is found and shut down (its peer
+    reads EOF, the other keeps its connection); a descriptor closed and reused for another
+    peer is never shut down (POSIX gives a new socket the lowest free descriptor)."""
+    import socket
+
+    from kvpool_agent._hub_connections import ConnectionTable
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    quiet = socket.create_connection(srv.getsockname())
+    quiet_in = srv.accept()[0]
+    loud = socket.create_connection(srv.getsockname())
+    loud_in = srv.accept()[0]
+    table = ConnectionTable()
+    table.accepted("commands", quiet_in.fileno())
+    table.accepted("agents", loud_in.fileno())
+    table.baseline(calm=True, now=0.0)
+    quiet.sendall(b"y" * 100)
+    loud.sendall(b"x" * (1 << 20))
+    got = 0
+    while got < 1 << 20:
+        got += len(loud_in.recv(1 << 20))
+    assert quiet_in.recv(100) == b"y" * 100
+    heaviest = table.heaviest()
+    assert heaviest is not None
+    conn, grown = heaviest
+    assert (conn.port, conn.peer, grown) == ("agents", "{}:{}".format(*loud.getsockname()),
+                                            1 << 20)
+    assert table.drop(conn)
+    loud.settimeout(5)
+    assert loud.recv(1) == b""  # EOF: shut down by the table
+    assert len(table) == 1
+    quiet_fd = quiet_in.fileno()
+    (left, _) = table.heaviest() or (None, 0)
+    assert left is not None and left.fd == quiet_fd
+    newcomer = socket.socket()  # its descriptor taken before the quiet one is freed
+    quiet_in.close()
+    newcomer.connect(srv.getsockname())
+    reused = srv.accept()[0]
+    try:
+        assert reused.fileno() == quiet_fd
+        assert not table.drop(left)
+        newcomer.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            newcomer.recv(1)  # still connected: no EOF
+        assert len(table) == 0
+    finally:
+        for s in (reused, newcomer, quiet, loud, loud_in, srv):
+            s.close()
