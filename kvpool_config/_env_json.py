@@ -4,7 +4,8 @@ Checked: types, that the ASCEND transfer variables sit where the engines read th
 the kv_store pod's section), their unit (``ASCEND_CONNECT_TIMEOUT`` and
 ``ASCEND_TRANSFER_TIMEOUT`` are integer milliseconds for Mooncake's Ascend Direct Transport), and
 that prefill and decode agree on the transport switches, and the SSD tier's
-``MOONCAKE_OFFLOAD_*`` variables in any section (``rules.check_offload_env``). A
+``MOONCAKE_OFFLOAD_*`` variables in any section (``rules.check_offload_env``; where the
+tier's size limit cannot hold, ``rules.check_disk_tier_limit``). A
 user_config.json given with ``--env`` also reads this file for its own rules (lease against
 timeouts, FabricMem, ``PYTHONHASHSEED``).
 """
@@ -45,10 +46,19 @@ def check(
         if isinstance(values, dict):
             findings += R.check_offload_env(values, section=section,
                                             value_bytes=options.value_bytes)
+            findings += _disk_tier_limit(values, section)
     findings += _misplaced_ascend(doc)
     findings += _timeout_units(doc)
     findings += _prefill_decode_agree(doc)
     return findings
+
+
+def _disk_tier_limit(values: dict[str, Any], section: str) -> list[Finding]:
+    """``rules.check_disk_tier_limit`` with the offload directory's filesystem measured when
+    that directory exists on this host."""
+    path = values.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH")
+    space = R.filesystem_space(path) if isinstance(path, str) and path.startswith("/") else None
+    return R.check_disk_tier_limit(values, section=section, space=space)
 
 
 def _misplaced_ascend(env: dict[str, Any]) -> list[Finding]:

@@ -10,12 +10,15 @@ wheel puts on PATH. The master listens for clients on ``rpc_port`` and serves ``
 A store may add a disk tier (``DiskTier``, Mooncake's SSD offload): the master runs with
 ``--enable_offload=true`` and the store with ``--enable_offload=true`` and the
 ``MOONCAKE_OFFLOAD_*`` environment naming a local directory, its capacity and its staging
-buffer.
+buffer. The tier uses Mooncake's bucket backend with its size caps set to that capacity:
+the file-per-key backend does not keep its files under it (it fills 90% of the directory's
+filesystem, less 256 MiB: ``kvpool_config.rules._disk_tier``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -29,7 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import httpx
 import psutil
@@ -37,6 +40,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
+from kvpool_config.rules import file_per_key_bound, filesystem_space
 
 __all__ = [
     "DiskTier",
@@ -56,6 +60,7 @@ __all__ = [
 
 
 _T = TypeVar("_T")
+_log = logging.getLogger(__name__)
 
 
 def tail_file(path: Path, n: int = 20) -> str:
@@ -237,55 +242,103 @@ class LocalService(ABC):
         self.stop()
 
 
+DiskBackend = Literal["bucket_storage_backend", "file_per_key_storage_backend"]
+"""Mooncake's offload storage backends a ``DiskTier`` can use
+(``MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR``)."""
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+"""A bucket's size (``MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES``) in a local disk tier: values
+wait in memory until a bucket fills (Mooncake's 256 MiB or 500 keys would pin a small pool's
+memory), and eviction removes a whole bucket."""
+
+
 @dataclass(frozen=True)
 class DiskTier:
-    """A store's disk tier: Mooncake's SSD offload into a local directory.
+    """A store's disk tier: Mooncake's SSD offload into a local directory, never holding more
+    than ``capacity_bytes``.
 
     The master offloads a value to the disk of the store holding it in memory; once there, a
     read whose memory copy was evicted is served from disk (``get`` falls back by itself, and
-    ``get_replica_desc`` lists a local-disk replica). Values are kept one file per key
-    (``file_per_key_storage_backend``: the default bucket backend never wrote a bucket here
-    and kept every offloaded value pinned in memory).
+    ``get_replica_desc`` lists a local-disk replica).
+
+    The limit holds with the bucket backend (the default here): values are written in buckets
+    of ``bucket_bytes``, and before a bucket is written the oldest buckets are removed until
+    both its logical count (``MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE``) and the directory's
+    real bytes on disk (``MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES``) stay within
+    ``capacity_bytes`` (Mooncake ``storage_backend.cpp``: ``BucketStorageBackend``'s eviction
+    with ``MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY=fifo``). The file-per-key backend ignores
+    ``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`` and fills 90% of the directory's filesystem
+    (``kvpool_config.rules._disk_tier``); it is kept for comparison.
 
     Args:
         directory: where the files go; absolute (a relative path is refused), created if
-            missing.
-        capacity_bytes: the most the tier holds, bytes (``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES``;
-            the master publishes it as ``master_total_file_capacity_bytes``).
+            missing. The filesystem needs 256 MiB free beyond the tier (Mooncake evicts
+            buckets to keep that much available).
+        capacity_bytes: the most the tier holds, bytes (``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES``,
+            which the master publishes as ``master_total_file_capacity_bytes``, and the
+            bucket backend's two caps).
         staging_bytes: the store's buffer every value passes through on its way to and from
             disk, bytes (``MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES``); must exceed the largest
             value.
         heartbeat_s: how often the store asks the master what to offload, seconds
             (``MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS``; Mooncake's default is 10).
+        backend: ``bucket_storage_backend`` (bounded) or ``file_per_key_storage_backend``.
+        bucket_bytes: a bucket's size, bytes (``MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES``):
+            at least the largest value (a larger value is never offloaded) and at most
+            ``capacity_bytes``.
 
     Raises:
-        ValueError: a relative directory or a size that is not positive (the message names
-            the field).
+        ValueError: a relative directory, a size that is not positive, or a bucket larger
+            than the tier (the message names the field).
     """
 
     directory: Path
     capacity_bytes: int
     staging_bytes: int = DEFAULT_STAGING_BYTES
     heartbeat_s: int = 1
+    backend: DiskBackend = "bucket_storage_backend"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
         if not self.directory.is_absolute():
             raise ValueError(f"disk tier directory {str(self.directory)!r} is relative: give "
                              "an absolute path")
-        for name in ("capacity_bytes", "staging_bytes", "heartbeat_s"):
+        for name in ("capacity_bytes", "staging_bytes", "heartbeat_s", "bucket_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"disk tier {name} is {getattr(self, name)}: it must be > 0")
+        if self.backend == "bucket_storage_backend" and self.bucket_bytes > self.capacity_bytes:
+            raise ValueError(f"disk tier bucket_bytes {self.bucket_bytes} exceeds capacity_bytes "
+                             f"{self.capacity_bytes}: give a bucket at most the tier's size")
+
+    def bound_bytes(self) -> int | None:
+        """The most bytes the tier can keep in ``directory`` as its filesystem is now:
+        ``capacity_bytes`` with the bucket backend; with file-per-key, 90% of the filesystem
+        less 256 MiB (``rules.file_per_key_bound``), ``None`` if the directory does not
+        exist."""
+        if self.backend == "bucket_storage_backend":
+            return self.capacity_bytes
+        space = filesystem_space(str(self.directory))
+        return None if space is None else file_per_key_bound(*space)
 
     def env(self) -> dict[str, str]:
         """The store's ``MOONCAKE_OFFLOAD_*`` environment for this tier."""
-        return {
+        env = {
             "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(self.directory),
-            "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend",
+            "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": self.backend,
             "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(self.capacity_bytes),
             "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(self.staging_bytes),
             "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": str(self.heartbeat_s),
         }
+        if self.backend == "bucket_storage_backend":
+            env |= {
+                "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(self.capacity_bytes),
+                "MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES": str(self.capacity_bytes),
+                "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "fifo",
+                "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(self.bucket_bytes),
+                "MOONCAKE_OFFLOAD_BUCKET_DISK_SCAN_CACHE_MS": "0",
+            }
+        return env
 
 
 MASTER_LEASE_TTL_MS = 10_000
@@ -434,6 +487,16 @@ class LocalPoolStore(LocalService):
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-store-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def _prepare_disk(self, disk: DiskTier) -> None:
+        """Create the tier's directory; with the file-per-key backend, warn when the
+        directory's filesystem lets the tier grow past ``disk.capacity_bytes``."""
+        disk.directory.mkdir(parents=True, exist_ok=True)
+        bound = disk.bound_bytes()
+        if bound is not None and bound > disk.capacity_bytes:
+            _log.warning("disk tier %s: Mooncake's file_per_key backend may fill it to %d "
+                         "bytes, past its capacity_bytes %d; use the bucket backend",
+                         disk.directory, bound, disk.capacity_bytes)
+
     def start(self, timeout_s: float = 20.0) -> LocalPoolStore:
         env = engine_env()
         binary = shutil.which("mooncake_client", path=env["PATH"])
@@ -448,7 +511,7 @@ class LocalPoolStore(LocalService):
                f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
                "--local_buffer_size=16MB"]
         if self.disk is not None:
-            self.disk.directory.mkdir(parents=True, exist_ok=True)
+            self._prepare_disk(self.disk)
             cmd.append("--enable_offload=true")
             env.update(self.disk.env())
         with reaping(cmd):

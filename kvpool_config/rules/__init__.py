@@ -8,6 +8,7 @@ the console's alerts (``kvpool_console.alerts``) are separate rules over what ru
 report, and do not call these functions.
 
 By topic: :mod:`~kvpool_config.rules._store` (the pool, its master and sizes),
+:mod:`~kvpool_config.rules._disk_tier` (what bounds the SSD tier's bytes),
 :mod:`~kvpool_config.rules._connector` (connectors and engines),
 :mod:`~kvpool_config.rules._ports` (port clashes) and :mod:`~kvpool_config.rules._finding`
 (the finding type, allowed values, unknown keys).
@@ -27,6 +28,11 @@ from kvpool_config.rules._connector import (
     check_qos_priority,
     check_staging_buffer,
     is_hybrid_attention_model,
+)
+from kvpool_config.rules._disk_tier import (
+    check_disk_tier_limit,
+    file_per_key_bound,
+    filesystem_space,
 )
 from kvpool_config.rules._finding import (
     Finding,
@@ -74,6 +80,7 @@ __all__ = [
     "check_backend_match",
     "check_block_multiple",
     "check_choice",
+    "check_disk_tier_limit",
     "check_duplicate_ports",
     "check_global_segment_size",
     "check_hybrid_kvpool",
@@ -95,6 +102,8 @@ __all__ = [
     "check_staging_buffer",
     "check_store_mode",
     "check_unknown_keys",
+    "file_per_key_bound",
+    "filesystem_space",
     "is_hybrid_attention_model",
     "json_path",
 ]

@@ -2,10 +2,16 @@
 ``mooncake_client`` store: values written past the memory tier are offloaded to a local
 directory, read back from disk byte for byte through the connector's own backend, and the
 master's counts of both tiers reach ``PoolStats`` (the backend's and the agent's report; the
-console's side is tests/console/test_pool_disk.py)."""
+console's side is tests/console/test_pool_disk.py).
+
+The tier's size limit: with the bucket backend and its caps (``DiskTier``'s default) the tier
+never holds more than its limit while it is overfilled three times over; Mooncake's
+file-per-key backend ignores the limit."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +20,7 @@ import pytest
 import torch
 
 from kvpool_agent.pool import fetch_mooncake_stats
+from kvpool_config.rules import file_per_key_bound, filesystem_space
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_replay import DiskTier, LocalMooncakeMaster, LocalPoolStore
 from kvpool_replay._pool import MIN_SEGMENT_BYTES
@@ -135,3 +142,123 @@ def test_replay_with_a_disk_tier_hits_more_than_its_memory_alone() -> None:
     # lru_hit_rate: an exact LRU of the memory tier alone, which a replay without the disk
     # tier matches exactly on this slice (docs/benchmarks.md).
     assert report.hit_rate > report.lru_hit_rate
+
+
+LIMIT = 32 << 20
+"""The tier's limit in the overfill tests: 32 values of 1 MiB."""
+OVERFILL = 3 * LIMIT // VALUE
+"""Values written in the overfill tests: three times what the tier may hold."""
+
+
+def _du(directory: Path) -> int:
+    """Bytes the files under ``directory`` take on disk (allocated blocks, as ``du``)."""
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue  # removed by the tier's eviction while we walked
+    return total
+
+
+class _Peak:
+    """Samples the tier's bytes every 20 ms in a thread until ``stop()``: the most the files of
+    ``directory`` took on disk and the largest ``disk_used_bytes`` the master reported."""
+
+    def __init__(self, directory: Path, admin_url: str) -> None:
+        self.directory, self.admin_url = directory, admin_url
+        self.du = self.master = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        self.du = max(self.du, _du(self.directory))
+        self.master = max(self.master, fetch_mooncake_stats(self.admin_url).disk_used_bytes)
+
+    def _run(self) -> None:
+        while not self._done.wait(0.02):
+            self._sample()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self._sample()
+
+
+def _write_past_the_limit(backend: MooncakeBackend, src: torch.Tensor) -> list[str]:
+    """Put ``OVERFILL`` values of 1 MiB, each retried until memory takes it, then wait until
+    the last one is on disk (every earlier offload is then done)."""
+    keys = [f"overfill/{i}" for i in range(OVERFILL)]
+    for i, key in enumerate(keys):
+        deadline = time.monotonic() + 60
+        while (rc := backend.batch_put_from([key], [[src.data_ptr() + i * VALUE]],
+                                            [[VALUE]])[0]) != 0:
+            assert time.monotonic() < deadline, f"put {key} kept failing: {rc}"
+            time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while not any(d.is_local_disk_replica()
+                  for d in backend.store.batch_get_replica_desc(keys[-1:])[keys[-1]]):
+        assert time.monotonic() < deadline, "the last value never reached disk"
+        time.sleep(0.1)
+    return keys
+
+
+def _run_overfill(work: Path, disk: DiskTier) -> tuple[_Peak, int, int]:
+    """Overfill ``disk`` behind a 16 MiB memory tier: the peak sampler (stopped), the values
+    still on disk at the end, and how many of those read back byte for byte."""
+    with LocalMooncakeMaster(enable_offload=True, default_kv_lease_ttl_ms=200,
+                             log_dir=work) as master, \
+            LocalPoolStore(master, MIN_SEGMENT_BYTES, log_dir=work, disk=disk):
+        backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            "master_server_address": master.address, "global_segment_size": 0,
+            "local_buffer_size": "16MB", "master_admin_url": master.admin_url,
+            "default_kv_lease_ttl": 200}}))
+        try:
+            src = torch.randint(0, 256, (OVERFILL * VALUE,), dtype=torch.uint8)
+            dst = torch.zeros(VALUE, dtype=torch.uint8)
+            for t in (src, dst):
+                backend.register_buffer(t.data_ptr(), t.numel())
+            peak = _Peak(disk.directory, master.admin_url)
+            try:
+                keys = _write_past_the_limit(backend, src)
+            finally:
+                peak.stop()
+            descs = backend.store.batch_get_replica_desc(keys)
+            on_disk = [i for i, k in enumerate(keys)
+                       if any(d.is_local_disk_replica() for d in descs.get(k, []))]
+            intact = 0
+            for i in on_disk:
+                got = backend.batch_get_into([keys[i]], [[dst.data_ptr()]], [[VALUE]])
+                intact += got == [VALUE] and torch.equal(dst, src[i * VALUE:(i + 1) * VALUE])
+            return peak, len(on_disk), intact
+        finally:
+            backend.close()
+
+
+def test_the_bucket_tier_never_exceeds_its_limit_while_overfilled(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "disk", LIMIT, bucket_bytes=2 * VALUE)
+    assert disk.env()["MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES"] == str(LIMIT)
+    peak, on_disk, intact = _run_overfill(tmp_path, disk)
+    # Never above the limit: by the bytes its files took on disk and by the master's count.
+    assert peak.du <= LIMIT, f"the tier's files took {peak.du} bytes > {LIMIT}"
+    assert peak.master <= LIMIT, f"the master counted {peak.master} bytes > {LIMIT}"
+    # And it did fill: the oldest values were removed from disk to make room (the samples
+    # are 20 ms apart, so the peak they saw is not asserted closer than half the limit).
+    assert max(peak.master, peak.du) >= LIMIT // 2, (peak.master, peak.du)
+    assert 0 < on_disk < OVERFILL
+    assert on_disk * VALUE <= LIMIT
+    assert intact == on_disk
+
+
+def test_file_per_key_ignores_its_limit(tmp_path: Path) -> None:
+    # Mooncake's file_per_key backend bounds itself by 90% of the filesystem less 256 MiB,
+    # not by MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: on this machine's disk it keeps all.
+    disk = DiskTier(tmp_path / "disk", LIMIT, backend="file_per_key_storage_backend")
+    space = filesystem_space(str(tmp_path))
+    assert space is not None and file_per_key_bound(*space) > OVERFILL * VALUE
+    peak, on_disk, intact = _run_overfill(tmp_path, disk)
+    assert peak.master == OVERFILL * VALUE > LIMIT
+    assert peak.du >= OVERFILL * VALUE
+    assert on_disk == OVERFILL == intact

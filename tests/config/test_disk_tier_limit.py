@@ -1,0 +1,104 @@
+"""``kvpool-config``'s ``disk-tier-limit`` rule: where an SSD tier's
+``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`` cannot hold (Mooncake's file-per-key backend, a
+bucket backend without its caps), by value; the replay's own ``DiskTier`` passes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvpool_config.cli import main
+from kvpool_config.rules import check_disk_tier_limit, file_per_key_bound
+from kvpool_replay import DiskTier
+
+GIB = 1 << 30
+MIB = 1 << 20
+LIMIT = 4 * GIB
+FPK = {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend",
+       "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "/nvme/offload",
+       "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(LIMIT)}
+BUCKET_CAPS = {"MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": LIMIT,
+               "MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES": LIMIT,
+               "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "fifo"}
+
+
+def test_the_file_per_key_bound_is_ninety_percent_less_256_mib() -> None:
+    assert file_per_key_bound(100 * GIB, 100 * GIB) == 90 * GIB
+    assert file_per_key_bound(512 * MIB, 300 * MIB) == 44 * MIB
+    assert file_per_key_bound(512 * MIB, 100 * MIB) == 0
+
+
+def test_file_per_key_on_a_larger_filesystem_names_the_bytes_it_fills() -> None:
+    [f] = check_disk_tier_limit(FPK, section="s", space=(100 * GIB, 50 * GIB))
+    assert (f.severity, f.rule, f.path) == (
+        "warning", "disk-tier-limit", "$.s.MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES")
+    assert f"ignores MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES {LIMIT}" in f.message
+    assert f"up to {50 * GIB - 256 * MIB} bytes" in f.message
+    assert f.fix == ("set MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR=bucket_storage_backend "
+                     f"with MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE={LIMIT}, "
+                     f"MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES={LIMIT} and "
+                     "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY=fifo")
+
+
+def test_file_per_key_elsewhere_warns_without_numbers() -> None:
+    [f] = check_disk_tier_limit(FPK, section="s")
+    assert "up to 90% of its filesystem" in f.message
+
+
+def test_file_per_key_holds_where_its_quota_is_the_limit() -> None:
+    # A filesystem of limit / 0.9 with more than 256 MiB to spare: the quota binds, and the
+    # backend evicts to keep to it.
+    assert check_disk_tier_limit(FPK, section="s", space=(LIMIT * 10 // 9, LIMIT * 10 // 9)) \
+        == []
+
+
+def test_file_per_key_on_a_small_filesystem_stops_writing() -> None:
+    small = {**FPK, "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(256 * MIB)}
+    [f] = check_disk_tier_limit(small, section="s", space=(512 * MIB, 512 * MIB))
+    assert f.path == "$.s.MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
+    assert "offloads fail and values wait in memory" in f.message
+
+
+def test_file_per_key_without_eviction() -> None:
+    [f] = check_disk_tier_limit({**FPK, "MOONCAKE_OFFLOAD_ENABLE_EVICTION": "false"},
+                                section="s", space=(LIMIT * 10 // 9, LIMIT * 10 // 9))
+    assert f.path == "$.s.MOONCAKE_OFFLOAD_ENABLE_EVICTION"
+    assert "until the filesystem is full" in f.message
+
+
+def test_the_bucket_backend_needs_both_caps_and_a_policy() -> None:
+    bucket = {k: v for k, v in FPK.items() if k != "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR"}
+    [f] = check_disk_tier_limit(bucket, section="s")
+    assert f.message.endswith("not set so: MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE, "
+                              "MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES, "
+                              "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY")
+    assert check_disk_tier_limit({**bucket, **BUCKET_CAPS}, section="s") == []
+    over = {**bucket, **BUCKET_CAPS, "MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES": LIMIT + 1}
+    [f] = check_disk_tier_limit(over, section="s")
+    assert f.message.endswith("not set so: MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES")
+
+
+def test_no_limit_no_finding() -> None:
+    assert check_disk_tier_limit({"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "/x"}, section="s") == []
+
+
+def test_the_replays_tier_passes(tmp_path: Path) -> None:
+    env = DiskTier(tmp_path, 256 * MIB).env()
+    assert check_disk_tier_limit(env, section="s") == []
+    fpk = DiskTier(tmp_path, 256 * MIB, backend="file_per_key_storage_backend").env()
+    assert len(check_disk_tier_limit(fpk, section="s")) == 1
+
+
+def test_kvpool_config_reports_it_for_an_env_json(tmp_path: Path,
+                                                  capsys: object) -> None:
+    # The offload directory exists here: the rule measures its filesystem.
+    env = {"motor_common_env": {}, "motor_kv_cache_store_env": {
+        **FPK, "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(tmp_path),
+        "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(MIB)}}
+    path = tmp_path / "env.json"
+    path.write_text(json.dumps(env))
+    assert main(["validate", str(path), "--json"]) in (0, 1)
+    out = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]
+    found = [f for f in out["findings"] if f["rule"] == "disk-tier-limit"]
+    assert len(found) == 1 and "ignores MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES" in \
+        found[0]["message"]
