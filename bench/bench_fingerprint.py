@@ -19,8 +19,8 @@ may keep some cached, so "cold" is an upper bound of the page cache's help, not 
 Prints median and spread (min-max) in ms and the bytes each read.
 
 Not measured here: vLLM engine start with and without the fingerprint (the fingerprint is one
-call in ``register_kv_caches``; its time is the ``fingerprint`` row, logged by every worker as
-``KVPoolConnector: model fingerprint ... in X ms``).
+call in ``register_kv_caches``; its time is the ``fingerprint`` row, logged by every worker at
+INFO as ``KVPoolConnector: model fingerprint ... in X ms``): ``bench/bench_engine_start.py``.
 
 Run on an idle machine: ``.venv/bin/python bench/bench_fingerprint.py [--size 10GB]
 [--repeat 5]``; ``--size 64MB`` for a smoke run.
