@@ -115,16 +115,18 @@ class BackendOperations:
             (the connector sets it then, with the layout digest and shards).
 
     Attributes:
-        saves: the worker whose saves ``wait_for_saves`` waits for; the connector sets it once
-            the worker exists (the worker needs the agent's reporter first). While ``None``
+        saves: the worker whose saves ``wait_for_saves`` waits for (``bind``). While ``None``
             there is no save to wait for.
         reporter: the agent's reporter, which takes ``reset_flush``'s audit record to the hub
-            (``Reporter.flush_audited``); the connector sets it once the agent runs.
-        pins: this worker's pinned prefixes (``kvpool_connector.pins``), set by the connector
-            with the key scope when the backend can pin (Mooncake); ``None``: ``pin`` is
-            refused here.
-        tokenize: the engine's tokenizer for text pins; ``None`` (an engine without one, the
-            replay's simulated engines): a text pin is refused.
+            (``Reporter.flush_audited``; ``bind``).
+        pins: this worker's pinned prefixes (``kvpool_connector.pins``; ``register``) when the
+            backend can pin (Mooncake); ``None``: ``pin`` is refused here.
+        tokenize: the engine's tokenizer for text pins (``register``); ``None`` (an engine
+            without one, the replay's simulated engines): a text pin is refused.
+
+    A worker's operations exist before its agent (which serves them) and before vLLM registers
+    its KV caches: ``kvpool_connector._wiring`` completes them with ``bind`` once the agent and
+    the worker run, and ``register`` once the layout digest is known.
     """
 
     def __init__(
@@ -143,6 +145,18 @@ class BackendOperations:
         self._prober = _Prober(backend, source.agent_id)
         # Scopes of operator flushes that removed this process's keys, for the KV events.
         self._flushes: deque[str] = deque(maxlen=64)
+
+    def bind(self, reporter: Reporter, saves: SavesInFlight | None) -> None:
+        """End of the wiring's phase 1 (``kvpool_connector._wiring``): the agent's reporter
+        and the worker whose saves the flushes wait for (the worker needs the agent's
+        reporter, the agent these operations)."""
+        self.reporter, self.saves = reporter, saves
+
+    def register(self, key_scope: KeyScope, pins: Pins | None,
+                 tokenize: Tokenize | None) -> None:
+        """The wiring's phase 2, once vLLM registered the KV caches: the key scope (model,
+        layout digest, every shard written), the layout's pins and the engine's tokenizer."""
+        self.key_scope, self.pins, self.tokenize = key_scope, pins, tokenize
 
     def health(self, probe: bool = False) -> list[HealthCheck]:
         """``Backend.health()`` (client state and master reachability; no pool key touched),

@@ -189,7 +189,7 @@ class SimEngine:
         self.scheduler = KVPoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
         # The counters vLLM's KV connector stats carry (kvpool_connector._stats), read
         # directly: this engine owns both roles in one process.
-        sched, work = self.scheduler._scheduler, self.worker._worker
+        sched, work = self.scheduler.pool_scheduler, self.worker.pool_worker
         assert sched is not None and work is not None
         self._work = work
         self._lookup_counters, self._save_counters = sched.counters, work.counters

@@ -97,7 +97,8 @@ class Pool:
 
     def held(self, hash_ids: list[int]) -> int:
         """Leading chunks of ``hash_ids``'s prompt the pool holds (the worker's own lookup)."""
-        worker = self.engine.worker._worker
+        worker = self.engine.worker.pool_worker
+        assert worker is not None
         return int(worker.lookup_chunks(chunk_hashes(tokens(hash_ids), CHUNK)))
 
     def flood(self, tag: int, gone: list[int], deadline_s: float = 60.0) -> None:
