@@ -11,6 +11,7 @@ file-per-key backend ignores the limit."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -164,9 +165,10 @@ def _du(directory: Path) -> int:
 
 class _Peak:
     """Samples the tier's bytes every 20 ms in a thread until ``stop()``: the most the files of
-    ``directory`` took on disk and the largest ``disk_used_bytes`` the master reported."""
+    ``directory`` took on disk and the largest ``disk_used_bytes`` the master at ``admin_url``
+    reported (if given)."""
 
-    def __init__(self, directory: Path, admin_url: str) -> None:
+    def __init__(self, directory: Path, admin_url: str | None = None) -> None:
         self.directory, self.admin_url = directory, admin_url
         self.du = self.master = 0
         self._done = threading.Event()
@@ -175,7 +177,9 @@ class _Peak:
 
     def _sample(self) -> None:
         self.du = max(self.du, _du(self.directory))
-        self.master = max(self.master, fetch_mooncake_stats(self.admin_url).disk_used_bytes)
+        if self.admin_url is not None:
+            self.master = max(self.master,
+                              fetch_mooncake_stats(self.admin_url).disk_used_bytes)
 
     def _run(self) -> None:
         while not self._done.wait(0.02):
@@ -262,3 +266,34 @@ def test_file_per_key_ignores_its_limit(tmp_path: Path) -> None:
     assert peak.master == OVERFILL * VALUE > LIMIT
     assert peak.du >= OVERFILL * VALUE
     assert on_disk == OVERFILL == intact
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_replay_overfilling_the_tier_on_a_small_filesystem_stays_inside_the_limit(
+        tmp_path: Path) -> None:
+    # 262,144 tokens of memory and of disk (16 MiB each at 64 B/token) under 300 requests of
+    # the conversation trace (far more saves than both hold), the tier on a tmpfs of
+    # 16 + 256 + 64 MiB (the bucket backend keeps 256 MiB of its filesystem free).
+    from kvpool_replay import ModelShape, ReplayConfig, default_trace_path, run_replay
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    tokens = MIN_SEGMENT_BYTES // 64
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(16 + 256 + 64) << 20}",
+                    "kvpool-test-disk-tier", str(fs)], check=True)
+    try:
+        peak = _Peak(fs)
+        try:
+            report = run_replay(ReplayConfig(
+                trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=300,
+                pool_tokens=tokens, disk_tier_tokens=tokens, disk_tier_dir=str(fs),
+                shape=ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16,
+                                 dtype="float16")))
+        finally:
+            peak.stop()
+    finally:
+        subprocess.run(["umount", str(fs)], check=True)
+    assert report.errors == [] and report.corrupt_blocks == 0
+    assert peak.du <= MIN_SEGMENT_BYTES, f"the tier's files took {peak.du} bytes"
+    assert peak.du >= MIN_SEGMENT_BYTES // 2, f"the tier never filled: {peak.du} bytes"
+    assert 0 < report.pool_disk_keys * 512 * 64 <= MIN_SEGMENT_BYTES
