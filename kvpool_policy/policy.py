@@ -326,8 +326,8 @@ class PoolPolicy:
             return False
         while self.used_bytes + nbytes > self.capacity_bytes:
             key = self._order.victim()
-            if key is None:  # unreachable: the unpinned bytes alone made room
-                return False
+            # Never empty here: with every unpinned chunk gone, pinned + nbytes fit (checked).
+            assert key is not None
             evicted[key] = None
         return True
 
