@@ -14,7 +14,7 @@ test: setup
 	bash scripts/test.sh
 
 lint: setup
-	.venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench scripts setup.py
+	.venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay kvpool_policy tests bench scripts setup.py
 	.venv/bin/mypy
 	.venv/bin/lint-imports
 

@@ -13,7 +13,7 @@ if [ ! -x /usr/sbin/sshd ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server >/dev/null
 fi
-printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay tests bench scripts setup.py
+printf '\n==> ruff\n';  .venv/bin/ruff check kvpool_connector kvpool_agent kvpool_console kvpool_config kvpool_replay kvpool_policy tests bench scripts setup.py
 printf '\n==> mypy\n';  .venv/bin/mypy
 printf '\n==> import contracts\n';  .venv/bin/lint-imports
 # The docs site: a broken link, a missing snippet or a page left out of the nav fails here
