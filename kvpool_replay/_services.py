@@ -285,7 +285,7 @@ class DiskTier:
         backend: ``bucket_storage_backend`` (bounded) or ``file_per_key_storage_backend``.
         bucket_bytes: a bucket's size, bytes (``MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES``):
             at least the largest value (a larger value is never offloaded) and at most
-            ``capacity_bytes``.
+            ``capacity_bytes``; ``None`` (default): 4 MiB, or ``capacity_bytes`` if smaller.
 
     Raises:
         ValueError: a relative directory, a size that is not positive, or a bucket larger
@@ -297,16 +297,20 @@ class DiskTier:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     heartbeat_s: int = 1
     backend: DiskBackend = "bucket_storage_backend"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
+        if self.bucket_bytes is None:
+            object.__setattr__(self, "bucket_bytes",
+                               min(DEFAULT_BUCKET_BYTES, max(1, self.capacity_bytes)))
         if not self.directory.is_absolute():
             raise ValueError(f"disk tier directory {str(self.directory)!r} is relative: give "
                              "an absolute path")
         for name in ("capacity_bytes", "staging_bytes", "heartbeat_s", "bucket_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"disk tier {name} is {getattr(self, name)}: it must be > 0")
+        assert self.bucket_bytes is not None
         if self.backend == "bucket_storage_backend" and self.bucket_bytes > self.capacity_bytes:
             raise ValueError(f"disk tier bucket_bytes {self.bucket_bytes} exceeds capacity_bytes "
                              f"{self.capacity_bytes}: give a bucket at most the tier's size")

@@ -123,6 +123,15 @@ def test_disk_tier_settings_are_checked(tmp_path: Path) -> None:
         LocalPoolStore(LocalMooncakeMaster(), MIN_SEGMENT_BYTES, disk=DiskTier(tmp_path, DISK))
     assert DiskTier(tmp_path, DISK).env()["MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"] == \
         str(DISK)
+    with pytest.raises(ValueError, match="bucket_bytes 2048 exceeds capacity_bytes 1024"):
+        DiskTier(tmp_path, 1024, bucket_bytes=2048)
+    assert DiskTier(tmp_path, 1024).bucket_bytes == 1024
+    env = DiskTier(tmp_path, DISK).env()
+    assert (env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"],
+            env["MOONCAKE_OFFLOAD_BUCKET_MAX_PHYSICAL_BYTES"],
+            env["MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY"],
+            env["MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES"]) == (str(DISK), str(DISK), "fifo",
+                                                                str(4 << 20))
 
 
 
