@@ -7,11 +7,13 @@ correct alert where it is robust on a loaded 2-core machine (measured figures ar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,36 +125,91 @@ def _gone(rule: str, subject: str) -> Callable[[list[Alert]], bool]:
     return lambda alerts: not any(a.rule == rule and a.subject == subject for a in alerts)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+@dataclass
+class Services:
+    """A fleet's services: a real FleetHub, a real mooncake_master (lease TTL
+    ``LEASE_TTL_MS``) and a pool store of 256 MiB, and a FleetClient on the hub."""
+
+    hub_address: str
+    master: LocalMooncakeMaster
+    store: LocalPoolStore
+    client: FleetClient
+
+
+@contextlib.contextmanager
+def _services(log_dir: Path) -> Iterator[Services]:
+    """Start the services (their logs in ``log_dir``); on exit, resume a master or store a
+    test left stopped, then stop them all."""
     from kvpool_replay._services import use_local_pool_env
 
     use_local_pool_env()
     hub_address = f"tcp://127.0.0.1:{free_port_block()}"
     hub = FleetHub(hub_address, snapshot_interval_s=0.5)
     hub.start()
-    master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS, log_dir=tmp_path)
+    master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS, log_dir=log_dir)
     master.start()
-    store = LocalPoolStore(master, 256 << 20, log_dir=tmp_path)
+    store = LocalPoolStore(master, 256 << 20, log_dir=log_dir)
     client: FleetClient | None = None
-    f: Fleet | None = None
     try:
         store.start()
         client = FleetClient(hub_address)
-        f = Fleet(hub_address, master, store, tmp_path, client, f"triage-{os.getpid()}")
-        yield f
+        yield Services(hub_address, master, store, client)
     finally:
-        if f is not None:
-            for eid in list(f.procs):
-                f.stop(eid)
         if client is not None:
             client.close()
-        for proc in (store.proc, master.proc):
-            if proc is not None and proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
+        _resume(store.proc, master.proc)
         store.stop()
         master.stop()
         hub.stop()
+
+
+def _resume(*procs: Any) -> None:
+    """SIGCONT each of ``procs`` still running (a failed test may leave one stopped)."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _fleet_on(services: Services, workdir: Path) -> Iterator[Fleet]:
+    """A test's fleet on ``services``: a model name of its own (its keys and its
+    ``namespace_split`` subject meet no other test's), engine logs in ``workdir``; every engine
+    it started is stopped on exit."""
+    f = Fleet(services.hub_address, services.master, services.store, workdir, services.client,
+              f"triage-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        yield f
+    finally:
+        for eid in list(f.procs):
+            f.stop(eid)
+        _resume(services.store.proc, services.master.proc)
+
+
+@pytest.fixture(scope="module")
+def shared_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    """One hub, master and store for the module's tests that leave them as they found them
+    (a stopped store is resumed by its test): starting them per test cost a few seconds each.
+    Tests isolate themselves by engine ids of their own (every test uses different ones) and
+    ``_fleet_on``'s model name; engines an earlier test stopped may still be listed by the
+    hub, so tests look at their own engines' alerts only."""
+    with _services(tmp_path_factory.mktemp("triage-services")) as services:
+        yield services
+
+
+@pytest.fixture
+def fleet(shared_services: Services, tmp_path: Path) -> Iterator[Fleet]:
+    """The test's fleet on the module's shared services."""
+    with _fleet_on(shared_services, tmp_path) as f:
+        yield f
+
+
+@pytest.fixture
+def own_fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """A fleet on services of the test's own, for a test that breaks them (kills the master)
+    or whose assertions cover the whole fleet (every alert of the one-shot and of the watching
+    model must agree, so no engine of another test may be listed)."""
+    with _services(tmp_path) as services, _fleet_on(services, tmp_path) as f:
+        yield f
 
 
 def test_swapped_role_is_named_and_clears_when_fixed(fleet: Fleet) -> None:
@@ -270,11 +327,12 @@ def test_hung_then_gone(fleet: Fleet) -> None:
 
 
 def test_master_down_one_pool_alert_and_health_shows_checks(
-        fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+        own_fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
     import subprocess
 
     from kvpool_console.cli import main
 
+    fleet = own_fleet
     for eid in ("u-a", "u-b"):
         fleet.start(eid)
     fleet.wait("both reporting pool", lambda _: {
@@ -431,34 +489,23 @@ def _one_shot_after_pause(fleet: Fleet, capsys: pytest.CaptureFixture[str],
         assert ("pause_wait", "w-a") in once, once
 
 
-def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
+def test_pauses_tiny_ttl_and_one_shot_agree(own_fleet: Fleet,
                                             capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = own_fleet
     timings: dict[str, float | None] = {}
     watch = Watch(fleet)
     fleet.start("w-a", limit=LONG_REPLAY)
     fleet.start("t-a", limit=LONG_REPLAY, lease_ttl_ms=TINY_TTL_MS)
-    # A loaded machine replays slowly, and a pool full from earlier tests evicts: allow time.
+    # A loaded machine replays slowly, and a full pool evicts: allow time.
     watch.until("both engines loading and saving", lambda _: (
         (w := _sums(fleet, "w-a"))[0] and w[1] and (t := _sums(fleet, "t-a"))[0] and t[1] >= 5),
         timeout_s=6 * WAIT_S)
 
-    # Tiny TTL: ordinary saves outlive it; none is stuck, and the TTL is named in ms.
-    t0 = time.monotonic()
-    saves = _sums(fleet, "t-a")[1]
-    # A few more saves are the evidence; a loaded host with a full pool (every earlier phase
-    # of this module filled it) finishes them slowly.
-    watch.until("t-a saved 5 more", lambda _: _sums(fleet, "t-a")[1] >= saves + 5,
-                timeout_s=2 * WAIT_S)
-    lease = watch.until("lease_ttl on t-a", _find("lease_ttl", "t-a"))
-    # Loads near the TTL (within 20%) are a warning, loads past it critical: both in ms.
-    m = re.fullmatch(r"slowest load (\d+ ms|\d+\.\d s) (>= lease TTL|is within 20% of lease "
-                     rf"TTL) {TINY_TTL_MS} ms \(default_kv_lease_ttl\)", lease.message)
-    assert m is not None, lease.message
-    assert lease.severity == ("critical" if m[2].startswith(">=") else "warning")
-    assert lease.hint == HINTS["LEASE_EXPIRED"]
-    assert not [a.message for a in watch.since(0) if a.key == "stuck_transfer:t-a"]
-    timings["tiny TTL: lease_ttl after t-a loaded"] = watch.first(
-        t0, lambda a: a.key == "lease_ttl:t-a")
+    # Tiny TTL: ordinary saves outlive it; none is stuck, and the TTL is named in ms. t-a is
+    # judged after w-a's pause below, which does not touch it: its evidence accumulates during
+    # that pause and its aftermath instead of in a wait of its own.
+    ttl_t0 = time.monotonic()
+    ttl_saves = _sums(fleet, "t-a")[1]
 
     # A stopped engine: hung within 5 s; the load that waited is the pause's, never TTL advice.
     proc = fleet.procs["w-a"]
@@ -487,6 +534,21 @@ def test_pauses_tiny_ttl_and_one_shot_agree(fleet: Fleet,
     assert not [a.message for a in watch.since(t0)
                 if a.subject == "w-a" and a.rule in _TTL_ADVICE]
     timings["engine SIGSTOP: pause_wait"] = watch.first(t0, lambda a: a.key == "pause_wait:w-a")
+
+    # Tiny TTL, before the master's pause (which may hold t-a's transfers too). A few more
+    # saves are the evidence; a loaded host with a full pool finishes them slowly.
+    watch.until("t-a saved 5 more", lambda _: _sums(fleet, "t-a")[1] >= ttl_saves + 5,
+                timeout_s=2 * WAIT_S)
+    lease = watch.until("lease_ttl on t-a", _find("lease_ttl", "t-a"))
+    # Loads near the TTL (within 20%) are a warning, loads past it critical: both in ms.
+    m = re.fullmatch(r"slowest load (\d+ ms|\d+\.\d s) (>= lease TTL|is within 20% of lease "
+                     rf"TTL) {TINY_TTL_MS} ms \(default_kv_lease_ttl\)", lease.message)
+    assert m is not None, lease.message
+    assert lease.severity == ("critical" if m[2].startswith(">=") else "warning")
+    assert lease.hint == HINTS["LEASE_EXPIRED"]
+    assert not [a.message for a in watch.since(0) if a.key == "stuck_transfer:t-a"]
+    timings["tiny TTL: lease_ttl after both loaded"] = watch.first(
+        ttl_t0, lambda a: a.key == "lease_ttl:t-a")
 
     # A stopped master: pool_unhealthy within 5 s, then no TTL advice for the loads that waited.
     assert fleet.master.proc is not None
