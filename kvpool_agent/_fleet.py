@@ -363,15 +363,10 @@ class Fleet:
                 ag.routing_id = b""
 
     def members(self, agent_ids: list[str]) -> dict[str, tuple[Source, str, bool]]:
-        """Agent id -> (its source, the identity holding it, whether that is an engine-bound
-        key), for the held ones of ``agent_ids``."""
+        """Agent id -> (source, identity, its key is engine-bound) of those of ``agent_ids``."""
         with self._lock:
             return {k: (a.state.source, a.identity, a.bound) for k in agent_ids
                     if (a := self._agents.get(k)) is not None}
-
-    def pools_of(self, agent_ids: list[str]) -> set[str]:
-        """The pools (``Source.master``) of the held ones of ``agent_ids``."""
-        return {src.master for src, _, _ in self.members(agent_ids).values()}
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""
@@ -535,10 +530,10 @@ class Fleet:
             return max(counts) if counts else None
 
     def pool_verifiers(self, agent_id: str) -> dict[str, int]:
-        """Agent id -> its pool key count, for the agents that may confirm what ``agent_id``
-        says it did to its pool: of the same pool and another key; keys not bound to one
-        engine only, when the pool has any (an insider's engine-bound key can neither accuse a
-        fleet-wide key's answer nor vouch for another bound key's), else bound ones."""
+        """Agent id -> pool key count of the agents that may confirm what ``agent_id`` says it
+        did to its pool: of the pool and another key; fleet-wide keys only when the pool has
+        any, else (for a bound ``agent_id``) engine-bound ones: an insider's bound key can
+        neither accuse a fleet-wide key's answer nor vouch for another bound key's."""
         with self._lock:
             ag = self._agents.get(agent_id)
             if ag is None:
@@ -548,13 +543,11 @@ class Fleet:
                       if a.state.pool is not None and a.state.source.master == master
                       and a.identity != ag.identity]
             free = [(k, a) for k, a in others if not a.bound]
-            if not free and not ag.bound:
-                return {}
-            return {k: a.state.pool.keys for k, a in free or others if a.state.pool is not None}
+            return {k: a.state.pool.keys for k, a in (free or (others if ag.bound else []))
+                    if a.state.pool is not None}
 
     def pool_counts(self, agent_ids: list[str]) -> dict[str, int]:
-        """Agent id -> its pool key count now, for the held ones of ``agent_ids`` that report
-        one."""
+        """Agent id -> its pool key count now, of those of ``agent_ids`` that report one."""
         with self._lock:
             return {k: a.state.pool.keys for k in agent_ids
                     if (a := self._agents.get(k)) is not None and a.state.pool is not None}

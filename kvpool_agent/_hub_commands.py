@@ -256,7 +256,8 @@ class CommandRouter:
             self._refuse_busy(sock, client, req, key, why)
             return
         if req.command == "flush" and not dry_run:
-            self.listings.flushed(self.fleet.pools_of(send))
+            self.listings.flushed({src.master for src, _, _ in
+                                   self.fleet.members(send).values()})
         if not send:
             self._maybe_finish_pending(pend)
             return
