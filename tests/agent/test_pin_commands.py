@@ -139,6 +139,9 @@ def pool(fleet_keys: dict[Role, KeyPaths], tmp_path_factory: pytest.TempPathFact
         model = f"org/pins-{uuid.uuid4().hex[:8]}"
         extra = {**mooncake_extra_config(master.address, master.admin_url, lease_ttl_ms=500),
                  "agent_keys": str(fleet_keys["agent"].root)}
+        # A leased key is tried again this long after the refusal (kvpool_connector._removals):
+        # short, so an unpin outlasts the 500 ms lease within its wait.
+        extra["mooncake"]["transfer_timeout_ms"] = 2_000
         p = Pool(address, hub, master, None, model, fleet_keys["operator"].root,
                  fleet_keys["viewer"].root, work / "audit.jsonl",
                  extra_config=extra)

@@ -71,7 +71,7 @@ class Fleet:
 
     def held(self, ids: list[int]) -> int:
         """Leading chunks of ``ids`` the pool holds (the worker's own lookup)."""
-        return int(self.engine.worker._worker.lookup_chunks(chunk_hashes(ids, CHUNK)))
+        return int(self.engine.worker.pool_worker.lookup_chunks(chunk_hashes(ids, CHUNK)))
 
     def pin_audits(self) -> int:
         """The hub's audit lines of ``pin`` and ``unpin``, on either port."""
@@ -104,6 +104,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         model = f"org/tui-pins-{uuid.uuid4().hex[:8]}"
         extra = {**mooncake_extra_config(master.address, master.admin_url, lease_ttl_ms=500),
                  "agent_keys": str(keys["agent"].root)}
+        # A leased key is tried again this long after the refusal (kvpool_connector._removals):
+        # short, so an unpin outlasts the 500 ms lease within its wait.
+        extra["mooncake"]["transfer_timeout_ms"] = 2_000
         spec = EngineSpec(engine_id=ENGINE, master_address=master.address, model=model,
                           shape=SHAPE, chunk_size=CHUNK, trace_path="unused", wait_saves=True,
                           agent_address=address, lookup_rpc_port=free_port(),
