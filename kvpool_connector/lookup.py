@@ -365,7 +365,8 @@ class LookupClient:
     Raises:
         RuntimeDirError: the runtime directory is unsafe or the socket path too long.
 
-    Not thread-safe: the scheduler calls it from its one thread.
+    Thread-safe: one query at a time (a lock around each), so the scheduler's lookup thread
+    (``_async_lookup``) and its own thread (the reset flush) share the one socket.
     """
 
     def __init__(self, *, lookup_rpc_port: int = 0, instance_id: str = "", dp_rank: int = 0,
@@ -375,6 +376,7 @@ class LookupClient:
         self.timeout_ms = timeout_ms
         self.in_process = in_process
         self._ids = itertools.count(1)
+        self._asking = threading.Lock()
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(_Reply)
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -408,12 +410,17 @@ class LookupClient:
 
     def _ask(self, req: _Request, timeout_ms: int, what: str) -> _Reply:
         """Send ``req`` and wait up to ``timeout_ms`` for its reply (late answers to earlier,
-        timed-out requests are skipped).
+        timed-out requests are skipped); a caller waits for another's query first (a ZMQ
+        socket is not thread-safe).
 
         Raises:
             LookupFailed: the reply names an error (``what`` failed, with the store's code
                 when known), or no reply within ``timeout_ms``.
         """
+        with self._asking:
+            return self._ask_one(req, timeout_ms, what)
+
+    def _ask_one(self, req: _Request, timeout_ms: int, what: str) -> _Reply:
         # Per query: vLLM may start the worker or the scheduler first.
         server = _SERVED_HERE.get(self.path) if self.in_process else None
         if server is not None:
@@ -447,5 +454,6 @@ class LookupClient:
         )
 
     def close(self) -> None:
-        """Close the socket. Idempotent."""
-        self._sock.close(linger=0)
+        """Close the socket (after a query under way). Idempotent."""
+        with self._asking:
+            self._sock.close(linger=0)

@@ -61,15 +61,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
-
 from kvpool_agent.reporter import NullReporter, Reporter
+from kvpool_connector._async_lookup import (
+    AsyncLookups,
+    Breaker,
+    LookupAnswer,
+    PrefixLookup,
+    PromptHasher,
+    prompt_hashes,
+    request_extra,
+    run_lookup,
+)
 from kvpool_connector._context_prefill import NO_CONTEXT_PREFILL
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.eviction import ConnectorEviction
-from kvpool_connector.fingerprint import adapter_identity
 from kvpool_connector.handover import (
     HandoverWaits,
     handover_params,
@@ -77,7 +84,6 @@ from kvpool_connector.handover import (
     wants_handover,
 )
 from kvpool_connector.keys import ChunkHashCache
-from kvpool_connector.lookup import LookupFailed
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, LoadSpec, ReqMeta
 
 if TYPE_CHECKING:
@@ -89,14 +95,6 @@ if TYPE_CHECKING:
 __all__ = ["KVPoolScheduler", "LookupCounters", "PrefixLookup", "request_extra"]
 
 logger = logging.getLogger(__name__)
-
-
-class PrefixLookup(Protocol):
-    """What the scheduler needs from a lookup client (``LookupClient``)."""
-
-    def lookup(self, chunk_hashes: list[str]) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class RequestEvents(Protocol):
@@ -178,34 +176,6 @@ class _CachedLookup:
     spec: LoadSpec | None
 
 
-class _Breaker:
-    """Skip lookups for ``open_ms`` after ``failures`` failed lookups in a row (0: never).
-
-    After the open period one lookup is tried: success closes the breaker, failure opens it
-    again for another ``open_ms``.
-    """
-
-    def __init__(self, failures: int, open_ms: int) -> None:
-        self.failures, self.open_ms = failures, open_ms
-        self.in_a_row = 0
-        self.open_until = 0.0
-
-    def is_open(self, now: float) -> bool:
-        return now < self.open_until
-
-    def failed(self, now: float) -> bool:
-        """Count a failure (``now``: monotonic seconds); True when it opens the breaker."""
-        self.in_a_row += 1
-        if self.failures and self.in_a_row >= self.failures:
-            self.open_until = now + self.open_ms / 1e3
-            self.in_a_row = 0
-            return True
-        return False
-
-    def succeeded(self) -> None:
-        self.in_a_row = 0
-
-
 def _has_media(request: Request) -> bool:
     """Whether the request carries media (vLLM's ``mm_features``): its placeholder tokens are
     the same for every image, so they cannot key its KV (issue 11 item 3)."""
@@ -216,24 +186,6 @@ def _has_prompt_embeds(request: Request) -> bool:
     """Whether the request carries prompt embeddings (vLLM ``--enable-prompt-embeds``): its
     token ids do not say which embeddings the model saw (issue 39 item 3)."""
     return getattr(request, "prompt_embeds", None) is not None
-
-
-def request_extra(request: Request) -> bytes:
-    """Bytes that change what a prompt's tokens mean: the LoRA adapter and ``cache_salt``.
-
-    Mixed into the first chunk hash so two adapters (or two tenants salting their cache)
-    never share a key for the same tokens. The adapter is named by its content
-    (``fingerprint.adapter_identity`` of ``lora_path``), not by its name: one name pointed at
-    a new adapter never reads the old one's KV, one adapter under two names shares. ``b""``
-    for neither; else the msgpack of ``[adapter identity or None, salt or None]``: a value
-    holding a separator cannot read as another pair (a salt is the client's choice).
-    """
-    lora = getattr(request, "lora_request", None)
-    name = None if lora is None else adapter_identity(str(lora.lora_name), str(lora.lora_path))
-    salt = getattr(request, "cache_salt", None)
-    if name is None and not salt:
-        return b""
-    return msgspec.msgpack.encode([name, str(salt) if salt else None])
 
 
 class KVPoolScheduler:
@@ -249,6 +201,9 @@ class KVPoolScheduler:
         no_context_prefill: the engine's attention backend when it cannot prefill over loaded
             context (``_context_prefill.context_prefill_gap``): nothing is looked up or loaded
             (``NO_CONTEXT_PREFILL``), saves go on.
+        lookup_async: hash and look up on a thread of their own (``_async_lookup``), answering
+            vLLM "later" while they run; ``False``: on vLLM's scheduler thread, as before
+            issue 38 (for comparison: same answers and counters).
 
     Attributes:
         hash_cache: the chunk hashes of recent prompts (``keys.ChunkHashCache``, at most 2**20
@@ -258,7 +213,7 @@ class KVPoolScheduler:
     def __init__(
         self, config: KVPoolConfig, lookup: PrefixLookup | None, reporter: Reporter | None = None,
         *, groups: list[KVGroup] | None = None, world_size: int = 1,
-        no_context_prefill: str | None = None,
+        no_context_prefill: str | None = None, lookup_async: bool = True,
     ) -> None:
         self.config = config
         self.no_context_prefill = no_context_prefill
@@ -290,7 +245,10 @@ class KVPoolScheduler:
         self._lookup_cache: dict[str, _CachedLookup] = {}
         # Repeats, later turns of a conversation, a common system prompt: hashed once.
         self.hash_cache = ChunkHashCache(config.chunk_size, config.hash_algo)
-        self._breaker = _Breaker(config.lookup_breaker_failures, config.lookup_breaker_open_ms)
+        self._hasher = PromptHasher(self.hash_cache)
+        self._async = (AsyncLookups(lookup, self._hasher)
+                       if lookup_async and lookup is not None and config.should_load else None)
+        self._breaker = Breaker(config.lookup_breaker_failures, config.lookup_breaker_open_ms)
         # Which leading chunks of a new request are saved (admission: all | adaptive).
         self.admission = admission_for(config.admission, config.kv_role,
                                        config.admission_pool_tokens, config.chunk_size)
@@ -322,23 +280,16 @@ class KVPoolScheduler:
         return hashes
 
     def _hash_prompt(self, request: Request) -> list[str]:
-        """``_hashes_for`` a request without media; none (reported as ``BAD_TOKEN_IDS``) when a
-        token id is not an int in [0, 2**32), which no key can name, or the token ids cannot be
-        read whole (a sequence whose length is not its items', or that changes while read).
+        """``_hashes_for`` a request without media: ``_async_lookup.prompt_hashes``, a prompt
+        that cannot be keyed reported as ``BAD_TOKEN_IDS``."""
+        hashes, bad = prompt_hashes(self._hasher, request)
+        if bad is not None:
+            self._bad_tokens(request.request_id, bad)
+        return hashes
 
-        vLLM checks token ids against the vocabulary only when it has a tokenizer
-        (``skip_tokenizer_init`` skips the check), and with TP > 1 its embedding zeroes an id
-        outside the vocabulary instead of failing: such a request runs, so hashing it must not
-        raise into vLLM's scheduler (that ends the engine). It is recomputed and never saved.
-        """
-        try:
-            return self.hash_cache.hashes(request.prompt_token_ids or [], request_extra(request))
-        except (OverflowError, TypeError, ValueError, RuntimeError) as exc:
-            rid = request.request_id
-            msg = f"request {rid}'s prompt cannot be keyed ({exc}): it runs without the pool"
-            logger.error("kvpool: %s", msg)
-            self.reporter.error("lookup", "BAD_TOKEN_IDS", msg, req_id=rid)
-            return []
+    def _bad_tokens(self, rid: str, msg: str) -> None:
+        logger.error("kvpool: %s", msg)
+        self.reporter.error("lookup", "BAD_TOKEN_IDS", msg, req_id=rid)
 
     def _skip(self, rid: str, prompt_len: int, local: int, reason: str) -> tuple[int, bool]:
         """Count and report a lookup not made for ``reason``."""
@@ -364,8 +315,9 @@ class KVPoolScheduler:
             ``num_computed_tokens``, 0 when the pool holds nothing beyond the local hit or the
             lookup failed (the failure is counted, logged as an error and reported to the
             agent with its name); ``load_async`` is ``config.load_async`` when ``tokens > 0``.
-            ``(None, False)`` (vLLM asks again at a later step) while a P/D hand-over the
-            request's ``kv_transfer_params`` promise is not all in the pool yet
+            ``(None, False)`` (vLLM's "ask again later") while the request's lookup runs on
+            the lookup thread (``_async_lookup``), or while a P/D hand-over the request's
+            ``kv_transfer_params`` promise is not all in the pool yet
             (``kvpool_connector.handover``, at most ``handover_wait_ms``).
         """
         rid = request.request_id
@@ -388,6 +340,8 @@ class KVPoolScheduler:
                 self._load_specs[rid] = replace(cached.spec)
             return cached.answer
         if max_chunks * self.chunk_size <= num_computed_tokens:
+            if self._async is not None:  # vLLM's prefix cache grew while it ran: not needed
+                self._async.discard(rid)
             # Counted all the same: its prompt belongs in the request-level hit rate.
             reason = ("PROMPT_EMBEDS" if _has_prompt_embeds(request)
                       else "LOCAL_CACHE" if num_computed_tokens else "SHORT_PROMPT")
@@ -405,41 +359,60 @@ class KVPoolScheduler:
 
     def _lookup(self, request: Request, prompt_len: int, max_chunks: int,
                 num_computed_tokens: int) -> tuple[int | None, bool]:
-        """One lookup (or a counted skip) for ``get_num_new_matched_tokens``."""
+        """One lookup (or a counted skip) for ``get_num_new_matched_tokens``: started on the
+        lookup thread and answered "later", or taken once it ended, or run here."""
         assert self.lookup_client is not None
         rid = request.request_id
-        now = time.monotonic()
-        if self.unsupported:
-            return self._skip(rid, prompt_len, num_computed_tokens, "UNSUPPORTED_KV_GROUP")
-        if self.no_context_prefill:
-            return self._skip(rid, prompt_len, num_computed_tokens, NO_CONTEXT_PREFILL)
-        if _has_media(request):
-            return self._skip(rid, prompt_len, num_computed_tokens, "MULTIMODAL")
-        if _has_prompt_embeds(request):
-            return self._skip(rid, prompt_len, num_computed_tokens, "PROMPT_EMBEDS")
-        if self._breaker.is_open(now):
-            return self._skip(rid, prompt_len, num_computed_tokens, "BREAKER_OPEN")
-        hashes = self._hashes_for(request)
-        if len(hashes) > max_chunks:  # a copy only then: never mutated, shared read-only
-            hashes = hashes[:max_chunks]
-        if not hashes:  # max_chunks >= 1 here: the prompt could not be hashed (_hash_prompt)
-            return self._skip(rid, prompt_len, num_computed_tokens, "BAD_TOKEN_IDS")
-        if self._handover.ask_later(rid):
-            self.counters.handover_waits += 1
+        reason = ("UNSUPPORTED_KV_GROUP" if self.unsupported
+                  else NO_CONTEXT_PREFILL if self.no_context_prefill
+                  else "MULTIMODAL" if _has_media(request)
+                  else "PROMPT_EMBEDS" if _has_prompt_embeds(request)
+                  else "BREAKER_OPEN" if self._breaker.is_open(time.monotonic()) else None)
+        lookups = self._async
+        if reason is not None:
+            if lookups is not None:
+                lookups.discard(rid)
+            return self._skip(rid, prompt_len, num_computed_tokens, reason)
+        # vLLM drops the answer for a request that skips the prefix cache (prompt logprobs):
+        # it must be an answer, never "later".
+        if getattr(request, "skip_reading_prefix_cache", False):
+            lookups = None
+        if lookups is not None and lookups.running(rid):
             return None, False
+        answer = lookups.take(rid) if lookups is not None else None
+        if answer is None:
+            if self._handover.ask_later(rid):
+                self.counters.handover_waits += 1
+                return None, False
+            if lookups is not None:
+                lookups.start(request, max_chunks)
+                return None, False
+            answer = run_lookup(self.lookup_client, self._hasher, request, max_chunks)
+        return self._settle(request, answer, prompt_len, max_chunks, num_computed_tokens)
+
+    def _settle(self, request: Request, answer: LookupAnswer, prompt_len: int,
+                max_chunks: int, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Count, report and keep what a lookup found (on the scheduler thread, wherever the
+        lookup ran)."""
+        rid = request.request_id
+        self._hashes.setdefault(rid, answer.hashes)
+        if answer.bad_tokens is not None:
+            self._bad_tokens(rid, answer.bad_tokens)
+        hashes = answer.hashes  # a copy only when cut: never mutated, shared read-only
+        if len(hashes) > max_chunks:
+            hashes = hashes[:max_chunks]
+        if not hashes:  # max_chunks >= 1 here: the prompt could not be keyed
+            return self._skip(rid, prompt_len, num_computed_tokens, "BAD_TOKEN_IDS")
         self.counters.lookups += 1
         self.counters.prompt_tokens += prompt_len
         self.counters.local_tokens += num_computed_tokens
-        start = time.perf_counter()
-        asked_ms = time.time() * 1e3  # Mooncake grants the lease when batch_is_exist runs
-        try:
-            hit_chunks = min(self.lookup_client.lookup(hashes), max_chunks)
-        except LookupFailed as exc:
-            latency_ms = (time.perf_counter() - start) * 1e3
+        hit_chunks, asked_ms = answer.hit_chunks, answer.asked_ms
+        exc = answer.error
+        if exc is not None:
             self.counters.lookup_errors += 1
             logger.error("kvpool: prefix lookup for request %s failed (%s): %s; "
                          "running it without the pool", rid, exc.name, exc)
-            self.reporter.lookup(rid, prompt_len, num_computed_tokens, 0, latency_ms,
+            self.reporter.lookup(rid, prompt_len, num_computed_tokens, 0, answer.latency_ms,
                                  error=f"{exc.name}: {exc}", chunk_size=self.chunk_size,
                                  chunks=hashes)
             if self._breaker.failed(time.monotonic()):
@@ -467,10 +440,9 @@ class KVPoolScheduler:
                 logger.warning("kvpool: request %s: its prefill engine handed over %d tokens; "
                                "after %d ms the pool holds %d: the rest is recomputed", rid,
                                expected, self.config.handover_wait_ms, found)
-        latency_ms = (time.perf_counter() - start) * 1e3
         pool_tokens = hit_chunks * self.chunk_size
         new_tokens = max(0, pool_tokens - num_computed_tokens)
-        self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, latency_ms,
+        self.reporter.lookup(rid, prompt_len, num_computed_tokens, new_tokens, answer.latency_ms,
                              chunk_size=self.chunk_size, chunks=hashes)
         if new_tokens == 0:
             return 0, False
@@ -805,11 +777,16 @@ class KVPoolScheduler:
         return len(self._held_for_saves)
 
     def forget_lookups(self) -> None:
-        """Drop every kept lookup answer (the pool was flushed: ask again)."""
+        """Drop every kept lookup answer, and running lookups' (the pool was flushed: ask
+        again)."""
         self._lookup_cache.clear()
         self._load_specs.clear()
+        if self._async is not None:
+            self._async.clear()
 
     def _forget(self, rid: str) -> None:
+        if self._async is not None:  # aborted while its lookup ran: its answer is dropped
+            self._async.discard(rid)
         self._lookup_cache.pop(rid, None)
         self._load_specs.pop(rid, None)
         self._hashes.pop(rid, None)
@@ -818,7 +795,9 @@ class KVPoolScheduler:
         self._trackers.pop(rid, None)
 
     def close(self) -> None:
-        """Close the lookup client. Idempotent."""
+        """Stop the lookup thread, close the lookup client. Idempotent."""
+        if self._async is not None:
+            self._async.close()
         if self.lookup_client is not None:
             self.lookup_client.close()
 

@@ -111,7 +111,7 @@ class _Engine:
                                       address=hub_address)
             self.agents.append(sched_agent)
             self.sched = KVPoolScheduler(self.config, LookupClient(lookup_rpc_port=port),
-                                         sched_agent.reporter)
+                                         sched_agent.reporter, lookup_async=False)
 
     def save(self, *prompts: list[int]) -> list[str]:
         """Save the prompts' claimable chunks through the worker's save path, in one step

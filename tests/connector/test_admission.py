@@ -175,7 +175,8 @@ class _Engine:
         _ALIVE.append((kv, self.worker))
         self.server = LookupServer(self.worker.lookup_chunks, lookup_rpc_port=port)
         self.sched = KVPoolScheduler(self.config, LookupClient(lookup_rpc_port=port,
-                                                               timeout_ms=3000))
+                                                               timeout_ms=3000),
+                                     lookup_async=False)
 
     def run_prefill(self, rid: str, prompt: list[int]) -> tuple[int, int]:
         """Schedule ``prompt`` whole in one step and run its saves; the saved chunk range."""

@@ -60,7 +60,7 @@ class Engine:
     """Scheduler + lookup server + worker of one engine, like vLLM wires them."""
 
     def __init__(self, backend: MooncakeBackend, port: int, role: str = "kv_both",
-                 timeout_ms: int = 3000, **extra: Any) -> None:
+                 timeout_ms: int = 3000, lookup_async: bool = False, **extra: Any) -> None:
         self.model = f"test/sched-{uuid.uuid4().hex[:8]}"
         self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port, **extra}, kv_role=role,
                                               block_size=BLOCK, model=self.model)
@@ -73,7 +73,10 @@ class Engine:
         self.server = LookupServer(self.worker.lookup_chunks, lookup_rpc_port=port)
         self.reporter = Reporter()
         client = LookupClient(lookup_rpc_port=port, timeout_ms=timeout_ms)
-        self.sched = KVPoolScheduler(self.config, client, self.reporter)
+        # Synchronous: these tests check what one ask answers (test_async_lookup: the same
+        # answers from the lookup thread).
+        self.sched = KVPoolScheduler(self.config, client, self.reporter,
+                                     lookup_async=lookup_async)
 
     def store(self, prompt: list[int], chunks: int, extra: bytes = b"") -> None:
         """Put the first ``chunks`` chunk keys of ``prompt`` into the pool."""
@@ -595,7 +598,7 @@ def test_a_backend_without_prefill_over_context_loads_nothing_and_saves(engine: 
     """vLLM's CPU_MLA computes a suffix over loaded context wrongly: the engine never looks up
     (a named, counted skip), and still saves what it computes from token 0."""
     sched = KVPoolScheduler(engine.config, engine.sched.lookup_client, engine.reporter,
-                            no_context_prefill="CPU_MLA")
+                            no_context_prefill="CPU_MLA", lookup_async=False)
     prompt = _prompt(70, 15)
     engine.store(prompt, 3)
     req = _request("nc", prompt)
