@@ -1,0 +1,192 @@
+"""What each row of the fleet table says: the columns, and the cells of an engine's row, an
+agent's row (an expanded engine) and the fleet's totals row (``_fleet_table`` draws them).
+
+Cells are ``rich.text.Text`` where they carry a style or text from the fleet (engine ids,
+backends: never parsed as markup), plain ``str`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from rich.text import Text
+
+from kvpool_agent.vocabulary import KV_ROLE_FOR
+from kvpool_console._text import plain, top_miss_text
+from kvpool_console.model import AgentRow, EngineRow, Totals, fmt_age, fmt_bytes, fmt_lease
+
+__all__ = ["COLUMNS", "TREND_WIDTH", "agent_row_cells", "engine_row_cells", "totals_row_cells",
+           "trend"]
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("engine", "Engine"),
+    ("state", "State"),
+    ("hit", "Hit"),
+    ("pool", "Pool/WM"),
+    ("age", "Age"),
+    ("fail", "Fail"),
+    ("local", "Local"),
+    ("miss", "Top miss"),
+    ("role", "Role"),
+    ("trend", "Trend"),
+    ("tokens", "Hit/Looked tok"),
+    ("loads", "Ld"),
+    ("saves", "Sv"),
+    ("lease", "Lease"),
+    ("kv_role", "KV role"),
+    ("ranks", "Ranks"),
+    ("backend", "Backend"),
+)
+"""(column key, header) in display order: what triage needs first (engine, state, hit rate,
+pool fill against the watermark, report age, load failures) fits in 80 columns; the rest
+scroll."""
+
+_Cells = dict[str, Text | str]
+"""One row's cells by column key (every key of ``COLUMNS``)."""
+
+
+def _ordered(cells: _Cells) -> list[Text | str]:
+    # Text, never str: DataTable parses a str cell as markup each time it renders a row;
+    # these values are plain already (``plain`` for those from the network).
+    return [c if isinstance(c, Text) else Text(c, end="", no_wrap=True)
+            for c in (cells[key] for key, _ in COLUMNS)]
+
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+TREND_WIDTH = 8
+"""Samples the Trend column shows."""
+
+
+def trend(values: Iterable[float], width: int = TREND_WIDTH) -> str:
+    """The last ``width`` values in [0, 1] as block characters (a sparkline in one cell).
+    Values outside are drawn at the nearest end, NaN as 0: the schema refuses such rates at
+    decode, but a state built another way must not end the app either (``int(nan)``
+    raises)."""
+    top = len(_BLOCKS) - 1
+    return "".join(_BLOCKS[min(int(v * len(_BLOCKS)), top) if 0.0 < v <= 1.0
+                           else top if v > 1.0 else 0]
+                   for v in list(values)[-width:])
+
+
+def _tokens(hit: int, looked: int) -> str:
+    def short(n: int) -> str:
+        for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+            if n >= div:
+                return f"{n / div:.1f}{unit}"
+        return str(n)
+
+    return f"{short(hit)}/{short(looked)}"
+
+
+def _state(r: EngineRow) -> Text:
+    if r.failed:
+        return Text("FAILED", style="bold red")
+    if r.down:
+        return Text("DOWN", style="bold red")
+    if r.stale:
+        return Text("STALE", style="bold yellow")
+    if r.severity == "critical":
+        return Text("CRIT", style="bold red")
+    if r.severity == "warning":
+        return Text("WARN", style="yellow")
+    return Text("OK", style="green")
+
+
+def _pool(used: int, total: int, watermark: float) -> Text:
+    if not total:
+        return Text("-")
+    frac = used / total
+    style = "red" if frac > watermark else ("yellow" if frac > 0.9 * watermark else "")
+    return Text(f"{frac:.0%}/{watermark:.0%}", style=style)
+
+
+def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
+                  expanded: bool) -> _Cells:
+    mark = "▾" if expanded else ("▸" if r.agent_ids else " ")
+    dim = "dim" if r.stale else ""
+    return {
+        "engine": plain(f"{mark} {r.engine_id}", style=dim),
+        "state": _state(r),
+        "role": r.role,
+        "hit": f"{r.hit_rate:.0%}",
+        "trend": trend(history),
+        "tokens": _tokens(r.hit_tokens, r.lookup_tokens),
+        "loads": str(r.loads_in_flight),
+        "saves": str(r.saves_in_flight),
+        "fail": Text(str(r.load_errors), style="red" if r.load_errors else ""),
+        "pool": _pool(r.segment_used_bytes, r.segment_total_bytes, r.high_watermark),
+        "lease": Text(fmt_lease(r.next_lease_expiry_ms, now_ms),
+                      style="red" if r.next_lease_expiry_ms is not None
+                      and r.next_lease_expiry_ms <= now_ms else ""),
+        "age": Text(fmt_age(r.age_ms), style="yellow" if r.stale else ""),
+        "kv_role": Text(r.kv_role,
+                        style="red" if KV_ROLE_FOR.get(r.role, r.kv_role) != r.kv_role else ""),
+        "ranks": r.ranks,
+        "backend": plain(r.backend),
+        "local": f"{r.local_hit_rate:.0%}",
+        "miss": top_miss_text(r.top_miss, r.miss_tokens, r.lookup_tokens),
+    }
+
+
+def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
+    dim = "dim" if a.stale else ""
+    return {
+        "engine": Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}",
+                       style=dim),
+        "state": Text("STALE", style="yellow") if a.stale else "",
+        "role": a.process_role,
+        "hit": f"{a.hit_rate:.0%}" if a.lookup_tokens else "",
+        "trend": "",
+        "tokens": _tokens(a.hit_tokens, a.lookup_tokens) if a.lookup_tokens else "",
+        "loads": str(a.loads_in_flight),
+        "saves": str(a.saves_in_flight),
+        "fail": Text(str(a.load_errors), style="red" if a.load_errors else ""),
+        "pool": f"{a.cpu_percent:.0f}%cpu",
+        "lease": fmt_lease(a.next_lease_expiry_ms, now_ms),
+        "age": fmt_age(a.age_ms),
+        "kv_role": f"pid {a.pid}",
+        "ranks": a.ranks,
+        "backend": fmt_bytes(a.rss_bytes),
+        "local": "",
+        "miss": "",
+    }
+
+
+def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
+    used = f"{fmt_bytes(t.segment_used_bytes)}/{fmt_bytes(t.segment_total_bytes)}" \
+        if t.segment_total_bytes else "-"
+    health = f"{t.stale}st {t.down}dn" if t.stale or t.down else "ok"
+    return {
+        "engine": Text(f"Σ {t.engines} engines", style="bold"),
+        "state": Text(health, style="bold"),
+        "role": f"{t.agents}ag",
+        "hit": Text(f"{t.hit_rate:.0%}", style="bold"),
+        "trend": trend(history),
+        "tokens": _tokens(t.hit_tokens, t.lookup_tokens),
+        "loads": str(t.loads_in_flight),
+        "saves": str(t.saves_in_flight),
+        "fail": Text(str(t.load_errors), style="bold red" if t.load_errors else "bold"),
+        "pool": used,
+        "lease": "",
+        "age": "",
+        "kv_role": "",
+        "ranks": "",
+        "backend": "",
+        "local": Text(f"{t.local_hit_rate:.0%}", style="bold"),
+        "miss": top_miss_text(t.top_miss, t.miss_tokens, t.lookup_tokens),
+    }
+
+
+def engine_row_cells(r: EngineRow, now_ms: float, history: Sequence[float],
+                      expanded: bool) -> list[Text | str]:
+    return _ordered(_engine_cells(r, now_ms, history, expanded))
+
+
+def agent_row_cells(a: AgentRow, r: EngineRow, now_ms: float) -> list[Text | str]:
+    return _ordered(_agent_cells(a, r, now_ms))
+
+
+def totals_row_cells(t: Totals, history: Sequence[float]) -> list[Text | str]:
+    return _ordered(_totals_cells(t, history))
