@@ -27,20 +27,28 @@ from kvpool_replay import (
 )
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
+SMALL_POOL_SHAPE = ModelShape(layers=8, kv_heads=1, head_size=8, block_size=16, dtype="float16")
+"""256 B per token: Mooncake's smallest segment (16 MiB) is then 65,536 tokens, so a bounded pool
+overflows within 150 conversation requests (at SHAPE's 64 B it cannot be below 262,144 tokens)."""
+SMALL_POOL_TOKENS = 66_000
+"""128 chunks of 512 tokens (17 MiB at SMALL_POOL_SHAPE), against ~2 M distinct tokens in the
+first 150 conversation requests."""
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_conversation_slice_reaches_ceiling_exactly() -> None:
+    # 100 requests: 50,688 hit tokens at the ceiling, per request in trace order (more requests
+    # repeat the same check and cost replay time).
     trace = default_trace_path("conversation_trace.jsonl")
-    report = run_replay(ReplayConfig(trace_path=str(trace), limit=200, shape=SHAPE))
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=100, shape=SHAPE))
     assert report.errors == []
-    reqs = load_trace(trace, limit=200)
+    reqs = load_trace(trace, limit=100)
     from kvpool_connector.keys import chunk_hashes
 
     ceiling = prefix_ceiling(
         [(r.input_length, chunk_hashes(request_tokens(r), 512)) for r in reqs], 512
     )
-    assert report.requests == 200
+    assert report.requests == 100
     assert report.input_tokens == ceiling.input_tokens == sum(r.input_length for r in reqs)
     assert ceiling.hit_tokens > 0
     assert report.hit_tokens == ceiling.hit_tokens
@@ -58,13 +66,14 @@ def test_conversation_slice_reaches_ceiling_exactly() -> None:
 
 def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
     # Through the console script, with load_async: vLLM parks each hit request in
-    # WAITING_FOR_REMOTE_KVS until the worker reports it in finished_recving.
+    # WAITING_FOR_REMOTE_KVS until the worker reports it in finished_recving. 75 requests
+    # (48,640 hit tokens at the ceiling) are enough for the exact comparison.
     trace = default_trace_path("synthetic_trace.jsonl")
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                          if p)}
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool_replay.cli", str(trace), "--limit", "150",
+        [sys.executable, "-m", "kvpool_replay.cli", str(trace), "--limit", "75",
          "--json", "--load-async"],
         capture_output=True, text=True, env=env, timeout=170, check=False,
     )
@@ -74,22 +83,22 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
                   "lru_hit_rate", "saved_bytes", "loaded_bytes", "load_errors", "wall_s",
                   "peak_rss_engine_bytes", "peak_rss_master_bytes"):
         assert field in report, field
-    ceiling, _ = reference_for(load_trace(trace, limit=150), 512, None)
-    assert report["requests"] == 150
+    ceiling, _ = reference_for(load_trace(trace, limit=75), 512, None)
+    assert report["requests"] == 75
     assert ceiling.hit_tokens > 0
     assert report["hit_tokens"] == ceiling.hit_tokens
     assert report["hit_rate"] == report["ceiling_hit_rate"] == pytest.approx(ceiling.hit_rate)
     assert report["load_errors"] == 0 and report["corrupt_blocks"] == 0
     # Without a terminal the progress bar becomes log lines; the last one is the final count.
     lines = [ln for ln in out.stderr.splitlines() if "requests," in ln and "ETA" in ln]
-    assert lines and lines[-1].startswith("kvpool-replay: 150/150 requests"), out.stderr[-2000:]
+    assert lines and lines[-1].startswith("kvpool-replay: 75/75 requests"), out.stderr[-2000:]
     assert f"hit rate {report['hit_rate']:.1%}" in lines[-1]
 
 
 def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
     trace = default_trace_path("conversation_trace.jsonl")
-    pool_tokens = 300_000  # well below the ~2.5 M tokens of distinct chunks in the slice
-    report = run_replay(ReplayConfig(trace_path=str(trace), limit=200, shape=SHAPE,
+    pool_tokens = SMALL_POOL_TOKENS  # far below the ~2 M tokens of distinct chunks in the slice
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=150, shape=SMALL_POOL_SHAPE,
                                      pool_tokens=pool_tokens))
     assert report.errors == []
     assert report.pool_tokens == pool_tokens
@@ -175,25 +184,30 @@ def test_hits_lost_in_outage_counts_only_requests_begun_without_a_leader() -> No
 
 
 def test_steered_pool_holds_what_the_policys_model_holds() -> None:
-    """600 conversation requests in a 300k-token pool, ``admission: adaptive`` with
-    ``eviction: connector``: the slice where the policy's model (``lru_hits`` with
-    ``AdaptiveAdmission``, an exact LRU behind the policy) first leaves LRU, 4.48% vs 3.70%.
-    The pool evicts nothing itself, so the replay hits exactly what the model hits."""
+    """450 conversation requests in a 300k-token pool, ``admission: adaptive`` with
+    ``eviction: connector``: the shortest slice where the policy's model (``lru_hits`` with
+    ``AdaptiveAdmission``, an exact LRU behind the policy) leaves LRU, 3.86% vs 3.54% (250,880
+    hit tokens vs 229,888; at 400 requests they are equal; 600 gave 4.48% vs 3.70%). The pool
+    evicts nothing itself, so the replay hits exactly what the model hits."""
     trace = default_trace_path("conversation_trace.jsonl")
+    # SMALL_POOL_SHAPE's 66,000-token pool leaves LRU within 150 requests, but a run of it had
+    # a put refused for want of space and the master evict a key: its 128 KiB chunks leave
+    # the 17 MiB segment room for only 8 more than the connector keeps.
+    limit, pool_tokens = 450, 300_000
     # The replay's master: watermark 1.0, a CONNECTOR_EVICTION_LEASE_MS lease.
     report = run_replay(ReplayConfig(
-        trace_path=str(trace), limit=600, shape=SHAPE, pool_tokens=300_000,
+        trace_path=str(trace), limit=limit, shape=SHAPE, pool_tokens=pool_tokens,
         admission="adaptive", eviction="connector"))
     assert report.errors == [] and (report.admission, report.eviction) == ("adaptive",
                                                                            "connector")
     assert report.load_errors == 0 and report.corrupt_blocks == 0
     items = [(r.input_length, chunk_hashes(request_tokens(r), 512))
-             for r in load_trace(str(trace), limit=600)]
-    model = lru_hits(items, 512, 300_000, AdaptiveAdmission(300_000 // 512))
+             for r in load_trace(str(trace), limit=limit)]
+    model = lru_hits(items, 512, pool_tokens, AdaptiveAdmission(pool_tokens // 512))
     assert report.hit_tokens == model.hit_tokens
     assert 0 < report.lru_hit_rate < report.hit_rate <= report.ceiling_hit_rate
     assert report.pool_evicted_keys == 0 and report.evicted_keys > 0
-    assert report.pool_keys <= 300_000 // 512
+    assert report.pool_keys <= pool_tokens // 512
 
 
 def test_cli_adaptive_admission_needs_a_pool_size(capsys: pytest.CaptureFixture[str]) -> None:
