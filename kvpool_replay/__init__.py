@@ -20,12 +20,17 @@ Importing the package loads neither torch nor vLLM: only the engine processes do
 
 from kvpool_replay._cluster import DEMO_SHAPE, DemoCluster
 from kvpool_replay._pool import mooncake_extra_config
-from kvpool_replay._reference import ReuseResult, belady_hits, lru_hits, prefix_ceiling
+from kvpool_replay._reference import (
+    ReuseResult,
+    belady_hits,
+    lru_hits,
+    prefix_ceiling,
+    reference_for,
+)
 from kvpool_replay._replay import (
     CONNECTOR_EVICTION_LEASE_MS,
     ReplayConfig,
     ReplayReport,
-    reference_for,
     run_replay,
 )
 from kvpool_replay._services import (

@@ -32,7 +32,6 @@ from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
-from kvpool_connector.keys import chunk_hashes
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._pool import (
     MIN_SEGMENT_BYTES,
@@ -41,7 +40,7 @@ from kvpool_replay._pool import (
     require_memory,
 )
 from kvpool_replay._progress import ProgressReceiver
-from kvpool_replay._reference import ReuseResult, lru_hits, prefix_ceiling
+from kvpool_replay._reference import reference_for, unique_chunks
 from kvpool_replay._services import (
     MASTER_LEASE_TTL_MS,
     DiskTier,
@@ -55,11 +54,11 @@ from kvpool_replay._services import (
     wait_until,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
-from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE, request_tokens
-from kvpool_replay._trace import TraceRequest, load_trace
+from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
+from kvpool_replay._trace import load_trace
 
-__all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "reference_for", "run_replay",
-           "spawn_engine", "wait_engines_ready"]
+__all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "run_replay", "spawn_engine",
+           "wait_engines_ready"]
 
 _MIB = 1 << 20
 
@@ -227,27 +226,6 @@ def hits_lost_in_outage(results: Sequence[EngineResult], reference: Sequence[int
     return lost
 
 
-def reference_for(
-    requests: Sequence[TraceRequest], chunk_size: int, capacity_tokens: int | None,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-) -> tuple[ReuseResult, ReuseResult]:
-    """``(ceiling, lru)`` for ``requests`` in order; LRU at ``capacity_tokens`` (the ceiling
-    again when ``None``)."""
-    items = [(r.input_length, chunk_hashes(request_tokens(r, vocab_size), chunk_size))
-             for r in requests]
-    ceiling = prefix_ceiling(items, chunk_size)
-    lru = ceiling if capacity_tokens is None else lru_hits(items, chunk_size, capacity_tokens)
-    return ceiling, lru
-
-
-def _unique_chunks(requests: Sequence[TraceRequest], chunk_size: int,
-                   vocab_size: int) -> int:
-    seen: set[str] = set()
-    for r in requests:
-        seen.update(chunk_hashes(request_tokens(r, vocab_size), chunk_size))
-    return len(seen)
-
-
 class _RssWatch:
     """Samples the peak RSS of some processes every 0.2 s on a thread."""
 
@@ -366,7 +344,7 @@ def run_replay(
     model = cfg.model or f"replay-{os.getpid()}-{int(time.time() * 1e3)}"
 
     if cfg.pool_tokens is None:
-        unique = _unique_chunks(trace, cfg.chunk_size, cfg.vocab_size)
+        unique = unique_chunks(trace, cfg.chunk_size, cfg.vocab_size)
         # Room for every chunk below the eviction watermark, plus allocator slack.
         per_pool_tokens = max(
             math.ceil(unique * cfg.chunk_size / watermark * 1.25)
