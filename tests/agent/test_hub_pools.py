@@ -279,6 +279,9 @@ def test_a_flush_the_pool_does_not_show_is_suspect(
     assert r.agent_id == isrc.agent_id and not r.ok, r
     assert r.suspect is not None and "later the pool holds" in r.suspect, r
     assert set(many_keys) <= _all_keys(agent_master)
+    audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    (line,) = [x for x in audit if x["command"] == "flush"]
+    assert "suspect" in line["results"][0] and not line["results"][0]["ok"]
 
 
 def test_a_genuine_flush_is_confirmed_by_another_keys_count(
