@@ -23,7 +23,8 @@ bytes, so each connection's share is ``messages x bytes``:
 MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` encoded; Python
 holds them decoded, ``DECODED_STATE_FACTOR`` times that for text-heavy states), and the reuse
 window (``kvpool_agent._access_window``: 200,000 chunk ids, ~2 MB, plus a snapshot's copy of its
-list while the reuse worker computes).
+list while the reuse worker computes), the saved-chunk memory (``kvpool_agent._saved_chunks``:
+2**19 slots, 7 MiB) and the per-engine miss splits (< 5 MB).
 
 Not covered by these queues: a multipart message. libzmq hands none of its parts to the hub
 before its last one has come (tested: a ROUTER polls nothing between parts) and bounds only each
@@ -67,7 +68,8 @@ MAX_UPDATE_FRAME_BYTES = 1024 * 1024
 """Largest update frame the hub publishes (bytes, topic included): ``UPDATE_STATES_BYTES`` of
 states, their agents' ``last_seen_ms``/``report_gaps`` (128 ids of at most 256 characters:
 < 70 KiB), the first frame's ``forgotten`` (1,024 ids: < 270 KiB) and, in a snapshot's first
-frame, the hub's ``ReuseView`` (64 models of 16 what-if points: < 100 KiB). A frame over it is
+frame, the hub's ``ReuseView`` (64 models of 16 what-if points and 64 engines' miss splits:
+< 120 KiB). A frame over it is
 not sent (``FleetHub`` counts it as a bad message)."""
 
 AGENT_RCVHWM = 16

@@ -38,6 +38,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvpool_agent._access_window import FLEET, WINDOW_CHUNKS, Ceiling
+from kvpool_agent._misses import split_not_in_pool
 from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, PoolStats, visible
 
 __all__ = [
@@ -157,6 +158,10 @@ class FleetCollector(Collector):
         clock_ms: wall clock in epoch ms (tests freeze it).
         reuse_ceilings: the hub's last live reuse ceilings (``ReuseService.ceilings``: model
             -> ``Ceiling``, the fleet's under ``""``); ``None``: none exported.
+        miss_split: per engine id, its ``not_in_pool`` tokens split by the hub's saved-chunk
+            memory (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
+            ``other_digest``), applied to ``kvpool_miss_tokens_total`` with
+            ``_misses.split_not_in_pool``; ``None``: ``not_in_pool`` is exported unsplit.
     """
 
     def __init__(
@@ -166,8 +171,10 @@ class FleetCollector(Collector):
         hub_counters: Callable[[], Mapping[str, int]],
         clock_ms: Callable[[], float],
         reuse_ceilings: Callable[[], Mapping[str, Ceiling]] | None = None,
+        miss_split: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
     ) -> None:
         self._states = states
+        self._miss_split = miss_split
         self._reuse_ceilings = reuse_ceilings
         self._report_gaps = report_gaps
         self._hub_counters = hub_counters
@@ -184,8 +191,10 @@ class FleetCollector(Collector):
             groups.setdefault(st.source.engine_id, []).append((st, seen))
         fleet = {"prompt": 0, "local": 0, "pool": 0}
         agent_states = dict.fromkeys(_STATES, 0)
+        split = self._miss_split() if self._miss_split is not None else {}
         for engine_id in sorted(groups):
-            self._engine(fams, engine_id, groups[engine_id], now_ms, gaps, fleet, agent_states)
+            self._engine(fams, engine_id, groups[engine_id], now_ms, gaps, fleet, agent_states,
+                         split.get(engine_id))
         self._pools(fams, [st for st, _ in states.values()])
         fams.gauge("kvpool_fleet_engines", "Engines the hub knows.", []).add_metric(
             [], len(groups))
@@ -228,6 +237,7 @@ class FleetCollector(Collector):
         gaps: Mapping[str, int],
         fleet: dict[str, int],
         agent_states: dict[str, int],
+        split: Mapping[str, int] | None,
     ) -> None:
         # The scheduler names the engine's model and role, like the console's engine row.
         group.sort(key=lambda x: (x[0].source.process_role != "scheduler", x[0].source.agent_id))
@@ -263,9 +273,12 @@ class FleetCollector(Collector):
         for s in sts:
             for reason, n in s.lookup.miss_tokens.items():
                 misses[reason] = misses.get(reason, 0) + n
+        misses = split_not_in_pool(misses, split)
         fam = fams.counter("kvpool_miss_tokens", "Prompt tokens not served from the pool, by "
-                           "reason (tail, not_in_pool, lookup_error, load_failed, not_loaded, a "
-                           "skip reason): prompt = local + loaded + misses.", [*_ENGINE, "reason"])
+                           "reason (tail; never_saved, evicted, other_digest, or not_in_pool "
+                           "where the hub could not tell; lookup_error, load_failed, not_loaded, "
+                           "a skip reason): prompt = local + loaded + misses.",
+                           [*_ENGINE, "reason"])
         for reason in sorted(misses):
             fam.add_metric([*labels, _label(reason)], misses[reason])
         for kind in ("load", "save"):

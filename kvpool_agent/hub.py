@@ -424,7 +424,7 @@ class FleetHub:
     def _collector(self) -> FleetCollector:
         return FleetCollector(self._fleet.states, lambda: dict(self.seq_tracker.gaps),
                               self.counters.metrics, lambda: time.time() * 1e3,
-                              self.reuse.ceilings)
+                              self.reuse.ceilings, self.reuse.not_in_pool)
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -581,6 +581,7 @@ class FleetHub:
         self.counters.reports += 1
         aid = rep.state.source.agent_id
         self.reuse.add(rep.state.source.model, rep.accesses)
+        self.reuse.split(rep)
         self.seq_tracker.observe(aid, rep.seq)
         records = self._fleet.unaudited_flushes(aid, rep.state.flushes)
         budget = f"agent:{key}" if records else ""

@@ -4,11 +4,8 @@ up through a ``LookupServer``, their agents reporting to a real hub over CURVE. 
 land under the right reason of the hub's saved-chunk memory: chunks removed between their save
 and the lookup (a flush) are ``evicted``, chunks another layout digest of the model saved are
 ``other_digest``, chunks whose save a tiny save budget skipped and chunks nobody saved are
-``never_saved``; ``status --json`` shows the split and still adds up to the prompt tokens.
-
-The hub calls ``ReuseService.split`` from its report handler once hub.py has the one-line hook
-(``_on_report``: ``self.reuse.split(rep)`` next to ``self.reuse.add``); until then this test's
-hub adds that one line in a subclass, and nothing else."""
+``never_saved``; ``status --json`` and the hub's ``/metrics`` show the split and still add up
+to the prompt tokens."""
 
 from __future__ import annotations
 
@@ -19,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from agent_testlib import make_source, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
@@ -29,7 +28,7 @@ from kvpool_agent import AGENT_KEYS_ENV, AgentHandle, FleetHub, KeyPaths, start_
 from kvpool_agent._misses import split_not_in_pool
 from kvpool_agent._saved_chunks import EVICTED
 from kvpool_agent.auth import Role
-from kvpool_agent.protocol import Report, chunk_id
+from kvpool_agent.protocol import chunk_id
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
@@ -50,16 +49,6 @@ _ALIVE: list[object] = []
 registered before, and a freed tensor's range is reused."""
 
 
-class _Hub(FleetHub):
-    """A real hub plus the one hook line hub.py does not have yet (module docstring)."""
-
-    def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
-        before = self.reports
-        super()._on_report(rid, rep, identity)
-        if self.reports > before:  # accepted
-            self.reuse.split(rep)
-
-
 @pytest.fixture
 def split_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
               monkeypatch: pytest.MonkeyPatch) -> Iterator[FleetHub]:
@@ -67,9 +56,9 @@ def split_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path
     monkeypatch.setenv(AGENT_KEYS_ENV, str(fleet_keys["agent"].root))
     monkeypatch.setenv("KVPOOL_KEYS_DIR", str(fleet_keys["viewer"].root))
     monkeypatch.setenv("KVPOOL_RUNTIME_DIR", str(tmp_path))
-    with _Hub(hub_address, authorized_keys_dir=kp.authorized_dir,
-              secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
-              snapshot_interval_s=0.5, reuse_refresh_s=0.1) as h:
+    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                  snapshot_interval_s=0.5, reuse_refresh_s=0.1, metrics_port=free_port()) as h:
         yield h
 
 
@@ -206,6 +195,14 @@ def test_injected_faults_land_under_their_reason(
 
         wait_until(lambda: row()["miss_tokens"] == {**want, "tail": tail,
                                                     "not_loaded": 2 * CLAIMABLE})
+        # So does the hub's /metrics, one series per reason.
+        assert split_hub.metrics is not None
+        scraped = {
+            s.labels["reason"]: s.value
+            for fam in text_string_to_metric_families(httpx.get(split_hub.metrics.url).text)
+            for s in fam.samples
+            if s.name == "kvpool_miss_tokens_total" and s.labels["engine"] == "eng-a"}
+        assert scraped == {**want, "tail": tail, "not_loaded": 2 * CLAIMABLE}
     finally:
         for e in (a, b, c):
             e.close()
