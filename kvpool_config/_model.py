@@ -349,6 +349,11 @@ class MooncakeClientConfig(_Open):
     enable_ssd_offload: bool | None = None
     ssd_offload_path: str | None = Field(default=None, json_schema_extra={"pattern": "^/"})
     tenant_id: str | None = None
+    transfer_timeout_ms: int | None = Field(
+        default=None, ge=0,
+        description="kvpool's Mooncake backend: how long (ms) after a refused remove a key a "
+        "reader leased is tried again; default 60000, the store client's transfer timeout.",
+    )
 
 
 KTC_FIELDS = frozenset(KVTransferConfig.model_fields)

@@ -4,7 +4,8 @@ the Mooncake backend's ``MooncakeConfig`` reads).
 
 Checked: types, unknown keys, ``master_server_address`` as host:port or an HA pool's
 ``etcd://host:port``, the protocol, the segment
-size (read with the runtime's size parser) and the SSD offload path.
+size (read with the runtime's size parser), the SSD offload path and ``transfer_timeout_ms``
+(not below the store client's 60 s: rule ``transfer-timeout``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def check(
             path="$.ssd_offload_path",
             enabled=doc.get("enable_ssd_offload") is True,
         ),
+        R.check_transfer_timeout(doc.get("transfer_timeout_ms"), path="$.transfer_timeout_ms"),
     )
     findings += [f for f in checks if f is not None]
     return findings

@@ -63,6 +63,7 @@ from kvpool_config.rules._store import (
     check_size,
     check_ssd_offload_path,
     check_store_mode,
+    check_transfer_timeout,
 )
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "check_ssd_offload_path",
     "check_staging_buffer",
     "check_store_mode",
+    "check_transfer_timeout",
     "check_unknown_keys",
     "file_per_key_bound",
     "filesystem_space",

@@ -21,6 +21,7 @@ from kvpool_config._model import (
     STORE_MODES,
 )
 from kvpool_config.rules._finding import Finding, check_choice
+from kvpool_connector.backends.mooncake import TRANSFER_TIMEOUT_MS
 from kvpool_connector.sizes import parse_size
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "check_size",
     "check_ssd_offload_path",
     "check_store_mode",
+    "check_transfer_timeout",
 ]
 
 ASCEND_DEFAULT_TIMEOUT_MS = 10_000
@@ -319,6 +321,27 @@ def check_ssd_offload_path(value: Any, *, path: str, enabled: bool) -> Finding |
         )
     return None
 
+
+
+def check_transfer_timeout(value: Any, *, path: str) -> Finding | None:
+    """``transfer_timeout_ms`` (kvpool's Mooncake backend) not below the store client's own
+    transfer timeout (``MooncakeConfig.transfer_timeout_ms``: 60000 ms, the constant of
+    Mooncake's transfer_task.cpp): a key seen under a reader's lease is removed that long
+    after, and a shorter wait can free a value a read still copies (issue 39). Types and
+    negative values are the model's findings."""
+    if isinstance(value, bool) or not isinstance(value, int) or not \
+            0 <= value < TRANSFER_TIMEOUT_MS:
+        return None
+    return Finding(
+        "warning",
+        "transfer-timeout",
+        path,
+        f"transfer_timeout_ms {value} is below the Mooncake store client's transfer timeout "
+        f"({TRANSFER_TIMEOUT_MS} ms): a key seen under a reader's lease may be removed while "
+        "that read still copies it",
+        f"leave transfer_timeout_ms out (default {TRANSFER_TIMEOUT_MS}) unless the transport "
+        "gives up on a transfer sooner",
+    )
 
 
 def _whole_bytes(value: Any) -> int | None:
