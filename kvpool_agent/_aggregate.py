@@ -51,6 +51,7 @@ from kvpool_agent.reporter import (
     Loaded,
     Lookup,
     ReportedError,
+    SaveCopied,
     Saved,
     SaveSkipped,
     StartFailed,
@@ -313,6 +314,10 @@ class Aggregator:
                     tr = self.transfers
                     tr.saves_skipped += ev.blocks
                     count_name(tr.errors_by_name, ev.reason)
+                case SaveCopied():
+                    t = self.in_flight.get((ev.req_id, "save"))
+                    if t is not None and t.copied_ms is None:
+                        t.copied_ms = ev.ts_ms
                 case Saved():
                     self._queue_saves(ev)
                 case LayoutKnown():
@@ -512,6 +517,22 @@ class Aggregator:
         for w in waited:
             w.failed_after_hit += 1
 
+    def _saves_in_flight(self, tr: TransferStats, now_ms: float) -> None:
+        """The saves in flight as of ``now_ms`` (issue 38 item 4): the oldest one's age (ms),
+        the engine blocks they still read, the bytes they hold in staging buffers."""
+        oldest, held, staged = now_ms, 0, 0
+        for t in self.in_flight.values():
+            if t.kind != "save":
+                continue
+            oldest = min(oldest, t.started_ms)
+            if t.copied_ms is None:
+                held += t.blocks
+            else:
+                staged += t.bytes
+        tr.oldest_save_age_ms = _bounded(now_ms - oldest, MAX_MS)
+        tr.save_blocks_held = _count(held, MAX_COUNT)
+        tr.save_bytes_staged = _count(staged, MAX_BIG_COUNT)
+
     def state(self, now_ms: float, *, all_errors: bool = True) -> EngineState:
         """A detached copy of the current state.
 
@@ -542,6 +563,7 @@ class Aggregator:
         tr.save_bytes_per_s = _bounded(save_b / _RATE_WINDOW_S, MAX_BIG_COUNT)
         tr.max_load_ms = _bounded(tr.max_load_ms, MAX_MS)
         tr.max_unpaused_load_ms = _bounded(tr.max_unpaused_load_ms or 0.0, MAX_MS)
+        self._saves_in_flight(tr, now_ms)
         if all_errors:
             errors = list(self.recent_errors)
             flushes = list(self.recent_flushes)

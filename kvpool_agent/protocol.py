@@ -306,6 +306,9 @@ class Transfer(msgspec.Struct, gc=False, kw_only=True):
     ``layers_total`` is 0 unless layer-wise; then ``layers_done`` counts finished layers.
     ``lease_expires_ms`` is the instant the leases taken by this request's lookup expire
     (Mooncake grants ``default_kv_lease_ttl`` on every exists/get); ``None`` if unknown.
+    ``copied_ms`` (saves): when its values were copied into the worker's staging buffer and its
+    engine blocks released, before the put ended (issue 38); ``None`` while the save still
+    reads engine blocks (or from agents before this field).
     """
 
     req_id: Name
@@ -316,6 +319,7 @@ class Transfer(msgspec.Struct, gc=False, kw_only=True):
     layers_done: Count = 0
     layers_total: Count = 0
     lease_expires_ms: Ms | None = None
+    copied_ms: Ms | None = None
 
 
 class TransferStats(msgspec.Struct, gc=False, kw_only=True):
@@ -359,6 +363,17 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     saves_unreported: Count = 0
     """Saved chunks whose ids (``Report.saves``) were dropped for the report budget: the
     hub's saved-chunk memory never heard of them (their misses read as ``never_saved``)."""
+    # Saves in flight as of the state's ts_ms (issue 38 item 4: a store or transport that
+    # does not answer shows here before any save fails). None: not told (older agents).
+    oldest_save_age_ms: Ms | None = None
+    """Age of the oldest save in flight (ms; 0 when none): a save the store does not answer
+    grows it up to Mooncake's transfer timeout (60 s), then fails (``TRANSFER_FAIL``)."""
+    save_blocks_held: Count | None = None
+    """Engine blocks saves in flight still read (vLLM cannot reuse them until the save copied
+    or ended): with staging, a save holds its blocks only until its values are copied."""
+    save_bytes_staged: BigCount | None = None
+    """Bytes of saves in flight whose values sit in the staging buffer (blocks released, put
+    not ended)."""
 
 
 class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):

@@ -31,6 +31,7 @@ __all__ = [
     "NullReporter",
     "ReportedError",
     "Reporter",
+    "SaveCopied",
     "SaveSkipped",
     "Saved",
     "StartFailed",
@@ -118,6 +119,14 @@ class SaveSkipped(msgspec.Struct, array_like=True, gc=False, frozen=True):
     reason: str
 
 
+class SaveCopied(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A save's values are in the staging buffer: its engine blocks are free before its put
+    ended (see ``Reporter.save_copied``)."""
+
+    ts_ms: float
+    req_id: str
+
+
 class Saved(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """Chunks a worker's save left stored in the pool (see ``Reporter.saved``)."""
 
@@ -166,6 +175,7 @@ Event = (
     | TransferProgress
     | TransferFinished
     | SaveSkipped
+    | SaveCopied
     | Saved
     | ReportedError
     | LayoutKnown
@@ -276,6 +286,11 @@ class Reporter:
         """Saves of ``blocks`` blocks were skipped (``reason`` e.g. ``NO_AVAILABLE_HANDLE``)."""
         self._put(SaveSkipped(time.time() * 1e3, req_id, blocks, reason))
 
+    def save_copied(self, req_id: str) -> None:
+        """``req_id``'s running save copied its values into the staging buffer and released
+        its engine blocks; its put goes on (``transfer_finished`` ends it)."""
+        self._put(SaveCopied(time.time() * 1e3, req_id))
+
     def saved(self, chunk_hashes: list[str]) -> None:
         """A save ended with these chunks (hex chunk hashes) stored in the pool under this
         worker's layout digest, written now or already there. Kept by reference (O(1) here);
@@ -365,6 +380,9 @@ class NullReporter(Reporter):
         """Does nothing."""
 
     def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
+        """Does nothing."""
+
+    def save_copied(self, req_id: str) -> None:
         """Does nothing."""
 
     def saved(self, chunk_hashes: list[str]) -> None:

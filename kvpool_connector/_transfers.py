@@ -668,11 +668,17 @@ class SaveQueue:
                         self._pending[rid] = self._pending.get(rid, 1) - 1
                         if self._pending[rid] <= 0:
                             del self._pending[rid]
+
+        def copied() -> None:  # the operators' view: these saves hold no block, only staging
+            release()
+            if layer is None:  # a layer-wise save's later layers still read its blocks
+                for req, _ in todo:
+                    self.reporter.save_copied(req.req_id)
         try:
             device.wait(marker)
             # KV events promise a request in finished_sending has its chunks recorded: with
             # them on, blocks are released when the save ends, after the records.
-            self._save(todo, layer, n_layers, release if self.written is None else None)
+            self._save(todo, layer, n_layers, copied if self.written is None else None)
         except Exception as exc:  # a failed save never reaches the engine: it is reported
             logger.exception("kvpool save crashed")
             for req, _ in todo:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvpool_agent._aggregate import Aggregator
+from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, chunk_hashes
@@ -211,7 +213,9 @@ def test_stopped_store_never_holds_engine_blocks(
     """The store SIGSTOPped during a save (issue 38): the values are copied to the staging
     buffer, the request is reported finished_sending (vLLM frees its blocks) while the put is
     still stuck, the blocks are then overwritten as vLLM would reuse them, and after SIGCONT the
-    pool holds the bytes of the save, never the overwritten ones."""
+    pool holds the bytes of the save, never the overwritten ones. The agent's view of it
+    (issue 38 item 4): no block held, the save's bytes staged, its age growing; none once it
+    ended."""
     proc = store[1].proc
     assert proc is not None
     settings = _Settings(staging_buffer_bytes=32 << 20)  # the whole save at once
@@ -236,9 +240,20 @@ def test_stopped_store_never_holds_engine_blocks(
         assert writer.inflight_saves == 1  # the put itself is still waiting for the store
         for t in src.values():  # vLLM hands the freed blocks to another request
             t[src_ids] = 0
+        agg = Aggregator(Source(agent_id="w/0", engine_id="w", instance_role="mixed",
+                                kv_role="kv_both", process_role="worker"))
+        agg.apply(writer.reporter.drain())
+        started = agg.in_flight[("w", "save")].started_ms
+        tr = agg.state(started + 1500).transfers
+        nbytes = chunks * settings.chunk_size * 8 * 2 * 128 * 2 * 8  # tokens x K,V x layers
+        assert (tr.save_blocks_held, tr.save_bytes_staged, tr.oldest_save_age_ms) == (
+            0, nbytes, 1500.0)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     assert writer.drain_saves(120)
+    agg.apply(writer.reporter.drain())
+    tr = agg.state(started + 1500).transfers
+    assert (tr.save_blocks_held, tr.save_bytes_staged, tr.oldest_save_age_ms) == (0, 0, 0.0)
     reader.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
         req_id="r", block_ids=dst_ids, chunk_hashes=hashes,
         load=LoadSpec(0, tokens, can_load=True))]))
