@@ -17,6 +17,7 @@ from kvpool_agent.protocol import (
     TransferStats,
 )
 from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
+from kvpool_console._transport import TRANSPORT_HINT, failures_text, transport_failures
 from kvpool_console.alerts.alert import (
     AFTER_HIT,
     SEVERITY_RANK,
@@ -33,6 +34,11 @@ __all__ = ["evaluate"]
 
 _CRITICAL_USAGE = 0.98
 """Pool usage fraction at which new saves start failing with NO_AVAILABLE_HANDLE."""
+
+_CAUSES_FIRST = frozenset({"lease_ttl"})
+"""Rules listed before the others of their severity: a lease TTL below the load time makes
+the loads fail after their hit (``failed_after_hit``) and stay in flight; the TTL is what to
+change (issue 38 item 4)."""
 
 _TOPOLOGY_MIN_LOOKUPS = 20
 """Lookups a consumer makes before "0% hits while producers save" is a finding, not chance."""
@@ -226,11 +232,28 @@ def _stuck_limit(t: Transfer, tr: TransferStats, stuck_after_ms: float | None) -
     return STUCK_FLOOR_MS, f"floor; {why}"
 
 
+def _lease_ttl(group: list[EngineState]) -> int:
+    """The shortest lease TTL the engine's agents report (ms; 0: unknown)."""
+    return min((s.pool.lease_ttl_ms for s in group
+                if s.pool is not None and s.pool.lease_ttl_ms > 0), default=0)
+
+
+def _outlived(t: Transfer, s: EngineState, now_ms: float, ttl: int) -> bool:
+    """A load in flight longer than the lease TTL on a healthy pool: its lease ran out before
+    it ended (it will fail LEASE_EXPIRED and be recomputed). A pool failing its health check
+    is the cause instead (``pool_unhealthy``; the pause model keeps the TTL out of it)."""
+    return (t.kind == "load" and ttl > 0 and now_ms - t.started_ms >= ttl
+            and not (s.pool is not None and s.pool.healthy is False))
+
+
 def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
                   stuck_after_ms: float | None) -> list[Alert]:
     stuck: list[tuple[float, Transfer, EngineState, float, str]] = []
+    ttl = _lease_ttl(group)
     for s in group:
         for t in s.in_flight:
+            if _outlived(t, s, now_ms, ttl):
+                continue  # the lease_ttl alert names it (issue 38: the cause, not a symptom)
             age = now_ms - t.started_ms
             # The limit is never below the floor: most transfers are skipped without it.
             if age > STUCK_FLOOR_MS or stuck_after_ms is not None:
@@ -245,7 +268,11 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
     layers = (f", layer {t.layers_done}/{t.layers_total}" if t.layers_total else "")
     pool: PoolStats | None = s.pool
     master = s.source.master or "the master"
-    if pool is not None and pool.healthy is False:
+    failed = transport_failures(group)
+    if failed:
+        owner = f"the transport (failed transfers: {failures_text(failed)})"
+        hint = TRANSPORT_HINT
+    elif pool is not None and pool.healthy is False:
         owner = f"master {master} (pool health check failing: {pool.health_detail or '?'})"
         hint = HINTS["RPC_FAIL"]
     else:
@@ -262,6 +289,26 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
         f"{t.kind} of {t.req_id} on {s.source.agent_id} in flight {fmt_ms(age)} "
         f"(> {fmt_ms(limit)}: {why}; {t.blocks} blocks{layers}){more}; likely owner: "
         f"{owner}", hint, now_ms)]
+
+
+def _in_flight_ttl(engine_id: str, group: list[EngineState], ttl: int, now_ms: float,
+                   out: list[Alert]) -> None:
+    """A load still in flight past the lease TTL is ``lease_ttl`` (critical) as soon as it
+    passes it: the first alert of a TTL below the load time, before the load fails and long
+    before a stuck transfer's floor (``STUCK_FLOOR_MS``). Replaces the warning of the same
+    engine; a critical one from ended loads already says it."""
+    late = [(now_ms - t.started_ms, t, s) for s in group for t in s.in_flight
+            if _outlived(t, s, now_ms, ttl)]
+    if not late or any(a.rule == "lease_ttl" and a.severity == "critical" for a in out):
+        return
+    out[:] = [a for a in out if a.rule != "lease_ttl"]
+    age, t, s = max(late, key=lambda x: x[0])
+    more = f"; {len(late) - 1} more loads past it" if len(late) > 1 else ""
+    out.append(make_alert(
+        "lease_ttl", "critical", engine_id,
+        f"load of {t.req_id} on {s.source.agent_id} in flight {fmt_ms(age)} >= lease TTL "
+        f"{fmt_ms(ttl)} (default_kv_lease_ttl): its lease ran out before it ended{more}",
+        HINTS["LEASE_EXPIRED"], now_ms))
 
 
 def _retired(group: list[EngineState], cutoff_ms: float,
@@ -317,6 +364,7 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
                                   f"slowest load {fmt_ms(max_load)} is within 20% of lease TTL "
                                   f"{fmt_ms(ttl)} (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"],
                                   now_ms))
+    _in_flight_ttl(engine_id, group, ttl, now_ms, out)
     if lookup_errors and not _retired(group, cutoff, lambda e: e.where == "lookup"):
         sev = "critical" if lookups and lookup_errors * 2 >= lookups else "warning"
         last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
@@ -522,5 +570,5 @@ def evaluate(
         else:
             # A silent engine's in-flight list is as old as its last report.
             out.extend(_stuck_alerts(engine_id, group, now_ms, cfg.stuck_after_ms))
-    out.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.key))
+    out.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.rule not in _CAUSES_FIRST, a.key))
     return out

@@ -21,6 +21,7 @@ from kvpool_console._text import plain, visible
 from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
 from kvpool_console.widgets._identity import identity_line
 from kvpool_console.widgets._miss_table import MissTable
+from kvpool_console.widgets._saves_line import saves_line
 
 _MESSAGE_WIDTH = 36
 _HINT_WIDTH = 60
@@ -141,8 +142,10 @@ class EngineDetailScreen(Screen[None]):
             + ("\nbytes by group: $by_group" if row.loaded_bytes_by_group
                or row.saved_bytes_by_group else "")
             + ("\nversions: $versions" if row.versions else "")
-            + ("\nidentity: $identity" if (identity := identity_line(row, states)) else ""),
+            + ("\nidentity: $identity" if (identity := identity_line(row, states)) else "")
+            + ("\nsaves: $saves" if (saves := saves_line(row.engine_id, states, now_ms)) else ""),
             engine=visible(row.engine_id), state=state, identity=visible(identity),
+            saves=visible(saves),
             versions=visible(" ".join(f"{k} {v}" for k, v in row.versions.items())),
             failed=visible(row.failed), fix=visible(row.failed_hint),
             namespace=visible(row.namespace),

@@ -1,0 +1,120 @@
+"""Operators see the data path (issue 38 item 4), on fleet states built from the wire schema with
+a frozen clock: a lease TTL below the load time raises ``lease_ttl`` first (while the load is in
+flight, before it fails, never ``stuck_transfer``); a stuck save on an engine whose transfers
+failed in the transport names the transport and its fix, not a stopped store; the detail
+screen's saves line shows the oldest save, blocks held, bytes staged and transport failures."""
+
+from __future__ import annotations
+
+import msgspec
+from fleetdata import NOW_MS, engine, pool
+
+from kvpool_agent.protocol import EngineState, ErrorRecord, Transfer
+from kvpool_console._transport import TRANSPORT_HINT
+from kvpool_console.alerts import AlertModel, evaluate
+from kvpool_console.widgets._saves_line import saves_line
+
+Fleet = dict[str, EngineState]
+
+
+def _with(fleet: Fleet, *, in_flight: list[Transfer] | None = None,
+          errors: dict[str, int] | None = None, **stats: object) -> Fleet:
+    """Every worker of ``fleet`` with these in-flight transfers, error counts and
+    ``TransferStats`` fields."""
+    out = dict(fleet)
+    for k, s in fleet.items():
+        if s.source.process_role != "worker":
+            continue
+        tr = msgspec.structs.replace(s.transfers, **stats)
+        if errors is not None:
+            tr.errors_by_name = dict(errors)
+        out[k] = msgspec.structs.replace(
+            s, transfers=tr, in_flight=list(in_flight) if in_flight is not None else [],
+            recent_errors=[ErrorRecord(ts_ms=NOW_MS - 500, where="save", name=n,
+                                       message="save of 64 block(s) failed", code=-800)
+                           for n in (errors or {})])
+    return out
+
+
+def _rules(alerts: list) -> list[tuple[str, str]]:
+    return [(a.rule, a.severity) for a in alerts]
+
+
+def _load(started_ms: float) -> Transfer:
+    return Transfer(req_id="r1", kind="load", blocks=64, bytes=1 << 20, started_ms=started_ms,
+                    lease_expires_ms=started_ms + 200)
+
+
+def test_a_lease_ttl_below_the_load_time_is_the_first_alert() -> None:
+    """A 200 ms lease and a load of seconds: ``lease_ttl`` as soon as the load passes 200 ms,
+    still the only alert past the stuck floor (2.5 s), and listed first once the load failed
+    after its hit."""
+    short = engine("e", loads=0, pool_stats=pool(ttl=200))
+    model = AlertModel()
+    seen = {k: NOW_MS for k in short}
+    assert model.update(_with(short), seen, NOW_MS) == []
+    # 300 ms into the load: past the lease, far below the stuck floor.
+    t = NOW_MS + 300
+    fleet = _with(short, in_flight=[_load(NOW_MS)])
+    alerts = model.update(fleet, {k: t for k in fleet}, t)
+    assert _rules(alerts) == [("lease_ttl", "critical")]
+    assert alerts[0].message == ("load of r1 on e/dp0.tp0.pp0 in flight 300 ms >= lease TTL "
+                                 "200 ms (default_kv_lease_ttl): its lease ran out before it "
+                                 "ended; 1 more loads past it")
+    # 4 s into it: a transfer that old is stuck_transfer without the lease; here it is not.
+    t = NOW_MS + 4_000
+    assert _rules(evaluate(fleet, {k: t for k in fleet}, t)) == [("lease_ttl", "critical")]
+    # It failed LEASE_EXPIRED after its hit: the TTL (what to change) comes first.
+    ended = _with(short, errors={"LEASE_EXPIRED": 1}, failed_after_hit=1, loads_failed=1,
+                  loads_finished=0,
+                  max_load_ms=4_000.0)
+    assert _rules(evaluate(ended, {k: t for k in ended}, t)) == [
+        ("lease_ttl", "critical"), ("failed_after_hit", "critical")]
+
+
+def test_a_long_lease_leaves_a_stuck_load_to_stuck_transfer() -> None:
+    fleet = _with(engine("e", loads=0, pool_stats=pool(ttl=60_000)),
+                  in_flight=[_load(NOW_MS)])
+    t = NOW_MS + 4_000
+    assert _rules(evaluate(fleet, {k: t for k in fleet}, t)) == [("stuck_transfer", "critical")]
+
+
+def _stuck_save() -> Transfer:
+    return Transfer(req_id="s1", kind="save", blocks=64, bytes=1 << 20,
+                    started_ms=NOW_MS - 30_000)
+
+
+def test_a_stuck_save_after_transport_failures_names_the_transport() -> None:
+    failing = _with(engine("e", loads=0), in_flight=[_stuck_save()],
+                    errors={"TRANSFER_FAIL": 12})
+    stuck = [a for a in evaluate(failing, {k: NOW_MS for k in failing}, NOW_MS)
+             if a.rule == "stuck_transfer"]
+    assert len(stuck) == 1
+    assert "likely owner: the transport (failed transfers: TRANSFER_FAIL (-800) 24)" in \
+        stuck[0].message
+    assert stuck[0].hint == TRANSPORT_HINT
+    assert "not a stopped store" in stuck[0].hint and "staging_buffer" in stuck[0].hint
+    # The same stuck save without transport failures: the store process.
+    plain = _with(engine("e", loads=0), in_flight=[_stuck_save()])
+    (a,) = [a for a in evaluate(plain, {k: NOW_MS for k in plain}, NOW_MS)
+            if a.rule == "stuck_transfer"]
+    assert "the store process holding the segments" in a.message
+    assert "is not stopped" in a.hint
+
+
+def test_saves_line_by_value() -> None:
+    fleet = engine("e", loads=0)
+    assert saves_line("e", fleet, NOW_MS) == ""  # agents before issue 38, no failure
+    # A stopped store: two workers each hold 8 MiB in staging, no block; the oldest save
+    # started 1.2 s before their report, 300 ms ago.
+    stalled = _with(fleet, oldest_save_age_ms=1_200.0, save_blocks_held=0,
+                    save_bytes_staged=8 << 20)
+    assert saves_line("e", stalled, NOW_MS) == "oldest save 1.5s, 0 blocks held, 16.0M staged"
+    idle = _with(fleet, oldest_save_age_ms=0.0, save_blocks_held=0, save_bytes_staged=0)
+    assert saves_line("e", idle, NOW_MS) == "oldest save none, 0 blocks held, 0B staged"
+    failing = _with(fleet, errors={"TRANSFER_FAIL": 3}, oldest_save_age_ms=0.0,
+                    save_blocks_held=32, save_bytes_staged=0)
+    assert saves_line("e", failing, NOW_MS) == (
+        "oldest save none, 64 blocks held, 0B staged; transport failures: TRANSFER_FAIL "
+        f"(-800) 6 ({TRANSPORT_HINT})")
+    assert saves_line("other", failing, NOW_MS) == ""
