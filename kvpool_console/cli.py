@@ -208,7 +208,8 @@ def status_document(view: FleetView) -> dict[str, Any]:
     lookup_tokens, hit_tokens, loads_in_flight, load_errors, segment_used_bytes,
     segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
     local_hit_rate, loaded_tokens, recomputed_tokens, miss_tokens (by reason, not_in_pool split
-    by the hub into never_saved, evicted and other_digest), top_miss and versions; plus its
+    by the hub into never_saved, evicted and other_digest), top_miss, top_miss_fix (its fix
+    for this engine), pool_evicted_keys, saves_skipped and versions; plus its
     ``agents``),
     ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)

@@ -30,6 +30,7 @@ from kvpool_agent.protocol import (
     Source,
     StartFailure,
 )
+from kvpool_console._miss_fixes import miss_fix
 from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
 
 __all__ = [
@@ -169,6 +170,15 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     over the engine's agents: ``lookup_tokens = local + loaded + sum(miss_tokens)``."""
     top_miss: str = ""
     """The reason holding the most miss tokens (``""``: none)."""
+    top_miss_fix: str = ""
+    """``top_miss``'s fix for this engine (``_miss_fixes.miss_fix``: ``evicted`` by the
+    watermark or by a removal, ``never_saved`` by skipped saves or first use)."""
+    pool_evicted_keys: int = 0
+    """Keys the engine's pool evicted at its watermark since its master started
+    (``PoolStats.evicted_keys``; 0 without pool stats)."""
+    saves_skipped: int = 0
+    """Block saves the engine's workers skipped (``TransferStats.saves_skipped``: a save
+    budget, the save breaker)."""
     versions: dict[str, str] = msgspec.field(default_factory=dict)
     """What the engine's processes run (``Source.versions``: ``kvpool``, ``mooncake``,
     ``vllm``, ``protocol``...); versions that differ between its agents joined by ``/``."""
@@ -247,6 +257,8 @@ class Totals(msgspec.Struct, gc=False, kw_only=True):
     local_hit_rate: float = 0.0
     miss_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     top_miss: str = ""
+    top_miss_fix: str = ""
+    """The fleet's top reason's fix (its engines' evictions and skipped saves summed)."""
 
 
 class FleetView(msgspec.Struct, gc=False, kw_only=True):
@@ -344,7 +356,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
     runs for every engine whose reports changed, every refresh."""
     head = group[0].source
     prompt = hits = local = loaded = lookups = lookup_errors = recomputed = 0
-    load_errors = loads_finished = save_errors = failed_after_hit = 0
+    load_errors = loads_finished = save_errors = failed_after_hit = saves_skipped = 0
     load_bps = save_bps = weighted_1m = 0.0
     max_load = group[0].transfers.max_load_ms
     pool_st: EngineState | None = None
@@ -381,6 +393,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         load_errors += tr.loads_failed + tr.loads_timed_out
         loads_finished += tr.loads_finished
         save_errors += tr.saves_failed
+        saves_skipped += tr.saves_skipped
         failed_after_hit += tr.failed_after_hit
         load_bps += tr.load_bytes_per_s
         save_bps += tr.save_bytes_per_s
@@ -437,6 +450,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         role_source=head.role_source,
         agent_ids=[s.source.agent_id for s in group],
         miss_tokens=misses, top_miss=top_reason(misses),
+        pool_evicted_keys=pool.evicted_keys if pool else 0, saves_skipped=saves_skipped,
         versions={p: "/".join(sorted(vs)) for p, vs in sorted(versions.items())},
         **_kv_facts(described.layout if described else {}),
         loaded_bytes_by_group=dict(sorted(by_group["loaded"].items())),
@@ -584,6 +598,8 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         if split:
             row.miss_tokens = split_not_in_pool(row.miss_tokens, split)
             row.top_miss = top_reason(row.miss_tokens)
+        row.top_miss_fix = miss_fix(row.top_miss, evicted_keys=row.pool_evicted_keys,
+                                    saves_skipped=row.saves_skipped)
         rows.append(row)
     pools = _pools(states.values())
     prompt = sum(r.lookup_tokens for r in rows)
@@ -608,6 +624,9 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         recomputed_tokens=sum(r.recomputed_tokens for r in rows),
         local_hit_rate=local / prompt if prompt else 0.0,
         miss_tokens=fleet_misses, top_miss=top_reason(fleet_misses),
+        top_miss_fix=miss_fix(top_reason(fleet_misses),
+                              evicted_keys=sum(p.evicted_keys for p in pools),
+                              saves_skipped=sum(r.saves_skipped for r in rows)),
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals_row,
                      alerts=list(alerts or []), reuse=reuse), fresh

@@ -2,7 +2,7 @@
 
 One row for vLLM's own cache (``local``), one for the pool's hits (``loaded``), then one per
 miss reason, most tokens first, each with its tokens, its share of the engine's prompt tokens
-and the fix (``FIXES``, the short form of ``docs/triage.md``'s miss-reason table). The rows add
+and the fix (``_miss_fixes.miss_fix``: the engine's evictions and skipped saves). The rows add
 up to the prompt tokens (``kvpool_agent._misses``), the last row says so.
 """
 
@@ -11,23 +11,11 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
+from kvpool_console._miss_fixes import FIXES, miss_fix
 from kvpool_console._text import plain
 from kvpool_console.model import EngineRow
 
-__all__ = ["FIXES", "MissTable"]
-
-FIXES: dict[str, str] = {
-    "never_saved": "first use, or saves skipped: see save errors, save budget",
-    "evicted": "saved, then gone (watermark, flush, unpin): see whatif 2x",
-    "other_digest": "another layout digest saved it: align model, dtype, layout",
-    "not_in_pool": "not split: see triage docs (old hub, engine digest unknown)",
-    "tail": "past the last whole chunk: a smaller chunk_size shortens it",
-    "lookup_error": "the pool's lookup failed: health --all (master reachable?)",
-    "load_failed": "found, not loaded (lease lost): raise default_kv_lease_ttl",
-    "not_loaded": "found, no load outcome yet: stuck_transfer when it grows",
-    "unattributed": "a connector without chunk hashes: upgrade it",
-}
-"""Reason -> the fix, one line each (a skip reason not listed: its rule's own fix)."""
+__all__ = ["MissTable"]
 
 
 class MissTable(DataTable[str | Text]):
@@ -52,6 +40,7 @@ class MissTable(DataTable[str | Text]):
                      share(row.loaded_tokens), "")
         for reason, n in sorted(row.miss_tokens.items(), key=lambda kv: (-kv[1], kv[0])):
             self.add_row(plain(reason, style="bold" if reason == row.top_miss else ""), str(n),
-                         share(n), plain(FIXES.get(reason, "skipped by this rule: its fix")))
+                         share(n), plain(miss_fix(reason, evicted_keys=row.pool_evicted_keys,
+                                                  saves_skipped=row.saves_skipped)))
         total = row.local_tokens + row.loaded_tokens + sum(row.miss_tokens.values())
         self.add_row(Text("= prompt tokens", style="dim"), str(total), share(total), "")

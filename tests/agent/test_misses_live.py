@@ -79,13 +79,15 @@ class _Engine:
     up, its scheduler asking the worker through a real LookupServer; each process its agent."""
 
     def __init__(self, engine_id: str, model: str, backend: MooncakeBackend, hub_address: str,
-                 head_size: int, *, schedules: bool, **extra: Any) -> None:
+                 head_size: int, *, schedules: bool, pool_admin_url: str | None = None,
+                 **extra: Any) -> None:
         port = free_port()
         self.config = KVPoolConfig.from_dicts({"lookup_rpc_port": port, **extra},
                                               kv_role="kv_both", block_size=BLOCK, model=model)
         self.backend = backend
+        # With the master's admin URL the worker's agent reports its pool (evictions).
         self.worker_agent = start_agent(make_source(engine_id, model=model),
-                                        address=hub_address)
+                                        address=hub_address, pool_admin_url=pool_admin_url)
         self.agents: list[AgentHandle] = [self.worker_agent]
         self.worker = KVPoolWorker(self.config, ParallelLayout(), model, backend,
                                    self.worker_agent.reporter)
@@ -205,4 +207,122 @@ def test_injected_faults_land_under_their_reason(
         assert scraped == {**want, "tail": tail, "not_loaded": 2 * CLAIMABLE}
     finally:
         for e in (a, b, c):
+            e.close()
+
+
+SMALL_HEAD = 8_192
+"""Head size of the small pool's engine: a chunk (one layer, 16 tokens, float32) is 512 KiB."""
+
+SMALL_POOL = 16 << 20
+"""The small pool's store (Mooncake's smallest segment): 32 of those chunks; its master evicts
+past half of it."""
+
+
+@pytest.fixture(scope="module")
+def small_pool() -> Iterator[tuple[LocalMooncakeMaster, MooncakeBackend]]:
+    """A pool too small for the traffic: a master evicting past half of a 16 MiB store (half
+    its objects a round, leases of 100 ms), and a client contributing no memory."""
+    with LocalMooncakeMaster(eviction_high_watermark_ratio=0.5, eviction_ratio=0.5,
+                             default_kv_lease_ttl_ms=100) as master, \
+            LocalPoolStore(master, SMALL_POOL):
+        b = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            "master_server_address": master.address, "global_segment_size": "0",
+            "local_buffer_size": "4MB", "master_admin_url": master.admin_url,
+            "transfer_timeout_ms": 1_000}}))
+        yield master, b
+        b.close()
+
+
+def test_each_fault_is_the_top_reason_with_its_fix(
+        split_hub: FleetHub, hub_address: str, store_client: MooncakeBackend,
+        small_pool: tuple[LocalMooncakeMaster, MooncakeBackend],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41's injected faults, each on an engine (and model) of its own that looks up only
+    what the fault touched: within 10 s of its lookups ``status --json`` names the fault's
+    reason as the engine's ``top_miss`` with the fix for that cause."""
+    master, small_client = small_pool
+    tag = uuid.uuid4().hex[:8]
+    split = _Engine("split", f"org/split-{tag}", store_client, hub_address, head_size=8,
+                    schedules=True)
+    other = _Engine("split-other", f"org/split-{tag}", store_client, hub_address, head_size=16,
+                    schedules=False)
+    budget = _Engine("budget", f"org/budget-{tag}", store_client, hub_address, head_size=8,
+                     schedules=True, save_budget="1")
+    flush = _Engine("flush", f"org/flush-{tag}", store_client, hub_address, head_size=8,
+                    schedules=True)
+    small = _Engine("small", f"org/small-{tag}", small_client, hub_address,
+                    head_size=SMALL_HEAD, schedules=True, pool_admin_url=master.admin_url)
+    engines = (split, other, budget, flush, small)
+    try:
+        # Namespaces split: the other layout saved what `split` looks up.
+        split_prompts = [_prompt(100 + i) for i in range(2)]
+        other.save(*split_prompts)
+        # A save budget of one byte: the second request of the step is skipped.
+        budget_prompts = [_prompt(200), _prompt(201)]
+        budget.save(*budget_prompts)
+        assert budget.worker.counters.save_skipped_keys == CLAIMABLE // BLOCK
+        # A flush during traffic: saved, then removed before the lookup.
+        flush_prompts = [_prompt(300 + i) for i in range(2)]
+        flushed = [k for p in flush_prompts for k in flush.save(p)]
+        # Traffic past the small pool: 12 prompts of 6 chunks (36 MiB) into 16 MiB; the master
+        # evicts the oldest at its watermark (no one removes anything).
+        small_prompts = [_prompt(400 + i) for i in range(12)]
+        small_keys = [small.save(p) for p in small_prompts]
+        # The hub remembers every save before the lookups (its stamps are whole seconds).
+        for e, p in ((other, split_prompts[-1]), (budget, budget_prompts[0]),
+                     (flush, flush_prompts[-1]), (small, small_prompts[-1])):
+            h = chunk_hashes(p, BLOCK)[CLAIMABLE // BLOCK - 1]
+            wait_until(lambda e=e, h=h: split_hub.reuse.saved.reason(  # type: ignore[misc]
+                e.config.model, e.worker.layout_digest, chunk_id(h), time.time() * 1e3)
+                == EVICTED)
+        assert store_client.batch_remove(flushed) == [0] * len(flushed)
+        # The prompts the watermark took whole (their keys all gone); the master reports
+        # the evictions.
+        gone = [p for p, keys in zip(small_prompts, small_keys, strict=True)
+                if not any(small_client.batch_exists(keys))]
+        assert gone, "the master evicted no whole prompt"
+        for i, p in enumerate(split_prompts):
+            assert split.lookup(f"split-{i}", p) == 0
+        assert budget.lookup("budget-0", budget_prompts[1]) == 0
+        for i, p in enumerate(flush_prompts):
+            assert flush.lookup(f"flush-{i}", p) == 0
+        for i, p in enumerate(gone):
+            assert small.lookup(f"small-{i}", p) == 0
+        looked_up = time.monotonic()
+
+        def rows() -> dict[str, dict[str, Any]]:
+            assert console_main(["status", "--json", "--hub", hub_address]) == 0
+            doc = json.loads(capsys.readouterr().out)
+            return {e["engine_id"]: e for e in doc["engines"]}
+
+        want = {"split": "other_digest", "budget": "never_saved", "flush": "evicted",
+                "small": "evicted"}
+        seen: dict[str, dict[str, Any]] = {}
+
+        def named() -> bool:
+            seen.update(rows())
+            return all(seen[e]["top_miss"] == r for e, r in want.items() if e in seen) \
+                and want.keys() <= seen.keys() and seen["small"]["pool_evicted_keys"] > 0
+        wait_until(named, timeout_s=10)
+        assert time.monotonic() - looked_up <= 10
+        got = {e: (seen[e]["top_miss"], seen[e]["top_miss_fix"]) for e in want}
+        evicted = seen["small"]["pool_evicted_keys"]
+        assert got == {
+            "split": ("other_digest", "another layout digest saved it: align model, dtype, "
+                                      "layout"),
+            "budget": ("never_saved", f"{CLAIMABLE // BLOCK} block saves skipped: raise "
+                                     "save_budget, see breaker"),
+            "flush": ("evicted", "saved, then removed (flush, unpin): see events, audit file"),
+            "small": ("evicted", f"pool too small ({evicted} keys evicted): add memory; "
+                                 "whatif 2x"),
+        }
+        # The tokens behind each: the fault's chunks, the rest the prompts' tails.
+        tail = PROMPT - CLAIMABLE
+        assert seen["split"]["miss_tokens"] == {"other_digest": 2 * CLAIMABLE, "tail": 2 * tail}
+        assert seen["budget"]["miss_tokens"] == {"never_saved": CLAIMABLE, "tail": tail}
+        assert seen["flush"]["miss_tokens"] == {"evicted": 2 * CLAIMABLE, "tail": 2 * tail}
+        assert seen["small"]["miss_tokens"] == {"evicted": len(gone) * CLAIMABLE,
+                                                "tail": len(gone) * tail}
+    finally:
+        for e in engines:
             e.close()

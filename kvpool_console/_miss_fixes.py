@@ -1,0 +1,45 @@
+"""The fix of each miss reason (issue 41), the short form of ``docs/triage.md``'s miss-reason
+table: what the detail screen's miss table, the fleet's top reason and ``status --json``
+(``top_miss_fix``) say.
+
+Two reasons have more than one cause, told apart by the engine's own facts: ``evicted`` is the
+master's watermark eviction when the engine's pool evicted keys (``PoolStats.evicted_keys``,
+counted by the master since it started: a flush or an unpin is not counted there), else a
+removal (flush, unpin); ``never_saved`` is a skipped save when the engine's workers skipped
+saves (``TransferStats.saves_skipped``: a save budget, the save breaker), else first use.
+A pool that both evicted and was flushed reads as evicted at its watermark.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FIXES", "miss_fix"]
+
+FIXES: dict[str, str] = {
+    "never_saved": "first use, or saves skipped: see save errors, save budget",
+    "evicted": "saved, then gone (watermark, flush, unpin): see whatif 2x",
+    "other_digest": "another layout digest saved it: align model, dtype, layout",
+    "not_in_pool": "not split: see triage docs (old hub, engine digest unknown)",
+    "tail": "past the last whole chunk: a smaller chunk_size shortens it",
+    "lookup_error": "the pool's lookup failed: health --all (master reachable?)",
+    "load_failed": "found, not loaded (lease lost): raise default_kv_lease_ttl",
+    "not_loaded": "found, no load outcome yet: stuck_transfer when it grows",
+    "unattributed": "a connector without chunk hashes: upgrade it",
+}
+"""Reason -> its fix when the engine's facts say nothing more (a skip reason not listed: its
+rule's own fix). ``miss_fix``'s texts are no longer than the longest of these (the detail
+screen's column)."""
+
+
+def miss_fix(reason: str, *, evicted_keys: int = 0, saves_skipped: int = 0) -> str:
+    """The fix of ``reason`` for an engine whose pool evicted ``evicted_keys`` keys at its
+    watermark and whose workers skipped ``saves_skipped`` block saves (module docstring);
+    ``""`` for no reason."""
+    if not reason:
+        return ""
+    if reason == "evicted":
+        if evicted_keys:
+            return f"pool too small ({evicted_keys} keys evicted): add memory; whatif 2x"
+        return "saved, then removed (flush, unpin): see events, audit file"
+    if reason == "never_saved" and saves_skipped:
+        return f"{saves_skipped} block saves skipped: raise save_budget, see breaker"
+    return FIXES.get(reason, "skipped by this rule: its fix in docs/triage.md")
