@@ -9,14 +9,42 @@ Rules, in the order the findings are listed (critical first):
 - one of the engine's ports or sockets is listened on by a process that is not the engine:
   **port held by pid N (name)**;
 - the pool's master does not accept a TCP connection from the engine's host;
+- the engine's transfers failed in the transport (its agents counted ``TRANSFER_FAIL``, or its
+  log has Mooncake's transport lines, ``TRANSPORT_LOG_MARKS``): a **transport failure**, named as
+  one and with what to change (issue 38: a store that answers but whose transfer engine cannot
+  move the bytes is not a stopped store);
 - less than ``LOW_MEMORY`` of the host's memory is available.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from kvpool_agent.protocol import EngineState
+from kvpool_console._transport import (
+    TRANSPORT_ERRORS,
+    TRANSPORT_HINT,
+    failures_text,
+    transport_failures,
+)
 from kvpool_console.triage._model import Finding, HostReport, ProcessCheck, TriageReport
 
-__all__ = ["LOW_MEMORY", "diagnose", "exit_status"]
+__all__ = ["LOW_MEMORY", "TRANSPORT_LOG_MARKS", "diagnose", "exit_status", "transport_facts"]
+
+TRANSPORT_LOG_MARKS = ("Failed to complete transfers after", "TCP lane queue-full rejection",
+                       "TRANSFER_FAIL")
+"""Mooncake's log lines of a failed transport (``transfer_task.cpp``'s timeout, the TCP
+transport's refusal of a full lane, the error's name)."""
+
+
+def transport_facts(engine_id: str, states: Mapping[str, EngineState]) -> tuple[dict[str, int],
+                                                                               str]:
+    """The engine's failed transfers by transport error name and the newest such error's
+    message, from its agents' last reports."""
+    mine = [s for s in states.values() if s.source.engine_id == engine_id]
+    errors = [e for s in mine for e in s.recent_errors if e.name in TRANSPORT_ERRORS]
+    last = max(errors, key=lambda e: e.ts_ms, default=None)
+    return transport_failures(mine), (f"{last.name}: {last.message}" if last else "")
 
 LOW_MEMORY = 0.05
 """``MemAvailable / MemTotal`` below this is reported as low memory."""
@@ -42,13 +70,36 @@ def diagnose(report: TriageReport) -> list[Finding]:
             out.append(Finding(kind="master", severity="critical",
                                text=f"pool master {m.address} unreachable from {host.host}: "
                                     f"{m.detail}"))
+        out.extend(_transport_log(host))
         mem = host.memory
         if mem is not None and mem.total_bytes and \
                 mem.available_bytes < LOW_MEMORY * mem.total_bytes:
             out.append(Finding(kind="memory", severity="warning",
                                text=f"{host.host}: memory low, {mem.available_bytes >> 20} MiB "
                                     f"available of {mem.total_bytes >> 20} MiB"))
+    out.extend(_transport(report))
     return sorted(out, key=lambda f: _RANK[f.severity])
+
+
+def _transport(report: TriageReport) -> list[Finding]:
+    if not report.transport_failures:
+        return []
+    last = f" (last: {report.transport_error})" if report.transport_error else ""
+    return [Finding(kind="transport", severity="critical",
+                    text=f"transport failure: transfers failed with "
+                         f"{failures_text(report.transport_failures)}{last}; fix: "
+                         f"{TRANSPORT_HINT}")]
+
+
+def _transport_log(host: HostReport) -> list[Finding]:
+    """Mooncake's transport lines in the engine's log tail, the newest one quoted."""
+    lines = [ln for log in host.logs for ln in log.lines
+             if any(m in ln for m in TRANSPORT_LOG_MARKS)]
+    if not lines:
+        return []
+    return [Finding(kind="transport", severity="critical",
+                    text=f"transport failure in the log on {host.host} ({len(lines)} lines, "
+                         f"last: {lines[-1].strip()[:200]}); fix: {TRANSPORT_HINT}")]
 
 
 def _process(p: ProcessCheck, host: str, reporting: bool) -> list[Finding]:

@@ -151,7 +151,7 @@ class HostReport(msgspec.Struct, kw_only=True):
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
     """One line of the diagnosis. ``kind``: ``hung``, ``gone``, ``oom``, ``port``,
-    ``master``, ``memory``, ``ssh``, ``ok`` or ``note``; ``severity``: ``critical``,
+    ``master``, ``memory``, ``transport``, ``ssh``, ``ok`` or ``note``; ``severity``: ``critical``,
     ``warning`` or ``info``."""
 
     kind: str
@@ -160,10 +160,17 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TriageReport(msgspec.Struct, kw_only=True):
-    """``kvpool-console triage --json``: one engine, its hosts, the diagnosis, epoch ms."""
+    """``kvpool-console triage --json``: one engine, its hosts, the diagnosis, epoch ms.
+
+    ``transport_failures``: the engine's loads and saves that failed in the transport, by
+    Mooncake error name (``kvpool_console._transport``), as its agents last reported them;
+    ``transport_error``: the newest such error's message (``""``: none recorded).
+    """
 
     engine_id: str
     ts_ms: float
     reporting: bool
     hosts: list[HostReport]
     diagnosis: list[Finding] = msgspec.field(default_factory=list)
+    transport_failures: dict[str, int] = msgspec.field(default_factory=dict)
+    transport_error: str = ""

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from kvpool_agent.protocol import EngineState
 from kvpool_console.triage import _commands as C
-from kvpool_console.triage._diagnose import diagnose
+from kvpool_console.triage._diagnose import diagnose, transport_facts
 from kvpool_console.triage._model import (
     AccelCheck,
     HostReport,
@@ -70,6 +70,7 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
                                    for p in plans))
     report = TriageReport(engine_id=engine_id, ts_ms=time.time() * 1e3, reporting=reporting,
                           hosts=list(hosts))
+    report.transport_failures, report.transport_error = transport_facts(engine_id, states)
     report.diagnosis = diagnose(report)
     return report
 
