@@ -5,8 +5,9 @@ socket thread.
 the report) to copy them into the window (``kvpool_agent._access_window``). A worker thread
 recomputes the live reuse ceiling at most every ``refresh_s`` seconds, only after new
 accesses came, and the what-if curves (LRU and MIN at ``CURVE_FACTORS`` x each model's pool
-capacity: the costly part, O(factors x chunks log chunks)) at most every ``whatif_refresh_s``,
-on a snapshot of the window: a scrape or a console reads the last ``ReuseView`` and never waits
+capacity: the costly part, O(factors x chunks log chunks)) at most every ``whatif_refresh_s``
+(a model with no curve yet sooner, ``refresh_s`` then doubling: its pool stats came late), on
+a snapshot of the window: a scrape or a console reads the last ``ReuseView`` and never waits
 for a computation.
 
 The pool capacity of a model (``pool_capacity_tokens``), stated as an estimate: the pool's
@@ -115,6 +116,8 @@ class ReuseService:
         self._capacity = capacity
         self._whatif: dict[str, ModelReuse] = {}
         self._whatif_at = float("-inf")
+        self._retry_at = float("-inf")  # monotonic s: models without a curve tried again
+        self._retry_s = refresh_s
         self._view: ReuseView | None = None
         self._window = AccessWindow(max_chunks)
         self._lock = threading.Lock()
@@ -221,6 +224,15 @@ class ReuseService:
             if now - self._whatif_at >= self.whatif_refresh_s:
                 self._whatif = self._curves(accesses, ceilings)
                 self._whatif_at = now
+            elif now >= self._retry_at and (
+                    missing := [m for m in ceilings if m != FLEET and m not in self._whatif]):
+                # Models without a curve (their pool stats came after the last pass: a fleet
+                # starting) are tried again refresh_s later, then at doubling intervals up to
+                # whatif_refresh_s (a model whose pool never reports costs a few passes);
+                # only their curves are computed.
+                self._whatif = {**self._whatif, **self._curves(accesses, ceilings, missing)}
+                self._retry_at = now + self._retry_s
+                self._retry_s = min(2 * self._retry_s, self.whatif_refresh_s)
             split = self.not_in_pool()
             top = sorted(split, key=lambda e: -sum(split[e].values()))[:MAX_SPLIT_ENGINES]
             fleet = ceilings[FLEET]
@@ -243,13 +255,16 @@ class ReuseService:
             pool_capacity_tokens=w.pool_capacity_tokens if w else 0,
             whatif_ms=w.whatif_ms if w else 0.0, whatif=list(w.whatif) if w else [])
 
-    def _curves(self, accesses: list[_Access],
-                ceilings: dict[str, Ceiling]) -> dict[str, ModelReuse]:
-        """Each model's what-if curve at its pool capacity (models with none are left out)."""
+    def _curves(self, accesses: list[_Access], ceilings: dict[str, Ceiling],
+                models: list[str] | None = None) -> dict[str, ModelReuse]:
+        """Each model's (of ``models``, default every model's) what-if curve at its pool
+        capacity (models with none are left out)."""
         out: dict[str, ModelReuse] = {}
         if self._capacity is None:
             return out
-        for model in [m for m in ceilings if m != FLEET][:MAX_REUSE_MODELS]:
+        if models is None:
+            models = [m for m in ceilings if m != FLEET]
+        for model in models[:MAX_REUSE_MODELS]:
             size = AccessWindow.main_chunk_size(accesses, model)
             cap = self._capacity(model, size) if size else 0
             if cap <= 0:
