@@ -287,6 +287,19 @@ class FleetCollector(Collector):
                 labels, len({t.req_id for s in sts for t in s.in_flight if t.kind == kind}))
         fams.gauge("kvpool_max_load_seconds", "Longest load since start.", _ENGINE).add_metric(
             labels, max(s.transfers.max_load_ms for s in sts) / 1e3)
+        told = [s for s in sts if s.transfers.oldest_save_age_ms is not None]
+        if told:  # agents since issue 38 item 4; an age is as of its report, plus the time since
+            fams.gauge("kvpool_oldest_save_age_seconds", "Age of the engine's oldest save in "
+                       "flight (0: none).", _ENGINE).add_metric(labels, max(
+                           (s.transfers.oldest_save_age_ms or 0.0)
+                           + (max(0.0, now_ms - s.ts_ms) if s.transfers.oldest_save_age_ms
+                              else 0.0) for s in told) / 1e3)
+            fams.gauge("kvpool_save_blocks_held", "Engine blocks the engine's saves in flight "
+                       "still read.", _ENGINE).add_metric(
+                labels, sum(s.transfers.save_blocks_held or 0 for s in told))
+            fams.gauge("kvpool_save_staged_bytes", "Bytes of the engine's saves in flight held "
+                       "in staging buffers (blocks released, put running).", _ENGINE).add_metric(
+                labels, sum(s.transfers.save_bytes_staged or 0 for s in told))
         leases = [t.lease_expires_ms for s in sts for t in s.in_flight
                   if t.lease_expires_ms is not None]
         if leases:

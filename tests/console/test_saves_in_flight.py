@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 from fleetdata import NOW_MS, engine, pool
 
+from kvpool_agent._metrics import FleetCollector
 from kvpool_agent.protocol import EngineState, ErrorRecord, Transfer
 from kvpool_console._transport import TRANSPORT_HINT
 from kvpool_console.alerts import AlertModel, evaluate
@@ -118,3 +119,21 @@ def test_saves_line_by_value() -> None:
         "oldest save none, 64 blocks held, 0B staged; transport failures: TRANSFER_FAIL "
         f"(-800) 6 ({TRANSPORT_HINT})")
     assert saves_line("other", failing, NOW_MS) == ""
+
+
+def test_hub_metrics_carry_the_saves_and_transport_failures() -> None:
+    """The hub's /metrics: the oldest save's age, blocks held and bytes staged per engine
+    (none from agents before issue 38), transport failures in kvpool_transfer_errors_total."""
+    old = engine("old", loads=0)
+    fleet = {**_with(engine("e", loads=0), errors={"TRANSFER_FAIL": 3},
+                     oldest_save_age_ms=1_200.0, save_blocks_held=4,
+                     save_bytes_staged=8 << 20), **old}
+    scrape = FleetCollector(lambda: {k: (s, NOW_MS) for k, s in fleet.items()}, dict, dict,
+                            lambda: NOW_MS)
+    got = {(sample.name, sample.labels.get("engine"), sample.labels.get("error")): sample.value
+           for m in scrape.collect() for sample in m.samples}
+    assert got[("kvpool_oldest_save_age_seconds", "e", None)] == 1.5  # 1.2 s, reported 0.3 s ago
+    assert got[("kvpool_save_blocks_held", "e", None)] == 8
+    assert got[("kvpool_save_staged_bytes", "e", None)] == 16 << 20
+    assert got[("kvpool_transfer_errors_total", "e", "TRANSFER_FAIL")] == 6
+    assert ("kvpool_save_blocks_held", "old", None) not in got
