@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,11 +14,20 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from agent_testlib import hub_process_of, wait_until
+from agent_testlib import FakeAgent, hub_process_of, make_source, wait_until
 
-from kvpool_agent import FleetClient, KeyPaths
-from kvpool_agent.auth import Role
+from kvpool_agent import FleetClient, FleetHub, KeyPaths
+from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.hub import hub_ports
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    PinArgs,
+    PinInfo,
+    PinOutcome,
+    PoolStats,
+    encode,
+)
 
 _LIMIT_MB = 256
 
@@ -93,3 +103,72 @@ def test_a_multipart_flood_split_over_connections_leaves_the_hub_serving_the_ope
         while not updates and time.monotonic() < deadline:
             updates = op.updates(200)
         assert updates, "no fleet update reached a console after the shed"
+
+
+_MASTER = "127.0.0.1:50051"
+_DIGEST = "0123456789ab"
+
+
+def _bound_agent(tmp_path: Path, hub_keys: KeyPaths, engine: str) -> KeyPaths:
+    """A fresh agent key bound to ``engine`` (``kvpool-agent authorize --engine``)."""
+    d = generate_keys(tmp_path / engine, "agent")
+    (d.root / "hub.key").write_bytes(hub_keys.hub_public.read_bytes())
+    authorize_key(hub_keys.root, "agent", d.public("agent"), None, engine)
+    return d
+
+
+@pytest.fixture
+def keyed_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
+              tmp_path: Path) -> Iterator[FleetHub]:
+    kp = fleet_keys["hub"]
+    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                  snapshot_interval_s=1.0) as h:
+        yield h
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a pin's answer is never checked: an engine-bound key first in a pool of bound keys "
+    "receives the operator's pin and its forged 'pinned' is printed as done"))
+def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
+    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Every worker of the pool has a key bound to its engine and ``evil-0``'s is the oldest
+    (tenure first come, docs/security.md): the operator's ``pin`` goes to it alone. The hub
+    re-checks a real flush's answer against another key's count (a forged "removed N of N" is
+    suspect) but takes a pin's answer as it comes, although every worker of the layout reports
+    the pins it holds (``PoolStats.pins``): the forged "pinned 4 keys" is ok and not suspect,
+    the real worker never receives the pin and keeps reporting 0 pins."""
+    evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
+    real = _bound_agent(tmp_path, fleet_keys["hub"], "real-0")
+    attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
+    honest = FakeAgent(ctx, hub_address, keys=real.client("agent"))
+    asrc = make_source("evil-0", master=_MASTER, model="m", layout_digest=_DIGEST)
+    hsrc = make_source("real-0", master=_MASTER, model="m", layout_digest=_DIGEST)
+    attacker.report(asrc, pool=PoolStats(backend="mooncake", keys=500))
+    wait_until(lambda: asrc.agent_id in keyed_hub.fleet())
+    honest.report(hsrc, pool=PoolStats(backend="mooncake", keys=500))
+    wait_until(lambda: hsrc.agent_id in keyed_hub.fleet())
+    got: list[CommandReply] = []
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        t = threading.Thread(target=lambda: got.extend(op.command(
+            "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
+            timeout_ms=3_000)))
+        t.start()
+        for req in attacker.drain(2_000):
+            attacker.seq += 1
+            attacker.sock.send(encode(CommandReply(
+                v=PROTOCOL_VERSION, seq=attacker.seq, request_id=req.request_id,
+                agent_id=asrc.agent_id, ok=True, pins=PinOutcome(
+                    pin=PinInfo(pin_id="sys-prompt", model="m", layout_digest=_DIGEST,
+                                mode="soft", ttl_ms=1_800_000, tokens=1024, keys=4,
+                                bytes=4096), pinned_now=4))))
+        for _ in range(10):  # the honest worker keeps reporting: it holds no pin
+            honest.report(hsrc, pool=PoolStats(backend="mooncake", keys=500, pins=0))
+            time.sleep(0.1)
+        t.join()
+    assert [q.command for q in attacker.received] == ["pin"]  # tenure: the pin went to it
+    (r,) = got
+    honest_got = [q.command for q in honest.drain(0)]
+    assert "pin" in honest_got or not r.ok or r.suspect is not None, (r, honest_got)
