@@ -31,6 +31,7 @@ from kvpool_agent.protocol import (
     StartFailure,
 )
 from kvpool_console._miss_fixes import miss_fix
+from kvpool_console._transport import SavesInFlight, saves_in_flight
 from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
 
 __all__ = [
@@ -182,6 +183,9 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     versions: dict[str, str] = msgspec.field(default_factory=dict)
     """What the engine's processes run (``Source.versions``: ``kvpool``, ``mooncake``,
     ``vllm``, ``protocol``...); versions that differ between its agents joined by ``/``."""
+    saves: SavesInFlight = msgspec.field(default_factory=SavesInFlight)
+    """Its saves in flight and transport failures (``_transport.saves_in_flight``, the age as
+    of its newest report; issue 38)."""
 
     @property
     def state(self) -> str:
@@ -452,6 +456,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         miss_tokens=misses, top_miss=top_reason(misses),
         pool_evicted_keys=pool.evicted_keys if pool else 0, saves_skipped=saves_skipped,
         versions={p: "/".join(sorted(vs)) for p, vs in sorted(versions.items())},
+        saves=saves_in_flight(group, max(s.ts_ms for s in group)),
         **_kv_facts(described.layout if described else {}),
         loaded_bytes_by_group=dict(sorted(by_group["loaded"].items())),
         saved_bytes_by_group=dict(sorted(by_group["saved"].items())),

@@ -13,6 +13,8 @@ from kvpool_agent._metrics import FleetCollector
 from kvpool_agent.protocol import EngineState, ErrorRecord, Transfer
 from kvpool_console._transport import TRANSPORT_HINT
 from kvpool_console.alerts import AlertModel, evaluate
+from kvpool_console.cli import status_document
+from kvpool_console.model import build_view
 from kvpool_console.widgets._saves_line import saves_line
 
 Fleet = dict[str, EngineState]
@@ -137,3 +139,17 @@ def test_hub_metrics_carry_the_saves_and_transport_failures() -> None:
     assert got[("kvpool_save_staged_bytes", "e", None)] == 16 << 20
     assert got[("kvpool_transfer_errors_total", "e", "TRANSFER_FAIL")] == 6
     assert ("kvpool_save_blocks_held", "old", None) not in got
+
+
+def test_status_json_carries_the_saves_and_transport_failures() -> None:
+    fleet = {**_with(engine("e", loads=0), errors={"TRANSFER_FAIL": 3},
+                     oldest_save_age_ms=1_200.0, save_blocks_held=4,
+                     save_bytes_staged=8 << 20), **engine("old", loads=0)}
+    doc = status_document(build_view(fleet, {}, NOW_MS, alerts=evaluate(fleet, {}, NOW_MS)))
+    saves = {e["engine_id"]: e["saves"] for e in doc["engines"]}
+    # The age as of the engine's newest report (its scheduler's and workers' are equal here).
+    assert saves["e"] == {"oldest_save_age_ms": 1_200.0, "blocks_held": 8,
+                          "bytes_staged": 16 << 20, "transport_failures": {"TRANSFER_FAIL": 6},
+                          "told": True}
+    assert saves["old"] == {"oldest_save_age_ms": 0.0, "blocks_held": 0, "bytes_staged": 0,
+                            "transport_failures": {}, "told": False}
