@@ -11,17 +11,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 import zmq
 from agent_testlib import FakeAgent, hub_process_of, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths
+from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
+    FlushArgs,
     PinArgs,
     PinInfo,
     PinOutcome,
@@ -172,3 +175,40 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     (r,) = got
     honest_got = [q.command for q in honest.drain(0)]
     assert "pin" in honest_got or not r.ok or r.suspect is not None, (r, honest_got)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an engine-bound key's 1,024 agent ids (one connection) are charged to the operator's work "
+    "budget: after 4 health --all the operator's flush and forget are refused 'hub busy'"))
+def test_a_bound_keys_agent_ids_do_not_spend_the_operators_work_budget(
+    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A key bound to ``evil-0`` registers ``MAX_AGENTS_PER_ENGINE`` (1,024) agent ids of its
+    engine from one connection (within its bounds); the fleet has one real worker. Each of
+    the operator's ``health`` of every agent reaches 1,025 ids and costs 64 of the operator's
+    240 work units a minute (1/16 per agent id), though the 1,024 ids are one connection the
+    hub queues 64 commands to. Measured: the 5th ``health --all`` and then the operator's
+    ``flush --scope engine`` of the real engine and its ``forget`` are answered "hub busy:
+    this key's engine work budget ... is spent" (the deficit refills at 4 units/s; a
+    fleet-wide key's 16,384 ids would cost 1,024 units per health, ~200 s of refusals)."""
+    evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
+    attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
+    honest = FakeAgent(ctx, hub_address, keys=fleet_keys["agent"].client("agent"))
+    hsrc = make_source("real-0")
+    honest.report(hsrc)
+    base = make_source("evil-0")
+    for i in range(MAX_AGENTS_PER_ENGINE):
+        attacker.report(msgspec.structs.replace(base, agent_id=f"evil-0/a{i}"))
+    wait_until(lambda: len(keyed_hub.fleet()) == MAX_AGENTS_PER_ENGINE + 1, 20)
+    assert len(keyed_hub.fleet()) == MAX_AGENTS_PER_ENGINE + 1
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        for _ in range(5):
+            honest.report(hsrc)
+            op.command("health", timeout_ms=300)
+        honest.report(hsrc)
+        flush = op.command("flush", flush=FlushArgs(scope="engine", engine_id="real-0"),
+                           timeout_ms=300)
+        forget = op.command("forget", targets=["no-such-engine"], timeout_ms=300)
+    busy = [r.error for r in [*flush, *forget] if r.error and "hub busy" in r.error]
+    assert busy == [], busy
