@@ -25,8 +25,19 @@ the frame); the whole console process's CPU (% of one core: UI and feed thread) 
 RSS. Hub and driver CPU are printed too, with the machine's load average
 (shared machines skew all of it). Each figure is printed next to its goal (issue 13 item 2).
 
+``--accounting on`` makes the agents report what issue 41's accounting needs, as real agents
+do: each scheduler its lookups' chunk ids (``Report.accesses``: ``--lookups`` a second per
+engine, prompts of ``--chunks`` chunks drawn from a shared set of conversations, so chunks
+recur), its miss tokens by reason (``LookupStats.miss_tokens``), each worker the chunk ids its
+saves left stored (``Report.saves``, under its layout digest); the hub then feeds its reuse
+window, its saved-chunk memory and the miss split with every report. ``--accounting off``
+sends none of it (agents before issue 41; the hub's 7 MiB saved-chunk table is allocated
+either way). ``--accounting both`` (the default) runs off, then on, each with a hub of its
+own, and prints hub CPU and RSS and the console's frame p50 side by side.
+
     .venv/bin/python bench/bench_console.py [--engines 256] [--workers 8] [--rate 4]
-        [--procs 4] [--seconds 30] [--refresh 1.0]
+        [--procs 4] [--seconds 30] [--refresh 1.0] [--accounting both|on|off]
+        [--lookups 8] [--chunks 16]
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -51,7 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpool_agent.auth import KeyPaths
 from kvpool_agent.protocol import (
+    MAX_REPORT_ACCESSES,
+    MAX_REPORT_SAVES,
     PROTOCOL_VERSION,
+    Access,
     EngineState,
     ErrorRecord,
     LookupStats,
@@ -81,7 +96,28 @@ def _vs(value: float, goal: float) -> str:
     return f"goal <= {goal:g}: {'met' if value <= goal else 'MISSED'}"
 
 
-def _sources(engines: range, workers: int) -> list[Source]:
+CHUNK = 256
+"""Tokens a chunk holds in the accounting's reports."""
+CONVERSATIONS = 20_000
+"""Conversations the engines' prompts come from (a prompt: a conversation's leading chunks)."""
+
+
+@dataclass
+class Accounting:
+    """What issue 41's accounting adds to the agents' reports (module docstring): ``lookups``
+    a second per engine, prompts of up to ``chunks`` chunks."""
+
+    lookups: float
+    chunks: int
+
+    def prompt(self, rnd: random.Random) -> list[int]:
+        """One prompt's chunk ids: a conversation (skewed: a few are hot) up to a turn."""
+        conv = min(int(rnd.paretovariate(1.2)) - 1, CONVERSATIONS - 1)
+        turn = rnd.randint(1, self.chunks)
+        return [conv * 1_000_003 + i for i in range(turn)]
+
+
+def _sources(engines: range, workers: int, accounting: bool = False) -> list[Source]:
     out = []
     for e in engines:
         eid = f"{'prefill' if e % 2 == 0 else 'decode'}-{e:03d}"
@@ -92,19 +128,25 @@ def _sources(engines: range, workers: int) -> list[Source]:
         out.append(Source(agent_id=f"{eid}/scheduler", process_role="scheduler",
                           **common))  # type: ignore[arg-type]
         for w in range(workers):
+            # The saved-chunk memory keys saves by layout digest (one per engine's layout).
             out.append(Source(agent_id=f"{eid}/dp0.tp{w}.pp0", process_role="worker",
-                              tp_rank=w, **common))  # type: ignore[arg-type]
+                              tp_rank=w, layout_digest="0123456789ab" if accounting else "",
+                              **common))  # type: ignore[arg-type]
     return out
 
 
 def _state(src: Source, n: int, started_ms: float, now_ms: float, pool: PoolStats,
-           rnd: random.Random) -> EngineState:
+           rnd: random.Random, accounting: bool = False) -> EngineState:
     sched = src.process_role == "scheduler"
     prompt = 4096 * n
+    # With the accounting the 40% not loaded is split by reason, as an agent attributes it.
+    misses = {"not_in_pool": prompt * 3 // 10, "tail": prompt // 20,
+              "not_loaded": prompt - prompt * 6 // 10 - prompt * 3 // 10 - prompt // 20} \
+        if accounting else {}
     lookup = LookupStats(lookups=n, prompt_tokens=prompt, loaded_tokens=prompt * 6 // 10,
                          hit_rate=0.6,
                          hit_rate_1m=0.5 + 0.3 * rnd.random(), latency_ms_p50=0.7,
-                         latency_ms_p99=2.1) if sched else LookupStats()
+                         latency_ms_p99=2.1, miss_tokens=misses) if sched else LookupStats()
     transfers = TransferStats() if sched else TransferStats(
         loads_finished=n, saves_finished=n, loaded_bytes=n << 22, saved_bytes=n << 22,
         load_bytes_per_s=float(rnd.randint(1, 64) << 20), save_bytes_per_s=float(1 << 24),
@@ -122,14 +164,32 @@ def _state(src: Source, n: int, started_ms: float, now_ms: float, pool: PoolStat
                        recent_errors=errors)
 
 
+def _accounted(src: Source, acc: Accounting, period_s: float, now_ms: float,
+               rnd: random.Random, prompts: dict[str, list[list[int]]]
+               ) -> tuple[list[Access], list[int]]:
+    """One report's accounting (``Report.accesses``, ``Report.saves``): the engine's lookups
+    of the last ``period_s`` s (drawn by its scheduler, kept in ``prompts`` for its workers),
+    every worker saving what its engine's lookups missed (one key per rank: the same ids)."""
+    eid = src.engine_id
+    if src.process_role == "scheduler":
+        k = int(acc.lookups * period_s) + (rnd.random() < acc.lookups * period_s % 1)
+        drawn = [acc.prompt(rnd) for _ in range(k)][:MAX_REPORT_ACCESSES]
+        prompts[eid] = drawn
+        return [Access(tokens=len(p) * CHUNK + CHUNK // 2, chunk_size=CHUNK, chunks=p,
+                       ts_ms=now_ms, served=len(p) * CHUNK * 6 // 10) for p in drawn], []
+    saves = [c for p in prompts.get(eid, []) for c in p[len(p) * 6 // 10:]]
+    return [], saves[:MAX_REPORT_SAVES]
+
+
 def _drive(address: str, engines: list[int], workers: int, rate: float, seconds: float,
            ready: mp.synchronize.Event, start: mp.synchronize.Event,
-           keys_dir: str | None = None) -> None:
+           keys_dir: str | None = None, accounting: Accounting | None = None) -> None:
     """One driver process: a DEALER socket per agent, a report per agent every 1/rate s; with
-    ``keys_dir`` (``hub.key``, ``agent.key_secret``) each socket is a CURVE client."""
+    ``keys_dir`` (``hub.key``, ``agent.key_secret``) each socket is a CURVE client; with
+    ``accounting`` the reports carry issue 41's accounting (module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    srcs = _sources(range(engines[0], engines[-1] + 1), workers)
+    srcs = _sources(range(engines[0], engines[-1] + 1), workers, accounting is not None)
     # One socket per agent: past ZMQ's default of 1,023 sockets per context when a driver
     # holds more than ~113 engines (bench_auth at full size with 2 drivers).
     ctx.set(zmq.MAX_SOCKETS, len(srcs) + 64)
@@ -157,12 +217,17 @@ def _drive(address: str, engines: list[int], workers: int, rate: float, seconds:
     t_end = time.monotonic() + seconds
     n = 0
     next_t = time.monotonic()
+    prompts: dict[str, list[list[int]]] = {}
     while time.monotonic() < t_end:
         n += 1
         now = time.time() * 1e3
         for i, (src, sock) in enumerate(zip(srcs, socks, strict=True)):
+            accesses, saves = ([], []) if accounting is None else _accounted(
+                src, accounting, period, now, rnd, prompts)
             rep = Report(v=PROTOCOL_VERSION, seq=n, kind="snapshot" if n == 1 else "delta",
-                         state=_state(src, n + i % 7, started, now, pool, rnd))
+                         state=_state(src, n + i % 7, started, now, pool, rnd,
+                                      accounting is not None),
+                         accesses=accesses, saves=saves)
             with contextlib.suppress(zmq.Again):  # a slow hub: drop, as a real agent does
                 sock.send(encode(rep), zmq.NOBLOCK)
         next_t += period
@@ -261,19 +326,10 @@ async def _watch(address: str, seconds: float, refresh_s: float, agents: int,
             "rss_mb": rss_peak / 2**20}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its figures; returns the exit status."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=8, help="worker agents per engine")
-    ap.add_argument("--rate", type=float, default=4.0, help="reports per agent per second")
-    ap.add_argument("--procs", type=int, default=4, help="driver processes")
-    ap.add_argument("--seconds", type=float, default=20.0, help="measured steady state")
-    ap.add_argument("--refresh", type=float, default=1.0, help="console refresh interval (s)")
-    ap.add_argument("--size", default="160x48",
-                    help="terminal WIDTHxHEIGHT; Textual redraws every visible cell each frame, "
-                         "so frame time grows with the terminal, not with the fleet")
-    args = ap.parse_args(argv)
+def _run(args: argparse.Namespace, accounting: Accounting | None
+         ) -> tuple[dict[str, float], float, float, float, int]:
+    """One round with a hub of its own: the console's figures, hub CPU (cores), hub RSS
+    (MiB) at the end, the drivers' CPU (cores), driver processes."""
     agents = args.engines * (args.workers + 1)
     port = free_port_block()
     address = f"tcp://127.0.0.1:{port}"
@@ -295,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             ready = ctx.Event()
             readies.append(ready)
             d = ctx.Process(target=_drive, args=(address, list(range(lo, hi)), args.workers,
-                                                 args.rate, args.seconds + 25, ready, start))
+                                                 args.rate, args.seconds + 25, ready, start,
+                                                 None, accounting))
             d.start()
             drivers.append(d)
         for r in readies:
@@ -321,9 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             d.join(5)
         hub.terminate()
         hub.wait(10)
-    print(f"fleet: {args.engines} engines x ({args.workers} workers + scheduler) = {agents} "
-          f"agents, {args.rate:g} reports/s each ({agents * args.rate:.0f} reports/s) from "
-          f"{len(drivers)} processes; console {args.size} refresh {args.refresh:g} s for "
+    return res, hub_cpu, hub_rss, drv_cpu, len(drivers)
+
+
+def _print(args: argparse.Namespace, res: dict[str, float], hub_cpu: float, hub_rss: float,
+           drv_cpu: float, drivers: int, label: str) -> None:
+    agents = args.engines * (args.workers + 1)
+    print(f"fleet{label}: {args.engines} engines x ({args.workers} workers + scheduler) = "
+          f"{agents} agents, {args.rate:g} reports/s each ({agents * args.rate:.0f} reports/s) "
+          f"from {drivers} processes; console {args.size} refresh {args.refresh:g} s for "
           f"{args.seconds:g} s")
     print(f"console saw {res['agents_seen']}/{agents} agents, {res['engine_rows']} engine rows, "
           f"{res['frames']} frames ({res['batches']} showing a batch sampled on the feed thread, "
@@ -345,10 +408,46 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hub CPU {hub_cpu * 100:.0f}%, RSS {hub_rss:.0f} MiB; drivers CPU "
           f"{drv_cpu * 100:.0f}% (machine: {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f})")
-    if res["agents_seen"] < agents:
-        print(f"NOT KEEPING UP: only {res['agents_seen']} of {agents} agents reached the console "
-              "within 20 s; the pipeline (hub, or CPU shared with other work) is saturated")
-        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its figures; returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=8, help="worker agents per engine")
+    ap.add_argument("--rate", type=float, default=4.0, help="reports per agent per second")
+    ap.add_argument("--procs", type=int, default=4, help="driver processes")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured steady state")
+    ap.add_argument("--refresh", type=float, default=1.0, help="console refresh interval (s)")
+    ap.add_argument("--size", default="160x48",
+                    help="terminal WIDTHxHEIGHT; Textual redraws every visible cell each frame, "
+                         "so frame time grows with the terminal, not with the fleet")
+    ap.add_argument("--accounting", choices=("both", "on", "off"), default="both",
+                    help="issue 41's accounting in the agents' reports (module docstring)")
+    ap.add_argument("--lookups", type=float, default=8.0,
+                    help="lookups per engine per second the accounting reports")
+    ap.add_argument("--chunks", type=int, default=16,
+                    help="chunks of the longest prompt the accounting reports")
+    args = ap.parse_args(argv)
+    agents = args.engines * (args.workers + 1)
+    modes = ["off", "on"] if args.accounting == "both" else [args.accounting]
+    rounds = {}
+    for mode in modes:
+        acc = Accounting(args.lookups, args.chunks) if mode == "on" else None
+        res, hub_cpu, hub_rss, drv_cpu, drivers = _run(args, acc)
+        rounds[mode] = (res, hub_cpu, hub_rss)
+        _print(args, res, hub_cpu, hub_rss, drv_cpu, drivers, f" (accounting {mode})")
+        if res["agents_seen"] < agents:
+            print(f"NOT KEEPING UP: only {res['agents_seen']} of {agents} agents reached the "
+                  "console within 20 s; the pipeline (hub, or CPU shared with other work) is "
+                  "saturated")
+            return 1
+    if len(rounds) == 2:
+        (off, cpu0, rss0), (on, cpu1, rss1) = rounds["off"], rounds["on"]
+        print(f"accounting off -> on: hub CPU {cpu0 * 100:.0f}% -> {cpu1 * 100:.0f}%, hub RSS "
+              f"{rss0:.0f} -> {rss1:.0f} MiB, console frame p50 {off['frame_ms_p50']:.1f} -> "
+              f"{on['frame_ms_p50']:.1f} ms ({_vs(on['frame_ms_p50'], GOAL_FRAME_MS)}); "
+              f"{args.lookups:g} lookups/s per engine of <= {args.chunks} chunks")
     return 0
 
 
