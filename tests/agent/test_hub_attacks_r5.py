@@ -22,13 +22,17 @@ from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
+    FULL_RATE_TOPICS,
+    MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
     CommandReply,
+    EngineState,
     FlushArgs,
     PinArgs,
     PinInfo,
     PinOutcome,
     PoolStats,
+    Report,
     encode,
 )
 
@@ -212,3 +216,68 @@ def test_a_bound_keys_agent_ids_do_not_spend_the_operators_work_budget(
         forget = op.command("forget", targets=["no-such-engine"], timeout_ms=300)
     busy = [r.error for r in [*flush, *forget] if r.error and "hub busy" in r.error]
     assert busy == [], busy
+
+
+_PADDED_AGENTS = 64
+_PADDED_BYTES = 240 * 1024
+
+
+def _padded(aid: str, size: int, round_no: int) -> EngineState:
+    """A worker's state of about ``size`` encoded bytes (text in its layout)."""
+    layout = {f"k{i:02d}": "A" * min(MAX_TEXT_CHARS, size - i * MAX_TEXT_CHARS)
+              for i in range(64) if size > i * MAX_TEXT_CHARS}
+    src = msgspec.structs.replace(make_source("big"), agent_id=aid, layout=layout)
+    return EngineState(source=src, started_ms=1.0, ts_ms=float(round_no))
+
+
+@pytest.fixture
+def small_limit_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
+                    tmp_path: Path) -> Iterator[psutil.Process]:
+    """The hub with ``--memory-limit-mb 128``."""
+    yield from hub_process_of(hub_address, fleet_keys, tmp_path, "--memory-limit-mb", "128")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a viewer's stalled subscribers (connections uncapped) push the hub over its limit at "
+    "will and the fleet's agent connection is dropped for it (frees nothing); the known "
+    "'wrong connection dropped once' limit, on demand"))
+def test_a_viewers_stalled_subscribers_never_get_an_agents_connection_dropped(
+    small_limit_hub: psutil.Process, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The fleet's own agents (the fleet-wide key) report 64 states of ~240 KiB each round,
+    within every bound; a viewer opens one more subscriber each round that never reads (each
+    holds its 32 frames, ~12 MiB of this hub; connections per key are not capped). The hub
+    passes its 128 MiB limit with the memory in the viewer's queues, yet the connection it
+    drops is the agents' (most bytes received since the RSS was last under 3/4 of the limit:
+    the baselines froze while the viewer grew it), which frees nothing. Measured with a
+    256 MiB limit: the agents' connection dropped at 264 MiB ("171 MiB received since the RSS
+    was calm"), then every port rebuilt at 293 MiB and the hub answered no one (the first
+    test's wedge)."""
+    viewer = fleet_keys["viewer"]
+    agents = FakeAgent(ctx, hub_address, keys=fleet_keys["agent"].client("agent"))
+    agents.sock.setsockopt(zmq.SNDHWM, 2 * _PADDED_AGENTS)
+    log = tmp_path / "hub.log"
+    stalled: list[zmq.Socket[bytes]] = []
+    for r in range(1, 25):
+        s: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        viewer.client("viewer").apply(s)
+        for topic in FULL_RATE_TOPICS:
+            s.setsockopt(zmq.SUBSCRIBE, topic)
+        s.connect(hub_ports(hub_address).pub)
+        stalled.append(s)
+        for i in range(_PADDED_AGENTS):
+            agents.seq += 1
+            if not agents.sock.poll(10_000, zmq.POLLOUT):
+                break
+            agents.sock.send(encode(Report(v=PROTOCOL_VERSION, seq=agents.seq, kind="snapshot",
+                                           state=_padded(f"big/a{i:02d}", _PADDED_BYTES, r))))
+        time.sleep(0.3)  # a delta goes out (0.25 s): the stalled queues fill, not an outcome
+        if "over the memory limit" in log.read_text():
+            break
+    text = log.read_text()
+    assert "over the memory limit" in text, "the viewer's subscribers never reached the limit"
+    assert "on port agents" not in text, [ln for ln in text.splitlines() if "limit" in ln]
