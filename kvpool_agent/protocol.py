@@ -715,6 +715,11 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     reuse: ReuseView | None = None
     """The hub's last reuse figures (live ceiling, what-if), in the first frame of a snapshot;
     ``None`` in deltas, before the first computation and from hubs before this field."""
+    hub_counters: NameCounts = msgspec.field(default_factory=dict)
+    """The hub's own counters since it started (``HubCounters``' plain ones,
+    ``kvpool_agent._hub_counters.COUNTER_NAMES``: ``reports``, ``memory_sheds``,
+    ``connection_sheds``...; < 1 KiB), in the first frame of a snapshot; empty in deltas and
+    from hubs before this field."""
     more: bool = False
     """More frames of this update follow (a large fleet's update spans a frame per
     ``ENGINES_PER_UPDATE`` agents): a console redraws once the last one is merged. Hubs
