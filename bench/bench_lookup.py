@@ -10,7 +10,9 @@ prompt (small values: only existence matters), then measures, per chunk size:
   answer, one call per simulated engine step (``--step-ms`` apart, not timed); the goal of
   issue 38 is p50 <= 0.1 ms;
 * ``async: until answered``: wall time from the first call to the answer (the request's own
-  wait, on which the step interval puts a floor);
+  wait, on which the step interval puts a floor). ``--spin``: the steps between asks busy-loop in
+  Python instead of sleeping, as an idle vLLM engine core steps while its only request waits
+  (the lookup thread then waits for the GIL between its C and socket calls);
 * ``scheduler``: the synchronous path (``lookup_async=False``, issue 38's baseline: all of it
   on the scheduler thread): ``KVPoolScheduler.get_num_new_matched_tokens`` for a new request
   with a prompt the scheduler has not seen (its ``hash_cache`` is cleared at the start of each timed
@@ -38,7 +40,8 @@ machine falls on all of them alike.
 Prints p50/p99 in ms, the load average, and per chunk size the goal of issues 11 and 13
 (scheduler p50 at most 1.5 x raw p50 + 0.2 ms) with whether this run met it, for a new prompt
 and for a prompt seen before, and issue 38's (async scheduler-thread p50 <= 0.1 ms). Run:
-``.venv/bin/python bench/bench_lookup.py [--tokens 32768] [--iters 200] [--step-ms 1]``;
+``.venv/bin/python bench/bench_lookup.py [--tokens 32768] [--iters 200] [--step-ms 1]
+[--spin]``;
 issue 38's row alone: ``--chunk-sizes 256 --hash-algos sha256``.
 """
 
@@ -93,8 +96,18 @@ def _time_interleaved(fns: list[Callable[[], object]], iters: int) -> list[list[
     return out
 
 
+def _step(step_ms: float, spin: bool) -> None:
+    """One engine step between two asks: asleep, or a Python busy loop (``spin``)."""
+    if not spin:
+        time.sleep(step_ms / 1e3)
+        return
+    end = time.perf_counter() + step_ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
 def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters: int,
-                 algo: HashAlgo, in_process: bool, step_ms: float
+                 algo: HashAlgo, in_process: bool, step_ms: float, spin: bool
                  ) -> list[tuple[str, int, list[float]]]:
     """(variant, keys, latencies in ms) for one chunk size and chunk-hash function."""
     model = f"bench/lookup-{uuid.uuid4().hex[:6]}"
@@ -149,7 +162,7 @@ def _bench_chunk(backend: MooncakeBackend, prompt: list[int], chunk: int, iters:
         got, _ = lazy.get_num_new_matched_tokens(req, 0)
         spent = time.perf_counter() - first
         while got is None:
-            time.sleep(step_ms / 1e3)  # the engine's step between two asks
+            _step(step_ms, spin)  # the engine's step between two asks
             t = time.perf_counter()
             got, _ = lazy.get_num_new_matched_tokens(req, 0)
             spent += time.perf_counter() - t
@@ -197,6 +210,9 @@ def main() -> None:
                     help="comma-separated chunk-hash functions (hash_algo), each timed")
     ap.add_argument("--step-ms", type=float, default=1.0,
                     help="ms between two asks of a waiting request (an engine step)")
+    ap.add_argument("--spin", action="store_true",
+                    help="busy-loop the steps between asks (an idle engine core) instead of "
+                         "sleeping")
     ap.add_argument("--socket", action="store_true",
                     help="scheduler asks over the IPC socket, as it does a worker rank 0 in "
                          "another process (the server's thread stays in this one)")
@@ -217,7 +233,7 @@ def main() -> None:
             for chunk in (int(c) for c in args.chunk_sizes.split(",")):
                 for algo in cast(list[HashAlgo], args.hash_algos.split(",")):
                     rows = _bench_chunk(backend, prompt, chunk, args.iters, algo,
-                                        not args.socket, args.step_ms)
+                                        not args.socket, args.step_ms, args.spin)
                     print(f"{chunk:>6} {'':>6}  hash_algo {algo}")
                     for name, nkeys, s in rows:
                         print(f"{chunk:>6} {nkeys:>6}  {name:<22} {_pct(s, 50):>8.3f} "
