@@ -6,7 +6,9 @@ Per request, vLLM's scheduler calls, in this order (vLLM V1 ``KVConnectorBase_V1
    hashed (``keys.chunk_hashes`` over ``request.prompt_token_ids``, the LoRA adapter's
    content fingerprint and ``cache_salt`` mixed in as ``extra``; a prefix shared with a
    recent prompt is not hashed again, ``keys.ChunkHashCache``); worker rank 0 is asked how
-   many leading chunks the pool holds (``LookupClient``). The answer is truncated to whole
+   many leading chunks the pool holds (``LookupClient``). Both run on the lookup thread
+   (``_async_lookup``): vLLM gets ``(None, False)`` until the answer is in, then the answer
+   (issue 38; ``lookup_async=False``: on vLLM's thread). The answer is truncated to whole
    chunks and never covers the last prompt token (vLLM must compute at least one token to
    produce logits). The result is kept as a ``LoadSpec`` and cached for the request until
    vLLM allocates it (``update_state_after_alloc``) or its token count changes: a request
