@@ -88,6 +88,9 @@ class FleetClient:
             (``FleetUpdate.refused_connections``).
         reuse: the hub's last reuse figures (live ceiling, what-if: ``FleetUpdate.reuse``),
             ``None`` until a snapshot carried them.
+        hub_counters: the hub's own counters since it started (``FleetUpdate.hub_counters``:
+            ``memory_sheds``, ``connection_sheds``, ``reports``...), from its last snapshot
+            that carried them; empty before one (or from a hub before this field).
         tiers_missing: True while the requested tier has been silent for
             ``tier_fallback_s`` and the full-rate stream is taken instead (a hub of an
             earlier release, or a hub not answering).
@@ -110,6 +113,7 @@ class FleetClient:
         self.role = self._curve.role if self._curve is not None else None
         self.refused_connections: dict[str, int] = {}
         self.reuse: ReuseView | None = None
+        self.hub_counters: dict[str, int] = {}
         self.bad_messages = 0
         self.gaps = SeqTracker()
         self._fleet: dict[str, FleetEntry] = {}
@@ -240,6 +244,8 @@ class FleetClient:
         self.refused_connections = upd.refused_connections
         if upd.reuse is not None:
             self.reuse = upd.reuse
+        if upd.hub_counters:
+            self.hub_counters = dict(upd.hub_counters)
         for aid in upd.forgotten:
             self._fleet.pop(aid, None)
         for st in upd.engines:

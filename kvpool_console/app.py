@@ -305,6 +305,7 @@ class KVPoolConsole(App[None]):
         alerts = self.alert_model.update(states, seen, now, reuse)
         view = self.model.sample(states, seen, now, alerts, agent_rows_for=self.expanded,
                                  reuse=reuse)
+        view.hub_counters = self.source.hub_counters()
         fired = self._prepared.fired if self._prepared is not None else []
         if self.alert_model.new:
             fired = [*fired, (self.alert_model.new, now)]

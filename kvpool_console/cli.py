@@ -211,12 +211,14 @@ def status_document(view: FleetView) -> dict[str, Any]:
     by the hub into never_saved, evicted and other_digest), top_miss, top_miss_fix (its fix
     for this engine), pool_evicted_keys, saves_skipped and versions; plus its
     ``agents``),
-    ``alerts``, ``pools``, ``totals`` and ``now_ms``."""
+    ``alerts``, ``pools``, ``totals``, ``hub_counters`` (the hub's own counters since it
+    started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
+    does not send them) and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)
     for engine, row in zip(doc["engines"], view.engines, strict=True):
         engine["state"] = row.state
     return {"now_ms": doc["now_ms"], "engines": doc["engines"], "alerts": doc["alerts"],
-            "pools": doc["pools"], "totals": doc["totals"]}
+            "pools": doc["pools"], "totals": doc["totals"], "hub_counters": doc["hub_counters"]}
 
 
 def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
@@ -261,7 +263,9 @@ def _view(src: FleetSource, args: argparse.Namespace) -> FleetView:
         reuse = src.reuse()
         alerts = model.update(states, seen, now, reuse)
         if time.monotonic() >= until:
-            return build_view(states, seen, now, alerts=alerts, reuse=reuse)
+            view = build_view(states, seen, now, alerts=alerts, reuse=reuse)
+            view.hub_counters = src.hub_counters()
+            return view
         time.sleep(_OBSERVE_STEP_S)
 
 

@@ -275,6 +275,9 @@ class FleetView(msgspec.Struct, gc=False, kw_only=True):
     alerts: list[Alert] = msgspec.field(default_factory=list)
     reuse: ReuseView | None = None
     """The hub's reuse figures (live ceiling, what-if, miss split) the frame was built with."""
+    hub_counters: dict[str, int] = msgspec.field(default_factory=dict)
+    """The hub's own counters since it started (``FleetUpdate.hub_counters``), set by the
+    caller from its source; empty without a hub that sends them."""
 
 
 def top_reason(miss_tokens: Mapping[str, int]) -> str:

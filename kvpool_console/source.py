@@ -73,6 +73,11 @@ class FleetSource(Protocol):
         """The hub's last reuse figures (ceiling, what-if, miss split); None before any."""
         ...
 
+    def hub_counters(self) -> dict[str, int]:
+        """The hub's own counters since it started (``memory_sheds``, ``connection_sheds``...:
+        ``FleetUpdate.hub_counters``); empty before any or without a hub."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -86,13 +91,16 @@ class StaticSource:
         address: shown in the header.
         can_flush: show the console as holding the operator key (flush enabled).
         reuse: the hub's reuse figures to show (``ReuseView``), if any.
+        hub_counters: the hub's counters to show, if any.
     """
 
     def __init__(self, states: Mapping[str, EngineState],
                  last_seen_ms: Mapping[str, float] | None = None,
                  address: str = "static", *, can_flush: bool = False,
-                 reuse: ReuseView | None = None) -> None:
+                 reuse: ReuseView | None = None,
+                 hub_counters: Mapping[str, int] | None = None) -> None:
         self._reuse = reuse
+        self._hub_counters = dict(hub_counters or {})
         self.address = address
         self.can_flush = can_flush
         self._states = dict(states)
@@ -115,6 +123,9 @@ class StaticSource:
 
     def reuse(self) -> ReuseView | None:
         return self._reuse
+
+    def hub_counters(self) -> dict[str, int]:
+        return self._hub_counters
 
     def close(self) -> None:
         return None
@@ -220,6 +231,10 @@ class ClientSource:
     def reuse(self) -> ReuseView | None:
         """The reuse figures of the hub's last snapshot (``FleetClient.reuse``)."""
         return self.client.reuse
+
+    def hub_counters(self) -> dict[str, int]:
+        """The hub's counters of its last snapshot (``FleetClient.hub_counters``)."""
+        return self.client.hub_counters
 
     def wait_ready(self, timeout_s: float = 3.0) -> bool:
         """Block until the hub's first full snapshot arrived (the hub sends one to every new

@@ -1,4 +1,5 @@
-"""The Pool tab: one line of fleet pool totals, the reuse panel (hit rate next to the hub's
+"""The Pool tab: one line of fleet pool totals (and one of the hub's shed and refusal
+counters, from a hub that sends them), the reuse panel (hit rate next to the hub's
 reuse ceiling and the what-if curve, ``_reuse_panel``), a row per pool (with its disk tier and
 the reads served from memory and from disk), a row per pool segment, and an HA pool's masters
 (``_masters``)."""
@@ -68,10 +69,28 @@ class PoolView(TabPane):
         self.query_one(MastersTable).show(view)
         self.query_one(ReusePanel).show(view.reuse, view.engines)
         t = view.totals
-        self.query_one("#pool-summary", Static).update(
+        summary = Text(
             f"{len(view.pools)} pools, {fmt_bytes(t.segment_used_bytes)} of "
             f"{fmt_bytes(t.segment_total_bytes)} used; load {fmt_bytes(t.load_bytes_per_s)}/s "
             f"save {fmt_bytes(t.save_bytes_per_s)}/s")
+        if view.hub_counters:
+            summary.append_text(_hub_line(view.hub_counters))
+        self.query_one("#pool-summary", Static).update(summary)
+
+
+HUB_SHOWN = ("memory_sheds", "connection_sheds", "fleet_full", "oversized_states",
+             "takeover_refused", "bad_messages")
+"""The hub's counters the Pool tab shows (``kvpool_agent._hub_counters``): what it shed or
+refused to stay within its bounds; ``status --json`` has every one."""
+
+
+def _hub_line(counters: dict[str, int]) -> Text:
+    """``\nhub since start: N reports; memory sheds 0, ...``: yellow when it shed or refused
+    anything (a stalled console, an agent past its budget)."""
+    shown = [(name, counters.get(name, 0)) for name in HUB_SHOWN]
+    line = f"\nhub since start: {counters.get('reports', 0):,} reports; " + ", ".join(
+        f"{name.replace('_', ' ')} {n:,}" for name, n in shown)
+    return Text(line, style="yellow" if any(n for _, n in shown) else "dim")
 
 
 def _disk(p: PoolRow) -> str:
