@@ -216,7 +216,8 @@ def build_scheduler(vllm_config: VllmConfig, cfg: KVPoolConfig, groups: list[KVG
     world_size = vllm_config.parallel_config.world_size
     sched = KVPoolScheduler(
         cfg, lookup, reporter, groups=groups, world_size=world_size,
-        no_context_prefill=context_prefill_gap(vllm_config) if cfg.should_load else None)
+        no_context_prefill=context_prefill_gap(vllm_config) if cfg.should_load else None,
+        lookup_async=cfg.lookup_async)
     if sched.no_context_prefill:
         logger.warning("KVPoolConnector: vLLM's %s attention backend cannot prefill over "
                        "loaded context: this engine loads nothing from the pool "

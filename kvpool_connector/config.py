@@ -56,6 +56,7 @@ class _ExtraFields(BaseModel):
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     lookup_rpc_port: int = Field(default=0, ge=0, le=65535)
+    lookup_async: bool = True
     lookup_timeout_ms: int = Field(default=50, gt=0)
     layerwise_timeout_ms: int = Field(default=10_000, gt=0)
     lease_ttl_ms: int = Field(default=0, ge=0)
@@ -150,11 +151,17 @@ class KVPoolConfig(BaseModel):
             the same: a prefill engine reuses the prefixes the pool holds).
         lookup_rpc_port: names the lookup socket; distinct per engine on one host. 0 (unset):
             the socket is named from ``instance_id`` instead, which already differs per engine.
-        lookup_timeout_ms: how long the scheduler waits for the lookup server per query. The
-            lookup runs on vLLM's scheduler thread, which every running request waits for:
-            50 ms is ~10x a healthy lookup of a 32k-token prompt (~2-6 ms, bench_lookup.py)
-            and about one decode step, so a sick pool costs at most one step per new request
-            before the breaker opens (the former 5,000 ms stalled the engine for seconds).
+        lookup_async: hash and look up a new request's prompt on a thread of the scheduler's
+            own (``kvpool_connector._async_lookup``): ``get_num_new_matched_tokens`` answers
+            vLLM "later" (``None``) until the answer is in, so vLLM's scheduler thread, which
+            every running request waits for, never waits on the pool (vLLM's
+            ``MooncakeStoreConnector`` has the same switch, off by default). ``false``: the
+            lookup runs on vLLM's scheduler thread.
+        lookup_timeout_ms: how long a lookup waits for the lookup server per query. With
+            ``lookup_async: false`` it runs on vLLM's scheduler thread: 50 ms is ~10x a
+            healthy lookup of a 32k-token prompt (~2-6 ms, bench_lookup.py) and about one
+            decode step, so a sick pool costs at most one step per new request before the
+            breaker opens (the former 5,000 ms stalled the engine for seconds).
         lookup_breaker_failures: after this many failed lookups in a row, lookups are skipped
             (counted as ``lookup_skipped``, reason ``BREAKER_OPEN``); 0 = never skip.
         lookup_breaker_open_ms: how long lookups stay skipped before one is tried again.
@@ -255,6 +262,7 @@ class KVPoolConfig(BaseModel):
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     lookup_rpc_port: int = 0
+    lookup_async: bool = True
     lookup_timeout_ms: int = 50
     layerwise_timeout_ms: int = 10_000
     lease_ttl_ms: int = 0
