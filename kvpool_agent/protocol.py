@@ -298,6 +298,12 @@ class LookupStats(msgspec.Struct, gc=False, kw_only=True):
     """Prompt tokens not served from the pool, by reason (``kvpool_agent._misses``:
     ``tail``, ``not_in_pool``, ``lookup_error``, ``load_failed``, ``not_loaded``, a skip reason,
     ``unattributed``): ``prompt_tokens == local_tokens + loaded_tokens + sum(miss_tokens)``."""
+    adapters: Annotated[dict[Name, Name], msgspec.Meta(max_length=MAX_NAMES)] = \
+        msgspec.field(default_factory=dict)
+    """LoRA adapters whose requests this scheduler keyed since start: name -> content identity
+    (``kvpool_connector.fingerprint.adapter_identity``: ``lora:<hex>``, or ``lora-unshared:<hex>``
+    for one no other engine shares), the latest per name (issue 39 item 5). Names past
+    ``MAX_NAMES - 1`` fold into ``OTHER_NAME`` with the identity ``""``; empty from older agents."""
 
 
 class Transfer(msgspec.Struct, gc=False, kw_only=True):
