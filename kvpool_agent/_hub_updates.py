@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvpool_agent._fleet import FULL_RATE, Fleet
-from kvpool_agent._hub_counters import HubCounters
+from kvpool_agent._hub_counters import COUNTER_NAMES, HubCounters
 from kvpool_agent._hub_memory import MAX_UPDATE_FRAME_BYTES
 from kvpool_agent._hub_sockets import HubSockets, user_id
 from kvpool_agent.protocol import (
@@ -160,6 +160,8 @@ class UpdateStreams:
         stream.seq += len(updates)
         if kind == "snapshot":
             updates[0].reuse = reuse()
+            # Operators see the hub's own sheds and refusals (status --json, the Pool tab).
+            updates[0].hub_counters = {n: getattr(self.counters, n) for n in COUNTER_NAMES}
         for upd in updates:
             upd.refused_connections = dict(self.counters.refused_connections)
             frame = stream.topic + encode(upd)

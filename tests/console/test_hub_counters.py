@@ -1,15 +1,10 @@
 """The hub's own counters shown to operators (issue 42): ``FleetUpdate.hub_counters`` in a
 snapshot's first frame, read by ``FleetClient.hub_counters``, in ``status --json`` and on the
-Pool tab. A real keyed hub, a real agent, a real bad message sent with an agent key.
-
-The hub's one line that fills the field (``_hub_updates``, the hub engineer's) is stood in for
-here by stamping the hub's real ``HubCounters`` on each snapshot's first frame, as that line
-will."""
+Pool tab. A real keyed hub, a real agent, a real bad message sent with an agent key."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import zmq
@@ -18,24 +13,9 @@ from textual.widgets import Static
 
 from kvpool_agent import KeyPaths
 from kvpool_agent._hub_counters import COUNTER_NAMES
-from kvpool_agent.protocol import FleetUpdate
 from kvpool_console.app import KVPoolConsole
 from kvpool_console.cli import main as console_main
 from kvpool_console.source import ClientSource
-
-
-def _stamp_counters(fleet: LiveFleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    hub = fleet.hub
-    fleet_state = hub._fleet  # the hub's missing line, stood in for
-    updates = fleet_state.updates
-
-    def stamped(kind: str, *args: Any, **kw: Any) -> list[FleetUpdate]:
-        out = updates(kind, *args, **kw)
-        if kind == "snapshot" and out:
-            out[0].hub_counters = {n: getattr(hub.counters, n) for n in COUNTER_NAMES}
-        return out
-
-    monkeypatch.setattr(fleet_state, "updates", stamped)
 
 
 def _bad_message(fleet: LiveFleet) -> None:
@@ -54,7 +34,6 @@ def _bad_message(fleet: LiveFleet) -> None:
 async def test_status_and_pool_tab_show_the_hubs_counters(
         live_fleet: LiveFleet, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    _stamp_counters(live_fleet, monkeypatch)
     live_fleet.add_engine("p0", "prefill", "kv_producer", tp=1)
     live_fleet.wait_agents(2)
     _bad_message(live_fleet)
