@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 import msgspec
 
 from kvpool_agent._misses import MissCounter
+from kvpool_agent._names import count_name, keep_name
 from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
     MAX_BIG_COUNT,
@@ -22,10 +23,8 @@ from kvpool_agent.protocol import (
     MAX_IN_FLIGHT,
     MAX_MASTERS,
     MAX_MS,
-    MAX_NAMES,
     MAX_REPORT_ACCESSES,
     MAX_REPORT_SAVES,
-    OTHER_NAME,
     RECENT_PAUSES,
     REPORT_ACCESS_CHUNKS,
     Access,
@@ -45,6 +44,7 @@ from kvpool_agent.protocol import (
     clip,
 )
 from kvpool_agent.reporter import (
+    AdapterServed,
     Event,
     FlushAudited,
     LayoutKnown,
@@ -73,13 +73,6 @@ RECENT_ERRORS = 50
 """Errors kept in a snapshot (``EngineState.recent_errors``)."""
 
 # MAX_IN_FLIGHT (protocol): in-flight transfers tracked; beyond it the oldest is forgotten.
-
-def count_name(counts: dict[str, int], name: str) -> None:
-    """Add one to ``counts[name]``; a name past ``MAX_NAMES - 1`` distinct ones counts under
-    ``OTHER_NAME``, so the map stays within the wire's bound (``protocol.NameCounts``)."""
-    if name not in counts and len(counts) >= MAX_NAMES - 1:
-        name = OTHER_NAME
-    counts[name] = counts.get(name, 0) + 1
 
 
 RECENT_FLUSHES = 16
@@ -330,6 +323,8 @@ class Aggregator:
                     self.start_failure = StartFailure(
                         ts_ms=ev.ts_ms, name=clip(ev.name, MAX_ID_CHARS),
                         message=clip(ev.message), hint=clip(ev.hint))
+                case AdapterServed():
+                    keep_name(self.lookup.adapters, ev.name, ev.identity)
                 case FlushAudited():
                     self.recent_flushes.append(ev.record)
                     self.new_flushes.append(ev.record)
@@ -542,6 +537,7 @@ class Aggregator:
         """
         lk = msgspec.structs.replace(
             self.lookup, skipped_by_reason=dict(self.lookup.skipped_by_reason),
+            adapters=dict(self.lookup.adapters),
             miss_tokens={k: _count(v, MAX_COUNT) for k, v in self.misses.snapshot(
                 self.lookup.loaded_tokens, self.lookup.load_failed_tokens).items()})
         # Hits can outnumber the prompt tokens counted: a Lookup event the full buffer dropped,

@@ -23,6 +23,7 @@ import msgspec
 from kvpool_agent.protocol import FlushRecord
 
 __all__ = [
+    "AdapterServed",
     "Event",
     "FlushAudited",
     "LayoutKnown",
@@ -163,6 +164,15 @@ class StartFailed(msgspec.Struct, array_like=True, frozen=True):
     hint: str
 
 
+class AdapterServed(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A request under LoRA adapter ``name`` was keyed with its content ``identity`` (see
+    ``Reporter.adapter_served``)."""
+
+    ts_ms: float
+    name: str
+    identity: str
+
+
 class FlushAudited(msgspec.Struct, array_like=True, frozen=True):
     ts_ms: float
     record: FlushRecord
@@ -181,6 +191,7 @@ Event = (
     | LayoutKnown
     | StartFailed
     | FlushAudited
+    | AdapterServed
 )
 """What ``Reporter.drain`` returns; ``ts_ms`` of every event is wall-clock ms since the epoch."""
 
@@ -326,6 +337,12 @@ class Reporter:
         ``EngineState.flushes`` and the hub writes it to its audit trail."""
         self._put(FlushAudited(time.time() * 1e3, record))
 
+    def adapter_served(self, name: str, identity: str) -> None:
+        """A request under LoRA adapter ``name`` was keyed with ``identity``
+        (``kvpool_connector.fingerprint.adapter_identity``); the agent reports the latest per
+        name in ``LookupStats.adapters`` (issue 39 item 5)."""
+        self._put(AdapterServed(time.time() * 1e3, name, identity))
+
 
 class NullReporter(Reporter):
     """A ``Reporter`` for a process without an agent: every method returns at once, no event
@@ -405,4 +422,7 @@ class NullReporter(Reporter):
         """Does nothing."""
 
     def flush_audited(self, record: FlushRecord) -> None:
+        """Does nothing."""
+
+    def adapter_served(self, name: str, identity: str) -> None:
         """Does nothing."""

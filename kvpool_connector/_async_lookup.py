@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector.fingerprint import adapter_identity
 from kvpool_connector.keys import ChunkHashCache
 from kvpool_connector.lookup import LookupFailed
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["AsyncLookups", "Breaker", "LookupAnswer", "PrefixLookup", "PromptHasher",
-           "prompt_hashes", "request_extra", "run_lookup"]
+           "prompt_hashes", "request_adapter", "request_extra", "run_lookup"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +98,24 @@ def request_extra(request: Request) -> bytes:
     for neither; else the msgpack of ``[adapter identity or None, salt or None]``: a value
     holding a separator cannot read as another pair (a salt is the client's choice).
     """
+    adapter = request_adapter(request)
+    return _extra(None if adapter is None else adapter[1], request)
+
+
+def request_adapter(request: Request) -> tuple[str, str] | None:
+    """The request's LoRA adapter as ``(name, adapter_identity)``; ``None`` without one."""
     lora = getattr(request, "lora_request", None)
-    name = None if lora is None else adapter_identity(str(lora.lora_name), str(lora.lora_path))
+    if lora is None:
+        return None
+    name = str(lora.lora_name)
+    return name, adapter_identity(name, str(lora.lora_path))
+
+
+def _extra(identity: str | None, request: Request) -> bytes:
     salt = getattr(request, "cache_salt", None)
-    if name is None and not salt:
+    if identity is None and not salt:
         return b""
-    return msgspec.msgpack.encode([name, str(salt) if salt else None])
+    return msgspec.msgpack.encode([identity, str(salt) if salt else None])
 
 
 class Breaker:
@@ -136,11 +149,22 @@ class Breaker:
 class PromptHasher:
     """The scheduler's ``ChunkHashCache`` shared by the scheduler thread (requests it keys for
     saves only) and the lookup thread: one caller at a time (the cache is not thread-safe; a
-    scheduler-thread caller waits at most one prompt's hashing)."""
+    scheduler-thread caller waits at most one prompt's hashing). Each prompt it keys under a
+    LoRA adapter is reported to ``reporter`` (``Reporter.adapter_served``: the agent shows an
+    engine's adapters, issue 39 item 5)."""
 
-    def __init__(self, cache: ChunkHashCache) -> None:
+    def __init__(self, cache: ChunkHashCache, reporter: Reporter | None = None) -> None:
         self.cache = cache
+        self.reporter = reporter or NullReporter()
         self._lock = threading.Lock()
+
+    def extra(self, request: Request) -> bytes:
+        """``request_extra(request)``, its adapter (if any) reported."""
+        adapter = request_adapter(request)
+        if adapter is None:
+            return _extra(None, request)
+        self.reporter.adapter_served(*adapter)
+        return _extra(adapter[1], request)
 
     def hashes(self, token_ids: list[int], extra: bytes) -> list[str]:
         """``ChunkHashCache.hashes`` under the lock (raises what it raises)."""
@@ -158,7 +182,7 @@ def prompt_hashes(hasher: PromptHasher, request: Request) -> tuple[list[str], st
     into vLLM's scheduler (that ends the engine). It is recomputed and never saved.
     """
     try:
-        return hasher.hashes(request.prompt_token_ids or [], request_extra(request)), None
+        return hasher.hashes(request.prompt_token_ids or [], hasher.extra(request)), None
     except (OverflowError, TypeError, ValueError, RuntimeError) as exc:
         return [], (f"request {request.request_id}'s prompt cannot be keyed ({exc}): it runs "
                     "without the pool")

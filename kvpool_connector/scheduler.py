@@ -247,7 +247,7 @@ class KVPoolScheduler:
         self._lookup_cache: dict[str, _CachedLookup] = {}
         # Repeats, later turns of a conversation, a common system prompt: hashed once.
         self.hash_cache = ChunkHashCache(config.chunk_size, config.hash_algo)
-        self._hasher = PromptHasher(self.hash_cache)
+        self._hasher = PromptHasher(self.hash_cache, self.reporter)
         self._async = (AsyncLookups(lookup, self._hasher)
                        if lookup_async and lookup is not None and config.should_load else None)
         self._breaker = Breaker(config.lookup_breaker_failures, config.lookup_breaker_open_ms)

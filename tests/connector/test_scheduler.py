@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from vllm import SamplingParams
@@ -22,11 +23,12 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.request import Request
 
 from kvpool_agent._aggregate import Aggregator
-from kvpool_agent.protocol import Source
+from kvpool_agent.protocol import EngineState, Source
 from kvpool_agent.reporter import Loaded, Lookup, ReportedError, Reporter
 from kvpool_connector import scheduler as scheduler_module
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.fingerprint import adapter_identity
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes
 from kvpool_connector.lookup import LookupClient, LookupServer
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes
@@ -568,6 +570,27 @@ def test_one_adapter_under_two_names_shares(engine: Engine, tmp_path: Path) -> N
     assert engine.sched.get_num_new_matched_tokens(b, 0) == (32, False)
     # Without the adapter the same tokens are another prefix.
     assert engine.sched.get_num_new_matched_tokens(_request("n", prompt), 0) == (0, False)
+
+
+def test_the_adapters_an_engine_keyed_reach_its_state_by_content(engine: Engine,
+                                                                 tmp_path: Path) -> None:
+    """Issue 39 item 5: each adapter a scheduler keys a prompt under reaches the agent's
+    ``LookupStats.adapters`` (name -> content identity, the latest per name) and the wire."""
+    prompt = _prompt(40, 19)
+    v1, v2 = _adapter(tmp_path / "v1", 4), _adapter(tmp_path / "v2", 5)
+    for rid, name, path in (("a", "sql", v1), ("b", "chat", v1), ("c", "sql", v2)):
+        req = _request(rid, prompt, lora_request=LoRARequest(name, 1, path))
+        assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert engine.sched.get_num_new_matched_tokens(_request("n", prompt), 0) == (0, False)
+    agg = Aggregator(Source(agent_id="e/scheduler", engine_id="e", instance_role="mixed",
+                            kv_role="kv_both", process_role="scheduler"))
+    agg.apply(engine.reporter.drain())
+    one, two = adapter_identity("sql", v1), adapter_identity("sql", v2)
+    assert one.startswith("lora:") and two.startswith("lora:") and one != two
+    state = agg.state(1.0)
+    assert state.lookup.adapters == {"sql": two, "chat": one}
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=EngineState)
+    assert wire.lookup.adapters == {"sql": two, "chat": one}
 
 
 def test_a_prompt_embeds_request_skips_the_pool(engine: Engine) -> None:
