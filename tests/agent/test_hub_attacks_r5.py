@@ -328,3 +328,36 @@ def test_a_command_to_every_agent_costs_the_hub_linear_work(
         time.sleep(max(0.0, 8 - (time.monotonic() - t0)))  # the same window, with the command
         spent = _hub_cpu_s(hub_process) - cmd0 - idle
     assert spent < 1.0, f"one snapshot of {n} agents cost the hub {spent:.1f} s of CPU"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "one viewer subscription to an unpublished topic rebuilds the console port, whose "
+    "monitor is closed before its socket: with the default memory limit (connection events "
+    "monitored) libzmq's I/O thread blocks and the hub answers no one"))
+def test_a_viewers_unknown_subscription_leaves_the_hub_serving_the_operator(
+    hub_process: psutil.Process, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """``kvpool-agent hub --keys`` with its defaults (``--memory-limit-mb 2048``: the hub
+    monitors every port's connections, a626c25). A viewer subscribes to a topic the hub does
+    not publish: the hub bans the key and rebuilds the console port (``_hub_updates``), closing
+    the port's monitor before the socket; the socket's connections then close and libzmq's one
+    I/O thread blocks for ever sending their events to the closed monitor. Measured: the
+    operator's ``forget`` (answered by the hub itself) unanswered, no update reaches any
+    console; with ``--memory-limit-mb 0`` (no connection events) the same subscription leaves
+    the hub serving. One message of one viewer; no flood."""
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        wait_until(lambda: op.updates(100) != [], 10)
+        s: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.LINGER, 0)
+        fleet_keys["viewer"].client("viewer").apply(s)
+        s.setsockopt(zmq.SUBSCRIBE, b"no-such-topic")
+        s.connect(hub_ports(hub_address).pub)
+        time.sleep(2)  # the subscription arrives, the port is rebuilt (not an outcome)
+        (r,) = op.command("forget", targets=["no-such-engine"], timeout_ms=2_000)
+        assert r.agent_id == "hub" and "no agent or engine named" in (r.error or ""), r
+        deadline = time.monotonic() + 5
+        updates = []
+        while not updates and time.monotonic() < deadline:
+            updates = op.updates(200)
+        assert updates, "no fleet update reached the operator's console after the rebuild"
