@@ -53,6 +53,7 @@ from kvpool_console import _whatif_cli as whatif_cli
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
+from kvpool_console.alerts.alert import SEVERITY_STYLE
 from kvpool_console.model import (
     FleetView,
     build_view,
@@ -209,8 +210,9 @@ def status_document(view: FleetView) -> dict[str, Any]:
     segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
     local_hit_rate, loaded_tokens, recomputed_tokens, miss_tokens (by reason, not_in_pool split
     by the hub into never_saved, evicted and other_digest), top_miss, top_miss_fix (its fix
-    for this engine), pool_evicted_keys, saves_skipped and versions; plus its
-    ``agents``),
+    for this engine), pool_evicted_keys, saves_skipped, versions, layout (its ``fingerprint``:
+    the weights' identity) and adapters (LoRA name -> content identity, ``lora:<hex>``); plus
+    its ``agents``),
     ``alerts``, ``pools``, ``totals``, ``hub_counters`` (the hub's own counters since it
     started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
     does not send them) and ``now_ms``."""
@@ -308,7 +310,7 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                 f"{port} {n}" for port, n in sorted(refused.items()) if n), style="yellow"))
         for a in view.alerts:
             # Subject and message name engines and quote agents' errors: data, not markup.
-            line = Text(a.severity.upper(), style="red" if a.severity == "critical" else "yellow")
+            line = Text(a.severity.upper(), style=SEVERITY_STYLE[a.severity])
             line.append_text(plain(f" {a.subject}: {a.message}\n    hint: {a.hint}"))
             out.print(line)
     if args.fail_on is not None:

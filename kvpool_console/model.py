@@ -33,6 +33,7 @@ from kvpool_agent.protocol import (
 from kvpool_console._miss_fixes import miss_fix
 from kvpool_console._transport import SavesInFlight, saves_in_flight
 from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
+from kvpool_console.alerts.adapters import engine_adapters
 
 __all__ = [
     "SORT_KEYS",
@@ -166,6 +167,8 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     mla: bool = False
     loaded_bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)
     saved_bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    """LoRA adapters the engine served: name -> content identity (``LookupStats.adapters``)."""
     miss_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     """Prompt tokens not served from the pool by reason (``LookupStats.miss_tokens``), summed
     over the engine's agents: ``lookup_tokens = local + loaded + sum(miss_tokens)``."""
@@ -456,7 +459,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
                                  described.layout) if described else "",
         role_source=head.role_source,
         agent_ids=[s.source.agent_id for s in group],
-        miss_tokens=misses, top_miss=top_reason(misses),
+        miss_tokens=misses, top_miss=top_reason(misses), adapters=engine_adapters(group),
         pool_evicted_keys=pool.evicted_keys if pool else 0, saves_skipped=saves_skipped,
         versions={p: "/".join(sorted(vs)) for p, vs in sorted(versions.items())},
         saves=saves_in_flight(group, max(s.ts_ms for s in group)),
@@ -584,7 +587,7 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
     worst: dict[str, str] = {}
     for a in alerts or []:
         cur = worst.get(a.subject)
-        if cur is None or SEVERITY_RANK[a.severity] > SEVERITY_RANK[cur]:
+        if a.severity != "info" and (cur is None or SEVERITY_RANK[a.severity] > SEVERITY_RANK[cur]):
             worst[a.subject] = a.severity
     fresh: _TotalsCache = {}
     rows = []

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 import msgspec
 
 from kvpool_agent.protocol import EngineState
 
-__all__ = ["AFTER_HIT", "SEVERITY_RANK", "Alert", "Severity", "fmt_ms", "make_alert", "pool_name"]
+__all__ = ["AFTER_HIT", "SEVERITY_RANK", "SEVERITY_STYLE", "Alert", "Severity", "engines_text",
+           "fmt_ms", "make_alert", "pool_name"]
 
-Severity = Literal["warning", "critical"]
+Severity = Literal["info", "warning", "critical"]
+"""``info``: a state to know of that needs no action while it is expected (``model_versions``:
+a rolling update, issue 39 item 5); it marks no engine's state."""
 
-SEVERITY_RANK: dict[str, int] = {"warning": 1, "critical": 2}
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+SEVERITY_STYLE: dict[str, str] = {"info": "cyan", "warning": "yellow", "critical": "bold red"}
+"""How an alert's severity label is drawn (``status``, the Events tab)."""
 """Order of severities for ``--fail-on``: an alert counts when its rank is >= the chosen one."""
 
 
@@ -31,7 +38,8 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     ``pause_wait``, ``pool_evicting``, ``pool_failover`` and, from the hub's reuse figures,
     ``silent_miss``, subject the model name);
     ``subject`` the engine id (the pool name for pool rules, the model name(s) for
-    ``namespace_split``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
+    ``namespace_split``, the model name or ``<model> lora <adapter name>`` for
+    ``model_versions``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
     across refreshes.
     """
 
@@ -59,6 +67,13 @@ def make_alert(rule: str, severity: Severity, subject: str, message: str, hint: 
     return Alert(key=f"{rule}:{subject}", rule=rule, severity=severity, subject=subject,
                  message=message, hint=hint, ts_ms=ts_ms)
 
+
+
+def engines_text(engines: Collection[str], limit: int = 8) -> str:
+    """``engines`` sorted and comma-joined, past ``limit`` counted (``and N more``)."""
+    names = sorted(engines)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def pool_name(st: EngineState) -> str:

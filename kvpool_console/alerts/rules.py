@@ -18,11 +18,13 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
 from kvpool_console._transport import TRANSPORT_HINT, failures_text, transport_failures
+from kvpool_console.alerts.adapters import adapter_alerts
 from kvpool_console.alerts.alert import (
     AFTER_HIT,
     SEVERITY_RANK,
     Alert,
     Severity,
+    engines_text,
     fmt_ms,
     make_alert,
     pool_name,
@@ -52,12 +54,6 @@ def _by_engine(states: Mapping[str, EngineState]) -> dict[str, list[EngineState]
 
 
 
-def _engines_text(engines: Collection[str], limit: int = 8) -> str:
-    names = sorted(engines)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
 def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
                  watermark_ratio: float | None, watermark_margin: float,
                  active: Collection[str]) -> list[Alert]:
@@ -81,7 +77,7 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
     for name, st in sorted(pools.items()):
         p = st.pool
         assert p is not None
-        seen_by = f"engines {_engines_text(engines[name])}"
+        seen_by = f"engines {engines_text(engines[name])}"
         if p.total_bytes > 0:
             frac = p.used_bytes / p.total_bytes
             ratio = watermark_ratio if watermark_ratio is not None else p.high_watermark
@@ -108,7 +104,7 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
             detail = max(sick, key=lambda s: s.ts_ms).pool.health_detail  # type: ignore[union-attr]
             out.append(make_alert("pool_unhealthy", "critical", name,
                                   f"pool health check failed: {detail or 'unhealthy'} "
-                                  f"(seen by engines {_engines_text(unhealthy[name])})",
+                                  f"(seen by engines {engines_text(unhealthy[name])})",
                                   HINTS["RPC_FAIL"], now_ms))
     return out
 
@@ -211,7 +207,7 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
         out.append(make_alert(
             "role_topology", "warning", engine_id,
             f"0% pool hits over {lookups} lookups while producers of {head.model} save "
-            f"({_engines_text(others)})",
+            f"({engines_text(others)})",
             "their keys never meet: compare the key namespaces (model name, layout digest, "
             "chunk_size, block_size) of this engine and the producers in `kvpool-console "
             "status`", now_ms))
@@ -425,17 +421,17 @@ def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) ->
         parts: list[str] = []
         for digest, eids in ordered:
             facts = described[eids[0]][2]
-            parts.append(f"{digest}: {_engines_text(eids, 4)}")
+            parts.append(f"{digest}: {engines_text(eids, 4)}")
             for k in sorted(set(base) | set(facts)):
                 if base.get(k) != facts.get(k):
                     diffs.append(f"{k} {base.get(k, '-')} vs {facts.get(k, '-')}")
         if diffs and all(d.startswith(f"{FINGERPRINT_FACT} ") for d in diffs):
             # Only the weights differ: a rolling update (or a node left on old weights).
             versions = "; ".join(
-                f"{described[eids[0]][2].get(FINGERPRINT_FACT, '-')}: {_engines_text(eids, 4)}"
+                f"{described[eids[0]][2].get(FINGERPRINT_FACT, '-')}: {engines_text(eids, 4)}"
                 for _, eids in ordered)
             out.append(make_alert(
-                "model_versions", "warning", model,
+                "model_versions", "info", model,
                 f"engines of {model} run on {len(digests)} versions of its weights "
                 f"({versions}): engines of different versions never share",
                 "expected while a rolling update of the weights runs; once it is over every "
@@ -469,7 +465,7 @@ def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) ->
         if len(models) < 2:
             continue
         names = sorted(models)
-        listing = "; ".join(f"{m}: {_engines_text(models[m], 4)}" for m in names)
+        listing = "; ".join(f"{m}: {engines_text(models[m], 4)}" for m in names)
         out.append(make_alert(
             "namespace_split", "warning", "/".join(names),
             f"the same layout under {len(names)} model names ({listing}): no shared hits: "
@@ -549,6 +545,7 @@ def evaluate(
         if st.source.kv_role != "kv_consumer" and st.transfers.saves_finished:
             saving.setdefault(st.source.model, set()).add(st.source.engine_id)
     out.extend(_namespace_alerts(groups, now_ms))
+    out.extend(adapter_alerts(groups, now_ms))
     out.extend(version_alerts(groups, now_ms))
     for engine_id in sorted(groups):
         group = groups[engine_id]

@@ -12,6 +12,7 @@ from textual.widgets import DataTable, RichLog, TabPane
 
 from kvpool_console._text import plain, visible
 from kvpool_console.alerts import Alert
+from kvpool_console.alerts.alert import SEVERITY_STYLE
 
 __all__ = ["EventsView"]
 
@@ -21,7 +22,7 @@ def _hms(ms: float) -> str:
 
 
 def _severity(a: Alert) -> tuple[str, str]:
-    return a.severity.upper()[:4], "bold red" if a.severity == "critical" else "yellow"
+    return a.severity.upper()[:4], SEVERITY_STYLE[a.severity]
 
 
 class EventsView(TabPane):

@@ -4,16 +4,16 @@ values, and which engines of its model run the same weights or others.
 The weights' fingerprint is the layout fact ``fingerprint`` each worker reports
 (``Source.layout``, ``kvpool_connector.fingerprint``: ``<source>:<hex>``, the source
 ``safetensors``, ``configured`` or ``unshared``); ``kvpool-console status --json`` carries it as
-``engines[].layout.fingerprint``. A LoRA adapter is named by content per request
-(``lora:<hex>``, ``kvpool-config fingerprint --adapter DIR``); engines do not report the
-adapters they serve, so this line has none.
+``engines[].layout.fingerprint``. Then the LoRA adapters the engine served, each by content
+(``LookupStats.adapters``: ``lora:<hex>``, ``kvpool-config fingerprint --adapter DIR`` prints a
+directory's; ``engines[].adapters`` in ``status --json``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpool_agent.protocol import EngineState
+from kvpool_agent.protocol import OTHER_NAME, EngineState
 from kvpool_console.alerts.rules import FINGERPRINT_FACT, UNSHARED
 from kvpool_console.model import EngineRow
 
@@ -31,10 +31,11 @@ def _engines(ids: list[str]) -> str:
 def identity_line(row: EngineRow, states: Mapping[str, EngineState]) -> str:
     """``weights <fingerprint>``, then the other engines of the same model on the same weights
     and those on other weights (they never share values), from every worker's layout facts in
-    ``states``; ``""`` until the engine's workers reported a fingerprint."""
+    ``states``; then ``adapters: <name>=<identity>, ...``. ``""`` while neither is known."""
     mine = str(row.layout.get(FINGERPRINT_FACT, ""))
+    adapters = _adapters(row.adapters)
     if not mine:
-        return ""
+        return adapters
     by_fp: dict[str, set[str]] = {}
     for s in states.values():
         src = s.source
@@ -52,4 +53,10 @@ def identity_line(row: EngineRow, states: Mapping[str, EngineState]) -> str:
         text += "; other weights of " + row.model + ": " + "; ".join(
             f"{fp} on {_engines(list(ids))}" for fp, ids in sorted(by_fp.items())) \
             + " (never shared with these)"
-    return text
+    return f"{text}; {adapters}" if adapters else text
+
+
+def _adapters(adapters: Mapping[str, str]) -> str:
+    named = [f"{n}={i}" for n, i in adapters.items() if n != OTHER_NAME][:_MAX_NAMED]
+    more = len(adapters) - len(named)
+    return f"adapters: {', '.join(named)}{f' +{more}' if more else ''}" if adapters else ""

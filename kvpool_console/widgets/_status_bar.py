@@ -56,9 +56,11 @@ class StatusBar(Static):
             text.append(f"no agent reported yet to {self._address}  ", style="yellow")
         else:
             crit = sum(a.severity == "critical" for a in v.alerts)
-            warn = len(v.alerts) - crit
+            warn = sum(a.severity == "warning" for a in v.alerts)
+            info = len(v.alerts) - crit - warn
             text.append(f"{v.totals.engines} engines {v.totals.agents} agents  ")
-            text.append(f"alerts {crit}C/{warn}W  ", style="bold red" if crit else "")
+            text.append(f"alerts {crit}C/{warn}W{f'/{info}I' if info else ''}  ",
+                        style="bold red" if crit else "")
         arrow = "↓" if self.sort_reverse else "↑"
         text.append(f"sort {SORT_KEYS[self.sort_index]}{arrow}  every {self.refresh_s:g}s")
         if self.filter_text:

@@ -80,3 +80,47 @@ async def test_the_detail_screen_shows_it() -> None:
         svg = app.export_screenshot()
         text = html.unescape("".join(re.findall(r">([^<]*)</text>", svg))).replace("\xa0", " ")
         assert f"identity: weights {V2}, as c; other weights of m: {V1} on a;" in text
+
+
+LORA1, LORA2 = "lora:" + "a" * 32, "lora:" + "b" * 32
+
+
+def _serving(fleet: dict[str, EngineState], eid: str, adapters: dict[str, str]
+             ) -> dict[str, EngineState]:
+    """``fleet`` with engine ``eid``'s scheduler reporting ``adapters``."""
+    s = fleet[f"{eid}/scheduler"]
+    return fleet | {f"{eid}/scheduler": msgspec.structs.replace(
+        s, lookup=msgspec.structs.replace(s.lookup, adapters=adapters))}
+
+
+def test_adapters_by_content_in_status_json_the_identity_line_and_an_info_alert() -> None:
+    """One LoRA name over two adapters across engines of one model: each engine's adapters in
+    ``status --json`` and on its identity line, and the ``model_versions`` info alert naming
+    which engines hold which; the same name on another model is not compared."""
+    fleet = _serving(_serving(_serving(_fleet(), "a", {"sql": LORA1, "chat": LORA2}), "b",
+                              {"sql": LORA2}), "other", {"sql": LORA2})
+    alerts = evaluate(fleet, {}, NOW_MS)
+    doc = status_document(build_view(fleet, {}, NOW_MS, alerts=alerts))
+    got = {e["engine_id"]: e["adapters"] for e in doc["engines"]}
+    assert got == {"a": {"chat": LORA2, "sql": LORA1}, "b": {"sql": LORA2}, "c": {}, "x": {},
+                   "other": {"sql": LORA2}}
+    rows = {r.engine_id: r for r in build_view(fleet, {}, NOW_MS).engines}
+    assert identity_line(rows["b"], fleet).endswith(
+        f"(never shared with these); adapters: sql={LORA2}")
+    assert identity_line(rows["a"], fleet).endswith(f"; adapters: chat={LORA2}, sql={LORA1}")
+    assert identity_line(rows["c"], fleet) == f"weights {V2}, as b; other weights of m: " \
+        f"{V1} on a; {LONE} on x (never shared with these)"
+    (lora,) = [a for a in doc["alerts"] if a["subject"] == "m lora sql"]
+    assert (lora["rule"], lora["severity"]) == ("model_versions", "info")
+    assert lora["message"] == (f"engines of m serve LoRA adapter sql in 2 versions ({LORA1}: a; "
+                               f"{LORA2}: b): engines of different versions never share its KV")
+    assert "kvpool-config fingerprint --adapter" in lora["hint"]
+    assert not [a for a in alerts if "chat" in a.subject or a.subject.startswith("n ")]
+    # An info alert marks no engine: a, b and c stay as their other alerts leave them.
+    weights = [a for a in alerts if a.rule == "model_versions" and a.subject == "m"]
+    assert [a.severity for a in weights] == ["info"]
+    assert {e["engine_id"]: e["state"] for e in doc["engines"]}["b"] == "OK"
+    # Adapters only, before any worker reported its weights' fingerprint.
+    bare = _serving(engine("y"), "y", {"sql": LORA1})
+    assert identity_line(build_view(bare, {}, NOW_MS).engines[0], bare) == \
+        f"adapters: sql={LORA1}"
