@@ -1,36 +1,234 @@
-"""One real vLLM engine run, in its own process: ``python _engine.py SPEC.json OUT.json``.
+"""The one launcher of real vLLM engines for the tests: each engine in its own process, forked
+from a server process that imported vLLM once (``multiprocessing``'s forkserver, vLLM and the
+connector preloaded), and kept running between calls.
 
-SPEC: ``model`` (dir), ``prompts`` (token id lists), ``max_tokens``, ``kv_transfer_config``
-(dict or null), ``prefix_caching`` (bool), ``rounds`` (the prompts are generated this many times
-in sequence; later rounds may hit what earlier ones saved), ``num_gpu_blocks`` (optional),
-``dtype`` (default ``float32``), ``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers,
-Prometheus included, on; default off), ``kv_events_config`` (vLLM's, optional),
-``tensor_parallel_size`` (default 1), ``max_num_seqs`` (default 8), ``hma`` (true: vLLM's
-hybrid KV-cache manager on, false: off; default: vLLM's choice) and ``lora`` (``{"name",
-"path", "rank"}``: vLLM's LoRA on, every prompt through that adapter). ``reset``:
-after the rounds, step the engine until every finished request's saves are reported (in-process
-engine core only), call ``LLM.reset_prefix_cache(reset_connector=True)`` and generate the
-prompts ``rounds_after_reset`` more times (default 1).
-OUT: per round, per prompt, the greedy ``tokens``, the ``logprobs`` of those tokens and vLLM's
-``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector loads);
-with ``log_stats``, ``prometheus``: vLLM's Prometheus text at the end; with ``reset``, ``reset``
-(what ``reset_prefix_cache`` returned) and ``after_reset`` (rounds like ``rounds``).
+Why a fork server: importing vLLM is most of a cold engine's start (~6 s of ~14 s on an idle
+2-core host, ~20 s of ~30 s on a loaded one); forked from a process that has imported it, an
+engine pays only vLLM's own start. The server holds no engine, no thread of vLLM's and no
+OpenMP pool (importing starts none), so forking it is as safe as vLLM's own forks. Processes
+vLLM starts itself (the engine core in multiprocess mode, TP ranks) are spawned by vLLM as
+ever (its CPU platform asks for ``spawn``): those still import vLLM.
+
+Why kept running: one engine serves several calls (``Engine.generate``), so a test can take
+its own no-pool baseline in the engine under test (a request with a fresh ``cache_salt``: the
+connector mixes the salt into every chunk hash, so nothing of the pool matches) and one engine
+can write in one phase and read in another.
+
+SPEC (``Engine``'s ``spec``): ``model`` (dir), ``kv_transfer_config`` (dict or null),
+``prefix_caching`` (bool), ``num_gpu_blocks`` (optional), ``dtype`` (default ``float32``),
+``block_size`` (default 32), ``log_stats`` (vLLM's stat loggers, Prometheus included, on;
+default off), ``kv_events_config`` (vLLM's, optional), ``tensor_parallel_size`` (default 1),
+``max_num_seqs`` (default 8), ``hma`` (true: vLLM's hybrid KV-cache manager on, false: off;
+default: vLLM's choice), ``attention_backend`` (vLLM's ``attention_config.backend``) and
+``lora_rank`` (vLLM's LoRA on, adapters up to this rank).
+
+An output (``Engine.generate``), per prompt: the greedy ``tokens``, the ``logprobs`` of those
+tokens and vLLM's ``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus
+connector loads).
 """
 
 from __future__ import annotations
 
-import json
+import multiprocessing
+import os
+import signal
 import sys
 import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+# What the fork server imports before its first fork: everything an engine imports that is
+# not tied to one engine (vLLM's engine, executor and model modules import at engine start).
+PRELOAD = [
+    "vllm", "vllm.inputs", "vllm.lora.request", "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core", "vllm.v1.executor.abstract", "vllm.v1.worker.cpu_worker",
+    "vllm.model_executor.models.llama", "prometheus_client", "kvpool_connector.connector",
+    "mooncake.store", "_engine",
+]
+
+_context: Any = None
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _fork_server() -> Any:
+    """The tests' ``multiprocessing`` context: the forkserver, vLLM preloaded (set once, before
+    the server starts: the server is one per test process)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
 
-    kwargs = {}
+
+def stop_fork_server() -> None:
+    """Stop the fork server if this process started one, and reap it (else it outlives the
+    test process as a zombie until someone reaps it). ``ForkServer._stop`` (what CPython's own
+    tests use) reaps it; the server starts again on the next engine."""
+    if _context is None:
+        return
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        # Killed, not asked to stop: its orderly exit is a garbage collection of vLLM's
+        # imported heap (~20 s of CPU on a loaded 2-core host); it holds no state.
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    server._stop()
+
+
+class EngineFailed(Exception):
+    """The engine process died, timed out or raised; the message carries its log's tail."""
+
+
+class Engine:
+    """One running engine: ``generate`` calls answered in order, ``close`` ends it.
+
+    ``env``: the engine's whole environment (set before vLLM reads any of it); ``log``: its
+    stdout and stderr."""
+
+    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], log: Path,
+                 timeout_s: float = 300.0) -> None:
+        ctx = _fork_server()
+        self.name, self.log, self.timeout_s = name, log, timeout_s
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, spec, env, str(log)),
+                                name=f"engine-{name}")
+        self.proc.start()
+        child.close()
+        self.closed = False
+        self.startup_s: float = self._reply()
+
+    def _reply(self) -> Any:
+        """The engine's answer to the last call, or ``EngineFailed`` once it died or timed out
+        (it is then killed)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._conn.poll(0.2):
+            if not self.proc.is_alive():
+                self.closed = True
+                raise EngineFailed(f"engine {self.name} exited {self.proc.exitcode}; "
+                                   f"log tail:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise EngineFailed(f"engine {self.name}: no answer in {self.timeout_s} s; "
+                                   f"log tail:\n{self.tail()}")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise EngineFailed(f"engine {self.name}: {value}\nlog tail:\n{self.tail()}")
+        return value
+
+    def _call(self, cmd: str, **args: Any) -> Any:
+        if self.closed:
+            raise EngineFailed(f"engine {self.name} is closed")
+        self._conn.send((cmd, args))
+        return self._reply()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, *,
+                 salt: str | None = None, lora: dict[str, Any] | None = None
+                 ) -> list[dict[str, Any]]:
+        """One batch of ``prompts`` (greedy, ``max_tokens`` each, end of sequence ignored);
+        ``salt``: every request's ``cache_salt``; ``lora``: ``{"name", "id", "path"}``, every
+        prompt through that adapter."""
+        out: list[dict[str, Any]] = self._call("generate", prompts=prompts,
+                                               max_tokens=max_tokens, salt=salt, lora=lora)
+        return out
+
+    def settle(self) -> None:
+        """Step the in-process engine core until no finished request waits for its saves."""
+        self._call("settle")
+
+    def reset(self) -> bool:
+        """``LLM.reset_prefix_cache(reset_connector=True)``'s answer."""
+        return bool(self._call("reset"))
+
+    def prometheus(self) -> str:
+        """vLLM's Prometheus text (``log_stats``)."""
+        return str(self._call("prometheus"))
+
+    def close(self) -> None:
+        """Shut the engine down as a finished process does (its connector's shutdown, its
+        agent's last report) and wait for the process to end."""
+        if self.closed:
+            return
+        self._call("close")
+        self.closed = True
+        self.proc.join(self.timeout_s)
+        if self.proc.is_alive():
+            self.kill()
+            raise EngineFailed(f"engine {self.name} did not exit; log tail:\n{self.tail()}")
+        if self.proc.exitcode != 0:
+            raise EngineFailed(f"engine {self.name} exited {self.proc.exitcode}; "
+                               f"log tail:\n{self.tail()}")
+
+    def kill(self) -> None:
+        """End the engine process (only this one: vLLM's own children die with their
+        parent's pipes)."""
+        self.closed = True
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(30)
+
+    def tail(self, lines: int = 40) -> str:
+        if not self.log.exists():
+            return ""
+        return "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+
+# -- the engine process ------------------------------------------------------------------------
+
+
+def serve(conn: Connection, spec: dict[str, Any], env: dict[str, str], log: str) -> None:
+    """The engine process: build the ``LLM``, answer calls until ``close``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        t0 = time.time()
+        llm = _build(spec)
+        conn.send(("ok", time.time() - t0))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "close":
+            break
+        try:
+            if cmd == "generate":
+                result: Any = _generate(llm, **args)
+            elif cmd == "settle":
+                settle(llm)
+                result = None
+            elif cmd == "reset":
+                result = llm.reset_prefix_cache(reset_connector=True)
+            elif cmd == "prometheus":
+                from prometheus_client import generate_latest
+
+                result = generate_latest().decode()
+            else:
+                raise ValueError(f"unknown call {cmd!r}")
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            continue
+        conn.send(("ok", result))
+    # What a finished process's exit did: the engine core's shutdown (the finaliser vLLM
+    # registers runs just this), the connector's with it (its agent's last report, its store
+    # client closed). Then exit without the interpreter's teardown: a full garbage collection
+    # of vLLM's heap, seconds of CPU on a loaded host, that nothing needs.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(("ok", None))
+    os._exit(0)
+
+
+def _build(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec.get("num_gpu_blocks"):
@@ -41,78 +239,57 @@ def main() -> None:
         kwargs["disable_hybrid_kv_cache_manager"] = not spec["hma"]
     if spec.get("attention_backend"):
         kwargs["attention_config"] = {"backend": spec["attention_backend"]}
-    lora_request = None
-    if spec.get("lora"):
-        from vllm.lora.request import LoRARequest
-
+    if spec.get("lora_rank"):
         kwargs["enable_lora"] = True
-        kwargs["max_lora_rank"] = spec["lora"]["rank"]
-        lora_request = LoRARequest(spec["lora"]["name"], 1, spec["lora"]["path"])
+        kwargs["max_lora_rank"] = spec["lora_rank"]
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
         kwargs["distributed_executor_backend"] = "mp"
-    t0 = time.time()
-    llm = LLM(
+    return LLM(
         model=spec["model"], enforce_eager=True, max_model_len=512,
         block_size=spec.get("block_size", 32), dtype=spec.get("dtype", "float32"),
         enable_prefix_caching=spec.get("prefix_caching", False),
         max_num_seqs=spec.get("max_num_seqs", 8), max_num_batched_tokens=512, seed=0,
         disable_log_stats=not spec.get("log_stats", False), **kwargs,
     )
-    started = time.time() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0,
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, salt: str | None,
+              lora: dict[str, Any] | None) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lora_request = None
+    if lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        lora_request = LoRARequest(lora["name"], lora["id"], lora["path"])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0,
                             ignore_eos=True)
-    round_s: list[float] = []
-
-    def generate(llm: LLM) -> list[dict[str, object]]:
-        t1 = time.time()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params,
-                            use_tqdm=False, lora_request=lora_request)
-        round_s.append(time.time() - t1)
-        return [
-            {
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [lp[t].logprob for t, lp in
-                             zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [],
-                                 strict=True)],
-                "num_cached_tokens": o.num_cached_tokens,
-            }
-            for o in outs
-        ]
-
-    rounds = [generate(llm) for _ in range(spec.get("rounds", 1))]
-    out: dict[str, object] = {"rounds": rounds, "startup_s": started, "round_s": round_s}
-    if spec.get("reset"):
-        settle(llm)
-        out["reset"] = llm.reset_prefix_cache(reset_connector=True)
-        out["after_reset"] = [generate(llm) for _ in range(spec.get("rounds_after_reset", 1))]
-    if spec.get("kv_events_config"):
-        settle(llm)
-        # vLLM's publisher thread sends queued batches every 0.1 s at most; its shutdown
-        # closes the socket without lingering, so give the last batches time to leave.
-        time.sleep(1.0)
-    out["total_s"] = time.time() - t0
-    if spec.get("log_stats"):
-        from prometheus_client import generate_latest
-
-        out["prometheus"] = generate_latest().decode()
-    with open(sys.argv[2], "w") as f:
-        json.dump(out, f)
-    del llm
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    if salt is not None:
+        for i in inputs:
+            i["cache_salt"] = salt
+    outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_request)
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [lp[t].logprob for t, lp in
+                         zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)],
+            "num_cached_tokens": o.num_cached_tokens,
+        }
+        for o in outs
+    ]
 
 
-def settle(llm: object, timeout_s: float = 60.0) -> None:
+def settle(llm: Any, timeout_s: float = 60.0) -> None:
     """Step the in-process engine core until no finished request waits for its saves: their
     ``finished_sending`` (and the connector's KV events) reach the scheduler only in a step,
     and ``LLM.generate`` returns before."""
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    core = llm.llm_engine.engine_core.engine_core
     deadline = time.monotonic() + timeout_s
     while core.scheduler.has_requests():
         if time.monotonic() > deadline:
             raise TimeoutError(f"requests still held after {timeout_s} s")
         core.step()
         time.sleep(0.01)
-
-
-if __name__ == "__main__":
-    main()

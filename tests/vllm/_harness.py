@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,9 @@ from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_replay import LocalMooncakeMaster
 
+from _engine import Engine, EngineFailed  # isort: skip
+
 REPO = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).with_name("_engine.py")
 BLOCK = 32  # vLLM's CPU attention needs block sizes that are multiples of 32
 MAX_TOKENS = 8
 
@@ -108,57 +108,109 @@ def kvpool(role: str, port: int | None, name: str, hub: FleetHub, **extra: Any
 
 
 class Engines:
-    """Runs ``_engine.py`` processes and caches their outputs by name."""
+    """Starts engines (``_engine.Engine``) for one module, caches one-shot runs by name, and
+    ends every engine still running when the module is done (``close_all``).
+
+    ``model``: the module's model; ``pool``: the pool its engines' connectors use (their
+    ``MOONCAKE_CONFIG_PATH``), ``None`` for none; ``workdir``: specs, logs, runtime sockets."""
 
     def __init__(self, model: Path, pool: Pool | None, workdir: Path) -> None:
         self.model, self.pool, self.workdir = model, pool, workdir
         self.results: dict[str, dict[str, Any]] = {}
+        self.running: list[Engine] = []
+
+    def start(self, name: str, ktc: dict[str, Any] | None = None, *,
+              prefix_caching: bool = False, multiprocess: bool = False,
+              dtype: str = "float32", block_size: int = BLOCK, model: Path | None = None,
+              tp: int = 1, hma: bool | None = None, max_num_seqs: int = 8,
+              env: dict[str, str] | None = None, attention_backend: str | None = None,
+              lora_rank: int | None = None, num_gpu_blocks: int | None = None,
+              log_stats: bool = False, kv_events_config: dict[str, Any] | None = None
+              ) -> Engine:
+        """A running engine ``name`` (close it, or the module's teardown does).
+
+        ``ktc``: its kv_transfer_config, ``None``: no connector; ``multiprocess``: vLLM's
+        engine core in its own process (lookups cross the IPC socket); ``model``: another model
+        than the harness's; ``tp``: vLLM's tensor_parallel_size (TP=2 on this 2-core host binds
+        one OpenMP thread per rank); ``hma``: vLLM's hybrid KV-cache manager on (True) or off
+        (False), ``None``: vLLM's choice; ``max_num_seqs``: vLLM's batch size; ``env``: more
+        environment; ``attention_backend``: vLLM's ``attention_config.backend`` (e.g.
+        ``CPU_MLA``), ``None``: vLLM's choice; ``lora_rank``: vLLM's LoRA on;
+        ``num_gpu_blocks``: default 96 blocks of 32 tokens; ``log_stats``: vLLM's stat loggers
+        (Prometheus) on; ``kv_events_config``: vLLM's KV-event publisher."""
+        spec = {"model": str(model or self.model), "kv_transfer_config": ktc,
+                "prefix_caching": prefix_caching,
+                "num_gpu_blocks": num_gpu_blocks or 96 * BLOCK // block_size, "dtype": dtype,
+                "block_size": block_size, "tensor_parallel_size": tp, "hma": hma,
+                "max_num_seqs": max_num_seqs, "attention_backend": attention_backend,
+                "lora_rank": lora_rank, "log_stats": log_stats,
+                "kv_events_config": kv_events_config}
+        (self.workdir / f"{name}.spec.json").write_text(json.dumps(spec))
+        full_env = {
+            **os.environ, "PYTHONPATH": str(REPO),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+            "KVPOOL_RUNTIME_DIR": str(self.workdir), "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
+        if self.pool is not None:
+            full_env["MOONCAKE_CONFIG_PATH"] = str(self.pool.config_path)
+        try:
+            engine = Engine(name, spec, full_env, self.workdir / f"{name}.log")
+        except EngineFailed as e:
+            pytest.fail(str(e))
+        self.running.append(engine)
+        return engine
 
     def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
-            *, prefix_caching: bool = False, multiprocess: bool = False,
-            dtype: str = "float32", block_size: int = BLOCK, model: Path | None = None,
-            tp: int = 1, hma: bool | None = None, max_num_seqs: int = 8,
-            env: dict[str, str] | None = None, attention_backend: str | None = None,
-            rounds: int = 1, lora: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Run engine ``name`` once (cached) over ``prompts``; its first round's outputs.
+            *, rounds: int = 1, baseline: bool = False, lora: dict[str, Any] | None = None,
+            max_tokens: int = MAX_TOKENS, **start: Any) -> list[dict[str, Any]]:
+        """Run engine ``name`` once (cached by name) over ``prompts`` and end it; the outputs
+        of its first unsalted round.
 
-        ``model``: another model than the harness's; ``tp``: vLLM's tensor_parallel_size
-        (TP=2 on this 2-core host binds one OpenMP thread per rank); ``hma``: vLLM's hybrid
-        KV-cache manager on (True) or off (False), ``None``: vLLM's choice; ``max_num_seqs``:
-        vLLM's batch size; ``env``: more environment; ``attention_backend``: vLLM's
-        ``attention_config.backend`` (e.g. ``CPU_MLA``), ``None``: vLLM's choice; ``rounds``:
-        the prompts are generated this many times in one engine (``self.results[name]
-        ["rounds"]`` holds every round's outputs); ``lora``: every prompt through this LoRA
-        adapter (``_engine.py``'s ``lora``)."""
+        ``rounds``: the prompts are generated this many times (``self.results[name]
+        ["rounds"]`` holds every round's outputs); ``baseline``: first a round with a fresh
+        ``cache_salt`` (``self.results[name]["baseline"]``), the engine's own run without the
+        pool; ``lora``: every prompt through this adapter (``Engine.generate``); ``start``:
+        ``Engines.start``'s options."""
         if name not in self.results:
-            spec = {"model": str(model or self.model), "prompts": prompts,
-                    "max_tokens": MAX_TOKENS, "kv_transfer_config": ktc,
-                    "prefix_caching": prefix_caching,
-                    "num_gpu_blocks": 96 * BLOCK // block_size, "dtype": dtype,
-                    "block_size": block_size, "tensor_parallel_size": tp, "hma": hma,
-                    "max_num_seqs": max_num_seqs, "attention_backend": attention_backend,
-                    "rounds": rounds, "lora": lora}
-            spec_path = self.workdir / f"{name}.spec.json"
-            out_path = self.workdir / f"{name}.out.json"
-            log_path = self.workdir / f"{name}.log"
-            spec_path.write_text(json.dumps(spec))
-            env = {
-                **os.environ, "PYTHONPATH": str(REPO),
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-                "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-                "KVPOOL_RUNTIME_DIR": str(self.workdir), "TOKENIZERS_PARALLELISM": "false",
-                **(env or {}),
-            }
-            if self.pool is not None:
-                env["MOONCAKE_CONFIG_PATH"] = str(self.pool.config_path)
-            with open(log_path, "w") as log:
-                proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path),
-                                       str(out_path)], stdout=log, stderr=subprocess.STDOUT,
-                                      env=env, timeout=300, check=False)
-            if proc.returncode != 0:
-                tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-                pytest.fail(f"engine {name} exited {proc.returncode}; log tail:\n{tail}")
-            self.results[name] = json.loads(out_path.read_text())
-        return self.results[name]["rounds"][0]
+            engine = self.start(name, ktc, **start)
+            result: dict[str, Any] = {}
+            try:
+                if baseline:
+                    result["baseline"] = engine.generate(prompts, max_tokens, salt=fresh_salt(),
+                                                         lora=lora)
+                result["rounds"] = [engine.generate(prompts, max_tokens, lora=lora)
+                                    for _ in range(rounds)]
+                engine.close()
+            except EngineFailed as e:
+                engine.kill()
+                pytest.fail(str(e))
+            finally:
+                self.running.remove(engine)
+            self.results[name] = result
+        rounds_out: list[dict[str, Any]] = self.results[name]["rounds"][0]
+        return rounds_out
+
+    def baseline(self, name: str) -> list[dict[str, Any]]:
+        """Run ``name``'s salted round (``run(..., baseline=True)``), checked to have loaded
+        nothing: vLLM computed every prompt token (the engines' own prefix caches are off)."""
+        own: list[dict[str, Any]] = self.results[name]["baseline"]
+        assert [o["num_cached_tokens"] for o in own] == [0] * len(own), name
+        return own
+
+    def close_all(self) -> None:
+        """End every engine still running (a test failed with one open)."""
+        for engine in self.running:
+            engine.kill()
+        self.running.clear()
 
 
+_salts = itertools.count()
+
+
+def fresh_salt() -> str:
+    """A ``cache_salt`` no request used before in this test process: the connector mixes it
+    into every chunk hash (``kvpool_connector.scheduler.request_extra``), vLLM into its own
+    prefix-cache hashes, so a salted request finds nothing any other request saved."""
+    return f"baseline-{os.getpid()}-{next(_salts)}"

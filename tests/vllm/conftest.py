@@ -1,17 +1,38 @@
-"""Fixtures every real-vLLM test module shares, each module its own (module scope): the pool
-(``_harness.Pool`` over the session's ``mooncake_master``) and a real fleet hub the engines'
-agents report to (ports P..P+3)."""
+"""Fixtures every real-vLLM test module shares.
+
+Module scope: the pool (``_harness.Pool`` over the session's ``mooncake_master``) and a real
+fleet hub the engines' agents report to (ports P..P+3), each module its own, so one module's
+keys and agents never meet another's counts. Session scope: the tiny Llama (built once, read
+only: a test that changes weights copies it first)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvpool_agent.hub import FleetHub
 from kvpool_replay import LocalMooncakeMaster, free_port_block
 
-from _harness import Pool  # isort: skip
+from _engine import stop_fork_server  # isort: skip
+from _harness import REPO, Pool  # isort: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[None]:
+    """The engines' fork server (``_engine``), one per test process, started by the first
+    engine; stopped and reaped when the session ends."""
+    yield
+    stop_fork_server()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny Llama every Llama module runs (``build_tiny_model``: cached under ``.cache``)."""
+    from kvpool_replay import build_tiny_model
+
+    return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
 
 
 @pytest.fixture(scope="module")

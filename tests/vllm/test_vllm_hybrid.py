@@ -2,18 +2,21 @@
 
 * Gemma 3 text shape (``build_tiny_model(shape="gemma3")``): 3 sliding-window layers (window
   64) and 1 full-attention layer; with the connector vLLM keeps its hybrid allocator on (4
-  KV-cache groups). ``gemma_writer`` saves, ``gemma_reader`` (prefix cache off) loads: its
-  outputs equal the run without a pool, every loaded token came from the pool, and each
+  KV-cache groups). ``gemma_writer`` saves, ``gemma_reader`` (prefix cache off) runs the
+  prompts first with a fresh ``cache_salt`` (its run without the pool: the salt is in every
+  chunk hash, nothing matches, nothing loads), then loads: its outputs equal its salted run
+  (as do the writer's), every loaded token came from the pool, and each
   sliding-window group stored and loaded only the window before each chunk boundary (bytes
   counted). ``gemma_one_group`` runs with the hybrid allocator off (one group): another
-  layout digest, so it loads nothing.
+  layout digest, so it loads nothing (and equals the reader's salted run).
 * DeepSeek-V2 shape with MLA (``shape="mla"``, vLLM's ``CPU_MLA`` backend, block 16): a TP=1
-  writer of M; a TP=2 ``kv_both`` engine over M and M2; a TP=1 ``kv_both`` reader of both.
+  ``kv_both`` engine writes M; a TP=2 ``kv_both`` engine runs M and M2; the TP=1 engine then
+  reads both.
   ``CPU_MLA`` (asked for: a CPU with AMX would pick ``AMX_MLA``) gets a prefill over cached
   context wrong (vLLM turns prefix caching off for it; with its own prefix cache forced on, a
   hit gives other tokens), so no engine here loads: every lookup is the named skip
   ``NO_CONTEXT_PREFILL`` (``kvpool_connector._context_prefill``) and the reader's outputs equal
-  the writer's run without a load. Saves go on: the pool holds one value per chunk (none under
+  its own first run of M. Saves go on: the pool holds one value per chunk (none under
   ``tp1``), one layout digest whatever the TP size, and each TP=2 rank saved its stripe of M2
   (chunk ``i`` on rank ``i % 2``). The bytes a TP rank would load are checked bit for bit
   against what the other TP size wrote in ``tests/connector/test_groups.py``.
@@ -30,6 +33,7 @@ gives an engine with a connector more threads than one without on a 2-core host.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,9 @@ from kvpool_agent.hub import FleetHub
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 from kvpool_replay._tiny_model import GEMMA3_WINDOW
 
-from _harness import REPO, Engines, Pool, agent_states, kvpool, worker_state  # isort: skip
+from _harness import (  # isort: skip
+    MAX_TOKENS, REPO, Engines, Pool, agent_states, kvpool, worker_state,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -75,11 +81,14 @@ def _loadable(prompt: list[int], chunk: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
+def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """The module's engine runs, cached by name (the tests read the same runs)."""
     from kvpool_replay import build_tiny_model
 
     model = build_tiny_model(REPO / ".cache" / "tiny-gemma3", shape="gemma3").resolve()
-    return Engines(model, pool, tmp_path_factory.mktemp("engines"))
+    e = Engines(model, pool, tmp_path_factory.mktemp("engines"))
+    yield e
+    e.close_all()
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +113,17 @@ def _keys(model: Path, digest: str, prompts: list[list[int]], chunk: int, group:
 
 @pytest.fixture(scope="module")
 def gemma(engines: Engines, hub: FleetHub) -> dict[str, list[dict[str, Any]]]:
-    """The Gemma 3 runs: no pool, writer, reader, and a one-group reader."""
+    """The Gemma 3 runs: writer, then reader (its salted run first: ``baseline``)."""
     extra = {"chunk_size": CHUNK}
-    return {
-        "baseline": engines.run("gemma_baseline", G, env=ONE_CPU),
+    runs = {
         "writer": engines.run("gemma_writer", G, kvpool("kv_producer", 7301, "gemma_writer",
                                                          hub, **extra),
                               prefix_caching=True, hma=True, env=ONE_CPU),
         "reader": engines.run("gemma_reader", G, kvpool("kv_both", 7302, "gemma_reader", hub,
-                                                         **extra), hma=True, env=ONE_CPU),
+                                                         **extra), hma=True, env=ONE_CPU,
+                              baseline=True),
     }
+    return {**runs, "baseline": engines.baseline("gemma_reader")}
 
 
 def test_hybrid_reader_loads_every_group_and_equals_its_run_without_a_pool(
@@ -124,6 +134,7 @@ def test_hybrid_reader_loads_every_group_and_equals_its_run_without_a_pool(
     # With its own prefix cache off, every prompt token the reader did not compute came from
     # the pool: all whole chunks before the last token.
     assert [o["num_cached_tokens"] for o in gemma["reader"]] == [_loadable(p, CHUNK) for p in G]
+    assert [o["num_cached_tokens"] for o in gemma["writer"]] == [0] * len(G)
 
     w = worker_state(hub, "gemma_writer").source
     r = worker_state(hub, "gemma_reader").source
@@ -183,36 +194,39 @@ def test_engine_with_other_kv_cache_groups_loads_nothing(
 
 @pytest.fixture(scope="module")
 def mla(engines: Engines, hub: FleetHub, mla_model: Path) -> dict[str, list[dict[str, Any]]]:
-    """The MLA runs: TP=1 writer of M, TP=2 ``kv_both`` engine over M and M2 (saves M2), TP=1
-    ``kv_both`` reader of M and M2. One sequence at a time, so each prompt is alone in its
+    """The MLA runs: a TP=1 ``kv_both`` engine, kept running, writes M (``w1``); a TP=2
+    ``kv_both`` engine runs M and M2 (saves M2: ``tp2``); then the TP=1 engine runs M and M2
+    (``r1``: the pool holds both). One sequence at a time, so each prompt is alone in its
     batch."""
     extra = {"chunk_size": MLA_CHUNK}
     # CPU_MLA asked for: on a CPU with AMX vLLM picks AMX_MLA, which needs bf16/fp16 weights
     # ("expect weight to be bfloat16, float16, ...") and is not the backend these tests cover.
     kw: dict[str, Any] = {"model": mla_model, "block_size": MLA_BLOCK, "max_num_seqs": 1,
                           "attention_backend": "CPU_MLA"}
-    run = engines.run
-    return {
-        "w1": run("mla_w1", M, kvpool("kv_producer", 7311, "mla_w1", hub, **extra),
-                  env=ONE_CPU, **kw),
-        "tp2": run("mla_tp2", M + M2, kvpool("kv_both", 7312, "mla_tp2", hub, **extra), tp=2,
-                   env=TWO_CPUS, **kw),
-        "r1": run("mla_r1", M + M2, kvpool("kv_both", 7313, "mla_r1", hub, **extra),
-                  env=ONE_CPU, **kw),
-    }
+    one = engines.start("mla_1", kvpool("kv_both", 7311, "mla_1", hub, **extra), env=ONE_CPU,
+                        **kw)
+    runs = {"w1": one.generate(M, MAX_TOKENS)}
+    one.settle()  # M's saves are in the pool before the other engines run
+    runs["tp2"] = engines.run("mla_tp2", M + M2, kvpool("kv_both", 7312, "mla_tp2", hub,
+                                                          **extra), tp=2, env=TWO_CPUS, **kw)
+    runs["r1"] = one.generate(M + M2, MAX_TOKENS)
+    one.close()
+    return runs
 
 
 def test_mla_on_cpu_mla_loads_nothing_and_equals_its_run_without_a_load(
     mla: dict[str, list[dict[str, Any]]], hub: FleetHub,
 ) -> None:
-    # The pool holds M (the writer's), yet neither engine loads: CPU_MLA cannot prefill over
-    # loaded context. Every lookup is the named, counted skip.
-    for name in ("mla_tp2", "mla_r1"):
-        assert [o["num_cached_tokens"] for o in mla[name.removeprefix("mla_")]] == [0] * len(M + M2)
+    # The pool holds M (the TP=1 engine's first run) and M2 (the TP=2 engine's), yet neither
+    # engine loads: CPU_MLA cannot prefill over loaded context. Every lookup is the named,
+    # counted skip (the TP=1 engine's first run of M included).
+    for run in ("w1", "tp2", "r1"):
+        assert [o["num_cached_tokens"] for o in mla[run]] == [0] * len(mla[run]), run
+    for name, asked in (("mla_tp2", M + M2), ("mla_1", M + M + M2)):
         (sched,) = agent_states(hub, name, "scheduler")
-        assert sched.lookup.skipped_by_reason == {"NO_CONTEXT_PREFILL": len(M + M2)}
+        assert sched.lookup.skipped_by_reason == {"NO_CONTEXT_PREFILL": len(asked)}
         assert sched.lookup.lookups == 0
-    # So the reader computes M from token 0, as the writer did (both TP=1, one thread).
+    # So the TP=1 engine computes M from token 0 again, to the bit as the first time.
     _same(mla["r1"][:len(M)], mla["w1"], atol=0.0)
 
 
@@ -221,7 +235,7 @@ def test_mla_is_stored_once_and_shared_across_tp_sizes(
 ) -> None:
     # One layout digest whatever the TP size, and one value per chunk: under tp0, none under
     # tp1.
-    states = [worker_state(hub, e) for e in ("mla_w1", "mla_r1")]
+    states = [worker_state(hub, "mla_1")]
     states += agent_states(hub, "mla_tp2", "worker")
     assert len({st.source.layout_digest for st in states}) == 1
     digest = states[0].source.layout_digest

