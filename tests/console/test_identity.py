@@ -9,6 +9,7 @@ import re
 
 import msgspec
 from fleetdata import NOW_MS, engine
+from textual.widgets import DataTable, Static
 
 from kvpool_agent.protocol import EngineState
 from kvpool_console.alerts import evaluate
@@ -124,3 +125,31 @@ def test_adapters_by_content_in_status_json_the_identity_line_and_an_info_alert(
     bare = _serving(engine("y"), "y", {"sql": LORA1})
     assert identity_line(build_view(bare, {}, NOW_MS).engines[0], bare) == \
         f"adapters: sql={LORA1}"
+
+
+async def test_the_detail_screen_status_bar_and_events_show_adapters_and_info_alerts() -> None:
+    fleet = _serving(_serving(_fleet(), "a", {"sql": LORA1}), "b", {"sql": LORA2})
+    app = KVPoolConsole(StaticSource(fleet, address="tcp://hub:7600"), refresh_s=3600,
+                        clock=lambda: NOW_MS)
+    async with app.run_test(size=(220, 60)) as pilot:
+        await pilot.pause()
+        infos = sorted(a.subject for a in app.alerts if a.severity == "info")
+        assert infos == ["m", "m lora sql"]
+        warns = sum(a.severity == "warning" for a in app.alerts)
+        crits = sum(a.severity == "critical" for a in app.alerts)
+        assert f"alerts {crits}C/{warns}W/2I " in str(app.query_one("#status-bar", Static).visual)
+        await pilot.press("3")
+        await pilot.pause()
+        table = app.query_one("#alerts-table", DataTable)
+        labels = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        assert labels.count("INFO") == 2
+        await pilot.press("1")
+        await pilot.pause()
+        fleet_table = app.query_one(FleetTable)
+        fleet_table.move_cursor(row=fleet_table.get_row_index("e:b"))
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, EngineDetailScreen)
+        svg = app.export_screenshot()
+        text = html.unescape("".join(re.findall(r">([^<]*)</text>", svg))).replace("\xa0", " ")
+        assert f"adapters: sql={LORA2}" in re.sub(r"\s+", " ", text)
