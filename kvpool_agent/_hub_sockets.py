@@ -217,6 +217,11 @@ class HubSockets:
         XPUB's subscription trie, messages queued or half received) and bind a new one on the
         same endpoint: agents' and consoles' sockets reconnect by themselves (a console's
         subscription brings a snapshot)."""
+        old: zmq.Socket[bytes] = getattr(self, _PORT_ATTR[name])
+        # The monitor is stopped at the socket first: closing the socket closes its
+        # connections, and libzmq's I/O thread would otherwise block for ever sending their
+        # events to a monitor already closed (the whole hub then stops answering).
+        old.disable_monitor()
         for mon, port in list(self.monitors.items()):
             if port == name:
                 self.poller.unregister(mon)
@@ -224,7 +229,6 @@ class HubSockets:
                 mon.close(linger=0)
         if self.connections is not None:
             self.connections.closed_port(name)
-        old: zmq.Socket[bytes] = getattr(self, _PORT_ATTR[name])
         self.poller.unregister(old)
         self.socks.remove(old)
         old.close(linger=0)
@@ -309,6 +313,8 @@ class HubSockets:
 
     def close(self) -> None:
         """Close every socket and the context. Idempotent only through the hub's one call."""
+        for s in self.socks:
+            s.disable_monitor()  # before the monitors close (``rebuild``)
         for m in self.monitors:
             m.close(linger=0)
         for s in self.socks:
