@@ -1,19 +1,26 @@
 """Operators see versions (issue 39 item 5): the engine detail screen's identity line and
 ``status --json``'s ``layout.fingerprint``, on a fleet of one model over two weight versions
-and an engine without a content identity."""
+and an engine without a content identity; each engine's LoRA adapters by content
+(``engines[].adapters``, the identity line) and the info alert for one name over two adapters,
+also through a real hub."""
 
 from __future__ import annotations
 
 import html
+import json
 import re
+import time
 
 import msgspec
+import pytest
 from fleetdata import NOW_MS, engine
+from livefleet import LiveFleet
 from textual.widgets import DataTable, Static
 
 from kvpool_agent.protocol import EngineState
 from kvpool_console.alerts import evaluate
 from kvpool_console.app import KVPoolConsole
+from kvpool_console.cli import main as console_main
 from kvpool_console.cli import status_document
 from kvpool_console.model import build_view
 from kvpool_console.screens import EngineDetailScreen
@@ -153,3 +160,24 @@ async def test_the_detail_screen_status_bar_and_events_show_adapters_and_info_al
         svg = app.export_screenshot()
         text = html.unescape("".join(re.findall(r">([^<]*)</text>", svg))).replace("\xa0", " ")
         assert f"adapters: sql={LORA2}" in re.sub(r"\s+", " ", text)
+
+
+def test_adapters_reach_status_json_through_a_real_hub(
+        live_fleet: LiveFleet, capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine's scheduler reporter -> its agent -> a real keyed hub -> ``status --json``:
+    each engine's adapters, and the info alert for one LoRA name over two adapters."""
+    for eid, identity in (("p0", LORA1), ("p1", LORA2)):
+        sched = live_fleet.add_engine(eid, "prefill", "kv_producer", tp=1)[0]
+        sched.reporter.adapter_served("sql", identity)
+    live_fleet.wait_agents(4)
+    deadline = time.monotonic() + 10
+    while sum(bool(s.lookup.adapters) for s, _ in live_fleet.hub.fleet().values()) < 2:
+        assert time.monotonic() < deadline, "the hub never saw both engines' adapters"
+        time.sleep(0.05)
+    assert console_main(["status", "--json", "--hub", live_fleet.address]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {e["engine_id"]: e["adapters"] for e in doc["engines"]} == {
+        "p0": {"sql": LORA1}, "p1": {"sql": LORA2}}
+    (alert,) = [a for a in doc["alerts"] if a["rule"] == "model_versions"]
+    assert (alert["severity"], alert["subject"]) == ("info", f"{live_fleet.model} lora sql")
+    assert f"({LORA1}: p0; {LORA2}: p1)" in alert["message"]
