@@ -12,9 +12,9 @@ token not computed came from the pool, and vLLM's ``num_cached_tokens`` counts t
   and equals the writer's outputs. It runs with vLLM's LoRA on and stays up for the LoRA
   test below (S without an adapter, T with one).
 * ``new_weights``: ``a/cur`` then holds v2 (the same config, other weights), as after an
-  in-place rolling deploy: another fingerprint and digest, so it loads none of v1's KV; having
-  computed every token it is its own run without a pool, and its tokens differ from v1's
-  (the weights really differ).
+  in-place rolling deploy: another fingerprint and digest, so it loads none of v1's KV; its
+  tokens differ from v1's (the weights really differ) and equal its own run without the pool
+  (a round with a fresh ``cache_salt`` first).
 
 LoRA (adapters on k_proj/v_proj, which shape the cached K and V), on v1 at ``b/cur`` (the
 ``copy`` engine), three runs over prompt set T:
@@ -23,7 +23,8 @@ LoRA (adapters on k_proj/v_proj, which shape the cached K and V), on v1 at ``b/c
 * adapter 1 (a copy at another path) under the name ``chat``: the same adapter by content,
   so it loads every whole chunk and equals the first run.
 * the name ``sql`` now points at adapter 2 (as after a reload of the adapter under its name):
-  loads nothing, and its tokens differ from adapter 1's.
+  loads nothing, its tokens differ from adapter 1's and equal its own run without the pool
+  (a fresh ``cache_salt``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ from kvpool_agent.hub import FleetHub
 from kvpool_connector.keys import ParallelLayout, PoolKey, chunk_hashes, normalize_model_name
 
 from _engine import Engine  # isort: skip
-from _harness import BLOCK, MAX_TOKENS, Engines, Pool, kvpool, worker_state  # isort: skip
+from _harness import (  # isort: skip
+    BLOCK,
+    MAX_TOKENS,
+    Engines,
+    Pool,
+    fresh_salt,
+    kvpool,
+    worker_state,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -155,23 +164,28 @@ def test_same_weights_share_new_weights_at_the_same_path_never_do(
 
     # New weights in the same directory: another identity, nothing of v1's KV loaded.
     _write_new_weights(models["cur"])
-    new = engines.run("new_weights", S, kvpool("kv_both", None, "new_weights", hub))
+    new = engines.run("new_weights", S, kvpool("kv_both", None, "new_weights", hub),
+                      baseline=True)
     new_digest, new_facts = _layout(hub, "new_weights")
     assert new_facts["model"] == "cur"
     assert new_facts["fingerprint"] != facts["fingerprint"]
     assert new_digest != digest
     assert [o["num_cached_tokens"] for o in new] == [0, 0, 0]
     # v2 computes other tokens than v1 for these prompts: had it read v1's KV, it could
-    # have followed v1 (as the issue saw); it computed all of them from its own weights.
+    # have followed v1 (as the issue saw); it equals its own run without the pool.
     assert [o["tokens"] for o in new] != [o["tokens"] for o in writer]
+    for got, want in zip(new, engines.baseline("new_weights"), strict=True):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
 
 def test_a_lora_name_over_two_adapters_never_shares_one_adapter_under_two_names_does(
     models: dict[str, Path], copy: Engine,
 ) -> None:
-    def run(lora_id: int, lora: str, adapter: str) -> list[dict[str, Any]]:
-        return copy.generate(T, MAX_TOKENS, lora={"name": lora, "id": lora_id,
-                                                  "path": str(models[adapter])})
+    def run(lora_id: int, lora: str, adapter: str, salt: str | None = None
+            ) -> list[dict[str, Any]]:
+        return copy.generate(T, MAX_TOKENS, salt=salt, lora={"name": lora, "id": lora_id,
+                                                              "path": str(models[adapter])})
 
     writer = run(1, "sql", "one")
     assert [o["num_cached_tokens"] for o in writer] == [0, 0]
@@ -180,6 +194,12 @@ def test_a_lora_name_over_two_adapters_never_shares_one_adapter_under_two_names_
     for got, want in zip(renamed, writer, strict=True):
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    # The name over another adapter: its own run without the pool first (a fresh cache_salt).
+    own = run(3, "sql", "two", salt=fresh_salt())
+    assert [o["num_cached_tokens"] for o in own] == [0, 0]
     new = run(3, "sql", "two")
     assert [o["num_cached_tokens"] for o in new] == [0, 0]
     assert [o["tokens"] for o in new] != [o["tokens"] for o in writer]
+    for got, want in zip(new, own, strict=True):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
