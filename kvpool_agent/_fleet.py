@@ -501,33 +501,33 @@ class Fleet:
                         else "no live worker agent with a registered KV layout")
         return sorted(r[3] for r in best.values()), None
 
-    def pool_keys(self, agent_id: str) -> int | None:
-        """The key count of ``agent_id``'s pool (``Source.master``) as agents report it
+    def pool_keys(self, agent_ids: list[str]) -> dict[str, int | None]:
+        """Agent id -> the key count of its pool (``Source.master``) as agents report it
         (``PoolStats.keys``: the master's own count, the same from every member), from the
-        most trusted reporters that report it, the largest of theirs: keys not bound to one
-        engine (a fleet-wide agent key, a store agent's) before engine-bound ones, then other
-        identities before the agent's own, then other agents before the agent itself. An
-        engine-bound key can report any master (issue 42): its count never outranks a
-        fleet-wide key's, so its ``keys=0`` cannot make a genuine flush look suspect, nor its
-        forged count cover a forged answer. ``None`` when no agent reports that pool (nothing
-        to check a flush's answer against)."""
+        most trusted reporters, the largest of theirs: keys not bound to one engine before
+        engine-bound ones, then other identities, then other agents, before the agent itself.
+        An engine-bound key can report any master (issue 42): its ``keys=0`` cannot make a
+        genuine flush look suspect, nor its forged count cover a forged answer. ``None``: no
+        agent reports that pool. O(agents) a call, not per id asked (round 5)."""
         with self._lock:
-            ag = self._agents.get(agent_id)
-            if ag is None:
-                return None
-            master = ag.state.source.master
-            best: tuple[bool, bool, bool] | None = None
-            counts: list[int] = []
+            want = {k: a for k in agent_ids if (a := self._agents.get(k)) is not None}
+            pools: dict[str, list[tuple[bool, str, str, int]]] = {}
+            masters = {a.state.source.master for a in want.values()}
             for k, a in self._agents.items():
-                pool = a.state.pool
-                if pool is None or a.state.source.master != master:
-                    continue
-                rank = (a.bound, a.identity == ag.identity, k == agent_id)
-                if best is None or rank < best:
-                    best, counts = rank, []
-                if rank == best:
-                    counts.append(pool.keys)
-            return max(counts) if counts else None
+                if a.state.pool is not None and a.state.source.master in masters:
+                    pools.setdefault(a.state.source.master, []).append(
+                        (a.bound, a.identity, k, a.state.pool.keys))
+        top: dict[tuple[str, str], list[tuple[int, str]]] = {}  # the best class's 2 largest
+        out: dict[str, int | None] = dict.fromkeys(agent_ids)
+        for k, ag in want.items():
+            group = (ag.state.source.master, ag.identity)
+            if group not in top:
+                ranked = [((b, i == ag.identity), (n, a)) for b, i, a, n in pools.get(group[0], [])]
+                best = min((r for r, _ in ranked), default=None)
+                top[group] = sorted((c for r, c in ranked if r == best), reverse=True)[:2]
+            out[k] = max([n for n, a in top[group] if a != k] or [n for n, _ in top[group]],
+                         default=None)
+        return out
 
     def pool_verifiers(self, agent_id: str) -> dict[str, int]:
         """Agent id -> pool key count of the agents that may confirm what ``agent_id`` says it

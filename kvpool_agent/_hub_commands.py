@@ -90,7 +90,7 @@ class _Pending:
     # Agent id -> the routing id the command was sent to: the only one whose reply counts.
     routes: dict[str, bytes] = field(default_factory=dict)
     replies: dict[str, CommandReply] = field(default_factory=dict)
-    # Flush: agent id -> its pool's key count when sent (``Fleet.pool_keys``).
+    # Flush: agent id -> its pool's key count when sent (``Fleet.pool_keys``, one scan).
     pool_keys: dict[str, int | None] = field(default_factory=dict)
     # Dry run: agent id -> the agent whose listing it shares; lister -> its share key.
     shared: dict[str, str] = field(default_factory=dict)
@@ -270,12 +270,12 @@ class CommandRouter:
             # No agent waits longer than the hub waits for its reply.
             fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
                                                  MAX_TIMEOUT_MS))
+        if req.command == "flush":
+            pend.pool_keys = self.fleet.pool_keys(send)
         for aid in send:
             routing_id = known[aid]
-            if req.command == "flush":
-                pend.pool_keys[aid] = self.fleet.pool_keys(aid)
-                if not dry_run:
-                    pend.verifiers[aid] = self.fleet.pool_verifiers(aid)
+            if req.command == "flush" and not dry_run:
+                pend.verifiers[aid] = self.fleet.pool_verifiers(aid)
             fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
                 self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
@@ -370,9 +370,14 @@ class CommandRouter:
         (``_verify``), then audited and sent (``_answer``)."""
         for aid, lister in pend.shared.items():
             pend.replies[aid] = shared_answer(pend.req, aid, pend.replies[lister])
+        # Only a flush's answer is held against its pool's count (``checked_answer``), and the
+        # counts of every target come from one scan of the fleet: a snapshot of 8,192 agent ids
+        # cost the hub thread seconds when each target's count was a scan (round 5).
+        now_keys = (self.fleet.pool_keys(pend.expected) if pend.req.command == "flush"
+                    else {})
         for a in pend.expected:
             pend.replies[a] = checked_answer(pend.req, pend.replies[a], (
-                pend.pool_keys.get(a), self.fleet.pool_keys(a)))
+                pend.pool_keys.get(a), now_keys.get(a)))
         pend.held = {a: r for a, r in pend.replies.items()
                      if needs_verifying(pend.req, r, pend.verifiers.get(a, {}))}
         if pend.held:
