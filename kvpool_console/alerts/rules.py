@@ -54,6 +54,12 @@ def _by_engine(states: Mapping[str, EngineState]) -> dict[str, list[EngineState]
 
 
 
+_DISK_HINT = (
+    "Mooncake's file_per_key offload ignores MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES (it fills "
+    "90% of its filesystem): use bucket_storage_backend with MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_"
+    "SIZE and _MAX_PHYSICAL_BYTES at the limit (kvpool-config checks it; docs: pool memory)")
+
+
 def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
                  watermark_ratio: float | None, watermark_margin: float,
                  active: Collection[str]) -> list[Alert]:
@@ -97,6 +103,11 @@ def _pool_alerts(states: Mapping[str, EngineState], now_ms: float, *,
                     f"{seen_by})",
                     "eviction is running; if hit rate drops, add segment memory "
                     "(global_segment_size) or more segments", now_ms))
+        if p.disk_total_bytes and p.disk_used_bytes > p.disk_total_bytes:
+            out.append(make_alert(
+                "disk_over_limit", "warning", name,
+                f"the SSD tier holds {p.disk_used_bytes} B, over its "
+                f"{p.disk_total_bytes} B limit ({seen_by})", _DISK_HINT, now_ms))
         out.extend(_master_alerts(name, p, seen_by, now_ms))
         if name in unhealthy:
             sick = [s for s in states.values() if s.pool is not None and s.pool.healthy is False

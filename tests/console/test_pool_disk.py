@@ -87,3 +87,27 @@ def test_prometheus_exports_both_tiers() -> None:
     assert value("kvpool_pool_reads_total", tier="disk") == 30
     assert value("kvpool_pool_read_bytes_total", tier="memory") == 140 * MB
     assert value("kvpool_pool_read_bytes_total", tier="disk") == 60 * MB
+
+
+def test_a_disk_tier_over_its_limit_raises_disk_over_limit_and_the_prometheus_rule() -> None:
+    """The SSD tier holding more than its limit (Mooncake's file_per_key ignores the limit,
+    issue 40) is a warning naming the bytes and the fix; at the limit, none. The Prometheus
+    rule of the same id watches the two series the hub exports."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvpool_console.alerts import evaluate
+
+    over = evaluate(_fleet(disk_used_bytes=300 * MB, disk_total_bytes=256 * MB), {}, NOW_MS)
+    (alert,) = [a for a in over if a.rule == "disk_over_limit"]
+    assert alert.severity == "warning"
+    assert f"holds {300 * MB} B, over its {256 * MB} B limit" in alert.message
+    assert "bucket_storage_backend" in alert.hint
+    at = evaluate(_fleet(disk_used_bytes=256 * MB, disk_total_bytes=256 * MB), {}, NOW_MS)
+    assert [a for a in at if a.rule == "disk_over_limit"] == []
+    rules = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / "prometheus"
+                            / "kvpool-rules.yml").read_text())["groups"][0]["rules"]
+    (rule,) = [r for r in rules if r["labels"]["rule"] == "disk_over_limit"]
+    assert rule["expr"] == ("kvpool_pool_disk_used_bytes > kvpool_pool_disk_total_bytes and "
+                            "kvpool_pool_disk_total_bytes > 0")
