@@ -39,6 +39,7 @@ import os
 from typing import Any
 
 from kvpool_config.rules._finding import Finding
+from kvpool_config.rules._store import whole_bytes
 
 __all__ = [
     "FILE_PER_KEY",
@@ -87,16 +88,6 @@ def filesystem_space(directory: str) -> tuple[int, int] | None:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def _whole(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value > 0 else None
-    if isinstance(value, str) and value.strip().isdecimal():
-        return int(value.strip()) or None
-    return None
-
-
 def _false(value: Any) -> bool:
     return str(value).strip().lower() in ("false", "0", "no", "off")
 
@@ -114,7 +105,7 @@ def check_disk_tier_limit(
             ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` when it exists on this host
             (:func:`filesystem_space`); ``None`` = unknown.
     """
-    limit = _whole(values.get(_LIMIT_ENV))
+    limit = whole_bytes(values.get(_LIMIT_ENV))
     if limit is None:
         return []
     where = f"$.{section}"
@@ -148,7 +139,7 @@ def check_disk_tier_limit(
     if backend == BUCKET:
         policy = str(values.get(_BUCKET_POLICY_ENV, "none")).strip().lower()
         missing = [k for k in (_BUCKET_MAX_ENV, _BUCKET_PHYSICAL_ENV)
-                   if (v := _whole(values.get(k))) is None or v > limit]
+                   if (v := whole_bytes(values.get(k))) is None or v > limit]
         if policy not in ("fifo", "lru"):
             missing.append(_BUCKET_POLICY_ENV)
         if not missing:

@@ -39,6 +39,7 @@ __all__ = [
     "check_ssd_offload_path",
     "check_store_mode",
     "check_transfer_timeout",
+    "whole_bytes",
 ]
 
 ASCEND_DEFAULT_TIMEOUT_MS = 10_000
@@ -344,7 +345,7 @@ def check_transfer_timeout(value: Any, *, path: str) -> Finding | None:
     )
 
 
-def _whole_bytes(value: Any) -> int | None:
+def whole_bytes(value: Any) -> int | None:
     """A positive whole byte count written as a number or a digit string, else ``None``."""
     if isinstance(value, bool):
         return None
@@ -386,7 +387,7 @@ def check_offload_env(
     for key in (OFFLOAD_TOTAL_ENV, OFFLOAD_STAGING_ENV):
         if key not in values:
             continue
-        size = _whole_bytes(values[key])
+        size = whole_bytes(values[key])
         if size is None:
             out.append(Finding(
                 "error", "offload-size", f"{where}.{key}",

@@ -210,6 +210,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "consumer_is_to_load": True,
         "consumer_is_to_put": True,
         "lookup_rpc_port": 3,
+        "lookup_async": False,
         "lookup_timeout_ms": 100,
         "layerwise_timeout_ms": 100,
         "agent_address": "tcp://127.0.0.1:7600",
@@ -236,6 +237,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
     assert (cfg.chunk_size, cfg.lookup_rpc_port, cfg.engine_id) == (16, 3, "e")
+    assert cfg.lookup_async is False
     assert cfg.agent_keys == "/etc/kvpool/agent"
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
     assert cfg.staging_buffer_bytes == 32 << 20
