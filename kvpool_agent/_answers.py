@@ -7,7 +7,10 @@ marks one that cannot be true ``suspect`` with ``ok=False``: the console prints 
 SUSPECT, not done`` and exits 1, the audit line says why. Checked both ways since issue 42 (an
 impostor's "removed 10 of 10 keys" of a pool of thousands was printed as done), and a real
 flush's removal is confirmed by another key's count of the pool after it (``verified_answer``:
-"removed N of N" with N the pool's own count passes every check of the answer alone).
+"removed N of N" with N the pool's own count passes every check of the answer alone). A
+``pin`` or ``unpin`` answer is confirmed the same way, by another key's worker of the same
+layout reporting the pin made or dropped (``PoolStats.pins``, ``pinned_bytes``; round 5: a
+forged "pinned" was printed as done).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import msgspec
 
 from kvpool_agent.audit import AUDIT_IDS_SHOWN
-from kvpool_agent.protocol import CommandReply, CommandRequest
+from kvpool_agent.protocol import CommandReply, CommandRequest, PoolStats
 
 __all__ = [
     "SUSPECT_SLACK_KEYS",
@@ -76,48 +79,80 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
 
 
 VERIFY_S = 5.0
-"""Seconds the hub waits after a flush for another key's count of the pool to show the keys
-gone: agents measure their pool every 2 s and report every 0.25 s, so a genuine flush shows
-within ~2.5 s."""
+"""Seconds the hub waits after a flush, pin or unpin for another key's report of the pool to
+show it done: agents measure their pool every 2 s and report every 0.25 s, so a genuine one
+shows within ~2.5 s."""
 
 
 def _slack(count: int) -> int:
     return max(count // 8, SUSPECT_SLACK_KEYS)
 
 
-def needs_verifying(req: CommandRequest, rep: CommandReply, verifiers: dict[str, int]) -> bool:
-    """Whether ``rep``, a flush's answer not suspect so far, claims a removal the pool's other
-    keys' counts (``verifiers``: agent id -> count when the flush was sent,
-    ``Fleet.pool_verifiers``) can confirm: more keys than the slack of some count."""
+def _claims_change(req: CommandRequest, rep: CommandReply) -> bool:
+    """Whether ``rep`` says ``req`` (a ``pin`` or ``unpin``) made or dropped a pin."""
+    out = rep.pins
+    return out is not None and (out.pin is not None or out.pinned_now > 0
+                                or (req.command == "unpin" and out.removed_keys > 0))
+
+
+def needs_verifying(req: CommandRequest, rep: CommandReply,
+                    verifiers: dict[str, PoolStats]) -> bool:
+    """Whether ``rep``, an answer not suspect so far, claims a change the other keys' pool
+    stats (``verifiers``: agent id -> stats when the command was sent, ``Fleet.pool_verifiers``)
+    can confirm: a flush's removal of more keys than the slack of some count; a ``pin`` or
+    ``unpin`` made or dropped (agents of one layout report the same pins,
+    ``PoolStats.pins``)."""
+    if not rep.ok or rep.suspect is not None or not verifiers:
+        return False
+    if req.command in ("pin", "unpin"):
+        return _claims_change(req, rep)
     res = rep.flush
     return (req.command == "flush" and req.flush is not None and not req.flush.dry_run
-            and rep.ok and res is not None and rep.suspect is None
-            and any(res.removed_keys > _slack(n) for n in verifiers.values()))
+            and res is not None
+            and any(res.removed_keys > _slack(n.keys) for n in verifiers.values()))
 
 
-def verified_answer(rep: CommandReply, verifiers: dict[str, int], now: dict[str, int],
-                    done: bool) -> CommandReply | None:
-    """``rep`` (``needs_verifying``) once one verifier's count ``now`` shows the keys gone: at
-    most its count when the flush was sent (``verifiers``), less the keys removed, plus the
-    slack; marked ``suspect`` when ``done`` (``VERIFY_S`` passed) without; ``None``: wait.
-    Issue 42: an impostor's "removed 10 of 10 keys" matching the pool's own count was printed
-    as done while the pool kept every key."""
-    res = rep.flush
-    assert res is not None
-    removed = res.removed_keys
+def _pin_seen(req: CommandRequest, before: PoolStats, after: PoolStats) -> bool:
+    """Whether a verifier's stats show a pin made (``pin``: more pins, or pinned bytes
+    changed while it holds any) or dropped (``unpin``: fewer pins or pinned bytes)."""
+    if req.command == "pin":
+        return after.pins > before.pins or (
+            after.pins > 0 and after.pinned_bytes != before.pinned_bytes)
+    return after.pins < before.pins or after.pinned_bytes < before.pinned_bytes
+
+
+def verified_answer(req: CommandRequest, rep: CommandReply, verifiers: dict[str, PoolStats],
+                    now: dict[str, PoolStats], done: bool) -> CommandReply | None:
+    """``rep`` (``needs_verifying``) once one verifier's stats ``now`` show it done: a flush's
+    keys gone (at most its count when the flush was sent, ``verifiers``, less the keys
+    removed, plus the slack), a pin made or dropped (``_pin_seen``); marked ``suspect`` when
+    ``done`` (``VERIFY_S`` passed) without; ``None``: wait. Issue 42: an impostor's "removed
+    10 of 10 keys" matching the pool's own count was printed as done while the pool kept
+    every key; round 5: an engine-bound key first in its pool answered the operator's ``pin``
+    "pinned" and was printed as done, though the pool's other worker never held the pin. A
+    pin already held (a second ``pin`` of one pin id, its chunks unchanged) shows no change
+    and is suspect too: ``pins`` lists what the pool holds."""
+    pin = req.command in ("pin", "unpin")
+    removed = rep.flush.removed_keys if rep.flush is not None else 0
     for aid, after in now.items():
         before = verifiers[aid]
-        if after <= before - removed + _slack(before):
+        if _pin_seen(req, before, after) if pin else (
+                after.keys <= before.keys - removed + _slack(before.keys)):
             return rep
     if not done:
         return None
-    if now:
+    if not now:
+        why = (f"{req.command} answered as done, but no other key reports the pool any more")
+    elif pin:
         aid, after = next(iter(now.items()))
-        why = (f"removed {removed} keys, but {VERIFY_S:g} s later the pool holds {after} of "
-               f"its {verifiers[aid]} as {aid[:80]} reports it")
+        why = (f"{req.command} answered as done, but {VERIFY_S:g} s later {aid[:80]} (another "
+               f"key, the same layout) reports {after.pins} pin(s) of "
+               f"{after.pinned_bytes} bytes ({verifiers[aid].pins} when sent)")
     else:
-        why = f"removed {removed} keys, but no other key reports the pool any more"
-    log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
+        aid, after = next(iter(now.items()))
+        why = (f"removed {removed} keys, but {VERIFY_S:g} s later the pool holds "
+               f"{after.keys} of its {verifiers[aid].keys} as {aid[:80]} reports it")
+    log.warning("kvpool hub: suspect %s answer from %s: %s", req.command, rep.agent_id, why)
     return msgspec.structs.replace(rep, ok=False, suspect=why,
                                    error=f"suspect answer, not counted as done: {why}")
 

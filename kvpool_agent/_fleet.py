@@ -40,6 +40,7 @@ from kvpool_agent.protocol import (
     ErrorRecord,
     FleetUpdate,
     FlushRecord,
+    PoolStats,
     Report,
     Source,
 )
@@ -529,27 +530,26 @@ class Fleet:
                          default=None)
         return out
 
-    def pool_verifiers(self, agent_id: str) -> dict[str, int]:
-        """Agent id -> pool key count of the agents that may confirm what ``agent_id`` says it
-        did to its pool: of the pool and another key; fleet-wide keys only when the pool has
-        any, else (for a bound ``agent_id``) engine-bound ones: an insider's bound key can
-        neither accuse a fleet-wide key's answer nor vouch for another bound key's."""
+    def pool_verifiers(self, agent_id: str, layout: bool = False) -> dict[str, PoolStats]:
+        """Agent id -> pool stats of the agents that may confirm what ``agent_id`` says it did
+        to its pool (and its layout when ``layout``: agents of one layout report the same pins):
+        of another key; fleet-wide keys when the pool has any, else (for a bound ``agent_id``)
+        bound ones: a bound key can neither accuse a fleet-wide key nor vouch for a bound one."""
         with self._lock:
-            ag = self._agents.get(agent_id)
-            if ag is None:
+            if (ag := self._agents.get(agent_id)) is None:
                 return {}
-            master = ag.state.source.master
-            others = [(k, a) for k, a in self._agents.items()
-                      if a.state.pool is not None and a.state.source.master == master
-                      and a.identity != ag.identity]
+            s = ag.state.source
+            others = [(k, a) for k, a in self._agents.items() if a.state.pool is not None
+                      and a.identity != ag.identity and a.state.source.master == s.master
+                      and (not layout or a.state.source.layout_digest == s.layout_digest)]
             free = [(k, a) for k, a in others if not a.bound]
-            return {k: a.state.pool.keys for k, a in (free or (others if ag.bound else []))
+            return {k: a.state.pool for k, a in (free or (others if ag.bound else []))
                     if a.state.pool is not None}
 
-    def pool_counts(self, agent_ids: list[str]) -> dict[str, int]:
-        """Agent id -> its pool key count now, of those of ``agent_ids`` that report one."""
+    def pool_stats(self, agent_ids: list[str]) -> dict[str, PoolStats]:
+        """Agent id -> its pool stats now, of those of ``agent_ids`` that report them."""
         with self._lock:
-            return {k: a.state.pool.keys for k in agent_ids
+            return {k: a.state.pool for k in agent_ids
                     if (a := self._agents.get(k)) is not None and a.state.pool is not None}
 
     def updates(self, kind: str, first_seq: int, gaps: dict[str, int],

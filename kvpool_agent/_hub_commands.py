@@ -6,8 +6,9 @@ unguessable request id (``secrets.token_hex``) to the routing id each target age
 reported from, and accepts a reply only from that routing id, for that id, once. What a command
 may cost is ``kvpool_agent._hub_quotas`` (in flight, pins, engine work); who may send it is the
 port it came on (``P+2`` read-only, ``P+3`` operator); a dry-run flush lists each pool once
-(``kvpool_agent._hub_listings``); a pool-wide flush's answer is held against the pool's count
-(``kvpool_agent._answers``); each command is one audit line (``kvpool_agent._audit``).
+(``kvpool_agent._hub_listings``); a pool-wide flush's answer is held against the pool's count,
+a flush's, pin's or unpin's confirmed by another key's report (``kvpool_agent._answers``);
+each command is one audit line (``kvpool_agent._audit``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvpool_agent.protocol import (
     CommandReply,
     CommandRequest,
     DrainArgs,
+    PoolStats,
     ProtocolError,
     decode,
     encode,
@@ -95,9 +97,10 @@ class _Pending:
     # Dry run: agent id -> the agent whose listing it shares; lister -> its share key.
     shared: dict[str, str] = field(default_factory=dict)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # Flush: agent id -> the pool counts of the other keys that may confirm its answer, when
-    # sent (``Fleet.pool_verifiers``); the answers held for that and until when (monotonic s).
-    verifiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Flush, pin, unpin: agent id -> the pool stats of the other keys that may confirm its
+    # answer, when sent (``Fleet.pool_verifiers``); the answers held for that and until when
+    # (monotonic s).
+    verifiers: dict[str, dict[str, PoolStats]] = field(default_factory=dict)
     held: dict[str, CommandReply] = field(default_factory=dict)
     verify_until: float = 0.0
 
@@ -276,6 +279,8 @@ class CommandRouter:
             routing_id = known[aid]
             if req.command == "flush" and not dry_run:
                 pend.verifiers[aid] = self.fleet.pool_verifiers(aid)
+            elif req.command in ("pin", "unpin"):
+                pend.verifiers[aid] = self.fleet.pool_verifiers(aid, layout=True)
             fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
                 self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
@@ -366,8 +371,8 @@ class CommandRouter:
 
     def _finish(self, pend: _Pending) -> None:
         """Every agent has answered: shared listings copied, flush answers checked against
-        the pool's count, a real flush's answer held until other keys' counts confirm it
-        (``_verify``), then audited and sent (``_answer``)."""
+        the pool's count, a real flush's, pin's or unpin's answer held until other keys'
+        reports confirm it (``_verify``), then audited and sent (``_answer``)."""
         for aid, lister in pend.shared.items():
             pend.replies[aid] = shared_answer(pend.req, aid, pend.replies[lister])
         # Only a flush's answer is held against its pool's count (``checked_answer``), and the
@@ -389,14 +394,14 @@ class CommandRouter:
         self._answer(pend)
 
     def _verify(self, now: float) -> None:
-        """Answer the held flushes that other keys' pool counts confirm now, or whose check
-        is over (unconfirmed: suspect)."""
+        """Answer the held flushes, pins and unpins that other keys' pool reports confirm
+        now, or whose check is over (unconfirmed: suspect)."""
         for pend in list(self.verifying):
             done = now >= pend.verify_until
             for aid, rep in list(pend.held.items()):
                 verifiers = pend.verifiers[aid]
-                checked = verified_answer(rep, verifiers, self.fleet.pool_counts(list(verifiers)),
-                                          done)
+                checked = verified_answer(pend.req, rep, verifiers,
+                                          self.fleet.pool_stats(list(verifiers)), done)
                 if checked is not None:
                     pend.replies[aid] = checked
                     del pend.held[aid]

@@ -136,9 +136,6 @@ def keyed_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
         yield h
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a pin's answer is never checked: an engine-bound key first in a pool of bound keys "
-    "receives the operator's pin and its forged 'pinned' is printed as done"))
 def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
     ctx: zmq.Context[zmq.Socket[bytes]],
@@ -146,9 +143,10 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     """Every worker of the pool has a key bound to its engine and ``evil-0``'s is the oldest
     (tenure first come, docs/security.md): the operator's ``pin`` goes to it alone. The hub
     re-checks a real flush's answer against another key's count (a forged "removed N of N" is
-    suspect) but takes a pin's answer as it comes, although every worker of the layout reports
-    the pins it holds (``PoolStats.pins``): the forged "pinned 4 keys" is ok and not suspect,
-    the real worker never receives the pin and keeps reporting 0 pins."""
+    suspect) and took a pin's answer as it came, although every worker of the layout reports
+    the pins it holds (``PoolStats.pins``): the forged "pinned 4 keys" was ok and not suspect
+    while the real worker never received the pin and kept reporting 0 pins. Now the pin's
+    answer waits for another key's worker of the layout to report it (``_answers``)."""
     evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
     real = _bound_agent(tmp_path, fleet_keys["hub"], "real-0")
     attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
@@ -181,6 +179,44 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     (r,) = got
     honest_got = [q.command for q in honest.drain(0)]
     assert "pin" in honest_got or not r.ok or r.suspect is not None, (r, honest_got)
+
+
+def test_a_pin_another_keys_worker_of_the_layout_reports_is_done(
+    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The honest side of the pin check above: the pin's agent answers "pinned" and the pool's
+    other worker of the layout (another key) then reports the pin (``PoolStats.pins`` 0 -> 1):
+    the answer is ok and not suspect."""
+    first = _bound_agent(tmp_path, fleet_keys["hub"], "w-0")
+    second = _bound_agent(tmp_path, fleet_keys["hub"], "w-1")
+    pinner = FakeAgent(ctx, hub_address, keys=first.client("agent"))
+    other = FakeAgent(ctx, hub_address, keys=second.client("agent"))
+    psrc = make_source("w-0", master=_MASTER, model="m", layout_digest=_DIGEST)
+    osrc = make_source("w-1", master=_MASTER, model="m", layout_digest=_DIGEST)
+    pinner.report(psrc, pool=PoolStats(backend="mooncake", keys=500))
+    wait_until(lambda: psrc.agent_id in keyed_hub.fleet())
+    other.report(osrc, pool=PoolStats(backend="mooncake", keys=500))
+    wait_until(lambda: osrc.agent_id in keyed_hub.fleet())
+    got: list[CommandReply] = []
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        t = threading.Thread(target=lambda: got.extend(op.command(
+            "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
+            timeout_ms=3_000)))
+        t.start()
+        for req in pinner.drain(2_000):
+            pinner.seq += 1
+            pinner.sock.send(encode(CommandReply(
+                v=PROTOCOL_VERSION, seq=pinner.seq, request_id=req.request_id,
+                agent_id=psrc.agent_id, ok=True, pins=PinOutcome(
+                    pin=PinInfo(pin_id="sys-prompt", model="m", layout_digest=_DIGEST,
+                                mode="soft", ttl_ms=1_800_000, tokens=1024, keys=4,
+                                bytes=4096), pinned_now=4))))
+        other.report(osrc, pool=PoolStats(backend="mooncake", keys=500, pins=1,
+                                          pinned_bytes=4096))
+        t.join()
+    (r,) = got
+    assert r.ok and r.suspect is None, r
 
 
 @pytest.mark.xfail(strict=True, reason=(
