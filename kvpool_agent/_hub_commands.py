@@ -254,7 +254,9 @@ class CommandRouter:
             pend.shared, pend.groups = plan.shared, plan.groups
             self.counters.shared_listings += len(plan.shared) + sum(
                 1 for r in plan.answered.values() if r.ok)
-        why = self.quotas.spend(key, cost(req, len(send)))
+        # Charged per connection reached, not per agent id: one key's 1,024 ids on one
+        # connection spent the operator's budget on every health of the fleet (round 5).
+        why = self.quotas.spend(key, cost(req, len({known[aid] for aid in send})))
         if why is not None:
             self._refuse_busy(sock, client, req, key, why)
             return

@@ -11,15 +11,20 @@ cost is spent (the balance may go below zero: one command naming thousands of ag
 once, then the key waits for the refill), so a key makes engines do at most ``capacity`` units a
 minute on average, plus one command's burst.
 
-Costs are per agent reached, by what the agent does (``COSTS``): a pool listing (a dry-run or
+Costs are per agent connection reached (the ZMQ routing ids the command goes to: an agent
+process is one connection, whatever agent ids it reports), by what the agent does (``COSTS``).
+Per connection, not per agent id (round 5: a key bound to one engine may report 1,024 agent ids
+from one connection, and each ``health`` of every agent then cost the operator 64 units for
+them: five and its flush was refused ``hub busy``). A pool listing (a dry-run or
 real flush: Mooncake ``/get_all_keys`` then matching and sizing, O(pool keys) under the engine's
 GIL), a listing of the pool's pin records (``pins``, ``pin``, ``unpin``) or a write, read and
 remove (``health --probe``) cost 1; plain ``health`` (the client's own checks and the master's
 ``/health``: one HTTP request, no pool keys) 1/16; ``snapshot`` and ``drain`` (the agent's own
 state; a drain waits without working) 1/64; ``forget`` (the hub's own table) 1 for the
-command. So ``health`` of 2,304 agents costs 144 units: any key may ask it of the whole fleet
-about once a minute within the default 240, and a second time at once (the balance goes below
-zero), while a viewer's flood of it reaches each agent a few times a minute at most.
+command. So ``health`` of 2,304 agents (each its own process) costs 144 units: any key may ask
+it of the whole fleet about once a minute within the default 240, and a second time at once
+(the balance goes below zero), while a viewer's flood of it reaches each agent a few times a
+minute at most.
 """
 
 from __future__ import annotations
@@ -45,14 +50,16 @@ COSTS: dict[str, float] = {
     "snapshot": 1 / 64,
     "drain": 1 / 64,
 }
-"""Units per agent reached, by command (``health --probe``: ``health`` with ``probe``)."""
+"""Units per agent connection reached, by command (``health --probe``: ``health`` with
+``probe``)."""
 _FORGET_COST = 1.0
 """Units of one ``forget`` (the hub's own table, no agent reached)."""
 
 
 def cost(req: CommandRequest, agents: int) -> float:
-    """Units ``req`` costs when it reaches ``agents`` agents (``COSTS``; ``forget``: 1 for the
-    command). An unknown command costs as much as a listing per agent."""
+    """Units ``req`` costs when it reaches ``agents`` agent connections (``COSTS``;
+    ``forget``: 1 for the command). An unknown command costs as much as a listing per
+    connection."""
     if req.command == "forget":
         return _FORGET_COST
     name = "health --probe" if req.command == "health" and req.probe else req.command
