@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from kvpool_connector.metadata import LoadSpec, ReqMeta
 
 __all__ = [
+    "KeyTransfer",
     "LoadPlan",
-    "Transfer",
     "TransferPlanner",
     "blocks_per_chunk",
     "by_layer",
@@ -61,8 +61,9 @@ def blocks_per_chunk(block_size: int, chunk_size: int) -> int:
 
 
 @dataclass(slots=True)
-class Transfer:
-    """One key to move.
+class KeyTransfer:
+    """One key to move (not the wire's ``kvpool_agent.protocol.Transfer``, one request's
+    load or save in flight as the agent reports it).
 
     Attributes:
         req_id: the vLLM request.
@@ -95,7 +96,7 @@ class LoadPlan:
 
     req: ReqMeta
     first_chunk: int
-    transfers: list[Transfer]
+    transfers: list[KeyTransfer]
 
     def blocks_of(self, chunks: set[int]) -> set[int]:
         """The vLLM blocks the transfers of ``chunks`` write."""
@@ -172,7 +173,7 @@ class TransferPlanner:
 
     def chunk_transfers(self, req: ReqMeta, chunks: Iterable[int],
                         skip_below_block: int = 0, end_block: int | None = None
-                        ) -> list[list[Transfer]]:
+                        ) -> list[list[KeyTransfer]]:
         """Per chunk of ``chunks``, its transfers: one, or one per layer (layer-wise).
 
         Blocks at request positions below ``skip_below_block`` (vLLM already holds them, so
@@ -183,7 +184,7 @@ class TransferPlanner:
         Raises:
             ValueError: a chunk has no hash or not all of its block ids (see ``chunk_blocks``).
         """
-        out: list[list[Transfer]] = []
+        out: list[list[KeyTransfer]] = []
         for chunk in chunks:
             blocks = self.chunk_blocks(req, chunk, end_block)
             if chunk >= len(req.chunk_hashes):
@@ -206,8 +207,9 @@ class TransferPlanner:
             row = []
             for key, (layer, layers) in zip(keys, self._groups, strict=True):
                 addrs, sizes = ranges_for_blocks(layers, blocks, skip, self.scratch)
-                row.append(Transfer(req.req_id, key, chunk, layer, addrs, sizes, kept, sum(sizes),
-                                    self.group.index if self.group is not None else 0))
+                row.append(KeyTransfer(req.req_id, key, chunk, layer, addrs, sizes, kept,
+                                       sum(sizes),
+                                       self.group.index if self.group is not None else 0))
             out.append(row)
         return out
 
@@ -286,7 +288,7 @@ class TransferPlanner:
                 f"{bpc - self.tail_offset} blocks only) (WINDOW_NOT_STORED)")
         return start
 
-    def save(self, req: ReqMeta, stripe: tuple[int, int] = (0, 1)) -> list[list[Transfer]]:
+    def save(self, req: ReqMeta, stripe: tuple[int, int] = (0, 1)) -> list[list[KeyTransfer]]:
         """Per chunk in ``[req.save_from_chunk, req.save_to_chunk)`` whose index is
         ``stripe[0]`` modulo ``stripe[1]`` (MLA: this TP rank's share; ``(0, 1)``: every
         chunk), its transfers (empty when the range is).
@@ -310,7 +312,7 @@ class TransferPlanner:
         return [self.chunk_transfers(req, [c])[0]
                 if NULL_BLOCK_ID not in self.chunk_blocks(req, c) else [] for c in chunks]
 
-    def _save_states(self, req: ReqMeta, stripe: tuple[int, int]) -> list[list[Transfer]]:
+    def _save_states(self, req: ReqMeta, stripe: tuple[int, int]) -> list[list[KeyTransfer]]:
         """Per state of this group in ``req.boundary_states`` whose chunk is in ``stripe``,
         its transfer: the exact block vLLM named, under the chunk's key.
 
@@ -330,14 +332,14 @@ class TransferPlanner:
             (key,) = chunk_keys([self.key_prefix], [req.chunk_hashes[chunk]])
             ((_, layers),) = self._groups
             addrs, sizes = ranges_for_blocks(layers, [block], frozenset(), self.scratch)
-            rows.append([Transfer(req.req_id, key, chunk, None, addrs, sizes, [block],
-                                  sum(sizes), group)])
+            rows.append([KeyTransfer(req.req_id, key, chunk, None, addrs, sizes, [block],
+                                     sum(sizes), group)])
         return rows
 
 
-def by_layer(transfers: Iterable[Transfer], n_layers: int) -> list[list[Transfer]]:
+def by_layer(transfers: Iterable[KeyTransfer], n_layers: int) -> list[list[KeyTransfer]]:
     """Layer-wise transfers grouped by layer index (``n_layers`` lists, model order)."""
-    out: list[list[Transfer]] = [[] for _ in range(n_layers)]
+    out: list[list[KeyTransfer]] = [[] for _ in range(n_layers)]
     for t in transfers:
         if t.layer is None:
             raise ValueError(f"{t.key} is a whole-chunk key, not a layer-wise one")

@@ -57,7 +57,7 @@ from kvpool_connector._checksum import CHECKSUM_BYTES, DigestSlots, digest_of
 from kvpool_connector._counters import WorkerCounters
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
-from kvpool_connector._planning import LoadPlan, Transfer, by_layer, loaded_tokens
+from kvpool_connector._planning import KeyTransfer, LoadPlan, by_layer, loaded_tokens
 from kvpool_connector._removals import LeasedKeys, grace_s_of
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.metadata import ReqMeta
@@ -118,7 +118,7 @@ class _LayerwiseLoad:
     """A step's layer-wise load: per layer an event set when its keys have landed."""
 
     kv: KVLayout
-    per_layer: list[list[Transfer]]
+    per_layer: list[list[KeyTransfer]]
     reqs: dict[str, _ReqLoad]
     done: list[threading.Event]
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -208,7 +208,7 @@ class LoadRunner:
             device.wait(marker)
             self._get_inline(loads, [t for p in plans for t in p.transfers])
 
-    def _get_inline(self, loads: dict[str, _ReqLoad], transfers: list[Transfer]) -> None:
+    def _get_inline(self, loads: dict[str, _ReqLoad], transfers: list[KeyTransfer]) -> None:
         """An inline load. When every value is staged (no byte lands in a block before its
         value is whole), the engine waits for it ``layerwise_timeout_ms`` at most: past it the
         load fails (``TIMEOUT``: recomputed) and its late bytes are never scattered; the load
@@ -232,7 +232,7 @@ class LoadRunner:
             return
         self._finish(shadow.values())
 
-    def _get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+    def _get(self, loads: Mapping[str, _ReqLoad], transfers: list[KeyTransfer],
              cancel: threading.Event | None = None) -> None:
         """Backend batch gets of ``transfers``; records per-chunk failures in ``loads`` (by
         request id); nothing once ``cancel`` is set (``_get_inline``)."""
@@ -248,7 +248,7 @@ class LoadRunner:
         for t, res in zip(transfers, results, strict=True):
             self._settle(loads[t.req_id], t, res == t.nbytes, res)
 
-    def _call_get(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+    def _call_get(self, loads: Mapping[str, _ReqLoad], transfers: list[KeyTransfer],
                   addrs: list[list[int]], sizes: list[list[int]],
                   cancel: threading.Event | None = None) -> list[int]:
         """One ``batch_get_into``; per key the bytes read or an error code (a failed call
@@ -274,7 +274,7 @@ class LoadRunner:
             return [ErrorCode.LEASE_EXPIRED] * len(transfers)
         return results
 
-    def _settle(self, load: _ReqLoad, t: Transfer, ok: bool, res: int,
+    def _settle(self, load: _ReqLoad, t: KeyTransfer, ok: bool, res: int,
                 mismatch: bool = False) -> None:
         """Count one key's get: loaded, or its chunk failed (a short read is as bad as a
         missing key, a wrong digest as bad as both: the blocks hold untrusted bytes)."""
@@ -292,7 +292,7 @@ class LoadRunner:
             self.counters.load_failed_keys += 1
             self.counters.checksum_failures += mismatch
 
-    def _get_checked(self, loads: Mapping[str, _ReqLoad], transfers: list[Transfer],
+    def _get_checked(self, loads: Mapping[str, _ReqLoad], transfers: list[KeyTransfer],
                      ck: ChecksumBuffers) -> None:
         """Gets with the integrity check: each value's digest lands in a slot and is compared
         with the digest of the bytes that landed. A value with ranges routed to the scratch
@@ -550,7 +550,7 @@ class SaveQueue:
         self.written: deque[tuple[str, int, int]] | None = None
         self.calls = SizedCalls.for_backend(backend)  # staging: staging.attach_staging
 
-    def submit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
+    def submit(self, per_req: list[tuple[ReqMeta, list[KeyTransfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> Future[None] | None:
         """Save each request's ``transfers`` once the device finished its work so far.
 
@@ -625,8 +625,8 @@ class SaveQueue:
             self.counters.evicted_keys += removed
             self.counters.evict_failed_keys += failed
 
-    def _admit(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
-               n_layers: int) -> list[tuple[ReqMeta, list[Transfer]]]:
+    def _admit(self, per_req: list[tuple[ReqMeta, list[KeyTransfer]]], layer: int | None,
+               n_layers: int) -> list[tuple[ReqMeta, list[KeyTransfer]]]:
         """The requests of ``per_req`` within the save budget; the others are counted."""
         if layer not in (None, 0):
             return [(r, ts) for r, ts in per_req if r.req_id not in self._step_refused]
@@ -634,7 +634,7 @@ class SaveQueue:
         with self._lock:
             idle = self._inflight_bytes == 0
             free = self.budget_bytes - self._inflight_bytes
-        out: list[tuple[ReqMeta, list[Transfer]]] = []
+        out: list[tuple[ReqMeta, list[KeyTransfer]]] = []
         for req, ts in per_req:
             cost = sum(t.nbytes for t in ts) * (n_layers or 1)
             # With nothing in flight one save runs even if it exceeds the budget: a budget
@@ -649,7 +649,7 @@ class SaveQueue:
                              n_layers, SAVE_BUDGET)
         return out
 
-    def _run(self, seq: int, per_req: list[tuple[ReqMeta, list[Transfer]]], device: DeviceSync,
+    def _run(self, seq: int, per_req: list[tuple[ReqMeta, list[KeyTransfer]]], device: DeviceSync,
              marker: Any, layer: int | None, n_layers: int, nbytes: int) -> None:
         with self._lock:
             self._running = (seq, frozenset(r.req_id for r, _ in per_req))
@@ -691,7 +691,7 @@ class SaveQueue:
                 self._copied.pop(seq, None)
                 self._inflight_bytes -= nbytes
 
-    def _put_new(self, transfers: list[Transfer], copied: Callable[[], None] | None = None
+    def _put_new(self, transfers: list[KeyTransfer], copied: Callable[[], None] | None = None
                  ) -> dict[str, int]:
         """Put the keys the pool does not hold yet (one ``batch_exists`` first, so chunks
         another engine stored are not sent again); per key put, its result code. ``copied``:
@@ -723,7 +723,7 @@ class SaveQueue:
                     copied if start + slots.capacity >= len(todo) else None)
         return {t.key: c for t, c in zip(todo, codes, strict=True)}
 
-    def _call_put(self, todo: list[Transfer], addrs: list[list[int]], sizes: list[list[int]],
+    def _call_put(self, todo: list[KeyTransfer], addrs: list[list[int]], sizes: list[list[int]],
                   copied: Callable[[], None] | None = None) -> list[int]:
         """One ``batch_put_from``; per key its result code."""
         try:
@@ -732,7 +732,7 @@ class SaveQueue:
             logger.error("kvpool save of %d keys failed: %s", len(todo), exc)
             return [exc.code if exc.code is not None else ErrorCode.INTERNAL_ERROR] * len(todo)
 
-    def _save(self, per_req: list[tuple[ReqMeta, list[Transfer]]], layer: int | None,
+    def _save(self, per_req: list[tuple[ReqMeta, list[KeyTransfer]]], layer: int | None,
               n_layers: int, copied: Callable[[], None] | None = None) -> None:
         skipped = {req.req_id: len(ts) for req, ts in per_req if req.req_id in self._pool_full}
         results = self._put_new([t for req, ts in per_req if req.req_id not in skipped

@@ -70,8 +70,8 @@ from kvpool_connector._layout_digest import (
     layer_signatures,
 )
 from kvpool_connector._planning import (
+    KeyTransfer,
     LoadPlan,
-    Transfer,
     TransferPlanner,
     blocks_per_chunk,
     leading_hits,
@@ -123,7 +123,7 @@ _WRITTEN_CHUNKS_KEPT = 1 << 16
 _DIGEST_SLOTS = 4096
 """Keys per batch call with the integrity check on (larger batches are split)."""
 
-_SavePlan = tuple[ReqMeta, list[list[Transfer]]]
+_SavePlan = tuple[ReqMeta, list[list[KeyTransfer]]]
 """A request and, per chunk to save, its transfers."""
 
 
@@ -645,7 +645,7 @@ class KVPoolWorker:
                 out.append((req, rows))
         return out
 
-    def _plan_save(self, req: ReqMeta) -> list[list[Transfer]]:
+    def _plan_save(self, req: ReqMeta) -> list[list[KeyTransfer]]:
         """Per chunk of the save range this worker writes (its stripe), the transfers of
         every group and head share; then one row per Mamba state vLLM handed over this step."""
         self._require_kv()

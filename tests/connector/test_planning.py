@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_connector._layout import LayerLayout, Region
 from kvpool_connector._planning import (
-    Transfer,
+    KeyTransfer,
     TransferPlanner,
     blocks_per_chunk,
     by_layer,
@@ -39,7 +39,7 @@ def planner(layerwise: bool = False, prefix: str = PREFIX) -> TransferPlanner:
                            scratch=SCRATCH)
 
 
-def fields(t: Transfer) -> tuple[object, ...]:
+def fields(t: KeyTransfer) -> tuple[object, ...]:
     return t.key, t.chunk, t.layer, t.addrs, t.sizes, t.block_ids, t.nbytes
 
 
