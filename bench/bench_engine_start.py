@@ -142,7 +142,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO))
     from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, build_tiny_model
-    from kvpool_replay._services import engine_env
+    from kvpool_replay._processes import engine_env
 
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):

@@ -60,7 +60,7 @@ import httpx
 
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, build_tiny_model
 from kvpool_replay._pd import LocalPdPair, ProxyReplay
-from kvpool_replay._services import engine_env
+from kvpool_replay._processes import engine_env
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path, load_trace

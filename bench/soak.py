@@ -49,15 +49,15 @@ from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_replay import EngineResult, EngineSpec, ModelShape, default_trace_path
 from kvpool_replay._ha import FailoverDrill, LocalHaPool, all_keys
 from kvpool_replay._pool import MIN_SEGMENT_BYTES, mooncake_extra_config
-from kvpool_replay._replay import spawn_engine
-from kvpool_replay._services import (
-    LocalPoolStore,
+from kvpool_replay._processes import (
     engine_env,
     free_port,
     free_port_block,
     stop_process_tree,
     use_local_pool_env,
 )
+from kvpool_replay._replay import spawn_engine
+from kvpool_replay._services import LocalPoolStore
 from kvpool_replay._trace import load_trace
 
 SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")

@@ -20,6 +20,7 @@ Importing the package loads neither torch nor vLLM: only the engine processes do
 
 from kvpool_replay._cluster import DEMO_SHAPE, DemoCluster
 from kvpool_replay._pool import mooncake_extra_config
+from kvpool_replay._processes import engine_env, free_port, free_port_block
 from kvpool_replay._reference import (
     ReuseResult,
     belady_hits,
@@ -38,9 +39,6 @@ from kvpool_replay._services import (
     LocalMooncakeMaster,
     LocalPoolStore,
     LocalYuanrongWorker,
-    engine_env,
-    free_port,
-    free_port_block,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model

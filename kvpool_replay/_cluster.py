@@ -42,16 +42,15 @@ import psutil
 
 from kvpool_replay._pd import LocalPdPair, ProxyReplay
 from kvpool_replay._pool import mooncake_extra_config, pool_bytes_for_tokens
-from kvpool_replay._replay import spawn_engine, wait_engines_ready
-from kvpool_replay._services import (
-    LocalMooncakeMaster,
-    LocalPoolStore,
+from kvpool_replay._processes import (
     free_port,
     free_port_block,
     stop_process_tree,
     use_local_pool_env,
     wait_until,
 )
+from kvpool_replay._replay import spawn_engine, wait_engines_ready
+from kvpool_replay._services import LocalMooncakeMaster, LocalPoolStore
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model
 from kvpool_replay._trace import TraceRequest, default_trace_path, load_trace

@@ -34,16 +34,8 @@ import httpx
 
 from kvpool_agent.masters import probe_masters
 from kvpool_agent.protocol import MasterView
-from kvpool_replay._services import (
-    MASTER_LEASE_TTL_MS,
-    LocalMooncakeMaster,
-    LocalService,
-    alive,
-    free_port,
-    stop_process_tree,
-    tail_file,
-    wait_until,
-)
+from kvpool_replay._processes import alive, free_port, stop_process_tree, tail_file, wait_until
+from kvpool_replay._services import MASTER_LEASE_TTL_MS, LocalMooncakeMaster, LocalService
 
 __all__ = ["HA_FLAGS", "FailoverDrill", "LocalEtcd", "LocalHaPool", "all_keys"]
 

@@ -33,8 +33,7 @@ from typing import Any
 
 import httpx
 
-from kvpool_replay._services import (
-    LocalService,
+from kvpool_replay._processes import (
     alive,
     engine_env,
     free_port,
@@ -43,6 +42,7 @@ from kvpool_replay._services import (
     tail_file,
     wait_until,
 )
+from kvpool_replay._services import LocalService
 from kvpool_replay._tiny_model import VOCAB_SIZE
 from kvpool_replay._tokens import request_tokens
 from kvpool_replay._trace import TraceRequest

@@ -39,6 +39,14 @@ from kvpool_replay._pool import (
     pool_bytes_for_tokens,
     require_memory,
 )
+from kvpool_replay._processes import (
+    engine_env,
+    free_port,
+    spawn,
+    stop_process_tree,
+    use_local_pool_env,
+    wait_until,
+)
 from kvpool_replay._progress import ProgressReceiver
 from kvpool_replay._reference import reference_for, unique_chunks
 from kvpool_replay._services import (
@@ -46,12 +54,6 @@ from kvpool_replay._services import (
     DiskTier,
     LocalMooncakeMaster,
     LocalPoolStore,
-    engine_env,
-    free_port,
-    spawn,
-    stop_process_tree,
-    use_local_pool_env,
-    wait_until,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE

@@ -21,7 +21,8 @@ from kvpool_agent.pool import fetch_mooncake_stats, mooncake_master_health
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_replay import ModelShape, ReplayConfig, default_trace_path, run_replay
 from kvpool_replay._ha import LocalHaPool, all_keys
-from kvpool_replay._services import LocalPoolStore, use_local_pool_env
+from kvpool_replay._processes import use_local_pool_env
+from kvpool_replay._services import LocalPoolStore
 from kvpool_replay._spec import REPLAY_LOOKUP_TIMEOUT_MS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -37,8 +37,8 @@ from kvpool_replay import (
     free_port_block,
     mooncake_extra_config,
 )
+from kvpool_replay._processes import stop_process_tree
 from kvpool_replay._replay import spawn_engine
-from kvpool_replay._services import stop_process_tree
 
 LEASE_TTL_MS = 3_000
 LONG_REPLAY = 12_000
@@ -140,7 +140,7 @@ class Services:
 def _services(log_dir: Path) -> Iterator[Services]:
     """Start the services (their logs in ``log_dir``); on exit, resume a master or store a
     test left stopped, then stop them all."""
-    from kvpool_replay._services import use_local_pool_env
+    from kvpool_replay._processes import use_local_pool_env
 
     use_local_pool_env()
     hub_address = f"tcp://127.0.0.1:{free_port_block()}"

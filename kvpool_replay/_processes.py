@@ -1,0 +1,186 @@
+"""The process helpers of the local services, the demo, replays, tests and benchmarks: free
+ports, log tails, start-up waits, the child environment (Mooncake bound to 127.0.0.1, this
+interpreter's ``bin`` on ``PATH``, this tree on ``PYTHONPATH``), and starting and stopping a
+child's process group without leaving one behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import psutil
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+__all__ = [
+    "MC_BIND_ENV",
+    "alive",
+    "engine_env",
+    "free_port",
+    "free_port_block",
+    "http_ok",
+    "reaping",
+    "spawn",
+    "stop_process_tree",
+    "tail_file",
+    "use_local_pool_env",
+    "wait_until",
+]
+
+
+_T = TypeVar("_T")
+
+
+def tail_file(path: Path, n: int = 20) -> str:
+    """The last ``n`` lines of a service's log, for error messages; ``""`` if unreadable."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def wait_until(ready: Callable[[], _T], timeout_s: float, interval_s: float = 0.1) -> _T | None:
+    """Call ``ready()`` every ``interval_s`` s; its first truthy answer, or ``None`` once
+    ``timeout_s`` s have passed. An exception ``ready`` raises (a process that exited while
+    being waited for) propagates at once."""
+    got: _T | None = Retrying(retry=retry_if_result(lambda r: not r), wait=wait_fixed(interval_s),
+                              stop=stop_after_delay(timeout_s),
+                              retry_error_callback=lambda state: None)(ready)
+    return got
+
+
+def alive(name: str, proc: subprocess.Popen[bytes], log_path: Path) -> bool:
+    """True while ``proc`` runs: a ``wait_until`` condition's first part.
+
+    Raises:
+        RuntimeError: it exited; the message has its exit code and ``log_path``'s tail.
+    """
+    if proc.poll() is not None:
+        raise RuntimeError(f"{name} exited ({proc.returncode}):\n{tail_file(log_path)}")
+    return True
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """``GET url`` answered 200 (False when it cannot be reached)."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_block(count: int = 5, host: str = "127.0.0.1") -> int:
+    """A port P with ``P..P+count-1`` all free on ``host`` a moment ago (a fleet hub binds P..P+3
+    and, with ``/metrics``, P+4).
+
+    Raises:
+        RuntimeError: no such block found in 50 tries.
+    """
+    for _ in range(50):
+        base = free_port(host)
+        if base + count - 1 > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free TCP ports on {host}")
+
+
+MC_BIND_ENV = "MC_TCP_BIND_ADDRESS"
+"""Where Mooncake's transfer engine binds TCP; local pools and engines stay on loopback."""
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for pool and engine child processes: Mooncake bound to 127.0.0.1, this
+    interpreter's ``bin`` (where ``mooncake_master``/``mooncake_client`` live) on ``PATH`` and
+    this source tree on ``PYTHONPATH`` (engines import the same kvpool, installed or not)."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1])
+    if src not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env[MC_BIND_ENV] = "127.0.0.1"
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def use_local_pool_env() -> None:
+    """Make this process's own Mooncake client and ``mooncake_master`` lookups local: this
+    interpreter's ``bin`` on ``PATH`` and Mooncake bound to 127.0.0.1 unless already set."""
+    os.environ["PATH"] = engine_env()["PATH"]
+    os.environ.setdefault(MC_BIND_ENV, "127.0.0.1")
+
+
+@contextlib.contextmanager
+def reaping(cmd: list[str]) -> Iterator[None]:
+    """Around starting ``cmd`` and keeping its ``Popen``: on an exception, kill the new
+    children of this process running ``cmd`` (or not yet exec'd: still this process's command
+    line) before it goes on.
+
+    A signal handler that raises (``kvpool_console.signals.Stopped``, on SIGTERM or SIGHUP)
+    can interrupt ``Popen`` after its fork, or land between ``Popen`` returning and its result
+    being stored: the child runs and nothing would stop it.
+    """
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    try:
+        yield
+    except BaseException:
+        mine = me.cmdline()
+        for p in me.children():
+            with contextlib.suppress(psutil.Error):
+                if p.pid not in before and p.cmdline() in (cmd, mine):
+                    p.kill()
+        raise
+
+
+def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(cmd, **kwargs)`` under ``reaping(cmd)`` (a child whose ``Popen`` an
+    exception interrupted is killed; the caller still stores the result itself)."""
+    with reaping(cmd):
+        return subprocess.Popen(cmd, **kwargs)
+
+
+def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group ``proc`` leads (it was started with ``start_new_session``),
+    then SIGKILL whatever is left after ``timeout_s``. Idempotent."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, 15)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, 9)
+        proc.wait()
+    if pgid is not None:
+        # Children that outlived the leader still carry its group id.
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    p.kill()
+            except (ProcessLookupError, psutil.Error):
+                continue
