@@ -1,4 +1,4 @@
-"""Text pins go through the engine's own tokenizer (``connector._engine_tokenizer``): vLLM's
+"""Text pins go through the engine's own tokenizer (``_vllm_facts.engine_tokenizer``): vLLM's
 ``cached_tokenizer_from_config`` of a real ``ModelConfig`` of the tiny local model gives the
 ids its Hugging Face tokenizer encodes; no chat template is one clear line; an engine without
 a tokenizer has none."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpool_agent.operations import CommandError
-from kvpool_connector.connector import _engine_tokenizer
+from kvpool_connector._vllm_facts import engine_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_a_text_pin_is_tokenized_as_the_engine_tokenizes(tiny_model: Path) -> No
     from vllm.config import ModelConfig
 
     mc = ModelConfig(model=str(tiny_model), tokenizer=str(tiny_model))
-    tokenize = _engine_tokenizer(SimpleNamespace(model_config=mc))  # type: ignore[arg-type]
+    tokenize = engine_tokenizer(SimpleNamespace(model_config=mc))  # type: ignore[arg-type]
     assert tokenize is not None
     text = "You are a helpful assistant. Answer briefly."
     ids = tokenize(text, False)
@@ -41,6 +41,6 @@ def test_a_text_pin_is_tokenized_as_the_engine_tokenizes(tiny_model: Path) -> No
 
 def test_an_engine_without_a_tokenizer_has_none() -> None:
     # The replay's simulated engines pass a model_config without a tokenizer.
-    assert _engine_tokenizer(SimpleNamespace(model_config=SimpleNamespace(  # type: ignore[arg-type]
+    assert engine_tokenizer(SimpleNamespace(model_config=SimpleNamespace(  # type: ignore[arg-type]
         model="m"))) is None
-    assert _engine_tokenizer(SimpleNamespace()) is None  # type: ignore[arg-type]
+    assert engine_tokenizer(SimpleNamespace()) is None  # type: ignore[arg-type]
