@@ -146,6 +146,8 @@ class CommandRouter:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self.sockets.connections is not None:  # read: no connection's weight any more
+                self.sockets.connections.took(where, frames)
             if len(frames) != 2:
                 self.counters.bad(where, f"{len(frames) - 1} frames, expected 1")
                 continue

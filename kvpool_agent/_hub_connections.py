@@ -12,10 +12,16 @@ operator's was dropped for one viewer's message, and every console and agent rec
 
 The bytes a connection received are counted from a baseline taken every ``BASELINE_S`` while
 the hub's RSS is below ``CALM`` of its limit and kept while it is above, so the connection
-that sent a message growing the hub from there to the limit shows that growth.
-``FleetHub._shed`` drops the connection that received the most since its baseline when that is
-at least ``REGROW`` of the limit (``kvpool_agent._memory_guard``); else, or when the RSS stays
-over the limit after such a drop, it rebuilds every port but the operator's as before.
+that sent a message growing the hub from there to the limit shows that growth. Bytes the hub
+has read from a port's socket since the baselines (``took``: messages consumed, decoded and
+bounded elsewhere) are no connection's weight: a port's connections weigh at most what they
+received less what the hub read of the port (round 5: an agent key's honest reports, read
+at once, made its connection the heaviest while a viewer's stalled subscribers held the memory,
+and it was dropped for nothing). ``FleetHub._shed`` drops the heaviest connections in order
+until their weight covers the RSS's growth since the baselines (``shed``), when the weight of
+all is at least ``REGROW`` of the limit (``kvpool_agent._memory_guard``; round 5: one viewer's
+multipart messages split over 12 connections, each under ``REGROW``, made every port be
+rebuilt); else it rebuilds ports.
 
 Linux only (``TCP_INFO``'s ``tcpi_bytes_received``, Linux 4.1+); elsewhere no connection is
 tracked and the hub rebuilds its ports. The descriptor is libzmq's: the hub never closes it,
@@ -32,6 +38,10 @@ import struct
 import time
 from dataclasses import dataclass
 
+import zmq
+
+from kvpool_agent._memory_guard import REGROW
+
 __all__ = ["BASELINE_S", "CALM", "Connection", "ConnectionTable"]
 
 log = logging.getLogger("kvpool.hub")
@@ -44,6 +54,9 @@ CALM = 3 / 4
 _TCPI_BYTES_RECEIVED = 128
 """Offset of ``tcpi_bytes_received`` (u64) in Linux's ``struct tcp_info``."""
 _TCP_INFO_LEN = 256
+_FRAME_OVERHEAD = 64
+"""Bytes on the wire per frame beyond its body, at most (ZMTP framing, CURVE's MESSAGE command:
+name, nonce, MAC): what a read frame counts as consumed beyond its length."""
 
 
 @dataclass
@@ -82,6 +95,15 @@ class ConnectionTable:
     def __init__(self) -> None:
         self._conns: dict[int, Connection] = {}
         self._next_baseline = 0.0
+        # Port -> bytes the hub read from its socket since the baselines (``took``).
+        self._consumed: dict[str, int] = {}
+        self.calm_rss = 0
+        """The hub's RSS (bytes) when the baselines were last taken."""
+
+    def took(self, port: str, frames: list[zmq.Frame]) -> None:
+        """The hub read the message ``frames`` from ``port``'s socket."""
+        self._consumed[port] = self._consumed.get(port, 0) + sum(
+            len(f) + _FRAME_OVERHEAD for f in frames)
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -101,14 +123,17 @@ class ConnectionTable:
         for fd in [fd for fd, c in self._conns.items() if c.port == port]:
             del self._conns[fd]
 
-    def baseline(self, calm: bool, now: float | None = None) -> None:
-        """Count every connection's bytes received from now on, when ``calm`` (the RSS under
-        ``CALM`` of the limit) and ``BASELINE_S`` has passed since the last time; a
-        descriptor that is no longer its connection is forgotten."""
+    def baseline(self, rss: int, limit: int, now: float | None = None) -> None:
+        """Count every connection's bytes received, and the bytes the hub reads, from now on,
+        when the RSS ``rss`` is under ``CALM`` of the limit ``limit`` (bytes) and
+        ``BASELINE_S`` has passed since the last time; a descriptor that is no longer its
+        connection is forgotten."""
         now = time.monotonic() if now is None else now
-        if not calm or now < self._next_baseline:
+        if rss >= limit * CALM or now < self._next_baseline:
             return
         self._next_baseline = now + BASELINE_S
+        self._consumed.clear()
+        self.calm_rss = rss
         for fd, c in list(self._conns.items()):
             got = _peer_and_received(fd)
             if got is None or got[0] != c.peer:
@@ -116,19 +141,42 @@ class ConnectionTable:
             else:
                 c.baseline = got[1]
 
-    def heaviest(self) -> tuple[Connection, int] | None:
-        """The connection that received the most bytes since its baseline, with that count;
-        ``None`` when none is tracked."""
-        best: tuple[Connection, int] | None = None
+    def heaviest_first(self) -> list[tuple[Connection, int]]:
+        """The connections that hold bytes, with their weight (bytes), heaviest first: what
+        each received since its baseline, at most what its port's connections received and
+        the hub did not read (``took``)."""
+        grown: list[tuple[Connection, int]] = []
         for fd, c in list(self._conns.items()):
             got = _peer_and_received(fd)
             if got is None or got[0] != c.peer:
                 del self._conns[fd]
-                continue
-            grown = got[1] - c.baseline
-            if best is None or grown > best[1]:
-                best = (c, grown)
-        return best
+            else:
+                grown.append((c, got[1] - c.baseline))
+        held: dict[str, int] = {}
+        for c, n in grown:
+            held[c.port] = held.get(c.port, 0) + n
+        weights = [(c, min(n, held[c.port] - self._consumed.get(c.port, 0))) for c, n in grown]
+        return sorted((w for w in weights if w[1] > 0), key=lambda w: -w[1])
+
+    def shed(self, rss: int, limit: int) -> int:
+        """The hub's RSS ``rss`` is over its limit ``limit`` (bytes): drop the heaviest
+        connections (``heaviest_first``) in order until their weight covers the RSS's growth
+        since the baselines, when all weigh ``REGROW`` of the limit or more together; the
+        number dropped (0: none weighs enough)."""
+        weights = self.heaviest_first()
+        if sum(w for _, w in weights) < limit * REGROW:
+            return 0
+        freed = dropped = 0
+        for c, w in weights:
+            if freed >= rss - self.calm_rss:
+                break
+            if self.drop(c):
+                freed, dropped = freed + w, dropped + 1
+                log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: the "
+                            "connection from %s on port %s, %d MiB received and not read "
+                            "since the RSS was calm, is dropped (others stay)", rss >> 20,
+                            limit >> 20, c.peer, c.port, w >> 20)
+        return dropped
 
     def drop(self, conn: Connection) -> bool:
         """Shut ``conn`` down (libzmq then closes it and frees what it held for it); False when

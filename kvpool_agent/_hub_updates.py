@@ -114,6 +114,8 @@ class UpdateStreams:
                 msg = self.sockets.pub.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self.sockets.connections is not None:  # read: no connection's weight any more
+                self.sockets.connections.took("pub", [msg])
             frame = msg.bytes
             if frame[:1] not in (b"\x00", b"\x01"):
                 self.counters.bad("pub", "not a subscription message")

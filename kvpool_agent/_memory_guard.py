@@ -1,7 +1,8 @@
 """The hub's memory limit, enforced where libzmq cannot bound a queue: past the limit the hub
-drops the connection that sent the most since its RSS was calm (``kvpool_agent._hub_connections``:
-a multipart message in the middle of its parts is its sender's alone), or, when none sent enough
-or that freed too little, closes and binds again every port but the operator's
+drops the connections holding the most bytes it has not read since its RSS was calm
+(``kvpool_agent._hub_connections``: a multipart message in the middle of its parts is its
+senders' alone), or, when none holds enough, closes and binds again the console port (the
+subscribers' send queues), and when a shed freed too little every port but the operator's
 (``FleetHub._shed``), which frees everything libzmq holds for its connections.
 
 Why: libzmq 4.3 hands no part of a multipart message to the hub before its last part has come

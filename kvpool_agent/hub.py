@@ -43,9 +43,10 @@ state bytes per engine (``MAX_ENGINE_STATE_BYTES``), agent frames queued per con
 (``AGENT_RCVHWM``), and the largest message each port reads (``MAX_COMMAND_BYTES`` on the
 command ports, ``MAX_MESSAGE_BYTES`` on the agent port, ``MAX_SUBSCRIPTION_BYTES`` on the
 XPUB), and the process's RSS (``memory_limit_bytes``, ``kvpool-agent hub --memory-limit-mb``:
-past it every port but the operator's is rebuilt, which frees what libzmq holds for the
-connections (not again while the RSS stays over it without growing), a multipart
-message included; ``kvpool_agent._memory_guard``; what each queue holds:
+past it the connections holding unread bytes are dropped, else the console port and then
+every port but the operator's is rebuilt, which frees what libzmq holds for the connections
+(not again while the RSS stays over it without growing), a multipart message included;
+``kvpool_agent._memory_guard``; what each queue holds:
 ``kvpool_agent._hub_memory``). Refusals are counted per key (``refused_by_key``, ``/metrics``
 ``kvpool_hub_refused_key_<name>_total``).
 The one thread serves the operator first: each turn it takes the operator port's frames, then
@@ -89,7 +90,7 @@ from kvpool_agent._hub_commands import (
     UNAUTHORISED,
     CommandRouter,
 )
-from kvpool_agent._hub_connections import CALM, ConnectionTable
+from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
 from kvpool_agent._hub_quotas import (
     MAX_PENDING,
@@ -102,7 +103,7 @@ from kvpool_agent._hub_quotas import (
 from kvpool_agent._hub_sockets import ZAP_DOMAINS, HubPorts, HubSockets, hub_ports, user_id
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._hub_updates import SUBSCRIPTION_BAN_S, UpdateStreams
-from kvpool_agent._memory_guard import REGROW, MemoryGuard
+from kvpool_agent._memory_guard import MemoryGuard
 from kvpool_agent._metrics import FleetCollector, MetricsServer
 from kvpool_agent._reuse_service import (
     REUSE_REFRESH_S,
@@ -430,23 +431,24 @@ class FleetHub:
 
     def _shed(self, rss: int) -> None:
         """The RSS is over ``memory_limit_bytes`` (``kvpool_agent._memory_guard``): drop the
-        connection that received the most since the RSS was calm when that is at least
-        ``REGROW`` of the limit (``kvpool_agent._hub_connections``: a multipart message held
-        whole is its sender's alone); else, or when the last shed freed too little, answer
-        every command in flight with an error and rebuild every port but the operator's
-        (agents keep their ids when they report again from their new connections)."""
-        limit = self.memory_limit_bytes or 0
-        heaviest = self._connections.heaviest() if self._connections is not None else None
-        if heaviest is not None and not self._guard.again and heaviest[1] >= limit * REGROW:
-            conn, grown = heaviest
-            if self._connections is not None and self._connections.drop(conn):
-                self.counters.connection_sheds += 1
-                log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: the "
-                            "connection from %s on port %s, %d MiB received since the RSS was "
-                            "calm, is dropped (others stay)", rss >> 20, limit >> 20,
-                            conn.peer, conn.port, grown >> 20)
-                return
+        heaviest connections, by the bytes they sent the hub has not read, until those cover
+        the growth since the RSS was calm (``ConnectionTable.shed``: a multipart message held
+        whole is its sender's alone); when none holds ``REGROW`` of the limit, rebuild the
+        console port (the subscribers' send queues, the hub's largest: round 5), and when the
+        last shed freed too little, answer every command in flight with an error and rebuild
+        every port but the operator's (agents keep their ids from their new connections)."""
+        limit, table = self.memory_limit_bytes or 0, self._connections
+        dropped = table.shed(rss, limit) if table is not None else 0
+        self.counters.connection_sheds += dropped
+        if dropped:
+            return
         self.counters.memory_sheds += 1
+        if not self._guard.again:
+            log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB, no connection "
+                        "holds it: the console port is rebuilt (subscribers reconnect)",
+                        rss >> 20, limit >> 20)
+            self._sockets.rebuild("pub")
+            return
         log.warning("kvpool hub: RSS %d MiB over the memory limit of %d MiB: every port but "
                     "the operator's is rebuilt (connections drop and reconnect; a multipart "
                     "message held whole by libzmq is freed)", rss >> 20, limit >> 20)
@@ -503,8 +505,7 @@ class FleetHub:
                     if rss is not None:
                         self._shed(rss)
                     elif self._connections is not None and self.memory_limit_bytes:
-                        self._connections.baseline(
-                            self._guard.rss < self.memory_limit_bytes * CALM, now)
+                        self._connections.baseline(self._guard.rss, self.memory_limit_bytes, now)
                     self._commands.expire(now)
                     if now >= next_forget:
                         next_forget = now + _FORGET_CHECK_S
@@ -545,6 +546,8 @@ class FleetHub:
                 frames = self._sockets.agents.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self._connections is not None:
+                self._connections.took("agents", frames)
             if len(frames) != 2:
                 self.counters.bad("agents", f"{len(frames) - 1} frames, expected 1")
                 continue

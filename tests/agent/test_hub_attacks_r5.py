@@ -72,10 +72,6 @@ def limited_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
                               str(_LIMIT_MB))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a viewer's multipart messages split over 12 connections (each < 1/8 of the limit) are "
-    "not their sender's alone: every port is rebuilt, and the rebuild (monitors closed before "
-    "their sockets) blocks libzmq's I/O thread: the hub never answers anyone again"))
 def test_a_multipart_flood_split_over_connections_leaves_the_hub_serving_the_operator(
     limited_hub: psutil.Process, hub_address: str, fleet_keys: dict[Role, KeyPaths],
     tmp_path: Path,
@@ -84,10 +80,11 @@ def test_a_multipart_flood_split_over_connections_leaves_the_hub_serving_the_ope
     parts of ~2 MiB (~30 MiB, under the 32 MiB a single connection must have sent to be dropped
     alone): the hub passes its 256 MiB limit with no connection heavy enough and rebuilds every
     port but the operator's. Whatever the hub sheds, the operator must still be answered
-    afterwards and a console must get updates again. Today (measured): the rebuild's bind of
-    the consoles' port fails ("Address already in use", libzmq's I/O thread is stuck in a
-    monitor event's send), the RSS stays at ~270 MiB, and neither the operator's ``forget``
-    (answered by the hub itself) nor a console's subscription is answered 20 s later."""
+    afterwards and a console must get updates again. Measured before d279252: the rebuild's
+    bind of the consoles' port failed ("Address already in use", libzmq's I/O thread stuck in
+    a monitor event's send) and no one was answered again; after it, every port was still
+    rebuilt for one viewer's messages. Now the hub drops the heaviest connections in order
+    until they cover the growth (``ConnectionTable.shed``): the viewer's, no port rebuilt."""
     log = tmp_path / "hub.log"
     attacker = subprocess.Popen(
         [sys.executable, "-c", _SPLIT_MULTIPART, str(fleet_keys["viewer"].root),
@@ -273,10 +270,6 @@ def small_limit_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
     yield from hub_process_of(hub_address, fleet_keys, tmp_path, "--memory-limit-mb", "128")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a viewer's stalled subscribers (connections uncapped) push the hub over its limit at "
-    "will and the fleet's agent connection is dropped for it (frees nothing); the known "
-    "'wrong connection dropped once' limit, on demand"))
 def test_a_viewers_stalled_subscribers_never_get_an_agents_connection_dropped(
     small_limit_hub: psutil.Process, hub_address: str, fleet_keys: dict[Role, KeyPaths],
     tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
@@ -285,11 +278,11 @@ def test_a_viewers_stalled_subscribers_never_get_an_agents_connection_dropped(
     within every bound; a viewer opens one more subscriber each round that never reads (each
     holds its 32 frames, ~12 MiB of this hub; connections per key are not capped). The hub
     passes its 128 MiB limit with the memory in the viewer's queues, yet the connection it
-    drops is the agents' (most bytes received since the RSS was last under 3/4 of the limit:
-    the baselines froze while the viewer grew it), which frees nothing. Measured with a
-    256 MiB limit: the agents' connection dropped at 264 MiB ("171 MiB received since the RSS
-    was calm"), then every port rebuilt at 293 MiB and the hub answered no one (the first
-    test's wedge)."""
+    dropped was the agents' (most bytes received since the RSS was last under 3/4 of the
+    limit: the baselines froze while the viewer grew it), which freed nothing. Measured with
+    a 256 MiB limit: the agents' connection dropped at 264 MiB ("171 MiB received since the
+    RSS was calm"), then every port rebuilt at 293 MiB. Now bytes the hub read are no
+    connection's weight: no connection holds the growth and the console port is rebuilt."""
     viewer = fleet_keys["viewer"]
     agents = FakeAgent(ctx, hub_address, keys=fleet_keys["agent"].client("agent"))
     agents.sock.setsockopt(zmq.SNDHWM, 2 * _PADDED_AGENTS)
