@@ -50,8 +50,9 @@ def test_a_demo_run_near_its_ceiling_raises_no_silent_miss() -> None:
                         judged.append(hit / ceiling)
             assert not cluster.running(), "the demo's engines did not finish within 180 s"
             assert raised == []
-            # The rule judged at least 2 s of the run, and the fleet sat near its ceiling.
-            assert len(judged) >= 8, judged
+            # The rule judged the run (three samples at least: an idle machine replays the
+            # slice in about a second once the ceiling is judgeable), near its ceiling.
+            assert len(judged) >= 3, judged
             assert min(judged) >= 0.8, judged
             assert curves > 0, "no what-if curve during the run"
             # What the demo's screens show: the ceiling and each engine's top reason and fix.
