@@ -245,11 +245,14 @@ def _lease_ttl(group: list[EngineState]) -> int:
                 if s.pool is not None and s.pool.lease_ttl_ms > 0), default=0)
 
 
-def _outlived(t: Transfer, s: EngineState, now_ms: float, ttl: int) -> bool:
-    """A load in flight longer than the lease TTL on a healthy pool: its lease ran out before
-    it ended (it will fail LEASE_EXPIRED and be recomputed). A pool failing its health check
-    is the cause instead (``pool_unhealthy``; the pause model keeps the TTL out of it)."""
-    return (t.kind == "load" and ttl > 0 and now_ms - t.started_ms >= ttl
+def _outlived(t: Transfer, s: EngineState, as_of_ms: float, ttl: int) -> bool:
+    """A load in flight longer than the lease TTL on a healthy pool, as of ``as_of_ms`` (the
+    hub's receipt of the agent's newest report that still lists it): its lease ran out before
+    it ended (it will fail LEASE_EXPIRED and be recomputed). Not the console's clock: an
+    engine that stopped reporting (stopped, frozen) cannot say its load still runs, and the
+    pause model names that. A pool failing its health check is the cause instead
+    (``pool_unhealthy``)."""
+    return (t.kind == "load" and ttl > 0 and as_of_ms - t.started_ms >= ttl
             and not (s.pool is not None and s.pool.healthy is False))
 
 
@@ -298,14 +301,16 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
         f"{owner}", hint, now_ms)]
 
 
-def _in_flight_ttl(engine_id: str, group: list[EngineState], ttl: int, now_ms: float,
-                   out: list[Alert]) -> None:
+def _in_flight_ttl(engine_id: str, group: list[EngineState], ttl: int,
+                   last_seen_ms: Mapping[str, float], now_ms: float, out: list[Alert]) -> None:
     """A load still in flight past the lease TTL is ``lease_ttl`` (critical) as soon as it
     passes it: the first alert of a TTL below the load time, before the load fails and long
     before a stuck transfer's floor (``STUCK_FLOOR_MS``). Replaces the warning of the same
     engine; a critical one from ended loads already says it."""
-    late = [(now_ms - t.started_ms, t, s) for s in group for t in s.in_flight
-            if _outlived(t, s, now_ms, ttl)]
+    as_of = {s.source.agent_id: min(now_ms, last_seen_ms.get(s.source.agent_id, s.ts_ms))
+             for s in group}
+    late = [(as_of[s.source.agent_id] - t.started_ms, t, s) for s in group
+            for t in s.in_flight if _outlived(t, s, as_of[s.source.agent_id], ttl)]
     if not late or any(a.rule == "lease_ttl" and a.severity == "critical" for a in out):
         return
     out[:] = [a for a in out if a.rule != "lease_ttl"]
@@ -327,7 +332,8 @@ def _retired(group: list[EngineState], cutoff_ms: float,
 
 
 def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: str | None,
-                   now_ms: float, window_ms: float) -> list[Alert]:
+                   now_ms: float, window_ms: float,
+                   last_seen_ms: Mapping[str, float]) -> list[Alert]:
     out: list[Alert] = []
     cutoff = now_ms - window_ms
     # One pass over the agents (this runs for every engine on every console refresh).
@@ -371,7 +377,7 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
                                   f"slowest load {fmt_ms(max_load)} is within 20% of lease TTL "
                                   f"{fmt_ms(ttl)} (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"],
                                   now_ms))
-    _in_flight_ttl(engine_id, group, ttl, now_ms, out)
+    _in_flight_ttl(engine_id, group, ttl, last_seen_ms, now_ms, out)
     if lookup_errors and not _retired(group, cutoff, lambda e: e.where == "lookup"):
         sev = "critical" if lookups and lookup_errors * 2 >= lookups else "warning"
         last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
@@ -569,7 +575,8 @@ def evaluate(
                                   f"failed to start ({f.source.agent_id}): {sf.name}: {sf.message}",
                                   sf.hint or "see the engine's log", now_ms))
             continue
-        out.extend(_engine_alerts(engine_id, group, majority, now_ms, cfg.window_ms))
+        out.extend(_engine_alerts(engine_id, group, majority, now_ms, cfg.window_ms,
+                                  last_seen_ms))
         out.extend(_role_alerts(engine_id, group, saving, now_ms))
         seen = max(last_seen_ms.get(s.source.agent_id, s.ts_ms) for s in group)
         silence = _silence_alert(engine_id, group, now_ms - seen, now_ms, cfg)
