@@ -133,6 +133,19 @@ def keyed_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths],
         yield h
 
 
+def _answer_pinned(agent: FakeAgent, agent_id: str) -> None:
+    """``agent`` answers every command it received within 2 s: "pinned 4 keys" of
+    ``sys-prompt`` (true or not: the hub cannot tell until another key's worker reports)."""
+    for req in agent.drain(2_000):
+        agent.seq += 1
+        agent.sock.send(encode(CommandReply(
+            v=PROTOCOL_VERSION, seq=agent.seq, request_id=req.request_id, agent_id=agent_id,
+            ok=True, pins=PinOutcome(
+                pin=PinInfo(pin_id="sys-prompt", model="m", layout_digest=_DIGEST, mode="soft",
+                            ttl_ms=1_800_000, tokens=1024, keys=4, bytes=4096),
+                pinned_now=4))))
+
+
 def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
     ctx: zmq.Context[zmq.Socket[bytes]],
@@ -160,14 +173,7 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
             "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
             timeout_ms=3_000)))
         t.start()
-        for req in attacker.drain(2_000):
-            attacker.seq += 1
-            attacker.sock.send(encode(CommandReply(
-                v=PROTOCOL_VERSION, seq=attacker.seq, request_id=req.request_id,
-                agent_id=asrc.agent_id, ok=True, pins=PinOutcome(
-                    pin=PinInfo(pin_id="sys-prompt", model="m", layout_digest=_DIGEST,
-                                mode="soft", ttl_ms=1_800_000, tokens=1024, keys=4,
-                                bytes=4096), pinned_now=4))))
+        _answer_pinned(attacker, asrc.agent_id)
         for _ in range(10):  # the honest worker keeps reporting: it holds no pin
             honest.report(hsrc, pool=PoolStats(backend="mooncake", keys=500, pins=0))
             time.sleep(0.1)
@@ -201,14 +207,7 @@ def test_a_pin_another_keys_worker_of_the_layout_reports_is_done(
             "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
             timeout_ms=3_000)))
         t.start()
-        for req in pinner.drain(2_000):
-            pinner.seq += 1
-            pinner.sock.send(encode(CommandReply(
-                v=PROTOCOL_VERSION, seq=pinner.seq, request_id=req.request_id,
-                agent_id=psrc.agent_id, ok=True, pins=PinOutcome(
-                    pin=PinInfo(pin_id="sys-prompt", model="m", layout_digest=_DIGEST,
-                                mode="soft", ttl_ms=1_800_000, tokens=1024, keys=4,
-                                bytes=4096), pinned_now=4))))
+        _answer_pinned(pinner, psrc.agent_id)
         other.report(osrc, pool=PoolStats(backend="mooncake", keys=500, pins=1,
                                           pinned_bytes=4096))
         t.join()
