@@ -28,14 +28,17 @@ a segment the benchmark's own client holds: a local copy, not the network.
 
 ``--cross-process`` (issue 38) runs real models' KV shapes (``--shapes``: Llama-3-8B 128 KiB,
 Llama-3-70B 320 KiB, DeepSeek-V3 MLA 68.6 KiB per token; ``--block-sizes`` 16 and 128) with the
-pool in a separate ``mooncake_client`` process and this client holding no segment, TCP on
-127.0.0.1, one engine: ``worker`` save/load (sized calls and staging,
-``kvpool_connector.staging``) against ``raw contig`` (``batch_put_from``/``batch_get_into`` of
-the same bytes as one contiguous range per key) and ``copy`` (``index_select`` into another
-cache); median and min-max of the rounds. Goal: worker >= 0.9x raw contiguous at every shape.
+pool in a separate ``mooncake_client`` process and no segment in the engines' clients, TCP on
+127.0.0.1, ``--engines`` N at once (default 1; e.g. ``1 2 4``: each engine its own process and
+store client, every path run by all N at once after a barrier): ``worker`` save/load (sized
+calls and staging, ``kvpool_connector.staging``) against ``raw contig`` (``batch_put_from`` /
+``batch_get_into`` of the same bytes as one contiguous range per key) and ``copy``
+(``index_select`` into another cache); per-engine and aggregate GB/s, median and min-max of
+the rounds. Goal: worker >= 0.9x raw contiguous at every shape and number of engines.
 
     .venv/bin/python bench/bench_datapath.py [--rounds 41] [--blocks 128] [--layers 16]
-    .venv/bin/python bench/bench_datapath.py --cross-process [--rounds 11] [--chunks 2]
+    .venv/bin/python bench/bench_datapath.py --cross-process [--rounds 11] [--chunks 2] \\
+        [--engines 1 2 4]
 """
 
 from __future__ import annotations
@@ -165,9 +168,23 @@ def _shape_caches(layers: int, heads: int, head: int, block: int, num_blocks: in
             for i in range(layers)}
 
 
-def _cross_shape(name: str, block: int, args: argparse.Namespace,
-                 master: LocalMooncakeMaster) -> dict[str, list[float]]:
-    """One shape's rounds: seconds per operation of each path."""
+Span = tuple[float, float]
+"""One timed operation: ``time.monotonic()`` at its start and end (one clock for every process
+on the host, so the spans of engines running at once can be laid over each other)."""
+
+
+def _no_sync() -> None:
+    """One engine: nothing to wait for."""
+
+
+def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[str, str],
+                 engine: int = 0, sync: Callable[[], object] = _no_sync
+                 ) -> dict[str, list[Span]]:
+    """One engine's rounds of one shape: the span of each operation of each path.
+
+    ``master``: the ``mooncake_master``'s address and admin URL; ``engine``: this engine's
+    index (engine 0 clears the pool between rounds); ``sync``: waits for every engine before
+    each operation (a barrier), so N engines run each path at once."""
     layers, heads, head = SHAPES[name]
     bpc = args.chunk_tokens // block
     n_chunks = args.chunks
@@ -180,12 +197,12 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace,
     flat_src = torch.randint(-128, 127, (n_chunks * value,), dtype=torch.int8)
     flat_dst = torch.zeros_like(flat_src)
     settings = _Settings(block_size=block, chunk_size=args.chunk_tokens)
-    cfg = {"master_server_address": master.address, "global_segment_size": 0,
-           "local_buffer_size": "16MB", "master_admin_url": master.admin_url}
+    cfg = {"master_server_address": master[0], "global_segment_size": 0,
+           "local_buffer_size": "16MB", "master_admin_url": master[1]}
     # A client per shape: Mooncake keeps a registration for the client's life, and the next
     # shape's tensors may reuse this one's addresses.
     backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
-    times: dict[str, list[float]] = {k: [] for k in (
+    spans: dict[str, list[Span]] = {k: [] for k in (
         "raw contig put", "worker save", "raw contig get", "worker load", "copy")}
     try:
         for t in (flat_src, flat_dst):
@@ -196,7 +213,7 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace,
         reader.register_kv_caches(dst)
         s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
         for rnd in range(args.rounds + 1):
-            tag = uuid.uuid4().hex
+            tag = f"{engine}-{uuid.uuid4().hex}"
             hashes = chunk_hashes([rnd] * (n_chunks * args.chunk_tokens), args.chunk_tokens,
                                   extra=tag.encode())
             raw_keys = chunk_keys([shard_prefix("bench-raw", "0" * 12, ParallelLayout())],
@@ -239,45 +256,96 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace,
                 [("raw contig get", raw_get), ("worker load", load), ("copy", copy)]]
             for group in groups:
                 for pname, fn in (reversed(group) if rnd % 2 else group):
-                    elapsed = _timed(fn)
+                    sync()
+                    t0 = time.monotonic()
+                    fn()
                     if rnd:  # round 0 warms the segment's pages up
-                        times[pname].append(elapsed)
+                        spans[pname].append((t0, time.monotonic()))
             for lname in src:
                 assert torch.equal(src[lname][src_ids[-1]], dst[lname][dst_ids[-1]]), \
                     "load not bit-exact"
-            backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
+            sync()  # every engine done with this round's keys
+            if engine == 0:
+                backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
         writer.shutdown()
         reader.shutdown()
     finally:
         backend.close()
-    return times
+    return spans
+
+
+def _engine_process(name: str, block: int, args: argparse.Namespace, master: tuple[str, str],
+                    engine: int, barrier: Any, out: Any) -> None:
+    """One of ``--engines`` N engines: its own process and store client; its spans to
+    ``out``."""
+    try:
+        out.put((engine, _cross_shape(name, block, args, master, engine, barrier.wait)))
+    except BaseException as e:
+        barrier.abort()  # the others stop waiting for this one
+        out.put((engine, repr(e)))
+        raise
+
+
+def _engines_at_once(name: str, block: int, args: argparse.Namespace, master: tuple[str, str],
+                     n: int) -> list[dict[str, list[Span]]]:
+    """``n`` engines' spans of one shape, each engine its own process, each path at once."""
+    if n == 1:
+        return [_cross_shape(name, block, args, master)]
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(n, timeout=600), ctx.Queue()
+    procs = [ctx.Process(target=_engine_process, args=(name, block, args, master, i, barrier,
+                                                       out)) for i in range(n)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    failed = {i: r for i, r in got.items() if isinstance(r, str)}
+    if failed:
+        raise RuntimeError(f"{name} block {block}, {n} engines: {failed}")
+    return [got[i] for i in range(n)]
 
 
 def cross_process(args: argparse.Namespace) -> None:
-    """``--cross-process``: the table per shape (GB/s = 1e9 bytes/s of KV moved)."""
+    """``--cross-process``: the table per shape and number of engines (GB/s = 1e9 bytes/s of
+    KV moved). Per engine: each engine's own operation (median and min-max over engines and
+    rounds); aggregate: every engine's bytes over the round's wall time, from the first
+    engine's start to the last one's end (median and min-max over rounds)."""
     load_start = os.getloadavg()[0]
-    rows = [(s, b) for s in args.shapes for b in args.block_sizes]
+    rows = [(s, b, n) for n in args.engines for s in args.shapes for b in args.block_sizes]
     per_token = {s: layers * heads * 2 * head * 2 for s, (layers, heads, head) in SHAPES.items()}
-    need = max(2 * args.chunks * args.chunk_tokens * per_token[s] for s in args.shapes)
+    need = max(n * 2 * args.chunks * args.chunk_tokens * per_token[s]
+               for s in args.shapes for n in args.engines)
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master, \
             LocalPoolStore(master, max(64 << 20, 2 * need)):
-        results = {(s, b): _cross_shape(s, b, args, master) for s, b in rows}
+        addr = (master.address, master.admin_url)
+        results = {row: _engines_at_once(row[0], row[1], args, addr, row[2]) for row in rows}
     print(f"\nKV data path across processes: the pool in its own mooncake_client, TCP on "
-          f"127.0.0.1, 1 engine, {args.chunks} chunks of {args.chunk_tokens} tokens per "
-          f"operation, {args.rounds} rounds; load average {load_start:.2f} at start, "
-          f"{os.getloadavg()[0]:.2f} at the end\n")
-    print(f"{'shape':<18}{'block':>6}{'path':>16}{'median GB/s':>13}{'min-max GB/s':>15}"
-          f"{'vs raw contig':>15}")
-    for (s, b), times in results.items():
+          f"127.0.0.1, {'/'.join(map(str, args.engines))} engines at once (each its own "
+          f"process and client), {args.chunks} chunks of {args.chunk_tokens} tokens per "
+          f"operation per engine, {args.rounds} rounds; load average {load_start:.2f} at "
+          f"start, {os.getloadavg()[0]:.2f} at the end\n")
+    print(f"{'shape':<16}{'block':>6}{'eng':>4}{'path':>16}{'engine GB/s':>12}{'min-max':>12}"
+          f"{'aggr. GB/s':>11}{'min-max':>12}{'vs raw':>8}")
+    ref = {"worker save": "raw contig put", "worker load": "raw contig get",
+           "copy": "raw contig get"}
+    for (s, b, n), engines in results.items():
         total = args.chunks * args.chunk_tokens * per_token[s]
-        med = {k: statistics.median(v) for k, v in times.items()}
-        ref = {"worker save": "raw contig put", "worker load": "raw contig get",
-               "copy": "raw contig get"}
-        for k, v in times.items():
-            vs = f"{med[ref[k]] / med[k]:.2f}x" if k in ref else ""
-            print(f"{s:<18}{b:>6}{k:>16}{total / med[k] / 1e9:>13.2f}"
-                  f"{f'{total / max(v) / 1e9:.2f}-{total / min(v) / 1e9:.2f}':>15}{vs:>15}")
-    print("\ngoal (issue 38): worker >= 0.9x raw contiguous at every shape")
+        aggr: dict[str, list[float]] = {}
+        for path in engines[0]:
+            own = [total / (end - start) / 1e9 for e in engines for start, end in e[path]]
+            aggr[path] = [n * total / (max(sp[1] for sp in rnd) - min(sp[0] for sp in rnd)) / 1e9
+                          for rnd in zip(*(e[path] for e in engines), strict=True)]
+            vs = (f"{statistics.median(aggr[path]) / statistics.median(aggr[ref[path]]):.2f}x"
+                  if path in ref else "")
+            print(f"{s:<16}{b:>6}{n:>4}{path:>16}{statistics.median(own):>12.2f}"
+                  f"{f'{min(own):.2f}-{max(own):.2f}':>12}{statistics.median(aggr[path]):>11.2f}"
+                  f"{f'{min(aggr[path]):.2f}-{max(aggr[path]):.2f}':>12}{vs:>8}")
+    print("\n'vs raw': aggregate median over raw contiguous's of the same engines and rounds "
+          "(copy: a tensor copy of the same bytes in each engine, against raw get)")
+    print("goal (issue 38): worker >= 0.9x raw contiguous at every shape and number of engines")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -295,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 128])
     ap.add_argument("--chunk-tokens", type=int, default=512, help="--cross-process chunk")
     ap.add_argument("--chunks", type=int, default=2, help="--cross-process keys per operation")
+    ap.add_argument("--engines", nargs="+", type=int, default=[1],
+                    help="--cross-process engines saving and loading at once (e.g. 1 2 4), "
+                    "each its own process and store client")
     args = ap.parse_args(argv)
     if args.cross_process:
         cross_process(args)
