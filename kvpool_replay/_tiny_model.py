@@ -15,6 +15,10 @@ Shapes (``config.json``), ``SHAPES``:
   ``qk_rope_head_dim`` 64, ``qk_nope_head_dim`` 32, ``v_head_dim`` 32, no ``q_lora_rank``),
   2 dense layers (``first_k_dense_replace`` 2: no layer uses its experts): one latent KV of 576
   values per token, the same on every TP rank.
+* ``llama3-8b-kv``: Llama-3-8B's KV shape on a small body: 32 layers, 8 attention heads and 8
+  KV heads of head dim 128 (K and V: 128 KiB per token in bfloat16, 256 KiB in float32), hidden
+  128, intermediate 256 (~20 M parameters, 80 MB on disk in float32): a real model's bytes
+  over the wire, at a tiny model's compute.
 
 All: vocabulary ``VOCAB_SIZE``, float32, ``max_position_embeddings`` 2048, the same tokenizer.
 """
@@ -39,7 +43,7 @@ DEFAULT_PATH = Path(".cache/tiny-llama")
 GEMMA3_WINDOW = 64
 """Sliding window (tokens) of the ``gemma3`` shape's sliding-window layers."""
 
-SHAPES = ("llama", "gemma3", "mla")
+SHAPES = ("llama", "gemma3", "mla", "llama3-8b-kv")
 """Model shapes ``build_tiny_model`` builds."""
 
 _MARKER = "kvpool-tiny-llama.json"
@@ -104,6 +108,10 @@ def _model(shape: str) -> Any:
             moe_intermediate_size=256))
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if shape == "llama3-8b-kv":
+        return LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=32,
+                                            num_attention_heads=8, num_key_value_heads=8,
+                                            head_dim=128))
     return LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2))
 
