@@ -276,7 +276,9 @@ class WorkerSide:
                 pins.refresh(force=True)
             except BackendError as exc:
                 logger.warning("KVPoolConnector: pin records not read (%s): read again with "
-                               "the next pool stats", exc)
+                               "the next poll", exc)
+            # Agent or not, every rank learns a new pin within a poll (issue 40).
+            pins.start()
             worker.pinned_keys = pins.pinned_keys
         self.operations.register(
             (cfg.model, worker.layout_digest, tuple(worker.shard_layouts)), pins,
@@ -306,11 +308,14 @@ class WorkerSide:
             logger.warning("KVPoolConnector: %s", why)
 
     def close(self) -> None:
-        """Phase 3: the lookup server, the worker's transfers, the backend, the agent."""
+        """Phase 3: the lookup server, the worker's transfers, the pins' poll thread, the
+        backend, the agent."""
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None
         self.worker.shutdown()
+        if self.operations.pins is not None:
+            self.operations.pins.close()
         self.backend.close()
         self.agent.stop()
 

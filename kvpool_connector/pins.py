@@ -11,13 +11,25 @@ rank. Pins use Mooncake's own mechanisms (``ReplicateConfig``):
 * ``hard``: ``with_hard_pin``; never evicted.
 
 Chunks already in the pool are upserted with the pin; chunks not in the pool yet are pinned when
-this client saves them (``MooncakeBackend.pin_keys``). The pins of a layout live in the pool
-too, as one hard-pinned record (``record_key``, ``keys.pins_key``): written on every ``pin`` and
-``unpin``, read by every worker of the layout at start and every ``refresh_s`` (``refresh``), so
-a restarted engine, another TP rank or another engine of the layout saves the pinned chunks
-pinned as well. A pin whose chunks would take more than
-``share`` of the pool (default 30%) together with the pins already held is refused with the
-numbers (``PinRefused``): a pool full of pins evicts nothing else and serves nothing new.
+a worker of the layout saves them (``MooncakeBackend.pin_keys``). Mooncake cannot make an
+existing value hard-pinned (an upsert keeps no hard pin), so a hard pin's chunks already in the
+pool hold a soft pin of ``MooncakeConfig.max_kv_soft_pin_ttl`` (the master's longest, 24 h by
+default): one worker of the layout upserts them again every third of it (``poll``, claimed in
+the records so one worker does it), while the pin lasts. Cost: each renewal reads and upserts
+the pin's values in the pool once (2x its bytes moved, every 8 h at the default TTL).
+
+The pins of a layout live in the pool as versioned records (``kvpool_connector._pin_records``,
+``record_key`` = ``keys.pins_key``): every ``pin`` and ``unpin`` writes a new version that
+cannot overwrite another writer's, so concurrent pins are all kept and each can be unpinned.
+Every worker of the layout reads them at start and polls for a new version every ``poll_s``
+(``start``: one ``batch_is_exist`` of one key per poll on a thread of its own, off the engine's
+step; 0.5 s: a master RPC per worker each 0.5 s, the records read only when they changed), agent
+or not, so a restarted engine, another TP rank or another engine of the layout saves the pinned
+chunks pinned within about a second. ``pinned_chunks`` reads them for a process that removes
+chunks from the pool (the policy service: never a pinned one). A pin whose chunks would take
+more than ``share`` of the pool (default 30%) together with the pins already held is refused
+with the numbers (``PinRefused``): a pool full of pins evicts nothing else and serves nothing
+new.
 
 Unpinning removes the pinned values (Mooncake keeps a pin through an upsert,
 ``MooncakeBackend.unpin_keys``), never by force (a forced remove frees memory a reader may be
@@ -32,7 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -40,21 +52,25 @@ from tenacity import Retrying, retry_if_result, stop_before_delay, wait_fixed
 
 from kvpool_agent.protocol import MAX_PIN_TOKENS, MAX_SOFT_PIN_TTL_MS
 from kvpool_agent.vocabulary import ErrorCode, error_name
+from kvpool_connector._pin_records import PinRecord, RecordStore, decode
 from kvpool_connector._removals import REMOVAL_GRACE, grace_s_of, remove_later
-from kvpool_connector.backends.base import Backend
+from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.backends.mooncake import TRANSFER_TIMEOUT_MS
-from kvpool_connector.keys import HashAlgo, chunk_hashes
+from kvpool_connector.keys import HashAlgo, chunk_hashes, pins_key
 
 __all__ = [
     "DEFAULT_PIN_SHARE",
     "DEFAULT_SOFT_PIN_TTL_MS",
     "MAX_PINS",
+    "PIN_POLL_S",
+    "RENEW_FRACTION",
     "Pin",
     "PinMode",
     "PinRefused",
     "PinResult",
     "PinnableBackend",
     "Pins",
+    "pinned_chunks",
 ]
 
 PinMode = Literal["soft", "hard"]
@@ -74,6 +90,17 @@ MAX_PINS = 64
 DEFAULT_SOFT_PIN_TTL_MS = 1_800_000
 """Soft pin TTL when none is given: Mooncake master's ``default_kv_soft_pin_ttl`` (30 min)."""
 
+PIN_POLL_S = 0.5
+"""How often (s) a started ``Pins`` asks the pool for a new version of its records (issue 40:
+a new pin reaches every worker within about a second)."""
+
+RENEW_FRACTION = 3
+"""A hard pin's soft-pinned chunks are upserted again once ``1 / RENEW_FRACTION`` of their soft
+pin TTL has passed: two more tries before it lapses if a renewing worker dies."""
+
+_FAIL_LOG_S = 60.0
+"""A poll thread failing again and again logs at most this often (s)."""
+
 
 @runtime_checkable
 class PinnableBackend(Protocol):
@@ -86,9 +113,17 @@ class PinnableBackend(Protocol):
 
     def forget_pins(self, keys: Sequence[str]) -> None: ...
 
+    def hard_pin_ttl_ms(self) -> int: ...
+
+    def batch_exists(self, keys: Sequence[str]) -> list[int]: ...
+
+    def batch_remove(self, keys: Sequence[str]) -> list[int]: ...
+
     def read_record(self, key: str) -> bytes: ...
 
     def write_record(self, key: str, data: bytes) -> int: ...
+
+    def create_record(self, key: str, data: bytes) -> int: ...
 
 
 class PinRefused(ValueError):
@@ -109,26 +144,65 @@ class Pin:
     """The chunk hashes ``keys`` are made of (what the pin records store)."""
     expires_ms: float = 0.0
     """A soft pin's end (epoch ms); 0 for a hard pin."""
+    renewed_ms: float = 0.0
+    """A hard pin: when its chunks already in the pool were last soft-pinned (epoch ms)."""
+    renew_ttl_ms: int = 0
+    """That soft pin's TTL (ms); 0: nothing to renew."""
+
+    def record(self) -> PinRecord:
+        return PinRecord(self.pin_id, self.mode, self.ttl_ms, self.tokens, list(self.hashes),
+                         self.expires_ms, self.renewed_ms, self.renew_ttl_ms)
+
+    def renew_due(self, now_ms: float) -> bool:
+        return self.renew_ttl_ms > 0 and now_ms >= (self.renewed_ms
+                                                    + self.renew_ttl_ms / RENEW_FRACTION)
 
 
-class _Record(msgspec.Struct, frozen=True):
-    """One pin as its layout's record stores it (``Pins`` module docstring)."""
-
-    pin_id: str
-    mode: PinMode
-    ttl_ms: int
-    tokens: int
-    hashes: list[str]
-    expires_ms: float
-
-
-class _Records(msgspec.Struct, frozen=True):
-    v: int
-    pins: list[_Record]
-
-
-_RECORDS_VERSION = 1
 log = logging.getLogger(__name__)
+
+
+def _live(data: bytes, chunk_size: int, now_ms: float, where: str) -> dict[str, PinRecord] | None:
+    """The pins of one version of the records that hold now: hard ones, soft ones before
+    their end. Any pool writer can store records: none holds more than ``pin`` allows (more
+    than ``MAX_PINS`` pins, ``MAX_PIN_TOKENS`` tokens or a 24 h soft TTL is ignored with a
+    logged line). ``None``: unreadable (logged)."""
+    if not data:
+        return {}
+    try:
+        records = decode(data).pins
+    except msgspec.DecodeError as exc:
+        log.warning("kvpool pins: records at %s unreadable (%s): kept as they were", where, exc)
+        return None
+    most = MAX_PIN_TOKENS // chunk_size
+    bad = {r.pin_id for r in records[MAX_PINS:]} | {
+        r.pin_id for r in records[:MAX_PINS] if len(r.hashes) > most
+        or (r.mode == "soft" and r.expires_ms - now_ms > MAX_SOFT_PIN_TTL_MS)
+        or r.renew_ttl_ms > MAX_SOFT_PIN_TTL_MS}
+    if bad:
+        log.warning("kvpool pins: records at %s: %d pins ignored (over %d pins, %d chunks per "
+                    "pin or a %d ms TTL): %s", where, len(bad), MAX_PINS, most,
+                    MAX_SOFT_PIN_TTL_MS, sorted(bad)[:8])
+    return {r.pin_id: r for r in records[:MAX_PINS] if r.pin_id not in bad
+            and (r.mode == "hard" or r.expires_ms > now_ms)}
+
+
+def pinned_chunks(backend: PinnableBackend, model: str, layout_digest: str,
+                  chunk_size: int) -> frozenset[str]:
+    """The chunk hashes some pin of one layout holds now (hard pins; soft pins before their
+    end), from the newest version of its records in the pool: what a process that removes
+    chunks (the policy service) must leave. ``chunk_size`` (tokens) bounds what a planted
+    record may claim (``MAX_PIN_TOKENS`` per pin).
+
+    Raises:
+        BackendError: the store failed, or the newest version cannot be read now or decoded
+            (the caller keeps the chunks it read last: an empty answer would free them).
+    """
+    key = pins_key(model, layout_digest)
+    seq, data = RecordStore(backend, key).latest()
+    live = _live(data, chunk_size, time.time() * 1e3, key) if data or not seq else None
+    if live is None:
+        raise BackendError(f"pin records at {key}: version {seq} not readable")
+    return frozenset(h for r in live.values() for h in r.hashes)
 
 
 @dataclass(frozen=True)
@@ -160,7 +234,7 @@ class Pins:
             ones still leased are removed later on a timer thread.
         record_key: where this layout's pin records live in the pool (``keys.pins_key``);
             ``None`` keeps the pins in this object only.
-        refresh_s: ``refresh`` reads the records at most this often (s) unless forced.
+        refresh_s: ``refresh`` looks for new records at most this often (s) unless forced.
     """
 
     def __init__(self, backend: PinnableBackend, keys_of: Callable[[Sequence[str]], list[str]],
@@ -178,11 +252,17 @@ class Pins:
         self.grace_s = grace_s_of(backend.transfer_timeout_ms() if isinstance(backend, Backend)
                                   else TRANSFER_TIMEOUT_MS)
         self.record_key, self.refresh_s = record_key, refresh_s
+        self._records = RecordStore(backend, record_key) if record_key is not None else None
+        self._seq = -1  # the version of the records applied here; -1: none read yet
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
-        # One pin, unpin or refresh at a time: each reads, changes and writes the records.
+        # One pin, unpin, refresh or poll at a time: each reads and may write the records.
         self._io = threading.Lock()
         self._refreshed = -float("inf")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.renewals = 0
+        """Renewals of hard pins this worker made (``poll``)."""
 
     @property
     def pinned_bytes(self) -> int:
@@ -202,12 +282,15 @@ class Pins:
     def pin(self, pin_id: str, token_ids: Sequence[int], mode: PinMode = "soft",
             ttl_ms: int = DEFAULT_SOFT_PIN_TTL_MS, extra: bytes = b"") -> PinResult:
         """Pin the whole chunks of ``token_ids`` (``extra``: LoRA name / ``cache_salt`` bytes,
-        ``scheduler.request_extra``) under ``pin_id``; pinning an id again replaces it.
+        ``scheduler.request_extra``) under ``pin_id``; pinning an id again replaces it. The
+        records are written first (a new version, kept whatever other workers write at the
+        same time), then the keys pinned.
 
         Raises:
             ValueError: no whole chunk in ``token_ids``, a soft pin without a positive TTL.
             PinRefused: the pins would take more than ``share`` of the pool, or this layout
                 holds ``MAX_PINS`` already.
+            BackendError: the records could not be written (nothing pinned).
         """
         if mode == "soft" and ttl_ms <= 0:
             raise ValueError(f"a soft pin needs ttl_ms > 0, got {ttl_ms}")
@@ -217,60 +300,85 @@ class Pins:
                              "tokens: nothing to pin")
         keys = tuple(self.keys_of(hashes))
         soft = mode == "soft"
+        now = time.time() * 1e3
+        hard_ttl = 0 if soft else self.backend.hard_pin_ttl_ms()
         pin = Pin(pin_id, mode, ttl_ms if soft else 0, len(hashes) * self.chunk_size, keys,
-                  tuple(hashes), time.time() * 1e3 + ttl_ms if soft else 0.0)
+                  tuple(hashes), now + ttl_ms if soft else 0.0, 0.0 if soft else now, hard_ttl)
         with self._io:
             return self._pin(pin, hashes)
 
     def _pin(self, pin: Pin, hashes: Sequence[str]) -> PinResult:
         pin_id, keys = pin.pin_id, pin.keys
-        # The share counts every pin of the layout, also those other workers made.
-        self._refresh()
         pool = self.pool_bytes()
+        total = 0
+
+        def change(seq: int, data: bytes) -> list[PinRecord]:
+            nonlocal total
+            # The share counts every pin of the layout, also those other workers made.
+            self._apply(seq, data)
+            total = self._admit(pin, len(hashes), pool)
+            return [p.record() for p in self.list() if p.pin_id != pin_id] + [pin.record()]
+
+        if self._records is None:
+            total = self._admit(pin, len(hashes), pool)
+        else:
+            self._seq = self._records.update(change) or self._seq
         with self._lock:
-            if pin_id not in self._pins and len(self._pins) >= MAX_PINS:
-                raise PinRefused(f"pin {pin_id!r} refused: {len(self._pins)} pins held, at most "
-                                 f"{MAX_PINS} per layout; unpin one first")
-            others = {k for p in self._pins.values() if p.pin_id != pin_id for k in p.keys}
-            total = len(others | set(keys)) * self.chunk_bytes
-            limit = int(pool * self.share)
-            if total > limit:
-                raise PinRefused(
-                    f"pin {pin_id!r} refused: {len(hashes)} chunks ({len(keys)} keys, "
-                    f"{len(keys) * self.chunk_bytes:,} bytes) would bring pinned bytes to "
-                    f"{total:,}, over {self.share:.0%} of the pool's {pool:,} bytes "
-                    f"({limit:,}); unpin another prefix or pin less")
             self._pins[pin_id] = pin
         codes = self.backend.pin_keys(keys, hard=pin.mode == "hard", ttl_ms=pin.ttl_ms)
         errors = {k: rc for k, rc in zip(keys, codes, strict=True) if rc < 0}
-        rc = self._write()
-        if rc < 0 and self.record_key is not None:
-            errors[self.record_key] = rc
         return PinResult(pin, pinned_now=sum(1 for rc in codes if rc == 1),
                          pending=sum(1 for rc in codes if rc == 0),
                          pin_bytes=len(keys) * self.chunk_bytes, pinned_bytes=total,
                          pool_bytes=pool, errors=errors)
 
+    def _admit(self, pin: Pin, chunks: int, pool: int) -> int:
+        """The pinned bytes with ``pin`` (replacing a pin of its id); raises ``PinRefused``."""
+        pin_id, keys = pin.pin_id, pin.keys
+        with self._lock:
+            if pin_id not in self._pins and len(self._pins) >= MAX_PINS:
+                raise PinRefused(f"pin {pin_id!r} refused: {len(self._pins)} pins held, at most "
+                                 f"{MAX_PINS} per layout; unpin one first")
+            others = {k for p in self._pins.values() if p.pin_id != pin_id for k in p.keys}
+        total = len(others | set(keys)) * self.chunk_bytes
+        limit = int(pool * self.share)
+        if total > limit:
+            raise PinRefused(
+                f"pin {pin_id!r} refused: {chunks} chunks ({len(keys)} keys, "
+                f"{len(keys) * self.chunk_bytes:,} bytes) would bring pinned bytes to "
+                f"{total:,}, over {self.share:.0%} of the pool's {pool:,} bytes "
+                f"({limit:,}); unpin another prefix or pin less")
+        return total
+
     def unpin(self, pin_id: str) -> int:
-        """Drop pin ``pin_id``: its keys no other pin holds are removed from the pool, never by
-        force. A key refused under a reader's lease is tried again ``grace_s`` after the
-        refusal (``_removals``: the reader may copy it until its transfer timeout), here while
-        that fits in ``lease_wait_s``, then on a timer thread (``remove_later``). Returns the
-        keys removed before it returns.
+        """Drop pin ``pin_id`` (a new version of the records without it, whoever made it):
+        its keys no other pin holds are removed from the pool, never by force. A key refused
+        under a reader's lease is tried again ``grace_s`` after the refusal (``_removals``: the
+        reader may copy it until its transfer timeout), here while that fits in
+        ``lease_wait_s``, then on a timer thread (``remove_later``). Returns the keys removed
+        before it returns.
 
         Raises:
             KeyError: no such pin in this layout.
+            BackendError: the records could not be written (the pin holds).
         """
         with self._io:
-            self._refresh()
+            if self._records is None:
+                with self._lock:
+                    pin = self._pins.pop(pin_id)
+            else:
+                def change(seq: int, data: bytes) -> list[PinRecord]:
+                    self._apply(seq, data)
+                    with self._lock:
+                        if pin_id not in self._pins:
+                            raise KeyError(pin_id)
+                        return [p.record() for p in self._pins.values() if p.pin_id != pin_id]
+
+                self._seq = self._records.update(change) or self._seq
+                with self._lock:
+                    pin = self._pins.pop(pin_id)
             with self._lock:
-                pin = self._pins.pop(pin_id)
                 kept = {k for p in self._pins.values() for k in p.keys}
-            rc = self._write()
-        if rc < 0:
-            log.warning("kvpool pins: unpin %r: records not stored at %s: %s (%d); other "
-                        "workers keep the pin until their next restart", pin_id,
-                        self.record_key, error_name(rc), rc)
         todo = [k for k in pin.keys if k not in kept]
         removed = 0
 
@@ -302,41 +410,118 @@ class Pins:
         return [codes.get(k, 0) for k in keys]
 
     def refresh(self, *, force: bool = False) -> None:
-        """Take the pins other workers of this layout made or dropped from the records
-        (``record_key``), at most every ``refresh_s`` unless ``force``: their keys are saved
-        pinned by this worker from now on (``pin_keys(upsert=False)``: the values in the pool
-        are pinned already). Soft pins past their TTL are dropped (the master dropped them).
+        """Take the pins other workers of this layout made or dropped: the newest records
+        when a version newer than the one applied here exists (one ``batch_is_exist``), at
+        most every ``refresh_s`` unless ``force`` (which reads the newest records whatever).
+        Their keys are saved pinned by this worker from now on (``pin_keys(upsert=False)``:
+        the values in the pool are pinned already). Soft pins past their TTL are dropped (the
+        master dropped them).
 
         Raises:
             BackendError: the store failed.
         """
         with self._io:
             if force or time.monotonic() - self._refreshed >= self.refresh_s:
-                self._refresh()
+                self._refreshed = time.monotonic()
+                self._sync(force)
 
-    def _refresh(self) -> None:
-        if self.record_key is None:
+    def poll(self) -> int:
+        """One round of the poll thread (``start``): new records taken (``refresh``), soft
+        pins past their end dropped, and the hard pins whose chunks' soft pin is due renewed
+        (module docstring): claimed by a new version of the records, so one worker of the
+        layout renews each, then upserted soft-pinned again (``pin_keys``). Returns the pins
+        renewed.
+
+        Raises:
+            BackendError: the store failed.
+        """
+        with self._io:
+            self._sync(False)
+            if self._records is None or not any(p.renew_due(time.time() * 1e3)
+                                                for p in self.list()):
+                return 0
+            ttl = self.backend.hard_pin_ttl_ms()
+            due: list[Pin] = []
+
+            def change(seq: int, data: bytes) -> list[PinRecord] | None:
+                self._apply(seq, data)
+                now = time.time() * 1e3
+                with self._lock:
+                    due[:] = [p for p in self._pins.values() if p.renew_due(now)]
+                    if not due:
+                        return None  # another worker renewed them
+                    for p in due:
+                        self._pins[p.pin_id] = replace(p, renewed_ms=now, renew_ttl_ms=ttl)
+                    return [p.record() for p in self._pins.values()]
+
+            self._seq = self._records.update(change) or self._seq
+        for p in due:
+            codes = self.backend.pin_keys(p.keys, hard=True, ttl_ms=0)
+            if any(rc < 0 for rc in codes):
+                log.warning("kvpool pins: hard pin %r: %d of %d keys not renewed: %s",
+                            p.pin_id, sum(1 for rc in codes if rc < 0), len(codes),
+                            sorted({error_name(rc) for rc in codes if rc < 0}))
+        self.renewals += len(due)
+        return len(due)
+
+    def start(self, poll_s: float = PIN_POLL_S) -> None:
+        """Poll the records every ``poll_s`` on a daemon thread (``poll``) until ``close``;
+        nothing without ``record_key``."""
+        if self._records is None or self._thread is not None:
             return
-        self._refreshed = time.monotonic()
-        data = self.backend.read_record(self.record_key)
-        try:
-            records = msgspec.json.decode(data, type=_Records).pins if data else []
-        except msgspec.DecodeError as exc:
-            log.warning("kvpool pins: records at %s unreadable (%s): kept as they were",
-                        self.record_key, exc)
+        self._thread = threading.Thread(target=self._watch, args=(poll_s,), daemon=True,
+                                        name="kvpool-pins")
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the poll thread (waits for a round in progress at most ``timeout_s``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _watch(self, poll_s: float) -> None:
+        logged = -float("inf")
+        while not self._stop.wait(poll_s):
+            try:
+                self.poll()
+            except BackendError as exc:
+                if exc.code == ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS:
+                    return  # the backend closed under the thread
+                if time.monotonic() - logged >= _FAIL_LOG_S:
+                    logged = time.monotonic()
+                    log.warning("kvpool pins: records at %s not polled: %s (tried again every "
+                                "%.1f s)", self.record_key, exc, poll_s)
+
+    def _sync(self, force: bool) -> None:
+        """The newest records applied here when there are newer ones (or ``force``); soft
+        pins past their end dropped in any case."""
+        if self._records is not None and (force or self._seq < 0
+                                          or self._records.newer(self._seq)):
+            self._apply(*self._records.latest())
+        else:
+            self._expire()
+
+    def _expire(self) -> None:
+        now = time.time() * 1e3
+        with self._lock:
+            gone = [p for p in self._pins.values() if p.mode == "soft" and p.expires_ms <= now]
+            for p in gone:
+                del self._pins[p.pin_id]
+            kept = {k for p in self._pins.values() for k in p.keys}
+        dropped = [k for p in gone for k in p.keys if k not in kept]
+        if dropped:
+            self.backend.forget_pins(dropped)
+
+    def _apply(self, seq: int, data: bytes) -> None:
+        """Make the pins here those of version ``seq`` of the records (``data``); an empty
+        version past 0 (not readable now) changes nothing: asked again at the next poll."""
+        if seq and not data:
             return
         now = time.time() * 1e3
-        # Any pool writer can store the records: none holds more than ``pin`` allows.
-        most = MAX_PIN_TOKENS // self.chunk_size
-        bad = {r.pin_id for r in records[MAX_PINS:]} | {
-            r.pin_id for r in records[:MAX_PINS] if len(r.hashes) > most
-            or (r.mode == "soft" and r.expires_ms - now > MAX_SOFT_PIN_TTL_MS)}
-        if bad:
-            log.warning("kvpool pins: records at %s: %d pins ignored (over %d pins, %d chunks "
-                        "per pin or a %d ms TTL): %s", self.record_key, len(bad), MAX_PINS,
-                        most, MAX_SOFT_PIN_TTL_MS, sorted(bad)[:8])
-        live = {r.pin_id: r for r in records[:MAX_PINS] if r.pin_id not in bad
-                and (r.mode == "hard" or r.expires_ms > now)}
+        live = _live(data, self.chunk_size, now, self.record_key or "")
+        if live is None:
+            return
+        self._seq = seq
         with self._lock:
             gone = [p for p in self._pins.values()
                     if (r := live.get(p.pin_id)) is None
@@ -344,8 +529,13 @@ class Pins:
                                                                    p.hashes)]
             for p in gone:
                 del self._pins[p.pin_id]
+            # The same pin renewed: its renewal times only (its keys stay pinned here).
+            for pid, p in self._pins.items():
+                r = live[pid]
+                self._pins[pid] = replace(p, renewed_ms=r.renewed_ms,
+                                          renew_ttl_ms=r.renew_ttl_ms)
             new = [Pin(r.pin_id, r.mode, r.ttl_ms, r.tokens, tuple(self.keys_of(r.hashes)),
-                       tuple(r.hashes), r.expires_ms)
+                       tuple(r.hashes), r.expires_ms, r.renewed_ms, r.renew_ttl_ms)
                    for r in live.values() if r.pin_id not in self._pins]
             for p in new:
                 self._pins[p.pin_id] = p
@@ -356,12 +546,3 @@ class Pins:
         for p in new:
             ttl = max(1, int(p.expires_ms - now)) if p.mode == "soft" else 0
             self.backend.pin_keys(p.keys, hard=p.mode == "hard", ttl_ms=ttl, upsert=False)
-
-    def _write(self) -> int:
-        """Store every pin held here as this layout's records; 0 or a negative code."""
-        if self.record_key is None:
-            return 0
-        records = _Records(v=_RECORDS_VERSION, pins=[
-            _Record(p.pin_id, p.mode, p.ttl_ms, p.tokens, list(p.hashes), p.expires_ms)
-            for p in self.list()])
-        return self.backend.write_record(self.record_key, msgspec.json.encode(records))

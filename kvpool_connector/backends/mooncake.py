@@ -16,7 +16,8 @@ Configuration (same fields as the vLLM Ascend Mooncake guide), from the JSON fil
       "master_admin_url": "http://127.0.0.1:9003",  # HA: every master's, comma-separated
       "eviction_high_watermark_ratio": 0.9,   # as passed to mooncake_master (for stats)
       "default_kv_lease_ttl": 5000,           # ms, as passed to mooncake_master (for stats)
-      "transfer_timeout_ms": 60000            # ms, the store client's transfer timeout
+      "transfer_timeout_ms": 60000,           # ms, the store client's transfer timeout
+      "max_kv_soft_pin_ttl": 86400000         # ms, as passed to mooncake_master (pins)
     }
 
 ``MOONCAKE_MASTER`` overrides ``master_server_address`` and ``MOONCAKE_GLOBAL_SEGMENT_SIZE``
@@ -34,6 +35,10 @@ Store modes:
 ``eviction_high_watermark_ratio`` and ``default_kv_lease_ttl`` (ms) repeat the master's own
 flags (the master does not publish them) so ``stats()`` can show usage against the watermark
 and the lease in force.
+
+``max_kv_soft_pin_ttl`` (ms) repeats the master's longest soft pin TTL: a hard pin's chunks
+already in the pool are soft-pinned that long and renewed before it ends
+(``kvpool_connector.pins``); a TTL over the master's is refused (-600 INVALID_PARAMS).
 
 ``transfer_timeout_ms`` is how long a read's transfer may still run (ms): the store client
 fails a transfer only after 60 s (``TRANSFER_TIMEOUT_MS``), whatever the lease. The connector
@@ -101,8 +106,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HARD_PIN_UPSERT_TTL_MS = 86_400_000
-"""Soft pin TTL (ms) a hard pin gives the values already in the pool, which an upsert cannot
-hard-pin: Mooncake master's ``max_kv_soft_pin_ttl`` default (24 h), the longest it grants."""
+"""Soft pin TTL (ms) a hard pin gives the values already in the pool by default, which an
+upsert cannot hard-pin: Mooncake master's ``max_kv_soft_pin_ttl`` default (24 h), the longest
+it grants (``MooncakeConfig.max_kv_soft_pin_ttl`` repeats another master's)."""
 
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
@@ -150,6 +156,8 @@ class MooncakeConfig(BaseModel):
     # mooncake_master's own default (--default_kv_lease_ttl, ms).
     default_kv_lease_ttl: int = Field(default=10_000, ge=0)
     transfer_timeout_ms: int = Field(default=TRANSFER_TIMEOUT_MS, ge=0)
+    # mooncake_master's own default (--max_kv_soft_pin_ttl, ms).
+    max_kv_soft_pin_ttl: int = Field(default=HARD_PIN_UPSERT_TTL_MS, gt=0)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
@@ -403,10 +411,10 @@ class MooncakeBackend(Backend):
         ``with_hard_pin``). A key already in the pool is upserted with the pin; an upsert
         keeps no hard pin (mooncake-transfer-engine 0.3.13: a value upserted with
         ``with_hard_pin`` alone was evicted by the next flood), so a hard pin's present keys
-        are upserted soft-pinned for ``HARD_PIN_UPSERT_TTL_MS`` as well. ``upsert=False``
-        (pins another worker made, ``Pins.refresh``): only later saves are pinned, every key
-        answers 0. Per key 1 pinned now, 0 not in the pool (pinned when saved), or a negative
-        ``ErrorCode``."""
+        are upserted soft-pinned for ``hard_pin_ttl_ms`` as well (``Pins.poll`` renews it).
+        ``upsert=False`` (pins another worker made, ``Pins.refresh``): only later saves are
+        pinned, every key answers 0. Per key 1 pinned now, 0 not in the pool (pinned when
+        saved), or a negative ``ErrorCode``."""
         from mooncake.store import ReplicateConfig, SoftPinAction
 
         cfg = ReplicateConfig()
@@ -417,7 +425,7 @@ class MooncakeBackend(Backend):
             cfg.soft_pin_action = SoftPinAction.ENABLE
             cfg.soft_pin_ttl_ms = ttl_ms
         now.soft_pin_action = SoftPinAction.ENABLE
-        now.soft_pin_ttl_ms = HARD_PIN_UPSERT_TTL_MS if hard else ttl_ms
+        now.soft_pin_ttl_ms = self.hard_pin_ttl_ms() if hard else ttl_ms
         out = []
         for key in keys:
             self._pins[key] = cfg
@@ -431,6 +439,11 @@ class MooncakeBackend(Backend):
             rc = int(self._call("upsert", self._store.upsert, key, value, now))
             out.append(1 if rc == 0 else rc)
         return out
+
+    def hard_pin_ttl_ms(self) -> int:
+        """The soft pin TTL (ms) ``pin_keys`` gives a hard pin's values already in the pool:
+        ``MooncakeConfig.max_kv_soft_pin_ttl``, the master's longest."""
+        return self.config.max_kv_soft_pin_ttl
 
     def unpin_keys(self, keys: Sequence[str]) -> list[int]:
         """Forget the pins of ``keys`` and remove them from the pool: Mooncake keeps a pin
@@ -470,6 +483,17 @@ class MooncakeBackend(Backend):
 
         if self._call("get", self._store.get, key):
             return int(self._call("upsert", self._store.upsert, key, data, ReplicateConfig()))
+        cfg = ReplicateConfig()
+        cfg.with_hard_pin = True
+        return int(self._call("put", self._store.put, key, data, cfg))
+
+    def create_record(self, key: str, data: bytes) -> int:
+        """Put ``data`` at ``key`` hard-pinned unless ``key`` exists: Mooncake's put creates
+        only (OBJECT_ALREADY_EXISTS, -705, leaves the value there; the client still answers 0,
+        mooncake-transfer-engine 0.3.13.post1), so the caller reads ``key`` back to know whose
+        value it holds. 0 or a negative ``ErrorCode``."""
+        from mooncake.store import ReplicateConfig
+
         cfg = ReplicateConfig()
         cfg.with_hard_pin = True
         return int(self._call("put", self._store.put, key, data, cfg))

@@ -1,6 +1,7 @@
 """Attack: pin records another pool writer planted at a layout's ``kvpool-pins@...`` key
 (``Pins.refresh``) are ignored with a logged line, never an exception into the engine (its start
-reads them in ``register_kv_caches``) and never more work than ``pin`` itself allows."""
+reads them in ``register_kv_caches``) and never more work than ``pin`` itself allows; a planted
+version that cannot be read drops no pin and frees no pinned chunk (``pinned_chunks`` raises)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,22 @@ from mooncake.store import ReplicateConfig
 
 from kvpool_agent.operations import CommandError
 from kvpool_agent.protocol import MAX_PIN_TOKENS, PinArgs, Source
+from kvpool_connector.backends.base import BackendError
 from kvpool_connector.operations import BackendOperations
-from kvpool_connector.pins import MAX_PINS, Pins
+from kvpool_connector.pins import MAX_PINS, Pins, pinned_chunks
 
 CHUNK = 16
 KEY = "kvpool-pins@m@d"
 
 
 class _Pool:
-    """The record calls of ``MooncakeBackend``; ``pin_keys`` sets the TTL on a real
-    ``ReplicateConfig`` as it does (uint64 ms: a larger int raises ``TypeError``)."""
+    """The record calls of ``MooncakeBackend`` over a dict (``put`` creates only, as
+    Mooncake's); ``pin_keys`` sets the TTL on a real ``ReplicateConfig`` as it does (uint64
+    ms: a larger int raises ``TypeError``)."""
 
     def __init__(self, record: bytes) -> None:
-        self.record, self.pinned = record, 0
+        self.values = {KEY: record} if record else {}
+        self.pinned = 0
 
     def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int, *,
                  upsert: bool = True) -> list[int]:
@@ -40,11 +44,24 @@ class _Pool:
     def forget_pins(self, keys: Sequence[str]) -> None:
         pass
 
+    def hard_pin_ttl_ms(self) -> int:
+        return 86_400_000
+
+    def batch_exists(self, keys: Sequence[str]) -> list[int]:
+        return [int(k in self.values) for k in keys]
+
+    def batch_remove(self, keys: Sequence[str]) -> list[int]:
+        return [0 if self.values.pop(k, None) is not None else -704 for k in keys]
+
     def read_record(self, key: str) -> bytes:
-        return self.record
+        return self.values.get(key, b"")
 
     def write_record(self, key: str, data: bytes) -> int:
-        self.record = data
+        self.values[key] = data
+        return 0
+
+    def create_record(self, key: str, data: bytes) -> int:
+        self.values.setdefault(key, data)
         return 0
 
 
@@ -97,3 +114,18 @@ def test_a_text_pin_tokenized_past_max_pin_tokens_is_refused() -> None:
     with pytest.raises(CommandError, match=f"at most {MAX_PIN_TOKENS}"):
         ops.pin(PinArgs(model="m", pin_id="long", text="a" * (2 * MAX_PIN_TOKENS)))
     assert pool.pinned == 0 and ops.pins.list() == []
+
+
+def test_a_planted_unreadable_version_drops_no_pin() -> None:
+    pool = _Pool(b"")
+    pins = _pins(pool)
+    pins.pin("ok", list(range(CHUNK)), "hard")
+    pool.values[f"{KEY}@v2"] = b"not records"  # a newer version another pool writer put
+    pins.refresh(force=True)
+    assert [p.pin_id for p in pins.list()] == ["ok"]
+    # A remover of chunks gets an error, never an empty set that would free the pinned ones.
+    with pytest.raises(BackendError, match="not readable"):
+        pinned_chunks(pool, "m", "d", CHUNK)
+    # The next write supersedes it with the pins held.
+    pins.pin("next", list(range(100, 100 + CHUNK)), "hard")
+    assert len(pinned_chunks(pool, "m", "d", CHUNK)) == 2

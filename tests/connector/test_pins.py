@@ -1,19 +1,24 @@
 """Pinned prefixes (``kvpool_connector.pins``) against a real mooncake_master: a pinned prefix
 survives a flood that evicts everything unpinned, also the chunks saved after the pin; it is gone
-after unpin + pressure; a pin over its share of the pool is refused with the numbers."""
+after unpin + pressure; a pin over its share of the pool is refused with the numbers. With a
+store process and two store clients (issue 40): two pins written at once are both kept and each
+can be unpinned; a hard pin's chunks already in the pool outlive their soft pin's TTL; a new pin
+reaches another rank within a poll, without an agent."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import chunk_hashes
-from kvpool_connector.pins import PinRefused, Pins
-from kvpool_replay import LocalMooncakeMaster
+from kvpool_connector.pins import PinnableBackend, PinRefused, Pins, pinned_chunks
+from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, mooncake_extra_config
 
 CHUNK = 16
 VALUE = 256 << 10  # bytes per chunk value: a 32 MB segment holds ~128
@@ -120,3 +125,148 @@ def test_pin_over_its_share_is_refused_with_the_numbers(
     with pytest.raises(ValueError, match="ttl_ms > 0"):
         pins.pin("nottl", list(range(CHUNK)), ttl_ms=0)
     assert pins.unpin("ok") >= 0
+
+
+# Pins that hold (issue 40): the records of a layout are versioned, hard pins on chunks in the
+# pool are renewed before their soft pin lapses, and a started Pins learns a new pin within a
+# poll. A pool of its own: a store process (standalone clients, as engines in production) and a
+# master whose longest soft pin is short, so a lapse happens within the test.
+SOFT_TTL_MS = 3_000
+"""The master's ``max_kv_soft_pin_ttl`` here (ms): a hard pin's chunks in the pool hold a soft
+pin this long, renewed every third of it."""
+
+
+@dataclass
+class HeldPool:
+    a: MooncakeBackend
+    b: MooncakeBackend
+    buf_a: torch.Tensor
+    buf_b: torch.Tensor
+    record_key: str
+
+
+@pytest.fixture(scope="module")
+def held() -> Iterator[HeldPool]:
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=500, extra_args=[
+            f"-max_kv_soft_pin_ttl={SOFT_TTL_MS}", f"-default_kv_soft_pin_ttl={SOFT_TTL_MS}"]
+            ) as m, LocalPoolStore(m, 32 << 20):
+        conf = mooncake_extra_config(m.address, m.admin_url, lease_ttl_ms=500)["mooncake"]
+        conf.update(local_buffer_size="4MB", transfer_timeout_ms=1000,
+                    max_kv_soft_pin_ttl=SOFT_TTL_MS)
+        # Two store clients: two workers (TP ranks) of one layout.
+        a, b = (MooncakeBackend(MooncakeConfig.load({"mooncake": conf})) for _ in range(2))
+        bufs = []
+        for backend in (a, b):
+            buf = torch.randint(0, 255, (VALUE,), dtype=torch.uint8)
+            backend.register_buffer(buf.data_ptr(), buf.numel())
+            bufs.append(buf)
+            _ALIVE.append(buf)
+        try:
+            yield HeldPool(a, b, bufs[0], bufs[1], "kvpool-pins@test-pins@layout")
+        finally:
+            a.close()
+            b.close()
+
+
+def _held_pins(p: HeldPool, b: PinnableBackend) -> Pins:
+    return _pins(b, record_key=p.record_key)  # type: ignore[arg-type]
+
+
+def _wait(cond: Callable[[], object], timeout_s: float, what: str) -> float:
+    """Seconds until ``cond()`` held (asked every 20 ms); fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+class _Interleaved:
+    """A store client whose first records write lets ``first`` run before it: another
+    worker's pin completes between this worker's read of the records and its write."""
+
+    def __init__(self, inner: MooncakeBackend, first: Callable[[], object]) -> None:
+        self.inner, self.first = inner, first
+
+    def create_record(self, key: str, data: bytes) -> int:
+        if self.first is not None:
+            first, self.first = self.first, None
+            first()
+        return self.inner.create_record(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_concurrent_pins_are_both_kept_and_each_unpinnable(held: HeldPool) -> None:
+    one = list(range(CHUNK * 2))
+    two = list(range(500, 500 + CHUNK * 3))
+    pins_a = _held_pins(held, held.a)
+    # Worker b reads the records (no pin), then worker a pins "one", then b writes "two":
+    # a read-modify-write of one record lost "one" here.
+    pins_b = _held_pins(held, _Interleaved(held.b, lambda: pins_a.pin("one", one, "hard")))
+    pins_b.pin("two", two, "hard")
+    reader = _held_pins(held, held.a)
+    reader.refresh(force=True)
+    assert sorted((p.pin_id, p.mode, p.tokens) for p in reader.list()) == [
+        ("one", "hard", 2 * CHUNK), ("two", "hard", 3 * CHUNK)]
+    assert {p.pin_id for p in pins_b.list()} == {"one", "two"}
+    assert held.b.pinned_keys >= 5  # b saves both prefixes pinned
+    # What a remover of chunks (the policy service) reads: both prefixes.
+    assert pinned_chunks(held.b, "test-pins", "layout", CHUNK) == frozenset(
+        chunk_hashes(one, CHUNK) + chunk_hashes(two, CHUNK))
+
+    # Each unpinned by the worker that did not make it.
+    pins_a.unpin("two")
+    pins_b.unpin("one")
+    reader.refresh(force=True)
+    assert reader.list() == []
+    assert pinned_chunks(held.a, "test-pins", "layout", CHUNK) == frozenset()
+
+
+def test_hard_pin_on_chunks_in_the_pool_outlives_their_soft_pin_ttl(held: HeldPool) -> None:
+    hard = list(range(1000, 1000 + CHUNK * 3))
+    soft = list(range(2000, 2000 + CHUNK * 2))
+    hard_keys = _keys(chunk_hashes(hard, CHUNK))
+    soft_keys = _keys(chunk_hashes(soft, CHUNK))
+    assert _put(held.a, held.buf_a, hard_keys + soft_keys) == [0] * 5
+    pins = _held_pins(held, held.a)
+    r = pins.pin("hard", hard, "hard")
+    assert (r.pinned_now, r.pending) == (3, 0)  # upserted soft-pinned: Mooncake's only way
+    # The control: a soft pin of the same TTL, which nothing renews.
+    assert pins.pin("soft", soft, "soft", ttl_ms=SOFT_TTL_MS).pinned_now == 2
+    pinned_ms = time.time() * 1e3
+    pins.start()
+    try:
+        # Past two TTLs of the first soft pin, renewed (every TTL / 3) meanwhile.
+        _wait(lambda: time.time() * 1e3 > pinned_ms + 2 * SOFT_TTL_MS and pins.renewals >= 4,
+              30, "renewals")
+        _flood(held.a, held.buf_a, "held")
+        assert held.a.batch_exists(hard_keys) == [1] * 3
+        assert held.a.batch_exists(soft_keys) == [0] * 2  # lapsed, and evicted
+        assert held.a.store.get(hard_keys[0]) == bytes(held.buf_a.numpy())
+    finally:
+        pins.close()
+    assert pins.unpin("hard") == 3
+
+
+def test_a_new_pin_reaches_another_rank_within_a_poll(held: HeldPool) -> None:
+    prefix = list(range(3000, 3000 + CHUNK * 2))  # not in the pool: saved after the pin
+    keys = _keys(chunk_hashes(prefix, CHUNK))
+    rank0, rank1 = _held_pins(held, held.a), _held_pins(held, held.b)
+    rank1.refresh(force=True)  # its start; no agent refreshes it after
+    rank1.start()
+    try:
+        assert rank1.pinned_keys() == frozenset()
+        rank0.pin("late", prefix, "hard")
+        # The poll asks every PIN_POLL_S (0.5 s); the bound leaves a loaded 2-core CI its
+        # margin (the records were read every 10 s before, never without an agent).
+        _wait(lambda: rank1.pinned_keys() == frozenset(keys), 2.0, "rank 1 learns the pin")
+        # Rank 1 saves the prefix: put hard-pinned, it outlives a flood.
+        assert _put(held.b, held.buf_b, keys) == [0, 0]
+        _flood(held.a, held.buf_a, "late")
+        assert held.a.batch_exists(keys) == [1, 1]
+        rank0.unpin("late")
+        _wait(lambda: not rank1.pinned_keys(), 2.0, "rank 1 learns the unpin")
+    finally:
+        rank1.close()
