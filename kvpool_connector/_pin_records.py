@@ -104,9 +104,11 @@ class RecordStore:
         """Whether a version after ``seq`` exists (one ``batch_is_exist`` of one key)."""
         return self.backend.batch_exists([self.version_key(seq + 1)]) == [1]
 
-    def latest(self) -> tuple[int, bytes]:
+    def latest(self) -> tuple[int, bytes | None]:
         """The newest version's seq and bytes: the unversioned record as seq 0 when no version
-        exists (``b""``: none); ``b""`` with a seq > 0 is not readable now (not no pins).
+        exists (``b""``: no pins; also when no version is left at or after the head hint, as
+        when a pool writer removed them); ``None``: the newest version exists but cannot be
+        read now (its put still running).
 
         Raises:
             BackendError: the store failed.
@@ -125,7 +127,7 @@ class RecordStore:
             seq = probe[-1]
         if not seen:
             return (seq, self.backend.read_record(self.key)) if seq == 0 else (seq, b"")
-        return seen[-1], self._read(seen[-1])
+        return seen[-1], self._read(seen[-1]) or None
 
     def read(self, seq: int) -> bytes:
         """The bytes of version ``seq`` (``b""``: gone or still being put)."""
@@ -165,11 +167,11 @@ class RecordStore:
             seq, data = self._newest(end)  # another writer won seq + 1: change its records
 
     def _newest(self, end: float) -> tuple[int, bytes]:
-        """``latest``, never an empty version (a put still running, or versions gone): a
-        change of no records would drop every pin."""
+        """``latest``, waiting out a version not readable yet: a change made without its
+        records would drop its pins."""
         while True:
             seq, data = self.latest()
-            if data or seq == 0:
+            if data is not None:
                 return seq, data
             if time.monotonic() > end:
                 raise BackendError(f"pin records at {self.key}: version {seq} not readable")

@@ -199,7 +199,7 @@ def pinned_chunks(backend: PinnableBackend, model: str, layout_digest: str,
     """
     key = pins_key(model, layout_digest)
     seq, data = RecordStore(backend, key).latest()
-    live = _live(data, chunk_size, time.time() * 1e3, key) if data or not seq else None
+    live = None if data is None else _live(data, chunk_size, time.time() * 1e3, key)
     if live is None:
         raise BackendError(f"pin records at {key}: version {seq} not readable")
     return frozenset(h for r in live.values() for h in r.hashes)
@@ -497,7 +497,9 @@ class Pins:
         pins past their end dropped in any case."""
         if self._records is not None and (force or self._seq < 0
                                           or self._records.newer(self._seq)):
-            self._apply(*self._records.latest())
+            seq, data = self._records.latest()
+            if data is not None:  # not readable yet: asked again at the next poll
+                self._apply(seq, data)
         else:
             self._expire()
 
@@ -513,10 +515,7 @@ class Pins:
             self.backend.forget_pins(dropped)
 
     def _apply(self, seq: int, data: bytes) -> None:
-        """Make the pins here those of version ``seq`` of the records (``data``); an empty
-        version past 0 (not readable now) changes nothing: asked again at the next poll."""
-        if seq and not data:
-            return
+        """Make the pins here those of version ``seq`` of the records (``data``)."""
         now = time.time() * 1e3
         live = _live(data, self.chunk_size, now, self.record_key or "")
         if live is None:
