@@ -514,7 +514,8 @@ class Aggregator:
 
     def _saves_in_flight(self, tr: TransferStats, now_ms: float) -> None:
         """The saves in flight as of ``now_ms`` (issue 38 item 4): the oldest one's age (ms),
-        the engine blocks they still read, the bytes they hold in staging buffers."""
+        the engine blocks they still read, the bytes they hold in staging buffers (a layer-wise
+        save's copied layers not yet reported done)."""
         oldest, held, staged = now_ms, 0, 0
         for t in self.in_flight.values():
             if t.kind != "save":
@@ -522,6 +523,9 @@ class Aggregator:
             oldest = min(oldest, t.started_ms)
             if t.copied_ms is None:
                 held += t.blocks
+            elif t.layers_total:  # layer-wise: the layers not finished are in staging
+                staged += t.bytes * (t.layers_total - min(t.layers_done, t.layers_total)) \
+                    // t.layers_total
             else:
                 staged += t.bytes
         tr.oldest_save_age_ms = _bounded(now_ms - oldest, MAX_MS)

@@ -671,7 +671,9 @@ class SaveQueue:
 
         def copied() -> None:  # the operators' view: these saves hold no block, only staging
             release()
-            if layer is None:  # a layer-wise save's later layers still read its blocks
+            # A layer-wise save's blocks are free once its last layer is copied (its earlier
+            # layers ran before on this one thread); before, later layers still read them.
+            if layer is None or layer == n_layers - 1:
                 for req, _ in todo:
                     self.reporter.save_copied(req.req_id)
         try:

@@ -19,7 +19,7 @@ import torch
 
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent.protocol import Source
-from kvpool_agent.reporter import Reporter
+from kvpool_agent.reporter import Reporter, SaveCopied
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, chunk_hashes
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
@@ -264,6 +264,44 @@ def test_stopped_store_never_holds_engine_blocks(
         for j, block in enumerate(dst_ids):  # a block is the saved bytes, or failed: recompute
             assert block in failed or torch.equal(got[j], want[j]), (name, block)
     assert writer.counters.saved_keys == chunks and not failed  # the put went through
+
+
+def test_layerwise_save_reports_its_copy(client: MooncakeBackend) -> None:
+    """A layer-wise save at Llama-3's KV heads (8 layers, staged per layer) tells the operators
+    its blocks are free once its last layer is copied (issue 38 item 5): before that copy every
+    block is held; after it none is, and only the last layer's bytes are staged (the earlier
+    layers' puts ended); nothing once the save ended."""
+    settings = _Settings(use_layerwise=True, staging_buffer_bytes=32 << 20)
+    chunks = 2
+    src, dst, writer, reader, src_ids, dst_ids, hashes = _writer_and_reader(
+        settings, client, "layerwise-copy", chunks)
+    meta = KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="w", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
+        save_to_chunk=chunks, is_last_save=True)])
+    writer.start_load_kv(meta)
+    assert writer.kv is not None
+    for layer in writer.kv.layers:
+        writer.save_kv_layer(layer.name, None)
+    writer.wait_for_save(meta)
+    assert writer.drain_saves(120)
+    assert (writer.counters.saved_keys, writer.counters.save_failed_keys) == (8 * chunks, 0)
+    events = writer.reporter.drain()
+    (at,) = [i for i, ev in enumerate(events) if isinstance(ev, SaveCopied)]
+    agg = Aggregator(Source(agent_id="lw/0", engine_id="lw", instance_role="mixed",
+                            kv_role="kv_both", process_role="worker"))
+    agg.apply(events[:at])
+    started = agg.in_flight[("w", "save")].started_ms
+    nbytes = chunks * settings.chunk_size * 8 * 2 * 128 * 2 * 8  # tokens x K,V x layers
+    tr = agg.state(started + 100).transfers
+    assert (tr.save_blocks_held, tr.save_bytes_staged) == (len(src_ids), 0)
+    agg.apply(events[at:at + 1])
+    tr = agg.state(started + 100).transfers
+    assert (tr.save_blocks_held, tr.save_bytes_staged, tr.oldest_save_age_ms) == (
+        0, nbytes // 8, 100.0)
+    agg.apply(events[at + 1:])
+    tr = agg.state(started + 100).transfers
+    assert (tr.save_blocks_held, tr.save_bytes_staged, tr.oldest_save_age_ms) == (0, 0, 0.0)
+    assert tr.saves_finished == 1 and tr.saved_bytes == nbytes
 
 
 def test_stopped_store_turns_an_inline_load_into_recompute(
