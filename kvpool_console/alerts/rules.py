@@ -17,7 +17,7 @@ from kvpool_agent.protocol import (
     TransferStats,
 )
 from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
-from kvpool_console._transport import TRANSPORT_HINT, failures_text, transport_failures
+from kvpool_console._transport import failures_text, transport_failures, transport_hint
 from kvpool_console.alerts.adapters import adapter_alerts
 from kvpool_console.alerts.alert import (
     AFTER_HIT,
@@ -281,7 +281,7 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
     failed = transport_failures(group)
     if failed:
         owner = f"the transport (failed transfers: {failures_text(failed)})"
-        hint = TRANSPORT_HINT
+        hint = transport_hint(failed)
     elif pool is not None and pool.healthy is False:
         owner = f"master {master} (pool health check failing: {pool.health_detail or '?'})"
         hint = HINTS["RPC_FAIL"]

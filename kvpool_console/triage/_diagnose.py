@@ -9,7 +9,8 @@ Rules, in the order the findings are listed (critical first):
 - one of the engine's ports or sockets is listened on by a process that is not the engine:
   **port held by pid N (name)**;
 - the pool's master does not accept a TCP connection from the engine's host;
-- the engine's transfers failed in the transport (its agents counted ``TRANSFER_FAIL``, or its
+- the engine's transfers failed in the transport (its agents counted Mooncake's transfer or RPC
+  errors, ``TRANSFER_FAIL``, ``RPC_FAIL``... (``kvpool_console._transport``), or its
   log has Mooncake's transport lines, ``TRANSPORT_LOG_MARKS``): a **transport failure**, named as
   one and with what to change (issue 38: a store that answers but whose transfer engine cannot
   move the bytes is not a stopped store);
@@ -22,10 +23,11 @@ from collections.abc import Mapping
 
 from kvpool_agent.protocol import EngineState
 from kvpool_console._transport import (
-    TRANSPORT_ERRORS,
     TRANSPORT_HINT,
     failures_text,
+    is_transport_error,
     transport_failures,
+    transport_hint,
 )
 from kvpool_console.triage._model import Finding, HostReport, ProcessCheck, TriageReport
 
@@ -42,7 +44,7 @@ def transport_facts(engine_id: str, states: Mapping[str, EngineState]) -> tuple[
     """The engine's failed transfers by transport error name and the newest such error's
     message, from its agents' last reports."""
     mine = [s for s in states.values() if s.source.engine_id == engine_id]
-    errors = [e for s in mine for e in s.recent_errors if e.name in TRANSPORT_ERRORS]
+    errors = [e for s in mine for e in s.recent_errors if is_transport_error(e.name)]
     last = max(errors, key=lambda e: e.ts_ms, default=None)
     return transport_failures(mine), (f"{last.name}: {last.message}" if last else "")
 
@@ -88,7 +90,7 @@ def _transport(report: TriageReport) -> list[Finding]:
     return [Finding(kind="transport", severity="critical",
                     text=f"transport failure: transfers failed with "
                          f"{failures_text(report.transport_failures)}{last}; fix: "
-                         f"{TRANSPORT_HINT}")]
+                         f"{transport_hint(report.transport_failures)}")]
 
 
 def _transport_log(host: HostReport) -> list[Finding]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvpool_agent.protocol import EngineState
-from kvpool_console._transport import TRANSPORT_HINT, failures_text, saves_in_flight
+from kvpool_console._transport import failures_text, saves_in_flight, transport_hint
 from kvpool_console.model import fmt_age, fmt_bytes
 
 __all__ = ["saves_line"]
@@ -31,5 +31,5 @@ def saves_line(engine_id: str, states: Mapping[str, EngineState], now_ms: float)
                      f"{fmt_bytes(v.bytes_staged)} staged")
     if v.transport_failures:
         parts.append(f"transport failures: {failures_text(v.transport_failures)} "
-                     f"({TRANSPORT_HINT})")
+                     f"({transport_hint(v.transport_failures)})")
     return "; ".join(parts)

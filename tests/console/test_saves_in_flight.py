@@ -11,7 +11,7 @@ from fleetdata import NOW_MS, engine, pool
 
 from kvpool_agent._metrics import FleetCollector
 from kvpool_agent.protocol import EngineState, ErrorRecord, Transfer
-from kvpool_console._transport import TRANSPORT_HINT
+from kvpool_console._transport import RPC_HINT, TRANSPORT_HINT, transport_failures
 from kvpool_console.alerts import AlertModel, evaluate
 from kvpool_console.cli import status_document
 from kvpool_console.model import build_view
@@ -103,6 +103,28 @@ def test_a_stuck_save_after_transport_failures_names_the_transport() -> None:
             if a.rule == "stuck_transfer"]
     assert "the store process holding the segments" in a.message
     assert "is not stopped" in a.hint
+
+
+def test_transport_failures_are_mooncakes_transfer_and_rpc_errors() -> None:
+    """Transfer (-800..-899) and RPC (-900..-999) errors are the transport's, named or not by
+    this Mooncake release (``ERROR_-901``: a later release's RPC timeout); a missing block or a
+    full pool is not; the fix names the master for RPC errors."""
+    errors = {"TRANSFER_FAIL": 2, "RPC_FAIL": 3, "ERROR_-901": 1, "ERROR_-801": 4,
+              "OBJECT_NOT_FOUND": 5, "NO_AVAILABLE_HANDLE": 6, "ERROR_-1100": 7,
+              "TimeoutError": 8}
+    fleet = _with(engine("e", loads=0), errors=errors)
+    assert transport_failures(s for s in fleet.values()) == {
+        "TRANSFER_FAIL": 4, "RPC_FAIL": 6, "ERROR_-901": 2, "ERROR_-801": 8}
+    rpc = _with(engine("e", loads=0), in_flight=[_stuck_save()], errors={"RPC_FAIL": 1})
+    (a,) = [a for a in evaluate(rpc, {k: NOW_MS for k in rpc}, NOW_MS)
+            if a.rule == "stuck_transfer"]
+    assert "likely owner: the transport (failed transfers: RPC_FAIL (-900) 2)" in a.message
+    assert a.hint == RPC_HINT and "mooncake_master" in a.hint
+    both = _with(engine("e", loads=0), errors={"ERROR_-901": 1, "TRANSFER_FAIL": 1},
+                 oldest_save_age_ms=0.0, save_blocks_held=0, save_bytes_staged=0)
+    assert saves_line("e", both, NOW_MS) == (
+        "oldest save none, 0 blocks held, 0B staged; transport failures: ERROR_-901 2, "
+        f"TRANSFER_FAIL (-800) 2 ({TRANSPORT_HINT}; {RPC_HINT})")
 
 
 def test_saves_line_by_value() -> None:
