@@ -6,7 +6,9 @@ set per engine (labels ``engine``, ``model``, ``role``: the agents of an engine 
 console's engine row) and per pool (labels ``pool``, ``backend``: deduplicated across the agents
 that report it, newest report wins). Names and units follow Prometheus conventions: counters
 end in ``_total``, sizes in ``_bytes``, spans in ``_seconds``, instants are
-``_timestamp_seconds`` (Unix time), fractions ``_ratio``.
+``_timestamp_seconds`` (Unix time), fractions ``_ratio``. Every family's name and help come
+from the counter catalogue (``kvpool_agent.ledger``): a family the catalogue does not list
+cannot be exported.
 
 Token accounting (the README's "Pool hit rate"): per request, ``prompt`` tokens = ``local``
 (vLLM's own prefix cache) + ``loaded`` (written into vLLM's blocks from the pool, counted once
@@ -37,8 +39,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpool_agent._access_window import FLEET, WINDOW_CHUNKS, Ceiling
+from kvpool_agent import ledger
+from kvpool_agent._access_window import FLEET, Ceiling
 from kvpool_agent._misses import split_not_in_pool
+from kvpool_agent.ledger import Fact
 from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, PoolStats, visible
 
 __all__ = [
@@ -88,17 +92,23 @@ class _Families:
     def __init__(self) -> None:
         self._by_name: dict[str, Metric] = {}
 
-    def counter(self, name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+    def counter(self, name: str, labels: list[str], fact: Fact | None = None
+                ) -> CounterMetricFamily:
+        """The counter family ``kvpool_<name>`` (``fact``: the catalogue's, else ``name``'s)."""
         fam = self._by_name.get(name)
         if fam is None:
-            fam = self._by_name[name] = CounterMetricFamily(name, doc, labels=labels)
+            f = fact or ledger.fact(name)
+            fam = self._by_name[name] = CounterMetricFamily(
+                f"kvpool_{name}", f.help, labels=labels)
         assert isinstance(fam, CounterMetricFamily)
         return fam
 
-    def gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    def gauge(self, name: str, labels: list[str]) -> GaugeMetricFamily:
+        """The gauge family ``kvpool_<name>``, with the catalogue's help."""
         fam = self._by_name.get(name)
         if fam is None:
-            fam = self._by_name[name] = GaugeMetricFamily(name, doc, labels=labels)
+            fam = self._by_name[name] = GaugeMetricFamily(
+                f"kvpool_{name}", ledger.fact(name).help, labels=labels)
         assert isinstance(fam, GaugeMetricFamily)
         return fam
 
@@ -106,43 +116,25 @@ class _Families:
         return iter(self._by_name.values())
 
 
-# Engine counters: (family name without _total, help, value over one engine's agents).
-_ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[list[EngineState]], float]], ...] = (
-    ("kvpool_lookups", "Prefix lookups of the pool (scheduler).",
-     lambda g: sum(s.lookup.lookups for s in g)),
-    ("kvpool_lookup_errors", "Prefix lookups that failed (the request ran without the pool).",
-     lambda g: sum(s.lookup.lookup_errors for s in g)),
-    ("kvpool_prompt_tokens", "Prompt tokens of requests the scheduler was asked about.",
-     lambda g: sum(s.lookup.prompt_tokens for s in g)),
-    ("kvpool_local_hit_tokens", "Prompt tokens vLLM's local prefix cache already held.",
-     lambda g: sum(s.lookup.local_tokens for s in g)),
-    ("kvpool_loaded_tokens", "Prompt tokens loaded from the pool into vLLM's blocks: the "
-     "pool's hits (a failed load is none).",
-     lambda g: sum(s.lookup.loaded_tokens for s in g)),
-    ("kvpool_load_failed_tokens", "Tokens vLLM accepted from the pool that a load failed to "
-     "bring (recomputed).", lambda g: sum(s.lookup.load_failed_tokens for s in g)),
-    ("kvpool_lookup_skipped", "Prefix lookups not made (breaker open, multimodal...).",
-     lambda g: sum(s.lookup.lookup_skipped for s in g)),
-    ("kvpool_recomputed_tokens", "Prompt tokens neither cached locally nor loaded from the "
-     "pool (computed by vLLM).", lambda g: sum(_recomputed(s) for s in g)),
-    ("kvpool_loads_finished", "Loads from the pool that completed.",
-     lambda g: sum(s.transfers.loads_finished for s in g)),
-    ("kvpool_loads_failed", "Loads that failed (timed-out loads included).",
-     lambda g: sum(s.transfers.loads_failed for s in g)),
-    ("kvpool_loads_timed_out", "Loads that timed out.",
-     lambda g: sum(s.transfers.loads_timed_out for s in g)),
-    ("kvpool_failed_after_hit", "Loads that failed with LEASE_EXPIRED or OBJECT_NOT_FOUND "
-     "after a positive lookup.", lambda g: sum(s.transfers.failed_after_hit for s in g)),
-    ("kvpool_saves_finished", "Saves to the pool that completed.",
-     lambda g: sum(s.transfers.saves_finished for s in g)),
-    ("kvpool_saves_failed", "Saves that failed.",
-     lambda g: sum(s.transfers.saves_failed for s in g)),
-    ("kvpool_saves_skipped_blocks", "Blocks whose save was skipped.",
-     lambda g: sum(s.transfers.saves_skipped for s in g)),
-    ("kvpool_loaded_bytes", "Bytes loaded from the pool.",
-     lambda g: sum(s.transfers.loaded_bytes for s in g)),
-    ("kvpool_saved_bytes", "Bytes saved to the pool.",
-     lambda g: sum(s.transfers.saved_bytes for s in g)),
+# Engine counters: (catalogue name, value over one engine's agents).
+_ENGINE_COUNTERS: tuple[tuple[str, Callable[[list[EngineState]], float]], ...] = (
+    ("lookups", lambda g: sum(s.lookup.lookups for s in g)),
+    ("lookup_errors", lambda g: sum(s.lookup.lookup_errors for s in g)),
+    ("prompt_tokens", lambda g: sum(s.lookup.prompt_tokens for s in g)),
+    ("local_tokens", lambda g: sum(s.lookup.local_tokens for s in g)),
+    ("loaded_tokens", lambda g: sum(s.lookup.loaded_tokens for s in g)),
+    ("load_failed_tokens", lambda g: sum(s.lookup.load_failed_tokens for s in g)),
+    ("lookup_skipped", lambda g: sum(s.lookup.lookup_skipped for s in g)),
+    ("recomputed_tokens", lambda g: sum(_recomputed(s) for s in g)),
+    ("loads_finished", lambda g: sum(s.transfers.loads_finished for s in g)),
+    ("loads_failed", lambda g: sum(s.transfers.loads_failed for s in g)),
+    ("loads_timed_out", lambda g: sum(s.transfers.loads_timed_out for s in g)),
+    ("failed_after_hit", lambda g: sum(s.transfers.failed_after_hit for s in g)),
+    ("saves_finished", lambda g: sum(s.transfers.saves_finished for s in g)),
+    ("saves_failed", lambda g: sum(s.transfers.saves_failed for s in g)),
+    ("saves_skipped", lambda g: sum(s.transfers.saves_skipped for s in g)),
+    ("loaded_bytes", lambda g: sum(s.transfers.loaded_bytes for s in g)),
+    ("saved_bytes", lambda g: sum(s.transfers.saved_bytes for s in g)),
 )
 
 
@@ -196,34 +188,28 @@ class FleetCollector(Collector):
             self._engine(fams, engine_id, groups[engine_id], now_ms, gaps, fleet, agent_states,
                          split.get(engine_id))
         self._pools(fams, [st for st, _ in states.values()])
-        fams.gauge("kvpool_fleet_engines", "Engines the hub knows.", []).add_metric(
-            [], len(groups))
-        agents = fams.gauge("kvpool_fleet_agents", "Agents the hub knows, by state (up, stale "
-                            f"after {_STALE_AFTER_S:g} s silent, down after {_DOWN_AFTER_S:g} s).",
-                            ["state"])
+        fams.gauge("fleet_engines", []).add_metric([], len(groups))
+        agents = fams.gauge("fleet_agents", ["state"])
         for name in _STATES:
             agents.add_metric([name], agent_states[name])
-        fams.gauge("kvpool_fleet_pool_hit_ratio", "Pool hit tokens / prompt tokens over the "
-                   "fleet.", []).add_metric([], _ratio(fleet["pool"], fleet["prompt"]))
-        fams.gauge("kvpool_fleet_local_hit_ratio", "Local prefix cache hit tokens / prompt "
-                   "tokens over the fleet.", []).add_metric([], _ratio(fleet["local"],
-                                                                       fleet["prompt"]))
+        fams.gauge("fleet_pool_hit_ratio", []).add_metric(
+            [], _ratio(fleet["pool"], fleet["prompt"]))
+        fams.gauge("fleet_local_hit_ratio", []).add_metric(
+            [], _ratio(fleet["local"], fleet["prompt"]))
         if self._reuse_ceilings is not None:
             self._reuse(fams, self._reuse_ceilings())
         for name, value in sorted(self._hub_counters().items()):
-            fams.counter(f"kvpool_hub_{name}", f"Hub counter {name}.", []).add_metric([], value)
+            fams.counter(f"hub_{name}", [], ledger.HUB_COUNTERS).add_metric([], value)
         return iter(fams)
 
     @staticmethod
     def _reuse(fams: _Families, ceilings: Mapping[str, Ceiling]) -> None:
         """The live reuse ceiling (``kvpool_agent._access_window``): per model and fleet-wide,
         the share of the window's looked-up prompt tokens an unbounded pool would have hit."""
-        doc = (f"Prompt tokens an unbounded shared pool would have hit / prompt tokens, over "
-               f"the hub's window of the last {WINDOW_CHUNKS} looked-up chunks")
-        per_model = fams.gauge("kvpool_reuse_ceiling_ratio", doc + " (per model).", ["model"])
+        per_model = fams.gauge("reuse_ceiling_ratio", ["model"])
         for model, c in sorted(ceilings.items()):
             if model == FLEET:
-                fams.gauge("kvpool_fleet_reuse_ceiling_ratio", doc + ".", []).add_metric(
+                fams.gauge("fleet_reuse_ceiling_ratio", []).add_metric(
                     [], c.hit_rate)
             else:
                 per_model.add_metric([_label(model)], c.hit_rate)
@@ -245,28 +231,23 @@ class FleetCollector(Collector):
         labels = [engine_id, _label(head.model), head.instance_role]
         sts = [st for st, _ in group]
         digests = sorted({s.source.layout_digest for s in sts if s.source.layout_digest})
-        fams.gauge("kvpool_engine_info", "One per engine: its declared role, kv_role, backend "
-                   "and layout digest(s).",
-                   [*_ENGINE, "kv_role", "backend", "layout_digest"]).add_metric(
+        fams.gauge("engine_info", [*_ENGINE, "kv_role", "backend", "layout_digest"]).add_metric(
             [*labels, head.kv_role, head.backend, ",".join(digests)], 1)
-        for name, doc, value in _ENGINE_COUNTERS:
-            fams.counter(name, doc, _ENGINE).add_metric(labels, value(sts))
+        for name, value in _ENGINE_COUNTERS:
+            fams.counter(name, _ENGINE).add_metric(labels, value(sts))
         prompt = sum(s.lookup.prompt_tokens for s in sts)
         local = sum(s.lookup.local_tokens for s in sts)
         pool_hits = sum(s.lookup.loaded_tokens for s in sts)
         fleet["prompt"] += prompt
         fleet["local"] += local
         fleet["pool"] += pool_hits
-        fams.gauge("kvpool_pool_hit_ratio", "Loaded tokens / prompt tokens since start.",
-                   _ENGINE).add_metric(labels, _ratio(pool_hits, prompt))
-        fams.gauge("kvpool_local_hit_ratio", "Local prefix cache hit tokens / prompt tokens "
-                   "since start.", _ENGINE).add_metric(labels, _ratio(local, prompt))
+        fams.gauge("pool_hit_ratio", _ENGINE).add_metric(labels, _ratio(pool_hits, prompt))
+        fams.gauge("local_hit_ratio", _ENGINE).add_metric(labels, _ratio(local, prompt))
         errors: dict[str, int] = {}
         for s in sts:
             for err, n in s.transfers.errors_by_name.items():
                 errors[err] = errors.get(err, 0) + n
-        fam = fams.counter("kvpool_transfer_errors", "Failed loads and saves and skipped saves, "
-                           "by backend error name.", [*_ENGINE, "error"])
+        fam = fams.counter("transfer_errors", [*_ENGINE, "error"])
         for err in sorted(errors):
             fam.add_metric([*labels, _label(err)], errors[err])
         misses: dict[str, int] = {}
@@ -274,50 +255,39 @@ class FleetCollector(Collector):
             for reason, n in s.lookup.miss_tokens.items():
                 misses[reason] = misses.get(reason, 0) + n
         misses = split_not_in_pool(misses, split)
-        fam = fams.counter("kvpool_miss_tokens", "Prompt tokens not served from the pool, by "
-                           "reason (tail; never_saved, evicted, other_digest, or not_in_pool "
-                           "where the hub could not tell; lookup_error, load_failed, not_loaded, "
-                           "a skip reason): prompt = local + loaded + misses.",
-                           [*_ENGINE, "reason"])
+        fam = fams.counter("miss_tokens", [*_ENGINE, "reason"])
         for reason in sorted(misses):
             fam.add_metric([*labels, _label(reason)], misses[reason])
         for kind in ("load", "save"):
-            fams.gauge(f"kvpool_{kind}s_in_flight", f"Requests with a {kind} in flight.",
-                       _ENGINE).add_metric(
+            fams.gauge(f"{kind}s_in_flight", _ENGINE).add_metric(
                 labels, len({t.req_id for s in sts for t in s.in_flight if t.kind == kind}))
-        fams.gauge("kvpool_max_load_seconds", "Longest load since start.", _ENGINE).add_metric(
+        fams.gauge("max_load_seconds", _ENGINE).add_metric(
             labels, max(s.transfers.max_load_ms for s in sts) / 1e3)
         told = [s for s in sts if s.transfers.oldest_save_age_ms is not None]
         if told:  # agents since issue 38 item 4; an age is as of its report, plus the time since
-            fams.gauge("kvpool_oldest_save_age_seconds", "Age of the engine's oldest save in "
-                       "flight (0: none).", _ENGINE).add_metric(labels, max(
+            fams.gauge("oldest_save_age_seconds", _ENGINE).add_metric(labels, max(
                            (s.transfers.oldest_save_age_ms or 0.0)
                            + (max(0.0, now_ms - s.ts_ms) if s.transfers.oldest_save_age_ms
                               else 0.0) for s in told) / 1e3)
-            fams.gauge("kvpool_save_blocks_held", "Engine blocks the engine's saves in flight "
-                       "still read.", _ENGINE).add_metric(
+            fams.gauge("save_blocks_held", _ENGINE).add_metric(
                 labels, sum(s.transfers.save_blocks_held or 0 for s in told))
-            fams.gauge("kvpool_save_staged_bytes", "Bytes of the engine's saves in flight held "
-                       "in staging buffers (blocks released, put running).", _ENGINE).add_metric(
+            fams.gauge("save_staged_bytes", _ENGINE).add_metric(
                 labels, sum(s.transfers.save_bytes_staged or 0 for s in told))
         leases = [t.lease_expires_ms for s in sts for t in s.in_flight
                   if t.lease_expires_ms is not None]
         if leases:
-            fams.gauge("kvpool_lease_expiry_timestamp_seconds", "Earliest lease expiry of the "
-                       "engine's in-flight loads (Unix time).", _ENGINE).add_metric(
+            fams.gauge("lease_expiry_timestamp_seconds", _ENGINE).add_metric(
                 labels, min(leases) / 1e3)
         pooled = [s for s in sts if s.pool is not None]
         if pooled:
             # The newest pool report, as the console's engine row takes it.
             pool = max(pooled, key=lambda s: s.ts_ms).pool
             assert pool is not None
-            fams.gauge("kvpool_lease_ttl_seconds", "default_kv_lease_ttl of the engine's pool.",
-                       _ENGINE).add_metric(labels, pool.lease_ttl_ms / 1e3)
+            fams.gauge("lease_ttl_seconds", _ENGINE).add_metric(labels, pool.lease_ttl_ms / 1e3)
         newest = max(seen for _, seen in group)
-        fams.gauge("kvpool_report_age_seconds", "Time since the engine's newest report.",
-                   _ENGINE).add_metric(labels, max(0.0, now_ms - newest) / 1e3)
-        state_fam = fams.gauge("kvpool_agent_state", "1 for the agent's state (up, stale, down), "
-                               "0 for the others.", [*_AGENT, "state"])
+        fams.gauge("report_age_seconds", _ENGINE).add_metric(
+            labels, max(0.0, now_ms - newest) / 1e3)
+        state_fam = fams.gauge("agent_state", [*_AGENT, "state"])
         for st, seen in group:
             age_s = max(0.0, now_ms - seen) / 1e3
             state = "down" if age_s > _DOWN_AFTER_S else "stale" if age_s > _STALE_AFTER_S else "up"
@@ -325,12 +295,10 @@ class FleetCollector(Collector):
             alabels = [*labels, st.source.agent_id]
             for name in _STATES:
                 state_fam.add_metric([*alabels, name], 1 if name == state else 0)
-            fams.gauge("kvpool_agent_report_age_seconds", "Time since the agent's last report.",
-                       _AGENT).add_metric(alabels, age_s)
-            fams.counter("kvpool_agent_report_gaps", "Agent reports the hub never received.",
-                         _AGENT).add_metric(alabels, gaps.get(st.source.agent_id, 0))
-            fams.counter("kvpool_agent_events_dropped", "Engine events the agent's full buffer "
-                         "refused.", _AGENT).add_metric(alabels, st.process.dropped)
+            fams.gauge("agent_report_age_seconds", _AGENT).add_metric(alabels, age_s)
+            fams.counter("agent_report_gaps", _AGENT).add_metric(
+                alabels, gaps.get(st.source.agent_id, 0))
+            fams.counter("agent_events_dropped", _AGENT).add_metric(alabels, st.process.dropped)
 
     def _pools(self, fams: _Families, states: list[EngineState]) -> None:
         newest: dict[str, tuple[PoolStats, float]] = {}
@@ -344,35 +312,24 @@ class FleetCollector(Collector):
         for name in sorted(newest):
             p = newest[name][0]
             labels = [_label(name), p.backend]
-            fams.gauge("kvpool_pool_keys", "Keys in the pool.", _POOL).add_metric(labels, p.keys)
-            fams.gauge("kvpool_pool_used_bytes", "Bytes of the pool in use.",
-                       _POOL).add_metric(labels, p.used_bytes)
-            fams.gauge("kvpool_pool_total_bytes", "Bytes of the pool's mounted segments.",
-                       _POOL).add_metric(labels, p.total_bytes)
-            fams.gauge("kvpool_pool_high_watermark_ratio", "eviction_high_watermark_ratio: "
-                       "usage at which the pool evicts.", _POOL).add_metric(
+            fams.gauge("pool_keys", _POOL).add_metric(labels, p.keys)
+            fams.gauge("pool_used_bytes", _POOL).add_metric(labels, p.used_bytes)
+            fams.gauge("pool_total_bytes", _POOL).add_metric(labels, p.total_bytes)
+            fams.gauge("pool_high_watermark_ratio", _POOL).add_metric(
                 labels, p.high_watermark)
-            fams.counter("kvpool_pool_evicted_keys", "Keys the pool evicted.",
-                         _POOL).add_metric(labels, p.evicted_keys)
-            fams.counter("kvpool_pool_evicted_bytes", "Bytes the pool evicted.",
-                         _POOL).add_metric(labels, p.evicted_bytes)
-            fams.gauge("kvpool_pool_disk_keys", "Values on the pool's disk tier (Mooncake SSD "
-                       "offload; 0 without one).", _POOL).add_metric(labels, p.disk_keys)
-            fams.gauge("kvpool_pool_disk_used_bytes", "Bytes of the disk tier in use.",
-                       _POOL).add_metric(labels, p.disk_used_bytes)
-            fams.gauge("kvpool_pool_disk_total_bytes", "Capacity of the disk tier (0 without "
-                       "one).", _POOL).add_metric(labels, p.disk_total_bytes)
-            reads = fams.counter("kvpool_pool_reads", "Reads the master served, by tier "
-                                 "(memory, disk), since it started.", _POOL_TIER)
-            read_bytes = fams.counter("kvpool_pool_read_bytes", "Bytes of those reads, by tier.",
-                                      _POOL_TIER)
+            fams.counter("pool_evicted_keys", _POOL).add_metric(labels, p.evicted_keys)
+            fams.counter("pool_evicted_bytes", _POOL).add_metric(labels, p.evicted_bytes)
+            fams.gauge("pool_disk_keys", _POOL).add_metric(labels, p.disk_keys)
+            fams.gauge("pool_disk_used_bytes", _POOL).add_metric(labels, p.disk_used_bytes)
+            fams.gauge("pool_disk_total_bytes", _POOL).add_metric(labels, p.disk_total_bytes)
+            reads = fams.counter("pool_reads", _POOL_TIER)
+            read_bytes = fams.counter("pool_read_bytes", _POOL_TIER)
             for tier, hits, nbytes in (("memory", p.memory_hits, p.memory_hit_bytes),
                                        ("disk", p.disk_hits, p.disk_hit_bytes)):
                 reads.add_metric([*labels, tier], hits)
                 read_bytes.add_metric([*labels, tier], nbytes)
             if p.healthy is not None:
-                fams.gauge("kvpool_pool_healthy", "1 when the pool's last health check passed, "
-                           "0 when it failed (absent until checked).", _POOL).add_metric(
+                fams.gauge("pool_healthy", _POOL).add_metric(
                     labels, 1 if p.healthy else 0)
 
 

@@ -14,6 +14,7 @@ numbers, so the cyclic GC never needs to track them.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from typing import Literal
@@ -23,6 +24,7 @@ import msgspec
 from kvpool_agent.protocol import FlushRecord
 
 __all__ = [
+    "EVENT_METHODS",
     "AdapterServed",
     "Event",
     "FlushAudited",
@@ -208,7 +210,9 @@ class Reporter:
         self._capacity = capacity
         self.dropped = 0
 
-    def _put(self, event: Event) -> None:
+    def put(self, event: Event) -> None:
+        """Queue ``event`` (every event method below builds one and calls this; a reporter
+        that watches events, such as the connector's stats tap, overrides it and forwards)."""
         # deque.append is atomic under the GIL; the length check may race by a few events,
         # which only loosens the bound slightly and never blocks.
         if len(self._events) >= self._capacity:
@@ -249,13 +253,13 @@ class Reporter:
         ``skipped`` (the reason, e.g. ``MULTIMODAL``, ``BREAKER_OPEN``) when no lookup was
         made. ``chunks``: the hashes looked up (``chunk_size`` tokens each), kept by reference
         (O(1) here) for the hub's reuse window; the caller never changes the list after."""
-        self._put(Lookup(time.time() * 1e3, req_id, prompt_tokens, local_tokens, pool_tokens,
+        self.put(Lookup(time.time() * 1e3, req_id, prompt_tokens, local_tokens, pool_tokens,
                          latency_ms, error, skipped, chunk_size, chunks))
 
     def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
         """A load of ``req_id`` ended: ``tokens`` really loaded, ``failed_tokens`` accepted by
         vLLM but not brought in (recomputed). Reported once per load, by the scheduler."""
-        self._put(Loaded(time.time() * 1e3, req_id, tokens, failed_tokens))
+        self.put(Loaded(time.time() * 1e3, req_id, tokens, failed_tokens))
 
     def transfer_started(
         self,
@@ -267,12 +271,12 @@ class Reporter:
         lease_expires_ms: float | None = None,
     ) -> None:
         """A load or save of ``blocks`` blocks (``nbytes`` bytes) began."""
-        self._put(TransferStarted(time.time() * 1e3, req_id, kind, blocks, nbytes, layers_total,
+        self.put(TransferStarted(time.time() * 1e3, req_id, kind, blocks, nbytes, layers_total,
                                   lease_expires_ms))
 
     def transfer_progress(self, req_id: str, kind: TransferKind, layers_done: int) -> None:
         """Layer-wise progress: ``layers_done`` layers of ``req_id`` are finished."""
-        self._put(TransferProgress(time.time() * 1e3, req_id, kind, layers_done))
+        self.put(TransferProgress(time.time() * 1e3, req_id, kind, layers_done))
 
     def transfer_finished(
         self,
@@ -290,23 +294,23 @@ class Reporter:
         ``LEASE_EXPIRED``), how many blocks failed, whether the lookup had reported them
         present (``after_hit``) and whether it was a layer-wise wait timeout;
         ``bytes_by_group``: ``nbytes`` by KV-cache group (hybrid models)."""
-        self._put(TransferFinished(time.time() * 1e3, req_id, kind, ok, nbytes, error_name,
+        self.put(TransferFinished(time.time() * 1e3, req_id, kind, ok, nbytes, error_name,
                                    failed_blocks, after_hit, timed_out, bytes_by_group))
 
     def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
         """Saves of ``blocks`` blocks were skipped (``reason`` e.g. ``NO_AVAILABLE_HANDLE``)."""
-        self._put(SaveSkipped(time.time() * 1e3, req_id, blocks, reason))
+        self.put(SaveSkipped(time.time() * 1e3, req_id, blocks, reason))
 
     def save_copied(self, req_id: str) -> None:
         """``req_id``'s running save copied its values into the staging buffer and released
         its engine blocks; its put goes on (``transfer_finished`` ends it)."""
-        self._put(SaveCopied(time.time() * 1e3, req_id))
+        self.put(SaveCopied(time.time() * 1e3, req_id))
 
     def saved(self, chunk_hashes: list[str]) -> None:
         """A save ended with these chunks (hex chunk hashes) stored in the pool under this
         worker's layout digest, written now or already there. Kept by reference (O(1) here);
         the agent sends their ids to the hub's saved-chunk memory (``Report.saves``)."""
-        self._put(Saved(time.time() * 1e3, chunk_hashes))
+        self.put(Saved(time.time() * 1e3, chunk_hashes))
 
     def error(
         self,
@@ -317,112 +321,58 @@ class Reporter:
         req_id: str | None = None,
     ) -> None:
         """Any other error worth an operator's eye."""
-        self._put(ReportedError(time.time() * 1e3, where, name, message, code, req_id))
+        self.put(ReportedError(time.time() * 1e3, where, name, message, code, req_id))
 
     def layout(self, digest: str, facts: dict[str, str | int]) -> None:
         """The layout digest in this worker's keys and the facts it hashes (once, when vLLM
         registers the KV caches); the agent reports them in ``Source.layout_digest`` and
         ``Source.layout``."""
-        self._put(LayoutKnown(time.time() * 1e3, digest, facts))
+        self.put(LayoutKnown(time.time() * 1e3, digest, facts))
 
     def start_failed(self, name: str, message: str, hint: str) -> None:
         """The connector failed to start and its process is about to exit: ``name`` of the
         error (``PortInUse``, ``BackendUnavailable``...), its ``message`` and the ``hint`` that
         fixes it. The agent reports it in ``EngineState.start_failure``."""
-        self._put(StartFailed(time.time() * 1e3, name, message, hint))
-
+        self.put(StartFailed(time.time() * 1e3, name, message, hint))
 
     def flush_audited(self, record: FlushRecord) -> None:
         """The process ran a flush on its own (``FlushRecord``); the agent reports it in
         ``EngineState.flushes`` and the hub writes it to its audit trail."""
-        self._put(FlushAudited(time.time() * 1e3, record))
+        self.put(FlushAudited(time.time() * 1e3, record))
 
     def adapter_served(self, name: str, identity: str) -> None:
         """A request under LoRA adapter ``name`` was keyed with ``identity``
         (``kvpool_connector.fingerprint.adapter_identity``); the agent reports the latest per
         name in ``LookupStats.adapters`` (issue 39 item 5)."""
-        self._put(AdapterServed(time.time() * 1e3, name, identity))
+        self.put(AdapterServed(time.time() * 1e3, name, identity))
+
+
+EVENT_METHODS: tuple[str, ...] = tuple(
+    name for name, member in vars(Reporter).items()
+    if inspect.isfunction(member) and not name.startswith("_") and name not in ("put", "drain"))
+"""``Reporter``'s event methods (``lookup``, ``transfer_finished``...): the connector -> agent
+interface, declared once, in ``Reporter``."""
+
+
+def _does_nothing(*_args: object, **_kwargs: object) -> None:
+    """Does nothing."""
 
 
 class NullReporter(Reporter):
-    """A ``Reporter`` for a process without an agent: every method returns at once, no event
-    is built, ``depth`` and ``dropped`` stay 0 and ``drain`` returns ``[]``."""
+    """A ``Reporter`` for a process without an agent: every event method returns at once, no
+    event is built, ``depth`` and ``dropped`` stay 0 and ``drain`` returns ``[]``.
+
+    Its event methods are ``Reporter``'s replaced by one that does nothing (below), so the
+    interface is declared once, in ``Reporter``.
+    """
 
     def __init__(self) -> None:
         super().__init__(capacity=0)
 
-    def lookup(
-        self,
-        req_id: str,
-        prompt_tokens: int,
-        local_tokens: int,
-        pool_tokens: int,
-        latency_ms: float,
-        error: str | None = None,
-        skipped: str | None = None,
-        chunk_size: int = 0,
-        chunks: list[str] | None = None,
-    ) -> None:
-        """Does nothing."""
+    def put(self, event: Event) -> None:
+        """Does nothing (an event built elsewhere and forwarded here is dropped uncounted)."""
 
-    def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
-        """Does nothing."""
 
-    def transfer_started(
-        self,
-        req_id: str,
-        kind: TransferKind,
-        blocks: int,
-        nbytes: int,
-        layers_total: int = 0,
-        lease_expires_ms: float | None = None,
-    ) -> None:
-        """Does nothing."""
-
-    def transfer_progress(self, req_id: str, kind: TransferKind, layers_done: int) -> None:
-        """Does nothing."""
-
-    def transfer_finished(
-        self,
-        req_id: str,
-        kind: TransferKind,
-        ok: bool,
-        nbytes: int = 0,
-        error_name: str | None = None,
-        failed_blocks: int = 0,
-        after_hit: bool = False,
-        timed_out: bool = False,
-        bytes_by_group: dict[int, int] | None = None,
-    ) -> None:
-        """Does nothing."""
-
-    def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
-        """Does nothing."""
-
-    def save_copied(self, req_id: str) -> None:
-        """Does nothing."""
-
-    def saved(self, chunk_hashes: list[str]) -> None:
-        """Does nothing."""
-
-    def error(
-        self,
-        where: str,
-        name: str,
-        message: str,
-        code: int | None = None,
-        req_id: str | None = None,
-    ) -> None:
-        """Does nothing."""
-
-    def layout(self, digest: str, facts: dict[str, str | int]) -> None:
-        """Does nothing."""
-
-    def start_failed(self, name: str, message: str, hint: str) -> None:
-        """Does nothing."""
-
-    def flush_audited(self, record: FlushRecord) -> None:
-        """Does nothing."""
-
-    def adapter_served(self, name: str, identity: str) -> None:
-        """Does nothing."""
+# The engine's hot paths pay no event construction without an agent.
+for _name in EVENT_METHODS:
+    setattr(NullReporter, _name, _does_nothing)

@@ -12,8 +12,8 @@ What one interval carries (``KVPoolConnectorStats.data``, plain types so it cros
 
 - ``counters``: increments of the connector's own running totals since the previous call:
   the scheduler's ``LookupCounters`` (tokens, lookups) and each worker's ``WorkerCounters``
-  (bytes, keys); every int field, so counters added to those classes are carried as they are
-  and reach Prometheus once listed in ``PROM_COUNTERS``;
+  (bytes, keys): the int fields the counter catalogue (``kvpool_agent.ledger``) lists as
+  counted by that role, each exported as ``vllm:kvpool_<name>``;
 - ``errors``: failed transfers by ``"load:NAME"`` / ``"save:NAME"`` (Mooncake error names;
   ``TIMEOUT``/``UNKNOWN`` without one) and skipped saves by ``"save:REASON"``;
 - ``lookup_seconds``, ``load_seconds``, ``save_seconds``: one sample per lookup and per
@@ -26,7 +26,6 @@ forwards every event unchanged.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +39,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvpool_agent.reporter import Event, Reporter, TransferKind
+from kvpool_agent.ledger import fact, facts_on
+from kvpool_agent.reporter import (
+    Event,
+    Lookup,
+    Reporter,
+    SaveSkipped,
+    TransferFinished,
+    TransferKind,
+    TransferStarted,
+)
+from kvpool_connector._counters import LookupCounters, WorkerCounters
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -51,42 +60,23 @@ __all__ = [
     "StatsTap",
 ]
 
+_COUNTED_BY: dict[bool, frozenset[str]] = {
+    worker: frozenset(
+        f.name for f in facts_on("vllm", "counter")
+        if f.counted_by == ("worker" if worker else "scheduler")
+        and f.name in {c.name for c in fields(WorkerCounters if worker else LookupCounters)})
+    for worker in (False, True)}
+"""Per role (``worker``), the running totals its process sends vLLM: the fields of its counters
+class the catalogue says it counts, so a fact both roles keep a total of
+(``load_failed_tokens``: the scheduler's per request, each worker's per rank) is summed once,
+from its owner."""
+
 PROM_COUNTERS: dict[str, tuple[str, str]] = {
-    "lookups": ("vllm:kvpool_lookups", "Prefix lookups of the pool."),
-    "lookup_errors": ("vllm:kvpool_lookup_errors", "Prefix lookups that failed."),
-    "lookup_skipped": ("vllm:kvpool_lookup_skipped", "Prefix lookups not made."),
-    "prompt_tokens": ("vllm:kvpool_lookup_tokens",
-                      "Prompt tokens of requests the scheduler was asked about."),
-    "local_tokens": ("vllm:kvpool_local_hit_tokens",
-                     "Prompt tokens vLLM's prefix cache already held."),
-    "loaded_tokens": ("vllm:kvpool_loaded_tokens",
-                      "Prompt tokens loaded from the pool: the pool's hits (a failed load is "
-                      "none)."),
-    "load_failed_tokens": ("vllm:kvpool_load_failed_tokens",
-                           "Tokens accepted to load whose load failed (recomputed)."),
-    "saves_scheduled_chunks": ("vllm:kvpool_save_scheduled_chunks",
-                               "Chunks scheduled for saving."),
-    "loaded_bytes": ("vllm:kvpool_loaded_bytes", "Bytes loaded from the pool (all ranks)."),
-    "saved_bytes": ("vllm:kvpool_saved_bytes", "Bytes saved to the pool (all ranks)."),
-    "loaded_keys": ("vllm:kvpool_loaded_keys", "Pool values loaded (all ranks)."),
-    "saved_keys": ("vllm:kvpool_saved_keys", "Pool values written (all ranks)."),
-    "load_failed_keys": ("vllm:kvpool_load_failed_keys", "Pool values that failed to load."),
-    "save_failed_keys": ("vllm:kvpool_save_failed_keys", "Pool values that failed to save."),
-    "save_skipped_keys": ("vllm:kvpool_save_skipped_keys", "Pool values whose save was skipped."),
-    "load_failed_blocks": ("vllm:kvpool_load_failed_blocks",
-                           "vLLM blocks reported failed (recomputed)."),
-    "layer_timeouts": ("vllm:kvpool_layer_timeouts", "Layer-wise load waits that timed out."),
-    "evicted_keys": ("vllm:kvpool_evicted_keys",
-                     "Pool values removed by the connector's eviction (eviction: connector)."),
-    "evict_failed_keys": ("vllm:kvpool_evict_failed_keys",
-                          "Pool values the connector's eviction failed to remove."),
-    "handover_waits": ("vllm:kvpool_handover_waits",
-                       "Lookups answered later: a P/D hand-over was not all in the pool yet."),
-    "handover_short": ("vllm:kvpool_handover_short",
-                       "P/D hand-overs run with fewer tokens than promised (recomputed)."),
-}
-"""Connector counter -> (vLLM metric name without ``_total``, help). Counters are summed over
-the engine's processes: bytes and keys over worker ranks, tokens come from the scheduler."""
+    f.name: (f.metric("vllm"), f.help) for f in facts_on("vllm", "counter")
+    if f.name in _COUNTED_BY[False] | _COUNTED_BY[True]}
+"""Connector counter -> (vLLM metric name without ``_total``, help), from the counter catalogue
+(``kvpool_agent.ledger``). Counters are summed over the engine's processes: bytes and keys over
+worker ranks, tokens come from the scheduler."""
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0, 10.0)
@@ -151,8 +141,10 @@ class StatsTap(Reporter):
     ``NullReporter``) and keeps, for ``StatsCollector``, lookup and transfer durations,
     transfer errors by name and saves in flight.
 
-    Thread-safe like ``Reporter``: the scheduler thread, the load and save threads append to
-    deques (atomic under the GIL); ``StatsCollector.take`` drains them.
+    It declares no event method of its own: ``Reporter``'s build the events and hand them to
+    :meth:`put`, which watches them and forwards. Thread-safe like ``Reporter``: the scheduler
+    thread, the load and save threads append to deques (atomic under the GIL);
+    ``StatsCollector.take`` drains them.
     """
 
     def __init__(self, inner: Reporter) -> None:
@@ -162,11 +154,6 @@ class StatsTap(Reporter):
         self.errors: deque[str] = deque()
         self.saves_in_flight = 0
         self._starts: dict[tuple[str, TransferKind], float] = {}
-        # An event method Reporter gains later goes straight to the inner reporter, never into
-        # this object's own (zero-capacity) buffer.
-        for name, _ in inspect.getmembers(Reporter, inspect.isfunction):
-            if not name.startswith("_") and name not in StatsTap.__dict__:
-                setattr(self, name, getattr(inner, name))
 
     @property
     def depth(self) -> int:
@@ -177,66 +164,41 @@ class StatsTap(Reporter):
         """The inner reporter's events (its agent drains them)."""
         return self.inner.drain(limit)
 
-    def lookup(self, req_id: str, prompt_tokens: int, local_tokens: int, pool_tokens: int,
-               latency_ms: float, error: str | None = None, skipped: str | None = None,
-               chunk_size: int = 0, chunks: list[str] | None = None) -> None:
-        """Keep the lookup's latency (a lookup not made has none), then forward."""
-        if not skipped:
-            self.samples["lookup_seconds"].append(latency_ms / 1e3)
-        self.inner.lookup(req_id, prompt_tokens, local_tokens, pool_tokens, latency_ms, error,
-                          skipped, chunk_size, chunks)
+    def put(self, event: Event) -> None:
+        """Keep what vLLM's stats need of ``event``, then forward it unchanged: a lookup's
+        latency (a lookup not made has none), when a transfer began, a finished transfer's
+        duration and, on failure, its error name, a skipped save's reason."""
+        if isinstance(event, Lookup):
+            if not event.skipped:
+                self.samples["lookup_seconds"].append(event.latency_ms / 1e3)
+        elif isinstance(event, TransferStarted):
+            self._started((event.req_id, event.kind))
+        elif isinstance(event, TransferFinished):
+            self._finished(event)
+        elif isinstance(event, SaveSkipped):
+            self.errors.append(f"save:{event.reason}")
+        self.inner.put(event)
 
-    def loaded(self, req_id: str, tokens: int, failed_tokens: int = 0) -> None:
-        """Forward."""
-        self.inner.loaded(req_id, tokens, failed_tokens)
-
-    def transfer_started(self, req_id: str, kind: TransferKind, blocks: int, nbytes: int,
-                         layers_total: int = 0, lease_expires_ms: float | None = None) -> None:
-        """Note when the transfer began, then forward."""
+    def _started(self, key: tuple[str, TransferKind]) -> None:
         starts = self._starts
-        if (req_id, kind) not in starts:
-            if kind == "save":
+        if key not in starts:
+            if key[1] == "save":
                 self.saves_in_flight += 1
             if len(starts) >= _MAX_STARTS:
                 # A transfer whose end was never reported: forget the oldest.
                 starts.pop(next(iter(starts)), None)
-        starts[(req_id, kind)] = time.perf_counter()
-        self.inner.transfer_started(req_id, kind, blocks, nbytes, layers_total,
-                                    lease_expires_ms)
+        starts[key] = time.perf_counter()
 
-    def transfer_progress(self, req_id: str, kind: TransferKind, layers_done: int) -> None:
-        """Forward."""
-        self.inner.transfer_progress(req_id, kind, layers_done)
-
-    def transfer_finished(self, req_id: str, kind: TransferKind, ok: bool, nbytes: int = 0,
-                          error_name: str | None = None, failed_blocks: int = 0,
-                          after_hit: bool = False, timed_out: bool = False,
-                          bytes_by_group: dict[int, int] | None = None) -> None:
-        """Keep the duration and, on failure, the error name; then forward."""
-        started = self._starts.pop((req_id, kind), None)
+    def _finished(self, event: TransferFinished) -> None:
+        kind = event.kind
+        started = self._starts.pop((event.req_id, kind), None)
         if started is not None:
             self.samples[f"{kind}_seconds"].append(time.perf_counter() - started)
             if kind == "save":
                 self.saves_in_flight -= 1
-        if not ok:
-            name = error_name or ("TIMEOUT" if timed_out else "UNKNOWN")
+        if not event.ok:
+            name = event.error_name or ("TIMEOUT" if event.timed_out else "UNKNOWN")
             self.errors.append(f"{kind}:{name}")
-        self.inner.transfer_finished(req_id, kind, ok, nbytes, error_name, failed_blocks,
-                                     after_hit, timed_out, bytes_by_group)
-
-    def save_skipped(self, req_id: str, blocks: int, reason: str) -> None:
-        """Count the skip under its reason, then forward."""
-        self.errors.append(f"save:{reason}")
-        self.inner.save_skipped(req_id, blocks, reason)
-
-    def error(self, where: str, name: str, message: str, code: int | None = None,
-              req_id: str | None = None) -> None:
-        """Forward."""
-        self.inner.error(where, name, message, code, req_id)
-
-    def layout(self, digest: str, facts: dict[str, str | int]) -> None:
-        """Forward."""
-        self.inner.layout(digest, facts)
 
 
 class StatsCollector:
@@ -244,13 +206,15 @@ class StatsCollector:
 
     Args:
         counters: returns the process's counters object (a dataclass: ``LookupCounters`` or
-            ``WorkerCounters``); its int fields are diffed between calls.
+            ``WorkerCounters``); its int fields the catalogue says this role counts are diffed
+            between calls.
         tap: the process's ``StatsTap``.
         worker: whether this is a worker (reports ``save_queue_depth``).
     """
 
     def __init__(self, counters: Callable[[], object], tap: StatsTap, *, worker: bool) -> None:
         self._counters = counters
+        self._own = _COUNTED_BY[worker]
         self._tap = tap
         self._worker = worker
         self._last: dict[str, int] = {}
@@ -259,7 +223,7 @@ class StatsCollector:
     def _snapshot(self) -> dict[str, int]:
         c = self._counters()
         values = {f.name: getattr(c, f.name) for f in fields(c)}  # type: ignore[arg-type]
-        return {k: v for k, v in values.items() if type(v) is int}
+        return {k: v for k, v in values.items() if k in self._own and type(v) is int}
 
     def take(self) -> KVPoolConnectorStats | None:
         """What happened since the previous call; ``None`` when nothing did."""
@@ -314,23 +278,19 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             key: counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for key, (name, doc) in PROM_COUNTERS.items()
         }
+        errors = fact("transfer_errors")
         self._errors = counter_cls(
-            name="vllm:kvpool_transfer_errors",
-            documentation="Failed loads and saves and skipped saves, by kind and error name.",
+            name=errors.metric("vllm"), documentation=errors.help,
             labelnames=[*labelnames, "kind", "error"])
         self._histograms: dict[str, Any] = {
-            key: histogram_cls(
-                name=f"vllm:kvpool_{key}", documentation=doc, labelnames=labelnames,
+            f.name: histogram_cls(
+                name=f.metric("vllm"), documentation=f.help, labelnames=labelnames,
                 buckets=list(LATENCY_BUCKETS_S))
-            for key, doc in (
-                ("lookup_seconds", "Prefix lookup latency."),
-                ("load_seconds", "Load duration (one worker rank's part of a request's step)."),
-                ("save_seconds", "Save duration (one worker rank's part of a request's step)."),
-            )
+            for f in facts_on("vllm", "histogram")
         }
+        depth = fact("save_queue_depth")
         self._depth = gauge_cls(
-            name="vllm:kvpool_save_queue_depth",
-            documentation="Saves in flight on the busiest worker.",
+            name=depth.metric("vllm"), documentation=depth.help,
             multiprocess_mode="mostrecent", labelnames=labelnames)
         # Every series exists from the start (at 0), so rate() and alerts see it at once.
         for values in per_engine_labelvalues.values():

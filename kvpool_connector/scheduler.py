@@ -75,6 +75,7 @@ from kvpool_connector._async_lookup import (
     run_lookup,
 )
 from kvpool_connector._context_prefill import NO_CONTEXT_PREFILL
+from kvpool_connector._counters import LookupCounters
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
@@ -94,7 +95,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVPoolScheduler", "LookupCounters", "PrefixLookup", "request_extra"]
+__all__ = ["KVPoolScheduler", "PrefixLookup", "request_extra"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,41 +107,6 @@ class RequestEvents(Protocol):
     def track(self, request: Request) -> None: ...
 
     def release(self, req_ids: Iterable[str]) -> None: ...
-
-
-@dataclass
-class LookupCounters:
-    """Scheduler-side totals since start (tokens unless named otherwise).
-
-    ``prompt_tokens`` and ``local_tokens`` count every request vLLM asks about, once per waiting
-    period, whether looked up, skipped or failed (the request-level hit rate's denominator).
-    ``loaded_tokens`` counts what loads really brought in, once per load (``loads_outcome``):
-    the pool's hits (one fact, one name); ``load_failed_tokens`` what vLLM accepted but a load
-    failed to bring (recomputed). ``lookup_skipped`` counts lookups not made (``skip_reasons``:
-    by reason, ``MULTIMODAL``, ``PROMPT_EMBEDS`` (a request with prompt embeddings: neither
-    loaded nor saved), ``BREAKER_OPEN``, ``UNSUPPORTED_KV_GROUP`` (a KV-cache group the pool
-    cannot restore, ``_groups``), ``NO_CONTEXT_PREFILL`` (an attention backend that cannot
-    prefill over loaded context, ``_context_prefill``), ``LOCAL_CACHE`` when vLLM's own prefix
-    cache already holds every whole chunk, ``SHORT_PROMPT`` when the prompt has no whole chunk
-    before its last token); ``lookup_cached`` repeated asks answered from the request's cached
-    lookup. ``handover_waits``: asks answered "later" while a P/D hand-over's chunks were not
-    all in the pool yet (``handover``; such an ask is counted in ``lookups`` once, when
-    answered); ``handover_short``: hand-overs that ran with fewer tokens than their prefill
-    engine promised, after ``handover_wait_ms``.
-    """
-
-    lookups: int = 0
-    lookup_errors: int = 0
-    prompt_tokens: int = 0
-    local_tokens: int = 0
-    loaded_tokens: int = 0
-    saves_scheduled_chunks: int = 0
-    load_failed_tokens: int = 0
-    lookup_skipped: int = 0
-    lookup_cached: int = 0
-    skip_reasons: dict[str, int] = field(default_factory=dict)
-    handover_waits: int = 0
-    handover_short: int = 0
 
 
 @dataclass

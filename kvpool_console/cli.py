@@ -206,9 +206,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def status_document(view: FleetView) -> dict[str, Any]:
     """The ``status --json`` document: ``engines`` (one object per engine with at least
     engine_id, state (OK/WARNING/CRITICAL/STALE/DOWN/FAILED), role, kv_role, backend, hit_rate,
-    lookup_tokens, hit_tokens, loads_in_flight, load_errors, segment_used_bytes,
+    prompt_tokens, loaded_tokens, loads_in_flight, loads_failed, segment_used_bytes,
     segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
-    local_hit_rate, loaded_tokens, recomputed_tokens, miss_tokens (by reason, not_in_pool split
+    local_hit_rate, recomputed_tokens, miss_tokens (by reason, not_in_pool split
     by the hub into never_saved, evicted and other_digest), top_miss, top_miss_fix (its fix
     for this engine), pool_evicted_keys, saves_skipped, versions, layout (its ``fingerprint``:
     the weights' identity) and adapters (LoRA name -> content identity, ``lora:<hex>``); plus
@@ -295,8 +295,8 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                     if r.segment_total_bytes else "-")
             t.add_row(plain(r.engine_id), r.state, r.role, r.kv_role, plain(r.backend),
                       _percent(r.hit_rate),
-                      f"{r.hit_tokens}/{r.lookup_tokens}", str(r.loads_in_flight),
-                      str(r.saves_in_flight), str(r.load_errors), pool,
+                      f"{r.loaded_tokens}/{r.prompt_tokens}", str(r.loads_in_flight),
+                      str(r.saves_in_flight), str(r.loads_failed), pool,
                       fmt_lease(r.next_lease_expiry_ms, view.now_ms), fmt_age(r.age_ms),
                       plain(r.namespace or "-"))
         out.print(t)
@@ -304,7 +304,7 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         out.print(f"{tot.engines} engines ({tot.stale} stale, {tot.down} down), "
                   f"hit rate {_percent(tot.hit_rate)} (local {_percent(tot.local_hit_rate)}), "
                   f"{tot.loads_in_flight} loads in flight, "
-                  f"{tot.load_errors} failed loads")
+                  f"{tot.loads_failed} failed loads")
         if any(refused.values()):
             out.print(Text("hub refused connections without an authorized key: " + ", ".join(
                 f"{port} {n}" for port, n in sorted(refused.items()) if n), style="yellow"))

@@ -66,11 +66,11 @@ class AgentRow(msgspec.Struct, gc=False, kw_only=True):
     pid: int
     host: str
     hit_rate: float
-    lookup_tokens: int
-    hit_tokens: int
+    prompt_tokens: int
+    loaded_tokens: int
     loads_in_flight: int
     saves_in_flight: int
-    load_errors: int
+    loads_failed: int
     load_bytes_per_s: float
     save_bytes_per_s: float
     next_lease_expiry_ms: float | None
@@ -78,7 +78,7 @@ class AgentRow(msgspec.Struct, gc=False, kw_only=True):
     stale: bool
     cpu_percent: float
     rss_bytes: int
-    dropped: int
+    agent_events_dropped: int
     layout_digest: str = ""
 
 
@@ -87,19 +87,21 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
 
     ``hit_rate`` is pool hit tokens / looked-up prompt tokens since start (``hit_rate_1m``
     over the last minute); ``loads_in_flight``/``saves_in_flight`` count distinct requests;
-    ``load_errors`` = failed + timed-out loads; ``segment_*`` is the pool the engine reports
-    (Mooncake master ``/metrics``), ``high_watermark`` its ``eviction_high_watermark_ratio``;
-    ``next_lease_expiry_ms`` the earliest lease expiry of its in-flight loads (``None`` when
-    none); ``stale`` once silent longer than the stale threshold, ``down`` past the down one.
+    ``loads_failed`` counts failed loads (timed-out ones included); ``segment_*`` is the pool
+    the engine reports (Mooncake master ``/metrics``), ``high_watermark`` its
+    ``eviction_high_watermark_ratio``; ``next_lease_expiry_ms`` the earliest lease expiry of
+    its in-flight loads (``None`` when none); ``stale`` once silent longer than the stale
+    threshold, ``down`` past the down one.
     ``severity`` is the worst active alert on this engine (``None`` when healthy).
     ``layout_digest`` is its workers' layout digest (``Source.layout_digest``; several,
     comma-joined, when they differ; "" until reported) and ``layout`` what the first worker's
     digest hashes: engines share pool values only when their digests match.
 
-    Request-level accounting (the README's "Pool hit rate"): of ``lookup_tokens`` prompt
+    Request-level accounting (the README's "Pool hit rate"): of ``prompt_tokens``
     tokens, ``local_tokens`` came from vLLM's own prefix cache (``local_hit_rate`` =
     local / prompt), ``loaded_tokens`` from the pool and ``recomputed_tokens`` = prompt - local
-    - loaded were computed by vLLM (failed loads included); ``hit_tokens`` = loaded tokens.
+    - loaded were computed by vLLM (failed loads included). Counter names, units and help are
+    the counter catalogue's (``kvpool_agent.ledger``, surface ``status``).
 
     ``agent_ids`` lists its agents, scheduler first then workers by rank; ``agents`` has their
     rows in that order, or is empty when the view was built without them
@@ -128,16 +130,15 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     workers: int
     hit_rate: float
     hit_rate_1m: float
-    lookup_tokens: int
-    hit_tokens: int
+    prompt_tokens: int
     loaded_tokens: int
     lookups: int
     lookup_errors: int
     loads_in_flight: int
     saves_in_flight: int
-    load_errors: int
+    loads_failed: int
     loads_finished: int
-    save_errors: int
+    saves_failed: int
     failed_after_hit: int
     load_bytes_per_s: float
     save_bytes_per_s: float
@@ -171,7 +172,7 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     """LoRA adapters the engine served: name -> content identity (``LookupStats.adapters``)."""
     miss_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     """Prompt tokens not served from the pool by reason (``LookupStats.miss_tokens``), summed
-    over the engine's agents: ``lookup_tokens = local + loaded + sum(miss_tokens)``."""
+    over the engine's agents: ``prompt_tokens = local + loaded + sum(miss_tokens)``."""
     top_miss: str = ""
     """The reason holding the most miss tokens (``""``: none)."""
     top_miss_fix: str = ""
@@ -249,11 +250,10 @@ class Totals(msgspec.Struct, gc=False, kw_only=True):
     stale: int
     down: int
     hit_rate: float
-    lookup_tokens: int
-    hit_tokens: int
+    prompt_tokens: int
     loads_in_flight: int
     saves_in_flight: int
-    load_errors: int
+    loads_failed: int
     load_bytes_per_s: float
     save_bytes_per_s: float
     segment_used_bytes: int
@@ -342,13 +342,13 @@ def _agent_row(st: EngineState, seen: float, now_ms: float, stale_after_ms: floa
     return AgentRow(
         agent_id=st.source.agent_id, process_role=st.source.process_role, ranks=_ranks(st),
         pid=st.source.pid, host=st.source.host, hit_rate=st.lookup.hit_rate,
-        lookup_tokens=st.lookup.prompt_tokens, hit_tokens=st.lookup.loaded_tokens,
+        prompt_tokens=st.lookup.prompt_tokens, loaded_tokens=st.lookup.loaded_tokens,
         loads_in_flight=_in_flight([st], "load"), saves_in_flight=_in_flight([st], "save"),
-        load_errors=tr.loads_failed + tr.loads_timed_out,
+        loads_failed=tr.loads_failed,
         load_bytes_per_s=tr.load_bytes_per_s, save_bytes_per_s=tr.save_bytes_per_s,
         next_lease_expiry_ms=min(leases) if leases else None, age_ms=now_ms - seen,
         stale=now_ms - seen > stale_after_ms, cpu_percent=st.process.cpu_percent,
-        rss_bytes=st.process.rss_bytes, dropped=st.process.dropped,
+        rss_bytes=st.process.rss_bytes, agent_events_dropped=st.process.dropped,
         layout_digest=st.source.layout_digest,
     )
 
@@ -365,8 +365,8 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
     is in :func:`_agent_order`. One pass over the agents: at fleet scale (2,304 agents) this
     runs for every engine whose reports changed, every refresh."""
     head = group[0].source
-    prompt = hits = local = loaded = lookups = lookup_errors = recomputed = 0
-    load_errors = loads_finished = save_errors = failed_after_hit = saves_skipped = 0
+    prompt = local = loaded = lookups = lookup_errors = recomputed = 0
+    loads_failed = loads_finished = saves_failed = failed_after_hit = saves_skipped = 0
     load_bps = save_bps = weighted_1m = 0.0
     max_load = group[0].transfers.max_load_ms
     pool_st: EngineState | None = None
@@ -392,7 +392,6 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
             # hit_rate_1m is per agent; weight by since-start prompt tokens (only schedulers
             # look up).
             weighted_1m += lk.hit_rate_1m * lk.prompt_tokens
-        hits += lk.loaded_tokens
         local += lk.local_tokens
         loaded += lk.loaded_tokens
         lookups += lk.lookups
@@ -400,9 +399,9 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         recomputed += max(0, lk.prompt_tokens - lk.local_tokens - lk.loaded_tokens)
         for reason, n in lk.miss_tokens.items():
             misses[reason] = misses.get(reason, 0) + n
-        load_errors += tr.loads_failed + tr.loads_timed_out
+        loads_failed += tr.loads_failed
         loads_finished += tr.loads_finished
-        save_errors += tr.saves_failed
+        saves_failed += tr.saves_failed
         saves_skipped += tr.saves_skipped
         failed_after_hit += tr.failed_after_hit
         load_bps += tr.load_bytes_per_s
@@ -435,12 +434,12 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         engine_id=engine_id, role=head.instance_role, kv_role=head.kv_role,
         ranks=f"dp{_span(dp)} tp{_span(tp)} pp{_span(pp)}" if workers else "-",
         backend=head.backend, model=head.model, workers=workers,
-        hit_rate=hits / prompt if prompt else 0.0,
+        hit_rate=loaded / prompt if prompt else 0.0,
         hit_rate_1m=weighted_1m / prompt if prompt else 0.0,
-        lookup_tokens=prompt, hit_tokens=hits, loaded_tokens=loaded, lookups=lookups,
+        prompt_tokens=prompt, loaded_tokens=loaded, lookups=lookups,
         lookup_errors=lookup_errors, loads_in_flight=len(load_reqs),
-        saves_in_flight=len(save_reqs), load_errors=load_errors,
-        loads_finished=loads_finished, save_errors=save_errors,
+        saves_in_flight=len(save_reqs), loads_failed=loads_failed,
+        loads_finished=loads_finished, saves_failed=saves_failed,
         failed_after_hit=failed_after_hit, load_bytes_per_s=load_bps,
         save_bytes_per_s=save_bps,
         segment_used_bytes=pool.used_bytes if pool else 0,
@@ -613,8 +612,8 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
                                     saves_skipped=row.saves_skipped)
         rows.append(row)
     pools = _pools(states.values())
-    prompt = sum(r.lookup_tokens for r in rows)
-    hits = sum(r.hit_tokens for r in rows)
+    prompt = sum(r.prompt_tokens for r in rows)
+    loaded = sum(r.loaded_tokens for r in rows)
     local = sum(r.local_tokens for r in rows)
     fleet_misses: dict[str, int] = {}
     for r in rows:
@@ -622,16 +621,16 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
             fleet_misses[reason] = fleet_misses.get(reason, 0) + n
     totals_row = Totals(
         engines=len(rows), agents=len(states), stale=sum(r.stale and not r.down for r in rows),
-        down=sum(r.down for r in rows), hit_rate=hits / prompt if prompt else 0.0,
-        lookup_tokens=prompt, hit_tokens=hits,
+        down=sum(r.down for r in rows), hit_rate=loaded / prompt if prompt else 0.0,
+        prompt_tokens=prompt,
         loads_in_flight=sum(r.loads_in_flight for r in rows),
         saves_in_flight=sum(r.saves_in_flight for r in rows),
-        load_errors=sum(r.load_errors for r in rows),
+        loads_failed=sum(r.loads_failed for r in rows),
         load_bytes_per_s=sum(r.load_bytes_per_s for r in rows),
         save_bytes_per_s=sum(r.save_bytes_per_s for r in rows),
         segment_used_bytes=sum(p.used_bytes for p in pools),
         segment_total_bytes=sum(p.total_bytes for p in pools),
-        local_tokens=local, loaded_tokens=sum(r.loaded_tokens for r in rows),
+        local_tokens=local, loaded_tokens=loaded,
         recomputed_tokens=sum(r.recomputed_tokens for r in rows),
         local_hit_rate=local / prompt if prompt else 0.0,
         miss_tokens=fleet_misses, top_miss=top_reason(fleet_misses),
@@ -656,11 +655,11 @@ def _sort_value(r: EngineRow, key: str) -> tuple[float | str, str]:
     elif key == "hit":
         v = r.hit_rate
     elif key == "tokens":
-        v = r.lookup_tokens
+        v = r.prompt_tokens
     elif key == "loads":
         v = r.loads_in_flight + r.saves_in_flight
     elif key == "errors":
-        v = r.load_errors + r.lookup_errors
+        v = r.loads_failed + r.lookup_errors
     elif key == "usage":
         v = r.segment_used_bytes / r.segment_total_bytes if r.segment_total_bytes else 0.0
     elif key == "lease":

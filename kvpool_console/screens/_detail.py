@@ -127,12 +127,12 @@ class EngineDetailScreen(Screen[None]):
         # Content.from_markup, which inserts them as text, never as markup.
         summary.update(Content.from_markup(
             "[b]$engine[/b] $what [b]$state[/b]\n"
-            f"hit {row.hit_rate:.1%} (1m {row.hit_rate_1m:.1%}) of {row.lookup_tokens} tok, "
+            f"hit {row.hit_rate:.1%} (1m {row.hit_rate_1m:.1%}) of {row.prompt_tokens} tok, "
             f"loaded {row.loaded_tokens} tok; lookups {row.lookups} errors {row.lookup_errors}; "
-            f"prompt {row.lookup_tokens} tok = local {row.local_tokens} "
+            f"prompt {row.prompt_tokens} tok = local {row.local_tokens} "
             f"({row.local_hit_rate:.1%}) + pool {row.loaded_tokens} + recomputed "
             f"{row.recomputed_tokens}; "
-            f"loads ok {row.loads_finished} failed {row.load_errors} "
+            f"loads ok {row.loads_finished} failed {row.loads_failed} "
             f"(after hit {row.failed_after_hit}); max load {row.max_load_ms:.0f} ms, "
             f"lease TTL {row.lease_ttl_ms} ms; last report {fmt_age(row.age_ms)} ago"
             + ("\n[b red]failed to start[/]: $failed\n[b]fix[/]: $fix" if row.failed else "")

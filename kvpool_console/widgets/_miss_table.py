@@ -30,7 +30,7 @@ class MissTable(DataTable[str | Text]):
     def show(self, row: EngineRow) -> None:
         """The rows of ``row`` (its ``miss_tokens`` already split by the hub's memory)."""
         self.clear()
-        prompt = row.lookup_tokens
+        prompt = row.prompt_tokens
 
         def share(n: int) -> str:
             return f"{n / prompt:.1%}" if prompt else "-"

@@ -4,7 +4,7 @@ capacity) drawn as one bar per capacity, with ``2x the pool: +N points; MIN at t
 
 Figures come from the hub's last ``ReuseView`` (``kvpool_agent._reuse_service``: the ceiling
 over its window of recent lookups, the curve recomputed at most every minute); the hit rate is
-the engines' own since their start (``EngineRow.loaded_tokens / lookup_tokens``), so the two
+the engines' own since their start (``EngineRow.loaded_tokens / prompt_tokens``), so the two
 cover different spans: a pool just restarted reads low against a ceiling over the window.
 """
 
@@ -34,7 +34,7 @@ def _bar(rate: float, width: int = _BAR) -> str:
 
 def _hit_rate(rows: list[EngineRow], model: str) -> float | None:
     mine = [r for r in rows if r.model == model]
-    prompt = sum(r.lookup_tokens for r in mine)
+    prompt = sum(r.prompt_tokens for r in mine)
     return sum(r.loaded_tokens for r in mine) / prompt if prompt else None
 
 

@@ -94,7 +94,7 @@ def test_hub_ceiling_equals_the_trace_ceiling(reuse_hub: FleetHub, hub_address: 
         assert (rows["eng-a"]["top_miss"], rows["eng-b"]["top_miss"]) == ("not_in_pool",
                                                                           "not_in_pool")
         tot = doc["totals"]
-        assert tot["lookup_tokens"] == tot["local_tokens"] + tot["loaded_tokens"] + sum(
+        assert tot["prompt_tokens"] == tot["local_tokens"] + tot["loaded_tokens"] + sum(
             tot["miss_tokens"].values())
         assert tot["top_miss"] == "not_in_pool"
         text = httpx.get(reuse_hub.metrics.url if reuse_hub.metrics else "", timeout=5.0).text

@@ -6,17 +6,19 @@ check is ``tests/vllm/test_vllm_observability.py``."""
 from __future__ import annotations
 
 import functools
-import inspect
-from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool_agent.ledger import fact, facts_on, metric_fact
 from kvpool_agent.reporter import (
+    EVENT_METHODS,
     LayoutKnown,
     Loaded,
     Lookup,
+    NullReporter,
     ReportedError,
     Reporter,
     SaveSkipped,
@@ -24,6 +26,7 @@ from kvpool_agent.reporter import (
     TransferProgress,
     TransferStarted,
 )
+from kvpool_connector._counters import LookupCounters, WorkerCounters
 from kvpool_connector._stats import (
     PROM_COUNTERS,
     KVPoolConnectorStats,
@@ -31,13 +34,6 @@ from kvpool_connector._stats import (
     StatsCollector,
     StatsTap,
 )
-
-
-@dataclass
-class _Counters:
-    lookups: int = 0
-    loaded_bytes: int = 0
-    reasons: dict[str, int] | None = None
 
 
 def test_tap_forwards_every_event_and_keeps_samples() -> None:
@@ -62,37 +58,65 @@ def test_tap_forwards_every_event_and_keeps_samples() -> None:
     assert tap.saves_in_flight == 1
 
 
-def test_tap_forwards_every_reporter_method() -> None:
-    """Every public ``Reporter`` method of the tap reaches the inner reporter: overridden here,
-    or (a method added to ``Reporter`` later) bound to the inner reporter's own."""
-    inner = Reporter()
-    tap = StatsTap(inner)
-    names = [n for n, _ in inspect.getmembers(Reporter, inspect.isfunction)
-             if not n.startswith("_")]
-    assert "lookup" in names and "drain" in names
-    for name in names:
-        method = getattr(tap, name)
-        assert name in StatsTap.__dict__ or method.__self__ is inner, name
+def test_tap_declares_no_event_method() -> None:
+    """The reporter interface is written once, in ``Reporter``: the tap watches events in
+    ``put`` and every event method it has is ``Reporter``'s own."""
+    assert "lookup" in EVENT_METHODS and "transfer_finished" in EVENT_METHODS
+    assert not set(EVENT_METHODS) & set(StatsTap.__dict__)
+    assert all(getattr(StatsTap, n) is getattr(Reporter, n) for n in EVENT_METHODS)
+    # Forwarded into a NullReporter: nothing kept there, the tap's samples still taken.
+    tap = StatsTap(NullReporter())
+    tap.lookup("r", 10, 0, 0, 3.0)
+    assert tap.drain() == [] and tap.depth == 0 and list(tap.samples["lookup_seconds"]) == [0.003]
+
+
+def test_every_vllm_metric_is_one_catalogue_fact() -> None:
+    """Every ``vllm:kvpool_*`` family is a catalogue fact shown on vLLM, with its help; every
+    running total of the connector is one (or, counted by the other role too, is that role's
+    own and reaches no metric)."""
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    KVPoolPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                      ["model_name", "engine"], {0: ["tiny", "0"]})
+    shown = set()
+    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+        # prometheus_client's own ``<name>_created`` timestamps come as families of their own.
+        if not fam.name.startswith("vllm:kvpool_") or fam.name.endswith("_created"):
+            continue
+        f = metric_fact("vllm", fam.name)
+        assert f is not None, fam.name
+        assert (fam.documentation, fam.type) == (f.help, f.kind), fam.name
+        shown.add(f.name)
+    assert shown == {f.name for f in facts_on("vllm")}
+    for cls, role in ((LookupCounters, "scheduler"), (WorkerCounters, "worker")):
+        for field in dataclass_fields(cls):
+            if field.type != "int":
+                continue
+            f = fact(field.name)
+            assert f.counted_by == role or (cls, field.name) == (
+                WorkerCounters, "load_failed_tokens"), field.name
 
 
 def test_collector_reports_increments_once() -> None:
-    counters = _Counters(reasons={"X": 1})
+    counters = WorkerCounters()
     tap = StatsTap(Reporter())
     col = StatsCollector(lambda: counters, tap, worker=True)
     assert col.take() is None
-    counters.lookups, counters.loaded_bytes = 3, 8192
+    counters.saved_keys, counters.loaded_bytes = 3, 8192
+    # The rank's own load_failed_tokens is not vLLM's: the scheduler counts that fact.
+    counters.load_failed_tokens = 16
     tap.transfer_started("r", "save", 1, 1)
     tap.transfer_finished("r", "save", False, 0, None, 1)
     first = col.take()
     assert first is not None
-    # Only int fields are counters; the save failed without a name.
-    assert first.data["counters"] == {"lookups": 3, "loaded_bytes": 8192}
+    # The save failed without a name.
+    assert first.data["counters"] == {"saved_keys": 3, "loaded_bytes": 8192}
     assert first.data["errors"] == {"save:UNKNOWN": 1}
     assert len(first.data["save_seconds"]) == 1
     assert "save_queue_depth" not in first.data  # 0 before and after: unchanged
     assert col.take() is None
-    counters.lookups = 5
-    assert col.take() == KVPoolConnectorStats(data={"counters": {"lookups": 2}})
+    counters.saved_keys = 5
+    assert col.take() == KVPoolConnectorStats(data={"counters": {"saved_keys": 2}})
     # The queue depth is reported when it changes, also back to 0.
     tap.transfer_started("s", "save", 1, 1)
     assert col.take() == KVPoolConnectorStats(data={"save_queue_depth": 1})

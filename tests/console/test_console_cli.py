@@ -58,9 +58,9 @@ def _status(fleet: LiveFleet, capsys: pytest.CaptureFixture[str], *extra: str
         rc = main(["status", "--json", "--hub", fleet.address, *extra])
         doc = json.loads(capsys.readouterr().out)
         by = {e["engine_id"]: e for e in doc["engines"]}
-        ready = (len(by) == 2 and by["p0"]["lookup_tokens"] == 4000
+        ready = (len(by) == 2 and by["p0"]["prompt_tokens"] == 4000
                  and by["p0"]["layout_digest"] != ""
-                 and by["d0"]["load_errors"] == 1 and by["p0"]["segment_total_bytes"] > 0)
+                 and by["d0"]["loads_failed"] == 1 and by["p0"]["segment_total_bytes"] > 0)
         if ready or time.monotonic() > deadline:
             return rc, doc
         time.sleep(0.3)
@@ -74,9 +74,9 @@ def test_status_json_field_by_field(live_fleet: LiveFleet,
     by = {e["engine_id"]: e for e in doc["engines"]}
     p0, d0 = by["p0"], by["d0"]
     assert (p0["role"], p0["kv_role"], p0["backend"]) == ("prefill", "kv_producer", "mooncake")
-    assert (p0["lookup_tokens"], p0["hit_tokens"]) == (4000, 2560)
+    assert (p0["prompt_tokens"], p0["loaded_tokens"]) == (4000, 2560)
     assert p0["hit_rate"] == pytest.approx(0.64)
-    assert p0["loads_in_flight"] == 1 and p0["load_errors"] == 0
+    assert p0["loads_in_flight"] == 1 and p0["loads_failed"] == 0
     assert p0["next_lease_expiry_ms"] == pytest.approx(expiry, abs=1.0)
     assert p0["stale"] is False and p0["workers"] == 2 and p0["ranks"] == "dp0 tp0-1 pp0"
     assert [a["agent_id"] for a in p0["agents"]] == [
@@ -89,7 +89,7 @@ def test_status_json_field_by_field(live_fleet: LiveFleet,
     assert p0["segment_total_bytes"] >= 64 << 20
     assert 0 <= p0["segment_used_bytes"] <= p0["segment_total_bytes"]
     assert (d0["role"], d0["kv_role"], d0["hit_rate"]) == ("decode", "kv_producer", 0.0)
-    assert d0["loads_in_flight"] == 0 and d0["load_errors"] == 1
+    assert d0["loads_in_flight"] == 0 and d0["loads_failed"] == 1
     assert d0["failed_after_hit"] == 1 and d0["next_lease_expiry_ms"] is None
     alerts = {(a["rule"], a["subject"]): a for a in doc["alerts"]}
     assert alerts[("kv_role_mismatch", "d0")]["severity"] == "critical"
@@ -97,7 +97,7 @@ def test_status_json_field_by_field(live_fleet: LiveFleet,
         "decode instances (or correct the declared role if the instance really is prefill)"
     assert alerts[("failed_after_hit", "d0")]["hint"].startswith("block evicted or removed")
     assert not any(subject == "p0" for _, subject in alerts), alerts
-    assert doc["totals"]["engines"] == 2 and doc["totals"]["lookup_tokens"] == 4100
+    assert doc["totals"]["engines"] == 2 and doc["totals"]["prompt_tokens"] == 4100
     assert main(["status", "--json", "--hub", live_fleet.address, "--fail-on", "critical"]) == 1
     capsys.readouterr()
 

@@ -86,8 +86,8 @@ def _status(fleet: LiveFleet, capsys: pytest.CaptureFixture[str]) -> dict:
         assert console_main(["status", "--json", "--hub", fleet.address]) == 0
         doc = json.loads(capsys.readouterr().out)
         by = {e["engine_id"]: e for e in doc["engines"]}
-        if (len(by) == 2 and by["p0"]["lookup_tokens"] == 4000
-                and by["d0"]["load_errors"] == 3 and by["p0"]["segment_total_bytes"] > 0
+        if (len(by) == 2 and by["p0"]["prompt_tokens"] == 4000
+                and by["d0"]["loads_failed"] == 2 and by["p0"]["segment_total_bytes"] > 0
                 and by["d0"]["segment_total_bytes"] > 0):
             return doc
         assert time.monotonic() < deadline, f"fleet not reported in time: {doc}"
@@ -105,17 +105,16 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
     for eid, role in (("p0", "prefill"), ("d0", "decode")):
         e = by[eid]
         lab = {"engine": eid, "model": model, "role": role}
-        assert _get(m, "kvpool_prompt_tokens_total", **lab) == e["lookup_tokens"]
-        assert _get(m, "kvpool_loaded_tokens_total", **lab) == e["loaded_tokens"] == e["hit_tokens"]
-        assert _get(m, "kvpool_local_hit_tokens_total", **lab) == e["local_tokens"]
+        assert _get(m, "kvpool_prompt_tokens_total", **lab) == e["prompt_tokens"]
+        assert _get(m, "kvpool_loaded_tokens_total", **lab) == e["loaded_tokens"]
+        assert _get(m, "kvpool_local_tokens_total", **lab) == e["local_tokens"]
         assert _get(m, "kvpool_recomputed_tokens_total", **lab) == e["recomputed_tokens"]
         assert _get(m, "kvpool_local_hit_ratio", **lab) == pytest.approx(e["local_hit_rate"])
         assert _get(m, "kvpool_lookups_total", **lab) == e["lookups"]
         assert _get(m, "kvpool_pool_hit_ratio", **lab) == pytest.approx(e["hit_rate"])
         assert _get(m, "kvpool_loads_in_flight", **lab) == e["loads_in_flight"]
         assert _get(m, "kvpool_saves_in_flight", **lab) == e["saves_in_flight"]
-        assert (_get(m, "kvpool_loads_failed_total", **lab)
-                + _get(m, "kvpool_loads_timed_out_total", **lab)) == e["load_errors"]
+        assert _get(m, "kvpool_loads_failed_total", **lab) == e["loads_failed"]
         assert _get(m, "kvpool_loads_finished_total", **lab) == e["loads_finished"]
         assert _get(m, "kvpool_failed_after_hit_total", **lab) == e["failed_after_hit"]
         # The engine's newest pool report: the scheduler's pool client and the workers' master
@@ -134,7 +133,7 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
     p0 = {"engine": "p0", "model": model, "role": "prefill"}
     d0 = {"engine": "d0", "model": model, "role": "decode"}
     # The values themselves, not only their agreement with the console.
-    assert _get(m, "kvpool_local_hit_tokens_total", **p0) == 256
+    assert _get(m, "kvpool_local_tokens_total", **p0) == 256
     assert _get(m, "kvpool_recomputed_tokens_total", **p0) == 4000 - 256 - 1792
     assert _get(m, "kvpool_local_hit_ratio", **p0) == pytest.approx(256 / 4000)
     assert _get(m, "kvpool_lease_expiry_timestamp_seconds", **p0) == pytest.approx(

@@ -27,11 +27,11 @@ def test_the_hub_split_replaces_not_in_pool_and_keeps_every_token() -> None:
     # No split for prefill-2: its reasons as its agent reported them.
     assert rows["prefill-2"].miss_tokens == MISSES["prefill-2"]
     for r in rows.values():
-        assert r.lookup_tokens == r.local_tokens + r.loaded_tokens + sum(
+        assert r.prompt_tokens == r.local_tokens + r.loaded_tokens + sum(
             r.miss_tokens.values())
     t = view.totals
     assert t.miss_tokens["never_saved"] == 18_000 and t.top_miss == "evicted"
-    assert t.lookup_tokens == t.local_tokens + t.loaded_tokens + sum(t.miss_tokens.values())
+    assert t.prompt_tokens == t.local_tokens + t.loaded_tokens + sum(t.miss_tokens.values())
 
 
 def test_reuse_panel_says_hit_rate_ceiling_and_what_2x_buys() -> None:

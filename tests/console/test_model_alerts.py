@@ -29,11 +29,11 @@ def test_engine_rows_merge_scheduler_and_workers() -> None:
     assert row.workers == 4 and row.ranks == "dp0 tp0-3 pp0" and len(row.agents) == 5
     assert row.agents[0].process_role == "scheduler"
     assert [a.ranks for a in row.agents[1:]] == [f"dp0.tp{r}.pp0" for r in range(4)]
-    assert row.lookup_tokens == 10_000 and row.hit_tokens == 4_000 and row.hit_rate == 0.4
+    assert row.prompt_tokens == 10_000 and row.loaded_tokens == 4_000 and row.hit_rate == 0.4
     assert row.hit_rate_1m == 0.5
     # The same 3 requests load on every TP rank: counted once per request.
     assert row.loads_in_flight == 3
-    assert row.load_errors == 4 * 2
+    assert row.loads_failed == 4 * 2
     assert row.segment_used_bytes == 6 * GB and row.segment_total_bytes == 10 * GB
     assert row.high_watermark == 0.9 and row.lease_ttl_ms == 11_000
     assert row.next_lease_expiry_ms == NOW_MS + 4_200
@@ -182,7 +182,7 @@ def test_request_level_token_split() -> None:
     t = view.totals
     assert (t.local_tokens, t.loaded_tokens, t.recomputed_tokens) == (3_000, 4_000, 5_000)
     assert t.local_hit_rate == pytest.approx(3_000 / 12_000)
-    assert t.local_tokens + t.loaded_tokens + t.recomputed_tokens == t.lookup_tokens
+    assert t.local_tokens + t.loaded_tokens + t.recomputed_tokens == t.prompt_tokens
 
 
 def test_pool_alerts_once_per_pool_with_engines_and_hysteresis() -> None:
@@ -411,7 +411,7 @@ def test_agent_rows_on_request_and_totals_kept_for_engines_without_reports() -> 
     fresh = build_view(later, seen, NOW_MS + 1_000, alerts=alerts, agent_rows_for=())
     assert view.engines == fresh.engines
     rows = {r.engine_id: r for r in view.engines}
-    assert rows["prefill-0"].load_errors == 5 and rows["prefill-0"].age_ms == 500.0
+    assert rows["prefill-0"].loads_failed == 5 and rows["prefill-0"].age_ms == 500.0
     assert rows["decode-0"].age_ms == 1_300.0
     assert model.agent_rows("prefill-0") == build_view(later, seen, NOW_MS + 1_000).engines[
         [r.engine_id for r in view.engines].index("prefill-0")].agents

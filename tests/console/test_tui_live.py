@@ -53,13 +53,13 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)
         await until(pilot, lambda: app.view is not None and len(app.view.engines) == 2
-                     and app.view.engines[1].lookup_tokens == 2000
-                     and app.view.engines[1].load_errors == 2, "both engines reported")
+                     and app.view.engines[1].prompt_tokens == 2000
+                     and app.view.engines[1].loads_failed == 2, "both engines reported")
         assert app.view is not None
         p0 = next(r for r in app.view.engines if r.engine_id == "p0")
         assert (p0.role, p0.kv_role, p0.ranks, p0.workers) == ("prefill", "kv_producer",
                                                                "dp0 tp0-1 pp0", 2)
-        assert (p0.lookup_tokens, p0.hit_tokens, p0.lookups) == (2000, 1300, 2)
+        assert (p0.prompt_tokens, p0.loaded_tokens, p0.lookups) == (2000, 1300, 2)
         assert p0.loads_in_flight == 1 and p0.failed_after_hit == 2
         assert p0.next_lease_expiry_ms is not None
         assert 0 < p0.next_lease_expiry_ms - app.clock() <= LEASE_TTL_MS

@@ -75,7 +75,7 @@ def test_vllm_prometheus_carries_the_connector_counts(
     lk, tr = sched.lookup, worker.transfers
     assert lk.loaded_tokens == loadable and tr.loaded_bytes > 0 and tr.saved_bytes > 0
     assert get("vllm:kvpool_lookups_total") == lk.lookups == 4
-    assert get("vllm:kvpool_lookup_tokens_total") == lk.prompt_tokens == 2 * sum(map(len, PAIR))
+    assert get("vllm:kvpool_prompt_tokens_total") == lk.prompt_tokens == 2 * sum(map(len, PAIR))
     # One fact, one series: the pool's hits are the loaded tokens.
     assert not [k for k in m if k[0] == "vllm:kvpool_pool_hit_tokens_total"]
     assert get("vllm:kvpool_loaded_tokens_total") == lk.loaded_tokens

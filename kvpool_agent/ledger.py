@@ -1,0 +1,312 @@
+"""The counter catalogue: every fact kvpool counts or measures, once (issue 37 item 3).
+
+Each ``Fact`` has one name, a kind, a unit, one help text, who counts it and from what. Every
+surface reads its names and help here and nowhere else:
+
+- vLLM's Prometheus metrics (``kvpool_connector._stats``): ``vllm:kvpool_<name>`` for facts
+  shown on ``"vllm"``; a counter's value is the running total of the same name on the process
+  that counts it (``LookupCounters`` on the scheduler, ``WorkerCounters`` on each worker);
+- the hub's ``/metrics`` (``kvpool_agent._metrics``): ``kvpool_<name>`` for facts on
+  ``"hub"``, over the ``EngineState`` agents report;
+- ``kvpool-console status --json`` and the console's rows (``kvpool_console.model``): the key
+  ``<name>`` for facts on ``"status"``.
+
+Prometheus adds ``_total`` to a counter's name. The catalogue page in ``docs/architecture.md``
+is written from this module by ``scripts/gen_ledger_reference.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvpool_agent._access_window import WINDOW_CHUNKS
+from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS
+
+__all__ = [
+    "FACTS",
+    "HUB_COUNTERS",
+    "CountedBy",
+    "Fact",
+    "Kind",
+    "Surface",
+    "fact",
+    "facts_on",
+    "metric_fact",
+]
+
+Kind = Literal["counter", "gauge", "histogram"]
+"""Prometheus' metric types: a counter only grows (since its counter started)."""
+
+Surface = Literal["vllm", "hub", "status"]
+"""Where a fact is shown: vLLM's ``/metrics``, the hub's ``/metrics``, ``status --json``."""
+
+CountedBy = Literal["scheduler", "worker", "agent", "hub", "pool"]
+"""The process that counts a fact: the connector's scheduler or a worker rank (their own
+counters), the agent (from the connector's reporter events), the hub (over agents' reports) or
+the pool's master (reported by the agent as ``PoolStats``)."""
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One fact and where it is shown.
+
+    Attributes:
+        name: its one name (``vllm:kvpool_<name>``, ``kvpool_<name>``, status key ``<name>``).
+        kind: counter, gauge or histogram.
+        unit: what one unit of its value is (``tokens``, ``bytes``, ``s``...).
+        help: the one help text every surface shows.
+        counted_by: who counts it.
+        source: where its value comes from (a field, or how it is derived).
+        surfaces: where it is shown.
+    """
+
+    name: str
+    kind: Kind
+    unit: str
+    help: str
+    counted_by: CountedBy
+    source: str
+    surfaces: tuple[Surface, ...]
+
+    def metric(self, surface: Surface) -> str:
+        """Its name on ``surface`` (a Prometheus counter's without ``_total``)."""
+        if surface == "vllm":
+            return f"vllm:kvpool_{self.name}"
+        if surface == "hub":
+            return f"kvpool_{self.name}"
+        return self.name
+
+
+_V: tuple[Surface, ...] = ("vllm",)
+_H: tuple[Surface, ...] = ("hub",)
+_VH: tuple[Surface, ...] = ("vllm", "hub")
+_HS: tuple[Surface, ...] = ("hub", "status")
+_VHS: tuple[Surface, ...] = ("vllm", "hub", "status")
+
+FACTS: tuple[Fact, ...] = (
+    # The scheduler's lookups (LookupCounters -> LookupStats). Per request, prompt tokens =
+    # local + loaded + recomputed (the README's "Pool hit rate").
+    Fact("lookups", "counter", "lookups", "Prefix lookups of the pool.", "scheduler",
+         "LookupCounters.lookups", _VHS),
+    Fact("lookup_errors", "counter", "lookups",
+         "Prefix lookups that failed (the request ran without the pool).", "scheduler",
+         "LookupCounters.lookup_errors", _VHS),
+    Fact("lookup_skipped", "counter", "lookups",
+         "Prefix lookups not made (breaker open, multimodal, short prompt...).", "scheduler",
+         "LookupCounters.lookup_skipped", _VH),
+    Fact("lookup_cached", "counter", "lookups",
+         "Repeated asks answered from the request's cached lookup.", "scheduler",
+         "LookupCounters.lookup_cached", _V),
+    Fact("prompt_tokens", "counter", "tokens",
+         "Prompt tokens of requests the scheduler was asked about.", "scheduler",
+         "LookupCounters.prompt_tokens", _VHS),
+    Fact("local_tokens", "counter", "tokens",
+         "Prompt tokens vLLM's local prefix cache already held.", "scheduler",
+         "LookupCounters.local_tokens", _VHS),
+    Fact("loaded_tokens", "counter", "tokens",
+         "Prompt tokens loaded from the pool into vLLM's blocks: the pool's hits (a failed "
+         "load is none).", "scheduler", "LookupCounters.loaded_tokens", _VHS),
+    Fact("load_failed_tokens", "counter", "tokens",
+         "Tokens vLLM accepted from the pool that a load failed to bring (recomputed).",
+         "scheduler", "LookupCounters.load_failed_tokens", _VH),
+    Fact("recomputed_tokens", "counter", "tokens",
+         "Prompt tokens neither cached locally nor loaded from the pool (computed by vLLM).",
+         "hub", "prompt_tokens - local_tokens - loaded_tokens", _HS),
+    Fact("miss_tokens", "counter", "tokens",
+         "Prompt tokens not served from the pool, by reason (tail; never_saved, evicted, "
+         "other_digest, or not_in_pool where the hub could not tell; lookup_error, "
+         "load_failed, not_loaded, a skip reason): prompt = local + loaded + misses.", "agent",
+         "LookupStats.miss_tokens, not_in_pool split by the hub's saved-chunk memory", _HS),
+    Fact("saves_scheduled_chunks", "counter", "chunks", "Chunks scheduled for saving.",
+         "scheduler", "LookupCounters.saves_scheduled_chunks", _V),
+    Fact("handover_waits", "counter", "lookups",
+         "Lookups answered later: a P/D hand-over was not all in the pool yet.", "scheduler",
+         "LookupCounters.handover_waits", _V),
+    Fact("handover_short", "counter", "hand-overs",
+         "P/D hand-overs run with fewer tokens than promised (recomputed).", "scheduler",
+         "LookupCounters.handover_short", _V),
+    # The workers' transfers: their own counters (WorkerCounters) for vLLM, their reporter
+    # events (TransferStats) for the agent.
+    Fact("loaded_bytes", "counter", "bytes", "Bytes loaded from the pool (all worker ranks).",
+         "worker", "WorkerCounters.loaded_bytes; TransferStats.loaded_bytes", _VH),
+    Fact("saved_bytes", "counter", "bytes", "Bytes saved to the pool (all worker ranks).",
+         "worker", "WorkerCounters.saved_bytes; TransferStats.saved_bytes", _VH),
+    Fact("loaded_keys", "counter", "keys", "Pool values loaded (all worker ranks).", "worker",
+         "WorkerCounters.loaded_keys", _V),
+    Fact("saved_keys", "counter", "keys", "Pool values written (all worker ranks).", "worker",
+         "WorkerCounters.saved_keys", _V),
+    Fact("load_failed_keys", "counter", "keys", "Pool values that failed to load.", "worker",
+         "WorkerCounters.load_failed_keys", _V),
+    Fact("save_failed_keys", "counter", "keys", "Pool values that failed to save.", "worker",
+         "WorkerCounters.save_failed_keys", _V),
+    Fact("save_skipped_keys", "counter", "keys", "Pool values whose save was skipped.",
+         "worker", "WorkerCounters.save_skipped_keys", _V),
+    Fact("load_failed_blocks", "counter", "blocks", "vLLM blocks reported failed (recomputed).",
+         "worker", "WorkerCounters.load_failed_blocks", _V),
+    Fact("layer_timeouts", "counter", "waits", "Layer-wise load waits that timed out.",
+         "worker", "WorkerCounters.layer_timeouts", _V),
+    Fact("checksum_failures", "counter", "values",
+         "Loaded values whose checksum did not match (recomputed).", "worker",
+         "WorkerCounters.checksum_failures", _V),
+    Fact("evicted_keys", "counter", "keys",
+         "Pool values removed by the connector's eviction (eviction: connector).", "worker",
+         "WorkerCounters.evicted_keys", _V),
+    Fact("evict_failed_keys", "counter", "keys",
+         "Pool values the connector's eviction failed to remove.", "worker",
+         "WorkerCounters.evict_failed_keys", _V),
+    Fact("transfer_errors", "counter", "transfers",
+         "Failed loads and saves and skipped saves, by error name (vLLM's also by kind).",
+         "worker", "transfer_finished / save_skipped events; TransferStats.errors_by_name",
+         _VH),
+    Fact("loads_finished", "counter", "loads", "Loads from the pool that completed.", "agent",
+         "TransferStats.loads_finished", _HS),
+    Fact("loads_failed", "counter", "loads", "Loads that failed (timed-out loads included).",
+         "agent", "TransferStats.loads_failed", _HS),
+    Fact("loads_timed_out", "counter", "loads", "Loads that timed out.", "agent",
+         "TransferStats.loads_timed_out", _H),
+    Fact("failed_after_hit", "counter", "loads",
+         "Loads that failed with LEASE_EXPIRED or OBJECT_NOT_FOUND after a positive lookup.",
+         "agent", "TransferStats.failed_after_hit", _HS),
+    Fact("saves_finished", "counter", "saves", "Saves to the pool that completed.", "agent",
+         "TransferStats.saves_finished", _H),
+    Fact("saves_failed", "counter", "saves", "Saves that failed.", "agent",
+         "TransferStats.saves_failed", _HS),
+    Fact("saves_skipped", "counter", "blocks",
+         "Blocks whose save was skipped (a save budget, the save breaker, a full pool).",
+         "agent", "TransferStats.saves_skipped", _HS),
+    Fact("lookup_seconds", "histogram", "s", "Prefix lookup latency.", "scheduler",
+         "StatsTap: one sample per lookup made", _V),
+    Fact("load_seconds", "histogram", "s",
+         "Load duration (one worker rank's part of a request's step).", "worker",
+         "StatsTap: transfer_started to transfer_finished", _V),
+    Fact("save_seconds", "histogram", "s",
+         "Save duration (one worker rank's part of a request's step).", "worker",
+         "StatsTap: transfer_started to transfer_finished", _V),
+    Fact("save_queue_depth", "gauge", "saves", "Saves in flight on the busiest worker.",
+         "worker", "StatsTap.saves_in_flight", _V),
+    # What the hub derives per engine over its agents' reports.
+    Fact("engine_info", "gauge", "1",
+         "One per engine: its declared role, kv_role, backend and layout digest(s).", "hub",
+         "Source", _H),
+    Fact("pool_hit_ratio", "gauge", "ratio", "Loaded tokens / prompt tokens since start.",
+         "hub", "loaded_tokens / prompt_tokens", _H),
+    Fact("local_hit_ratio", "gauge", "ratio",
+         "Local prefix cache hit tokens / prompt tokens since start.", "hub",
+         "local_tokens / prompt_tokens", _H),
+    Fact("loads_in_flight", "gauge", "requests", "Requests with a load in flight.", "agent",
+         "EngineState.in_flight", _HS),
+    Fact("saves_in_flight", "gauge", "requests", "Requests with a save in flight.", "agent",
+         "EngineState.in_flight", _HS),
+    Fact("max_load_seconds", "gauge", "s", "Longest load since start.", "agent",
+         "TransferStats.max_load_ms", _H),
+    Fact("oldest_save_age_seconds", "gauge", "s",
+         "Age of the engine's oldest save in flight (0: none).", "agent",
+         "TransferStats.oldest_save_age_ms, plus the time since its report", _H),
+    Fact("save_blocks_held", "gauge", "blocks",
+         "Engine blocks the engine's saves in flight still read.", "agent",
+         "TransferStats.save_blocks_held", _H),
+    Fact("save_staged_bytes", "gauge", "bytes",
+         "Bytes of the engine's saves in flight held in staging buffers (blocks released, put "
+         "running).", "agent", "TransferStats.save_bytes_staged", _H),
+    Fact("lease_expiry_timestamp_seconds", "gauge", "Unix s",
+         "Earliest lease expiry of the engine's in-flight loads (Unix time).", "agent",
+         "Transfer.lease_expires_ms", _H),
+    Fact("lease_ttl_seconds", "gauge", "s", "default_kv_lease_ttl of the engine's pool.",
+         "pool", "PoolStats.lease_ttl_ms", _H),
+    Fact("report_age_seconds", "gauge", "s", "Time since the engine's newest report.", "hub",
+         "hub receive time", _H),
+    Fact("agent_state", "gauge", "1",
+         "1 for the agent's state (up, stale, down), 0 for the others.", "hub",
+         "hub receive time", _H),
+    Fact("agent_report_age_seconds", "gauge", "s", "Time since the agent's last report.",
+         "hub", "hub receive time", _H),
+    Fact("agent_report_gaps", "counter", "reports", "Agent reports the hub never received.",
+         "hub", "report sequence numbers", _H),
+    Fact("agent_events_dropped", "counter", "events",
+         "Engine events the agent's full buffer refused.", "agent", "ProcessStats.dropped",
+         _HS),
+    # The pool, as its master reports it (deduplicated across the agents that report it).
+    Fact("pool_keys", "gauge", "keys", "Keys in the pool.", "pool", "PoolStats.keys", _H),
+    Fact("pool_used_bytes", "gauge", "bytes", "Bytes of the pool in use.", "pool",
+         "PoolStats.used_bytes", _H),
+    Fact("pool_total_bytes", "gauge", "bytes", "Bytes of the pool's mounted segments.", "pool",
+         "PoolStats.total_bytes", _H),
+    Fact("pool_high_watermark_ratio", "gauge", "ratio",
+         "eviction_high_watermark_ratio: usage at which the pool evicts.", "pool",
+         "PoolStats.high_watermark", _H),
+    Fact("pool_evicted_keys", "counter", "keys", "Keys the pool evicted.", "pool",
+         "PoolStats.evicted_keys", _HS),
+    Fact("pool_evicted_bytes", "counter", "bytes", "Bytes the pool evicted.", "pool",
+         "PoolStats.evicted_bytes", _H),
+    Fact("pool_disk_keys", "gauge", "values",
+         "Values on the pool's disk tier (Mooncake SSD offload; 0 without one).", "pool",
+         "PoolStats.disk_keys", _H),
+    Fact("pool_disk_used_bytes", "gauge", "bytes", "Bytes of the disk tier in use.", "pool",
+         "PoolStats.disk_used_bytes", _H),
+    Fact("pool_disk_total_bytes", "gauge", "bytes",
+         "Capacity of the disk tier (0 without one).", "pool", "PoolStats.disk_total_bytes",
+         _H),
+    Fact("pool_reads", "counter", "reads",
+         "Reads the master served, by tier (memory, disk), since it started.", "pool",
+         "PoolStats.memory_hits, PoolStats.disk_hits", _H),
+    Fact("pool_read_bytes", "counter", "bytes", "Bytes of those reads, by tier.", "pool",
+         "PoolStats.memory_hit_bytes, PoolStats.disk_hit_bytes", _H),
+    Fact("pool_healthy", "gauge", "1",
+         "1 when the pool's last health check passed, 0 when it failed (absent until "
+         "checked).", "pool", "PoolStats.healthy", _H),
+    # The fleet, as the hub sees it.
+    Fact("fleet_engines", "gauge", "engines", "Engines the hub knows.", "hub", "Fleet", _H),
+    Fact("fleet_agents", "gauge", "agents",
+         f"Agents the hub knows, by state (up, stale after {STALE_AFTER_MS / 1e3:g} s silent, "
+         f"down after {DOWN_AFTER_MS / 1e3:g} s).", "hub", "Fleet", _H),
+    Fact("fleet_pool_hit_ratio", "gauge", "ratio",
+         "Pool hit tokens / prompt tokens over the fleet.", "hub",
+         "loaded_tokens / prompt_tokens, summed over engines", _H),
+    Fact("fleet_local_hit_ratio", "gauge", "ratio",
+         "Local prefix cache hit tokens / prompt tokens over the fleet.", "hub",
+         "local_tokens / prompt_tokens, summed over engines", _H),
+    Fact("reuse_ceiling_ratio", "gauge", "ratio",
+         f"Prompt tokens an unbounded shared pool would have hit / prompt tokens, over the "
+         f"hub's window of the last {WINDOW_CHUNKS} looked-up chunks (per model).", "hub",
+         "ReuseService.ceilings", _H),
+    Fact("fleet_reuse_ceiling_ratio", "gauge", "ratio",
+         f"Prompt tokens an unbounded shared pool would have hit / prompt tokens, over the "
+         f"hub's window of the last {WINDOW_CHUNKS} looked-up chunks.", "hub",
+         "ReuseService.ceilings", _H),
+)
+"""Every fact, in the order the catalogue page lists them."""
+
+HUB_COUNTERS = Fact(
+    "hub_*", "counter", "events",
+    "One of the hub's own counters since it started (reports, commands, refusals, sheds...; "
+    "refused_handshakes_<port>, refused_key_<name>).", "hub", "HubCounters.metrics", _H)
+"""The family ``kvpool_hub_<counter>``: one help for every counter of ``HubCounters``."""
+
+_BY_NAME = {f.name: f for f in FACTS}
+
+
+def fact(name: str) -> Fact:
+    """The fact named ``name``.
+
+    Raises:
+        KeyError: no such fact.
+    """
+    return _BY_NAME[name]
+
+
+def facts_on(surface: Surface, kind: Kind | None = None) -> tuple[Fact, ...]:
+    """The facts shown on ``surface`` (of ``kind`` when given), in catalogue order."""
+    return tuple(f for f in FACTS
+                 if surface in f.surfaces and (kind is None or f.kind == kind))
+
+
+def metric_fact(surface: Surface, metric: str) -> Fact | None:
+    """The fact a metric family name of ``surface`` (without ``_total``) shows, or ``None``
+    for a name the catalogue does not know."""
+    if surface == "hub" and metric.startswith("kvpool_hub_"):
+        return HUB_COUNTERS
+    for f in FACTS:
+        if surface in f.surfaces and f.metric(surface) == metric:
+            return f
+    return None

@@ -1,0 +1,41 @@
+"""The counter catalogue in ``docs/architecture.md`` is the one
+``scripts/gen_ledger_reference.py`` writes from ``kvpool_agent/ledger.py``: a fact added, renamed
+or re-documented without regenerating the page fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvpool_agent.ledger import FACTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "gen_ledger_reference", ROOT / "scripts" / "gen_ledger_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gen_ledger_reference"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_catalogue_is_the_generated_one() -> None:
+    gen = _script()
+    committed = (ROOT / "docs" / "architecture.md").read_text()
+    assert committed == gen.render(committed), (
+        "docs/architecture.md's counter catalogue is out of date: run "
+        ".venv/bin/python scripts/gen_ledger_reference.py and commit it")
+    for f in FACTS:
+        assert f"| `{f.name}` | {f.kind} | {f.unit} |" in committed
+
+
+def test_a_page_without_markers_is_refused() -> None:
+    with pytest.raises(SystemExit, match="markers"):
+        _script().render("# Architecture\n")
