@@ -22,6 +22,9 @@ default off), ``kv_events_config`` (vLLM's, optional), ``tensor_parallel_size`` 
 default: vLLM's choice), ``attention_backend`` (vLLM's ``attention_config.backend``) and
 ``lora_rank`` (vLLM's LoRA on, adapters up to this rank).
 
+``Engine.timed_steps`` serves prompts by stepping the engine itself and returns each step's
+seconds and scheduled tokens (``bench/bench_step_gap.py``: step time while saves run).
+
 An output (``Engine.generate``), per prompt: the greedy ``tokens``, the ``logprobs`` of those
 tokens and vLLM's ``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus
 connector loads).
@@ -133,6 +136,16 @@ class Engine:
                                                max_tokens=max_tokens, salt=salt, lora=lora)
         return out
 
+    def timed_steps(self, prompts: list[list[int]], max_tokens: int, *, salt: str
+                    ) -> list[tuple[float, int]]:
+        """Serve ``prompts`` (greedy, ``max_tokens`` each, every request's ``cache_salt``
+        ``salt``) by stepping the engine until none is unfinished; per step its wall time (s)
+        and the tokens it scheduled (0: no forward pass). The engine core must run in this
+        process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        out: list[tuple[float, int]] = self._call("timed_steps", prompts=prompts,
+                                                  max_tokens=max_tokens, salt=salt)
+        return out
+
     def settle(self) -> None:
         """Step the in-process engine core until no finished request waits for its saves."""
         self._call("settle")
@@ -199,6 +212,8 @@ def serve(conn: Connection, spec: dict[str, Any], env: dict[str, str], log: str)
         try:
             if cmd == "generate":
                 result: Any = _generate(llm, **args)
+            elif cmd == "timed_steps":
+                result = _timed_steps(llm, **args)
             elif cmd == "settle":
                 settle(llm)
                 result = None
@@ -280,6 +295,41 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, salt: str | N
         }
         for o in outs
     ]
+
+
+def _timed_steps(llm: Any, prompts: list[list[int]], max_tokens: int, salt: str
+                 ) -> list[tuple[float, int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        prompt = TokensPrompt(prompt_token_ids=p)
+        prompt["cache_salt"] = salt
+        engine.add_request(f"timed-{salt}-{i}", prompt, params)
+    # The tokens each step scheduled, read off the scheduler's output (0: a step that ran no
+    # forward pass, e.g. while lookups run).
+    scheduler = engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+    scheduled: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        scheduled.append(out.total_num_scheduled_tokens)
+        return out
+
+    scheduler.schedule = counted
+    steps: list[tuple[float, int]] = []
+    try:
+        while engine.has_unfinished_requests():
+            before = len(scheduled)
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t0, sum(scheduled[before:])))
+    finally:
+        del scheduler.schedule
+    return steps
 
 
 def settle(llm: Any, timeout_s: float = 60.0) -> None:
