@@ -44,6 +44,7 @@ __all__ = [
     "AdmissionPolicy",
     "AdmitAll",
     "admission_for",
+    "doorkeeper_seen",
 ]
 
 AdmissionMode = Literal["all", "adaptive"]
@@ -68,6 +69,28 @@ class AdmitAll:
         return len(hashes)
 
 
+def _probes(h: str, bits: int) -> list[int]:
+    v = int(h[:32], 16)
+    return [((v >> (32 * i)) & 0xFFFFFFFF) % bits for i in range(_Doorkeeper._PROBES)]
+
+
+def doorkeeper_seen(bloom: bytes, bits: int, hashes: Sequence[str]) -> int:
+    """Leading ``hashes`` a doorkeeper snapshot (``AdaptiveAdmission.doorkeeper_snapshot``:
+    ``bits`` bits in ``bloom``) has seen: what the doorkeeper admits of them.
+
+    Raises:
+        ValueError: ``bloom`` holds fewer than ``bits`` bits, or ``bits`` < 1.
+    """
+    if bits < 1 or len(bloom) * 8 < bits:
+        raise ValueError(f"doorkeeper snapshot of {len(bloom)} bytes cannot hold {bits} bits")
+    n = 0
+    for h in hashes:
+        if not all(bloom[p >> 3] & (1 << (p & 7)) for p in _probes(h, bits)):
+            break
+        n += 1
+    return n
+
+
 class _Doorkeeper:
     """Chunks asked for recently: two generations of a Bloom filter of ``entries`` each.
 
@@ -85,8 +108,11 @@ class _Doorkeeper:
         self._added = 0
 
     def _positions(self, h: str) -> list[int]:
-        v = int(h[:32], 16)
-        return [((v >> (32 * i)) & 0xFFFFFFFF) % self.bits for i in range(self._PROBES)]
+        return _probes(h, self.bits)
+
+    def snapshot(self) -> bytes:
+        """Both generations OR-ed: the chunks ``seen`` answers for (``doorkeeper_seen``)."""
+        return bytes(a | b for a, b in zip(self._current, self._previous, strict=True))
 
     @staticmethod
     def _has(bits: bytearray, pos: list[int]) -> bool:
@@ -165,6 +191,12 @@ class AdaptiveAdmission:
         self._score_door = 0.0
         self.doorkeeper_active = False
         self.decisions = {"all": 0, "doorkeeper": 0}
+
+    def doorkeeper_snapshot(self) -> tuple[int, bytes]:
+        """``(bits, bloom)``: the doorkeeper's chunks asked for recently, for
+        ``doorkeeper_seen`` in another process (the pool-wide policy service's snapshot:
+        10 bits a chunk of ``8 x capacity_chunks``, at least 4,096 chunks)."""
+        return self._seen.bits, self._seen.snapshot()
 
     def _sampled(self, hashes: Sequence[str]) -> list[int]:
         keys = (int(h[:16], 16) for h in hashes)

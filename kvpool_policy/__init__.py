@@ -5,7 +5,7 @@
 - ``per_engine_hits``, ``policy_hits``, ``simulate_row``: N engines sharing one pool over a trace
   in order, today's per-engine policy against the pool-wide one (``kvpool_policy.simulate``).
 
-An offline model so far: no service runs it yet (docs/policy.md).
+The live service is ``kvpool-policy serve`` (``kvpool_policy.service``; docs/policy.md).
 """
 
 from kvpool_policy.policy import AccessRecord, Decision, PoolPolicy

@@ -135,6 +135,10 @@ class LeafFirstLRU:
     def touch(self, key: PolicyKey) -> None:
         self._order.move_to_end(key)
 
+    def to_front(self, key: PolicyKey) -> None:
+        """Make ``key`` the least recently used (``PoolPolicy.adopt``)."""
+        self._order.move_to_end(key, last=False)
+
     def insert(self, key: PolicyKey, nbytes: int) -> None:
         self._order[key] = nbytes
         self.bytes += nbytes
@@ -291,6 +295,38 @@ class PoolPolicy:
     def doorkeeper_active(self) -> bool:
         """The last record was admitted by the doorkeeper (what a snapshot would publish)."""
         return self._admission is not None and self._admission.doorkeeper_active
+
+    def doorkeeper_snapshot(self) -> tuple[int, bytes] | None:
+        """The pool-wide doorkeeper's ``(bits, bloom)`` (``AdaptiveAdmission``'s), ``None``
+        before the first record or with ``admission="all"``."""
+        return None if self._admission is None else self._admission.doorkeeper_snapshot()
+
+    def adopt(self, keys: Iterable[PolicyKey], chunk_bytes: int) -> list[PolicyKey]:
+        """Chunks found in the pool without a record (a restarted service lists the pool):
+        resident from now on, as the least recently used, in the order given (the first is
+        evicted first). Returns the chunks to remove so the pool fits ``capacity_bytes``.
+
+        Raises:
+            ValueError: ``chunk_bytes`` < 1.
+        """
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        new = [k for k in keys if k not in self]
+        for key in reversed(new):
+            if key in self._pinned:
+                self._pinned_resident[key] = chunk_bytes
+                self._pinned_bytes += chunk_bytes
+            else:
+                self._order.insert(key, chunk_bytes)
+                if isinstance(self._order, LeafFirstLRU):
+                    self._order.to_front(key)
+        evicted: list[PolicyKey] = []
+        while self.used_bytes > self.capacity_bytes:
+            victim = self._order.victim()
+            if victim is None:  # only pinned chunks left: they stay (over capacity)
+                break
+            evicted.append(victim)
+        return evicted
 
     def pin(self, keys: Iterable[PolicyKey]) -> None:
         """Never evict ``keys`` (resident now or saved later) until ``unpin``."""

@@ -79,9 +79,15 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
                            "CHANGES", "audit", "audit_line"],
     # kvpool_policy's offline model runs the connector's own admission and eviction.
     "kvpool_connector.admission": ["AdaptiveAdmission", "AdmissionMode", "AdmissionPolicy",
-                                   "AdmitAll", "admission_for"],
+                                   "AdmitAll", "admission_for", "doorkeeper_seen"],
     "kvpool_connector.eviction": ["RECENT_EVICTIONS", "ConnectorEviction", "EvictionMode",
                                   "watermark_conflict"],
+    # The pool-wide policy service (kvpool_policy.service) and the engines share its wire,
+    # and it removes keys under the connector's removal rule.
+    "kvpool_connector.policy_wire": [
+        "MAX_BATCH_BYTES", "MAX_HASHES", "MAX_RECORDS", "SNAPSHOT_EVERY_S", "WIRE_VERSION",
+        "AdmissionSnapshot", "PolicyLayout", "PolicyRecord", "RecordBatch", "policy_ports"],
+    "kvpool_connector.removal_rule": ["REMOVAL_GRACE", "LeasedKeys", "grace_s_of"],
     # kvpool_replay's reference figures are the agent's cache models (one owner).
     "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
                            "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",

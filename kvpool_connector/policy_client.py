@@ -1,0 +1,206 @@
+"""An engine's side of the pool-wide policy service (issue 40 item 1): send access records,
+decide saves from the service's last admission snapshot, and fall back when it is away.
+
+``PolicyClient.admit(hashes)`` is called once per scheduled request, on the scheduler thread,
+and never waits: it reads the last snapshot (a reference swap) and appends the record to a
+bounded queue. A thread of its own owns both sockets (ZMQ sockets are not thread-safe): it
+sends the queue in batches with ``zmq.NOBLOCK`` (send high-water mark ``SEND_HWM`` batches) and
+receives snapshots. A record that finds the queue full, or whose batch ZMQ refuses (the
+service slow or away), is dropped and counted (``dropped``, also sent in every batch so the
+service counts it too).
+
+Who is in charge (``in_charge``): ``"service"`` while a snapshot arrived within ``stale_s``
+and the records socket is connected (its monitor saw the handshake); otherwise ``"master"``:
+every chunk is saved and the master's own eviction (``eviction_high_watermark_ratio`` below
+1.0) keeps the pool from wedging full.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvpool_agent.auth import ClientKeys
+from kvpool_connector.admission import doorkeeper_seen
+from kvpool_connector.policy_wire import (
+    WIRE_VERSION,
+    AdmissionSnapshot,
+    PolicyLayout,
+    PolicyRecord,
+    RecordBatch,
+    policy_ports,
+)
+
+__all__ = ["DEFAULT_STALE_S", "MAX_QUEUED", "SEND_HWM", "InCharge", "PolicyClient"]
+
+logger = logging.getLogger(__name__)
+
+InCharge = Literal["service", "master"]
+
+DEFAULT_STALE_S = 3.0
+"""Seconds without a snapshot after which an engine takes the service for down (six of its
+``SNAPSHOT_EVERY_S``)."""
+
+MAX_QUEUED = 4_096
+"""Records waiting for the sender thread at most; more are dropped and counted."""
+
+SEND_HWM = 64
+"""Batches ZMQ queues for the service at most (``SNDHWM``); past it a send is dropped."""
+
+_BATCH = 256
+_TICK_S = 0.02
+
+
+class PolicyClient:
+    """One engine's records sender and snapshot reader (module docstring).
+
+    Args:
+        address: the service's ``tcp://HOST:P`` (``policy_wire.policy_ports``).
+        keys: the fleet's agent keys (``KeyPaths.client("agent")``; the service holds the
+            hub's pair); ``None`` = no CURVE (a service started without keys, tests only).
+        engine: this engine's id (the service counts per engine).
+        layout: this engine's layout (digest, every shard's key prefix).
+        chunk_bytes: bytes of one chunk in the pool, every rank's keys (> 0).
+        stale_s: seconds without a snapshot before the master is in charge.
+
+    Attributes:
+        sent: records handed to ZMQ (``dropped``: not delivered, queue full or ZMQ refused).
+
+    Raises:
+        ValueError: a bad ``address`` or ``chunk_bytes`` < 1.
+    """
+
+    def __init__(self, address: str, keys: ClientKeys | None, engine: str,
+                 layout: PolicyLayout, chunk_bytes: int, *,
+                 stale_s: float = DEFAULT_STALE_S) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self._records_at, self._snapshots_at = policy_ports(address)
+        self._keys, self.engine, self.layout = keys, engine, layout
+        self.chunk_bytes, self.stale_s = chunk_bytes, stale_s
+        self._queue: deque[PolicyRecord] = deque()
+        self._snapshot: AdmissionSnapshot | None = None
+        self._heard = -float("inf")
+        # Two writers, one counter each: the scheduler thread's and the sender thread's.
+        self._dropped_queued = self._dropped_sent = 0
+        self.sent = 0
+        # Set by the sender thread from the records socket's monitor.
+        self.records_connected = False
+        self._seq = 0
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="kvpool-policy-client",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_queued + self._dropped_sent
+
+    @property
+    def snapshot(self) -> AdmissionSnapshot | None:
+        """The last snapshot, if it is fresh (``stale_s``)."""
+        if time.monotonic() - self._heard > self.stale_s:
+            return None
+        return self._snapshot
+
+    @property
+    def in_charge(self) -> InCharge:
+        """``"service"``: a fresh snapshot and the records socket connected (the service
+        hears this engine); else ``"master"``."""
+        return "service" if self.records_connected and self.snapshot is not None else "master"
+
+    def admit(self, hashes: Sequence[str], wants: int | None = None) -> int:
+        """Leading chunks of ``hashes`` (a prompt's chained chunk hashes) to save, by the last
+        fresh snapshot (all of them without one), and queue the access record. ``wants``:
+        the most this engine would save (default all). Never blocks."""
+        most = len(hashes) if wants is None else min(wants, len(hashes))
+        snap = self.snapshot if self.records_connected else None
+        admitted = most
+        if snap is not None and snap.doorkeeper and snap.bits:
+            admitted = min(most, doorkeeper_seen(snap.bloom, snap.bits, hashes))
+        if len(self._queue) >= MAX_QUEUED:
+            self._dropped_queued += 1
+        else:
+            self._queue.append(PolicyRecord(self.layout.digest, list(hashes), self.chunk_bytes,
+                                            admitted))
+        return admitted
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        s: zmq.Socket[bytes] = self._ctx.socket(kind)
+        s.linger = 0
+        if self._keys is not None:
+            self._keys.apply(s)
+        return s
+
+    def _run(self) -> None:
+        push = self._socket(zmq.PUSH)
+        push.sndhwm = SEND_HWM
+        # Queue only to a connected service: with it away a send fails at once (counted).
+        push.immediate = True
+        push.connect(self._records_at)
+        mon = push.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sub = self._socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self._snapshots_at)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        decoder = msgspec.msgpack.Decoder(AdmissionSnapshot)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(int(_TICK_S * 1e3)))
+                if sub in events:
+                    self._receive(sub, decoder)
+                while mon in events and mon.poll(0):
+                    ev = recv_monitor_message(mon)["event"]
+                    self.records_connected = ev == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                self._send(push, encoder)
+        finally:
+            push.disable_monitor()
+            mon.close(0)
+            push.close(0)
+            sub.close(0)
+
+    def _receive(self, sub: zmq.Socket[bytes], decoder: msgspec.msgpack.Decoder[
+            AdmissionSnapshot]) -> None:
+        while True:
+            try:
+                data = sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                snap = decoder.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if snap.v == WIRE_VERSION:
+                self._snapshot, self._heard = snap, time.monotonic()
+
+    def _send(self, push: zmq.Socket[bytes], encoder: msgspec.msgpack.Encoder) -> None:
+        while self._queue:
+            n = min(_BATCH, len(self._queue))
+            records = [self._queue.popleft() for _ in range(n)]
+            batch = RecordBatch(WIRE_VERSION, self.engine, self._seq, self.dropped,
+                                [self.layout], records)
+            try:
+                push.send(encoder.encode(batch), zmq.NOBLOCK)
+            except zmq.Again:  # the service is slow or away: the engine never waits
+                self._dropped_sent += n
+                continue
+            self._seq += 1
+            self.sent += n
+
+    def close(self) -> None:
+        """Stop the sender thread (records still queued are dropped)."""
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._ctx.term()

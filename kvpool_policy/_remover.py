@@ -1,0 +1,135 @@
+"""The policy service's removals: every rank's keys of each chunk the pool-wide policy evicts,
+never by force, never a pinned chunk, under the connector's removal rule
+(``kvpool_connector.removal_rule``: a key refused under a reader's lease, -706, is tried again
+no sooner than the transfer timeout after the refusal)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvpool_connector.backends.mooncake import MooncakeBackend
+from kvpool_connector.keys import chunk_keys, pins_key
+from kvpool_connector.pins import Pins
+from kvpool_connector.policy_wire import PolicyLayout
+from kvpool_connector.removal_rule import LeasedKeys
+
+logger = logging.getLogger("kvpool.policy")
+
+PIN_REFRESH_S = 1.0
+"""How often the pin records of each layout are read again (s)."""
+
+MAX_LAYOUTS = 64
+"""Layouts the service steers at most (one ``PolicyLayout`` and one pin reader each); records of
+further layouts are dropped and counted."""
+
+PolicyKey = tuple[str, str]
+
+
+def _keys_of(layout: PolicyLayout) -> Callable[[Sequence[str]], list[str]]:
+    """Every rank's (and layer's) keys of chunk hashes in ``layout`` (``Pins``' ``keys_of``)."""
+    return lambda hashes: chunk_keys(layout.prefixes, hashes, layout.layers or None)
+
+
+class Remover:
+    """Removes evicted chunks from the pool (module docstring).
+
+    Args:
+        backend: the service's own Mooncake store client (``MooncakeBackend``: ``batch_remove``
+            unforced, and the pin records' ``read_record``).
+        grace_s: the wait after a refusal under a lease (s): the store client's transfer
+            timeout (``grace_s_of``).
+        pool_bytes: the pool's capacity (bytes), for the pins' share check.
+        clock: monotonic seconds.
+
+    Attributes:
+        removed: keys removed; failed: keys the store failed to remove (not leased, not gone).
+        layouts: digest -> its ``PolicyLayout``, as the engines sent it.
+    """
+
+    def __init__(self, backend: MooncakeBackend, grace_s: float, pool_bytes: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self._leased = LeasedKeys(grace_s, clock)
+        self._pool_bytes = pool_bytes
+        self.layouts: dict[str, PolicyLayout] = {}
+        self._pins: dict[str, Pins] = {}
+        self._pins_read = -float("inf")
+        self._clock = clock
+        self._todo: list[str] = []
+        self._keep: list[str] = []
+        self.removed = self.failed = 0
+
+    def keys_of(self, chunks: Sequence[PolicyKey]) -> list[str]:
+        """Every rank's (and layer's) keys of ``chunks`` whose layout is known."""
+        out: list[str] = []
+        for digest, h in chunks:
+            lay = self.layouts.get(digest)
+            if lay is not None:
+                out += chunk_keys(lay.prefixes, [h], lay.layers or None)
+        return out
+
+    def learn(self, layout: PolicyLayout) -> bool:
+        """Take a layout an engine sent (checked by the caller); ``False`` when
+        ``MAX_LAYOUTS`` are known already and this one is new."""
+        if layout.digest not in self.layouts and len(self.layouts) >= MAX_LAYOUTS:
+            return False
+        if self.layouts.get(layout.digest) != layout:
+            self.layouts[layout.digest] = layout
+            model = layout.prefixes[0].split("@")[1]
+            self._pins[layout.digest] = Pins(
+                self.backend, _keys_of(layout),
+                chunk_size=1, chunk_bytes=1, pool_bytes=self._pool_bytes,
+                record_key=pins_key(model, layout.digest), refresh_s=PIN_REFRESH_S)
+        return True
+
+    def pinned(self) -> dict[str, set[str]]:
+        """Digest -> chunk hashes some pin of the layout holds, the records read again at most
+        every ``PIN_REFRESH_S`` (a layout whose records cannot be read keeps its last pins)."""
+        now = self._clock()
+        fresh = now - self._pins_read >= PIN_REFRESH_S
+        if fresh:
+            self._pins_read = now
+        out: dict[str, set[str]] = {}
+        for digest, pins in self._pins.items():
+            if fresh:
+                try:
+                    pins.refresh(force=True)
+                except Exception as exc:  # a store error: the pins read last time hold
+                    logger.warning("kvpool policy: pin records of %s not read: %s", digest, exc)
+            out[digest] = {h for p in pins.list() for h in p.hashes}
+        return out
+
+    def _pinned_keys(self) -> set[str]:
+        return {k for pins in self._pins.values() for k in pins.pinned_keys()}
+
+    def evict(self, chunks: Sequence[PolicyKey]) -> None:
+        """Queue ``chunks`` for removal (the next ``step``)."""
+        self._todo += self.keys_of(chunks)
+
+    def keep(self, chunks: Sequence[PolicyKey]) -> None:
+        """``chunks`` are resident again: a removal still waiting for a lease is dropped."""
+        self._keep += self.keys_of(chunks)
+
+    @property
+    def waiting(self) -> int:
+        """Keys waiting for a reader's lease to end."""
+        return len(self._leased)
+
+    def step(self) -> int:
+        """Remove what is queued and what waited out its grace; keys removed now."""
+        todo = self._leased.batch(self._todo, self._keep, self._pinned_keys)
+        self._todo, self._keep = [], []
+        if not todo:
+            return 0
+        try:
+            codes = self.backend.batch_remove(todo)
+        except Exception as exc:  # the store failed: the master's watermark evicts them
+            logger.warning("kvpool policy: %d keys not removed: %s", len(todo), exc)
+            self.failed += len(todo)
+            return 0
+        removed, failed = self._leased.settle(todo, codes)
+        self.removed += removed
+        self.failed += failed
+        return removed

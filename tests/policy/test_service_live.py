@@ -1,0 +1,249 @@
+"""The live policy service (``kvpool-policy serve``) on a real ``mooncake_master`` and a separate
+``mooncake_client`` store over TCP on 127.0.0.1, with the fleet's CURVE keys: two engines'
+clients (``kvpool_connector.policy_client``) send records and save what they admit.
+
+- a chunk one engine keeps hot stays, though the other engine's traffic evicts it under that
+  engine's own LRU (``eviction: connector``);
+- the service killed mid-run: engines go on saving everything (the master in charge), their
+  records counted as dropped; restarted, it finds the pool's chunks, steers the pool back into
+  its capacity, and every value left reads back exactly (0 corrupt);
+- keys the service does not authorise for records change nothing;
+- bad command-line input is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import pytest
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from kvpool_agent.auth import KeyPaths, Role, generate_keys, local_fleet_keys
+from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.eviction import ConnectorEviction
+from kvpool_connector.keys import ParallelLayout, shard_prefix
+from kvpool_connector.policy_client import PolicyClient
+from kvpool_connector.policy_wire import PolicyLayout
+from kvpool_policy import cli
+from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, engine_env, free_port_block
+
+MODEL = "policy-live"
+DIGEST = "0123456789ab"
+LAYOUT = PolicyLayout(DIGEST, [shard_prefix(MODEL, DIGEST, ParallelLayout(tp_rank=r))
+                               for r in range(2)])
+VALUE = 32 << 10
+CHUNK_BYTES = 2 * VALUE  # both TP ranks' keys
+CAPACITY_CHUNKS = 8
+GRACE_MS = 500
+STALE_S = 1.5
+
+_T = TypeVar("_T")
+
+
+def wait_for(ready: Callable[[], _T], timeout_s: float = 60.0, what: str = "",
+             log: Callable[[], str] = str) -> _T:
+    got: _T | None = Retrying(retry=retry_if_result(lambda r: not r), wait=wait_fixed(0.05),
+                              stop=stop_after_delay(timeout_s),
+                              retry_error_callback=lambda state: None)(ready)
+    assert got, f"timed out waiting for {what or ready}\n{log()}"
+    return got
+
+
+def chunk(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def value_of(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest() * (VALUE // 32)
+
+
+class Pool:
+    def __init__(self, master: LocalMooncakeMaster, keys: dict[Role, KeyPaths],
+                 tmp: Path) -> None:
+        self.master, self.keys, self.tmp = master, keys, tmp
+        self.port = free_port_block(2)
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.store = MooncakeBackend(MooncakeConfig.load({"mooncake": {
+            "master_server_address": master.address, "master_admin_url": master.admin_url,
+            "global_segment_size": 0, "local_buffer_size": "16MB",
+            "default_kv_lease_ttl": 200}}))
+        self.clients: list[PolicyClient] = []
+
+    def start_service(self) -> None:
+        log = open(self.tmp / "policy.log", "ab")  # noqa: SIM115 - the child's, closed by it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool_policy.cli", "serve", "--listen", self.address,
+             "--keys", str(self.keys["hub"].root), "--master", self.master.address,
+             "--admin-url", self.master.admin_url,
+             "--capacity", str(CAPACITY_CHUNKS * CHUNK_BYTES),
+             "--transfer-timeout-ms", str(GRACE_MS)],
+            env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def kill_service(self) -> None:
+        assert self.proc is not None and self.proc.poll() is None, self.log()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def log(self) -> str:
+        return (self.tmp / "policy.log").read_text(errors="replace")[-3000:]
+
+    def client(self, engine: str, role: Role = "agent",
+               keys: KeyPaths | None = None) -> PolicyClient:
+        c = PolicyClient(self.address, (keys or self.keys[role]).client(role), engine, LAYOUT,
+                         CHUNK_BYTES, stale_s=STALE_S)
+        self.clients.append(c)
+        return c
+
+    def save(self, client: PolicyClient, hashes: list[str]) -> int:
+        """What an engine does: ask, then save the admitted chunks (every rank's keys)."""
+        admitted = client.admit(hashes)
+        for h in hashes[:admitted]:
+            for p in LAYOUT.prefixes:
+                self.store.store.put(p + h, value_of(p + h))
+        return admitted
+
+    def resident(self) -> set[str]:
+        """Chunk hashes of this test's layout in the pool (the listing grants no lease)."""
+        text = httpx.get(f"{self.master.admin_url}/get_all_keys", timeout=10).text
+        keys = [k for k in text.splitlines() if k.startswith(LAYOUT.prefixes[0])]
+        return {k[len(LAYOUT.prefixes[0]):] for k in keys}
+
+    def applied(self, client: PolicyClient, records: int) -> bool:
+        snap = client.snapshot
+        return snap is not None and snap.records >= records
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill_service()
+        self.store.close()
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[Pool]:
+    """A master with a 200 ms lease, a 32 MiB store process of its own, the fleet's keys."""
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=200) as master, \
+            LocalPoolStore(master, 32 << 20):
+        p = Pool(master, local_fleet_keys(tmp_path / "keys"), tmp_path)
+        try:
+            yield p
+        finally:
+            p.close()
+
+
+def test_a_chunk_one_engine_keeps_hot_stays_while_the_other_fills_the_pool(pool: Pool) -> None:
+    hot = chunk("hot")
+    fresh = [chunk(f"b{i}") for i in range(30)]
+    # Engine B's own LRU (its share: half the pool) removes the hot chunk: today's loss.
+    own = ConnectorEviction(CAPACITY_CHUNKS // 2)
+    own.record([hot], 1)
+    for h in fresh[:CAPACITY_CHUNKS // 2]:
+        own.record([h], 1)
+    assert hot in own.take()[0]
+
+    pool.start_service()
+    a, b = pool.client("engine-a"), pool.client("engine-b")
+    wait_for(lambda: a.in_charge == b.in_charge == "service", what="the service in charge",
+             log=pool.log)
+    assert pool.save(b, [hot]) == 1
+    sent = 1
+    for i in range(0, len(fresh), 3):
+        pool.save(a, [hot])  # the hot chunk: already in the pool, touched
+        for h in fresh[i:i + 3]:
+            assert pool.save(b, [h]) == 1  # the admission snapshot lets every chunk in
+        sent += 1 + len(fresh[i:i + 3])
+        wait_for(lambda n=sent: pool.applied(a, n), what=f"{sent} records applied")
+    keep = {hot, *fresh[-(CAPACITY_CHUNKS - 1):]}
+    # The service removes what fell out of its LRU: every rank's keys, never a read's.
+    wait_for(lambda: pool.resident() == keep, what=f"the pool holding {keep}")
+    snap = wait_for(lambda: a.snapshot)
+    assert snap.used_bytes == CAPACITY_CHUNKS * CHUNK_BYTES
+    assert snap.removed == 2 * (1 + len(fresh) - CAPACITY_CHUNKS)
+    assert (snap.dropped, a.dropped, b.dropped) == (0, 0, 0)
+
+
+def test_killed_service_engines_go_on_and_a_restart_steers_again(pool: Pool) -> None:
+    pool.start_service()
+    b = pool.client("engine-b")
+    wait_for(lambda: b.in_charge == "service", what="the service in charge", log=pool.log)
+    first = [chunk(f"first{i}") for i in range(CAPACITY_CHUNKS + 2)]
+    for h in first:
+        pool.save(b, [h])
+    wait_for(lambda: pool.resident() == set(first[2:]), what="the service's first removals")
+    old = wait_for(lambda: b.snapshot).service
+
+    pool.kill_service()
+    wait_for(lambda: b.in_charge == "master", what="the master in charge")
+    during = [chunk(f"during{i}") for i in range(6)]
+    for h in during:
+        assert pool.save(b, [h]) == 1  # nothing waits; everything is saved
+    wait_for(lambda: b.dropped >= len(during), what="records counted as dropped")
+    assert pool.resident() == set(first[2:]) | set(during)  # over its capacity: nobody removed
+
+    pool.start_service()
+    wait_for(lambda: b.in_charge == "service" and b.snapshot is not None
+             and b.snapshot.service != old,
+             what="the restarted service in charge", log=pool.log)
+    last = chunk("after-restart")
+    pool.save(b, [last])
+    # The restarted service found 14 chunks in the pool: with the new one, the 7 oldest go.
+    wait_for(lambda: len(pool.resident()) == CAPACITY_CHUNKS,
+             what=f"the pool back to {CAPACITY_CHUNKS} chunks", log=pool.log)
+    assert last in pool.resident()
+    corrupt = [h for h in pool.resident() for p in LAYOUT.prefixes
+               if bytes(pool.store.store.get(p + h)) != value_of(p + h)]
+    assert corrupt == []
+
+
+def test_keys_not_authorised_for_records_change_nothing(pool: Pool, tmp_path: Path) -> None:
+    pool.start_service()
+    a = pool.client("engine-a")
+    wait_for(lambda: a.in_charge == "service", what="the service in charge", log=pool.log)
+    mine = [chunk(f"mine{i}") for i in range(CAPACITY_CHUNKS)]
+    for h in mine:
+        pool.save(a, [h])
+    wait_for(lambda: pool.applied(a, len(mine)), what=f"{len(mine)} records applied",
+             log=lambda: f"{a.snapshot} sent {a.sent} dropped {a.dropped}\n{pool.log()}")
+    # A stranger's agent key (hub.key copied, never authorised) and a viewer's key.
+    stranger = generate_keys(tmp_path / "stranger", "agent")
+    (tmp_path / "stranger" / "hub.key").write_bytes(pool.keys["hub"].hub_public.read_bytes())
+    os.chmod(tmp_path / "stranger" / "hub.key", 0o600)
+    attackers = [pool.client("engine-a", keys=stranger), pool.client("engine-a", "viewer")]
+    for n, c in enumerate(attackers):
+        for i in range(40):  # each would evict one of mine if it counted
+            c.admit([chunk(f"attack{n}-{i}")])
+    wait_for(lambda: all(c.sent + c.dropped >= 40 for c in attackers),
+             what="the attackers' records sent or dropped",
+             log=lambda: str([(c.sent, c.dropped) for c in attackers]))
+    pool.save(a, [mine[0]])  # a record after the attack: applied once it is
+    snap = wait_for(lambda: pool.applied(a, len(mine) + 1) and a.snapshot)
+    assert snap.records == len(mine) + 1 and snap.removed == 0
+    assert pool.resident() == set(mine)
+    assert attackers[0].snapshot is None  # the stranger hears no snapshot either
+    assert [c.in_charge for c in attackers] == ["master", "master"]
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--listen", "10.0.0.1:5600"], "--listen"),
+    (["--fill", "2"], "--fill"),
+    (["--capacity", "lots"], "--capacity"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    base = {"--listen": "tcp://127.0.0.1:5600", "--keys": "/nonexistent", "--master":
+            "127.0.0.1:1", "--admin-url": "http://127.0.0.1:1"}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    assert cli.main(["serve", *[x for kv in base.items() for x in kv]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kvpool-policy: {names}"), err
