@@ -21,6 +21,9 @@ so one engine-bound key cannot fill the fleet (by count or by bytes). Who has he
 since when (its *tenure*: the identity and the time it took the id) is kept across hub restarts
 (``tenure``/``load_tenure``, the hub's state file): pool-wide flushes go to the worker whose key has
 held its engine longest, per pool.
+
+Over 600 lines: one lock guards every agent's state, and what reads it for a command (targets,
+pool counts, verifiers) scans it under that lock in one pass; split, the passes would be too.
 """
 
 from __future__ import annotations
@@ -530,21 +533,27 @@ class Fleet:
                          default=None)
         return out
 
-    def pool_verifiers(self, agent_id: str, layout: bool = False) -> dict[str, PoolStats]:
-        """Agent id -> pool stats of the agents that may confirm what ``agent_id`` says it did
-        to its pool (and its layout when ``layout``: agents of one layout report the same pins):
-        of another key; fleet-wide keys when the pool has any, else (for a bound ``agent_id``)
-        bound ones: a bound key can neither accuse a fleet-wide key nor vouch for a bound one."""
+    def pool_verifiers(self, agent_ids: list[str],
+                       layout: bool = False) -> dict[str, dict[str, PoolStats]]:
+        """Agent id -> pool stats of the agents that may confirm what it says it did to its
+        pool (and layout when ``layout``: one layout's agents report the same pins): of another
+        key; fleet-wide keys when the pool has any, else (for a bound agent) bound ones. Ids of
+        one pool, key and layout share one answer, found once (round 6: per id before)."""
+        out: dict[str, dict[str, PoolStats]] = {}
+        found: dict[tuple[str, str, bool, str], dict[str, PoolStats]] = {}
         with self._lock:
-            if (ag := self._agents.get(agent_id)) is None:
-                return {}
-            s = ag.state.source
-            others = [(k, a) for k, a in self._agents.items() if a.state.pool is not None
-                      and a.identity != ag.identity and a.state.source.master == s.master
-                      and (not layout or a.state.source.layout_digest == s.layout_digest)]
-            free = [(k, a) for k, a in others if not a.bound]
-            return {k: a.state.pool for k, a in (free or (others if ag.bound else []))
-                    if a.state.pool is not None}
+            for aid in [k for k in agent_ids if k in self._agents]:
+                ag, s = self._agents[aid], self._agents[aid].state.source
+                cls = (s.master, ag.identity, ag.bound, s.layout_digest if layout else "")
+                if cls not in found:
+                    others = [(k, a) for k, a in self._agents.items() if a.state.pool is not None
+                              and a.identity != ag.identity and a.state.source.master == s.master
+                              and (not layout or a.state.source.layout_digest == cls[3])]
+                    free = [(k, a) for k, a in others if not a.bound]
+                    found[cls] = {k: a.state.pool for k, a in free or (others if ag.bound else [])
+                                  if a.state.pool is not None}
+                out[aid] = found[cls]
+        return out
 
     def pool_stats(self, agent_ids: list[str]) -> dict[str, PoolStats]:
         """Agent id -> its pool stats now, of those of ``agent_ids`` that report them."""

@@ -148,6 +148,8 @@ class CommandRouter:
                 return
             if self.sockets.connections is not None:  # read: no connection's weight any more
                 self.sockets.connections.took(where, frames)
+            if not self.sockets.admit(where, frames[-1]):
+                continue  # a connection past its key's cap: shut down, its command dropped
             if len(frames) != 2:
                 self.counters.bad(where, f"{len(frames) - 1} frames, expected 1")
                 continue
@@ -279,12 +281,11 @@ class CommandRouter:
                                                  MAX_TIMEOUT_MS))
         if req.command == "flush":
             pend.pool_keys = self.fleet.pool_keys(send)
+        if (req.command == "flush" and not dry_run) or req.command in ("pin", "unpin"):
+            # One pass for all targets (a flush naming an engine's 1,024 ids scanned per id).
+            pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush")
         for aid in send:
             routing_id = known[aid]
-            if req.command == "flush" and not dry_run:
-                pend.verifiers[aid] = self.fleet.pool_verifiers(aid)
-            elif req.command in ("pin", "unpin"):
-                pend.verifiers[aid] = self.fleet.pool_verifiers(aid, layout=True)
             fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
             try:
                 self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
@@ -402,10 +403,15 @@ class CommandRouter:
         now, or whose check is over (unconfirmed: suspect)."""
         for pend in list(self.verifying):
             done = now >= pend.verify_until
+            # The verifiers' stats now, in one pass for every held answer of the command.
+            stats = self.fleet.pool_stats(list({v: None for aid in pend.held
+                                                for v in pend.verifiers[aid]}))
+            now_of: dict[int, dict[str, PoolStats]] = {}  # ids of a class share verifiers
             for aid, rep in list(pend.held.items()):
                 verifiers = pend.verifiers[aid]
-                checked = verified_answer(pend.req, rep, verifiers,
-                                          self.fleet.pool_stats(list(verifiers)), done)
+                if id(verifiers) not in now_of:
+                    now_of[id(verifiers)] = {v: stats[v] for v in verifiers if v in stats}
+                checked = verified_answer(pend.req, rep, verifiers, now_of[id(verifiers)], done)
                 if checked is not None:
                     pend.replies[aid] = checked
                     del pend.held[aid]

@@ -34,7 +34,8 @@ class HubCounters:
     passed the hub's memory limit and every port but the operator's was rebuilt,
     ``kvpool_agent._memory_guard``); ``connection_sheds`` (times it passed the limit and the
     one connection that sent the most was dropped instead, ``kvpool_agent._hub_connections``);
-    ``takeover_refused`` (reports for an id another live
+    ``connections_over_cap`` (console connections refused for their key's cap per port,
+    ``kvpool_agent._hub_key_caps``); ``takeover_refused`` (reports for an id another live
     connection holds); ``oversized_states`` (reports over ``MAX_STATE_BYTES``);
     ``fleet_full`` (reports refused for ``MAX_AGENTS`` or a state budget);
     ``rejected_replies`` (replies from a connection the command was not sent to, unknown
@@ -53,6 +54,7 @@ class HubCounters:
     busy: int = 0
     memory_sheds: int = 0
     connection_sheds: int = 0
+    connections_over_cap: int = 0
     takeover_refused: int = 0
     oversized_states: int = 0
     fleet_full: int = 0

@@ -5,7 +5,9 @@ With keys every port is a CURVE server whose ZAP domain (``PORT_DOMAIN``) admits
 public keys of the roles ``ZAP_DOMAINS`` names (``kvpool_agent.auth.AllowList``, pyzmq's
 ``ThreadAuthenticator``); a refused handshake is counted per port from the socket's monitor
 (``HubCounters.refused_connections``). Every queue is bounded in messages per connection and
-every message in bytes (``kvpool_agent._hub_memory``: the sum the hub promises).
+every message in bytes (``kvpool_agent._hub_memory``: the sum the hub promises), and the
+console ports' connections per key (``kvpool_agent._hub_key_caps``: refused at the handshake,
+or shut down at their first message past the cap).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
+from kvpool_agent._hub_key_caps import KeyCaps, shut_down
 from kvpool_agent._hub_memory import (
     AGENT_RCVHWM,
     AGENT_SNDHWM,
@@ -47,12 +50,16 @@ log = logging.getLogger("kvpool.hub")
 
 ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
     "agents": ("agent",),
+    "subscribers": ("viewer", "operator"),
     "viewer": ("viewer", "operator"),
     "operator": ("operator",),
 }
 """ZAP domain -> roles whose keys it accepts; each port's domain is in ``PORT_DOMAIN``."""
-PORT_DOMAIN = {"agents": "agents", "pub": "viewer", "commands": "viewer", "curve": "operator"}
-"""Port name -> its ZAP domain."""
+PORT_DOMAIN = {"agents": "agents", "pub": "subscribers", "commands": "viewer",
+               "curve": "operator"}
+"""Port name -> its ZAP domain: one a port, so a key's connections are capped per port
+(``kvpool_agent._hub_key_caps``)."""
+_DOMAIN_PORT = {domain: port for port, domain in PORT_DOMAIN.items()}
 _PORT_ATTR = {"agents": "agents", "pub": "pub", "commands": "plain", "curve": "curve"}
 """Port name -> the ``HubSockets`` attribute holding its socket."""
 _SUBSCRIPTION_RCVHWM = 32
@@ -122,13 +129,16 @@ class HubSockets:
         counters: where refused handshakes are counted.
         connections: where the accepted connections are kept, from each port's monitor
             (``kvpool_agent._hub_connections``); ``None``: not kept.
+        caps: connections per key on the console ports (with keys only); ``None``: uncapped.
     """
 
     def __init__(self, ports: HubPorts, authorized_keys_dir: Path | None,
                  secret_key_file: Path | None, counters: HubCounters,
-                 connections: ConnectionTable | None = None) -> None:
+                 connections: ConnectionTable | None = None,
+                 caps: KeyCaps | None = None) -> None:
         self.ports = ports
         self.connections = connections
+        self.caps = caps if authorized_keys_dir is not None else None
         self.authorized_keys_dir = authorized_keys_dir
         self.secret_key_file = secret_key_file
         self.counters = counters
@@ -200,7 +210,8 @@ class HubSockets:
         except zmq.ZMQError as e:
             raise zmq.ZMQError(e.errno, f"kvpool hub cannot bind {endpoint}: {e}") from e
         events = (_HANDSHAKE_FAILED if self._keys is not None else 0) | (
-            _CONNECTION_EVENTS if self.connections is not None else 0)
+            _CONNECTION_EVENTS if self.connections is not None or self.caps is not None
+            else 0)
         if events:
             # Right after bind: a handshake refused (or a connection accepted) within those
             # microseconds goes unseen.
@@ -229,6 +240,8 @@ class HubSockets:
                 mon.close(linger=0)
         if self.connections is not None:
             self.connections.closed_port(name)
+        if self.caps is not None:
+            self.caps.closed_port(name)
         self.poller.unregister(old)
         self.socks.remove(old)
         old.close(linger=0)
@@ -280,12 +293,40 @@ class HubSockets:
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
         for domain in ZAP_DOMAINS:
-            self.auth.configure_curve_callback(domain, self.allow)
+            self.auth.configure_curve_callback(domain, _Admission(self.allow, self.caps))
         return public, secret
+
+    def admit(self, port: str, frame: zmq.Frame) -> bool:
+        """A message came in on ``port`` in ``frame`` (a part of it): False when its connection
+        is one past its key's cap, which is then shut down (``kvpool_agent._hub_key_caps``)."""
+        if self.caps is None:
+            return True
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            return True
+        if self.caps.seen(port, fd, user_id(frame)):
+            return True
+        shut_down(fd)
+        return False
+
+    def count_cap_refusals(self) -> None:
+        """Count the connections refused for their key's cap since the last call
+        (``HubCounters.connections_over_cap``, and per key)."""
+        if self.caps is None:
+            return
+        for r in self.caps.drain_refusals():
+            self.counters.connections_over_cap += 1
+            self.counters.refuse(
+                self.key_name(r.port, r.identity),
+                f"connection on {r.port} past the cap of {r.cap} per key "
+                f"({'refused at the handshake' if r.handshake else 'shut down'})")
 
     def recv_monitors(self, events: dict[zmq.Socket[bytes], int]) -> None:
         """Count the handshakes refused on each port whose monitor has ``events``, and keep
-        its connections accepted and closed (``connections``)."""
+        its connections accepted and closed (``connections``, ``caps``); count the
+        connections refused for their key's cap."""
+        self.count_cap_refusals()
         for mon, name in self.monitors.items():
             if mon not in events:
                 continue
@@ -293,12 +334,16 @@ class HubSockets:
                 if not mon.poll(0):
                     break
                 ev = recv_monitor_message(mon)
-                if self.connections is not None and ev["event"] & _CONNECTION_EVENTS:
+                if ev["event"] & _CONNECTION_EVENTS:
                     # The event's value is the connection's file descriptor.
-                    if ev["event"] == zmq.EVENT_ACCEPTED:
-                        self.connections.accepted(name, ev["value"])
-                    else:
-                        self.connections.closed(ev["value"])
+                    if self.connections is not None:
+                        if ev["event"] == zmq.EVENT_ACCEPTED:
+                            self.connections.accepted(name, ev["value"])
+                        else:
+                            self.connections.closed(ev["value"])
+                    if self.caps is not None:
+                        # Accepted too: the number reused, the connection it was is gone.
+                        self.caps.closed(ev["value"])
                     continue
                 if not ev["event"] & _HANDSHAKE_FAILED:
                     continue
@@ -306,8 +351,8 @@ class HubSockets:
                 n = self.counters.refused_connections[name]
                 if n <= 3 or n % 1000 == 0:
                     log.warning(
-                        "kvpool hub: refused connection #%d on %s (%s, %s): no key or a key "
-                        "not in authorized_keys/%s", n, name,
+                        "kvpool hub: refused connection #%d on %s (%s, %s): no key, a key "
+                        "not in authorized_keys/%s, or past its cap per key", n, name,
                         ev["endpoint"].decode(errors="replace"), zmq.Event(ev["event"]).name,
                         "|".join(ZAP_DOMAINS[PORT_DOMAIN[name]]))
 
@@ -322,3 +367,17 @@ class HubSockets:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+class _Admission:
+    """The ZAP credentials provider of one hub: a key the allow list accepts in a domain, while
+    its connections on the domain's port are under their cap."""
+
+    def __init__(self, allow: AllowList, caps: KeyCaps | None) -> None:
+        self.allow, self.caps = allow, caps
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's hook: may ``key`` (z85) connect in ``domain``."""
+        if not self.allow.callback(domain, key):
+            return False
+        return self.caps is None or self.caps.admit(_DOMAIN_PORT[domain], key.decode())

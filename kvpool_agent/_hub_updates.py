@@ -116,6 +116,8 @@ class UpdateStreams:
                 return
             if self.sockets.connections is not None:  # read: no connection's weight any more
                 self.sockets.connections.took("pub", [msg])
+            if not self.sockets.admit("pub", msg):
+                continue  # a subscriber past its key's cap: shut down, never sent a frame
             frame = msg.bytes
             if frame[:1] not in (b"\x00", b"\x01"):
                 self.counters.bad("pub", "not a subscription message")

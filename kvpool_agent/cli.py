@@ -27,6 +27,7 @@ from typing import cast
 import zmq
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
+from kvpool_agent._hub_key_caps import MAX_CONNECTIONS_PER_KEY, MAX_SUBSCRIBERS_PER_KEY
 from kvpool_agent._hub_memory import MEMORY_LIMIT_MB, return_large_blocks_to_os
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import (
@@ -92,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="past this RSS the hub drops every connection (they reconnect), the "
                    "bound for a multipart message libzmq holds whole (default %(default)s; 0: "
                    "none)")
+
+    h.add_argument("--max-subscribers-per-key", type=int, default=MAX_SUBSCRIBERS_PER_KEY,
+                   metavar="N", help="console subscriptions (P+1) one key may hold open; more "
+                   "are refused at the handshake (default %(default)s; 0: none; with --keys)")
+    h.add_argument("--max-connections-per-key", type=int, default=MAX_CONNECTIONS_PER_KEY,
+                   metavar="N", help="command connections one key may hold open on each of "
+                   "P+2 and P+3 (default %(default)s; 0: none; with --keys)")
 
     h.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on PORT (default P+4; 0 turns it off)")
@@ -215,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.memory_limit_mb < 0:
                 raise ValueError(f"--memory-limit-mb: {args.memory_limit_mb} is below 0 (0: "
                                  f"no limit; default {MEMORY_LIMIT_MB})")
+            for flag in ("max_subscribers_per_key", "max_connections_per_key"):
+                if getattr(args, flag) < 0:
+                    raise ValueError(f"--{flag.replace('_', '-')}: {getattr(args, flag)} is "
+                                     "below 0 (0: no cap)")
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.hub()
@@ -246,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics_host=args.metrics_host,
                 state_file=args.state_file or (kp.root / "hub-state.json" if kp else None),
                 memory_limit_bytes=args.memory_limit_mb << 20 if args.memory_limit_mb else None,
+                max_subscribers_per_key=args.max_subscribers_per_key,
+                max_connections_per_key=args.max_connections_per_key,
             ).start()
             if kp is not None and args.metrics_host not in (None, "127.0.0.1", "::1",
                                                             "localhost"):

@@ -34,21 +34,14 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   127.0.0.1 with keys unless ``metrics_host`` names another address.
 
 Cost is bounded per key (the ZAP User-Id's key name; ``plain`` without keys), not per
-message: commands in flight per key (above), engine work per key and minute (every command
-costs by what it makes agents do, ``kvpool_agent._work_budget``), explicit targets per
-command (``MAX_TARGETS``; unknown ones are answered by one ``hub`` reply), audit bytes per
-key and minute
-(``kvpool_agent._audit``), agent ids per engine (``kvpool_agent._fleet.MAX_AGENTS_PER_ENGINE``),
-state bytes per engine (``MAX_ENGINE_STATE_BYTES``), agent frames queued per connection
-(``AGENT_RCVHWM``), and the largest message each port reads (``MAX_COMMAND_BYTES`` on the
-command ports, ``MAX_MESSAGE_BYTES`` on the agent port, ``MAX_SUBSCRIPTION_BYTES`` on the
-XPUB), and the process's RSS (``memory_limit_bytes``, ``kvpool-agent hub --memory-limit-mb``:
-past it the connections holding unread bytes are dropped, else the console port and then
-every port but the operator's is rebuilt, which frees what libzmq holds for the connections
-(not again while the RSS stays over it without growing), a multipart message included;
-``kvpool_agent._memory_guard``; what each queue holds:
-``kvpool_agent._hub_memory``). Refusals are counted per key (``refused_by_key``, ``/metrics``
-``kvpool_hub_refused_key_<name>_total``).
+message: connections per key on the console ports (``kvpool_agent._hub_key_caps``), commands
+in flight per key (above), engine work per key and minute (``kvpool_agent._work_budget``),
+targets per command (``MAX_TARGETS``), audit bytes per key and minute
+(``kvpool_agent._audit``), agent ids and state bytes per engine (``kvpool_agent._fleet``),
+messages queued per connection and the largest message each port reads
+(``kvpool_agent._hub_memory``), and the process's RSS (``memory_limit_bytes``: past it the
+connections holding unread bytes are dropped, else ports are rebuilt,
+``kvpool_agent._memory_guard``). Refusals are counted per key (``refused_by_key``).
 The one thread serves the operator first: each turn it takes the operator port's frames, then
 at most ``_AGENT_BATCH`` agent frames (for ``_AGENT_SLICE_S`` at most, taking the operator's
 frames again before each) and ``_READONLY_BATCH`` read-only commands (for
@@ -92,6 +85,7 @@ from kvpool_agent._hub_commands import (
 )
 from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
+from kvpool_agent._hub_key_caps import MAX_CONNECTIONS_PER_KEY, MAX_SUBSCRIBERS_PER_KEY, KeyCaps
 from kvpool_agent._hub_quotas import (
     MAX_PENDING,
     MAX_PENDING_PER_CONNECTION,
@@ -204,6 +198,8 @@ class FleetHub:
             port but the operator's (``kvpool_agent._memory_guard``): the bound for what
             libzmq cannot bound, a multipart message. ``None``: no limit (a hub embedded in
             a larger process).
+        max_subscribers_per_key, max_connections_per_key: connections one key may hold open on
+            ``P+1`` and on each command port (with keys; 0: none), ``kvpool_agent._hub_key_caps``.
         reuse_refresh_s: the live reuse ceiling over agents' lookups (``Report.accesses``,
             ``kvpool_agent._reuse_service``) is recomputed at most this often (s), on its own
             thread; ``whatif_refresh_s``: its what-if curves (the costly part). Consoles get
@@ -214,7 +210,7 @@ class FleetHub:
     (``hub.reports``, ``hub.memory_sheds``, ``hub.refused_by_key``...).
 
     Raises:
-        ValueError: bad address, or only one of the two key arguments.
+        ValueError: bad address, only one of the two key arguments, a cap below 0.
     """
 
     def __init__(
@@ -235,6 +231,8 @@ class FleetHub:
         state_file: str | Path | None = None,
         memory_limit_bytes: int | None = None,
         work_units_per_min: int = WORK_UNITS_PER_MIN,
+        max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY,
+        max_connections_per_key: int = MAX_CONNECTIONS_PER_KEY,
         reuse_refresh_s: float = REUSE_REFRESH_S,
         whatif_refresh_s: float = WHATIF_REFRESH_S,
     ) -> None:
@@ -264,7 +262,8 @@ class FleetHub:
         # Connections are kept only where a memory limit may have to drop one of them.
         self._connections = ConnectionTable() if memory_limit_bytes is not None else None
         self._sockets = HubSockets(self.ports, self.authorized_keys_dir, self.secret_key_file,
-                                   self.counters, self._connections)
+                                   self.counters, self._connections,
+                                   KeyCaps(max_subscribers_per_key, max_connections_per_key))
         self._commands = CommandRouter(self._sockets, self._fleet, self._audit, self.counters,
                                        Quotas(work_units_per_min))
         self._updates = UpdateStreams(self._sockets, self._fleet, self.counters,
