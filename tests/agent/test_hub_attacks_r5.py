@@ -374,7 +374,10 @@ def test_a_viewers_unknown_subscription_leaves_the_hub_serving_the_operator(
         fleet_keys["viewer"].client("viewer").apply(s)
         s.setsockopt(zmq.SUBSCRIBE, b"no-such-topic")
         s.connect(hub_ports(hub_address).pub)
-        time.sleep(2)  # the subscription arrives, the port is rebuilt (not an outcome)
+        # The subscription arrives and is counted: a snapshot after it says so (the port is
+        # rebuilt in the same turn); a hub stuck in the rebuild sends none.
+        wait_until(lambda: op.updates(100) is not None
+                   and op.hub_counters.get("bad_messages", 0) >= 1, 10)
         (r,) = op.command("forget", targets=["no-such-engine"], timeout_ms=2_000)
         assert r.agent_id == "hub" and "no agent or engine named" in (r.error or ""), r
         deadline = time.monotonic() + 5
@@ -382,3 +385,4 @@ def test_a_viewers_unknown_subscription_leaves_the_hub_serving_the_operator(
         while not updates and time.monotonic() < deadline:
             updates = op.updates(200)
         assert updates, "no fleet update reached the operator's console after the rebuild"
+        assert op.hub_counters.get("bad_messages", 0) >= 1, op.hub_counters
