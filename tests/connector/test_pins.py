@@ -3,10 +3,12 @@ survives a flood that evicts everything unpinned, also the chunks saved after th
 after unpin + pressure; a pin over its share of the pool is refused with the numbers. With a
 store process and two store clients (issue 40): two pins written at once are both kept and each
 can be unpinned; a hard pin's chunks already in the pool outlive their soft pin's TTL; a new pin
-reaches another rank within a poll, without an agent."""
+reaches another rank within a poll, and a simulated engine's real connector worker without an
+agent within 2 s."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,9 +18,16 @@ import pytest
 import torch
 
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.keys import chunk_hashes
+from kvpool_connector.keys import chunk_hashes, pins_key
 from kvpool_connector.pins import PinnableBackend, PinRefused, Pins, pinned_chunks
-from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, mooncake_extra_config
+from kvpool_replay import (
+    EngineSpec,
+    LocalMooncakeMaster,
+    LocalPoolStore,
+    ModelShape,
+    free_port,
+    mooncake_extra_config,
+)
 
 CHUNK = 16
 VALUE = 256 << 10  # bytes per chunk value: a 32 MB segment holds ~128
@@ -134,6 +143,9 @@ def test_pin_over_its_share_is_refused_with_the_numbers(
 SOFT_TTL_MS = 3_000
 """The master's ``max_kv_soft_pin_ttl`` here (ms): a hard pin's chunks in the pool hold a soft
 pin this long, renewed every third of it."""
+SHAPE = ModelShape(layers=4, kv_heads=4, head_size=64, block_size=16)
+ENGINE_CHUNK = 64
+"""A simulated engine's chunk: 64 tokens x 4,096 bytes, one 64 KiB value per KV head."""
 
 
 @dataclass
@@ -143,6 +155,8 @@ class HeldPool:
     buf_a: torch.Tensor
     buf_b: torch.Tensor
     record_key: str
+    master_address: str
+    admin_url: str
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +176,8 @@ def held() -> Iterator[HeldPool]:
             bufs.append(buf)
             _ALIVE.append(buf)
         try:
-            yield HeldPool(a, b, bufs[0], bufs[1], "kvpool-pins@test-pins@layout")
+            yield HeldPool(a, b, bufs[0], bufs[1], "kvpool-pins@test-pins@layout", m.address,
+                           m.admin_url)
         finally:
             a.close()
             b.close()
@@ -270,3 +285,36 @@ def test_a_new_pin_reaches_another_rank_within_a_poll(held: HeldPool) -> None:
         _wait(lambda: not rank1.pinned_keys(), 2.0, "rank 1 learns the unpin")
     finally:
         rank1.close()
+
+
+def test_an_engine_without_an_agent_takes_a_new_pin_within_a_poll(held: HeldPool) -> None:
+    from kvpool_replay._sim_engine import SimEngine
+
+    # A simulated engine's real connector worker on the pool, no agent (agent_address None):
+    # only its own poll thread (started with its KV caches) can tell it of a pin.
+    extra = mooncake_extra_config(held.master_address, held.admin_url, lease_ttl_ms=500)
+    extra["mooncake"]["max_kv_soft_pin_ttl"] = SOFT_TTL_MS
+    model = "org/pin-poll"
+    engine = SimEngine(EngineSpec(
+        engine_id="pin-poll", master_address=held.master_address, model=model, shape=SHAPE,
+        chunk_size=ENGINE_CHUNK, trace_path="unused", wait_saves=True,
+        lookup_rpc_port=free_port(), extra_config=extra), num_blocks=64)
+    try:
+        worker = engine.worker.pool_worker
+        assert worker is not None and worker.pinned_keys is not None
+        # The pin is made by another worker of the layout (its own store client).
+        other = Pins(held.a, worker.rank_keys, ENGINE_CHUNK, worker.key_bytes,
+                     lambda: held.a.stats().total_bytes,
+                     record_key=pins_key(model, worker.layout_digest))
+        prefix = list(range(ENGINE_CHUNK * 2))
+        keys = frozenset(worker.rank_keys(chunk_hashes(prefix, ENGINE_CHUNK)))
+        assert len(keys) == 2 * SHAPE.kv_heads and not worker.pinned_keys()
+        other.pin("poll", prefix, "hard")
+        # Polled every 0.5 s (PIN_POLL_S); the bound leaves a loaded CI its margin.
+        _wait(lambda: keys <= worker.pinned_keys(), 2.0, "the engine learns the pin")
+        other.unpin("poll")
+        _wait(lambda: not worker.pinned_keys(), 2.0, "the engine learns the unpin")
+    finally:
+        engine.close()
+    # Its poll thread stopped with it.
+    assert not [t for t in threading.enumerate() if t.name == "kvpool-pins"]
