@@ -47,8 +47,9 @@ __all__ = [
     "doorkeeper_seen",
 ]
 
-AdmissionMode = Literal["all", "adaptive"]
-"""Values of ``kv_connector_extra_config.admission``."""
+AdmissionMode = Literal["all", "adaptive", "service"]
+"""Values of ``kv_connector_extra_config.admission`` (``service``: the pool-wide policy
+service's snapshot, ``kvpool_connector.policy_client``; every chunk until it is reached)."""
 
 _KEY_SPACE = 1 << 64
 
@@ -228,13 +229,14 @@ class AdaptiveAdmission:
 def admission_for(mode: AdmissionMode, kv_role: str, pool_tokens: int | None,
                   chunk_size: int) -> AdmissionPolicy:
     """The policy an engine uses: ``AdmitAll`` for ``all`` and for every ``kv_producer`` (its
-    saves are what its decode engine loads), else ``AdaptiveAdmission`` at ``pool_tokens //
-    chunk_size`` chunks.
+    saves are what its decode engine loads), and for ``service`` until the connector has its
+    ``PolicyClient`` (after the workers' handshake), else ``AdaptiveAdmission`` at
+    ``pool_tokens // chunk_size`` chunks.
 
     Raises:
         ValueError: ``adaptive`` without ``pool_tokens`` (``KVPoolConfig`` checks this first).
     """
-    if mode == "all" or kv_role == "kv_producer":
+    if mode in ("all", "service") or kv_role == "kv_producer":
         return AdmitAll()
     if not pool_tokens:
         raise ValueError("kv_connector_extra_config.admission_pool_tokens: adaptive admission "

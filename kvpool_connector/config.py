@@ -31,6 +31,7 @@ from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
 from kvpool_connector.pins import DEFAULT_PIN_SHARE
+from kvpool_connector.policy_wire import policy_ports
 from kvpool_connector.sizes import parse_size
 from kvpool_connector.staging import DEFAULT_STAGING_BYTES
 
@@ -77,10 +78,35 @@ class _ExtraFields(BaseModel):
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = Field(default=None, gt=0)
     eviction: EvictionMode = "pool"
+    policy_service: str | None = None
+    policy_stale_ms: int = Field(default=3_000, gt=0)
     handover_wait_ms: int = Field(default=5_000, ge=0)
     store_tp_size: int | None = Field(default=None, gt=0)
     store_pp_layer_partition: tuple[PositiveInt, ...] | None = Field(default=None, min_length=1)
     pin_share: float = Field(default=DEFAULT_PIN_SHARE, gt=0, le=1)
+
+
+
+def _check_service(address: str | None, eviction: str, keys: str | None) -> None:
+    """``admission: service``'s needs (``KVPoolConfig.policy_service``).
+
+    Raises:
+        ValueError: one line naming the key and the fix.
+    """
+    if not address:
+        raise ValueError("kv_connector_extra_config.policy_service: admission 'service' needs "
+                         "the policy service's address, e.g. tcp://10.0.0.5:5600")
+    try:
+        policy_ports(address)
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config.{exc}") from None
+    if eviction != "pool":
+        raise ValueError("kv_connector_extra_config.eviction: admission 'service' evicts "
+                         "through the service; use eviction 'pool'")
+    if not keys:
+        raise ValueError("kv_connector_extra_config.agent_keys: admission 'service' sends "
+                         "records with the fleet's agent key; set agent_keys (or "
+                         "KVPOOL_AGENT_KEYS) to a directory with hub.key and agent.key_secret")
 
 
 _KNOWN = frozenset(_ExtraFields.model_fields)
@@ -232,6 +258,14 @@ class KVPoolConfig(BaseModel):
             own eviction; ``connector`` the scheduler keeps an exact LRU of
             ``admission_pool_tokens`` and worker rank 0 removes what falls out of it (Mooncake
             only: ``batch_remove``).
+        policy_service: the pool-wide policy service (``kvpool-policy serve``,
+            docs/policy.md) at ``tcp://HOST:P``, used with ``admission: service``: the
+            engine sends its access records there and saves what the service's admission
+            snapshot admits; the service evicts for the whole pool. Needs the agent keys
+            (``agent_keys``) and ``eviction: pool``.
+        policy_stale_ms: with ``admission: service``, how long (ms) without a snapshot from
+            the service before the engine saves every chunk and leaves eviction to the
+            master's watermark (``eviction_high_watermark_ratio`` below 1.0).
         handover_wait_ms: P/D through the pool (``kvpool_connector.handover``): how long a
             loading engine keeps a request waiting for the chunks its prefill engine said it
             saved (the request's ``kv_transfer_params``) before it runs with what the pool
@@ -287,6 +321,8 @@ class KVPoolConfig(BaseModel):
     admission: AdmissionMode = "all"
     admission_pool_tokens: int | None = None
     eviction: EvictionMode = "pool"
+    policy_service: str | None = None
+    policy_stale_ms: int = 3_000
     handover_wait_ms: int = 5_000
     store_tp_size: int | None = None
     store_pp_layer_partition: tuple[int, ...] | None = None
@@ -396,6 +432,9 @@ class KVPoolConfig(BaseModel):
                 f"kv_connector_extra_config.admission_pool_tokens: "
                 f"{fields.admission_pool_tokens} tokens hold no whole chunk of {chunk_size}; "
                 f"eviction 'connector' needs at least one, e.g. 2000000")
+        if fields.admission == "service":
+            _check_service(fields.policy_service, fields.eviction,
+                           fields.agent_keys or os.environ.get(AGENT_KEYS_ENV))
         if fields.eviction == "connector" and fields.backend != "mooncake":
             raise ValueError(
                 f"kv_connector_extra_config.eviction: 'connector' removes keys with Mooncake's "

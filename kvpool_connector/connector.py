@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpool_connector._events import ChunkWritten, KVPoolKVEvents, PoolFlushed
+from kvpool_connector._policy_link import scheduler_client, worker_handshake
 from kvpool_connector._stats import KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool_connector._wiring import (
     SchedulerSide,
@@ -44,6 +46,7 @@ from kvpool_connector._wiring import (
 )
 from kvpool_connector.lookup import PortInUse, RuntimeDirError
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes
+from kvpool_connector.policy_client import PolicyClient
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -100,6 +103,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         self._sched_side: SchedulerSide | None = None
+        self._policy: PolicyClient | None = None
         self._worker_side: WorkerSide | None = None
         self._process_role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._start = StartProgress()
@@ -343,9 +347,32 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         (``kv_load_failure_policy="recompute"``)."""
         return self._work().get_block_ids_with_load_errors()
 
+    # ------------------------------------------------------- policy service
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker TP 0 / PP 0 hands its layout to the scheduler for ``admission: service``
+        (``kvpool_connector._policy_link``)."""
+        side = self._worker_side
+        if side is None:
+            return None
+        return worker_handshake(side.config, side.worker, side.tp_rank, side.layout.pp_rank)
+
+    def set_xfer_handshake_metadata(
+            self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """The scheduler's ``PolicyClient`` decides saves from now on (``admission:
+        service``)."""
+        if self._sched_side is None or self._policy is not None:
+            return
+        self._policy = scheduler_client(self._sched_side.config, metadata)
+        if self._policy is not None:
+            self._sched().admission = self._policy
+
     def shutdown(self) -> None:
         """Stop the lookup server/client, the worker's transfers, the backend and the agent.
         Idempotent."""
+        if self._policy is not None:
+            self._policy.close()
+            self._policy = None
         side, self._sched_side, self._worker_side = (self._sched_side or self._worker_side,
                                                      None, None)
         if side is not None:

@@ -233,6 +233,8 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "store_tp_size": 4,
         "store_pp_layer_partition": [10, 22],
         "pin_share": 0.2,
+        "policy_service": "tcp://10.0.0.5:5600",
+        "policy_stale_ms": 2000,
     }
     assert set(values) == KVPOOL_EXTRA_KEYS
     cfg = KVPoolConfig.from_dicts(values, kv_role="kv_both", block_size=16, model="m")
@@ -248,6 +250,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert cfg.eviction == "connector"
     assert cfg.store_tp_size == 4 and cfg.store_pp_layer_partition == (10, 22)
     assert cfg.pin_share == 0.2
+    assert (cfg.policy_service, cfg.policy_stale_ms) == ("tcp://10.0.0.5:5600", 2000)
     with pytest.raises(ValueError, match=r"pin_share"):
         KVPoolConfig.from_dicts({"pin_share": 1.5}, kv_role="kv_both", block_size=16, model="m")
     assert KVPoolConfig.from_dicts({}, kv_role="kv_both", block_size=16,

@@ -257,3 +257,29 @@ def test_pd_producer_with_connector_eviction_keeps_its_latest_hand_overs(
     finally:
         for e in (prefill, decode):
             e.close()
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({}, "policy_service"),
+    ({"policy_service": "10.0.0.5:5600"}, "policy_service"),
+    ({"policy_service": "tcp://h:5600", "eviction": "connector",
+      "admission_pool_tokens": 100_000}, "eviction"),
+])
+def test_admission_service_names_what_it_needs(extra: dict[str, object], field: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_AGENT_KEYS", "/etc/kvpool/agent")
+    with pytest.raises(ValueError, match=rf"^kv_connector_extra_config\.{field}: [^\n]+$"):
+        KVPoolConfig.from_dicts({"admission": "service", **extra}, kv_role="kv_both",
+                                block_size=16, model="m")
+
+
+def test_admission_service_needs_the_agent_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOOL_AGENT_KEYS", raising=False)
+    with pytest.raises(ValueError, match=r"agent_keys"):
+        KVPoolConfig.from_dicts({"admission": "service", "policy_service": "tcp://h:5600"},
+                                kv_role="kv_both", block_size=16, model="m")
+    cfg = KVPoolConfig.from_dicts({"admission": "service", "policy_service": "tcp://h:5600",
+                                   "agent_keys": "/k"}, kv_role="kv_both", block_size=16,
+                                  model="m")
+    # Until the workers' handshake makes the PolicyClient, every chunk is saved.
+    assert admission_for(cfg.admission, cfg.kv_role, None, 16).admit(["a" * 32] * 3) == 3

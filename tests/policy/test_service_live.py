@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -24,14 +25,18 @@ from typing import TypeVar
 
 import httpx
 import pytest
+import torch
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from kvpool_agent.auth import KeyPaths, Role, generate_keys, local_fleet_keys
+from kvpool_connector._policy_link import scheduler_client, worker_handshake
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.eviction import ConnectorEviction
 from kvpool_connector.keys import ParallelLayout, shard_prefix
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import PolicyLayout
+from kvpool_connector.worker import KVPoolWorker
 from kvpool_policy import cli
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, engine_env, free_port_block
 
@@ -232,6 +237,34 @@ def test_keys_not_authorised_for_records_change_nothing(pool: Pool, tmp_path: Pa
     assert pool.resident() == set(mine)
     assert attackers[0].snapshot is None  # the stranger hears no snapshot either
     assert [c.in_charge for c in attackers] == ["master", "master"]
+
+
+def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) -> None:
+    """``admission: service`` end to end in one process: worker TP 0 / PP 0's handshake (as
+    vLLM pickles it to the scheduler) makes the scheduler's ``PolicyClient``, whose records
+    the service applies under the worker's real layout digest and keys."""
+    extra = {"chunk_size": 32, "admission": "service", "policy_service": pool.address,
+             "agent_keys": str(pool.keys["agent"].root)}
+    cfg = KVPoolConfig.from_dicts(extra, kv_role="kv_both", block_size=16, model=MODEL)
+    caches = {f"layers.{i}": torch.zeros(4, 8, 16, 256) for i in range(2)}
+    worker = KVPoolWorker(cfg, ParallelLayout(), cfg.model, pool.store)
+    worker.register_kv_caches(caches)
+    shake = worker_handshake(cfg, worker, tp_rank=0, pp_rank=0)
+    assert shake is not None and worker_handshake(cfg, worker, tp_rank=1, pp_rank=0) is None
+    assert shake.digest == worker.layout_digest and shake.chunk_bytes == worker.chunk_pool_bytes
+    assert [p + "0" * 32 for p in shake.prefixes] == worker.rank_keys(["0" * 32])
+    pool.start_service()
+    client = scheduler_client(cfg, {0: pickle.loads(pickle.dumps(shake))})
+    assert client is not None
+    pool.clients.append(client)
+    wait_for(lambda: client.in_charge == "service", what="the service in charge", log=pool.log)
+    assert worker.chunk_pool_bytes == CAPACITY_CHUNKS * CHUNK_BYTES  # one of its chunks fits
+    assert client.admit([chunk("w0"), chunk("w1")]) == 2
+    snap = wait_for(lambda: pool.applied(client, 1) and client.snapshot)
+    assert snap.used_bytes == worker.chunk_pool_bytes  # the service's policy keeps one
+    other = KVPoolConfig.from_dicts({"chunk_size": 32}, kv_role="kv_both", block_size=16,
+                                    model=MODEL)
+    assert worker_handshake(other, worker, tp_rank=0, pp_rank=0) is None
 
 
 @pytest.mark.parametrize(("args", "names"), [
