@@ -354,6 +354,11 @@ class MooncakeClientConfig(_Open):
         description="kvpool's Mooncake backend: how long (ms) after a refused remove a key a "
         "reader leased is tried again; default 60000, the store client's transfer timeout.",
     )
+    max_kv_soft_pin_ttl: int | None = Field(
+        default=None, gt=0,
+        description="kvpool's Mooncake backend: the master's --max_kv_soft_pin_ttl (ms), the "
+        "TTL a hard pin's chunks already in the pool are upserted with; default 86400000.",
+    )
 
 
 KTC_FIELDS = frozenset(KVTransferConfig.model_fields)

@@ -5,7 +5,8 @@ the Mooncake backend's ``MooncakeConfig`` reads).
 Checked: types, unknown keys, ``master_server_address`` as host:port or an HA pool's
 ``etcd://host:port``, the protocol, the segment
 size (read with the runtime's size parser), the SSD offload path and ``transfer_timeout_ms``
-(not below the store client's 60 s: rule ``transfer-timeout``).
+(not below the store client's 60 s: rule ``transfer-timeout``) and ``max_kv_soft_pin_ttl``
+(not above the master's default: rule ``soft-pin-ttl``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def check(
             enabled=doc.get("enable_ssd_offload") is True,
         ),
         R.check_transfer_timeout(doc.get("transfer_timeout_ms"), path="$.transfer_timeout_ms"),
+        R.check_soft_pin_ttl(doc.get("max_kv_soft_pin_ttl"), path="$.max_kv_soft_pin_ttl"),
     )
     findings += [f for f in checks if f is not None]
     return findings

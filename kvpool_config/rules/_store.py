@@ -21,7 +21,7 @@ from kvpool_config._model import (
     STORE_MODES,
 )
 from kvpool_config.rules._finding import Finding, check_choice
-from kvpool_connector.backends.mooncake import TRANSFER_TIMEOUT_MS
+from kvpool_connector.backends.mooncake import HARD_PIN_UPSERT_TTL_MS, TRANSFER_TIMEOUT_MS
 from kvpool_connector.sizes import parse_size
 
 __all__ = [
@@ -342,6 +342,28 @@ def check_transfer_timeout(value: Any, *, path: str) -> Finding | None:
         "that read still copies it",
         f"leave transfer_timeout_ms out (default {TRANSFER_TIMEOUT_MS}) unless the transport "
         "gives up on a transfer sooner",
+    )
+
+
+def check_soft_pin_ttl(value: Any, *, path: str) -> Finding | None:
+    """``max_kv_soft_pin_ttl`` (kvpool's Mooncake backend) above mooncake_master's own default
+    ``--max_kv_soft_pin_ttl`` (86,400,000 ms): a hard pin's chunks already in the pool are
+    upserted soft-pinned with this TTL, which a master started with its default refuses
+    (Mooncake -600 INVALID_PARAMS: the pin reports those keys failed). kvpool cannot read the
+    master's flags, so a value at or below the default is not flagged. Types and values <= 0
+    are the model's findings."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= HARD_PIN_UPSERT_TTL_MS:
+        return None
+    return Finding(
+        "warning",
+        "soft-pin-ttl",
+        path,
+        f"max_kv_soft_pin_ttl {value} ms is above mooncake_master's default "
+        f"--max_kv_soft_pin_ttl ({HARD_PIN_UPSERT_TTL_MS} ms): a master started with its "
+        "default refuses it (-600 INVALID_PARAMS) and hard pins of chunks already in the pool "
+        "fail",
+        f"start mooncake_master with --max_kv_soft_pin_ttl={value} (or more), or leave "
+        f"max_kv_soft_pin_ttl out (default {HARD_PIN_UPSERT_TTL_MS})",
     )
 
 

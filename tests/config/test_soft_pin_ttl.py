@@ -1,0 +1,57 @@
+"""``max_kv_soft_pin_ttl`` of the Mooncake config (issue 40 item 3): the TTL a hard pin's chunks
+already in the pool are upserted with. ``kvpool-config validate`` warns when a mooncake.json sets
+it above mooncake_master's default ``--max_kv_soft_pin_ttl`` (rule ``soft-pin-ttl``: such a
+master refuses it with -600 INVALID_PARAMS) and refuses a value that is not a positive number."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool_config.cli import main
+from kvpool_connector.backends.mooncake import HARD_PIN_UPSERT_TTL_MS, MooncakeConfig
+
+
+def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], **extra: object
+              ) -> tuple[int, list[dict[str, str]]]:
+    f = tmp_path / "mooncake.json"
+    f.write_text(json.dumps({"master_server_address": "127.0.0.1:50088", "protocol": "tcp",
+                             "metadata_server": "P2PHANDSHAKE", **extra}))
+    rc = main(["validate", "--json", str(f)])
+    return rc, json.loads(capsys.readouterr().out)["findings"]
+
+
+def test_the_connector_reads_it() -> None:
+    cfg = MooncakeConfig.load({"mooncake": {"master_server_address": "127.0.0.1:1",
+                                            "max_kv_soft_pin_ttl": 3_000}})
+    assert cfg.max_kv_soft_pin_ttl == 3_000
+    assert HARD_PIN_UPSERT_TTL_MS == 86_400_000
+    assert MooncakeConfig(master_server_address="127.0.0.1:1").max_kv_soft_pin_ttl == 86_400_000
+
+
+@pytest.mark.parametrize("value", [None, 3_000, HARD_PIN_UPSERT_TTL_MS])
+def test_the_default_or_less_is_clean(value: int | None, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    extra = {} if value is None else {"max_kv_soft_pin_ttl": value}
+    rc, findings = _validate(tmp_path, capsys, **extra)
+    assert [f for f in findings if "soft_pin" in f["path"]] == [], findings
+    assert rc == 0, findings
+
+
+def test_above_the_masters_default_is_a_warning(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _, findings = _validate(tmp_path, capsys, max_kv_soft_pin_ttl=2 * HARD_PIN_UPSERT_TTL_MS)
+    (f,) = [f for f in findings if f["path"] == "$.max_kv_soft_pin_ttl"]
+    assert (f["severity"], f["rule"]) == ("warning", "soft-pin-ttl")
+    assert "172800000" in f["message"] and "-600 INVALID_PARAMS" in f["message"]
+    assert "--max_kv_soft_pin_ttl=172800000" in f["fix"]
+
+
+@pytest.mark.parametrize("value", [0, -5, "1d"])
+def test_not_a_positive_number_is_an_error(value: object, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc, findings = _validate(tmp_path, capsys, max_kv_soft_pin_ttl=value)
+    assert rc == 2
+    assert [f["severity"] for f in findings if f["path"] == "$.max_kv_soft_pin_ttl"] == ["error"]
