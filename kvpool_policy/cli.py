@@ -19,6 +19,7 @@ from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.policy_wire import policy_ports
 from kvpool_connector.sizes import parse_size
+from kvpool_policy.service import DEFAULT_BUDGET, PolicyService
 
 __all__ = ["DEFAULT_FILL", "main"]
 
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes the service fills, e.g. 48GB (default: --fill of the pool)")
     s.add_argument("--fill", type=float, default=DEFAULT_FILL,
                    help="share of the pool's segments to fill without --capacity")
-    s.add_argument("--budget", type=int, default=20_000, help="records a second per key")
+    s.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="records a second per key")
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout (the removal grace)")
     return p
@@ -57,7 +58,6 @@ def _fail(msg: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from kvpool_policy.service import PolicyService
 
     try:
         policy_ports(args.listen)

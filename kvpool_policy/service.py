@@ -78,9 +78,11 @@ logger = logging.getLogger("kvpool.policy")
 RECORDS_DOMAIN = "kvpool-policy-records"
 SNAPSHOT_DOMAIN = "kvpool-policy-snapshots"
 
-DEFAULT_BUDGET = 20_000
-"""Records a second one key may send (a busy engine schedules a few hundred requests a
-second; the policy applies about 50,000 records of 64 chunks a second on one core)."""
+DEFAULT_BUDGET = 2_000
+"""Records a second one key may send. A busy engine schedules tens to a few hundred requests
+a second; the service applies about 180,000 chunk accesses a second on one core
+(``bench/bench_policy_service.py`` on a slice: about 2,800 records of 64 chunks), so one key
+cannot take more than a share of it."""
 
 _DIGEST = re.compile(r"[0-9a-f]{12}")
 _HASH = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{32})?")
