@@ -7,6 +7,7 @@ The batch is the one Mooncake's TCP lane refuses when sent as one call: 3,072 sl
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -97,6 +98,49 @@ def test_fragmented_batch_moves_in_sized_calls(
     view = (-1, 2, SLICE)
     assert torch.equal(dst.view(view)[:, 0], src.view(view)[:, 0])
     assert not dst.view(view)[:, 1].any()  # the gaps between slices were never written
+    client.batch_remove(keys)
+
+
+def test_staged_calls_overlap_copies_and_never_overwrite_a_call_in_flight(
+        client: MooncakeBackend, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A buffer of 2.5 values: a call per value, the helper copies the next call's value
+    while a call is in the store (every put sees its successor copied before it goes out),
+    in a region the running call does not use (the bytes a put sends are the source's, before
+    and after it), and the blocks are free (``copied``) before the last put ended; the values
+    come back bit-exact through a pipelined get."""
+    src, dst = buffers
+    dst.zero_()
+    value = PER_KEY * SLICE
+    keys = [f"staging-test/{uuid.uuid4().hex}/{k}" for k in range(KEYS)]
+    addrs, sizes = _fragmented(src)
+    want = {k: b"".join(ctypes.string_at(a, n) for a, n in zip(addrs[i], sizes[i], strict=True))
+            for i, k in enumerate(keys)}
+    sent: list[bool] = []
+    freed_at: list[int] = []
+
+    def in_buffer(a: list[list[int]], n: list[list[int]]) -> list[bytes]:
+        return [ctypes.string_at(x[0], y[0]) for x, y in zip(a, n, strict=True)]
+
+    def put(ks: list[str], a: list[list[int]], n: list[list[int]]) -> list[int]:
+        ahead = _until(lambda: calls.staged_keys >= min(len(sent) + 2, KEYS), 30)
+        assert in_buffer(a, n) == [want[k] for k in ks]
+        rc = client.batch_put_from(ks, a, n)
+        assert in_buffer(a, n) == [want[k] for k in ks]  # not overwritten while in the store
+        sent.append(ahead)
+        return rc
+
+    calls = SizedCalls(put, client.batch_get_into, TCP_LIMITS,
+                       StagingBuffer(5 * value // 2, client.register_buffer))
+    assert calls.put(keys, addrs, sizes, lambda: freed_at.append(len(sent))) == [0] * KEYS
+    assert calls.calls == calls.staged_keys == KEYS
+    assert sent == [True] * KEYS
+    assert len(freed_at) == 1 and freed_at[0] < KEYS
+    out_addrs, _ = _fragmented(dst)
+    assert calls.get(keys, out_addrs, sizes) == [value] * KEYS
+    assert calls.calls == 2 * KEYS
+    view = (-1, 2, SLICE)
+    assert torch.equal(dst.view(view)[:, 0], src.view(view)[:, 0])
+    assert not dst.view(view)[:, 1].any()
     client.batch_remove(keys)
 
 
@@ -273,7 +317,7 @@ def test_layerwise_save_reports_its_copy(client: MooncakeBackend) -> None:
     layers' puts ended); nothing once the save ended."""
     settings = _Settings(use_layerwise=True, staging_buffer_bytes=32 << 20)
     chunks = 2
-    src, dst, writer, reader, src_ids, dst_ids, hashes = _writer_and_reader(
+    _, _, writer, _, src_ids, _, hashes = _writer_and_reader(
         settings, client, "layerwise-copy", chunks)
     meta = KVPoolConnectorMetadata(requests=[ReqMeta(
         req_id="w", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
