@@ -38,10 +38,8 @@ Hybrid models (several KV-cache groups, vLLM's hybrid allocator; ``_groups``): t
 tables of every group go to the workers, taken from vLLM's current tables
 (``SchedulerOutput.kv_connector_block_state``); loads are asynchronous (a failure is reported
 per request, ``failed_recving``); the blocks a sliding-window group's save reads are held in
-vLLM's block pool (``bind_gpu_block_pool``; vLLM frees blocks that leave the window while the
-request runs) until every worker reported the save job ended (``LoadOutcomes.saves_done``),
-and ``has_pending_push_work`` keeps vLLM stepping until then. A Mamba group (vLLM's align
-mode) saves only the states vLLM hands over by block id
+vLLM's block pool until every worker reported the save job ended (``_save_holds``). A Mamba
+group (vLLM's align mode) saves only the states vLLM hands over by block id
 (``KVConnectorBlockState.boundary_state_offloads``), at chunk ends, held the same way
 (``ReqMeta.boundary_states``). An engine with a group the pool cannot restore
 (``KVGroup.kind`` ``unsupported``) neither loads nor saves (``UNSUPPORTED_KV_GROUP``); one
@@ -52,7 +50,13 @@ whose attention backend cannot prefill over loaded context (``_context_prefill``
 load and save; ``kv_consumer`` loads only with ``consumer_is_to_load`` and saves only with
 ``consumer_is_to_put``.
 
-Over 600 lines: not split yet (issue 37: one record per request with explicit phases).
+What the scheduler keeps of a request is one ``_requests.RequestRecord`` with an explicit
+``Phase``, dropped in one place (``_forget``); loads awaiting their outcome are
+``_load_outcomes``', blocks held for saves ``_save_holds``'.
+
+Over 600 lines: the lookup's answer to vLLM (``get_num_new_matched_tokens``, ``_lookup``,
+``_settle``: skips, breaker, P/D hand-over wait, counters) shares the request records and
+counters with the per-step decisions; it is the next piece to move out.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool_agent.reporter import NullReporter, Reporter
@@ -77,6 +81,17 @@ from kvpool_connector._async_lookup import (
 from kvpool_connector._context_prefill import NO_CONTEXT_PREFILL
 from kvpool_connector._counters import LookupCounters
 from kvpool_connector._groups import NULL_BLOCK_ID, KVGroup
+from kvpool_connector._load_outcomes import AwaitedLoads
+from kvpool_connector._requests import (
+    CachedLookup,
+    PendingLoad,
+    Phase,
+    RequestRecord,
+    Running,
+    has_media,
+    has_prompt_embeds,
+)
+from kvpool_connector._save_holds import SaveHolds
 from kvpool_connector.admission import admission_for
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.eviction import ConnectorEviction
@@ -107,53 +122,6 @@ class RequestEvents(Protocol):
     def track(self, request: Request) -> None: ...
 
     def release(self, req_ids: Iterable[str]) -> None: ...
-
-
-@dataclass
-class _Tracker:
-    """One running request: its prompt's chunk hashes, block ids and save progress;
-    ``save_limit``: leading chunks its admission policy lets it save; ``saved_states``: the
-    ``(group, chunk)`` Mamba states already sent to the workers."""
-
-    hashes: list[str]
-    block_ids: list[int]
-    saved_chunks: int = 0
-    group_block_ids: tuple[list[int], ...] = ()
-    save_limit: int = 0
-    saved_states: set[tuple[int, int]] = field(default_factory=set)
-
-
-@dataclass
-class _PendingLoad:
-    """A confirmed load not yet sent to the workers."""
-
-    spec: LoadSpec
-    hashes: list[str]
-    block_ids: list[int] = field(default_factory=list)
-    group_block_ids: tuple[list[int], ...] = ()
-
-
-@dataclass
-class _CachedLookup:
-    """A request's last lookup: valid while its token count and local hit are unchanged (and
-    the pool's leases on the keys last)."""
-
-    num_tokens: int
-    local_tokens: int
-    answer: tuple[int, bool]
-    spec: LoadSpec | None
-
-
-def _has_media(request: Request) -> bool:
-    """Whether the request carries media (vLLM's ``mm_features``): its placeholder tokens are
-    the same for every image, so they cannot key its KV (issue 11 item 3)."""
-    return bool(getattr(request, "mm_features", None))
-
-
-def _has_prompt_embeds(request: Request) -> bool:
-    """Whether the request carries prompt embeddings (vLLM ``--enable-prompt-embeds``): its
-    token ids do not say which embeddings the model saw (issue 39 item 3)."""
-    return getattr(request, "prompt_embeds", None) is not None
 
 
 class KVPoolScheduler:
@@ -189,28 +157,16 @@ class KVPoolScheduler:
         self.hybrid = len(self.groups) > 1 or any(g.kind != "full" for g in self.groups)
         self.unsupported = [g for g in self.groups
                             if g.kind == "unsupported" or g.block_size != config.block_size]
-        self._window_groups = [g for g in self.groups if g.kind == "sliding_window"]
+        window_groups = [g for g in self.groups if g.kind == "sliding_window"]
         self._mamba_groups = {g.index for g in self.groups if g.kind == "mamba"}
-        self._world_size = world_size
-        self._block_pool: BlockPool | None = None
-        # Save job -> (blocks held in vLLM's block pool, workers yet to report it ended).
-        self._held: dict[int, tuple[list[int], int]] = {}
-        self._next_job = 0
+        self._hold_blocks = bool(window_groups or self._mamba_groups)
+        self.holds = SaveHolds(window_groups, config.blocks_per_chunk, world_size)
         self.chunk_size = config.chunk_size
         self.lookup_client = lookup
         self.reporter = reporter or NullReporter()
         self.counters = LookupCounters()
-        self._load_specs: dict[str, LoadSpec] = {}
-        self._hashes: dict[str, list[str]] = {}
-        self._pending_loads: dict[str, _PendingLoad] = {}
-        # Async loads already sent to the workers: request id -> tokens the pool holds.
-        self._sent_loads: dict[str, int] = {}
-        # Async loads sent to the workers whose finished_recving has not come back yet: the
-        # worker may still be writing into these requests' blocks.
-        self._loads_in_flight: set[str] = set()
-        self._trackers: dict[str, _Tracker] = {}
-        self._saving: set[str] = set()
-        self._lookup_cache: dict[str, _CachedLookup] = {}
+        # One record per request vLLM still knows (``_requests``), dropped by ``_forget``.
+        self._requests: dict[str, RequestRecord] = {}
         # Repeats, later turns of a conversation, a common system prompt: hashed once.
         self.hash_cache = ChunkHashCache(config.chunk_size, config.hash_algo)
         self._hasher = PromptHasher(self.hash_cache, self.reporter)
@@ -224,10 +180,7 @@ class KVPoolScheduler:
         self.eviction = (
             ConnectorEviction((config.admission_pool_tokens or 0) // config.chunk_size)
             if config.eviction == "connector" and config.should_save else None)
-        # Loads sent to the workers whose outcome has not come back: request id -> tokens
-        # accepted; for async loads, the least loaded by the workers that answered so far.
-        self._awaiting_outcome: dict[str, int] = {}
-        self._async_partial: dict[str, int] = {}
+        self._awaited = AwaitedLoads()
         # Set by the connector when vLLM publishes KV events: keeps each request whose saves
         # may still be reported (released at request_finished or finished_sending).
         self.events: RequestEvents | None = None
@@ -239,13 +192,18 @@ class KVPoolScheduler:
         """The prompt's chunk hashes; none for a request with media or prompt embeddings, so
         it neither loads nor saves (its token ids do not say which images or embeddings they
         stand for)."""
-        rid = request.request_id
-        hashes = self._hashes.get(rid)
-        if hashes is None:
-            hashes = ([] if _has_media(request) or _has_prompt_embeds(request)
-                      else self._hash_prompt(request))
-            self._hashes[rid] = hashes
-        return hashes
+        rec = self._record(request.request_id)
+        if rec.hashes is None:
+            rec.hashes = ([] if has_media(request) or has_prompt_embeds(request)
+                          else self._hash_prompt(request))
+        return rec.hashes
+
+    def _record(self, rid: str) -> RequestRecord:
+        """``rid``'s record, made on first use."""
+        rec = self._requests.get(rid)
+        if rec is None:
+            rec = self._requests[rid] = RequestRecord()
+        return rec
 
     def _hash_prompt(self, request: Request) -> list[str]:
         """``_hashes_for`` a request without media: ``_async_lookup.prompt_hashes``, a prompt
@@ -289,7 +247,9 @@ class KVPoolScheduler:
             (``kvpool_connector.handover``, at most ``handover_wait_ms``).
         """
         rid = request.request_id
-        self._load_specs.pop(rid, None)
+        known = self._requests.get(rid)
+        if known is not None:
+            known.offered = None
         if not self.config.should_load or self.lookup_client is None:
             return 0, False
         # A prompt of embeddings alone has no token ids, and its length all the same.
@@ -297,7 +257,7 @@ class KVPoolScheduler:
                       else request.num_prompt_tokens)
         # The last prompt token is always computed by vLLM: it yields the first logits.
         max_chunks = max(0, prompt_len - 1) // self.chunk_size
-        cached = self._lookup_cache.get(rid)
+        cached = known.asked if known is not None else None
         if (cached is not None and cached.num_tokens == request.num_tokens
                 and cached.local_tokens == num_computed_tokens
                 and (cached.spec is None or cached.spec.lease_expires_ms is None
@@ -305,13 +265,13 @@ class KVPoolScheduler:
             # The same request still waiting (e.g. for free blocks): same answer, no lookup.
             self.counters.lookup_cached += 1
             if cached.spec is not None:
-                self._load_specs[rid] = replace(cached.spec)
+                self._record(rid).offered = replace(cached.spec)
             return cached.answer
         if max_chunks * self.chunk_size <= num_computed_tokens:
             if self._async is not None:  # vLLM's prefix cache grew while it ran: not needed
                 self._async.discard(rid)
             # Counted all the same: its prompt belongs in the request-level hit rate.
-            reason = ("PROMPT_EMBEDS" if _has_prompt_embeds(request)
+            reason = ("PROMPT_EMBEDS" if has_prompt_embeds(request)
                       else "LOCAL_CACHE" if num_computed_tokens else "SHORT_PROMPT")
             answer = self._skip(rid, prompt_len, num_computed_tokens, reason)
         else:
@@ -320,9 +280,10 @@ class KVPoolScheduler:
             if found is None:  # a P/D hand-over not all saved yet: never cached
                 return None, False
             answer = (found, load_async)
-        spec = self._load_specs.get(rid)
-        self._lookup_cache[rid] = _CachedLookup(request.num_tokens, num_computed_tokens, answer,
-                                                replace(spec) if spec is not None else None)
+        rec = self._record(rid)
+        spec = rec.offered
+        rec.asked = CachedLookup(request.num_tokens, num_computed_tokens, answer,
+                                 replace(spec) if spec is not None else None)
         return answer
 
     def _lookup(self, request: Request, prompt_len: int, max_chunks: int,
@@ -333,8 +294,8 @@ class KVPoolScheduler:
         rid = request.request_id
         reason = ("UNSUPPORTED_KV_GROUP" if self.unsupported
                   else NO_CONTEXT_PREFILL if self.no_context_prefill
-                  else "MULTIMODAL" if _has_media(request)
-                  else "PROMPT_EMBEDS" if _has_prompt_embeds(request)
+                  else "MULTIMODAL" if has_media(request)
+                  else "PROMPT_EMBEDS" if has_prompt_embeds(request)
                   else "BREAKER_OPEN" if self._breaker.is_open(time.monotonic()) else None)
         lookups = self._async
         if reason is not None:
@@ -363,7 +324,9 @@ class KVPoolScheduler:
         """Count, report and keep what a lookup found (on the scheduler thread, wherever the
         lookup ran)."""
         rid = request.request_id
-        self._hashes.setdefault(rid, answer.hashes)
+        rec = self._record(rid)
+        if rec.hashes is None:
+            rec.hashes = answer.hashes
         if answer.bad_tokens is not None:
             self._bad_tokens(rid, answer.bad_tokens)
         hashes = answer.hashes  # a copy only when cut: never mutated, shared read-only
@@ -415,7 +378,7 @@ class KVPoolScheduler:
         if new_tokens == 0:
             return 0, False
         ttl = self.config.lease_ttl_ms
-        self._load_specs[rid] = LoadSpec(
+        rec.offered = LoadSpec(
             vllm_cached_tokens=num_computed_tokens, kvpool_cached_tokens=pool_tokens,
             # Counted from before the query: the lease never looks longer than it is.
             lease_expires_ms=asked_ms + ttl if ttl else None,
@@ -431,13 +394,16 @@ class KVPoolScheduler:
         ``MultiConnector`` chose another connector, or an async load's second call).
         """
         rid = request.request_id
+        rec = self._record(rid)
         # The request leaves its waiting period: a later ask (after a preemption) looks up.
-        self._lookup_cache.pop(rid, None)
+        rec.asked = None
         # Hash here, where the full Request (with cache_salt) is at hand, for saves too.
         hashes = self._hashes_for(request)
+        if rec.phase is Phase.ASKED:
+            rec.phase = Phase.ALLOCATED
         if self.events is not None and self.config.should_save and hashes:
             self.events.track(request)
-        spec = self._load_specs.pop(rid, None)
+        spec, rec.offered = rec.offered, None
         if spec is None:
             return
         if num_external_tokens == 0:
@@ -450,10 +416,12 @@ class KVPoolScheduler:
         spec.can_load = True
         tables = blocks.get_block_ids()
         block_ids = list(tables[0])
-        self._pending_loads[rid] = _PendingLoad(
+        rec.confirmed = PendingLoad(
             spec, hashes, block_ids,
             tuple(list(t) for t in tables) if self.hybrid else ())
-        self._awaiting_outcome[rid] = spec.num_tokens_to_load
+        if rec.phase is not Phase.RUNNING:
+            rec.phase = Phase.LOAD_CONFIRMED
+        self._awaited.expect(rid, spec.num_tokens_to_load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
         """This step's loads and saves for the workers (see the module docstring)."""
@@ -463,26 +431,27 @@ class KVPoolScheduler:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id
-            hashes = self._hashes.get(rid)
-            if hashes is None:
+            rec = self._requests.get(rid)
+            if rec is None or rec.phase is Phase.ASKED:
                 # update_state_after_alloc always runs first; without it there is no salt.
                 logger.warning("kvpool: request %s scheduled without allocation state", rid)
                 continue
-            pending = self._pending_loads.pop(rid, None)
+            hashes = rec.hashes or []
+            pending, rec.confirmed = rec.confirmed, None
             load = pending.spec if pending is not None else None
             # The one place a save is decided: once per request, when it is first scheduled.
-            tracker = _Tracker(hashes, list(new.block_ids[0]),
-                               save_limit=self.admission.admit(hashes) if save else 0)
+            tracker = Running(hashes, list(new.block_ids[0]),
+                              save_limit=self.admission.admit(hashes) if save else 0)
             if save and self.eviction is not None:
                 self.eviction.record(hashes, tracker.save_limit)
             # Chunks the pool already holds need no save.
-            pool_tokens = self._sent_loads.pop(rid, 0)
+            pool_tokens, rec.sent_tokens = rec.sent_tokens, 0
             if load is not None:
                 pool_tokens = load.kvpool_cached_tokens
             tracker.saved_chunks = pool_tokens // self.chunk_size
-            self._trackers[rid] = tracker
+            rec.running, rec.phase = tracker, Phase.RUNNING
             self._current_tables(rid, tracker, block_state)
-            req = self._step_meta(rid, tracker, new.num_computed_tokens + num_sched.get(rid, 0),
+            req = self._step_meta(rid, rec, new.num_computed_tokens + num_sched.get(rid, 0),
                                   save)
             if load is not None:
                 req = req or self._empty_meta(rid, tracker)
@@ -492,10 +461,10 @@ class KVPoolScheduler:
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            running = self._trackers.get(rid)
-            if running is None:
+            rec = self._requests.get(rid)
+            if rec is None or rec.running is None:
                 continue
-            tracker = running
+            tracker = rec.running
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 # A resumed (preempted) request gets its whole block table anew.
@@ -504,8 +473,8 @@ class KVPoolScheduler:
                 tracker.block_ids.extend(new_ids[0])
             self._current_tables(rid, tracker, block_state)
             done = cached.num_computed_tokens[i] + num_sched.get(rid, 0)
-            req = self._step_meta(rid, tracker, done, save)
-            pending = self._pending_loads.pop(rid, None)
+            req = self._step_meta(rid, rec, done, save)
+            pending, rec.confirmed = rec.confirmed, None
             if pending is not None:
                 req = req or self._empty_meta(rid, tracker)
                 req.load = pending.spec
@@ -513,11 +482,15 @@ class KVPoolScheduler:
                 meta.requests.append(req)
 
         # Asynchronous loads: the request is not scheduled while its blocks fill.
-        scheduled = set(num_sched)
-        for rid in [r for r in self._pending_loads if r not in scheduled]:
-            pending = self._pending_loads.pop(rid)
-            self._sent_loads[rid] = pending.spec.kvpool_cached_tokens
-            self._loads_in_flight.add(rid)
+        for rid, rec in self._requests.items():
+            pending = rec.confirmed
+            if pending is None or rid in num_sched:
+                continue
+            rec.confirmed = None
+            rec.sent_tokens = pending.spec.kvpool_cached_tokens
+            rec.loading = True
+            if rec.running is None:
+                rec.phase = Phase.LOAD_SENT
             meta.requests.append(ReqMeta(req_id=rid, block_ids=pending.block_ids,
                                          chunk_hashes=pending.hashes, load=pending.spec,
                                          group_block_ids=pending.group_block_ids))
@@ -527,8 +500,8 @@ class KVPoolScheduler:
             meta.evict, meta.keep = self.eviction.take()
         if self._mamba_groups and save and block_state is not None:
             self._attach_states(meta, block_state.boundary_state_offloads)
-        if self._window_groups or self._mamba_groups:
-            self._hold_save_blocks(meta)
+        if self._hold_blocks:
+            self.holds.hold(meta)
         return meta
 
     def _attach_states(self, meta: KVPoolConnectorMetadata,
@@ -541,8 +514,9 @@ class KVPoolScheduler:
         past the prompt) are never a pool hit's end, and the null block holds no state."""
         by_req = {req.req_id: req for req in meta.requests}
         for rid, entries in offloads.items():
-            tracker = self._trackers.get(rid)
-            if tracker is None:
+            rec = self._requests.get(rid)
+            tracker = rec.running if rec is not None else None
+            if rec is None or tracker is None:
                 continue
             limit = min(tracker.save_limit, len(tracker.hashes))
             states = []
@@ -561,9 +535,9 @@ class KVPoolScheduler:
                 req = by_req[rid] = self._empty_meta(rid, tracker)
                 meta.requests.append(req)
             req.boundary_states = states
-            self._saving.add(rid)
+            rec.saving = True
 
-    def _current_tables(self, rid: str, tracker: _Tracker, block_state: Any) -> None:
+    def _current_tables(self, rid: str, tracker: Running, block_state: Any) -> None:
         """Hybrid models: every group's current block table (vLLM's, with null blocks where
         a window was freed), instead of the append-only copy of group 0."""
         if not self.hybrid:
@@ -576,67 +550,30 @@ class KVPoolScheduler:
         ref = next((g.index for g in self.groups if g.kind == "full"), 0)
         tracker.block_ids = list(tables[ref])
 
-    def _hold_save_blocks(self, meta: KVPoolConnectorMetadata) -> None:
-        """Take a reference in vLLM's block pool on the sliding-window blocks and Mamba state
-        blocks each save of this step reads, released when every worker reported the save
-        ended (``saves_finished_jobs``): vLLM frees blocks that leave the window while the
-        request runs, and an align-mode state block once the request moves past it (vLLM's
-        ``take_pending_boundary_state_offloads``: "a caller that reads them asynchronously
-        must pin them first"); another request could overwrite them before the save read
-        them."""
-        pool = self._block_pool
-        if pool is None:
-            return
-        bpc = self.config.blocks_per_chunk
-        for req in meta.requests:
-            held = [block for _, _, block in req.boundary_states]
-            if req.save_to_chunk > req.save_from_chunk and req.group_block_ids:
-                for g in self._window_groups:
-                    table = req.group_block_ids[g.index]
-                    off = bpc - g.tail_blocks(bpc)
-                    for c in range(req.save_from_chunk, req.save_to_chunk):
-                        held += [b for b in table[c * bpc + off:(c + 1) * bpc]
-                                 if b != NULL_BLOCK_ID]
-            if not held:
-                continue
-            pool.touch([pool.blocks[b] for b in held])
-            req.save_job, self._next_job = self._next_job, self._next_job + 1
-            self._held[req.save_job] = (held, self._world_size)
-
     def saves_finished_jobs(self, done: dict[int, int]) -> None:
         """Workers reported these save jobs ended (``LoadOutcomes.saves_done``: job ->
-        workers); a job's blocks go back to vLLM's pool once every worker did."""
-        pool = self._block_pool
-        for job, n in done.items():
-            entry = self._held.get(job)
-            if entry is None:
-                continue
-            blocks, left = entry
-            if left - n > 0:
-                self._held[job] = (blocks, left - n)
-                continue
-            del self._held[job]
-            if pool is not None:
-                pool.free_blocks(pool.blocks[b] for b in reversed(blocks))
+        workers): ``_save_holds.SaveHolds.ended``."""
+        self.holds.ended(done)
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """vLLM's block pool (``bind_gpu_block_pool``), to hold blocks saves read."""
-        self._block_pool = pool
+        self.holds.bind(pool)
 
     @property
     def has_held_blocks(self) -> bool:
         """Save jobs still holding blocks (vLLM's ``has_pending_push_work``)."""
-        return bool(self._held)
+        return self.holds.busy
 
-    def _empty_meta(self, rid: str, tracker: _Tracker) -> ReqMeta:
+    def _empty_meta(self, rid: str, tracker: Running) -> ReqMeta:
         return ReqMeta(req_id=rid, block_ids=list(tracker.block_ids),
                        chunk_hashes=tracker.hashes,
                        group_block_ids=tracker.group_block_ids)
 
-    def _step_meta(self, rid: str, tracker: _Tracker, tokens_done: int, save: bool
+    def _step_meta(self, rid: str, rec: RequestRecord, tokens_done: int, save: bool
                    ) -> ReqMeta | None:
         """A ``ReqMeta`` saving the chunks completed by ``tokens_done`` tokens, if any."""
-        if not save:
+        tracker = rec.running
+        if not save or tracker is None:
             return None
         complete = min(tracker.save_limit, tokens_done // self.chunk_size,
                        len(tracker.block_ids) // self.config.blocks_per_chunk)
@@ -647,44 +584,34 @@ class KVPoolScheduler:
         req.is_last_save = complete == tracker.save_limit
         self.counters.saves_scheduled_chunks += complete - tracker.saved_chunks
         tracker.saved_chunks = complete
-        self._saving.add(rid)
+        rec.saving = True
         return req
 
     def loads_finished(self, req_ids: Iterable[str]) -> None:
         """Workers reported these async loads ended (vLLM's ``finished_recving``)."""
-        self._loads_in_flight.difference_update(req_ids)
+        for rid in req_ids:
+            rec = self._requests.get(rid)
+            if rec is not None:
+                rec.loading = False
 
     def loads_outcome(self, outcomes: LoadOutcomes | None, finished_recving: Iterable[str]
                       ) -> None:
         """Count what each ended load really brought in, once (``LoadOutcomes`` from the
-        workers, merged by vLLM over the ranks of one step). Call before ``loads_finished``.
-
-        A synchronous or layer-wise load ends within its step, on every rank, so its outcome
-        is final when it arrives. An async load ends on each rank in its own step: the least
-        loaded so far is kept until vLLM reports the request in ``finished_recving`` (every
-        rank done). Reports ``Reporter.loaded(req_id, loaded, failed_tokens)``.
+        workers, merged by vLLM over the ranks of one step; ``_load_outcomes``). Call before
+        ``loads_finished``. Reports ``Reporter.loaded(req_id, loaded, failed_tokens)``.
         """
         if outcomes is not None and outcomes.saves_done:
             self.saves_finished_jobs(outcomes.saves_done)
-        final: dict[str, int] = {}
-        for rid, (_accepted, loaded) in (outcomes.outcomes if outcomes else {}).items():
-            if rid not in self._awaiting_outcome:
-                continue
-            if rid in self._loads_in_flight:
-                prev = self._async_partial.get(rid)
-                self._async_partial[rid] = loaded if prev is None else min(prev, loaded)
-            else:
-                final[rid] = loaded
-        for rid in finished_recving:
-            if rid in self._async_partial:
-                final[rid] = self._async_partial.pop(rid)
         c = self.counters
-        for rid, loaded in final.items():
-            accepted = self._awaiting_outcome.pop(rid)
-            loaded = min(loaded, accepted)
+        for rid, accepted, loaded in self._awaited.settle(
+                outcomes.outcomes if outcomes else {}, finished_recving, self._loading):
             c.loaded_tokens += loaded
             c.load_failed_tokens += accepted - loaded
             self.reporter.loaded(rid, loaded, accepted - loaded)
+
+    def _loading(self, rid: str) -> bool:
+        rec = self._requests.get(rid)
+        return rec is not None and rec.loading
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -700,25 +627,21 @@ class KVPoolScheduler:
         rid = request.request_id
         self._handover.forget(rid)
         params = self._handover_params(request)
-        if rid in self._loads_in_flight:
+        rec = self._forget(rid)
+        if rec.loading:
             # Freeing now would let vLLM hand the blocks to another request while the worker
             # still writes this request's KV into them.
-            self._loads_in_flight.discard(rid)
-            self._forget(rid)
-            if self.events is not None and rid not in self._saving:
+            if self.events is not None and not rec.saving:
                 self.events.release([rid])
             return True, params
-        never_sent = rid in self._pending_loads
-        self._forget(rid)
+        never_sent = rec.confirmed is not None
         if never_sent:
             # No outcome will be counted for a load this request never ran.
-            self._awaiting_outcome.pop(rid, None)
-            self._async_partial.pop(rid, None)
+            self._awaited.drop(rid)
         # A load sent this step is counted when the step's outcome arrives: vLLM finishes a
         # request (a P/D prefill's one token) before it hands over the connector's output.
-        if rid in self._saving:
+        if rec.saving:
             # Its saves' chunks may still be reported: released at its finished_sending.
-            self._saving.discard(rid)
             self._held_for_saves.add(rid)
             return True, params
         if self.events is not None:
@@ -728,7 +651,8 @@ class KVPoolScheduler:
     def _handover_params(self, request: Request) -> dict[str, Any] | None:
         """``kv_transfer_params`` for a decode engine (``handover``): the leading tokens whose
         chunks the pool held or this engine's saves write (call before ``_forget``)."""
-        tracker = self._trackers.get(request.request_id)
+        rec = self._requests.get(request.request_id)
+        tracker = rec.running if rec is not None else None
         if (tracker is None or not self.config.should_save
                 or not wants_handover(getattr(request, "kv_transfer_params", None))):
             return None
@@ -747,20 +671,17 @@ class KVPoolScheduler:
     def forget_lookups(self) -> None:
         """Drop every kept lookup answer, and running lookups' (the pool was flushed: ask
         again)."""
-        self._lookup_cache.clear()
-        self._load_specs.clear()
+        for rec in self._requests.values():
+            rec.asked = rec.offered = None
         if self._async is not None:
             self._async.clear()
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, rid: str) -> RequestRecord:
+        """Drop ``rid``'s record (the one place it is dropped); returns it (an empty one for a
+        request never seen)."""
         if self._async is not None:  # aborted while its lookup ran: its answer is dropped
             self._async.discard(rid)
-        self._lookup_cache.pop(rid, None)
-        self._load_specs.pop(rid, None)
-        self._hashes.pop(rid, None)
-        self._pending_loads.pop(rid, None)
-        self._sent_loads.pop(rid, None)
-        self._trackers.pop(rid, None)
+        return self._requests.pop(rid, None) or RequestRecord()
 
     def close(self) -> None:
         """Stop the lookup thread, close the lookup client. Idempotent."""

@@ -102,8 +102,8 @@ def test_async_answers_equal_the_synchronous_path(backend: MooncakeBackend) -> N
                 r = _request(rid, prompt)
                 s.update_state_after_alloc(r, _blocks(list(range(len(prompt) // 16 + 1))),
                                            want[0] or 0)
-            sync_load = e.sched._pending_loads.get(f"s{i}")
-            lazy_load = lazy._pending_loads.get(f"a{i}")
+            sync_load = e.sched._requests[f"s{i}"].confirmed
+            lazy_load = lazy._requests[f"a{i}"].confirmed
             assert (sync_load is None) == (lazy_load is None)
             if sync_load is not None and lazy_load is not None:
                 assert sync_load.spec.kvpool_cached_tokens == lazy_load.spec.kvpool_cached_tokens
@@ -179,7 +179,7 @@ def test_an_aborted_request_leaves_nothing_and_a_queued_lookup_never_runs(
     # The queued lookup never reached the store; the running one's answer was dropped.
     assert gate.asked == [4, 4]
     assert e.sched.counters.lookups == 1
-    assert "run" not in e.sched._hashes and "q" not in e.sched._hashes
+    assert "run" not in e.sched._requests and "q" not in e.sched._requests
 
 
 def test_a_flush_drops_a_running_lookups_answer(gated: tuple[Engine, Gate]) -> None:

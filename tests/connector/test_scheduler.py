@@ -26,6 +26,7 @@ from kvpool_agent._aggregate import Aggregator
 from kvpool_agent.protocol import EngineState, Source
 from kvpool_agent.reporter import Loaded, Lookup, ReportedError, Reporter
 from kvpool_connector import scheduler as scheduler_module
+from kvpool_connector._requests import Phase
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.fingerprint import adapter_identity
@@ -179,8 +180,12 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     engine.store(prompt, 2)
     req = _request("a", prompt)
     assert engine.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    rec = engine.sched._requests["a"]  # the one record of the request, through its phases
+    assert rec.phase is Phase.ASKED and rec.offered is not None and rec.asked is not None
     blocks = list(range(10, 17))
     engine.sched.update_state_after_alloc(req, _blocks(blocks), 32)
+    assert rec.phase is Phase.LOAD_CONFIRMED and rec.offered is None and rec.asked is None
+    assert rec.confirmed is not None and rec.confirmed.block_ids == blocks
     # Accepting is not loading: the hit is counted when the workers' outcome comes back.
     assert not [e for e in engine.reporter.drain() if isinstance(e, Loaded)]
 
@@ -197,6 +202,8 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     assert m.load.lease_expires_ms is None  # lease_ttl_ms not configured
     # Chunks 0-1 came from the pool; 2-3 are complete after this step and get saved.
     assert (m.save_from_chunk, m.save_to_chunk, m.is_last_save) == (2, 4, False)
+    assert rec.phase is Phase.RUNNING and rec.confirmed is None and rec.saving
+    assert rec.running is not None and rec.running.saved_chunks == 4
     # The step's output carries the workers' outcome (merged by vLLM: the least per request).
     outcome = LoadOutcomes({"a": (32, 32)}).aggregate(LoadOutcomes({"a": (32, 16)}))
     engine.sched.loads_outcome(outcome, ())
@@ -217,6 +224,7 @@ def test_load_then_saves_through_chunked_prefill(engine: Engine) -> None:
     assert meta.requests == []
     # A save was scheduled: vLLM must keep the blocks until the worker reports it.
     assert engine.sched.request_finished(req, blocks) == (True, None)
+    assert "a" not in engine.sched._requests and engine.sched.saves_outstanding == 1
 
 
 def test_request_without_saves_frees_blocks_at_once(backend: MooncakeBackend) -> None:
@@ -384,7 +392,7 @@ def test_next_conversation_turn_hashes_only_its_new_chunks(engine: Engine) -> No
     cache = engine.sched.hash_cache
     assert (cache.reused_chunks, cache.hashed_chunks) == (3, 6)
     # The saves of turn 2 use the same keys a fresh hash gives.
-    assert engine.sched._hashes["t2"] == chunk_hashes(turn2, BLOCK)
+    assert engine.sched._requests["t2"].hashes == chunk_hashes(turn2, BLOCK)
 
 
 def test_store_failure_is_reported_not_a_silent_miss(
