@@ -108,6 +108,8 @@ class AdmissionSnapshot(msgspec.Struct, array_like=True, frozen=True):
         records: records applied by this run; dropped: records lost (senders' drops, gaps,
             over budget or malformed).
         removed: keys removed from the pool by this run.
+        pinned: chunks the service holds pinned (never removed), from the layouts' pin
+            records.
     """
 
     v: int
@@ -121,6 +123,7 @@ class AdmissionSnapshot(msgspec.Struct, array_like=True, frozen=True):
     records: int
     dropped: int
     removed: int
+    pinned: int = 0
 
 
 def policy_ports(address: str) -> tuple[str, str]:

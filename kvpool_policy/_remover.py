@@ -9,9 +9,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend
-from kvpool_connector.keys import chunk_keys, pins_key
-from kvpool_connector.pins import Pins
+from kvpool_connector.keys import chunk_keys
+from kvpool_connector.pins import pinned_chunks
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.removal_rule import LeasedKeys
 
@@ -21,15 +22,10 @@ PIN_REFRESH_S = 1.0
 """How often the pin records of each layout are read again (s)."""
 
 MAX_LAYOUTS = 64
-"""Layouts the service steers at most (one ``PolicyLayout`` and one pin reader each); records of
-further layouts are dropped and counted."""
+"""Layouts the service steers at most (one ``PolicyLayout`` and its pins' chunk hashes each);
+records of further layouts are dropped and counted."""
 
 PolicyKey = tuple[str, str]
-
-
-def _keys_of(layout: PolicyLayout) -> Callable[[Sequence[str]], list[str]]:
-    """Every rank's (and layer's) keys of chunk hashes in ``layout`` (``Pins``' ``keys_of``)."""
-    return lambda hashes: chunk_keys(layout.prefixes, hashes, layout.layers or None)
 
 
 class Remover:
@@ -40,7 +36,6 @@ class Remover:
             unforced, and the pin records' ``read_record``).
         grace_s: the wait after a refusal under a lease (s): the store client's transfer
             timeout (``grace_s_of``).
-        pool_bytes: the pool's capacity (bytes), for the pins' share check.
         clock: monotonic seconds.
 
     Attributes:
@@ -48,13 +43,14 @@ class Remover:
         layouts: digest -> its ``PolicyLayout``, as the engines sent it.
     """
 
-    def __init__(self, backend: MooncakeBackend, grace_s: float, pool_bytes: Callable[[], int],
+    def __init__(self, backend: MooncakeBackend, grace_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self._leased = LeasedKeys(grace_s, clock)
-        self._pool_bytes = pool_bytes
         self.layouts: dict[str, PolicyLayout] = {}
-        self._pins: dict[str, Pins] = {}
+        # Digest -> the chunk hashes its pins held when last read, and their keys.
+        self._pins: dict[str, frozenset[str]] = {}
+        self._pinned_keys: frozenset[str] = frozenset()
         self._pins_read = -float("inf")
         self._clock = clock
         self._todo: list[str] = []
@@ -75,34 +71,28 @@ class Remover:
         ``MAX_LAYOUTS`` are known already and this one is new."""
         if layout.digest not in self.layouts and len(self.layouts) >= MAX_LAYOUTS:
             return False
-        if self.layouts.get(layout.digest) != layout:
-            self.layouts[layout.digest] = layout
-            model = layout.prefixes[0].split("@")[1]
-            self._pins[layout.digest] = Pins(
-                self.backend, _keys_of(layout),
-                chunk_size=1, chunk_bytes=1, pool_bytes=self._pool_bytes,
-                record_key=pins_key(model, layout.digest), refresh_s=PIN_REFRESH_S)
+        self.layouts[layout.digest] = layout
         return True
 
-    def pinned(self) -> dict[str, set[str]]:
-        """Digest -> chunk hashes some pin of the layout holds, the records read again at most
-        every ``PIN_REFRESH_S`` (a layout whose records cannot be read keeps its last pins)."""
+    def pinned(self) -> dict[str, frozenset[str]]:
+        """Digest -> chunk hashes some pin of the layout holds (``pins.pinned_chunks``), the
+        records read again at most every ``PIN_REFRESH_S``; a layout whose records cannot be
+        read now keeps the pins read last (an empty answer would free them)."""
         now = self._clock()
-        fresh = now - self._pins_read >= PIN_REFRESH_S
-        if fresh:
-            self._pins_read = now
-        out: dict[str, set[str]] = {}
-        for digest, pins in self._pins.items():
-            if fresh:
-                try:
-                    pins.refresh(force=True)
-                except Exception as exc:  # a store error: the pins read last time hold
-                    logger.warning("kvpool policy: pin records of %s not read: %s", digest, exc)
-            out[digest] = {h for p in pins.list() for h in p.hashes}
-        return out
-
-    def _pinned_keys(self) -> set[str]:
-        return {k for pins in self._pins.values() for k in pins.pinned_keys()}
+        if now - self._pins_read < PIN_REFRESH_S:
+            return dict(self._pins)
+        self._pins_read = now
+        for digest, layout in self.layouts.items():
+            model = layout.prefixes[0].split("@")[1]
+            try:
+                # chunk_size 1: the loosest bound on what one pin may claim (the service
+                # does not know the layout's chunk size).
+                self._pins[digest] = pinned_chunks(self.backend, model, digest, 1)
+            except BackendError as exc:
+                logger.warning("kvpool policy: pin records of %s not read: %s", digest, exc)
+        self._pinned_keys = frozenset(self.keys_of(
+            [(d, h) for d, hs in self._pins.items() for h in hs]))
+        return dict(self._pins)
 
     def evict(self, chunks: Sequence[PolicyKey]) -> None:
         """Queue ``chunks`` for removal (the next ``step``)."""
@@ -119,7 +109,7 @@ class Remover:
 
     def step(self) -> int:
         """Remove what is queued and what waited out its grace; keys removed now."""
-        todo = self._leased.batch(self._todo, self._keep, self._pinned_keys)
+        todo = self._leased.batch(self._todo, self._keep, lambda: self._pinned_keys)
         self._todo, self._keep = [], []
         if not todo:
             return 0

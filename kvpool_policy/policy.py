@@ -296,6 +296,11 @@ class PoolPolicy:
         """The last record was admitted by the doorkeeper (what a snapshot would publish)."""
         return self._admission is not None and self._admission.doorkeeper_active
 
+    @property
+    def pinned_chunks(self) -> int:
+        """Chunks pinned (``pin``), resident or not."""
+        return len(self._pinned)
+
     def doorkeeper_snapshot(self) -> tuple[int, bytes] | None:
         """The pool-wide doorkeeper's ``(bits, bloom)`` (``AdaptiveAdmission``'s), ``None``
         before the first record or with ``admission="all"``."""

@@ -152,7 +152,7 @@ class PolicyCore:
         self._found = dict(found or {})
         self._tokens: dict[str, tuple[float, float]] = {}
         self._clock = clock
-        self._pinned: dict[str, set[str]] = {}
+        self._pinned: dict[str, frozenset[str]] = {}
 
     def _spend(self, who: str, n: int) -> bool:
         now = self._clock()
@@ -221,7 +221,7 @@ class PolicyCore:
             return
         now = self.remover.pinned()
         for digest in set(now) | set(self._pinned):
-            new, old = now.get(digest, set()), self._pinned.get(digest, set())
+            new, old = now.get(digest, frozenset()), self._pinned.get(digest, frozenset())
             self.policy.pin([(digest, h) for h in new - old])
             self.policy.unpin([(digest, h) for h in old - new])
         self._pinned = now
@@ -233,7 +233,7 @@ class PolicyCore:
         return AdmissionSnapshot(
             WIRE_VERSION, service, version, self.policy.doorkeeper_active, bits, bloom,
             self.policy.capacity_bytes, self.policy.used_bytes, self.counters.records,
-            self.counters.dropped, removed)
+            self.counters.dropped, removed, self.policy.pinned_chunks)
 
 
 class PolicyService:
@@ -258,8 +258,7 @@ class PolicyService:
         records_at, snapshots_at = policy_ports(listen)
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
-        self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()),
-                               lambda: backend.stats().total_bytes)
+        self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
         self.core = PolicyCore(PoolPolicy(capacity_bytes), self.remover, budget=budget,
                                found=found)
         self.service_id = secrets.token_hex(8)

@@ -33,7 +33,8 @@ from kvpool_connector._policy_link import scheduler_client, worker_handshake
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.eviction import ConnectorEviction
-from kvpool_connector.keys import ParallelLayout, shard_prefix
+from kvpool_connector.keys import ParallelLayout, chunk_hashes, chunk_keys, pins_key, shard_prefix
+from kvpool_connector.pins import Pins
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.worker import KVPoolWorker
@@ -47,6 +48,7 @@ LAYOUT = PolicyLayout(DIGEST, [shard_prefix(MODEL, DIGEST, ParallelLayout(tp_ran
 VALUE = 32 << 10
 CHUNK_BYTES = 2 * VALUE  # both TP ranks' keys
 CAPACITY_CHUNKS = 8
+CHUNK_TOKENS = 16
 GRACE_MS = 500
 STALE_S = 1.5
 
@@ -237,6 +239,29 @@ def test_keys_not_authorised_for_records_change_nothing(pool: Pool, tmp_path: Pa
     assert pool.resident() == set(mine)
     assert attackers[0].snapshot is None  # the stranger hears no snapshot either
     assert [c.in_charge for c in attackers] == ["master", "master"]
+
+
+def test_a_pinned_chunk_is_never_removed(pool: Pool) -> None:
+    """A chunk an operator pinned (the layout's pin records, ``kvpool_connector.pins``) stays
+    while the other chunks of a full pool are removed around it, least recent though it is."""
+    pins = Pins(pool.store, lambda hs: chunk_keys(LAYOUT.prefixes, hs), CHUNK_TOKENS, VALUE,
+                lambda: 32 << 20, record_key=pins_key(MODEL, DIGEST))
+    tokens = list(range(CHUNK_TOKENS))
+    held = chunk_hashes(tokens, CHUNK_TOKENS)[0]
+    pool.start_service()
+    b = pool.client("engine-b")
+    wait_for(lambda: b.in_charge == "service", what="the service in charge", log=pool.log)
+    pool.save(b, [held])
+    pins.pin("system-prompt", tokens, "soft", ttl_ms=600_000)
+    wait_for(lambda: b.snapshot is not None and b.snapshot.pinned == 1, what="the pin read",
+             log=pool.log)
+    fresh = [chunk(f"p{i}") for i in range(2 * CAPACITY_CHUNKS)]
+    for h in fresh:
+        pool.save(b, [h])
+    keep = {held, *fresh[-(CAPACITY_CHUNKS - 1):]}
+    wait_for(lambda: pool.resident() == keep, what=f"the pool holding {keep}", log=pool.log)
+    snap = wait_for(lambda: pool.applied(b, 1 + len(fresh)) and b.snapshot)
+    assert snap.removed == 2 * (len(fresh) - CAPACITY_CHUNKS + 1)
 
 
 def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) -> None:
