@@ -74,6 +74,7 @@ from kvpool_connector.keys import (
     shard_prefix,
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
+from kvpool_connector.staging import DEFAULT_STAGING_BYTES
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore
 
@@ -94,6 +95,7 @@ class _Settings:
     save_budget_bytes: int = 1 << 30
     checksum: bool = False
     hash_algo: str = "sha256"
+    staging_buffer_bytes: int = DEFAULT_STAGING_BYTES
 
 
 def _caches(layers: int, num_blocks: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -196,7 +198,8 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
     value = bpc * layers * heads * block * 2 * head * 2
     flat_src = torch.randint(-128, 127, (n_chunks * value,), dtype=torch.int8)
     flat_dst = torch.zeros_like(flat_src)
-    settings = _Settings(block_size=block, chunk_size=args.chunk_tokens)
+    settings = _Settings(block_size=block, chunk_size=args.chunk_tokens,
+                         staging_buffer_bytes=args.staging_mib << 20)
     cfg = {"master_server_address": master[0], "global_segment_size": 0,
            "local_buffer_size": "16MB", "master_admin_url": master[1]}
     # A client per shape: Mooncake keeps a registration for the client's life, and the next
@@ -363,6 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 128])
     ap.add_argument("--chunk-tokens", type=int, default=512, help="--cross-process chunk")
     ap.add_argument("--chunks", type=int, default=2, help="--cross-process keys per operation")
+    ap.add_argument("--staging-mib", type=int, default=DEFAULT_STAGING_BYTES >> 20,
+                    help="--cross-process workers' staging buffer (MiB; copies overlap the "
+                    "puts when it holds two values: 128 for 512-token Llama-3-8B chunks)")
     ap.add_argument("--engines", nargs="+", type=int, default=[1],
                     help="--cross-process engines saving and loading at once (e.g. 1 2 4), "
                     "each its own process and store client")
