@@ -9,7 +9,7 @@
 - ``DemoCluster``: master + store, fleet hub, operator keys and engine processes replaying a
   trace; ``kvpool-console --demo`` runs it with the console's TUI (``kvpool_replay.demo``);
 - ``LocalMooncakeMaster``, ``LocalPoolStore`` (with ``DiskTier``, an SSD tier),
-  ``LocalYuanrongWorker``, ``free_port``,
+  ``LocalPolicyService`` (``kvpool-policy serve``), ``LocalYuanrongWorker``, ``free_port``,
   ``engine_env``, ``mooncake_extra_config``: real services on 127.0.0.1 and how to reach them;
 - ``load_trace``, ``request_tokens``, ``default_trace_path``: trace input;
   ``ModelShape``/``EngineSpec``/``EngineResult``: what engines are told and report;
@@ -19,6 +19,7 @@ Importing the package loads neither torch nor vLLM: only the engine processes do
 """
 
 from kvpool_replay._cluster import DEMO_SHAPE, DemoCluster
+from kvpool_replay._policy_service import LocalPolicyService
 from kvpool_replay._pool import mooncake_extra_config
 from kvpool_replay._processes import engine_env, free_port, free_port_block
 from kvpool_replay._reference import (
@@ -53,6 +54,7 @@ __all__ = [
     "EngineResult",
     "EngineSpec",
     "LocalMooncakeMaster",
+    "LocalPolicyService",
     "LocalPoolStore",
     "LocalYuanrongWorker",
     "ModelShape",

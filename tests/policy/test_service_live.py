@@ -16,9 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -39,7 +36,7 @@ from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_policy import cli
-from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, engine_env, free_port_block
+from kvpool_replay import LocalMooncakeMaster, LocalPolicyService, LocalPoolStore
 
 MODEL = "policy-live"
 DIGEST = "0123456789ab"
@@ -76,9 +73,10 @@ class Pool:
     def __init__(self, master: LocalMooncakeMaster, keys: dict[Role, KeyPaths],
                  tmp: Path) -> None:
         self.master, self.keys, self.tmp = master, keys, tmp
-        self.port = free_port_block(2)
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.service = LocalPolicyService(master, keys["hub"].root,
+                                          capacity_bytes=CAPACITY_CHUNKS * CHUNK_BYTES,
+                                          transfer_timeout_ms=GRACE_MS, log_dir=tmp)
+        self.address = self.service.address
         self.store = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "master_admin_url": master.admin_url,
             "global_segment_size": 0, "local_buffer_size": "16MB",
@@ -86,23 +84,14 @@ class Pool:
         self.clients: list[PolicyClient] = []
 
     def start_service(self) -> None:
-        log = open(self.tmp / "policy.log", "ab")  # noqa: SIM115 - the child's, closed by it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool_policy.cli", "serve", "--listen", self.address,
-             "--keys", str(self.keys["hub"].root), "--master", self.master.address,
-             "--admin-url", self.master.admin_url,
-             "--capacity", str(CAPACITY_CHUNKS * CHUNK_BYTES),
-             "--transfer-timeout-ms", str(GRACE_MS)],
-            env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        self.service.start()
 
     def kill_service(self) -> None:
-        assert self.proc is not None and self.proc.poll() is None, self.log()
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        assert self.service.proc is not None and self.service.proc.poll() is None, self.log()
+        self.service.kill()
 
     def log(self) -> str:
-        return (self.tmp / "policy.log").read_text(errors="replace")[-3000:]
+        return self.service.log_path.read_text(errors="replace")[-3000:]
 
     def client(self, engine: str, role: Role = "agent",
                keys: KeyPaths | None = None) -> PolicyClient:
@@ -132,8 +121,7 @@ class Pool:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill_service()
+        self.service.stop()
         self.store.close()
 
 

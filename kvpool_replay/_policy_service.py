@@ -1,0 +1,103 @@
+"""A local pool-wide policy service (``kvpool-policy serve``, issue 40) for replays, the demo and
+tests: a child process beside a ``LocalMooncakeMaster``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Self
+
+from kvpool_replay._processes import (
+    alive,
+    engine_env,
+    free_port_block,
+    spawn,
+    stop_process_tree,
+    tail_file,
+    wait_until,
+)
+from kvpool_replay._services import LocalMooncakeMaster, LocalService
+
+__all__ = ["LocalPolicyService"]
+
+_SERVING = b"kvpool policy: serving"
+
+
+class LocalPolicyService(LocalService):
+    """``kvpool-policy serve`` on 127.0.0.1 (records on ``port``, snapshots on ``port + 1``).
+
+    Args:
+        master: the pool's master (its rpc address and admin URL).
+        hub_keys: the hub's keys directory (``kvpool_agent.auth.local_fleet_keys``'s ``hub``).
+        capacity_bytes: bytes the service fills; ``None``: ``fill`` of the pool's segments.
+        fill: share of the segments without ``capacity_bytes``.
+        transfer_timeout_ms: its store client's transfer timeout (the removal grace).
+        port: the records port (``None``: two free ports; a restart passes the old one).
+
+    Attributes: ``address`` (``tcp://127.0.0.1:<port>``, engines' ``policy_service``),
+    ``proc``, ``log_path``.
+
+    Raises:
+        RuntimeError: the service exited or did not bind within ``timeout_s`` (``start``;
+            the message has its log tail).
+    """
+
+    def __init__(self, master: LocalMooncakeMaster, hub_keys: Path, *,
+                 capacity_bytes: int | None = None, fill: float = 0.8,
+                 transfer_timeout_ms: int | None = None, port: int | None = None,
+                 log_dir: Path | None = None) -> None:
+        self.master, self.hub_keys = master, hub_keys
+        self.capacity_bytes, self.fill = capacity_bytes, fill
+        self.transfer_timeout_ms = transfer_timeout_ms
+        self.port = port or free_port_block(2)
+        self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="kvpool-policy-"))) / \
+            "kvpool-policy.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "kvpool_policy.cli", "serve", "--listen", self.address,
+               "--keys", str(self.hub_keys), "--master", self.master.address,
+               "--admin-url", self.master.admin_url, "--fill", str(self.fill)]
+        if self.capacity_bytes is not None:
+            cmd += ["--capacity", str(self.capacity_bytes)]
+        if self.transfer_timeout_ms is not None:
+            cmd += ["--transfer-timeout-ms", str(self.transfer_timeout_ms)]
+        return cmd
+
+    def start(self, timeout_s: float = 60.0) -> Self:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:  # the child holds its own descriptor
+            self.proc = spawn(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                              env=engine_env(), start_new_session=True)
+        proc = self.proc
+
+        def serving() -> bool:
+            with open(self.log_path, "rb") as f:
+                f.seek(start)
+                return alive("kvpool-policy", proc, self.log_path) and _SERVING in f.read()
+
+        if not wait_until(serving, timeout_s):
+            self.stop()
+            raise RuntimeError(f"kvpool-policy did not bind in {timeout_s}s:\n"
+                               f"{tail_file(self.log_path)}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the service (a crash, for failure tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s. Idempotent."""
+        if self.proc is not None:
+            stop_process_tree(self.proc, timeout_s=5)
