@@ -23,6 +23,7 @@ from kvpool_agent.audit import AUDIT_IDS_SHOWN
 from kvpool_agent.protocol import CommandReply, CommandRequest, PoolStats
 
 __all__ = [
+    "PIN_VERIFY_S",
     "SUSPECT_SLACK_KEYS",
     "VERIFY_S",
     "checked_answer",
@@ -46,7 +47,7 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
     """``rep``, or when it is a flush answer that cannot be true of its pool the same marked
     ``suspect`` with ``ok=False``: more keys matched than the pool holds, or for scope ``all``
     (every kvpool key) fewer, beyond the slack; more removed than matched; a removal on a dry
-    run.
+    run; a real flush that left more than the slack of what it matched.
 
     Args:
         req: the command as the console sent it.
@@ -71,6 +72,10 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
             res.keys + max(min(known) // 8, SUSPECT_SLACK_KEYS) < min(known)):
         why = (f"only {res.keys} keys matched, but the pool holds {min(known)} as its agents "
                "report it")
+    elif not args.dry_run and res.keys - res.removed_keys > _slack(res.keys):
+        # True (leases) or forged, those keys are still in the pool: not done (issue 42).
+        why = (f"removed {res.removed_keys} of {res.keys} matched keys ({res.skipped_leased} "
+               "said leased): the pool still holds the rest")
     if why is None:
         return rep
     log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
@@ -82,6 +87,14 @@ VERIFY_S = 5.0
 """Seconds the hub waits after a flush, pin or unpin for another key's report of the pool to
 show it done: agents measure their pool every 2 s and report every 0.25 s, so a genuine one
 shows within ~2.5 s."""
+
+PIN_VERIFY_S = 14.0
+"""Seconds the hub waits for a pin or unpin to show in another worker's report: the layout's
+other workers read the pin records every 10 s (``kvpool_connector.pins.Pins.refresh_s``) and
+measure the pool every 2 s, so a genuine pin shows within ~12.25 s. It waited ``VERIFY_S``
+before: a genuine pin read as suspect whenever the other worker's next read of the records
+came later than 5 s (about every second pin). ``FleetClient`` gives a pin or unpin that long
+at least."""
 
 
 def _slack(count: int) -> int:
@@ -141,16 +154,17 @@ def verified_answer(req: CommandRequest, rep: CommandReply, verifiers: dict[str,
             return rep
     if not done:
         return None
+    waited = PIN_VERIFY_S if pin else VERIFY_S
     if not now:
         why = (f"{req.command} answered as done, but no other key reports the pool any more")
     elif pin:
         aid, after = next(iter(now.items()))
-        why = (f"{req.command} answered as done, but {VERIFY_S:g} s later {aid[:80]} (another "
+        why = (f"{req.command} answered as done, but {waited:g} s later {aid[:80]} (another "
                f"key, the same layout) reports {after.pins} pin(s) of "
                f"{after.pinned_bytes} bytes ({verifiers[aid].pins} when sent)")
     else:
         aid, after = next(iter(now.items()))
-        why = (f"removed {removed} keys, but {VERIFY_S:g} s later the pool holds "
+        why = (f"removed {removed} keys, but {waited:g} s later the pool holds "
                f"{after.keys} of its {verifiers[aid].keys} as {aid[:80]} reports it")
     log.warning("kvpool hub: suspect %s answer from %s: %s", req.command, rep.agent_id, why)
     return msgspec.structs.replace(rep, ok=False, suspect=why,

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from kvpool_agent._answers import (
+    PIN_VERIFY_S,
     VERIFY_S,
     checked_answer,
     needs_verifying,
@@ -32,6 +33,7 @@ from kvpool_agent._answers import (
 from kvpool_agent._audit import AuditTrail
 from kvpool_agent._fleet import Fleet
 from kvpool_agent._hub_counters import HubCounters
+from kvpool_agent._hub_cross_listing import cross_checked, listers, wants_cross_listing
 from kvpool_agent._hub_listings import PoolListings, shared_answer
 from kvpool_agent._hub_quotas import Quotas
 from kvpool_agent._hub_sockets import HubSockets, user_id
@@ -103,6 +105,12 @@ class _Pending:
     verifiers: dict[str, dict[str, PoolStats]] = field(default_factory=dict)
     held: dict[str, CommandReply] = field(default_factory=dict)
     verify_until: float = 0.0
+    # Real flush: target -> another key's agent listing its pool for the check, their dry-run
+    # answers, and until when they are waited for (``kvpool_agent._hub_cross_listing``).
+    cross: dict[str, str] = field(default_factory=dict)
+    listers: set[str] = field(default_factory=set)
+    listings: dict[str, CommandReply] = field(default_factory=dict)
+    cross_until: float = 0.0
 
 
 class CommandRouter:
@@ -284,16 +292,37 @@ class CommandRouter:
         if (req.command == "flush" and not dry_run) or req.command in ("pin", "unpin"):
             # One pass for all targets (a flush naming an engine's 1,024 ids scanned per id).
             pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush")
+        if wants_cross_listing(req):
+            ids = list({v: None for vs in pend.verifiers.values() for v in vs}
+                       | dict.fromkeys(send))
+            pend.cross = listers(req, send, pend.verifiers,
+                                 {k: m[0] for k, m in self.fleet.members(ids).items()})
+            pend.listers = set(pend.cross.values())  # never a target (``listers``)
+            pend.cross_until = min(time.monotonic() + VERIFY_S, pend.deadline)
         for aid in send:
-            routing_id = known[aid]
-            fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
-            try:
-                self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                pend.replies[aid] = agent_error(req, aid, f"agent unreachable: {e}")
-                continue
-            pend.routes[aid] = routing_id
+            self._forward(pend, aid, known[aid], fwd)
+        if pend.cross and fwd.flush is not None:
+            dry = msgspec.structs.replace(
+                fwd, flush=msgspec.structs.replace(fwd.flush, dry_run=True))
+            for lister in sorted(pend.listers):
+                if (rid := self.fleet.routing_id(lister)) is None:
+                    pend.listings[lister] = agent_error(req, lister, "agent gone")
+                else:
+                    self._forward(pend, lister, rid, dry, listing=True)
         self.maybe_finish(internal)
+
+    def _forward(self, pend: _Pending, aid: str, routing_id: bytes, fwd: CommandRequest,
+                 listing: bool = False) -> None:
+        """Send ``fwd`` to agent ``aid`` at ``routing_id`` (its reply counts only from there);
+        ``listing``: a cross-check listing, whose answer goes to ``pend.listings``."""
+        fwd.seq = self._agent_seq[aid] = self._agent_seq.get(aid, 0) + 1
+        try:
+            self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            (pend.listings if listing else pend.replies)[aid] = agent_error(
+                pend.req, aid, f"agent unreachable: {e}")
+            return
+        pend.routes[aid] = routing_id
 
     def _forget(
         self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest, who: str
@@ -329,16 +358,21 @@ class CommandRouter:
     def on_reply(self, rid: bytes, rep: CommandReply) -> None:
         """An agent's reply from connection ``rid``: counted only when the command went there."""
         pend = self.pending.get(rep.request_id)
+        listing = pend is not None and rep.agent_id in pend.listers
         if (
             pend is None
             or pend.routes.get(rep.agent_id) != rid
-            or rep.agent_id in pend.replies
+            or rep.agent_id in (pend.listings if listing else pend.replies)
         ):
             self.counters.rejected_replies += 1
             self.counters.bad("agents", f"reply {rep.request_id[:40]!r} of "
                               f"{rep.agent_id[:80]!r} not expected from this connection")
             return
         reply = msgspec.structs.replace(rep, request_id=pend.req.request_id)
+        if listing:
+            pend.listings[rep.agent_id] = reply
+            self.maybe_finish(rep.request_id)
+            return
         pend.replies[rep.agent_id] = reply
         group = pend.groups.get(rep.agent_id)
         if group is not None:
@@ -350,8 +384,15 @@ class CommandRouter:
         with an error for each agent that has not replied, and the flushes whose check is
         done."""
         self._verify(now)
-        for internal in [k for k, p in self.pending.items() if why or now >= p.deadline]:
+        for internal in [k for k, p in self.pending.items() if why or now >= p.deadline
+                         or (p.listers and now >= p.cross_until)]:
             pend = self.pending[internal]
+            for lister in pend.listers:
+                if lister not in pend.listings:
+                    pend.listings[lister] = agent_error(pend.req, lister, "no listing in time")
+            if not (why or now >= pend.deadline):
+                self.maybe_finish(internal)
+                continue
             for aid in pend.expected:
                 if aid not in pend.replies and aid not in pend.shared:
                     pend.replies[aid] = agent_error(
@@ -372,7 +413,8 @@ class CommandRouter:
 
     @staticmethod
     def _complete(pend: _Pending) -> bool:
-        return all(a in pend.replies or a in pend.shared for a in pend.expected)
+        return all(a in pend.replies or a in pend.shared for a in pend.expected) and all(
+            lister in pend.listings for lister in pend.listers)
 
     def _finish(self, pend: _Pending) -> None:
         """Every agent has answered: shared listings copied, flush answers checked against
@@ -388,11 +430,15 @@ class CommandRouter:
         for a in pend.expected:
             pend.replies[a] = checked_answer(pend.req, pend.replies[a], (
                 pend.pool_keys.get(a), now_keys.get(a)))
+            if a in pend.cross:
+                pend.replies[a] = cross_checked(pend.req, pend.replies[a],
+                                                pend.listings.get(pend.cross[a]), pend.cross[a])
         pend.held = {a: r for a, r in pend.replies.items()
                      if needs_verifying(pend.req, r, pend.verifiers.get(a, {}))}
         if pend.held:
             now = time.monotonic()
-            pend.verify_until = min(now + VERIFY_S, pend.deadline + _VERIFY_GRACE_S)
+            wait = PIN_VERIFY_S if pend.req.command in ("pin", "unpin") else VERIFY_S
+            pend.verify_until = min(now + wait, pend.deadline + _VERIFY_GRACE_S)
             self.verifying.append(pend)
             self._verify(now)
             return

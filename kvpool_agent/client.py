@@ -20,6 +20,7 @@ from types import TracebackType
 
 import zmq
 
+from kvpool_agent._answers import PIN_VERIFY_S
 from kvpool_agent.auth import ClientKeys, KeyPaths
 from kvpool_agent.hub import hub_ports
 from kvpool_agent.protocol import (
@@ -293,7 +294,8 @@ class FleetClient:
                 for scope model/all, the engine's workers for scope engine).
             timeout_ms: how long agents get; the hub turns a missing reply into
                 ``ok=False, error="timeout after N ms"``. Raised to ``drain.timeout_ms + 1000``
-                for a drain.
+                for a drain, to ``PIN_VERIFY_S`` for a ``pin`` or ``unpin`` (the hub holds
+                its answer until another worker of the layout reports it).
             sender: operator name for the audit log (authority comes only from the key).
             probe: ``health`` also writes, reads and removes a probe key (operator key).
             pin: ``pin`` / ``unpin`` (operator key) / ``pins``: the model, pin id and prefix;
@@ -306,6 +308,9 @@ class FleetClient:
         if drain is not None:
             # The hub must wait at least as long as the agents are asked to.
             timeout_ms = max(timeout_ms, drain.timeout_ms + 1000)
+        if command in ("pin", "unpin"):
+            # The hub holds the answer until another worker of the layout reports the pin.
+            timeout_ms = max(timeout_ms, int(PIN_VERIFY_S * 1000))
         rid = request_id or uuid.uuid4().hex[:16]
         req = CommandRequest(
             v=PROTOCOL_VERSION,

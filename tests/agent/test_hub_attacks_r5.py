@@ -215,6 +215,47 @@ def test_a_pin_another_keys_worker_of_the_layout_reports_is_done(
     assert r.ok and r.suspect is None, r
 
 
+def test_a_pin_another_worker_reports_after_its_records_refresh_is_done(
+    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A genuine pin reaches the layout's other workers when they next read the pin records
+    (every 10 s, ``Pins.refresh_s``) and measure the pool (every 2 s): the other worker here
+    reports the pin 7 s after the answer, as a real one does whenever its read comes late.
+    The hub held a pin's answer ``VERIFY_S`` (5 s) and then called it suspect: a genuine pin
+    read as suspect about every second time. Now it waits ``PIN_VERIFY_S``: the answer is
+    held past 5 s, then done."""
+    first = _bound_agent(tmp_path, fleet_keys["hub"], "w-2")
+    second = _bound_agent(tmp_path, fleet_keys["hub"], "w-3")
+    pinner = FakeAgent(ctx, hub_address, keys=first.client("agent"))
+    other = FakeAgent(ctx, hub_address, keys=second.client("agent"))
+    psrc = make_source("w-2", master=_MASTER, model="m", layout_digest=_DIGEST)
+    osrc = make_source("w-3", master=_MASTER, model="m", layout_digest=_DIGEST)
+    pinner.report(psrc, pool=PoolStats(backend="mooncake", keys=500))
+    wait_until(lambda: psrc.agent_id in keyed_hub.fleet())
+    other.report(osrc, pool=PoolStats(backend="mooncake", keys=500))
+    wait_until(lambda: osrc.agent_id in keyed_hub.fleet())
+    got: list[CommandReply] = []
+    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+        t = threading.Thread(target=lambda: got.extend(op.command(
+            "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
+            timeout_ms=3_000)))
+        t.start()
+        _answer_pinned(pinner, psrc.agent_id)
+        answered = time.monotonic()
+        # The other worker's reports before its records refresh: no pin yet (the agent's
+        # 0.25 s report period, for 7 s of its clock).
+        while time.monotonic() < answered + 7:
+            other.report(osrc, pool=PoolStats(backend="mooncake", keys=500, pins=0))
+            t.join(0.25)
+        assert got == [], "the pin's answer was given before the other worker could report it"
+        other.report(osrc, pool=PoolStats(backend="mooncake", keys=500, pins=1,
+                                          pinned_bytes=4096))
+        t.join()
+    (r,) = got
+    assert r.ok and r.suspect is None, r
+
+
 def test_a_bound_keys_agent_ids_do_not_spend_the_operators_work_budget(
     keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
     ctx: zmq.Context[zmq.Socket[bytes]],

@@ -35,6 +35,7 @@ from kvpool_agent.protocol import (
 )
 from kvpool_connector.keys import ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
+from kvpool_console.cli import main as console_main
 from kvpool_replay import LocalMooncakeMaster
 
 DIGEST = "0123456789ab"
@@ -317,3 +318,87 @@ def test_a_genuine_flush_is_confirmed_by_another_keys_count(
     assert r.ok and r.suspect is None and r.flush is not None, r
     assert r.flush.removed_keys >= _MANY
     assert not set(many_keys) & _all_keys(agent_master)
+
+
+class _Liar:
+    """``agent`` answers every flush it receives, until stopped, with ``dry`` (a dry run) or
+    ``done`` (a real flush), true or not; on its own thread (the test does not touch
+    ``agent`` meanwhile)."""
+
+    def __init__(self, agent: FakeAgent, aid: str, dry: FlushResult, done: FlushResult) -> None:
+        self.agent, self.aid, self.dry, self.done = agent, aid, dry, done
+        self.answered: list[bool] = []  # dry_run of each flush answered
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for req in self.agent.drain(100)[len(self.answered):]:
+                dry = req.flush is not None and req.flush.dry_run
+                self.answered.append(dry)
+                self.agent.seq += 1
+                self.agent.sock.send(encode(CommandReply(
+                    v=PROTOCOL_VERSION, seq=self.agent.seq, request_id=req.request_id,
+                    agent_id=self.aid, ok=True, flush=self.dry if dry else self.done)))
+
+    def __enter__(self) -> _Liar:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.parametrize(("n", "claim", "suspect"), [
+    (3, (10, 10, 0), "10 keys matched, but eng-u3/dp0.tp0.pp0 (another key) listed"),
+    (4, (_MANY, 0, _MANY), f"removed 0 of {_MANY} matched keys ({_MANY} said leased)"),
+], ids=["under-count", "all-leased"])
+def test_a_model_flush_answer_another_keys_listing_contradicts_is_suspect(
+    n: int, claim: tuple[int, int, int], suspect: str,
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    ctx: zmq.Context[zmq.Socket[bytes]], mooncake_backend: Any,
+    agent_master: LocalMooncakeMaster, model: str, many_keys: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 42, the flush checks' gaps: every worker of the pool has a key bound to its engine
+    and an impostor's is the oldest, so ``kvpool-console flush --scope model`` goes to it.
+    Scope ``model`` has no count to hold an answer against and a removal within the slack is
+    never re-checked, so "matched 10, removed 10" of a model holding 100 keys, or "matched
+    100, removed 0, all leased", was printed as done (exit 0) and the pool kept every key.
+    Now the hub has another key's worker (the real one) list the scope at the same time and
+    holds the answer against that listing; a flush that left more than the slack is not done
+    either way. The console prints SUSPECT and exits non-zero; every key stays; the audit
+    says suspect."""
+    keys, removed, leased = claim
+    imp = FakeAgent(ctx, hub_address,
+                    keys=_bound_agent(tmp_path, fleet_keys["hub"], f"imp-{n}").client("agent"))
+    isrc = make_source(f"imp-{n}", model=model, master=agent_master.address,
+                       layout_digest=DIGEST)
+    assert imp.report(isrc)
+    wait_until(lambda: isrc.agent_id in hub.fleet())
+    # Engine names once per session: the hub's authorized keys are the session's.
+    real = _real_worker(f"eng-u{n}", _bound_agent(tmp_path, fleet_keys["hub"], f"eng-u{n}"),
+                        hub_address, mooncake_backend, agent_master, model)
+    try:
+        aid = real.source.agent_id
+        # A verifier is an agent reporting the pool (its first measurement: ~2 s).
+        wait_until(lambda: aid in hub.fleet() and hub.fleet()[aid][0].pool is not None, 15)
+        assert hub.fleet()[aid][0].pool is not None
+        with _Liar(imp, isrc.agent_id,
+                   FlushResult(dry_run=True, keys=keys, bytes=keys * _VALUE),
+                   FlushResult(dry_run=False, keys=keys, bytes=keys * _VALUE,
+                               removed_keys=removed, skipped_leased=leased)) as liar:
+            code = console_main(["flush", "--hub", hub_address, "--keys",
+                                 str(fleet_keys["operator"].root), "--scope", "model",
+                                 "--model", model, "--yes"])
+    finally:
+        real.stop()
+    out = capsys.readouterr().out
+    assert liar.answered == [True, False], "the impostor did not get the dry run and the flush"
+    assert code != 0, out
+    assert f"flush SUSPECT, not done: {isrc.agent_id}: {suspect}" in out, out
+    assert set(many_keys) <= _all_keys(agent_master)
+    audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    line = [x for x in audit if x["command"] == "flush"][-1]  # the real flush, after the dry run
+    assert "suspect" in line["results"][0] and not line["results"][0]["ok"], line
