@@ -34,6 +34,7 @@ from kvpool_agent.protocol import (
     PinOutcome,
     PoolStats,
     Report,
+    Source,
     encode,
 )
 
@@ -146,6 +147,31 @@ def _answer_pinned(agent: FakeAgent, agent_id: str) -> None:
                 pinned_now=4))))
 
 
+def _layout_workers(hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+                    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
+                    *engines: str) -> list[tuple[FakeAgent, Source]]:
+    """A worker of each of ``engines`` (in this order, so the first holds the oldest tenure),
+    each with a key bound to it, of one pool and layout, each reporting 500 keys and no pin."""
+    out = []
+    for engine in engines:
+        agent = FakeAgent(ctx, hub_address, keys=_bound_agent(
+            tmp_path, fleet_keys["hub"], engine).client("agent"))
+        src = make_source(engine, master=_MASTER, model="m", layout_digest=_DIGEST)
+        agent.report(src, pool=PoolStats(backend="mooncake", keys=500))
+        wait_until(lambda src=src: src.agent_id in hub.fleet())
+        out.append((agent, src))
+    return out
+
+
+def _pin_in_background(op: FleetClient, got: list[CommandReply]) -> threading.Thread:
+    """The operator's ``pin`` of ``sys-prompt`` on its own thread; its replies go to ``got``."""
+    t = threading.Thread(target=lambda: got.extend(op.command(
+        "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
+        timeout_ms=3_000)))
+    t.start()
+    return t
+
+
 def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
     ctx: zmq.Context[zmq.Socket[bytes]],
@@ -157,22 +183,11 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     the pins it holds (``PoolStats.pins``): the forged "pinned 4 keys" was ok and not suspect
     while the real worker never received the pin and kept reporting 0 pins. Now the pin's
     answer waits for another key's worker of the layout to report it (``_answers``)."""
-    evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
-    real = _bound_agent(tmp_path, fleet_keys["hub"], "real-0")
-    attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
-    honest = FakeAgent(ctx, hub_address, keys=real.client("agent"))
-    asrc = make_source("evil-0", master=_MASTER, model="m", layout_digest=_DIGEST)
-    hsrc = make_source("real-0", master=_MASTER, model="m", layout_digest=_DIGEST)
-    attacker.report(asrc, pool=PoolStats(backend="mooncake", keys=500))
-    wait_until(lambda: asrc.agent_id in keyed_hub.fleet())
-    honest.report(hsrc, pool=PoolStats(backend="mooncake", keys=500))
-    wait_until(lambda: hsrc.agent_id in keyed_hub.fleet())
+    (attacker, asrc), (honest, hsrc) = _layout_workers(
+        keyed_hub, hub_address, fleet_keys, tmp_path, ctx, "evil-0", "real-0")
     got: list[CommandReply] = []
     with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
-        t = threading.Thread(target=lambda: got.extend(op.command(
-            "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
-            timeout_ms=3_000)))
-        t.start()
+        t = _pin_in_background(op, got)
         _answer_pinned(attacker, asrc.agent_id)
         for _ in range(10):  # the honest worker keeps reporting: it holds no pin
             honest.report(hsrc, pool=PoolStats(backend="mooncake", keys=500, pins=0))
@@ -184,68 +199,27 @@ def test_a_bound_key_first_in_a_pool_cannot_pass_off_a_forged_pin_as_done(
     assert "pin" in honest_got or not r.ok or r.suspect is not None, (r, honest_got)
 
 
+@pytest.mark.parametrize("late_s", [0, 7], ids=["at-once", "after-its-records-refresh"])
 def test_a_pin_another_keys_worker_of_the_layout_reports_is_done(
-    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    late_s: float, keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """The honest side of the pin check above: the pin's agent answers "pinned" and the pool's
     other worker of the layout (another key) then reports the pin (``PoolStats.pins`` 0 -> 1):
-    the answer is ok and not suspect."""
-    first = _bound_agent(tmp_path, fleet_keys["hub"], "w-0")
-    second = _bound_agent(tmp_path, fleet_keys["hub"], "w-1")
-    pinner = FakeAgent(ctx, hub_address, keys=first.client("agent"))
-    other = FakeAgent(ctx, hub_address, keys=second.client("agent"))
-    psrc = make_source("w-0", master=_MASTER, model="m", layout_digest=_DIGEST)
-    osrc = make_source("w-1", master=_MASTER, model="m", layout_digest=_DIGEST)
-    pinner.report(psrc, pool=PoolStats(backend="mooncake", keys=500))
-    wait_until(lambda: psrc.agent_id in keyed_hub.fleet())
-    other.report(osrc, pool=PoolStats(backend="mooncake", keys=500))
-    wait_until(lambda: osrc.agent_id in keyed_hub.fleet())
+    the answer is ok and not suspect. A real worker learns a pin when it next reads the pin
+    records (every 10 s, ``Pins.refresh_s``) and measures the pool (every 2 s): here also 7 s
+    after the answer. The hub held a pin's answer ``VERIFY_S`` (5 s) and then called it
+    suspect, a genuine pin about every second time; now it waits ``PIN_VERIFY_S``."""
+    (pinner, psrc), (other, osrc) = _layout_workers(
+        keyed_hub, hub_address, fleet_keys, tmp_path, ctx, f"w-{late_s}a", f"w-{late_s}b")
     got: list[CommandReply] = []
     with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
-        t = threading.Thread(target=lambda: got.extend(op.command(
-            "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
-            timeout_ms=3_000)))
-        t.start()
-        _answer_pinned(pinner, psrc.agent_id)
-        other.report(osrc, pool=PoolStats(backend="mooncake", keys=500, pins=1,
-                                          pinned_bytes=4096))
-        t.join()
-    (r,) = got
-    assert r.ok and r.suspect is None, r
-
-
-def test_a_pin_another_worker_reports_after_its_records_refresh_is_done(
-    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
-    ctx: zmq.Context[zmq.Socket[bytes]],
-) -> None:
-    """A genuine pin reaches the layout's other workers when they next read the pin records
-    (every 10 s, ``Pins.refresh_s``) and measure the pool (every 2 s): the other worker here
-    reports the pin 7 s after the answer, as a real one does whenever its read comes late.
-    The hub held a pin's answer ``VERIFY_S`` (5 s) and then called it suspect: a genuine pin
-    read as suspect about every second time. Now it waits ``PIN_VERIFY_S``: the answer is
-    held past 5 s, then done."""
-    first = _bound_agent(tmp_path, fleet_keys["hub"], "w-2")
-    second = _bound_agent(tmp_path, fleet_keys["hub"], "w-3")
-    pinner = FakeAgent(ctx, hub_address, keys=first.client("agent"))
-    other = FakeAgent(ctx, hub_address, keys=second.client("agent"))
-    psrc = make_source("w-2", master=_MASTER, model="m", layout_digest=_DIGEST)
-    osrc = make_source("w-3", master=_MASTER, model="m", layout_digest=_DIGEST)
-    pinner.report(psrc, pool=PoolStats(backend="mooncake", keys=500))
-    wait_until(lambda: psrc.agent_id in keyed_hub.fleet())
-    other.report(osrc, pool=PoolStats(backend="mooncake", keys=500))
-    wait_until(lambda: osrc.agent_id in keyed_hub.fleet())
-    got: list[CommandReply] = []
-    with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
-        t = threading.Thread(target=lambda: got.extend(op.command(
-            "pin", pin=PinArgs(model="m", pin_id="sys-prompt", token_ids=list(range(1024))),
-            timeout_ms=3_000)))
-        t.start()
+        t = _pin_in_background(op, got)
         _answer_pinned(pinner, psrc.agent_id)
         answered = time.monotonic()
         # The other worker's reports before its records refresh: no pin yet (the agent's
-        # 0.25 s report period, for 7 s of its clock).
-        while time.monotonic() < answered + 7:
+        # 0.25 s report period, for ``late_s`` of its clock).
+        while time.monotonic() < answered + late_s:
             other.report(osrc, pool=PoolStats(backend="mooncake", keys=500, pins=0))
             t.join(0.25)
         assert got == [], "the pin's answer was given before the other worker could report it"
