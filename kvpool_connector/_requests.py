@@ -35,6 +35,7 @@ __all__ = [
     "Running",
     "has_media",
     "has_prompt_embeds",
+    "record_of",
 ]
 
 
@@ -112,6 +113,14 @@ class RequestRecord:
     loading: bool = False
     running: Running | None = None
     saving: bool = False
+
+
+def record_of(records: dict[str, RequestRecord], rid: str) -> RequestRecord:
+    """``rid``'s record in ``records``, made on first use."""
+    rec = records.get(rid)
+    if rec is None:
+        rec = records[rid] = RequestRecord()
+    return rec
 
 
 def has_media(request: Request) -> bool:

@@ -113,7 +113,7 @@ def test_async_answers_equal_the_synchronous_path(backend: MooncakeBackend) -> N
                 a.skip_reasons) == (c.lookups, c.lookup_errors, c.prompt_tokens,
                                     c.local_tokens, c.lookup_skipped, c.skip_reasons)
         assert c.lookups == 7 and c.skip_reasons == {"LOCAL_CACHE": 1, "SHORT_PROMPT": 1}
-        assert len(lazy._async or ()) == 0
+        assert len(lazy.match.lookups or ()) == 0
     finally:
         lazy.close()
         e.close()
@@ -171,7 +171,7 @@ def test_an_aborted_request_leaves_nothing_and_a_queued_lookup_never_runs(
     # Both aborted while the first lookup is in the store and the second queued behind it.
     assert e.sched.request_finished(running, []) == (False, None)
     assert e.sched.request_finished(queued, []) == (False, None)
-    assert e.sched._async is not None and len(e.sched._async) == 0
+    assert e.sched.match.lookups is not None and len(e.sched.match.lookups) == 0
     gate.opened.set()
     # The lookup thread is free again: a new request's lookup runs and is answered.
     fresh = _request("fresh", running.prompt_token_ids or [])

@@ -25,7 +25,7 @@ from vllm.v1.request import Request
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent.protocol import EngineState, Source
 from kvpool_agent.reporter import Loaded, Lookup, ReportedError, Reporter
-from kvpool_connector import scheduler as scheduler_module
+from kvpool_connector import _prefix_match as prefix_match_module
 from kvpool_connector._requests import Phase
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
@@ -502,7 +502,7 @@ def test_breaker_skips_lookups_after_repeated_failures(
         assert err.name == "LOOKUP_BREAKER_OPEN" and "60000 ms" in err.message
         # After the open period one lookup is tried again (and fails: open again).
         later = time.monotonic() + 61
-        monkeypatch.setattr(scheduler_module, "time",
+        monkeypatch.setattr(prefix_match_module, "time",
                             SimpleNamespace(monotonic=lambda: later, time=time.time,
                                             perf_counter=time.perf_counter))
         assert e.sched.get_num_new_matched_tokens(_request("t", prompt), 0) == (0, False)
