@@ -40,7 +40,11 @@ request in ``get_finished``'s ``finished_sending`` once it is in ``finished_req_
 saves are done. Requests listed in ``metadata.preempted`` have their queued saves dropped and
 their running transfers waited for before the step's forward pass may reuse their blocks.
 
-Over 600 lines: not split yet (issue 37, thin rooms).
+Why this module is long (over 600 lines): it is vLLM's whole worker-side connector interface
+(``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``, ``get_finished``... each a few lines over the planners and the transfer
+threads) plus the per-rank set-up ``register_kv_caches`` does (KV-head shares, layer ranges,
+hybrid groups, checksums); that set-up is the piece that would move out, into a layout builder.
 """
 
 from __future__ import annotations

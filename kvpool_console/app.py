@@ -22,8 +22,10 @@ catch up when shown) and to an open engine detail screen. Selection and commands
 flush, pin and unpin modals ask for their command, the app runs it in a thread worker and
 answers the modal.
 
-Over 600 lines: the application's key bindings, feed thread and modal flows; not split yet
-(issue 37, thin rooms).
+Why this module is long (over 600 lines): Textual binds keys, actions and message handlers to
+methods of the ``App`` class itself, so the application's bindings, its feed thread and its
+modal flows (health, flush, pin, unpin) are one class; the modal flows' command runs are what
+could move to their screens.
 """
 
 from __future__ import annotations
