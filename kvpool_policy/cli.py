@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service.serve(stop)
     finally:
+        c = service.core.counters
+        logging.getLogger("kvpool.policy").info(
+            "kvpool policy: stopped: %d records, %d dropped, %d keys removed", c.records,
+            c.dropped, service.remover.removed)
         service.close()
         backend.close()
     return 0

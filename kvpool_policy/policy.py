@@ -249,6 +249,10 @@ class PoolPolicy:
         eviction: ``"lru"`` (leaf-first exact LRU) or ``"s3fifo"``.
         admission: ``"adaptive"`` (the pool-wide ghosts and doorkeeper) or ``"all"``.
         half_life: ``AdaptiveAdmission``'s, in records (> 0).
+        engines_decide: the engines admit from the policy's published snapshot (the live
+            service, ``kvpool_policy.service``) and a record's ``wants`` is what they saved:
+            the policy inserts those chunks, so it holds what the pool holds, and its own
+            admission only keeps its state (ghosts, doorkeeper) for the next snapshot.
 
     The admission's ghosts count chunks: they are sized on the first record, at
     ``capacity_bytes // chunk_bytes`` chunks (with layouts of different chunk sizes on one pool
@@ -264,7 +268,7 @@ class PoolPolicy:
 
     def __init__(self, capacity_bytes: int, eviction: EvictionKind = "lru",
                  admission: Literal["adaptive", "all"] = "adaptive",
-                 half_life: int = 200) -> None:
+                 half_life: int = 200, engines_decide: bool = False) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         if eviction not in ("lru", "s3fifo") or admission not in ("adaptive", "all"):
@@ -274,6 +278,7 @@ class PoolPolicy:
             LeafFirstLRU() if eviction == "lru" else S3FIFO(capacity_bytes))
         self._admission_kind = admission
         self._half_life = half_life
+        self._engines_decide = engines_decide
         # Sized on the first record: its ghosts count chunks, so they need a chunk's bytes.
         self._admission: AdaptiveAdmission | None = None
         self._pinned: set[PolicyKey] = set()
@@ -359,7 +364,8 @@ class PoolPolicy:
         if self._admission is None:
             self._admission = AdaptiveAdmission(
                 max(1, self.capacity_bytes // rec.chunk_bytes), half_life=self._half_life)
-        return min(rec.wants, self._admission.admit(rec.hashes))
+        admitted = self._admission.admit(rec.hashes)
+        return min(rec.wants, len(rec.hashes) if self._engines_decide else admitted)
 
     def _make_room(self, nbytes: int, evicted: dict[PolicyKey, None]) -> bool:
         """Evict until ``nbytes`` more fit; ``False`` (nothing more evicted) if they cannot."""

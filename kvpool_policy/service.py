@@ -259,8 +259,10 @@ class PolicyService:
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
         self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
-        self.core = PolicyCore(PoolPolicy(capacity_bytes), self.remover, budget=budget,
-                               found=found)
+        # The engines saved what a record says (they decide from the snapshot): the policy
+        # follows, so it holds what the pool holds.
+        self.core = PolicyCore(PoolPolicy(capacity_bytes, engines_decide=True), self.remover,
+                               budget=budget, found=found)
         self.service_id = secrets.token_hex(8)
         self.ctx = zmq.Context()
         self.auth = ThreadAuthenticator(self.ctx)

@@ -4,6 +4,7 @@ tests: a child process beside a ``LocalMooncakeMaster``."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +23,20 @@ from kvpool_replay._processes import (
 )
 from kvpool_replay._services import LocalMooncakeMaster, LocalService
 
-__all__ = ["LocalPolicyService"]
+__all__ = ["REPLAY_FILL", "REPLAY_WATERMARK", "LocalPolicyService"]
 
 _SERVING = b"kvpool policy: serving"
+_STOPPED = re.compile(r"kvpool policy: stopped: (\d+) records, (\d+) dropped, (\d+) keys removed")
+
+REPLAY_FILL = 0.8
+"""Share of the pool a replay's service fills (``kvpool-replay --admission service``); its
+masters evict at ``REPLAY_WATERMARK``, above it. The gap holds the saves in flight before the
+service hears of them and keys waiting for a reader's lease: a replay's pool of a few hundred
+chunks fills it with one long prompt per engine (at 0.9 the master still evicted 884 keys
+beside the service's 3,628 on 200 conversation requests, 2 engines, 300,000 tokens; at 0.8,
+241 beside 4,365)."""
+
+REPLAY_WATERMARK = 0.95
 
 
 class LocalPolicyService(LocalService):
@@ -101,3 +113,9 @@ class LocalPolicyService(LocalService):
         """SIGTERM, then SIGKILL after 5 s. Idempotent."""
         if self.proc is not None:
             stop_process_tree(self.proc, timeout_s=5)
+
+    def removed_keys(self) -> int:
+        """Keys the service removed, summed over its runs that stopped cleanly (their last log
+        line); 0 before any did."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return sum(int(m.group(3)) for m in _STOPPED.finditer(text))

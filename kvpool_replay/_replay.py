@@ -7,6 +7,9 @@ contributes the pool memory (Mooncake's standalone store mode, so engines contri
 the pool's capacity is exactly ``pool_tokens`` worth of KV). Shared mode: every engine uses one
 pool. Private mode: each engine has its own master and store of ``pool_tokens / engines``.
 Requests go to engines round-robin in trace order.
+
+Over 600 lines: ``run_replay`` starts the pools, the policy service and the engines and builds
+the report in one pass that reads top to bottom; splitting it is issue 37's open work.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ import httpx
 import msgspec
 import psutil
 
+from kvpool_agent.auth import local_fleet_keys
 from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
+from kvpool_replay._policy_service import REPLAY_FILL, REPLAY_WATERMARK, LocalPolicyService
 from kvpool_replay._pool import (
     MIN_SEGMENT_BYTES,
     mooncake_extra_config,
@@ -105,9 +110,12 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         kill_leader_after_s: with ``ha`` >= 2, SIGKILL the leader master this many seconds
             after the replay started (``_ha.FailoverDrill``).
         model: model name in keys (one namespace per run).
-        admission: the engines' ``kv_connector_extra_config.admission`` (``all`` | ``adaptive``);
-            ``adaptive`` needs ``pool_tokens`` and is told each engine's share of the pool
-            (``admission_pool_tokens``: pool tokens / engines on it).
+        admission: the engines' ``kv_connector_extra_config.admission`` (``all`` | ``adaptive``
+            | ``service``); ``adaptive`` needs ``pool_tokens`` and is told each engine's share
+            of the pool (``admission_pool_tokens``: pool tokens / engines on it); ``service``
+            starts ``kvpool-policy serve`` (``LocalPolicyService``, fleet keys of its own)
+            filling ``REPLAY_FILL`` of the shared pool, masters at ``REPLAY_WATERMARK``; its
+            removed keys count as ``evicted_keys``.
         eviction: the engines' ``kv_connector_extra_config.eviction`` (``pool`` |
             ``connector``); ``connector`` needs ``pool_tokens`` and keeps each engine's share
             (``admission_pool_tokens``).
@@ -163,7 +171,8 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
     ``admission``/``eviction``: the engines' admission policy and who evicts;
-    ``evicted_keys``: values the connectors removed (``eviction: connector``),
+    ``evicted_keys``: values the connectors (``eviction: connector``) or the policy service
+    (``admission: service``) removed,
     ``pool_evicted_keys`` those the masters evicted. With a disk tier: ``disk_tier_tokens``,
     ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
     (reads the masters served from each tier).
@@ -317,6 +326,11 @@ def run_replay(
     if cfg.eviction == "connector" and cfg.pool_tokens is None:
         raise ValueError("--eviction connector needs --pool-tokens: the connector keeps an LRU "
                          "of the pool's capacity, e.g. --pool-tokens 1000000")
+    if cfg.admission == "service" and (cfg.mode != "shared" or cfg.master_address or cfg.ha
+                                       or cfg.eviction != "pool"):
+        raise ValueError("--admission service starts kvpool-policy beside the replay's own "
+                         "master: use it with --shared and eviction pool, without --master or "
+                         "--ha")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")
@@ -336,10 +350,13 @@ def run_replay(
     steered = cfg.eviction == "connector"
     watermark = cfg.eviction_high_watermark_ratio
     if watermark is None:
-        watermark = 1.0 if steered else _POOL_WATERMARK
+        watermark = (REPLAY_WATERMARK if cfg.admission == "service"
+                     else 1.0 if steered else _POOL_WATERMARK)
     lease_ms = cfg.default_kv_lease_ttl_ms
     if lease_ms is None:
-        lease_ms = CONNECTOR_EVICTION_LEASE_MS if steered else MASTER_LEASE_TTL_MS
+        # The policy service removes like connector eviction: the same short lease.
+        lease_ms = (CONNECTOR_EVICTION_LEASE_MS if steered or cfg.admission == "service"
+                    else MASTER_LEASE_TTL_MS)
     trace = load_trace(cfg.trace_path, limit=cfg.limit)
     n_eng = cfg.engines
     shares = [list(range(i, len(trace), n_eng)) for i in range(n_eng)]
@@ -371,6 +388,7 @@ def run_replay(
         admission["admission_pool_tokens"] = max(1, per_pool_tokens // engines_per_pool)
     admission["eviction"] = cfg.eviction
     pool_keys = pool_evicted = disk_keys = disk_hits = memory_hits = 0
+    policy: LocalPolicyService | None = None
     drill: FailoverDrill | None = None
     ha_pool: LocalHaPool | None = None
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
@@ -424,6 +442,12 @@ def run_replay(
                     base = Path(cfg.disk_tier_dir) if cfg.disk_tier_dir else work
                     disk = DiskTier((base / f"disk-{i}").resolve(), disk_bytes)
                 store = stack.enter_context(LocalPoolStore(m, segment, log_dir=logs, disk=disk))
+                if cfg.admission == "service":
+                    keys = local_fleet_keys(work / "keys")
+                    policy = stack.enter_context(LocalPolicyService(
+                        m, keys["hub"].root, fill=REPLAY_FILL, log_dir=logs))
+                    admission |= {"policy_service": policy.address,
+                                  "agent_keys": str(keys["agent"].root)}
             assert store.proc is not None
             rss.add("store", store.proc.pid)
 
@@ -476,6 +500,10 @@ def run_replay(
             disk_hits += ps.disk_hits
             memory_hits += ps.memory_hits
         peaks = dict(rss.peaks)
+        policy_removed = 0
+        if policy is not None:
+            policy.stop()
+            policy_removed = policy.removed_keys()  # its log goes with the work directory
 
     say("computing the reference (prefix-reuse ceiling, exact LRU)")
     if cfg.mode == "shared":
@@ -521,7 +549,7 @@ def run_replay(
         peak_rss_store_bytes=peaks.get("store", 0),
         peak_rss_replay_bytes=peaks.get("replay", 0),
         pool_evicted_keys=pool_evicted,
-        evicted_keys=sum(r.evicted_keys for r in results),
+        evicted_keys=sum(r.evicted_keys for r in results) + policy_removed,
         pool_keys=pool_keys,
         disk_tier_tokens=cfg.disk_tier_tokens,
         pool_disk_keys=disk_keys,

@@ -187,6 +187,11 @@ class SimEngine:
         self.worker = KVPoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
         self.worker.register_kv_caches(self.kv_caches)
         self.scheduler = KVPoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+        # vLLM hands the workers' handshake metadata to the scheduler after KV-cache
+        # registration (vllm/v1/engine/core.py): admission 'service' learns its layout there.
+        shake = self.worker.get_handshake_metadata()
+        if shake is not None:
+            self.scheduler.set_xfer_handshake_metadata({0: shake})
         # The counters vLLM's KV connector stats carry (kvpool_connector._stats), read
         # directly: this engine owns both roles in one process.
         sched, work = self.scheduler.pool_scheduler, self.worker.pool_worker

@@ -118,10 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a request's lookup while the previous one's saves still run")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar on stderr (requests done, req/s, hit rate, ETA)")
-    p.add_argument("--admission", choices=["all", "adaptive"], default="all",
+    p.add_argument("--admission", choices=["all", "adaptive", "service"], default="all",
                    help="the connector's save admission: all (default) saves every chunk; "
                    "adaptive skips chunks never asked for before when that would hit more "
-                   "(needs --pool-tokens)")
+                   "(needs --pool-tokens); service: one pool-wide policy (kvpool-policy serve, "
+                   "started here beside the master; --shared) admits and evicts for all engines")
     p.add_argument("--eviction", choices=["pool", "connector"], default="pool",
                    help="who evicts: pool (default) the master, past its watermark; connector "
                    "an exact LRU in the connector (needs --pool-tokens; masters started here "
@@ -155,7 +156,9 @@ def format_report(r: ReplayReport) -> str:
         f"{r.corrupt_blocks}",
         f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted"
         + (f" by the master, {r.evicted_keys:,} by the connector"
-           if r.eviction == "connector" else "")
+           if r.eviction == "connector" else
+           f" by the master, {r.evicted_keys:,} by the policy service"
+           if r.admission == "service" else "")
         + ("" if r.disk_tier_tokens is None else
            f"; disk tier {r.disk_tier_tokens:,} tokens, {r.pool_disk_keys:,} values on disk, "
            f"reads served {r.pool_memory_hits:,} from memory / {r.pool_disk_hits:,} from disk"),

@@ -36,7 +36,14 @@ from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_policy import cli
-from kvpool_replay import LocalMooncakeMaster, LocalPolicyService, LocalPoolStore
+from kvpool_replay import (
+    LocalMooncakeMaster,
+    LocalPolicyService,
+    LocalPoolStore,
+    ReplayConfig,
+    default_trace_path,
+    run_replay,
+)
 
 MODEL = "policy-live"
 DIGEST = "0123456789ab"
@@ -293,3 +300,16 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
     assert cli.main(["serve", *[x for kv in base.items() for x in kv]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"kvpool-policy: {names}"), err
+
+
+def test_a_replay_with_the_service_steers_the_shared_pool() -> None:
+    """``kvpool-replay --admission service``: two simulated engines (the real connector, vLLM's
+    handshake, a real master and store) replay a slice with the service started beside the
+    master; it removes keys and no block loaded is corrupt."""
+    report = run_replay(ReplayConfig(
+        trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=40, engines=2,
+        pool_tokens=300_000, admission="service", show_progress=False))
+    assert report.errors == [] and report.requests == 40
+    assert report.corrupt_blocks == 0
+    assert report.evicted_keys > 0  # the service's removals (the master's are counted apart)
+    assert report.hit_tokens > 0
