@@ -102,3 +102,22 @@ def test_a_restarted_service_adopts_the_pool_chunks_least_recent_first() -> None
     assert [(DIGEST, h) in core.policy for h in old] == [False, True, True, True]
     assert all((DIGEST, h) in core.policy for h in new)
     assert core.policy.used_bytes == 5 * CHUNK
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5), st.integers(0, 5)),
+                min_size=1, max_size=60), st.integers(1, 12))
+def test_the_live_policy_holds_what_the_engines_saved(reqs: list[tuple[int, int, int]],
+                                                      capacity_chunks: int) -> None:
+    """The service's policy (``engines_decide``: engines admit from its snapshot) inserts the
+    chunks a record says were saved, whatever its own admission would say: the pool's content,
+    as the reference LRU of the same saves holds it."""
+    core = PolicyCore(PoolPolicy(capacity_chunks * CHUNK, engines_decide=True), None)
+    ref = ReferenceLRU(capacity_chunks * CHUNK)
+    for doc, n, saved in reqs:
+        hashes = [chunk_hash(doc, i) for i in range(n)]
+        ref.record(AccessRecord(DIGEST, tuple(hashes), CHUNK, min(saved, n)))
+        core.apply(_batch([PolicyRecord(DIGEST, hashes, CHUNK, saved)]), "k")
+    universe = {(DIGEST, chunk_hash(d, i)) for d in range(7) for i in range(5)}
+    assert set(ref.size) == {k for k in universe if k in core.policy}
+    assert core.policy.used_bytes == ref.used()
