@@ -9,8 +9,11 @@ target), and floods run in their own processes, as attackers would:
   command the hub accepts), 16 in flight per connection;
 - ``agent``: an agent key's connections reporting as fast as they can on P;
 - ``both``;
-- ``stalled`` (issue 42): an agent key reporting at its engine budget (64 agents of ~240 KiB
-  every 0.25 s) while ``--stalled`` viewers subscribe and never read;
+- ``reporter`` (issue 42): an agent key reporting at its engine budget (64 agents of ~240 KiB
+  every 0.25 s), no attack on the subscribers: the baseline of the two below;
+- ``stalled`` (issue 42): that reporter while ``--stalled`` connections of one viewer key
+  subscribe and never read (default 12: the key's cap of ``MAX_SUBSCRIBERS_PER_KEY``, 8,
+  holds, the rest are refused, counted in the ``refused`` column);
 - ``suspended`` (issue 42): the same reporter while a console that watched the fleet is stopped
   with SIGSTOP (Ctrl-Z).
 
@@ -30,6 +33,8 @@ Goal: operator p99 under 1 s under every flood.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import multiprocessing as mp
 import os
 import signal
@@ -64,7 +69,8 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-CONFIGS = ("none", "viewer", "agent", "both", "stalled", "suspended")
+CONFIGS = ("none", "viewer", "agent", "both", "reporter", "stalled", "suspended")
+_BUDGETED = ("reporter", "stalled", "suspended")
 _BUDGET_AGENTS = 64
 _BUDGET_STATE_BYTES = 240 * 1024
 
@@ -202,6 +208,15 @@ class _PeakRss:
         self._thread.join()
 
 
+def _as_the_hub_process() -> None:
+    """Hand freed blocks of 256 KiB and more back to the system, as ``kvpool-agent hub`` does
+    for its own process (glibc ``M_MMAP_THRESHOLD``, -3 in malloc.h): without it this process
+    measures the heap glibc keeps (a stalled round read +1,665 MB where the hub held ~335)."""
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        ctypes.CDLL(name).mallopt(-3, 256 * 1024)
+
+
 def _percentile(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))]
@@ -209,16 +224,18 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], target: str,
               commands: int, viewers: int, agents: int,
-              stalled: int) -> tuple[list[float], float, float, float]:
+              stalled: int) -> tuple[list[float], float, float, float, int]:
     """Operator health latencies (s) under ``config``'s flood, the read-only commands and
-    reports per second the hub handled meanwhile, and this process's peak RSS growth (MB).
+    reports per second the hub handled meanwhile, this process's peak RSS growth (MB) and the
+    connections the hub refused for their key's cap.
     The agent floods report engines named after ``tag`` (new ids each round: an id the
     previous round's connection held is refused for ``TAKEOVER_AFTER_S``)."""
     spawn = mp.get_context("spawn")
     stop = spawn.Event()
     procs = []
     console = None
-    if config in ("stalled", "suspended"):
+    over_cap = hub.counters.connections_over_cap
+    if config in _BUDGETED:
         procs.append(spawn.Process(target=_budget_reporter, args=(
             str(keys["agent"]), hub.ports.agents, f"budget-{tag}", stop)))
     if config == "stalled":
@@ -248,14 +265,14 @@ def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], targe
     try:
         with _PeakRss() as rss, FleetClient(hub.address, keys_dir=keys["operator"]) as op:
             op.wait_for(1, 10)
-            if config in ("stalled", "suspended"):
+            if config in _BUDGETED:
                 # The reporter's agents are in the fleet (spawned processes start in seconds on
                 # a loaded machine), then the stalled queues fill.
                 deadline = time.monotonic() + 60
                 while (sum(1 for a in hub.fleet() if a.startswith(f"budget-{tag}/"))
                        < _BUDGET_AGENTS and time.monotonic() < deadline):
                     time.sleep(0.1)
-            time.sleep(2.0 if config in ("stalled", "suspended") else 1.0 if procs else 0.0)
+            time.sleep(2.0 if config in _BUDGETED else 1.0 if procs else 0.0)
             c0, r0, t0 = hub.commands, hub.reports, time.monotonic()
             for _ in range(commands):
                 start = time.monotonic()
@@ -274,7 +291,8 @@ def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], targe
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return took, rates[0], rates[1], (rss.peak - rss.base) / 1e6
+    return (took, rates[0], rates[1], (rss.peak - rss.base) / 1e6,
+            hub.counters.connections_over_cap - over_cap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commands", type=int, default=50, help="operator health commands a round")
     ap.add_argument("--viewers", type=int, default=2, help="viewer flood connections")
     ap.add_argument("--agents", type=int, default=2, help="agent flood connections")
-    ap.add_argument("--stalled", type=int, default=4,
-                    help="viewers that never read, in the stalled configuration")
+    ap.add_argument("--stalled", type=int, default=12,
+                    help="subscriptions of one viewer key that never read, in the stalled "
+                    "configuration (more than the key's cap of 8: the rest are refused)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"configurations to run, comma-separated (of {', '.join(CONFIGS)})")
     args = ap.parse_args(argv)
@@ -292,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if not configs or set(args.configs.split(",")) - set(CONFIGS):
         ap.error(f"--configs: {args.configs!r}: choose from {', '.join(CONFIGS)}")
 
+    _as_the_hub_process()
     with tempfile.TemporaryDirectory() as tmp:
         dirs = local_fleet_keys(tmp)
         keys: dict[str, Path] = {str(role): kp.root for role, kp in dirs.items()}
@@ -306,10 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd_rate: dict[str, list[float]] = {c: [] for c in configs}
         rep_rate: dict[str, list[float]] = {c: [] for c in configs}
         grown: dict[str, list[float]] = {c: [] for c in configs}
+        refused: dict[str, list[int]] = {c: [] for c in configs}
         try:
             for rnd in range(args.rounds):
                 for config in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
-                    took, cr, rr, mb = run_round(config, f"{config}-{rnd}", hub, keys,
+                    took, cr, rr, mb, over = run_round(config, f"{config}-{rnd}", hub, keys,
                                                  agent.source.agent_id, args.commands,
                                                  args.viewers, args.agents, args.stalled)
                     p50[config].append(statistics.median(took) * 1e3)
@@ -317,24 +338,34 @@ def main(argv: list[str] | None = None) -> int:
                     cmd_rate[config].append(cr)
                     rep_rate[config].append(rr)
                     grown[config].append(mb)
+                    refused[config].append(over)
         finally:
             agent.stop()
             hub.stop()
     print(f"== operator health latency (ms) through a keyed hub, {args.commands} commands a "
           f"round, median (min-max) of {args.rounds} rounds ==")
     print(f"{'flood':<10} {'p50':>8} {'p50 spread':>16} {'p99':>8} {'p99 spread':>16} "
-          f"{'flood cmds/s':>13} {'reports/s':>10} {'RSS +MB':>8} {'RSS spread':>14}")
+          f"{'flood cmds/s':>13} {'reports/s':>10} {'RSS +MB':>8} {'RSS spread':>14} "
+          f"{'refused':>8}")
     for c in configs:
         print(f"{c:<10} {statistics.median(p50[c]):>8.1f} "
               f"{min(p50[c]):>7.1f}-{max(p50[c]):<8.1f} {statistics.median(p99[c]):>8.1f} "
               f"{min(p99[c]):>7.1f}-{max(p99[c]):<8.1f} "
               f"{statistics.median(cmd_rate[c]):>13.0f} {statistics.median(rep_rate[c]):>10.0f} "
-              f"{statistics.median(grown[c]):>8.0f} {min(grown[c]):>6.0f}-{max(grown[c]):<7.0f}")
+              f"{statistics.median(grown[c]):>8.0f} {min(grown[c]):>6.0f}-{max(grown[c]):<7.0f} "
+              f"{statistics.median(refused[c]):>8.0f}")
+    for c, base in (("stalled", "reporter"), ("suspended", "reporter"), ("viewer", "none"),
+                    ("agent", "none"), ("both", "none")):
+        if c in configs and base in configs:
+            print(f"{c} vs {base} (same run): p99 x"
+                  f"{statistics.median(p99[c]) / statistics.median(p99[base]):.2f}, RSS "
+                  f"{statistics.median(grown[c]) - statistics.median(grown[base]):+.0f} MB")
     print(f"(viewer flood: {args.viewers} connections x 16 snapshots of {MAX_TARGETS} unknown ids "
-          f"in flight; agent flood: {args.agents} connections reporting flat out; stalled: "
-          f"{args.stalled} viewers that never read and one key reporting {_BUDGET_AGENTS} x "
-          f"{_BUDGET_STATE_BYTES >> 10} KiB every 0.25 s; suspended: that reporter and a "
-          "SIGSTOPped console; goal: p99 < 1000 ms)")
+          f"in flight; agent flood: {args.agents} connections reporting flat out; reporter: "
+          f"one key reporting {_BUDGET_AGENTS} x {_BUDGET_STATE_BYTES >> 10} KiB every 0.25 s; "
+          f"stalled: that reporter and {args.stalled} subscriptions of one viewer key that "
+          "never read; suspended: that reporter and a SIGSTOPped console; refused: "
+          "connections refused for their key's cap; goal: p99 < 1000 ms)")
     return 0
 
 
