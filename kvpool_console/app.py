@@ -61,7 +61,8 @@ from kvpool_console._messages import (
 )
 from kvpool_console._pins import PIN_TIMEOUT_MS, pins_summary
 from kvpool_console.alerts import Alert, AlertModel, AlertSettings
-from kvpool_console.model import SORT_KEYS, EngineRow, FleetModel, FleetView, select_rows
+from kvpool_console.model import SORT_KEYS, FleetModel, select_rows
+from kvpool_console.rows import EngineRow, FleetView
 from kvpool_console.screens import (
     EngineDetail,
     EngineDetailScreen,

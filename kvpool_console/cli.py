@@ -54,15 +54,8 @@ from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
 from kvpool_console.alerts.alert import SEVERITY_STYLE
-from kvpool_console.model import (
-    FleetView,
-    build_view,
-    fmt_age,
-    fmt_bytes,
-    fmt_lease,
-    health_rows,
-    sum_flush,
-)
+from kvpool_console.model import build_view, fmt_age, fmt_bytes, fmt_lease, health_rows, sum_flush
+from kvpool_console.rows import FleetView
 from kvpool_console.signals import Stopped, StopSignals, stop_signals
 from kvpool_console.source import ClientSource, FleetSource, now_ms
 from kvpool_console.triage import cli as triage_cli

@@ -18,7 +18,8 @@ from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 from kvpool_agent.protocol import EngineState
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console._text import plain, visible
-from kvpool_console.model import EngineRow, fmt_age, fmt_bytes, fmt_lease
+from kvpool_console.model import fmt_age, fmt_bytes, fmt_lease
+from kvpool_console.rows import EngineRow
 from kvpool_console.widgets._identity import identity_line
 from kvpool_console.widgets._miss_table import MissTable
 from kvpool_console.widgets._saves_line import saves_line

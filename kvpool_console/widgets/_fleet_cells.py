@@ -13,7 +13,8 @@ from rich.text import Text
 
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._text import plain, top_miss_text
-from kvpool_console.model import AgentRow, EngineRow, Totals, fmt_age, fmt_bytes, fmt_lease
+from kvpool_console.model import fmt_age, fmt_bytes, fmt_lease
+from kvpool_console.rows import AgentRow, EngineRow, Totals
 
 __all__ = ["COLUMNS", "TREND_WIDTH", "agent_row_cells", "engine_row_cells", "totals_row_cells",
            "trend"]

@@ -30,7 +30,7 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import Column, ColumnKey, RowKey
 
 from kvpool_console._messages import EngineChosen
-from kvpool_console.model import EngineRow, Totals
+from kvpool_console.rows import EngineRow, Totals
 from kvpool_console.widgets._fleet_cells import (
     COLUMNS,
     TREND_WIDTH,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from kvpool_agent.protocol import OTHER_NAME, EngineState
 from kvpool_console.alerts.rules import FINGERPRINT_FACT, UNSHARED
-from kvpool_console.model import EngineRow
+from kvpool_console.rows import EngineRow
 
 __all__ = ["identity_line"]
 

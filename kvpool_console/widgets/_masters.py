@@ -8,7 +8,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from kvpool_console._text import plain
-from kvpool_console.model import FleetView
+from kvpool_console.rows import FleetView
 
 __all__ = ["MastersTable"]
 

@@ -13,7 +13,7 @@ from textual.widgets import DataTable
 
 from kvpool_console._miss_fixes import FIXES, miss_fix
 from kvpool_console._text import plain
-from kvpool_console.model import EngineRow
+from kvpool_console.rows import EngineRow
 
 __all__ = ["MissTable"]
 

@@ -12,7 +12,8 @@ from textual.reactive import var
 from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
-from kvpool_console.model import FleetView, PoolRow, fmt_bytes
+from kvpool_console.model import fmt_bytes
+from kvpool_console.rows import FleetView, PoolRow
 from kvpool_console.widgets._masters import MastersTable
 from kvpool_console.widgets._reuse_panel import ReusePanel
 

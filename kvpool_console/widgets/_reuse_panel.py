@@ -16,7 +16,7 @@ from textual.widgets import Static
 from kvpool_agent.protocol import ModelReuse, ReuseView
 from kvpool_console._text import plain
 from kvpool_console._whatif_cli import summary
-from kvpool_console.model import EngineRow
+from kvpool_console.rows import EngineRow
 
 __all__ = ["MODELS_SHOWN", "ReusePanel", "render_reuse"]
 

@@ -6,7 +6,8 @@ from rich.text import Text
 from textual.reactive import var
 from textual.widgets import Static
 
-from kvpool_console.model import SORT_KEYS, FleetView
+from kvpool_console.model import SORT_KEYS
+from kvpool_console.rows import FleetView
 
 __all__ = ["StatusBar"]
 
