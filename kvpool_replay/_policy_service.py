@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -23,7 +26,7 @@ from kvpool_replay._processes import (
 )
 from kvpool_replay._services import LocalMooncakeMaster, LocalService
 
-__all__ = ["REPLAY_FILL", "REPLAY_WATERMARK", "LocalPolicyService"]
+__all__ = ["REPLAY_FILL", "REPLAY_WATERMARK", "LocalPolicyService", "PolicyDrill"]
 
 _SERVING = b"kvpool policy: serving"
 _STOPPED = re.compile(r"kvpool policy: stopped: (\d+) records, (\d+) dropped, (\d+) keys removed")
@@ -119,3 +122,50 @@ class LocalPolicyService(LocalService):
         line); 0 before any did."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return sum(int(m.group(3)) for m in _STOPPED.finditer(text))
+
+
+class PolicyDrill:
+    """The service killed in the middle of a replay (``kvpool-replay --kill-policy-after N``):
+    SIGKILL once ``after`` requests are done, started again on the same port once ``down``
+    more are done and at least ``down_s`` passed (the engines' ``policy_stale_ms``: they saved
+    every chunk meanwhile, the master in charge).
+
+    Attributes: ``restarts`` (0 or 1), ``error`` (why the restart failed, or ``None``).
+    """
+
+    def __init__(self, service: LocalPolicyService, done: Callable[[], int], after: int,
+                 down: int, down_s: float, on_status: Callable[[str], None]) -> None:
+        self.service, self._done, self.after, self.down = service, done, after, down
+        self.down_s, self._say = down_s, on_status
+        self.restarts = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpool-policy-drill",
+                                        daemon=True)
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while self._done() < self.after:
+            if self._stop.wait(0.05):
+                return
+        self.service.kill()
+        killed, at = time.monotonic(), self._done()
+        self._say(f"policy service killed after {at} requests")
+        while self._done() < at + self.down or time.monotonic() - killed < self.down_s:
+            if self._stop.wait(0.05):
+                return
+        try:
+            self.service.start()
+        except RuntimeError as exc:
+            self.error = str(exc).splitlines()[0]
+            return
+        self.restarts += 1
+        self._say(f"policy service started again after {self._done()} requests")
+
+    def join(self) -> None:
+        """Stop waiting (the replay ended) and wait for the drill's thread."""
+        self._stop.set()
+        self._thread.join()

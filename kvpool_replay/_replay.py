@@ -37,7 +37,12 @@ from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
-from kvpool_replay._policy_service import REPLAY_FILL, REPLAY_WATERMARK, LocalPolicyService
+from kvpool_replay._policy_service import (
+    REPLAY_FILL,
+    REPLAY_WATERMARK,
+    LocalPolicyService,
+    PolicyDrill,
+)
 from kvpool_replay._pool import (
     MIN_SEGMENT_BYTES,
     mooncake_extra_config,
@@ -69,6 +74,10 @@ __all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "run_replay", 
 
 _MIB = 1 << 20
 
+
+POLICY_DOWN_S = 4.0
+"""Seconds at least a killed policy service stays down (``kill_policy_after``): longer than the
+engines' default ``policy_stale_ms`` (3 s), so they take the master in charge meanwhile."""
 
 _POOL_WATERMARK = 0.9
 """``eviction_high_watermark_ratio`` of masters started here with ``eviction: pool``
@@ -107,6 +116,9 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         kv_roles: ``kv_role`` per engine (cycled); default all ``kv_both``.
         ha: ``0``: one ``mooncake_master``; ``N``: an HA pool of a local etcd and N masters
             (``_ha.LocalHaPool``, shared mode only), addressed as ``etcd://``.
+        kill_policy_after: with ``admission: service``, SIGKILL the policy service once this
+            many requests are done and start it again as many requests and at least
+            ``POLICY_DOWN_S`` later (``PolicyDrill``).
         kill_leader_after_s: with ``ha`` >= 2, SIGKILL the leader master this many seconds
             after the replay started (``_ha.FailoverDrill``).
         model: model name in keys (one namespace per run).
@@ -149,6 +161,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     vocab_size: int = DEFAULT_VOCAB_SIZE
     ha: int = 0
     kill_leader_after_s: float | None = None
+    kill_policy_after: int | None = None
     admission: AdmissionMode = "all"
     eviction: EvictionMode = "pool"
     default_kv_lease_ttl_ms: int | None = None
@@ -172,7 +185,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
     ``admission``/``eviction``: the engines' admission policy and who evicts;
     ``evicted_keys``: values the connectors (``eviction: connector``) or the policy service
-    (``admission: service``) removed,
+    (``admission: service``; its last run's, with ``policy_restarts`` restarts) removed,
     ``pool_evicted_keys`` those the masters evicted. With a disk tier: ``disk_tier_tokens``,
     ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
     (reads the masters served from each tier).
@@ -203,6 +216,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     peak_rss_replay_bytes: int
     pool_evicted_keys: int = 0
     evicted_keys: int = 0
+    policy_restarts: int = 0
     pool_keys: int = 0
     disk_tier_tokens: int | None = None
     pool_disk_keys: int = 0
@@ -331,6 +345,8 @@ def run_replay(
         raise ValueError("--admission service starts kvpool-policy beside the replay's own "
                          "master: use it with --shared and eviction pool, without --master or "
                          "--ha")
+    if cfg.kill_policy_after is not None and cfg.admission != "service":
+        raise ValueError("--kill-policy-after needs --admission service (a service to kill)")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")
@@ -487,7 +503,15 @@ def run_replay(
         receiver.begin()
         if ha_pool is not None and cfg.kill_leader_after_s is not None:
             drill = FailoverDrill(ha_pool, cfg.kill_leader_after_s, on_status=say).start()
+        policy_drill = None
+        if policy is not None and cfg.kill_policy_after is not None:
+            policy_drill = PolicyDrill(policy, lambda: receiver.done, cfg.kill_policy_after,
+                                       cfg.kill_policy_after, POLICY_DOWN_S, say).start()
         results, errors = _run_engines(procs, receiver)
+        if policy_drill is not None:
+            policy_drill.join()
+            if policy_drill.error:
+                errors.append(f"policy service restart: {policy_drill.error}")
         if drill is not None:
             drill.join()
             if drill.error:
@@ -550,6 +574,7 @@ def run_replay(
         peak_rss_replay_bytes=peaks.get("replay", 0),
         pool_evicted_keys=pool_evicted,
         evicted_keys=sum(r.evicted_keys for r in results) + policy_removed,
+        policy_restarts=policy_drill.restarts if policy_drill is not None else 0,
         pool_keys=pool_keys,
         disk_tier_tokens=cfg.disk_tier_tokens,
         pool_disk_keys=disk_keys,

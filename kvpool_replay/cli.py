@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who evicts: pool (default) the master, past its watermark; connector "
                    "an exact LRU in the connector (needs --pool-tokens; masters started here "
                    f"run at watermark 1.0 with a {CONNECTOR_EVICTION_LEASE_MS} ms lease)")
+    p.add_argument("--kill-policy-after", type=_positive_int, default=None, metavar="N",
+                   help="with --admission service: kill the policy service after N requests "
+                   "and start it again N requests and at least 4 s later")
     p.add_argument("--disk-tier-tokens", type=_positive_int, default=None, metavar="N",
                    help="a disk tier (Mooncake SSD offload) of N tokens of KV behind the pool's "
                    "memory (needs --pool-tokens; split per engine with --private)")
@@ -158,6 +161,7 @@ def format_report(r: ReplayReport) -> str:
         + (f" by the master, {r.evicted_keys:,} by the connector"
            if r.eviction == "connector" else
            f" by the master, {r.evicted_keys:,} by the policy service"
+           + (f" (after its restart {r.policy_restarts}x)" if r.policy_restarts else "")
            if r.admission == "service" else "")
         + ("" if r.disk_tier_tokens is None else
            f"; disk tier {r.disk_tier_tokens:,} tokens, {r.pool_disk_keys:,} values on disk, "
@@ -209,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             load_async=args.load_async, use_layerwise=args.layerwise,
             show_progress=args.progress, ha=args.ha,
             kill_leader_after_s=args.kill_leader_after, admission=args.admission,
+            kill_policy_after=args.kill_policy_after,
             eviction=args.eviction,
             disk_tier_tokens=args.disk_tier_tokens, disk_tier_dir=args.disk_tier_dir,
         )

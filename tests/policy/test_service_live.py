@@ -302,14 +302,16 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
     assert len(err) == 1 and err[0].startswith(f"kvpool-policy: {names}"), err
 
 
-def test_a_replay_with_the_service_steers_the_shared_pool() -> None:
-    """``kvpool-replay --admission service``: two simulated engines (the real connector, vLLM's
-    handshake, a real master and store) replay a slice with the service started beside the
-    master; it removes keys and no block loaded is corrupt."""
+def test_a_replay_goes_on_through_a_killed_service_and_it_steers_again() -> None:
+    """``kvpool-replay --admission service --kill-policy-after 10``: two simulated engines (the
+    real connector, vLLM's handshake, a real master and store) replay a slice; the service is
+    SIGKILLed after 10 requests and started again 10 requests and 4 s later. Every request is
+    served, no block loaded is corrupt, and the restarted service removes keys."""
     report = run_replay(ReplayConfig(
-        trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=40, engines=2,
-        pool_tokens=300_000, admission="service", show_progress=False))
-    assert report.errors == [] and report.requests == 40
+        trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=150, engines=2,
+        pool_tokens=300_000, admission="service", kill_policy_after=10, show_progress=False))
+    assert report.errors == [] and report.requests == 150
+    assert report.policy_restarts == 1
     assert report.corrupt_blocks == 0
-    assert report.evicted_keys > 0  # the service's removals (the master's are counted apart)
+    assert report.evicted_keys > 0  # the restarted run's removals (the master's apart)
     assert report.hit_tokens > 0
