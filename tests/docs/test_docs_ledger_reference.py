@@ -4,8 +4,7 @@ or re-documented without regenerating the page fails here."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -16,18 +15,8 @@ from kvpool_agent.ledger import FACTS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gen_ledger_reference", ROOT / "scripts" / "gen_ledger_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gen_ledger_reference"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_committed_catalogue_is_the_generated_one() -> None:
-    gen = _script()
+def test_committed_catalogue_is_the_generated_one(script: Callable[[str], ModuleType]) -> None:
+    gen = script("gen_ledger_reference")
     committed = (ROOT / "docs" / "architecture.md").read_text()
     assert committed == gen.render(committed), (
         "docs/architecture.md's counter catalogue is out of date: run "
@@ -36,6 +25,6 @@ def test_committed_catalogue_is_the_generated_one() -> None:
         assert f"| `{f.name}` | {f.kind} | {f.unit} |" in committed
 
 
-def test_a_page_without_markers_is_refused() -> None:
+def test_a_page_without_markers_is_refused(script: Callable[[str], ModuleType]) -> None:
     with pytest.raises(SystemExit, match="markers"):
-        _script().render("# Architecture\n")
+        script("gen_ledger_reference").render("# Architecture\n")
