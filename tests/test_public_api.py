@@ -33,8 +33,8 @@ PINNED: dict[str, list[str]] = {
     ],
     "kvpool_replay": [
         "CONNECTOR_EVICTION_LEASE_MS", "DEMO_SHAPE", "DemoCluster", "DiskTier", "EngineResult",
-        "EngineSpec", "LocalMooncakeMaster",
-        "LocalPolicyService", "LocalPoolStore", "LocalYuanrongWorker", "ModelShape", "ReplayConfig", "ReplayReport",
+        "EngineSpec", "LocalMooncakeMaster", "LocalPolicyService",
+        "LocalPoolStore", "LocalYuanrongWorker", "ModelShape", "ReplayConfig", "ReplayReport",
         "ReuseResult", "TraceError", "TraceRequest", "belady_hits", "build_tiny_model",
         "default_trace_path",
         "engine_env", "free_port", "free_port_block", "load_trace", "lru_hits",
