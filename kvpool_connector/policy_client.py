@@ -39,7 +39,8 @@ from kvpool_connector.policy_wire import (
     policy_ports,
 )
 
-__all__ = ["DEFAULT_STALE_S", "MAX_QUEUED", "SEND_HWM", "InCharge", "PolicyClient"]
+__all__ = ["DEFAULT_STALE_S", "MAX_QUEUED", "SEND_HWM", "InCharge", "PolicyClient",
+           "wait_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,3 +205,38 @@ class PolicyClient:
         self._stop.set()
         self._thread.join(timeout=2.0)
         self._ctx.term()
+
+
+def wait_snapshot(address: str, keys: ClientKeys | None,
+                  timeout_s: float = DEFAULT_STALE_S) -> AdmissionSnapshot | None:
+    """The service's next admission snapshot at ``address`` (``tcp://HOST:P``; it publishes on
+    ``P+1``), or ``None`` when none came within ``timeout_s`` (the master in charge): what
+    ``kvpool-policy status`` shows. ``keys``: an agent, viewer or operator pair.
+
+    Raises:
+        ValueError: a bad ``address``.
+    """
+    at = policy_ports(address)[1]
+    ctx = zmq.Context()
+    sub: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    if keys is not None:
+        keys.apply(sub)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    decoder = msgspec.msgpack.Decoder(AdmissionSnapshot)
+    try:
+        sub.connect(at)
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0:
+            if not sub.poll(max(1, int(left * 1e3))):
+                break
+            try:
+                snap = decoder.decode(sub.recv())
+            except msgspec.DecodeError:
+                continue
+            if snap.v == WIRE_VERSION:
+                return snap
+        return None
+    finally:
+        sub.close(0)
+        ctx.term()

@@ -1,4 +1,5 @@
-"""``kvpool-policy serve``: the pool-wide policy service (``kvpool_policy.service``).
+"""``kvpool-policy serve``: the pool-wide policy service (``kvpool_policy.service``);
+``kvpool-policy status``: whether it or the master is in charge of the pool.
 
 Bad input is one line naming the option and the fix, exit status 2.
 """
@@ -17,6 +18,7 @@ from kvpool_agent.auth import KeyPaths
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
 from kvpool_connector.policy_wire import policy_ports
 from kvpool_connector.sizes import parse_size
 from kvpool_policy.service import DEFAULT_BUDGET, PolicyService
@@ -47,7 +49,38 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="records a second per key")
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout (the removal grace)")
+    st = sub.add_parser("status", help="who is in charge of the pool: the service (its last "
+                        "snapshot) or the master (no snapshot within --wait)")
+    st.add_argument("--listen", required=True, help="the service's tcp://HOST:P")
+    st.add_argument("--keys", required=True,
+                    help="a keys directory with hub.key and a viewer or operator pair")
+    st.add_argument("--wait", type=float, default=DEFAULT_STALE_S,
+                    help="seconds to wait for a snapshot (an engine's policy_stale_ms)")
     return p
+
+
+def _status(args: argparse.Namespace) -> int:
+    """``kvpool-policy status``: exit 0 with the service's snapshot, 1 when the master is in
+    charge (no snapshot within ``--wait``), 2 on bad input."""
+    try:
+        policy_ports(args.listen)
+    except ValueError as exc:
+        return _fail(f"--listen: {exc}")
+    try:
+        paths = KeyPaths.of(args.keys)
+        keys = paths.client(paths.console_role())
+    except ValueError as exc:
+        return _fail(f"--keys: {exc}")
+    snap = wait_snapshot(args.listen, keys, args.wait)
+    if snap is None:
+        print(f"master in charge: no snapshot from {args.listen} in {args.wait:g} s (engines "
+              "save every chunk; the master's watermark evicts)")
+        return 1
+    print(f"service in charge: run {snap.service} snapshot {snap.version}, admission "
+          f"{'doorkeeper' if snap.doorkeeper else 'all'}, {snap.used_bytes:,} of "
+          f"{snap.capacity_bytes:,} bytes, {snap.records:,} records, {snap.dropped:,} dropped, "
+          f"{snap.removed:,} keys removed, {snap.pinned:,} chunks pinned")
+    return 0
 
 
 def _fail(msg: str) -> int:
@@ -57,6 +90,8 @@ def _fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "status":
+        return _status(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     try:

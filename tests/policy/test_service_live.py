@@ -175,7 +175,8 @@ def test_a_chunk_one_engine_keeps_hot_stays_while_the_other_fills_the_pool(pool:
     assert (snap.dropped, a.dropped, b.dropped) == (0, 0, 0)
 
 
-def test_killed_service_engines_go_on_and_a_restart_steers_again(pool: Pool) -> None:
+def test_killed_service_engines_go_on_and_a_restart_steers_again(
+        pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
     pool.start_service()
     b = pool.client("engine-b")
     wait_for(lambda: b.in_charge == "service", what="the service in charge", log=pool.log)
@@ -184,9 +185,18 @@ def test_killed_service_engines_go_on_and_a_restart_steers_again(pool: Pool) -> 
         pool.save(b, [h])
     wait_for(lambda: pool.resident() == set(first[2:]), what="the service's first removals")
     old = wait_for(lambda: b.snapshot).service
+    status = ["status", "--listen", pool.address, "--keys", str(pool.keys["viewer"].root),
+              "--wait", str(STALE_S)]
+    assert cli.main(status) == 0  # an operator's view: a viewer key reads the snapshot
+    out = capsys.readouterr().out
+    assert out.startswith(f"service in charge: run {old}")
+    assert f"{CAPACITY_CHUNKS * CHUNK_BYTES:,} of {CAPACITY_CHUNKS * CHUNK_BYTES:,} bytes" in out
+    assert ", 4 keys removed, 0 chunks pinned" in out  # 2 chunks x 2 ranks
 
     pool.kill_service()
     wait_for(lambda: b.in_charge == "master", what="the master in charge")
+    assert cli.main(status) == 1
+    assert capsys.readouterr().out.startswith("master in charge: no snapshot")
     during = [chunk(f"during{i}") for i in range(6)]
     for h in during:
         assert pool.save(b, [h]) == 1  # nothing waits; everything is saved
