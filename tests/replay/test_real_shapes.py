@@ -11,15 +11,20 @@ at most 1,100 input tokens (3,932 tokens, 1,536 of them hits: the shared first c
 
 from __future__ import annotations
 
+import functools
 import json
 import lzma
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from replay_jobs import Jobs, background_jobs
 
 from kvpool_replay import (
     ModelShape,
     ReplayConfig,
+    ReplayReport,
     ReuseResult,
     default_trace_path,
     load_trace,
@@ -64,21 +69,42 @@ def ceiling(short_trace: Path) -> ReuseResult:
     return result
 
 
-@pytest.mark.parametrize(("dims", "block_size", "per_token"), [
-    (LLAMA3_8B, 16, 128 << 10),
-    (LLAMA3_8B, 128, 128 << 10),
-    (LLAMA3_70B, 16, 320 << 10),
-    (LLAMA3_70B, 128, 320 << 10),
-    (DEEPSEEK_V3_MLA, 16, 61 * 576 * 2),
-], ids=["llama3-8b-b16", "llama3-8b-b128", "llama3-70b-b16", "llama3-70b-b128",
-        "deepseek-v3-mla-b16"])
-def test_real_shape_replay_reaches_the_ceiling(short_trace: Path, ceiling: ReuseResult,
-                                       dims: dict[str, object], block_size: int,
-                                       per_token: int) -> None:
-    shape = ModelShape(block_size=block_size, **dims)  # type: ignore[arg-type]
+# id -> (dims, block size, bytes per token); the longest replays first (two run at a time).
+CASES: dict[str, tuple[dict[str, Any], int, int]] = {
+    "llama3-70b-b16": (LLAMA3_70B, 16, 320 << 10),
+    "llama3-70b-b128": (LLAMA3_70B, 128, 320 << 10),
+    "llama3-8b-b16": (LLAMA3_8B, 16, 128 << 10),
+    "llama3-8b-b128": (LLAMA3_8B, 128, 128 << 10),
+    "deepseek-v3-mla-b16": (DEEPSEEK_V3_MLA, 16, 61 * 576 * 2),
+}
+SHORT_LEASE = "test_a_lease_far_below_the_load_time_never_serves_wrong_kv"
+
+
+@pytest.fixture(scope="module")
+def replays(request: pytest.FixtureRequest, short_trace: Path) -> Iterator[Jobs]:
+    """The module's replays (each its own master, store and engine), two at a time in the
+    background from the first test on: each test asserts on its own."""
+    def case(dims: dict[str, Any], block_size: int, **kw: Any) -> Callable[[], ReplayReport]:
+        shape = ModelShape(block_size=block_size, **dims)
+        return functools.partial(run_replay, ReplayConfig(
+            trace_path=str(short_trace), shape=shape, pool_tokens=POOL_TOKENS, **kw))
+
+    jobs = {f"test_real_shape_replay_reaches_the_ceiling[{cid}]": case(dims, block_size)
+            for cid, (dims, block_size, _) in CASES.items()}
+    # Issue 39's racing replay: connector eviction and a 5 ms lease at Llama-3-8B's shape.
+    jobs[SHORT_LEASE] = case(LLAMA3_8B, 16, eviction="connector", default_kv_lease_ttl_ms=5)
+    with background_jobs(request, jobs) as running:
+        yield running
+
+
+@pytest.mark.parametrize("cid", list(CASES))
+def test_real_shape_replay_reaches_the_ceiling(cid: str, replays: Jobs, ceiling: ReuseResult,
+                                               request: pytest.FixtureRequest) -> None:
+    dims, block_size, per_token = CASES[cid]
+    shape = ModelShape(block_size=block_size, **dims)
     assert shape.bytes_per_token == per_token
-    report = run_replay(ReplayConfig(trace_path=str(short_trace), shape=shape,
-                                     pool_tokens=POOL_TOKENS))
+    report = replays.result(request.node.name)
+    assert report.bytes_per_token == per_token
     assert report.errors == []
     assert report.save_failed_keys == 0
     assert report.load_errors == 0 and report.corrupt_blocks == 0
@@ -100,17 +126,15 @@ def test_model_shape_presets_of_the_cli() -> None:
     assert model_shape(args) == ModelShape(layers=3, kv_heads=1, head_size=8)
 
 
-def test_a_lease_far_below_the_load_time_never_serves_wrong_kv(short_trace: Path,
+def test_a_lease_far_below_the_load_time_never_serves_wrong_kv(replays: Jobs,
                                                                ceiling: ReuseResult) -> None:
     """Issue 39: a read holds a lease, not a reference. With ``eviction: connector`` (keys
     removed as soon as no lease holds them) and a 5 ms lease, far below the load time of a
     Llama-3-8B chunk (64 MiB over TCP), every load outlives its lease and fails (Mooncake's
     own check or the worker's, ``test_a_load_that_outlives_its_lease_is_recomputed``): each
     is recomputed, no hit is served and no loaded block is corrupt."""
-    shape = ModelShape(block_size=16, **LLAMA3_8B)  # type: ignore[arg-type]
-    report = run_replay(ReplayConfig(trace_path=str(short_trace), shape=shape,
-                                     pool_tokens=POOL_TOKENS, eviction="connector",
-                                     default_kv_lease_ttl_ms=5))
+    report = replays.result(SHORT_LEASE)
+    assert report.bytes_per_token == 128 << 10 and report.eviction == "connector"
     assert report.errors == [] and report.corrupt_blocks == 0
     assert ceiling.hit_tokens > 0 and report.load_errors > 0
     assert report.hit_tokens == 0
