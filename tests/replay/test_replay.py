@@ -29,10 +29,14 @@ from kvpool_replay import (
 SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
 SMALL_POOL_SHAPE = ModelShape(layers=8, kv_heads=1, head_size=8, block_size=16, dtype="float16")
 """256 B per token: Mooncake's smallest segment (16 MiB) is then 65,536 tokens, so a bounded pool
-overflows within 150 conversation requests (at SHAPE's 64 B it cannot be below 262,144 tokens)."""
+overflows within 40 conversation requests (at SHAPE's 64 B it cannot be below 262,144 tokens)."""
 SMALL_POOL_TOKENS = 66_000
-"""128 chunks of 512 tokens (17 MiB at SMALL_POOL_SHAPE), against ~2 M distinct tokens in the
-first 150 conversation requests."""
+"""128 chunks of 512 tokens (17 MiB at SMALL_POOL_SHAPE), against 1,106 distinct chunks (566,272
+tokens) in the first 50 conversation requests."""
+BOUNDED_REQUESTS = 50
+"""The bounded-pool slice: the pool overflows more than 8 times, and an exact LRU of its size
+already misses a hit the ceiling has (24,576 vs 25,088 hit tokens; at 40 requests 19,456 vs
+19,968). 150 requests (the earlier slice) cost three times the replay and check nothing more."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -97,8 +101,9 @@ def test_synthetic_slice_via_cli_json_reaches_ceiling_exactly() -> None:
 
 def test_bounded_pool_stays_at_or_below_ceiling_next_to_lru() -> None:
     trace = default_trace_path("conversation_trace.jsonl")
-    pool_tokens = SMALL_POOL_TOKENS  # far below the ~2 M tokens of distinct chunks in the slice
-    report = run_replay(ReplayConfig(trace_path=str(trace), limit=150, shape=SMALL_POOL_SHAPE,
+    pool_tokens = SMALL_POOL_TOKENS  # far below the 566,272 tokens of distinct chunks in the slice
+    report = run_replay(ReplayConfig(trace_path=str(trace), limit=BOUNDED_REQUESTS,
+                                     shape=SMALL_POOL_SHAPE,
                                      pool_tokens=pool_tokens))
     assert report.errors == []
     assert report.pool_tokens == pool_tokens
@@ -190,7 +195,7 @@ def test_steered_pool_holds_what_the_policys_model_holds() -> None:
     hit tokens vs 229,888; at 400 requests they are equal; 600 gave 4.48% vs 3.70%). The pool
     evicts nothing itself, so the replay hits exactly what the model hits."""
     trace = default_trace_path("conversation_trace.jsonl")
-    # SMALL_POOL_SHAPE's 66,000-token pool leaves LRU within 150 requests, but a run of it had
+    # SMALL_POOL_SHAPE's 66,000-token pool leaves LRU within 40 requests, but a run of it had
     # a put refused for want of space and the master evict a key: its 128 KiB chunks leave
     # the 17 MiB segment room for only 8 more than the connector keeps.
     limit, pool_tokens = 450, 300_000
