@@ -105,8 +105,9 @@ class AdmissionSnapshot(msgspec.Struct, array_like=True, frozen=True):
         bloom: the doorkeeper's chunks asked for recently (``AdaptiveAdmission``).
         capacity_bytes: the pool bytes the service steers (bytes).
         used_bytes: bytes of chunks resident by its account (bytes).
-        records: records applied by this run; dropped: records lost (senders' drops, gaps,
-            over budget or malformed).
+        records: records applied by this run; dropped: records lost (the senders' drops,
+            over budget, malformed; batches lost on the way are counted by the service apart,
+            ``ServiceCounters.lost_batches``).
         removed: keys removed from the pool by this run.
         pinned: chunks the service holds pinned (never removed), from the layouts' pin
             records.
