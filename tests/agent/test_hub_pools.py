@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
-from kvpool_agent._fleet import Fleet
+from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE, Fleet
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
@@ -213,6 +214,39 @@ def test_silence_keeps_tenure_and_only_unheld_tenures_are_pruned() -> None:
     fleet.forget(["eng-real"])
     fleet.prune_tenure(-1.0)  # every tenure is "old": only the unheld one goes
     assert set(fleet.tenure()) == {"eng-imp"}
+
+
+def _pool_report(engine: str, aid: str, master: str, keys: int, digest: str) -> Report:
+    src = msgspec.structs.replace(make_source(engine, master=master, layout_digest=digest),
+                                  agent_id=aid)
+    return Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=EngineState(
+        source=src, started_ms=1.0, ts_ms=1.0, pool=PoolStats(backend="mooncake", keys=keys)))
+
+
+def test_an_engines_1024_ids_share_one_set_of_verifiers() -> None:
+    """A real flush or pin of one engine naming its 1,024 agent ids (one engine-bound key)
+    found each id's verifiers by a scan of the fleet, 1,024 scans in the hub thread; now one
+    per pool, key and layout. The answer is unchanged: the fleet-wide key's worker of the
+    pool (never the engine's own key, nor another pool's), one set for all 1,024 ids; with
+    ``layout`` the other layout's worker is left out."""
+    fleet = Fleet()
+    pool, ids = "10.0.0.7:50051", [f"big/a{i}" for i in range(MAX_AGENTS_PER_ENGINE)]
+    for aid in ids:
+        assert fleet.accept(b"b", _pool_report("big", aid, pool, 900, DIGEST), "big-key",
+                            bound=True) is None
+    assert fleet.accept(b"o", _pool_report("other", "other/a", pool, 901, DIGEST), "o-key",
+                        bound=True) is None
+    assert fleet.accept(b"f", _pool_report("fw", "fw/a", pool, 902, "ffffffffffff"),
+                        "fleet-key") is None
+    assert fleet.accept(b"x", _pool_report("far", "far/a", "10.0.0.8:50051", 5, DIGEST),
+                        "fleet-key-2") is None
+    found = fleet.pool_verifiers(ids)
+    assert set(found) == set(ids)
+    assert len({id(v) for v in found.values()}) == 1, "each id scanned the fleet again"
+    assert {k: v.keys for k, v in found[ids[0]].items()} == {"fw/a": 902}
+    by_layout = fleet.pool_verifiers(ids, layout=True)
+    assert {k: v.keys for k, v in by_layout[ids[-1]].items()} == {"other/a": 901}
+    assert fleet.pool_verifiers(["no-such-agent"]) == {}
 
 
 _MANY = 100
