@@ -19,6 +19,12 @@ bytes, so each connection's share is ``messages x bytes``:
   ``MAX_COMMAND_BYTES``, and ``COMMAND_SNDHWM`` replies (a reply's size follows its targets':
   not in ``hub_memory_bound``).
 
+How many of each there are is capped per key on the console ports
+(``kvpool_agent._hub_key_caps``: ``MAX_SUBSCRIBERS_PER_KEY`` subscribers, and
+``MAX_CONNECTIONS_PER_KEY`` command connections on each command port), so with V viewer and O
+operator keys ``subscribers <= (V + O) x 8`` and ``command_connections <= V x 16 + O x 32``
+(docs/security.md); agent connections are not capped per key.
+
 ``hub_memory_bound`` is the sum, besides the hub's own base (interpreter, libzmq, code: ~45
 MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` encoded; Python
 holds them decoded, ``DECODED_STATE_FACTOR`` times that for text-heavy states), and the reuse
