@@ -89,11 +89,12 @@ show it done: agents measure their pool every 2 s and report every 0.25 s, so a 
 shows within ~2.5 s."""
 
 PIN_VERIFY_S = 14.0
-"""Seconds the hub waits for a pin or unpin to show in another worker's report: the layout's
-other workers read the pin records every 10 s (``kvpool_connector.pins.Pins.refresh_s``) and
-measure the pool every 2 s, so a genuine pin shows within ~12.25 s. It waited ``VERIFY_S``
-before: a genuine pin read as suspect whenever the other worker's next read of the records
-came later than 5 s (about every second pin). ``FleetClient`` gives a pin or unpin that long
+"""Longest wait (s) of the hub for a pin or unpin to show in another worker's report; a pin
+seen sooner is done sooner. A worker with registered KV caches polls the pin records every
+``kvpool_connector.pins.PIN_POLL_S`` (0.5 s) and measures the pool every 2 s, so a genuine pin
+shows within ~2.75 s; a worker whose poll thread is not running yet (or an agent's listing)
+reads them at most every ``Pins.refresh_s`` (10 s), so a genuine pin shows within ~12.25 s.
+``VERIFY_S`` alone read such a pin as suspect. ``FleetClient`` gives a pin or unpin that long
 at least."""
 
 
