@@ -132,8 +132,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
             ``connector``); ``connector`` needs ``pool_tokens`` and keeps each engine's share
             (``admission_pool_tokens``).
         default_kv_lease_ttl_ms: the lease (ms) masters started here grant on a lookup or read;
-            ``None``: ``MASTER_LEASE_TTL_MS`` (10 s), or ``CONNECTOR_EVICTION_LEASE_MS`` with
-            ``eviction: connector``.
+            ``None``: ``lease_ms``.
         disk_tier_tokens: a disk tier (Mooncake SSD offload) of this many tokens of KV behind
             each pool's memory (``/ engines`` per pool in private mode); ``None`` = memory only.
             Needs ``pool_tokens`` and a master started here.
@@ -167,6 +166,19 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     default_kv_lease_ttl_ms: int | None = None
     disk_tier_tokens: int | None = None
     disk_tier_dir: str | None = None
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease (ms) masters started here grant: ``default_kv_lease_ttl_ms``, else
+        ``CONNECTOR_EVICTION_LEASE_MS`` with ``eviction: connector``, else
+        ``MASTER_LEASE_TTL_MS`` (10 s), ``admission: service`` included. A load that lasts the
+        lease is failed and recomputed (``LEASE_EXPIRED``), and the service needs no short one:
+        its removals wait out leases (``kvpool_policy._remover``) in the room between its fill
+        and the watermark. With 200 ms, 1,000 conversation requests on 8 engines sharing
+        1,000,000 tokens lost 9,088 blocks of long prefixes to it: 5.76% hits, 6.79% at 10 s."""
+        if self.default_kv_lease_ttl_ms is not None:
+            return self.default_kv_lease_ttl_ms
+        return CONNECTOR_EVICTION_LEASE_MS if self.eviction == "connector" else MASTER_LEASE_TTL_MS
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -368,11 +380,7 @@ def run_replay(
     if watermark is None:
         watermark = (REPLAY_WATERMARK if cfg.admission == "service"
                      else 1.0 if steered else _POOL_WATERMARK)
-    lease_ms = cfg.default_kv_lease_ttl_ms
-    if lease_ms is None:
-        # The policy service removes like connector eviction: the same short lease.
-        lease_ms = (CONNECTOR_EVICTION_LEASE_MS if steered or cfg.admission == "service"
-                    else MASTER_LEASE_TTL_MS)
+    lease_ms = cfg.lease_ms
     trace = load_trace(cfg.trace_path, limit=cfg.limit)
     n_eng = cfg.engines
     shares = [list(range(i, len(trace), n_eng)) for i in range(n_eng)]

@@ -37,6 +37,7 @@ from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_policy import cli
 from kvpool_replay import (
+    CONNECTOR_EVICTION_LEASE_MS,
     LocalMooncakeMaster,
     LocalPolicyService,
     LocalPoolStore,
@@ -44,6 +45,7 @@ from kvpool_replay import (
     default_trace_path,
     run_replay,
 )
+from kvpool_replay._services import MASTER_LEASE_TTL_MS
 
 MODEL = "policy-live"
 DIGEST = "0123456789ab"
@@ -312,16 +314,30 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
     assert len(err) == 1 and err[0].startswith(f"kvpool-policy: {names}"), err
 
 
+def test_a_service_replay_leases_reads_as_long_as_the_master_default() -> None:
+    """``--admission service`` starts its masters with Mooncake's 10 s lease, not connector
+    eviction's 200 ms: a load that lasts the lease is failed (``LEASE_EXPIRED``) and the hit
+    lost, and the service's removals wait out leases anyway (``ReplayConfig.lease_ms``)."""
+    trace = str(default_trace_path("conversation_trace.jsonl"))
+    service = ReplayConfig(trace_path=trace, admission="service", pool_tokens=300_000)
+    assert service.lease_ms == MASTER_LEASE_TTL_MS == 10_000
+    assert ReplayConfig(trace_path=trace, eviction="connector",
+                        pool_tokens=300_000).lease_ms == CONNECTOR_EVICTION_LEASE_MS == 200
+    assert ReplayConfig(trace_path=trace, admission="service",
+                        default_kv_lease_ttl_ms=1_500).lease_ms == 1_500
+
+
 def test_a_replay_goes_on_through_a_killed_service_and_it_steers_again() -> None:
     """``kvpool-replay --admission service --kill-policy-after 10``: two simulated engines (the
     real connector, vLLM's handshake, a real master and store) replay a slice; the service is
     SIGKILLed after 10 requests and started again 10 requests and 4 s later. Every request is
-    served, no block loaded is corrupt, and the restarted service removes keys."""
+    served, no block loaded is corrupt or failed (the lease outlasts every load), and the
+    restarted service removes keys."""
     report = run_replay(ReplayConfig(
         trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=150, engines=2,
         pool_tokens=300_000, admission="service", kill_policy_after=10, show_progress=False))
     assert report.errors == [] and report.requests == 150
     assert report.policy_restarts == 1
-    assert report.corrupt_blocks == 0
+    assert report.corrupt_blocks == 0 and report.load_errors == 0
     assert report.evicted_keys > 0  # the restarted run's removals (the master's apart)
     assert report.hit_tokens > 0
