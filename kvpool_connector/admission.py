@@ -113,7 +113,9 @@ class _Doorkeeper:
 
     def snapshot(self) -> bytes:
         """Both generations OR-ed: the chunks ``seen`` answers for (``doorkeeper_seen``)."""
-        return bytes(a | b for a, b in zip(self._current, self._previous, strict=True))
+        n = len(self._current)
+        return (int.from_bytes(self._current, "little")
+                | int.from_bytes(self._previous, "little")).to_bytes(n, "little")
 
     @staticmethod
     def _has(bits: bytearray, pos: list[int]) -> bool:

@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_keys
 from kvpool_connector.pins import pinned_chunks
@@ -24,6 +23,10 @@ PIN_REFRESH_S = 1.0
 MAX_LAYOUTS = 64
 """Layouts the service steers at most (one ``PolicyLayout`` and its pins' chunk hashes each);
 records of further layouts are dropped and counted."""
+
+MAX_DEFERRED = 1 << 16
+"""Keys held back at most because their layout's pins are not read yet (or could not be read
+last time): past it, the oldest are dropped (the master's watermark evicts them)."""
 
 PolicyKey = tuple[str, str]
 
@@ -40,7 +43,9 @@ class Remover:
 
     Attributes:
         removed: keys removed; failed: keys the store failed to remove (not leased, not gone).
-        layouts: digest -> its ``PolicyLayout``, as the engines sent it.
+        layouts: digest -> its ``PolicyLayout``, as the engines first sent it (never
+            replaced: a differing layout of a known digest is refused, ``learn``).
+        deferred_dropped: keys not removed because their layout's pins stayed unread.
     """
 
     def __init__(self, backend: MooncakeBackend, grace_s: float,
@@ -50,12 +55,12 @@ class Remover:
         self.layouts: dict[str, PolicyLayout] = {}
         # Digest -> the chunk hashes its pins held when last read, and their keys.
         self._pins: dict[str, frozenset[str]] = {}
-        self._pinned_keys: frozenset[str] = frozenset()
+        self._pins_ok: set[str] = set()  # digests whose pins were read at the last try
         self._pins_read = -float("inf")
         self._clock = clock
         self._todo: list[str] = []
         self._keep: list[str] = []
-        self.removed = self.failed = 0
+        self.removed = self.failed = self.deferred_dropped = 0
 
     def keys_of(self, chunks: Sequence[PolicyKey]) -> list[str]:
         """Every rank's (and layer's) keys of ``chunks`` whose layout is known."""
@@ -67,17 +72,31 @@ class Remover:
         return out
 
     def learn(self, layout: PolicyLayout) -> bool:
-        """Take a layout an engine sent (checked by the caller); ``False`` when
-        ``MAX_LAYOUTS`` are known already and this one is new."""
-        if layout.digest not in self.layouts and len(self.layouts) >= MAX_LAYOUTS:
+        """Take a layout an engine sent (checked by the caller). A known digest keeps the layout
+        it was first learned with: ``False`` when ``layout`` differs from it (a forged
+        redeclaration would make pins be read, and keys removed, under another model), or when
+        ``MAX_LAYOUTS`` are known already and this one is new. A new layout's pins are read at
+        the next ``pinned``; until then none of its keys is removed."""
+        known = self.layouts.get(layout.digest)
+        if known is not None:
+            return known == layout
+        if len(self.layouts) >= MAX_LAYOUTS:
             return False
         self.layouts[layout.digest] = layout
+        self._pins_read = -float("inf")
         return True
+
+    def forget(self, digest: str) -> None:
+        """Stop steering ``digest`` (an idle layout; ``PolicyCore``)."""
+        self.layouts.pop(digest, None)
+        self._pins.pop(digest, None)
+        self._pins_ok.discard(digest)
 
     def pinned(self) -> dict[str, frozenset[str]]:
         """Digest -> chunk hashes some pin of the layout holds (``pins.pinned_chunks``), the
         records read again at most every ``PIN_REFRESH_S``; a layout whose records cannot be
-        read now keeps the pins read last (an empty answer would free them)."""
+        read now keeps the pins read last (an empty answer would free them), and none of its
+        keys is removed until they are read again (``step``)."""
         now = self._clock()
         if now - self._pins_read < PIN_REFRESH_S:
             return dict(self._pins)
@@ -88,11 +107,15 @@ class Remover:
                 # chunk_size 1: the loosest bound on what one pin may claim (the service
                 # does not know the layout's chunk size).
                 self._pins[digest] = pinned_chunks(self.backend, model, digest, 1)
-            except BackendError as exc:
+                self._pins_ok.add(digest)
+            except Exception as exc:  # any failure: remove nothing of it (step)
+                self._pins_ok.discard(digest)
                 logger.warning("kvpool policy: pin records of %s not read: %s", digest, exc)
-        self._pinned_keys = frozenset(self.keys_of(
-            [(d, h) for d, hs in self._pins.items() for h in hs]))
         return dict(self._pins)
+
+    def _pinned_keys(self) -> frozenset[str]:
+        """Every key of a pinned chunk, under the layouts as known now."""
+        return frozenset(self.keys_of([(d, h) for d, hs in self._pins.items() for h in hs]))
 
     def evict(self, chunks: Sequence[PolicyKey]) -> None:
         """Queue ``chunks`` for removal (the next ``step``)."""
@@ -108,9 +131,17 @@ class Remover:
         return len(self._leased)
 
     def step(self) -> int:
-        """Remove what is queued and what waited out its grace; keys removed now."""
-        todo = self._leased.batch(self._todo, self._keep, lambda: self._pinned_keys)
-        self._todo, self._keep = [], []
+        """Remove what is queued and what waited out its grace; keys removed now. Keys of a
+        layout whose pins were not read at the last try wait (at most ``MAX_DEFERRED``)."""
+        ready: list[str] = []
+        held: list[str] = []
+        for key in self._todo:
+            (ready if key.split("@")[2] in self._pins_ok else held).append(key)
+        if len(held) > MAX_DEFERRED:
+            self.deferred_dropped += len(held) - MAX_DEFERRED
+            held = held[-MAX_DEFERRED:]
+        todo = self._leased.batch(ready, self._keep, self._pinned_keys)
+        self._todo, self._keep = held, []
         if not todo:
             return 0
         try:

@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes the service fills, e.g. 48GB (default: --fill of the pool)")
     s.add_argument("--fill", type=float, default=DEFAULT_FILL,
                    help="share of the pool's segments to fill without --capacity")
-    s.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="records a second per key")
+    s.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                   help="chunk hashes a second per key")
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout (the removal grace)")
     st = sub.add_parser("status", help="who is in charge of the pool: the service (its last "

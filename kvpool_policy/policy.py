@@ -52,8 +52,10 @@ A 1 TiB pool of 2 MiB chunks (524,288 chunks) would take about 270 MiB.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -68,6 +70,14 @@ __all__ = [
     "PolicyKey",
     "PoolPolicy",
 ]
+
+DOORKEEPER_MAX_MIB = 4
+"""The pool-wide doorkeeper's Bloom filter takes at most this many MiB a generation (two
+generations; the snapshot carries their OR, so at most this much a snapshot). It is sized at
+10 bits an entry of ``8 x capacity_chunks``; past the cap it holds fewer entries than the
+capacity's chunks and forgets sooner (a generation turns over after its entries)."""
+
+_DOORKEEPER_MAX_CHUNKS = (DOORKEEPER_MAX_MIB << 20) // 10
 
 PolicyKey = tuple[str, str]
 """A chunk of the pool: ``(layout digest, chunk hash)``."""
@@ -135,6 +145,10 @@ class LeafFirstLRU:
     def touch(self, key: PolicyKey) -> None:
         self._order.move_to_end(key)
 
+    def oldest(self) -> Iterator[tuple[PolicyKey, int]]:
+        """Chunks and their bytes from the next victim on (no change)."""
+        return iter(self._order.items())
+
     def to_front(self, key: PolicyKey) -> None:
         """Make ``key`` the least recently used (``PoolPolicy.adopt``)."""
         self._order.move_to_end(key, last=False)
@@ -189,6 +203,11 @@ class S3FIFO:
 
     def touch(self, key: PolicyKey) -> None:
         self._freq[key] = min(self._MAX_FREQ, self._freq[key] + 1)
+
+    def oldest(self) -> Iterator[tuple[PolicyKey, int]]:
+        """Chunks and their bytes, the small FIFO's oldest first, then the main FIFO's (no
+        change)."""
+        return itertools.chain(self._small.items(), self._main.items())
 
     def insert(self, key: PolicyKey, nbytes: int) -> None:
         self._freq[key] = 0
@@ -253,10 +272,13 @@ class PoolPolicy:
             service, ``kvpool_policy.service``) and a record's ``wants`` is what they saved:
             the policy inserts those chunks, so it holds what the pool holds, and its own
             admission only keeps its state (ghosts, doorkeeper) for the next snapshot.
+        min_chunk_bytes: the smallest chunk the admission is sized for (bytes, >= 1): a first
+            record of tiny chunks cannot size the doorkeeper past the capacity's real chunks.
 
     The admission's ghosts count chunks: they are sized on the first record, at
-    ``capacity_bytes // chunk_bytes`` chunks (with layouts of different chunk sizes on one pool
-    they approximate the capacity).
+    ``capacity_bytes // max(chunk_bytes, min_chunk_bytes)`` chunks, at most what
+    ``DOORKEEPER_MAX_MIB`` allows (with layouts of different chunk sizes on one pool they
+    approximate the capacity).
 
     Attributes:
         used_bytes: bytes of chunks resident now (pinned included), <= ``capacity_bytes``.
@@ -268,7 +290,8 @@ class PoolPolicy:
 
     def __init__(self, capacity_bytes: int, eviction: EvictionKind = "lru",
                  admission: Literal["adaptive", "all"] = "adaptive",
-                 half_life: int = 200, engines_decide: bool = False) -> None:
+                 half_life: int = 200, engines_decide: bool = False,
+                 min_chunk_bytes: int = 1) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         if eviction not in ("lru", "s3fifo") or admission not in ("adaptive", "all"):
@@ -279,6 +302,7 @@ class PoolPolicy:
         self._admission_kind = admission
         self._half_life = half_life
         self._engines_decide = engines_decide
+        self._min_chunk_bytes = max(1, min_chunk_bytes)
         # Sized on the first record: its ghosts count chunks, so they need a chunk's bytes.
         self._admission: AdaptiveAdmission | None = None
         self._pinned: set[PolicyKey] = set()
@@ -338,6 +362,25 @@ class PoolPolicy:
             evicted.append(victim)
         return evicted
 
+    def evict_oldest(self, digests: AbstractSet[str], nbytes: int,
+                     exclude: AbstractSet[PolicyKey], max_scan: int = 65_536,
+                     ) -> list[PolicyKey]:
+        """Evict the oldest unpinned chunks of ``digests`` (in the eviction order), none of
+        ``exclude``, until ``nbytes`` are freed or none is left among the ``max_scan`` oldest
+        chunks; the chunks evicted (the service's fair share: a layout over it makes room
+        from its own chunks)."""
+        out: list[PolicyKey] = []
+        freed = 0
+        for key, size in itertools.islice(self._order.oldest(), max_scan):
+            if freed >= nbytes:
+                break
+            if key[0] in digests and key not in exclude:
+                out.append(key)
+                freed += size
+        for key in out:
+            self._order.remove(key)
+        return out
+
     def pin(self, keys: Iterable[PolicyKey]) -> None:
         """Never evict ``keys`` (resident now or saved later) until ``unpin``."""
         for key in keys:
@@ -362,8 +405,9 @@ class PoolPolicy:
         if self._admission_kind == "all":
             return min(rec.wants, len(rec.hashes))
         if self._admission is None:
+            chunks = self.capacity_bytes // max(rec.chunk_bytes, self._min_chunk_bytes)
             self._admission = AdaptiveAdmission(
-                max(1, self.capacity_bytes // rec.chunk_bytes), half_life=self._half_life)
+                min(_DOORKEEPER_MAX_CHUNKS, max(1, chunks)), half_life=self._half_life)
         admitted = self._admission.admit(rec.hashes)
         return min(rec.wants, len(rec.hashes) if self._engines_decide else admitted)
 

@@ -10,18 +10,26 @@ Who may connect, and what each may do and cost (the house security rule):
 
 * records port ``P`` (PULL, CURVE server with the hub's key pair): only public keys in the hub's
   ``authorized_keys/agent/`` (``kvpool_agent.auth.AllowList``, ZAP domain
-  ``RECORDS_DOMAIN``). A key may send ``budget`` records a second (a token bucket of two
-  seconds' worth); records over it are dropped and counted (``over_budget``). A message over
-  ``MAX_BATCH_BYTES`` is cut by ZMQ (``MAXMSGSIZE``); one that does not decode, names a layout
-  whose prefixes are not that digest's kvpool keys, or holds a malformed hash is dropped whole
-  (``malformed``). What a record can do: move chunks in the policy's order, so a key can make
-  the service remove chunks of the layouts it names (what an agent key's engine can do to the
-  pool anyway: it writes and removes keys) and never a key outside ``kvpool@`` or a pinned one.
+  ``RECORDS_DOMAIN``). A key may send ``budget`` chunk hashes a second (a token bucket of two
+  seconds' worth; a batch costs its records' hashes, at least 1, plus the keys a chunk of each
+  layout it newly declares fans out to); batches over it are dropped and counted
+  (``over_budget``). A message over ``MAX_BATCH_BYTES`` is cut by ZMQ (``MAXMSGSIZE``); one
+  that does not decode, names a layout whose prefixes are not that digest's kvpool keys, or
+  negative ``seq``/``dropped`` is dropped whole (``malformed``), as is a record with a
+  malformed hash or chunk bytes its layout did not first say. What a record can do: move
+  chunks in the policy's order, so a key can make the service remove chunks of the layouts it
+  names (what an agent key's engine can do to the pool anyway: it writes and removes keys) and
+  never a key outside ``kvpool@`` or a pinned one; and, once the pool is full, the chunks its
+  layouts hold are capped at a fair share of the capacity (``PolicyCore``), so one key's
+  records cannot evict the other keys' layouts below theirs. Every bound: docs/security.md.
 * snapshots port ``P+1`` (PUB): agent, viewer and operator keys (``SNAPSHOT_DOMAIN``); a slow
   subscriber loses snapshots (ZMQ's send high-water mark), never slows the service.
 
 Counted drops (``counters``): records the senders report dropped (``RecordBatch.dropped``),
-batches lost between (gaps in ``seq``), over budget, malformed.
+batches lost between (gaps in ``seq``), over budget, malformed; each sender's ``seq`` and
+``dropped`` step is taken at most ``MAX_QUEUED`` a batch and every counter saturates at
+``COUNTER_MAX`` (a snapshot always encodes). A batch or a publish that raises is counted
+(``errors``, logged once) and never stops the service.
 
 Restart: the pool's keys (the master's ``/get_all_keys``) are read at start; each layout's
 chunks become resident (least recently used first, in listing order) once an engine's record
@@ -31,6 +39,7 @@ restarted service that under-counts leaves the rest to the master's watermark.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
@@ -48,6 +57,7 @@ from kvpool_agent.auth import AllowList, KeyPaths
 from kvpool_agent.masters import leader_admin_url
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import KEY_PREFIX
+from kvpool_connector.policy_client import MAX_QUEUED
 from kvpool_connector.policy_wire import (
     MAX_BATCH_BYTES,
     MAX_HASHES,
@@ -56,15 +66,22 @@ from kvpool_connector.policy_wire import (
     WIRE_VERSION,
     AdmissionSnapshot,
     PolicyLayout,
+    PolicyRecord,
     RecordBatch,
     policy_ports,
 )
 from kvpool_connector.removal_rule import grace_s_of
-from kvpool_policy._remover import Remover
-from kvpool_policy.policy import AccessRecord, PoolPolicy
+from kvpool_policy._remover import MAX_LAYOUTS, Remover
+from kvpool_policy.policy import AccessRecord, PolicyKey, PoolPolicy
 
 __all__ = [
+    "COUNTER_MAX",
     "DEFAULT_BUDGET",
+    "LAYOUTS_PER_KEY",
+    "LAYOUT_IDLE_S",
+    "MAX_KEYS_PER_CHUNK",
+    "MIN_CHUNK_BYTES",
+    "MIN_POOL_CHUNKS",
     "RECORDS_DOMAIN",
     "SNAPSHOT_DOMAIN",
     "PolicyCore",
@@ -78,11 +95,38 @@ logger = logging.getLogger("kvpool.policy")
 RECORDS_DOMAIN = "kvpool-policy-records"
 SNAPSHOT_DOMAIN = "kvpool-policy-snapshots"
 
-DEFAULT_BUDGET = 2_000
-"""Records a second one key may send. A busy engine schedules tens to a few hundred requests
-a second; the service applies about 180,000 chunk accesses a second on one core
-(``bench/bench_policy_service.py`` on a slice: about 2,800 records of 64 chunks), so one key
-cannot take more than a share of it."""
+DEFAULT_BUDGET = 50_000
+"""Chunk hashes a second one key may send (a record costs its hashes). A busy engine schedules
+tens to a few hundred requests a second of tens of chunks each (a few thousand to 20,000
+hashes); the service applies about 180,000 chunk accesses a second on one core
+(``bench/bench_policy_service.py``), so one key cannot take more than a share of it."""
+
+MAX_KEYS_PER_CHUNK = 4_096
+"""Keys one chunk of a layout may fan out to (prefixes x layers; whole-chunk keys count one a
+prefix). A real layout has one prefix per rank (TP x PP x PCP x DCP shards) and, for layer-wise
+keys, one key per layer: 32 ranks x 128 layers fit; 256 x 1,024 (2.1M key strings from 8
+hashes) does not, and such a layout is refused."""
+
+LAYOUTS_PER_KEY = 8
+"""Layouts one key may declare (beyond it: refused and counted, ``layouts_refused``): an engine
+has one, a key serving a few engines a few; the service's ``MAX_LAYOUTS`` are shared by all."""
+
+LAYOUT_IDLE_S = 600.0
+"""A layout no record named for this long and holding no chunk the policy counts is forgotten
+when a key's quota or the service's table is full (so a flood of declarations does not hold
+the table for ever)."""
+
+MIN_POOL_CHUNKS = 4
+"""A record's chunk bytes are at most ``capacity_bytes // MIN_POOL_CHUNKS``: one chunk cannot
+claim the pool."""
+
+MIN_CHUNK_BYTES = 64 << 10
+"""The chunk size the doorkeeper is sized for at least (``PoolPolicy``'s ``min_chunk_bytes``;
+its Bloom filter is capped at ``kvpool_policy.policy.DOORKEEPER_MAX_MIB``): a first record of
+1-byte chunks cannot make it allocate capacity/1 entries."""
+
+COUNTER_MAX = 2**63 - 1
+"""Every counter saturates here (msgpack encodes it)."""
 
 _DIGEST = re.compile(r"[0-9a-f]{12}")
 _HASH = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{32})?")
@@ -92,6 +136,8 @@ _MAX_LAYERS = 4_096
 _MAX_SENDERS = 65_536
 _REMOVE_EVERY_S = 0.05
 _PINS_EVERY_S = 1.0
+_RECEIVE_S = 0.05  # one receive pass at most, then removals and snapshots get their turn
+_RECORDS_HWM = 8  # batches queued per connection (each up to MAX_BATCH_BYTES)
 
 
 @dataclass
@@ -104,18 +150,38 @@ class ServiceCounters:
     over_budget: int = 0
     malformed: int = 0
     snapshots: int = 0
+    layouts_refused: int = 0
+    """Layout declarations refused: a differing redeclaration of a known digest, over a key's
+    ``LAYOUTS_PER_KEY``, over ``MAX_LAYOUTS`` or ``MAX_KEYS_PER_CHUNK``."""
+    share_capped: int = 0
+    """Chunks of records not inserted because their layouts' key held its fair share."""
+    errors: int = 0
+    """Batches or publishes that raised (logged once each kind)."""
     senders: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """(key, engine) -> (last seq, last reported dropped)."""
 
     @property
     def dropped(self) -> int:
-        return self.sender_dropped + self.over_budget + self.malformed
+        return min(COUNTER_MAX, self.sender_dropped + self.over_budget + self.malformed)
+
+
+def _sat(n: int) -> int:
+    return min(COUNTER_MAX, n)
+
+
+@dataclass
+class _Declared:
+    layout: PolicyLayout
+    owner: str
+    used: float
 
 
 def _layout_ok(lay: PolicyLayout) -> bool:
     if not _DIGEST.fullmatch(lay.digest) or not 0 < len(lay.prefixes) <= _MAX_PREFIXES:
         return False
     if len(lay.layers) > _MAX_LAYERS or any(not 0 <= n < _MAX_LAYERS for n in lay.layers):
+        return False
+    if len(lay.prefixes) * max(1, len(lay.layers)) > MAX_KEYS_PER_CHUNK:
         return False
     model = lay.prefixes[0].split("@")[1] if lay.prefixes[0].count("@") == 4 else ""
     shard = re.compile(re.escape(f"{KEY_PREFIX}{model}@{lay.digest}@") + _SHARD + "@")
@@ -136,23 +202,41 @@ def pool_chunks(keys: list[str]) -> dict[str, list[str]]:
 class PolicyCore:
     """The service without sockets: record batches in, removals out (tests drive it).
 
+    Layouts: a digest keeps the layout it was first declared with and the key that declared it
+    (its owner); a differing redeclaration is refused (``layouts_refused``); a key declares at
+    most ``LAYOUTS_PER_KEY``; the first record of a layout fixes its chunk bytes (records that
+    disagree are malformed). Fair share: when a record's new chunks do not fit the capacity
+    without evicting and other keys' layouts hold chunks, the chunks of its layout's owner may
+    grow to ``capacity / owners holding chunks`` at most: past it the owner's own oldest
+    chunks make room, and new chunks they cannot make room for are not inserted
+    (``share_capped``; the master's watermark covers them). So one key's records cannot evict
+    the other keys' layouts below their share.
+
     Args:
         policy: the pool-wide policy.
         remover: where removals go (``None``: none are made, e.g. a model run).
-        budget: records a second per key (``DEFAULT_BUDGET``).
+        budget: chunk hashes a second per key (``DEFAULT_BUDGET``).
         found: digest -> chunk hashes found in the pool at start (``pool_chunks``).
         clock: monotonic seconds.
+        max_chunk_bytes: a record's chunk bytes at most (default: the capacity over
+            ``MIN_POOL_CHUNKS``).
     """
 
     def __init__(self, policy: PoolPolicy, remover: Remover | None, *,
                  budget: int = DEFAULT_BUDGET, found: dict[str, list[str]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_chunk_bytes: int | None = None) -> None:
         self.policy, self.remover, self.budget = policy, remover, budget
         self.counters = ServiceCounters()
         self._found = dict(found or {})
         self._tokens: dict[str, tuple[float, float]] = {}
         self._clock = clock
         self._pinned: dict[str, frozenset[str]] = {}
+        self._max_chunk_bytes = (max_chunk_bytes if max_chunk_bytes is not None
+                                 else max(1, policy.capacity_bytes // MIN_POOL_CHUNKS))
+        self._layouts: dict[str, _Declared] = {}
+        self._chunk_bytes: dict[str, int] = {}
+        self._resident: dict[str, int] = {}  # digest -> chunks the policy counts resident
 
     def _spend(self, who: str, n: int) -> bool:
         now = self._clock()
@@ -169,40 +253,123 @@ class PolicyCore:
         if last is None and len(c.senders) >= _MAX_SENDERS:
             return
         seq0, dropped0 = last if last is not None else (-1, 0)
+        # One batch moves a sender's counts by MAX_QUEUED at most (what its queue can lose).
         if batch.seq > seq0 + 1 and last is not None:
-            c.lost_batches += batch.seq - seq0 - 1
+            c.lost_batches = _sat(c.lost_batches + min(MAX_QUEUED, batch.seq - seq0 - 1))
         if batch.dropped > dropped0:
-            c.sender_dropped += batch.dropped - dropped0
-        c.senders[key] = (max(seq0, batch.seq), max(dropped0, batch.dropped))
+            c.sender_dropped = _sat(c.sender_dropped + min(MAX_QUEUED, batch.dropped - dropped0))
+        c.senders[key] = (batch.seq, batch.dropped)
+
+    def _declaration_cost(self, lay: PolicyLayout) -> int:
+        known = self._layouts.get(lay.digest)
+        return 0 if known is not None and known.layout == lay else (
+            len(lay.prefixes) * max(1, len(lay.layers)))
+
+    def _declare(self, lay: PolicyLayout, who: str) -> bool:
+        now = self._clock()
+        known = self._layouts.get(lay.digest)
+        if known is not None:
+            if known.layout != lay:
+                return False
+            known.used = now
+            return True
+        if (sum(1 for d in self._layouts.values() if d.owner == who) >= LAYOUTS_PER_KEY
+                or len(self._layouts) >= MAX_LAYOUTS):
+            self._expire(now)
+        if (sum(1 for d in self._layouts.values() if d.owner == who) >= LAYOUTS_PER_KEY
+                or len(self._layouts) >= MAX_LAYOUTS):
+            return False
+        if self.remover is not None and not self.remover.learn(lay):
+            return False
+        self._layouts[lay.digest] = _Declared(lay, who, now)
+        return True
+
+    def _expire(self, now: float) -> None:
+        """Forget layouts idle for ``LAYOUT_IDLE_S`` that hold no chunk."""
+        for digest, d in list(self._layouts.items()):
+            if now - d.used >= LAYOUT_IDLE_S and not self._resident.get(digest):
+                del self._layouts[digest]
+                self._chunk_bytes.pop(digest, None)
+                if self.remover is not None:
+                    self.remover.forget(digest)
+
+    def _record_ok(self, rec: PolicyRecord, known: set[str]) -> bool:
+        if (rec.digest not in known or len(rec.hashes) > MAX_HASHES
+                or not 0 < rec.chunk_bytes <= self._max_chunk_bytes
+                or rec.wants < 0 or not all(_HASH.fullmatch(h) for h in rec.hashes)):
+            return False
+        return self._chunk_bytes.setdefault(rec.digest, rec.chunk_bytes) == rec.chunk_bytes
+
+    def _fair(self, rec: PolicyRecord) -> tuple[int, list[PolicyKey]]:
+        """``(wants, evicted)``: when the pool must evict for ``rec``'s new chunks and another
+        key's layouts hold chunks, a layout owner over its fair share (class docstring) makes
+        room from its own oldest chunks first (``evicted``); what they cannot free is not
+        inserted (``wants`` less those new chunks)."""
+        head = rec.hashes[:rec.wants]
+        policy = self.policy
+        new = [i for i, h in enumerate(head) if (rec.digest, h) not in policy]
+        need = policy.used_bytes + len(new) * rec.chunk_bytes - policy.capacity_bytes
+        if need <= 0:
+            return rec.wants, []
+        owner = self._layouts[rec.digest].owner
+        owners = {d.owner for g, d in self._layouts.items() if self._resident.get(g)} | {owner}
+        if len(owners) == 1:
+            return rec.wants, []
+        mine = {g for g, d in self._layouts.items() if d.owner == owner}
+        held = sum(self._resident.get(g, 0) * self._chunk_bytes.get(g, 0) for g in mine)
+        over = held + len(new) * rec.chunk_bytes - policy.capacity_bytes // len(owners)
+        if over <= 0:
+            return rec.wants, []
+        own = min(need, over)
+        evicted = policy.evict_oldest(mine, own, {(rec.digest, h) for h in rec.hashes})
+        short = own - sum(self._chunk_bytes.get(g, 0) for g, _ in evicted)
+        if short <= 0:
+            return rec.wants, evicted
+        cut = min(len(new), -(-short // rec.chunk_bytes))
+        self.counters.share_capped = _sat(self.counters.share_capped + cut)
+        return (new[len(new) - cut] if cut else rec.wants), evicted
+
+    def _account(self, saves: list[PolicyKey], removals: list[PolicyKey]) -> None:
+        res = self._resident
+        for d, _ in saves:
+            res[d] = res.get(d, 0) + 1
+        for d, _ in removals:
+            res[d] = max(0, res.get(d, 0) - 1)
 
     def apply(self, batch: RecordBatch, who: str) -> None:
         """Apply one batch from key ``who`` (checks and budget: module docstring of
         ``kvpool_policy.service``)."""
         c = self.counters
-        if (batch.v != WIRE_VERSION or len(batch.records) > MAX_RECORDS
-                or not all(_layout_ok(lay) for lay in batch.layouts)):
-            c.malformed += len(batch.records)
+        if (batch.v != WIRE_VERSION or len(batch.records) > MAX_RECORDS or batch.seq < 0
+                or batch.dropped < 0 or not all(_layout_ok(lay) for lay in batch.layouts)):
+            c.malformed = _sat(c.malformed + max(1, len(batch.records)))
             return
         self._sequence(who, batch)
-        if not self._spend(who, len(batch.records)):
-            c.over_budget += len(batch.records)
+        cost = (sum(len(r.hashes) for r in batch.records)
+                + sum(self._declaration_cost(lay) for lay in batch.layouts))
+        if not self._spend(who, max(1, cost)):
+            c.over_budget = _sat(c.over_budget + len(batch.records))
             return
-        known = {lay.digest for lay in batch.layouts}
-        if self.remover is not None:
-            known = {lay.digest for lay in batch.layouts if self.remover.learn(lay)}
+        known: set[str] = set()
+        for lay in batch.layouts:
+            if self._declare(lay, who):
+                known.add(lay.digest)
+            else:
+                c.layouts_refused = _sat(c.layouts_refused + 1)
         for rec in batch.records:
-            if (rec.digest not in known or len(rec.hashes) > MAX_HASHES
-                    or not 0 < rec.chunk_bytes <= self.policy.capacity_bytes
-                    or rec.wants < 0 or not all(_HASH.fullmatch(h) for h in rec.hashes)):
-                c.malformed += 1
+            if not self._record_ok(rec, known):
+                c.malformed = _sat(c.malformed + 1)
                 continue
             self._adopt(rec.digest, rec.chunk_bytes)
+            wants, own = self._fair(rec)
             dec = self.policy.record(AccessRecord(rec.digest, tuple(rec.hashes),
-                                                  rec.chunk_bytes, rec.wants, batch.engine))
-            c.records += 1
+                                                  rec.chunk_bytes, wants, batch.engine))
+            removals = own + dec.removals
+            self._account(dec.saves, removals)
+            c.records = _sat(c.records + 1)
             if self.remover is not None:
                 self.remover.keep(dec.saves)
-                self.remover.evict(dec.removals)
+                self.remover.evict(removals)
 
     def _adopt(self, digest: str, chunk_bytes: int) -> None:
         """A layout found in the pool at start becomes resident once its chunk bytes are
@@ -212,6 +379,7 @@ class PolicyCore:
             gone = self.policy.adopt([(digest, h) for h in hashes], chunk_bytes)
             logger.info("kvpool policy: %d chunks of layout %s found in the pool, %d over the "
                         "capacity removed", len(hashes), digest, len(gone))
+            self._account([(digest, h) for h in hashes if (digest, h) in self.policy], [])
             if self.remover is not None:
                 self.remover.evict(gone)
 
@@ -231,9 +399,9 @@ class PolicyCore:
         bits, bloom = dk if dk is not None else (0, b"")
         removed = self.remover.removed if self.remover is not None else 0
         return AdmissionSnapshot(
-            WIRE_VERSION, service, version, self.policy.doorkeeper_active, bits, bloom,
-            self.policy.capacity_bytes, self.policy.used_bytes, self.counters.records,
-            self.counters.dropped, removed, self.policy.pinned_chunks)
+            WIRE_VERSION, service, _sat(version), self.policy.doorkeeper_active, bits, bloom,
+            self.policy.capacity_bytes, self.policy.used_bytes, _sat(self.counters.records),
+            self.counters.dropped, _sat(removed), self.policy.pinned_chunks)
 
 
 class PolicyService:
@@ -245,7 +413,7 @@ class PolicyService:
         backend: the service's own store client.
         capacity_bytes: the bytes the policy may fill (below the master's watermark).
         admin_url: the master's admin URL (``/get_all_keys`` at start); ``None``: none read.
-        budget: records a second per key.
+        budget: chunk hashes a second per key.
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -261,8 +429,10 @@ class PolicyService:
         self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
         # The engines saved what a record says (they decide from the snapshot): the policy
         # follows, so it holds what the pool holds.
-        self.core = PolicyCore(PoolPolicy(capacity_bytes, engines_decide=True), self.remover,
-                               budget=budget, found=found)
+        self.core = PolicyCore(PoolPolicy(capacity_bytes, engines_decide=True,
+                                          min_chunk_bytes=MIN_CHUNK_BYTES),
+                               self.remover, budget=budget, found=found)
+        self._failed: set[str] = set()
         self.service_id = secrets.token_hex(8)
         self.ctx = zmq.Context()
         self.auth = ThreadAuthenticator(self.ctx)
@@ -273,6 +443,7 @@ class PolicyService:
             self.auth.configure_curve_callback(domain, allow)
         self.records = self._server(zmq.PULL, RECORDS_DOMAIN, public, secret)
         self.records.maxmsgsize = MAX_BATCH_BYTES
+        self.records.rcvhwm = _RECORDS_HWM
         self.snapshots = self._server(zmq.PUB, SNAPSHOT_DOMAIN, public, secret)
         self.snapshots.sndhwm = 16
         try:
@@ -300,8 +471,24 @@ class PolicyService:
             return
         self.core.counters.snapshots += 1
 
+    def _guard(self, what: str, step: Callable[[], object]) -> None:
+        """Run one step of the loop; an exception is counted (``errors``) and logged once per
+        kind, never raised out of ``serve``."""
+        try:
+            step()
+        except Exception:  # one bad batch or publish never stops the service
+            c = self.core.counters
+            c.errors = _sat(c.errors + 1)
+            if what not in self._failed:
+                self._failed.add(what)
+                logger.exception("kvpool policy: %s failed (counted in errors; logged once)",
+                                 what)
+
     def _receive(self, decoder: msgspec.msgpack.Decoder[RecordBatch]) -> None:
+        until = time.monotonic() + _RECEIVE_S
         for _ in range(256):  # then removals and snapshots get their turn
+            if time.monotonic() >= until:
+                return
             try:
                 frame = self.records.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -310,9 +497,9 @@ class PolicyService:
             try:
                 batch = decoder.decode(frame.bytes)
             except msgspec.DecodeError:
-                self.core.counters.malformed += 1
+                self.core.counters.malformed = _sat(self.core.counters.malformed + 1)
                 continue
-            self.core.apply(batch, who)
+            self._guard("a record batch", functools.partial(self.core.apply, batch, who))
 
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set."""
@@ -325,15 +512,15 @@ class PolicyService:
             now = time.monotonic()
             if now - pins >= _PINS_EVERY_S:
                 pins = now
-                self.core.sync_pins()
+                self._guard("reading pins", self.core.sync_pins)
             if now - removed >= _REMOVE_EVERY_S:
                 removed = now
-                self.remover.step()
+                self._guard("removing", self.remover.step)
             flipped = self.core.policy.doorkeeper_active != doorkeeper
             if flipped or now - published >= SNAPSHOT_EVERY_S:
                 doorkeeper = self.core.policy.doorkeeper_active
                 published = now
-                self._publish()
+                self._guard("publishing a snapshot", self._publish)
 
     def close(self) -> None:
         self.records.close(0)

@@ -37,7 +37,8 @@ requests = st.lists(
 @given(requests, st.integers(1, 12))
 def test_batches_leave_what_the_reference_lru_holds(reqs: list[tuple[int, int, int, bool]],
                                                     capacity_chunks: int) -> None:
-    core = PolicyCore(PoolPolicy(capacity_chunks * CHUNK, admission="all"), None)
+    core = PolicyCore(PoolPolicy(capacity_chunks * CHUNK, admission="all"), None,
+                      max_chunk_bytes=CHUNK)
     ref = ReferenceLRU(capacity_chunks * CHUNK)
     good = bad = 0
     seqs = [0, 0]
@@ -71,15 +72,16 @@ def test_a_layout_naming_keys_outside_its_digest_is_dropped_whole() -> None:
 
 def test_over_budget_records_are_dropped_and_counted_per_key() -> None:
     now = [0.0]
-    core = PolicyCore(PoolPolicy(1000 * CHUNK), None, budget=5, clock=lambda: now[0])
+    core = PolicyCore(PoolPolicy(1000 * CHUNK), None, budget=6, clock=lambda: now[0])
     recs = [PolicyRecord(DIGEST, [chunk_hash(d, 0)], CHUNK, 1) for d in range(10)]
-    core.apply(_batch(recs), "greedy")  # 10 records, a bucket of 2 x 5
+    # 10 hashes and the layout's first declaration (2 keys a chunk): a bucket of 2 x 6
+    core.apply(_batch(recs), "greedy")
     core.apply(_batch(recs[:1], seq=1), "greedy")  # bucket empty
     core.apply(_batch(recs[:1], engine="e1"), "modest")  # another key's budget is its own
     assert (core.counters.records, core.counters.over_budget) == (11, 1)
-    now[0] = 1.0  # five more a second later
-    core.apply(_batch(recs[:5], seq=2), "greedy")
-    assert core.counters.records == 16
+    now[0] = 1.0  # six more a second later (the known layout costs nothing again)
+    core.apply(_batch(recs[:6], seq=2), "greedy")
+    assert core.counters.records == 17
 
 
 def test_sender_drops_and_lost_batches_are_counted() -> None:
@@ -95,7 +97,8 @@ def test_a_restarted_service_adopts_the_pool_chunks_least_recent_first() -> None
     listing = [f"{p}{h}" for h in old for p in LAYOUT.prefixes] + ["kvpool-pins@m@x", "other"]
     found = pool_chunks(listing)
     assert found == {DIGEST: old}
-    core = PolicyCore(PoolPolicy(5 * CHUNK, admission="all"), None, found=found)
+    core = PolicyCore(PoolPolicy(5 * CHUNK, admission="all"), None, found=found,
+                      max_chunk_bytes=CHUNK)
     new = [chunk_hash(1, i) for i in range(2)]
     core.apply(_batch([PolicyRecord(DIGEST, new, CHUNK, 2)]), "k")
     # 4 found + 2 new in 5 chunks: the first found chunk is the one evicted.
@@ -112,7 +115,8 @@ def test_the_live_policy_holds_what_the_engines_saved(reqs: list[tuple[int, int,
     """The service's policy (``engines_decide``: engines admit from its snapshot) inserts the
     chunks a record says were saved, whatever its own admission would say: the pool's content,
     as the reference LRU of the same saves holds it."""
-    core = PolicyCore(PoolPolicy(capacity_chunks * CHUNK, engines_decide=True), None)
+    core = PolicyCore(PoolPolicy(capacity_chunks * CHUNK, engines_decide=True), None,
+                      max_chunk_bytes=CHUNK)
     ref = ReferenceLRU(capacity_chunks * CHUNK)
     for doc, n, saved in reqs:
         hashes = [chunk_hash(doc, i) for i in range(n)]
