@@ -142,8 +142,18 @@ def as_int(value: Any) -> int | None:
     return None
 
 
-def type_findings(model: type[BaseModel], data: Any, path: str, what: str) -> list[Finding]:
-    """Type errors of ``data`` against ``model`` as findings (one per field)."""
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than",
+                           "less_than_equal"})
+
+
+def type_findings(model: type[BaseModel], data: Any, path: str, what: str,
+                  ranges: dict[str, tuple[str, int]] | None = None) -> list[Finding]:
+    """Type errors of ``data`` against ``model`` as findings (one per field).
+
+    ``ranges``: field -> (what it must be, e.g. ``"a positive whole number of ms"``, its
+    default): any wrong value of such a field (out of range, a bool, a float, a string) is
+    one ``range`` finding naming the field, what it must be and the default. A field's value
+    out of a bound the model sets (``gt``/``ge``/...) is a ``range`` finding too."""
     try:
         model.model_validate(data)
     except ValidationError as exc:
@@ -151,6 +161,20 @@ def type_findings(model: type[BaseModel], data: Any, path: str, what: str) -> li
         for err in exc.errors():
             node, sub = _located(data, path, err["loc"])
             if sub in out:
+                continue
+            name = sub.rsplit(".", 1)[-1]
+            shown = json.dumps(node)[:60]
+            if ranges and name in ranges and len(err["loc"]) == 1:
+                must, default = ranges[name]
+                out[sub] = Finding(
+                    "error", "range", sub, f"{what}: {name} {shown} is not {must}",
+                    f"write {name} as {must} (default {default}), or leave it out")
+                continue
+            if err["type"] in _RANGE_ERRORS:
+                out[sub] = Finding(
+                    "error", "range", sub, f"{what}: {name} {shown} is out of range "
+                    f"({err['msg'][0].lower()}{err['msg'][1:]})",
+                    f"write {name} within that range, or leave it out")
                 continue
             out[sub] = Finding(
                 "error",

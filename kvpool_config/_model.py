@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvpool_agent.vocabulary import KV_ROLES
 from kvpool_connector.backends.memcache import MemcacheConfig
@@ -349,12 +349,12 @@ class MooncakeClientConfig(_Open):
     enable_ssd_offload: bool | None = None
     ssd_offload_path: str | None = Field(default=None, json_schema_extra={"pattern": "^/"})
     tenant_id: str | None = None
-    transfer_timeout_ms: int | None = Field(
+    transfer_timeout_ms: StrictInt | None = Field(
         default=None, ge=0,
         description="kvpool's Mooncake backend: how long (ms) after a refused remove a key a "
         "reader leased is tried again; default 60000, the store client's transfer timeout.",
     )
-    max_kv_soft_pin_ttl: int | None = Field(
+    max_kv_soft_pin_ttl: StrictInt | None = Field(
         default=None, gt=0,
         description="kvpool's Mooncake backend: the master's --max_kv_soft_pin_ttl (ms), the "
         "TTL a hard pin's chunks already in the pool are upserted with; default 86400000.",

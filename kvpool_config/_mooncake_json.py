@@ -17,6 +17,7 @@ from kvpool_config import rules as R
 from kvpool_config._context import Options, type_findings
 from kvpool_config._model import MooncakeClientConfig
 from kvpool_config.rules import Finding
+from kvpool_connector.backends.mooncake import HARD_PIN_UPSERT_TTL_MS, TRANSFER_TIMEOUT_MS
 from kvpool_connector.backends.mooncake_address import parse_master_address
 
 __all__ = ["DESCRIPTION", "IDENTIFYING_KEYS", "check"]
@@ -31,7 +32,10 @@ def check(
     doc: dict[str, Any], *, env: dict[str, Any] | None, options: Options
 ) -> list[Finding]:
     """Findings of a mooncake.json (``env`` and ``options`` are not used)."""
-    findings = type_findings(MooncakeClientConfig, doc, "$", "mooncake.json")
+    findings = type_findings(MooncakeClientConfig, doc, "$", "mooncake.json", ranges={
+        "transfer_timeout_ms": ("a whole number of ms, 0 or more", TRANSFER_TIMEOUT_MS),
+        "max_kv_soft_pin_ttl": ("a positive whole number of ms", HARD_PIN_UPSERT_TTL_MS),
+    })
     findings += R.check_unknown_keys(
         doc,
         MooncakeClientConfig.model_fields,

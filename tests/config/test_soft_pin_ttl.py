@@ -55,3 +55,27 @@ def test_not_a_positive_number_is_an_error(value: object, tmp_path: Path,
     rc, findings = _validate(tmp_path, capsys, max_kv_soft_pin_ttl=value)
     assert rc == 2
     assert [f["severity"] for f in findings if f["path"] == "$.max_kv_soft_pin_ttl"] == ["error"]
+
+
+@pytest.mark.parametrize("value", [0, -5, True, 1e30, "1d"])
+def test_a_wrong_value_is_a_range_message(value: object, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a type error pointing at the schema: the field, what it must be, the default; a
+    bool is not a number of ms (pydantic's lax int would read ``true`` as 1 ms)."""
+    rc, findings = _validate(tmp_path, capsys, max_kv_soft_pin_ttl=value)
+    assert rc == 2
+    (f,) = [f for f in findings if f["path"] == "$.max_kv_soft_pin_ttl"]
+    assert (f["severity"], f["rule"]) == ("error", "range"), f
+    assert "max_kv_soft_pin_ttl" in f["message"]
+    assert "a positive whole number of ms" in f["message"]
+    assert "input string" not in f["message"] + f["fix"]
+    assert "86400000" in f["fix"] and "schema" not in f["fix"]
+
+
+def test_transfer_timeout_reports_its_range_the_same_way(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, findings = _validate(tmp_path, capsys, transfer_timeout_ms=-1)
+    assert rc == 2
+    (f,) = [f for f in findings if f["path"] == "$.transfer_timeout_ms"]
+    assert f["rule"] == "range" and "transfer_timeout_ms -1 is not a whole number of ms" in \
+        f["message"]
