@@ -9,8 +9,13 @@ read back: the writer whose nonce is in it won; a loser reads the new version, a
 change to it and tries ``seq + 1`` (``RecordStore.update``). Two concurrent pins are both kept,
 each unpinnable.
 
-``<record key>@head`` holds the last seq written (a hint, upserted): a reader probes from it
-forward with one ``batch_is_exist`` (``PROBE`` keys) to the newest version. A worker polls
+``<record key>@head`` holds the last seq written (a hint, upserted: any pool client can move
+it): a reader probes forward from the version it read last, or from the head when the version
+it names exists, ``PROBE`` keys per ``batch_is_exist`` and ``MAX_PROBES`` calls a read. A
+version is asked its size first (``get_size``): one over ``MAX_RECORD_BYTES``, or not records,
+or over ``MAX_RECORD_HASHES`` hashes, is skipped (the newest good one under it is read) and the
+next write supersedes it; a version found before that is gone reads as unreadable, never as
+"no pins" (round 6: planted records, ``tests/connector/test_pin_records_forged.py``). A worker polls
 ``<record key>@v<seq + 1>`` with one ``batch_is_exist`` of one key (``RecordStore.newer``):
 a master RPC and no value moved, the cost of learning a new pin within a poll. The writer of
 ``seq`` removes versions ``seq - KEEP - PROBE .. seq - KEEP`` (unforced: one a reader leases is
@@ -20,23 +25,39 @@ left for the next write). The record key itself holds the records of the unversi
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 
 from kvpool_connector.backends.base import BackendError
 
-__all__ = ["KEEP", "PROBE", "RECORDS_VERSION", "PinRecord", "RecordBackend", "RecordStore",
-           "Records", "decode"]
+__all__ = ["KEEP", "MAX_PROBES", "MAX_RECORD_BYTES", "MAX_RECORD_HASHES", "PROBE",
+           "RECORDS_VERSION", "Newest", "PinRecord", "RecordBackend", "RecordStore", "Records",
+           "RecordsTooLarge", "decode"]
+
+log = logging.getLogger(__name__)
 
 KEEP = 2
 """Versions kept, the newest included (a reader that saw the last head still finds one)."""
 
 PROBE = 8
 """Versions one ``batch_is_exist`` probes past the head hint, and removed per write."""
+
+MAX_PROBES = 4
+"""``batch_is_exist`` calls one read probes forward at most (a planted chain of versions costs
+a reader no more; it goes on from there at its next read)."""
+
+MAX_RECORD_HASHES = 65_536
+"""Chunk hashes one version holds at most, all pins together (~4.4 MB of JSON)."""
+
+MAX_RECORD_BYTES = 6 << 20
+"""Bytes of one version at most: a larger one is refused when written and skipped unread
+(``get_size`` first) when read; under the smallest reader's buffer (the policy service's
+16 MB)."""
 
 WRITE_DEADLINE_S = 10.0
 """How long ``update`` tries (s) before it gives up: a writer whose put never ended holds its
@@ -82,9 +103,32 @@ class RecordBackend(Protocol):
 
     def read_record(self, key: str) -> bytes: ...
 
+    def record_size(self, key: str) -> int: ...
+
     def write_record(self, key: str, data: bytes) -> int: ...
 
     def create_record(self, key: str, data: bytes) -> int: ...
+
+
+class RecordsTooLarge(ValueError):
+    """Records over ``MAX_RECORD_HASHES`` hashes or ``MAX_RECORD_BYTES`` bytes: not written."""
+
+
+class Newest(NamedTuple):
+    """What ``RecordStore.latest`` found: ``top`` the newest version that exists (the next
+    write is ``top + 1``), ``seq`` the newest version at or below it that reads as records and
+    ``data`` its bytes. ``data`` ``None``: nothing readable now (``final``: the versions found
+    are oversized or not records, waiting will not help; else a put still runs, or the
+    version this reader read last is gone with none found after it)."""
+
+    top: int
+    seq: int
+    data: bytes | None
+    final: bool = False
+
+
+_BAD = object()
+"""A version that will never read as records (oversized or undecodable)."""
 
 
 class RecordStore:
@@ -104,34 +148,92 @@ class RecordStore:
         """Whether a version after ``seq`` exists (one ``batch_is_exist`` of one key)."""
         return self.backend.batch_exists([self.version_key(seq + 1)]) == [1]
 
-    def latest(self) -> tuple[int, bytes | None]:
-        """The newest version's seq and bytes: the unversioned record as seq 0 when no version
-        exists (``b""``: no pins; also when no version is left at or after the head hint, as
-        when a pool writer removed them); ``None``: the newest version exists but cannot be
-        read now (its put still running).
+    def _head(self) -> int:
+        """The head hint, -1 when there is none or it is not a seq (any pool client can upsert
+        it: only a hint, used when the version it names exists)."""
+        data = self._get(self.head_key, 32)
+        if not isinstance(data, bytes) or not data:
+            return -1
+        try:
+            return max(0, int(data))
+        except ValueError:
+            return -1
+
+    def _scan(self, start: int) -> list[int]:
+        """The versions at or after ``start``, probed forward ``PROBE`` keys per
+        ``batch_is_exist``, at most ``MAX_PROBES`` of them (a planted chain costs no more)."""
+        seen: set[int] = set()
+        for _ in range(MAX_PROBES):
+            probe = [start + i for i in range(PROBE)]
+            found = self.backend.batch_exists([self.version_key(s) for s in probe])
+            hit = [s for s, rc in zip(probe, found, strict=True) if rc == 1]
+            seen.update(hit)
+            if not hit or hit[-1] < probe[-1]:
+                break
+            start = probe[-1]
+        return sorted(seen)
+
+    def latest(self, since: int = -1) -> Newest:
+        """The newest version that reads as records, probed forward from ``since`` (the
+        version this reader applied last; -1: none), or from the head hint when the version it
+        names exists and is newer. A head naming no version is ignored. Versions over
+        ``MAX_RECORD_BYTES`` (asked with ``get_size`` before a read) or not records are
+        skipped: the newest good one before them is the answer (``top`` stays the newest, so
+        the next write supersedes them). No version found: the unversioned record (seq 0)
+        for a reader that never read one and found no head; ``data=None`` otherwise (never
+        "no pins": the pins read last hold).
 
         Raises:
             BackendError: the store failed.
         """
-        data = self.backend.read_record(self.head_key)
-        try:
-            seq = max(0, int(data)) if data else 0
-        except ValueError:
-            seq = 0  # a head another writer mangled: probed from the start
-        while True:
-            probe = [seq + i for i in range(PROBE)]
-            found = self.backend.batch_exists([self.version_key(s) for s in probe])
-            seen = [s for s, rc in zip(probe, found, strict=True) if rc == 1]
-            if not seen or seen[-1] < probe[-1]:
-                break
-            seq = probe[-1]
+        start = max(since, 0)
+        head = self._head()
+        if head > start and self.backend.batch_exists([self.version_key(head)]) == [1]:
+            start = head
+        seen = self._scan(start)
         if not seen:
-            return (seq, self.backend.read_record(self.key)) if seq == 0 else (seq, b"")
-        return seen[-1], self._read(seen[-1]) or None
+            if since > 0 or head >= 0:
+                return Newest(start, start, None)  # what was read last is gone: unreadable
+            data = self._get(self.key, MAX_RECORD_BYTES)
+            if data is _BAD or (data and _bad_records(data)):  # type: ignore[arg-type]
+                return Newest(0, 0, None, final=True)
+            return Newest(0, 0, data if isinstance(data, bytes) else b"")
+        top = seen[-1]
+        for s in reversed(seen):
+            data = self._get(self.version_key(s), MAX_RECORD_BYTES)
+            if data is _BAD:
+                continue
+            if not data:
+                if s == top and not self._wait_readable(s):
+                    return Newest(top, top, None)  # its put still runs
+                continue  # removed since the probe, or not put yet
+            assert isinstance(data, bytes)
+            if _bad_records(data):
+                continue
+            return Newest(top, s, data)
+        return Newest(top, top, None, final=True)
+
+    def _get(self, key: str, most: int) -> bytes | object:
+        """The value at ``key``: ``b""`` none (or not readable yet), ``_BAD`` over ``most``
+        bytes (``get_size`` first: a value over the reader's buffer never reads)."""
+        size = self.backend.record_size(key)
+        if size > most:
+            log.warning("kvpool pins: %s holds %d bytes, over %d: skipped", key, size, most)
+            return _BAD
+        return self.backend.read_record(key) if size > 0 else b""
+
+    def _wait_readable(self, seq: int) -> bool:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            time.sleep(READBACK_WAIT_S)  # its put is still running (REPLICA_IS_NOT_READY)
+            if self.backend.record_size(self.version_key(seq)) > 0:
+                return True
+        return False
 
     def read(self, seq: int) -> bytes:
-        """The bytes of version ``seq`` (``b""``: gone or still being put)."""
-        return self.backend.read_record(self.version_key(seq))
+        """The bytes of version ``seq`` (``b""``: gone, still being put, or oversized)."""
+        data = self._get(self.version_key(seq), MAX_RECORD_BYTES)
+        return data if isinstance(data, bytes) else b""
 
     def _read(self, seq: int) -> bytes:
         end = time.monotonic() + 1.0
@@ -139,22 +241,33 @@ class RecordStore:
             time.sleep(READBACK_WAIT_S)  # its put is still running (REPLICA_IS_NOT_READY)
         return data
 
-    def update(self, change: Callable[[int, bytes], list[PinRecord] | None]) -> int | None:
-        """Write ``change(seq, newest bytes)`` as version ``seq + 1``, again on the newer
-        version while another writer wins. ``change`` returns ``None`` to write nothing, or
-        raises to give up. Returns the seq written, ``None`` when nothing was.
+    def update(self, change: Callable[[int, bytes | None], list[PinRecord] | None], *,
+               since: int = -1) -> int | None:
+        """Write ``change(top, newest good bytes)`` as version ``top + 1``, again on the newer
+        version while another writer wins; ``since`` the version the caller applied last
+        (``latest``). The bytes are ``None`` when every version found is oversized or not
+        records: ``change`` builds on what it holds, and the write supersedes them.
+        ``change`` returns ``None`` to write nothing, or raises to give up. Returns the seq
+        written, ``None`` when nothing was.
 
         Raises:
+            RecordsTooLarge: the records ``change`` made are over the bounds (not written).
             BackendError: the store failed, or no write won within ``WRITE_DEADLINE_S``.
         """
         end = time.monotonic() + WRITE_DEADLINE_S
-        seq, data = self._newest(end)
+        seq, data = self._newest(end, since)
         while True:
             pins = change(seq, data)
             if pins is None:
                 return None
+            hashes = sum(len(p.hashes) for p in pins)
             body = msgspec.json.encode(Records(RECORDS_VERSION, pins, seq + 1,
                                                secrets.token_hex(8)))
+            if hashes > MAX_RECORD_HASHES or len(body) > MAX_RECORD_BYTES:
+                raise RecordsTooLarge(
+                    f"pin records at {self.key}: {len(pins)} pins, {hashes} hashes, "
+                    f"{len(body):,} bytes: over {MAX_RECORD_HASHES} hashes or "
+                    f"{MAX_RECORD_BYTES:,} bytes")
             rc = self.backend.create_record(self.version_key(seq + 1), body)
             if rc < 0:
                 raise BackendError(f"pin records {self.version_key(seq + 1)} not written", rc)
@@ -164,17 +277,18 @@ class RecordStore:
             if time.monotonic() > end:
                 raise BackendError(f"pin records at {self.key}: no write won in "
                                    f"{WRITE_DEADLINE_S:.0f} s (another writer's put hangs)")
-            seq, data = self._newest(end)  # another writer won seq + 1: change its records
+            since = seq
+            seq, data = self._newest(end, since)  # another writer won: change its records
 
-    def _newest(self, end: float) -> tuple[int, bytes]:
+    def _newest(self, end: float, since: int) -> tuple[int, bytes | None]:
         """``latest``, waiting out a version not readable yet: a change made without its
-        records would drop its pins."""
+        records would drop its pins. Versions that never read (``final``) give ``None``."""
         while True:
-            seq, data = self.latest()
-            if data is not None:
-                return seq, data
+            n = self.latest(since)
+            if n.data is not None or n.final:
+                return n.top, n.data
             if time.monotonic() > end:
-                raise BackendError(f"pin records at {self.key}: version {seq} not readable")
+                raise BackendError(f"pin records at {self.key}: version {n.top} not readable")
             time.sleep(READBACK_WAIT_S)
 
     def _settle(self, seq: int) -> None:
@@ -183,6 +297,15 @@ class RecordStore:
         old = [self.version_key(s) for s in range(max(1, seq - KEEP - PROBE), seq - KEEP + 1)]
         if old:
             self.backend.batch_remove(old)  # leased ones stay for the next write
+
+
+def _bad_records(data: bytes) -> bool:
+    """Whether ``data`` is not records, or records over ``MAX_RECORD_HASHES`` hashes."""
+    try:
+        records = decode(data)
+    except msgspec.DecodeError:
+        return True
+    return sum(len(p.hashes) for p in records.pins) > MAX_RECORD_HASHES
 
 
 def decode(data: bytes) -> Records:

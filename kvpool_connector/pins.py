@@ -25,11 +25,13 @@ Every worker of the layout reads them at start and polls for a new version every
 (``start``: one ``batch_is_exist`` of one key per poll on a thread of its own, off the engine's
 step; 0.5 s: a master RPC per worker each 0.5 s, the records read only when they changed), agent
 or not, so a restarted engine, another TP rank or another engine of the layout saves the pinned
-chunks pinned within about a second. ``pinned_chunks`` reads them for a process that removes
-chunks from the pool (the policy service: never a pinned one). A pin whose chunks would take
-more than ``share`` of the pool (default 30%) together with the pins already held is refused
-with the numbers (``PinRefused``): a pool full of pins evicts nothing else and serves nothing
-new.
+chunks pinned within about a second. ``PinReader`` (one per layout) reads them for a process
+that removes chunks from the pool (the policy service: never a pinned one). Renewal is bounded
+by this worker's clock whatever the records (any pool client's writes) say: a pin at most once
+per third of ``hard_pin_ttl_ms``, at most ``share`` of the pool's bytes per such third. A pin
+whose chunks would take more than ``share`` of the pool (default 30%) together with the pins
+already held is refused with the numbers (``PinRefused``): a pool full of pins evicts nothing
+else and serves nothing new.
 
 Unpinning removes the pinned values (Mooncake keeps a pin through an upsert,
 ``MooncakeBackend.unpin_keys``), never by force (a forced remove frees memory a reader may be
@@ -52,7 +54,13 @@ from tenacity import Retrying, retry_if_result, stop_before_delay, wait_fixed
 
 from kvpool_agent.protocol import MAX_PIN_TOKENS, MAX_SOFT_PIN_TTL_MS
 from kvpool_agent.vocabulary import ErrorCode, error_name
-from kvpool_connector._pin_records import PinRecord, RecordStore, decode
+from kvpool_connector._pin_records import (
+    MAX_RECORD_HASHES,
+    PinRecord,
+    RecordsTooLarge,
+    RecordStore,
+    decode,
+)
 from kvpool_connector._removals import REMOVAL_GRACE, grace_s_of, remove_later
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.backends.mooncake import TRANSFER_TIMEOUT_MS
@@ -66,6 +74,7 @@ __all__ = [
     "RENEW_FRACTION",
     "Pin",
     "PinMode",
+    "PinReader",
     "PinRefused",
     "PinResult",
     "PinnableBackend",
@@ -120,6 +129,8 @@ class PinnableBackend(Protocol):
     def batch_remove(self, keys: Sequence[str]) -> list[int]: ...
 
     def read_record(self, key: str) -> bytes: ...
+
+    def record_size(self, key: str) -> int: ...
 
     def write_record(self, key: str, data: bytes) -> int: ...
 
@@ -186,23 +197,52 @@ def _live(data: bytes, chunk_size: int, now_ms: float, where: str) -> dict[str, 
             and (r.mode == "hard" or r.expires_ms > now_ms)}
 
 
+class PinReader:
+    """The chunk hashes some pin of one layout holds now (hard pins; soft pins before their
+    end), read from the pool per ``read``: what a process that removes chunks (the policy
+    service) must leave. Keep one per layout: each read probes forward from the version it
+    read last, so a head hint another pool client moved, or removed versions, never read as
+    "no pins". ``chunk_size`` (tokens, the layout's real one) bounds the hashes a planted pin
+    may claim (``MAX_PIN_TOKENS // chunk_size``); every version holds at most
+    ``MAX_RECORD_HASHES`` of them."""
+
+    def __init__(self, backend: PinnableBackend, model: str, layout_digest: str,
+                 chunk_size: int) -> None:
+        self.key = pins_key(model, layout_digest)
+        self.chunk_size = chunk_size
+        self._store = RecordStore(backend, self.key)
+        self.seq = -1
+        """The newest version seen (-1: none read yet)."""
+
+    def read(self) -> frozenset[str]:
+        """The hashes pinned now.
+
+        Raises:
+            BackendError: the store failed, or no version can be read now (the caller keeps
+                the chunks it read last: an empty answer would free them).
+        """
+        n = self._store.latest(self.seq)
+        if n.data is None:
+            if n.final:
+                self.seq = max(self.seq, n.top)
+            raise BackendError(f"pin records at {self.key}: version {n.top} not readable")
+        live = _live(n.data, self.chunk_size, time.time() * 1e3, self.key)
+        if live is None:
+            raise BackendError(f"pin records at {self.key}: version {n.seq} not readable")
+        self.seq = n.top
+        return frozenset(h for r in live.values() for h in r.hashes)
+
+
 def pinned_chunks(backend: PinnableBackend, model: str, layout_digest: str,
                   chunk_size: int) -> frozenset[str]:
-    """The chunk hashes some pin of one layout holds now (hard pins; soft pins before their
-    end), from the newest version of its records in the pool: what a process that removes
-    chunks (the policy service) must leave. ``chunk_size`` (tokens) bounds what a planted
-    record may claim (``MAX_PIN_TOKENS`` per pin).
+    """``PinReader(...).read()`` once, from no version read before: a process that reads
+    again and again keeps a ``PinReader`` per layout instead.
 
     Raises:
         BackendError: the store failed, or the newest version cannot be read now or decoded
             (the caller keeps the chunks it read last: an empty answer would free them).
     """
-    key = pins_key(model, layout_digest)
-    seq, data = RecordStore(backend, key).latest()
-    live = None if data is None else _live(data, chunk_size, time.time() * 1e3, key)
-    if live is None:
-        raise BackendError(f"pin records at {key}: version {seq} not readable")
-    return frozenset(h for r in live.values() for h in r.hashes)
+    return PinReader(backend, model, layout_digest, chunk_size).read()
 
 
 @dataclass(frozen=True)
@@ -263,6 +303,10 @@ class Pins:
         self._thread: threading.Thread | None = None
         self.renewals = 0
         """Renewals of hard pins this worker made (``poll``)."""
+        # Pin id -> when this worker last renewed it (monotonic s), and the renewal window
+        # (its start, bytes renewed in it): the limits records cannot move.
+        self._renewed_here: dict[str, float] = {}
+        self._window: tuple[float, int] = (-float("inf"), 0)
 
     @property
     def pinned_bytes(self) -> int:
@@ -312,7 +356,7 @@ class Pins:
         pool = self.pool_bytes()
         total = 0
 
-        def change(seq: int, data: bytes) -> list[PinRecord]:
+        def change(seq: int, data: bytes | None) -> list[PinRecord]:
             nonlocal total
             # The share counts every pin of the layout, also those other workers made.
             self._apply(seq, data)
@@ -322,7 +366,10 @@ class Pins:
         if self._records is None:
             total = self._admit(pin, len(hashes), pool)
         else:
-            self._seq = self._records.update(change) or self._seq
+            try:
+                self._seq = self._records.update(change, since=self._seq) or self._seq
+            except RecordsTooLarge as exc:
+                raise PinRefused(f"pin {pin_id!r} refused: {exc}") from exc
         with self._lock:
             self._pins[pin_id] = pin
         codes = self.backend.pin_keys(keys, hard=pin.mode == "hard", ttl_ms=pin.ttl_ms)
@@ -340,6 +387,11 @@ class Pins:
                 raise PinRefused(f"pin {pin_id!r} refused: {len(self._pins)} pins held, at most "
                                  f"{MAX_PINS} per layout; unpin one first")
             others = {k for p in self._pins.values() if p.pin_id != pin_id for k in p.keys}
+            hashes = sum(len(p.hashes) for p in self._pins.values() if p.pin_id != pin_id)
+        if hashes + len(pin.hashes) > MAX_RECORD_HASHES:
+            raise PinRefused(f"pin {pin_id!r} refused: {len(pin.hashes)} chunks with the "
+                             f"{hashes} the layout's other pins hold are over "
+                             f"{MAX_RECORD_HASHES} per layout; unpin one or pin less")
         total = len(others | set(keys)) * self.chunk_bytes
         limit = int(pool * self.share)
         if total > limit:
@@ -367,14 +419,14 @@ class Pins:
                 with self._lock:
                     pin = self._pins.pop(pin_id)
             else:
-                def change(seq: int, data: bytes) -> list[PinRecord]:
+                def change(seq: int, data: bytes | None) -> list[PinRecord]:
                     self._apply(seq, data)
                     with self._lock:
                         if pin_id not in self._pins:
                             raise KeyError(pin_id)
                         return [p.record() for p in self._pins.values() if p.pin_id != pin_id]
 
-                self._seq = self._records.update(change) or self._seq
+                self._seq = self._records.update(change, since=self._seq) or self._seq
                 with self._lock:
                     pin = self._pins.pop(pin_id)
             with self._lock:
@@ -437,24 +489,40 @@ class Pins:
         """
         with self._io:
             self._sync(False)
-            if self._records is None or not any(p.renew_due(time.time() * 1e3)
+            ttl = self.backend.hard_pin_ttl_ms()
+            if self._records is None or not any(self._due(p, time.time() * 1e3, ttl)
                                                 for p in self.list()):
                 return 0
-            ttl = self.backend.hard_pin_ttl_ms()
+            # Renewal bytes per third of the TTL at most what pins may hold (``share``):
+            # records any pool client can write move no more than real pins do.
+            mono = time.monotonic()
+            if mono - self._window[0] >= ttl / RENEW_FRACTION / 1e3:
+                self._window = (mono, 0)
+            budget = int(self.pool_bytes() * self.share) - self._window[1]
             due: list[Pin] = []
 
-            def change(seq: int, data: bytes) -> list[PinRecord] | None:
+            def change(seq: int, data: bytes | None) -> list[PinRecord] | None:
                 self._apply(seq, data)
                 now = time.time() * 1e3
+                left = budget
                 with self._lock:
-                    due[:] = [p for p in self._pins.values() if p.renew_due(now)]
+                    due.clear()
+                    for p in self._pins.values():
+                        cost = len(p.keys) * self.chunk_bytes
+                        if self._due(p, now, ttl) and cost <= left:
+                            due.append(p)
+                            left -= cost
                     if not due:
-                        return None  # another worker renewed them
+                        return None  # another worker renewed them, or over the budget
                     for p in due:
                         self._pins[p.pin_id] = replace(p, renewed_ms=now, renew_ttl_ms=ttl)
                     return [p.record() for p in self._pins.values()]
 
-            self._seq = self._records.update(change) or self._seq
+            self._seq = self._records.update(change, since=self._seq) or self._seq
+            self._window = (self._window[0],
+                            self._window[1] + sum(len(p.keys) for p in due) * self.chunk_bytes)
+            for p in due:
+                self._renewed_here[p.pin_id] = time.monotonic()
         for p in due:
             codes = self.backend.pin_keys(p.keys, hard=True, ttl_ms=0)
             if any(rc < 0 for rc in codes):
@@ -463,6 +531,14 @@ class Pins:
                             sorted({error_name(rc) for rc in codes if rc < 0}))
         self.renewals += len(due)
         return len(due)
+
+    def _due(self, p: Pin, now_ms: float, ttl_ms: int) -> bool:
+        """Whether hard pin ``p`` is to be renewed now: the records say so, and this worker
+        did not renew it within a third of its own ``ttl_ms`` (its clock, whatever
+        ``renewed_ms`` or ``renew_ttl_ms`` the records hold)."""
+        last = self._renewed_here.get(p.pin_id)
+        return p.renew_due(now_ms) and (
+            last is None or time.monotonic() - last >= ttl_ms / RENEW_FRACTION / 1e3)
 
     def start(self, poll_s: float = PIN_POLL_S) -> None:
         """Poll the records every ``poll_s`` on a daemon thread (``poll``) until ``close``;
@@ -497,9 +573,12 @@ class Pins:
         pins past their end dropped in any case."""
         if self._records is not None and (force or self._seq < 0
                                           or self._records.newer(self._seq)):
-            seq, data = self._records.latest()
-            if data is not None:  # not readable yet: asked again at the next poll
-                self._apply(seq, data)
+            n = self._records.latest(self._seq)
+            if n.data is not None:
+                self._apply(n.top, n.data)
+            elif n.final:  # versions that never read: the pins held here stay
+                self._seq = max(self._seq, n.top)
+            # else not readable yet: asked again at the next poll
         else:
             self._expire()
 
@@ -514,8 +593,11 @@ class Pins:
         if dropped:
             self.backend.forget_pins(dropped)
 
-    def _apply(self, seq: int, data: bytes) -> None:
-        """Make the pins here those of version ``seq`` of the records (``data``)."""
+    def _apply(self, seq: int, data: bytes | None) -> None:
+        """Make the pins here those of version ``seq`` of the records (``data``; ``None``:
+        the versions up to ``seq`` never read, the pins here stay)."""
+        if data is None:
+            return
         now = time.time() * 1e3
         live = _live(data, self.chunk_size, now, self.record_key or "")
         if live is None:
@@ -528,13 +610,15 @@ class Pins:
                                                                    p.hashes)]
             for p in gone:
                 del self._pins[p.pin_id]
-            # The same pin renewed: its renewal times only (its keys stay pinned here).
+            # The same pin renewed: its renewal times only (its keys stay pinned here), never
+            # earlier than seen here nor in the future (records any pool client can write).
             for pid, p in self._pins.items():
                 r = live[pid]
-                self._pins[pid] = replace(p, renewed_ms=r.renewed_ms,
+                self._pins[pid] = replace(p, renewed_ms=min(max(p.renewed_ms, r.renewed_ms),
+                                                            now),
                                           renew_ttl_ms=r.renew_ttl_ms)
             new = [Pin(r.pin_id, r.mode, r.ttl_ms, r.tokens, tuple(self.keys_of(r.hashes)),
-                       tuple(r.hashes), r.expires_ms, r.renewed_ms, r.renew_ttl_ms)
+                       tuple(r.hashes), r.expires_ms, min(r.renewed_ms, now), r.renew_ttl_ms)
                    for r in live.values() if r.pin_id not in self._pins]
             for p in new:
                 self._pins[p.pin_id] = p

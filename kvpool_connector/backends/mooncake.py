@@ -474,6 +474,11 @@ class MooncakeBackend(Backend):
         """The small value at ``key`` (``b""``: none), e.g. a layout's pin records."""
         return bytes(self._call("get", self._store.get, key) or b"")
 
+    def record_size(self, key: str) -> int:
+        """Bytes of the value at ``key`` (``get_size``: no value moved), or a negative
+        ``ErrorCode`` (-704 none): a record over the reader's buffer is skipped unread."""
+        return int(self._call("get_size", self._store.get_size, key))
+
     def write_record(self, key: str, data: bytes) -> int:
         """Store ``data`` at ``key`` hard-pinned (never evicted): put with ``with_hard_pin``
         the first time, then upserted (an upsert keeps the hard pin of the value it replaces

@@ -56,6 +56,9 @@ class _Pool:
     def read_record(self, key: str) -> bytes:
         return self.values.get(key, b"")
 
+    def record_size(self, key: str) -> int:
+        return len(self.values[key]) if key in self.values else -704
+
     def write_record(self, key: str, data: bytes) -> int:
         self.values[key] = data
         return 0
@@ -123,7 +126,10 @@ def test_a_planted_unreadable_version_drops_no_pin() -> None:
     pool.values[f"{KEY}@v2"] = b"not records"  # a newer version another pool writer put
     pins.refresh(force=True)
     assert [p.pin_id for p in pins.list()] == ["ok"]
-    # A remover of chunks gets an error, never an empty set that would free the pinned ones.
+    # A remover of chunks reads the newest version that is records (v1), never an empty set
+    # that would free the pinned ones; with none left, an error.
+    assert len(pinned_chunks(pool, "m", "d", CHUNK)) == 1
+    del pool.values[f"{KEY}@v1"]
     with pytest.raises(BackendError, match="not readable"):
         pinned_chunks(pool, "m", "d", CHUNK)
     # The next write supersedes it with the pins held.
