@@ -230,6 +230,15 @@ def main(argv: list[str] | None = None) -> int:
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.hub()
+            capped = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag, default in (
+                ("max_subscribers_per_key", MAX_SUBSCRIBERS_PER_KEY),
+                ("max_connections_per_key", MAX_CONNECTIONS_PER_KEY))
+                if getattr(args, flag) != default]
+            if kp is None and capped:
+                # The caps count connections per CURVE key: without keys there is none.
+                logging.getLogger("kvpool.hub").warning(
+                    "%s: not applied: per-key caps apply only with --keys (without keys no "
+                    "connection has a key to count)", ", ".join(capped))
             if kp is None and not _is_loopback(args.address):
                 if not args.insecure:
                     print(
