@@ -33,6 +33,7 @@ from kvpool_agent.protocol import (
     FlushRecord,
     LookupStats,
     PauseWindow,
+    PolicySteering,
     PoolStats,
     ProcessStats,
     SegmentUsage,
@@ -50,6 +51,7 @@ from kvpool_agent.reporter import (
     LayoutKnown,
     Loaded,
     Lookup,
+    PolicyReported,
     ReportedError,
     SaveCopied,
     Saved,
@@ -140,6 +142,19 @@ def _count(value: int, limit: int) -> int:
     return min(max(value, 0), limit - 1)
 
 
+def _steering(ev: PolicyReported) -> PolicySteering:
+    """``ev`` within the wire's bounds (``PolicySteering``): a reading out of range must
+    never get the whole report refused."""
+    return PolicySteering(
+        ts_ms=_bounded(ev.ts_ms, MAX_MS),
+        in_charge="service" if ev.in_charge == "service" else "master",
+        service=clip(ev.service, MAX_ID_CHARS, one_line=True),
+        silent_ms=_bounded(ev.silent_ms, MAX_MS), stale_ms=_bounded(ev.stale_ms, MAX_MS),
+        records_connected=bool(ev.records_connected),
+        records_sent=_count(ev.records_sent, MAX_COUNT),
+        records_dropped=_count(ev.records_dropped, MAX_COUNT))
+
+
 def _sane_pool(p: PoolStats) -> PoolStats:
     """``p`` (parsed from the master's HTTP text, or from the backend) within the schema's
     bounds: names and detail clipped, numbers clamped."""
@@ -216,6 +231,8 @@ class Aggregator:
         self._rates = _Buckets(_RATE_WINDOW_S, 2)
         self._lookup_ms: OrderedDict[str, float] = OrderedDict()
         self.start_failure: StartFailure | None = None
+        self.policy: PolicySteering | None = None
+        """The latest ``PolicyReported`` (an ``admission: service`` scheduler), wire-bounded."""
         self.recent_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self.new_flushes: deque[FlushRecord] = deque(maxlen=RECENT_FLUSHES)
         self._accesses: deque[Access] = deque()
@@ -325,6 +342,8 @@ class Aggregator:
                         message=clip(ev.message), hint=clip(ev.hint))
                 case AdapterServed():
                     keep_name(self.lookup.adapters, ev.name, ev.identity)
+                case PolicyReported():
+                    self.policy = _steering(ev)
                 case FlushAudited():
                     self.recent_flushes.append(ev.record)
                     self.new_flushes.append(ev.record)
@@ -588,5 +607,6 @@ class Aggregator:
             pauses=[msgspec.structs.replace(
                 w, start_ms=_bounded(w.start_ms, MAX_MS),
                 max_load_ms=_bounded(w.max_load_ms, MAX_MS)) for w in self.pauses],
+            policy=self.policy,
         )
 

@@ -79,6 +79,7 @@ class Fact:
 
 
 _V: tuple[Surface, ...] = ("vllm",)
+_S: tuple[Surface, ...] = ("status",)
 _H: tuple[Surface, ...] = ("hub",)
 _VH: tuple[Surface, ...] = ("vllm", "hub")
 _HS: tuple[Surface, ...] = ("hub", "status")
@@ -175,6 +176,13 @@ FACTS: tuple[Fact, ...] = (
     Fact("saves_skipped", "counter", "blocks",
          "Blocks whose save was skipped (a save budget, the save breaker, a full pool).",
          "agent", "TransferStats.saves_skipped", _HS),
+    # An admission: service scheduler's PolicyClient (PolicySteering, issue 40 item 1).
+    Fact("policy_records_sent", "counter", "records",
+         "Access records the scheduler handed to the policy service.", "scheduler",
+         "PolicyClient.sent; PolicySteering.records_sent", _S),
+    Fact("policy_records_dropped", "counter", "records",
+         "Access records the scheduler dropped: its queue full, or the policy service slow "
+         "or away.", "scheduler", "PolicyClient.dropped; PolicySteering.records_dropped", _S),
     Fact("lookup_seconds", "histogram", "s", "Prefix lookup latency.", "scheduler",
          "StatsTap: one sample per lookup made", _V),
     Fact("load_seconds", "histogram", "s",

@@ -88,6 +88,7 @@ __all__ = [
     "PinArgs",
     "PinInfo",
     "PinOutcome",
+    "PolicySteering",
     "PoolStats",
     "ProcessStats",
     "ProtocolError",
@@ -546,6 +547,29 @@ class StartFailure(msgspec.Struct, gc=False, kw_only=True):
     hint: FreeText = ""
 
 
+class PolicySteering(msgspec.Struct, gc=False, frozen=True, kw_only=True):
+    """Who steers an ``admission: service`` engine's saves (issue 40 item 1), as its scheduler's
+    ``PolicyClient`` saw it at ``ts_ms`` (epoch ms; it reports every second and on a change).
+
+    ``in_charge``: ``"service"`` while a snapshot of the policy service at ``service``
+    (``tcp://HOST:PORT``) arrived within ``stale_ms`` and the records socket is connected
+    (``records_connected``); else ``"master"``: every chunk is saved and the master's
+    watermark evicts. ``silent_ms``: ms since the last snapshot (since the client started
+    when none came). ``records_sent`` / ``records_dropped``: access records handed to the
+    service / dropped (its queue full or the service slow or away), since the client started.
+    Fixed size (one ``Name``, < 400 bytes of msgpack); ``None`` in ``EngineState`` for every
+    other engine and from agents before this field."""
+
+    ts_ms: Ms
+    in_charge: Literal["service", "master"]
+    service: Name = ""
+    silent_ms: Ms = 0.0
+    stale_ms: Ms = 0.0
+    records_connected: bool = False
+    records_sent: Count = 0
+    records_dropped: Count = 0
+
+
 class EngineState(msgspec.Struct, gc=False, kw_only=True):
     """Everything one agent knows, as of ``ts_ms``. ``start_failure`` is set when the
     process failed to start (the console lists the engine as FAILED until it reports again
@@ -571,6 +595,9 @@ class EngineState(msgspec.Struct, gc=False, kw_only=True):
         msgspec.field(default_factory=list)
     """The last ``RECENT_PAUSES`` pause windows of this process, oldest first (every report):
     a console that did not watch a pause still attributes the loads that waited on it."""
+    policy: PolicySteering | None = None
+    """A scheduler with ``admission: service``: who steers its saves (``PolicySteering``);
+    ``None`` elsewhere and from agents before this field (old hubs and consoles ignore it)."""
 
 
 MAX_ACCESS_CHUNKS = 2_048

@@ -32,6 +32,7 @@ __all__ = [
     "Loaded",
     "Lookup",
     "NullReporter",
+    "PolicyReported",
     "ReportedError",
     "Reporter",
     "SaveCopied",
@@ -175,6 +176,19 @@ class AdapterServed(msgspec.Struct, array_like=True, gc=False, frozen=True):
     identity: str
 
 
+class PolicyReported(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Who steers the scheduler's saves (see ``Reporter.policy``); spans in ms."""
+
+    ts_ms: float
+    in_charge: str
+    service: str
+    silent_ms: float
+    stale_ms: float
+    records_connected: bool
+    records_sent: int
+    records_dropped: int
+
+
 class FlushAudited(msgspec.Struct, array_like=True, frozen=True):
     ts_ms: float
     record: FlushRecord
@@ -194,6 +208,7 @@ Event = (
     | StartFailed
     | FlushAudited
     | AdapterServed
+    | PolicyReported
 )
 """What ``Reporter.drain`` returns; ``ts_ms`` of every event is wall-clock ms since the epoch."""
 
@@ -346,6 +361,16 @@ class Reporter:
         name in ``LookupStats.adapters`` (issue 39 item 5)."""
         self.put(AdapterServed(time.time() * 1e3, name, identity))
 
+
+    def policy(self, in_charge: str, service: str, silent_ms: float, stale_ms: float,
+               records_connected: bool, records_sent: int, records_dropped: int) -> None:
+        """An ``admission: service`` scheduler's ``PolicyClient`` (every second and on a
+        change): ``in_charge`` (``"service"`` or ``"master"``), the service's address,
+        ``silent_ms`` since its last snapshot (since the client started without one), the
+        client's ``stale_ms``, whether its records socket is connected and its records sent
+        and dropped since start. The agent reports the latest in ``EngineState.policy``."""
+        self.put(PolicyReported(time.time() * 1e3, in_charge, service, silent_ms, stale_ms,
+                                records_connected, records_sent, records_dropped))
 
 EVENT_METHODS: tuple[str, ...] = tuple(
     name for name, member in vars(Reporter).items()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
 from kvpool_agent.auth import KeyPaths
+from kvpool_agent.reporter import Reporter
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import PolicyLayout
@@ -52,9 +53,11 @@ def worker_handshake(cfg: KVPoolConfig, worker: KVPoolWorker, tp_rank: int,
 
 
 def scheduler_client(cfg: KVPoolConfig,
-                     metadata: Mapping[int, KVConnectorHandshakeMetadata]) -> PolicyClient | None:
+                     metadata: Mapping[int, KVConnectorHandshakeMetadata],
+                     reporter: Reporter | None = None) -> PolicyClient | None:
     """The scheduler's ``PolicyClient`` from the workers' handshake (``None``: none came, or the
-    agent keys cannot be read: logged, every chunk is saved)."""
+    agent keys cannot be read: logged, every chunk is saved); it tells ``reporter`` (the
+    scheduler's agent) who is in charge (``PolicyClient``)."""
     shake = next((m for m in metadata.values() if isinstance(m, PolicyHandshake)), None)
     if shake is None or cfg.policy_service is None or cfg.kv_role == "kv_producer":
         return None
@@ -67,4 +70,4 @@ def scheduler_client(cfg: KVPoolConfig,
                 cfg.policy_service, shake.digest)
     return PolicyClient(cfg.policy_service, keys, cfg.engine_id,
                         PolicyLayout(shake.digest, list(shake.prefixes)), shake.chunk_bytes,
-                        stale_s=cfg.policy_stale_ms / 1e3)
+                        stale_s=cfg.policy_stale_ms / 1e3, reporter=reporter)

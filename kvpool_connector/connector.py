@@ -363,7 +363,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         service``)."""
         if self._sched_side is None or self._policy is not None:
             return
-        self._policy = scheduler_client(self._sched_side.config, metadata)
+        self._policy = scheduler_client(self._sched_side.config, metadata,
+                                        self._sched().reporter)
         if self._policy is not None:
             self._sched().admission = self._policy
 

@@ -12,7 +12,10 @@ service counts it too).
 Who is in charge (``in_charge``): ``"service"`` while a snapshot arrived within ``stale_s``
 and the records socket is connected (its monitor saw the handshake); otherwise ``"master"``:
 every chunk is saved and the master's own eviction (``eviction_high_watermark_ratio`` below
-1.0) keeps the pool from wedging full.
+1.0) keeps the pool from wedging full. With a ``reporter`` (the scheduler's agent) the sender
+thread reports who is in charge, how long the service has been silent and the records sent and
+dropped every ``REPORT_EVERY_S`` and at once on a change (``Reporter.policy``): the console
+shows it per engine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent.auth import ClientKeys
+from kvpool_agent.reporter import NullReporter, Reporter
 from kvpool_connector.admission import doorkeeper_seen
 from kvpool_connector.policy_wire import (
     WIRE_VERSION,
@@ -39,8 +43,8 @@ from kvpool_connector.policy_wire import (
     policy_ports,
 )
 
-__all__ = ["DEFAULT_STALE_S", "MAX_QUEUED", "SEND_HWM", "InCharge", "PolicyClient",
-           "wait_snapshot"]
+__all__ = ["DEFAULT_STALE_S", "MAX_QUEUED", "REPORT_EVERY_S", "SEND_HWM", "InCharge",
+           "PolicyClient", "wait_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,10 @@ MAX_QUEUED = 4_096
 
 SEND_HWM = 64
 """Batches ZMQ queues for the service at most (``SNDHWM``); past it a send is dropped."""
+
+REPORT_EVERY_S = 1.0
+"""Seconds between two ``Reporter.policy`` events (a change of ``in_charge`` is reported at
+once)."""
 
 _BATCH = 256
 _TICK_S = 0.02
@@ -71,6 +79,7 @@ class PolicyClient:
         layout: this engine's layout (digest, every shard's key prefix).
         chunk_bytes: bytes of one chunk in the pool, every rank's keys (> 0).
         stale_s: seconds without a snapshot before the master is in charge.
+        reporter: the scheduler's agent events (``Reporter.policy``); ``None``: no agent.
 
     Attributes:
         sent: records handed to ZMQ (``dropped``: not delivered, queue full or ZMQ refused).
@@ -81,7 +90,7 @@ class PolicyClient:
 
     def __init__(self, address: str, keys: ClientKeys | None, engine: str,
                  layout: PolicyLayout, chunk_bytes: int, *,
-                 stale_s: float = DEFAULT_STALE_S) -> None:
+                 stale_s: float = DEFAULT_STALE_S, reporter: Reporter | None = None) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self._records_at, self._snapshots_at = policy_ports(address)
@@ -90,6 +99,9 @@ class PolicyClient:
         self._queue: deque[PolicyRecord] = deque()
         self._snapshot: AdmissionSnapshot | None = None
         self._heard = -float("inf")
+        self._started = time.monotonic()
+        self._address = address
+        self._reporter = reporter if reporter is not None else NullReporter()
         # Two writers, one counter each: the scheduler thread's and the sender thread's.
         self._dropped_queued = self._dropped_sent = 0
         self.sent = 0
@@ -157,6 +169,8 @@ class PolicyClient:
         poller.register(mon, zmq.POLLIN)
         decoder = msgspec.msgpack.Decoder(AdmissionSnapshot)
         encoder = msgspec.msgpack.Encoder()
+        reported: InCharge | None = None
+        reported_at = -float("inf")
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(int(_TICK_S * 1e3)))
@@ -166,11 +180,26 @@ class PolicyClient:
                     ev = recv_monitor_message(mon)["event"]
                     self.records_connected = ev == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self._send(push, encoder)
+                reported, reported_at = self._report(reported, reported_at)
         finally:
             push.disable_monitor()
             mon.close(0)
             push.close(0)
             sub.close(0)
+
+    def _report(self, reported: InCharge | None,
+                reported_at: float) -> tuple[InCharge | None, float]:
+        """Tell the agent who is in charge (``Reporter.policy``) on a change or once
+        ``REPORT_EVERY_S`` passed since ``reported_at`` (monotonic s); returns what was
+        reported last and when."""
+        now = time.monotonic()
+        who = self.in_charge
+        if who == reported and now - reported_at < REPORT_EVERY_S:
+            return reported, reported_at
+        silent_s = now - (self._heard if self._snapshot is not None else self._started)
+        self._reporter.policy(who, self._address, silent_s * 1e3, self.stale_s * 1e3,
+                              self.records_connected, self.sent, self.dropped)
+        return who, now
 
     def _receive(self, sub: zmq.Socket[bytes], decoder: msgspec.msgpack.Decoder[
             AdmissionSnapshot]) -> None:

@@ -204,8 +204,10 @@ def status_document(view: FleetView) -> dict[str, Any]:
     local_hit_rate, recomputed_tokens, miss_tokens (by reason, not_in_pool split
     by the hub into never_saved, evicted and other_digest), top_miss, top_miss_fix (its fix
     for this engine), pool_evicted_keys, saves_skipped, versions, layout (its ``fingerprint``:
-    the weights' identity) and adapters (LoRA name -> content identity, ``lora:<hex>``); plus
-    its ``agents``),
+    the weights' identity), adapters (LoRA name -> content identity, ``lora:<hex>``) and, for
+    an engine with ``admission: service``, who steers its saves (``policy``,
+    ``policy_in_charge``, ``policy_service``, ``policy_silent_ms``, ``policy_records_sent``,
+    ``policy_records_dropped``; empty/0 for any other); plus its ``agents``),
     ``alerts``, ``pools``, ``totals``, ``hub_counters`` (the hub's own counters since it
     started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
     does not send them) and ``now_ms``."""

@@ -26,6 +26,7 @@ from kvpool_agent.protocol import (
     CommandReply,
     EngineState,
     FlushResult,
+    PolicySteering,
     ReuseView,
     Source,
     StartFailure,
@@ -34,6 +35,7 @@ from kvpool_console._miss_fixes import miss_fix
 from kvpool_console._transport import saves_in_flight
 from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
 from kvpool_console.alerts.adapters import engine_adapters
+from kvpool_console.alerts.policy import engine_policy, policy_text
 from kvpool_console.rows import AgentRow, EngineRow, FleetView, PoolRow, Totals
 
 __all__ = [
@@ -198,6 +200,7 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         if f is not None and (failure is None or f.ts_ms > failure.ts_ms):
             failure = f
     pool = pool_st.pool if pool_st is not None else None
+    steering = engine_policy(group)
     return EngineRow(
         engine_id=engine_id, role=head.instance_role, kv_role=head.kv_role,
         ranks=f"dp{_span(dp)} tp{_span(tp)} pp{_span(pp)}" if workers else "-",
@@ -233,7 +236,18 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
         **_kv_facts(described.layout if described else {}),
         loaded_bytes_by_group=dict(sorted(by_group["loaded"].items())),
         saved_bytes_by_group=dict(sorted(by_group["saved"].items())),
+        **_policy_facts(steering),
     )
+
+
+def _policy_facts(p: PolicySteering | None) -> dict[str, Any]:
+    """``EngineRow.policy*`` from an engine's ``PolicySteering`` (defaults without one)."""
+    if p is None:
+        return {}
+    return {"policy": policy_text(p), "policy_in_charge": p.in_charge,
+            "policy_service": p.service, "policy_silent_ms": p.silent_ms,
+            "policy_records_sent": p.records_sent,
+            "policy_records_dropped": p.records_dropped}
 
 
 def _kv_facts(layout: Mapping[str, str | int]) -> dict[str, Any]:

@@ -154,6 +154,21 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     saves: SavesInFlight = msgspec.field(default_factory=SavesInFlight)
     """Its saves in flight and transport failures (``_transport.saves_in_flight``, the age as
     of its newest report; issue 38)."""
+    policy: str = ""
+    """Who steers its saves when it is configured for the policy service (``admission:
+    service``; ``alerts.policy.policy_text``): ``policy: service`` or ``policy: master
+    (service silent 12.0 s)``; ``""`` for any other engine."""
+    policy_in_charge: str = ""
+    """``service`` or ``master`` (``EngineState.policy``); ``""`` for any other engine."""
+    policy_service: str = ""
+    """The policy service's address it is configured for (``tcp://HOST:PORT``)."""
+    policy_silent_ms: float = 0.0
+    """Ms since its scheduler's last snapshot of the service (since its client started
+    when none came), as of its last report."""
+    policy_records_sent: int = 0
+    policy_records_dropped: int = 0
+    """Access records its scheduler handed to the service / dropped (counters since its
+    client started)."""
 
     @property
     def state(self) -> str:

@@ -29,6 +29,7 @@ from kvpool_console.alerts.alert import (
     make_alert,
     pool_name,
 )
+from kvpool_console.alerts.policy import policy_alerts
 from kvpool_console.alerts.settings import STUCK_FLOOR_MS, STUCK_MULTIPLE, AlertSettings
 from kvpool_console.alerts.versions import version_alerts
 
@@ -564,6 +565,7 @@ def evaluate(
     out.extend(_namespace_alerts(groups, now_ms))
     out.extend(adapter_alerts(groups, now_ms))
     out.extend(version_alerts(groups, now_ms))
+    out.extend(policy_alerts(groups, last_seen_ms, now_ms, cfg.stale_after_ms))
     for engine_id in sorted(groups):
         group = groups[engine_id]
         failures = [s for s in group if s.start_failure is not None]

@@ -144,7 +144,10 @@ class EngineDetailScreen(Screen[None]):
                or row.saved_bytes_by_group else "")
             + ("\nversions: $versions" if row.versions else "")
             + ("\nidentity: $identity" if (identity := identity_line(row, states)) else "")
-            + ("\nsaves: $saves" if (saves := saves_line(row.engine_id, states, now_ms)) else ""),
+            + ("\nsaves: $saves" if (saves := saves_line(row.engine_id, states, now_ms)) else "")
+            + ("\n$policy" if row.policy else ""),
+            policy=visible(f"{row.policy}; service {row.policy_service}, records sent "
+                           f"{row.policy_records_sent} dropped {row.policy_records_dropped}"),
             engine=visible(row.engine_id), state=state, identity=visible(identity),
             saves=visible(saves),
             versions=visible(" ".join(f"{k} {v}" for k, v in row.versions.items())),

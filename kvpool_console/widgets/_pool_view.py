@@ -1,5 +1,6 @@
 """The Pool tab: one line of fleet pool totals (and one of the hub's shed and refusal
-counters, from a hub that sends them), the reuse panel (hit rate next to the hub's
+counters, from a hub that sends them, and one of who steers the engines configured for the
+policy service, when there are any), the reuse panel (hit rate next to the hub's
 reuse ceiling and the what-if curve, ``_reuse_panel``), a row per pool (with its disk tier and
 the reads served from memory and from disk), a row per pool segment, and an HA pool's masters
 (``_masters``)."""
@@ -12,8 +13,9 @@ from textual.reactive import var
 from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
+from kvpool_console.alerts.alert import engines_text
 from kvpool_console.model import fmt_bytes
-from kvpool_console.rows import FleetView, PoolRow
+from kvpool_console.rows import EngineRow, FleetView, PoolRow
 from kvpool_console.widgets._masters import MastersTable
 from kvpool_console.widgets._reuse_panel import ReusePanel
 
@@ -76,6 +78,8 @@ class PoolView(TabPane):
             f"save {fmt_bytes(t.save_bytes_per_s)}/s")
         if view.hub_counters:
             summary.append_text(_hub_line(view.hub_counters))
+        if any(e.policy_in_charge for e in view.engines):
+            summary.append_text(_policy_line(view.engines))
         self.query_one("#pool-summary", Static).update(summary)
 
 
@@ -92,6 +96,22 @@ def _hub_line(counters: dict[str, int]) -> Text:
     line = f"\nhub since start: {counters.get('reports', 0):,} reports; " + ", ".join(
         f"{name.replace('_', ' ')} {n:,}" for name, n in shown)
     return Text(line, style="yellow" if any(n for _, n in shown) else "dim")
+
+
+def _policy_line(engines: list[EngineRow]) -> Text:
+    """``\npolicy: the service steers N engines; the master M: e3 (service silent 12.0 s)``
+    over the engines configured for the policy service (``EngineRow.policy``): yellow when the
+    master steers any (``policy_master``)."""
+    steered = [e.engine_id for e in engines if e.policy_in_charge == "service"]
+    master = [e for e in engines if e.policy_in_charge == "master"]
+    line = f"\npolicy: the service steers {len(steered)} engine(s)"
+    if steered:
+        line += f" ({engines_text(steered, 4)})"
+    if master:
+        shown = [f"{e.engine_id} {e.policy.removeprefix('policy: master ')}" for e in master[:4]]
+        more = f" and {len(master) - 4} more" if len(master) > 4 else ""
+        line += f"; the master steers {len(master)}: {', '.join(shown)}{more}"
+    return Text(line, style="yellow" if master else "dim")
 
 
 def _disk(p: PoolRow) -> str:

@@ -1,0 +1,67 @@
+"""Who steers the saves of engines configured for the pool-wide policy service (``admission:
+service``, issue 40 item 1): each one's scheduler reports it (``EngineState.policy``), and the
+``policy_master`` warning names the pools whose engines have the master in charge because the
+service has been silent past their stale time (every chunk saved, the master's watermark
+evicting: a working pool, not the policy configured)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from kvpool_agent.protocol import EngineState, PolicySteering
+from kvpool_console.alerts.alert import Alert, engines_text, fmt_ms, make_alert, pool_name
+
+__all__ = ["POLICY_HINT", "engine_policy", "policy_alerts", "policy_text"]
+
+POLICY_HINT = ("start or check the policy service: `kvpool-policy serve` beside the master "
+               "(`kvpool-policy status --listen ADDRESS --keys DIR` shows whether it "
+               "publishes), and the engines' `policy_service` address; see docs/policy.md")
+"""The fix ``policy_master`` gives."""
+
+
+def engine_policy(group: Iterable[EngineState]) -> PolicySteering | None:
+    """An engine's newest ``PolicySteering`` (its scheduler reports it), ``None`` for an engine
+    not configured for the service (or whose agents predate the field)."""
+    newest: PolicySteering | None = None
+    for s in group:
+        if s.policy is not None and (newest is None or s.policy.ts_ms > newest.ts_ms):
+            newest = s.policy
+    return newest
+
+
+def policy_text(p: PolicySteering) -> str:
+    """``policy: service`` or ``policy: master (service silent 12.0 s)`` (``records not
+    connected`` while snapshots still arrive)."""
+    if p.in_charge == "service":
+        return "policy: service"
+    why = (f"service silent {fmt_ms(p.silent_ms)}" if p.silent_ms >= p.stale_ms or
+           p.records_connected else "records not connected")
+    return f"policy: master ({why})"
+
+
+def policy_alerts(groups: Mapping[str, list[EngineState]], last_seen_ms: Mapping[str, float],
+                  now_ms: float, stale_after_ms: float) -> list[Alert]:
+    """``policy_master`` (warning), one per pool (subject its name): engines configured for
+    the policy service whose scheduler has had the master in charge for at least its stale
+    time (``PolicySteering.silent_ms >= stale_ms``). Engines silent past ``stale_after_ms``
+    (ms) are left out: their report is old (``stale`` names them)."""
+    by_pool: dict[str, tuple[list[str], set[str], float]] = {}
+    for eid, group in groups.items():
+        p = engine_policy(group)
+        if p is None or p.in_charge != "master" or p.silent_ms < p.stale_ms:
+            continue
+        seen = max(last_seen_ms.get(s.source.agent_id, s.ts_ms) for s in group)
+        if now_ms - seen > stale_after_ms:
+            continue
+        st = next((s for s in group if s.policy is not None), group[0])
+        name = pool_name(st)
+        engines, services, silent = by_pool.get(name, ([], set(), 0.0))
+        engines.append(eid)
+        services.add(p.service or "?")
+        by_pool[name] = (engines, services, max(silent, p.silent_ms))
+    return [make_alert(
+        "policy_master", "warning", pool,
+        f"the master is in charge of {len(engines)} engine(s) configured for the policy "
+        f"service ({engines_text(engines)}): {', '.join(sorted(services))} silent "
+        f"{fmt_ms(silent)}; every chunk is saved and the master's watermark evicts",
+        POLICY_HINT, now_ms) for pool, (engines, services, silent) in sorted(by_pool.items())]

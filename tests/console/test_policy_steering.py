@@ -1,0 +1,121 @@
+"""Who steers the engines configured for the policy service (``EngineState.policy``, issue 40
+item 1) in ``status --json``, on the Pool tab and as the ``policy_master`` warning; engines
+without it show nothing. The live path (a real service, agent and hub) is
+tests/policy/test_policy_console_live.py."""
+
+from __future__ import annotations
+
+import msgspec
+from fleetdata import NOW_MS, engine
+from textual.widgets import Static
+
+from kvpool_agent.protocol import EngineState, PolicySteering
+from kvpool_console.alerts import evaluate
+from kvpool_console.app import KVPoolConsole
+from kvpool_console.cli import status_document
+from kvpool_console.model import build_view
+from kvpool_console.screens import EngineDetailScreen
+from kvpool_console.source import StaticSource
+from kvpool_console.widgets import FleetTable
+
+SERVICE = "tcp://10.0.0.5:5600"
+
+
+def _steered(engine_id: str, in_charge: str, silent_ms: float, *, sent: int = 40,
+             dropped: int = 0, age_ms: float = 300.0) -> dict[str, EngineState]:
+    states = engine(engine_id, role="mixed", age_ms=age_ms)
+    key = f"{engine_id}/scheduler"
+    states[key] = msgspec.structs.replace(states[key], policy=PolicySteering(
+        ts_ms=NOW_MS - age_ms, in_charge=in_charge,  # type: ignore[arg-type]
+        service=SERVICE, silent_ms=silent_ms, stale_ms=3_000.0,
+        records_connected=in_charge == "service", records_sent=sent, records_dropped=dropped))
+    return states
+
+
+def _fleet() -> dict[str, EngineState]:
+    return {**_steered("svc-a", "service", 400.0), **_steered("svc-b", "master", 12_000.0,
+                                                              sent=70, dropped=9),
+            **engine("plain", role="mixed")}
+
+
+def _doc(states: dict[str, EngineState]) -> dict:
+    seen = {a: NOW_MS for a in states}
+    return status_document(build_view(states, seen, NOW_MS,
+                                      alerts=evaluate(states, seen, NOW_MS)))
+
+
+def test_status_json_says_who_steers_each_engine_configured_for_the_service() -> None:
+    doc = _doc(_fleet())
+    rows = {e["engine_id"]: e for e in doc["engines"]}
+    keys = ("policy", "policy_in_charge", "policy_service", "policy_silent_ms",
+            "policy_records_sent", "policy_records_dropped")
+    assert {k: rows["svc-a"][k] for k in keys} == {
+        "policy": "policy: service", "policy_in_charge": "service", "policy_service": SERVICE,
+        "policy_silent_ms": 400.0, "policy_records_sent": 40, "policy_records_dropped": 0}
+    assert {k: rows["svc-b"][k] for k in keys} == {
+        "policy": "policy: master (service silent 12.0 s)", "policy_in_charge": "master",
+        "policy_service": SERVICE, "policy_silent_ms": 12_000.0, "policy_records_sent": 70,
+        "policy_records_dropped": 9}
+    assert {k: rows["plain"][k] for k in keys} == {
+        "policy": "", "policy_in_charge": "", "policy_service": "", "policy_silent_ms": 0.0,
+        "policy_records_sent": 0, "policy_records_dropped": 0}
+    (alert,) = [a for a in doc["alerts"] if a["rule"] == "policy_master"]
+    assert alert["severity"] == "warning"
+    # One alert for the pool (named by its segments: no master address in this fleet).
+    assert alert["subject"] == "mooncake:127.0.0.1:15001,127.0.0.1:15002"
+    assert [p["name"] for p in doc["pools"]] == [alert["subject"]]
+    assert alert["message"] == (
+        f"the master is in charge of 1 engine(s) configured for the policy service (svc-b): "
+        f"{SERVICE} silent 12.0 s; every chunk is saved and the master's watermark evicts")
+    assert "`kvpool-policy serve`" in alert["hint"] and "docs/policy.md" in alert["hint"]
+
+
+def test_no_warning_before_the_stale_time_nor_for_a_silent_engine() -> None:
+    # Just started (no snapshot yet, 1.2 s of a 3 s stale time): shown, not alerted.
+    young = _steered("young", "master", 1_200.0)
+    doc = _doc(young)
+    assert doc["engines"][0]["policy"] == "policy: master (records not connected)"
+    assert [a for a in doc["alerts"] if a["rule"] == "policy_master"] == []
+    # An engine silent past the stale threshold: its report is old, ``stale`` names it.
+    old = _steered("old", "master", 60_000.0, age_ms=10_000.0)
+    seen = {a: NOW_MS - 10_000.0 for a in old}
+    rules = {a.rule for a in evaluate(old, seen, NOW_MS)}
+    assert "stale" in rules and "policy_master" not in rules
+
+
+async def test_pool_tab_names_who_steers() -> None:
+    app = KVPoolConsole(StaticSource(_fleet()), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(200, 40)) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        summary = str(app.query_one("#pool-summary", Static).render())
+    line = summary.splitlines()[-1]
+    assert line == ("policy: the service steers 1 engine(s) (svc-a); the master steers 1: "
+                    "svc-b (service silent 12.0 s)")
+
+
+async def test_pool_tab_without_service_engines_has_no_policy_line() -> None:
+    app = KVPoolConsole(StaticSource(engine("plain", role="mixed")), refresh_s=3600,
+                        clock=lambda: NOW_MS)
+    async with app.run_test(size=(200, 40)) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        summary = str(app.query_one("#pool-summary", Static).render())
+    assert "policy" not in summary
+
+
+async def test_detail_screen_names_who_steers_only_for_service_engines() -> None:
+    app = KVPoolConsole(StaticSource(_fleet()), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(160, 40)) as pilot:
+        table = app.query_one(FleetTable)
+        seen = {}
+        for eid in ("svc-b", "plain"):
+            table.move_cursor(row=table.get_row_index(f"e:{eid}"))
+            await pilot.press("enter")
+            assert isinstance(app.screen, EngineDetailScreen)
+            seen[eid] = str(app.screen.query_one("#detail-summary", Static).visual)
+            await pilot.press("escape")
+    assert seen["svc-b"].splitlines()[-1] == (
+        f"policy: master (service silent 12.0 s); service {SERVICE}, records sent 70 "
+        f"dropped 9")
+    assert "policy" not in seen["plain"]
