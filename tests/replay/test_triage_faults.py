@@ -59,11 +59,13 @@ class Fleet:
     client: FleetClient
     model: str
     procs: dict[str, Any] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    """Engine id -> its ``lookup_rpc_port``."""
 
     def start(self, engine_id: str, *, kv_role: str = "kv_both", chunk_size: int = 512,
               extra: dict[str, Any] | None = None, limit: int = 400,
               model: str | None = None, port: int | None = None,
-              lease_ttl_ms: int = LEASE_TTL_MS) -> Any:
+              lease_ttl_ms: int = LEASE_TTL_MS, speedup: float = 4.0) -> Any:
         cfg = mooncake_extra_config(self.master.address, self.master.admin_url,
                                     lease_ttl_ms=lease_ttl_ms)
         spec = EngineSpec(
@@ -71,7 +73,7 @@ class Fleet:
             master_address=self.master.address, model=model or self.model, shape=DEMO_SHAPE,
             chunk_size=chunk_size,
             trace_path=str(default_trace_path("conversation_trace.jsonl")),
-            indices=list(range(limit)), speedup=4.0, agent_address=self.hub_address,
+            indices=list(range(limit)), speedup=speedup, agent_address=self.hub_address,
             lookup_rpc_port=port or free_port(),
             result_path=str(self.workdir / f"{engine_id}.result.json"),
             extra_config={**cfg, **(extra or {})},
@@ -80,6 +82,7 @@ class Fleet:
         proc = spawn_engine(spec, self.workdir, log=log)
         log.close()
         self.procs[engine_id] = proc
+        self.ports[engine_id] = spec.lookup_rpc_port
         return proc
 
     def stop(self, engine_id: str) -> None:
@@ -196,9 +199,37 @@ def shared_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servic
         yield services
 
 
+STEADY = "steady"
+"""The engine id of the module's steady engine (``steady_fleet``)."""
+STEADY_SPEEDUP = 0.25
+"""The steady engine replays slowly: it only has to keep saving (the conversation trace's first
+requests come about 12 a second) while it runs beside the module's other tests."""
+
+
+@pytest.fixture(scope="module")
+def steady_fleet(shared_services: Services,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A fleet of one healthy engine (``STEADY``, on a lookup port of its own, saving) on the
+    shared services, for the tests that need an engine running: the holder of a port, the
+    engine whose saves a stopped store holds, one side of a namespace split. Started (not
+    awaited) with the module's first shared-fleet test, so its start overlaps that test's;
+    each test that uses it waits for it (``_steady``) and leaves it running and healthy."""
+    with _fleet_on(shared_services, tmp_path_factory.mktemp("triage-steady")) as f:
+        f.start(STEADY, port=free_port(), limit=LONG_REPLAY, speedup=STEADY_SPEEDUP)
+        yield f
+
+
+def _steady(steady: Fleet) -> Fleet:
+    """``steady`` once its engine reports its layout and has finished a save."""
+    steady.wait(f"{STEADY} reporting and saving", lambda _: any(
+        s.source.engine_id == STEADY and s.source.layout_digest and s.transfers.saves_finished
+        for s in steady.fleet()[0].values()))
+    return steady
+
+
 @pytest.fixture
-def fleet(shared_services: Services, tmp_path: Path) -> Iterator[Fleet]:
-    """The test's fleet on the module's shared services."""
+def fleet(shared_services: Services, steady_fleet: Fleet, tmp_path: Path) -> Iterator[Fleet]:
+    """The test's fleet on the module's shared services (beside the steady engine)."""
     with _fleet_on(shared_services, tmp_path) as f:
         yield f
 
@@ -254,32 +285,26 @@ def test_start_failure_is_a_fleet_event_until_the_engine_starts(fleet: Fleet) ->
     fleet.wait("start_failed cleared", _gone("start_failed", "m-a"))
 
 
-def test_lookup_port_held_is_a_start_failure(fleet: Fleet) -> None:
-    port = free_port()
-    fleet.start("holder", port=port)
-    fleet.wait("holder reporting", lambda _: any(
-        s.source.engine_id == "holder" and s.source.layout_digest
-        for s in fleet.fleet()[0].values()))
+def test_lookup_port_held_is_a_start_failure(fleet: Fleet, steady_fleet: Fleet) -> None:
+    # The steady engine holds its lookup port.
+    port = _steady(steady_fleet).ports[STEADY]
     proc = fleet.start("second", port=port)
     a = fleet.wait("start_failed", _find("start_failed", "second"))
     assert proc.wait(timeout=60) != 0
-    assert ": PortInUse: " in a.message and "holder" in a.message
+    assert ": PortInUse: " in a.message and STEADY in a.message
     assert "its own kv_connector_extra_config.lookup_rpc_port" in a.hint
     fleet.procs.pop("second")
     fleet.start("second")  # its own port now
     fleet.wait("start_failed cleared", _gone("start_failed", "second"))
 
 
-def test_stopped_store_raises_stuck_transfer_and_clears(fleet: Fleet) -> None:
-    fleet.start("e-a")
-    fleet.wait("e-a saving", lambda _: any(
-        s.source.engine_id == "e-a" and s.transfers.saves_finished
-        for s in fleet.fleet()[0].values()))
+def test_stopped_store_raises_stuck_transfer_and_clears(steady_fleet: Fleet) -> None:
+    fleet = _steady(steady_fleet)  # saving
     assert fleet.store.proc is not None
     t0 = time.monotonic()
     os.kill(fleet.store.proc.pid, signal.SIGSTOP)
     try:
-        a = fleet.wait("stuck_transfer", _find("stuck_transfer", "e-a"))
+        a = fleet.wait("stuck_transfer", _find("stuck_transfer", STEADY))
         print(f"store SIGSTOP: stuck_transfer after {time.monotonic() - t0:.1f} s")
     finally:
         os.kill(fleet.store.proc.pid, signal.SIGCONT)
@@ -289,23 +314,24 @@ def test_stopped_store_raises_stuck_transfer_and_clears(fleet: Fleet) -> None:
         a.message
     assert "likely owner: " in a.message
     assert "store process" in a.hint
-    fleet.wait("stuck_transfer cleared", _gone("stuck_transfer", "e-a"))
+    fleet.wait("stuck_transfer cleared", _gone("stuck_transfer", STEADY))
 
 
-def test_namespace_split_names_the_difference(fleet: Fleet) -> None:
-    fleet.start("n-a", chunk_size=512)
-    fleet.start("n-b", chunk_size=1024)
-    a = fleet.wait("namespace_split", _find("namespace_split", fleet.model))
+def test_namespace_split_names_the_difference(fleet: Fleet, steady_fleet: Fleet) -> None:
+    # n-b joins the steady engine's model (chunks of 512) with chunks of 1024.
+    model = _steady(steady_fleet).model
+    fleet.start("n-b", chunk_size=1024, model=model)
+    a = fleet.wait("namespace_split", _find("namespace_split", model))
     assert "no shared hits: chunk_size 512 vs 1024" in a.message or \
         "no shared hits: chunk_size 1024 vs 512" in a.message
-    assert "n-a" in a.message and "n-b" in a.message
+    assert STEADY in a.message and "n-b" in a.message
     states, seen = fleet.fleet()
     rows = {r.engine_id: r for r in build_view(states, seen, time.time() * 1e3).engines}
-    assert rows["n-a"].namespace.startswith(f"{fleet.model} @") and \
-        rows["n-a"].namespace.endswith("chunk 512 block 16")
+    assert rows[STEADY].namespace.startswith(f"{model} @") and \
+        rows[STEADY].namespace.endswith("chunk 512 block 16")
     fleet.stop("n-b")
-    fleet.start("n-b", chunk_size=512)
-    fleet.wait("namespace_split cleared", _gone("namespace_split", fleet.model))
+    fleet.start("n-b", chunk_size=512, model=model)
+    fleet.wait("namespace_split cleared", _gone("namespace_split", model))
 
 
 def test_hung_then_gone(fleet: Fleet) -> None:
