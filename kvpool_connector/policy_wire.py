@@ -135,6 +135,10 @@ def policy_ports(address: str) -> tuple[str, str]:
         ValueError: not ``tcp://HOST:PORT`` with a port below 65535 (names the fix).
     """
     head, _, port = address.rpartition(":")
+    if address.startswith("tcp://") and port.isdigit() and int(port) == 65535:
+        raise ValueError(f"policy_service: {address!r}: port 65535 leaves no PORT+1 for the "
+                         "snapshots (ports go up to 65535): use a PORT up to 65534, e.g. "
+                         "tcp://10.0.0.5:5600")
     if not address.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65535:
         raise ValueError(f"policy_service: {address!r} is not tcp://HOST:PORT (records on PORT, "
                          "snapshots on PORT+1), e.g. tcp://10.0.0.5:5600")

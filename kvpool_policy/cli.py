@@ -1,14 +1,18 @@
 """``kvpool-policy serve``: the pool-wide policy service (``kvpool_policy.service``);
 ``kvpool-policy status``: whether it or the master is in charge of the pool.
 
-Bad input is one line naming the option and the fix, exit status 2.
+Bad input is one line naming the option and the fix, exit status 2, checked (keys, ports,
+the pool's capacity) before the Mooncake client starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import math
 import signal
+import socket
 import sys
 import threading
 
@@ -25,6 +29,19 @@ from kvpool_policy.service import DEFAULT_BUDGET, PolicyService
 
 __all__ = ["DEFAULT_FILL", "main"]
 
+_DESCRIPTION = """\
+kvpool-policy serve runs the pool-wide policy service beside mooncake_master: engines send it
+what they save and read, it tells them what to admit and removes what it evicts.
+kvpool-policy status says who is in charge of the pool: the service (its last snapshot) or the
+master (no snapshot within --wait). Bad input: one line naming the option, exit status 2."""
+
+_MASTER_WATERMARK = 0.9
+"""mooncake_master's default ``--eviction_high_watermark_ratio`` (the master does not export
+the ratio it runs with)."""
+
+_HUB_KEYS_FIX = ("pass the fleet's keys directory holding the hub's key pair (hub.key_secret, "
+                 "authorized_keys/): the DIR `kvpool-agent hub --keys DIR` runs with")
+
 DEFAULT_FILL = 0.8
 """Share of the pool's segments the service fills when ``--capacity`` is not given: below the
 master's ``eviction_high_watermark_ratio`` (0.9 in the documented deployments), so the master
@@ -32,31 +49,35 @@ evicts only while the service is away."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpool-policy", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvpool-policy", description=_DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the pool-wide policy service beside the master")
     s.add_argument("--listen", required=True,
                    help="tcp://HOST:P: records on P, admission snapshots on P+1")
     s.add_argument("--keys", required=True,
-                   help="the hub's keys directory (hub.key_secret, authorized_keys/agent/)")
+                   help="the hub's keys directory, the one kvpool-agent hub --keys runs with "
+                   "(hub.key_secret, authorized_keys/agent/)")
     s.add_argument("--master", required=True, help="the master's rpc address HOST:PORT")
     s.add_argument("--admin-url", required=True,
                    help="the master's admin URL(s), comma-separated for an HA pool")
     s.add_argument("--capacity", default=None,
                    help="bytes the service fills, e.g. 48GB (default: --fill of the pool)")
     s.add_argument("--fill", type=float, default=DEFAULT_FILL,
-                   help="share of the pool's segments to fill without --capacity")
+                   help="share of the pool's segments to fill without --capacity (default "
+                   "%(default)s; keep it below the master's eviction_high_watermark_ratio)")
     s.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
-                   help="chunk hashes a second per key")
+                   help="chunk hashes a second per key (default %(default)s)")
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
-                   help="the store clients' transfer timeout (the removal grace)")
+                   help="the store clients' transfer timeout in ms, the removal grace "
+                   "(default 60000)")
     st = sub.add_parser("status", help="who is in charge of the pool: the service (its last "
                         "snapshot) or the master (no snapshot within --wait)")
     st.add_argument("--listen", required=True, help="the service's tcp://HOST:P")
     st.add_argument("--keys", required=True,
                     help="a keys directory with hub.key and a viewer or operator pair")
     st.add_argument("--wait", type=float, default=DEFAULT_STALE_S,
-                    help="seconds to wait for a snapshot (an engine's policy_stale_ms)")
+                    help="seconds to wait for a snapshot, above 0 (default %(default)s: an "
+                    "engine's policy_stale_ms)")
     return p
 
 
@@ -66,7 +87,10 @@ def _status(args: argparse.Namespace) -> int:
     try:
         policy_ports(args.listen)
     except ValueError as exc:
-        return _fail(f"--listen: {exc}")
+        return _fail(f"--listen: {str(exc).removeprefix('policy_service: ')}")
+    if not (math.isfinite(args.wait) and args.wait > 0):
+        return _fail(f"--wait {args.wait:g}: must be a finite number of seconds above 0, e.g. "
+                     f"{DEFAULT_STALE_S:g} (the default)")
     try:
         paths = KeyPaths.of(args.keys)
         keys = paths.client(paths.console_role())
@@ -89,20 +113,80 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _warn(msg: str) -> None:
+    print(f"kvpool-policy: warning: {msg}", file=sys.stderr)
+
+
+def _hub_keys_problem(root: str) -> str | None:
+    """Why ``root`` is not a hub's keys directory (the message for ``--keys``), or None."""
+    paths = KeyPaths.of(root)
+    if not paths.root.is_dir():
+        return f"--keys {root}: no such directory: {_HUB_KEYS_FIX}"
+    if not paths.hub_secret.exists():
+        return (f"--keys {root}: no hub.key_secret here (a viewer's, operator's or engine's "
+                f"keys directory?): {_HUB_KEYS_FIX}")
+    if not paths.authorized_dir.is_dir():
+        return f"--keys {root}: no authorized_keys/ here: {_HUB_KEYS_FIX}"
+    try:
+        paths.hub()
+    except ValueError as exc:
+        return f"--keys {root}: {exc}"
+    return None
+
+
+def _listen_problem(listen: str) -> str | None:
+    """Why the service cannot bind ``listen``'s two ports (``tcp://HOST:P``: P and P+1), or
+    None: tried on plain sockets, closed at once, before the Mooncake client starts."""
+    try:
+        ends = policy_ports(listen)
+    except ValueError as exc:
+        return f"--listen: {str(exc).removeprefix('policy_service: ')}"
+    host = listen[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host in ("*", ""):
+        host = "0.0.0.0"
+    for end in ends:
+        port = int(end.rpartition(":")[2])
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except (socket.gaierror, UnicodeError):
+            if host in {name for _, name in socket.if_nameindex()}:
+                return None  # a network interface's name: ZeroMQ binds its address
+            return (f"--listen {listen}: host {host!r} does not resolve: give an address of "
+                    "this machine, e.g. tcp://0.0.0.0:5600 or tcp://127.0.0.1:5600")
+        with socket.socket(info[0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+            try:
+                probe.bind(info[4])
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (f"--listen {listen}: port {port} is in use (the service binds P "
+                            "and P+1): stop what holds it or pick another P")
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return (f"--listen {listen}: {host} is not an address of this machine: "
+                            "give one of its addresses, or tcp://0.0.0.0:P for all")
+                return f"--listen {listen}: cannot bind port {port}: {exc.strerror or exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":
         return _status(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     try:
         policy_ports(args.listen)
     except ValueError as exc:
-        return _fail(f"--listen: {exc}")
-    if not 0 < args.fill <= 1:
-        return _fail(f"--fill {args.fill}: must be in (0, 1], e.g. 0.8")
+        return _fail(f"--listen: {str(exc).removeprefix('policy_service: ')}")
+    if not (math.isfinite(args.fill) and 0 < args.fill <= 1):
+        return _fail(f"--fill {args.fill}: must be in (0, 1], e.g. {DEFAULT_FILL}")
     if args.budget < 1:
         return _fail(f"--budget {args.budget}: must be at least 1 record a second")
+    if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
+        return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
+                     "(default 60000, the store client's transfer timeout)")
+    problem = _hub_keys_problem(args.keys) or _listen_problem(args.listen)
+    if problem:
+        return _fail(problem)
     capacity = 0
     if args.capacity is not None:
         try:
@@ -111,13 +195,28 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--capacity: {exc}")
         if capacity < 1:
             return _fail("--capacity: must be more than 0 bytes, e.g. 48GB")
+        stats = fetch_mooncake_stats(args.admin_url)
+        if not stats.healthy:
+            _warn(f"--admin-url {args.admin_url}: the master did not answer "
+                  f"({stats.health_detail}): starting with no record of the pool's keys (the "
+                  "chunks already in it count only once engines save or read them again)")
     else:
         stats = fetch_mooncake_stats(args.admin_url)
+        if not stats.healthy:
+            return _fail(f"--admin-url {args.admin_url}: no pool capacity read, the master did "
+                         f"not answer ({stats.health_detail}): start mooncake_master or fix "
+                         "--admin-url, or give --capacity, e.g. 48GB")
         if not stats.total_bytes:
-            return _fail(f"--admin-url {args.admin_url}: no pool capacity read "
-                         f"({stats.health_detail or 'no segment mounted'}); start the store "
-                         "first or give --capacity")
+            return _fail(f"--admin-url {args.admin_url}: the pool has no capacity: no store "
+                         "segment is mounted (start a mooncake_client store with "
+                         "global_segment_size above 0 first), or give --capacity, e.g. 48GB")
         capacity = int(stats.total_bytes * args.fill)
+    if args.fill >= _MASTER_WATERMARK and args.capacity is None:
+        _warn(f"--fill {args.fill:g} is at or above mooncake_master's default "
+              f"eviction_high_watermark_ratio ({_MASTER_WATERMARK:g}; the master does not "
+              "export its own): the master's watermark would evict before the service does "
+              f"unless it runs a higher ratio; the default --fill is {DEFAULT_FILL:g}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     mc: dict[str, object] = {"master_server_address": args.master,
                              "master_admin_url": args.admin_url,
                              "global_segment_size": 0, "local_buffer_size": "16MB"}
