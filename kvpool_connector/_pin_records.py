@@ -188,8 +188,12 @@ class RecordStore:
         """
         start = max(since, 0)
         head = self._head()
+        read: dict[int, bytes | object] = {}
         if head > start and self.backend.batch_exists([self.version_key(head)]) == [1]:
-            start = head
+            read[head] = self._get(self.version_key(head), MAX_RECORD_BYTES)
+            good = read[head]
+            if isinstance(good, bytes) and good and not _bad_records(good):
+                start = head  # a head naming a version that is not records is ignored too
         seen = self._scan(start)
         if not seen:
             if since > 0 or head >= 0:
@@ -200,7 +204,7 @@ class RecordStore:
             return Newest(0, 0, data if isinstance(data, bytes) else b"")
         top = seen[-1]
         for s in reversed(seen):
-            data = self._get(self.version_key(s), MAX_RECORD_BYTES)
+            data = read[s] if s in read else self._get(self.version_key(s), MAX_RECORD_BYTES)
             if data is _BAD:
                 continue
             if not data:
@@ -246,7 +250,8 @@ class RecordStore:
         """Write ``change(top, newest good bytes)`` as version ``top + 1``, again on the newer
         version while another writer wins; ``since`` the version the caller applied last
         (``latest``). The bytes are ``None`` when every version found is oversized or not
-        records: ``change`` builds on what it holds, and the write supersedes them.
+        records and the caller read one before (``since >= 0``): ``change`` builds on what it
+        holds, and the write supersedes them (with ``since < 0`` it waits, then raises).
         ``change`` returns ``None`` to write nothing, or raises to give up. Returns the seq
         written, ``None`` when nothing was.
 
@@ -285,7 +290,9 @@ class RecordStore:
         records would drop its pins. Versions that never read (``final``) give ``None``."""
         while True:
             n = self.latest(since)
-            if n.data is not None or n.final:
+            if n.data is not None or (n.final and since >= 0):
+                # Every version found never reads: a writer that read one before builds on
+                # what it holds; one that never did would drop the pins, and waits.
                 return n.top, n.data
             if time.monotonic() > end:
                 raise BackendError(f"pin records at {self.key}: version {n.top} not readable")

@@ -232,3 +232,31 @@ def test_forged_versions_do_not_make_a_worker_renew_again_and_again(pool: Pool) 
     # worker's TTL whatever the versions say (was: one renewal per forged version).
     assert pins.renewals == 1
     assert upserted[0] == n
+
+
+def test_a_head_on_a_planted_version_makes_no_new_writer_drop_pins(
+        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpool_connector._pin_records as records
+
+    monkeypatch.setattr(records, "WRITE_DEADLINE_S", 1.0)
+    digest = "headbig"
+    key = pins_key(MODEL, digest)
+    pins = _pins(pool.victim, digest)
+    old = list(range(CHUNK))
+    pins.pin("old", old, "hard")  # v1
+    store = RecordStore(pool.other, key)
+    assert pool.other.create_record(store.version_key(2), msgspec.json.encode(
+        Records(2, [], 2, "x" * (8 << 20)))) == 0
+    assert pool.other.write_record(f"{key}@head", b"2") == 0
+    _wait(lambda: all(rc in (0, -704) for rc in pool.other.batch_remove([store.version_key(1)])),
+          10, "v1 removed (after the readers' lease)")
+    # A worker that never read the records: every version it finds is oversized. It must not
+    # write its pin over them alone (the layout's "old" pin would be lost): it fails instead.
+    fresh = _pins(pool.victim, digest)
+    with pytest.raises(BackendError, match="not readable"):
+        fresh.pin("new", list(range(300, 300 + CHUNK)), "hard")
+    assert not pool.victim.batch_exists([store.version_key(3)])[0]
+    # The worker that read v1 writes over the planted v2, holding both.
+    pins.pin("new", list(range(300, 300 + CHUNK)), "hard")
+    assert PinReader(pool.victim, MODEL, digest, CHUNK).read() == frozenset(
+        chunk_hashes(old, CHUNK) + chunk_hashes(list(range(300, 300 + CHUNK)), CHUNK))
