@@ -131,12 +131,15 @@ class PolicyDrill:
     every chunk meanwhile, the master in charge).
 
     Attributes: ``restarts`` (0 or 1), ``error`` (why the restart failed, or ``None``).
+    ``total``: the replay's requests: a restart with none left, or a replay that ends while
+    the service is down, is said as such (the drill then measured no restarted service).
     """
 
     def __init__(self, service: LocalPolicyService, done: Callable[[], int], after: int,
-                 down: int, down_s: float, on_status: Callable[[str], None]) -> None:
+                 down: int, down_s: float, on_status: Callable[[str], None], *,
+                 total: int | None = None) -> None:
         self.service, self._done, self.after, self.down = service, done, after, down
-        self.down_s, self._say = down_s, on_status
+        self.down_s, self._say, self.total = down_s, on_status, total
         self.restarts = 0
         self.error: str | None = None
         self._stop = threading.Event()
@@ -156,6 +159,9 @@ class PolicyDrill:
         self._say(f"policy service killed after {at} requests")
         while self._done() < at + self.down or time.monotonic() - killed < self.down_s:
             if self._stop.wait(0.05):
+                self._say(f"policy service not started again: the replay ended after "
+                          f"{self._done()} requests while it was down (at least "
+                          f"{self.down_s:g} s): give more requests after the kill")
                 return
         try:
             self.service.start()
@@ -163,7 +169,13 @@ class PolicyDrill:
             self.error = str(exc).splitlines()[0]
             return
         self.restarts += 1
-        self._say(f"policy service started again after {self._done()} requests")
+        done = self._done()
+        if self.total is not None and done >= self.total:
+            self._say(f"policy service started again after {done} requests, the replay's "
+                      f"last: no request ran under the restarted service (the {self.down_s:g} "
+                      "s down took the rest): give more requests after the kill")
+        else:
+            self._say(f"policy service started again after {done} requests")
 
     def join(self) -> None:
         """Stop waiting (the replay ended) and wait for the drill's thread."""

@@ -118,7 +118,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
             (``_ha.LocalHaPool``, shared mode only), addressed as ``etcd://``.
         kill_policy_after: with ``admission: service``, SIGKILL the policy service once this
             many requests are done and start it again as many requests and at least
-            ``POLICY_DOWN_S`` later (``PolicyDrill``).
+            ``POLICY_DOWN_S`` later (``PolicyDrill``); the replay needs more than twice this
+            many requests (``ValueError`` otherwise).
         kill_leader_after_s: with ``ha`` >= 2, SIGKILL the leader master this many seconds
             after the replay started (``_ha.FailoverDrill``).
         model: model name in keys (one namespace per run).
@@ -382,6 +383,12 @@ def run_replay(
                      else 1.0 if steered else _POOL_WATERMARK)
     lease_ms = cfg.lease_ms
     trace = load_trace(cfg.trace_path, limit=cfg.limit)
+    if cfg.kill_policy_after is not None and len(trace) <= 2 * cfg.kill_policy_after:
+        n = cfg.kill_policy_after
+        raise ValueError(f"--kill-policy-after {n}: the drill kills the service after {n} "
+                         f"requests and starts it again {n} requests later, so it needs more "
+                         f"than {2 * n} requests and this replay has {len(trace)} (--limit or "
+                         f"the trace): raise --limit above {2 * n} or lower N")
     n_eng = cfg.engines
     shares = [list(range(i, len(trace), n_eng)) for i in range(n_eng)]
     model = cfg.model or f"replay-{os.getpid()}-{int(time.time() * 1e3)}"
@@ -514,7 +521,8 @@ def run_replay(
         policy_drill = None
         if policy is not None and cfg.kill_policy_after is not None:
             policy_drill = PolicyDrill(policy, lambda: receiver.done, cfg.kill_policy_after,
-                                       cfg.kill_policy_after, POLICY_DOWN_S, say).start()
+                                       cfg.kill_policy_after, POLICY_DOWN_S, say,
+                                       total=len(trace)).start()
         results, errors = _run_engines(procs, receiver)
         if policy_drill is not None:
             policy_drill.join()

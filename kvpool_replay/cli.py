@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"run at watermark 1.0 with a {CONNECTOR_EVICTION_LEASE_MS} ms lease)")
     p.add_argument("--kill-policy-after", type=_positive_int, default=None, metavar="N",
                    help="with --admission service: kill the policy service after N requests "
-                   "and start it again N requests and at least 4 s later")
+                   "and start it again N requests and at least 4 s later; needs more than 2N "
+                   "requests (--limit above 2N), and requests left once the 4 s passed, or "
+                   "nothing runs under the restarted service")
     p.add_argument("--disk-tier-tokens", type=_positive_int, default=None, metavar="N",
                    help="a disk tier (Mooncake SSD offload) of N tokens of KV behind the pool's "
                    "memory (needs --pool-tokens; split per engine with --private)")
