@@ -303,6 +303,8 @@ class PoolPolicy:
         self._half_life = half_life
         self._engines_decide = engines_decide
         self._min_chunk_bytes = max(1, min_chunk_bytes)
+        self._doorkeeper_entries = max(4096, 8 * min(
+            _DOORKEEPER_MAX_CHUNKS, max(1, capacity_bytes // self._min_chunk_bytes)))
         # Sized on the first record: its ghosts count chunks, so they need a chunk's bytes.
         self._admission: AdaptiveAdmission | None = None
         self._pinned: set[PolicyKey] = set()
@@ -401,13 +403,20 @@ class PoolPolicy:
                 self._pinned_bytes -= nbytes
                 self._order.insert(key, nbytes)
 
-    def _admit(self, rec: AccessRecord) -> int:
-        if self._admission_kind == "all":
+    @property
+    def doorkeeper_entries(self) -> int:
+        """Chunks one generation of the doorkeeper's Bloom filter holds (before the first
+        record: as sized for ``min_chunk_bytes``)."""
+        return self._doorkeeper_entries
+
+    def _admit(self, rec: AccessRecord, feed: bool) -> int:
+        if self._admission_kind == "all" or not feed:
             return min(rec.wants, len(rec.hashes))
         if self._admission is None:
-            chunks = self.capacity_bytes // max(rec.chunk_bytes, self._min_chunk_bytes)
-            self._admission = AdaptiveAdmission(
-                min(_DOORKEEPER_MAX_CHUNKS, max(1, chunks)), half_life=self._half_life)
+            chunks = min(_DOORKEEPER_MAX_CHUNKS, max(
+                1, self.capacity_bytes // max(rec.chunk_bytes, self._min_chunk_bytes)))
+            self._doorkeeper_entries = max(4096, 8 * chunks)
+            self._admission = AdaptiveAdmission(chunks, half_life=self._half_life)
         admitted = self._admission.admit(rec.hashes)
         return min(rec.wants, len(rec.hashes) if self._engines_decide else admitted)
 
@@ -422,8 +431,10 @@ class PoolPolicy:
             evicted[key] = None
         return True
 
-    def record(self, rec: AccessRecord) -> Decision:
-        """Apply one access record (module docstring, steps 1-3).
+    def record(self, rec: AccessRecord, *, feed_admission: bool = True) -> Decision:
+        """Apply one access record (module docstring, steps 1-3). ``feed_admission=False``:
+        the record leaves the admission's state (ghosts, doorkeeper) as it was and saves its
+        leading ``wants`` chunks (the service's cap on what one key feeds the doorkeeper).
 
         Raises:
             ValueError: ``chunk_bytes`` < 1 or ``wants`` < 0.
@@ -439,7 +450,7 @@ class PoolPolicy:
                 break
             hits += 1
         was = {k for k in keys[hits:] if k in self}.union(keys[:hits])
-        admitted = self._admit(rec)
+        admitted = self._admit(rec, feed_admission)
         evicted: dict[PolicyKey, None] = {}
         inserted: dict[PolicyKey, int] = {}  # chunk -> its index in the record
         # Last to first: each chunk ends more recent than the chunks that extend it.

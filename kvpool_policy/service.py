@@ -53,7 +53,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpool_agent.auth import AllowList, KeyPaths
+from kvpool_agent.auth import AllowList, KeyPaths, bound_engine
 from kvpool_agent.masters import leader_admin_url
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import KEY_PREFIX
@@ -77,6 +77,7 @@ from kvpool_policy.policy import AccessRecord, PolicyKey, PoolPolicy
 __all__ = [
     "COUNTER_MAX",
     "DEFAULT_BUDGET",
+    "DOORKEEPER_SHARE",
     "LAYOUTS_PER_KEY",
     "LAYOUT_IDLE_S",
     "MAX_KEYS_PER_CHUNK",
@@ -125,6 +126,13 @@ MIN_CHUNK_BYTES = 64 << 10
 its Bloom filter is capped at ``kvpool_policy.policy.DOORKEEPER_MAX_MIB``): a first record of
 1-byte chunks cannot make it allocate capacity/1 entries."""
 
+DOORKEEPER_SHARE = 8
+"""One key feeds the doorkeeper at most a generation's entries over ``DOORKEEPER_SHARE`` a
+second (its records past it still move chunks, they only leave the admission's state alone):
+a chunk asked for stays in the filter at least ``DOORKEEPER_SHARE`` seconds against one key's
+flood, so a flood of records that save nothing (``wants=0``) cannot wipe the other engines'
+repeats."""
+
 COUNTER_MAX = 2**63 - 1
 """Every counter saturates here (msgpack encodes it)."""
 
@@ -157,6 +165,12 @@ class ServiceCounters:
     """Chunks of records not inserted because their layouts' key held its fair share."""
     errors: int = 0
     """Batches or publishes that raised (logged once each kind)."""
+    admission_capped: int = 0
+    """Records that did not feed the doorkeeper: their key's share of its Bloom insertions
+    (``DOORKEEPER_SHARE``) was spent."""
+    wrong_engine: int = 0
+    """Batches of an engine-bound agent key (``kvpool-agent authorize --engine``) naming
+    another engine id: dropped whole (their records counted ``malformed``)."""
     senders: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """(key, engine) -> (last seq, last reported dropped)."""
 
@@ -237,6 +251,7 @@ class PolicyCore:
         self._layouts: dict[str, _Declared] = {}
         self._chunk_bytes: dict[str, int] = {}
         self._resident: dict[str, int] = {}  # digest -> chunks the policy counts resident
+        self._feeds: dict[str, tuple[float, float]] = {}  # key -> doorkeeper tokens, when
 
     def _spend(self, who: str, n: int) -> bool:
         now = self._clock()
@@ -244,6 +259,18 @@ class PolicyCore:
         tokens = min(2.0 * self.budget, tokens + (now - then) * self.budget)
         ok = tokens >= n
         self._tokens[who] = (tokens - n if ok else tokens, now)
+        return ok
+
+    def _feeds_admission(self, who: str, n: int) -> bool:
+        """``who`` may add ``n`` more hashes to the doorkeeper (``DOORKEEPER_SHARE``)."""
+        rate = self.policy.doorkeeper_entries / DOORKEEPER_SHARE
+        now = self._clock()
+        tokens, then = self._feeds.get(who, (rate, now))
+        tokens = min(rate, tokens + (now - then) * rate)
+        ok = tokens >= n
+        self._feeds[who] = (tokens - n if ok else tokens, now)
+        if not ok:
+            self.counters.admission_capped = _sat(self.counters.admission_capped + 1)
         return ok
 
     def _sequence(self, who: str, batch: RecordBatch) -> None:
@@ -362,8 +389,10 @@ class PolicyCore:
                 continue
             self._adopt(rec.digest, rec.chunk_bytes)
             wants, own = self._fair(rec)
-            dec = self.policy.record(AccessRecord(rec.digest, tuple(rec.hashes),
-                                                  rec.chunk_bytes, wants, batch.engine))
+            dec = self.policy.record(
+                AccessRecord(rec.digest, tuple(rec.hashes), rec.chunk_bytes, wants,
+                             batch.engine),
+                feed_admission=self._feeds_admission(who, len(rec.hashes)))
             removals = own + dec.removals
             self._account(dec.saves, removals)
             c.records = _sat(c.records + 1)
@@ -437,7 +466,7 @@ class PolicyService:
         self.ctx = zmq.Context()
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
-        allow = AllowList(keys.authorized_dir, {RECORDS_DOMAIN: ("agent",),
+        self.allow = allow = AllowList(keys.authorized_dir, {RECORDS_DOMAIN: ("agent",),
                                                 SNAPSHOT_DOMAIN: ("agent", "viewer", "operator")})
         for domain in (RECORDS_DOMAIN, SNAPSHOT_DOMAIN):
             self.auth.configure_curve_callback(domain, allow)
@@ -498,6 +527,14 @@ class PolicyService:
                 batch = decoder.decode(frame.bytes)
             except msgspec.DecodeError:
                 self.core.counters.malformed = _sat(self.core.counters.malformed + 1)
+                continue
+            bound = bound_engine(self.allow.name(RECORDS_DOMAIN, who.encode()) or "")
+            if bound is not None and batch.engine != bound:
+                # An engine-bound key speaks for its engine only (counts of another engine's
+                # id would be spoofed).
+                c = self.core.counters
+                c.wrong_engine = _sat(c.wrong_engine + 1)
+                c.malformed = _sat(c.malformed + max(1, len(batch.records)))
                 continue
             self._guard("a record batch", functools.partial(self.core.apply, batch, who))
 

@@ -11,7 +11,10 @@ must change nothing (the victim's chunks stay, the service lives, its memory sta
   hard-pinned chunks read under the wrong model and removed);
 - A3: a layout of 256 prefixes x 1,024 layers (2.1M key strings from 8 hashes);
 - A5: one batch of 64 fake layouts (the layout table full for ever);
-- A6: an in-budget flood of records of 8,192 hashes (snapshots stopped for 44 s).
+- A6: an in-budget flood of records of 8,192 hashes (snapshots stopped for 44 s);
+- A7: a flood of records saving nothing (``wants=0``) wiping the doorkeeper's Bloom filter (the
+  victims' repeated prompts admitted 0 chunks);
+- an engine-bound key naming another engine's id, with A9.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import zmq
 from test_service_live import wait_for
 
 from kvpool_agent.auth import authorize_key, generate_keys, local_fleet_keys
+from kvpool_connector.admission import doorkeeper_seen
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import (
     ParallelLayout,
@@ -100,6 +104,11 @@ class Env:
         self.push.linger = 0
         self.attacker.client("agent").apply(self.push)
         self.push.connect(policy_ports(self.service.address)[0])
+        # The fleet-wide agent key (may name any engine id).
+        self.fleet = self.ctx.socket(zmq.PUSH)
+        self.fleet.linger = 0
+        self.keys["agent"].client("agent").apply(self.fleet)
+        self.fleet.connect(policy_ports(self.service.address)[0])
 
     def log(self) -> str:
         return self.service.log_path.read_text(errors="replace")[-3000:]
@@ -112,8 +121,8 @@ class Env:
         return float(psutil.Process(self.service.proc.pid).memory_info().rss / 2**20)
 
     def send(self, engine: str, seq: int, layouts: list[PolicyLayout],
-             records: list[PolicyRecord], dropped: int = 0) -> None:
-        self.push.send(msgspec.msgpack.encode(
+             records: list[PolicyRecord], dropped: int = 0, fleet: bool = False) -> None:
+        (self.fleet if fleet else self.push).send(msgspec.msgpack.encode(
             RecordBatch(1, engine, seq, dropped, layouts, records)))
 
     def snapshot(self, after: int = 0, timeout_s: float = 30.0) -> AdmissionSnapshot:
@@ -204,14 +213,18 @@ def test_a9_huge_dropped_counts_neither_stop_nor_poison_the_service(
         pool: LocalMooncakeMaster, tmp_path: Path) -> None:
     with service(tmp_path, pool) as env:
         first = env.snapshot()
-        env.send("e1", 0, [], [], dropped=2**63)
-        env.send("e2", 0, [], [], dropped=2**63)
-        env.send("e1", 2**63, [], [], dropped=2**64 - 1)  # and a seq leap
-        snap = env.settled(0)
+        env.send("e1", 0, [], [], dropped=2**63, fleet=True)
+        env.send("e2", 0, [], [], dropped=2**63, fleet=True)
+        env.send("e1", 2**63, [], [], dropped=2**64 - 1, fleet=True)  # and a seq leap
+        # The attacker's engine-bound key speaking for another engine: dropped whole.
+        env.send("victim-eng", 0, [ATTACKER],
+                 [PolicyRecord(ATTACKER.digest, [h("x")], CHUNK, 1)], dropped=2**63)
+        snap = env.settled(1)
         later = env.snapshot(snap.version)  # published after the batches: encoded fine
         assert env.alive(), env.log()
         assert later.service == first.service  # the same run: never restarted
-        assert later.dropped <= 3 * MAX_QUEUED
+        assert later.records == 0
+        assert 1 <= later.dropped <= 3 * MAX_QUEUED + 1
 
 
 def test_a4b_one_record_of_1_byte_chunks_cannot_size_the_bloom_filter(
@@ -338,3 +351,43 @@ def test_a6_a_flood_of_the_largest_records_keeps_snapshots_coming(
         assert sent[0] == 400
         assert max(gaps) < 1.5, gaps  # an engine's policy_stale_ms is 3 s by default
         assert env.rss_mib() - rss0 < 200
+
+
+def test_a7_records_that_save_nothing_cannot_wipe_the_doorkeeper(
+        pool: LocalMooncakeMaster, tmp_path: Path) -> None:
+    with service(tmp_path, pool) as env:
+        vic = env.client("victim-eng", VICTIM)
+        repeat = [h(f"R{i}") for i in range(64)]
+        stop = threading.Event()
+        sent = [0]
+
+        def flood() -> None:  # 82,000 fresh hashes a second, each record saving nothing
+            k = 0
+            while not stop.is_set():
+                fresh = [h(f"F{k}-{i}") for i in range(8_192)]
+                env.send("attacker-eng", k, [ATTACKER],
+                         [PolicyRecord(ATTACKER.digest, fresh, CHUNK, 0),
+                          PolicyRecord(ATTACKER.digest, repeat, CHUNK, 0)])
+                k += 1
+                sent[0] = k
+                stop.wait(0.1)
+
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        got = []
+        try:
+            wait_for(lambda: sent[0] >= 20, what="the flood under way")
+            for i in range(6):  # a victim's prompt asked, then again once a snapshot saw it
+                prompt = [h(f"v{i}-{j}") for j in range(8)]
+                sent0 = vic.sent
+                vic.admit(prompt)
+                wait_for(lambda s0=sent0: vic.sent > s0, what="the victim's record sent")
+                snap = env.snapshot()
+                snap = env.snapshot(env.snapshot(snap.version).version)
+                # What an engine's next ask is admitted under the doorkeeper: all 8 seen.
+                got.append(doorkeeper_seen(snap.bloom, snap.bits, prompt))
+        finally:
+            stop.set()
+            flooder.join()
+        assert env.alive(), env.log()
+        assert got == [8] * 6
