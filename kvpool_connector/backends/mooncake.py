@@ -74,6 +74,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -155,9 +156,10 @@ class MooncakeConfig(BaseModel):
     eviction_high_watermark_ratio: float = Field(default=0.9, gt=0, le=1)
     # mooncake_master's own default (--default_kv_lease_ttl, ms).
     default_kv_lease_ttl: int = Field(default=10_000, ge=0)
-    transfer_timeout_ms: int = Field(default=TRANSFER_TIMEOUT_MS, ge=0)
+    # Strict: a JSON true is not 1 ms (pydantic's lax int would read it so).
+    transfer_timeout_ms: StrictInt = Field(default=TRANSFER_TIMEOUT_MS, ge=0)
     # mooncake_master's own default (--max_kv_soft_pin_ttl, ms).
-    max_kv_soft_pin_ttl: int = Field(default=HARD_PIN_UPSERT_TTL_MS, gt=0)
+    max_kv_soft_pin_ttl: StrictInt = Field(default=HARD_PIN_UPSERT_TTL_MS, gt=0)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod

@@ -79,3 +79,10 @@ def test_transfer_timeout_reports_its_range_the_same_way(
     (f,) = [f for f in findings if f["path"] == "$.transfer_timeout_ms"]
     assert f["rule"] == "range" and "transfer_timeout_ms -1 is not a whole number of ms" in \
         f["message"]
+
+
+@pytest.mark.parametrize("value", [True, 0, -5, 1.5, "3000"])
+def test_the_connector_refuses_what_is_not_a_positive_whole_ms(value: object) -> None:
+    with pytest.raises(ValueError, match="max_kv_soft_pin_ttl"):
+        MooncakeConfig.load({"mooncake": {"master_server_address": "127.0.0.1:1",
+                                          "max_kv_soft_pin_ttl": value}})
