@@ -173,10 +173,12 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         """The lease (ms) masters started here grant: ``default_kv_lease_ttl_ms``, else
         ``CONNECTOR_EVICTION_LEASE_MS`` with ``eviction: connector``, else
         ``MASTER_LEASE_TTL_MS`` (10 s), ``admission: service`` included. A load that lasts the
-        lease is failed and recomputed (``LEASE_EXPIRED``), and the service needs no short one:
-        its removals wait out leases (``kvpool_policy._remover``) in the room between its fill
-        and the watermark. With 200 ms, 1,000 conversation requests on 8 engines sharing
-        1,000,000 tokens lost 9,088 blocks of long prefixes to it: 5.76% hits, 6.79% at 10 s."""
+        lease is failed and recomputed (``LEASE_EXPIRED``); the service's removals wait out
+        leases (``kvpool_policy._remover``) in the room between its fill and the watermark.
+        With 200 ms, 1,000 conversation requests on 8 engines sharing 1,000,000 tokens lost
+        9,088 blocks of long prefixes to it: 5.76% hits, 6.79% at 10 s. A pool that turns over
+        within the removal grace (300,000 tokens) overflows that room at 10 s and its master
+        evicts beside the service (docs/policy.md, measured live)."""
         if self.default_kv_lease_ttl_ms is not None:
             return self.default_kv_lease_ttl_ms
         return CONNECTOR_EVICTION_LEASE_MS if self.eviction == "connector" else MASTER_LEASE_TTL_MS
