@@ -261,7 +261,7 @@ class DemoCluster:
             self._started_pids.add(proc.pid)
         self._say(f"waiting for engines to be ready (up to {ready_timeout_s:.0f} s)")
         wait_engines_ready([(self.specs[e], p) for e, p in self.processes.items()],
-                           ready_timeout_s)
+                           ready_timeout_s, on_status=self._say)
         go.write_text(f"{time.time():.6f}")
 
     def _start_pd(self, model: Path, trace: list[TraceRequest], timeout_s: float) -> None:

@@ -514,7 +514,7 @@ def run_replay(
             rss.add("engine", proc.pid)
             procs.append((spec, proc))
 
-        wait_engines_ready(procs, timeout_s=180)
+        wait_engines_ready(procs, timeout_s=180, on_status=say)
         say("engines ready; replay started")
         go.write_text(f"{time.time():.6f}")
         receiver.begin()
@@ -641,20 +641,28 @@ def _run_engines(
 
 
 def wait_engines_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
-                       timeout_s: float) -> None:
+                       timeout_s: float, on_status: Callable[[str], None] | None = None,
+                       every_s: float = 10.0) -> None:
     """Wait until every engine wrote its ``ready_path`` (its connector is up, the pool
-    reachable).
+    reachable). ``on_status``: a line per engine as it comes up and ``still waiting: X of Y
+    ready (N s)`` every ``every_s`` s meanwhile (a vLLM engine takes a minute to start).
 
     Raises:
         RuntimeError: an engine exited first (its code and ``EngineResult.error``), or some
             were not ready within ``timeout_s`` s (named).
     """
     pending = list(procs)
+    t0 = time.monotonic()
+    next_say = t0 + every_s
 
     def all_ready() -> bool:
+        nonlocal next_say
         for spec, proc in list(pending):
             if Path(spec.ready_path).exists():
                 pending.remove((spec, proc))
+                if on_status is not None:
+                    on_status(f"engine {spec.engine_id} ready ({len(procs) - len(pending)} of "
+                              f"{len(procs)}, {time.monotonic() - t0:.0f} s)")
             elif proc.poll() is not None:
                 rp = Path(spec.result_path)
                 detail = ""
@@ -662,6 +670,12 @@ def wait_engines_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
                     detail = msgspec.json.decode(rp.read_bytes(), type=EngineResult).error
                 raise RuntimeError(f"engine {spec.engine_id} exited during start-up "
                                    f"(code {proc.returncode}): {detail}")
+        now = time.monotonic()
+        if pending and on_status is not None and now >= next_say:
+            next_say = now + every_s
+            on_status(f"still waiting: {len(procs) - len(pending)} of {len(procs)} engines "
+                      f"ready ({now - t0:.0f} s; not yet: "
+                      f"{', '.join(s.engine_id for s, _ in pending)})")
         return not pending
 
     if not wait_until(all_ready, timeout_s, interval_s=0.05):

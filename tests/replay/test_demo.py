@@ -268,9 +268,15 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
     tree: list[psutil.Process] = []
     workdirs: set[Path] = set()
     try:
-        # The TUI is up once it draws the engine's row.
-        tree, workdirs = _demo_running(term, buf, b"engine-0", tmp_path)
-        start = bytes(buf[:buf.index(b"engine-0")])
+        # The TUI is up once it draws the engine's row on the alternate screen (the start-up
+        # lines before it name the engine too: "engine engine-0 ready").
+        tree, workdirs = _demo_running(term, buf, b"\x1b[?1049h", tmp_path)
+        tui = buf.index(b"\x1b[?1049h")
+        deadline = time.monotonic() + 120
+        while b"engine-0" not in buf[tui:]:
+            assert time.monotonic() < deadline, bytes(buf[-2000:])
+            _drain(term, buf, b"\0never", 0.2)
+        start = bytes(buf[:tui])
         drawn = len(buf)
         status = _stop_and_wait(term, how, buf)
         assert status is not None, f"console still running 60 s after {how}"
@@ -282,7 +288,8 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
         for line in (b"starting fleet hub on tcp://127.0.0.1:", b"(CURVE keys on every port; "
                      b"Prometheus metrics at http://127.0.0.1:",
                      b"operator/ (kvpool-console --keys ", b"starting mooncake_master",
-                     b"starting 1 sim engine(s)", b"waiting for engines to be ready"):
+                     b"starting 1 sim engine(s)", b"waiting for engines to be ready",
+                     b"engine engine-0 ready (1 of 1, "):
             assert line in start, start[-2000:]
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
