@@ -15,26 +15,15 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_config.rules import file_per_key_bound, filesystem_space
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_replay import (
-    DiskTier,
-    LocalMooncakeMaster,
-    LocalPoolStore,
-    ModelShape,
-    ReplayConfig,
-    ReplayReport,
-    default_trace_path,
-    run_replay,
-)
+from kvpool_replay import DiskTier, LocalMooncakeMaster, LocalPoolStore
 from kvpool_replay._pool import MIN_SEGMENT_BYTES
 
 pytestmark = pytest.mark.timeout(300)
@@ -147,6 +136,25 @@ def test_disk_tier_settings_are_checked(tmp_path: Path) -> None:
             env["MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES"]) == (str(DISK), str(DISK), "fifo",
                                                                 str(4 << 20))
 
+
+
+def test_replay_with_a_disk_tier_hits_more_than_its_memory_alone() -> None:
+    # 1M tokens of memory and 4M of disk at 64 B/token (64 MiB and 256 MiB) on 300 requests
+    # of the conversation trace: the chunks memory evicts come back from disk.
+    from kvpool_replay import ModelShape, ReplayConfig, default_trace_path, run_replay
+
+    report = run_replay(ReplayConfig(
+        trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=300,
+        pool_tokens=1_000_000, disk_tier_tokens=4_000_000,
+        shape=ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")))
+    assert report.errors == [] and report.corrupt_blocks == 0
+    assert report.disk_tier_tokens == 4_000_000
+    assert report.pool_disk_keys > 0
+    # pool_disk_hits is not asserted: the same slice reported 133 reads from disk in one run
+    # and 0 in another with the same hit rate (file_cache_hit_nums_ read at the end).
+    # lru_hit_rate: an exact LRU of the memory tier alone, which a replay without the disk
+    # tier matches exactly on this slice (docs/benchmarks.md).
+    assert report.hit_rate > report.lru_hit_rate
 
 
 LIMIT = 32 << 20
@@ -272,64 +280,32 @@ def test_file_per_key_ignores_its_limit(tmp_path: Path) -> None:
     assert on_disk == OVERFILL == intact
 
 
-@dataclass
-class TierReplay:
-    """A replay through a disk tier as large as its memory tier (16 MiB each)."""
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
+def test_a_replay_overfilling_the_tier_on_a_small_filesystem_stays_inside_the_limit(
+        tmp_path: Path) -> None:
+    # 262,144 tokens of memory and of disk (16 MiB each at 64 B/token) under 300 requests of
+    # the conversation trace (far more saves than both hold), the tier on a tmpfs of
+    # 16 + 256 + 64 MiB (the bucket backend keeps 256 MiB of its filesystem free).
+    from kvpool_replay import ModelShape, ReplayConfig, default_trace_path, run_replay
 
-    report: ReplayReport
-    peak_du: int | None
-    """The most the tier's files took on disk (sampled every 20 ms) on the small filesystem;
-    ``None`` when the tier was not on one (not root: no tmpfs)."""
-
-
-@pytest.fixture(scope="module")
-def tier_replay(tmp_path_factory: pytest.TempPathFactory) -> TierReplay:
-    """262,144 tokens of memory and of disk (16 MiB each at 64 B/token) under 300 requests of
-    the conversation trace (far more saves than both hold). As root the tier is on a tmpfs of
-    16 + 256 + 64 MiB (the bucket backend keeps 256 MiB of its filesystem free), its files'
-    bytes sampled; otherwise in the run's own directory. One replay for both tests below."""
-    tokens = MIN_SEGMENT_BYTES // 64
-    cfg = ReplayConfig(trace_path=str(default_trace_path("conversation_trace.jsonl")),
-                       limit=300, pool_tokens=tokens, disk_tier_tokens=tokens,
-                       shape=ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16,
-                                        dtype="float16"))
-    if os.geteuid() != 0:
-        return TierReplay(run_replay(cfg), None)
-    fs = tmp_path_factory.mktemp("disk-tier-replay") / "fs"
+    fs = tmp_path / "fs"
     fs.mkdir()
+    tokens = MIN_SEGMENT_BYTES // 64
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={(16 + 256 + 64) << 20}",
                     "kvpool-test-disk-tier", str(fs)], check=True)
     try:
         peak = _Peak(fs)
         try:
-            report = run_replay(msgspec.structs.replace(cfg, disk_tier_dir=str(fs)))
+            report = run_replay(ReplayConfig(
+                trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=300,
+                pool_tokens=tokens, disk_tier_tokens=tokens, disk_tier_dir=str(fs),
+                shape=ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16,
+                                 dtype="float16")))
         finally:
             peak.stop()
     finally:
         subprocess.run(["umount", str(fs)], check=True)
-    return TierReplay(report, peak.du)
-
-
-def test_replay_with_a_disk_tier_hits_more_than_its_memory_alone(
-        tier_replay: TierReplay) -> None:
-    # The chunks memory evicts come back from disk.
-    report = tier_replay.report
     assert report.errors == [] and report.corrupt_blocks == 0
-    assert report.disk_tier_tokens == MIN_SEGMENT_BYTES // 64
-    assert report.pool_disk_keys > 0
-    # pool_disk_hits is not asserted: the same slice reported 133 reads from disk in one run
-    # and 0 in another with the same hit rate (file_cache_hit_nums_ read at the end).
-    # lru_hit_rate: an exact LRU of the memory tier alone (3.59%; the replay hit 4.02% and
-    # 3.96% in two runs of this slice).
-    assert report.hit_rate > report.lru_hit_rate
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
-def test_a_replay_overfilling_the_tier_on_a_small_filesystem_stays_inside_the_limit(
-        tier_replay: TierReplay) -> None:
-    report, du = tier_replay.report, tier_replay.peak_du
-    assert du is not None
-    assert report.errors == [] and report.corrupt_blocks == 0
-    assert du <= MIN_SEGMENT_BYTES, f"the tier's files took {du} bytes"
-    assert du >= MIN_SEGMENT_BYTES // 2, f"the tier never filled: {du} bytes"
+    assert peak.du <= MIN_SEGMENT_BYTES, f"the tier's files took {peak.du} bytes"
+    assert peak.du >= MIN_SEGMENT_BYTES // 2, f"the tier never filled: {peak.du} bytes"
     assert 0 < report.pool_disk_keys * 512 * 64 <= MIN_SEGMENT_BYTES
