@@ -253,7 +253,7 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
         status = _stop_and_wait(term, how, buf)
         assert status is not None, f"demo still starting 60 s after {how}"
         _assert_stopped(status, how, tree, workdirs)
-        assert b"engine-0" not in buf  # it stopped before the TUI drew
+        assert b"\x1b[?1049h" not in buf  # it stopped before the TUI drew
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
 
