@@ -15,7 +15,9 @@ it names exists, ``PROBE`` keys per ``batch_is_exist`` and ``MAX_PROBES`` calls 
 version is asked its size first (``get_size``): one over ``MAX_RECORD_BYTES``, or not records,
 or over ``MAX_RECORD_HASHES`` hashes, is skipped (the newest good one under it is read) and the
 next write supersedes it; a version found before that is gone reads as unreadable, never as
-"no pins" (round 6: planted records, ``tests/connector/test_pin_records_forged.py``). A worker polls
+"no pins" (round 6: planted records, ``tests/connector/test_pin_records_forged.py``). With a
+secret (``pins.pin_secret``, ``KVPOOL_PIN_SECRET``) every version is signed (``Records.mac``)
+and only versions signed with it for their key and seq are read. A worker polls
 ``<record key>@v<seq + 1>`` with one ``batch_is_exist`` of one key (``RecordStore.newer``):
 a master RPC and no value moved, the cost of learning a new pin within a poll. The writer of
 ``seq`` removes versions ``seq - KEEP - PROBE .. seq - KEEP`` (unforced: one a reader leases is
@@ -25,6 +27,8 @@ left for the next write). The record key itself holds the records of the unversi
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -92,6 +96,9 @@ class Records(msgspec.Struct, frozen=True):
     pins: list[PinRecord]
     seq: int = 0
     w: str = ""
+    mac: str = ""
+    """HMAC-SHA256 (hex) of the record key and these records with ``mac`` empty, with the
+    fleet's pin secret (``RecordStore`` ``secret``); empty when unsigned."""
 
 
 class RecordBackend(Protocol):
@@ -134,8 +141,30 @@ _BAD = object()
 class RecordStore:
     """The versions of one layout's pin records at ``key`` (module docstring)."""
 
-    def __init__(self, backend: RecordBackend, key: str) -> None:
-        self.backend, self.key = backend, key
+    def __init__(self, backend: RecordBackend, key: str, secret: bytes | None = None) -> None:
+        self.backend, self.key, self.secret = backend, key, secret or None
+
+    def _mac(self, records: Records) -> str:
+        """The HMAC of ``records`` as they decode (an int in a float field reads back as a
+        float: the signer and the reader sign the same bytes)."""
+        assert self.secret is not None
+        canonical = decode(msgspec.json.encode(msgspec.structs.replace(records, mac="")))
+        body = msgspec.json.encode(canonical)
+        return hmac.new(self.secret, self.key.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+    def _bad(self, data: bytes, seq: int) -> bool:
+        """Whether version ``seq``'s ``data`` is not records, over ``MAX_RECORD_HASHES``
+        hashes, or, with a secret, not signed by it for this key and seq (an unsigned or
+        another layout's or version's records: planted)."""
+        try:
+            records = decode(data)
+        except msgspec.DecodeError:
+            return True
+        if sum(len(p.hashes) for p in records.pins) > MAX_RECORD_HASHES:
+            return True
+        if self.secret is None:
+            return False
+        return records.seq != seq or not hmac.compare_digest(records.mac, self._mac(records))
 
     def version_key(self, seq: int) -> str:
         return f"{self.key}@v{seq}"
@@ -192,14 +221,16 @@ class RecordStore:
         if head > start and self.backend.batch_exists([self.version_key(head)]) == [1]:
             read[head] = self._get(self.version_key(head), MAX_RECORD_BYTES)
             good = read[head]
-            if isinstance(good, bytes) and good and not _bad_records(good):
+            if isinstance(good, bytes) and good and not self._bad(good, head):
                 start = head  # a head naming a version that is not records is ignored too
         seen = self._scan(start)
         if not seen:
             if since > 0 or head >= 0:
                 return Newest(start, start, None)  # what was read last is gone: unreadable
+            if self.secret is not None:
+                return Newest(0, 0, b"")  # the unversioned format is unsigned: not read
             data = self._get(self.key, MAX_RECORD_BYTES)
-            if data is _BAD or (data and _bad_records(data)):  # type: ignore[arg-type]
+            if data is _BAD or (isinstance(data, bytes) and data and self._bad(data, 0)):
                 return Newest(0, 0, None, final=True)
             return Newest(0, 0, data if isinstance(data, bytes) else b"")
         top = seen[-1]
@@ -212,7 +243,7 @@ class RecordStore:
                     return Newest(top, top, None)  # its put still runs
                 continue  # removed since the probe, or not put yet
             assert isinstance(data, bytes)
-            if _bad_records(data):
+            if self._bad(data, s):
                 continue
             return Newest(top, s, data)
         return Newest(top, top, None, final=True)
@@ -266,8 +297,10 @@ class RecordStore:
             if pins is None:
                 return None
             hashes = sum(len(p.hashes) for p in pins)
-            body = msgspec.json.encode(Records(RECORDS_VERSION, pins, seq + 1,
-                                               secrets.token_hex(8)))
+            records = Records(RECORDS_VERSION, pins, seq + 1, secrets.token_hex(8))
+            if self.secret is not None:
+                records = msgspec.structs.replace(records, mac=self._mac(records))
+            body = msgspec.json.encode(records)
             if hashes > MAX_RECORD_HASHES or len(body) > MAX_RECORD_BYTES:
                 raise RecordsTooLarge(
                     f"pin records at {self.key}: {len(pins)} pins, {hashes} hashes, "
@@ -304,15 +337,6 @@ class RecordStore:
         old = [self.version_key(s) for s in range(max(1, seq - KEEP - PROBE), seq - KEEP + 1)]
         if old:
             self.backend.batch_remove(old)  # leased ones stay for the next write
-
-
-def _bad_records(data: bytes) -> bool:
-    """Whether ``data`` is not records, or records over ``MAX_RECORD_HASHES`` hashes."""
-    try:
-        records = decode(data)
-    except msgspec.DecodeError:
-        return True
-    return sum(len(p.hashes) for p in records.pins) > MAX_RECORD_HASHES
 
 
 def decode(data: bytes) -> Records:

@@ -56,7 +56,7 @@ from kvpool_connector.lookup import (
     lookup_socket_path,
 )
 from kvpool_connector.operations import BackendOperations
-from kvpool_connector.pins import PinnableBackend, Pins
+from kvpool_connector.pins import PinnableBackend, Pins, pin_secret
 from kvpool_connector.scheduler import KVPoolScheduler
 
 if TYPE_CHECKING:
@@ -270,7 +270,8 @@ class WorkerSide:
         if isinstance(backend, PinnableBackend) and not worker.hybrid:
             pins = Pins(backend, worker.rank_keys, cfg.chunk_size, worker.key_bytes,
                         lambda: backend.stats().total_bytes, hash_algo=cfg.hash_algo,
-                        share=cfg.pin_share, record_key=pins_key(cfg.model, worker.layout_digest))
+                        share=cfg.pin_share, record_key=pins_key(cfg.model, worker.layout_digest),
+                        secret=pin_secret())
             try:
                 # The layout's pins live in the pool: a restarted engine saves them pinned.
                 pins.refresh(force=True)

@@ -43,6 +43,7 @@ timeout after the refusal (``kvpool_connector._removals``), on a timer thread on
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +72,7 @@ __all__ = [
     "DEFAULT_SOFT_PIN_TTL_MS",
     "MAX_PINS",
     "PIN_POLL_S",
+    "PIN_SECRET_ENV",
     "RENEW_FRACTION",
     "Pin",
     "PinMode",
@@ -79,6 +81,7 @@ __all__ = [
     "PinResult",
     "PinnableBackend",
     "Pins",
+    "pin_secret",
     "pinned_chunks",
 ]
 
@@ -204,13 +207,14 @@ class PinReader:
     read last, so a head hint another pool client moved, or removed versions, never read as
     "no pins". ``chunk_size`` (tokens, the layout's real one) bounds the hashes a planted pin
     may claim (``MAX_PIN_TOKENS // chunk_size``); every version holds at most
-    ``MAX_RECORD_HASHES`` of them."""
+    ``MAX_RECORD_HASHES`` of them. ``secret``: the fleet's pin secret (``pin_secret``): only
+    records signed with it are read."""
 
     def __init__(self, backend: PinnableBackend, model: str, layout_digest: str,
-                 chunk_size: int) -> None:
+                 chunk_size: int, secret: bytes | None = None) -> None:
         self.key = pins_key(model, layout_digest)
         self.chunk_size = chunk_size
-        self._store = RecordStore(backend, self.key)
+        self._store = RecordStore(backend, self.key, secret)
         self.seq = -1
         """The newest version seen (-1: none read yet)."""
 
@@ -233,8 +237,18 @@ class PinReader:
         return frozenset(h for r in live.values() for h in r.hashes)
 
 
+PIN_SECRET_ENV = "KVPOOL_PIN_SECRET"
+"""The environment variable holding the fleet's pin secret (``pin_secret``)."""
+
+
+def pin_secret() -> bytes | None:
+    """The fleet's pin secret from ``KVPOOL_PIN_SECRET`` (``None`` when unset or empty): set it
+    on every engine and on the policy service, agent or not."""
+    return os.environ.get(PIN_SECRET_ENV, "").encode() or None
+
+
 def pinned_chunks(backend: PinnableBackend, model: str, layout_digest: str,
-                  chunk_size: int) -> frozenset[str]:
+                  chunk_size: int, secret: bytes | None = None) -> frozenset[str]:
     """``PinReader(...).read()`` once, from no version read before: a process that reads
     again and again keeps a ``PinReader`` per layout instead.
 
@@ -242,7 +256,7 @@ def pinned_chunks(backend: PinnableBackend, model: str, layout_digest: str,
         BackendError: the store failed, or the newest version cannot be read now or decoded
             (the caller keeps the chunks it read last: an empty answer would free them).
     """
-    return PinReader(backend, model, layout_digest, chunk_size).read()
+    return PinReader(backend, model, layout_digest, chunk_size, secret).read()
 
 
 @dataclass(frozen=True)
@@ -275,13 +289,15 @@ class Pins:
         record_key: where this layout's pin records live in the pool (``keys.pins_key``);
             ``None`` keeps the pins in this object only.
         refresh_s: ``refresh`` looks for new records at most this often (s) unless forced.
+        secret: the fleet's pin secret (``pin_secret``): records are signed with it, and only
+            records signed with it are read (``None``: unsigned, every record read).
     """
 
     def __init__(self, backend: PinnableBackend, keys_of: Callable[[Sequence[str]], list[str]],
                  chunk_size: int, chunk_bytes: int, pool_bytes: Callable[[], int], *,
                  hash_algo: HashAlgo = "sha256", share: float = DEFAULT_PIN_SHARE,
                  lease_wait_s: float = 15.0, record_key: str | None = None,
-                 refresh_s: float = 10.0) -> None:
+                 refresh_s: float = 10.0, secret: bytes | None = None) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.backend, self.keys_of = backend, keys_of
@@ -292,7 +308,8 @@ class Pins:
         self.grace_s = grace_s_of(backend.transfer_timeout_ms() if isinstance(backend, Backend)
                                   else TRANSFER_TIMEOUT_MS)
         self.record_key, self.refresh_s = record_key, refresh_s
-        self._records = RecordStore(backend, record_key) if record_key is not None else None
+        self._records = (RecordStore(backend, record_key, secret) if record_key is not None
+                         else None)
         self._seq = -1  # the version of the records applied here; -1: none read yet
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
@@ -306,7 +323,7 @@ class Pins:
         # Pin id -> when this worker last renewed it (monotonic s), and the renewal window
         # (its start, bytes renewed in it): the limits records cannot move.
         self._renewed_here: dict[str, float] = {}
-        self._window: tuple[float, int] = (-float("inf"), 0)
+        self._window: tuple[float, int, int] = (-float("inf"), 0, 0)
 
     @property
     def pinned_bytes(self) -> int:
@@ -497,9 +514,11 @@ class Pins:
             # records any pool client can write move no more than real pins do.
             mono = time.monotonic()
             if mono - self._window[0] >= ttl / RENEW_FRACTION / 1e3:
-                self._window = (mono, 0)
-            budget = int(self.pool_bytes() * self.share) - self._window[1]
+                # (start, bytes renewed, limit): the pool's size asked once per window.
+                self._window = (mono, 0, int(self.pool_bytes() * self.share))
+            budget = self._window[2] - self._window[1]
             due: list[Pin] = []
+            claimed = [0.0]  # when (monotonic) the renewal was claimed: this worker's clock
 
             def change(seq: int, data: bytes | None) -> list[PinRecord] | None:
                 self._apply(seq, data)
@@ -514,15 +533,16 @@ class Pins:
                             left -= cost
                     if not due:
                         return None  # another worker renewed them, or over the budget
+                    claimed[0] = time.monotonic()
                     for p in due:
                         self._pins[p.pin_id] = replace(p, renewed_ms=now, renew_ttl_ms=ttl)
                     return [p.record() for p in self._pins.values()]
 
             self._seq = self._records.update(change, since=self._seq) or self._seq
-            self._window = (self._window[0],
-                            self._window[1] + sum(len(p.keys) for p in due) * self.chunk_bytes)
+            self._window = (self._window[0], self._window[1] + sum(
+                len(p.keys) for p in due) * self.chunk_bytes, self._window[2])
             for p in due:
-                self._renewed_here[p.pin_id] = time.monotonic()
+                self._renewed_here[p.pin_id] = claimed[0]
         for p in due:
             codes = self.backend.pin_keys(p.keys, hard=True, ttl_ms=0)
             if any(rc < 0 for rc in codes):

@@ -33,7 +33,7 @@ from kvpool_connector._pin_records import (
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import chunk_hashes, pins_key
-from kvpool_connector.pins import PinReader, Pins, pinned_chunks
+from kvpool_connector.pins import PIN_SECRET_ENV, PinReader, Pins, pinned_chunks
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, mooncake_extra_config
 
 CHUNK = 16
@@ -260,3 +260,81 @@ def test_a_head_on_a_planted_version_makes_no_new_writer_drop_pins(
     pins.pin("new", list(range(300, 300 + CHUNK)), "hard")
     assert PinReader(pool.victim, MODEL, digest, CHUNK).read() == frozenset(
         chunk_hashes(old, CHUNK) + chunk_hashes(list(range(300, 300 + CHUNK)), CHUNK))
+
+
+def test_with_a_pin_secret_planted_records_are_not_read(pool: Pool) -> None:
+    digest = "signed"
+    key = pins_key(MODEL, digest)
+    secret = b"fleet pin secret"
+    pins = Pins(pool.victim, _keys, CHUNK, VALUE, lambda: pool.victim.stats().total_bytes,
+                lease_wait_s=2.0, record_key=key, secret=secret)
+    old = list(range(CHUNK))
+    pins.pin("old", old, "hard")  # v1, signed
+    store = RecordStore(pool.other, key)
+    v1 = msgspec.json.decode(pool.victim.read_record(store.version_key(1)), type=Records)
+    assert len(v1.mac) == 64
+    # Valid records without the secret's MAC (what another model's client can write), and the
+    # signed v1 copied to v3 (a replay): neither is read.
+    assert pool.other.create_record(store.version_key(2), msgspec.json.encode(
+        Records(2, [], 2, "x"))) == 0
+    assert pool.other.create_record(store.version_key(3), msgspec.json.encode(
+        msgspec.structs.replace(v1, pins=[]))) == 0
+    assert pool.other.write_record(f"{key}@head", b"3") == 0
+    reader = PinReader(pool.victim, MODEL, digest, CHUNK, secret)
+    assert reader.read() == frozenset(chunk_hashes(old, CHUNK))
+    assert pinned_chunks(pool.victim, MODEL, digest, CHUNK, secret) == frozenset(
+        chunk_hashes(old, CHUNK))
+    # The control: a reader without the secret takes the newest forged version (no pins).
+    assert pinned_chunks(pool.victim, MODEL, digest, CHUNK) == frozenset()
+    # A worker with the secret that never read the records writes over them, keeping "old".
+    fresh = Pins(pool.victim, _keys, CHUNK, VALUE, lambda: pool.victim.stats().total_bytes,
+                 lease_wait_s=2.0, record_key=key, secret=secret)
+    new = list(range(400, 400 + CHUNK))
+    fresh.pin("new", new, "hard")
+    assert reader.read() == frozenset(chunk_hashes(old, CHUNK) + chunk_hashes(new, CHUNK))
+    assert reader.seq == 4
+    # Another secret reads none of them (its own fleet's records only).
+    with pytest.raises(BackendError, match="not readable"):
+        PinReader(pool.victim, MODEL, digest, CHUNK, b"another").read()
+
+
+def test_an_engine_without_an_agent_reads_only_records_signed_with_its_env_secret(
+        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_replay import EngineSpec, ModelShape, free_port
+    from kvpool_replay._sim_engine import SimEngine
+
+    monkeypatch.setenv(PIN_SECRET_ENV, "fleet pin secret")
+    master = pool.victim.config.master_server_address
+    admin = pool.victim.config.master_admin_url
+    model, chunk = "org/pin-signed", 64
+    engine = SimEngine(EngineSpec(
+        engine_id="pin-signed", master_address=master, model=model,
+        shape=ModelShape(layers=4, kv_heads=4, head_size=64, block_size=16), chunk_size=chunk,
+        trace_path="unused", wait_saves=True, lookup_rpc_port=free_port(),
+        extra_config=mooncake_extra_config(master, admin, lease_ttl_ms=500)), num_blocks=64)
+    try:
+        worker = engine.worker.pool_worker
+        assert worker is not None and worker.pinned_keys is not None
+        key = pins_key(model, worker.layout_digest)
+        other = Pins(pool.victim, worker.rank_keys, chunk, worker.key_bytes,
+                     lambda: pool.victim.stats().total_bytes, record_key=key,
+                     secret=b"fleet pin secret")
+        prefix = list(range(chunk * 2))
+        keys = frozenset(worker.rank_keys(chunk_hashes(prefix, chunk)))
+        other.pin("signed", prefix, "hard")
+        _wait(lambda: keys <= worker.pinned_keys(), 2.0, "the engine learns the signed pin")
+        # An unsigned version of no pins, after it: the engine keeps the pin.
+        store = RecordStore(pool.other, key)
+        assert pool.other.create_record(store.version_key(2), msgspec.json.encode(
+            Records(2, [], 2, "x"))) == 0
+        side = engine.worker._worker_side
+        assert side is not None and side.operations.pins is not None
+        pins = side.operations.pins
+        # The engine's poll (every 0.5 s) reads v2 and skips it: its pin holds.
+        _wait(lambda: pins._seq >= 2, 3.0, "the engine polled v2")
+        assert keys <= worker.pinned_keys()
+        assert [p.pin_id for p in pins.list()] == ["signed"]
+        other.unpin("signed")
+        _wait(lambda: not worker.pinned_keys(), 2.0, "the engine learns the signed unpin")
+    finally:
+        engine.close()
