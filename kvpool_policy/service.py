@@ -23,7 +23,8 @@ Who may connect, and what each may do and cost (the house security rule):
   layouts hold are capped at a fair share of the capacity (``PolicyCore``), so one key's
   records cannot evict the other keys' layouts below theirs. Every bound: docs/security.md.
 * snapshots port ``P+1`` (PUB): agent, viewer and operator keys (``SNAPSHOT_DOMAIN``); a slow
-  subscriber loses snapshots (ZMQ's send high-water mark), never slows the service.
+  subscriber loses snapshots (ZMQ's send high-water mark: 2 snapshots), never slows the
+  service. Subscribers are not capped per key (docs/security.md, known limits).
 
 Counted drops (``counters``): records the senders report dropped (``RecordBatch.dropped``),
 batches lost between (gaps in ``seq``), over budget, malformed; each sender's ``seq`` and
@@ -474,7 +475,9 @@ class PolicyService:
         self.records.maxmsgsize = MAX_BATCH_BYTES
         self.records.rcvhwm = _RECORDS_HWM
         self.snapshots = self._server(zmq.PUB, SNAPSHOT_DOMAIN, public, secret)
-        self.snapshots.sndhwm = 16
+        # A subscriber needs the newest snapshot only: a stalled one holds 2 (each at most
+        # DOORKEEPER_MAX_MIB of Bloom filter), not 16.
+        self.snapshots.sndhwm = 2
         try:
             self.records.bind(records_at)
             self.snapshots.bind(snapshots_at)

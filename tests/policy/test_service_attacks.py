@@ -53,7 +53,8 @@ from kvpool_connector.policy_wire import (
     RecordBatch,
     policy_ports,
 )
-from kvpool_policy.policy import DOORKEEPER_MAX_MIB
+from kvpool_policy.policy import DOORKEEPER_MAX_MIB, PoolPolicy
+from kvpool_policy.service import LAYOUT_IDLE_S, LAYOUTS_PER_KEY, PolicyCore
 from kvpool_replay import LocalMooncakeMaster, LocalPolicyService, LocalPoolStore
 
 VALUE = 32 << 10
@@ -391,3 +392,36 @@ def test_a7_records_that_save_nothing_cannot_wipe_the_doorkeeper(
             flooder.join()
         assert env.alive(), env.log()
         assert got == [8] * 6
+
+
+def _core(clock: list[float]) -> PolicyCore:
+    return PolicyCore(PoolPolicy(CAP, engines_decide=True), None, clock=lambda: clock[0])
+
+
+def test_a_seq_leap_cannot_poison_lost_batches() -> None:
+    """``seq``/``dropped`` of one sender move its counts by ``MAX_QUEUED`` a batch at most, and
+    its later gaps are counted again (a leap to 2**62 stopped every gap from counting)."""
+    now = [0.0]
+    core = _core(now)
+    rec = [PolicyRecord(ATTACKER.digest, [h("x")], CHUNK, 1)]
+    for seq, dropped in ((0, 0), (2**62, 2**62), (0, 0), (3, 0)):  # restarted, then 2 lost
+        core.apply(RecordBatch(1, "e", seq, dropped, [ATTACKER], rec), "k")
+    c = core.counters
+    assert (c.lost_batches, c.sender_dropped) == (MAX_QUEUED + 2, MAX_QUEUED)
+    core.apply(RecordBatch(1, "e", -1, 0, [ATTACKER], rec), "k")
+    assert c.malformed == 1
+
+
+def test_a5_idle_layouts_are_forgotten_when_the_table_is_full() -> None:
+    now = [0.0]
+    core = _core(now)
+    fakes = [layout("attacker-a", f"{0xf00000000000 + i:012x}") for i in range(16)]
+    core.apply(RecordBatch(1, "attacker-eng", 0, 0, fakes, []), "attacker")
+    assert core.counters.layouts_refused == 16 - LAYOUTS_PER_KEY
+    late = layout("attacker-a", "abcabcabcabc")
+    core.apply(RecordBatch(1, "attacker-eng", 1, 0, [late], []), "attacker")
+    assert core.counters.layouts_refused == 16 - LAYOUTS_PER_KEY + 1
+    now[0] = LAYOUT_IDLE_S  # the idle declarations make room for a key's new layout
+    core.apply(RecordBatch(1, "attacker-eng", 2, 0, [late],
+                           [PolicyRecord(late.digest, [h("y")], CHUNK, 1)]), "attacker")
+    assert core.counters.records == 1

@@ -278,7 +278,7 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     extra = {"chunk_size": 32, "admission": "service", "policy_service": pool.address,
              "agent_keys": str(pool.keys["agent"].root)}
     cfg = KVPoolConfig.from_dicts(extra, kv_role="kv_both", block_size=16, model=MODEL)
-    caches = {f"layers.{i}": torch.zeros(4, 8, 16, 256) for i in range(2)}
+    caches = {f"layers.{i}": torch.zeros(4, 8, 16, 64) for i in range(2)}
     worker = KVPoolWorker(cfg, ParallelLayout(), cfg.model, pool.store)
     worker.register_kv_caches(caches)
     shake = worker_handshake(cfg, worker, tp_rank=0, pp_rank=0)
@@ -290,10 +290,12 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     assert client is not None
     pool.clients.append(client)
     wait_for(lambda: client.in_charge == "service", what="the service in charge", log=pool.log)
-    assert worker.chunk_pool_bytes == CAPACITY_CHUNKS * CHUNK_BYTES  # one of its chunks fits
-    assert client.admit([chunk("w0"), chunk("w1")]) == 2
+    # Four of its chunks fill the pool (a chunk may take a quarter of it at most,
+    # kvpool_policy.service.MIN_POOL_CHUNKS).
+    assert worker.chunk_pool_bytes == CAPACITY_CHUNKS * CHUNK_BYTES // 4
+    assert client.admit([chunk(f"w{i}") for i in range(5)]) == 5
     snap = wait_for(lambda: pool.applied(client, 1) and client.snapshot)
-    assert snap.used_bytes == worker.chunk_pool_bytes  # the service's policy keeps one
+    assert snap.used_bytes == 4 * worker.chunk_pool_bytes  # the service's policy keeps four
     other = KVPoolConfig.from_dicts({"chunk_size": 32}, kv_role="kv_both", block_size=16,
                                     model=MODEL)
     assert worker_handshake(other, worker, tp_rank=0, pp_rank=0) is None
