@@ -58,6 +58,7 @@ from kvpool_agent.vocabulary import ErrorCode, error_name
 from kvpool_connector._pin_records import (
     MAX_RECORD_HASHES,
     PinRecord,
+    RecordBackend,
     RecordsTooLarge,
     RecordStore,
     decode,
@@ -115,8 +116,8 @@ _FAIL_LOG_S = 60.0
 
 
 @runtime_checkable
-class PinnableBackend(Protocol):
-    """What pins need of a backend (``MooncakeBackend``)."""
+class PinnableBackend(RecordBackend, Protocol):
+    """What pins need of a backend (``MooncakeBackend``): the records' calls and these."""
 
     def pin_keys(self, keys: Sequence[str], hard: bool, ttl_ms: int, *,
                  upsert: bool = True) -> list[int]: ...
@@ -126,18 +127,6 @@ class PinnableBackend(Protocol):
     def forget_pins(self, keys: Sequence[str]) -> None: ...
 
     def hard_pin_ttl_ms(self) -> int: ...
-
-    def batch_exists(self, keys: Sequence[str]) -> list[int]: ...
-
-    def batch_remove(self, keys: Sequence[str]) -> list[int]: ...
-
-    def read_record(self, key: str) -> bytes: ...
-
-    def record_size(self, key: str) -> int: ...
-
-    def write_record(self, key: str, data: bytes) -> int: ...
-
-    def create_record(self, key: str, data: bytes) -> int: ...
 
 
 class PinRefused(ValueError):
