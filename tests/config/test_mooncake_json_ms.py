@@ -1,7 +1,13 @@
-"""``max_kv_soft_pin_ttl`` of the Mooncake config (issue 40 item 3): the TTL a hard pin's chunks
-already in the pool are upserted with. ``kvpool-config validate`` warns when a mooncake.json sets
-it above mooncake_master's default ``--max_kv_soft_pin_ttl`` (rule ``soft-pin-ttl``: such a
-master refuses it with -600 INVALID_PARAMS) and refuses a value that is not a positive number."""
+"""Two millisecond settings of the Mooncake config, each read by the connector and checked by
+``kvpool-config validate`` on a mooncake.json.
+
+``transfer_timeout_ms`` (issue 39 item 4): default 60000 ms, the store client's transfer timeout;
+a warning when set below that (rule ``transfer-timeout``), an error when negative.
+
+``max_kv_soft_pin_ttl`` (issue 40 item 3): the TTL a hard pin's chunks already in the pool are
+upserted with; a warning when above mooncake_master's default ``--max_kv_soft_pin_ttl`` (rule
+``soft-pin-ttl``: such a master refuses it with -600 INVALID_PARAMS), an error when not a
+positive whole number."""
 
 from __future__ import annotations
 
@@ -11,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from kvpool_config.cli import main
-from kvpool_connector.backends.mooncake import HARD_PIN_UPSERT_TTL_MS, MooncakeConfig
+from kvpool_connector.backends.mooncake import (
+    HARD_PIN_UPSERT_TTL_MS,
+    TRANSFER_TIMEOUT_MS,
+    MooncakeConfig,
+)
 
 
 def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], **extra: object
@@ -23,7 +33,40 @@ def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], **extra: objec
     return rc, json.loads(capsys.readouterr().out)["findings"]
 
 
-def test_the_connector_reads_it() -> None:
+def test_the_connector_reads_the_transfer_timeout() -> None:
+    cfg = MooncakeConfig.load({"mooncake": {"master_server_address": "127.0.0.1:1",
+                                            "transfer_timeout_ms": 90_000}})
+    assert cfg.transfer_timeout_ms == 90_000
+    assert TRANSFER_TIMEOUT_MS == 60_000
+    assert MooncakeConfig(master_server_address="127.0.0.1:1").transfer_timeout_ms == 60_000
+
+
+@pytest.mark.parametrize("value", [None, TRANSFER_TIMEOUT_MS, 120_000])
+def test_the_default_or_more_is_clean(value: int | None, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    extra = {} if value is None else {"transfer_timeout_ms": value}
+    rc, findings = _validate(tmp_path, capsys, **extra)
+    assert [f for f in findings if "transfer_timeout" in f["path"]] == [], findings
+    assert rc == 0, findings
+
+
+def test_below_the_store_clients_timeout_is_a_warning(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _, findings = _validate(tmp_path, capsys, transfer_timeout_ms=5_000)
+    (f,) = [f for f in findings if f["path"] == "$.transfer_timeout_ms"]
+    assert (f["severity"], f["rule"]) == ("warning", "transfer-timeout")
+    assert "5000" in f["message"] and "60000 ms" in f["message"]
+    assert "leave transfer_timeout_ms out" in f["fix"]
+
+
+def test_a_negative_one_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, findings = _validate(tmp_path, capsys, transfer_timeout_ms=-1)
+    assert rc == 2
+    assert [f["severity"] for f in findings if f["path"] == "$.transfer_timeout_ms"] == [
+        "error"]
+
+
+def test_the_connector_reads_the_soft_pin_ttl() -> None:
     cfg = MooncakeConfig.load({"mooncake": {"master_server_address": "127.0.0.1:1",
                                             "max_kv_soft_pin_ttl": 3_000}})
     assert cfg.max_kv_soft_pin_ttl == 3_000
@@ -32,7 +75,7 @@ def test_the_connector_reads_it() -> None:
 
 
 @pytest.mark.parametrize("value", [None, 3_000, HARD_PIN_UPSERT_TTL_MS])
-def test_the_default_or_less_is_clean(value: int | None, tmp_path: Path,
+def test_a_soft_pin_ttl_at_the_default_or_less_is_clean(value: int | None, tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     extra = {} if value is None else {"max_kv_soft_pin_ttl": value}
     rc, findings = _validate(tmp_path, capsys, **extra)
