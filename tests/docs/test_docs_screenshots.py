@@ -4,8 +4,7 @@ here. Runs into a temp dir: the committed pictures are left alone."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -13,17 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCREENS = {"fleet", "pool", "events", "detail", "flush", "triage", "help"}
 
 
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_every_screen_is_drawn(tmp_path: Path) -> None:
-    shots = _script("screenshots")
+def test_every_screen_is_drawn(tmp_path: Path,
+                               script: Callable[[str], ModuleType]) -> None:
+    shots = script("screenshots")
     assert shots.main(["--out", str(tmp_path)]) == 0
     assert {p.stem for p in tmp_path.glob("*.svg")} == SCREENS
     expect = {"fleet": "decode-1", "pool": "Segment", "events": "Sev", "detail": "namespace",
