@@ -184,17 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
         return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
                      "(default 60000, the store client's transfer timeout)")
-    problem = _hub_keys_problem(args.keys) or _listen_problem(args.listen)
-    if problem:
-        return _fail(problem)
     capacity = 0
-    if args.capacity is not None:
+    if args.capacity is not None:  # a value's own errors first, then the files and ports
         try:
             capacity = parse_size(args.capacity)
         except ValueError as exc:
             return _fail(f"--capacity: {exc}")
         if capacity < 1:
             return _fail("--capacity: must be more than 0 bytes, e.g. 48GB")
+    problem = _hub_keys_problem(args.keys) or _listen_problem(args.listen)
+    if problem:
+        return _fail(problem)
+    if args.capacity is not None:
         stats = fetch_mooncake_stats(args.admin_url)
         if not stats.healthy:
             _warn(f"--admin-url {args.admin_url}: the master did not answer "
