@@ -437,7 +437,8 @@ class Watch:
 
     def poll(self) -> list[Alert]:
         states, seen = self.fleet.fleet()
-        alerts = self.model.update(states, seen, time.time() * 1e3)
+        # The hub's reuse figures too, as the TUI and the one-shot pass them (silent_miss).
+        alerts = self.model.update(states, seen, time.time() * 1e3, self.fleet.client.reuse)
         self.log.append((time.monotonic(), alerts))
         return alerts
 
