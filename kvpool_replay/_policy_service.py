@@ -120,8 +120,16 @@ class LocalPolicyService(LocalService):
     def removed_keys(self) -> int:
         """Keys the service removed, summed over its runs that stopped cleanly (their last log
         line); 0 before any did."""
+        return self._stopped_sum(3)
+
+    def records(self) -> int:
+        """Access records the service applied, summed over its runs that stopped cleanly (a
+        run SIGKILLed by a drill leaves no count); 0 before any did."""
+        return self._stopped_sum(1)
+
+    def _stopped_sum(self, group: int) -> int:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return sum(int(m.group(3)) for m in _STOPPED.finditer(text))
+        return sum(int(m.group(group)) for m in _STOPPED.finditer(text))
 
 
 class PolicyDrill:

@@ -201,6 +201,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``admission``/``eviction``: the engines' admission policy and who evicts;
     ``evicted_keys``: values the connectors (``eviction: connector``) or the policy service
     (``admission: service``; its last run's, with ``policy_restarts`` restarts) removed,
+    ``policy_records`` the access records the service's runs that stopped cleanly applied,
     ``pool_evicted_keys`` those the masters evicted. With a disk tier: ``disk_tier_tokens``,
     ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
     (reads the masters served from each tier).
@@ -232,6 +233,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     pool_evicted_keys: int = 0
     evicted_keys: int = 0
     policy_restarts: int = 0
+    policy_records: int = 0
     pool_keys: int = 0
     disk_tier_tokens: int | None = None
     pool_disk_keys: int = 0
@@ -542,10 +544,11 @@ def run_replay(
             disk_hits += ps.disk_hits
             memory_hits += ps.memory_hits
         peaks = dict(rss.peaks)
-        policy_removed = 0
+        policy_removed = policy_records = 0
         if policy is not None:
             policy.stop()
             policy_removed = policy.removed_keys()  # its log goes with the work directory
+            policy_records = policy.records()
 
     say("computing the reference (prefix-reuse ceiling, exact LRU)")
     if cfg.mode == "shared":
@@ -593,6 +596,7 @@ def run_replay(
         pool_evicted_keys=pool_evicted,
         evicted_keys=sum(r.evicted_keys for r in results) + policy_removed,
         policy_restarts=policy_drill.restarts if policy_drill is not None else 0,
+        policy_records=policy_records,
         pool_keys=pool_keys,
         disk_tier_tokens=cfg.disk_tier_tokens,
         pool_disk_keys=disk_keys,

@@ -334,12 +334,15 @@ def test_a_replay_goes_on_through_a_killed_service_and_it_steers_again() -> None
     real connector, vLLM's handshake, a real master and store) replay a slice; the service is
     SIGKILLed after 10 requests and started again 10 requests and 4 s later. Every request is
     served, no block loaded is corrupt or failed (the lease outlasts every load), and the
-    restarted service removes keys."""
+    restarted service applies the engines' records again and removes keys. 400 requests: on an
+    idle machine 150 were served in 9.7 s, before the restarted service had bound (it then
+    applied no record and removed nothing)."""
     report = run_replay(ReplayConfig(
-        trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=150, engines=2,
+        trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=400, engines=2,
         pool_tokens=300_000, admission="service", kill_policy_after=10, show_progress=False))
-    assert report.errors == [] and report.requests == 150
+    assert report.errors == [] and report.requests == 400
     assert report.policy_restarts == 1
     assert report.corrupt_blocks == 0 and report.load_errors == 0
+    assert report.policy_records > 0  # the restarted run's (the killed run left no count)
     assert report.evicted_keys > 0  # the restarted run's removals (the master's apart)
     assert report.hit_tokens > 0
