@@ -109,10 +109,13 @@ class ConnectionTable:
         return len(self._conns)
 
     def accepted(self, port: str, fd: int) -> None:
-        """libzmq accepted a connection on ``port`` as descriptor ``fd``."""
+        """libzmq accepted a connection on ``port`` as descriptor ``fd``. It did not exist at
+        the last baseline, so every byte it received counts (baseline 0): the monitor's event
+        can come after its first megabytes (a busy hub thread), and counting from then hid a
+        connection's whole multipart message (a CI run rebuilt every port for it)."""
         got = _peer_and_received(fd)
         if got is not None:
-            self._conns[fd] = Connection(port, fd, got[0], got[1])
+            self._conns[fd] = Connection(port, fd, got[0], 0)
 
     def closed(self, fd: int) -> None:
         """libzmq closed descriptor ``fd`` (its peer disconnected, or the hub dropped it)."""
