@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import pytest
 import torch
+from pins_testlib import wait_held
 
 from kvpool_connector._pin_records import (
     MAX_PROBES,
@@ -79,13 +80,6 @@ def _pins(b: Any, digest: str) -> Pins:
                 record_key=pins_key(MODEL, digest))
 
 
-def _wait(cond: Callable[[], object], timeout_s: float, what: str) -> None:
-    start = time.monotonic()
-    while not cond():
-        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-
-
 class _Counting:
     """A store client counting its ``batch_is_exist`` calls."""
 
@@ -123,7 +117,7 @@ def test_a_head_moved_past_every_version_hides_no_pin(pool: Pool) -> None:
     assert sorted(p.pin_id for p in fresh.list()) == ["new", "old"]
     # Removed versions (any client may remove): a reader that read one keeps its answer.
     pool.other.write_record(f"{key}@head", b"999999999")
-    _wait(lambda: all(rc in (0, -704) for rc in pool.other.batch_remove(
+    wait_held(lambda: all(rc in (0, -704) for rc in pool.other.batch_remove(
         [f"{key}@v1", f"{key}@v2"])), 10, "the versions removed (after the readers' lease)")
     with pytest.raises(BackendError, match="not readable"):
         reader.read()
@@ -222,7 +216,7 @@ def test_forged_versions_do_not_make_a_worker_renew_again_and_again(pool: Pool) 
     thread.start()
     try:
         # Twelve forged versions, each read by the worker (it polls every 0.1 s).
-        _wait(lambda: len(written) >= 12 and pins._seq >= written[11], 30, "forged versions")
+        wait_held(lambda: len(written) >= 12 and pins._seq >= written[11], 30, "forged versions")
     finally:
         stop.set()
         thread.join(5)
@@ -248,8 +242,9 @@ def test_a_head_on_a_planted_version_makes_no_new_writer_drop_pins(
     assert pool.other.create_record(store.version_key(2), msgspec.json.encode(
         Records(2, [], 2, "x" * (8 << 20)))) == 0
     assert pool.other.write_record(f"{key}@head", b"2") == 0
-    _wait(lambda: all(rc in (0, -704) for rc in pool.other.batch_remove([store.version_key(1)])),
-          10, "v1 removed (after the readers' lease)")
+    wait_held(lambda: all(rc in (0, -704)
+                          for rc in pool.other.batch_remove([store.version_key(1)])),
+              10, "v1 removed (after the readers' lease)")
     # A worker that never read the records: every version it finds is oversized. It must not
     # write its pin over them alone (the layout's "old" pin would be lost): it fails instead.
     fresh = _pins(pool.victim, digest)
@@ -322,7 +317,7 @@ def test_an_engine_without_an_agent_reads_only_records_signed_with_its_env_secre
         prefix = list(range(chunk * 2))
         keys = frozenset(worker.rank_keys(chunk_hashes(prefix, chunk)))
         other.pin("signed", prefix, "hard")
-        _wait(lambda: keys <= worker.pinned_keys(), 2.0, "the engine learns the signed pin")
+        wait_held(lambda: keys <= worker.pinned_keys(), 2.0, "the engine learns the signed pin")
         # An unsigned version of no pins, after it: the engine keeps the pin.
         store = RecordStore(pool.other, key)
         assert pool.other.create_record(store.version_key(2), msgspec.json.encode(
@@ -331,10 +326,10 @@ def test_an_engine_without_an_agent_reads_only_records_signed_with_its_env_secre
         assert side is not None and side.operations.pins is not None
         pins = side.operations.pins
         # The engine's poll (every 0.5 s) reads v2 and skips it: its pin holds.
-        _wait(lambda: pins._seq >= 2, 3.0, "the engine polled v2")
+        wait_held(lambda: pins._seq >= 2, 3.0, "the engine polled v2")
         assert keys <= worker.pinned_keys()
         assert [p.pin_id for p in pins.list()] == ["signed"]
         other.unpin("signed")
-        _wait(lambda: not worker.pinned_keys(), 2.0, "the engine learns the signed unpin")
+        wait_held(lambda: not worker.pinned_keys(), 2.0, "the engine learns the signed unpin")
     finally:
         engine.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from pins_testlib import wait_held
 
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import chunk_hashes, pins_key
@@ -188,15 +189,6 @@ def _held_pins(p: HeldPool, b: PinnableBackend) -> Pins:
     return _pins(b, record_key=p.record_key)  # type: ignore[arg-type]
 
 
-def _wait(cond: Callable[[], object], timeout_s: float, what: str) -> float:
-    """Seconds until ``cond()`` held (asked every 20 ms); fails after ``timeout_s``."""
-    start = time.monotonic()
-    while not cond():
-        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 class _Interleaved:
     """A store client whose first records write lets ``first`` run before it: another
     worker's pin completes between this worker's read of the records and its write."""
@@ -255,7 +247,7 @@ def test_hard_pin_on_chunks_in_the_pool_outlives_their_soft_pin_ttl(held: HeldPo
     pins.start()
     try:
         # Past two TTLs of the first soft pin, renewed (every TTL / 3) meanwhile.
-        _wait(lambda: time.time() * 1e3 > pinned_ms + 2 * SOFT_TTL_MS and pins.renewals >= 4,
+        wait_held(lambda: time.time() * 1e3 > pinned_ms + 2 * SOFT_TTL_MS and pins.renewals >= 4,
               30, "renewals")
         _flood(held.a, held.buf_a, "held")
         assert held.a.batch_exists(hard_keys) == [1] * 3
@@ -277,13 +269,13 @@ def test_a_new_pin_reaches_another_rank_within_a_poll(held: HeldPool) -> None:
         rank0.pin("late", prefix, "hard")
         # The poll asks every PIN_POLL_S (0.5 s); the bound leaves a loaded 2-core CI its
         # margin (the records were read every 10 s before, never without an agent).
-        _wait(lambda: rank1.pinned_keys() == frozenset(keys), 2.0, "rank 1 learns the pin")
+        wait_held(lambda: rank1.pinned_keys() == frozenset(keys), 2.0, "rank 1 learns the pin")
         # Rank 1 saves the prefix: put hard-pinned, it outlives a flood.
         assert _put(held.b, held.buf_b, keys) == [0, 0]
         _flood(held.a, held.buf_a, "late")
         assert held.a.batch_exists(keys) == [1, 1]
         rank0.unpin("late")
-        _wait(lambda: not rank1.pinned_keys(), 2.0, "rank 1 learns the unpin")
+        wait_held(lambda: not rank1.pinned_keys(), 2.0, "rank 1 learns the unpin")
     finally:
         rank1.close()
 
@@ -312,9 +304,9 @@ def test_an_engine_without_an_agent_takes_a_new_pin_within_a_poll(held: HeldPool
         assert len(keys) == 2 * SHAPE.kv_heads and not worker.pinned_keys()
         other.pin("poll", prefix, "hard")
         # Polled every 0.5 s (PIN_POLL_S); the bound leaves a loaded CI its margin.
-        _wait(lambda: keys <= worker.pinned_keys(), 2.0, "the engine learns the pin")
+        wait_held(lambda: keys <= worker.pinned_keys(), 2.0, "the engine learns the pin")
         other.unpin("poll")
-        _wait(lambda: not worker.pinned_keys(), 2.0, "the engine learns the unpin")
+        wait_held(lambda: not worker.pinned_keys(), 2.0, "the engine learns the unpin")
     finally:
         engine.close()
     # Its poll thread stopped with it.
