@@ -146,6 +146,9 @@ class KVPoolScheduler:
         self.counters = LookupCounters()
         # One record per request vLLM still knows (``_requests``), dropped by ``_forget``.
         self._requests: dict[str, RequestRecord] = {}
+        # Requests that were given a load to confirm (a superset of those whose record still
+        # holds one): the step's async-load pass looks at these, not at every record.
+        self._confirmed: dict[str, None] = {}
         # Repeats, later turns of a conversation, a common system prompt: hashed once.
         self.hash_cache = ChunkHashCache(config.chunk_size, config.hash_algo)
         self.match = PrefixMatch(config, lookup, self.reporter, self.counters, self.hash_cache,
@@ -221,6 +224,7 @@ class KVPoolScheduler:
         rec.confirmed = PendingLoad(
             spec, hashes, block_ids,
             tuple(list(t) for t in tables) if self.hybrid else ())
+        self._confirmed[rid] = None
         if rec.phase is not Phase.RUNNING:
             rec.phase = Phase.LOAD_CONFIRMED
         self._awaited.expect(rid, spec.num_tokens_to_load)
@@ -284,11 +288,15 @@ class KVPoolScheduler:
                 meta.requests.append(req)
 
         # Asynchronous loads: the request is not scheduled while its blocks fill.
-        for rid, rec in self._requests.items():
-            pending = rec.confirmed
-            if pending is None or rid in num_sched:
+        for rid in list(self._confirmed):
+            rec = self._requests.get(rid)
+            if rec is None or rec.confirmed is None:  # finished, or sent with its step
+                del self._confirmed[rid]
                 continue
-            rec.confirmed = None
+            if rid in num_sched:
+                continue
+            pending, rec.confirmed = rec.confirmed, None
+            del self._confirmed[rid]
             rec.sent_tokens = pending.spec.kvpool_cached_tokens
             rec.loading = True
             if rec.running is None:
