@@ -145,9 +145,10 @@ def test_replay_rejects_bad_ha_options_in_one_line(argv: list[str], needle: str)
 
 
 def test_replay_rides_through_a_leader_sigkill() -> None:
-    """SIGKILL the leader 2 s in while two engines replay: lookups fail fast (within the lookup
-    budget) and are counted, nothing loaded is wrong, no engine fails, a standby leads within
-    the election time, the OpLog kept every key, and hits come back after the failover."""
+    """SIGKILL the leader 2 s in while two engines replay: pool calls in the outage fail fast
+    (a lookup within its budget) and are counted, nothing loaded is wrong, no engine fails, a
+    standby leads within the election time, the OpLog kept every key, and hits come back after
+    the failover."""
     report = run_replay(ReplayConfig(
         trace_path=str(default_trace_path("conversation_trace.jsonl")), limit=100, engines=2,
         # Paced (the slice's 33 s of trace in 22 s) so that requests begin in the outage
@@ -155,7 +156,7 @@ def test_replay_rides_through_a_leader_sigkill() -> None:
         shape=SHAPE, ha=2, kill_leader_after_s=2.0, speedup=1.5))
     seen = {f: getattr(report, f) for f in (
         "errors", "requests", "failover_s", "keys_at_kill", "keys_kept", "lookup_errors",
-        "save_failed_keys", "max_lookup_s", "corrupt_blocks", "hit_rate", "wall_s",
+        "load_errors", "save_failed_keys", "max_lookup_s", "corrupt_blocks", "hit_rate", "wall_s",
         "hits_lost", "hit_tokens")}
     seen["tail_hits"] = [sum(h for _, h in e.per_request[-len(e.per_request) // 4:])
                          for e in report.per_engine]
@@ -165,7 +166,10 @@ def test_replay_rides_through_a_leader_sigkill() -> None:
     assert report.failover_s is not None and 0 < report.failover_s < ELECTION_S, seen
     assert report.keys_at_kill is not None and report.keys_at_kill > 0, seen
     assert report.keys_kept == report.keys_at_kill, seen
-    assert report.lookup_errors > 0, seen
+    # The outage is felt and counted by whichever pool call meets it first. A lookup need
+    # not: an engine whose put the master cannot start waits for that put's RPC_FAIL and asks
+    # nothing meanwhile (CI's run: 0 lookup errors, 59 failed keys, 2 failed loads).
+    assert report.lookup_errors + report.save_failed_keys + report.load_errors > 0, seen
     # Requests that began without a leader ran without the pool, and this slice reuses
     # prefixes throughout: some of their would-be hits are lost, never more than all hits
     # the reference allows.
