@@ -308,11 +308,12 @@ class SimEngine:
 
         asked = time.perf_counter()
         matched, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
-        self.result.max_lookup_s = max(self.result.max_lookup_s, time.perf_counter() - asked)
         while matched is None:
             # "needs more time": vLLM asks again on a later step.
             self._step([], None)
             matched, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        # Until the answer, not the first ask: an async lookup's first ask returns at once.
+        self.result.max_lookup_s = max(self.result.max_lookup_s, time.perf_counter() - asked)
         live.external = matched
         live.block_ids = self.blocks.allocate(math.ceil(n / s.block_size))
         # Loaded blocks start as garbage, so a load that writes nothing is caught.
