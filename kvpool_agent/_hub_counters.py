@@ -34,8 +34,8 @@ class HubCounters:
     passed the hub's memory limit and every port but the operator's was rebuilt,
     ``kvpool_agent._memory_guard``); ``connection_sheds`` (times it passed the limit and the
     one connection that sent the most was dropped instead, ``kvpool_agent._hub_connections``);
-    ``connections_over_cap`` (console connections refused for their key's cap per port,
-    ``kvpool_agent._hub_key_caps``); ``takeover_refused`` (reports for an id another live
+    ``connections_over_cap`` (connections refused for their key's cap per port, agents'
+    and consoles', ``kvpool_agent.key_caps``); ``takeover_refused`` (reports for an id another live
     connection holds); ``oversized_states`` (reports over ``MAX_STATE_BYTES``);
     ``fleet_full`` (reports refused for ``MAX_AGENTS`` or a state budget);
     ``rejected_replies`` (replies from a connection the command was not sent to, unknown

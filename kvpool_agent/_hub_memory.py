@@ -19,11 +19,14 @@ bytes, so each connection's share is ``messages x bytes``:
   ``MAX_COMMAND_BYTES``, and ``COMMAND_SNDHWM`` replies (a reply's size follows its targets':
   not in ``hub_memory_bound``).
 
-How many of each there are is capped per key on the console ports
-(``kvpool_agent._hub_key_caps``: ``MAX_SUBSCRIBERS_PER_KEY`` subscribers, and
-``MAX_CONNECTIONS_PER_KEY`` command connections on each command port), so with V viewer and O
-operator keys ``subscribers <= (V + O) x 8`` and ``command_connections <= V x 16 + O x 32``
-(docs/security.md); agent connections are not capped per key.
+How many of each there are is capped per key (``kvpool_agent.key_caps``:
+``MAX_SUBSCRIBERS_PER_KEY`` subscribers, ``MAX_CONNECTIONS_PER_KEY`` command connections on
+each command port, ``MAX_AGENT_CONNECTIONS_PER_KEY`` agent connections per engine-bound agent
+key and ``MAX_AGENT_CONNECTIONS_PER_FLEET_KEY`` per fleet-wide one), so with V viewer, O
+operator, B engine-bound and F fleet-wide agent keys ``subscribers <= (V + O) x 8``,
+``command_connections <= V x 16 + O x 32`` and ``agent_connections <= B x 1,024 + F x 16,384``
+(docs/security.md). The agent term bounds descriptors more than memory (a fleet's worth of
+agents' queues is far above any RSS limit): ``MEMORY_LIMIT_MB`` is what bounds their bytes.
 
 ``hub_memory_bound`` is the sum, besides the hub's own base (interpreter, libzmq, code: ~45
 MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` encoded; Python

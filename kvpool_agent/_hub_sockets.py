@@ -5,9 +5,9 @@ With keys every port is a CURVE server whose ZAP domain (``PORT_DOMAIN``) admits
 public keys of the roles ``ZAP_DOMAINS`` names (``kvpool_agent.auth.AllowList``, pyzmq's
 ``ThreadAuthenticator``); a refused handshake is counted per port from the socket's monitor
 (``HubCounters.refused_connections``). Every queue is bounded in messages per connection and
-every message in bytes (``kvpool_agent._hub_memory``: the sum the hub promises), and the
-console ports' connections per key (``kvpool_agent._hub_key_caps``: refused at the handshake,
-or shut down at their first message past the cap).
+every message in bytes (``kvpool_agent._hub_memory``: the sum the hub promises), and every
+port's connections per key (``kvpool_agent.key_caps``: refused at the handshake, or shut down
+at their first message past the cap).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
-from kvpool_agent._hub_key_caps import KeyCaps, shut_down
 from kvpool_agent._hub_memory import (
     AGENT_RCVHWM,
     AGENT_SNDHWM,
@@ -34,6 +33,7 @@ from kvpool_agent._hub_memory import (
     PUB_SNDHWM,
 )
 from kvpool_agent.auth import AllowList, Role, _check_private
+from kvpool_agent.key_caps import CappedAdmission, KeyCaps, admit_message
 from kvpool_agent.protocol import MAX_MESSAGE_BYTES
 
 __all__ = [
@@ -58,7 +58,7 @@ ZAP_DOMAINS: dict[str, tuple[Role, ...]] = {
 PORT_DOMAIN = {"agents": "agents", "pub": "subscribers", "commands": "viewer",
                "curve": "operator"}
 """Port name -> its ZAP domain: one a port, so a key's connections are capped per port
-(``kvpool_agent._hub_key_caps``)."""
+(``kvpool_agent.key_caps``)."""
 _DOMAIN_PORT = {domain: port for port, domain in PORT_DOMAIN.items()}
 _PORT_ATTR = {"agents": "agents", "pub": "pub", "commands": "plain", "curve": "curve"}
 """Port name -> the ``HubSockets`` attribute holding its socket."""
@@ -129,7 +129,7 @@ class HubSockets:
         counters: where refused handshakes are counted.
         connections: where the accepted connections are kept, from each port's monitor
             (``kvpool_agent._hub_connections``); ``None``: not kept.
-        caps: connections per key on the console ports (with keys only); ``None``: uncapped.
+        caps: connections per key on each port (with keys only); ``None``: uncapped.
     """
 
     def __init__(self, ports: HubPorts, authorized_keys_dir: Path | None,
@@ -293,22 +293,14 @@ class HubSockets:
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
         for domain in ZAP_DOMAINS:
-            self.auth.configure_curve_callback(domain, _Admission(self.allow, self.caps))
+            self.auth.configure_curve_callback(
+                domain, CappedAdmission(self.allow, self.caps, _DOMAIN_PORT))
         return public, secret
 
     def admit(self, port: str, frame: zmq.Frame) -> bool:
         """A message came in on ``port`` in ``frame`` (a part of it): False when its connection
-        is one past its key's cap, which is then shut down (``kvpool_agent._hub_key_caps``)."""
-        if self.caps is None:
-            return True
-        try:
-            fd = int(frame.get(zmq.SRCFD))
-        except zmq.ZMQError:
-            return True
-        if self.caps.seen(port, fd, user_id(frame)):
-            return True
-        shut_down(fd)
-        return False
+        is one past its key's cap, which is then shut down (``kvpool_agent.key_caps``)."""
+        return self.caps is None or admit_message(self.caps, port, frame)
 
     def count_cap_refusals(self) -> None:
         """Count the connections refused for their key's cap since the last call
@@ -368,16 +360,3 @@ class HubSockets:
             self.auth.stop()
         self.ctx.term()
 
-
-class _Admission:
-    """The ZAP credentials provider of one hub: a key the allow list accepts in a domain, while
-    its connections on the domain's port are under their cap."""
-
-    def __init__(self, allow: AllowList, caps: KeyCaps | None) -> None:
-        self.allow, self.caps = allow, caps
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """pyzmq's hook: may ``key`` (z85) connect in ``domain``."""
-        if not self.allow.callback(domain, key):
-            return False
-        return self.caps is None or self.caps.admit(_DOMAIN_PORT[domain], key.decode())

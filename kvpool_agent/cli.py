@@ -27,7 +27,6 @@ from typing import cast
 import zmq
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
-from kvpool_agent._hub_key_caps import MAX_CONNECTIONS_PER_KEY, MAX_SUBSCRIBERS_PER_KEY
 from kvpool_agent._hub_memory import MEMORY_LIMIT_MB, return_large_blocks_to_os
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import (
@@ -39,6 +38,12 @@ from kvpool_agent.auth import (
     generate_keys,
 )
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
+from kvpool_agent.key_caps import (
+    MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
+    MAX_AGENT_CONNECTIONS_PER_KEY,
+    MAX_CONNECTIONS_PER_KEY,
+    MAX_SUBSCRIBERS_PER_KEY,
+)
 from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
@@ -100,6 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--max-connections-per-key", type=int, default=MAX_CONNECTIONS_PER_KEY,
                    metavar="N", help="command connections one key may hold open on each of "
                    "P+2 and P+3 (default %(default)s; 0: none; with --keys)")
+    h.add_argument("--max-agent-connections-per-key", type=int,
+                   default=MAX_AGENT_CONNECTIONS_PER_KEY, metavar="N",
+                   help="agent connections (P) one engine-bound agent key may hold open: one "
+                   "per connector process of its engine (default %(default)s; 0: none; with "
+                   "--keys)")
+    h.add_argument("--max-agent-connections-per-fleet-key", type=int,
+                   default=MAX_AGENT_CONNECTIONS_PER_FLEET_KEY, metavar="N",
+                   help="agent connections (P) one fleet-wide agent key may hold open: one per "
+                   "connector process of every engine using it (default %(default)s; 0: none; "
+                   "with --keys)")
 
     h.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on PORT (default P+4; 0 turns it off)")
@@ -223,17 +238,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.memory_limit_mb < 0:
                 raise ValueError(f"--memory-limit-mb: {args.memory_limit_mb} is below 0 (0: "
                                  f"no limit; default {MEMORY_LIMIT_MB})")
-            for flag in ("max_subscribers_per_key", "max_connections_per_key"):
+            caps = (("max_subscribers_per_key", MAX_SUBSCRIBERS_PER_KEY),
+                    ("max_connections_per_key", MAX_CONNECTIONS_PER_KEY),
+                    ("max_agent_connections_per_key", MAX_AGENT_CONNECTIONS_PER_KEY),
+                    ("max_agent_connections_per_fleet_key", MAX_AGENT_CONNECTIONS_PER_FLEET_KEY))
+            for flag, _ in caps:
                 if getattr(args, flag) < 0:
                     raise ValueError(f"--{flag.replace('_', '-')}: {getattr(args, flag)} is "
                                      "below 0 (0: no cap)")
             kp = KeyPaths.of(args.keys) if args.keys else None
             if kp is not None:
                 kp.hub()
-            capped = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag, default in (
-                ("max_subscribers_per_key", MAX_SUBSCRIBERS_PER_KEY),
-                ("max_connections_per_key", MAX_CONNECTIONS_PER_KEY))
-                if getattr(args, flag) != default]
+            capped = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag, default in caps
+                      if getattr(args, flag) != default]
             if kp is None and capped:
                 # The caps count connections per CURVE key: without keys there is none.
                 logging.getLogger("kvpool.hub").warning(
@@ -269,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 memory_limit_bytes=args.memory_limit_mb << 20 if args.memory_limit_mb else None,
                 max_subscribers_per_key=args.max_subscribers_per_key,
                 max_connections_per_key=args.max_connections_per_key,
+                max_agent_connections_per_key=args.max_agent_connections_per_key,
+                max_agent_connections_per_fleet_key=args.max_agent_connections_per_fleet_key,
             ).start()
             if kp is not None and args.metrics_host not in (None, "127.0.0.1", "::1",
                                                             "localhost"):

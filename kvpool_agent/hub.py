@@ -34,7 +34,7 @@ loopback unless run ``--insecure`` (``kvpool_agent.cli``).
   127.0.0.1 with keys unless ``metrics_host`` names another address.
 
 Cost is bounded per key (the ZAP User-Id's key name; ``plain`` without keys), not per
-message: connections per key on the console ports (``kvpool_agent._hub_key_caps``), commands
+message: connections per key on every port (``kvpool_agent.key_caps``), commands
 in flight per key (above), engine work per key and minute (``kvpool_agent._work_budget``),
 targets per command (``MAX_TARGETS``), audit bytes per key and minute
 (``kvpool_agent._audit``), agent ids and state bytes per engine (``kvpool_agent._fleet``),
@@ -85,7 +85,6 @@ from kvpool_agent._hub_commands import (
 )
 from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
-from kvpool_agent._hub_key_caps import MAX_CONNECTIONS_PER_KEY, MAX_SUBSCRIBERS_PER_KEY, KeyCaps
 from kvpool_agent._hub_quotas import (
     MAX_PENDING,
     MAX_PENDING_PER_CONNECTION,
@@ -107,6 +106,13 @@ from kvpool_agent._reuse_service import (
 )
 from kvpool_agent._work_budget import WORK_UNITS_PER_MIN
 from kvpool_agent.auth import AllowList, bound_elsewhere, bound_engine
+from kvpool_agent.key_caps import (
+    MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
+    MAX_AGENT_CONNECTIONS_PER_KEY,
+    MAX_CONNECTIONS_PER_KEY,
+    MAX_SUBSCRIBERS_PER_KEY,
+    KeyCaps,
+)
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -198,8 +204,12 @@ class FleetHub:
             port but the operator's (``kvpool_agent._memory_guard``): the bound for what
             libzmq cannot bound, a multipart message. ``None``: no limit (a hub embedded in
             a larger process).
-        max_subscribers_per_key, max_connections_per_key: connections one key may hold open on
-            ``P+1`` and on each command port (with keys; 0: none), ``kvpool_agent._hub_key_caps``.
+        max_subscribers_per_key, max_connections_per_key: connections one viewer or operator
+            key may hold open on ``P+1`` and on each command port (with keys; 0: none),
+            ``kvpool_agent.key_caps``.
+        max_agent_connections_per_key, max_agent_connections_per_fleet_key: connections one
+            engine-bound agent key, and one fleet-wide agent key, may hold open on ``P`` (with
+            keys; 0: none), ``kvpool_agent.key_caps``.
         reuse_refresh_s: the live reuse ceiling over agents' lookups (``Report.accesses``,
             ``kvpool_agent._reuse_service``) is recomputed at most this often (s), on its own
             thread; ``whatif_refresh_s``: its what-if curves (the costly part). Consoles get
@@ -233,6 +243,8 @@ class FleetHub:
         work_units_per_min: int = WORK_UNITS_PER_MIN,
         max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY,
         max_connections_per_key: int = MAX_CONNECTIONS_PER_KEY,
+        max_agent_connections_per_key: int = MAX_AGENT_CONNECTIONS_PER_KEY,
+        max_agent_connections_per_fleet_key: int = MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
         reuse_refresh_s: float = REUSE_REFRESH_S,
         whatif_refresh_s: float = WHATIF_REFRESH_S,
     ) -> None:
@@ -263,7 +275,13 @@ class FleetHub:
         self._connections = ConnectionTable() if memory_limit_bytes is not None else None
         self._sockets = HubSockets(self.ports, self.authorized_keys_dir, self.secret_key_file,
                                    self.counters, self._connections,
-                                   KeyCaps(max_subscribers_per_key, max_connections_per_key))
+                                   KeyCaps({
+                                       "pub": {"console": max_subscribers_per_key},
+                                       "commands": {"console": max_connections_per_key},
+                                       "curve": {"console": max_connections_per_key},
+                                       "agents": {"engine": max_agent_connections_per_key,
+                                                  "fleet": max_agent_connections_per_fleet_key},
+                                   }))
         self._commands = CommandRouter(self._sockets, self._fleet, self._audit, self.counters,
                                        Quotas(work_units_per_min))
         self._updates = UpdateStreams(self._sockets, self._fleet, self.counters,
@@ -547,6 +565,8 @@ class FleetHub:
                 return
             if self._connections is not None:
                 self._connections.took("agents", frames)
+            if not self._sockets.admit("agents", frames[-1]):
+                continue  # a connection past its key's cap: shut down, its report dropped
             if len(frames) != 2:
                 self.counters.bad("agents", f"{len(frames) - 1} frames, expected 1")
                 continue

@@ -22,6 +22,9 @@ def _no_hub(*_: object, **__: object) -> None:
 @pytest.mark.parametrize("extra, warned", [
     (["--max-subscribers-per-key", "3"], "--max-subscribers-per-key 3"),
     (["--max-connections-per-key", "2"], "--max-connections-per-key 2"),
+    (["--max-agent-connections-per-key", "64"], "--max-agent-connections-per-key 64"),
+    (["--max-agent-connections-per-fleet-key", "0"],
+     "--max-agent-connections-per-fleet-key 0"),
     ([], None),
 ])
 def test_caps_without_keys_warn_and_start(extra: list[str], warned: str | None,
@@ -36,3 +39,14 @@ def test_caps_without_keys_warn_and_start(extra: list[str], warned: str | None,
     else:
         (line,) = lines
         assert warned in line and "only with --keys" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("flag", ["--max-subscribers-per-key", "--max-connections-per-key",
+                                  "--max-agent-connections-per-key",
+                                  "--max-agent-connections-per-fleet-key"])
+def test_a_cap_below_0_is_one_line_naming_the_flag_and_exit_2(
+        flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(agent_cli, "FleetHub", _no_hub)
+    assert agent_cli.main(["hub", "--address", "tcp://127.0.0.1:7600", flag, "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvpool-agent hub: {flag}: -1 is below 0 (0: no cap)"], err

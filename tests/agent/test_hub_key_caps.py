@@ -1,22 +1,26 @@
-"""Connections per key on a keyed hub's console ports (issue 42: a viewer's stalled subscribers and
-connection floods were uncapped): a key past its cap gains nothing, another key's console still
-works. ``KeyCaps`` itself is tested on its counts."""
+"""Connections per key on a keyed hub's ports (issue 42: a viewer's stalled subscribers and
+connection floods were uncapped; an agent key's connections on ``P`` were too): a key past its
+cap gains nothing, another key's console or agent still works. ``KeyCaps`` itself is tested on
+its counts."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import zmq
-from agent_testlib import wait_until
+from agent_testlib import FakeAgent, free_port_block, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths
-from kvpool_agent._hub_key_caps import (
+from kvpool_agent.auth import Role, authorize_key, generate_keys, local_fleet_keys
+from kvpool_agent.key_caps import (
     ADMIT_WINDOW_S,
     MAX_CONNECTIONS_PER_KEY,
     MAX_SUBSCRIBERS_PER_KEY,
     KeyCaps,
+    key_kind,
 )
-from kvpool_agent.auth import Role
 from kvpool_agent.protocol import (
     FULL_RATE_TOPICS,
     PROTOCOL_VERSION,
@@ -143,7 +147,7 @@ def test_key_caps_count_admitted_and_seen_connections_per_key_and_port() -> None
     """``KeyCaps``: handshakes admitted count until their first message, a key's connections
     past the cap are refused at the handshake or, admitted in a burst, at their first
     message; a closed descriptor frees its place; another key and another port are apart."""
-    caps = KeyCaps(subscribers=2, connections=1)
+    caps = KeyCaps({"pub": {"console": 2}, "commands": {"console": 1}})
     assert [caps.admit("pub", "k", now=0.0) for _ in range(3)] == [True, True, False]
     assert caps.admit("pub", "other", now=0.0) and caps.admit("commands", "k", now=0.0)
     assert caps.seen("pub", 10, "k") and caps.seen("pub", 11, "k")
@@ -164,4 +168,65 @@ def test_key_caps_count_admitted_and_seen_connections_per_key_and_port() -> None
     assert caps.drain_refusals() == []
     caps.closed_port("pub")
     assert caps.held("pub", "k") == 0
-    assert KeyCaps(subscribers=0).admit("pub", "k"), "0 is no cap"
+    assert KeyCaps({"pub": {"console": 0}}).admit("pub", "k"), "0 is no cap"
+
+
+def test_an_agent_keys_cap_follows_its_kind() -> None:
+    """An engine-bound agent key and a fleet-wide one are capped apart on ``P`` (a fleet-wide
+    key holds every engine's connections); a console key's kind has no cap there."""
+    assert (key_kind("agent/eng-0.engine"), key_kind("agent/fleet"),
+            key_kind("viewer/alice")) == ("engine", "fleet", "console")
+    caps = KeyCaps({"agents": {"engine": 1, "fleet": 2}})
+    assert [caps.admit("agents", "b", "engine", now=0.0) for _ in range(2)] == [True, False]
+    assert [caps.admit("agents", "f", "fleet", now=0.0) for _ in range(3)] == [True, True, False]
+    assert caps.admit("agents", "c", "console", now=0.0)
+    assert caps.seen("agents", 10, "b") and not caps.seen("agents", 11, "b")
+    assert [(r.identity, r.cap) for r in caps.drain_refusals()] == [
+        ("b", 1), ("f", 2), ("b", 1)]
+
+
+def test_an_agent_keys_connections_past_its_cap_change_nothing_on_the_hub(
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A borrowed engine-bound agent key (engine ``atk``, cap 4 for the test) holds its 4
+    connections, each reporting one agent id, and opens 6 more over real CURVE sockets: they
+    are refused at the handshake and report nothing; the hub keeps the same agents, the key
+    holds 4 connections, each refusal is counted for that key; a fleet-wide key's 6
+    connections (past the engine-bound cap: it is every engine's) still report."""
+    keys = local_fleet_keys(tmp_path / "keys")
+    attacker = generate_keys(tmp_path / "attacker", "agent", force=True)
+    shutil.copyfile(keys["hub"].hub_public, attacker.hub_public)
+    authorize_key(keys["hub"].root, "agent", attacker.public("agent"), engine="atk")
+    atk, fleet = attacker.client("agent"), keys["agent"].client("agent")
+    with FleetHub(f"tcp://127.0.0.1:{free_port_block()}",
+                  authorized_keys_dir=keys["hub"].authorized_dir,
+                  secret_key_file=keys["hub"].hub_secret, snapshot_interval_s=1.0,
+                  max_agent_connections_per_key=4) as hub:
+        victims = [FakeAgent(ctx, hub.address, fleet) for _ in range(6)]
+        held = [FakeAgent(ctx, hub.address, atk) for _ in range(4)]
+        for i, a in enumerate(victims):
+            assert a.report(make_source("victim", tp=i))
+        for i, a in enumerate(held):
+            assert a.report(make_source("atk", tp=i))
+        wait_until(lambda: len(hub.fleet()) == 10, 30)
+        agents = set(hub.fleet())
+        reports = hub.reports
+
+        extra = [FakeAgent(ctx, hub.address, atk) for _ in range(6)]
+        wait_until(lambda: hub.counters.connections_over_cap >= len(extra), 30)
+        for i, a in enumerate(extra):  # queued by the DEALER at most, never reaches the hub
+            a.report(make_source("atk", tp=4 + i), send_timeout_ms=0)
+        # The victims still report, and are heard after the flood.
+        for i, a in enumerate(victims):
+            assert a.report(make_source("victim", tp=i))
+        wait_until(lambda: hub.reports >= reports + len(victims), 30)
+
+        assert set(hub.fleet()) == agents, "the hub's agents changed"
+        assert hub.reports == reports + len(victims)
+        assert hub._sockets.caps is not None
+        z85 = atk.public.decode()
+        assert hub._sockets.caps.held("agents", z85) == 4
+        assert hub.counters.connections_over_cap == len(extra)
+        assert hub.refused_connections["agents"] == len(extra)
+        assert hub.refused_by_key == {"agent/atk.engine": len(extra)}
+        assert (hub.fleet_full, hub.bad_messages, hub.takeover_refused) == (0, 0, 0)
