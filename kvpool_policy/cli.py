@@ -19,6 +19,7 @@ import threading
 import zmq
 
 from kvpool_agent.auth import KeyPaths
+from kvpool_agent.key_caps import MAX_SUBSCRIBERS_PER_KEY
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                    "%(default)s; keep it below the master's eviction_high_watermark_ratio)")
     s.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                    help="chunk hashes a second per key (default %(default)s)")
+    s.add_argument("--max-subscribers-per-key", type=int, default=MAX_SUBSCRIBERS_PER_KEY,
+                   metavar="N", help="snapshot subscribers (P+1) one viewer or operator key may "
+                   "hold open; more are refused at the handshake (default %(default)s; 0: none)")
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout in ms, the removal grace "
                    "(default 60000)")
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--fill {args.fill}: must be in (0, 1], e.g. {DEFAULT_FILL}")
     if args.budget < 1:
         return _fail(f"--budget {args.budget}: must be at least 1 record a second")
+    if args.max_subscribers_per_key < 0:
+        return _fail(f"--max-subscribers-per-key {args.max_subscribers_per_key}: must be 0 (no "
+                     f"cap) or more, e.g. {MAX_SUBSCRIBERS_PER_KEY} (the default)")
     if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
         return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
                      "(default 60000, the store client's transfer timeout)")
@@ -229,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--master {args.master}: {exc}")
     try:
         service = PolicyService(args.listen, KeyPaths.of(args.keys), backend, capacity,
-                                admin_url=args.admin_url, budget=args.budget)
+                                admin_url=args.admin_url, budget=args.budget,
+                                max_subscribers_per_key=args.max_subscribers_per_key)
     except ValueError as exc:
         backend.close()
         return _fail(f"--keys {args.keys}: {exc}")
@@ -246,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         c = service.core.counters
         logging.getLogger("kvpool.policy").info(
-            "kvpool policy: stopped: %d records, %d dropped, %d keys removed", c.records,
-            c.dropped, service.remover.removed)
+            "kvpool policy: stopped: %d records, %d dropped, %d keys removed, %d snapshot "
+            "subscribers refused past their key's cap", c.records, c.dropped,
+            service.remover.removed, c.subscribers_over_cap)
         service.close()
         backend.close()
     return 0

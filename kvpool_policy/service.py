@@ -22,9 +22,14 @@ Who may connect, and what each may do and cost (the house security rule):
   never a key outside ``kvpool@`` or a pinned one; and, once the pool is full, the chunks its
   layouts hold are capped at a fair share of the capacity (``PolicyCore``), so one key's
   records cannot evict the other keys' layouts below theirs. Every bound: docs/security.md.
-* snapshots port ``P+1`` (PUB): agent, viewer and operator keys (``SNAPSHOT_DOMAIN``); a slow
+* snapshots port ``P+1`` (XPUB): agent, viewer and operator keys (``SNAPSHOT_DOMAIN``); a slow
   subscriber loses snapshots (ZMQ's send high-water mark: 2 snapshots), never slows the
-  service. Subscribers are not capped per key (docs/security.md, known limits).
+  service. Subscribers are capped per key (``kvpool_agent.key_caps``, V1): a viewer or
+  operator key holds ``max_subscribers_per_key`` (``MAX_SUBSCRIBERS_PER_KEY``), an agent key
+  one per engine scheduler it serves (``MAX_AGENT_CONNECTIONS_PER_KEY`` engine-bound,
+  ``MAX_AGENT_CONNECTIONS_PER_FLEET_KEY`` fleet-wide); past it a subscriber's handshake is
+  refused (or, admitted in a burst, it is shut down at its subscription), so it gets no
+  snapshot; counted (``subscribers_over_cap``, per key in ``over_cap_by_key``).
 
 Counted drops (``counters``): records the senders report dropped (``RecordBatch.dropped``),
 batches lost between (gaps in ``seq``), over budget, malformed; each sender's ``seq`` and
@@ -53,8 +58,17 @@ import httpx
 import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent.auth import AllowList, KeyPaths, bound_engine
+from kvpool_agent.key_caps import (
+    MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
+    MAX_AGENT_CONNECTIONS_PER_KEY,
+    MAX_SUBSCRIBERS_PER_KEY,
+    CappedAdmission,
+    KeyCaps,
+    admit_message,
+)
 from kvpool_agent.masters import leader_admin_url
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import KEY_PREFIX
@@ -147,6 +161,13 @@ _REMOVE_EVERY_S = 0.05
 _PINS_EVERY_S = 1.0
 _RECEIVE_S = 0.05  # one receive pass at most, then removals and snapshots get their turn
 _RECORDS_HWM = 8  # batches queued per connection (each up to MAX_BATCH_BYTES)
+_SUBSCRIPTION_BYTES = 1024  # a subscription needs 1 byte (all snapshots), a CURVE INITIATE ~300
+_SUBSCRIPTION_HWM = 4  # subscription messages queued per subscriber (a client sends one)
+_SUBSCRIPTIONS_PER_TURN = 256
+_MONITOR_EVENTS_PER_TURN = 1024
+_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_LOGGED_FIRST = 3  # refusals of a key logged one by one, then every _LOGGED_EVERY th
+_LOGGED_EVERY = 1000
 
 
 @dataclass
@@ -172,8 +193,13 @@ class ServiceCounters:
     wrong_engine: int = 0
     """Batches of an engine-bound agent key (``kvpool-agent authorize --engine``) naming
     another engine id: dropped whole (their records counted ``malformed``)."""
+    subscribers_over_cap: int = 0
+    """Snapshot subscribers refused for their key's cap (``kvpool_agent.key_caps``): at the
+    handshake, or shut down at their subscription."""
     senders: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """(key, engine) -> (last seq, last reported dropped)."""
+    over_cap_by_key: dict[str, int] = field(default_factory=dict)
+    """Key name (``ROLE/FILE-STEM``) -> its subscribers refused for its cap."""
 
     @property
     def dropped(self) -> int:
@@ -444,6 +470,8 @@ class PolicyService:
         capacity_bytes: the bytes the policy may fill (below the master's watermark).
         admin_url: the master's admin URL (``/get_all_keys`` at start); ``None``: none read.
         budget: chunk hashes a second per key.
+        max_subscribers_per_key: snapshot subscribers one viewer or operator key may hold
+            open (0: none); agent keys' caps are ``kvpool_agent.key_caps``'s defaults.
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -452,8 +480,12 @@ class PolicyService:
 
     def __init__(self, listen: str, keys: KeyPaths, backend: MooncakeBackend,
                  capacity_bytes: int, *, admin_url: str | None = None,
-                 budget: int = DEFAULT_BUDGET) -> None:
+                 budget: int = DEFAULT_BUDGET,
+                 max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY) -> None:
         records_at, snapshots_at = policy_ports(listen)
+        self.caps = KeyCaps({"snapshots": {
+            "console": max_subscribers_per_key, "engine": MAX_AGENT_CONNECTIONS_PER_KEY,
+            "fleet": MAX_AGENT_CONNECTIONS_PER_FLEET_KEY}})
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
         self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
@@ -469,15 +501,23 @@ class PolicyService:
         self.auth.start()
         self.allow = allow = AllowList(keys.authorized_dir, {RECORDS_DOMAIN: ("agent",),
                                                 SNAPSHOT_DOMAIN: ("agent", "viewer", "operator")})
-        for domain in (RECORDS_DOMAIN, SNAPSHOT_DOMAIN):
-            self.auth.configure_curve_callback(domain, allow)
+        self.auth.configure_curve_callback(RECORDS_DOMAIN, allow)
+        self.auth.configure_curve_callback(
+            SNAPSHOT_DOMAIN, CappedAdmission(allow, self.caps, {SNAPSHOT_DOMAIN: "snapshots"}))
         self.records = self._server(zmq.PULL, RECORDS_DOMAIN, public, secret)
         self.records.maxmsgsize = MAX_BATCH_BYTES
         self.records.rcvhwm = _RECORDS_HWM
-        self.snapshots = self._server(zmq.PUB, SNAPSHOT_DOMAIN, public, secret)
+        # XPUB, verbose: every subscription reaches the service, which counts its
+        # connection for its key (kvpool_agent.key_caps).
+        self.snapshots = self._server(zmq.XPUB, SNAPSHOT_DOMAIN, public, secret)
+        self.snapshots.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.snapshots.maxmsgsize = _SUBSCRIPTION_BYTES
+        self.snapshots.rcvhwm = _SUBSCRIPTION_HWM
         # A subscriber needs the newest snapshot only: a stalled one holds 2 (each at most
         # DOORKEEPER_MAX_MIB of Bloom filter), not 16.
         self.snapshots.sndhwm = 2
+        # Right after the socket: its connections' descriptors, to free their places.
+        self._monitor = self.snapshots.get_monitor_socket(_CONNECTION_EVENTS)
         try:
             self.records.bind(records_at)
             self.snapshots.bind(snapshots_at)
@@ -541,14 +581,48 @@ class PolicyService:
                 continue
             self._guard("a record batch", functools.partial(self.core.apply, batch, who))
 
+    def _subscribers(self) -> None:
+        """Take the subscriptions (a subscriber past its key's cap is shut down: it never gets
+        a snapshot), free the places of closed connections and count the refusals."""
+        for _ in range(_SUBSCRIPTIONS_PER_TURN):
+            try:
+                msg = self.snapshots.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            # libzmq has applied it to its connection already. A subscription is what counts
+            # a connection for its key; an unsubscription (a connection closing) is none.
+            if msg.bytes[:1] == b"\x01":
+                admit_message(self.caps, "snapshots", msg)
+        for _ in range(_MONITOR_EVENTS_PER_TURN):
+            if not self._monitor.poll(0):
+                break
+            ev = recv_monitor_message(self._monitor)
+            if ev["event"] & _CONNECTION_EVENTS:
+                # Accepted too: the descriptor's number reused, the connection it was is gone.
+                self.caps.closed(ev["value"])
+        c = self.core.counters
+        for r in self.caps.drain_refusals():
+            c.subscribers_over_cap = _sat(c.subscribers_over_cap + 1)
+            key = self.allow.name(SNAPSHOT_DOMAIN, r.identity.encode()) or r.identity
+            n = c.over_cap_by_key[key] = c.over_cap_by_key.get(key, 0) + 1
+            if n <= _LOGGED_FIRST or n % _LOGGED_EVERY == 0:
+                logger.warning("kvpool policy: snapshot subscriber #%d of key %s refused: past "
+                               "the cap of %d per key (%s)", n, key, r.cap,
+                               "at the handshake" if r.handshake else "shut down")
+
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set."""
         decoder = msgspec.msgpack.Decoder(RecordBatch)
         published = removed = pins = -float("inf")
         doorkeeper = False
+        poller = zmq.Poller()
+        for sock in (self.records, self.snapshots, self._monitor):
+            poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
-            if self.records.poll(int(_REMOVE_EVERY_S * 1e3)):
+            events = dict(poller.poll(int(_REMOVE_EVERY_S * 1e3)))
+            if self.records in events:
                 self._receive(decoder)
+            self._guard("taking subscriptions", self._subscribers)
             now = time.monotonic()
             if now - pins >= _PINS_EVERY_S:
                 pins = now
@@ -563,6 +637,10 @@ class PolicyService:
                 self._guard("publishing a snapshot", self._publish)
 
     def close(self) -> None:
+        # The monitor is stopped at the socket first: libzmq's I/O thread would otherwise
+        # block sending the closing connections' events to a monitor already closed.
+        self.snapshots.disable_monitor()
+        self._monitor.close(0)
         self.records.close(0)
         self.snapshots.close(0)
         self.auth.stop()

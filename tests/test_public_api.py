@@ -77,6 +77,11 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # kvpool_connector.operations audits its own reset flush with the hub's line format.
     "kvpool_agent.audit": ["AUDIT_ERROR_CHARS", "AUDIT_IDS_SHOWN", "AUDIT_LINE_MAX_BYTES",
                            "CHANGES", "audit", "audit_line"],
+    # The policy service caps its snapshot subscribers per key with the hub's mechanism.
+    "kvpool_agent.key_caps": ["ADMIT_WINDOW_S", "MAX_AGENT_CONNECTIONS_PER_FLEET_KEY",
+                              "MAX_AGENT_CONNECTIONS_PER_KEY", "MAX_CONNECTIONS_PER_KEY",
+                              "MAX_SUBSCRIBERS_PER_KEY", "CappedAdmission", "KeyCaps",
+                              "KeyKind", "Refusal", "admit_message", "key_kind", "shut_down"],
     # kvpool_policy's offline model runs the connector's own admission and eviction.
     "kvpool_connector.admission": ["AdaptiveAdmission", "AdmissionMode", "AdmissionPolicy",
                                    "AdmitAll", "admission_for", "doorkeeper_seen"],

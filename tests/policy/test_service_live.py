@@ -305,6 +305,7 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     (["--listen", "10.0.0.1:5600"], "--listen"),
     (["--fill", "2"], "--fill"),
     (["--capacity", "lots"], "--capacity"),
+    (["--max-subscribers-per-key", "-1"], "--max-subscribers-per-key"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
