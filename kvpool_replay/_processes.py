@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import psutil
@@ -21,6 +21,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 __all__ = [
     "MC_BIND_ENV",
+    "ChildProcess",
     "alive",
     "engine_env",
     "free_port",
@@ -159,7 +160,22 @@ def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, **kwargs)
 
 
-def stop_process_tree(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+class ChildProcess(Protocol):
+    """What stopping and watching a started process needs: ``subprocess.Popen`` or
+    ``_forkserver.ForkedProcess``."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def stop_process_tree(proc: ChildProcess, timeout_s: float = 10.0) -> None:
     """SIGTERM the process group ``proc`` leads (it was started with ``start_new_session``),
     then SIGKILL whatever is left after ``timeout_s``. Idempotent."""
     try:

@@ -36,6 +36,7 @@ from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
+from kvpool_replay._forkserver import ForkedProcess, fork_main
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._policy_service import (
     REPLAY_FILL,
@@ -50,6 +51,7 @@ from kvpool_replay._pool import (
     require_memory,
 )
 from kvpool_replay._processes import (
+    ChildProcess,
     engine_env,
     free_port,
     spawn,
@@ -69,8 +71,8 @@ from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
 from kvpool_replay._trace import load_trace
 
-__all__ = ["ReplayConfig", "ReplayReport", "hits_lost_in_outage", "run_replay", "spawn_engine",
-           "wait_engines_ready"]
+__all__ = ["ReplayConfig", "ReplayReport", "fork_engine", "hits_lost_in_outage", "run_replay",
+           "spawn_engine", "wait_engines_ready"]
 
 _MIB = 1 << 20
 
@@ -316,6 +318,16 @@ def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
                  stdout=out, stderr=out, env=engine_env(), start_new_session=True)
 
 
+def fork_engine(spec: EngineSpec, workdir: Path) -> ForkedProcess:
+    """``spawn_engine`` for a simulated engine, forked from the fork server
+    (``_forkserver``: vLLM imported once per process, not once per engine); its output goes to
+    this process's stderr."""
+    path = workdir / f"{spec.engine_id}.spec.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    return fork_main("kvpool_replay._engine_proc", [str(path)], sys.stderr.fileno(),
+                     engine_env(), name=spec.engine_id)
+
+
 def _master_stats(admin_url: str | None) -> PoolStats:
     """The pool as its master's ``/metrics`` says (keys, evictions, both tiers); all 0 when
     unavailable."""
@@ -489,7 +501,7 @@ def run_replay(
         go = work / "go"
         receiver = stack.enter_context(
             ProgressReceiver(work, total=len(trace), show=cfg.show_progress))
-        procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]] = []
+        procs: list[tuple[EngineSpec, ChildProcess]] = []
         for i in range(n_eng):
             roles = cfg.kv_roles or ["kv_both"]
             spec = EngineSpec(
@@ -511,7 +523,7 @@ def run_replay(
                     else watermark,
                 ) | admission,
             )
-            proc = spawn_engine(spec, work)
+            proc = fork_engine(spec, work)
             stack.callback(stop_process_tree, proc)
             rss.add("engine", proc.pid)
             procs.append((spec, proc))
@@ -620,7 +632,7 @@ def run_replay(
 
 
 def _run_engines(
-    procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]], receiver: ProgressReceiver,
+    procs: list[tuple[EngineSpec, ChildProcess]], receiver: ProgressReceiver,
 ) -> tuple[list[EngineResult], list[str]]:
     """Wait for every engine process (showing progress), then read their results.
 
@@ -644,7 +656,7 @@ def _run_engines(
     return results, errors
 
 
-def wait_engines_ready(procs: list[tuple[EngineSpec, subprocess.Popen[bytes]]],
+def wait_engines_ready(procs: list[tuple[EngineSpec, ChildProcess]],
                        timeout_s: float, on_status: Callable[[str], None] | None = None,
                        every_s: float = 10.0) -> None:
     """Wait until every engine wrote its ``ready_path`` (its connector is up, the pool

@@ -18,6 +18,7 @@ import sys
 import msgspec
 
 from kvpool_console.signals import Stopped, stop_signals
+from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
     CONNECTOR_EVICTION_LEASE_MS,
     ReplayConfig,
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             finally:
                 sig.cleaning_up = True
+                # Its own exit, once this process is gone, is seconds of garbage collection.
+                stop_fork_server()
         if sig.signum is not None:
             print(f"kvpool-replay: stopped by signal {sig.signum}; every process it started "
                   "was stopped", file=sys.stderr)

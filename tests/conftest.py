@@ -15,6 +15,7 @@ import yaml
 from _timing import install as install_suite_timing
 
 from kvpool_replay import LocalMooncakeMaster
+from kvpool_replay._forkserver import stop_fork_server
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 # mooncake_master, mooncake_client and dscli live next to the interpreter in the venv; tests may
@@ -30,6 +31,15 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 def pytest_configure(config: pytest.Config) -> None:
     # Wall time per test directory and the suite's budget (KVPOOL_TEST_BUDGET_S): tests/_timing.py.
     install_suite_timing(config)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[None]:
+    """The engines' fork server (``kvpool_replay._forkserver``: replays' simulated engines and
+    ``tests/vllm``'s real ones), one per test process, started by the first engine; stopped
+    and reaped when the session ends."""
+    yield
+    stop_fork_server()
 
 
 @pytest.fixture(scope="session")

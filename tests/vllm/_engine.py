@@ -32,9 +32,7 @@ connector loads).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import signal
 import sys
 import time
 import traceback
@@ -42,42 +40,17 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kvpool_replay._forkserver import fork_context
+
 # What the fork server imports before its first fork: everything an engine imports that is
 # not tied to one engine (vLLM's engine, executor and model modules import at engine start).
+# Not ``mooncake.store``: ``kvpool_replay._forkserver.ENGINE_PRELOAD`` says why.
 PRELOAD = [
     "vllm", "vllm.inputs", "vllm.lora.request", "vllm.v1.engine.llm_engine",
     "vllm.v1.engine.core", "vllm.v1.executor.abstract", "vllm.v1.worker.cpu_worker",
     "vllm.model_executor.models.llama", "prometheus_client", "kvpool_connector.connector",
-    "mooncake.store", "_engine",
+    "_engine",
 ]
-
-_context: Any = None
-
-
-def _fork_server() -> Any:
-    """The tests' ``multiprocessing`` context: the forkserver, vLLM preloaded (set once, before
-    the server starts: the server is one per test process)."""
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
-
-
-def stop_fork_server() -> None:
-    """Stop the fork server if this process started one, and reap it (else it outlives the
-    test process as a zombie until someone reaps it). ``ForkServer._stop`` (what CPython's own
-    tests use) reaps it; the server starts again on the next engine."""
-    if _context is None:
-        return
-    from multiprocessing import forkserver
-
-    server: Any = forkserver._forkserver
-    if server._forkserver_pid is not None:
-        # Killed, not asked to stop: its orderly exit is a garbage collection of vLLM's
-        # imported heap (~20 s of CPU on a loaded 2-core host); it holds no state.
-        os.kill(server._forkserver_pid, signal.SIGKILL)
-    server._stop()
 
 
 class EngineFailed(Exception):
@@ -92,7 +65,7 @@ class Engine:
 
     def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], log: Path,
                  timeout_s: float = 300.0) -> None:
-        ctx = _fork_server()
+        ctx = fork_context(PRELOAD)
         self.name, self.log, self.timeout_s = name, log, timeout_s
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, spec, env, str(log)),

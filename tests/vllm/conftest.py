@@ -15,16 +15,7 @@ import pytest
 from kvpool_agent.hub import FleetHub
 from kvpool_replay import LocalMooncakeMaster, free_port_block
 
-from _engine import stop_fork_server  # isort: skip
 from _harness import REPO, Pool  # isort: skip
-
-
-@pytest.fixture(scope="session", autouse=True)
-def fork_server() -> Iterator[None]:
-    """The engines' fork server (``_engine``), one per test process, started by the first
-    engine; stopped and reaped when the session ends."""
-    yield
-    stop_fork_server()
 
 
 @pytest.fixture(scope="session")
