@@ -57,9 +57,12 @@ def scheduler_client(cfg: KVPoolConfig,
                      reporter: Reporter | None = None) -> PolicyClient | None:
     """The scheduler's ``PolicyClient`` from the workers' handshake (``None``: none came, or the
     agent keys cannot be read: logged, every chunk is saved); it tells ``reporter`` (the
-    scheduler's agent) who is in charge (``PolicyClient``)."""
+    scheduler's agent) who is in charge (``PolicyClient``). A ``kv_producer``'s client saves
+    every chunk (its decode engine loads them) and sends its records: the service counts the
+    bytes and removes them once cold. A ``kv_consumer`` saves nothing and gets none (no
+    handshake: ``worker_handshake``)."""
     shake = next((m for m in metadata.values() if isinstance(m, PolicyHandshake)), None)
-    if shake is None or cfg.policy_service is None or cfg.kv_role == "kv_producer":
+    if shake is None or cfg.policy_service is None:
         return None
     try:
         keys = KeyPaths.of(cfg.agent_keys or "").client("agent")
@@ -70,4 +73,5 @@ def scheduler_client(cfg: KVPoolConfig,
                 cfg.policy_service, shake.digest)
     return PolicyClient(cfg.policy_service, keys, cfg.engine_id,
                         PolicyLayout(shake.digest, list(shake.prefixes)), shake.chunk_bytes,
-                        stale_s=cfg.policy_stale_ms / 1e3, reporter=reporter)
+                        stale_s=cfg.policy_stale_ms / 1e3, reporter=reporter,
+                        admit_all=cfg.kv_role == "kv_producer")

@@ -23,7 +23,8 @@ do the chunks any policy admits: a policy answers with a count of leading chunks
 
 Not used for ``kv_producer`` engines: a prefill engine's saves are the hand-over to its decode
 engine (``kv_consumer`` with ``consumer_is_to_load``), which finds nothing unless every chunk is
-saved (``admission_for``).
+saved (``admission_for``). With ``admission: service`` a producer still sends its access
+records (``PolicyClient`` with ``admit_all``) and saves every chunk.
 
 Memory: the doorkeeper is two generations of a Bloom filter of ``8 x capacity`` chunks each
 (10 bits per chunk, 4 probes: ~1.2% false positives; a full generation becomes the old one, after

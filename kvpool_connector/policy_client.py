@@ -80,6 +80,9 @@ class PolicyClient:
         chunk_bytes: bytes of one chunk in the pool, every rank's keys (> 0).
         stale_s: seconds without a snapshot before the master is in charge.
         reporter: the scheduler's agent events (``Reporter.policy``); ``None``: no agent.
+        admit_all: save every chunk whatever the snapshot says, and still send the records
+            (a ``kv_producer``: its saves are what its decode engine loads, and the service
+            must know they are in the pool to count and remove them).
 
     Attributes:
         sent: records handed to ZMQ (``dropped``: not delivered, queue full or ZMQ refused).
@@ -90,12 +93,14 @@ class PolicyClient:
 
     def __init__(self, address: str, keys: ClientKeys | None, engine: str,
                  layout: PolicyLayout, chunk_bytes: int, *,
-                 stale_s: float = DEFAULT_STALE_S, reporter: Reporter | None = None) -> None:
+                 stale_s: float = DEFAULT_STALE_S, reporter: Reporter | None = None,
+                 admit_all: bool = False) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self._records_at, self._snapshots_at = policy_ports(address)
         self._keys, self.engine, self.layout = keys, engine, layout
         self.chunk_bytes, self.stale_s = chunk_bytes, stale_s
+        self.admit_all = admit_all
         self._queue: deque[PolicyRecord] = deque()
         self._snapshot: AdmissionSnapshot | None = None
         self._heard = -float("inf")
@@ -133,10 +138,11 @@ class PolicyClient:
 
     def admit(self, hashes: Sequence[str], wants: int | None = None) -> int:
         """Leading chunks of ``hashes`` (a prompt's chained chunk hashes) to save, by the last
-        fresh snapshot (all of them without one), and queue the access record. ``wants``:
+        fresh snapshot (all of them without one, or with ``admit_all``), and queue the access
+        record. ``wants``:
         the most this engine would save (default all). Never blocks."""
         most = len(hashes) if wants is None else min(wants, len(hashes))
-        snap = self.snapshot if self.records_connected else None
+        snap = self.snapshot if self.records_connected and not self.admit_all else None
         admitted = most
         if snap is not None and snap.doorkeeper and snap.bits:
             admitted = min(most, doorkeeper_seen(snap.bloom, snap.bits, hashes))

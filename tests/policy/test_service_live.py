@@ -299,6 +299,16 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     other = KVPoolConfig.from_dicts({"chunk_size": 32}, kv_role="kv_both", block_size=16,
                                     model=MODEL)
     assert worker_handshake(other, worker, tp_rank=0, pp_rank=0) is None
+    assert not client.admit_all
+    # A prefill engine's client saves every chunk and still sends its records
+    # (test_producer_records.py); a decode engine saves nothing and makes no handshake.
+    producer = scheduler_client(
+        KVPoolConfig.from_dicts(extra, kv_role="kv_producer", block_size=16, model=MODEL),
+        {0: shake})
+    assert producer is not None and producer.admit_all
+    pool.clients.append(producer)
+    consumer = KVPoolConfig.from_dicts(extra, kv_role="kv_consumer", block_size=16, model=MODEL)
+    assert worker_handshake(consumer, worker, tp_rank=0, pp_rank=0) is None
 
 
 @pytest.mark.parametrize(("args", "names"), [
