@@ -34,7 +34,10 @@ store client, every path run by all N at once after a barrier): ``worker`` save/
 calls and staging, ``kvpool_connector.staging``) against ``raw contig`` (``batch_put_from`` /
 ``batch_get_into`` of the same bytes as one contiguous range per key) and ``copy``
 (``index_select`` into another cache); per-engine and aggregate GB/s, median and min-max of
-the rounds. Goal: worker >= 0.9x raw contiguous at every shape and number of engines.
+the rounds; ``stage copy`` (what staging copies on a save, alone: ``ctypes.memmove`` of every
+range into one contiguous value, no pool call) and each path's CPU time per operation, which
+together say where the worker's time over raw goes. Goal: worker >= 0.9x raw contiguous at
+every shape and number of engines.
 
     .venv/bin/python bench/bench_datapath.py [--rounds 41] [--blocks 128] [--layers 16]
     .venv/bin/python bench/bench_datapath.py --cross-process [--rounds 11] [--chunks 2] \\
@@ -44,6 +47,7 @@ the rounds. Goal: worker >= 0.9x raw contiguous at every shape and number of eng
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -170,9 +174,10 @@ def _shape_caches(layers: int, heads: int, head: int, block: int, num_blocks: in
             for i in range(layers)}
 
 
-Span = tuple[float, float]
+Span = tuple[float, float, float]
 """One timed operation: ``time.monotonic()`` at its start and end (one clock for every process
-on the host, so the spans of engines running at once can be laid over each other)."""
+on the host, so the spans of engines running at once can be laid over each other) and the CPU
+seconds its process used meanwhile (``time.process_time()``, every thread of it)."""
 
 
 def _no_sync() -> None:
@@ -206,7 +211,8 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
     # shape's tensors may reuse this one's addresses.
     backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
     spans: dict[str, list[Span]] = {k: [] for k in (
-        "raw contig put", "worker save", "raw contig get", "worker load", "copy")}
+        "raw contig put", "worker save", "stage copy", "raw contig get", "worker load",
+        "copy")}
     try:
         for t in (flat_src, flat_dst):
             backend.register_buffer(t.data_ptr(), t.numel())
@@ -215,6 +221,10 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
         reader = KVPoolWorker(settings, ParallelLayout(), "bench", backend, Reporter())
         reader.register_kv_caches(dst)
         s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
+        # What staging copies on a save, alone: every chunk's ranges into one contiguous
+        # value each (ctypes.memmove, as kvpool_connector.staging), no pool call.
+        gather = [ranges_for_blocks(writer.kv.layers, src_ids[c * bpc:(c + 1) * bpc])
+                  for c in range(n_chunks)]
         for rnd in range(args.rounds + 1):
             tag = f"{engine}-{uuid.uuid4().hex}"
             hashes = chunk_hashes([rnd] * (n_chunks * args.chunk_tokens), args.chunk_tokens,
@@ -254,16 +264,23 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
                 for lname, t in src.items():
                     dst[lname].index_copy_(0, d_idx, t.index_select(0, s_idx))
 
+            def stage_copy() -> None:
+                at = flat_dst.data_ptr()
+                for addrs, sizes in gather:
+                    for a, n in zip(addrs, sizes, strict=True):
+                        ctypes.memmove(at, a, n)
+                        at += n
+
             groups: list[list[tuple[str, Callable[[], None]]]] = [
-                [("raw contig put", raw_put), ("worker save", save)],
+                [("raw contig put", raw_put), ("worker save", save), ("stage copy", stage_copy)],
                 [("raw contig get", raw_get), ("worker load", load), ("copy", copy)]]
             for group in groups:
                 for pname, fn in (reversed(group) if rnd % 2 else group):
                     sync()
-                    t0 = time.monotonic()
+                    t0, c0 = time.monotonic(), time.process_time()
                     fn()
                     if rnd:  # round 0 warms the segment's pages up
-                        spans[pname].append((t0, time.monotonic()))
+                        spans[pname].append((t0, time.monotonic(), time.process_time() - c0))
             for lname in src:
                 assert torch.equal(src[lname][src_ids[-1]], dst[lname][dst_ids[-1]]), \
                     "load not bit-exact"
@@ -331,23 +348,27 @@ def cross_process(args: argparse.Namespace) -> None:
           f"operation per engine, {args.rounds} rounds; load average {load_start:.2f} at "
           f"start, {os.getloadavg()[0]:.2f} at the end\n")
     print(f"{'shape':<16}{'block':>6}{'eng':>4}{'path':>16}{'engine GB/s':>12}{'min-max':>12}"
-          f"{'aggr. GB/s':>11}{'min-max':>12}{'vs raw':>8}")
+          f"{'aggr. GB/s':>11}{'min-max':>12}{'vs raw':>8}{'CPU ms':>8}")
     ref = {"worker save": "raw contig put", "worker load": "raw contig get",
-           "copy": "raw contig get"}
+           "stage copy": "raw contig put", "copy": "raw contig get"}
     for (s, b, n), engines in results.items():
         total = args.chunks * args.chunk_tokens * per_token[s]
         aggr: dict[str, list[float]] = {}
         for path in engines[0]:
-            own = [total / (end - start) / 1e9 for e in engines for start, end in e[path]]
+            own = [total / (end - start) / 1e9 for e in engines for start, end, _ in e[path]]
+            cpu_ms = statistics.median(c * 1e3 for e in engines for _, _, c in e[path])
             aggr[path] = [n * total / (max(sp[1] for sp in rnd) - min(sp[0] for sp in rnd)) / 1e9
                           for rnd in zip(*(e[path] for e in engines), strict=True)]
             vs = (f"{statistics.median(aggr[path]) / statistics.median(aggr[ref[path]]):.2f}x"
                   if path in ref else "")
             print(f"{s:<16}{b:>6}{n:>4}{path:>16}{statistics.median(own):>12.2f}"
                   f"{f'{min(own):.2f}-{max(own):.2f}':>12}{statistics.median(aggr[path]):>11.2f}"
-                  f"{f'{min(aggr[path]):.2f}-{max(aggr[path]):.2f}':>12}{vs:>8}")
+                  f"{f'{min(aggr[path]):.2f}-{max(aggr[path]):.2f}':>12}{vs:>8}{cpu_ms:>8.1f}")
     print("\n'vs raw': aggregate median over raw contiguous's of the same engines and rounds "
-          "(copy: a tensor copy of the same bytes in each engine, against raw get)")
+          "(copy: a tensor copy of the same bytes in each engine, against raw get; stage "
+          "copy: what staging copies on a save, alone, against raw put); 'CPU ms': median "
+          "CPU time of the engine's process per operation (every thread; the store's "
+          "mooncake_client process not counted)")
     print("goal (issue 38): worker >= 0.9x raw contiguous at every shape and number of engines")
 
 
