@@ -132,7 +132,12 @@ class Remover:
 
     def step(self) -> int:
         """Remove what is queued and what waited out its grace; keys removed now. Keys of a
-        layout whose pins were not read at the last try wait (at most ``MAX_DEFERRED``)."""
+        layout whose pins were not read at the last try wait (at most ``MAX_DEFERRED``); a
+        layout learned since the last read has its pins read now, not at the service's next
+        refresh (up to ``PIN_REFRESH_S`` later: a replay's pool of 300,000 tokens fills in
+        half that, and the master's watermark evicted 474 keys before the first removal)."""
+        if any(key.split("@")[2] not in self._pins_ok for key in self._todo):
+            self.pinned()  # reads only a layout never read, or after PIN_REFRESH_S
         ready: list[str] = []
         held: list[str] = []
         for key in self._todo:
