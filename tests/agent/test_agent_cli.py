@@ -117,7 +117,8 @@ def test_hub_and_store_agent_processes(
     )
     procs.append(store)
     with FleetClient(address, keys_dir=op_dir) as c:
-        deadline_fleet = c.wait_for(1, 10)
+        # Two cold Python processes start first: seconds on a loaded 2-core machine.
+        deadline_fleet = c.wait_for(1, 60)
         assert "store-1" in deadline_fleet
         for _ in range(60):
             st = c.fleet()["store-1"].state

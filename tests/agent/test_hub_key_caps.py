@@ -98,6 +98,11 @@ def test_a_keys_subscribers_past_its_cap_get_no_frame_and_are_counted(
 
         # A place freed is taken by the next subscriber, and only one.
         held.pop().close(linger=0)
+        # The place is free once the hub saw the close (its socket monitor), not before: a
+        # subscriber connecting sooner is refused, and libzmq does not retry it.
+        caps, z85 = hub._sockets.caps, viewer.client("viewer").public.decode()
+        assert caps is not None
+        wait_until(lambda: caps.held("pub", z85) == MAX_SUBSCRIBERS_PER_KEY - 1, 30)
         late = [_subscriber(ctx, hub, viewer, "viewer")]
         wait_until(lambda: hub.counters.connections_over_cap > len(extra) or late[0].poll(0))
         assert late[0].poll(10_000), "a subscriber in a freed place got no frame"
