@@ -22,7 +22,7 @@ answer, shared or ``hub busy``) and the listings the engine ran. The table shows
 over rounds and the spread (min-max), the flood next to the idle baseline of the same run.
 
     .venv/bin/python bench/bench_dryrun_engine.py [--rounds 5] [--window 10] [--keys 20000]
-        [--hub-elsewhere]
+        [--hub-elsewhere] [--control]
 
 On a 2-core machine the hub and the flood's senders share the engine's cores: ``--hub-elsewhere``
 runs them at nice 19 (a deployment runs the hub on the master node), so that the engine's
@@ -129,6 +129,13 @@ def _engine(master: str, admin_url: str, hub: str, n_keys: int, cmds: Queue[str]
     backend.close()
 
 
+def _busy(stop: Event, nice: int) -> None:
+    """``--control``: one process spinning at niceness ``nice`` until ``stop``, no hub traffic."""
+    os.nice(nice)
+    while not stop.is_set():
+        pass
+
+
 def _viewer_flood(keys_dir: str, endpoint: str, targets: list[str], stop: Event,
                   nice: int) -> None:
     """One viewer connection keeping ``_IN_FLIGHT`` dry runs naming ``targets`` in flight, at
@@ -184,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the hub and the flood at nice 19, as if on another host (the "
                          "hub runs on the master node): the engine gets the CPU it asks for, "
                          "so what is left is work the flood makes the engine do")
+    ap.add_argument("--control", action="store_true",
+                    help="the flood windows run busy loops instead (one per viewer and one "
+                         "for the hub, at the same niceness) and send the hub nothing: the "
+                         "lookup tail a saturated CPU alone gives")
     args = ap.parse_args(argv)
     for name in ("rounds", "window", "keys", "viewers"):
         if getattr(args, name) <= 0:
@@ -222,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 for phase in ("idle", "flood")[rnd % 2:] + ("idle", "flood")[:rnd % 2]:
                     stop = spawn.Event()
-                    floods = [spawn.Process(target=_viewer_flood, args=(
-                        str(dirs["viewer"].root), hub.ports.commands, targets, stop, nice))
-                        for _ in range(args.viewers if phase == "flood" else 0)]
+                    n = args.viewers if phase == "flood" else 0
+                    floods = ([spawn.Process(target=_busy, args=(stop, nice))
+                               for _ in range(n + 1)] if args.control else
+                              [spawn.Process(target=_viewer_flood, args=(
+                                  str(dirs["viewer"].root), hub.ports.commands, targets,
+                                  stop, nice)) for _ in range(n)])
                     for p in floods:
                         p.start()
                     time.sleep(2.0 if floods else 0.5)  # the flood's connections settle
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== engine-side cost of a viewer's dry-run flood ({args.viewers} connections x "
           f"{_IN_FLIGHT} in flight, {_WORKERS} workers named, {args.keys} keys), median "
           f"(min-max) of {args.rounds} windows of {args.window:g} s; hub and flood at nice "
-          f"{nice} ==")
+          f"{nice}{'; CONTROL: busy loops, no flood' if args.control else ''} ==")
     cols = (("engine", "engine CPU %"), ("master", "master CPU %"), ("p50", "lookup p50 ms"),
             ("p99", "lookup p99 ms"), ("answers", "dry runs/s"), ("listings", "listings/s"))
     print(f"{'window':<7}" + "".join(f" {title:>24}" for _, title in cols))
