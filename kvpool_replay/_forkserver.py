@@ -20,6 +20,7 @@ it exits, so an engine that must be seen as a zombie by ``kvpool-console triage`
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -70,8 +71,9 @@ def stop_fork_server() -> None:
     process as a zombie until someone reaps it). Killed, not asked to stop: its orderly exit
     is a garbage collection of vLLM's imported heap (~20 s of CPU on a loaded 2-core host),
     and it holds no state. ``ForkServer._stop`` (what CPython's own tests use) reaps it; the
-    resource tracker the server's start began is stopped and reaped too (it would end on its
-    own only after this process, as a stray child a moment later)."""
+    resource tracker the server's start began is killed and reaped too (it would end on its
+    own only after this process and every process holding its pipe, vLLM's spawned engine
+    cores included, as a stray child later; asked to stop, it waits for all of them)."""
     if _context is None:
         return
     from multiprocessing import forkserver, resource_tracker
@@ -81,6 +83,9 @@ def stop_fork_server() -> None:
         os.kill(server._forkserver_pid, signal.SIGKILL)
     server._stop()
     tracker: Any = resource_tracker._resource_tracker
+    if tracker._pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(tracker._pid, signal.SIGKILL)
     tracker._stop()
 
 
