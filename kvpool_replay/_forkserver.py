@@ -120,7 +120,7 @@ def _child(module: str, argv: list[str], out: int, env: dict[str, str], cwd: str
 
 class ForkedProcess:
     """A forked engine with the part of ``subprocess.Popen``'s interface the replay uses
-    (``pid``, ``poll``, ``wait``, ``returncode``, ``kill``)."""
+    (``pid``, ``poll``, ``wait``, ``returncode``: ``_processes.ChildProcess``)."""
 
     def __init__(self, proc: Any) -> None:
         self._proc = proc
@@ -143,9 +143,6 @@ class ForkedProcess:
         if code is None:
             raise subprocess.TimeoutExpired(f"forked {self._proc.name}", timeout or 0.0)
         return code
-
-    def kill(self) -> None:
-        self._proc.kill()
 
 
 def fork_main(module: str, argv: list[str], out: int, env: dict[str, str],

@@ -306,13 +306,19 @@ class _RssWatch:
         self._thread.join()
 
 
+def _write_spec(spec: EngineSpec, workdir: Path) -> Path:
+    """``spec`` as the JSON file an engine process reads (``_engine_proc.main``)."""
+    path = workdir / f"{spec.engine_id}.spec.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    return path
+
+
 def spawn_engine(spec: EngineSpec, workdir: Path, log: Any = None,
                  module: str = "kvpool_replay._engine_proc") -> subprocess.Popen[bytes]:
     """Start ``python -m <module> SPEC.json`` for ``spec`` in its own process group (so
     ``stop_process_tree`` ends it and everything it started). Its output goes to ``log`` (an
     open binary file), by default to this process's stderr (progress lines, errors)."""
-    path = workdir / f"{spec.engine_id}.spec.json"
-    path.write_bytes(msgspec.json.encode(spec))
+    path = _write_spec(spec, workdir)
     out = sys.stderr if log is None else log
     return spawn([sys.executable, "-m", module, str(path)],
                  stdout=out, stderr=out, env=engine_env(), start_new_session=True)
@@ -322,8 +328,7 @@ def fork_engine(spec: EngineSpec, workdir: Path) -> ForkedProcess:
     """``spawn_engine`` for a simulated engine, forked from the fork server
     (``_forkserver``: vLLM imported once per process, not once per engine); its output goes to
     this process's stderr."""
-    path = workdir / f"{spec.engine_id}.spec.json"
-    path.write_bytes(msgspec.json.encode(spec))
+    path = _write_spec(spec, workdir)
     return fork_main("kvpool_replay._engine_proc", [str(path)], sys.stderr.fileno(),
                      engine_env(), name=spec.engine_id)
 
