@@ -17,10 +17,14 @@ from kvpool_console.model import build_view
 from kvpool_console.source import ClientSource
 from kvpool_replay import DemoCluster, default_trace_path
 
+SPEEDUP = 1.5
+"""The slice's 80 requests span about 7 s of the trace: at 1.5x the rule can judge for a few
+seconds (at 8x a CI run judged one sample once: the rule became judgeable just before the end)."""
+
 
 def test_a_demo_run_near_its_ceiling_raises_no_silent_miss() -> None:
     cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=3,
-                          speedup=8.0, limit=80)
+                          speedup=SPEEDUP, limit=80)
     with cluster:
         src = ClientSource(cluster.hub_address, keys_dir=str(cluster.viewer_keys_dir),
                            pump=True)
@@ -50,8 +54,7 @@ def test_a_demo_run_near_its_ceiling_raises_no_silent_miss() -> None:
                         judged.append(hit / ceiling)
             assert not cluster.running(), "the demo's engines did not finish within 180 s"
             assert raised == []
-            # The rule judged the run (three samples at least: an idle machine replays the
-            # slice in about a second once the ceiling is judgeable), near its ceiling.
+            # The rule judged the run (three samples at least), near its ceiling.
             assert len(judged) >= 3, judged
             assert min(judged) >= 0.8, judged
             assert curves > 0, "no what-if curve during the run"

@@ -45,6 +45,12 @@ LONG_REPLAY = 12_000
 """Requests for the engines of the longest test: the conversation trace's first 12,000 span
 about 3,500 s, 15 min at speedup 4, longer than the test on a loaded machine (4,000 span 325 s,
 and a slow CI run saw both engines finish before it ended)."""
+CLIENT_TTL_S = 120
+"""The master's ``client_ttl`` (s; Mooncake's default 10): a store stopped longer than it is
+dropped with its segment, and saves fail at once (NO_AVAILABLE_HANDLE) instead of hanging. The
+steady engine saves in bursts 12 s apart (the trace's requests come in groups 3 s apart, replayed
+at 0.25x): with the default a store stopped in a gap was dropped before the next burst, and no
+save ever hung (CI at 346eab8)."""
 WAIT_S = 90.0
 """Deadline for an engine to come up and its alert to appear (engine start imports torch on a
 shared 2-core machine); the alert itself is evaluated on every poll."""
@@ -149,7 +155,8 @@ def _services(log_dir: Path) -> Iterator[Services]:
     hub_address = f"tcp://127.0.0.1:{free_port_block()}"
     hub = FleetHub(hub_address, snapshot_interval_s=0.5)
     hub.start()
-    master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS, log_dir=log_dir)
+    master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS,
+                                 extra_args=[f"--client_ttl={CLIENT_TTL_S}"], log_dir=log_dir)
     master.start()
     store = LocalPoolStore(master, 256 << 20, log_dir=log_dir)
     client: FleetClient | None = None
