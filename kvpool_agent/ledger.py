@@ -9,7 +9,11 @@ surface reads its names and help here and nowhere else:
 - the hub's ``/metrics`` (``kvpool_agent._metrics``): ``kvpool_<name>`` for facts on
   ``"hub"``, over the ``EngineState`` agents report;
 - ``kvpool-console status --json`` and the console's rows (``kvpool_console.model``): the key
-  ``<name>`` for facts on ``"status"``.
+  ``<name>`` for facts on ``"status"``;
+- the pool-wide policy service's ``/metrics`` (``kvpool-policy serve --metrics-port``,
+  ``kvpool_policy._metrics``): ``kvpool_<name>`` for facts on ``"policy"``, over its
+  ``ServiceCounters``, policy and remover; every such name starts ``policy_`` (so
+  ``kvpool_policy_*`` on the wire).
 
 Prometheus adds ``_total`` to a counter's name. The catalogue page in ``docs/architecture.md``
 is written from this module by ``scripts/gen_ledger_reference.py``.
@@ -38,13 +42,15 @@ __all__ = [
 Kind = Literal["counter", "gauge", "histogram"]
 """Prometheus' metric types: a counter only grows (since its counter started)."""
 
-Surface = Literal["vllm", "hub", "status"]
-"""Where a fact is shown: vLLM's ``/metrics``, the hub's ``/metrics``, ``status --json``."""
+Surface = Literal["vllm", "hub", "status", "policy"]
+"""Where a fact is shown: vLLM's ``/metrics``, the hub's ``/metrics``, ``status --json``, the
+policy service's ``/metrics``."""
 
-CountedBy = Literal["scheduler", "worker", "agent", "hub", "pool"]
+CountedBy = Literal["scheduler", "worker", "agent", "hub", "pool", "policy"]
 """The process that counts a fact: the connector's scheduler or a worker rank (their own
-counters), the agent (from the connector's reporter events), the hub (over agents' reports) or
-the pool's master (reported by the agent as ``PoolStats``)."""
+counters), the agent (from the connector's reporter events), the hub (over agents' reports),
+the pool's master (reported by the agent as ``PoolStats``) or the pool-wide policy service
+(``kvpool-policy serve``: its ``ServiceCounters``, ``PoolPolicy`` and ``Remover``)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,8 @@ class Fact:
     """One fact and where it is shown.
 
     Attributes:
-        name: its one name (``vllm:kvpool_<name>``, ``kvpool_<name>``, status key ``<name>``).
+        name: its one name (``vllm:kvpool_<name>``, ``kvpool_<name>`` on the hub's and the
+            policy service's ``/metrics``, status key ``<name>``).
         kind: counter, gauge or histogram.
         unit: what one unit of its value is (``tokens``, ``bytes``, ``s``...).
         help: the one help text every surface shows.
@@ -73,7 +80,7 @@ class Fact:
         """Its name on ``surface`` (a Prometheus counter's without ``_total``)."""
         if surface == "vllm":
             return f"vllm:kvpool_{self.name}"
-        if surface == "hub":
+        if surface in ("hub", "policy"):
             return f"kvpool_{self.name}"
         return self.name
 
@@ -84,6 +91,7 @@ _H: tuple[Surface, ...] = ("hub",)
 _VH: tuple[Surface, ...] = ("vllm", "hub")
 _HS: tuple[Surface, ...] = ("hub", "status")
 _VHS: tuple[Surface, ...] = ("vllm", "hub", "status")
+_P: tuple[Surface, ...] = ("policy",)
 
 FACTS: tuple[Fact, ...] = (
     # The scheduler's lookups (LookupCounters -> LookupStats). Per request, prompt tokens =
@@ -282,6 +290,86 @@ FACTS: tuple[Fact, ...] = (
          f"Prompt tokens an unbounded shared pool would have hit / prompt tokens, over the "
          f"hub's window of the last {WINDOW_CHUNKS} looked-up chunks.", "hub",
          "ReuseService.ceilings", _H),
+    # The pool-wide policy service (kvpool-policy serve), read at scrape time. What the
+    # schedulers count of the same records is policy_records_sent / policy_records_dropped.
+    Fact("policy_records_applied", "counter", "records",
+         "Access records the policy service received and applied to its policy (from every "
+         "engine; the records it lost are policy_records_lost).", "policy",
+         "ServiceCounters.records; AdmissionSnapshot.records", _P),
+    Fact("policy_records_lost", "counter", "records",
+         "Access records the policy service never applied, by cause: sender_dropped (the "
+         "schedulers' own drops, as their batches report them), over_budget (the key's "
+         "--budget spent), malformed (refused by the wire's checks; a message that does not "
+         "decode counts 1). Their sum is the snapshot's dropped.", "policy",
+         "ServiceCounters.sender_dropped, over_budget, malformed; AdmissionSnapshot.dropped",
+         _P),
+    Fact("policy_batches_lost", "counter", "batches",
+         "Record batches that never reached the policy service (gaps in a sender's sequence "
+         "numbers).", "policy", "ServiceCounters.lost_batches", _P),
+    Fact("policy_batches_wrong_engine", "counter", "batches",
+         "Batches of an engine-bound agent key naming another engine: dropped whole (their "
+         "records are lost as malformed).", "policy", "ServiceCounters.wrong_engine", _P),
+    Fact("policy_layouts_refused", "counter", "layouts",
+         "Layout declarations the policy service refused (a differing redeclaration, over a "
+         "key's or the service's layouts, too many keys a chunk).", "policy",
+         "ServiceCounters.layouts_refused", _P),
+    Fact("policy_share_capped_chunks", "counter", "chunks",
+         "Chunks of records not inserted: their layouts' key held its fair share of the full "
+         "pool (the master's watermark covers them).", "policy",
+         "ServiceCounters.share_capped", _P),
+    Fact("policy_admission_capped_records", "counter", "records",
+         "Records that did not feed the doorkeeper: their key's share of its insertions was "
+         "spent (they still moved chunks).", "policy", "ServiceCounters.admission_capped", _P),
+    Fact("policy_errors", "counter", "steps",
+         "Steps of the policy service's loop that raised (a record batch, a publish, taking "
+         "subscriptions, reading pins, removing; each kind logged once).", "policy",
+         "ServiceCounters.errors", _P),
+    Fact("policy_snapshots_published", "counter", "snapshots",
+         "Admission snapshots the policy service published.", "policy",
+         "ServiceCounters.snapshots", _P),
+    Fact("policy_subscribers_refused", "counter", "subscribers",
+         "Snapshot subscribers refused past their key's cap, by key name (ROLE/FILE-STEM).",
+         "policy", "ServiceCounters.over_cap_by_key", _P),
+    Fact("policy_evicted_chunks", "counter", "chunks",
+         "Chunks the policy evicted (their keys queued for removal).", "policy",
+         "ServiceCounters.evicted_chunks", _P),
+    Fact("policy_evicted_bytes", "counter", "bytes",
+         "Bytes of the chunks the policy evicted (each at its layout's chunk bytes: every "
+         "rank's keys).", "policy", "ServiceCounters.evicted_bytes", _P),
+    Fact("policy_removed_keys", "counter", "keys",
+         "Keys the policy service removed from the pool (never by force, never a pinned "
+         "chunk's).", "policy", "Remover.removed; AdmissionSnapshot.removed", _P),
+    Fact("policy_remove_failed_keys", "counter", "keys",
+         "Keys the store failed to remove for the policy service (not leased, not gone).",
+         "policy", "Remover.failed", _P),
+    Fact("policy_remove_abandoned_keys", "counter", "keys",
+         "Keys the policy service gave up removing: held back too long for their layout's "
+         "unread pin records (the master's watermark evicts them).", "policy",
+         "Remover.deferred_dropped", _P),
+    Fact("policy_capacity_bytes", "gauge", "bytes",
+         "Bytes the policy service fills (--capacity, or --fill of the pool's segments at "
+         "start).", "policy", "PoolPolicy.capacity_bytes", _P),
+    Fact("policy_used_bytes", "gauge", "bytes",
+         "Bytes of chunks resident by the policy service's account (pinned included).",
+         "policy", "PoolPolicy.used_bytes", _P),
+    Fact("policy_resident_chunks", "gauge", "chunks",
+         "Chunks resident by the policy service's account (pinned included).", "policy",
+         "len(PoolPolicy)", _P),
+    Fact("policy_pinned_chunks", "gauge", "chunks",
+         "Chunks the policy service holds pinned (never removed), from the layouts' pin "
+         "records.", "policy", "PoolPolicy.pinned_chunks", _P),
+    Fact("policy_doorkeeper_active", "gauge", "1",
+         "1 while the policy service admits through the doorkeeper, 0 while it admits every "
+         "chunk.", "policy", "PoolPolicy.doorkeeper_active", _P),
+    Fact("policy_layouts", "gauge", "layouts", "Layouts the policy service steers.", "policy",
+         "len(Remover.layouts)", _P),
+    Fact("policy_remove_waiting_keys", "gauge", "keys",
+         "Keys waiting out a reader's lease before the policy service tries their removal "
+         "again.", "policy", "Remover.waiting", _P),
+    Fact("policy_snapshot_connections", "gauge", "connections",
+         "Connections open on the policy service's snapshot port P+1 (subscribers, and "
+         "handshakes in progress).", "policy",
+         "PolicyService.snapshot_connections: the port's accepted less disconnected", _P),
 )
 """Every fact, in the order the catalogue page lists them."""
 
