@@ -1,5 +1,7 @@
 """``kvpool-policy serve``: the pool-wide policy service (``kvpool_policy.service``);
-``kvpool-policy status``: whether it or the master is in charge of the pool.
+``kvpool-policy status``: whether it or the master is in charge of the pool. With
+``--metrics-port`` the service serves Prometheus ``/metrics`` (``kvpool_policy._metrics``; bound
+to 127.0.0.1 unless ``--metrics-host``).
 
 Bad input is one line naming the option and the fix, exit status 2, checked (keys, ports,
 the pool's capacity) before the Mooncake client starts.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import logging
 import math
 import signal
@@ -26,6 +29,7 @@ from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
 from kvpool_connector.policy_wire import policy_ports
 from kvpool_connector.sizes import parse_size
+from kvpool_policy._metrics import MetricsEndpoint, ServiceCollector
 from kvpool_policy.service import DEFAULT_BUDGET, PolicyService
 
 __all__ = ["DEFAULT_FILL", "main"]
@@ -42,6 +46,8 @@ the ratio it runs with)."""
 
 _HUB_KEYS_FIX = ("pass the fleet's keys directory holding the hub's key pair (hub.key_secret, "
                  "authorized_keys/): the DIR `kvpool-agent hub --keys DIR` runs with")
+
+_METRICS_HOST = "127.0.0.1"
 
 DEFAULT_FILL = 0.8
 """Share of the pool's segments the service fills when ``--capacity`` is not given: below the
@@ -74,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout in ms, the removal grace "
                    "(default 60000)")
+    s.add_argument("--metrics-port", default=None, metavar="PORT",
+                   help="serve Prometheus /metrics (the kvpool_policy_* series) on PORT "
+                   "(default: none; 0: none)")
+    s.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help=f"address /metrics binds (default {_METRICS_HOST}: /metrics has no "
+                   "authentication)")
     st = sub.add_parser("status", help="who is in charge of the pool: the service (its last "
                         "snapshot) or the master (no snapshot within --wait)")
     st.add_argument("--listen", required=True, help="the service's tcp://HOST:P")
@@ -138,6 +150,30 @@ def _hub_keys_problem(root: str) -> str | None:
     return None
 
 
+_UNRESOLVED, _IN_USE, _NOT_HERE = "unresolved", "in use", "not here"
+
+
+def _bind_failure(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (``_UNRESOLVED``, ``_IN_USE``, ``_NOT_HERE`` or
+    the error's text), or None: tried on a plain socket with ``SO_REUSEADDR`` (as ZeroMQ and
+    Python's HTTP server bind), closed at once."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError):
+        return _UNRESOLVED
+    with socket.socket(info[0], socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(info[4])
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return _IN_USE
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return _NOT_HERE
+            return f"cannot bind port {port}: {exc.strerror or exc}"
+    return None
+
+
 def _listen_problem(listen: str) -> str | None:
     """Why the service cannot bind ``listen``'s two ports (``tcp://HOST:P``: P and P+1), or
     None: tried on plain sockets, closed at once, before the Mooncake client starts."""
@@ -150,26 +186,69 @@ def _listen_problem(listen: str) -> str | None:
         host = "0.0.0.0"
     for end in ends:
         port = int(end.rpartition(":")[2])
-        try:
-            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        except (socket.gaierror, UnicodeError):
+        failure = _bind_failure(host, port)
+        if failure == _UNRESOLVED:
             if host in {name for _, name in socket.if_nameindex()}:
                 return None  # a network interface's name: ZeroMQ binds its address
             return (f"--listen {listen}: host {host!r} does not resolve: give an address of "
                     "this machine, e.g. tcp://0.0.0.0:5600 or tcp://127.0.0.1:5600")
-        with socket.socket(info[0], socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
-            try:
-                probe.bind(info[4])
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return (f"--listen {listen}: port {port} is in use (the service binds P "
-                            "and P+1): stop what holds it or pick another P")
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    return (f"--listen {listen}: {host} is not an address of this machine: "
-                            "give one of its addresses, or tcp://0.0.0.0:P for all")
-                return f"--listen {listen}: cannot bind port {port}: {exc.strerror or exc}"
+        if failure == _IN_USE:
+            return (f"--listen {listen}: port {port} is in use (the service binds P "
+                    "and P+1): stop what holds it or pick another P")
+        if failure == _NOT_HERE:
+            return (f"--listen {listen}: {host} is not an address of this machine: "
+                    "give one of its addresses, or tcp://0.0.0.0:P for all")
+        if failure is not None:
+            return f"--listen {listen}: {failure}"
     return None
+
+
+def _metrics_port(given: str | None) -> int | None:
+    """``--metrics-port``: the port, or None for no ``/metrics`` (not given, or 0).
+
+    Raises:
+        ValueError: not a port in 0..65535 (the message is the line to print).
+    """
+    if given is None:
+        return None
+    try:
+        port = int(given)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port {given}: not a port in 0..65535, e.g. P+2 of --listen "
+                         "(0 or none: no /metrics)")
+    return port or None
+
+
+def _metrics_problem(listen: str, host: str, port: int) -> str | None:
+    """Why ``/metrics`` cannot bind ``host:port`` beside ``listen``'s ports, or None (probed
+    before the Mooncake client starts)."""
+    ends = {int(end.rpartition(":")[2]) for end in policy_ports(listen)}
+    if port in ends:
+        return (f"--metrics-port {port}: one of --listen's ports (the service binds P and "
+                "P+1): pick another")
+    failure = _bind_failure("0.0.0.0" if host in ("*", "") else host.strip("[]"), port)
+    if failure == _UNRESOLVED:
+        return (f"--metrics-host {host}: does not resolve: give an address of this machine, "
+                f"e.g. {_METRICS_HOST} (the default) or 0.0.0.0 for all")
+    if failure == _IN_USE:
+        return f"--metrics-port {port}: port {port} is in use: stop what holds it or pick another"
+    if failure == _NOT_HERE:
+        return (f"--metrics-host {host}: not an address of this machine: give one of its "
+                "addresses, or 0.0.0.0 for all")
+    if failure is not None:
+        return f"--metrics-port {port}: {failure}"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
         return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
                      "(default 60000, the store client's transfer timeout)")
+    try:
+        metrics_port = _metrics_port(args.metrics_port)
+    except ValueError as exc:
+        return _fail(str(exc))
+    metrics_host = _METRICS_HOST if args.metrics_host is None else args.metrics_host
     capacity = 0
     if args.capacity is not None:  # a value's own errors first, then the files and ports
         try:
@@ -200,8 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         if capacity < 1:
             return _fail("--capacity: must be more than 0 bytes, e.g. 48GB")
     problem = _hub_keys_problem(args.keys) or _listen_problem(args.listen)
+    if not problem and metrics_port is not None:
+        problem = _metrics_problem(args.listen, metrics_host, metrics_port)
     if problem:
         return _fail(problem)
+    if metrics_port is None and args.metrics_host is not None:
+        _warn(f"--metrics-host {args.metrics_host} without --metrics-port: no /metrics served")
+    elif metrics_port is not None and not _is_loopback(metrics_host):
+        _warn(f"--metrics-host {metrics_host}: /metrics has no authentication: whoever reaches "
+              "it reads the service's counts and the names of keys refused past their cap")
     if args.capacity is not None:
         stats = fetch_mooncake_stats(args.admin_url)
         if not stats.healthy:
@@ -244,6 +335,18 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         backend.close()
         return _fail(f"--listen {args.listen}: {exc} (ports P and P+1 must be free)")
+    metrics: MetricsEndpoint | None = None
+    if metrics_port is not None:
+        try:
+            metrics = MetricsEndpoint(
+                ServiceCollector(service.core, lambda: service.snapshot_connections),
+                metrics_host, metrics_port)
+        except OSError as exc:
+            service.close()
+            backend.close()
+            return _fail(f"--metrics-port {metrics_port}: {exc.strerror or exc}")
+        logging.getLogger("kvpool.policy").info("kvpool policy: Prometheus metrics on %s",
+                                                metrics.url)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -252,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service.serve(stop)
     finally:
+        if metrics is not None:
+            metrics.close()
         c = service.core.counters
         logging.getLogger("kvpool.policy").info(
             "kvpool policy: stopped: %d records, %d dropped, %d keys removed, %d snapshot "

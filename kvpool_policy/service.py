@@ -196,6 +196,9 @@ class ServiceCounters:
     subscribers_over_cap: int = 0
     """Snapshot subscribers refused for their key's cap (``kvpool_agent.key_caps``): at the
     handshake, or shut down at their subscription."""
+    evicted_chunks: int = 0
+    """Chunks the policy evicted (queued for removal); ``evicted_bytes``: their bytes."""
+    evicted_bytes: int = 0
     senders: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """(key, engine) -> (last seq, last reported dropped)."""
     over_cap_by_key: dict[str, int] = field(default_factory=dict)
@@ -389,6 +392,13 @@ class PolicyCore:
             res[d] = res.get(d, 0) + 1
         for d, _ in removals:
             res[d] = max(0, res.get(d, 0) - 1)
+        self._evicted(removals)
+
+    def _evicted(self, chunks: list[PolicyKey]) -> None:
+        c = self.counters
+        c.evicted_chunks = _sat(c.evicted_chunks + len(chunks))
+        c.evicted_bytes = _sat(c.evicted_bytes + sum(self._chunk_bytes.get(d, 0)
+                                                     for d, _ in chunks))
 
     def apply(self, batch: RecordBatch, who: str) -> None:
         """Apply one batch from key ``who`` (checks and budget: module docstring of
@@ -436,6 +446,7 @@ class PolicyCore:
             logger.info("kvpool policy: %d chunks of layout %s found in the pool, %d over the "
                         "capacity removed", len(hashes), digest, len(gone))
             self._account([(digest, h) for h in hashes if (digest, h) in self.policy], [])
+            self._evicted(gone)
             if self.remover is not None:
                 self.remover.evict(gone)
 
@@ -525,6 +536,8 @@ class PolicyService:
             self.close()
             raise
         self._version = 0
+        # Connections open on the snapshot port: accepted less disconnected (``/metrics``).
+        self.snapshot_connections = 0
 
     def _server(self, kind: int, domain: str, public: bytes, secret: bytes) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -600,6 +613,10 @@ class PolicyService:
             if ev["event"] & _CONNECTION_EVENTS:
                 # Accepted too: the descriptor's number reused, the connection it was is gone.
                 self.caps.closed(ev["value"])
+                if ev["event"] == zmq.EVENT_ACCEPTED:
+                    self.snapshot_connections += 1
+                elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                    self.snapshot_connections = max(0, self.snapshot_connections - 1)
         c = self.core.counters
         for r in self.caps.drain_refusals():
             c.subscribers_over_cap = _sat(c.subscribers_over_cap + 1)
