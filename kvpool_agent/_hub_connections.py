@@ -21,7 +21,9 @@ and it was dropped for nothing). ``FleetHub._shed`` drops the heaviest connectio
 until their weight covers the RSS's growth since the baselines (``shed``), when the weight of
 all is at least ``REGROW`` of the limit (``kvpool_agent._memory_guard``; round 5: one viewer's
 multipart messages split over 12 connections, each under ``REGROW``, made every port be
-rebuilt); else it rebuilds ports.
+rebuilt); else it rebuilds ports. The connections a shed dropped are ``releasing`` until the
+port's monitor reports them closed: libzmq frees what they held only then, and the guard does
+not judge the shed before (``kvpool_agent._memory_guard``, ``RELEASE_S``).
 
 Linux only (``TCP_INFO``'s ``tcpi_bytes_received``, Linux 4.1+); elsewhere no connection is
 tracked and the hub rebuilds its ports. The descriptor is libzmq's: the hub never closes it,
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvpool_agent._memory_guard import REGROW
+from kvpool_agent._memory_guard import REGROW, rss_bytes
 
 __all__ = ["BASELINE_S", "CALM", "Connection", "ConnectionTable"]
 
@@ -94,6 +96,9 @@ class ConnectionTable:
 
     def __init__(self) -> None:
         self._conns: dict[int, Connection] = {}
+        # Descriptor -> peer of the connections the last shed dropped, until libzmq closes them.
+        self._releasing: dict[int, str] = {}
+        self._shed_t = 0.0
         self._next_baseline = 0.0
         # Port -> bytes the hub read from its socket since the baselines (``took``).
         self._consumed: dict[str, int] = {}
@@ -113,6 +118,7 @@ class ConnectionTable:
         the last baseline, so every byte it received counts (baseline 0): the monitor's event
         can come after its first megabytes (a busy hub thread), and counting from then hid a
         connection's whole multipart message (a CI run rebuilt every port for it)."""
+        self._released(fd)  # the number reused: the connection it was is closed
         got = _peer_and_received(fd)
         if got is not None:
             self._conns[fd] = Connection(port, fd, got[0], 0)
@@ -120,11 +126,25 @@ class ConnectionTable:
     def closed(self, fd: int) -> None:
         """libzmq closed descriptor ``fd`` (its peer disconnected, or the hub dropped it)."""
         self._conns.pop(fd, None)
+        self._released(fd)
 
     def closed_port(self, port: str) -> None:
         """Every connection of ``port`` is gone (the port was rebuilt)."""
         for fd in [fd for fd, c in self._conns.items() if c.port == port]:
             del self._conns[fd]
+        self._releasing.clear()
+
+    @property
+    def releasing(self) -> bool:
+        """A connection the last shed dropped is not closed by libzmq yet: what it held is not
+        freed yet (libzmq's I/O thread first reads what the kernel still holds for it)."""
+        return bool(self._releasing)
+
+    def _released(self, fd: int) -> None:
+        if self._releasing.pop(fd, None) is not None and not self._releasing:
+            log.info("kvpool hub: the connections dropped for memory are closed, %.2f s after "
+                     "the shed: RSS %d MiB", time.monotonic() - self._shed_t,
+                     (rss_bytes() or 0) >> 20)
 
     def baseline(self, rss: int, limit: int, now: float | None = None) -> None:
         """Count every connection's bytes received, and the bytes the hub reads, from now on,
@@ -165,7 +185,9 @@ class ConnectionTable:
         """The hub's RSS ``rss`` is over its limit ``limit`` (bytes): drop the heaviest
         connections (``heaviest_first``) in order until their weight covers the RSS's growth
         since the baselines, when all weigh ``REGROW`` of the limit or more together; the
-        number dropped (0: none weighs enough)."""
+        number dropped (0: none weighs enough), ``releasing`` until libzmq closed them."""
+        self._releasing.clear()
+        self._shed_t = time.monotonic()
         weights = self.heaviest_first()
         if sum(w for _, w in weights) < limit * REGROW:
             return 0
@@ -197,4 +219,5 @@ class ConnectionTable:
         finally:
             s.close()
         self._conns.pop(conn.fd, None)
+        self._releasing[conn.fd] = conn.peer
         return True

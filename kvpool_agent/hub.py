@@ -453,7 +453,9 @@ class FleetHub:
         whole is its sender's alone); when none holds ``REGROW`` of the limit, rebuild the
         console port (the subscribers' send queues, the hub's largest: round 5), and when the
         last shed freed too little, answer every command in flight with an error and rebuild
-        every port but the operator's (agents keep their ids from their new connections)."""
+        every port but the operator's (agents keep their ids from their new connections). A
+        shed of connections is judged once libzmq closed them (``ConnectionTable.releasing``,
+        ``MemoryGuard.over``): it frees what they held only then."""
         limit, table = self.memory_limit_bytes or 0, self._connections
         dropped = table.shed(rss, limit) if table is not None else 0
         self.counters.connection_sheds += dropped
@@ -518,7 +520,8 @@ class FleetHub:
                         self._updates.recv_subscriptions()
                     socks.recv_monitors(events)
                     now = time.monotonic()
-                    rss = self._guard.over(now)
+                    rss = self._guard.over(now, releasing=self._connections is not None
+                                           and self._connections.releasing)
                     if rss is not None:
                         self._shed(rss)
                     elif self._connections is not None and self.memory_limit_bytes:
