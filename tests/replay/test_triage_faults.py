@@ -113,11 +113,14 @@ def _wait_for_alerts(what: str, fetch: Callable[[], list[Alert]],
                      pred: Callable[[list[Alert]], Any], timeout_s: float) -> Any:
     """``pred``'s first true answer over ``fetch()`` polled every 0.2 s, or AssertionError
     naming ``what`` and the alerts last seen after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     while True:
         alerts = fetch()
         got = pred(alerts)
         if got:
+            if time.monotonic() - t0 > 5:  # where a slow run spent its time (shown on failure)
+                print(f"waited {time.monotonic() - t0:.1f} s: {what}")
             return got
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not seen within {timeout_s} s; alerts: "
