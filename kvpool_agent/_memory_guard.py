@@ -30,18 +30,19 @@ A shed of connections is judged once libzmq has closed them, not before (issue 4
 was rebuilt for the round-5 split flood beside two CPU burners): a dropped connection is freed
 by libzmq's I/O thread, which first reads into the message it then discards what the kernel
 still holds for it, and under load it takes its time. Measured (12 connections of 30 MiB each,
-256 MiB limit, two ``yes`` on 2 cores, 8 runs): the last dropped connection closed 0.09 to
-0.55 s after the shed, twice after ``COOLDOWN_S``; there the RSS judged was 28 and 38 MiB past
-the shed's (``REGROW``: 32 MiB), and in one it peaked at +37 MiB before falling to ~66 MiB as
-they closed. The +38 MiB made the next shed an escalation (``again``), which rebuilds every
-port when the connections left weigh less than ``REGROW``. So while the hub says a connection
-the last shed dropped is still open (``over(releasing=True)``: its ports' monitors have not
-reported it closed) the RSS is read but not judged, for ``RELEASE_S`` after the shed at most;
-then the rules above apply. What it costs: a message arriving meanwhile is shed ``RELEASE_S``
-later at most, and the hub reads its RSS every ``CHECK_S`` meanwhile. glibc keeping freed
-memory is not the cause in ``kvpool-agent hub`` (it serves blocks of 256 KiB and more by
-``mmap``, ``_hub_memory.return_large_blocks_to_os``): ``malloc_trim(0)`` at those checks gave
-back 0-1 MiB (0.3-1 ms a call), so the guard does not call it.
+256 MiB limit, two ``yes`` on 2 cores): the last dropped connection closed 0.06 to 0.59 s after
+the shed (16 runs); in 8 runs before this change it closed after ``COOLDOWN_S`` twice, the RSS
+judged then was 28 and 38 MiB past the shed's (``REGROW``: 32 MiB), and in one it peaked at +37
+MiB before falling to ~66 MiB as they closed. The +38 MiB made the next shed an escalation
+(``again``), which rebuilds every port when the connections left weigh less than ``REGROW``. So
+while the hub says a connection the last shed dropped is still open (``over(releasing=True)``:
+its ports' monitors have not reported it closed) the RSS is read but not judged, for
+``RELEASE_S`` after the shed at most; then the rules above apply. What it costs: a message
+arriving meanwhile is shed ``RELEASE_S`` later at most, and the hub reads its RSS every
+``CHECK_S`` meanwhile. glibc keeping freed memory is not the cause in ``kvpool-agent hub`` (it
+serves blocks of 256 KiB and more by ``mmap``, ``_hub_memory.return_large_blocks_to_os``):
+``malloc_trim(0)`` at those checks gave back 0-1 MiB (0.3-1 ms a call), so the guard does not
+call it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ COOLDOWN_S = 0.25
 queues on its own thread, and the RSS falls only then."""
 RELEASE_S = 1.0
 """Seconds after a shed during which the RSS is not judged while a connection it dropped is
-still open in libzmq (``over(releasing=True)``): about twice the slowest release measured beside
-two CPU burners (0.55 s)."""
+still open in libzmq (``over(releasing=True)``): the slowest release measured beside two CPU
+burners took 0.59 s."""
 
 REGROW = 1 / 8
 """Growth (a fraction of the limit) past the RSS of the last shed that allows the next one

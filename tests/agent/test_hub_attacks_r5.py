@@ -85,7 +85,12 @@ def test_a_multipart_flood_split_over_connections_leaves_the_hub_serving_the_ope
     bind of the consoles' port failed ("Address already in use", libzmq's I/O thread stuck in
     a monitor event's send) and no one was answered again; after it, every port was still
     rebuilt for one viewer's messages. Now the hub drops the heaviest connections in order
-    until they cover the growth (``ConnectionTable.shed``): the viewer's, no port rebuilt."""
+    until they cover the growth (``ConnectionTable.shed``): the viewer's, no port rebuilt.
+    A run beside two CPU burners still rebuilt every port (issue 42). Measured there: the
+    guard judged the shed 0.25 s after it while libzmq was still reading what was on its way
+    on the dropped connections (closed 0.06 to 0.59 s after the shed), and in one of 8 runs
+    the RSS was then 38 MiB past the shed's, over 1/8 of the limit: the next shed was an
+    escalation. Now it judges a shed once they are closed (``_memory_guard.RELEASE_S``)."""
     log = tmp_path / "hub.log"
     attacker = subprocess.Popen(
         [sys.executable, "-c", _SPLIT_MULTIPART, str(fleet_keys["viewer"].root),
@@ -106,10 +111,14 @@ def test_a_multipart_flood_split_over_connections_leaves_the_hub_serving_the_ope
         assert r.agent_id == "hub" and "no agent or engine named" in (r.error or ""), r
         deadline = time.monotonic() + 5
         updates: list[FleetUpdate] = []
-        while not updates and time.monotonic() < deadline:
-            updates = op.updates(200)
+        while not (updates and op.hub_counters) and time.monotonic() < deadline:
+            updates += op.updates(200)
         assert updates, "no fleet update reached a console after the shed"
-    assert "is rebuilt" not in log.read_text(), "every port was rebuilt for one viewer's messages"
+        counters = dict(op.hub_counters)  # from the snapshot a new subscriber gets
+    sheds = [ln for ln in log.read_text().splitlines() if "memory limit" in ln]
+    assert counters.get("memory_sheds") == 0, (counters, sheds)  # no port rebuilt
+    assert counters.get("connection_sheds", 0) >= 1, (counters, sheds)
+    assert not [ln for ln in sheds if "is rebuilt" in ln], sheds
 
 
 _MASTER = "127.0.0.1:50051"

@@ -27,7 +27,7 @@ def rss(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_shed_is_not_judged_while_its_connections_are_still_open(rss: list[int]) -> None:
     """The round-5 split flood beside two CPU burners, as measured: the shed at 256 MiB drops
     the viewer's connections, libzmq's I/O thread still reads what was on its way on them
-    before it closes them (0.09 to 0.55 s later), and 0.28 s after the shed the RSS is 294 MiB,
+    before it closes them (0.06 to 0.59 s later), and 0.28 s after the shed the RSS is 294 MiB,
     38 MiB past the shed's (``REGROW``: 32 MiB). Judged then, the shed "freed too little"
     (``again``: every port is rebuilt unless the connections left weigh 32 MiB); judged once
     libzmq closed them, the RSS is back at 66 MiB and nothing more is shed."""
