@@ -25,4 +25,12 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$DOCS_SITE" ||
 rm -rf "$DOCS_SITE"
 [ "$docs_rc" -eq 0 ] || exit "$docs_rc"
 printf '\n==> pytest\n'
-exec .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=15 "$@"
+# Three workers, each test file whole on one (its module fixtures: hubs, masters, fleets): the
+# serial suite kept the 2 cores 20-30% busy, waiting on real services. A short --basetemp: a
+# worker's tmp_path gains "popen-gwN/", and a Unix socket path holds 107 bytes.
+BASETEMP=$(mktemp -d /tmp/kvt.XXXXXX)
+rc=0
+.venv/bin/python -m pytest -p no:cacheprovider -ra --durations=15 -n "${KVPOOL_TEST_WORKERS:-3}" \
+    --dist loadfile --basetemp="$BASETEMP" "$@" || rc=$?
+rm -rf "$BASETEMP"
+exit "$rc"
