@@ -65,7 +65,8 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
                 # Pool stats come from the master every ~2 s: wait for a fresh, non-empty one.
                 dpool = fleet["decode-1/dp0.tp0.pp0"].state.pool
                 used = dpool.used_bytes if dpool is not None else 0
-                if decode.lookup.hit_rate > 0.5 and loaded > 20 and used > 0 and seen_in_flight:
+                if (decode.lookup.lookups > 10 and decode.lookup.hit_rate > 0.5
+                        and loaded > 20 and used > 0 and seen_in_flight):
                     break
             # Right away: an engine whose replay ends disconnects its agents.
             replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
