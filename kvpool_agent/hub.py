@@ -200,9 +200,11 @@ class FleetHub:
             listing the pool (a flush, dry run or not), listing pins or probing, less for
             ``health``, ``snapshot`` and ``drain`` (``kvpool_agent._work_budget.COSTS``); past
             it a key's commands are answered ``hub busy``.
-        memory_limit_bytes: past this RSS (bytes, the whole process's) the hub rebuilds every
-            port but the operator's (``kvpool_agent._memory_guard``): the bound for what
-            libzmq cannot bound, a multipart message. ``None``: no limit (a hub embedded in
+        memory_limit_bytes: past this RSS (bytes, the whole process's) the hub drops the
+            connections holding the most unread bytes, or rebuilds the console port, and
+            every port but the operator's when a shed freed too little
+            (``kvpool_agent._memory_guard``): the bound for what libzmq cannot bound, a
+            multipart message. ``None``: no limit (a hub embedded in
             a larger process).
         max_subscribers_per_key, max_connections_per_key: connections one viewer or operator
             key may hold open on ``P+1`` and on each command port (with keys; 0: none),

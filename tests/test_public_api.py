@@ -93,6 +93,10 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
         "MAX_BATCH_BYTES", "MAX_HASHES", "MAX_RECORDS", "SNAPSHOT_EVERY_S", "WIRE_VERSION",
         "AdmissionSnapshot", "PolicyLayout", "PolicyRecord", "RecordBatch", "policy_ports"],
     "kvpool_connector.removal_rule": ["REMOVAL_GRACE", "LeasedKeys", "grace_s_of"],
+    # The connector's vLLM metrics and the policy service's /metrics name their facts from
+    # the one catalogue.
+    "kvpool_agent.ledger": ["CountedBy", "FACTS", "Fact", "HUB_COUNTERS", "Kind", "Surface",
+                            "fact", "facts_on", "metric_fact"],
     # kvpool_replay's reference figures are the agent's cache models (one owner).
     "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
                            "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",
