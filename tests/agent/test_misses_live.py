@@ -63,6 +63,16 @@ def split_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path
 
 
 @pytest.fixture(scope="module")
+def agent_master() -> Iterator[LocalMooncakeMaster]:
+    """A master of the module's own (overrides the session's): its store stops with the module,
+    and a stopped store's segment stays listed for the master's ``client_ttl`` (Mooncake's
+    default 10 s), where puts fail TRANSFER_FAIL (-800); the next module on the session's
+    master met it on three test workers."""
+    with LocalMooncakeMaster(default_kv_lease_ttl_ms=10_000) as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
 def store_client(agent_master: LocalMooncakeMaster) -> Iterator[MooncakeBackend]:
     """A store process holding the pool's memory, and a client contributing none (the
     engines' side of a pool with a separate store)."""

@@ -1,8 +1,8 @@
 """Fixtures every real-vLLM test module shares.
 
-Module scope: the pool (``_harness.Pool`` over the session's ``mooncake_master``) and a real
-fleet hub the engines' agents report to (ports P..P+3), each module its own, so one module's
-keys and agents never meet another's counts. Session scope: the tiny Llama (built once, read
+Module scope: a ``mooncake_master``, the pool (``_harness.Pool`` over it) and a real fleet hub
+the engines' agents report to (ports P..P+3), each module its own, so one module's keys,
+segments and agents never meet another's. Session scope: the tiny Llama (built once, read
 only: a test that changes weights copies it first)."""
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ def tiny_model() -> Path:
     from kvpool_replay import build_tiny_model
 
     return build_tiny_model(REPO / ".cache" / "tiny-llama").resolve()
+
+
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[LocalMooncakeMaster]:
+    """A master of the module's own (overrides the session's). The engines contribute
+    segments: a stopped engine's segment stays listed for the master's ``client_ttl`` (Mooncake's
+    default 10 s), where puts fail TRANSFER_FAIL (-800) and what it held is gone; and a reset
+    flushes every key of its layout. On three test workers a module ran right after another on
+    the same master met both (a flush of 30 keys where 8 were this module's)."""
+    with LocalMooncakeMaster() as master:
+        yield master
 
 
 @pytest.fixture(scope="module")
