@@ -31,13 +31,10 @@ alert rules over these series, and Prometheus itself exports the firing ones (``
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
 from kvpool_agent import ledger
 from kvpool_agent._access_window import FLEET, Ceiling
@@ -47,7 +44,6 @@ from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, Po
 
 __all__ = [
     "FleetCollector",
-    "MetricsServer",
     "pool_name",
 ]
 
@@ -331,39 +327,3 @@ class FleetCollector(Collector):
             if p.healthy is not None:
                 fams.gauge("pool_healthy", _POOL).add_metric(
                     labels, 1 if p.healthy else 0)
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP for one collector, on its own registry and daemon thread.
-
-    Args:
-        collector: what a scrape returns.
-        host: address to bind (``*`` means every interface, like ZMQ's wildcard).
-        port: TCP port.
-
-    Raises:
-        OSError: the port cannot be bound (the message names ``host:port``).
-    """
-
-    def __init__(self, collector: Collector, host: str, port: int) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        bind = "0.0.0.0" if host in ("*", "") else host.strip("[]")
-        try:
-            server, thread = start_http_server(port, addr=bind, registry=self.registry)
-        except OSError as e:
-            raise OSError(e.errno, f"kvpool hub cannot bind metrics http://{host}:{port}: "
-                          f"{e.strerror or e}") from e
-        self._server: WSGIServer | None = server
-        self._thread: threading.Thread | None = thread
-        self.url = f"http://{host}:{server.server_port}/metrics"
-
-    def close(self) -> None:
-        """Stop serving and close the port. Idempotent."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None

@@ -97,7 +97,7 @@ from kvpool_agent._hub_sockets import ZAP_DOMAINS, HubPorts, HubSockets, hub_por
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._hub_updates import SUBSCRIPTION_BAN_S, UpdateStreams
 from kvpool_agent._memory_guard import MemoryGuard
-from kvpool_agent._metrics import FleetCollector, MetricsServer
+from kvpool_agent._metrics import FleetCollector
 from kvpool_agent._reuse_service import (
     REUSE_REFRESH_S,
     WHATIF_REFRESH_S,
@@ -113,6 +113,7 @@ from kvpool_agent.key_caps import (
     MAX_SUBSCRIBERS_PER_KEY,
     KeyCaps,
 )
+from kvpool_agent.metrics_http import MetricsEndpoint
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -294,7 +295,7 @@ class FleetHub:
         self._thread: threading.Thread | None = None
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
-        self.metrics: MetricsServer | None = None
+        self.metrics: MetricsEndpoint | None = None
         self.reuse = ReuseService(
             refresh_s=reuse_refresh_s, whatif_refresh_s=whatif_refresh_s,
             capacity=lambda model, size: pool_capacity_tokens(
@@ -318,7 +319,7 @@ class FleetHub:
         self.reuse.start()
         if self.metrics_port is not None:
             try:
-                self.metrics = MetricsServer(self._collector(), self._metrics_host(),
+                self.metrics = MetricsEndpoint(self._collector(), self._metrics_host(),
                                              self.metrics_port)
             except OSError:
                 self.stop()

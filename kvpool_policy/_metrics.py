@@ -18,19 +18,16 @@ keys (one Mooncake key each). The endpoint has no authentication: it binds 127.0
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
 from kvpool_agent import ledger
 from kvpool_agent.protocol import visible
 from kvpool_policy.service import PolicyCore, ServiceCounters
 
-__all__ = ["LOST_CAUSES", "MetricsEndpoint", "ServiceCollector"]
+__all__ = ["LOST_CAUSES", "ServiceCollector"]
 
 LOST_CAUSES = ("sender_dropped", "over_budget", "malformed")
 """The ``cause`` label values of ``kvpool_policy_records_lost_total``: the ``ServiceCounters``
@@ -108,44 +105,3 @@ class ServiceCollector(Collector):
         yield _gauge("policy_layouts", len(remover.layouts) if remover is not None else 0)
         yield _gauge("policy_remove_waiting_keys", remover.waiting if remover is not None else 0)
         yield _gauge("policy_snapshot_connections", self.connections())
-
-
-class MetricsEndpoint:
-    """``/metrics`` over HTTP for one collector, on its own registry and a daemon thread (no
-    process or platform metrics: only the collector's families).
-
-    Args:
-        collector: what a scrape returns.
-        host: address to bind (``*`` or empty: every interface; ``[::1]``: IPv6).
-        port: TCP port (0: a free one, ``url`` says which).
-
-    Attributes:
-        url: ``http://HOST:PORT/metrics``.
-
-    Raises:
-        OSError: the port cannot be bound (the message names ``host:port``).
-    """
-
-    def __init__(self, collector: Collector, host: str, port: int) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        bind = "0.0.0.0" if host in ("*", "") else host.strip("[]")
-        try:
-            server, thread = start_http_server(port, addr=bind, registry=self.registry)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot bind http://{host}:{port}/metrics: "
-                          f"{e.strerror or e}") from e
-        self._server: WSGIServer | None = server
-        self._thread: threading.Thread | None = thread
-        shown = f"[{bind}]" if ":" in bind else bind
-        self.url = f"http://{shown}:{server.server_port}/metrics"
-
-    def close(self) -> None:
-        """Stop serving and close the port (waits up to 5 s for the thread). Idempotent."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None

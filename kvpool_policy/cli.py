@@ -23,13 +23,14 @@ import zmq
 
 from kvpool_agent.auth import KeyPaths
 from kvpool_agent.key_caps import MAX_SUBSCRIBERS_PER_KEY
+from kvpool_agent.metrics_http import MetricsEndpoint
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
 from kvpool_connector.policy_wire import policy_ports
 from kvpool_connector.sizes import parse_size
-from kvpool_policy._metrics import MetricsEndpoint, ServiceCollector
+from kvpool_policy._metrics import ServiceCollector
 from kvpool_policy.service import DEFAULT_BUDGET, PolicyService
 
 __all__ = ["DEFAULT_FILL", "main"]

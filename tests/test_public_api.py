@@ -97,6 +97,8 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # the one catalogue.
     "kvpool_agent.ledger": ["CountedBy", "FACTS", "Fact", "HUB_COUNTERS", "Kind", "Surface",
                             "fact", "facts_on", "metric_fact"],
+    # The hub's and the policy service's /metrics endpoint (one owner).
+    "kvpool_agent.metrics_http": ["MetricsEndpoint"],
     # kvpool_replay's reference figures are the agent's cache models (one owner).
     "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
                            "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",
