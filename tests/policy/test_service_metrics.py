@@ -8,12 +8,15 @@
   policy's evictions and the keys the service removed from the pool; a batch that does not
   decode and one naming a bad layout are counted under ``malformed``, as the snapshot's
   ``dropped``; the snapshot port's connections follow the clients;
+- every ``kvpool_policy_*`` series ``config/prometheus/kvpool-policy-rules.yml`` names is in a
+  live scrape, and every rule has a severity, a summary and a hint;
 - a bad ``--metrics-port`` or ``--metrics-host`` is one line naming the flag, exit status 2,
   before the Mooncake client starts.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import yaml
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,6 +48,9 @@ from kvpool_policy.policy import PoolPolicy
 from kvpool_policy.service import PolicyCore
 from kvpool_replay import LocalMooncakeMaster, LocalPolicyService, LocalPoolStore, free_port_block
 
+RULES = Path(__file__).resolve().parents[2] / "config" / "prometheus" / "kvpool-policy-rules.yml"
+# A series a PromQL expression names (as tests/conftest.py's _SERIES): not a label value.
+SERIES = re.compile(r"(?<![\w:\"'])((?:vllm:)?kvpool_[A-Za-z0-9_:]*)")
 CAPACITY_CHUNKS = 8
 CAPACITY = CAPACITY_CHUNKS * CHUNK_BYTES
 STALE_S = 1.5
@@ -251,6 +258,35 @@ def test_a_malformed_batch_is_counted_under_its_name(fleet: Fleet) -> None:
     fleet.save(a, [chunk("after")])
     wait_for(lambda: value(fleet.scrape(), "kvpool_policy_records_applied_total") == 1,
              what="the record after the malformed ones applied", log=fleet.log)
+
+
+def test_the_policy_rules_name_only_series_a_live_service_exports(fleet: Fleet) -> None:
+    """Every ``kvpool_*`` series the policy service's Prometheus rules name is in a real scrape
+    of a live service, as the wire spells it (counters with ``_total``): a sample's name, or,
+    for a labelled family with no child yet (``subscribers_refused_total{key}`` before any
+    refusal), the family its ``# TYPE`` line declares. Every rule: ``rule`` = ``policy_*``,
+    severity warning or critical, a summary and a hint."""
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    assert rules
+    named: set[str] = set()
+    for r in rules:
+        found = set(SERIES.findall(r["expr"]))
+        assert found, f"{r['alert']} names no kvpool_* series: {r['expr']}"
+        named |= found
+        assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
+        assert r["labels"]["rule"].startswith("policy_"), r["alert"]
+        assert r["annotations"]["summary"] and r["annotations"]["hint"], r["alert"]
+    assert len({r["alert"] for r in rules}) == len(rules)
+    # The service's loop runs: it has published (every 0.5 s, subscribers or not).
+    wait_for(lambda: value(fleet.scrape(), "kvpool_policy_snapshots_published_total") > 0,
+             what="a snapshot published", log=fleet.log)
+    resp = httpx.get(fleet.service.url, timeout=5.0)
+    resp.raise_for_status()
+    got = samples(resp.text)  # every family checked against the catalogue
+    declared = set(re.findall(r"^# TYPE (\S+) ", resp.text, re.M))
+    scraped = {name for name, _ in got} | declared
+    assert named <= scraped, "the rules name series the service does not export: " \
+        f"{sorted(named - scraped)}"
 
 
 @pytest.fixture
