@@ -11,6 +11,7 @@ engines with their instance roles.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -47,11 +48,32 @@ def _loadable(prompt: list[int]) -> int:
     return (len(prompt) - 1) // CHUNK * CHUNK
 
 
+LOOKUP_TIMEOUT_MS = 2000
+"""The engines' ``lookup_timeout_ms``: the test counts every token each lookup found, and a run
+beside two CPU burners on three test workers saw a lookup of the default 50 ms time out
+(``lookup_error``: 292 tokens) where the pool held them."""
+
+
+def _kv_transfer_configs(hub: FleetHub) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config/local-pd/``'s configs with this run's chunk, hub and lookup budget (an
+    override's ``kv_connector_extra_config`` replaces the file's whole:
+    ``pd_kv_transfer_configs``)."""
+    out = []
+    for side in ("prefill", "decode"):
+        ktc = json.loads((REPO / "config" / "local-pd" / f"{side}.kv_transfer_config.json")
+                         .read_text())
+        ktc["kv_connector_extra_config"].update(
+            chunk_size=CHUNK, agent_address=hub.address, lookup_timeout_ms=LOOKUP_TIMEOUT_MS)
+        out.append({"kv_connector_extra_config": ktc["kv_connector_extra_config"]})
+    return out[0], out[1]
+
+
 @pytest.fixture(scope="module")
 def pair(pool: Pool, hub: FleetHub, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[LocalPdPair]:
     with LocalPdPair(_tiny_model(), pool.config_path, tmp_path_factory.mktemp("pd"),
-                     hub_address=hub.address, chunk_size=CHUNK) as p:
+                     hub_address=hub.address, chunk_size=CHUNK,
+                     kv_transfer_configs=_kv_transfer_configs(hub)) as p:
         yield p
 
 
