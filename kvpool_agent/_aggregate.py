@@ -43,6 +43,7 @@ from kvpool_agent.protocol import (
     TransferStats,
     chunk_id,
     clip,
+    paused_ms,
 )
 from kvpool_agent.reporter import (
     AdapterServed,
@@ -281,13 +282,7 @@ class Aggregator:
         counted once), and the windows that overlap it."""
         hit = [w for w in self.pauses
                if w.start_ms < end_ms and (w.end_ms is None or w.end_ms > start_ms)]
-        total, reached = 0.0, start_ms
-        for lo, hi in sorted((max(w.start_ms, start_ms),
-                              end_ms if w.end_ms is None else min(w.end_ms, end_ms))
-                             for w in hit):
-            total += max(0.0, hi - max(lo, reached))
-            reached = max(reached, hi)
-        return total, hit
+        return paused_ms(hit, start_ms, end_ms), hit
 
     def _record_error(self, err: ErrorRecord) -> None:
         # Messages quote exceptions and request ids come from API clients: clipped to what a

@@ -32,6 +32,7 @@ version rule an agent, the hub and a console exchange is reviewed in one reading
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
@@ -105,6 +106,7 @@ __all__ = [
     "clip",
     "decode",
     "encode",
+    "paused_ms",
     "split_frame",
     "tier_of",
     "tier_topic",
@@ -520,6 +522,19 @@ class PauseWindow(msgspec.Struct, gc=False, kw_only=True):
     loads: Count = 0
     max_load_ms: Ms = 0.0
     failed_after_hit: Count = 0
+
+
+def paused_ms(windows: Iterable[PauseWindow], start_ms: float, end_ms: float) -> float:
+    """How long (ms) of ``[start_ms, end_ms]`` (epoch ms) lies in ``windows`` (overlapping
+    windows counted once; one still open, ``end_ms`` None, lasts to ``end_ms``): the time a
+    load spanning it could not have moved."""
+    spans = sorted((max(w.start_ms, start_ms), end_ms if w.end_ms is None
+                    else min(w.end_ms, end_ms)) for w in windows)
+    total, reached = 0.0, start_ms
+    for lo, hi in spans:
+        total += max(0.0, hi - max(lo, reached))
+        reached = max(reached, hi)
+    return total
 
 
 class ErrorRecord(msgspec.Struct, gc=False, kw_only=True):

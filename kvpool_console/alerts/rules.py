@@ -15,6 +15,7 @@ from kvpool_agent.protocol import (
     PoolStats,
     Transfer,
     TransferStats,
+    paused_ms,
 )
 from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
 from kvpool_console._transport import failures_text, transport_failures, transport_hint
@@ -253,8 +254,13 @@ def _outlived(t: Transfer, s: EngineState, as_of_ms: float, ttl: int) -> bool:
     engine that stopped reporting (stopped, frozen) cannot say its load still runs, and the
     pause model names that. A pool failing its health check is the cause instead
     (``pool_unhealthy``)."""
-    return (t.kind == "load" and ttl > 0 and as_of_ms - t.started_ms >= ttl
-            and not (s.pool is not None and s.pool.healthy is False))
+    if t.kind != "load" or ttl <= 0 or as_of_ms - t.started_ms < ttl:
+        return False
+    # Time in the agent's own pause windows (its process stopped, the pool's health check
+    # failing) is the pause's: it reports them with the load (CI saw a load in flight 5.1 s
+    # through a 5 s SIGSTOP of its engine named as TTL advice in the first report after it).
+    waited = as_of_ms - t.started_ms - paused_ms(s.pauses, t.started_ms, as_of_ms)
+    return waited >= ttl and not (s.pool is not None and s.pool.healthy is False)
 
 
 def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
@@ -265,7 +271,9 @@ def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
         for t in s.in_flight:
             if _outlived(t, s, now_ms, ttl):
                 continue  # the lease_ttl alert names it (issue 38: the cause, not a symptom)
-            age = now_ms - t.started_ms
+            # Time its process was stopped is no transfer's: a stopped engine is ``stale``.
+            age = now_ms - t.started_ms - paused_ms(
+                [w for w in s.pauses if w.kind == "process_stalled"], t.started_ms, now_ms)
             # The limit is never below the floor: most transfers are skipped without it.
             if age > STUCK_FLOOR_MS or stuck_after_ms is not None:
                 limit, why = _stuck_limit(t, s.transfers, stuck_after_ms)

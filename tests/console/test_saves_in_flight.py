@@ -10,7 +10,7 @@ import msgspec
 from fleetdata import NOW_MS, engine, pool
 
 from kvpool_agent._metrics import FleetCollector
-from kvpool_agent.protocol import EngineState, ErrorRecord, Transfer
+from kvpool_agent.protocol import EngineState, ErrorRecord, PauseWindow, Transfer
 from kvpool_console._transport import RPC_HINT, TRANSPORT_HINT, transport_failures
 from kvpool_console.alerts import AlertModel, evaluate
 from kvpool_console.cli import status_document
@@ -73,6 +73,19 @@ def test_a_lease_ttl_below_the_load_time_is_the_first_alert() -> None:
                   max_load_ms=4_000.0)
     assert _rules(evaluate(ended, {k: t for k in ended}, t)) == [
         ("lease_ttl", "critical"), ("failed_after_hit", "critical")]
+
+
+def test_a_load_that_waited_through_its_stopped_process_is_no_ttl_advice() -> None:
+    """A 3 s lease and a load in flight 5.1 s, 5 s of it in the worker's own
+    ``process_stalled`` window (SIGSTOP of its engine): the pause explains it, neither
+    ``lease_ttl`` nor ``stuck_transfer`` (CI at 06a8833 named it TTL advice in the first report
+    after the engine resumed). The same load without the window is ``lease_ttl``."""
+    fleet = _with(engine("e", loads=0, pool_stats=pool(ttl=3_000)), in_flight=[_load(NOW_MS)])
+    t = NOW_MS + 5_100
+    assert _rules(evaluate(fleet, {k: t for k in fleet}, t)) == [("lease_ttl", "critical")]
+    stalled = PauseWindow(kind="process_stalled", start_ms=NOW_MS + 50, end_ms=NOW_MS + 5_050)
+    paused = {k: msgspec.structs.replace(s, pauses=[stalled]) for k, s in fleet.items()}
+    assert _rules(evaluate(paused, {k: t for k in paused}, t)) == []
 
 
 def test_a_long_lease_leaves_a_stuck_load_to_stuck_transfer() -> None:
