@@ -28,14 +28,12 @@ import yaml
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_service_live import CHUNK_BYTES, LAYOUT, chunk, value_of, wait_for
+from test_service_live import CHUNK_BYTES, LAYOUT, Pool, chunk, wait_for
 
 import kvpool_policy.cli as policy_cli
 from kvpool_agent.auth import KeyPaths, Role, generate_keys, local_fleet_keys
 from kvpool_agent.ledger import facts_on, metric_fact
 from kvpool_connector.backends.base import BackendError
-from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import (
     WIRE_VERSION,
     PolicyLayout,
@@ -53,7 +51,6 @@ RULES = Path(__file__).resolve().parents[2] / "config" / "prometheus" / "kvpool-
 SERIES = re.compile(r"(?<![\w:\"'])((?:vllm:)?kvpool_[A-Za-z0-9_:]*)")
 CAPACITY_CHUNKS = 8
 CAPACITY = CAPACITY_CHUNKS * CHUNK_BYTES
-STALE_S = 1.5
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -121,45 +118,21 @@ class MetricsService(LocalPolicyService):
         return [*super().command(), "--metrics-port", str(self.port + 2)]
 
 
-class Fleet:
+class Fleet(Pool):
+    """The live tests' pool (``test_service_live.Pool``: store client, engines' clients,
+    ``save``) with the service serving ``/metrics``."""
+
     def __init__(self, master: LocalMooncakeMaster, keys: dict[Role, KeyPaths],
                  tmp: Path) -> None:
-        self.keys = keys
+        super().__init__(master, keys, tmp)
         self.service = MetricsService(master, keys["hub"].root, tmp)
-        self.store = MooncakeBackend(MooncakeConfig.load({"mooncake": {
-            "master_server_address": master.address, "master_admin_url": master.admin_url,
-            "global_segment_size": 0, "local_buffer_size": "16MB",
-            "default_kv_lease_ttl": 200}}))
-        self.clients: list[PolicyClient] = []
-
-    def log(self) -> str:
-        return self.service.log_path.read_text(errors="replace")[-3000:]
+        self.address = self.service.address
 
     def scrape(self) -> Samples:
         r = httpx.get(self.service.url, timeout=5.0)
         r.raise_for_status()
         assert r.headers["content-type"].startswith("text/plain")
         return samples(r.text)
-
-    def client(self, engine: str) -> PolicyClient:
-        c = PolicyClient(self.service.address, self.keys["agent"].client("agent"), engine,
-                         LAYOUT, CHUNK_BYTES, stale_s=STALE_S)
-        self.clients.append(c)
-        return c
-
-    def save(self, client: PolicyClient, hashes: list[str]) -> int:
-        """What an engine does: ask, then save the admitted chunks (every rank's keys)."""
-        admitted = client.admit(hashes)
-        for h in hashes[:admitted]:
-            for p in LAYOUT.prefixes:
-                self.store.store.put(p + h, value_of(p + h))
-        return admitted
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        self.service.stop()
-        self.store.close()
 
 
 @pytest.fixture
