@@ -364,8 +364,9 @@ FACTS: tuple[Fact, ...] = (
     Fact("policy_layouts", "gauge", "layouts", "Layouts the policy service steers.", "policy",
          "len(Remover.layouts)", _P),
     Fact("policy_remove_waiting_keys", "gauge", "keys",
-         "Keys waiting out a reader's lease before the policy service tries their removal "
-         "again.", "policy", "Remover.waiting", _P),
+         "Keys whose removal the policy service tries again later: waiting out a reader's "
+         "lease, or for a save still to come (evicted before it reached the pool).", "policy",
+         "Remover.waiting", _P),
     Fact("policy_snapshot_connections", "gauge", "connections",
          "Connections open on the policy service's snapshot port P+1 (subscribers, and "
          "handshakes in progress).", "policy",

@@ -1,7 +1,14 @@
 """The policy service's removals: every rank's keys of each chunk the pool-wide policy evicts,
 never by force, never a pinned chunk, under the connector's removal rule
 (``kvpool_connector.removal_rule``: a key refused under a reader's lease, -706, is tried again
-no sooner than the transfer timeout after the refusal)."""
+no sooner than the transfer timeout after the refusal).
+
+A key not in the pool yet (-704 OBJECT_NOT_FOUND) is tried again too (``ABSENT_RETRY_S``): an
+engine sends a request's access record when the request is first scheduled, before its KV is
+computed and saved, so the policy may evict a chunk whose save is still to come (one batch of
+three prompts over a capacity of five chunks: its first chunks evicted while their saves were
+in the worker's queue). Dropping the key at its first absence would leave that save in the pool
+for good, uncounted by the policy."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from kvpool_agent.vocabulary import ErrorCode
 from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.keys import chunk_keys
 from kvpool_connector.pins import pinned_chunks
@@ -28,6 +36,14 @@ MAX_DEFERRED = 1 << 16
 """Keys held back at most because their layout's pins are not read yet (or could not be read
 last time): past it, the oldest are dropped (the master's watermark evicts them)."""
 
+ABSENT_RETRY_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+"""Waits (s) before each new try of a key found absent: 63.75 s in all, past the store
+client's transfer timeout (60 s) that bounds a put once started; a save that starts later
+still is left to the master's watermark."""
+
+MAX_ABSENT = 1 << 16
+"""Absent keys waiting for a new try at most (past it, the oldest are given up)."""
+
 PolicyKey = tuple[str, str]
 
 
@@ -42,7 +58,8 @@ class Remover:
         clock: monotonic seconds.
 
     Attributes:
-        removed: keys removed; failed: keys the store failed to remove (not leased, not gone).
+        removed: keys removed; failed: keys the store failed to remove (not leased, not
+            absent).
         layouts: digest -> its ``PolicyLayout``, as the engines first sent it (never
             replaced: a differing layout of a known digest is refused, ``learn``).
         deferred_dropped: keys not removed because their layout's pins stayed unread.
@@ -60,6 +77,8 @@ class Remover:
         self._clock = clock
         self._todo: list[str] = []
         self._keep: list[str] = []
+        # Absent key -> (when it is tried again, tries made): module docstring.
+        self._absent: dict[str, tuple[float, int]] = {}
         self.removed = self.failed = self.deferred_dropped = 0
 
     def keys_of(self, chunks: Sequence[PolicyKey]) -> list[str]:
@@ -122,16 +141,37 @@ class Remover:
         self._todo += self.keys_of(chunks)
 
     def keep(self, chunks: Sequence[PolicyKey]) -> None:
-        """``chunks`` are resident again: a removal still waiting for a lease is dropped."""
-        self._keep += self.keys_of(chunks)
+        """``chunks`` are resident again: a removal still waiting (a lease, a save to come)
+        is dropped."""
+        keys = self.keys_of(chunks)
+        self._keep += keys
+        for key in keys:
+            self._absent.pop(key, None)
 
     @property
     def waiting(self) -> int:
-        """Keys waiting for a reader's lease to end."""
-        return len(self._leased)
+        """Keys waiting for a new try: a reader's lease to end, or a save to come."""
+        return len(self._leased) + len(self._absent)
+
+    def _due_absent(self) -> list[str]:
+        """Absent keys whose wait ended (their try count kept for ``_settle_absent``)."""
+        now = self._clock()
+        return [k for k, (due, _) in self._absent.items() if due <= now]
+
+    def _settle_absent(self, todo: Sequence[str], codes: Sequence[int]) -> None:
+        """Keys found absent wait their next ``ABSENT_RETRY_S``, given up after the last; any
+        other answer ends their wait."""
+        now = self._clock()
+        for key, rc in zip(todo, codes, strict=True):
+            tries = self._absent.pop(key, (0.0, 0))[1]
+            if rc == ErrorCode.OBJECT_NOT_FOUND and tries < len(ABSENT_RETRY_S):
+                self._absent[key] = (now + ABSENT_RETRY_S[tries], tries + 1)
+        while len(self._absent) > MAX_ABSENT:
+            del self._absent[next(iter(self._absent))]
 
     def step(self) -> int:
-        """Remove what is queued and what waited out its grace; keys removed now. Keys of a
+        """Remove what is queued and what waited out its grace (a reader's lease, a save to
+        come: module docstring); keys removed now. Keys of a
         layout whose pins were not read at the last try wait (at most ``MAX_DEFERRED``); a
         layout learned since the last read has its pins read now, not at the service's next
         refresh (up to ``PIN_REFRESH_S`` later: a replay's pool of 300,000 tokens fills in
@@ -145,8 +185,13 @@ class Remover:
         if len(held) > MAX_DEFERRED:
             self.deferred_dropped += len(held) - MAX_DEFERRED
             held = held[-MAX_DEFERRED:]
-        todo = self._leased.batch(ready, self._keep, self._pinned_keys)
+        due = self._due_absent()
+        todo = self._leased.batch([*ready, *due], self._keep, self._pinned_keys)
         self._todo, self._keep = held, []
+        tried = set(todo)
+        for key in due:  # pinned now, or waiting out a lease: no longer absent's to try
+            if key not in tried:
+                del self._absent[key]
         if not todo:
             return 0
         try:
@@ -156,6 +201,7 @@ class Remover:
             self.failed += len(todo)
             return 0
         removed, failed = self._leased.settle(todo, codes)
+        self._settle_absent(todo, codes)
         self.removed += removed
         self.failed += failed
         return removed

@@ -44,15 +44,19 @@ def engines(tiny_model: Path, pool: Pool, tmp_path_factory: pytest.TempPathFacto
     e.close_all()
 
 
-def _snapshot(address: str, keys: KeyPaths, records: int) -> AdmissionSnapshot:
-    """The service's first snapshot with at least ``records`` records applied (60 s at most)."""
+def _snapshot(address: str, keys: KeyPaths, records: int, removed: int) -> AdmissionSnapshot:
+    """The service's first snapshot with at least ``records`` records applied and ``removed``
+    keys removed (60 s at most): records come when a request is scheduled, so a chunk may be
+    evicted before its save lands, and is removed when it does."""
+    snap = None
     for _ in range(30):
         # A new subscriber's first snapshot comes with the service's next publication after
         # its subscription reached the service (0.51 s measured: over a 0.5 s wait).
         snap = wait_snapshot(address, keys.client("viewer"), 2.0)
-        if snap is not None and snap.records >= records:
+        if snap is not None and snap.records >= records and snap.removed >= removed:
             return snap
-    raise AssertionError(f"no snapshot with {records} records from {address}")
+    raise AssertionError(f"no snapshot with {records} records and {removed} removed keys "
+                         f"from {address}: last {snap}")
 
 
 def test_the_service_steers_a_real_engine(mooncake_master: LocalMooncakeMaster,
@@ -70,7 +74,7 @@ def test_the_service_steers_a_real_engine(mooncake_master: LocalMooncakeMaster,
                      model_fingerprint=f"policy-test-{service.port}")
         engine = engines.start("policy", ktc, multiprocess=True)
         first = engine.generate(PROMPTS, 4)
-        snap = _snapshot(service.address, fleet_keys["viewer"], len(PROMPTS))
+        snap = _snapshot(service.address, fleet_keys["viewer"], len(PROMPTS), 4 * 2)
         assert snap.capacity_bytes == CAPACITY_CHUNKS * chunk_bytes
         # The records carried the worker's real chunk bytes: the service holds its capacity
         # and removed the 4 oldest of 9 chunks, every key of each (one per KV head: 2).
