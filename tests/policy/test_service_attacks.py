@@ -37,6 +37,7 @@ from test_service_live import wait_for
 from kvpool_agent.auth import authorize_key, generate_keys, local_fleet_keys
 from kvpool_connector.admission import doorkeeper_seen
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import (
     ParallelLayout,
     chunk_hashes,
@@ -350,7 +351,9 @@ def test_a6_a_flood_of_the_largest_records_keeps_snapshots_coming(
             flooder.join()
         assert env.alive(), env.log()
         assert sent[0] == 400
-        assert max(gaps) < 1.5, gaps  # an engine's policy_stale_ms is 3 s by default
+        # No gap an engine would take for a silent service (its policy_stale_ms; these gaps
+        # also hold this process's own flood thread's turns on the GIL: 1.63 s seen).
+        assert max(gaps) < KVPoolConfig.model_fields["policy_stale_ms"].default / 1e3, gaps
         assert env.rss_mib() - rss0 < 200
 
 
