@@ -185,7 +185,8 @@ def _check_memcache_store(ctx: Context, store: dict[str, Any]) -> list[tuple[int
 def _check_mooncake_store(
     ctx: Context, store: dict[str, Any], doc: dict[str, Any], instances: dict[str, Instance]
 ) -> None:
-    """Mooncake: the master's flags, the lease against the engines' timeouts, segment size."""
+    """Mooncake: the master's flags, the lease against the engines' timeouts, segment size
+    and who holds it."""
     for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
         value = store.get(name)
         if value is None or isinstance(value, int | float):
@@ -206,6 +207,15 @@ def _check_mooncake_store(
             path=f"{_BASE}.global_segment_size",
             fabric_mem=fabric,
             npu=True,
+        )
+    )
+    # Embedded (the default), the engines carry the segment (kvpool-config render writes it
+    # into their mooncake.json).
+    ctx.add(
+        R.check_engine_segment(
+            store.get("global_segment_size"),
+            path=f"{_BASE}.global_segment_size",
+            store_mode=store.get("store_mode"),
         )
     )
 

@@ -6,7 +6,8 @@ Checked: types, unknown keys, ``master_server_address`` as host:port or an HA po
 ``etcd://host:port``, the protocol, the segment
 size (read with the runtime's size parser), the SSD offload path and ``transfer_timeout_ms``
 (not below the store client's 60 s: rule ``transfer-timeout``) and ``max_kv_soft_pin_ttl``
-(not above the master's default: rule ``soft-pin-ttl``).
+(not above the master's default: rule ``soft-pin-ttl``). An engine giving the pool a segment
+of its own is a note (rule ``engine-segment``): the file is what an engine reads.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def check(
             path="$.global_segment_size",
             fabric_mem=False,
             npu=doc.get("protocol") == "ascend",
+        ),
+        R.check_engine_segment(
+            doc.get("global_segment_size"),
+            path="$.global_segment_size",
+            store_mode=doc.get("store_mode"),
         ),
         R.check_ssd_offload_path(
             doc.get("ssd_offload_path"),

@@ -29,6 +29,7 @@ __all__ = [
     "GIB",
     "check_backend_choice",
     "check_backend_match",
+    "check_engine_segment",
     "check_global_segment_size",
     "check_lease_ttl",
     "check_local_service_mode",
@@ -294,6 +295,36 @@ def check_global_segment_size(
         f"global_segment_size {value!r} ({size} bytes) is not aligned to 1 GB as the "
         "vllm-ascend guide requires on NPUs",
         f'use "{whole}GB"',
+    )
+
+
+def check_engine_segment(value: Any, *, path: str, store_mode: Any) -> Finding | None:
+    """An ``info`` note for an engine's Mooncake config giving the pool memory
+    (``global_segment_size`` above 0, ``store_mode`` not ``standalone``): its segment goes with
+    the engine. The objects the master placed there are lost when the engine stops, and a
+    killed engine's segment stays listed for the master's ``client_ttl`` (``mooncake_master
+    --client_ttl``, 10 s by default), where puts fail TRANSFER_FAIL (-800). A note, not a
+    warning: it is the documented embedded layout (vllm-ascend kv_pool.md), where a separate
+    ``mooncake_client`` store is the alternative. An unreadable or 0 size is
+    :func:`check_global_segment_size`'s."""
+    if value is None or store_mode == "standalone":
+        return None
+    try:
+        size = parse_size(value)
+    except ValueError:
+        return None
+    if size <= 0:
+        return None
+    return Finding(
+        "info",
+        "engine-segment",
+        path,
+        f"global_segment_size {value!r}: every engine gives the pool a segment of its own "
+        "memory, which goes with the engine: the pool's objects in it are lost when the engine "
+        "stops, and puts placed in a killed engine's segment fail (TRANSFER_FAIL) until the "
+        "master drops it (client_ttl, 10 s by default); a separate mooncake_client store "
+        "process (engines at global_segment_size 0, store_mode standalone) keeps them across "
+        "engine restarts",
     )
 
 

@@ -310,3 +310,29 @@ def test_a_consumer_that_loads_or_saves_uses_the_pool(tmp_path: Path,
     # The case itself, unchanged, is warned about (test_broken_case_produces_exactly_...).
     (broken,) = validate_files([CASES / "consumer_unused.json"])
     assert [f.rule for f in broken.findings if f.severity != "info"] == ["consumer-unused"]
+
+
+def test_an_engine_held_segment_is_a_note() -> None:
+    """An engine whose Mooncake config gives the pool memory (global_segment_size above 0, not
+    store_mode standalone) is told its segment goes with it: a note, not a warning (the
+    examples keep validating clean under --strict)."""
+    engine = load_json(ROOT / "config/local-demo/mooncake.json")
+    notes = [f for f in validate_document(engine, "mooncake_config") if f.rule == "engine-segment"]
+    assert [(f.severity, f.path) for f in notes] == [("info", "$.global_segment_size")]
+    assert notes[0].message.startswith(
+        "global_segment_size '512MB': every engine gives the pool a segment of its own memory, "
+        "which goes with the engine: the pool's objects in it are lost when the engine stops")
+    assert "client_ttl, 10 s by default" in notes[0].message
+    assert "separate mooncake_client store process" in notes[0].message
+    for client in ({**engine, "global_segment_size": 0, "store_mode": "standalone"},
+                   {**engine, "global_segment_size": "1GB", "store_mode": "standalone"},
+                   {**engine, "global_segment_size": 0}):
+        assert _infos(validate_document(client, "mooncake_config")).get("engine-segment") \
+            is None
+    # MindIE: kv_cache_store_config embedded (the default) puts the segment in the engines.
+    user = load_json(ROOT / "config/pd-mooncake/user_config.json")
+    (note,) = [f for f in validate_document(user, "user_config") if f.rule == "engine-segment"]
+    assert (note.severity, note.path) == ("info", "$.kv_cache_store_config.global_segment_size")
+    assert note.message.startswith("global_segment_size '4GB': every engine gives the pool")
+    user["kv_cache_store_config"]["store_mode"] = "standalone"
+    assert "engine-segment" not in _infos(validate_document(user, "user_config"))
