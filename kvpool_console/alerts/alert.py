@@ -32,9 +32,10 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
 
     ``rule`` is a stable id (``pool_watermark``, ``failed_after_hit``, ``lease_ttl``,
     ``lookup_errors``, ``backend_errors``, ``backend_mismatch``, ``kv_role_mismatch``,
-    ``role_topology``, ``pool_unhealthy``, ``disk_over_limit``, ``stale``, ``start_failed``,
-    ``stuck_transfer``, ``namespace_split``, ``model_versions``, ``version_skew``,
-    ``unshared_identity``, ``no_leader``, ``master_behind``, ``policy_master``;
+    ``role_topology``, ``pool_unhealthy``, ``pool_no_segments``, ``disk_over_limit``,
+    ``stale``, ``start_failed``, ``stuck_transfer``, ``namespace_split``, ``model_versions``,
+    ``version_skew``, ``unshared_identity``, ``no_leader``, ``master_behind``,
+    ``policy_master``;
     :class:`AlertModel` adds ``pause_wait``, ``pool_evicting``, ``pool_failover`` and, from
     the hub's reuse figures, ``silent_miss``, subject the model name);
     ``subject`` the engine id (the pool name for pool rules, the model name(s) for

@@ -31,6 +31,7 @@ from kvpool_console.alerts.alert import (
     pool_name,
 )
 from kvpool_console.alerts.policy import policy_alerts
+from kvpool_console.alerts.segments import no_segments_hint, segment_alerts
 from kvpool_console.alerts.settings import STUCK_FLOOR_MS, STUCK_MULTIPLE, AlertSettings
 from kvpool_console.alerts.versions import version_alerts
 
@@ -39,10 +40,10 @@ __all__ = ["evaluate"]
 _CRITICAL_USAGE = 0.98
 """Pool usage fraction at which new saves start failing with NO_AVAILABLE_HANDLE."""
 
-_CAUSES_FIRST = frozenset({"lease_ttl"})
+_CAUSES_FIRST = frozenset({"lease_ttl", "pool_no_segments"})
 """Rules listed before the others of their severity: a lease TTL below the load time makes
 the loads fail after their hit (``failed_after_hit``) and stay in flight; the TTL is what to
-change (issue 38 item 4)."""
+change (issue 38 item 4). A pool without memory (``pool_no_segments``) fails every save."""
 
 _TOPOLOGY_MIN_LOOKUPS = 20
 """Lookups a consumer makes before "0% hits while producers save" is a finding, not chance."""
@@ -53,7 +54,6 @@ def _by_engine(states: Mapping[str, EngineState]) -> dict[str, list[EngineState]
     for st in states.values():
         out.setdefault(st.source.engine_id, []).append(st)
     return out
-
 
 
 _DISK_HINT = (
@@ -401,8 +401,8 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
         top = max(other, key=lambda n: other[n])
         listing = ", ".join(f"{n} {c}" for n, c in sorted(other.items(), key=lambda kv: -kv[1]))
         out.append(make_alert("backend_errors", "warning", engine_id,
-                              f"backend errors: {listing}",
-                              HINTS.get(top, "see the engine's log for the backend message"),
+                              f"backend errors: {listing}", no_segments_hint(group, other)
+                              or HINTS.get(top, "see the engine's log for the backend message"),
                               now_ms))
     if majority_backend is not None and backends and backends != {majority_backend}:
         out.append(make_alert(
@@ -558,6 +558,7 @@ def evaluate(
     cfg = settings if settings is not None else AlertSettings()
     out = _pool_alerts(states, now_ms, watermark_ratio=cfg.watermark_ratio,
                        watermark_margin=cfg.watermark_margin, active=active)
+    out.extend(segment_alerts(states, now_ms))
     groups = _by_engine(states)
     counts = Counter(s.source.backend for s in states.values() if s.source.backend)
     majority: str | None = None
