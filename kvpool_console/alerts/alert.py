@@ -9,18 +9,23 @@ import msgspec
 
 from kvpool_agent.protocol import EngineState
 
-__all__ = ["AFTER_HIT", "SEVERITY_RANK", "SEVERITY_STYLE", "Alert", "Severity", "engines_text",
-           "fmt_ms", "make_alert", "pool_name"]
+__all__ = ["AFTER_HIT", "CAUSES_FIRST", "SEVERITY_RANK", "SEVERITY_STYLE", "Alert", "Severity",
+           "alert_order", "engines_text", "fmt_ms", "make_alert", "pool_name"]
 
 Severity = Literal["info", "warning", "critical"]
 """``info``: a state to know of that needs no action while it is expected (``model_versions``:
 a rolling update, issue 39 item 5); it marks no engine's state."""
 
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+"""Order of severities for ``--fail-on``: an alert counts when its rank is >= the chosen one."""
 
 SEVERITY_STYLE: dict[str, str] = {"info": "cyan", "warning": "yellow", "critical": "bold red"}
 """How an alert's severity label is drawn (``status``, the Events tab)."""
-"""Order of severities for ``--fail-on``: an alert counts when its rank is >= the chosen one."""
+
+CAUSES_FIRST = frozenset({"lease_ttl", "pool_no_segments"})
+"""Rules listed before the others of their severity: a lease TTL below the load time makes
+the loads fail after their hit (``failed_after_hit``) and stay in flight; the TTL is what to
+change (issue 38 item 4). A pool without memory (``pool_no_segments``) fails every save."""
 
 
 AFTER_HIT = ("LEASE_EXPIRED", "OBJECT_NOT_FOUND")
@@ -68,6 +73,12 @@ def make_alert(rule: str, severity: Severity, subject: str, message: str, hint: 
     return Alert(key=f"{rule}:{subject}", rule=rule, severity=severity, subject=subject,
                  message=message, hint=hint, ts_ms=ts_ms)
 
+
+def alert_order(alert: Alert) -> tuple[int, bool, str]:
+    """Sort key of a list of alerts: critical first, a severity's causes (``CAUSES_FIRST``)
+    before its other rules, then by key. The one order of ``evaluate``, the console's model
+    and ``status``."""
+    return -SEVERITY_RANK[alert.severity], alert.rule not in CAUSES_FIRST, alert.key
 
 
 def engines_text(engines: Collection[str], limit: int = 8) -> str:

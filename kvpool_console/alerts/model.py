@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from kvpool_agent.protocol import EngineState, PoolStats, ReuseView
 from kvpool_console.alerts import rules
-from kvpool_console.alerts.alert import SEVERITY_RANK, Alert, fmt_ms, make_alert, pool_name
+from kvpool_console.alerts.alert import Alert, alert_order, fmt_ms, make_alert, pool_name
 from kvpool_console.alerts.pauses import PauseLedger
 from kvpool_console.alerts.settings import AlertSettings
 from kvpool_console.alerts.silent_miss import silent_miss_alerts
@@ -120,7 +120,7 @@ class AlertModel:
         alerts += (self._pauses.alerts(states, now_ms) + self._eviction_alerts(states, now_ms)
                    + self._failover_alerts(states, now_ms)
                    + silent_miss_alerts(reuse, states, now_ms))
-        alerts.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.key))
+        alerts.sort(key=alert_order)
         return self.tracker.update(alerts, now_ms)
 
     @property

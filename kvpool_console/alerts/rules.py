@@ -22,9 +22,9 @@ from kvpool_console._transport import failures_text, transport_failures, transpo
 from kvpool_console.alerts.adapters import adapter_alerts
 from kvpool_console.alerts.alert import (
     AFTER_HIT,
-    SEVERITY_RANK,
     Alert,
     Severity,
+    alert_order,
     engines_text,
     fmt_ms,
     make_alert,
@@ -39,11 +39,6 @@ __all__ = ["evaluate"]
 
 _CRITICAL_USAGE = 0.98
 """Pool usage fraction at which new saves start failing with NO_AVAILABLE_HANDLE."""
-
-_CAUSES_FIRST = frozenset({"lease_ttl", "pool_no_segments"})
-"""Rules listed before the others of their severity: a lease TTL below the load time makes
-the loads fail after their hit (``failed_after_hit``) and stay in flight; the TTL is what to
-change (issue 38 item 4). A pool without memory (``pool_no_segments``) fails every save."""
 
 _TOPOLOGY_MIN_LOOKUPS = 20
 """Lookups a consumer makes before "0% hits while producers save" is a finding, not chance."""
@@ -596,5 +591,5 @@ def evaluate(
         else:
             # A silent engine's in-flight list is as old as its last report.
             out.extend(_stuck_alerts(engine_id, group, now_ms, cfg.stuck_after_ms))
-    out.sort(key=lambda a: (-SEVERITY_RANK[a.severity], a.rule not in _CAUSES_FIRST, a.key))
+    out.sort(key=alert_order)
     return out

@@ -73,6 +73,9 @@ def test_a_lease_ttl_below_the_load_time_is_the_first_alert() -> None:
                   max_load_ms=4_000.0)
     assert _rules(evaluate(ended, {k: t for k in ended}, t)) == [
         ("lease_ttl", "critical"), ("failed_after_hit", "critical")]
+    # So does the console's model (the TUI, status), which sorted by key alone before.
+    assert _rules(model.update(ended, {k: t for k in ended}, t)) == [
+        ("lease_ttl", "critical"), ("failed_after_hit", "critical")]
 
 
 def test_a_load_that_waited_through_its_stopped_process_is_no_ttl_advice() -> None:
