@@ -213,6 +213,7 @@ def test_metrics_port_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 CONSOLE_RULES = {"pool_watermark", "failed_after_hit", "lease_ttl", "lookup_errors",
                  "backend_errors", "backend_mismatch", "kv_role_mismatch", "pool_unhealthy",
+                 "pool_no_segments",
                  "disk_over_limit", "stale"}
 """The console's alert rule ids (``kvpool_console.alerts.Alert.rule``)."""
 
