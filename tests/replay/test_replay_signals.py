@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -23,11 +24,17 @@ TRACE = default_trace_path("conversation_trace.jsonl")
 READY = b"engines ready; replay started"
 
 
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _cmdlines(procs: Iterable[psutil.Process]) -> list[str]:
+    """The command lines of the live ones of ``procs``: one that exits while it is read (a
+    zombie by then: psutil.ZombieProcess, seen under load) is not live."""
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(" ".join(p.cmdline()))
+        except psutil.NoSuchProcess:  # ZombieProcess is one
+            continue
+    return out
 
 
 def _read_until(proc: subprocess.Popen[bytes], buf: bytearray, needle: bytes,
@@ -71,12 +78,12 @@ def test_replay_stops_everything_it_started_on_a_signal(signum: int, status: int
     try:
         assert _read_until(proc, buf, READY, 240), bytes(buf[-3000:])
         tree = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in tree if _alive(p))
+        names = " ".join(_cmdlines(tree))
         for started in ("mooncake_master", "mooncake_client"):
             assert started in names, names
         # The engine is forked from the fork server (``kvpool_replay._forkserver``): both
         # carry the server's command line.
-        forked = [p for p in tree if _alive(p) and "forkserver" in " ".join(p.cmdline())]
+        forked = [p for p in tree if any("forkserver" in c for c in _cmdlines([p]))]
         assert len(forked) == 2, names
         # One work directory, the master's and the store's logs inside it.
         assert [p.name[:14] for p in _leftovers(tmp_path)] == ["kvpool-replay-"]
@@ -86,7 +93,7 @@ def test_replay_stops_everything_it_started_on_a_signal(signum: int, status: int
         assert b"Traceback" not in buf
         if signum == signal.SIGTERM:  # a hangup points stderr at /dev/null (the terminal is gone)
             assert b"kvpool-replay: stopped by signal 15; every process it started" in buf
-        left = [" ".join(p.cmdline()) for p in tree if _alive(p)]
+        left = _cmdlines(tree)
         assert left == [], (left, bytes(buf[-3000:]))
         assert _leftovers(tmp_path) == []
     finally:
@@ -115,7 +122,7 @@ def test_replay_stops_what_it_started_on_sigterm_during_start_up(tmp_path: Path)
         with contextlib.suppress(psutil.NoSuchProcess):
             for p in psutil.Process(proc.pid).children(recursive=True):
                 seen.setdefault(p.pid, p)
-        return " ".join(" ".join(p.cmdline()) for p in seen.values() if _alive(p))
+        return " ".join(_cmdlines(seen.values()))
 
     try:
         deadline = time.monotonic() + 120
@@ -132,7 +139,7 @@ def test_replay_stops_what_it_started_on_sigterm_during_start_up(tmp_path: Path)
         err = proc.stderr.read()
         assert b"Traceback" not in err and b"stopped by signal 15" in err, err[-3000:]
         assert READY not in err
-        assert [" ".join(p.cmdline()) for p in seen.values() if _alive(p)] == []
+        assert _cmdlines(seen.values()) == []
         assert _leftovers(tmp_path) == []
     finally:
         with contextlib.suppress(ProcessLookupError):
