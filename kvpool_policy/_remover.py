@@ -36,10 +36,12 @@ MAX_DEFERRED = 1 << 16
 """Keys held back at most because their layout's pins are not read yet (or could not be read
 last time): past it, the oldest are dropped (the master's watermark evicts them)."""
 
-ABSENT_RETRY_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+ABSENT_RETRY_S = (0.25, 0.5, 1.0, 2.0) + (4.0,) * 15
 """Waits (s) before each new try of a key found absent: 63.75 s in all, past the store
-client's transfer timeout (60 s) that bounds a put once started; a save that starts later
-still is left to the master's watermark."""
+client's transfer timeout (60 s) that bounds a put once started (a save that starts later
+still is left to the master's watermark); at most 4 s apart, so a save that lands late is
+removed within 4 s (doubling to 32 s left a real engine's late save in the pool 30 s more
+under a loaded test run)."""
 
 MAX_ABSENT = 1 << 16
 """Absent keys waiting for a new try at most (past it, the oldest are given up)."""
