@@ -327,6 +327,10 @@ FACTS: tuple[Fact, ...] = (
     Fact("policy_snapshots_published", "counter", "snapshots",
          "Admission snapshots the policy service published.", "policy",
          "ServiceCounters.snapshots", _P),
+    Fact("policy_snapshots_on_subscription", "counter", "snapshots",
+         "Of the snapshots published, those published at once for new subscribers rather than "
+         "at the next periodic one (at most one a 0.1 s).", "policy",
+         "ServiceCounters.snapshots_on_subscription", _P),
     Fact("policy_subscribers_refused", "counter", "subscribers",
          "Snapshot subscribers refused past their key's cap, by key name (ROLE/FILE-STEM).",
          "policy", "ServiceCounters.over_cap_by_key", _P),

@@ -86,6 +86,10 @@ class ServiceCounters:
     over_budget: int = 0
     malformed: int = 0
     snapshots: int = 0
+    """Snapshots published (each kind: periodic, on a flip, for new subscribers)."""
+    snapshots_on_subscription: int = 0
+    """Of ``snapshots``, those published at once for new subscribers (at most one a
+    ``kvpool_policy.service.SUBSCRIBED_EVERY_S``) rather than at the next periodic one."""
     layouts_refused: int = 0
     """Layout declarations refused: a differing redeclaration of a known digest, over a key's
     ``LAYOUTS_PER_KEY``, over ``MAX_LAYOUTS`` or ``MAX_KEYS_PER_CHUNK``."""

@@ -43,6 +43,7 @@ _COUNTERS: tuple[tuple[str, Callable[[ServiceCounters], int]], ...] = (
     ("policy_admission_capped_records", lambda c: c.admission_capped),
     ("policy_errors", lambda c: c.errors),
     ("policy_snapshots_published", lambda c: c.snapshots),
+    ("policy_snapshots_on_subscription", lambda c: c.snapshots_on_subscription),
     ("policy_evicted_chunks", lambda c: c.evicted_chunks),
     ("policy_evicted_bytes", lambda c: c.evicted_bytes),
 )

@@ -28,10 +28,10 @@ from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
-from kvpool_connector.policy_wire import policy_ports
+from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, policy_ports
 from kvpool_connector.sizes import parse_size
 from kvpool_policy._metrics import ServiceCollector
-from kvpool_policy.service import DEFAULT_BUDGET, PolicyService
+from kvpool_policy.service import DEFAULT_BUDGET, SNAPSHOT_EVERY_MS_RANGE, PolicyService
 
 __all__ = ["DEFAULT_FILL", "main"]
 
@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-subscribers-per-key", type=int, default=MAX_SUBSCRIBERS_PER_KEY,
                    metavar="N", help="snapshot subscribers (P+1) one viewer or operator key may "
                    "hold open; more are refused at the handshake (default %(default)s; 0: none)")
+    s.add_argument("--snapshot-every-ms", type=int, default=round(SNAPSHOT_EVERY_S * 1e3),
+                   metavar="MS", help="publish an admission snapshot every MS ms, "
+                   f"{SNAPSHOT_EVERY_MS_RANGE[0]}..{SNAPSHOT_EVERY_MS_RANGE[1]} (default "
+                   "%(default)s; a new subscriber gets one at once anyway); the engines' "
+                   "policy_stale_ms must be well above it")
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout in ms, the removal grace "
                    "(default 60000)")
@@ -268,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_subscribers_per_key < 0:
         return _fail(f"--max-subscribers-per-key {args.max_subscribers_per_key}: must be 0 (no "
                      f"cap) or more, e.g. {MAX_SUBSCRIBERS_PER_KEY} (the default)")
+    low, high = SNAPSHOT_EVERY_MS_RANGE
+    if not low <= args.snapshot_every_ms <= high:
+        return _fail(f"--snapshot-every-ms {args.snapshot_every_ms}: must be {low}..{high} ms, "
+                     f"e.g. {round(SNAPSHOT_EVERY_S * 1e3)} (the default)")
     if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
         return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
                      "(default 60000, the store client's transfer timeout)")
@@ -311,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                          "segment is mounted (start a mooncake_client store with "
                          "global_segment_size above 0 first), or give --capacity, e.g. 48GB")
         capacity = int(stats.total_bytes * args.fill)
+    if args.snapshot_every_ms > DEFAULT_STALE_S * 1e3 / 2:
+        _warn(f"--snapshot-every-ms {args.snapshot_every_ms}: engines take the service for "
+              f"down after policy_stale_ms without a snapshot (default "
+              f"{DEFAULT_STALE_S * 1e3:.0f}): give them policy_stale_ms of at least "
+              f"{2 * args.snapshot_every_ms} (two intervals, one snapshot lost)")
     if args.fill >= _MASTER_WATERMARK and args.capacity is None:
         _warn(f"--fill {args.fill:g} is at or above mooncake_master's default "
               f"eviction_high_watermark_ratio ({_MASTER_WATERMARK:g}; the master does not "
@@ -329,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = PolicyService(args.listen, KeyPaths.of(args.keys), backend, capacity,
                                 admin_url=args.admin_url, budget=args.budget,
-                                max_subscribers_per_key=args.max_subscribers_per_key)
+                                max_subscribers_per_key=args.max_subscribers_per_key,
+                                snapshot_every_s=args.snapshot_every_ms / 1e3)
     except ValueError as exc:
         backend.close()
         return _fail(f"--keys {args.keys}: {exc}")

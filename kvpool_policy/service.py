@@ -31,6 +31,13 @@ Who may connect, and what each may do and cost (the house security rule):
   refused (or, admitted in a burst, it is shut down at its subscription), so it gets no
   snapshot; counted (``subscribers_over_cap``, per key in ``over_cap_by_key``).
 
+Publishing: a snapshot goes out every ``snapshot_every_s`` (``SNAPSHOT_EVERY_S``), when the
+admission's mode flips, and in the loop's turn that takes a new subscriber's subscription, so
+it has a snapshot at once rather than at the next periodic one (``snapshots_on_subscription``).
+Those are at most one a ``SUBSCRIBED_EVERY_S`` (subscriptions coming faster share one), so
+subscription churn cannot make the service encode snapshots back to back; a refused subscriber
+triggers none.
+
 Counted drops (``counters``): records the senders report dropped (``RecordBatch.dropped``),
 batches lost between (gaps in ``seq``), over budget, malformed; each sender's ``seq`` and
 ``dropped`` step is taken at most ``MAX_QUEUED`` a batch and every counter saturates at
@@ -47,10 +54,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import httpx
 import msgspec
@@ -104,9 +113,12 @@ __all__ = [
     "MIN_POOL_CHUNKS",
     "RECORDS_DOMAIN",
     "SNAPSHOT_DOMAIN",
+    "SNAPSHOT_EVERY_MS_RANGE",
+    "SUBSCRIBED_EVERY_S",
     "PolicyCore",
     "PolicyService",
     "ServiceCounters",
+    "SnapshotSchedule",
     "pool_chunks",
 ]
 
@@ -114,6 +126,16 @@ logger = logging.getLogger("kvpool.policy")
 
 RECORDS_DOMAIN = "kvpool-policy-records"
 SNAPSHOT_DOMAIN = "kvpool-policy-snapshots"
+
+SUBSCRIBED_EVERY_S = 0.1
+"""A snapshot published for new subscribers comes at most once in this many seconds: at most
+10 extra encodes of the Bloom filter (up to ``DOORKEEPER_MAX_MIB``) a second however fast
+subscribers come and go, beside the periodic ones."""
+
+SNAPSHOT_EVERY_MS_RANGE = (100, 60_000)
+"""``--snapshot-every-ms``'s bounds (ms): no more than ``SUBSCRIBED_EVERY_S``'s 10 encodes of
+the filter a second; no slower than a minute, far past any engine's ``policy_stale_ms``, which
+must be above twice the interval (``kvpool_policy.cli`` warns past half the default 3 s)."""
 
 _REMOVE_EVERY_S = 0.05
 _PINS_EVERY_S = 1.0
@@ -128,6 +150,36 @@ _LOGGED_FIRST = 3  # refusals of a key logged one by one, then every _LOGGED_EVE
 _LOGGED_EVERY = 1000
 
 
+class SnapshotSchedule:
+    """When the service's loop publishes a snapshot (module docstring, "Publishing"): ``due``
+    says why, or None.
+
+    Args:
+        every_s: the periodic interval (s).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self._clock = every_s, clock
+        self.subscribed = False
+        """An accepted subscription came after the last publication (set by the loop)."""
+        self._periodic = self._early = -math.inf
+
+    def due(self, flipped: bool) -> Literal["periodic", "subscribed"] | None:
+        """Whether to publish now: ``"periodic"`` (the interval passed, or the admission's mode
+        ``flipped``), ``"subscribed"`` (a subscription waits and the last such publication is
+        ``SUBSCRIBED_EVERY_S`` old), else None. Either serves every subscription taken so far."""
+        now = self._clock()
+        why: Literal["periodic", "subscribed"] | None = None
+        if flipped or now - self._periodic >= self.every_s:
+            why, self._periodic = "periodic", now
+        elif self.subscribed and now - self._early >= SUBSCRIBED_EVERY_S:
+            why, self._early = "subscribed", now
+        if why is not None:
+            self.subscribed = False
+        return why
+
+
 class PolicyService:
     """``kvpool-policy serve`` (module docstring).
 
@@ -140,6 +192,7 @@ class PolicyService:
         budget: chunk hashes a second per key.
         max_subscribers_per_key: snapshot subscribers one viewer or operator key may hold
             open (0: none); agent keys' caps are ``kvpool_agent.key_caps``'s defaults.
+        snapshot_every_s: the periodic snapshot's interval (s; ``--snapshot-every-ms``).
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -149,7 +202,8 @@ class PolicyService:
     def __init__(self, listen: str, keys: KeyPaths, backend: MooncakeBackend,
                  capacity_bytes: int, *, admin_url: str | None = None,
                  budget: int = DEFAULT_BUDGET,
-                 max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY) -> None:
+                 max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY,
+                 snapshot_every_s: float = SNAPSHOT_EVERY_S) -> None:
         records_at, snapshots_at = policy_ports(listen)
         self.caps = KeyCaps({"snapshots": {
             "console": max_subscribers_per_key, "engine": MAX_AGENT_CONNECTIONS_PER_KEY,
@@ -193,6 +247,7 @@ class PolicyService:
             self.close()
             raise
         self._version = 0
+        self._schedule = SnapshotSchedule(snapshot_every_s)
         # Connections open on the snapshot port: accepted less disconnected (``/metrics``).
         self.snapshot_connections = 0
 
@@ -204,14 +259,19 @@ class PolicyService:
         s.curve_publickey, s.curve_secretkey = public, secret
         return s
 
-    def _publish(self) -> None:
+    def _publish(self, subscribed: bool) -> None:
+        """Publish a snapshot; ``subscribed``: for new subscribers (``SnapshotSchedule``),
+        counted in ``snapshots_on_subscription`` too."""
         self._version += 1
         snap = self.core.snapshot(self.service_id, self._version)
         try:
             self.snapshots.send(msgspec.msgpack.encode(snap), zmq.NOBLOCK)
         except zmq.Again:
             return
-        self.core.counters.snapshots += 1
+        c = self.core.counters
+        c.snapshots = _sat(c.snapshots + 1)
+        if subscribed:
+            c.snapshots_on_subscription = _sat(c.snapshots_on_subscription + 1)
 
     def _guard(self, what: str, step: Callable[[], object]) -> None:
         """Run one step of the loop; an exception is counted (``errors``) and logged once per
@@ -260,9 +320,10 @@ class PolicyService:
             except zmq.Again:
                 break
             # libzmq has applied it to its connection already. A subscription is what counts
-            # a connection for its key; an unsubscription (a connection closing) is none.
-            if msg.bytes[:1] == b"\x01":
-                admit_message(self.caps, "snapshots", msg)
+            # a connection for its key; an unsubscription (a connection closing) is none. An
+            # admitted one asks for a snapshot soon (a refused one, shut down, none).
+            if msg.bytes[:1] == b"\x01" and admit_message(self.caps, "snapshots", msg):
+                self._schedule.subscribed = True
         for _ in range(_MONITOR_EVENTS_PER_TURN):
             if not self._monitor.poll(0):
                 break
@@ -287,7 +348,7 @@ class PolicyService:
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set."""
         decoder = msgspec.msgpack.Decoder(RecordBatch)
-        published = removed = pins = -float("inf")
+        removed = pins = -float("inf")
         doorkeeper = False
         poller = zmq.Poller()
         for sock in (self.records, self.snapshots, self._monitor):
@@ -304,11 +365,11 @@ class PolicyService:
             if now - removed >= _REMOVE_EVERY_S:
                 removed = now
                 self._guard("removing", self.remover.step)
-            flipped = self.core.policy.doorkeeper_active != doorkeeper
-            if flipped or now - published >= SNAPSHOT_EVERY_S:
+            why = self._schedule.due(self.core.policy.doorkeeper_active != doorkeeper)
+            if why is not None:
                 doorkeeper = self.core.policy.doorkeeper_active
-                published = now
-                self._guard("publishing a snapshot", self._publish)
+                self._guard("publishing a snapshot",
+                            functools.partial(self._publish, why == "subscribed"))
 
     def close(self) -> None:
         # The monitor is stopped at the socket first: libzmq's I/O thread would otherwise

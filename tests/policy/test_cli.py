@@ -124,6 +124,31 @@ def test_serve_transfer_timeout_names_the_option(keys: Path, no_backend: list[ob
     assert line.startswith("kvpool-policy: --transfer-timeout-ms -1") and "--master" not in line
 
 
+@pytest.mark.parametrize("every", ["99", "60001"])
+def test_serve_snapshot_interval_is_checked_before_mooncake(
+        every: str, keys: Path, no_backend: list[object],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc = policy_cli.main(["serve", "--listen", "tcp://127.0.0.1:5600", "--keys",
+                          str(keys / "hub"), *_POOL, "--snapshot-every-ms", every])
+    assert rc == 2 and no_backend == []
+    assert _one_line(capsys) == (f"kvpool-policy: --snapshot-every-ms {every}: must be "
+                                 "100..60000 ms, e.g. 500 (the default)")
+
+
+def test_serve_a_snapshot_interval_past_half_the_engines_stale_time_warns(
+        keys: Path, no_backend: list[object], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True, total_bytes=1 << 30))
+    port = _free_port_pair()
+    rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
+                          str(keys / "hub"), *_POOL, "--snapshot-every-ms", "2000"])
+    assert len(no_backend) == 1 and rc == 2  # went on to start; the test's backend fails
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warning.startswith("kvpool-policy: warning: --snapshot-every-ms 2000: engines take "
+                              "the service for down after policy_stale_ms")
+    assert "(default 3000)" in warning and "policy_stale_ms of at least 4000" in warning
+
+
 def test_serve_without_a_segment_says_so(keys: Path, no_backend: list[object],
                                          monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,6 +200,7 @@ def test_help_is_plain_text_with_defaults(capsys: pytest.CaptureFixture[str]) ->
         policy_cli.main(["serve", "--help"])
     serve = " ".join(capsys.readouterr().out.split())
     assert "(default 0.8;" in serve and "(default 50000)" in serve
+    assert "every MS ms, 100..60000 (default 500;" in serve
     with pytest.raises(SystemExit):
         policy_cli.main(["status", "--help"])
     assert "(default 3.0:" in " ".join(capsys.readouterr().out.split())

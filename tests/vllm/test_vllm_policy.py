@@ -50,8 +50,9 @@ def _snapshot(address: str, keys: KeyPaths, records: int, removed: int) -> Admis
     evicted before its save lands, and is removed when it does."""
     snap = None
     for _ in range(30):
-        # A new subscriber's first snapshot comes with the service's next publication after
-        # its subscription reached the service (0.51 s measured: over a 0.5 s wait).
+        # A new subscriber's first snapshot is published in the service's turn that takes its
+        # subscription (at most one such a 0.1 s), not with the next periodic one: 2 s is its
+        # CURVE handshake and that turn with room to spare.
         snap = wait_snapshot(address, keys.client("viewer"), 2.0)
         if snap is not None and snap.records >= records and snap.removed >= removed:
             return snap
