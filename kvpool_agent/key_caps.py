@@ -82,15 +82,16 @@ MAX_CONNECTIONS_PER_KEY = 16
 ``--max-connections-per-key``): a console holds one per port."""
 MAX_AGENT_CONNECTIONS_PER_KEY = MAX_AGENTS_PER_ENGINE
 """Default connections one engine-bound agent key may hold open on the hub's agent port ``P``
-(``kvpool-agent hub --max-agent-connections-per-key``), and snapshot subscribers on the policy
-service's port: one per agent id the hub lets one engine hold (1,024). A real engine runs one
-agent per connector process (DP x TP x PP workers and a scheduler per DP rank: 65 for DP 1 x
-TP 8 x PP 8), so it stays far under it, also while the connections of a crashed host of it
-are not yet seen closed."""
+(``kvpool-agent hub --max-agent-connections-per-key``): one per agent id the hub lets one
+engine hold (1,024). A real engine runs one agent per connector process (DP x TP x PP workers
+and a scheduler per DP rank: 65 for DP 1 x TP 8 x PP 8), so it stays far under it, also while
+the connections of a crashed host of it are not yet seen closed. The policy service's snapshot
+port caps agent keys at its own, far lower, numbers (only schedulers subscribe:
+``kvpool_policy.service.MAX_AGENT_SUBSCRIBERS_PER_KEY``)."""
 MAX_AGENT_CONNECTIONS_PER_FLEET_KEY = MAX_AGENTS
 """Default connections one fleet-wide agent key (authorized without ``--engine``) may hold open
-on ``P`` (``--max-agent-connections-per-fleet-key``), and snapshot subscribers on the policy
-service's port: such a key may be every engine's, so the agents a hub keeps at most (16,384)."""
+on ``P`` (``--max-agent-connections-per-fleet-key``): such a key may be every engine's, so the
+agents a hub keeps at most (16,384)."""
 ADMIT_WINDOW_S = 60.0
 """A handshake admitted counts against its key's cap for this long (s) before its connection
 sends a first message; a connection silent longer holds a descriptor and no queued bytes."""

@@ -31,7 +31,13 @@ from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
 from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, policy_ports
 from kvpool_connector.sizes import parse_size
 from kvpool_policy._metrics import ServiceCollector
-from kvpool_policy.service import DEFAULT_BUDGET, SNAPSHOT_EVERY_MS_RANGE, PolicyService
+from kvpool_policy.service import (
+    DEFAULT_BUDGET,
+    MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY,
+    MAX_AGENT_SUBSCRIBERS_PER_KEY,
+    SNAPSHOT_EVERY_MS_RANGE,
+    PolicyService,
+)
 
 __all__ = ["DEFAULT_FILL", "main"]
 
@@ -77,7 +83,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="chunk hashes a second per key (default %(default)s)")
     s.add_argument("--max-subscribers-per-key", type=int, default=MAX_SUBSCRIBERS_PER_KEY,
                    metavar="N", help="snapshot subscribers (P+1) one viewer or operator key may "
-                   "hold open; more are refused at the handshake (default %(default)s; 0: none)")
+                   "hold open; more are refused at the handshake (default %(default)s; 0: no cap)")
+    s.add_argument("--max-agent-subscribers-per-key", type=int,
+                   default=MAX_AGENT_SUBSCRIBERS_PER_KEY, metavar="N",
+                   help="snapshot subscribers one engine-bound agent key may hold open: one per "
+                   "scheduler of its engine, i.e. its data-parallel size (default %(default)s; "
+                   "0: no cap)")
+    s.add_argument("--max-agent-subscribers-per-fleet-key", type=int,
+                   default=MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY, metavar="N",
+                   help="snapshot subscribers one fleet-wide agent key may hold open: the "
+                   "schedulers of every engine using it (default %(default)s; 0: no cap)")
     s.add_argument("--snapshot-every-ms", type=int, default=round(SNAPSHOT_EVERY_S * 1e3),
                    metavar="MS", help="publish an admission snapshot every MS ms, "
                    f"{SNAPSHOT_EVERY_MS_RANGE[0]}..{SNAPSHOT_EVERY_MS_RANGE[1]} (default "
@@ -270,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--fill {args.fill}: must be in (0, 1], e.g. {DEFAULT_FILL}")
     if args.budget < 1:
         return _fail(f"--budget {args.budget}: must be at least 1 record a second")
-    if args.max_subscribers_per_key < 0:
-        return _fail(f"--max-subscribers-per-key {args.max_subscribers_per_key}: must be 0 (no "
-                     f"cap) or more, e.g. {MAX_SUBSCRIBERS_PER_KEY} (the default)")
+    for flag, default in (("--max-subscribers-per-key", MAX_SUBSCRIBERS_PER_KEY),
+                          ("--max-agent-subscribers-per-key", MAX_AGENT_SUBSCRIBERS_PER_KEY),
+                          ("--max-agent-subscribers-per-fleet-key",
+                           MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY)):
+        if (n := getattr(args, flag[2:].replace("-", "_"))) < 0:
+            return _fail(f"{flag} {n}: must be 0 (no cap) or more, e.g. {default} (the default)")
     low, high = SNAPSHOT_EVERY_MS_RANGE
     if not low <= args.snapshot_every_ms <= high:
         return _fail(f"--snapshot-every-ms {args.snapshot_every_ms}: must be {low}..{high} ms, "
@@ -344,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         service = PolicyService(args.listen, KeyPaths.of(args.keys), backend, capacity,
                                 admin_url=args.admin_url, budget=args.budget,
                                 max_subscribers_per_key=args.max_subscribers_per_key,
+                                max_agent_subscribers_per_key=args.max_agent_subscribers_per_key,
+                                max_agent_subscribers_per_fleet_key=(
+                                    args.max_agent_subscribers_per_fleet_key),
                                 snapshot_every_s=args.snapshot_every_ms / 1e3)
     except ValueError as exc:
         backend.close()

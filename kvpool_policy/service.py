@@ -23,13 +23,16 @@ Who may connect, and what each may do and cost (the house security rule):
   layouts hold are capped at a fair share of the capacity (``PolicyCore``), so one key's
   records cannot evict the other keys' layouts below theirs. Every bound: docs/security.md.
 * snapshots port ``P+1`` (XPUB): agent, viewer and operator keys (``SNAPSHOT_DOMAIN``); a slow
-  subscriber loses snapshots (ZMQ's send high-water mark: 2 snapshots), never slows the
+  subscriber loses snapshots (ZMQ's send high-water mark, ``SNAPSHOT_HWM``), never slows the
   service. Subscribers are capped per key (``kvpool_agent.key_caps``, V1): a viewer or
   operator key holds ``max_subscribers_per_key`` (``MAX_SUBSCRIBERS_PER_KEY``), an agent key
-  one per engine scheduler it serves (``MAX_AGENT_CONNECTIONS_PER_KEY`` engine-bound,
-  ``MAX_AGENT_CONNECTIONS_PER_FLEET_KEY`` fleet-wide); past it a subscriber's handshake is
+  one per engine scheduler it serves (``MAX_AGENT_SUBSCRIBERS_PER_KEY`` engine-bound,
+  ``MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY`` fleet-wide: the service's own, far below the hub's
+  agent caps, which count every worker's connection); past it a subscriber's handshake is
   refused (or, admitted in a burst, it is shut down at its subscription), so it gets no
-  snapshot; counted (``subscribers_over_cap``, per key in ``over_cap_by_key``).
+  snapshot; counted (``subscribers_over_cap``, per key in ``over_cap_by_key``). A subscriber
+  holds at most ``SNAPSHOT_HWM + 1`` snapshots (queued, and one in flight), so what the
+  subscribers hold is at most subscribers x that x a snapshot's bytes (docs/security.md).
 
 Publishing: a snapshot goes out every ``snapshot_every_s`` (``SNAPSHOT_EVERY_S``), when the
 admission's mode flips, and in the loop's turn that takes a new subscriber's subscription, so
@@ -69,8 +72,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent.auth import AllowList, KeyPaths, bound_engine
 from kvpool_agent.key_caps import (
-    MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
-    MAX_AGENT_CONNECTIONS_PER_KEY,
     MAX_SUBSCRIBERS_PER_KEY,
     CappedAdmission,
     KeyCaps,
@@ -108,12 +109,15 @@ __all__ = [
     "DOORKEEPER_SHARE",
     "LAYOUTS_PER_KEY",
     "LAYOUT_IDLE_S",
+    "MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY",
+    "MAX_AGENT_SUBSCRIBERS_PER_KEY",
     "MAX_KEYS_PER_CHUNK",
     "MIN_CHUNK_BYTES",
     "MIN_POOL_CHUNKS",
     "RECORDS_DOMAIN",
     "SNAPSHOT_DOMAIN",
     "SNAPSHOT_EVERY_MS_RANGE",
+    "SNAPSHOT_HWM",
     "SUBSCRIBED_EVERY_S",
     "PolicyCore",
     "PolicyService",
@@ -126,6 +130,28 @@ logger = logging.getLogger("kvpool.policy")
 
 RECORDS_DOMAIN = "kvpool-policy-records"
 SNAPSHOT_DOMAIN = "kvpool-policy-snapshots"
+
+MAX_AGENT_SUBSCRIBERS_PER_KEY = 32
+"""Default snapshot subscribers one engine-bound agent key may hold open
+(``kvpool-policy serve --max-agent-subscribers-per-key``). Only an engine's scheduler
+subscribes (its ``PolicyClient``; workers never do), and vLLM runs one engine core, so one
+scheduler, per data-parallel rank: an engine needs its DP size (its DP ranks share one engine
+id, so one bound key, when ``kv_connector_extra_config.engine_id`` names it; vLLM's own
+``engine_id`` gets ``_dp<rank>`` per rank, one scheduler an id). 32: DP 32, or DP 16 with every
+scheduler's old connection still held after its host died (a dead peer's connection is seen
+closed only when TCP gives up, minutes later). The hub's cap for the same key (1,024) counts
+every worker's agent connection."""
+
+MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY = 8 * MAX_AGENT_SUBSCRIBERS_PER_KEY
+"""Default snapshot subscribers one fleet-wide agent key (authorized without ``--engine``) may
+hold open (``--max-agent-subscribers-per-fleet-key``): 256, every scheduler of eight engines
+of ``MAX_AGENT_SUBSCRIBERS_PER_KEY`` (or 256 engines without data parallelism). A fleet with
+more schedulers on one key raises it, or gives its engines engine-bound keys."""
+
+SNAPSHOT_HWM = 1
+"""Snapshots queued per subscriber (ZMQ ``SNDHWM`` of the snapshot port); libzmq holds one more
+in flight, encrypted for that connection. A subscriber needs the newest only: each is the whole
+state (never a delta), so one that falls behind just skips the ones it missed."""
 
 SUBSCRIBED_EVERY_S = 0.1
 """A snapshot published for new subscribers comes at most once in this many seconds: at most
@@ -191,7 +217,9 @@ class PolicyService:
         admin_url: the master's admin URL (``/get_all_keys`` at start); ``None``: none read.
         budget: chunk hashes a second per key.
         max_subscribers_per_key: snapshot subscribers one viewer or operator key may hold
-            open (0: none); agent keys' caps are ``kvpool_agent.key_caps``'s defaults.
+            open (0: no cap).
+        max_agent_subscribers_per_key: those of an engine-bound agent key (0: no cap).
+        max_agent_subscribers_per_fleet_key: those of a fleet-wide agent key (0: no cap).
         snapshot_every_s: the periodic snapshot's interval (s; ``--snapshot-every-ms``).
 
     Raises:
@@ -203,11 +231,13 @@ class PolicyService:
                  capacity_bytes: int, *, admin_url: str | None = None,
                  budget: int = DEFAULT_BUDGET,
                  max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY,
+                 max_agent_subscribers_per_key: int = MAX_AGENT_SUBSCRIBERS_PER_KEY,
+                 max_agent_subscribers_per_fleet_key: int = MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY,
                  snapshot_every_s: float = SNAPSHOT_EVERY_S) -> None:
         records_at, snapshots_at = policy_ports(listen)
         self.caps = KeyCaps({"snapshots": {
-            "console": max_subscribers_per_key, "engine": MAX_AGENT_CONNECTIONS_PER_KEY,
-            "fleet": MAX_AGENT_CONNECTIONS_PER_FLEET_KEY}})
+            "console": max_subscribers_per_key, "engine": max_agent_subscribers_per_key,
+            "fleet": max_agent_subscribers_per_fleet_key}})
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
         self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
@@ -235,9 +265,9 @@ class PolicyService:
         self.snapshots.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.snapshots.maxmsgsize = _SUBSCRIPTION_BYTES
         self.snapshots.rcvhwm = _SUBSCRIPTION_HWM
-        # A subscriber needs the newest snapshot only: a stalled one holds 2 (each at most
-        # DOORKEEPER_MAX_MIB of Bloom filter), not 16.
-        self.snapshots.sndhwm = 2
+        # A subscriber needs the newest snapshot only: a stalled one holds SNAPSHOT_HWM + 1
+        # (each at most DOORKEEPER_MAX_MIB of Bloom filter), not 1,000 (libzmq's default).
+        self.snapshots.sndhwm = SNAPSHOT_HWM
         # Right after the socket: its connections' descriptors, to free their places.
         self._monitor = self.snapshots.get_monitor_socket(_CONNECTION_EVENTS)
         try:
