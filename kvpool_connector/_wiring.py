@@ -115,12 +115,21 @@ def connector_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
     return cfg, groups, hybrid
 
 
+def _agent_id(engine_id: str, process_role: str, dp_rank: int, layout: ParallelLayout) -> str:
+    """An agent's id in the fleet: ``ENGINE/scheduler`` (``ENGINE/dpN.scheduler`` for data
+    parallel rank N > 0: each DP rank runs its own scheduler, and a configured ``engine_id``
+    is shared by every rank, so one id would make the hub take each rank's reports for a
+    takeover of the others'), ``ENGINE/dpN.tpT.ppP`` for a worker."""
+    if process_role == "scheduler":
+        return f"{engine_id}/dp{dp_rank}.scheduler" if dp_rank else f"{engine_id}/scheduler"
+    return f"{engine_id}/dp{dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}"
+
+
 def _source(cfg: KVPoolConfig, process_role: str, layout: ParallelLayout,
             backend: Backend | None) -> Source:
     """Who this process reports as: its agent id names the engine and its ranks; the lookup
     socket it serves or queries and the master are there for SSH triage."""
-    agent_id = (f"{cfg.engine_id}/scheduler" if process_role == "scheduler"
-                else f"{cfg.engine_id}/dp{cfg.dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}")
+    agent_id = _agent_id(cfg.engine_id, process_role, cfg.dp_rank, layout)
     backend_cfg = getattr(backend, "config", None)
     return Source(
         agent_id=agent_id, engine_id=cfg.engine_id, instance_role=cfg.instance_role,
@@ -406,8 +415,7 @@ def _failure_source(vllm_config: VllmConfig, progress: StartProgress,
         dp = vllm_config.parallel_config.data_parallel_rank
         role, role_source = INSTANCE_ROLE_OF[kv_role], ""
         backend, model = str(extra.get("backend", "")), ""
-    agent_id = (f"{engine_id}/scheduler" if process_role == "scheduler"
-                else f"{engine_id}/dp{dp}.tp{layout.tp_rank}.pp{layout.pp_rank}")
+    agent_id = _agent_id(engine_id, process_role, dp, layout)
     return Source(agent_id=agent_id, engine_id=engine_id, instance_role=role,
                   kv_role=kv_role, process_role=process_role,  # type: ignore[arg-type]
                   dp_rank=dp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
