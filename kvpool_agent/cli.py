@@ -209,11 +209,14 @@ def _keygen(role_name: str, root: str, force: bool) -> int:
     return 0
 
 
-def _run_until_signal() -> None:
+def _stop_on_signal() -> threading.Event:
+    """An event SIGINT or SIGTERM sets, installed before a hub or agent starts serving: a
+    signal in its first moments stops it cleanly too (a hub that answered its first command
+    and was sent SIGTERM before the handler existed died of the signal, state unsaved)."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             # The hub is this process: its freed frames go back to the system.
             return_large_blocks_to_os()
+            stop = _stop_on_signal()
             hub = FleetHub(
                 args.address,
                 authorized_keys_dir=kp.authorized_dir if kp else None,
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     "/metrics on %s has no authentication: whoever reaches it reads the fleet "
                     "state the keyed ports protect (--metrics-host)", args.metrics_host)
             try:
-                _run_until_signal()
+                stop.wait()
             finally:
                 hub.stop()
             return 0
@@ -316,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 host=socket.gethostname(),
                 backend="mooncake",
             )
+            stop = _stop_on_signal()
             handle = start_agent(
                 src,
                 address=args.hub,
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             if not handle.enabled:
                 return 2
             try:
-                _run_until_signal()
+                stop.wait()
             finally:
                 handle.stop()
             return 0

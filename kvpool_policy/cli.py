@@ -354,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                              "global_segment_size": 0, "local_buffer_size": "16MB"}
     if args.transfer_timeout_ms is not None:
         mc["transfer_timeout_ms"] = args.transfer_timeout_ms
+    # Before anything starts: a signal while the store client and the sockets come up stops
+    # the service cleanly once they are up (serve returns at once), never kills it half-made.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         backend = MooncakeBackend(MooncakeConfig.load({"mooncake": mc}))
     except (ValueError, BackendError) as exc:
@@ -384,9 +389,6 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--metrics-port {metrics_port}: {exc.strerror or exc}")
         logging.getLogger("kvpool.policy").info("kvpool policy: Prometheus metrics on %s",
                                                 metrics.url)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     logging.getLogger("kvpool.policy").info(
         "kvpool policy: serving %s, capacity %d bytes", args.listen, capacity)
     try:

@@ -351,9 +351,14 @@ def test_a6_a_flood_of_the_largest_records_keeps_snapshots_coming(
             flooder.join()
         assert env.alive(), env.log()
         assert sent[0] == 400
-        # No gap an engine would take for a silent service (its policy_stale_ms; these gaps
-        # also hold this process's own flood thread's turns on the GIL: 1.63 s seen).
-        assert max(gaps) < KVPoolConfig.model_fields["policy_stale_ms"].default / 1e3, gaps
+        # No gap an engine would take for a silent service (its policy_stale_ms), unless the
+        # service published in it and this receiver was the slow one (its own flood thread
+        # holds the GIL: gaps of 1.6 s, and 3.6 s at a load average of 15, were seen): it then
+        # skipped versions (one snapshot queued per subscriber).
+        stale_s = KVPoolConfig.model_fields["policy_stale_ms"].default / 1e3
+        steps = [(gap, b.version - a.version) for gap, a, b in zip(gaps, last, last[1:],
+                                                                   strict=True)]
+        assert all(gap < stale_s or (dv > 1 and gap < 2 * stale_s) for gap, dv in steps), steps
         assert env.rss_mib() - rss0 < 200
 
 
