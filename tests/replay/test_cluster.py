@@ -60,13 +60,14 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
                         for t in entry.state.in_flight
                     ]
                 decode = fleet["decode-1/scheduler"].state
-                workers = [e.state for a, e in fleet.items() if not a.endswith("/scheduler")]
-                loaded = sum(w.transfers.loads_finished for w in workers)
+                # What is asserted below, waited for: the decode worker's own loads (the
+                # workers' sum passed 20 with the decode worker's at 9 on a loaded host).
+                decode_loads = fleet["decode-1/dp0.tp0.pp0"].state.transfers.loads_finished
                 # Pool stats come from the master every ~2 s: wait for a fresh, non-empty one.
                 dpool = fleet["decode-1/dp0.tp0.pp0"].state.pool
                 used = dpool.used_bytes if dpool is not None else 0
                 if (decode.lookup.lookups > 10 and decode.lookup.hit_rate > 0.5
-                        and loaded > 20 and used > 0 and seen_in_flight):
+                        and decode_loads > 10 and used > 0 and seen_in_flight):
                     break
             # Right away: an engine whose replay ends disconnects its agents.
             replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
