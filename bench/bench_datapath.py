@@ -32,28 +32,37 @@ pool in a separate ``mooncake_client`` process and no segment in the engines' cl
 127.0.0.1, ``--engines`` N at once (default 1; e.g. ``1 2 4``: each engine its own process and
 store client, every path run by all N at once after a barrier): ``worker`` save/load (sized
 calls and staging, ``kvpool_connector.staging``) against ``raw contig`` (``batch_put_from`` /
-``batch_get_into`` of the same bytes as one contiguous range per key) and ``copy``
-(``index_select`` into another cache); per-engine and aggregate GB/s, median and min-max of
-the rounds; ``stage copy`` (what staging copies on a save, alone: ``ctypes.memmove`` of every
-range into one contiguous value, no pool call) and each path's CPU time per operation, which
-together say where the worker's time over raw goes. Goal: worker >= 0.9x raw contiguous at
-every shape and number of engines.
+``batch_get_into`` of the same bytes as one contiguous range per key; ``raw 1-key``: the same,
+one key per call, as a staged worker moves values larger than half its staging buffer) and
+``copy`` (``index_select`` into another cache); per-engine and aggregate GB/s, median and
+min-max of the rounds; ``stage copy`` (what staging copies on a save, alone: ``ctypes.memmove``
+of every range into one contiguous value, no pool call) and each path's CPU time per
+operation, which together say where the worker's time over raw goes. ``--caller-nice N`` makes
+every batch put and get, raw and worker alike, from a thread at nice N (``_BenchCalls``:
+Mooncake's client busy-polls a call's completion in the calling thread, a core per call in
+flight); ``--stage-below-kib K`` stages values whose mean range is below K KiB instead of 256.
+Every round checks every loaded block against its source (the blocks are zeroed before each
+worker load, so the load has written them). Goal: worker >= 0.9x raw contiguous at every shape
+and number of engines.
 
     .venv/bin/python bench/bench_datapath.py [--rounds 41] [--blocks 128] [--layers 16]
     .venv/bin/python bench/bench_datapath.py --cross-process [--rounds 11] [--chunks 2] \\
-        [--engines 1 2 4]
+        [--engines 1 2 4] [--caller-nice 19] [--stage-below-kib 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -78,7 +87,7 @@ from kvpool_connector.keys import (
     shard_prefix,
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.staging import DEFAULT_STAGING_BYTES
+from kvpool_connector.staging import DEFAULT_STAGING_BYTES, TransportLimits
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore
 
@@ -151,6 +160,74 @@ class _TimedBackend(Backend):
         return self.inner.stats()
 
 
+class _BenchCalls(Backend):
+    """Delegates to a real backend with two ``--cross-process`` experiments, raw and worker
+    paths alike (their ratio stays like for like):
+
+    * ``nice`` (``--caller-nice``): batch puts and gets made from one thread of its own at
+      that nice value (the calling thread waits for each, blocked). Mooncake's store client
+      (mooncake-transfer-engine 0.3.13.post1, built without ``USE_EVENT_DRIVEN_COMPLETION``)
+      polls a batch call's completion in the calling thread
+      (``TransferEngineOperationState::wait_for_completion``: ``clock_gettime`` and
+      ``getTransferStatus`` under a mutex, no sleep), a core for the whole call; niced, the
+      poll yields to the threads doing the work (the client's TCP thread, the staging copies,
+      the store's process). 0: the calling thread, as the worker does;
+    * ``stage_below`` (``--stage-below-kib``): the transport's ``stage_below`` (bytes) in place
+      of ``TCP_LIMITS``' (``None``: unchanged), e.g. to move MLA's 144 KiB ranges of 128-token
+      blocks zero-copy.
+    """
+
+    name = "bench"
+
+    def __init__(self, inner: Backend, nice: int, stage_below: int | None) -> None:
+        self.inner = inner
+        self.limits = inner.transport_limits()
+        if stage_below is not None:
+            self.limits = dataclasses.replace(self.limits, stage_below=stage_below)
+        self.caller = ThreadPoolExecutor(
+            1, thread_name_prefix="bench-call",
+            initializer=lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice))
+
+    def batch_exists(self, keys: Sequence[str]) -> list[int]:
+        return self.inner.batch_exists(keys)
+
+    def register_buffer(self, addr: int, size: int) -> None:
+        self.inner.register_buffer(addr, size)
+
+    def lease_ttl_ms(self) -> int:
+        return self.inner.lease_ttl_ms()
+
+    def transfer_timeout_ms(self) -> int:
+        return self.inner.transfer_timeout_ms()
+
+    def transport_limits(self) -> TransportLimits:
+        return self.limits
+
+    def batch_put_from(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+                       sizes: Sequence[Sequence[int]]) -> list[int]:
+        return self.caller.submit(self.inner.batch_put_from, keys, addrs, sizes).result()
+
+    def batch_get_into(self, keys: Sequence[str], addrs: Sequence[Sequence[int]],
+                       sizes: Sequence[Sequence[int]]) -> list[int]:
+        return self.caller.submit(self.inner.batch_get_into, keys, addrs, sizes).result()
+
+    def batch_remove(self, keys: Sequence[str]) -> list[int]:
+        return self.inner.batch_remove(keys)
+
+    def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
+        return self.inner.remove_by_scope(pattern, dry_run=dry_run, force=force)
+
+    def health(self) -> list[HealthCheck]:
+        return self.inner.health()
+
+    def stats(self) -> PoolStats:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.caller.shutdown(wait=True)
+        self.inner.close()
+
+
 def _timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -209,9 +286,13 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
            "local_buffer_size": "16MB", "master_admin_url": master[1]}
     # A client per shape: Mooncake keeps a registration for the client's life, and the next
     # shape's tensors may reuse this one's addresses.
-    backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+    backend: Backend = MooncakeBackend(MooncakeConfig.load({"mooncake": cfg}))
+    if args.caller_nice or args.stage_below_kib is not None:
+        backend = _BenchCalls(backend, args.caller_nice, None if args.stage_below_kib is None
+                              else args.stage_below_kib << 10)
     spans: dict[str, list[Span]] = {k: [] for k in (
-        "raw contig put", "worker save", "stage copy", "raw contig get", "worker load",
+        "raw contig put", "raw 1-key put", "worker save", "stage copy", "raw contig get",
+        "raw 1-key get", "worker load",
         "copy")}
     try:
         for t in (flat_src, flat_dst):
@@ -231,6 +312,8 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
                                   extra=tag.encode())
             raw_keys = chunk_keys([shard_prefix("bench-raw", "0" * 12, ParallelLayout())],
                                   hashes)
+            raw1_keys = chunk_keys([shard_prefix("bench-raw1", "0" * 12, ParallelLayout())],
+                                   hashes)
             save_meta = KVPoolConnectorMetadata(requests=[ReqMeta(
                 req_id=f"s{rnd}", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
                 save_to_chunk=n_chunks, is_last_save=True)])
@@ -249,6 +332,18 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
                     keys, [[flat_dst.data_ptr() + i * value] for i in range(n_chunks)],
                     [[value]] * n_chunks)
                 assert res == [value] * n_chunks, res
+
+            def raw_put1(keys: list[str] = raw1_keys) -> None:
+                for i, key in enumerate(keys):  # one call per key, as a staged worker makes
+                    res = backend.batch_put_from([key], [[flat_src.data_ptr() + i * value]],
+                                                 [[value]])
+                    assert res == [0], res
+
+            def raw_get1(keys: list[str] = raw1_keys) -> None:
+                for i, key in enumerate(keys):
+                    res = backend.batch_get_into([key], [[flat_dst.data_ptr() + i * value]],
+                                                 [[value]])
+                    assert res == [value], res
 
             def save(meta: KVPoolConnectorMetadata = save_meta) -> None:
                 writer.start_load_kv(KVPoolConnectorMetadata())
@@ -272,18 +367,25 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
                         at += n
 
             groups: list[list[tuple[str, Callable[[], None]]]] = [
-                [("raw contig put", raw_put), ("worker save", save), ("stage copy", stage_copy)],
-                [("raw contig get", raw_get), ("worker load", load), ("copy", copy)]]
+                [("raw contig put", raw_put), ("raw 1-key put", raw_put1), ("worker save", save),
+                 ("stage copy", stage_copy)],
+                [("raw contig get", raw_get), ("raw 1-key get", raw_get1), ("worker load", load),
+                 ("copy", copy)]]
             for group in groups:
                 for pname, fn in (reversed(group) if rnd % 2 else group):
+                    if fn is load:  # the copy may have filled them: the load must write them
+                        for t in dst.values():
+                            t.index_fill_(0, d_idx, 0)
                     sync()
                     t0, c0 = time.monotonic(), time.process_time()
                     fn()
                     if rnd:  # round 0 warms the segment's pages up
                         spans[pname].append((t0, time.monotonic(), time.process_time() - c0))
-            for lname in src:
-                assert torch.equal(src[lname][src_ids[-1]], dst[lname][dst_ids[-1]]), \
-                    "load not bit-exact"
+                    if fn is load:
+                        for lname in src:
+                            assert torch.equal(src[lname].index_select(0, s_idx),
+                                               dst[lname].index_select(0, d_idx)), \
+                                f"load not bit-exact ({lname})"
             sync()  # every engine done with this round's keys
             if engine == 0:
                 backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
@@ -345,11 +447,15 @@ def cross_process(args: argparse.Namespace) -> None:
     print(f"\nKV data path across processes: the pool in its own mooncake_client, TCP on "
           f"127.0.0.1, {'/'.join(map(str, args.engines))} engines at once (each its own "
           f"process and client), {args.chunks} chunks of {args.chunk_tokens} tokens per "
-          f"operation per engine, {args.rounds} rounds; load average {load_start:.2f} at "
+          f"operation per engine, {args.rounds} rounds, backend calls at nice "
+          f"{args.caller_nice}, staged below "
+          f"{'the default' if args.stage_below_kib is None else f'{args.stage_below_kib} KiB'}"
+          f"; load average {load_start:.2f} at "
           f"start, {os.getloadavg()[0]:.2f} at the end\n")
     print(f"{'shape':<16}{'block':>6}{'eng':>4}{'path':>16}{'engine GB/s':>12}{'min-max':>12}"
           f"{'aggr. GB/s':>11}{'min-max':>12}{'vs raw':>8}{'CPU ms':>8}")
     ref = {"worker save": "raw contig put", "worker load": "raw contig get",
+           "raw 1-key put": "raw contig put", "raw 1-key get": "raw contig get",
            "stage copy": "raw contig put", "copy": "raw contig get"}
     for (s, b, n), engines in results.items():
         total = args.chunks * args.chunk_tokens * per_token[s]
@@ -365,7 +471,9 @@ def cross_process(args: argparse.Namespace) -> None:
                   f"{f'{min(own):.2f}-{max(own):.2f}':>12}{statistics.median(aggr[path]):>11.2f}"
                   f"{f'{min(aggr[path]):.2f}-{max(aggr[path]):.2f}':>12}{vs:>8}{cpu_ms:>8.1f}")
     print("\n'vs raw': aggregate median over raw contiguous's of the same engines and rounds "
-          "(copy: a tensor copy of the same bytes in each engine, against raw get; stage "
+          "(copy: a tensor copy of the same bytes in each engine, against raw get; raw 1-key: "
+          "the same contiguous values one key per call, as a staged worker moves values larger "
+          "than half its buffer; stage "
           "copy: what staging copies on a save, alone, against raw put); 'CPU ms': median "
           "CPU time of the engine's process per operation (every thread; the store's "
           "mooncake_client process not counted)")
@@ -390,6 +498,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--staging-mib", type=int, default=DEFAULT_STAGING_BYTES >> 20,
                     help="--cross-process workers' staging buffer (MiB; copies overlap the "
                     "puts when it holds two values: 128 for 512-token Llama-3-8B chunks)")
+    ap.add_argument("--caller-nice", type=int, default=0,
+                    help="--cross-process: make every batch put and get (raw and worker) from "
+                    "a thread at this nice value (0: the calling thread, as the worker does); "
+                    "Mooncake's client busy-polls a call's completion in its caller")
+    ap.add_argument("--stage-below-kib", type=int, default=None,
+                    help="--cross-process: stage values whose mean range is below this many "
+                    "KiB (default: the transport's, 256 over TCP); 0 moves all zero-copy")
     ap.add_argument("--engines", nargs="+", type=int, default=[1],
                     help="--cross-process engines saving and loading at once (e.g. 1 2 4), "
                     "each its own process and store client")
