@@ -1,5 +1,5 @@
 """Connections per key on a CURVE port: how many each key may hold open, and refusing the rest
-(issue 42; the hub's ports, and the policy service's snapshot port, V1).
+(issue 42; the hub's ports, and the policy service's snapshot port, V1, and records port).
 
 Why: every connection adds its queues to what the server holds (``kvpool_agent._hub_memory``
 for the hub): a subscriber up to 33 MiB of update frames, a command connection 128 MiB of
@@ -30,12 +30,13 @@ ZAP handler (only the peer's IP), but every message it hands the server carries 
   connection every 0.1 s or more).
 - A connection admitted in a burst (handshakes that all passed before any sent) whose first
   message comes past the cap is shut down by the server's thread (``admit_message``) before the
-  server acts on the message.
+  server acts on the message; the messages it queued before that (a records connection's
+  batches) are dropped too and count no further refusal, until its descriptor is seen closed.
 
 Every refusal is handed to the server's thread (``drain_refusals``), which counts it (the hub:
 ``HubCounters.connections_over_cap`` and per key in ``refused_by_key``; the policy service:
-``ServiceCounters.subscribers_over_cap``). Only with keys: without them no connection has a key
-to count.
+``ServiceCounters.subscribers_over_cap`` on its snapshot port, ``records_connections_over_cap``
+on its records port). Only with keys: without them no connection has a key to count.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ MAX_AGENT_CONNECTIONS_PER_KEY = MAX_AGENTS_PER_ENGINE
 engine hold (1,024). A real engine runs one agent per connector process (DP x TP x PP workers
 and a scheduler per DP rank: 65 for DP 1 x TP 8 x PP 8), so it stays far under it, also while
 the connections of a crashed host of it are not yet seen closed. The policy service's snapshot
-port caps agent keys at its own, far lower, numbers (only schedulers subscribe:
-``kvpool_policy.service.MAX_AGENT_SUBSCRIBERS_PER_KEY``)."""
+ports cap agent keys at their own, far lower, numbers (only schedulers connect to them:
+``kvpool_policy.service.MAX_AGENT_CONNECTIONS_PER_KEY``)."""
 MAX_AGENT_CONNECTIONS_PER_FLEET_KEY = MAX_AGENTS
 """Default connections one fleet-wide agent key (authorized without ``--engine``) may hold open
 on ``P`` (``--max-agent-connections-per-fleet-key``): such a key may be every engine's, so the
@@ -136,6 +137,9 @@ class KeyCaps:
         self.caps = {port: dict(kinds) for port, kinds in caps.items()}
         self._lock = threading.Lock()
         self._owner: dict[int, tuple[str, str]] = {}  # descriptor -> (port, identity)
+        # Descriptors shut down past the cap -> (port, identity): their queued messages are
+        # dropped without counting the connection again.
+        self._shut: dict[int, tuple[str, str]] = {}
         self._held: dict[tuple[str, str], int] = {}
         # (port, identity) -> its cap, from its kind when the ZAP handler last admitted it.
         self._cap: dict[tuple[str, str], int] = {}
@@ -182,6 +186,8 @@ class KeyCaps:
             cap = self._cap.get(slot, 0)  # never admitted through these caps: not capped
             if cap == 0 or self._owner.get(fd) == slot:
                 return True
+            if self._shut.get(fd) == slot:
+                return False
             # A descriptor reused before its close was reported: the old connection is gone.
             self._release(fd)
             pending = self._admitted.get(slot)
@@ -189,6 +195,7 @@ class KeyCaps:
                 pending.popleft()
             if self._held.get(slot, 0) >= cap:
                 self._refusals.append(Refusal(port, identity, cap, handshake=False))
+                self._shut[fd] = slot
                 return False
             self._owner[fd] = slot
             self._held[slot] = self._held.get(slot, 0) + 1
@@ -204,6 +211,8 @@ class KeyCaps:
         with self._lock:
             for fd in [fd for fd, (p, _) in self._owner.items() if p == port]:
                 self._release(fd)
+            for fd in [fd for fd, (p, _) in self._shut.items() if p == port]:
+                del self._shut[fd]
             for slot in [s for s in self._admitted if s[0] == port]:
                 del self._admitted[slot]
 
@@ -214,6 +223,7 @@ class KeyCaps:
             return out
 
     def _release(self, fd: int) -> None:
+        self._shut.pop(fd, None)
         slot = self._owner.pop(fd, None)
         if slot is None:
             return

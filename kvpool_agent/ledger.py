@@ -334,6 +334,10 @@ FACTS: tuple[Fact, ...] = (
     Fact("policy_subscribers_refused", "counter", "subscribers",
          "Snapshot subscribers refused past their key's cap, by key name (ROLE/FILE-STEM).",
          "policy", "ServiceCounters.over_cap_by_key", _P),
+    Fact("policy_records_connections_refused", "counter", "connections",
+         "Records connections (port P) refused past their agent key's cap, by key name "
+         "(ROLE/FILE-STEM): at the handshake, or shut down at their first batch (none of "
+         "their batches applied).", "policy", "ServiceCounters.records_over_cap_by_key", _P),
     Fact("policy_evicted_chunks", "counter", "chunks",
          "Chunks the policy evicted (their keys queued for removal).", "policy",
          "ServiceCounters.evicted_chunks", _P),

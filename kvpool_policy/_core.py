@@ -106,6 +106,10 @@ class ServiceCounters:
     subscribers_over_cap: int = 0
     """Snapshot subscribers refused for their key's cap (``kvpool_agent.key_caps``): at the
     handshake, or shut down at their subscription."""
+    records_connections_over_cap: int = 0
+    """Records connections (port ``P``) refused for their agent key's cap: at the handshake,
+    or shut down at their first batch (never applied, nor the batches queued behind it; those
+    batches are not decoded, so not in ``dropped`` either)."""
     evicted_chunks: int = 0
     """Chunks the policy evicted (queued for removal); ``evicted_bytes``: their bytes."""
     evicted_bytes: int = 0
@@ -113,6 +117,8 @@ class ServiceCounters:
     """(key, engine) -> (last seq, last reported dropped)."""
     over_cap_by_key: dict[str, int] = field(default_factory=dict)
     """Key name (``ROLE/FILE-STEM``) -> its subscribers refused for its cap."""
+    records_over_cap_by_key: dict[str, int] = field(default_factory=dict)
+    """Agent key name -> its records connections refused for its cap."""
 
     @property
     def dropped(self) -> int:

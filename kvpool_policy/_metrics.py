@@ -5,9 +5,10 @@ A custom collector (``prometheus_client``) reads the service's ``ServiceCounters
 ``PoolPolicy``'s gauges and its ``Remover``'s counts at scrape time, on the HTTP server's
 thread: the service's loop does no work for a scrape and takes no lock. The loop owns every
 value; the collector only reads ints and ``len()`` of containers (each one step under the GIL)
-and copies the one dict it walks (``over_cap_by_key``) in one ``dict()`` call first, so a scrape
-never iterates a dict the loop is growing. A scrape may see one batch half counted (its records
-applied, its evictions not yet): the next scrape has the rest.
+and copies each dict it walks (``over_cap_by_key``, ``records_over_cap_by_key``) in one
+``dict()`` call first, so a scrape never iterates a dict the loop is growing. A scrape may see
+one batch half counted (its records applied, its evictions not yet): the next scrape has the
+rest.
 
 Every family's name, kind and help come from the counter catalogue (``kvpool_agent.ledger``,
 the facts shown on ``"policy"``): ``kvpool_policy_<what>``, counters with ``_total``; sizes are
@@ -85,10 +86,12 @@ class ServiceCollector(Collector):
         for cause in LOST_CAUSES:
             lost.add_metric([cause], getattr(c, cause))
         yield lost
-        refused = _counter("policy_subscribers_refused", ("key",))
-        for key, n in sorted(dict(c.over_cap_by_key).items()):  # one copy, then walked
-            refused.add_metric([visible(key, one_line=True)], n)
-        yield refused
+        for name, by_key in (("policy_subscribers_refused", c.over_cap_by_key),
+                             ("policy_records_connections_refused", c.records_over_cap_by_key)):
+            refused = _counter(name, ("key",))
+            for key, n in sorted(dict(by_key).items()):  # one copy, then walked
+                refused.add_metric([visible(key, one_line=True)], n)
+            yield refused
         removed = remover.removed if remover is not None else 0
         failed = remover.failed if remover is not None else 0
         abandoned = remover.deferred_dropped if remover is not None else 0

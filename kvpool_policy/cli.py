@@ -33,8 +33,8 @@ from kvpool_connector.sizes import parse_size
 from kvpool_policy._metrics import ServiceCollector
 from kvpool_policy.service import (
     DEFAULT_BUDGET,
-    MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY,
-    MAX_AGENT_SUBSCRIBERS_PER_KEY,
+    MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
+    MAX_AGENT_CONNECTIONS_PER_KEY,
     SNAPSHOT_EVERY_MS_RANGE,
     PolicyService,
 )
@@ -84,14 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-subscribers-per-key", type=int, default=MAX_SUBSCRIBERS_PER_KEY,
                    metavar="N", help="snapshot subscribers (P+1) one viewer or operator key may "
                    "hold open; more are refused at the handshake (default %(default)s; 0: no cap)")
-    s.add_argument("--max-agent-subscribers-per-key", type=int,
-                   default=MAX_AGENT_SUBSCRIBERS_PER_KEY, metavar="N",
-                   help="snapshot subscribers one engine-bound agent key may hold open: one per "
-                   "scheduler of its engine, i.e. its data-parallel size (default %(default)s; "
-                   "0: no cap)")
-    s.add_argument("--max-agent-subscribers-per-fleet-key", type=int,
-                   default=MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY, metavar="N",
-                   help="snapshot subscribers one fleet-wide agent key may hold open: the "
+    s.add_argument("--max-agent-connections-per-key", type=int,
+                   default=MAX_AGENT_CONNECTIONS_PER_KEY, metavar="N",
+                   help="connections one engine-bound agent key may hold open on each port, "
+                   "records (P) and snapshots (P+1): one per scheduler of its engine, i.e. its "
+                   "data-parallel size; more are refused at the handshake (default "
+                   "%(default)s; 0: no cap)")
+    s.add_argument("--max-agent-connections-per-fleet-key", type=int,
+                   default=MAX_AGENT_CONNECTIONS_PER_FLEET_KEY, metavar="N",
+                   help="connections one fleet-wide agent key may hold open on each port: the "
                    "schedulers of every engine using it (default %(default)s; 0: no cap)")
     s.add_argument("--snapshot-every-ms", type=int, default=round(SNAPSHOT_EVERY_S * 1e3),
                    metavar="MS", help="publish an admission snapshot every MS ms, "
@@ -286,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget < 1:
         return _fail(f"--budget {args.budget}: must be at least 1 record a second")
     for flag, default in (("--max-subscribers-per-key", MAX_SUBSCRIBERS_PER_KEY),
-                          ("--max-agent-subscribers-per-key", MAX_AGENT_SUBSCRIBERS_PER_KEY),
-                          ("--max-agent-subscribers-per-fleet-key",
-                           MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY)):
+                          ("--max-agent-connections-per-key", MAX_AGENT_CONNECTIONS_PER_KEY),
+                          ("--max-agent-connections-per-fleet-key",
+                           MAX_AGENT_CONNECTIONS_PER_FLEET_KEY)):
         if (n := getattr(args, flag[2:].replace("-", "_"))) < 0:
             return _fail(f"{flag} {n}: must be 0 (no cap) or more, e.g. {default} (the default)")
     low, high = SNAPSHOT_EVERY_MS_RANGE
@@ -367,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         service = PolicyService(args.listen, KeyPaths.of(args.keys), backend, capacity,
                                 admin_url=args.admin_url, budget=args.budget,
                                 max_subscribers_per_key=args.max_subscribers_per_key,
-                                max_agent_subscribers_per_key=args.max_agent_subscribers_per_key,
-                                max_agent_subscribers_per_fleet_key=(
-                                    args.max_agent_subscribers_per_fleet_key),
+                                max_agent_connections_per_key=args.max_agent_connections_per_key,
+                                max_agent_connections_per_fleet_key=(
+                                    args.max_agent_connections_per_fleet_key),
                                 snapshot_every_s=args.snapshot_every_ms / 1e3)
     except ValueError as exc:
         backend.close()
@@ -399,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         c = service.core.counters
         logging.getLogger("kvpool.policy").info(
             "kvpool policy: stopped: %d records, %d dropped, %d keys removed, %d snapshot "
-            "subscribers refused past their key's cap", c.records, c.dropped,
-            service.remover.removed, c.subscribers_over_cap)
+            "subscribers and %d records connections refused past their key's cap", c.records,
+            c.dropped, service.remover.removed, c.subscribers_over_cap,
+            c.records_connections_over_cap)
         service.close()
         backend.close()
     return 0

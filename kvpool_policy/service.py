@@ -21,18 +21,26 @@ Who may connect, and what each may do and cost (the house security rule):
   names (what an agent key's engine can do to the pool anyway: it writes and removes keys) and
   never a key outside ``kvpool@`` or a pinned one; and, once the pool is full, the chunks its
   layouts hold are capped at a fair share of the capacity (``PolicyCore``), so one key's
-  records cannot evict the other keys' layouts below theirs. Every bound: docs/security.md.
+  records cannot evict the other keys' layouts below theirs. Connections are capped per key
+  like the snapshot port's (below; only a scheduler's ``PolicyClient`` connects, one PUSH per
+  DP rank): past the cap a connection's handshake is refused (or, admitted in a burst, it is
+  shut down at its first batch, which is dropped unapplied with the batches it queued);
+  counted (``records_connections_over_cap``, per key in ``records_over_cap_by_key``). Each
+  connection queues at most ``_RECORDS_HWM`` batches of ``MAX_BATCH_BYTES``, so what the
+  records connections hold is at most agent keys x their cap x that. Every bound:
+  docs/security.md.
 * snapshots port ``P+1`` (XPUB): agent, viewer and operator keys (``SNAPSHOT_DOMAIN``); a slow
   subscriber loses snapshots (ZMQ's send high-water mark, ``SNAPSHOT_HWM``), never slows the
   service. Subscribers are capped per key (``kvpool_agent.key_caps``, V1): a viewer or
   operator key holds ``max_subscribers_per_key`` (``MAX_SUBSCRIBERS_PER_KEY``), an agent key
-  one per engine scheduler it serves (``MAX_AGENT_SUBSCRIBERS_PER_KEY`` engine-bound,
-  ``MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY`` fleet-wide: the service's own, far below the hub's
-  agent caps, which count every worker's connection); past it a subscriber's handshake is
-  refused (or, admitted in a burst, it is shut down at its subscription), so it gets no
-  snapshot; counted (``subscribers_over_cap``, per key in ``over_cap_by_key``). A subscriber
-  holds at most ``SNAPSHOT_HWM + 1`` snapshots (queued, and one in flight), so what the
-  subscribers hold is at most subscribers x that x a snapshot's bytes (docs/security.md).
+  one per engine scheduler it serves (``MAX_AGENT_CONNECTIONS_PER_KEY`` engine-bound,
+  ``MAX_AGENT_CONNECTIONS_PER_FLEET_KEY`` fleet-wide, the same caps as on ``P``: the service's
+  own, far below the hub's agent caps, which count every worker's connection); past it a
+  subscriber's handshake is refused (or, admitted in a burst, it is shut down at its
+  subscription), so it gets no snapshot; counted (``subscribers_over_cap``, per key in
+  ``over_cap_by_key``). A subscriber holds at most ``SNAPSHOT_HWM + 1`` snapshots (queued, and
+  one in flight), so what the subscribers hold is at most subscribers x that x a snapshot's
+  bytes (docs/security.md).
 
 Publishing: a snapshot goes out every ``snapshot_every_s`` (``SNAPSHOT_EVERY_S``), when the
 admission's mode flips, and in the loop's turn that takes a new subscriber's subscription, so
@@ -75,6 +83,7 @@ from kvpool_agent.key_caps import (
     MAX_SUBSCRIBERS_PER_KEY,
     CappedAdmission,
     KeyCaps,
+    KeyKind,
     admit_message,
 )
 from kvpool_agent.masters import leader_admin_url
@@ -109,8 +118,8 @@ __all__ = [
     "DOORKEEPER_SHARE",
     "LAYOUTS_PER_KEY",
     "LAYOUT_IDLE_S",
-    "MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY",
-    "MAX_AGENT_SUBSCRIBERS_PER_KEY",
+    "MAX_AGENT_CONNECTIONS_PER_FLEET_KEY",
+    "MAX_AGENT_CONNECTIONS_PER_KEY",
     "MAX_KEYS_PER_CHUNK",
     "MIN_CHUNK_BYTES",
     "MIN_POOL_CHUNKS",
@@ -131,21 +140,22 @@ logger = logging.getLogger("kvpool.policy")
 RECORDS_DOMAIN = "kvpool-policy-records"
 SNAPSHOT_DOMAIN = "kvpool-policy-snapshots"
 
-MAX_AGENT_SUBSCRIBERS_PER_KEY = 32
-"""Default snapshot subscribers one engine-bound agent key may hold open
-(``kvpool-policy serve --max-agent-subscribers-per-key``). Only an engine's scheduler
-subscribes (its ``PolicyClient``; workers never do), and vLLM runs one engine core, so one
-scheduler, per data-parallel rank: an engine needs its DP size (its DP ranks share one engine
+MAX_AGENT_CONNECTIONS_PER_KEY = 32
+"""Default connections one engine-bound agent key may hold open on each of the service's ports,
+records ``P`` and snapshots ``P+1`` (``kvpool-policy serve --max-agent-connections-per-key``).
+Only an engine's scheduler connects (its ``PolicyClient``: one PUSH to ``P``, one SUB to
+``P+1``; workers never do), and vLLM runs one engine core, so one scheduler, per data-parallel
+rank: an engine needs its DP size on each port (its DP ranks share one engine
 id, so one bound key, when ``kv_connector_extra_config.engine_id`` names it; vLLM's own
 ``engine_id`` gets ``_dp<rank>`` per rank, one scheduler an id). 32: DP 32, or DP 16 with every
 scheduler's old connection still held after its host died (a dead peer's connection is seen
 closed only when TCP gives up, minutes later). The hub's cap for the same key (1,024) counts
 every worker's agent connection."""
 
-MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY = 8 * MAX_AGENT_SUBSCRIBERS_PER_KEY
-"""Default snapshot subscribers one fleet-wide agent key (authorized without ``--engine``) may
-hold open (``--max-agent-subscribers-per-fleet-key``): 256, every scheduler of eight engines
-of ``MAX_AGENT_SUBSCRIBERS_PER_KEY`` (or 256 engines without data parallelism). A fleet with
+MAX_AGENT_CONNECTIONS_PER_FLEET_KEY = 8 * MAX_AGENT_CONNECTIONS_PER_KEY
+"""Default connections one fleet-wide agent key (authorized without ``--engine``) may hold open
+on each port (``--max-agent-connections-per-fleet-key``): 256, every scheduler of eight engines
+of ``MAX_AGENT_CONNECTIONS_PER_KEY`` (or 256 engines without data parallelism). A fleet with
 more schedulers on one key raises it, or gives its engines engine-bound keys."""
 
 SNAPSHOT_HWM = 1
@@ -218,8 +228,9 @@ class PolicyService:
         budget: chunk hashes a second per key.
         max_subscribers_per_key: snapshot subscribers one viewer or operator key may hold
             open (0: no cap).
-        max_agent_subscribers_per_key: those of an engine-bound agent key (0: no cap).
-        max_agent_subscribers_per_fleet_key: those of a fleet-wide agent key (0: no cap).
+        max_agent_connections_per_key: connections one engine-bound agent key may hold open
+            on each port (records, snapshots; 0: no cap).
+        max_agent_connections_per_fleet_key: those of a fleet-wide agent key (0: no cap).
         snapshot_every_s: the periodic snapshot's interval (s; ``--snapshot-every-ms``).
 
     Raises:
@@ -231,13 +242,15 @@ class PolicyService:
                  capacity_bytes: int, *, admin_url: str | None = None,
                  budget: int = DEFAULT_BUDGET,
                  max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY,
-                 max_agent_subscribers_per_key: int = MAX_AGENT_SUBSCRIBERS_PER_KEY,
-                 max_agent_subscribers_per_fleet_key: int = MAX_AGENT_SUBSCRIBERS_PER_FLEET_KEY,
+                 max_agent_connections_per_key: int = MAX_AGENT_CONNECTIONS_PER_KEY,
+                 max_agent_connections_per_fleet_key: int = MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
                  snapshot_every_s: float = SNAPSHOT_EVERY_S) -> None:
         records_at, snapshots_at = policy_ports(listen)
-        self.caps = KeyCaps({"snapshots": {
-            "console": max_subscribers_per_key, "engine": max_agent_subscribers_per_key,
-            "fleet": max_agent_subscribers_per_fleet_key}})
+        agents: dict[KeyKind, int] = {"engine": max_agent_connections_per_key,
+                                      "fleet": max_agent_connections_per_fleet_key}
+        # Viewer and operator keys never reach P (RECORDS_DOMAIN admits agent keys only).
+        self.caps = KeyCaps({"records": agents,
+                             "snapshots": {"console": max_subscribers_per_key, **agents}})
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
         self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
@@ -253,12 +266,15 @@ class PolicyService:
         self.auth.start()
         self.allow = allow = AllowList(keys.authorized_dir, {RECORDS_DOMAIN: ("agent",),
                                                 SNAPSHOT_DOMAIN: ("agent", "viewer", "operator")})
-        self.auth.configure_curve_callback(RECORDS_DOMAIN, allow)
-        self.auth.configure_curve_callback(
-            SNAPSHOT_DOMAIN, CappedAdmission(allow, self.caps, {SNAPSHOT_DOMAIN: "snapshots"}))
+        admission = CappedAdmission(allow, self.caps, {RECORDS_DOMAIN: "records",
+                                                       SNAPSHOT_DOMAIN: "snapshots"})
+        for domain in (RECORDS_DOMAIN, SNAPSHOT_DOMAIN):
+            self.auth.configure_curve_callback(domain, admission)
         self.records = self._server(zmq.PULL, RECORDS_DOMAIN, public, secret)
         self.records.maxmsgsize = MAX_BATCH_BYTES
         self.records.rcvhwm = _RECORDS_HWM
+        # Right after the socket: its connections' descriptors, to free their places.
+        self._records_monitor = self.records.get_monitor_socket(_CONNECTION_EVENTS)
         # XPUB, verbose: every subscription reaches the service, which counts its
         # connection for its key (kvpool_agent.key_caps).
         self.snapshots = self._server(zmq.XPUB, SNAPSHOT_DOMAIN, public, secret)
@@ -325,6 +341,8 @@ class PolicyService:
                 frame = self.records.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if not admit_message(self.caps, "records", frame):
+                continue  # a connection past its key's cap, shut down: its batch unapplied
             who = str(frame.get("User-Id"))
             try:
                 batch = decoder.decode(frame.bytes)
@@ -341,9 +359,10 @@ class PolicyService:
                 continue
             self._guard("a record batch", functools.partial(self.core.apply, batch, who))
 
-    def _subscribers(self) -> None:
+    def _connections(self) -> None:
         """Take the subscriptions (a subscriber past its key's cap is shut down: it never gets
-        a snapshot), free the places of closed connections and count the refusals."""
+        a snapshot), free the places of both ports' closed connections and count both ports'
+        refusals."""
         for _ in range(_SUBSCRIPTIONS_PER_TURN):
             try:
                 msg = self.snapshots.recv(zmq.NOBLOCK, copy=False)
@@ -354,26 +373,37 @@ class PolicyService:
             # admitted one asks for a snapshot soon (a refused one, shut down, none).
             if msg.bytes[:1] == b"\x01" and admit_message(self.caps, "snapshots", msg):
                 self._schedule.subscribed = True
-        for _ in range(_MONITOR_EVENTS_PER_TURN):
-            if not self._monitor.poll(0):
-                break
-            ev = recv_monitor_message(self._monitor)
-            if ev["event"] & _CONNECTION_EVENTS:
+        for monitor in (self._monitor, self._records_monitor):
+            for _ in range(_MONITOR_EVENTS_PER_TURN):
+                if not monitor.poll(0):
+                    break
+                ev = recv_monitor_message(monitor)
+                if not ev["event"] & _CONNECTION_EVENTS:
+                    continue
                 # Accepted too: the descriptor's number reused, the connection it was is gone.
                 self.caps.closed(ev["value"])
+                if monitor is self._records_monitor:
+                    continue
                 if ev["event"] == zmq.EVENT_ACCEPTED:
                     self.snapshot_connections += 1
                 elif ev["event"] == zmq.EVENT_DISCONNECTED:
                     self.snapshot_connections = max(0, self.snapshot_connections - 1)
         c = self.core.counters
         for r in self.caps.drain_refusals():
-            c.subscribers_over_cap = _sat(c.subscribers_over_cap + 1)
-            key = self.allow.name(SNAPSHOT_DOMAIN, r.identity.encode()) or r.identity
-            n = c.over_cap_by_key[key] = c.over_cap_by_key.get(key, 0) + 1
+            records = r.port == "records"
+            by_key = c.records_over_cap_by_key if records else c.over_cap_by_key
+            if records:
+                c.records_connections_over_cap = _sat(c.records_connections_over_cap + 1)
+            else:
+                c.subscribers_over_cap = _sat(c.subscribers_over_cap + 1)
+            key = self.allow.name(RECORDS_DOMAIN if records else SNAPSHOT_DOMAIN,
+                                  r.identity.encode()) or r.identity
+            n = by_key[key] = by_key.get(key, 0) + 1
             if n <= _LOGGED_FIRST or n % _LOGGED_EVERY == 0:
-                logger.warning("kvpool policy: snapshot subscriber #%d of key %s refused: past "
-                               "the cap of %d per key (%s)", n, key, r.cap,
-                               "at the handshake" if r.handshake else "shut down")
+                logger.warning("kvpool policy: %s #%d of key %s refused: past the cap of %d "
+                               "per key (%s)",
+                               "records connection" if records else "snapshot subscriber", n,
+                               key, r.cap, "at the handshake" if r.handshake else "shut down")
 
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set."""
@@ -381,13 +411,13 @@ class PolicyService:
         removed = pins = -float("inf")
         doorkeeper = False
         poller = zmq.Poller()
-        for sock in (self.records, self.snapshots, self._monitor):
+        for sock in (self.records, self.snapshots, self._monitor, self._records_monitor):
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
             events = dict(poller.poll(int(_REMOVE_EVERY_S * 1e3)))
             if self.records in events:
                 self._receive(decoder)
-            self._guard("taking subscriptions", self._subscribers)
+            self._guard("taking subscriptions", self._connections)
             now = time.monotonic()
             if now - pins >= _PINS_EVERY_S:
                 pins = now
@@ -406,6 +436,8 @@ class PolicyService:
         # block sending the closing connections' events to a monitor already closed.
         self.snapshots.disable_monitor()
         self._monitor.close(0)
+        self.records.disable_monitor()
+        self._records_monitor.close(0)
         self.records.close(0)
         self.snapshots.close(0)
         self.auth.stop()

@@ -325,9 +325,9 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     (["--fill", "2"], "--fill"),
     (["--capacity", "lots"], "--capacity"),
     (["--max-subscribers-per-key", "-1"], "--max-subscribers-per-key"),
-    (["--max-agent-subscribers-per-key", "-1"], "--max-agent-subscribers-per-key -1: must be 0 "
+    (["--max-agent-connections-per-key", "-1"], "--max-agent-connections-per-key -1: must be 0 "
      "(no cap) or more, e.g. 32 (the default)"),
-    (["--max-agent-subscribers-per-fleet-key", "-2"], "--max-agent-subscribers-per-fleet-key -2"),
+    (["--max-agent-connections-per-fleet-key", "-2"], "--max-agent-connections-per-fleet-key -2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -81,6 +81,7 @@ def test_every_family_is_one_policy_fact_of_the_catalogue() -> None:
     core.apply(RecordBatch(WIRE_VERSION, "e", 0, 2, [LAYOUT], records), "agent/k")
     core.apply(RecordBatch(WIRE_VERSION + 1, "e", 1, 2, [LAYOUT], records[:2]), "agent/k")
     core.counters.over_cap_by_key["viewer/ops\n"] = 3
+    core.counters.records_over_cap_by_key["agent/eng\n"] = 2
     reg = CollectorRegistry(auto_describe=False)
     reg.register(ServiceCollector(core, lambda: 5))
     text = generate_latest(reg).decode()
@@ -102,6 +103,8 @@ def test_every_family_is_one_policy_fact_of_the_catalogue() -> None:
     assert value(got, "kvpool_policy_removed_keys_total") == 0  # no remover
     # A key's name is one line on the wire, whatever its file is called.
     assert value(got, "kvpool_policy_subscribers_refused_total", key="viewer/ops\\x0a") == 3
+    assert value(got, "kvpool_policy_records_connections_refused_total",
+                 key="agent/eng\\x0a") == 2
 
 
 class MetricsService(LocalPolicyService):

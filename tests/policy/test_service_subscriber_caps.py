@@ -6,7 +6,7 @@ each refusal is counted for that key.
 
 V1b: an agent key's cap was the hub's (1,024 for an engine-bound key: every worker's agent
 connection), so a borrowed engine-bound key's stalled subscribers could hold 8 GiB of
-snapshots. The service's own cap (``--max-agent-subscribers-per-key``) is replayed with the
+snapshots. The service's own cap (``--max-agent-connections-per-key``) is replayed with the
 service in its own process, its Bloom filter at its largest: its RSS stays within the bound
 docs/security.md states for the key's cap."""
 
@@ -139,7 +139,7 @@ def test_a_keys_subscribers_past_its_cap_get_no_snapshot_and_are_counted(
 
 
 ENGINE_CAP = 2
-"""The V1b test's ``--max-agent-subscribers-per-key`` (an engine-bound agent key)."""
+"""The V1b test's ``--max-agent-connections-per-key`` (an engine-bound agent key)."""
 PAST_CAP = 4
 """Stalled subscribers the attacker opens past ``ENGINE_CAP``."""
 ATTACKER = "agent/attacker-eng.engine"
@@ -164,7 +164,7 @@ class CappedService(LocalPolicyService):
         self.url = f"http://127.0.0.1:{port + 2}/metrics"
 
     def command(self) -> list[str]:
-        return [*super().command(), "--max-agent-subscribers-per-key", str(ENGINE_CAP),
+        return [*super().command(), "--max-agent-connections-per-key", str(ENGINE_CAP),
                 "--metrics-port", str(self.port + 2)]
 
     def refused(self) -> dict[str, float]:
