@@ -16,13 +16,21 @@ when it contributes one, so 0 bytes there is a pool without memory. A store agen
 (``kvpool-agent store`` beside the master) of a pool whose memory comes from engines reads 0
 until the first engine starts, and no save waits on it then. A failing health check is
 ``pool_unhealthy``'s, an HA pool without a serving leader ``no_leader``'s.
-"""
+
+Agreement: an agent key reports its own engine's readings, so one key's forged ``PoolStats``
+(healthy, 0 B) must not raise a critical alert for a pool other engines read holding memory,
+nor its forged memory hide a real loss (the hub clamps a report's time to its own, but a key
+reporting often enough is the newest reading most of the time). Each engine's newest worker
+reading counts, when it is at most ``STALE_AFTER_MS`` older than the pool's newest (a stopped
+engine's last reading does not); the alert is critical when every such reading is 0 B, and a
+warning naming both sides when some engines read memory (a store lost between two readings,
+for a heartbeat, or a stale or forged reading)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvpool_agent.protocol import EngineState, PoolStats
+from kvpool_agent.protocol import STALE_AFTER_MS, EngineState, PoolStats
 from kvpool_console.alerts.alert import Alert, engines_text, make_alert, pool_name
 
 __all__ = ["NO_SEGMENTS_HINT", "no_segments_hint", "segment_alerts", "without_segments"]
@@ -60,13 +68,22 @@ def no_segments_hint(group: Iterable[EngineState], errors: Mapping[str, int]) ->
     return "the pool has no store segment mounted (see pool_no_segments): " + NO_SEGMENTS_HINT
 
 
+def _read(p: PoolStats | None) -> bool:
+    """``p`` is a reading of a Mooncake master that passed its checks (``without_segments``
+    but for the bytes)."""
+    return (p is not None and p.backend == "mooncake" and p.healthy is True
+            and (not p.masters or any(m.serving for m in p.masters)))
+
+
 def segment_alerts(states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
-    """``pool_no_segments`` for each pool (subject its name, as the other pool rules) whose
-    newest worker reading is :func:`without_segments` and none of whose workers reads it
-    unhealthy; the message names its master and the engines whose workers report it."""
-    newest: dict[str, EngineState] = {}
+    """``pool_no_segments`` for each pool (subject its name, as the other pool rules) some of
+    whose engines' newest worker readings (module docstring: agreement) are
+    :func:`without_segments` and none of whose workers reads it unhealthy: critical when no
+    engine's reading holds memory, else a warning naming the engines on each side; the message
+    names its master and the engines whose workers report it."""
     engines: dict[str, set[str]] = {}
     unhealthy: set[str] = set()
+    newest: dict[str, dict[str, EngineState]] = {}  # pool -> engine -> its newest reading
     for s in states.values():
         p = s.pool
         if s.source.process_role != "worker" or p is None:
@@ -75,13 +92,32 @@ def segment_alerts(states: Mapping[str, EngineState], now_ms: float) -> list[Ale
         engines.setdefault(name, set()).add(s.source.engine_id)
         if p.healthy is False:
             unhealthy.add(name)
-        if name not in newest or s.ts_ms > newest[name].ts_ms:
-            newest[name] = s
+        mine = newest.setdefault(name, {})
+        prev = mine.get(s.source.engine_id)
+        if prev is None or s.ts_ms > prev.ts_ms:
+            mine[s.source.engine_id] = s
     out: list[Alert] = []
-    for name, st in sorted(newest.items()):
-        if name in unhealthy or not without_segments(st.pool):
+    for name, by_engine in sorted(newest.items()):
+        latest = max(st.ts_ms for st in by_engine.values())
+        fresh = {e: st for e, st in by_engine.items()
+                 if latest - st.ts_ms <= STALE_AFTER_MS and _read(st.pool)}
+        zero = {e: st for e, st in fresh.items() if without_segments(st.pool)}
+        if name in unhealthy or not zero:
             continue
+        held = {e: st.pool.total_bytes for e, st in fresh.items()  # type: ignore[union-attr]
+                if e not in zero}
+        st = max(zero.values(), key=lambda s: s.ts_ms)
         master = f"master {st.source.master}" if st.source.master else "the master"
+        if held:
+            out.append(make_alert(
+                "pool_no_segments", "warning", name,
+                f"engines {engines_text(zero)} read no store segment on {master} (pool "
+                f"{name}: 0 B of memory) while engines {engines_text(held)} read "
+                f"{max(held.values())} B (newest readings within "
+                f"{STALE_AFTER_MS / 1e3:.0f} s of each other): the store lost between two "
+                "readings, or a reading stale or forged (an agent key reports its own "
+                "engine's); critical once every engine reads 0 B", NO_SEGMENTS_HINT, now_ms))
+            continue
         out.append(make_alert(
             "pool_no_segments", "critical", name,
             f"no store segment is mounted on {master} (pool {name}: 0 B of memory; "
