@@ -221,4 +221,8 @@ def test_evictions_and_flushes_racing_loads_never_hand_out_a_torn_block(
         # Loads outlived the lease, and the reader rule failed them.
         assert any("LEASE_EXPIRED" in r.getMessage() for r in caplog.records)
     else:
-        assert accepted > 0
+        # Loads well inside the lease are accepted (those the races did not fail). At a load
+        # average of 15 every load of the run outlived 200 ms, and the reader rule rightly
+        # failed all 800 blocks: then only ``corrupt == 0`` is the finding.
+        quick = sum(1 for s, e in loads if e - s < wb.lease_ttl_ms() / 2e3)
+        assert accepted > 0 or quick == 0, (quick, len(loads))
