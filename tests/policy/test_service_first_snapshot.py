@@ -12,25 +12,23 @@ checked on a clock of the test's own.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
+from policy_harness import RunningService
 from test_service_live import wait_for
 
-from kvpool_agent.auth import ClientKeys, KeyPaths, Role, local_fleet_keys
-from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
-from kvpool_connector.policy_wire import AdmissionSnapshot, policy_ports
+from kvpool_agent.auth import ClientKeys, local_fleet_keys
+from kvpool_connector.policy_wire import AdmissionSnapshot
 from kvpool_policy.service import (
     SNAPSHOT_EVERY_MS_RANGE,
     SUBSCRIBED_EVERY_S,
-    PolicyService,
     SnapshotSchedule,
 )
-from kvpool_replay import LocalMooncakeMaster, free_port_block
+from kvpool_replay import LocalMooncakeMaster
 
 EVERY_S = SNAPSHOT_EVERY_MS_RANGE[1] / 1e3
 """The periodic interval of the live test's service (s): none comes while the test runs."""
@@ -39,33 +37,10 @@ CAP = 1
 """The live test's ``max_subscribers_per_key`` (a viewer or operator key)."""
 
 
-class Running:
-    """A ``PolicyService`` serving on its own thread, with the fleet's keys."""
-
-    def __init__(self, master: LocalMooncakeMaster, tmp: Path) -> None:
-        self.keys: dict[Role, KeyPaths] = local_fleet_keys(tmp / "keys")
-        self.backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
-            "master_server_address": master.address, "master_admin_url": master.admin_url,
-            "global_segment_size": 0, "local_buffer_size": "16MB"}}))
-        address = f"tcp://127.0.0.1:{free_port_block()}"
-        self.at = policy_ports(address)[1]
-        self.service = PolicyService(address, self.keys["hub"], self.backend, 64 << 20,
-                                     max_subscribers_per_key=CAP, snapshot_every_s=EVERY_S)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.service.serve, args=(self.stop,),
-                                       daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.service.close()
-        self.backend.close()
-
-
 @pytest.fixture
-def running(mooncake_master: LocalMooncakeMaster, tmp_path: Path) -> Iterator[Running]:
-    r = Running(mooncake_master, tmp_path)
+def running(mooncake_master: LocalMooncakeMaster, tmp_path: Path) -> Iterator[RunningService]:
+    r = RunningService(mooncake_master, local_fleet_keys(tmp_path / "keys"),
+                       max_subscribers_per_key=CAP, snapshot_every_s=EVERY_S)
     try:
         yield r
     finally:
@@ -91,7 +66,7 @@ def _versions(sock: zmq.Socket[bytes]) -> list[int]:
 
 
 def test_a_new_subscriber_gets_a_snapshot_at_once_and_a_refused_one_triggers_none(
-    running: Running,
+    running: RunningService,
 ) -> None:
     """The service's first snapshot (version 1) goes out at its start; a viewer's subscriber
     then gets version 2, published for it; 3 more subscribers of the viewer key, past its cap,
@@ -102,15 +77,16 @@ def test_a_new_subscriber_gets_a_snapshot_at_once_and_a_refused_one_triggers_non
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         viewer = running.keys["viewer"].client("viewer")
-        held = _subscriber(ctx, running.at, viewer)
+        held = _subscriber(ctx, running.snapshots_at, viewer)
         got: list[int] = []
         wait_for(lambda: got.extend(_versions(held)) or got, 30, "the viewer's first snapshot")
         assert got == [2]
         assert (c.snapshots, c.snapshots_on_subscription) == (2, 1)
 
-        refused = [_subscriber(ctx, running.at, viewer) for _ in range(3)]
+        refused = [_subscriber(ctx, running.snapshots_at, viewer) for _ in range(3)]
         wait_for(lambda: c.subscribers_over_cap == 3, 30, "3 subscribers refused")
-        operator = _subscriber(ctx, running.at, running.keys["operator"].client("operator"))
+        operator = _subscriber(ctx, running.snapshots_at,
+                               running.keys["operator"].client("operator"))
         seen: list[int] = []
         wait_for(lambda: seen.extend(_versions(operator)) or seen, 30,
                  "the operator's first snapshot")

@@ -11,13 +11,13 @@ their first batch; their batches are never applied, each refusal is counted once
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
+from policy_harness import RunningService
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
@@ -27,13 +27,10 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool_agent import key_caps
 from kvpool_agent.auth import (
     ClientKeys,
-    KeyPaths,
-    Role,
     authorize_key,
     generate_keys,
     local_fleet_keys,
 )
-from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, shard_prefix
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import (
@@ -41,11 +38,9 @@ from kvpool_connector.policy_wire import (
     PolicyLayout,
     PolicyRecord,
     RecordBatch,
-    policy_ports,
 )
 from kvpool_policy._metrics import ServiceCollector
-from kvpool_policy.service import PolicyService
-from kvpool_replay import LocalMooncakeMaster, free_port_block
+from kvpool_replay import LocalMooncakeMaster
 
 CAP = 2
 """The test's ``max_agent_connections_per_key`` (an engine-bound agent key)."""
@@ -60,28 +55,18 @@ VICTIM_LAYOUT = PolicyLayout("cccccccccccc", [shard_prefix("victim", "cccccccccc
                                                            ParallelLayout())])
 
 
-class Running:
-    """A ``PolicyService`` serving on its own thread with an engine-bound cap of ``CAP``, the
-    fleet's keys and the attacker's engine-bound agent key."""
+class Running(RunningService):
+    """The service with an engine-bound cap of ``CAP`` and the attacker's engine-bound agent
+    key (authorized before the service reads its keys)."""
 
     def __init__(self, master: LocalMooncakeMaster, tmp: Path) -> None:
-        self.keys: dict[Role, KeyPaths] = local_fleet_keys(tmp / "keys")
+        keys = local_fleet_keys(tmp / "keys")
         attacker = generate_keys(tmp / "attacker", "agent", force=True)
-        shutil.copyfile(self.keys["hub"].hub_public, attacker.hub_public)
-        authorize_key(self.keys["hub"].root, "agent", attacker.public("agent"),
+        shutil.copyfile(keys["hub"].hub_public, attacker.hub_public)
+        authorize_key(keys["hub"].root, "agent", attacker.public("agent"),
                       engine="attacker-eng")
         self.attacker = attacker.client("agent")
-        self.backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
-            "master_server_address": master.address, "master_admin_url": master.admin_url,
-            "global_segment_size": 0, "local_buffer_size": "16MB"}}))
-        self.address = f"tcp://127.0.0.1:{free_port_block()}"
-        self.at = policy_ports(self.address)[0]
-        self.service = PolicyService(self.address, self.keys["hub"], self.backend, 64 << 20,
-                                     max_agent_connections_per_key=CAP)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.service.serve, args=(self.stop,),
-                                       daemon=True)
-        self.thread.start()
+        super().__init__(master, keys, max_agent_connections_per_key=CAP)
 
     def refused(self) -> dict[str, float]:
         """Key -> its records connections refused (``/metrics``' family, rendered)."""
@@ -91,12 +76,6 @@ class Running:
         return {s.labels["key"]: s.value for fam in text_string_to_metric_families(text)
                 if fam.name == "kvpool_policy_records_connections_refused" for s in fam.samples
                 if s.name.endswith("_total")}
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.service.close()
-        self.backend.close()
 
 
 @pytest.fixture
@@ -169,12 +148,12 @@ def test_records_connections_past_an_engine_keys_cap_are_refused_at_the_handshak
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     c = running.service.core.counters
     try:
-        held = [_pusher(ctx, running.at, running.attacker) for _ in range(CAP)]
+        held = [_pusher(ctx, running.records_at, running.attacker) for _ in range(CAP)]
         assert all(_handshake(mon) for _, mon in held)
         for i, (s, _) in enumerate(held):
             s.send(_batch(i, 4))
         wait_for(lambda: c.records == 4 * CAP, 30, "the held connections' batches applied")
-        extra = [_pusher(ctx, running.at, running.attacker) for _ in range(PAST_CAP)]
+        extra = [_pusher(ctx, running.records_at, running.attacker) for _ in range(PAST_CAP)]
         assert not any(_handshake(mon) for _, mon in extra), "a connection past the cap passed"
         for i, (s, _) in enumerate(extra, CAP):
             # Queued in the socket: it has no connection to the service and never gets one.
@@ -210,7 +189,7 @@ def test_records_connections_admitted_in_a_burst_past_the_cap_are_shut_down_unap
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     c = running.service.core.counters
     try:
-        burst = [_pusher(ctx, running.at, running.attacker) for _ in range(CAP + PAST_CAP)]
+        burst = [_pusher(ctx, running.records_at, running.attacker) for _ in range(CAP + PAST_CAP)]
         assert all(_handshake(mon) for _, mon in burst), "a handshake of the burst failed"
         for i, (s, _) in enumerate(burst):
             s.send(_batch(2 * i, 4))

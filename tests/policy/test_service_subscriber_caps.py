@@ -13,7 +13,6 @@ docs/security.md states for the key's cap."""
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,56 +21,31 @@ import msgspec
 import psutil
 import pytest
 import zmq
+from policy_harness import RunningService
 from prometheus_client.parser import text_string_to_metric_families
 from test_service_live import chunk, wait_for
 
 from kvpool_agent.auth import (
     ClientKeys,
-    KeyPaths,
-    Role,
     authorize_key,
     generate_keys,
     local_fleet_keys,
 )
-from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, shard_prefix
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import AdmissionSnapshot, PolicyLayout, policy_ports
 from kvpool_policy.policy import DOORKEEPER_MAX_MIB
-from kvpool_policy.service import SNAPSHOT_HWM, PolicyService
+from kvpool_policy.service import SNAPSHOT_HWM
 from kvpool_replay import LocalMooncakeMaster, LocalPolicyService, free_port_block
 
 CAP = 2
 """The test's ``max_subscribers_per_key`` (a viewer or operator key)."""
 
 
-class Running:
-    """A ``PolicyService`` serving on its own thread, with the fleet's keys."""
-
-    def __init__(self, master: LocalMooncakeMaster, tmp: Path) -> None:
-        self.keys: dict[Role, KeyPaths] = local_fleet_keys(tmp / "keys")
-        self.backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
-            "master_server_address": master.address, "master_admin_url": master.admin_url,
-            "global_segment_size": 0, "local_buffer_size": "16MB"}}))
-        address = f"tcp://127.0.0.1:{free_port_block()}"
-        self.at = policy_ports(address)[1]
-        self.service = PolicyService(address, self.keys["hub"], self.backend, 64 << 20,
-                                     max_subscribers_per_key=CAP)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.service.serve, args=(self.stop,),
-                                       daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.service.close()
-        self.backend.close()
-
-
 @pytest.fixture
-def running(mooncake_master: LocalMooncakeMaster, tmp_path: Path) -> Iterator[Running]:
-    r = Running(mooncake_master, tmp_path)
+def running(mooncake_master: LocalMooncakeMaster, tmp_path: Path) -> Iterator[RunningService]:
+    r = RunningService(mooncake_master, local_fleet_keys(tmp_path / "keys"),
+                       max_subscribers_per_key=CAP)
     try:
         yield r
     finally:
@@ -103,7 +77,7 @@ def _snapshots(sock: zmq.Socket[bytes]) -> int:
 
 
 def test_a_keys_subscribers_past_its_cap_get_no_snapshot_and_are_counted(
-    running: Running,
+    running: RunningService,
 ) -> None:
     """A viewer key holds its ``CAP`` subscribers (each got a snapshot) and opens 6 more: they
     are refused, get no snapshot while an operator's subscriber and an engine's (the
@@ -112,11 +86,11 @@ def test_a_keys_subscribers_past_its_cap_get_no_snapshot_and_are_counted(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         viewer = running.keys["viewer"].client("viewer")
-        held = [_subscriber(ctx, running.at, viewer) for _ in range(CAP)]
+        held = [_subscriber(ctx, running.snapshots_at, viewer) for _ in range(CAP)]
         for s in held:
             assert s.poll(30_000), "a subscriber within the cap got no snapshot"
-        extra = [_subscriber(ctx, running.at, viewer) for _ in range(6)]
-        others = [_subscriber(ctx, running.at, running.keys[role].client(role))
+        extra = [_subscriber(ctx, running.snapshots_at, viewer) for _ in range(6)]
+        others = [_subscriber(ctx, running.snapshots_at, running.keys[role].client(role))
                   for role in ("operator", "agent")]
         counters = running.service.core.counters
         got, seen = [0] * len(extra), [0] * len(others)
