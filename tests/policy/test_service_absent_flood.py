@@ -8,9 +8,9 @@ dict (each delete rescanning the holes the earlier ones left: quadratic), and a 
 hashes a second made the live service apply 520 of the 2,640 records sent in 15 s (all of them
 with one try only), 87% of its loop's samples in that trim; one layout's flood also gave up
 every other layout's waiting keys (oldest first, whoever's): the live test below, on the
-remover before the bound, timed out waiting for the honest engine's late save to go. Now a pass tries at most
-``ABSENT_TRIES_PER_PASS`` absent keys again, found without a scan, and past ``MAX_ABSENT`` the
-layout holding the most gives up its own oldest.
+remover before the bound, timed out waiting for the honest engine's late save to go. Now a
+pass tries at most ``ABSENT_TRIES_PER_PASS`` absent keys again, found without a scan, and past
+``MAX_ABSENT`` the layout holding the most gives up its own oldest.
 
 The live test floods a real service (its store client on a real ``mooncake_master``, a separate
 store process) with the attacker's agent key while an honest engine's chunk is evicted before
