@@ -195,11 +195,10 @@ def test_the_live_service_keeps_up_with_a_flood_of_never_saved_chunks(
             stop.set()
             flooder.join()
         assert env.alive(), env.log()
-        # It kept up: a snapshot now counts at least half the batches sent (the bound's
-        # absence left it 5 times behind: 520 records applied of some 2,600 sent).
+        # It kept up: a snapshot now counts a third of the records sent at least (0.64 to 1.0
+        # seen; the bound's absence left it 5 times behind: 520 applied of 2,640 sent).
         behind = env.snapshot(seen[-1].version)
-        print(f"records sent {sent[0]}, applied {behind.records}; gaps {max(gaps):.2f} s max")
-        assert 2 * behind.records >= sent[0], (behind.records, sent[0])
+        assert 3 * behind.records >= sent[0], (behind.records, sent[0])
         final = env.settled(sent[0] + 2)
         assert final.dropped == 0, final
         stale_s = KVPoolConfig.model_fields["policy_stale_ms"].default / 1e3
