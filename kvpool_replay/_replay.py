@@ -443,7 +443,9 @@ def run_replay(
     policy: LocalPolicyService | None = None
     drill: FailoverDrill | None = None
     ha_pool: LocalHaPool | None = None
-    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
+    # The directory outlives the stack: the store (its disk tier writes under it) and the
+    # other services stop first (rmtree raced a store still offloading: "Directory not empty").
+    with tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         rss = stack.enter_context(_RssWatch())
         rss.add("replay", os.getpid())

@@ -36,6 +36,21 @@ def _read_until(fd: int, needle: bytes, timeout_s: float) -> bytes:
     return buf
 
 
+def _drain(fd: int, timeout_s: float) -> bytes:
+    """What the console writes to the pty within ``timeout_s`` (read as a terminal reads)."""
+    buf = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            break
+        try:
+            buf += os.read(fd, 65536)
+        except OSError:  # the console closed the terminal (EIO)
+            break
+    return buf
+
+
 def _console_on_pty(live_fleet: LiveFleet) -> tuple[int, int]:
     """``kvpool-console --hub ...`` in a child on a new pty, as over SSH: (pid, master fd)."""
     pid, fd = pty.fork()
@@ -45,17 +60,6 @@ def _console_on_pty(live_fleet: LiveFleet) -> tuple[int, int]:
         os.execv(sys.executable, [sys.executable, "-m", "kvpool_console.cli",
                                   "--hub", live_fleet.address, "--refresh", "0.5"])
     return pid, fd
-
-
-def _exit_status(pid: int, timeout_s: float) -> int | None:
-    """The child's wait status once it exited within ``timeout_s``, else None."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done, st = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return st
-        time.sleep(0.1)
-    return None
 
 
 def _unread(fd: int) -> int:
@@ -86,12 +90,24 @@ def _console_up(live_fleet: LiveFleet) -> Iterator[tuple[int, int]]:
         _kill(pid)
 
 
-def _assert_left_with_129(pid: int, after: str) -> None:
+def _assert_left_with_129(pid: int, after: str, read_fd: int | None = None) -> bytes:
     """The console left on its own within 15 s (SIGHUP handler: sockets closed, exit 129),
-    not killed."""
-    status = _exit_status(pid, 15)
+    not killed. ``read_fd``: a live terminal, read meanwhile as a real one is (unread, the
+    console's repaints fill the pty and its last writes block: seen at a load average of 14);
+    returns what was read."""
+    out = b""
+    deadline = time.monotonic() + 15
+    status = None
+    while status is None and time.monotonic() < deadline:
+        if read_fd is not None:
+            out += _drain(read_fd, 0.1)
+        else:
+            time.sleep(0.1)
+        done, st = os.waitpid(pid, os.WNOHANG)
+        status = st if done else None
     assert status is not None, f"console still running 15 s after {after}"
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 129
+    return out
 
 
 def test_quits_when_terminal_goes_away(live_fleet: LiveFleet) -> None:
@@ -132,8 +148,8 @@ def test_sighup_on_a_live_terminal_restores_it(live_fleet: LiveFleet) -> None:
         lflag = termios.tcgetattr(fd)[3]  # the slave's modes, as the console set them
         assert not lflag & (termios.ECHO | termios.ICANON), lflag
         os.kill(pid, signal.SIGHUP)
-        _assert_left_with_129(pid, "SIGHUP")
-        rest = _read_until(fd, b"\x1b[?1049l", 5)
+        rest = _assert_left_with_129(pid, "SIGHUP", read_fd=fd)
+        rest += _read_until(fd, b"\x1b[?1049l", 5)
         assert b"\x1b[?1049l" in rest, rest[-300:]  # left the alternate screen
         lflag = termios.tcgetattr(fd)[3]
         assert lflag & termios.ECHO and lflag & termios.ICANON, lflag
