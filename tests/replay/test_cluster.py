@@ -113,7 +113,9 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             status = json.loads(out.stdout)
             by_engine = {e["engine_id"]: e for e in status["engines"]}
             assert {"prefill-0", "decode-1", "engine-2"} <= set(by_engine)
-            assert by_engine["decode-1"]["hit_rate"] > 0.5
+            # The same figure the hub had a moment before (the replay goes on in between: 0.486
+            # where the hub's had passed 0.5, at a load average of 14).
+            assert abs(by_engine["decode-1"]["hit_rate"] - decode.hit_rate) < 0.1
             pool_bytes = 600_000 * DEMO_SHAPE.bytes_per_token
             assert by_engine["decode-1"]["segment_total_bytes"] >= pool_bytes
 
