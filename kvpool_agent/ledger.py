@@ -351,8 +351,10 @@ FACTS: tuple[Fact, ...] = (
          "Keys the store failed to remove for the policy service (not leased, not gone).",
          "policy", "Remover.failed", _P),
     Fact("policy_remove_abandoned_keys", "counter", "keys",
-         "Keys the policy service gave up removing: held back too long for their layout's "
-         "unread pin records (the master's watermark evicts them).", "policy",
+         "Keys the policy service gave up removing: their chunks given up from its removal "
+         "queue past its cap (MAX_QUEUED_CHUNKS: the layout queuing the most, e.g. one whose "
+         "pin records stay unread, gives up its oldest); the master's watermark evicts them.",
+         "policy",
          "Remover.deferred_dropped", _P),
     Fact("policy_capacity_bytes", "gauge", "bytes",
          "Bytes the policy service fills (--capacity, or --fill of the pool's segments at "
