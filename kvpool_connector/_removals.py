@@ -81,6 +81,10 @@ class LeasedKeys:
     def __len__(self) -> int:
         return len(self._due)
 
+    def keys(self) -> list[str]:
+        """The keys waiting now (a copy)."""
+        return list(self._due)
+
     def batch(self, keys: Sequence[str], keep: Sequence[str],
               pinned: Callable[[], AbstractSet[str]] | None) -> list[str]:
         """The keys to remove now: ``keys`` and the waiting keys whose wait ended, never one

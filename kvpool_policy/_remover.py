@@ -430,9 +430,8 @@ class Remover:
             if rc not in ok or (rc == ErrorCode.OBJECT_NOT_FOUND and key in self._absent):
                 self._waiting_chunks.add(_chunk(key))
         if len(self._waiting_chunks) > 4 * (self.waiting + REMOVE_KEYS_PER_PASS):
-            # Read-only: LeasedKeys keeps its waiting keys in _due (kvpool_connector._removals).
             self._waiting_chunks = {_chunk(k) for k in [*self._absent.keys(),
-                                                        *self._leased._due]}
+                                                        *self._leased.keys()]}
 
     def step(self) -> int:
         """Remove a pass's share of what is queued (``_take``) and what waited out its grace (a
