@@ -113,9 +113,24 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             status = json.loads(out.stdout)
             by_engine = {e["engine_id"]: e for e in status["engines"]}
             assert {"prefill-0", "decode-1", "engine-2"} <= set(by_engine)
-            # The same figure the hub had a moment before (the replay goes on in between: 0.486
-            # where the hub's had passed 0.5, at a load average of 14).
-            assert abs(by_engine["decode-1"]["hit_rate"] - decode.hit_rate) < 0.1
+            # The hub's counters between the two reads around it (the replay goes on, and the
+            # decode engine's later requests mostly miss: its rate since start fell from 0.89
+            # to 0.59 between them in one run, so no rate is a fixed figure here).
+            d = by_engine["decode-1"]
+            assert decode.prompt_tokens <= d["prompt_tokens"]
+            assert decode.loaded_tokens <= d["loaded_tokens"]
+            assert d["hit_rate"] == d["loaded_tokens"] / d["prompt_tokens"]
+
+            def caught_up() -> bool:
+                client.updates(200)
+                lk = client.fleet()["decode-1/scheduler"].state.lookup
+                return (lk.prompt_tokens >= d["prompt_tokens"]
+                        and lk.loaded_tokens >= d["loaded_tokens"])
+
+            deadline = time.monotonic() + 30
+            while not caught_up() and time.monotonic() < deadline:
+                pass
+            assert caught_up(), (d, client.fleet()["decode-1/scheduler"].state.lookup)
             pool_bytes = 600_000 * DEMO_SHAPE.bytes_per_token
             assert by_engine["decode-1"]["segment_total_bytes"] >= pool_bytes
 

@@ -212,7 +212,9 @@ def test_layerwise_save_and_load(
     engines: Engines, pool: Pool, tiny_model: Path, hub: FleetHub,
 ) -> None:
     chunk = 2 * BLOCK
-    lw = {"use_layerwise": True, "chunk_size": chunk}
+    # A 2 s lookup budget, as the other real-engine tests: the default 50 ms can time out on a
+    # loaded CI (a CI rehearsal's second run loaded none of what the pool held).
+    lw = {"use_layerwise": True, "chunk_size": chunk, "lookup_timeout_ms": 2000}
     # One engine, kept running: it saves by layer, then loads by layer what it saved (its
     # prefix cache is off, so a second run of a prompt finds it in the pool only).
     engine = engines.start("lw", kvpool("kv_both", 7104, "lw", hub, **lw))
