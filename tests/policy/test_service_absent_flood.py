@@ -20,13 +20,12 @@ on a fake store (CPU ratio within one test: the same pass with and without the t
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from test_service_attacks import ATTACKER, CAP, CHUNK, VICTIM, h, pool, service
+from test_service_attacks import ATTACKER, CHUNK, VICTIM, Flood, h, pool, service
 from test_service_live import wait_for
 
 from kvpool_agent.vocabulary import ErrorCode
@@ -150,25 +149,7 @@ def test_the_live_service_keeps_up_with_a_flood_of_never_saved_chunks(
     rate = 45_000
     with service(tmp_path, pool) as env:
         last = [env.snapshot()]
-        stop = threading.Event()
-        sent = [0]
-
-        def flood() -> None:
-            t0, i, seq = time.monotonic(), 0, 0
-            while not stop.is_set():
-                records = [PolicyRecord(ATTACKER.digest, [h(f"a{i + j * PER + k}")
-                                                          for k in range(PER)],
-                                        CAP // (2 * PER), PER) for j in range(8)]
-                i += 8 * PER
-                env.send("attacker-eng", seq, [ATTACKER], records)
-                seq += 1
-                sent[0] += len(records)
-                ahead = i / rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
-
-        flooder = threading.Thread(target=flood, daemon=True)
-        flooder.start()
+        flood = Flood(env, ATTACKER, PER, rate)
         gaps: list[float] = []
         late = h("late")
         try:
@@ -194,15 +175,14 @@ def test_the_live_service_keeps_up_with_a_flood_of_never_saved_chunks(
                 return late not in env.resident(VICTIM)
 
             wait_for(removed, 60, "the late save removed in the flood", log=env.log)
-            assert flooder.is_alive()
+            assert flood.thread.is_alive()
         finally:
-            stop.set()
-            flooder.join()
+            flood.close()
         assert env.alive(), env.log()
         # Every record sent is applied, none lost (how far behind the flood it ran is a rate:
         # a third of the records sent at one snapshot failed at a load average of 14; the
         # previous remover's failure is the late save above, never removed in 60 s).
-        final = env.settled(sent[0] + 2)
+        final = env.settled(flood.sent + 2)
         assert final.dropped == 0, final
         stale_s = KVPoolConfig.model_fields["policy_stale_ms"].default / 1e3
         steps = [(gap, b.version - a.version)

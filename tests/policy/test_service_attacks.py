@@ -321,6 +321,36 @@ def test_a5_one_key_cannot_fill_the_layout_table(
         assert vic.snapshot is not None and vic.snapshot.dropped == 0
 
 
+class Flood:
+    """An agent key's records of chunks it never saves, ``per`` hashes a record, 8 records a
+    batch, at ``rate`` hashes a second, from a thread (round 7's floods): each record's chunks
+    push the previous ones out of its share. ``sent``: records sent so far."""
+
+    def __init__(self, env: Env, lay: PolicyLayout, per: int, rate: int) -> None:
+        self.sent = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(env, lay, per, rate),
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, env: Env, lay: PolicyLayout, per: int, rate: int) -> None:
+        t0, i, seq = time.monotonic(), 0, 0
+        while not self.stop.is_set():
+            records = [PolicyRecord(lay.digest, [h(f"a{i + j * per + k}") for k in range(per)],
+                                    CAP // (2 * per), per) for j in range(8)]
+            i += 8 * per
+            env.send("attacker-eng", seq, [lay], records)
+            seq += 1
+            self.sent += len(records)
+            ahead = i / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def test_a6_a_flood_of_the_largest_records_keeps_snapshots_coming(
         pool: LocalMooncakeMaster, tmp_path: Path) -> None:
     with service(tmp_path, pool, capacity=1 << 30) as env:
