@@ -3,8 +3,14 @@
 A custom collector (``prometheus_client``) reads ``Fleet.states()`` at scrape time, so a report
 costs the hub nothing extra and a scrape always sees the newest state of every agent. One series
 set per engine (labels ``engine``, ``model``, ``role``: the agents of an engine summed, like the
-console's engine row) and per pool (labels ``pool``, ``backend``: deduplicated across the agents
-that report it, newest report wins). Names and units follow Prometheus conventions: counters
+console's engine row) and per pool (labels ``pool``, ``backend``; a pool named as the console
+names it, ``kvpool_agent.pool_readings.pool_name``: ``backend@master`` when its agents know
+their master). A pool's figures are its trusted reading, not its newest report's
+(``kvpool_agent.pool_readings``, issue 42: one agent key reporting a pool healthy with 0 B set
+them, so raised ``KvpoolPoolNoSegments``): the engines' newest readings when they agree on the
+pool's health, memory and disk capacity (or a store agent's the caller vouches for:
+``engine_bound``); while they disagree no figure of the pool is exported, only
+``kvpool_pool_readings_agree 0``. Names and units follow Prometheus conventions: counters
 end in ``_total``, sizes in ``_bytes``, spans in ``_seconds``, instants are
 ``_timestamp_seconds`` (Unix time), fractions ``_ratio``. Every family's name and help come
 from the counter catalogue (``kvpool_agent.ledger``): a family the catalogue does not list
@@ -31,7 +37,7 @@ alert rules over these series, and Prometheus itself exports the firing ones (``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -40,7 +46,8 @@ from kvpool_agent import ledger
 from kvpool_agent._access_window import FLEET, Ceiling
 from kvpool_agent._misses import split_not_in_pool
 from kvpool_agent.ledger import Fact
-from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, PoolStats, visible
+from kvpool_agent.pool_readings import newest_readings, pool_name, trusted_reading
+from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, EngineState, visible
 
 __all__ = [
     "FleetCollector",
@@ -57,14 +64,8 @@ _AGENT = [*_ENGINE, "agent"]
 _POOL = ["pool", "backend"]
 _POOL_TIER = [*_POOL, "tier"]
 _STATES = ("up", "stale", "down")
-
-
-def pool_name(pool: PoolStats, engine_id: str) -> str:
-    """The name a pool goes by: ``backend:segment,segment...`` (sorted) when it reports
-    segments, else ``backend:engine_id``; the console's ``PoolRow.name`` uses the same rule."""
-    if pool.segments:
-        return f"{pool.backend}:" + ",".join(sorted(s.name for s in pool.segments))
-    return f"{pool.backend}:{engine_id}"
+_POOL_READERS = ("scheduler", "worker", "store", "replay")
+"""Agents whose pool readings weigh (every role: a connector's scheduler reports none)."""
 
 
 def _recomputed(st: EngineState) -> int:
@@ -150,6 +151,10 @@ class FleetCollector(Collector):
             memory (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
             ``other_digest``), applied to ``kvpool_miss_tokens_total`` with
             ``_misses.split_not_in_pool``; ``None``: ``not_in_pool`` is exported unsplit.
+        engine_bound: the agent ids whose key is bound to one engine (``Fleet.members``); a
+            store agent's reading is the pool's value only when its key is not
+            (``pool_readings``, rule 2). ``None``: no store agent is vouched for, every
+            pool's value is its agreed reading (rule 3).
     """
 
     def __init__(
@@ -160,7 +165,9 @@ class FleetCollector(Collector):
         clock_ms: Callable[[], float],
         reuse_ceilings: Callable[[], Mapping[str, Ceiling]] | None = None,
         miss_split: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
+        engine_bound: Callable[[], Collection[str]] | None = None,
     ) -> None:
+        self._engine_bound = engine_bound
         self._states = states
         self._miss_split = miss_split
         self._reuse_ceilings = reuse_ceilings
@@ -297,17 +304,23 @@ class FleetCollector(Collector):
             fams.counter("agent_events_dropped", _AGENT).add_metric(alabels, st.process.dropped)
 
     def _pools(self, fams: _Families, states: list[EngineState]) -> None:
-        newest: dict[str, tuple[PoolStats, float]] = {}
-        for st in states:
-            if st.pool is None:
+        """Each pool's trusted reading (``kvpool_agent.pool_readings``): its figures, and
+        ``pool_readings_agree`` 1; readings that disagree: ``pool_readings_agree`` 0 alone."""
+        bound = self._engine_bound() if self._engine_bound is not None else None
+
+        def store(st: EngineState) -> bool:
+            return (bound is not None and st.source.process_role == "store"
+                    and st.source.agent_id not in bound)
+
+        readings = newest_readings(states, _POOL_READERS)
+        for name in sorted(readings):
+            trusted = trusted_reading(name, readings[name], store)
+            labels = [_label(name), trusted.backend]
+            fams.gauge("pool_readings_agree", _POOL).add_metric(
+                labels, 0 if trusted.stats is None else 1)
+            p = trusted.stats
+            if p is None:
                 continue
-            name = pool_name(st.pool, st.source.engine_id)
-            prev = newest.get(name)
-            if prev is None or st.ts_ms > prev[1]:
-                newest[name] = (st.pool, st.ts_ms)
-        for name in sorted(newest):
-            p = newest[name][0]
-            labels = [_label(name), p.backend]
             fams.gauge("pool_keys", _POOL).add_metric(labels, p.keys)
             fams.gauge("pool_used_bytes", _POOL).add_metric(labels, p.used_bytes)
             fams.gauge("pool_total_bytes", _POOL).add_metric(labels, p.total_bytes)

@@ -93,6 +93,11 @@ _HS: tuple[Surface, ...] = ("hub", "status")
 _VHS: tuple[Surface, ...] = ("vllm", "hub", "status")
 _P: tuple[Surface, ...] = ("policy",)
 
+_T = (" The pool's trusted reading (kvpool_agent.pool_readings): absent while its readings "
+      "disagree (kvpool_pool_readings_agree 0).")
+"""The end of the help of each pool figure the hub alone exports (issue 42: they were the
+newest report's, which one agent key could set)."""
+
 FACTS: tuple[Fact, ...] = (
     # The scheduler's lookups (LookupCounters -> LookupStats). Per request, prompt tokens =
     # local + loaded + recomputed (the README's "Pool hit rate").
@@ -242,35 +247,43 @@ FACTS: tuple[Fact, ...] = (
     Fact("agent_events_dropped", "counter", "events",
          "Engine events the agent's full buffer refused.", "agent", "ProcessStats.dropped",
          _HS),
-    # The pool, as its master reports it (deduplicated across the agents that report it).
-    Fact("pool_keys", "gauge", "keys", "Keys in the pool.", "pool", "PoolStats.keys", _H),
-    Fact("pool_used_bytes", "gauge", "bytes", "Bytes of the pool in use.", "pool",
+    # The pool, as its master reports it: one reading per pool, the trusted one
+    # (kvpool_agent.pool_readings; _T on the hub-only facts' help).
+    Fact("pool_readings_agree", "gauge", "1",
+         "1 when the pool's figures are exported: every engine's newest reading (within "
+         f"{STALE_AFTER_MS / 1e3:g} s of the pool's newest) agrees on the pool's health, "
+         "mounted bytes and disk capacity; 0 when they disagree (a store lost between two "
+         "readings, a master some engines cannot reach, or a stale or forged reading): the "
+         "pool's other figures are then absent.", "hub", "kvpool_agent.pool_readings", _H),
+    Fact("pool_keys", "gauge", "keys", "Keys in the pool." + _T, "pool", "PoolStats.keys",
+         _H),
+    Fact("pool_used_bytes", "gauge", "bytes", "Bytes of the pool in use." + _T, "pool",
          "PoolStats.used_bytes", _H),
-    Fact("pool_total_bytes", "gauge", "bytes", "Bytes of the pool's mounted segments.", "pool",
-         "PoolStats.total_bytes", _H),
+    Fact("pool_total_bytes", "gauge", "bytes", "Bytes of the pool's mounted segments." + _T,
+         "pool", "PoolStats.total_bytes", _H),
     Fact("pool_high_watermark_ratio", "gauge", "ratio",
-         "eviction_high_watermark_ratio: usage at which the pool evicts.", "pool",
+         "eviction_high_watermark_ratio: usage at which the pool evicts." + _T, "pool",
          "PoolStats.high_watermark", _H),
     Fact("pool_evicted_keys", "counter", "keys", "Keys the pool evicted.", "pool",
          "PoolStats.evicted_keys", _HS),
-    Fact("pool_evicted_bytes", "counter", "bytes", "Bytes the pool evicted.", "pool",
+    Fact("pool_evicted_bytes", "counter", "bytes", "Bytes the pool evicted." + _T, "pool",
          "PoolStats.evicted_bytes", _H),
     Fact("pool_disk_keys", "gauge", "values",
-         "Values on the pool's disk tier (Mooncake SSD offload; 0 without one).", "pool",
+         "Values on the pool's disk tier (Mooncake SSD offload; 0 without one)." + _T, "pool",
          "PoolStats.disk_keys", _H),
-    Fact("pool_disk_used_bytes", "gauge", "bytes", "Bytes of the disk tier in use.", "pool",
-         "PoolStats.disk_used_bytes", _H),
+    Fact("pool_disk_used_bytes", "gauge", "bytes", "Bytes of the disk tier in use." + _T,
+         "pool", "PoolStats.disk_used_bytes", _H),
     Fact("pool_disk_total_bytes", "gauge", "bytes",
-         "Capacity of the disk tier (0 without one).", "pool", "PoolStats.disk_total_bytes",
-         _H),
+         "Capacity of the disk tier (0 without one)." + _T, "pool",
+         "PoolStats.disk_total_bytes", _H),
     Fact("pool_reads", "counter", "reads",
-         "Reads the master served, by tier (memory, disk), since it started.", "pool",
+         "Reads the master served, by tier (memory, disk), since it started." + _T, "pool",
          "PoolStats.memory_hits, PoolStats.disk_hits", _H),
-    Fact("pool_read_bytes", "counter", "bytes", "Bytes of those reads, by tier.", "pool",
+    Fact("pool_read_bytes", "counter", "bytes", "Bytes of those reads, by tier." + _T, "pool",
          "PoolStats.memory_hit_bytes, PoolStats.disk_hit_bytes", _H),
     Fact("pool_healthy", "gauge", "1",
          "1 when the pool's last health check passed, 0 when it failed (absent until "
-         "checked).", "pool", "PoolStats.healthy", _H),
+         "checked)." + _T, "pool", "PoolStats.healthy", _H),
     # The fleet, as the hub sees it.
     Fact("fleet_engines", "gauge", "engines", "Engines the hub knows.", "hub", "Fleet", _H),
     Fact("fleet_agents", "gauge", "agents",

@@ -99,6 +99,9 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
                             "fact", "facts_on", "metric_fact"],
     # The hub's and the policy service's /metrics endpoint (one owner).
     "kvpool_agent.metrics_http": ["MetricsEndpoint"],
+    # The console's pool names and pool_no_segments follow the hub's pool rule (one owner).
+    "kvpool_agent.pool_readings": ["PoolReading", "Shape", "newest_readings", "pool_name",
+                                   "shape", "trusted_reading"],
     # kvpool_replay's reference figures are the agent's cache models (one owner).
     "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
                            "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",

@@ -7,7 +7,8 @@ from typing import Literal
 
 import msgspec
 
-from kvpool_agent.protocol import EngineState
+# One owner of pool names: the hub's /metrics names pools alike (kvpool_agent.pool_readings).
+from kvpool_agent.pool_readings import pool_name
 
 __all__ = ["AFTER_HIT", "CAUSES_FIRST", "SEVERITY_RANK", "SEVERITY_STYLE", "Alert", "Severity",
            "alert_order", "engines_text", "fmt_ms", "make_alert", "pool_name"]
@@ -86,17 +87,4 @@ def engines_text(engines: Collection[str], limit: int = 8) -> str:
     names = sorted(engines)
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
-
-
-def pool_name(st: EngineState) -> str:
-    """Which pool an agent reports: its backend at its master's address when known (the same
-    pool for every engine, also when the master is down and reports no segments), else at its
-    segments, else the engine's own."""
-    p = st.pool
-    backend = p.backend if p is not None else st.source.backend
-    if st.source.master:
-        return f"{backend}@{st.source.master}"
-    if p is not None and p.segments:
-        return f"{backend}:" + ",".join(sorted(s.name for s in p.segments))
-    return f"{backend}:{st.source.engine_id}"
 

@@ -22,7 +22,9 @@ Agreement: an agent key reports its own engine's readings, so one key's forged `
 nor its forged memory hide a real loss (the hub clamps a report's time to its own, but a key
 reporting often enough is the newest reading most of the time). Each engine's newest worker
 reading counts, when it is at most ``STALE_AFTER_MS`` older than the pool's newest (a stopped
-engine's last reading does not); the alert is critical when every such reading is 0 B, and a
+engine's last reading does not): ``kvpool_agent.pool_readings.newest_readings``, the rule's one
+owner, which the hub's ``kvpool_pool_*`` gauges (so ``KvpoolPoolNoSegments``) follow too; the
+alert is critical when every such reading is 0 B, and a
 warning naming both sides when some engines read memory (a store lost between two readings,
 for a heartbeat, or a stale or forged reading)."""
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from kvpool_agent.pool_readings import newest_readings
 from kvpool_agent.protocol import STALE_AFTER_MS, EngineState, PoolStats
 from kvpool_console.alerts.alert import Alert, engines_text, make_alert, pool_name
 
@@ -83,7 +86,6 @@ def segment_alerts(states: Mapping[str, EngineState], now_ms: float) -> list[Ale
     names its master and the engines whose workers report it."""
     engines: dict[str, set[str]] = {}
     unhealthy: set[str] = set()
-    newest: dict[str, dict[str, EngineState]] = {}  # pool -> engine -> its newest reading
     for s in states.values():
         p = s.pool
         if s.source.process_role != "worker" or p is None:
@@ -92,15 +94,10 @@ def segment_alerts(states: Mapping[str, EngineState], now_ms: float) -> list[Ale
         engines.setdefault(name, set()).add(s.source.engine_id)
         if p.healthy is False:
             unhealthy.add(name)
-        mine = newest.setdefault(name, {})
-        prev = mine.get(s.source.engine_id)
-        if prev is None or s.ts_ms > prev.ts_ms:
-            mine[s.source.engine_id] = s
     out: list[Alert] = []
-    for name, by_engine in sorted(newest.items()):
-        latest = max(st.ts_ms for st in by_engine.values())
-        fresh = {e: st for e, st in by_engine.items()
-                 if latest - st.ts_ms <= STALE_AFTER_MS and _read(st.pool)}
+    # pool -> engine -> its newest worker reading, fresh ones only
+    for name, by_engine in sorted(newest_readings(states.values(), ("worker",)).items()):
+        fresh = {e: st for e, st in by_engine.items() if _read(st.pool)}
         zero = {e: st for e, st in fresh.items() if without_segments(st.pool)}
         if name in unhealthy or not zero:
             continue
