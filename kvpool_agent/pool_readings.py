@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from kvpool_agent.protocol import STALE_AFTER_MS, EngineState, PoolStats
 
@@ -120,7 +121,7 @@ class PoolReading:
     name: str
     backend: str
     stats: PoolStats | None
-    by: str
+    by: Literal["store", "agreed", "disagree"]
     shapes: dict[str, Shape]
 
 
