@@ -200,6 +200,7 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
         s_idx, d_idx = torch.tensor(src_ids), torch.tensor(dst_ids)
         # What staging copies on a save, alone: every chunk's ranges into one contiguous
         # value each (ctypes.memmove, as kvpool_connector.staging), no pool call.
+        assert writer.kv is not None  # registered above
         gather = [ranges_for_blocks(writer.kv.layers, src_ids[c * bpc:(c + 1) * bpc])
                   for c in range(n_chunks)]
         for rnd in range(args.rounds + 1):

@@ -124,9 +124,9 @@ def _round(args: argparse.Namespace, keys_root: str | None) -> dict[str, float]:
         res["refused"] = refused
         return res
     finally:
-        for d in drivers:
-            d.terminate()
-            d.join(5)
+        for proc in drivers:
+            proc.terminate()
+            proc.join(5)
         parent.send("stop")
         hub.join(10)
 

@@ -232,8 +232,8 @@ def _drive(address: str, engines: list[int], workers: int, rate: float, seconds:
                 sock.send(encode(rep), zmq.NOBLOCK)
         next_t += period
         time.sleep(max(0.0, next_t - time.monotonic()))
-    for s in socks:
-        s.close(0)
+    for sock in socks:
+        sock.close(0)
     ctx.term()
 
 
@@ -335,7 +335,7 @@ def _run(args: argparse.Namespace, accounting: Accounting | None
     address = f"tcp://127.0.0.1:{port}"
     hub = subprocess.Popen([sys.executable, "-m", "kvpool_agent.cli", "--log-level", "WARNING",
                             "hub", "--address", address], cwd=_ROOT)
-    drivers: list[mp.Process] = []
+    drivers: list[mp.process.BaseProcess] = []
     try:
         time.sleep(1.0)
         if hub.poll() is not None:
@@ -373,9 +373,9 @@ def _run(args: argparse.Namespace, accounting: Accounting | None
                       for a, b in zip(drv_cpu0, drv_cpu1, strict=True)) / wall
         hub_rss = hub_ps.memory_info().rss / 2**20
     finally:
-        for d in drivers:
-            d.terminate()
-            d.join(5)
+        for proc in drivers:
+            proc.terminate()
+            proc.join(5)
         hub.terminate()
         hub.wait(10)
     return res, hub_cpu, hub_rss, drv_cpu, len(drivers)

@@ -105,7 +105,7 @@ def _mla(master: LocalMooncakeMaster, rounds: int, chunks: int) -> None:
         for r in (0, 1):
             kv = first if r == 0 else {k: t.clone() for k, t in first.items()}
             w = KVPoolWorker(_Settings(MLA_BLOCK, 2 * MLA_BLOCK), ParallelLayout(), model,
-                             backends[r], stripe=stripes[r])  # type: ignore[arg-type]
+                             backends[r], stripe=stripes[r])
             w.register_kv_caches(kv)
             _ALIVE.append((w, kv))
             ws.append(w)
@@ -159,7 +159,7 @@ def _hybrid(master: LocalMooncakeMaster, rounds: int, chunks: int) -> None:
         for _side in ("writer", "reader"):
             kv = {f"l{i}": torch.randn(n_tables * blocks + 1, 2, G_BLOCK, 64) for i in range(4)}
             w = KVPoolWorker(_Settings(G_BLOCK, G_CHUNK), ParallelLayout(), model, backend,
-                             groups=groups)  # type: ignore[arg-type]
+                             groups=groups)
             w.register_kv_caches(kv)
             ws.append((w, kv))
         _ALIVE.extend(ws)

@@ -236,7 +236,8 @@ def engine_main(spec_path: str) -> int:
     if spec["kv_transfer_config"]:
         # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): the scheduler's connector
         # and the worker's connector are both reachable from here.
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        inproc: Any = llm.llm_engine.engine_core  # vLLM's InprocClient here
+        sched = inproc.engine_core.scheduler.connector
         _timed(sched, "get_num_new_matched_tokens", lookups)
         worker = get_kv_transfer_group()
         if spec["connector"] == "ours":
@@ -483,7 +484,8 @@ def _print_rows(summ: dict[str, dict[str, Any] | str], names: list[str],
     for label, key, fmt in rows:
         cells = []
         for n in names:
-            v = summ[n].get(key) if isinstance(summ[n], dict) else None
+            run = summ[n]
+            v = run.get(key) if isinstance(run, dict) else None
             cells.append("-" if v is None else fmt.format(v))
         ratio = "-"
         o, p = (summ.get(r) for r in ("ours", "peer"))
@@ -649,7 +651,7 @@ def run_pd(run: str, args: argparse.Namespace, model: Path, requests: list[Trace
         wall = time.monotonic() - t0
         counters = {}
         for name, url in engines.items():
-            after = _settled_counters(url, before[name]["prompt"] + _sent_tokens(requests))
+            after = _settled_counters(url, int(before[name]["prompt"]) + _sent_tokens(requests))
             counters[name] = {k: v - before[name][k] for k, v in after.items()}
         return {"wall_s": wall, "ttft_ms": [r.ttft_ms for r in replay.results],
                 "warmup_ttft_ms": warm.results[0].ttft_ms,

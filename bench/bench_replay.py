@@ -235,7 +235,7 @@ def main() -> int:
     for n in [int(e) for e in args.fig10_engines.split(",")]:
         for mode in ("shared", "private"):
             cfg = ReplayConfig(trace_path=f10_trace, limit=f10_limit, engines=n,
-                               pool_tokens=total, mode=mode,  # type: ignore[arg-type]
+                               pool_tokens=total, mode=mode,
                                shape=shape, show_progress=True)
             fig10[n, mode] = r = run_replay(cfg)
             print(_row([str(n), mode, f"{r.hit_rate:.2%}", f"{r.lru_hit_rate:.2%}",
