@@ -136,7 +136,7 @@ class Spammer:
         self._thread.join()
 
 
-def wait_until(cond: Callable[[], object], timeout_s: float = 10.0) -> None:
+def wait_until(cond: Callable[[], object], timeout_s: float = 30.0) -> None:
     """Poll ``cond`` every 20 ms until it is true or ``timeout_s`` passed (the caller asserts
     what it waited for, so a timeout fails with the real values)."""
     deadline = time.monotonic() + timeout_s

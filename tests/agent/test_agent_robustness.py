@@ -109,7 +109,7 @@ def test_silent_agents_stay_listed_with_their_last_state(hub: FleetHub, hub_addr
     h.reporter.loaded("r", 256)
     aid = h.source.agent_id
     with FleetClient(hub_address) as c:
-        c.wait_for(1, 3)
+        c.wait_for(1, 30)
         h.stop()  # its last report carries the lookup recorded just before
         time.sleep(1.5)  # hub snapshots keep coming; this agent's last_seen does not move
         c.updates(1000)
@@ -190,7 +190,7 @@ def test_no_hub_never_blocks_and_memory_stays_bounded(hub_address: str) -> None:
         assert st.process.reports_dropped >= 2 and st.process.queue_depth == 0
         # A hub that appears later gets a snapshot at once (connect -> snapshot).
         with FleetHub(hub_address) as hub_late, FleetClient(hub_address) as c:
-            fleet = c.wait_for(1, 3)
+            fleet = c.wait_for(1, 30)
             assert h.source.agent_id in fleet
             assert fleet[h.source.agent_id].state.process.reports_dropped >= 2
             assert hub_late.reports >= 1
@@ -354,7 +354,7 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
     real = start_agent(make_source("eng-after"), address=hub_address)
     try:
         with FleetClient(hub_address) as c:
-            assert real.source.agent_id in c.wait_for(1, 3)
+            assert real.source.agent_id in c.wait_for(1, 30)
             (r,) = c.command("snapshot", targets=[real.source.agent_id])
             assert r.ok
     finally:
@@ -368,19 +368,17 @@ def test_hub_restart_agents_and_console_reconnect(hub_address: str) -> None:
         h.reporter.loaded("r", 400)
         with FleetHub(hub_address, snapshot_interval_s=30.0) as first:
             with FleetClient(hub_address) as c:
-                assert h.source.agent_id in c.wait_for(1, 3)
+                assert h.source.agent_id in c.wait_for(1, 30)
             assert first.reports >= 1
         # The hub is gone: the agent drops and counts, then a new hub on the same address
-        # gets a snapshot at reconnect (its periodic snapshots are 30 s away).
+        # gets a snapshot at reconnect (the hub's periodic snapshots are an hour away).
         time.sleep(0.5)
         h.reporter.lookup("r2", 1000, 0, 600, 1.0)
         h.reporter.loaded("r2", 600)
-        with FleetHub(hub_address, snapshot_interval_s=30.0) as second, FleetClient(
+        with FleetHub(hub_address, snapshot_interval_s=3600.0) as second, FleetClient(
             hub_address
         ) as c:
-            t0 = time.monotonic()
-            fleet = c.wait_for(1, 3)
-            assert time.monotonic() - t0 < 2.0
+            fleet = c.wait_for(1, 30)
             st = fleet[h.source.agent_id].state
             assert st.lookup.loaded_tokens == 1000 and st.lookup.lookups == 2
             assert second.fleet()[h.source.agent_id][0].lookup.lookups == 2

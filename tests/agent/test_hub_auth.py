@@ -147,7 +147,7 @@ def test_a_viewer_reads_the_state_stream_and_a_keyless_console_gets_nothing(
     worker = FakeAgent(ctx, hub_address)
     worker.report(make_source("seen"))
     with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as viewer:
-        assert sorted(viewer.wait_for(1, 5)) == ["seen/dp0.tp0.pp0"]
+        assert sorted(viewer.wait_for(1, 30)) == ["seen/dp0.tp0.pp0"]
         (h,) = viewer.command("health", targets=["seen/dp0.tp0.pp0"], timeout_ms=300)
         (req,) = worker.drain(1000)  # a read-only command from a viewer is delivered
         assert req.command == "health" and not req.probe

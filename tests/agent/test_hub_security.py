@@ -44,7 +44,7 @@ def test_a_live_agent_id_cannot_be_taken_over(
     forged = msgspec.structs.replace(real.source, pid=999_999, host="attacker")
     try:
         with FleetClient(hub_address, keys_dir=keys_dir) as op:
-            op.wait_for(1, 5)
+            op.wait_for(1, 30)
             with Spammer(fake, forged):
                 wait_until(lambda: hub.takeover_refused >= 20)
                 replies = [op.command("health", targets=[aid]) for _ in range(10)]
@@ -71,7 +71,7 @@ def test_replies_count_only_from_the_connection_asked_and_once(
     attacker = FakeAgent(ctx, hub_address)  # never reports
     result: list[list[CommandReply]] = []
     with FleetClient(hub_address, keys_dir=keys_dir) as op:
-        op.wait_for(1, 5)
+        op.wait_for(1, 30)
         t = threading.Thread(target=lambda: result.append(
             op.command("health", targets=[mute_src.agent_id], timeout_ms=1500)))
         t.start()
@@ -195,7 +195,7 @@ def test_a_read_only_flood_does_not_starve_the_operator(
     flood.connect(hub.ports.commands)
     try:
         with FleetClient(hub_address, keys_dir=keys_dir) as op, FleetClient(hub_address) as ro:
-            op.wait_for(2, 5)
+            op.wait_for(2, 30)
             for i in range(1024):
                 flood.send(encode(CommandRequest(
                     v=PROTOCOL_VERSION, seq=i + 1, request_id=f"f{i}", command="health",
@@ -247,7 +247,7 @@ def test_silent_agents_are_forgotten_and_consoles_drop_them(
     fake.report(make_source("ghost", role="scheduler"))
     try:
         with FleetClient(hub_address) as c:
-            assert "ghost/scheduler" in c.wait_for(2, 5)
+            assert "ghost/scheduler" in c.wait_for(2, 30)
             deadline = time.monotonic() + 10
             while "ghost/scheduler" in c.fleet() and time.monotonic() < deadline:
                 c.updates(100)
@@ -269,7 +269,7 @@ def test_operator_forgets_an_engine_now(
     fake.report(make_source("gone", tp=0))
     fake.report(make_source("kept", role="scheduler"))
     with FleetClient(hub_address) as viewer:
-        viewer.wait_for(3, 5)
+        viewer.wait_for(3, 30)
         (refused,) = viewer.command("forget", targets=["gone"])
         assert not refused.ok and refused.error == OPERATOR_ONLY.format(what="forget")
         assert len(hub.fleet()) == 3
@@ -292,7 +292,7 @@ def test_the_audit_file_rotates_by_size(hub_address: str, tmp_path: Path) -> Non
         real = start_agent(make_source("eng-a", role="scheduler"), address=hub_address)
         try:
             with FleetClient(hub_address) as c:
-                c.wait_for(1, 5)
+                c.wait_for(1, 30)
                 for _ in range(40):
                     (r,) = c.command("health")
                     assert r.ok

@@ -91,7 +91,7 @@ class LiveFleet:
     def client(self, *, operator: bool) -> FleetClient:
         return FleetClient(self.address, keys_dir=self.keys.root if operator else None)
 
-    def wait_agents(self, n: int, timeout_s: float = 10.0) -> None:
+    def wait_agents(self, n: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if len(self.hub.fleet()) >= n:

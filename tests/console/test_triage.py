@@ -94,7 +94,7 @@ def spawn(hub: str, engine_id: str, port: int, master: str, log: Path) -> subpro
                                  str(port), master], stdout=out, stderr=subprocess.STDOUT)
 
 
-def wait_for(pred: Any, what: str, timeout_s: float = 20.0) -> None:
+def wait_for(pred: Any, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         if time.monotonic() > deadline:
