@@ -20,9 +20,16 @@ A hub's keys directory (``kvpool-agent hub --keys DIR``)::
 
     DIR/hub.key, DIR/hub.key_secret
     DIR/authorized_keys/agent/*.key      public keys allowed on P; ENGINE.engine.key only
-                                         for engine id ENGINE (``bound_engine``)
+                                         for engine id ENGINE (``bound_engine``);
+                                         NAME@POOL.pool.key only for pool POOL, and
+                                         ENGINE.engine@POOL.pool.key for both (``bound_pool``)
     DIR/authorized_keys/viewer/*.key     allowed on P+1 and P+2 (operator keys are too)
     DIR/authorized_keys/operator/*.key   allowed on P+1, P+2 and P+3
+
+A pool is named as the hub names it: a report's ``Source.master`` (Mooncake
+``master_server_address``, ``host:port`` or ``etcd://...``), percent-quoted in the file name
+(``pool_file_part``: ``/`` and ``@`` never appear in it). Once any agent key is bound to a pool,
+only keys bound to it are that pool's members (``bound_pools``; issue 42, ``kvpool_agent._fleet``).
 
 A client's keys directory (``kvpool-console --keys DIR``, an agent's ``KVPOOL_AGENT_KEYS``)
 holds ``hub.key`` (copied from the hub) and its own role's pair, made on that machine, so the
@@ -40,6 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
+from urllib.parse import quote, unquote
 
 import zmq.auth
 
@@ -55,8 +63,10 @@ __all__ = [
     "authorize_key",
     "bound_elsewhere",
     "bound_engine",
+    "bound_pool",
     "generate_keys",
     "local_fleet_keys",
+    "pool_file_part",
 ]
 
 Role = Literal["hub", "operator", "viewer", "agent"]
@@ -69,6 +79,11 @@ log = logging.getLogger("kvpool.hub")
 ENGINE_KEY_SUFFIX = ".engine"
 """An agent key named ``authorized_keys/agent/<engine id>.engine.key`` reports only for that
 engine; any other name is a fleet-wide agent key."""
+
+POOL_KEY_SUFFIX = ".pool"
+"""An agent key named ``authorized_keys/agent/<label>@<pool>.pool.key`` reports only for that
+pool (``Source.master``, quoted by ``pool_file_part``); ``<label>`` is ``<engine id>.engine``
+for a key bound to an engine too, else any name."""
 
 _OLD_LAYOUT = (
     "keys dir {root} has the old layout (server.key: hub and operator keys in one dir); make "
@@ -297,16 +312,28 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
     return paths
 
 
+def pool_file_part(pool: str) -> str:
+    """``pool`` (a ``Source.master``) as it appears in a pool-bound key's file name: quoted,
+    ``:`` and ``,`` kept (``127.0.0.1:50051``; ``etcd://h:2379`` is ``etcd:%2F%2Fh:2379``)."""
+    return quote(pool, safe=":,")
+
+
 def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
-                  name: str | None = None, engine: str | None = None) -> Path:
+                  name: str | None = None, engine: str | None = None,
+                  pool: str | None = None) -> Path:
     """Copy ``public_key`` (a ``ROLE.key`` file) into the hub's ``authorized_keys/ROLE/`` as
     ``NAME.key`` (default: the file's own name); returns the new path. With ``engine`` (an
     agent key only), the file is ``ENGINE.engine.key``: the hub accepts that key's reports
-    only for engine id ``ENGINE``.
+    only for engine id ``ENGINE``. With ``pool`` (an agent key only: the pool's
+    ``Source.master`` as engines report it), the file is ``NAME@POOL.pool.key`` (with
+    ``engine``: ``ENGINE.engine@POOL.pool.key``): the hub accepts that key's reports only for
+    that pool, and once a key is bound to a pool only keys bound to it receive that pool's
+    pool-wide commands and count in its totals (issue 42).
 
     Raises:
-        ValueError: ``role`` is not a client role, ``engine`` is given for another role or is
-            no file name, or the file holds no public key.
+        ValueError: ``role`` is not a client role, ``engine`` or ``pool`` is given for another
+            role or is no file name, the file holds no public key, or the key is authorized
+            already under a name binding it otherwise (give every binding in one call).
     """
     if role not in CLIENT_ROLES:
         raise ValueError(f"role {role!r}: expected one of {', '.join(CLIENT_ROLES)}")
@@ -319,31 +346,86 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
                              "(kv_connector_extra_config.engine_id), without '/'")
         name = engine + ENGINE_KEY_SUFFIX
     src = Path(public_key)
-    _load(src, secret=False, fix="give a public key file made by kvpool-agent keygen")
+    if pool is not None:
+        if role != "agent":
+            raise ValueError("--pool binds an agent key (--role agent)")
+        label = name or src.stem
+        if not pool or pool != pool.strip() or not label or "/" in label or label.startswith(
+                (".", "-")):
+            raise ValueError(f"--pool {pool!r}: give the pool's master_server_address as "
+                             "engines report it (the console's pool column), and a --name "
+                             "without '/'")
+        name = f"{label}@{pool_file_part(pool)}{POOL_KEY_SUFFIX}"
+    public = _load(src, secret=False, fix="give a public key file made by kvpool-agent keygen")
     dest_dir = KeyPaths.of(hub_root).authorized(role)
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     dest = dest_dir / f"{name or src.stem}.key"
+    engine_of, pool_of = bound_engine(dest.stem), bound_pool(dest.stem)
+    # A name binding nothing never lifts a binding (``AllowList`` keeps the most binding).
+    for other in sorted(dest_dir.glob("*.key") if engine_of or pool_of else ()):
+        if other == dest or (bound_engine(other.stem) in (None, engine_of)
+                             and bound_pool(other.stem) in (None, pool_of)):
+            continue
+        try:
+            same = zmq.auth.load_certificate(str(other))[0] == public
+        except (OSError, ValueError):
+            continue
+        if same:
+            # The hub keeps one name per key: a second binding would lift one of the two.
+            raise ValueError(f"this key is authorized already as {other.name}, bound "
+                             "otherwise: remove that file, then give --engine and --pool "
+                             "in one call")
     shutil.copyfile(src, dest)
     os.chmod(dest, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
     return dest
 
 
+def _label_and_pool(key_name: str) -> tuple[str, str | None]:
+    """``(label, pool)`` of an ``AllowList.name`` (``agent/LABEL@POOL.pool``); ``pool`` is
+    ``None`` for a key not bound to a pool, whose label is the whole file stem. A stem ending
+    in ``.pool`` without ``@`` is all pool (a hand-copied ``POOL.pool.key`` binds, never lifts)."""
+    stem = key_name.rpartition("/")[2]
+    if not stem.endswith(POOL_KEY_SUFFIX) or len(stem) == len(POOL_KEY_SUFFIX):
+        return stem, None
+    label, _, quoted = stem[: -len(POOL_KEY_SUFFIX)].rpartition("@")
+    return label, unquote(quoted)
+
+
 def bound_engine(key_name: str) -> str | None:
     """The engine id an agent key may report for, from its ``AllowList.name``
-    (``agent/prefill-0.engine`` -> ``prefill-0``); ``None``: a fleet-wide key."""
-    stem = key_name.rpartition("/")[2]
+    (``agent/prefill-0.engine`` or ``agent/prefill-0.engine@10.0.0.1:50051.pool`` ->
+    ``prefill-0``); ``None``: a key for any engine."""
+    stem = _label_and_pool(key_name)[0]
     if stem.endswith(ENGINE_KEY_SUFFIX) and len(stem) > len(ENGINE_KEY_SUFFIX):
         return stem[: -len(ENGINE_KEY_SUFFIX)]
     return None
 
 
+def bound_pool(key_name: str) -> str | None:
+    """The pool (``Source.master``) an agent key may report for, from its ``AllowList.name``
+    (``agent/p0.engine@10.0.0.1:50051.pool`` -> ``10.0.0.1:50051``); ``None``: a key for any
+    pool."""
+    return _label_and_pool(key_name)[1]
+
+
+def _binding_rank(key_name: str) -> int:
+    """How much a name binds its key (engine, pool: one each); ``AllowList`` keeps the most
+    binding of a key's names."""
+    return (bound_engine(key_name) is not None) + (bound_pool(key_name) is not None)
+
+
 def bound_elsewhere(key_name: str, src: Source) -> str | None:
     """Why a report of agent ``src`` from key ``key_name`` is not the key's to send, when the
-    key is bound to one engine (``bound_engine``), else ``None``.
+    key is bound to one pool (``bound_pool``: ``src.master`` must be it) or one engine
+    (``bound_engine``), else ``None``.
 
     The agent id counts too: it must be the engine id or ``<engine id>/<one part>``
     (``Source``'s forms), else a bound key could hold another engine's agent id (commands sent
     to that id would reach it, and that engine's own agent would be refused)."""
+    pool = bound_pool(key_name)
+    if pool is not None and pool != src.master:
+        return (f"takeover: key {key_name} is bound to pool {pool[:80]!r}; report for pool "
+                f"{src.master[:80]!r} dropped")
     engine = bound_engine(key_name)
     if engine is None:
         return None
@@ -420,6 +502,8 @@ class AllowList:
         self._seen: dict[Role, tuple[int, ...]] = {}
         self._links: dict[Role, tuple[float, tuple[int, ...]] | None] = {}
         self._keys: dict[Role, dict[bytes, str]] = {}
+        # The agent keys' pools (``bound_pools``), with the dict of keys they were read from.
+        self._pools: tuple[dict[bytes, str] | None, frozenset[str]] = (None, frozenset())
         # z85 key -> time.monotonic() until which it is refused (``ban``).
         self._banned: dict[bytes, float] = {}
 
@@ -461,10 +545,12 @@ class AllowList:
                     public, _ = zmq.auth.load_certificate(str(real))
                 except (OSError, ValueError):
                     continue
-                # One key under two names: an engine-bound name keeps its binding, whatever
+                # One key under two names: the most binding name keeps its binding, whatever
                 # order the names sort in (a fleet-wide copy left behind must not lift it).
-                if public and bound_engine(keys.get(public, "")) is None:
-                    keys[public] = f"{role}/{f.stem}"
+                name, held = f"{role}/{f.stem}", keys.get(public)
+                if public and (held is None or _binding_rank(held) == 0
+                               or _binding_rank(name) > _binding_rank(held)):
+                    keys[public] = name
             for p in unsafe:
                 log.error("kvpool hub: %s refused: %s (copy keys in with kvpool-agent "
                           "authorize)", p, _unsafe(p, secret=False) or "writable by group/others; "
@@ -482,6 +568,17 @@ class AllowList:
                 if found is not None:
                     return found
         return None
+
+    def bound_pools(self) -> frozenset[str]:
+        """The pools (``Source.master``) some authorized agent key is bound to
+        (``bound_pool``): those pools' members are their bound keys only (issue 42). Read
+        again with the keys; O(1) while they are unchanged."""
+        with self._lock:
+            keys = self._role_keys("agent")
+            if self._pools[0] is not keys:
+                pools = (bound_pool(n) for n in keys.values())
+                self._pools = (keys, frozenset(p for p in pools if p is not None))
+            return self._pools[1]
 
     def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq's credentials-provider hook: may ``key`` (z85) connect in ``domain`` (listed

@@ -139,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--engine", metavar="ENGINE_ID",
                    help="agent keys: accept this key's reports only for engine ENGINE_ID "
                    "(file ENGINE_ID.engine.key); without it an agent key reports for any engine")
+    a.add_argument("--pool", metavar="POOL",
+                   help="agent keys: accept this key's reports only for pool POOL, the "
+                   "master_server_address engines report (the console's pool column; file "
+                   "NAME@POOL.pool.key, ENGINE_ID.engine@POOL.pool.key with --engine); once a "
+                   "key is bound to POOL only keys bound to it get POOL's pool-wide commands "
+                   "(flush --scope all/model, pin, pins) and count in its totals")
 
     s = sub.add_parser("store", help="standalone agent beside a store, reporting pool stats")
     s.add_argument(
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "keygen":
             return _keygen(args.role, args.dir, args.force)
         if args.cmd == "authorize":
-            dest = authorize_key(args.hub_dir, args.role, args.key, args.name, args.engine)
+            dest = authorize_key(args.hub_dir, args.role, args.key, args.name, args.engine,
+                                 args.pool)
             print(f"authorized {args.role} key: {dest} (takes effect on the next connection)")
             return 0
         if args.cmd == "hub":
