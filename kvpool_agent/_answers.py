@@ -174,11 +174,12 @@ def verified_answer(req: CommandRequest, rep: CommandReply, verifiers: dict[str,
 
 def unvouched_note(pools: list[str]) -> str:
     """What the operator is told of pools a pool-wide command left out
-    (``kvpool_agent._fleet.Fleet.targets``: reported by one engine-bound key alone); ``""``
-    for none."""
+    (``kvpool_agent._fleet.Fleet.targets``: reported by one engine-bound key alone, or bound
+    to keys with no live agent while other keys claim it); ``""`` for none."""
     if not pools:
         return ""
     named = ", ".join(repr(p[:80]) for p in pools[:AUDIT_IDS_SHOWN])
-    return (f"; {len(pools)} pool(s) reported by one engine-bound agent key alone were left "
-            f"out ({named}): a second key or a store agent vouches for a pool; name its "
-            "agents as targets to reach it")
+    return (f"; {len(pools)} pool(s) reported by one engine-bound agent key alone, or by no "
+            f"live agent of a key bound to it (authorize --pool), were left out ({named}): a "
+            "second key or a store agent vouches for an unbound pool; name its agents as "
+            "targets to reach it")

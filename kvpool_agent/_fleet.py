@@ -22,8 +22,9 @@ since when (its *tenure*: the identity and the time it took the id) is kept acro
 (``tenure``/``load_tenure``, the hub's state file): pool-wide flushes go to the worker whose key has
 held its engine longest, per pool.
 
-Over 600 lines: one lock guards every agent's state, and what reads it for a command (targets,
-pool counts, verifiers) scans it under that lock in one pass; split, the passes would be too.
+A pool some agent key is bound to (``kvpool-agent authorize --pool``, passed as ``closed``) is
+*closed*: only its bound keys' agents receive its pool-wide commands and count in its key counts
+and verifiers (``kvpool_agent._pool_members``, whose functions run under the fleet's lock).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvpool_agent._hub_memory import UPDATE_STATES_BYTES
+from kvpool_agent._pool_members import PoolCount, counts, largest_counts, left_out
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandRequest,
@@ -123,6 +125,8 @@ class _Entry:
     # The identity is a key bound to one engine (``kvpool-agent authorize --engine``): alone,
     # it cannot vouch for a pool (``targets``).
     bound: bool = False
+    # The pool (``Source.master``) the identity is bound to (``authorize --pool``), else "".
+    pool: str = ""
     size: int = 0
     errors: deque[ErrorRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_ERRORS))
     # request ids of the agent's own flushes (EngineState.flushes) already audited.
@@ -179,7 +183,7 @@ class Fleet:
         return out
 
     def accept(self, routing_id: bytes, rep: Report, identity: str = "",
-               bound: bool = False) -> str | None:
+               bound: bool = False, pool: str = "") -> str | None:
         """Keep ``rep``'s state as its agent's latest (stamped with the receive time) and
         remember the agent's ZMQ routing id for commands. A delta's errors are added to the
         agent's last ``_RECENT_ERRORS``; a snapshot replaces them.
@@ -190,6 +194,7 @@ class Fleet:
             identity: who the connection authenticated as (z85 CURVE public key), ``""``
                 without keys.
             bound: ``identity`` is a key bound to one engine.
+            pool: the pool ``identity`` is bound to (``""``: none).
 
         Returns:
             ``None``, or why the report was refused: ``"takeover: ..."`` (the id is held by
@@ -267,6 +272,7 @@ class Fleet:
             ag.routing_id = routing_id
             ag.identity = identity
             ag.bound = bound
+            ag.pool = pool
             self._engine_owner[engine] = (identity, now_ms)
             for dirty in self._dirty.values():
                 dirty.add(aid)
@@ -366,11 +372,13 @@ class Fleet:
             for ag in self._agents.values():
                 ag.routing_id = b""
 
-    def members(self, agent_ids: list[str]) -> dict[str, tuple[Source, str, bool]]:
-        """Agent id -> (source, identity, its key is engine-bound) of those of ``agent_ids``."""
+    def members(self, agent_ids: list[str], closed: frozenset[str] = frozenset(),
+                ) -> dict[str, tuple[Source, str, bool]]:
+        """Agent id -> (source, identity, its answer is its own claim: its key is engine-bound,
+        or it claims a ``closed`` pool its key is not bound to) of those of ``agent_ids``."""
         with self._lock:
-            return {k: (a.state.source, a.identity, a.bound) for k in agent_ids
-                    if (a := self._agents.get(k)) is not None}
+            return {k: (a.state.source, a.identity, a.bound or not counts(a, closed))
+                    for k in agent_ids if (a := self._agents.get(k)) is not None}
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""
@@ -397,7 +405,8 @@ class Fleet:
             self._dirty.setdefault(stream, set())
             self._forgotten_new.setdefault(stream, set())
 
-    def targets(self, req: CommandRequest) -> tuple[list[str], str | None, list[str]]:
+    def targets(self, req: CommandRequest, closed: frozenset[str] = frozenset(),
+                ) -> tuple[list[str], str | None, list[str]]:
         """The agent ids ``req`` goes to, or why it goes nowhere.
 
         ``req.targets`` when given; otherwise every live agent, except for ``flush``: scope
@@ -410,9 +419,9 @@ class Fleet:
         hub restarts), then the longest connected. Tenure, not most recently heard nor first to
         reconnect, so an agent that just appeared, or reconnects fastest after a hub restart,
         cannot draw the flush to itself. The choice is made once, when the command arrives:
-        agents appearing later never receive it. A pool whose live agents all belong to one
-        engine-bound key (``unvouched``) gets no pool-wide command (flush, pin, pins): one
-        engine's key cannot make the hub count a pool nobody else reports.
+        agents appearing later never receive it. Pools ``left_out`` (one engine-bound key's
+        alone, a ``closed`` pool without a live member) get no pool-wide command (flush, pin,
+        pins); a closed pool's only through its members.
 
         Returns:
             ``(agent ids, None, pools refused as unvouched)`` or ``([], the reason for the
@@ -425,9 +434,9 @@ class Fleet:
             live = {
                 k: a for k, a in self._agents.items() if now_ms - a.last_seen_ms < LIVE_S * 1e3
             }
-            refused = self._unvouched(live)
+            pooled, refused = left_out(live, closed)
             if req.command in ("pin", "unpin", "pins"):
-                ids, problem = self._pin_targets(req, live, now_ms, refused)
+                ids, problem = self._pin_targets(req, pooled, now_ms, refused)
                 return ids, problem, sorted(refused)
             if req.command != "flush":
                 return sorted(live), None if live else "no live agent connected to the hub", []
@@ -444,7 +453,7 @@ class Fleet:
                 return sorted(ids), None if ids else (
                     f"no live worker agent of engine {fl.engine_id!r}"), []
             best: dict[str, tuple[bool, bool, float, float, str]] = {}
-            for k, a in live.items():
+            for k, a in pooled.items():
                 src = a.state.source
                 if src.process_role not in ("worker", "store") or src.master in refused:
                     continue
@@ -454,21 +463,6 @@ class Fleet:
             if not best:
                 return [], "no live worker or store agent to run the flush", sorted(refused)
             return sorted(r[4] for r in best.values()), None, sorted(refused)
-
-    @staticmethod
-    def _unvouched(live: dict[str, _Entry]) -> set[str]:
-        """Pools (``Source.master``) of ``live`` reported by one engine-bound key alone: a key
-        bound to one engine may claim any master, so alone it proves no pool (issue 42: a
-        phantom pool got its share of a fleet-wide flush and its forged 4,242 keys were added
-        to the total). A second key, or one not bound to an engine (a fleet-wide agent key, a
-        store agent's, none without keys), vouches for it."""
-        keys: dict[str, set[str]] = {}
-        free: set[str] = set()
-        for a in live.values():
-            keys.setdefault(a.state.source.master, set()).add(a.identity)
-            if not a.bound:
-                free.add(a.state.source.master)
-        return {m for m, ids in keys.items() if m not in free and len(ids) < 2}
 
     def _held_since(self, a: _Entry, now_ms: float) -> tuple[float, float]:
         """How an agent ranks as a pool-wide command's target: since when its identity has
@@ -505,40 +499,34 @@ class Fleet:
                         else "no live worker agent with a registered KV layout")
         return sorted(r[3] for r in best.values()), None
 
-    def pool_keys(self, agent_ids: list[str]) -> dict[str, int | None]:
+    def pool_keys(self, agent_ids: list[str],
+                  closed: frozenset[str] = frozenset()) -> dict[str, int | None]:
         """Agent id -> the key count of its pool (``Source.master``) as agents report it
         (``PoolStats.keys``: the master's own count, the same from every member), from the
         most trusted reporters, the largest of theirs: keys not bound to one engine before
         engine-bound ones, then other identities, then other agents, before the agent itself.
         An engine-bound key can report any master (issue 42): its ``keys=0`` cannot make a
-        genuine flush look suspect, nor its forged count cover a forged answer. ``None``: no
-        agent reports that pool. O(agents) a call, not per id asked (round 5)."""
+        genuine flush look suspect, nor its forged count cover a forged answer. Of a ``closed``
+        pool only its members' reports count. ``None``: no agent reports that pool. O(agents)
+        a call, not per id asked (round 5)."""
         with self._lock:
             want = {k: a for k in agent_ids if (a := self._agents.get(k)) is not None}
-            pools: dict[str, list[tuple[bool, str, str, int]]] = {}
+            pools: dict[str, list[PoolCount]] = {}
             masters = {a.state.source.master for a in want.values()}
             for k, a in self._agents.items():
-                if a.state.pool is not None and a.state.source.master in masters:
+                if (a.state.pool is not None and a.state.source.master in masters
+                        and counts(a, closed)):
                     pools.setdefault(a.state.source.master, []).append(
                         (a.bound, a.identity, k, a.state.pool.keys))
-        top: dict[tuple[str, str], list[tuple[int, str]]] = {}  # the best class's 2 largest
-        out: dict[str, int | None] = dict.fromkeys(agent_ids)
-        for k, ag in want.items():
-            group = (ag.state.source.master, ag.identity)
-            if group not in top:
-                ranked = [((b, i == ag.identity), (n, a)) for b, i, a, n in pools.get(group[0], [])]
-                best = min((r for r, _ in ranked), default=None)
-                top[group] = sorted((c for r, c in ranked if r == best), reverse=True)[:2]
-            out[k] = max([n for n, a in top[group] if a != k] or [n for n, _ in top[group]],
-                         default=None)
-        return out
+        return largest_counts(want, pools, agent_ids)
 
-    def pool_verifiers(self, agent_ids: list[str],
-                       layout: bool = False) -> dict[str, dict[str, PoolStats]]:
+    def pool_verifiers(self, agent_ids: list[str], layout: bool = False,
+                       closed: frozenset[str] = frozenset()) -> dict[str, dict[str, PoolStats]]:
         """Agent id -> pool stats of the agents that may confirm what it says it did to its
         pool (and layout when ``layout``: one layout's agents report the same pins): of another
-        key; fleet-wide keys when the pool has any, else (for a bound agent) bound ones. Ids of
-        one pool, key and layout share one answer, found once (round 6: per id before)."""
+        key; fleet-wide keys when the pool has any, else (for a bound agent) bound ones; of a
+        ``closed`` pool its members only, any of them (keys not bound to an engine first). Ids
+        of one pool, key and layout share one answer, found once (round 6: per id before)."""
         out: dict[str, dict[str, PoolStats]] = {}
         found: dict[tuple[str, str, bool, str], dict[str, PoolStats]] = {}
         with self._lock:
@@ -548,9 +536,11 @@ class Fleet:
                 if cls not in found:
                     others = [(k, a) for k, a in self._agents.items() if a.state.pool is not None
                               and a.identity != ag.identity and a.state.source.master == s.master
-                              and (not layout or a.state.source.layout_digest == cls[3])]
+                              and (not layout or a.state.source.layout_digest == cls[3])
+                              and counts(a, closed)]
                     free = [(k, a) for k, a in others if not a.bound]
-                    found[cls] = {k: a.state.pool for k, a in free or (others if ag.bound else [])
+                    trusted = ag.bound or s.master in closed
+                    found[cls] = {k: a.state.pool for k, a in free or (others if trusted else [])
                                   if a.state.pool is not None}
                 out[aid] = found[cls]
         return out

@@ -89,8 +89,11 @@ class _Pending:
     key: str = ""
     # Targets the fleet does not hold: answered together in one reply.
     unknown: list[str] = field(default_factory=list)
-    # Pools left out of a pool-wide command: reported by one engine-bound key alone.
+    # Pools left out of a pool-wide command: reported by one engine-bound key alone, or bound
+    # to keys none of whose agents is live (``Fleet.targets``).
     unvouched: list[str] = field(default_factory=list)
+    # The pools some agent key is bound to when the command came (``AllowList.bound_pools``).
+    closed: frozenset[str] = frozenset()
     # Agent id -> the routing id the command was sent to: the only one whose reply counts.
     routes: dict[str, bytes] = field(default_factory=dict)
     replies: dict[str, CommandReply] = field(default_factory=dict)
@@ -233,7 +236,10 @@ class CommandRouter:
         if busy is not None:
             self._refuse_busy(sock, client, req, key, busy)
             return
-        targets, problem, unvouched = self.fleet.targets(req)
+        # Pools whose members are the keys bound to them (``kvpool-agent authorize --pool``).
+        allow = self.sockets.allow
+        closed = allow.bound_pools() if allow is not None else frozenset()
+        targets, problem, unvouched = self.fleet.targets(req, closed)
         if problem is not None:
             reply = agent_error(req, "hub", problem + unvouched_note(unvouched))
             self._record(who, key, req, targets, [reply], curve=curve)
@@ -248,12 +254,12 @@ class CommandRouter:
             sock=sock, client=client, req=req, who=who,
             deadline=time.monotonic() + min(max(req.timeout_ms, 1), MAX_TIMEOUT_MS) / 1e3,
             expected=list(known), plain=not curve, key=key, unknown=unknown,
-            unvouched=unvouched,
+            unvouched=unvouched, closed=closed,
         )
         send = list(known)
         dry_run = req.command == "flush" and req.flush is not None and req.flush.dry_run
         if dry_run:
-            plan = self.listings.plan(req, self.fleet.members(list(known)), key,
+            plan = self.listings.plan(req, self.fleet.members(list(known), closed), key,
                                       readonly=not curve)
             if plan.busy and not plan.send and not plan.shared and all(
                     not r.ok for r in plan.answered.values()):
@@ -288,10 +294,11 @@ class CommandRouter:
             fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
                                                  MAX_TIMEOUT_MS))
         if req.command == "flush":
-            pend.pool_keys = self.fleet.pool_keys(send)
+            pend.pool_keys = self.fleet.pool_keys(send, closed)
         if (req.command == "flush" and not dry_run) or req.command in ("pin", "unpin"):
             # One pass for all targets (a flush naming an engine's 1,024 ids scanned per id).
-            pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush")
+            pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush",
+                                                       closed=closed)
         if wants_cross_listing(req):
             ids = list({v: None for vs in pend.verifiers.values() for v in vs}
                        | dict.fromkeys(send))
@@ -425,7 +432,8 @@ class CommandRouter:
         # Only a flush's answer is held against its pool's count (``checked_answer``), and the
         # counts of every target come from one scan of the fleet: a snapshot of 8,192 agent ids
         # cost the hub thread seconds when each target's count was a scan (round 5).
-        now_keys = (self.fleet.pool_keys(pend.expected) if pend.req.command == "flush"
+        now_keys = (self.fleet.pool_keys(pend.expected, pend.closed)
+                    if pend.req.command == "flush"
                     else {})
         for a in pend.expected:
             pend.replies[a] = checked_answer(pend.req, pend.replies[a], (

@@ -105,7 +105,7 @@ from kvpool_agent._reuse_service import (
     pool_capacity_tokens,
 )
 from kvpool_agent._work_budget import WORK_UNITS_PER_MIN
-from kvpool_agent.auth import AllowList, bound_elsewhere, bound_engine
+from kvpool_agent.auth import AllowList, bound_elsewhere, bound_engine, bound_pool
 from kvpool_agent.key_caps import (
     MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
     MAX_AGENT_CONNECTIONS_PER_KEY,
@@ -595,7 +595,8 @@ class FleetHub:
         key = self._sockets.key_name("agents", identity)
         bound = self.allow is not None and bound_engine(key) is not None
         refused = ((bound_elsewhere(key, rep.state.source) if self.allow is not None else None)
-                   or self._fleet.accept(rid, rep, identity, bound=bound))
+                   or self._fleet.accept(rid, rep, identity, bound=bound,
+                                         pool=bound_pool(key) or ""))
         if refused is not None:
             if refused.startswith("takeover:"):
                 self.counters.takeover_refused += 1

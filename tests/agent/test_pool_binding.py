@@ -1,0 +1,318 @@
+"""Issue 42, pool membership proven by the operator's authorization (``kvpool-agent authorize
+--pool``): an agent key bound to a pool reports only for it, and once a key is bound to a pool
+only keys bound to it receive that pool's pool-wide commands and count in its totals. Each
+attack against a real keyed hub (real ZMQ, CURVE keys of the test's own) asserts it had no
+effect; the honest bound member's flush removes the keys of a real ``mooncake_master``."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+import zmq.auth
+from agent_testlib import FakeAgent, make_source, wait_until
+
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, local_fleet_keys, start_agent
+from kvpool_agent._fleet import Fleet
+from kvpool_agent.auth import (
+    AllowList,
+    Role,
+    authorize_key,
+    bound_elsewhere,
+    bound_engine,
+    bound_pool,
+    generate_keys,
+)
+from kvpool_agent.cli import main as agent_main
+from kvpool_agent.protocol import (
+    PROTOCOL_VERSION,
+    CommandReply,
+    CommandRequest,
+    EngineState,
+    FlushArgs,
+    FlushResult,
+    PoolStats,
+    Report,
+    Source,
+    decode,
+    encode,
+)
+from kvpool_connector.keys import ParallelLayout, PoolKey
+from kvpool_connector.operations import BackendOperations
+from kvpool_replay import LocalMooncakeMaster
+
+DIGEST = "0123456789ab"
+_VALUE = 4096
+_FORGED = 4242
+
+
+# -- keys and names (no sockets) -------------------------------------------------------------
+
+def _agent_key(tmp_path: Path, hub: KeyPaths, name: str, *, engine: str | None = None,
+               pool: str | None = None) -> KeyPaths:
+    """A fresh agent key pair with the hub's ``hub.key``, authorized on ``hub`` bound to
+    ``engine`` and/or ``pool`` (``kvpool-agent authorize --engine/--pool``)."""
+    d = generate_keys(tmp_path / name, "agent")
+    (d.root / "hub.key").write_bytes(hub.hub_public.read_bytes())
+    authorize_key(hub.root, "agent", d.public("agent"), None if engine else name, engine, pool)
+    return d
+
+
+def test_authorize_pool_names_the_file_and_binds_reports_to_the_pool(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pool`` alone and with ``--engine``: the file names the pool (quoted: an HA pool's
+    ``etcd://`` has slashes), the hub reads the binding back from the name, a report for
+    another pool is refused, and ``AllowList.bound_pools`` lists the pools. A second binding
+    of one key is refused (one of the two would be lifted)."""
+    hub = generate_keys(tmp_path / "hub", "hub")
+    key = generate_keys(tmp_path / "a", "agent").public("agent")
+    assert agent_main(["authorize", "--role", "agent", str(hub.root), str(key),
+                       "--engine", "p0", "--pool", "10.0.0.1:50051"]) == 0
+    assert "p0.engine@10.0.0.1:50051.pool.key" in capsys.readouterr().out
+    name = "agent/p0.engine@10.0.0.1:50051.pool"
+    assert (bound_engine(name), bound_pool(name)) == ("p0", "10.0.0.1:50051")
+    store = generate_keys(tmp_path / "s", "agent").public("agent")
+    dest = authorize_key(hub.root, "agent", store, "store-a", pool="etcd://10.0.0.9:2379")
+    assert dest.name == "store-a@etcd:%2F%2F10.0.0.9:2379.pool.key"
+    assert (bound_engine(f"agent/{dest.stem}"), bound_pool(f"agent/{dest.stem}")) == (
+        None, "etcd://10.0.0.9:2379")
+    assert bound_pool("agent/prefill-0.engine") is None and bound_pool("agent/agent") is None
+    assert bound_elsewhere(name, make_source("p0", master="10.0.0.1:50051")) is None
+    why = bound_elsewhere(name, make_source("p0", master="10.0.0.2:50051"))
+    assert why is not None and why.startswith("takeover:") and "pool" in why
+    allow = AllowList(hub.authorized_dir, {"agents": ("agent",)})
+    assert allow.bound_pools() == {"10.0.0.1:50051", "etcd://10.0.0.9:2379"}
+    with pytest.raises(ValueError, match="authorized already"):
+        authorize_key(hub.root, "agent", key, engine="p1")
+    with pytest.raises(ValueError, match="--pool"):
+        authorize_key(hub.root, "viewer", key, pool="10.0.0.1:50051")
+    # The same key authorized fleet-wide beside its binding: the binding holds.
+    authorize_key(hub.root, "agent", key, "zz-fleet-copy")
+    public, _ = zmq.auth.load_certificate(str(hub.authorized("agent") / "zz-fleet-copy.key"))
+    assert allow.name("agents", public) == name
+
+
+def _report(engine: str, key: str, master: str, keys: int) -> Report:
+    src = make_source(engine, master=master, layout_digest=DIGEST)
+    return Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=EngineState(
+        source=src, started_ms=1.0, ts_ms=1.0, pool=PoolStats(backend="mooncake", keys=keys)))
+
+
+def test_a_closed_pools_counts_and_verifiers_are_its_members_only() -> None:
+    """The fleet's rules, without sockets: of a pool some key is bound to (``closed``) only the
+    bound keys' agents are targets, key counts and verifiers; other keys' claims stay in the
+    fleet's state. Without a bound pool the earlier rules hold (a fleet-wide key first)."""
+    fleet, pool = Fleet(), "10.0.0.7:50051"
+    flush_all = CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="r", command="flush",
+                               flush=FlushArgs(scope="all", dry_run=False))
+    # Older claimants: two engine-bound keys and a fleet-wide one, then the two members.
+    assert fleet.accept(b"c1", _report("col-1", "k1", pool, _FORGED), "k1", bound=True) is None
+    assert fleet.accept(b"c2", _report("col-2", "k2", pool, _FORGED), "k2", bound=True) is None
+    assert fleet.accept(b"fw", _report("fw", "kf", pool, _FORGED), "kf") is None
+    assert fleet.accept(b"m1", _report("mem-1", "km1", pool, 6), "km1", bound=True,
+                        pool=pool) is None
+    assert fleet.accept(b"m2", _report("mem-2", "km2", pool, 7), "km2", bound=True,
+                        pool=pool) is None
+    closed = frozenset({pool})
+    assert fleet.targets(flush_all) == (["fw/dp0.tp0.pp0"], None, [])  # nothing bound
+    assert fleet.targets(flush_all, closed) == (["mem-1/dp0.tp0.pp0"], None, [])
+    assert fleet.pool_keys(["mem-1/dp0.tp0.pp0"], closed) == {"mem-1/dp0.tp0.pp0": 7}
+    assert fleet.pool_keys(["col-1/dp0.tp0.pp0"], closed) == {"col-1/dp0.tp0.pp0": 7}
+    found = fleet.pool_verifiers(["mem-1/dp0.tp0.pp0"], closed=closed)
+    assert {k: v.keys for k, v in found["mem-1/dp0.tp0.pp0"].items()} == {
+        "mem-2/dp0.tp0.pp0": 7}
+    assert len(fleet.states()) == 5  # the claims are still shown
+    # Members gone: the closed pool gets nothing, and the operator is told.
+    fleet.forget(["mem-1", "mem-2"])
+    ids, problem, refused = fleet.targets(flush_all, closed)
+    assert ids == [] and problem is not None and refused == [pool]
+
+
+# -- live: a real keyed hub ---------------------------------------------------------------------
+
+class _Claimant:
+    """An agent of ``src`` on its own connection with ``keys``, reporting every 0.1 s with its
+    pool at ``pool_keys`` and answering every flush with "removed ``answer`` of ``answer``"
+    (every other command: ok), recording what it received; on its own thread."""
+
+    def __init__(self, address: str, keys: KeyPaths, src: Source, pool_keys: int,
+                 answer: int) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.fake = FakeAgent(self.ctx, address, keys=keys.client("agent"))
+        self.src, self.pool_keys, self.answer = src, pool_keys, answer
+        self.received: list[CommandRequest] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.fake.report(self.src, send_timeout_ms=100,
+                             pool=PoolStats(backend="mooncake", keys=self.pool_keys))
+            while self.fake.sock.poll(100):
+                msg = decode(self.fake.sock.recv())
+                if not isinstance(msg, CommandRequest):
+                    continue
+                self.received.append(msg)
+                dry = msg.flush is not None and msg.flush.dry_run
+                self.fake.seq += 1
+                self.fake.sock.send(encode(CommandReply(
+                    v=PROTOCOL_VERSION, seq=self.fake.seq, request_id=msg.request_id,
+                    agent_id=self.src.agent_id, ok=True,
+                    flush=FlushResult(dry_run=dry, keys=self.answer, bytes=self.answer,
+                                      removed_keys=0 if dry else self.answer)
+                    if msg.command == "flush" else None)))
+
+    def __enter__(self) -> _Claimant:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def own_keys(tmp_path: Path) -> dict[Role, KeyPaths]:
+    """Every role's keys of this test alone: a pool bound here never binds another test's
+    hub (the session's ``fleet_keys`` are shared)."""
+    return local_fleet_keys(tmp_path / "keys")
+
+
+@pytest.fixture
+def bound_hub(hub_address: str, own_keys: dict[Role, KeyPaths],
+              tmp_path: Path) -> Iterator[FleetHub]:
+    kp = own_keys["hub"]
+    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                  snapshot_interval_s=1.0) as h:
+        yield h
+
+
+def _flush_all(address: str, operator: KeyPaths, timeout_ms: int = 10_000,
+               ) -> list[CommandReply]:
+    with FleetClient(address, keys_dir=operator.root) as op:
+        return op.command("flush", flush=FlushArgs(scope="all", dry_run=False),
+                          timeout_ms=timeout_ms)
+
+
+def test_a_key_bound_to_another_pool_gets_nothing_of_the_pool_it_claims(
+    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+) -> None:
+    """An insider's key bound to its own pool Q (and engine) claims pool P, which a key bound
+    to P serves, reporting P at 4,242 keys. Its reports are refused and counted against its
+    key, it never appears in the fleet, receives no ``flush --scope all``, and its forged count
+    is not P's: the member's true "removed 7 of 7" is done, not suspect."""
+    pool, other = "10.0.0.41:50051", "10.0.0.42:50051"
+    member = _agent_key(tmp_path, own_keys["hub"], "mem-a", engine="mem-a", pool=pool)
+    evil = _agent_key(tmp_path, own_keys["hub"], "imp-a", engine="imp-a", pool=other)
+    msrc = make_source("mem-a", master=pool, layout_digest=DIGEST)
+    isrc = make_source("imp-a", master=pool, layout_digest=DIGEST)
+    with _Claimant(hub_address, member, msrc, 7, 7) as honest, \
+            _Claimant(hub_address, evil, isrc, _FORGED, _FORGED) as impostor:
+        wait_until(lambda: msrc.agent_id in bound_hub.fleet()
+                   and bound_hub.takeover_refused >= 3, 30)
+        assert msrc.agent_id in bound_hub.fleet()
+        got = _flush_all(hub_address, own_keys["operator"])
+        refused_key = "agent/imp-a.engine@10.0.0.42:50051.pool"
+        assert bound_hub.refused_by_key.get(refused_key, 0) >= 3, bound_hub.refused_by_key
+        assert isrc.agent_id not in bound_hub.fleet()
+    assert impostor.received == []
+    assert [r.agent_id for r in got] == [msrc.agent_id], got
+    (r,) = got
+    assert r.ok and r.suspect is None and r.flush is not None and r.flush.removed_keys == 7, r
+    assert [c.command for c in honest.received] == ["flush"]
+
+
+@pytest.fixture
+def real_keys(mooncake_backend: Any, pool_buffer: ctypes.Array[ctypes.c_char],
+              model: str) -> Iterator[list[str]]:
+    """Six keys of ``model`` really stored in the agent tests' pool."""
+    keys = [str(PoolKey(model, DIGEST, ParallelLayout(), f"{i:032x}")) for i in range(6)]
+    codes = mooncake_backend.batch_put_from(
+        keys, [[ctypes.addressof(pool_buffer)]] * len(keys), [[_VALUE]] * len(keys))
+    assert codes == [0] * len(keys)
+    yield keys
+    mooncake_backend.remove_by_scope(f"^kvpool@{model}", dry_run=False, force=True)
+
+
+def _all_keys(master: LocalMooncakeMaster) -> set[str]:
+    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
+    r.raise_for_status()
+    return {k for k in r.text.splitlines() if k}
+
+
+def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
+    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+    mooncake_backend: Any, agent_master: LocalMooncakeMaster, model: str,
+    real_keys: list[str],
+) -> None:
+    """Two colluding engine-bound keys and the fleet-wide key claim the real pool P, older than
+    its real worker, reporting P at 4,242 keys and answering every flush "removed 4242 of
+    4242". P is bound to the real worker's key (``authorize --engine eng-m --pool P``).
+    Before the worker comes, ``flush --scope all`` and ``pins`` reach none of them (the
+    operator is told P was left out); after, both go to the real worker alone, its flush
+    really removes P's keys from the master, its true count is not made suspect by the
+    claimants' 4,242, and the claimants, still shown in the fleet, received nothing."""
+    pool = agent_master.address
+    member = _agent_key(tmp_path, own_keys["hub"], "eng-m", engine="eng-m", pool=pool)
+    colluders = [_agent_key(tmp_path, own_keys["hub"], e, engine=e) for e in ("col-1", "col-2")]
+    sources = [make_source(e, model=model, master=pool, layout_digest=DIGEST)
+               for e in ("col-1", "col-2", "fw-1")]
+    with _Claimant(hub_address, colluders[0], sources[0], _FORGED, _FORGED) as c1, \
+            _Claimant(hub_address, colluders[1], sources[1], _FORGED, _FORGED) as c2, \
+            _Claimant(hub_address, own_keys["agent"], sources[2], _FORGED, _FORGED) as fw:
+        wait_until(lambda: {s.agent_id for s in sources} <= set(bound_hub.fleet()), 30)
+        assert {s.agent_id for s in sources} <= set(bound_hub.fleet())
+        before = _flush_all(hub_address, own_keys["operator"])
+        assert [r.agent_id for r in before] == ["hub"], before
+        assert not before[0].ok and before[0].error is not None and pool in before[0].error
+        src = make_source("eng-m", model=model, master=pool, layout_digest=DIGEST)
+        worker = start_agent(src, address=hub_address, pool_admin_url=agent_master.admin_url,
+                             keys_dir=member.root, operations=BackendOperations(
+                                 mooncake_backend, src,
+                                 key_scope=(model, DIGEST, (ParallelLayout(),))))
+        try:
+            aid = worker.source.agent_id
+
+            def counted() -> int:
+                st = bound_hub.fleet().get(aid)
+                return st[0].pool.keys if st is not None and st[0].pool is not None else 0
+
+            # The worker's first measurement of the master (every 2 s) holds the keys.
+            wait_until(lambda: counted() >= len(real_keys), 30)
+            assert counted() >= len(real_keys)
+            with FleetClient(hub_address, keys_dir=own_keys["operator"].root) as op:
+                listed = op.command("pins", timeout_ms=10_000)
+            got = _flush_all(hub_address, own_keys["operator"], 15_000)
+        finally:
+            worker.stop()
+        shown = bound_hub.fleet()
+        assert all(shown[s.agent_id][0].source.master == pool for s in sources)
+    assert (c1.received, c2.received, fw.received) == ([], [], [])
+    assert [r.agent_id for r in listed] == [aid], listed
+    assert [r.agent_id for r in got] == [aid], got
+    (r,) = got
+    assert r.ok and r.suspect is None and r.flush is not None, r
+    assert r.flush.removed_keys >= len(real_keys), r
+    assert not set(real_keys) & _all_keys(agent_master)
+
+
+def test_without_a_bound_pool_the_agreement_rules_hold(
+    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+) -> None:
+    """No key bound to any pool (a deployment of today): a pool reported by the fleet-wide key
+    gets its ``flush --scope all`` as before, through that key's agent."""
+    src = make_source("fw-2", master="10.0.0.51:50051")
+    with _Claimant(hub_address, own_keys["agent"], src, 7, 7) as fw:
+        wait_until(lambda: src.agent_id in bound_hub.fleet(), 30)
+        got = _flush_all(hub_address, own_keys["operator"])
+    assert [r.agent_id for r in got] == [src.agent_id] and got[0].ok, got
+    assert [c.command for c in fw.received] == ["flush"]
+    assert got[0].flush is not None and got[0].flush.removed_keys == 7
