@@ -375,8 +375,13 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
             raise ValueError(f"this key is authorized already as {other.name}, bound "
                              "otherwise: remove that file, then give --engine and --pool "
                              "in one call")
-    shutil.copyfile(src, dest)
-    os.chmod(dest, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
+    # Written beside it and renamed over it: a key replaced under its own name changes the
+    # directory, which is what makes a running hub read its keys again (``AllowList``);
+    # rewritten in place, the hub kept the old key and refused the new one.
+    tmp = dest_dir / f".{dest.name}.tmp"
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
+    os.replace(tmp, dest)
     return dest
 
 

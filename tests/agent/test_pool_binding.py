@@ -98,6 +98,35 @@ def test_authorize_pool_names_the_file_and_binds_reports_to_the_pool(
     assert allow.name("agents", public) == name
 
 
+def test_a_key_authorized_again_under_its_name_takes_effect_on_a_running_hub(
+        tmp_path: Path) -> None:
+    """``authorize`` of a new key under an existing name (a rotated engine key, or a test
+    session's second key for one engine id) rewrote the file in place: the directory did not
+    change, so a hub that had read its keys kept the old one and refused the new one
+    (test_hub_attacks_r5's forged-pin test failed after test_hub_review for that: its real-0
+    key was refused and the pool was left out). Now the file is renamed over the old one."""
+    hub = generate_keys(tmp_path / "hub", "hub")
+    old, new = (generate_keys(tmp_path / n, "agent").public("agent") for n in ("o", "n"))
+    authorize_key(hub.root, "agent", old, engine="real-0")
+    allow = AllowList(hub.authorized_dir, {"agents": ("agent",)})
+    old_z85, new_z85 = (zmq.auth.load_certificate(str(k))[0] for k in (old, new))
+    assert allow.name("agents", old_z85) == "agent/real-0.engine"
+    # The directory's times tick with the kernel's coarse clock: a change within the same tick
+    # as the read would look like none (a limit of reading on changed times, not this test's).
+    probe = tmp_path / "probe"
+    stamp = hub.authorized("agent").stat().st_mtime_ns
+
+    def ticked() -> bool:
+        probe.write_bytes(b"")
+        return probe.stat().st_mtime_ns > stamp
+
+    wait_until(ticked, 30)
+    authorize_key(hub.root, "agent", new, engine="real-0")
+    assert allow.name("agents", new_z85) == "agent/real-0.engine"
+    assert allow.name("agents", old_z85) is None
+    assert sorted(p.name for p in hub.authorized("agent").iterdir()) == ["real-0.engine.key"]
+
+
 def _report(engine: str, key: str, master: str, keys: int) -> Report:
     src = make_source(engine, master=master, layout_digest=DIGEST)
     return Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=EngineState(
