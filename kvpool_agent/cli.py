@@ -9,7 +9,8 @@ Examples::
     kvpool-agent hub --address tcp://0.0.0.0:7600 --keys /etc/kvpool/hub \\
         --audit-file /var/log/kvpool-audit.jsonl
     kvpool-agent hub --address tcp://0.0.0.0:7600 --insecure   # a lab without keys
-    kvpool-agent store --hub tcp://10.0.0.1:7600 --admin-url http://127.0.0.1:9003
+    kvpool-agent store --hub tcp://10.0.0.1:7600 --admin-url http://127.0.0.1:9003 \\
+        --master-server-address 10.0.0.1:50051
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import zmq
 
 from kvpool_agent._audit import AUDIT_BACKUPS, AUDIT_MAX_BYTES
 from kvpool_agent._hub_memory import MEMORY_LIMIT_MB, return_large_blocks_to_os
+from kvpool_agent._store_agent import add_master_option, master_of, store_source
 from kvpool_agent.agent import start_agent
 from kvpool_agent.auth import (
     CLIENT_ROLES,
@@ -44,7 +46,6 @@ from kvpool_agent.key_caps import (
     MAX_CONNECTIONS_PER_KEY,
     MAX_SUBSCRIBERS_PER_KEY,
 )
-from kvpool_agent.protocol import Source
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = ["main"]
@@ -169,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--high-watermark", type=float, default=0.9, help="eviction_high_watermark_ratio"
     )
+    add_master_option(s)
     return p
 
 
@@ -317,16 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            src = Source(
-                agent_id=args.engine_id,
-                engine_id=args.engine_id,
-                instance_role="mixed",
-                kv_role="kv_both",
-                process_role="store",
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                backend="mooncake",
-            )
+            src = store_source(args.engine_id, master_of(args))
             stop = _stop_on_signal()
             handle = start_agent(
                 src,

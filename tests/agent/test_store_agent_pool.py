@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -65,6 +67,16 @@ def handles() -> Iterator[list[AgentHandle]]:
         h.stop()
 
 
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+
+
 def _scrape(states: dict[str, tuple[EngineState, float]]) -> dict[str, dict[str, float]]:
     """Family -> pool label -> value of the hub's pool families over ``states``."""
     reg = CollectorRegistry()
@@ -79,13 +91,16 @@ def _scrape(states: dict[str, tuple[EngineState, float]]) -> dict[str, dict[str,
 
 def test_a_store_agent_and_a_worker_of_one_master_are_one_pool(
         hub: FleetHub, hub_address: str, agent_master: LocalMooncakeMaster,
-        handles: list[AgentHandle], tmp_path: Path) -> None:
-    """The store agent as ``kvpool-agent store --master-server-address`` starts it, and a
+        handles: list[AgentHandle], procs: list[subprocess.Popen[bytes]]) -> None:
+    """The store agent a ``kvpool-agent store --master-server-address`` process runs, and a
     worker agent as the connector starts it (``Source.master`` = ``master_server_address``),
-    both reading the one real master's admin port, both with the fleet's agent key."""
+    both reading the one real master's admin port, both with the fleet's agent key (the
+    ``hub`` fixture's ``KVPOOL_AGENT_KEYS``)."""
     address = agent_master.address
-    handles.append(start_agent(store_source("store-1", address), address=hub_address,
-                               pool_admin_url=agent_master.admin_url))
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "kvpool_agent.cli", "store", "--hub", hub_address,
+         "--admin-url", agent_master.admin_url, "--master-server-address", address,
+         "--engine-id", "store-1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     worker = Source(agent_id="e0/dp0.tp0.pp0", engine_id="e0", instance_role="mixed",
                     kv_role="kv_both", process_role="worker", backend="mooncake",
                     master=address)
@@ -111,3 +126,8 @@ def test_a_store_agent_and_a_worker_of_one_master_are_one_pool(
     view = build_view({k: st for k, (st, _) in states.items()},
                       {k: seen for k, (_, seen) in states.items()}, time.time() * 1e3)
     assert [p.name for p in view.pools] == [pool]
+    store = procs[0]
+    store.send_signal(signal.SIGTERM)
+    assert store.wait(30) == 0
+    out = store.stdout.read().decode() if store.stdout is not None else ""
+    assert "--master-server-address" not in out  # no warning: the master was given
