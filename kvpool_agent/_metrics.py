@@ -7,12 +7,13 @@ console's engine row) and per pool (labels ``pool``, ``backend``; a pool named a
 names it, ``kvpool_agent.pool_readings.pool_name``: ``backend@master`` when its agents know
 their master). A pool's figures are its trusted reading, not its newest report's
 (``kvpool_agent.pool_readings``, issue 42: one agent key reporting a pool healthy with 0 B set
-them, so raised ``KvpoolPoolNoSegments``): the engines' newest readings when they agree on the
-pool's health, memory and disk capacity (or a store agent's the caller vouches for:
-``engine_bound``); while they disagree no figure of the pool is exported, only
-``kvpool_pool_readings_agree 0``. Names and units follow Prometheus conventions: counters
-end in ``_total``, sizes in ``_bytes``, spans in ``_seconds``, instants are
-``_timestamp_seconds`` (Unix time), fractions ``_ratio``. Every family's name and help come
+them, so raised ``KvpoolPoolNoSegments``): a store agent's the hub vouches for (its key
+neither bound to one engine nor claiming a pool closed to it: ``Fleet.members``), else the
+engines' newest readings when they agree on the pool's health, memory and disk capacity;
+while they disagree no figure of the pool is exported, only ``kvpool_pool_readings_agree 0``.
+Names and units follow Prometheus conventions: counters end in ``_total``, sizes in
+``_bytes``, spans in ``_seconds``, instants are ``_timestamp_seconds`` (Unix time), fractions
+``_ratio``. Every family's name and help come
 from the counter catalogue (``kvpool_agent.ledger``): a family the catalogue does not list
 cannot be exported.
 
@@ -37,7 +38,7 @@ alert rules over these series, and Prometheus itself exports the firing ones (``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -151,9 +152,10 @@ class FleetCollector(Collector):
             memory (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
             ``other_digest``), applied to ``kvpool_miss_tokens_total`` with
             ``_misses.split_not_in_pool``; ``None``: ``not_in_pool`` is exported unsplit.
-        engine_bound: the agent ids whose key is bound to one engine (``Fleet.members``); a
-            store agent's reading is the pool's value only when its key is not
-            (``pool_readings``, rule 2). ``None``: no store agent is vouched for, every
+        members: ``Fleet.members`` with the pools closed to other keys: agent ids -> (source,
+            identity, whether what it reports is its own claim: an engine-bound key, or a
+            pool closed to its key). A store agent's reading is the pool's value only when
+            not (``pool_readings``, rule 2). ``None``: no store agent is vouched for, every
             pool's value is its agreed reading (rule 3).
     """
 
@@ -165,9 +167,9 @@ class FleetCollector(Collector):
         clock_ms: Callable[[], float],
         reuse_ceilings: Callable[[], Mapping[str, Ceiling]] | None = None,
         miss_split: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
-        engine_bound: Callable[[], Collection[str]] | None = None,
+        members: Callable[[list[str]], Mapping[str, tuple[object, str, bool]]] | None = None,
     ) -> None:
-        self._engine_bound = engine_bound
+        self._members = members
         self._states = states
         self._miss_split = miss_split
         self._reuse_ceilings = reuse_ceilings
@@ -306,11 +308,12 @@ class FleetCollector(Collector):
     def _pools(self, fams: _Families, states: list[EngineState]) -> None:
         """Each pool's trusted reading (``kvpool_agent.pool_readings``): its figures, and
         ``pool_readings_agree`` 1; readings that disagree: ``pool_readings_agree`` 0 alone."""
-        bound = self._engine_bound() if self._engine_bound is not None else None
+        stores = [st.source.agent_id for st in states if st.source.process_role == "store"]
+        vouched = ({k for k, (_, _, own) in self._members(stores).items() if not own}
+                   if self._members is not None and stores else set())
 
         def store(st: EngineState) -> bool:
-            return (bound is not None and st.source.process_role == "store"
-                    and st.source.agent_id not in bound)
+            return st.source.process_role == "store" and st.source.agent_id in vouched
 
         readings = newest_readings(states, _POOL_READERS)
         for name in sorted(readings):

@@ -445,7 +445,9 @@ class FleetHub:
     def _collector(self) -> FleetCollector:
         return FleetCollector(self._fleet.states, lambda: dict(self.seq_tracker.gaps),
                               self.counters.metrics, lambda: time.time() * 1e3,
-                              self.reuse.ceilings, self.reuse.not_in_pool)
+                              self.reuse.ceilings, self.reuse.not_in_pool,
+                              lambda ids: self._fleet.members(ids, self.allow.bound_pools()
+                                                              if self.allow else frozenset()))
 
     # -- the thread --------------------------------------------------------------------------
 

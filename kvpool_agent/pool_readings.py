@@ -21,11 +21,11 @@ The rule:
    ``STALE_AFTER_MS`` (3 s) older than the pool's newest reading, so a stopped engine's last
    reading neither outvotes nor softens the others.
 2. **The store agent.** A reading the caller vouches for as a store agent's (the hub: an agent
-   of ``process_role`` ``"store"`` whose key is not bound to one engine; an engine-bound key
-   may claim the role, and then counts as its engine does) is the pool's value when it is
-   fresh and checked (``healthy`` not ``None``), the newest such if several. ``FleetHub`` does
-   not vouch for any yet (its ``FleetCollector`` gets no ``engine_bound``): there the store
-   agent's reading weighs as one engine's under rule 3.
+   of ``process_role`` ``"store"`` whose key is neither bound to one engine nor claiming a
+   pool bound to other keys, ``Fleet.members``; any key may claim the role, and an unvouched
+   store agent counts as an engine does) is the pool's value when it is fresh and checked
+   (``healthy`` not ``None``), the newest such if several. The console knows no keys: it
+   vouches for none.
 3. **Agreement.** Else the fresh readings that were checked (``healthy`` not ``None``; all of
    them when none was) agree when they carry one :func:`shape`: the health check's outcome,
    the bytes of mounted segments and the disk tier's capacity. These change only when a

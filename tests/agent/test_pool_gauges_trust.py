@@ -62,10 +62,14 @@ def _liar(p: PoolStats) -> dict[str, EngineState]:
 
 
 def _scrape(states: dict[str, EngineState],
-            engine_bound: Callable[[], set[str]] | None = None) -> Samples:
+            own_claims: set[str] | None = None) -> Samples:
+    """``own_claims``: agent ids the hub does not vouch for (``Fleet.members``' third
+    element); ``None``: no key knowledge (no store agent vouched for)."""
+    members = None if own_claims is None else (
+        lambda ids: {k: (None, "", k in own_claims) for k in ids})
     reg = CollectorRegistry()
     reg.register(FleetCollector(lambda: {a: (st, st.ts_ms) for a, st in states.items()},
-                                dict, dict, lambda: NOW_MS, engine_bound=engine_bound))
+                                dict, dict, lambda: NOW_MS, members=members))
     return [(s.name, dict(s.labels), s.value)
             for fam in text_string_to_metric_families(generate_latest(reg).decode())
             for s in fam.samples]
@@ -179,10 +183,10 @@ def test_the_store_agents_reading_is_the_pools_when_its_key_is_not_engine_bound(
     agent may say ``process_role="store"``) weighs as its engine does."""
     store = _agent("store@m1", _pool(10 * GB), role="store", age_ms=500)
     states = _agent("a", _pool(0)) | _liar(_pool(0)) | store
-    vouched = _scrape(states, engine_bound=lambda: {"x/dp0.tp0.pp0"})
+    vouched = _scrape(states, own_claims={"x/dp0.tp0.pp0"})
     assert _value(vouched, "kvpool_pool_total_bytes") == 10 * GB
     assert _pools_firing("KvpoolPoolNoSegments", vouched) == set()
-    claimed = _scrape(states, engine_bound=lambda: {"store@m1"})
+    claimed = _scrape(states, own_claims={"store@m1"})
     assert _value(claimed, "kvpool_pool_total_bytes") is None
     # Without the hub's key knowledge no store agent is vouched for.
     assert _value(_scrape(states), "kvpool_pool_total_bytes") is None

@@ -77,10 +77,10 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait(30)
 
 
-def _scrape(states: dict[str, tuple[EngineState, float]]) -> dict[str, dict[str, float]]:
-    """Family -> pool label -> value of the hub's pool families over ``states``."""
+def _scrape(collector: FleetCollector) -> dict[str, dict[str, float]]:
+    """Family -> pool label -> value of the pool families ``collector`` exports."""
     reg = CollectorRegistry()
-    reg.register(FleetCollector(lambda: states, dict, dict, lambda: time.time() * 1e3))
+    reg.register(collector)
     out: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in fam.samples:
@@ -119,10 +119,14 @@ def test_a_store_agent_and_a_worker_of_one_master_are_one_pool(
         time.sleep(0.2)
     pool = f"mooncake@{address}"
     assert {pool_name(st) for st, _ in states.values()} == {pool}
-    scraped = _scrape(states)
-    assert scraped["kvpool_pool_readings_agree"] == {pool: 1}
-    assert set(scraped["kvpool_pool_total_bytes"]) == {pool}
-    assert scraped["kvpool_pool_healthy"] == {pool: 1}
+    # The hub's own collector (the store agent's key is the fleet's, not bound to one engine:
+    # vouched for) and one over the same states without key knowledge (agreement alone).
+    for collector in (hub._collector(),
+                      FleetCollector(lambda: states, dict, dict, lambda: time.time() * 1e3)):
+        scraped = _scrape(collector)
+        assert scraped["kvpool_pool_readings_agree"] == {pool: 1}
+        assert set(scraped["kvpool_pool_total_bytes"]) == {pool}
+        assert scraped["kvpool_pool_healthy"] == {pool: 1}
     view = build_view({k: st for k, (st, _) in states.items()},
                       {k: seen for k, (_, seen) in states.items()}, time.time() * 1e3)
     assert [p.name for p in view.pools] == [pool]
