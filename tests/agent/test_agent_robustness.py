@@ -125,14 +125,14 @@ def test_sequence_gaps_are_detected_by_hub_and_console(
     for seq in (1, 2, 5, 6, 9):
         dealer.send(_report("gappy", seq, "snapshot" if seq == 1 else "delta"))
     with FleetClient(hub_address) as c:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while c.fleet().get("gappy") is None or c.fleet()["gappy"].report_gaps < 4:
             assert time.monotonic() < deadline, c.fleet().get("gappy")
             c.updates(100)
     assert hub.gaps == 4 and hub.seq_tracker.gaps == {"gappy": 4}
     # A sender whose seq starts again from 1 restarted: not a gap.
     dealer.send(_report("gappy", 1, "snapshot"))
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30
     while hub.seq_tracker.restarts < 1:
         assert time.monotonic() < deadline
         time.sleep(0.02)
@@ -152,7 +152,7 @@ def test_console_detects_gaps_in_fleet_updates(hub_address: str) -> None:
             upd = FleetUpdate(v=PROTOCOL_VERSION, seq=seq, kind="delta", ts_ms=1.0, engines=[])
             pub.send(encode(upd))
         got = 0
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30
         while got < 3 and time.monotonic() < deadline:
             got += len(c.updates(100))
         assert got == 3 and c.gaps.total_gaps == 2
@@ -181,7 +181,7 @@ def test_no_hub_never_blocks_and_memory_stays_bounded(hub_address: str) -> None:
         per_event_us = (time.perf_counter() - t0) / n * 1e6
         assert per_event_us < 20, per_event_us
         assert rep.depth <= 65_536
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while h.counters["reports_dropped"] < 2:
             assert time.monotonic() < deadline, h.counters
             time.sleep(0.05)
@@ -335,7 +335,7 @@ def test_ten_thousand_fuzzed_frames_are_counted_and_harmless(
         h.reporter.loaded("after-fuzz", 50)
         req = CommandRequest(v=PROTOCOL_VERSION, seq=2, request_id="ok?", command="snapshot")
         router.send_multipart([rid, encode(req)])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while True:
             assert router.poll(int(max(0.0, deadline - time.monotonic()) * 1000))
             _, frame = router.recv_multipart()

@@ -109,7 +109,7 @@ def test_a_multipart_flood_split_over_connections_leaves_the_hub_serving_the_ope
     with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
         (r,) = op.command("forget", targets=["no-such-engine"], timeout_ms=2_000)
         assert r.agent_id == "hub" and "no agent or engine named" in (r.error or ""), r
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         updates: list[FleetUpdate] = []
         while not (updates and op.hub_counters) and time.monotonic() < deadline:
             updates += op.updates(200)
@@ -404,7 +404,7 @@ def test_a_viewers_unknown_subscription_leaves_the_hub_serving_the_operator(
                    and op.hub_counters.get("bad_messages", 0) >= 1, 10)
         (r,) = op.command("forget", targets=["no-such-engine"], timeout_ms=2_000)
         assert r.agent_id == "hub" and "no agent or engine named" in (r.error or ""), r
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         updates: list[FleetUpdate] = []
         while not updates and time.monotonic() < deadline:
             updates = op.updates(200)

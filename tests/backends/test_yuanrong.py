@@ -27,9 +27,11 @@ NUM_BLOCKS = 12
 
 
 def backend_for(worker: LocalYuanrongWorker, **extra: object) -> YuanrongBackend:
+    # The product's default timeouts (5 s): four threads' calls at 1 s timed out once on a
+    # loaded CI-like machine (load average 16).
     return YuanrongBackend.from_config({
-        "yuanrong_worker_address": worker.address, "yuanrong_request_timeout_ms": 1000,
-        "yuanrong_connect_timeout_ms": 2000,
+        "yuanrong_worker_address": worker.address, "yuanrong_request_timeout_ms": 5000,
+        "yuanrong_connect_timeout_ms": 5000,
         "yuanrong_shared_memory_size_mb": worker.shared_memory_size_mb, **extra})
 
 
@@ -241,12 +243,20 @@ def test_health_and_stats(backend: YuanrongBackend, yuanrong_worker: LocalYuanro
     with_log = YuanrongBackend.from_config({
         "yuanrong_worker_address": yuanrong_worker.address,
         "yuanrong_log_dir": str(yuanrong_worker.log_dir)})
-    time.sleep(1.2)  # the log is written every 500 ms: let it catch up with earlier writes
+    # The log is written every 500 ms: polled until it caught up with earlier writes (two
+    # reads a log interval apart agree).
+    deadline = time.monotonic() + 30
     first = with_log.stats()
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        again = with_log.stats()
+        if again.keys == first.keys and first.keys > 0 and first.used_bytes > 0:
+            break
+        first = again
     assert first.total_bytes == 256 << 20 and first.keys > 0 and first.used_bytes > 0
     big = CACHES["cpu_large"]()
     assert put_blocks(with_log, keys_for(uniq("stats-log"), 3), big, [0, 1, 2]) == [0, 0, 0]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while (now := with_log.stats()).keys < first.keys + 3 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert now.keys == first.keys + 3, (first, now)

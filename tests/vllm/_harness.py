@@ -72,8 +72,8 @@ class Pool:
 
 
 def agent_states(hub: FleetHub, engine_id: str, role: str) -> list[EngineState]:
-    """States of engine ``engine_id``'s ``role`` agents, waiting up to 5 s for one."""
-    deadline = time.monotonic() + 5
+    """States of engine ``engine_id``'s ``role`` agents, waiting up to 30 s for one."""
+    deadline = time.monotonic() + 30
     while True:
         states = [st for st, _ in hub.fleet().values()
                   if (st.source.engine_id, st.source.process_role) == (engine_id, role)]
@@ -84,7 +84,7 @@ def agent_states(hub: FleetHub, engine_id: str, role: str) -> list[EngineState]:
 
 def worker_state(hub: FleetHub, engine_id: str) -> EngineState:
     """The state of engine ``engine_id``'s one worker, once its layout digest is in."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while True:
         (st,) = agent_states(hub, engine_id, "worker")
         if st.source.layout_digest or time.monotonic() > deadline:
