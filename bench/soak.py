@@ -144,6 +144,7 @@ def soak(minutes: float, engines: int, seed: int,
         hub_address = f"tcp://127.0.0.1:{base}"
         hub = _agent(["hub", "--address", hub_address, "--metrics-port", "0"], work / "hub.log")
         store_args = ["store", "--hub", hub_address, "--admin-url", pool.admin_urls,
+                      "--master-server-address", pool.address,
                       "--engine-id", "soak-store"]
         store_agent = _agent(store_args, work / "store-agent.log")
         # Past the soak's end: it is stopped once its end RSS is read.
