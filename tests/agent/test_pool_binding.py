@@ -345,3 +345,30 @@ def test_without_a_bound_pool_the_agreement_rules_hold(
     assert [r.agent_id for r in got] == [src.agent_id] and got[0].ok, got
     assert [c.command for c in fw.received] == ["flush"]
     assert got[0].flush is not None and got[0].flush.removed_keys == 7
+
+
+def test_a_members_forged_flush_is_held_against_another_members_count(
+    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+) -> None:
+    """Binding proves membership, not honesty: P's members are a key bound to P alone (first:
+    not bound to an engine) and a key bound to engine ``mem-d`` and P. The first answers
+    ``flush --scope all`` "removed 5000 of 5000" while the pool keeps its 5,000 keys as the
+    other member reports them. Outside a bound pool a key not bound to an engine is checked by
+    such keys only, so the answer would have been printed as done; in a bound pool any other
+    member's count checks it (and lists the pool for it), and the answer is suspect."""
+    pool = "10.0.0.61:50051"
+    liar = _agent_key(tmp_path, own_keys["hub"], "liar", pool=pool)
+    honest_key = _agent_key(tmp_path, own_keys["hub"], "mem-d", engine="mem-d", pool=pool)
+    lsrc = make_source("liar-0", master=pool)
+    hsrc = make_source("mem-d", master=pool)
+    with _Claimant(hub_address, liar, lsrc, 5000, 5000) as first, \
+            _Claimant(hub_address, honest_key, hsrc, 5000, 5000) as other:
+        wait_until(lambda: {lsrc.agent_id, hsrc.agent_id} <= set(bound_hub.fleet()), 30)
+        got = _flush_all(hub_address, own_keys["operator"])
+    assert [c.command for c in first.received] == ["flush"]
+    # The other member only lists the pool for the check (a dry run), never runs the flush.
+    assert [(c.command, c.flush is not None and c.flush.dry_run) for c in other.received] == [
+        ("flush", True)]
+    (r,) = got
+    assert r.agent_id == lsrc.agent_id and not r.ok, r
+    assert r.suspect is not None and "later the pool holds 5000" in r.suspect, r
