@@ -326,13 +326,15 @@ def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixtur
     assert [(p["pin_id"], p["mode"], p["tokens"]) for p in reply["pins"]["pins"]] == [
         ("template", "soft", 3 * CHUNK)]
     # ...and saves the prefix's chunks pinned: they outlive a flood.
-    assert pool.run(prefix) == 0
-    pool.save(prefix)
-    pool.flood(3000, gone=[21, 22])
-    assert pool.held(prefix) == 3
-
-    rc, out, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
-                           "--id", "template")
+    try:
+        assert pool.run(prefix) == 0
+        pool.save(prefix)
+        pool.flood(3000, gone=[21, 22], deadline_s=120.0)
+        assert pool.held(prefix) == 3
+    finally:
+        # Asserted below; a failure above must not leave the pin to the module's later tests.
+        rc, out, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
+                               "--id", "template")
     assert rc == 0, err
     assert f"{3 * SHARES} of {3 * SHARES} keys removed" in out, out
     assert pool.held(prefix) == 0
