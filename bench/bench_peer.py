@@ -38,6 +38,10 @@ Run (about 3 minutes on 2 cores at load average 2-4; 12 minutes when the machine
     .venv/bin/python bench/bench_peer.py --requests 64 --layers 12 --hidden 512 --heads 8
 
 ``--engine SPEC.json`` is the engine process this script starts for itself.
+
+One file over 600 lines, on purpose: the script re-executes itself as its own engine and P/D
+server processes (``--engine``, ``--pd-serve``), so the engine side, the one-engine-pair run
+and the P/D run share its entry point and its configuration builders.
 """
 
 from __future__ import annotations
