@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
 from typing import TextIO
@@ -42,8 +43,16 @@ def add_master_option(parser: argparse.ArgumentParser) -> None:
 def master_of(args: argparse.Namespace, err: TextIO | None = None) -> str:
     """The store agent's master address from its parsed arguments; without one, a warning
     line on ``err`` (default stderr): the pool is then named by its segments, apart from the
-    engines' (the agent still runs)."""
+    engines' (the agent still runs).
+
+    Raises:
+        ValueError: the address is not visible ASCII without spaces (``protocol.Address``).
+    """
     master = str(getattr(args, "master_server_address", "") or "").strip()
+    if not re.fullmatch(r"[\x21-\x7e]*", master):
+        # The hub refuses a report whose Source.master is not one (protocol.Address).
+        raise ValueError(f"--master-server-address {master!r}: not a network address (visible "
+                         "ASCII, no spaces); give the engines' master_server_address")
     if not master:
         print("kvpool-agent store: no --master-server-address (or $" + MASTER_ENV + "): the "
               "console and the hub show this pool apart from its engines' (give the engines' "

@@ -319,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            src = store_source(args.engine_id, master_of(args))
+            try:
+                src = store_source(args.engine_id, master_of(args))
+            except ValueError as e:
+                print(f"kvpool-agent store: {e}", file=sys.stderr)
+                return 2
             stop = _stop_on_signal()
             handle = start_agent(
                 src,

@@ -151,6 +151,10 @@ OptionalId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS,
 """An :data:`Id`, or ``""`` for unknown (host, backend)."""
 Name = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS, pattern=_NO_CONTROLS)]
 """A short printable name: a model (``Qwen/Qwen2.5-7B``), request id, error name, place."""
+Address = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS, pattern=r"^[\x21-\x7e]*\Z")]
+"""A network address in visible ASCII, no spaces (``host:port``, ``[::1]:50051``,
+``etcd://h1:2379,h2:2379``). Not any printable text: a master named like a real one plus a
+zero-width space made a second pool whose ``/metrics`` label read the same (issue 42)."""
 FilePath = Annotated[str, msgspec.Meta(max_length=4096, pattern=_NO_CONTROLS)]
 """A file path (``PATH_MAX`` is 4096 on Linux)."""
 FreeText = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS, pattern=_NO_CONTROLS)]
@@ -244,7 +248,7 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """TCP ports the process listens on (at agent start) or is configured to hold."""
     sockets: tuple[FilePath, ...] = ()
     """Unix socket paths of the engine (the lookup socket)."""
-    master: Name = ""
+    master: Address = ""
     """``host:port`` of the pool's master, or ``etcd://host:port`` of an HA pool (Mooncake
     ``master_server_address``)."""
     layout_digest: Digest = ""

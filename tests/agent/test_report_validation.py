@@ -122,6 +122,10 @@ HOSTILE: dict[str, Edit] = {
     "layout int -1": _source(layout={"layers": -1}),
     "layout value float": _source(layout={"layers": 1.5}),
     "layout 65 entries": _source(layout={f"k{i}": i for i in range(65)}),
+    # A look-alike of a real master made a second pool whose /metrics label read the same.
+    "master zero-width space": _source(master="127.0.0.1:50051\u200b"),
+    "master with a space": _source(master="127.0.0.1: 50051"),
+    "master not ASCII": _source(master="127.0.0.\u0661:50051"),
     # Many tiny map entries grow a hub ~15x their encoded size once decoded (issue 42).
     "skipped_by_reason 65 names": _lookup(skipped_by_reason={f"R{i}": 1 for i in range(65)}),
     "errors_by_name 65 names": _transfers(errors_by_name={f"E{i}": 1 for i in range(65)}),
@@ -171,6 +175,10 @@ def test_the_bounds_and_real_values_decode() -> None:
                 "hash_algo": "sha256"})(st)
     msg = decode(_frame(st))
     assert isinstance(msg, Report) and msg.state == st
+    for master in ("10.0.0.1:50051", "[::1]:50051", "etcd://10.0.0.1:2379,10.0.0.2:2379"):
+        with_master = _source(master=master)(st)
+        assert decode(_frame(with_master)) == Report(v=PROTOCOL_VERSION, seq=1,
+                                                     kind="snapshot", state=with_master)
     # An error code is signed (Mooncake -707).
     st = msgspec.structs.replace(st, recent_errors=[ErrorRecord(
         ts_ms=1.0, where="load", name="LEASE_EXPIRED", message="m", code=-707)])
