@@ -192,7 +192,8 @@ class FleetCollector(Collector):
         for engine_id in sorted(groups):
             self._engine(fams, engine_id, groups[engine_id], now_ms, gaps, fleet, agent_states,
                          split.get(engine_id))
-        self._pools(fams, [st for st, _ in states.values()])
+        self._pools(fams, [st for st, _ in states.values()],
+                    {st.source.agent_id: seen for st, seen in states.values()})
         fams.gauge("fleet_engines", []).add_metric([], len(groups))
         agents = fams.gauge("fleet_agents", ["state"])
         for name in _STATES:
@@ -305,8 +306,10 @@ class FleetCollector(Collector):
                 alabels, gaps.get(st.source.agent_id, 0))
             fams.counter("agent_events_dropped", _AGENT).add_metric(alabels, st.process.dropped)
 
-    def _pools(self, fams: _Families, states: list[EngineState]) -> None:
-        """Each pool's trusted reading (``kvpool_agent.pool_readings``): its figures, and
+    def _pools(self, fams: _Families, states: list[EngineState],
+               seen_ms: Mapping[str, float]) -> None:
+        """Each pool's trusted reading (``kvpool_agent.pool_readings``, fresh by the hub's
+        receive times ``seen_ms``, agent id -> ms, not the agents' clocks): its figures, and
         ``pool_readings_agree`` 1; readings that disagree: ``pool_readings_agree`` 0 alone."""
         stores = [st.source.agent_id for st in states if st.source.process_role == "store"]
         vouched = ({k for k, (_, _, own) in self._members(stores).items() if not own}
@@ -315,9 +318,9 @@ class FleetCollector(Collector):
         def store(st: EngineState) -> bool:
             return st.source.process_role == "store" and st.source.agent_id in vouched
 
-        readings = newest_readings(states, _POOL_READERS)
+        readings = newest_readings(states, _POOL_READERS, seen_ms)
         for name in sorted(readings):
-            trusted = trusted_reading(name, readings[name], store)
+            trusted = trusted_reading(name, readings[name], store, seen_ms)
             labels = [_label(name), trusted.backend]
             fams.gauge("pool_readings_agree", _POOL).add_metric(
                 labels, 0 if trusted.stats is None else 1)

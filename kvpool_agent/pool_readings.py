@@ -17,9 +17,15 @@ The rule:
 
 1. **Readings.** Per pool (:func:`pool_name`) and engine id, the engine's newest reading among
    its agents of the roles asked; an engine counts once, however many agents or agent ids it
-   reports (an engine-bound key reports one engine). Only fresh ones: at most
-   ``STALE_AFTER_MS`` (3 s) older than the pool's newest reading, so a stopped engine's last
-   reading neither outvotes nor softens the others.
+   reports (an engine-bound key reports one engine). Only fresh ones: received at most
+   ``STALE_AFTER_MS`` (3 s) before the pool's newest reading was received, so a stopped
+   engine's last reading neither outvotes nor softens the others. Time is the reader's
+   receive time of each agent's last report (the hub's ``last_seen_ms``; the console has it
+   from the hub's ``FleetUpdate``), never an agent's own ``ts_ms``: an agent's clock is its
+   own, and a key stamping its reports ahead (the hub clamps them to its now) would otherwise
+   be the newest reading always and leave out every honest engine whose clock runs over 3 s
+   behind the hub's, its forged reading then the pool's value alone. "Newest" below is by
+   receive time too.
 2. **The store agent.** A reading the caller vouches for as a store agent's (the hub: an agent
    of ``process_role`` ``"store"`` whose key is neither bound to one engine nor claiming a
    pool bound to other keys, ``Fleet.members``; any key may claim the role, and an unvouched
@@ -44,7 +50,7 @@ A pool reported by one engine alone cannot be cross-checked: its one reading is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,23 +91,36 @@ def shape(p: PoolStats) -> Shape:
     return (p.healthy, p.total_bytes, p.disk_total_bytes)
 
 
-def newest_readings(states: Iterable[EngineState], roles: Collection[str] = ("worker",)
+def _received_ms(st: EngineState, seen_ms: Mapping[str, float] | None) -> float:
+    """When the reader received ``st``'s agent's last report: ``seen_ms[agent id]`` (the hub's
+    ``last_seen_ms``), else (a reader without receive times, a test) its own ``ts_ms``."""
+    if seen_ms is None:
+        return st.ts_ms
+    return seen_ms.get(st.source.agent_id, st.ts_ms)
+
+
+def newest_readings(states: Iterable[EngineState], roles: Collection[str] = ("worker",),
+                    seen_ms: Mapping[str, float] | None = None
                     ) -> dict[str, dict[str, EngineState]]:
     """Rule 1: pool name -> engine id -> that engine's newest state carrying ``PoolStats``
-    among its agents of ``process_role`` in ``roles``, only those at most ``STALE_AFTER_MS``
-    older (``ts_ms``, ms) than the pool's newest."""
+    among its agents of ``process_role`` in ``roles``, only those received at most
+    ``STALE_AFTER_MS`` before the pool's newest. ``seen_ms``: agent id -> receive time of its
+    last report (epoch ms, :func:`_received_ms`); pass it wherever the reader has it."""
+    def at(st: EngineState) -> float:
+        return _received_ms(st, seen_ms)
+
     newest: dict[str, dict[str, EngineState]] = {}
     for s in states:
         if s.pool is None or s.source.process_role not in roles:
             continue
         mine = newest.setdefault(pool_name(s), {})
         prev = mine.get(s.source.engine_id)
-        if prev is None or s.ts_ms > prev.ts_ms:
+        if prev is None or at(s) > at(prev):
             mine[s.source.engine_id] = s
     out: dict[str, dict[str, EngineState]] = {}
     for name, by_engine in newest.items():
-        latest = max(st.ts_ms for st in by_engine.values())
-        out[name] = {e: st for e, st in by_engine.items() if latest - st.ts_ms <= STALE_AFTER_MS}
+        latest = max(at(st) for st in by_engine.values())
+        out[name] = {e: st for e, st in by_engine.items() if latest - at(st) <= STALE_AFTER_MS}
     return out
 
 
@@ -126,22 +145,26 @@ class PoolReading:
 
 
 def trusted_reading(name: str, readings: dict[str, EngineState],
-                    store: Callable[[EngineState], bool] = lambda st: False) -> PoolReading:
+                    store: Callable[[EngineState], bool] = lambda st: False,
+                    seen_ms: Mapping[str, float] | None = None) -> PoolReading:
     """The pool's value from its fresh readings (:func:`newest_readings`: engine id -> state):
-    rule 2 for the newest reading ``store`` vouches for, else rules 3 and 4."""
+    rule 2 for the newest reading ``store`` vouches for, else rules 3 and 4. Newest is by
+    receive time (``seen_ms``, as for :func:`newest_readings`)."""
     assert readings, "a pool has at least one reading"
-    newest = max(readings.values(), key=lambda st: st.ts_ms)
+
+    def at(st: EngineState) -> float:
+        return _received_ms(st, seen_ms)
+
+    newest = max(readings.values(), key=at)
     assert newest.pool is not None
     backend = newest.pool.backend
     shapes = {e: shape(st.pool) for e, st in readings.items() if st.pool is not None}
     stores = [st for st in readings.values()
               if store(st) and st.pool is not None and st.pool.healthy is not None]
     if stores:
-        return PoolReading(name, backend, max(stores, key=lambda st: st.ts_ms).pool, "store",
-                           shapes)
+        return PoolReading(name, backend, max(stores, key=at).pool, "store", shapes)
     checked = {e: st for e, st in readings.items()
                if st.pool is not None and st.pool.healthy is not None} or readings
     if len({shapes[e] for e in checked}) > 1:
         return PoolReading(name, backend, None, "disagree", shapes)
-    return PoolReading(name, backend, max(checked.values(), key=lambda st: st.ts_ms).pool,
-                       "agreed", shapes)
+    return PoolReading(name, backend, max(checked.values(), key=at).pool, "agreed", shapes)

@@ -553,7 +553,7 @@ def evaluate(
     cfg = settings if settings is not None else AlertSettings()
     out = _pool_alerts(states, now_ms, watermark_ratio=cfg.watermark_ratio,
                        watermark_margin=cfg.watermark_margin, active=active)
-    out.extend(segment_alerts(states, now_ms))
+    out.extend(segment_alerts(states, now_ms, last_seen_ms))
     groups = _by_engine(states)
     counts = Counter(s.source.backend for s in states.values() if s.source.backend)
     majority: str | None = None

@@ -21,8 +21,10 @@ Agreement: an agent key reports its own engine's readings, so one key's forged `
 (healthy, 0 B) must not raise a critical alert for a pool other engines read holding memory,
 nor its forged memory hide a real loss (the hub clamps a report's time to its own, but a key
 reporting often enough is the newest reading most of the time). Each engine's newest worker
-reading counts, when it is at most ``STALE_AFTER_MS`` older than the pool's newest (a stopped
-engine's last reading does not): ``kvpool_agent.pool_readings.newest_readings``, the rule's one
+reading counts, when the hub received it at most ``STALE_AFTER_MS`` before the pool's newest
+(``last_seen_ms``, the hub's receive times, not the agents' clocks: a key stamping ahead must
+not leave out engines whose clocks run behind; a stopped engine's last reading does not
+count): ``kvpool_agent.pool_readings.newest_readings``, the rule's one
 owner, which the hub's ``kvpool_pool_*`` gauges (so ``KvpoolPoolNoSegments``) follow too; the
 alert is critical when every such reading is 0 B, and a
 warning naming both sides when some engines read memory (a store lost between two readings,
@@ -78,12 +80,15 @@ def _read(p: PoolStats | None) -> bool:
             and (not p.masters or any(m.serving for m in p.masters)))
 
 
-def segment_alerts(states: Mapping[str, EngineState], now_ms: float) -> list[Alert]:
+def segment_alerts(states: Mapping[str, EngineState], now_ms: float,
+                   last_seen_ms: Mapping[str, float] | None = None) -> list[Alert]:
     """``pool_no_segments`` for each pool (subject its name, as the other pool rules) some of
     whose engines' newest worker readings (module docstring: agreement) are
     :func:`without_segments` and none of whose workers reads it unhealthy: critical when no
     engine's reading holds memory, else a warning naming the engines on each side; the message
-    names its master and the engines whose workers report it."""
+    names its master and the engines whose workers report it. ``last_seen_ms``: agent id -> the
+    hub's receive time of its last report (``FleetUpdate.last_seen_ms``), which judges
+    freshness; an agent missing there is judged by its own ``ts_ms``."""
     engines: dict[str, set[str]] = {}
     unhealthy: set[str] = set()
     for s in states.values():
@@ -96,14 +101,16 @@ def segment_alerts(states: Mapping[str, EngineState], now_ms: float) -> list[Ale
             unhealthy.add(name)
     out: list[Alert] = []
     # pool -> engine -> its newest worker reading, fresh ones only
-    for name, by_engine in sorted(newest_readings(states.values(), ("worker",)).items()):
+    for name, by_engine in sorted(newest_readings(states.values(), ("worker",),
+                                                          last_seen_ms).items()):
         fresh = {e: st for e, st in by_engine.items() if _read(st.pool)}
         zero = {e: st for e, st in fresh.items() if without_segments(st.pool)}
         if name in unhealthy or not zero:
             continue
         held = {e: st.pool.total_bytes for e, st in fresh.items()  # type: ignore[union-attr]
                 if e not in zero}
-        st = max(zero.values(), key=lambda s: s.ts_ms)
+        st = max(zero.values(), key=lambda s: (last_seen_ms or {}).get(s.source.agent_id,
+                                                                         s.ts_ms))
         master = f"master {st.source.master}" if st.source.master else "the master"
         if held:
             out.append(make_alert(

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool_agent._metrics import FleetCollector
 from kvpool_agent.pool_readings import newest_readings, pool_name, trusted_reading
 from kvpool_agent.protocol import STALE_AFTER_MS, EngineState, PoolStats, SegmentUsage, Source
+from kvpool_console.alerts.segments import segment_alerts
 
 NOW_MS = 1_780_000_000_000.0
 GB = 1 << 30
@@ -62,13 +63,17 @@ def _liar(p: PoolStats) -> dict[str, EngineState]:
 
 
 def _scrape(states: dict[str, EngineState],
-            own_claims: set[str] | None = None) -> Samples:
+            own_claims: set[str] | None = None,
+            seen_ms: dict[str, float] | None = None) -> Samples:
     """``own_claims``: agent ids the hub does not vouch for (``Fleet.members``' third
-    element); ``None``: no key knowledge (no store agent vouched for)."""
+    element); ``None``: no key knowledge (no store agent vouched for). ``seen_ms``: agent id
+    -> the hub's receive time of its last report (default: its ``ts_ms``)."""
     members = None if own_claims is None else (
         lambda ids: {k: (None, "", k in own_claims) for k in ids})
+    seen = seen_ms or {}
     reg = CollectorRegistry()
-    reg.register(FleetCollector(lambda: {a: (st, st.ts_ms) for a, st in states.items()},
+    reg.register(FleetCollector(lambda: {a: (st, seen.get(a, st.ts_ms))
+                                         for a, st in states.items()},
                                 dict, dict, lambda: NOW_MS, members=members))
     return [(s.name, dict(s.labels), s.value)
             for fam in text_string_to_metric_families(generate_latest(reg).decode())
@@ -216,3 +221,69 @@ def test_a_reading_of_another_backend_keeps_its_own_pool() -> None:
     p = msgspec.structs.replace(_pool(10 * GB), backend="yuanrong")
     samples = _scrape(_agent("y", p, master=""))
     assert _value(samples, "kvpool_pool_total_bytes", "yuanrong:10.0.0.2:15001") == 10 * GB
+
+
+SKEW_MS = 3_500.0
+"""Attack A3: the honest hosts' clocks run this far behind the hub's (over ``STALE_AFTER_MS``)."""
+
+
+def _skewed(states: dict[str, EngineState]) -> tuple[dict[str, EngineState], dict[str, float]]:
+    """``states`` as the hub holds them when their hosts' clocks run ``SKEW_MS`` behind its
+    own: their ``ts_ms`` that far back, received (``last_seen_ms``) as fresh as they were."""
+    out = {a: msgspec.structs.replace(st, ts_ms=st.ts_ms - SKEW_MS) for a, st in states.items()}
+    return out, {a: st.ts_ms for a, st in states.items()}
+
+
+def test_honest_engines_whose_clocks_run_behind_are_not_dropped_for_a_key_stamping_ahead() -> None:
+    """Attack A3: a key stamps its reports ahead (the hub clamps them to its now, so its
+    ``ts_ms`` is the pool's newest), the honest engines' clocks run 3.5 s behind the hub's.
+    Judged by the agents' stamps the honest readings were stale, and the forged 0 B was the
+    pool's one reading: ``total_bytes 0, healthy 1, agree 1``, ``KvpoolPoolNoSegments``.
+    Judged by the hub's receive times all three are fresh and disagree."""
+    honest, seen = _skewed(_honest(64 << 20))
+    liar = _liar(_pool(0))
+    seen |= {a: NOW_MS for a in liar}
+    attacked = _scrape(honest | liar, seen_ms=seen)
+    assert _value(attacked, "kvpool_pool_total_bytes") is None
+    assert _value(attacked, "kvpool_pool_readings_agree") == 0
+    assert _pools_firing("KvpoolPoolNoSegments", attacked) == set()
+    assert _pools_firing("KvpoolPoolReadingsDisagree", attacked) == {POOL}
+    # The stamps alone (what the rule judged by before) drop the honest engines.
+    by_stamp = _scrape(honest | liar)
+    assert _value(by_stamp, "kvpool_pool_total_bytes") == 0
+    readings = newest_readings((honest | liar).values(), seen_ms=seen)
+    assert sorted(readings[POOL]) == ["a", "b", "x"]
+
+
+def test_a_vouched_store_agent_whose_clock_runs_behind_stays_the_pools_reading() -> None:
+    """Attack A3 with the pool's store agent (a key not bound to an engine, vouched): its clock
+    3.5 s behind the hub's, the forged 0 B stamped ahead; the store's reading is the pool's."""
+    store, seen = _skewed(_agent("store@m1", _pool(64 << 20), role="store", age_ms=500)
+                          | _honest(64 << 20))
+    liar = _liar(_pool(0))
+    seen |= {a: NOW_MS for a in liar}
+    samples = _scrape(store | liar, own_claims=set(liar), seen_ms=seen)
+    assert _value(samples, "kvpool_pool_total_bytes") == 64 << 20
+    assert _pools_firing("KvpoolPoolNoSegments", samples) == set()
+
+
+def test_a_silent_engine_is_stale_by_the_hubs_receive_time_whatever_its_stamp() -> None:
+    """The other side: an engine whose last report the hub received over ``STALE_AFTER_MS``
+    before the pool's newest is stale, even stamped ahead (clamped to the hub's now then)."""
+    gone = _agent("gone", _pool(10 * GB), age_ms=0)
+    seen = {a: NOW_MS - STALE_AFTER_MS - 1_000 for a in gone}
+    samples = _scrape(_honest(0) | gone, seen_ms=seen)
+    assert _value(samples, "kvpool_pool_total_bytes") == 0
+    assert _pools_firing("KvpoolPoolNoSegments", samples) == {POOL}
+
+
+def test_the_consoles_pool_no_segments_judges_freshness_by_the_hubs_receive_time() -> None:
+    """Attack A3 on the console: the forged 0 B stamped ahead, the honest engines' clocks
+    3.5 s behind: a warning naming both sides, not the critical alert."""
+    honest, seen = _skewed(_honest(64 << 20))
+    liar = _liar(_pool(0))
+    seen |= {a: NOW_MS for a in liar}
+    alerts = segment_alerts(honest | liar, NOW_MS, seen)
+    assert [(a.rule, a.severity) for a in alerts] == [("pool_no_segments", "warning")]
+    # Judged by the stamps, the forged reading was the pool's only one: critical.
+    assert [a.severity for a in segment_alerts(honest | liar, NOW_MS)] == ["critical"]
