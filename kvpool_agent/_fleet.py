@@ -278,16 +278,14 @@ class Fleet:
                 dirty.add(aid)
         return None
 
-    def forget(self, names: list[str]) -> list[str]:
-        """Drop the agents whose agent id or engine id is in ``names`` (O(agents + names));
-        returns the agent ids dropped (sorted). Consoles are told with the next update's
-        ``forgotten``."""
+    def forget(self, names: list[str], identities: frozenset[str] = frozenset()) -> list[str]:
+        """Drop the agents whose agent id or engine id is in ``names``, or registered by one of
+        ``identities`` (revoked keys; O(agents + names)); returns the agent ids dropped
+        (sorted). Consoles are told with the next update's ``forgotten``."""
         with self._lock:
             wanted = set(names)
-            ids = sorted(
-                k for k, a in self._agents.items()
-                if k in wanted or a.state.source.engine_id in wanted
-            )
+            ids = sorted(k for k, a in self._agents.items() if k in wanted
+                         or a.state.source.engine_id in wanted or a.identity in identities)
             self._drop(ids)
         return ids
 

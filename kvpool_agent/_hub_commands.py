@@ -65,6 +65,7 @@ UNAUTHORISED = "unauthorised: flush needs the operator key (kvpool-agent keygen 
 OPERATOR_ONLY = (
     "unauthorised: {what} needs the operator key (kvpool-agent keygen --role operator)"
 )
+_REVOKED = "refused: this key is no longer authorized on the hub (revoked or rotated)"
 MAX_TARGETS = 4096
 """Agent ids one command may name (``targets``); a longer list is refused at once."""
 FORGOTTEN_SHOWN = 1000
@@ -174,8 +175,11 @@ class CommandRouter:
                 self.counters.bad(where, f"unexpected {type(msg).__name__} from a console")
                 continue
             if self.sockets.allow is not None:
-                key = self.sockets.key_name(where, user_id(frame))
-                who = f"key:{key}" + (f" ({msg.sender})" if msg.sender else "")
+                named = self.sockets.listed_key(where, user_id(frame))
+                if named is None:  # revoked, on a connection opened before: counted, unaudited
+                    self.send_client(sock, client, [agent_error(msg, "hub", _REVOKED)])
+                    continue
+                key, who = named, f"key:{named}" + (f" ({msg.sender})" if msg.sender else "")
             else:
                 key = "plain"
                 who = f"plain:{msg.sender or 'anonymous'}"
@@ -354,6 +358,35 @@ class CommandRouter:
             )
         self.audit.record(who, req, list(req.targets), [reply])
         self.send_client(sock, client, [reply])
+
+    def revoke(self, agent_ids: list[str], keys: set[str]) -> None:
+        """Agents ``agent_ids`` were dropped and console keys ``keys`` (names) revoked: the
+        commands in flight from those keys are answered refused at once, and every answer
+        awaited or held (for its check) from those agents is theirs no more: an error."""
+        gone = set(agent_ids)
+        for internal, pend in list(self.pending.items()):
+            if pend.key in keys:
+                del self.pending[internal]
+                self._record(pend.who, pend.key, pend.req, pend.expected,
+                             [agent_error(pend.req, "hub", _REVOKED)], curve=not pend.plain,
+                             refused=True)
+                self.send_client(pend.sock, pend.client, [agent_error(pend.req, "hub", _REVOKED)])
+                continue
+            for aid in gone & (set(pend.expected) | pend.listers):
+                into = pend.listings if aid in pend.listers else pend.replies
+                into[aid] = agent_error(pend.req, aid, "agent's key revoked: answer dropped")
+            self.maybe_finish(internal)
+        for pend in list(self.verifying):
+            if pend.key in keys:
+                self.verifying.remove(pend)
+                continue
+            for aid in gone & set(pend.held):
+                del pend.held[aid]
+                pend.replies[aid] = agent_error(pend.req, aid, "agent's key revoked: answer "
+                                                "dropped before its check")
+            if not pend.held:
+                self.verifying.remove(pend)
+                self._answer(pend)
 
     def note_forgotten(self, ids: list[str], why: str) -> None:
         """Count and log agents the hub dropped."""

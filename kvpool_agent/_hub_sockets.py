@@ -166,12 +166,30 @@ class HubSockets:
         if self._keys is not None:
             self.curve = self._socket(zmq.ROUTER, "curve", self.ports.curve)
 
-    def key_name(self, domain: str, identity: str) -> str:
+    def key_name(self, domain: str, identity: str) -> str | None:
         """The authorized key's name on port ``domain`` (``agent/eng-0.engine``), ``plain``
-        without keys."""
+        without keys; ``None`` for a key not listed for that port (now): never the raw
+        identity, which would name a key binding nothing (a fleet-wide agent key)."""
         if self.allow is None:
             return "plain"
-        return self.allow.name(PORT_DOMAIN[domain], identity.encode()) or identity
+        return self.allow.name(PORT_DOMAIN[domain], identity.encode())
+
+    def unlisted_name(self, identity: str) -> str:
+        """What a key no longer listed is counted as: ``revoked:`` and the name it had
+        (``revoked:agent/imp-0.engine``: not the name a key rotated under it now holds)."""
+        former = self.allow.former_name(identity.encode()) if self.allow is not None else None
+        return f"revoked:{former or 'unlisted ' + identity[:8]}"
+
+    def listed_key(self, port: str, identity: str) -> str | None:
+        """``key_name`` of a message's key on ``port``; ``None`` for a key no longer listed
+        there (revoked, or rotated away under its file name, on a connection opened before):
+        the message is refused and counted against it (``unlisted_name``)."""
+        name = self.key_name(port, identity)
+        if name is None:
+            why = "revoked: key no longer in authorized_keys; message dropped"
+            self.counters.bad(port, why)
+            self.counters.refuse(self.unlisted_name(identity), why)
+        return name
 
     def _socket(self, kind: int, name: str, endpoint: str) -> zmq.Socket[bytes]:
         """A bound socket of port ``name``, registered with the poller (and its monitor)."""
@@ -310,7 +328,7 @@ class HubSockets:
         for r in self.caps.drain_refusals():
             self.counters.connections_over_cap += 1
             self.counters.refuse(
-                self.key_name(r.port, r.identity),
+                self.key_name(r.port, r.identity) or self.unlisted_name(r.identity),
                 f"connection on {r.port} past the cap of {r.cap} per key "
                 f"({'refused at the handshake' if r.handshake else 'shut down'})")
 

@@ -144,7 +144,7 @@ class UpdateStreams:
         With keys the key is banned for ``SUBSCRIPTION_BAN_S`` (refused at its next
         handshake on every port, counted and logged by name); with or without keys the XPUB
         is rebuilt, which frees every subscription (consoles subscribe again)."""
-        key = self.sockets.key_name("pub", identity)
+        key = self.sockets.key_name("pub", identity) or self.sockets.unlisted_name(identity)
         why = f"subscribed to an unknown topic {topic[:40]!r} ({len(topic)} bytes)"
         self.counters.bad("pub", why)
         allow = self.sockets.allow

@@ -480,6 +480,8 @@ def _link_targets(d: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
+_GONE_KEPT = 4096
+"""Keys no longer listed whose last names ``AllowList`` keeps (``former_name``)."""
 _LINK_RECHECK_S = 1.0
 """How often the hub looks again at what symlinked authorized keys point to (a rotated or
 revoked Kubernetes secret takes effect within this many seconds)."""
@@ -511,6 +513,10 @@ class AllowList:
         self._pools: tuple[dict[bytes, str] | None, frozenset[str]] = (None, frozenset())
         # z85 key -> time.monotonic() until which it is refused (``ban``).
         self._banned: dict[bytes, float] = {}
+        # (z85 key, its name) no longer listed under that name since the last ``revoked``;
+        # and the last name of each key gone (``former_name``), the newest _GONE_KEPT.
+        self._revoked: list[tuple[bytes, str]] = []
+        self._gone: dict[bytes, str] = {}
 
     def ban(self, key: bytes, seconds: float) -> None:
         """Refuse ``key`` (z85) in every domain for ``seconds`` from now (its connections
@@ -525,7 +531,9 @@ class AllowList:
         d = self.authorized_dir / role
         try:
             st = d.stat()
-        except OSError:
+        except OSError:  # the directory gone: every key of it is
+            self._seen.pop(role, None)
+            self._note_revoked(self._keys.pop(role, {}), {})
             return {}
         # Symlinked keys' targets count too, looked at only where the last read found links
         # and at most every _LINK_RECHECK_S (the hub asks on every handshake and report).
@@ -561,9 +569,39 @@ class AllowList:
                           "authorize)", p, _unsafe(p, secret=False) or "writable by group/others; "
                           "chmod go-w")
             self._links[role] = (now, targets) if targets else None
+            self._note_revoked(self._keys.get(role, {}), keys)
             self._keys[role] = keys
             self._seen[role] = (st.st_mtime_ns, st.st_ctime_ns, *targets)
         return self._keys[role]
+
+    def _note_revoked(self, old: dict[bytes, str], new: dict[bytes, str]) -> None:
+        """Keep the keys of ``old`` that ``new`` lists under no name or another (removed,
+        rotated away, bound otherwise) for ``revoked`` (lock held)."""
+        for key, name in old.items():
+            if new.get(key) != name:
+                self._revoked.append((key, name))
+                if key not in new:
+                    self._gone.pop(key, None)
+                    self._gone[key] = name
+        del self._revoked[:-_GONE_KEPT]
+        while len(self._gone) > _GONE_KEPT:
+            del self._gone[next(iter(self._gone))]
+
+    def revoked(self) -> list[tuple[bytes, str]]:
+        """Read the keys again (where changed: a stat per role, ``_role_keys``) and return the
+        ``(z85 key, name)`` pairs listed before and no longer under that name since the last
+        call: a key removed, rotated away under its file name, or named (bound) otherwise.
+        Their names had power the hub must take back (``kvpool_agent._hub_revocation``)."""
+        with self._lock:
+            for role in CLIENT_ROLES:
+                self._role_keys(role)
+            out, self._revoked = self._revoked, []
+        return out
+
+    def former_name(self, key: bytes) -> str | None:
+        """The name ``key`` (z85) had when it was last listed, if it is listed no more."""
+        with self._lock:
+            return self._gone.get(key)
 
     def name(self, domain: str, key: bytes) -> str | None:
         """``ROLE/FILE-STEM`` of ``key`` (z85) if ``domain`` accepts it, else ``None``."""

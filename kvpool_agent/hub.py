@@ -48,12 +48,10 @@ frames again before each) and ``_READONLY_BATCH`` read-only commands (for
 ``_READONLY_SLICE_S`` at most), taking the operator's frames again before each read-only
 command, so an operator command waits for one agent batch or one read-only command at most.
 
-Commands and replies are bound to connections: the hub forwards a command under a fresh
-unguessable request id (``secrets.token_hex``) to the routing id each target agent last
-reported from, and accepts a reply only from that routing id, for that id, once. Agent ids are
-bound to their connection and, with keys, to the agent key that registered them
-(``kvpool_agent._fleet``). Agents silent for ``forget_after_s`` are dropped and consoles told
-(``FleetUpdate.forgotten``).
+Commands and replies are bound to connections (``kvpool_agent._hub_commands``), agent ids to
+theirs and the agent key that registered them (``kvpool_agent._fleet``); agents silent for
+``forget_after_s``, or whose key left the allow list (``kvpool_agent._hub_revocation``: a
+revoked key keeps no power on any port), are dropped and consoles told (``forgotten``).
 
 One thread owns every socket. This module is that thread: its loop, agents' reports, consoles'
 subscriptions and the updates it publishes. The rest is one module per concept: the sockets and
@@ -93,6 +91,7 @@ from kvpool_agent._hub_quotas import (
     PIN_COMMANDS_PER_MIN,
     Quotas,
 )
+from kvpool_agent._hub_revocation import Revocations
 from kvpool_agent._hub_sockets import ZAP_DOMAINS, HubPorts, HubSockets, hub_ports, user_id
 from kvpool_agent._hub_state import TENURE_KEPT_S, StateFile
 from kvpool_agent._hub_updates import SUBSCRIPTION_BAN_S, UpdateStreams
@@ -267,8 +266,7 @@ class FleetHub:
         self.state_file = Path(state_file) if state_file else None
         self.memory_limit_bytes = memory_limit_bytes
         self._guard = MemoryGuard(memory_limit_bytes)
-        self.snapshot_interval_s = snapshot_interval_s
-        self.delta_interval_s = delta_interval_s
+        self.snapshot_interval_s, self.delta_interval_s = snapshot_interval_s, delta_interval_s
         self.forget_after_s = forget_after_s
         self.counters = HubCounters()
         self.seq_tracker = SeqTracker()
@@ -287,14 +285,13 @@ class FleetHub:
                                    }))
         self._commands = CommandRouter(self._sockets, self._fleet, self._audit, self.counters,
                                        Quotas(work_units_per_min))
+        self._revocations = Revocations(self._sockets, self._fleet, self._commands)
         self._updates = UpdateStreams(self._sockets, self._fleet, self.counters,
                                       self.seq_tracker, snapshot_interval_s, delta_interval_s)
-        self._stop = threading.Event()
-        self._ready = threading.Event()
+        self._stop, self._ready = threading.Event(), threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.metrics: MetricsEndpoint | None = None
         self.reuse = ReuseService(
             refresh_s=reuse_refresh_s, whatif_refresh_s=whatif_refresh_s,
@@ -532,6 +529,7 @@ class FleetHub:
                     elif self._connections is not None and self.memory_limit_bytes:
                         self._connections.baseline(self._guard.rss, self.memory_limit_bytes, now)
                     self._commands.expire(now)
+                    self._revocations.sweep(now)  # keys gone from authorized_keys/
                     if now >= next_forget:
                         next_forget = now + _FORGET_CHECK_S
                         self._commands.note_forgotten(
@@ -584,17 +582,19 @@ class FleetHub:
             except ProtocolError as e:
                 self.counters.bad("agents", str(e))
                 continue
+            # With keys, the agent key the ZAP handler admitted (z85; agent ids are bound to it)
+            # while it is still listed: a revoked key's message is refused. Without keys "".
+            identity = user_id(frame) if self.allow is not None else ""
+            if (key := self._sockets.listed_key("agents", identity)) is None:
+                continue
             if isinstance(msg, Report):
-                # With keys, the agent key the ZAP handler admitted (z85); agent ids are bound
-                # to it. Without keys every agent is "".
-                self._on_report(rid, msg, user_id(frame) if self.allow is not None else "")
+                self._on_report(rid, msg, identity, key)
             elif isinstance(msg, CommandReply):
                 self._commands.on_reply(rid, msg)
             else:
                 self.counters.bad("agents", f"unexpected {type(msg).__name__} from an agent")
 
-    def _on_report(self, rid: bytes, rep: Report, identity: str) -> None:
-        key = self._sockets.key_name("agents", identity)
+    def _on_report(self, rid: bytes, rep: Report, identity: str, key: str) -> None:
         bound = self.allow is not None and bound_engine(key) is not None
         refused = ((bound_elsewhere(key, rep.state.source) if self.allow is not None else None)
                    or self._fleet.accept(rid, rep, identity, bound=bound,
