@@ -480,6 +480,10 @@ def _link_targets(d: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
+_RACY_NS = 2_000_000_000
+"""A directory whose times are this recent (ns) is read again by every ``AllowList.revoked``:
+a second change within the file system's clock tick (milliseconds) leaves its times as the
+first left them, and a rotation is two changes (the copy beside the key, then the rename)."""
 _GONE_KEPT = 4096
 """Keys no longer listed whose last names ``AllowList`` keeps (``former_name``)."""
 _LINK_RECHECK_S = 1.0
@@ -507,6 +511,7 @@ class AllowList:
         self.domains = domains
         self._lock = threading.Lock()
         self._seen: dict[Role, tuple[int, ...]] = {}
+        self._racy: dict[Role, bool] = {}
         self._links: dict[Role, tuple[float, tuple[int, ...]] | None] = {}
         self._keys: dict[Role, dict[bytes, str]] = {}
         # The agent keys' pools (``bound_pools``), with the dict of keys they were read from.
@@ -572,6 +577,9 @@ class AllowList:
             self._note_revoked(self._keys.get(role, {}), keys)
             self._keys[role] = keys
             self._seen[role] = (st.st_mtime_ns, st.st_ctime_ns, *targets)
+            # A change within the same clock tick as this read leaves the times as they are:
+            # while they are that recent, ``revoked`` reads the keys again regardless.
+            self._racy[role] = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < _RACY_NS
         return self._keys[role]
 
     def _note_revoked(self, old: dict[bytes, str], new: dict[bytes, str]) -> None:
@@ -588,12 +596,15 @@ class AllowList:
             del self._gone[next(iter(self._gone))]
 
     def revoked(self) -> list[tuple[bytes, str]]:
-        """Read the keys again (where changed: a stat per role, ``_role_keys``) and return the
+        """Read the keys again (where changed: a stat per role, ``_role_keys``; every time
+        while a role's directory changed less than ``_RACY_NS`` ago) and return the
         ``(z85 key, name)`` pairs listed before and no longer under that name since the last
         call: a key removed, rotated away under its file name, or named (bound) otherwise.
         Their names had power the hub must take back (``kvpool_agent._hub_revocation``)."""
         with self._lock:
             for role in CLIENT_ROLES:
+                if self._racy.get(role):
+                    self._seen.pop(role, None)
                 self._role_keys(role)
             out, self._revoked = self._revoked, []
         return out

@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 import pytest
 import zmq
+import zmq.auth
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, local_fleet_keys, start_agent
-from kvpool_agent.auth import Role, authorize_key, generate_keys
+from kvpool_agent.auth import AllowList, Role, authorize_key, generate_keys
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -341,3 +342,27 @@ def test_a_revoked_viewer_keeps_no_stream_and_no_commands(
     assert reply.agent_id == "hub" and "no longer authorized" in (reply.error or ""), reply
     assert own_hub.refused_by_key.get("revoked:viewer/eve", 0) >= 1, own_hub.refused_by_key
     assert len(agent.drain(0)) == sent  # refused on its way in: no agent was asked
+
+
+def test_the_allow_list_names_each_key_revoked_or_rotated_once(tmp_path: Path) -> None:
+    """``AllowList.revoked`` (no sockets): a key rotated under its name at once after it was
+    read (two changes of the directory, maybe within one tick of its clock) and a key removed
+    are each returned once with the name they had; the new key is listed; a revoked key's
+    ``former_name`` is its old name, and it is named nowhere."""
+    hub = generate_keys(tmp_path / "hub", "hub")
+    allow = AllowList(hub.authorized_dir, {"d": ("agent",), "v": ("viewer",)})
+    a, b, c = (generate_keys(tmp_path / n, r) for n, r in (("a", "agent"), ("b", "agent"),
+                                                           ("c", "viewer")))
+    authorize_key(hub.root, "agent", a.public("agent"), engine="e0")
+    authorize_key(hub.root, "viewer", c.public("viewer"), name="eve")
+    pa, pc = (zmq.auth.load_certificate(str(k))[0] for k in (a.public("agent"),
+                                                              c.public("viewer")))
+    assert allow.name("d", pa) == "agent/e0.engine" and allow.name("v", pc) == "viewer/eve"
+    assert allow.revoked() == []
+    authorize_key(hub.root, "agent", b.public("agent"), engine="e0")  # rotated at once
+    (hub.authorized("viewer") / "eve.key").unlink()
+    assert sorted(allow.revoked()) == sorted([(pa, "agent/e0.engine"), (pc, "viewer/eve")])
+    pb = zmq.auth.load_certificate(str(b.public("agent")))[0]
+    assert allow.name("d", pb) == "agent/e0.engine" and allow.name("d", pa) is None
+    assert allow.former_name(pa) == "agent/e0.engine" and allow.name("v", pc) is None
+    assert allow.revoked() == []
