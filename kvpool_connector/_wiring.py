@@ -125,12 +125,29 @@ def _agent_id(engine_id: str, process_role: str, dp_rank: int, layout: ParallelL
     return f"{engine_id}/dp{dp_rank}.tp{layout.tp_rank}.pp{layout.pp_rank}"
 
 
+def _master(cfg: KVPoolConfig, backend: Backend | None) -> str:
+    """The pool's ``master_server_address`` as the engine's Mooncake config writes it (``""``
+    for other backends, or a config the worker will refuse): the backend's, else read from
+    the same config without connecting (the scheduler holds no backend; with an empty master
+    its reports named no pool, and a hub refused every one of a key bound to the pool)."""
+    backend_cfg = getattr(backend, "config", None)
+    if backend_cfg is not None:
+        return str(getattr(backend_cfg, "master_server_address", ""))
+    if cfg.backend != "mooncake":
+        return ""
+    from kvpool_connector.backends.mooncake import MooncakeConfig
+
+    try:
+        return MooncakeConfig.load(cfg.extra).master_server_address
+    except ValueError:
+        return ""
+
+
 def _source(cfg: KVPoolConfig, process_role: str, layout: ParallelLayout,
             backend: Backend | None) -> Source:
     """Who this process reports as: its agent id names the engine and its ranks; the lookup
     socket it serves or queries and the master are there for SSH triage."""
     agent_id = _agent_id(cfg.engine_id, process_role, cfg.dp_rank, layout)
-    backend_cfg = getattr(backend, "config", None)
     return Source(
         agent_id=agent_id, engine_id=cfg.engine_id, instance_role=cfg.instance_role,
         kv_role=cfg.kv_role, process_role=process_role,  # type: ignore[arg-type]
@@ -140,7 +157,7 @@ def _source(cfg: KVPoolConfig, process_role: str, layout: ParallelLayout,
             sockets=[str(lookup_socket_path(cfg.lookup_rpc_port, cfg.dp_rank,
                                             instance_id=cfg.instance_id))]
             if _serves_lookups(cfg) else [],
-            master=getattr(backend_cfg, "master_server_address", "")),
+            master=_master(cfg, backend)),
         role_source=cfg.role_source,
     )
 
