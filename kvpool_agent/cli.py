@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: a store agent's two master reads every 2 s were 482
+    # of its 485 log lines. Shown with --log-level debug.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if args.cmd == "keygen":
             return _keygen(args.role, args.dir, args.force)

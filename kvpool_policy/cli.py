@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               "export its own): the master's watermark would evict before the service does "
               f"unless it runs a higher ratio; the default --fill is {DEFAULT_FILL:g}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per master request
     mc: dict[str, object] = {"master_server_address": args.master,
                              "master_admin_url": args.admin_url,
                              "global_segment_size": 0, "local_buffer_size": "16MB"}
