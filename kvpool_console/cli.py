@@ -228,8 +228,10 @@ def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     # The TUI starts even before the hub is up (rows appear when it is); one-shots need data.
     if args.cmd is not None and not src.wait_ready(args.wait):
         err.print(plain(f"kvpool-console: no snapshot from the hub at {args.hub} within "
-                        f"{args.wait:g} s: is `kvpool-agent hub --address {args.hub}` running? "
-                        "(--hub or $KVPOOL_HUB)", style="red"))
+                        f"{args.wait:g} s: is `kvpool-agent hub --address {args.hub}` running "
+                        "(--hub or $KVPOOL_HUB), and is this console's key authorized on it "
+                        "(--keys or $KVPOOL_KEYS_DIR; a keyed hub refuses a console without "
+                        "one)?", style="red"))
         src.close()
         return None
     return src
