@@ -109,6 +109,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         chunk_size: tokens per pool key.
         master_address: use this running ``mooncake_master`` instead of starting one (shared
             mode only); the store process is still started here.
+        master_admin_url: that master's HTTP admin URL (its ``--metrics_port``); ``None``:
+            ``http://<host>:9003``, the master's default.
         agent_address: fleet hub the engines' agents report to.
         wait_saves: each engine finishes a request's saves before its next lookup.
         load_async, use_layerwise: connector modes.
@@ -152,6 +154,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     shape: ModelShape = msgspec.field(default_factory=ModelShape)
     chunk_size: int = 512
     master_address: str | None = None
+    master_admin_url: str | None = None
     agent_address: str | None = None
     wait_saves: bool = True
     load_async: bool = False
@@ -365,6 +368,9 @@ def run_replay(
     if cfg.mode == "private" and cfg.master_address:
         raise ValueError("--master works only with --shared: private mode starts one master "
                          "per engine")
+    if cfg.master_admin_url and not cfg.master_address:
+        raise ValueError("--master-admin-url names the admin URL of --master's master: give "
+                         "--master too (without it the replay starts its own)")
     if cfg.ha and (cfg.mode == "private" or cfg.master_address):
         raise ValueError("--ha starts its own pool of masters: use it with --shared and "
                          "without --master")
@@ -475,7 +481,7 @@ def run_replay(
                                                            log_dir=logs))
             elif cfg.master_address:
                 masters.append(cfg.master_address)
-                admin_urls.append(None)
+                admin_urls.append(cfg.master_admin_url)
                 lease_ttls.append(None)
                 store = stack.enter_context(
                     LocalPoolStore(cfg.master_address, segment, log_dir=logs))

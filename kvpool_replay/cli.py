@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace time / wall time (0 = as fast as possible; default 0)")
     p.add_argument("--master", default=None,
                    help="use this mooncake_master host:port instead of starting one")
+    p.add_argument("--master-admin-url", default=None, metavar="URL",
+                   help="--master's HTTP admin URL (its --metrics_port; default "
+                   "http://<host>:9003): the engines' pool stats and flushes read it")
     p.add_argument("--ha", type=_positive_int, default=0, metavar="N",
                    help="replay against an HA pool: a local etcd and N mooncake_master "
                    "processes with leader election (etcd-server must be installed)")
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             trace_path=trace, limit=args.limit, engines=args.engines,
             pool_tokens=args.pool_tokens, mode=args.mode, speedup=args.speedup, shape=shape,
             chunk_size=args.chunk_size, master_address=args.master,
+            master_admin_url=args.master_admin_url,
             agent_address=args.agent_address, wait_saves=args.wait_saves,
             load_async=args.load_async, use_layerwise=args.layerwise,
             show_progress=args.progress, ha=args.ha,

@@ -247,3 +247,16 @@ def test_cli_disk_tier_needs_a_memory_tier_and_an_absolute_dir(
                  "4000000", "--disk-tier-dir", "disk"]) == 2
     assert capsys.readouterr().err == (
         "kvpool-replay: --disk-tier-dir 'disk' is relative: give an absolute directory\n")
+
+
+def test_cli_master_admin_url_needs_master(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--master-admin-url`` names ``--master``'s admin endpoint (an external master's
+    ``--metrics_port``: without it the engines assumed :9003 and raised a false "master admin
+    unreachable"); alone it names nothing."""
+    from kvpool_replay.cli import main
+
+    good = default_trace_path("conversation_trace.jsonl")
+    assert main([str(good), "--limit", "5", "--master-admin-url", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool-replay: --master-admin-url names the admin URL of --master's master: give "
+        "--master too (without it the replay starts its own)\n")
