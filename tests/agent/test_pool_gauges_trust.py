@@ -12,6 +12,8 @@ Each test scrapes ``FleetCollector`` as Prometheus does (its text format, parsed
 
 from __future__ import annotations
 
+import bisect
+import functools
 import operator
 import re
 from collections.abc import Callable
@@ -89,25 +91,91 @@ def _value(samples: Samples, name: str, pool: str = POOL) -> float | None:
 _CMP: dict[str, Callable[[float, float], bool]] = {
     "==": operator.eq, "!=": operator.ne, ">=": operator.ge, "<=": operator.le,
     ">": operator.gt, "<": operator.lt}
-_CLAUSE = re.compile(r"^\s*([a-z_:]+)\s*(==|!=|>=|<=|>|<)\s*([0-9.]+)\s*$")
+_CLAUSE = re.compile(r"^\s*(?:(avg_over_time|last_over_time)\(([a-z_:]+)\[(\d+)([sm])\]\)"
+                     r"|([a-z_:]+))\s*(==|!=|>=|<=|>|<)\s*([0-9.]+)\s*$")
+Scrapes = list[tuple[float, Samples]]
+"""Scrapes of one target: (time in s, its samples), in time order."""
 
 
-def _fires(alert: str, samples: Samples) -> list[dict[str, str]]:
-    """The label sets ``alert``'s expression (from the rules file) returns over ``samples``:
-    PromQL's ``metric OP scalar`` filters (without ``bool``) joined by ``and`` (the left side's
-    samples whose label set the right side has), the form the pool rules use; any other form
-    fails the test rather than being misread."""
+@functools.cache
+def _expr(alert: str) -> str:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     (expr,) = [r["expr"] for g in groups for r in g["rules"] if r["alert"] == alert]
+    return str(expr)
+
+
+@functools.cache
+def _for_s(alert: str) -> float:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    (hold,) = [str(r.get("for", "0s")) for g in groups for r in g["rules"] if r["alert"] == alert]
+    return float(hold[:-1]) * {"s": 1, "m": 60}[hold[-1]]
+
+
+def _select(name: str, fn: str | None, window_s: float, scrapes: Scrapes, t: float
+            ) -> list[tuple[dict[str, str], float]]:
+    """PromQL at time ``t`` over ``scrapes``: ``name`` alone is each series in the newest scrape
+    at or before ``t`` (a series absent from it is stale: Prometheus marks it so); ``fn`` over
+    ``name[window]`` is per series its samples in ``(t - window, t]``, averaged or the last,
+    however many scrapes lacked it."""
+    times = [ts for ts, _ in scrapes]
+    hi = bisect.bisect_right(times, t)
+    if fn is None:
+        return [(lab, v) for n, lab, v in scrapes[hi - 1][1] if n == name] if hi else []
+    series: dict[tuple[tuple[str, str], ...], list[float]] = {}
+    for _, smp in scrapes[bisect.bisect_right(times, t - window_s):hi]:
+        for n, lab, v in smp:
+            if n == name:
+                series.setdefault(tuple(sorted(lab.items())), []).append(v)
+    pick: Callable[[list[float]], float] = (
+        (lambda vs: sum(vs) / len(vs)) if fn == "avg_over_time" else (lambda vs: vs[-1]))
+    return [(dict(k), pick(vs)) for k, vs in series.items()]
+
+
+def _fires_at(alert: str, scrapes: Scrapes, t: float) -> list[dict[str, str]]:
+    """The label sets ``alert``'s expression (from the rules file) returns at time ``t``:
+    ``metric OP scalar``, ``avg_over_time(metric[w]) OP scalar`` or
+    ``last_over_time(metric[w]) OP scalar`` filters (without ``bool``) joined by ``and`` (the
+    left side's samples whose label set the right side has), the forms the pool rules use; any
+    other form fails the test rather than being misread."""
+    expr = _expr(alert)
     result: list[dict[str, str]] | None = None
-    for clause in str(expr).split(" and "):
+    for clause in expr.split(" and "):
         m = _CLAUSE.match(clause)
-        assert m, f"{alert}: {clause!r} is not 'metric OP number'"
-        name, op, num = m.group(1), _CMP[m.group(2)], float(m.group(3))
-        side = [lab for n, lab, v in samples if n == name and op(v, num)]
+        assert m, f"{alert}: {clause!r} is not '[fn(]metric[w][)] OP number'"
+        fn, ranged, num_w, unit, plain, op_s, num = m.groups()
+        name = ranged or plain
+        window_s = float(num_w) * {"s": 1, "m": 60}[unit] if fn else 0.0
+        op = _CMP[op_s]
+        side = [lab for lab, v in _select(name, fn, window_s, scrapes, t)
+                if op(v, float(num))]
         result = side if result is None else [lab for lab in result if lab in side]
     assert result is not None
     return result
+
+
+def _fires(alert: str, samples: Samples) -> list[dict[str, str]]:
+    """``alert``'s expression over one scrape (each range function sees its one sample)."""
+    return _fires_at(alert, [(0.0, samples)], 0.0)
+
+
+def _firing_since(alert: str, scrapes: Scrapes, pool: str = POOL, every_s: float = 2.0
+                  ) -> float | None:
+    """When ``alert`` first fires for ``pool`` as Prometheus evaluates it every ``every_s`` from
+    the first scrape: pending while its expression returns the pool at each evaluation (one
+    evaluation without it resets it), firing once pending for the rule's ``for``; ``None``:
+    never."""
+    hold = _for_s(alert)
+    t, end = scrapes[0][0], scrapes[-1][0]
+    pending: float | None = None
+    while t <= end:
+        if any(lab.get("pool") == pool for lab in _fires_at(alert, scrapes, t)):
+            pending = t if pending is None else pending
+            if t - pending >= hold:
+                return t
+        else:
+            pending = None
+        t += every_s
+    return None
 
 
 def _pools_firing(alert: str, samples: Samples) -> set[str]:
@@ -287,3 +355,106 @@ def test_the_consoles_pool_no_segments_judges_freshness_by_the_hubs_receive_time
     assert [(a.rule, a.severity) for a in alerts] == [("pool_no_segments", "warning")]
     # Judged by the stamps, the forged reading was the pool's only one: critical.
     assert [a.severity for a in segment_alerts(honest | liar, NOW_MS)] == ["critical"]
+
+
+# Attack A6 and the rules over time: each scenario is a series of scrapes of the hub (its real
+# FleetCollector) every ``scrape_s``, evaluated as Prometheus does every 2 s.
+
+MIB64 = 64 << 20
+BOUND_S = 6 * 60 + 4.0
+"""One of ``KvpoolPoolNoSegments``/``KvpoolPoolReadingsDisagree`` fires at most this long after
+a key starts flapping over a real loss (docs/operating.md): NoSegments stays silent only while
+every agreeing stretch is shorter than 30 s (its pending minute minus its 30 s look-back) and
+each is broken by a disagreement over 30 s, so over half of every 5-minute window disagrees
+once the flapping has run 5 minutes, Disagree's average is then below 0.9 at every
+evaluation, and it fires a minute later (plus two evaluations)."""
+START_S = 300.0
+"""Each scenario's pool is healthy and agreed (10 GB) before this, filling the 5-min window."""
+
+
+def _pool_scrapes(totals: Callable[[float], tuple[int, ...]], end_s: float,
+                  scrape_s: float = 2.0) -> Scrapes:
+    """Scrapes from 0 to ``end_s``: at time t engines a and b (and x, the attacker's own
+    engine-bound key, when ``totals`` gives three) read the pool healthy with ``totals(t)``
+    bytes mounted."""
+    memo: dict[tuple[int, ...], Samples] = {}
+    out: Scrapes = []
+    t = 0.0
+    while t <= end_s:
+        key = totals(t)
+        if key not in memo:
+            states: dict[str, EngineState] = {}
+            for engine, total, age in zip("abx", key, (900, 600, 0), strict=False):
+                states |= _agent(engine, _pool(total), age_ms=age)
+            memo[key] = [smp for smp in _scrape(states) if smp[0].startswith("kvpool_pool_")]
+        out.append((t, memo[key]))
+        t += scrape_s
+    return out
+
+
+def _first_alert(scrapes: Scrapes) -> dict[str, float | None]:
+    return {a: _firing_since(a, scrapes)
+            for a in ("KvpoolPoolNoSegments", "KvpoolPoolReadingsDisagree")}
+
+
+def test_the_evaluator_reads_range_functions_as_promql_does() -> None:
+    """``avg_over_time`` averages the samples in the window, ``last_over_time`` takes the last
+    one however many scrapes lacked the series; a bare series absent from the newest scrape is
+    stale."""
+    lab = {"pool": POOL, "backend": "mooncake"}
+    scrapes: Scrapes = [(0.0, [("m", lab, 1.0)]), (10.0, [("m", lab, 0.0)]), (20.0, []),
+                        (30.0, [])]
+    assert _select("m", "avg_over_time", 60.0, scrapes, 30.0) == [(lab, 0.5)]
+    assert _select("m", "last_over_time", 15.0, scrapes, 20.0) == [(lab, 0.0)]
+    assert _select("m", "last_over_time", 15.0, scrapes, 30.0) == []
+    assert _select("m", None, 0.0, scrapes, 20.0) == []
+    assert _select("m", None, 0.0, scrapes, 15.0) == [(lab, 0.0)]
+
+
+def _flapping(disagree_s: float, agree_s: float) -> Callable[[float], tuple[int, ...]]:
+    """The pool really loses its memory at ``START_S`` (both honest engines read 0 B); from
+    then on the attacker's key reports 64 MiB for ``disagree_s``, then 0 B for ``agree_s``, and
+    again."""
+    def totals(t: float) -> tuple[int, ...]:
+        if t < START_S:
+            return (10 * GB, 10 * GB, 10 * GB)
+        lying = (t - START_S) % (disagree_s + agree_s) < disagree_s
+        return (0, 0, MIB64 if lying else 0)
+    return totals
+
+
+@pytest.mark.parametrize(("disagree_s", "agree_s"), [
+    (45, 8),     # attack A6 as run: 82 evaluations, neither rule fired under the old rules
+    (32, 26), (34, 2), (60, 28), (120, 20), (240, 28), (10, 10), (2, 50)])
+def test_flapping_disagreement_cannot_keep_both_pool_rules_silent(disagree_s: float,
+                                                                  agree_s: float) -> None:
+    scrapes = _pool_scrapes(_flapping(disagree_s, agree_s), START_S + BOUND_S + 10)
+    fired = [t for t in _first_alert(scrapes).values() if t is not None]
+    assert fired and min(fired) - START_S <= BOUND_S, (disagree_s, agree_s, fired)
+
+
+@pytest.mark.parametrize("scrape_s", [2.0, 15.0])
+def test_a_real_loss_without_an_attacker_fires_no_segments(scrape_s: float) -> None:
+    """Attack A6's control: the store is gone, every engine reads 0 B (one of them a poll
+    later than the other: honest readings differ for one 2 s interval)."""
+    def totals(t: float) -> tuple[int, ...]:
+        if t < START_S:
+            return (10 * GB, 10 * GB)
+        return (0, 10 * GB if t < START_S + 2 else 0)
+    fired = _first_alert(_pool_scrapes(totals, START_S + 120, scrape_s))
+    no_segments = fired["KvpoolPoolNoSegments"]
+    assert no_segments is not None and no_segments - START_S <= 60 + 2 * scrape_s + 2
+    assert fired["KvpoolPoolReadingsDisagree"] is None
+
+
+@pytest.mark.parametrize("scrape_s", [2.0, 15.0])
+def test_honest_segment_changes_raise_nothing(scrape_s: float) -> None:
+    """A segment mounts or drops every 3 minutes: one engine reads the new capacity a poll
+    (2 s) before the other. Over 15 minutes neither pool rule fires."""
+    def totals(t: float) -> tuple[int, ...]:
+        n, since = divmod(t, 180.0)
+        new = (10 + int(n) % 2) * GB
+        old = (10 + int(n + 1) % 2) * GB
+        return (new, old if n and since < 2 else new)
+    fired = _first_alert(_pool_scrapes(totals, 900.0, scrape_s))
+    assert fired == {"KvpoolPoolNoSegments": None, "KvpoolPoolReadingsDisagree": None}
