@@ -115,6 +115,8 @@ class _Pending:
     listers: set[str] = field(default_factory=set)
     listings: dict[str, CommandReply] = field(default_factory=dict)
     cross_until: float = 0.0
+    # Its key was revoked while it ran (``CommandRouter.revoke``): audited, answered refused.
+    withheld: bool = False
 
 
 class CommandRouter:
@@ -361,25 +363,18 @@ class CommandRouter:
 
     def revoke(self, agent_ids: list[str], keys: set[str]) -> None:
         """Agents ``agent_ids`` were dropped and console keys ``keys`` (names) revoked: the
-        commands in flight from those keys are answered refused at once, and every answer
-        awaited or held (for its check) from those agents is theirs no more: an error."""
+        commands in flight from those keys run to their end and are audited in full (agents
+        may have acted), but their console is answered refused, and every answer awaited or
+        held (for its check) from those agents is theirs no more: an error."""
         gone = set(agent_ids)
+        for pend in [*self.pending.values(), *self.verifying]:
+            pend.withheld = pend.withheld or pend.key in keys
         for internal, pend in list(self.pending.items()):
-            if pend.key in keys:
-                del self.pending[internal]
-                self._record(pend.who, pend.key, pend.req, pend.expected,
-                             [agent_error(pend.req, "hub", _REVOKED)], curve=not pend.plain,
-                             refused=True)
-                self.send_client(pend.sock, pend.client, [agent_error(pend.req, "hub", _REVOKED)])
-                continue
             for aid in gone & (set(pend.expected) | pend.listers):
                 into = pend.listings if aid in pend.listers else pend.replies
                 into[aid] = agent_error(pend.req, aid, "agent's key revoked: answer dropped")
             self.maybe_finish(internal)
         for pend in list(self.verifying):
-            if pend.key in keys:
-                self.verifying.remove(pend)
-                continue
             for aid in gone & set(pend.held):
                 del pend.held[aid]
                 pend.replies[aid] = agent_error(pend.req, aid, "agent's key revoked: answer "
@@ -529,7 +524,8 @@ class CommandRouter:
                                        + unvouched_note(pend.unvouched)))
         self._record(pend.who, pend.key, pend.req, [*pend.expected, *pend.unknown], replies,
                      curve=not pend.plain)
-        self.send_client(pend.sock, pend.client, replies)
+        self.send_client(pend.sock, pend.client, [agent_error(pend.req, "hub", _REVOKED)]
+                         if pend.withheld else replies)
 
     def send_client(
         self, sock: zmq.Socket[bytes], client: bytes, replies: list[CommandReply]

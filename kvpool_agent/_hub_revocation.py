@@ -15,7 +15,8 @@ behind a symlink within ``kvpool_agent.auth._LINK_RECHECK_S``):
   routed to them; commands awaiting their answers get an error for them, and answers held for
   their check are dropped (``CommandRouter.revoke``). A key still listed under another name
   (bound otherwise) registers again at its next report, under its new binding;
-- a viewer's or operator's commands in flight are answered refused, and the console port
+- a viewer's or operator's commands in flight run to their end and are audited in full, but
+  its console is answered refused (``CommandRouter.revoke``); the console port
   (``P+1``) is rebuilt: the only port where the hub cannot refuse what a peer receives, so
   every subscriber reconnects (honest consoles get a snapshot; the revoked key's handshake is
   refused). The command ports are not rebuilt: each message is checked there, and the

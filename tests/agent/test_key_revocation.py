@@ -150,6 +150,10 @@ def real_keys(mooncake_backend: Any, pool_buffer: ctypes.Array[ctypes.c_char],
     mooncake_backend.remove_by_scope(f"^kvpool@{model}", dry_run=False, force=True)
 
 
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def _all_keys(master: LocalMooncakeMaster) -> set[str]:
     r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
     r.raise_for_status()
@@ -281,7 +285,8 @@ def test_a_revoked_viewer_keeps_no_stream_and_no_commands(
     operator revokes her key. Once the hub has seen it (her reconnection refused on P+1), her
     subscription receives no update about an agent that comes after (the honest viewer's
     does), and her dry run on the open command connection is refused, counted against
-    ``revoked:viewer/eve``, and reaches no agent."""
+    ``revoked:viewer/eve``, and reaches no agent. Her dry run in flight at the revocation runs
+    to its end and is audited, but she is answered refused."""
     hub_keys = own_keys["hub"]
     eve = generate_keys(tmp_path / "eve", "viewer")
     (eve.root / "hub.key").write_bytes(hub_keys.hub_public.read_bytes())
@@ -299,7 +304,7 @@ def test_a_revoked_viewer_keeps_no_stream_and_no_commands(
     def ask(rid: str) -> None:
         dealer.send(encode(CommandRequest(
             v=PROTOCOL_VERSION, seq=1, request_id=rid, command="flush",
-            flush=FlushArgs(scope="all", dry_run=True), timeout_ms=5_000)))
+            flush=FlushArgs(scope="all", dry_run=True), timeout_ms=60_000)))
 
     ask("before")
     assert dealer.poll(30_000), "eve's command connection got no answer before revocation"
@@ -312,10 +317,22 @@ def test_a_revoked_viewer_keeps_no_stream_and_no_commands(
     wait_until(lambda: agent.report(early, send_timeout_ms=200)
                and early.agent_id in own_hub.fleet(), 60)
     assert early.agent_id in own_hub.fleet()
+    ask("inflight")  # reaches the agent, which answers only after the revocation
+    wait_until(lambda: agent.drain(100) != [], 30)
+    assert agent.received
     refused = own_hub.refused_connections.get("pub", 0)
     _revoke(hub_keys, "viewer", "eve", tmp_path, "revoke")
     wait_until(lambda: own_hub.refused_connections.get("pub", 0) > refused, 60)
     assert own_hub.refused_connections.get("pub", 0) > refused
+    for c in agent.received:
+        agent.reply(c.request_id, early.agent_id)
+    assert dealer.poll(60_000), "eve's command in flight got no answer"
+    withheld = [r for f in dealer.recv_multipart() if isinstance(r := decode(f), CommandReply)]
+    assert [(r.request_id, r.agent_id, r.ok) for r in withheld] == [("inflight", "hub", False)]
+    assert "no longer authorized" in (withheld[0].error or ""), withheld
+    # It ran: audited in full, with the agent's answer.
+    wait_until(lambda: "inflight" in _read(tmp_path / "audit.jsonl.readonly"), 30)
+    assert early.agent_id in _read(tmp_path / "audit.jsonl.readonly")
     late = make_source("late-0", master="10.0.0.8:50051")
     wait_until(lambda: agent.report(late, send_timeout_ms=200)
                and late.agent_id in own_hub.fleet(), 60)
