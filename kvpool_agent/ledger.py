@@ -251,7 +251,7 @@ FACTS: tuple[Fact, ...] = (
     # (kvpool_agent.pool_readings; _T on the hub-only facts' help).
     Fact("pool_readings_agree", "gauge", "1",
          "1 when the pool's figures are exported: a store agent's reading (of a key neither "
-         "engine- nor other-pool-bound), or every engine's newest reading (within "
+         "engine- nor other-pool-bound), or every engine's newest reading (received within "
          f"{STALE_AFTER_MS / 1e3:g} s of the pool's newest) agrees on the pool's health, "
          "mounted bytes and disk capacity; 0 when they disagree (a store lost between two "
          "readings, a master some engines cannot reach, or a stale or forged reading): the "
