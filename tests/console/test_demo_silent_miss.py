@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from kvpool_console.alerts import AlertModel
-from kvpool_console.alerts.silent_miss import SILENT_CEILING, SILENT_MIN_TOKENS
+from kvpool_console.alerts.silent_miss import SILENT_CEILING, SILENT_MIN_TOKENS, SILENT_SHARE
 from kvpool_console.model import build_view
 from kvpool_console.source import ClientSource
 from kvpool_replay import DemoCluster, default_trace_path
@@ -54,9 +54,11 @@ def test_a_demo_run_near_its_ceiling_raises_no_silent_miss() -> None:
                         judged.append(hit / ceiling)
             assert not cluster.running(), "the demo's engines did not finish within 180 s"
             assert raised == []
-            # The rule judged the run (three samples at least), near its ceiling.
+            # The rule judged the run (three samples at least), above its line (SILENT_SHARE of
+            # the ceiling): 0.78-0.90 of it in a run at load average 15-20 (loads that give up
+            # under load are misses), nearer 0.9 on a quiet machine.
             assert len(judged) >= 3, judged
-            assert min(judged) >= 0.8, judged
+            assert min(judged) > SILENT_SHARE, judged
             assert curves > 0, "no what-if curve during the run"
             # What the demo's screens show: the ceiling and each engine's top reason and fix.
             states, seen = src.fleet()
