@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -331,12 +332,22 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
     pool-wide commands and count in its totals (issue 42).
 
     Raises:
-        ValueError: ``role`` is not a client role, ``engine`` or ``pool`` is given for another
-            role or is no file name, the file holds no public key, or the key is authorized
-            already under a name binding it otherwise (give every binding in one call).
+        ValueError: ``role`` is not a client role, ``hub_root`` holds no hub key, ``name``
+            is no file name, ``engine`` or ``pool`` is given for another role or is no file
+            name, ``pool`` is the console's ``BACKEND@ADDRESS`` or not a network address, the
+            file holds no public key or holds a secret one, or the key is authorized already
+            under a name binding it otherwise (give every binding in one call).
     """
     if role not in CLIENT_ROLES:
         raise ValueError(f"role {role!r}: expected one of {', '.join(CLIENT_ROLES)}")
+    paths = KeyPaths.of(hub_root)
+    if not (paths.hub_secret.exists() or paths.hub_public.exists()):
+        # A mistyped directory would get an authorized_keys/ the running hub never reads.
+        raise ValueError(f"{hub_root}: no hub key there (hub.key_secret): give the directory "
+                         "`kvpool-agent keygen --role hub` made, which the hub reads --keys from")
+    if name is not None and (not name or "/" in name or name.startswith((".", "-"))):
+        raise ValueError(f"--name {name!r}: a file name, without '/' and not starting with "
+                         "'.' or '-'")
     if engine is not None:
         if role != "agent" or name is not None:
             raise ValueError("--engine binds an agent key (--role agent) and names its file; "
@@ -350,14 +361,25 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
         if role != "agent":
             raise ValueError("--pool binds an agent key (--role agent)")
         label = name or src.stem
-        if not pool or pool != pool.strip() or not label or "/" in label or label.startswith(
-                (".", "-")):
+        if re.match(r"\w+@", pool):
+            raise ValueError(f"--pool {pool!r}: give the master address alone "
+                             f"({pool.partition('@')[2]!r}): the console names a pool "
+                             "BACKEND@ADDRESS, engines report ADDRESS")
+        if not pool or not re.fullmatch(r"[\x21-\x7e]+", pool) or not label or "/" in label \
+                or label.startswith((".", "-")):
             raise ValueError(f"--pool {pool!r}: give the pool's master_server_address as "
-                             "engines report it (the console's pool column), and a --name "
-                             "without '/'")
+                             "engines report it (the console's pool name after "
+                             "BACKEND@), and a --name without '/'")
         name = f"{label}@{pool_file_part(pool)}{POOL_KEY_SUFFIX}"
     public = _load(src, secret=False, fix="give a public key file made by kvpool-agent keygen")
-    dest_dir = KeyPaths.of(hub_root).authorized(role)
+    try:
+        has_secret = zmq.auth.load_certificate(str(src))[1] is not None
+    except (OSError, ValueError):
+        has_secret = False
+    if has_secret:
+        raise ValueError(f"{src} holds a secret key: give its public half (ROLE.key, not "
+                         "ROLE.key_secret); a secret never leaves its host")
+    dest_dir = paths.authorized(role)
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     dest = dest_dir / f"{name or src.stem}.key"
     engine_of, pool_of = bound_engine(dest.stem), bound_pool(dest.stem)

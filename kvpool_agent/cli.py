@@ -142,10 +142,11 @@ def _parser() -> argparse.ArgumentParser:
                    "(file ENGINE_ID.engine.key); without it an agent key reports for any engine")
     a.add_argument("--pool", metavar="POOL",
                    help="agent keys: accept this key's reports only for pool POOL, the "
-                   "master_server_address engines report (the console's pool column; file "
-                   "NAME@POOL.pool.key, ENGINE_ID.engine@POOL.pool.key with --engine); once a "
-                   "key is bound to POOL only keys bound to it get POOL's pool-wide commands "
-                   "(flush --scope all/model, pin, pins) and count in its totals")
+                   "master_server_address engines report (the console's pool name after "
+                   "BACKEND@; file NAME@POOL.pool.key, ENGINE_ID.engine@POOL.pool.key with "
+                   "--engine); once a key is bound to POOL only keys bound to it get POOL's "
+                   "pool-wide commands (flush --scope all/model, pin, pins) and count in its "
+                   "totals")
 
     s = sub.add_parser("store", help="standalone agent beside a store, reporting pool stats")
     s.add_argument(

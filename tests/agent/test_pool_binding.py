@@ -98,6 +98,34 @@ def test_authorize_pool_names_the_file_and_binds_reports_to_the_pool(
     assert allow.name("agents", public) == name
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    # The console's pool name: a binding no report would ever match.
+    (["--pool", "mooncake@10.0.0.1:50051"], "give the master address alone ('10.0.0.1:50051')"),
+    (["--pool", "10.0.0.1:50051\u200b"], "--pool"),
+    (["--name", "a/b", "--pool", "10.0.0.1:50051"], "--name 'a/b': a file name"),
+    (["--secret"], "holds a secret key: give its public half"),
+    (["--no-hub"], "no hub key there"),
+])
+def test_authorize_refuses_what_would_never_bind_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    """A new operator's mistakes, each one line and exit 2, nothing written: the console's
+    ``BACKEND@ADDRESS`` as the pool, a look-alike address, a name with '/', a secret key file
+    (written 0644 into the hub's directory before), a mistyped hub directory (an
+    ``authorized_keys/`` the running hub never reads)."""
+    hub = generate_keys(tmp_path / "hub", "hub")
+    mine = generate_keys(tmp_path / "a", "agent")
+    key, root = str(mine.public("agent")), str(hub.root)
+    if argv == ["--secret"]:
+        key, argv = str(mine.secret("agent")), ["--name", "x", "--pool", "10.0.0.1:50051"]
+    elif argv == ["--no-hub"]:
+        root, argv = str(tmp_path / "nohub"), []
+    assert agent_main(["authorize", "--role", "agent", root, key, *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not list(hub.authorized_dir.glob("**/*.key"))
+    assert not (tmp_path / "nohub").exists()
+
+
 def test_a_key_authorized_again_under_its_name_takes_effect_on_a_running_hub(
         tmp_path: Path) -> None:
     """``authorize`` of a new key under an existing name (a rotated engine key, or a test
