@@ -450,17 +450,20 @@ class Fleet:
                 ]
                 return sorted(ids), None if ids else (
                     f"no live worker agent of engine {fl.engine_id!r}"), []
-            best: dict[str, tuple[bool, bool, float, float, str]] = {}
+            # Workers only: a store agent holds no pool client (it answered "no pool backend",
+            # and a bound pool whose one live member it was got nothing flushed).
+            best: dict[str, tuple[bool, float, float, str]] = {}
             for k, a in pooled.items():
                 src = a.state.source
-                if src.process_role not in ("worker", "store") or src.master in refused:
+                if src.process_role != "worker" or src.master in refused:
                     continue
-                rank = (src.process_role != "worker", a.bound, *self._held_since(a, now_ms), k)
+                rank = (a.bound, *self._held_since(a, now_ms), k)
                 if src.master not in best or rank < best[src.master]:
                     best[src.master] = rank
             if not best:
-                return [], "no live worker or store agent to run the flush", sorted(refused)
-            return sorted(r[4] for r in best.values()), None, sorted(refused)
+                return [], ("no live worker agent to run the flush (a store agent holds no pool "
+                            "client)"), sorted(refused)
+            return sorted(r[3] for r in best.values()), None, sorted(refused)
 
     def _held_since(self, a: _Entry, now_ms: float) -> tuple[float, float]:
         """How an agent ranks as a pool-wide command's target: since when its identity has

@@ -7,16 +7,16 @@ effect; the honest bound member's flush removes the keys of a real ``mooncake_ma
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 import zmq.auth
-from agent_testlib import FakeAgent, make_source, wait_until
+from agent_testlib import FORGED, Claimant, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, local_fleet_keys, start_agent
 from kvpool_agent._fleet import Fleet
@@ -36,12 +36,8 @@ from kvpool_agent.protocol import (
     CommandRequest,
     EngineState,
     FlushArgs,
-    FlushResult,
     PoolStats,
     Report,
-    Source,
-    decode,
-    encode,
 )
 from kvpool_connector.keys import ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
@@ -49,7 +45,6 @@ from kvpool_replay import LocalMooncakeMaster
 
 DIGEST = "0123456789ab"
 _VALUE = 4096
-_FORGED = 4242
 
 
 # -- keys and names (no sockets) -------------------------------------------------------------
@@ -169,9 +164,9 @@ def test_a_closed_pools_counts_and_verifiers_are_its_members_only() -> None:
     flush_all = CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="r", command="flush",
                                flush=FlushArgs(scope="all", dry_run=False))
     # Older claimants: two engine-bound keys and a fleet-wide one, then the two members.
-    assert fleet.accept(b"c1", _report("col-1", "k1", pool, _FORGED), "k1", bound=True) is None
-    assert fleet.accept(b"c2", _report("col-2", "k2", pool, _FORGED), "k2", bound=True) is None
-    assert fleet.accept(b"fw", _report("fw", "kf", pool, _FORGED), "kf") is None
+    assert fleet.accept(b"c1", _report("col-1", "k1", pool, FORGED), "k1", bound=True) is None
+    assert fleet.accept(b"c2", _report("col-2", "k2", pool, FORGED), "k2", bound=True) is None
+    assert fleet.accept(b"fw", _report("fw", "kf", pool, FORGED), "kf") is None
     assert fleet.accept(b"m1", _report("mem-1", "km1", pool, 6), "km1", bound=True,
                         pool=pool) is None
     assert fleet.accept(b"m2", _report("mem-2", "km2", pool, 7), "km2", bound=True,
@@ -191,49 +186,27 @@ def test_a_closed_pools_counts_and_verifiers_are_its_members_only() -> None:
     assert ids == [] and problem is not None and refused == [pool]
 
 
+def test_a_store_agent_never_draws_a_flush() -> None:
+    """A store agent holds no pool client (it answered a flush "no pool backend"): a pool whose
+    one live member it is gets no flush and the operator is told; beside a member worker, the
+    worker runs it."""
+    fleet, pool = Fleet(), "10.0.0.8:50051"
+    flush_all = CommandRequest(v=PROTOCOL_VERSION, seq=1, request_id="r", command="flush",
+                               flush=FlushArgs(scope="all", dry_run=False))
+    store = _report("store", "ks", pool, 5)
+    store = msgspec.structs.replace(store, state=msgspec.structs.replace(
+        store.state, source=msgspec.structs.replace(store.state.source, process_role="store",
+                                                    agent_id="store")))
+    assert fleet.accept(b"s", store, "ks", pool=pool) is None
+    closed = frozenset({pool})
+    ids, problem, _ = fleet.targets(flush_all, closed)
+    assert ids == [] and problem is not None and "no live worker agent" in problem
+    assert fleet.accept(b"w", _report("w-0", "kw", pool, 5), "kw", bound=True,
+                        pool=pool) is None
+    assert fleet.targets(flush_all, closed) == (["w-0/dp0.tp0.pp0"], None, [])
+
+
 # -- live: a real keyed hub ---------------------------------------------------------------------
-
-class _Claimant:
-    """An agent of ``src`` on its own connection with ``keys``, reporting every 0.1 s with its
-    pool at ``pool_keys`` and answering every flush with "removed ``answer`` of ``answer``"
-    (every other command: ok), recording what it received; on its own thread."""
-
-    def __init__(self, address: str, keys: KeyPaths, src: Source, pool_keys: int,
-                 answer: int) -> None:
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fake = FakeAgent(self.ctx, address, keys=keys.client("agent"))
-        self.src, self.pool_keys, self.answer = src, pool_keys, answer
-        self.received: list[CommandRequest] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.fake.report(self.src, send_timeout_ms=100,
-                             pool=PoolStats(backend="mooncake", keys=self.pool_keys))
-            while self.fake.sock.poll(100):
-                msg = decode(self.fake.sock.recv())
-                if not isinstance(msg, CommandRequest):
-                    continue
-                self.received.append(msg)
-                dry = msg.flush is not None and msg.flush.dry_run
-                self.fake.seq += 1
-                self.fake.sock.send(encode(CommandReply(
-                    v=PROTOCOL_VERSION, seq=self.fake.seq, request_id=msg.request_id,
-                    agent_id=self.src.agent_id, ok=True,
-                    flush=FlushResult(dry_run=dry, keys=self.answer, bytes=self.answer,
-                                      removed_keys=0 if dry else self.answer)
-                    if msg.command == "flush" else None)))
-
-    def __enter__(self) -> _Claimant:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.ctx.destroy(linger=0)
-
 
 @pytest.fixture
 def own_keys(tmp_path: Path) -> dict[Role, KeyPaths]:
@@ -271,8 +244,8 @@ def test_a_key_bound_to_another_pool_gets_nothing_of_the_pool_it_claims(
     evil = _agent_key(tmp_path, own_keys["hub"], "imp-a", engine="imp-a", pool=other)
     msrc = make_source("mem-a", master=pool, layout_digest=DIGEST)
     isrc = make_source("imp-a", master=pool, layout_digest=DIGEST)
-    with _Claimant(hub_address, member, msrc, 7, 7) as honest, \
-            _Claimant(hub_address, evil, isrc, _FORGED, _FORGED) as impostor:
+    with Claimant(hub_address, member, msrc, 7, 7) as honest, \
+            Claimant(hub_address, evil, isrc, FORGED, FORGED) as impostor:
         wait_until(lambda: msrc.agent_id in bound_hub.fleet()
                    and bound_hub.takeover_refused >= 3, 30)
         assert msrc.agent_id in bound_hub.fleet()
@@ -322,9 +295,9 @@ def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
     colluders = [_agent_key(tmp_path, own_keys["hub"], e, engine=e) for e in ("col-1", "col-2")]
     sources = [make_source(e, model=model, master=pool, layout_digest=DIGEST)
                for e in ("col-1", "col-2", "fw-1")]
-    with _Claimant(hub_address, colluders[0], sources[0], _FORGED, _FORGED) as c1, \
-            _Claimant(hub_address, colluders[1], sources[1], _FORGED, _FORGED) as c2, \
-            _Claimant(hub_address, own_keys["agent"], sources[2], _FORGED, _FORGED) as fw:
+    with Claimant(hub_address, colluders[0], sources[0], FORGED, FORGED) as c1, \
+            Claimant(hub_address, colluders[1], sources[1], FORGED, FORGED) as c2, \
+            Claimant(hub_address, own_keys["agent"], sources[2], FORGED, FORGED) as fw:
         wait_until(lambda: {s.agent_id for s in sources} <= set(bound_hub.fleet()), 30)
         assert {s.agent_id for s in sources} <= set(bound_hub.fleet())
         before = _flush_all(hub_address, own_keys["operator"])
@@ -367,7 +340,7 @@ def test_without_a_bound_pool_the_agreement_rules_hold(
     """No key bound to any pool (a deployment of today): a pool reported by the fleet-wide key
     gets its ``flush --scope all`` as before, through that key's agent."""
     src = make_source("fw-2", master="10.0.0.51:50051")
-    with _Claimant(hub_address, own_keys["agent"], src, 7, 7) as fw:
+    with Claimant(hub_address, own_keys["agent"], src, 7, 7) as fw:
         wait_until(lambda: src.agent_id in bound_hub.fleet(), 30)
         got = _flush_all(hub_address, own_keys["operator"])
     assert [r.agent_id for r in got] == [src.agent_id] and got[0].ok, got
@@ -389,8 +362,8 @@ def test_a_members_forged_flush_is_held_against_another_members_count(
     honest_key = _agent_key(tmp_path, own_keys["hub"], "mem-d", engine="mem-d", pool=pool)
     lsrc = make_source("liar-0", master=pool)
     hsrc = make_source("mem-d", master=pool)
-    with _Claimant(hub_address, liar, lsrc, 5000, 5000) as first, \
-            _Claimant(hub_address, honest_key, hsrc, 5000, 5000) as other:
+    with Claimant(hub_address, liar, lsrc, 5000, 5000) as first, \
+            Claimant(hub_address, honest_key, hsrc, 5000, 5000) as other:
         wait_until(lambda: {lsrc.agent_id, hsrc.agent_id} <= set(bound_hub.fleet()), 30)
         got = _flush_all(hub_address, own_keys["operator"])
     assert [c.command for c in first.received] == ["flush"]
