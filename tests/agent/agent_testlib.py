@@ -21,6 +21,8 @@ from kvpool_agent.protocol import (
     CommandReply,
     CommandRequest,
     EngineState,
+    FlushResult,
+    PoolStats,
     Report,
     Source,
     decode,
@@ -29,8 +31,8 @@ from kvpool_agent.protocol import (
 from kvpool_agent.vocabulary import AGENT_KEYS_ENV
 from kvpool_replay import free_port_block
 
-__all__ = ["ENV_KEYS", "FakeAgent", "Spammer", "env_keys", "free_port_block", "hub_process_of",
-           "make_source", "wait_until"]
+__all__ = ["ENV_KEYS", "FORGED", "Claimant", "FakeAgent", "Spammer", "env_keys", "free_port_block",
+           "hub_process_of", "make_source", "wait_until"]
 
 ENV_KEYS = object()
 """``FakeAgent(keys=ENV_KEYS)``: the agent keys ``KVPOOL_AGENT_KEYS`` names, as a configured
@@ -163,3 +165,59 @@ def hub_process_of(hub_address: str, fleet_keys: dict[Any, KeyPaths], tmp_path: 
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+FORGED = 4242
+"""The key count a forging agent claims (``Claimant``'s default)."""
+
+
+def _count(n: int | Callable[[], int]) -> int:
+    return n() if callable(n) else n
+
+
+class Claimant:
+    """An agent of ``src`` (the test may change it) on its own connection with ``keys``,
+    reporting every 0.1 s with its pool at ``pool_keys`` keys and answering every flush
+    "removed ``answer`` of ``answer``" (every other command: ok), each a number or a function
+    read at each use (``FORGED`` by default), recording the commands it received; on its own
+    thread while entered."""
+
+    def __init__(self, address: str, keys: KeyPaths, src: Source,
+                 pool_keys: int | Callable[[], int] = FORGED,
+                 answer: int | Callable[[], int] = FORGED) -> None:
+        self.pool_keys, self.answer = pool_keys, answer
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.fake = FakeAgent(self.ctx, address, keys=keys.client("agent"))
+        self.src = src
+        self.received: list[CommandRequest] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            src = self.src
+            self.fake.report(src, send_timeout_ms=100,
+                             pool=PoolStats(backend="mooncake", keys=_count(self.pool_keys)))
+            while self.fake.sock.poll(100):
+                msg = decode(self.fake.sock.recv())
+                if not isinstance(msg, CommandRequest):
+                    continue
+                self.received.append(msg)
+                dry = msg.flush is not None and msg.flush.dry_run
+                n = _count(self.answer)
+                self.fake.seq += 1
+                self.fake.sock.send(encode(CommandReply(
+                    v=PROTOCOL_VERSION, seq=self.fake.seq, request_id=msg.request_id,
+                    agent_id=src.agent_id, ok=True,
+                    flush=FlushResult(dry_run=dry, keys=n, bytes=n,
+                                      removed_keys=0 if dry else n)
+                    if msg.command == "flush" else None)))
+
+    def __enter__(self) -> Claimant:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.ctx.destroy(linger=0)

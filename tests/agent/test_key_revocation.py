@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 import zmq.auth
-from agent_testlib import FakeAgent, make_source, wait_until
+from agent_testlib import Claimant, FakeAgent, make_source, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, local_fleet_keys, start_agent
 from kvpool_agent.auth import AllowList, Role, authorize_key, generate_keys
@@ -28,9 +28,6 @@ from kvpool_agent.protocol import (
     CommandRequest,
     FleetUpdate,
     FlushArgs,
-    FlushResult,
-    PoolStats,
-    Source,
     decode,
     encode,
 )
@@ -39,7 +36,6 @@ from kvpool_connector.operations import BackendOperations
 from kvpool_replay import LocalMooncakeMaster
 
 DIGEST = "0123456789ab"
-_FORGED = 4242
 
 
 def _agent_key(tmp_path: Path, hub: KeyPaths, name: str, *, engine: str | None = None
@@ -50,53 +46,6 @@ def _agent_key(tmp_path: Path, hub: KeyPaths, name: str, *, engine: str | None =
     (d.root / "hub.key").write_bytes(hub.hub_public.read_bytes())
     authorize_key(hub.root, "agent", d.public("agent"), None if engine else name, engine)
     return d
-
-
-class _Claimant:
-    """An agent on its own connection with ``keys``, reporting ``src`` (which the test may
-    change) every 0.1 s with its pool at ``pool_keys()`` keys and answering every flush
-    "removed ``answer()`` of ``answer()``" (both ``_FORGED`` by default), recording each
-    command it received."""
-
-    def __init__(self, address: str, keys: KeyPaths, src: Source,
-                 pool_keys: Callable[[], int] = lambda: _FORGED,
-                 answer: Callable[[], int] = lambda: _FORGED) -> None:
-        self.pool_keys, self.answer = pool_keys, answer
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fake = FakeAgent(self.ctx, address, keys=keys.client("agent"))
-        self.src = src
-        self.received: list[CommandRequest] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            src = self.src
-            self.fake.report(src, send_timeout_ms=100,
-                             pool=PoolStats(backend="mooncake", keys=self.pool_keys()))
-            while self.fake.sock.poll(100):
-                msg = decode(self.fake.sock.recv())
-                if not isinstance(msg, CommandRequest):
-                    continue
-                self.received.append(msg)
-                dry = msg.flush is not None and msg.flush.dry_run
-                n = self.answer()
-                self.fake.seq += 1
-                self.fake.sock.send(encode(CommandReply(
-                    v=PROTOCOL_VERSION, seq=self.fake.seq, request_id=msg.request_id,
-                    agent_id=src.agent_id, ok=True,
-                    flush=FlushResult(dry_run=dry, keys=n, bytes=n,
-                                      removed_keys=0 if dry else n)
-                    if msg.command == "flush" else None)))
-
-    def __enter__(self) -> _Claimant:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture
@@ -191,7 +140,7 @@ def test_a_revoked_agent_keys_open_connection_gets_no_power(
         aid = worker.source.agent_id
         isrc = make_source("imp-0", model=model, master=pool, layout_digest=DIGEST)
         wait_until(lambda: aid in own_hub.fleet(), 60)
-        with _Claimant(hub_address, evil, isrc) as imp, _Claimant(
+        with Claimant(hub_address, evil, isrc) as imp, Claimant(
                 hub_address, vouch, vsrc, lambda: len(_all_keys(agent_master)),
                 lambda: len(set(real_keys) & _all_keys(agent_master))) as voucher:
             wait_until(lambda: {aid, isrc.agent_id, vsrc.agent_id} <= set(own_hub.fleet()), 60)
@@ -215,7 +164,7 @@ def test_a_revoked_agent_keys_open_connection_gets_no_power(
             voucher.received.clear()
             if new is not None:
                 nsrc = make_source("imp-0", master="10.9.9.9:50051")
-                with _Claimant(hub_address, new, nsrc):
+                with Claimant(hub_address, new, nsrc):
                     wait_until(lambda: nsrc.agent_id in own_hub.fleet(), 60)
                     assert nsrc.agent_id in own_hub.fleet()
                 with FleetClient(hub_address, keys_dir=own_keys["operator"].root) as op:
@@ -247,7 +196,7 @@ def test_a_revoked_key_cannot_take_the_honest_engines_id(
     member = _agent_key(tmp_path, hub_keys, "real-0", engine="real-0")
     evil = _agent_key(tmp_path, hub_keys, "imp-0", engine="imp-0")
     isrc = make_source("imp-0", master="10.0.0.7:50051")
-    with _Claimant(hub_address, evil, isrc) as imp:
+    with Claimant(hub_address, evil, isrc) as imp:
         wait_until(lambda: isrc.agent_id in own_hub.fleet(), 60)
         assert isrc.agent_id in own_hub.fleet()
         _revoke(hub_keys, "agent", "imp-0.engine", tmp_path, "revoke")
