@@ -249,8 +249,10 @@ def test_hostile_values_run_nothing(capsys: pytest.CaptureFixture[str], hub: str
     # An engine id like HOSTILE is refused by the wire schema (tests/console/test_hostile_text).
     name = "hostile-e"
     bad_path = f"/tmp/x'; touch {canary}; echo '"
+    # The master without a space (the wire takes visible ASCII only: protocol.Address).
     handle = _agent(hub, name, "engine-host-1", log_path=bad_path,
-                    sockets=(f"/tmp/$(touch {canary})",), master=f"`touch {canary}`:1")
+                    sockets=(f"/tmp/$(touch {canary})",),
+                    master=f"`touch${{IFS}}{canary}`:1")
     try:
         wait_reported(hub, name)
         rc, report, _, err = triage(capsys, hub, name, sshd, "--json")
