@@ -89,9 +89,10 @@ def replays(request: pytest.FixtureRequest, short_trace: Path) -> Iterator[Jobs]
         return functools.partial(run_replay, ReplayConfig(
             trace_path=str(short_trace), shape=shape, pool_tokens=POOL_TOKENS, **kw))
 
-    # A 60 s lease: a lookup's lease lapsed before its 160 MiB load of Llama-3-70B at block
-    # 128 ended (4 load errors, recomputed) in a run at load average 15-20; lapsed leases have
-    # their own replay below (SHORT_LEASE), these are about moving real sizes.
+    # A 60 s lease: these are about moving real sizes, lapsed leases have their own replay
+    # below (SHORT_LEASE). Llama-3-70B at block 128 lost one chunk's load (4 load errors,
+    # recomputed) in 2 of 5 whole-suite runs with the 10 s lease and with this one: not a
+    # lapse, cause not known yet (issue 38).
     jobs = {f"test_real_shape_replay_reaches_the_ceiling[{cid}]":
             case(dims, block_size, default_kv_lease_ttl_ms=60_000)
             for cid, (dims, block_size, _) in CASES.items()}
