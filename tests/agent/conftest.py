@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -111,3 +112,14 @@ def pool_buffer(mooncake_backend: Any) -> ctypes.Array[ctypes.c_char]:
 def model() -> str:
     """A model name of the test's own, so its keys never meet another test's."""
     return f"org/model-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test started (appended here): killed if still running when it ends."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -26,16 +25,6 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def test_keygen_writes_one_role_and_refuses_to_overwrite(

@@ -67,16 +67,6 @@ def handles() -> Iterator[list[AgentHandle]]:
         h.stop()
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(30)
-
-
 def _scrape(collector: FleetCollector) -> dict[str, dict[str, float]]:
     """Family -> pool label -> value of the pool families ``collector`` exports."""
     reg = CollectorRegistry()
