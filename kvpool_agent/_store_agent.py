@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import sys
 from typing import TextIO
 
-from kvpool_agent.protocol import Source
+from kvpool_agent.protocol import Source, is_address
 
 __all__ = ["MASTER_ENV", "add_master_option", "master_of", "store_source"]
 
@@ -49,7 +48,7 @@ def master_of(args: argparse.Namespace, err: TextIO | None = None) -> str:
         ValueError: the address is not visible ASCII without spaces (``protocol.Address``).
     """
     master = str(getattr(args, "master_server_address", "") or "").strip()
-    if not re.fullmatch(r"[\x21-\x7e]*", master):
+    if not is_address(master):
         # The hub refuses a report whose Source.master is not one (protocol.Address).
         raise ValueError(f"--master-server-address {master!r}: not a network address (visible "
                          "ASCII, no spaces); give the engines' master_server_address")

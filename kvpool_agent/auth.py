@@ -52,7 +52,7 @@ from urllib.parse import quote, unquote
 
 import zmq.auth
 
-from kvpool_agent.protocol import Source
+from kvpool_agent.protocol import Source, is_address
 
 __all__ = [
     "CLIENT_ROLES",
@@ -365,7 +365,7 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
             raise ValueError(f"--pool {pool!r}: give the master address alone "
                              f"({pool.partition('@')[2]!r}): the console names a pool "
                              "BACKEND@ADDRESS, engines report ADDRESS")
-        if not pool or not re.fullmatch(r"[\x21-\x7e]+", pool) or not label or "/" in label \
+        if not pool or not is_address(pool) or not label or "/" in label \
                 or label.startswith((".", "-")):
             raise ValueError(f"--pool {pool!r}: give the pool's master_server_address as "
                              "engines report it (the console's pool name after "

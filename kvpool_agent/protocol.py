@@ -155,6 +155,15 @@ Address = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS, pattern=r"^[\x21-
 """A network address in visible ASCII, no spaces (``host:port``, ``[::1]:50051``,
 ``etcd://h1:2379,h2:2379``). Not any printable text: a master named like a real one plus a
 zero-width space made a second pool whose ``/metrics`` label read the same (issue 42)."""
+
+
+def is_address(text: str) -> bool:
+    """Whether ``text`` is an :data:`Address` (what a report's ``Source.master`` must be)."""
+    try:
+        msgspec.convert(text, Address)
+    except msgspec.ValidationError:
+        return False
+    return True
 FilePath = Annotated[str, msgspec.Meta(max_length=4096, pattern=_NO_CONTROLS)]
 """A file path (``PATH_MAX`` is 4096 on Linux)."""
 FreeText = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS, pattern=_NO_CONTROLS)]
