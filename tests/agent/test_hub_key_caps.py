@@ -68,7 +68,7 @@ def test_a_keys_subscribers_past_its_cap_get_no_frame_and_are_counted(
     viewer = fleet_keys["viewer"]
     held = [_subscriber(ctx, hub, viewer, "viewer") for _ in range(MAX_SUBSCRIBERS_PER_KEY)]
     for s in held:
-        assert s.poll(10_000), "a subscriber within the cap got no frame"
+        assert s.poll(30_000), "a subscriber within the cap got no frame"
     extra = [_subscriber(ctx, hub, viewer, "viewer") for _ in range(4)]
     got = [0] * len(extra)
     with FleetClient(hub.address, keys_dir=fleet_keys["operator"].root) as console:
@@ -105,7 +105,7 @@ def test_a_keys_subscribers_past_its_cap_get_no_frame_and_are_counted(
         wait_until(lambda: caps.held("pub", z85) == MAX_SUBSCRIBERS_PER_KEY - 1, 30)
         late = [_subscriber(ctx, hub, viewer, "viewer")]
         wait_until(lambda: hub.counters.connections_over_cap > len(extra) or late[0].poll(0))
-        assert late[0].poll(10_000), "a subscriber in a freed place got no frame"
+        assert late[0].poll(30_000), "a subscriber in a freed place got no frame"
         late.append(_subscriber(ctx, hub, viewer, "viewer"))
         extra.append(late[1])
         got.append(0)
