@@ -41,6 +41,10 @@ beside the service's 3,628 on 200 conversation requests, 2 engines, 300,000 toke
 
 REPLAY_WATERMARK = 0.95
 
+_PORT_TRIES = 5
+"""Starts on a fresh pair of ports when another process took a picked one between the pick and
+the service's bind (an outgoing connection's ephemeral port can land there: CI saw it)."""
+
 
 class LocalPolicyService(LocalService):
     """``kvpool-policy serve`` on 127.0.0.1 (records on ``port``, snapshots on ``port + 1``).
@@ -69,6 +73,7 @@ class LocalPolicyService(LocalService):
         self.capacity_bytes, self.fill = capacity_bytes, fill
         self.transfer_timeout_ms = transfer_timeout_ms
         self.port = port or free_port_block(2)
+        self._port_picked = port is None
         self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="kvpool-policy-"))) / \
             "kvpool-policy.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -88,6 +93,28 @@ class LocalPolicyService(LocalService):
         return cmd
 
     def start(self, timeout_s: float = 60.0) -> Self:
+        """Spawn the service and wait until it serves. On the first start, a port this object
+        picked that another process took before the service bound it (the service's exit-2
+        line says "in use") is picked again, up to ``_PORT_TRIES`` times; a port the caller
+        gave, or one a restart reuses (engines know it), is not.
+
+        Raises:
+            RuntimeError: it exited, or did not serve within ``timeout_s`` (the log's tail).
+        """
+        for _ in range(_PORT_TRIES - 1):
+            try:
+                self._start_once(timeout_s)
+                break
+            except RuntimeError as exc:
+                if not (self._port_picked and "is in use" in str(exc)):
+                    raise
+                self.port = free_port_block(2)
+        else:
+            self._start_once(timeout_s)
+        self._port_picked = False
+        return self
+
+    def _start_once(self, timeout_s: float) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor

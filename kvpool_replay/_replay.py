@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
 from pathlib import Path
@@ -199,7 +200,9 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``save_bytes_per_s``/``load_bytes_per_s``: bytes over the time engines spent in the
     connector's save/load calls. Peak RSS in bytes (engines: the largest one).
     ``lookup_errors``/``save_failed_keys``: lookups that failed and values whose save failed
-    (all engines); ``max_lookup_s``: the longest lookup of any engine. With
+    (all engines); ``load_error_reasons``: failed loads by error name
+    (``EngineResult.load_error_reasons``, summed); ``max_lookup_s``: the longest lookup of
+    any engine. With
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
@@ -246,6 +249,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     pool_memory_hits: int = 0
     lookup_errors: int = 0
     save_failed_keys: int = 0
+    load_error_reasons: dict[str, int] = msgspec.field(default_factory=dict)
     max_lookup_s: float = 0.0
     failover_s: float | None = None
     keys_at_kill: int | None = None
@@ -629,6 +633,8 @@ def run_replay(
         pool_memory_hits=memory_hits,
         lookup_errors=sum(r.lookup_errors for r in results),
         save_failed_keys=sum(r.save_failed_keys for r in results),
+        load_error_reasons=dict(sum((Counter(r.load_error_reasons) for r in results),
+                                    Counter())),
         max_lookup_s=max((r.max_lookup_s for r in results), default=0.0),
         failover_s=drill.failover_s if drill else None,
         keys_at_kill=drill.keys_at_kill if drill else None,

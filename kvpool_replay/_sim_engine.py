@@ -238,10 +238,22 @@ class SimEngine:
         self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(so.finished_req_ids)
         self._load_errors |= self.worker.get_block_ids_with_load_errors()
+        self._count_load_errors()
         self.worker.clear_connector_metadata()
         self.result.load_s += t1 - t0
         self._save_started = t2
         self._on_finished(sending or set(), recving or set())
+
+    def _count_load_errors(self) -> None:
+        """Failed loads by error name from the worker's stats (vLLM takes them every step)."""
+        stats = self.worker.get_kv_connector_stats()
+        if stats is None:
+            return
+        reasons = self.result.load_error_reasons
+        for name, n in stats.data.get("errors", {}).items():
+            kind, _, error = name.partition(":")
+            if kind == "load":
+                reasons[error] = reasons.get(error, 0) + n
 
     def _on_finished(self, sending: set[str], recving: set[str]) -> None:
         from vllm.v1.outputs import KVConnectorOutput
@@ -421,6 +433,7 @@ class SimEngine:
 
     def close(self) -> None:
         """Copy the connector's failure counters into the result; shut both roles down."""
+        self._count_load_errors()
         self.result.lookup_errors = self._lookup_counters.lookup_errors
         self.result.save_failed_keys = self._save_counters.save_failed_keys
         self.result.evicted_keys = self._save_counters.evicted_keys

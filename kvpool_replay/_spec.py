@@ -124,7 +124,10 @@ class EngineResult(msgspec.Struct, kw_only=True):
     ``hit_tokens`` are prompt tokens the pool served (claimed by ``get_num_new_matched_tokens``
     and loaded without error); ``claimed_tokens`` what the scheduler claimed before loading.
     ``per_request`` lists ``(trace index, hit tokens)``. ``load_errors`` counts blocks reported
-    by ``get_block_ids_with_load_errors`` (recomputed); ``corrupt_blocks`` loaded blocks whose
+    by ``get_block_ids_with_load_errors`` (recomputed); ``load_error_reasons`` failed loads
+    (transfers) by error name, e.g. ``TIMEOUT``, ``LEASE_EXPIRED`` (the connector's
+    ``get_kv_connector_stats`` errors, as in ``vllm:kvpool_transfer_errors_total``; the
+    simulated engine only); ``corrupt_blocks`` loaded blocks whose
     bytes were wrong (must be 0). ``saved_bytes``/``loaded_bytes`` are KV bytes the connector
     was asked to save / loaded successfully. ``load_s``: wall time of synchronous loads
     (``start_load_kv``) or from submission to ``finished_recving`` for asynchronous ones;
@@ -150,6 +153,7 @@ class EngineResult(msgspec.Struct, kw_only=True):
     saved_bytes: int = 0
     loaded_bytes: int = 0
     load_errors: int = 0
+    load_error_reasons: dict[str, int] = msgspec.field(default_factory=dict)
     corrupt_blocks: int = 0
     lookup_errors: int = 0
     save_failed_keys: int = 0

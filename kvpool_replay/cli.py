@@ -161,8 +161,9 @@ def format_report(r: ReplayReport) -> str:
         f"saved / loaded      {r.saved_bytes / mib:.1f} MiB / {r.loaded_bytes / mib:.1f} MiB "
         f"({r.save_bytes_per_s / mib:.1f} / {r.load_bytes_per_s / mib:.1f} MiB/s in connector "
         "calls)",
-        f"load errors         {r.load_errors} blocks (recomputed), corrupt blocks "
-        f"{r.corrupt_blocks}",
+        f"load errors         {r.load_errors} blocks (recomputed"
+        + "".join(f"; {n} loads {name}" for name, n in sorted(r.load_error_reasons.items()))
+        + f"), corrupt blocks {r.corrupt_blocks}",
         f"pool                {r.pool_keys:,} keys, {r.pool_evicted_keys:,} evicted"
         + (f" by the master, {r.evicted_keys:,} by the connector"
            if r.eviction == "connector" else

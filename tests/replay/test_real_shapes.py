@@ -112,7 +112,8 @@ def test_real_shape_replay_reaches_the_ceiling(cid: str, replays: Jobs, ceiling:
     assert report.bytes_per_token == per_token
     assert report.errors == []
     assert report.save_failed_keys == 0
-    assert report.load_errors == 0 and report.corrupt_blocks == 0
+    assert (report.load_errors, report.load_error_reasons) == (0, {})
+    assert report.corrupt_blocks == 0
     assert report.requests == REQUESTS
     assert report.hit_tokens == ceiling.hit_tokens
     assert report.hit_rate == report.ceiling_hit_rate == ceiling.hit_rate
@@ -142,4 +143,6 @@ def test_a_lease_far_below_the_load_time_never_serves_wrong_kv(replays: Jobs,
     assert report.bytes_per_token == 128 << 10 and report.eviction == "connector"
     assert report.errors == [] and report.corrupt_blocks == 0
     assert ceiling.hit_tokens > 0 and report.load_errors > 0
+    # Every failed load failed on its lease (the Mooncake name, -707), none otherwise.
+    assert set(report.load_error_reasons) == {"LEASE_EXPIRED"}
     assert report.hit_tokens == 0

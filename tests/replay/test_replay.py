@@ -205,7 +205,7 @@ def test_steered_pool_holds_what_the_policys_model_holds() -> None:
         admission="adaptive", eviction="connector"))
     assert report.errors == [] and (report.admission, report.eviction) == ("adaptive",
                                                                            "connector")
-    assert report.load_errors == 0 and report.corrupt_blocks == 0
+    assert (report.load_errors, report.load_error_reasons, report.corrupt_blocks) == (0, {}, 0)
     items = [(r.input_length, chunk_hashes(request_tokens(r), 512))
              for r in load_trace(str(trace), limit=limit)]
     model = lru_hits(items, 512, pool_tokens, AdaptiveAdmission(pool_tokens // 512))
