@@ -289,10 +289,15 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
         ValueError: ``role`` is not one of ``ROLES``.
         FileExistsError: the role's secret exists and ``force`` is False (regenerating a hub
             key locks out every client holding the old ``hub.key``).
+        NotADirectoryError: ``root`` or a folder above it is a file.
     """
     if role not in ROLES:
         raise ValueError(f"role {role!r}: expected one of {', '.join(ROLES)}")
     paths = KeyPaths.of(root)
+    for folder in (paths.root, *paths.root.parents):
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file: give a directory for the keys "
+                                     "(created if missing)")
     if paths.secret(role).exists() and not force:
         raise FileExistsError(
             f"{paths.secret(role)} exists: keys were already generated (use --force to replace)"

@@ -27,6 +27,19 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_keygen_into_a_file_is_one_line_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], under: str) -> None:
+    """A file where the keys directory (or a folder above it) should be: exit 2, one line
+    naming that file, nothing written (it was ``[Errno 17] File exists``)."""
+    (tmp_path / "afile").write_text("x")
+    assert main(["keygen", "--role", "agent", str(tmp_path / "afile" / under)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvpool-agent keygen: {tmp_path / 'afile'} is a file: give a directory for the keys "
+        "(created if missing)\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
 def test_keygen_writes_one_role_and_refuses_to_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
