@@ -66,6 +66,7 @@ DEFAULT_HUB = "tcp://127.0.0.1:7600"
 """Hub address when neither ``--hub`` nor ``$KVPOOL_HUB`` is given."""
 
 EXIT_OK, EXIT_ALERT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+_KNOWN_SHOWN = 10  # engine ids an unknown-name message lists
 
 PIPE_WIDTH = 200
 """Table width when stdout is not a terminal (Rich would assume 80 columns and squeeze the
@@ -329,6 +330,16 @@ def _needs_key(what: str, src: FleetSource, err: Console) -> bool:
 def _forget(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) -> int:
     if _needs_key("forget", src, err):
         return EXIT_REFUSED
+    states, _ = src.fleet()
+    known = {s.source.engine_id for s in states.values()} | set(states)
+    unknown = [e for e in args.engines if e not in known]
+    if unknown:  # before anything is forgotten: a typo among the names forgets none of them
+        engines = sorted({s.source.engine_id for s in states.values()})
+        shown = ", ".join(engines[:_KNOWN_SHOWN]) or "none"
+        more = f" (and {len(engines) - _KNOWN_SHOWN} more)" if len(engines) > _KNOWN_SHOWN else ""
+        err.print(plain(f"forget: unknown engine(s) or agent(s) {', '.join(unknown)}; nothing "
+                        f"forgotten; engines: {shown}{more}", style="red"))
+        return EXIT_USAGE
     replies = src.command("forget", targets=list(args.engines))
     r = replies[0] if replies else None
     if r is None or not r.ok:

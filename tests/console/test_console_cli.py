@@ -174,6 +174,10 @@ def test_forget_drops_an_engine_and_its_alerts(live_fleet: LiveFleet,
         h.stop()
     assert main(["forget", "d0", "--hub", hub]) == 3
     assert "forget refused: read-only" in capsys.readouterr().err
+    # A typo among the names: one line naming it, exit 2, nothing forgotten.
+    assert main(["forget", "d0", "d9", "--keys", str(live_fleet.keys.root), "--hub", hub]) == 2
+    assert capsys.readouterr().err == ("forget: unknown engine(s) or agent(s) d9; nothing "
+                                       "forgotten; engines: d0, p0\n")
     assert main(["forget", "d0", "--keys", str(live_fleet.keys.root), "--hub", hub]) == 0
     assert "forgot 2 agent(s): d0/dp0.tp0.pp0, d0/scheduler" in capsys.readouterr().out
     main(["status", "--json", "--hub", hub])
