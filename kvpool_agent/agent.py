@@ -278,11 +278,13 @@ class _Agent:
         # ZMQ retries the connection every 100 ms: one line, not one per attempt.
         self.handshakes_refused += 1
         if self.handshakes_refused == 1:
+            where = ("kvpool-agent store --keys DIR" if self.source.process_role == "store"
+                     else "agent_keys in kv_connector_extra_config")
             how = (f"the {self.keys.role} key of this agent is not in the hub's "
                    "authorized_keys/agent/ (or hub.key is not this hub's)" if self.keys
-                   else f"the hub requires an agent key: set agent_keys in "
-                   f"kv_connector_extra_config or {AGENT_KEYS_ENV} to a directory with hub.key "
-                   "and agent.key_secret (kvpool-agent keygen --role agent)")
+                   else f"the hub requires an agent key: set {where} or {AGENT_KEYS_ENV} to a "
+                   "directory with hub.key and agent.key_secret (kvpool-agent keygen --role "
+                   "agent)")
             log.error("kvpool agent %s: hub %s refused the connection: %s; no reports reach it",
                       self.source.agent_id, self.address, how)
 

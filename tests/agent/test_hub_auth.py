@@ -16,6 +16,7 @@ import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, start_agent
+from kvpool_agent._store_agent import store_source
 from kvpool_agent.auth import Role, authorize_key, generate_keys
 from kvpool_agent.protocol import PROTOCOL_VERSION, CommandRequest, FlushArgs, encode
 
@@ -48,6 +49,13 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
                 counters = real.counters
             finally:
                 real.stop()
+            # A store agent's key comes from its command line, not from vLLM's config.
+            store = start_agent(store_source("store-agent", "127.0.0.1:50051"),
+                                address=hub_address)
+            try:
+                wait_until(lambda: store.counters["handshakes_refused"] >= 1)
+            finally:
+                store.stop()
     wait_until(lambda: hub.refused_connections["agents"] >= 2)
     assert hub.fleet() == {} and hub.reports == 0 and hub.bad_messages == 0
     assert hub.refused_connections["agents"] >= 2
@@ -56,7 +64,9 @@ def test_an_agent_without_a_key_registers_nothing_and_is_counted(
     assert counters["handshakes_refused"] >= 1 and counters["sent"] == 0
     # One line however often ZMQ retried, naming the setting to fix.
     lines = [r.getMessage() for r in caplog.records if "refused the connection" in r.getMessage()]
-    assert len(lines) == 1 and AGENT_KEYS_ENV in lines[0]
+    assert len(lines) == 2 and all(AGENT_KEYS_ENV in line for line in lines)
+    assert "set agent_keys in kv_connector_extra_config or" in lines[0]
+    assert "set kvpool-agent store --keys DIR or" in lines[1]
     # Consoles see the count.
     with FleetClient(hub_address) as viewer:
         viewer.wait_for(0, 0)
