@@ -6,6 +6,7 @@ the command, the piped status table, ``--timeout-ms``. ``--demo`` is tested with
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -228,6 +229,10 @@ def test_status_table_piped_is_not_squeezed(live_fleet: LiveFleet,
     row = next(line for line in out.splitlines() if " p0 " in line)
     assert "prefill" in row and "kv_producer" in row and "mooncake" in row
     assert "2560/4000" in row and "64.0%" in row
+    # Which pool the engines share: its name (backend:master), use and health.
+    pool = next(line for line in out.splitlines() if line.startswith("pool "))
+    assert re.fullmatch(r"pool mooncake:127\.0\.0\.1:\d+: \d+ keys, \S+/64\.0M, 0 evicted, "
+                        r"reported by \d+ agent\(s\), healthy", pool), pool
 
 
 def test_one_shots_import_no_textual() -> None:
