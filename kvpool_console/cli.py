@@ -303,12 +303,12 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                   f"hit rate {_percent(tot.hit_rate)} (local {_percent(tot.local_hit_rate)}), "
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.loads_failed} failed loads")
-        for pool in view.pools:
-            health = ("" if pool.healthy is None else ", healthy" if pool.healthy
-                      else f", UNHEALTHY: {pool.health_detail}")
-            out.print(plain(f"pool {pool.name}: {pool.keys:,} keys, "
-                            f"{fmt_bytes(pool.used_bytes)}/{fmt_bytes(pool.total_bytes)}, "
-                            f"{pool.evicted_keys:,} evicted, reported by {pool.reported_by} "
+        for pr in view.pools:
+            health = ("" if pr.healthy is None else ", healthy" if pr.healthy
+                      else f", UNHEALTHY: {pr.health_detail}")
+            out.print(plain(f"pool {pr.name}: {pr.keys:,} keys, "
+                            f"{fmt_bytes(pr.used_bytes)}/{fmt_bytes(pr.total_bytes)}, "
+                            f"{pr.evicted_keys:,} evicted, reported by {pr.reported_by} "
                             f"agent(s){health}"))
         if any(refused.values()):
             out.print(Text("hub refused connections without an authorized key: " + ", ".join(
