@@ -2,16 +2,16 @@
 eleven loose attributes beside persistence and quotas).
 
 Each counter counts since the hub started; ``/metrics`` serves them as
-``kvpool_hub_<name>_total`` (``kvpool_agent._metrics``), ``FleetHub`` reads them through as
-attributes of its own (``hub.reports``), and ``FleetUpdate.refused_connections`` carries the
-handshakes refused per port to consoles. Plain ints written by one thread: a reader on another
-thread sees a value at most one increment old.
+``kvpool_hub_<name>_total`` and the maps as ``kvpool_hub_refused_handshakes_total{port}`` and
+``kvpool_hub_refused_by_key_total{key}`` (``kvpool_agent._metrics``), ``FleetHub`` reads them
+through as attributes of its own (``hub.reports``), and ``FleetUpdate.refused_connections``
+carries the handshakes refused per port to consoles. Plain ints written by one thread: a reader
+on another thread sees a value at most one increment old.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, fields
 
 __all__ = ["COUNTER_NAMES", "HubCounters"]
@@ -87,21 +87,16 @@ class HubCounters:
             log.warning("kvpool hub: reply #%d to a console lost (%s)", self.lost_replies, why)
 
     def metrics(self) -> dict[str, int]:
-        """Name -> count for ``/metrics``: the hub's own counters, CURVE handshakes refused per
-        port (``refused_handshakes_<port>``) and refusals per key (``refused_key_<name>``,
-        the names of the keys the hub authorized)."""
-        out = {name: getattr(self, name) for name in COUNTER_NAMES}
-        out.update({f"refused_handshakes_{port}": n
-                    for port, n in dict(self.refused_connections).items()})
-        out.update({f"refused_key_{_metric_word(key)}": n
-                    for key, n in dict(self.refused_by_key).items()})
-        return out
+        """Name -> count for ``/metrics`` (``kvpool_hub_<name>_total``): the plain counters."""
+        return {name: getattr(self, name) for name in COUNTER_NAMES}
+
+    def by_label(self) -> dict[str, tuple[str, dict[str, int]]]:
+        """The labelled families for ``/metrics``: ``hub_refused_handshakes`` by ``port`` and
+        ``hub_refused_by_key`` by ``key`` (the names of the keys the hub authorized), each a
+        copy taken in one step (the hub thread adds entries)."""
+        return {"hub_refused_handshakes": ("port", dict(self.refused_connections)),
+                "hub_refused_by_key": ("key", dict(self.refused_by_key))}
 
 
 COUNTER_NAMES = tuple(f.name for f in fields(HubCounters) if f.type == "int")
 """The plain counters of ``HubCounters`` (not the per-port and per-key maps)."""
-
-
-def _metric_word(key: str) -> str:
-    """``key`` as a Prometheus name part (``viewer/ops-1`` -> ``viewer_ops_1``)."""
-    return re.sub(r"[^A-Za-z0-9_]", "_", key)[:120]

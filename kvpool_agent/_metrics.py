@@ -152,6 +152,9 @@ class FleetCollector(Collector):
             memory (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
             ``other_digest``), applied to ``kvpool_miss_tokens_total`` with
             ``_misses.split_not_in_pool``; ``None``: ``not_in_pool`` is exported unsplit.
+        hub_labelled: the hub's counters by label (``HubCounters.by_label``: family ->
+            (label, value -> count)), exported as ``kvpool_<family>_total{label}``; ``None``:
+            none.
         members: ``Fleet.members`` with the pools closed to other keys: agent ids -> (source,
             identity, whether what it reports is its own claim: an engine-bound key, or a
             pool closed to its key). A store agent's reading is the pool's value only when
@@ -168,8 +171,10 @@ class FleetCollector(Collector):
         reuse_ceilings: Callable[[], Mapping[str, Ceiling]] | None = None,
         miss_split: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
         members: Callable[[list[str]], Mapping[str, tuple[object, str, bool]]] | None = None,
+        hub_labelled: Callable[[], Mapping[str, tuple[str, Mapping[str, int]]]] | None = None,
     ) -> None:
         self._members = members
+        self._hub_labelled = hub_labelled
         self._states = states
         self._miss_split = miss_split
         self._reuse_ceilings = reuse_ceilings
@@ -206,6 +211,11 @@ class FleetCollector(Collector):
             self._reuse(fams, self._reuse_ceilings())
         for name, value in sorted(self._hub_counters().items()):
             fams.counter(f"hub_{name}", [], ledger.HUB_COUNTERS).add_metric([], value)
+        if self._hub_labelled is not None:
+            for family, (label, counts) in self._hub_labelled().items():
+                fam = fams.counter(family, [label])
+                for value_, n in sorted(counts.items()):
+                    fam.add_metric([visible(value_, one_line=True)], n)
         return iter(fams)
 
     @staticmethod

@@ -444,7 +444,8 @@ class FleetHub:
                               self.counters.metrics, lambda: time.time() * 1e3,
                               self.reuse.ceilings, self.reuse.not_in_pool,
                               lambda ids: self._fleet.members(ids, self.allow.bound_pools()
-                                                              if self.allow else frozenset()))
+                                                              if self.allow else frozenset()),
+                              self.counters.by_label)
 
     # -- the thread --------------------------------------------------------------------------
 

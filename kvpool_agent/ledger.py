@@ -345,6 +345,14 @@ FACTS: tuple[Fact, ...] = (
          "Of the snapshots published, those published at once for new subscribers rather than "
          "at the next periodic one (at most one a 0.1 s).", "policy",
          "ServiceCounters.snapshots_on_subscription", _P),
+    Fact("hub_refused_handshakes", "counter", "handshakes",
+         "CURVE handshakes the hub refused, by port (agents, pub, commands, curve): no key, a "
+         "key not authorized for the port, or past its key's cap.", "hub",
+         "HubCounters.refused_connections", _H),
+    Fact("hub_refused_by_key", "counter", "messages",
+         "A key's commands, reports or audit lines the hub refused for a budget, a missing "
+         "role or a bound, by key name (ROLE/FILE-STEM; plain without keys; revoked:NAME "
+         "after its key was revoked).", "hub", "HubCounters.refused_by_key", _H),
     Fact("policy_subscribers_refused", "counter", "subscribers",
          "Snapshot subscribers refused past their key's cap, by key name (ROLE/FILE-STEM).",
          "policy", "ServiceCounters.over_cap_by_key", _P),
@@ -400,8 +408,8 @@ FACTS: tuple[Fact, ...] = (
 
 HUB_COUNTERS = Fact(
     "hub_*", "counter", "events",
-    "One of the hub's own counters since it started (reports, commands, refusals, sheds...; "
-    "refused_handshakes_<port>, refused_key_<name>).", "hub", "HubCounters.metrics", _H)
+    "One of the hub's own counters since it started (reports, commands, refusals, sheds...).",
+    "hub", "HubCounters.metrics", _H)
 """The family ``kvpool_hub_<counter>``: one help for every counter of ``HubCounters``."""
 
 _BY_NAME = {f.name: f for f in FACTS}
@@ -425,9 +433,9 @@ def facts_on(surface: Surface, kind: Kind | None = None) -> tuple[Fact, ...]:
 def metric_fact(surface: Surface, metric: str) -> Fact | None:
     """The fact a metric family name of ``surface`` (without ``_total``) shows, or ``None``
     for a name the catalogue does not know."""
-    if surface == "hub" and metric.startswith("kvpool_hub_"):
-        return HUB_COUNTERS
     for f in FACTS:
         if surface in f.surfaces and f.metric(surface) == metric:
             return f
+    if surface == "hub" and metric.startswith("kvpool_hub_"):
+        return HUB_COUNTERS
     return None

@@ -166,9 +166,9 @@ def test_a_refused_forget_is_audited_with_what_it_named(
         (r,) = viewer.command("forget", targets=["eng-a", "eng-b"])
     assert not r.ok and r.agent_id == "hub"
     assert hub.refused_by_key == {"viewer/viewer": 1}
-    scraped = {m.name: m.samples[0].value for m in hub._collector().collect()
-               if m.name.startswith("kvpool_hub_refused_key_")}
-    assert scraped == {"kvpool_hub_refused_key_viewer_viewer": 1}
+    scraped = {(m.name, tuple(s.labels.items()), s.value) for m in hub._collector().collect()
+               if m.name == "kvpool_hub_refused_by_key" for s in m.samples}
+    assert scraped == {("kvpool_hub_refused_by_key", (("key", "viewer/viewer"),), 1)}
     (line,) = [json.loads(x) for x in
                Path(str(tmp_path / "audit.jsonl") + READONLY_SUFFIX).read_text().splitlines()]
     assert (line["command"], line["refused"], line["targets"]) == (

@@ -40,7 +40,9 @@ def test_every_hub_family_is_one_catalogue_fact() -> None:
     reg.register(FleetCollector(
         lambda: {k: (s, NOW_MS) for k, s in fleet.items()}, dict, lambda: {"reports": 3},
         lambda: NOW_MS, reuse_ceilings=lambda: {FLEET: Ceiling(100, 40),
-                                                 "tiny-llama": Ceiling(100, 40)}))
+                                                 "tiny-llama": Ceiling(100, 40)},
+        hub_labelled=lambda: {"hub_refused_handshakes": ("port", {"agents": 2}),
+                              "hub_refused_by_key": ("key", {"viewer/ops": 1})}))
     families = list(text_string_to_metric_families(generate_latest(reg).decode()))
     shown = set()
     for fam in families:
