@@ -46,6 +46,7 @@ from kvpool_agent.key_caps import (
     MAX_CONNECTIONS_PER_KEY,
     MAX_SUBSCRIBERS_PER_KEY,
 )
+from kvpool_agent.masters import admin_urls_problem, probe_masters, split_admin_urls
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = ["main"]
@@ -324,11 +325,18 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
+            if problem := admin_urls_problem(args.admin_url):
+                print(f"kvpool-agent store: --admin-url: {problem}", file=sys.stderr)
+                return 2
             try:
                 src = store_source(args.engine_id, master_of(args))
             except ValueError as e:
                 print(f"kvpool-agent store: {e}", file=sys.stderr)
                 return 2
+            if not any(m.reachable for m in probe_masters(split_admin_urls(args.admin_url))):
+                # A master may start after its store agent: said once, then reported as down.
+                print(f"kvpool-agent store: no master answers at --admin-url {args.admin_url} "
+                      "yet: the pool is reported down until one does", file=sys.stderr)
             stop = _stop_on_signal()
             handle = start_agent(
                 src,

@@ -22,12 +22,35 @@ import httpx
 
 from kvpool_agent.protocol import MAX_COUNT, MAX_ID_CHARS, MasterView, clip
 
-__all__ = ["leader_admin_url", "probe_master", "probe_masters", "split_admin_urls"]
+__all__ = [
+    "admin_urls_problem",
+    "leader_admin_url",
+    "probe_master",
+    "probe_masters",
+    "split_admin_urls",
+]
 
 
 def split_admin_urls(text: str) -> list[str]:
     """``"http://a:9003, http://b:9003/"`` -> ``["http://a:9003", "http://b:9003"]``."""
     return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
+def admin_urls_problem(text: str) -> str | None:
+    """Why ``text`` is not one admin URL or a comma-separated list of them
+    (``http://HOST:PORT``, the master's ``--metrics_port``), or None."""
+    urls = split_admin_urls(text)
+    if not urls:
+        return "no URL: give the master's http://HOST:PORT (its --metrics_port)"
+    for url in urls:
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            return f"{url!r} is not a URL ({exc}): give http://HOST:PORT"
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            return (f"{url!r} is not an http URL: give http://HOST:PORT, the master's "
+                    "--metrics_port (e.g. http://127.0.0.1:9003)")
+    return None
 
 
 def probe_master(

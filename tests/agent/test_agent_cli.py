@@ -97,6 +97,34 @@ def test_old_layout_keys_dir_is_one_clear_line(
         FleetClient("tcp://127.0.0.1:7600", keys_dir=old)
 
 
+@pytest.mark.parametrize(("url", "problem"), [
+    ("notaurl", "'notaurl' is not an http URL: give http://HOST:PORT, the master's "
+                "--metrics_port (e.g. http://127.0.0.1:9003)"),
+    ("http://127.0.0.1:9003,ftp://m2:9003", "'ftp://m2:9003' is not an http URL: give "
+     "http://HOST:PORT, the master's --metrics_port (e.g. http://127.0.0.1:9003)"),
+    (" , ", "no URL: give the master's http://HOST:PORT (its --metrics_port)"),
+])
+def test_store_agent_bad_admin_url_is_one_line_and_starts_nothing(
+        url: str, problem: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["store", "--hub", "tcp://127.0.0.1:1", "--admin-url", url,
+                 "--master-server-address", "127.0.0.1:50051"]) == 2
+    assert capsys.readouterr().err == f"kvpool-agent store: --admin-url: {problem}\n"
+
+
+def test_store_agent_says_when_no_master_answers_and_keeps_running(
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    """A master may start after its store agent: one line, and the agent runs on."""
+    dead = f"http://127.0.0.1:{free_port_block(1)}"
+    store = _spawn("store", "--hub", "tcp://127.0.0.1:1", "--admin-url", dead,
+                   "--master-server-address", "127.0.0.1:50051")
+    procs.append(store)
+    assert store.stdout is not None
+    first = store.stdout.readline().decode()
+    assert first == (f"kvpool-agent store: no master answers at --admin-url {dead} yet: the "
+                     "pool is reported down until one does\n")
+    assert store.poll() is None
+
+
 def test_hub_and_store_agent_processes(
     tmp_path: Path, agent_master: LocalMooncakeMaster, procs: list[subprocess.Popen[bytes]]
 ) -> None:
