@@ -164,24 +164,31 @@ class Engines:
 
     def run(self, name: str, prompts: list[list[int]], ktc: dict[str, Any] | None = None,
             *, rounds: int = 1, baseline: bool = False, lora: dict[str, Any] | None = None,
-            max_tokens: int = MAX_TOKENS, **start: Any) -> list[dict[str, Any]]:
+            max_tokens: int = MAX_TOKENS, one_at_a_time: bool = False,
+            **start: Any) -> list[dict[str, Any]]:
         """Run engine ``name`` once (cached by name) over ``prompts`` and end it; the outputs
         of its first unsalted round.
 
         ``rounds``: the prompts are generated this many times (``self.results[name]
         ["rounds"]`` holds every round's outputs); ``baseline``: first a round with a fresh
         ``cache_salt`` (``self.results[name]["baseline"]``), the engine's own run without the
-        pool; ``lora``: every prompt through this adapter (``Engine.generate``); ``start``:
+        pool; ``lora``: every prompt through this adapter (``Engine.generate``);
+        ``one_at_a_time``: each prompt its own batch (a request's numbers then do not depend on
+        which others shared its steps, which lookup timing decides); ``start``:
         ``Engines.start``'s options."""
         if name not in self.results:
             engine = self.start(name, ktc, **start)
             result: dict[str, Any] = {}
+
+            def generate(salt: str | None) -> list[dict[str, Any]]:
+                batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+                return [o for b in batches
+                        for o in engine.generate(b, max_tokens, salt=salt, lora=lora)]
+
             try:
                 if baseline:
-                    result["baseline"] = engine.generate(prompts, max_tokens, salt=fresh_salt(),
-                                                         lora=lora)
-                result["rounds"] = [engine.generate(prompts, max_tokens, lora=lora)
-                                    for _ in range(rounds)]
+                    result["baseline"] = generate(fresh_salt())
+                result["rounds"] = [generate(None) for _ in range(rounds)]
                 engine.close()
             except EngineFailed as e:
                 engine.kill()
