@@ -214,10 +214,12 @@ class LoadRunner:
         """An inline load. When every value is staged (no byte lands in a block before its
         value is whole), the engine waits for it ``layerwise_timeout_ms`` at most: past it the
         load fails (``TIMEOUT``: recomputed) and its late bytes are never scattered; the load
-        thread's copy of ``loads`` keeps it apart from the step's report."""
+        thread's copy of ``loads`` keeps it apart from the step's report. Every get runs on
+        the load thread: one that timed out may still be writing into the staging buffer,
+        which the next load reuses from its start, so the next waits for it there."""
         if self.checksum is not None or not self.calls.stages_all(
                 [t.addrs for t in transfers], [t.sizes for t in transfers]):
-            self._get(loads, transfers)
+            self.executor.submit(self._get, loads, transfers).result()
             self._finish(loads.values())
             return
         cancel, shadow = threading.Event(), {r: _ReqLoad(ld.plan) for r, ld in loads.items()}
