@@ -293,6 +293,8 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
     """
     if role not in ROLES:
         raise ValueError(f"role {role!r}: expected one of {', '.join(ROLES)}")
+    if not str(root).strip():
+        raise ValueError("DIR is empty: give a directory for the keys (created if missing)")
     paths = KeyPaths.of(root)
     for folder in (paths.root, *paths.root.parents):
         if folder.exists() and not folder.is_dir():

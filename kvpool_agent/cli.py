@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             if problem := admin_urls_problem(args.admin_url):
                 print(f"kvpool-agent store: --admin-url: {problem}", file=sys.stderr)
                 return 2
+            args.admin_url = ",".join(split_admin_urls(args.admin_url))
             try:
                 src = store_source(args.engine_id, master_of(args))
             except ValueError as e:

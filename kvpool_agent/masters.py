@@ -50,6 +50,8 @@ def admin_urls_problem(text: str) -> str | None:
         if parsed.scheme not in ("http", "https") or not parsed.host:
             return (f"{url!r} is not an http URL: give http://HOST:PORT, the master's "
                     "--metrics_port (e.g. http://127.0.0.1:9003)")
+        if parsed.port is not None and not 0 < parsed.port <= 65535:
+            return f"{url!r}: port {parsed.port} is not in 1..65535"
     return None
 
 

@@ -104,12 +104,14 @@ def fetch_mooncake_stats(
             states = probe_masters(urls, client=http, timeout_s=timeout_s)
             stats.masters = states
             admin_url = next((m.admin_url for m in states if m.serving), urls[0])
+        elif urls:
+            admin_url = urls[0]  # "http://m:9003," is one master, not a URL ending in ","
         text = http.get(f"{admin_url}/metrics", timeout=timeout_s).raise_for_status().text
         parse_master_metrics(text, stats)
         check = mooncake_master_health(admin_url, client=http, timeout_s=timeout_s)
         stats.healthy = check.ok
         stats.health_detail = check.detail
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
         stats.healthy = False
         stats.health_detail = f"master admin {admin_url} unreachable: {e}"
     finally:

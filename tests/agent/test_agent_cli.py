@@ -40,6 +40,17 @@ def test_keygen_into_a_file_is_one_line_naming_it(
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
 
 
+def test_keygen_into_an_empty_dir_name_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keygen ""`` wrote the keys into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["keygen", "--role", "agent", ""]) == 2
+    assert capsys.readouterr().err == ("kvpool-agent keygen: DIR is empty: give a directory "
+                                       "for the keys (created if missing)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_keygen_writes_one_role_and_refuses_to_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -103,6 +114,7 @@ def test_old_layout_keys_dir_is_one_clear_line(
     ("http://127.0.0.1:9003,ftp://m2:9003", "'ftp://m2:9003' is not an http URL: give "
      "http://HOST:PORT, the master's --metrics_port (e.g. http://127.0.0.1:9003)"),
     (" , ", "no URL: give the master's http://HOST:PORT (its --metrics_port)"),
+    ("http://127.0.0.1:99999", "'http://127.0.0.1:99999': port 99999 is not in 1..65535"),
 ])
 def test_store_agent_bad_admin_url_is_one_line_and_starts_nothing(
         url: str, problem: str, capsys: pytest.CaptureFixture[str]) -> None:

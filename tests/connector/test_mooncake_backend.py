@@ -197,6 +197,10 @@ def test_evictions_are_reported_as_the_master_counts_them() -> None:
             agent_view = fetch_mooncake_stats(master.admin_url)
             assert (agent_view.evicted_keys, agent_view.evicted_bytes) == (
                 evicted_keys, evicted_bytes)
+            # One master written with a trailing comma (or slash) is that master.
+            for url in (f"{master.admin_url},", f" {master.admin_url}/ "):
+                view = fetch_mooncake_stats(url)
+                assert (view.healthy, view.evicted_keys) == (True, evicted_keys), view
         finally:
             b.close()
 
