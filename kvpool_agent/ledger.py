@@ -346,8 +346,9 @@ FACTS: tuple[Fact, ...] = (
          "at the next periodic one (at most one a 0.1 s).", "policy",
          "ServiceCounters.snapshots_on_subscription", _P),
     Fact("hub_refused_handshakes", "counter", "handshakes",
-         "CURVE handshakes the hub refused, by port (agents, pub, commands, curve): no key, a "
-         "key not authorized for the port, or past its key's cap.", "hub",
+         "CURVE handshakes the hub refused, by port: agents (P), pub (P+1, consoles' "
+         "updates), commands (P+2, read-only commands), curve (P+3, operator commands); no "
+         "key, a key not authorized for the port, or past its key's cap.", "hub",
          "HubCounters.refused_connections", _H),
     Fact("hub_refused_by_key", "counter", "messages",
          "A key's commands, reports or audit lines the hub refused for a budget, a missing "
