@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
+            if not args.hub.startswith("tcp://"):
+                print(f"kvpool-agent store: --hub {args.hub}: give tcp://HOST:P (the hub's "
+                      "--address port)", file=sys.stderr)
+                return 2
             if problem := admin_urls_problem(args.admin_url):
                 print(f"kvpool-agent store: --admin-url: {problem}", file=sys.stderr)
                 return 2
@@ -334,10 +338,6 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 print(f"kvpool-agent store: {e}", file=sys.stderr)
                 return 2
-            if not any(m.reachable for m in probe_masters(split_admin_urls(args.admin_url))):
-                # A master may start after its store agent: said once, then reported as down.
-                print(f"kvpool-agent store: no master answers at --admin-url {args.admin_url} "
-                      "yet: the pool is reported down until one does", file=sys.stderr)
             stop = _stop_on_signal()
             handle = start_agent(
                 src,
@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not handle.enabled:
                 return 2
+            if not any(m.reachable for m in probe_masters(split_admin_urls(args.admin_url))):
+                # A master may start after its store agent: said once, then reported as down.
+                print(f"kvpool-agent store: no master answers at --admin-url {args.admin_url} "
+                      "yet: the pool is reported down until one does", file=sys.stderr)
             try:
                 stop.wait()
             finally:

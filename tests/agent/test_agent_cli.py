@@ -123,6 +123,13 @@ def test_store_agent_bad_admin_url_is_one_line_and_starts_nothing(
     assert capsys.readouterr().err == f"kvpool-agent store: --admin-url: {problem}\n"
 
 
+def test_store_agent_hub_without_tcp_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["store", "--hub", "127.0.0.1:7600", "--admin-url", "http://127.0.0.1:9003",
+                 "--master-server-address", "127.0.0.1:50051"]) == 2
+    assert capsys.readouterr().err == ("kvpool-agent store: --hub 127.0.0.1:7600: give "
+                                       "tcp://HOST:P (the hub's --address port)\n")
+
+
 def test_store_agent_says_when_no_master_answers_and_keeps_running(
         procs: list[subprocess.Popen[bytes]]) -> None:
     """A master may start after its store agent: one line, and the agent runs on."""
@@ -131,9 +138,10 @@ def test_store_agent_says_when_no_master_answers_and_keeps_running(
                    "--master-server-address", "127.0.0.1:50051")
     procs.append(store)
     assert store.stdout is not None
-    first = store.stdout.readline().decode()
-    assert first == (f"kvpool-agent store: no master answers at --admin-url {dead} yet: the "
-                     "pool is reported down until one does\n")
+    lines = [store.stdout.readline().decode() for _ in range(2)]  # after the agent's start
+    assert "reporting to tcp://127.0.0.1:1 without a key" in lines[0]
+    assert lines[1] == (f"kvpool-agent store: no master answers at --admin-url {dead} yet: the "
+                        "pool is reported down until one does\n")
     assert store.poll() is None
 
 
