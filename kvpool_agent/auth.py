@@ -313,6 +313,9 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
     finally:
         os.umask(old)
     os.chmod(paths.secret(role), 0o600)
+    if why := _unsafe(paths.secret(role), secret=True):  # e.g. a directory others may write
+        log.warning("kvpool keys: %s: %s (every hub and client refuses it until then)",
+                    paths.secret(role), why)
     if role == "hub":
         paths.authorized_dir.mkdir(mode=0o700, exist_ok=True)
         for r in CLIENT_ROLES:

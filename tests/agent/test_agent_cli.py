@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,19 @@ def test_keygen_into_a_file_is_one_line_naming_it(
         f"kvpool-agent keygen: {tmp_path / 'afile'} is a file: give a directory for the keys "
         "(created if missing)\n")
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_keygen_into_a_directory_others_may_write_says_the_key_is_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The hub refused such a key only when it started; keygen says so at once."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="kvpool.hub"):
+        assert main(["keygen", "--role", "hub", str(shared)]) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvpool keys: {shared}/hub.key_secret: its directory {shared} is writable by "
+        "group/others; chmod go-w (every hub and client refuses it until then)"]
 
 
 def test_keygen_into_an_empty_dir_name_is_refused(
