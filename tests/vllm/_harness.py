@@ -92,13 +92,21 @@ def worker_state(hub: FleetHub, engine_id: str) -> EngineState:
         time.sleep(0.1)
 
 
+LOOKUP_TIMEOUT_MS = 5_000
+"""The engines' ``lookup_timeout_ms``: these tests count what each lookup found and loaded, not
+how fast; the product's 50 ms default failed a scheduler's lookup across processes (IPC to
+worker rank 0) once in CI (``lookup_errors`` 1, its 96 tokens computed, as designed)."""
+
+
 def kvpool(role: str, port: int | None, name: str, hub: FleetHub, **extra: Any
             ) -> dict[str, Any]:
     """KVPoolConnector's config for the engine run ``name``, reporting to ``hub`` as
     ``engine_id`` ``name``; ``port=None`` leaves ``lookup_rpc_port`` unset (the lookup socket is
-    then named from vLLM's instance id)."""
+    then named from vLLM's instance id). ``lookup_timeout_ms`` defaults to
+    ``LOOKUP_TIMEOUT_MS``."""
     if port is not None:
         extra["lookup_rpc_port"] = port
+    extra.setdefault("lookup_timeout_ms", LOOKUP_TIMEOUT_MS)
     return {
         "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
         "kv_role": role, "kv_load_failure_policy": "recompute",
