@@ -32,7 +32,8 @@ from kvpool_agent._hub_memory import (
     MAX_COMMAND_BYTES,
     PUB_SNDHWM,
 )
-from kvpool_agent.auth import AllowList, Role, _check_private
+from kvpool_agent._key_files import check_private
+from kvpool_agent.auth import AllowList, Role
 from kvpool_agent.key_caps import CappedAdmission, KeyCaps, admit_message
 from kvpool_agent.protocol import MAX_MESSAGE_BYTES
 
@@ -301,7 +302,7 @@ class HubSockets:
                 "public key in authorized_keys/agent/, viewer/ or operator/ (README, Security)"
             )
         try:
-            real = _check_private(self.secret_key_file)
+            real = check_private(self.secret_key_file)
             public, secret = zmq.auth.load_certificate(str(real))
         except (OSError, ValueError) as e:
             raise ValueError(f"secret_key_file {self.secret_key_file}: {e}") from None

@@ -42,17 +42,25 @@ import logging
 import os
 import re
 import shutil
-import stat
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
-from urllib.parse import quote, unquote
 
 import zmq.auth
 
-from kvpool_agent.protocol import Source, is_address
+from kvpool_agent import _key_files
+from kvpool_agent._key_bindings import (
+    ENGINE_KEY_SUFFIX,
+    POOL_KEY_SUFFIX,
+    binding_rank,
+    bound_elsewhere,
+    bound_engine,
+    bound_pool,
+    pool_file_part,
+)
+from kvpool_agent.protocol import is_address
 
 __all__ = [
     "CLIENT_ROLES",
@@ -76,15 +84,6 @@ CLIENT_ROLES: tuple[Role, ...] = ("operator", "viewer", "agent")
 """Roles whose public keys a hub lists in ``authorized_keys/<role>/``."""
 
 log = logging.getLogger("kvpool.hub")
-
-ENGINE_KEY_SUFFIX = ".engine"
-"""An agent key named ``authorized_keys/agent/<engine id>.engine.key`` reports only for that
-engine; any other name is a fleet-wide agent key."""
-
-POOL_KEY_SUFFIX = ".pool"
-"""An agent key named ``authorized_keys/agent/<label>@<pool>.pool.key`` reports only for that
-pool (``Source.master``, quoted by ``pool_file_part``); ``<label>`` is ``<engine id>.engine``
-for a key bound to an engine too, else any name."""
 
 _OLD_LAYOUT = (
     "keys dir {root} has the old layout (server.key: hub and operator keys in one dir); make "
@@ -181,11 +180,11 @@ class KeyPaths:
             "operator": f"`kvpool-agent keygen --role operator {self.root}`, then copy "
             "operator.key to the hub's authorized_keys/operator/",
         }.get(role, "")
-        server_public = _load(self.hub_public, secret=False, trusted=True,
+        server_public = _key_files.load_key(self.hub_public, secret=False, trusted=True,
                               fix="copy hub.key from the hub's keys dir")
         secret_file = self.secret(role)
-        public = _load(secret_file, secret=False, fix=hint)
-        secret = _load(secret_file, secret=True, fix=hint)
+        public = _key_files.load_key(secret_file, secret=False, fix=hint)
+        secret = _key_files.load_key(secret_file, secret=True, fix=hint)
         return ClientKeys(role=role, server_public=server_public, public=public, secret=secret)
 
     def hub(self) -> tuple[bytes, bytes]:
@@ -197,87 +196,11 @@ class KeyPaths:
         """
         self._check_old_layout()
         fix = f"`kvpool-agent keygen --role hub {self.root}`"
-        public = _load(self.hub_secret, secret=False, fix=fix)
-        secret = _load(self.hub_secret, secret=True, fix=fix)
+        public = _key_files.load_key(self.hub_secret, secret=False, fix=fix)
+        secret = _key_files.load_key(self.hub_secret, secret=True, fix=fix)
         if not self.authorized_dir.is_dir():
             raise ValueError(f"keys dir {self.root}: authorized_keys/ missing ({fix})")
         return public, secret
-
-
-def _load(path: Path, *, secret: bool, fix: str, trusted: bool = False) -> bytes:
-    """One key from a certificate file (z85 bytes). A secret, or a public key the caller
-    trusts (``trusted``: a client's ``hub.key``, whoever may replace it could pose as the
-    hub), must be safe from others (``_check_private``).
-
-    Raises:
-        ValueError: missing, unreadable, unsafe, or no such key in it; names ``path`` and
-            ``fix``.
-    """
-    if (secret or trusted) and path.exists():
-        # Read the file that was checked, not the link again (it may be re-pointed since).
-        path = _check_private(path, secret=secret)
-    try:
-        public, secret_key = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as e:
-        why = "missing" if not path.exists() else f"unreadable ({e})"
-        raise ValueError(f"key file {path} {why}: {fix}") from None
-    key = secret_key if secret else public
-    if not key:
-        raise ValueError(f"key file {path} holds no {'secret' if secret else 'public'} key: {fix}")
-    return key
-
-
-def _unsafe(path: Path, *, secret: bool) -> str | None:
-    """Why others could read (a secret) or replace a key file, else ``None`` (``_judge``)."""
-    return _judge(path, secret=secret)[1]
-
-
-def _judge(path: Path, *, secret: bool) -> tuple[Path, str | None]:
-    """The file ``path`` resolves to, and why others could read (a secret) or replace it, else
-    ``None`` (like ssh's ``StrictModes``). A symlink is followed (Kubernetes mounts secrets as
-    symlinks) and judged by what it points to: a regular file owned by this user or root, in a
-    directory only they may write, without group/other write bits (and, for a secret, no
-    group/other bits at all). Callers read the returned path, never ``path`` again: a link
-    in the chain may sit in a directory others write (only the target's directory is
-    checked), so following it twice could read a file that was never judged."""
-    try:
-        real = path.resolve(strict=True)
-        st, dst = real.stat(), real.parent.stat()
-    except OSError as e:
-        return path, f"unreadable ({e.strerror})"
-    return real, _why(path, real, st, dst, secret=secret)
-
-
-def _why(path: Path, real: Path, st: os.stat_result, dst: os.stat_result, *,
-         secret: bool) -> str | None:
-    """``_judge``'s verdict on ``real`` (``st``) in its directory (``dst``)."""
-    where = f" (a symlink to {real})" if real != path.absolute() else ""
-    owners = {os.getuid(), 0}
-    if not stat.S_ISREG(st.st_mode):
-        return f"not a regular file{where}"
-    if st.st_uid not in owners or dst.st_uid not in owners:
-        return f"owned by another user{where}; copy it in place"
-    if dst.st_mode & 0o022:
-        return f"its directory {real.parent} is writable by group/others{where}; chmod go-w"
-    if secret and st.st_mode & 0o077:
-        return (f"mode {stat.S_IMODE(st.st_mode):04o} lets others read the secret key{where}; "
-                f"chmod 600 {real}")
-    if st.st_mode & 0o022:
-        return f"writable by group/others{where}; chmod go-w {real}"
-    return None
-
-
-def _check_private(path: Path, *, secret: bool = True) -> Path:
-    """Refuse a key file others may replace, or read when ``secret`` (``_judge``); returns the
-    file it resolves to, the one to read.
-
-    Raises:
-        ValueError: names the file, what is wrong and the fix.
-    """
-    real, why = _judge(path, secret=secret)
-    if why is not None:
-        raise ValueError(f"key file {path}: {why}")
-    return real
 
 
 def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPaths:
@@ -313,7 +236,8 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
     finally:
         os.umask(old)
     os.chmod(paths.secret(role), 0o600)
-    if why := _unsafe(paths.secret(role), secret=True):  # e.g. a directory others may write
+    # e.g. a directory others may write
+    if why := _key_files.unsafe(paths.secret(role), secret=True):
         log.warning("kvpool keys: %s: %s (every hub and client refuses it until then)",
                     paths.secret(role), why)
     if role == "hub":
@@ -321,12 +245,6 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
         for r in CLIENT_ROLES:
             paths.authorized(r).mkdir(mode=0o700, parents=True, exist_ok=True)
     return paths
-
-
-def pool_file_part(pool: str) -> str:
-    """``pool`` (a ``Source.master``) as it appears in a pool-bound key's file name: quoted,
-    ``:`` and ``,`` kept (``127.0.0.1:50051``; ``etcd://h:2379`` is ``etcd:%2F%2Fh:2379``)."""
-    return quote(pool, safe=":,")
 
 
 def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
@@ -381,7 +299,8 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
                              "engines report it (the console's pool name after "
                              "BACKEND@), and a --name without '/'")
         name = f"{label}@{pool_file_part(pool)}{POOL_KEY_SUFFIX}"
-    public = _load(src, secret=False, fix="give a public key file made by kvpool-agent keygen")
+    public = _key_files.load_key(src, secret=False,
+                                 fix="give a public key file made by kvpool-agent keygen")
     try:
         has_secret = zmq.auth.load_certificate(str(src))[1] is not None
     except (OSError, ValueError):
@@ -415,65 +334,6 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
     os.chmod(tmp, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
     os.replace(tmp, dest)
     return dest
-
-
-def _label_and_pool(key_name: str) -> tuple[str, str | None]:
-    """``(label, pool)`` of an ``AllowList.name`` (``agent/LABEL@POOL.pool``); ``pool`` is
-    ``None`` for a key not bound to a pool, whose label is the whole file stem. A stem ending
-    in ``.pool`` without ``@`` is all pool (a hand-copied ``POOL.pool.key`` binds, never lifts)."""
-    stem = key_name.rpartition("/")[2]
-    if not stem.endswith(POOL_KEY_SUFFIX) or len(stem) == len(POOL_KEY_SUFFIX):
-        return stem, None
-    label, _, quoted = stem[: -len(POOL_KEY_SUFFIX)].rpartition("@")
-    return label, unquote(quoted)
-
-
-def bound_engine(key_name: str) -> str | None:
-    """The engine id an agent key may report for, from its ``AllowList.name``
-    (``agent/prefill-0.engine`` or ``agent/prefill-0.engine@10.0.0.1:50051.pool`` ->
-    ``prefill-0``); ``None``: a key for any engine."""
-    stem = _label_and_pool(key_name)[0]
-    if stem.endswith(ENGINE_KEY_SUFFIX) and len(stem) > len(ENGINE_KEY_SUFFIX):
-        return stem[: -len(ENGINE_KEY_SUFFIX)]
-    return None
-
-
-def bound_pool(key_name: str) -> str | None:
-    """The pool (``Source.master``) an agent key may report for, from its ``AllowList.name``
-    (``agent/p0.engine@10.0.0.1:50051.pool`` -> ``10.0.0.1:50051``); ``None``: a key for any
-    pool."""
-    return _label_and_pool(key_name)[1]
-
-
-def _binding_rank(key_name: str) -> int:
-    """How much a name binds its key (engine, pool: one each); ``AllowList`` keeps the most
-    binding of a key's names."""
-    return (bound_engine(key_name) is not None) + (bound_pool(key_name) is not None)
-
-
-def bound_elsewhere(key_name: str, src: Source) -> str | None:
-    """Why a report of agent ``src`` from key ``key_name`` is not the key's to send, when the
-    key is bound to one pool (``bound_pool``: ``src.master`` must be it) or one engine
-    (``bound_engine``), else ``None``.
-
-    The agent id counts too: it must be the engine id or ``<engine id>/<one part>``
-    (``Source``'s forms), else a bound key could hold another engine's agent id (commands sent
-    to that id would reach it, and that engine's own agent would be refused)."""
-    pool = bound_pool(key_name)
-    if pool is not None and pool != src.master:
-        return (f"takeover: key {key_name} is bound to pool {pool[:80]!r}; report for pool "
-                f"{src.master[:80]!r} dropped")
-    engine = bound_engine(key_name)
-    if engine is None:
-        return None
-    if engine != src.engine_id:
-        return (f"takeover: key {key_name} is bound to engine {engine!r}; report for "
-                f"{src.engine_id!r} dropped")
-    head, _, tail = src.agent_id.partition(engine + "/")
-    if src.agent_id != engine and (head or not tail or "/" in tail):
-        return (f"takeover: key {key_name} is bound to engine {engine!r}; agent id "
-                f"{src.agent_id!r} is not one of its agents; report dropped")
-    return None
 
 
 def local_fleet_keys(root: str | Path) -> dict[Role, KeyPaths]:
@@ -587,7 +447,7 @@ class AllowList:
             # like ssh's StrictModes (a symlink is judged by its target).
             unsafe = [p for p in (self.authorized_dir, d) if p.stat().st_mode & 0o022]
             for f in [] if unsafe else sorted(d.glob("*.key")):
-                real, why = _judge(f, secret=False)
+                real, why = _key_files.judge(f, secret=False)
                 if why is not None:
                     unsafe.append(f)
                     continue
@@ -598,13 +458,13 @@ class AllowList:
                 # One key under two names: the most binding name keeps its binding, whatever
                 # order the names sort in (a fleet-wide copy left behind must not lift it).
                 name, held = f"{role}/{f.stem}", keys.get(public)
-                if public and (held is None or _binding_rank(held) == 0
-                               or _binding_rank(name) > _binding_rank(held)):
+                if public and (held is None or binding_rank(held) == 0
+                               or binding_rank(name) > binding_rank(held)):
                     keys[public] = name
             for p in unsafe:
+                why = _key_files.unsafe(p, secret=False) or "writable by group/others; chmod go-w"
                 log.error("kvpool hub: %s refused: %s (copy keys in with kvpool-agent "
-                          "authorize)", p, _unsafe(p, secret=False) or "writable by group/others; "
-                          "chmod go-w")
+                          "authorize)", p, why)
             self._links[role] = (now, targets) if targets else None
             self._note_revoked(self._keys.get(role, {}), keys)
             self._keys[role] = keys

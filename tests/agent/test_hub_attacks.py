@@ -17,7 +17,7 @@ import pytest
 import zmq
 from agent_testlib import FakeAgent, make_source, wait_until
 
-from kvpool_agent import FleetClient, FleetHub, KeyPaths, auth, start_agent
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, _key_files, auth, start_agent
 from kvpool_agent._audit import AGENTS_SUFFIX
 from kvpool_agent._fleet import FLUSHES_PER_REPORT
 from kvpool_agent.auth import AllowList, Role, authorize_key, bound_engine, generate_keys
@@ -322,7 +322,7 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
     good_public, _ = zmq.auth.load_certificate(str(shared / "..v1" / "agent.key"))
     evil_public, _ = zmq.auth.load_certificate(str(evil.public("agent")))
     _, good_secret = zmq.auth.load_certificate(str(shared / "..v1" / "operator.key_secret"))
-    judge = auth._judge
+    judge = _key_files.judge
 
     def racing(path: Path, *, secret: bool) -> tuple[Path, str | None]:
         out = judge(path, secret=secret)
@@ -333,7 +333,7 @@ def test_a_key_link_re_pointed_after_its_check_is_not_followed(
         (shared / "..next").replace(shared / "..data")  # the attacker's atomic re-point
         return out
 
-    monkeypatch.setattr(auth, "_judge", racing)
+    monkeypatch.setattr(_key_files, "judge", racing)
     monkeypatch.setattr(auth, "_LINK_RECHECK_S", 0.0)  # the next handshake looks again
     allow = AllowList(hub_dir.authorized_dir, {"d": ("agent",)})
     assert allow.name("d", good_public) == "agent/good"
