@@ -56,6 +56,7 @@ from kvpool_agent.protocol import (
     PoolStats,
     ProtocolError,
     Report,
+    ReportRefused,
     SeqTracker,
     Source,
     decode,
@@ -89,6 +90,7 @@ _OPERATOR_RESERVE = 2
 _MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
 _MAX_FRAMES_PER_LOOP = 256
 _AUTH_RETRY_S = 5.0
+_REFUSED_LOGGED_EVERY = 360  # notices: one line an hour at REFUSAL_NOTICE_S
 """After the hub refused the handshake, connect again this long after: ZMQ itself gives up on
 a refused key (and on some failed handshakes), and the key may be authorized later without
 restarting the engine."""
@@ -132,6 +134,7 @@ class _Agent:
         self.source = source
         self.keys = keys
         self.handshakes_refused = 0
+        self.reports_refused = 0
         self._retry_at: float | None = None
         self.address = address
         self.operations = operations
@@ -302,11 +305,21 @@ class _Agent:
             except ProtocolError as e:
                 self._bad(str(e))
                 continue
+            if isinstance(msg, ReportRefused):
+                self._refused(msg.reason)
+                continue
             if not isinstance(msg, CommandRequest):
                 self._bad(f"unexpected {type(msg).__name__} from the hub")
                 continue
             self.commands_seen.observe("hub", msg.seq)
             self._start_command(msg)
+
+    def _refused(self, reason: str) -> None:
+        # The hub says so at most once a REFUSAL_NOTICE_S: the first line, then one an hour.
+        self.reports_refused += 1
+        if self.reports_refused % _REFUSED_LOGGED_EVERY == 1:
+            log.error("kvpool agent %s: hub %s drops this agent's reports (%d notices): %s",
+                      self.source.agent_id, self.address, self.reports_refused, reason[:300])
 
     def _bad(self, why: str) -> None:
         self.bad_messages += 1
@@ -477,7 +490,8 @@ class AgentHandle:
     def counters(self) -> dict[str, int]:
         """Agent-side counters: ``sent`` reports, ``reports_dropped``, ``replies_dropped``,
         ``bad_messages`` from the hub, command sequence ``gaps``, ``events_dropped``,
-        ``handshakes_refused`` (connection attempts the hub refused: no or unknown key)."""
+        ``handshakes_refused`` (connection attempts the hub refused: no or unknown key),
+        ``reports_refused`` (the hub's notices that it drops this agent's reports)."""
         a = self._agent
         if a is None:
             return {"events_dropped": self.reporter.dropped}
@@ -489,6 +503,7 @@ class AgentHandle:
             "gaps": a.commands_seen.total_gaps,
             "events_dropped": self.reporter.dropped,
             "handshakes_refused": a.handshakes_refused,
+            "reports_refused": a.reports_refused,
         }
 
     def state(self) -> EngineState:

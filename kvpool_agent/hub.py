@@ -86,6 +86,7 @@ from kvpool_agent._hub_commands import (
 )
 from kvpool_agent._hub_connections import ConnectionTable
 from kvpool_agent._hub_counters import HubCounters
+from kvpool_agent._hub_notices import RefusalNotices
 from kvpool_agent._hub_quotas import (
     MAX_PENDING,
     MAX_PENDING_PER_CONNECTION,
@@ -289,6 +290,7 @@ class FleetHub:
         self._commands = CommandRouter(self._sockets, self._fleet, self._audit, self.counters,
                                        Quotas(work_units_per_min))
         self._revocations = Revocations(self._sockets, self._fleet, self._commands)
+        self._notices = RefusalNotices(self._sockets)
         self._updates = UpdateStreams(self._sockets, self._fleet, self.counters,
                                       self.seq_tracker, snapshot_interval_s, delta_interval_s)
         self._stop, self._ready = threading.Event(), threading.Event()
@@ -600,9 +602,9 @@ class FleetHub:
 
     def _on_report(self, rid: bytes, rep: Report, identity: str, key: str) -> None:
         bound = self.allow is not None and bound_engine(key) is not None
-        refused = ((bound_elsewhere(key, rep.state.source) if self.allow is not None else None)
-                   or self._fleet.accept(rid, rep, identity, bound=bound,
-                                         pool=bound_pool(key) or ""))
+        elsewhere = bound_elsewhere(key, rep.state.source) if self.allow is not None else None
+        refused = elsewhere or self._fleet.accept(rid, rep, identity, bound=bound,
+                                                  pool=bound_pool(key) or "")
         if refused is not None:
             if refused.startswith("takeover:"):
                 self.counters.takeover_refused += 1
@@ -612,6 +614,7 @@ class FleetHub:
                 self.counters.fleet_full += 1
             self.counters.bad("agents", refused)
             self.counters.refuse(key, refused)
+            self._notices.tell(rid, elsewhere or refused)
             return
         self.counters.reports += 1
         aid = rep.state.source.agent_id

@@ -63,6 +63,7 @@ __all__ = [
     "OTHER_NAME",
     "PROTOCOL_VERSION",
     "RECENT_PAUSES",
+    "REFUSAL_NOTICE_S",
     "REPORT_ACCESS_CHUNKS",
     "STALE_AFTER_MS",
     "UPDATE_TIERS_MS",
@@ -94,6 +95,7 @@ __all__ = [
     "ProcessStats",
     "ProtocolError",
     "Report",
+    "ReportRefused",
     "ReuseView",
     "SegmentUsage",
     "SeqTracker",
@@ -955,7 +957,22 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
     agents report it (why); such a reply has ``ok=False``: shown as suspect, not as done."""
 
 
-Message = Report | FleetUpdate | CommandRequest | CommandReply
+class ReportRefused(msgspec.Struct, tag="refused", kw_only=True):
+    """Hub -> agent: the hub dropped this connection's reports, and why (``"takeover: key
+    agent/p0.engine is bound to engine 'p0'; report for 'p1' dropped"``, ``"full: ..."``): at
+    most one a ``REFUSAL_NOTICE_S`` per connection, so an agent whose every report is dropped
+    can say so in its own log (hubs before this message send nothing; agents before it count
+    it as a bad message, logged)."""
+
+    v: int
+    reason: FreeText
+
+
+REFUSAL_NOTICE_S = 10.0
+"""Seconds between two ``ReportRefused`` notices to one agent connection."""
+
+
+Message = Report | FleetUpdate | CommandRequest | CommandReply | ReportRefused
 
 
 class ProtocolError(ValueError):

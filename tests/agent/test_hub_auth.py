@@ -227,3 +227,41 @@ def test_a_key_authorized_while_the_hub_runs_is_accepted_on_the_next_connection(
     finally:
         before.stop()
         (fleet_keys["hub"].authorized("agent") / "late.key").unlink()
+
+
+def test_an_agent_whose_reports_are_dropped_is_told_why(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a new user: an agent whose every report the hub drops logged only that it
+    reported. The hub now tells it (``ReportRefused``, at most once a ``REFUSAL_NOTICE_S`` per
+    connection): its own key's binding as the hub said it; a fleet reason (the id another live
+    connection holds) only as its kind and fix, so a key cannot probe which ids are live."""
+    bound = _client_dir(tmp_path, "bound", "agent", fleet_keys["hub"], authorize=False)
+    authorize_key(fleet_keys["hub"].root, "agent", bound.public("agent"), engine="e1")
+    with caplog.at_level(logging.ERROR, logger="kvpool.agent"):
+        first = start_agent(make_source("dup", role="scheduler"), address=hub_address)
+        elsewhere = start_agent(make_source("e2", role="scheduler"), address=hub_address,
+                                keys_dir=bound.root)
+        try:
+            wait_until(lambda: "dup/scheduler" in hub.fleet())
+            second = start_agent(make_source("dup", role="scheduler"), address=hub_address)
+            try:
+                wait_until(lambda: second.counters["reports_refused"] >= 1
+                           and elsewhere.counters["reports_refused"] >= 1)
+                assert first.counters["reports_refused"] == 0
+            finally:
+                second.stop()
+        finally:
+            elsewhere.stop()
+            first.stop()
+    told = sorted(r.getMessage() for r in caplog.records
+                  if "drops this agent's reports" in r.getMessage())
+    assert len(told) == 2, told
+    assert told[0].startswith(f"kvpool agent dup/scheduler: hub {hub_address} drops this agent's "
+                              "reports (1 notices): takeover: this agent id or engine id is held "
+                              "by another live connection or agent key")
+    assert told[1].startswith(f"kvpool agent e2/scheduler: hub {hub_address} drops this agent's "
+                              "reports (1 notices): takeover: key agent/e1.engine is bound to "
+                              "engine 'e1'; report for 'e2' dropped")
+    assert "e2/scheduler" not in hub.fleet()
