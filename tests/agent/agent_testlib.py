@@ -24,6 +24,7 @@ from kvpool_agent.protocol import (
     FlushResult,
     PoolStats,
     Report,
+    ReportRefused,
     Source,
     decode,
     encode,
@@ -64,8 +65,9 @@ def env_keys(role: str) -> ClientKeys | None:
 
 class FakeAgent:
     """A raw DEALER on the agent port that sends what the test says and records every
-    command the hub sends it. ``keys``: CURVE client keys, ``None`` for none, ``ENV_KEYS``
-    (default) for the ones ``KVPOOL_AGENT_KEYS`` names."""
+    command the hub sends it (``received``) and every notice that its reports were dropped
+    (``notices``: ``ReportRefused.reason``). ``keys``: CURVE client keys, ``None`` for none,
+    ``ENV_KEYS`` (default) for the ones ``KVPOOL_AGENT_KEYS`` names."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], hub_address: str,
                  keys: ClientKeys | object | None = ENV_KEYS) -> None:
@@ -78,6 +80,7 @@ class FakeAgent:
         self.sock.connect(hub_address)
         self.seq = 0
         self.received: list[CommandRequest] = []
+        self.notices: list[str] = []
 
     def _send(self, frame: bytes, timeout_ms: int = 30_000) -> bool:
         """Send ``frame`` once the socket can queue it (a flood waits while the hub drains
@@ -111,8 +114,11 @@ class FakeAgent:
     def drain(self, timeout_ms: int = 0) -> list[CommandRequest]:
         while self.sock.poll(timeout_ms):
             msg = decode(self.sock.recv())
-            assert isinstance(msg, CommandRequest)
-            self.received.append(msg)
+            if isinstance(msg, ReportRefused):
+                self.notices.append(msg.reason)
+            else:
+                assert isinstance(msg, CommandRequest), msg
+                self.received.append(msg)
             timeout_ms = 0
         return self.received
 

@@ -52,6 +52,9 @@ def test_a_live_agent_id_cannot_be_taken_over(
         real.stop()
     assert hub.takeover_refused >= 20
     assert fake.drain(200) == []
+    # Told its reports are dropped, and nothing about who holds the id.
+    assert fake.notices and all(n.startswith("takeover: this agent id or engine id is held by "
+                                             "another live connection") for n in fake.notices)
     for (r,) in replies:
         assert r.ok and r.agent_id == aid and r.health is not None
         assert [c.name for c in r.health.checks] == ["agent"]
