@@ -42,12 +42,13 @@ class RefusalNotices:
         self._told: dict[bytes, float] = {}
         self.sent = 0
 
-    def tell(self, routing_id: bytes, reason: str) -> None:
+    def tell(self, routing_id: bytes, reason: str, *, own: bool) -> None:
         """Tell the connection ``routing_id`` why its report was dropped, unless it was told
-        within ``REFUSAL_NOTICE_S``. A reason about its own key's binding (``auth.
-        bound_elsewhere``) goes as it is; one about the fleet (an id or engine another live
-        connection or key holds, a full fleet) only as its kind and the fix: the agent key
-        that sent it may not learn which ids are live."""
+        within ``REFUSAL_NOTICE_S``. A reason about its own key's binding (``own``:
+        ``auth.bound_elsewhere``'s) goes as it is; one about the fleet (an id or engine another
+        live connection or key holds, a full fleet) only as its kind and the fix: the agent key
+        that sent it may not learn which ids are live (the reason's text quotes ids the sender
+        chose, so only ``own`` decides)."""
         now = time.monotonic()
         last = self._told.pop(routing_id, None)
         if last is not None and now - last < REFUSAL_NOTICE_S:
@@ -57,7 +58,7 @@ class RefusalNotices:
         while len(self._told) > _REMEMBERED:
             del self._told[next(iter(self._told))]
         kind = reason.partition(":")[0]
-        told = reason if "is bound to" in reason else _FLEET_REASONS.get(kind, kind)
+        told = reason if own else _FLEET_REASONS.get(kind, "refused: reports dropped")
         notice = ReportRefused(v=PROTOCOL_VERSION, reason=clip(told, _REASON_CHARS,
                                                                  one_line=True))
         try:

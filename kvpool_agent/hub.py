@@ -614,7 +614,7 @@ class FleetHub:
                 self.counters.fleet_full += 1
             self.counters.bad("agents", refused)
             self.counters.refuse(key, refused)
-            self._notices.tell(rid, elsewhere or refused)
+            self._notices.tell(rid, refused, own=elsewhere is not None)
             return
         self.counters.reports += 1
         aid = rep.state.source.agent_id
