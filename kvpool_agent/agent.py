@@ -90,10 +90,12 @@ _OPERATOR_RESERVE = 2
 _MAX_READ_BYTES = 4 * MAX_MESSAGE_BYTES
 _MAX_FRAMES_PER_LOOP = 256
 _AUTH_RETRY_S = 5.0
-_REFUSED_LOGGED_EVERY = 360  # notices: one line an hour at REFUSAL_NOTICE_S
 """After the hub refused the handshake, connect again this long after: ZMQ itself gives up on
 a refused key (and on some failed handshakes), and the key may be authorized later without
 restarting the engine."""
+_REFUSED_LOGGED_EVERY = 360
+"""The hub's ``ReportRefused`` notices logged: the first, then one in this many (an hour at
+``REFUSAL_NOTICE_S``)."""
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -181,7 +181,7 @@ class KeyPaths:
             "operator.key to the hub's authorized_keys/operator/",
         }.get(role, "")
         server_public = _key_files.load_key(self.hub_public, secret=False, trusted=True,
-                              fix="copy hub.key from the hub's keys dir")
+                                            fix="copy hub.key from the hub's keys dir")
         secret_file = self.secret(role)
         public = _key_files.load_key(secret_file, secret=False, fix=hint)
         secret = _key_files.load_key(secret_file, secret=True, fix=hint)
@@ -236,8 +236,7 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
     finally:
         os.umask(old)
     os.chmod(paths.secret(role), 0o600)
-    # e.g. a directory others may write
-    if why := _key_files.unsafe(paths.secret(role), secret=True):
+    if why := _key_files.unsafe(paths.secret(role), secret=True):  # a directory others write
         log.warning("kvpool keys: %s: %s (every hub and client refuses it until then)",
                     paths.secret(role), why)
     if role == "hub":
