@@ -67,6 +67,7 @@ DEFAULT_HUB = "tcp://127.0.0.1:7600"
 
 EXIT_OK, EXIT_ALERT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _KNOWN_SHOWN = 10  # engine ids an unknown-name message lists
+_REST_OF_SNAPSHOT_MS = 500  # forget waits this long for a snapshot's later frames
 
 PIPE_WIDTH = 200
 """Table width when stdout is not a terminal (Rich would assume 80 columns and squeeze the
@@ -340,6 +341,12 @@ def _forget(args: argparse.Namespace, src: FleetSource, out: Console, err: Conso
     states, _ = src.fleet()
     known = {s.source.engine_id for s in states.values()} | set(states)
     unknown = [e for e in args.engines if e not in known]
+    if unknown and isinstance(src, ClientSource):
+        # A large fleet's join snapshot comes in several frames: take the rest, then judge.
+        src.client.updates(_REST_OF_SNAPSHOT_MS)
+        states, _ = src.fleet()
+        known = {s.source.engine_id for s in states.values()} | set(states)
+        unknown = [e for e in args.engines if e not in known]
     if unknown:  # before anything is forgotten: a typo among the names forgets none of them
         engines = sorted({s.source.engine_id for s in states.values()})
         shown = ", ".join(engines[:_KNOWN_SHOWN]) or "none"
