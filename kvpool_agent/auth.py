@@ -307,6 +307,10 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
     if has_secret:
         raise ValueError(f"{src} holds a secret key: give its public half (ROLE.key, not "
                          "ROLE.key_secret); a secret never leaves its host")
+    if paths.hub_public.exists() and _public_of(paths.hub_public) == public:
+        raise ValueError(f"{src} is this hub's own public key: give the client's ROLE.key, "
+                         "made on the client's machine")
+    _warn_other_roles(paths, role, src, public)
     dest_dir = paths.authorized(role)
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     dest = dest_dir / f"{name or src.stem}.key"
@@ -333,6 +337,26 @@ def authorize_key(hub_root: str | Path, role: Role, public_key: str | Path,
     os.chmod(tmp, 0o644)  # whatever the umask: the hub refuses a key others may rewrite
     os.replace(tmp, dest)
     return dest
+
+
+def _public_of(path: Path) -> bytes | None:
+    try:
+        return zmq.auth.load_certificate(str(path))[0]
+    except (OSError, ValueError):
+        return None
+
+
+def _warn_other_roles(paths: KeyPaths, role: Role, src: Path, public: bytes) -> None:
+    """Log a file named for another role (``agent.key`` given as ``--role operator``) and a
+    key the hub lists under another role already: allowed (a deliberate choice), said."""
+    if src.stem in ROLES and src.stem != role:
+        log.warning("kvpool keys: %s is named for the %s role and is authorized as %s",
+                    src, src.stem, role)
+    for other in CLIENT_ROLES:
+        if other != role and any(_public_of(f) == public
+                                 for f in paths.authorized(other).glob("*.key")):
+            log.warning("kvpool keys: this key is also authorized as %s (%s)", other,
+                        paths.authorized(other))
 
 
 def local_fleet_keys(root: str | Path) -> dict[Role, KeyPaths]:

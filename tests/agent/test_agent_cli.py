@@ -232,3 +232,29 @@ def test_hub_binds_loopback_by_default_and_refuses_open_binds_without_keys(
     assert hub.wait(10) == 0
     out = hub.stdout.read().decode() if hub.stdout else ""
     assert "INSECURE: kvpool hub on tcp://0.0.0.0:" in out and "WARNING" in out
+
+
+def test_authorize_refuses_the_hubs_own_key_and_says_a_role_mismatch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A new user authorized the hub's own hub.key, an agent.key as an operator, and one key
+    under two roles, each without a word."""
+    hub, ag = tmp_path / "hub", tmp_path / "ag"
+    assert main(["keygen", "--role", "hub", str(hub)]) == 0
+    assert main(["keygen", "--role", "agent", str(ag)]) == 0
+    capsys.readouterr()
+    assert main(["authorize", "--role", "viewer", str(hub), str(hub / "hub.key"),
+                 "--name", "self"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvpool-agent authorize: {hub / 'hub.key'} is this hub's own public key: give the "
+        "client's ROLE.key, made on the client's machine\n")
+    assert not (hub / "authorized_keys/viewer/self.key").exists()
+    with caplog.at_level(logging.WARNING, logger="kvpool.hub"):
+        assert main(["authorize", "--role", "agent", str(hub), str(ag / "agent.key")]) == 0
+        assert caplog.records == []
+        assert main(["authorize", "--role", "operator", str(hub), str(ag / "agent.key"),
+                     "--name", "mallory"]) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvpool keys: {ag / 'agent.key'} is named for the agent role and is authorized as "
+        "operator",
+        f"kvpool keys: this key is also authorized as agent ({hub / 'authorized_keys/agent'})"]
