@@ -70,13 +70,10 @@ def test_reader_of_a_real_kv_shape_loads_every_whole_chunk_and_equals_its_own_ru
     engines: Engines, pool: Pool, model: Path, hub: FleetHub,
 ) -> None:
     assert PER_TOKEN == 128 << 10
-    # A cold engine's first lookup on a loaded host can miss the default 50 ms: these runs are
-    # about what is loaded, not how fast it is found.
-    extra = {"lookup_timeout_ms": 5000}
     # One prompt at a time (both engines): in bfloat16 a request's numbers depend on which
     # others share its steps (a batch of all three gave other tokens), and lookup timing
     # decides that.
-    writer = engines.run("writer", S, kvpool("kv_both", None, "writer", hub, **extra),
+    writer = engines.run("writer", S, kvpool("kv_both", None, "writer", hub),
                          dtype="bfloat16", one_at_a_time=True)
     assert [o["num_cached_tokens"] for o in writer] == [0] * len(S)
     w = worker_state(hub, "writer")
@@ -94,7 +91,7 @@ def test_reader_of_a_real_kv_shape_loads_every_whole_chunk_and_equals_its_own_ru
     assert w.transfers.saves_failed == 0
     assert w.transfers.saved_bytes == len(hashes) * BLOCK * PER_TOKEN
 
-    got = engines.run("reader", S, kvpool("kv_both", None, "reader", hub, **extra),
+    got = engines.run("reader", S, kvpool("kv_both", None, "reader", hub),
                       dtype="bfloat16", baseline=True, one_at_a_time=True)
     own = engines.baseline("reader")  # checked: loaded nothing, computed every token
     assert [o["num_cached_tokens"] for o in got] == [_loadable(p) for p in S]
