@@ -182,18 +182,21 @@ def _count(n: int | Callable[[], int]) -> int:
 
 
 class Claimant:
-    """An agent of ``src`` (the test may change it) on its own connection with ``keys``,
-    reporting every 0.1 s with its pool at ``pool_keys`` keys and answering every flush
-    "removed ``answer`` of ``answer``" (every other command: ok), each a number or a function
-    read at each use (``FORGED`` by default), recording the commands it received; on its own
-    thread while entered."""
+    """An agent of ``src`` (the test may change it) on its own connection with ``keys`` (``None``:
+    the fleet-wide agent key ``KVPOOL_AGENT_KEYS`` names), reporting every ``interval_s`` with
+    its pool at ``pool_keys`` keys and answering every flush "removed ``answer`` of
+    ``answer``" (every other command: ok), each a number or a function read at each use
+    (``FORGED`` by default), recording the commands it received (``received``; its flushes:
+    ``flushes``); on its own thread while entered. With ``pool_keys == answer`` the true
+    count, it is an honest worker."""
 
-    def __init__(self, address: str, keys: KeyPaths, src: Source,
+    def __init__(self, address: str, keys: KeyPaths | None, src: Source,
                  pool_keys: int | Callable[[], int] = FORGED,
-                 answer: int | Callable[[], int] = FORGED) -> None:
-        self.pool_keys, self.answer = pool_keys, answer
+                 answer: int | Callable[[], int] = FORGED, interval_s: float = 0.1) -> None:
+        self.pool_keys, self.answer, self.interval_s = pool_keys, answer, interval_s
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fake = FakeAgent(self.ctx, address, keys=keys.client("agent"))
+        self.fake = (FakeAgent(self.ctx, address) if keys is None
+                     else FakeAgent(self.ctx, address, keys=keys.client("agent")))
         self.src = src
         self.received: list[CommandRequest] = []
         self._stop = threading.Event()
@@ -204,7 +207,7 @@ class Claimant:
             src = self.src
             self.fake.report(src, send_timeout_ms=100,
                              pool=PoolStats(backend="mooncake", keys=_count(self.pool_keys)))
-            while self.fake.sock.poll(100):
+            while self.fake.sock.poll(int(self.interval_s * 1e3)):
                 msg = decode(self.fake.sock.recv())
                 if not isinstance(msg, CommandRequest):
                     continue
@@ -218,6 +221,11 @@ class Claimant:
                     flush=FlushResult(dry_run=dry, keys=n, bytes=n,
                                       removed_keys=0 if dry else n)
                     if msg.command == "flush" else None)))
+
+    @property
+    def flushes(self) -> list[CommandRequest]:
+        """The flush commands of ``received``."""
+        return [c for c in self.received if c.command == "flush"]
 
     def __enter__(self) -> Claimant:
         self._thread.start()

@@ -24,7 +24,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from agent_testlib import FakeAgent, hub_process_of, make_source, wait_until
+from agent_testlib import Claimant, FakeAgent, hub_process_of, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
 from kvpool_agent._audit import READONLY_SUFFIX
@@ -38,8 +38,6 @@ from kvpool_agent.protocol import (
     CommandRequest,
     EngineState,
     FlushArgs,
-    FlushResult,
-    PoolStats,
     Report,
     decode,
     encode,
@@ -440,43 +438,11 @@ def _keyed_hub(address: str, keys: dict[Role, KeyPaths], tmp_path: Path) -> Flee
                     snapshot_interval_s=1.0, state_file=tmp_path / "hub-state.json")
 
 
-class _Reconnector:
+def _reconnector(address: str, keys: KeyPaths, master: str) -> Claimant:
     """A bound key's worker of another model in the same pool, reporting every 5 ms, and
     answering every flush it receives with a forged 'removed 4242 of 4242'."""
-
-    def __init__(self, address: str, keys: KeyPaths, master: str) -> None:
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fake = FakeAgent(self.ctx, address, keys=keys.client("agent"))
-        self.src = make_source("evil-0", model="other/model", master=master)
-        self.flushes: list[CommandRequest] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        forged = FlushResult(dry_run=False, keys=4242, bytes=4242, removed_keys=4242)
-        while not self._stop.is_set():
-            self.fake.report(self.src, pool=PoolStats(backend="mooncake", keys=4242))
-            while self.fake.sock.poll(5):
-                msg = decode(self.fake.sock.recv())
-                if isinstance(msg, CommandRequest) and msg.command == "flush":
-                    self.flushes.append(msg)
-                    assert msg.flush is not None
-                    self.fake.seq += 1
-                    self.fake.sock.send(encode(CommandReply(
-                        v=PROTOCOL_VERSION, seq=self.fake.seq, request_id=msg.request_id,
-                        agent_id=self.src.agent_id, ok=True,
-                        flush=msgspec.structs.replace(forged, dry_run=msg.flush.dry_run,
-                                                      removed_keys=0 if msg.flush.dry_run
-                                                      else 4242))))
-
-    def __enter__(self) -> _Reconnector:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.ctx.destroy(linger=0)
+    return Claimant(address, keys, make_source("evil-0", model="other/model", master=master),
+                    interval_s=0.005)
 
 
 def test_a_bound_key_does_not_capture_the_pool_wide_flush_after_a_hub_restart(
@@ -501,7 +467,7 @@ def test_a_bound_key_does_not_capture_the_pool_wide_flush_after_a_hub_restart(
             worker.stop()
     assert "eng-w" in json.loads((tmp_path / "hub-state.json").read_text())["tenure"]
     # The restarted hub: the attacker is back first, the real worker after it.
-    with _Reconnector(hub_address, evil, agent_master.address) as attacker, \
+    with _reconnector(hub_address, evil, agent_master.address) as attacker, \
             _keyed_hub(hub_address, fleet_keys, tmp_path) as second:
         wait_until(lambda: "evil-0/dp0.tp0.pp0" in second.fleet())
         assert "evil-0/dp0.tp0.pp0" in second.fleet()
@@ -538,7 +504,7 @@ def test_a_flush_answer_the_pool_contradicts_is_shown_as_suspect(
     evil = _agent_dir(tmp_path, "evil", fleet_keys["hub"], engine="evil-0")
     real = _agent_dir(tmp_path, "real", fleet_keys["hub"], engine="eng-w")
     with _keyed_hub(hub_address, fleet_keys, tmp_path) as hub, \
-            _Reconnector(hub_address, evil, agent_master.address) as attacker:
+            _reconnector(hub_address, evil, agent_master.address) as attacker:
         wait_until(lambda: "evil-0/dp0.tp0.pp0" in hub.fleet())
         worker = _worker(hub_address, mooncake_backend, agent_master, model, real.root)
         try:

@@ -15,7 +15,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from agent_testlib import FakeAgent, make_source, wait_until
+from agent_testlib import Claimant, FakeAgent, make_source, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths
 from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE, MAX_ENGINE_STATE_BYTES, MAX_STATE_BYTES
@@ -24,13 +24,11 @@ from kvpool_agent.protocol import (
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
     CommandReply,
-    CommandRequest,
     EngineState,
     FlushArgs,
     FlushResult,
     PoolStats,
     Report,
-    decode,
     encode,
 )
 
@@ -56,43 +54,12 @@ def keyed_hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path
         yield h
 
 
-class _HonestWorker:
+def _honest_worker(address: str, keys: int, bound: KeyPaths | None = None) -> Claimant:
     """A worker of engine ``real-0`` in pool ``_MASTER`` holding ``keys`` keys: reports every
     50 ms and answers every flush truthfully (matched ``keys``, removed them unless a dry
     run). Its key is the fleet-wide agent key, or ``bound`` (one bound to ``real-0``)."""
-
-    def __init__(self, address: str, keys: int, bound: KeyPaths | None = None) -> None:
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.fake = (FakeAgent(self.ctx, address) if bound is None
-                     else FakeAgent(self.ctx, address, keys=bound.client("agent")))
-        self.src = make_source("real-0", master=_MASTER)
-        self.keys = keys
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.fake.report(self.src, pool=PoolStats(backend="mooncake", keys=self.keys))
-            while self.fake.sock.poll(50):
-                msg = decode(self.fake.sock.recv())
-                if isinstance(msg, CommandRequest) and msg.command == "flush":
-                    assert msg.flush is not None
-                    dry = msg.flush.dry_run
-                    self.fake.seq += 1
-                    self.fake.sock.send(encode(CommandReply(
-                        v=PROTOCOL_VERSION, seq=self.fake.seq, request_id=msg.request_id,
-                        agent_id=self.src.agent_id, ok=True,
-                        flush=FlushResult(dry_run=dry, keys=self.keys, bytes=self.keys,
-                                          removed_keys=0 if dry else self.keys))))
-
-    def __enter__(self) -> _HonestWorker:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.ctx.destroy(linger=0)
+    return Claimant(address, bound, make_source("real-0", master=_MASTER), keys, keys,
+                    interval_s=0.05)
 
 
 def test_a_bound_key_cannot_make_a_genuine_flush_look_suspect(
@@ -108,7 +75,7 @@ def test_a_bound_key_cannot_make_a_genuine_flush_look_suspect(
     evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
     attacker = FakeAgent(ctx, hub_address, keys=evil.client("agent"))
     src = make_source("evil-0", role="scheduler", master=_MASTER)
-    with _HonestWorker(hub_address, 5000) as worker:
+    with _honest_worker(hub_address, 5000) as worker:
         wait_until(lambda: worker.src.agent_id in keyed_hub.fleet())
         for _ in range(3):
             attacker.report(src, pool=PoolStats(backend="mooncake", keys=0))
@@ -241,7 +208,7 @@ def test_a_bound_key_first_in_a_pool_does_not_get_the_pool_wide_flush(
     src = make_source("evil-0", master=_MASTER)
     attacker.report(src, pool=PoolStats(backend="mooncake", keys=5))
     wait_until(lambda: src.agent_id in keyed_hub.fleet())
-    with _HonestWorker(hub_address, 5) as worker:
+    with _honest_worker(hub_address, 5) as worker:
         wait_until(lambda: worker.src.agent_id in keyed_hub.fleet())
         with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
             got = _forge_flush(attacker, src.agent_id, op)
@@ -266,7 +233,7 @@ def test_a_bound_key_first_in_a_pool_of_bound_keys_cannot_pass_off_a_forged_flus
     src = make_source("evil-0", master=_MASTER)
     attacker.report(src, pool=PoolStats(backend="mooncake", keys=5))
     wait_until(lambda: src.agent_id in keyed_hub.fleet())
-    with _HonestWorker(hub_address, 5, bound=real) as worker:
+    with _honest_worker(hub_address, 5, bound=real) as worker:
         wait_until(lambda: worker.src.agent_id in keyed_hub.fleet())
         with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
             got = _forge_flush(attacker, src.agent_id, op)
