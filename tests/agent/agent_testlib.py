@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import zmq
 
@@ -30,7 +31,7 @@ from kvpool_agent.protocol import (
     encode,
 )
 from kvpool_agent.vocabulary import AGENT_KEYS_ENV
-from kvpool_replay import free_port_block
+from kvpool_replay import LocalMooncakeMaster, free_port_block
 
 __all__ = ["ENV_KEYS", "FORGED", "Claimant", "FakeAgent", "Spammer", "env_keys", "free_port_block",
            "hub_process_of", "make_source", "wait_until"]
@@ -171,6 +172,24 @@ def hub_process_of(hub_address: str, fleet_keys: dict[Any, KeyPaths], tmp_path: 
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def pool_keys(master: LocalMooncakeMaster) -> set[str]:
+    """Every key the master holds (its admin ``/get_all_keys``)."""
+    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
+    r.raise_for_status()
+    return {k for k in r.text.splitlines() if k}
+
+
+def assert_really_flushed(got: list[CommandReply], aid: str, keys: list[str],
+                          master: LocalMooncakeMaster) -> None:
+    """A pool-wide flush's answers ``got`` came from agent ``aid`` alone, done and not
+    suspect, and the pool really lost ``keys``."""
+    assert [r.agent_id for r in got] == [aid], got
+    (r,) = got
+    assert r.ok and r.suspect is None and r.flush is not None, r
+    assert r.flush.removed_keys >= len(keys), r
+    assert not set(keys) & pool_keys(master)
 
 
 FORGED = 4242

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import zmq
-from agent_testlib import FakeAgent, Spammer, make_source, wait_until
+from agent_testlib import FakeAgent, Spammer, make_source, pool_keys, wait_until
 
 from kvpool_agent import (
     UNAUTHORISED,
@@ -47,12 +46,6 @@ DIGEST, OTHER_DIGEST = "0123456789ab", "ba9876543210"
 """The worker agent's layout digest, and another layout's of the same model."""
 
 
-def _all_keys(master: LocalMooncakeMaster) -> set[str]:
-    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
-    r.raise_for_status()
-    return {k for k in r.text.splitlines() if k}
-
-
 @pytest.fixture
 def pool(
     mooncake_backend: Any, pool_buffer: Any, agent_master: LocalMooncakeMaster, model: str
@@ -77,7 +70,7 @@ def pool(
         every, [[ctypes.addressof(pool_buffer)]] * len(every), [[VALUE]] * len(every)
     )
     assert codes == [0] * len(every)
-    assert set(every) <= _all_keys(agent_master)
+    assert set(every) <= pool_keys(agent_master)
     yield {"model": model, "other_model": other_model, **groups}
     mooncake_backend.remove_by_scope(f"^(kvpool@)?(tenant-b/)?{model}", dry_run=False, force=True)
 
@@ -117,19 +110,19 @@ def test_flush_scopes_remove_exactly_their_keys(
         assert r.ok and r.flush is not None
         assert (r.flush.dry_run, r.flush.keys, r.flush.bytes) == (True, 3, 3 * VALUE)
         assert r.flush.removed_keys == 0
-        assert set(pool["tp0"]) <= _all_keys(agent_master)
+        assert set(pool["tp0"]) <= pool_keys(agent_master)
         # A load's read of one key grants it default_kv_lease_ttl: an unforced flush skips it.
         assert mooncake_backend.store.get_size(pool["tp0"][0]) == VALUE
-        before = _all_keys(agent_master)
+        before = pool_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="engine", engine_id="eng-f", dry_run=False),
         )
         assert r.ok and r.flush is not None
         assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1), r
-        leased = set(pool["tp0"]) & _all_keys(agent_master)
+        leased = set(pool["tp0"]) & pool_keys(agent_master)
         assert leased == {pool["tp0"][0]}
-        assert _all_keys(agent_master) == before - (set(pool["tp0"]) - leased)
+        assert pool_keys(agent_master) == before - (set(pool["tp0"]) - leased)
 
         # Model scope: every key of the other model, nothing else. The dry run before it read
         # only the master's metadata: it leased nothing, the unforced flush skips nothing.
@@ -137,35 +130,35 @@ def test_flush_scopes_remove_exactly_their_keys(
                           flush=FlushArgs(scope="model", model=pool["other_model"]))
         assert r.ok and r.flush is not None
         assert (r.flush.keys, r.flush.bytes, r.flush.removed_keys) == (2, 2 * VALUE, 0)
-        before = _all_keys(agent_master)
+        before = pool_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid],
             flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False),
         )
         assert r.ok and r.flush is not None
         assert (r.flush.removed_keys, r.flush.skipped_leased, r.flush.bytes) == (2, 0, 2 * VALUE)
-        assert _all_keys(agent_master) == before - set(pool["other_keys"])
+        assert pool_keys(agent_master) == before - set(pool["other_keys"])
 
         # Model scope of this agent's own model (no model given): the tp1 shard and the keys of
         # the model's other layout go (every digest), the leased tp0 key stays.
-        before = _all_keys(agent_master)
+        before = pool_keys(agent_master)
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="model", dry_run=False))
         assert r.ok and r.flush is not None
         assert (r.flush.removed_keys, r.flush.skipped_leased) == (4, 1)
-        assert _all_keys(agent_master) == before - set(pool["tp1"]) - set(pool["tp0_other_layout"])
+        assert pool_keys(agent_master) == before - set(pool["tp1"]) - set(pool["tp0_other_layout"])
 
         # Forced engine scope removes the leased shard.
-        before = _all_keys(agent_master)
+        before = pool_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False, force=True)
         )
         assert r.ok and r.flush is not None and r.flush.removed_keys == 1
-        assert _all_keys(agent_master) == before - set(pool["tp0"])
+        assert pool_keys(agent_master) == before - set(pool["tp0"])
 
         # Keys outside kvpool's namespace are never touched, not even by scope "all".
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="all", dry_run=False))
         assert r.ok
-        left = _all_keys(agent_master)
+        left = pool_keys(agent_master)
         assert not any(k.startswith("kvpool@") for k in left)
         assert set(pool["foreign"]) <= left
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
@@ -186,11 +179,11 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     flushes of other keys are not."""
     src = make_source("eng-r", tp=0, model=model)
     ops = BackendOperations(mooncake_backend, src, key_scope=(model, DIGEST, (ParallelLayout(),)))
-    before = _all_keys(agent_master)
+    before = pool_keys(agent_master)
     with caplog.at_level(logging.INFO, logger="kvpool.hub"):
         res = ops.reset_flush()
     assert (res.dry_run, res.keys, res.removed_keys, res.skipped_leased) == (False, 5, 5, 0)
-    assert _all_keys(agent_master) == before - set(pool["tp0"]) - set(pool["tp1"])
+    assert pool_keys(agent_master) == before - set(pool["tp0"]) - set(pool["tp1"])
     (line,) = [json.loads(r.getMessage().split("kvpool audit: ", 1)[1])
                for r in caplog.records if "kvpool audit: " in r.getMessage()]
     assert (line["who"], line["command"], line["targets"]) == (
@@ -209,11 +202,11 @@ def test_reset_flush_removes_every_shard_of_the_layout_and_is_audited(
     assert ops.take_flushes() == []
     # Without a key scope (KV caches not registered): refused, nothing removed, audited.
     caplog.clear()
-    before = _all_keys(agent_master)
+    before = pool_keys(agent_master)
     with caplog.at_level(logging.INFO, logger="kvpool.hub"), pytest.raises(
             CommandError, match="not registered"):
         BackendOperations(mooncake_backend, src).reset_flush()
-    assert _all_keys(agent_master) == before
+    assert pool_keys(agent_master) == before
     (failed,) = [json.loads(r.getMessage().split("kvpool audit: ", 1)[1])
                  for r in caplog.records if "kvpool audit: " in r.getMessage()]
     assert not failed["results"][0]["ok"] and "not registered" in failed["results"][0]["error"]
@@ -234,10 +227,10 @@ def test_reset_flush_never_forces_a_key_another_engine_is_reading(
     with pytest.raises(CommandError, match=r"1 of 5 keys still leased by readers after 1 s"):
         ops.reset_flush(leases_timeout_s=1.0)
     layout = set(pool["tp0"]) | set(pool["tp1"])
-    assert layout & _all_keys(agent_master) == {leased}
+    assert layout & pool_keys(agent_master) == {leased}
     res = ops.reset_flush(leases_timeout_s=20.0)  # outlasts the lease
     assert (res.keys, res.removed_keys, res.skipped_leased) == (1, 1, 0)
-    assert not layout & _all_keys(agent_master)
+    assert not layout & pool_keys(agent_master)
 
 
 def test_reset_flush_drops_the_unreported_chunks_it_removed(
@@ -262,7 +255,7 @@ def test_reset_flush_drops_the_unreported_chunks_it_removed(
                             key_scope=(model, DIGEST, (ParallelLayout(),)))
     ops.saves = saves = Saves()
     assert ops.reset_flush().removed_keys == 5
-    assert not set(pool["tp0"]) & _all_keys(agent_master)
+    assert not set(pool["tp0"]) & pool_keys(agent_master)
     assert saves.written == []  # nothing left for the next step's KV events
 
 
@@ -315,7 +308,7 @@ def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(
             deadline = time.monotonic() + 30
             while len(hub.fleet()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            before = _all_keys(agent_master)
+            before = pool_keys(agent_master)
             (r,) = op.command(
                 "flush", flush=FlushArgs(scope="model", model=pool["other_model"], dry_run=False)
             )
@@ -323,7 +316,7 @@ def test_a_fast_new_store_agent_does_not_draw_the_pool_wide_flush(
         fake.sock.close(linger=0)
     assert r.agent_id == worker_agent.source.agent_id and r.ok and r.flush is not None
     assert r.flush.removed_keys == 2
-    assert _all_keys(agent_master) == before - set(pool["other_keys"])
+    assert pool_keys(agent_master) == before - set(pool["other_keys"])
 
 
 def test_leased_keys_are_skipped_unless_forced(
@@ -337,19 +330,19 @@ def test_leased_keys_are_skipped_unless_forced(
         (r,) = op.command("flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False))
         assert r.ok and r.flush is not None
         assert (r.flush.removed_keys, r.flush.skipped_leased) == (2, 1)
-        assert pool["tp0"][0] in _all_keys(agent_master)
+        assert pool["tp0"][0] in pool_keys(agent_master)
         (r,) = op.command(
             "flush", targets=[aid], flush=FlushArgs(scope="engine", dry_run=False, force=True)
         )
         assert r.ok and r.flush is not None and r.flush.removed_keys == 1
-    assert not set(pool["tp0"]) & _all_keys(agent_master)
+    assert not set(pool["tp0"]) & pool_keys(agent_master)
 
 
 def test_unauthorised_flush_is_refused_and_removes_nothing(
     worker_agent: AgentHandle, hub: FleetHub, hub_address: str, pool: dict,
     agent_master: LocalMooncakeMaster, tmp_path: Path,
 ) -> None:
-    before = _all_keys(agent_master)
+    before = pool_keys(agent_master)
     with FleetClient(hub_address) as viewer:
         assert not viewer.authorised
         viewer.wait_for(1, 30)
@@ -361,7 +354,7 @@ def test_unauthorised_flush_is_refused_and_removes_nothing(
         # A dry run is read-only and allowed without a key.
         (r,) = viewer.command("flush", flush=FlushArgs(scope="engine", engine_id="eng-f"))
         assert r.ok and r.flush is not None and r.flush.keys == 3 and r.flush.removed_keys == 0
-    assert _all_keys(agent_master) == before
+    assert pool_keys(agent_master) == before
     assert hub.refused == 3
     # Read-only port lines go to the read-only file; the operator's file has none of them.
     audit = [json.loads(line) for line in
@@ -379,11 +372,11 @@ def test_unknown_operator_key_gets_no_access(
     rogue = tmp_path / "rogue"
     generate_keys(rogue, "operator")
     (rogue / "hub.key").write_bytes((keys_dir / "hub.key").read_bytes())
-    before = _all_keys(agent_master)
+    before = pool_keys(agent_master)
     with FleetClient(hub_address, keys_dir=rogue) as c:
         (r,) = c.command("flush", flush=FlushArgs(scope="all", dry_run=False), timeout_ms=300)
     assert not r.ok and r.agent_id == "hub" and "no answer from the hub" in (r.error or "")
-    assert _all_keys(agent_master) == before
+    assert pool_keys(agent_master) == before
 
 
 def test_health_checks_client_master_and_probe(
@@ -394,10 +387,10 @@ def test_health_checks_client_master_and_probe(
     try:
         with FleetClient(hub_address) as c:
             c.wait_for(2, 30)
-            keys_before = _all_keys(agent_master)
+            keys_before = pool_keys(agent_master)
             replies = {r.agent_id: r for r in c.command("health")}  # every live agent
             # Read-only health touches no pool key; the probe needs the operator key.
-            assert _all_keys(agent_master) == keys_before
+            assert pool_keys(agent_master) == keys_before
             (refused,) = c.command("health", probe=True)
             assert not refused.ok and refused.agent_id == "hub"
             assert refused.error == OPERATOR_ONLY.format(what="health --probe")
@@ -421,7 +414,7 @@ def test_health_checks_client_master_and_probe(
     assert set(checks) == {"client", "master", "probe_put", "probe_get", "probe_remove"}
     assert all(ch.ok and ch.latency_ms > 0 for ch in checks.values())
     # The probe cleaned up after itself.
-    assert not any(k.startswith(PROBE_PREFIX) for k in _all_keys(agent_master))
+    assert not any(k.startswith(PROBE_PREFIX) for k in pool_keys(agent_master))
     assert hub.refused == 1
     def lines(name: str) -> list[tuple[str, bool]]:
         text = (tmp_path / name).read_text()
@@ -542,7 +535,7 @@ def test_the_health_probe_removes_only_its_own_exact_key(
         checks = {c.name: c for c in BackendOperations(mooncake_backend, src).health(probe=True)}
         assert all(checks[n].ok for n in ("probe_put", "probe_get", "probe_remove")), checks
         assert checks["probe_remove"].detail == f"{mine}: removed 1"
-        left = _all_keys(agent_master)
+        left = pool_keys(agent_master)
         assert mine not in left and set(others) <= left
     finally:
         for k in others:

@@ -19,12 +19,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import psutil
 import pytest
 import zmq
-from agent_testlib import Claimant, FakeAgent, hub_process_of, make_source, wait_until
+from agent_testlib import Claimant, FakeAgent, hub_process_of, make_source, pool_keys, wait_until
 
 from kvpool_agent import AGENT_KEYS_ENV, FleetClient, FleetHub, KeyPaths, _fleet, start_agent
 from kvpool_agent._audit import READONLY_SUFFIX
@@ -397,12 +396,6 @@ def test_forgetting_silent_agents_is_linear() -> None:
 VALUE = 4096
 
 
-def _all_keys(master: LocalMooncakeMaster) -> set[str]:
-    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
-    r.raise_for_status()
-    return {k for k in r.text.splitlines() if k}
-
-
 @pytest.fixture
 def model_keys(mooncake_backend: Any, pool_buffer: Any, agent_master: LocalMooncakeMaster,
                model: str) -> Iterator[list[str]]:
@@ -486,7 +479,7 @@ def test_a_bound_key_does_not_capture_the_pool_wide_flush_after_a_hub_restart(
     assert dry.agent_id == aid and dry.ok and dry.flush is not None and dry.suspect is None
     assert (dry.flush.keys, dry.flush.removed_keys) == (5, 0)
     assert done.agent_id == aid and done.ok and done.flush is not None
-    assert done.flush.removed_keys == 5 and not set(model_keys) & _all_keys(agent_master)
+    assert done.flush.removed_keys == 5 and not set(model_keys) & pool_keys(agent_master)
 
 
 def test_a_flush_answer_the_pool_contradicts_is_shown_as_suspect(
@@ -527,7 +520,7 @@ def test_a_flush_answer_the_pool_contradicts_is_shown_as_suspect(
     # The console's dry run came within LISTING_SHARED_S of the first: answered from that
     # listing (still suspect), never a second listing nor the flush itself.
     assert [f.flush.dry_run for f in attacker.flushes if f.flush] == [True]
-    assert set(model_keys) <= _all_keys(agent_master)
+    assert set(model_keys) <= pool_keys(agent_master)
     lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     flushes = [x for x in lines if x["command"] == "flush"]
     assert flushes and all("suspect" in x["results"][0] for x in flushes)

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 import zmq
-from agent_testlib import FakeAgent, make_source, wait_until
+from agent_testlib import FakeAgent, make_source, pool_keys, wait_until
 
 from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent._fleet import MAX_AGENTS_PER_ENGINE, Fleet
@@ -49,12 +48,6 @@ def _bound_agent(tmp_path: Path, hub_keys: KeyPaths, engine: str) -> KeyPaths:
     (d.root / "hub.key").write_bytes(hub_keys.hub_public.read_bytes())
     authorize_key(hub_keys.root, "agent", d.public("agent"), None, engine)
     return d
-
-
-def _all_keys(master: LocalMooncakeMaster) -> set[str]:
-    r = httpx.get(f"{master.admin_url}/get_all_keys", timeout=5)
-    r.raise_for_status()
-    return {k for k in r.text.splitlines() if k}
 
 
 def _answer(agent: FakeAgent, aid: str, keys: int, *, dry_run: bool) -> list[str]:
@@ -121,7 +114,7 @@ def test_after_forget_an_impostor_of_the_pool_receives_nothing_pool_wide(
     assert [r.agent_id for r in flushed] == [src.agent_id], flushed
     (r,) = flushed
     assert r.ok and r.flush is not None and r.flush.removed_keys >= len(real_keys), r
-    assert not set(real_keys) & _all_keys(agent_master)
+    assert not set(real_keys) & pool_keys(agent_master)
     assert [r.agent_id for r in listed] == [src.agent_id], listed
 
 
@@ -313,7 +306,7 @@ def test_a_flush_the_pool_does_not_show_is_suspect(
     (r,) = got
     assert r.agent_id == isrc.agent_id and not r.ok, r
     assert r.suspect is not None and "later the pool holds" in r.suspect, r
-    assert set(many_keys) <= _all_keys(agent_master)
+    assert set(many_keys) <= pool_keys(agent_master)
     audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     (line,) = [x for x in audit if x["command"] == "flush"]
     assert "suspect" in line["results"][0] and not line["results"][0]["ok"]
@@ -351,7 +344,7 @@ def test_a_genuine_flush_is_confirmed_by_another_keys_count(
     assert r.agent_id == first.source.agent_id, r
     assert r.ok and r.suspect is None and r.flush is not None, r
     assert r.flush.removed_keys >= _MANY
-    assert not set(many_keys) & _all_keys(agent_master)
+    assert not set(many_keys) & pool_keys(agent_master)
 
 
 class _Liar:
@@ -432,7 +425,7 @@ def test_a_model_flush_answer_another_keys_listing_contradicts_is_suspect(
     assert liar.answered == [True, False], "the impostor did not get the dry run and the flush"
     assert code != 0, out
     assert f"flush SUSPECT, not done: {isrc.agent_id}: {suspect}" in out, out
-    assert set(many_keys) <= _all_keys(agent_master)
+    assert set(many_keys) <= pool_keys(agent_master)
     audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     line = [x for x in audit if x["command"] == "flush"][-1]  # the real flush, after the dry run
     assert "suspect" in line["results"][0] and not line["results"][0]["ok"], line
