@@ -72,6 +72,24 @@ def hub(hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
         yield h
 
 
+@pytest.fixture
+def own_keys(tmp_path: Path) -> dict[Role, KeyPaths]:
+    """Every role's keys of this test alone: a key revoked or a pool bound here never touches
+    another test's hub (the session's ``fleet_keys`` are shared)."""
+    return local_fleet_keys(tmp_path / "keys")
+
+
+@pytest.fixture
+def own_hub(hub_address: str, own_keys: dict[Role, KeyPaths],
+            tmp_path: Path) -> Iterator[FleetHub]:
+    """A keyed hub over ``own_keys``, auditing to ``tmp_path``, a snapshot a second."""
+    kp = own_keys["hub"]
+    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                  snapshot_interval_s=1.0) as h:
+        yield h
+
+
 @pytest.fixture(scope="session")
 def agent_master() -> Iterator[LocalMooncakeMaster]:
     """The agent tests' own master (flush tests remove whole scopes; keep others' keys apart)."""

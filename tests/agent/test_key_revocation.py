@@ -56,21 +56,11 @@ def _agent_key(tmp_path: Path, hub: KeyPaths, name: str, *, engine: str | None =
 
 @pytest.fixture
 def own_keys(tmp_path: Path) -> dict[Role, KeyPaths]:
-    """Every role's keys of this test alone (revoking one never touches another test's)."""
+    """Every role's keys of this test alone (conftest's), without the fleet-wide agent key:
+    every engine here has an engine-bound key."""
     keys = local_fleet_keys(tmp_path / "keys")
-    # Every engine here has an engine-bound key: no fleet-wide agent key is authorized.
     (keys["hub"].authorized("agent") / "agent.key").unlink()
     return keys
-
-
-@pytest.fixture
-def own_hub(hub_address: str, own_keys: dict[Role, KeyPaths],
-            tmp_path: Path) -> Iterator[FleetHub]:
-    kp = own_keys["hub"]
-    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
-                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
-                  snapshot_interval_s=1.0) as h:
-        yield h
 
 
 def _revoke(hub: KeyPaths, role: Role, name: str, tmp_path: Path, how: str) -> KeyPaths | None:

@@ -23,7 +23,7 @@ from agent_testlib import (
     wait_until,
 )
 
-from kvpool_agent import FleetClient, FleetHub, KeyPaths, local_fleet_keys, start_agent
+from kvpool_agent import FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent._fleet import Fleet
 from kvpool_agent.auth import (
     AllowList,
@@ -213,22 +213,6 @@ def test_a_store_agent_never_draws_a_flush() -> None:
 
 # -- live: a real keyed hub ---------------------------------------------------------------------
 
-@pytest.fixture
-def own_keys(tmp_path: Path) -> dict[Role, KeyPaths]:
-    """Every role's keys of this test alone: a pool bound here never binds another test's
-    hub (the session's ``fleet_keys`` are shared)."""
-    return local_fleet_keys(tmp_path / "keys")
-
-
-@pytest.fixture
-def bound_hub(hub_address: str, own_keys: dict[Role, KeyPaths],
-              tmp_path: Path) -> Iterator[FleetHub]:
-    kp = own_keys["hub"]
-    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
-                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
-                  snapshot_interval_s=1.0) as h:
-        yield h
-
 
 def _flush_all(address: str, operator: KeyPaths, timeout_ms: int = 10_000,
                ) -> list[CommandReply]:
@@ -238,7 +222,7 @@ def _flush_all(address: str, operator: KeyPaths, timeout_ms: int = 10_000,
 
 
 def test_a_key_bound_to_another_pool_gets_nothing_of_the_pool_it_claims(
-    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+    own_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
 ) -> None:
     """An insider's key bound to its own pool Q (and engine) claims pool P, which a key bound
     to P serves, reporting P at 4,242 keys. Its reports are refused and counted against its
@@ -251,13 +235,13 @@ def test_a_key_bound_to_another_pool_gets_nothing_of_the_pool_it_claims(
     isrc = make_source("imp-a", master=pool, layout_digest=DIGEST)
     with Claimant(hub_address, member, msrc, 7, 7) as honest, \
             Claimant(hub_address, evil, isrc, FORGED, FORGED) as impostor:
-        wait_until(lambda: msrc.agent_id in bound_hub.fleet()
-                   and bound_hub.takeover_refused >= 3, 30)
-        assert msrc.agent_id in bound_hub.fleet()
+        wait_until(lambda: msrc.agent_id in own_hub.fleet()
+                   and own_hub.takeover_refused >= 3, 30)
+        assert msrc.agent_id in own_hub.fleet()
         got = _flush_all(hub_address, own_keys["operator"])
         refused_key = "agent/imp-a.engine@10.0.0.42:50051.pool"
-        assert bound_hub.refused_by_key.get(refused_key, 0) >= 3, bound_hub.refused_by_key
-        assert isrc.agent_id not in bound_hub.fleet()
+        assert own_hub.refused_by_key.get(refused_key, 0) >= 3, own_hub.refused_by_key
+        assert isrc.agent_id not in own_hub.fleet()
     assert impostor.received == []
     assert [r.agent_id for r in got] == [msrc.agent_id], got
     (r,) = got
@@ -278,7 +262,7 @@ def real_keys(mooncake_backend: Any, pool_buffer: ctypes.Array[ctypes.c_char],
 
 
 def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
-    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+    own_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
     mooncake_backend: Any, agent_master: LocalMooncakeMaster, model: str,
     real_keys: list[str],
 ) -> None:
@@ -297,8 +281,8 @@ def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
     with Claimant(hub_address, colluders[0], sources[0], FORGED, FORGED) as c1, \
             Claimant(hub_address, colluders[1], sources[1], FORGED, FORGED) as c2, \
             Claimant(hub_address, own_keys["agent"], sources[2], FORGED, FORGED) as fw:
-        wait_until(lambda: {s.agent_id for s in sources} <= set(bound_hub.fleet()), 30)
-        assert {s.agent_id for s in sources} <= set(bound_hub.fleet())
+        wait_until(lambda: {s.agent_id for s in sources} <= set(own_hub.fleet()), 30)
+        assert {s.agent_id for s in sources} <= set(own_hub.fleet())
         before = _flush_all(hub_address, own_keys["operator"])
         assert [r.agent_id for r in before] == ["hub"], before
         assert not before[0].ok and before[0].error is not None and pool in before[0].error
@@ -311,7 +295,7 @@ def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
             aid = worker.source.agent_id
 
             def counted() -> int:
-                st = bound_hub.fleet().get(aid)
+                st = own_hub.fleet().get(aid)
                 return st[0].pool.keys if st is not None and st[0].pool is not None else 0
 
             # The worker's first measurement of the master (every 2 s) holds the keys.
@@ -322,7 +306,7 @@ def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
             got = _flush_all(hub_address, own_keys["operator"], 15_000)
         finally:
             worker.stop()
-        shown = bound_hub.fleet()
+        shown = own_hub.fleet()
         assert all(shown[s.agent_id][0].source.master == pool for s in sources)
     assert (c1.received, c2.received, fw.received) == ([], [], [])
     assert [r.agent_id for r in listed] == [aid], listed
@@ -330,13 +314,13 @@ def test_unbound_keys_claiming_a_bound_pool_receive_nothing_pool_wide(
 
 
 def test_without_a_bound_pool_the_agreement_rules_hold(
-    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+    own_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
 ) -> None:
     """No key bound to any pool (a deployment of today): a pool reported by the fleet-wide key
     gets its ``flush --scope all`` as before, through that key's agent."""
     src = make_source("fw-2", master="10.0.0.51:50051")
     with Claimant(hub_address, own_keys["agent"], src, 7, 7) as fw:
-        wait_until(lambda: src.agent_id in bound_hub.fleet(), 30)
+        wait_until(lambda: src.agent_id in own_hub.fleet(), 30)
         got = _flush_all(hub_address, own_keys["operator"])
     assert [r.agent_id for r in got] == [src.agent_id] and got[0].ok, got
     assert [c.command for c in fw.received] == ["flush"]
@@ -344,7 +328,7 @@ def test_without_a_bound_pool_the_agreement_rules_hold(
 
 
 def test_a_members_forged_flush_is_held_against_another_members_count(
-    bound_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+    own_hub: FleetHub, hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
 ) -> None:
     """Binding proves membership, not honesty: P's members are a key bound to P alone (first:
     not bound to an engine) and a key bound to engine ``mem-d`` and P. The first answers
@@ -359,7 +343,7 @@ def test_a_members_forged_flush_is_held_against_another_members_count(
     hsrc = make_source("mem-d", master=pool)
     with Claimant(hub_address, liar, lsrc, 5000, 5000) as first, \
             Claimant(hub_address, honest_key, hsrc, 5000, 5000) as other:
-        wait_until(lambda: {lsrc.agent_id, hsrc.agent_id} <= set(bound_hub.fleet()), 30)
+        wait_until(lambda: {lsrc.agent_id, hsrc.agent_id} <= set(own_hub.fleet()), 30)
         got = _flush_all(hub_address, own_keys["operator"])
     assert [c.command for c in first.received] == ["flush"]
     # The other member only lists the pool for the check (a dry run), never runs the flush.
