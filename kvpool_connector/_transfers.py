@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +151,7 @@ class LoadRunner:
         self._blocks_per_chunk = blocks_per_chunk
         self._timeout_ms = layerwise_timeout_ms
         self._layerwise: _LayerwiseLoad | None = None
+        self._late: Future[None] | None = None  # an inline get that timed out (_get_inline)
         self._failed_blocks: set[int] = set()
         self._finished: set[str] = set()
         self._async: dict[str, Future[None]] = {}
@@ -214,19 +215,24 @@ class LoadRunner:
         """An inline load. When every value is staged (no byte lands in a block before its
         value is whole), the engine waits for it ``layerwise_timeout_ms`` at most: past it the
         load fails (``TIMEOUT``: recomputed) and its late bytes are never scattered; the load
-        thread's copy of ``loads`` keeps it apart from the step's report. Every get runs on
-        the load thread: one that timed out may still be writing into the staging buffer,
-        which the next load reuses from its start, so the next waits for it there."""
+        thread's copy of ``loads`` keeps it apart from the step's report. A get that timed out
+        may still be writing into the staging buffer, which the next load reuses from its
+        start: a load run here on the engine thread waits for it first (a staged one queues
+        behind it on the load thread)."""
         if self.checksum is not None or not self.calls.stages_all(
                 [t.addrs for t in transfers], [t.sizes for t in transfers]):
-            self.executor.submit(self._get, loads, transfers).result()
+            if self._late is not None:
+                wait([self._late])  # its outcome was reported as TIMEOUT already
+                self._late = None
+            self._get(loads, transfers)
             self._finish(loads.values())
             return
         cancel, shadow = threading.Event(), {r: _ReqLoad(ld.plan) for r, ld in loads.items()}
+        fut = self.executor.submit(self._get, shadow, transfers, cancel)
         try:
-            self.executor.submit(self._get, shadow, transfers, cancel).result(
-                timeout=self._timeout_ms / 1e3)
+            fut.result(timeout=self._timeout_ms / 1e3)
         except TimeoutError:
+            self._late = fut
             cancel.set()
             logger.error("kvpool: inline load of %d keys did not finish within %d ms; its "
                          "blocks are recomputed", len(transfers), self._timeout_ms)
