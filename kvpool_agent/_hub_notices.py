@@ -11,6 +11,7 @@ connection and interval.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,6 @@ class RefusalNotices:
     def __init__(self, sockets: HubSockets) -> None:
         self._sockets = sockets
         self._told: dict[bytes, float] = {}
-        self.sent = 0
 
     def tell(self, routing_id: bytes, reason: str, *, own: bool) -> None:
         """Tell the connection ``routing_id`` why its report was dropped, unless it was told
@@ -61,8 +61,6 @@ class RefusalNotices:
         told = reason if own else _FLEET_REASONS.get(kind, "refused: reports dropped")
         notice = ReportRefused(v=PROTOCOL_VERSION, reason=clip(told, _REASON_CHARS,
                                                                  one_line=True))
-        try:
+        # Gone, or its queue full: the next refusal after the interval tries again.
+        with contextlib.suppress(zmq.ZMQError):
             self._sockets.agents.send_multipart([routing_id, encode(notice)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return  # gone, or its queue full: the next refusal tries again
-        self.sent += 1
