@@ -14,10 +14,12 @@ import errno
 import ipaddress
 import logging
 import math
+import resource
 import signal
 import socket
 import sys
 import threading
+import time
 
 import zmq
 
@@ -401,9 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         c = service.core.counters
         logging.getLogger("kvpool.policy").info(
             "kvpool policy: stopped: %d records, %d dropped, %d keys removed, %d snapshot "
-            "subscribers and %d records connections refused past their key's cap", c.records,
-            c.dropped, service.remover.removed, c.subscribers_over_cap,
-            c.records_connections_over_cap)
+            "subscribers and %d records connections refused past their key's cap; %.1f s CPU, "
+            "peak RSS %d KiB", c.records, c.dropped, service.remover.removed,
+            c.subscribers_over_cap, c.records_connections_over_cap, time.process_time(),
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         service.close()
         backend.close()
     return 0

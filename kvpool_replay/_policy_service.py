@@ -30,6 +30,7 @@ __all__ = ["REPLAY_FILL", "REPLAY_WATERMARK", "LocalPolicyService", "PolicyDrill
 
 _SERVING = b"kvpool policy: serving"
 _STOPPED = re.compile(r"kvpool policy: stopped: (\d+) records, (\d+) dropped, (\d+) keys removed")
+_COST = re.compile(r"kvpool policy: stopped: .*; ([\d.]+) s CPU, peak RSS (\d+) KiB")
 
 REPLAY_FILL = 0.8
 """Share of the pool a replay's service fills (``kvpool-replay --admission service``); its
@@ -153,6 +154,14 @@ class LocalPolicyService(LocalService):
         """Access records the service applied, summed over its runs that stopped cleanly (a
         run SIGKILLed by a drill leaves no count); 0 before any did."""
         return self._stopped_sum(1)
+
+    def cost(self) -> tuple[float, int]:
+        """``(CPU seconds, peak RSS bytes)`` of the service's runs that stopped cleanly: CPU
+        summed (every thread: its loop, snapshots, removals and its Mooncake client), RSS the
+        largest run's (``getrusage``'s ``ru_maxrss``); ``(0.0, 0)`` before any did."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        runs = [(float(m.group(1)), int(m.group(2)) * 1024) for m in _COST.finditer(text)]
+        return sum(c for c, _ in runs), max((r for _, r in runs), default=0)
 
     def _stopped_sum(self, group: int) -> int:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -210,7 +210,9 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``evicted_keys``: values the connectors (``eviction: connector``) or the policy service
     (``admission: service``; its last run's, with ``policy_restarts`` restarts) removed,
     ``policy_records`` the access records the service's runs that stopped cleanly applied,
-    ``pool_evicted_keys`` those the masters evicted. With a disk tier: ``disk_tier_tokens``,
+    ``pool_evicted_keys`` those the masters evicted; ``policy_cpu_s`` and
+    ``peak_rss_policy_bytes`` the service's CPU seconds (its runs summed) and peak RSS
+    (``LocalPolicyService.cost``). With a disk tier: ``disk_tier_tokens``,
     ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
     (reads the masters served from each tier).
     """
@@ -242,6 +244,8 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     evicted_keys: int = 0
     policy_restarts: int = 0
     policy_records: int = 0
+    policy_cpu_s: float = 0.0
+    peak_rss_policy_bytes: int = 0
     pool_keys: int = 0
     disk_tier_tokens: int | None = None
     pool_disk_keys: int = 0
@@ -573,11 +577,13 @@ def run_replay(
             disk_hits += ps.disk_hits
             memory_hits += ps.memory_hits
         peaks = dict(rss.peaks)
-        policy_removed = policy_records = 0
+        policy_removed = policy_records = policy_rss = 0
+        policy_cpu = 0.0
         if policy is not None:
             policy.stop()
             policy_removed = policy.removed_keys()  # its log goes with the work directory
             policy_records = policy.records()
+            policy_cpu, policy_rss = policy.cost()
 
     say("computing the reference (prefix-reuse ceiling, exact LRU)")
     if cfg.mode == "shared":
@@ -626,6 +632,8 @@ def run_replay(
         evicted_keys=sum(r.evicted_keys for r in results) + policy_removed,
         policy_restarts=policy_drill.restarts if policy_drill is not None else 0,
         policy_records=policy_records,
+        policy_cpu_s=policy_cpu,
+        peak_rss_policy_bytes=policy_rss,
         pool_keys=pool_keys,
         disk_tier_tokens=cfg.disk_tier_tokens,
         pool_disk_keys=disk_keys,

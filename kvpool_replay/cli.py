@@ -177,7 +177,9 @@ def format_report(r: ReplayReport) -> str:
         f"(longest lookup {r.max_lookup_s * 1e3:.0f} ms)",
         f"peak RSS            engine {r.peak_rss_engine_bytes / mib:.0f} MiB, master "
         f"{r.peak_rss_master_bytes / mib:.0f} MiB, store {r.peak_rss_store_bytes / mib:.0f} "
-        f"MiB, replay {r.peak_rss_replay_bytes / mib:.0f} MiB",
+        f"MiB, replay {r.peak_rss_replay_bytes / mib:.0f} MiB"
+        + (f", policy service {r.peak_rss_policy_bytes / mib:.0f} MiB "
+           f"({r.policy_cpu_s:.1f} s CPU)" if r.admission == "service" else ""),
         f"wall                {r.wall_s:.1f} s",
     ]
     if r.failover_s is not None:

@@ -368,4 +368,7 @@ def test_a_replay_goes_on_through_a_killed_service_and_it_steers_again() -> None
     assert report.corrupt_blocks == 0 and report.load_errors == 0
     assert report.policy_records > 0  # the restarted run's (the killed run left no count)
     assert report.evicted_keys > 0  # the restarted run's removals (the master's apart)
+    # The restarted run's cost from its last log line: CPU of its loop and Mooncake client, and
+    # an RSS that holds at least the Python interpreter and that client.
+    assert report.policy_cpu_s > 0 and report.peak_rss_policy_bytes > 32 << 20
     assert report.hit_tokens > 0
