@@ -1,0 +1,221 @@
+"""Fleet benchmark (issue 40): N engines sharing one pool, whole traces, real masters.
+
+Per trace, pool capacity (tokens) and number of engines N (engine processes replaying
+concurrently, as fast as they can, requests round-robin in trace order; one shared pool: a real
+``mooncake_master`` and a separate store process over TCP on 127.0.0.1; 64 B/token, chunk 512):
+
+* ``service``: ``kvpool-replay --admission service``: the pool-wide policy service
+  (``kvpool-policy serve``) beside the master, filling ``REPLAY_FILL`` of the pool, the master's
+  watermark above it;
+* ``per-engine``: ``--admission adaptive --eviction connector``: each engine its own policy of
+  its share of the pool (pool / N), its worker removing what falls out (the policy before the
+  service);
+* ``master``: ``--admission all``: every chunk saved, the master evicting at 0.9 (Mooncake's
+  ``eviction_high_watermark_ratio``);
+* offline: an exact LRU of the whole pool and Belady's MIN (``kvpool_replay.lru_hits``,
+  ``belady_hits``, trace order), ``x LRU`` = service / LRU and ``gap`` = the share of the
+  LRU-to-MIN gap the service closes, ``(service - LRU) / (MIN - LRU)``;
+* per service run: corrupt blocks (all columns are checked, the row says the worst), the
+  service's CPU seconds per million chunk accesses (every chunk of every prompt is one access;
+  its process's CPU, all threads, its Mooncake client included) and its peak RSS.
+
+Goals (issue 40), on ``service``: >= exact LRU at every capacity for every N; >= 1.5x exact LRU
+at conversation 1M and 2M tokens with 8 engines; 15% of the LRU-to-MIN gap closed on the
+synthetic trace; 0 corrupt blocks.
+
+One replay at a time (N engines already share the machine's cores), with a progress line; the
+JSON (``--json-out``) is written after every replay and ``--resume`` skips the rows it holds, so
+a long grid can be run in parts. A slice (a few minutes)::
+
+    .venv/bin/python bench/bench_fleet.py --limit 1000 --traces conversation_trace.jsonl \\
+        --capacities 1000000 --engines 8
+
+The whole grid (whole traces, 8 capacities x 4 N x 3 policies: ~5 minutes a replay here)::
+
+    .venv/bin/python bench/bench_fleet.py --limit 0 --json-out /tmp/fleet.json --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpool_connector.keys import chunk_hashes
+from kvpool_replay import (
+    ModelShape,
+    ReplayConfig,
+    belady_hits,
+    default_trace_path,
+    engine_env,
+    load_trace,
+    lru_hits,
+    request_tokens,
+    run_replay,
+)
+
+CHUNK = 512
+# 64 B/token: the smallest pool (300k tokens) is above Mooncake's 16 MiB minimum segment.
+SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
+CAPACITIES = {
+    "synthetic_trace.jsonl": [300_000, 600_000, 1_000_000, 2_000_000],
+    "conversation_trace.jsonl": [1_000_000, 2_000_000, 5_000_000, 20_000_000],
+}
+POLICIES: dict[str, dict[str, str]] = {
+    "service": {"admission": "service"},
+    "per-engine": {"admission": "adaptive", "eviction": "connector"},
+    "master": {"admission": "all"},
+}
+"""Replay columns: ``ReplayConfig`` fields of each."""
+
+
+def _ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (each >= 1)."""
+    try:
+        out = [int(c) for c in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1, comma-separated")
+    return out
+
+
+def _policies(text: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in POLICIES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad)}: not a policy; give some of {', '.join(POLICIES)}")
+    return names
+
+
+def offline(path: str, limit: int | None, caps: list[int]) -> tuple[int, dict[int, dict]]:
+    """Chunk accesses of the replayed requests, and exact LRU / Belady's MIN per capacity."""
+    reqs = load_trace(path, limit=limit)
+    items = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+    accesses = sum(len(hashes) for _, hashes in items)
+    return accesses, {cap: {"lru": lru_hits(items, CHUNK, cap).hit_rate,
+                            "min": belady_hits(items, CHUNK, cap).hit_rate} for cap in caps}
+
+
+def replay(path: str, limit: int | None, cap: int, engines: int, policy: str) -> dict:
+    """One real replay: its hit rate, corrupt blocks, load errors and the service's cost."""
+    t0 = time.monotonic()
+    r = run_replay(ReplayConfig(trace_path=path, limit=limit, pool_tokens=cap, engines=engines,
+                                shape=SHAPE, show_progress=True,
+                                **POLICIES[policy]))  # type: ignore[arg-type]
+    if r.errors:
+        raise RuntimeError(f"{Path(path).name} at {cap:,} tokens, {engines} engines, {policy}: "
+                           f"{r.errors}")
+    return {"hit": r.hit_rate, "corrupt": r.corrupt_blocks, "load_errors": r.load_errors,
+            "evicted_by_master": r.pool_evicted_keys, "evicted_by_policy": r.evicted_keys,
+            "policy_cpu_s": r.policy_cpu_s, "policy_rss": r.peak_rss_policy_bytes,
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--limit", type=int, default=1000, help="requests per trace (0 = whole)")
+    p.add_argument("--traces", default=",".join(CAPACITIES),
+                   help="trace file names in the traces directory")
+    p.add_argument("--capacities", type=_ints, default=None, metavar="TOKENS",
+                   help="pool capacities (tokens, comma-separated) instead of each trace's list")
+    p.add_argument("--engines", type=_ints, default=[1, 2, 4, 8], metavar="N",
+                   help="engine counts, comma-separated (default 1,2,4,8)")
+    p.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="NAMES",
+                   help="replay columns, comma-separated, of " + ", ".join(POLICIES))
+    p.add_argument("--json-out", type=Path, default=None,
+                   help="write the rows as JSON after every replay")
+    p.add_argument("--resume", action="store_true",
+                   help="with --json-out: keep its rows and replay only the missing ones")
+    args = p.parse_args()
+    if args.resume and args.json_out is None:
+        p.error("--resume needs --json-out (the rows to keep)")
+    names = args.traces.split(",")
+    unknown = [n for n in names if n not in CAPACITIES]
+    if unknown and not args.capacities:
+        p.error(f"--traces: {', '.join(unknown)} has no capacity list; give --capacities")
+    os.environ.update({k: v for k, v in engine_env().items() if k in ("PATH", "PYTHONPATH")})
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    limit = args.limit or None
+    started = time.monotonic()
+    rows: dict[str, dict] = {}
+    if args.resume and args.json_out.exists():
+        kept = json.loads(args.json_out.read_text())
+        if kept.get("limit") != limit:
+            p.error(f"--resume: {args.json_out} was measured with --limit {kept.get('limit')}")
+        rows = kept["rows"]
+
+    def save() -> None:
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps({"limit": limit, "rows": rows}, indent=1))
+
+    for name in names:
+        path = str(default_trace_path(name))
+        caps = args.capacities or CAPACITIES[name]
+        print(f"{name}: exact LRU and Belady's MIN offline", flush=True)
+        accesses, ref = offline(path, limit, caps)
+        for cap in caps:
+            for n in args.engines:
+                for policy in args.policies:
+                    key = f"{name} {cap} {n} {policy}"
+                    if key in rows:
+                        continue
+                    print(f"{name} {cap:,} tokens, {n} engines, {policy}", flush=True)
+                    rows[key] = {"trace": name, "pool_tokens": cap, "engines": n,
+                                 "policy": policy, "accesses": accesses, **ref[cap],
+                                 **replay(path, limit, cap, n, policy)}
+                    r = rows[key]
+                    print(f"  hit {r['hit']:.2%} (LRU {r['lru']:.2%}, MIN {r['min']:.2%}), "
+                          f"corrupt {r['corrupt']}, {r['wall_s']:.0f} s", flush=True)
+                    save()
+    table(rows)
+    print(f"total bench time {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def table(rows: dict[str, dict]) -> None:
+    """The issue's table from the rows measured (a missing replay prints ``-``)."""
+    grid: dict[tuple[str, int, int], dict[str, dict]] = {}
+    for r in rows.values():
+        grid.setdefault((r["trace"], r["pool_tokens"], r["engines"]), {})[r["policy"]] = r
+    head = ["trace", "capacity", "N", *POLICIES, "LRU", "MIN", "x LRU", "gap", "corrupt",
+            "CPU s/M", "RSS MiB"]
+    widths = [24, 11, 3, 10, 10, 10, 8, 8, 6, 5, 7, 8, 7]
+    print("\n" + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    below, missed = [], []
+    for (trace, cap, n), got in sorted(grid.items()):
+        ref = next(iter(got.values()))
+        lru, best = ref["lru"], ref["min"]
+        svc = got.get("service")
+        cols = [trace, f"{cap:,}", str(n),
+                *[f"{got[p]['hit']:.2%}" if p in got else "-" for p in POLICIES],
+                f"{lru:.2%}", f"{best:.2%}"]
+        if svc is None:
+            cols += ["-", "-"]
+        else:
+            gap = (svc["hit"] - lru) / (best - lru) if best > lru else 0.0
+            cols += [f"{svc['hit'] / lru:.2f}" if lru else "-", f"{gap:.0%}"]
+            if svc["hit"] < lru:
+                below.append(f"{trace} {cap:,} N={n}")
+            if (trace == "conversation_trace.jsonl" and cap in (1_000_000, 2_000_000) and n == 8
+                    and svc["hit"] < 1.5 * lru):
+                missed.append(f"1.5x LRU at conversation {cap:,}, 8 engines")
+        cols.append(str(max(r["corrupt"] for r in got.values())))
+        cols += (["-", "-"] if svc is None else
+                 [f"{svc['policy_cpu_s'] / svc['accesses'] * 1e6:.1f}",
+                  f"{svc['policy_rss'] / (1 << 20):.0f}"])
+        print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    print("\ngoal service >= exact LRU everywhere: " + ("met" if not below else
+                                                          f"missed at {', '.join(below)}"))
+    if missed:
+        print("goal missed: " + "; ".join(missed))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
