@@ -152,9 +152,14 @@ class KeyPaths:
         holds a viewer secret.
 
         Raises:
-            ValueError: neither (the message names the keygen call), or the old layout.
+            ValueError: no such directory, neither (the message names the keygen call), or the
+                old layout.
         """
         self._check_old_layout()
+        if not self.root.is_dir():
+            raise ValueError(
+                f"keys dir {self.root} does not exist (give --keys or $KVPOOL_KEYS_DIR the "
+                "directory holding hub.key and your operator or viewer key pair)")
         for role in ("operator", "viewer"):
             if self.secret(cast(Role, role)).is_file():
                 return cast(Role, role)

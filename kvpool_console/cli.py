@@ -90,7 +90,7 @@ def _common(top: bool) -> argparse.ArgumentParser:
     common.add_argument("--keys", default=default(None), metavar="DIR",
                         help="keys directory: hub.key and an operator or viewer key pair "
                         "(kvpool-agent keygen --role operator|viewer); only operator changes "
-                        "the pool")
+                        "the pool (default: $KVPOOL_KEYS_DIR)")
     common.add_argument("--wait", type=float, default=default(3.0), metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
     common.add_argument("--watermark-ratio", type=_fraction, default=default(None),

@@ -307,3 +307,14 @@ def test_status_shows_the_connections_the_hub_refused(
     assert sorted(e["engine_id"] for e in doc["engines"]) == ["p0"]
     assert main(["status", "--hub", live_fleet.address]) == 0
     assert "hub refused connections without an authorized key: agents " in capsys.readouterr().out
+
+
+def test_a_keys_dir_that_does_not_exist_is_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped ``--keys`` says the directory is missing (not that it lacks a key pair) and
+    where the default comes from; nothing is sent."""
+    missing = tmp_path / "no-such-keys"
+    assert main(["status", "--keys", str(missing), "--hub", "tcp://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert f"keys dir {missing} does not exist" in err and "$KVPOOL_KEYS_DIR" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
