@@ -215,8 +215,9 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
 
     Raises:
         ValueError: ``role`` is not one of ``ROLES``.
-        FileExistsError: the role's secret exists and ``force`` is False (regenerating a hub
-            key locks out every client holding the old ``hub.key``).
+        FileExistsError: the role's secret or public key exists and ``force`` is False
+            (regenerating a hub key locks out every client holding the old ``hub.key``; a
+            lone public key is a copy, e.g. a client's ``hub.key``).
         NotADirectoryError: ``root`` or a folder above it is a file.
     """
     if role not in ROLES:
@@ -232,6 +233,13 @@ def generate_keys(root: str | Path, role: Role, *, force: bool = False) -> KeyPa
         raise FileExistsError(
             f"{paths.secret(role)} exists: keys were already generated (use --force to replace)"
         )
+    if paths.public(role).exists() and not force:
+        # A public key alone is a copy (a client's hub.key from its hub): replacing it would
+        # lock this directory's owner out of that hub.
+        raise FileExistsError(
+            f"{paths.public(role)} exists without its secret, a copied public key (a client's "
+            f"hub.key is its hub's): generate {role} keys in another directory, or use --force "
+            "to replace it")
     paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
     # create_certificates writes the secret file with the process umask: tighten it to 0600
     # before anything else reads the directory.

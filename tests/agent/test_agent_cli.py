@@ -84,6 +84,13 @@ def test_keygen_writes_one_role_and_refuses_to_overwrite(
     capsys.readouterr()
     assert main(["keygen", "--role", "operator", str(op)]) == 2
     assert "already generated" in capsys.readouterr().err
+    # A client's copy of its hub's public key is not replaced by a keygen for the hub role.
+    (op / "hub.key").write_bytes((hub / "hub.key").read_bytes())
+    assert main(["keygen", "--role", "hub", str(op)]) == 2
+    assert "without its secret, a copied public key" in capsys.readouterr().err
+    assert (op / "hub.key").read_bytes() == (hub / "hub.key").read_bytes()
+    assert not (op / "hub.key_secret").exists()
+    (op / "hub.key").unlink()
     assert main(["authorize", "--role", "operator", str(hub), str(op / "operator.key"),
                  "--name", "alice"]) == 0
     assert (hub / "authorized_keys/operator/alice.key").read_bytes() == (
