@@ -300,7 +300,8 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                       plain(r.namespace or "-"))
         out.print(t)
         tot = view.totals
-        out.print(f"{tot.engines} engines ({tot.stale} stale, {tot.down} down), "
+        stores = f", {tot.stores} store agent{'s' * (tot.stores != 1)}" if tot.stores else ""
+        out.print(f"{tot.engines} engines{stores} ({tot.stale} stale, {tot.down} down), "
                   f"hit rate {_percent(tot.hit_rate)} (local {_percent(tot.local_hit_rate)}), "
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.loads_failed} failed loads")

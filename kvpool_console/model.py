@@ -201,8 +201,11 @@ def _engine_totals(engine_id: str, group: list[EngineState]) -> EngineRow:
             failure = f
     pool = pool_st.pool if pool_st is not None else None
     steering = engine_policy(group)
+    # A store agent reports with a placeholder engine identity (kvpool_agent._store_agent).
+    store = all(st.source.process_role == "store" for st in group)
     return EngineRow(
-        engine_id=engine_id, role=head.instance_role, kv_role=head.kv_role,
+        engine_id=engine_id, role="store" if store else head.instance_role,
+        kv_role="-" if store else head.kv_role,
         ranks=f"dp{_span(dp)} tp{_span(tp)} pp{_span(pp)}" if workers else "-",
         backend=head.backend, model=head.model, workers=workers,
         hit_rate=loaded / prompt if prompt else 0.0,
@@ -401,8 +404,10 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
     for r in rows:
         for reason, n in r.miss_tokens.items():
             fleet_misses[reason] = fleet_misses.get(reason, 0) + n
+    stores = sum(r.role == "store" for r in rows)
     totals_row = Totals(
-        engines=len(rows), agents=len(states), stale=sum(r.stale and not r.down for r in rows),
+        engines=len(rows) - stores, stores=stores, agents=len(states),
+        stale=sum(r.stale and not r.down for r in rows),
         down=sum(r.down for r in rows), hit_rate=loaded / prompt if prompt else 0.0,
         prompt_tokens=prompt,
         loads_in_flight=sum(r.loads_in_flight for r in rows),

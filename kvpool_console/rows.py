@@ -222,7 +222,9 @@ class PoolRow(msgspec.Struct, gc=False, kw_only=True):
 
 class Totals(msgspec.Struct, gc=False, kw_only=True):
     """Fleet totals (the table's last row); pool bytes summed over distinct pools; token
-    counts and rates as in :class:`EngineRow`, summed over engines."""
+    counts and rates as in :class:`EngineRow`, summed over engines. ``engines`` counts the
+    rows of serving engines, ``stores`` the rows of store agents (``kvpool-agent store``,
+    every agent of the row ``process_role="store"``): a pool's store is not an engine."""
 
     engines: int
     agents: int
@@ -245,6 +247,7 @@ class Totals(msgspec.Struct, gc=False, kw_only=True):
     top_miss: str = ""
     top_miss_fix: str = ""
     """The fleet's top reason's fix (its engines' evictions and skipped saves summed)."""
+    stores: int = 0
 
 
 class FleetView(msgspec.Struct, gc=False, kw_only=True):

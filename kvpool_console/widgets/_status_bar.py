@@ -59,7 +59,8 @@ class StatusBar(Static):
             crit = sum(a.severity == "critical" for a in v.alerts)
             warn = sum(a.severity == "warning" for a in v.alerts)
             info = len(v.alerts) - crit - warn
-            text.append(f"{v.totals.engines} engines {v.totals.agents} agents  ")
+            stores = f"{v.totals.stores} stores " if v.totals.stores else ""
+            text.append(f"{v.totals.engines} engines {stores}{v.totals.agents} agents  ")
             text.append(f"alerts {crit}C/{warn}W{f'/{info}I' if info else ''}  ",
                         style="bold red" if crit else "")
         arrow = "↓" if self.sort_reverse else "↑"

@@ -132,3 +132,20 @@ def test_the_one_shot_status_json_lists_it() -> None:
     (row,) = [a for a in doc["alerts"] if a["rule"] == "pool_no_segments"]
     assert (row["severity"], row["subject"], row["hint"]) == ("critical", POOL,
                                                               NO_SEGMENTS_HINT)
+
+
+def test_a_store_agent_is_a_store_row_not_an_engine() -> None:
+    """``kvpool-agent store`` reports under an engine identity of its own (``store@HOST``): the
+    view shows its row as a store (role ``store``, no KV role) and counts it apart from the
+    engines (``1 engines`` with a store beside it, not ``2``)."""
+    fleet = _on(engine("a", tp=1), pool())
+    store = "store@m1"
+    fleet[store] = msgspec.structs.replace(
+        fleet["a/dp0.tp0.pp0"], ts_ms=NOW_MS,
+        source=msgspec.structs.replace(fleet["a/dp0.tp0.pp0"].source, agent_id=store,
+                                       engine_id=store, process_role="store"))
+    view = build_view(fleet, {}, NOW_MS)
+    rows = {r.engine_id: (r.role, r.kv_role) for r in view.engines}
+    assert rows[store] == ("store", "-") and rows["a"][0] != "store"
+    assert (view.totals.engines, view.totals.stores, view.totals.agents) == (1, 1, 3)
+    assert status_document(view)["totals"]["stores"] == 1
