@@ -72,8 +72,9 @@ from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
 from kvpool_replay._trace import load_trace
 
-__all__ = ["ReplayConfig", "ReplayReport", "fork_engine", "hits_lost_in_outage", "run_replay",
-           "spawn_engine", "wait_engines_ready"]
+__all__ = ["ReplayConfig", "ReplayReport", "default_admission", "fork_engine",
+           "hits_lost_in_outage", "run_replay", "service_refusal", "spawn_engine",
+           "wait_engines_ready"]
 
 _MIB = 1 << 20
 
@@ -358,6 +359,28 @@ def _master_stats(admin_url: str | None) -> PoolStats:
     return stats
 
 
+def service_refusal(cfg: ReplayConfig) -> str | None:
+    """Why ``cfg``'s other settings leave no room for ``admission: service`` (the one-line
+    error ``run_replay`` raises for it), or ``None`` when the replay can start the service
+    beside its pool. The one rule for both: ``run_replay``'s check and ``default_admission``."""
+    if cfg.mode != "shared" or cfg.master_address or cfg.ha or cfg.eviction != "pool":
+        return ("--admission service starts kvpool-policy beside the replay's own master: use "
+                "it with --shared and eviction pool, without --master or --ha")
+    return None
+
+
+def default_admission(cfg: ReplayConfig) -> AdmissionMode:
+    """``kvpool-replay``'s admission when ``--admission`` is not given: ``service`` (the
+    pool-wide policy, the best measured for a pool shared by several engines, docs/policy.md)
+    wherever the replay can start it beside a bounded pool (``pool_tokens`` given,
+    ``service_refusal`` says nothing, no disk tier: the service sizes itself to the memory
+    and would remove what the disk tier holds), else ``all``. ``cfg.admission`` is ignored.
+    ``ReplayConfig``'s own default stays ``all``."""
+    if cfg.pool_tokens is None or cfg.disk_tier_tokens is not None:
+        return "all"
+    return "service" if service_refusal(cfg) is None else "all"
+
+
 def run_replay(
     cfg: ReplayConfig, *, on_status: Callable[[str], None] | None = None
 ) -> ReplayReport:
@@ -388,11 +411,8 @@ def run_replay(
     if cfg.eviction == "connector" and cfg.pool_tokens is None:
         raise ValueError("--eviction connector needs --pool-tokens: the connector keeps an LRU "
                          "of the pool's capacity, e.g. --pool-tokens 1000000")
-    if cfg.admission == "service" and (cfg.mode != "shared" or cfg.master_address or cfg.ha
-                                       or cfg.eviction != "pool"):
-        raise ValueError("--admission service starts kvpool-policy beside the replay's own "
-                         "master: use it with --shared and eviction pool, without --master or "
-                         "--ha")
+    if cfg.admission == "service" and (refusal := service_refusal(cfg)):
+        raise ValueError(refusal)
     if cfg.kill_policy_after is not None and cfg.admission != "service":
         raise ValueError("--kill-policy-after needs --admission service (a service to kill)")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:

@@ -1,0 +1,101 @@
+"""``kvpool-replay``'s default admission (issue 40 item 2, "the best policy is the default"):
+the pool-wide policy service wherever the replay can start it beside a bounded pool, else
+``all``; ``ReplayConfig``'s own default stays ``all``. Real runs on a real master and store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool_replay import ReplayConfig, default_trace_path
+from kvpool_replay._replay import default_admission, service_refusal
+from kvpool_replay.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TRACE = str(default_trace_path("conversation_trace.jsonl"))
+
+
+def _replay_json(*argv: str) -> dict[str, object]:
+    """``kvpool-replay --limit 40 --engines 2 ARGV --json --no-progress``'s report (a child
+    process, as an operator runs it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_replay.cli", TRACE, "--limit", "40", "--engines", "2",
+         *argv, "--json", "--no-progress"], cwd=REPO, capture_output=True, text=True,
+        timeout=600, check=False, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report: dict[str, object] = json.loads(proc.stdout)
+    return report
+
+
+def test_a_bounded_shared_pool_runs_the_policy_service() -> None:
+    """No ``--admission``, ``--pool-tokens`` given: the service ran beside the replay's master,
+    applied the engines' records and removed keys for them, nothing read back wrong."""
+    r = _replay_json("--pool-tokens", "300000")
+    assert r["admission"] == "service", r
+    assert r["errors"] == [] and r["corrupt_blocks"] == 0, r
+    assert r["requests"] == 40
+    # One access record per request of either engine, applied by the service.
+    assert 0 < r["policy_records"] <= 40, r  # type: ignore[operator]
+    # 506,280 prompt tokens through a pool the service fills to 240,000 tokens: it removed
+    # keys (391 in a run here, the master 58 beside it).
+    assert r["evicted_keys"] > 0, r  # type: ignore[operator]
+    assert isinstance(r["policy_cpu_s"], float) and r["policy_cpu_s"] > 0, r
+    assert isinstance(r["peak_rss_policy_bytes"], int) and r["peak_rss_policy_bytes"] > 0, r
+
+
+def test_an_unbounded_pool_and_an_explicit_all_admit_everything() -> None:
+    """Without ``--pool-tokens`` there is nothing for the service to evict: ``all``. An
+    explicit ``--admission all`` on a bounded pool is kept: no service, the master evicts."""
+    r = _replay_json()
+    assert (r["admission"], r["pool_tokens"], r["policy_records"]) == ("all", None, 0), r
+    assert r["errors"] == [] and r["corrupt_blocks"] == 0, r
+    r = _replay_json("--pool-tokens", "300000", "--admission", "all")
+    assert (r["admission"], r["policy_records"], r["evicted_keys"]) == ("all", 0, 0), r
+    assert r["errors"] == [] and r["corrupt_blocks"] == 0, r
+
+
+@pytest.mark.parametrize("settings", [
+    {},  # unbounded
+    {"pool_tokens": 300_000, "mode": "private", "engines": 2},
+    {"pool_tokens": 300_000, "master_address": "127.0.0.1:50051"},
+    {"pool_tokens": 300_000, "eviction": "connector"},
+    {"pool_tokens": 300_000, "disk_tier_tokens": 1_000_000},
+    {"pool_tokens": 300_000, "ha": 2},
+], ids=["unbounded", "private", "master", "connector-eviction", "disk-tier", "ha"])
+def test_the_default_is_all_where_the_replay_cannot_start_the_service(
+        settings: dict[str, object]) -> None:
+    cfg = ReplayConfig(trace_path=TRACE, **settings)  # type: ignore[arg-type]
+    assert cfg.admission == "all"  # the library's default is unchanged
+    # --ha follows the validation's rule (service_refusal) whichever way that goes.
+    follows = "ha" in settings and service_refusal(cfg) is None
+    assert default_admission(cfg) == ("service" if follows else "all")
+
+
+def test_the_default_is_the_service_on_the_replays_own_bounded_shared_pool() -> None:
+    for engines in (1, 8):
+        cfg = ReplayConfig(trace_path=TRACE, pool_tokens=1_000_000, engines=engines)
+        assert (service_refusal(cfg), default_admission(cfg)) == (None, "service")
+        assert cfg.admission == "all"
+
+
+def test_help_says_the_default_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Default: service wherever the replay can start it beside a bounded pool" in text
+    assert "the best measured for a pool shared by several engines" in text
+    assert "else all" in text
+
+
+def test_kill_policy_after_without_a_pool_size_names_the_fix(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The drill needs the service, which an unbounded replay does not start by default."""
+    assert main([TRACE, "--limit", "30", "--kill-policy-after", "10"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("kvpool-replay: --kill-policy-after needs --admission service (a service "
+                    "to kill)")
