@@ -92,6 +92,8 @@ class FleetClient:
         hub_counters: the hub's own counters since it started (``FleetUpdate.hub_counters``:
             ``memory_sheds``, ``connection_sheds``, ``reports``...), from its last snapshot
             that carried them; empty before one (or from a hub before this field).
+        refused_by_key: what the hub refused per key name since it started
+            (``FleetUpdate.refused_by_key``), from its last snapshot; empty before one.
         tiers_missing: True while the requested tier has been silent for
             ``tier_fallback_s`` and the full-rate stream is taken instead (a hub of an
             earlier release, or a hub not answering).
@@ -115,6 +117,7 @@ class FleetClient:
         self.refused_connections: dict[str, int] = {}
         self.reuse: ReuseView | None = None
         self.hub_counters: dict[str, int] = {}
+        self.refused_by_key: dict[str, int] = {}
         self.bad_messages = 0
         self.gaps = SeqTracker()
         self._fleet: dict[str, FleetEntry] = {}
@@ -245,8 +248,9 @@ class FleetClient:
         self.refused_connections = upd.refused_connections
         if upd.reuse is not None:
             self.reuse = upd.reuse
-        if upd.hub_counters:
+        if upd.hub_counters:  # a snapshot's first frame: it carries both, empty or not
             self.hub_counters = dict(upd.hub_counters)
+            self.refused_by_key = dict(upd.refused_by_key)
         for aid in upd.forgotten:
             self._fleet.pop(aid, None)
         for st in upd.engines:

@@ -783,6 +783,11 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     ``kvpool_agent._hub_counters.COUNTER_NAMES``: ``reports``, ``memory_sheds``,
     ``connection_sheds``...; < 1 KiB), in the first frame of a snapshot; empty in deltas and
     from hubs before this field."""
+    refused_by_key: NameCounts = msgspec.field(default_factory=dict)
+    """Per authorized key's name (``ROLE/NAME``): what the hub refused it since it started
+    (commands, reports or audit lines over a budget or bound, reports its binding does not
+    allow: ``HubCounters.refused_by_key``), the ``MAX_NAMES`` most refused, in the first frame
+    of a snapshot; empty in deltas and from hubs before this field."""
     more: bool = False
     """More frames of this update follow (a large fleet's update spans a frame per
     ``ENGINES_PER_UPDATE`` agents): a console redraws once the last one is merged. Hubs

@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvpool_agent.protocol import CommandReply, FlushArgs
+from kvpool_agent.protocol import CommandReply, FlushArgs, visible
 from kvpool_console import _pin_cli as pin_cli
 from kvpool_console import _whatif_cli as whatif_cli
 from kvpool_console._liveness import local_process_alive
@@ -66,7 +66,7 @@ DEFAULT_HUB = "tcp://127.0.0.1:7600"
 """Hub address when neither ``--hub`` nor ``$KVPOOL_HUB`` is given."""
 
 EXIT_OK, EXIT_ALERT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
-_KNOWN_SHOWN = 10  # engine ids an unknown-name message lists
+_KNOWN_SHOWN = 10  # engine ids an unknown-name message lists, keys the status text lists
 _REST_OF_SNAPSHOT_MS = 500  # forget waits this long for a snapshot's later frames
 
 PIPE_WIDTH = 200
@@ -281,8 +281,11 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     # Handshakes the hub refused per port (no key, or one not authorized there): only a hub
     # with keys counts them.
     refused = dict(src.client.refused_connections) if isinstance(src, ClientSource) else {}
+    # What the hub refused per authorized key (over a budget or bound, or its binding).
+    by_key = dict(src.client.refused_by_key) if isinstance(src, ClientSource) else {}
     if args.json:
-        doc = {**status_document(view), "refused_connections": refused}
+        doc = {**status_document(view), "refused_connections": refused,
+               "refused_by_key": by_key}
         sys.stdout.write(json_line(doc) + "\n")
     else:
         t = Table(title=f"kvpool fleet @ {src.address}", expand=False)
@@ -315,6 +318,13 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         if any(refused.values()):
             out.print(Text("hub refused connections without an authorized key: " + ", ".join(
                 f"{port} {n}" for port, n in sorted(refused.items()) if n), style="yellow"))
+        if by_key:
+            shown = sorted(by_key.items(), key=lambda kv: (-kv[1], kv[0]))
+            out.print(Text("hub refused by key (over a budget or bound, or its binding): "
+                           + ", ".join(f"{visible(k, one_line=True)} {n}"
+                                       for k, n in shown[:_KNOWN_SHOWN])
+                           + (f" (and {len(shown) - _KNOWN_SHOWN} more keys)"
+                              if len(shown) > _KNOWN_SHOWN else ""), style="yellow"))
         for a in view.alerts:
             # Subject and message name engines and quote agents' errors: data, not markup.
             line = Text(a.severity.upper(), style=SEVERITY_STYLE[a.severity])
