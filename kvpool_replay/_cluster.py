@@ -2,8 +2,10 @@
 
 Started with no other setup: a ``mooncake_master`` on 127.0.0.1 with a ``mooncake_client`` store
 holding the pool memory, a ``FleetHub`` (in this process) with freshly generated operator keys,
-and several engine processes, each running ``KVPoolConnector`` (scheduler and worker roles) and
-their agents, replaying a share of a trace at a chosen speed-up:
+the pool-wide policy service (``kvpool-policy serve``, ``LocalPolicyService``) beside the master
+with the fleet's keys, and several engine processes, each running ``KVPoolConnector`` (scheduler
+and worker roles, ``admission: service``) and their agents, replaying a share of a trace at a
+chosen speed-up:
 
 * engine 0 is a prefill engine (``kv_producer``): it loads what the pool holds and saves its
   prompts;
@@ -16,7 +18,15 @@ their agents, replaying a share of a trace at a chosen speed-up:
 the real P/D topology instead: a prefill and a decode ``vllm serve`` engine behind the
 ``mooncake-transfer-engine`` wheel's P/D proxy, the pool as the hand-over
 (``_pd.LocalPdPair``), the trace sent through the proxy (``_pd.ProxyReplay``); ``engines`` is
-then ignored.
+then ignored, and the pair runs without the service (``policy_service=False``: its one saving
+engine hands every prompt to the decode engine, the master evicts).
+
+The service is the best measured policy for a pool shared by several engines (docs/policy.md):
+it admits and evicts for every engine at once, filling ``POLICY_FILL`` of the pool below the
+master's watermark; while it is away the engines save every chunk and the master's watermark
+evicts. It starts while the engines start (they take tens of seconds to import vLLM), so it
+adds nothing to the demo's start; the console shows it in charge (``policy: service`` per
+engine in ``kvpool-console status --json``, the Pool tab's ``policy:`` line).
 
 Leaving the context (or ``stop()``, also on Ctrl-C) stops every process it started: each runs in
 its own process group, which is terminated and then killed; ``leftover_pids()`` checks with
@@ -31,6 +41,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +52,7 @@ import msgspec
 import psutil
 
 from kvpool_replay._pd import LocalPdPair, ProxyReplay
+from kvpool_replay._policy_service import LocalPolicyService
 from kvpool_replay._pool import mooncake_extra_config, pool_bytes_for_tokens
 from kvpool_replay._processes import (
     free_port,
@@ -55,12 +67,19 @@ from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
 from kvpool_replay._tiny_model import build_tiny_model
 from kvpool_replay._trace import TraceRequest, default_trace_path, load_trace
 
-__all__ = ["DEMO_SHAPE", "TINY_VLLM_SHAPE", "DemoCluster"]
+__all__ = ["DEMO_SHAPE", "POLICY_FILL", "TINY_VLLM_SHAPE", "DemoCluster"]
 
 DEMO_SHAPE = ModelShape(layers=2, kv_heads=1, head_size=4, block_size=16, dtype="float16")
 """Demo model shape: 32 bytes of KV per token (a 512-token chunk is 16 KiB), so that a 512 MiB
 pool holds 16M tokens: about the conversation trace's first 90 s of new prefixes at the demo's
 speed-up (see ``DemoCluster``)."""
+
+POLICY_FILL = 0.8
+"""Share of the demo's pool its policy service fills (``kvpool-policy serve --fill``, its
+default), below the master's watermark (0.9): the room between them holds saves in flight and
+keys waiting out a reader's lease. At the default 16M tokens and speed-up 5 the conversation
+trace brings about 8M tokens of new prefixes a minute (``DemoCluster``'s ``pool_tokens``): the
+service holds 12.8M tokens and evicts from about 95 s on."""
 
 TINY_VLLM_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=32, block_size=32, dtype="float32")
 """KV shape of ``tiny_model`` in vLLM (``engine_kind="vllm"``): 1 KiB per token."""
@@ -94,6 +113,9 @@ class DemoCluster:
         eviction_high_watermark_ratio: the master's eviction watermark.
         default_kv_lease_ttl_ms: the master's lease TTL.
         log_dir: where engine/master/store logs go (a temp dir by default).
+        policy_service: start the pool-wide policy service beside the master and configure
+            the engines ``admission: service`` (default); ``False``: every chunk saved, the
+            master's watermark evicts. The P/D pair (``engine_kind="pd"``) runs without it.
         progress: called with one line per start-up phase (master, hub, engines, waiting), so
             a caller can show what the start-up is doing; ``None``: silent.
 
@@ -102,7 +124,8 @@ class DemoCluster:
     ``kvpool_agent.local_fleet_keys``; the hub requires them on every port), ``keys_dir``
     (the operator's), ``viewer_keys_dir``, ``agent_keys_dir`` (the engines'), ``master``
     (``LocalMooncakeMaster``), ``store`` (``LocalPoolStore``), ``hub`` (``FleetHub``),
-    ``processes`` (engine id -> ``subprocess.Popen``).
+    ``processes`` (engine id -> ``subprocess.Popen``), ``policy`` (``LocalPolicyService``, or
+    ``None`` without it).
 
     Raises:
         ValueError: bad arguments (named).
@@ -129,6 +152,7 @@ class DemoCluster:
         default_kv_lease_ttl_ms: int = 5_000,
         log_dir: str | Path | None = None,
         progress: Callable[[str], None] | None = None,
+        policy_service: bool = True,
     ) -> None:
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
@@ -146,6 +170,7 @@ class DemoCluster:
         self.chunk_size = chunk_size
         self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
         self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
+        self.policy_service = policy_service and engine_kind != "pd"
         self._progress = progress
         self._own_tmp = log_dir is None
         self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
@@ -156,6 +181,9 @@ class DemoCluster:
         self.hub_address = ""
         self.master: LocalMooncakeMaster | None = None
         self.store: LocalPoolStore | None = None
+        self.policy: LocalPolicyService | None = None
+        self._policy_start: threading.Thread | None = None
+        self._policy_error: BaseException | None = None
         self.hub: object | None = None
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.specs: dict[str, EngineSpec] = {}
@@ -232,6 +260,18 @@ class DemoCluster:
             high_watermark=self.eviction_high_watermark_ratio,
         )
         extra["agent_keys"] = str(self.agent_keys_dir)
+        if self.policy_service:
+            self.policy = LocalPolicyService(self.master, keys["hub"].root, fill=POLICY_FILL,
+                                             log_dir=self.workdir / "policy")
+            extra |= {"admission": "service", "policy_service": self.policy.address}
+            self._say(f"starting kvpool-policy serve on {self.policy.address} (the pool-wide "
+                      f"policy: it admits and evicts for every engine, filling {POLICY_FILL:g} "
+                      "of the pool)")
+            # Beside the engines, which take far longer to start: the service adds nothing to
+            # the demo's start. The engines save every chunk until its first snapshot.
+            self._policy_start = threading.Thread(target=self._start_policy, daemon=True,
+                                                  name="demo-policy-start")
+            self._policy_start.start()
         go = self.workdir / "go"
         go.unlink(missing_ok=True)
         self._say(f"starting {n} {self.engine_kind} engine(s) replaying {self.trace_path}")
@@ -262,7 +302,37 @@ class DemoCluster:
         self._say(f"waiting for engines to be ready (up to {ready_timeout_s:.0f} s)")
         wait_engines_ready([(self.specs[e], p) for e, p in self.processes.items()],
                            ready_timeout_s, on_status=self._say)
+        self._wait_policy(extra)
         go.write_text(f"{time.time():.6f}")
+
+    def _start_policy(self) -> None:
+        """The policy service's start (on ``_policy_start``'s thread); its error is kept for
+        ``_wait_policy``."""
+        assert self.policy is not None
+        try:
+            self.policy.start()
+        except BaseException as exc:  # handed to the starting thread
+            self._policy_error = exc
+
+    def _wait_policy(self, extra: dict[str, object]) -> None:
+        """Wait for the policy service's start (begun beside the engines).
+
+        Raises:
+            RuntimeError: it did not start (its log's tail), or it had to take other ports
+                than the engines were given (another process took one meanwhile).
+        """
+        if self._policy_start is None or self.policy is None:
+            return
+        self._policy_start.join()
+        if self._policy_error is not None:
+            raise RuntimeError(f"kvpool-policy serve did not start: {self._policy_error}")
+        assert self.policy.proc is not None
+        self._started_pids.add(self.policy.proc.pid)
+        if self.policy.address != extra["policy_service"]:
+            raise RuntimeError(f"kvpool-policy serve had to move to {self.policy.address} (a "
+                               f"port of {extra['policy_service']} was taken): start the demo "
+                               "again")
+        self._say(f"policy service serving on {self.policy.address}")
 
     def _start_pd(self, model: Path, trace: list[TraceRequest], timeout_s: float) -> None:
         """The P/D pair over this cluster's pool and hub, and the trace through its proxy."""
@@ -322,6 +392,15 @@ class DemoCluster:
                     os.killpg(proc.pid, 15)
         for proc in self.processes.values():
             stop_process_tree(proc, timeout_s=10)
+        if self.policy is not None:
+            # Stopped before its master; a start still under way is waited for (a few
+            # seconds) and what it started is stopped too.
+            self.policy.stop()
+            if self._policy_start is not None:
+                self._policy_start.join()
+            if self.policy.proc is not None:
+                self._started_pids.add(self.policy.proc.pid)
+            self.policy.stop()
         if self.store is not None:
             self.store.stop()
         if self.master is not None:

@@ -1,6 +1,7 @@
 """The demo fleet, headless: DemoCluster's engines (prefill/decode pair + a kv_both engine)
 report through their agents to the hub; a FleetClient and ``kvpool-console status --json`` see
-engines, hit rate, pool usage and loads; afterwards every process it started is gone."""
+engines, hit rate, pool usage and loads, and the pool-wide policy service in charge of the
+engines that save; afterwards every process it started (the service too) is gone."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
         started = [p.pid for p in cluster.processes.values()]
         assert cluster.master is not None and cluster.master.proc is not None
         assert cluster.store is not None and cluster.store.proc is not None
-        started += [cluster.master.proc.pid, cluster.store.proc.pid]
+        # The demo's default: kvpool-policy serve beside the master, serving once start() returns.
+        assert cluster.policy is not None and cluster.policy.proc is not None
+        assert cluster.policy.proc.poll() is None
+        started += [cluster.master.proc.pid, cluster.store.proc.pid, cluster.policy.proc.pid]
         tree = _descendants(started)
         assert cluster.keys_dir.joinpath("operator.key_secret").is_file()
 
@@ -66,8 +70,14 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
                 # Pool stats come from the master every ~2 s: wait for a fresh, non-empty one.
                 dpool = fleet["decode-1/dp0.tp0.pp0"].state.pool
                 used = dpool.used_bytes if dpool is not None else 0
+                # The engines that save report the service in charge, with records sent.
+                steering = [fleet[f"{e}/scheduler"].state.policy
+                            for e in ("prefill-0", "engine-2") if f"{e}/scheduler" in fleet]
+                steered = len(steering) == 2 and all(
+                    p is not None and p.in_charge == "service" and p.records_sent > 0
+                    for p in steering)
                 if (decode.lookup.lookups > 10 and decode.lookup.hit_rate > 0.5
-                        and decode_loads > 10 and used > 0 and seen_in_flight):
+                        and decode_loads > 10 and used > 0 and seen_in_flight and steered):
                     break
             # Right away: an engine whose replay ends disconnects its agents.
             replies = client.command("health", targets=["decode-1/dp0.tp0.pp0"],
@@ -113,6 +123,22 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             status = json.loads(out.stdout)
             by_engine = {e["engine_id"]: e for e in status["engines"]}
             assert {"prefill-0", "decode-1", "engine-2"} <= set(by_engine)
+            # The service in charge of both engines that save (it saw their records); the
+            # decode engine saves nothing and sends none: no policy line.
+            for eid in ("prefill-0", "engine-2"):
+                e = by_engine[eid]
+                assert (e["policy"], e["policy_in_charge"], e["policy_service"]) == (
+                    "policy: service", "service", cluster.policy.address), e
+                assert e["policy_records_sent"] > 0 and e["policy_records_dropped"] == 0, e
+            assert by_engine["decode-1"]["policy_in_charge"] == "", by_engine["decode-1"]
+            assert [a for a in status["alerts"] if a["rule"] == "policy_master"] == []
+            # The service's own view, as an operator asks it (a viewer key).
+            said = subprocess.run(
+                [sys.executable, "-m", "kvpool_policy.cli", "status", "--listen",
+                 cluster.policy.address, "--keys", str(cluster.viewer_keys_dir)],
+                capture_output=True, text=True, env=env, timeout=60, check=False)
+            assert said.returncode == 0, said.stdout + said.stderr
+            assert said.stdout.startswith("service in charge: "), said.stdout
             # The hub's counters between the two reads around it (the replay goes on, and the
             # decode engine's later requests mostly miss: its rate since start fell from 0.89
             # to 0.59 between them in one run, so no rate is a fixed figure here).

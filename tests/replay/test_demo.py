@@ -213,14 +213,16 @@ def _tree(pid: int) -> tuple[list[psutil.Process], str]:
 
 def _demo_running(term: _Pty, buf: bytearray, shown: bytes,
                   tmp_path: Path) -> tuple[list[psutil.Process], set[Path]]:
-    """Read the demo's pty into ``buf`` until it shows ``shown``; then, once the master and an
-    engine are among its processes, those processes and its one work directory. On a loaded
-    machine both can come late: the line is awaited up to 180 s, the processes up to 60 s
-    more (the pty is read meanwhile, so the demo never blocks on its terminal)."""
+    """Read the demo's pty into ``buf`` until it shows ``shown``; then, once the master, the
+    policy service (``kvpool-policy serve``, the demo's default) and an engine are among its
+    processes, those processes and its one work directory. On a loaded machine they can come
+    late: the line is awaited up to 180 s, the processes up to 60 s more (the pty is read
+    meanwhile, so the demo never blocks on its terminal)."""
     assert _drain(term, buf, shown, 180), bytes(buf[-2000:])
     deadline = time.monotonic() + 60
     tree, names = _tree(term.pid)
-    while not ("mooncake_master" in names and "engine_proc" in names):
+    while not ("mooncake_master" in names and "engine_proc" in names
+               and "kvpool_policy.cli serve" in names):
         assert time.monotonic() < deadline, names
         _drain(term, buf, b"\0never", 0.2)
         tree, names = _tree(term.pid)
@@ -241,8 +243,8 @@ def _assert_stopped(status: int, how: str, tree: list[psutil.Process],
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
 def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: Path) -> None:
     """A SIGTERM, or the terminal going away, while the demo waits for its engines (before the
-    TUI): the demo's own handler stops the master, store and engines it already started and
-    removes the work directory."""
+    TUI): the demo's own handler stops the master, store, policy service and engines it
+    already started and removes the work directory."""
     term = _demo_on_pty(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
@@ -261,8 +263,8 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
 def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -> None:
     """``kvpool-console --demo`` on a real pty: a SIGTERM, or the terminal going away (the
-    kernel sends SIGHUP), stops the master, store and engines, removes the work directory and
-    (SIGTERM) restores the terminal."""
+    kernel sends SIGHUP), stops the master, store, policy service and engines, removes the work
+    directory and (SIGTERM) restores the terminal."""
     term = _demo_on_pty(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
@@ -288,8 +290,10 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
         for line in (b"starting fleet hub on tcp://127.0.0.1:", b"(CURVE keys on every port; "
                      b"Prometheus metrics at http://127.0.0.1:",
                      b"operator/ (kvpool-console --keys ", b"starting mooncake_master",
+                     b"starting kvpool-policy serve on tcp://127.0.0.1:",
                      b"starting 1 sim engine(s)", b"waiting for engines to be ready",
-                     b"engine engine-0 ready (1 of 1, "):
+                     b"engine engine-0 ready (1 of 1, ",
+                     b"policy service serving on tcp://127.0.0.1:"):
             assert line in start, start[-2000:]
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
