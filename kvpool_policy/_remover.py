@@ -28,7 +28,16 @@ gives up its own oldest. The record budget counts chunk hashes, not the keys eac
 (up to ``MAX_KEYS_PER_CHUNK``, 4,096): before, every evicted chunk was expanded at once and a
 pass sent all its keys, so an agent key's records of 128-key chunks it never saves had the
 service send 650,000 removes a second and fall behind every key's records
-(``tests/policy/test_service_fanout_flood.py``)."""
+(``tests/policy/test_service_fanout_flood.py``).
+
+A master that does not answer (an HA pool's leader killed, its standby not serving yet; a
+master restarting) fails a removal with RPC_FAIL or a "not serving" code
+(``MASTER_UNREACHABLE``), or the call raises: those keys are kept and tried again, never
+counted as failed (dropped, their chunk stayed in the pool for good: one chunk over the
+service's capacity after a measured failover), and the remover makes no store call, removal
+or pin read, for ``UNREACHABLE_RETRY_S`` (each call against a dead master blocked the service's
+loop 4.2-4.6 s, measured: its snapshots stopped and engines fell back to the master for 26 s);
+``held`` stops them all while an HA pool has no serving leader (``kvpool_policy._leader``)."""
 
 from __future__ import annotations
 
@@ -86,6 +95,23 @@ ABSENT_TRIES_PER_PASS = 2_048
 40,960 a second; ``MAX_ABSENT`` of them every 1.6 s); the rest wait for the next pass, earliest
 due first. Keys evicted now are not counted here (their first try is what the record budget
 bounds)."""
+
+MASTER_UNREACHABLE = frozenset({
+    ErrorCode.RPC_FAIL, ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
+    ErrorCode.ETCD_OPERATION_ERROR, ErrorCode.ETCD_TRANSACTION_FAIL, ErrorCode.ETCD_CTX_CANCELLED})
+"""``batch_remove`` codes that say the master did not answer or does not serve (Mooncake's
+``types.h``: RPC_FAIL -900 from a client whose master died, measured on mooncake-transfer-engine
+0.3.13; UNAVAILABLE_IN_CURRENT_STATUS -1010 from a standby or a leader warming up; the etcd
+ones from an HA client): the key is kept and tried again (module docstring)."""
+
+UNREACHABLE_RETRY_S = (1.0, 2.0, 4.0, 8.0)
+"""Waits (s) after the 1st, 2nd, 3rd and later store failures in a row before the remover
+calls the store again: a call against a dead master blocks 4.2-4.6 s (Mooncake's RPC timeout,
+measured), so a down master costs the loop at most one such call every 8 s."""
+
+MAX_UNREACHABLE = 1 << 16
+"""Keys kept for the master to answer again at most (past it the oldest are given up, counted
+in ``deferred_dropped``: the master's watermark evicts them)."""
 
 PolicyKey = tuple[str, str]
 
@@ -216,7 +242,11 @@ class Remover:
         layouts: digest -> its ``PolicyLayout``, as the engines first sent it (never
             replaced: a differing layout of a known digest is refused, ``learn``).
         deferred_dropped: keys not removed because their chunks were given up from the queue
-            (``MAX_QUEUED_CHUNKS``: a layout whose pins stayed unread, or one queuing the most).
+            (``MAX_QUEUED_CHUNKS``: a layout whose pins stayed unread, or one queuing the most),
+            or from the keys kept for the master (``MAX_UNREACHABLE``).
+        held: make no store call (set while an HA pool has no serving leader:
+            ``kvpool_policy._leader``); removals wait queued, the pins read last hold.
+        unreachable_since: when (``clock``) the store last began failing, or None.
     """
 
     def __init__(self, backend: MooncakeBackend, grace_s: float,
@@ -241,7 +271,43 @@ class Remover:
         # Absent keys waiting for a new try: module docstring.
         self._absent = AbsentKeys()
         self.removed = self.failed = self.deferred_dropped = 0
+        # Keys the master did not answer for, tried again first (module docstring).
+        self._unreachable: dict[str, None] = {}
+        self._store_failures = 0  # in a row
+        self._retry_at = -float("inf")
+        self.held = False
+        self.unreachable_since: float | None = None
 
+    def _store_paused(self) -> bool:
+        """No store call now: ``held``, or waiting ``UNREACHABLE_RETRY_S`` after a failure."""
+        return self.held or self._clock() < self._retry_at
+
+    def resume(self) -> None:
+        """Call the store again at once (its client reaches a serving master again:
+        ``kvpool_policy._leader``)."""
+        self.held = False
+        self._retry_at = -float("inf")
+        self._store_failures = 0
+
+    def _store_failed(self, keys: Sequence[str], why: str) -> None:
+        """Keep ``keys`` for a new try and pause store calls (``UNREACHABLE_RETRY_S``)."""
+        for k in keys:
+            self._unreachable[k] = None
+            self._waiting_chunks.add(_chunk(k))  # keep() drops it if admitted again
+        over = len(self._unreachable) - MAX_UNREACHABLE
+        if over > 0:
+            for k in list(itertools.islice(self._unreachable, over)):
+                del self._unreachable[k]
+            self.deferred_dropped += over
+        now = self._clock()
+        wait_s = UNREACHABLE_RETRY_S[min(self._store_failures, len(UNREACHABLE_RETRY_S) - 1)]
+        self._store_failures += 1
+        self._retry_at = now + wait_s
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+            logger.warning("kvpool policy: the master did not answer a removal (%s): %d keys "
+                           "kept, the store tried again in %g s", why, len(self._unreachable),
+                           wait_s)
     @property
     def queued(self) -> int:
         """Evicted chunks waiting for a removal pass."""
@@ -292,7 +358,7 @@ class Remover:
         read now keeps the pins read last (an empty answer would free them), and none of its
         keys is removed until they are read again (``step``)."""
         now = self._clock()
-        if now - self._pins_read < PIN_REFRESH_S:
+        if now - self._pins_read < PIN_REFRESH_S or self._store_paused():
             return dict(self._pins)
         self._pins_read = now
         for digest, layout in self.layouts.items():
@@ -357,6 +423,7 @@ class Remover:
         self._keep += keys
         for key in keys:
             self._absent.pop(key)
+            self._unreachable.pop(key, None)
 
     def _take(self) -> list[str]:
         """The keys of at most ``REMOVE_KEYS_PER_PASS`` keys' worth of queued chunks, oldest
@@ -403,8 +470,9 @@ class Remover:
 
     @property
     def waiting(self) -> int:
-        """Keys waiting for a new try: a reader's lease to end, or a save to come."""
-        return len(self._leased) + len(self._absent)
+        """Keys waiting for a new try: a reader's lease to end, a save to come, or the master
+        to answer."""
+        return len(self._leased) + len(self._absent) + len(self._unreachable)
 
     def _due_absent(self) -> list[str]:
         """Absent keys whose wait ended, ``ABSENT_TRIES_PER_PASS`` at most (their try count
@@ -431,19 +499,25 @@ class Remover:
                 self._waiting_chunks.add(_chunk(key))
         if len(self._waiting_chunks) > 4 * (self.waiting + REMOVE_KEYS_PER_PASS):
             self._waiting_chunks = {_chunk(k) for k in [*self._absent.keys(),
-                                                        *self._leased.keys()]}
+                                                        *self._leased.keys(),
+                                                        *self._unreachable]}
 
     def step(self) -> int:
         """Remove a pass's share of what is queued (``_take``) and what waited out its grace (a
-        reader's lease, a save to come: module docstring); keys removed now. Chunks of a layout
-        whose pins were not read at the last try stay queued (``MAX_QUEUED_CHUNKS``); a layout
-        learned since the last read has its pins read now, not at the service's next refresh
-        (up to ``PIN_REFRESH_S`` later: a replay's pool of 300,000 tokens fills in half that,
-        and the master's watermark evicted 474 keys before the first removal)."""
+        reader's lease, a save to come, the master: module docstring); keys removed now. Chunks
+        of a layout whose pins were not read at the last try stay queued
+        (``MAX_QUEUED_CHUNKS``); a layout learned since the last read has its pins read now, not
+        at the service's next refresh (up to ``PIN_REFRESH_S`` later: a replay's pool of 300,000
+        tokens fills in half that, and the master's watermark evicted 474 keys before the first
+        removal). Nothing while the store is paused (``held``, or after a failure)."""
+        if self._store_paused():
+            return 0
         if any(d not in self._pins_ok for d in self._queue):
             self.pinned()  # reads only a layout never read, or after PIN_REFRESH_S
         due = self._due_absent()
-        todo = self._leased.batch([*self._take(), *due], self._keep, self._pinned_keys)
+        again = list(self._unreachable)
+        self._unreachable.clear()
+        todo = self._leased.batch([*again, *self._take(), *due], self._keep, self._pinned_keys)
         self._keep = []
         tried = set(todo)
         for key in due:  # pinned now, or waiting out a lease: no longer absent's to try
@@ -453,10 +527,21 @@ class Remover:
             return 0
         try:
             codes = self.backend.batch_remove(todo)
-        except Exception as exc:  # the store failed: the master's watermark evicts them
-            logger.warning("kvpool policy: %d keys not removed: %s", len(todo), exc)
-            self.failed += len(todo)
+        except Exception as exc:  # the store failed: kept, tried again (module docstring)
+            self._store_failed(todo, str(exc))
             return 0
+        lost = [k for k, rc in zip(todo, codes, strict=True) if rc in MASTER_UNREACHABLE]
+        if lost:
+            self._store_failed(lost, ErrorCode(next(rc for rc in codes
+                                                    if rc in MASTER_UNREACHABLE)).name)
+            answered = [(k, rc) for k, rc in zip(todo, codes, strict=True)
+                        if rc not in MASTER_UNREACHABLE]
+            todo, codes = [k for k, _ in answered], [rc for _, rc in answered]
+        elif self.unreachable_since is not None:
+            logger.info("kvpool policy: the master answers removals again (%.1f s after the "
+                        "first failure)", self._clock() - self.unreachable_since)
+            self.unreachable_since = None
+            self._store_failures = 0
         removed, failed = self._leased.settle(todo, codes)
         self._settle_absent(todo, codes)
         self._note_waiting(todo, codes)

@@ -25,10 +25,12 @@ import zmq
 
 from kvpool_agent.auth import KeyPaths
 from kvpool_agent.key_caps import MAX_SUBSCRIBERS_PER_KEY
+from kvpool_agent.masters import admin_urls_problem, split_admin_urls
 from kvpool_agent.metrics_http import MetricsEndpoint
 from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.backends.mooncake_address import parse_master_address
 from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
 from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, policy_ports
 from kvpool_connector.sizes import parse_size
@@ -73,9 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--keys", required=True,
                    help="the hub's keys directory, the one kvpool-agent hub --keys runs with "
                    "(hub.key_secret, authorized_keys/agent/)")
-    s.add_argument("--master", required=True, help="the master's rpc address HOST:PORT")
+    s.add_argument("--master", required=True,
+                   help="the master's rpc address HOST:PORT, or an HA pool's etcd "
+                   "etcd://HOST:PORT[;HOST:PORT] (the service then follows the leader)")
     s.add_argument("--admin-url", required=True,
-                   help="the master's admin URL(s), comma-separated for an HA pool")
+                   help="the master's admin URL; an HA pool's every master's, comma-separated")
     s.add_argument("--capacity", default=None,
                    help="bytes the service fills, e.g. 48GB (default: --fill of the pool)")
     s.add_argument("--fill", type=float, default=DEFAULT_FILL,
@@ -266,6 +270,28 @@ def _metrics_problem(listen: str, host: str, port: int) -> str | None:
     return None
 
 
+def _master_problem(master: str, admin_url: str) -> str | None:
+    """Why ``--master`` and ``--admin-url`` do not name one pool the service can follow, or
+    None: an HA pool's leader changes, so its store client must come through etcd, and its
+    listings from every master's admin URL (``kvpool_policy._leader``)."""
+    try:
+        ha = parse_master_address(master).ha
+    except ValueError as exc:
+        return f"--master: {exc}"
+    if problem := admin_urls_problem(admin_url):
+        if ha:
+            return (f"--admin-url {admin_url!r}: {problem}; an HA pool (--master {master}) "
+                    "needs every master's, comma-separated, e.g. "
+                    "http://10.0.0.5:9003,http://10.0.0.6:9003")
+        return f"--admin-url {admin_url!r}: {problem}"
+    masters = len(split_admin_urls(admin_url))
+    if masters > 1 and not ha:
+        return (f"--master {master}: one master of an HA pool (--admin-url lists {masters}): "
+                "its store client would stay with it when the leader changes; give the pool's "
+                "etcd, --master etcd://HOST:PORT")
+    return None
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -301,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
         return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
                      "(default 60000, the store client's transfer timeout)")
+    if problem := _master_problem(args.master, args.admin_url):
+        return _fail(problem)
     try:
         metrics_port = _metrics_port(args.metrics_port)
     except ValueError as exc:
@@ -364,9 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        backend = MooncakeBackend(MooncakeConfig.load({"mooncake": mc}))
+        config = MooncakeConfig.load({"mooncake": mc})
+        backend = MooncakeBackend(config)
     except (ValueError, BackendError) as exc:
         return _fail(f"--master {args.master}: {exc}")
+    # An HA pool's client is made again after a leader change (kvpool_policy._leader).
+    ha = parse_master_address(args.master).ha
     try:
         service = PolicyService(args.listen, KeyPaths.of(args.keys), backend, capacity,
                                 admin_url=args.admin_url, budget=args.budget,
@@ -374,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max_agent_connections_per_key=args.max_agent_connections_per_key,
                                 max_agent_connections_per_fleet_key=(
                                     args.max_agent_connections_per_fleet_key),
-                                snapshot_every_s=args.snapshot_every_ms / 1e3)
+                                snapshot_every_s=args.snapshot_every_ms / 1e3,
+                                reconnect=(lambda: MooncakeBackend(config)) if ha else None)
     except ValueError as exc:
         backend.close()
         return _fail(f"--keys {args.keys}: {exc}")
@@ -408,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             c.subscribers_over_cap, c.records_connections_over_cap, time.process_time(),
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         service.close()
-        backend.close()
+        # The client of the leader now: backend, or one made since (the ones replaced are left
+        # open, kvpool_policy._leader).
+        service.remover.backend.close()
     return 0
 
 

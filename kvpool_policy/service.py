@@ -55,7 +55,10 @@ batches lost between (gaps in ``seq``), over budget, malformed; each sender's ``
 ``COUNTER_MAX`` (a snapshot always encodes). A batch or a publish that raises is counted
 (``errors``, logged once) and never stops the service.
 
-Restart: the pool's keys (the master's ``/get_all_keys``) are read at start; each layout's
+An HA pool (``--master etcd://...``): the service's store client follows the serving leader
+(``kvpool_policy._leader``: the masters' ``/health`` watched, the client made again after a
+leader change, no store call while none serves). Restart: the pool's keys (the serving
+leader's ``/get_all_keys``) are read at start; each layout's
 chunks become resident (least recently used first, in listing order) once an engine's record
 says their chunk bytes. Whatever the service removes follows ``_remover``'s rule, so a
 restarted service that under-counts leaves the rest to the master's watermark.
@@ -109,6 +112,7 @@ from kvpool_policy._core import (
     _sat,
     pool_chunks,
 )
+from kvpool_policy._leader import LeaderFollower, LeaderWatch
 from kvpool_policy._remover import Remover
 from kvpool_policy.policy import PoolPolicy
 
@@ -232,6 +236,8 @@ class PolicyService:
             on each port (records, snapshots; 0: no cap).
         max_agent_connections_per_fleet_key: those of a fleet-wide agent key (0: no cap).
         snapshot_every_s: the periodic snapshot's interval (s; ``--snapshot-every-ms``).
+        reconnect: makes a new store client (an HA pool's, over ``etcd://``): with it and
+            ``admin_url`` the client follows the pool's leader (``LeaderFollower``).
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -244,7 +250,9 @@ class PolicyService:
                  max_subscribers_per_key: int = MAX_SUBSCRIBERS_PER_KEY,
                  max_agent_connections_per_key: int = MAX_AGENT_CONNECTIONS_PER_KEY,
                  max_agent_connections_per_fleet_key: int = MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
-                 snapshot_every_s: float = SNAPSHOT_EVERY_S) -> None:
+                 snapshot_every_s: float = SNAPSHOT_EVERY_S,
+                 reconnect: Callable[[], MooncakeBackend] | None = None) -> None:
+        self.follower: LeaderFollower | None = None
         records_at, snapshots_at = policy_ports(listen)
         agents: dict[KeyKind, int] = {"engine": max_agent_connections_per_key,
                                       "fleet": max_agent_connections_per_fleet_key}
@@ -296,6 +304,9 @@ class PolicyService:
         self._schedule = SnapshotSchedule(snapshot_every_s)
         # Connections open on the snapshot port: accepted less disconnected (``/metrics``).
         self.snapshot_connections = 0
+        if reconnect is not None and admin_url:
+            self.follower = LeaderFollower(LeaderWatch(admin_url).start(), self.remover,
+                                           reconnect)
 
     def _server(self, kind: int, domain: str, public: bytes, secret: bytes) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -424,6 +435,8 @@ class PolicyService:
                 self._guard("reading pins", self.core.sync_pins)
             if now - removed >= _REMOVE_EVERY_S:
                 removed = now
+                if self.follower is not None:
+                    self._guard("following the pool's leader", self.follower.step)
                 self._guard("removing", self.remover.step)
             why = self._schedule.due(self.core.policy.doorkeeper_active != doorkeeper)
             if why is not None:
@@ -442,6 +455,8 @@ class PolicyService:
         self.snapshots.close(0)
         self.auth.stop()
         self.ctx.term()
+        if self.follower is not None:
+            self.follower.close()
 
 
 def _all_keys(admin_url: str) -> list[str]:

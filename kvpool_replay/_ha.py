@@ -134,7 +134,9 @@ class LocalHaPool(LocalService):
 
     Attributes after ``start()``: ``address`` (``etcd://127.0.0.1:<port>``, the clients'
     ``master_server_address``), ``admin_urls`` (every master's, comma-separated: the
-    connector's ``master_admin_url`` and the store agent's ``--admin-url``).
+    connector's ``master_admin_url``, the store agent's and ``kvpool-policy serve``'s
+    ``--admin-url``; ``admin_url`` is the same, so code written for a ``LocalMooncakeMaster``'s
+    ``address`` and ``admin_url`` takes an HA pool as it is).
     """
 
     def __init__(
@@ -166,6 +168,11 @@ class LocalHaPool(LocalService):
     @property
     def admin_urls(self) -> str:
         return ",".join(m.admin_url for m in self.masters)
+
+    @property
+    def admin_url(self) -> str:
+        """``admin_urls``: what a client's ``master_admin_url`` takes for this pool."""
+        return self.admin_urls
 
     def _args(self) -> list[str]:
         return [*HA_FLAGS, f"--etcd_endpoints={self.etcd.endpoint}", *self.extra_args]

@@ -1,5 +1,6 @@
 """A local pool-wide policy service (``kvpool-policy serve``, issue 40) for replays, the demo and
-tests: a child process beside a ``LocalMooncakeMaster``."""
+tests: a child process beside a ``LocalMooncakeMaster``, or a ``LocalHaPool`` (its etcd as
+``--master``, every master's admin URL: the service follows the leader)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
+from kvpool_replay._ha import LocalHaPool
 from kvpool_replay._processes import (
     alive,
     engine_env,
@@ -51,7 +53,8 @@ class LocalPolicyService(LocalService):
     """``kvpool-policy serve`` on 127.0.0.1 (records on ``port``, snapshots on ``port + 1``).
 
     Args:
-        master: the pool's master (its rpc address and admin URL).
+        master: the pool's master (its rpc address and admin URL), or an HA pool (its
+            ``etcd://`` address and every master's admin URL).
         hub_keys: the hub's keys directory (``kvpool_agent.auth.local_fleet_keys``'s ``hub``).
         capacity_bytes: bytes the service fills; ``None``: ``fill`` of the pool's segments.
         fill: share of the segments without ``capacity_bytes``.
@@ -66,7 +69,7 @@ class LocalPolicyService(LocalService):
             the message has its log tail).
     """
 
-    def __init__(self, master: LocalMooncakeMaster, hub_keys: Path, *,
+    def __init__(self, master: LocalMooncakeMaster | LocalHaPool, hub_keys: Path, *,
                  capacity_bytes: int | None = None, fill: float = 0.8,
                  transfer_timeout_ms: int | None = None, port: int | None = None,
                  log_dir: Path | None = None) -> None:
