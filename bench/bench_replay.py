@@ -7,8 +7,17 @@
    (the paper's global vs local cache, Figure 10).
 3. KV bytes saved/loaded per second in the replay vs the raw ``MooncakeBackend`` batch calls on
    the same chunk size and address-range shape.
-4. Peak RSS of engines, master, store and the console process (hub + Textual console attached to
-   a ``DemoCluster``, as ``kvpool-console --demo`` runs it).
+4. Peak RSS of engines, master, store, the policy service and the console process (hub +
+   Textual console attached to a ``DemoCluster``, as ``kvpool-console --demo`` runs it).
+
+Admission: ``kvpool-replay``'s default (``kvpool_replay._replay.default_admission``): the
+pool-wide policy service (``admission: service``, ``kvpool-policy serve`` beside the master)
+for every run on one shared bounded pool (the Figure 9 runs and Figure 10's shared runs), the
+best measured policy for a pool shared by several engines (docs/policy.md); ``all`` (every chunk
+saved, the master evicting) for Figure 10's private pools, where no one service can sit. The
+tables say which ran. ``--admission all`` runs every row as before this default (the figures
+in docs/benchmarks.md measured before it). The baselines (exact LRU of the same capacity, the
+prefix-reuse ceiling, the raw backend calls) do not depend on it.
 
 Run (under 5 minutes on 2 shared cores)::
 
@@ -50,6 +59,7 @@ from kvpool_replay import (
     reference_for,
     run_replay,
 )
+from kvpool_replay._replay import default_admission
 
 MIB = 1 << 20
 
@@ -58,15 +68,24 @@ def _row(cols: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
 
 
+def with_admission(cfg: ReplayConfig, admission: str | None) -> ReplayConfig:
+    """``cfg`` with ``admission`` (``all``, ``adaptive``, ``service``), or ``None``:
+    ``kvpool-replay``'s default for its pool (``default_admission``)."""
+    cfg.admission = admission or default_admission(cfg)  # type: ignore[assignment]
+    return cfg
+
+
 def fig9(trace: str, limit: int | None, capacities: list[int],
-         shape: ModelShape) -> list[ReplayReport]:
+         shape: ModelShape, admission: str | None = None) -> list[ReplayReport]:
     """Hit rate vs capacity: one replay per capacity (one engine and a fresh pool each), two at
-    a time (the engines' vLLM imports overlap with the other run's replay)."""
+    a time (the engines' vLLM imports overlap with the other run's replay); ``admission`` as
+    ``with_admission``."""
 
     def one(cap: int) -> ReplayReport:
         t0 = time.monotonic()
         # Two replays run at once: their per-capacity lines below are the progress.
-        r = run_replay(ReplayConfig(trace_path=trace, limit=limit, pool_tokens=cap, shape=shape))
+        r = run_replay(with_admission(ReplayConfig(trace_path=trace, limit=limit,
+                                                   pool_tokens=cap, shape=shape), admission))
         print(f"  capacity {cap:>9,} tokens: hit {r.hit_rate:.2%}, LRU {r.lru_hit_rate:.2%} "
               f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         return r
@@ -138,6 +157,8 @@ def console_rss(trace: str, seconds: float) -> tuple[dict[str, int], str]:
             groups["master"] = [cluster.master.proc.pid]
         if cluster.store and cluster.store.proc:
             groups["store"] = [cluster.store.proc.pid]
+        if cluster.policy and cluster.policy.proc:
+            groups["policy service"] = [cluster.policy.proc.pid]
         for g, pids in groups.items():
             for pid in pids:
                 try:
@@ -192,6 +213,10 @@ def main() -> int:
     p.add_argument("--capacities", default="300000,600000,1000000,2000000",
                    help="pool capacities in tokens for the Figure 9 sweep")
     p.add_argument("--console-seconds", type=float, default=10.0)
+    p.add_argument("--admission", choices=["all", "adaptive", "service"], default=None,
+                   help="every replay's admission (default: kvpool-replay's: the policy "
+                   "service on a shared bounded pool, all on private pools); all: the "
+                   "tables as measured before that default")
     args = p.parse_args()
     os.environ.update({k: v for k, v in engine_env().items() if k in ("PATH", "PYTHONPATH")})
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -211,15 +236,16 @@ def main() -> int:
           f"({full.input_tokens:,} tokens): {full.hit_rate:.2%}\n", flush=True)
 
     print("== hit rate vs pool capacity (paper Figure 9 axis) ==", flush=True)
-    runs = fig9(trace, limit, caps, shape)
-    w = [12, 10, 10, 10, 10, 10, 9, 12]
+    runs = fig9(trace, limit, caps, shape, args.admission)
+    w = [12, 10, 10, 10, 10, 10, 9, 12, 9]
     print(_row(["capacity tok", "pool MiB", "connector", "exact LRU", "ceiling", "diff pp",
-                "evicted", "load errors"], w))
+                "evicted", "load errors", "admission"], w))
     for cap, r in zip(caps, runs, strict=True):
         print(_row([f"{cap:,}", f"{r.pool_bytes / MIB:.0f}", f"{r.hit_rate:.2%}",
                     f"{r.lru_hit_rate:.2%}", f"{r.ceiling_hit_rate:.2%}",
-                    f"{(r.hit_rate - r.lru_hit_rate) * 100:+.2f}", f"{r.pool_evicted_keys:,}",
-                    str(r.load_errors)], w))
+                    f"{(r.hit_rate - r.lru_hit_rate) * 100:+.2f}",
+                    f"{r.pool_evicted_keys + r.evicted_keys:,}", str(r.load_errors),
+                    r.admission], w))
 
     total = args.fig10_tokens or caps[-1]
     f10_trace = args.fig10_trace or trace
@@ -228,19 +254,23 @@ def main() -> int:
           f"Figure 10), {Path(f10_trace).name}, "
           f"{'whole trace' if f10_limit is None else f'first {f10_limit} requests'} ==",
           flush=True)
-    w2 = [8, 8, 10, 10, 10, 12, 12, 8]
+    w2 = [8, 8, 10, 10, 10, 12, 12, 8, 9]
     print(_row(["engines", "mode", "connector", "exact LRU", "ceiling", "engine RSS",
-                "master RSS", "wall s"], w2), flush=True)
+                "master RSS", "wall s", "admission"], w2), flush=True)
     fig10: dict[tuple[int, str], ReplayReport] = {}
     for n in [int(e) for e in args.fig10_engines.split(",")]:
         for mode in ("shared", "private"):
             cfg = ReplayConfig(trace_path=f10_trace, limit=f10_limit, engines=n,
                                pool_tokens=total, mode=mode,
                                shape=shape, show_progress=True)
-            fig10[n, mode] = r = run_replay(cfg)
+            # A private pool takes no service (kvpool-replay refuses it): --admission service
+            # applies to the shared runs, the private ones keep their default (all).
+            own = None if mode == "private" and args.admission == "service" else args.admission
+            fig10[n, mode] = r = run_replay(with_admission(cfg, own))
             print(_row([str(n), mode, f"{r.hit_rate:.2%}", f"{r.lru_hit_rate:.2%}",
                         f"{r.ceiling_hit_rate:.2%}", f"{r.peak_rss_engine_bytes / MIB:.0f} MiB",
-                        f"{r.peak_rss_master_bytes / MIB:.0f} MiB", f"{r.wall_s:.0f}"], w2),
+                        f"{r.peak_rss_master_bytes / MIB:.0f} MiB", f"{r.wall_s:.0f}",
+                        r.admission], w2),
                   flush=True)
 
     print("\n== KV throughput: replay (connector) vs raw backend batch calls ==", flush=True)
@@ -266,7 +296,13 @@ def main() -> int:
     print("== where connector and LRU differ, and why ==")
     for cap, r in zip(caps, runs, strict=True):
         d = (r.hit_rate - r.lru_hit_rate) * 100
-        if d > 0.005:
+        if r.admission == "service":
+            why = ("the policy service admits and evicts for the pool (docs/policy.md): its "
+                   "doorkeeper skips chunks never asked for before when that hits more, it "
+                   "evicts in leaf-first LRU order and fills 0.8 of the pool, so it can be "
+                   "above LRU (admission) or below it (the 0.8, evictions of chunks still "
+                   f"being read); the master evicted {r.pool_evicted_keys:,} keys beside it")
+        elif d > 0.005:
             why = ("above LRU: when the pool is full a put fails with NO_AVAILABLE_HANDLE and "
                    "the connector skips the rest of that request's saves, so one long prompt "
                    "cannot flush the whole cache as it does in the LRU, which inserts every "
