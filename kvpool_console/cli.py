@@ -141,7 +141,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ssh config file for triage (key t) and the triage command "
                         "(default ~/.ssh/config)")
     p.add_argument("--demo", action="store_true",
-                   help="start a local mooncake_master, engines replaying a trace, and watch them")
+                   help="start a local mooncake_master with the pool-wide policy service "
+                   "beside it (kvpool-policy serve; not with --engine pd), engines replaying a "
+                   "trace under it (admission: service), and watch them")
     p.add_argument("--trace", default=None,
                    help="demo trace (default: conversation_trace.jsonl from $KVPOOL_TRACES_DIR, "
                         "else ../shared/traces, else the copy shipped with kvpool)")
