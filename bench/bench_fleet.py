@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpool_connector.keys import chunk_hashes
+from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay import (
     ModelShape,
     ReplayConfig,
@@ -106,9 +107,16 @@ def offline(path: str, limit: int | None, caps: list[int]) -> tuple[int, dict[in
 def replay(path: str, limit: int | None, cap: int, engines: int, policy: str) -> dict:
     """One real replay: its hit rate, corrupt blocks, load errors and the service's cost."""
     t0 = time.monotonic()
-    r = run_replay(ReplayConfig(trace_path=path, limit=limit, pool_tokens=cap, engines=engines,
-                                shape=SHAPE, show_progress=True,
-                                **POLICIES[policy]))  # type: ignore[arg-type]
+    cfg = ReplayConfig(trace_path=path, limit=limit, pool_tokens=cap, engines=engines,
+                       shape=SHAPE, show_progress=True, **POLICIES[policy])  # type: ignore[arg-type]
+    # SIGTERM or SIGHUP stops the replay's engines, master, store and service on the way out
+    # (killed on the spot they would run on); the rows measured so far stay in --json-out.
+    with stop_signals() as sig:
+        try:
+            r = run_replay(cfg)
+        except Stopped:
+            raise SystemExit(f"stopped by signal {sig.signum}: every process of the replay was "
+                             "stopped; --resume goes on from the rows written") from None
     if r.errors:
         raise RuntimeError(f"{Path(path).name} at {cap:,} tokens, {engines} engines, {policy}: "
                            f"{r.errors}")
