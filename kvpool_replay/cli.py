@@ -4,6 +4,8 @@ Examples::
 
     kvpool-replay --limit 300 --json        # the conversation trace (default_trace_path)
     kvpool-replay /data/my_trace.jsonl.xz --limit 300 --json
+    kvpool-replay --limit 4000 --engines 8 --pool-tokens 1000000   # the policy service decides
+    kvpool-replay --limit 4000 --engines 8 --pool-tokens 1000000 --admission all   # the master
     kvpool-replay --limit 2000 --engines 4 --pool-tokens 2000000 --private
     kvpool-replay --pool-tokens 1000000 --disk-tier-tokens 4000000   # memory + an SSD tier
     kvpool-replay --limit 600 --engines 2 --ha 2 --kill-leader-after 5 --json
