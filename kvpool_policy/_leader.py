@@ -131,6 +131,8 @@ class LeaderFollower:
                 logger.warning("kvpool policy: no master of the pool serves: removals wait "
                                "for a leader")
             self.remover.held = True
+            if self.remover.unreachable_since is None:  # its first answer after is logged
+                self.remover.unreachable_since = self._clock()
             return
         if leader == self.connected_to:
             if self.remover.held:

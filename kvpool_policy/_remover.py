@@ -246,7 +246,8 @@ class Remover:
             or from the keys kept for the master (``MAX_UNREACHABLE``).
         held: make no store call (set while an HA pool has no serving leader:
             ``kvpool_policy._leader``); removals wait queued, the pins read last hold.
-        unreachable_since: when (``clock``) the store last began failing, or None.
+        unreachable_since: when (``clock``) the store last stopped answering (a failure, or no
+            HA leader serving: ``kvpool_policy._leader``), or None.
     """
 
     def __init__(self, backend: MooncakeBackend, grace_s: float,
@@ -538,8 +539,8 @@ class Remover:
                         if rc not in MASTER_UNREACHABLE]
             todo, codes = [k for k, _ in answered], [rc for _, rc in answered]
         elif self.unreachable_since is not None:
-            logger.info("kvpool policy: the master answers removals again (%.1f s after the "
-                        "first failure)", self._clock() - self.unreachable_since)
+            logger.info("kvpool policy: the master answers removals again (%.1f s after it "
+                        "stopped)", self._clock() - self.unreachable_since)
             self.unreachable_since = None
             self._store_failures = 0
         removed, failed = self._leased.settle(todo, codes)

@@ -32,6 +32,8 @@ __all__ = ["REPLAY_FILL", "REPLAY_WATERMARK", "LocalPolicyService", "PolicyDrill
 
 _SERVING = b"kvpool policy: serving"
 _STOPPED = re.compile(r"kvpool policy: stopped: (\d+) records, (\d+) dropped, (\d+) keys removed")
+_FOLLOWED = re.compile(r"kvpool policy: the store client follows the new leader (\S+) .*\n"
+                       r"(?:.*\n)*?.*kvpool policy: the master answers removals again")
 _COST = re.compile(r"kvpool policy: stopped: .*; ([\d.]+) s CPU, peak RSS (\d+) KiB")
 
 REPLAY_FILL = 0.8
@@ -165,6 +167,13 @@ class LocalPolicyService(LocalService):
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         runs = [(float(m.group(1)), int(m.group(2)) * 1024) for m in _COST.finditer(text)]
         return sum(c for c, _ in runs), max((r for _, r in runs), default=0)
+
+    def leader_follows(self) -> int:
+        """Times the service's store client followed a new leader of an HA pool and the
+        leader answered its removals after (the service's log lines, ``kvpool_policy._leader``
+        and ``_remover``)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return len(_FOLLOWED.findall(text))
 
     def _stopped_sum(self, group: int) -> int:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -213,7 +213,9 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``policy_records`` the access records the service's runs that stopped cleanly applied,
     ``pool_evicted_keys`` those the masters evicted; ``policy_cpu_s`` and
     ``peak_rss_policy_bytes`` the service's CPU seconds (its runs summed) and peak RSS
-    (``LocalPolicyService.cost``). With a disk tier: ``disk_tier_tokens``,
+    (``LocalPolicyService.cost``), ``policy_leader_follows`` the times its store client
+    followed a new leader of the ``--ha`` pool and removed again (``leader_follows``). With a
+    disk tier: ``disk_tier_tokens``,
     ``pool_disk_keys`` (values on disk at the end) and ``pool_disk_hits`` / ``pool_memory_hits``
     (reads the masters served from each tier).
     """
@@ -247,6 +249,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     policy_records: int = 0
     policy_cpu_s: float = 0.0
     peak_rss_policy_bytes: int = 0
+    policy_leader_follows: int = 0
     pool_keys: int = 0
     disk_tier_tokens: int | None = None
     pool_disk_keys: int = 0
@@ -363,9 +366,9 @@ def service_refusal(cfg: ReplayConfig) -> str | None:
     """Why ``cfg``'s other settings leave no room for ``admission: service`` (the one-line
     error ``run_replay`` raises for it), or ``None`` when the replay can start the service
     beside its pool. The one rule for both: ``run_replay``'s check and ``default_admission``."""
-    if cfg.mode != "shared" or cfg.master_address or cfg.ha or cfg.eviction != "pool":
-        return ("--admission service starts kvpool-policy beside the replay's own master: use "
-                "it with --shared and eviction pool, without --master or --ha")
+    if cfg.mode != "shared" or cfg.master_address or cfg.eviction != "pool":
+        return ("--admission service starts kvpool-policy beside the replay's own master or "
+                "--ha pool: use it with --shared and eviction pool, without --master")
     return None
 
 
@@ -491,6 +494,7 @@ def run_replay(
             # Logs in the work directory: removed with it, whatever ends the replay.
             logs = work / f"pool-{i}"
             logs.mkdir()
+            service_beside: LocalMooncakeMaster | LocalHaPool | None = None
             if cfg.ha:
                 ha_pool = LocalHaPool(
                     cfg.ha, log_dir=logs,
@@ -507,6 +511,7 @@ def run_replay(
                 lease_ttls.append(ha_pool.masters[0].default_kv_lease_ttl_ms)
                 store = stack.enter_context(LocalPoolStore(ha_pool.address, segment,
                                                            log_dir=logs))
+                service_beside = ha_pool  # the service follows its leader (etcd://)
             elif cfg.master_address:
                 masters.append(cfg.master_address)
                 admin_urls.append(cfg.master_admin_url)
@@ -530,12 +535,13 @@ def run_replay(
                     base = Path(cfg.disk_tier_dir) if cfg.disk_tier_dir else work
                     disk = DiskTier((base / f"disk-{i}").resolve(), disk_bytes)
                 store = stack.enter_context(LocalPoolStore(m, segment, log_dir=logs, disk=disk))
-                if cfg.admission == "service":
-                    keys = local_fleet_keys(work / "keys")
-                    policy = stack.enter_context(LocalPolicyService(
-                        m, keys["hub"].root, fill=REPLAY_FILL, log_dir=logs))
-                    admission |= {"policy_service": policy.address,
-                                  "agent_keys": str(keys["agent"].root)}
+                service_beside = m
+            if cfg.admission == "service" and service_beside is not None:
+                keys = local_fleet_keys(work / "keys")
+                policy = stack.enter_context(LocalPolicyService(
+                    service_beside, keys["hub"].root, fill=REPLAY_FILL, log_dir=logs))
+                admission |= {"policy_service": policy.address,
+                              "agent_keys": str(keys["agent"].root)}
             assert store.proc is not None
             rss.add("store", store.proc.pid)
 
@@ -597,13 +603,14 @@ def run_replay(
             disk_hits += ps.disk_hits
             memory_hits += ps.memory_hits
         peaks = dict(rss.peaks)
-        policy_removed = policy_records = policy_rss = 0
+        policy_removed = policy_records = policy_rss = policy_follows = 0
         policy_cpu = 0.0
         if policy is not None:
             policy.stop()
             policy_removed = policy.removed_keys()  # its log goes with the work directory
             policy_records = policy.records()
             policy_cpu, policy_rss = policy.cost()
+            policy_follows = policy.leader_follows()
 
     say("computing the reference (prefix-reuse ceiling, exact LRU)")
     if cfg.mode == "shared":
@@ -654,6 +661,7 @@ def run_replay(
         policy_records=policy_records,
         policy_cpu_s=policy_cpu,
         peak_rss_policy_bytes=policy_rss,
+        policy_leader_follows=policy_follows,
         pool_keys=pool_keys,
         disk_tier_tokens=cfg.disk_tier_tokens,
         pool_disk_keys=disk_keys,
