@@ -224,8 +224,9 @@ def test_bad_ha_input_is_one_line_and_exit_2(master: str, admin: str, names: str
 def test_a_service_replay_rides_through_a_leader_sigkill() -> None:
     """``kvpool-replay --ha 2 --admission service --kill-leader-after 5``: two simulated engines
     (the real connector) on a real HA pool with the service beside it; the leader SIGKILLed
-    5 s in. Every request served, no block loaded corrupt or failed, every record applied by
-    the one service run, whose store client followed the new leader and removed again there.
+    5 s in. Every request served, no block loaded corrupt, a failed load only the outage's
+    (recomputed), every record applied by the one service run, whose store client followed
+    the new leader and removed again there.
 
     The new leader refuses every key it restored from the OpLog under a lease (-706) for about
     its lease TTL (10 s, measured), so the service's removals of older chunks wait its grace
@@ -237,14 +238,20 @@ def test_a_service_replay_rides_through_a_leader_sigkill() -> None:
         # Paced (the slice's 141 s of trace in 28 s) so that requests run after the failover.
         speedup=5.0, show_progress=False))
     seen = {f: getattr(report, f) for f in (
-        "errors", "requests", "failover_s", "corrupt_blocks", "load_errors", "policy_records",
+        "errors", "requests", "failover_s", "corrupt_blocks", "load_errors",
+        "load_error_reasons", "policy_records",
         "policy_leader_follows", "evicted_keys", "pool_evicted_keys", "hit_tokens", "wall_s")}
     seen["tail_hits"] = [sum(h for _, h in e.per_request[-len(e.per_request) // 4:])
                          for e in report.per_engine]
     print(seen)
     assert report.errors == [] and report.requests == 400, seen
     assert report.failover_s is not None and 0 < report.failover_s < ELECTION_S, seen
-    assert report.corrupt_blocks == 0 and report.load_errors == 0, seen
+    assert report.corrupt_blocks == 0, seen
+    # A load the kill met fails and is recomputed (RPC_FAIL: 32 blocks in one run here, none in
+    # three others); nothing else failed a load (a removal under a read would be LEASE_EXPIRED
+    # or a short read).
+    assert set(report.load_error_reasons) <= {"RPC_FAIL", "UNAVAILABLE_IN_CURRENT_STATUS",
+                                              "TIMEOUT"}, seen
     assert report.policy_restarts == 0 and report.policy_records == 400, seen
     assert report.policy_leader_follows == 1 and report.evicted_keys > 0, seen
     assert all(h > 0 for h in seen["tail_hits"]), seen
