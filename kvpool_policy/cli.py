@@ -143,7 +143,9 @@ def _status(args: argparse.Namespace) -> int:
     snap = wait_snapshot(args.listen, keys, args.wait)
     if snap is None:
         print(f"master in charge: no snapshot from {args.listen} in {args.wait:g} s (engines "
-              "save every chunk; the master's watermark evicts)")
+              "save every chunk; the master's watermark evicts), or the service refused this "
+              f"key: is the {keys.role} key of {paths.root} in the service's "
+              f"authorized_keys/{keys.role}/ and its hub.key the service's?")
         return 1
     print(f"service in charge: run {snap.service} snapshot {snap.version}, admission "
           f"{'doorkeeper' if snap.doorkeeper else 'all'}, {snap.used_bytes:,} of "
@@ -358,6 +360,17 @@ def main(argv: list[str] | None = None) -> int:
             _warn(f"--admin-url {args.admin_url}: the master did not answer "
                   f"({stats.health_detail}): starting with no record of the pool's keys (the "
                   "chunks already in it count only once engines save or read them again)")
+        elif stats.total_bytes and capacity >= stats.total_bytes * _MASTER_WATERMARK:
+            # --capacity is for pools whose memory engines mount later: above what is mounted,
+            # the master's watermark evicts before the service does.
+            _warn(f"--capacity {args.capacity} is at or above {_MASTER_WATERMARK:g} of the "
+                  f"{stats.total_bytes:,} bytes mounted now (mooncake_master's default "
+                  "eviction_high_watermark_ratio): the master would evict before the service "
+                  f"does; without --capacity the service fills --fill ({args.fill:g}) of what "
+                  "is mounted")
+        if args.fill != DEFAULT_FILL:
+            _warn(f"--fill {args.fill:g} with --capacity: --capacity is the service's size, "
+                  "--fill is not used")
     else:
         stats = fetch_mooncake_stats(args.admin_url)
         if not stats.healthy:

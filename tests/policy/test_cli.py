@@ -190,6 +190,27 @@ def test_serve_fill_at_the_watermark_warns(keys: Path, no_backend: list[object],
     assert "--fill 1 is at or above" in warning and "eviction_high_watermark_ratio" in warning
 
 
+def test_serve_capacity_above_the_mounted_pool_warns(
+        keys: Path, no_backend: list[object], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--capacity`` above the master's watermark of what is mounted (800 MB on a 256 MiB
+    store: a new user's try) is said, and so is a ``--fill`` it makes unused; a capacity
+    under the watermark says nothing."""
+    _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True, total_bytes=256 << 20))
+    port = _free_port_pair()
+    rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
+                          str(keys / "hub"), *_POOL, "--capacity", "800MB", "--fill", "0.95"])
+    assert len(no_backend) == 1 and rc == 2  # went on to start; the test's backend fails
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 2, warnings
+    assert "--capacity 800MB is at or above 0.9 of the 268,435,456 bytes mounted" in warnings[0]
+    assert "--fill 0.95 with --capacity" in warnings[1]
+    rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
+                          str(keys / "hub"), *_POOL, "--capacity", "200MB"])
+    assert len(no_backend) == 2 and rc == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == []
+
+
 def test_help_is_plain_text_with_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--help"], ["serve", "--help"], ["status", "--help"]):
         with pytest.raises(SystemExit):
