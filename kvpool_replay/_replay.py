@@ -366,9 +366,15 @@ def service_refusal(cfg: ReplayConfig) -> str | None:
     """Why ``cfg``'s other settings leave no room for ``admission: service`` (the one-line
     error ``run_replay`` raises for it), or ``None`` when the replay can start the service
     beside its pool. The one rule for both: ``run_replay``'s check and ``default_admission``."""
-    if cfg.mode != "shared" or cfg.master_address or cfg.eviction != "pool":
+    if cfg.mode != "shared":
+        return ("--admission service keeps one policy for one shared pool: drop --private "
+                "(or give --admission all)")
+    if cfg.master_address:
         return ("--admission service starts kvpool-policy beside the replay's own master or "
-                "--ha pool: use it with --shared and eviction pool, without --master")
+                "--ha pool: drop --master (or give --admission all)")
+    if cfg.eviction != "pool":
+        return ("--admission service evicts for the whole pool itself: drop --eviction "
+                "connector (or give --admission adaptive for per-engine eviction)")
     return None
 
 
@@ -468,8 +474,14 @@ def run_replay(
         disk_bytes = max(1, per_pool_disk) * cfg.shape.bytes_per_token
     require_memory(segment * (n_eng if cfg.mode == "private" else 1))
 
-    say(f"replaying {len(trace)} requests on {n_eng} engine(s), {cfg.mode} pool of "
-        f"{segment / _MIB:.0f} MiB ({per_pool_tokens} tokens each)")
+    pools = (f"one shared pool of {segment / _MIB:.0f} MiB ({per_pool_tokens:,} tokens)"
+             if cfg.mode == "shared" else f"{n_eng} private pools of {segment / _MIB:.0f} MiB "
+             f"({per_pool_tokens:,} tokens each)")
+    policy = {"all": "every chunk saved, the master evicting past its watermark",
+              "adaptive": "each engine's adaptive admission",
+              "service": "the pool-wide policy service admitting and evicting for every engine"}
+    say(f"replaying {len(trace)} requests on {n_eng} engine(s), {pools}; admission "
+        f"{cfg.admission}: {policy[cfg.admission]}")
     # Each engine's admission sees its share of the traffic: it simulates its share of the pool.
     engines_per_pool = n_eng if cfg.mode == "shared" else 1
     admission: dict[str, object] = {"admission": cfg.admission}

@@ -103,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster.cleanup()
     if rc == EXIT_OK or sig.signum is not None:
         # The TUI's screen is gone: say the demo ended and left nothing behind.
-        progress("stopped: its engines, master, store and hub are gone and its work "
+        service = ", policy service" if cluster.policy_service else ""
+        progress(f"stopped: its engines, master, store{service} and hub are gone and its work "
                  "directory removed")
     # The TUI reports a signal it handled itself as 128+N; one that came outside it is ours.
     if sig.signum is not None and rc < 128:

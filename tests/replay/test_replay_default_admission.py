@@ -65,15 +65,34 @@ def test_an_unbounded_pool_and_an_explicit_all_admit_everything() -> None:
     {"pool_tokens": 300_000, "master_address": "127.0.0.1:50051"},
     {"pool_tokens": 300_000, "eviction": "connector"},
     {"pool_tokens": 300_000, "disk_tier_tokens": 1_000_000},
-    {"pool_tokens": 300_000, "ha": 2},
-], ids=["unbounded", "private", "master", "connector-eviction", "disk-tier", "ha"])
+], ids=["unbounded", "private", "master", "connector-eviction", "disk-tier"])
 def test_the_default_is_all_where_the_replay_cannot_start_the_service(
         settings: dict[str, object]) -> None:
     cfg = ReplayConfig(trace_path=TRACE, **settings)  # type: ignore[arg-type]
     assert cfg.admission == "all"  # the library's default is unchanged
-    # --ha follows the validation's rule (service_refusal) whichever way that goes.
-    follows = "ha" in settings and service_refusal(cfg) is None
-    assert default_admission(cfg) == ("service" if follows else "all")
+    assert default_admission(cfg) == "all"
+
+
+def test_an_ha_pool_runs_the_service_by_default() -> None:
+    """The service follows an HA pool's leader (``--ha``): the default is the service there."""
+    cfg = ReplayConfig(trace_path=TRACE, pool_tokens=300_000, ha=2)
+    assert (service_refusal(cfg), default_admission(cfg)) == (None, "service")
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--private", "--engines", "2"], "--admission service keeps one policy for one shared "
+     "pool: drop --private (or give --admission all)"),
+    (["--master", "127.0.0.1:1"], "--admission service starts kvpool-policy beside the "
+     "replay's own master or --ha pool: drop --master (or give --admission all)"),
+    (["--eviction", "connector"], "--admission service evicts for the whole pool itself: drop "
+     "--eviction connector (or give --admission adaptive for per-engine eviction)"),
+], ids=["private", "master", "connector-eviction"])
+def test_an_explicit_service_names_the_flag_in_its_way(
+        flags: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's three conflicting combinations got one generic line; each names its flag."""
+    assert main([TRACE, "--limit", "10", "--pool-tokens", "300000", "--admission", "service",
+                 *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"kvpool-replay: {line}"]
 
 
 def test_the_default_is_the_service_on_the_replays_own_bounded_shared_pool() -> None:
