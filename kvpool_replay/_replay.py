@@ -477,11 +477,11 @@ def run_replay(
     pools = (f"one shared pool of {segment / _MIB:.0f} MiB ({per_pool_tokens:,} tokens)"
              if cfg.mode == "shared" else f"{n_eng} private pools of {segment / _MIB:.0f} MiB "
              f"({per_pool_tokens:,} tokens each)")
-    policy = {"all": "every chunk saved, the master evicting past its watermark",
+    admits = {"all": "every chunk saved, the master evicting past its watermark",
               "adaptive": "each engine's adaptive admission",
               "service": "the pool-wide policy service admitting and evicting for every engine"}
     say(f"replaying {len(trace)} requests on {n_eng} engine(s), {pools}; admission "
-        f"{cfg.admission}: {policy[cfg.admission]}")
+        f"{cfg.admission}: {admits[cfg.admission]}")
     # Each engine's admission sees its share of the traffic: it simulates its share of the pool.
     engines_per_pool = n_eng if cfg.mode == "shared" else 1
     admission: dict[str, object] = {"admission": cfg.admission}
