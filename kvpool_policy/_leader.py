@@ -8,8 +8,8 @@ store process, the leader SIGKILLed while the service removed; a 2-core machine 
   client tried to switch while the new leader still warmed up (``Failed to switch to leader
   ...: RPC_FAIL``) and went on calling the dead one, every call (a removal, a pin read) blocking
   the service's loop 4.2-4.6 s before RPC_FAIL, until 13-14 s after the new leader served: no
-  snapshot meanwhile (engines fell back to the master for 26 s), nothing removed (the pool grew
-  to 19 chunks over the service's 8);
+  snapshot most of the time (engines back on the master for most of the 26 s from the kill),
+  nothing removed (the pool grew to 19 chunks over the service's 8);
 * ``--master HOST:PORT`` (the leader's own address, with every master's ``--admin-url``): the
   client never followed; 30 s after the failover nothing was removed and the pool held 36
   chunks over 8 (the CLI now refuses that pair, ``kvpool_policy.cli``).

@@ -36,7 +36,7 @@ master restarting) fails a removal with RPC_FAIL or a "not serving" code
 counted as failed (dropped, their chunk stayed in the pool for good: one chunk over the
 service's capacity after a measured failover), and the remover makes no store call, removal
 or pin read, for ``UNREACHABLE_RETRY_S`` (each call against a dead master blocked the service's
-loop 4.2-4.6 s, measured: its snapshots stopped and engines fell back to the master for 26 s);
+loop 4.2-4.6 s, measured: few snapshots, engines back on the master for most of 26 s);
 ``held`` stops them all while an HA pool has no serving leader (``kvpool_policy._leader``)."""
 
 from __future__ import annotations
