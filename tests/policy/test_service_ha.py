@@ -32,6 +32,7 @@ from kvpool_agent.auth import local_fleet_keys
 from kvpool_agent.vocabulary import ErrorCode
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_policy import _remover, cli
+from kvpool_policy._leader import RECONNECT_RETRY_S, LeaderFollower
 from kvpool_policy._remover import UNREACHABLE_RETRY_S, Remover
 from kvpool_replay import LocalPoolStore, ReplayConfig, default_trace_path, run_replay
 from kvpool_replay._ha import LocalHaPool, all_keys
@@ -255,3 +256,45 @@ def test_a_service_replay_rides_through_a_leader_sigkill() -> None:
     assert report.policy_restarts == 0 and report.policy_records == 400, seen
     assert report.policy_leader_follows == 1 and report.evicted_keys > 0, seen
     assert all(h > 0 for h in seen["tail_hits"]), seen
+
+
+class Watch:
+    """``LeaderWatch`` as the follower reads it: ``leader`` set by the test."""
+
+    def __init__(self, leader: str | None) -> None:
+        self.leader = leader
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_follower_holds_removals_without_a_leader_and_makes_the_client_again(
+        pins: PinRecords) -> None:
+    clock = Clock()
+    old, new = DeadMaster(range(2)), DeadMaster(range(2))
+    remover = Remover(old, 60.0, clock)  # type: ignore[arg-type]
+    made: list[int] = []
+
+    def reconnect() -> DeadMaster:
+        made.append(1)
+        if len(made) == 1:
+            raise RuntimeError("setup failed")  # the first try: tried again after a wait
+        return new
+
+    watch = Watch("127.0.0.1:1")
+    follower = LeaderFollower(watch, remover, reconnect, clock)  # type: ignore[arg-type]
+    assert remover.learn(FAKE_LAYOUT)
+    watch.leader = None  # the leader died: no store call until one serves
+    follower.step()
+    remover.evict([(DIGEST, _hash(0))])
+    assert remover.held and remover.step() == 0 and old.calls == 0
+    watch.leader = "127.0.0.1:2"
+    follower.step()
+    assert made == [1] and remover.held and remover.backend is old
+    follower.step()  # before RECONNECT_RETRY_S: no new try
+    assert made == [1]
+    clock.now += RECONNECT_RETRY_S
+    follower.step()
+    assert made == [1, 1] and remover.backend is new and not remover.held
+    assert follower.retired == [old] and follower.connected_to == "127.0.0.1:2"
+    assert remover.step() == 2 and old.calls == 0 and new.calls == 1
