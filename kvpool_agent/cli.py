@@ -213,9 +213,10 @@ def _keygen(role_name: str, root: str, force: bool) -> int:
               f"keys with `kvpool-agent authorize --role ROLE {paths.root} FILE.key`; run "
               f"`kvpool-agent hub --keys {paths.root}`")
     else:
+        hub_key = ("" if paths.hub_public.exists() else
+                   f"; copy the hub's hub.key into {paths.root}/")
         print(f"next: copy {paths.public(role)} to the hub and run `kvpool-agent authorize "
-              f"--role {role} HUB_DIR {role}.key --name NAME` there; copy the hub's hub.key "
-              f"into {paths.root}/")
+              f"--role {role} HUB_DIR {role}.key --name NAME` there{hub_key}")
     return 0
 
 

@@ -91,6 +91,15 @@ def test_keygen_writes_one_role_and_refuses_to_overwrite(
     assert (op / "hub.key").read_bytes() == (hub / "hub.key").read_bytes()
     assert not (op / "hub.key_secret").exists()
     (op / "hub.key").unlink()
+    # keygen's next step asks for the hub's hub.key only where it is not there yet.
+    capsys.readouterr()
+    viewer = tmp_path / "viewer"
+    viewer.mkdir()
+    (viewer / "hub.key").write_bytes((hub / "hub.key").read_bytes())
+    assert main(["keygen", "--role", "viewer", str(viewer)]) == 0
+    assert "copy the hub's hub.key" not in capsys.readouterr().out
+    assert main(["keygen", "--role", "viewer", str(tmp_path / "viewer2")]) == 0
+    assert f"copy the hub's hub.key into {tmp_path / 'viewer2'}/" in capsys.readouterr().out
     assert main(["authorize", "--role", "operator", str(hub), str(op / "operator.key"),
                  "--name", "alice"]) == 0
     assert (hub / "authorized_keys/operator/alice.key").read_bytes() == (
