@@ -54,6 +54,7 @@ from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
 from kvpool_console.alerts.alert import SEVERITY_STYLE
+from kvpool_console.alerts.policy import steering_summary
 from kvpool_console.model import build_view, fmt_age, fmt_bytes, fmt_lease, health_rows, sum_flush
 from kvpool_console.rows import FleetView
 from kvpool_console.signals import Stopped, StopSignals, stop_signals
@@ -297,9 +298,11 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         for r in view.engines:
             pool = (f"{fmt_bytes(r.segment_used_bytes)}/{fmt_bytes(r.segment_total_bytes)}"
                     if r.segment_total_bytes else "-")
+            store = r.role == "store"  # looks nothing up: no hit rate
             t.add_row(plain(r.engine_id), r.state, r.role, r.kv_role, plain(r.backend),
-                      _percent(r.hit_rate),
-                      f"{r.loaded_tokens}/{r.prompt_tokens}", str(r.loads_in_flight),
+                      "-" if store else _percent(r.hit_rate),
+                      "-" if store else f"{r.loaded_tokens}/{r.prompt_tokens}",
+                      str(r.loads_in_flight),
                       str(r.saves_in_flight), str(r.loads_failed), pool,
                       fmt_lease(r.next_lease_expiry_ms, view.now_ms), fmt_age(r.age_ms),
                       plain(r.namespace or "-"))
@@ -310,6 +313,10 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                   f"hit rate {_percent(tot.hit_rate)} (local {_percent(tot.local_hit_rate)}), "
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.loads_failed} failed loads")
+        if any(r.policy_in_charge for r in view.engines):
+            steering, master = steering_summary((r.engine_id, r.policy_in_charge, r.policy)
+                                                for r in view.engines)
+            out.print(plain(steering, style="yellow" if master else ""))
         for pr in view.pools:
             health = ("" if pr.healthy is None else ", healthy" if pr.healthy
                       else f", UNHEALTHY: {pr.health_detail}")

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from kvpool_agent.protocol import EngineState, PolicySteering
 from kvpool_console.alerts.alert import Alert, engines_text, fmt_ms, make_alert, pool_name
 
-__all__ = ["POLICY_HINT", "engine_policy", "policy_alerts", "policy_text"]
+__all__ = ["POLICY_HINT", "engine_policy", "policy_alerts", "policy_text", "steering_summary"]
 
 POLICY_HINT = ("start or check the policy service: `kvpool-policy serve` beside the master "
                "(`kvpool-policy status --listen ADDRESS --keys DIR` shows whether it "
@@ -37,6 +37,24 @@ def policy_text(p: PolicySteering) -> str:
     why = (f"service silent {fmt_ms(p.silent_ms)}" if p.silent_ms >= p.stale_ms or
            p.records_connected else "records not connected")
     return f"policy: master ({why})"
+
+
+def steering_summary(engines: Iterable[tuple[str, str, str]]) -> tuple[str, bool]:
+    """``policy: the service steers N engine(s) (e1, e2); the master steers M: e3 (service
+    silent 12.0 s)`` over ``(engine id, in charge, policy_text)`` of the engines configured
+    for the service (in charge ``""``: not configured, left out), and whether the master
+    steers any (the Pool tab shows it yellow). One line for the Pool tab and ``status``."""
+    rows = list(engines)
+    steered = [eid for eid, who, _ in rows if who == "service"]
+    master = [(eid, text) for eid, who, text in rows if who == "master"]
+    line = f"policy: the service steers {len(steered)} engine(s)"
+    if steered:
+        line += f" ({engines_text(steered, 4)})"
+    if master:
+        shown = [f"{eid} {text.removeprefix('policy: master ')}" for eid, text in master[:4]]
+        more = f" and {len(master) - 4} more" if len(master) > 4 else ""
+        line += f"; the master steers {len(master)}: {', '.join(shown)}{more}"
+    return line, bool(master)
 
 
 def policy_alerts(groups: Mapping[str, list[EngineState]], last_seen_ms: Mapping[str, float],

@@ -13,7 +13,7 @@ from textual.reactive import var
 from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
-from kvpool_console.alerts.alert import engines_text
+from kvpool_console.alerts.policy import steering_summary
 from kvpool_console.model import fmt_bytes
 from kvpool_console.rows import EngineRow, FleetView, PoolRow
 from kvpool_console.widgets._masters import MastersTable
@@ -102,16 +102,9 @@ def _policy_line(engines: list[EngineRow]) -> Text:
     """``\npolicy: the service steers N engines; the master M: e3 (service silent 12.0 s)``
     over the engines configured for the policy service (``EngineRow.policy``): yellow when the
     master steers any (``policy_master``)."""
-    steered = [e.engine_id for e in engines if e.policy_in_charge == "service"]
-    master = [e for e in engines if e.policy_in_charge == "master"]
-    line = f"\npolicy: the service steers {len(steered)} engine(s)"
-    if steered:
-        line += f" ({engines_text(steered, 4)})"
-    if master:
-        shown = [f"{e.engine_id} {e.policy.removeprefix('policy: master ')}" for e in master[:4]]
-        more = f" and {len(master) - 4} more" if len(master) > 4 else ""
-        line += f"; the master steers {len(master)}: {', '.join(shown)}{more}"
-    return Text(line, style="yellow" if master else "dim")
+    line, master = steering_summary((e.engine_id, e.policy_in_charge, e.policy)
+                                    for e in engines)
+    return Text("\n" + line, style="yellow" if master else "dim")
 
 
 def _disk(p: PoolRow) -> str:

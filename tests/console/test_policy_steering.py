@@ -5,14 +5,17 @@ tests/policy/test_policy_console_live.py."""
 
 from __future__ import annotations
 
+import io
+
 import msgspec
 from fleetdata import NOW_MS, engine
+from rich.console import Console
 from textual.widgets import Static
 
 from kvpool_agent.protocol import EngineState, PolicySteering
 from kvpool_console.alerts import evaluate
 from kvpool_console.app import KVPoolConsole
-from kvpool_console.cli import status_document
+from kvpool_console.cli import _parser, _status, status_document
 from kvpool_console.model import build_view
 from kvpool_console.screens import EngineDetailScreen
 from kvpool_console.source import StaticSource
@@ -92,6 +95,21 @@ async def test_pool_tab_names_who_steers() -> None:
     line = summary.splitlines()[-1]
     assert line == ("policy: the service steers 1 engine(s) (svc-a); the master steers 1: "
                     "svc-b (service silent 12.0 s)")
+
+
+def _status_text(fleet: dict[str, EngineState]) -> str:
+    """``kvpool-console status``'s text view of ``fleet``, on a wide terminal."""
+    out = Console(file=io.StringIO(), width=300)
+    _status(_parser().parse_args(["status"]), StaticSource(fleet), out)
+    return out.file.getvalue()  # type: ignore[attr-defined]
+
+
+def test_status_text_names_who_steers() -> None:
+    """The status text carries the Pool tab's policy line (one owner: ``steering_summary``)."""
+    assert _status_text(_fleet()).count(
+        "policy: the service steers 1 engine(s) (svc-a); the master steers 1: svc-b (service "
+        "silent 12.0 s)") == 1
+    assert "policy:" not in _status_text(engine("plain", role="mixed"))
 
 
 async def test_pool_tab_without_service_engines_has_no_policy_line() -> None:

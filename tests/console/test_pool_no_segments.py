@@ -6,15 +6,19 @@ master's figures are tested in ``test_pool_no_segments_live.py``."""
 
 from __future__ import annotations
 
+import io
+
 import msgspec
 from fleetdata import GB, NOW_MS, engine, pool
+from rich.console import Console
 
 from kvpool_agent.protocol import EngineState, MasterView, PoolStats
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console.alerts import AlertModel, AlertSettings, evaluate
 from kvpool_console.alerts.segments import NO_SEGMENTS_HINT
-from kvpool_console.cli import status_document
+from kvpool_console.cli import _parser, _status, status_document
 from kvpool_console.model import build_view
+from kvpool_console.source import StaticSource
 
 MASTER = "127.0.0.1:50051"
 POOL = f"mooncake@{MASTER}"
@@ -149,3 +153,8 @@ def test_a_store_agent_is_a_store_row_not_an_engine() -> None:
     assert rows[store] == ("store", "-") and rows["a"][0] != "store"
     assert (view.totals.engines, view.totals.stores, view.totals.agents) == (1, 1, 3)
     assert status_document(view)["totals"]["stores"] == 1
+    out = Console(file=io.StringIO(), width=300)
+    _status(_parser().parse_args(["status"]), StaticSource(fleet), out)
+    (row,) = [line for line in out.file.getvalue().splitlines()  # type: ignore[attr-defined]
+              if line.count("│") > 8 and line.split("│")[1].strip() == store]
+    assert [c.strip() for c in row.split("│")[6:8]] == ["-", "-"], row  # no hit rate, no looks
