@@ -47,10 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _replay_grid import CAPACITIES, CHUNK, SHAPE, positive_ints
+
 from kvpool_connector.admission import AdaptiveAdmission
 from kvpool_connector.keys import chunk_hashes
 from kvpool_replay import (
-    ModelShape,
     ReplayConfig,
     belady_hits,
     default_trace_path,
@@ -61,14 +62,6 @@ from kvpool_replay import (
     request_tokens,
     run_replay,
 )
-
-CHUNK = 512
-# 64 B/token: the smallest pool (300k tokens) is above Mooncake's 16 MiB minimum segment.
-SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
-CAPACITIES = {
-    "synthetic_trace.jsonl": [300_000, 600_000, 1_000_000, 2_000_000],
-    "conversation_trace.jsonl": [1_000_000, 2_000_000, 5_000_000, 20_000_000],
-}
 
 
 def offline(trace: str, limit: int | None, caps: list[int]) -> dict[int, dict[str, float]]:
@@ -154,18 +147,6 @@ def disk_tier(paths: dict[str, str], limit: int | None, memory: int, disk: int) 
     return 0
 
 
-def _capacities(text: str) -> list[int]:
-    """``--capacities 20000000,5000000`` -> ``[20000000, 5000000]`` (tokens, each >= 1)."""
-    try:
-        caps = [int(c) for c in text.split(",")]
-    except ValueError:
-        caps = []
-    if not caps or min(caps) < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give pool capacities in tokens, comma-separated, e.g. 1000000,2000000")
-    return caps
-
-
 def _policies(text: str) -> list[str]:
     """``--policies steered,all`` -> ``["steered", "all"]`` (names of ``POLICIES``)."""
     names = text.split(",")
@@ -181,7 +162,7 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=600, help="requests per trace (0 = whole)")
     p.add_argument("--traces", default=",".join(CAPACITIES),
                    help="trace file names in the shared traces directory")
-    p.add_argument("--capacities", type=_capacities, default=None, metavar="TOKENS",
+    p.add_argument("--capacities", type=positive_ints, default=None, metavar="TOKENS",
                    help="pool capacities (tokens, comma-separated) instead of each trace's "
                         "Figure-9 list, e.g. 20000000 to measure one row")
     p.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="NAMES",

@@ -46,10 +46,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _replay_grid import CAPACITIES, CHUNK, SHAPE, positive_ints
+
 from kvpool_connector.keys import chunk_hashes
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay import (
-    ModelShape,
     ReplayConfig,
     belady_hits,
     default_trace_path,
@@ -60,30 +61,12 @@ from kvpool_replay import (
     run_replay,
 )
 
-CHUNK = 512
-# 64 B/token: the smallest pool (300k tokens) is above Mooncake's 16 MiB minimum segment.
-SHAPE = ModelShape(layers=2, kv_heads=1, head_size=8, block_size=16, dtype="float16")
-CAPACITIES = {
-    "synthetic_trace.jsonl": [300_000, 600_000, 1_000_000, 2_000_000],
-    "conversation_trace.jsonl": [1_000_000, 2_000_000, 5_000_000, 20_000_000],
-}
 POLICIES: dict[str, dict[str, str]] = {
     "service": {"admission": "service"},
     "per-engine": {"admission": "adaptive", "eviction": "connector"},
     "master": {"admission": "all"},
 }
 """Replay columns: ``ReplayConfig`` fields of each."""
-
-
-def _ints(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (each >= 1)."""
-    try:
-        out = [int(c) for c in text.split(",")]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1, comma-separated")
-    return out
 
 
 def _policies(text: str) -> list[str]:
@@ -131,9 +114,9 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=1000, help="requests per trace (0 = whole)")
     p.add_argument("--traces", default=",".join(CAPACITIES),
                    help="trace file names in the traces directory")
-    p.add_argument("--capacities", type=_ints, default=None, metavar="TOKENS",
+    p.add_argument("--capacities", type=positive_ints, default=None, metavar="TOKENS",
                    help="pool capacities (tokens, comma-separated) instead of each trace's list")
-    p.add_argument("--engines", type=_ints, default=[1, 2, 4, 8], metavar="N",
+    p.add_argument("--engines", type=positive_ints, default=[1, 2, 4, 8], metavar="N",
                    help="engine counts, comma-separated (default 1,2,4,8)")
     p.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="NAMES",
                    help="replay columns, comma-separated, of " + ", ".join(POLICIES))
