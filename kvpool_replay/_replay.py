@@ -380,10 +380,11 @@ def service_refusal(cfg: ReplayConfig) -> str | None:
 
 def default_admission(cfg: ReplayConfig) -> AdmissionMode:
     """``kvpool-replay``'s admission when ``--admission`` is not given: ``service`` (the
-    pool-wide policy, the best measured for a pool shared by several engines, docs/policy.md)
-    wherever the replay can start it beside a bounded pool (``pool_tokens`` given,
-    ``service_refusal`` says nothing, no disk tier: the service sizes itself to the memory
-    and would remove what the disk tier holds), else ``all``. ``cfg.admission`` is ignored.
+    pool-wide policy, the best measured for a pool shared by several engines:
+    docs/benchmarks.md, "Pool-wide policy, live") wherever the replay can start it beside a
+    bounded pool (``pool_tokens`` given, ``service_refusal`` says nothing, no disk tier: the
+    service sizes itself to the memory tier and was not measured with one), else ``all``.
+    ``cfg.admission`` is ignored.
     ``ReplayConfig``'s own default stays ``all``."""
     if cfg.pool_tokens is None or cfg.disk_tier_tokens is not None:
         return "all"
