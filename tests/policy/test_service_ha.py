@@ -24,12 +24,14 @@ from test_service_live import (
     LAYOUT,
     Pool,
     chunk,
+    store_client,
     value_of,
     wait_for,
 )
 
 from kvpool_agent.auth import local_fleet_keys
 from kvpool_agent.vocabulary import ErrorCode
+from kvpool_connector.backends.mooncake import MooncakeBackend
 from kvpool_connector.policy_client import PolicyClient
 from kvpool_policy import _remover, cli
 from kvpool_policy._leader import RECONNECT_RETRY_S, LeaderFollower
@@ -48,8 +50,24 @@ class HaPool(Pool):
     etcd, the pool's keys are read from the leader serving now."""
 
     def __init__(self, ha: LocalHaPool, tmp: Path) -> None:
-        super().__init__(ha, local_fleet_keys(tmp / "keys"), tmp)  # type: ignore[arg-type]
+        # Mooncake's client joins one etcd per process for good ("Etcd client already
+        # connected to ..., while trying to connect to ...": CI, after another file's etcd
+        # client on the same worker): the test's own client talks to the serving leader
+        # directly and follows it (``follow``); the service goes through etcd.
+        self._leader = ha.wait_leader(ELECTION_S).address
+        super().__init__(ha, local_fleet_keys(tmp / "keys"), tmp,  # type: ignore[arg-type]
+                         store_address=self._leader)
         self.ha = ha
+        self.retired: list[MooncakeBackend] = []
+
+    def follow(self) -> None:
+        """Point the test's store client at the leader serving now, if it changed (the old
+        client is kept, not closed: closing a client of a dead master blocks for long)."""
+        leader = self.ha.leader()
+        if leader is not None and leader.address != self._leader:
+            self.retired.append(self.store)
+            self.store = store_client(leader.address, self.ha.admin_urls)
+            self._leader = leader.address
 
     def resident(self) -> set[str]:
         leader = self.ha.leader()
@@ -61,6 +79,7 @@ class HaPool(Pool):
     def put(self, h: str) -> bool:
         """Save ``h`` (every rank's key) without asking the service; True when every put
         took (a pool without a serving leader refuses them)."""
+        self.follow()
         return all(self.store.store.put(p + h, value_of(p + h)) == 0 for p in LAYOUT.prefixes)
 
     def save_all(self, client: PolicyClient, hashes: Sequence[str]) -> None:
@@ -127,6 +146,8 @@ def test_the_service_removes_again_on_the_new_leader(ha_pool: HaPool) -> None:
     assert f"the store client follows the new leader {leader.address}" in log, pool.log()
     # Every value left reads back as written (0 corrupt); the removed keys are gone.
     reads: dict[str, bytes] = {}
+
+    pool.follow()
 
     def whole() -> bool:
         reads.clear()

@@ -78,18 +78,24 @@ def value_of(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest() * (VALUE // 32)
 
 
+def store_client(address: str, admin_url: str) -> MooncakeBackend:
+    """The test's own store client of the master at ``address`` (200 ms lease)."""
+    return MooncakeBackend(MooncakeConfig.load({"mooncake": {
+        "master_server_address": address, "master_admin_url": admin_url,
+        "global_segment_size": 0, "local_buffer_size": "16MB", "default_kv_lease_ttl": 200}}))
+
+
 class Pool:
     def __init__(self, master: LocalMooncakeMaster, keys: dict[Role, KeyPaths],
-                 tmp: Path) -> None:
+                 tmp: Path, store_address: str | None = None) -> None:
+        """``store_address``: the master the test's own store client talks to (default
+        ``master.address``)."""
         self.master, self.keys, self.tmp = master, keys, tmp
         self.service = LocalPolicyService(master, keys["hub"].root,
                                           capacity_bytes=CAPACITY_CHUNKS * CHUNK_BYTES,
                                           transfer_timeout_ms=GRACE_MS, log_dir=tmp)
         self.address = self.service.address
-        self.store = MooncakeBackend(MooncakeConfig.load({"mooncake": {
-            "master_server_address": master.address, "master_admin_url": master.admin_url,
-            "global_segment_size": 0, "local_buffer_size": "16MB",
-            "default_kv_lease_ttl": 200}}))
+        self.store = store_client(store_address or master.address, master.admin_url)
         self.clients: list[PolicyClient] = []
 
     def start_service(self) -> None:
