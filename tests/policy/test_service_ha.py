@@ -184,14 +184,20 @@ def pins(monkeypatch: pytest.MonkeyPatch) -> PinRecords:
     return records
 
 
-def test_removals_the_master_did_not_answer_are_kept_and_tried_again(
-        pins: PinRecords) -> None:
+def _evicted_while_down(chunks: int) -> tuple[Clock, DeadMaster, Remover]:
+    """A remover over ``chunks`` chunks whose master went down, asked to evict chunk 0."""
     clock = Clock()
-    store = DeadMaster(range(3))
+    store = DeadMaster(range(chunks))
     remover = Remover(store, 60.0, clock)  # type: ignore[arg-type]
     assert remover.learn(FAKE_LAYOUT)
     store.down = True
     remover.evict([(DIGEST, _hash(0))])
+    return clock, store, remover
+
+
+def test_removals_the_master_did_not_answer_are_kept_and_tried_again(
+        pins: PinRecords) -> None:
+    clock, store, remover = _evicted_while_down(3)
     assert remover.step() == 0 and store.calls == 1
     assert remover.failed == 0 and remover.waiting == 2  # kept, not failed
     # No store call (removal or pin read) before the wait: a dead master's calls block.
@@ -216,12 +222,7 @@ def test_removals_the_master_did_not_answer_are_kept_and_tried_again(
 
 
 def test_a_kept_chunk_admitted_again_is_not_removed(pins: PinRecords) -> None:
-    clock = Clock()
-    store = DeadMaster(range(2))
-    remover = Remover(store, 60.0, clock)  # type: ignore[arg-type]
-    assert remover.learn(FAKE_LAYOUT)
-    store.down = True
-    remover.evict([(DIGEST, _hash(0))])
+    clock, store, remover = _evicted_while_down(2)
     assert remover.step() == 0 and remover.waiting == 2
     remover.keep([(DIGEST, _hash(0))])  # an engine saved it again meanwhile
     store.down = False
