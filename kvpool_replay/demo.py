@@ -101,7 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sig.cleaning_up = True
             cluster.stop()
             cluster.cleanup()
-    if rc == EXIT_OK or sig.signum is not None:
+    # A SIGTERM or SIGHUP that came while the TUI ran was the TUI's own (the console's
+    # stop_signals() inside ours took it): the console returned 128+N, ours saw nothing.
+    signalled = sig.signum is not None or rc > 128
+    if rc == EXIT_OK or signalled:
         # The TUI's screen is gone: say the demo ended and left nothing behind.
         service = ", policy service" if cluster.policy_service else ""
         progress(f"stopped: its engines, master, store{service} and hub are gone and its work "

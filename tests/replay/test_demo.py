@@ -231,13 +231,33 @@ def _demo_running(term: _Pty, buf: bytearray, shown: bytes,
     return tree, workdirs
 
 
+STOP_LINE = (b"kvpool-console --demo: stopped: its engines, master, store, policy service and "
+             b"hub are gone and its work directory removed")
+"""What the demo says once it stopped everything (on a quit, Ctrl-C or SIGTERM)."""
+
+
 def _assert_stopped(status: int, how: str, tree: list[psutil.Process],
                     workdirs: set[Path]) -> None:
     """The demo left with 128 + the signal's number and left no process or directory."""
     assert os.WIFEXITED(status)
     assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
-    assert [p.pid for p in tree if _alive(p)] == []
+    assert [_name(p) for p in tree if _alive(p)] == []
     assert not any(d.exists() for d in workdirs)
+
+
+def _name(p: psutil.Process) -> str:
+    """``p``'s pid and command line (its pid alone once it is gone)."""
+    try:
+        return f"{p.pid} {' '.join(p.cmdline())}"
+    except psutil.Error:
+        return str(p.pid)
+
+
+def _with_current(tree: list[psutil.Process], pid: int) -> list[psutil.Process]:
+    """``tree`` and the demo's descendants now (right before a signal: whatever it started
+    since ``_demo_running`` must be gone afterwards too)."""
+    now, _ = _tree(pid)
+    return tree + [p for p in now if p not in tree]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
@@ -252,10 +272,13 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
     try:
         tree, workdirs = _demo_running(term, buf, b"waiting for engines to be ready",
                                        tmp_path)
+        tree = _with_current(tree, term.pid)
         status = _stop_and_wait(term, how, buf)
         assert status is not None, f"demo still starting 60 s after {how}"
         _assert_stopped(status, how, tree, workdirs)
         assert b"\x1b[?1049h" not in buf  # it stopped before the TUI drew
+        if how == "SIGTERM":
+            assert STOP_LINE in buf, bytes(buf[-2000:])
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
 
@@ -280,12 +303,16 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
             _drain(term, buf, b"\0never", 0.2)
         start = bytes(buf[:tui])
         drawn = len(buf)
+        tree = _with_current(tree, term.pid)
         status = _stop_and_wait(term, how, buf)
         assert status is not None, f"console still running 60 s after {how}"
         _assert_stopped(status, how, tree, workdirs)
         if how == "SIGTERM":
-            # Textual left the alternate screen: the terminal is usable again.
-            assert b"\x1b[?1049l" in buf[drawn:]
+            # Textual left the alternate screen: the terminal is usable again, and the demo
+            # says what it stopped there, as after a quit (the TUI had taken the SIGTERM).
+            after = bytes(buf[drawn:])
+            assert b"\x1b[?1049l" in after
+            assert STOP_LINE in after[after.index(b"\x1b[?1049l"):], after[-2000:]
         # Start-up progress came before the TUI, on the terminal.
         for line in (b"starting fleet hub on tcp://127.0.0.1:", b"(CURVE keys on every port; "
                      b"Prometheus metrics at http://127.0.0.1:",
