@@ -22,6 +22,9 @@ _LOGGED_FIRST = 3
 """Refusals of a key, and bad messages, logged one by one before the log is rate-limited
 (then every ``_LOGGED_EVERY``th): a flood is no log flood."""
 _LOGGED_EVERY = 1000
+_REPORT_REFUSALS = {"takeover": "takeover_refused", "pool": "pool_binding_refused",
+                    "oversized": "oversized_states", "full": "fleet_full"}
+"""A refused report's reason kind -> the counter it raises (``count_report_refused``)."""
 
 
 @dataclass
@@ -36,7 +39,10 @@ class HubCounters:
     one connection that sent the most was dropped instead, ``kvpool_agent._hub_connections``);
     ``connections_over_cap`` (connections refused for their key's cap per port, agents'
     and consoles', ``kvpool_agent.key_caps``); ``takeover_refused`` (reports for an id another live
-    connection holds); ``oversized_states`` (reports over ``MAX_STATE_BYTES``);
+    connection holds, or for an engine or id an engine-bound key is not bound to);
+    ``pool_binding_refused`` (reports of a pool-bound key naming another pool,
+    ``kvpool-agent authorize --pool``: its own fact since issue 42, a key used for the wrong
+    pool is no fight over an agent id); ``oversized_states`` (reports over ``MAX_STATE_BYTES``);
     ``fleet_full`` (reports refused for ``MAX_AGENTS`` or a state budget);
     ``rejected_replies`` (replies from a connection the command was not sent to, unknown
     ids, repeats); ``lost_replies`` (to a console gone before its answer); ``forgotten``
@@ -56,6 +62,7 @@ class HubCounters:
     connection_sheds: int = 0
     connections_over_cap: int = 0
     takeover_refused: int = 0
+    pool_binding_refused: int = 0
     oversized_states: int = 0
     fleet_full: int = 0
     rejected_replies: int = 0
@@ -79,6 +86,15 @@ class HubCounters:
         n = self.refused_by_key[key] = self.refused_by_key.get(key, 0) + 1
         if n <= _LOGGED_FIRST or n % _LOGGED_EVERY == 0:
             log.warning("kvpool hub: refused #%d of key %s: %s", n, key, why[:200])
+
+    def count_report_refused(self, why: str) -> None:
+        """Count one report refused, by its reason's kind (the text before its ``:``, from
+        ``kvpool_agent._fleet.Fleet.accept`` or ``kvpool_agent.auth.bound_elsewhere``):
+        ``takeover``, ``pool`` (a pool-bound key's report for another pool), ``oversized``,
+        ``full``; another kind is counted by the caller's ``bad`` and ``refuse`` only."""
+        name = _REPORT_REFUSALS.get(why.partition(":")[0])
+        if name is not None:
+            setattr(self, name, getattr(self, name) + 1)
 
     def lose_reply(self, why: object) -> None:
         """Count one reply a console never got (it disconnected, or its queue is full)."""

@@ -76,10 +76,15 @@ def bound_elsewhere(key_name: str, src: Source) -> str | None:
 
     The agent id counts too: it must be the engine id or ``<engine id>/<one part>``
     (``Source``'s forms), else a bound key could hold another engine's agent id (commands sent
-    to that id would reach it, and that engine's own agent would be refused)."""
+    to that id would reach it, and that engine's own agent would be refused).
+
+    The reason's kind (before its ``:``) is what the hub counts it as
+    (``HubCounters.count_report_refused``): ``pool:`` a report for another pool than the key's
+    (``pool_binding_refused``: a misconfigured or borrowed key, not a fight over an id),
+    ``takeover:`` one for another engine or one of its ids (``takeover_refused``)."""
     pool = bound_pool(key_name)
     if pool is not None and pool != src.master:
-        return (f"takeover: key {key_name} is bound to pool {pool[:80]!r}; report for pool "
+        return (f"pool: key {key_name} is bound to pool {pool[:80]!r}; report for pool "
                 f"{src.master[:80]!r} dropped")
     engine = bound_engine(key_name)
     if engine is None:

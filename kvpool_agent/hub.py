@@ -397,6 +397,11 @@ class FleetHub:
         return self.counters.takeover_refused
 
     @property
+    def pool_binding_refused(self) -> int:
+        """``HubCounters.pool_binding_refused``."""
+        return self.counters.pool_binding_refused
+
+    @property
     def oversized_states(self) -> int:
         """``HubCounters.oversized_states``."""
         return self.counters.oversized_states
@@ -606,12 +611,7 @@ class FleetHub:
         refused = elsewhere or self._fleet.accept(rid, rep, identity, bound=bound,
                                                   pool=bound_pool(key) or "")
         if refused is not None:
-            if refused.startswith("takeover:"):
-                self.counters.takeover_refused += 1
-            elif refused.startswith("oversized:"):
-                self.counters.oversized_states += 1
-            elif refused.startswith("full:"):
-                self.counters.fleet_full += 1
+            self.counters.count_report_refused(refused)
             self.counters.bad("agents", refused)
             self.counters.refuse(key, refused)
             self._notices.tell(rid, refused, own=elsewhere is not None)

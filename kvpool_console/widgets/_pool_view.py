@@ -84,7 +84,7 @@ class PoolView(TabPane):
 
 
 HUB_SHOWN = ("memory_sheds", "connection_sheds", "fleet_full", "oversized_states",
-             "takeover_refused", "bad_messages")
+             "takeover_refused", "pool_binding_refused", "bad_messages")
 """The hub's counters the Pool tab shows (``kvpool_agent._hub_counters``): what it shed or
 refused to stay within its bounds; ``status --json`` has every one."""
 

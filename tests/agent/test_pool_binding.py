@@ -7,10 +7,12 @@ effect; the honest bound member's flush removes the keys of a real ``mooncake_ma
 from __future__ import annotations
 
 import ctypes
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -46,7 +48,8 @@ from kvpool_agent.protocol import (
 )
 from kvpool_connector.keys import ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
-from kvpool_replay import LocalMooncakeMaster
+from kvpool_console.cli import main as console_main
+from kvpool_replay import LocalMooncakeMaster, free_port
 
 DIGEST = "0123456789ab"
 _VALUE = 4096
@@ -85,7 +88,7 @@ def test_authorize_pool_names_the_file_and_binds_reports_to_the_pool(
     assert bound_pool("agent/prefill-0.engine") is None and bound_pool("agent/agent") is None
     assert bound_elsewhere(name, make_source("p0", master="10.0.0.1:50051")) is None
     why = bound_elsewhere(name, make_source("p0", master="10.0.0.2:50051"))
-    assert why is not None and why.startswith("takeover:") and "pool" in why
+    assert why is not None and why.startswith("pool:") and "10.0.0.1:50051" in why
     allow = AllowList(hub.authorized_dir, {"agents": ("agent",)})
     assert allow.bound_pools() == {"10.0.0.1:50051", "etcd://10.0.0.9:2379"}
     with pytest.raises(ValueError, match="authorized already"):
@@ -236,7 +239,7 @@ def test_a_key_bound_to_another_pool_gets_nothing_of_the_pool_it_claims(
     with Claimant(hub_address, member, msrc, 7, 7) as honest, \
             Claimant(hub_address, evil, isrc, FORGED, FORGED) as impostor:
         wait_until(lambda: msrc.agent_id in own_hub.fleet()
-                   and own_hub.takeover_refused >= 3, 30)
+                   and own_hub.pool_binding_refused >= 3, 30)
         assert msrc.agent_id in own_hub.fleet()
         got = _flush_all(hub_address, own_keys["operator"])
         refused_key = "agent/imp-a.engine@10.0.0.42:50051.pool"
@@ -352,3 +355,46 @@ def test_a_members_forged_flush_is_held_against_another_members_count(
     (r,) = got
     assert r.agent_id == lsrc.agent_id and not r.ok, r
     assert r.suspect is not None and "later the pool holds 5000" in r.suspect, r
+
+
+def test_a_pool_binding_mismatch_is_not_counted_as_a_takeover(
+    hub_address: str, own_keys: dict[Role, KeyPaths], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A key bound to pool Q reporting pool P raises ``pool_binding_refused`` and not
+    ``takeover_refused``; a second key reporting an agent id a live connection of another key
+    holds raises ``takeover_refused`` and not ``pool_binding_refused``. Both are shown where
+    takeovers are: ``/metrics`` and ``status --json``'s ``hub_counters``."""
+    pool, other = "10.0.0.51:50051", "10.0.0.52:50051"
+    wrong = _agent_key(tmp_path, own_keys["hub"], "mis-a", engine="mis-a", pool=other)
+    first = _agent_key(tmp_path, own_keys["hub"], "dup-a", pool=pool)
+    second = _agent_key(tmp_path, own_keys["hub"], "dup-b", pool=pool)
+    kp = own_keys["hub"]
+    with FleetHub(hub_address, authorized_keys_dir=kp.authorized_dir,
+                  secret_key_file=kp.hub_secret, audit_file=tmp_path / "audit.jsonl",
+                  snapshot_interval_s=0.5, metrics_port=free_port()) as hub:
+        with Claimant(hub_address, wrong, make_source("mis-a", master=pool)):
+            wait_until(lambda: hub.pool_binding_refused >= 3, 30)
+        assert hub.pool_binding_refused >= 3 and hub.takeover_refused == 0
+        assert hub.refused_by_key.get("agent/mis-a.engine@10.0.0.52:50051.pool", 0) >= 3
+        mismatches = hub.pool_binding_refused
+        dup = make_source("dup-0", master=pool)
+        with Claimant(hub_address, first, dup, 5, 5):
+            wait_until(lambda: dup.agent_id in hub.fleet(), 30)
+            assert dup.agent_id in hub.fleet()
+            with Claimant(hub_address, second, dup, 5, 5):
+                wait_until(lambda: hub.takeover_refused >= 3, 30)
+        takeovers = hub.takeover_refused
+        assert takeovers >= 3 and hub.pool_binding_refused == mismatches
+        assert hub.refused_by_key.get("agent/dup-b@10.0.0.51:50051.pool", 0) >= 3
+        assert hub.metrics is not None
+        served = dict(line.rsplit(" ", 1) for line in httpx.get(
+            hub.metrics.url, timeout=5.0).text.splitlines() if not line.startswith("#"))
+        assert float(served["kvpool_hub_pool_binding_refused_total"]) == mismatches
+        assert float(served["kvpool_hub_takeover_refused_total"]) == takeovers
+        # The counters come in a snapshot (every 0.5 s here), read by status --json.
+        assert console_main(["status", "--json", "--hub", hub_address, "--keys",
+                             str(own_keys["operator"].root)]) == 0
+        counters = json.loads(capsys.readouterr().out)["hub_counters"]
+        assert (counters["pool_binding_refused"], counters["takeover_refused"]) == (
+            mismatches, takeovers)

@@ -46,7 +46,7 @@ async def test_status_and_pool_tab_show_the_hubs_counters(
         line = str(summary.render()).splitlines()[-1]
         assert line.startswith("hub since start: ") and line.endswith(
             "; memory sheds 0, connection sheds 0, fleet full 0, oversized states 0, "
-            "takeover refused 0, bad messages 1")
+            "takeover refused 0, pool binding refused 0, bad messages 1")
     assert console_main(["status", "--json", "--hub", live_fleet.address]) == 0
     counters = json.loads(capsys.readouterr().out)["hub_counters"]
     assert counters.keys() == set(COUNTER_NAMES)
