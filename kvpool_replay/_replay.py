@@ -375,19 +375,28 @@ def service_refusal(cfg: ReplayConfig) -> str | None:
     if cfg.eviction != "pool":
         return ("--admission service evicts for the whole pool itself: drop --eviction "
                 "connector (or give --admission adaptive for per-engine eviction)")
+    if cfg.pool_tokens is None:
+        # Unbounded, the replay sizes its segment to hold every chunk of the trace below the
+        # watermark: the service (0.8 of it) would evict nothing and its doorkeeper could
+        # only refuse saves the pool has room for.
+        return ("--admission service steers a bounded pool: give --pool-tokens, e.g. "
+                "--pool-tokens 1000000 (or --admission all for an unbounded one)")
+    if cfg.disk_tier_tokens is not None:
+        # The service sizes itself to the memory tier, and its unforced Remove erases the
+        # object with every replica (Mooncake's MasterService::Remove, accessor.Erase()), the
+        # disk tier's too: what it evicts from memory would never reach the disk tier.
+        return ("--admission service removes what it evicts from every tier, the disk tier's "
+                "copy too: drop --disk-tier-tokens (or give --admission all for a disk tier)")
     return None
 
 
 def default_admission(cfg: ReplayConfig) -> AdmissionMode:
     """``kvpool-replay``'s admission when ``--admission`` is not given: ``service`` (the
     pool-wide policy, the best measured for a pool shared by several engines:
-    docs/benchmarks.md, "Pool-wide policy, live") wherever the replay can start it beside a
-    bounded pool (``pool_tokens`` given, ``service_refusal`` says nothing, no disk tier: the
-    service sizes itself to the memory tier and was not measured with one), else ``all``.
+    docs/benchmarks.md, "Pool-wide policy, live") wherever ``service_refusal`` says nothing
+    (a bounded shared pool of the replay's own, no disk tier), else ``all``.
     ``cfg.admission`` is ignored.
     ``ReplayConfig``'s own default stays ``all``."""
-    if cfg.pool_tokens is None or cfg.disk_tier_tokens is not None:
-        return "all"
     return "service" if service_refusal(cfg) is None else "all"
 
 

@@ -130,12 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "evicts past its watermark); adaptive skips chunks never asked for before "
                    "when that would hit more (needs --pool-tokens); service: one pool-wide "
                    "policy (kvpool-policy serve, started here beside the master) admits and "
-                   "evicts for all engines. Default: service wherever the replay can start it "
-                   "beside a bounded pool (--pool-tokens, --shared, the replay's own master, "
-                   "eviction pool, no disk tier), the best measured for a pool shared by several "
-                   "engines (docs/benchmarks.md: whole conversation trace, 8 engines, 1,000,000 "
-                   "tokens: 1.76x an exact LRU, 1.33x the master alone); else all. The report "
-                   "says which ran")
+                   "evicts for all engines (needs --pool-tokens; not with --disk-tier-tokens: "
+                   "its removals erase the disk tier's copy too). Default: service wherever "
+                   "the replay can start it beside a bounded pool (--pool-tokens, --shared, "
+                   "the replay's own master, eviction pool, no disk tier), the best measured "
+                   "for a pool shared by several engines (docs/benchmarks.md: whole "
+                   "conversation trace, 8 engines, 1,000,000 tokens: 1.76x an exact LRU, 1.33x "
+                   "the master alone); else all. The report says which ran")
     p.add_argument("--eviction", choices=["pool", "connector"], default="pool",
                    help="who evicts: pool (default) the master, past its watermark; connector "
                    "an exact LRU in the connector (needs --pool-tokens; masters started here "

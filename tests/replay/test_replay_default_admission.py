@@ -118,3 +118,24 @@ def test_kill_policy_after_without_a_pool_size_names_the_fix(
     (line,) = capsys.readouterr().err.splitlines()
     assert line == ("kvpool-replay: --kill-policy-after needs --admission service (a service "
                     "to kill)")
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    ([], "--admission service steers a bounded pool: give --pool-tokens, e.g. --pool-tokens "
+     "1000000 (or --admission all for an unbounded one)"),
+    (["--pool-tokens", "300000", "--disk-tier-tokens", "1000000"],
+     "--admission service removes what it evicts from every tier, the disk tier's copy too: "
+     "drop --disk-tier-tokens (or give --admission all for a disk tier)"),
+], ids=["unbounded", "disk-tier"])
+def test_an_explicit_service_without_a_bounded_memory_only_pool_is_refused(
+        flags: list[str], line: str) -> None:
+    """``kvpool-replay --admission service`` as an operator runs it (a child process): without
+    ``--pool-tokens`` (the replay sized the pool to hold every chunk: the service would steer
+    nothing) or with ``--disk-tier-tokens`` (its removals erase the disk tier's copy too) it
+    starts nothing and says so in one line, exit 2, before any pool or engine starts."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_replay.cli", TRACE, "--limit", "10", "--admission",
+         "service", "--no-progress", *flags], cwd=REPO, capture_output=True, text=True,
+        timeout=120, check=False, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"kvpool-replay: {line}"], proc.stderr[-3000:]
