@@ -214,7 +214,7 @@ class CommandRouter:
             needs_key = UNAUTHORISED
         elif req.command == "health" and req.probe:
             needs_key = OPERATOR_ONLY.format(what="health --probe")
-        elif req.command in ("forget", "pin", "unpin"):
+        elif req.command in ("forget", "pin", "unpin", "refusals"):
             needs_key = OPERATOR_ONLY.format(what=req.command)
         refusal = needs_key if not curve else None
         if len(req.targets) > MAX_TARGETS:
@@ -229,13 +229,15 @@ class CommandRouter:
             self._record(who, key, req, list(req.targets), [reply], curve=curve, refused=True)
             self.send_client(sock, client, [reply])
             return
-        if req.command == "forget":
+        if req.command in ("forget", "refusals"):
             # Answered at once by the hub: no slot in flight, only its cost.
             busy = self.quotas.spend(key, cost(req, 0))
             if busy is not None:
                 self._refuse_busy(sock, client, req, key, busy)
-            else:
+            elif req.command == "forget":
                 self._forget(sock, client, req, who)
+            else:
+                self._refusals(sock, client, req, who)
             return
         busy = self.quotas.busy(((p.plain, p.client, p.key) for p in self.pending.values()),
                                 client, key, curve=curve, command=req.command)
@@ -359,6 +361,16 @@ class CommandRouter:
                 forgotten_count=len(ids),
             )
         self.audit.record(who, req, list(req.targets), [reply])
+        self.send_client(sock, client, [reply])
+
+    def _refusals(self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest,
+                  who: str) -> None:
+        """An operator's ``refusals`` (``P+3`` only): the names of the keys the hub refused,
+        which the console port's broadcast leaves out (``FleetUpdate.refused_total``)."""
+        reply = CommandReply(v=PROTOCOL_VERSION, seq=0, request_id=req.request_id,
+                             agent_id="hub", ok=True,
+                             refused_by_key=self.counters.most_refused())
+        self.audit.record(who, req, [], [reply])
         self.send_client(sock, client, [reply])
 
     def revoke(self, agent_ids: list[str], keys: set[str]) -> None:

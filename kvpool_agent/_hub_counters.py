@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
+from kvpool_agent.protocol import MAX_ID_CHARS, MAX_NAMES, clip
+
 __all__ = ["COUNTER_NAMES", "HubCounters"]
 
 log = logging.getLogger("kvpool.hub")
@@ -95,6 +97,12 @@ class HubCounters:
         name = _REPORT_REFUSALS.get(why.partition(":")[0])
         if name is not None:
             setattr(self, name, getattr(self, name) + 1)
+
+    def most_refused(self) -> dict[str, int]:
+        """``refused_by_key``'s ``MAX_NAMES`` most refused keys, names clipped to what a
+        ``protocol.Name`` holds (key names are file names: longer, no console decodes them)."""
+        most = sorted(self.refused_by_key.items(), key=lambda kv: -kv[1])[:MAX_NAMES]
+        return {clip(k, MAX_ID_CHARS, one_line=True): n for k, n in most}
 
     def lose_reply(self, why: object) -> None:
         """Count one reply a console never got (it disconnected, or its queue is full)."""

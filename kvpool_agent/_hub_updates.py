@@ -24,11 +24,8 @@ from kvpool_agent._hub_memory import MAX_UPDATE_FRAME_BYTES
 from kvpool_agent._hub_sockets import HubSockets, user_id
 from kvpool_agent.protocol import (
     FULL_RATE_TOPICS,
-    MAX_ID_CHARS,
-    MAX_NAMES,
     ReuseView,
     SeqTracker,
-    clip,
     encode,
     tier_of,
     tier_topic,
@@ -167,12 +164,11 @@ class UpdateStreams:
         stream.seq += len(updates)
         if kind == "snapshot":
             updates[0].reuse = reuse()
-            # Operators see the hub's own sheds and refusals (status --json, the Pool tab).
+            # Consoles see the hub's own sheds and refusals (status --json, the Pool tab).
             updates[0].hub_counters = {n: getattr(self.counters, n) for n in COUNTER_NAMES}
-            most = sorted(self.counters.refused_by_key.items(), key=lambda kv: -kv[1])
-            # Key names are file names: clipped to what a Name holds, or no console decodes it.
-            updates[0].refused_by_key = {clip(k, MAX_ID_CHARS, one_line=True): n
-                                         for k, n in most[:MAX_NAMES]}
+            # Every subscriber, a viewer too, gets this frame: the refusals' total only; the
+            # keys' names go to an operator's ``refusals`` on P+3 (``FleetUpdate.refused_total``).
+            updates[0].refused_total = sum(self.counters.refused_by_key.values())
         for upd in updates:
             upd.refused_connections = dict(self.counters.refused_connections)
             frame = stream.topic + encode(upd)

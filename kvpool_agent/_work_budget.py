@@ -53,14 +53,15 @@ COSTS: dict[str, float] = {
 """Units per agent connection reached, by command (``health --probe``: ``health`` with
 ``probe``)."""
 _FORGET_COST = 1.0
-"""Units of one ``forget`` (the hub's own table, no agent reached)."""
+"""Units of one ``forget`` or ``refusals`` (the hub's own table, no agent reached)."""
 
 
 def cost(req: CommandRequest, agents: int) -> float:
     """Units ``req`` costs when it reaches ``agents`` agent connections (``COSTS``;
-    ``forget``: 1 for the command). An unknown command costs as much as a listing per
+    ``forget`` and ``refusals``, answered by the hub alone: 1 for the command, so an operator
+    key's flood of them is bounded too). An unknown command costs as much as a listing per
     connection."""
-    if req.command == "forget":
+    if req.command in ("forget", "refusals"):
         return _FORGET_COST
     name = "health --probe" if req.command == "health" and req.probe else req.command
     return COSTS.get(name, 1.0) * agents

@@ -93,7 +93,10 @@ class FleetClient:
             ``memory_sheds``, ``connection_sheds``, ``reports``...), from its last snapshot
             that carried them; empty before one (or from a hub before this field).
         refused_by_key: what the hub refused per key name since it started
-            (``FleetUpdate.refused_by_key``), from its last snapshot; empty before one.
+            (``FleetUpdate.refused_by_key``), from its last snapshot: only a hub before
+            ``refused_total`` sends names to subscribers (``refused_names`` asks a newer one).
+        refused_total: what the hub refused all keys together since it started
+            (``FleetUpdate.refused_total``), from its last snapshot; 0 before one.
         tiers_missing: True while the requested tier has been silent for
             ``tier_fallback_s`` and the full-rate stream is taken instead (a hub of an
             earlier release, or a hub not answering).
@@ -118,6 +121,7 @@ class FleetClient:
         self.reuse: ReuseView | None = None
         self.hub_counters: dict[str, int] = {}
         self.refused_by_key: dict[str, int] = {}
+        self.refused_total = 0
         self.bad_messages = 0
         self.gaps = SeqTracker()
         self._fleet: dict[str, FleetEntry] = {}
@@ -251,6 +255,7 @@ class FleetClient:
         if upd.hub_counters:  # a snapshot's first frame: it carries both, empty or not
             self.hub_counters = dict(upd.hub_counters)
             self.refused_by_key = dict(upd.refused_by_key)
+            self.refused_total = upd.refused_total or sum(upd.refused_by_key.values())
         for aid in upd.forgotten:
             self._fleet.pop(aid, None)
         for st in upd.engines:
@@ -267,6 +272,16 @@ class FleetClient:
         (``FleetUpdate.forgotten``)."""
         self.updates(0)
         return dict(self._fleet)
+
+    def refused_names(self, timeout_ms: int = 5_000) -> dict[str, int]:
+        """What the hub refused per key name, as far as this client's key may know: the
+        names of the last snapshot from a hub before ``FleetUpdate.refused_total``; from a
+        newer hub (which sends every subscriber the total only) an operator key's
+        ``refusals`` on ``P+3``; ``{}`` for a viewer, without keys, or without an answer."""
+        if self.refused_by_key or not self.refused_total or self.role != "operator":
+            return dict(self.refused_by_key)
+        r = self.command("refusals", timeout_ms=timeout_ms)[0]
+        return dict(r.refused_by_key) if r.ok else {}
 
     def wait_for(self, n_agents: int, timeout_s: float = 5.0) -> dict[str, FleetEntry]:
         """Poll until at least ``n_agents`` agents are known or ``timeout_s`` passes; returns
@@ -292,8 +307,9 @@ class FleetClient:
         """Send one command and wait for its replies (one per target agent).
 
         Args:
-            command: ``health``, ``flush``, ``drain``, ``snapshot`` or ``forget`` (operator
-                key; ``targets`` are engine or agent ids; the hub answers itself).
+            command: ``health``, ``flush``, ``drain``, ``snapshot``, ``forget`` (operator
+                key; ``targets`` are engine or agent ids; the hub answers itself) or
+                ``refusals`` (operator key, the hub answers itself: ``refused_names``).
             targets: agent ids; empty = every live agent (``flush``: one worker/store agent
                 for scope model/all, the engine's workers for scope engine).
             timeout_ms: how long agents get; the hub turns a missing reply into

@@ -223,7 +223,11 @@ def visible(text: str, *, one_line: bool = False) -> str:
     return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 ProcessRole = Literal["scheduler", "worker", "store", "replay"]
-CommandName = Literal["health", "flush", "drain", "snapshot", "forget", "pin", "unpin", "pins"]
+CommandName = Literal["health", "flush", "drain", "snapshot", "forget", "pin", "unpin", "pins",
+                      "refusals"]
+"""``refusals`` (operator key, answered by the hub itself): what the hub refused per key name,
+``CommandReply.refused_by_key``; a hub before it drops the request as a bad message, so a
+console asks only a hub that sends ``FleetUpdate.refused_total``."""
 
 
 # Data structs below are gc=False: a console or hub holds ~20 of them per agent (2,304 agents:
@@ -784,10 +788,16 @@ class FleetUpdate(msgspec.Struct, tag="fleet", kw_only=True):
     ``connection_sheds``...; < 1 KiB), in the first frame of a snapshot; empty in deltas and
     from hubs before this field."""
     refused_by_key: NameCounts = msgspec.field(default_factory=dict)
-    """Per authorized key's name (``ROLE/NAME``): what the hub refused it since it started
-    (commands, reports or audit lines over a budget or bound, reports its binding does not
-    allow: ``HubCounters.refused_by_key``), the ``MAX_NAMES`` most refused, in the first frame
-    of a snapshot; empty in deltas and from hubs before this field."""
+    """Per authorized key's name (``ROLE/NAME``): what the hub refused it, sent by hubs before
+    ``refused_total`` only (the ``MAX_NAMES`` most refused, in a snapshot's first frame). A hub
+    that sends ``refused_total`` leaves it empty: every subscriber, a viewer too, receives this
+    one broadcast, and the names say which keys exist and which of them misbehave (an
+    operator's business); an operator asks for them on ``P+3`` (``refusals``)."""
+    refused_total: Count = 0
+    """What the hub refused all keys together since it started (the sum of
+    ``HubCounters.refused_by_key``; commands, reports or audit lines over a budget or bound,
+    reports their binding does not allow), in the first frame of a snapshot: the total a viewer
+    may see; 0 in deltas and from hubs before this field."""
     more: bool = False
     """More frames of this update follow (a large fleet's update spans a frame per
     ``ENGINES_PER_UPDATE`` agents): a console redraws once the last one is merged. Hubs
@@ -957,6 +967,10 @@ class CommandReply(msgspec.Struct, tag="reply", kw_only=True):
     sorted, when it dropped more)."""
     forgotten_count: int = 0
     """``forget``: how many agent ids it dropped (hubs before this field send 0)."""
+    refused_by_key: NameCounts = msgspec.field(default_factory=dict)
+    """``refusals`` (answered by the hub itself, operator key on ``P+3`` only): per authorized
+    key's name, what the hub refused it since it started (``HubCounters.refused_by_key``), the
+    ``MAX_NAMES`` most refused."""
     suspect: FreeText | None = None
     """Set by the hub on a flush answer that disagrees with the pool's key count as other
     agents report it (why); such a reply has ``ok=False``: shown as suspect, not as done."""

@@ -284,11 +284,13 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
     # Handshakes the hub refused per port (no key, or one not authorized there): only a hub
     # with keys counts them.
     refused = dict(src.client.refused_connections) if isinstance(src, ClientSource) else {}
-    # What the hub refused per authorized key (over a budget or bound, or its binding).
-    by_key = dict(src.client.refused_by_key) if isinstance(src, ClientSource) else {}
+    # What the hub refused per authorized key (over a budget or bound, or its binding): the
+    # names for an operator key only, the total for every console.
+    by_key = src.client.refused_names() if isinstance(src, ClientSource) else {}
+    total = src.client.refused_total if isinstance(src, ClientSource) else 0
     if args.json:
         doc = {**status_document(view), "refused_connections": refused,
-               "refused_by_key": by_key}
+               "refused_by_key": by_key, "refused_total": total}
         sys.stdout.write(json_line(doc) + "\n")
     else:
         t = Table(title=f"kvpool fleet @ {src.address}", expand=False)
@@ -334,6 +336,9 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                                        for k, n in shown[:_KNOWN_SHOWN])
                            + (f" (and {len(shown) - _KNOWN_SHOWN} more keys)"
                               if len(shown) > _KNOWN_SHOWN else ""), style="yellow"))
+        elif total:
+            out.print(Text(f"hub refused keys {total:,} times (over a budget or bound, or "
+                           "their binding; names for an operator key)", style="yellow"))
         for a in view.alerts:
             # Subject and message name engines and quote agents' errors: data, not markup.
             line = Text(a.severity.upper(), style=SEVERITY_STYLE[a.severity])

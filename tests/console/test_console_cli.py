@@ -313,19 +313,24 @@ def test_status_names_the_keys_the_hub_refused(
     live_fleet: LiveFleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A viewer's ``forget`` reaches the hub (sent by a client, not the console, which refuses
-    it before sending) and is refused there: ``status`` names the key and its count, in
-    ``--json`` and the text view (from the snapshot the hub sends a console when it joins)."""
+    it before sending) and is refused there: ``status`` with the operator key names the key and
+    its count, in ``--json`` and the text view (the hub's ``refusals`` on P+3); with the viewer
+    key it shows the total only (the snapshot the hub sends every console when it joins)."""
     with live_fleet.client(operator=False) as viewer:  # the viewer key ($KVPOOL_KEYS_DIR)
         before = live_fleet.hub.refused_by_key.get("viewer/viewer", 0)
         for _ in range(2):
             (r,) = viewer.command("forget", targets=["nobody"])
             assert not r.ok
-    assert live_fleet.hub.refused_by_key["viewer/viewer"] == before + 2
-    assert main(["status", "--json", "--hub", live_fleet.address]) == 0
+    assert live_fleet.hub.refused_by_key == {"viewer/viewer": before + 2}
+    operator = ["--hub", live_fleet.address, "--keys", str(live_fleet.keys.root)]
+    assert main(["status", "--json", *operator]) == 0
     assert json.loads(capsys.readouterr().out)["refused_by_key"] == {"viewer/viewer": before + 2}
-    assert main(["status", "--hub", live_fleet.address]) == 0
+    assert main(["status", *operator]) == 0
     assert (f"hub refused by key (over a budget or bound, or its binding): viewer/viewer "
             f"{before + 2}") in capsys.readouterr().out
+    assert main(["status", "--json", "--hub", live_fleet.address]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["refused_by_key"], doc["refused_total"]) == ({}, before + 2)
 
 
 def test_a_keys_dir_that_does_not_exist_is_one_line_and_exit_2(
