@@ -13,14 +13,16 @@ Usage (what the console passes on; every option but ``--trace`` is always given)
                                  [--trace PATH]
 
 Exit status, as documented for ``kvpool-console``: 0 ok; 2 demo not startable (missing or invalid
-trace, Mooncake binaries missing); 128+N left on signal N (SIGHUP, SIGTERM), after stopping
-everything the demo started and restoring the terminal. Messages start with
+trace, Mooncake binaries missing); 128+N left on signal N (SIGHUP, SIGTERM, or SIGINT: a Ctrl-C
+before the TUI drew), after stopping everything the demo started and restoring the terminal;
+then (but after a SIGHUP, with no terminal left) one line says what it stopped. Messages start with
 ``kvpool-console --demo:``, the command the user typed.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -97,10 +99,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = _start_and_watch(cluster, trace, args.refresh, err)
         except Stopped:
             pass
+        except KeyboardInterrupt:
+            # Ctrl-C before the TUI drew (the TUI reads it as its quit key): the same orderly
+            # stop as a SIGTERM's, not a traceback.
+            rc = 128 + signal.SIGINT
         finally:
             sig.cleaning_up = True
-            cluster.stop()
-            cluster.cleanup()
+            # A second Ctrl-C must not abort the clean-up either (children run in their own
+            # sessions: the terminal's SIGINT never reaches them).
+            before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                cluster.stop()
+                cluster.cleanup()
+            finally:
+                signal.signal(signal.SIGINT, before)
     # A SIGTERM or SIGHUP that came while the TUI ran was the TUI's own (the console's
     # stop_signals() inside ours took it): the console returned 128+N, ours saw nothing.
     signalled = sig.signum is not None or rc > 128

@@ -165,17 +165,19 @@ def _demo_on_pty(tmp_path: Path) -> _Pty:
 
 
 def _stop_and_wait(term: _Pty, how: str, buf: bytearray) -> int | None:
-    """Send SIGTERM to the demo or close its terminal (``how``); its wait status once it left
-    within 60 s (stopping the engines, store and master takes a few seconds, more under load),
-    else None. Keeps reading the pty after a SIGTERM so that the last writes
-    never block."""
+    """Send SIGTERM to the demo, type Ctrl-C on its terminal or close it (``how``); its wait
+    status once it left within 60 s (stopping the engines, store and master takes a few
+    seconds, more under load), else None. Keeps reading the pty after a SIGTERM or Ctrl-C so
+    that the last writes never block."""
     if how == "SIGTERM":
         os.kill(term.pid, signal.SIGTERM)
+    elif how == "ctrl-c":
+        os.write(term.fd, b"\x03")  # the terminal sends its foreground group SIGINT
     else:
         term.close()  # the terminal is gone
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if how == "SIGTERM":
+        if how != "hangup":
             _drain(term, buf, b"\0never", 0.1)
         done, st = os.waitpid(term.pid, os.WNOHANG)
         if done:
@@ -240,7 +242,7 @@ def _assert_stopped(status: int, how: str, tree: list[psutil.Process],
                     workdirs: set[Path]) -> None:
     """The demo left with 128 + the signal's number and left no process or directory."""
     assert os.WIFEXITED(status)
-    assert os.WEXITSTATUS(status) == (143 if how == "SIGTERM" else 129)
+    assert os.WEXITSTATUS(status) == {"SIGTERM": 143, "ctrl-c": 130, "hangup": 129}[how]
     assert [_name(p) for p in tree if _alive(p)] == []
     assert not any(d.exists() for d in workdirs)
 
@@ -260,11 +262,12 @@ def _with_current(tree: list[psutil.Process], pid: int) -> list[psutil.Process]:
     return tree + [p for p in now if p not in tree]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "hangup"])
+@pytest.mark.parametrize("how", ["SIGTERM", "ctrl-c", "hangup"])
 def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: Path) -> None:
-    """A SIGTERM, or the terminal going away, while the demo waits for its engines (before the
-    TUI): the demo's own handler stops the master, store, policy service and engines it
-    already started and removes the work directory."""
+    """A SIGTERM, a Ctrl-C or the terminal going away while the demo waits for its engines
+    (before the TUI): the demo's own handler stops the master, store, policy service and
+    engines it already started, removes the work directory and (but on a lost terminal) says
+    so in its stop line, with no traceback."""
     term = _demo_on_pty(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
@@ -277,8 +280,8 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
         assert status is not None, f"demo still starting 60 s after {how}"
         _assert_stopped(status, how, tree, workdirs)
         assert b"\x1b[?1049h" not in buf  # it stopped before the TUI drew
-        if how == "SIGTERM":
-            assert STOP_LINE in buf, bytes(buf[-2000:])
+        if how != "hangup":
+            assert STOP_LINE in buf and b"Traceback" not in buf, bytes(buf[-2000:])
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
 
