@@ -37,15 +37,22 @@ counted as failed (dropped, their chunk stayed in the pool for good: one chunk o
 service's capacity after a measured failover), and the remover makes no store call, removal
 or pin read, for ``UNREACHABLE_RETRY_S`` (each call against a dead master blocked the service's
 loop 4.2-4.6 s, measured: few snapshots, engines back on the master for most of 26 s);
-``held`` stops them all while an HA pool has no serving leader (``kvpool_policy._leader``)."""
+``held`` stops them all while an HA pool has no serving leader (``kvpool_policy._leader``).
+
+Every store call, a removal or a pin read, runs off the service's loop (``StoreCalls``, one at a
+time; ``kvpool_policy._store_calls`` has the measurements): ``step`` hands the next call over
+and takes its answer at a later pass, so a master that does not answer (SIGSTOPped: 30 s a
+removal, 90 s a pin read) holds up the removals and pin reads only, never the records or the
+snapshots. A chunk admitted again while its keys' removal is in flight is kept from then on
+(its keys are not tried again), as a removal the store had answered already."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 from kvpool_agent.vocabulary import ErrorCode
 from kvpool_connector.backends.mooncake import MooncakeBackend
@@ -53,11 +60,14 @@ from kvpool_connector.keys import chunk_keys
 from kvpool_connector.pins import pinned_chunks
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.removal_rule import LeasedKeys
+from kvpool_policy._absent import ABSENT_RETRY_S, AbsentKeys, PolicyKey
+from kvpool_policy._store_calls import StoreCalls, StrictRecords
 
 logger = logging.getLogger("kvpool.policy")
 
 PIN_REFRESH_S = 1.0
-"""How often the pin records of each layout are read again (s)."""
+"""How often the pin records of each layout are read again (s; from the start of one read to
+the start of the next, the read running on the store thread)."""
 
 MAX_LAYOUTS = 64
 """Layouts the service steers at most (one ``PolicyLayout`` and its pins' chunk hashes each);
@@ -78,13 +88,6 @@ the last one taken may pass the bound by less than its own keys (``MAX_KEYS_PER_
 ``batch_remove`` of 4,096 keys held 6.5-7.5 ms (1.7-2.5 ms absent), 8,192 13-14 ms, 65,536
 190-300 ms (24 ms absent), the service's loop waiting all of it. Absent keys tried again
 (``ABSENT_TRIES_PER_PASS``) and leased keys whose grace ended come beside."""
-
-ABSENT_RETRY_S = (0.25, 0.5, 1.0, 2.0) + (4.0,) * 15
-"""Waits (s) before each new try of a key found absent: 63.75 s in all, past the store
-client's transfer timeout (60 s) that bounds a put once started (a save that starts later
-still is left to the master's watermark); at most 4 s apart, so a save that lands late is
-removed within 4 s (doubling to 32 s left a real engine's late save in the pool 30 s more
-under a loaded test run)."""
 
 MAX_ABSENT = 1 << 16
 """Absent keys waiting for a new try at most (past it, the layout holding the most gives up its
@@ -113,11 +116,6 @@ MAX_UNREACHABLE = 1 << 16
 """Keys kept for the master to answer again at most (past it the oldest are given up, counted
 in ``deferred_dropped``: the master's watermark evicts them)."""
 
-PolicyKey = tuple[str, str]
-
-
-def _digest(key: str) -> str:
-    return key.split("@")[2]
 
 
 def _chunk(key: str) -> PolicyKey:
@@ -125,105 +123,6 @@ def _chunk(key: str) -> PolicyKey:
     (``kvpool_connector.keys``)."""
     parts = key.split("@")
     return parts[2], parts[4]
-
-
-class AbsentKeys:
-    """Absent keys waiting for a new try (``Remover``): per layout digest, key -> (when it is
-    tried again, tries made), in the order they were last tried; and, per wait of
-    ``ABSENT_RETRY_S``, a queue of (due, digest, key) in the order they were set to wait, so
-    due in order: the keys due are found without a scan of them all (queue entries of keys
-    tried or given up since are skipped when they come up)."""
-
-    def __init__(self) -> None:
-        self._by_digest: dict[str, dict[str, tuple[float, int]]] = {}
-        self._queues: dict[float, deque[tuple[float, str, str]]] = {}
-        self._n = 0
-        self.given_up = 0
-        """Keys dropped past ``MAX_ABSENT``."""
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._by_digest.get(_digest(key), {})
-
-    def queued(self) -> int:
-        """Queue entries, live and stale: at most 4 x the ``trim`` cap after a trim."""
-        return sum(len(q) for q in self._queues.values())
-
-    def keys(self) -> list[str]:
-        """Every key waiting."""
-        return [k for keys in self._by_digest.values() for k in keys]
-
-    def per_digest(self) -> dict[str, int]:
-        """Digest -> its keys waiting."""
-        return {d: len(keys) for d, keys in self._by_digest.items()}
-
-    def pop(self, key: str) -> int:
-        """Stop waiting for ``key``; the tries it made (0: it was not waiting)."""
-        d = _digest(key)
-        keys = self._by_digest.get(d)
-        got = keys.pop(key, None) if keys is not None else None
-        if got is None:
-            return 0
-        self._n -= 1
-        if not keys:
-            del self._by_digest[d]
-        return got[1]
-
-    def wait(self, key: str, now: float, tries: int) -> None:
-        """``key`` (not waiting now) is tried again ``ABSENT_RETRY_S[tries]`` after ``now``,
-        ``tries + 1`` made by then."""
-        wait_s = ABSENT_RETRY_S[tries]
-        d = _digest(key)
-        self._by_digest.setdefault(d, {})[key] = (now + wait_s, tries + 1)
-        self._n += 1
-        self._queues.setdefault(wait_s, deque()).append((now + wait_s, d, key))
-
-    def due(self, now: float, limit: int) -> list[str]:
-        """At most ``limit`` waiting keys due by ``now``, earliest first (they stay waiting
-        until ``pop``)."""
-        out: dict[str, None] = {}
-        live = self._live
-        queues = [q for q in self._queues.values() if q]
-        while queues and len(out) < limit:
-            for q in queues:  # entries of keys tried or given up since go first
-                while q and not live(q[0]):
-                    q.popleft()
-            queues = [q for q in queues if q and q[0][0] <= now]
-            if not queues:
-                break
-            q = min(queues, key=lambda q: q[0][0])
-            out[q.popleft()[2]] = None
-        return list(out)
-
-    def _live(self, entry: tuple[float, str, str]) -> bool:
-        got = self._by_digest.get(entry[1], {}).get(entry[2])
-        return got is not None and got[0] == entry[0]
-
-    def trim(self, cap: int) -> int:
-        """Give up keys past ``cap``: the layout holding the most gives up its oldest first
-        (one layout's flood takes its own keys, not another layout's below its count); keys
-        given up now."""
-        dropped = 0
-        while self._n > cap:
-            sizes = sorted(((len(v), d) for d, v in self._by_digest.items()), reverse=True)
-            most, d = sizes[0]
-            n = min(self._n - cap, max(1, most - (sizes[1][0] if len(sizes) > 1 else 0)))
-            keys = self._by_digest[d]
-            # One pass from the front (deleting one key at a time through a new iterator
-            # rescans the holes the deleted ones leave: quadratic).
-            for k in list(itertools.islice(keys, n)):
-                del keys[k]
-            if not keys:
-                del self._by_digest[d]
-            self._n -= n
-            dropped += n
-        self.given_up += dropped
-        if self.queued() > 4 * max(cap, 1):  # given-up keys' entries: amortised O(1) a key
-            for wait_s, q in self._queues.items():
-                self._queues[wait_s] = deque(e for e in q if self._live(e))
-        return dropped
 
 
 class Remover:
@@ -235,6 +134,7 @@ class Remover:
         grace_s: the wait after a refusal under a lease (s): the store client's transfer
             timeout (``grace_s_of``).
         clock: monotonic seconds.
+        calls: where the store calls run (``StoreCalls``; default: at once, in ``step``).
 
     Attributes:
         removed: keys removed; failed: keys the store failed to remove (not leased, not
@@ -251,8 +151,16 @@ class Remover:
     """
 
     def __init__(self, backend: MooncakeBackend, grace_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 calls: StoreCalls | None = None) -> None:
         self.backend = backend
+        self._calls = calls if calls is not None else StoreCalls(threaded=False)
+        # The removal on the store thread now: its keys, their chunks, the client it went to,
+        # and the chunks admitted again since it was handed over (``keep``).
+        self._flying: list[str] = []
+        self._flying_chunks: set[PolicyKey] = set()
+        self._flying_backend: MooncakeBackend | None = None
+        self._kept_flying: set[PolicyKey] = set()
         self._leased = LeasedKeys(grace_s, clock)
         self.layouts: dict[str, PolicyLayout] = {}
         # Digest -> the chunk hashes its pins held when last read, and their keys.
@@ -290,8 +198,10 @@ class Remover:
         self._retry_at = -float("inf")
         self._store_failures = 0
 
-    def _store_failed(self, keys: Sequence[str], why: str) -> None:
-        """Keep ``keys`` for a new try and pause store calls (``UNREACHABLE_RETRY_S``)."""
+    def _store_failed(self, keys: Sequence[str], why: str, pause: bool = True) -> None:
+        """Keep ``keys`` for a new try and, ``pause``, pause store calls
+        (``UNREACHABLE_RETRY_S``; not for the answer of a client replaced since: the new one
+        has not failed)."""
         for k in keys:
             self._unreachable[k] = None
             self._waiting_chunks.add(_chunk(k))  # keep() drops it if admitted again
@@ -300,6 +210,8 @@ class Remover:
             for k in list(itertools.islice(self._unreachable, over)):
                 del self._unreachable[k]
             self.deferred_dropped += over
+        if not pause:
+            return
         now = self._clock()
         wait_s = UNREACHABLE_RETRY_S[min(self._store_failures, len(UNREACHABLE_RETRY_S) - 1)]
         self._store_failures += 1
@@ -309,6 +221,7 @@ class Remover:
             logger.warning("kvpool policy: the master did not answer a removal (%s): %d keys "
                            "kept, the store tried again in %g s", why, len(self._unreachable),
                            wait_s)
+
     @property
     def queued(self) -> int:
         """Evicted chunks waiting for a removal pass."""
@@ -354,25 +267,46 @@ class Remover:
         self._pins_ok.discard(digest)
 
     def pinned(self) -> dict[str, frozenset[str]]:
-        """Digest -> chunk hashes some pin of the layout holds (``pins.pinned_chunks``), the
-        records read again at most every ``PIN_REFRESH_S``; a layout whose records cannot be
-        read now keeps the pins read last (an empty answer would free them), and none of its
-        keys is removed until they are read again (``step``)."""
-        now = self._clock()
-        if now - self._pins_read < PIN_REFRESH_S or self._store_paused():
-            return dict(self._pins)
-        self._pins_read = now
-        for digest, layout in self.layouts.items():
-            model = layout.prefixes[0].split("@")[1]
-            try:
-                # chunk_size 1: the loosest bound on what one pin may claim (the service
-                # does not know the layout's chunk size).
-                self._pins[digest] = pinned_chunks(self.backend, model, digest, 1)
-                self._pins_ok.add(digest)
-            except Exception as exc:  # any failure: remove nothing of it (step)
-                self._pins_ok.discard(digest)
-                logger.warning("kvpool policy: pin records of %s not read: %s", digest, exc)
+        """Digest -> chunk hashes some pin of the layout holds (``pins.pinned_chunks``), as
+        last read: ``step`` reads them again every ``PIN_REFRESH_S`` on the store thread. A
+        layout whose records could not be read at the last try keeps the pins read before (an
+        empty answer would free them), and none of its keys is removed until they are read
+        again (``step``)."""
         return dict(self._pins)
+
+    def _pin_call(self) -> Callable[[], dict[str, frozenset[str] | Exception]] | None:
+        """The read of every known layout's pins, for the store thread, when one is due (a
+        layout learned since the last read, or ``PIN_REFRESH_S`` since its start)."""
+        now = self._clock()
+        if not self.layouts or now - self._pins_read < PIN_REFRESH_S:
+            return None
+        self._pins_read = now
+        records = StrictRecords(self.backend)  # a master not answering is no "no pins"
+        todo = [(d, lay.prefixes[0].split("@")[1]) for d, lay in self.layouts.items()]
+
+        def read() -> dict[str, frozenset[str] | Exception]:
+            got: dict[str, frozenset[str] | Exception] = {}
+            for digest, model in todo:
+                try:
+                    # chunk_size 1: the loosest bound on what one pin may claim (the service
+                    # does not know the layout's chunk size).
+                    got[digest] = pinned_chunks(records, model, digest, 1)  # type: ignore[arg-type]
+                except Exception as exc:  # any failure: remove nothing of it (step)
+                    got[digest] = exc
+            return got
+
+        return read
+
+    def _pins_read_now(self, got: dict[str, frozenset[str] | Exception]) -> None:
+        for digest, hashes in got.items():
+            if digest not in self.layouts:
+                continue  # forgotten while it was read
+            if isinstance(hashes, Exception):
+                self._pins_ok.discard(digest)
+                logger.warning("kvpool policy: pin records of %s not read: %s", digest, hashes)
+            else:
+                self._pins[digest] = hashes
+                self._pins_ok.add(digest)
 
     def _pinned_keys(self) -> frozenset[str]:
         """Every key of a pinned chunk, under the layouts as known now."""
@@ -420,7 +354,14 @@ class Remover:
             if chunk in self._waiting_chunks:
                 self._waiting_chunks.discard(chunk)
                 waiting.append(chunk)
-        keys = self.keys_of(waiting)
+            if chunk in self._flying_chunks:  # its removal's answer is settled as kept
+                self._kept_flying.add(chunk)
+        self._no_more_tries(waiting)
+
+    def _no_more_tries(self, chunks: Sequence[PolicyKey]) -> None:
+        """The keys of ``chunks`` (resident again) are not tried again, whatever they wait
+        for."""
+        keys = self.keys_of(chunks)
         self._keep += keys
         for key in keys:
             self._absent.pop(key)
@@ -504,17 +445,28 @@ class Remover:
                                                         *self._unreachable]}
 
     def step(self) -> int:
-        """Remove a pass's share of what is queued (``_take``) and what waited out its grace (a
-        reader's lease, a save to come, the master: module docstring); keys removed now. Chunks
-        of a layout whose pins were not read at the last try stay queued
-        (``MAX_QUEUED_CHUNKS``); a layout learned since the last read has its pins read now, not
-        at the service's next refresh (up to ``PIN_REFRESH_S`` later: a replay's pool of 300,000
-        tokens fills in half that, and the master's watermark evicted 474 keys before the first
-        removal). Nothing while the store is paused (``held``, or after a failure)."""
-        if self._store_paused():
-            return 0
-        if any(d not in self._pins_ok for d in self._queue):
-            self.pinned()  # reads only a layout never read, or after PIN_REFRESH_S
+        """Take the answer of the store call handed over before, if it came (``StoreCalls``),
+        then hand over the next: the pins' read when due (``_pin_call``: a layout learned since
+        the last read has its pins read now, not at the service's next refresh, up to
+        ``PIN_REFRESH_S`` later: a replay's pool of 300,000 tokens fills in half that, and the
+        master's watermark evicted 474 keys before the first removal), else a removal of a
+        pass's share of what is queued (``_take``) and what waited out its grace (a reader's
+        lease, a save to come, the master: module docstring). Chunks of a layout whose pins
+        were not read at the last try stay queued (``MAX_QUEUED_CHUNKS``). Nothing while the
+        store is paused (``held``, or after a failure). Keys removed by the answers taken now
+        (at once with the default ``StoreCalls``)."""
+        removed = self._settle()
+        for make in (self._pin_call, self._removal_call):
+            if self._calls.busy or self._store_paused():
+                break
+            call: Callable[[], object] | None = make()
+            if call is not None:
+                self._calls.submit(call)
+                removed += self._settle()
+        return removed
+
+    def _removal_call(self) -> Callable[[], list[int]] | None:
+        """The next removal, for the store thread, or None (nothing to remove now)."""
         due = self._due_absent()
         again = list(self._unreachable)
         self._unreachable.clear()
@@ -525,16 +477,39 @@ class Remover:
             if key not in tried:
                 self._absent.pop(key)
         if not todo:
+            return None
+        backend = self._flying_backend = self.backend
+        self._flying, self._flying_chunks = todo, {_chunk(k) for k in todo}
+        return lambda: backend.batch_remove(todo)
+
+    def _settle(self) -> int:
+        """Take the store call's answer if it came: keys removed."""
+        fut = self._calls.take()
+        if fut is None:
             return 0
+        if not self._flying:
+            self._pins_read_now(fut.result())  # the read caught its own failures
+            return 0
+        todo, kept = self._flying, self._kept_flying
+        # A client replaced meanwhile (an HA leader change) answered, not the one in use.
+        pause = self._flying_backend is self.backend
+        self._flying, self._flying_chunks, self._kept_flying = [], set(), set()
+        self._flying_backend = None
+        removed = self._removal_answered(todo, fut, pause)
+        self._no_more_tries(list(kept))
+        return removed
+
+    def _removal_answered(self, todo: list[str], fut: Future[list[int]], pause: bool) -> int:
+        """Settle a removal's answer (module docstring): keys removed."""
         try:
-            codes = self.backend.batch_remove(todo)
+            codes = fut.result()
         except Exception as exc:  # the store failed: kept, tried again (module docstring)
-            self._store_failed(todo, str(exc))
+            self._store_failed(todo, str(exc), pause)
             return 0
         lost = [k for k, rc in zip(todo, codes, strict=True) if rc in MASTER_UNREACHABLE]
         if lost:
             self._store_failed(lost, ErrorCode(next(rc for rc in codes
-                                                    if rc in MASTER_UNREACHABLE)).name)
+                                                    if rc in MASTER_UNREACHABLE)).name, pause)
             answered = [(k, rc) for k, rc in zip(todo, codes, strict=True)
                         if rc not in MASTER_UNREACHABLE]
             todo, codes = [k for k, _ in answered], [rc for _, rc in answered]

@@ -114,6 +114,7 @@ from kvpool_policy._core import (
 )
 from kvpool_policy._leader import LeaderFollower, LeaderWatch
 from kvpool_policy._remover import Remover
+from kvpool_policy._store_calls import StoreCalls
 from kvpool_policy.policy import PoolPolicy
 
 __all__ = [
@@ -261,7 +262,11 @@ class PolicyService:
                              "snapshots": {"console": max_subscribers_per_key, **agents}})
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
-        self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()))
+        # Store calls (removals, pin reads) run on a thread of their own: a master that does
+        # not answer holds them up, never the records or the snapshots (_store_calls).
+        self.store_calls = StoreCalls()
+        self.remover = Remover(backend, grace_s_of(backend.transfer_timeout_ms()),
+                               calls=self.store_calls)
         # The engines saved what a record says (they decide from the snapshot): the policy
         # follows, so it holds what the pool holds.
         self.core = PolicyCore(PoolPolicy(capacity_bytes, engines_decide=True,
@@ -455,6 +460,7 @@ class PolicyService:
         self.snapshots.close(0)
         self.auth.stop()
         self.ctx.term()
+        self.store_calls.close()
         if self.follower is not None:
             self.follower.close()
 
