@@ -11,8 +11,8 @@ from kvpool_replay import cli as replay_cli
 
 def test_limit_leaving_no_requests_after_the_restart_is_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
-    rc = replay_cli.main(["--limit", "20", "--shared", "--admission", "service",
-                          "--kill-policy-after", "10"])
+    rc = replay_cli.main(["--limit", "20", "--shared", "--pool-tokens", "300000",
+                          "--admission", "service", "--kill-policy-after", "10"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
