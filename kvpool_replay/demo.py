@@ -13,10 +13,11 @@ Usage (what the console passes on; every option but ``--trace`` is always given)
                                  [--trace PATH]
 
 Exit status, as documented for ``kvpool-console``: 0 ok; 2 demo not startable (missing or invalid
-trace, Mooncake binaries missing); 128+N left on signal N (SIGHUP, SIGTERM, or SIGINT: a Ctrl-C
-before the TUI drew), after stopping everything the demo started and restoring the terminal;
-then (but after a SIGHUP, with no terminal left) one line says what it stopped. Messages start with
-``kvpool-console --demo:``, the command the user typed.
+trace, Mooncake binaries missing, a process that exited at start, no free ports); 128+N left on
+signal N (SIGHUP, SIGTERM, or SIGINT: a Ctrl-C before the TUI drew), after stopping everything
+the demo started and restoring the terminal; then (but after a SIGHUP, with no terminal left)
+one line says what it stopped. Messages start with ``kvpool-console --demo:``, the command the
+user typed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def _start_and_watch(cluster: DemoCluster, trace: Path, refresh_s: float, err: C
         return EXIT_USAGE
     except FileNotFoundError as e:
         err.print(f"[red]{PROG}: {e}[/red]")
+        return EXIT_USAGE
+    except RuntimeError as e:
+        # A process that exited at start (its log's tail follows the first line) or no free
+        # ports (seen with ~28,000 connections in TIME-WAIT): start() stopped what it started.
+        err.print(f"{PROG}: the demo could not start: {e}", markup=False, highlight=False)
         return EXIT_USAGE
     return console_main(["--hub", cluster.hub_address, "--keys", str(cluster.keys_dir),
                          "--refresh", repr(refresh_s)])

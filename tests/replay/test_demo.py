@@ -106,6 +106,34 @@ def test_demo_missing_default_trace_and_broken_or_empty_trace(tmp_path: Path) ->
     assert _demo_dirs(tmp_path) == set()
 
 
+_NO_PORTS = """
+import sys
+import kvpool_replay._cluster as cluster
+from kvpool_replay import demo
+
+def no_ports(count=5, host="127.0.0.1"):
+    # The machine's ports exhausted (connections in TIME-WAIT): no fake of Mooncake or vLLM.
+    raise RuntimeError(f"no {count} consecutive free TCP ports on {host}")
+
+cluster.free_port_block = no_ports
+sys.exit(demo.main(sys.argv[1:]))
+"""
+
+
+def test_demo_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_PORTS, "--engines", "1", "--speedup", "8", "--engine", "sim",
+         "--refresh", "0.5", "--trace", str(SYNTHETIC)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        "kvpool-console --demo: the demo could not start: no 5 consecutive free TCP ports on "
+        "127.0.0.1"), out.stderr
+    assert _demo_dirs(tmp_path) == set()
+
+
 def _alive(p: psutil.Process) -> bool:
     try:
         return p.status() != psutil.STATUS_ZOMBIE
