@@ -62,6 +62,10 @@ leader's ``/get_all_keys``) are read at start; each layout's
 chunks become resident (least recently used first, in listing order) once an engine's record
 says their chunk bytes. Whatever the service removes follows ``_remover``'s rule, so a
 restarted service that under-counts leaves the rest to the master's watermark.
+
+The loop itself never calls the store: removals and pin reads run on the store thread
+(``kvpool_policy._store_calls``), so a master that does not answer (a call waits 30-90 s in the
+Mooncake client when it is SIGSTOPped, measured) holds up only them.
 """
 
 from __future__ import annotations
