@@ -66,6 +66,7 @@ class CurveZap:
         self._ready.wait()
         if self._failed is not None:
             self._stop.close(linger=0)
+            self._stop = None
             raise self._failed
 
     def stop(self) -> None:

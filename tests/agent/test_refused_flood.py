@@ -50,6 +50,22 @@ def test_every_zap_request_gets_an_answer(request_: list[bytes], status: bytes,
     assert len(reply) == 6
 
 
+def test_a_second_zap_handler_on_one_context_fails_to_start() -> None:
+    """libzmq asks one ZAP handler per context: a second one's start raises (its endpoint is
+    taken) and leaves nothing to stop; the first one stops cleanly, so the context ends."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    first = CurveZap(ctx, {})
+    first.start()
+    try:
+        second = CurveZap(ctx, {})
+        with pytest.raises(zmq.ZMQError):
+            second.start()
+        second.stop()
+    finally:
+        first.stop()
+        ctx.term()
+
+
 @contextmanager
 def _refused_flood(server_public: bytes, endpoints: list[str],
                    sockets: int = 16) -> Iterator[None]:
