@@ -61,7 +61,7 @@ from kvpool_connector.pins import pinned_chunks
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.removal_rule import LeasedKeys
 from kvpool_policy._absent import ABSENT_RETRY_S, AbsentKeys, PolicyKey
-from kvpool_policy._store_calls import StoreCalls, StrictRecords
+from kvpool_policy._store_calls import StoreCalls
 
 logger = logging.getLogger("kvpool.policy")
 
@@ -281,7 +281,6 @@ class Remover:
         if not self.layouts or now - self._pins_read < PIN_REFRESH_S:
             return None
         self._pins_read = now
-        records = StrictRecords(self.backend)  # a master not answering is no "no pins"
         todo = [(d, lay.prefixes[0].split("@")[1]) for d, lay in self.layouts.items()]
 
         def read() -> dict[str, frozenset[str] | Exception]:
@@ -290,7 +289,7 @@ class Remover:
                 try:
                     # chunk_size 1: the loosest bound on what one pin may claim (the service
                     # does not know the layout's chunk size).
-                    got[digest] = pinned_chunks(records, model, digest, 1)  # type: ignore[arg-type]
+                    got[digest] = pinned_chunks(self.backend, model, digest, 1)
                 except Exception as exc:  # any failure: remove nothing of it (step)
                     got[digest] = exc
             return got

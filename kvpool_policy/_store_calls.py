@@ -13,10 +13,9 @@ master was stopped (0.50 s apart before), engines took the master in charge afte
 a later pass: the loop never waits for the store.
 
 Both pin reads answered "no pins" on the dead master (the empty set, no error): the connector's
-record reader (``kvpool_connector._pin_records``) takes ``batch_is_exist``'s error code and
-``get_size``'s negative code for "not there". ``StrictRecords`` makes them errors for the
-service's reads, so a master that does not answer leaves the pins read last in force (an empty
-answer would free every pinned chunk to the policy's eviction).
+record reader (``kvpool_connector._pin_records``) took ``batch_is_exist``'s error code and
+``get_size``'s negative code for "not there"; it raises on them now, so a master that does not
+answer leaves the pins read last in force.
 """
 
 from __future__ import annotations
@@ -24,53 +23,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvpool_agent.vocabulary import ErrorCode
-from kvpool_connector.backends.base import BackendError
-from kvpool_connector.backends.mooncake import MooncakeBackend
-
-__all__ = ["StoreCalls", "StrictRecords"]
+__all__ = ["StoreCalls"]
 
 logger = logging.getLogger("kvpool.policy")
-
-
-class StrictRecords:
-    """The calls a pin read makes (``kvpool_connector.pins.PinReader``) on ``backend``, with a
-    master that did not answer raised rather than read as "no record" (module docstring).
-
-    Raises (every call):
-        BackendError: ``batch_exists`` answered a code other than 1 (there) or 0 (not there),
-            or ``record_size`` a negative code other than OBJECT_NOT_FOUND (-704).
-    """
-
-    def __init__(self, backend: MooncakeBackend) -> None:
-        self._backend = backend
-
-    def batch_exists(self, keys: Sequence[str]) -> list[int]:
-        found = self._backend.batch_exists(keys)
-        if any(rc not in (0, 1) for rc in found):
-            bad = next(rc for rc in found if rc not in (0, 1))
-            raise BackendError(f"batch_is_exist answered {_name(bad)}: the master did not answer")
-        return found
-
-    def record_size(self, key: str) -> int:
-        size = self._backend.record_size(key)
-        if size < 0 and size != ErrorCode.OBJECT_NOT_FOUND:
-            raise BackendError(f"get_size of {key} answered {_name(size)}")
-        return size
-
-    def read_record(self, key: str) -> bytes:
-        return self._backend.read_record(key)
-
-
-def _name(rc: int) -> str:
-    try:
-        return ErrorCode(rc).name
-    except ValueError:
-        return str(rc)
 
 
 class StoreCalls:
