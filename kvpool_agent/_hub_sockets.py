@@ -2,8 +2,8 @@
 queue per connection, and rebuilding a port (``kvpool_agent.hub`` has what each port is for).
 
 With keys every port is a CURVE server whose ZAP domain (``PORT_DOMAIN``) admits only the
-public keys of the roles ``ZAP_DOMAINS`` names (``kvpool_agent.auth.AllowList``, answered by
-``kvpool_agent._zap.CurveZap``); a refused handshake is counted per port from the socket's monitor
+public keys of the roles ``ZAP_DOMAINS`` names (``kvpool_agent.auth.AllowList``, pyzmq's
+``ThreadAuthenticator``); a refused handshake is counted per port from the socket's monitor
 (``HubCounters.refused_connections``). Every queue is bounded in messages per connection and
 every message in bytes (``kvpool_agent._hub_memory``: the sum the hub promises), and every
 port's connections per key (``kvpool_agent.key_caps``: refused at the handshake, or shut down
@@ -19,6 +19,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool_agent._hub_connections import ConnectionTable
@@ -32,7 +33,6 @@ from kvpool_agent._hub_memory import (
     PUB_SNDHWM,
 )
 from kvpool_agent._key_files import check_private
-from kvpool_agent._zap import CurveZap
 from kvpool_agent.auth import AllowList, Role
 from kvpool_agent.key_caps import CappedAdmission, KeyCaps, admit_message
 from kvpool_agent.protocol import MAX_MESSAGE_BYTES
@@ -144,7 +144,7 @@ class HubSockets:
         self.secret_key_file = secret_key_file
         self.counters = counters
         self.allow: AllowList | None = None
-        self.auth: CurveZap | None = None
+        self.auth: ThreadAuthenticator | None = None
         self.socks: list[zmq.Socket[bytes]] = []
         # Monitor socket -> the port name its handshake failures are counted under.
         self.monitors: dict[zmq.Socket[bytes], str] = {}
@@ -309,9 +309,11 @@ class HubSockets:
         if not secret:
             raise ValueError(f"secret_key_file {self.secret_key_file} holds no secret key")
         self.allow = AllowList(adir, ZAP_DOMAINS)
-        admission = CappedAdmission(self.allow, self.caps, _DOMAIN_PORT)
-        self.auth = CurveZap(self.ctx, dict.fromkeys(ZAP_DOMAINS, admission.callback))
+        self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
+        for domain in ZAP_DOMAINS:
+            self.auth.configure_curve_callback(
+                domain, CappedAdmission(self.allow, self.caps, _DOMAIN_PORT))
         return public, secret
 
     def admit(self, port: str, frame: zmq.Frame) -> bool:

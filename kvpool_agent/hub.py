@@ -1,7 +1,7 @@
 """The fleet hub: agents report to it, consoles watch it and send commands through it.
 
 Ports, for ``address="tcp://HOST:P"``. With keys (``kvpool-agent keygen --role hub``) every
-port is a CURVE server and a ZAP handler (``kvpool_agent._zap.CurveZap`` with
+port is a CURVE server and a ZAP handler (pyzmq's ``ThreadAuthenticator`` with
 ``kvpool_agent.auth.AllowList``) admits only the public keys in ``authorized_keys/<role>/``;
 a refused handshake is counted per port (``refused_connections``, also sent to consoles in
 ``FleetUpdate.refused_connections``). Without keys every port is plain and the hub binds
