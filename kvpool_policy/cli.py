@@ -137,10 +137,8 @@ def _status(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.wait) and args.wait > 0):
         return _fail(f"--wait {args.wait:g}: must be a finite number of seconds above 0, e.g. "
                      f"{DEFAULT_STALE_S:g} (the default)")
-    paths = KeyPaths.of(args.keys)
-    if (problem := _hub_dir_as_client_problem(paths)) is not None:
-        return _fail(problem)
     try:
+        paths = KeyPaths.of(args.keys)
         keys = paths.client(paths.console_role())
     except ValueError as exc:
         return _fail(f"--keys: {exc}")
@@ -165,28 +163,6 @@ def _fail(msg: str) -> int:
 
 def _warn(msg: str) -> None:
     print(f"kvpool-policy: warning: {msg}", file=sys.stderr)
-
-
-def _hub_dir_as_client_problem(paths: KeyPaths) -> str | None:
-    """Why ``status --keys`` cannot use ``paths`` when it is the hub's keys directory (the one
-    ``serve --keys`` takes) with no viewer or operator pair in it, or None.
-
-    The generic message (``KeyPaths.console_role``) would suggest making a client key pair
-    inside the hub's directory: client secrets belong on the machine that uses them, the hub's
-    directory holds only their public halves (``authorized_keys/ROLE/``).
-    """
-    if not (paths.root.is_dir() and (paths.hub_secret.exists() or paths.authorized_dir.is_dir())):
-        return None
-    if any(paths.secret(role).is_file() for role in ("operator", "viewer")):
-        return None
-    return (f"--keys {paths.root} is the hub's keys directory (hub.key_secret, authorized_keys/): "
-            "status connects to the service as a console does and needs a client keys directory "
-            "holding hub.key and a viewer or operator key pair (viewer.key_secret or "
-            "operator.key_secret), e.g. the DIR you give kvpool-console --keys. To make one on "
-            "the machine you run status on: `kvpool-agent keygen --role viewer DIR`, copy "
-            f"{paths.hub_public} into DIR, then copy DIR/viewer.key to the hub's machine and "
-            f"allow it there: `kvpool-agent authorize --role viewer {paths.root} viewer.key` "
-            "(the service accepts the keys in the hub's authorized_keys/)")
 
 
 def _hub_keys_problem(root: str) -> str | None:

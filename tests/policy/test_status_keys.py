@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """``python -m MODULE ARGV`` (``kvpool-policy``'s or ``kvpool-agent``'s module) in a child."""
+    """``python -m MODULE ARGV`` (a command's module) in a child."""
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
                           timeout=120, check=False, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -34,10 +34,12 @@ def test_status_with_the_hubs_keys_dir_names_the_client_key_it_needs(tmp_path: P
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
     (line,) = out.stderr.splitlines()
-    assert line.startswith(f"kvpool-policy: --keys {hub} is the hub's keys directory"), line
+    assert line.startswith(f"kvpool-policy: --keys: keys dir {hub} is the hub's keys "
+                           "directory"), line
     # Which key: a viewer or operator pair in a client's directory, with the hub's hub.key.
     for needed in ("a client keys directory", "a viewer or operator key pair",
-                   "kvpool-console --keys", "`kvpool-agent keygen --role viewer DIR`",
+                   "kvpool-console, kvpool-policy status",
+                   "`kvpool-agent keygen --role viewer DIR`",
                    f"copy {hub / 'hub.key'} into DIR",
                    f"`kvpool-agent authorize --role viewer {hub} viewer.key`"):
         assert needed in line, line
@@ -45,6 +47,11 @@ def test_status_with_the_hubs_keys_dir_names_the_client_key_it_needs(tmp_path: P
     for role in ("operator", "viewer", "agent"):
         assert f"keygen --role {role} {hub}" not in line, line
     assert _files(hub) == before
+    # kvpool-console's --keys is read by the same rule (KeyPaths.console_role): the same line.
+    con = _cli("kvpool_console.cli", "status", "--hub", "tcp://127.0.0.1:5600", "--keys",
+               str(hub))
+    assert con.returncode == 2 and "Traceback" not in con.stderr, con.stderr
+    assert con.stderr.strip() == "kvpool-console: " + line.split(": --keys: ", 1)[1]
 
     # The steps it names, followed: status gets past its keys (no service runs here, so the
     # master is in charge: exit 1, not the keys error).
