@@ -5,8 +5,8 @@ concurrently, as fast as they can, requests round-robin in trace order; one shar
 ``mooncake_master`` and a separate store process over TCP on 127.0.0.1; 64 B/token, chunk 512):
 
 * ``service``: ``kvpool-replay --admission service``: the pool-wide policy service
-  (``kvpool-policy serve``) beside the master, filling ``REPLAY_FILL`` of the pool, the master's
-  watermark above it;
+  (``kvpool-policy serve``) beside the master, filling ``--policy-fill`` of the pool (default
+  ``ReplayConfig.policy_fill``, 0.8), the master's watermark (0.95) above it;
 * ``per-engine``: ``--admission adaptive --eviction connector``: each engine its own policy of
   its share of the pool (pool / N), its worker removing what falls out (the policy before the
   service);
@@ -87,11 +87,13 @@ def offline(path: str, limit: int | None, caps: list[int]) -> tuple[int, dict[in
                             "min": belady_hits(items, CHUNK, cap).hit_rate} for cap in caps}
 
 
-def replay(path: str, limit: int | None, cap: int, engines: int, policy: str) -> dict:
+def replay(path: str, limit: int | None, cap: int, engines: int, policy: str,
+           fill: float) -> dict:
     """One real replay: its hit rate, corrupt blocks, load errors and the service's cost."""
     t0 = time.monotonic()
     cfg = ReplayConfig(trace_path=path, limit=limit, pool_tokens=cap, engines=engines,
-                       shape=SHAPE, show_progress=True, **POLICIES[policy])  # type: ignore[arg-type]
+                       shape=SHAPE, show_progress=True, policy_fill=fill,
+                       **POLICIES[policy])  # type: ignore[arg-type]
     # SIGTERM or SIGHUP stops the replay's engines, master, store and service on the way out
     # (killed on the spot they would run on); the rows measured so far stay in --json-out.
     with stop_signals() as sig:
@@ -121,6 +123,9 @@ def main() -> int:
                    help="engine counts, comma-separated (default 1,2,4,8)")
     p.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="NAMES",
                    help="replay columns, comma-separated, of " + ", ".join(POLICIES))
+    p.add_argument("--policy-fill", type=float, default=ReplayConfig(trace_path="").policy_fill,
+                   metavar="F", help="share of the pool the service fills, in (0, 0.95] "
+                   "(default %(default)s)")
     p.add_argument("--json-out", type=Path, default=None,
                    help="write the rows as JSON after every replay")
     p.add_argument("--resume", action="store_true",
@@ -141,11 +146,15 @@ def main() -> int:
         kept = json.loads(args.json_out.read_text())
         if kept.get("limit") != limit:
             p.error(f"--resume: {args.json_out} was measured with --limit {kept.get('limit')}")
+        if kept.get("policy_fill", 0.8) != args.policy_fill:
+            p.error(f"--resume: {args.json_out} was measured with --policy-fill "
+                    f"{kept.get('policy_fill', 0.8)}")
         rows = kept["rows"]
 
     def save() -> None:
         if args.json_out is not None:
-            args.json_out.write_text(json.dumps({"limit": limit, "rows": rows}, indent=1))
+            args.json_out.write_text(json.dumps(
+                {"limit": limit, "policy_fill": args.policy_fill, "rows": rows}, indent=1))
 
     for name in names:
         path = str(default_trace_path(name))
@@ -161,11 +170,12 @@ def main() -> int:
                     print(f"{name} {cap:,} tokens, {n} engines, {policy}", flush=True)
                     rows[key] = {"trace": name, "pool_tokens": cap, "engines": n,
                                  "policy": policy, "accesses": accesses, **ref[cap],
-                                 **replay(path, limit, cap, n, policy)}
+                                 **replay(path, limit, cap, n, policy, args.policy_fill)}
                     r = rows[key]
                     print(f"  hit {r['hit']:.2%} (LRU {r['lru']:.2%}, MIN {r['min']:.2%}), "
                           f"corrupt {r['corrupt']}, {r['wall_s']:.0f} s", flush=True)
                     save()
+    print(f"\nservice fill {args.policy_fill:g} of the pool")
     table(rows)
     print(f"total bench time {time.monotonic() - started:.0f} s")
     return 0

@@ -133,8 +133,11 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
             | ``service``); ``adaptive`` needs ``pool_tokens`` and is told each engine's share
             of the pool (``admission_pool_tokens``: pool tokens / engines on it); ``service``
             starts ``kvpool-policy serve`` (``LocalPolicyService``, fleet keys of its own)
-            filling ``REPLAY_FILL`` of the shared pool, masters at ``REPLAY_WATERMARK``; its
+            filling ``policy_fill`` of the shared pool, masters at ``REPLAY_WATERMARK``; its
             removed keys count as ``evicted_keys``.
+        policy_fill: with ``admission: service``, the share of the pool the service fills
+            (``kvpool-policy serve --fill``, in (0, ``REPLAY_WATERMARK``]; ``ValueError``
+            otherwise); ``bench/bench_fleet.py --policy-fill`` measures it.
         eviction: the engines' ``kv_connector_extra_config.eviction`` (``pool`` |
             ``connector``); ``connector`` needs ``pool_tokens`` and keeps each engine's share
             (``admission_pool_tokens``).
@@ -170,6 +173,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kill_leader_after_s: float | None = None
     kill_policy_after: int | None = None
     admission: AdmissionMode = "all"
+    policy_fill: float = REPLAY_FILL
     eviction: EvictionMode = "pool"
     default_kv_lease_ttl_ms: int | None = None
     disk_tier_tokens: int | None = None
@@ -434,6 +438,9 @@ def run_replay(
         raise ValueError(refusal)
     if cfg.kill_policy_after is not None and cfg.admission != "service":
         raise ValueError("--kill-policy-after needs --admission service (a service to kill)")
+    if not 0 < cfg.policy_fill <= REPLAY_WATERMARK:
+        raise ValueError(f"policy_fill {cfg.policy_fill}: must be in (0, {REPLAY_WATERMARK}] "
+                         f"(the masters' watermark), e.g. {REPLAY_FILL}")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")
@@ -561,7 +568,7 @@ def run_replay(
             if cfg.admission == "service" and service_beside is not None:
                 keys = local_fleet_keys(work / "keys")
                 policy = stack.enter_context(LocalPolicyService(
-                    service_beside, keys["hub"].root, fill=REPLAY_FILL, log_dir=logs))
+                    service_beside, keys["hub"].root, fill=cfg.policy_fill, log_dir=logs))
                 admission |= {"policy_service": policy.address,
                               "agent_keys": str(keys["agent"].root)}
             assert store.proc is not None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_replay import ReplayConfig, default_trace_path
+from kvpool_replay import ReplayConfig, default_trace_path, run_replay
 from kvpool_replay._replay import default_admission, service_refusal
 from kvpool_replay.cli import main
 
@@ -139,3 +139,14 @@ def test_an_explicit_service_without_a_bounded_memory_only_pool_is_refused(
         timeout=120, check=False, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
     assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"kvpool-replay: {line}"], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fill", [0.0, 0.96, float("nan")])
+def test_a_service_fill_outside_the_watermark_is_refused_before_anything_starts(
+        fill: float, tmp_path: Path) -> None:
+    """``ReplayConfig.policy_fill`` (``bench_fleet.py --policy-fill``) must leave the masters'
+    watermark (0.95) above it: refused with the range and the default, nothing started."""
+    cfg = ReplayConfig(trace_path=TRACE, limit=4, pool_tokens=300_000, admission="service",
+                       policy_fill=fill)
+    with pytest.raises(ValueError, match=r"policy_fill .*: must be in \(0, 0\.95\] .* e\.g\. 0\.8"):
+        run_replay(cfg)
