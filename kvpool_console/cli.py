@@ -26,9 +26,10 @@ serves nothing to a console without one.
 
 Exit status: 0 ok; 1 ``status --fail-on`` matched an active alert, a health check failed, a
 flush, pin or unpin reported errors, or ``whatif`` got no reuse figures within ``--wait``; 2 usage
-error, hub not reachable or demo not startable (bad trace or option); 3 refused (read-only, not
-confirmed); 128+N left on signal N (SIGHUP, SIGTERM), after stopping everything a demo started
-and restoring the terminal.
+error, hub not reachable or demo not startable (bad trace or option, a process that exited at
+start, no free ports); 3 refused (read-only, not confirmed); 128+N left on signal N (SIGHUP,
+SIGTERM; SIGINT before a demo's TUI drew), after stopping everything a demo started and
+restoring the terminal.
 """
 
 from __future__ import annotations
