@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             "kvpool policy: exiting without closing the HA pool's store client (its close "
             "waits out an etcd watch, about 30 s)")
         logging.shutdown()
+        sys.stdout.flush()  # os._exit skips the interpreter's flush of buffered output
+        sys.stderr.flush()
         os._exit(0)
     return 0
 
