@@ -38,7 +38,9 @@ class StoreCalls:
 
     ``submit`` a call, then ``take`` its ``Future`` once done (``None`` before); ``busy`` from
     the ``submit`` until the ``take``. ``close`` stops the thread without waiting for a call
-    still blocked in the store (a daemon: it never holds the process's exit).
+    still blocked in the store (a daemon: it never holds the process's exit; a
+    ``ThreadPoolExecutor``'s threads are joined at the interpreter's exit, a 30-90 s call to a
+    stopped master included).
     """
 
     def __init__(self, threaded: bool = True) -> None:
