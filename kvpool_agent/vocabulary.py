@@ -93,6 +93,7 @@ class ErrorCode(IntEnum):
     LEASE_EXPIRED = -707
     TRANSFER_FAIL = -800
     RPC_FAIL = -900
+    RPC_TIMEOUT = -901
     ETCD_OPERATION_ERROR = -1000
     ETCD_KEY_NOT_EXIST = -1001
     ETCD_TRANSACTION_FAIL = -1002
@@ -146,6 +147,8 @@ HINTS: dict[str, str] = {
     "TRANSFER_FAIL": "transfer engine could not move the bytes: check protocol/device_name and "
     "the network between the segment owner and this engine",
     "RPC_FAIL": "master unreachable: check mooncake_master and master_server_address",
+    "RPC_TIMEOUT": "the master did not answer within the RPC timeout (a stopped or overloaded "
+    "master): check mooncake_master's process and load; the call may still have taken effect",
     "ETCD_OPERATION_ERROR": "the master's etcd failed: check etcd (metadata_server / the "
     "master's --etcd_endpoints) and its health",
     "ETCD_KEY_NOT_EXIST": "a key the master expects in etcd is missing: restart the master "

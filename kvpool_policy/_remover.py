@@ -100,10 +100,12 @@ due first. Keys evicted now are not counted here (their first try is what the re
 bounds)."""
 
 MASTER_UNREACHABLE = frozenset({
-    ErrorCode.RPC_FAIL, ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
+    ErrorCode.RPC_FAIL, ErrorCode.RPC_TIMEOUT, ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
     ErrorCode.ETCD_OPERATION_ERROR, ErrorCode.ETCD_TRANSACTION_FAIL, ErrorCode.ETCD_CTX_CANCELLED})
 """``batch_remove`` codes that say the master did not answer or does not serve (Mooncake's
-``types.h``: RPC_FAIL -900 from a client whose master died, measured on mooncake-transfer-engine
+``types.h``: RPC_FAIL -900 from a client whose master died, RPC_TIMEOUT -901 after 30 s from
+one whose master is stopped (SIGSTOP; the master may still carry the remove out when it
+resumes: the retry then finds the key gone), both measured on mooncake-transfer-engine
 0.3.13; UNAVAILABLE_IN_CURRENT_STATUS -1010 from a standby or a leader warming up; the etcd
 ones from an HA client): the key is kept and tried again (module docstring)."""
 

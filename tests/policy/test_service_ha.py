@@ -190,18 +190,20 @@ def test_sigterm_stops_an_ha_following_service_at_once(ha_pool: HaPool) -> None:
 
 
 class DeadMaster(Store):
-    """``Store`` whose master stops answering (``down``: RPC_FAIL for every key, as a client
-    of a killed leader answers) and counts the calls."""
+    """``Store`` whose master stops answering (``down``: ``code`` for every key: RPC_FAIL as a
+    client of a killed leader answers, RPC_TIMEOUT as one of a SIGSTOPped master does after
+    30 s, both measured) and counts the calls."""
 
-    def __init__(self, chunks: Sequence[int]) -> None:
+    def __init__(self, chunks: Sequence[int], code: int = ErrorCode.RPC_FAIL) -> None:
         super().__init__(chunks)
         self.down = False
         self.calls = 0
+        self.code = code
 
     def batch_remove(self, keys: Sequence[str]) -> list[int]:
         self.calls += 1
         if self.down:
-            return [ErrorCode.RPC_FAIL] * len(keys)
+            return [self.code] * len(keys)
         return super().batch_remove(keys)
 
 
@@ -212,10 +214,11 @@ def pins(monkeypatch: pytest.MonkeyPatch) -> PinRecords:
     return records
 
 
-def _evicted_while_down(chunks: int) -> tuple[Clock, DeadMaster, Remover]:
+def _evicted_while_down(chunks: int, code: int = ErrorCode.RPC_FAIL
+                        ) -> tuple[Clock, DeadMaster, Remover]:
     """A remover over ``chunks`` chunks whose master went down, asked to evict chunk 0."""
     clock = Clock()
-    store = DeadMaster(range(chunks))
+    store = DeadMaster(range(chunks), code)
     remover = Remover(store, 60.0, clock)  # type: ignore[arg-type]
     assert remover.learn(FAKE_LAYOUT)
     store.down = True
@@ -223,9 +226,11 @@ def _evicted_while_down(chunks: int) -> tuple[Clock, DeadMaster, Remover]:
     return clock, store, remover
 
 
+@pytest.mark.parametrize("code", [ErrorCode.RPC_FAIL, ErrorCode.RPC_TIMEOUT],
+                         ids=lambda c: ErrorCode(c).name)
 def test_removals_the_master_did_not_answer_are_kept_and_tried_again(
-        pins: PinRecords) -> None:
-    clock, store, remover = _evicted_while_down(3)
+        pins: PinRecords, code: int) -> None:
+    clock, store, remover = _evicted_while_down(3, code)
     assert remover.step() == 0 and store.calls == 1
     assert remover.failed == 0 and remover.waiting == 2  # kept, not failed
     # No store call (removal or pin read) before the wait: a dead master's calls block.
