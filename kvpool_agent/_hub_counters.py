@@ -12,6 +12,7 @@ on another thread sees a value at most one increment old.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, fields
 
 from kvpool_agent.protocol import MAX_ID_CHARS, MAX_NAMES, clip
@@ -21,9 +22,29 @@ __all__ = ["COUNTER_NAMES", "HubCounters"]
 log = logging.getLogger("kvpool.hub")
 
 _LOGGED_FIRST = 3
-"""Refusals of a key, and bad messages, logged one by one before the log is rate-limited
-(then every ``_LOGGED_EVERY``th): a flood is no log flood."""
-_LOGGED_EVERY = 1000
+"""Refusals of a key, bad messages and lost replies logged one by one before the log is
+rate-limited (then one line each ``_LOGGED_EVERY_S`` with the count since): a flood is no log
+flood. Counted by number (every 1,000th) it was: 324,237 refused reports of one key in 10 s
+logged 656 lines (helper 61), ~5.6 M a day."""
+_LOGGED_EVERY_S = 10.0
+
+
+@dataclass
+class _LogThrottle:
+    """Per subject (a key's name, or one for all bad messages): whether its ``n``-th event is
+    logged now, and how many went unlogged since its last line."""
+
+    last: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def due(self, subject: str, n: int) -> int | None:
+        """``None``: not logged; else the events not logged before this one."""
+        now = time.monotonic()
+        if n > _LOGGED_FIRST and now - self.last.get(subject, -_LOGGED_EVERY_S) < _LOGGED_EVERY_S:
+            self.skipped[subject] = self.skipped.get(subject, 0) + 1
+            return None
+        self.last[subject] = now
+        return self.skipped.pop(subject, 0)
 _REPORT_REFUSALS = {"takeover": "takeover_refused", "pool": "pool_binding_refused",
                     "oversized": "oversized_states", "full": "fleet_full"}
 """A refused report's reason kind -> the counter it raises (``count_report_refused``)."""
@@ -74,20 +95,23 @@ class HubCounters:
     shared_listings: int = 0
     refused_connections: dict[str, int] = field(default_factory=dict)
     refused_by_key: dict[str, int] = field(default_factory=dict)
+    _logs: _LogThrottle = field(default_factory=_LogThrottle, repr=False, compare=False)
 
     def bad(self, where: str, why: str) -> None:
-        """Count one message dropped on port ``where``, logged rate-limited."""
+        """Count one message dropped on port ``where``, logged rate-limited (``_LOGGED_FIRST``)."""
         self.bad_messages += 1
         n = self.bad_messages
-        if n <= 10 or n % _LOGGED_EVERY == 0:
-            log.warning("kvpool hub: dropped bad message #%d on %s: %s", n, where, why[:200])
+        if (skipped := self._logs.due("bad", n)) is not None:
+            log.warning("kvpool hub: dropped bad message #%d on %s (%d more not logged since "
+                        "the last line): %s", n, where, skipped, why[:200])
 
     def refuse(self, key: str, why: str) -> None:
         """Count one refusal of ``key``'s (a command, report or audit line over a budget or
-        bound), logged for a key's first 3 and every 1000th."""
+        bound), logged rate-limited per key (``_LOGGED_FIRST``)."""
         n = self.refused_by_key[key] = self.refused_by_key.get(key, 0) + 1
-        if n <= _LOGGED_FIRST or n % _LOGGED_EVERY == 0:
-            log.warning("kvpool hub: refused #%d of key %s: %s", n, key, why[:200])
+        if (skipped := self._logs.due(f"key {key}", n)) is not None:
+            log.warning("kvpool hub: refused #%d of key %s (%d more not logged since the last "
+                        "line): %s", n, key, skipped, why[:200])
 
     def count_report_refused(self, why: str) -> None:
         """Count one report refused, by its reason's kind (the text before its ``:``, from
@@ -107,8 +131,9 @@ class HubCounters:
     def lose_reply(self, why: object) -> None:
         """Count one reply a console never got (it disconnected, or its queue is full)."""
         self.lost_replies += 1
-        if self.lost_replies <= 10 or self.lost_replies % _LOGGED_EVERY == 0:
-            log.warning("kvpool hub: reply #%d to a console lost (%s)", self.lost_replies, why)
+        if (skipped := self._logs.due("lost", self.lost_replies)) is not None:
+            log.warning("kvpool hub: reply #%d to a console lost (%d more not logged since the "
+                        "last line): %s", self.lost_replies, skipped, why)
 
     def metrics(self) -> dict[str, int]:
         """Name -> count for ``/metrics`` (``kvpool_hub_<name>_total``): the plain counters."""

@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "localhost"):
                 logging.getLogger("kvpool.hub").warning(
                     "/metrics on %s has no authentication: whoever reaches it reads the fleet "
-                    "state the keyed ports protect (--metrics-host)", args.metrics_host)
+                    "state the keyed ports protect, refused keys' names included, which the "
+                    "console port sends operators only (--metrics-host)", args.metrics_host)
             try:
                 stop.wait()
             finally:
