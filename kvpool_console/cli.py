@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -93,7 +94,8 @@ def _common(top: bool) -> argparse.ArgumentParser:
                         help="keys directory: hub.key and an operator or viewer key pair "
                         "(kvpool-agent keygen --role operator|viewer); only operator changes "
                         "the pool (default: $KVPOOL_KEYS_DIR)")
-    common.add_argument("--wait", type=float, default=default(3.0), metavar="S",
+    common.add_argument("--wait", type=_seconds_at_least(_LEAST_WAIT_S), default=default(3.0),
+                        metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
     common.add_argument("--watermark-ratio", type=_fraction, default=default(None),
                         metavar="R", help="pool usage fraction that raises pool_watermark "
@@ -128,17 +130,36 @@ def _fraction(text: str) -> float:
 
 def _non_negative(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value:g}")
     return value
+
+
+def _seconds_at_least(low: float) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number of seconds >= ``low`` (``--refresh -5`` or
+    ``nan`` hung the TUI before its first draw, deaf to q, Ctrl-C and SIGTERM)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number of seconds >= {low:g}, got {value:g}")
+        return value
+    return parse
+
+
+_FASTEST_REFRESH_S = 0.25
+"""The TUI's fastest redraw (``kvpool_console.app.REFRESH_STEPS[0]``; not imported here: the
+one-shot modes do not load Textual)."""
+_LEAST_WAIT_S = 0.1
 
 
 def _parser() -> argparse.ArgumentParser:
     common = _common(top=False)
     p = argparse.ArgumentParser(prog="kvpool-console", parents=[_common(top=True)],
                                 description="Watch and operate a kvpool KV-cache pool fleet.")
-    p.add_argument("--refresh", type=float, default=1.0, metavar="S",
-                   help="TUI redraw interval in seconds (default 1; + / - change it live)")
+    p.add_argument("--refresh", type=_seconds_at_least(_FASTEST_REFRESH_S), default=1.0,
+                   metavar="S", help="TUI redraw interval in seconds, at least "
+                   f"{_FASTEST_REFRESH_S:g} (default 1; + / - change it live)")
     p.add_argument("--ssh-config", default=None, metavar="FILE",
                    help="ssh config file for triage (key t) and the triage command "
                         "(default ~/.ssh/config)")

@@ -73,6 +73,15 @@ def test_demo_is_handed_to_kvpool_replay_with_its_options(tmp_path: Path) -> Non
      "--trace /nonexistent/trace.jsonl not found: pass --trace PATH or set KVPOOL_TRACES_DIR"),
     (["--demo", "--engines", "0"], "argument --engines: must be >= 1, got 0"),
     (["--demo", "--engines", "-3"], "argument --engines: must be >= 1, got -3"),
+    # A negative or NaN redraw interval hung the TUI before its first draw (q, Ctrl-C and
+    # SIGTERM unheard; a SIGKILL then left the demo's processes behind).
+    (["--demo", "--refresh", "-5"],
+     "argument --refresh: must be a finite number of seconds >= 0.25, got -5"),
+    (["--refresh", "nan"], "argument --refresh: must be a finite number of seconds >= 0.25, "
+     "got nan"),
+    (["--demo", "--speedup", "nan"], "argument --speedup: must be a finite number >= 0, got nan"),
+    (["status", "--wait", "0"], "argument --wait: must be a finite number of seconds >= 0.1, "
+     "got 0"),
 ])
 def test_demo_bad_options_exit_2_cleanly(argv: list[str], needle: str, tmp_path: Path) -> None:
     out = _console(*argv, tmp=tmp_path)
