@@ -42,7 +42,8 @@ def pool_bytes_for_tokens(tokens: int, shape: ModelShape) -> int:
     return math.ceil(raw / _MIB) * _MIB
 
 
-def require_memory(pool_bytes: int, available_bytes: int | None = None) -> None:
+def require_memory(pool_bytes: int, available_bytes: int | None = None, *,
+                   fix: str = "use a smaller --pool-tokens") -> None:
     """Refuse pools the machine cannot hold before starting anything: ``mooncake_client``
     allocates its whole segment at start and aborts when that fails ("Failed to allocate
     segment memory", then a fatal ``Failed to setup client: INVALID_PARAMS``).
@@ -51,6 +52,7 @@ def require_memory(pool_bytes: int, available_bytes: int | None = None) -> None:
         pool_bytes: segment bytes of every pool the run starts, together.
         available_bytes: memory available to new processes, bytes (default
             ``psutil.virtual_memory().available``).
+        fix: what the message tells the operator to change.
 
     Raises:
         ValueError: ``pool_bytes`` > ``available_bytes``; the message names both.
@@ -60,7 +62,7 @@ def require_memory(pool_bytes: int, available_bytes: int | None = None) -> None:
     if pool_bytes > available_bytes:
         raise ValueError(
             f"the pool needs {pool_bytes:,} bytes of memory but only {available_bytes:,} bytes "
-            "are available: use a smaller --pool-tokens"
+            f"are available: {fix}"
         )
 
 

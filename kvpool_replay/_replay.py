@@ -379,18 +379,19 @@ def service_refusal(cfg: ReplayConfig) -> str | None:
     if cfg.eviction != "pool":
         return ("--admission service evicts for the whole pool itself: drop --eviction "
                 "connector (or give --admission adaptive for per-engine eviction)")
+    if cfg.disk_tier_tokens is not None:
+        # The service sizes itself to the memory tier, and its unforced Remove erases the
+        # object with every replica (Mooncake's MasterService::Remove, accessor.Erase()), the
+        # disk tier's too: what it evicts from memory would never reach the disk tier.
+        return ("--admission service removes what it evicts from every tier, the disk tier's "
+                "copy too: drop --disk-tier-tokens (or give --admission all with --pool-tokens "
+                "for a disk tier)")
     if cfg.pool_tokens is None:
         # Unbounded, the replay sizes its segment to hold every chunk of the trace below the
         # watermark: the service (0.8 of it) would evict nothing and its doorkeeper could
         # only refuse saves the pool has room for.
         return ("--admission service steers a bounded pool: give --pool-tokens, e.g. "
                 "--pool-tokens 1000000 (or --admission all for an unbounded one)")
-    if cfg.disk_tier_tokens is not None:
-        # The service sizes itself to the memory tier, and its unforced Remove erases the
-        # object with every replica (Mooncake's MasterService::Remove, accessor.Erase()), the
-        # disk tier's too: what it evicts from memory would never reach the disk tier.
-        return ("--admission service removes what it evicts from every tier, the disk tier's "
-                "copy too: drop --disk-tier-tokens (or give --admission all for a disk tier)")
     return None
 
 
@@ -451,9 +452,13 @@ def run_replay(
     if cfg.disk_tier_dir is not None and not Path(cfg.disk_tier_dir).is_absolute():
         raise ValueError(f"--disk-tier-dir {cfg.disk_tier_dir!r} is relative: give an "
                          "absolute directory")
+    if cfg.disk_tier_dir is not None and cfg.disk_tier_tokens is None:
+        raise ValueError("--disk-tier-dir is where a disk tier's files go: give "
+                         "--disk-tier-tokens N too (or drop --disk-tier-dir)")
     if cfg.chunk_size % cfg.shape.block_size:
-        raise ValueError(f"chunk_size {cfg.chunk_size} must be a multiple of block_size "
-                         f"{cfg.shape.block_size}")
+        raise ValueError(f"--chunk-size {cfg.chunk_size} must be a multiple of --block-size "
+                         f"{cfg.shape.block_size}, e.g. --chunk-size "
+                         f"{max(1, cfg.chunk_size // cfg.shape.block_size) * cfg.shape.block_size}")
     t_start = time.monotonic()
     # With eviction: connector the connector keeps the pool at its capacity (docs/connector/
     # pool-memory.md#eviction): masters started here evict only when a put finds no room.
@@ -489,7 +494,10 @@ def run_replay(
     if cfg.disk_tier_tokens is not None:
         per_pool_disk = cfg.disk_tier_tokens // (n_eng if cfg.mode == "private" else 1)
         disk_bytes = max(1, per_pool_disk) * cfg.shape.bytes_per_token
-    require_memory(segment * (n_eng if cfg.mode == "private" else 1))
+    require_memory(segment * (n_eng if cfg.mode == "private" else 1), fix=(
+        "use a smaller --pool-tokens" if cfg.pool_tokens is not None else
+        "without --pool-tokens the pool holds every chunk of the replayed requests at this "
+        "shape: give --pool-tokens (a bounded pool that evicts) or a smaller --limit"))
 
     pools = (f"one shared pool of {segment / _MIB:.0f} MiB ({per_pool_tokens:,} tokens)"
              if cfg.mode == "shared" else f"{n_eng} private pools of {segment / _MIB:.0f} MiB "

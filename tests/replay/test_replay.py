@@ -158,6 +158,14 @@ def test_cli_rejects_a_pool_larger_than_available_memory(
     assert err.endswith(" bytes are available: use a smaller --pool-tokens\n")
     # One line, before anything started (no "replaying ..." status line, no Mooncake abort).
     assert err.count("\n") == 1, err
+    # Unbounded (no --pool-tokens): the whole trace at Llama-3-70B's shape (320 KiB a token)
+    # needs terabytes; the line names what to give, not a flag the operator never typed.
+    assert main([str(good), "--model-shape", "llama3-70b"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(" bytes are available: without --pool-tokens the pool holds every "
+                        "chunk of the replayed requests at this shape: give --pool-tokens (a "
+                        "bounded pool that evicts) or a smaller --limit\n"), err
+    assert err.count("\n") == 1, err
     # Private mode: every engine's pool counts.
     assert main([str(good), "--limit", "5", "--engines", "4", "--private",
                  "--pool-tokens", str(tokens)]) == 2
@@ -247,6 +255,15 @@ def test_cli_disk_tier_needs_a_memory_tier_and_an_absolute_dir(
                  "4000000", "--disk-tier-dir", "disk"]) == 2
     assert capsys.readouterr().err == (
         "kvpool-replay: --disk-tier-dir 'disk' is relative: give an absolute directory\n")
+    # Given alone it was silently ignored (new user).
+    assert main([str(good), "--limit", "5", "--disk-tier-dir", "/tmp/disk"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool-replay: --disk-tier-dir is where a disk tier's files go: give "
+        "--disk-tier-tokens N too (or drop --disk-tier-dir)\n")
+    assert main([str(good), "--limit", "5", "--block-size", "48", "--chunk-size", "100"]) == 2
+    assert capsys.readouterr().err == (
+        "kvpool-replay: --chunk-size 100 must be a multiple of --block-size 48, e.g. "
+        "--chunk-size 96\n")
 
 
 def test_cli_master_admin_url_needs_master(capsys: pytest.CaptureFixture[str]) -> None:

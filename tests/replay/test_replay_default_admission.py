@@ -125,8 +125,14 @@ def test_kill_policy_after_without_a_pool_size_names_the_fix(
      "1000000 (or --admission all for an unbounded one)"),
     (["--pool-tokens", "300000", "--disk-tier-tokens", "1000000"],
      "--admission service removes what it evicts from every tier, the disk tier's copy too: "
-     "drop --disk-tier-tokens (or give --admission all for a disk tier)"),
-], ids=["unbounded", "disk-tier"])
+     "drop --disk-tier-tokens (or give --admission all with --pool-tokens for a disk tier)"),
+    # Without --pool-tokens too: the disk tier's line first, whose fix leads out (the
+    # unbounded line's "give --pool-tokens" led to the disk-tier refusal, and "--admission
+    # all" to "--disk-tier-tokens needs --pool-tokens": a new user went round in circles).
+    (["--disk-tier-tokens", "1000000"],
+     "--admission service removes what it evicts from every tier, the disk tier's copy too: "
+     "drop --disk-tier-tokens (or give --admission all with --pool-tokens for a disk tier)"),
+], ids=["unbounded", "disk-tier", "disk-tier-unbounded"])
 def test_an_explicit_service_without_a_bounded_memory_only_pool_is_refused(
         flags: list[str], line: str) -> None:
     """``kvpool-replay --admission service`` as an operator runs it (a child process): without
