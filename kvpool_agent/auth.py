@@ -163,21 +163,25 @@ class KeyPaths:
         for role in ("operator", "viewer"):
             if self.secret(cast(Role, role)).is_file():
                 return cast(Role, role)
-        if self.hub_secret.exists() or self.authorized_dir.is_dir():
-            # The keygen hint below would make a client's secret in the hub's directory, which
-            # holds only the public halves of clients' keys (authorized_keys/ROLE/).
+        # A hub's or an engine's directory must not get a console's secret (the hub's holds
+        # only clients' public halves; an agent's is copied to engine hosts): another DIR.
+        whose = ("the hub's keys directory (hub.key_secret, authorized_keys/)"
+                 if self.hub_secret.exists() or self.authorized_dir.is_dir() else
+                 "an engine's agent keys directory (agent.key_secret)"
+                 if self.secret("agent").is_file() else None)
+        if whose is not None:
             raise ValueError(
-                f"keys dir {self.root} is the hub's keys directory (hub.key_secret, "
-                "authorized_keys/): a console (kvpool-console, kvpool-policy status) needs a "
-                "client keys directory holding hub.key and a viewer or operator key pair. To "
-                "make one on the machine the console runs on: `kvpool-agent keygen --role "
-                f"viewer DIR`, copy {self.hub_public} into DIR, then copy DIR/viewer.key to the "
-                "hub's machine and allow it there: `kvpool-agent authorize --role viewer "
-                f"{self.root} viewer.key`")
+                f"keys dir {self.root} is {whose}: a console (kvpool-console, kvpool-policy "
+                "status) needs a client keys directory holding hub.key and a viewer or "
+                "operator key pair. To make one on the machine the console runs on: "
+                "`kvpool-agent keygen --role viewer DIR`, copy the hub's hub.key into DIR, "
+                "then copy DIR/viewer.key to the hub's machine and allow it there: "
+                "`kvpool-agent authorize --role viewer HUB_KEYS_DIR viewer.key`")
         raise ValueError(
-            f"keys dir {self.root}: neither operator.key_secret nor viewer.key_secret (make "
-            f"one with `kvpool-agent keygen --role operator {self.root}` and copy hub.key "
-            "from the hub)"
+            f"keys dir {self.root}: neither viewer.key_secret nor operator.key_secret (make "
+            f"one with `kvpool-agent keygen --role viewer {self.root}`, or --role operator to "
+            "change the pool, copy hub.key from the hub and allow the key there: "
+            "`kvpool-agent authorize --role viewer HUB_KEYS_DIR viewer.key`)"
         )
 
     def client(self, role: Role) -> ClientKeys:

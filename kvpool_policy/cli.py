@@ -118,9 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="who is in charge of the pool: the service (its last "
                         "snapshot) or the master (no snapshot within --wait)")
     st.add_argument("--listen", required=True, help="the service's tcp://HOST:P")
-    st.add_argument("--keys", required=True,
+    keys_env = os.environ.get("KVPOOL_KEYS_DIR") or None
+    st.add_argument("--keys", required=keys_env is None, default=keys_env,
                     help="a client keys directory with hub.key and a viewer or operator pair "
-                    "(as kvpool-console --keys; not the hub's directory serve --keys takes)")
+                    "(as kvpool-console --keys; not the hub's directory serve --keys takes; "
+                    "default: $KVPOOL_KEYS_DIR)")
     st.add_argument("--wait", type=float, default=DEFAULT_STALE_S,
                     help="seconds to wait for a snapshot, above 0 (default %(default)s: an "
                     "engine's policy_stale_ms)")

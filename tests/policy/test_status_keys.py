@@ -40,8 +40,8 @@ def test_status_with_the_hubs_keys_dir_names_the_client_key_it_needs(tmp_path: P
     for needed in ("a client keys directory", "a viewer or operator key pair",
                    "kvpool-console, kvpool-policy status",
                    "`kvpool-agent keygen --role viewer DIR`",
-                   f"copy {hub / 'hub.key'} into DIR",
-                   f"`kvpool-agent authorize --role viewer {hub} viewer.key`"):
+                   "copy the hub's hub.key into DIR",
+                   "`kvpool-agent authorize --role viewer HUB_KEYS_DIR viewer.key`"):
         assert needed in line, line
     # Never a client secret made in the hub's directory (the generic hint did exactly that).
     for role in ("operator", "viewer", "agent"):
@@ -66,3 +66,33 @@ def test_status_with_the_hubs_keys_dir_names_the_client_key_it_needs(tmp_path: P
                str(client), "--wait", "0.5")
     assert out.returncode == 1, out.stderr
     assert out.stdout.startswith("master in charge: no snapshot from tcp://127.0.0.1:5600")
+
+
+def test_an_agents_keys_dir_is_named_and_gets_no_console_secret(tmp_path: Path) -> None:
+    """An engine's agent keys directory (copied to engine hosts) given as a console's --keys:
+    the line says whose it is; the generic hint made an operator secret in it."""
+    agent = tmp_path / "agent"
+    assert _cli("kvpool_agent.cli", "keygen", "--role", "agent", str(agent)).returncode == 0
+    before = _files(agent)
+    out = _cli("kvpool_console.cli", "status", "--hub", "tcp://127.0.0.1:5600", "--keys",
+               str(agent))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"kvpool-console: keys dir {agent} is an engine's agent keys "
+                           "directory (agent.key_secret): a console"), line
+    assert "`kvpool-agent keygen --role viewer DIR`" in line, line
+    for role in ("operator", "viewer"):
+        assert f"keygen --role {role} {agent}" not in line, line
+    assert _files(agent) == before
+
+
+def test_status_reads_kvpool_keys_dir_as_the_console_does(tmp_path: Path) -> None:
+    """Its own message says "give --keys or $KVPOOL_KEYS_DIR": the variable is read."""
+    missing = tmp_path / "none"
+    out = subprocess.run([sys.executable, "-m", "kvpool_policy.cli", "status", "--listen",
+                          "tcp://127.0.0.1:5600"], capture_output=True, text=True, timeout=120,
+                         check=False, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                     "KVPOOL_KEYS_DIR": str(missing)})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"kvpool-policy: --keys: keys dir {missing} does not exist"), (
+        out.stderr)
