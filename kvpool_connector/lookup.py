@@ -65,6 +65,7 @@ __all__ = [
     "PortInUse",
     "RuntimeDirError",
     "lookup_socket_path",
+    "release_if_dead",
 ]
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,42 @@ def _named_by(lookup_rpc_port: int, instance_id: str) -> str:
     if lookup_rpc_port:
         return f"lookup_rpc_port {lookup_rpc_port}"
     return f"vLLM instance_id {instance_id!r}"
+
+
+def release_if_dead(lookup_rpc_port: int, dp_rank: int = 0) -> bool:
+    """Remove the socket and ``.owner`` file under ``lookup_rpc_port``'s name when the process
+    that held them is gone: an engine killed before ``LookupServer.close`` (SIGKILL, or a
+    SIGTERM its process did not handle) leaves both behind, and a name no engine takes again
+    is never swept by ``_claim`` (a new user found 252 in the runtime directory after demos
+    and interrupted replays). For whoever stopped that engine; a live holder's files are kept.
+
+    Returns:
+        Whether files were removed (False: none there, a live holder, or not removable: a
+        symbolic link or directory at the path, logged).
+    """
+    try:
+        path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        owner = _owner_path(path)
+        try:
+            raw = read_private_file(owner)
+        except OSError:
+            raw = b""  # unreadable: as stale as a dead holder's
+        if raw is None and not path.exists():
+            return False
+        info: dict[str, object] = {}
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(raw or b"null")
+            info = loaded if isinstance(loaded, dict) else {}
+        pid = info.get("pid")
+        if isinstance(pid, int) and psutil.pid_exists(pid):
+            return False
+        remove_stale(owner)
+        remove_stale(path)
+    except RuntimeDirError as exc:
+        logger.warning("kvpool lookup: the socket of lookup_rpc_port %d left in place: %s",
+                       lookup_rpc_port, exc)
+        return False
+    return True
 
 
 def _owner_path(sock: Path) -> Path:

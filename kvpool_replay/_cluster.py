@@ -51,6 +51,7 @@ from typing import Literal
 import msgspec
 import psutil
 
+from kvpool_connector.lookup import release_if_dead
 from kvpool_replay._pd import LocalPdPair, ProxyReplay
 from kvpool_replay._policy_service import LocalPolicyService
 from kvpool_replay._pool import mooncake_extra_config, pool_bytes_for_tokens
@@ -393,6 +394,8 @@ class DemoCluster:
                     os.killpg(proc.pid, 15)
         for proc in self.processes.values():
             stop_process_tree(proc, timeout_s=10)
+        for spec in self.specs.values():
+            release_if_dead(spec.lookup_rpc_port)  # what an engine killed before its close left
         if self.policy is not None:
             # Stopped before its master; a start still under way is waited for (a few
             # seconds) and what it started is stopped too.

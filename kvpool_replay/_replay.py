@@ -37,6 +37,7 @@ from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
+from kvpool_connector.lookup import release_if_dead
 from kvpool_replay._forkserver import ForkedProcess, fork_main
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._policy_service import (
@@ -608,6 +609,8 @@ def run_replay(
                 ) | admission,
             )
             proc = fork_engine(spec, work)
+            # Last in, first out: the engine stops, then the lookup socket it left goes.
+            stack.callback(release_if_dead, spec.lookup_rpc_port)
             stack.callback(stop_process_tree, proc)
             rss.add("engine", proc.pid)
             procs.append((spec, proc))

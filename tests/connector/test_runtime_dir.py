@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import pwd
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,7 +23,12 @@ from kvpool_connector._runtime_dir import (
     create_private_file,
     runtime_dir,
 )
-from kvpool_connector.lookup import LookupClient, LookupServer, lookup_socket_path
+from kvpool_connector.lookup import (
+    LookupClient,
+    LookupServer,
+    lookup_socket_path,
+    release_if_dead,
+)
 
 
 def _serve(port: int = 7101) -> tuple[LookupServer, LookupClient]:
@@ -175,3 +183,42 @@ def test_too_long_runtime_dir_is_a_clear_error_not_a_zmq_one(
         assert f"holds at most {SUN_PATH_MAX}" in msg and str(deep) in msg
         assert "set KVPOOL_RUNTIME_DIR to a shorter directory" in msg
     assert list(deep.iterdir()) == []
+
+
+_HOLDER = """
+import os, sys
+from kvpool_connector.lookup import LookupServer
+LookupServer(lambda h: 0, lookup_rpc_port=int(sys.argv[1]), engine_id="killed")
+print("serving", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_release_if_dead_removes_what_a_killed_engine_left_and_keeps_a_live_ones(
+        tmp_path: Path) -> None:
+    """An engine SIGKILLed before its close leaves its socket and owner file (a name no engine
+    takes again is never swept): ``release_if_dead`` removes them once the holder is gone,
+    keeps a live holder's, and never follows a symbolic link."""
+    path = lookup_socket_path(7105)
+    owner = Path(str(path) + ".owner")
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, "7105"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "serving\n"
+        assert path.exists() and owner.exists()
+        assert release_if_dead(7105) is False  # alive: kept
+        assert path.exists() and owner.exists()
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    finally:
+        child.kill()
+        child.wait()
+    assert path.exists() and owner.exists()  # what a kill leaves
+    assert release_if_dead(7105) is True
+    assert not path.exists() and not owner.exists()
+    assert release_if_dead(7105) is False  # nothing there
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path.symlink_to(victim)
+    assert release_if_dead(7105) is False
+    assert path.is_symlink() and victim.read_text() == "precious"

@@ -186,14 +186,20 @@ def _drain(term: _Pty, buf: bytearray, needle: bytes, timeout_s: float) -> bool:
     return needle in buf
 
 
+def _runtime_dir(tmp_path: Path) -> Path:
+    """The demo's engines' runtime directory (their lookup sockets), under ``tmp_path``."""
+    return tmp_path / "rt"
+
+
 def _demo_on_pty(tmp_path: Path) -> _Pty:
     """``kvpool-console --demo`` (one sim engine) in a child on a new pty, as over SSH, with
-    TMPDIR at ``tmp_path``."""
+    TMPDIR at ``tmp_path`` and the runtime directory at ``_runtime_dir``."""
+    _runtime_dir(tmp_path).mkdir(mode=0o700)
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(REPO)
         os.environ.update(TERM="xterm-256color", COLUMNS="120", LINES="30",
-                          TMPDIR=str(tmp_path))
+                          TMPDIR=str(tmp_path), KVPOOL_RUNTIME_DIR=str(_runtime_dir(tmp_path)))
         os.execv(sys.executable, [
             sys.executable, "-m", "kvpool_console.cli", "--demo", "--engines", "1",
             "--speedup", "1", "--refresh", "0.5",
@@ -276,12 +282,14 @@ STOP_LINE = (b"kvpool-console --demo: stopped: its engines, master, store, polic
 
 
 def _assert_stopped(status: int, how: str, tree: list[psutil.Process],
-                    workdirs: set[Path]) -> None:
-    """The demo left with 128 + the signal's number and left no process or directory."""
+                    workdirs: set[Path], tmp_path: Path) -> None:
+    """The demo left with 128 + the signal's number and left no process, directory or
+    engine lookup socket (a new user found 252 in the runtime directory)."""
     assert os.WIFEXITED(status)
     assert os.WEXITSTATUS(status) == {"SIGTERM": 143, "ctrl-c": 130, "hangup": 129}[how]
     assert [_name(p) for p in tree if _alive(p)] == []
     assert not any(d.exists() for d in workdirs)
+    assert sorted(p.name for p in _runtime_dir(tmp_path).iterdir()) == []
 
 
 def _name(p: psutil.Process) -> str:
@@ -315,7 +323,7 @@ def test_demo_stops_everything_on_a_signal_during_start_up(how: str, tmp_path: P
         tree = _with_current(tree, term.pid)
         status = _stop_and_wait(term, how, buf)
         assert status is not None, f"demo still starting 60 s after {how}"
-        _assert_stopped(status, how, tree, workdirs)
+        _assert_stopped(status, how, tree, workdirs, tmp_path)
         assert b"\x1b[?1049h" not in buf  # it stopped before the TUI drew
         if how != "hangup":
             assert STOP_LINE in buf and b"Traceback" not in buf, bytes(buf[-2000:])
@@ -346,7 +354,7 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
         tree = _with_current(tree, term.pid)
         status = _stop_and_wait(term, how, buf)
         assert status is not None, f"console still running 60 s after {how}"
-        _assert_stopped(status, how, tree, workdirs)
+        _assert_stopped(status, how, tree, workdirs, tmp_path)
         if how == "SIGTERM":
             # Textual left the alternate screen: the terminal is usable again, and the demo
             # says what it stopped there, as after a quit (the TUI had taken the SIGTERM).
