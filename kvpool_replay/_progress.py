@@ -128,6 +128,11 @@ class ProgressReceiver:
         """Requests finished by all engines so far."""
         return sum(p.done for p in self._latest.values())
 
+    @property
+    def total(self) -> int:
+        """Requests the replay runs, all engines together."""
+        return self._total
+
     def poll(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for updates, apply them and redraw."""
         self._drain(timeout_ms)

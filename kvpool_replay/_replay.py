@@ -626,7 +626,7 @@ def run_replay(
             policy_drill = PolicyDrill(policy, lambda: receiver.done, cfg.kill_policy_after,
                                        cfg.kill_policy_after, POLICY_DOWN_S, say,
                                        total=len(trace)).start()
-        results, errors = _run_engines(procs, receiver)
+        results, errors = _run_engines(procs, receiver, say)
         if policy_drill is not None:
             policy_drill.join()
             if policy_drill.error:
@@ -728,14 +728,26 @@ def run_replay(
 
 def _run_engines(
     procs: list[tuple[EngineSpec, ChildProcess]], receiver: ProgressReceiver,
+    on_status: Callable[[str], None] | None = None,
 ) -> tuple[list[EngineResult], list[str]]:
     """Wait for every engine process (showing progress), then read their results.
+    ``on_status``: one line when every request is done and some engine still runs 2 s later
+    (closing its store client: an HA pool's takes ~20-30 s, docs/ha-pool.md), so the wait is
+    said, not silent.
 
     Returns ``(results, errors)``: one ``EngineResult`` per engine in ``procs`` order, and
     ``"<engine>: <error>"`` for each that failed or exited without a result.
     """
+    finished_at: float | None = None
     while any(proc.poll() is None for _, proc in procs):
         receiver.poll(200)
+        if finished_at is None and receiver.done >= receiver.total:
+            finished_at = time.monotonic()
+        elif (finished_at is not None and on_status is not None
+              and time.monotonic() - finished_at >= 2.0):
+            on_status("every request is done; waiting for the engines to exit (their store "
+                      "clients closing: ~20-30 s on an HA pool)")
+            on_status = None
     results: list[EngineResult] = []
     errors: list[str] = []
     for spec, proc in procs:
