@@ -44,7 +44,7 @@ from kvpool_connector.policy_wire import (
 )
 
 __all__ = ["DEFAULT_STALE_S", "MAX_QUEUED", "REPORT_EVERY_S", "SEND_HWM", "InCharge",
-           "PolicyClient", "wait_snapshot"]
+           "KeyRefused", "PolicyClient", "wait_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,11 @@ class PolicyClient:
         self._ctx.term()
 
 
+class KeyRefused(RuntimeError):
+    """The service refused this key at its CURVE handshake (its ZAP handler answered 400: the
+    key is not in its ``authorized_keys/ROLE/``, or ``hub.key`` is not the service's pair)."""
+
+
 def wait_snapshot(address: str, keys: ClientKeys | None,
                   timeout_s: float = DEFAULT_STALE_S) -> AdmissionSnapshot | None:
     """The service's next admission snapshot at ``address`` (``tcp://HOST:P``; it publishes on
@@ -250,21 +255,34 @@ def wait_snapshot(address: str, keys: ClientKeys | None,
 
     Raises:
         ValueError: a bad ``address``.
+        KeyRefused: the service refused ``keys`` at the handshake (libzmq's client sees
+            ``EVENT_HANDSHAKE_FAILED_AUTH`` at once: a refusal is not a service that is down).
     """
     at = policy_ports(address)[1]
     ctx = zmq.Context()
     sub: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
     sub.linger = 0
+    mon: zmq.Socket[bytes] | None = None
     if keys is not None:
         keys.apply(sub)
+        mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = msgspec.msgpack.Decoder(AdmissionSnapshot)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    if mon is not None:
+        poller.register(mon, zmq.POLLIN)
     try:
         sub.connect(at)
         end = time.monotonic() + timeout_s
         while (left := end - time.monotonic()) > 0:
-            if not sub.poll(max(1, int(left * 1e3))):
+            ready = dict(poller.poll(max(1, int(left * 1e3))))
+            if not ready:
                 break
+            if mon is not None and mon in ready:
+                event = recv_monitor_message(mon)
+                raise KeyRefused(f"{at} refused the key at its handshake (ZAP status "
+                                 f"{event['value']})")
             try:
                 snap = decoder.decode(sub.recv())
             except msgspec.DecodeError:
@@ -273,5 +291,8 @@ def wait_snapshot(address: str, keys: ClientKeys | None,
                 return snap
         return None
     finally:
+        if mon is not None:
+            sub.disable_monitor()
+            mon.close(0)
         sub.close(0)
         ctx.term()

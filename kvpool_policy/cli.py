@@ -32,7 +32,7 @@ from kvpool_agent.pool import fetch_mooncake_stats
 from kvpool_connector.backends.base import BackendError
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.backends.mooncake_address import parse_master_address
-from kvpool_connector.policy_client import DEFAULT_STALE_S, wait_snapshot
+from kvpool_connector.policy_client import DEFAULT_STALE_S, KeyRefused, wait_snapshot
 from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, policy_ports
 from kvpool_connector.sizes import parse_size
 from kvpool_policy._metrics import ServiceCollector
@@ -50,7 +50,8 @@ _DESCRIPTION = """\
 kvpool-policy serve runs the pool-wide policy service beside mooncake_master: engines send it
 what they save and read, it tells them what to admit and removes what it evicts.
 kvpool-policy status says who is in charge of the pool: the service (its last snapshot) or the
-master (no snapshot within --wait). Bad input: one line naming the option, exit status 2."""
+master (no snapshot within --wait: exit 1; the service refused the key: exit 3). Bad input:
+one line naming the option, exit status 2."""
 
 _MASTER_WATERMARK = 0.9
 """mooncake_master's default ``--eviction_high_watermark_ratio`` (the master does not export
@@ -131,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _status(args: argparse.Namespace) -> int:
     """``kvpool-policy status``: exit 0 with the service's snapshot, 1 when the master is in
-    charge (no snapshot within ``--wait``), 2 on bad input."""
+    charge (no snapshot within ``--wait``), 2 on bad input, 3 when the service refused the key
+    (a running service is not the master in charge)."""
     try:
         policy_ports(args.listen)
     except ValueError as exc:
@@ -144,12 +146,17 @@ def _status(args: argparse.Namespace) -> int:
         keys = paths.client(paths.console_role())
     except ValueError as exc:
         return _fail(f"--keys: {exc}")
-    snap = wait_snapshot(args.listen, keys, args.wait)
+    try:
+        snap = wait_snapshot(args.listen, keys, args.wait)
+    except KeyRefused as exc:
+        print(f"kvpool-policy: refused: {exc}: the {keys.role} key of {paths.root} is not "
+              f"in the service's authorized_keys/{keys.role}/, or {paths.hub_public} is not "
+              "the service's hub.key; allow it on the service's host: `kvpool-agent "
+              f"authorize --role {keys.role} HUB_KEYS_DIR {keys.role}.key`", file=sys.stderr)
+        return 3
     if snap is None:
         print(f"master in charge: no snapshot from {args.listen} in {args.wait:g} s (engines "
-              "save every chunk; the master's watermark evicts), or the service refused this "
-              f"key: is the {keys.role} key of {paths.root} in the service's "
-              f"authorized_keys/{keys.role}/ and its hub.key the service's?")
+              "save every chunk; the master's watermark evicts)")
         return 1
     print(f"service in charge: run {snap.service} snapshot {snap.version}, admission "
           f"{'doorkeeper' if snap.doorkeeper else 'all'}, {snap.used_bytes:,} of "

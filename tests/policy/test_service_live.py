@@ -184,7 +184,7 @@ def test_a_chunk_one_engine_keeps_hot_stays_while_the_other_fills_the_pool(pool:
 
 
 def test_killed_service_engines_go_on_and_a_restart_steers_again(
-        pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+        pool: Pool, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     pool.start_service()
     b = pool.client("engine-b")
     wait_for(lambda: b.in_charge == "service", what="the service in charge", log=pool.log)
@@ -200,14 +200,24 @@ def test_killed_service_engines_go_on_and_a_restart_steers_again(
     assert out.startswith(f"service in charge: run {old}")
     assert f"{CAPACITY_CHUNKS * CHUNK_BYTES:,} of {CAPACITY_CHUNKS * CHUNK_BYTES:,} bytes" in out
     assert ", 4 keys removed, 0 chunks pinned" in out  # 2 chunks x 2 ranks
+    # A viewer key the service does not list: refused at the handshake, told apart from a
+    # service that is down (it said "master in charge ... or the service refused this key").
+    stranger = generate_keys(tmp_path / "stranger", "viewer").root
+    (stranger / "hub.key").write_bytes((pool.keys["viewer"].root / "hub.key").read_bytes())
+    (stranger / "hub.key").chmod(0o600)
+    capsys.readouterr()
+    assert cli.main(["status", "--listen", pool.address, "--keys", str(stranger), "--wait",
+                     str(STALE_S)]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool-policy: refused: "), err
+    assert "refused the key at its handshake (ZAP status 400)" in err, err
+    assert "`kvpool-agent authorize --role viewer HUB_KEYS_DIR viewer.key`" in err, err
 
     pool.kill_service()
     wait_for(lambda: b.in_charge == "master", what="the master in charge")
     assert cli.main(status) == 1
     out = capsys.readouterr().out
     assert out.startswith("master in charge: no snapshot")
-    # The other reason a console sees no snapshot: a key the service refuses.
-    assert "or the service refused this key: is the viewer key of" in out
     during = [chunk(f"during{i}") for i in range(6)]
     for h in during:
         assert pool.save(b, [h]) == 1  # nothing waits; everything is saved
