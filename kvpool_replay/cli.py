@@ -14,10 +14,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 
 import msgspec
+import psutil
 
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
@@ -251,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                 # Its own exit, once this process is gone, is seconds of garbage collection.
                 stop_fork_server()
         if sig.signum is not None:
+            # Whatever a signal landing mid-start left running (a store whose Popen the
+            # signal interrupted was seen alive after the exit once in CI): this process started
+            # every child it has, and none may outlive it.
+            left = psutil.Process().children(recursive=True)
+            for child in left:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            psutil.wait_procs(left, timeout=10)
             print(f"kvpool-replay: stopped by signal {sig.signum}; every process it started "
                   "was stopped", file=sys.stderr)
             return 128 + sig.signum
