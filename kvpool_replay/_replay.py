@@ -149,6 +149,9 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
             Needs ``pool_tokens`` and a master started here.
         disk_tier_dir: absolute directory for the disk tiers' files (one subdirectory per
             pool, left in place); ``None`` = the run's temporary directory.
+        layerwise_timeout_ms: the engines' ``kv_connector_extra_config.layerwise_timeout_ms``
+            (ms an inline or layer-wise load may take before its blocks are recomputed,
+            ``TIMEOUT``); ``None``: the connector's default (10,000).
     """
 
     trace_path: str
@@ -179,6 +182,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     default_kv_lease_ttl_ms: int | None = None
     disk_tier_tokens: int | None = None
     disk_tier_dir: str | None = None
+    layerwise_timeout_ms: int | None = None
 
     @property
     def lease_ms(self) -> int:
@@ -606,7 +610,8 @@ def run_replay(
                     lease_ttl_ms=lease_ttls[i % n_pools],
                     high_watermark=None if cfg.master_address
                     else watermark,
-                ) | admission,
+                ) | admission | ({} if cfg.layerwise_timeout_ms is None else
+                                 {"layerwise_timeout_ms": cfg.layerwise_timeout_ms}),
             )
             proc = fork_engine(spec, work)
             # Last in, first out: the engine stops, then the lookup socket it left goes.
