@@ -217,9 +217,23 @@ def _as_the_hub_process() -> None:
         ctypes.CDLL(name).mallopt(-3, 256 * 1024)
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank)."""
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def timed_health(op: FleetClient, target: str, commands: int, label: str = "") -> list[float]:
+    """``commands`` operator ``health`` commands of ``target``, one after the other: each
+    one's round trip (s); a failed one is printed (``label`` names the phase)."""
+    took = []
+    for _ in range(commands):
+        start = time.monotonic()
+        (r,) = op.command("health", targets=[target], timeout_ms=30_000)
+        took.append(time.monotonic() - start)
+        if not r.ok:
+            print(f"  ({label}health failed: {r.error})")
+    return took
 
 
 def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], target: str,
@@ -274,12 +288,7 @@ def run_round(config: str, tag: str, hub: FleetHub, keys: dict[str, Path], targe
                     time.sleep(0.1)
             time.sleep(2.0 if config in _BUDGETED else 1.0 if procs else 0.0)
             c0, r0, t0 = hub.commands, hub.reports, time.monotonic()
-            for _ in range(commands):
-                start = time.monotonic()
-                (r,) = op.command("health", targets=[target], timeout_ms=30_000)
-                took.append(time.monotonic() - start)
-                if not r.ok:
-                    print(f"  ({config}: health failed: {r.error})")
+            took = timed_health(op, target, commands, f"{config}: ")
             span = time.monotonic() - t0
             rates = ((hub.commands - c0 - commands) / span, (hub.reports - r0) / span)
     finally:
@@ -334,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  agent.source.agent_id, args.commands,
                                                  args.viewers, args.agents, args.stalled)
                     p50[config].append(statistics.median(took) * 1e3)
-                    p99[config].append(_percentile(took, 0.99) * 1e3)
+                    p99[config].append(percentile(took, 0.99) * 1e3)
                     cmd_rate[config].append(cr)
                     rep_rate[config].append(rr)
                     grown[config].append(mb)

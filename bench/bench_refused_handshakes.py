@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 import zmq
 import zmq.auth
+from bench_hub_flood import percentile, timed_health
 
 from kvpool_agent import FleetClient, local_fleet_keys, start_agent
 from kvpool_agent.protocol import Source
@@ -96,11 +97,6 @@ def _threads(hub: psutil.Process) -> dict[str, float]:
     return out
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(q * len(ys)))]
-
-
 def _refused(c: FleetClient) -> int:
     """The hub's refused handshakes on every port, from its newest update to ``c``."""
     c.updates(0)
@@ -112,13 +108,7 @@ def _phase(hub: psutil.Process, op: FleetClient, target: str, commands: int,
     cpu0, t0, th0 = hub.cpu_times(), time.monotonic(), _threads(hub)
     f0 = sum(p.cpu_times().user + p.cpu_times().system for p in flooders)
     r0 = _refused(op)
-    took = []
-    for _ in range(commands):
-        start = time.monotonic()
-        (r,) = op.command("health", targets=[target], timeout_ms=30_000)
-        took.append(time.monotonic() - start)
-        if not r.ok:
-            print(f"  (health failed: {r.error})")
+    took = timed_health(op, target, commands)
     # The refused count comes with the hub's updates (every second): wait for a fresh one.
     deadline = time.monotonic() + 2.5
     while time.monotonic() < deadline:
@@ -134,7 +124,7 @@ def _phase(hub: psutil.Process, op: FleetClient, target: str, commands: int,
         "rss": hub.memory_info().rss / 2**20,
         "refused_s": (_refused(op) - r0) / span,
         "p50": statistics.median(took) * 1e3,
-        "p99": _percentile(took, 0.99) * 1e3,
+        "p99": percentile(took, 0.99) * 1e3,
         "load": os.getloadavg()[0],
     }
 

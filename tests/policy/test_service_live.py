@@ -276,9 +276,10 @@ def test_keys_not_authorised_for_records_change_nothing(pool: Pool, tmp_path: Pa
     assert [c.in_charge for c in attackers] == ["master", "master"]
 
 
-def test_a_pinned_chunk_is_never_removed(pool: Pool) -> None:
-    """A chunk an operator pinned (the layout's pin records, ``kvpool_connector.pins``) stays
-    while the other chunks of a full pool are removed around it, least recent though it is."""
+def pinned_under_the_service(pool: Pool) -> tuple[PolicyClient, str]:
+    """The service started and in charge of ``engine-b``'s client, which saved one chunk an
+    operator then soft-pinned (the layout's pin records, ``kvpool_connector.pins``), once the
+    service read the pin: the client and the pinned chunk's hash."""
     pins = Pins(pool.store, lambda hs: chunk_keys(LAYOUT.prefixes, hs), CHUNK_TOKENS, VALUE,
                 lambda: 32 << 20, record_key=pins_key(MODEL, DIGEST))
     tokens = list(range(CHUNK_TOKENS))
@@ -290,6 +291,13 @@ def test_a_pinned_chunk_is_never_removed(pool: Pool) -> None:
     pins.pin("system-prompt", tokens, "soft", ttl_ms=600_000)
     wait_for(lambda: b.snapshot is not None and b.snapshot.pinned == 1, what="the pin read",
              log=pool.log)
+    return b, held
+
+
+def test_a_pinned_chunk_is_never_removed(pool: Pool) -> None:
+    """A chunk an operator pinned stays while the other chunks of a full pool are removed
+    around it, least recent though it is."""
+    b, held = pinned_under_the_service(pool)
     fresh = [chunk(f"p{i}") for i in range(2 * CAPACITY_CHUNKS)]
     for h in fresh:
         pool.save(b, [h])

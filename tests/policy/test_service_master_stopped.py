@@ -22,12 +22,10 @@ import pytest
 import zmq
 from test_service_live import (
     CAPACITY_CHUNKS,
-    CHUNK_TOKENS,
-    LAYOUT,
     MODEL,
-    VALUE,
     Pool,
     chunk,
+    pinned_under_the_service,
     store_client,
     wait_for,
 )
@@ -35,8 +33,7 @@ from test_service_live import DIGEST as LIVE_DIGEST
 
 from kvpool_agent.auth import local_fleet_keys
 from kvpool_connector.backends.base import BackendError
-from kvpool_connector.keys import chunk_hashes, chunk_keys, pins_key
-from kvpool_connector.pins import Pins, pinned_chunks
+from kvpool_connector.pins import pinned_chunks
 from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, AdmissionSnapshot
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore
 
@@ -94,17 +91,7 @@ class Subscriber:
 
 
 def test_snapshots_and_records_flow_while_the_master_is_stopped(pool: Pool) -> None:
-    pins = Pins(pool.store, lambda hs: chunk_keys(LAYOUT.prefixes, hs), CHUNK_TOKENS, VALUE,
-                lambda: 32 << 20, record_key=pins_key(MODEL, LIVE_DIGEST))
-    tokens = list(range(CHUNK_TOKENS))
-    held = chunk_hashes(tokens, CHUNK_TOKENS)[0]
-    pool.start_service()
-    b = pool.client("engine-b")
-    wait_for(lambda: b.in_charge == "service", what="the service in charge", log=pool.log)
-    pool.save(b, [held])
-    pins.pin("system-prompt", tokens, "soft", ttl_ms=600_000)
-    wait_for(lambda: b.snapshot is not None and b.snapshot.pinned == 1, what="the pin read",
-             log=pool.log)
+    b, held = pinned_under_the_service(pool)
     first = [chunk(f"s{i}") for i in range(CAPACITY_CHUNKS + 1)]
     for h in first:
         pool.save(b, [h])
