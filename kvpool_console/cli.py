@@ -151,6 +151,8 @@ _FASTEST_REFRESH_S = 0.25
 """The TUI's fastest redraw (``kvpool_console.app.REFRESH_STEPS[0]``; not imported here: the
 one-shot modes do not load Textual)."""
 _LEAST_WAIT_S = 0.1
+"""The shortest ``--wait`` (s): below it the hub's first snapshot cannot come in time, and
+``--wait 0`` blamed an unreachable hub."""
 
 
 def _parser() -> argparse.ArgumentParser:
