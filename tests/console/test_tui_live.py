@@ -105,8 +105,10 @@ async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> No
             h.stop()
         await until(pilot, lambda: _cell(table, "e:d0", "state") == "STALE", "d0 stale")
         assert any(a.rule == "stale" and a.subject == "d0" for a in app.alerts)
-        # Every finished load of p0 failed after a positive lookup: critical.
-        assert _cell(table, "e:p0", "state") == "CRIT"
+        # Every finished load of p0 failed after a positive lookup: critical (waited for: on
+        # a loaded machine p0's own next report can come after the stale threshold too, and
+        # STALE outranks CRIT until it does; CI saw it once).
+        await until(pilot, lambda: _cell(table, "e:p0", "state") == "CRIT", "p0 critical")
         # The hub itself goes away: the status bar says so, the last rows stay visible.
         live_fleet.hub.stop()
         await until(pilot, lambda: "HUB SILENT" in str(
