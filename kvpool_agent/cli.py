@@ -39,6 +39,7 @@ from kvpool_agent.auth import (
     authorize_key,
     generate_keys,
 )
+from kvpool_agent.cli_parser import CommandParser
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
 from kvpool_agent.key_caps import (
     MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
@@ -53,7 +54,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="kvpool-agent", description="kvpool fleet hub, operator keys and store agent"
     )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpool_agent.cli_parser import CommandParser
 from kvpool_config._context import Options
 from kvpool_config._files import FileReport, validate_files
 from kvpool_config._loader import ConfigLoadError, load_json
@@ -189,7 +190,7 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvpool-config",
         description="Check KV-pool deployment configs (MindIE Motor user_config.json/env.json, "
         "vLLM --kv-transfer-config) against the deployment guides' rules.",

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvpool_agent.cli_parser import EXIT_USAGE
 from kvpool_agent.protocol import CommandReply
 from kvpool_console._pins import (
     DEFAULT_TTL_S,
@@ -30,7 +31,7 @@ from kvpool_console.source import FleetSource
 
 __all__ = ["add_parsers", "run"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 3
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
 from kvpool_agent.protocol import CommandReply, FlushArgs, visible
 from kvpool_console import _pin_cli as pin_cli
 from kvpool_console import _whatif_cli as whatif_cli
@@ -68,7 +69,7 @@ __all__ = ["DEFAULT_HUB", "main", "status_document"]
 DEFAULT_HUB = "tcp://127.0.0.1:7600"
 """Hub address when neither ``--hub`` nor ``$KVPOOL_HUB`` is given."""
 
-EXIT_OK, EXIT_ALERT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_OK, EXIT_ALERT, EXIT_REFUSED = 0, 1, 3
 _KNOWN_SHOWN = 10  # engine ids an unknown-name message lists, keys the status text lists
 _REST_OF_SNAPSHOT_MS = 500  # forget waits this long for a snapshot's later frames
 
@@ -81,13 +82,13 @@ FLUSH_TIMEOUT_MS = 30_000
 longer than the 5 s other commands get."""
 
 
-def _common(top: bool) -> argparse.ArgumentParser:
+def _common(top: bool) -> CommandParser:
     """Options accepted both before and after the command. Only the top level has defaults:
     a subparser's default would overwrite a value given before the command."""
     def default(value: object) -> object:
         return value if top else argparse.SUPPRESS
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = CommandParser(add_help=False)
     common.add_argument("--hub", default=default(None),
                         help=f"hub address tcp://HOST:P (default $KVPOOL_HUB or {DEFAULT_HUB})")
     common.add_argument("--keys", default=default(None), metavar="DIR",
@@ -157,8 +158,8 @@ _LEAST_WAIT_S = 0.1
 
 def _parser() -> argparse.ArgumentParser:
     common = _common(top=False)
-    p = argparse.ArgumentParser(prog="kvpool-console", parents=[_common(top=True)],
-                                description="Watch and operate a kvpool KV-cache pool fleet.")
+    p = CommandParser(prog="kvpool-console", parents=[_common(top=True)],
+                      description="Watch and operate a kvpool KV-cache pool fleet.")
     p.add_argument("--refresh", type=_seconds_at_least(_FASTEST_REFRESH_S), default=1.0,
                    metavar="S", help="TUI redraw interval in seconds, at least "
                    f"{_FASTEST_REFRESH_S:g} (default 1; + / - change it live)")

@@ -25,6 +25,7 @@ import time
 import zmq
 
 from kvpool_agent.auth import KeyPaths
+from kvpool_agent.cli_parser import CommandParser
 from kvpool_agent.key_caps import MAX_SUBSCRIBERS_PER_KEY
 from kvpool_agent.masters import admin_urls_problem, split_admin_urls
 from kvpool_agent.metrics_http import MetricsEndpoint
@@ -69,7 +70,7 @@ evicts only while the service is away."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpool-policy", description=_DESCRIPTION)
+    p = CommandParser(prog="kvpool-policy", description=_DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the pool-wide policy service beside the master")
     s.add_argument("--listen", required=True,

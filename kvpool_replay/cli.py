@@ -21,6 +21,7 @@ import sys
 import msgspec
 import psutil
 
+from kvpool_agent.cli_parser import CommandParser
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
@@ -76,7 +77,7 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool-replay`` argument parser."""
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="kvpool-replay",
         description="Replay a Mooncake request trace through KVPoolConnector and a real "
         "Mooncake pool; compare the hit rate with the trace's prefix-reuse ceiling and an "

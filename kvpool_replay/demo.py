@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
 from kvpool_console.cli import main as console_main
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._cluster import DemoCluster
@@ -38,13 +39,13 @@ from kvpool_replay._trace import TraceError, default_trace_path
 __all__ = ["main"]
 
 PROG = "kvpool-console --demo"
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK = 0
 
 
 def _parser() -> argparse.ArgumentParser:
     # The console validated these and shows their defaults in its --help: no second copy here.
-    p = argparse.ArgumentParser(prog=PROG, description="Start a local demo fleet replaying a "
-                                "trace and watch it in the kvpool console.")
+    p = CommandParser(prog=PROG, description="Start a local demo fleet replaying a "
+                      "trace and watch it in the kvpool console.")
     p.add_argument("--trace", default=None,
                    help="Mooncake trace (default: conversation_trace.jsonl from "
                         "$KVPOOL_TRACES_DIR, else ../shared/traces, else the copy shipped in "

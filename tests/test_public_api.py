@@ -97,6 +97,8 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # the one catalogue.
     "kvpool_agent.ledger": ["CountedBy", "FACTS", "Fact", "HUB_COUNTERS", "Kind", "Surface",
                             "fact", "facts_on", "metric_fact"],
+    # Every command's parser: a usage error is one line (one owner).
+    "kvpool_agent.cli_parser": ["EXIT_USAGE", "CommandParser"],
     # The hub's and the policy service's /metrics endpoint (one owner).
     "kvpool_agent.metrics_http": ["MetricsEndpoint"],
     # The console's pool names and pool_no_segments follow the hub's pool rule (one owner).

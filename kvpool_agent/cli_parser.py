@@ -1,0 +1,29 @@
+"""The argument parser of every kvpool command: a usage error is one line and exit 2.
+
+argparse prints the command's whole usage block before its error line (16 lines for
+``kvpool-replay``), so the line that names the bad flag ends up below a screenful of
+options. Every command here (``kvpool-agent``, ``kvpool-console``, ``kvpool-config``,
+``kvpool-policy``, ``kvpool-replay``, ``kvpool-demo``) builds its parser from this class;
+subcommands inherit it (``add_subparsers`` makes its parsers of the parent's class).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+__all__ = ["EXIT_USAGE", "CommandParser"]
+
+EXIT_USAGE = 2
+"""Exit status of a usage error, as argparse and every kvpool command use it."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage error is one line naming the flag and ``--help``.
+
+    ``prog: error: argument --limit: 'x' is not an integer (see prog --help)`` on stderr, exit
+    2; ``--help`` prints the usage block as before.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

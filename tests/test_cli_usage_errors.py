@@ -1,0 +1,42 @@
+"""Every kvpool command answers a usage error with one line naming the flag, and exit 2."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import pytest
+
+COMMANDS: dict[str, tuple[str, list[str], str]] = {
+    "kvpool-agent": ("kvpool_agent.cli", ["hub", "--no-such-flag"], "--no-such-flag"),
+    "kvpool-config": ("kvpool_config.cli", ["validate", "a.json", "--no-such-flag"],
+                      "--no-such-flag"),
+    "kvpool-console pin": ("kvpool_console.cli", ["pin"], "--model"),
+    "kvpool-policy serve": ("kvpool_policy.cli", ["serve", "--fill", "x"], "--fill"),
+    "kvpool-replay": ("kvpool_replay.cli", ["--limit", "x"], "--limit"),
+    "kvpool-console --demo": ("kvpool_replay.demo", ["--engines", "x"], "--engines"),
+}
+"""Program name: (module with ``main``, a bad command line, the flag its error must name)."""
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_usage_error_is_one_line(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module, argv, flag = COMMANDS[command]
+    main: Callable[[list[str]], int] = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"{command}: error: "), err
+    assert flag in err and f"(see {command} --help)" in err, err
+    assert "usage:" not in err
+
+
+def test_help_still_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool_replay.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: kvpool-replay")
