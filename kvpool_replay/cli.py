@@ -21,6 +21,7 @@ import sys
 import msgspec
 import psutil
 
+from kvpool_agent import hub_ports
 from kvpool_agent.cli_parser import CommandParser
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
@@ -44,6 +45,10 @@ MODEL_SHAPES: dict[str, dict[str, int | str]] = {
 }
 """``--model-shape`` presets: real models' KV per token (128 KiB, 320 KiB, 68.6 KiB)."""
 
+_TOY_SHAPE: dict[str, int | str] = {"layers": 2, "kv_heads": 1, "head_size": 8,
+                                    "dtype": "float16"}
+"""Without ``--model-shape``: 2 x 1 x 8 x float16, K and V = 64 B per token (the logic, fast)."""
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -53,6 +58,14 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def _hub_address(text: str) -> str:
+    try:
+        hub_ports(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _speedup(text: str) -> float:
@@ -110,15 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-leader-after", type=_positive_float, default=None, metavar="S",
                    help="with --ha 2 or more: SIGKILL the leader master S seconds into the "
                    "replay (--json then has failover_s, keys_kept and hits_lost)")
-    p.add_argument("--agent-address", default=None,
+    p.add_argument("--agent-address", type=_hub_address, default=None,
                    help="fleet hub agent address (tcp://host:port) the engines report to")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per pool key")
-    p.add_argument("--layers", type=_positive_int, default=2)
-    p.add_argument("--kv-heads", type=_positive_int, default=1)
-    p.add_argument("--head-size", type=_positive_int, default=8)
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help=f"KV layers (default {_TOY_SHAPE['layers']})")
+    p.add_argument("--kv-heads", type=_positive_int, default=None,
+                   help=f"KV heads (default {_TOY_SHAPE['kv_heads']})")
+    p.add_argument("--head-size", type=_positive_int, default=None,
+                   help=f"head size (default {_TOY_SHAPE['head_size']})")
     p.add_argument("--block-size", type=_positive_int, default=16,
                    help="vLLM block size in tokens")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help=f"KV dtype (default {_TOY_SHAPE['dtype']})")
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                    help="a real model's KV shape; replaces --layers, --kv-heads, --head-size "
                    "and --dtype (--block-size still applies)")
@@ -205,14 +222,24 @@ def format_report(r: ReplayReport) -> str:
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """The replay's KV shape: ``--model-shape``'s preset, else ``--layers``, ``--kv-heads``,
-    ``--head-size`` and ``--dtype``; ``--block-size`` either way.
+    ``--head-size`` and ``--dtype`` (each defaulting to the 64 B/token toy shape);
+    ``--block-size`` either way.
 
     Raises:
-        ValueError: a dimension below 1 (``ModelShape``).
+        ValueError: one of those four beside ``--model-shape`` (it would be ignored), or a
+            dimension below 1 (``ModelShape``).
     """
-    dims: dict[str, int | str] = MODEL_SHAPES[args.model_shape] if args.model_shape else {
-        "layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
-        "dtype": args.dtype}
+    given = {name: getattr(args, name) for name in _TOY_SHAPE}
+    if args.model_shape:
+        beside = [f"--{name.replace('_', '-')}" for name, value in given.items()
+                  if value is not None]
+        if beside:
+            raise ValueError(f"{', '.join(beside)}: --model-shape {args.model_shape} sets the "
+                             "whole KV shape; give one or the other")
+        dims = MODEL_SHAPES[args.model_shape]
+    else:
+        dims = {name: _TOY_SHAPE[name] if value is None else value
+                for name, value in given.items()}
     return ModelShape(block_size=args.block_size, **dims)  # type: ignore[arg-type]
 
 

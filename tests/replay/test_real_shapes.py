@@ -31,7 +31,7 @@ from kvpool_replay import (
     reference_for,
     run_replay,
 )
-from kvpool_replay.cli import MODEL_SHAPES, build_parser, model_shape
+from kvpool_replay.cli import MODEL_SHAPES, build_parser, main, model_shape
 
 # DeepSeek-V3 MLA is 61 layers x 576 x bf16 (68.6 KiB/token): the sim engine's cache carries a
 # K and a V half per head, 2 x 288 elements are the 576 of the latent, the same bytes per block.
@@ -125,12 +125,34 @@ def test_real_shape_replay_reaches_the_ceiling(cid: str, replays: Jobs, ceiling:
 
 def test_model_shape_presets_of_the_cli() -> None:
     args = build_parser().parse_args(["t.jsonl", "--model-shape", "llama3-70b",
-                                      "--block-size", "128", "--layers", "3"])
+                                      "--block-size", "128"])
     assert model_shape(args) == ModelShape(layers=80, kv_heads=8, head_size=128,
                                            block_size=128, dtype="bfloat16")
     assert model_shape(args).bytes_per_token == 320 << 10
     args = build_parser().parse_args(["t.jsonl", "--layers", "3"])
     assert model_shape(args) == ModelShape(layers=3, kv_heads=1, head_size=8)
+    assert model_shape(build_parser().parse_args(["t.jsonl"])).bytes_per_token == 64
+
+
+def test_a_shape_flag_beside_model_shape_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--layers`` beside ``--model-shape`` was ignored without a word."""
+    assert main(["t.jsonl", "--model-shape", "llama3-8b", "--layers", "3", "--dtype",
+                 "float16"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvpool-replay: --layers, --dtype: --model-shape llama3-8b sets the whole KV "
+                   "shape; give one or the other\n")
+
+
+def test_a_malformed_agent_address_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--agent-address foo`` was taken, and the engines then logged a hint about a config key
+    the user never wrote."""
+    with pytest.raises(SystemExit) as exited:
+        main(["t.jsonl", "--agent-address", "foo"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool-replay: error: argument --agent-address: hub address 'foo': "
+                          "expected tcp://HOST:PORT"), err
+    assert err.count("\n") == 1
 
 
 def test_a_lease_far_below_the_load_time_never_serves_wrong_kv(replays: Jobs,
