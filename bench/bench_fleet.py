@@ -133,10 +133,12 @@ def main() -> int:
     args = p.parse_args()
     if args.resume and args.json_out is None:
         p.error("--resume needs --json-out (the rows to keep)")
-    names = args.traces.split(",")
+    # The traces ship compressed (name.jsonl.xz); the name without .xz finds either.
+    names = [n.removesuffix(".xz") for n in args.traces.split(",")]
     unknown = [n for n in names if n not in CAPACITIES]
     if unknown and not args.capacities:
-        p.error(f"--traces: {', '.join(unknown)} has no capacity list; give --capacities")
+        p.error(f"--traces: {', '.join(unknown)} has no capacity list (those with one: "
+                f"{', '.join(CAPACITIES)}); give --capacities")
     os.environ.update({k: v for k, v in engine_env().items() if k in ("PATH", "PYTHONPATH")})
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     limit = args.limit or None
