@@ -7,6 +7,10 @@ concurrently, as fast as they can, requests round-robin in trace order; one shar
 * ``service``: ``kvpool-replay --admission service``: the pool-wide policy service
   (``kvpool-policy serve``) beside the master, filling ``--policy-fill`` of the pool (default
   ``ReplayConfig.policy_fill``, 0.8), the master's watermark (0.95) above it;
+* ``service-lru``: the same service admitting every chunk (``kvpool-policy serve --admission
+  all``): only its pool-wide leaf-first LRU evicts. The live LRU, run under the same
+  concurrency, leases and removal lag as ``service`` (the offline LRU below is computed in trace
+  order, one request after another, which N concurrent engines cannot reach);
 * ``per-engine``: ``--admission adaptive --eviction connector``: each engine its own policy of
   its share of the pool (pool / N), its worker removing what falls out (the policy before the
   service);
@@ -14,7 +18,8 @@ concurrently, as fast as they can, requests round-robin in trace order; one shar
   ``eviction_high_watermark_ratio``);
 * offline: an exact LRU of the whole pool and Belady's MIN (``kvpool_replay.lru_hits``,
   ``belady_hits``, trace order), ``x LRU`` = service / LRU and ``gap`` = the share of the
-  LRU-to-MIN gap the service closes, ``(service - LRU) / (MIN - LRU)``;
+  LRU-to-MIN gap the service closes, ``(service - LRU) / (MIN - LRU)``; ``x live`` = service /
+  service-lru;
 * per service run: corrupt blocks (all columns are checked, the row says the worst), the
   service's CPU seconds per million chunk accesses (every chunk of every prompt is one access;
   its process's CPU, all threads, its Mooncake client included) and its peak RSS.
@@ -30,7 +35,7 @@ a long grid can be run in parts. A slice (a few minutes)::
     .venv/bin/python bench/bench_fleet.py --limit 1000 --traces conversation_trace.jsonl \\
         --capacities 1000000 --engines 8
 
-The whole grid (whole traces, 8 capacities x 4 N x 3 policies: ~5 minutes a replay here)::
+The whole grid (whole traces, 8 capacities x 4 N x 4 policies: ~5 minutes a replay here)::
 
     .venv/bin/python bench/bench_fleet.py --limit 0 --json-out /tmp/fleet.json --resume
 """
@@ -63,6 +68,8 @@ from kvpool_replay import (
 
 POLICIES: dict[str, dict[str, str]] = {
     "service": {"admission": "service"},
+    # The service admitting everything: only its pool-wide leaf-first LRU evicts, live.
+    "service-lru": {"admission": "service", "policy_admission": "all"},
     "per-engine": {"admission": "adaptive", "eviction": "connector"},
     "master": {"admission": "all"},
 }
@@ -188,23 +195,24 @@ def table(rows: dict[str, dict]) -> None:
     grid: dict[tuple[str, int, int], dict[str, dict]] = {}
     for r in rows.values():
         grid.setdefault((r["trace"], r["pool_tokens"], r["engines"]), {})[r["policy"]] = r
-    head = ["trace", "capacity", "N", *POLICIES, "LRU", "MIN", "x LRU", "gap", "corrupt",
-            "CPU s/M", "RSS MiB"]
-    widths = [24, 11, 3, 10, 10, 10, 8, 8, 6, 5, 7, 8, 7]
+    head = ["trace", "capacity", "N", *POLICIES, "LRU", "MIN", "x LRU", "gap", "x live",
+            "corrupt", "CPU s/M", "RSS MiB"]
+    widths = [24, 11, 3, 10, 11, 10, 10, 8, 8, 6, 5, 6, 7, 8, 7]
     print("\n" + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     below, missed = [], []
     for (trace, cap, n), got in sorted(grid.items()):
         ref = next(iter(got.values()))
         lru, best = ref["lru"], ref["min"]
-        svc = got.get("service")
+        svc, live = got.get("service"), got.get("service-lru")
         cols = [trace, f"{cap:,}", str(n),
                 *[f"{got[p]['hit']:.2%}" if p in got else "-" for p in POLICIES],
                 f"{lru:.2%}", f"{best:.2%}"]
         if svc is None:
-            cols += ["-", "-"]
+            cols += ["-", "-", "-"]
         else:
             gap = (svc["hit"] - lru) / (best - lru) if best > lru else 0.0
-            cols += [f"{svc['hit'] / lru:.2f}" if lru else "-", f"{gap:.0%}"]
+            cols += [f"{svc['hit'] / lru:.2f}" if lru else "-", f"{gap:.0%}",
+                     f"{svc['hit'] / live['hit']:.2f}" if live and live["hit"] else "-"]
             if svc["hit"] < lru:
                 below.append(f"{trace} {cap:,} N={n}")
             if (trace == "conversation_trace.jsonl" and cap in (1_000_000, 2_000_000) and n == 8

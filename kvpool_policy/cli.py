@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--fill", type=float, default=DEFAULT_FILL,
                    help="share of the pool's segments to fill without --capacity (default "
                    "%(default)s; keep it below the master's eviction_high_watermark_ratio)")
+    s.add_argument("--admission", choices=("adaptive", "all"), default="adaptive",
+                   help="adaptive (default): the pool-wide doorkeeper decides what engines "
+                   "save; all: engines save every chunk and the service only evicts (a "
+                   "pool-wide LRU, the baseline bench_fleet.py compares)")
     s.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                    help="chunk hashes a second per key (default %(default)s)")
     s.add_argument("--max-subscribers-per-key", type=int, default=MAX_SUBSCRIBERS_PER_KEY,
@@ -439,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max_agent_connections_per_fleet_key=(
                                     args.max_agent_connections_per_fleet_key),
                                 snapshot_every_s=args.snapshot_every_ms / 1e3,
-                                reconnect=(lambda: MooncakeBackend(config)) if ha else None)
+                                reconnect=(lambda: MooncakeBackend(config)) if ha else None,
+                                admission=args.admission)
     except ValueError as exc:
         backend.close()
         return _fail(f"--keys {args.keys}: {exc}")

@@ -64,6 +64,7 @@ from kvpool_connector.admission import AdaptiveAdmission
 __all__ = [
     "S3FIFO",
     "AccessRecord",
+    "AdmissionKind",
     "Decision",
     "EvictionKind",
     "LeafFirstLRU",
@@ -84,6 +85,9 @@ PolicyKey = tuple[str, str]
 
 EvictionKind = Literal["lru", "s3fifo"]
 """``PoolPolicy``'s eviction orders (module docstring)."""
+
+AdmissionKind = Literal["adaptive", "all"]
+"""``PoolPolicy``'s admissions: the pool-wide ghosts and doorkeeper, or every chunk."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +293,7 @@ class PoolPolicy:
     """
 
     def __init__(self, capacity_bytes: int, eviction: EvictionKind = "lru",
-                 admission: Literal["adaptive", "all"] = "adaptive",
+                 admission: AdmissionKind = "adaptive",
                  half_life: int = 200, engines_decide: bool = False,
                  min_chunk_bytes: int = 1) -> None:
         if capacity_bytes < 1:

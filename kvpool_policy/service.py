@@ -119,7 +119,7 @@ from kvpool_policy._core import (
 from kvpool_policy._leader import LeaderFollower, LeaderWatch
 from kvpool_policy._remover import Remover
 from kvpool_policy._store_calls import StoreCalls
-from kvpool_policy.policy import PoolPolicy
+from kvpool_policy.policy import AdmissionKind, PoolPolicy
 
 __all__ = [
     "COUNTER_MAX",
@@ -243,6 +243,9 @@ class PolicyService:
         snapshot_every_s: the periodic snapshot's interval (s; ``--snapshot-every-ms``).
         reconnect: makes a new store client (an HA pool's, over ``etcd://``): with it and
             ``admin_url`` the client follows the pool's leader (``LeaderFollower``).
+        admission: ``"adaptive"`` (the pool-wide doorkeeper decides what engines save) or
+            ``"all"`` (every snapshot admits everything: the service only evicts, a live
+            pool-wide leaf-first LRU; ``bench/bench_fleet.py``'s ``service-lru`` baseline).
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -256,7 +259,8 @@ class PolicyService:
                  max_agent_connections_per_key: int = MAX_AGENT_CONNECTIONS_PER_KEY,
                  max_agent_connections_per_fleet_key: int = MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
                  snapshot_every_s: float = SNAPSHOT_EVERY_S,
-                 reconnect: Callable[[], MooncakeBackend] | None = None) -> None:
+                 reconnect: Callable[[], MooncakeBackend] | None = None,
+                 admission: AdmissionKind = "adaptive") -> None:
         self.follower: LeaderFollower | None = None
         records_at, snapshots_at = policy_ports(listen)
         agents: dict[KeyKind, int] = {"engine": max_agent_connections_per_key,
@@ -274,6 +278,7 @@ class PolicyService:
         # The engines saved what a record says (they decide from the snapshot): the policy
         # follows, so it holds what the pool holds.
         self.core = PolicyCore(PoolPolicy(capacity_bytes, engines_decide=True,
+                                          admission=admission,
                                           min_chunk_bytes=MIN_CHUNK_BYTES),
                                self.remover, budget=budget, found=found)
         self._failed: set[str] = set()
@@ -283,10 +288,10 @@ class PolicyService:
         self.auth.start()
         self.allow = allow = AllowList(keys.authorized_dir, {RECORDS_DOMAIN: ("agent",),
                                                 SNAPSHOT_DOMAIN: ("agent", "viewer", "operator")})
-        admission = CappedAdmission(allow, self.caps, {RECORDS_DOMAIN: "records",
-                                                       SNAPSHOT_DOMAIN: "snapshots"})
+        capped = CappedAdmission(allow, self.caps, {RECORDS_DOMAIN: "records",
+                                                    SNAPSHOT_DOMAIN: "snapshots"})
         for domain in (RECORDS_DOMAIN, SNAPSHOT_DOMAIN):
-            self.auth.configure_curve_callback(domain, admission)
+            self.auth.configure_curve_callback(domain, capped)
         self.records = self._server(zmq.PULL, RECORDS_DOMAIN, public, secret)
         self.records.maxmsgsize = MAX_BATCH_BYTES
         self.records.rcvhwm = _RECORDS_HWM

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from kvpool_replay._ha import LocalHaPool
 from kvpool_replay._processes import (
@@ -61,6 +61,7 @@ class LocalPolicyService(LocalService):
         capacity_bytes: bytes the service fills; ``None``: ``fill`` of the pool's segments.
         fill: share of the segments without ``capacity_bytes``.
         transfer_timeout_ms: its store client's transfer timeout (the removal grace).
+        admission: ``kvpool-policy serve --admission`` (``adaptive`` | ``all``).
         port: the records port (``None``: two free ports; a restart passes the old one).
 
     Attributes: ``address`` (``tcp://127.0.0.1:<port>``, engines' ``policy_service``),
@@ -74,8 +75,10 @@ class LocalPolicyService(LocalService):
     def __init__(self, master: LocalMooncakeMaster | LocalHaPool, hub_keys: Path, *,
                  capacity_bytes: int | None = None, fill: float = 0.8,
                  transfer_timeout_ms: int | None = None, port: int | None = None,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None,
+                 admission: Literal["adaptive", "all"] = "adaptive") -> None:
         self.master, self.hub_keys = master, hub_keys
+        self.admission = admission
         self.capacity_bytes, self.fill = capacity_bytes, fill
         self.transfer_timeout_ms = transfer_timeout_ms
         self.port = port or free_port_block(2)
@@ -91,7 +94,8 @@ class LocalPolicyService(LocalService):
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "kvpool_policy.cli", "serve", "--listen", self.address,
                "--keys", str(self.hub_keys), "--master", self.master.address,
-               "--admin-url", self.master.admin_url, "--fill", str(self.fill)]
+               "--admin-url", self.master.admin_url, "--fill", str(self.fill),
+               "--admission", self.admission]
         if self.capacity_bytes is not None:
             cmd += ["--capacity", str(self.capacity_bytes)]
         if self.transfer_timeout_ms is not None:

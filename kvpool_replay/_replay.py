@@ -139,6 +139,9 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
         policy_fill: with ``admission: service``, the share of the pool the service fills
             (``kvpool-policy serve --fill``, in (0, ``REPLAY_WATERMARK``]; ``ValueError``
             otherwise); ``bench/bench_fleet.py --policy-fill`` measures it.
+        policy_admission: with ``admission: service``, the service's own admission
+            (``kvpool-policy serve --admission``): ``adaptive``, or ``all`` (it only evicts:
+            the live pool-wide LRU ``bench/bench_fleet.py`` compares).
         eviction: the engines' ``kv_connector_extra_config.eviction`` (``pool`` |
             ``connector``); ``connector`` needs ``pool_tokens`` and keeps each engine's share
             (``admission_pool_tokens``).
@@ -178,6 +181,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kill_policy_after: int | None = None
     admission: AdmissionMode = "all"
     policy_fill: float = REPLAY_FILL
+    policy_admission: Literal["adaptive", "all"] = "adaptive"
     eviction: EvictionMode = "pool"
     default_kv_lease_ttl_ms: int | None = None
     disk_tier_tokens: int | None = None
@@ -581,7 +585,8 @@ def run_replay(
             if cfg.admission == "service" and service_beside is not None:
                 keys = local_fleet_keys(work / "keys")
                 policy = stack.enter_context(LocalPolicyService(
-                    service_beside, keys["hub"].root, fill=cfg.policy_fill, log_dir=logs))
+                    service_beside, keys["hub"].root, fill=cfg.policy_fill, log_dir=logs,
+                    admission=cfg.policy_admission))
                 admission |= {"policy_service": policy.address,
                               "agent_keys": str(keys["agent"].root)}
             assert store.proc is not None

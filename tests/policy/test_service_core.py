@@ -5,6 +5,7 @@ change nothing; a restarted service adopts the pool's chunks as least recently u
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy import ReferenceLRU, chunk_hash
@@ -12,6 +13,7 @@ from test_policy import ReferenceLRU, chunk_hash
 from kvpool_connector.keys import ParallelLayout, shard_prefix
 from kvpool_connector.policy_wire import WIRE_VERSION, PolicyLayout, PolicyRecord, RecordBatch
 from kvpool_policy import AccessRecord, PoolPolicy
+from kvpool_policy.policy import AdmissionKind
 from kvpool_policy.service import PolicyCore, pool_chunks
 
 DIGEST = "aaaaaaaaaaaa"
@@ -125,3 +127,25 @@ def test_the_live_policy_holds_what_the_engines_saved(reqs: list[tuple[int, int,
     universe = {(DIGEST, chunk_hash(d, i)) for d in range(7) for i in range(5)}
     assert set(ref.size) == {k for k in universe if k in core.policy}
     assert core.policy.used_bytes == ref.used()
+
+
+@pytest.mark.parametrize("admission", ["adaptive", "all"])
+def test_admission_all_never_publishes_a_doorkeeper(admission: AdmissionKind) -> None:
+    """``kvpool-policy serve --admission all`` (bench_fleet's live LRU): a workload on which the
+    pool-wide doorkeeper takes over (a hot set of half the pool, each round followed by a scan
+    of twice the pool) leaves its snapshots admitting everything."""
+    core = PolicyCore(PoolPolicy(8 * CHUNK, engines_decide=True, admission=admission), None,
+                      max_chunk_bytes=CHUNK)
+    seq = 0
+    for rnd in range(40):
+        docs = [*range(4), *range(100 + 16 * rnd, 116 + 16 * rnd)]
+        for doc in docs:
+            core.apply(_batch([PolicyRecord(DIGEST, [chunk_hash(doc, 0)], CHUNK, 1)], seq=seq),
+                       "key0")
+            seq += 1
+    snap = core.snapshot("service", 1)
+    assert core.counters.records == seq
+    if admission == "adaptive":
+        assert snap.doorkeeper and snap.bits > 0 and any(snap.bloom)
+    else:
+        assert not snap.doorkeeper and (snap.bits, snap.bloom) == (0, b"")
