@@ -18,6 +18,7 @@ from kvpool_config._model import (
     STORE_ONLY_KEYS,
 )
 from kvpool_config.rules import Finding
+from kvpool_config.rules._store import OFFLOAD_PATH_ENV
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.sizes import parse_size
 
@@ -161,6 +162,8 @@ def _check_kvpool_connector(
     ctx.add(R.check_agent_address(extra.get("agent_address"), path=f"{epath}.agent_address"))
     ctx.add(R.check_staging_buffer(extra.get("staging_buffer"),
                                    path=f"{epath}.staging_buffer"))
+    ctx.add(R.check_service_beside_disk_tier(extra.get("admission"), _disk_tier_seen(ctx, extra),
+                                             path=f"{epath}.admission"))
     if extra.get("backend") == "memcache":
         ctx.add(
             Finding(
@@ -211,6 +214,16 @@ def _check_kvpool_connector(
                 chunk, block, name="chunk_size", unit_name="block_size", path=f"{epath}.chunk_size"
             )
         )
+
+
+def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:
+    """Where this engine's config turns an SSD tier on: its inline ``mooncake`` section's
+    ``enable_ssd_offload``, or its env.json's ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``; ``None``."""
+    inline = extra.get("mooncake")
+    if isinstance(inline, dict) and inline.get("enable_ssd_offload") is True:
+        return "kv_connector_extra_config.mooncake.enable_ssd_offload"
+    found = ctx.env_lookup(OFFLOAD_PATH_ENV)
+    return None if found is None else found[1]
 
 
 def _check_pp_partition(

@@ -31,6 +31,7 @@ from kvpool_config.rules._connector import (
 )
 from kvpool_config.rules._disk_tier import (
     check_disk_tier_limit,
+    check_service_beside_disk_tier,
     file_per_key_bound,
     filesystem_space,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "check_pythonhashseed",
     "check_qos_priority",
     "check_ratio",
+    "check_service_beside_disk_tier",
     "check_size",
     "check_soft_pin_ttl",
     "check_ssd_offload_path",

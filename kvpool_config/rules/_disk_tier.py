@@ -39,7 +39,7 @@ import os
 from typing import Any
 
 from kvpool_config.rules._finding import Finding
-from kvpool_config.rules._store import whole_bytes
+from kvpool_config.rules._store import OFFLOAD_PATH_ENV, whole_bytes
 
 __all__ = [
     "FILE_PER_KEY",
@@ -61,7 +61,6 @@ removed first (``StorageBackend::CheckDiskSpace``: ``kMinFreeSpace = 256 * kMB``
 FILE_PER_KEY = "file_per_key_storage_backend"
 BUCKET = "bucket_storage_backend"
 _DESCRIPTOR_ENV = "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR"
-_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
 _LIMIT_ENV = "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"
 _EVICTION_ENV = "MOONCAKE_OFFLOAD_ENABLE_EVICTION"
 _BUCKET_MAX_ENV = "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"
@@ -110,7 +109,7 @@ def check_disk_tier_limit(
         return []
     where = f"$.{section}"
     backend = str(values.get(_DESCRIPTOR_ENV, BUCKET)).strip()
-    directory = str(values.get(_PATH_ENV, "the offload directory"))
+    directory = str(values.get(OFFLOAD_PATH_ENV, "the offload directory"))
     fix = (f"set {_DESCRIPTOR_ENV}={BUCKET} with {_BUCKET_MAX_ENV}={limit}, "
            f"{_BUCKET_PHYSICAL_ENV}={limit} and {_BUCKET_POLICY_ENV}=fifo")
     if backend == FILE_PER_KEY:
@@ -125,7 +124,7 @@ def check_disk_tier_limit(
                 return []  # its quota is the binding bound, and eviction keeps to it
             if free < quota and free <= limit:
                 return [Finding(
-                    "warning", "disk-tier-limit", f"{where}.{_PATH_ENV}",
+                    "warning", "disk-tier-limit", f"{where}.{OFFLOAD_PATH_ENV}",
                     f"{directory} has {space[1]} bytes available: {FILE_PER_KEY} stops "
                     "writing once less than 256 MiB would stay free, without removing "
                     "older files, so offloads fail and values wait in memory", fix)]
@@ -151,3 +150,26 @@ def check_disk_tier_limit(
             f"{_BUCKET_PHYSICAL_ENV} (unset: no cap), and only with {_BUCKET_POLICY_ENV} "
             f"fifo or lru (default none); not set so: {', '.join(missing)}", fix)]
     return []
+
+
+def check_service_beside_disk_tier(admission: Any, tier: str | None, *,
+                                   path: str) -> Finding | None:
+    """``admission: service`` beside an SSD tier: a warning. The policy service sizes itself to
+    the pool's memory (its mounted segments) and removes what it evicts with an unforced
+    ``Remove``, which erases the object with every replica, the disk tier's too (Mooncake's
+    ``MasterService::Remove``: ``accessor.Erase()``): what it evicts from memory would never be
+    read from disk (docs/policy.md, "In kvpool-replay", where the replay refuses the pair).
+
+    Args:
+        admission: the connector's ``admission`` value.
+        tier: where the SSD tier was seen (a config path), ``None`` when it was not.
+        path: the ``admission`` field's path.
+    """
+    if admission != "service" or tier is None:
+        return None
+    return Finding(
+        "warning", "policy-disk-tier", path,
+        f"admission service beside an SSD tier ({tier}): the policy service steers the memory "
+        "tier only and its removals erase the disk tier's copy too, so nothing it evicts is "
+        "ever read from disk",
+        'use "admission": "adaptive" (or "all") with the SSD tier, or drop the tier')

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvpool_config.cli import main
 from kvpool_config.rules import check_disk_tier_limit, file_per_key_bound
 from kvpool_replay import DiskTier
@@ -102,3 +104,31 @@ def test_kvpool_config_reports_it_for_an_env_json(tmp_path: Path,
     found = [f for f in out["findings"] if f["rule"] == "disk-tier-limit"]
     assert len(found) == 1 and "ignores MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES" in \
         found[0]["message"]
+
+
+@pytest.mark.parametrize(("admission", "warned"), [("service", True), ("adaptive", False)])
+def test_the_policy_service_beside_an_ssd_tier_is_warned_about(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], admission: str, warned: bool) -> None:
+    """Its removals erase the disk tier's copy too (``check_service_beside_disk_tier``)."""
+    extra: dict[str, object] = {
+        "backend": "mooncake", "engine_id": "engine-a", "admission": admission,
+        "mooncake": {"master_server_address": "10.0.0.5:50051", "enable_ssd_offload": True,
+                     "ssd_offload_path": "/nvme/mooncake_offload"}}
+    if admission == "service":
+        extra.update(policy_service="tcp://10.0.0.5:5600", agent_keys="/etc/kvpool/keys")
+    else:
+        extra["admission_pool_tokens"] = 1_000_000
+    path = tmp_path / "kv_transfer_config.json"
+    path.write_text(json.dumps({
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra}))
+    main(["validate", "--json", str(path)])
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    got = [f for f in findings if f["rule"] == "policy-disk-tier"]
+    assert [f["path"] for f in got] == (
+        ["$.kv_connector_extra_config.admission"] if warned else []), findings
+    if warned:
+        assert got[0]["severity"] == "warning"
+        assert "kv_connector_extra_config.mooncake.enable_ssd_offload" in got[0]["message"]
+    assert not [f for f in findings if f["severity"] == "error"], findings
