@@ -190,10 +190,11 @@ class CommandRouter:
     def _record(self, who: str, key: str, req: CommandRequest, targets: list[str],
                 replies: list[CommandReply], *, curve: bool, refused: bool = False) -> None:
         """Audit one command: the operator port's lines in full, the read-only port's within
-        ``key``'s budget (a line over it is counted as a refusal of ``key``)."""
+        ``key``'s budget (a line over it is counted as a refusal of ``key``, unless the command
+        was refused and counted already: one command, one refusal)."""
         if not self.audit.record(who, req, targets, replies, refused=refused,
                                  channel="operator" if curve else "readonly",
-                                 budget_key=None if curve else key):
+                                 budget_key=None if curve else key) and not refused:
             self.counters.refuse(key, "audit budget spent: line suppressed")
 
     def _refuse_busy(self, sock: zmq.Socket[bytes], client: bytes, req: CommandRequest,

@@ -149,6 +149,10 @@ def test_a_viewer_cannot_wipe_the_operators_audit_lines(
     assert summary["who"] == "viewer/viewer"
     # Every viewer line either written or counted in the summary: 40 snapshots, 2 refusals.
     assert len(cmds) + summary["suppressed"] == n + 2
+    # One refusal per command: each snapshot whose line the budget suppressed, and the two
+    # refused commands once each, their lines written or not (they were counted twice).
+    written = sum(x["command"] == "snapshot" for x in cmds)
+    assert hub.refused_by_key["viewer/viewer"] == n - written + 2
     forget = [x for x in cmds if x["command"] == "forget"]
     if forget:  # written when the budget still had room; else counted above
         assert forget[0]["refused"] and forget[0]["targets"] == ["eng-a", "eng-b"]
