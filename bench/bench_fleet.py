@@ -115,6 +115,7 @@ def replay(path: str, limit: int | None, cap: int, engines: int, policy: str,
     return {"hit": r.hit_rate, "corrupt": r.corrupt_blocks, "load_errors": r.load_errors,
             "load_error_reasons": r.load_error_reasons,
             "evicted_by_master": r.pool_evicted_keys, "evicted_by_policy": r.evicted_keys,
+            "save_skipped_keys": r.save_skipped_keys,
             "policy_cpu_s": r.policy_cpu_s, "policy_rss": r.peak_rss_policy_bytes,
             "wall_s": round(time.monotonic() - t0, 1)}
 

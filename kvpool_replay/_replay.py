@@ -213,8 +213,9 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``pool_tokens / engines`` in private mode), equal to the ceiling when unbounded.
     ``save_bytes_per_s``/``load_bytes_per_s``: bytes over the time engines spent in the
     connector's save/load calls. Peak RSS in bytes (engines: the largest one).
-    ``lookup_errors``/``save_failed_keys``: lookups that failed and values whose save failed
-    (all engines); ``load_error_reasons``: failed loads by error name
+    ``lookup_errors``/``save_failed_keys``/``save_skipped_keys``: lookups that failed, values
+    whose save failed and values never tried (a full pool or the save budget:
+    ``EngineResult``) (all engines); ``load_error_reasons``: failed loads by error name
     (``EngineResult.load_error_reasons``, summed); ``max_lookup_s``: the longest lookup of
     any engine. With
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
@@ -270,6 +271,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     pool_memory_hits: int = 0
     lookup_errors: int = 0
     save_failed_keys: int = 0
+    save_skipped_keys: int = 0
     load_error_reasons: dict[str, int] = msgspec.field(default_factory=dict)
     max_lookup_s: float = 0.0
     failover_s: float | None = None
@@ -719,6 +721,7 @@ def run_replay(
         pool_memory_hits=memory_hits,
         lookup_errors=sum(r.lookup_errors for r in results),
         save_failed_keys=sum(r.save_failed_keys for r in results),
+        save_skipped_keys=sum(r.save_skipped_keys for r in results),
         load_error_reasons=dict(sum((Counter(r.load_error_reasons) for r in results),
                                     Counter())),
         max_lookup_s=max((r.max_lookup_s for r in results), default=0.0),

@@ -436,6 +436,7 @@ class SimEngine:
         self._count_load_errors()
         self.result.lookup_errors = self._lookup_counters.lookup_errors
         self.result.save_failed_keys = self._save_counters.save_failed_keys
+        self.result.save_skipped_keys = self._save_counters.save_skipped_keys
         self.result.evicted_keys = self._save_counters.evicted_keys
         for conn in (self.scheduler, self.worker):
             try:

@@ -133,8 +133,10 @@ class EngineResult(msgspec.Struct, kw_only=True):
     (``start_load_kv``) or from submission to ``finished_recving`` for asynchronous ones;
     ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
     ``wait_saves``). ``lookup_errors``: lookups that failed (the request ran without the
-    pool); ``save_failed_keys``: pool values whose save failed; ``evicted_keys``: values the
-    connector removed (``eviction: connector``); ``max_lookup_s``: the longest
+    pool); ``save_failed_keys``: pool values whose save failed; ``save_skipped_keys``: pool
+    values never tried (the pool full, Mooncake -200 NO_AVAILABLE_HANDLE, skips the rest of
+    that request's saves; or the engine's ``save_budget_bytes`` in flight); ``evicted_keys``:
+    values the connector removed (``eviction: connector``); ``max_lookup_s``: the longest
     ``get_num_new_matched_tokens`` call (bounded by ``lookup_timeout_ms`` while the pool is
     away). The three are the connector's own counters; the real-vLLM engine reads them from
     vLLM's Prometheus series, so its ``max_lookup_s`` is a histogram bound
@@ -157,6 +159,7 @@ class EngineResult(msgspec.Struct, kw_only=True):
     corrupt_blocks: int = 0
     lookup_errors: int = 0
     save_failed_keys: int = 0
+    save_skipped_keys: int = 0
     evicted_keys: int = 0
     max_lookup_s: float = 0.0
     max_request_s: float = 0.0

@@ -47,13 +47,15 @@ _MAX_NEW_TOKENS = 4
 
 
 def pool_counters(result: EngineResult, registry: CollectorRegistry = REGISTRY) -> None:
-    """Fill ``result``'s ``lookup_errors``, ``save_failed_keys`` and ``max_lookup_s`` from
-    the connector's series in ``registry`` (``vllm:kvpool_lookup_errors_total``,
-    ``vllm:kvpool_save_failed_keys_total``, the ``vllm:kvpool_lookup_seconds`` histogram;
+    """Fill ``result``'s ``lookup_errors``, ``save_failed_keys``, ``save_skipped_keys`` and
+    ``max_lookup_s`` from the connector's series in ``registry``
+    (``vllm:kvpool_lookup_errors_total``, ``vllm:kvpool_save_failed_keys_total``,
+    ``vllm:kvpool_save_skipped_keys_total``, the ``vllm:kvpool_lookup_seconds`` histogram;
     summed over their labels: one engine per process). A histogram keeps no maximum, so
     ``max_lookup_s`` is the tightest bound it gives: the smallest bucket bound that holds every
     lookup, or the sum of all lookups when that is smaller (0 without a lookup)."""
-    totals = {"vllm:kvpool_lookup_errors_total": 0.0, "vllm:kvpool_save_failed_keys_total": 0.0}
+    totals = {"vllm:kvpool_lookup_errors_total": 0.0, "vllm:kvpool_save_failed_keys_total": 0.0,
+              "vllm:kvpool_save_skipped_keys_total": 0.0}
     buckets: dict[float, float] = {}
     count = seconds = 0.0
     for family in registry.collect():
@@ -69,6 +71,7 @@ def pool_counters(result: EngineResult, registry: CollectorRegistry = REGISTRY) 
                 seconds += sample.value
     result.lookup_errors = int(totals["vllm:kvpool_lookup_errors_total"])
     result.save_failed_keys = int(totals["vllm:kvpool_save_failed_keys_total"])
+    result.save_skipped_keys = int(totals["vllm:kvpool_save_skipped_keys_total"])
     bound = min((le for le, n in buckets.items() if n >= count), default=float("inf"))
     result.max_lookup_s = min(bound, seconds) if count else 0.0
 

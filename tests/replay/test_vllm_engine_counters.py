@@ -1,5 +1,5 @@
 """The real-vLLM replay engine's pool counters (``lookup_errors``, ``save_failed_keys``,
-``max_lookup_s``) read back from the connector's own Prometheus series
+``save_skipped_keys``, ``max_lookup_s``) read back from the connector's own Prometheus series
 (``KVPoolPromMetrics`` on real ``prometheus_client`` metrics, the way vLLM builds them)."""
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ def _metrics(engines: int) -> tuple[CollectorRegistry, KVPoolPromMetrics]:
 
 def test_counters_and_the_longest_lookup_come_from_the_connector_series() -> None:
     reg, prom = _metrics(2)
-    prom.observe({"counters": {"lookup_errors": 3, "save_failed_keys": 7, "lookups": 9},
+    prom.observe({"counters": {"lookup_errors": 3, "save_failed_keys": 7, "lookups": 9,
+                               "save_skipped_keys": 5},
                   "lookup_seconds": [0.0004, 4.0, 4.3]}, engine_idx=0)
     prom.observe({"counters": {"lookup_errors": 1}, "lookup_seconds": [0.002]}, engine_idx=1)
     res = EngineResult(engine_id="e")
     pool_counters(res, reg)
-    assert (res.lookup_errors, res.save_failed_keys) == (4, 7)
+    assert (res.lookup_errors, res.save_failed_keys, res.save_skipped_keys) == (4, 7, 5)
     # 4.3 s falls in the (2.5, 5.0] bucket: the histogram bounds the longest lookup by 5 s.
     assert res.max_lookup_s == 5.0
 
