@@ -21,8 +21,8 @@ import sys
 import msgspec
 import psutil
 
-from kvpool_agent import hub_ports
-from kvpool_agent.cli_parser import CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
+from kvpool_config.rules import check_agent_address
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
@@ -61,10 +61,10 @@ def _positive_int(text: str) -> int:
 
 
 def _hub_address(text: str) -> str:
-    try:
-        hub_ports(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    # The rule kvpool-config checks a connector's agent_address with (one owner).
+    problem = check_agent_address(text, path="--agent-address")
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem.message}; {problem.fix}")
     return text
 
 
@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help=f"KV dtype (default {_TOY_SHAPE['dtype']})")
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
-                   help="a real model's KV shape; replaces --layers, --kv-heads, --head-size "
-                   "and --dtype (--block-size still applies)")
+                   help="a real model's KV shape, not with --layers, --kv-heads, --head-size "
+                   "or --dtype (--block-size still applies)")
     p.add_argument("--load-async", action="store_true", help="connector load_async mode")
     p.add_argument("--layerwise", action="store_true", help="connector use_layerwise mode")
     p.add_argument("--no-wait-saves", dest="wait_saves", action="store_false",
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     trace = args.trace_opt or args.trace or str(default_trace_path())
     try:
         shape = model_shape(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         cfg = ReplayConfig(
             trace_path=trace, limit=args.limit, engines=args.engines,
             pool_tokens=args.pool_tokens, mode=args.mode, speedup=args.speedup, shape=shape,
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + sig.signum
     except (FileNotFoundError, TraceError, ValueError) as exc:
         print(f"kvpool-replay: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvpool-replay: interrupted; every process it started was stopped",
               file=sys.stderr)

@@ -301,10 +301,11 @@ def check_qos_priority(value: Any, *, path: str) -> Finding | None:
 
 def check_agent_address(value: Any, *, path: str) -> Finding | None:
     """``agent_address`` is the fleet hub's ``tcp://HOST:PORT`` (the agent DEALER-connects to
-    it; ``kvpool-agent hub --address tcp://0.0.0.0:7600``)."""
+    it; ``kvpool-agent hub --address tcp://0.0.0.0:7600``): a host to connect to, not the
+    listen-only wildcard ``*``."""
     if value is None:
         return None
-    match = re.fullmatch(r"tcp://([^:/\s]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", str(value))
+    match = re.fullmatch(r"tcp://([^:/\s*]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", str(value))
     if match and 0 < int(match.group(2)) < 65536:
         return None
     return Finding(

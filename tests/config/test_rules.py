@@ -15,6 +15,7 @@ import pytest
 
 from kvpool_config import Finding, Options, load_json, validate_document, validate_files
 from kvpool_config._model import KVPOOL_EXTRA_KEYS
+from kvpool_config.rules import check_agent_address
 from kvpool_connector.config import KVPoolConfig
 
 HERE = Path(__file__).parent
@@ -336,3 +337,14 @@ def test_an_engine_held_segment_is_a_note() -> None:
     assert note.message.startswith("global_segment_size '4GB': every engine gives the pool")
     user["kv_cache_store_config"]["store_mode"] = "standalone"
     assert "engine-segment" not in _infos(validate_document(user, "user_config"))
+
+
+@pytest.mark.parametrize(("address", "ok"), [
+    ("tcp://10.0.0.5:7600", True), ("tcp://[::1]:7600", True), ("tcp://*:7600", False),
+    ("tcp://:7600", False), ("10.0.0.5:7600", False), ("tcp://10.0.0.5:70000", False),
+])
+def test_agent_address_is_an_address_to_connect_to(address: str, ok: bool) -> None:
+    """The wildcard ``*`` is the hub's listen form (``kvpool-agent hub --address``); an engine
+    cannot connect to it (``kvpool-replay --agent-address`` checks with the same rule)."""
+    got = check_agent_address(address, path="$.agent_address")
+    assert (got is None) == ok, got

@@ -136,11 +136,12 @@ def test_model_shape_presets_of_the_cli() -> None:
 
 def test_a_shape_flag_beside_model_shape_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """``--layers`` beside ``--model-shape`` was ignored without a word."""
-    assert main(["t.jsonl", "--model-shape", "llama3-8b", "--layers", "3", "--dtype",
-                 "float16"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        main(["t.jsonl", "--model-shape", "llama3-8b", "--layers", "3", "--dtype", "float16"])
+    assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err == ("kvpool-replay: --layers, --dtype: --model-shape llama3-8b sets the whole KV "
-                   "shape; give one or the other\n")
+    assert err == ("kvpool-replay: error: --layers, --dtype: --model-shape llama3-8b sets the "
+                   "whole KV shape; give one or the other (see kvpool-replay --help)\n")
 
 
 def test_a_malformed_agent_address_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -150,8 +151,8 @@ def test_a_malformed_agent_address_is_refused(capsys: pytest.CaptureFixture[str]
         main(["t.jsonl", "--agent-address", "foo"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvpool-replay: error: argument --agent-address: hub address 'foo': "
-                          "expected tcp://HOST:PORT"), err
+    assert err.startswith("kvpool-replay: error: argument --agent-address: agent_address 'foo' "
+                          "is not a ZMQ address tcp://HOST:PORT; use the hub's address"), err
     assert err.count("\n") == 1
 
 
