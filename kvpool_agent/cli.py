@@ -39,7 +39,7 @@ from kvpool_agent.auth import (
     authorize_key,
     generate_keys,
 )
-from kvpool_agent.cli_parser import CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
 from kvpool_agent.key_caps import (
     MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tcp://127.0.0.1:P, or pass --insecure for a lab",
                         file=sys.stderr,
                     )
-                    return 2
+                    return EXIT_USAGE
                 logging.getLogger("kvpool.hub").warning(
                     "INSECURE: kvpool hub on %s without keys: anyone who reaches it reads the "
                     "whole fleet state and sends read-only commands (--insecure)",
@@ -327,20 +327,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"kvpool-agent store: give --hub tcp://HOST:P or set {AGENT_ADDRESS_ENV}",
                     file=sys.stderr,
                 )
-                return 2
+                return EXIT_USAGE
             if not args.hub.startswith("tcp://"):
                 print(f"kvpool-agent store: --hub {args.hub}: give tcp://HOST:P (the hub's "
                       "--address port)", file=sys.stderr)
-                return 2
+                return EXIT_USAGE
             if problem := admin_urls_problem(args.admin_url):
                 print(f"kvpool-agent store: --admin-url: {problem}", file=sys.stderr)
-                return 2
+                return EXIT_USAGE
             args.admin_url = ",".join(split_admin_urls(args.admin_url))
             try:
                 src = store_source(args.engine_id, master_of(args))
             except ValueError as e:
                 print(f"kvpool-agent store: {e}", file=sys.stderr)
-                return 2
+                return EXIT_USAGE
             stop = _stop_on_signal()
             handle = start_agent(
                 src,
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 keys_dir=args.keys,
             )
             if not handle.enabled:
-                return 2
+                return EXIT_USAGE
             if not any(m.reachable for m in probe_masters(split_admin_urls(args.admin_url))):
                 # A master may start after its store agent: said once, then reported as down.
                 print(f"kvpool-agent store: no master answers at --admin-url {args.admin_url} "
@@ -363,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except (ValueError, OSError, zmq.ZMQError) as e:
         print(f"kvpool-agent {args.cmd}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 0
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def check(
 def _disk_tier_limit(values: dict[str, Any], section: str) -> list[Finding]:
     """``rules.check_disk_tier_limit`` with the offload directory's filesystem measured when
     that directory exists on this host."""
-    path = values.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH")
+    path = values.get(R.OFFLOAD_PATH_ENV)
     space = R.filesystem_space(path) if isinstance(path, str) and path.startswith("/") else None
     return R.check_disk_tier_limit(values, section=section, space=space)
 

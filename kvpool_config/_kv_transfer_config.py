@@ -85,8 +85,10 @@ class _Child(NamedTuple):
 def check(
     doc: dict[str, Any], *, env: dict[str, Any] | None, options: Options
 ) -> list[Finding]:
-    """Findings of a plain kv_transfer_config file (``env`` is not used)."""
-    ctx = Context([], options, mindie=False)
+    """Findings of a plain kv_transfer_config file; ``env`` (``validate --env``), when given,
+    is the deployment's env.json (its ``motor_common_env`` and the store's section: where an
+    SSD tier is turned on)."""
+    ctx = Context([], options, mindie=False, env=env)
     inst = check_kv_transfer_config(ctx, doc, "$", instance=options.role, engine={})
     ctx.extend(R.check_duplicate_ports(inst.ports))
     return ctx.findings

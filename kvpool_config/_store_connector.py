@@ -17,8 +17,7 @@ from kvpool_config._model import (
     KVPOOL_EXTRA_KEYS,
     STORE_ONLY_KEYS,
 )
-from kvpool_config.rules import Finding
-from kvpool_config.rules._store import OFFLOAD_PATH_ENV
+from kvpool_config.rules import Finding, json_path
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.sizes import parse_size
 
@@ -217,13 +216,20 @@ def _check_kvpool_connector(
 
 
 def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:
-    """Where this engine's config turns an SSD tier on: its inline ``mooncake`` section's
-    ``enable_ssd_offload``, or its env.json's ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``; ``None``."""
+    """Where this engine's deployment turns an SSD tier on: its inline ``mooncake`` section's
+    ``enable_ssd_offload``, or a non-empty ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` in its
+    env.json (its own section, ``motor_common_env``, or the store's
+    ``motor_kv_cache_store_env``); ``None``."""
     inline = extra.get("mooncake")
     if isinstance(inline, dict) and inline.get("enable_ssd_offload") is True:
         return "kv_connector_extra_config.mooncake.enable_ssd_offload"
-    found = ctx.env_lookup(OFFLOAD_PATH_ENV)
-    return None if found is None else found[1]
+    found = ctx.env_lookup(R.OFFLOAD_PATH_ENV)
+    if found is not None and found[0]:
+        return found[1]
+    store = (ctx.env or {}).get("motor_kv_cache_store_env")
+    if isinstance(store, dict) and store.get(R.OFFLOAD_PATH_ENV):
+        return f"env.json {json_path('motor_kv_cache_store_env', R.OFFLOAD_PATH_ENV)}"
+    return None
 
 
 def _check_pp_partition(

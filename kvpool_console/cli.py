@@ -538,8 +538,8 @@ def _demo(args: argparse.Namespace) -> NoReturn:
     runs this console's ``main`` on the fleet it started. Replacing the process keeps its id,
     terminal, session and parent: the signals that reach it (SIGTERM, the terminal's SIGHUP),
     its exit status and the terminal's restore are the demo's own, exactly as when the demo ran
-    in this process. This parser checked the options first, so a bad one still fails here with
-    its usage message. Never returns.
+    in this process. This parser checked the options first, so a bad one still fails here, in
+    one line. Never returns.
     """
     argv = [sys.executable, "-m", DEMO_MODULE, "--engines", str(args.engines),
             "--speedup", repr(args.speedup), "--engine", args.engine_kind,

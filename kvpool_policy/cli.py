@@ -25,7 +25,7 @@ import time
 import zmq
 
 from kvpool_agent.auth import KeyPaths
-from kvpool_agent.cli_parser import CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
 from kvpool_agent.key_caps import MAX_SUBSCRIBERS_PER_KEY
 from kvpool_agent.masters import admin_urls_problem, split_admin_urls
 from kvpool_agent.metrics_http import MetricsEndpoint
@@ -172,7 +172,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _fail(msg: str) -> int:
     print(f"kvpool-policy: {msg}", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
 
 
 def _warn(msg: str) -> None:
@@ -464,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kvpool.policy").info("kvpool policy: Prometheus metrics on %s",
                                                 metrics.url)
     logging.getLogger("kvpool.policy").info(
-        "kvpool policy: serving %s, capacity %d bytes", args.listen, capacity)
+        "kvpool policy: serving %s, capacity %d bytes, admission %s", args.listen, capacity,
+        args.admission)
     try:
         service.serve(stop)
     finally:

@@ -327,6 +327,11 @@ class PoolPolicy:
         return len(self._order) + len(self._pinned_resident)
 
     @property
+    def admission(self) -> AdmissionKind:
+        """The admission it was built with (``"adaptive"`` or ``"all"``)."""
+        return self._admission_kind
+
+    @property
     def doorkeeper_active(self) -> bool:
         """The last record was admitted by the doorkeeper (what a snapshot would publish)."""
         return self._admission is not None and self._admission.doorkeeper_active

@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, Self
+from typing import Self
 
+from kvpool_policy.policy import AdmissionKind
 from kvpool_replay._ha import LocalHaPool
 from kvpool_replay._processes import (
     alive,
@@ -76,7 +77,7 @@ class LocalPolicyService(LocalService):
                  capacity_bytes: int | None = None, fill: float = 0.8,
                  transfer_timeout_ms: int | None = None, port: int | None = None,
                  log_dir: Path | None = None,
-                 admission: Literal["adaptive", "all"] = "adaptive") -> None:
+                 admission: AdmissionKind = "adaptive") -> None:
         self.master, self.hub_keys = master, hub_keys
         self.admission = admission
         self.capacity_bytes, self.fill = capacity_bytes, fill

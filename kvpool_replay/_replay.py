@@ -38,6 +38,7 @@ from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.lookup import release_if_dead
+from kvpool_policy.policy import AdmissionKind
 from kvpool_replay._forkserver import ForkedProcess, fork_main
 from kvpool_replay._ha import FailoverDrill, LocalHaPool
 from kvpool_replay._policy_service import (
@@ -181,7 +182,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kill_policy_after: int | None = None
     admission: AdmissionMode = "all"
     policy_fill: float = REPLAY_FILL
-    policy_admission: Literal["adaptive", "all"] = "adaptive"
+    policy_admission: AdmissionKind = "adaptive"
     eviction: EvictionMode = "pool"
     default_kv_lease_ttl_ms: int | None = None
     disk_tier_tokens: int | None = None
@@ -222,6 +223,8 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.
     ``admission``/``eviction``: the engines' admission policy and who evicts;
+    ``policy_admission``: with ``admission: service``, the service's own (``adaptive``, or
+    ``all``: it only evicts), ``None`` otherwise;
     ``evicted_keys``: values the connectors (``eviction: connector``) or the policy service
     (``admission: service``; its last run's, with ``policy_restarts`` restarts) removed,
     ``policy_records`` the access records the service's runs that stopped cleanly applied,
@@ -279,6 +282,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     keys_kept: int | None = None
     hits_lost: int | None = None
     admission: str = "all"
+    policy_admission: str | None = None
     eviction: str = "pool"
     errors: list[str] = msgspec.field(default_factory=list)
     per_engine: list[EngineResult] = msgspec.field(default_factory=list)
@@ -450,6 +454,9 @@ def run_replay(
         raise ValueError(refusal)
     if cfg.kill_policy_after is not None and cfg.admission != "service":
         raise ValueError("--kill-policy-after needs --admission service (a service to kill)")
+    if cfg.policy_admission != "adaptive" and cfg.admission != "service":
+        raise ValueError(f"policy_admission {cfg.policy_admission!r} is the policy service's "
+                         "own admission: it needs admission 'service'")
     if not 0 < cfg.policy_fill <= REPLAY_WATERMARK:
         raise ValueError(f"policy_fill {cfg.policy_fill}: must be in (0, {REPLAY_WATERMARK}] "
                          f"(the masters' watermark), e.g. {REPLAY_FILL}")
@@ -733,6 +740,7 @@ def run_replay(
                    if drill and drill.killed_at and drill.served_at and cfg.mode == "shared"
                    else None),
         admission=cfg.admission,
+        policy_admission=cfg.policy_admission if cfg.admission == "service" else None,
         eviction=cfg.eviction,
         errors=errors,
         per_engine=results,

@@ -183,7 +183,9 @@ def format_report(r: ReplayReport) -> str:
     lines = [
         f"requests            {r.requests:,} on {r.engines} engine(s), {r.mode} pool ({pool}, "
         f"{r.pool_bytes / mib:.0f} MiB, {r.bytes_per_token} B/token, chunk {r.chunk_size}), "
-        f"admission {r.admission}, eviction {r.eviction}",
+        f"admission {r.admission}"
+        + (f" (the service's own: {r.policy_admission})" if r.policy_admission else "")
+        + f", eviction {r.eviction}",
         f"input tokens        {r.input_tokens:,}",
         f"hit tokens          {r.hit_tokens:,}",
         f"hit rate            {r.hit_rate:.2%}   (ceiling {r.ceiling_hit_rate:.2%}, "

@@ -97,6 +97,9 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # the one catalogue.
     "kvpool_agent.ledger": ["CountedBy", "FACTS", "Fact", "HUB_COUNTERS", "Kind", "Surface",
                             "fact", "facts_on", "metric_fact"],
+    # kvpool_replay's ReplayConfig and LocalPolicyService name the service's admissions.
+    "kvpool_policy.policy": ["S3FIFO", "AccessRecord", "AdmissionKind", "Decision",
+                             "EvictionKind", "LeafFirstLRU", "PolicyKey", "PoolPolicy"],
     # Every command's parser: a usage error is one line (one owner).
     "kvpool_agent.cli_parser": ["EXIT_USAGE", "CommandParser"],
     # The hub's and the policy service's /metrics endpoint (one owner).

@@ -53,6 +53,7 @@ from kvpool_config.rules._ports import (
 from kvpool_config.rules._store import (
     ASCEND_DEFAULT_TIMEOUT_MS,
     GIB,
+    OFFLOAD_PATH_ENV,
     check_backend_choice,
     check_backend_match,
     check_engine_segment,
@@ -76,6 +77,7 @@ __all__ = [
     "DEFAULT_DEVICES_PER_HOST",
     "GIB",
     "HYBRID_MODEL_PATTERN",
+    "OFFLOAD_PATH_ENV",
     "Finding",
     "Severity",
     "ascend_port_window",

@@ -46,6 +46,7 @@ __all__ = [
     "MIN_FREE_BYTES",
     "QUOTA_FRACTION",
     "check_disk_tier_limit",
+    "check_service_beside_disk_tier",
     "file_per_key_bound",
     "filesystem_space",
 ]

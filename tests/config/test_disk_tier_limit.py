@@ -106,6 +106,48 @@ def test_kvpool_config_reports_it_for_an_env_json(tmp_path: Path,
         found[0]["message"]
 
 
+_SERVICE = {"backend": "mooncake", "engine_id": "engine-a", "admission": "service",
+            "policy_service": "tcp://10.0.0.5:5600", "agent_keys": "/etc/kvpool/keys",
+            "mooncake": {"master_server_address": "10.0.0.5:50051"}}
+
+
+@pytest.mark.parametrize(("tier", "seen"), [
+    ({"enable_ssd_offload": True, "ssd_offload_path": "/nvme/mooncake_offload"},
+     "kv_connector_extra_config.mooncake.enable_ssd_offload"),
+    ({"motor_kv_cache_store_env": "/nvme/mooncake_offload"},
+     "env.json $.motor_kv_cache_store_env.MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"),
+    ({"motor_common_env": "/nvme/mooncake_offload"},
+     "env.json $.motor_common_env.MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"),
+    ({"motor_kv_cache_store_env": ""}, None),
+])
+def test_the_policy_service_beside_a_tier_found_anywhere(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tier: dict[str, object],
+        seen: str | None) -> None:
+    """The tier is found in the connector's inline Mooncake config or in the deployment's
+    env.json (the engines' or the store's section); an empty offload path is no tier."""
+    extra = json.loads(json.dumps(_SERVICE))
+    env: dict[str, dict[str, object]] = {"motor_common_env": {}, "motor_kv_cache_store_env": {}}
+    for key, value in tier.items():
+        if key.startswith("motor_"):
+            env[key]["MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"] = value
+        else:
+            extra["mooncake"][key] = value
+    ktc = tmp_path / "kv_transfer_config.json"
+    ktc.write_text(json.dumps({
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra}))
+    env_file = tmp_path / "env.json"
+    env_file.write_text(json.dumps(env))
+    main(["validate", "--json", str(ktc), "--env", str(env_file)])
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    got = [f["message"] for f in findings if f["rule"] == "policy-disk-tier"]
+    if seen is None:
+        assert got == [], findings
+    else:
+        assert len(got) == 1 and f"({seen})" in got[0], findings
+
+
 @pytest.mark.parametrize(("admission", "warned"), [("service", True), ("adaptive", False)])
 def test_the_policy_service_beside_an_ssd_tier_is_warned_about(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], admission: str, warned: bool) -> None:

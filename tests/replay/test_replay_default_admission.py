@@ -9,10 +9,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from kvpool_policy.cli import _parser as policy_parser
+from kvpool_policy.policy import AdmissionKind
 from kvpool_replay import ReplayConfig, default_trace_path, run_replay
+from kvpool_replay._policy_service import LocalPolicyService
 from kvpool_replay._replay import default_admission, service_refusal
 from kvpool_replay.cli import main
 
@@ -156,3 +160,26 @@ def test_a_service_fill_outside_the_watermark_is_refused_before_anything_starts(
                        policy_fill=fill)
     with pytest.raises(ValueError, match=r"policy_fill .*: must be in \(0, 0\.95\] .* e\.g\. 0\.8"):
         run_replay(cfg)
+
+
+def test_the_services_own_admission_needs_the_service() -> None:
+    """``policy_admission`` (bench_fleet's ``service-lru``) is the service's; without it the
+    value would be ignored and the row mislabelled."""
+    cfg = ReplayConfig(trace_path=TRACE, limit=5, pool_tokens=1_000_000, admission="all",
+                       policy_admission="all")
+    with pytest.raises(ValueError, match="policy_admission 'all' is the policy service's own "
+                       "admission: it needs admission 'service'"):
+        run_replay(cfg)
+
+
+@pytest.mark.parametrize("admission", ["adaptive", "all"])
+def test_the_replays_service_runs_with_the_admission_asked(admission: AdmissionKind,
+                                                             tmp_path: Path) -> None:
+    """The argument ``kvpool-policy serve`` parses and hands to ``PoolPolicy``: the command
+    line a replay starts the service with (a restart in ``--kill-policy-after`` reuses it)."""
+    master = SimpleNamespace(address="127.0.0.1:50051", admin_url="http://127.0.0.1:9003")
+    svc = LocalPolicyService(master, tmp_path, admission=admission,  # type: ignore[arg-type]
+                             port=5600, log_dir=tmp_path)
+    cmd = svc.command()
+    args = policy_parser().parse_args(cmd[cmd.index("serve"):])
+    assert args.admission == admission
