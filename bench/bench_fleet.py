@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -74,6 +75,16 @@ POLICIES: dict[str, dict[str, str]] = {
     "master": {"admission": "all"},
 }
 """Replay columns: ``ReplayConfig`` fields of each."""
+
+
+def _speedup(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
 
 
 def _policies(text: str) -> list[str]:
@@ -124,7 +135,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--limit", type=int, default=1000, help="requests per trace (0 = whole)")
     p.add_argument("--traces", default=",".join(CAPACITIES),
-                   help="trace file names in the traces directory")
+                   help="trace file names in the traces directory, comma-separated (name.jsonl or "
+                   "the shipped name.jsonl.xz)")
     p.add_argument("--capacities", type=positive_ints, default=None, metavar="TOKENS",
                    help="pool capacities (tokens, comma-separated) instead of each trace's list")
     p.add_argument("--engines", type=positive_ints, default=[1, 2, 4, 8], metavar="N",
@@ -134,7 +146,7 @@ def main() -> int:
     p.add_argument("--policy-fill", type=float, default=ReplayConfig(trace_path="").policy_fill,
                    metavar="F", help="share of the pool the service fills, in (0, 0.95] "
                    "(default %(default)s)")
-    p.add_argument("--speedup", type=float, default=0.0, metavar="S",
+    p.add_argument("--speedup", type=_speedup, default=0.0, metavar="S",
                    help="trace time / wall time of every replay (default 0: as fast as the "
                    "engines go, ~15-60x the trace's rate here; leases and the service's "
                    "removal lag then span that many more requests)")
@@ -145,9 +157,9 @@ def main() -> int:
     args = p.parse_args()
     if args.resume and args.json_out is None:
         p.error("--resume needs --json-out (the rows to keep)")
-    # The traces ship compressed (name.jsonl.xz); the name without .xz finds either.
-    names = [n.removesuffix(".xz") for n in args.traces.split(",")]
-    unknown = [n for n in names if n not in CAPACITIES]
+    # The traces ship compressed (name.jsonl.xz): either name has the capacity list.
+    names = args.traces.split(",")
+    unknown = [n for n in names if n.removesuffix(".xz") not in CAPACITIES]
     if unknown and not args.capacities:
         p.error(f"--traces: {', '.join(unknown)} has no capacity list (those with one: "
                 f"{', '.join(CAPACITIES)}); give --capacities")
@@ -176,7 +188,7 @@ def main() -> int:
 
     for name in names:
         path = str(default_trace_path(name))
-        caps = args.capacities or CAPACITIES[name]
+        caps = args.capacities or CAPACITIES[name.removesuffix(".xz")]
         print(f"{name}: exact LRU and Belady's MIN offline", flush=True)
         accesses, ref = offline(path, limit, caps)
         for cap in caps:

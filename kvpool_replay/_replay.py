@@ -215,10 +215,10 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     ``save_bytes_per_s``/``load_bytes_per_s``: bytes over the time engines spent in the
     connector's save/load calls. Peak RSS in bytes (engines: the largest one).
     ``lookup_errors``/``save_failed_keys``/``save_skipped_keys``: lookups that failed, values
-    whose save failed and values never tried (a full pool or the save budget:
-    ``EngineResult``) (all engines); ``load_error_reasons``: failed loads by error name
-    (``EngineResult.load_error_reasons``, summed); ``max_lookup_s``: the longest lookup of
-    any engine. With
+    whose save failed and values not saved otherwise (a full pool, the save budget, a
+    preempted request: ``EngineResult``) (all engines); ``load_error_reasons``: failed loads
+    by error name (``EngineResult.load_error_reasons``, summed); ``max_lookup_s``: the longest
+    lookup of any engine. With
     ``--kill-leader-after``: ``failover_s`` (from the SIGKILL until a new leader serves),
     ``keys_at_kill`` and ``keys_kept`` (of those keys, held by the new leader once it serves),
     ``hits_lost`` (``hits_lost_in_outage``); ``None`` when no leader was killed.

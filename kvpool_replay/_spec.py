@@ -134,8 +134,10 @@ class EngineResult(msgspec.Struct, kw_only=True):
     ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
     ``wait_saves``). ``lookup_errors``: lookups that failed (the request ran without the
     pool); ``save_failed_keys``: pool values whose save failed; ``save_skipped_keys``: pool
-    values never tried (the pool full, Mooncake -200 NO_AVAILABLE_HANDLE, skips the rest of
-    that request's saves; or the engine's ``save_budget_bytes`` in flight); ``evicted_keys``:
+    values not saved without a failed put: refused for a full pool (Mooncake -200
+    NO_AVAILABLE_HANDLE, and the rest of that request's saves skipped), skipped while the
+    engine's ``save_budget_bytes`` were in flight, or dropped with a preempted request;
+    ``evicted_keys``:
     values the connector removed (``eviction: connector``); ``max_lookup_s``: the longest
     ``get_num_new_matched_tokens`` call (bounded by ``lookup_timeout_ms`` while the pool is
     away). The three are the connector's own counters; the real-vLLM engine reads them from

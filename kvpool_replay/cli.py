@@ -207,7 +207,7 @@ def format_report(r: ReplayReport) -> str:
            f"reads served {r.pool_memory_hits:,} from memory / {r.pool_disk_hits:,} from disk"),
         f"failures            {r.lookup_errors} lookups, {r.save_failed_keys} saved values "
         f"(longest lookup {r.max_lookup_s * 1e3:.0f} ms); {r.save_skipped_keys:,} values not "
-        "saved for a full pool or the save budget",
+        "saved (a full pool, the save budget, preemption)",
         f"peak RSS            engine {r.peak_rss_engine_bytes / mib:.0f} MiB, master "
         f"{r.peak_rss_master_bytes / mib:.0f} MiB, store {r.peak_rss_store_bytes / mib:.0f} "
         f"MiB, replay {r.peak_rss_replay_bytes / mib:.0f} MiB"

@@ -151,7 +151,7 @@ def test_a_viewer_cannot_wipe_the_operators_audit_lines(
     assert len(cmds) + summary["suppressed"] == n + 2
     # One refusal per command: each snapshot whose line the budget suppressed, and the two
     # refused commands once each, their lines written or not (they were counted twice).
-    written = sum(x["command"] == "snapshot" for x in cmds)
+    written = sum(x["command"] == "snapshot" and not x.get("refused") for x in cmds)
     assert hub.refused_by_key["viewer/viewer"] == n - written + 2
     forget = [x for x in cmds if x["command"] == "forget"]
     if forget:  # written when the budget still had room; else counted above
