@@ -2,8 +2,8 @@
 
 argparse prints the command's whole usage block before its error line (16 lines for
 ``kvpool-replay``), so the line that names the bad flag ends up below a screenful of
-options. Every command here (``kvpool-agent``, ``kvpool-console``, ``kvpool-config``,
-``kvpool-policy``, ``kvpool-replay``, ``kvpool-demo``) builds its parser from this class;
+options. Every command here (``kvpool-agent``, ``kvpool-console`` and its demo,
+``kvpool-config``, ``kvpool-policy``, ``kvpool-replay``) builds its parser from this class;
 subcommands inherit it (``add_subparsers`` makes its parsers of the parent's class).
 """
 
