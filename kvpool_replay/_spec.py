@@ -134,13 +134,13 @@ class EngineResult(msgspec.Struct, kw_only=True):
     ``save_s``: from ``wait_for_save`` to ``finished_sending`` (measured only with
     ``wait_saves``). ``lookup_errors``: lookups that failed (the request ran without the
     pool); ``save_failed_keys``: pool values whose save failed; ``save_skipped_keys``: pool
-    values not saved without a failed put: refused for a full pool (Mooncake -200
-    NO_AVAILABLE_HANDLE, and the rest of that request's saves skipped), skipped while the
-    engine's ``save_budget_bytes`` were in flight, or dropped with a preempted request;
-    ``evicted_keys``:
-    values the connector removed (``eviction: connector``); ``max_lookup_s``: the longest
+    values not stored and not counted as failed: refused for a full pool (Mooncake -200
+    NO_AVAILABLE_HANDLE, the rest of that request's saves skipped with them), skipped while
+    the engine's ``save_budget_bytes`` were in flight, or dropped with a preempted request;
+    ``evicted_keys``: values the connector removed (``eviction: connector``);
+    ``max_lookup_s``: the longest
     ``get_num_new_matched_tokens`` call (bounded by ``lookup_timeout_ms`` while the pool is
-    away). The three are the connector's own counters; the real-vLLM engine reads them from
+    away). These are the connector's own counters; the real-vLLM engine reads them from
     vLLM's Prometheus series, so its ``max_lookup_s`` is a histogram bound
     (``_vllm_engine.pool_counters``).
     ``max_request_s``: the longest request, from the engine taking it (after its trace
