@@ -91,17 +91,24 @@ class HubPorts:
     curve: str
 
 
-def hub_ports(address: str) -> HubPorts:
+def hub_ports(address: str, *, connect: bool = False) -> HubPorts:
     """Endpoints for ``tcp://HOST:P``: agents ``P``, pub ``P+1``, commands ``P+2``, curve ``P+3``.
 
+    ``connect``: the address is one to connect to (a console, an engine's ``agent_address``, a
+    store agent's ``--hub``), so the listen-only wildcards (``*``, an empty host) are refused;
+    libzmq's connect raised ``Invalid argument`` on them.
+
     Raises:
-        ValueError: not ``tcp://HOST:PORT`` with a numeric port.
+        ValueError: not ``tcp://HOST:PORT`` with a numeric port in 1..65532, or a wildcard host
+            with ``connect`` (the message gives an example of the right form).
     """
+    example = "tcp://127.0.0.1:7600" if connect else "tcp://0.0.0.0:7600"
     if not address.startswith("tcp://") or ":" not in address[6:]:
-        raise ValueError(
-            f"hub address {address!r}: expected tcp://HOST:PORT (e.g. tcp://0.0.0.0:7600)"
-        )
+        raise ValueError(f"hub address {address!r}: expected tcp://HOST:PORT (e.g. {example})")
     host, _, port_s = address[6:].rpartition(":")
+    if connect and host in ("", "*"):
+        raise ValueError(f"hub address {address!r}: {host or 'an empty host'} is where a hub "
+                         f"listens; connect to the hub's host, e.g. {example}")
     try:
         port = int(port_s)
     except ValueError:

@@ -53,11 +53,33 @@ from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 __all__ = ["main"]
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+    return v
+
+
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v <= 1:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], e.g. 0.9, got {text}")
+    return v
+
+
 def _parser() -> argparse.ArgumentParser:
     p = CommandParser(
         prog="kvpool-agent", description="kvpool fleet hub, operator keys and store agent"
     )
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="logging level (default INFO)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     h = sub.add_parser("hub", help="run the fleet hub (agents, consoles and commands)")
@@ -169,10 +191,10 @@ def _parser() -> argparse.ArgumentParser:
         "an HA pool's masters comma-separated (stats are read from the serving leader)",
     )
     s.add_argument("--engine-id", default=f"store@{socket.gethostname()}")
-    s.add_argument("--lease-ttl-ms", type=int, default=0, help="default_kv_lease_ttl in force")
-    s.add_argument(
-        "--high-watermark", type=float, default=0.9, help="eviction_high_watermark_ratio"
-    )
+    s.add_argument("--lease-ttl-ms", type=_non_negative_int, default=0,
+                   help="the master's default_kv_lease_ttl in force, ms (default 0: not known)")
+    s.add_argument("--high-watermark", type=_ratio, default=0.9,
+                   help="the master's eviction_high_watermark_ratio, in (0, 1] (default 0.9)")
     add_master_option(s)
     return p
 
@@ -328,9 +350,11 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return EXIT_USAGE
-            if not args.hub.startswith("tcp://"):
-                print(f"kvpool-agent store: --hub {args.hub}: give tcp://HOST:P (the hub's "
-                      "--address port)", file=sys.stderr)
+            try:
+                hub_ports(args.hub, connect=True)
+            except ValueError as e:
+                print(f"kvpool-agent store: --hub: {e} (the hub's --address port)",
+                      file=sys.stderr)
                 return EXIT_USAGE
             if problem := admin_urls_problem(args.admin_url):
                 print(f"kvpool-agent store: --admin-url: {problem}", file=sys.stderr)

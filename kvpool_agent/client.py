@@ -110,7 +110,7 @@ class FleetClient:
     def __init__(self, hub_address: str, *, keys_dir: str | Path | None = None,
                  every_ms: int | None = None, tier_fallback_s: float = 5.0) -> None:
         self.hub_address = hub_address
-        self.ports = hub_ports(hub_address)
+        self.ports = hub_ports(hub_address, connect=True)
         kd = keys_dir if keys_dir is not None else os.environ.get("KVPOOL_KEYS_DIR") or None
         self.keys = KeyPaths.of(kd) if kd else None
         self._curve: ClientKeys | None = None

@@ -21,8 +21,8 @@ import sys
 import msgspec
 import psutil
 
+from kvpool_agent import hub_ports
 from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
-from kvpool_config.rules import check_agent_address
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
@@ -61,10 +61,11 @@ def _positive_int(text: str) -> int:
 
 
 def _hub_address(text: str) -> str:
-    # The rule kvpool-config checks a connector's agent_address with (one owner).
-    problem = check_agent_address(text, path="--agent-address")
-    if problem is not None:
-        raise argparse.ArgumentTypeError(f"{problem.message}; {problem.fix}")
+    # The hub's own rule for an address to connect to (kvpool-config's agent_address too).
+    try:
+        hub_ports(text, connect=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

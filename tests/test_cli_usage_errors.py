@@ -40,3 +40,34 @@ def test_help_still_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("usage: kvpool-replay")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--log-level", "LOUD", "hub"], "argument --log-level: invalid choice: 'LOUD'"),
+    (["store", "--hub", "tcp://127.0.0.1:7600", "--high-watermark", "3"],
+     "argument --high-watermark: must be in (0, 1], e.g. 0.9, got 3"),
+    (["store", "--hub", "tcp://127.0.0.1:7600", "--lease-ttl-ms", "-2"],
+     "argument --lease-ttl-ms: must be 0 or more, got -2"),
+])
+def test_agent_values_argparse_took_are_refused(argv: list[str], says: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad log level was a traceback in logging.basicConfig; a watermark of 3 or a negative
+    lease ran."""
+    from kvpool_agent.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_console_given_the_hubs_listen_address_says_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--hub tcp://*:7600`` (the hub's own --address form) was a ZMQError traceback."""
+    from kvpool_console.cli import main
+
+    assert main(["--hub", "tcp://*:7600", "status"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvpool-console: hub address 'tcp://*:7600': * is where a hub listens; "
+                   "connect to the hub's host, e.g. tcp://127.0.0.1:7600\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvpool_agent.hub import hub_ports
 from kvpool_agent.vocabulary import KV_ROLE_FOR, KV_ROLES
 from kvpool_config._model import LOAD_FAILURE_POLICIES
 from kvpool_config.rules._finding import Finding
@@ -300,22 +301,18 @@ def check_qos_priority(value: Any, *, path: str) -> Finding | None:
 
 
 def check_agent_address(value: Any, *, path: str) -> Finding | None:
-    """``agent_address`` is the fleet hub's ``tcp://HOST:PORT`` (the agent DEALER-connects to
-    it; ``kvpool-agent hub --address tcp://0.0.0.0:7600``): a host to connect to, not the
-    listen-only wildcard ``*``."""
+    """``agent_address`` is the fleet hub's ``tcp://HOST:PORT`` to connect to (the agent
+    DEALER-connects to it; ``kvpool-agent hub --address tcp://0.0.0.0:7600`` listens): the
+    hub's own rule, ``kvpool_agent.hub_ports(..., connect=True)`` (a port in 1..65532, no
+    listen-only wildcard host)."""
     if value is None:
         return None
-    match = re.fullmatch(r"tcp://([^:/\s*]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", str(value))
-    if match and 0 < int(match.group(2)) < 65536:
-        return None
-    return Finding(
-        "error",
-        "agent-address",
-        path,
-        f"agent_address {value!r} is not a ZMQ address tcp://HOST:PORT",
-        'use the hub\'s address, e.g. "tcp://127.0.0.1:7600"',
-    )
-
+    try:
+        hub_ports(str(value), connect=True)
+    except ValueError as exc:
+        return Finding("error", "agent-address", path, f"agent_address: {exc}",
+                       'use the hub\'s address, e.g. "tcp://127.0.0.1:7600"')
+    return None
 
 
 STAGING_BUFFER_WARN_BYTES = 1 << 30

@@ -151,8 +151,8 @@ def test_a_malformed_agent_address_is_refused(capsys: pytest.CaptureFixture[str]
         main(["t.jsonl", "--agent-address", "foo"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvpool-replay: error: argument --agent-address: agent_address 'foo' "
-                          "is not a ZMQ address tcp://HOST:PORT; use the hub's address"), err
+    assert err.startswith("kvpool-replay: error: argument --agent-address: hub address 'foo': "
+                          "expected tcp://HOST:PORT (e.g. tcp://127.0.0.1:7600)"), err
     assert err.count("\n") == 1
 
 
