@@ -148,7 +148,7 @@ def main() -> int:
                    "(default %(default)s)")
     p.add_argument("--speedup", type=_speedup, default=0.0, metavar="S",
                    help="trace time / wall time of every replay (default 0: as fast as the "
-                   "engines go, ~15-60x the trace's rate here; leases and the service's "
+                   "engines go, ~10-15x the trace's rate here; leases and the service's "
                    "removal lag then span that many more requests)")
     p.add_argument("--json-out", type=Path, default=None,
                    help="write the rows as JSON after every replay")

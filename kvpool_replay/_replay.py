@@ -455,8 +455,8 @@ def run_replay(
     if cfg.kill_policy_after is not None and cfg.admission != "service":
         raise ValueError("--kill-policy-after needs --admission service (a service to kill)")
     if cfg.policy_admission != "adaptive" and cfg.admission != "service":
-        raise ValueError(f"policy_admission {cfg.policy_admission!r} is the policy service's "
-                         "own admission: it needs admission 'service'")
+        raise ValueError(f"--policy-admission {cfg.policy_admission} is the policy service's "
+                         "own admission: it needs --admission service")
     if not 0 < cfg.policy_fill <= REPLAY_WATERMARK:
         raise ValueError(f"policy_fill {cfg.policy_fill}: must be in (0, {REPLAY_WATERMARK}] "
                          f"(the masters' watermark), e.g. {REPLAY_FILL}")

@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who evicts: pool (default) the master, past its watermark; connector "
                    "an exact LRU in the connector (needs --pool-tokens; masters started here "
                    f"run at watermark 1.0 with a {CONNECTOR_EVICTION_LEASE_MS} ms lease)")
+    p.add_argument("--policy-admission", choices=["adaptive", "all"], default="adaptive",
+                   help="with --admission service, the service's own admission: adaptive "
+                   "(default; its pool-wide doorkeeper) or all (engines save every chunk and "
+                   "it only evicts: a live pool-wide LRU)")
     p.add_argument("--kill-policy-after", type=_positive_int, default=None, metavar="N",
                    help="with --admission service: kill the policy service after N requests "
                    "and start it again N requests and at least 4 s later; needs more than 2N "
@@ -206,9 +210,10 @@ def format_report(r: ReplayReport) -> str:
         + ("" if r.disk_tier_tokens is None else
            f"; disk tier {r.disk_tier_tokens:,} tokens, {r.pool_disk_keys:,} values on disk, "
            f"reads served {r.pool_memory_hits:,} from memory / {r.pool_disk_hits:,} from disk"),
-        f"failures            {r.lookup_errors} lookups, {r.save_failed_keys} saved values "
-        f"(longest lookup {r.max_lookup_s * 1e3:.0f} ms); {r.save_skipped_keys:,} values not "
-        "saved (a full pool, the save budget, preemption)",
+        f"failures            {r.lookup_errors} lookups failed, {r.save_failed_keys} values' "
+        f"saves failed (longest lookup {r.max_lookup_s * 1e3:.0f} ms); "
+        f"{r.save_skipped_keys:,} values' saves skipped (a full pool, the save budget or "
+        "preemption)",
         f"peak RSS            engine {r.peak_rss_engine_bytes / mib:.0f} MiB, master "
         f"{r.peak_rss_master_bytes / mib:.0f} MiB, store {r.peak_rss_store_bytes / mib:.0f} "
         f"MiB, replay {r.peak_rss_replay_bytes / mib:.0f} MiB"
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=args.progress, ha=args.ha,
             kill_leader_after_s=args.kill_leader_after,
             kill_policy_after=args.kill_policy_after,
+            policy_admission=args.policy_admission,
             eviction=args.eviction,
             disk_tier_tokens=args.disk_tier_tokens, disk_tier_dir=args.disk_tier_dir,
         )

@@ -167,8 +167,8 @@ def test_the_services_own_admission_needs_the_service() -> None:
     value would be ignored and the row mislabelled."""
     cfg = ReplayConfig(trace_path=TRACE, limit=5, pool_tokens=1_000_000, admission="all",
                        policy_admission="all")
-    with pytest.raises(ValueError, match="policy_admission 'all' is the policy service's own "
-                       "admission: it needs admission 'service'"):
+    with pytest.raises(ValueError, match="--policy-admission all is the policy service's own "
+                       "admission: it needs --admission service"):
         run_replay(cfg)
 
 
