@@ -353,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 hub_ports(args.hub, connect=True)
             except ValueError as e:
-                print(f"kvpool-agent store: --hub: {e} (the hub's --address port)",
-                      file=sys.stderr)
+                print(f"kvpool-agent store: --hub: {e}", file=sys.stderr)
                 return EXIT_USAGE
             if problem := admin_urls_problem(args.admin_url):
                 print(f"kvpool-agent store: --admin-url: {problem}", file=sys.stderr)

@@ -156,8 +156,19 @@ def test_store_agent_bad_admin_url_is_one_line_and_starts_nothing(
 def test_store_agent_hub_without_tcp_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["store", "--hub", "127.0.0.1:7600", "--admin-url", "http://127.0.0.1:9003",
                  "--master-server-address", "127.0.0.1:50051"]) == 2
-    assert capsys.readouterr().err == ("kvpool-agent store: --hub 127.0.0.1:7600: give "
-                                       "tcp://HOST:P (the hub's --address port)\n")
+    assert capsys.readouterr().err == (
+        "kvpool-agent store: --hub: hub address '127.0.0.1:7600': expected tcp://HOST:PORT (e.g. "
+        "tcp://127.0.0.1:7600)\n")
+
+
+def test_store_agent_hub_at_the_listen_wildcard_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``tcp://*:P`` is the hub's listen form; the agent logged a hint about an engine's
+    agent_address instead."""
+    assert main(["store", "--hub", "tcp://*:7600", "--admin-url", "http://127.0.0.1:9003",
+                 "--master-server-address", "127.0.0.1:50051"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "* is where a hub listens" in err, err
 
 
 def test_store_agent_says_when_no_master_answers_and_keeps_running(
