@@ -39,7 +39,7 @@ from kvpool_agent.auth import (
     authorize_key,
     generate_keys,
 )
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
 from kvpool_agent.key_caps import (
     MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
@@ -51,16 +51,6 @@ from kvpool_agent.masters import admin_urls_problem, probe_masters, split_admin_
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = ["main"]
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
 
 
 def _ratio(text: str) -> float:
@@ -191,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         "an HA pool's masters comma-separated (stats are read from the serving leader)",
     )
     s.add_argument("--engine-id", default=f"store@{socket.gethostname()}")
-    s.add_argument("--lease-ttl-ms", type=_non_negative_int, default=0,
+    s.add_argument("--lease-ttl-ms", type=int_at_least(0), default=0,
                    help="the master's default_kv_lease_ttl in force, ms (default 0: not known)")
     s.add_argument("--high-watermark", type=_ratio, default=0.9,
                    help="the master's eviction_high_watermark_ratio, in (0, 1] (default 0.9)")

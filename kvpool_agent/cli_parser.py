@@ -10,9 +10,10 @@ subcommands inherit it (``add_subparsers`` makes its parsers of the parent's cla
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["EXIT_USAGE", "CommandParser"]
+__all__ = ["EXIT_USAGE", "CommandParser", "int_at_least"]
 
 EXIT_USAGE = 2
 """Exit status of a usage error, as argparse and every kvpool command use it."""
@@ -27,3 +28,19 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``; anything else is refused in words
+    (``'x' is not an integer``, ``must be >= 1, got 0``), argparse naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse

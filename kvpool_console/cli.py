@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least
 from kvpool_agent.protocol import CommandReply, FlushArgs, visible
 from kvpool_console import _pin_cli as pin_cli
 from kvpool_console import _whatif_cli as whatif_cli
@@ -95,7 +95,7 @@ def _common(top: bool) -> CommandParser:
                         help="keys directory: hub.key and an operator or viewer key pair "
                         "(kvpool-agent keygen --role operator|viewer); only operator changes "
                         "the pool (default: $KVPOOL_KEYS_DIR)")
-    common.add_argument("--wait", type=_seconds_at_least(_LEAST_WAIT_S), default=default(3.0),
+    common.add_argument("--wait", type=_secondsint_at_least(_LEAST_WAIT_S), default=default(3.0),
                         metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
     common.add_argument("--watermark-ratio", type=_fraction, default=default(None),
@@ -105,21 +105,11 @@ def _common(top: bool) -> CommandParser:
                         default=default(WATERMARK_MARGIN), metavar="M",
                         help="pool_watermark clears below ratio - M "
                              f"(default {WATERMARK_MARGIN})")
-    common.add_argument("--stuck-after-ms", type=_at_least(1), default=default(None),
+    common.add_argument("--stuck-after-ms", type=int_at_least(1), default=default(None),
                         metavar="MS", help="a load or save in flight longer than this is stuck "
                         "(default: 2x what its bytes take at its agent's recent rate, at least "
                         "2500)")
     return common
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type`` for integers >= ``low`` (argparse names the option in its error)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
 
 
 def _fraction(text: str) -> float:
@@ -136,7 +126,7 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _seconds_at_least(low: float) -> Callable[[str], float]:
+def _secondsint_at_least(low: float) -> Callable[[str], float]:
     """An argparse ``type`` for a finite number of seconds >= ``low`` (``--refresh -5`` or
     ``nan`` hung the TUI before its first draw, deaf to q, Ctrl-C and SIGTERM)."""
     def parse(text: str) -> float:
@@ -160,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     common = _common(top=False)
     p = CommandParser(prog="kvpool-console", parents=[_common(top=True)],
                       description="Watch and operate a kvpool KV-cache pool fleet.")
-    p.add_argument("--refresh", type=_seconds_at_least(_FASTEST_REFRESH_S), default=1.0,
+    p.add_argument("--refresh", type=_secondsint_at_least(_FASTEST_REFRESH_S), default=1.0,
                    metavar="S", help="TUI redraw interval in seconds, at least "
                    f"{_FASTEST_REFRESH_S:g} (default 1; + / - change it live)")
     p.add_argument("--ssh-config", default=None, metavar="FILE",
@@ -173,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None,
                    help="demo trace (default: conversation_trace.jsonl from $KVPOOL_TRACES_DIR, "
                         "else ../shared/traces, else the copy shipped with kvpool)")
-    p.add_argument("--engines", type=_at_least(1), default=4, help="demo engines (default 4)")
+    p.add_argument("--engines", type=int_at_least(1), default=4, help="demo engines (default 4)")
     p.add_argument("--speedup", type=_non_negative, default=5.0,
                    help="demo replay speed-up: trace time / wall time (default 5)")
     p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm", "pd"), default="sim",
@@ -193,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     he.add_argument("--probe", action="store_true",
                     help="also write, read and remove a probe key in the pool (operator key)")
     he.add_argument("--json", action="store_true")
-    he.add_argument("--timeout-ms", type=_at_least(1), default=5_000, metavar="MS",
+    he.add_argument("--timeout-ms", type=int_at_least(1), default=5_000, metavar="MS",
                     help="how long to wait for the agents' replies (default 5000)")
     fl = sub.add_parser("flush", parents=[common], help="remove pool entries of a scope")
     fl.add_argument("--scope", choices=("model", "engine", "all"), required=True)
@@ -207,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
                          "can read memory a new value reuses")
     fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     fl.add_argument("--json", action="store_true")
-    fl.add_argument("--timeout-ms", type=_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
+    fl.add_argument("--timeout-ms", type=int_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
                     help=f"how long to wait for each flush round (default {FLUSH_TIMEOUT_MS})")
     fg = sub.add_parser("forget", parents=[common],
                         help="drop engines from the hub now (e.g. after a scale-down)")

@@ -22,7 +22,7 @@ import msgspec
 import psutil
 
 from kvpool_agent import hub_ports
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
@@ -48,16 +48,6 @@ MODEL_SHAPES: dict[str, dict[str, int | str]] = {
 _TOY_SHAPE: dict[str, int | str] = {"layers": 2, "kv_heads": 1, "head_size": 8,
                                     "dtype": "float16"}
 """Without ``--model-shape``: 2 x 1 x 8 x float16, K and V = 64 B per token (the logic, fast)."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _hub_address(text: str) -> str:
@@ -100,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace", nargs="?", default=None,
                    help=f"JSON-lines trace, plain or .xz (default: {default_trace_path()})")
     p.add_argument("--trace", dest="trace_opt", default=None, help="same as the positional")
-    p.add_argument("--limit", type=_positive_int, default=None,
+    p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="replay only the first N requests")
-    p.add_argument("--engines", type=_positive_int, default=1, help="engine processes")
-    p.add_argument("--pool-tokens", type=_positive_int, default=None,
+    p.add_argument("--engines", type=int_at_least(1), default=1, help="engine processes")
+    p.add_argument("--pool-tokens", type=int_at_least(1), default=None,
                    help="pool capacity in tokens of KV (default: unbounded = every chunk fits)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--shared", dest="mode", action="store_const", const="shared",
@@ -118,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-admin-url", default=None, metavar="URL",
                    help="--master's HTTP admin URL (its --metrics_port; default "
                    "http://<host>:9003): the engines' pool stats and flushes read it")
-    p.add_argument("--ha", type=_positive_int, default=0, metavar="N",
+    p.add_argument("--ha", type=int_at_least(1), default=0, metavar="N",
                    help="replay against an HA pool: a local etcd and N mooncake_master "
                    "processes with leader election (etcd-server must be installed)")
     p.add_argument("--kill-leader-after", type=_positive_float, default=None, metavar="S",
@@ -126,14 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "replay (--json then has failover_s, keys_kept and hits_lost)")
     p.add_argument("--agent-address", type=_hub_address, default=None,
                    help="fleet hub agent address (tcp://host:port) the engines report to")
-    p.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per pool key")
-    p.add_argument("--layers", type=_positive_int, default=None,
+    p.add_argument("--chunk-size", type=int_at_least(1), default=512, help="tokens per pool key")
+    p.add_argument("--layers", type=int_at_least(1), default=None,
                    help=f"KV layers (default {_TOY_SHAPE['layers']})")
-    p.add_argument("--kv-heads", type=_positive_int, default=None,
+    p.add_argument("--kv-heads", type=int_at_least(1), default=None,
                    help=f"KV heads (default {_TOY_SHAPE['kv_heads']})")
-    p.add_argument("--head-size", type=_positive_int, default=None,
+    p.add_argument("--head-size", type=int_at_least(1), default=None,
                    help=f"head size (default {_TOY_SHAPE['head_size']})")
-    p.add_argument("--block-size", type=_positive_int, default=16,
+    p.add_argument("--block-size", type=int_at_least(1), default=16,
                    help="vLLM block size in tokens")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help=f"KV dtype (default {_TOY_SHAPE['dtype']})")
@@ -166,12 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --admission service, the service's own admission: adaptive "
                    "(default; its pool-wide doorkeeper) or all (engines save every chunk and "
                    "it only evicts: a live pool-wide LRU)")
-    p.add_argument("--kill-policy-after", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--kill-policy-after", type=int_at_least(1), default=None, metavar="N",
                    help="with --admission service: kill the policy service after N requests "
                    "and start it again N requests and at least 4 s later; needs more than 2N "
                    "requests (--limit above 2N), and requests left once the 4 s passed, or "
                    "nothing runs under the restarted service")
-    p.add_argument("--disk-tier-tokens", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--disk-tier-tokens", type=int_at_least(1), default=None, metavar="N",
                    help="a disk tier (Mooncake SSD offload) of N tokens of KV behind the pool's "
                    "memory (needs --pool-tokens; split per engine with --private)")
     p.add_argument("--disk-tier-dir", default=None, metavar="DIR",

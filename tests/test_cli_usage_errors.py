@@ -47,7 +47,7 @@ def test_help_still_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
     (["store", "--hub", "tcp://127.0.0.1:7600", "--high-watermark", "3"],
      "argument --high-watermark: must be in (0, 1], e.g. 0.9, got 3"),
     (["store", "--hub", "tcp://127.0.0.1:7600", "--lease-ttl-ms", "-2"],
-     "argument --lease-ttl-ms: must be 0 or more, got -2"),
+     "argument --lease-ttl-ms: must be >= 0, got -2"),
 ])
 def test_agent_values_argparse_took_are_refused(argv: list[str], says: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
