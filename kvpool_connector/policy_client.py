@@ -165,8 +165,11 @@ class PolicyClient:
         push.sndhwm = SEND_HWM
         # Queue only to a connected service: with it away a send fails at once (counted).
         push.immediate = True
-        push.connect(self._records_at)
+        # The monitor before the connect: a handshake done before it was attached (a NULL
+        # handshake on loopback can be) was never seen, and the client stayed "master" for
+        # good (CI saw one stay so for 60 s).
         mon = push.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        push.connect(self._records_at)
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self._snapshots_at)
