@@ -166,8 +166,12 @@ def hub_process_of(hub_address: str, fleet_keys: dict[Any, KeyPaths], tmp_path: 
     )
     try:
         with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as c:
-            wait_until(lambda: c.updates(100) != [], 30)
-            assert c.last_update_ms > 0
+            wait_until(lambda: proc.poll() is not None or c.updates(100) != [], 30)
+            # A hub that exited at start (CI saw exit 2 once: its ports taken between the
+            # pick and its bind, likely) says why in its log.
+            log = (tmp_path / "hub.log").read_text(errors="replace")[-2000:]
+            assert proc.poll() is None, f"hub exited {proc.returncode} at start:\n{log}"
+            assert c.last_update_ms > 0, f"no snapshot from the hub in 30 s:\n{log}"
         yield psutil.Process(proc.pid)
     finally:
         proc.terminate()
