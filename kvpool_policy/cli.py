@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 metrics.url)
     logging.getLogger("kvpool.policy").info(
         "kvpool policy: serving %s, capacity %d bytes, admission %s", args.listen, capacity,
-        args.admission)
+        service.core.policy.admission)
     try:
         service.serve(stop)
     finally:

@@ -401,3 +401,27 @@ def test_a_replay_goes_on_through_a_killed_service_and_it_steers_again() -> None
     # an RSS that holds at least the Python interpreter and that client.
     assert report.policy_cpu_s > 0 and report.peak_rss_policy_bytes > 32 << 20
     assert report.hit_tokens > 0
+
+
+def test_a_service_started_admitting_all_runs_its_policy_so(pool: Pool, tmp_path: Path) -> None:
+    """``kvpool-policy serve --admission all`` (bench_fleet's live LRU): the flag reaches the
+    policy the service runs (its serving line reads it from there), and a record is applied."""
+    svc = LocalPolicyService(pool.master, pool.keys["hub"].root,
+                             capacity_bytes=CAPACITY_CHUNKS * CHUNK_BYTES, admission="all",
+                             log_dir=tmp_path / "all")
+    (tmp_path / "all").mkdir()
+    svc.start()
+    try:
+        log = svc.log_path.read_text(errors="replace")
+        assert "kvpool policy: serving" in log and "admission all" in log, log[-2000:]
+        c = PolicyClient(svc.address, pool.keys["agent"].client("agent"), "engine-a", LAYOUT,
+                         CHUNK_BYTES, stale_s=STALE_S)
+        try:
+            wait_for(lambda: c.in_charge == "service", what="the service in charge")
+            assert c.admit([chunk("x0"), chunk("x1")]) == 2
+            snap = wait_for(lambda: pool.applied(c, 1) and c.snapshot)
+            assert not snap.doorkeeper and (snap.bits, snap.bloom) == (0, b"")
+        finally:
+            c.close()
+    finally:
+        svc.stop()
