@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -76,32 +77,66 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+_PORT_FLOOR = 20000
+"""The lowest port :func:`free_port` hands out: above Mooncake's RPC ports (its
+``mooncake_client`` binds in 15000-17000) and the well-known services'."""
+
+
+_PORT_RNG = random.SystemRandom()
+"""Not the global generator: a test that seeds it would make two test workers draw the same
+ports."""
+
+
+def _ephemeral_floor() -> int:
+    """The first port of the kernel's ephemeral range (``net.ipv4.ip_local_port_range``), where
+    every outgoing connection takes its source port; 32768 when it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, ports: range) -> bool:
+    try:
+        with contextlib.ExitStack() as stack:
+            for port in ports:
+                stack.enter_context(socket.socket()).bind((host, port))
+    except OSError:
+        return False
+    return True
 
 
 def free_port_block(count: int = 5, host: str = "127.0.0.1") -> int:
     """A port P with ``P..P+count-1`` all free on ``host`` a moment ago (a fleet hub binds P..P+3
     and, with ``/metrics``, P+4).
 
+    Drawn at random below the kernel's ephemeral range: a port taken from that range (a bind to
+    port 0) can be given to any process's outgoing connection between this pick and the
+    service's own bind (a CI run lost a vLLM server to ``EADDRINUSE`` so). Where the ephemeral
+    range starts below 20,000 + ``count``, falls back to ports the kernel picks.
+
     Raises:
-        RuntimeError: no such block found in 50 tries.
+        RuntimeError: no such block found in 100 tries.
     """
-    for _ in range(50):
-        base = free_port(host)
-        if base + count - 1 > 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    stack.enter_context(socket.socket()).bind((host, port))
-        except OSError:
-            continue
-        return base
+    top = _ephemeral_floor() - count
+    for _ in range(100):
+        if top > _PORT_FLOOR:
+            base = _PORT_RNG.randrange(_PORT_FLOOR, top)
+        else:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                base = int(s.getsockname()[1])
+            if base + count - 1 > 65535:
+                continue
+        if _bindable(host, range(base, base + count)):
+            return base
     raise RuntimeError(f"no {count} consecutive free TCP ports on {host}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (as :func:`free_port_block`, whose
+    rule it follows)."""
+    return free_port_block(1, host)
 
 
 MC_BIND_ENV = "MC_TCP_BIND_ADDRESS"

@@ -21,13 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool_replay import free_port
+
 SSHD = "/usr/sbin/sshd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _keygen(path: Path) -> Path:

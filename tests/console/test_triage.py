@@ -22,7 +22,7 @@ import msgspec
 import psutil
 import pytest
 from livefleet import hub_address
-from sshd import Sshd, free_port, start_sshd
+from sshd import Sshd, start_sshd
 
 from kvpool_agent import start_agent
 from kvpool_agent.agent import AgentHandle
@@ -38,6 +38,7 @@ from kvpool_console.triage._model import HostReport, LogTail
 from kvpool_console.triage._parse import kernel_evidence, parse_proc_sockets, sections
 from kvpool_console.triage._plan import safe_host, safe_path
 from kvpool_console.triage._render import render
+from kvpool_replay import free_port
 
 STANDIN = Path(__file__).with_name("standin_engine.py")
 

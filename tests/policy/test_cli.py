@@ -13,6 +13,7 @@ import kvpool_policy.cli as policy_cli
 from kvpool_agent.auth import generate_keys
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.backends.base import BackendError
+from kvpool_replay import free_port_block
 
 _POOL = ["--master", "127.0.0.1:1", "--admin-url", "http://127.0.0.1:1"]
 
@@ -50,22 +51,6 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
     return line
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise AssertionError("no two free ports")
-
-
 @pytest.mark.parametrize("wait", ["inf", "-1", "nan", "0"])
 def test_status_wait_must_be_finite_and_positive(wait: str, keys: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,7 +76,7 @@ def test_serve_keys_checked_before_mooncake(which: str, wanted: str, keys: Path,
 
 def test_serve_port_in_use_checked_before_mooncake(keys: Path, no_backend: list[object],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_port_pair()
+    port = free_port_block(2)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", port + 1))
         busy.listen()
@@ -139,7 +124,7 @@ def test_serve_a_snapshot_interval_past_half_the_engines_stale_time_warns(
         keys: Path, no_backend: list[object], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True, total_bytes=1 << 30))
-    port = _free_port_pair()
+    port = free_port_block(2)
     rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
                           str(keys / "hub"), *_POOL, "--snapshot-every-ms", "2000"])
     assert len(no_backend) == 1 and rc == 2  # went on to start; the test's backend fails
@@ -154,7 +139,7 @@ def test_serve_without_a_segment_says_so(keys: Path, no_backend: list[object],
                                          capsys: pytest.CaptureFixture[str]) -> None:
     _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True,
                                   health_detail='{"status":"ok"}'))
-    port = _free_port_pair()
+    port = free_port_block(2)
     rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
                           str(keys / "hub"), *_POOL])
     assert rc == 2 and no_backend == []
@@ -168,7 +153,7 @@ def test_serve_unreachable_admin_url_with_capacity_warns_and_starts(
         capsys: pytest.CaptureFixture[str]) -> None:
     _stats(monkeypatch, PoolStats(backend="mooncake", healthy=False,
                                   health_detail="master admin unreachable"))
-    port = _free_port_pair()
+    port = free_port_block(2)
     rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
                           str(keys / "hub"), *_POOL, "--capacity", "1GB"])
     assert len(no_backend) == 1 and rc == 2  # went on to start; the test's backend fails
@@ -182,7 +167,7 @@ def test_serve_fill_at_the_watermark_warns(keys: Path, no_backend: list[object],
                                            monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True, total_bytes=1 << 30))
-    port = _free_port_pair()
+    port = free_port_block(2)
     rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
                           str(keys / "hub"), *_POOL, "--fill", "1.0"])
     assert len(no_backend) == 1 and rc == 2
@@ -197,7 +182,7 @@ def test_serve_capacity_above_the_mounted_pool_warns(
     store: a new user's try) is said, and so is a ``--fill`` it makes unused; a capacity
     under the watermark says nothing."""
     _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True, total_bytes=256 << 20))
-    port = _free_port_pair()
+    port = free_port_block(2)
     rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
                           str(keys / "hub"), *_POOL, "--capacity", "800MB", "--fill", "0.95"])
     assert len(no_backend) == 1 and rc == 2  # went on to start; the test's backend fails
