@@ -22,11 +22,15 @@ answer, shared or ``hub busy``) and the listings the engine ran. The table shows
 over rounds and the spread (min-max), the flood next to the idle baseline of the same run.
 
     .venv/bin/python bench/bench_dryrun_engine.py [--rounds 5] [--window 10] [--keys 20000]
-        [--hub-elsewhere] [--control]
+        [--hub-elsewhere | --split-cores] [--control]
 
 On a 2-core machine the hub and the flood's senders share the engine's cores: ``--hub-elsewhere``
 runs them at nice 19 (a deployment runs the hub on the master node), so that the engine's
-figures show the work the flood makes it do, not the CPU it lost to the hub.
+figures show the work the flood makes it do, not the CPU it lost to the hub. Niceness does not
+reach the kernel's loopback work for the flood's packets; ``--split-cores`` pins the engine and
+the master to the first CPU and the hub and the flood to the others (every thread, by
+``sched_setaffinity``): the nearest this machine comes to a hub on a host of its own (what is
+still shared: the kernel, memory bandwidth and the last-level cache).
 """
 
 from __future__ import annotations
@@ -129,6 +133,13 @@ def _engine(master: str, admin_url: str, hub: str, n_keys: int, cmds: Queue[str]
     backend.close()
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cpus`` (``sched_setaffinity`` is per thread;
+    threads made later inherit their creator's)."""
+    for thread in psutil.Process(pid).threads():
+        os.sched_setaffinity(thread.id, cpus)
+
+
 def _busy(stop: Event, nice: int) -> None:
     """``--control``: one process spinning at niceness ``nice`` until ``stop``, no hub traffic."""
     os.nice(nice)
@@ -195,7 +206,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="the flood windows run busy loops instead (one per viewer and one "
                          "for the hub, at the same niceness) and send the hub nothing: the "
                          "lookup tail a saturated CPU alone gives")
+    ap.add_argument("--split-cores", action="store_true",
+                    help="pin the engine and the master to CPU 0 and the hub and the flood "
+                         "to the other CPUs: a hub on a host of its own, as near as one "
+                         "machine comes")
     args = ap.parse_args(argv)
+    if args.split_cores and args.hub_elsewhere:
+        print("bench_dryrun_engine: --split-cores and --hub-elsewhere are two ways to keep the "
+              "hub off the engine's CPU; give one", file=sys.stderr)
+        return 2
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.split_cores and len(cpus) < 2:
+        print(f"bench_dryrun_engine: --split-cores needs 2 CPUs, this process may use {cpus}",
+              file=sys.stderr)
+        return 2
     for name in ("rounds", "window", "keys", "viewers"):
         if getattr(args, name) <= 0:
             print(f"bench_dryrun_engine: --{name} must be above 0", file=sys.stderr)
@@ -230,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             assert engine.pid is not None and master.proc is not None
             eng_p, mst_p = psutil.Process(engine.pid), psutil.Process(master.proc.pid)
+            if args.split_cores:  # the floods, spawned later, inherit this process's CPUs
+                for pid in (engine.pid, master.proc.pid):
+                    _pin(pid, {cpus[0]})
+                _pin(os.getpid(), set(cpus[1:]))
             for rnd in range(args.rounds):
                 for phase in ("idle", "flood")[rnd % 2:] + ("idle", "flood")[:rnd % 2]:
                     stop = spawn.Event()
@@ -267,10 +295,13 @@ def main(argv: list[str] | None = None) -> int:
             if engine.is_alive():
                 engine.kill()
             hub.stop()
+    split = (f"; engine and master on CPU {cpus[0]}, hub and flood on {cpus[1:]}"
+             if args.split_cores else "")
     print(f"== engine-side cost of a viewer's dry-run flood ({args.viewers} connections x "
           f"{_IN_FLIGHT} in flight, {_WORKERS} workers named, {args.keys} keys), median "
           f"(min-max) of {args.rounds} windows of {args.window:g} s; hub and flood at nice "
-          f"{nice}{'; CONTROL: busy loops, no flood' if args.control else ''} ==")
+          f"{nice}{split}"
+          f"{'; CONTROL: busy loops, no flood' if args.control else ''} ==")
     cols = (("engine", "engine CPU %"), ("master", "master CPU %"), ("p50", "lookup p50 ms"),
             ("p99", "lookup p99 ms"), ("answers", "dry runs/s"), ("listings", "listings/s"))
     print(f"{'window':<7}" + "".join(f" {title:>24}" for _, title in cols))
