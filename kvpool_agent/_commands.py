@@ -12,8 +12,12 @@ import logging
 import time
 from collections.abc import Callable
 
+import httpx
+
+from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.operations import CommandError, PinOperations, PoolOperations
 from kvpool_agent.pool import mooncake_master_health
+from kvpool_agent.pool_listing import ALL_KEYS_PATTERN, count_keys
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     CommandReply,
@@ -32,6 +36,10 @@ from kvpool_agent.protocol import (
 __all__ = ["Commands"]
 
 log = logging.getLogger("kvpool.agent")
+
+_LISTING_TIMEOUT_S = 30.0
+"""Each admin-port request of a store agent's listing (s): ``/get_all_keys`` of a pool of
+millions of keys is one response of tens of MB."""
 
 
 class Commands:
@@ -132,10 +140,26 @@ class Commands:
             CommandError: no pool client in this process, or the scope cannot be resolved.
         """
         if self.operations is None:
+            if (self.source.lists_pool and self.pool_admin_url is not None and args.dry_run
+                    and args.scope == "all"):
+                return self._count_all(self.pool_admin_url)
             raise CommandError(
                 f"agent {self.source.agent_id} has no pool backend: target a worker agent"
             )
         return self.operations.flush(args)
+
+    @staticmethod
+    def _count_all(admin_urls: str) -> FlushResult:
+        """A dry run of scope ``all`` from the master's admin port (``pool_listing``): a store
+        agent's answer, which spares an engine's worker the listing.
+
+        Raises:
+            httpx.HTTPError: the admin port did not answer (the reply names it).
+        """
+        with httpx.Client(timeout=_LISTING_TIMEOUT_S) as client:
+            url = leader_admin_url(admin_urls, client=client)
+            keys, size = count_keys(url, ALL_KEYS_PATTERN, client)
+        return FlushResult(dry_run=True, keys=keys, bytes=size)
 
     def pin(self, command: str, args: PinArgs | None) -> PinOutcome:
         """``PinOperations.pin`` / ``unpin`` / ``pins_held``.

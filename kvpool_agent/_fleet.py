@@ -25,6 +25,9 @@ held its engine longest, per pool.
 A pool some agent key is bound to (``kvpool-agent authorize --pool``, passed as ``closed``) is
 *closed*: only its bound keys' agents receive its pool-wide commands and count in its key counts
 and verifiers (``kvpool_agent._pool_members``, whose functions run under the fleet's lock).
+
+Over 600 lines: the choices of who receives what (``targets``, ``pool_listers``, the verifiers)
+read the agents' table under its one lock, so they stay beside it.
 """
 
 from __future__ import annotations
@@ -377,6 +380,26 @@ class Fleet:
         with self._lock:
             return {k: (a.state.source, a.identity, a.bound or not counts(a, closed))
                     for k in agent_ids if (a := self._agents.get(k)) is not None}
+
+    def pool_listers(self, masters: set[str], closed: frozenset[str] = frozenset(),
+                     ) -> dict[str, str]:
+        """Master -> the live agent that lists that pool for dry runs of scope ``all`` in place
+        of the engines' workers (``Source.lists_pool``: a store agent beside the master), of a
+        key not bound to one engine that counts for the pool (``closed``), connected; the
+        longest held first, as ``targets`` ranks. Pools without one are absent."""
+        now_ms = time.time() * 1e3
+        best: dict[str, tuple[float, float, str]] = {}
+        with self._lock:
+            for k, a in self._agents.items():
+                src = a.state.source
+                if (not src.lists_pool or src.master not in masters or a.bound
+                        or not counts(a, closed) or not a.routing_id
+                        or now_ms - a.last_seen_ms >= LIVE_S * 1e3):
+                    continue
+                rank = (*self._held_since(a, now_ms), k)
+                if src.master not in best or rank < best[src.master]:
+                    best[src.master] = rank
+        return {m: r[2] for m, r in best.items()}
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""

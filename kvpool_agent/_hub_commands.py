@@ -268,8 +268,10 @@ class CommandRouter:
         send = list(known)
         dry_run = req.command == "flush" and req.flush is not None and req.flush.dry_run
         if dry_run:
-            plan = self.listings.plan(req, self.fleet.members(list(known), closed), key,
-                                      readonly=not curve)
+            members = self.fleet.members(list(known), closed)
+            pools = {src.master for src, _, _ in members.values()}
+            plan = self.listings.plan(req, members, key, readonly=not curve,
+                                      pool_listers=self.fleet.pool_listers(pools, closed))
             if plan.busy and not plan.send and not plan.shared and all(
                     not r.ok for r in plan.answered.values()):
                 self._refuse_busy(sock, client, req, key, plan.busy)
@@ -277,6 +279,9 @@ class CommandRouter:
             if plan.busy:
                 self.counters.refuse(key, plan.busy)
             send = plan.send
+            for lister in send:  # a pool's store agent listing for targets (``pool_listers``)
+                if lister not in known and (rid := self.fleet.routing_id(lister)) is not None:
+                    known[lister] = rid
             pend.replies.update(plan.answered)
             pend.shared, pend.groups = plan.shared, plan.groups
             self.counters.shared_listings += len(plan.shared) + sum(
@@ -303,7 +308,8 @@ class CommandRouter:
             fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
                                                  MAX_TIMEOUT_MS))
         if req.command == "flush":
-            pend.pool_keys = self.fleet.pool_keys(send, closed)
+            # A dry run's copies are checked too (every target, not only who listed).
+            pend.pool_keys = self.fleet.pool_keys(pend.expected if dry_run else send, closed)
         if (req.command == "flush" and not dry_run) or req.command in ("pin", "unpin"):
             # One pass for all targets (a flush naming an engine's 1,024 ids scanned per id).
             pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush",
@@ -383,7 +389,7 @@ class CommandRouter:
         for pend in [*self.pending.values(), *self.verifying]:
             pend.withheld = pend.withheld or pend.key in keys
         for internal, pend in list(self.pending.items()):
-            for aid in gone & (set(pend.expected) | pend.listers):
+            for aid in gone & (set(pend.expected) | pend.listers | set(pend.shared.values())):
                 into = pend.listings if aid in pend.listers else pend.replies
                 into[aid] = agent_error(pend.req, aid, "agent's key revoked: answer dropped")
             self.maybe_finish(internal)
@@ -441,7 +447,7 @@ class CommandRouter:
             if not (why or now >= pend.deadline):
                 self.maybe_finish(internal)
                 continue
-            for aid in pend.expected:
+            for aid in [*pend.expected, *pend.shared.values()]:
                 if aid not in pend.replies and aid not in pend.shared:
                     pend.replies[aid] = agent_error(
                         pend.req, aid, why or f"timeout after {pend.req.timeout_ms} ms")
@@ -462,7 +468,8 @@ class CommandRouter:
     @staticmethod
     def _complete(pend: _Pending) -> bool:
         return all(a in pend.replies or a in pend.shared for a in pend.expected) and all(
-            lister in pend.listings for lister in pend.listers)
+            lister in pend.listings for lister in pend.listers) and all(
+            lister in pend.replies for lister in pend.shared.values())
 
     def _finish(self, pend: _Pending) -> None:
         """Every agent has answered: shared listings copied, flush answers checked against

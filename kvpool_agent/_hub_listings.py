@@ -17,9 +17,19 @@ What the hub does (``plan``):
 - an answer stays the group's answer for ``LISTING_SHARED_S`` after it came (to every key: the
   pool's own key count in the agents' reports is as old), so repeated dry runs list nothing; a
   real flush of a pool drops its answers at once;
-- a read-only key (``P+2``) has a pool listed at most once per ``LISTING_INTERVAL_S``; a group
-  that would need another listing within it is answered ``hub busy`` without reaching its
-  agents. The operator port is bounded by the work budget only (``kvpool_agent._work_budget``).
+- a read-only key (``P+2``) is answered from a listing up to ``LISTING_INTERVAL_S`` old, and
+  has a pool listed at most once per ``LISTING_INTERVAL_S``; a group that would need another
+  listing within it is answered ``hub busy`` without reaching its agents. The operator port is
+  bounded by the work budget only (``kvpool_agent._work_budget``).
+
+Where the pool has a store agent that lists it (``Source.lists_pool``, ``kvpool-agent store``
+beside the master: ``Fleet.pool_listers``), a dry run of scope ``all`` is listed there, not by
+an engine's worker: the engines do no work for it at all (measured: a viewer's flood took an
+engine's CPU to 1.59x and its scheduler lookup p99 to 2.17x of idle with the one listing a
+pool every 2 s in a worker, 1.04x and 0.78x with none; ``bench/bench_dryrun_engine.py
+--split-cores``). The store agent is no target: its answer reaches the console only as the
+copies of the targets it listed for. A group bound to one key keeps listing through its own
+agents (its answer is its own claim).
 
 A shared answer carries the target's ``agent_id`` and the listing's ``FlushResult``; the
 console sums answers as before (a scope ``all`` dry run naming N workers of one pool counted
@@ -30,6 +40,7 @@ the pool N times before, and still does), and the hub counts every shared answer
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -54,8 +65,13 @@ __all__ = [
 LISTING_SHARED_S = 2.0
 """Seconds a dry run's answer answers every dry run of its group (``share_key``): the agents'
 pool stats (the pool's key count the console shows) are refreshed every 2 s."""
-LISTING_INTERVAL_S = 2.0
-"""Seconds between two listings of one pool a read-only key may cause."""
+LISTING_INTERVAL_S = 10.0
+"""Seconds between two listings of one pool a read-only key may cause, and how old a listing
+that answers a read-only key's dry run may be. Whoever lists, the master serves each listing
+(``/get_all_keys``, O(pool keys)): with a store agent listing every 2 s under a viewer's
+flood, the engines listed nothing and their CPU stayed at 1.06x of idle, but their scheduler
+lookups' p99 (each a master RPC) went to 1.27x, 1.35x in another run
+(``bench/bench_dryrun_engine.py --split-cores``, 20,000 keys)."""
 
 ShareKey = tuple[str, ...]
 
@@ -101,8 +117,9 @@ class _Answer:
 
 
 class PoolListings:
-    """The listings the hub shares (``LISTING_SHARED_S``) and when each read-only key last had
-    each pool listed (``LISTING_INTERVAL_S``). Hub thread only."""
+    """The listings the hub shares (``LISTING_SHARED_S``; to read-only keys
+    ``LISTING_INTERVAL_S``) and when each read-only key last had each pool listed
+    (``LISTING_INTERVAL_S``). Hub thread only."""
 
     def __init__(self) -> None:
         self._answers: dict[ShareKey, _Answer] = {}
@@ -110,16 +127,23 @@ class PoolListings:
         self._listed: dict[tuple[str, str], float] = {}
 
     def plan(self, req: CommandRequest, members: dict[str, tuple[Source, str, bool]],
-             key: str, *, readonly: bool, now: float | None = None) -> ListingPlan:
+             key: str, *, readonly: bool, now: float | None = None,
+             pool_listers: Mapping[str, str] | None = None) -> ListingPlan:
         """Which of ``members`` (agent id -> its source, identity, bound) list for the dry run
-        ``req`` of ``key``, which get a fresh answer now and which share another's."""
+        ``req`` of ``key``, which get a fresh answer now and which share another's.
+        ``pool_listers`` (master -> agent id, ``Fleet.pool_listers``): a group of scope
+        ``all`` whose answer is not one bound key's own claim is listed by its pool's lister,
+        a store agent, which then is in ``send`` though not a target (module docstring)."""
         now = time.monotonic() if now is None else now
+        listers = pool_listers or {}
+        scope_all = req.flush is not None and req.flush.scope == "all"
+        window = LISTING_INTERVAL_S if readonly else LISTING_SHARED_S
         plan = ListingPlan()
         lister_of: dict[ShareKey, str] = {}
         for aid, (src, identity, bound) in members.items():
             group = share_key(req, src, identity, bound)
             known = self._answers.get(group)
-            if known is not None and now - known.at < LISTING_SHARED_S:
+            if known is not None and now - known.at < window:
                 plan.answered[aid] = _copy(req, aid, known.result)
                 continue
             if group in lister_of:
@@ -136,9 +160,15 @@ class PoolListings:
                     plan.answered[aid] = _refusal(req, aid, plan.busy)
                     continue
                 self._listed[(key, src.master)] = now
+            lister = (listers.get(src.master)
+                      if scope_all and not bound and src.process_role == "worker" else None)
+            if lister is not None:
+                plan.shared[aid] = lister
+                aid = lister
             lister_of[group] = aid
-            plan.send.append(aid)
-            plan.groups[aid] = group
+            if aid not in plan.groups:  # a pool's lister may be named too: sent to once
+                plan.send.append(aid)
+                plan.groups[aid] = group
         return plan
 
     def keep(self, group: ShareKey, rep: CommandReply, now: float | None = None) -> None:
@@ -156,7 +186,8 @@ class PoolListings:
         """Drop answers and listing times past their window (the hub calls it once a second):
         the tables hold what a second of dry runs added, however many keys and models."""
         now = time.monotonic() if now is None else now
-        for group in [g for g, a in self._answers.items() if now - a.at >= LISTING_SHARED_S]:
+        keep_s = max(LISTING_SHARED_S, LISTING_INTERVAL_S)
+        for group in [g for g, a in self._answers.items() if now - a.at >= keep_s]:
             del self._answers[group]
         for k in [k for k, t in self._listed.items() if now - t >= LISTING_INTERVAL_S]:
             del self._listed[k]

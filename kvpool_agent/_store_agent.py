@@ -61,7 +61,8 @@ def master_of(args: argparse.Namespace, err: TextIO | None = None) -> str:
 
 def store_source(engine_id: str, master: str, backend: str = "mooncake") -> Source:
     """The ``Source`` of a store agent of engine id ``engine_id`` (also its agent id) beside
-    ``master`` (``master_server_address`` as the engines write it; ``""``: unknown)."""
+    ``master`` (``master_server_address`` as the engines write it; ``""``: unknown). Beside a
+    Mooncake master it lists the pool for dry runs (``Source.lists_pool``)."""
     return Source(
         agent_id=engine_id,
         engine_id=engine_id,
@@ -72,4 +73,5 @@ def store_source(engine_id: str, master: str, backend: str = "mooncake") -> Sour
         host=socket.gethostname(),
         backend=backend,
         master=master,
+        lists_pool=backend == "mooncake",
     )

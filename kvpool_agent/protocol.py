@@ -282,6 +282,10 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """Versions this process runs: ``protocol`` and the installed ``kvpool``, ``vllm`` and
     store client (``mooncake``, ``memcache``, ``yuanrong``) packages
     (``kvpool_agent._versions``); empty from agents before this field."""
+    lists_pool: bool = False
+    """The agent answers a dry-run flush of scope ``all`` from its master's admin port with no
+    pool client (a store agent, ``kvpool_agent.pool_listing``): the hub has it list the pool
+    in place of an engine's worker. False from agents before this field."""
 
 
 class LookupStats(msgspec.Struct, gc=False, kw_only=True):

@@ -1,6 +1,7 @@
 """Wire vocabulary: the names every part of kvpool says to every other.
 
-Roles, backend error names and the environment variable that names the hub. They travel in
+Roles, backend error names, the KV keys' namespace and the environment variable that names
+the hub. They travel in
 reports (``kvpool_agent.protocol``), are shown by the console and chosen by the connector, so
 they have one owner here, beside the wire schema, and nobody else defines them.
 """
@@ -17,6 +18,7 @@ __all__ = [
     "INSTANCE_ROLES",
     "INSTANCE_ROLE_ENV",
     "INSTANCE_ROLE_OF",
+    "KEY_PREFIX",
     "KV_ROLES",
     "KV_ROLE_FOR",
     "LOAD_RETRYABLE",
@@ -34,6 +36,10 @@ AGENT_KEYS_ENV = "KVPOOL_AGENT_KEYS"
 """Environment variable naming the agent's keys directory (``hub.key`` and
 ``agent.key_secret``, ``kvpool_agent.auth``) when ``agent_keys`` is not configured; without
 either the agent connects without a key, which a hub with keys refuses."""
+
+KEY_PREFIX = "kvpool@"
+"""Every KV key starts with this (``kvpool_connector.keys``); ``flush --scope all`` counts and
+removes only these (``kvpool_agent.pool_listing.ALL_KEYS_PATTERN``)."""
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 """vLLM's ``KVTransferConfig.kv_role``."""

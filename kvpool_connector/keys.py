@@ -39,6 +39,9 @@ from urllib.parse import quote
 
 import xxhash
 
+from kvpool_agent.pool_listing import ALL_KEYS_PATTERN
+from kvpool_agent.vocabulary import KEY_PREFIX
+
 try:
     from kvpool_connector._chunk_hash import prefixed_keys, sha256_chain, token_bytes
 except ImportError as exc:  # not built, or built from an older _chunk_hash.c
@@ -68,11 +71,8 @@ __all__ = [
     "pins_key",
     "probe_key",
     "shard_prefix",
-    "size_group",
 ]
 
-KEY_PREFIX = "kvpool@"
-"""Every KV key starts with this; ``flush --scope all`` removes only these."""
 
 PROBE_PREFIX = "kvpool-probe@"
 """Reserved namespace for health probes (write/read/remove of a small key)."""
@@ -80,7 +80,6 @@ PROBE_PREFIX = "kvpool-probe@"
 PINS_PREFIX = "kvpool-pins@"
 """Reserved namespace for the pin records of a layout (``pins_key``)."""
 
-ALL_KEYS_PATTERN = "^" + re.escape(KEY_PREFIX)
 
 _LAYER = "@L"
 """Separates a chunk key from its layer number (layer-wise keys)."""
@@ -89,14 +88,6 @@ DIGEST_LEN = 12
 """Hex digits of a layout digest in a key."""
 
 _DIGEST_RE = re.compile(f"[0-9a-f]{{{DIGEST_LEN}}}")
-
-_KEY_RE = re.compile(
-    re.escape(KEY_PREFIX) + r"[^@]+@" + _DIGEST_RE.pattern
-    + r"@tp\d+\.pcp\d+\.dcp\d+\.pp\d+\.g\d+@(?P<hash>[0-9a-f]{32})"
-    r"(?:" + re.escape(_LAYER) + r"\d+)?"
-)
-"""The whole grammar of the module docstring; ``normalize_model_name`` percent-encodes ``@``,
-so a model never contains one, and a digest is hex."""
 
 HashAlgo = Literal["sha256", "xxh3_128"]
 """Chunk-hash functions (``hash_algo`` in ``kv_connector_extra_config``), as vLLM's
@@ -227,16 +218,6 @@ def chunk_keys(
     """
     return prefixed_keys(prefixes, chunk_hashes,
                          None if layers is None else [f"{_LAYER}{i}" for i in layers])
-
-
-def size_group(key: str) -> str:
-    """``key`` without its chunk hash: the model, digest, shard and layer it belongs to. All
-    chunk keys of one group hold values of one size (``chunk_size`` tokens of the same layers), so a
-    flush sizes one key per group. A string that is not a kvpool key is its own group."""
-    m = _KEY_RE.fullmatch(key)
-    if m is None:
-        return key
-    return key[: m.start("hash")] + key[m.end("hash") :]
 
 
 def model_pattern(model: str) -> str:

@@ -107,6 +107,10 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # The console's pool names and pool_no_segments follow the hub's pool rule (one owner).
     "kvpool_agent.pool_readings": ["PoolReading", "Shape", "newest_readings", "pool_name",
                                    "shape", "trusted_reading"],
+    # The connector's Mooncake backend counts dry runs with the store agent's listing, and
+    # builds its keys under the KV key namespace (one owner each).
+    "kvpool_agent.pool_listing": ["ALL_KEYS_PATTERN", "KEY_RE", "QUERY_BATCH", "count_keys",
+                                  "key_sizes", "list_keys", "size_group"],
     # kvpool_replay's reference figures are the agent's cache models (one owner).
     "kvpool_agent.reuse": ["CURVE_FACTORS", "Admission", "CurvePoint", "ReuseResult",
                            "belady_hits", "capacity_curve", "claimable_chunks", "lru_hits",

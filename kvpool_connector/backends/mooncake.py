@@ -66,7 +66,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,6 +81,7 @@ from pydantic import (
 
 from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.pool import mooncake_master_health, parse_master_metrics
+from kvpool_agent.pool_listing import count_keys, key_sizes, list_keys
 from kvpool_agent.protocol import HealthCheck, PoolStats
 from kvpool_agent.vocabulary import ErrorCode
 from kvpool_connector._validation import field_problems
@@ -95,7 +95,6 @@ from kvpool_connector.backends.mooncake_address import (
     parse_master_address,
     reachable_problem,
 )
-from kvpool_connector.keys import size_group
 from kvpool_connector.sizes import parse_size
 from kvpool_connector.staging import TCP_LIMITS, TransportLimits
 
@@ -114,9 +113,6 @@ it grants (``MooncakeConfig.max_kv_soft_pin_ttl`` repeats another master's)."""
 HEALTH_CODES: dict[int, str] = {0: "HEALTHY", 1: "NOT_INITIALIZED", 2: "MASTER_UNREACHABLE"}
 """``MooncakeDistributedStore.health_check()`` return codes by name."""
 
-_RAW_SAFE = "/@:.-_~%!$'()*;="
-_QUERY_BATCH = 64
-"""Keys per ``/batch_query_keys`` request (bounds the URL at a few KiB)."""
 
 _MIN_SEGMENT = 16 << 20
 """Smallest segment ``MooncakeDistributedStore.setup`` accepts (bytes)."""
@@ -546,33 +542,10 @@ class MooncakeBackend(Backend):
         return leader_admin_url(self.config.admin_url, client=self._http)
 
     def _all_keys(self) -> list[str]:
-        r = self._http.get(f"{self._admin_url()}/get_all_keys")
-        r.raise_for_status()
-        return [k for k in r.text.splitlines() if k]
+        return list_keys(self._admin_url(), self._http)
 
     def _key_sizes(self, keys: list[str]) -> dict[str, int]:
-        """Bytes of each of ``keys`` from the master's ``/batch_query_keys`` (no lease granted,
-        unlike ``/query_key`` or ``get_size``), ``_QUERY_BATCH`` keys per request; a key the
-        master does not know is 0."""
-        sizes = dict.fromkeys(keys, 0)
-        # The master splits ``keys=`` on commas: a key holding one cannot be asked for.
-        askable = [k for k in keys if "," not in k]
-        for i in range(0, len(askable), _QUERY_BATCH):
-            # The master matches the query string verbatim (no percent-decoding): send the
-            # keys' characters as they are, escaping only what would end the parameter.
-            q = ",".join(quote(k, safe=_RAW_SAFE) for k in askable[i:i + _QUERY_BATCH])
-            r = self._http.get(f"{self._admin_url()}/batch_query_keys?keys={q}")
-            if r.status_code != 200:
-                continue
-            try:
-                data = r.json().get("data") or {}
-            except ValueError:
-                continue
-            for k, info in data.items():
-                if k in sizes and isinstance(info, dict) and info.get("ok"):
-                    sizes[k] = max((int(v.get("size_", 0)) for v in info.get("values") or []),
-                                   default=0)
-        return sizes
+        return key_sizes(self._admin_url(), keys, self._http)
 
     def remove_by_scope(self, pattern: str, *, dry_run: bool, force: bool = False) -> RemoveResult:
         """Count and remove the keys matching ``pattern`` (a regex, ``re.search`` semantics,
@@ -594,14 +567,12 @@ class MooncakeBackend(Backend):
         except re.error as exc:
             raise ValueError(f"flush scope pattern {pattern!r} is not a regex: {exc}") from exc
         try:
-            matched = [k for k in self._all_keys() if rx.search(k)]
             if dry_run:
-                # One key per model+digest+shard(+layer) group: all chunk keys of a group have
-                # one size, and a pool of millions of keys is sized in a few requests.
-                first = {size_group(k): k for k in reversed(matched)}
-                sizes = self._key_sizes(list(first.values()))
-                total = sum(sizes[first[size_group(k)]] for k in matched)
-                return RemoveResult(keys=len(matched), bytes=total)
+                # One key per model+digest+shard(+layer) group (``pool_listing.size_group``):
+                # a pool of millions of keys is sized in a few requests.
+                n, total = count_keys(self._admin_url(), pattern, self._http)
+                return RemoveResult(keys=n, bytes=total)
+            matched = [k for k in self._all_keys() if rx.search(k)]
             before = self._allocated_bytes()
             removed = self._call("remove_by_regex", self._store.remove_by_regex, pattern, force)
             if removed < 0:

@@ -21,7 +21,9 @@ from agent_testlib import make_source, wait_until
 from kvpool_agent import AgentHandle, FleetClient, FleetHub, KeyPaths, start_agent
 from kvpool_agent._audit import READONLY_SUFFIX
 from kvpool_agent._hub_listings import LISTING_INTERVAL_S, share_key
+from kvpool_agent._store_agent import store_source
 from kvpool_agent.auth import Role
+from kvpool_agent.pool_listing import ALL_KEYS_PATTERN
 from kvpool_agent.protocol import PROTOCOL_VERSION, CommandRequest, FlushArgs, FlushResult
 from kvpool_connector.keys import ParallelLayout, PoolKey
 from kvpool_connector.operations import BackendOperations
@@ -147,3 +149,36 @@ def test_only_a_fleet_wide_keys_listing_is_shared_across_keys() -> None:
     assert share_key(req, a, "k1", True) == share_key(req, b, "k1", True)
     assert share_key(req, a, "k1", False) != share_key(
         req, make_source("eng-c", master="m:2"), "k1", False)
+
+
+def test_a_store_agent_lists_the_pool_in_place_of_the_engines(
+    hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths],
+    workers: list[tuple[AgentHandle, _CountingOps]], agent_master: LocalMooncakeMaster,
+    mooncake_backend: Any,
+) -> None:
+    """With a store agent beside the master (``kvpool-agent store``: ``Source.lists_pool``), a
+    dry run of scope ``all`` naming every worker, or naming none (pool-wide), is listed by the
+    store agent from the master's admin port: no worker lists at all, every target's answer
+    is the pool's count, and the store agent, not named, gets no answer of its own."""
+    store = start_agent(store_source("store@listing-test", agent_master.address),
+                        address=hub_address, pool_admin_url=agent_master.admin_url)
+    try:
+        wait_until(lambda: store.source.agent_id in hub.fleet(), 15)
+        assert hub.fleet()[store.source.agent_id][0].source.lists_pool
+        ids = [h.source.agent_id for h, _ in workers]
+        dry = FlushArgs(scope="all", dry_run=True)
+        with FleetClient(hub_address, keys_dir=fleet_keys["viewer"].root) as viewer:
+            named = viewer.command("flush", targets=ids, flush=dry, timeout_ms=10_000)
+        with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+            pool_wide = op.command("flush", flush=dry, timeout_ms=10_000)
+        truth = mooncake_backend.remove_by_scope(ALL_KEYS_PATTERN, dry_run=True)
+    finally:
+        store.stop()
+    assert truth.keys >= 6
+    assert sorted(r.agent_id for r in named) == sorted(ids), named
+    (one,) = pool_wide
+    assert one.agent_id in ids, pool_wide
+    for r in [*named, one]:
+        assert r.ok and r.flush is not None, r
+        assert (r.flush.keys, r.flush.bytes) == (truth.keys, truth.bytes), (r, truth)
+    assert _listings(workers) == 0

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool_agent.pool_listing import KEY_RE, size_group
 from kvpool_connector._chunk_hash import prefixed_keys, sha256_chain, token_bytes
 from kvpool_connector.keys import (
     ALL_KEYS_PATTERN,
@@ -33,7 +34,6 @@ from kvpool_connector.keys import (
     normalize_model_name,
     probe_key,
     shard_prefix,
-    size_group,
 )
 
 MODEL = normalize_model_name("org/Model@v2 ")
@@ -105,6 +105,14 @@ def test_chunk_keys_equal_pool_key_strings_chunk_major(
 ])
 def test_strings_outside_the_grammar_are_their_own_size_group(other: str) -> None:
     assert size_group(other) == other
+
+
+def test_every_key_built_is_a_key_to_the_agents_listing() -> None:
+    """The agent states the key's shape for its listings (``pool_listing.KEY_RE``: it cannot
+    import the connector): every key the connector builds matches it."""
+    for layout in LAYOUTS:
+        key = PoolKey(MODEL, DIGEST, layout, HASHES[0])
+        assert KEY_RE.fullmatch(str(key)) and KEY_RE.fullmatch(str(key.layer(17)))
 
 
 def test_size_group_drops_only_the_chunk_hash() -> None:
