@@ -3,9 +3,12 @@
 Issue 42 measured, with no budget: a viewer's ``flush --dry-run`` naming every worker, 64 in
 flight, made each serving process list every pool key (Mooncake ``/get_all_keys``): engine CPU
 from 6% to 134%, the master's from 1% to 22%, scheduler lookup p99 from 12-13 to 15-18 ms. The
-hub now lists a pool once per pool and 2 s, once per read-only key and 2 s
+hub now lists a pool once per pool and 2 s, for a read-only key once per 10 s, by the pool's
+store agent for a dry run of scope ``all`` (``Source.lists_pool``) when one is live
 (``kvpool_agent._hub_listings``); ``tests/agent/test_hub_listings.py`` counts the listings.
-This bench measures what the engine pays, as the issue asks: within 10% of idle.
+This bench measures what the engine pays, as the issue asks: within 10% of idle. It runs a
+store agent (in the hub's process, the master node's side) unless ``--no-store-agent``, when
+one of the engine's workers lists, as on a pool deployed without one.
 
 Real parts: a real ``mooncake_master``; an "engine" process of its own holding a real Mooncake
 client (its embedded segment holds ``--keys`` values of 1 KiB of one model), four real worker
@@ -22,7 +25,7 @@ answer, shared or ``hub busy``) and the listings the engine ran. The table shows
 over rounds and the spread (min-max), the flood next to the idle baseline of the same run.
 
     .venv/bin/python bench/bench_dryrun_engine.py [--rounds 5] [--window 10] [--keys 20000]
-        [--hub-elsewhere | --split-cores] [--control]
+        [--hub-elsewhere | --split-cores] [--no-store-agent] [--control]
 
 On a 2-core machine the hub and the flood's senders share the engine's cores: ``--hub-elsewhere``
 runs them at nice 19 (a deployment runs the hub on the master node), so that the engine's
@@ -50,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from kvpool_agent import FleetHub, local_fleet_keys
+from kvpool_agent import FleetHub, local_fleet_keys, start_agent
+from kvpool_agent._store_agent import store_source
 from kvpool_agent.protocol import Source
 from kvpool_replay import LocalMooncakeMaster, free_port_block
 
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the flood windows run busy loops instead (one per viewer and one "
                          "for the hub, at the same niceness) and send the hub nothing: the "
                          "lookup tail a saturated CPU alone gives")
+    ap.add_argument("--no-store-agent", action="store_true",
+                    help="run no store agent beside the master: the pool's listings then run in "
+                         "one of the engine's workers, as on a pool deployed without one")
     ap.add_argument("--split-cores", action="store_true",
                     help="pin the engine and the master to CPU 0 and the hub and the flood "
                          "to the other CPUs: a hub on a host of its own, as near as one "
@@ -235,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         hub = FleetHub(address, authorized_keys_dir=dirs["hub"].authorized_dir,
                        secret_key_file=dirs["hub"].hub_secret,
                        audit_file=Path(tmp) / "audit.jsonl").start()
+        store = None if args.no_store_agent else start_agent(
+            store_source("store@bench", master.address), address=address,
+            pool_admin_url=master.admin_url)
         cmds: Queue[str] = spawn.Queue()
         out: Queue[Any] = spawn.Queue()
         engine = spawn.Process(target=_engine, args=(master.address, master.admin_url, address,
@@ -294,13 +304,15 @@ def main(argv: list[str] | None = None) -> int:
             engine.join(30)
             if engine.is_alive():
                 engine.kill()
+            if store is not None:
+                store.stop()
             hub.stop()
     split = (f"; engine and master on CPU {cpus[0]}, hub and flood on {cpus[1:]}"
              if args.split_cores else "")
     print(f"== engine-side cost of a viewer's dry-run flood ({args.viewers} connections x "
           f"{_IN_FLIGHT} in flight, {_WORKERS} workers named, {args.keys} keys), median "
           f"(min-max) of {args.rounds} windows of {args.window:g} s; hub and flood at nice "
-          f"{nice}{split}"
+          f"{nice}{split}; {'no store agent' if store is None else 'a store agent lists'}"
           f"{'; CONTROL: busy loops, no flood' if args.control else ''} ==")
     cols = (("engine", "engine CPU %"), ("master", "master CPU %"), ("p50", "lookup p50 ms"),
             ("p99", "lookup p99 ms"), ("answers", "dry runs/s"), ("listings", "listings/s"))
