@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -54,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _replay_grid import CAPACITIES, CHUNK, SHAPE, positive_ints
 
+from kvpool_agent.cli_parser import number_in
 from kvpool_connector.keys import chunk_hashes
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay import (
@@ -75,16 +75,6 @@ POLICIES: dict[str, dict[str, str]] = {
     "master": {"admission": "all"},
 }
 """Replay columns: ``ReplayConfig`` fields of each."""
-
-
-def _speedup(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
 
 
 def _policies(text: str) -> list[str]:
@@ -146,7 +136,7 @@ def main() -> int:
     p.add_argument("--policy-fill", type=float, default=ReplayConfig(trace_path="").policy_fill,
                    metavar="F", help="share of the pool the service fills, in (0, 0.95] "
                    "(default %(default)s)")
-    p.add_argument("--speedup", type=_speedup, default=0.0, metavar="S",
+    p.add_argument("--speedup", type=number_in(0), default=0.0, metavar="S",
                    help="trace time / wall time of every replay (default 0: as fast as the "
                    "engines go, ~10-15x the trace's rate here; leases and the service's "
                    "removal lag then span that many more requests)")

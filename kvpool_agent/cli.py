@@ -39,7 +39,7 @@ from kvpool_agent.auth import (
     authorize_key,
     generate_keys,
 )
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least, number_in
 from kvpool_agent.hub import FORGET_AFTER_S, FleetHub, hub_ports
 from kvpool_agent.key_caps import (
     MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
@@ -51,16 +51,6 @@ from kvpool_agent.masters import admin_urls_problem, probe_masters, split_admin_
 from kvpool_agent.vocabulary import AGENT_ADDRESS_ENV, AGENT_KEYS_ENV
 
 __all__ = ["main"]
-
-
-def _ratio(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v <= 1:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], e.g. 0.9, got {text}")
-    return v
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-id", default=f"store@{socket.gethostname()}")
     s.add_argument("--lease-ttl-ms", type=int_at_least(0), default=0,
                    help="the master's default_kv_lease_ttl in force, ms (default 0: not known)")
-    s.add_argument("--high-watermark", type=_ratio, default=0.9,
+    s.add_argument("--high-watermark", default=0.9,
+                   type=number_in(0, 1, low_open=True, hint=", e.g. 0.9"),
                    help="the master's eviction_high_watermark_ratio, in (0, 1] (default 0.9)")
     add_master_option(s)
     return p

@@ -10,10 +10,11 @@ subcommands inherit it (``add_subparsers`` makes its parsers of the parent's cla
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["EXIT_USAGE", "CommandParser", "int_at_least"]
+__all__ = ["EXIT_USAGE", "CommandParser", "int_at_least", "number_in"]
 
 EXIT_USAGE = 2
 """Exit status of a usage error, as argparse and every kvpool command use it."""
@@ -41,6 +42,32 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def number_in(low: float, high: float = math.inf, *, low_open: bool = False,
+              finite: bool = True, unit: str = "", hint: str = "") -> Callable[[str], float]:
+    """An argparse ``type``: a number from ``low`` (excluded with ``low_open``) to ``high``;
+    NaN never, infinity only without ``finite`` (and ``high`` infinite). Anything else is
+    refused in words, argparse naming the option: ``'x' is not a number``, ``must be in (0, 1],
+    got 3``, ``must be a finite number of seconds >= 0.25, got -5`` (``unit`` "seconds"),
+    ``hint`` appended to the range (e.g. ``" (0 = as fast as possible)"``)."""
+    of = f" of {unit}" if unit else ""
+    if high < math.inf:
+        span = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    else:
+        span = f"a {'finite ' if finite else ''}number{of} {'>' if low_open else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number{of}") from None
+        fits = (value > low if low_open else value >= low) and value <= high
+        if not fits or (finite and not math.isfinite(value)):  # NaN fits nothing
+            raise argparse.ArgumentTypeError(f"must be {span}{hint}, got {text}")
         return value
 
     return parse

@@ -37,11 +37,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -49,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least, number_in
 from kvpool_agent.protocol import CommandReply, FlushArgs, visible
 from kvpool_console import _pin_cli as pin_cli
 from kvpool_console import _whatif_cli as whatif_cli
@@ -95,13 +94,13 @@ def _common(top: bool) -> CommandParser:
                         help="keys directory: hub.key and an operator or viewer key pair "
                         "(kvpool-agent keygen --role operator|viewer); only operator changes "
                         "the pool (default: $KVPOOL_KEYS_DIR)")
-    common.add_argument("--wait", type=_secondsint_at_least(_LEAST_WAIT_S), default=default(3.0),
-                        metavar="S",
+    common.add_argument("--wait", type=number_in(_LEAST_WAIT_S, unit="seconds"),
+                        default=default(3.0), metavar="S",
                         help="seconds to wait for the hub's first snapshot (default 3)")
-    common.add_argument("--watermark-ratio", type=_fraction, default=default(None),
+    common.add_argument("--watermark-ratio", type=number_in(0, 1), default=default(None),
                         metavar="R", help="pool usage fraction that raises pool_watermark "
                         "(default: the pool's eviction_high_watermark_ratio)")
-    common.add_argument("--watermark-margin", type=_fraction,
+    common.add_argument("--watermark-margin", type=number_in(0, 1),
                         default=default(WATERMARK_MARGIN), metavar="M",
                         help="pool_watermark clears below ratio - M "
                              f"(default {WATERMARK_MARGIN})")
@@ -110,32 +109,6 @@ def _common(top: bool) -> CommandParser:
                         "(default: 2x what its bytes take at its agent's recent rate, at least "
                         "2500)")
     return common
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value:g}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value:g}")
-    return value
-
-
-def _secondsint_at_least(low: float) -> Callable[[str], float]:
-    """An argparse ``type`` for a finite number of seconds >= ``low`` (``--refresh -5`` or
-    ``nan`` hung the TUI before its first draw, deaf to q, Ctrl-C and SIGTERM)."""
-    def parse(text: str) -> float:
-        value = float(text)
-        if not (math.isfinite(value) and value >= low):
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number of seconds >= {low:g}, got {value:g}")
-        return value
-    return parse
 
 
 _FASTEST_REFRESH_S = 0.25
@@ -150,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     common = _common(top=False)
     p = CommandParser(prog="kvpool-console", parents=[_common(top=True)],
                       description="Watch and operate a kvpool KV-cache pool fleet.")
-    p.add_argument("--refresh", type=_secondsint_at_least(_FASTEST_REFRESH_S), default=1.0,
+    p.add_argument("--refresh", type=number_in(_FASTEST_REFRESH_S, unit="seconds"), default=1.0,
                    metavar="S", help="TUI redraw interval in seconds, at least "
                    f"{_FASTEST_REFRESH_S:g} (default 1; + / - change it live)")
     p.add_argument("--ssh-config", default=None, metavar="FILE",
@@ -164,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="demo trace (default: conversation_trace.jsonl from $KVPOOL_TRACES_DIR, "
                         "else ../shared/traces, else the copy shipped with kvpool)")
     p.add_argument("--engines", type=int_at_least(1), default=4, help="demo engines (default 4)")
-    p.add_argument("--speedup", type=_non_negative, default=5.0,
+    p.add_argument("--speedup", type=number_in(0), default=5.0,
                    help="demo replay speed-up: trace time / wall time (default 5)")
     p.add_argument("--engine", dest="engine_kind", choices=("sim", "vllm", "pd"), default="sim",
                    help="demo engine kind (default sim); pd: a real prefill/decode pair of "
@@ -174,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="JSON for scripts and alerting")
     st.add_argument("--fail-on", choices=("warning", "critical"), default=None,
                     help="exit 1 when an alert of this severity (or worse) is active")
-    st.add_argument("--observe", type=_non_negative, default=0.0, metavar="S",
+    st.add_argument("--observe", type=number_in(0), default=0.0, metavar="S",
                     help="watch the fleet for S seconds before printing, as the TUI does: "
                          "pauses, evictions and alerts raised in that window (default 0)")
     he = sub.add_parser("health", parents=[common], help="run health checks")

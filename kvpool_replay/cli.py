@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 
 import msgspec
 import psutil
 
 from kvpool_agent import hub_ports
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least, number_in
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
@@ -59,26 +58,6 @@ def _hub_address(text: str) -> str:
     return text
 
 
-def _speedup(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if v < 0 or math.isnan(v):
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = as fast as possible), got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool-replay`` argument parser."""
     p = CommandParser(
@@ -101,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--private", dest="mode", action="store_const", const="private",
                       help="each engine has its own pool of pool-tokens / engines")
     p.set_defaults(mode="shared")
-    p.add_argument("--speedup", type=_speedup, default=0.0,
+    p.add_argument("--speedup", default=0.0,
+                   type=number_in(0, finite=False, hint=" (0 = as fast as possible)"),
                    help="trace time / wall time (0 = as fast as possible; default 0)")
     p.add_argument("--master", default=None,
                    help="use this mooncake_master host:port instead of starting one")
@@ -111,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ha", type=int_at_least(1), default=0, metavar="N",
                    help="replay against an HA pool: a local etcd and N mooncake_master "
                    "processes with leader election (etcd-server must be installed)")
-    p.add_argument("--kill-leader-after", type=_positive_float, default=None, metavar="S",
+    p.add_argument("--kill-leader-after", type=number_in(0, low_open=True, unit="seconds"),
+                   default=None, metavar="S",
                    help="with --ha 2 or more: SIGKILL the leader master S seconds into the "
                    "replay (--json then has failover_s, keys_kept and hits_lost)")
     p.add_argument("--agent-address", type=_hub_address, default=None,

@@ -71,3 +71,24 @@ def test_a_console_given_the_hubs_listen_address_says_so(
     err = capsys.readouterr().err
     assert err == ("kvpool-console: hub address 'tcp://*:7600': * is where a hub listens; "
                    "connect to the hub's host, e.g. tcp://127.0.0.1:7600\n")
+
+
+@pytest.mark.parametrize(("module", "argv", "says"), [
+    ("kvpool_replay.cli", ["--speedup", "nan"],
+     "argument --speedup: must be a number >= 0 (0 = as fast as possible), got nan"),
+    ("kvpool_replay.cli", ["--kill-leader-after", "inf"],
+     "argument --kill-leader-after: must be a finite number of seconds > 0, got inf"),
+    ("kvpool_console.cli", ["status", "--watermark-ratio", "half"],
+     "argument --watermark-ratio: 'half' is not a number"),
+    ("kvpool_console.cli", ["status", "--watermark-margin", "1.5"],
+     "argument --watermark-margin: must be in [0, 1], got 1.5"),
+])
+def test_every_number_flag_is_refused_in_words(module: str, argv: list[str], says: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """One bound for every number flag (``cli_parser.number_in``); the console's fractions
+    said argparse's ``invalid _fraction value: 'half'`` before."""
+    main: Callable[[list[str]], int] = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err

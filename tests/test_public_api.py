@@ -101,7 +101,7 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     "kvpool_policy.policy": ["S3FIFO", "AccessRecord", "AdmissionKind", "Decision",
                              "EvictionKind", "LeafFirstLRU", "PolicyKey", "PoolPolicy"],
     # Every command's parser: a usage error is one line (one owner).
-    "kvpool_agent.cli_parser": ["EXIT_USAGE", "CommandParser", "int_at_least"],
+    "kvpool_agent.cli_parser": ["EXIT_USAGE", "CommandParser", "int_at_least", "number_in"],
     # The hub's and the policy service's /metrics endpoint (one owner).
     "kvpool_agent.metrics_http": ["MetricsEndpoint"],
     # The console's pool names and pool_no_segments follow the hub's pool rule (one owner).
