@@ -473,20 +473,23 @@ class Fleet:
                 ]
                 return sorted(ids), None if ids else (
                     f"no live worker agent of engine {fl.engine_id!r}"), []
-            # Workers only: a store agent holds no pool client (it answered "no pool backend",
-            # and a bound pool whose one live member it was got nothing flushed).
-            best: dict[str, tuple[bool, float, float, str]] = {}
+            # Workers: a store agent holds no pool client (it answered "no pool backend", and a
+            # bound pool whose one live member it was got nothing flushed); one that lists its
+            # pool (``lists_pool``) answers a dry run of scope ``all`` where no worker is live.
+            lists = fl is not None and fl.dry_run and fl.scope == "all"
+            best: dict[str, tuple[bool, bool, float, float, str]] = {}
             for k, a in pooled.items():
                 src = a.state.source
-                if src.process_role != "worker" or src.master in refused:
+                if src.master in refused or (src.process_role != "worker"
+                                             and not (lists and src.lists_pool)):
                     continue
-                rank = (a.bound, *self._held_since(a, now_ms), k)
+                rank = (src.process_role != "worker", a.bound, *self._held_since(a, now_ms), k)
                 if src.master not in best or rank < best[src.master]:
                     best[src.master] = rank
             if not best:
                 return [], ("no live worker agent to run the flush (a store agent holds no pool "
                             "client)"), sorted(refused)
-            return sorted(r[3] for r in best.values()), None, sorted(refused)
+            return sorted(r[4] for r in best.values()), None, sorted(refused)
 
     def _held_since(self, a: _Entry, now_ms: float) -> tuple[float, float]:
         """How an agent ranks as a pool-wide command's target: since when its identity has

@@ -103,6 +103,8 @@ class _Pending:
     # Dry run: agent id -> the agent whose listing it shares; lister -> its share key.
     shared: dict[str, str] = field(default_factory=dict)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Dry run: agent id answered from a kept listing -> the agent that listed it.
+    cached: dict[str, str] = field(default_factory=dict)
     # Flush, pin, unpin: agent id -> the pool stats of the other keys that may confirm its
     # answer, when sent (``Fleet.pool_verifiers``); the answers held for that and until when
     # (monotonic s).
@@ -283,7 +285,7 @@ class CommandRouter:
                 if lister not in known and (rid := self.fleet.routing_id(lister)) is not None:
                     known[lister] = rid
             pend.replies.update(plan.answered)
-            pend.shared, pend.groups = plan.shared, plan.groups
+            pend.shared, pend.groups, pend.cached = plan.shared, plan.groups, plan.cached
             self.counters.shared_listings += len(plan.shared) + sum(
                 1 for r in plan.answered.values() if r.ok)
         # Charged per connection reached, not per agent id: one key's 1,024 ids on one
@@ -308,8 +310,7 @@ class CommandRouter:
             fwd.drain = DrainArgs(timeout_ms=min(max(req.drain.timeout_ms, 0), req.timeout_ms,
                                                  MAX_TIMEOUT_MS))
         if req.command == "flush":
-            # A dry run's copies are checked too (every target, not only who listed).
-            pend.pool_keys = self.fleet.pool_keys(pend.expected if dry_run else send, closed)
+            pend.pool_keys = self.fleet.pool_keys(send, closed)
         if (req.command == "flush" and not dry_run) or req.command in ("pin", "unpin"):
             # One pass for all targets (a flush naming an engine's 1,024 ids scanned per id).
             pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush",
@@ -386,6 +387,7 @@ class CommandRouter:
         may have acted), but their console is answered refused, and every answer awaited or
         held (for its check) from those agents is theirs no more: an error."""
         gone = set(agent_ids)
+        self.listings.forget_agents(gone)
         for pend in [*self.pending.values(), *self.verifying]:
             pend.withheld = pend.withheld or pend.key in keys
         for internal, pend in list(self.pending.items()):
@@ -403,7 +405,9 @@ class CommandRouter:
                 self._answer(pend)
 
     def note_forgotten(self, ids: list[str], why: str) -> None:
-        """Count and log agents the hub dropped."""
+        """Count and log agents the hub dropped; the dry-run answers they listed answer no
+        more."""
+        self.listings.forget_agents(set(ids))
         if ids:
             self.counters.forgotten += len(ids)
             log.warning("kvpool hub: forgot %d agent(s) (%s): %s", len(ids), why,
@@ -428,9 +432,6 @@ class CommandRouter:
             self.maybe_finish(rep.request_id)
             return
         pend.replies[rep.agent_id] = reply
-        group = pend.groups.get(rep.agent_id)
-        if group is not None:
-            self.listings.keep(group, reply)
         self.maybe_finish(rep.request_id)
 
     def expire(self, now: float, why: str | None = None) -> None:
@@ -475,17 +476,24 @@ class CommandRouter:
         """Every agent has answered: shared listings copied, flush answers checked against
         the pool's count, a real flush's, pin's or unpin's answer held until other keys'
         reports confirm it (``_verify``), then audited and sent (``_answer``)."""
+        for lister, group in pend.groups.items():  # as listed, to answer later dry runs
+            self.listings.keep(group, pend.replies[lister])
         for aid, lister in pend.shared.items():
             pend.replies[aid] = shared_answer(pend.req, aid, pend.replies[lister])
+        for lister in set(pend.shared.values()) - set(pend.expected):
+            if not pend.replies[lister].ok:  # a pool lister: not asked for a while
+                self.listings.lister_failed(lister)
         # Only a flush's answer is held against its pool's count (``checked_answer``), and the
         # counts of every target come from one scan of the fleet: a snapshot of 8,192 agent ids
-        # cost the hub thread seconds when each target's count was a scan (round 5).
-        now_keys = (self.fleet.pool_keys(pend.expected, pend.closed)
+        # cost the hub thread seconds when each target's count was a scan (round 5). A copy is
+        # its lister's claim, held against the counts the lister's key does not report.
+        claimant = {a: pend.shared.get(a) or pend.cached.get(a) or a for a in pend.expected}
+        now_keys = (self.fleet.pool_keys(list(set(claimant.values())), pend.closed)
                     if pend.req.command == "flush"
                     else {})
         for a in pend.expected:
             pend.replies[a] = checked_answer(pend.req, pend.replies[a], (
-                pend.pool_keys.get(a), now_keys.get(a)))
+                pend.pool_keys.get(claimant[a]), now_keys.get(claimant[a])))
             if a in pend.cross:
                 pend.replies[a] = cross_checked(pend.req, pend.replies[a],
                                                 pend.listings.get(pend.cross[a]), pend.cross[a])

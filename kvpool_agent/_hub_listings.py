@@ -39,6 +39,7 @@ the pool N times before, and still does), and the hub counts every shared answer
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from kvpool_agent.protocol import (
 )
 
 __all__ = [
+    "LISTER_BENCHED_S",
     "LISTING_INTERVAL_S",
     "LISTING_SHARED_S",
     "ListingPlan",
@@ -72,6 +74,10 @@ that answers a read-only key's dry run may be. Whoever lists, the master serves 
 flood, the engines listed nothing and their CPU stayed at 1.06x of idle, but their scheduler
 lookups' p99 (each a master RPC) went to 1.27x, 1.35x in another run
 (``bench/bench_dryrun_engine.py --split-cores``, 20,000 keys)."""
+
+LISTER_BENCHED_S = 60.0
+"""Seconds a pool lister that failed or did not answer a dry run in time is not asked: the
+targets' own agents list meanwhile."""
 
 ShareKey = tuple[str, ...]
 
@@ -100,12 +106,14 @@ class ListingPlan:
     """What the hub does with one dry run's targets: ``send`` (agent ids that list),
     ``answered`` (agent id -> an answer already known: a copy of a fresh listing, or a ``hub
     busy`` refusal), ``shared`` (agent id -> the agent in ``send`` whose answer it gets) and
-    ``groups`` (agent id in ``send`` -> its share key, to keep its answer)."""
+    ``groups`` (agent id in ``send`` -> its share key, to keep its answer) and ``cached``
+    (agent id answered from a kept listing -> who listed it: the copy is that agent's claim)."""
 
     send: list[str] = field(default_factory=list)
     answered: dict[str, CommandReply] = field(default_factory=dict)
     shared: dict[str, str] = field(default_factory=dict)
     groups: dict[str, ShareKey] = field(default_factory=dict)
+    cached: dict[str, str] = field(default_factory=dict)
     busy: str = ""
 
 
@@ -125,6 +133,8 @@ class PoolListings:
         self._answers: dict[ShareKey, _Answer] = {}
         # (key name, pool) -> when that key last had the pool listed (monotonic s).
         self._listed: dict[tuple[str, str], float] = {}
+        # Pool lister -> until when it is not asked (``lister_failed``).
+        self._benched: dict[str, float] = {}
 
     def plan(self, req: CommandRequest, members: dict[str, tuple[Source, str, bool]],
              key: str, *, readonly: bool, now: float | None = None,
@@ -135,7 +145,8 @@ class PoolListings:
         ``all`` whose answer is not one bound key's own claim is listed by its pool's lister,
         a store agent, which then is in ``send`` though not a target (module docstring)."""
         now = time.monotonic() if now is None else now
-        listers = pool_listers or {}
+        listers = {m: a for m, a in (pool_listers or {}).items()
+                   if now >= self._benched.get(a, -math.inf)}
         scope_all = req.flush is not None and req.flush.scope == "all"
         window = LISTING_INTERVAL_S if readonly else LISTING_SHARED_S
         plan = ListingPlan()
@@ -145,31 +156,44 @@ class PoolListings:
             known = self._answers.get(group)
             if known is not None and now - known.at < window:
                 plan.answered[aid] = _copy(req, aid, known.result)
+                plan.cached[aid] = known.lister
                 continue
             if group in lister_of:
                 plan.shared[aid] = lister_of[group]
                 continue
-            if readonly:
-                last = self._listed.get((key, src.master))
-                if last is not None and now - last < LISTING_INTERVAL_S:
-                    wait = LISTING_INTERVAL_S - (now - last)
-                    plan.busy = (f"hub busy: this key had pool {src.master[:80]!r} listed "
-                                 f"{now - last:.1f} s ago (one listing per pool every "
-                                 f"{LISTING_INTERVAL_S:g} s per read-only key); retry in "
-                                 f"{wait:.1f} s")
-                    plan.answered[aid] = _refusal(req, aid, plan.busy)
-                    continue
-                self._listed[(key, src.master)] = now
             lister = (listers.get(src.master)
                       if scope_all and not bound and src.process_role == "worker" else None)
-            if lister is not None:
+            lister = lister or aid
+            if lister not in plan.groups:  # else already sent this dry run: no new listing
+                if readonly:
+                    last = self._listed.get((key, src.master))
+                    if last is not None and now - last < LISTING_INTERVAL_S:
+                        wait = LISTING_INTERVAL_S - (now - last)
+                        plan.busy = (f"hub busy: this key had pool {src.master[:80]!r} listed "
+                                     f"{now - last:.1f} s ago (one listing per pool every "
+                                     f"{LISTING_INTERVAL_S:g} s per read-only key); retry in "
+                                     f"{wait:.1f} s")
+                        plan.answered[aid] = _refusal(req, aid, plan.busy)
+                        continue
+                    self._listed[(key, src.master)] = now
+                plan.send.append(lister)
+                plan.groups[lister] = group
+            lister_of[group] = lister
+            if lister != aid:
                 plan.shared[aid] = lister
-                aid = lister
-            lister_of[group] = aid
-            if aid not in plan.groups:  # a pool's lister may be named too: sent to once
-                plan.send.append(aid)
-                plan.groups[aid] = group
         return plan
+
+    def lister_failed(self, agent_id: str, now: float | None = None) -> None:
+        """A pool lister (not a target: ``Fleet.pool_listers``) failed or did not answer in
+        time: its pool's dry runs go to the targets' own agents for ``LISTER_BENCHED_S``, so a
+        lister that never answers cannot keep every console from its pool's count."""
+        now = time.monotonic() if now is None else now
+        self._benched[agent_id] = now + LISTER_BENCHED_S
+
+    def forget_agents(self, agent_ids: set[str]) -> None:
+        """Agents dropped (key revoked, ``forget``): the answers they listed answer no more."""
+        for group in [g for g, a in self._answers.items() if a.lister in agent_ids]:
+            del self._answers[group]
 
     def keep(self, group: ShareKey, rep: CommandReply, now: float | None = None) -> None:
         """Keep ``rep`` (a lister's answer) as its group's, if it is a dry run's listing."""
@@ -191,6 +215,8 @@ class PoolListings:
             del self._answers[group]
         for k in [k for k, t in self._listed.items() if now - t >= LISTING_INTERVAL_S]:
             del self._listed[k]
+        for a in [a for a, until in self._benched.items() if now >= until]:
+            del self._benched[a]
 
 
 def shared_answer(req: CommandRequest, aid: str, lister: CommandReply) -> CommandReply:

@@ -54,8 +54,9 @@ def master_of(args: argparse.Namespace, err: TextIO | None = None) -> str:
                          "ASCII, no spaces); give the engines' master_server_address")
     if not master:
         print("kvpool-agent store: no --master-server-address (or $" + MASTER_ENV + "): the "
-              "console and the hub show this pool apart from its engines' (give the engines' "
-              "master_server_address)", file=err if err is not None else sys.stderr)
+              "console and the hub show this pool apart from its engines', and the engines "
+              "list it for dry runs in its place (give the engines' master_server_address)",
+              file=err if err is not None else sys.stderr)
     return master
 
 

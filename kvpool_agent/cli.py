@@ -152,7 +152,9 @@ def _parser() -> argparse.ArgumentParser:
                    "pool-wide commands (flush --scope all/model, pin, pins) and count in its "
                    "totals")
 
-    s = sub.add_parser("store", help="standalone agent beside a store, reporting pool stats")
+    s = sub.add_parser("store", help="standalone agent beside a Mooncake master: reports the "
+                       "pool's stats and lists the pool for dry runs of scope all in the "
+                       "engines' place")
     s.add_argument(
         "--hub",
         default=os.environ.get(AGENT_ADDRESS_ENV),
@@ -170,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
         help="mooncake_master HTTP admin URL, e.g. http://127.0.0.1:9003 (its --metrics_port); "
         "an HA pool's masters comma-separated (stats are read from the serving leader)",
     )
-    s.add_argument("--engine-id", default=f"store@{socket.gethostname()}")
+    s.add_argument("--engine-id", default=f"store@{socket.gethostname()}",
+                   help="the store agent's id in the fleet (default %(default)s)")
     s.add_argument("--lease-ttl-ms", type=int_at_least(0), default=0,
                    help="the master's default_kv_lease_ttl in force, ms (default 0: not known)")
     s.add_argument("--high-watermark", default=0.9,
