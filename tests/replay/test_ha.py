@@ -133,7 +133,7 @@ def test_kvpool_config_accepts_an_etcd_address_and_rejects_a_bad_one(tmp_path: P
     (["--kill-leader-after", "3"], "--kill-leader-after needs --ha 2 or more"),
     (["--ha", "1", "--kill-leader-after", "3"], "--kill-leader-after needs --ha 2 or more"),
     (["--ha", "2", "--private"], "--ha starts its own pool of masters"),
-    (["--ha", "2", "--kill-leader-after", "0"], "must be > 0 seconds"),
+    (["--ha", "2", "--kill-leader-after", "0"], "must be a finite number of seconds > 0"),
 ])
 def test_replay_rejects_bad_ha_options_in_one_line(argv: list[str], needle: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvpool_replay.cli", "--limit", "5", *argv],
