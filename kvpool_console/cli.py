@@ -159,17 +159,23 @@ def _parser() -> argparse.ArgumentParser:
     he.add_argument("--timeout-ms", type=int_at_least(1), default=5_000, metavar="MS",
                     help="how long to wait for the agents' replies (default 5000)")
     fl = sub.add_parser("flush", parents=[common], help="remove pool entries of a scope")
-    fl.add_argument("--scope", choices=("model", "engine", "all"), required=True)
+    fl.add_argument("--scope", choices=("model", "engine", "all"), required=True,
+                    help="model: every key of --model; engine: --engine's own keys; all: every "
+                         "kvpool key of every pool")
     fl.add_argument("--model", default=None, help="model name (scope model)")
     fl.add_argument("--engine", dest="engine_id", default=None, help="engine id (scope engine)")
-    fl.add_argument("--dry-run", action="store_true", help="only count what would be removed")
+    fl.add_argument("--dry-run", action="store_true",
+                    help="only count what would be removed (scope all: listed by the pool's "
+                         "store agent when one runs; a viewer key gets a count up to 10 s old)")
     fl.add_argument("--force", action="store_true",
-                    help="also remove leased entries (with --accept-torn-reads: see FORCE_RISK)")
+                    help="also remove leased entries, which engines may be reading now (needs "
+                         "--accept-torn-reads)")
     fl.add_argument("--accept-torn-reads", action="store_true",
                     help="acknowledge what --force risks: a load still copying a removed entry "
                          "can read memory a new value reuses")
     fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    fl.add_argument("--json", action="store_true")
+    fl.add_argument("--json", action="store_true",
+                    help="the dry run's (and the flush's) answers as one JSON line")
     fl.add_argument("--timeout-ms", type=int_at_least(1), default=FLUSH_TIMEOUT_MS, metavar="MS",
                     help=f"how long to wait for each flush round (default {FLUSH_TIMEOUT_MS})")
     fg = sub.add_parser("forget", parents=[common],
