@@ -427,6 +427,9 @@ class CommandRouter:
                               f"{rep.agent_id[:80]!r} not expected from this connection")
             return
         reply = msgspec.structs.replace(rep, request_id=pend.req.request_id)
+        if reply.flush is not None and (reply.flush.listed_by or reply.flush.listed_ms_ago):
+            # Only the hub says whose listing an answer is (``_hub_listings._copy``).
+            reply.flush = msgspec.structs.replace(reply.flush, listed_by="", listed_ms_ago=0.0)
         if listing:
             pend.listings[rep.agent_id] = reply
             self.maybe_finish(rep.request_id)

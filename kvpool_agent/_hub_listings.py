@@ -155,7 +155,8 @@ class PoolListings:
             group = share_key(req, src, identity, bound)
             known = self._answers.get(group)
             if known is not None and now - known.at < window:
-                plan.answered[aid] = _copy(req, aid, known.result)
+                plan.answered[aid] = _copy(req, aid, known.result, known.lister,
+                                           (now - known.at) * 1e3)
                 plan.cached[aid] = known.lister
                 continue
             if group in lister_of:
@@ -223,14 +224,19 @@ def shared_answer(req: CommandRequest, aid: str, lister: CommandReply) -> Comman
     """``aid``'s answer from its group's lister's: the listing when it has one, else the
     lister's failure, named."""
     if lister.ok and lister.flush is not None:
-        return _copy(req, aid, lister.flush)
+        return _copy(req, aid, lister.flush, lister.agent_id)
     return _refusal(req, aid, f"its pool's listing by {lister.agent_id[:80]} failed: "
                     f"{(lister.error or 'no flush result')[:200]}")
 
 
-def _copy(req: CommandRequest, aid: str, result: FlushResult) -> CommandReply:
+def _copy(req: CommandRequest, aid: str, result: FlushResult, lister: str,
+          age_ms: float = 0.0) -> CommandReply:
+    """``aid``'s answer: ``result`` as ``lister`` listed it ``age_ms`` ago (named in the
+    answer unless ``aid`` listed it itself)."""
     return CommandReply(v=PROTOCOL_VERSION, seq=0, request_id=req.request_id, agent_id=aid,
-                        ok=True, flush=msgspec.structs.replace(result))
+                        ok=True, flush=msgspec.structs.replace(
+                            result, listed_by="" if lister == aid else lister,
+                            listed_ms_ago=max(0.0, age_ms)))
 
 
 def _refusal(req: CommandRequest, aid: str, why: str) -> CommandReply:

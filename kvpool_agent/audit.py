@@ -75,7 +75,9 @@ def audit_line(
         if r.error:
             item["error"] = _clip(r.error)
         if r.flush is not None:
-            item["flush"] = msgspec.to_builtins(r.flush)
+            # Whose listing a copied dry-run answer is: written only when it is a copy.
+            item["flush"] = {k: v for k, v in msgspec.to_builtins(r.flush).items()
+                             if v or k not in ("listed_by", "listed_ms_ago")}
         if r.suspect:
             item["suspect"] = _clip(r.suspect)
         if r.pins is not None:

@@ -928,6 +928,13 @@ class FlushResult(msgspec.Struct, gc=False, kw_only=True):
     bytes: int
     removed_keys: int = 0
     skipped_leased: int = 0
+    listed_by: OptionalId = ""
+    """A dry run's answer copied by the hub from another agent's listing: that agent (the
+    pool's store agent, or another target of one pool); "" when the target listed itself, and
+    from hubs before this field (``kvpool_agent._hub_listings``)."""
+    listed_ms_ago: Ms = 0.0
+    """How old that listing was when the hub answered (ms): a read-only key's may be up to
+    ``LISTING_INTERVAL_S``."""
 
 
 class FlushRecord(msgspec.Struct, gc=False, kw_only=True):

@@ -423,6 +423,10 @@ def _flush_line(replies: list[CommandReply]) -> tuple[str, bool]:
     verb = "would remove" if total.dry_run else f"removed {total.removed_keys} of"
     line = (f"{verb} {total.keys} keys ({total.bytes} bytes), "
             f"{total.skipped_leased} leased skipped")
+    listed = sorted({(r.flush.listed_by, r.flush.listed_ms_ago) for r in replies
+                     if r.ok and r.flush is not None and r.flush.listed_by})
+    if listed:  # answers the hub copied from one listing: whose, and how old
+        line += "; listed by " + ", ".join(f"{who} {ms / 1e3:.1f} s ago" for who, ms in listed)
     if errors:
         line += "; errors: " + "; ".join(errors)
     return line, not errors

@@ -93,6 +93,8 @@ def test_a_viewers_dry_run_flood_lists_the_pool_once_per_window(
     assert 1 <= listed <= 1 + math.ceil(elapsed / LISTING_INTERVAL_S), (listed, elapsed)
     for replies in answers:
         assert sorted(r.agent_id for r in replies) == sorted(ids), replies
+        listers = {r.flush.listed_by for r in replies if r.flush is not None}
+        assert listers <= set(ids) | {""} and listers - {""}, replies  # copies name the lister
         assert all(r.ok and r.flush is not None and r.flush.keys == 6 for r in replies), replies
     assert hub.counters.shared_listings == 40 * _WORKERS - listed
     audit = Path(str(tmp_path / "audit.jsonl") + READONLY_SUFFIX).read_text().splitlines()
@@ -181,4 +183,6 @@ def test_a_store_agent_lists_the_pool_in_place_of_the_engines(
     for r in [*named, one]:
         assert r.ok and r.flush is not None, r
         assert (r.flush.keys, r.flush.bytes) == (truth.keys, truth.bytes), (r, truth)
+        # Each answer names whose listing it is (the console prints it).
+        assert r.flush.listed_by == store.source.agent_id, r
     assert _listings(workers) == 0

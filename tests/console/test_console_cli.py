@@ -342,3 +342,21 @@ def test_a_keys_dir_that_does_not_exist_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert f"keys dir {missing} does not exist" in err and "$KVPOOL_KEYS_DIR" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_copied_dry_run_says_whose_listing_and_how_old() -> None:
+    """Answers the hub copied from one listing (a store agent's, 4.2 s old) say so in the
+    console's line; a target's own listing adds nothing."""
+    from kvpool_agent.protocol import PROTOCOL_VERSION, CommandReply, FlushResult
+    from kvpool_console.cli import _flush_line
+
+    def reply(aid: str, by: str, ms: float) -> CommandReply:
+        return CommandReply(v=PROTOCOL_VERSION, seq=0, request_id="r", agent_id=aid, ok=True,
+                            flush=FlushResult(dry_run=True, keys=3, bytes=30, listed_by=by,
+                                              listed_ms_ago=ms))
+
+    line, ok = _flush_line([reply("a", "store@m", 4200.0), reply("b", "store@m", 4200.0)])
+    assert ok and line == ("would remove 6 keys (60 bytes), 0 leased skipped; "
+                           "listed by store@m 4.2 s ago"), line
+    own, _ = _flush_line([reply("a", "", 0.0)])
+    assert own == "would remove 3 keys (30 bytes), 0 leased skipped", own
