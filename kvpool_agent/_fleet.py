@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -388,18 +389,25 @@ class Fleet:
         key not bound to one engine that counts for the pool (``closed``), connected; the
         longest held first, as ``targets`` ranks. Pools without one are absent."""
         now_ms = time.time() * 1e3
-        best: dict[str, tuple[float, float, str]] = {}
         with self._lock:
-            for k, a in self._agents.items():
-                src = a.state.source
-                if (not src.lists_pool or src.master not in masters or a.bound
-                        or not counts(a, closed) or not a.routing_id
-                        or now_ms - a.last_seen_ms >= LIVE_S * 1e3):
-                    continue
-                rank = (*self._held_since(a, now_ms), k)
-                if src.master not in best or rank < best[src.master]:
-                    best[src.master] = rank
-        return {m: r[2] for m, r in best.items()}
+            return self._first_per_pool(
+                ((k, a) for k, a in self._agents.items()
+                 if a.state.source.lists_pool and a.state.source.master in masters
+                 and not a.bound and counts(a, closed) and a.routing_id
+                 and now_ms - a.last_seen_ms < LIVE_S * 1e3), now_ms)
+
+    def _first_per_pool(self, candidates: Iterable[tuple[str, _Entry]], now_ms: float,
+                        ) -> dict[str, str]:
+        """Master -> the agent id of ``candidates`` a pool-wide command goes to: a worker
+        before a store agent, a key not bound to one engine before a bound one, then the
+        longest held (``_held_since``). Under the lock."""
+        best: dict[str, tuple[bool, bool, float, float, str]] = {}
+        for k, a in candidates:
+            src = a.state.source
+            rank = (src.process_role != "worker", a.bound, *self._held_since(a, now_ms), k)
+            if src.master not in best or rank < best[src.master]:
+                best[src.master] = rank
+        return {m: r[4] for m, r in best.items()}
 
     def routing_id(self, agent_id: str) -> bytes | None:
         """The ZMQ routing id of ``agent_id``'s last message, ``None`` for an unknown agent."""
@@ -477,19 +485,14 @@ class Fleet:
             # bound pool whose one live member it was got nothing flushed); one that lists its
             # pool (``lists_pool``) answers a dry run of scope ``all`` where no worker is live.
             lists = fl is not None and fl.dry_run and fl.scope == "all"
-            best: dict[str, tuple[bool, bool, float, float, str]] = {}
-            for k, a in pooled.items():
-                src = a.state.source
-                if src.master in refused or (src.process_role != "worker"
-                                             and not (lists and src.lists_pool)):
-                    continue
-                rank = (src.process_role != "worker", a.bound, *self._held_since(a, now_ms), k)
-                if src.master not in best or rank < best[src.master]:
-                    best[src.master] = rank
+            best = self._first_per_pool(
+                ((k, a) for k, a in pooled.items() if a.state.source.master not in refused
+                 and (a.state.source.process_role == "worker"
+                      or (lists and a.state.source.lists_pool))), now_ms)
             if not best:
                 return [], ("no live worker agent to run the flush (a store agent holds no pool "
                             "client)"), sorted(refused)
-            return sorted(r[4] for r in best.values()), None, sorted(refused)
+            return sorted(best.values()), None, sorted(refused)
 
     def _held_since(self, a: _Entry, now_ms: float) -> tuple[float, float]:
         """How an agent ranks as a pool-wide command's target: since when its identity has

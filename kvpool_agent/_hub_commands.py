@@ -273,7 +273,7 @@ class CommandRouter:
             members = self.fleet.members(list(known), closed)
             pools = {src.master for src, _, _ in members.values()}
             plan = self.listings.plan(req, members, key, readonly=not curve,
-                                      pool_listers=self.fleet.pool_listers(pools, closed))
+                                      pool_listers=lambda: self.fleet.pool_listers(pools, closed))
             if plan.busy and not plan.send and not plan.shared and all(
                     not r.ok for r in plan.answered.values()):
                 self._refuse_busy(sock, client, req, key, plan.busy)

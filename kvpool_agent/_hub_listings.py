@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -138,16 +138,24 @@ class PoolListings:
 
     def plan(self, req: CommandRequest, members: dict[str, tuple[Source, str, bool]],
              key: str, *, readonly: bool, now: float | None = None,
-             pool_listers: Mapping[str, str] | None = None) -> ListingPlan:
+             pool_listers: Callable[[], Mapping[str, str]] | None = None) -> ListingPlan:
         """Which of ``members`` (agent id -> its source, identity, bound) list for the dry run
         ``req`` of ``key``, which get a fresh answer now and which share another's.
-        ``pool_listers`` (master -> agent id, ``Fleet.pool_listers``): a group of scope
+        ``pool_listers`` (called once, only when a group of scope ``all`` needs a listing:
+        master -> agent id, ``Fleet.pool_listers``, a scan of the fleet): a group of scope
         ``all`` whose answer is not one bound key's own claim is listed by its pool's lister,
         a store agent, which then is in ``send`` though not a target (module docstring)."""
         now = time.monotonic() if now is None else now
-        listers = {m: a for m, a in (pool_listers or {}).items()
-                   if now >= self._benched.get(a, -math.inf)}
         scope_all = req.flush is not None and req.flush.scope == "all"
+        found: dict[str, str] | None = None
+
+        def lister_of_pool(master: str) -> str | None:
+            nonlocal found
+            if found is None:
+                found = {m: a for m, a in (pool_listers() if pool_listers else {}).items()
+                         if now >= self._benched.get(a, -math.inf)}
+            return found.get(master)
+
         window = LISTING_INTERVAL_S if readonly else LISTING_SHARED_S
         plan = ListingPlan()
         lister_of: dict[ShareKey, str] = {}
@@ -162,7 +170,7 @@ class PoolListings:
             if group in lister_of:
                 plan.shared[aid] = lister_of[group]
                 continue
-            lister = (listers.get(src.master)
+            lister = (lister_of_pool(src.master)
                       if scope_all and not bound and src.process_role == "worker" else None)
             lister = lister or aid
             if lister not in plan.groups:  # else already sent this dry run: no new listing
