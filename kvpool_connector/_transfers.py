@@ -43,7 +43,10 @@ changes now in progress have landed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -79,6 +82,34 @@ SAVE_BUDGET = "SAVE_BUDGET"
 
 PREEMPTED = "PREEMPTED"
 """``SaveSkipped.reason`` of a queued save dropped because its request was preempted."""
+
+
+def _lowered_by(steps: int) -> int | None:
+    """The nice value ``steps`` levels below the calling thread's (capped at 19); ``None``
+    when ``steps`` is 0 or this OS keeps no nice value per thread (only Linux does: there,
+    ``PRIO_PROCESS`` with a thread's native id names that thread; elsewhere a process)."""
+    if steps <= 0:
+        return None
+    if sys.platform != "linux":
+        logger.warning("save_nice %d: per-thread priority needs Linux; saves keep the "
+                       "engine's", steps)
+        return None
+    return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + steps)
+
+
+def _nice_this_thread(nice: int | None) -> None:
+    """Run the calling thread at nice value ``nice`` (``None``: leave it; raising one's own
+    needs no privilege). A thread a thread starts inherits its value, so this sets it, never
+    adds to it. If the kernel refuses, a warning says so and the thread keeps its priority:
+    a save then competes with the engine's forward pass for the CPU as without
+    ``save_nice``."""
+    if nice is None:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as exc:
+        logger.warning("save_nice: nice %d not applied to %s: %s", nice,
+                       threading.current_thread().name, exc)
 
 
 def _hybrid_only(by_group: dict[int, int]) -> dict[int, int] | None:
@@ -524,13 +555,18 @@ class SaveQueue:
         backend, reporter, counters: where bytes go, events go to, totals add up.
         lock: guards ``counters`` (shared with ``LoadRunner``) and this queue's state.
         blocks_per_chunk: vLLM blocks per chunk (reports count blocks).
+        budget_bytes: bytes of saves in flight at most (``save_budget_bytes``).
+        nice: nice levels the save thread and its copy helper run below the thread that
+            builds this queue, the engine's (``save_nice``; 0: the engine's priority).
     """
 
     def __init__(self, backend: Backend, reporter: Reporter, counters: WorkerCounters,
                  lock: threading.Lock, *, blocks_per_chunk: int,
-                 budget_bytes: int = 256 << 20) -> None:
+                 budget_bytes: int = 256 << 20, nice: int = 0) -> None:
         self.backend, self.reporter, self.counters = backend, reporter, counters
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        lower = functools.partial(_nice_this_thread, _lowered_by(nice))
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save",
+                                           initializer=lower)
         self._lock = lock
         self._blocks_per_chunk = blocks_per_chunk
         self.budget_bytes = budget_bytes
@@ -558,7 +594,7 @@ class SaveQueue:
         # (KVPoolWorker.enable_kv_events); None = not recorded. Bounded: under vLLM's
         # MultiConnector nobody takes them (it does not forward connector KV events).
         self.written: deque[tuple[str, int, int]] | None = None
-        self.calls = SizedCalls.for_backend(backend)  # staging: staging.attach_staging
+        self.calls = SizedCalls.for_backend(backend, lower)  # staging: staging.attach_staging
 
     def submit(self, per_req: list[tuple[ReqMeta, list[KeyTransfer]]], device: DeviceSync,
                layer: int | None = None, n_layers: int = 0) -> Future[None] | None:

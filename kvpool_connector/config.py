@@ -71,6 +71,7 @@ class _ExtraFields(BaseModel):
     save_budget: bool | int | float | str = "256MB"
     # A string, as the config reference shows it; equal to staging.DEFAULT_STAGING_BYTES.
     staging_buffer: bool | int | float | str = "64MB"
+    save_nice: int = Field(default=0, ge=0, le=19)
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
     model_fingerprint: str | None = Field(default=None, min_length=1, max_length=256)
@@ -201,6 +202,12 @@ class KVPoolConfig(BaseModel):
             fragmented KV (mean range under 256 KiB, e.g. 16-token blocks) are copied there and
             moved as one range, as Mooncake's TCP transport needs (``kvpool_connector.staging``).
             Raised to one value (a chunk of every layer) when smaller; host caches only.
+        save_nice: nice levels (0-19) the save thread and its copy helper run below the
+            engine's threads (Linux keeps a nice value per thread). Where the engine's forward
+            pass runs on the CPU (vLLM CPU, or a host whose cores the engine fills), saves then
+            take the CPU the engine leaves: its steps slow less, saves take longer, and saves
+            past ``save_budget`` are skipped (counted as ``SAVE_BUDGET``): fewer chunks saved
+            (``bench/bench_step_gap.py --save-nice``). 0 (default): the engine's priority.
         checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
             mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
             (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
@@ -314,6 +321,7 @@ class KVPoolConfig(BaseModel):
     lookup_breaker_open_ms: int = 10_000
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
     staging_buffer_bytes: int = Field(default=DEFAULT_STAGING_BYTES, gt=0)
+    save_nice: int = Field(default=0, ge=0, le=19)
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
     model_fingerprint: str | None = None

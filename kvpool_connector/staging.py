@@ -131,15 +131,18 @@ class SizedCalls:
         limits: the transport's (``Backend.transport_limits``).
         staging: the buffer of this thread (one per transfer thread: calls of one
             ``SizedCalls`` never overlap); ``None``: zero-copy only.
+        thread_init: run first on the helper thread that copies (the save thread's
+            priority: ``_transfers.SaveQueue``); ``None``: nothing.
 
     ``staged_bytes``/``staged_keys``/``calls`` count what went through (for benchmarks and
     tests).
     """
 
     def __init__(self, put: Callable[..., list[int]], get: Callable[..., list[int]],
-                 limits: TransportLimits = NO_LIMITS, staging: StagingBuffer | None = None
-                 ) -> None:
+                 limits: TransportLimits = NO_LIMITS, staging: StagingBuffer | None = None,
+                 thread_init: Callable[[], None] | None = None) -> None:
         self._put, self._get = put, get
+        self._thread_init = thread_init
         self.limits = limits
         self.staging = staging
         self.staged_bytes = 0
@@ -151,14 +154,17 @@ class SizedCalls:
         """The helper thread that copies into (saves) and out of (loads) the staging buffer
         while the transfer thread is in a backend call; started on first use."""
         if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvpool-stage")
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvpool-stage",
+                                              initializer=self._thread_init)
         return self._helper
 
     @classmethod
-    def for_backend(cls, backend: Backend) -> SizedCalls:
+    def for_backend(cls, backend: Backend, thread_init: Callable[[], None] | None = None
+                    ) -> SizedCalls:
         """Zero-copy calls within ``backend.transport_limits()`` (``attach_staging`` adds a
         staging buffer)."""
-        return cls(backend.batch_put_from, backend.batch_get_into, backend.transport_limits())
+        return cls(backend.batch_put_from, backend.batch_get_into, backend.transport_limits(),
+                   thread_init=thread_init)
 
     def _staged(self, addrs: Sequence[int], sizes: Sequence[int]) -> bool:
         if self.staging is None or len(addrs) < 2:

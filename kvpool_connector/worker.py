@@ -255,7 +255,9 @@ class KVPoolWorker:
         )
         self._saves = SaveQueue(backend, self.reporter, self.counters, self._lock,
                                 blocks_per_chunk=self.blocks_per_chunk,
-                                budget_bytes=config.save_budget_bytes)
+                                budget_bytes=config.save_budget_bytes,
+                                # Settings objects of older callers may not name it.
+                                nice=getattr(config, "save_nice", 0))
         self._loads.fail_whole_requests = self.hybrid
         self._meta: KVPoolConnectorMetadata | None = None
         self._step_saves: list[_SavePlan] | None = None

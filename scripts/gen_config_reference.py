@@ -41,6 +41,7 @@ UNITS: dict[str, str] = {
     "lookup_breaker_open_ms": "ms",
     "save_budget": "bytes",
     "staging_buffer": "bytes per transfer thread",
+    "save_nice": "nice levels below the engine",
     "admission_pool_tokens": "tokens",
     "handover_wait_ms": "ms",
     "store_tp_size": "KV-head shares",

@@ -10,10 +10,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ import torch
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter, SaveCopied
+from kvpool_connector import staging
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, chunk_hashes
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
@@ -169,6 +172,7 @@ class _Settings:
     hash_algo: str = "sha256"
     checksum: bool = False
     staging_buffer_bytes: int = 1 << 20
+    save_nice: int = 0
 
 
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
@@ -214,6 +218,52 @@ def test_worker_moves_llama3_8b_blocks_through_staging(client: MooncakeBackend,
     # 8 MiB values of 128 ranges: staged into 8 MiB buffers (raised from 1 MiB), a call each.
     assert saves.staged_keys == loads.staged_keys == chunks
     assert saves.calls == loads.calls == chunks
+    writer.shutdown()
+    reader.shutdown()
+
+
+def _thread_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_save_nice_lowers_the_save_threads_and_no_other(client: MooncakeBackend,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_nice: 7``: the save thread (its put) and its copy helper (the staged copy) run 7
+    nice levels below the engine's thread, capped at 19; the load thread and its scatter keep
+    the engine's priority; the values still arrive bit-exact."""
+    settings = _Settings(save_nice=7)
+    src, dst, writer, reader, src_ids, dst_ids, hashes = _writer_and_reader(
+        settings, client, "nice-model", 2)
+    seen: dict[str, set[int]] = {"put": set(), "copy": set(), "get": set(), "scatter": set()}
+
+    def spy(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen[what].add(_thread_nice())
+            return fn(*args, **kwargs)
+        return call
+
+    saves, loads = writer._saves.calls, reader._loads.calls
+    saves._put = spy("put", saves._put)  # type: ignore[method-assign]
+    loads._get = spy("get", loads._get)  # type: ignore[method-assign]
+    monkeypatch.setattr(staging, "_gather", spy("copy", staging._gather))
+    monkeypatch.setattr(staging, "_scatter_all", spy("scatter", staging._scatter_all))
+    engine = _thread_nice()
+    writer.start_load_kv(KVPoolConnectorMetadata())
+    writer.wait_for_save(KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="w", block_ids=src_ids, chunk_hashes=hashes, save_from_chunk=0,
+        save_to_chunk=2, is_last_save=True)]))
+    assert writer.drain_saves(120)
+    assert (writer.counters.saved_keys, writer.counters.save_failed_keys) == (2, 0)
+    reader.start_load_kv(KVPoolConnectorMetadata(requests=[ReqMeta(
+        req_id="r", block_ids=dst_ids, chunk_hashes=hashes,
+        load=LoadSpec(0, 2 * settings.chunk_size, can_load=True))]))
+    assert not reader.get_block_ids_with_load_errors()
+    for name, t in src.items():
+        assert torch.equal(t[src_ids], dst[name][dst_ids]), name
+    assert saves.staged_keys == loads.staged_keys == 2  # the copy helpers did run
+    lowered = min(19, engine + 7)
+    assert seen == {"put": {lowered}, "copy": {lowered}, "get": {engine},
+                    "scatter": {engine}}, (engine, seen)
     writer.shutdown()
     reader.shutdown()
 
