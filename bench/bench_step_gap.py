@@ -20,10 +20,13 @@ Between rounds the saves are drained (untimed) and the pool is cleared. Round 0 
 is not counted. Prints per engine the time of its forward steps (steps that scheduled tokens:
 median, p90, mean over all counted rounds; the pool engine also has idle steps while its
 lookups run, vLLM's "ask later"), the round's wall time (all steps: median, min-max), the
-ratio pool / none of each, the values saved per round, and the load average. Timing is for an
-idle machine:
+ratio pool / none of each, the values saved per round, each engine's CPU seconds per round
+(its process, steps and the saves' drain) and the store process's while it ran, so the pool's
+extra CPU shows next to the engine's own, and the load average. ``--save-nice N`` runs the pool
+engine's save threads N nice levels below it (``save_nice``). Timing is for an idle machine:
 
     .venv/bin/python bench/bench_step_gap.py [--rounds 11] [--prompts 8] [--prompt-tokens 448]
+        [--save-nice 19]
 
 ``--rounds 1`` for a smoke run.
 """
@@ -40,6 +43,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The one engine launcher, ``tests/vllm/_engine.py``.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
@@ -49,8 +54,9 @@ os.environ["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + os.environ.g
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ALL_KEYS_PATTERN
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, build_tiny_model
+from kvpool_replay._forkserver import stop_fork_server
 
-from _engine import Engine, stop_fork_server  # isort: skip
+from _engine import Engine  # isort: skip
 
 __all__ = ["main"]
 
@@ -61,19 +67,27 @@ PER_TOKEN = 32 * 2 * 8 * 128 * 2
 """KV bytes per token of the model (Llama-3-8B's: 128 KiB)."""
 
 
-def _spec(model: Path, ktc: dict[str, Any] | None, max_num_seqs: int) -> dict[str, Any]:
-    """``_engine``'s spec of one engine; its KV cache holds every running request."""
+def _spec(model: Path, ktc: dict[str, Any] | None, max_num_seqs: int, threads: int
+          ) -> dict[str, Any]:
+    """``_engine``'s spec of one engine; its KV cache holds every running request;
+    ``threads``: its torch threads (0: torch's default, one per core)."""
     return {"model": str(model), "kv_transfer_config": ktc, "prefix_caching": False,
             "num_gpu_blocks": 4 * max_num_seqs * 512 // BLOCK, "dtype": "bfloat16",
-            "block_size": BLOCK, "max_num_seqs": max_num_seqs}
+            "block_size": BLOCK, "max_num_seqs": max_num_seqs, "torch_threads": threads}
 
 
-def _pooled(name: str) -> dict[str, Any]:
+def _pooled(name: str, save_nice: int) -> dict[str, Any]:
     return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             # A cold engine's first lookups on a busy host can miss the default 50 ms.
             "kv_connector_extra_config": {"backend": "mooncake", "engine_id": name,
-                                          "lookup_timeout_ms": 2000}}
+                                          "lookup_timeout_ms": 2000, "save_nice": save_nice}}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` used so far."""
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
 
 
 Step = tuple[float, int]
@@ -99,6 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=448, help="tokens per prompt (< 500)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens decoded per prompt")
     ap.add_argument("--max-num-seqs", type=int, default=4, help="vLLM's batch size")
+    ap.add_argument("--engine-threads", type=int, default=0, metavar="N",
+                    help="both engines' torch threads (default 0: one per core). Fewer than "
+                         "the cores leaves cores to the pool's threads, as vLLM's CPU backend "
+                         "reserves a core per rank for a KV connector")
+    ap.add_argument("--save-nice", type=int, default=0, choices=range(20), metavar="0-19",
+                    help="the pool engine's save_nice (nice levels its save threads run below "
+                         "the engine; default 0)")
     args = ap.parse_args(argv)
     if args.prompt_tokens + args.max_tokens > 512:
         ap.error("--prompt-tokens + --max-tokens must fit the engines' 512 positions")
@@ -109,8 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(38)
     steps: dict[str, list[list[Step]]] = {"none": [], "pool": []}
     saved: list[int] = []
+    # CPU seconds per counted round, steps and the saves' drain: each engine's process, and
+    # the store's process while that engine ran.
+    cpu: dict[str, list[float]] = {"none": [], "pool": []}
+    store_cpu: dict[str, list[float]] = {"none": [], "pool": []}
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master, \
-            LocalPoolStore(master, max(256 << 20, 2 * per_round)):
+            LocalPoolStore(master, max(256 << 20, 2 * per_round)) as store:
         config = workdir / "mooncake.json"
         config.write_text(json.dumps({
             "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
@@ -123,20 +148,27 @@ def main(argv: list[str] | None = None) -> None:
         admin = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": 0,
             "master_admin_url": master.admin_url, "local_buffer_size": "16MB"}}))
-        engines = {name: Engine(name, _spec(model, ktc, args.max_num_seqs), env,
+        engines = {name: Engine(name, _spec(model, ktc, args.max_num_seqs, args.engine_threads),
+                                env,
                                 workdir / f"{name}.log")
-                   for name, ktc in (("none", None), ("pool", _pooled("pool")))}
+                   for name, ktc in (("none", None), ("pool", _pooled("pool", args.save_nice)))}
+        assert store.proc is not None
         try:
             for rnd in range(args.rounds + 1):
                 prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_tokens)]
                            for _ in range(args.prompts)]
                 order = ["none", "pool"] if rnd % 2 else ["pool", "none"]
                 for name in order:
+                    pid = engines[name].proc.pid
+                    assert pid is not None
+                    before, store_before = _cpu_s(pid), _cpu_s(store.proc.pid)
                     got = engines[name].timed_steps(prompts, args.max_tokens,
                                                     salt=f"{name}-{rnd}-{os.getpid()}")
                     engines[name].settle()  # the saves drained, untimed
                     if rnd:
                         steps[name].append(got)
+                        cpu[name].append(_cpu_s(pid) - before)
+                        store_cpu[name].append(_cpu_s(store.proc.pid) - store_before)
                 removed = admin.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
                 if rnd:
                     saved.append(removed.removed)
@@ -145,11 +177,12 @@ def main(argv: list[str] | None = None) -> None:
                 engine.close()
             admin.close()
             stop_fork_server()
-    _print(args, steps, saved, load_start)
+    _print(args, steps, saved, load_start, cpu, store_cpu)
 
 
 def _print(args: argparse.Namespace, steps: dict[str, list[list[Step]]], saved: list[int],
-           load_start: float) -> None:
+           load_start: float, cpu: dict[str, list[float]], store_cpu: dict[str, list[float]]
+           ) -> None:
     s = {name: _summary(v) for name, v in steps.items()}
     print(f"\nStep time while saves run: vLLM CPU, 1 engine at a time, tiny model with "
           f"Llama-3-8B's KV shape (32 x 8 x 128, bf16, 128 KiB per token), block {BLOCK}; "
@@ -169,7 +202,17 @@ def _print(args: argparse.Namespace, steps: dict[str, list[list[Step]]], saved: 
           f"{s['pool']['wall'] / s['none']['wall']:.3f}")
     print(f"values saved per round (keys: 8 head shares per chunk): "
           f"{statistics.median(saved):.0f} (min {min(saved)}, max {max(saved)}); expected "
-          f"{args.prompts * (args.prompt_tokens // BLOCK) * 8}")
+          f"{args.prompts * (args.prompt_tokens // BLOCK) * 8}; pool engine's save_nice "
+          f"{args.save_nice}; torch threads {args.engine_threads or 'one per core'}, "
+          f"{os.cpu_count()} cores")
+    none_cpu, pool_cpu = statistics.median(cpu["none"]), statistics.median(cpu["pool"])
+    extra = pool_cpu + statistics.median(store_cpu["pool"]) - none_cpu \
+        - statistics.median(store_cpu["none"])
+    print(f"CPU s per round (steps and the saves' drain, median): engine none {none_cpu:.2f} "
+          f"({none_cpu / s['none']['wall']:.2f} cores over its round), engine pool "
+          f"{pool_cpu:.2f}, store process {statistics.median(store_cpu['pool']):.2f} while "
+          f"pool ran, {statistics.median(store_cpu['none']):.2f} while none ran; the pool's "
+          f"extra CPU {extra:.2f} s = {extra / none_cpu:.0%} of the engine's own")
     print("goal (issue 38): the pool engine's step time within 5% of no connector")
 
 

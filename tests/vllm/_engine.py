@@ -216,6 +216,12 @@ def serve(conn: Connection, spec: dict[str, Any], env: dict[str, str], log: str)
 def _build(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
+    if spec.get("torch_threads"):
+        # Before vLLM's CPU worker replaces torch.set_num_threads with a no-op. The fork
+        # server's OpenMP runtime read OMP_NUM_THREADS at its import: the variable is too late.
+        import torch
+
+        torch.set_num_threads(spec["torch_threads"])
     kwargs: dict[str, Any] = {}
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
