@@ -67,27 +67,38 @@ PER_TOKEN = 32 * 2 * 8 * 128 * 2
 """KV bytes per token of the model (Llama-3-8B's: 128 KiB)."""
 
 
-def _spec(model: Path, ktc: dict[str, Any] | None, max_num_seqs: int, threads: int
-          ) -> dict[str, Any]:
+def _spec(model: Path, ktc: dict[str, Any] | None, max_num_seqs: int, threads: int,
+          mp: bool) -> dict[str, Any]:
     """``_engine``'s spec of one engine; its KV cache holds every running request;
-    ``threads``: its torch threads (0: torch's default, one per core)."""
+    ``threads``: its torch threads (0: torch's default, one per core); ``mp``: its worker in
+    a process of its own (vLLM's MP executor, which binds the worker's OpenMP threads)."""
     return {"model": str(model), "kv_transfer_config": ktc, "prefix_caching": False,
             "num_gpu_blocks": 4 * max_num_seqs * 512 // BLOCK, "dtype": "bfloat16",
-            "block_size": BLOCK, "max_num_seqs": max_num_seqs, "torch_threads": threads}
+            "block_size": BLOCK, "max_num_seqs": max_num_seqs, "torch_threads": threads,
+            "executor": "mp" if mp else None}
 
 
-def _pooled(name: str, save_nice: int) -> dict[str, Any]:
+def _pooled(name: str, save_nice: int, transfer_cpus: str) -> dict[str, Any]:
     return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             # A cold engine's first lookups on a busy host can miss the default 50 ms.
             "kv_connector_extra_config": {"backend": "mooncake", "engine_id": name,
-                                          "lookup_timeout_ms": 2000, "save_nice": save_nice}}
+                                          "lookup_timeout_ms": 2000, "save_nice": save_nice,
+                                          "transfer_cpus": transfer_cpus}}
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process ``pid`` used so far."""
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+    """CPU seconds (user + system, every thread) process ``pid`` and its live children (an MP
+    executor's workers) used so far."""
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 Step = tuple[float, int]
@@ -117,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="both engines' torch threads (default 0: one per core). Fewer than "
                          "the cores leaves cores to the pool's threads, as vLLM's CPU backend "
                          "reserves a core per rank for a KV connector")
+    ap.add_argument("--reserve-cpus", type=int, default=0, metavar="N",
+                    help="both engines' worker in its own process (vLLM's MP executor) with N "
+                         "cores kept back from its OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU)"
+                         "; default 0: the worker in the engine's process, unbound")
+    ap.add_argument("--transfer-cpus", default="auto",
+                    help="the pool engine's transfer_cpus (default auto; inherit: the "
+                         "forward pass's cores)")
     ap.add_argument("--save-nice", type=int, default=0, choices=range(20), metavar="0-19",
                     help="the pool engine's save_nice (nice levels its save threads run below "
                          "the engine; default 0)")
@@ -148,10 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         admin = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "global_segment_size": 0,
             "master_admin_url": master.admin_url, "local_buffer_size": "16MB"}}))
-        engines = {name: Engine(name, _spec(model, ktc, args.max_num_seqs, args.engine_threads),
-                                env,
-                                workdir / f"{name}.log")
-                   for name, ktc in (("none", None), ("pool", _pooled("pool", args.save_nice)))}
+        if args.reserve_cpus:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserve_cpus)
+        pooled = _pooled("pool", args.save_nice, args.transfer_cpus)
+        engines = {name: Engine(name, _spec(model, ktc, args.max_num_seqs, args.engine_threads,
+                                            args.reserve_cpus > 0), env, workdir / f"{name}.log")
+                   for name, ktc in (("none", None), ("pool", pooled))}
         assert store.proc is not None
         try:
             for rnd in range(args.rounds + 1):
@@ -203,8 +223,11 @@ def _print(args: argparse.Namespace, steps: dict[str, list[list[Step]]], saved: 
     print(f"values saved per round (keys: 8 head shares per chunk): "
           f"{statistics.median(saved):.0f} (min {min(saved)}, max {max(saved)}); expected "
           f"{args.prompts * (args.prompt_tokens // BLOCK) * 8}; pool engine's save_nice "
-          f"{args.save_nice}; torch threads {args.engine_threads or 'one per core'}, "
-          f"{os.cpu_count()} cores")
+          f"{args.save_nice}, transfer_cpus {args.transfer_cpus}; {os.cpu_count()} cores; "
+          + (f"workers in processes of their own, OpenMP bound by vLLM with "
+             f"{args.reserve_cpus} core(s) kept back" if args.reserve_cpus else
+             f"workers in the engines' processes, torch threads "
+             f"{args.engine_threads or 'one per core'}"))
     none_cpu, pool_cpu = statistics.median(cpu["none"]), statistics.median(cpu["pool"])
     extra = pool_cpu + statistics.median(store_cpu["pool"]) - none_cpu \
         - statistics.median(store_cpu["none"])

@@ -60,6 +60,7 @@ from kvpool_agent.reporter import Reporter
 from kvpool_agent.vocabulary import ErrorCode, error_name
 from kvpool_connector._checksum import CHECKSUM_BYTES, DigestSlots, digest_of
 from kvpool_connector._counters import WorkerCounters
+from kvpool_connector._cpus import pin_this_thread
 from kvpool_connector._device import DeviceSync
 from kvpool_connector._layout import KVLayout
 from kvpool_connector._planning import KeyTransfer, LoadPlan, by_layer, loaded_tokens
@@ -110,6 +111,12 @@ def _nice_this_thread(nice: int | None) -> None:
     except OSError as exc:
         logger.warning("save_nice: nice %d not applied to %s: %s", nice,
                        threading.current_thread().name, exc)
+
+
+def _start_save_thread(nice: int | None, cpus: frozenset[int] | None) -> None:
+    """A save thread's (or its copy helper's) first step: its priority and its CPUs."""
+    _nice_this_thread(nice)
+    pin_this_thread(cpus)
 
 
 def _hybrid_only(by_group: dict[int, int]) -> dict[int, int] | None:
@@ -170,13 +177,17 @@ class LoadRunner:
         chunk_size, blocks_per_chunk: the connector's chunk geometry.
         layerwise_timeout_ms: how long ``wait_for_layer`` waits for one layer (and an inline
             load whose values are all staged, ``_get_inline``).
+        cpus: the CPUs of the load thread and its copy helper (``transfer_cpus``); ``None``:
+            the engine's thread's.
     """
 
     def __init__(self, backend: Backend, reporter: Reporter, counters: WorkerCounters,
                  lock: threading.Lock, *, chunk_size: int, blocks_per_chunk: int,
-                 layerwise_timeout_ms: int) -> None:
+                 layerwise_timeout_ms: int, cpus: frozenset[int] | None = None) -> None:
         self.backend, self.reporter, self.counters = backend, reporter, counters
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+        place = functools.partial(pin_this_thread, cpus)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load",
+                                           initializer=place)
         self._lock = lock
         self._chunk_size = chunk_size
         self._blocks_per_chunk = blocks_per_chunk
@@ -194,7 +205,7 @@ class LoadRunner:
         # failed_recving; its block-level report cannot name a KV-cache group).
         self.fail_whole_requests = False
         self._failed_reqs: set[str] = set()
-        self.calls = SizedCalls.for_backend(backend)  # staging: staging.attach_staging
+        self.calls = SizedCalls.for_backend(backend, place)  # staging: staging.attach_staging
         self.lease_ttl_ms = backend.lease_ttl_ms()
 
     def settle_stale(self) -> None:
@@ -558,13 +569,15 @@ class SaveQueue:
         budget_bytes: bytes of saves in flight at most (``save_budget_bytes``).
         nice: nice levels the save thread and its copy helper run below the thread that
             builds this queue, the engine's (``save_nice``; 0: the engine's priority).
+        cpus: their CPUs (``transfer_cpus``); ``None``: the engine's thread's.
     """
 
     def __init__(self, backend: Backend, reporter: Reporter, counters: WorkerCounters,
                  lock: threading.Lock, *, blocks_per_chunk: int,
-                 budget_bytes: int = 256 << 20, nice: int = 0) -> None:
+                 budget_bytes: int = 256 << 20, nice: int = 0,
+                 cpus: frozenset[int] | None = None) -> None:
         self.backend, self.reporter, self.counters = backend, reporter, counters
-        lower = functools.partial(_nice_this_thread, _lowered_by(nice))
+        lower = functools.partial(_start_save_thread, _lowered_by(nice), cpus)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save",
                                            initializer=lower)
         self._lock = lock

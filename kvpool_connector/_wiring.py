@@ -357,12 +357,15 @@ def build_worker(vllm_config: VllmConfig, cfg: KVPoolConfig, groups: list[KVGrou
         BackendUnavailable: the backend's package or service is missing.
         ValueError: a backend setting is invalid.
     """
+    from kvpool_connector._cpus import call_pinned, transfer_cpus
     from kvpool_connector.backends import create_backend
     from kvpool_connector.worker import KVPoolWorker
 
     layout, sizes, stripe, shares = worker_layout(vllm_config, cfg.store_tp_size)
     progress.layout = layout
-    backend = create_backend(cfg.backend, cfg.extra)
+    cpus = transfer_cpus(cfg.transfer_cpus)
+    # The store client's own threads (its transport's) start in its setup: there too.
+    backend = call_pinned(cpus, lambda: create_backend(cfg.backend, cfg.extra))
     # MLA: every rank uses the tp0 keys, but each is its own agent (its real rank), and only
     # the real rank 0 serves lookups.
     tp_rank = stripe[0] if vllm_config.model_config.use_mla else layout.tp_rank
@@ -383,7 +386,7 @@ def build_worker(vllm_config: VllmConfig, cfg: KVPoolConfig, groups: list[KVGrou
         # The scheduler's LRU names chunks; TP rank 0 / PP rank 0 (where lookups are served)
         # removes every rank's keys of them.
         evicts=cfg.eviction == "connector" and cfg.should_save and tp_rank == 0
-        and layout.pp_rank == 0, **sizes,
+        and layout.pp_rank == 0, cpus=cpus, **sizes,
     )
     operations.bind(agent.reporter, worker)
     kv_events = kv_events_enabled(getattr(vllm_config, "kv_events_config", None))

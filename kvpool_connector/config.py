@@ -26,6 +26,7 @@ from kvpool_agent.vocabulary import (
     InstanceRole,
     KVRole,
 )
+from kvpool_connector._cpus import AUTO, INHERIT, parse_cpu_list
 from kvpool_connector._validation import field_problems
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
@@ -72,6 +73,7 @@ class _ExtraFields(BaseModel):
     # A string, as the config reference shows it; equal to staging.DEFAULT_STAGING_BYTES.
     staging_buffer: bool | int | float | str = "64MB"
     save_nice: int = Field(default=0, ge=0, le=19)
+    transfer_cpus: str = "auto"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
     model_fingerprint: str | None = Field(default=None, min_length=1, max_length=256)
@@ -208,6 +210,11 @@ class KVPoolConfig(BaseModel):
             take the CPU the engine leaves: its steps slow less, saves take longer, and saves
             past ``save_budget`` are skipped (counted as ``SAVE_BUDGET``): fewer chunks saved
             (``bench/bench_step_gap.py --save-nice``). 0 (default): the engine's priority.
+        transfer_cpus: the CPUs of the worker's save and load threads, their copy helpers and
+            the store client's own threads: ``auto`` (default: on vLLM's CPU backend, the
+            cores it keeps back for a KV connector instead of the forward pass's, which they
+            would otherwise inherit; elsewhere nothing changes), ``inherit``, or a Linux CPU
+            list such as ``"7,15"`` (``kvpool_connector._cpus``).
         checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
             mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
             (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.
@@ -322,6 +329,7 @@ class KVPoolConfig(BaseModel):
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
     staging_buffer_bytes: int = Field(default=DEFAULT_STAGING_BYTES, gt=0)
     save_nice: int = Field(default=0, ge=0, le=19)
+    transfer_cpus: str = "auto"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
     model_fingerprint: str | None = None
@@ -425,6 +433,13 @@ class KVPoolConfig(BaseModel):
         if values["staging_buffer_bytes"] <= 0:
             raise ValueError("kv_connector_extra_config.staging_buffer: must be more than 0 "
                              'bytes, e.g. "64MB"')
+        if fields.transfer_cpus not in (AUTO, INHERIT):
+            try:
+                parse_cpu_list(fields.transfer_cpus)
+            except ValueError as exc:
+                raise ValueError(
+                    f"kv_connector_extra_config.transfer_cpus: {exc}; use 'auto', 'inherit' or "
+                    'a CPU list like "6-7"') from None
         if fields.admission == "adaptive" and fields.admission_pool_tokens is None:
             raise ValueError(
                 "kv_connector_extra_config.admission_pool_tokens: admission 'adaptive' needs "

@@ -173,6 +173,8 @@ class KVPoolWorker:
             layers are the whole model.
         evicts: this worker removes the chunks ``KVPoolConnectorMetadata.evict`` names
             (``eviction: connector``; one worker per engine, every rank's keys).
+        cpus: the CPUs of the save and load threads and their copy helpers
+            (``_cpus.transfer_cpus``); ``None``: where they start.
 
     Attributes:
         pinned_keys: with ``evicts``, the keys a pin holds (``Pins.pinned_keys``): never
@@ -204,6 +206,7 @@ class KVPoolWorker:
         pp_partition: Sequence[int] | None = None,
         total_layers: int | None = None,
         evicts: bool = False,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk(config.block_size, config.chunk_size)
         # eviction: connector: this worker removes every rank's keys of the chunks the
@@ -251,13 +254,13 @@ class KVPoolWorker:
         self._loads = LoadRunner(
             backend, self.reporter, self.counters, self._lock, chunk_size=config.chunk_size,
             blocks_per_chunk=self.blocks_per_chunk,
-            layerwise_timeout_ms=config.layerwise_timeout_ms,
+            layerwise_timeout_ms=config.layerwise_timeout_ms, cpus=cpus,
         )
         self._saves = SaveQueue(backend, self.reporter, self.counters, self._lock,
                                 blocks_per_chunk=self.blocks_per_chunk,
                                 budget_bytes=config.save_budget_bytes,
                                 # Settings objects of older callers may not name it.
-                                nice=getattr(config, "save_nice", 0))
+                                nice=getattr(config, "save_nice", 0), cpus=cpus)
         self._loads.fail_whole_requests = self.hybrid
         self._meta: KVPoolConnectorMetadata | None = None
         self._step_saves: list[_SavePlan] | None = None

@@ -42,6 +42,7 @@ UNITS: dict[str, str] = {
     "save_budget": "bytes",
     "staging_buffer": "bytes per transfer thread",
     "save_nice": "nice levels below the engine",
+    "transfer_cpus": "CPU ids",
     "admission_pool_tokens": "tokens",
     "handover_wait_ms": "ms",
     "store_tp_size": "KV-head shares",
@@ -61,6 +62,7 @@ TYPES: dict[str, str] = {
     # Parsed by kvpool_connector.sizes.parse_size (Mooncake's grammar, K/M/G/T = 1024^n).
     "save_budget": 'size: bytes or a string like `"256MB"`',
     "staging_buffer": 'size: bytes or a string like `"64MB"`',
+    "transfer_cpus": '`auto`, `inherit` or a CPU list like `"6-7"`',
 }
 ENV_FALLBACK: dict[str, str] = {
     "agent_address": f"`${AGENT_ADDRESS_ENV}`",

@@ -223,6 +223,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
         "save_budget": "64MB",
         "staging_buffer": "32MB",
         "save_nice": 10,
+        "transfer_cpus": "6-7",
         "checksum": True,
         "instance_role": "prefill",
         "hash_algo": "xxh3_128",
@@ -245,6 +246,7 @@ def test_kvpool_connector_keys_match_the_connector() -> None:
     assert cfg.agent_keys == "/etc/kvpool/agent"
     assert cfg.save_budget_bytes == 64 << 20 and cfg.checksum is True
     assert cfg.staging_buffer_bytes == 32 << 20 and cfg.save_nice == 10
+    assert cfg.transfer_cpus == "6-7"
     assert cfg.model_fingerprint == "llama-3-8b-build-42"
     assert (cfg.instance_role, cfg.hash_algo) == ("prefill", "xxh3_128")
     assert cfg.reset_flush_scope == "engine"

@@ -226,19 +226,34 @@ def _thread_nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def test_save_nice_lowers_the_save_threads_and_no_other(client: MooncakeBackend,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_save_nice_and_transfer_cpus_place_the_transfer_threads(
+        client: MooncakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """``save_nice: 7``: the save thread (its put) and its copy helper (the staged copy) run 7
     nice levels below the engine's thread, capped at 19; the load thread and its scatter keep
-    the engine's priority; the values still arrive bit-exact."""
+    the engine's priority. ``cpus`` (``transfer_cpus``): all four run on those CPUs, the
+    engine's thread stays where it is. The values still arrive bit-exact."""
     settings = _Settings(save_nice=7)
-    src, dst, writer, reader, src_ids, dst_ids, hashes = _writer_and_reader(
-        settings, client, "nice-model", 2)
-    seen: dict[str, set[int]] = {"put": set(), "copy": set(), "get": set(), "scatter": set()}
+    allowed = frozenset(os.sched_getaffinity(0))
+    cpus = frozenset({max(allowed)})
+    bpc = settings.chunk_size // settings.block_size
+    shape = (4 * bpc + 1, 8, 16, 256)
+    src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
+           for i in range(8)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    writer = KVPoolWorker(settings, ParallelLayout(), "placed", client, Reporter(), cpus=cpus)
+    writer.register_kv_caches(src)
+    reader = KVPoolWorker(settings, ParallelLayout(), "placed", client, Reporter(), cpus=cpus)
+    reader.register_kv_caches(dst)
+    _KEEP.append((src, dst, writer, reader))
+    src_ids, dst_ids = list(range(0, 4 * bpc, 2)), list(range(1, 4 * bpc + 1, 2))
+    hashes = chunk_hashes(list(range(2 * settings.chunk_size)), settings.chunk_size,
+                          extra=uuid.uuid4().bytes)
+    seen: dict[str, set[tuple[int, frozenset[int]]]] = {
+        "put": set(), "copy": set(), "get": set(), "scatter": set()}
 
     def spy(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            seen[what].add(_thread_nice())
+            seen[what].add((_thread_nice(), frozenset(os.sched_getaffinity(0))))
             return fn(*args, **kwargs)
         return call
 
@@ -262,8 +277,9 @@ def test_save_nice_lowers_the_save_threads_and_no_other(client: MooncakeBackend,
         assert torch.equal(t[src_ids], dst[name][dst_ids]), name
     assert saves.staged_keys == loads.staged_keys == 2  # the copy helpers did run
     lowered = min(19, engine + 7)
-    assert seen == {"put": {lowered}, "copy": {lowered}, "get": {engine},
-                    "scatter": {engine}}, (engine, seen)
+    assert seen == {"put": {(lowered, cpus)}, "copy": {(lowered, cpus)},
+                    "get": {(engine, cpus)}, "scatter": {(engine, cpus)}}, (engine, seen)
+    assert frozenset(os.sched_getaffinity(0)) == allowed
     writer.shutdown()
     reader.shutdown()
 

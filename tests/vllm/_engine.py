@@ -239,6 +239,8 @@ def _build(spec: dict[str, Any]) -> Any:
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
         kwargs["distributed_executor_backend"] = "mp"
+    if spec.get("executor"):  # "mp": workers in their own processes, vLLM's CPU binding
+        kwargs["distributed_executor_backend"] = spec["executor"]
     return LLM(
         model=spec["model"], enforce_eager=True, max_model_len=512,
         block_size=spec.get("block_size", 32), dtype=spec.get("dtype", "float32"),
