@@ -213,11 +213,16 @@ def test_steered_pool_holds_what_the_policys_model_holds() -> None:
         admission="adaptive", eviction="connector"))
     assert report.errors == [] and (report.admission, report.eviction) == ("adaptive",
                                                                            "connector")
-    assert (report.load_errors, report.load_error_reasons, report.corrupt_blocks) == (0, {}, 0)
+    # A load slower than the master's 200 ms lease (a host loaded past the CI's own: 283 ms
+    # beside two CPU burners) fails as LEASE_EXPIRED and is recomputed, as it must: the bytes
+    # may have been reused mid-copy. No other failure, nothing corrupt, and loaded plus
+    # recomputed-after-a-lapse is what the model hits.
+    assert report.corrupt_blocks == 0
+    assert set(report.load_error_reasons) <= {"LEASE_EXPIRED"}, report.load_error_reasons
     items = [(r.input_length, chunk_hashes(request_tokens(r), 512))
              for r in load_trace(str(trace), limit=limit)]
     model = lru_hits(items, 512, pool_tokens, AdaptiveAdmission(pool_tokens // 512))
-    assert report.hit_tokens == model.hit_tokens
+    assert report.hit_tokens + report.load_errors * SHAPE.block_size == model.hit_tokens
     assert 0 < report.lru_hit_rate < report.hit_rate <= report.ceiling_hit_rate
     assert report.pool_evicted_keys == 0 and report.evicted_keys > 0
     assert report.pool_keys <= pool_tokens // 512
