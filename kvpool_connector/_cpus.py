@@ -11,9 +11,14 @@ executor: main thread and ``kvpool-save`` both on CPU 0, CPU 1 reserved).
 
 ``transfer_cpus: auto`` (the default) moves the transfer threads to the CPUs kept back for
 this rank: those the engine core process may use, on the NUMA nodes of this rank's OpenMP
-CPUs, that are not this rank's OpenMP CPUs. Without vLLM's binding (GPU and NPU engines, an
-engine core in one process, ``VLLM_CPU_OMP_THREADS_BIND=nobind``), or when nothing is kept
-back, nothing changes. A CPU list (``"7,15"``, ``"6-7"``) names them; ``inherit`` leaves them.
+CPUs, that are neither this rank's OpenMP CPUs nor their SMT siblings (vLLM binds one logical
+CPU per core on x86). It changes nothing on an engine whose device is not the CPU (GPU and NPU
+engines), without vLLM's binding (a worker in the engine's process,
+``VLLM_CPU_OMP_THREADS_BIND=nobind``), when nothing is kept back, and when the rank's NUMA node
+cannot be told apart from the other ranks' (more than one rank on the host and no NUMA facts,
+or ``VLLM_CPU_SIM_MULTI_NUMA``): it never takes another rank's OpenMP CPUs. A CPU list
+(``"7,15"``, ``"6-7"``) names them; ``inherit`` leaves them. The lookup server's, pins' and
+agent's threads (light) stay where they start.
 """
 
 from __future__ import annotations
@@ -39,12 +44,16 @@ _T = TypeVar("_T")
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
+MAX_CPU = 65535
+"""Highest CPU id a list may name (Linux's ``NR_CPUS`` is at most 8192 today)."""
+
 
 def parse_cpu_list(text: str) -> frozenset[int]:
     """CPUs of a Linux CPU list (``"0-3,8,10-11"``; ``{}`` and blanks around items allowed).
 
     Raises:
-        ValueError: an item is not ``N`` or ``N-M`` with ``N <= M``, or the list is empty.
+        ValueError: an item is not ``N`` or ``N-M`` with ``N <= M <= MAX_CPU``, or the list
+            is empty.
     """
     cpus: set[int] = set()
     for item in text.strip().strip("{}").replace(" ", ",").split(","):
@@ -52,10 +61,12 @@ def parse_cpu_list(text: str) -> frozenset[int]:
             continue
         m = _RANGE.match(item)
         if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
-            raise ValueError(f"{item!r} is not a CPU or a range like 6-7")
+            raise ValueError(f"{item[:20]!r} is not a CPU or a range like 6-7")
+        if int(m[2] or m[1]) > MAX_CPU:
+            raise ValueError(f"{item[:20]!r} names a CPU above {MAX_CPU}")
         cpus.update(range(int(m[1]), int(m[2] or m[1]) + 1))
     if not cpus:
-        raise ValueError(f"{text!r} names no CPU; use e.g. \"7\" or \"6-7\"")
+        raise ValueError(f"{text[:20]!r} names no CPU")
     return frozenset(cpus)
 
 
@@ -85,20 +96,34 @@ def _numa_nodes() -> list[frozenset[int]]:
     return nodes
 
 
-def _reserved(omp: frozenset[int], allowed: frozenset[int],
-              nodes: list[frozenset[int]]) -> frozenset[int]:
+def _siblings(cpus: frozenset[int]) -> frozenset[int]:
+    """``cpus`` and their SMT siblings (``/sys/devices/system/cpu/cpuN/topology``)."""
+    out = set(cpus)
+    for c in cpus:
+        path = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        try:
+            out |= parse_cpu_list(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return frozenset(out)
+
+
+def _reserved(omp: frozenset[int], allowed: frozenset[int], nodes: list[frozenset[int]],
+              busy: frozenset[int]) -> frozenset[int]:
     """The CPUs kept back for this rank: ``allowed`` on the NUMA nodes of ``omp`` (all of
-    ``allowed`` when no node is known), minus ``omp``."""
+    ``allowed`` when no node is known), minus ``busy`` (``omp`` and their SMT siblings)."""
     local = [n for n in nodes if n & omp]
     near = frozenset().union(*local) if local else allowed
-    return (allowed & near) - omp
+    return (allowed & near) - omp - busy
 
 
-def transfer_cpus(setting: str) -> frozenset[int] | None:
+def transfer_cpus(setting: str, *, cpu_engine: bool = True, local_ranks: int = 1
+                  ) -> frozenset[int] | None:
     """The CPUs for this worker's transfer threads, ``None`` to leave them where they start.
 
-    ``setting`` is ``transfer_cpus`` (validated by ``KVPoolConfig``). A named CPU this
-    process may not use is dropped (logged); none left means ``None``.
+    ``setting`` is ``transfer_cpus`` (validated by ``KVPoolConfig``); ``cpu_engine``: vLLM's
+    device is the CPU (``auto`` acts only then); ``local_ranks``: the engine's workers on this
+    host. A named CPU this process may not use is dropped (logged); none left means ``None``.
     """
     if setting == INHERIT or sys.platform != "linux":
         return None
@@ -110,9 +135,14 @@ def transfer_cpus(setting: str) -> frozenset[int] | None:
                            setting, sorted(wanted - usable), sorted(usable) or "the inherited")
         return usable or None
     omp = _omp_cpus(dict(os.environ))
-    if omp is None:
+    if omp is None or not cpu_engine:
         return None
-    cpus = _reserved(omp, _parent_cpus() | frozenset(os.sched_getaffinity(0)), _numa_nodes())
+    nodes = _numa_nodes()
+    if local_ranks > 1 and (len(nodes) < 2 or os.environ.get("VLLM_CPU_SIM_MULTI_NUMA",
+                                                              "0") != "0"):
+        return None  # other ranks' OpenMP CPUs cannot be told from the kept-back ones
+    cpus = _reserved(omp, _parent_cpus() | frozenset(os.sched_getaffinity(0)), nodes,
+                     _siblings(omp))
     cpus -= _other_ranks_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", AUTO))
     if cpus:
         logger.info("transfer threads on CPUs %s (vLLM's OpenMP threads of this rank: %s)",

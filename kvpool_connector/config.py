@@ -15,7 +15,14 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
 
 from kvpool_agent.vocabulary import (
     AGENT_ADDRESS_ENV,
@@ -72,7 +79,7 @@ class _ExtraFields(BaseModel):
     save_budget: bool | int | float | str = "256MB"
     # A string, as the config reference shows it; equal to staging.DEFAULT_STAGING_BYTES.
     staging_buffer: bool | int | float | str = "64MB"
-    save_nice: int = Field(default=0, ge=0, le=19)
+    save_nice: int = Field(default=0, ge=0, le=19, strict=True)
     transfer_cpus: str = "auto"
     checksum: bool = False
     hash_algo: HashAlgo = "sha256"
@@ -87,6 +94,12 @@ class _ExtraFields(BaseModel):
     store_tp_size: int | None = Field(default=None, gt=0)
     store_pp_layer_partition: tuple[PositiveInt, ...] | None = Field(default=None, min_length=1)
     pin_share: float = Field(default=DEFAULT_PIN_SHARE, gt=0, le=1)
+
+    @field_validator("transfer_cpus", mode="before")
+    @classmethod
+    def _one_cpu(cls, value: object) -> object:
+        """A bare CPU number (``7``) is the list ``"7"``; a bool stays refused."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 
@@ -212,9 +225,11 @@ class KVPoolConfig(BaseModel):
             (``bench/bench_step_gap.py --save-nice``). 0 (default): the engine's priority.
         transfer_cpus: the CPUs of the worker's save and load threads, their copy helpers and
             the store client's own threads: ``auto`` (default: on vLLM's CPU backend, the
-            cores it keeps back for a KV connector instead of the forward pass's, which they
-            would otherwise inherit; elsewhere nothing changes), ``inherit``, or a Linux CPU
-            list such as ``"7,15"`` (``kvpool_connector._cpus``).
+            cores it keeps back from the rank's OpenMP threads, instead of the forward pass's
+            cores, which they would otherwise inherit; never another rank's cores or an SMT
+            sibling of the forward pass's; on GPU and NPU engines nothing changes),
+            ``inherit``, or a Linux CPU list such as ``"7,15"`` (a bare number is one CPU;
+            ``kvpool_connector._cpus``).
         checksum: each value carries an XXH3-64 digest of its bytes, verified on load; a
             mismatch is a load error (recomputed) named ``CHECKSUM_MISMATCH``. Off by default
             (cost: ``bench/bench_datapath.py``); needs KV caches in host memory.

@@ -20,12 +20,12 @@ def _parse(extra: dict[str, object]) -> KVPoolConfig:
 def test_connector_takes_0_to_19_and_defaults_to_0() -> None:
     assert _parse({}).save_nice == 0
     assert _parse({"save_nice": 19}).save_nice == 19
-    for bad in (20, -1, "low"):
+    for bad in (20, -1, "low", True, "5", 5.0):
         with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.save_nice"):
             _parse({"save_nice": bad})
 
 
-@pytest.mark.parametrize("value", [20, -1, "low"])
+@pytest.mark.parametrize("value", [20, -1, "low", True])
 def test_validate_refuses_what_the_connector_refuses(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object) -> None:
     f = tmp_path / "kv_transfer_config.json"

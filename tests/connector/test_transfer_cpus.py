@@ -36,7 +36,7 @@ def test_cpu_lists_as_linux_writes_them(text: str, cpus: set[int]) -> None:
     assert parse_cpu_list(text) == cpus
 
 
-@pytest.mark.parametrize("text", ["", "x", "3-1", "1-", "-1", "1.5"])
+@pytest.mark.parametrize("text", ["", "x", "3-1", "1-", "-1", "1.5", ",", "0-99999999999"])
 def test_a_bad_cpu_list_is_refused(text: str) -> None:
     with pytest.raises(ValueError):
         parse_cpu_list(text)
@@ -56,12 +56,19 @@ def test_the_ranks_openmp_cpus_from_vllms_environment(env: dict[str, str],
 def test_the_kept_back_cpus_are_on_the_ranks_numa_node_and_not_its_own() -> None:
     nodes = [frozenset(range(0, 8)), frozenset(range(8, 16))]
     allowed = frozenset(range(16))
+    none: frozenset[int] = frozenset()
     # vLLM's auto binding: rank 1 on node 1, its last core kept back.
-    assert _cpus._reserved(frozenset(range(8, 15)), allowed, nodes) == {15}
+    assert _cpus._reserved(frozenset(range(8, 15)), allowed, nodes, none) == {15}
     # Nothing kept back: nothing to move to.
-    assert _cpus._reserved(frozenset(range(8)), allowed, nodes) == frozenset()
+    assert _cpus._reserved(frozenset(range(8)), allowed, nodes, none) == frozenset()
     # No NUMA facts: every allowed CPU not OpenMP's.
-    assert _cpus._reserved(frozenset({0}), frozenset({0, 1}), []) == {1}
+    assert _cpus._reserved(frozenset({0}), frozenset({0, 1}), [], none) == {1}
+    # SMT: vLLM binds one logical CPU per core (x86); the siblings of those cores (0-3 of
+    # 8-11 here) are not kept back, only the kept-back cores and their siblings are.
+    smt = [frozenset(range(0, 4)) | frozenset(range(8, 12))]
+    omp = frozenset({8, 9})
+    busy = omp | {0, 1}
+    assert _cpus._reserved(omp, frozenset(range(12)), smt, busy) == {2, 3, 10, 11}
     # By hand, one list per rank: no rank's cores are taken.
     assert _cpus._other_ranks_cpus("0|1") == {0, 1}
     assert _cpus._other_ranks_cpus("0-3|4-7") == frozenset(range(8))
@@ -86,7 +93,16 @@ def test_auto_takes_the_cpus_vllm_kept_back(unbound: None,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     first, *rest = sorted(ALL)
     monkeypatch.setenv("OMP_PLACES", f"{{{first}}}")
-    assert transfer_cpus("auto") == frozenset(rest)
+    assert transfer_cpus("auto") == frozenset(rest) - _cpus._siblings(frozenset({first}))
+    # Not a CPU engine (an operator's own OpenMP variables on a GPU host): nothing moves.
+    assert transfer_cpus("auto", cpu_engine=False) is None
+    # Several ranks and the rank's node not told apart (one NUMA node here, or vLLM's
+    # simulated nodes): the other ranks' OpenMP CPUs could be taken, so nothing moves.
+    if len(_cpus._numa_nodes()) < 2:
+        assert transfer_cpus("auto", local_ranks=2) is None
+    monkeypatch.setenv("VLLM_CPU_SIM_MULTI_NUMA", "1")
+    assert transfer_cpus("auto", local_ranks=2) is None
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA")
     # Every core given to a rank by hand: none is kept back.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(ALL)))
     assert transfer_cpus("auto") is None
@@ -125,16 +141,22 @@ def test_pinning_to_nothing_leaves_the_thread() -> None:
 
 
 @pytest.mark.parametrize(("value", "ok"), [
-    ("auto", True), ("inherit", True), ("6-7", True), ("7,15", True),
-    ("fast", False), ("7-6", False), ("", False),
+    ("auto", True), ("inherit", True), ("6-7", True), ("7,15", True), (7, True),
+    ("fast", False), ("7-6", False), ("", False), (",", False), ("0-99999999999", False),
 ])
-def test_the_connector_refuses_a_bad_setting_in_one_line(value: str, ok: bool) -> None:
+def test_the_connector_refuses_a_bad_setting_in_one_line(value: object, ok: bool) -> None:
     def parse() -> KVPoolConfig:
         return KVPoolConfig.from_dicts({"transfer_cpus": value}, kv_role="kv_both",
                                        block_size=16, model="m")
     if ok:
-        assert parse().transfer_cpus == value
+        assert parse().transfer_cpus == str(value)
         return
     with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.transfer_cpus: .*"
                                          r"'auto', 'inherit' or a CPU list"):
         parse()
+
+
+def test_a_bool_is_no_cpu() -> None:
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.transfer_cpus: "):
+        KVPoolConfig.from_dicts({"transfer_cpus": True}, kv_role="kv_both", block_size=16,
+                                model="m")
