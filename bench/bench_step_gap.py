@@ -22,11 +22,15 @@ median, p90, mean over all counted rounds; the pool engine also has idle steps w
 lookups run, vLLM's "ask later"), the round's wall time (all steps: median, min-max), the
 ratio pool / none of each, the values saved per round, each engine's CPU seconds per round
 (its process, steps and the saves' drain) and the store process's while it ran, so the pool's
-extra CPU shows next to the engine's own, and the load average. ``--save-nice N`` runs the pool
-engine's save threads N nice levels below it (``save_nice``). Timing is for an idle machine:
+extra CPU shows next to the engine's own, and the load average. ``--reserve-cpus N`` puts
+each engine's worker in a process of its own (vLLM's MP executor, which binds its OpenMP threads
+and keeps N cores back, ``VLLM_CPU_NUM_OF_RESERVED_CPU``); ``--transfer-cpus`` is then the pool
+engine's ``transfer_cpus``. Without it the workers run unbound in the engines' processes
+(``--engine-threads N``: their torch threads). ``--save-nice N`` runs the pool engine's save
+threads N nice levels below it (``save_nice``). Timing is for an idle machine:
 
     .venv/bin/python bench/bench_step_gap.py [--rounds 11] [--prompts 8] [--prompt-tokens 448]
-        [--save-nice 19]
+        [--reserve-cpus 1 [--transfer-cpus inherit]] [--engine-threads 1] [--save-nice 19]
 
 ``--rounds 1`` for a smoke run.
 """
@@ -52,6 +56,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ["PATH"] = os.path.join(sys.prefix, "bin") + os.pathsep + os.environ.get("PATH", "")
 
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import ALL_KEYS_PATTERN
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore, build_tiny_model
 from kvpool_replay._forkserver import stop_fork_server
@@ -118,7 +123,7 @@ def _summary(rounds: list[list[Step]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run both engines' rounds and print the comparison."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--rounds", type=int, default=11, help="counted rounds (one warm-up more)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per round")
     ap.add_argument("--prompt-tokens", type=int, default=448, help="tokens per prompt (< 500)")
@@ -141,9 +146,23 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.prompt_tokens + args.max_tokens > 512:
         ap.error("--prompt-tokens + --max-tokens must fit the engines' 512 positions")
+    if not 0 <= args.reserve_cpus < (os.cpu_count() or 1):
+        ap.error(f"--reserve-cpus {args.reserve_cpus}: keep at least one of the "
+                 f"{os.cpu_count()} cores for the forward pass, e.g. 1")
+    try:  # the connector's own check, before minutes of engine start
+        KVPoolConfig.from_dicts({"transfer_cpus": args.transfer_cpus}, kv_role="kv_both",
+                                block_size=BLOCK, model="m")
+    except ValueError as exc:
+        ap.error(f"--transfer-cpus: {exc}")
+    if args.transfer_cpus != "auto" and not args.reserve_cpus:
+        ap.error("--transfer-cpus acts on vLLM's CPU binding: add --reserve-cpus 1")
     load_start = os.getloadavg()[0]
+    if load_start > 1.0:
+        print(f"warning: load average {load_start:.2f} at start: the timings are for an idle "
+              "machine", file=sys.stderr)
     model = build_tiny_model(REPO / ".cache" / "tiny-llama3-8b-kv", shape="llama3-8b-kv")
-    workdir = Path(tempfile.mkdtemp(prefix="kvpool-step-gap-"))
+    tmp = tempfile.TemporaryDirectory(prefix="kvpool-step-gap-")
+    workdir = Path(tmp.name)
     per_round = args.prompts * args.prompt_tokens * PER_TOKEN
     rng = random.Random(38)
     steps: dict[str, list[list[Step]]] = {"none": [], "pool": []}
@@ -197,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine.close()
             admin.close()
             stop_fork_server()
+            tmp.cleanup()
     _print(args, steps, saved, load_start, cpu, store_cpu)
 
 
@@ -207,7 +227,7 @@ def _print(args: argparse.Namespace, steps: dict[str, list[list[Step]]], saved: 
     print(f"\nStep time while saves run: vLLM CPU, 1 engine at a time, tiny model with "
           f"Llama-3-8B's KV shape (32 x 8 x 128, bf16, 128 KiB per token), block {BLOCK}; "
           f"{args.prompts} prompts of {args.prompt_tokens} tokens + {args.max_tokens} decoded "
-          f"per round, batch {args.max_num_seqs}, {args.rounds} rounds; pool: a separate "
+          f"per round, batch {args.max_num_seqs}, {args.rounds} round(s); pool: a separate "
           f"mooncake_client over TCP on 127.0.0.1; load average {load_start:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at the end\n")
     print(f"{'engine':<8}{'fwd steps':>10}{'idle':>6}{'median ms':>11}{'p90 ms':>9}"
@@ -220,12 +240,13 @@ def _print(args: argparse.Namespace, steps: dict[str, list[list[Step]]], saved: 
           f"p90 {s['pool']['p90'] / s['none']['p90']:.3f}, mean "
           f"{s['pool']['mean'] / s['none']['mean']:.3f}; round (all steps) "
           f"{s['pool']['wall'] / s['none']['wall']:.3f}")
-    print(f"values saved per round (keys: 8 head shares per chunk): "
+    print(f"values saved per round (8 per chunk: one per KV head): "
           f"{statistics.median(saved):.0f} (min {min(saved)}, max {max(saved)}); expected "
           f"{args.prompts * (args.prompt_tokens // BLOCK) * 8}; pool engine's save_nice "
-          f"{args.save_nice}, transfer_cpus {args.transfer_cpus}; {os.cpu_count()} cores; "
+          f"{args.save_nice}; {os.cpu_count()} cores; "
           + (f"workers in processes of their own, OpenMP bound by vLLM with "
-             f"{args.reserve_cpus} core(s) kept back" if args.reserve_cpus else
+             f"{args.reserve_cpus} core(s) kept back (VLLM_CPU_NUM_OF_RESERVED_CPU), the pool "
+             f"engine's transfer_cpus {args.transfer_cpus}" if args.reserve_cpus else
              f"workers in the engines' processes, torch threads "
              f"{args.engine_threads or 'one per core'}"))
     none_cpu, pool_cpu = statistics.median(cpu["none"]), statistics.median(cpu["pool"])
@@ -236,7 +257,9 @@ def _print(args: argparse.Namespace, steps: dict[str, list[list[Step]]], saved: 
           f"{pool_cpu:.2f}, store process {statistics.median(store_cpu['pool']):.2f} while "
           f"pool ran, {statistics.median(store_cpu['none']):.2f} while none ran; the pool's "
           f"extra CPU {extra:.2f} s = {extra / none_cpu:.0%} of the engine's own")
-    print("goal (issue 38): the pool engine's step time within 5% of no connector")
+    ratio = s["pool"]["wall"] / s["none"]["wall"]
+    print(f"goal (issue 38): the pool engine's step time within 5% of no connector: "
+          f"{'met' if ratio <= 1.05 else 'not met'} (a round {ratio:.3f}x)")
 
 
 if __name__ == "__main__":
