@@ -178,7 +178,8 @@ class PoolListings:
                     last = self._listed.get((key, src.master))
                     if last is not None and now - last < LISTING_INTERVAL_S:
                         wait = LISTING_INTERVAL_S - (now - last)
-                        plan.busy = (f"hub busy: this key had pool {src.master[:80]!r} listed "
+                        pool = f"{src.backend}@{src.master}"[:90]
+                        plan.busy = (f"hub busy: this key had pool {pool!r} listed "
                                      f"{now - last:.1f} s ago (one listing per pool every "
                                      f"{LISTING_INTERVAL_S:g} s per read-only key); retry in "
                                      f"{wait:.1f} s")

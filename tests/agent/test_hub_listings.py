@@ -119,6 +119,8 @@ def test_a_viewer_changing_the_model_each_time_gets_one_listing_per_interval(
     busy = [a for a in answers if [r.agent_id for r in a] == ["hub"]]
     assert len(busy) == 30 - listed
     assert all(a[0].error is not None and "one listing per pool" in a[0].error for a in busy)
+    # The pool by the name the console shows it by (``pool_readings.pool_name``).
+    assert all("pool 'mooncake@" in (a[0].error or "") for a in busy), busy[0][0].error
 
 
 def test_a_real_flush_makes_the_next_dry_run_list_again(
