@@ -131,8 +131,8 @@ class SizedCalls:
         limits: the transport's (``Backend.transport_limits``).
         staging: the buffer of this thread (one per transfer thread: calls of one
             ``SizedCalls`` never overlap); ``None``: zero-copy only.
-        thread_init: run first on the helper thread that copies (the save thread's
-            priority: ``_transfers.SaveQueue``); ``None``: nothing.
+        thread_init: run first on the helper thread that copies (its transfer thread's
+            priority and CPUs: ``_transfers``); ``None``: nothing.
 
     ``staged_bytes``/``staged_keys``/``calls`` count what went through (for benchmarks and
     tests).
