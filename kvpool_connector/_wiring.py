@@ -363,10 +363,12 @@ def build_worker(vllm_config: VllmConfig, cfg: KVPoolConfig, groups: list[KVGrou
 
     layout, sizes, stripe, shares = worker_layout(vllm_config, cfg.store_tp_size)
     progress.layout = layout
-    par = vllm_config.parallel_config
-    cpus = transfer_cpus(cfg.transfer_cpus,
-                         cpu_engine=vllm_config.device_config.device_type == "cpu",
-                         local_ranks=getattr(par, "local_world_size", par.world_size))
+    # Read with getattr: kvpool-replay's simulated engines pass a config without them (no
+    # vLLM binding there: nothing moves).
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    par = getattr(vllm_config, "parallel_config", None)
+    ranks: int = getattr(par, "local_world_size", 0) or getattr(par, "world_size", 1)
+    cpus = transfer_cpus(cfg.transfer_cpus, cpu_engine=device == "cpu", local_ranks=ranks)
     # The store client's own threads (its transport's) start in its setup: there too.
     backend = call_pinned(cpus, lambda: create_backend(cfg.backend, cfg.extra))
     # MLA: every rank uses the tp0 keys, but each is its own agent (its real rank), and only
