@@ -29,6 +29,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -114,7 +115,7 @@ def _reserved(omp: frozenset[int], allowed: frozenset[int], nodes: list[frozense
     ``allowed`` when no node is known), minus ``busy`` (``omp`` and their SMT siblings)."""
     local = [n for n in nodes if n & omp]
     near = frozenset().union(*local) if local else allowed
-    return (allowed & near) - omp - busy
+    return (allowed & near) - (omp | busy)
 
 
 def transfer_cpus(setting: str, *, cpu_engine: bool = True, local_ranks: int = 1
@@ -192,19 +193,6 @@ def call_pinned(cpus: frozenset[int] | None, fn: Callable[[], _T]) -> _T:
     Raises what ``fn`` raises."""
     if cpus is None:
         return fn()
-    out: list[_T] = []
-    err: list[BaseException] = []
-
-    def run() -> None:
-        pin_this_thread(cpus)
-        try:
-            out.append(fn())
-        except BaseException as exc:  # re-raised on the caller's thread
-            err.append(exc)
-
-    t = threading.Thread(target=run, name="kvpool-backend-setup")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
-    return out[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="kvpool-backend-setup",
+                            initializer=pin_this_thread, initargs=(cpus,)) as one:
+        return one.submit(fn).result()
