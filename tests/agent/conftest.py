@@ -7,8 +7,10 @@ started without explicit keys authenticate as a configured fleet's would."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -52,8 +54,27 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 @pytest.fixture
-def hub_address() -> str:
-    return f"tcp://127.0.0.1:{free_port_block()}"
+def hub_address() -> Iterator[str]:
+    """A hub address whose five ports (``free_port_block``) stay held for the whole test.
+
+    Each port has a socket bound with ``SO_REUSEADDR`` and never listening: a connection to
+    it is refused as if nobody were there, a hub binds it (libzmq sets ``SO_REUSEADDR`` too)
+    whenever the test starts one, and another test worker's ``free_port_block`` probe finds
+    it taken. Without the hold, a test that starts its hub late (or restarts it) left the
+    ports free for 30 s, and a CI run lost a test to another worker's hub bound there."""
+    for _ in range(20):
+        port = free_port_block()
+        with contextlib.ExitStack() as held:
+            try:
+                for p in range(port, port + 5):
+                    s = held.enter_context(socket.socket())
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("127.0.0.1", p))
+            except OSError:  # taken since the probe: draw again
+                continue
+            yield f"tcp://127.0.0.1:{port}"
+            return
+    raise RuntimeError("no hub ports could be held in 20 draws")
 
 
 @pytest.fixture
