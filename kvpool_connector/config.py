@@ -214,8 +214,9 @@ class KVPoolConfig(BaseModel):
             request's blocks wait for its saves.
         staging_buffer_bytes: bytes of each of the worker's two staging buffers (save and load
             thread; extra config key ``staging_buffer``, a size like ``"64MB"``): values of
-            fragmented KV (mean range under 256 KiB, e.g. 16-token blocks) are copied there and
-            moved as one range, as Mooncake's TCP transport needs (``kvpool_connector.staging``).
+            fragmented KV (mean range under 256 KiB, e.g. 16-token blocks, or more ranges than
+            one call carries) are copied there and moved as one range, as Mooncake's TCP
+            transport needs (``kvpool_connector.staging``).
             Raised to one value (a chunk of every layer) when smaller; host caches only.
         save_nice: nice levels (0-19) the save thread and its copy helper run below the
             engine's threads (Linux keeps a nice value per thread). Where the engine's forward

@@ -13,7 +13,19 @@ of Mooncake's transfer engine. Measured here with mooncake-transfer-engine 0.3.1
 * slices of 16-64 KiB move at 0.2-0.5 GB/s, slices of 256 KiB and more (and contiguous values)
   at 0.6-1.8 GB/s on the same machine, while a host memory copy runs at several GB/s: a value
   whose mean slice is below ``TCP_LIMITS.stage_below`` is copied into a registered staging
-  buffer and moved as one contiguous range (copy-then-put; get-then-scatter on loads).
+  buffer and moved as one contiguous range (copy-then-put; get-then-scatter on loads);
+* a value of more slices than ``max_slices`` is staged whatever their size: it would go alone
+  in one call over the cap (Llama-3-70B at block 128 in 4,096-token chunks: one key of 2,560
+  slices of 512 KiB failed with -800 zero-copy).
+
+The threshold also keeps the engine's waits bounded, which zero-copy cannot: a staged save
+frees its blocks once copied, a staged inline load waits ``layerwise_timeout_ms`` at most (its
+late bytes land in the buffer, never in a block), while a zero-copy call reads or writes the
+blocks until it returns (up to the store client's transfer timeout). Zero-copy was faster for
+values of at most ``max_slices`` slices of 64 KiB and more (issue 38, ``docs/benchmarks.md``:
+0.77-0.89x raw contiguous against 0.73-0.79x staged at Llama-3-8B's 64 KiB slices, 0.90-1.01x
+against 0.70-0.76x at MLA's 144 KiB); the threshold stays at 256 KiB, as lowering it gives up
+the bound for those shapes (16-token blocks of every real model, MLA at 128).
 
 RDMA and Ascend (HCCS/RoCE) transports post one work request per slice with their own queue
 depths; they are not measured here, so they keep the same per-call slice cap (a bound that is
@@ -71,7 +83,8 @@ class TransportLimits:
         name: the transport (``tcp``, ``rdma``, ``ascend``, ``none``).
         max_slices: address ranges per call, all keys together (a key is never split: a key
             of more ranges goes alone, staged when it can be).
-        stage_below: a value whose mean range is smaller than this (bytes) is staged; 0 never.
+        stage_below: a value whose mean range is smaller than this (bytes) is staged, and one
+            of more than ``max_slices`` ranges whatever their size; 0 never.
     """
 
     name: str
@@ -170,7 +183,13 @@ class SizedCalls:
         if self.staging is None or len(addrs) < 2:
             return False
         total = sum(sizes)
-        return total <= self.staging.nbytes and total < self.limits.stage_below * len(addrs)
+        if total > self.staging.nbytes:
+            return False
+        # A value of more ranges than a call may carry would go alone over the cap (Llama-3-70B
+        # at block 16: 2,560 ranges per 512-token chunk, -800 after 60 s zero-copy): staged
+        # whatever its ranges' size, when the transport has a staging threshold at all.
+        too_many = self.limits.stage_below > 0 and len(addrs) > self.limits.max_slices
+        return too_many or total < self.limits.stage_below * len(addrs)
 
     def stages_all(self, addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
                    ) -> bool:

@@ -8,6 +8,7 @@ The batch is the one Mooncake's TCP lane refuses when sent as one call: 3,072 sl
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import threading
@@ -102,6 +103,25 @@ def test_fragmented_batch_moves_in_sized_calls(
     assert torch.equal(dst.view(view)[:, 0], src.view(view)[:, 0])
     assert not dst.view(view)[:, 1].any()  # the gaps between slices were never written
     client.batch_remove(keys)
+
+
+def test_a_value_of_more_ranges_than_a_call_carries_is_staged_whatever_their_size() -> None:
+    """Llama-3-70B at block 16: 2,560 ranges of 64 KiB per 512-token chunk. Zero-copy, the
+    key goes alone in one call over the TCP lane's queue and fails with -800 after 60 s; staged,
+    it is one range. Ranges at or above ``stage_below`` move zero-copy up to ``max_slices``."""
+    big = TCP_LIMITS.stage_below  # the mean range that alone never stages
+    n = TCP_LIMITS.max_slices
+    buf = StagingBuffer((n + 1) * big, lambda addr, size: None)  # mmap: untouched, not resident
+    calls = SizedCalls(lambda *a: [], lambda *a: [], TCP_LIMITS, buf)
+    for count, staged in ((n, False), (n + 1, True)):
+        addrs, sizes = [[1 << 40] * count], [[big] * count]
+        assert calls.stages_all(addrs, sizes) is staged, count
+    # One range less than a whole small value: staged by its mean range, as before.
+    assert calls.stages_all([[1, 2]], [[big - 1, big - 1]])
+    # No staging threshold (RDMA, Ascend): never staged, however many ranges.
+    rdma = SizedCalls(lambda *a: [], lambda *a: [], dataclasses.replace(TCP_LIMITS,
+                      stage_below=0), buf)
+    assert not rdma.stages_all([[1 << 40] * (n + 1)], [[big] * (n + 1)])
 
 
 def test_staged_calls_overlap_copies_and_never_overwrite_a_call_in_flight(
