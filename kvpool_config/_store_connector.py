@@ -6,7 +6,9 @@ for every store connector it meets."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from kvpool_config import rules as R
@@ -216,13 +218,23 @@ def _check_kvpool_connector(
 
 
 def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:
-    """Where this engine's deployment turns an SSD tier on: its inline ``mooncake`` section's
-    ``enable_ssd_offload``, or a non-empty ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` in its
-    env.json (its own section, ``motor_common_env``, or the store's
-    ``motor_kv_cache_store_env``); ``None``."""
+    """Where this engine's deployment turns an SSD tier on: its Mooncake client config's
+    ``enable_ssd_offload`` (the inline ``mooncake`` section, else the JSON file
+    ``mooncake_config_path`` or env.json's ``MOONCAKE_CONFIG_PATH`` names, as the connector
+    reads them; a file not readable here says nothing), or a non-empty
+    ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` in its env.json (its own section,
+    ``motor_common_env``, or the store's ``motor_kv_cache_store_env``); ``None``."""
     inline = extra.get("mooncake")
-    if isinstance(inline, dict) and inline.get("enable_ssd_offload") is True:
-        return "kv_connector_extra_config.mooncake.enable_ssd_offload"
+    if isinstance(inline, dict):
+        if inline.get("enable_ssd_offload") is True:
+            return "kv_connector_extra_config.mooncake.enable_ssd_offload"
+    else:
+        named = extra.get("mooncake_config_path")
+        if not named:
+            found_path = ctx.env_lookup("MOONCAKE_CONFIG_PATH")
+            named = found_path[0] if found_path is not None else None
+        if isinstance(named, str) and named and _ssd_offload_in(named):
+            return f"{named}: enable_ssd_offload"
     found = ctx.env_lookup(R.OFFLOAD_PATH_ENV)
     if found is not None and found[0]:
         return found[1]
@@ -230,6 +242,16 @@ def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:
     if isinstance(store, dict) and store.get(R.OFFLOAD_PATH_ENV):
         return f"env.json {json_path('motor_kv_cache_store_env', R.OFFLOAD_PATH_ENV)}"
     return None
+
+
+def _ssd_offload_in(path: str) -> bool:
+    """The Mooncake client JSON at ``path`` sets ``enable_ssd_offload`` true (False when it
+    cannot be read or is not a JSON object)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("enable_ssd_offload") is True
 
 
 def _check_pp_partition(

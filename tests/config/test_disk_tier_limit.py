@@ -174,3 +174,37 @@ def test_the_policy_service_beside_an_ssd_tier_is_warned_about(
         assert got[0]["severity"] == "warning"
         assert "kv_connector_extra_config.mooncake.enable_ssd_offload" in got[0]["message"]
     assert not [f for f in findings if f["severity"] == "error"], findings
+
+
+@pytest.mark.parametrize("named_by", ["extra", "env.json"])
+@pytest.mark.parametrize("ssd", [True, False])
+def test_the_policy_service_beside_a_tier_in_the_mooncake_json_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], named_by: str, ssd: bool) -> None:
+    """The connector reads its Mooncake client config from the JSON file
+    ``mooncake_config_path`` (or ``MOONCAKE_CONFIG_PATH``) names when there is no inline
+    section: a tier turned on there is the same tier."""
+    mooncake_json = tmp_path / "mooncake.json"
+    mooncake_json.write_text(json.dumps({
+        "master_server_address": "10.0.0.5:50051", "enable_ssd_offload": ssd,
+        "ssd_offload_path": "/nvme/mooncake_offload"}))
+    extra = {k: v for k, v in _SERVICE.items() if k != "mooncake"}
+    args = []
+    if named_by == "extra":
+        extra["mooncake_config_path"] = str(mooncake_json)
+    else:
+        env_file = tmp_path / "env.json"
+        env_file.write_text(json.dumps({"motor_common_env": {
+            "MOONCAKE_CONFIG_PATH": str(mooncake_json)}}))
+        args = ["--env", str(env_file)]
+    ktc = tmp_path / "kv_transfer_config.json"
+    ktc.write_text(json.dumps({
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra}))
+    main(["validate", "--json", str(ktc), *args])
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    got = [f["message"] for f in findings if f["rule"] == "policy-disk-tier"]
+    if ssd:
+        assert len(got) == 1 and f"({mooncake_json}: enable_ssd_offload)" in got[0], findings
+    else:
+        assert got == [], findings
