@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpool_connector._events import ChunkWritten, KVPoolKVEvents, PoolFlushed
+from kvpool_connector._logs import follow_vllm_logging
 from kvpool_connector._policy_link import scheduler_client, worker_handshake
 from kvpool_connector._stats import KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool_connector._wiring import (
@@ -102,6 +103,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        follow_vllm_logging()
         self._sched_side: SchedulerSide | None = None
         self._policy: PolicyClient | None = None
         self._worker_side: WorkerSide | None = None
