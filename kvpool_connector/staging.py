@@ -186,7 +186,7 @@ class SizedCalls:
         if total > self.staging.nbytes:
             return False
         # A value of more ranges than a call may carry would go alone over the cap (Llama-3-70B
-        # at block 16: 2,560 ranges per 512-token chunk, -800 after 60 s zero-copy): staged
+        # at block 128 in 4,096-token chunks: 2,560 ranges of 512 KiB, -800 zero-copy): staged
         # whatever its ranges' size, when the transport has a staging threshold at all.
         too_many = self.limits.stage_below > 0 and len(addrs) > self.limits.max_slices
         return too_many or total < self.limits.stage_below * len(addrs)
