@@ -24,6 +24,8 @@ ticker_stop() {
     fi
 }
 trap ticker_stop EXIT
+# Ctrl-C stops pip too; say so instead of reporting its exit as a failed install.
+trap 'printf "\nsetup interrupted: run it again to go on (pip resumes from its cache)\n" >&2; exit 130' INT
 
 # Every Mooncake binary links libibverbs, even over TCP. Mooncake's HA masters elect their
 # leader in etcd (Debian's etcd-server; kvpool starts its own on free ports and never uses the

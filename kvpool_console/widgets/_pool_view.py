@@ -73,7 +73,8 @@ class PoolView(TabPane):
         self.query_one(ReusePanel).show(view.reuse, view.engines)
         t = view.totals
         summary = Text(
-            f"{len(view.pools)} pools, {fmt_bytes(t.segment_used_bytes)} of "
+            f"{len(view.pools)} pool{'' if len(view.pools) == 1 else 's'}, "
+            f"{fmt_bytes(t.segment_used_bytes)} of "
             f"{fmt_bytes(t.segment_total_bytes)} used; load {fmt_bytes(t.load_bytes_per_s)}/s "
             f"save {fmt_bytes(t.save_bytes_per_s)}/s")
         if view.hub_counters:

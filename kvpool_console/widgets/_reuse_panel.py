@@ -42,9 +42,10 @@ def _model(t: Text, m: ModelReuse, rows: list[EngineRow]) -> None:
     ceiling = m.ceiling_tokens / m.prompt_tokens if m.prompt_tokens else 0.0
     hit = _hit_rate(rows, m.model)
     t.append_text(plain(m.model, style="bold"))
-    t.append(f": hit {hit:.1%}" if hit is not None else ": hit -")
-    t.append(f" of ceiling {ceiling:.1%}", style="bold")
-    t.append(f" ({m.prompt_tokens:,} tokens in the window)\n")
+    # Two spans (module docstring): said on the line, or a hit above its ceiling reads wrong.
+    t.append(f": hit {hit:.1%} since start" if hit is not None else ": hit -")
+    t.append(f", ceiling {ceiling:.1%}", style="bold")
+    t.append(f" over the window ({m.prompt_tokens:,} tokens)\n")
     if not m.whatif:
         t.append(f"  {summary(m)}\n", style="dim")
         return
