@@ -46,6 +46,7 @@ from kvpool_replay._processes import (
     reaping,
     stop_process_tree,
     tail_file,
+    tcp_open,
     wait_until,
 )
 
@@ -287,8 +288,11 @@ class LocalMooncakeMaster(LocalService):
                                          start_new_session=True)
         self._log = log
         proc = self.proc
+        # Its RPC port too: /health answered while the RPC port did not yet accept, and a
+        # client made at once was refused (seen on a loaded machine).
         if wait_until(lambda: alive("mooncake_master", proc, self.log_path)
-                      and http_ok(f"{self.admin_url}/health"), timeout_s):
+                      and http_ok(f"{self.admin_url}/health")
+                      and tcp_open("127.0.0.1", self.rpc_port), timeout_s):
             return self
         self.stop()
         raise RuntimeError(
