@@ -289,10 +289,12 @@ class LocalMooncakeMaster(LocalService):
         self._log = log
         proc = self.proc
         # Its RPC port too: /health answered while the RPC port did not yet accept, and a
-        # client made at once was refused (seen on a loaded machine).
+        # client made at once was refused (seen on a loaded machine). Not an HA master's: a
+        # standby serves no RPC until it leads.
+        ha = "--enable_ha=true" in self.extra_args
         if wait_until(lambda: alive("mooncake_master", proc, self.log_path)
                       and http_ok(f"{self.admin_url}/health")
-                      and tcp_open("127.0.0.1", self.rpc_port), timeout_s):
+                      and (ha or tcp_open("127.0.0.1", self.rpc_port)), timeout_s):
             return self
         self.stop()
         raise RuntimeError(

@@ -44,8 +44,8 @@ def _model(t: Text, m: ModelReuse, rows: list[EngineRow]) -> None:
     t.append_text(plain(m.model, style="bold"))
     # Two spans (module docstring): said on the line, or a hit above its ceiling reads wrong.
     t.append(f": hit {hit:.1%} since start" if hit is not None else ": hit -")
-    t.append(f", ceiling {ceiling:.1%}", style="bold")
-    t.append(f" over the window ({m.prompt_tokens:,} tokens)\n")
+    t.append(f", window ceiling {ceiling:.1%}", style="bold")
+    t.append(f" ({m.prompt_tokens:,} tokens)\n")
     if not m.whatif:
         t.append(f"  {summary(m)}\n", style="dim")
         return

@@ -38,8 +38,7 @@ def test_reuse_panel_says_hit_rate_ceiling_and_what_2x_buys() -> None:
     view = build_view(sample_fleet(misses=True), {}, NOW_MS, reuse=sample_reuse())
     text = render_reuse(view.reuse, view.engines).plain
     # tiny-llama's engines: 99,000 loaded of 178,000 looked up; ceiling 121,040 of 178,000.
-    assert ("tiny-llama: hit 55.6% since start, ceiling 68.0% over the window "
-            "(178,000 tokens)") in text
+    assert "tiny-llama: hit 55.6% since start, window ceiling 68.0% (178,000 tokens)" in text
     assert "2x the pool: +11.0 points; MIN at this size: 55.0% (LRU 45.0%)" in text
     # One bar line per capacity, LRU then MIN.
     lines = [ln.split() for ln in text.splitlines() if ln.strip().endswith("%")
