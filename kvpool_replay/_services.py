@@ -215,8 +215,9 @@ class LocalMooncakeMaster(LocalService):
 
     Raises:
         FileNotFoundError: ``mooncake_master`` is not on PATH (install the ``mooncake`` extra).
-        RuntimeError: the master exited or did not answer ``/health`` within ``timeout_s``;
-            the message carries the tail of its log.
+        RuntimeError: the master exited or did not answer ``/health`` (and, unless it is an
+            HA master, accept on its RPC port) within ``timeout_s``; the message carries the
+            tail of its log.
     """
 
     def __init__(
