@@ -1,6 +1,7 @@
 """The short soak (``bench/soak.py --until-covered``): engines replaying on a small HA pool while
 engines are SIGKILLed and restarted, the leader master is SIGKILLed and the store agent restarts,
-ending as soon as each of these happened once (3 minutes at most, not a fixed time).
+ending as soon as each of these happened once (6 minutes at most, not a fixed time; a loaded CI
+run had not seen every event in 3).
 Nothing loaded is corrupt, every finished run ends without error, the failover keeps the keys,
 the hub's, store agent's and console's memory stay flat, no request of a finished run took
 longer than the lookup budget allows, and once the engines stopped the pool settles: keys and
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_short_soak_loads_nothing_wrong() -> None:
     proc = subprocess.run(
-        [sys.executable, "bench/soak.py", "--minutes", "3", "--until-covered", "--engines", "3",
+        [sys.executable, "bench/soak.py", "--minutes", "6", "--until-covered", "--engines", "3",
          "--seed", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
