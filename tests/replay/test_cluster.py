@@ -35,8 +35,11 @@ def _descendants(pids: list[int]) -> set[int]:
 
 
 def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
+    # Requests enough that no engine's replay ends (and its agents disconnect) before the
+    # checks below, on a loaded host too (a CI rehearsal's health command timed out at 150);
+    # the cluster stops them mid-replay, as `make demo`'s q does.
     cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=3,
-                          speedup=8.0, limit=150, pool_tokens=600_000)
+                          speedup=8.0, limit=600, pool_tokens=600_000)
     with cluster:
         started = [p.pid for p in cluster.processes.values()]
         assert cluster.master is not None and cluster.master.proc is not None
