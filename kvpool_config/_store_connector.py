@@ -6,13 +6,12 @@ for every store connector it meets."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 from kvpool_config import rules as R
 from kvpool_config._context import Context, Instance, as_int, get_arg
+from kvpool_config._loader import ConfigLoadError, load_json
 from kvpool_config._model import (
     ASCEND_STORE_EXTRA_KEYS,
     KVPOOL_BACKEND_KEYS,
@@ -246,10 +245,11 @@ def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:
 
 def _ssd_offload_in(path: str) -> bool:
     """The Mooncake client JSON at ``path`` sets ``enable_ssd_offload`` true (False when it
-    cannot be read or is not a JSON object)."""
+    cannot be read or is not a JSON object). Read with ``load_json``'s bounds: a path from
+    the config may name a device or a huge file."""
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        doc = load_json(path)
+    except ConfigLoadError:
         return False
     return isinstance(doc, dict) and doc.get("enable_ssd_offload") is True
 

@@ -208,3 +208,19 @@ def test_the_policy_service_beside_a_tier_in_the_mooncake_json_file(
         assert len(got) == 1 and f"({mooncake_json}: enable_ssd_offload)" in got[0], findings
     else:
         assert got == [], findings
+
+
+def test_a_mooncake_config_path_naming_a_device_is_not_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mooncake_config_path: /dev/zero`` (a device, endless): validate returns at once with
+    no policy-disk-tier finding instead of reading for ever."""
+    extra = {k: v for k, v in _SERVICE.items() if k != "mooncake"}
+    extra["mooncake_config_path"] = "/dev/zero"
+    ktc = tmp_path / "kv_transfer_config.json"
+    ktc.write_text(json.dumps({
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra}))
+    main(["validate", "--json", str(ktc)])
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert [f for f in findings if f["rule"] == "policy-disk-tier"] == [], findings
