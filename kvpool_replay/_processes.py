@@ -32,7 +32,6 @@ __all__ = [
     "spawn",
     "stop_process_tree",
     "tail_file",
-    "tcp_open",
     "use_local_pool_env",
     "wait_until",
 ]
@@ -75,16 +74,6 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
     try:
         return httpx.get(url, timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
-        return False
-
-
-def tcp_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """Something accepts TCP connections at ``host:port`` now (the connection is closed at
-    once)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
         return False
 
 

@@ -37,6 +37,7 @@ import psutil
 from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_config.rules import file_per_key_bound, filesystem_space
+from kvpool_connector.backends.mooncake_address import parse_master_address, reachable_problem
 from kvpool_replay._processes import (
     MC_BIND_ENV,
     alive,
@@ -46,7 +47,6 @@ from kvpool_replay._processes import (
     reaping,
     stop_process_tree,
     tail_file,
-    tcp_open,
     wait_until,
 )
 
@@ -289,13 +289,14 @@ class LocalMooncakeMaster(LocalService):
                                          start_new_session=True)
         self._log = log
         proc = self.proc
-        # Its RPC port too: /health answered while the RPC port did not yet accept, and a
-        # client made at once was refused (seen on a loaded machine). Not an HA master's: a
-        # standby serves no RPC until it leads.
+        # Its RPC port too, as a client checks it (MooncakeBackend): /health answered while
+        # the RPC port did not yet accept, and a client made at once was refused (seen on a
+        # loaded machine). Not an HA master's: a standby serves no RPC until it leads.
         ha = "--enable_ha=true" in self.extra_args
         if wait_until(lambda: alive("mooncake_master", proc, self.log_path)
                       and http_ok(f"{self.admin_url}/health")
-                      and (ha or tcp_open("127.0.0.1", self.rpc_port)), timeout_s):
+                      and (ha or reachable_problem(parse_master_address(self.address), 1.0)
+                           is None), timeout_s):
             return self
         self.stop()
         raise RuntimeError(
