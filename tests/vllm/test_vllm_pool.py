@@ -112,6 +112,10 @@ def test_engine_b_loads_prefix_saved_by_engine_a(
     # The pool holds every whole chunk of P, Q and R (A saved them under the layout digest
     # its worker reported), found via the master.
     digest = worker_state(hub, "saver").source.layout_digest
+    # The connector's INFO lines reach the engine's log in vLLM's format (kvpool_connector
+    # ._logs): vLLM configures only its own logger, and they were dropped before.
+    log = (engines.workdir / "saver.log").read_text(errors="replace")
+    assert any(" INFO " in ln and f"layout digest {digest}" in ln for ln in log.splitlines())
     for key in _keys(tiny_model, digest, P + Q + R, BLOCK):
         assert pool.store.is_exist(key) == 1, key
 
