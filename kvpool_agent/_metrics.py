@@ -149,8 +149,8 @@ class FleetCollector(Collector):
         reuse_ceilings: the hub's last live reuse ceilings (``ReuseService.ceilings``: model
             -> ``Ceiling``, the fleet's under ``""``); ``None``: none exported.
         miss_split: per engine id, its ``not_in_pool`` tokens split by the hub's saved-chunk
-            memory (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
-            ``other_digest``), applied to ``kvpool_miss_tokens_total`` with
+            memory (``ReuseService.not_in_pool``: ``evicted``, ``other_digest``,
+            ``never_saved``, ``first_use``), applied to ``kvpool_miss_tokens_total`` with
             ``_misses.split_not_in_pool``; ``None``: ``not_in_pool`` is exported unsplit.
         hub_labelled: the hub's counters by label (``HubCounters.by_label``: family ->
             (label, value -> count)), exported as ``kvpool_<family>_total{label}``; ``None``:

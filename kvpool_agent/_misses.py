@@ -12,7 +12,7 @@ each). Every prompt token is then exactly one of: local, found, or a miss:
 * a lookup made: ``tail`` (past the last whole chunk it may claim: the last token is never
   claimed, a partial chunk is never stored), ``not_in_pool`` (whole chunks the pool did not hold),
   or ``unattributed`` when the caller gave no chunks. The hub splits ``not_in_pool`` into
-  ``never_saved``, ``evicted`` and ``other_digest`` with its saved-chunk memory
+  ``evicted``, ``other_digest``, ``never_saved`` and ``first_use`` with its saved-chunk memory
   (``kvpool_agent._saved_chunks``); ``split_not_in_pool`` applies that split to the agent's
   counts, keeping their sum.
 
@@ -95,10 +95,10 @@ class MissCounter:
 def split_not_in_pool(miss_tokens: Mapping[str, int],
                       split: Mapping[str, int] | None) -> dict[str, int]:
     """``miss_tokens`` (an agent's, by reason) with its ``not_in_pool`` tokens split as the
-    hub's ``split`` says (``ReuseService.not_in_pool``: ``never_saved``, ``evicted``,
-    ``other_digest`` tokens of the same agent's lookups); the tokens the hub could not split
-    (lookups it never received, an engine whose digest it did not know yet) stay
-    ``not_in_pool``. The sum is kept: were the hub's counts above the agent's (a scheduler
+    hub's ``split`` says (``ReuseService.not_in_pool``: ``evicted``, ``other_digest``,
+    ``never_saved``, ``first_use`` tokens of the same agent's lookups); the tokens the hub
+    could not split (lookups it never received, an engine whose digest it did not know yet)
+    stay ``not_in_pool``. The sum is kept: were the hub's counts above the agent's (a scheduler
     report still in flight), they are scaled down to the agent's ``not_in_pool``."""
     out = dict(miss_tokens)
     total = out.pop(NOT_IN_POOL, 0)

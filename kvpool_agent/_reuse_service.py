@@ -20,8 +20,9 @@ share a key (MLA ``kv_share``: fewer keys per chunk than workers).
 The ``not_in_pool`` split (``split``): workers' ``Report.saves`` feed the saved-chunk
 memory (``kvpool_agent._saved_chunks``, its error stated there); each scheduler lookup's chunks
 past ``Access.served`` are looked up in it under the engine's layout digest (learnt from its
-workers' reports) and their tokens counted per engine as ``never_saved``, ``evicted`` or
-``other_digest`` since that scheduler agent started (a new ``started_ms`` restarts its counts,
+workers' reports) and their tokens counted per engine as ``evicted``, ``other_digest``,
+``never_saved`` or ``first_use`` since that scheduler agent started; then all of the lookup's
+chunks are remembered as asked for (a new ``started_ms`` restarts its counts,
 as the agent's own counters restart). Lookups of an engine whose digest no worker reported yet,
 cut past ``MAX_ACCESS_CHUNKS`` or dropped before the hub stay ``not_in_pool``
 (``kvpool_agent._misses.split_not_in_pool``). Cost on the socket thread: O(chunks not in
@@ -162,6 +163,8 @@ class ReuseService:
                                       a.ts_ms or report_ms)
             for why, tokens in zip(whys, spans, strict=True):
                 counts[why] = counts.get(why, 0) + tokens
+            # After judging: a lookup's own ask never makes its chunks "asked before".
+            self.saved.add_asked(model, digest, a.chunks, a.ts_ms or report_ms)
         _touch(self._split, engine, (started_ms, counts))
 
     def not_in_pool(self) -> dict[str, dict[str, int]]:

@@ -128,8 +128,8 @@ FACTS: tuple[Fact, ...] = (
          "Prompt tokens neither cached locally nor loaded from the pool (computed by vLLM).",
          "hub", "prompt_tokens - local_tokens - loaded_tokens", _HS),
     Fact("miss_tokens", "counter", "tokens",
-         "Prompt tokens not served from the pool, by reason (tail; never_saved, evicted, "
-         "other_digest, or not_in_pool where the hub could not tell; lookup_error, "
+         "Prompt tokens not served from the pool, by reason (tail; evicted, other_digest, "
+         "never_saved, first_use, or not_in_pool where the hub could not tell; lookup_error, "
          "load_failed, not_loaded, a skip reason): prompt = local + loaded + misses.", "agent",
          "LookupStats.miss_tokens, not_in_pool split by the hub's saved-chunk memory", _HS),
     Fact("saves_scheduled_chunks", "counter", "chunks", "Chunks scheduled for saving.",

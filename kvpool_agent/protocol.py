@@ -394,7 +394,8 @@ class TransferStats(msgspec.Struct, gc=False, kw_only=True):
     """``saved_bytes`` by KV-cache group, as ``loaded_bytes_by_group``."""
     saves_unreported: Count = 0
     """Saved chunks whose ids (``Report.saves``) were dropped for the report budget: the
-    hub's saved-chunk memory never heard of them (their misses read as ``never_saved``)."""
+    hub's saved-chunk memory never heard of them (their misses read as ``never_saved`` or
+    ``first_use``)."""
     # Saves in flight as of the state's ts_ms (issue 38 item 4: a store or transport that
     # does not answer shows here before any save fails). None: not told (older agents).
     oldest_save_age_ms: Ms | None = None
@@ -737,7 +738,8 @@ class ReuseView(msgspec.Struct, gc=False, kw_only=True):
         msgspec.field(default_factory=dict)
     """Per engine id: its scheduler's ``not_in_pool`` miss tokens (since that agent started)
     the hub split by its saved-chunk memory (``kvpool_agent._saved_chunks``) into
-    ``never_saved``, ``evicted`` and ``other_digest``; at most ``MAX_SPLIT_ENGINES`` engines
+    ``evicted``, ``other_digest``, ``never_saved`` and ``first_use`` (hubs before it: no
+    ``first_use``, its tokens in ``never_saved``); at most ``MAX_SPLIT_ENGINES`` engines
     (the most split tokens). Empty from hubs before this field."""
 
 

@@ -5,8 +5,10 @@ table: what the detail screen's miss table, the fleet's top reason and ``status 
 Two reasons have more than one cause, told apart by the engine's own facts: ``evicted`` is the
 master's watermark eviction when the engine's pool evicted keys (``PoolStats.evicted_keys``,
 counted by the master since it started: a flush or an unpin is not counted there), else a
-removal (flush, unpin); ``never_saved`` is a skipped save when the engine's workers skipped
-saves (``TransferStats.saves_skipped``: a save budget, the save breaker), else first use.
+removal (flush, unpin); ``never_saved`` (asked for before, never saved) is a skipped save when
+the engine's workers skipped saves (``TransferStats.saves_skipped``: a save budget, the save
+breaker), else the admission's refusal, a failed save or one still in flight. ``first_use``
+(nothing asked for the chunk before) has no fix: a compulsory miss.
 A pool that both evicted and was flushed reads as evicted at its watermark.
 """
 
@@ -15,7 +17,8 @@ from __future__ import annotations
 __all__ = ["FIXES", "miss_fix"]
 
 FIXES: dict[str, str] = {
-    "never_saved": "first use, or saves skipped: see save errors, save budget",
+    "never_saved": "asked before, not saved: admission, save errors or budget",
+    "first_use": "first request of this prefix: no pool serves it",
     "evicted": "saved, then gone (watermark, flush, unpin): see whatif 2x",
     "other_digest": "another layout digest saved it: align model, dtype, layout",
     "not_in_pool": "not split: see triage docs (old hub, engine digest unknown)",

@@ -200,8 +200,8 @@ def status_document(view: FleetView) -> dict[str, Any]:
     engine_id, state (OK/WARNING/CRITICAL/STALE/DOWN/FAILED), role, kv_role, backend, hit_rate,
     prompt_tokens, loaded_tokens, loads_in_flight, loads_failed, segment_used_bytes,
     segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
-    local_hit_rate, recomputed_tokens, miss_tokens (by reason, not_in_pool split
-    by the hub into never_saved, evicted and other_digest), top_miss, top_miss_fix (its fix
+    local_hit_rate, recomputed_tokens, miss_tokens (by reason, not_in_pool split by the hub
+    into evicted, other_digest, never_saved and first_use), top_miss, top_miss_fix (its fix
     for this engine), pool_evicted_keys, saves_skipped, versions, layout (its ``fingerprint``:
     the weights' identity), adapters (LoRA name -> content identity, ``lora:<hex>``) and, for
     an engine with ``admission: service``, who steers its saves (``policy``,

@@ -341,8 +341,8 @@ def build_view(
             ``None``: every engine. The console asks only for the engines it shows expanded:
             2,304 agent rows a refresh cost more than the engine rows they would feed.
         reuse: the hub's reuse figures (``FleetClient.reuse``): each engine's ``not_in_pool``
-            miss tokens are split as its ``not_in_pool`` says (``never_saved``, ``evicted``,
-            ``other_digest``; ``kvpool_agent._misses.split_not_in_pool``).
+            miss tokens are split as its ``not_in_pool`` says (``evicted``, ``other_digest``,
+            ``never_saved``, ``first_use``; ``kvpool_agent._misses.split_not_in_pool``).
 
     Returns:
         A FleetView with engines sorted by engine id.

@@ -141,7 +141,7 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     """The reason holding the most miss tokens (``""``: none)."""
     top_miss_fix: str = ""
     """``top_miss``'s fix for this engine (``_miss_fixes.miss_fix``: ``evicted`` by the
-    watermark or by a removal, ``never_saved`` by skipped saves or first use)."""
+    watermark or by a removal, ``never_saved`` by skipped saves or the rest)."""
     pool_evicted_keys: int = 0
     """Keys the engine's pool evicted at its watermark since its master started
     (``PoolStats.evicted_keys``; 0 without pool stats)."""

@@ -14,13 +14,15 @@ is named, with its fix):
    client/master mismatch once served a silent 0%);
 3. saves were skipped (``TransferStats.saves_skipped``: a save budget, a breaker);
 4. the top miss reason (``LookupStats.miss_tokens``, ``not_in_pool`` split by the hub's
-   ``ReuseView.not_in_pool``) is a skip rule (media, breaker...), failed loads or
+   ``ReuseView.not_in_pool``; ``first_use`` and ``tail`` left out: the ceiling does not count
+   them either) is a skip rule (media, breaker...), failed loads or
    ``other_digest`` (another layout saved the chunks: an engine gone or restarted on another
    layout still holds them);
 5. the pool evicted and its what-if LRU at 1x stays below 90% of the ceiling (or no what-if
    yet): too small;
 6. the top miss reason is ``evicted`` (saved, then removed: flushes, unpins);
-7. otherwise the missing chunks were never in the pool (saves not made or not reaching it).
+7. otherwise the missing chunks were never in the pool (saves not made or not reaching it;
+   ``never_saved`` on top: asked for before, so the admission's refusals count here).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ SILENT_SHARE = 0.5
 SILENT_MIN_TOKENS = 50_000
 """Looked-up tokens of the model in the hub's window before the rule judges (a few requests
 say nothing)."""
+
+_UNAVOIDABLE = frozenset({"first_use", "tail"})
+"""Miss reasons no pool serves (compulsory misses, partial chunks): never the cause named."""
 
 _MISS_FIXES = {
     "load_failed": "loads fail after the lookup found the chunks: see failed_after_hit "
@@ -78,7 +83,8 @@ def _cause(m: ModelReuse, engines: list[EngineState],
     for s in engines:
         for reason, n in split_not_in_pool(s.lookup.miss_tokens,
                                            split.get(s.source.engine_id)).items():
-            misses[reason] = misses.get(reason, 0) + n
+            if reason not in _UNAVOIDABLE:
+                misses[reason] = misses.get(reason, 0) + n
     top = max(sorted(misses.items()), key=lambda kv: kv[1], default=("", 0))[0]
     if top in _MISS_FIXES:
         return f"most misses are {top}", _MISS_FIXES[top]
@@ -100,7 +106,7 @@ def _cause(m: ModelReuse, engines: list[EngineState],
                 "look for flushes and unpins (events log, audit file); kvpool-console whatif")
     return ("the missing chunks were never in the pool",
             "check that engines save (kv_role kv_producer/kv_both, saves_finished) to the "
-            "pool their lookups read")
+            "pool their lookups read, and the admission (admission: all saves every chunk)")
 
 
 def silent_miss_alerts(reuse: ReuseView | None, states: Mapping[str, EngineState],

@@ -115,7 +115,7 @@ def test_hub_split_keeps_every_token(lookups: list[tuple[int, int, int, bool]],
     lk = st_.lookup
     split = svc.not_in_pool().get("e", {})
     assert sum(split.values()) == lk.miss_tokens.get("not_in_pool", 0)
-    assert set(split) <= {"evicted", "never_saved"}
+    assert set(split) <= {"evicted", "never_saved", "first_use"}
     merged = split_not_in_pool(lk.miss_tokens, split)
     assert "not_in_pool" not in merged
     assert lk.prompt_tokens == lk.local_tokens + lk.loaded_tokens + sum(merged.values())
@@ -129,8 +129,9 @@ def _report(src: object, *, started_ms: float = 0.0, ts_ms: float = 10_000.0,
 
 def test_service_split_by_hand() -> None:
     """Per engine: chunks past ``served`` by the memory's reason, in tokens (a partial last
-    chunk counts its tokens); an engine whose digest no worker reported is not split; a
-    scheduler restart restarts its counts."""
+    chunk counts its tokens); a chunk an earlier lookup asked for and no one saved is
+    ``never_saved``, one never asked for ``first_use``; an engine whose digest no worker
+    reported is not split; a scheduler restart restarts its counts."""
     svc = ReuseService()
     a_w = make_source("a", model="m", layout_digest="a" * 12)
     b_w = make_source("b", model="m", layout_digest="b" * 12)
@@ -139,15 +140,27 @@ def test_service_split_by_hand() -> None:
     # Prompt of 70 tokens, chunk 16, 4 chunks asked about (64 tokens), 16 held locally.
     look = Access(tokens=70, chunk_size=16, chunks=[1, 3, 4, 2], ts_ms=20_000.0, served=16)
     svc.split(_report(make_source("a", role="scheduler", model="m"), accesses=[look]))
-    assert svc.not_in_pool() == {"a": {"other_digest": 16, "never_saved": 16, "evicted": 16}}
-    # A lookup before the saves' report (10 s) finds none of them saved.
+    assert svc.not_in_pool() == {"a": {"other_digest": 16, "first_use": 16, "evicted": 16}}
+    # A lookup before the saves' report (10 s) and the first lookup (20 s) finds none of them
+    # saved nor asked for.
     early = Access(tokens=70, chunk_size=16, chunks=[1, 3], ts_ms=9_000.0, served=0)
     svc.split(_report(make_source("a", role="scheduler", model="m"), accesses=[early]))
-    assert svc.not_in_pool()["a"] == {"other_digest": 16, "never_saved": 48, "evicted": 16}
+    assert svc.not_in_pool()["a"] == {"other_digest": 16, "first_use": 48, "evicted": 16}
+    # Chunk 4 was asked for at 20 s and never saved: at 30 s it is never_saved, and so is
+    # chunk 1 for another engine of the layout (asked at 9 s: the earliest ask is kept);
+    # chunk 5, asked by nobody, is a first use.
+    again = Access(tokens=48, chunk_size=16, chunks=[4, 5], ts_ms=30_000.0, served=0)
+    svc.split(_report(make_source("a", role="scheduler", model="m"), accesses=[again]))
+    assert svc.not_in_pool()["a"] == {"other_digest": 16, "first_use": 64, "evicted": 16,
+                                      "never_saved": 16}
+    svc.split(_report(make_source("a2", model="m", layout_digest="a" * 12)))
+    svc.split(_report(make_source("a2", role="scheduler", model="m"), accesses=[
+        Access(tokens=16, chunk_size=16, chunks=[1], ts_ms=9_500.0, served=0)]))
+    assert svc.not_in_pool()["a2"] == {"never_saved": 16}
     # Unknown engine digest: nothing split.
     svc.split(_report(make_source("c", role="scheduler", model="m"), accesses=[look]))
     assert "c" not in svc.not_in_pool()
     # The scheduler restarted: its agent's counters and the split start again.
     svc.split(_report(make_source("a", role="scheduler", model="m"), started_ms=5.0,
                       accesses=[Access(tokens=40, chunk_size=16, chunks=[2, 9], served=0)]))
-    assert svc.not_in_pool()["a"] == {"evicted": 16, "never_saved": 16}
+    assert svc.not_in_pool()["a"] == {"evicted": 16, "first_use": 16}

@@ -3,9 +3,10 @@ process over TCP, real connector workers saving through it and a real ``KVPoolSc
 up through a ``LookupServer``, their agents reporting to a real hub over CURVE. Injected faults
 land under the right reason of the hub's saved-chunk memory: chunks removed between their save
 and the lookup (a flush) are ``evicted``, chunks another layout digest of the model saved are
-``other_digest``, chunks whose save a tiny save budget skipped and chunks nobody saved are
-``never_saved``; ``status --json`` and the hub's ``/metrics`` show the split and still add up
-to the prompt tokens."""
+``other_digest``, chunks an earlier lookup asked for that nobody saved (a tiny save budget
+skipped the save) are ``never_saved``, chunks nobody asked for before ``first_use``;
+``status --json`` and the hub's ``/metrics`` show the split and still add up to the prompt
+tokens."""
 
 from __future__ import annotations
 
@@ -179,16 +180,19 @@ def test_injected_faults_land_under_their_reason(
                 model, d, chunk_id(h), time.time() * 1e3) == EVICTED)
         # The fault: a flush between the save and the lookup removes the first prompt's keys.
         assert store_client.batch_remove(keys) == [0] * len(keys)
-        prompts = (flushed, other, fresh, kept, budget_ok, budget_skipped)
+        # `fresh` twice: its first lookup is the first use, the second asks for chunks an
+        # earlier lookup asked for and nobody saved.
+        prompts = (flushed, other, fresh, kept, budget_ok, budget_skipped, fresh)
         assert [a.lookup(f"r{i}", p) for i, p in enumerate(prompts)] == [
-            0, 0, 0, CLAIMABLE, CLAIMABLE, 0]
-        want = {"evicted": CLAIMABLE, "other_digest": CLAIMABLE, "never_saved": 2 * CLAIMABLE}
+            0, 0, 0, CLAIMABLE, CLAIMABLE, 0, 0]
+        want = {"evicted": CLAIMABLE, "other_digest": CLAIMABLE, "first_use": 2 * CLAIMABLE,
+                "never_saved": CLAIMABLE}
         wait_until(lambda: split_hub.reuse.not_in_pool().get("eng-a") == want)
         sched_id = "eng-a/scheduler"
         wait_until(lambda: split_hub.fleet()[sched_id][0].lookup.lookups == len(prompts))
         lk = split_hub.fleet()[sched_id][0].lookup
         tail = len(prompts) * (PROMPT - CLAIMABLE)
-        assert lk.miss_tokens == {"not_in_pool": 4 * CLAIMABLE, "tail": tail,
+        assert lk.miss_tokens == {"not_in_pool": 5 * CLAIMABLE, "tail": tail,
                                   "not_loaded": 2 * CLAIMABLE}
         merged = split_not_in_pool(lk.miss_tokens, want)
         assert lk.prompt_tokens == len(prompts) * PROMPT == (
@@ -267,8 +271,10 @@ def test_each_fault_is_the_top_reason_with_its_fix(
         # Namespaces split: the other layout saved what `split` looks up.
         split_prompts = [_prompt(100 + i) for i in range(2)]
         other.save(*split_prompts)
-        # A save budget of one byte: the second request of the step is skipped.
+        # A save budget of one byte: the second request of the step is skipped. Its prompt was
+        # looked up once before (a first use), and twice after the skipped save.
         budget_prompts = [_prompt(200), _prompt(201)]
+        assert budget.lookup("budget-first", budget_prompts[1]) == 0
         budget.save(*budget_prompts)
         assert budget.worker.counters.save_skipped_keys == CLAIMABLE // BLOCK
         # A flush during traffic: saved, then removed before the lookup.
@@ -293,7 +299,8 @@ def test_each_fault_is_the_top_reason_with_its_fix(
         assert gone, "the master evicted no whole prompt"
         for i, p in enumerate(split_prompts):
             assert split.lookup(f"split-{i}", p) == 0
-        assert budget.lookup("budget-0", budget_prompts[1]) == 0
+        for i in range(2):
+            assert budget.lookup(f"budget-{i}", budget_prompts[1]) == 0
         for i, p in enumerate(flush_prompts):
             assert flush.lookup(f"flush-{i}", p) == 0
         for i, p in enumerate(gone):
@@ -317,6 +324,7 @@ def test_each_fault_is_the_top_reason_with_its_fix(
             # reason after one and counted half the tokens).
             return all(seen[e]["top_miss"] == r for e, r in want.items() if e in seen) \
                 and want.keys() <= seen.keys() and seen["small"]["pool_evicted_keys"] > 0 \
+                and seen["budget"]["miss_tokens"].get("never_saved") == 2 * CLAIMABLE \
                 and seen["split"]["miss_tokens"] == {"other_digest": 2 * CLAIMABLE,
                                                      "tail": 2 * tail}
         wait_until(named, timeout_s=10)
@@ -334,13 +342,15 @@ def test_each_fault_is_the_top_reason_with_its_fix(
         }
         # The tokens behind each: the fault's chunks, the rest the prompts' tails.
         assert seen["split"]["miss_tokens"] == {"other_digest": 2 * CLAIMABLE, "tail": 2 * tail}
-        assert seen["budget"]["miss_tokens"] == {"never_saved": CLAIMABLE, "tail": tail}
+        assert seen["budget"]["miss_tokens"] == {"first_use": CLAIMABLE,
+                                                 "never_saved": 2 * CLAIMABLE, "tail": 3 * tail}
         assert seen["flush"]["miss_tokens"] == {"evicted": 2 * CLAIMABLE, "tail": 2 * tail}
-        # A put the full pool refused (Mooncake: "insufficient space"; the chunk never saved)
-        # reads never_saved: at most the small engine's skipped and failed saves; every other
-        # chunk of the prompts the watermark took reads evicted.
+        # A put the full pool refused (Mooncake: "insufficient space"; the chunk never saved,
+        # never asked for before) reads first_use: at most the small engine's skipped and
+        # failed saves; every other chunk of the prompts the watermark took reads evicted.
         small_miss = seen["small"]["miss_tokens"]
-        never = small_miss.pop("never_saved", 0)
+        assert "never_saved" not in small_miss
+        never = small_miss.pop("first_use", 0)
         c = small.worker.counters
         assert never <= (c.save_skipped_keys + c.save_failed_keys) * BLOCK
         assert small_miss == {"evicted": len(gone) * CLAIMABLE - never,

@@ -1,5 +1,6 @@
 """The hub's saved-chunk memory (``kvpool_agent._saved_chunks``): a not-in-pool chunk is
-evicted, saved under another digest or never saved, and the memory's stated error holds."""
+evicted, saved under another digest, asked for before and never saved, or a first use, and the
+memory's stated error holds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from kvpool_agent._saved_chunks import (
     EVICTED,
+    FIRST_USE,
     MAX_LAYOUTS,
     NEVER_SAVED,
     OTHER_DIGEST,
@@ -29,18 +31,30 @@ def test_reasons_by_hand() -> None:
     assert m.reason("llama", B, 11, ts_ms=20_000.0) == OTHER_DIGEST
     assert m.reason("llama", A, 13, ts_ms=20_000.0) == OTHER_DIGEST
     # Another model's save of the same chunk hash is not this model's.
-    assert m.reason("llama", A, 14, ts_ms=20_000.0) == NEVER_SAVED
-    assert m.reason("llama", A, 99, ts_ms=20_000.0) == NEVER_SAVED
+    assert m.reason("llama", A, 14, ts_ms=20_000.0) == FIRST_USE
+    assert m.reason("llama", A, 99, ts_ms=20_000.0) == FIRST_USE
     # A lookup before the save's report (1 s stamps, rounded up) never counts it saved.
-    assert m.reason("llama", A, 11, ts_ms=9_999.0) == NEVER_SAVED
+    assert m.reason("llama", A, 11, ts_ms=9_999.0) == FIRST_USE
     m.add("llama", A, [15], ts_ms=30_000.5)
-    assert m.reason("llama", A, 15, ts_ms=30_500.0) == NEVER_SAVED
+    assert m.reason("llama", A, 15, ts_ms=30_500.0) == FIRST_USE
     assert m.reason("llama", A, 15, ts_ms=31_000.0) == EVICTED
     assert m.saved == 5
+    # Asked for at 40.7 s (stamped 40 s, rounded down) and not saved: never_saved from then on,
+    # under its own layout only; a save still wins (evicted).
+    m.add_asked("llama", A, [99, 14, 11], ts_ms=40_700.0)
+    assert m.reasons("llama", A, [99, 14, 11], ts_ms=40_000.0) == [
+        NEVER_SAVED, NEVER_SAVED, EVICTED]
+    assert m.reason("llama", A, 99, ts_ms=39_999.0) == FIRST_USE
+    assert m.reason("llama", B, 99, ts_ms=50_000.0) == FIRST_USE
+    assert m.reason("qwen", A, 99, ts_ms=50_000.0) == FIRST_USE
+    # A later ask of the same pair keeps the earlier stamp (a late report hides nothing).
+    m.add_asked("llama", A, [99], ts_ms=60_000.0)
+    assert m.reason("llama", A, 99, ts_ms=45_000.0) == NEVER_SAVED
+    assert m.asked == 4
 
 
 def test_memory_and_bounds() -> None:
-    assert SavedChunks().nbytes == 14 * SAVED_SLOTS == 7 * 2**20
+    assert SavedChunks().nbytes == 2 * 14 * SAVED_SLOTS == 14 * 2**20
     with pytest.raises(ValueError, match="power of two"):
         SavedChunks(slots=1000)
     m = SavedChunks(slots=16)
@@ -64,5 +78,5 @@ def test_forgetting_matches_the_stated_error() -> None:
     n = len(first)
     expected = sum(math.exp(-(s + n - 1 - i) / slots) for i in range(n)) / n
     assert kept == pytest.approx(expected, abs=0.02)
-    assert all(m.reason("m", A, rng.getrandbits(64), ts_ms=1e3) == NEVER_SAVED
+    assert all(m.reason("m", A, rng.getrandbits(64), ts_ms=1e3) == FIRST_USE
                for _ in range(5_000))

@@ -141,4 +141,5 @@ def sample_reuse() -> ReuseView:
                            whatif=[WhatIfPoint(capacity_tokens=int(cap * f), lru_hit_rate=lru,
                                                min_hit_rate=mn) for f, lru, mn in curve])],
         not_in_pool={"prefill-0": {"evicted": 18_000, "never_saved": 10_000},
-                     "prefill-1": {"other_digest": 16_000, "never_saved": 8_000}})
+                     "prefill-1": {"other_digest": 16_000, "first_use": 5_000,
+                                   "never_saved": 3_000}})

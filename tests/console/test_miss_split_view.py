@@ -21,7 +21,8 @@ def test_the_hub_split_replaces_not_in_pool_and_keeps_every_token() -> None:
                                              "not_in_pool": 2_000, "tail": 9_000,
                                              "not_loaded": 3_000}
     assert rows["prefill-0"].top_miss == "evicted"
-    assert rows["prefill-1"].miss_tokens == {"other_digest": 16_000, "never_saved": 8_000,
+    assert rows["prefill-1"].miss_tokens == {"other_digest": 16_000, "first_use": 5_000,
+                                             "never_saved": 3_000,
                                              "load_failed": 3_000, "tail": 3_000}
     assert rows["prefill-1"].top_miss == "other_digest"
     # No split for prefill-2: its reasons as its agent reported them.
@@ -30,7 +31,8 @@ def test_the_hub_split_replaces_not_in_pool_and_keeps_every_token() -> None:
         assert r.prompt_tokens == r.local_tokens + r.loaded_tokens + sum(
             r.miss_tokens.values())
     t = view.totals
-    assert t.miss_tokens["never_saved"] == 18_000 and t.top_miss == "evicted"
+    assert t.miss_tokens["never_saved"] == 13_000 and t.miss_tokens["first_use"] == 5_000
+    assert t.top_miss == "evicted"
     assert t.prompt_tokens == t.local_tokens + t.loaded_tokens + sum(t.miss_tokens.values())
 
 

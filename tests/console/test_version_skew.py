@@ -79,5 +79,7 @@ def test_silent_miss_names_skew_and_the_hub_split() -> None:
     assert "saved, then removed" in cause(base, {"e1": {"evicted": 9_000, "never_saved": 600}})
     # Never-saved chunks are the last cause: the split does not change it.
     assert "never in the pool" in cause(base, {"e1": {"never_saved": 9_600}})
+    # First uses are no cause (no pool serves them): the largest other reason is named.
+    assert "saved, then removed" in cause(base, {"e1": {"first_use": 8_000, "evicted": 1_600}})
     skewed = _versions(base, **{"e1__dp0.tp1.pp0": {"mooncake": "0.3.7"}})
     assert "its engines run mooncake 0.3.13, 0.3.7" in cause(skewed, {})
