@@ -91,12 +91,15 @@ refused to stay within its bounds; ``status --json`` has every one."""
 
 
 def _hub_line(counters: dict[str, int]) -> Text:
-    """``\nhub since start: N reports; memory sheds 0, ...``: yellow when it shed or refused
-    anything (a stalled console, an agent past its budget)."""
-    shown = [(name, counters.get(name, 0)) for name in HUB_SHOWN]
-    line = f"\nhub since start: {counters.get('reports', 0):,} reports; " + ", ".join(
-        f"{name.replace('_', ' ')} {n:,}" for name, n in shown)
-    return Text(line, style="yellow" if any(n for _, n in shown) else "dim")
+    """``\nhub since start: N reports; shed or refused: bad messages 1, ...`` naming only the
+    counters above 0, yellow (a stalled console, an agent past its budget); ``...; nothing shed
+    or refused``, dim, when none is (every counter by name would not fit 160 columns)."""
+    shown = [(name, n) for name in HUB_SHOWN if (n := counters.get(name, 0))]
+    line = f"\nhub since start: {counters.get('reports', 0):,} reports; "
+    if not shown:
+        return Text(line + "nothing shed or refused", style="dim")
+    return Text(line + "shed or refused: " + ", ".join(
+        f"{name.replace('_', ' ')} {n:,}" for name, n in shown), style="yellow")
 
 
 def _policy_line(engines: list[EngineRow]) -> Text:
