@@ -156,8 +156,9 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
 
 
 def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
-    used = f"{fmt_bytes(t.segment_used_bytes)}/{fmt_bytes(t.segment_total_bytes)}" \
-        if t.segment_total_bytes else "-"
+    # A share, as the engines' rows above it; "391M/489M" under "Pool/WM" read as a watermark.
+    used = f"{t.segment_used_bytes / t.segment_total_bytes:.0%} of " \
+        f"{fmt_bytes(t.segment_total_bytes)}" if t.segment_total_bytes else "-"
     health = f"{t.stale}st {t.down}dn" if t.stale or t.down else "ok"
     return {
         "engine": Text(f"Σ {t.engines} engines", style="bold"),
