@@ -83,6 +83,10 @@ trace brings about 8M tokens of new prefixes a minute (``DemoCluster``'s ``pool_
 service holds 12.8M tokens and evicts from about 90 s on (one run of the default demo: its first
 1,522 keys removed by 90 s, 16,359 by 219 s, the master's watermark evicting none)."""
 
+DEMO_MODEL = "kvpool-demo"
+"""The simulated engines' model name (one name every run: the pool, its keys and the console
+are the demo's own, so nothing else can share it)."""
+
 TINY_VLLM_SHAPE = ModelShape(layers=2, kv_heads=2, head_size=32, block_size=32, dtype="float32")
 """KV shape of ``tiny_model`` in vLLM (``engine_kind="vllm"``): 1 KiB per token."""
 
@@ -237,7 +241,7 @@ class DemoCluster:
         assert self.master.proc is not None
         self._started_pids.add(self.master.proc.pid)
 
-        model = f"demo-{os.getpid()}"
+        model = DEMO_MODEL
         if self.engine_kind in ("vllm", "pd"):
             model = str(build_tiny_model(_tiny_model_dir()))
             self.shape = TINY_VLLM_SHAPE
