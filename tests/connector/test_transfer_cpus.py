@@ -4,8 +4,9 @@ cores vLLM keeps back for a KV connector, not on the forward pass's cores they w
 The rule from vLLM's environment is checked on the strings vLLM writes
 (``vllm/utils/ompmultiprocessing.py``), the placing of threads on this machine's real CPUs (a
 thread the store client's setup starts inherits them; the save and load threads and their
-copy helpers: ``tests/connector/test_staging.py``). The whole path with a real vLLM MP
-executor: ``bench/bench_step_gap.py --reserve-cpus 1``.
+copy helpers: ``tests/connector/test_staging.py``). Through the connector's wiring:
+``tests/connector/test_transfer_cpus_wired.py``; the whole path with a real vLLM MP executor:
+``bench/bench_step_gap.py --reserve-cpus 1``.
 """
 
 from __future__ import annotations
