@@ -345,6 +345,13 @@ FACTS: tuple[Fact, ...] = (
          "Of the snapshots published, those published at once for new subscribers rather than "
          "at the next periodic one (at most one a 0.1 s).", "policy",
          "ServiceCounters.snapshots_on_subscription", _P),
+    Fact("policy_snapshot_deltas", "counter", "snapshots",
+         "Of the snapshots published, deltas: only the doorkeeper filter's words changed since "
+         "the message before (whole snapshots at least every 10 s).", "policy",
+         "ServiceCounters.snapshot_deltas", _P),
+    Fact("policy_snapshot_bytes", "counter", "bytes",
+         "Bytes of the snapshots published (encoded, counted once: each subscriber receives "
+         "them all).", "policy", "ServiceCounters.snapshot_bytes", _P),
     Fact("hub_refused_handshakes", "counter", "handshakes",
          "CURVE handshakes the hub refused, by port: agents (P), pub (P+1, consoles' "
          "updates), commands (P+2, read-only commands), curve (P+3, operator commands); no "

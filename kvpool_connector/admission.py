@@ -102,12 +102,28 @@ class _Doorkeeper:
     _PROBES = 4
     _BITS_PER_ENTRY = 10
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, track_changes: bool = False) -> None:
         self.entries = entries
         self.bits = entries * self._BITS_PER_ENTRY
         self._current = bytearray(-(-self.bits // 8))
         self._previous = bytearray(len(self._current))
         self._added = 0
+        # 64-bit words of the snapshot set since ``changes`` was last called; None when not
+        # tracked. Past an eighth of the words (or at a rotation, which clears bits) only
+        # "everything changed" is kept: the set never grows past that.
+        self._dirty: set[int] | None = set() if track_changes else None
+        self._dirty_cap = max(1, len(self._current) // 64)
+        self._all_changed = False
+
+    def changes(self) -> set[int] | None:
+        """The 64-bit words of ``snapshot`` that may differ from its value at the last call
+        (``None``: too many to name, or a generation rotated: take the whole snapshot), and
+        start again. Only with ``track_changes``."""
+        if self._dirty is None:
+            raise RuntimeError("the doorkeeper does not track its changes")
+        out = None if self._all_changed else self._dirty
+        self._dirty, self._all_changed = set(), False
+        return out
 
     def _positions(self, h: str) -> list[int]:
         return _probes(h, self.bits)
@@ -132,10 +148,16 @@ class _Doorkeeper:
             return
         for p in pos:
             self._current[p >> 3] |= 1 << (p & 7)
+        if self._dirty is not None and not self._all_changed:
+            self._dirty.update(p >> 6 for p in pos)
+            if len(self._dirty) > self._dirty_cap:
+                self._all_changed = True
+                self._dirty.clear()
         self._added += 1
         if self._added >= self.entries:
             self._previous, self._current = self._current, bytearray(len(self._current))
             self._added = 0
+            self._all_changed = True  # the old generation's bits left the snapshot
 
 
 class _Ghost:
@@ -172,6 +194,8 @@ class AdaptiveAdmission:
         capacity_chunks: chunks the pool holds (``admission_pool_tokens / chunk_size``), > 0.
         half_life: requests after which a ghost's past hits count half (> 0).
         max_ghost_keys: most keys per ghost; above it ghosts run on a hash-sampled subset.
+        track_changes: keep the doorkeeper's changed words for ``doorkeeper_changes`` (the
+            policy service's delta snapshots).
 
     Attributes:
         doorkeeper_active: the policy used for the last request was the doorkeeper.
@@ -179,7 +203,7 @@ class AdaptiveAdmission:
     """
 
     def __init__(self, capacity_chunks: int, half_life: int = 200,
-                 max_ghost_keys: int = 65_536) -> None:
+                 max_ghost_keys: int = 65_536, track_changes: bool = False) -> None:
         if capacity_chunks < 1 or half_life < 1 or max_ghost_keys < 1:
             raise ValueError(
                 f"capacity_chunks, half_life and max_ghost_keys must be >= 1, got "
@@ -189,7 +213,7 @@ class AdaptiveAdmission:
         ghost_cap = max(1, round(capacity_chunks * rate))
         self._all = _Ghost(ghost_cap)
         self._door = _Ghost(ghost_cap)
-        self._seen = _Doorkeeper(max(4096, 8 * capacity_chunks))
+        self._seen = _Doorkeeper(max(4096, 8 * capacity_chunks), track_changes)
         self._decay = 0.5 ** (1.0 / half_life)
         self._score_all = 0.0
         self._score_door = 0.0
@@ -201,6 +225,16 @@ class AdaptiveAdmission:
         ``doorkeeper_seen`` in another process (the pool-wide policy service's snapshot:
         10 bits a chunk of ``8 x capacity_chunks``, at least 4,096 chunks)."""
         return self._seen.bits, self._seen.snapshot()
+
+    def doorkeeper_changes(self) -> set[int] | None:
+        """The 64-bit words (index ``i``: bytes ``8i`` to ``8i + 8`` of the bloom) of
+        ``doorkeeper_snapshot`` that may have changed since the last call, ``None`` when the
+        whole filter may have (``_Doorkeeper.changes``).
+
+        Raises:
+            RuntimeError: built without ``track_changes``.
+        """
+        return self._seen.changes()
 
     def _sampled(self, hashes: Sequence[str]) -> list[int]:
         keys = (int(h[:16], 16) for h in hashes)

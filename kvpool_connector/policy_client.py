@@ -40,6 +40,7 @@ from kvpool_connector.policy_wire import (
     PolicyLayout,
     PolicyRecord,
     RecordBatch,
+    SnapshotReader,
     policy_ports,
 )
 
@@ -103,6 +104,7 @@ class PolicyClient:
         self.admit_all = admit_all
         self._queue: deque[PolicyRecord] = deque()
         self._snapshot: AdmissionSnapshot | None = None
+        self._reader = SnapshotReader()
         self._heard = -float("inf")
         self._started = time.monotonic()
         self._address = address
@@ -118,6 +120,11 @@ class PolicyClient:
         self._thread = threading.Thread(target=self._run, name="kvpool-policy-client",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def deltas_missed(self) -> int:
+        """Snapshot deltas not applied (``SnapshotReader.missed``)."""
+        return self._reader.missed
 
     @property
     def dropped(self) -> int:
@@ -222,7 +229,7 @@ class PolicyClient:
             except msgspec.DecodeError:
                 continue
             if snap.v == WIRE_VERSION:
-                self._snapshot, self._heard = snap, time.monotonic()
+                self._snapshot, self._heard = self._reader.take(snap), time.monotonic()
 
     def _send(self, push: zmq.Socket[bytes], encoder: msgspec.msgpack.Encoder) -> None:
         while self._queue:

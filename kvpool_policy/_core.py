@@ -90,6 +90,10 @@ class ServiceCounters:
     snapshots_on_subscription: int = 0
     """Of ``snapshots``, those published at once for new subscribers (at most one a
     ``kvpool_policy.service.SUBSCRIBED_EVERY_S``) rather than at the next periodic one."""
+    snapshot_deltas: int = 0
+    """Of ``snapshots``, deltas (``kvpool_policy._deltas``)."""
+    snapshot_bytes: int = 0
+    """Bytes of the snapshots published (encoded; each subscriber receives every one)."""
     layouts_refused: int = 0
     """Layout declarations refused: a differing redeclaration of a known digest, over a key's
     ``LAYOUTS_PER_KEY``, over ``MAX_LAYOUTS`` or ``MAX_KEYS_PER_CHUNK``."""

@@ -45,6 +45,8 @@ _COUNTERS: tuple[tuple[str, Callable[[ServiceCounters], int]], ...] = (
     ("policy_errors", lambda c: c.errors),
     ("policy_snapshots_published", lambda c: c.snapshots),
     ("policy_snapshots_on_subscription", lambda c: c.snapshots_on_subscription),
+    ("policy_snapshot_deltas", lambda c: c.snapshot_deltas),
+    ("policy_snapshot_bytes", lambda c: c.snapshot_bytes),
     ("policy_evicted_chunks", lambda c: c.evicted_chunks),
     ("policy_evicted_bytes", lambda c: c.evicted_bytes),
 )

@@ -346,6 +346,11 @@ class PoolPolicy:
         before the first record or with ``admission="all"``."""
         return None if self._admission is None else self._admission.doorkeeper_snapshot()
 
+    def doorkeeper_changes(self) -> set[int] | None:
+        """The 64-bit words of ``doorkeeper_snapshot``'s bloom that may have changed since the
+        last call; ``None``: the whole filter may have (or there is none yet)."""
+        return None if self._admission is None else self._admission.doorkeeper_changes()
+
     def adopt(self, keys: Iterable[PolicyKey], chunk_bytes: int) -> list[PolicyKey]:
         """Chunks found in the pool without a record (a restarted service lists the pool):
         resident from now on, as the least recently used, in the order given (the first is
@@ -425,7 +430,8 @@ class PoolPolicy:
             chunks = min(_DOORKEEPER_MAX_CHUNKS, max(
                 1, self.capacity_bytes // max(rec.chunk_bytes, self._min_chunk_bytes)))
             self._doorkeeper_entries = max(4096, 8 * chunks)
-            self._admission = AdaptiveAdmission(chunks, half_life=self._half_life)
+            self._admission = AdaptiveAdmission(chunks, half_life=self._half_life,
+                                                track_changes=True)
         admitted = self._admission.admit(rec.hashes)
         return min(rec.wants, len(rec.hashes) if self._engines_decide else admitted)
 

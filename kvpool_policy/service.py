@@ -44,7 +44,8 @@ Who may connect, and what each may do and cost (the house security rule):
 
 Publishing: a snapshot goes out every ``snapshot_every_s`` (``SNAPSHOT_EVERY_S``), when the
 admission's mode flips, and in the loop's turn that takes a new subscriber's subscription, so
-it has a snapshot at once rather than at the next periodic one (``snapshots_on_subscription``).
+it has a snapshot at once rather than at the next periodic one (``snapshots_on_subscription``),
+whole for it; between whole ones, deltas of the filter (``kvpool_policy._deltas``).
 Those are at most one a ``SUBSCRIBED_EVERY_S`` (subscriptions coming faster share one), so
 subscription churn cannot make the service encode snapshots back to back; a refused subscriber
 triggers none.
@@ -116,6 +117,7 @@ from kvpool_policy._core import (
     _sat,
     pool_chunks,
 )
+from kvpool_policy._deltas import SnapshotDeltas
 from kvpool_policy._leader import LeaderFollower, LeaderWatch
 from kvpool_policy._remover import Remover
 from kvpool_policy._store_calls import StoreCalls
@@ -316,6 +318,7 @@ class PolicyService:
             raise
         self._version = 0
         self._schedule = SnapshotSchedule(snapshot_every_s)
+        self._deltas = SnapshotDeltas()
         # Connections open on the snapshot port: accepted less disconnected (``/metrics``).
         self.snapshot_connections = 0
         if reconnect is not None and admin_url:
@@ -335,12 +338,19 @@ class PolicyService:
         counted in ``snapshots_on_subscription`` too."""
         self._version += 1
         snap = self.core.snapshot(self.service_id, self._version)
+        msg = self._deltas.message(snap, self.core.policy.doorkeeper_changes(),
+                                   whole=subscribed)
+        data = msgspec.msgpack.encode(msg)
         try:
-            self.snapshots.send(msgspec.msgpack.encode(snap), zmq.NOBLOCK)
+            self.snapshots.send(data, zmq.NOBLOCK)
         except zmq.Again:
             return
+        self._deltas.sent(msg)
         c = self.core.counters
         c.snapshots = _sat(c.snapshots + 1)
+        c.snapshot_bytes = _sat(c.snapshot_bytes + len(data))
+        if msg.base:
+            c.snapshot_deltas = _sat(c.snapshot_deltas + 1)
         if subscribed:
             c.snapshots_on_subscription = _sat(c.snapshots_on_subscription + 1)
 

@@ -90,8 +90,9 @@ MODULES_USED_ACROSS_PACKAGES: dict[str, list[str]] = {
     # The pool-wide policy service (kvpool_policy.service) and the engines share its wire,
     # and it removes keys under the connector's removal rule.
     "kvpool_connector.policy_wire": [
-        "MAX_BATCH_BYTES", "MAX_HASHES", "MAX_RECORDS", "SNAPSHOT_EVERY_S", "WIRE_VERSION",
-        "AdmissionSnapshot", "PolicyLayout", "PolicyRecord", "RecordBatch", "policy_ports"],
+        "FULL_EVERY_S", "MAX_BATCH_BYTES", "MAX_HASHES", "MAX_RECORDS", "SNAPSHOT_EVERY_S",
+        "WIRE_VERSION", "AdmissionSnapshot", "DeltaError", "PolicyLayout", "PolicyRecord",
+        "RecordBatch", "SnapshotReader", "apply_delta", "changed_words", "policy_ports"],
     "kvpool_connector.removal_rule": ["REMOVAL_GRACE", "LeasedKeys", "grace_s_of"],
     # The connector's vLLM metrics and the policy service's /metrics name their facts from
     # the one catalogue.

@@ -20,7 +20,8 @@ CAPACITY_BYTES = 64 << 20
 
 class RunningService:
     """``PolicyService(address, keys["hub"], ...)`` on a fresh port block, serving until
-    ``close``. ``service_kwargs`` go to ``PolicyService`` (caps, ``snapshot_every_s``).
+    ``close``. ``capacity_bytes``: the policy's; ``service_kwargs`` go to ``PolicyService``
+    (caps, ``snapshot_every_s``).
 
     Attributes:
         records_at, snapshots_at: the records port P and the snapshots port P+1
@@ -28,14 +29,14 @@ class RunningService:
     """
 
     def __init__(self, master: LocalMooncakeMaster, keys: dict[Role, KeyPaths],
-                 **service_kwargs: Any) -> None:
+                 capacity_bytes: int = CAPACITY_BYTES, **service_kwargs: Any) -> None:
         self.keys = keys
         self.backend = MooncakeBackend(MooncakeConfig.load({"mooncake": {
             "master_server_address": master.address, "master_admin_url": master.admin_url,
             "global_segment_size": 0, "local_buffer_size": "16MB"}}))
         self.address = f"tcp://127.0.0.1:{free_port_block()}"
         self.records_at, self.snapshots_at = policy_ports(self.address)
-        self.service = PolicyService(self.address, keys["hub"], self.backend, CAPACITY_BYTES,
+        self.service = PolicyService(self.address, keys["hub"], self.backend, capacity_bytes,
                                      **service_kwargs)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.serve, args=(self.stop,),

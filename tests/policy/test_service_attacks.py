@@ -52,6 +52,7 @@ from kvpool_connector.policy_wire import (
     PolicyLayout,
     PolicyRecord,
     RecordBatch,
+    SnapshotReader,
     policy_ports,
 )
 from kvpool_policy.policy import DOORKEEPER_MAX_MIB, PoolPolicy
@@ -102,6 +103,7 @@ class Env:
         self.keys["viewer"].client("viewer").apply(self.sub)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(policy_ports(self.service.address)[1])
+        self.reader = SnapshotReader()  # whole snapshots and deltas, as an engine reads them
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.linger = 0
         self.attacker.client("agent").apply(self.push)
@@ -133,7 +135,8 @@ class Env:
 
         def newer() -> bool:
             while self.sub.poll(0):
-                snap = msgspec.msgpack.decode(self.sub.recv(), type=AdmissionSnapshot)
+                snap = self.reader.take(msgspec.msgpack.decode(self.sub.recv(),
+                                                               type=AdmissionSnapshot))
                 if snap.version > after:
                     got.append(snap)
             return bool(got)
