@@ -31,11 +31,10 @@ save is stamped with its report's time (the agent reports every ``HEARTBEAT_MS``
 a chunk saved less than one report interval before a lookup can read ``never_saved``; the stamp
 has 1 s resolution, rounded up for the same reason. An ask is stamped with its lookup's time,
 rounded down to the second (a pair keeps its earliest ask), and counts for lookups of the same
-second or later: two lookups of a
-new chunk within one second both read ``never_saved`` when the later one's report came first
-(the first lookup's own ask is recorded after its chunks were judged). Asks are remembered only
-for engines whose layout digest the hub knows (before it, their lookups stay ``not_in_pool``).
-(4) ``other_digest`` probes at most ``PROBE_LAYOUTS`` of the model's other layouts (the most
+second or later: two lookups of a new chunk within one second both read ``never_saved`` when
+the later one's report came first (a lookup's own ask is recorded after its chunks were
+judged). Asks are remembered only for engines whose layout digest the hub knows (before it,
+their lookups stay ``not_in_pool``). (4) ``other_digest`` probes at most ``PROBE_LAYOUTS`` of the model's other layouts (the most
 recently saved).
 
 Memory: 14 bytes a slot (id, layout index, stamp in ``array``\\ s) in each of the two tables:
