@@ -4,8 +4,9 @@ table: what the detail screen's miss table, the fleet's top reason and ``status 
 
 Two reasons have more than one cause, told apart by the engine's own facts: ``evicted`` is the
 master's watermark eviction when the engine's pool evicted keys (``PoolStats.evicted_keys``,
-counted by the master since it started: a flush or an unpin is not counted there), else a
-removal (flush, unpin); ``never_saved`` (asked for before, never saved) is a skipped save when
+counted by the master since it started: a flush or an unpin is not counted there), else the
+policy service's removal when the service steers the engine's saves (``EngineRow.
+policy_in_charge``), else a removal (flush, unpin); ``never_saved`` (asked for before, never saved) is a skipped save when
 the engine's workers skipped saves (``TransferStats.saves_skipped``: a save budget, the save
 breaker), else the admission's refusal, a failed save or one still in flight. ``first_use``
 (nothing asked for the chunk before) has no fix: a compulsory miss.
@@ -17,7 +18,7 @@ from __future__ import annotations
 __all__ = ["FIXES", "miss_fix"]
 
 FIXES: dict[str, str] = {
-    "never_saved": "asked before, not saved: admission, save errors or budget",
+    "never_saved": "asked before, unsaved: admission, save in flight, errors",
     "first_use": "first request of this prefix: no pool serves it",
     "evicted": "saved, then gone (watermark, flush, unpin): see whatif 2x",
     "other_digest": "another layout digest saved it: align model, dtype, layout",
@@ -33,15 +34,18 @@ rule's own fix). ``miss_fix``'s texts are no longer than the longest of these (t
 screen's column)."""
 
 
-def miss_fix(reason: str, *, evicted_keys: int = 0, saves_skipped: int = 0) -> str:
+def miss_fix(reason: str, *, evicted_keys: int = 0, saves_skipped: int = 0,
+             service_steers: bool = False) -> str:
     """The fix of ``reason`` for an engine whose pool evicted ``evicted_keys`` keys at its
-    watermark and whose workers skipped ``saves_skipped`` block saves (module docstring);
-    ``""`` for no reason."""
+    watermark, whose workers skipped ``saves_skipped`` block saves and whose saves the policy
+    service steers (``service_steers``; module docstring); ``""`` for no reason."""
     if not reason:
         return ""
     if reason == "evicted":
         if evicted_keys:
             return f"pool too small ({evicted_keys} keys evicted): add memory; whatif 2x"
+        if service_steers:
+            return "the policy service removed it: add memory; see whatif 2x"
         return "saved, then removed (flush, unpin): see events, audit file"
     if reason == "never_saved" and saves_skipped:
         return f"{saves_skipped} block saves skipped: raise save_budget, see breaker"

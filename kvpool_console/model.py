@@ -394,7 +394,8 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
             row.miss_tokens = split_not_in_pool(row.miss_tokens, split)
             row.top_miss = top_reason(row.miss_tokens)
         row.top_miss_fix = miss_fix(row.top_miss, evicted_keys=row.pool_evicted_keys,
-                                    saves_skipped=row.saves_skipped)
+                                    saves_skipped=row.saves_skipped,
+                                    service_steers=row.policy_in_charge == "service")
         rows.append(row)
     pools = _pools(states.values())
     prompt = sum(r.prompt_tokens for r in rows)
@@ -423,7 +424,9 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         miss_tokens=fleet_misses, top_miss=top_reason(fleet_misses),
         top_miss_fix=miss_fix(top_reason(fleet_misses),
                               evicted_keys=sum(p.evicted_keys for p in pools),
-                              saves_skipped=sum(r.saves_skipped for r in rows)),
+                              saves_skipped=sum(r.saves_skipped for r in rows),
+                              service_steers=any(r.policy_in_charge == "service"
+                                                 for r in rows)),
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals_row,
                      alerts=list(alerts or []), reuse=reuse), fresh

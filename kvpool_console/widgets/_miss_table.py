@@ -40,7 +40,9 @@ class MissTable(DataTable[str | Text]):
                      share(row.loaded_tokens), "")
         for reason, n in sorted(row.miss_tokens.items(), key=lambda kv: (-kv[1], kv[0])):
             self.add_row(plain(reason, style="bold" if reason == row.top_miss else ""), str(n),
-                         share(n), plain(miss_fix(reason, evicted_keys=row.pool_evicted_keys,
-                                                  saves_skipped=row.saves_skipped)))
+                         share(n), plain(miss_fix(
+                             reason, evicted_keys=row.pool_evicted_keys,
+                             saves_skipped=row.saves_skipped,
+                             service_steers=row.policy_in_charge == "service")))
         total = row.local_tokens + row.loaded_tokens + sum(row.miss_tokens.values())
         self.add_row(Text("= prompt tokens", style="dim"), str(total), share(total), "")
