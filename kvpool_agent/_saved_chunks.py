@@ -34,8 +34,8 @@ rounded down to the second (a pair keeps its earliest ask), and counts for looku
 second or later: two lookups of a new chunk within one second both read ``never_saved`` when
 the later one's report came first (a lookup's own ask is recorded after its chunks were
 judged). Asks are remembered only for engines whose layout digest the hub knows (before it,
-their lookups stay ``not_in_pool``). (4) ``other_digest`` probes at most ``PROBE_LAYOUTS`` of the model's other layouts (the most
-recently saved).
+their lookups stay ``not_in_pool``). (4) ``other_digest`` probes at most ``PROBE_LAYOUTS`` of
+the model's other layouts (the most recently saved).
 
 Memory: 14 bytes a slot (id, layout index, stamp in ``array``\\ s) in each of the two tables:
 14 MiB at the default 2**19 slots, allocated once; the layouts table holds at most

@@ -5,11 +5,12 @@ table: what the detail screen's miss table, the fleet's top reason and ``status 
 Two reasons have more than one cause, told apart by the engine's own facts: ``evicted`` is the
 master's watermark eviction when the engine's pool evicted keys (``PoolStats.evicted_keys``,
 counted by the master since it started: a flush or an unpin is not counted there), else the
-policy service's removal when the service steers the engine's saves (``EngineRow.
-policy_in_charge``), else a removal (flush, unpin); ``never_saved`` (asked for before, never saved) is a skipped save when
-the engine's workers skipped saves (``TransferStats.saves_skipped``: a save budget, the save
-breaker), else the admission's refusal, a failed save or one still in flight. ``first_use``
-(nothing asked for the chunk before) has no fix: a compulsory miss.
+policy service's removal when the service steers the engine's saves
+(``EngineRow.policy_in_charge``), else a removal (flush, unpin); ``never_saved`` (asked for
+before, never saved) is a skipped save when the engine's workers skipped saves
+(``TransferStats.saves_skipped``: a save budget, the save breaker), else the admission's
+refusal, a failed save or one still in flight. ``first_use`` (nothing asked for the chunk
+before) has no fix: a compulsory miss.
 A pool that both evicted and was flushed reads as evicted at its watermark.
 """
 
