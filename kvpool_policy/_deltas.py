@@ -7,8 +7,11 @@ whole snapshots a delta carries the filter's 64-bit words set since the last mes
 12 bytes a word, a few per chunk asked for since. A whole snapshot goes out when one is asked
 for (new subscribers: they have no filter to apply a delta on), the first time, when the
 filter's size changed, a generation rotated (bits were cleared: the doorkeeper's changes say
-"everything"), the delta would be half the filter or more, or ``FULL_EVERY_S`` passed (a
-subscriber that missed a delta has the current filter again).
+"everything"), more than an eighth of the filter's words changed since the last call (the
+doorkeeper stops naming them), the delta would be half the filter or more, or
+``FULL_EVERY_S`` passed (a subscriber that missed a delta has the current filter again). So a
+flood of new chunks (about 33,000 a second at the 4 MiB filter, within one agent key's record
+budget) makes every publication whole again: the cost before deltas, not more.
 """
 
 from __future__ import annotations

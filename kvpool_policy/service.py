@@ -210,6 +210,9 @@ class SnapshotSchedule:
         self.every_s, self._clock = every_s, clock
         self.subscribed = False
         """An accepted subscription came after the last publication (set by the loop)."""
+        self.serves_subscription = False
+        """The publication ``due`` last announced serves a subscription that waited, whatever
+        made it due: it must be whole (its subscriber has no filter a delta applies on)."""
         self._periodic = self._early = -math.inf
 
     def due(self, flipped: bool) -> Literal["periodic", "subscribed"] | None:
@@ -223,7 +226,7 @@ class SnapshotSchedule:
         elif self.subscribed and now - self._early >= SUBSCRIBED_EVERY_S:
             why, self._early = "subscribed", now
         if why is not None:
-            self.subscribed = False
+            self.serves_subscription, self.subscribed = self.subscribed, False
         return why
 
 
@@ -333,13 +336,13 @@ class PolicyService:
         s.curve_publickey, s.curve_secretkey = public, secret
         return s
 
-    def _publish(self, subscribed: bool) -> None:
+    def _publish(self, subscribed: bool, whole: bool) -> None:
         """Publish a snapshot; ``subscribed``: for new subscribers (``SnapshotSchedule``),
-        counted in ``snapshots_on_subscription`` too."""
+        counted in ``snapshots_on_subscription`` too; ``whole``: never a delta (a subscription
+        waited: its subscriber has no filter a delta could apply on)."""
         self._version += 1
         snap = self.core.snapshot(self.service_id, self._version)
-        msg = self._deltas.message(snap, self.core.policy.doorkeeper_changes(),
-                                   whole=subscribed)
+        msg = self._deltas.message(snap, self.core.policy.doorkeeper_changes(), whole=whole)
         data = msgspec.msgpack.encode(msg)
         try:
             self.snapshots.send(data, zmq.NOBLOCK)
@@ -465,8 +468,11 @@ class PolicyService:
             why = self._schedule.due(self.core.policy.doorkeeper_active != doorkeeper)
             if why is not None:
                 doorkeeper = self.core.policy.doorkeeper_active
+                # A periodic publication serves a waiting subscription too: whole then (a
+                # delta first left a new subscriber without a filter up to FULL_EVERY_S).
                 self._guard("publishing a snapshot",
-                            functools.partial(self._publish, why == "subscribed"))
+                            functools.partial(self._publish, why == "subscribed",
+                                              self._schedule.serves_subscription))
 
     def close(self) -> None:
         # The monitor is stopped at the socket first: libzmq's I/O thread would otherwise

@@ -144,14 +144,21 @@ def test_subscription_churn_is_published_at_most_once_every_tenth_of_a_second() 
 def test_a_flip_publishes_at_once_and_serves_a_waiting_subscription() -> None:
     clock = _Clock()
     schedule = SnapshotSchedule(0.5, clock)
-    assert schedule.due(flipped=False) == "periodic"
+    assert schedule.due(flipped=False) == "periodic" and not schedule.serves_subscription
     clock.now = 0.01
     schedule.subscribed = True
-    assert schedule.due(flipped=False) == "subscribed"
+    assert schedule.due(flipped=False) == "subscribed" and schedule.serves_subscription
     clock.now = 0.02
     schedule.subscribed = True
     assert schedule.due(flipped=False) is None  # 10 ms after the last one for subscribers
-    assert schedule.due(flipped=True) == "periodic"
+    # The flip's publication serves the waiting subscription: it must go out whole.
+    assert schedule.due(flipped=True) == "periodic" and schedule.serves_subscription
     assert not schedule.subscribed
     clock.now = 0.2
     assert schedule.due(flipped=False) is None  # nothing waits, the interval not passed
+    # A subscription taken in the turn the periodic one is due: served by it, whole.
+    clock.now = 0.6
+    schedule.subscribed = True
+    assert schedule.due(flipped=False) == "periodic" and schedule.serves_subscription
+    clock.now = 1.2
+    assert schedule.due(flipped=False) == "periodic" and not schedule.serves_subscription
