@@ -25,8 +25,9 @@ workers' reports) and their tokens counted per engine as ``evicted``, ``other_di
 chunks are remembered as asked for (a new ``started_ms`` restarts its counts,
 as the agent's own counters restart). Lookups of an engine whose digest no worker reported yet,
 cut past ``MAX_ACCESS_CHUNKS`` or dropped before the hub stay ``not_in_pool``
-(``kvpool_agent._misses.split_not_in_pool``). Cost on the socket thread: O(chunks not in
-the pool x (1 + other layouts probed)) a report.
+(``kvpool_agent._misses.split_not_in_pool``). Cost on the socket thread: O(chunk ids x (1 +
+other layouts probed)) a report, at most ``REPORT_ACCESS_CHUNKS`` ids (an agent sends no more;
+a forged report's accesses past them are not split).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvpool_agent._saved_chunks import SAVED_SLOTS, SavedChunks
 from kvpool_agent.protocol import (
     MAX_REUSE_MODELS,
     MAX_SPLIT_ENGINES,
+    REPORT_ACCESS_CHUNKS,
     Access,
     EngineState,
     ModelReuse,
@@ -103,6 +105,8 @@ class ReuseService:
 
     Attributes:
         computed: computations done so far (read from any thread).
+        unsplit_accesses: accesses of reports past ``REPORT_ACCESS_CHUNKS`` chunk ids, left
+            unsplit (``_attribute``).
     """
 
     def __init__(self, max_chunks: int = WINDOW_CHUNKS,
@@ -128,6 +132,7 @@ class ReuseService:
         self._thread: threading.Thread | None = None
         self.computed = 0
         self.saved = SavedChunks(saved_slots)
+        self.unsplit_accesses = 0
         self._digest: OrderedDict[str, str] = OrderedDict()  # engine id -> layout digest
         # engine id -> (its scheduler's started_ms, not_in_pool tokens by reason)
         self._split: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
@@ -148,10 +153,19 @@ class ReuseService:
     def _attribute(self, engine: str, started_ms: float, model: str, digest: str,
                    accesses: list[Access], report_ms: float) -> None:
         """Count the tokens of each access's chunks past ``served`` (up to its prompt's
-        length) by the memory's reason, for ``engine`` (caller holds the lock)."""
+        length) by the memory's reason, for ``engine`` (caller holds the lock). At most
+        ``REPORT_ACCESS_CHUNKS`` chunk ids of one report (what an agent sends): the accesses
+        past them are neither split (they stay ``not_in_pool``) nor remembered as asked, and
+        counted in ``unsplit_accesses`` (a report of 2M one-byte ids held the hub's socket
+        thread 1-3 s)."""
         prev = self._split.get(engine)
         counts = prev[1] if prev is not None and prev[0] == started_ms else {}
-        for a in accesses:
+        budget = REPORT_ACCESS_CHUNKS
+        for k, a in enumerate(accesses):
+            budget -= len(a.chunks)
+            if budget < 0:
+                self.unsplit_accesses += len(accesses) - k
+                break
             size = a.chunk_size
             covered = min(len(a.chunks) * size, a.tokens)
             first = a.served // size

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent._misses import MAX_REASONS, MissCounter, split_not_in_pool
 from kvpool_agent._reuse_service import ReuseService
-from kvpool_agent.protocol import Access, EngineState, Report, chunk_id
+from kvpool_agent.protocol import REPORT_ACCESS_CHUNKS, Access, EngineState, Report, chunk_id
 from kvpool_agent.reporter import Loaded, Lookup
 
 
@@ -164,3 +164,21 @@ def test_service_split_by_hand() -> None:
     svc.split(_report(make_source("a", role="scheduler", model="m"), started_ms=5.0,
                       accesses=[Access(tokens=40, chunk_size=16, chunks=[2, 9], served=0)]))
     assert svc.not_in_pool()["a"] == {"evicted": 16, "first_use": 16}
+
+
+def test_a_report_past_the_agents_chunk_budget_is_split_only_up_to_it() -> None:
+    """An agent sends at most ``REPORT_ACCESS_CHUNKS`` chunk ids a report; a forged one of more
+    (2M one-byte ids held the hub's socket thread 1-3 s) has only its accesses within that
+    split and remembered as asked, the rest left ``not_in_pool`` and counted."""
+    svc = ReuseService()
+    svc.split(_report(make_source("a", model="m", layout_digest="a" * 12)))
+    per = 2_048  # MAX_ACCESS_CHUNKS
+    accesses = [Access(tokens=16 * per, chunk_size=16, chunks=list(range(i * per, (i + 1) * per)),
+                       ts_ms=20_000.0, served=0) for i in range(REPORT_ACCESS_CHUNKS // per + 3)]
+    svc.split(_report(make_source("a", role="scheduler", model="m"), accesses=accesses))
+    assert svc.not_in_pool()["a"] == {"first_use": 16 * REPORT_ACCESS_CHUNKS}
+    assert svc.unsplit_accesses == 3
+    # The split ones were remembered as asked, the others not.
+    assert svc.saved.asked == REPORT_ACCESS_CHUNKS
+    assert svc.saved.reasons("m", "a" * 12, [0, REPORT_ACCESS_CHUNKS], 30_000.0) == [
+        "never_saved", "first_use"]
