@@ -33,7 +33,7 @@ MiB, measured idle) and the fleet's states (at most ``MAX_FLEET_STATE_BYTES`` en
 holds them decoded, ``DECODED_STATE_FACTOR`` times that for text-heavy states), and the reuse
 window (``kvpool_agent._access_window``: 200,000 chunk ids, ~2 MB, plus a snapshot's copy of its
 list while the reuse worker computes), the saved-chunk memory (``kvpool_agent._saved_chunks``:
-two tables of 2**19 slots, 14 MiB) and the per-engine miss splits (< 5 MB).
+two tables of 2**19 slots, 16 MiB) and the per-engine miss splits (< 5 MB).
 
 Not covered by these queues: a multipart message. libzmq hands none of its parts to the hub
 before its last one has come (tested: a ROUTER polls nothing between parts) and bounds only each

@@ -29,25 +29,27 @@ a forgotten save's miss reads ``never_saved`` or ``first_use``, a forgotten ask'
 false "saved" or "asked" needs a 64-bit id equal in the slot: about ``2**-64`` a probe. (3) a
 save is stamped with its report's time (the agent reports every ``HEARTBEAT_MS`` or sooner), so
 a chunk saved less than one report interval before a lookup can read ``never_saved``; the stamp
-has 1 s resolution, rounded up for the same reason. An ask is stamped with its lookup's time,
-rounded down to the second (a pair keeps its earliest ask), and counts for lookups of the same
-second or later: two lookups of a new chunk within one second both read ``never_saved`` when
-the later one's report came first (a lookup's own ask is recorded after its chunks were
-judged). Asks are remembered only for engines whose layout digest the hub knows (before it,
-their lookups stay ``not_in_pool``). (4) ``other_digest`` probes at most ``PROBE_LAYOUTS`` of
-the model's other layouts (the most recently saved).
+has 1 s resolution, rounded up for the same reason. An ask is stamped with its lookup's time
+in ms (a pair keeps its earliest ask) and counts for lookups after it, whichever report came
+first (a P/D pair's decode engine asks for its prefill engine's chunks within the same second:
+with whole seconds, as first built, the prefill engine's first uses read ``never_saved``
+whenever the decode engine's report came first); engines' clocks that differ by more than the
+time between two lookups of a chunk misorder them. Asks are remembered only for engines whose
+layout digest the hub knows (before it, their lookups stay ``not_in_pool``). (4)
+``other_digest`` probes at most ``PROBE_LAYOUTS`` of the model's other layouts (the most
+recently saved).
 
-Memory: 14 bytes a slot (id, layout index, stamp in ``array``\\ s) in each of the two tables:
-14 MiB at the default 2**19 slots, allocated once; the layouts table holds at most
-``MAX_LAYOUTS`` (model, digest) pairs (past it a new layout's saves and asks are not
-remembered: counted in ``layouts_full``).
+Memory: 14 bytes a slot (id, layout index, stamp in ``array``\\ s) in the saved table and 18
+in the asked one (a ms stamp): 16 MiB at the default 2**19 slots, allocated once; the layouts
+table holds at most ``MAX_LAYOUTS`` (model, digest) pairs (past it a new layout's saves and
+asks are not remembered: counted in ``layouts_full``).
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "EVICTED", "FIRST_USE", "MAX_LAYOUTS", "NEVER_SAVED", "OTHER_DIGEST", "PROBE_LAYOUTS",
@@ -73,13 +75,14 @@ _MASK64 = (1 << 64) - 1
 
 
 class _Stamps:
-    """One direct-mapped table of (chunk id, layout index) -> epoch seconds."""
+    """One direct-mapped table of (chunk id, layout index) -> a time stamp (``stamp_type``:
+    ``"I"`` epoch seconds, ``"Q"`` epoch ms)."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, stamp_type: str) -> None:
         self.mask = slots - 1
         self.ids = array("Q", bytes(8 * slots))
         self.layout = array("H", bytes(2 * slots))  # layout index + 1; 0: an empty slot
-        self.stamp = array("I", bytes(4 * slots))
+        self.stamp = array(stamp_type, bytes(array(stamp_type).itemsize * slots))
 
     @property
     def nbytes(self) -> int:
@@ -101,15 +104,11 @@ class _Stamps:
             self.layout[s] = layout
             self.stamp[s] = stamp
 
-    def before(self, cid: int, layout: int, before_s: float) -> bool:
-        """The pair is held with a stamp of at most ``before_s``."""
+    def before(self, cid: int, layout: int, bound: float) -> bool:
+        """The pair is held with a stamp of at most ``bound``."""
         s = self._slot(cid, layout)
         return (self.layout[s] == layout and self.ids[s] == cid
-                and self.stamp[s] <= before_s)
-
-
-def _seconds(ts_ms: float, rounding: Callable[[float], int]) -> int:
-    return min(rounding(max(0.0, ts_ms) / 1e3), 0xFFFFFFFF)
+                and self.stamp[s] <= bound)
 
 
 class SavedChunks:
@@ -127,8 +126,8 @@ class SavedChunks:
     def __init__(self, slots: int = SAVED_SLOTS) -> None:
         if slots < 1 or slots & (slots - 1):
             raise ValueError(f"slots must be a power of two >= 1, got {slots}")
-        self._saved = _Stamps(slots)
-        self._asked = _Stamps(slots)
+        self._saved = _Stamps(slots, "I")  # report time, whole seconds rounded up
+        self._asked = _Stamps(slots, "Q")  # lookup time, ms
         self._index: dict[tuple[str, str], int] = {}
         self._of_model: dict[str, list[str]] = {}  # model -> its digests, last saved last
         self.saved = 0
@@ -169,7 +168,7 @@ class SavedChunks:
             if digest in digests:
                 digests.remove(digest)
             digests.append(digest)
-        self._saved.put(ids, idx, _seconds(ts_ms, math.ceil))
+        self._saved.put(ids, idx, min(math.ceil(max(0.0, ts_ms) / 1e3), 0xFFFFFFFF))
         self.saved += len(ids)
 
     def add_asked(self, model: str, digest: str, ids: Sequence[int], ts_ms: float) -> None:
@@ -180,7 +179,7 @@ class SavedChunks:
         idx = self._layout(model, digest, ids)
         if idx is None:
             return
-        self._asked.put(ids, idx, _seconds(ts_ms, math.floor), earliest=True)
+        self._asked.put(ids, idx, int(max(0.0, ts_ms)), earliest=True)
         self.asked += len(ids)
 
     def reason(self, model: str, digest: str, cid: int, ts_ms: float) -> str:
@@ -193,6 +192,7 @@ class SavedChunks:
         """``reason`` of each of ``ids``, all looked up at ``ts_ms`` (the layouts probed are
         found once)."""
         before_s = ts_ms / 1e3
+        asked_by = math.ceil(ts_ms) - 1  # asked strictly before the lookup's ms
         own = self._index.get((model, digest))
         others = [self._index[(model, d)] for d in self._of_model.get(model, ())
                   if d != digest][-PROBE_LAYOUTS:]
@@ -202,7 +202,7 @@ class SavedChunks:
                 out.append(EVICTED)
             elif any(self._saved.before(cid, idx, before_s) for idx in others):
                 out.append(OTHER_DIGEST)
-            elif own is not None and self._asked.before(cid, own, before_s):
+            elif own is not None and self._asked.before(cid, own, asked_by):
                 out.append(NEVER_SAVED)
             else:
                 out.append(FIRST_USE)

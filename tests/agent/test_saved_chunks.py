@@ -39,12 +39,15 @@ def test_reasons_by_hand() -> None:
     assert m.reason("llama", A, 15, ts_ms=30_500.0) == FIRST_USE
     assert m.reason("llama", A, 15, ts_ms=31_000.0) == EVICTED
     assert m.saved == 5
-    # Asked for at 40.7 s (stamped 40 s, rounded down) and not saved: never_saved from then on,
-    # under its own layout only; a save still wins (evicted).
+    # Asked for at 40.7 s and not saved: never_saved for lookups after it (to the ms), under
+    # its own layout only; a save still wins (evicted).
     m.add_asked("llama", A, [99, 14, 11], ts_ms=40_700.0)
-    assert m.reasons("llama", A, [99, 14, 11], ts_ms=40_000.0) == [
+    assert m.reasons("llama", A, [99, 14, 11], ts_ms=40_701.0) == [
         NEVER_SAVED, NEVER_SAVED, EVICTED]
-    assert m.reason("llama", A, 99, ts_ms=39_999.0) == FIRST_USE
+    assert m.reason("llama", A, 99, ts_ms=40_700.0) == FIRST_USE  # the same ms: not before
+    # A lookup earlier in the same second, judged after the later one's report came (a P/D
+    # pair: the decode engine asks right after its prefill engine): a first use.
+    assert m.reason("llama", A, 99, ts_ms=40_300.0) == FIRST_USE
     assert m.reason("llama", B, 99, ts_ms=50_000.0) == FIRST_USE
     assert m.reason("qwen", A, 99, ts_ms=50_000.0) == FIRST_USE
     # A later ask of the same pair keeps the earlier stamp (a late report hides nothing).
@@ -54,7 +57,7 @@ def test_reasons_by_hand() -> None:
 
 
 def test_memory_and_bounds() -> None:
-    assert SavedChunks().nbytes == 2 * 14 * SAVED_SLOTS == 14 * 2**20
+    assert SavedChunks().nbytes == (14 + 18) * SAVED_SLOTS == 16 * 2**20
     with pytest.raises(ValueError, match="power of two"):
         SavedChunks(slots=1000)
     m = SavedChunks(slots=16)
