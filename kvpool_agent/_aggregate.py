@@ -156,7 +156,8 @@ def _steering(ev: PolicyReported) -> PolicySteering:
         silent_ms=_bounded(ev.silent_ms, MAX_MS), stale_ms=_bounded(ev.stale_ms, MAX_MS),
         records_connected=bool(ev.records_connected),
         records_sent=_count(ev.records_sent, MAX_COUNT),
-        records_dropped=_count(ev.records_dropped, MAX_COUNT))
+        records_dropped=_count(ev.records_dropped, MAX_COUNT),
+        service_removed_keys=_count(ev.service_removed, MAX_COUNT))
 
 
 def _sane_pool(p: PoolStats) -> PoolStats:

@@ -376,7 +376,9 @@ FACTS: tuple[Fact, ...] = (
          "rank's keys).", "policy", "ServiceCounters.evicted_bytes", _P),
     Fact("policy_removed_keys", "counter", "keys",
          "Keys the policy service removed from the pool (never by force, never a pinned "
-         "chunk's).", "policy", "Remover.removed; AdmissionSnapshot.removed", _P),
+         "chunk's); in status, per engine, as the service's last snapshot to it said.",
+         "policy", "Remover.removed; AdmissionSnapshot.removed; "
+         "PolicySteering.service_removed_keys", ("policy", "status")),
     Fact("policy_remove_failed_keys", "counter", "keys",
          "Keys the store failed to remove for the policy service (not leased, not gone).",
          "policy", "Remover.failed", _P),

@@ -607,6 +607,10 @@ class PolicySteering(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     records_connected: bool = False
     records_sent: Count = 0
     records_dropped: Count = 0
+    service_removed_keys: Count = 0
+    """Keys the service says it removed from the pool, in its last snapshot this engine took
+    (``AdmissionSnapshot.removed``: by the service's run, since it started; 0 from agents
+    before this field): what the master's eviction count leaves out."""
 
 
 class EngineState(msgspec.Struct, gc=False, kw_only=True):

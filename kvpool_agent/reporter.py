@@ -187,6 +187,7 @@ class PolicyReported(msgspec.Struct, array_like=True, gc=False, frozen=True):
     records_connected: bool
     records_sent: int
     records_dropped: int
+    service_removed: int = 0
 
 
 class FlushAudited(msgspec.Struct, array_like=True, frozen=True):
@@ -363,14 +364,17 @@ class Reporter:
 
 
     def policy(self, in_charge: str, service: str, silent_ms: float, stale_ms: float,
-               records_connected: bool, records_sent: int, records_dropped: int) -> None:
+               records_connected: bool, records_sent: int, records_dropped: int,
+               service_removed: int = 0) -> None:
         """An ``admission: service`` scheduler's ``PolicyClient`` (every second and on a
         change): ``in_charge`` (``"service"`` or ``"master"``), the service's address,
         ``silent_ms`` since its last snapshot (since the client started without one), the
-        client's ``stale_ms``, whether its records socket is connected and its records sent
-        and dropped since start. The agent reports the latest in ``EngineState.policy``."""
+        client's ``stale_ms``, whether its records socket is connected, its records sent
+        and dropped since start and the keys the service's last snapshot says it removed.
+        The agent reports the latest in ``EngineState.policy``."""
         self.put(PolicyReported(time.time() * 1e3, in_charge, service, silent_ms, stale_ms,
-                                records_connected, records_sent, records_dropped))
+                                records_connected, records_sent, records_dropped,
+                                service_removed))
 
 EVENT_METHODS: tuple[str, ...] = tuple(
     name for name, member in vars(Reporter).items()

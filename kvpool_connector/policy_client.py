@@ -213,8 +213,10 @@ class PolicyClient:
         if who == reported and now - reported_at < REPORT_EVERY_S:
             return reported, reported_at
         silent_s = now - (self._heard if self._snapshot is not None else self._started)
+        snap = self._snapshot
         self._reporter.policy(who, self._address, silent_s * 1e3, self.stale_s * 1e3,
-                              self.records_connected, self.sent, self.dropped)
+                              self.records_connected, self.sent, self.dropped,
+                              snap.removed if snap is not None else 0)
         return who, now
 
     def _receive(self, sub: zmq.Socket[bytes], decoder: msgspec.msgpack.Decoder[

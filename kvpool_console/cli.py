@@ -56,7 +56,7 @@ from kvpool_console._liveness import local_process_alive
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
 from kvpool_console.alerts.alert import SEVERITY_STYLE
-from kvpool_console.alerts.policy import steering_summary
+from kvpool_console.alerts.policy import service_removed, steering_summary
 from kvpool_console.model import build_view, fmt_age, fmt_bytes, fmt_lease, health_rows, sum_flush
 from kvpool_console.rows import FleetView
 from kvpool_console.signals import Stopped, StopSignals, stop_signals
@@ -206,7 +206,8 @@ def status_document(view: FleetView) -> dict[str, Any]:
     the weights' identity), adapters (LoRA name -> content identity, ``lora:<hex>``) and, for
     an engine with ``admission: service``, who steers its saves (``policy``,
     ``policy_in_charge``, ``policy_service``, ``policy_silent_ms``, ``policy_records_sent``,
-    ``policy_records_dropped``; empty/0 for any other); plus its ``agents``),
+    ``policy_records_dropped``, ``policy_removed_keys``; empty/0 for any other); plus its
+    ``agents``),
     ``alerts``, ``pools``, ``totals``, ``hub_counters`` (the hub's own counters since it
     started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
     does not send them) and ``now_ms``."""
@@ -310,8 +311,10 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.loads_failed} failed loads")
         if any(r.policy_in_charge for r in view.engines):
-            steering, master = steering_summary((r.engine_id, r.policy_in_charge, r.policy)
-                                                for r in view.engines)
+            steering, master = steering_summary(
+                ((r.engine_id, r.policy_in_charge, r.policy) for r in view.engines),
+                service_removed((r.policy_service, r.policy_removed_keys)
+                                for r in view.engines))
             out.print(plain(steering, style="yellow" if master else ""))
         for pr in view.pools:
             health = ("" if pr.healthy is None else ", healthy" if pr.healthy

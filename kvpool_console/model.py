@@ -250,7 +250,8 @@ def _policy_facts(p: PolicySteering | None) -> dict[str, Any]:
     return {"policy": policy_text(p), "policy_in_charge": p.in_charge,
             "policy_service": p.service, "policy_silent_ms": p.silent_ms,
             "policy_records_sent": p.records_sent,
-            "policy_records_dropped": p.records_dropped}
+            "policy_records_dropped": p.records_dropped,
+            "policy_removed_keys": p.service_removed_keys}
 
 
 def _kv_facts(layout: Mapping[str, str | int]) -> dict[str, Any]:

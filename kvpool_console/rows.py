@@ -160,6 +160,9 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     (service silent 12.0 s)``; ``""`` for any other engine."""
     policy_in_charge: str = ""
     """``service`` or ``master`` (``EngineState.policy``); ``""`` for any other engine."""
+    policy_removed_keys: int = 0
+    """Keys the policy service removed from the pool since it started, as its last snapshot to
+    this engine said (``PolicySteering.service_removed_keys``)."""
     policy_service: str = ""
     """The policy service's address it is configured for (``tcp://HOST:PORT``)."""
     policy_silent_ms: float = 0.0

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Mapping
 from kvpool_agent.protocol import EngineState, PolicySteering
 from kvpool_console.alerts.alert import Alert, engines_text, fmt_ms, make_alert, pool_name
 
-__all__ = ["POLICY_HINT", "engine_policy", "policy_alerts", "policy_text", "steering_summary"]
+__all__ = ["POLICY_HINT", "engine_policy", "policy_alerts", "policy_text", "service_removed",
+           "steering_summary"]
 
 POLICY_HINT = ("start or check the policy service: `kvpool-policy serve` beside the master "
                "(`kvpool-policy status --listen ADDRESS --keys DIR` shows whether it "
@@ -39,17 +40,33 @@ def policy_text(p: PolicySteering) -> str:
     return f"policy: master ({why})"
 
 
-def steering_summary(engines: Iterable[tuple[str, str, str]]) -> tuple[str, bool]:
-    """``policy: the service steers N engine(s) (e1, e2); the master steers M: e3 (service
-    silent 12.0 s)`` over ``(engine id, in charge, policy_text)`` of the engines configured
-    for the service (in charge ``""``: not configured, left out), and whether the master
-    steers any (the Pool tab shows it yellow). One line for the Pool tab and ``status``."""
+def service_removed(engines: Iterable[tuple[str, int]]) -> int:
+    """Keys the policy services removed since they started, over ``(service address, keys its
+    last snapshot said)`` of the engines configured for one: each service's largest count
+    (engines hear it at different times), summed over services."""
+    most: dict[str, int] = {}
+    for service, n in engines:
+        if service:
+            most[service] = max(most.get(service, 0), n)
+    return sum(most.values())
+
+
+def steering_summary(engines: Iterable[tuple[str, str, str]], removed: int = 0
+                     ) -> tuple[str, bool]:
+    """``policy: the service steers N engine(s) (e1, e2), removed K keys; the master steers M:
+    e3 (service silent 12.0 s)`` over ``(engine id, in charge, policy_text)`` of the engines
+    configured for the service (in charge ``""``: not configured, left out) and the keys the
+    service removed (``service_removed``: the master's eviction count leaves them out), and
+    whether the master steers any (the Pool tab shows it yellow). One line for the Pool tab
+    and ``status``."""
     rows = list(engines)
     steered = [eid for eid, who, _ in rows if who == "service"]
     master = [(eid, text) for eid, who, text in rows if who == "master"]
     line = f"policy: the service steers {len(steered)} engine(s)"
     if steered:
         line += f" ({engines_text(steered, 4)})"
+    if removed:
+        line += f", removed {removed:,} keys"
     if master:
         shown = [f"{eid} {text.removeprefix('policy: master ')}" for eid, text in master[:4]]
         more = f" and {len(master) - 4} more" if len(master) > 4 else ""

@@ -13,7 +13,7 @@ from textual.reactive import var
 from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
-from kvpool_console.alerts.policy import steering_summary
+from kvpool_console.alerts.policy import service_removed, steering_summary
 from kvpool_console.model import fmt_bytes
 from kvpool_console.rows import EngineRow, FleetView, PoolRow
 from kvpool_console.widgets._masters import MastersTable
@@ -106,8 +106,9 @@ def _policy_line(engines: list[EngineRow]) -> Text:
     """``\npolicy: the service steers N engines; the master M: e3 (service silent 12.0 s)``
     over the engines configured for the policy service (``EngineRow.policy``): yellow when the
     master steers any (``policy_master``)."""
-    line, master = steering_summary((e.engine_id, e.policy_in_charge, e.policy)
-                                    for e in engines)
+    line, master = steering_summary(
+        ((e.engine_id, e.policy_in_charge, e.policy) for e in engines),
+        service_removed((e.policy_service, e.policy_removed_keys) for e in engines))
     return Text("\n" + line, style="yellow" if master else "dim")
 
 

@@ -32,13 +32,14 @@ def _folded(*calls: tuple) -> Aggregator:
 
 
 def test_the_latest_event_is_reported_within_the_wire_bounds() -> None:
-    agg = _folded(("service", "tcp://10.0.0.5:5600", 250.0, 3000.0, True, 12, 0),
+    agg = _folded(("service", "tcp://10.0.0.5:5600", 250.0, 3000.0, True, 12, 0, 7),
                   ("master", "tcp://10.0.0.5:5600\x1b[2J" + "x" * 400, float("nan"), 3000.0,
-                   False, 2**60, -4))
+                   False, 2**60, -4, 2**60))
     p = agg.state(1.0).policy
     assert p is not None
     assert (p.in_charge, p.silent_ms, p.stale_ms, p.records_connected, p.records_sent,
-            p.records_dropped) == ("master", 0.0, 3000.0, False, MAX_COUNT - 1, 0)
+            p.records_dropped, p.service_removed_keys) == (
+        "master", 0.0, 3000.0, False, MAX_COUNT - 1, 0, MAX_COUNT - 1)
     assert p.service.startswith("tcp://10.0.0.5:5600?[2J") and len(p.service) == MAX_ID_CHARS
     report = Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot", state=agg.state(2.0))
     got = decode(encode(report))
@@ -60,7 +61,7 @@ def test_an_out_of_range_steering_is_refused_whole() -> None:
     raw = msgspec.to_builtins(Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot",
                                      state=msgspec.structs.replace(st, policy=good)))
     for field, bad in (("in_charge", "boss"), ("silent_ms", -1.0), ("records_sent", 2**53),
-                       ("service", "a\x1b]0;x")):
+                       ("service", "a\x1b]0;x"), ("service_removed_keys", -1)):
         forged = {**raw, "state": {**raw["state"], "policy": {**raw["state"]["policy"],
                                                               field: bad}}}
         with pytest.raises(ProtocolError):

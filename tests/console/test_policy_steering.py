@@ -25,19 +25,23 @@ SERVICE = "tcp://10.0.0.5:5600"
 
 
 def _steered(engine_id: str, in_charge: str, silent_ms: float, *, sent: int = 40,
-             dropped: int = 0, age_ms: float = 300.0) -> dict[str, EngineState]:
+             dropped: int = 0, age_ms: float = 300.0, removed: int = 0
+             ) -> dict[str, EngineState]:
     states = engine(engine_id, role="mixed", age_ms=age_ms)
     key = f"{engine_id}/scheduler"
     states[key] = msgspec.structs.replace(states[key], policy=PolicySteering(
         ts_ms=NOW_MS - age_ms, in_charge=in_charge,  # type: ignore[arg-type]
         service=SERVICE, silent_ms=silent_ms, stale_ms=3_000.0,
-        records_connected=in_charge == "service", records_sent=sent, records_dropped=dropped))
+        records_connected=in_charge == "service", records_sent=sent, records_dropped=dropped,
+        service_removed_keys=removed))
     return states
 
 
 def _fleet() -> dict[str, EngineState]:
-    return {**_steered("svc-a", "service", 400.0), **_steered("svc-b", "master", 12_000.0,
-                                                              sent=70, dropped=9),
+    # svc-b heard the service last 12 s ago (fewer keys removed then): the service's count is
+    # the largest its engines report.
+    return {**_steered("svc-a", "service", 400.0, removed=26_541),
+            **_steered("svc-b", "master", 12_000.0, sent=70, dropped=9, removed=11_706),
             **engine("plain", role="mixed")}
 
 
@@ -51,17 +55,18 @@ def test_status_json_says_who_steers_each_engine_configured_for_the_service() ->
     doc = _doc(_fleet())
     rows = {e["engine_id"]: e for e in doc["engines"]}
     keys = ("policy", "policy_in_charge", "policy_service", "policy_silent_ms",
-            "policy_records_sent", "policy_records_dropped")
+            "policy_records_sent", "policy_records_dropped", "policy_removed_keys")
     assert {k: rows["svc-a"][k] for k in keys} == {
         "policy": "policy: service", "policy_in_charge": "service", "policy_service": SERVICE,
-        "policy_silent_ms": 400.0, "policy_records_sent": 40, "policy_records_dropped": 0}
+        "policy_silent_ms": 400.0, "policy_records_sent": 40, "policy_records_dropped": 0,
+        "policy_removed_keys": 26_541}
     assert {k: rows["svc-b"][k] for k in keys} == {
         "policy": "policy: master (service silent 12.0 s)", "policy_in_charge": "master",
         "policy_service": SERVICE, "policy_silent_ms": 12_000.0, "policy_records_sent": 70,
-        "policy_records_dropped": 9}
+        "policy_records_dropped": 9, "policy_removed_keys": 11_706}
     assert {k: rows["plain"][k] for k in keys} == {
         "policy": "", "policy_in_charge": "", "policy_service": "", "policy_silent_ms": 0.0,
-        "policy_records_sent": 0, "policy_records_dropped": 0}
+        "policy_records_sent": 0, "policy_records_dropped": 0, "policy_removed_keys": 0}
     (alert,) = [a for a in doc["alerts"] if a["rule"] == "policy_master"]
     assert alert["severity"] == "warning"
     # One alert for the pool (named by its segments: no master address in this fleet).
@@ -93,8 +98,9 @@ async def test_pool_tab_names_who_steers() -> None:
         await pilot.pause()
         summary = str(app.query_one("#pool-summary", Static).render())
     line = summary.splitlines()[-1]
-    assert line == ("policy: the service steers 1 engine(s) (svc-a); the master steers 1: "
-                    "svc-b (service silent 12.0 s)")
+    # The service's removals: the pool row's Evicted column counts the master's only.
+    assert line == ("policy: the service steers 1 engine(s) (svc-a), removed 26,541 keys; the "
+                    "master steers 1: svc-b (service silent 12.0 s)")
 
 
 def _status_text(fleet: dict[str, EngineState]) -> str:
@@ -107,8 +113,8 @@ def _status_text(fleet: dict[str, EngineState]) -> str:
 def test_status_text_names_who_steers() -> None:
     """The status text carries the Pool tab's policy line (one owner: ``steering_summary``)."""
     assert _status_text(_fleet()).count(
-        "policy: the service steers 1 engine(s) (svc-a); the master steers 1: svc-b (service "
-        "silent 12.0 s)") == 1
+        "policy: the service steers 1 engine(s) (svc-a), removed 26,541 keys; the master "
+        "steers 1: svc-b (service silent 12.0 s)") == 1
     assert "policy:" not in _status_text(engine("plain", role="mixed"))
 
 

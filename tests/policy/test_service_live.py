@@ -26,6 +26,7 @@ import torch
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from kvpool_agent.auth import KeyPaths, Role, generate_keys, local_fleet_keys
+from kvpool_agent.reporter import PolicyReported, Reporter
 from kvpool_connector._policy_link import scheduler_client, worker_handshake
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.config import KVPoolConfig
@@ -109,9 +110,9 @@ class Pool:
         return self.service.log_path.read_text(errors="replace")[-3000:]
 
     def client(self, engine: str, role: Role = "agent",
-               keys: KeyPaths | None = None) -> PolicyClient:
+               keys: KeyPaths | None = None, reporter: Reporter | None = None) -> PolicyClient:
         c = PolicyClient(self.address, (keys or self.keys[role]).client(role), engine, LAYOUT,
-                         CHUNK_BYTES, stale_s=STALE_S)
+                         CHUNK_BYTES, stale_s=STALE_S, reporter=reporter)
         self.clients.append(c)
         return c
 
@@ -163,7 +164,8 @@ def test_a_chunk_one_engine_keeps_hot_stays_while_the_other_fills_the_pool(pool:
     assert hot in own.take()[0]
 
     pool.start_service()
-    a, b = pool.client("engine-a"), pool.client("engine-b")
+    events = Reporter()  # engine A's scheduler agent's queue: what it reports to the hub
+    a, b = pool.client("engine-a", reporter=events), pool.client("engine-b")
     wait_for(lambda: a.in_charge == b.in_charge == "service", what="the service in charge",
              log=pool.log)
     assert pool.save(b, [hot]) == 1
@@ -181,6 +183,15 @@ def test_a_chunk_one_engine_keeps_hot_stays_while_the_other_fills_the_pool(pool:
     assert snap.used_bytes == CAPACITY_CHUNKS * CHUNK_BYTES
     assert snap.removed == 2 * (1 + len(fresh) - CAPACITY_CHUNKS)
     assert (snap.dropped, a.dropped, b.dropped) == (0, 0, 0)
+    # Engine A's agent reports the service's removals (the console's policy line: the master's
+    # eviction count leaves them out), once a second.
+    reported: list[int] = []
+
+    def told() -> bool:
+        reported.extend(e.service_removed for e in events.drain()
+                        if isinstance(e, PolicyReported))
+        return bool(reported) and reported[-1] == snap.removed
+    wait_for(told, 10, what="the removals in engine A's policy report")
 
 
 def test_killed_service_engines_go_on_and_a_restart_steers_again(
