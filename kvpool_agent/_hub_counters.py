@@ -71,7 +71,11 @@ class HubCounters:
     ids, repeats); ``lost_replies`` (to a console gone before its answer); ``forgotten``
     (agent ids dropped); ``bad_messages``; ``shared_listings`` (dry-run answers given from
     another agent's listing of the same pool instead of a listing of their own,
-    ``kvpool_agent._hub_listings``); ``refused_connections`` (port name -> CURVE
+    ``kvpool_agent._hub_listings``); ``unsplit_accesses`` (lookups of reports past
+    ``REPORT_ACCESS_CHUNKS`` chunk ids, left out of the miss split: a forged report, an agent
+    sends no more) and ``layouts_full`` (chunk ids saved or asked for that the miss memory did
+    not keep: its 4,096 layouts were taken, ``kvpool_agent._saved_chunks``), read from the
+    reuse service after each report; ``refused_connections`` (port name -> CURVE
     handshakes refused: no key, or a key not authorized for the port); ``refused_by_key``
     (key name, ``plain`` without keys -> its commands, reports or audit lines refused for a
     budget, a missing role or a bound).
@@ -93,6 +97,8 @@ class HubCounters:
     forgotten: int = 0
     bad_messages: int = 0
     shared_listings: int = 0
+    unsplit_accesses: int = 0
+    layouts_full: int = 0
     refused_connections: dict[str, int] = field(default_factory=dict)
     refused_by_key: dict[str, int] = field(default_factory=dict)
     _logs: _LogThrottle = field(default_factory=_LogThrottle, repr=False, compare=False)

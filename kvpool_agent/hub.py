@@ -620,6 +620,8 @@ class FleetHub:
         aid = rep.state.source.agent_id
         self.reuse.add(rep.state.source.model, rep.accesses)
         self.reuse.split(rep)
+        self.counters.unsplit_accesses = self.reuse.unsplit_accesses
+        self.counters.layouts_full = self.reuse.saved.layouts_full
         self.seq_tracker.observe(aid, rep.seq)
         records = self._fleet.unaudited_flushes(aid, rep.state.flushes)
         budget = f"agent:{key}" if records else ""
