@@ -74,7 +74,9 @@ class HubCounters:
     ``kvpool_agent._hub_listings``); ``unsplit_accesses`` (lookups of reports past
     ``REPORT_ACCESS_CHUNKS`` chunk ids, left out of the miss split: a forged report, an agent
     sends no more) and ``layouts_full`` (chunk ids saved or asked for that the miss memory did
-    not keep: its 4,096 layouts were taken, ``kvpool_agent._saved_chunks``), read from the
+    not keep: its 4,096 layouts were taken, ``kvpool_agent._saved_chunks``) and
+    ``layouts_over_budget`` (the same for a new layout named by a key that named its budget of
+    layouts already: 64 for an engine-bound key, 1,024 for a fleet-wide one), read from the
     reuse service after each report; ``refused_connections`` (port name -> CURVE
     handshakes refused: no key, or a key not authorized for the port); ``refused_by_key``
     (key name, ``plain`` without keys -> its commands, reports or audit lines refused for a
@@ -99,6 +101,7 @@ class HubCounters:
     shared_listings: int = 0
     unsplit_accesses: int = 0
     layouts_full: int = 0
+    layouts_over_budget: int = 0
     refused_connections: dict[str, int] = field(default_factory=dict)
     refused_by_key: dict[str, int] = field(default_factory=dict)
     _logs: _LogThrottle = field(default_factory=_LogThrottle, repr=False, compare=False)

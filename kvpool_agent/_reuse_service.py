@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from kvpool_agent._access_window import FLEET, WINDOW_CHUNKS, AccessWindow, Ceiling, _Access
-from kvpool_agent._saved_chunks import SAVED_SLOTS, SavedChunks
+from kvpool_agent._saved_chunks import MAX_LAYOUTS, SAVED_SLOTS, SavedChunks
 from kvpool_agent.protocol import (
     MAX_REUSE_MODELS,
     MAX_SPLIT_ENGINES,
@@ -137,21 +137,26 @@ class ReuseService:
         # engine id -> (its scheduler's started_ms, not_in_pool tokens by reason)
         self._split: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
 
-    def split(self, rep: Report) -> None:
+    def split(self, rep: Report, key: str = "", cap: int = MAX_LAYOUTS) -> int:
         """One accepted report (the hub's socket thread, next to ``add``): its saves into the
-        saved-chunk memory, its lookups' ``not_in_pool`` chunks split (module docstring)."""
+        saved-chunk memory, its lookups' ``not_in_pool`` chunks split (module docstring).
+        ``key`` (the agent key that sent it) may name ``cap`` new layouts in all
+        (``_saved_chunks``); returns the report's chunk ids not remembered for that budget."""
         src = rep.state.source
         with self._lock:
+            over = self.saved.layouts_over_budget
             if src.layout_digest:
                 _touch(self._digest, src.engine_id, src.layout_digest)
-                self.saved.add(src.model, src.layout_digest, rep.saves, rep.state.ts_ms)
+                self.saved.add(src.model, src.layout_digest, rep.saves, rep.state.ts_ms,
+                               key, cap)
             digest = self._digest.get(src.engine_id, "")
             if rep.accesses and digest:
                 self._attribute(src.engine_id, rep.state.started_ms, src.model, digest,
-                                rep.accesses, rep.state.ts_ms)
+                                rep.accesses, rep.state.ts_ms, key, cap)
+            return self.saved.layouts_over_budget - over
 
     def _attribute(self, engine: str, started_ms: float, model: str, digest: str,
-                   accesses: list[Access], report_ms: float) -> None:
+                   accesses: list[Access], report_ms: float, key: str, cap: int) -> None:
         """Count the tokens of each access's chunks past ``served`` (up to its prompt's
         length) by the memory's reason, for ``engine`` (caller holds the lock). At most
         ``REPORT_ACCESS_CHUNKS`` chunk ids of one report (what an agent sends): the accesses
@@ -178,7 +183,7 @@ class ReuseService:
             for why, tokens in zip(whys, spans, strict=True):
                 counts[why] = counts.get(why, 0) + tokens
             # After judging: a lookup's own ask never makes its chunks "asked before".
-            self.saved.add_asked(model, digest, a.chunks, a.ts_ms or report_ms)
+            self.saved.add_asked(model, digest, a.chunks, a.ts_ms or report_ms, key, cap)
         _touch(self._split, engine, (started_ms, counts))
 
     def not_in_pool(self) -> dict[str, dict[str, int]]:

@@ -42,7 +42,14 @@ recently saved).
 Memory: 14 bytes a slot (id, layout index, stamp in ``array``\\ s) in the saved table and 18
 in the asked one (a ms stamp): 16 MiB at the default 2**19 slots, allocated once; the layouts
 table holds at most ``MAX_LAYOUTS`` (model, digest) pairs (past it a new layout's saves and
-asks are not remembered: counted in ``layouts_full``).
+asks are not remembered: counted in ``layouts_full``), and a layout counts against the budget of
+the key whose report named it first (``owner``, the hub's agent key; ``cap``: 64 layouts for a
+key bound to one engine, 1,024 for a fleet-wide key, ``MAX_LAYOUTS_PER_ENGINE_KEY``,
+``MAX_LAYOUTS_PER_FLEET_KEY``): past it the key's new layouts are not remembered either
+(``layouts_over_budget``), so one borrowed key takes at most its budget of the table, not all
+of it. Layouts are never forgotten while the hub runs: an engine whose weights changed 64
+times under one key (each version its own digest) splits its new layouts' misses again after a
+hub restart.
 """
 
 from __future__ import annotations
@@ -52,8 +59,9 @@ from array import array
 from collections.abc import Sequence
 
 __all__ = [
-    "EVICTED", "FIRST_USE", "MAX_LAYOUTS", "NEVER_SAVED", "OTHER_DIGEST", "PROBE_LAYOUTS",
-    "SAVED_SLOTS", "SavedChunks",
+    "EVICTED", "FIRST_USE", "MAX_LAYOUTS", "MAX_LAYOUTS_PER_ENGINE_KEY",
+    "MAX_LAYOUTS_PER_FLEET_KEY", "NEVER_SAVED", "OTHER_DIGEST", "PROBE_LAYOUTS", "SAVED_SLOTS",
+    "SavedChunks",
 ]
 
 SAVED_SLOTS = 1 << 19
@@ -61,6 +69,14 @@ SAVED_SLOTS = 1 << 19
 
 MAX_LAYOUTS = 4_096
 """(model, layout digest) pairs the memory knows at most."""
+
+MAX_LAYOUTS_PER_ENGINE_KEY = 64
+"""Layouts one agent key bound to one engine may name first: an engine has one layout digest
+per weights, dtype and parallel layout it ran (a version a rolling update)."""
+
+MAX_LAYOUTS_PER_FLEET_KEY = 1_024
+"""Layouts one fleet-wide agent key may name first: every model version and layout of a
+fleet that shares one key, a quarter of ``MAX_LAYOUTS``."""
 
 PROBE_LAYOUTS = 16
 """Other layouts of a model a lookup's chunk is probed under at most."""
@@ -120,7 +136,9 @@ class SavedChunks:
 
     Attributes:
         saved: pairs recorded saved so far; ``asked``: pairs recorded asked for;
-            ``layouts_full``: chunk ids not recorded because the layouts table was full.
+            ``layouts_full``: chunk ids not recorded because the layouts table was full;
+            ``layouts_over_budget``: chunk ids not recorded because their layout was new and
+            the key naming it had named its ``cap`` of layouts.
     """
 
     def __init__(self, slots: int = SAVED_SLOTS) -> None:
@@ -130,9 +148,11 @@ class SavedChunks:
         self._asked = _Stamps(slots, "Q")  # lookup time, ms
         self._index: dict[tuple[str, str], int] = {}
         self._of_model: dict[str, list[str]] = {}  # model -> its digests, last saved last
+        self._owned: dict[str, int] = {}  # owner (a key) -> layouts it named first
         self.saved = 0
         self.asked = 0
         self.layouts_full = 0
+        self.layouts_over_budget = 0
 
     @property
     def slots(self) -> int:
@@ -143,24 +163,32 @@ class SavedChunks:
         """Bytes of both tables (the arrays; the layouts table is not counted)."""
         return self._saved.nbytes + self._asked.nbytes
 
-    def _layout(self, model: str, digest: str, ids: Sequence[int]) -> int | None:
-        """The index of (``model``, ``digest``), made on first use; ``None`` when the layouts
-        table is full (``ids`` counted in ``layouts_full``)."""
+    def _layout(self, model: str, digest: str, ids: Sequence[int], owner: str, cap: int
+                ) -> int | None:
+        """The index of (``model``, ``digest``), made on first use and charged to ``owner``;
+        ``None`` when the layouts table is full (``ids`` counted in ``layouts_full``) or
+        ``owner`` named ``cap`` layouts already (``layouts_over_budget``)."""
         key = (model, digest)
         idx = self._index.get(key)
         if idx is None:
             if len(self._index) >= MAX_LAYOUTS:
                 self.layouts_full += len(ids)
                 return None
+            if (named := self._owned.get(owner, 0)) >= cap:
+                self.layouts_over_budget += len(ids)
+                return None
+            self._owned[owner] = named + 1
             idx = self._index[key] = len(self._index) + 1
         return idx
 
-    def add(self, model: str, digest: str, ids: Sequence[int], ts_ms: float) -> None:
+    def add(self, model: str, digest: str, ids: Sequence[int], ts_ms: float,
+            owner: str = "", cap: int = MAX_LAYOUTS) -> None:
         """Chunks ``ids`` were stored under (``model``, ``digest``) as of ``ts_ms`` (epoch ms:
-        the report's time, an upper bound of the saves' ends)."""
+        the report's time, an upper bound of the saves' ends), reported by ``owner`` (a key)
+        that may name ``cap`` layouts first."""
         if not ids or not digest:
             return
-        idx = self._layout(model, digest, ids)
+        idx = self._layout(model, digest, ids, owner, cap)
         if idx is None:
             return
         digests = self._of_model.setdefault(model, [])
@@ -171,12 +199,14 @@ class SavedChunks:
         self._saved.put(ids, idx, min(math.ceil(max(0.0, ts_ms) / 1e3), 0xFFFFFFFF))
         self.saved += len(ids)
 
-    def add_asked(self, model: str, digest: str, ids: Sequence[int], ts_ms: float) -> None:
+    def add_asked(self, model: str, digest: str, ids: Sequence[int], ts_ms: float,
+                  owner: str = "", cap: int = MAX_LAYOUTS) -> None:
         """A lookup of an engine of (``model``, ``digest``) at ``ts_ms`` (epoch ms) asked for
-        chunks ``ids``: recorded once that lookup's own chunks were judged (``reasons``)."""
+        chunks ``ids``: recorded once that lookup's own chunks were judged (``reasons``);
+        ``owner`` and ``cap`` as for ``add``."""
         if not ids or not digest:
             return
-        idx = self._layout(model, digest, ids)
+        idx = self._layout(model, digest, ids, owner, cap)
         if idx is None:
             return
         self._asked.put(ids, idx, int(max(0.0, ts_ms)), earliest=True)

@@ -107,6 +107,7 @@ from kvpool_agent._reuse_service import (
     ReuseService,
     pool_capacity_tokens,
 )
+from kvpool_agent._saved_chunks import MAX_LAYOUTS_PER_ENGINE_KEY, MAX_LAYOUTS_PER_FLEET_KEY
 from kvpool_agent._work_budget import WORK_UNITS_PER_MIN
 from kvpool_agent.auth import AllowList, bound_elsewhere, bound_engine, bound_pool
 from kvpool_agent.key_caps import (
@@ -619,9 +620,17 @@ class FleetHub:
         self.counters.reports += 1
         aid = rep.state.source.agent_id
         self.reuse.add(rep.state.source.model, rep.accesses)
-        self.reuse.split(rep)
+        if self.allow is None:  # no keys: no identity to budget
+            over = self.reuse.split(rep)
+        else:
+            over = self.reuse.split(rep, key, MAX_LAYOUTS_PER_FLEET_KEY if bound_engine(key)
+                                    is None else MAX_LAYOUTS_PER_ENGINE_KEY)
+        if over:
+            self.counters.refuse(key, f"layout budget spent: {over} chunk ids of a new "
+                                 "layout left out of the miss split")
         self.counters.unsplit_accesses = self.reuse.unsplit_accesses
         self.counters.layouts_full = self.reuse.saved.layouts_full
+        self.counters.layouts_over_budget = self.reuse.saved.layouts_over_budget
         self.seq_tracker.observe(aid, rep.seq)
         records = self._fleet.unaudited_flushes(aid, rep.state.flushes)
         budget = f"agent:{key}" if records else ""

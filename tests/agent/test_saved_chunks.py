@@ -13,6 +13,7 @@ from kvpool_agent._saved_chunks import (
     EVICTED,
     FIRST_USE,
     MAX_LAYOUTS,
+    MAX_LAYOUTS_PER_ENGINE_KEY,
     NEVER_SAVED,
     OTHER_DIGEST,
     SAVED_SLOTS,
@@ -65,6 +66,25 @@ def test_memory_and_bounds() -> None:
         m.add("m", f"{i:012x}", [1], ts_ms=0.0)
     m.add("m", "f" * 12, [1, 2, 3], ts_ms=0.0)
     assert m.layouts_full == 3 and m.saved == MAX_LAYOUTS
+
+
+def test_a_key_names_at_most_its_budget_of_layouts() -> None:
+    """A key's new layouts past its ``cap`` are not remembered and counted; the layouts it
+    named stay, another key's new layout is still taken, and a layout another key named first
+    is shared by the key over its budget (it adds no layout)."""
+    m = SavedChunks(slots=1 << 10)
+    cap = MAX_LAYOUTS_PER_ENGINE_KEY
+    for i in range(cap):
+        m.add("m", f"{i:012x}", [i], ts_ms=1_000.0, owner="atk", cap=cap)
+    m.add("m", "f" * 12, [7, 8], ts_ms=1_000.0, owner="atk", cap=cap)
+    m.add_asked("m", "e" * 12, [9], ts_ms=1_000.0, owner="atk", cap=cap)
+    assert (m.layouts_over_budget, m.layouts_full, m.saved, m.asked) == (3, 0, cap, 0)
+    assert m.reason("m", "f" * 12, 7, ts_ms=5_000.0) == FIRST_USE
+    assert m.reason("m", f"{cap - 1:012x}", cap - 1, ts_ms=5_000.0) == EVICTED
+    m.add("llama", A, [1], ts_ms=1_000.0, owner="victim", cap=cap)
+    m.add("llama", A, [2], ts_ms=1_000.0, owner="atk", cap=cap)
+    assert m.layouts_over_budget == 3
+    assert m.reasons("llama", A, [1, 2], ts_ms=5_000.0) == [EVICTED, EVICTED]
 
 
 def test_forgetting_matches_the_stated_error() -> None:
