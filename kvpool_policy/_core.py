@@ -180,7 +180,8 @@ class PolicyCore:
         policy: the pool-wide policy.
         remover: where removals go (``None``: none are made, e.g. a model run).
         budget: chunk hashes a second per key (``DEFAULT_BUDGET``).
-        found: digest -> chunk hashes found in the pool at start (``pool_chunks``).
+        found: digest -> chunk hashes found in the pool at start (``pool_chunks``), the
+            least recently used first (``_order_file.order_found``).
         clock: monotonic seconds.
         max_chunk_bytes: a record's chunk bytes at most (default: the capacity over
             ``MIN_POOL_CHUNKS``).
@@ -372,6 +373,13 @@ class PolicyCore:
             self._evicted(gone)
             if self.remover is not None:
                 self.remover.evict(gone)
+
+    def order(self) -> list[PolicyKey]:
+        """What the order file keeps (``kvpool_policy._order_file``): the chunks found at start
+        whose layout no record named yet, in their found order, then the policy's order (the
+        next to evict first)."""
+        waiting = [(d, h) for d, hashes in self._found.items() for h in hashes]
+        return waiting + self.policy.order()
 
     def sync_pins(self) -> None:
         """Pinned chunks leave the eviction order; unpinned ones come back (``Remover.pinned``)."""

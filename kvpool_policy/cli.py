@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
@@ -37,6 +38,7 @@ from kvpool_connector.policy_client import DEFAULT_STALE_S, KeyRefused, wait_sna
 from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, policy_ports
 from kvpool_connector.sizes import parse_size
 from kvpool_policy._metrics import ServiceCollector
+from kvpool_policy._order_file import ORDER_EVERY_S
 from kvpool_policy.service import (
     DEFAULT_BUDGET,
     MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
@@ -62,6 +64,10 @@ _HUB_KEYS_FIX = ("pass the fleet's keys directory holding the hub's key pair (hu
                  "authorized_keys/): the DIR `kvpool-agent hub --keys DIR` runs with")
 
 _METRICS_HOST = "127.0.0.1"
+
+ORDER_EVERY_S_RANGE = (1.0, 3600.0)
+"""``--order-every-s``'s bounds (s): a write a second at most (a large pool's order is tens of
+MB), an hour at least."""
 
 DEFAULT_FILL = 0.8
 """Share of the pool's segments the service fills when ``--capacity`` is not given: below the
@@ -115,6 +121,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--transfer-timeout-ms", type=int, default=None,
                    help="the store clients' transfer timeout in ms, the removal grace "
                    "(default 60000)")
+    s.add_argument("--order-file", default=None, metavar="PATH",
+                   help="keep the pool's eviction order in PATH across the service's restarts "
+                   "(read at start, written every --order-every-s and at exit; default: not "
+                   "kept, a restarted service orders the pool's chunks as the master lists "
+                   "them)")
+    s.add_argument("--order-every-s", type=float, default=ORDER_EVERY_S, metavar="S",
+                   help=f"write --order-file every S seconds, {ORDER_EVERY_S_RANGE[0]:g}.."
+                   f"{ORDER_EVERY_S_RANGE[1]:g} (default %(default)g: what a killed service "
+                   "loses of the order at most)")
     s.add_argument("--metrics-port", default=None, metavar="PORT",
                    help="serve Prometheus /metrics (the kvpool_policy_* series) on PORT "
                    "(default: none; 0: none)")
@@ -193,6 +208,22 @@ def _hub_keys_problem(root: str) -> str | None:
         paths.hub()
     except ValueError as exc:
         return f"--keys {root}: {exc}"
+    return None
+
+
+def _order_file_problem(path: str) -> str | None:
+    """Why the service cannot keep its order in ``path`` (the message for ``--order-file``),
+    or None: its directory must exist and be writable, and ``path`` be a file if it exists."""
+    p = Path(path)
+    parent = p.parent
+    if p.exists() and not p.is_file():
+        return f"--order-file {path}: not a file: give a file path, e.g. /var/lib/kvpool/order"
+    if not parent.is_dir():
+        return (f"--order-file {path}: no directory {parent}: create it first, or give a path "
+                "in an existing directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return (f"--order-file {path}: directory {parent} is not writable by this user: give "
+                "a path in a directory the service may write")
     return None
 
 
@@ -342,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     if not low <= args.snapshot_every_ms <= high:
         return _fail(f"--snapshot-every-ms {args.snapshot_every_ms}: must be {low}..{high} ms, "
                      f"e.g. {round(SNAPSHOT_EVERY_S * 1e3)} (the default)")
+    if not ORDER_EVERY_S_RANGE[0] <= args.order_every_s <= ORDER_EVERY_S_RANGE[1]:
+        least, most = ORDER_EVERY_S_RANGE
+        return _fail(f"--order-every-s {args.order_every_s:g}: must be {least:g}..{most:g} s, "
+                     f"e.g. {ORDER_EVERY_S:g} (the default)")
+    if args.order_file is not None and (problem := _order_file_problem(args.order_file)):
+        return _fail(problem)
     if args.transfer_timeout_ms is not None and args.transfer_timeout_ms < 0:
         return _fail(f"--transfer-timeout-ms {args.transfer_timeout_ms}: must be 0 or more ms "
                      "(default 60000, the store client's transfer timeout)")
@@ -444,7 +481,10 @@ def main(argv: list[str] | None = None) -> int:
                                     args.max_agent_connections_per_fleet_key),
                                 snapshot_every_s=args.snapshot_every_ms / 1e3,
                                 reconnect=(lambda: MooncakeBackend(config)) if ha else None,
-                                admission=args.admission)
+                                admission=args.admission,
+                                order_file=(Path(args.order_file) if args.order_file
+                                            else None),
+                                order_every_s=args.order_every_s)
     except ValueError as exc:
         backend.close()
         return _fail(f"--keys {args.keys}: {exc}")

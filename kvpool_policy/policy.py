@@ -378,6 +378,11 @@ class PoolPolicy:
             evicted.append(victim)
         return evicted
 
+    def order(self) -> list[PolicyKey]:
+        """The unpinned resident chunks, the next to evict first (a copy: what
+        ``kvpool_policy._order_file`` keeps across a restart)."""
+        return [key for key, _ in self._order.oldest()]
+
     def evict_oldest(self, digests: AbstractSet[str], nbytes: int,
                      exclude: AbstractSet[PolicyKey], max_scan: int = 65_536,
                      ) -> list[PolicyKey]:

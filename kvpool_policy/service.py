@@ -60,9 +60,10 @@ An HA pool (``--master etcd://...``): the service's store client follows the ser
 (``kvpool_policy._leader``: the masters' ``/health`` watched, the client made again after a
 leader change, no store call while none serves). Restart: the pool's keys (the serving
 leader's ``/get_all_keys``) are read at start; each layout's
-chunks become resident (least recently used first, in listing order) once an engine's record
-says their chunk bytes. Whatever the service removes follows ``_remover``'s rule, so a
-restarted service that under-counts leaves the rest to the master's watermark.
+chunks become resident (least recently used first: in the order ``--order-file`` kept, chunks
+it does not name after them, else in listing order; ``kvpool_policy._order_file``) once an
+engine's record says their chunk bytes. Whatever the service removes follows ``_remover``'s
+rule, so a restarted service that under-counts leaves the rest to the master's watermark.
 
 The loop itself never calls the store: removals and pin reads run on the store thread
 (``kvpool_policy._store_calls``), so a master that does not answer (a call waits 30-90 s in the
@@ -78,6 +79,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -119,6 +121,7 @@ from kvpool_policy._core import (
 )
 from kvpool_policy._deltas import SnapshotDeltas
 from kvpool_policy._leader import LeaderFollower, LeaderWatch
+from kvpool_policy._order_file import ORDER_EVERY_S, OrderWriter, order_found, read_order
 from kvpool_policy._remover import Remover
 from kvpool_policy._store_calls import StoreCalls
 from kvpool_policy.policy import AdmissionKind, PoolPolicy
@@ -251,6 +254,10 @@ class PolicyService:
         admission: ``"adaptive"`` (the pool-wide doorkeeper decides what engines save) or
             ``"all"`` (every snapshot admits everything: the service only evicts, a live
             pool-wide leaf-first LRU; ``bench/bench_fleet.py``'s ``service-lru`` baseline).
+        order_file: where the eviction order is kept across restarts (read at start,
+            written every ``order_every_s`` and at ``close``; ``kvpool_policy._order_file``);
+            ``None``: not kept (a restart orders the pool's chunks as the master lists them).
+        order_every_s: seconds between two writes of ``order_file`` at most.
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -265,8 +272,10 @@ class PolicyService:
                  max_agent_connections_per_fleet_key: int = MAX_AGENT_CONNECTIONS_PER_FLEET_KEY,
                  snapshot_every_s: float = SNAPSHOT_EVERY_S,
                  reconnect: Callable[[], MooncakeBackend] | None = None,
-                 admission: AdmissionKind = "adaptive") -> None:
+                 admission: AdmissionKind = "adaptive", order_file: Path | None = None,
+                 order_every_s: float = ORDER_EVERY_S) -> None:
         self.follower: LeaderFollower | None = None
+        self.order = OrderWriter(order_file, order_every_s) if order_file is not None else None
         records_at, snapshots_at = policy_ports(listen)
         agents: dict[KeyKind, int] = {"engine": max_agent_connections_per_key,
                                       "fleet": max_agent_connections_per_fleet_key}
@@ -275,6 +284,8 @@ class PolicyService:
                              "snapshots": {"console": max_subscribers_per_key, **agents}})
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
+        if order_file is not None:
+            found = order_found(found, read_order(order_file))
         # Store calls (removals, pin reads) run on a thread of their own: a master that does
         # not answer holds them up, never the records or the snapshots (_store_calls).
         self.store_calls = StoreCalls()
@@ -465,6 +476,9 @@ class PolicyService:
                 if self.follower is not None:
                     self._guard("following the pool's leader", self.follower.step)
                 self._guard("removing", self.remover.step)
+            if (order := self.order) is not None and order.due():
+                self._guard("writing the order file",
+                            lambda: order.write_soon(self.core.order()))
             why = self._schedule.due(self.core.policy.doorkeeper_active != doorkeeper)
             if why is not None:
                 doorkeeper = self.core.policy.doorkeeper_active
@@ -475,6 +489,8 @@ class PolicyService:
                                               self._schedule.serves_subscription))
 
     def close(self) -> None:
+        if self.order is not None:
+            self.order.close(self.core.order())
         # The monitor is stopped at the socket first: libzmq's I/O thread would otherwise
         # block sending the closing connections' events to a monitor already closed.
         self.snapshots.disable_monitor()

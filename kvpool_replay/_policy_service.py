@@ -64,9 +64,11 @@ class LocalPolicyService(LocalService):
         transfer_timeout_ms: its store client's transfer timeout (the removal grace).
         admission: ``kvpool-policy serve --admission`` (``adaptive`` | ``all``).
         port: the records port (``None``: two free ports; a restart passes the old one).
+        order_every_s: ``--order-every-s``: how often the service writes its eviction order
+            to ``order_path`` (beside its log), which a restart of this object reads.
 
     Attributes: ``address`` (``tcp://127.0.0.1:<port>``, engines' ``policy_service``),
-    ``proc``, ``log_path``.
+    ``proc``, ``log_path``, ``order_path`` (``--order-file``).
 
     Raises:
         RuntimeError: the service exited or did not bind within ``timeout_s`` (``start``;
@@ -77,8 +79,10 @@ class LocalPolicyService(LocalService):
                  capacity_bytes: int | None = None, fill: float = 0.8,
                  transfer_timeout_ms: int | None = None, port: int | None = None,
                  log_dir: Path | None = None,
-                 admission: AdmissionKind = "adaptive") -> None:
+                 admission: AdmissionKind = "adaptive",
+                 order_every_s: float | None = None) -> None:
         self.master, self.hub_keys = master, hub_keys
+        self.order_every_s = order_every_s
         self.admission = admission
         self.capacity_bytes, self.fill = capacity_bytes, fill
         self.transfer_timeout_ms = transfer_timeout_ms
@@ -86,6 +90,7 @@ class LocalPolicyService(LocalService):
         self._port_picked = port is None
         self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="kvpool-policy-"))) / \
             "kvpool-policy.log"
+        self.order_path = self.log_path.parent / "policy-order.msgpack"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -96,7 +101,9 @@ class LocalPolicyService(LocalService):
         cmd = [sys.executable, "-m", "kvpool_policy.cli", "serve", "--listen", self.address,
                "--keys", str(self.hub_keys), "--master", self.master.address,
                "--admin-url", self.master.admin_url, "--fill", str(self.fill),
-               "--admission", self.admission]
+               "--admission", self.admission, "--order-file", str(self.order_path)]
+        if self.order_every_s is not None:
+            cmd += ["--order-every-s", str(self.order_every_s)]
         if self.capacity_bytes is not None:
             cmd += ["--capacity", str(self.capacity_bytes)]
         if self.transfer_timeout_ms is not None:

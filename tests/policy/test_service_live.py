@@ -6,7 +6,8 @@ clients (``kvpool_connector.policy_client``) send records and save what they adm
   engine's own LRU (``eviction: connector``);
 - the service killed mid-run: engines go on saving everything (the master in charge), their
   records counted as dropped; restarted, it finds the pool's chunks, steers the pool back into
-  its capacity, and every value left reads back exactly (0 corrupt);
+  its capacity removing the least recently used by the order it kept on disk, and every value
+  left reads back exactly (0 corrupt);
 - keys the service does not authorise for records change nothing;
 - bad command-line input is one line and exit status 2.
 """
@@ -37,6 +38,7 @@ from kvpool_connector.policy_client import PolicyClient
 from kvpool_connector.policy_wire import PolicyLayout
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_policy import cli
+from kvpool_policy._order_file import read_order
 from kvpool_replay import (
     CONNECTOR_EVICTION_LEASE_MS,
     LocalMooncakeMaster,
@@ -94,7 +96,8 @@ class Pool:
         self.master, self.keys, self.tmp = master, keys, tmp
         self.service = LocalPolicyService(master, keys["hub"].root,
                                           capacity_bytes=CAPACITY_CHUNKS * CHUNK_BYTES,
-                                          transfer_timeout_ms=GRACE_MS, log_dir=tmp)
+                                          transfer_timeout_ms=GRACE_MS, log_dir=tmp,
+                                          order_every_s=1.0)
         self.address = self.service.address
         self.store = store_client(store_address or master.address, master.admin_url)
         self.clients: list[PolicyClient] = []
@@ -226,6 +229,10 @@ def test_killed_service_engines_go_on_and_a_restart_steers_again(
     assert "refused the key at its handshake (ZAP status 400)" in err, err
     assert "`kvpool-agent authorize --role viewer HUB_KEYS_DIR viewer.key`" in err, err
 
+    # The order the restart reads: the SIGKILL below leaves no last write, so the periodic one.
+    kept = [(LAYOUT.digest, h) for h in first[2:]]
+    wait_for(lambda: read_order(pool.service.order_path) == kept,
+             what="the order file naming the resident chunks", log=pool.log)
     pool.kill_service()
     wait_for(lambda: b.in_charge == "master", what="the master in charge")
     assert cli.main(status) == 1
@@ -243,10 +250,12 @@ def test_killed_service_engines_go_on_and_a_restart_steers_again(
              what="the restarted service in charge", log=pool.log)
     last = chunk("after-restart")
     pool.save(b, [last])
-    # The restarted service found 14 chunks in the pool: with the new one, the 7 oldest go.
+    # The restarted service found 14 chunks in the pool: with the new one, the 7 least
+    # recently used go by the order file (the chunks saved while it was down are newer than
+    # every chunk it names); the master's listing order would pick 7 of 14 about at random.
     wait_for(lambda: len(pool.resident()) == CAPACITY_CHUNKS,
              what=f"the pool back to {CAPACITY_CHUNKS} chunks", log=pool.log)
-    assert last in pool.resident()
+    assert pool.resident() == {first[-1], *during, last}
     # A chunk's keys go one by one: a chunk listed (by its first rank's key) may still lose its
     # other key to a removal in flight (CI under load read one empty). Once every listed chunk
     # is whole, every value must be the one written.
@@ -368,6 +377,11 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     (["--max-agent-connections-per-key", "-1"], "--max-agent-connections-per-key -1: must be 0 "
      "(no cap) or more, e.g. 32 (the default)"),
     (["--max-agent-connections-per-fleet-key", "-2"], "--max-agent-connections-per-fleet-key -2"),
+    (["--order-every-s", "0"], "--order-every-s 0: must be 1..3600 s, e.g. 30 (the default)"),
+    (["--order-every-s", "nan"], "--order-every-s nan: must be 1..3600 s"),
+    (["--order-file", "/nonexistent/order"], "--order-file /nonexistent/order: no directory "
+     "/nonexistent: create it first"),
+    (["--order-file", "/"], "--order-file /: not a file"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
