@@ -3,7 +3,8 @@
 Starts the demo fleet (``kvpool_replay.DemoCluster``: a local ``mooncake_master`` and store,
 a fleet hub with CURVE keys, prefill/decode/mixed engines replaying the conversation trace
 through the connector), lets it run ``--seconds``, then writes every agent's latest state as
-the hub holds it to ``docs/data/demo-fleet.json``. ``scripts/screenshots.py`` draws the console
+the hub holds it, with the hub's reuse figures (the miss split), to
+``docs/data/demo-fleet.json``. ``scripts/screenshots.py`` draws the console
 over that file, so the pictures show a real fleet and stay the same between runs.
 
     .venv/bin/python scripts/record_demo_fleet.py [--seconds 120] [--out docs/data/demo-fleet.json]
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.seconds)
         hub = cluster.hub
         fleet = hub.fleet()  # type: ignore[attr-defined]
+        reuse = hub.reuse.view()  # type: ignore[attr-defined]
         now_ms = time.time() * 1e3
     finally:
         cluster.stop()
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               "scripts/record_demo_fleet.py"),
         states={aid: st for aid, (st, _) in fleet.items()},
         seen_ms={aid: seen for aid, (_, seen) in fleet.items()},
+        reuse=reuse,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(msgspec.json.format(msgspec.json.encode(rec), indent=1) + b"\n")

@@ -24,7 +24,9 @@ shares it: request k goes to the k mod S-th of the S engines that are not decode
 as many as its scheduler's recorded ``lookups``. Chunk ids are the connector's
 (``chunk_hashes`` of the replay's tokens, ``chunk_id``), the pool's capacity the hub's
 estimate from the recorded pool stats. Hashing the trace's tokens takes a while, so the screen
-is drawn only when named; the other screens carry no reuse figures, as their recording.
+is drawn only when named. The other screens carry the reuse figures their recording holds
+(the hub's, as the console had them: each engine's top miss split by the hub), none for a
+recording made before they were kept.
 """
 
 from __future__ import annotations
@@ -225,7 +227,8 @@ async def run(data: Path, out: Path, only: list[str] | None, size: tuple[int, in
                 written.append(await shoot(whatif, name, drive, out, shape, ssh_config,
                                            reuse_of(whatif)))
             else:
-                written.append(await shoot(rec, name, drive, out, shape, ssh_config, None))
+                written.append(await shoot(rec, name, drive, out, shape, ssh_config,
+                                           rec.reuse))
     return written
 
 
