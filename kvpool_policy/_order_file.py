@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -65,7 +66,7 @@ class OrderFile(msgspec.Struct, array_like=True, frozen=True):
     v: int
     written_ms: float
     digests: list[str]
-    chunks: list[tuple[int, str]]
+    chunks: list[tuple[Annotated[int, msgspec.Meta(ge=0)], str]]
 
 
 def _encode(order: Sequence[PolicyKey]) -> bytes:

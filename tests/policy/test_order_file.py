@@ -71,8 +71,10 @@ def test_another_version_or_a_bad_index_is_no_order(
     assert read_order(path) == []
     path.write_bytes(msgspec.msgpack.encode(OrderFile(ORDER_VERSION, 0.0, [A], [(3, h(1))])))
     assert read_order(path) == []
+    path.write_bytes(msgspec.msgpack.encode(OrderFile(ORDER_VERSION, 0.0, [A], [(-1, h(1))])))
+    assert read_order(path) == []
     assert read_order(tmp_path / "none") == []  # no file: no line
-    assert len(caplog.records) == 2
+    assert len(caplog.records) == 3
 
 
 def test_writes_are_spaced_and_one_at_a_time(tmp_path: Path) -> None:
