@@ -555,7 +555,8 @@ class MooncakeBackend(Backend):
         model+digest+shard(+layer) group (all chunk keys of a group have one size) with
         ``/batch_query_keys``, which reads the master's metadata and grants no lease: a dry
         run leaves every key as it found it. A real run calls ``remove_by_regex(pattern, force)``;
-        ``skipped_leased`` counts matched keys still present afterwards and ``bytes`` is what
+        ``skipped_leased`` counts matched keys still present afterwards, ``keys`` those listed
+        before the call or removed by it (at least removed + skipped), and ``bytes`` is what
         the master's ``master_allocated_bytes`` dropped by plus the sizes of those skipped keys.
 
         Raises:
@@ -581,8 +582,12 @@ class MooncakeBackend(Backend):
                 )
             left = set(matched) & {k for k in self._all_keys() if rx.search(k)}
             freed = max(0, before - self._allocated_bytes())
+            # The regex also removes keys saved between the listing and the call (a live
+            # fleet saves hundreds a second): they count as matched too, so that removed plus
+            # skipped never exceeds matched (the hub holds an answer that does as suspect).
             return RemoveResult(
-                keys=len(matched), bytes=freed + sum(self._key_sizes(sorted(left)).values()),
+                keys=max(len(matched), int(removed) + len(left)),
+                bytes=freed + sum(self._key_sizes(sorted(left)).values()),
                 removed=int(removed), skipped_leased=len(left),
             )
         except httpx.HTTPError as exc:
