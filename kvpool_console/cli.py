@@ -419,7 +419,7 @@ def _flush_line(replies: list[CommandReply]) -> tuple[str, bool]:
     suspect = [f"{r.agent_id}: {r.suspect}" for r in replies if r.suspect]
     if suspect:
         # The hub found an answer its pool's own key count contradicts: not done.
-        return "flush SUSPECT, not done: " + "; ".join(suspect), False
+        return "flush SUSPECT, not confirmed: " + "; ".join(suspect), False
     total, errors = sum_flush(replies)
     if total is None:
         return "flush failed: " + "; ".join(errors), False

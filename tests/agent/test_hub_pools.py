@@ -424,7 +424,7 @@ def test_a_model_flush_answer_another_keys_listing_contradicts_is_suspect(
     out = capsys.readouterr().out
     assert liar.answered == [True, False], "the impostor did not get the dry run and the flush"
     assert code != 0, out
-    assert f"flush SUSPECT, not done: {isrc.agent_id}: {suspect}" in out, out
+    assert f"flush SUSPECT, not confirmed: {isrc.agent_id}: {suspect}" in out, out
     assert set(many_keys) <= pool_keys(agent_master)
     audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     line = [x for x in audit if x["command"] == "flush"][-1]  # the real flush, after the dry run
