@@ -226,6 +226,9 @@ class DemoCluster:
         self._say(f"keys in {self.keys_root}/: hub/ (the hub's, with authorized_keys/), "
                   f"operator/ (kvpool-console --keys {self.keys_dir}), viewer/, agent/ "
                   "(the engines')")
+        self._say(f"one-shot commands from another terminal: export KVPOOL_HUB="
+                  f"{self.hub_address} KVPOOL_KEYS_DIR={self.keys_dir}; then e.g. "
+                  "kvpool-console status --json")
         hub = FleetHub(self.hub_address, authorized_keys_dir=keys["hub"].authorized_dir,
                        secret_key_file=keys["hub"].hub_secret,
                        audit_file=self.workdir / "audit.jsonl", metrics_port=port + 4)
@@ -299,6 +302,7 @@ class DemoCluster:
                 lookup_rpc_port=free_port(),
                 result_path=str(self.workdir / f"{eid}.result.json"), go_path=str(go),
                 ready_path=str(self.workdir / f"{eid}.ready"), extra_config=extra,
+                hold_after=True,  # a finished trace: idle engines, not gone ones
                 **kw,  # type: ignore[arg-type]
             )
             self.specs[eid] = spec
@@ -379,8 +383,9 @@ class DemoCluster:
         return msgspec.json.decode(p.read_bytes(), type=EngineResult)
 
     def running(self) -> list[str]:
-        """Ids of engines still replaying."""
-        return [eid for eid, p in self.processes.items() if p.poll() is None]
+        """Ids of engines still replaying (a finished one stays up, idle, until ``stop``)."""
+        return [eid for eid, p in self.processes.items()
+                if p.poll() is None and self.result(eid) is None]
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until every engine finished its share; False on timeout."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -110,6 +111,10 @@ def run_engine_spec(
             if progress is not None:
                 progress.update(_progress_of(spec, result, k, total), final=k == total)
         engine.drain()
+        if spec.hold_after:
+            _finish(result, started)
+            write_result(spec, result)
+            threading.Event().wait()  # until SIGTERM (DemoCluster.stop)
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -120,9 +125,13 @@ def run_engine_spec(
                 sock.close()
         if progress is not None:
             progress.close()
+    _finish(result, started)
+    return result
+
+
+def _finish(result: EngineResult, started: float) -> None:
     result.wall_s = time.monotonic() - started
     result.peak_rss_bytes = _peak_rss_bytes()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,9 @@ class EngineSpec(msgspec.Struct, kw_only=True):
         feed_from: decode engine of a P/D pair: ZMQ address to PULL trace indices from,
             in place of ``indices`` (which then only size the KV cache); the engine stops
             after ``feed_count`` of them.
+        hold_after: once its share is replayed and its result written, keep the engine (and
+            its agent, reporting) up, idle, until it is terminated: the demo's engines, so a
+            finished trace shows as idle engines, not as gone ones.
     """
 
     engine_id: str
@@ -116,6 +119,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     forward_to: str = ""
     feed_from: str = ""
     feed_count: int = 0
+    hold_after: bool = False
 
 
 class EngineResult(msgspec.Struct, kw_only=True):

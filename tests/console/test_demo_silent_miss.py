@@ -69,5 +69,17 @@ def test_a_demo_run_near_its_ceiling_raises_no_silent_miss() -> None:
             rows = {r.engine_id: (r.top_miss, bool(r.top_miss_fix)) for r in view.engines}
             assert rows.keys() == {"prefill-0", "decode-1", "engine-2"}
             assert all(reason and fix for reason, fix in rows.values()), rows
+            # A finished trace leaves the engines up and reporting, idle (a new user's demo
+            # ended with every engine "gone", CRITICAL, after its trace): reports keep coming.
+            ended = time.time() * 1e3
+            deadline = time.monotonic() + 30
+            while min(src.fleet()[1].values()) <= ended + 1_000:
+                assert time.monotonic() < deadline, "the finished engines stopped reporting"
+                time.sleep(0.1)
+            assert all(p.poll() is None for p in cluster.processes.values())
+            states, seen = src.fleet()
+            gone = [a.rule for a in model.update(states, seen, time.time() * 1e3, src.reuse())
+                    if a.rule in ("gone", "stale")]
+            assert gone == []
         finally:
             src.close()
