@@ -149,7 +149,12 @@ def _store_port(ctx: Context, store: dict[str, Any]) -> list[tuple[int, str, str
             )
         )
         port = DEFAULT_KV_CACHE_STORE_PORT
-    if isinstance(port, int) and not isinstance(port, bool):
+    if isinstance(port, bool):
+        # pydantic's lax int reads true as 1: the type check lets it through.
+        ctx.add(Finding("error", "store-port", f"{_BASE}.port",
+                        f"port {str(port).lower()} is not a port number",
+                        f"use 1024-65535, e.g. {DEFAULT_KV_CACHE_STORE_PORT}"))
+    elif isinstance(port, int):
         if not 0 < port < 65536:
             ctx.add(
                 Finding(

@@ -19,7 +19,6 @@ from kvpool_config._context import Options, type_findings
 from kvpool_config._model import MooncakeClientConfig
 from kvpool_config.rules import Finding
 from kvpool_connector.backends.mooncake import HARD_PIN_UPSERT_TTL_MS, TRANSFER_TIMEOUT_MS
-from kvpool_connector.backends.mooncake_address import parse_master_address
 
 __all__ = ["DESCRIPTION", "IDENTIFYING_KEYS", "check"]
 
@@ -46,21 +45,8 @@ def check(
         consequence=" (Mooncake ignores it)",
         only_close=True,
     )
-    address = doc.get("master_server_address")
-    try:
-        parse_master_address(str(address))
-    except ValueError:
-        findings.append(
-            Finding(
-                "error",
-                "master-address",
-                "$.master_server_address",
-                f"master_server_address {address!r} is not host:port or etcd://host:port",
-                'write it as "<master_ip>:50088" (the port mooncake_master listens on), or '
-                '"etcd://<etcd_ip>:2379" for an HA pool (masters run with --enable_ha)',
-            )
-        )
     checks = (
+        R.check_master_address(doc.get("master_server_address"), path="$.master_server_address"),
         R.check_protocol(doc.get("protocol"), path="$.protocol", npu=False),
         R.check_global_segment_size(
             doc.get("global_segment_size"),

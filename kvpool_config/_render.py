@@ -19,11 +19,25 @@ from typing import Any
 
 from kvpool_config._model import DEFAULT_KV_CACHE_STORE_PORT, DEFAULT_LEASE_TTL_MS
 from kvpool_config._registry import validate_document
+from kvpool_config.rules import host_problem
 
-__all__ = ["MASTER_CMD_NAME", "MOONCAKE_JSON_NAME", "RenderError", "Rendered", "render_mooncake"]
+__all__ = [
+    "MASTER_CMD_NAME",
+    "MASTER_HOST_FIX",
+    "MOONCAKE_JSON_NAME",
+    "RenderError",
+    "Rendered",
+    "render_mooncake",
+]
 
 MOONCAKE_JSON_NAME = "mooncake.json"
 MASTER_CMD_NAME = "mooncake_master.cmd"
+
+MASTER_HOST_FIX = (
+    "give the host the engines reach mooncake_master on, e.g. 10.0.0.5 (in Kubernetes the "
+    "kv-store Service's name)"
+)
+"""What to write instead of a master host :func:`render_mooncake` refuses."""
 
 
 class RenderError(ValueError):
@@ -52,9 +66,14 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
             Kubernetes; ``127.0.0.1`` for a single-host run).
 
     Raises:
-        RenderError: no ``kv_cache_store_config``, its backend is not ``mooncake``, or
-            ``kvpool-config validate`` finds an error in it (the message names the first).
+        RenderError: no ``kv_cache_store_config``, its backend is not ``mooncake``,
+            ``kvpool-config validate`` finds an error in it (the message names the first), or
+            ``master_host`` is no host name or IP address (validate's rule on
+            ``master_server_address``, :func:`~kvpool_config.rules.host_problem`).
     """
+    problem = host_problem(master_host)
+    if problem is not None:
+        raise RenderError(f"master host {problem}: {MASTER_HOST_FIX}")
     store = doc.get("kv_cache_store_config") if isinstance(doc, dict) else None
     if not isinstance(store, dict):
         raise RenderError(

@@ -8,6 +8,10 @@ Commands:
 - ``kvpool-config render USER_CONFIG.json [--out DIR] [--master-host HOST]``: the
   ``mooncake_master`` command line and the ``MOONCAKE_CONFIG_PATH`` JSON.
 - ``kvpool-config schema [--out FILE]``: the JSON Schema (``config/kvpool.schema.json``).
+
+Bad command-line input (an ``--out`` that cannot be written, a ``--master-host`` that is no host
+name or IP address, a ``--block-size`` or ``--num-layers`` below 1) is one line on stderr naming
+the option and the fix, exit status 2, and nothing is written.
 - ``kvpool-config fingerprint MODEL_DIR [--json]``: the content fingerprint of a local
   safetensors checkpoint (``kvpool_connector.fingerprint``), what it read and how long it
   took; exit 2 with the reason when the directory cannot be fingerprinted. With
@@ -23,18 +27,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpool_agent.cli_parser import CommandParser
+from kvpool_agent.cli_parser import CommandParser, int_at_least
 from kvpool_config._context import Options
 from kvpool_config._files import FileReport, validate_files
 from kvpool_config._loader import ConfigLoadError, load_json
 from kvpool_config._render import (
     MASTER_CMD_NAME,
+    MASTER_HOST_FIX,
     MOONCAKE_JSON_NAME,
     RenderError,
     render_mooncake,
 )
 from kvpool_config._schema import schema_text
-from kvpool_config.rules import Finding
+from kvpool_config.rules import Finding, host_problem
 from kvpool_connector.fingerprint import (
     NotFingerprintable,
     adapter_fingerprint,
@@ -119,6 +124,34 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return status
 
 
+_RENDER_OUT = "a directory for mooncake_master.cmd and mooncake.json, e.g. --out ./mooncake"
+_SCHEMA_OUT = "a file path in an existing directory, e.g. --out config/kvpool.schema.json"
+
+
+def _write_out(out: str, content: str | dict[str, str], wanted: str) -> str | None:
+    """Write ``--out``: the file ``out`` (``content`` its text), or files (name -> text) into
+    the directory ``out``, created when missing. Returns ``None``, or one line naming
+    ``--out``, what is wrong (a directory where the file goes, a file where the directory
+    goes, a missing parent, the OS's reason) and ``wanted``."""
+    path = Path(out)
+    if isinstance(content, str):
+        problem = ("is a directory" if path.is_dir()
+                   else None if path.parent.is_dir() else f"no directory {path.parent}")
+    else:
+        problem = "is a file, not a directory" if path.exists() and not path.is_dir() else None
+    if problem is None:
+        try:
+            if isinstance(content, str):
+                path.write_text(content)
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+                for name, text in content.items():
+                    (path / name).write_text(text)
+        except OSError as exc:
+            problem = f"cannot write it ({exc.strerror or exc})"
+    return None if problem is None else f"--out {out}: {problem}; give {wanted}"
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     try:
         rendered = render_mooncake(load_json(args.file), master_host=args.master_host)
@@ -131,10 +164,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"# {MOONCAKE_JSON_NAME} (export MOONCAKE_CONFIG_PATH=/path/to/{MOONCAKE_JSON_NAME})")
         print(conf_text, end="")
         return EXIT_CLEAN
+    files = {MASTER_CMD_NAME: rendered.master_command + "\n", MOONCAKE_JSON_NAME: conf_text}
+    problem = _write_out(args.out, files, _RENDER_OUT)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_ERRORS
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MASTER_CMD_NAME).write_text(rendered.master_command + "\n")
-    (out / MOONCAKE_JSON_NAME).write_text(conf_text)
     print(f"wrote {out / MASTER_CMD_NAME} and {out / MOONCAKE_JSON_NAME}")
     print(f"start the master:  {rendered.master_command}")
     print(f"engines:           export MOONCAKE_CONFIG_PATH={(out / MOONCAKE_JSON_NAME).resolve()}")
@@ -146,7 +181,10 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text, end="")
     else:
-        Path(args.out).write_text(text)
+        problem = _write_out(args.out, text, _SCHEMA_OUT)
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return EXIT_ERRORS
         print(f"wrote {args.out}")
     return EXIT_CLEAN
 
@@ -189,6 +227,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _master_host(text: str) -> str:
+    """``--master-host``: validate's rule on a ``master_server_address`` host
+    (:func:`~kvpool_config.rules.host_problem`), so render never writes a mooncake.json that
+    validate refuses."""
+    problem = host_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}: {MASTER_HOST_FIX}")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="kvpool-config",
@@ -217,11 +265,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     val.add_argument(
         "--block-size",
-        type=int,
+        type=int_at_least(1),
         help="vLLM block size of a plain kv_transfer_config's engine (KVPoolConnector chunk_size)",
     )
     val.add_argument(
-        "--num-layers", type=int, help="the model's layer count (prefill_pp_layer_partition)"
+        "--num-layers",
+        type=int_at_least(1),
+        help="the model's layer count (prefill_pp_layer_partition)",
     )
     val.add_argument(
         "--hybrid-attention",
@@ -243,7 +293,10 @@ def _parser() -> argparse.ArgumentParser:
         "--out", help="directory for mooncake_master.cmd and mooncake.json (default: print)"
     )
     ren.add_argument(
-        "--master-host", default="127.0.0.1", help="host of mooncake_master for clients"
+        "--master-host",
+        type=_master_host,
+        default="127.0.0.1",
+        help="host of mooncake_master for clients (a host name or IP address)",
     )
     ren.set_defaults(func=_cmd_render)
     sch = sub.add_parser("schema", help="print or write the JSON Schema of the KV-pool part")

@@ -60,6 +60,7 @@ from kvpool_config.rules._store import (
     check_global_segment_size,
     check_lease_ttl,
     check_local_service_mode,
+    check_master_address,
     check_offload_env,
     check_protocol,
     check_ratio,
@@ -68,6 +69,7 @@ from kvpool_config.rules._store import (
     check_ssd_offload_path,
     check_store_mode,
     check_transfer_timeout,
+    host_problem,
 )
 
 __all__ = [
@@ -98,6 +100,7 @@ __all__ = [
     "check_lease_ttl",
     "check_load_failure_policy",
     "check_local_service_mode",
+    "check_master_address",
     "check_offload_env",
     "check_pp_layer_partition",
     "check_protocol",
@@ -114,6 +117,7 @@ __all__ = [
     "check_unknown_keys",
     "file_per_key_bound",
     "filesystem_space",
+    "host_problem",
     "is_hybrid_attention_model",
     "json_path",
 ]

@@ -11,6 +11,8 @@ milliseconds (Mooncake ``doc/zh/ascend_direct_transport.md`` table: "link setup 
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Any
 
 from kvpool_config._model import (
@@ -22,6 +24,7 @@ from kvpool_config._model import (
 )
 from kvpool_config.rules._finding import Finding, check_choice
 from kvpool_connector.backends.mooncake import HARD_PIN_UPSERT_TTL_MS, TRANSFER_TIMEOUT_MS
+from kvpool_connector.backends.mooncake_address import parse_master_address
 from kvpool_connector.sizes import parse_size
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "check_global_segment_size",
     "check_lease_ttl",
     "check_local_service_mode",
+    "check_master_address",
     "check_offload_env",
     "check_protocol",
     "check_ratio",
@@ -40,6 +44,7 @@ __all__ = [
     "check_ssd_offload_path",
     "check_store_mode",
     "check_transfer_timeout",
+    "host_problem",
     "whole_bytes",
 ]
 
@@ -98,6 +103,55 @@ def check_lease_ttl(
         "that runs into the timeout finds its lease expired (LEASE_EXPIRED) and fails",
         f"set default_kv_lease_ttl above {limit} (e.g. {limit + 2000}) or lower {name}",
     )
+
+
+# One DNS label (RFC 1123: letters, digits, inner hyphens, 1-63 characters); underscores too,
+# which container networks resolve (Docker Compose service names).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+_MASTER_EXAMPLE = (
+    '"<master_ip>:50088" (the port mooncake_master listens on), or "etcd://<etcd_ip>:2379" '
+    "for an HA pool (masters run with --enable_ha)"
+)
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` names no machine a client can connect to, or ``None``: it must be an IP
+    address (IPv6 with or without brackets) or a DNS name of dot-separated labels (RFC 1123,
+    253 characters at most; a trailing dot allowed)."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        name = host.removesuffix(".")
+        if name and len(name) <= 253 and all(_HOST_LABEL.fullmatch(p) for p in name.split(".")):
+            return None
+        return f"{host!r} is not a host name or IP address"
+    return None
+
+
+def check_master_address(value: Any, *, path: str) -> Finding | None:
+    """``master_server_address`` of a Mooncake client: present, ``host:port`` or an HA pool's
+    ``etcd://host:port[;...]`` as the connector parses it
+    (``kvpool_connector.backends.mooncake_address``), every host a name or IP address
+    (:func:`host_problem`; the connector's parser takes any text before the colon, and the
+    client then fails to resolve it)."""
+    if value is None:
+        return Finding("error", "master-address", path, "master_server_address is missing",
+                       f"add the master's HOST:PORT, e.g. {_MASTER_EXAMPLE}; or set "
+                       "MOONCAKE_MASTER=HOST:PORT in every engine's environment")
+    try:
+        address = parse_master_address(str(value))
+    except ValueError:
+        return Finding("error", "master-address", path,
+                       f"master_server_address {value!r} is not host:port or etcd://host:port",
+                       f"write it as {_MASTER_EXAMPLE}")
+    for host, _port in address.endpoints:
+        problem = host_problem(host)
+        if problem is not None:
+            return Finding("error", "master-address", path,
+                           f"master_server_address {value!r}: {problem}",
+                           f"write it as {_MASTER_EXAMPLE}")
+    return None
 
 
 def check_ratio(
