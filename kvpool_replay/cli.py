@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import socket
 import sys
 
 import msgspec
@@ -22,6 +23,7 @@ import psutil
 
 from kvpool_agent import hub_ports
 from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, int_at_least, number_in
+from kvpool_connector.backends.mooncake_address import parse_master_address
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._forkserver import stop_fork_server
 from kvpool_replay._replay import (
@@ -223,6 +225,25 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     return ModelShape(block_size=args.block_size, **dims)  # type: ignore[arg-type]
 
 
+def _master_problem(text: str) -> str | None:
+    """Why ``--master`` cannot be used (the message), or ``None``: not ``HOST:PORT`` or
+    ``etcd://...``, or, for one master, nothing accepts a TCP connection there within 3 s (the
+    engines' store clients would wait 20 s and fail with ``Client not available``)."""
+    try:
+        addr = parse_master_address(text)
+    except ValueError as exc:
+        return f"--master: {exc}"
+    if addr.ha:
+        return None
+    host, port = addr.endpoints[0]
+    try:
+        socket.create_connection((host, port), timeout=3.0).close()
+    except OSError as exc:
+        return (f"--master {text}: nothing answers there ({exc.strerror or exc}): start "
+                "mooncake_master first, or leave --master out to start one here")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvpool-replay``. Exit status: 0 ok, 1 an engine failed, 2 bad input
     (options, a missing, invalid or empty trace, a pool larger than the memory available), with
@@ -236,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = model_shape(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.master is not None and (problem := _master_problem(args.master)):
+        parser.error(problem)
     try:
         cfg = ReplayConfig(
             trace_path=trace, limit=args.limit, engines=args.engines,

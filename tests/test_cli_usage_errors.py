@@ -92,3 +92,21 @@ def test_every_number_flag_is_refused_in_words(module: str, argv: list[str], say
         main(argv)
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("master", "says"), [
+    ("notahost", "--master: 'notahost' is not host:port or etcd://host:port"),
+    ("127.0.0.1:1", "--master 127.0.0.1:1: nothing answers there (Connection refused): start "
+     "mooncake_master first, or leave --master out to start one here"),
+])
+def test_a_replay_master_that_cannot_serve_is_one_line(
+        master: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvpool-replay --master`` was taken as given: a bad or dead master was a 20 s wait and
+    a ``mooncake_client did not mount its segment`` traceback (a new user's finding)."""
+    from kvpool_replay.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--master", master, "--limit", "5"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
