@@ -61,7 +61,7 @@ from kvpool_console._messages import (
 )
 from kvpool_console._pins import PIN_TIMEOUT_MS, pins_summary
 from kvpool_console.alerts import Alert, AlertModel, AlertSettings
-from kvpool_console.model import SORT_KEYS, FleetModel, select_rows
+from kvpool_console.model import SORT_KEYS, FleetModel, select_rows, sum_flush
 from kvpool_console.rows import EngineRow, FleetView
 from kvpool_console.screens import (
     EngineDetail,
@@ -693,10 +693,12 @@ class KVPoolConsole(App[None]):
         except Exception as e:  # shown in the modal: read-only console, hub unreachable
             request.requester.post_message(FlushFinished(args, [], f"{type(e).__name__}: {e}"))
             return
-        removed = sum(r.flush.removed_keys for r in replies if r.flush is not None)
+        total, _ = sum_flush(replies)
+        done = ("" if total is None else f"would remove {total.keys} keys" if args.dry_run
+                else f"removed {total.removed_keys} of {total.keys} keys")
         self.call_from_thread(
             self.log_event,
             f"flush scope={args.scope} model={args.model} engine={args.engine_id} "
             f"dry_run={args.dry_run} force={args.force}: "
-            + ("; ".join(r.error or "" for r in replies if not r.ok) or f"ok, removed {removed}"))
+            + ("; ".join(r.error or "" for r in replies if not r.ok) or f"ok, {done}"))
         request.requester.post_message(FlushFinished(args, replies))

@@ -454,6 +454,13 @@ def _flush(args: argparse.Namespace, src: FleetSource, out: Console, err: Consol
     if args.scope == "engine" and not args.engine_id:
         err.print("[red]flush: --scope engine needs --engine ENGINE_ID[/red]")
         return EXIT_USAGE
+    if args.scope == "engine":
+        # An engine's scope is flushed by its own worker: only a reporting engine can be.
+        known = {s.source.engine_id for s in src.fleet()[0].values()}
+        if args.engine_id not in known:
+            err.print(plain(f"flush: unknown engine {args.engine_id}; known: "
+                            f"{', '.join(sorted(known)) or 'none'}", style="red"))
+            return EXIT_USAGE
     if not args.dry_run and not src.can_flush:
         err.print("[red]flush refused: read-only without the operator key; pass --keys DIR "
                   "(kvpool-agent keygen --role operator) or use --dry-run[/red]")

@@ -163,6 +163,10 @@ def test_health_and_flush_rules(live_fleet: LiveFleet,
     assert sum(r["flush"]["removed_keys"] for r in doc["flush"]) == 4
     assert live_fleet.present(keys) == [0] * 4
     assert main(["flush", "--scope", "engine", "--hub", hub]) == 2
+    capsys.readouterr()
+    assert main(["flush", "--scope", "engine", "--engine", "nosuch", "--dry-run",
+                 "--hub", hub]) == 2
+    assert capsys.readouterr().err == "flush: unknown engine nosuch; known: d0, p0\n"
 
 
 def test_forget_drops_an_engine_and_its_alerts(live_fleet: LiveFleet,

@@ -158,6 +158,13 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
     app = KVPoolConsole(ClientSource(live_fleet.address, keys_dir=str(live_fleet.keys.root),
                                      pump=True),
                         refresh_s=0.25)
+    logged: list[str] = []
+    log_event = app.log_event
+
+    def logging(message: str, style: str = "") -> None:
+        logged.append(message)
+        log_event(message, style)
+    app.log_event = logging  # type: ignore[method-assign]
     async with app.run_test(size=(120, 36)) as pilot:
         table = app.query_one(FleetTable)
         await until(pilot, lambda: "e:p0" in table.rows, "p0")
@@ -189,6 +196,9 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
         await until(pilot, lambda: screen.result is not None, "flush result", 15)
         assert screen.result is not None and screen.result.removed_keys == 6
         assert "removed 6 of 6 keys" in str(screen.query_one("#flush-status", Static).content)
+    # The events log says what each did (a dry run read "ok, removed 0" before).
+    flushes = [m.rpartition(": ")[2] for m in logged if m.startswith("flush ")]
+    assert flushes == ["ok, would remove 6 keys", "ok, removed 6 of 6 keys"]
     assert live_fleet.present(mine) == [0] * 6
     assert live_fleet.present(others) == [1] * 4  # another model's keys are untouched
     audit = (live_fleet.keys.root.parent.parent / "audit.jsonl").read_text()
