@@ -347,8 +347,10 @@ class CommandRouter:
         try:
             self.sockets.agents.send_multipart([routing_id, encode(fwd)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            (pend.listings if listing else pend.replies)[aid] = agent_error(
-                pend.req, aid, f"agent unreachable: {e}")
+            why = ("agent not connected: its connection to the hub is gone (the process "
+                   "exited, or its network dropped)" if e.errno == zmq.EHOSTUNREACH
+                   else f"agent unreachable: {e}")  # libzmq's "Host unreachable" misled
+            (pend.listings if listing else pend.replies)[aid] = agent_error(pend.req, aid, why)
             return
         pend.routes[aid] = routing_id
 
