@@ -533,3 +533,12 @@ async def test_tui_triage_uses_the_consoles_ssh_config(sshd: Sshd, tmp_path: Pat
         assert panel.report is not None
         assert panel.report.hosts[0].ssh_error == ""
         assert panel.report.hosts[0].processes[0].state == "running"
+
+
+def test_the_ssh_module_imports_without_warnings() -> None:
+    """Importing the console's SSH login (asyncssh) printed 5 of cryptography's DSA
+    deprecation warnings, with their source lines, before a one-line triage answer."""
+    proc = subprocess.run([sys.executable, "-W", "default", "-c",
+                           "import kvpool_console.triage._ssh"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert (proc.returncode, proc.stderr) == (0, "")
