@@ -6,15 +6,26 @@ readers for values written loosely (``"30001"`` for a port, ``enforce-eager`` fo
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from kvpool_config.rules import Finding, json_path
 
-__all__ = ["Connector", "Context", "Instance", "Options", "as_int", "get_arg", "type_findings"]
+__all__ = [
+    "Connector",
+    "Context",
+    "Instance",
+    "Options",
+    "as_int",
+    "error_fix",
+    "get_arg",
+    "type_findings",
+]
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,48 @@ def as_int(value: Any) -> int | None:
     if isinstance(value, str) and value.strip().isdecimal():
         return int(value.strip())
     return None
+
+
+# pydantic's error types (pydantic_core ErrorType) -> the fix, formatted with the error's ctx
+# (the bound it broke: le, lt, ge, gt, min_length, max_length), ``choices`` (a Literal's
+# values) and ``eg`` (", e.g. <example>", or empty when there is no example).
+_ERROR_FIXES = {
+    "less_than_equal": "use a value of at most {le}",
+    "less_than": "use a value below {lt}",
+    "greater_than_equal": "use a value of at least {ge}",
+    "greater_than": "use a value above {gt}",
+    "multiple_of": "use a multiple of {multiple_of}",
+    "string_too_short": "use at least {min_length} character(s)",
+    "string_too_long": "use at most {max_length} characters",
+    "too_short": "give at least {min_length} item(s)",
+    "too_long": "give at most {max_length} item(s)",
+    "literal_error": "use one of {choices}",
+    "int_parsing": "use an integer{eg}",
+    "int_type": "use an integer (no quotes){eg}",
+    "int_from_float": "use a whole number{eg}",
+    "float_parsing": "use a number{eg}",
+    "float_type": "use a number (no quotes){eg}",
+    "bool_parsing": "use true or false",
+    "bool_type": "use true or false",
+    "string_type": "use a string in quotes{eg}",
+    "list_type": "use a JSON array{eg}",
+    "tuple_type": "use a JSON array{eg}",
+    "dict_type": "use a JSON object{eg}",
+}
+
+
+def error_fix(err: ErrorDetails, example: Any = None) -> str:
+    """The fix for one pydantic validation error, derived from its ``type`` and ``ctx`` (e.g.
+    ``less_than_equal`` with ``le`` 65535: "use a value of at most 65535"; ``literal_error``:
+    the allowed values). ``example``: a value of the field to show (its default; ``None`` =
+    none). An error type without a fix of its own gets pydantic's message."""
+    ctx = dict(err.get("ctx") or {})
+    ctx["choices"] = ", ".join(re.findall(r"'([^']*)'", str(ctx.get("expected", ""))))
+    ctx["eg"] = "" if example is None else f", e.g. {json.dumps(example)}"
+    template = _ERROR_FIXES.get(err["type"])
+    if template is None:
+        return f"write a value that passes: {err['msg'][0].lower()}{err['msg'][1:]}"
+    return template.format(**ctx)
 
 
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than",

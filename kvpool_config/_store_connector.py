@@ -6,11 +6,14 @@ for every store connector it meets."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvpool_config import rules as R
-from kvpool_config._context import Context, Instance, as_int, get_arg
+from kvpool_config._context import Context, Instance, as_int, error_fix, get_arg
 from kvpool_config._loader import ConfigLoadError, load_json
 from kvpool_config._model import (
     ASCEND_STORE_EXTRA_KEYS,
@@ -194,18 +197,17 @@ def _check_kvpool_connector(
         KVPoolConfig.from_dicts(extra, kv_role=role if isinstance(role, str) else None,
                                 block_size=1, model="m")
     except ValueError as e:
-        field, _, why = str(e).partition(": ")
-        where = f"{path}.{field}"
-        # A field another rule already reported (a misspelt key, chunk_size) is that finding,
-        # raised to an error: the connector refuses it, it does not ignore it.
-        known = [i for i, f in enumerate(ctx.findings) if f.path == where]
-        for i in known:
-            f = ctx.findings[i]
-            ctx.findings[i] = dataclasses.replace(f, severity="error", message=f.message.replace(
-                "(the connector ignores it)", "(KVPoolConnector refuses it at start)"))
-        if not known:
-            ctx.add(Finding("error", "connector-config", where, why or str(e),
-                            "fix it: KVPoolConnector refuses it and the engine does not start"))
+        for where, message, fix in _refusals(e, path):
+            # A field another rule already reported (a misspelt key, kv_role) is that finding,
+            # raised to an error: the connector refuses it, it does not ignore it.
+            known = [i for i, f in enumerate(ctx.findings) if f.path == where]
+            for i in known:
+                f = ctx.findings[i]
+                ctx.findings[i] = dataclasses.replace(
+                    f, severity="error", message=f.message.replace(
+                        "(the connector ignores it)", "(KVPoolConnector refuses it at start)"))
+            if not known:
+                ctx.add(Finding("error", "connector-config", where, message, fix))
     chunk = as_int(extra.get("chunk_size"))
     block = as_int(get_arg(engine, "block_size")) or ctx.options.block_size
     if chunk is not None and block is not None:
@@ -214,6 +216,49 @@ def _check_kvpool_connector(
                 chunk, block, name="chunk_size", unit_name="block_size", path=f"{epath}.chunk_size"
             )
         )
+
+
+# Where a KVPoolConnector message names its fix: "...; use X", "...: write X", "..., e.g. X".
+_FIX_START = re.compile(r"(?:[;:] (?=(?:use|set|write) )|, (?=e\.g\. ))")
+_REFUSED = "KVPoolConnector refuses it and the engine does not start"
+
+
+def _refusals(exc: ValueError, path: str) -> list[tuple[str, str, str]]:
+    """``(JSON path, message, fix)`` of each field ``KVPoolConfig.from_dicts`` refused.
+
+    Its message is ``<scope>.<field>: <problem>``, scope ``kv_connector_extra_config`` or
+    ``kv_transfer_config`` (``path``'s own keys). A type or range error was pydantic's: it
+    raised ``from None`` inside its ``except ValidationError``, so the ``ValidationError``
+    is the exception's ``__context__``, one finding per error, the fix derived from the
+    error's type and bound (:func:`~kvpool_config._context.error_fix`) with the field's
+    default in :class:`KVPoolConfig` as the example. Its own checks' messages end with their
+    fix (``; use ...``, ``, e.g. ...``), split off here."""
+    scope, _, rest = str(exc).partition(".")
+    base = {"kv_connector_extra_config": f"{path}.kv_connector_extra_config",
+            "kv_transfer_config": path}.get(scope)
+    if base is None:  # not a field's (e.g. a bad $KVPOOL_INSTANCE_ROLE)
+        return [(path, f"{exc}; {_REFUSED}", "")]
+    cause = exc.__context__
+    if isinstance(cause, ValidationError):
+        out = []
+        for err in cause.errors():
+            sub = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+            info = KVPoolConfig.model_fields.get(str(err["loc"][0]))
+            example = None if info is None or info.is_required() else info.default
+            shown = json.dumps(err["input"], default=str)[:60]
+            msg = err["msg"]
+            out.append((f"{base}{sub}",
+                        f"{sub[1:]} {shown}: {msg[0].lower()}{msg[1:]}; {_REFUSED}",
+                        error_fix(err, example)))
+        return out
+    field, _, problem = rest.partition(": ")
+    cut = [m.end() for m in _FIX_START.finditer(problem)]
+    if not cut:
+        return [(f"{base}.{field}", f"{problem}; {_REFUSED}", "")]
+    fix = problem[cut[-1]:]
+    problem = problem[:cut[-1]].rstrip(";:, ")
+    return [(f"{base}.{field}", f"{problem}; {_REFUSED}",
+             f"set {field}, {fix}" if fix.startswith("e.g.") else fix)]
 
 
 def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:

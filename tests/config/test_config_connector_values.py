@@ -52,3 +52,65 @@ def test_the_same_config_with_a_valid_value_is_clean(
     f = tmp_path / "kv_transfer_config.json"
     f.write_text(json.dumps(cfg))
     assert main(["validate", str(f)]) == 0
+
+
+_REFUSED = "KVPoolConnector refuses it and the engine does not start"
+
+
+@pytest.mark.parametrize(("extra", "path", "message", "fix"), [
+    ({"lookup_rpc_port": 70000}, "lookup_rpc_port",
+     "lookup_rpc_port 70000: input should be less than or equal to 65535",
+     "use a value of at most 65535"),
+    ({"lookup_rpc_port": -5}, "lookup_rpc_port",
+     "lookup_rpc_port -5: input should be greater than or equal to 0",
+     "use a value of at least 0"),
+    ({"chunk_size": "big"}, "chunk_size",
+     'chunk_size "big": input should be a valid integer, unable to parse string as an integer',
+     "use an integer"),  # chunk_size has no default: it follows vLLM's block size
+    ({"save_nice": "3"}, "save_nice", 'save_nice "3": input should be a valid integer',
+     "use an integer (no quotes), e.g. 0"),
+    ({"admission": True}, "admission",
+     "admission true: input should be 'all', 'adaptive' or 'service'",
+     "use one of all, adaptive, service"),
+    ({"store_pp_layer_partition": [10, -2]}, "store_pp_layer_partition[1]",
+     "store_pp_layer_partition[1] -2: input should be greater than 0", "use a value above 0"),
+    ({"admission": "service", "policy_service": "tcp://127.0.0.1:0"}, "policy_service",
+     "'tcp://127.0.0.1:0' is not tcp://HOST:PORT (records on PORT, snapshots on PORT+1)",
+     "set policy_service, e.g. tcp://10.0.0.5:5600"),
+    ({"transfer_cpus": "a-b"}, "transfer_cpus", "'a-b' is not a CPU or a range like 6-7",
+     "use 'auto', 'inherit' or a CPU list like \"6-7\""),
+])
+def test_a_refused_value_gets_a_concrete_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[str, object], path: str,
+    message: str, fix: str,
+) -> None:
+    """The fix was "fix it: KVPoolConnector refuses it..." for every value; now it comes from
+    pydantic's error (its type and bound, the field's default as the example) or from the
+    connector's own message."""
+    cfg = json.loads(json.dumps(_BASE))
+    cfg["kv_connector_extra_config"].update(extra)
+    f = tmp_path / "kv_transfer_config.json"
+    f.write_text(json.dumps(cfg))
+    assert main(["validate", "--json", str(f)]) == 2
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert [x for x in findings if x["severity"] == "error"] == [{
+        "file": str(f), "severity": "error", "rule": "connector-config",
+        "path": f"$.kv_connector_extra_config.{path}", "message": f"{message}; {_REFUSED}",
+        "fix": fix,
+    }]
+
+
+def test_two_refused_values_are_two_findings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before, the second field's error ended up inside the first one's message."""
+    cfg = json.loads(json.dumps(_BASE))
+    cfg["kv_connector_extra_config"].update({"chunk_size": 0, "pin_share": 2})
+    f = tmp_path / "kv_transfer_config.json"
+    f.write_text(json.dumps(cfg))
+    assert main(["validate", "--json", str(f)]) == 2
+    errors = [(x["path"], x["fix"]) for x in json.loads(capsys.readouterr().out)["findings"]
+              if x["severity"] == "error"]
+    assert errors == [("$.kv_connector_extra_config.chunk_size", "use a value above 0"),
+                      ("$.kv_connector_extra_config.pin_share",
+                       "use a value of at most 1.0")]
