@@ -31,7 +31,7 @@ from kvpool_agent.protocol import ModelReuse, ReuseView
 from kvpool_console._text import json_line, plain
 from kvpool_console.source import ClientSource, FleetSource
 
-__all__ = ["add_parser", "document", "run", "summary"]
+__all__ = ["add_parser", "curve_age", "document", "run", "summary"]
 
 EXIT_OK, EXIT_NONE = 0, 1
 
@@ -75,6 +75,14 @@ def summary(m: ModelReuse) -> str:
             f"(LRU {one.lru_hit_rate:.1%})")
 
 
+def curve_age(view: ReuseView, m: ModelReuse) -> str:
+    """How much older ``m``'s curve is than ``view``'s ceiling: the hub recomputes the ceiling
+    every few seconds and the curve every minute at most (``kvpool_agent._reuse_service``),
+    each over its window then, so a MIN above the ceiling is the windows differing."""
+    age = max(0.0, (view.ts_ms - m.whatif_ms) / 1e3)
+    return f"curve {age:.0f} s older than the ceiling"
+
+
 def _wait_view(src: FleetSource, wait_s: float) -> ReuseView | None:
     if not isinstance(src, ClientSource):
         return None
@@ -108,4 +116,6 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
                       f"{p.lru_hit_rate:.1%}", f"{p.min_hit_rate:.1%}")
         out.print(t)
         out.print(plain(summary(m)))
+        if m.whatif:
+            out.print(plain(f"({curve_age(view, m)})"))
     return EXIT_OK

@@ -15,7 +15,7 @@ from textual.widgets import Static
 
 from kvpool_agent.protocol import ModelReuse, ReuseView
 from kvpool_console._text import plain
-from kvpool_console._whatif_cli import summary
+from kvpool_console._whatif_cli import curve_age, summary
 from kvpool_console.rows import EngineRow
 
 __all__ = ["MODELS_SHOWN", "ReusePanel", "render_reuse"]
@@ -38,7 +38,7 @@ def _hit_rate(rows: list[EngineRow], model: str) -> float | None:
     return sum(r.loaded_tokens for r in mine) / prompt if prompt else None
 
 
-def _model(t: Text, m: ModelReuse, rows: list[EngineRow]) -> None:
+def _model(t: Text, m: ModelReuse, rows: list[EngineRow], view: ReuseView) -> None:
     ceiling = m.ceiling_tokens / m.prompt_tokens if m.prompt_tokens else 0.0
     hit = _hit_rate(rows, m.model)
     t.append_text(plain(m.model, style="bold"))
@@ -59,6 +59,7 @@ def _model(t: Text, m: ModelReuse, rows: list[EngineRow]) -> None:
         t.append(_bar(p.min_hit_rate), style="cyan")
         t.append(f" {p.min_hit_rate:>5.1%}\n")
     t.append(f"  {summary(m)}\n")
+    t.append(f"  ({curve_age(view, m)})\n", style="dim")
 
 
 def render_reuse(reuse: ReuseView | None, rows: list[EngineRow]) -> Text:
@@ -73,7 +74,7 @@ def render_reuse(reuse: ReuseView | None, rows: list[EngineRow]) -> Text:
     t.append(f"Reuse: fleet ceiling {fleet:.1%} over the hub's last {reuse.accesses:,} "
              f"lookups\n")
     for m in reuse.models[:MODELS_SHOWN]:
-        _model(t, m, rows)
+        _model(t, m, rows, reuse)
     return t
 
 
