@@ -14,11 +14,14 @@ document has wins (a user_config.json may also carry env-like keys, so it goes f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import PurePath
 from typing import Any, Literal, Protocol
 
 from kvpool_config import _env_json, _kv_transfer_config, _mooncake_json, _user_config
 from kvpool_config._context import Options
 from kvpool_config._loader import ConfigLoadError
+from kvpool_config._model import KTC_FIELDS, MooncakeClientConfig
 from kvpool_config.rules import Finding
 
 __all__ = ["SHAPES", "Shape", "ShapeSpec", "detect_shape", "validate_document"]
@@ -41,12 +44,19 @@ class ShapeSpec:
         keys: top-level keys of which any one identifies the shape.
         description: how the unknown-shape error names it.
         check: the shape module's ``check(doc, env=..., options=...)``.
+        file_pattern: a file name (``fnmatch``, lower case) that says the shape when no
+            identifying key is there; set only where ``keys`` is one required key, which
+            ``check`` then reports missing.
+        fields: every top-level key of the shape; a document without an identifying key
+            whose keys are mostly these is that shape (same condition as ``file_pattern``).
     """
 
     shape: Shape
     keys: frozenset[str]
     description: str
     check: _Check
+    file_pattern: str | None = None
+    fields: frozenset[str] = frozenset()
 
 
 SHAPES: tuple[ShapeSpec, ...] = (
@@ -59,12 +69,16 @@ SHAPES: tuple[ShapeSpec, ...] = (
         _kv_transfer_config.IDENTIFYING_KEYS,
         _kv_transfer_config.DESCRIPTION,
         _kv_transfer_config.check,
+        "*kv_transfer_config*.json",
+        KTC_FIELDS,
     ),
     ShapeSpec(
         "mooncake_config",
         _mooncake_json.IDENTIFYING_KEYS,
         _mooncake_json.DESCRIPTION,
         _mooncake_json.check,
+        "*mooncake*.json",
+        frozenset(MooncakeClientConfig.model_fields),
     ),
 )
 """The accepted shapes in detection order."""
@@ -75,10 +89,14 @@ _BY_NAME = {spec.shape: spec for spec in SHAPES}
 def detect_shape(doc: Any, path: str = "<document>") -> Shape:
     """Which of the accepted file kinds ``doc`` is (see the module docstring).
 
+    Without any identifying key, a file named like one shape (``*mooncake*.json``,
+    ``*kv_transfer_config*.json``) or whose keys are mostly one shape's is that shape, so its
+    check says the required key is missing (``master_server_address``, ``kv_connector``).
+
     Raises:
         ConfigLoadError: ``doc`` is not a JSON object, or has none of the keys that identify a
             MindIE ``user_config.json``, a MindIE ``env.json``, a vLLM ``kv_transfer_config``
-            or a ``mooncake.json``.
+            or a ``mooncake.json`` and neither its name nor its keys say which it is.
     """
     if not isinstance(doc, dict):
         raise ConfigLoadError(
@@ -87,6 +105,12 @@ def detect_shape(doc: Any, path: str = "<document>") -> Shape:
     for spec in SHAPES:
         if spec.keys & doc.keys():
             return spec.shape
+    name = PurePath(path).name.lower()
+    by_name = [s for s in SHAPES if s.file_pattern and fnmatchcase(name, s.file_pattern)]
+    by_keys = [s for s in SHAPES if s.fields and 2 * len(s.fields & doc.keys()) > len(doc)]
+    for guessed in (by_name, by_keys):
+        if len(guessed) == 1:
+            return guessed[0].shape
     *others, last = (spec.description for spec in SHAPES)
     raise ConfigLoadError(
         path, f"unknown file shape: expected {', '.join(others)} or {last}", 1, 1
@@ -110,6 +134,27 @@ def validate_document(
         options: facts the file does not carry (see :class:`~kvpool_config.Options`).
 
     Returns:
-        Findings in rule order (errors, warnings and infos mixed; the CLI sorts them).
+        Findings in rule order (errors, warnings and infos mixed; the CLI sorts them), one
+        error per problem (:func:`_one_per_path`).
     """
-    return _BY_NAME[shape].check(doc, env=env, options=options or Options())
+    return _one_per_path(_BY_NAME[shape].check(doc, env=env, options=options or Options()))
+
+
+_GENERIC = frozenset({"type", "range"})
+"""Rules of ``type_findings``: a value against the schema, without the field's own rule."""
+
+
+def _one_per_path(findings: list[Finding]) -> list[Finding]:
+    """Drop the generic type/range errors another error at the same path already reports.
+
+    A section is type-checked both by its file's model (a user_config's ``UserConfig`` holds
+    ``kv_cache_store_config`` and every engine's ``kv_transfer_config``) and by its own check,
+    and a field's own rule (``lease-ttl``, ``store-port``...) says more than either. At a
+    path: an error of a field's own rule wins; else the last generic one (the section's own
+    check runs after the file's model)."""
+    specific = {f.path for f in findings if f.severity == "error" and f.rule not in _GENERIC}
+    last = {f.path: i for i, f in enumerate(findings)
+            if f.severity == "error" and f.rule in _GENERIC}
+    return [f for i, f in enumerate(findings)
+            if f.severity != "error" or f.rule not in _GENERIC
+            or (f.path not in specific and last[f.path] == i)]

@@ -139,7 +139,8 @@ def _check_lookup_ports(
                     "type",
                     f"{epath}.{key}",
                     f"{key} {extra[key]!r} is not a port number",
-                    'use a number unique per instance on the host, e.g. "0", "1"',
+                    "use a number unique per instance on the host, e.g. 0 on one instance "
+                    "and 1 on the next",
                 )
             )
             continue
