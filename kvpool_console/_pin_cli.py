@@ -21,6 +21,7 @@ from kvpool_console._pins import (
     DEFAULT_TTL_S,
     PIN_TIMEOUT_MS,
     PinInputError,
+    chunk_size_of,
     done_line,
     pin_args,
     worker_models,
@@ -95,6 +96,13 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
                         "DIR with operator.key_secret (kvpool-agent keygen --role operator)",
                         style="red"))
         return EXIT_REFUSED
+    if args.cmd == "pin" and pa.token_ids:
+        try:  # the prefix against the model's chunk size, now that its workers are known
+            pin_args("pin", args.model, tokens=args.tokens, chunk_size=chunk_size_of(
+                states, pa.model))
+        except PinInputError as e:
+            err.print(plain(f"{args.cmd}: {e}", style="red"))
+            return EXIT_USAGE
     replies = src.command(args.cmd, pin=pa, timeout_ms=args.timeout_ms)
     failed = [r for r in replies if not r.ok or r.pins is None]
     if args.json:

@@ -25,7 +25,8 @@ from kvpool_agent.protocol import (
 from kvpool_console.model import fmt_bytes
 
 __all__ = ["CLI_FIELDS", "DEFAULT_TTL_S", "PIN_TIMEOUT_MS", "TUI_FIELDS", "PinInputError",
-           "done_line", "parse_ttl_s", "pin_args", "pins_summary", "worker_models"]
+           "chunk_size_of", "done_line", "parse_ttl_s", "pin_args", "pins_summary",
+           "worker_models"]
 
 PIN_TIMEOUT_MS = 30_000
 """How long ``pin`` / ``unpin`` wait for the workers (ms): an unpin waits out readers' leases."""
@@ -81,7 +82,7 @@ def parse_ttl_s(text: str, names: Mapping[str, str] = TUI_FIELDS) -> float:
 def pin_args(command: Literal["pin", "unpin", "pins"], model: str, *,
              tokens: str | None = None, text: str | None = None, chat_template: bool = False,
              pin_id: str = "", mode: str = "soft", ttl_s: float = DEFAULT_TTL_S,
-             names: Mapping[str, str] = CLI_FIELDS) -> PinArgs:
+             names: Mapping[str, str] = CLI_FIELDS, chunk_size: int = 0) -> PinArgs:
     """The ``PinArgs`` of one command, checked as the hub and agents check them.
 
     Args:
@@ -91,6 +92,9 @@ def pin_args(command: Literal["pin", "unpin", "pins"], model: str, *,
         pin_id: the pin's name; a pin without one is named ``p-`` and a digest of the prefix.
         names: how each ``PinArgs`` field is named in a bad-input line (``CLI_FIELDS``,
             ``TUI_FIELDS``).
+        chunk_size: the model's chunk size in tokens (``chunk_size_of``; 0: unknown): token
+            ids fewer than it hold no whole chunk, so nothing to pin (the agents say so too,
+            after a round trip; a text prefix is tokenized there).
 
     Raises:
         PinInputError: a value is invalid (one line naming its field and the fix).
@@ -111,6 +115,11 @@ def pin_args(command: Literal["pin", "unpin", "pins"], model: str, *,
         if not 0 < ttl_s * 1e3 <= MAX_SOFT_PIN_TTL_MS:
             raise PinInputError(f"{names['ttl_ms']}: {ttl_s:g} s; give 0 < S <= "
                                 f"{MAX_SOFT_PIN_TTL_MS // 1000} (Mooncake's max_kv_soft_pin_ttl)")
+        n = len(fields.get("token_ids", ()))
+        if 0 < n < chunk_size:
+            raise PinInputError(f"{names['token_ids']}: {n} tokens hold no whole chunk of "
+                                f"{chunk_size} (the model's chunk_size): give at least "
+                                f"{chunk_size} token ids")
         fields.update(mode=mode, ttl_ms=max(1, round(ttl_s * 1e3)))
         fields["pin_id"] = pin_id or f"p-{hashlib.sha256(seed).hexdigest()[:12]}"
     elif command == "unpin" and not pin_id:
@@ -122,6 +131,15 @@ def pin_args(command: Literal["pin", "unpin", "pins"], model: str, *,
         raise PinInputError(f"{names.get(field, field)}: {str(e).split(' - at ')[0]}; "
                             "ids are one word of letters, digits and _.:/@+=~- not starting "
                             "with -") from None
+
+
+def chunk_size_of(states: Mapping[str, EngineState], model: str) -> int:
+    """The smallest chunk size (tokens) ``model``'s workers report (``Source.layout``); 0
+    when none does."""
+    sizes = [int(v) for s in states.values()
+             if s.source.process_role == "worker" and s.source.model == model
+             and (v := str(s.source.layout.get("chunk_size", ""))).isdigit()]
+    return min((n for n in sizes if n > 0), default=0)
 
 
 def worker_models(states: Mapping[str, EngineState]) -> set[str]:

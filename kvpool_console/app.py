@@ -59,7 +59,7 @@ from kvpool_console._messages import (
     PinFinished,
     PinRequested,
 )
-from kvpool_console._pins import PIN_TIMEOUT_MS, pins_summary
+from kvpool_console._pins import PIN_TIMEOUT_MS, chunk_size_of, pins_summary
 from kvpool_console.alerts import Alert, AlertModel, AlertSettings
 from kvpool_console.model import SORT_KEYS, FleetModel, select_rows, sum_flush
 from kvpool_console.rows import EngineRow, FleetView
@@ -601,7 +601,7 @@ class KVPoolConsole(App[None]):
         """Open the pin dialog for the selected engine's model (operator key)."""
         model = self._pin_model("pin")
         if model is not None:
-            self.push_screen(PinScreen(model))
+            self.push_screen(PinScreen(model, chunk_size_of(self.source.fleet()[0], model)))
 
     def action_unpin(self) -> None:
         """Open the unpin dialog for the selected engine's model (operator key)."""

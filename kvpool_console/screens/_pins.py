@@ -58,9 +58,10 @@ class _PinDialog(ModalScreen[None]):
     BINDINGS = [Binding("escape", "close_dialog", "Close")]
     command: Literal["pin", "unpin"] = "pin"
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, chunk_size: int = 0) -> None:
         super().__init__()
         self.model = model
+        self.chunk_size = chunk_size  # tokens (``_pins.chunk_size_of``; 0: unknown)
         self.replies: list[CommandReply] | None = None
         """The workers' replies to the last request sent (None before one was answered)."""
         self.sent: PinArgs | None = None
@@ -109,6 +110,7 @@ class PinScreen(_PinDialog):
 
     Args:
         model: the model's name as its engines report it.
+        chunk_size: its chunk size in tokens (0: unknown): fewer token ids are refused here.
     """
 
     command: Literal["pin", "unpin"] = "pin"
@@ -158,7 +160,7 @@ class PinScreen(_PinDialog):
                         text=prefix if text else None,
                         chat_template=text and self.query_one("#pin-chat", Checkbox).value,
                         pin_id=self.query_one("#pin-id", Input).value.strip(), mode=mode,
-                        ttl_s=ttl_s, names=TUI_FIELDS)
+                        ttl_s=ttl_s, names=TUI_FIELDS, chunk_size=self.chunk_size)
 
 
 class UnpinScreen(_PinDialog):

@@ -213,6 +213,11 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     rc, _, err = console(pool, capsys, pool.viewer, "pin", "--model", pool.model,
                          "--tokens", "1,2,3")
     assert rc == 3 and "read-only without the operator key" in err
+    # Fewer token ids than a chunk: one line before sending, exit 2 (the agents' ValueError).
+    rc, _, err = console(pool, capsys, pool.operator, "pin", "--model", pool.model,
+                         "--tokens", "1,2,3")
+    assert (rc, err.strip()) == (2, f"pin: --tokens: 3 tokens hold no whole chunk of {CHUNK} "
+                                    f"(the model's chunk_size): give at least {CHUNK} token ids")
 
     # The rest of the prefix, saved after the pin, is saved pinned.
     assert pool.run(system) == 2 * CHUNK

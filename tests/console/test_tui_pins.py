@@ -204,6 +204,10 @@ async def test_pin_and_unpin_from_the_tui(fleet: Fleet, capsys: pytest.CaptureFi
         screen.query_one("#pin-ttl", Input).value = "ten"
         await _refused(pilot, screen, "#pin-go", "TTL (s): 'ten' is not a number of seconds; "
                        "e.g. 1800")
+        screen.query_one("#pin-ttl", Input).value = "600"
+        # Fewer token ids than a chunk: refused here (it was the agents' ValueError).
+        await _refused(pilot, screen, "#pin-go", f"token ids: 2 tokens hold no whole chunk of "
+                       f"{CHUNK} (the model's chunk_size): give at least {CHUNK} token ids")
         assert screen.sent is None
         # A prefix of 2 whole chunks and 5 tokens more: the whole chunks are pinned.
         screen.query_one("#pin-prefix", Input).value = ",".join(map(str, [*ids, 7, 7, 7, 7, 7]))
