@@ -28,8 +28,6 @@ __all__ = [
     "VERIFY_S",
     "checked_answer",
     "needs_verifying",
-    "outgrew",
-    "regrown",
     "unvouched_note",
     "verified_answer",
 ]
@@ -45,19 +43,17 @@ pool may be shown as suspect, and a second dry run clears it."""
 
 
 def checked_answer(req: CommandRequest, rep: CommandReply,
-                   pool_keys: tuple[int | None, int | None], *,
-                   upper: bool = True) -> CommandReply:
+                   pool_keys: tuple[int | None, int | None]) -> CommandReply:
     """``rep``, or when it is a flush answer that cannot be true of its pool the same marked
-    ``suspect`` with ``ok=False``: more keys matched than the pool holds (with ``upper``), or
-    for scope ``all`` (every kvpool key) fewer, beyond the slack; more removed than matched; a
-    removal on a dry run; a real flush that left more than the slack of what it matched.
+    ``suspect`` with ``ok=False``: more keys matched than the pool holds, or for scope ``all``
+    (every kvpool key) fewer, beyond the slack; more removed than matched; a removal on a dry
+    run; a real flush that left more than the slack of what it matched.
 
     Args:
         req: the command as the console sent it.
         rep: the agent's answer.
         pool_keys: the pool's key count when the command was sent and now (``None``: no agent
             reports the pool).
-        upper: check the matched keys against the counts (``outgrew``: not yet).
     """
     res, args = rep.flush, req.flush
     if req.command != "flush" or res is None or args is None or not rep.ok:
@@ -70,7 +66,7 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
     elif res.removed_keys + res.skipped_leased > res.keys:
         why = (f"removed {res.removed_keys} and skipped {res.skipped_leased} of "
                f"{res.keys} matched keys")
-    elif upper and known and res.keys > max(known) + _slack(max(known)):
+    elif known and res.keys > max(known) + max(max(known) // 8, SUSPECT_SLACK_KEYS):
         why = f"{res.keys} keys matched, but the pool holds {max(known)} as its agents report it"
     elif known and args.scope == "all" and (
             res.keys + max(min(known) // 8, SUSPECT_SLACK_KEYS) < min(known)):
@@ -85,27 +81,6 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
     log.warning("kvpool hub: suspect flush answer from %s: %s", rep.agent_id, why)
     return msgspec.structs.replace(rep, ok=False, suspect=why,
                                    error=f"suspect answer, not counted as done: {why}")
-
-
-def outgrew(req: CommandRequest, rep: CommandReply,
-            pool_keys: tuple[int | None, int | None]) -> bool:
-    """Whether ``rep`` fails ``checked_answer`` only by matching more keys than the pool's
-    counts: what a pool growing faster than its counts show reads as too (a live fleet saves
-    hundreds of keys a second and an agent counts its pool every 2 s: a demo's dry runs read
-    suspect in 2 of 4). The hub holds such an answer until a count taken later covers it
-    (``regrown``)."""
-    return (checked_answer(req, rep, pool_keys).suspect is not None
-            and checked_answer(req, rep, pool_keys, upper=False).suspect is None)
-
-
-def regrown(req: CommandRequest, rep: CommandReply, pool_keys: tuple[int | None, int | None],
-            done: bool) -> CommandReply | None:
-    """``rep`` (``outgrew``) once ``pool_keys`` (the count when sent, and a later one) cover
-    its matched keys; marked ``suspect`` when ``done`` (``VERIFY_S`` passed) without: a pool
-    that grew by so many keys shows it in a count within ~2.5 s, a forged count never does;
-    ``None``: wait."""
-    checked = checked_answer(req, rep, pool_keys)
-    return checked if checked.suspect is None or done else None
 
 
 VERIFY_S = 5.0

@@ -8,8 +8,7 @@ may cost is ``kvpool_agent._hub_quotas`` (in flight, pins, engine work); who may
 port it came on (``P+2`` read-only, ``P+3`` operator); a dry-run flush lists each pool once
 (``kvpool_agent._hub_listings``); a pool-wide flush's answer is held against the pool's count,
 a flush's, pin's or unpin's confirmed by another key's report (``kvpool_agent._answers``);
-each command is one audit line (``kvpool_agent._audit``). Over 600 lines: the checks' order
-(listing, count, growth, cross listing, confirmation) is one flow, read best in one place.
+each command is one audit line (``kvpool_agent._audit``).
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ from kvpool_agent._answers import (
     VERIFY_S,
     checked_answer,
     needs_verifying,
-    outgrew,
-    regrown,
     unvouched_note,
     verified_answer,
 )
@@ -114,8 +111,6 @@ class _Pending:
     verifiers: dict[str, dict[str, PoolStats]] = field(default_factory=dict)
     held: dict[str, CommandReply] = field(default_factory=dict)
     verify_until: float = 0.0
-    # Flush: held agent id -> whose count its answer awaits (``_answers.outgrew``).
-    outgrown: dict[str, str] = field(default_factory=dict)
     # Real flush: target -> another key's agent listing its pool for the check, their dry-run
     # answers, and until when they are waited for (``kvpool_agent._hub_cross_listing``).
     cross: dict[str, str] = field(default_factory=dict)
@@ -405,7 +400,6 @@ class CommandRouter:
         for pend in list(self.verifying):
             for aid in gone & set(pend.held):
                 del pend.held[aid]
-                pend.outgrown.pop(aid, None)
                 pend.replies[aid] = agent_error(pend.req, aid, "agent's key revoked: answer "
                                                 "dropped before its check")
             if not pend.held:
@@ -494,25 +488,22 @@ class CommandRouter:
         for lister in set(pend.shared.values()) - set(pend.expected):
             if not pend.replies[lister].ok:  # a pool lister: not asked for a while
                 self.listings.lister_failed(lister)
-        # Only a flush's answer is held against its pool's count (``checked_answer``; one scan
-        # of the fleet for every target: a scan per target of 8,192 cost seconds, round 5). A
-        # copy is its lister's claim, held against counts the lister's key does not report.
+        # Only a flush's answer is held against its pool's count (``checked_answer``), and the
+        # counts of every target come from one scan of the fleet: a snapshot of 8,192 agent ids
+        # cost the hub thread seconds when each target's count was a scan (round 5). A copy is
+        # its lister's claim, held against the counts the lister's key does not report.
         claimant = {a: pend.shared.get(a) or pend.cached.get(a) or a for a in pend.expected}
         now_keys = (self.fleet.pool_keys(list(set(claimant.values())), pend.closed)
                     if pend.req.command == "flush"
                     else {})
         for a in pend.expected:
-            counts = (pend.pool_keys.get(claimant[a]), now_keys.get(claimant[a]))
-            if outgrew(pend.req, pend.replies[a], counts):
-                pend.outgrown[a] = claimant[a]
-            else:
-                pend.replies[a] = checked_answer(pend.req, pend.replies[a], counts)
+            pend.replies[a] = checked_answer(pend.req, pend.replies[a], (
+                pend.pool_keys.get(claimant[a]), now_keys.get(claimant[a])))
             if a in pend.cross:
                 pend.replies[a] = cross_checked(pend.req, pend.replies[a],
                                                 pend.listings.get(pend.cross[a]), pend.cross[a])
-        pend.outgrown = {a: c for a, c in pend.outgrown.items() if pend.replies[a].ok}
-        pend.held = {a: r for a, r in pend.replies.items() if a in pend.outgrown
-                     or needs_verifying(pend.req, r, pend.verifiers.get(a, {}))}
+        pend.held = {a: r for a, r in pend.replies.items()
+                     if needs_verifying(pend.req, r, pend.verifiers.get(a, {}))}
         if pend.held:
             now = time.monotonic()
             wait = PIN_VERIFY_S if pend.req.command in ("pin", "unpin") else VERIFY_S
@@ -527,26 +518,13 @@ class CommandRouter:
         now, or whose check is over (unconfirmed: suspect)."""
         for pend in list(self.verifying):
             done = now >= pend.verify_until
-            if pend.outgrown:  # counted again: one scan of the fleet for every claimant
-                counts = self.fleet.pool_keys(list(set(pend.outgrown.values())), pend.closed)
-            for aid, claimant in list(pend.outgrown.items()):
-                grown = regrown(pend.req, pend.held[aid], (pend.pool_keys.get(claimant),
-                                                           counts.get(claimant)), done)
-                if grown is not None:
-                    del pend.outgrown[aid]
-                    pend.replies[aid] = pend.held[aid] = grown
-                    if not needs_verifying(pend.req, grown, pend.verifiers.get(aid, {})):
-                        del pend.held[aid]
             # Held answers of one pool, key and layout share one verifiers dict: their stats
             # are read, and one claim checked, once per dict (an engine's 1,024 held ids).
-            classes = {id(pend.verifiers[aid]): pend.verifiers[aid] for aid in pend.held
-                       if aid not in pend.outgrown}
+            classes = {id(pend.verifiers[aid]): pend.verifiers[aid] for aid in pend.held}
             stats = self.fleet.pool_stats(list({v: None for vs in classes.values() for v in vs}))
             now_of = {k: {v: stats[v] for v in vs if v in stats} for k, vs in classes.items()}
             verdicts: dict[tuple[int, int], bool] = {}  # claim -> confirmed (else: waits)
             for aid, rep in list(pend.held.items()):
-                if aid in pend.outgrown:
-                    continue
                 verifiers = pend.verifiers[aid]
                 claim = (id(verifiers), rep.flush.removed_keys if rep.flush is not None else 0)
                 if claim in verdicts:

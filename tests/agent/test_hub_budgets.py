@@ -524,10 +524,9 @@ def test_a_flush_answer_the_pool_contradicts_is_shown_as_suspect(
             worker.stop()
     out = capsys.readouterr().out
     assert code != 0 and "flush SUSPECT, not confirmed: evil-0/dp0.tp0.pp0: 4242 keys" in out
-    # Each dry run's answer was held for a later count (it claims more keys than the pool's:
-    # _answers.outgrew), so the console's came past LISTING_SHARED_S and was listed again:
-    # dry runs only, never the flush itself.
-    assert [f.flush.dry_run for f in attacker.flushes if f.flush] == [True, True]
+    # The console's dry run came within LISTING_SHARED_S of the first: answered from that
+    # listing (still suspect), never a second listing nor the flush itself.
+    assert [f.flush.dry_run for f in attacker.flushes if f.flush] == [True]
     assert set(model_keys) <= pool_keys(agent_master)
     lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     flushes = [x for x in lines if x["command"] == "flush"]
