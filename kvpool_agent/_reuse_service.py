@@ -140,7 +140,7 @@ class ReuseService:
     def split(self, rep: Report, key: str = "", cap: int = MAX_LAYOUTS) -> int:
         """One accepted report (the hub's socket thread, next to ``add``): its saves into the
         saved-chunk memory, its lookups' ``not_in_pool`` chunks split (module docstring).
-        ``key`` (the agent key that sent it) may name ``cap`` new layouts in all
+        ``key`` (the agent key that sent it: its public key) may name ``cap`` new layouts in all
         (``_saved_chunks``); returns the report's chunk ids not remembered for that budget."""
         src = rep.state.source
         with self._lock:

@@ -43,13 +43,14 @@ Memory: 14 bytes a slot (id, layout index, stamp in ``array``\\ s) in the saved 
 in the asked one (a ms stamp): 16 MiB at the default 2**19 slots, allocated once; the layouts
 table holds at most ``MAX_LAYOUTS`` (model, digest) pairs (past it a new layout's saves and
 asks are not remembered: counted in ``layouts_full``), and a layout counts against the budget of
-the key whose report named it first (``owner``, the hub's agent key; ``cap``: 64 layouts for a
-key bound to one engine, 1,024 for a fleet-wide key, ``MAX_LAYOUTS_PER_ENGINE_KEY``,
-``MAX_LAYOUTS_PER_FLEET_KEY``): past it the key's new layouts are not remembered either
-(``layouts_over_budget``), so one borrowed key takes at most its budget of the table, not all
-of it. Layouts are never forgotten while the hub runs: an engine whose weights changed 64
-times under one key (each version its own digest) splits its new layouts' misses again after a
-hub restart.
+the key whose report named it first (``owner``: the agent key itself, its public key, so a key
+authorized again under the same name starts afresh; ``cap``: 64 layouts for a key bound to one
+engine, 1,024 for any other agent key, fleet-wide or bound to a pool only,
+``MAX_LAYOUTS_PER_ENGINE_KEY``, ``MAX_LAYOUTS_PER_FLEET_KEY``): past it the key's new layouts
+are not remembered either (``layouts_over_budget``), so one borrowed key takes at most its
+budget of the table, not all of it. Layouts are never forgotten while the hub runs: an engine
+whose weights changed 64 times under one key (each version its own digest) splits its new
+layouts' misses again after a hub restart.
 """
 
 from __future__ import annotations

@@ -623,8 +623,10 @@ class FleetHub:
         if self.allow is None:  # no keys: no identity to budget
             over = self.reuse.split(rep)
         else:
-            over = self.reuse.split(rep, key, MAX_LAYOUTS_PER_FLEET_KEY if bound_engine(key)
-                                    is None else MAX_LAYOUTS_PER_ENGINE_KEY)
+            # Charged to the key itself: a key authorized again under the same name (rotated
+            # after a leak) starts a budget of its own; the refusal is counted by name.
+            over = self.reuse.split(rep, identity, MAX_LAYOUTS_PER_FLEET_KEY
+                                    if bound_engine(key) is None else MAX_LAYOUTS_PER_ENGINE_KEY)
         if over:
             self.counters.refuse(key, f"layout budget spent: {over} chunk ids of a new "
                                  "layout left out of the miss split")

@@ -97,3 +97,24 @@ def test_a_borrowed_engine_key_names_only_its_budget_of_layouts(
         # The lookup's ask is not remembered either: one more id, one more refusal.
         assert hub.counters.layouts_over_budget == 7
         assert hub.refused_by_key == {"agent/atk.engine": 3}
+
+        # The operator rotates the leaked key (a new key under the same name): the engine's
+        # new key has a budget of its own (it was charged by name, and inherited the spent
+        # one: helper 73's B2), so its new layout's save is remembered and its miss evicted.
+        rotated = generate_keys(tmp_path / "rotated", "agent", force=True)
+        shutil.copyfile(keys["hub"].hub_public, rotated.hub_public)
+        authorize_key(keys["hub"].root, "agent", rotated.public("agent"), name="atk.engine")
+        # The hub drops the old key's agents once it reads the rotation (until then they hold
+        # their agent ids against another key's reports).
+        wait_until(lambda: not any(a.startswith("atk/") for a in hub.fleet()))
+        engine = FakeAgent(ctx, hub.address, rotated.client("agent"))
+        before = hub.counters.reports
+        assert engine._send(_frame(engine, {"saves": [5]}, "m-new", "worker", "e" * 12,
+                                   engine="atk"))
+        wait_until(lambda: hub.counters.reports == before + 1)
+        lookup = {"accesses": [Access(tokens=16, chunk_size=16, chunks=[5],
+                                      ts_ms=time.time() * 1e3 + 2_000, served=0)]}
+        assert engine._send(_frame(engine, lookup, "m-new", "scheduler", engine="atk"))
+        wait_until(lambda: hub.counters.reports == before + 2)
+        assert hub.reuse.not_in_pool()["atk"] == {"first_use": 16, "evicted": 16}
+        assert hub.counters.layouts_over_budget == 7
