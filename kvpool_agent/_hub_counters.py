@@ -76,7 +76,7 @@ class HubCounters:
     sends no more) and ``layouts_full`` (chunk ids saved or asked for that the miss memory did
     not keep: its 4,096 layouts were taken, ``kvpool_agent._saved_chunks``) and
     ``layouts_over_budget`` (the same for a new layout named by a key that named its budget of
-    layouts already: 64 for an engine-bound key, 1,024 for a fleet-wide one), read from the
+    layouts already: 64 for an engine-bound key, 1,024 for any other), read from the
     reuse service after each report; ``refused_connections`` (port name -> CURVE
     handshakes refused: no key, or a key not authorized for the port); ``refused_by_key``
     (key name, ``plain`` without keys -> its commands, reports or audit lines refused for a
