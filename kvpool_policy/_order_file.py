@@ -141,10 +141,11 @@ class OrderWriter:
     def write_soon(self, order: list[PolicyKey]) -> None:
         """Write ``order`` (a copy the caller no longer changes) on the writer's thread; an
         empty order is not written (a service that could not list the pool at start would
-        otherwise drop the last file's order while the pool still holds those chunks)."""
-        self._last = self._clock()
+        otherwise drop the last file's order while the pool still holds those chunks) and
+        leaves the write due, so the first order the service holds is written at once."""
         if not order:
             return
+        self._last = self._clock()
         self._thread = threading.Thread(target=self.write, args=(order,),
                                         name="kvpool-policy-order", daemon=True)
         self._thread.start()

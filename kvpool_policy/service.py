@@ -285,7 +285,11 @@ class PolicyService:
         public, secret = keys.hub()
         found = pool_chunks(_all_keys(admin_url)) if admin_url else {}
         if order_file is not None:
-            found = order_found(found, read_order(order_file))
+            kept = read_order(order_file)
+            found = order_found(found, kept)
+            logger.info("kvpool policy: order file %s names %d chunks, %d of them in the "
+                        "pool's %d", order_file, len(kept), _named(found, kept),
+                        sum(map(len, found.values())))
         # Store calls (removals, pin reads) run on a thread of their own: a master that does
         # not answer holds them up, never the records or the snapshots (_store_calls).
         self.store_calls = StoreCalls()
@@ -504,6 +508,12 @@ class PolicyService:
         self.store_calls.close()
         if self.follower is not None:
             self.follower.close()
+
+
+def _named(found: dict[str, list[str]], kept: list[tuple[str, str]]) -> int:
+    """Chunks of ``found`` that ``kept`` names."""
+    named = set(kept)
+    return sum((d, h) in named for d, hashes in found.items() for h in hashes)
 
 
 def _all_keys(admin_url: str) -> list[str]:

@@ -85,6 +85,10 @@ POLICY_DOWN_S = 4.0
 """Seconds at least a killed policy service stays down (``kill_policy_after``): longer than the
 engines' default ``policy_stale_ms`` (3 s), so they take the master in charge meanwhile."""
 
+POLICY_ORDER_EVERY_S = 5.0
+"""``kvpool-policy serve --order-every-s`` of a replay's service: a replay lasts minutes and its
+kill drill restarts the service seconds in, within the default's 30 s."""
+
 _POOL_WATERMARK = 0.9
 """``eviction_high_watermark_ratio`` of masters started here with ``eviction: pool``
 (Mooncake's own default)."""
@@ -595,7 +599,7 @@ def run_replay(
                 keys = local_fleet_keys(work / "keys")
                 policy = stack.enter_context(LocalPolicyService(
                     service_beside, keys["hub"].root, fill=cfg.policy_fill, log_dir=logs,
-                    admission=cfg.policy_admission))
+                    admission=cfg.policy_admission, order_every_s=POLICY_ORDER_EVERY_S))
                 admission |= {"policy_service": policy.address,
                               "agent_keys": str(keys["agent"].root)}
             assert store.proc is not None

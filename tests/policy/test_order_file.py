@@ -87,8 +87,8 @@ def test_writes_are_spaced_and_one_at_a_time(tmp_path: Path) -> None:
     assert not w.due()
     now[0] += 30.0
     assert w.due()
-    w.write_soon([])  # an empty order never replaces the file's
-    assert not w.due() and w.written == 1
+    w.write_soon([])  # an empty order never replaces the file's, and leaves the write due
+    assert w.due() and w.written == 1
     w.close([(A, h(2))])  # a clean stop writes the last order
     assert read_order(tmp_path / "order") == [(A, h(2))]
     w.close([])  # an empty order never replaces the file's
