@@ -39,6 +39,24 @@ def _frame(agent: FakeAgent, report: dict[str, object], model: str, role: str,
                          **report))  # type: ignore[arg-type]
 
 
+def _lookup(chunk: int) -> dict[str, object]:
+    """A scheduler report's one lookup of ``chunk`` (16 tokens, none served), 2 s ahead."""
+    return {"accesses": [Access(tokens=16, chunk_size=16, chunks=[chunk],
+                                ts_ms=time.time() * 1e3 + 2_000, served=0)]}
+
+
+def _save_then_look_up(hub: FleetHub, agent: FakeAgent, engine: str, model: str, digest: str,
+                       chunk: int) -> None:
+    """``engine``'s worker saves ``chunk`` under (``model``, ``digest``), then its scheduler
+    looks it up; both reports taken by the hub."""
+    before = hub.counters.reports
+    assert agent._send(_frame(agent, {"saves": [chunk]}, model, "worker", digest,
+                              engine=engine))
+    wait_until(lambda: hub.counters.reports == before + 1)
+    assert agent._send(_frame(agent, _lookup(chunk), model, "scheduler", engine=engine))
+    wait_until(lambda: hub.counters.reports == before + 2)
+
+
 def test_forged_reports_are_split_within_bounds_and_counted(
         hub: FleetHub, hub_address: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     worker = FakeAgent(ctx, hub_address)
@@ -82,15 +100,8 @@ def test_a_borrowed_engine_key_names_only_its_budget_of_layouts(
         assert hub.counters.layouts_full == 0
 
         victim = FakeAgent(ctx, hub.address, keys["agent"].client("agent"))
-        assert victim._send(_frame(victim, {"saves": [7]}, "llama", "worker", "d" * 12,
-                                   engine="victim"))
-        wait_until(lambda: hub.counters.reports == n + 1)
-        lookup = {"accesses": [Access(tokens=16, chunk_size=16, chunks=[7],
-                                      ts_ms=time.time() * 1e3 + 2_000, served=0)]}
-        assert victim._send(_frame(victim, lookup, "llama", "scheduler", engine="victim"))
-        lookup = {"accesses": [Access(tokens=16, chunk_size=16, chunks=[1],
-                                      ts_ms=time.time() * 1e3 + 2_000, served=0)]}
-        assert atk._send(_frame(atk, lookup, f"m{n - 1}", "scheduler", engine="atk"))
+        _save_then_look_up(hub, victim, "victim", "llama", "d" * 12, 7)
+        assert atk._send(_frame(atk, _lookup(1), f"m{n - 1}", "scheduler", engine="atk"))
         wait_until(lambda: hub.counters.reports == n + 3)
         assert hub.reuse.not_in_pool() == {"victim": {"evicted": 16},
                                            "atk": {"first_use": 16}}
@@ -108,13 +119,6 @@ def test_a_borrowed_engine_key_names_only_its_budget_of_layouts(
         # their agent ids against another key's reports).
         wait_until(lambda: not any(a.startswith("atk/") for a in hub.fleet()))
         engine = FakeAgent(ctx, hub.address, rotated.client("agent"))
-        before = hub.counters.reports
-        assert engine._send(_frame(engine, {"saves": [5]}, "m-new", "worker", "e" * 12,
-                                   engine="atk"))
-        wait_until(lambda: hub.counters.reports == before + 1)
-        lookup = {"accesses": [Access(tokens=16, chunk_size=16, chunks=[5],
-                                      ts_ms=time.time() * 1e3 + 2_000, served=0)]}
-        assert engine._send(_frame(engine, lookup, "m-new", "scheduler", engine="atk"))
-        wait_until(lambda: hub.counters.reports == before + 2)
+        _save_then_look_up(hub, engine, "atk", "m-new", "e" * 12, 5)
         assert hub.reuse.not_in_pool()["atk"] == {"first_use": 16, "evicted": 16}
         assert hub.counters.layouts_over_budget == 7
