@@ -43,7 +43,8 @@ pool may be shown as suspect, and a second dry run clears it."""
 
 
 def checked_answer(req: CommandRequest, rep: CommandReply,
-                   pool_keys: tuple[int | None, int | None]) -> CommandReply:
+                   pool_keys: tuple[int | None, int | None],
+                   moved: tuple[str, str] | None = None) -> CommandReply:
     """``rep``, or when it is a flush answer that cannot be true of its pool the same marked
     ``suspect`` with ``ok=False``: more keys matched than the pool holds, or for scope ``all``
     (every kvpool key) fewer, beyond the slack; more removed than matched; a removal on a dry
@@ -54,13 +55,20 @@ def checked_answer(req: CommandRequest, rep: CommandReply,
         rep: the agent's answer.
         pool_keys: the pool's key count when the command was sent and now (``None``: no agent
             reports the pool).
+        moved: the pool (``Source.master``) the answering agent reported when the command
+            was sent and now: another one now is suspect (helper 73: a target that re-reported
+            itself under a pool only it reports, before answering, had its own count cover
+            any claim).
     """
     res, args = rep.flush, req.flush
     if req.command != "flush" or res is None or args is None or not rep.ok:
         return rep
     why = None
     known = [n for n in pool_keys if n is not None]
-    if res.dry_run != args.dry_run or (args.dry_run and res.removed_keys):
+    if moved is not None and moved[0] != moved[1]:
+        why = (f"answered from pool {moved[1][:80]!r}, but reported pool {moved[0][:80]!r} "
+               "when the flush was sent")
+    elif res.dry_run != args.dry_run or (args.dry_run and res.removed_keys):
         why = f"a {'dry run' if args.dry_run else 'flush'} answered as " + (
             "a dry run" if res.dry_run else f"removing {res.removed_keys} keys")
     elif res.removed_keys + res.skipped_leased > res.keys:

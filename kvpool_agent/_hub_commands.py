@@ -98,8 +98,10 @@ class _Pending:
     # Agent id -> the routing id the command was sent to: the only one whose reply counts.
     routes: dict[str, bytes] = field(default_factory=dict)
     replies: dict[str, CommandReply] = field(default_factory=dict)
-    # Flush: agent id -> its pool's key count when sent (``Fleet.pool_keys``, one scan).
+    # Flush: agent id -> its pool's key count when sent (``Fleet.pool_keys``, one scan), and
+    # the pool (``Source.master``) it reported then.
     pool_keys: dict[str, int | None] = field(default_factory=dict)
+    masters: dict[str, str] = field(default_factory=dict)
     # Dry run: agent id -> the agent whose listing it shares; lister -> its share key.
     shared: dict[str, str] = field(default_factory=dict)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -311,6 +313,7 @@ class CommandRouter:
                                                  MAX_TIMEOUT_MS))
         if req.command == "flush":
             pend.pool_keys = self.fleet.pool_keys(send, closed)
+            pend.masters = {a: m[0].master for a, m in self.fleet.members(send).items()}
         if (req.command == "flush" and not dry_run) or req.command in ("pin", "unpin"):
             # One pass for all targets (a flush naming an engine's 1,024 ids scanned per id).
             pend.verifiers = self.fleet.pool_verifiers(send, layout=req.command != "flush",
@@ -496,9 +499,13 @@ class CommandRouter:
         now_keys = (self.fleet.pool_keys(list(set(claimant.values())), pend.closed)
                     if pend.req.command == "flush"
                     else {})
+        now_at = ({a: m[0].master for a, m in self.fleet.members(list(pend.masters)).items()}
+                  if pend.masters else {})
         for a in pend.expected:
+            c = claimant[a]
             pend.replies[a] = checked_answer(pend.req, pend.replies[a], (
-                pend.pool_keys.get(claimant[a]), now_keys.get(claimant[a])))
+                pend.pool_keys.get(c), now_keys.get(c)), moved=(
+                    pend.masters[c], now_at[c]) if c in pend.masters and c in now_at else None)
             if a in pend.cross:
                 pend.replies[a] = cross_checked(pend.req, pend.replies[a],
                                                 pend.listings.get(pend.cross[a]), pend.cross[a])

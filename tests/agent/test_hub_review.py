@@ -281,3 +281,35 @@ def test_one_bound_agent_key_cannot_fill_the_fleets_state_budget(
     evil_bytes = sum(len(_ENC.encode(st)) for aid, (st, _) in keyed_hub.fleet().items()
                      if aid.startswith("evil-0/"))
     assert evil_bytes <= MAX_ENGINE_STATE_BYTES
+
+
+def test_a_target_that_moves_to_a_pool_of_its_own_cannot_cover_its_answer(
+    keyed_hub: FleetHub, hub_address: str, fleet_keys: dict[Role, KeyPaths], tmp_path: Path,
+) -> None:
+    """Helper 73's A1: in a pool of engine-bound keys the attacker's worker is the flush
+    target; asked for a dry run, it first re-reports itself under a pool only it reports, at
+    1,000,000 keys, then answers "1,000,000 matched". Its own count no longer covers it: the
+    answer is suspect, named as answered from another pool (it was taken as done before)."""
+    evil = _bound_agent(tmp_path, fleet_keys["hub"], "evil-0")
+    real = _bound_agent(tmp_path, fleet_keys["hub"], "real-0")
+    phantom = "10.9.9.9:50051"
+    src = make_source("evil-0", master=_MASTER)
+    attacker: Claimant
+
+    def move_then_answer() -> int:
+        attacker.fake.report(msgspec.structs.replace(src, master=phantom), send_timeout_ms=100,
+                             pool=PoolStats(backend="mooncake", keys=1_000_000))
+        return 1_000_000
+
+    with Claimant(hub_address, evil, src, 5, move_then_answer, interval_s=0.05) as attacker:
+        wait_until(lambda: src.agent_id in keyed_hub.fleet())
+        honest = Claimant(hub_address, real, make_source("real-0", master=_MASTER), 5, 5,
+                          interval_s=0.05)
+        with honest:
+            wait_until(lambda: "real-0/dp0.tp0.pp0" in keyed_hub.fleet())
+            with FleetClient(hub_address, keys_dir=fleet_keys["operator"].root) as op:
+                replies = op.command("flush", flush=FlushArgs(scope="all"), timeout_ms=10_000)
+    assert attacker.flushes, "the attacker was not the flush target"
+    (r,) = [x for x in replies if x.agent_id == src.agent_id]
+    assert not r.ok and r.suspect == (f"answered from pool '{phantom}', but reported pool "
+                                      f"'{_MASTER}' when the flush was sent"), r
