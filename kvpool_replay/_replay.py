@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.pool import parse_master_metrics
 from kvpool_agent.protocol import PoolStats
 from kvpool_connector.admission import AdmissionMode
+from kvpool_connector.backends.mooncake_address import parse_master_address
 from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.lookup import release_if_dead
 from kvpool_policy.policy import AdmissionKind
@@ -424,6 +426,21 @@ def default_admission(cfg: ReplayConfig) -> AdmissionMode:
     return "service" if service_refusal(cfg) is None else "all"
 
 
+def _unanswered(master: str) -> str | None:
+    """Why ``--master`` (one master's ``HOST:PORT``) cannot serve, or ``None``: nothing
+    accepts a TCP connection there within 3 s (the engines' store clients would wait 20 s and
+    fail with ``Client not available``). An HA pool's etcd is not probed here."""
+    addr = parse_master_address(master)
+    if addr.ha:
+        return None
+    try:
+        socket.create_connection(addr.endpoints[0], timeout=3.0).close()
+    except OSError as exc:
+        return (f"--master {master}: nothing answers there ({exc.strerror or exc}): start "
+                "mooncake_master first, or leave --master out to start one here")
+    return None
+
+
 def run_replay(
     cfg: ReplayConfig, *, on_status: Callable[[str], None] | None = None
 ) -> ReplayReport:
@@ -497,6 +514,8 @@ def run_replay(
                          f"requests and starts it again {n} requests later, so it needs more "
                          f"than {2 * n} requests and this replay has {len(trace)} (--limit or "
                          f"the trace): raise --limit above {2 * n} or lower N")
+    if cfg.master_address is not None and (dead := _unanswered(cfg.master_address)):
+        raise ValueError(dead)
     n_eng = cfg.engines
     shares = [list(range(i, len(trace), n_eng)) for i in range(n_eng)]
     model = cfg.model or f"replay-{os.getpid()}-{int(time.time() * 1e3)}"
