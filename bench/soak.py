@@ -10,10 +10,10 @@ connector (``kvpool_replay._engine_proc``). Prints progress, then one JSON line:
 finished and killed, bytes loaded by finished runs, corrupt blocks, the longest request of a
 finished run (``max_request_s``), errors, the failover, the hub's, store agent's and
 console's RSS at start and end, and the pool once every engine stopped: keys and allocated
-bytes just after (``pool_stopped``) and once the lease TTL has passed and two reads agree
-(``pool_end``), the clients registered with the leader at start and end
-(``master_active_clients``), and ``covered_s``: seconds until every event above had happened
-at least once. With ``--until-covered`` the soak ends there instead of running the whole
+bytes just after, once two reads 0.5 s apart agree (``pool_stopped``), and once the lease TTL
+has passed and two reads agree (``pool_end``), the clients registered with the leader at start
+and end (``master_active_clients``), and ``covered_s``: seconds until every event above had
+happened at least once. With ``--until-covered`` the soak ends there instead of running the whole
 ``--minutes`` (then only a cap), and the failover and the store-agent restart come as soon as
 they can (the pool holds a key; the failover is over) instead of at 40% and 60% of the run:
 the test's mode, the same facts in the least time. Exit 1 when a block was corrupt, an engine
@@ -46,6 +46,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from kvpool_agent.masters import leader_admin_url
 from kvpool_agent.pool import fetch_mooncake_stats
+from kvpool_agent.protocol import PoolStats
 from kvpool_replay import EngineResult, EngineSpec, ModelShape, default_trace_path
 from kvpool_replay._ha import FailoverDrill, LocalHaPool, all_keys
 from kvpool_replay._pool import MIN_SEGMENT_BYTES, mooncake_extra_config
@@ -96,6 +97,21 @@ def _active_clients(admin_urls: str) -> int | None:
     except (httpx.HTTPError, ValueError, IndexError):
         return None
     return None
+
+
+def _steady_stats(admin_urls: str, timeout_s: float = 10.0) -> PoolStats:
+    """The pool's stats once two reads 0.5 s apart agree on keys and allocated bytes (at most
+    ``timeout_s``): the master still applies the batch puts a killed engine sent just before
+    its kill (a burner run read 219 keys at once, 242 once settled)."""
+    deadline = time.monotonic() + timeout_s
+    prev = fetch_mooncake_stats(admin_urls)
+    while True:
+        time.sleep(0.5)
+        cur = fetch_mooncake_stats(admin_urls)
+        if (cur.keys, cur.used_bytes) == (prev.keys, prev.used_bytes) or \
+                time.monotonic() > deadline:
+            return cur
+        prev = cur
 
 
 def _settled_pool(admin_urls: str, stopped_at: float, lease_ttl_s: float,
@@ -250,7 +266,7 @@ def soak(minutes: float, engines: int, seed: int,
         for _spec, proc in procs.values():
             stop_process_tree(proc, timeout_s=0)  # a crash: the harder case, and no 30 s close
         stopped_at = time.monotonic()
-        stopped = fetch_mooncake_stats(pool.admin_urls)
+        stopped = _steady_stats(pool.admin_urls)
         summary["pool_stopped"] = {"keys": stopped.keys, "used_bytes": stopped.used_bytes}
         summary["pool_end"] = _settled_pool(pool.admin_urls, stopped_at, LEASE_TTL_MS / 1e3,
                                             clients_start)

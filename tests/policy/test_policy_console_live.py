@@ -55,6 +55,7 @@ def test_console_shows_the_service_then_the_master_in_charge(
                                process_role="scheduler", pid=os.getpid(), host="localhost",
                                backend="mooncake", model=MODEL, master=pool.master.address),
                         address=hub, keys_dir=pool.keys["agent"].root)
+    pool.start_service()  # first: a start may move to other ports, and engines need its own
     extra = {"chunk_size": 32, "admission": "service", "policy_service": pool.address,
              "agent_keys": str(pool.keys["agent"].root), "policy_stale_ms": STALE_MS}
     cfg = KVPoolConfig.from_dicts(extra, kv_role="kv_both", block_size=16, model=MODEL,
@@ -63,7 +64,6 @@ def test_console_shows_the_service_then_the_master_in_charge(
     worker.register_kv_caches({f"layers.{i}": torch.zeros(4, 8, 16, 256) for i in range(2)})
     shake = worker_handshake(cfg, worker, tp_rank=0, pp_rank=0)
     assert shake is not None
-    pool.start_service()
     client = scheduler_client(cfg, {0: pickle.loads(pickle.dumps(shake))}, agent.reporter)
     assert client is not None
     pool.clients.append(client)

@@ -98,9 +98,14 @@ class Pool:
                                           capacity_bytes=CAPACITY_CHUNKS * CHUNK_BYTES,
                                           transfer_timeout_ms=GRACE_MS, log_dir=tmp,
                                           order_every_s=1.0)
-        self.address = self.service.address
         self.store = store_client(store_address or master.address, master.admin_url)
         self.clients: list[PolicyClient] = []
+
+    @property
+    def address(self) -> str:
+        """The service's ``tcp://HOST:P``: read after ``start_service`` (a first start may pick
+        other ports when the ones drawn were taken meanwhile)."""
+        return self.service.address
 
     def start_service(self) -> None:
         self.service.start()
@@ -333,6 +338,7 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     """``admission: service`` end to end in one process: worker TP 0 / PP 0's handshake (as
     vLLM pickles it to the scheduler) makes the scheduler's ``PolicyClient``, whose records
     the service applies under the worker's real layout digest and keys."""
+    pool.start_service()  # first: a start may move to other ports, and engines need its own
     extra = {"chunk_size": 32, "admission": "service", "policy_service": pool.address,
              "agent_keys": str(pool.keys["agent"].root)}
     cfg = KVPoolConfig.from_dicts(extra, kv_role="kv_both", block_size=16, model=MODEL)
@@ -343,7 +349,6 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
     assert shake is not None and worker_handshake(cfg, worker, tp_rank=1, pp_rank=0) is None
     assert shake.digest == worker.layout_digest and shake.chunk_bytes == worker.chunk_pool_bytes
     assert [p + "0" * 32 for p in shake.prefixes] == worker.rank_keys(["0" * 32])
-    pool.start_service()
     client = scheduler_client(cfg, {0: pickle.loads(pickle.dumps(shake))})
     assert client is not None
     pool.clients.append(client)

@@ -129,7 +129,6 @@ class Fleet(Pool):
                  tmp: Path) -> None:
         super().__init__(master, keys, tmp)
         self.service = MetricsService(master, keys["hub"].root, tmp)
-        self.address = self.service.address
 
     def scrape(self) -> Samples:
         r = httpx.get(self.service.url, timeout=5.0)
