@@ -401,13 +401,15 @@ class DemoCluster:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, 15)
+        deadline = time.monotonic() + 10  # one wait for all: each its own was 10 s apiece
         for proc in self.processes.values():
-            stop_process_tree(proc, timeout_s=10)
+            stop_process_tree(proc, timeout_s=max(0.0, deadline - time.monotonic()))
         for spec in self.specs.values():
             release_if_dead(spec.lookup_rpc_port)  # what an engine killed before its close left
         if self.policy is not None:
-            # Stopped before its master; a start still under way is waited for (a few
-            # seconds) and what it started is stopped too.
+            # Stopped before its master; a start still under way gives up at once and stops
+            # what it started (a Ctrl-C while a loaded CI host started it waited it out).
+            self.policy.cancel()
             self.policy.stop()
             if self._policy_start is not None:
                 self._policy_start.join()

@@ -92,6 +92,7 @@ class LocalPolicyService(LocalService):
             "kvpool-policy.log"
         self.order_path = self.log_path.parent / "policy-order.msgpack"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._cancelled = threading.Event()
 
     @property
     def address(self) -> str:
@@ -145,11 +146,20 @@ class LocalPolicyService(LocalService):
                 f.seek(start)
                 return alive("kvpool-policy", proc, self.log_path) and _SERVING in f.read()
 
-        if not wait_until(serving, timeout_s):
+        if not wait_until(lambda: self._cancelled.is_set() or serving(), timeout_s):
             self.stop()
             raise RuntimeError(f"kvpool-policy did not bind in {timeout_s}s:\n"
                                f"{tail_file(self.log_path)}")
+        if self._cancelled.is_set():
+            self.stop()
+            raise RuntimeError("kvpool-policy start cancelled (cancel)")
         return self
+
+    def cancel(self) -> None:
+        """Make a start under way (on another thread) stop its service and give up at once
+        instead of waiting for it to serve: a demo stopped while its service starts. For
+        good: this object starts no service after it."""
+        self._cancelled.set()
 
     def kill(self) -> None:
         """SIGKILL the service (a crash, for failure tests)."""
