@@ -21,6 +21,18 @@ _BASE = {
 }
 
 
+def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[str, object]
+              ) -> tuple[Path, list[dict[str, object]]]:
+    """``kvpool-config validate --json`` of the base kv_transfer_config with ``extra`` in its
+    connector config (exit 2 asserted): the file and its findings."""
+    cfg = json.loads(json.dumps(_BASE))
+    cfg["kv_connector_extra_config"].update(extra)
+    f = tmp_path / "kv_transfer_config.json"
+    f.write_text(json.dumps(cfg))
+    assert main(["validate", "--json", str(f)]) == 2
+    return f, json.loads(capsys.readouterr().out)["findings"]
+
+
 @pytest.mark.parametrize(("extra", "path", "says"), [
     ({"save_budget": -5}, "save_budget", "-5 is not a size"),
     ({"save_budget": 0}, "save_budget", "more than 0 bytes"),
@@ -32,12 +44,7 @@ def test_a_value_the_connector_refuses_is_an_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[str, object], path: str,
     says: str,
 ) -> None:
-    cfg = json.loads(json.dumps(_BASE))
-    cfg["kv_connector_extra_config"].update(extra)
-    f = tmp_path / "kv_transfer_config.json"
-    f.write_text(json.dumps(cfg))
-    assert main(["validate", "--json", str(f)]) == 2
-    findings = json.loads(capsys.readouterr().out)["findings"]
+    _, findings = _validate(tmp_path, capsys, extra)
     errors = [x for x in findings if x["severity"] == "error"]
     assert len(errors) == 1, errors
     assert errors[0]["path"] == f"$.kv_connector_extra_config.{path}"
@@ -87,12 +94,7 @@ def test_a_refused_value_gets_a_concrete_fix(
     """The fix was "fix it: KVPoolConnector refuses it..." for every value; now it comes from
     pydantic's error (its type and bound, the field's default as the example) or from the
     connector's own message."""
-    cfg = json.loads(json.dumps(_BASE))
-    cfg["kv_connector_extra_config"].update(extra)
-    f = tmp_path / "kv_transfer_config.json"
-    f.write_text(json.dumps(cfg))
-    assert main(["validate", "--json", str(f)]) == 2
-    findings = json.loads(capsys.readouterr().out)["findings"]
+    f, findings = _validate(tmp_path, capsys, extra)
     assert [x for x in findings if x["severity"] == "error"] == [{
         "file": str(f), "severity": "error", "rule": "connector-config",
         "path": f"$.kv_connector_extra_config.{path}", "message": f"{message}; {_REFUSED}",
