@@ -10,8 +10,6 @@ import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvpool_config import rules as R
 from kvpool_config._context import Context, Instance, as_int, error_fix, get_arg
 from kvpool_config._loader import ConfigLoadError, load_json
@@ -22,7 +20,7 @@ from kvpool_config._model import (
     STORE_ONLY_KEYS,
 )
 from kvpool_config.rules import Finding, json_path
-from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.config import FieldErrors, KVPoolConfig
 from kvpool_connector.sizes import parse_size
 
 __all__ = ["KVPOOL_MODULE", "UCM_MODULE", "check_store_connector", "check_ucm_store"]
@@ -228,9 +226,8 @@ def _refusals(exc: ValueError, path: str) -> list[tuple[str, str, str]]:
     """``(JSON path, message, fix)`` of each field ``KVPoolConfig.from_dicts`` refused.
 
     Its message is ``<scope>.<field>: <problem>``, scope ``kv_connector_extra_config`` or
-    ``kv_transfer_config`` (``path``'s own keys). A type or range error was pydantic's: it
-    raised ``from None`` inside its ``except ValidationError``, so the ``ValidationError``
-    is the exception's ``__context__``, one finding per error, the fix derived from the
+    ``kv_transfer_config`` (``path``'s own keys). A type or range error was pydantic's, kept
+    by the connector's ``FieldErrors``: one finding per error, the fix derived from the
     error's type and bound (:func:`~kvpool_config._context.error_fix`) with the field's
     default in :class:`KVPoolConfig` as the example. Its own checks' messages end with their
     fix (``; use ...``, ``, e.g. ...``), split off here."""
@@ -239,10 +236,9 @@ def _refusals(exc: ValueError, path: str) -> list[tuple[str, str, str]]:
             "kv_transfer_config": path}.get(scope)
     if base is None:  # not a field's (e.g. a bad $KVPOOL_INSTANCE_ROLE)
         return [(path, f"{exc}; {_REFUSED}", "")]
-    cause = exc.__context__
-    if isinstance(cause, ValidationError):
+    if isinstance(exc, FieldErrors):
         out = []
-        for err in cause.errors():
+        for err in exc.errors:
             sub = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
             info = KVPoolConfig.model_fields.get(str(err["loc"][0]))
             example = None if info is None or info.is_required() else info.default

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
-__all__ = ["field_problems"]
+__all__ = ["FieldErrors", "field_problems"]
 
 
 def field_problems(exc: ValidationError, prefix: str = "", *, show_input: bool = False) -> str:
@@ -22,3 +23,13 @@ def field_problems(exc: ValidationError, prefix: str = "", *, show_input: bool =
         got = f" (got {err.get('input')!r})" if show_input else ""
         parts.append(f"{prefix}{loc}: {err['msg']}{got}")
     return "; ".join(parts)
+
+
+class FieldErrors(ValueError):
+    """A ``ValueError`` whose message is ``field_problems(exc, prefix, show_input=True)`` and
+    which keeps pydantic's errors (``errors``: each field's ``loc``, ``type``, ``ctx``,
+    ``input``) for a tool that explains each one (``kvpool-config``'s fixes)."""
+
+    def __init__(self, exc: ValidationError, prefix: str) -> None:
+        super().__init__(field_problems(exc, prefix, show_input=True))
+        self.errors: list[ErrorDetails] = exc.errors()

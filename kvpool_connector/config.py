@@ -34,7 +34,7 @@ from kvpool_agent.vocabulary import (
     KVRole,
 )
 from kvpool_connector._cpus import AUTO, INHERIT, parse_cpu_list
-from kvpool_connector._validation import field_problems
+from kvpool_connector._validation import FieldErrors
 from kvpool_connector.admission import AdmissionMode
 from kvpool_connector.eviction import EvictionMode
 from kvpool_connector.keys import HashAlgo, normalize_model_name
@@ -46,7 +46,8 @@ from kvpool_connector.staging import DEFAULT_STAGING_BYTES
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CONNECTOR_EXTRA_KEYS", "KVPoolConfig", "ResetFlushScope", "declared_instance_role"]
+__all__ = ["CONNECTOR_EXTRA_KEYS", "FieldErrors", "KVPoolConfig", "ResetFlushScope",
+           "declared_instance_role"]
 
 ResetFlushScope = Literal["none", "engine"]
 """What vLLM's ``reset_prefix_cache(reset_connector=True)`` does to the pool
@@ -417,8 +418,7 @@ class KVPoolConfig(BaseModel):
         try:
             fields = _ExtraFields.model_validate(raw)
         except ValidationError as exc:
-            raise ValueError(
-                field_problems(exc, "kv_connector_extra_config.", show_input=True)) from None
+            raise FieldErrors(exc, "kv_connector_extra_config.") from None
         role = kv_role or "kv_both"
         if role not in INSTANCE_ROLE_OF:
             raise ValueError(
@@ -497,7 +497,7 @@ class KVPoolConfig(BaseModel):
                 role_source=role_source,
             )
         except ValidationError as exc:
-            raise ValueError(field_problems(exc, "kv_transfer_config.", show_input=True)) from None
+            raise FieldErrors(exc, "kv_transfer_config.") from None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> KVPoolConfig:
