@@ -275,7 +275,8 @@ class PolicyService:
                  admission: AdmissionKind = "adaptive", order_file: Path | None = None,
                  order_every_s: float = ORDER_EVERY_S) -> None:
         self.follower: LeaderFollower | None = None
-        self.order = OrderWriter(order_file, order_every_s) if order_file is not None else None
+        self.order_writer = (OrderWriter(order_file, order_every_s) if order_file is not None
+                             else None)
         records_at, snapshots_at = policy_ports(listen)
         agents: dict[KeyKind, int] = {"engine": max_agent_connections_per_key,
                                       "fleet": max_agent_connections_per_fleet_key}
@@ -480,7 +481,7 @@ class PolicyService:
                 if self.follower is not None:
                     self._guard("following the pool's leader", self.follower.step)
                 self._guard("removing", self.remover.step)
-            if (order := self.order) is not None and order.due():
+            if (order := self.order_writer) is not None and order.due():
                 self._guard("writing the order file",
                             lambda: order.write_soon(self.core.order()))
             why = self._schedule.due(self.core.policy.doorkeeper_active != doorkeeper)
@@ -493,8 +494,8 @@ class PolicyService:
                                               self._schedule.serves_subscription))
 
     def close(self) -> None:
-        if self.order is not None:
-            self.order.close(self.core.order())
+        if self.order_writer is not None:
+            self.order_writer.close(self.core.order())
         # The monitor is stopped at the socket first: libzmq's I/O thread would otherwise
         # block sending the closing connections' events to a monitor already closed.
         self.snapshots.disable_monitor()
