@@ -20,7 +20,7 @@ from kvpool_config._model import (
     STORE_ONLY_KEYS,
 )
 from kvpool_config.rules import Finding, json_path
-from kvpool_connector.config import FieldErrors, KVPoolConfig
+from kvpool_connector.config import CONNECTOR_EXTRA_DEFAULTS, FieldErrors, KVPoolConfig
 from kvpool_connector.sizes import parse_size
 
 __all__ = ["KVPOOL_MODULE", "UCM_MODULE", "check_store_connector", "check_ucm_store"]
@@ -251,11 +251,22 @@ def _refusals(exc: ValueError, path: str) -> list[tuple[str, str, str]]:
     field, _, problem = rest.partition(": ")
     cut = [m.end() for m in _FIX_START.finditer(problem)]
     if not cut:
-        return [(f"{base}.{field}", f"{problem}; {_REFUSED}", "")]
+        return [(f"{base}.{field}", f"{problem}; {_REFUSED}", _fallback_fix(field))]
     fix = problem[cut[-1]:]
     problem = problem[:cut[-1]].rstrip(";:, ")
     return [(f"{base}.{field}", f"{problem}; {_REFUSED}",
              f"set {field}, {fix}" if fix.startswith("e.g.") else fix)]
+
+
+def _fallback_fix(field: str) -> str:
+    """The fix of a refused field whose message names none (a check of the connector's own,
+    e.g. ``parse_size``'s ``-5 is not a size``): the field's default as the example, else the
+    configuration reference's entry for it."""
+    name = field.split("[")[0].split(".")[0]
+    if name in CONNECTOR_EXTRA_DEFAULTS:
+        return (f"set {field} to a value KVPoolConnector takes, e.g. "
+                f"{json.dumps(CONNECTOR_EXTRA_DEFAULTS[name])} (its default), or leave it out")
+    return f"set {field} as docs/connector/config-reference.md#{name} describes it"
 
 
 def _disk_tier_seen(ctx: Context, extra: dict[str, Any]) -> str | None:

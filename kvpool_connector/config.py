@@ -46,8 +46,8 @@ from kvpool_connector.staging import DEFAULT_STAGING_BYTES
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CONNECTOR_EXTRA_KEYS", "FieldErrors", "KVPoolConfig", "ResetFlushScope",
-           "declared_instance_role"]
+__all__ = ["CONNECTOR_EXTRA_DEFAULTS", "CONNECTOR_EXTRA_KEYS", "FieldErrors", "KVPoolConfig",
+           "ResetFlushScope", "declared_instance_role"]
 
 ResetFlushScope = Literal["none", "engine"]
 """What vLLM's ``reset_prefix_cache(reset_connector=True)`` does to the pool
@@ -129,6 +129,11 @@ def _check_service(address: str | None, eviction: str, keys: str | None) -> None
 _KNOWN = frozenset(_ExtraFields.model_fields)
 CONNECTOR_EXTRA_KEYS = _KNOWN
 """The connector's own ``kv_connector_extra_config`` keys (``kvpool-config`` checks these)."""
+CONNECTOR_EXTRA_DEFAULTS: dict[str, object] = {
+    name: f.default for name, f in _ExtraFields.model_fields.items()
+    if not f.is_required() and f.default is not None}
+"""Each ``kv_connector_extra_config`` key's default as written in the config (``save_budget``:
+``"256MB"``), for keys that have one: ``kvpool-config``'s example value in a fix."""
 
 # Whole words of an engine id that name its role, e.g. ``prefill-0``, ``llama.decode.3``.
 _ROLE_WORDS: dict[str, InstanceRole] = {

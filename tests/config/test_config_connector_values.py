@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_config.cli import main
+from kvpool_connector.config import CONNECTOR_EXTRA_KEYS
 
 _BASE = {
     "kv_connector": "KVPoolConnector",
@@ -116,3 +117,48 @@ def test_two_refused_values_are_two_findings(
     assert errors == [("$.kv_connector_extra_config.chunk_size", "use a value above 0"),
                       ("$.kv_connector_extra_config.pin_share",
                        "use a value of at most 1.0")]
+
+
+@pytest.mark.parametrize(("extra", "path", "fix"), [
+    ({"save_budget": -5}, "save_budget",
+     'set save_budget to a value KVPoolConnector takes, e.g. "256MB" (its default), or leave '
+     "it out"),
+    ({"staging_buffer": -1}, "staging_buffer",
+     'set staging_buffer to a value KVPoolConnector takes, e.g. "64MB" (its default), or '
+     "leave it out"),
+    ({"save_budget": "1 gallon"}, "save_budget",
+     'set save_budget, e.g. "1GB", "512 MB", "1.5g" (1K = 1024 bytes; no KiB/GiB)'),
+])
+def test_a_check_whose_message_names_no_fix_gets_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[str, object], path: str,
+    fix: str,
+) -> None:
+    """The connector's own checks (``parse_size``: "-5 is not a size: a byte count is a number
+    >= 0") gave a finding with an empty fix; now the field's default is the example."""
+    _, findings = _validate(tmp_path, capsys, extra)
+    assert [(x["path"], x["fix"]) for x in findings if x["severity"] == "error"] == [
+        (f"$.kv_connector_extra_config.{path}", fix)]
+
+
+@pytest.mark.parametrize("key", sorted(CONNECTOR_EXTRA_KEYS))
+def test_every_refused_field_names_itself_and_a_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str,
+) -> None:
+    """Every connector key, given values of each wrong kind: each error finding is at the
+    field's path and has a fix (pydantic's errors, the connector's own checks and its
+    cross-field checks alike)."""
+    refused = 0
+    for bad in (-5, 0, "zz", True, [1], {"a": 1}, 70000):
+        cfg = json.loads(json.dumps(_BASE))
+        cfg["kv_connector_extra_config"][key] = bad
+        f = tmp_path / "kv_transfer_config.json"
+        f.write_text(json.dumps(cfg))
+        main(["validate", "--json", str(f)])
+        errors = [x for x in json.loads(capsys.readouterr().out)["findings"]
+                  if x["severity"] == "error"]
+        refused += bool(errors)
+        for x in errors:
+            assert x["path"].startswith("$.kv_connector_extra_config."), (key, bad, x)
+            assert x["fix"].strip(), (key, bad, x)
+    # Every key refuses some of these (a string key refuses a list, a bool one a number).
+    assert refused > 0, key
