@@ -8,23 +8,20 @@ can look: on this host. For other hosts it cannot, and says so (``None``); SSH t
 
 from __future__ import annotations
 
-import socket
-
 import psutil
 
 from kvpool_agent.process_facts import start_ticks
 from kvpool_agent.protocol import Source
+from kvpool_console._this_host import is_this_host
 
 __all__ = ["local_process_alive"]
-
-_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 def local_process_alive(src: Source) -> bool | None:
     """``True``: ``src.pid`` runs on this host and is the process that reported (same start
     ticks, when reported); ``False``: it is gone (no such pid, a zombie, or a reused pid);
-    ``None``: another host, or no pid reported."""
-    if src.pid <= 0 or (src.host not in _LOCAL_NAMES and src.host != socket.gethostname()):
+    ``None``: another host (``is_this_host``), or no pid reported."""
+    if src.pid <= 0 or not is_this_host(src.host):
         return None
     try:
         if psutil.Process(src.pid).status() == psutil.STATUS_ZOMBIE:
