@@ -13,7 +13,7 @@ Usage::
                        [--mode soft|hard] [--ttl-s S] [--json]       # operator
     kvpool-console unpin --model M --id ID [--json]                 # operator
     kvpool-console pins [--model M] [--json]
-    kvpool-console triage ENGINE [--json] [--ssh-config FILE]      # see kvpool_console.triage
+    kvpool-console triage ENGINE [--json] [--ssh-config FILE] [--ssh]  # kvpool_console.triage
     kvpool-console whatif [--json]                 # reuse ceiling, LRU/MIN at 0.25x..8x pool
 
 ``--hub`` defaults to ``$KVPOOL_HUB`` or ``tcp://127.0.0.1:7600`` (the hub's agent port; the

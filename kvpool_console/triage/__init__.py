@@ -1,7 +1,8 @@
-"""SSH triage: when an engine's agent goes silent, log in to its host and look.
+"""Triage: when an engine's agent goes silent, look at its host.
 
 ``triage_engine`` connects to each host of an engine with the operator's SSH setup
-(``asyncssh``; host keys always checked), runs a fixed allow-list of read-only checks
+(``asyncssh``; host keys always checked), or, for a host that is this machine, runs locally as
+the console's user (``_local``); it runs a fixed allow-list of read-only checks
 (``_commands``) in parallel, each bounded in time, and returns a ``TriageReport`` with the
 console's diagnosis: hung or gone, killed by the OOM killer, port held by pid N (name).
 ``kvpool-console triage`` is in ``triage.cli``; the detail screen's panel in ``triage.panel``.

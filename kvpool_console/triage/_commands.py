@@ -1,9 +1,10 @@
-"""The fixed allow-list of read-only commands triage runs on a host.
+"""The fixed allow-list of read-only commands triage runs on a host (over SSH, or locally).
 
 Each check is a constant POSIX ``sh`` script; the values it needs (pids, a path, the master's
 host and port) are passed as positional parameters, ``sh -c SCRIPT kvpool-triage ARG...``, each
-already checked by ``_plan`` and quoted with ``shlex.quote``. No text from an agent or from the
-operator ever becomes part of a script. A per-run random ``marker`` separates sections, so a
+already checked by ``_plan``: executed as separate arguments on this host, quoted with
+``shlex.quote`` for a remote one. No text from an agent or from the operator ever becomes part
+of a script. A per-run random ``marker`` separates sections, so a
 log line or process name cannot pose as a section header.
 
 Every script only reads: ``/proc``, the kernel log, one log file's tail, ``ss``, ``npu-smi
@@ -23,6 +24,7 @@ __all__ = [
     "MEMINFO",
     "PORTS",
     "PROCESSES",
+    "argv",
     "command",
 ]
 
@@ -129,11 +131,16 @@ exec sh -c "$@"
 it, so nothing it started outlives the check; plain ``sh`` where it does not."""
 
 
+def argv(script: str, *args: str | int, timeout_s: float) -> list[str]:
+    """``sh -c BOUNDED kvpool-triage T SCRIPT kvpool-triage ARG...`` as an argument vector:
+    ``SCRIPT`` runs with ``ARG...`` as its positional parameters, killed after ``timeout_s``
+    seconds where ``timeout`` is installed. A local check executes it as is (no shell parses
+    it); an SSH check sends ``command`` of it."""
+    return ["sh", "-c", _BOUNDED, "kvpool-triage", f"{timeout_s:g}", script, "kvpool-triage",
+            *(str(a) for a in args)]
+
+
 def command(script: str, *args: str | int, timeout_s: float) -> str:
-    """``sh -c BOUNDED kvpool-triage T SCRIPT kvpool-triage ARG...`` with every part quoted
-    (``shlex.quote``): the remote login shell only ever parses this one simple command, and
-    ``SCRIPT`` runs with ``ARG...`` as its positional parameters, killed on the host after
-    ``timeout_s`` seconds when ``timeout`` is installed there."""
-    parts = ("sh", "-c", _BOUNDED, "kvpool-triage", f"{timeout_s:g}", script, "kvpool-triage",
-             *args)
-    return " ".join(shlex.quote(str(a)) for a in parts)
+    """``argv`` with every part quoted (``shlex.quote``) and joined: the remote login shell
+    only ever parses this one simple command."""
+    return " ".join(shlex.quote(a) for a in argv(script, *args, timeout_s=timeout_s))

@@ -133,7 +133,8 @@ class MasterCheck(msgspec.Struct, kw_only=True):
 
 class HostReport(msgspec.Struct, kw_only=True):
     """Everything checked on one host. ``ssh_error`` is set (and nothing else) when the host
-    could not be logged in to; ``target`` is ``user@address:port`` after the SSH config;
+    could not be logged in to; ``target`` is ``user@address:port`` after the SSH config, or
+    ``"local"`` when the host is this machine and was checked without SSH;
     ``refused`` lists reported values triage would not send to the host (unsafe characters)."""
 
     host: str

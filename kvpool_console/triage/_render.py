@@ -12,6 +12,7 @@ from rich.text import Text
 
 from kvpool_console._text import visible
 from kvpool_console.model import fmt_bytes
+from kvpool_console.triage._local import TARGET
 from kvpool_console.triage._model import HostReport, TriageReport
 
 __all__ = ["render"]
@@ -40,7 +41,8 @@ def render(report: TriageReport, *, log_lines: int = 40) -> Text:
 
 def _host(t: Text, h: HostReport, log_lines: int) -> None:
     _add(t, f"\nhost {h.host}", style="bold")
-    _add(t, f" via {h.target}, {h.elapsed_ms:.0f} ms\n")
+    via = "checked locally, no SSH" if h.target == TARGET else f"via {h.target}"
+    _add(t, f" {via}, {h.elapsed_ms:.0f} ms\n")
     for p in h.processes:
         _add(t, f"  process {p.pid} ({', '.join(p.agents)}): {p.state}")
         if p.letter:

@@ -1,6 +1,8 @@
 """Run the allow-listed checks on every host of an engine, in parallel, each bounded in time.
 
-One SSH connection per host; on it the checks run as separate commands, at most
+A host that is this machine (``is_this_host``: the console's one rule for it) is checked
+locally, as the console's own user (``_local``), unless SSH is forced; any other host over one
+SSH connection (``_ssh``). Either way the checks are the same commands, run separately, at most
 ``_CHANNELS`` at a time (sshd's ``MaxSessions`` is 10 by default). Hosts are checked
 concurrently. A check that fails or times out is reported in its own ``error`` field and the
 others still complete.
@@ -11,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from kvpool_agent.protocol import EngineState
+from kvpool_console._this_host import is_this_host
 from kvpool_console.triage import _commands as C
+from kvpool_console.triage import _local
 from kvpool_console.triage._diagnose import diagnose, transport_facts
 from kvpool_console.triage._model import (
     AccelCheck,
@@ -48,11 +52,14 @@ _CHANNELS = 4
 Outcome = tuple[int | None, str, str] | str
 """(exit status, stdout, stderr), or the error text when the command did not complete."""
 
+Attempt = Callable[..., Awaitable[Outcome]]
+"""``attempt(script, *args)``: one check on the host, bounded in time."""
+
 
 async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
                         reporting: bool, ssh_config: str | None = None,
-                        timeout_s: float = CHECK_TIMEOUT_S) -> TriageReport:
-    """Log in to every host of ``engine_id`` and run the checks there.
+                        timeout_s: float = CHECK_TIMEOUT_S, ssh: bool = False) -> TriageReport:
+    """Run the checks on every host of ``engine_id``: locally on this machine, else over SSH.
 
     Args:
         engine_id: the engine, as its agents report it.
@@ -60,13 +67,15 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
         reporting: whether the engine's agents still report (not stale): tells "hung" from a
             process that is merely busy.
         ssh_config: an ssh config file instead of ``~/.ssh/config``.
-        timeout_s: bound of each remote command.
+        timeout_s: bound of each command, seconds.
+        ssh: log in over SSH to a host that is this machine too.
 
     Raises:
         PlanError: unknown engine, or no agent reported a usable host and pid.
     """
     plans = plan_engine(engine_id, states)
-    hosts = await asyncio.gather(*(check_host(p, ssh_config=ssh_config)
+    hosts = await asyncio.gather(*(check_host(p, ssh_config=ssh_config, timeout_s=timeout_s,
+                                              ssh=ssh)
                                    for p in plans))
     report = TriageReport(engine_id=engine_id, ts_ms=time.time() * 1e3, reporting=reporting,
                           hosts=list(hosts))
@@ -76,35 +85,49 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
 
 
 async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
-                     timeout_s: float = CHECK_TIMEOUT_S) -> HostReport:
-    """Every check of ``plan`` on its host; ``ssh_error`` set instead when the login fails."""
+                     timeout_s: float = CHECK_TIMEOUT_S, ssh: bool = False) -> HostReport:
+    """Every check of ``plan`` on its host, each bounded to ``timeout_s`` seconds: run
+    locally when the host is this machine (``target`` ``"local"``) and ``ssh`` is False, else
+    over SSH (``ssh_error`` set instead when the login fails)."""
+    t0 = time.monotonic()
+    gate = asyncio.Semaphore(_CHANNELS)
+    if not ssh and is_this_host(plan.host):
+        async def local(script: str, *args: str | int) -> Outcome:
+            async with gate:
+                return await _local.run(C.argv(script, *args, timeout_s=timeout_s), timeout_s)
+
+        return await _checks(plan, local, _local.TARGET, t0)
     # asyncssh (and cryptography) load only when a triage runs, not with every console command.
     from kvpool_console.triage._ssh import SSHAccessError, connect, run
 
-    t0 = time.monotonic()
     try:
         conn, target = await connect(plan.host, config=ssh_config)
     except SSHAccessError as e:
         return HostReport(host=plan.host, ssh_error=str(e), refused=plan.refused)
-    gate = asyncio.Semaphore(_CHANNELS)
-    marker = f"@@kvpool-triage-{secrets.token_hex(8)}@@"
 
-    async def attempt(script: str, *args: str | int) -> Outcome:
+    async def remote(script: str, *args: str | int) -> Outcome:
         async with gate:
             return await run(conn, C.command(script, *args, timeout_s=timeout_s), timeout_s)
 
     async with conn:
-        pids = [p.pid for p in plan.procs]
-        master_job = (asyncio.ensure_future(attempt(C.MASTER, *_host_port(plan.master)))
-                      if plan.master else None)
-        procs, klog, ports, mem, accel, *logs = await asyncio.gather(
-            attempt(C.PROCESSES, marker, *pids),
-            attempt(C.KERNEL_LOG, marker),
-            attempt(C.PORTS, marker),
-            attempt(C.MEMINFO),
-            attempt(C.ACCEL, marker),
-            *(attempt(C.LOG_TAIL, C.LOG_LINES, path) for path in plan.logs))
-        master = await master_job if master_job is not None else None
+        report = await _checks(plan, remote, target, t0)
+    return report
+
+
+async def _checks(plan: HostPlan, attempt: Attempt, target: str, t0: float) -> HostReport:
+    """Run every check of ``plan`` through ``attempt`` and read their outputs."""
+    marker = f"@@kvpool-triage-{secrets.token_hex(8)}@@"
+    pids = [p.pid for p in plan.procs]
+    master_job = (asyncio.ensure_future(attempt(C.MASTER, *_host_port(plan.master)))
+                  if plan.master else None)
+    procs, klog, ports, mem, accel, *logs = await asyncio.gather(
+        attempt(C.PROCESSES, marker, *pids),
+        attempt(C.KERNEL_LOG, marker),
+        attempt(C.PORTS, marker),
+        attempt(C.MEMINFO),
+        attempt(C.ACCEL, marker),
+        *(attempt(C.LOG_TAIL, C.LOG_LINES, path) for path in plan.logs))
+    master = await master_job if master_job is not None else None
     return HostReport(
         host=plan.host, target=target, refused=plan.refused,
         processes=_processes(plan.procs, procs, klog, marker),

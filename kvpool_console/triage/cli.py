@@ -1,7 +1,8 @@
-"""``kvpool-console triage ENGINE [--json] [--ssh-config FILE]``: the one-shot SSH triage.
+"""``kvpool-console triage ENGINE [--json] [--ssh-config FILE] [--ssh]``: the one-shot triage.
 
 The engine's hosts, pids, log file, ports and master come from the hub (the agents' last
-reports), as for ``status``; then every host is checked over SSH (``triage_engine``).
+reports), as for ``status``; then every host is checked (``triage_engine``): this machine
+locally, as the console's user, other hosts over SSH (``--ssh``: this machine too).
 
 Exit status: 0 every process of the engine runs and reports; 1 a critical finding (hung,
 gone, OOM-killed, a port held by another process, master unreachable); 2 unknown engine, no
@@ -32,12 +33,16 @@ __all__ = ["add_parser", "reporting", "run"]
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add the ``triage`` subcommand to ``kvpool-console``'s subparsers ``sub``."""
     tr = sub.add_parser("triage", parents=[common],
-                        help="log in to an engine's hosts over SSH and diagnose it")
+                        help="look at an engine's hosts (this one locally, others over SSH) "
+                             "and diagnose it")
     tr.add_argument("engine", metavar="ENGINE", help="engine id")
     tr.add_argument("--json", action="store_true", help="the TriageReport as JSON")
     # No default here: the top level's would be overwritten (``--ssh-config F triage E``).
     tr.add_argument("--ssh-config", default=argparse.SUPPRESS, metavar="FILE",
                     help="ssh config file (default ~/.ssh/config)")
+    tr.add_argument("--ssh", action="store_true",
+                    help="log in over SSH to an engine on this host too (default: checked "
+                         "locally, as this user)")
 
 
 def reporting(engine_id: str, src: FleetSource) -> bool:
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
     try:
         report = asyncio.run(triage_engine(args.engine, states,
                                            reporting=reporting(args.engine, src),
-                                           ssh_config=args.ssh_config))
+                                           ssh_config=args.ssh_config, ssh=args.ssh))
     except PlanError as e:
         err.print(plain(f"triage: {e}", style="red"))
         return 2

@@ -52,7 +52,7 @@ class TriagePanel(VerticalScroll):
         self._args = (dict(states), reporting, ssh_config)
 
     def compose(self) -> ComposeResult:
-        yield Static(plain(f"triage of {self.engine_id}: logging in to its hosts…"),
+        yield Static(plain(f"triage of {self.engine_id}: checking its hosts…"),
                      id="triage-body")
 
     def on_mount(self) -> None:
