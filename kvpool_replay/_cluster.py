@@ -309,6 +309,7 @@ class DemoCluster:
             proc = self._spawn(spec)
             self.processes[eid] = proc
             self._started_pids.add(proc.pid)
+        self._say_logs(", ".join(f"{eid}.log" for eid in self.processes))
         self._say(f"waiting for engines to be ready (up to {ready_timeout_s:.0f} s)")
         wait_engines_ready([(self.specs[e], p) for e, p in self.processes.items()],
                            ready_timeout_s, on_status=self._say)
@@ -359,6 +360,7 @@ class DemoCluster:
                                    agent_keys=self.agent_keys_dir, chunk_size=128,
                                    on_status=self._say).start(timeout_s)
         self._started_pids.update(self.pd_pair.pids)
+        self._say_logs("pd/prefill.log, pd/decode.log, pd/proxy.log")
         self._say(f"replaying {self.trace_path} through the proxy at {self.pd_pair.proxy_url}")
         self.pd_replay = ProxyReplay(self.pd_pair.proxy_url, trace, self.speedup,
                                      on_status=self._say).start()
@@ -366,6 +368,15 @@ class DemoCluster:
     def _say(self, line: str) -> None:
         if self._progress is not None:
             self._progress(line)
+
+    def _say_logs(self, engine_logs: str) -> None:
+        """Where the logs are: the engines' (``engine_logs``, in the work directory), which
+        ``kvpool-console triage ENGINE`` reads, and the services' beside them."""
+        services = [s.log_path.relative_to(self.workdir)
+                    for s in (self.master, self.store, self.policy) if s is not None]
+        gone = "; removed when the demo stops" if self._own_tmp else ""
+        self._say(f"logs in {self.workdir}/: engines {engine_logs} (kvpool-console triage "
+                  f"ENGINE shows its tail), {', '.join(map(str, services))}{gone}")
 
     def _spawn(self, spec: EngineSpec) -> subprocess.Popen[bytes]:
         # Engine output goes to a log file: the console owns the terminal.
