@@ -1,6 +1,7 @@
-"""SSH triage of a real replaying engine (``DemoCluster``: ``KVPoolConnector`` scheduler and
-worker in one process, a real mooncake_master): its agents report where it runs, and
-``kvpool-console triage`` over a real sshd finds it stopped, then killed."""
+"""Triage of a real replaying engine (``DemoCluster``: ``KVPoolConnector`` scheduler and
+worker in one process, a real mooncake_master): its agents report where it runs (this
+machine's host name), and ``kvpool-console triage`` checks it locally, reading its log in the
+demo's work directory, or with ``--ssh`` over a real sshd, finding it stopped, then killed."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.Monkey
                 while True:
                     main(["triage", engine_id, "--hub", cluster.hub_address, "--json",
                           "--keys", str(cluster.viewer_keys_dir),
-                          "--ssh-config", str(server.ssh_config)])
+                          "--ssh-config", str(server.ssh_config), "--ssh"])
                     out, err = capsys.readouterr()
                     report = msgspec.json.decode(out, type=TriageReport)
                     got = report.hosts[0].processes[0].state
@@ -50,6 +51,7 @@ def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.Monkey
 
             os.kill(proc.pid, signal.SIGSTOP)
             host = triage_until("stopped").hosts[0]
+            assert host.target == f"root@127.0.0.1:{server.port}"
             p = host.processes[0]
             # One process holds both connector roles; its facts came from the agents.
             assert p.pid == proc.pid and sorted(p.agents) == [
@@ -68,3 +70,47 @@ def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.Monkey
             assert p.exit == "killed by signal 9 (SIGKILL)"
     finally:
         server.stop()
+
+
+def test_local_triage_of_a_demo_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A demo engine runs on the console's host: triage checks it without SSH (an empty home,
+    no sshd) and reads its log in the demo's work directory, which the demo's start-up names."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    said: list[str] = []
+    cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=1,
+                          speedup=8.0, limit=150, pool_tokens=600_000, progress=said.append)
+    with cluster:
+        client = FleetClient(cluster.hub_address, keys_dir=cluster.viewer_keys_dir)
+        try:
+            assert len(client.wait_for(2, timeout_s=30)) == 2
+        finally:
+            client.close()
+        engine_id, proc = next(iter(cluster.processes.items()))
+        log = cluster.workdir / f"{engine_id}.log"
+        assert cluster.store is not None and cluster.policy is not None
+        assert (f"logs in {cluster.workdir}/: engines {engine_id}.log (kvpool-console triage "
+                "ENGINE shows its tail), master/mooncake_master.log, mooncake_client.log, "
+                "policy/kvpool-policy.log; removed when the demo stops") in said
+        rc = main(["triage", engine_id, "--hub", cluster.hub_address, "--json",
+                   "--keys", str(cluster.viewer_keys_dir)])
+        out, err = capsys.readouterr()
+        report = msgspec.json.decode(out, type=TriageReport)
+        [host] = report.hosts
+        assert (host.host, host.target, host.ssh_error) == (socket.gethostname(), "local", "")
+        [p] = host.processes
+        assert (p.pid, p.state) == (proc.pid, "running")
+        assert sorted(p.agents) == [f"{engine_id}/dp0.tp0.pp0", f"{engine_id}/scheduler"]
+        [tail] = host.logs
+        assert (tail.path, tail.error) == (str(log), ""), err
+        # The log's last lines (cut to 400 characters) as the file holds them now; the engine
+        # may have added to them since.
+        held = log.read_text().splitlines()
+        assert tail.lines and all(any(h.startswith(line) for h in held) for line in tail.lines)
+        assert host.ports is not None
+        socks = [i for i in host.ports.items if i.kind == "unix"]
+        assert len(socks) == 1 and [h.pid for h in socks[0].holders] == [proc.pid]
+        assert cluster.master is not None and host.master is not None
+        assert (host.master.address, host.master.reachable) == (cluster.master.address, True)
+        assert rc == 0 and [f.kind for f in report.diagnosis] == ["ok"], report.diagnosis
