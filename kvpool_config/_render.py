@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpool_config._model import DEFAULT_KV_CACHE_STORE_PORT, DEFAULT_LEASE_TTL_MS
 from kvpool_config._registry import validate_document
-from kvpool_config.rules import host_problem
+from kvpool_config.rules import host_problem, master_endpoint
 
 __all__ = [
     "MASTER_CMD_NAME",
@@ -63,7 +63,9 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
     Args:
         doc: decoded ``user_config.json``.
         master_host: host clients reach mooncake_master on (MindIE's kv-store Service name in
-            Kubernetes; ``127.0.0.1`` for a single-host run).
+            Kubernetes; ``127.0.0.1`` for a single-host run); an IPv6 address, bracketed or
+            not, is written in brackets (``[fd00::5]:50088``,
+            :func:`~kvpool_config.rules.master_endpoint`).
 
     Raises:
         RenderError: no ``kv_cache_store_config``, its backend is not ``mooncake``,
@@ -109,7 +111,7 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
         "metadata_server": store.get("metadata_server", "P2PHANDSHAKE"),
         "protocol": store.get("protocol", "ascend"),
         "device_name": store.get("device_name", ""),
-        "master_server_address": f"{master_host}:{port}",
+        "master_server_address": master_endpoint(master_host, port),
         "global_segment_size": 0 if standalone else store.get("global_segment_size", "1GB"),
     }
     if standalone:

@@ -70,6 +70,7 @@ from kvpool_config.rules._store import (
     check_store_mode,
     check_transfer_timeout,
     host_problem,
+    master_endpoint,
 )
 
 __all__ = [
@@ -120,4 +121,5 @@ __all__ = [
     "host_problem",
     "is_hybrid_attention_model",
     "json_path",
+    "master_endpoint",
 ]

@@ -45,6 +45,7 @@ __all__ = [
     "check_store_mode",
     "check_transfer_timeout",
     "host_problem",
+    "master_endpoint",
     "whole_bytes",
 ]
 
@@ -129,6 +130,38 @@ def host_problem(host: str) -> str | None:
     return None
 
 
+def master_endpoint(host: str, port: int) -> str:
+    """``host:port`` as a ``master_server_address`` is written: an IPv6 literal in brackets
+    (``[fd00::5]:50051``), any other host as given (brackets around an IPv4 address dropped).
+
+    Mooncake's master client hands the address to yalantinglibs' ``coro_rpc_client::connect``,
+    which splits it at its last colon and strips one pair of brackets from the host; Mooncake's
+    own host:port parser (``extractIPv6HostAndPort``, mooncake-transfer-engine ``common.h``)
+    and its IPv6 tests write ``[::1]:port``. Without brackets an address such as
+    ``fd00::5:5005`` is itself a valid IPv6 address, so the port is a guess.
+    """
+    bare = host.removeprefix("[").removesuffix("]")
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return f"{host}:{port}"
+    return f"[{bare}]:{port}" if ip.version == 6 else f"{bare}:{port}"
+
+
+def _unbracketed_ipv6(text: str) -> str | None:
+    """The first ``host:port`` item of a master address whose host is an IPv6 literal written
+    without brackets (``::1:50051``), or ``None``."""
+    items = text.removeprefix("etcd://").split(";")
+    for item in items:
+        host, _, _port = item.strip().rpartition(":")
+        try:
+            if not host.startswith("[") and ipaddress.ip_address(host).version == 6:
+                return item.strip()
+        except ValueError:
+            continue
+    return None
+
+
 def check_master_address(value: Any, *, path: str) -> Finding | None:
     """``master_server_address`` of a Mooncake client: present, ``host:port`` or an HA pool's
     ``etcd://host:port[;...]`` as the connector parses it
@@ -151,6 +184,14 @@ def check_master_address(value: Any, *, path: str) -> Finding | None:
             return Finding("error", "master-address", path,
                            f"master_server_address {value!r}: {problem}",
                            f"write it as {_MASTER_EXAMPLE}")
+    item = _unbracketed_ipv6(str(value))
+    if item is not None:
+        host, _, port = item.rpartition(":")
+        return Finding("warning", "master-address", path,
+                       f"master_server_address {value!r}: the IPv6 address in {item!r} has no "
+                       "brackets, so where it ends and the port starts is a guess (Mooncake "
+                       "splits at the last colon)",
+                       f"write it as {master_endpoint(host, int(port))!r}")
     return None
 
 

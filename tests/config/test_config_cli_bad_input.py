@@ -6,6 +6,7 @@ or ``--num-layers`` below 1 (before: taken silently)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,10 @@ def test_render_refuses_a_master_host_validate_would_refuse(
     ("10.0.0.5", "10.0.0.5:50088"),
     ("kv_store", "kv_store:50088"),
     ("[fd00::5]", "[fd00::5]:50088"),
+    # An IPv6 literal is written in brackets, as Mooncake's client parses it (was ::1:50088).
+    ("::1", "[::1]:50088"),
+    ("fd00::5", "[fd00::5]:50088"),
+    ("[10.0.0.5]", "10.0.0.5:50088"),
 ])
 def test_render_takes_host_names_and_addresses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], host: str, address: str
@@ -156,3 +161,28 @@ def test_validate_refuses_sizes_below_one(
     assert exited.value.code == 2
     assert capsys.readouterr().err == (
         f"kvpool-config validate: error: {says} (see kvpool-config validate --help)\n")
+
+
+@pytest.mark.parametrize(("address", "item", "bracketed"), [
+    ("::1:50051", "[::1]:50051", "[::1]:50051"),
+    ("fd00::5:50051", "[fd00::5]:50051", "[fd00::5]:50051"),
+    ("etcd://10.0.0.9:2379;fd00::9:2379", "[fd00::9]:2379",
+     "etcd://10.0.0.9:2379;[fd00::9]:2379"),
+])
+def test_validate_warns_of_an_ipv6_master_without_brackets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], address: str, item: str,
+    bracketed: str,
+) -> None:
+    """What render wrote before: the host:port split is a guess (``fd00::5:5005`` is itself an
+    IPv6 address); a warning naming the bracketed form, none for the bracketed address."""
+    f = tmp_path / "mooncake.json"
+
+    def rules(text: str) -> list[tuple[str, str, str]]:
+        f.write_text(json.dumps({"master_server_address": text}))
+        assert main(["validate", "--json", str(f)]) == 0
+        return [(x["severity"], x["path"], x["fix"])
+                for x in json.loads(capsys.readouterr().out)["findings"]
+                if x["rule"] == "master-address"]
+
+    assert rules(address) == [("warning", "$.master_server_address", f"write it as {item!r}")]
+    assert rules(bracketed) == []
