@@ -11,13 +11,15 @@ from collections.abc import Iterable, Sequence
 
 from rich.text import Text
 
+from kvpool_agent._misses import LOAD_FAILED, NOT_IN_POOL, NOT_LOADED
+from kvpool_agent._saved_chunks import EVICTED, FIRST_USE, NEVER_SAVED, OTHER_DIGEST
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._text import plain, top_miss_text
 from kvpool_console.model import fmt_age, fmt_bytes, fmt_lease
 from kvpool_console.rows import AgentRow, EngineRow, Totals
 
-__all__ = ["COLUMNS", "TREND_WIDTH", "agent_row_cells", "engine_row_cells", "totals_row_cells",
-           "trend"]
+__all__ = ["COLUMNS", "MISS_WIDTH", "TREND_WIDTH", "agent_row_cells", "engine_row_cells",
+           "totals_row_cells", "trend"]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("engine", "Engine"),
@@ -41,6 +43,13 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 """(column key, header) in display order: what triage needs first (engine, state, hit rate,
 pool fill against the watermark, report age, load failures) fits in 80 columns; the rest
 scroll."""
+
+MISS_WIDTH = max(len(top_miss_text(reason, {reason: 1}, 1)) for reason in (
+    NOT_IN_POOL, LOAD_FAILED, NOT_LOADED, EVICTED, FIRST_USE, NEVER_SAVED, OTHER_DIGEST))
+"""Cells the Top miss column takes from the start: its widest text for the reasons an agent
+counts and the hub's split gives (``other_digest 100%``). The split comes after the first
+frame; a column sized to that frame's ``-`` widened when it came (a frame drawn clipped, and
+a layout of the screen). A rarer, longer reason (a skip reason) still widens it."""
 
 _Cells = dict[str, Text | str]
 """One row's cells by column key (every key of ``COLUMNS``)."""

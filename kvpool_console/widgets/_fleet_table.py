@@ -33,6 +33,7 @@ from kvpool_console._messages import EngineChosen
 from kvpool_console.rows import EngineRow, Totals
 from kvpool_console.widgets._fleet_cells import (
     COLUMNS,
+    MISS_WIDTH,
     TREND_WIDTH,
     agent_row_cells,
     engine_row_cells,
@@ -182,8 +183,11 @@ class FleetTable(DataTable[Text | str]):
     def on_mount(self) -> None:
         for key, label in COLUMNS:
             # Trend as wide as it gets from the start: a column that widens costs a layout
-            # of the whole screen, once per refresh while the history fills.
-            self.add_column(label, key=key, width=TREND_WIDTH if key == "trend" else None)
+            # of the whole screen, once per refresh while the history fills. Top miss at
+            # least as wide as its known reasons, by its header (a fixed width would clip a
+            # longer reason; the header is the floor an auto width keeps).
+            self.add_column(label.ljust(MISS_WIDTH) if key == "miss" else label, key=key,
+                            width=TREND_WIDTH if key == "trend" else None)
 
     @property
     def selected_key(self) -> FleetRowKey | None:
