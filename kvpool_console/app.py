@@ -173,11 +173,13 @@ class KVPoolConsole(App[None]):
 
     def __init__(self, source: FleetSource, *, refresh_s: float = 1.0,
                  clock: Callable[[], float] = _wall_ms, ssh_config: str | None = None,
-                 alert_settings: AlertSettings | None = None) -> None:
+                 alert_settings: AlertSettings | None = None, triage_ssh: bool = False) -> None:
         super().__init__()
         self.source = source
         self.ssh_config = ssh_config
         """The ssh config file SSH triage uses (``--ssh-config``); None: ``~/.ssh/config``."""
+        self.triage_ssh = triage_ssh
+        """Triage logs in over SSH to an engine on this host too (not checked locally)."""
         self.clock = clock
         # The alert settings come from the command line; a silent engine's process is looked
         # up on this host (``triage``'s rule).
@@ -579,7 +581,7 @@ class KVPoolConsole(App[None]):
                    None) if self.view is not None else None
         self.log_event(f"triage: engine {eid} requested")
         await show_triage(detail, eid, self.states, reporting=row is not None and not row.stale,
-                          ssh_config=self.ssh_config)
+                          ssh_config=self.ssh_config, ssh=self.triage_ssh)
 
     def action_flush(self) -> None:
         if not self.source.can_flush:

@@ -195,7 +195,10 @@ async def shoot(rec: FleetRecording, name: str, drive: Drive, out: Path,
         StaticSource(rec.states, rec.seen_ms, address=rec.hub_address, can_flush=True,
                      reuse=reuse),
         # One sample per screen (the next is 10 s away) at the recording's time: fixed ages.
-        refresh_s=10.0, clock=lambda: rec.recorded_ms, ssh_config=str(ssh_config))
+        refresh_s=10.0, clock=lambda: rec.recorded_ms, ssh_config=str(ssh_config),
+        # Over SSH even where the recording's host name is this machine's: triage looks at no
+        # real process (the recorded pids are long gone or someone else's).
+        triage_ssh=True)
     async with app.run_test(size=size) as pilot:
         await pilot.pause()
         await drive(pilot)

@@ -33,6 +33,7 @@ class TriagePanel(VerticalScroll):
         states: the fleet as last sampled (agent id -> EngineState).
         reporting: whether the engine's agents still report.
         ssh_config: an ssh config file instead of ``~/.ssh/config``.
+        ssh: log in over SSH to a host that is this machine too.
     """
 
     DEFAULT_CSS = """
@@ -45,11 +46,11 @@ class TriagePanel(VerticalScroll):
     """
 
     def __init__(self, engine_id: str, states: Mapping[str, EngineState], *,
-                 reporting: bool, ssh_config: str | None = None) -> None:
+                 reporting: bool, ssh_config: str | None = None, ssh: bool = False) -> None:
         super().__init__(id="triage-panel")
         self.engine_id = engine_id
         self.report: TriageReport | None = None
-        self._args = (dict(states), reporting, ssh_config)
+        self._args = (dict(states), reporting, ssh_config, ssh)
 
     def compose(self) -> ComposeResult:
         yield Static(plain(f"triage of {self.engine_id}: checking its hosts…"),
@@ -59,11 +60,11 @@ class TriagePanel(VerticalScroll):
         self.run_worker(self._go(), exclusive=True, group="triage")
 
     async def _go(self) -> None:
-        states, reporting, ssh_config = self._args
+        states, reporting, ssh_config, ssh = self._args
         body = self.query_one("#triage-body", Static)
         try:
             report = await triage_engine(self.engine_id, states, reporting=reporting,
-                                         ssh_config=ssh_config)
+                                         ssh_config=ssh_config, ssh=ssh)
         except PlanError as e:
             body.update(plain(f"triage: {e}", style="bold red"))
             return
@@ -73,12 +74,12 @@ class TriagePanel(VerticalScroll):
 
 async def show_triage(screen: Screen[Any], engine_id: str,
                       states: Mapping[str, EngineState], *, reporting: bool,
-                      ssh_config: str | None = None) -> TriagePanel:
+                      ssh_config: str | None = None, ssh: bool = False) -> TriagePanel:
     """Mount a fresh ``TriagePanel`` for ``engine_id`` on ``screen`` (replacing an earlier
     one) above its footer, which starts the run; returns the panel."""
     for old in screen.query(TriagePanel):
         await old.remove()
-    panel = TriagePanel(engine_id, states, reporting=reporting, ssh_config=ssh_config)
+    panel = TriagePanel(engine_id, states, reporting=reporting, ssh_config=ssh_config, ssh=ssh)
     footers = screen.query(Footer)
     await screen.mount(panel, before=footers.first() if footers else None)
     return panel

@@ -276,8 +276,10 @@ def test_liveness_asks_the_same_rule() -> None:
     assert local_process_alive(src) is None
 
 
-async def test_tui_triage_of_a_local_engine() -> None:
-    """``t`` on an engine of this host: the panel shows the local run, with no SSH setup."""
+@pytest.mark.parametrize("ssh", [False, True])
+async def test_tui_triage_of_a_local_engine(ssh: bool) -> None:
+    """``t`` on an engine of this host: the panel shows the local run, with no SSH setup; a
+    console made with ``triage_ssh`` (the screenshots') logs in, and here finds no key."""
     from textual.widgets import Static
 
     from kvpool_agent.protocol import EngineState
@@ -289,7 +291,7 @@ async def test_tui_triage_of_a_local_engine() -> None:
                  kv_role="kv_both", process_role="replay", pid=os.getpid(), host=HOSTNAME,
                  **process_facts())
     app = KVPoolConsole(StaticSource({"tui/scheduler": EngineState(
-        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now)
+        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now, triage_ssh=ssh)
     async with app.run_test(size=(120, 50)) as pilot:
         await pilot.press("t")
         await pilot.pause()
@@ -299,8 +301,13 @@ async def test_tui_triage_of_a_local_engine() -> None:
             await pilot.pause(0.05)
         assert panel.report is not None
         [host] = panel.report.hosts
+        body = str(panel.query_one("#triage-body", Static).render())
+        if ssh:
+            assert host.target == "" and host.ssh_error.startswith(
+                f"cannot ssh to {HOSTNAME}: no key")
+            assert host.processes == [] and f"cannot ssh to {HOSTNAME}: no key" in body
+            return
         assert (host.target, host.ssh_error) == ("local", "")
         assert (host.processes[0].pid, host.processes[0].state) == (os.getpid(), "running")
-        body = str(panel.query_one("#triage-body", Static).render())
         assert f"running: pid {os.getpid()}" in body
         assert f"host {HOSTNAME} checked locally, no SSH" in body
