@@ -356,13 +356,14 @@ class BackendOperations:
         removed = pins.unpin(args.pin_id)
         return PinOutcome(pin=self._info(held[args.pin_id]), removed_keys=removed,
                           pins=[self._info(p) for p in pins.list()],
-                          pinned_bytes=pins.pinned_bytes)
+                          pinned_bytes=pins.pinned_bytes, pool_bytes=pins.pool_bytes())
 
     def pins_held(self, args: PinArgs) -> PinOutcome:
-        """Every pin held here (``PinOperations.pins``)."""
+        """Every pin held here (``PinOperations.pins``), with the pool's capacity as ``pin``
+        reads it (``Pins.pool_bytes``: the master's ``/metrics``, 0 when it did not answer)."""
         pins = self._pins_of(args.model)
         return PinOutcome(pins=[self._info(p) for p in pins.list()],
-                          pinned_bytes=pins.pinned_bytes)
+                          pinned_bytes=pins.pinned_bytes, pool_bytes=pins.pool_bytes())
 
     def _pins_of(self, model: str) -> Pins:
         if model and model != self.source.model:

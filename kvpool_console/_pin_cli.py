@@ -30,7 +30,7 @@ from kvpool_console._text import json_line, plain
 from kvpool_console.model import fmt_bytes
 from kvpool_console.source import FleetSource
 
-__all__ = ["add_parsers", "run"]
+__all__ = ["add_parsers", "pins_document", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 3
 
@@ -105,7 +105,9 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
             return EXIT_USAGE
     replies = src.command(args.cmd, pin=pa, timeout_ms=args.timeout_ms)
     failed = [r for r in replies if not r.ok or r.pins is None]
-    if args.json:
+    if args.json and args.cmd == "pins":
+        sys.stdout.write(json_line(pins_document(replies)) + "\n")
+    elif args.json:
         sys.stdout.write(json_line(replies) + "\n")
     elif args.cmd == "pins":
         _print_pins(replies, out)
@@ -117,6 +119,35 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
         err.print(plain(f"{args.cmd} failed on {r.agent_id}: {r.error or 'no result'}",
                         style="red"))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def pins_document(replies: list[CommandReply]) -> dict[str, list[dict[str, object]]]:
+    """``pins --json``: the pins the workers that answered hold, the agents that answered and
+    those that failed (docs/operating.md, "pins --json").
+
+    ``pins``: one per pin and agent (agents of one layout hold the same pins), with
+    ``pin_id``, ``model``, ``layout_digest``, ``mode`` (``soft`` / ``hard``), ``ttl_s`` (a
+    soft pin's TTL in seconds, ``None`` for a hard one), ``tokens`` (pinned, whole chunks),
+    ``keys`` (every rank's chunk keys), ``bytes`` (of their values) and ``agent_id`` (the
+    worker holding it). ``agents``: per agent that answered, ``pinned_bytes`` (its layout's
+    pins together) and ``pool_bytes`` (the pool's capacity as it read it; ``None`` when it
+    read none: a master whose ``/metrics`` did not answer, or an agent of an earlier release,
+    which sent 0 on a listing). ``errors``: ``agent_id`` and ``error`` of each agent that did
+    not answer with pins."""
+    pins: list[dict[str, object]] = []
+    agents: list[dict[str, object]] = []
+    errors: list[dict[str, object]] = []
+    for r in replies:
+        if not r.ok or r.pins is None:
+            errors.append({"agent_id": r.agent_id, "error": r.error or "no result"})
+            continue
+        agents.append({"agent_id": r.agent_id, "pinned_bytes": r.pins.pinned_bytes,
+                       "pool_bytes": r.pins.pool_bytes or None})
+        pins.extend({"pin_id": p.pin_id, "model": p.model, "layout_digest": p.layout_digest,
+                     "mode": p.mode, "ttl_s": p.ttl_ms / 1e3 if p.mode == "soft" else None,
+                     "tokens": p.tokens, "keys": p.keys, "bytes": p.bytes,
+                     "agent_id": r.agent_id} for p in r.pins.pins)
+    return {"pins": pins, "agents": agents, "errors": errors}
 
 
 def _print_pins(replies: list[CommandReply], out: Console) -> None:

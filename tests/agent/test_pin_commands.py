@@ -232,10 +232,14 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
 
     rc, out, err = console(pool, capsys, pool.viewer, "pins", "--model", pool.model, "--json")
     assert rc == 0, err
-    (reply,) = json.loads(out)
-    assert [(p["pin_id"], p["mode"], p["tokens"], p["keys"], p["bytes"])
-            for p in reply["pins"]["pins"]] == [
-        ("system", "hard", 4 * CHUNK, 4 * SHARES, 4 * CHUNK_BYTES)]
+    listed = json.loads(out)
+    assert [(p["pin_id"], p["mode"], p["ttl_s"], p["tokens"], p["keys"], p["bytes"])
+            for p in listed["pins"]] == [
+        ("system", "hard", None, 4 * CHUNK, 4 * SHARES, 4 * CHUNK_BYTES)]
+    # The listing reads the pool's size as pin does (it was 0 on a listing).
+    assert [(a["pinned_bytes"], a["pool_bytes"]) for a in listed["agents"]] == [
+        (4 * CHUNK_BYTES, SEGMENT)]
+    assert listed["errors"] == []
 
     rc, out, err = console(pool, capsys, pool.operator, "unpin", "--model", pool.model,
                            "--id", "system")
@@ -327,9 +331,8 @@ def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixtur
     pool.start_engine()
     rc, out, err = console(pool, capsys, pool.viewer, "pins", "--model", pool.model, "--json")
     assert rc == 0, err
-    (reply,) = json.loads(out)
-    assert [(p["pin_id"], p["mode"], p["tokens"]) for p in reply["pins"]["pins"]] == [
-        ("template", "soft", 3 * CHUNK)]
+    assert [(p["pin_id"], p["mode"], p["ttl_s"], p["tokens"])
+            for p in json.loads(out)["pins"]] == [("template", "soft", 1800.0, 3 * CHUNK)]
     # ...and saves the prefix's chunks pinned: they outlive a flood.
     try:
         assert pool.run(prefix) == 0
