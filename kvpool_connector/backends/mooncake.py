@@ -189,11 +189,13 @@ class MooncakeConfig(BaseModel):
 
     @property
     def admin_url(self) -> str:
-        """``master_admin_url`` or ``http://<master host>:9003`` (the master's default); an HA
-        pool's masters comma-separated (``kvpool_agent.masters``)."""
+        """``master_admin_url`` or ``http://<master host>:9003`` (the master's default; an IPv6
+        host in brackets, RFC 3986); an HA pool's masters comma-separated
+        (``kvpool_agent.masters``)."""
         if self.master_admin_url:
             return self.master_admin_url.rstrip("/")
-        return f"http://{parse_master_address(self.master_server_address).host}:9003"
+        host = parse_master_address(self.master_server_address).host
+        return f"http://{f'[{host}]' if ':' in host else host}:9003"
 
     @classmethod
     def load(cls, extra_config: dict[str, Any] | None = None) -> MooncakeConfig:

@@ -57,6 +57,11 @@ def test_config_file_env_overrides_and_defaults(tmp_path: Path,
     assert (cfg.global_segment_size, cfg.store_mode) == (0, "standalone")
     assert cfg.admin_url == "http://10.0.0.9:9100"
 
+    # An IPv6 master (Mooncake's form: [host]:port) gets a URL an HTTP client can use.
+    clean_env.setenv("MOONCAKE_MASTER", "[fd00::5]:6000")
+    assert MooncakeConfig.load({}).admin_url == "http://[fd00::5]:9003"
+    assert httpx.URL(MooncakeConfig.load({}).admin_url).host == "fd00::5"
+
     # The extra_config path wins over the environment's.
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"master_server_address": "h:1", "store_mode": "standalone",
