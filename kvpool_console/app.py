@@ -473,8 +473,9 @@ class KVPoolConsole(App[None]):
         yield SystemCommand("Unpin a prefix: selected engine's model", "by its pin id"
                             if self.source.can_flush else _READ_ONLY.format("unpin"),
                             self.action_unpin)
-        yield SystemCommand("SSH triage: selected engine",
-                            "log in to its hosts, diagnose hung / gone / port held",
+        yield SystemCommand("Triage: selected engine",
+                            "check its hosts (here locally, others over SSH), diagnose hung / "
+                            "gone / port held",
                             self.action_triage)
         yield SystemCommand("Toggle faults only", "show only engines with alerts or stale",
                             self.action_faults)

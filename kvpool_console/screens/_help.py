@@ -48,7 +48,8 @@ ACTION_HELP: dict[str, tuple[str, str]] = {
             "(TTL) or hard (operator key)"),
     "unpin": ("Commands", "unpin a prefix of the selected engine's model by its pin id; its "
               "values leave the pool (operator key)"),
-    "triage": ("Commands", "SSH triage: log in to the engine's hosts, say hung / gone / why"),
+    "triage": ("Commands", "triage: check the engine's hosts (this one locally, others over SSH), "
+               "say hung / gone / why"),
     "quit": ("Console", "quit (--demo stops everything it started)"),
     "app.pop_screen": ("Engine detail", "back to the fleet"),
     "dry_run": ("Flush dialog", "count what the flush would remove"),
