@@ -853,7 +853,8 @@ class PinArgs(msgspec.Struct, gc=False, kw_only=True):
 
 class PinInfo(msgspec.Struct, gc=False, kw_only=True):
     """One pin as its agent holds it: ``tokens`` pinned (whole chunks), ``keys`` (every rank's
-    chunk keys of its layout), ``bytes`` of their values, ``ttl_ms`` (0: hard)."""
+    chunk keys of its layout), ``bytes`` of their values, ``ttl_ms`` (0: hard), ``expires_ms``
+    (a soft pin's end, epoch ms; 0 for a hard pin, and from an agent of an earlier release)."""
 
     pin_id: Id
     model: Name
@@ -863,6 +864,7 @@ class PinInfo(msgspec.Struct, gc=False, kw_only=True):
     tokens: Count
     keys: Count
     bytes: BigCount
+    expires_ms: BigCount = 0
 
 
 class PinOutcome(msgspec.Struct, gc=False, kw_only=True):

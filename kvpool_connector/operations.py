@@ -382,7 +382,8 @@ class BackendOperations:
         return PinInfo(pin_id=pin.pin_id, model=self.source.model,
                        layout_digest=scope[1] if scope else "", mode=pin.mode,
                        ttl_ms=pin.ttl_ms, tokens=pin.tokens, keys=len(pin.keys),
-                       bytes=len(pin.keys) * self.pins.chunk_bytes)
+                       bytes=len(pin.keys) * self.pins.chunk_bytes,
+                       expires_ms=int(pin.expires_ms) if pin.mode == "soft" else 0)
 
 
 def _last_result(state: RetryCallState) -> RemoveResult:

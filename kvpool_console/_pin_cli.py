@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kvpool_agent.cli_parser import EXIT_USAGE
-from kvpool_agent.protocol import CommandReply
+from kvpool_agent.protocol import CommandReply, PinInfo
 from kvpool_console._pins import (
     DEFAULT_TTL_S,
     PIN_TIMEOUT_MS,
@@ -105,10 +106,8 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
             return EXIT_USAGE
     replies = src.command(args.cmd, pin=pa, timeout_ms=args.timeout_ms)
     failed = [r for r in replies if not r.ok or r.pins is None]
-    if args.json and args.cmd == "pins":
-        sys.stdout.write(json_line(pins_document(replies)) + "\n")
-    elif args.json:
-        sys.stdout.write(json_line(replies) + "\n")
+    if args.json:
+        sys.stdout.write(json_line(pins_document(replies, args.cmd)) + "\n")
     elif args.cmd == "pins":
         _print_pins(replies, out)
     else:
@@ -121,19 +120,32 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def pins_document(replies: list[CommandReply]) -> dict[str, list[dict[str, object]]]:
-    """``pins --json``: the pins the workers that answered hold, the agents that answered and
-    those that failed (docs/operating.md, "pins --json").
+def _pin(p: PinInfo) -> dict[str, object]:
+    """One pin as ``--json`` prints it (``pins_document``)."""
+    soft = p.mode == "soft"
+    return {"pin_id": p.pin_id, "model": p.model, "layout_digest": p.layout_digest,
+            "mode": p.mode, "ttl_s": p.ttl_ms / 1e3 if soft else None,
+            "expires_ms": p.expires_ms if soft and p.expires_ms else None,
+            "tokens": p.tokens, "keys": p.keys, "bytes": p.bytes}
+
+
+def pins_document(replies: list[CommandReply], cmd: str = "pins") -> dict[str, object]:
+    """What ``pin``, ``unpin`` and ``pins`` print with ``--json`` (docs/operating.md, "pins
+    --json"): one shape, not the wire replies.
 
     ``pins``: one per pin and agent (agents of one layout hold the same pins), with
     ``pin_id``, ``model``, ``layout_digest``, ``mode`` (``soft`` / ``hard``), ``ttl_s`` (a
-    soft pin's TTL in seconds, ``None`` for a hard one), ``tokens`` (pinned, whole chunks),
-    ``keys`` (every rank's chunk keys), ``bytes`` (of their values) and ``agent_id`` (the
-    worker holding it). ``agents``: per agent that answered, ``pinned_bytes`` (its layout's
-    pins together) and ``pool_bytes`` (the pool's capacity as it read it; ``None`` when it
-    read none: a master whose ``/metrics`` did not answer, or an agent of an earlier release,
-    which sent 0 on a listing). ``errors``: ``agent_id`` and ``error`` of each agent that did
-    not answer with pins."""
+    soft pin's TTL in seconds, ``None`` for a hard one), ``expires_ms`` (a soft pin's end,
+    epoch ms; ``None`` for a hard pin or from an agent of an earlier release), ``tokens``
+    (pinned, whole chunks), ``keys`` (every rank's chunk keys), ``bytes`` (of their values)
+    and ``agent_id`` (the worker holding it): after a ``pin`` or ``unpin``, the pins the agent
+    holds then. ``agents``: per agent that answered, ``pinned_bytes`` (its layout's pins
+    together) and ``pool_bytes`` (the pool's capacity as it read it; ``None`` when it read
+    none: a master whose ``/metrics`` did not answer, or an agent of an earlier release, which
+    sent 0 on a listing); for ``pin`` also ``pin`` (the pin made), ``pinned_now`` (keys pinned
+    at once), ``pending`` (pinned when saved) and ``failed`` (refused by the store); for
+    ``unpin`` ``pin`` (the pin dropped) and ``removed_keys``. ``errors``: ``agent_id`` and
+    ``error`` of each agent that did not answer with pins."""
     pins: list[dict[str, object]] = []
     agents: list[dict[str, object]] = []
     errors: list[dict[str, object]] = []
@@ -141,22 +153,33 @@ def pins_document(replies: list[CommandReply]) -> dict[str, list[dict[str, objec
         if not r.ok or r.pins is None:
             errors.append({"agent_id": r.agent_id, "error": r.error or "no result"})
             continue
-        agents.append({"agent_id": r.agent_id, "pinned_bytes": r.pins.pinned_bytes,
-                       "pool_bytes": r.pins.pool_bytes or None})
-        pins.extend({"pin_id": p.pin_id, "model": p.model, "layout_digest": p.layout_digest,
-                     "mode": p.mode, "ttl_s": p.ttl_ms / 1e3 if p.mode == "soft" else None,
-                     "tokens": p.tokens, "keys": p.keys, "bytes": p.bytes,
-                     "agent_id": r.agent_id} for p in r.pins.pins)
+        agent: dict[str, object] = {"agent_id": r.agent_id,
+                                    "pinned_bytes": r.pins.pinned_bytes,
+                                    "pool_bytes": r.pins.pool_bytes or None}
+        if cmd in ("pin", "unpin"):
+            agent["pin"] = _pin(r.pins.pin) if r.pins.pin is not None else None
+        if cmd == "pin":
+            agent |= {"pinned_now": r.pins.pinned_now, "pending": r.pins.pending,
+                      "failed": r.pins.failed}
+        elif cmd == "unpin":
+            agent["removed_keys"] = r.pins.removed_keys
+        agents.append(agent)
+        pins.extend(_pin(p) | {"agent_id": r.agent_id} for p in r.pins.pins)
     return {"pins": pins, "agents": agents, "errors": errors}
 
 
 def _print_pins(replies: list[CommandReply], out: Console) -> None:
     t = Table(title="pins")
-    for col in ("Pin", "Model", "Layout", "Mode", "TTL s", "Tokens", "Keys", "Bytes", "Agent"):
+    for col in ("Pin", "Model", "Layout", "Mode", "TTL s", "Ends in s", "Tokens", "Keys",
+                "Bytes", "Agent"):
         t.add_column(col)
+    now_ms = time.time() * 1e3
     for r in replies:
         for p in r.pins.pins if r.pins is not None else []:
+            soft = p.mode == "soft"
             t.add_row(plain(p.pin_id), plain(p.model), p.layout_digest, p.mode,
-                      f"{p.ttl_ms / 1e3:g}" if p.mode == "soft" else "-", str(p.tokens),
+                      f"{p.ttl_ms / 1e3:g}" if soft else "-",
+                      f"{max(0.0, p.expires_ms - now_ms) / 1e3:.0f}"
+                      if soft and p.expires_ms else "-", str(p.tokens),
                       str(p.keys), fmt_bytes(p.bytes), plain(r.agent_id))
     out.print(t)

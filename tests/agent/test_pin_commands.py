@@ -321,18 +321,29 @@ def test_pins_survive_an_engine_restart(pool: Pool, capsys: pytest.CaptureFixtur
                                         ) -> None:
     prefix = [61, 62, 63]  # never saved before the pin: every chunk pending
     ids = ",".join(map(str, tokens(prefix)))
+    before_ms = time.time() * 1e3
     rc, out, err = console(pool, capsys, pool.operator, "pin", "--model", pool.model,
-                           "--tokens", ids, "--id", "template")
+                           "--tokens", ids, "--id", "template", "--json")
+    after_ms = time.time() * 1e3
     assert rc == 0, err
-    assert f"0 in the pool now, {3 * SHARES} pinned when saved" in out, out
+    made = json.loads(out)
+    (agent,) = made["agents"]
+    assert (agent["pinned_now"], agent["pending"], agent["failed"]) == (0, 3 * SHARES, 0)
+    assert (agent["pin"]["pin_id"], agent["pin"]["mode"], agent["pin"]["ttl_s"]) == (
+        "template", "soft", 1800.0)
+    ends = agent["pin"]["expires_ms"]  # a soft pin's end: its TTL after the pin
+    assert before_ms + 1_800_000 <= ends <= after_ms + 1_800_000, (before_ms, ends, after_ms)
+    assert made["pins"] == [agent["pin"] | {"agent_id": agent["agent_id"]}] and \
+        made["errors"] == []
 
     # A new engine process (its own pool client) reads the layout's pins from the pool...
     pool.engine.close()
     pool.start_engine()
     rc, out, err = console(pool, capsys, pool.viewer, "pins", "--model", pool.model, "--json")
     assert rc == 0, err
-    assert [(p["pin_id"], p["mode"], p["ttl_s"], p["tokens"])
-            for p in json.loads(out)["pins"]] == [("template", "soft", 1800.0, 3 * CHUNK)]
+    # ...with the same end (a restart does not extend a soft pin)...
+    assert [(p["pin_id"], p["mode"], p["ttl_s"], p["tokens"], p["expires_ms"])
+            for p in json.loads(out)["pins"]] == [("template", "soft", 1800.0, 3 * CHUNK, ends)]
     # ...and saves the prefix's chunks pinned: they outlive a flood.
     try:
         assert pool.run(prefix) == 0

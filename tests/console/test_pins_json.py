@@ -21,7 +21,8 @@ def _reply(agent: str, outcome: PinOutcome | None, error: str | None = None) -> 
 
 def test_pins_json_is_one_shape_with_the_agents_and_their_errors() -> None:
     soft = PinInfo(pin_id="system", model="org/m", layout_digest="d1", mode="soft",
-                   ttl_ms=1_800_000, tokens=1024, keys=8, bytes=16 * MB)
+                   ttl_ms=1_800_000, tokens=1024, keys=8, bytes=16 * MB,
+                   expires_ms=1_796_000_000_000)
     hard = PinInfo(pin_id="tmpl", model="org/m", layout_digest="d2", mode="hard", ttl_ms=0,
                    tokens=512, keys=4, bytes=8 * MB)
     replies = [
@@ -34,10 +35,10 @@ def test_pins_json_is_one_shape_with_the_agents_and_their_errors() -> None:
     assert json.loads(json_line(pins_document(replies))) == {
         "pins": [
             {"pin_id": "system", "model": "org/m", "layout_digest": "d1", "mode": "soft",
-             "ttl_s": 1800.0, "tokens": 1024, "keys": 8, "bytes": 16 * MB,
-             "agent_id": "e0/dp0.tp0.pp0"},
+             "ttl_s": 1800.0, "expires_ms": 1_796_000_000_000, "tokens": 1024, "keys": 8,
+             "bytes": 16 * MB, "agent_id": "e0/dp0.tp0.pp0"},
             {"pin_id": "tmpl", "model": "org/m", "layout_digest": "d2", "mode": "hard",
-             "ttl_s": None, "tokens": 512, "keys": 4, "bytes": 8 * MB,
+             "ttl_s": None, "expires_ms": None, "tokens": 512, "keys": 4, "bytes": 8 * MB,
              "agent_id": "e1/dp0.tp0.pp0"},
         ],
         "agents": [
@@ -50,3 +51,30 @@ def test_pins_json_is_one_shape_with_the_agents_and_their_errors() -> None:
 
 def test_no_pins_is_empty_lists() -> None:
     assert pins_document([]) == {"pins": [], "agents": [], "errors": []}
+
+
+def test_pin_and_unpin_json_say_what_each_agent_did() -> None:
+    """``pin --json`` / ``unpin --json``: the same shape, each agent with the pin it made or
+    dropped and its counts; a soft pin of an earlier agent (no end sent) has ``expires_ms``
+    ``None``, never 0."""
+    made = PinInfo(pin_id="p1", model="m", layout_digest="d", mode="soft", ttl_ms=60_000,
+                   tokens=256, keys=2, bytes=2 * MB)
+    pin = [_reply("e0/dp0.tp0.pp0", PinOutcome(pin=made, pinned_now=1, pending=1, failed=0,
+                                               pins=[made], pinned_bytes=2 * MB,
+                                               pool_bytes=64 * MB))]
+    shown = {"pin_id": "p1", "model": "m", "layout_digest": "d", "mode": "soft",
+             "ttl_s": 60.0, "expires_ms": None, "tokens": 256, "keys": 2, "bytes": 2 * MB}
+    assert json.loads(json_line(pins_document(pin, "pin"))) == {
+        "pins": [shown | {"agent_id": "e0/dp0.tp0.pp0"}],
+        "agents": [{"agent_id": "e0/dp0.tp0.pp0", "pinned_bytes": 2 * MB,
+                    "pool_bytes": 64 * MB, "pin": shown, "pinned_now": 1, "pending": 1,
+                    "failed": 0}],
+        "errors": []}
+    unpin = [_reply("e0/dp0.tp0.pp0", PinOutcome(pin=made, removed_keys=2,
+                                                 pool_bytes=64 * MB)),
+             _reply("e1/dp0.tp0.pp0", None, "unknown pin 'p1'")]
+    assert json.loads(json_line(pins_document(unpin, "unpin"))) == {
+        "pins": [],
+        "agents": [{"agent_id": "e0/dp0.tp0.pp0", "pinned_bytes": 0, "pool_bytes": 64 * MB,
+                    "pin": shown, "removed_keys": 2}],
+        "errors": [{"agent_id": "e1/dp0.tp0.pp0", "error": "unknown pin 'p1'"}]}
