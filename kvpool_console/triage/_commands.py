@@ -62,10 +62,26 @@ when neither can be read."""
 LOG_TAIL = r"""if [ ! -e "$2" ]; then echo "no such file" >&2; exit 3; fi
 if [ ! -f "$2" ]; then echo "not a regular file" >&2; exit 3; fi
 if [ ! -r "$2" ]; then echo "not readable by this user" >&2; exit 3; fi
+mode=$(ls -lLd -- "$2" 2>/dev/null | cut -c 1-10)
+case $mode in
+  ???????r??) ;;
+  ????r?????)
+    if [ "$(id -u)" = 0 ]; then
+      echo "readable by its owner and group only (mode $mode):" \
+        "as root, triage shows only logs anyone may read" >&2
+      exit 3
+    fi ;;
+  *) echo "private to its owner (mode $mode): triage shows no such file (keys, credentials)" >&2
+     exit 3 ;;
+esac
 tail -n "$1" -- "$2" | cut -c 1-400
 """
 """Args: line count, path. The file's last lines, or exit 3 with the reason on stderr. Only
-a regular file (after symlinks) is read: a FIFO or device would block or never end."""
+a regular file (after symlinks) is read: a FIFO or device would block or never end. A file
+no one but its owner may read (mode ``0600``: an SSH key, a CURVE ``*.key_secret``,
+``/proc/self/environ``) is never shown, nor, as root, one only its group may read
+(``/etc/shadow``): the path comes from an agent report, and triage runs as the console's user
+on this host, so a forged path would otherwise print that user's secrets."""
 
 PORTS = r"""m=$1
 if command -v ss >/dev/null 2>&1; then

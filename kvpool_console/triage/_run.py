@@ -14,6 +14,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from kvpool_agent.protocol import EngineState
 from kvpool_console._this_host import is_this_host
@@ -49,6 +50,14 @@ CHECK_TIMEOUT_S = 5.0
 
 _CHANNELS = 4
 
+MAX_HOSTS = 64
+"""Hosts one triage checks at most; the rest are listed as not checked. Hosts come from agent
+reports (up to 1,024 agents an engine): without a bound one forged engine made a triage open
+as many SSH logins, or run as many sets of local checks."""
+
+MAX_LOGS = 8
+"""Log files one host's check reads at most (each agent may report its own)."""
+
 Outcome = tuple[int | None, str, str] | str
 """(exit status, stdout, stderr), or the error text when the command did not complete."""
 
@@ -73,7 +82,7 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
     Raises:
         PlanError: unknown engine, or no agent reported a usable host and pid.
     """
-    plans = plan_engine(engine_id, states)
+    plans = _bounded(plan_engine(engine_id, states), ssh=ssh)
     hosts = await asyncio.gather(*(check_host(p, ssh_config=ssh_config, timeout_s=timeout_s,
                                               ssh=ssh)
                                    for p in plans))
@@ -82,6 +91,52 @@ async def triage_engine(engine_id: str, states: Mapping[str, EngineState], *,
     report.transport_failures, report.transport_error = transport_facts(engine_id, states)
     report.diagnosis = diagnose(report)
     return report
+
+
+def _bounded(plans: list[HostPlan], *, ssh: bool) -> list[HostPlan]:
+    """``plans`` with every host that is this machine merged into one (unless ``ssh``: then
+    each is its own login), at most ``MAX_HOSTS`` hosts and ``MAX_LOGS`` logs a host; what is
+    left out is listed in the first plan's ``refused``."""
+    here = [] if ssh else [p for p in plans if is_this_host(p.host)]
+    if len(here) > 1:
+        plans = [_merge(here) if p is here[0] else p for p in plans if p not in here[1:]]
+    for p in plans:
+        if len(p.logs) > MAX_LOGS:
+            p.refused.append(f"{len(p.logs) - MAX_LOGS} more log paths not read (at most "
+                             f"{MAX_LOGS} a host): {', '.join(p.logs[MAX_LOGS:MAX_LOGS + 3])}...")
+            del p.logs[MAX_LOGS:]
+    if len(plans) > MAX_HOSTS:
+        plans[0].refused.append(
+            f"{len(plans) - MAX_HOSTS} more hosts not checked (at most {MAX_HOSTS} a triage): "
+            f"{', '.join(p.host for p in plans[MAX_HOSTS:MAX_HOSTS + 3])}...")
+        del plans[MAX_HOSTS:]
+    return plans
+
+
+def _merge(here: list[HostPlan]) -> HostPlan:
+    """One plan for every spelling of this host (``localhost``, ``127.0.0.2``, the host
+    name...): the same machine, checked once, named as its first agent named it."""
+    merged = HostPlan(host=here[0].host)
+    procs: dict[int, ProcPlan] = {}
+    for plan in here:
+        for proc in plan.procs:
+            old = procs.get(proc.pid)
+            procs[proc.pid] = proc if old is None else ProcPlan(
+                proc.pid, max(old.start_ticks, proc.start_ticks), old.agents + proc.agents)
+        _extend(merged.logs, plan.logs)
+        _extend(merged.ports, plan.ports)
+        _extend(merged.sockets, plan.sockets)
+        _extend(merged.refused, plan.refused)
+        merged.master = merged.master or plan.master
+    merged.procs = list(procs.values())
+    merged.refused.append(f"{', '.join(p.host for p in here[1:4])}"
+                          f"{'...' if len(here) > 4 else ''} name this host as well: checked "
+                          f"once, as {here[0].host}")
+    return merged
+
+
+def _extend(into: list[Any], values: list[Any]) -> None:
+    into.extend(v for v in values if v not in into)
 
 
 async def check_host(plan: HostPlan, *, ssh_config: str | None = None,

@@ -16,10 +16,9 @@ import asyncio
 import sys
 from typing import Any
 
-import msgspec
 from rich.console import Console
 
-from kvpool_console._text import plain
+from kvpool_console._text import json_line, plain
 from kvpool_console.model import build_view
 from kvpool_console.source import FleetSource, now_ms
 from kvpool_console.triage._diagnose import exit_status
@@ -67,7 +66,9 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
     for line in failed:
         err.print(plain(f"triage: {line}", style="red"))
     if args.json:
-        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+        # json_line: log lines may hold DEL and C1 controls (U+009B is CSI), which JSON
+        # leaves raw and a terminal obeys.
+        sys.stdout.write(json_line(report) + "\n")
     elif len(failed) < len(report.hosts):
         out.print(render(report))
     return exit_status(report)

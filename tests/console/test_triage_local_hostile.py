@@ -1,0 +1,139 @@
+"""Hostile agent reports against triage's local path (the console's own host, its own user).
+
+A report names this machine in many spellings (one engine may have 1,024 agents), a log path
+at one of the console user's secrets, and a log holding C1 terminal controls; the checks are
+the real local ones (``_local.run``), the reports pass the protocol's own validation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvpool_agent.protocol import EngineState, Source
+from kvpool_console._text import json_line
+from kvpool_console.triage import _local
+from kvpool_console.triage import _run as R
+from kvpool_console.triage._run import triage_engine
+
+
+def _states(*sources: dict[str, Any]) -> dict[str, EngineState]:
+    out = {}
+    for i, extra in enumerate(sources):
+        src = msgspec.convert({"agent_id": f"evil/a{i}", "engine_id": "evil",
+                               "instance_role": "mixed", "kv_role": "kv_both",
+                               "process_role": "replay", "pid": os.getpid(),
+                               "host": socket.gethostname(), **extra}, Source)
+        out[src.agent_id] = EngineState(source=src, started_ms=0, ts_ms=0)
+    return out
+
+
+def _spellings(n: int) -> list[str]:
+    """``n`` different host strings that all name this machine."""
+    base = ["localhost", "LOCALHOST", "LocalHost", socket.gethostname().upper()]
+    ips = [f"127.0.{i >> 8}.{i & 255}" for i in range(1, n)]
+    mapped = [f"0::ffff:127.1.{i >> 8}.{i & 255}" for i in range(1, n)]
+    return (base + [h for pair in zip(ips, mapped, strict=True) for h in pair])[:n]
+
+
+async def test_many_spellings_of_this_host_run_one_set_of_checks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 agents of one engine, each naming this host differently with its own log: one
+    local host is checked (its checks once), not 200 sets of local processes."""
+    runs = 0
+    real = _local.run
+
+    async def counted(argv: list[str], timeout_s: float) -> Any:
+        nonlocal runs
+        runs += 1
+        return await real(argv, timeout_s)
+
+    monkeypatch.setattr(_local, "run", counted)
+    logs = []
+    for i in range(200):
+        log = tmp_path / f"e{i}.log"
+        log.write_text(f"line of {i}\n")
+        log.chmod(0o644)
+        logs.append(str(log))
+    states = _states(*({"host": h, "log_path": log}
+                       for h, log in zip(_spellings(200), logs, strict=True)))
+    report = await triage_engine("evil", states, reporting=False)
+    [host] = report.hosts
+    assert host.target == "local" and host.host == "localhost"
+    [proc] = host.processes
+    assert proc.pid == os.getpid() and len(proc.agents) == 200 and proc.state == "running"
+    assert len(host.logs) == R.MAX_LOGS and {log.path for log in host.logs} <= set(logs)
+    assert all(log.lines and log.lines[0].startswith("line of ") for log in host.logs)
+    assert any("more log paths not read" in r for r in host.refused)
+    assert any("name this host as well: checked once, as localhost" in r for r in host.refused)
+    assert runs == 5 + R.MAX_LOGS
+
+
+async def test_ssh_keeps_hosts_apart_but_bounded() -> None:
+    """With ``--ssh`` each spelling is its own login (none works here: no key), at most
+    ``MAX_HOSTS`` of them."""
+    states = _states(*({"host": f"h{i}.invalid"} for i in range(R.MAX_HOSTS + 10)))
+    plans = R._bounded(R.plan_engine("evil", states), ssh=True)
+    assert len(plans) == R.MAX_HOSTS
+    assert "10 more hosts not checked" in plans[0].refused[-1]
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400])
+async def test_forged_log_path_at_a_private_file_shows_nothing(tmp_path: Path,
+                                                                 mode: int) -> None:
+    """A log path naming a file only its owner may read (the console's CURVE secret key, an
+    SSH key): refused with the reason, its text nowhere in the report."""
+    secret = tmp_path / "operator.key_secret"
+    secret.write_text('curve\n    secret-key = "TOPSECRETz85"\n')
+    secret.chmod(mode)
+    environ = tmp_path / "environ"
+    environ.symlink_to("/proc/self/environ")
+    report = await triage_engine("evil", _states({"log_path": str(secret)},
+                                                 {"log_path": str(environ)}),
+                                 reporting=False)
+    [host] = report.hosts
+    assert host.target == "local"
+    assert [(log.lines, log.error.split(" (")[0]) for log in host.logs] == [
+        ([], "private to its owner")] * 2
+    text = msgspec.json.encode(report).decode()
+    assert "TOPSECRET" not in text and os.environ.get("PATH", "unset") not in text
+
+
+async def test_group_only_file_is_not_shown_to_root(tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow"
+    shadow.write_text("root:$6$hash:19000:0:99999:7:::\n")
+    shadow.chmod(0o640)
+    report = await triage_engine("evil", _states({"log_path": str(shadow)}), reporting=False)
+    [log] = report.hosts[0].logs
+    if os.geteuid() == 0:
+        assert log.lines == [] and log.error.startswith("readable by its owner and group only")
+    else:
+        assert log.lines == ["root:$6$hash:19000:0:99999:7:::"] and log.error == ""
+
+
+def test_triage_json_escapes_c1_controls(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A log line holding C1 controls (U+009B is CSI) is printed by ``triage --json`` escaped,
+    as every other ``--json`` of the console: JSON leaves them raw."""
+    import argparse
+
+    from rich.console import Console
+
+    from kvpool_console.source import StaticSource
+    from kvpool_console.triage import cli
+
+    log = tmp_path / "c1.log"
+    log.write_bytes(b"ok\n\xc2\x9b2J\xc2\x9d0;retitled\x07\x7f\n")
+    log.chmod(0o644)
+    args = argparse.Namespace(engine="evil", json=True, ssh_config=None, ssh=False)
+    cli.run(args, StaticSource(_states({"log_path": str(log)})), Console(), Console())
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x9b\x9d\x7f\x07"), out
+    report = msgspec.json.decode(out)
+    assert report["hosts"][0]["logs"][0]["lines"][1] == "\x9b2J\x9d0;retitled\x07\x7f"
+    assert json_line(report) == out.strip()
