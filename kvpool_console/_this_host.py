@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 
 import psutil
 
@@ -18,8 +19,26 @@ __all__ = ["is_this_host"]
 _LOOPBACK_NAMES = frozenset({"localhost"})
 
 
+_ADDRESSES_TTL_S = 1.0
+"""How long the interface addresses read are reused: the stale alert asks once per silent
+engine per refresh, and reading them costs ~0.1 ms (16,384 forged silent engines naming IP
+literals took 1.6 s a refresh)."""
+
+_cache: tuple[float, set[ipaddress.IPv4Address | ipaddress.IPv6Address]] = (-1e18, set())
+
+
 def _own_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The addresses of this machine's interfaces now (an address added later counts)."""
+    """The addresses of this machine's interfaces, read at most once a ``_ADDRESSES_TTL_S``
+    (an address added later counts from then on)."""
+    global _cache
+    now = time.monotonic()
+    if now - _cache[0] < _ADDRESSES_TTL_S:
+        return _cache[1]
+    _cache = (now, _read_addresses())
+    return _cache[1]
+
+
+def _read_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     for addrs in psutil.net_if_addrs().values():
         for a in addrs:

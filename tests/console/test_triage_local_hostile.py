@@ -137,3 +137,25 @@ def test_triage_json_escapes_c1_controls(tmp_path: Path,
     report = msgspec.json.decode(out)
     assert report["hosts"][0]["logs"][0]["lines"][1] == "\x9b2J\x9d0;retitled\x07\x7f"
     assert json_line(report) == out.strip()
+
+
+def test_this_host_reads_interfaces_at_most_once_a_second(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forged silent engines naming IP literals: the stale alert asks ``is_this_host`` once
+    per engine per refresh; the interface addresses are read once, not once per engine."""
+    import psutil
+
+    from kvpool_console import _this_host
+
+    calls = 0
+    real = psutil.net_if_addrs
+
+    def counted() -> Any:
+        nonlocal calls
+        calls += 1
+        return real()
+
+    monkeypatch.setattr(psutil, "net_if_addrs", counted)
+    monkeypatch.setattr(_this_host, "_cache", (-1e18, set()), raising=False)
+    assert not any(_this_host.is_this_host(f"10.99.{i >> 8}.{i & 255}") for i in range(2000))
+    assert calls == 1
