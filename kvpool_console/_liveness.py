@@ -18,9 +18,11 @@ __all__ = ["local_process_alive"]
 
 
 def local_process_alive(src: Source) -> bool | None:
-    """``True``: ``src.pid`` runs on this host and is the process that reported (same start
-    ticks, when reported); ``False``: it is gone (no such pid, a zombie, or a reused pid);
-    ``None``: another host (``is_this_host``), or no pid reported."""
+    """``True``: ``src.pid`` runs on this host and is the process that reported (the start
+    ticks it reported match); ``False``: it is gone (no such pid, a zombie, or a pid that now
+    names another process); ``None``: another host (``is_this_host``), no pid reported, or no
+    start ticks to prove the running pid is the reporter (an agent key could name any pid,
+    pid 1 say, and make a dead engine read "hung": helper 76)."""
     if src.pid <= 0 or not is_this_host(src.host):
         return None
     try:
@@ -30,4 +32,6 @@ def local_process_alive(src: Source) -> bool | None:
         return False
     except psutil.Error:
         return None
-    return not (src.start_ticks and start_ticks(src.pid) != src.start_ticks)
+    if not src.start_ticks:
+        return None
+    return start_ticks(src.pid) == src.start_ticks

@@ -13,6 +13,7 @@ from kvpool_agent.protocol import (
     EngineState,
     ErrorRecord,
     PoolStats,
+    Source,
     Transfer,
     TransferStats,
     paused_ms,
@@ -496,13 +497,32 @@ def _namespace_alerts(groups: Mapping[str, list[EngineState]], now_ms: float) ->
     return out
 
 
+def _liveness(group: list[EngineState], cfg: AlertSettings) -> tuple[Source, bool | None]:
+    """The engine's process that the verdict names, and the verdict: ``True`` (hung) or
+    ``False`` (gone) only when every process of the engine ``cfg.alive`` can judge agrees
+    (an agent key adding one forged agent to a real engine could otherwise name a live pid
+    and turn "gone" into "hung", or the reverse); ``None``: none can be judged, or they
+    disagree (the stale/down alert then says what is known)."""
+    head = next((s.source for s in group if s.source.pid), group[0].source)
+    if cfg.alive is None:
+        return head, None
+    seen: dict[tuple[str, int, int], Source] = {}
+    for s in group:
+        if s.source.pid:
+            seen.setdefault((s.source.host, s.source.pid, s.source.start_ticks), s.source)
+    judged = [(src, v) for src in seen.values() if (v := cfg.alive(src)) is not None]
+    verdicts = {v for _, v in judged}
+    if len(verdicts) != 1:
+        return head, None
+    return judged[0][0], verdicts.pop()
+
+
 def _silence_alert(engine_id: str, group: list[EngineState], age: float, now_ms: float,
                    cfg: AlertSettings) -> Alert | None:
     if age <= cfg.stale_after_ms:
         return None
     down_after_ms = cfg.down_after_ms
-    head = next((s.source for s in group if s.source.pid), group[0].source)
-    state = cfg.alive(head) if cfg.alive is not None else None
+    head, state = _liveness(group, cfg)
     where = f"pid {head.pid} on {head.host or '?'}"
     if state is True:
         return make_alert("stale", "critical" if age > down_after_ms else "warning", engine_id,
