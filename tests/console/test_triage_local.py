@@ -197,7 +197,11 @@ def test_hostile_report_naming_this_host_has_no_effect(capsys: pytest.CaptureFix
     canary = tmp_path / "canary"
     victim = subprocess.Popen(["sleep", "600"])
     try:
-        wait_for(lambda: _comm(victim.pid) == "sleep", "sleep started")
+        # Asleep, not merely exec'd: a process caught still running once read "running"
+        # here and "sleeping" after (a CI run with two CPU burners).
+        wait_for(lambda: _comm(victim.pid) == "sleep"
+                 and psutil.Process(victim.pid).status() == psutil.STATUS_SLEEPING,
+                 "sleep asleep")
         before = (start_ticks(victim.pid), psutil.Process(victim.pid).status())
         handle = start_agent(Source(
             agent_id="hostile/scheduler", engine_id="hostile", instance_role="mixed",

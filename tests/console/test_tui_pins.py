@@ -127,8 +127,7 @@ def pins(f: Fleet, capsys: pytest.CaptureFixture[str]) -> list[tuple[str, str, i
                        str(f.viewer), "--wait", "10", "--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    return [(p["pin_id"], p["mode"], p["tokens"], p["keys"])
-            for r in json.loads(out) for p in r["pins"]["pins"]]
+    return [(p["pin_id"], p["mode"], p["tokens"], p["keys"]) for p in json.loads(out)["pins"]]
 
 
 async def held_pins(f: Fleet) -> list[tuple[str, str, int, int]]:
