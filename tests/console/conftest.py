@@ -1,13 +1,16 @@
-"""Fixtures for console tests: a live fleet (see ``livefleet``) on the session mooncake_master."""
+"""Fixtures for console tests: a live fleet (see ``livefleet``) on the session mooncake_master;
+for the triage tests a bare hub and something listening as the pool's master."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from livefleet import LiveFleet, keyed_live_fleet
+from livefleet import LiveFleet, hub_address, keyed_live_fleet
 
+from kvpool_agent.hub import FleetHub
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_replay import LocalMooncakeMaster
 
@@ -29,3 +32,23 @@ def live_fleet(tmp_path: Path, mooncake_master: LocalMooncakeMaster,
     with keyed_live_fleet(tmp_path / "keys", mooncake_master, pool_backend, monkeypatch,
                           "console", audit_file=tmp_path / "audit.jsonl") as fleet:
         yield fleet
+
+
+@pytest.fixture
+def hub() -> Iterator[str]:
+    """A hub without keys (``FleetHub``) on a free port: its address."""
+    address = hub_address()
+    h = FleetHub(address, snapshot_interval_s=0.5, delta_interval_s=0.1).start()
+    try:
+        yield address
+    finally:
+        h.stop()
+
+
+@pytest.fixture
+def master() -> Iterator[str]:
+    """Something listening where the agents say the pool's master is."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"

@@ -21,16 +21,20 @@ from typing import Any
 import msgspec
 import psutil
 import pytest
-from livefleet import hub_address
 from sshd import Sshd, start_sshd
+from triagekit import (
+    run_triage,
+    run_triage_until,
+    spawn,
+    standin,
+    wait_for,
+    wait_reported,
+)
 
 from kvpool_agent import start_agent
 from kvpool_agent.agent import AgentHandle
-from kvpool_agent.client import FleetClient
-from kvpool_agent.hub import FleetHub
 from kvpool_agent.process_facts import process_facts, start_ticks
 from kvpool_agent.protocol import Source
-from kvpool_console.cli import main
 from kvpool_console.source import StaticSource
 from kvpool_console.triage import TriageReport
 from kvpool_console.triage._commands import PORTS, command
@@ -40,7 +44,6 @@ from kvpool_console.triage._plan import safe_host, safe_path
 from kvpool_console.triage._render import render
 from kvpool_replay import free_port
 
-STANDIN = Path(__file__).with_name("standin_engine.py")
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
@@ -57,88 +60,22 @@ def _no_agent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
 
 
-@pytest.fixture
-def hub() -> Iterator[str]:
-    address = hub_address()
-    h = FleetHub(address, snapshot_interval_s=0.5, delta_interval_s=0.1).start()
-    try:
-        yield address
-    finally:
-        h.stop()
-
-
-@pytest.fixture
-def master() -> Iterator[str]:
-    """Something listening where the agents say the pool's master is."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def wait_reported(hub: str, engine_id: str) -> None:
-    client = FleetClient(hub)
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            client.updates(200)
-            if any(e.state.source.engine_id == engine_id for e in client.fleet().values()):
-                return
-        raise AssertionError(f"{engine_id} never reported to {hub}")
-    finally:
-        client.close()
-
-
-def spawn(hub: str, engine_id: str, port: int, master: str, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, str(STANDIN), hub, engine_id, "engine-host-1",
-                                 str(port), master], stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for(pred: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} within {timeout_s} s")
-        time.sleep(0.05)
-
-
 def triage(capsys: pytest.CaptureFixture[str], hub: str, engine_id: str, sshd: Sshd,
            *extra: str) -> tuple[int, TriageReport | None, str, str]:
-    rc = main(["triage", engine_id, "--hub", hub, "--ssh-config", str(sshd.ssh_config),
-               *extra])
-    out, err = capsys.readouterr()
-    report = msgspec.json.decode(out, type=TriageReport) if "--json" in extra and out else None
-    return rc, report, out, err
+    return run_triage(capsys, hub, engine_id, "--ssh-config", str(sshd.ssh_config), *extra)
 
 
 def triage_until(capsys: pytest.CaptureFixture[str], hub: str, engine_id: str, sshd: Sshd,
                  state: str) -> TriageReport:
-    """Triage repeatedly until the engine's process shows ``state``; fails after 5 s."""
-    deadline = time.monotonic() + 30
-    while True:
-        _, report, _, err = triage(capsys, hub, engine_id, sshd, "--json")
-        assert report is not None, err
-        if report.hosts[0].processes[0].state == state or time.monotonic() > deadline:
-            break
-    assert report.hosts[0].processes[0].state == state, report.diagnosis
-    return report
+    return run_triage_until(capsys, hub, engine_id, state, "--ssh-config",
+                            str(sshd.ssh_config))
 
 
 @pytest.fixture
 def engine(hub: str, master: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes],
                                                                     int, Path]]:
-    port = free_port()
-    log = tmp_path / "e1.log"
-    proc = spawn(hub, "e1", port, master, log)
-    try:
-        wait_for(lambda: f"listening on port {port}" in log.read_text(), "listening")
-        wait_reported(hub, "e1")
-        yield proc, port, log
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with standin(hub, master, tmp_path, "engine-host-1") as e:
+        yield e
 
 
 def test_running_engine_everything_checked(capsys: pytest.CaptureFixture[str], hub: str,
@@ -218,7 +155,7 @@ def test_port_taken_names_its_holder(capsys: pytest.CaptureFixture[str], hub: st
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
         log = tmp_path / "e2.log"
-        engine = spawn(hub, "e2", port, master, log)
+        engine = spawn(hub, "e2", "engine-host-1", port, master, log)
         assert engine.wait(30) == 1
         assert "Address already in use" in log.read_text()
         report = triage_until(capsys, hub, "e2", sshd, "gone")

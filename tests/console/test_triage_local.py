@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,22 +21,23 @@ from typing import Any
 import msgspec
 import psutil
 import pytest
-from livefleet import hub_address
+from triagekit import (
+    run_triage,
+    run_triage_until,
+    standin,
+    wait_for,
+    wait_reported,
+)
 
 from kvpool_agent import start_agent
-from kvpool_agent.client import FleetClient
-from kvpool_agent.hub import FleetHub
 from kvpool_agent.process_facts import process_facts, start_ticks
 from kvpool_agent.protocol import Source
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._this_host import is_this_host
-from kvpool_console.cli import main
 from kvpool_console.source import StaticSource
 from kvpool_console.triage import TriageReport, _local
 from kvpool_console.triage import _commands as C
-from kvpool_replay import free_port
 
-STANDIN = Path(__file__).with_name("standin_engine.py")
 HOSTNAME = socket.gethostname()
 
 
@@ -50,84 +50,22 @@ def _no_ssh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
 
 
-@pytest.fixture
-def hub() -> Iterator[str]:
-    address = hub_address()
-    h = FleetHub(address, snapshot_interval_s=0.5, delta_interval_s=0.1).start()
-    try:
-        yield address
-    finally:
-        h.stop()
-
-
-@pytest.fixture
-def master() -> Iterator[str]:
-    """Something listening where the agents say the pool's master is."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def wait_for(pred: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} within {timeout_s} s")
-        time.sleep(0.05)
-
-
-def wait_reported(hub: str, engine_id: str) -> None:
-    client = FleetClient(hub)
-
-    def seen() -> bool:
-        client.updates(200)
-        return any(e.state.source.engine_id == engine_id for e in client.fleet().values())
-
-    try:
-        wait_for(seen, f"{engine_id} reported to {hub}", timeout_s=20)
-    finally:
-        client.close()
-
-
 def triage(capsys: pytest.CaptureFixture[str], hub: str, engine_id: str,
            *extra: str) -> tuple[int, TriageReport | None, str, str]:
-    rc = main(["triage", engine_id, "--hub", hub, *extra])
-    out, err = capsys.readouterr()
-    report = msgspec.json.decode(out, type=TriageReport) if "--json" in extra and out else None
-    return rc, report, out, err
+    return run_triage(capsys, hub, engine_id, *extra)
 
 
 def triage_until(capsys: pytest.CaptureFixture[str], hub: str, engine_id: str,
                  state: str) -> TriageReport:
-    """Triage repeatedly until the engine's process shows ``state``; fails after 30 s."""
-    deadline = time.monotonic() + 30
-    while True:
-        _, report, _, err = triage(capsys, hub, engine_id, "--json")
-        assert report is not None, err
-        if report.hosts[0].processes[0].state == state or time.monotonic() > deadline:
-            break
-    assert report.hosts[0].processes[0].state == state, report.diagnosis
-    return report
+    return run_triage_until(capsys, hub, engine_id, state)
 
 
 @pytest.fixture
 def engine(hub: str, master: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes],
                                                                     int, Path]]:
     """A stand-in engine reporting this machine's host name, as a connector does."""
-    port = free_port()
-    log = tmp_path / "e1.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, str(STANDIN), hub, "e1", HOSTNAME, str(port),
-                                 master], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: f"listening on port {port}" in log.read_text(), "listening")
-        wait_reported(hub, "e1")
-        yield proc, port, log
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with standin(hub, master, tmp_path, HOSTNAME) as e:
+        yield e
 
 
 def _comm(pid: int) -> str:
