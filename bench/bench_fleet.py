@@ -95,6 +95,29 @@ def offline(path: str, limit: int | None, caps: list[int]) -> tuple[int, dict[in
                             "min": belady_hits(items, CHUNK, cap).hit_rate} for cap in caps}
 
 
+def _shares(text: str) -> list[float]:
+    try:
+        shares = [float(x) for x in text.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 < f <= 1 for f in shares):
+        raise argparse.ArgumentTypeError(f"{text!r}: give shares in (0, 1], e.g. 1,0.95,0.9,0.8")
+    return shares
+
+
+def lru_shares(names: list[str], caps: list[int] | None, limit: int | None,
+               shares: list[float]) -> None:
+    """Exact LRU (trace order, deterministic) at ``shares`` of each pool: one line per trace
+    and capacity (tokens), hit rates in %."""
+    print("trace  pool (tokens)  " + "  ".join(f"LRU at {f:g}" for f in shares))
+    for name in names:
+        reqs = load_trace(str(default_trace_path(name)), limit=limit)
+        items = [(r.input_length, chunk_hashes(request_tokens(r), CHUNK)) for r in reqs]
+        for cap in caps or CAPACITIES[name.removesuffix(".xz")]:
+            rates = [lru_hits(items, CHUNK, int(cap * f)).hit_rate for f in shares]
+            print(f"{name}  {cap:,}  " + "  ".join(f"{r:.2%}" for r in rates), flush=True)
+
+
 def replay(path: str, limit: int | None, cap: int, engines: int, policy: str,
            fill: float, speedup: float) -> dict:
     """One real replay: its hit rate, corrupt blocks, load errors and the service's cost."""
@@ -144,6 +167,11 @@ def main() -> int:
                    help="write the rows as JSON after every replay")
     p.add_argument("--resume", action="store_true",
                    help="with --json-out: keep its rows and replay only the missing ones")
+    p.add_argument("--lru-shares", type=_shares, default=None, metavar="F",
+                   help="print only the offline exact LRU at these shares of each pool, "
+                   "comma-separated in (0, 1] (e.g. 1,0.95,0.9,0.8: the best an LRU filling "
+                   "that share holds; the service fills --policy-fill, the master evicts at "
+                   "0.95), and replay nothing")
     args = p.parse_args()
     if args.resume and args.json_out is None:
         p.error("--resume needs --json-out (the rows to keep)")
@@ -156,6 +184,9 @@ def main() -> int:
     os.environ.update({k: v for k, v in engine_env().items() if k in ("PATH", "PYTHONPATH")})
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     limit = args.limit or None
+    if args.lru_shares:
+        lru_shares(names, args.capacities, limit, args.lru_shares)
+        return 0
     started = time.monotonic()
     rows: dict[str, dict] = {}
     if args.resume and args.json_out.exists():
