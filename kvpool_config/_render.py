@@ -4,7 +4,8 @@ From ``kv_cache_store_config`` (backend ``mooncake``) this renders:
 
 - the ``mooncake_master`` command line (flags as in vllm-ascend kv_pool.md "Start
   mooncake_master"; ``--rpc_port`` is the listening port of the installed master, whose
-  ``--port`` is deprecated);
+  ``--port`` is deprecated; for an IPv6 master host ``--rpc_address=::``, as the master binds
+  0.0.0.0 by default);
 - the JSON file ``MOONCAKE_CONFIG_PATH`` points to (fields of vllm-ascend kv_pool.md
   "mooncake.json Parameters"). With ``store_mode`` ``standalone`` the engines contribute no
   memory (``global_segment_size`` 0, MindIE backend/mooncake.md) and a separate store process
@@ -104,6 +105,10 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
         f"--eviction_ratio={store['eviction_ratio']}",
         f"--default_kv_lease_ttl={store.get('default_kv_lease_ttl', DEFAULT_LEASE_TTL_MS)}",
     ]
+    if ":" in master_host:
+        # An IPv6 master: mooncake_master binds rpc_address, 0.0.0.0 (IPv4 only) by default, so
+        # clients at [host]:port were refused; "::" takes IPv6 (and IPv4 on a dual-stack host).
+        argv.append("--rpc_address=::")
     if store.get("enable_ssd_offload") is True:
         argv.append("--enable_offload=true")
     standalone = store.get("store_mode") == "standalone"

@@ -7,13 +7,17 @@ or ``--num-layers`` below 1 (before: taken silently)."""
 from __future__ import annotations
 
 import json
+import shlex
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvpool_config.cli import main
+from kvpool_replay import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_CONFIG = str(ROOT / "config" / "pd-mooncake" / "user_config.json")
@@ -186,3 +190,40 @@ def test_validate_warns_of_an_ipv6_master_without_brackets(
 
     assert rules(address) == [("warning", "$.master_server_address", f"write it as {item!r}")]
     assert rules(bracketed) == []
+
+
+def test_rendered_ipv6_master_listens_where_its_clients_connect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--master-host ::1``: the rendered ``mooncake_master`` command, run as written (a real
+    master on a free port), accepts a connection at the ``[::1]:port`` the rendered
+    ``mooncake.json`` names (it bound 0.0.0.0 alone, and clients were refused)."""
+    port = free_port()
+    doc = json.loads((ROOT / "config" / "pd-mooncake" / "user_config.json").read_text())
+    doc["kv_cache_store_config"]["port"] = port
+    user = tmp_path / "user_config.json"
+    user.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    assert main(["render", str(user), "--out", str(out), "--master-host", "::1"]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "mooncake.json").read_text())["master_server_address"] == (
+        f"[::1]:{port}")
+    argv = shlex.split((out / "mooncake_master.cmd").read_text())
+    assert "--rpc_address=::" in argv
+    # Its admin port moved off the default 9003, which another test's master may hold.
+    master = subprocess.Popen([str(Path(sys.executable).with_name("mooncake_master")),
+                               *argv[1:], f"--metrics_port={free_port()}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert master.poll() is None, "mooncake_master exited"
+            try:
+                socket.create_connection(("::1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"nothing answers at [::1]:{port}"
+                time.sleep(0.1)
+    finally:
+        master.kill()
+        master.wait()
