@@ -14,12 +14,8 @@ from kvpool_agent.protocol import (
     ErrorRecord,
     PoolStats,
     Source,
-    Transfer,
-    TransferStats,
-    paused_ms,
 )
 from kvpool_agent.vocabulary import HINTS, INSTANCE_ROLE_OF, KV_ROLE_FOR
-from kvpool_console._transport import failures_text, transport_failures, transport_hint
 from kvpool_console.alerts.adapters import adapter_alerts
 from kvpool_console.alerts.alert import (
     AFTER_HIT,
@@ -33,7 +29,8 @@ from kvpool_console.alerts.alert import (
 )
 from kvpool_console.alerts.policy import policy_alerts
 from kvpool_console.alerts.segments import no_segments_hint, segment_alerts
-from kvpool_console.alerts.settings import STUCK_FLOOR_MS, STUCK_MULTIPLE, AlertSettings
+from kvpool_console.alerts.settings import AlertSettings
+from kvpool_console.alerts.stalls import outlived, stalled_pools, stuck_alerts
 from kvpool_console.alerts.versions import version_alerts
 
 __all__ = ["evaluate"]
@@ -223,99 +220,20 @@ def _role_alerts(engine_id: str, group: list[EngineState], producers_saving: Map
     return out
 
 
-def _stuck_limit(t: Transfer, tr: TransferStats, stuck_after_ms: float | None) -> tuple[float, str]:
-    """How long ``t`` may be in flight (ms) before it is stuck, and why that long."""
-    if stuck_after_ms is not None:
-        return stuck_after_ms, "threshold"
-    rate = tr.load_bytes_per_s if t.kind == "load" else tr.save_bytes_per_s
-    if rate <= 0 or t.bytes <= 0:
-        return STUCK_FLOOR_MS, "floor; no recent transfer rate"
-    expected = t.bytes / rate * 1e3
-    why = f"{fmt_ms(expected)} expected at {rate / 1e6:.1f} MB/s"
-    if STUCK_MULTIPLE * expected > STUCK_FLOOR_MS:
-        return STUCK_MULTIPLE * expected, f"{STUCK_MULTIPLE:g}x the {why}"
-    return STUCK_FLOOR_MS, f"floor; {why}"
-
-
-def _lease_ttl(group: list[EngineState]) -> int:
-    """The shortest lease TTL the engine's agents report (ms; 0: unknown)."""
-    return min((s.pool.lease_ttl_ms for s in group
-                if s.pool is not None and s.pool.lease_ttl_ms > 0), default=0)
-
-
-def _outlived(t: Transfer, s: EngineState, as_of_ms: float, ttl: int) -> bool:
-    """A load in flight longer than the lease TTL on a healthy pool, as of ``as_of_ms`` (the
-    hub's receipt of the agent's newest report that still lists it): its lease ran out before
-    it ended (it will fail LEASE_EXPIRED and be recomputed). Not the console's clock: an
-    engine that stopped reporting (stopped, frozen) cannot say its load still runs, and the
-    pause model names that. A pool failing its health check is the cause instead
-    (``pool_unhealthy``)."""
-    if t.kind != "load" or ttl <= 0 or as_of_ms - t.started_ms < ttl:
-        return False
-    # Time in the agent's own pause windows (its process stopped, the pool's health check
-    # failing) is the pause's: it reports them with the load (CI saw a load in flight 5.1 s
-    # through a 5 s SIGSTOP of its engine named as TTL advice in the first report after it).
-    waited = as_of_ms - t.started_ms - paused_ms(s.pauses, t.started_ms, as_of_ms)
-    return waited >= ttl and not (s.pool is not None and s.pool.healthy is False)
-
-
-def _stuck_alerts(engine_id: str, group: list[EngineState], now_ms: float,
-                  stuck_after_ms: float | None) -> list[Alert]:
-    stuck: list[tuple[float, Transfer, EngineState, float, str]] = []
-    ttl = _lease_ttl(group)
-    for s in group:
-        for t in s.in_flight:
-            if _outlived(t, s, now_ms, ttl):
-                continue  # the lease_ttl alert names it (issue 38: the cause, not a symptom)
-            # Time its process was stopped is no transfer's: a stopped engine is ``stale``.
-            age = now_ms - t.started_ms - paused_ms(
-                [w for w in s.pauses if w.kind == "process_stalled"], t.started_ms, now_ms)
-            # The limit is never below the floor: most transfers are skipped without it.
-            if age > STUCK_FLOOR_MS or stuck_after_ms is not None:
-                limit, why = _stuck_limit(t, s.transfers, stuck_after_ms)
-                if age > limit:
-                    stuck.append((age, t, s, limit, why))
-    if not stuck:
-        return []
-    age, t, s, limit, why = max(stuck, key=lambda x: x[0])
-    reqs = {(x[1].req_id, x[1].kind) for x in stuck}
-    more = f"; {len(reqs) - 1} more stuck" if len(reqs) > 1 else ""
-    layers = (f", layer {t.layers_done}/{t.layers_total}" if t.layers_total else "")
-    pool: PoolStats | None = s.pool
-    master = s.source.master or "the master"
-    failed = transport_failures(group)
-    if failed:
-        owner = f"the transport (failed transfers: {failures_text(failed)})"
-        hint = transport_hint(failed)
-    elif pool is not None and pool.healthy is False:
-        owner = f"master {master} (pool health check failing: {pool.health_detail or '?'})"
-        hint = HINTS["RPC_FAIL"]
-    else:
-        segs = ", ".join(x.name for x in pool.segments) if pool is not None and pool.segments \
-            else "the segments' hosts"
-        owner = (f"the store process holding the segments ({segs}) or {master}"
-                 if t.kind == "save" else
-                 f"the segment owner(s) ({segs}) or the transfer engine of this worker")
-        hint = ("check that the store process (mooncake_client or the engines contributing "
-                "segments) runs and is not stopped, and the network to it; `kvpool-console "
-                f"triage {engine_id}` shows the engine's host")
-    return [make_alert(
-        "stuck_transfer", "critical", engine_id,
-        f"{t.kind} of {t.req_id} on {s.source.agent_id} in flight {fmt_ms(age)} "
-        f"(> {fmt_ms(limit)}: {why}; {t.blocks} blocks{layers}){more}; likely owner: "
-        f"{owner}", hint, now_ms)]
-
-
 def _in_flight_ttl(engine_id: str, group: list[EngineState], ttl: int,
-                   last_seen_ms: Mapping[str, float], now_ms: float, out: list[Alert]) -> None:
+                   last_seen_ms: Mapping[str, float], now_ms: float, out: list[Alert],
+                   stalled: frozenset[str]) -> None:
     """A load still in flight past the lease TTL is ``lease_ttl`` (critical) as soon as it
     passes it: the first alert of a TTL below the load time, before the load fails and long
     before a stuck transfer's floor (``STUCK_FLOOR_MS``). Replaces the warning of the same
-    engine; a critical one from ended loads already says it."""
+    engine; a critical one from ended loads already says it. Not on a pool whose saves are
+    stuck (``stalled``, ``stalls.stalled_pools``): its store stopped answering, and
+    ``stuck_transfer`` names it."""
     as_of = {s.source.agent_id: min(now_ms, last_seen_ms.get(s.source.agent_id, s.ts_ms))
              for s in group}
     late = [(as_of[s.source.agent_id] - t.started_ms, t, s) for s in group
-            for t in s.in_flight if _outlived(t, s, as_of[s.source.agent_id], ttl)]
+            if s.source.master not in stalled
+            for t in s.in_flight if outlived(t, s, as_of[s.source.agent_id], ttl)]
     if not late or any(a.rule == "lease_ttl" and a.severity == "critical" for a in out):
         return
     out[:] = [a for a in out if a.rule != "lease_ttl"]
@@ -338,7 +256,7 @@ def _retired(group: list[EngineState], cutoff_ms: float,
 
 def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: str | None,
                    now_ms: float, window_ms: float,
-                   last_seen_ms: Mapping[str, float]) -> list[Alert]:
+                   last_seen_ms: Mapping[str, float], stalled: frozenset[str]) -> list[Alert]:
     out: list[Alert] = []
     cutoff = now_ms - window_ms
     # One pass over the agents (this runs for every engine on every console refresh).
@@ -382,7 +300,7 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
                                   f"slowest load {fmt_ms(max_load)} is within 20% of lease TTL "
                                   f"{fmt_ms(ttl)} (default_kv_lease_ttl)", HINTS["LEASE_EXPIRED"],
                                   now_ms))
-    _in_flight_ttl(engine_id, group, ttl, last_seen_ms, now_ms, out)
+    _in_flight_ttl(engine_id, group, ttl, last_seen_ms, now_ms, out, stalled)
     if lookup_errors and not _retired(group, cutoff, lambda e: e.where == "lookup"):
         sev = "critical" if lookups and lookup_errors * 2 >= lookups else "warning"
         last = [e for s in group for e in s.recent_errors if e.where == "lookup"]
@@ -590,6 +508,7 @@ def evaluate(
     out.extend(adapter_alerts(groups, now_ms))
     out.extend(version_alerts(groups, now_ms))
     out.extend(policy_alerts(groups, last_seen_ms, now_ms, cfg.stale_after_ms))
+    stalled = stalled_pools(states, last_seen_ms, now_ms, cfg.stuck_after_ms)
     for engine_id in sorted(groups):
         group = groups[engine_id]
         failures = [s for s in group if s.start_failure is not None]
@@ -602,7 +521,7 @@ def evaluate(
                                   sf.hint or "see the engine's log", now_ms))
             continue
         out.extend(_engine_alerts(engine_id, group, majority, now_ms, cfg.window_ms,
-                                  last_seen_ms))
+                                  last_seen_ms, stalled))
         out.extend(_role_alerts(engine_id, group, saving, now_ms))
         seen = max(last_seen_ms.get(s.source.agent_id, s.ts_ms) for s in group)
         silence = _silence_alert(engine_id, group, now_ms - seen, now_ms, cfg)
@@ -610,6 +529,6 @@ def evaluate(
             out.append(silence)
         else:
             # A silent engine's in-flight list is as old as its last report.
-            out.extend(_stuck_alerts(engine_id, group, now_ms, cfg.stuck_after_ms))
+            out.extend(stuck_alerts(engine_id, group, now_ms, cfg.stuck_after_ms, stalled))
     out.sort(key=alert_order)
     return out

@@ -191,3 +191,34 @@ def test_status_json_carries_the_saves_and_transport_failures() -> None:
                           "told": True}
     assert saves["old"] == {"oldest_save_age_ms": 0.0, "blocks_held": 0, "bytes_staged": 0,
                             "transport_failures": {}, "told": False}
+
+
+def _on_master(fleet: Fleet, master: str) -> Fleet:
+    return {k: msgspec.structs.replace(s, source=msgspec.structs.replace(s.source, master=master))
+            for k, s in fleet.items()}
+
+
+def test_a_stalled_store_is_named_not_the_lease_ttl() -> None:
+    """A stopped store (helper 77: ``kill -STOP`` of the demo's ``mooncake_client``): a decode
+    engine's load in flight 8 s past a 5 s lease, and a prefill engine's save on the same pool
+    stuck. The load is the stall's symptom: no ``lease_ttl`` ("raise default_kv_lease_ttl"),
+    ``stuck_transfer`` for both, naming the segments' owner and how to resume it. The same load
+    with no stuck save on its pool (another pool's does not count) is still ``lease_ttl``."""
+    t = NOW_MS + 8_000
+    decode = _with(engine("d", role="decode", tp=1, loads=0, pool_stats=pool(ttl=5_000)),
+                   in_flight=[_load(NOW_MS)])
+    prefill = _with(engine("p", tp=1, pool_stats=pool(ttl=5_000)),
+                    in_flight=[Transfer(req_id="s1", kind="save", blocks=64, bytes=1 << 20,
+                                        started_ms=NOW_MS)])
+    fleet = _on_master(decode, "10.0.0.1:50051") | _on_master(prefill, "10.0.0.1:50051")
+    alerts = evaluate(fleet, {k: t for k in fleet}, t)
+    assert [(a.rule, a.subject) for a in alerts] == [("stuck_transfer", "d"),
+                                                     ("stuck_transfer", "p")]
+    by = {a.subject: a for a in alerts}
+    assert "likely owner: the segment owner(s)" in by["d"].message
+    assert "likely owner: the store process holding the segments" in by["p"].message
+    assert "kill -CONT" in by["p"].hint and "triage" not in by["p"].hint
+    # Another pool's stuck save says nothing of this one's lease.
+    apart = _on_master(decode, "10.0.0.1:50051") | _on_master(prefill, "10.0.0.2:50051")
+    assert [(a.rule, a.subject) for a in evaluate(apart, {k: t for k in apart}, t)] == [
+        ("lease_ttl", "d"), ("stuck_transfer", "p")]
