@@ -171,9 +171,18 @@ async def _refused(pilot: Pilot[None], screen: PinScreen | UnpinScreen, button: 
 
 
 async def _open(pilot: Pilot[None], app: KVPoolConsole, key: str) -> None:
-    """Select the engine's row, press ``key``."""
+    """Select the engine's row once its worker reported its layout (the pin dialog takes the
+    model's chunk size from it; the row shows with the scheduler's first report), press
+    ``key``."""
     table = app.query_one(FleetTable)
     await until(pilot, lambda: f"e:{ENGINE}" in table.rows, "the engine's row", 20)
+
+    def layout_known() -> bool:
+        return any(s.source.engine_id == ENGINE and s.source.process_role == "worker"
+                   and s.source.layout.get("chunk_size")
+                   for s in app.source.fleet()[0].values())
+
+    await until(pilot, layout_known, "the engine's worker layout", 20)
     table.focus()
     table.move_cursor(row=table.get_row_index(f"e:{ENGINE}"))
     await pilot.press(key)
