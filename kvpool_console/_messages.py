@@ -18,7 +18,7 @@ from textual.message_pump import MessagePump
 from kvpool_agent.protocol import CommandReply, FlushArgs, PinArgs
 
 __all__ = ["EngineChosen", "FleetArrived", "FlushFinished", "FlushRequested", "HealthFinished",
-           "HealthRequested", "PinFinished", "PinRequested"]
+           "HealthRequested", "PinFinished", "PinRequested", "TriageFinished"]
 
 
 class FleetArrived(Message):
@@ -31,6 +31,15 @@ class EngineChosen(Message):
     def __init__(self, engine_id: str) -> None:
         super().__init__()
         self.engine_id = engine_id
+
+
+class TriageFinished(Message):
+    """A triage panel's run ended (bubbles up to the app, which logs it in the events log):
+    ``summary`` is its most severe finding, or why it could not run."""
+
+    def __init__(self, engine_id: str, summary: str) -> None:
+        super().__init__()
+        self.engine_id, self.summary = engine_id, summary
 
 
 class HealthRequested(Message):

@@ -58,6 +58,7 @@ from kvpool_console._messages import (
     HealthRequested,
     PinFinished,
     PinRequested,
+    TriageFinished,
 )
 from kvpool_console._pins import PIN_TIMEOUT_MS, chunk_size_of, pins_summary
 from kvpool_console.alerts import Alert, AlertModel, AlertSettings
@@ -106,11 +107,11 @@ def _wall_ms() -> float:
 @dataclass(frozen=True)
 class _Frame:
     """One sample, ready to show: the states it was built from, the view, and the alerts that
-    fired (each with the frame time it fired at) since the last frame shown."""
+    fired and cleared (with the frame time of each) since the last frame shown."""
 
     states: Mapping[str, EngineState]
     view: FleetView
-    fired: list[tuple[list[Alert], float]]
+    fired: list[tuple[list[Alert], list[Alert], float]]
 
 
 class KVPoolConsole(App[None]):
@@ -312,8 +313,8 @@ class KVPoolConsole(App[None]):
                                  reuse=reuse)
         view.hub_counters = self.source.hub_counters()
         fired = self._prepared.fired if self._prepared is not None else []
-        if self.alert_model.new:
-            fired = [*fired, (self.alert_model.new, now)]
+        if self.alert_model.new or self.alert_model.cleared:
+            fired = [*fired, (self.alert_model.new, self.alert_model.cleared, now)]
         self._prepared = _Frame(states=states, view=view, fired=fired)
 
     def _silent_tick(self) -> None:
@@ -345,8 +346,8 @@ class KVPoolConsole(App[None]):
         self._retired = (self.states, self.view)
         self.states = frame.states
         events = self.query_one(EventsView)
-        for new, now in frame.fired:
-            events.log_alerts(new, now)
+        for new, cleared, now in frame.fired:
+            events.log_alerts(new, now, cleared)
         self.view = frame.view
         ms = (time.perf_counter() - t0) * 1e3
         self.last_tick_ms = ms
@@ -583,6 +584,10 @@ class KVPoolConsole(App[None]):
         self.log_event(f"triage: engine {eid} requested")
         await show_triage(detail, eid, self.states, reporting=row is not None and not row.stale,
                           ssh_config=self.ssh_config, ssh=self.triage_ssh)
+
+    def on_triage_finished(self, message: TriageFinished) -> None:
+        """A triage ended: its verdict in the events log (it said only "requested")."""
+        self.log_event(f"triage: engine {message.engine_id}: {message.summary}")
 
     def action_flush(self) -> None:
         if not self.source.can_flush:

@@ -111,8 +111,8 @@ class AlertModel:
     def update(self, states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
                now_ms: float, reuse: ReuseView | None = None) -> list[Alert]:
         """The active alerts at ``now_ms`` (epoch ms), critical first; ``new`` holds those
-        that became active or changed severity in this update. ``reuse``: the hub's reuse
-        figures (``FleetClient.reuse``), for ``silent_miss``."""
+        that became active or changed severity in this update, ``cleared`` those it ended.
+        ``reuse``: the hub's reuse figures (``FleetClient.reuse``), for ``silent_miss``."""
         adjusted = self._pauses.adjust(states, last_seen_ms, now_ms)
         # Looked up on the module at each call: tests replace ``rules.evaluate``.
         alerts = rules.evaluate(adjusted, last_seen_ms, now_ms, self.settings,
@@ -127,4 +127,9 @@ class AlertModel:
     def new(self) -> list[Alert]:
         """Alerts that became active (or changed severity) in the last :meth:`update`."""
         return self.tracker.new
+
+    @property
+    def cleared(self) -> list[Alert]:
+        """Alerts active before the last :meth:`update` and not after it (as they last read)."""
+        return self.tracker.cleared
 

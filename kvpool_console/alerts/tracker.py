@@ -16,7 +16,8 @@ class AlertTracker:
     ``update`` takes the alerts of one :func:`evaluate` call plus a fingerprint of each
     counter-rule alert (its message, which embeds the counts); a counter alert whose message
     did not change for ``window_ms`` is retired. Other alerts pass through. ``new`` holds the
-    alerts that became active (or changed severity) in the last update, for the events log.
+    alerts that became active (or changed severity) in the last update, ``cleared`` those that
+    were active before it and are not now (as they last read), for the events log.
 
     Args:
         window_ms: how long a counter alert stays active after its counters last grew.
@@ -27,6 +28,7 @@ class AlertTracker:
         self._changed_at: dict[str, tuple[str, float]] = {}
         self._active: dict[str, Alert] = {}
         self.new: list[Alert] = []
+        self.cleared: list[Alert] = []
 
     def update(self, alerts: list[Alert], now_ms: float) -> list[Alert]:
         """Filter ``alerts`` (from :func:`evaluate` at ``now_ms``); returns the active ones."""
@@ -42,6 +44,7 @@ class AlertTracker:
         active = {a.key: a for a in keep}
         self.new = [a for k, a in active.items()
                     if k not in self._active or self._active[k].severity != a.severity]
+        self.cleared = [a for k, a in self._active.items() if k not in active]
         self._active = active
         return keep
 

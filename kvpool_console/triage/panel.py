@@ -16,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from kvpool_agent.protocol import EngineState
+from kvpool_console._messages import TriageFinished
 from kvpool_console._text import plain
 from kvpool_console.triage._model import TriageReport
 from kvpool_console.triage._plan import PlanError
@@ -26,7 +27,8 @@ __all__ = ["TriagePanel", "show_triage"]
 
 
 class TriagePanel(VerticalScroll):
-    """Scrollable triage result of one engine; ``report`` is set once the run finished.
+    """Scrollable triage result of one engine; ``report`` is set once the run finished, and
+    ``TriageFinished`` posted (the app logs its summary in the events log).
 
     Args:
         engine_id: the engine triaged.
@@ -67,9 +69,14 @@ class TriagePanel(VerticalScroll):
                                          ssh_config=ssh_config, ssh=ssh)
         except PlanError as e:
             body.update(plain(f"triage: {e}", style="bold red"))
+            self.post_message(TriageFinished(self.engine_id, f"not run: {e}"))
             return
         self.report = report
         body.update(render(report, log_lines=15))
+        order = {"critical": 0, "warning": 1, "info": 2}
+        top = sorted(report.diagnosis, key=lambda f: order[f.severity])
+        self.post_message(TriageFinished(self.engine_id, f"{top[0].severity} {top[0].text}"
+                                    if top else "nothing found"))
 
 
 async def show_triage(screen: Screen[Any], engine_id: str,

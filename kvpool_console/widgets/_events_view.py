@@ -50,8 +50,10 @@ class EventsView(TabPane):
             table.add_row(Text(label, style=style), plain(a.subject), plain(a.message),
                           plain(a.hint))
 
-    def log_alerts(self, alerts: Iterable[Alert], now_ms: float) -> None:
-        """Append one line per alert that fired at ``now_ms`` (epoch ms)."""
+    def log_alerts(self, alerts: Iterable[Alert], now_ms: float,
+                   cleared: Iterable[Alert] = ()) -> None:
+        """Append one line per alert that fired at ``now_ms`` (epoch ms), then one per alert
+        that cleared then (``CLEAR``, its rule and last message)."""
         log = self.query_one("#events-log", RichLog)
         for a in alerts:
             label, style = _severity(a)
@@ -59,6 +61,11 @@ class EventsView(TabPane):
             line.append(label, style=style)
             line.append(visible(f" {a.subject}: {a.message}"))
             line.append(visible(f" — {a.hint}"), style="dim")
+            log.write(line)
+        for a in cleared:
+            line = Text(f"{_hms(now_ms)} ")
+            line.append("CLEAR", style="green")
+            line.append(visible(f" {a.subject}: {a.rule} ({a.message})"), style="dim")
             log.write(line)
 
     def log_action(self, message: str, now_ms: float, style: str = "") -> None:

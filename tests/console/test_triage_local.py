@@ -222,7 +222,7 @@ def test_liveness_asks_the_same_rule() -> None:
 async def test_tui_triage_of_a_local_engine(ssh: bool) -> None:
     """``t`` on an engine of this host: the panel shows the local run, with no SSH setup; a
     console made with ``triage_ssh`` (the screenshots') logs in, and here finds no key."""
-    from textual.widgets import Static
+    from textual.widgets import RichLog, Static
 
     from kvpool_agent.protocol import EngineState
     from kvpool_console.app import KVPoolConsole
@@ -253,3 +253,15 @@ async def test_tui_triage_of_a_local_engine(ssh: bool) -> None:
         assert (host.processes[0].pid, host.processes[0].state) == (os.getpid(), "running")
         assert f"running: pid {os.getpid()}" in body
         assert f"host {HOSTNAME} checked locally, no SSH" in body
+        # The events log has the verdict, its most severe finding, not only "requested" (a
+        # new user found no result there).
+        worst = min(panel.report.diagnosis,
+                    key=lambda f: ("critical", "warning", "info").index(f.severity))
+        await pilot.press("escape", "3")  # the Events tab: its log renders once it has a size
+        log = app.query_one("#events-log", RichLog)
+        verdict = f"triage: engine tui: {worst.severity} {worst.text}"[:60]
+        while time.monotonic() < deadline and not any(verdict in x.text for x in log.lines):
+            await pilot.pause(0.05)
+        lines = [line.text for line in log.lines]
+        assert any("triage: engine tui requested" in x for x in lines), lines
+        assert any(verdict in x for x in lines), (verdict, lines)
