@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -226,9 +227,11 @@ class DemoCluster:
         self._say(f"keys in {self.keys_root}/: hub/ (the hub's, with authorized_keys/), "
                   f"operator/ (kvpool-console --keys {self.keys_dir}), viewer/, agent/ "
                   "(the engines')")
+        # The console's own path: `make demo` installs it in .venv/bin, not on PATH.
+        console = Path(sys.executable).with_name("kvpool-console")
         self._say(f"one-shot commands from another terminal: export KVPOOL_HUB="
                   f"{self.hub_address} KVPOOL_KEYS_DIR={self.keys_dir}; then e.g. "
-                  "kvpool-console status --json")
+                  f"{console if console.exists() else 'kvpool-console'} status --json")
         hub = FleetHub(self.hub_address, authorized_keys_dir=keys["hub"].authorized_dir,
                        secret_key_file=keys["hub"].hub_secret,
                        audit_file=self.workdir / "audit.jsonl", metrics_port=port + 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -93,6 +94,12 @@ def test_local_triage_of_a_demo_engine(tmp_path: Path, monkeypatch: pytest.Monke
         assert (f"logs in {cluster.workdir}/: engines {engine_id}.log (kvpool-console triage "
                 "ENGINE shows its tail), master/mooncake_master.log, mooncake_client.log, "
                 "policy/kvpool-policy.log; removed when the demo stops") in said
+        # The one-shot command it suggests is the installed console's path (not on PATH after
+        # `make demo`: a new user's `kvpool-console` was "command not found").
+        console = Path(sys.executable).with_name("kvpool-console")
+        assert console.exists() and any(
+            f"KVPOOL_KEYS_DIR={cluster.keys_dir}; then e.g. {console} status --json" in x
+            for x in said), said
         rc = main(["triage", engine_id, "--hub", cluster.hub_address, "--json",
                    "--keys", str(cluster.viewer_keys_dir)])
         out, err = capsys.readouterr()
