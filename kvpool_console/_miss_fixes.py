@@ -23,7 +23,7 @@ FIXES: dict[str, str] = {
     "first_use": "first request of this prefix: no pool serves it",
     "evicted": "saved, then gone (watermark, flush, unpin): see whatif 2x",
     "other_digest": "another layout digest saved it: align model, dtype, layout",
-    "not_in_pool": "not split: see triage docs (old hub, engine digest unknown)",
+    "not_in_pool": "not split by the hub yet (first seconds, digest unknown)",
     "tail": "past the last whole chunk: a smaller chunk_size shortens it",
     "lookup_error": "the pool's lookup failed: health --all (master reachable?)",
     "load_failed": "found, not loaded (lease lost): raise default_kv_lease_ttl",
