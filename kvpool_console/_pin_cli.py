@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
     if args.json:
         sys.stdout.write(json_line(pins_document(replies, args.cmd)) + "\n")
     elif args.cmd == "pins":
-        _print_pins(replies, out)
+        _print_pins(replies, out, pa.model)
     else:
         for r in replies:
             if r.ok and r.pins is not None:
@@ -168,7 +168,13 @@ def pins_document(replies: list[CommandReply], cmd: str = "pins") -> dict[str, o
     return {"pins": pins, "agents": agents, "errors": errors}
 
 
-def _print_pins(replies: list[CommandReply], out: Console) -> None:
+def _print_pins(replies: list[CommandReply], out: Console, model: str) -> None:
+    """The pins as a table, or one line when the agents that answered hold none (as the TUI
+    says it)."""
+    if not any(r.pins.pins for r in replies if r.pins is not None):
+        if any(r.ok and r.pins is not None for r in replies):
+            out.print(plain(f"pins of {model or 'every model'}: none"))
+        return
     t = Table(title="pins")
     for col in ("Pin", "Model", "Layout", "Mode", "TTL s", "Ends in s", "Tokens", "Keys",
                 "Bytes", "Agent"):

@@ -248,6 +248,9 @@ def test_pinned_prefix_survives_a_flood_and_goes_after_unpin(
     pinned[0] = False
     assert pool.held(system) == 0
     wait_until(lambda: status_pool()["pinned_bytes"] == 0, 15)
+    # No pin left: one line, as the TUI says it, not an empty table.
+    rc, out, err = console(pool, capsys, pool.viewer, "pins", "--model", pool.model)
+    assert (rc, out, err) == (0, f"pins of {pool.model}: none\n", "")
     # Computed again, it is saved unpinned: the next flood evicts it.
     assert pool.run(system) == 0
     pool.flood(2000, gone=system)
