@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvpool_agent._misses import split_not_in_pool
+from kvpool_agent.misses import split_not_in_pool
 from kvpool_agent.protocol import (
     CommandReply,
     EngineState,

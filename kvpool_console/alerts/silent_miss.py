@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpool_agent._misses import split_not_in_pool
+from kvpool_agent.misses import split_not_in_pool
 from kvpool_agent.protocol import EngineState, ModelReuse, ReuseView
 from kvpool_console.alerts.alert import Alert, make_alert
 from kvpool_console.alerts.versions import SHARING_PACKAGES

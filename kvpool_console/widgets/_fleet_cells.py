@@ -11,8 +11,15 @@ from collections.abc import Iterable, Sequence
 
 from rich.text import Text
 
-from kvpool_agent._misses import LOAD_FAILED, NOT_IN_POOL, NOT_LOADED
-from kvpool_agent._saved_chunks import EVICTED, FIRST_USE, NEVER_SAVED, OTHER_DIGEST
+from kvpool_agent.misses import (
+    EVICTED,
+    FIRST_USE,
+    LOAD_FAILED,
+    NEVER_SAVED,
+    NOT_IN_POOL,
+    NOT_LOADED,
+    OTHER_DIGEST,
+)
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._text import plain, top_miss_text
 from kvpool_console.model import fmt_age, fmt_bytes, fmt_lease
