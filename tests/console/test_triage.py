@@ -23,10 +23,12 @@ import psutil
 import pytest
 from sshd import Sshd, start_sshd
 from triagekit import (
+    one_agent_console,
     run_triage,
     run_triage_until,
     spawn,
     standin,
+    tui_triage,
     wait_for,
     wait_reported,
 )
@@ -446,28 +448,13 @@ async def test_tui_triage_uses_the_consoles_ssh_config(sshd: Sshd, tmp_path: Pat
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvpool-console --ssh-config FILE`` reaches the TUI's triage: with a home that knows
     no host, the run logs in only through FILE."""
-    from kvpool_agent.protocol import EngineState
-    from kvpool_console.app import KVPoolConsole
     from kvpool_console.cli import _parse
-    from kvpool_console.triage.panel import TriagePanel
 
     assert _parse(["--ssh-config", str(sshd.ssh_config)]).ssh_config == str(sshd.ssh_config)
     monkeypatch.setenv("HOME", str(tmp_path))
-    now = time.time() * 1e3
-    src = Source(agent_id="cfg/scheduler", engine_id="cfg", instance_role="mixed",
-                 kv_role="kv_both", process_role="replay", pid=os.getpid(),
-                 host="engine-host-1", **process_facts())
-    app = KVPoolConsole(StaticSource({"cfg/scheduler": EngineState(
-        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now,
-        ssh_config=str(sshd.ssh_config))
+    app = one_agent_console("cfg", "engine-host-1", ssh_config=str(sshd.ssh_config))
     async with app.run_test(size=(120, 50)) as pilot:
-        await pilot.press("t")
-        await pilot.pause()
-        panel = app.screen.query_one(TriagePanel)
-        deadline = time.monotonic() + 10.0
-        while panel.report is None and time.monotonic() < deadline:
-            await pilot.pause(0.05)
-        assert panel.report is not None
+        panel = await tui_triage(app, pilot, 10.0)
         assert panel.report.hosts[0].ssh_error == ""
         assert panel.report.hosts[0].processes[0].state == "running"
 

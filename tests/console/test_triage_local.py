@@ -22,19 +22,20 @@ import msgspec
 import psutil
 import pytest
 from triagekit import (
+    one_agent_console,
     run_triage,
     run_triage_until,
     standin,
+    tui_triage,
     wait_for,
     wait_reported,
 )
 
 from kvpool_agent import start_agent
-from kvpool_agent.process_facts import process_facts, start_ticks
+from kvpool_agent.process_facts import start_ticks
 from kvpool_agent.protocol import Source
 from kvpool_console._liveness import local_process_alive
 from kvpool_console._this_host import is_this_host
-from kvpool_console.source import StaticSource
 from kvpool_console.triage import TriageReport, _local
 from kvpool_console.triage import _commands as C
 
@@ -224,24 +225,10 @@ async def test_tui_triage_of_a_local_engine(ssh: bool) -> None:
     console made with ``triage_ssh`` (the screenshots') logs in, and here finds no key."""
     from textual.widgets import RichLog, Static
 
-    from kvpool_agent.protocol import EngineState
-    from kvpool_console.app import KVPoolConsole
-    from kvpool_console.triage.panel import TriagePanel
-
-    now = time.time() * 1e3
-    src = Source(agent_id="tui/scheduler", engine_id="tui", instance_role="mixed",
-                 kv_role="kv_both", process_role="replay", pid=os.getpid(), host=HOSTNAME,
-                 **process_facts())
-    app = KVPoolConsole(StaticSource({"tui/scheduler": EngineState(
-        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now, triage_ssh=ssh)
+    app = one_agent_console("tui", HOSTNAME, triage_ssh=ssh)
     async with app.run_test(size=(120, 50)) as pilot:
-        await pilot.press("t")
-        await pilot.pause()
-        panel = app.screen.query_one(TriagePanel)
+        panel = await tui_triage(app, pilot, 30.0)
         deadline = time.monotonic() + 30
-        while panel.report is None and time.monotonic() < deadline:
-            await pilot.pause(0.05)
-        assert panel.report is not None
         [host] = panel.report.hosts
         body = str(panel.query_one("#triage-body", Static).render())
         if ssh:

@@ -95,3 +95,34 @@ def run_triage_until(capsys: pytest.CaptureFixture[str], hub: str, engine_id: st
             break
     assert report.hosts[0].processes[0].state == state, report.diagnosis
     return report
+
+
+def one_agent_console(engine_id: str, host: str, **kw: Any) -> Any:
+    """A ``KVPoolConsole`` over a static fleet of one agent (this process's pid and facts)
+    reporting ``host``; ``kw`` go to the console."""
+    from kvpool_agent.process_facts import process_facts
+    from kvpool_agent.protocol import EngineState, Source
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.source import StaticSource
+
+    now = time.time() * 1e3
+    src = Source(agent_id=f"{engine_id}/scheduler", engine_id=engine_id, instance_role="mixed",
+                 kv_role="kv_both", process_role="replay", pid=os.getpid(), host=host,
+                 **process_facts())
+    return KVPoolConsole(StaticSource({src.agent_id: EngineState(
+        source=src, started_ms=now, ts_ms=now)}), clock=lambda: now, **kw)
+
+
+async def tui_triage(app: Any, pilot: Any, timeout_s: float) -> Any:
+    """Press ``t`` and wait for the triage panel's report (``TriagePanel``); fails after
+    ``timeout_s``."""
+    from kvpool_console.triage.panel import TriagePanel
+
+    await pilot.press("t")
+    await pilot.pause()
+    panel = app.screen.query_one(TriagePanel)
+    deadline = time.monotonic() + timeout_s
+    while panel.report is None and time.monotonic() < deadline:
+        await pilot.pause(0.05)
+    assert panel.report is not None, f"no triage report within {timeout_s} s"
+    return panel

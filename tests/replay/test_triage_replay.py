@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,20 +23,30 @@ from kvpool_console.triage import TriageReport
 from kvpool_replay import DemoCluster, default_trace_path
 
 
+def _demo(**kw: Any) -> DemoCluster:
+    """One simulated demo engine replaying 150 conversation requests (``kw``: DemoCluster's)."""
+    return DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=1, speedup=8.0,
+                       limit=150, pool_tokens=600_000, **kw)
+
+
+def _reporting(cluster: DemoCluster) -> tuple[str, Any]:
+    """The started cluster's engine (id, process) once its two agents report to its hub."""
+    client = FleetClient(cluster.hub_address, keys_dir=cluster.viewer_keys_dir)
+    try:
+        assert len(client.wait_for(2, timeout_s=30)) == 2
+    finally:
+        client.close()
+    return next(iter(cluster.processes.items()))
+
+
 def test_triage_of_a_replaying_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     server = start_sshd(tmp_path / "ssh", aliases=(socket.gethostname(),))
-    cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=1,
-                          speedup=8.0, limit=150, pool_tokens=600_000)
+    cluster = _demo()
     try:
         with cluster:
-            client = FleetClient(cluster.hub_address, keys_dir=cluster.viewer_keys_dir)
-            try:
-                assert len(client.wait_for(2, timeout_s=30)) == 2
-            finally:
-                client.close()
-            engine_id, proc = next(iter(cluster.processes.items()))
+            engine_id, proc = _reporting(cluster)
 
             def triage_until(state: str) -> TriageReport:
                 deadline = time.monotonic() + 30
@@ -80,15 +91,9 @@ def test_local_triage_of_a_demo_engine(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     said: list[str] = []
-    cluster = DemoCluster(default_trace_path("conversation_trace.jsonl"), engines=1,
-                          speedup=8.0, limit=150, pool_tokens=600_000, progress=said.append)
+    cluster = _demo(progress=said.append)
     with cluster:
-        client = FleetClient(cluster.hub_address, keys_dir=cluster.viewer_keys_dir)
-        try:
-            assert len(client.wait_for(2, timeout_s=30)) == 2
-        finally:
-            client.close()
-        engine_id, proc = next(iter(cluster.processes.items()))
+        engine_id, proc = _reporting(cluster)
         log = cluster.workdir / f"{engine_id}.log"
         assert cluster.store is not None and cluster.policy is not None
         assert (f"logs in {cluster.workdir}/: engines {engine_id}.log (kvpool-console triage "
