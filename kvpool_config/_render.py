@@ -105,7 +105,8 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
         f"--eviction_ratio={store['eviction_ratio']}",
         f"--default_kv_lease_ttl={store.get('default_kv_lease_ttl', DEFAULT_LEASE_TTL_MS)}",
     ]
-    if ":" in master_host:
+    endpoint = master_endpoint(master_host, port)
+    if endpoint.startswith("["):
         # An IPv6 master: mooncake_master binds rpc_address, 0.0.0.0 (IPv4 only) by default, so
         # clients at [host]:port were refused; "::" takes IPv6 (and IPv4 on a dual-stack host).
         argv.append("--rpc_address=::")
@@ -116,7 +117,7 @@ def render_mooncake(doc: Any, *, master_host: str = "127.0.0.1") -> Rendered:
         "metadata_server": store.get("metadata_server", "P2PHANDSHAKE"),
         "protocol": store.get("protocol", "ascend"),
         "device_name": store.get("device_name", ""),
-        "master_server_address": master_endpoint(master_host, port),
+        "master_server_address": endpoint,
         "global_segment_size": 0 if standalone else store.get("global_segment_size", "1GB"),
     }
     if standalone:
