@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 from kvpool_agent.protocol import HealthCheck, PoolStats
@@ -147,10 +148,17 @@ def _shape_caches(layers: int, heads: int, head: int, block: int, num_blocks: in
             for i in range(layers)}
 
 
-Span = tuple[float, float, float]
+Span = tuple[float, float, float, float]
 """One timed operation: ``time.monotonic()`` at its start and end (one clock for every process
-on the host, so the spans of engines running at once can be laid over each other) and the CPU
-seconds its process used meanwhile (``time.process_time()``, every thread of it)."""
+on the host, so the spans of engines running at once can be laid over each other), the CPU
+seconds its process used meanwhile (``time.process_time()``, every thread of it) and those the
+store's ``mooncake_client`` process used meanwhile (all engines' work on it)."""
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds (user + system, every thread) ``proc`` has used so far."""
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def _no_sync() -> None:
@@ -158,14 +166,16 @@ def _no_sync() -> None:
 
 
 def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[str, str],
-                 engine: int = 0, sync: Callable[[], object] = _no_sync
+                 store_pid: int, engine: int = 0, sync: Callable[[], object] = _no_sync
                  ) -> dict[str, list[Span]]:
     """One engine's rounds of one shape: the span of each operation of each path.
 
-    ``master``: the ``mooncake_master``'s address and admin URL; ``engine``: this engine's
-    index (engine 0 clears the pool between rounds); ``sync``: waits for every engine before
-    each operation (a barrier), so N engines run each path at once."""
+    ``master``: the ``mooncake_master``'s address and admin URL; ``store_pid``: the pool's
+    ``mooncake_client`` process (its CPU time is read around each operation); ``engine``:
+    this engine's index (engine 0 clears the pool between rounds); ``sync``: waits for every
+    engine before each operation (a barrier), so N engines run each path at once."""
     layers, heads, head = SHAPES[name]
+    store = psutil.Process(store_pid)
     bpc = args.chunk_tokens // block
     n_chunks = args.chunks
     n_blocks = n_chunks * bpc
@@ -274,10 +284,11 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
                         for t in dst.values():
                             t.index_fill_(0, d_idx, 0)
                     sync()
-                    t0, c0 = time.monotonic(), time.process_time()
+                    t0, c0, s0 = time.monotonic(), time.process_time(), _cpu_s(store)
                     fn()
                     if rnd:  # round 0 warms the segment's pages up
-                        spans[pname].append((t0, time.monotonic(), time.process_time() - c0))
+                        spans[pname].append((t0, time.monotonic(), time.process_time() - c0,
+                                             _cpu_s(store) - s0))
                     if fn is load:
                         for lname in src:
                             assert torch.equal(src[lname].index_select(0, s_idx),
@@ -294,11 +305,12 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
 
 
 def _engine_process(name: str, block: int, args: argparse.Namespace, master: tuple[str, str],
-                    engine: int, barrier: Any, out: Any) -> None:
+                    store_pid: int, engine: int, barrier: Any, out: Any) -> None:
     """One of ``--engines`` N engines: its own process and store client; its spans to
     ``out``."""
     try:
-        out.put((engine, _cross_shape(name, block, args, master, engine, barrier.wait)))
+        out.put((engine, _cross_shape(name, block, args, master, store_pid, engine,
+                                      barrier.wait)))
     except BaseException as e:
         barrier.abort()  # the others stop waiting for this one
         out.put((engine, repr(e)))
@@ -306,16 +318,16 @@ def _engine_process(name: str, block: int, args: argparse.Namespace, master: tup
 
 
 def _engines_at_once(name: str, block: int, args: argparse.Namespace, master: tuple[str, str],
-                     n: int) -> list[dict[str, list[Span]]]:
+                     store_pid: int, n: int) -> list[dict[str, list[Span]]]:
     """``n`` engines' spans of one shape, each engine its own process, each path at once."""
     if n == 1:
-        return [_cross_shape(name, block, args, master)]
+        return [_cross_shape(name, block, args, master, store_pid)]
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(n, timeout=600), ctx.Queue()
-    procs = [ctx.Process(target=_engine_process, args=(name, block, args, master, i, barrier,
-                                                       out)) for i in range(n)]
+    procs = [ctx.Process(target=_engine_process, args=(name, block, args, master, store_pid, i,
+                                                       barrier, out)) for i in range(n)]
     for p in procs:
         p.start()
     got = dict(out.get(timeout=3600) for _ in procs)
@@ -338,9 +350,11 @@ def cross_process(args: argparse.Namespace) -> None:
     need = max(n * 2 * args.chunks * args.chunk_tokens * per_token[s]
                for s in args.shapes for n in args.engines)
     with LocalMooncakeMaster(eviction_high_watermark_ratio=0.95) as master, \
-            LocalPoolStore(master, max(64 << 20, 2 * need)):
+            LocalPoolStore(master, max(64 << 20, 2 * need)) as store:
         addr = (master.address, master.admin_url)
-        results = {row: _engines_at_once(row[0], row[1], args, addr, row[2]) for row in rows}
+        assert store.proc is not None  # started by the with
+        results = {row: _engines_at_once(row[0], row[1], args, addr, store.proc.pid, row[2])
+                   for row in rows}
     print(f"\nKV data path across processes: the pool in its own mooncake_client, TCP on "
           f"127.0.0.1, {'/'.join(map(str, args.engines))} engines at once (each its own "
           f"process and client), {args.chunks} chunks of {args.chunk_tokens} tokens per "
@@ -350,7 +364,8 @@ def cross_process(args: argparse.Namespace) -> None:
           f"; load average {load_start:.2f} at "
           f"start, {os.getloadavg()[0]:.2f} at the end\n")
     print(f"{'shape':<16}{'block':>6}{'eng':>4}{'path':>16}{'engine GB/s':>12}{'min-max':>12}"
-          f"{'aggr. GB/s':>11}{'min-max':>12}{'vs raw':>8}{'CPU ms':>8}")
+          f"{'aggr. GB/s':>11}{'min-max':>12}{'vs raw':>8}{'CPU ms':>8}{'store ms':>9}"
+          f"{'cores':>6}")
     ref = {"worker save": "raw contig put", "worker load": "raw contig get",
            "raw 1-key put": "raw contig put", "raw 1-key get": "raw contig get",
            "stage copy": "raw contig put", "copy": "raw contig get"}
@@ -358,20 +373,29 @@ def cross_process(args: argparse.Namespace) -> None:
         total = args.chunks * args.chunk_tokens * per_token[s]
         aggr: dict[str, list[float]] = {}
         for path in engines[0]:
-            own = [total / (end - start) / 1e9 for e in engines for start, end, _ in e[path]]
-            cpu_ms = statistics.median(c * 1e3 for e in engines for _, _, c in e[path])
+            own = [total / (end - start) / 1e9 for e in engines for start, end, _, _ in e[path]]
+            cpu_ms = statistics.median(c * 1e3 for e in engines for _, _, c, _ in e[path])
+            store_ms = statistics.median(sc * 1e3 for _, _, _, sc in engines[0][path])
+            # Cores busy: every engine's CPU and the store's over the round's wall time.
+            cores = statistics.median(
+                (sum(sp[2] for sp in rnd) + rnd[0][3])
+                / (max(sp[1] for sp in rnd) - min(sp[0] for sp in rnd))
+                for rnd in zip(*(e[path] for e in engines), strict=True))
             aggr[path] = [n * total / (max(sp[1] for sp in rnd) - min(sp[0] for sp in rnd)) / 1e9
                           for rnd in zip(*(e[path] for e in engines), strict=True)]
             vs = (f"{statistics.median(aggr[path]) / statistics.median(aggr[ref[path]]):.2f}x"
                   if path in ref else "")
             print(f"{s:<16}{b:>6}{n:>4}{path:>16}{statistics.median(own):>12.2f}"
                   f"{f'{min(own):.2f}-{max(own):.2f}':>12}{statistics.median(aggr[path]):>11.2f}"
-                  f"{f'{min(aggr[path]):.2f}-{max(aggr[path]):.2f}':>12}{vs:>8}{cpu_ms:>8.1f}")
+                  f"{f'{min(aggr[path]):.2f}-{max(aggr[path]):.2f}':>12}{vs:>8}{cpu_ms:>8.1f}"
+                  f"{store_ms:>9.1f}{cores:>6.2f}")
     print("\n'vs raw': aggregate median over raw contiguous's of the same engines and rounds "
           "(copy: a tensor copy of the same bytes in each engine, against raw get; raw 1-key: "
           "the same contiguous values one key per call, as a staged worker moves values larger "
           "than half its buffer; stage "
           "copy: what staging copies on a save, alone, against raw put); 'CPU ms': median "
-          "CPU time of the engine's process per operation (every thread; the store's "
-          "mooncake_client process not counted)")
+          "CPU time of the engine's process per operation (every thread); 'store ms': the "
+          "store's mooncake_client process's meanwhile (engine 0's operations: with several "
+          "engines, all engines' work on it); 'cores': every engine's CPU and the store's "
+          f"over the round's wall time (median), of {os.cpu_count()} CPUs")
     print("goal (issue 38): worker >= 0.9x raw contiguous at every shape and number of engines")
