@@ -43,7 +43,7 @@ from kvpool_connector.keys import (
     shard_prefix,
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.staging import DEFAULT_STAGING_BYTES, TransportLimits
+from kvpool_connector.staging import TransportLimits
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster, LocalPoolStore
 
@@ -60,7 +60,7 @@ class _Settings:
     save_budget_bytes: int = 1 << 30
     checksum: bool = False
     hash_algo: str = "sha256"
-    staging_buffer_bytes: int = DEFAULT_STAGING_BYTES
+    staging_buffer_bytes: int | None = None  # the connector's default: auto
 
 
 class _BenchCalls(Backend):
@@ -187,7 +187,8 @@ def _cross_shape(name: str, block: int, args: argparse.Namespace, master: tuple[
     flat_src = torch.randint(-128, 127, (n_chunks * value,), dtype=torch.int8)
     flat_dst = torch.zeros_like(flat_src)
     settings = _Settings(block_size=block, chunk_size=args.chunk_tokens,
-                         staging_buffer_bytes=args.staging_mib << 20)
+                         staging_buffer_bytes=None if args.staging_mib is None
+                         else args.staging_mib << 20)
     cfg = {"master_server_address": master[0], "global_segment_size": 0,
            "local_buffer_size": "16MB", "master_admin_url": master[1]}
     # A client per shape: Mooncake keeps a registration for the client's life, and the next

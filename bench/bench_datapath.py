@@ -86,7 +86,6 @@ from kvpool_connector.keys import (
     shard_prefix,
 )
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
-from kvpool_connector.staging import DEFAULT_STAGING_BYTES
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_replay import LocalMooncakeMaster
 
@@ -168,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 128])
     ap.add_argument("--chunk-tokens", type=int, default=512, help="--cross-process chunk")
     ap.add_argument("--chunks", type=int, default=2, help="--cross-process keys per operation")
-    ap.add_argument("--staging-mib", type=int, default=DEFAULT_STAGING_BYTES >> 20,
-                    help="--cross-process workers' staging buffer (MiB; copies overlap the "
-                    "puts when it holds two values: 128 for 512-token Llama-3-8B chunks)")
+    ap.add_argument("--staging-mib", type=int, default=None,
+                    help="--cross-process workers' staging buffer (MiB; default: the "
+                    "connector's staging_buffer: auto, four values, 64 MiB-1 GiB)")
     ap.add_argument("--caller-nice", type=int, default=0,
                     help="--cross-process: make every batch put and get (raw and worker) from "
                     "a thread at this nice value (0: the calling thread, as the worker does); "

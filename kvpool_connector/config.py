@@ -41,7 +41,7 @@ from kvpool_connector.keys import HashAlgo, normalize_model_name
 from kvpool_connector.pins import DEFAULT_PIN_SHARE
 from kvpool_connector.policy_wire import policy_ports
 from kvpool_connector.sizes import parse_size
-from kvpool_connector.staging import DEFAULT_STAGING_BYTES
+from kvpool_connector.staging import parse_staging_buffer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,8 +78,8 @@ class _ExtraFields(BaseModel):
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
     # Parsed by parse_size below, which refuses a bool (lax pydantic would read True as 1 byte).
     save_budget: bool | int | float | str = "256MB"
-    # A string, as the config reference shows it; equal to staging.DEFAULT_STAGING_BYTES.
-    staging_buffer: bool | int | float | str = "64MB"
+    # "auto" (staging.StagingBuffer.sized) or a size, as the config reference shows it.
+    staging_buffer: bool | int | float | str = "auto"
     save_nice: int = Field(default=0, ge=0, le=19, strict=True)
     transfer_cpus: str = "auto"
     checksum: bool = False
@@ -219,11 +219,13 @@ class KVPoolConfig(BaseModel):
             transfer rates of ``bench_datapath.py``, which bounds how long a finished
             request's blocks wait for its saves.
         staging_buffer_bytes: bytes of each of the worker's two staging buffers (save and load
-            thread; extra config key ``staging_buffer``, a size like ``"64MB"``): values of
+            thread; extra config key ``staging_buffer``, a size like ``"256MB"``): values of
             fragmented KV (mean range under 256 KiB, e.g. 16-token blocks, or more ranges than
             one call carries) are copied there and moved as one range, as Mooncake's TCP
-            transport needs (``kvpool_connector.staging``).
-            Raised to one value (a chunk of every layer) when smaller; host caches only.
+            transport needs (``kvpool_connector.staging``). ``"auto"`` (the default; ``None`` here):
+            four values (a chunk of every layer each), at least 64 MiB and at most 1 GiB, so a
+            value is copied while the one before moves. Raised to one value when smaller; host
+            caches only.
         save_nice: nice levels (0-19) the save thread and its copy helper run below the
             engine's threads (Linux keeps a nice value per thread). Where the engine's forward
             pass runs on the CPU (vLLM CPU, or a host whose cores the engine fills), saves then
@@ -349,7 +351,7 @@ class KVPoolConfig(BaseModel):
     lookup_breaker_failures: int = 3
     lookup_breaker_open_ms: int = 10_000
     save_budget_bytes: int = Field(default=256 << 20, gt=0)
-    staging_buffer_bytes: int = Field(default=DEFAULT_STAGING_BYTES, gt=0)
+    staging_buffer_bytes: int | None = Field(default=None, gt=0)
     save_nice: int = Field(default=0, ge=0, le=19)
     transfer_cpus: str = "auto"
     checksum: bool = False
@@ -446,14 +448,7 @@ class KVPoolConfig(BaseModel):
         if values["save_budget_bytes"] <= 0:
             raise ValueError("kv_connector_extra_config.save_budget: must be more than 0 bytes, "
                              'e.g. "256MB"')
-        try:
-            values["staging_buffer_bytes"] = parse_size(
-                cast("int | float | str", fields.staging_buffer))
-        except ValueError as exc:
-            raise ValueError(f"kv_connector_extra_config.staging_buffer: {exc}") from None
-        if values["staging_buffer_bytes"] <= 0:
-            raise ValueError("kv_connector_extra_config.staging_buffer: must be more than 0 "
-                             'bytes, e.g. "64MB"')
+        values["staging_buffer_bytes"] = parse_staging_buffer(fields.staging_buffer)
         if fields.transfer_cpus not in (AUTO, INHERIT):
             try:
                 parse_cpu_list(fields.transfer_cpus)

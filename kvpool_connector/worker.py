@@ -92,7 +92,7 @@ from kvpool_connector._transfers import (
 from kvpool_connector.backends.base import Backend, BackendError
 from kvpool_connector.keys import ParallelLayout, chunk_keys, normalize_model_name, shard_prefix
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadOutcomes, ReqMeta
-from kvpool_connector.staging import DEFAULT_STAGING_BYTES, attach_staging
+from kvpool_connector.staging import attach_staging
 
 __all__ = ["KVPoolWorker", "WorkerCounters", "WorkerSettings"]
 
@@ -320,9 +320,9 @@ class KVPoolWorker:
         self.backend.register_buffer(self._scratch.data_ptr(), biggest)
         if self.config.checksum:
             self._enable_checksum(kv, self._scratch.data_ptr())
-        # Settings objects of older callers may not name it: the default then.
+        # Settings objects of older callers may not name it: the default (None) then.
         attach_staging([self._loads.calls, self._saves.calls], self.backend, kv.device.type,
-                       getattr(self.config, "staging_buffer_bytes", DEFAULT_STAGING_BYTES),
+                       getattr(self.config, "staging_buffer_bytes", None),
                        self.blocks_per_chunk * kv.block_bytes + CHECKSUM_BYTES)
         self._device = device_sync_for(kv.device)
         shards = self._shard_layers(kv_caches, kv)

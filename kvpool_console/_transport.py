@@ -39,7 +39,7 @@ TRANSPORT_HINT = (
     "a transport failure, not a stopped store: the store answered, its transfer engine could "
     "not move the bytes (over TCP, values cut in many small slices, one per block and layer, "
     "fail TRANSFER_FAIL after Mooncake's 60 s transfer timeout). Keep the connector's staging "
-    "on (kv_connector_extra_config.staging_buffer, default 64MB: one save's values at once), "
+    "on (kv_connector_extra_config.staging_buffer, default auto: four values at once), "
     "then check protocol/device_name, MC_TCP_BIND_ADDRESS and the network between this host "
     "and the segment owners")
 """What to change when transfers fail in the transfer engine (-800 to -899)."""

@@ -61,7 +61,7 @@ DEFAULT_WHEN_UNSET: dict[str, str] = {
 TYPES: dict[str, str] = {
     # Parsed by kvpool_connector.sizes.parse_size (Mooncake's grammar, K/M/G/T = 1024^n).
     "save_budget": 'size: bytes or a string like `"256MB"`',
-    "staging_buffer": 'size: bytes or a string like `"64MB"`',
+    "staging_buffer": '`auto` or a size: bytes or a string like `"256MB"`',
     "transfer_cpus": '`auto`, `inherit` or a CPU list like `"6-7"`',
 }
 ENV_FALLBACK: dict[str, str] = {

@@ -12,7 +12,7 @@ from kvpool_agent.hub import hub_ports
 from kvpool_agent.vocabulary import KV_ROLE_FOR, KV_ROLES
 from kvpool_config._model import LOAD_FAILURE_POLICIES
 from kvpool_config.rules._finding import Finding
-from kvpool_connector.sizes import parse_size
+from kvpool_connector.staging import AUTO_STAGING_MAX_BYTES, parse_staging_buffer
 
 __all__ = [
     "HYBRID_MODEL_PATTERN",
@@ -315,23 +315,26 @@ def check_agent_address(value: Any, *, path: str) -> Finding | None:
     return None
 
 
-STAGING_BUFFER_WARN_BYTES = 1 << 30
+STAGING_BUFFER_WARN_BYTES = AUTO_STAGING_MAX_BYTES
 """Above this ``staging_buffer`` (bytes) ``kvpool-config`` warns: each worker holds two (save and
-load thread) in host memory, and one value (a chunk of every layer) is all a buffer must hold
-(``kvpool_connector.staging``): 1 GiB is a 2,048-token chunk of Llama-3-70B (320 KiB/token)."""
+load thread) in host memory, one value (a chunk of every layer) is all a buffer must hold, and
+``auto`` (the default) takes four values up to this size (``kvpool_connector.staging``): 1 GiB
+is a 2,048-token chunk of Llama-3-70B (320 KiB/token)."""
 
 
 def check_staging_buffer(value: Any, *, path: str) -> Finding | None:
-    """KVPoolConnector's ``staging_buffer`` (a size): each worker allocates two in host memory
-    (``kvpool_connector.staging``: fragmented values go through it over Mooncake TCP). A value
-    the connector refuses is the parser's error finding; this warns above
+    """KVPoolConnector's ``staging_buffer`` (``auto`` or a size): each worker allocates two in
+    host memory (``kvpool_connector.staging``: fragmented values go through it over Mooncake
+    TCP). A value the connector refuses is the parser's error finding; this warns above
     ``STAGING_BUFFER_WARN_BYTES``."""
     if value is None or isinstance(value, bool):
         return None
     try:
-        nbytes = parse_size(value)
+        nbytes = parse_staging_buffer(value)
     except ValueError:
         return None  # the connector's own parser reports it as an error
+    if nbytes is None:
+        return None
     if nbytes <= STAGING_BUFFER_WARN_BYTES:
         return None
     return Finding(
@@ -341,5 +344,6 @@ def check_staging_buffer(value: Any, *, path: str) -> Finding | None:
         f"staging_buffer {value!r} is {nbytes} bytes: every worker allocates two of them in "
         f"host memory ({2 * nbytes >> 20} MiB per worker); a buffer needs to hold one chunk "
         "of every layer only, and is raised to it when smaller",
-        'use the default ("64MB") or the bytes of one chunk (chunk_size x KV bytes per token)',
+        'use the default ("auto": four chunks of every layer, at most 1 GiB) or the bytes of '
+        "one chunk (chunk_size x KV bytes per token)",
     )

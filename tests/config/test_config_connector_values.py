@@ -124,7 +124,7 @@ def test_two_refused_values_are_two_findings(
      'set save_budget to a value KVPoolConnector takes, e.g. "256MB" (its default), or leave '
      "it out"),
     ({"staging_buffer": -1}, "staging_buffer",
-     'set staging_buffer to a value KVPoolConnector takes, e.g. "64MB" (its default), or '
+     'set staging_buffer to a value KVPoolConnector takes, e.g. "auto" (its default), or '
      "leave it out"),
     ({"save_budget": "1 gallon"}, "save_budget",
      'set save_budget, e.g. "1GB", "512 MB", "1.5g" (1K = 1024 bytes; no KiB/GiB)'),

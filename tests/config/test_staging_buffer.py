@@ -1,6 +1,6 @@
-"""``staging_buffer`` (issue 38): KVPoolConnector parses it as a size (default 64 MiB) and
-``kvpool-config validate`` refuses what the connector refuses (exit 2, the field named) and warns
-above 1 GiB (two buffers per worker in host memory)."""
+"""``staging_buffer`` (issue 38): KVPoolConnector parses it as ``auto`` (the default: four values,
+64 MiB to 1 GiB) or a size, and ``kvpool-config validate`` refuses what the connector refuses
+(exit 2, the field named) and warns above 1 GiB (two buffers per worker in host memory)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from kvpool_config.cli import main
 from kvpool_config.rules import check_staging_buffer
 from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.staging import StagingBuffer
 
 _BASE = {
     "kv_connector": "KVPoolConnector",
@@ -36,11 +37,30 @@ def _parse(extra: dict[str, object]) -> KVPoolConfig:
     return KVPoolConfig.from_dicts(extra, kv_role="kv_both", block_size=16, model="m")
 
 
-def test_connector_parses_the_size_and_defaults_to_64mb() -> None:
-    assert _parse({}).staging_buffer_bytes == 64 << 20
+def test_connector_parses_the_size_and_defaults_to_auto() -> None:
+    assert _parse({}).staging_buffer_bytes is None
+    assert _parse({"staging_buffer": " Auto"}).staging_buffer_bytes is None
     assert _parse({"staging_buffer": "160MB"}).staging_buffer_bytes == 160 << 20
     with pytest.raises(ValueError, match="staging_buffer: must be more than 0 bytes"):
         _parse({"staging_buffer": 0})
+    with pytest.raises(ValueError, match=r'staging_buffer: .automatic. is not a size.*"auto"'):
+        _parse({"staging_buffer": "automatic"})
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("configured", "value", "nbytes"), [
+    (None, 2 * MIB, 64 * MIB),  # Llama-3-8B, 16-token chunks: the 64 MiB floor
+    (None, 32 * MIB, 128 * MIB),  # 256-token chunks: four values
+    (None, 320 * MIB, 1024 * MIB),  # Llama-3-70B, 1,024-token chunks: the 1 GiB cap
+    (None, 1280 * MIB, 1280 * MIB),  # 4,096-token chunks: one value, past the cap
+    (64 * MIB, 32 * MIB, 64 * MIB),  # a size set is kept...
+    (1 * MIB, 8 * MIB, 8 * MIB),  # ...raised to one value
+])
+def test_the_buffer_holds_four_values_by_default_and_a_set_size_otherwise(
+        configured: int | None, value: int, nbytes: int) -> None:
+    assert StagingBuffer.sized(configured, value) == nbytes
 
 
 @pytest.mark.parametrize(("value", "says"), [
@@ -60,7 +80,8 @@ def test_validate_warns_above_1gib_and_is_clean_at_the_default(
     rc, findings = _validate(tmp_path, capsys, "2GB")
     (warn,) = [x for x in findings if x["rule"] == "staging-buffer"]
     assert warn["severity"] == "warning" and "4096 MiB per worker" in warn["message"]
-    rc, findings = _validate(tmp_path, capsys, "64MB")
-    assert rc == 0 and not [x for x in findings if x["rule"] == "staging-buffer"]
+    for fine in ("64MB", "auto"):
+        rc, findings = _validate(tmp_path, capsys, fine)
+        assert rc == 0 and not [x for x in findings if x["rule"] == "staging-buffer"], fine
     assert check_staging_buffer(1 << 30, path="$.x") is None
     assert check_staging_buffer((1 << 30) + 1, path="$.x") is not None

@@ -191,18 +191,23 @@ class _Settings:
     save_budget_bytes: int = 256 << 20
     hash_algo: str = "sha256"
     checksum: bool = False
-    staging_buffer_bytes: int = 1 << 20
+    staging_buffer_bytes: int | None = 1 << 20
     save_nice: int = 0
 
 
-@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+@pytest.mark.parametrize(("checksum", "staging"), [(False, 1 << 20), (True, 1 << 20),
+                                                   (False, None)],
+                         ids=["plain", "checksum", "auto-buffer"])
 def test_worker_moves_llama3_8b_blocks_through_staging(client: MooncakeBackend,
-                                                       checksum: bool) -> None:
+                                                       checksum: bool, staging: int | None
+                                                       ) -> None:
     """KVPoolWorker at Llama-3-8B's KV shape (32 layers x 8 KV heads x 128, bf16, 16-token
     blocks: 64 KiB per block and layer), every other block (as a busy engine's free queue hands
     them out: no two adjacent), against the separate store process: each 8 MiB value is 128
-    slices of 64 KiB, so it is staged, one per call, and comes back bit-exact."""
-    settings = _Settings(checksum=checksum)
+    slices of 64 KiB, so it is staged and comes back bit-exact: one value a call in a buffer
+    of 1 MiB (raised to one value), all four in one call in the default buffer (``auto``: 64
+    MiB, calls of at most half)."""
+    settings = _Settings(checksum=checksum, staging_buffer_bytes=staging)
     chunks, bpc = 4, settings.chunk_size // settings.block_size
     shape = (2 * chunks * bpc + 1, 8, 16, 256)
     src = {f"model.layers.{i}.self_attn.attn": torch.randn(shape, dtype=torch.bfloat16)
@@ -235,9 +240,8 @@ def test_worker_moves_llama3_8b_blocks_through_staging(client: MooncakeBackend,
         assert torch.equal(t[src_ids], dst[name][dst_ids]), name
         assert not dst[name][[b - 1 for b in dst_ids]].any()  # blocks between stay untouched
     saves, loads = writer._saves.calls, reader._loads.calls
-    # 8 MiB values of 128 ranges: staged into 8 MiB buffers (raised from 1 MiB), a call each.
     assert saves.staged_keys == loads.staged_keys == chunks
-    assert saves.calls == loads.calls == chunks
+    assert saves.calls == loads.calls == (chunks if staging else 1)
     writer.shutdown()
     reader.shutdown()
 
