@@ -171,15 +171,26 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
     }
 
 
+def _totals_state(t: Totals) -> Text:
+    """The totals row's State cell: the engines silent past the down and the stale threshold
+    (``Totals.down``, ``Totals.stale``) in the words and styles the State column gives them
+    (``1 DOWN 2 STALE``); empty when none is. It counts nothing else (alerts, start
+    failures): ``ok`` here read as "every engine OK" under CRIT rows, ``1st 0dn`` as a rank."""
+    cell = Text(end="", no_wrap=True)
+    for n, word, style in ((t.down, "DOWN", "bold red"), (t.stale, "STALE", "bold yellow")):
+        if n:
+            cell.append(f"{' ' if cell else ''}{n} {word}", style=style)
+    return cell
+
+
 def _totals_cells(t: Totals, history: Sequence[float]) -> _Cells:
     # A share, as the engines' rows above it; "391M/489M" under "Pool/WM" read as a watermark.
     used = f"{t.segment_used_bytes / t.segment_total_bytes:.0%} of " \
         f"{fmt_bytes(t.segment_total_bytes)}" if t.segment_total_bytes else "-"
-    health = f"{t.stale}st {t.down}dn" if t.stale or t.down else "ok"
     return {
         "engine": Text(f"Σ {t.engines} engines", style="bold"),
-        "state": Text(health, style="bold"),
-        "role": f"{t.agents}ag",
+        "state": _totals_state(t),
+        "role": "",  # the status bar counts the agents; "15ag" under Role read as a role
         "hit": Text(f"{t.hit_rate:.0%}", style="bold"),
         "trend": trend(history),
         "tokens": _tokens(t.loaded_tokens, t.prompt_tokens),
