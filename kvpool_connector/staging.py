@@ -68,8 +68,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO_STAGING_MAX_BYTES",
+    "AUTO_STAGING_MIN_BYTES",
     "AUTO_STAGING_VALUES",
-    "DEFAULT_STAGING_BYTES",
     "NO_LIMITS",
     "TCP_LIMITS",
     "SizedCalls",
@@ -79,9 +79,9 @@ __all__ = [
     "parse_staging_buffer",
 ]
 
-DEFAULT_STAGING_BYTES = 64 << 20
-"""Least staging buffer per transfer thread by default (bytes): a Llama-3-8B chunk of 512 tokens
-(128 KiB per token); a buffer is never smaller than one value (``StagingBuffer.sized``)."""
+AUTO_STAGING_MIN_BYTES = 64 << 20
+"""Least bytes of the default staging buffer per transfer thread (``staging_buffer: auto``): a
+Llama-3-8B chunk of 512 tokens (128 KiB per token), or 32 of its 16-token chunks."""
 
 AUTO_STAGING_VALUES = 4
 """Values the default buffer holds (``staging_buffer: auto``): calls of two values, the next
@@ -171,10 +171,10 @@ class StagingBuffer:
     def sized(configured: int | None, value_bytes: int) -> int:
         """Bytes of a staging buffer for values of ``value_bytes`` bytes: ``configured``, or
         by default (``None``, ``staging_buffer: auto``) ``AUTO_STAGING_VALUES`` values, at
-        least ``DEFAULT_STAGING_BYTES`` and at most ``AUTO_STAGING_MAX_BYTES``; either way
+        least ``AUTO_STAGING_MIN_BYTES`` and at most ``AUTO_STAGING_MAX_BYTES``; either way
         raised to one value (a value is staged whole or not at all)."""
         if configured is None:
-            configured = max(DEFAULT_STAGING_BYTES,
+            configured = max(AUTO_STAGING_MIN_BYTES,
                              min(AUTO_STAGING_VALUES * value_bytes, AUTO_STAGING_MAX_BYTES))
         return max(configured, value_bytes)
 

@@ -61,7 +61,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
-DEFAULT_STAGING_BYTES = 64 << 20
+DISK_STAGING_BYTES = 64 << 20
 """A local disk tier's staging buffer (``MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES``): Mooncake's
 own default, 1.25 GiB, is allocated whole when the store starts."""
 
@@ -144,7 +144,7 @@ class DiskTier:
 
     directory: Path
     capacity_bytes: int
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    staging_bytes: int = DISK_STAGING_BYTES
     heartbeat_s: int = 1
     backend: DiskBackend = "bucket_storage_backend"
     bucket_bytes: int | None = None
