@@ -18,6 +18,7 @@ import socket
 import sys
 from typing import TextIO
 
+from kvpool_agent.process_facts import pid_namespace
 from kvpool_agent.protocol import Source, is_address
 
 __all__ = ["MASTER_ENV", "add_master_option", "master_of", "store_source"]
@@ -71,6 +72,7 @@ def store_source(engine_id: str, master: str, backend: str = "mooncake") -> Sour
         kv_role="kv_both",
         process_role="store",
         pid=os.getpid(),
+        pid_ns=pid_namespace(),
         host=socket.gethostname(),
         backend=backend,
         master=master,

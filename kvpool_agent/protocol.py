@@ -286,6 +286,12 @@ class Source(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """The agent answers a dry-run flush of scope ``all`` from its master's admin port with no
     pool client (a store agent, ``kvpool_agent.pool_listing``): the hub has it list the pool
     in place of an engine's worker. False from agents before this field."""
+    pid_ns: BigCount = 0
+    """The pid namespace ``pid`` is counted in: the inode of ``/proc/self/ns/pid`` (Linux).
+    Where it differs from a checker's own (an engine in a container on the host's network
+    reports this host and a pid of its container), the pid names an unrelated process there,
+    and triage and the stale alert judge nothing by it. 0: unknown (not Linux, or an agent
+    before this field), judged as before."""
 
 
 class LookupStats(msgspec.Struct, gc=False, kw_only=True):

@@ -7,8 +7,9 @@ already checked by ``_plan``: executed as separate arguments on this host, quote
 of a script. A per-run random ``marker`` separates sections, so a
 log line or process name cannot pose as a section header.
 
-Every script only reads: ``/proc``, the kernel log, one log file's tail, ``ss``, ``npu-smi
-info``, ``hccn_tool -link -g``, and one TCP connect to the master.
+Every script only reads: ``/proc``, the kernel log, one log file's tail (``TAIL_PY``, a
+constant Python script passed the same way), ``ss``, ``npu-smi info``, ``hccn_tool -link -g``,
+and one TCP connect to the master.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ __all__ = [
     "MEMINFO",
     "PORTS",
     "PROCESSES",
+    "TAIL_PY",
     "argv",
     "command",
+    "log_tail",
 ]
 
 LOG_LINES = 40
@@ -33,13 +36,15 @@ LOG_LINES = 40
 
 PROCESSES = r"""m=$1; shift
 echo "$m clk $(getconf CLK_TCK 2>/dev/null)"
+echo "$m pidns $(readlink /proc/self/ns/pid 2>/dev/null)"
 [ -e /proc/1 ] || echo "$m hidepid"
 for p in "$@"; do
   echo "$m pid $p"
   cat "/proc/$p/stat" 2>/dev/null || echo "$m gone $p"
 done
 """
-"""Args: marker, pids. The clock tick rate (``getconf CLK_TCK``), ``<marker> hidepid`` when
+"""Args: marker, pids. The clock tick rate (``getconf CLK_TCK``), the checking shell's pid
+namespace (``pid:[INODE]``, namespaces(7); empty where unreadable), ``<marker> hidepid`` when
 ``/proc`` hides other users' processes (pid 1 invisible), then ``/proc/<pid>/stat`` of each
 pid (proc(5)) or ``<marker> gone <pid>``."""
 
@@ -59,29 +64,74 @@ fi
 refused (``kernel.dmesg_restrict``), ``journalctl -k``; ``<marker> unreadable`` and both errors
 when neither can be read."""
 
-LOG_TAIL = r"""if [ ! -e "$2" ]; then echo "no such file" >&2; exit 3; fi
-if [ ! -f "$2" ]; then echo "not a regular file" >&2; exit 3; fi
-if [ ! -r "$2" ]; then echo "not readable by this user" >&2; exit 3; fi
-mode=$(ls -lLd -- "$2" 2>/dev/null | cut -c 1-10)
-case $mode in
-  ???????r??) ;;
-  ????r?????)
-    if [ "$(id -u)" = 0 ]; then
-      echo "readable by its owner and group only (mode $mode):" \
-        "as root, triage shows only logs anyone may read" >&2
-      exit 3
-    fi ;;
-  *) echo "private to its owner (mode $mode): triage shows no such file (keys, credentials)" >&2
-     exit 3 ;;
-esac
-tail -n "$1" -- "$2" | cut -c 1-400
+LOG_TAIL = r"""py=$1; shift
+for c in "$py" python3; do
+  if command -v "$c" >/dev/null 2>&1; then exec "$c" -I -S -c "$@"; fi
+done
+echo "no python3 on this host: triage reads a log with it" >&2; exit 3
 """
-"""Args: line count, path. The file's last lines, or exit 3 with the reason on stderr. Only
-a regular file (after symlinks) is read: a FIFO or device would block or never end. A file
-no one but its owner may read (mode ``0600``: an SSH key, a CURVE ``*.key_secret``,
-``/proc/self/environ``) is never shown, nor, as root, one only its group may read
-(``/etc/shadow``): the path comes from an agent report, and triage runs as the console's user
-on this host, so a forged path would otherwise print that user's secrets."""
+"""Args: the Python interpreter to try first (``python3`` after it), ``TAIL_PY``, line count,
+path. Runs ``TAIL_PY`` isolated (``-I -S``: no environment variables, user or site
+directories), or exits 3 saying no ``python3`` was found."""
+
+TAIL_PY = r"""import errno, os, stat, sys
+n, path = int(sys.argv[1]), sys.argv[2]
+def refuse(why):
+    sys.stderr.write(why + "\n")
+    sys.exit(3)
+try:
+    ref = os.open(path, os.O_PATH | os.O_NOFOLLOW)
+except OSError as e:
+    refuse("no such file" if e.errno == errno.ENOENT else e.strerror)
+st = os.fstat(ref)
+if stat.S_ISLNK(st.st_mode):
+    refuse("a symbolic link: triage reads no link (the engine's log is the file itself)")
+if not stat.S_ISREG(st.st_mode):
+    refuse("not a regular file")
+mode = stat.filemode(st.st_mode)
+if not st.st_mode & stat.S_IROTH:
+    if not st.st_mode & stat.S_IRGRP:
+        refuse("private to its owner (mode %s): triage shows no such file (keys, credentials)"
+               % mode)
+    if os.geteuid() == 0:
+        refuse("readable by its owner and group only (mode %s): as root, triage shows only "
+               "logs anyone may read" % mode)
+try:
+    fd = os.open("/proc/self/fd/%d" % ref, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+except OSError as e:
+    refuse("not readable by this user" if e.errno == errno.EACCES else e.strerror)
+size = os.fstat(fd).st_size
+start = max(0, size - 1048576)
+lines = os.pread(fd, size - start, start).split(b"\n")
+if lines and not lines[-1]:
+    lines.pop()
+if start and lines:
+    lines.pop(0)
+for line in lines[-n:]:
+    sys.stdout.buffer.write(line.decode("utf-8", "replace")[:400].encode("utf-8") + b"\n")
+"""
+"""Args: line count, path. The file's last lines (of its last MiB), each cut to 400
+characters, or exit 3 with the reason on stderr.
+
+What is checked is what is read: the path is resolved once, to a descriptor that opens
+nothing (``O_PATH``: opening a device can act, ``/dev/watchdog`` arms) and names a symbolic
+link itself (``O_NOFOLLOW``: refused), its type and mode are read from that descriptor
+(``fstat``), and the file is read through it (``/proc/self/fd/N``, ``O_NONBLOCK``), never by
+its path again. A user who can write the log's directory so cannot swap in a link to a secret
+between the check and the read (a ``test`` of the path, then ``tail`` of it, could). Only a
+regular file is read: a FIFO or device would block or never end. A file no one but its owner
+may read (mode ``0600``: an SSH key, a CURVE ``*.key_secret``) is never shown, nor, as root,
+one only its group may read (``/etc/shadow``): the path comes from an agent report, and triage
+runs as the console's user on this host, so a forged path would otherwise print that user's
+secrets. Python 3, not ``sh`` (which has neither ``O_NOFOLLOW`` nor ``fstat``), runs it: the
+engine hosts run vLLM."""
+
+
+def log_tail(path: str, python: str) -> tuple[str, ...]:
+    """The log tail check of ``path`` as ``(script, *args)``: ``TAIL_PY`` under ``python``
+    (the console's own interpreter locally; ``python3`` on an SSH host)."""
+    return (LOG_TAIL, python, TAIL_PY, str(LOG_LINES), path)
+
 
 PORTS = r"""m=$1
 if command -v ss >/dev/null 2>&1; then

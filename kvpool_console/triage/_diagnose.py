@@ -4,10 +4,13 @@ Rules, in the order the findings are listed (critical first):
 
 - a process in state ``T``/``t``: **hung** (stopped); alive while its agents are silent:
   **hung**; a zombie, a missing pid or a pid now naming another process: **gone**, with the
-  exit status when the kernel kept it;
+  exit status when the kernel kept it; a pid its agents reported from another pid namespace
+  than the check's (``kvpool_console._liveness.same_pid_namespace``): neither, one line saying
+  where to run triage instead;
 - the kernel log names the pid in an OOM kill: **killed by the OOM killer**;
 - one of the engine's ports or sockets is listened on by a process that is not the engine:
-  **port held by pid N (name)**;
+  **port held by pid N (name)** (information only for an engine in another pid namespace:
+  its own pids there are not the ones seen here);
 - the pool's master does not accept a TCP connection from the engine's host;
 - the engine's transfers failed in the transport (its agents counted Mooncake's transfer or RPC
   errors, ``TRANSFER_FAIL``, ``RPC_FAIL``... (``kvpool_console._transport``), or its
@@ -20,8 +23,10 @@ Rules, in the order the findings are listed (critical first):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 from kvpool_agent.protocol import EngineState
+from kvpool_console._liveness import OTHER_PID_NAMESPACE
 from kvpool_console._transport import (
     TRANSPORT_HINT,
     failures_text,
@@ -121,6 +126,10 @@ def _process(p: ProcessCheck, host: str, reporting: bool) -> list[Finding]:
     if p.state == "unknown":
         return [Finding(kind="note", severity="warning",
                         text=f"{where}: process check failed: {p.error}")]
+    if p.state == "other_namespace":
+        return [Finding(kind="note", severity="warning",
+                        text=f"{where} (pid namespace pid:[{p.pid_ns}]): "
+                             f"{OTHER_PID_NAMESPACE}")]
     status = p.exit or f"exit status {p.exit_source}"
     if p.state == "zombie":
         text = f"gone: {where} {status}; its parent pid {p.ppid} has not reaped it"
@@ -143,8 +152,12 @@ def _ports(host: HostReport) -> list[Finding]:
     if host.ports.error:
         return [Finding(kind="note", severity="warning",
                         text=f"{host.host}: port check failed: {host.ports.error}")]
-    mine = {p.pid for p in host.processes}
+    mine = {p.pid for p in host.processes if p.state != "other_namespace"}
     alive = any(p.state in ("running", "stopped") for p in host.processes)
+    # Seen from outside its pid namespace, the engine's own pids are not the ones reported.
+    elsewhere = any(p.state == "other_namespace" for p in host.processes)
+    severity: Literal["critical", "warning", "info"] = (
+        "info" if elsewhere else "warning" if alive else "critical")
     out: list[Finding] = []
     for item in host.ports.items:
         for h in item.holders:
@@ -152,8 +165,10 @@ def _ports(host: HostReport) -> list[Finding]:
                 continue
             holder = (f"pid {h.pid} ({h.name})" if h.pid else
                       "a process this user cannot see (need root for its pid)")
-            out.append(Finding(kind="port", severity="warning" if alive else "critical",
-                               text=f"{item.label} held by {holder} on {host.host}"))
+            out.append(Finding(kind="port", severity=severity,
+                               text=f"{item.label} held by {holder} on {host.host}"
+                                    + (" (the engine itself, from another pid namespace, or "
+                                       "another process)" if elsewhere else "")))
         if not item.holders:
             out.append(Finding(kind="note", severity="info",
                                text=f"{item.label} on {host.host}: nothing listens"))

@@ -26,11 +26,14 @@ __all__ = [
     "TriageReport",
 ]
 
-ProcessState = Literal["running", "stopped", "zombie", "gone", "reused", "unknown"]
+ProcessState = Literal["running", "stopped", "zombie", "gone", "reused", "unknown",
+                       "other_namespace"]
 """``running``: alive and not stopped (kernel state R, S, D, I...); ``stopped``: state ``T``
 (SIGSTOP) or ``t`` (stopped by a debugger); ``zombie``: exited, not yet reaped by its parent;
 ``gone``: no such pid; ``reused``: the pid names another process (a later start time);
-``unknown``: the check itself failed (see ``error``)."""
+``unknown``: the check itself failed (see ``error``); ``other_namespace``: its agents reported
+another pid namespace than the checking shell's (an engine in a container on the host's
+network), so the pid names no process of it there: nothing was judged."""
 
 
 class ProcessCheck(msgspec.Struct, kw_only=True):
@@ -42,7 +45,8 @@ class ProcessCheck(msgspec.Struct, kw_only=True):
     not known; ``exit_source`` says where it came from or why it is unknown. ``oom_killed``:
     True when the kernel log names this pid as an OOM kill, False when the log was read and
     does not, None when no kernel log was readable (``kernel_log`` says which was read or
-    why none could be); ``kernel_lines`` are the log lines naming this pid.
+    why none could be); ``kernel_lines`` are the log lines naming this pid. ``pid_ns``: the
+    pid namespace its agents reported (inode of ``/proc/self/ns/pid``; 0: not reported).
     """
 
     pid: int
@@ -59,6 +63,7 @@ class ProcessCheck(msgspec.Struct, kw_only=True):
     kernel_log: str = ""
     kernel_lines: list[str] = msgspec.field(default_factory=list)
     error: str = ""
+    pid_ns: int = 0
 
 
 class LogTail(msgspec.Struct, kw_only=True):
@@ -135,7 +140,8 @@ class HostReport(msgspec.Struct, kw_only=True):
     """Everything checked on one host. ``ssh_error`` is set (and nothing else) when the host
     could not be logged in to; ``target`` is ``user@address:port`` after the SSH config, or
     ``"local"`` when the host is this machine and was checked without SSH;
-    ``refused`` lists reported values triage would not send to the host (unsafe characters)."""
+    ``refused`` lists reported values triage would not send to the host (unsafe characters);
+    ``pid_ns`` is the checking shell's pid namespace (0: unreadable)."""
 
     host: str
     target: str = ""
@@ -148,6 +154,7 @@ class HostReport(msgspec.Struct, kw_only=True):
     master: MasterCheck | None = None
     refused: list[str] = msgspec.field(default_factory=list)
     elapsed_ms: float = 0.0
+    pid_ns: int = 0
 
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):

@@ -68,11 +68,13 @@ def _safe_master(address: str) -> bool:
 
 @dataclass(frozen=True)
 class ProcPlan:
-    """One engine process: ``pid``, its reported start (0: not reported) and its agents."""
+    """One engine process: ``pid``, its reported start (0: not reported), its agents and the
+    pid namespace ``pid`` is counted in (``Source.pid_ns``; 0: not reported)."""
 
     pid: int
     start_ticks: int
     agents: tuple[str, ...]
+    pid_ns: int = 0
 
 
 @dataclass
@@ -89,7 +91,8 @@ class HostPlan:
 
 
 def plan_engine(engine_id: str, states: Mapping[str, EngineState]) -> list[HostPlan]:
-    """Group ``engine_id``'s agents by host and process (agents of one process share a pid).
+    """Group ``engine_id``'s agents by host and process (agents of one process share a pid
+    and its pid namespace).
 
     Raises:
         PlanError: no agent of ``engine_id`` in ``states``, or none reported a usable host
@@ -102,8 +105,8 @@ def plan_engine(engine_id: str, states: Mapping[str, EngineState]) -> list[HostP
         raise PlanError(f"unknown engine {engine_id!r}; known: {', '.join(known) or 'none'}")
     plans: dict[str, HostPlan] = {}
     skipped: list[str] = []
-    procs: dict[tuple[str, int], list[str]] = {}
-    starts: dict[tuple[str, int], int] = {}
+    procs: dict[tuple[str, int, int], list[str]] = {}
+    starts: dict[tuple[str, int, int], int] = {}
     for src in mine:
         if not src.host or not 0 < src.pid <= _PID_MAX:
             skipped.append(f"agent {src.agent_id} reported no host or pid")
@@ -112,13 +115,15 @@ def plan_engine(engine_id: str, states: Mapping[str, EngineState]) -> list[HostP
             skipped.append(f"agent {src.agent_id}: host {src.host!r} refused (not a host name)")
             continue
         plan = plans.setdefault(src.host, HostPlan(host=src.host))
-        procs.setdefault((src.host, src.pid), []).append(src.agent_id)
-        starts[(src.host, src.pid)] = max(src.start_ticks, starts.get((src.host, src.pid), 0))
+        key = (src.host, src.pid, src.pid_ns)
+        procs.setdefault(key, []).append(src.agent_id)
+        starts[key] = max(src.start_ticks, starts.get(key, 0))
         _add_values(plan, src.agent_id, src.log_path, src.ports, src.sockets, src.master)
     if not plans:
         raise PlanError(f"engine {engine_id!r}: " + "; ".join(skipped))
-    for (host, pid), agents in procs.items():
-        plans[host].procs.append(ProcPlan(pid, starts[(host, pid)], tuple(agents)))
+    for (host, pid, pid_ns), agents in procs.items():
+        plans[host].procs.append(ProcPlan(pid, starts[(host, pid, pid_ns)], tuple(agents),
+                                          pid_ns))
     for plan in plans.values():
         plan.refused[:0] = skipped
     return list(plans.values())

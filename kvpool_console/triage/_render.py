@@ -49,6 +49,8 @@ def _host(t: Text, h: HostReport, log_lines: int) -> None:
             _add(t, f" [{p.letter}] {p.name} ppid {p.ppid} start {p.start_ticks}")
         if p.start_ticks and p.reported_start_ticks not in (0, p.start_ticks):
             _add(t, f" (reported start {p.reported_start_ticks})")
+        if p.state == "other_namespace":
+            _add(t, f" (its pid namespace pid:[{p.pid_ns}], this check's pid:[{h.pid_ns}])")
         _add(t, "\n")
         if p.exit or p.exit_source:
             _add(t, f"    exit: {p.exit or '-'} ({p.exit_source})\n")

@@ -11,12 +11,15 @@ others still complete.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kvpool_agent.protocol import EngineState
+from kvpool_console._liveness import same_pid_namespace
 from kvpool_console._this_host import is_this_host
 from kvpool_console.triage import _commands as C
 from kvpool_console.triage import _local
@@ -117,12 +120,13 @@ def _merge(here: list[HostPlan]) -> HostPlan:
     """One plan for every spelling of this host (``localhost``, ``127.0.0.2``, the host
     name...): the same machine, checked once, named as its first agent named it."""
     merged = HostPlan(host=here[0].host)
-    procs: dict[int, ProcPlan] = {}
+    procs: dict[tuple[int, int], ProcPlan] = {}
     for plan in here:
         for proc in plan.procs:
-            old = procs.get(proc.pid)
-            procs[proc.pid] = proc if old is None else ProcPlan(
-                proc.pid, max(old.start_ticks, proc.start_ticks), old.agents + proc.agents)
+            old = procs.get((proc.pid, proc.pid_ns))
+            procs[(proc.pid, proc.pid_ns)] = proc if old is None else ProcPlan(
+                proc.pid, max(old.start_ticks, proc.start_ticks), old.agents + proc.agents,
+                proc.pid_ns)
         _extend(merged.logs, plan.logs)
         _extend(merged.ports, plan.ports)
         _extend(merged.sockets, plan.sockets)
@@ -151,7 +155,7 @@ async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
             async with gate:
                 return await _local.run(C.argv(script, *args, timeout_s=timeout_s), timeout_s)
 
-        return await _checks(plan, local, _local.TARGET, t0)
+        return await _checks(plan, local, _local.TARGET, t0, python=sys.executable)
     # asyncssh (and cryptography) load only when a triage runs, not with every console command.
     from kvpool_console.triage._ssh import SSHAccessError, connect, run
 
@@ -165,12 +169,14 @@ async def check_host(plan: HostPlan, *, ssh_config: str | None = None,
             return await run(conn, C.command(script, *args, timeout_s=timeout_s), timeout_s)
 
     async with conn:
-        report = await _checks(plan, remote, target, t0)
+        report = await _checks(plan, remote, target, t0, python="python3")
     return report
 
 
-async def _checks(plan: HostPlan, attempt: Attempt, target: str, t0: float) -> HostReport:
-    """Run every check of ``plan`` through ``attempt`` and read their outputs."""
+async def _checks(plan: HostPlan, attempt: Attempt, target: str, t0: float, *,
+                  python: str) -> HostReport:
+    """Run every check of ``plan`` through ``attempt`` and read their outputs; ``python``
+    runs the log tail (``_commands.log_tail``)."""
     marker = f"@@kvpool-triage-{secrets.token_hex(8)}@@"
     pids = [p.pid for p in plan.procs]
     master_job = (asyncio.ensure_future(attempt(C.MASTER, *_host_port(plan.master)))
@@ -181,14 +187,16 @@ async def _checks(plan: HostPlan, attempt: Attempt, target: str, t0: float) -> H
         attempt(C.PORTS, marker),
         attempt(C.MEMINFO),
         attempt(C.ACCEL, marker),
-        *(attempt(C.LOG_TAIL, C.LOG_LINES, path) for path in plan.logs))
+        *(attempt(*C.log_tail(path, python)) for path in plan.logs))
     master = await master_job if master_job is not None else None
+    checks, pid_ns = _processes(plan.procs, procs, klog, marker)
+    judged = {c.pid for c in checks if c.state != "other_namespace"}
     return HostReport(
-        host=plan.host, target=target, refused=plan.refused,
-        processes=_processes(plan.procs, procs, klog, marker),
+        host=plan.host, target=target, refused=plan.refused, processes=checks, pid_ns=pid_ns,
         logs=[_log(path, out) for path, out in zip(plan.logs, logs, strict=True)],
-        ports=_ports(plan, ports, marker), memory=_memory(mem), accel=_accel(accel, marker),
-        master=_master(plan.master, master), elapsed_ms=(time.monotonic() - t0) * 1e3)
+        ports=_ports(plan, judged, ports, marker), memory=_memory(mem),
+        accel=_accel(accel, marker), master=_master(plan.master, master),
+        elapsed_ms=(time.monotonic() - t0) * 1e3)
 
 
 def _host_port(address: str) -> tuple[str, str]:
@@ -217,20 +225,28 @@ def _klog(out: Outcome, marker: str) -> tuple[str, list[str] | None]:
     return title, lines
 
 
+_PID_NS = re.compile(r"pid:\[(\d+)\]")
+"""``readlink /proc/self/ns/pid``: ``pid:[4026531836]`` (namespaces(7))."""
+
+
 def _processes(plans: list[ProcPlan], out: Outcome, klog_out: Outcome,
-               marker: str) -> list[ProcessCheck]:
+               marker: str) -> tuple[list[ProcessCheck], int]:
+    """Each process's check, and the checking shell's pid namespace (0: unread)."""
     if isinstance(out, str) or not plans:
         return [ProcessCheck(pid=p.pid, agents=list(p.agents), state="unknown",
                              error=out if isinstance(out, str) else "no pid")
-                for p in plans]
+                for p in plans], 0
     stats: dict[int, str] = {}
     gone: set[int] = set()
     clk = 100
+    pid_ns = 0
     hidden = False
     for title, lines in sections(out[1], marker):
         kind, _, arg = title.partition(" ")
         if kind == "clk" and arg.strip().isdigit():
             clk = int(arg)
+        elif kind == "pidns" and (m := _PID_NS.fullmatch(arg.strip())):
+            pid_ns = int(m.group(1))
         elif kind == "hidepid":
             hidden = True
         elif kind == "pid" and arg.isdigit():
@@ -239,6 +255,10 @@ def _processes(plans: list[ProcPlan], out: Outcome, klog_out: Outcome,
             gone.add(int(arg))
     source, klines = _klog(klog_out, marker)
     checks = [_process(p, stats.get(p.pid, ""), p.pid in gone, source, klines, clk)
+              if same_pid_namespace(p.pid_ns, pid_ns) else
+              # The pid names some process of this host's namespace, not the engine's.
+              ProcessCheck(pid=p.pid, agents=list(p.agents), state="other_namespace",
+                           reported_start_ticks=p.start_ticks, pid_ns=p.pid_ns)
               for p in plans]
     for c in checks:
         if hidden and c.state == "gone":
@@ -246,13 +266,13 @@ def _processes(plans: list[ProcPlan], out: Outcome, klog_out: Outcome,
             c.state, c.error = "unknown", (
                 "/proc hides other users' processes (mounted with hidepid): gone or hidden "
                 "cannot be told apart; add the triage user to the proc mount's gid= group")
-    return checks
+    return checks, pid_ns
 
 
 def _process(plan: ProcPlan, stat: str, gone: bool, klog_source: str,
              klines: list[str] | None, clk: int) -> ProcessCheck:
     check = ProcessCheck(pid=plan.pid, agents=list(plan.agents), state="gone",
-                         reported_start_ticks=plan.start_ticks)
+                         reported_start_ticks=plan.start_ticks, pid_ns=plan.pid_ns)
     if not gone:
         try:
             st = parse_stat(stat)
@@ -302,7 +322,9 @@ def _log(path: str, out: Outcome) -> LogTail:
     return LogTail(path=path, lines=stdout.splitlines())
 
 
-def _ports(plan: HostPlan, out: Outcome, marker: str) -> PortsCheck:
+def _ports(plan: HostPlan, pids: set[int], out: Outcome, marker: str) -> PortsCheck:
+    """The holders of ``plan``'s ports and sockets, and what ``pids`` (the engine's processes
+    judged here) listen on."""
     if isinstance(out, str):
         return PortsCheck(error=out)
     parts = dict(sections(out[1], marker))
@@ -314,7 +336,6 @@ def _ports(plan: HostPlan, out: Outcome, marker: str) -> PortsCheck:
                                        parts.get("comm", []))
     else:
         return PortsCheck(error=_failed(out) or "no output")
-    pids = {p.pid for p in plan.procs}
     return PortsCheck(method=method, items=holdings(listeners, plan.ports, plan.sockets),
                       engine_listens=sorted({f"{k} {w}" for k, w, h in listeners
                                              if h.pid in pids}))

@@ -1,7 +1,10 @@
-"""The triage facts in ``Source`` (start time, log file, ports, sockets, master) are optional
-fields at its end: a peer of the previous release and this one decode each other's reports."""
+"""The triage facts in ``Source`` (start time, pid namespace, log file, ports, sockets, master)
+are optional fields at its end: a peer of the previous release and this one decode each
+other's reports."""
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 
@@ -41,7 +44,8 @@ class _OldReport(msgspec.Struct, tag="report", kw_only=True):
 def test_old_and_new_peers_decode_each_other() -> None:
     new = Source(agent_id="e/scheduler", engine_id="e", instance_role="mixed",
                  kv_role="kv_both", process_role="scheduler", pid=7, host="h",
-                 start_ticks=12345, log_path="/var/log/e.log", ports=(8000, 8001),
+                 start_ticks=12345, pid_ns=4026531836, log_path="/var/log/e.log",
+                 ports=(8000, 8001),
                  sockets=("/tmp/kvpool-lookup-h-1-dp0.sock",), master="10.0.0.1:50051")
     frame = encode(Report(v=PROTOCOL_VERSION, seq=1, kind="snapshot",
                           state=EngineState(source=new, started_ms=1.0, ts_ms=2.0)))
@@ -56,8 +60,17 @@ def test_old_and_new_peers_decode_each_other() -> None:
     got = decode(old_frame)
     assert isinstance(got, Report)
     src = got.state.source
-    assert (src.pid, src.start_ticks, src.log_path, src.ports, src.sockets, src.master) == (
-        7, 0, "", (), (), "")
+    assert (src.pid, src.start_ticks, src.pid_ns, src.log_path, src.ports, src.sockets,
+            src.master) == (7, 0, 0, "", (), (), "")
     # And the new fields survive a round trip between new peers.
     back = decode(frame)
     assert isinstance(back, Report) and back.state.source == new
+
+
+def test_pid_namespace_is_this_process_s() -> None:
+    """``process_facts`` reports the inode ``readlink /proc/self/ns/pid`` names."""
+    from kvpool_agent.process_facts import pid_namespace, process_facts
+
+    link = os.readlink("/proc/self/ns/pid")
+    assert link == f"pid:[{pid_namespace()}]" and pid_namespace() > 0
+    assert process_facts()["pid_ns"] == pid_namespace()

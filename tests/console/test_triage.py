@@ -347,11 +347,11 @@ def test_hidden_proc_is_not_called_gone() -> None:
     m = "@@m@@"
     out = f"{m} clk 100\n{m} hidepid\n{m} pid 4242\n{m} gone 4242\n"
     klog = f"{m} dmesg\n"
-    [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))], (0, out, ""), (0, klog, ""),
-                         m)
+    [check], _ = _processes([ProcPlan(4242, 1000, ("e/scheduler",))], (0, out, ""),
+                            (0, klog, ""), m)
     assert check.state == "unknown" and "hidepid" in check.error
-    [check] = _processes([ProcPlan(4242, 1000, ("e/scheduler",))],
-                         (0, out.replace(f"{m} hidepid\n", ""), ""), (0, klog, ""), m)
+    [check], _ = _processes([ProcPlan(4242, 1000, ("e/scheduler",))],
+                            (0, out.replace(f"{m} hidepid\n", ""), ""), (0, klog, ""), m)
     assert check.state == "gone" and check.oom_killed is False
 
 
@@ -372,6 +372,40 @@ def test_fifo_log_is_not_read_and_nothing_stays(capsys: pytest.CaptureFixture[st
         (str(fifo), "not a regular file", [])]
     assert rc == 0
     assert _readers_of(str(fifo)) == []
+
+
+def test_log_linked_to_a_secret_shows_no_byte_of_it(capsys: pytest.CaptureFixture[str],
+                                                     hub: str, sshd: Sshd,
+                                                     tmp_path: Path) -> None:
+    """Over SSH, the log tail runs the same one-open-file script as locally: a log swapped for
+    a symbolic link to a file only its owner may read, or one under a linked directory, shows
+    no byte of it."""
+    secret = tmp_path / "keys" / "operator.key_secret"
+    secret.parent.mkdir()
+    secret.write_text('curve\n    secret-key = "TOPSECRETz85"\n')
+    secret.chmod(0o600)
+    link = tmp_path / "engine.log"
+    link.symlink_to(secret)
+    linked_dir = tmp_path / "logs"
+    linked_dir.symlink_to(secret.parent)
+    handles = [_agent(hub, "link-e", "engine-host-1", log_path=str(link)),
+               _agent(hub, "dir-e", "engine-host-1",
+                      log_path=str(linked_dir / "operator.key_secret"))]
+    try:
+        wait_reported(hub, "link-e")
+        wait_reported(hub, "dir-e")
+        _, link_report, link_out, _ = triage(capsys, hub, "link-e", sshd, "--json")
+        _, dir_report, dir_out, _ = triage(capsys, hub, "dir-e", sshd, "--json")
+    finally:
+        for h in handles:
+            h.stop()
+    assert link_report is not None and dir_report is not None
+    assert [(log.lines, log.error) for log in link_report.hosts[0].logs] == [
+        ([], "a symbolic link: triage reads no link (the engine's log is the file itself)")]
+    assert [(log.lines, log.error) for log in dir_report.hosts[0].logs] == [
+        ([], "private to its owner (mode -rw-------): triage shows no such file (keys, "
+             "credentials)")]
+    assert "TOPSECRET" not in link_out + dir_out
 
 
 def _readers_of(path: str) -> list[int]:

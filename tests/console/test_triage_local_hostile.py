@@ -1,7 +1,8 @@
 """Hostile agent reports against triage's local path (the console's own host, its own user).
 
 A report names this machine in many spellings (one engine may have 1,024 agents), a log path
-at one of the console user's secrets, and a log holding C1 terminal controls; the checks are
+at one of the console user's secrets (or a log swapped for a link to one while it is read),
+and a log holding C1 terminal controls; the checks are
 the real local ones (``_local.run``), the reports pass the protocol's own validation.
 """
 
@@ -9,6 +10,10 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ import pytest
 
 from kvpool_agent.protocol import EngineState, Source
 from kvpool_console._text import json_line
+from kvpool_console.triage import _commands as C
 from kvpool_console.triage import _local
 from kvpool_console.triage import _run as R
 from kvpool_console.triage._run import triage_engine
@@ -83,25 +89,85 @@ async def test_ssh_keeps_hosts_apart_but_bounded() -> None:
     assert "10 more hosts not checked" in plans[0].refused[-1]
 
 
+SECRET = 'curve\n    secret-key = "TOPSECRETz85"\n'
+"""A CURVE secret key file's text; no report may hold ``TOPSECRET``."""
+
+LINK = "a symbolic link: triage reads no link (the engine's log is the file itself)"
+
+
 @pytest.mark.parametrize("mode", [0o600, 0o400])
 async def test_forged_log_path_at_a_private_file_shows_nothing(tmp_path: Path,
                                                                  mode: int) -> None:
     """A log path naming a file only its owner may read (the console's CURVE secret key, an
-    SSH key): refused with the reason, its text nowhere in the report."""
-    secret = tmp_path / "operator.key_secret"
-    secret.write_text('curve\n    secret-key = "TOPSECRETz85"\n')
+    SSH key), directly or under a linked directory, or a link to one or to
+    ``/proc/self/environ``: refused with the reason, its text nowhere in the report."""
+    secret = tmp_path / "keys" / "operator.key_secret"
+    secret.parent.mkdir()
+    secret.write_text(SECRET)
     secret.chmod(mode)
     environ = tmp_path / "environ"
     environ.symlink_to("/proc/self/environ")
-    report = await triage_engine("evil", _states({"log_path": str(secret)},
-                                                 {"log_path": str(environ)}),
-                                 reporting=False)
+    link = tmp_path / "engine.log"
+    link.symlink_to(secret)
+    linked_dir = tmp_path / "logs"
+    linked_dir.symlink_to(secret.parent)
+    report = await triage_engine("evil", _states(
+        {"log_path": str(secret)}, {"log_path": str(linked_dir / secret.name)},
+        {"log_path": str(environ)}, {"log_path": str(link)}), reporting=False)
     [host] = report.hosts
     assert host.target == "local"
-    assert [(log.lines, log.error.split(" (")[0]) for log in host.logs] == [
-        ([], "private to its owner")] * 2
+    private = (f"private to its owner (mode {stat.filemode(stat.S_IFREG | mode)}): triage "
+               "shows no such file (keys, credentials)")
+    assert [(log.lines, log.error) for log in host.logs] == [([], private)] * 2 + [([], LINK)] * 2
     text = msgspec.json.encode(report).decode()
     assert "TOPSECRET" not in text and os.environ.get("PATH", "unset") not in text
+
+
+async def test_log_swapped_for_a_link_to_a_secret_shows_no_byte_of_it(tmp_path: Path) -> None:
+    """A local user who can write the log's directory swaps the log for a symbolic link to a
+    file only its owner may read, and back, while triage reads it (each swap one atomic
+    ``rename``): every read shows the log or refuses the link, never a byte of the secret.
+    Checking the path and then reading it by name (``tail``) showed the secret when a swap
+    fell in between; the check reads one open file."""
+    secret = tmp_path / "operator.key_secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log, real = logs / "e.log", logs / "real.log"
+    real.write_text("an ordinary line\n")
+    real.chmod(0o644)
+    os.link(real, log)
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            os.symlink(secret, logs / "new")
+            os.replace(logs / "new", log)
+            os.link(real, logs / "new")
+            os.replace(logs / "new", log)
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    swapper.start()
+    seen: set[str] = set()
+    runs = 0
+    deadline = time.monotonic() + 120
+    try:
+        # Until both states were read (a swap fell around many reads), bounded in time.
+        while seen != {"read", "refused"} or runs < 50:
+            assert time.monotonic() < deadline, (runs, seen)
+            out = await _local.run(C.argv(*C.log_tail(str(log), sys.executable),
+                                          timeout_s=5), 5)
+            assert not isinstance(out, str), out
+            status, stdout, stderr = out
+            assert "TOPSECRET" not in stdout + stderr and "curve" not in stdout
+            assert (status, stdout, stderr) in ((0, "an ordinary line\n", ""),
+                                                (3, "", LINK + "\n")), out
+            seen.add("read" if status == 0 else "refused")
+            runs += 1
+    finally:
+        stop.set()
+        swapper.join()
 
 
 async def test_group_only_file_is_not_shown_to_root(tmp_path: Path) -> None:
