@@ -197,7 +197,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def status_document(view: FleetView) -> dict[str, Any]:
     """The ``status --json`` document: ``engines`` (one object per engine with at least
-    engine_id, state (OK/WARNING/CRITICAL/STALE/DOWN/FAILED), role, kv_role, backend, hit_rate,
+    engine_id, state (OK/WARNING/CRITICAL, or a silent engine's verdict HUNG/GONE/DOWN/STALE
+    as its ``stale`` alert names it, or FAILED), silence (that verdict in lower case, ``""``
+    while it reports), role, kv_role, backend, hit_rate,
     prompt_tokens, loaded_tokens, loads_in_flight, loads_failed, segment_used_bytes,
     segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
     local_hit_rate, recomputed_tokens, miss_tokens (by reason, not_in_pool split by the hub
@@ -306,7 +308,9 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
         out.print(t)
         tot = view.totals
         stores = f", {tot.stores} store agent{'s' * (tot.stores != 1)}" if tot.stores else ""
-        out.print(f"{tot.engines} engines{stores} ({tot.stale} stale, {tot.down} down), "
+        silent = "".join(f"{n} {word}, " for n, word in ((tot.hung, "hung"), (tot.gone, "gone"))
+                         if n)
+        out.print(f"{tot.engines} engines{stores} ({silent}{tot.stale} stale, {tot.down} down), "
                   f"hit rate {_percent(tot.hit_rate)} (local {_percent(tot.local_hit_rate)}), "
                   f"{tot.loads_in_flight} loads in flight, "
                   f"{tot.loads_failed} failed loads")

@@ -36,6 +36,7 @@ from kvpool_console._transport import saves_in_flight
 from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
 from kvpool_console.alerts.adapters import engine_adapters
 from kvpool_console.alerts.policy import engine_policy, policy_text
+from kvpool_console.alerts.silence import silence_verdict
 from kvpool_console.rows import AgentRow, EngineRow, FleetView, PoolRow, Totals
 
 __all__ = [
@@ -336,7 +337,8 @@ def build_view(
         last_seen_ms: agent id -> hub receive time (epoch ms); missing -> ``EngineState.ts_ms``.
         now_ms: the frame's wall clock (epoch ms); tests freeze it for stable snapshots.
         alerts: active alerts (``kvpool_console.alerts``); each engine row gets the worst
-            severity among alerts whose subject is its engine id.
+            severity among alerts whose subject is its engine id, and a silent one its
+            ``stale`` alert's verdict (``EngineRow.silence``).
         stale_after_ms, down_after_ms: silence thresholds for ``stale`` and ``down``.
         agent_rows_for: engine ids whose rows carry ``agents`` (one ``AgentRow`` per agent);
             ``None``: every engine. The console asks only for the engines it shows expanded:
@@ -370,7 +372,10 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
     for st in states.values():
         groups.setdefault(st.source.engine_id, []).append(st)
     worst: dict[str, str] = {}
+    silent: dict[str, str] = {}  # engine id -> its stale alert's verdict (alerts.silence)
     for a in alerts or []:
+        if a.rule == "stale":
+            silent[a.subject] = a.verdict
         cur = worst.get(a.subject)
         if a.severity != "info" and (cur is None or SEVERITY_RANK[a.severity] > SEVERITY_RANK[cur]):
             worst[a.subject] = a.severity
@@ -389,6 +394,9 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
         row = _aged(totals, group, last_seen_ms, now_ms, stale_after_ms, down_after_ms,
                     agent_rows_for is None or eid in agent_rows_for)
         row.severity = worst.get(eid)
+        # The alert's verdict (it could look at the process); else the thresholds' alone.
+        row.silence = silent.get(eid) or silence_verdict(
+            row.age_ms, None, stale_after_ms=stale_after_ms, down_after_ms=down_after_ms) or ""
         # Split after the cache: the hub's split changes without a new report of the engine.
         split = reuse.not_in_pool.get(eid) if reuse is not None else None
         if split:
@@ -409,8 +417,10 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
     stores = sum(r.role == "store" for r in rows)
     totals_row = Totals(
         engines=len(rows) - stores, stores=stores, agents=len(states),
-        stale=sum(r.stale and not r.down for r in rows),
-        down=sum(r.down for r in rows), hit_rate=loaded / prompt if prompt else 0.0,
+        stale=sum(r.silence == "stale" for r in rows),
+        down=sum(r.silence == "down" for r in rows),
+        hung=sum(r.silence == "hung" for r in rows),
+        gone=sum(r.silence == "gone" for r in rows), hit_rate=loaded / prompt if prompt else 0.0,
         prompt_tokens=prompt,
         loads_in_flight=sum(r.loads_in_flight for r in rows),
         saves_in_flight=sum(r.saves_in_flight for r in rows),

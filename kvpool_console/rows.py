@@ -55,7 +55,9 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     the engine reports (Mooncake master ``/metrics``), ``high_watermark`` its
     ``eviction_high_watermark_ratio``; ``next_lease_expiry_ms`` the earliest lease expiry of
     its in-flight loads (``None`` when none); ``stale`` once silent longer than the stale
-    threshold, ``down`` past the down one.
+    threshold, ``down`` past the down one; ``silence`` the verdict on it once silent
+    (``hung``, ``gone``, ``down`` or ``stale``: the ``stale`` alert's, ``alerts.silence``),
+    ``""`` while it reports.
     ``severity`` is the worst active alert on this engine (``None`` when healthy).
     ``layout_digest`` is its workers' layout digest (``Source.layout_digest``; several,
     comma-joined, when they differ; "" until reported) and ``layout`` what the first worker's
@@ -173,13 +175,19 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     """Access records its scheduler handed to the service / dropped (counters since its
     client started)."""
 
+    silence: str = ""
+    """The verdict on a silent engine (``hung``, ``gone``, ``down``, ``stale``;
+    ``alerts.silence``): its ``stale`` alert's (``Alert.verdict``), or without alerts the
+    thresholds' alone (``stale``/``down``); ``""`` while it reports."""
+
     @property
     def state(self) -> str:
-        """``FAILED``, ``DOWN``, ``STALE``, else the worst alert severity upper-cased or
-        ``OK``."""
+        """``FAILED``; else, once silent, its verdict upper-cased (``HUNG``, ``GONE``,
+        ``DOWN``, ``STALE``: what its ``stale`` alert says); else the worst alert severity
+        upper-cased or ``OK``. The State column, ``status`` and the detail screen show it."""
         if self.failed:
             return "FAILED"
-        return "DOWN" if self.down else "STALE" if self.stale else (self.severity or "ok").upper()
+        return (self.silence or self.severity or "ok").upper()
 
 
 class PoolRow(msgspec.Struct, gc=False, kw_only=True):
@@ -227,7 +235,9 @@ class Totals(msgspec.Struct, gc=False, kw_only=True):
     """Fleet totals (the table's last row); pool bytes summed over distinct pools; token
     counts and rates as in :class:`EngineRow`, summed over engines. ``engines`` counts the
     rows of serving engines, ``stores`` the rows of store agents (``kvpool-agent store``,
-    every agent of the row ``process_role="store"``): a pool's store is not an engine."""
+    every agent of the row ``process_role="store"``): a pool's store is not an engine.
+    ``hung``, ``gone``, ``down`` and ``stale`` count the silent rows by their verdict
+    (``EngineRow.silence``): each silent row once, under the word its State shows."""
 
     engines: int
     agents: int
@@ -251,6 +261,8 @@ class Totals(msgspec.Struct, gc=False, kw_only=True):
     top_miss_fix: str = ""
     """The fleet's top reason's fix (its engines' evictions and skipped saves summed)."""
     stores: int = 0
+    hung: int = 0
+    gone: int = 0
 
 
 class FleetView(msgspec.Struct, gc=False, kw_only=True):

@@ -33,7 +33,7 @@ AFTER_HIT = ("LEASE_EXPIRED", "OBJECT_NOT_FOUND")
 """Error names of a load that failed after a positive lookup (``failed_after_hit``)."""
 
 
-class Alert(msgspec.Struct, frozen=True, kw_only=True):
+class Alert(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One active alert.
 
     ``rule`` is a stable id (``pool_watermark``, ``failed_after_hit``, ``lease_ttl``,
@@ -47,7 +47,10 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     ``subject`` the engine id (the pool name for pool rules, the model name(s) for
     ``namespace_split``, the model name or ``<model> lora <adapter name>`` for
     ``model_versions``); ``key`` = ``f"{rule}:{subject}"`` identifies the alert
-    across refreshes.
+    across refreshes; ``verdict`` is a ``stale`` alert's verdict on its silent engine
+    (``hung``, ``gone``, ``down`` or ``stale``: :mod:`.silence`), which the engine's State
+    (``EngineRow.state``) shows, and ``""`` (left out of ``status --json``) for every other
+    rule.
     """
 
     key: str
@@ -57,6 +60,7 @@ class Alert(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     hint: str
     ts_ms: float
+    verdict: str = ""
 
 
 def fmt_ms(ms: float) -> str:
@@ -70,9 +74,9 @@ def fmt_ms(ms: float) -> str:
 
 
 def make_alert(rule: str, severity: Severity, subject: str, message: str, hint: str,
-           ts_ms: float) -> Alert:
+               ts_ms: float, *, verdict: str = "") -> Alert:
     return Alert(key=f"{rule}:{subject}", rule=rule, severity=severity, subject=subject,
-                 message=message, hint=hint, ts_ms=ts_ms)
+                 message=message, hint=hint, ts_ms=ts_ms, verdict=verdict)
 
 
 def alert_order(alert: Alert) -> tuple[int, bool, str]:

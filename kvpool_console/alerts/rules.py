@@ -30,6 +30,7 @@ from kvpool_console.alerts.alert import (
 from kvpool_console.alerts.policy import policy_alerts
 from kvpool_console.alerts.segments import no_segments_hint, segment_alerts
 from kvpool_console.alerts.settings import AlertSettings
+from kvpool_console.alerts.silence import silence_alert
 from kvpool_console.alerts.stalls import outlived, stalled_pools, stuck_alerts
 from kvpool_console.alerts.versions import version_alerts
 
@@ -440,30 +441,9 @@ def _silence_alert(engine_id: str, group: list[EngineState], age: float, now_ms:
                    cfg: AlertSettings) -> Alert | None:
     if age <= cfg.stale_after_ms:
         return None
-    down_after_ms = cfg.down_after_ms
-    head, state = _liveness(group, cfg)
-    where = f"pid {head.pid} on {head.host or '?'}"
-    if state is True:
-        return make_alert("stale", "critical" if age > down_after_ms else "warning", engine_id,
-                          f"hung: {where} is alive but sent no report for {fmt_ms(age)}",
-                          "the process is stopped or stuck (SIGSTOP, a debugger, a blocked "
-                          f"thread): `kvpool-console triage {engine_id}` shows its state and log; "
-                          "restart it if it does not recover", now_ms)
-    if state is False:
-        return make_alert("stale", "critical", engine_id,
-                          f"gone: {where} is not running; last report {fmt_ms(age)} ago",
-                          "the engine exited or was killed: read its log (`kvpool-console "
-                          f"triage {engine_id}`), restart it, or `kvpool-console forget "
-                          f"{engine_id}` after a scale-down", now_ms)
-    if age > down_after_ms:
-        return make_alert("stale", "critical", engine_id,
-                          f"down: no report for {fmt_ms(age)}",
-                          "the engine is hung or gone, or its agent cannot reach the hub: "
-                          f"`kvpool-console triage {engine_id}` tells which on its host; check "
-                          "agent_address / KVPOOL_AGENT_ADDRESS", now_ms)
-    return make_alert("stale", "warning", engine_id,
-                      f"stale: no report for {fmt_ms(age)}",
-                      "engine busy, hung or unreachable; its numbers are out of date", now_ms)
+    head, alive = _liveness(group, cfg)
+    return silence_alert(engine_id, head, alive, age, now_ms, stale_after_ms=cfg.stale_after_ms,
+                         down_after_ms=cfg.down_after_ms)
 
 
 def evaluate(

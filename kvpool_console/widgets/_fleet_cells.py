@@ -22,6 +22,7 @@ from kvpool_agent.misses import (
 )
 from kvpool_agent.vocabulary import KV_ROLE_FOR
 from kvpool_console._text import plain, top_miss_text
+from kvpool_console.alerts.silence import VERDICT_SEVERITY
 from kvpool_console.model import fmt_age, fmt_bytes, fmt_lease
 from kvpool_console.rows import AgentRow, EngineRow, Totals
 
@@ -97,18 +98,22 @@ def _tokens(hit: int, looked: int) -> str:
     return f"{short(hit)}/{short(looked)}"
 
 
+_STATE_CELLS: dict[str, tuple[str, str]] = {
+    "FAILED": ("FAILED", "bold red"),
+    **{v.upper(): (v.upper(), "bold red" if sev == "critical" else "bold yellow")
+       for v, sev in VERDICT_SEVERITY.items()},
+    "CRITICAL": ("CRIT", "bold red"),
+    "WARNING": ("WARN", "yellow"),
+    "OK": ("OK", "green"),
+}
+"""``EngineRow.state`` -> (the word the cell shows, its style): a silent engine's verdict
+(``HUNG``, ``GONE``, ``DOWN``, ``STALE``) in its severity's colour, the worst alert's
+severity abbreviated."""
+
+
 def _state(r: EngineRow) -> Text:
-    if r.failed:
-        return Text("FAILED", style="bold red")
-    if r.down:
-        return Text("DOWN", style="bold red")
-    if r.stale:
-        return Text("STALE", style="bold yellow")
-    if r.severity == "critical":
-        return Text("CRIT", style="bold red")
-    if r.severity == "warning":
-        return Text("WARN", style="yellow")
-    return Text("OK", style="green")
+    word, style = _STATE_CELLS.get(r.state, (r.state, ""))
+    return Text(word, style=style)
 
 
 def _pool(used: int, total: int, watermark: float) -> Text:
@@ -152,7 +157,10 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
     return {
         "engine": Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}",
                        style=dim),
-        "state": Text("STALE", style="yellow") if a.stale else "",
+        # A silent agent of a hung or gone engine is its process: the engine's verdict.
+        "state": Text(r.state if r.silence in ("hung", "gone") else "STALE",
+                      style="red" if r.silence in ("hung", "gone") else "yellow")
+        if a.stale else "",
         "role": a.process_role,
         "hit": f"{a.hit_rate:.0%}" if a.prompt_tokens else "",
         "trend": "",
@@ -172,14 +180,14 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
 
 
 def _totals_state(t: Totals) -> Text:
-    """The totals row's State cell: the engines silent past the down and the stale threshold
-    (``Totals.down``, ``Totals.stale``) in the words and styles the State column gives them
-    (``1 DOWN 2 STALE``); empty when none is. It counts nothing else (alerts, start
+    """The totals row's State cell: the silent engines by their verdict (``Totals.gone``,
+    ``hung``, ``down``, ``stale``) in the words and styles the State column gives them
+    (``1 HUNG 1 DOWN 2 STALE``); empty when none is. It counts nothing else (alerts, start
     failures): ``ok`` here read as "every engine OK" under CRIT rows, ``1st 0dn`` as a rank."""
     cell = Text(end="", no_wrap=True)
-    for n, word, style in ((t.down, "DOWN", "bold red"), (t.stale, "STALE", "bold yellow")):
+    for n, verdict in ((t.gone, "GONE"), (t.hung, "HUNG"), (t.down, "DOWN"), (t.stale, "STALE")):
         if n:
-            cell.append(f"{' ' if cell else ''}{n} {word}", style=style)
+            cell.append(f"{' ' if cell else ''}{n} {verdict}", style=_STATE_CELLS[verdict][1])
     return cell
 
 
