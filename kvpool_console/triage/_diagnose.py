@@ -3,7 +3,8 @@
 Rules, in the order the findings are listed (critical first):
 
 - a process in state ``T``/``t``: **hung** (stopped); alive while its agents are silent:
-  **hung**; a zombie, a missing pid or a pid now naming another process: **gone**, with the
+  **hung**; a zombie, a missing pid or a pid now naming another process: **gone** (both with
+  the severity the console's stale alert gives the same verdict, ``alerts.silence``), with the
   exit status when the kernel kept it; a pid its agents reported from another pid namespace
   than the check's (``kvpool_console._liveness.same_pid_namespace``): neither, one line saying
   where to run triage instead;
@@ -34,6 +35,7 @@ from kvpool_console._transport import (
     transport_failures,
     transport_hint,
 )
+from kvpool_console.alerts.silence import VERDICT_SEVERITY
 from kvpool_console.triage._model import Finding, HostReport, ProcessCheck, TriageReport
 
 __all__ = ["LOW_MEMORY", "TRANSPORT_LOG_MARKS", "diagnose", "exit_status", "transport_facts"]
@@ -116,11 +118,11 @@ def _process(p: ProcessCheck, host: str, reporting: bool) -> list[Finding]:
         if reporting:
             return [Finding(kind="ok", severity="info",
                             text=f"running: {where}, state {p.letter}, reporting")]
-        return [Finding(kind="hung", severity="critical",
+        return [Finding(kind="hung", severity=VERDICT_SEVERITY["hung"],
                         text=f"hung: {where} is alive (state {p.letter}) but its agents "
                              "stopped reporting")]
     if p.state == "stopped":
-        return [Finding(kind="hung", severity="critical",
+        return [Finding(kind="hung", severity=VERDICT_SEVERITY["hung"],
                         text=f"hung: {where} is stopped (state {p.letter}: SIGSTOP or a "
                              f"debugger); kill -CONT {p.pid} resumes it")]
     if p.state == "unknown":
@@ -138,7 +140,7 @@ def _process(p: ProcessCheck, host: str, reporting: bool) -> list[Finding]:
                 f"later); {status}")
     else:
         text = f"gone: pid {p.pid} on {host} no longer exists; {status}"
-    out = [Finding(kind="gone", severity="critical", text=text)]
+    out = [Finding(kind="gone", severity=VERDICT_SEVERITY["gone"], text=text)]
     if p.oom_killed:
         out.append(Finding(kind="oom", severity="critical",
                            text=f"killed by the OOM killer: pid {p.pid} on {host} "
