@@ -31,16 +31,20 @@ could move to their screens.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 from textual import events, on, work
+from textual.actions import parse as parse_action
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
+from textual.dom import DOMNode
 from textual.driver import Driver
 from textual.reactive import var
 from textual.screen import Screen
@@ -73,6 +77,7 @@ from kvpool_console.screens import (
     PinScreen,
     UnpinScreen,
 )
+from kvpool_console.screens._help import palette_entries
 from kvpool_console.screens._pins import result_lines
 from kvpool_console.source import ClientSource, FleetSource, ReadOnlyError
 from kvpool_console.widgets import EventsView, FleetTable, PoolView, StatusBar
@@ -460,30 +465,39 @@ class KVPoolConsole(App[None]):
         return True
 
     def get_system_commands(self, screen: Screen[object]) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Health check: selected engine", "run health on its agents",
-                            lambda: self.action_health(False))
-        yield SystemCommand("Health check: all engines", "run health on every agent",
-                            lambda: self.action_health(True))
-        yield SystemCommand("Flush pool entries",
-                            "scope, dry run, confirm" if self.source.can_flush
-                            else _READ_ONLY.format("flush"), self.action_flush)
-        yield SystemCommand("Pin a prefix: selected engine's model",
-                            "token ids or text, soft (TTL) or hard" if self.source.can_flush
-                            else _READ_ONLY.format("pin"), self.action_pin)
-        yield SystemCommand("Unpin a prefix: selected engine's model", "by its pin id"
-                            if self.source.can_flush else _READ_ONLY.format("unpin"),
-                            self.action_unpin)
-        yield SystemCommand("Triage: selected engine",
-                            "check its hosts (here locally, others over SSH), diagnose hung / "
-                            "gone / port held",
-                            self.action_triage)
-        yield SystemCommand("Toggle faults only", "show only engines with alerts or stale",
-                            self.action_faults)
-        yield SystemCommand("Pause / resume", "freeze the screen", self.action_pause)
+        """Textual's own entries (theme, keys panel, screenshot; its quit is ours), then every
+        action a key runs over ``screen``, named and explained as the help screen does
+        (``palette_entries``): a key and its palette entry are one binding."""
+        for command in super().get_system_commands(screen):
+            if command.callback != self.action_quit:
+                yield command
+        for entry in palette_entries(self, screen):
+            refused = entry.action in _OPERATOR_ONLY and not self.source.can_flush
+            text = _READ_ONLY.format(entry.action) if refused else entry.text
+            target = screen if entry.namespace == "screen" else self
+            keys = f"key{'s' if ', ' in entry.keys else ''} {entry.keys}"
+            said = text.lower() == entry.title.lower()  # its name says it all
+            yield SystemCommand(entry.title, keys if said else f"{text} ({keys})",
+                                partial(self._run_from_palette, entry.action, target))
+
+    async def _run_from_palette(self, action: str, target: DOMNode) -> None:
+        """Run a palette entry's action on ``target`` as its key would (``app.``/``screen.``
+        prefixes as in bindings). Not ``run_action``: it skips what ``check_action`` shows
+        disabled, and a read-only console's flush, pin and unpin must still say why."""
+        namespace, name, params = parse_action(action)
+        node = self if namespace == "app" else self.screen if namespace == "screen" else target
+        result = getattr(node, f"action_{name}")(*params)
+        if inspect.isawaitable(result):
+            await result
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+    def action_detail(self) -> None:
+        """Open the selected engine's detail screen (enter on its row; the palette's entry)."""
+        row = self.selected_engine()
+        if row is not None:
+            self.post_message(EngineChosen(row.engine_id))
 
     def action_tab(self, tab: str) -> None:
         self.tab = tab

@@ -1,73 +1,119 @@
-"""Help screen (``?``): a table of the keys and what they do, then what each column means.
+"""Help screen (``?``): a table of the keys and what they do, then what each column means; and
+the command palette's entries (``ctrl+p``), from the same table.
 
 The keys come from the bindings themselves (the app's ``BINDINGS``, hidden ones included, and
 those of the engine detail, flush and pin screens), so a key added, moved or removed there shows up
-here as it is; this module only says in words what each action does (``ACTION_HELP``). An action
-without words here is still listed, with its binding's own description.
+here as it is; this module only says in words what each action does and what the palette names
+it (``ACTION_HELP``). An action without words here is still listed, with its binding's own
+description. The palette lists every bound action the keys can run where it was opened
+(``palette_entries``), so an action has one key, one text and one palette name, all in the help
+screen, the palette and the docs' key table (``scripts/gen_console_keys.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.table import Table
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Markdown, Static
 
 from kvpool_console.screens._actions import ConfirmScreen, FlushScreen
 from kvpool_console.screens._detail import EngineDetailScreen
 from kvpool_console.screens._pins import PinScreen, UnpinScreen
 
-__all__ = ["ACTION_HELP", "HelpScreen", "KeyHelp", "help_rows"]
+__all__ = ["ACTION_HELP", "ActionHelp", "HelpScreen", "KeyHelp", "PaletteEntry", "help_rows",
+           "palette_entries"]
 
-ACTION_HELP: dict[str, tuple[str, str]] = {
-    # action -> (group, what it does). Keys are not repeated here: they come from BINDINGS.
-    "tab('fleet')": ("Screens", "fleet: a row per engine"),
-    "tab('pool')": ("Screens", "pool: keys, bytes, watermark, evictions, segments"),
-    "tab('events')": ("Screens", "events: alerts as they fire and clear"),
-    "help": ("Screens", "help: every key and what it does"),
-    "expand": ("Fleet", "show or hide the selected engine's worker agents"),
-    "filter": ("Fleet", "filter engines by id, role, kv_role, backend, model or agent id"),
-    "faults": ("Fleet", "only engines with an alert, or stale / down"),
-    "sort": ("Fleet", "sort by the next column"),
-    "reverse": ("Fleet", "reverse the sort"),
-    "pause": ("Fleet", "freeze the screen (PAUSED); data keeps arriving"),
-    "rate(-1)": ("Fleet", "refresh faster (down to 0.25 s)"),
-    "rate(1)": ("Fleet", "refresh slower (up to 10 s)"),
-    "health(False)": ("Commands", "health checks of the selected engine (no pool key touched)"),
-    "health(True)": ("Commands", "health checks of every engine"),
-    "flush": ("Commands", "flush pool keys: scope, dry-run count, confirm (operator key)"),
-    "pins": ("Commands", "pinned prefixes of the selected engine's model, in the events log"),
-    "pin": ("Commands", "pin a prefix of the selected engine's model: token ids or text, soft "
-            "(TTL) or hard (operator key)"),
-    "unpin": ("Commands", "unpin a prefix of the selected engine's model by its pin id; its "
-              "values leave the pool (operator key)"),
-    "triage": ("Commands", "triage: check the engine's hosts (this one locally, others over SSH), "
-               "say hung / gone / why"),
-    "quit": ("Console", "quit (--demo stops everything it started)"),
-    "app.pop_screen": ("Engine detail", "back to the fleet"),
-    "dry_run": ("Flush dialog", "count what the flush would remove"),
-    "cancel": ("Flush dialog", "close without flushing"),
-    "answer(True)": ("Confirm", "yes: run the flush"),
-    "answer(False)": ("Confirm", "no: do not flush"),
-    "close_dialog": ("Pin dialogs", "close (a pin or unpin already sent still finishes)"),
+
+class ActionHelp(NamedTuple):
+    """What one bound action is called and does."""
+
+    group: str
+    """The help table's group it is listed under."""
+    text: str
+    """What it does, in the help table's and the palette's words."""
+    title: str
+    """Its name in the command palette (what an operator types there)."""
+
+
+ACTION_HELP: dict[str, ActionHelp] = {
+    # action -> (group, what it does, palette name). Keys are not repeated here: they come
+    # from BINDINGS.
+    "tab('fleet')": ActionHelp("Screens", "fleet: a row per engine", "Fleet screen"),
+    "tab('pool')": ActionHelp("Screens", "pool: keys, bytes, watermark, evictions, segments",
+                              "Pool screen"),
+    "tab('events')": ActionHelp("Screens", "events: alerts as they fire and clear",
+                                "Events screen"),
+    "help": ActionHelp("Screens", "help: every key and what it does", "Help: keys and columns"),
+    "expand": ActionHelp("Fleet", "show or hide the selected engine's worker agents",
+                         "Expand / collapse: selected engine's agents"),
+    "filter": ActionHelp("Fleet", "filter engines by id, role, kv_role, backend, model or "
+                         "agent id", "Filter engines"),
+    "faults": ActionHelp("Fleet", "only engines with an alert, or stale / down",
+                         "Toggle faults only"),
+    "sort": ActionHelp("Fleet", "sort by the next column", "Sort by the next column"),
+    "reverse": ActionHelp("Fleet", "reverse the sort", "Reverse the sort"),
+    "pause": ActionHelp("Fleet", "freeze the screen (PAUSED); data keeps arriving",
+                        "Pause / resume"),
+    "rate(-1)": ActionHelp("Fleet", "refresh faster (down to 0.25 s)", "Refresh faster"),
+    "rate(1)": ActionHelp("Fleet", "refresh slower (up to 10 s)", "Refresh slower"),
+    "detail": ActionHelp("Fleet", "engine detail: sparklines, transfers, recent errors with "
+                         "their fix", "Engine detail: selected engine"),
+    "health(False)": ActionHelp("Commands", "health checks of the selected engine (no pool "
+                                "key touched)", "Health check: selected engine"),
+    "health(True)": ActionHelp("Commands", "health checks of every engine",
+                               "Health check: all engines"),
+    "flush": ActionHelp("Commands", "flush pool keys: scope, dry-run count, confirm "
+                        "(operator key)", "Flush pool entries"),
+    "pins": ActionHelp("Commands", "pinned prefixes of the selected engine's model, in the "
+                       "events log", "Pins: selected engine's model"),
+    "pin": ActionHelp("Commands", "pin a prefix of the selected engine's model: token ids or "
+                      "text, soft (TTL) or hard (operator key)",
+                      "Pin a prefix: selected engine's model"),
+    "unpin": ActionHelp("Commands", "unpin a prefix of the selected engine's model by its pin "
+                        "id; its values leave the pool (operator key)",
+                        "Unpin a prefix: selected engine's model"),
+    "triage": ActionHelp("Commands", "triage: check the engine's hosts (this one locally, "
+                         "others over SSH), say hung / gone / why", "Triage: selected engine"),
+    "quit": ActionHelp("Console", "quit (--demo stops everything it started)", "Quit"),
+    "command_palette": ActionHelp("Console", "command palette: every action by name", ""),
+    "app.pop_screen": ActionHelp("Engine detail", "back to the fleet", "Back to the fleet"),
+    "dry_run": ActionHelp("Flush dialog", "count what the flush would remove",
+                          "Dry run: count what the flush would remove"),
+    "cancel": ActionHelp("Flush dialog", "close without flushing", "Close without flushing"),
+    "answer(True)": ActionHelp("Confirm", "yes: run the flush", "Yes: run the flush"),
+    "answer(False)": ActionHelp("Confirm", "no: do not flush", "No: do not flush"),
+    "close_dialog": ActionHelp("Pin dialogs", "close (a pin or unpin already sent still "
+                               "finishes)", "Close the dialog"),
 }
-"""What each bound action does, in the help table's words, and the group it is listed under."""
+"""What each bound action does, in the help table's words, the group it is listed under and
+its name in the command palette."""
 
-_NOT_BINDINGS: list[tuple[str, str, str]] = [
-    # Keys the app handles without a binding of its own.
-    ("enter", "Fleet", "engine detail: sparklines, transfers, recent errors with their fix"),
-    ("ctrl+p", "Console", "command palette: every action by name"),
+_NOT_BINDINGS: list[tuple[str, str]] = [
+    # (key, action): keys the app handles without a binding of its own. Enter on a fleet row
+    # is the table's (it posts EngineChosen; ``detail`` does the same from the palette).
+    ("enter", "detail"),
+    ("ctrl+p", "command_palette"),
 ]
 
 _GROUPS = ("Screens", "Fleet", "Commands", "Console", "Engine detail", "Flush dialog", "Confirm",
            "Pin dialogs", "Other")
+
+_SCREENS: list[tuple[str, type[Screen[Any]]]] = [
+    ("Engine detail", EngineDetailScreen),
+    ("Flush dialog", FlushScreen),
+    ("Confirm", ConfirmScreen),
+    ("Pin dialogs", PinScreen),
+    ("Pin dialogs", UnpinScreen),
+]
+"""The screens whose keys the help table lists, with their default group."""
 
 KEYED_HUB_TEXT = """\
 **Keys a keyed hub needs** - a hub started with `--keys` requires a CURVE key on every port, so
@@ -91,11 +137,19 @@ an in-flight load expires (`default_kv_lease_ttl`). *Age* time since the last re
 
 @dataclass(frozen=True)
 class KeyHelp:
-    """One row of the help table: the keys (as shown), the group, what they do."""
+    """One row of the help table: the keys (as shown), the group, what they do, and the
+    action's name in the command palette (``""``: not in it)."""
 
     keys: str
     group: str
     text: str
+    title: str = ""
+
+
+def _help_of(b: Binding, default_group: str | None) -> ActionHelp:
+    """``b``'s action's words; an action without any: its binding's own description."""
+    words = b.description or b.action
+    return ACTION_HELP.get(b.action, ActionHelp(default_group or "Other", words, words))
 
 
 def help_rows(app: App[Any], key_display: Callable[[Binding], str] | None = None
@@ -108,29 +162,73 @@ def help_rows(app: App[Any], key_display: Callable[[Binding], str] | None = None
     """
     show = key_display or app.get_key_display
     sources: list[tuple[str | None, Iterable[BindingType]]] = [
-        (None, app.BINDINGS),
-        ("Engine detail", EngineDetailScreen.BINDINGS),
-        ("Flush dialog", FlushScreen.BINDINGS),
-        ("Confirm", ConfirmScreen.BINDINGS),
-        ("Pin dialogs", PinScreen.BINDINGS),
-        ("Pin dialogs", UnpinScreen.BINDINGS),
-    ]
+        (None, app.BINDINGS), *((group, screen.BINDINGS) for group, screen in _SCREENS)]
     keys: dict[tuple[str, str], list[str]] = {}
-    texts: dict[tuple[str, str], str] = {}
+    helps: dict[tuple[str, str], ActionHelp] = {}
     for default_group, bindings in sources:
         for b in Binding.make_bindings(bindings):
-            group, text = ACTION_HELP.get(b.action, (default_group or "Other",
-                                                     b.description or b.action))
-            slot = (group, b.action)
+            words = _help_of(b, default_group)
+            slot = (words.group, b.action)
             shown = show(b)
             if shown not in keys.setdefault(slot, []):
                 keys[slot].append(shown)
-            texts[slot] = text
-    rows = [KeyHelp(", ".join(keys[slot]), slot[0], texts[slot]) for slot in keys]
-    rows += [KeyHelp(show(Binding(k, "")), g, t) for k, g, t in _NOT_BINDINGS]
+            helps[slot] = words
+    rows = [KeyHelp(", ".join(keys[slot]), slot[0], helps[slot].text, helps[slot].title)
+            for slot in keys]
+    rows += [KeyHelp(show(Binding(k, "")), ACTION_HELP[a].group, ACTION_HELP[a].text,
+                     ACTION_HELP[a].title) for k, a in _NOT_BINDINGS]
     order = {g: i for i, g in enumerate(_GROUPS)}
     # Stable sort: within a group the bindings keep their order.
     return sorted(rows, key=lambda r: order.get(r.group, len(_GROUPS)))
+
+
+@dataclass(frozen=True)
+class PaletteEntry:
+    """One command palette entry: ``action`` run on ``namespace`` (``app`` or ``screen``: the
+    screen the palette was opened over), named ``title``, ``text`` and its keys as help."""
+
+    title: str
+    text: str
+    keys: str
+    action: str
+    namespace: str
+
+
+def _own_bindings(screen: Screen[Any]) -> list[Binding]:
+    """The bindings ``screen``'s class declares (Textual's own screen bindings, focus and
+    copy, left out)."""
+    for cls in type(screen).__mro__:
+        if cls in (Screen, ModalScreen):
+            return []
+        if "BINDINGS" in vars(cls):
+            return list(Binding.make_bindings(vars(cls)["BINDINGS"]))
+    return []
+
+
+def palette_entries(app: App[Any], screen: Screen[Any]) -> list[PaletteEntry]:
+    """Every action a key runs over ``screen`` (the screen the palette was opened over), one
+    entry each, named and explained as the help table does: over the fleet screen or an
+    engine's detail every ``app.BINDINGS`` action (and the detail's own keys; on the fleet
+    screen enter's ``detail``); over a dialog its own keys and the app's priority keys (quit),
+    the only app keys that reach past a dialog. The palette itself is not an entry."""
+    modal = screen.is_modal
+    sources: list[tuple[str, list[Binding]]] = [("screen", _own_bindings(screen))]
+    app_bindings = [b for b in Binding.make_bindings(app.BINDINGS) if b.priority or not modal]
+    sources.append(("app", app_bindings))
+    if not modal and not isinstance(screen, EngineDetailScreen):
+        sources.append(("app", [Binding(k, a) for k, a in _NOT_BINDINGS]))
+    found: dict[tuple[str, str], tuple[Binding, list[str]]] = {}
+    for namespace, bindings in sources:
+        for b in bindings:
+            if b.action != "command_palette":
+                found.setdefault((namespace, b.action), (b, []))[1].append(
+                    app.get_key_display(b))
+    entries = []
+    for (namespace, action), (first, shown) in found.items():
+        words = _help_of(first, None)
+        entries.append(PaletteEntry(words.title, words.text, ", ".join(dict.fromkeys(shown)),
+                                    action, namespace))
+    return entries
 
 
 def _table(rows: list[KeyHelp]) -> Table:
