@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kvpool_agent.cli_parser import EXIT_USAGE
-from kvpool_agent.protocol import CommandReply, PinInfo
+from kvpool_agent.protocol import CommandReply, PinArgs, PinInfo
 from kvpool_console._pins import (
     DEFAULT_TTL_S,
     PIN_TIMEOUT_MS,
@@ -31,7 +32,7 @@ from kvpool_console._text import json_line, plain
 from kvpool_console.model import fmt_bytes
 from kvpool_console.source import FleetSource
 
-__all__ = ["add_parsers", "pins_document", "run"]
+__all__ = ["add_parsers", "check_input", "dash_led_tokens", "pins_document", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 3
 
@@ -43,7 +44,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     pn.add_argument("--model", required=True, help="the model's name as its engines report it")
     what = pn.add_mutually_exclusive_group(required=True)
     what.add_argument("--tokens", default=None, metavar="IDS",
-                      help="the prefix's token ids, comma-separated (e.g. 1,15043,29892)")
+                      help="the prefix's token ids, comma-separated (e.g. 1,15043,29892): the "
+                           "model tokenizer's, 0..4294967295")
     what.add_argument("--text", default=None,
                       help="the prefix as text, tokenized by the engine's own tokenizer")
     pn.add_argument("--chat-template", action="store_true",
@@ -70,9 +72,27 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     ls.add_argument("--timeout-ms", type=int, default=5_000, metavar="MS")
 
 
-def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) -> int:
-    """Run ``pin``, ``unpin`` or ``pins``; returns the exit status (0 ok, 1 an agent refused
-    or failed, 2 bad input, 3 no operator key)."""
+def dash_led_tokens(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--tokens -5,3`` given as ``--tokens=-5,3``: argparse takes an argument
+    that starts with ``-`` (and is not a plain negative number) for an option, and said only
+    ``--tokens: expected one argument``. A token id is never negative, so the list is then
+    refused as a bad list (``pin: --tokens: token ids are integers in 0..4294967295``)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] == "--tokens" and value[:1] == "-" and value[1:2].isdigit():
+            out.append(f"--tokens={value}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _checked(args: argparse.Namespace, err: Console) -> PinArgs | None:
+    """The command's ``PinArgs`` from its options, checked as far as they can be without the
+    fleet; ``None`` after printing the one line naming the bad option and the fix."""
     try:
         pa = pin_args(args.cmd, args.model, tokens=getattr(args, "tokens", None),
                       text=getattr(args, "text", None),
@@ -82,9 +102,25 @@ def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) 
                       ttl_s=getattr(args, "ttl_s", DEFAULT_TTL_S))
     except PinInputError as e:
         err.print(plain(f"{args.cmd}: {e}", style="red"))
-        return EXIT_USAGE
+        return None
     if args.timeout_ms < 1:
         err.print(plain(f"{args.cmd}: --timeout-ms: must be >= 1", style="red"))
+        return None
+    return pa
+
+
+def check_input(args: argparse.Namespace, err: Console) -> int | None:
+    """``EXIT_USAGE`` after one line on stderr when the command's options are bad in
+    themselves (token ids, TTL, pin id: ``pin_args``), before the hub is asked anything;
+    ``None`` when they are fine as far as that goes."""
+    return EXIT_USAGE if _checked(args, err) is None else None
+
+
+def run(args: argparse.Namespace, src: FleetSource, out: Console, err: Console) -> int:
+    """Run ``pin``, ``unpin`` or ``pins``; returns the exit status (0 ok, 1 an agent refused
+    or failed, 2 bad input, 3 no operator key)."""
+    pa = _checked(args, err)
+    if pa is None:
         return EXIT_USAGE
     states, _ = src.fleet()
     models = worker_models(states)

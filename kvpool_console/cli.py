@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv`` and resolve ``--hub``: the command line (either position), else
     ``$KVPOOL_HUB``, else ``DEFAULT_HUB``."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(pin_cli.dash_led_tokens(sys.argv[1:] if argv is None else argv))
     args.hub = args.hub or os.environ.get("KVPOOL_HUB") or DEFAULT_HUB
     return args
 
@@ -556,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, out: Console, err: Console, sig: StopSignals) -> int:
     if args.demo:
         _demo(args)
+    if args.cmd in ("pin", "unpin", "pins") and (bad := pin_cli.check_input(args, err)):
+        return bad  # bad input is refused before the hub is asked (exit 2, with or without one)
     src = _connect(args, err)
     if src is None:
         return EXIT_USAGE
