@@ -128,11 +128,12 @@ unpin disabled).
 COLUMNS_TEXT = """\
 **Fleet columns** - *State* OK / WARN / CRIT (worst alert), FAILED (did not start) or, once
 silent (no report for 3 s), its stale alert's verdict: HUNG (its process runs here but sends
-nothing) or GONE (not running), else STALE, and DOWN after 30 s. *Hit* pool hit tokens / looked-up tokens since start, *Trend*
-the last minute's hit rate. *Ld* / *Sv* loads and saves in flight (requests), *Fail* failed or
-timed-out loads. *Pool/WM* pool usage vs `eviction_high_watermark_ratio`. *Local* prompt tokens
-vLLM's own prefix cache held / looked-up tokens. *Lease* time left before the earliest lease of
-an in-flight load expires (`default_kv_lease_ttl`). *Age* time since the last report.
+nothing) or GONE (not running), else STALE, and DOWN after 30 s. *Hit* pool hit tokens /
+looked-up tokens since start, *Trend* the last minute's hit rate. *Ld* / *Sv* loads and saves
+in flight (requests), *Fail* failed or timed-out loads. *Pool/WM* pool usage vs
+`eviction_high_watermark_ratio`. *Local* prompt tokens vLLM's own prefix cache held / looked-up
+tokens. *Lease* time left before the earliest lease of an in-flight load expires
+(`default_kv_lease_ttl`). *Age* time since the last report.
 """
 
 
