@@ -206,9 +206,11 @@ def status_document(view: FleetView) -> dict[str, Any]:
     into evicted, other_digest, never_saved and first_use), top_miss, top_miss_fix (its fix
     for this engine), pool_evicted_keys, saves_skipped, versions, layout (its ``fingerprint``:
     the weights' identity), adapters (LoRA name -> content identity, ``lora:<hex>``) and, for
-    an engine with ``admission: service``, who steers its saves (``policy``,
-    ``policy_in_charge``, ``policy_service``, ``policy_silent_ms``, ``policy_records_sent``,
-    ``policy_records_dropped``, ``policy_removed_keys``; empty/0 for any other); plus its
+    an engine with ``admission: service``, who steers its saves (``policy``: ``service``, or
+    why the master does, ``service_silent`` or ``records_not_connected``; ``policy_in_charge``:
+    ``service`` or ``master``; ``policy_service``, ``policy_silent_ms``,
+    ``policy_records_sent``, ``policy_records_dropped``, ``policy_removed_keys``; empty/0 for
+    any other); plus its
     ``agents``),
     ``alerts``, ``pools``, ``totals``, ``hub_counters`` (the hub's own counters since it
     started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
@@ -216,6 +218,8 @@ def status_document(view: FleetView) -> dict[str, Any]:
     doc: dict[str, Any] = msgspec.to_builtins(view)
     for engine, row in zip(doc["engines"], view.engines, strict=True):
         engine["state"] = row.state
+        # Machine values: the screens' "policy: master (service silent 12.0 s)" is theirs.
+        engine["policy"] = engine.pop("policy_value")
     return {"now_ms": doc["now_ms"], "engines": doc["engines"], "alerts": doc["alerts"],
             "pools": doc["pools"], "totals": doc["totals"], "hub_counters": doc["hub_counters"]}
 

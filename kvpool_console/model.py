@@ -248,11 +248,21 @@ def _policy_facts(p: PolicySteering | None) -> dict[str, Any]:
     """``EngineRow.policy*`` from an engine's ``PolicySteering`` (defaults without one)."""
     if p is None:
         return {}
-    return {"policy": policy_text(p), "policy_in_charge": p.in_charge,
+    return {"policy": policy_text(p), "policy_value": _policy_value(p),
+            "policy_in_charge": p.in_charge,
             "policy_service": p.service, "policy_silent_ms": p.silent_ms,
             "policy_records_sent": p.records_sent,
             "policy_records_dropped": p.records_dropped,
             "policy_removed_keys": p.service_removed_keys}
+
+
+def _policy_value(p: PolicySteering) -> str:
+    """``EngineRow.policy_value``: ``service``, or why the master steers, in the words of
+    ``policy_text``'s parenthesis (``service silent 12.0 s``, ``records not connected``)."""
+    if p.in_charge == "service":
+        return "service"
+    return ("service_silent" if p.silent_ms >= p.stale_ms or p.records_connected
+            else "records_not_connected")
 
 
 def _kv_facts(layout: Mapping[str, str | int]) -> dict[str, Any]:

@@ -158,8 +158,12 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
     of its newest report; issue 38)."""
     policy: str = ""
     """Who steers its saves when it is configured for the policy service (``admission:
-    service``; ``alerts.policy.policy_text``): ``policy: service`` or ``policy: master
-    (service silent 12.0 s)``; ``""`` for any other engine."""
+    service``; ``alerts.policy.policy_text``), as the screens say it: ``policy: service`` or
+    ``policy: master (service silent 12.0 s)``; ``""`` for any other engine."""
+    policy_value: str = ""
+    """The same as a machine value, ``status --json``'s ``policy``: ``service`` while the
+    service steers, else why the master does: ``service_silent`` (no snapshot within its stale
+    time) or ``records_not_connected``; ``""`` for any other engine."""
     policy_in_charge: str = ""
     """``service`` or ``master`` (``EngineState.policy``); ``""`` for any other engine."""
     policy_removed_keys: int = 0

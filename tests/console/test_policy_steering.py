@@ -6,8 +6,10 @@ tests/policy/test_policy_console_live.py."""
 from __future__ import annotations
 
 import io
+import json
 
 import msgspec
+import pytest
 from fleetdata import NOW_MS, engine
 from rich.console import Console
 from textual.widgets import Static
@@ -57,11 +59,11 @@ def test_status_json_says_who_steers_each_engine_configured_for_the_service() ->
     keys = ("policy", "policy_in_charge", "policy_service", "policy_silent_ms",
             "policy_records_sent", "policy_records_dropped", "policy_removed_keys")
     assert {k: rows["svc-a"][k] for k in keys} == {
-        "policy": "policy: service", "policy_in_charge": "service", "policy_service": SERVICE,
+        "policy": "service", "policy_in_charge": "service", "policy_service": SERVICE,
         "policy_silent_ms": 400.0, "policy_records_sent": 40, "policy_records_dropped": 0,
         "policy_removed_keys": 26_541}
     assert {k: rows["svc-b"][k] for k in keys} == {
-        "policy": "policy: master (service silent 12.0 s)", "policy_in_charge": "master",
+        "policy": "service_silent", "policy_in_charge": "master",
         "policy_service": SERVICE, "policy_silent_ms": 12_000.0, "policy_records_sent": 70,
         "policy_records_dropped": 9, "policy_removed_keys": 11_706}
     assert {k: rows["plain"][k] for k in keys} == {
@@ -82,13 +84,35 @@ def test_no_warning_before_the_stale_time_nor_for_a_silent_engine() -> None:
     # Just started (no snapshot yet, 1.2 s of a 3 s stale time): shown, not alerted.
     young = _steered("young", "master", 1_200.0)
     doc = _doc(young)
-    assert doc["engines"][0]["policy"] == "policy: master (records not connected)"
+    assert doc["engines"][0]["policy"] == "records_not_connected"
     assert [a for a in doc["alerts"] if a["rule"] == "policy_master"] == []
     # An engine silent past the stale threshold: its report is old, ``stale`` names it.
     old = _steered("old", "master", 60_000.0, age_ms=10_000.0)
     seen = {a: NOW_MS - 10_000.0 for a in old}
     rules = {a.rule for a in evaluate(old, seen, NOW_MS)}
     assert "stale" in rules and "policy_master" not in rules
+
+
+def test_status_json_policy_is_a_machine_value_the_screens_say_in_words(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # status --json as the command prints it: ``policy`` one of four values, never the
+    # screens' label, and no other key than the documented ones (policy_value is the row's).
+    fleet = {**_fleet(), **_steered("young", "master", 1_200.0)}
+    assert _status(_parser().parse_args(["status", "--json"]), StaticSource(fleet),
+                   Console(file=io.StringIO())) == 0
+    engines = {e["engine_id"]: e for e in json.loads(capsys.readouterr().out)["engines"]}
+    assert {eid: e["policy"] for eid, e in engines.items()} == {
+        "svc-a": "service", "svc-b": "service_silent", "young": "records_not_connected",
+        "plain": ""}
+    assert not any("policy_value" in e for e in engines.values())
+    # The words the screens show say the same: the master's reason is the value in words.
+    rows = {r.engine_id: r for r in build_view(fleet, {a: NOW_MS for a in fleet}, NOW_MS).engines}
+    for eid, e in engines.items():
+        label = rows[eid].policy
+        if e["policy"] in ("", "service"):
+            assert label == (e["policy"] and "policy: service"), eid
+        else:
+            assert label.startswith(f"policy: master ({e['policy'].replace('_', ' ')}"), eid
 
 
 async def test_pool_tab_names_who_steers() -> None:
@@ -136,9 +160,11 @@ async def test_detail_screen_names_who_steers_only_for_service_engines() -> None
         for eid in ("svc-b", "plain"):
             table.move_cursor(row=table.get_row_index(f"e:{eid}"))
             await pilot.press("enter")
+            await pilot.pause()  # the row's choice is a message; under load it lands later
             assert isinstance(app.screen, EngineDetailScreen)
             seen[eid] = str(app.screen.query_one("#detail-summary", Static).visual)
             await pilot.press("escape")
+            await pilot.pause()
     assert seen["svc-b"].splitlines()[-1] == (
         f"policy: master (service silent 12.0 s); service {SERVICE}, records sent 70 "
         f"dropped 9")

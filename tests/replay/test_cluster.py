@@ -131,7 +131,7 @@ def test_demo_cluster_is_visible_and_leaves_nothing_behind() -> None:
             for eid in ("prefill-0", "engine-2"):
                 e = by_engine[eid]
                 assert (e["policy"], e["policy_in_charge"], e["policy_service"]) == (
-                    "policy: service", "service", cluster.policy.address), e
+                    "service", "service", cluster.policy.address), e
                 assert e["policy_records_sent"] > 0 and e["policy_records_dropped"] == 0, e
             assert by_engine["decode-1"]["policy_in_charge"] == "", by_engine["decode-1"]
             assert [a for a in status["alerts"] if a["rule"] == "policy_master"] == []
