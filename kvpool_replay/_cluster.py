@@ -30,7 +30,9 @@ engine in ``kvpool-console status --json``, the Pool tab's ``policy:`` line).
 
 Leaving the context (or ``stop()``, also on Ctrl-C) stops every process it started: each runs in
 its own process group, which is terminated and then killed; ``leftover_pids()`` checks with
-psutil that none is left.
+psutil that none is left. Should this process die without stopping them (``kill -9``), its
+tether (``_tether``, a watcher started first) stops them instead, releases the engines' lookup
+sockets and removes the work directory it created.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from kvpool_replay._processes import (
 from kvpool_replay._replay import spawn_engine, wait_engines_ready
 from kvpool_replay._services import LocalMooncakeMaster, LocalPoolStore
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
+from kvpool_replay._tether import Tether
 from kvpool_replay._tiny_model import build_tiny_model
 from kvpool_replay._trace import TraceRequest, default_trace_path, load_trace
 
@@ -198,6 +201,7 @@ class DemoCluster:
         self._logs: list[object] = []
         self.pd_pair: LocalPdPair | None = None
         self.pd_replay: ProxyReplay | None = None
+        self._tether: Tether | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -219,6 +223,10 @@ class DemoCluster:
         trace = load_trace(self.trace_path, limit=self.limit)
         use_local_pool_env()
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # Before any child: each one started from now on dies with this process.
+        self._tether = Tether.start()
+        if self._own_tmp:
+            self._tether.remove_on_death(self.workdir)
         keys = local_fleet_keys(self.keys_root)
         port = free_port_block(5)
         self.hub_address = f"tcp://127.0.0.1:{port}"
@@ -309,6 +317,7 @@ class DemoCluster:
                 **kw,  # type: ignore[arg-type]
             )
             self.specs[eid] = spec
+            self._tether.release_on_death(spec.lookup_rpc_port)
             proc = self._spawn(spec)
             self.processes[eid] = proc
             self._started_pids.add(proc.pid)
@@ -440,6 +449,8 @@ class DemoCluster:
         for log in self._logs:
             log.close()  # type: ignore[attr-defined]
         self._logs.clear()
+        if self._tether is not None:
+            self._tether.forget_sessions()  # stopped: their pids are free to be reused
 
     def leftover_pids(self) -> list[int]:
         """Processes this cluster started (or their children) that are still alive."""
@@ -454,9 +465,13 @@ class DemoCluster:
         return alive
 
     def cleanup(self) -> None:
-        """Remove the work directory if this cluster created it."""
+        """Remove the work directory if this cluster created it, and release the tether
+        (nothing is left for it to do)."""
         if self._own_tmp:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._tether is not None:
+            self._tether.close()
+            self._tether = None
 
     def __enter__(self) -> DemoCluster:
         return self.start()

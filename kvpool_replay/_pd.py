@@ -38,6 +38,7 @@ from kvpool_replay._processes import (
     engine_env,
     free_port,
     http_ok,
+    spawn,
     stop_process_tree,
     tail_file,
     wait_until,
@@ -142,8 +143,8 @@ class LocalPdPair(LocalService):
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the child's output
         try:
-            self._procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                 env=env, start_new_session=True)
+            self._procs[name] = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
         finally:
             log.close()
 

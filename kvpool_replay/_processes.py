@@ -1,7 +1,7 @@
 """The process helpers of the local services, the demo, replays, tests and benchmarks: free
 ports, log tails, start-up waits, the child environment (Mooncake bound to 127.0.0.1, this
-interpreter's ``bin`` on ``PATH``, this tree on ``PYTHONPATH``), and starting and stopping a
-child's process group without leaving one behind.
+interpreter's ``bin`` on ``PATH``, this tree on ``PYTHONPATH``), and starting (``spawn``) and
+stopping a child's process group without leaving one behind.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any, Protocol, TypeVar
 import httpx
 import psutil
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from kvpool_replay._tether import child_setup
 
 __all__ = [
     "MC_BIND_ENV",
@@ -190,9 +192,11 @@ def reaping(cmd: list[str]) -> Iterator[None]:
 
 def spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(cmd, **kwargs)`` under ``reaping(cmd)`` (a child whose ``Popen`` an
-    exception interrupted is killed; the caller still stores the result itself)."""
+    exception interrupted is killed; the caller still stores the result itself), registered
+    with the tethers this process holds (``_tether``: it dies with this process, even a
+    ``kill -9`` of it)."""
     with reaping(cmd):
-        return subprocess.Popen(cmd, **kwargs)
+        return subprocess.Popen(cmd, preexec_fn=child_setup(), **kwargs)
 
 
 class ChildProcess(Protocol):

@@ -44,7 +44,7 @@ from kvpool_replay._processes import (
     engine_env,
     free_port,
     http_ok,
-    reaping,
+    spawn,
     stop_process_tree,
     tail_file,
     wait_until,
@@ -284,9 +284,8 @@ class LocalMooncakeMaster(LocalService):
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
         env = {**os.environ, MC_BIND_ENV: "127.0.0.1"}
-        with reaping(cmd):
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+        self.proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                          start_new_session=True)
         self._log = log
         proc = self.proc
         # Its RPC port too, as a client checks it (MooncakeBackend): /health answered while
@@ -375,9 +374,8 @@ class LocalPoolStore(LocalService):
             self._prepare_disk(self.disk)
             cmd.append("--enable_offload=true")
             env.update(self.disk.env())
-        with reaping(cmd):
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+        self.proc = spawn(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                          start_new_session=True)
         proc = self.proc
         if wait_until(lambda: alive("mooncake_client", proc, self.log_path) and self._mounted(),
                       timeout_s):

@@ -5,7 +5,8 @@ demo options (``kvpool_console.cli``; the console never imports this package). H
 ``DemoCluster`` starts (master, store, fleet hub requiring fresh per-role CURVE keys, engines
 holding the agent key; it prints where the keys are and the hub address), then the
 console's own TUI watches it: ``kvpool_console.cli.main(["--hub", HUB, "--keys", DIR])``, as an
-operator would run it against a real fleet. Everything the demo started stops on the way out.
+operator would run it against a real fleet. Everything the demo started stops on the way out,
+and with a ``kill -9`` of this process too (``DemoCluster``'s tether, ``_tether``).
 
 Usage (what the console passes on; every option but ``--trace`` is always given)::
 

@@ -377,3 +377,36 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
             assert line in start, start[-2000:]
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
+
+
+def test_demo_killed_with_sigkill_leaves_nothing(tmp_path: Path) -> None:
+    """``kill -9`` of the console while its TUI runs: no handler of its own runs, and its
+    tether (``kvpool_replay._tether``, a watcher it started first) stops the master, store,
+    policy service and engine, releases the engine's lookup socket and removes the work
+    directory (its CURVE secret keys), then ends itself."""
+    term = _demo_on_pty(tmp_path)
+    buf = bytearray()
+    tree: list[psutil.Process] = []
+    workdirs: set[Path] = set()
+    try:
+        tree, workdirs = _demo_running(term, buf, b"\x1b[?1049h", tmp_path)
+        tree = _with_current(tree, term.pid)
+        names = " ".join(_name(p) for p in tree if _alive(p))
+        for part in ("mooncake_master", "mooncake_client", "kvpool_policy.cli serve",
+                     "engine_proc", "_tether.py"):
+            assert part in names, names  # all running, the policy service too
+        assert [(d / "keys" / "operator" / "operator.key_secret").is_file()
+                for d in workdirs] == [True]
+        os.kill(term.pid, signal.SIGKILL)
+        os.waitpid(term.pid, 0)
+
+        def left() -> tuple[list[str], list[Path], list[str]]:
+            return ([_name(p) for p in tree if _alive(p)], [d for d in workdirs if d.exists()],
+                    sorted(p.name for p in _runtime_dir(tmp_path).iterdir()))
+
+        deadline = time.monotonic() + 60
+        while left() != ([], [], []):
+            assert time.monotonic() < deadline, left()
+            _drain(term, buf, b"\0never", 0.1)
+    finally:
+        _leave_nothing(term, tree, workdirs, tmp_path)
