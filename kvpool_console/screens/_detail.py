@@ -1,9 +1,13 @@
 """Engine detail screen: trends, layout digest, in-flight layer-wise loads and recent errors
-with hints."""
+with hints.
+
+A field without a value is left out of the summary, never printed bare (``revision=
+quantization=`` of a layout, a model or a policy service nobody reported): ``_fields``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rich.text import Text
@@ -30,6 +34,12 @@ _HINT_WIDTH = 60
 they fit 160 terminal columns; longer text wraps."""
 
 __all__ = ["EngineDetail", "EngineDetailScreen", "layer_bar"]
+
+
+def _fields(pairs: Iterable[tuple[str, object]], sep: str = "=") -> str:
+    """``name{sep}value`` of each pair with a value, space-separated; an empty string is no
+    value (0 is one)."""
+    return " ".join(f"{k}{sep}{v}" for k, v in pairs if v != "")
 
 
 def layer_bar(done: int, total: int, width: int = 10) -> str:
@@ -146,19 +156,21 @@ class EngineDetailScreen(Screen[None]):
             + ("\nidentity: $identity" if (identity := identity_line(row, states)) else "")
             + ("\nsaves: $saves" if (saves := saves_line(row.engine_id, states, now_ms)) else "")
             + ("\n$policy" if row.policy else ""),
-            policy=visible(f"{row.policy}; service {row.policy_service}, records sent "
-                           f"{row.policy_records_sent} dropped {row.policy_records_dropped}"),
+            policy=visible(f"{row.policy}; "
+                           + (f"service {row.policy_service}, " if row.policy_service else "")
+                           + f"records sent {row.policy_records_sent} dropped "
+                           f"{row.policy_records_dropped}"),
             engine=visible(row.engine_id), state=state, identity=visible(identity),
             saves=visible(saves),
-            versions=visible(" ".join(f"{k} {v}" for k, v in row.versions.items())),
+            versions=visible(_fields(row.versions.items(), " ")),
             failed=visible(row.failed), fix=visible(row.failed_hint),
             namespace=visible(row.namespace),
-            what=visible(f"{row.role}/{row.kv_role} {row.ranks} {row.backend} "
-                         f"model={row.model or '-'}"
+            what=visible(" ".join(x for x in (f"{row.role}/{row.kv_role}", row.ranks,
+                                              row.backend, _fields([("model", row.model)]))
+                                  if x)
                          + (f" (role by {row.role_source})" if row.role_source else "")),
             digest=visible(row.layout_digest),
-            layout=visible(" ".join(f"{k}={v}" for k, v in row.layout.items()
-                                    if k != "groups")),
+            layout=visible(_fields((k, v) for k, v in row.layout.items() if k != "groups")),
             groups=visible("; ".join(row.kv_groups)
                            + ("; MLA: one copy for every TP rank" if row.mla else "")),
             by_group=visible(", ".join(

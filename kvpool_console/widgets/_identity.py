@@ -57,6 +57,7 @@ def identity_line(row: EngineRow, states: Mapping[str, EngineState]) -> str:
 
 
 def _adapters(adapters: Mapping[str, str]) -> str:
-    named = [f"{n}={i}" for n, i in adapters.items() if n != OTHER_NAME][:_MAX_NAMED]
+    # An adapter without an identity is named alone (never "name="), the rest counted.
+    named = [f"{n}={i}" if i else n for n, i in adapters.items() if n != OTHER_NAME][:_MAX_NAMED]
     more = len(adapters) - len(named)
-    return f"adapters: {', '.join(named)}{f' +{more}' if more else ''}" if adapters else ""
+    return f"adapters: {', '.join([*named, *([f'+{more}'] if more else [])])}" if adapters else ""

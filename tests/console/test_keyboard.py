@@ -156,6 +156,7 @@ async def test_detail_and_status_name_the_kv_cache_groups_and_mla() -> None:
                 ("decode-0", "KV-cache groups: full; MLA: one copy for every TP rank")):
             table.move_cursor(row=table.get_row_index(f"e:{engine}"))
             await pilot.press("enter")
+            await pilot.pause()  # the row's choice is a message; under load it lands later
             text = str(app.screen.query_one("#detail-summary", Static).visual)
             assert line in text
             assert "groups=" not in text
