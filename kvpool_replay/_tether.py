@@ -9,11 +9,12 @@ in the demo's work directory.
 A ``Tether`` is a watcher process (this file run as a script: the standard library only, not
 the package), started first, holding one end of a socket pair whose other end only the process
 that started it holds. While a tether is held, every child ``_processes.spawn`` starts sends its
-own pid (its session's id) to the watcher before it executes its program (``preexec_fn``), so
-no child runs unregistered, whichever thread started it. When the socket reaches its end
-without ``done`` (the process ended without ``Tether.close``: killed), the watcher terminates
-every registered session (SIGTERM, SIGKILL after ``GRACE_S``; what an engine started is in its
-session too), releases the lookup sockets the engines held and removes the paths it was given
+own pid (its session's id) and a pidfd of itself to the watcher before it executes its program
+(``preexec_fn``), so no child runs unregistered, whichever thread started it. When the socket
+reaches its end without ``done`` (the process ended without ``Tether.close``: killed), the
+watcher terminates every registered session (SIGTERM, SIGKILL after ``GRACE_S``; what an engine
+started is in its session too) but one whose pid another process has taken since it ended
+(``_still_ours``), releases the lookup sockets the engines held and removes the paths it was given
 (the demo's work directory), then exits.
 
 Not ``PR_SET_PDEATHSIG``: that signal reaches the direct child only (a ``vllm serve``'s engine
@@ -112,12 +113,23 @@ class Tether:
 
 
 def _register(socks: list[socket.socket]) -> None:
-    """In a new child, before its program runs: its pid to every tether held. A watcher gone
+    """In a new child, before its program runs: its pid to every tether held, with a pidfd of
+    itself (pidfd_open(2), passed as ``SCM_RIGHTS``: the watcher knows this process, not a
+    number another process may have by the time it reads it; ``_still_ours``). A watcher gone
     (killed by hand) costs the child nothing: ``MSG_NOSIGNAL``, the error ignored."""
-    record = b"session %d" % os.getpid()
+    pid = os.getpid()
+    record = b"session %d" % pid
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # before Linux 5.3: the pid alone
+        pidfd = -1
+    rights = [] if pidfd < 0 else [
+        (socket.SOL_SOCKET, socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder, signed=True))]
     for sock in socks:
         with contextlib.suppress(OSError):
-            sock.send(record, socket.MSG_NOSIGNAL)
+            sock.sendmsg([record], rights, socket.MSG_NOSIGNAL)
+    if pidfd >= 0:
+        os.close(pidfd)
 
 
 def child_setup() -> Callable[[], None] | None:
@@ -140,6 +152,46 @@ def _exists(pgid: int) -> bool:
     return True
 
 
+def _received(sock: socket.socket) -> tuple[str, list[int]]:
+    """The next message and the descriptors passed with it (``SCM_RIGHTS``)."""
+    data, ancillary, _flags, _addr = sock.recvmsg(_RECORD, socket.CMSG_SPACE(4 * 4))
+    fds: list[int] = []
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += [int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True)
+                    for i in range(0, len(raw) - len(raw) % 4, 4)]
+    return os.fsdecode(data), fds
+
+
+def _still_ours(pgid: int, leader: int | None) -> bool:
+    """Whether process group ``pgid`` is still the session that registered, whose leader's
+    pidfd is ``leader`` (the one it sent, ``_register``; ``None``: it sent none, judged as
+    before pidfds were: the group is stopped).
+
+    Its leader running (or a zombie: not reaped) holds the number, so the group is the
+    session's. Once the leader was reaped, the number is free again when no process of the
+    session is left, and a new group can take it (``pid_max`` is 32768 on many hosts, and an
+    interactive shell makes every job a group led by its own pid): a process that has that
+    pid now is someone else's, never signalled. No process with it: what is left in the group
+    is what the session started (an engine core whose ``vllm serve`` died)."""
+    if leader is None:
+        return True
+    try:
+        signal.pidfd_send_signal(leader, 0)
+        return True
+    except ProcessLookupError:
+        pass
+    except OSError:
+        return True
+    try:
+        os.kill(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def _stop_sessions(pgids: Iterable[int]) -> None:
     """SIGTERM each process group, SIGKILL those left after ``GRACE_S``."""
     left = list(pgids)
@@ -155,28 +207,40 @@ def _stop_sessions(pgids: Iterable[int]) -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
+def _close(leader: int | None) -> None:
+    if leader is not None:
+        os.close(leader)
+
+
 def _watch(sock: socket.socket) -> int:
     """Read registrations until the end; then stop and remove what they name, unless the last
     message was ``done``."""
-    sessions: list[int] = []
+    sessions: dict[int, int | None] = {}  # pgid: its leader's pidfd (``_register``)
     ports: list[int] = []
     paths: list[str] = []
     while True:
-        record = os.fsdecode(sock.recv(_RECORD))
+        record, fds = _received(sock)
         kind, _, arg = record.partition(" ")
+        leader = fds.pop(0) if kind == "session" and fds else None
+        for fd in fds:
+            os.close(fd)
         if kind == "done":
             return 0
         if not record:
             break
         if kind == "session":
-            sessions.append(int(arg))
+            pid = int(arg)
+            _close(sessions.pop(pid, None))
+            sessions[pid] = leader
         elif kind == "release":
             ports.append(int(arg))
         elif kind == "remove":
             paths.append(arg)
         elif kind == "forget":
+            for held in sessions.values():
+                _close(held)
             sessions.clear()
-    _stop_sessions(sessions)
+    _stop_sessions([pgid for pgid, leader in sessions.items() if _still_ours(pgid, leader)])
     if ports:
         # Only now, from the tree this file is in: the connector's imports are not the
         # watcher's to pay while it waits.
