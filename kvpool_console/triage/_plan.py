@@ -68,13 +68,26 @@ def _safe_master(address: str) -> bool:
 
 @dataclass(frozen=True)
 class ProcPlan:
-    """One engine process: ``pid``, its reported start (0: not reported), its agents and the
-    pid namespace ``pid`` is counted in (``Source.pid_ns``; 0: not reported)."""
+    """One engine process: ``pid``, its reported start (0: not reported, or ``disputed``: its
+    agents reported different starts), its agents and the pid namespace ``pid`` is counted in
+    (``Source.pid_ns``; 0: not reported)."""
 
     pid: int
     start_ticks: int
     agents: tuple[str, ...]
     pid_ns: int = 0
+    disputed: bool = False
+
+
+def merged_start(a: int, b: int, disputed: bool) -> tuple[int, bool]:
+    """The start ticks of one process that agents reported as ``a`` and ``b`` (0: not
+    reported), and whether they are disputed: two different starts mean one agent is forged
+    or stale, and then none is used (0), as the stale alert judges a process only when its
+    agents agree (``kvpool_console._liveness``); a forged start would otherwise make a live
+    engine's pid look reused (gone)."""
+    if disputed or (a and b and a != b):
+        return 0, True
+    return max(a, b), False
 
 
 @dataclass
@@ -106,7 +119,7 @@ def plan_engine(engine_id: str, states: Mapping[str, EngineState]) -> list[HostP
     plans: dict[str, HostPlan] = {}
     skipped: list[str] = []
     procs: dict[tuple[str, int, int], list[str]] = {}
-    starts: dict[tuple[str, int, int], int] = {}
+    starts: dict[tuple[str, int, int], tuple[int, bool]] = {}
     for src in mine:
         if not src.host or not 0 < src.pid <= _PID_MAX:
             skipped.append(f"agent {src.agent_id} reported no host or pid")
@@ -117,13 +130,13 @@ def plan_engine(engine_id: str, states: Mapping[str, EngineState]) -> list[HostP
         plan = plans.setdefault(src.host, HostPlan(host=src.host))
         key = (src.host, src.pid, src.pid_ns)
         procs.setdefault(key, []).append(src.agent_id)
-        starts[key] = max(src.start_ticks, starts.get(key, 0))
+        starts[key] = merged_start(src.start_ticks, *starts.get(key, (0, False)))
         _add_values(plan, src.agent_id, src.log_path, src.ports, src.sockets, src.master)
     if not plans:
         raise PlanError(f"engine {engine_id!r}: " + "; ".join(skipped))
     for (host, pid, pid_ns), agents in procs.items():
-        plans[host].procs.append(ProcPlan(pid, starts[(host, pid, pid_ns)], tuple(agents),
-                                          pid_ns))
+        start, disputed = starts[(host, pid, pid_ns)]
+        plans[host].procs.append(ProcPlan(pid, start, tuple(agents), pid_ns, disputed))
     for plan in plans.values():
         plan.refused[:0] = skipped
     return list(plans.values())

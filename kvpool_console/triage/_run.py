@@ -44,7 +44,7 @@ from kvpool_console.triage._parse import (
     parse_stat,
     sections,
 )
-from kvpool_console.triage._plan import HostPlan, ProcPlan, plan_engine
+from kvpool_console.triage._plan import HostPlan, ProcPlan, merged_start, plan_engine
 
 __all__ = ["CHECK_TIMEOUT_S", "check_host", "triage_engine"]
 
@@ -124,9 +124,12 @@ def _merge(here: list[HostPlan]) -> HostPlan:
     for plan in here:
         for proc in plan.procs:
             old = procs.get((proc.pid, proc.pid_ns))
-            procs[(proc.pid, proc.pid_ns)] = proc if old is None else ProcPlan(
-                proc.pid, max(old.start_ticks, proc.start_ticks), old.agents + proc.agents,
-                proc.pid_ns)
+            if old is not None:
+                start, disputed = merged_start(old.start_ticks, proc.start_ticks,
+                                               old.disputed or proc.disputed)
+                proc = ProcPlan(proc.pid, start, old.agents + proc.agents, proc.pid_ns,
+                                disputed)
+            procs[(proc.pid, proc.pid_ns)] = proc
         _extend(merged.logs, plan.logs)
         _extend(merged.ports, plan.ports)
         _extend(merged.sockets, plan.sockets)
@@ -191,8 +194,12 @@ async def _checks(plan: HostPlan, attempt: Attempt, target: str, t0: float, *,
     master = await master_job if master_job is not None else None
     checks, pid_ns = _processes(plan.procs, procs, klog, marker)
     judged = {c.pid for c in checks if c.state != "other_namespace"}
+    disputed = [f"pid {p.pid}: its agents ({', '.join(p.agents[:4])}) report different start "
+                "times, so none is used to tell it from a later process (one agent is forged "
+                "or stale)" for p in plan.procs if p.disputed]
     return HostReport(
-        host=plan.host, target=target, refused=plan.refused, processes=checks, pid_ns=pid_ns,
+        host=plan.host, target=target, refused=plan.refused + disputed, processes=checks,
+        pid_ns=pid_ns,
         logs=[_log(path, out) for path, out in zip(plan.logs, logs, strict=True)],
         ports=_ports(plan, judged, ports, marker), memory=_memory(mem),
         accel=_accel(accel, marker), master=_master(plan.master, master),

@@ -225,3 +225,35 @@ def test_this_host_reads_interfaces_at_most_once_a_second(
     monkeypatch.setattr(_this_host, "_cache", (-1e18, set()), raising=False)
     assert not any(_this_host.is_this_host(f"10.99.{i >> 8}.{i & 255}") for i in range(2000))
     assert calls == 1
+
+
+def _my_start_ticks() -> int:
+    """This process's start time in clock ticks after boot (``/proc/self/stat`` field 22)."""
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+@pytest.mark.parametrize("hosts", [("localhost", "localhost"), ("localhost", "127.0.0.1")],
+                         ids=["one-spelling", "two-spellings"])
+@pytest.mark.parametrize("forged_first", [True, False], ids=["forged-first", "forged-last"])
+async def test_a_forged_later_start_does_not_make_a_live_engine_gone(
+        hosts: tuple[str, str], forged_first: bool) -> None:
+    """A forged agent copying a live engine's host and pid with a later start (which would read
+    as "pid reused by another process: gone") and the engine's own agent with its true start:
+    the disputed start is not used, the process is judged running, and the report says why."""
+    true_start = _my_start_ticks()
+    real = {"host": hosts[0], "start_ticks": true_start}
+    forged = {"host": hosts[1], "start_ticks": true_start + 1000}
+    states = _states(*((forged, real) if forged_first else (real, forged)))
+    report = await triage_engine("evil", states, reporting=True)
+    [host] = report.hosts
+    [proc] = host.processes
+    assert (proc.pid, proc.state, proc.start_ticks) == (os.getpid(), "running", true_start)
+    assert proc.reported_start_ticks == 0  # disputed: neither claim is used
+    assert not [f for f in report.diagnosis if f.kind == "gone"], report.diagnosis
+    assert any(f"pid {os.getpid()}: its agents" in r and "different start times" in r
+               for r in host.refused), host.refused
+    # The same agents agreeing on the true start: it is used.
+    report = await triage_engine("evil", _states(real, dict(forged, start_ticks=true_start)),
+                                 reporting=True)
+    [proc] = report.hosts[0].processes
+    assert (proc.state, proc.reported_start_ticks) == ("running", true_start)
