@@ -222,7 +222,7 @@ class KVPoolConfig(BaseModel):
             thread; extra config key ``staging_buffer``, a size like ``"256MB"``): values of
             fragmented KV (mean range under 256 KiB, e.g. 16-token blocks, or more ranges than
             one call carries) are copied there and moved as one range, as Mooncake's TCP
-            transport needs (``kvpool_connector.staging``). ``"auto"`` (the default; ``None`` here):
+            transport needs (``kvpool_connector.staging``). ``"auto"`` (the default):
             four values (a chunk of every layer each), at least 64 MiB and at most 1 GiB, so a
             value is copied while the one before moves. Raised to one value when smaller; host
             caches only.
