@@ -249,7 +249,8 @@ class KVPoolConsole(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = self.source.address
+        ident = self.source.identity
+        self.sub_title = f"{self.source.address}  ·  {ident}" if ident else self.source.address
         self.query_one("#filter", Input).display = False
         self.query_one(FleetTable).focus()
         self.tick()

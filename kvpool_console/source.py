@@ -50,12 +50,16 @@ class ReadOnlyError(PermissionError):
 class FleetSource(Protocol):
     """What the console needs from a fleet.
 
-    ``address`` names it for the header; ``can_flush`` is true only with the operator key.
+    ``address`` names it for the header, and ``identity`` the key the console holds (its role
+    and keys directory, for the header too: what an operator exports as ``KVPOOL_KEYS_DIR``
+    to run one-shot commands beside the TUI; ``""``: none); ``can_flush`` is true only with
+    the operator key.
     ``fleet()`` returns (agent id -> latest EngineState, agent id -> hub receive time, epoch
     ms). ``command`` sends one command and returns one reply per answering agent.
     """
 
     address: str
+    identity: str
     can_flush: bool
 
     def fleet(self) -> tuple[Mapping[str, EngineState], Mapping[str, float]]: ...
@@ -102,6 +106,7 @@ class StaticSource:
         self._reuse = reuse
         self._hub_counters = dict(hub_counters or {})
         self.address = address
+        self.identity = ""
         self.can_flush = can_flush
         self._states = dict(states)
         self._seen = dict(last_seen_ms) if last_seen_ms is not None else {
@@ -162,6 +167,9 @@ class ClientSource:
         self.client = FleetClient(hub_address, keys_dir=keys_dir,
                                   every_ms=tier_for(refresh_s) if refresh_s else None)
         self.can_flush = self.client.authorised
+        keys = self.client.keys
+        self.identity = (f"{self.client.role} key, KVPOOL_KEYS_DIR={keys.root}"
+                         if keys is not None else "no key")
         self._latest: tuple[dict[str, EngineState], dict[str, float]] = ({}, {})
         self._every_ms = self.client.every_ms
         self._on_data: Callable[[], object] | None = None

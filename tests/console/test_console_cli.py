@@ -254,6 +254,7 @@ class _RecordingSource:
     """Answers every command with no replies and records the timeout it was given."""
 
     address = "tcp://127.0.0.1:0"
+    identity = ""
     can_flush = False
 
     def __init__(self) -> None:

@@ -171,6 +171,9 @@ async def test_flush_needs_confirmation_and_removes_keys(live_fleet: LiveFleet) 
     async with app.run_test(size=(120, 36)) as pilot:
         table = app.query_one(FleetTable)
         await until(pilot, lambda: "e:p0" in table.rows, "p0")
+        # The header says which key it holds and where, for one-shot commands beside it.
+        assert app.sub_title == (f"{live_fleet.address}  ·  operator key, "
+                                 f"KVPOOL_KEYS_DIR={live_fleet.keys.root}")
         table.move_cursor(row=table.get_row_index("e:p0"))
         await pilot.press("f")
         await until(pilot, lambda: isinstance(app.screen, FlushScreen), "flush modal")
@@ -219,6 +222,8 @@ async def test_read_only_console_refuses_flush(live_fleet: LiveFleet) -> None:
         table = app.query_one(FleetTable)
         await until(pilot, lambda: "e:p0" in table.rows, "p0")
         assert "READ-ONLY" in str(app.query_one("#status-bar", Static).content)
+        assert app.sub_title.startswith(f"{live_fleet.address}  ·  ")
+        assert "operator key" not in app.sub_title
         assert app.check_action("flush", ()) is None  # disabled, shown dimmed in the footer
         await pilot.press("f")
         await pilot.pause(0.3)
