@@ -17,6 +17,7 @@ import msgspec
 
 from kvpool_agent._misses import MissCounter
 from kvpool_agent._names import count_name, keep_name
+from kvpool_agent._store_watch import StoreWatch
 from kvpool_agent.protocol import (
     MAX_ACCESS_CHUNKS,
     MAX_BIG_COUNT,
@@ -208,10 +209,11 @@ class Aggregator:
     failed transfers and skipped saves by backend error name (``TIMEOUT`` for a timed-out load
     without a name, ``UNKNOWN`` for a failure without one).
 
-    Pause windows (``pauses``, :meth:`tick` and :meth:`set_pool` record them) are matched
-    against each load when it ends: the time it spent in them is taken off its duration for
-    ``max_unpaused_load_ms``, and a failed-after-hit load whose lease (from its lookup) would not
-    have run out without that time counts in ``paused_after_hit``. A window recorded after a
+    Pause windows (``pauses``, :meth:`tick` and :meth:`set_pool` record them, and the store's,
+    ``store.windows``: ``_store_watch``) are matched against each load when it ends: the time
+    it spent in them is taken off its duration for ``max_unpaused_load_ms``, and a
+    failed-after-hit load whose lease (from its lookup) would not have run out without that
+    time counts in ``paused_after_hit``. A window recorded after a
     load ended explains nothing of it.
     """
 
@@ -223,12 +225,14 @@ class Aggregator:
         self.transfers = TransferStats(max_unpaused_load_ms=0.0)
         self.pool: PoolStats | None = None
         self.pauses: deque[PauseWindow] = deque(maxlen=RECENT_PAUSES)
+        self.recent_errors: deque[ErrorRecord] = deque(maxlen=RECENT_ERRORS)
+        self.store = StoreWatch(self.recent_errors)
+        """The pool store's pause windows and segment losses (``_store_watch``)."""
         self._tick_ms: float | None = None
         self._pool_pause: PauseWindow | None = None
         self._pool_ok_ms: float | None = None
         self.process = ProcessStats()
         self.in_flight: OrderedDict[tuple[str, str], Transfer] = OrderedDict()
-        self.recent_errors: deque[ErrorRecord] = deque(maxlen=RECENT_ERRORS)
         self.new_errors: list[ErrorRecord] = []
         self.changed = True
         self._latencies: deque[float] = deque(maxlen=_LATENCY_SAMPLES)
@@ -253,6 +257,17 @@ class Aggregator:
         if last is not None and mono_ms - last > STALL_MS:
             self._add_pause(PauseWindow(kind="process_stalled",
                                         start_ms=now_ms - (mono_ms - last), end_ms=now_ms))
+        if self.store.due(mono_ms):
+            self._check_store(now_ms)
+
+    def _check_store(self, now_ms: float) -> None:
+        """Open or close the store's ``store_stalled`` window (``_store_watch``) as of
+        ``now_ms``: every ``CHECK_MS`` of the loop, and for every report (a report listing a
+        stuck transfer carries its window: its loads are then no lease TTL advice)."""
+        load_b, save_b = self._rates.sums(now_ms)
+        if self.store.check(now_ms, self.in_flight.values(), load_b / _RATE_WINDOW_S,
+                            save_b / _RATE_WINDOW_S, self.pauses):
+            self.changed = True
 
     def _add_pause(self, pause: PauseWindow) -> None:
         self.pauses.append(pause)
@@ -267,6 +282,9 @@ class Aggregator:
         passing one closes it at its end."""
         self.pool = _sane_pool(stats)
         self.changed = True
+        if checked_ms is not None:
+            self.store.reading(self.pool, checked_ms, idle=not self.in_flight)
+        self.store.pool(self.pool)
         if checked_ms is None or stats.healthy is None:
             return
         if stats.healthy:
@@ -284,7 +302,7 @@ class Aggregator:
     def _paused(self, start_ms: float, end_ms: float) -> tuple[float, list[PauseWindow]]:
         """How long (ms) of ``[start_ms, end_ms]`` lies in pause windows (overlapping windows
         counted once), and the windows that overlap it."""
-        hit = [w for w in self.pauses
+        hit = [w for w in (*self.pauses, *self.store.windows)
                if w.start_ms < end_ms and (w.end_ms is None or w.end_ms > start_ms)]
         return paused_ms(hit, start_ms, end_ms), hit
 
@@ -323,6 +341,7 @@ class Aggregator:
                     tr = self.transfers
                     tr.saves_skipped += ev.blocks
                     count_name(tr.errors_by_name, ev.reason)
+                    self.store.failed(ev.reason, ev.ts_ms)
                 case SaveCopied():
                     t = self.in_flight.get((ev.req_id, "save"))
                     if t is not None and t.copied_ms is None:
@@ -463,6 +482,7 @@ class Aggregator:
     def _on_finished(self, ev: TransferFinished) -> None:
         tr = self.transfers
         t = self.in_flight.pop((ev.req_id, ev.kind), None)
+        self.store.finished(ev.ok, ev.ts_ms)
         if ev.bytes_by_group:
             per = tr.loaded_bytes_by_group if ev.kind == "load" else tr.saved_bytes_by_group
             for g, n in ev.bytes_by_group.items():
@@ -500,6 +520,7 @@ class Aggregator:
             return
         name = ev.error_name or ("TIMEOUT" if ev.timed_out else "UNKNOWN")
         count_name(tr.errors_by_name, name)
+        self.store.failed(name, ev.ts_ms)
         if ev.kind == "load" and ev.after_hit and name in _AFTER_HIT_NAMES:
             tr.failed_after_hit += 1
             if t is not None:
@@ -582,6 +603,7 @@ class Aggregator:
         tr.max_load_ms = _bounded(tr.max_load_ms, MAX_MS)
         tr.max_unpaused_load_ms = _bounded(tr.max_unpaused_load_ms or 0.0, MAX_MS)
         self._saves_in_flight(tr, now_ms)
+        self._check_store(now_ms)
         if all_errors:
             errors = list(self.recent_errors)
             flushes = list(self.recent_flushes)
@@ -606,6 +628,9 @@ class Aggregator:
             pauses=[msgspec.structs.replace(
                 w, start_ms=_bounded(w.start_ms, MAX_MS),
                 max_load_ms=_bounded(w.max_load_ms, MAX_MS)) for w in self.pauses],
+            store_pauses=[msgspec.structs.replace(
+                w, start_ms=_bounded(w.start_ms, MAX_MS), errors=dict(w.errors),
+                max_load_ms=_bounded(w.max_load_ms, MAX_MS)) for w in self.store.windows],
             policy=self.policy,
         )
 

@@ -62,10 +62,14 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "OTHER_NAME",
     "PROTOCOL_VERSION",
+    "RECENT_LOSSES",
     "RECENT_PAUSES",
     "REFUSAL_NOTICE_S",
     "REPORT_ACCESS_CHUNKS",
     "STALE_AFTER_MS",
+    "STORE_PAUSE_KINDS",
+    "STUCK_FLOOR_MS",
+    "STUCK_MULTIPLE",
     "UPDATE_TIERS_MS",
     "Access",
     "CommandName",
@@ -97,6 +101,7 @@ __all__ = [
     "Report",
     "ReportRefused",
     "ReuseView",
+    "SegmentLoss",
     "SegmentUsage",
     "SeqTracker",
     "Source",
@@ -110,6 +115,7 @@ __all__ = [
     "encode",
     "paused_ms",
     "split_frame",
+    "stuck_after_ms",
     "tier_of",
     "tier_topic",
     "visible",
@@ -127,6 +133,19 @@ STALE_AFTER_MS = 3_000.0
 
 DOWN_AFTER_MS = 30_000.0
 """Silence (ms) after which an agent is ``down``, not only ``stale``."""
+
+STUCK_FLOOR_MS = 2_500.0
+"""A transfer is never stuck before this age (ms; ``stuck_after_ms``): below it, scheduling
+jitter of a loaded host, not a stopped store. Low enough that a stopped store is named within
+5 s. One rule for the agents (``store_stalled`` pause windows) and the console
+(``stuck_transfer``)."""
+
+STUCK_MULTIPLE = 2.0
+"""A transfer is stuck once in flight this many times longer than expected: its bytes over the
+agent's recent rate for its kind (``TransferStats.load_bytes_per_s`` / ``save_bytes_per_s``).
+That rate is throughput over 10 s, idle time included, so the expected time is already an upper
+bound of what the link takes. Not the lease TTL: with a 50 ms ``default_kv_lease_ttl`` every
+ordinary save outlives it."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Frames larger than this are dropped unread (counted as ``oversized``)."""
@@ -423,6 +442,25 @@ class SegmentUsage(msgspec.Struct, gc=False, kw_only=True):
     total_bytes: BigCount
 
 
+class SegmentLoss(msgspec.Struct, gc=False, kw_only=True):
+    """A segment the pool's master dropped with the values in it, as one agent's readings of
+    the master saw it (Mooncake: a ``segment`` label of ``segment_allocated_bytes`` gone from
+    ``/metrics``; the master drops a store's segment ``client_ttl`` after its last ping, so a
+    store process stopped or dead that long loses every key it held).
+
+    ``segment``: its name (``host:port``); ``seen_ms``: the last reading that listed it;
+    ``ts_ms``: the first that did not (epoch ms; it went in between); ``bytes``: its
+    ``segment_allocated_bytes`` at ``seen_ms``; ``keys``: an estimate, ``master_key_count`` at
+    ``seen_ms`` times its share of ``master_allocated_bytes`` then (the master counts no keys
+    per segment)."""
+
+    segment: Name
+    seen_ms: Ms
+    ts_ms: Ms
+    keys: Count = 0
+    bytes: BigCount = 0
+
+
 MAX_NAMES = 64
 """Entries of a by-name counter map (errors, skip reasons) a receiver accepts; an agent folds
 names past ``MAX_NAMES - 1`` into ``OTHER_NAME`` (an agent key cannot grow the hub with
@@ -433,6 +471,9 @@ OTHER_NAME = "OTHER"
 
 MAX_SEGMENTS = 4_096
 """Segments one ``PoolStats`` lists (one per store client holding pool memory)."""
+
+RECENT_LOSSES = 8
+"""Segment losses one ``PoolStats`` lists (``PoolStats.losses``), newest last."""
 
 MAX_IN_FLIGHT = 4_096
 """Transfers one ``EngineState.in_flight`` lists (the agent keeps the newest)."""
@@ -514,6 +555,14 @@ class PoolStats(msgspec.Struct, gc=False, kw_only=True):
         msgspec.field(default_factory=list)
     masters: Annotated[list[MasterView], msgspec.Meta(max_length=MAX_MASTERS)] = \
         msgspec.field(default_factory=list)
+    # Additive: agents before these fields send none, receivers before them ignore them.
+    lost_keys: Count = 0
+    lost_bytes: BigCount = 0
+    """Keys (estimated) and bytes of the segments the master dropped since this agent started
+    reading it (``SegmentLoss``, summed): values the pool lost, not evicted."""
+    losses: Annotated[list[SegmentLoss], msgspec.Meta(max_length=RECENT_LOSSES)] = \
+        msgspec.field(default_factory=list)
+    """The last ``RECENT_LOSSES`` segment losses, oldest first."""
 
 
 class ProcessStats(msgspec.Struct, gc=False, kw_only=True):
@@ -535,23 +584,52 @@ RECENT_PAUSES = 8
 """Pause windows an agent keeps and reports (``EngineState.pauses``), newest last."""
 
 
+STORE_PAUSE_KINDS = ("store_stalled", "pool_no_segments")
+"""Pause windows of the pool's store, reported in ``EngineState.store_pauses`` (never in
+``pauses``, whose receivers before them accept only ``process_stalled`` and
+``pool_unhealthy``)."""
+
+
 class PauseWindow(msgspec.Struct, gc=False, kw_only=True):
     """A span (epoch ms) in which this agent's process could not have moved a load.
 
     ``process_stalled``: the agent thread ran more than 2 s late (the process was stopped,
     e.g. SIGSTOP or a debugger, or starved); ``pool_unhealthy``: from the end of the last
     passing pool health check to the end of the next passing one (``detail``: the first
-    failure). ``end_ms`` is ``None`` while it lasts. ``loads`` counts loads in flight during
-    it, ``max_load_ms`` is the slowest of them (whole duration, ms), ``failed_after_hit`` the
-    failed-after-hit loads it explains (``TransferStats.paused_after_hit``)."""
+    failure). Of the store (``STORE_PAUSE_KINDS``, in ``EngineState.store_pauses``):
+    ``store_stalled``: from the start of the oldest of this process's transfers that got
+    stuck (``stuck_after_ms``) while none ended well for ``STUCK_FLOOR_MS``, until none is
+    and the store answered again (a transfer ended well, or, with none in flight, the master
+    listed memory); ``pool_no_segments``: from the last reading of a Mooncake master holding
+    memory to the next that does, the master passing its health check with no segment
+    mounted between (``detail``: the segments it listed last). ``end_ms`` is ``None`` while
+    it lasts. ``loads`` counts loads in flight during it, ``max_load_ms`` is the slowest of
+    them (whole duration, ms), ``failed_after_hit`` the failed-after-hit loads it explains
+    (``TransferStats.paused_after_hit``)."""
 
-    kind: Literal["process_stalled", "pool_unhealthy"]
+    kind: Literal["process_stalled", "pool_unhealthy", "store_stalled", "pool_no_segments"]
     start_ms: Ms
     end_ms: Ms | None = None
     detail: Name = ""
     loads: Count = 0
     max_load_ms: Ms = 0.0
     failed_after_hit: Count = 0
+    errors: NameCounts = msgspec.field(default_factory=dict)
+    """A store window's share of ``TransferStats.errors_by_name``: this process's failed
+    transfers and skipped saves in it, by error name (what the store's pause explains, also
+    once a flood of other errors pushed their records out of ``recent_errors``); empty for
+    the other kinds. Additive: receivers before it ignore it."""
+
+
+def stuck_after_ms(kind: str, nbytes: int, load_bytes_per_s: float,
+                   save_bytes_per_s: float) -> float:
+    """How long (ms) a transfer of ``kind`` (``load`` or ``save``) moving ``nbytes`` may be in
+    flight before it is stuck: ``STUCK_MULTIPLE`` times what its bytes take at the recent rate
+    of its kind, never less than ``STUCK_FLOOR_MS`` (the floor alone without a rate)."""
+    rate = load_bytes_per_s if kind == "load" else save_bytes_per_s
+    if rate <= 0 or nbytes <= 0:
+        return STUCK_FLOOR_MS
+    return max(STUCK_FLOOR_MS, STUCK_MULTIPLE * nbytes / rate * 1e3)
 
 
 def paused_ms(windows: Iterable[PauseWindow], start_ms: float, end_ms: float) -> float:
@@ -644,6 +722,12 @@ class EngineState(msgspec.Struct, gc=False, kw_only=True):
         msgspec.field(default_factory=list)
     """The last ``RECENT_PAUSES`` pause windows of this process, oldest first (every report):
     a console that did not watch a pause still attributes the loads that waited on it."""
+    store_pauses: Annotated[list[PauseWindow], msgspec.Meta(max_length=RECENT_PAUSES)] = \
+        msgspec.field(default_factory=list)
+    """The last ``RECENT_PAUSES`` pause windows of the pool's store as this process saw them
+    (``STORE_PAUSE_KINDS``), oldest first: what its loads and failures waited on once the
+    store stopped answering (a frozen or dead ``mooncake_client``). Additive: receivers before
+    this field skip it unread (their ``PauseWindow.kind`` has no such kinds)."""
     policy: PolicySteering | None = None
     """A scheduler with ``admission: service``: who steers its saves (``PolicySteering``);
     ``None`` elsewhere and from agents before this field (old hubs and consoles ignore it)."""

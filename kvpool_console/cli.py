@@ -57,7 +57,15 @@ from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
 from kvpool_console.alerts.alert import SEVERITY_STYLE
 from kvpool_console.alerts.policy import service_removed, steering_summary
-from kvpool_console.model import build_view, fmt_age, fmt_bytes, fmt_lease, health_rows, sum_flush
+from kvpool_console.model import (
+    build_view,
+    fmt_age,
+    fmt_bytes,
+    fmt_lease,
+    health_rows,
+    loss_text,
+    sum_flush,
+)
 from kvpool_console.rows import FleetView
 from kvpool_console.signals import Stopped, StopSignals, stop_signals
 from kvpool_console.source import ClientSource, FleetSource, now_ms
@@ -212,7 +220,9 @@ def status_document(view: FleetView) -> dict[str, Any]:
     ``policy_records_sent``, ``policy_records_dropped``, ``policy_removed_keys``; empty/0 for
     any other); plus its
     ``agents``),
-    ``alerts``, ``pools``, ``totals``, ``hub_counters`` (the hub's own counters since it
+    ``alerts``, ``pools`` (each with ``lost_keys``, ``lost_bytes`` and ``losses``: what it
+    lost with segments its master dropped, ``PoolRow``), ``totals``, ``hub_counters`` (the
+    hub's own counters since it
     started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
     does not send them) and ``now_ms``."""
     doc: dict[str, Any] = msgspec.to_builtins(view)
@@ -331,6 +341,8 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                             f"{fmt_bytes(pr.used_bytes)}/{fmt_bytes(pr.total_bytes)}, "
                             f"{pr.evicted_keys:,} evicted, reported by {pr.reported_by} "
                             f"agent(s){health}"))
+            if pr.losses:
+                out.print(plain("  " + loss_text(pr, view.now_ms), style="red"))
         if any(refused.values()):
             out.print(Text("hub refused connections without an authorized key: " + ", ".join(
                 f"{port} {n}" for port, n in sorted(refused.items()) if n), style="yellow"))

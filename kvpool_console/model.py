@@ -27,6 +27,7 @@ from kvpool_agent.protocol import (
     EngineState,
     FlushResult,
     PolicySteering,
+    PoolStats,
     ReuseView,
     Source,
     StartFailure,
@@ -47,6 +48,7 @@ __all__ = [
     "fmt_bytes",
     "fmt_lease",
     "health_rows",
+    "loss_text",
     "namespace_text",
     "select_rows",
     "sum_flush",
@@ -297,10 +299,18 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
     newest: dict[str, tuple[EngineState, int]] = {}
     # Pool -> layout digest -> (pinned bytes, pins): the agents of one layout hold its pins.
     pinned: dict[str, dict[str, tuple[int, int]]] = {}
+    # Pool -> the reading with the most lost: each agent counts the losses it saw since it
+    # started, so the one reading the master longest has them all.
+    lost: dict[str, PoolStats] = {}
     for st in states:
         if st.pool is None:
             continue
         name = pool_name(st)
+        if st.pool.lost_bytes or st.pool.lost_keys:
+            prev_lost = lost.get(name)
+            if prev_lost is None or (st.pool.lost_bytes, st.pool.lost_keys) > (
+                    prev_lost.lost_bytes, prev_lost.lost_keys):
+                lost[name] = st.pool
         if st.pool.pinned_bytes or st.pool.pins:
             layouts = pinned.setdefault(name, {})
             digest = st.source.layout_digest
@@ -313,6 +323,7 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
     for name, (st, n) in sorted(newest.items()):
         p = st.pool
         assert p is not None
+        lp = lost.get(name)
         out.append(PoolRow(
             name=name, backend=p.backend, keys=p.keys, used_bytes=p.used_bytes,
             total_bytes=p.total_bytes, evicted_keys=p.evicted_keys,
@@ -325,7 +336,8 @@ def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
             disk_keys=p.disk_keys, disk_used_bytes=p.disk_used_bytes,
             disk_total_bytes=p.disk_total_bytes, memory_hits=p.memory_hits,
             disk_hits=p.disk_hits, memory_hit_bytes=p.memory_hit_bytes,
-            disk_hit_bytes=p.disk_hit_bytes))
+            disk_hit_bytes=p.disk_hit_bytes, lost_keys=lp.lost_keys if lp else 0,
+            lost_bytes=lp.lost_bytes if lp else 0, losses=list(lp.losses) if lp else []))
     return out
 
 
@@ -529,6 +541,20 @@ def fmt_age(ms: float) -> str:
     if s < 7200:
         return f"{s / 60:.0f}m"
     return f"{s / 3600:.0f}h"
+
+
+def loss_text(p: PoolRow, now_ms: float) -> str:
+    """``pool P lost ~N keys (B) with segment S dropped 12s ago (...)``: the pool's latest
+    segment loss, and its total when it lost more than once; ``""`` without one. The Pool
+    tab and ``status`` print it."""
+    if not p.losses:
+        return ""
+    last = p.losses[-1]
+    total = (f"; ~{p.lost_keys:,} keys ({fmt_bytes(p.lost_bytes)}) lost in all"
+             if len(p.losses) > 1 or p.lost_keys != last.keys else "")
+    return (f"pool {p.name} lost ~{last.keys:,} keys ({fmt_bytes(last.bytes)}) with segment "
+            f"{last.segment}, dropped by its master {fmt_age(now_ms - last.ts_ms)} ago (its "
+            f"store stopped or gone past client_ttl; not evicted){total}")
 
 
 def fmt_lease(expiry_ms: float | None, now_ms: float) -> str:

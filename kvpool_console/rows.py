@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpool_agent.protocol import MasterView, ReuseView
+from kvpool_agent.protocol import MasterView, ReuseView, SegmentLoss
 from kvpool_console._transport import SavesInFlight
 from kvpool_console.alerts import Alert
 
@@ -227,6 +227,14 @@ class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     memory_hit_bytes: int = 0
     disk_hit_bytes: int = 0
     """Reads the master served from memory and from disk, and their bytes (counters)."""
+    lost_keys: int = 0
+    lost_bytes: int = 0
+    """Keys (an estimate) and bytes the pool lost with the segments its master dropped (a
+    store process stopped or dead past the master's ``client_ttl``), as the agent that read
+    the master longest saw them (``PoolStats.lost_keys``/``lost_bytes``): lost, not evicted."""
+    losses: list[SegmentLoss] = msgspec.field(default_factory=list)
+    """That agent's last segment losses (``PoolStats.losses``: segment, when, keys, bytes),
+    oldest first."""
 
     @property
     def disk_hit_share(self) -> float | None:

@@ -1,19 +1,22 @@
-"""Pauses and what they explain: a load that waited on a stopped master or engine is
-``pause_wait`` with the pause's hint, not ``default_kv_lease_ttl`` advice (:class:`PauseLedger`)."""
+"""Pauses and what they explain: a load that waited on a stopped master, engine or store is
+``pause_wait`` with the pause's hint, not ``default_kv_lease_ttl`` advice (:class:`PauseLedger`);
+backend errors recorded in a store pause its agent reported (``EngineState.store_pauses``) are
+the store's (:func:`store_explained`), and clear with it (:func:`cleared`)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 
-from kvpool_agent.protocol import EngineState, TransferStats
+from kvpool_agent.protocol import STORE_PAUSE_KINDS, EngineState, PauseWindow, TransferStats
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console.alerts.alert import AFTER_HIT, Alert, fmt_ms, make_alert, pool_name
 
-__all__ = ["PauseLedger"]
+__all__ = ["POOL_EMPTY_HINT", "STORE_STALLED_HINT", "PauseLedger", "cleared", "store_explained",
+           "store_pause_text", "store_windows"]
 
 _AFTERMATH_MS = 10_000.0
 """After a pause ends, failures for this long (ms) are its aftermath: loads looked up before
@@ -33,6 +36,97 @@ def _master_pause_hint() -> str:
 def _engine_pause_hint(engine_id: str) -> str:
     return ("the engine process was stopped or stalled (SIGSTOP, a debugger, swapping) and its "
             f"load waited with it: `kvpool-console triage {engine_id}` if it recurs" + _NOT_TTL)
+
+
+STORE_STALLED_HINT = (
+    "the store process holding the segments (mooncake_client, or the engines contributing "
+    "segments) stopped answering: resume a stopped one (state T: `kill -CONT` it) or restart a "
+    "dead one on those hosts, and check the network to it; the loads and saves waited on it "
+    "or failed and were recomputed" + _NOT_TTL)
+"""The fix of what a ``store_stalled`` window explains (``EngineState.store_pauses``)."""
+
+POOL_EMPTY_HINT = (
+    "the pool had no store segment mounted (the master drops a store's segment client_ttl "
+    "after its last ping, and every value in it: see the Pool tab's loss): saves failed with "
+    "NO_AVAILABLE_HANDLE and loads found nothing; start the mooncake_client store, or resume "
+    "a stopped one (`kill -CONT`)" + _NOT_TTL)
+"""The fix of what a ``pool_no_segments`` window explains."""
+
+
+def store_pause_text(w: PauseWindow, st: EngineState) -> tuple[str, str]:
+    """What a store pause window of ``st``'s agent was (for "... while {what}") and its fix."""
+    master = st.source.master or pool_name(st)
+    if w.kind == "pool_no_segments":
+        was = f" ({w.detail} dropped)" if w.detail else ""
+        return f"master {master} held no store segment{was}", POOL_EMPTY_HINT
+    return (f"the store did not answer {st.source.agent_id} (its transfers stuck)",
+            STORE_STALLED_HINT)
+
+
+def _overlaps(a: PauseWindow, b: PauseWindow) -> bool:
+    return (b.end_ms is None or a.start_ms <= b.end_ms) and \
+        (a.end_ms is None or b.start_ms <= a.end_ms)
+
+
+def store_windows(st: EngineState) -> list[PauseWindow]:
+    """``st``'s store pause windows (``EngineState.store_pauses``) that no pause of its own
+    overlaps: a master failing its health check, or the process stopped, also leaves its
+    transfers stuck, and that pause, not the store, is their cause."""
+    return [w for w in st.store_pauses if not any(_overlaps(w, p) for p in st.pauses)]
+
+
+def store_explained(group: list[EngineState], names: Collection[str]
+                    ) -> dict[str, tuple[PauseWindow, EngineState]]:
+    """Of the error ``names``, those whose newest record (``EngineState.recent_errors`` of the
+    engine's agents) falls in a store pause window its agent reported
+    (``store_windows``), from its start to ``_AFTERMATH_MS`` after its end, or, with no
+    record left, all of whose count its agents' store windows counted: name ->
+    (that window, the agent's state). Their cause is the store; once the window ended more
+    than ``_AFTERMATH_MS`` ago (:func:`cleared`) it has cleared."""
+    newest: dict[str, tuple[float, EngineState]] = {}
+    for st in group:
+        for e in st.recent_errors:
+            if e.name in names and (e.name not in newest or e.ts_ms > newest[e.name][0]):
+                newest[e.name] = (e.ts_ms, st)
+    out: dict[str, tuple[PauseWindow, EngineState]] = {}
+    for name in names:
+        if name not in newest:
+            counted = _counted(group, name)
+            if counted is not None:
+                out[name] = counted
+            continue
+        ts, st = newest[name]
+        # The window it fell in, the latest first; else one whose aftermath it fell in.
+        windows = store_windows(st)
+        for after in (0.0, _AFTERMATH_MS):
+            w = next((w for w in reversed(windows) if w.start_ms <= ts and (
+                w.end_ms is None or ts <= w.end_ms + after)), None)
+            if w is not None:
+                out[name] = (w, st)
+                break
+    return out
+
+
+def _counted(group: list[EngineState], name: str) -> tuple[PauseWindow, EngineState] | None:
+    """An error ``name`` with no record left (a flood of others pushed it out of
+    ``recent_errors``): the latest store window of the agents counting it, when their windows
+    counted every one of them (``PauseWindow.errors``), else None."""
+    latest: tuple[PauseWindow, EngineState] | None = None
+    for st in group:
+        n = st.transfers.errors_by_name.get(name, 0)
+        if not n:
+            continue
+        windows = [w for w in store_windows(st) if w.errors.get(name)]
+        if sum(w.errors[name] for w in windows) < n:
+            return None
+        if latest is None or windows[-1].start_ms > latest[0].start_ms:
+            latest = (windows[-1], st)
+    return latest
+
+
+def cleared(w: PauseWindow, now_ms: float) -> bool:
+    """A pause window that ended, with its aftermath, before ``now_ms``."""
+    return w.end_ms is not None and now_ms > w.end_ms + _AFTERMATH_MS
 
 
 @dataclass
@@ -96,18 +190,20 @@ def _agent_pauses(st: EngineState, now_ms: float) -> list[tuple[_Pause, int, flo
     """``st``'s own remembered pause windows that explain TTL advice (a failed-after-hit load,
     or a load that waited in one for >= 80% of the lease TTL: what ``lease_ttl`` would have
     said): ``(pause, failed after hit, slowest load ms)``."""
-    if not st.pauses:
+    if not st.pauses and not st.store_pauses:
         return []
     ttl = st.pool.lease_ttl_ms if st.pool is not None else 0
     eid = st.source.engine_id
     out = []
-    for w in st.pauses:
+    for w in (*st.pauses, *store_windows(st)):
         if not (w.failed_after_hit or (ttl and w.max_load_ms >= 0.8 * ttl)):
             continue
         if w.kind == "pool_unhealthy":
             pause = _Pause(f"master {st.source.master or pool_name(st)} failed its health check "
                            f"({w.detail or 'unhealthy'})", _master_pause_hint(), w.start_ms,
                            w.end_ms)
+        elif w.kind in STORE_PAUSE_KINDS:
+            pause = _Pause(*store_pause_text(w, st), w.start_ms, w.end_ms)
         else:
             pause = _Pause(f"process {st.source.agent_id} was stopped or stalled",
                            _engine_pause_hint(eid), w.start_ms, w.end_ms)

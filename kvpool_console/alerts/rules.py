@@ -27,6 +27,7 @@ from kvpool_console.alerts.alert import (
     make_alert,
     pool_name,
 )
+from kvpool_console.alerts.pauses import cleared, store_explained, store_pause_text
 from kvpool_console.alerts.policy import policy_alerts
 from kvpool_console.alerts.segments import no_segments_hint, segment_alerts
 from kvpool_console.alerts.settings import AlertSettings
@@ -227,9 +228,10 @@ def _in_flight_ttl(engine_id: str, group: list[EngineState], ttl: int,
     """A load still in flight past the lease TTL is ``lease_ttl`` (critical) as soon as it
     passes it: the first alert of a TTL below the load time, before the load fails and long
     before a stuck transfer's floor (``STUCK_FLOOR_MS``). Replaces the warning of the same
-    engine; a critical one from ended loads already says it. Not on a pool whose saves are
-    stuck (``stalled``, ``stalls.stalled_pools``): its store stopped answering, and
-    ``stuck_transfer`` names it."""
+    engine; a critical one from ended loads already says it. Not on a pool whose store
+    stalled (``stalled``, ``stalls.stalled_pools``: a save stuck, or an agent's open
+    ``store_stalled`` window): its store stopped answering, and ``stuck_transfer`` names
+    it."""
     as_of = {s.source.agent_id: min(now_ms, last_seen_ms.get(s.source.agent_id, s.ts_ms))
              for s in group}
     late = [(as_of[s.source.agent_id] - t.started_ms, t, s) for s in group
@@ -312,13 +314,22 @@ def _engine_alerts(engine_id: str, group: list[EngineState], majority_backend: s
     other = {n: c for n, c in errors.items() if n not in AFTER_HIT or not failed_after_hit}
     if skipped and "NO_AVAILABLE_HANDLE" not in other:
         other["NO_AVAILABLE_HANDLE"] = skipped
+    # Errors of a store pause (a frozen or dead store: timeouts, NO_AVAILABLE_HANDLE, values
+    # lost with their segment) are its: they clear once it has, else they keep its fix.
+    store = store_explained(group, other)
+    other = {n: c for n, c in other.items() if n not in store or not cleared(store[n][0], now_ms)}
     if other and not _retired(group, cutoff, lambda e: e.name in other):
         top = max(other, key=lambda n: other[n])
         listing = ", ".join(f"{n} {c}" for n, c in sorted(other.items(), key=lambda kv: -kv[1]))
+        if all(n in store for n in other):
+            w, st = max((store[n] for n in other), key=lambda x: x[0].start_ms)
+            what, hint = store_pause_text(w, st)
+            listing += f" while {what}"
+        else:
+            hint = no_segments_hint(group, other) or HINTS.get(
+                top, "see the engine's log for the backend message")
         out.append(make_alert("backend_errors", "warning", engine_id,
-                              f"backend errors: {listing}", no_segments_hint(group, other)
-                              or HINTS.get(top, "see the engine's log for the backend message"),
-                              now_ms))
+                              f"backend errors: {listing}", hint, now_ms))
     if majority_backend is not None and backends and backends != {majority_backend}:
         out.append(make_alert(
             "backend_mismatch", "critical", engine_id,

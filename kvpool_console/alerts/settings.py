@@ -8,7 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # Silence thresholds are the wire contract's: the hub's /metrics call an agent stale alike.
-from kvpool_agent.protocol import DOWN_AFTER_MS, STALE_AFTER_MS, Source
+# So is the stuck rule: agents open their store_stalled pause windows by it
+# (protocol.stuck_after_ms).
+from kvpool_agent.protocol import (
+    DOWN_AFTER_MS,
+    STALE_AFTER_MS,
+    STUCK_FLOOR_MS,
+    STUCK_MULTIPLE,
+    Source,
+)
 
 __all__ = ["COUNTER_WINDOW_MS", "DOWN_AFTER_MS", "STALE_AFTER_MS", "STUCK_FLOOR_MS",
            "STUCK_MULTIPLE", "WATERMARK_MARGIN", "AlertSettings"]
@@ -16,17 +24,6 @@ __all__ = ["COUNTER_WINDOW_MS", "DOWN_AFTER_MS", "STALE_AFTER_MS", "STUCK_FLOOR_
 WATERMARK_MARGIN = 0.05
 """Hysteresis of ``pool_watermark``: raised above the ratio, cleared only below the ratio minus
 this (usage swings a few percent around the ratio while eviction works: no flapping)."""
-
-STUCK_FLOOR_MS = 2_500.0
-"""A transfer is never ``stuck_transfer`` before this age (ms): below it, scheduling jitter of a
-loaded host, not a stopped store. Low enough that a stopped store is named within 5 s."""
-
-STUCK_MULTIPLE = 2.0
-"""A transfer is stuck once in flight this many times longer than expected: its bytes over the
-agent's recent rate for its kind (``TransferStats.load_bytes_per_s`` / ``save_bytes_per_s``).
-That rate is throughput over 10 s, idle time included, so the expected time is already an upper
-bound of what the link takes. Not the lease TTL: with a 50 ms ``default_kv_lease_ttl`` every
-ordinary save outlives it."""
 
 COUNTER_WINDOW_MS = 60_000.0
 """A counter alert stays active this long (ms) after the newest error it counts."""

@@ -6,13 +6,24 @@ A pool whose saves are stuck has a store (or a transport) that stopped answering
 not wait on a lease. Its loads past the lease TTL are then that stall's symptom, not a TTL
 below the load time: the ``lease_ttl`` rule leaves them to ``stuck_transfer``, which names the
 store (helper 77: a SIGSTOPped ``mooncake_client`` first read "raise default_kv_lease_ttl").
+So does every load of a pool whose agents report their store stalled (an open
+``store_stalled`` window, ``EngineState.store_pauses``: a transfer stuck while nothing of its
+process ended well): a frozen store whose engines were only loading, no save in flight, read
+"raise default_kv_lease_ttl" too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpool_agent.protocol import EngineState, PoolStats, Transfer, TransferStats, paused_ms
+from kvpool_agent.protocol import (
+    EngineState,
+    PoolStats,
+    Transfer,
+    TransferStats,
+    paused_ms,
+)
+from kvpool_agent.protocol import stuck_after_ms as _stuck_after_ms
 from kvpool_agent.vocabulary import HINTS
 from kvpool_console._transport import failures_text, transport_failures, transport_hint
 from kvpool_console.alerts.alert import Alert, fmt_ms, make_alert
@@ -22,17 +33,19 @@ __all__ = ["outlived", "shortest_lease_ttl", "stalled_pools", "stuck_alerts", "s
 
 
 def stuck_limit(t: Transfer, tr: TransferStats, stuck_after_ms: float | None) -> tuple[float, str]:
-    """How long ``t`` may be in flight (ms) before it is stuck, and why that long."""
+    """How long ``t`` may be in flight (ms) before it is stuck, and why that long: the
+    ``--stuck-after-ms`` threshold, else the wire contract's rule
+    (``protocol.stuck_after_ms``, which agents open their ``store_stalled`` windows by)."""
     if stuck_after_ms is not None:
         return stuck_after_ms, "threshold"
+    limit = _stuck_after_ms(t.kind, t.bytes, tr.load_bytes_per_s, tr.save_bytes_per_s)
     rate = tr.load_bytes_per_s if t.kind == "load" else tr.save_bytes_per_s
     if rate <= 0 or t.bytes <= 0:
-        return STUCK_FLOOR_MS, "floor; no recent transfer rate"
-    expected = t.bytes / rate * 1e3
-    why = f"{fmt_ms(expected)} expected at {rate / 1e6:.1f} MB/s"
-    if STUCK_MULTIPLE * expected > STUCK_FLOOR_MS:
-        return STUCK_MULTIPLE * expected, f"{STUCK_MULTIPLE:g}x the {why}"
-    return STUCK_FLOOR_MS, f"floor; {why}"
+        return limit, "floor; no recent transfer rate"
+    why = f"{fmt_ms(t.bytes / rate * 1e3)} expected at {rate / 1e6:.1f} MB/s"
+    if limit > STUCK_FLOOR_MS:
+        return limit, f"{STUCK_MULTIPLE:g}x the {why}"
+    return limit, f"floor; {why}"
 
 
 def stalled_pools(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float],
@@ -40,14 +53,20 @@ def stalled_pools(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, 
     """Pools (``Source.master``) where some agent that still reports has a save stuck
     (``stuck_limit``, its process's stopped time left out): their stores stopped answering.
 
-    Only agents heard within their last ``STUCK_FLOOR_MS``: a silent agent's in-flight list is
-    as old as its last report (its engine is ``stale``, not its pool)."""
+    Also pools where such an agent reports its store stalled (an open ``store_stalled``
+    window, ``EngineState.store_pauses``: one of its loads or saves got stuck by the same rule
+    and nothing answered since). Only agents heard within their last ``STUCK_FLOOR_MS``: a
+    silent agent's in-flight list is as old as its last report (its engine is ``stale``, not
+    its pool)."""
     out: set[str] = set()
     for aid, s in states.items():
         master = s.source.master
-        if not master or master in out or not s.in_flight:
+        if not master or master in out:
             continue
         if now_ms - last_seen_ms.get(aid, s.ts_ms) > STUCK_FLOOR_MS:
+            continue
+        if any(w.kind == "store_stalled" and w.end_ms is None for w in s.store_pauses):
+            out.add(master)
             continue
         stopped = [w for w in s.pauses if w.kind == "process_stalled"]
         for t in s.in_flight:
@@ -76,9 +95,12 @@ def outlived(t: Transfer, s: EngineState, as_of_ms: float, ttl: int) -> bool:
     if t.kind != "load" or ttl <= 0 or as_of_ms - t.started_ms < ttl:
         return False
     # Time in the agent's own pause windows (its process stopped, the pool's health check
-    # failing) is the pause's: it reports them with the load (CI saw a load in flight 5.1 s
-    # through a 5 s SIGSTOP of its engine named as TTL advice in the first report after it).
-    waited = as_of_ms - t.started_ms - paused_ms(s.pauses, t.started_ms, as_of_ms)
+    # failing, its store stalled or without segments) is the pause's: it reports them with
+    # the load (CI saw a load in flight 5.1 s through a 5 s SIGSTOP of its engine named as TTL
+    # advice in the first report after it; a frozen mooncake_client's loads read "raise
+    # default_kv_lease_ttl" until a save was stuck too).
+    waited = as_of_ms - t.started_ms - paused_ms([*s.pauses, *s.store_pauses], t.started_ms,
+                                                 as_of_ms)
     return waited >= ttl and not (s.pool is not None and s.pool.healthy is False)
 
 

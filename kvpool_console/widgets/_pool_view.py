@@ -1,9 +1,10 @@
 """The Pool tab: one line of fleet pool totals (and one of the hub's shed and refusal
 counters, from a hub that sends them, and one of who steers the engines configured for the
 policy service, when there are any), the reuse panel (hit rate next to the hub's
-reuse ceiling and the what-if curve, ``_reuse_panel``), a row per pool (with its disk tier and
-the reads served from memory and from disk), a row per pool segment, and an HA pool's masters
-(``_masters``)."""
+reuse ceiling and the what-if curve, ``_reuse_panel``), a row per pool (with the keys it lost
+with segments its master dropped, its disk tier and the reads served from memory and from
+disk; a line under the totals names each pool's latest loss), a row per pool segment, and an
+HA pool's masters (``_masters``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from textual.widgets import DataTable, Static, TabPane
 
 from kvpool_console._text import plain
 from kvpool_console.alerts.policy import service_removed, steering_summary
-from kvpool_console.model import fmt_bytes
+from kvpool_console.model import fmt_bytes, loss_text
 from kvpool_console.rows import EngineRow, FleetView, PoolRow
 from kvpool_console.widgets._masters import MastersTable
 from kvpool_console.widgets._reuse_panel import ReusePanel
@@ -42,7 +43,7 @@ class PoolView(TabPane):
 
     def on_mount(self) -> None:
         self.query_one("#pool-table", DataTable).add_columns(
-            "Pool", "Keys", "Used", "Total", "Use", "WM", "Pinned", "Evicted", "Disk",
+            "Pool", "Keys", "Used", "Total", "Use", "WM", "Pinned", "Evicted", "Lost", "Disk",
             "Hits mem/disk", "Lease TTL", "Health")
         self.query_one("#segments-table", DataTable).add_columns(
             "Segment", "Used", "Total", "Use")
@@ -65,7 +66,7 @@ class PoolView(TabPane):
                           f"{p.high_watermark:.0%}",
                           f"{fmt_bytes(p.pinned_bytes)} ({p.pins})" if p.pins else "-",
                           f"{p.evicted_keys} ({fmt_bytes(p.evicted_bytes)})",
-                          _disk(p), _hits(p), f"{p.lease_ttl_ms} ms", health)
+                          _lost(p), _disk(p), _hits(p), f"{p.lease_ttl_ms} ms", health)
             for name, used, total in p.segments:
                 segs.add_row(plain(name), fmt_bytes(used), fmt_bytes(total),
                              f"{used / total:.0%}" if total else "-")
@@ -77,6 +78,9 @@ class PoolView(TabPane):
             f"{fmt_bytes(t.segment_used_bytes)} of "
             f"{fmt_bytes(t.segment_total_bytes)} used; load {fmt_bytes(t.load_bytes_per_s)}/s "
             f"save {fmt_bytes(t.save_bytes_per_s)}/s")
+        for p in view.pools:
+            if p.losses:
+                summary.append_text(_loss_line(p, view.now_ms))
         if view.hub_counters:
             summary.append_text(_hub_line(view.hub_counters))
         if any(e.policy_in_charge for e in view.engines):
@@ -110,6 +114,17 @@ def _policy_line(engines: list[EngineRow]) -> Text:
         ((e.engine_id, e.policy_in_charge, e.policy) for e in engines),
         service_removed((e.policy_service, e.policy_removed_keys) for e in engines))
     return Text("\n" + line, style="yellow" if master else "dim")
+
+
+def _lost(p: PoolRow) -> Text:
+    """Keys (estimated) and bytes lost with dropped segments, red; ``-`` for none."""
+    if not p.lost_keys and not p.lost_bytes:
+        return Text("-")
+    return Text(f"~{p.lost_keys} ({fmt_bytes(p.lost_bytes)})", style="red")
+
+
+def _loss_line(p: PoolRow, now_ms: float) -> Text:
+    return plain("\n" + loss_text(p, now_ms), style="red")
 
 
 def _disk(p: PoolRow) -> str:

@@ -112,6 +112,9 @@ def test_a_lease_that_ran_out_only_because_of_the_stall_is_the_stalls() -> None:
 
 def test_a_lease_too_short_even_without_the_stall_is_not_the_stalls() -> None:
     agg = _agg()
+    # A load just before sets the rate (410 B/s over 10 s): 4 KiB take 10 s, so r1 is slow,
+    # not stuck (stuck past 2x that: no store_stalled window).
+    _load(agg, "r0", T - 30, T - 10)
     # Looked up at T; 2.1 s stopped; failed at T + 9 s: 6.9 s unpaused > the 3 s TTL.
     agg.apply([TransferStarted(T + 20, "r1", "load", 4, 4096, 0, T + TTL_MS)])
     agg.tick(2_150.0, T + 2_150)
@@ -121,6 +124,7 @@ def test_a_lease_too_short_even_without_the_stall_is_not_the_stalls() -> None:
     st = agg.state(T + 9_000)
     assert st.transfers.failed_after_hit == 1 and st.transfers.paused_after_hit == {}
     assert st.pauses[0].loads == 1 and st.pauses[0].failed_after_hit == 0
+    assert st.store_pauses == []
 
 
 def test_failing_health_checks_are_a_pool_window_from_the_last_passing_one() -> None:

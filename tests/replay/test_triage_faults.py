@@ -149,9 +149,9 @@ class Services:
 
 
 @contextlib.contextmanager
-def _services(log_dir: Path) -> Iterator[Services]:
-    """Start the services (their logs in ``log_dir``); on exit, resume a master or store a
-    test left stopped, then stop them all."""
+def _services(log_dir: Path, client_ttl_s: int = CLIENT_TTL_S) -> Iterator[Services]:
+    """Start the services (their logs in ``log_dir``; the master's ``--client_ttl``); on exit,
+    resume a master or store a test left stopped, then stop them all."""
     from kvpool_replay._processes import use_local_pool_env
 
     use_local_pool_env()
@@ -159,7 +159,7 @@ def _services(log_dir: Path) -> Iterator[Services]:
     hub = FleetHub(hub_address, snapshot_interval_s=0.5)
     hub.start()
     master = LocalMooncakeMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS,
-                                 extra_args=[f"--client_ttl={CLIENT_TTL_S}"], log_dir=log_dir)
+                                 extra_args=[f"--client_ttl={client_ttl_s}"], log_dir=log_dir)
     master.start()
     store = LocalPoolStore(master, 256 << 20, log_dir=log_dir)
     client: FleetClient | None = None
@@ -653,3 +653,105 @@ def test_pauses_tiny_ttl_and_one_shot_agree(own_fleet: Fleet,
     assert timings["engine SIGSTOP: stale (hung)"] < GOAL_S
     assert timings["master SIGSTOP: pool_unhealthy"] is not None
     assert timings["master SIGSTOP: pool_unhealthy"] < 2 * GOAL_S
+
+
+STORE_CLIENT_TTL_S = 2
+"""The master's ``client_ttl`` in the store outage test: a store stopped past it is dropped with
+its segment and every key in it, as a ``mooncake_client`` killed or stopped 10 s is by
+default."""
+
+GENERIC_HINTS = frozenset({HINTS["NO_AVAILABLE_HANDLE"], HINTS["OBJECT_NOT_FOUND"],
+                           HINTS["LEASE_EXPIRED"], HINTS["TIMEOUT"],
+                           "see the engine's log for the backend message"})
+"""The fixes of backend errors that name no cause ("pool full", "block evicted", "raise
+default_kv_lease_ttl"): after a store outage they were the wrong advice."""
+
+
+def _pool_tab(fleet: Fleet) -> tuple[list[str], str]:
+    """The Pool tab the real console draws over the fleet's reports now: its pool row's cells
+    by column and the summary above it."""
+    import asyncio
+
+    from textual.widgets import DataTable, Static
+
+    from kvpool_console.app import KVPoolConsole
+    from kvpool_console.source import StaticSource
+    from kvpool_console.widgets._pool_view import PoolView
+
+    states, seen = fleet.fleet()
+    now = max(seen.values())
+
+    async def draw() -> tuple[list[str], str]:
+        app = KVPoolConsole(StaticSource(states, seen), refresh_s=3600, clock=lambda: now)
+        async with app.run_test(size=(200, 40)) as pilot:
+            await pilot.pause()
+            await pilot.press("2")
+            await pilot.pause(0.5)
+            view = app.query_one(PoolView)
+            table = view.query_one("#pool-table", DataTable)
+            heads = [str(c.label) for c in table.ordered_columns]
+            row = dict(zip(heads, (str(c) for c in table.get_row_at(0)), strict=True))
+            return [f"{h}={row[h]}" for h in heads], str(
+                view.query_one("#pool-summary", Static).visual)
+
+    return asyncio.run(draw())
+
+
+def test_a_stopped_store_resumed_leaves_no_generic_fix_and_its_loss_is_shown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kill -STOP`` of the pool's ``mooncake_client`` past the master's ``client_ttl``, then
+    ``kill -CONT`` (a demo user's report): while it is stopped and after, no alert of the
+    engine gives TTL advice or a fix that names no cause ("pool full" for the saves that failed
+    on a pool without memory, "block evicted" for the keys lost with the segment); every one
+    of them clears once the store answers again (its agent's store pause windows and their
+    10 s aftermath), the one-shot ``status`` as the watching model; the pool's loss (its keys
+    and bytes, the segment the master dropped) is in ``status --json``, ``status`` and the
+    Pool tab."""
+    with _services(tmp_path, client_ttl_s=STORE_CLIENT_TTL_S) as services, \
+            _fleet_on(services, tmp_path) as fleet:
+        watch = Watch(fleet)
+        # Loads give up after 3 s (layer-wise timeout): past it, the stopped store's timed-out
+        # loads fail, and the saves that follow fail at once on a pool without memory.
+        fleet.start("o-a", limit=LONG_REPLAY, extra={"layerwise_timeout_ms": 3_000})
+
+        def segments() -> set[str]:
+            return {g.name for s in fleet.fleet()[0].values()
+                    if s.source.engine_id == "o-a" and s.pool is not None
+                    for g in s.pool.segments}
+
+        watch.until("o-a loading and saving, its pool read", lambda _: (
+            x := _sums(fleet, "o-a"))[0] and x[1] and segments(), timeout_s=6 * WAIT_S)
+        pool = f"mooncake@{fleet.master.address}"
+        (segment,) = segments()
+        assert fleet.store.proc is not None
+        t0 = time.monotonic()
+        os.kill(fleet.store.proc.pid, signal.SIGSTOP)
+        try:
+            watch.until("pool_no_segments", _find("pool_no_segments", pool))
+            _hold(watch, 6.0)  # saves fail at once meanwhile (NO_AVAILABLE_HANDLE)
+        finally:
+            os.kill(fleet.store.proc.pid, signal.SIGCONT)
+        watch.until("the store's memory mounted again", _gone("pool_no_segments", pool))
+        watch.until("o-a's alerts cleared", lambda al: not [a for a in al if a.subject == "o-a"])
+        said = [a for a in watch.since(t0) if a.subject == "o-a"]
+        with capsys.disabled():
+            print("o-a during and after the outage:", sorted({(a.rule, a.hint[:40])
+                                                              for a in said}))
+        assert {"stuck_transfer", "backend_errors"} <= {a.rule for a in said}
+        assert not [(a.rule, a.message) for a in said if a.rule in _TTL_ADVICE
+                    or a.hint in GENERIC_HINTS]
+        assert not [k for k in _one_shot(fleet, capsys, history=True) if k[1] == "o-a"]
+
+        from kvpool_console.cli import main
+
+        main(["status", "--json", "--hub", fleet.hub_address])
+        (row,) = [p for p in json.loads(capsys.readouterr().out)["pools"] if p["name"] == pool]
+        assert row["lost_keys"] > 0 and row["lost_bytes"] > 0, row
+        assert row["losses"][-1]["segment"] == segment
+        main(["status", "--hub", fleet.hub_address])
+        text = capsys.readouterr().out
+        assert f"pool {pool} lost ~" in text and f"with segment {segment}, dropped by its " \
+            "master" in text, text
+        cells, summary = _pool_tab(fleet)
+        assert any(c.startswith(f"Lost=~{row['lost_keys']} (") for c in cells), cells
+        assert f"pool {pool} lost ~" in summary and segment in summary, summary
