@@ -449,8 +449,12 @@ class KVPoolConsole(App[None]):
         return next((r for r in self.view.engines if r.engine_id == engine_id), None)
 
     def selected_engine(self) -> EngineRow | None:
-        """The engine under the fleet table's cursor (an agent row selects its engine)."""
-        engine_id = self.query_one(FleetTable).selected_engine_id
+        """The engine shown by an open detail screen, else the one under the fleet table's
+        cursor (an agent row selects its engine): health, flush and pins from a detail screen
+        are for its engine."""
+        details = [s for s in self.screen_stack if isinstance(s, EngineDetailScreen)]
+        engine_id = (details[-1].engine_id if details
+                     else self.query_one(FleetTable).selected_engine_id)
         return None if engine_id is None else self._row(engine_id)
 
     @on(EngineChosen)
@@ -461,6 +465,12 @@ class KVPoolConsole(App[None]):
     # ---- actions -----------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Over an engine's detail the fleet screen's own actions (filter, sort, expand...:
+        ``EngineDetailScreen.FLEET_ACTIONS``) are hidden and their keys do nothing: they would
+        act on the fleet hidden under it. Without the operator key flush, pin and unpin show
+        disabled."""
+        if isinstance(self.screen, EngineDetailScreen) and action in self.screen.FLEET_ACTIONS:
+            return False
         if action in _OPERATOR_ONLY and not self.source.can_flush:
             return None  # shown disabled in the footer; the palette entry says why
         return True

@@ -3,12 +3,22 @@ with hints.
 
 A field without a value is left out of the summary, never printed bare (``revision=
 quantization=`` of a layout, a model or a policy service nobody reported): ``_fields``.
+
+A silent engine (``EngineRow.stale``: no report past the stale threshold, whatever its verdict,
+hung, gone, down or stale) has no current figures: its rates (the 1-minute hit rate, load+save
+bytes/s) and who steers its saves are what it last reported, and every one of them says so
+(``last reported 74s ago``: ``silent_note``), as the summary's first line does.
+
+Keys: the app's keys that act on the fleet screen under this one (filter, faults, sort,
+expand, tabs) are neither shown nor run here (``EngineDetailScreen.FLEET_ACTIONS``): ``/``
+pressed here would open a filter box the operator sees only after ``esc``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -33,13 +43,20 @@ _HINT_WIDTH = 60
 """Columns of the errors table's message and hint: with age, error name, agent and where
 they fit 160 terminal columns; longer text wraps."""
 
-__all__ = ["EngineDetail", "EngineDetailScreen", "layer_bar"]
+__all__ = ["EngineDetail", "EngineDetailScreen", "layer_bar", "silent_note"]
 
 
 def _fields(pairs: Iterable[tuple[str, object]], sep: str = "=") -> str:
     """``name{sep}value`` of each pair with a value, space-separated; an empty string is no
     value (0 is one)."""
     return " ".join(f"{k}{sep}{v}" for k, v in pairs if v != "")
+
+
+def silent_note(row: EngineRow) -> str:
+    """``last reported 74s ago`` for a silent engine (``row.stale``: its figures are old),
+    ``""`` while it reports. What the detail screen puts beside each rate and current figure
+    of a silent engine."""
+    return f"last reported {fmt_age(row.age_ms)} ago" if row.stale else ""
 
 
 def layer_bar(done: int, total: int, width: int = 10) -> str:
@@ -78,6 +95,12 @@ class EngineDetailScreen(Screen[None]):
 
     BINDINGS = [Binding("escape,backspace", "app.pop_screen", "Back")]
 
+    FLEET_ACTIONS: ClassVar[frozenset[str]] = frozenset(
+        {"filter", "faults", "sort", "reverse", "expand", "tab"})
+    """The app's actions (by name, parameters aside) that act on the fleet screen under this
+    one: neither in its footer nor in its command palette, and their keys do nothing here
+    (``KVPoolConsole.check_action``, ``_help.palette_entries``)."""
+
     # always_update: a refresh is new data even when equal, and comparing would cost a walk
     # over every agent state.
     detail: var[EngineDetail | None] = var[EngineDetail | None](None, always_update=True,
@@ -110,7 +133,7 @@ class EngineDetailScreen(Screen[None]):
         e.add_column("Hint", width=_HINT_WIDTH)
         yield Label("Where the prompt tokens went", classes="section")
         yield MissTable(id="misses")
-        yield Label("In-flight transfers", classes="section")
+        yield Label("In-flight transfers", classes="section", id="inflight-label")
         yield t
         yield Label("Recent errors", classes="section")
         yield e
@@ -134,10 +157,12 @@ class EngineDetailScreen(Screen[None]):
             summary.update(plain(f"{self.engine_id}: no longer reported", style="red"))
             return
         state = row.state
+        silent = silent_note(row)
         # Engine id, backend and model come from the agents' reports: template variables of
         # Content.from_markup, which inserts them as text, never as markup.
         summary.update(Content.from_markup(
-            "[b]$engine[/b] $what [b]$state[/b]\n"
+            "[b]$engine[/b] $what [b]$state[/b]"
+            + ("  [b yellow]silent: every figure is as $silent[/]" if silent else "") + "\n"
             f"hit {row.hit_rate:.1%} (1m {row.hit_rate_1m:.1%}) of {row.prompt_tokens} tok, "
             f"loaded {row.loaded_tokens} tok; lookups {row.lookups} errors {row.lookup_errors}; "
             f"prompt {row.prompt_tokens} tok = local {row.local_tokens} "
@@ -156,7 +181,8 @@ class EngineDetailScreen(Screen[None]):
             + ("\nidentity: $identity" if (identity := identity_line(row, states)) else "")
             + ("\nsaves: $saves" if (saves := saves_line(row.engine_id, states, now_ms)) else "")
             + ("\n$policy" if row.policy else ""),
-            policy=visible(f"{row.policy}; "
+            silent=silent,
+            policy=visible(f"{row.policy}" + (f" ({silent})" if silent else "") + "; "
                            + (f"service {row.policy_service}, " if row.policy_service else "")
                            + f"records sent {row.policy_records_sent} dropped "
                            f"{row.policy_records_dropped}"),
@@ -179,11 +205,16 @@ class EngineDetailScreen(Screen[None]):
                 for g in sorted({*row.loaded_bytes_by_group, *row.saved_bytes_by_group})))))
         self.query_one(MissTable).show(row)
         self.query_one("#hit-spark", Sparkline).data = list(hit_history) or [0.0]
+        # A silent engine's last rates are not current: the label says when they were.
+        when = f", {silent}" if silent else ""
         self.query_one("#hit-label", Label).update(
-            f"hit rate (1 min): {hit_history[-1]:.0%}" if hit_history else "hit rate (1 min)")
+            f"hit rate (1 min){when}: {hit_history[-1]:.0%}" if hit_history
+            else "hit rate (1 min)")
         self.query_one("#tp-spark", Sparkline).data = list(tp_history) or [0.0]
         self.query_one("#tp-label", Label).update(
-            f"load+save: {fmt_bytes(tp_history[-1])}/s" if tp_history else "load+save")
+            f"load+save{when}: {fmt_bytes(tp_history[-1])}/s" if tp_history else "load+save")
+        self.query_one("#inflight-label", Label).update(
+            f"In-flight transfers ({silent})" if silent else "In-flight transfers")
         mine = sorted((s for s in states.values() if s.source.engine_id == self.engine_id),
                       key=lambda s: s.source.agent_id)
         t = self.query_one("#inflight", DataTable)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from rich.table import Table
 from rich.text import Text
+from textual.actions import parse as parse_action
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
@@ -209,13 +210,19 @@ def _own_bindings(screen: Screen[Any]) -> list[Binding]:
 
 def palette_entries(app: App[Any], screen: Screen[Any]) -> list[PaletteEntry]:
     """Every action a key runs over ``screen`` (the screen the palette was opened over), one
-    entry each, named and explained as the help table does: over the fleet screen or an
-    engine's detail every ``app.BINDINGS`` action (and the detail's own keys; on the fleet
-    screen enter's ``detail``); over a dialog its own keys and the app's priority keys (quit),
-    the only app keys that reach past a dialog. The palette itself is not an entry."""
+    entry each, named and explained as the help table does: over the fleet screen every
+    ``app.BINDINGS`` action and enter's ``detail``; over an engine's detail its own keys and
+    the app's actions but the fleet screen's own (filter, faults, sort, expand, tabs:
+    ``EngineDetailScreen.FLEET_ACTIONS``, which would act on the fleet hidden under it); over
+    a dialog its own keys and the app's priority keys (quit), the only app keys that reach
+    past a dialog. The palette itself is not an entry."""
     modal = screen.is_modal
     sources: list[tuple[str, list[Binding]]] = [("screen", _own_bindings(screen))]
-    app_bindings = [b for b in Binding.make_bindings(app.BINDINGS) if b.priority or not modal]
+    # Over an engine's detail the fleet screen's own actions are not offered: they would act
+    # on the fleet hidden under it (``EngineDetailScreen.FLEET_ACTIONS``).
+    hidden = screen.FLEET_ACTIONS if isinstance(screen, EngineDetailScreen) else frozenset()
+    app_bindings = [b for b in Binding.make_bindings(app.BINDINGS)
+                    if (b.priority or not modal) and parse_action(b.action)[1] not in hidden]
     sources.append(("app", app_bindings))
     if not modal and not isinstance(screen, EngineDetailScreen):
         sources.append(("app", [Binding(k, a) for k, a in _NOT_BINDINGS]))

@@ -153,6 +153,9 @@ def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
 
 
 def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
+    """A silent agent's (``a.stale``) row is dimmed with its Age yellow, as its engine's, and
+    shows no CPU share: that is a rate over its last interval, and a process stopped or gone
+    (state T, no pid) uses none now; its counters stay, as of its last report (Age)."""
     dim = "dim" if a.stale else ""
     return {
         "engine": Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}",
@@ -165,12 +168,12 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
         "hit": f"{a.hit_rate:.0%}" if a.prompt_tokens else "",
         "trend": "",
         "tokens": _tokens(a.loaded_tokens, a.prompt_tokens) if a.prompt_tokens else "",
-        "loads": str(a.loads_in_flight),
-        "saves": str(a.saves_in_flight),
+        "loads": Text(str(a.loads_in_flight), style=dim),
+        "saves": Text(str(a.saves_in_flight), style=dim),
         "fail": Text(str(a.loads_failed), style="red" if a.loads_failed else ""),
-        "pool": f"{a.cpu_percent:.0f}%cpu",
+        "pool": Text("-", style=dim) if a.stale else f"{a.cpu_percent:.0f}%cpu",
         "lease": fmt_lease(a.next_lease_expiry_ms, now_ms),
-        "age": fmt_age(a.age_ms),
+        "age": Text(fmt_age(a.age_ms), style="yellow" if a.stale else ""),
         "kv_role": f"pid {a.pid}",
         "ranks": a.ranks,
         "backend": fmt_bytes(a.rss_bytes),
