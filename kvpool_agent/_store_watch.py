@@ -11,8 +11,10 @@
   again: a transfer ended well meanwhile, or, with nothing in flight, the master listed memory
   in a reading (a dead store's transfers fail at once and never end well).
 - ``pool_no_segments``: the master passes its health check with no memory mounted any more:
-  from its last reading with memory to the next with memory (a pool this agent never read
-  memory in has lost none: ``pool_no_segments``, the alert, names it).
+  from its last reading with memory, or the first failure since this process's last transfer
+  that ended well when earlier (a dead store's transfers fail at once, ``TRANSFER_FAIL``, for
+  the ``client_ttl`` its segment lingers), to the next reading with memory (a pool this agent
+  never read memory in has lost none: ``pool_no_segments``, the alert, names it).
 - a segment listed in one reading of the master and gone from the next is a ``SegmentLoss``:
   the master dropped it (``client_ttl`` after its store's last ping), its values with it.
 
@@ -169,8 +171,14 @@ class StoreWatch:
                 self._answered = True
         elif self._empty is None and self._memory_ms is not None:
             prev_segments = last[1].segments if last is not None else []
+            # From the last reading with memory, or from the first failure since the last
+            # transfer that ended well when earlier: a dead store's transfers fail at once
+            # (TRANSFER_FAIL) for the client_ttl its segment still lingers in the master.
+            ok = self._ok_ms if self._ok_ms is not None else float("-inf")
+            start = min((e.ts_ms for e in self._recent if e.ts_ms > ok),
+                        default=self._memory_ms)
             self._empty = self._open(
-                "pool_no_segments", self._memory_ms,
+                "pool_no_segments", min(start, self._memory_ms),
                 clip(", ".join(s.name for s in prev_segments[:4]), MAX_ID_CHARS))
             changed = True
         return changed

@@ -601,10 +601,12 @@ class PauseWindow(msgspec.Struct, gc=False, kw_only=True):
     stuck (``stuck_after_ms``) while none ended well for ``STUCK_FLOOR_MS``, until none is
     and the store answered again (a transfer ended well, or, with none in flight, the master
     listed memory); ``pool_no_segments``: from the last reading of a Mooncake master holding
-    memory to the next that does, the master passing its health check with no segment
-    mounted between (``detail``: the segments it listed last). ``end_ms`` is ``None`` while
-    it lasts. ``loads`` counts loads in flight during it, ``max_load_ms`` is the slowest of
-    them (whole duration, ms), ``failed_after_hit`` the failed-after-hit loads it explains
+    memory (or the first failure since this process's last transfer that ended well, when
+    earlier: a dead store's transfers fail while its segment lingers) to the next that does,
+    the master passing its health check with no segment mounted between (``detail``: the
+    segments it listed last). ``end_ms`` is ``None`` while it lasts. ``loads`` counts loads in
+    flight during it, ``max_load_ms`` is the slowest of them (whole duration, ms),
+    ``failed_after_hit`` the failed-after-hit loads it explains
     (``TransferStats.paused_after_hit``)."""
 
     kind: Literal["process_stalled", "pool_unhealthy", "store_stalled", "pool_no_segments"]

@@ -187,3 +187,21 @@ def test_store_windows_are_bounded_and_skipped_by_receivers_before_them() -> Non
     old.pop("store_pauses")
     back = msgspec.msgpack.Decoder(EngineState).decode(msgspec.msgpack.encode(old))
     assert back.store_pauses == []
+
+
+def test_a_dead_stores_refused_transfers_are_in_its_window() -> None:
+    """A killed store: its transfers fail at once (TRANSFER_FAIL) while its segment lingers
+    in the master for client_ttl; the window starts at the first failure after the last
+    transfer that ended well, and counts them."""
+    agg = _agg()
+    _reading(agg, 1_000, ("10.0.0.5:15001", 100 * MIB, 512 * MIB), keys=500)
+    _start(agg, "ok", 1_100, "save")
+    _end(agg, "ok", 1_200, kind="save")
+    for i, at in enumerate((1_500, 2_000, 2_500)):
+        _start(agg, f"s{i}", at - 10, "save")
+        _end(agg, f"s{i}", at, ok=False, kind="save", error="TRANSFER_FAIL", after_hit=False)
+    _reading(agg, 3_000, ("10.0.0.5:15001", 100 * MIB, 512 * MIB), keys=500)  # lingering
+    _reading(agg, 5_000, keys=0)  # dropped
+    (w,) = agg.state(T + 5_000).store_pauses
+    assert (w.kind, w.start_ms, w.end_ms) == ("pool_no_segments", T + 1_500, None)
+    assert w.errors == {"TRANSFER_FAIL": 3}

@@ -661,7 +661,7 @@ its segment and every key in it, as a ``mooncake_client`` killed or stopped 10 s
 default."""
 
 GENERIC_HINTS = frozenset({HINTS["NO_AVAILABLE_HANDLE"], HINTS["OBJECT_NOT_FOUND"],
-                           HINTS["LEASE_EXPIRED"], HINTS["TIMEOUT"],
+                           HINTS["LEASE_EXPIRED"], HINTS["TIMEOUT"], HINTS["TRANSFER_FAIL"],
                            "see the engine's log for the backend message"})
 """The fixes of backend errors that name no cause ("pool full", "block evicted", "raise
 default_kv_lease_ttl"): after a store outage they were the wrong advice."""
@@ -697,18 +697,21 @@ def _pool_tab(fleet: Fleet) -> tuple[list[str], str]:
     return asyncio.run(draw())
 
 
-def test_a_stopped_store_resumed_leaves_no_generic_fix_and_its_loss_is_shown(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``kill -STOP`` of the pool's ``mooncake_client`` past the master's ``client_ttl``, then
-    ``kill -CONT`` (a demo user's report): while it is stopped and after, no alert of the
-    engine gives TTL advice or a fix that names no cause ("pool full" for the saves that failed
-    on a pool without memory, "block evicted" for the keys lost with the segment); every one
-    of them clears once the store answers again (its agent's store pause windows and their
-    10 s aftermath), the one-shot ``status`` as the watching model; the pool's loss (its keys
-    and bytes, the segment the master dropped) is in ``status --json``, ``status`` and the
-    Pool tab."""
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+def test_a_store_outage_leaves_no_generic_fix_and_its_loss_is_shown(
+        fault: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The pool's ``mooncake_client`` stopped (``kill -STOP`` past the master's
+    ``client_ttl``, then ``kill -CONT``: a demo user's report) or killed (``kill -9``, then a
+    new store started): while it is out and after, no alert of the engine gives TTL advice or
+    a fix that names no cause ("pool full" for the saves that failed on a pool without memory,
+    "block evicted" for the keys lost with the segment, the transport's for the transfers a
+    dead store refused); every one of them clears once the store answers again (its agent's
+    store pause windows and their 10 s aftermath), the one-shot ``status`` as the watching
+    model (a dead store from its segment's drop on: before it, its refused transfers read as
+    the transport's); the pool's loss (its keys and bytes, the segment the master dropped) is
+    in ``status --json``, ``status`` and the Pool tab."""
     with _services(tmp_path, client_ttl_s=STORE_CLIENT_TTL_S) as services, \
-            _fleet_on(services, tmp_path) as fleet:
+            _fleet_on(services, tmp_path) as fleet, contextlib.ExitStack() as later:
         watch = Watch(fleet)
         # Loads give up after 3 s (layer-wise timeout): past it, the stopped store's timed-out
         # loads fail, and the saves that follow fail at once on a pool without memory.
@@ -723,21 +726,30 @@ def test_a_stopped_store_resumed_leaves_no_generic_fix_and_its_loss_is_shown(
             x := _sums(fleet, "o-a"))[0] and x[1] and segments(), timeout_s=6 * WAIT_S)
         pool = f"mooncake@{fleet.master.address}"
         (segment,) = segments()
-        assert fleet.store.proc is not None
+        store = fleet.store.proc
+        assert store is not None
         t0 = time.monotonic()
-        os.kill(fleet.store.proc.pid, signal.SIGSTOP)
+        os.kill(store.pid, signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
         try:
             watch.until("pool_no_segments", _find("pool_no_segments", pool))
+            # A dead store is known once its master drops its segment: until then its refused
+            # transfers (TRANSFER_FAIL) and the saves the master could not place are what the
+            # engine knows. A stopped one is named from its first stuck transfer.
+            known = t0 if fault == "stopped" else time.monotonic()
             _hold(watch, 6.0)  # saves fail at once meanwhile (NO_AVAILABLE_HANDLE)
         finally:
-            os.kill(fleet.store.proc.pid, signal.SIGCONT)
+            if fault == "stopped":
+                os.kill(store.pid, signal.SIGCONT)
+        if fault == "killed":
+            store.wait(timeout=10)
+            later.enter_context(LocalPoolStore(fleet.master, 256 << 20, log_dir=tmp_path))
         watch.until("the store's memory mounted again", _gone("pool_no_segments", pool))
         watch.until("o-a's alerts cleared", lambda al: not [a for a in al if a.subject == "o-a"])
-        said = [a for a in watch.since(t0) if a.subject == "o-a"]
+        said = [a for a in watch.since(known) if a.subject == "o-a"]
         with capsys.disabled():
-            print("o-a during and after the outage:", sorted({(a.rule, a.hint[:40])
-                                                              for a in said}))
-        assert {"stuck_transfer", "backend_errors"} <= {a.rule for a in said}
+            print(f"o-a during and after the store {fault}:", sorted({(a.rule, a.hint[:40])
+                                                                     for a in said}))
+        assert "backend_errors" in {a.rule for a in said}
         assert not [(a.rule, a.message) for a in said if a.rule in _TTL_ADVICE
                     or a.hint in GENERIC_HINTS]
         assert not [k for k in _one_shot(fleet, capsys, history=True) if k[1] == "o-a"]
