@@ -238,7 +238,10 @@ FACTS: tuple[Fact, ...] = (
     Fact("report_age_seconds", "gauge", "s", "Time since the engine's newest report.", "hub",
          "hub receive time", _H),
     Fact("agent_state", "gauge", "1",
-         "1 for the agent's state (up, stale, down), 0 for the others.", "hub",
+         "1 for the agent's state by report age alone (up; stale after "
+         f"{STALE_AFTER_MS / 1e3:g} s silent; down after {DOWN_AFTER_MS / 1e3:g} s), 0 for the "
+         "others. The hub does not look at processes: an engine a console calls hung or gone "
+         "(its stale alert's verdict) is stale, then down, here.", "hub",
          "hub receive time", _H),
     Fact("agent_report_age_seconds", "gauge", "s", "Time since the agent's last report.",
          "hub", "hub receive time", _H),
@@ -288,8 +291,9 @@ FACTS: tuple[Fact, ...] = (
     # The fleet, as the hub sees it.
     Fact("fleet_engines", "gauge", "engines", "Engines the hub knows.", "hub", "Fleet", _H),
     Fact("fleet_agents", "gauge", "agents",
-         f"Agents the hub knows, by state (up, stale after {STALE_AFTER_MS / 1e3:g} s silent, "
-         f"down after {DOWN_AFTER_MS / 1e3:g} s).", "hub", "Fleet", _H),
+         f"Agents the hub knows, by report age alone (up; stale after {STALE_AFTER_MS / 1e3:g} "
+         f"s silent; down after {DOWN_AFTER_MS / 1e3:g} s): agents, not the console's engine "
+         "verdicts (hung, gone are stale, then down, here).", "hub", "Fleet", _H),
     Fact("fleet_pool_hit_ratio", "gauge", "ratio",
          "Pool hit tokens / prompt tokens over the fleet.", "hub",
          "loaded_tokens / prompt_tokens, summed over engines", _H),

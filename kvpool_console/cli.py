@@ -53,6 +53,7 @@ from kvpool_agent.protocol import CommandReply, FlushArgs, visible
 from kvpool_console import _pin_cli as pin_cli
 from kvpool_console import _whatif_cli as whatif_cli
 from kvpool_console._liveness import local_process_alive
+from kvpool_console._status_doc import status_document
 from kvpool_console._text import json_line, plain
 from kvpool_console.alerts import SEVERITY_RANK, WATERMARK_MARGIN, AlertModel, AlertSettings
 from kvpool_console.alerts.alert import SEVERITY_STYLE
@@ -203,37 +204,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def status_document(view: FleetView) -> dict[str, Any]:
-    """The ``status --json`` document: ``engines`` (one object per engine with at least
-    engine_id, state (OK/WARNING/CRITICAL, or a silent engine's verdict HUNG/GONE/DOWN/STALE
-    as its ``stale`` alert names it, or FAILED), silence (that verdict in lower case, ``""``
-    while it reports), role, kv_role, backend, hit_rate,
-    prompt_tokens, loaded_tokens, loads_in_flight, loads_failed, segment_used_bytes,
-    segment_total_bytes, next_lease_expiry_ms, stale, namespace, failed, local_tokens,
-    local_hit_rate, recomputed_tokens, miss_tokens (by reason, not_in_pool split by the hub
-    into evicted, other_digest, never_saved and first_use), top_miss, top_miss_fix (its fix
-    for this engine), pool_evicted_keys, saves_skipped, versions, layout (its ``fingerprint``:
-    the weights' identity), adapters (LoRA name -> content identity, ``lora:<hex>``) and, for
-    an engine with ``admission: service``, who steers its saves (``policy``: ``service``, or
-    why the master does, ``service_silent`` or ``records_not_connected``; ``policy_in_charge``:
-    ``service`` or ``master``; ``policy_service``, ``policy_silent_ms``,
-    ``policy_records_sent``, ``policy_records_dropped``, ``policy_removed_keys``; empty/0 for
-    any other); plus its
-    ``agents``),
-    ``alerts``, ``pools`` (each with ``lost_keys``, ``lost_bytes`` and ``losses``: what it
-    lost with segments its master dropped, ``PoolRow``), ``totals``, ``hub_counters`` (the
-    hub's own counters since it
-    started: ``memory_sheds``, ``connection_sheds``, ``reports``...; ``{}`` from a hub that
-    does not send them) and ``now_ms``."""
-    doc: dict[str, Any] = msgspec.to_builtins(view)
-    for engine, row in zip(doc["engines"], view.engines, strict=True):
-        engine["state"] = row.state
-        # Machine values: the screens' "policy: master (service silent 12.0 s)" is theirs.
-        engine["policy"] = engine.pop("policy_value")
-    return {"now_ms": doc["now_ms"], "engines": doc["engines"], "alerts": doc["alerts"],
-            "pools": doc["pools"], "totals": doc["totals"], "hub_counters": doc["hub_counters"]}
-
-
 def _connect(args: argparse.Namespace, err: Console) -> ClientSource | None:
     try:
         src = ClientSource(args.hub, keys_dir=args.keys, pump=args.cmd is None,
@@ -330,7 +300,7 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
                   f"{tot.loads_failed} failed loads")
         if any(r.policy_in_charge for r in view.engines):
             steering, master = steering_summary(
-                ((r.engine_id, r.policy_in_charge, r.policy) for r in view.engines),
+                ((r.engine_id, r.steered_by, r.policy) for r in view.engines),
                 service_removed((r.policy_service, r.policy_removed_keys)
                                 for r in view.engines))
             out.print(plain(steering, style="yellow" if master else ""))
@@ -340,7 +310,9 @@ def _status(args: argparse.Namespace, src: FleetSource, out: Console) -> int:
             out.print(plain(f"pool {pr.name}: {pr.keys:,} keys, "
                             f"{fmt_bytes(pr.used_bytes)}/{fmt_bytes(pr.total_bytes)}, "
                             f"{pr.evicted_keys:,} evicted, reported by {pr.reported_by} "
-                            f"agent(s){health}"))
+                            f"agent(s)"
+                            + (f" ({pr.silent_by} more silent)" if pr.silent_by else "")
+                            + health))
             if pr.losses:
                 out.print(plain("  " + loss_text(pr, view.now_ms), style="red"))
         if any(refused.values()):

@@ -27,14 +27,14 @@ from kvpool_agent.protocol import (
     EngineState,
     FlushResult,
     PolicySteering,
-    PoolStats,
     ReuseView,
     Source,
     StartFailure,
 )
 from kvpool_console._miss_fixes import miss_fix
+from kvpool_console._pool_rows import pool_rows
 from kvpool_console._transport import saves_in_flight
-from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert, pool_name
+from kvpool_console.alerts import DOWN_AFTER_MS, SEVERITY_RANK, STALE_AFTER_MS, Alert
 from kvpool_console.alerts.adapters import engine_adapters
 from kvpool_console.alerts.policy import engine_policy, policy_text
 from kvpool_console.alerts.silence import silence_verdict
@@ -295,52 +295,6 @@ def _aged(totals: EngineRow, group: list[EngineState], last_seen_ms: Mapping[str
         if with_agents else [])
 
 
-def _pools(states: Iterable[EngineState]) -> list[PoolRow]:
-    newest: dict[str, tuple[EngineState, int]] = {}
-    # Pool -> layout digest -> (pinned bytes, pins): the agents of one layout hold its pins.
-    pinned: dict[str, dict[str, tuple[int, int]]] = {}
-    # Pool -> the reading with the most lost: each agent counts the losses it saw since it
-    # started, so the one reading the master longest has them all.
-    lost: dict[str, PoolStats] = {}
-    for st in states:
-        if st.pool is None:
-            continue
-        name = pool_name(st)
-        if st.pool.lost_bytes or st.pool.lost_keys:
-            prev_lost = lost.get(name)
-            if prev_lost is None or (st.pool.lost_bytes, st.pool.lost_keys) > (
-                    prev_lost.lost_bytes, prev_lost.lost_keys):
-                lost[name] = st.pool
-        if st.pool.pinned_bytes or st.pool.pins:
-            layouts = pinned.setdefault(name, {})
-            digest = st.source.layout_digest
-            layouts[digest] = max(layouts.get(digest, (0, 0)),
-                                  (st.pool.pinned_bytes, st.pool.pins))
-        prev = newest.get(name)
-        n = prev[1] + 1 if prev else 1
-        newest[name] = (st, n) if prev is None or st.ts_ms > prev[0].ts_ms else (prev[0], n)
-    out = []
-    for name, (st, n) in sorted(newest.items()):
-        p = st.pool
-        assert p is not None
-        lp = lost.get(name)
-        out.append(PoolRow(
-            name=name, backend=p.backend, keys=p.keys, used_bytes=p.used_bytes,
-            total_bytes=p.total_bytes, evicted_keys=p.evicted_keys,
-            evicted_bytes=p.evicted_bytes, high_watermark=p.high_watermark,
-            lease_ttl_ms=p.lease_ttl_ms, healthy=p.healthy, health_detail=p.health_detail,
-            segments=[(s.name, s.used_bytes, s.total_bytes) for s in p.segments],
-            reported_by=n, masters=list(p.masters),
-            pinned_bytes=sum(b for b, _ in pinned.get(name, {}).values()),
-            pins=sum(k for _, k in pinned.get(name, {}).values()),
-            disk_keys=p.disk_keys, disk_used_bytes=p.disk_used_bytes,
-            disk_total_bytes=p.disk_total_bytes, memory_hits=p.memory_hits,
-            disk_hits=p.disk_hits, memory_hit_bytes=p.memory_hit_bytes,
-            disk_hit_bytes=p.disk_hit_bytes, lost_keys=lp.lost_keys if lp else 0,
-            lost_bytes=lp.lost_bytes if lp else 0, losses=list(lp.losses) if lp else []))
-    return out
-
-
 def build_view(
     states: Mapping[str, EngineState],
     last_seen_ms: Mapping[str, float],
@@ -428,7 +382,8 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
                                     saves_skipped=row.saves_skipped,
                                     service_steers=row.policy_in_charge == "service")
         rows.append(row)
-    pools = _pools(states.values())
+    pools = pool_rows(states.values(), {a for a, s in states.items() if now_ms - last_seen_ms.get(
+        a, s.ts_ms) > stale_after_ms})
     prompt = sum(r.prompt_tokens for r in rows)
     loaded = sum(r.loaded_tokens for r in rows)
     local = sum(r.local_tokens for r in rows)

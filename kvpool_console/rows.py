@@ -193,6 +193,24 @@ class EngineRow(msgspec.Struct, gc=False, kw_only=True):
             return "FAILED"
         return (self.silence or self.severity or "ok").upper()
 
+    def agent_state(self, a: AgentRow) -> str:
+        """What agent ``a`` of this engine is, in the State column's words: ``""`` while it
+        reports; once silent (``a.stale``) its engine's verdict (``HUNG``, ``GONE``, ``DOWN``,
+        ``STALE``: the verdict names the engine's processes) when the engine is silent too,
+        else ``STALE`` (the engine reports through its other agents). The expanded agent rows
+        and ``status --json``'s ``agents`` say it."""
+        if not a.stale:
+            return ""
+        return self.silence.upper() if self.silence else "STALE"
+
+    @property
+    def steered_by(self) -> str:
+        """Who steers its saves, as the ``policy:`` summaries count it: ``policy_in_charge``
+        (``service``, ``master``) while it reports; ``silent`` once it is silent (its last
+        report says who steered then, not now: the service or it may have stopped since);
+        ``""`` for an engine not configured for the policy service."""
+        return "silent" if self.silence and self.policy_in_charge else self.policy_in_charge
+
 
 class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     """One pool (a store all engines share), deduplicated across the agents reporting it."""
@@ -210,6 +228,9 @@ class PoolRow(msgspec.Struct, gc=False, kw_only=True):
     health_detail: str
     segments: list[tuple[str, int, int]]
     reported_by: int
+    """Agents reporting it now (silent ones, past the stale threshold, left out)."""
+    silent_by: int = 0
+    """Agents that reported it but are silent now: their reading is as of their last report."""
     masters: list[MasterView] = msgspec.field(default_factory=list)
     """An HA pool's masters (``PoolStats.masters``); empty for one master."""
     pinned_bytes: int = 0

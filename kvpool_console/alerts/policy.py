@@ -54,14 +54,17 @@ def service_removed(engines: Iterable[tuple[str, int]]) -> int:
 def steering_summary(engines: Iterable[tuple[str, str, str]], removed: int = 0
                      ) -> tuple[str, bool]:
     """``policy: the service steers N engine(s) (e1, e2), removed K keys; the master steers M:
-    e3 (service silent 12.0 s)`` over ``(engine id, in charge, policy_text)`` of the engines
-    configured for the service (in charge ``""``: not configured, left out) and the keys the
-    service removed (``service_removed``: the master's eviction count leaves them out), and
-    whether the master steers any (the Pool tab shows it yellow). One line for the Pool tab
-    and ``status``."""
+    e3 (service silent 12.0 s); silent 1: e4 (last said service)`` over ``(engine id, who,
+    policy_text)`` of the engines configured for the service (who: ``service``, ``master``,
+    ``silent`` for an engine that stopped reporting, ``EngineRow.steered_by``, counted
+    under neither: who steers it now is not known; ``""``: not configured, left out) and the
+    keys the service removed (``service_removed``: the master's eviction count leaves them
+    out), and whether the master steers any (the Pool tab shows it yellow). One line for the
+    Pool tab and ``status``."""
     rows = list(engines)
     steered = [eid for eid, who, _ in rows if who == "service"]
     master = [(eid, text) for eid, who, text in rows if who == "master"]
+    silent = [(eid, text) for eid, who, text in rows if who == "silent"]
     line = f"policy: the service steers {len(steered)} engine(s)"
     if steered:
         line += f" ({engines_text(steered, 4)})"
@@ -71,6 +74,10 @@ def steering_summary(engines: Iterable[tuple[str, str, str]], removed: int = 0
         shown = [f"{eid} {text.removeprefix('policy: master ')}" for eid, text in master[:4]]
         more = f" and {len(master) - 4} more" if len(master) > 4 else ""
         line += f"; the master steers {len(master)}: {', '.join(shown)}{more}"
+    if silent:
+        shown = [f"{eid} (last said {text.removeprefix('policy: ')})" for eid, text in silent[:4]]
+        more = f" and {len(silent) - 4} more" if len(silent) > 4 else ""
+        line += f"; silent {len(silent)}: {', '.join(shown)}{more}"
     return line, bool(master)
 
 

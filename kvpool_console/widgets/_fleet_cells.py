@@ -160,10 +160,9 @@ def _agent_cells(a: AgentRow, r: EngineRow, now_ms: float) -> _Cells:
     return {
         "engine": Text(f"  └ {a.ranks if a.process_role == 'worker' else a.process_role}",
                        style=dim),
-        # A silent agent of a hung or gone engine is its process: the engine's verdict.
-        "state": Text(r.state if r.silence in ("hung", "gone") else "STALE",
-                      style="red" if r.silence in ("hung", "gone") else "yellow")
-        if a.stale else "",
+        # A silent agent of a silent engine is one of its processes: the engine's verdict.
+        "state": Text(state, style=_STATE_CELLS[state][1]) if (state := r.agent_state(a))
+        else "",
         "role": a.process_role,
         "hit": f"{a.hit_rate:.0%}" if a.prompt_tokens else "",
         "trend": "",

@@ -108,10 +108,11 @@ def _hub_line(counters: dict[str, int]) -> Text:
 
 def _policy_line(engines: list[EngineRow]) -> Text:
     """``\npolicy: the service steers N engines; the master M: e3 (service silent 12.0 s)``
-    over the engines configured for the policy service (``EngineRow.policy``): yellow when the
-    master steers any (``policy_master``)."""
+    over the engines configured for the policy service (``EngineRow.policy``; a silent one
+    counted apart, ``EngineRow.steered_by``): yellow when the master steers any
+    (``policy_master``)."""
     line, master = steering_summary(
-        ((e.engine_id, e.policy_in_charge, e.policy) for e in engines),
+        ((e.engine_id, e.steered_by, e.policy) for e in engines),
         service_removed((e.policy_service, e.policy_removed_keys) for e in engines))
     return Text("\n" + line, style="yellow" if master else "dim")
 

@@ -18,7 +18,8 @@ from kvpool_console.model import build_view
 
 # Numbers of the status document that count no event: ids, sizes, rates and headcounts now.
 _NOT_COUNTERS = {"workers", "segment_used_bytes", "segment_total_bytes", "lease_ttl_ms",
-                 "engines", "stores", "agents", "stale", "down", "hung", "gone", "pid",
+                 "engines", "stores", "agents", "stale", "down", "hung", "gone", "silent",
+                 "pid",
                  "rss_bytes",
                  "load_bytes_per_s", "save_bytes_per_s"}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import msgspec
 import pytest
@@ -98,7 +99,7 @@ def test_status_json_policy_is_a_machine_value_the_screens_say_in_words(
     # status --json as the command prints it: ``policy`` one of four values, never the
     # screens' label, and no other key than the documented ones (policy_value is the row's).
     fleet = {**_fleet(), **_steered("young", "master", 1_200.0)}
-    assert _status(_parser().parse_args(["status", "--json"]), StaticSource(fleet),
+    assert _status(_parser().parse_args(["status", "--json"]), _reporting(fleet),
                    Console(file=io.StringIO())) == 0
     engines = {e["engine_id"]: e for e in json.loads(capsys.readouterr().out)["engines"]}
     assert {eid: e["policy"] for eid, e in engines.items()} == {
@@ -127,10 +128,17 @@ async def test_pool_tab_names_who_steers() -> None:
                     "master steers 1: svc-b (service silent 12.0 s)")
 
 
+def _reporting(fleet: dict[str, EngineState]) -> StaticSource:
+    """``fleet`` as a source whose every agent reported just now (``status`` ages the reports
+    by the wall clock: the fixtures' ``NOW_MS`` would make every engine silent)."""
+    return StaticSource(fleet, {a: time.time() * 1e3 for a in fleet})
+
+
 def _status_text(fleet: dict[str, EngineState]) -> str:
-    """``kvpool-console status``'s text view of ``fleet``, on a wide terminal."""
+    """``kvpool-console status``'s text view of ``fleet``, on a wide terminal (every agent
+    reported just now)."""
     out = Console(file=io.StringIO(), width=300)
-    _status(_parser().parse_args(["status"]), StaticSource(fleet), out)
+    _status(_parser().parse_args(["status"]), _reporting(fleet), out)
     return out.file.getvalue()  # type: ignore[attr-defined]
 
 
@@ -169,3 +177,41 @@ async def test_detail_screen_names_who_steers_only_for_service_engines() -> None
         f"policy: master (service silent 12.0 s); service {SERVICE}, records sent 70 "
         f"dropped 9")
     assert "policy" not in seen["plain"]
+
+
+def _silent_svc_a() -> tuple[dict[str, EngineState], dict[str, float]]:
+    """``_fleet`` where svc-a (the service steered it) has sent nothing for 74 s (killed, or
+    stopped with the service): its states and the hub's receive times."""
+    fleet = _fleet()
+    return fleet, {a: NOW_MS - (74_000.0 if a.startswith("svc-a/") else 300.0) for a in fleet}
+
+
+async def test_a_silent_engine_is_not_counted_as_steered() -> None:
+    """A demo user's report: the policy line and ``status --json`` counted an engine gone for
+    a minute as steered by the service, which had stopped too. Its last report says who
+    steered then, not now: counted apart, ``engine_silent`` in ``status --json``."""
+    fleet, seen = _silent_svc_a()
+    view = build_view(fleet, seen, NOW_MS, alerts=evaluate(fleet, seen, NOW_MS))
+    doc = status_document(view)
+    rows = {e["engine_id"]: e for e in doc["engines"]}
+    assert rows["svc-a"]["state"] == "DOWN" and rows["svc-a"]["silent"] is True
+    assert (rows["svc-a"]["policy"], rows["svc-a"]["policy_in_charge"]) == (
+        "engine_silent", "service")
+    assert rows["svc-b"]["policy"] == "service_silent"
+    out = Console(file=io.StringIO(), width=300)
+    _status(_parser().parse_args(["status"]), StaticSource(fleet, {
+        a: time.time() * 1e3 - (NOW_MS - t) for a, t in seen.items()}), out)
+    text = out.file.getvalue()  # type: ignore[attr-defined]
+    line = ("policy: the service steers 0 engine(s), removed 26,541 keys; the master steers 1: "
+            "svc-b (service silent 12.0 s); silent 1: svc-a (last said service)")
+    assert text.count(line) == 1, text
+    # Nor is it counted as reporting the pool now (its last reading is old).
+    (pool,) = doc["pools"]
+    assert (pool["reported_by"], pool["silent_by"]) == (6, 3)
+    assert "reported by 6 agent(s) (3 more silent)" in text
+    app = KVPoolConsole(StaticSource(fleet, seen), refresh_s=3600, clock=lambda: NOW_MS)
+    async with app.run_test(size=(240, 40)) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        summary = str(app.query_one("#pool-summary", Static).render())
+    assert summary.splitlines()[-1] == line

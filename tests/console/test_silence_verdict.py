@@ -64,6 +64,13 @@ def _agree(capsys: pytest.CaptureFixture[str], hub: str, doc: dict[str, Any],
     """The status document, the text status and triage name e1 ``verdict``, critical."""
     e1 = _engine(doc)
     assert (e1["state"], e1["silence"]) == (verdict.upper(), verdict)
+    # The entry and the totals tell one story: silent, neither stale nor down (those are
+    # verdicts too), counted once under its verdict; its agent says the same.
+    assert (e1["silent"], e1["stale"], e1["down"]) == (True, False, False)
+    (agent,) = e1["agents"]
+    assert (agent["state"], agent["silent"], agent["stale"], agent["down"]) == (
+        verdict.upper(), True, False, False)
+    assert doc["totals"]["silent"] == 1
     alert = _stale_alert(doc)
     assert (alert["severity"], alert["verdict"]) == ("critical", verdict)
     assert alert["message"].startswith(f"{verdict}: pid ")
@@ -148,6 +155,8 @@ def test_status_without_a_verdict_says_stale_then_down(
         doc, _ = _until_silent(capsys, hub, "STALE")
         e1, alert = _engine(doc), _stale_alert(doc)
         assert e1["silence"] == "stale"
+        assert (e1["silent"], e1["stale"], e1["down"]) == (True, True, False)
+        assert doc["totals"]["silent"] == doc["totals"]["stale"] == 1
         assert (alert["severity"], alert["verdict"]) == ("warning", "stale")
         assert doc["totals"]["stale"] == 1 and doc["totals"]["hung"] == 0
         os.kill(proc.pid, signal.SIGCONT)
