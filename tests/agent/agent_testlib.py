@@ -258,3 +258,23 @@ class Claimant:
         self._stop.set()
         self._thread.join()
         self.ctx.destroy(linger=0)
+
+
+FROZEN_MS = 1_780_000_000_000.0
+"""The frozen wall clock (epoch ms) of the tests that drive an ``Aggregator`` by hand; their
+monotonic clock starts at 0 ms."""
+
+AGGREGATED = Source(agent_id="e/dp0.tp0.pp0", engine_id="e", instance_role="mixed",
+                    kv_role="kv_both", process_role="worker")
+"""The worker those tests aggregate for."""
+
+
+def frozen_aggregator(lease_ttl_ms: int) -> Any:
+    """An ``Aggregator`` of ``AGGREGATED`` started at ``FROZEN_MS``, its loop ticked once (at
+    monotonic 0 ms)."""
+    from kvpool_agent._aggregate import Aggregator
+
+    agg = Aggregator(AGGREGATED, lease_ttl_ms, FROZEN_MS)
+    agg.tick(0.0, FROZEN_MS)
+    return agg
+

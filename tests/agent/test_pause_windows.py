@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from agent_testlib import FROZEN_MS, frozen_aggregator
 
 from kvpool_agent._aggregate import STALL_MS, Aggregator
 from kvpool_agent.protocol import (
@@ -17,23 +18,18 @@ from kvpool_agent.protocol import (
     PoolStats,
     ProtocolError,
     Report,
-    Source,
     decode,
     encode,
 )
 from kvpool_agent.reporter import TransferFinished, TransferStarted
 
-T = 1_780_000_000_000.0
+T = FROZEN_MS
 """Frozen wall clock (epoch ms); the monotonic clock of these tests starts at 0 ms."""
 TTL_MS = 3_000
 
-SOURCE = Source(agent_id="e/dp0.tp0.pp0", engine_id="e", instance_role="mixed",
-                kv_role="kv_both", process_role="worker")
-
 
 def _agg() -> Aggregator:
-    agg = Aggregator(SOURCE, TTL_MS, T)
-    agg.tick(0.0, T)
+    agg: Aggregator = frozen_aggregator(TTL_MS)
     return agg
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 import pytest
+from agent_testlib import FROZEN_MS, frozen_aggregator
 
 from kvpool_agent._aggregate import Aggregator
 from kvpool_agent.protocol import (
@@ -29,18 +30,14 @@ from kvpool_agent.protocol import (
 )
 from kvpool_agent.reporter import TransferFinished, TransferStarted
 
-T = 1_780_000_000_000.0
+T = FROZEN_MS
 """Frozen wall clock (epoch ms); the monotonic clock of these tests starts at 0 ms."""
 TTL_MS = 3_000
 MIB = 1 << 20
 
-SOURCE = Source(agent_id="e/dp0.tp0.pp0", engine_id="e", instance_role="mixed",
-                kv_role="kv_both", process_role="worker")
-
 
 def _agg() -> Aggregator:
-    agg = Aggregator(SOURCE, TTL_MS, T)
-    agg.tick(0.0, T)
+    agg: Aggregator = frozen_aggregator(TTL_MS)
     return agg
 
 
