@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 from fleetdata import NOW_MS, engine, sample_fleet
 from livefleet import until
-from textual.command import CommandList, CommandPalette
+from palettekit import palette_entries
 from textual.pilot import Pilot
 from textual.widgets import Input, Label, Static
 from triagekit import standin
@@ -34,18 +34,7 @@ WAIT_S = 30.0
 
 async def _palette_titles(pilot: Pilot[None]) -> set[str]:
     """Open the palette over the current screen and read its entries' titles; closes it."""
-    await pilot.press("ctrl+p")
-    shown: set[str] = set()
-    for _ in range(50):  # the palette gathers its entries in a worker
-        await pilot.pause(0.05)
-        palette = pilot.app.screen
-        assert isinstance(palette, CommandPalette)
-        options = palette.query_one(CommandList)
-        now = {str(options.get_option_at_index(i).prompt).partition("\n")[0]
-               for i in range(options.option_count)}
-        if now and now == shown:
-            break
-        shown = now
+    shown = set(await palette_entries(pilot))
     await pilot.press("escape")
     await pilot.pause()
     return shown

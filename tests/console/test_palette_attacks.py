@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import msgspec
 from fleetdata import NOW_MS, engine, sample_fleet
-from textual.command import CommandList, CommandPalette
-from textual.pilot import Pilot
+from palettekit import choose, palette_entries
 
 from kvpool_agent.protocol import CommandReply, EngineState
 from kvpool_console.app import KVPoolConsole
@@ -33,40 +32,6 @@ class _Recording(StaticSource):
         return result
 
 
-async def _entries(pilot: Pilot[None]) -> dict[str, str]:
-    await pilot.press("ctrl+p")
-    shown: dict[str, str] = {}
-    for _ in range(50):  # the palette gathers its entries in a worker
-        await pilot.pause(0.05)
-        palette = pilot.app.screen
-        assert isinstance(palette, CommandPalette)
-        options = palette.query_one(CommandList)
-        now = {}
-        for i in range(options.option_count):
-            title, _, help_line = str(options.get_option_at_index(i).prompt).partition("\n")
-            now[title] = help_line
-        if now and now == shown:
-            break
-        shown = now
-    return shown
-
-
-async def _choose(pilot: Pilot[None], title: str) -> None:
-    await pilot.press("ctrl+p")
-    await pilot.press(*title[:10])
-    first = ""
-    for _ in range(100):
-        await pilot.pause(0.02)
-        options = pilot.app.screen.query_one(CommandList)
-        if options.option_count:
-            first = str(options.get_option_at_index(0).prompt).partition("\n")[0]
-            if first == title:
-                break
-    assert first == title, (first, title)
-    await pilot.press("enter")
-    await pilot.pause(0.1)
-
-
 async def test_a_read_only_palette_runs_no_mutation() -> None:
     states = sample_fleet()
     for key, state in engine(HOSTILE, role="mixed").items():
@@ -77,7 +42,7 @@ async def test_a_read_only_palette_runs_no_mutation() -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         table = app.query_one(FleetTable)
         table.move_cursor(row=table.get_row_index("e:prefill-0"))  # an engine with a model
-        shown = await _entries(pilot)
+        shown = await palette_entries(pilot)
         assert not any(HOSTILE[:8] in t or "\x1b" in t for t in shown), shown
         for title, name in (("Flush pool entries", "flush"),
                             ("Pin a prefix: selected engine's model", "pin"),
@@ -85,12 +50,12 @@ async def test_a_read_only_palette_runs_no_mutation() -> None:
             assert shown[title].startswith(f"read-only console: {name} needs the operator")
             await pilot.press("escape")
             await pilot.pause()
-            await _choose(pilot, title)
+            await choose(pilot, title)
             assert not isinstance(app.screen, FlushScreen | PinScreen | UnpinScreen), title
             assert any(f"{name} needs the operator key" in str(n.message)
                        for n in app._notifications), name
         # The hostile engine's row is there, and selecting it changes nothing of the above.
         table.move_cursor(row=table.get_row_index(f"e:{HOSTILE}"))
-        await _choose(pilot, "Pin a prefix: selected engine's model")
+        await choose(pilot, "Pin a prefix: selected engine's model")
         assert not isinstance(app.screen, PinScreen)
     assert [c for c in source.asked if c in ("flush", "pin", "unpin")] == []
