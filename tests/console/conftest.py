@@ -1,14 +1,19 @@
 """Fixtures for console tests: a live fleet (see ``livefleet``) on the session mooncake_master;
-for the triage tests a bare hub and something listening as the pool's master."""
+for the triage tests a bare hub, something listening as the pool's master, a real sshd and a
+stopped process."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from livefleet import LiveFleet, hub_address, keyed_live_fleet
+from sshd import Sshd, start_sshd
 
 from kvpool_agent.hub import FleetHub
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
@@ -52,3 +57,24 @@ def master() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    """A real sshd on a free port of 127.0.0.1 for SSH triage (``tests/sshd.py``), one per
+    test module."""
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def stopped() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process of this host and pid namespace, SIGSTOPped (what a hung engine is)."""
+    proc = subprocess.Popen(["sleep", "300"])
+    os.kill(proc.pid, signal.SIGSTOP)
+    yield proc
+    proc.kill()
+    proc.wait()

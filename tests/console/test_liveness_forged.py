@@ -6,11 +6,8 @@ one (gone)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -42,16 +39,6 @@ def _stale_text(states: dict[str, EngineState]) -> str:
                                     AlertSettings(alive=local_process_alive))
                 if a.rule == "stale"]
     return alert.message
-
-
-@pytest.fixture
-def stopped() -> Iterator[subprocess.Popen[bytes]]:
-    """A live process, stopped (a hung engine)."""
-    proc = subprocess.Popen(["sleep", "300"])
-    os.kill(proc.pid, signal.SIGSTOP)
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from sshd import Sshd, start_sshd
+from sshd import Sshd
 
 from kvpool_agent.process_facts import pid_namespace, start_ticks
 from kvpool_agent.protocol import EngineState, Source
@@ -59,16 +59,6 @@ def contained() -> Iterator[dict[str, Any]]:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-@pytest.fixture
-def stopped() -> Iterator[subprocess.Popen[bytes]]:
-    """A live process of this namespace, stopped (what "hung" would be)."""
-    proc = subprocess.Popen(["sleep", "300"])
-    os.kill(proc.pid, signal.SIGSTOP)
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def _states(*sources: dict[str, Any]) -> dict[str, EngineState]:
@@ -150,15 +140,6 @@ async def test_local_triage_says_where_to_run_it(contained: dict[str, Any],
               "pid_ns": contained["pid_ns"]}
     report = await triage_engine("c", _states(forged), reporting=False)
     _assert_not_judged(report, stopped.pid, contained["pid_ns"])
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_ssh_triage_says_where_to_run_it(contained: dict[str, Any], sshd: Sshd,

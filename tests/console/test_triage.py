@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import psutil
 import pytest
-from sshd import Sshd, start_sshd
+from sshd import Sshd
 from triagekit import (
     one_agent_console,
     run_triage,
@@ -45,15 +45,6 @@ from kvpool_console.triage._parse import kernel_evidence, parse_proc_sockets, se
 from kvpool_console.triage._plan import safe_host, safe_path
 from kvpool_console.triage._render import render
 from kvpool_replay import free_port
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
