@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvpool_agent._aggregate import Aggregator
+from kvpool_agent.pool_listing import ALL_KEYS_PATTERN
 from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter, SaveCopied
 from kvpool_connector import staging
@@ -244,6 +245,9 @@ def test_worker_moves_llama3_8b_blocks_through_staging(client: MooncakeBackend,
     assert saves.calls == loads.calls == (chunks if staging else 1)
     writer.shutdown()
     reader.shutdown()
+    # 32 MiB of values per case in the module's 256 MiB pool: gone before the next test saves
+    # (leased for 10 s, the master would refuse its puts for space meanwhile).
+    client.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
 
 
 def _thread_nice() -> int:
