@@ -34,7 +34,9 @@ from kvpool_agent.protocol import (
     MAX_BIG_COUNT,
     MAX_COUNT,
     MAX_ID_CHARS,
+    MAX_NAMES,
     MAX_SEGMENTS,
+    OTHER_NAME,
     RECENT_LOSSES,
     RECENT_PAUSES,
     STUCK_FLOOR_MS,
@@ -76,6 +78,11 @@ class StoreWatch:
         self._stall: PauseWindow | None = None
         self._answered = False
         self._ok_ms: float | None = None
+        self._since_ok: dict[str, int] = {}
+        """Errors (name -> count) since this process's last transfer that ended well: a dead
+        store's window counts them all, also those a flood pushed out of ``_recent``."""
+        self._first_fail_ms: float | None = None
+        """The first of them (epoch ms); None: none since."""
         self._empty: PauseWindow | None = None
         self._last: tuple[float, PoolStats] | None = None
         self._memory_ms: float | None = None
@@ -126,7 +133,10 @@ class StoreWatch:
 
     def failed(self, name: str, ts_ms: float) -> None:
         """A failed transfer or skipped save of error ``name`` at ``ts_ms``: counted in the
-        windows it falls in."""
+        windows it falls in, and among the errors since the last transfer that ended well."""
+        count_name(self._since_ok, name)
+        if self._first_fail_ms is None or ts_ms < self._first_fail_ms:
+            self._first_fail_ms = ts_ms
         for w in self.windows:
             if w.start_ms <= ts_ms and (w.end_ms is None or ts_ms <= w.end_ms):
                 count_name(w.errors, name)
@@ -136,6 +146,8 @@ class StoreWatch:
         it)."""
         if ok:
             self._ok_ms = ts_ms if self._ok_ms is None else max(self._ok_ms, ts_ms)
+            self._since_ok = {}
+            self._first_fail_ms = None
             if self._stall is not None:
                 self._answered = True
 
@@ -174,12 +186,17 @@ class StoreWatch:
             # From the last reading with memory, or from the first failure since the last
             # transfer that ended well when earlier: a dead store's transfers fail at once
             # (TRANSFER_FAIL) for the client_ttl its segment still lingers in the master.
-            ok = self._ok_ms if self._ok_ms is not None else float("-inf")
-            start = min((e.ts_ms for e in self._recent if e.ts_ms > ok),
-                        default=self._memory_ms)
+            start = self._memory_ms if self._first_fail_ms is None else min(
+                self._first_fail_ms, self._memory_ms)
             self._empty = self._open(
-                "pool_no_segments", min(start, self._memory_ms),
+                "pool_no_segments", start,
                 clip(", ".join(s.name for s in prev_segments[:4]), MAX_ID_CHARS))
+            # Every error since the last transfer that ended well is in it (start is at or
+            # before the first of them), also those no longer among the recent records.
+            errors = self._empty.errors
+            for name, n in self._since_ok.items():
+                key = name if name in errors or len(errors) < MAX_NAMES - 1 else OTHER_NAME
+                errors[key] = max(errors.get(key, 0), n)
             changed = True
         return changed
 

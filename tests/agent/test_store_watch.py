@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from agent_testlib import FROZEN_MS, frozen_aggregator
 
-from kvpool_agent._aggregate import Aggregator
+from kvpool_agent._aggregate import RECENT_ERRORS, Aggregator
 from kvpool_agent.protocol import (
     PROTOCOL_VERSION,
     RECENT_PAUSES,
@@ -202,3 +202,29 @@ def test_a_dead_stores_refused_transfers_are_in_its_window() -> None:
     (w,) = agg.state(T + 5_000).store_pauses
     assert (w.kind, w.start_ms, w.end_ms) == ("pool_no_segments", T + 1_500, None)
     assert w.errors == {"TRANSFER_FAIL": 3}
+
+
+def test_a_dead_stores_window_counts_failures_a_flood_pushed_out_of_the_records() -> None:
+    """The same, with more failures after the first TRANSFER_FAIL than the agent keeps records
+    of (``RECENT_ERRORS``: saves refused at once, NO_AVAILABLE_HANDLE, while the segment
+    lingers): the window still counts all of them, so the console can put every one on the
+    store (a CI run under load read the 4 TRANSFER_FAIL as the transport's)."""
+    agg = _agg()
+    _reading(agg, 1_000, ("10.0.0.5:15001", 100 * MIB, 512 * MIB), keys=500)
+    _start(agg, "ok", 1_100, "save")
+    _end(agg, "ok", 1_200, kind="save")
+    for i in range(4):
+        _start(agg, f"t{i}", 1_490 + i, "save")
+        _end(agg, f"t{i}", 1_500 + i, ok=False, kind="save", error="TRANSFER_FAIL",
+             after_hit=False)
+    flood = RECENT_ERRORS + 10
+    for i in range(flood):
+        _start(agg, f"n{i}", 2_000 + i, "save")
+        _end(agg, f"n{i}", 2_001 + i, ok=False, kind="save", error="NO_AVAILABLE_HANDLE",
+             after_hit=False)
+    assert not [e for e in agg.recent_errors if e.name == "TRANSFER_FAIL"]  # pushed out
+    _reading(agg, 3_000, ("10.0.0.5:15001", 100 * MIB, 512 * MIB), keys=500)  # lingering
+    _reading(agg, 5_000, keys=0)  # dropped
+    (w,) = agg.state(T + 5_000).store_pauses
+    assert (w.kind, w.start_ms) == ("pool_no_segments", T + 1_500)
+    assert w.errors == {"TRANSFER_FAIL": 4, "NO_AVAILABLE_HANDLE": flood}
