@@ -26,6 +26,7 @@ from kvpool_agent.pool_listing import ALL_KEYS_PATTERN
 from kvpool_agent.protocol import Source
 from kvpool_agent.reporter import Reporter, SaveCopied
 from kvpool_connector import staging
+from kvpool_connector._checksum import CHECKSUM_BYTES
 from kvpool_connector.backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvpool_connector.keys import ParallelLayout, chunk_hashes
 from kvpool_connector.metadata import KVPoolConnectorMetadata, LoadSpec, ReqMeta
@@ -248,6 +249,26 @@ def test_worker_moves_llama3_8b_blocks_through_staging(client: MooncakeBackend,
     # 32 MiB of values per case in the module's 256 MiB pool: gone before the next test saves
     # (leased for 10 s, the master would refuse its puts for space meanwhile).
     client.remove_by_scope(ALL_KEYS_PATTERN, dry_run=False, force=True)
+
+
+def test_the_default_buffer_holds_four_of_the_models_values(client: MooncakeBackend) -> None:
+    """``staging_buffer: auto`` (the default, ``None``) at Llama-3-8B's KV shape in 256-token
+    chunks (32 MiB values): each transfer thread's buffer holds four values, past the 64 MiB a
+    fixed default gave (calls of one value: no copy overlapped a put). The caches' pages and
+    the buffer's are never touched: only the sizes are read."""
+    settings = _Settings(chunk_size=256, staging_buffer_bytes=None)
+    bpc = settings.chunk_size // settings.block_size
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((bpc + 1, 8, 16, 256),
+                                                              dtype=torch.bfloat16)
+              for i in range(32)}
+    worker = KVPoolWorker(settings, ParallelLayout(), "auto-buffer", client, Reporter())
+    worker.register_kv_caches(caches)
+    _KEEP.append((caches, worker))
+    value = 32 * bpc * (64 << 10) + CHECKSUM_BYTES
+    assert value > 16 << 20  # four of them are past the 64 MiB floor
+    for calls in (worker._saves.calls, worker._loads.calls):
+        assert calls.staging is not None and calls.staging.nbytes == 4 * value
+    worker.shutdown()
 
 
 def _thread_nice() -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvpool_agent.process_facts import start_ticks
 from kvpool_agent.protocol import EngineState, Source
 from kvpool_console._text import json_line
 from kvpool_console.triage import _commands as C
@@ -227,11 +228,6 @@ def test_this_host_reads_interfaces_at_most_once_a_second(
     assert calls == 1
 
 
-def _my_start_ticks() -> int:
-    """This process's start time in clock ticks after boot (``/proc/self/stat`` field 22)."""
-    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
 @pytest.mark.parametrize("hosts", [("localhost", "localhost"), ("localhost", "127.0.0.1")],
                          ids=["one-spelling", "two-spellings"])
 @pytest.mark.parametrize("forged_first", [True, False], ids=["forged-first", "forged-last"])
@@ -240,7 +236,7 @@ async def test_a_forged_later_start_does_not_make_a_live_engine_gone(
     """A forged agent copying a live engine's host and pid with a later start (which would read
     as "pid reused by another process: gone") and the engine's own agent with its true start:
     the disputed start is not used, the process is judged running, and the report says why."""
-    true_start = _my_start_ticks()
+    true_start = start_ticks()
     real = {"host": hosts[0], "start_ticks": true_start}
     forged = {"host": hosts[1], "start_ticks": true_start + 1000}
     states = _states(*((forged, real) if forged_first else (real, forged)))
