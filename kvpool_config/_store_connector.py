@@ -250,11 +250,13 @@ def _refusals(exc: ValueError, path: str) -> list[tuple[str, str, str]]:
         return out
     field, _, problem = rest.partition(": ")
     cut = [m.end() for m in _FIX_START.finditer(problem)]
+    # The message names its field as pydantic's above do: read alone, "true is not a size"
+    # says not which key.
     if not cut:
-        return [(f"{base}.{field}", f"{problem}; {_REFUSED}", _fallback_fix(field))]
+        return [(f"{base}.{field}", f"{field}: {problem}; {_REFUSED}", _fallback_fix(field))]
     fix = problem[cut[-1]:]
     problem = problem[:cut[-1]].rstrip(";:, ")
-    return [(f"{base}.{field}", f"{problem}; {_REFUSED}",
+    return [(f"{base}.{field}", f"{field}: {problem}; {_REFUSED}",
              f"set {field}, {fix}" if fix.startswith("e.g.") else fix)]
 
 

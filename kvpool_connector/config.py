@@ -78,8 +78,9 @@ class _ExtraFields(BaseModel):
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
     # Parsed by parse_size below, which refuses a bool (lax pydantic would read True as 1 byte).
     save_budget: bool | int | float | str = "256MB"
-    # "auto" (staging.StagingBuffer.sized) or a size, as the config reference shows it.
-    staging_buffer: bool | int | float | str = "auto"
+    # "auto" (staging.StagingBuffer.sized) or a size, as the config reference shows it; any
+    # type here so that parse_staging_buffer refuses a null in one line, not pydantic's four.
+    staging_buffer: Any = "auto"
     save_nice: int = Field(default=0, ge=0, le=19, strict=True)
     transfer_cpus: str = "auto"
     checksum: bool = False

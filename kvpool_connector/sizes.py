@@ -43,12 +43,16 @@ _FORMS = (
 )
 
 
-def parse_size(value: int | float | str) -> int:
+def parse_size(value: int | float | str, *, whole: bool = False) -> int:
     """Bytes in a size as a Mooncake config writes it.
 
     Args:
         value: a byte count (``int``; a ``float`` is truncated) or a string in the grammar of
             the module docstring, e.g. ``"1GB"``, ``" 512 mb "``, ``"1.5G"``, ``"3355443200"``.
+        whole: refuse a size that is not a whole number of bytes (``1.5``, ``"1.5"``,
+            ``"0.1K"``) instead of truncating it. Mooncake truncates, so its own keys keep the
+            default; a key of this project's own (``staging_buffer``) need not take ``1.5`` as
+            1 byte.
 
     Returns:
         The size in bytes (>= 0).
@@ -56,18 +60,29 @@ def parse_size(value: int | float | str) -> int:
     Raises:
         ValueError: a bool, a negative or non-finite number, another type, or a string outside
             the grammar (``"1GiB"``, ``"1 gallon"``, ``"-1GB"``, ``"1e9"``); the message names
-            the value and the accepted forms.
+            the value and the accepted forms; with ``whole``, also a size with a fraction of
+            a byte.
     """
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{value!r} is not a size: {_FORMS}")
     if isinstance(value, int | float):
         if value < 0 or not math.isfinite(value):
             raise ValueError(f"{value!r} is not a size: a byte count is a number >= 0")
+        if whole and value != int(value):
+            raise ValueError(_not_whole(value))
         return int(value)
     match = _SIZE.fullmatch(value)
     if match is None:
         raise ValueError(f"{value!r} is not a size: {_FORMS}")
-    whole, _, fraction = match.group(1).partition(".")
+    integer, _, fraction = match.group(1).partition(".")
     # Scaled to an integer so that long byte counts and fractions stay exact.
-    digits = int((whole or "0") + fraction)
-    return digits * _MULTIPLIER[match.group(3).upper()] // 10 ** len(fraction)
+    scaled = int((integer or "0") + fraction) * _MULTIPLIER[match.group(3).upper()]
+    if whole and scaled % 10 ** len(fraction):
+        raise ValueError(_not_whole(value))
+    return scaled // 10 ** len(fraction)
+
+
+def _not_whole(value: float | str) -> str:
+    """The refusal of a size with a fraction of a byte (``parse_size(..., whole=True)``)."""
+    return (f"{value!r} is not a whole number of bytes: write a byte count without a fraction "
+            'or a size with a unit, e.g. "256MB"')

@@ -54,12 +54,13 @@ one value), 0.82x / 0.81x with 128 MiB (four values), 0.82x / 0.80x with 256 MiB
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvpool_connector.sizes import parse_size
 
@@ -92,24 +93,31 @@ AUTO_STAGING_MAX_BYTES = 1 << 30
 past it, fewer values (at least one)."""
 
 
-def parse_staging_buffer(value: bool | int | float | str) -> int | None:
+_KEY = "kv_connector_extra_config.staging_buffer"
+_FIX = 'use a size like "256MB", or "auto" (the default)'
+
+
+def parse_staging_buffer(value: object) -> int | None:
     """The connector's ``staging_buffer`` (``kv_connector_extra_config``): ``"auto"`` (the
-    default: ``None``, sized by ``StagingBuffer.sized``) or a size in bytes.
+    default: ``None``, sized by ``StagingBuffer.sized``) or a size in whole bytes.
 
     Raises:
-        ValueError: not ``"auto"`` and not a size of more than 0 bytes
-            (``kvpool_connector.sizes.parse_size``); the message names the key and the fix.
+        ValueError: not ``"auto"`` and not a size of a whole number of bytes, more than 0
+            (``kvpool_connector.sizes.parse_size``); one line naming the key and the fix. A
+            YAML ``staging_buffer:`` left empty is ``null`` and a bool would be 1 byte to
+            ``int``: both are refused as no size, and ``1.5`` is not taken as 1 byte.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None
+    if value is None or isinstance(value, bool):
+        raise ValueError(f"{_KEY}: {json.dumps(value)} is not a size; {_FIX}")
     try:
-        nbytes = parse_size(value)
+        nbytes = parse_size(cast("int | float | str", value), whole=True)
     except ValueError as exc:
-        raise ValueError(f"kv_connector_extra_config.staging_buffer: {exc}, or \"auto\"") \
-            from None
+        raise ValueError(f'{_KEY}: {exc}, or "auto"') from None
     if nbytes <= 0:
-        raise ValueError("kv_connector_extra_config.staging_buffer: must be more than 0 "
-                         'bytes, e.g. "256MB", or "auto" (the default)')
+        raise ValueError(f'{_KEY}: must be more than 0 bytes, e.g. "256MB", or "auto" (the '
+                         "default)")
     return nbytes
 
 

@@ -83,9 +83,11 @@ _REFUSED = "KVPoolConnector refuses it and the engine does not start"
     ({"store_pp_layer_partition": [10, -2]}, "store_pp_layer_partition[1]",
      "store_pp_layer_partition[1] -2: input should be greater than 0", "use a value above 0"),
     ({"admission": "service", "policy_service": "tcp://127.0.0.1:0"}, "policy_service",
-     "'tcp://127.0.0.1:0' is not tcp://HOST:PORT (records on PORT, snapshots on PORT+1)",
+     "policy_service: 'tcp://127.0.0.1:0' is not tcp://HOST:PORT (records on PORT, snapshots "
+     "on PORT+1)",
      "set policy_service, e.g. tcp://10.0.0.5:5600"),
-    ({"transfer_cpus": "a-b"}, "transfer_cpus", "'a-b' is not a CPU or a range like 6-7",
+    ({"transfer_cpus": "a-b"}, "transfer_cpus",
+     "transfer_cpus: 'a-b' is not a CPU or a range like 6-7",
      "use 'auto', 'inherit' or a CPU list like \"6-7\""),
 ])
 def test_a_refused_value_gets_a_concrete_fix(

@@ -64,7 +64,8 @@ def test_the_buffer_holds_four_values_by_default_and_a_set_size_otherwise(
 
 
 @pytest.mark.parametrize(("value", "says"), [
-    (0, "more than 0 bytes"), ("lots", "'lots' is not a size"), (True, "True is not a size"),
+    (0, "more than 0 bytes"), ("lots", "'lots' is not a size"),
+    (True, "staging_buffer: true is not a size"),
 ])
 def test_validate_refuses_what_the_connector_refuses(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object, says: str) -> None:
@@ -85,3 +86,36 @@ def test_validate_warns_above_1gib_and_is_clean_at_the_default(
         assert rc == 0 and not [x for x in findings if x["rule"] == "staging-buffer"], fine
     assert check_staging_buffer(1 << 30, path="$.x") is None
     assert check_staging_buffer((1 << 30) + 1, path="$.x") is not None
+
+
+_FIX = 'use a size like "256MB", or "auto" (the default)'
+
+
+@pytest.mark.parametrize(("value", "message", "fix"), [
+    # YAML's empty ``staging_buffer:``: four pydantic errors before, one per union member.
+    (None, "staging_buffer: null is not a size", _FIX),
+    (True, "staging_buffer: true is not a size", _FIX),
+    # Taken as 1 byte before.
+    (1.5, "staging_buffer: 1.5 is not a whole number of bytes",
+     'set staging_buffer, e.g. "256MB", or "auto"'),
+    ("1.5", "staging_buffer: '1.5' is not a whole number of bytes",
+     'set staging_buffer, e.g. "256MB", or "auto"'),
+])
+def test_a_null_a_bool_or_a_fraction_of_a_byte_is_one_finding_naming_the_key_and_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], value: object, message: str,
+        fix: str) -> None:
+    rc, findings = _validate(tmp_path, capsys, value)
+    errors = [x for x in findings if x["severity"] == "error"]
+    assert rc == 2 and len(errors) == 1, findings
+    assert errors[0]["path"] == "$.kv_connector_extra_config.staging_buffer"
+    assert errors[0]["message"].startswith(message) and errors[0]["fix"] == fix
+    with pytest.raises(ValueError) as refused:
+        _parse({"staging_buffer": value})
+    assert str(refused.value).startswith(f"kv_connector_extra_config.{message}")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_whole_number_of_bytes_is_taken_whatever_its_form() -> None:
+    assert _parse({"staging_buffer": 2.0}).staging_buffer_bytes == 2
+    assert _parse({"staging_buffer": "1.5K"}).staging_buffer_bytes == 1536
+    assert _parse({"staging_buffer": "1.5GB"}).staging_buffer_bytes == 3 << 29

@@ -8,6 +8,7 @@ both."""
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -152,3 +153,29 @@ def test_validator_and_runtime_agree_on_every_string(text: str) -> None:
 @given(st.integers(min_value=-(1 << 62), max_value=1 << 62) | st.floats() | st.booleans())
 def test_validator_and_runtime_agree_on_numbers(value: float) -> None:
     _assert_agree(value)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(_valid())
+def test_whole_takes_exactly_the_sizes_of_whole_bytes(pair: tuple[str, int]) -> None:
+    """``whole=True`` (``staging_buffer``) refuses a size with a fraction of a byte instead of
+    truncating it ("1.5" was 1 byte), and takes every other with the same bytes."""
+    text, _ = pair
+    parts = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    assert parts is not None
+    exact = Fraction(parts[1]) * _UNITS[parts[2].lower()]
+    if exact.denominator == 1:
+        assert parse_size(text, whole=True) == exact
+    else:
+        with pytest.raises(ValueError, match="is not a whole number of bytes"):
+            parse_size(text, whole=True)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(2.0, 2), (1.5, None), ("1.5", None),
+                                                  ("0.1K", None), ("1.5K", 1536), (1024, 1024)])
+def test_whole_numbers(value: float | str, expected: int | None) -> None:
+    if expected is None:
+        with pytest.raises(ValueError, match=r'is not a whole number of bytes.*"256MB"'):
+            parse_size(value, whole=True)
+    else:
+        assert parse_size(value, whole=True) == expected
