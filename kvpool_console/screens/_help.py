@@ -25,6 +25,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Markdown, Static
 
+from kvpool_console.model import SORT_KEYS
 from kvpool_console.screens._actions import ConfirmScreen, FlushScreen
 from kvpool_console.screens._detail import EngineDetailScreen
 from kvpool_console.screens._pins import PinScreen, UnpinScreen
@@ -59,8 +60,13 @@ ACTION_HELP: dict[str, ActionHelp] = {
                          "agent id", "Filter engines"),
     "faults": ActionHelp("Fleet", "only engines with an alert, or stale / down",
                          "Toggle faults only"),
-    "sort": ActionHelp("Fleet", "sort by the next column", "Sort by the next column"),
-    "reverse": ActionHelp("Fleet", "reverse the sort", "Reverse the sort"),
+    # Sort and reverse say more than their palette names: an entry whose words are its name
+    # shows no help line there.
+    "sort": ActionHelp("Fleet", f"sort by the next column in turn: {', '.join(SORT_KEYS)} "
+                       "(the status bar shows which; a click on a header sorts by it)",
+                       "Sort by the next column"),
+    "reverse": ActionHelp("Fleet", "reverse the sort: ascending (↑ in the status bar) or "
+                          "descending (↓)", "Reverse the sort"),
     "pause": ActionHelp("Fleet", "freeze the screen (PAUSED); data keeps arriving",
                         "Pause / resume"),
     "rate(-1)": ActionHelp("Fleet", "refresh faster (down to 0.25 s)", "Refresh faster"),

@@ -33,7 +33,13 @@ async def test_every_bound_action_is_in_the_palette_by_its_name() -> None:
     # quit replaced by the console's (q, ctrl+c: --demo stops what it started).
     assert shown["Triage: selected engine"].endswith("(key t)")
     assert shown["Quit"] == "quit (--demo stops everything it started) (keys q, ^c)"
-    assert shown["Sort by the next column"] == "key s"
+    assert shown["Sort by the next column"] == (
+        "sort by the next column in turn: engine, role, hit, tokens, loads, errors, usage, "
+        "lease, age (the status bar shows which; a click on a header sorts by it) (key s)")
+    assert shown["Reverse the sort"].startswith("reverse the sort: ascending")
+    # Every entry has a help line, not its keys alone (sort and reverse had none).
+    bare = [t for t, h in shown.items() if h.startswith("key ")]
+    assert bare == [], bare
     assert len([t for t in shown if t == "Quit"]) == 1
     # A read-only console lists the operator's actions too, saying why they are refused.
     assert shown["Flush pool entries"].startswith("read-only console: flush needs the operator")
