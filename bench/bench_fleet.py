@@ -48,6 +48,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -95,6 +96,19 @@ def offline(path: str, limit: int | None, caps: list[int]) -> tuple[int, dict[in
                             "min": belady_hits(items, CHUNK, cap).hit_rate} for cap in caps}
 
 
+def _fill(text: str) -> float | Literal["auto"]:
+    """``--policy-fill``: ``auto`` or a share in (0, 0.95]."""
+    if text == "auto":
+        return "auto"
+    try:
+        share = float(text)
+    except ValueError:
+        share = 0.0
+    if not 0 < share <= 0.95:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a share in (0, 0.95], e.g. 0.8")
+    return share
+
+
 def _shares(text: str) -> list[float]:
     try:
         shares = [float(x) for x in text.split(",")]
@@ -119,7 +133,7 @@ def lru_shares(names: list[str], caps: list[int] | None, limit: int | None,
 
 
 def replay(path: str, limit: int | None, cap: int, engines: int, policy: str,
-           fill: float, speedup: float) -> dict:
+           fill: float | Literal["auto"], speedup: float) -> dict:
     """One real replay: its hit rate, corrupt blocks, load errors and the service's cost."""
     t0 = time.monotonic()
     cfg = ReplayConfig(trace_path=path, limit=limit, pool_tokens=cap, engines=engines,
@@ -156,9 +170,10 @@ def main() -> int:
                    help="engine counts, comma-separated (default 1,2,4,8)")
     p.add_argument("--policies", type=_policies, default=list(POLICIES), metavar="NAMES",
                    help="replay columns, comma-separated, of " + ", ".join(POLICIES))
-    p.add_argument("--policy-fill", type=float, default=ReplayConfig(trace_path="").policy_fill,
-                   metavar="F", help="share of the pool the service fills, in (0, 0.95] "
-                   "(default %(default)s)")
+    p.add_argument("--policy-fill", type=_fill, default=ReplayConfig(trace_path="").policy_fill,
+                   metavar="F", help="share of the pool the service fills, in (0, 0.95], or "
+                   "auto (following the master's used bytes below its 0.95) (default "
+                   "%(default)s)")
     p.add_argument("--speedup", type=number_in(0), default=0.0, metavar="S",
                    help="trace time / wall time of every replay (default 0: as fast as the "
                    "engines go, ~10-15x the trace's rate here; leases and the service's "
@@ -227,7 +242,7 @@ def main() -> int:
                     print(f"  hit {r['hit']:.2%} (LRU {r['lru']:.2%}, MIN {r['min']:.2%}), "
                           f"corrupt {r['corrupt']}, {r['wall_s']:.0f} s", flush=True)
                     save()
-    print(f"\nservice fill {args.policy_fill:g} of the pool; speedup {args.speedup:g} (0: as "
+    print(f"\nservice fill {args.policy_fill} of the pool; speedup {args.speedup:g} (0: as "
           "fast as the engines go)")
     table(rows)
     print(f"total bench time {time.monotonic() - started:.0f} s")

@@ -374,6 +374,19 @@ class PolicyCore:
             if self.remover is not None:
                 self.remover.evict(gone)
 
+    def resize(self, capacity_bytes: int) -> int:
+        """The policy fills ``capacity_bytes`` from now on (``PoolPolicy.resize``); what no
+        longer fits is evicted and handed to the remover. Returns the chunks evicted.
+
+        Raises:
+            ValueError: ``capacity_bytes`` < 1.
+        """
+        gone = self.policy.resize(capacity_bytes)
+        self._account([], gone)
+        if self.remover is not None:
+            self.remover.evict(gone)
+        return len(gone)
+
     def order(self) -> list[PolicyKey]:
         """What the order file keeps (``kvpool_policy._order_file``): the chunks found at start
         whose layout no record named yet, in their found order, then the policy's order (the

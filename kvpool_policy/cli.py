@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import zmq
 
@@ -37,6 +38,7 @@ from kvpool_connector.backends.mooncake_address import parse_master_address
 from kvpool_connector.policy_client import DEFAULT_STALE_S, KeyRefused, wait_snapshot
 from kvpool_connector.policy_wire import SNAPSHOT_EVERY_S, policy_ports
 from kvpool_connector.sizes import parse_size
+from kvpool_policy._fill import FillFollower, FillRule, MasterReader
 from kvpool_policy._metrics import ServiceCollector
 from kvpool_policy._order_file import ORDER_EVERY_S
 from kvpool_policy.service import (
@@ -70,9 +72,9 @@ ORDER_EVERY_S_RANGE = (1.0, 3600.0)
 MB), an hour at least."""
 
 DEFAULT_FILL = 0.8
-"""Share of the pool's segments the service fills when ``--capacity`` is not given: below the
-master's ``eviction_high_watermark_ratio`` (0.9 in the documented deployments), so the master
-evicts only while the service is away."""
+"""A fixed fill's example (``--fill 0.8``, the default before ``auto``): below the master's
+``eviction_high_watermark_ratio`` (0.9 by default), so the master evicts only while the
+service is away."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,9 +93,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="the master's admin URL; an HA pool's every master's, comma-separated")
     s.add_argument("--capacity", default=None,
                    help="bytes the service fills, e.g. 48GB (default: --fill of the pool)")
-    s.add_argument("--fill", type=float, default=DEFAULT_FILL,
-                   help="share of the pool's segments to fill without --capacity (default "
-                   "%(default)s; keep it below the master's eviction_high_watermark_ratio)")
+    s.add_argument("--fill", default="auto",
+                   help="share of the pool's segments to fill without --capacity: auto "
+                   "(default: follows the master's used bytes up to --master-watermark less "
+                   "what saves in flight and leased keys take, lowered when the master "
+                   "evicts) or a fixed share in (0, 1], e.g. 0.8, below the master's "
+                   "eviction_high_watermark_ratio")
+    s.add_argument("--master-watermark", type=float, default=_MASTER_WATERMARK, metavar="R",
+                   help="the eviction_high_watermark_ratio mooncake_master runs with (it does "
+                   "not export it), in (0, 1] (default %(default)g, mooncake_master's)")
     s.add_argument("--admission", choices=("adaptive", "all"), default="adaptive",
                    help="adaptive (default): the pool-wide doorkeeper decides what engines "
                    "save; all: engines save every chunk and the service only evicts (a "
@@ -183,6 +191,17 @@ def _status(args: argparse.Namespace) -> int:
           f"{snap.capacity_bytes:,} bytes, {snap.records:,} records, {snap.dropped:,} dropped, "
           f"{snap.removed:,} keys removed, {snap.pinned:,} chunks pinned")
     return 0
+
+
+def _fill_value(text: str) -> float | Literal["auto"] | None:
+    """``--fill``'s value: ``"auto"`` (any case), a share in (0, 1], or ``None`` (refused)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        share = float(text)
+    except ValueError:
+        return None
+    return share if math.isfinite(share) and 0 < share <= 1 else None
 
 
 def _fail(msg: str) -> int:
@@ -359,8 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         policy_ports(args.listen)
     except ValueError as exc:
         return _fail(f"--listen: {str(exc).removeprefix('policy_service: ')}")
-    if not (math.isfinite(args.fill) and 0 < args.fill <= 1):
-        return _fail(f"--fill {args.fill}: must be in (0, 1], e.g. {DEFAULT_FILL}")
+    fill = _fill_value(args.fill)
+    if fill is None:
+        return _fail(f"--fill {args.fill}: must be auto or a share in (0, 1], e.g. "
+                     f"{DEFAULT_FILL}")
+    if not (math.isfinite(args.master_watermark) and 0 < args.master_watermark <= 1):
+        return _fail(f"--master-watermark {args.master_watermark:g}: must be in (0, 1], the "
+                     "master's eviction_high_watermark_ratio, e.g. 0.9 (mooncake_master's "
+                     "default)")
     if args.budget < 1:
         return _fail(f"--budget {args.budget}: must be at least 1 record a second")
     for flag, default in (("--max-subscribers-per-key", MAX_SUBSCRIBERS_PER_KEY),
@@ -390,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     metrics_host = _METRICS_HOST if args.metrics_host is None else args.metrics_host
     capacity = 0
+    rule = FillRule(args.master_watermark)
     if args.capacity is not None:  # a value's own errors first, then the files and ports
         try:
             capacity = parse_size(args.capacity)
@@ -413,16 +439,16 @@ def main(argv: list[str] | None = None) -> int:
             _warn(f"--admin-url {args.admin_url}: the master did not answer "
                   f"({stats.health_detail}): starting with no record of the pool's keys (the "
                   "chunks already in it count only once engines save or read them again)")
-        elif stats.total_bytes and capacity >= stats.total_bytes * _MASTER_WATERMARK:
+        elif stats.total_bytes and capacity >= stats.total_bytes * args.master_watermark:
             # --capacity is for pools whose memory engines mount later: above what is mounted,
             # the master's watermark evicts before the service does.
-            _warn(f"--capacity {args.capacity} is at or above {_MASTER_WATERMARK:g} of the "
-                  f"{stats.total_bytes:,} bytes mounted now (mooncake_master's default "
-                  "eviction_high_watermark_ratio): the master would evict before the service "
-                  f"does; without --capacity the service fills --fill ({args.fill:g}) of what "
-                  "is mounted")
-        if args.fill != DEFAULT_FILL:
-            _warn(f"--fill {args.fill:g} with --capacity: --capacity is the service's size, "
+            _warn(f"--capacity {args.capacity} is at or above {args.master_watermark:g} of "
+                  f"the {stats.total_bytes:,} bytes mounted now (--master-watermark, the "
+                  "master's eviction_high_watermark_ratio): the master would evict before the "
+                  f"service does; without --capacity the service fills --fill ({args.fill}) "
+                  "of what is mounted")
+        if args.fill != "auto":
+            _warn(f"--fill {args.fill} with --capacity: --capacity is the service's size, "
                   "--fill is not used")
     else:
         stats = fetch_mooncake_stats(args.admin_url)
@@ -434,17 +460,18 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--admin-url {args.admin_url}: the pool has no capacity: no store "
                          "segment is mounted (start a mooncake_client store with "
                          "global_segment_size above 0 first), or give --capacity, e.g. 48GB")
-        capacity = int(stats.total_bytes * args.fill)
+        capacity = (rule.start(stats.total_bytes) if fill == "auto"
+                    else int(stats.total_bytes * fill))
     if args.snapshot_every_ms > DEFAULT_STALE_S * 1e3 / 2:
         _warn(f"--snapshot-every-ms {args.snapshot_every_ms}: engines take the service for "
               f"down after policy_stale_ms without a snapshot (default "
               f"{DEFAULT_STALE_S * 1e3:.0f}): give them policy_stale_ms of at least "
               f"{2 * args.snapshot_every_ms} (two intervals, one snapshot lost)")
-    if args.fill >= _MASTER_WATERMARK and args.capacity is None:
-        _warn(f"--fill {args.fill:g} is at or above mooncake_master's default "
-              f"eviction_high_watermark_ratio ({_MASTER_WATERMARK:g}; the master does not "
-              "export its own): the master's watermark would evict before the service does "
-              f"unless it runs a higher ratio; the default --fill is {DEFAULT_FILL:g}")
+    if fill != "auto" and fill >= args.master_watermark and args.capacity is None:
+        _warn(f"--fill {fill:g} is at or above --master-watermark {args.master_watermark:g} "
+              "(the master's eviction_high_watermark_ratio; it does not export its own): the "
+              "master's watermark would evict before the service does; --fill auto (the "
+              "default) stays below it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per master request
     mc: dict[str, object] = {"master_server_address": args.master,
@@ -484,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
                                 admission=args.admission,
                                 order_file=(Path(args.order_file) if args.order_file
                                             else None),
-                                order_every_s=args.order_every_s)
+                                order_every_s=args.order_every_s,
+                                fill=(FillFollower(rule, MasterReader(args.admin_url))
+                                      if fill == "auto" and args.capacity is None else None))
     except ValueError as exc:
         backend.close()
         return _fail(f"--keys {args.keys}: {exc}")
@@ -504,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kvpool.policy").info("kvpool policy: Prometheus metrics on %s",
                                                 metrics.url)
     logging.getLogger("kvpool.policy").info(
-        "kvpool policy: serving %s, capacity %d bytes, admission %s", args.listen, capacity,
+        "kvpool policy: serving %s, capacity %d bytes (%s), admission %s", args.listen,
+        capacity, "--capacity" if args.capacity is not None else f"--fill {args.fill}",
         service.core.policy.admission)
     try:
         service.serve(stop)

@@ -370,6 +370,23 @@ class PoolPolicy:
                 self._order.insert(key, chunk_bytes)
                 if isinstance(self._order, LeafFirstLRU):
                     self._order.to_front(key)
+        return self._fit()
+
+    def resize(self, capacity_bytes: int) -> list[PolicyKey]:
+        """Fill ``capacity_bytes`` from now on (``kvpool_policy._fill``: the service's share
+        following the master's used bytes). Returns the chunks to remove so the pool fits it
+        (none when it grows). S3-FIFO's queues keep the sizes they were built with.
+
+        Raises:
+            ValueError: ``capacity_bytes`` < 1.
+        """
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        return self._fit()
+
+    def _fit(self) -> list[PolicyKey]:
+        """Evict the oldest unpinned chunks until the pool fits ``capacity_bytes``."""
         evicted: list[PolicyKey] = []
         while self.used_bytes > self.capacity_bytes:
             victim = self._order.victim()

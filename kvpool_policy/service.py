@@ -120,6 +120,7 @@ from kvpool_policy._core import (
     pool_chunks,
 )
 from kvpool_policy._deltas import SnapshotDeltas
+from kvpool_policy._fill import FillFollower
 from kvpool_policy._leader import LeaderFollower, LeaderWatch
 from kvpool_policy._order_file import ORDER_EVERY_S, OrderWriter, order_found, read_order
 from kvpool_policy._remover import Remover
@@ -258,6 +259,9 @@ class PolicyService:
             written every ``order_every_s`` and at ``close``; ``kvpool_policy._order_file``);
             ``None``: not kept (a restart orders the pool's chunks as the master lists them).
         order_every_s: seconds between two writes of ``order_file`` at most.
+        fill: makes the capacity follow the master's used bytes (``kvpool_policy._fill``,
+            ``--fill auto``; its reader starts here, stops at ``close``); ``None``: the
+            capacity stays ``capacity_bytes``.
 
     Raises:
         ValueError: a bad ``listen`` or keys directory (names the fix).
@@ -273,8 +277,10 @@ class PolicyService:
                  snapshot_every_s: float = SNAPSHOT_EVERY_S,
                  reconnect: Callable[[], MooncakeBackend] | None = None,
                  admission: AdmissionKind = "adaptive", order_file: Path | None = None,
-                 order_every_s: float = ORDER_EVERY_S) -> None:
+                 order_every_s: float = ORDER_EVERY_S,
+                 fill: FillFollower | None = None) -> None:
         self.follower: LeaderFollower | None = None
+        self.fill = fill
         self.order_writer = (OrderWriter(order_file, order_every_s) if order_file is not None
                              else None)
         records_at, snapshots_at = policy_ports(listen)
@@ -343,6 +349,8 @@ class PolicyService:
         if reconnect is not None and admin_url:
             self.follower = LeaderFollower(LeaderWatch(admin_url).start(), self.remover,
                                            reconnect)
+        if fill is not None:
+            fill.reader.start()
 
     def _server(self, kind: int, domain: str, public: bytes, secret: bytes) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -481,6 +489,9 @@ class PolicyService:
                 if self.follower is not None:
                     self._guard("following the pool's leader", self.follower.step)
                 self._guard("removing", self.remover.step)
+            if (fill := self.fill) is not None:
+                self._guard("following the master's fill",
+                            functools.partial(fill.step, self.core, now))
             if (order := self.order_writer) is not None and order.due():
                 self._guard("writing the order file",
                             lambda: order.write_soon(self.core.order()))
@@ -509,6 +520,8 @@ class PolicyService:
         self.store_calls.close()
         if self.follower is not None:
             self.follower.close()
+        if self.fill is not None:
+            self.fill.reader.close()
 
 
 def _named(found: dict[str, list[str]], kept: list[tuple[str, str]]) -> int:

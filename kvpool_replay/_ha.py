@@ -166,6 +166,11 @@ class LocalHaPool(LocalService):
         return f"etcd://{self.etcd.endpoint}"
 
     @property
+    def eviction_high_watermark_ratio(self) -> float:
+        """The masters' watermark (every master runs the same)."""
+        return self.masters[0].eviction_high_watermark_ratio
+
+    @property
     def admin_urls(self) -> str:
         return ",".join(m.admin_url for m in self.masters)
 

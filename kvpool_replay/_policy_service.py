@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from kvpool_policy.policy import AdmissionKind
 from kvpool_replay._ha import LocalHaPool
@@ -60,7 +60,8 @@ class LocalPolicyService(LocalService):
             ``etcd://`` address and every master's admin URL).
         hub_keys: the hub's keys directory (``kvpool_agent.auth.local_fleet_keys``'s ``hub``).
         capacity_bytes: bytes the service fills; ``None``: ``fill`` of the pool's segments.
-        fill: share of the segments without ``capacity_bytes``.
+        fill: share of the segments without ``capacity_bytes``, or ``"auto"``: following
+            the master's used bytes below its watermark (``kvpool_policy._fill``).
         transfer_timeout_ms: its store client's transfer timeout (the removal grace).
         admission: ``kvpool-policy serve --admission`` (``adaptive`` | ``all``).
         port: the records port (``None``: two free ports; a restart passes the old one).
@@ -76,7 +77,7 @@ class LocalPolicyService(LocalService):
     """
 
     def __init__(self, master: LocalMooncakeMaster | LocalHaPool, hub_keys: Path, *,
-                 capacity_bytes: int | None = None, fill: float = 0.8,
+                 capacity_bytes: int | None = None, fill: float | Literal["auto"] = 0.8,
                  transfer_timeout_ms: int | None = None, port: int | None = None,
                  log_dir: Path | None = None,
                  admission: AdmissionKind = "adaptive",
@@ -102,6 +103,7 @@ class LocalPolicyService(LocalService):
         cmd = [sys.executable, "-m", "kvpool_policy.cli", "serve", "--listen", self.address,
                "--keys", str(self.hub_keys), "--master", self.master.address,
                "--admin-url", self.master.admin_url, "--fill", str(self.fill),
+               "--master-watermark", str(self.master.eviction_high_watermark_ratio),
                "--admission", self.admission, "--order-file", str(self.order_path)]
         if self.order_every_s is not None:
             cmd += ["--order-every-s", str(self.order_every_s)]

@@ -144,8 +144,8 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
             filling ``policy_fill`` of the shared pool, masters at ``REPLAY_WATERMARK``; its
             removed keys count as ``evicted_keys``.
         policy_fill: with ``admission: service``, the share of the pool the service fills
-            (``kvpool-policy serve --fill``, in (0, ``REPLAY_WATERMARK``]; ``ValueError``
-            otherwise); ``bench/bench_fleet.py --policy-fill`` measures it.
+            (``kvpool-policy serve --fill``: ``"auto"``, or in (0, ``REPLAY_WATERMARK``];
+            ``ValueError`` otherwise); ``bench/bench_fleet.py --policy-fill`` measures it.
         policy_admission: with ``admission: service``, the service's own admission
             (``kvpool-policy serve --admission``): ``adaptive``, or ``all`` (it only evicts:
             the live pool-wide LRU ``bench/bench_fleet.py`` compares).
@@ -187,7 +187,7 @@ class ReplayConfig(msgspec.Struct, kw_only=True):
     kill_leader_after_s: float | None = None
     kill_policy_after: int | None = None
     admission: AdmissionMode = "all"
-    policy_fill: float = REPLAY_FILL
+    policy_fill: float | Literal["auto"] = REPLAY_FILL
     policy_admission: AdmissionKind = "adaptive"
     eviction: EvictionMode = "pool"
     default_kv_lease_ttl_ms: int | None = None
@@ -478,9 +478,9 @@ def run_replay(
     if cfg.policy_admission != "adaptive" and cfg.admission != "service":
         raise ValueError(f"--policy-admission {cfg.policy_admission} is the policy service's "
                          "own admission: it needs --admission service")
-    if not 0 < cfg.policy_fill <= REPLAY_WATERMARK:
-        raise ValueError(f"policy_fill {cfg.policy_fill}: must be in (0, {REPLAY_WATERMARK}] "
-                         f"(the masters' watermark), e.g. {REPLAY_FILL}")
+    if cfg.policy_fill != "auto" and not 0 < cfg.policy_fill <= REPLAY_WATERMARK:
+        raise ValueError(f"policy_fill {cfg.policy_fill}: must be auto or in (0, "
+                         f"{REPLAY_WATERMARK}] (the masters' watermark), e.g. {REPLAY_FILL}")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")

@@ -205,7 +205,8 @@ def test_help_is_plain_text_with_defaults(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         policy_cli.main(["serve", "--help"])
     serve = " ".join(capsys.readouterr().out.split())
-    assert "(default 0.8;" in serve and "(default 50000)" in serve
+    assert "auto (default: follows" in serve and "(default 50000)" in serve
+    assert "(default 0.9, mooncake_master's)" in serve
     assert "every MS ms, 100..60000 (default 500;" in serve
     with pytest.raises(SystemExit):
         policy_cli.main(["status", "--help"])

@@ -1,0 +1,180 @@
+"""``kvpool-policy serve --fill auto`` (``kvpool_policy._fill``): the service's capacity follows
+the master's used bytes below its watermark, lowered when the master evicts; a shrink evicts
+the policy's oldest chunks (never a pinned one) and hands them to the remover."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpool_policy.cli as policy_cli
+from kvpool_policy._fill import (
+    FILL_BACKOFF,
+    FILL_FLOOR,
+    FILL_MARGIN,
+    FILL_STEP,
+    FillFollower,
+    FillRule,
+    MasterReader,
+    MasterReading,
+)
+from kvpool_policy.policy import AccessRecord, PoolPolicy
+from kvpool_replay import LocalMooncakeMaster
+
+TOTAL = 1_000_000_000
+"""A pool of 1 GB (bytes): shares read as round numbers."""
+
+D = "d" * 16
+
+
+def _share(capacity: int) -> float:
+    return round(capacity / TOTAL, 4)
+
+
+def test_the_fill_rises_a_step_a_reading_up_to_the_watermark_less_the_margin() -> None:
+    rule = FillRule(0.95)
+    cap = rule.start(TOTAL)
+    assert _share(cap) == 0.85  # 0.1 below the watermark
+    seen = []
+    for t in range(12):
+        cap = rule.next(cap, MasterReading(cap // 2, TOTAL, 0), cap // 2, float(t))
+        seen.append(_share(cap))
+    ceiling = round(0.95 - FILL_MARGIN, 4)
+    assert seen[:3] == [round(0.85 + k * FILL_STEP, 4) for k in (1, 2, 3)]
+    assert seen[-1] == ceiling and seen.count(ceiling) >= 4  # reached, and it stays there
+
+
+def test_bytes_outside_the_policy_lower_the_fill_at_once_and_for_the_window() -> None:
+    rule = FillRule(0.9, window_s=30.0)
+    cap = int(TOTAL * 0.88)
+    # 100 MB the policy does not count (saves in flight, keys under a reader's lease).
+    cap = rule.next(cap, MasterReading(int(TOTAL * 0.8), TOTAL, 0), int(TOTAL * 0.7), 0.0)
+    assert _share(cap) == round(0.9 - FILL_MARGIN - 0.1, 4)
+    # The others' bytes are gone at once, but their peak holds for the window...
+    cap = rule.next(cap, MasterReading(int(TOTAL * 0.7), TOTAL, 0), int(TOTAL * 0.7), 10.0)
+    assert _share(cap) == round(0.9 - FILL_MARGIN - 0.1, 4)
+    # ...and after it the fill climbs again, a step a reading.
+    cap2 = rule.next(cap, MasterReading(int(TOTAL * 0.7), TOTAL, 0), int(TOTAL * 0.7), 41.0)
+    assert _share(cap2) == round(_share(cap) + FILL_STEP, 4)
+
+
+def test_an_eviction_by_the_master_lowers_the_fill_by_the_backoff() -> None:
+    rule = FillRule(0.9)
+    cap = int(TOTAL * 0.85)
+    cap = rule.next(cap, MasterReading(cap, TOTAL, 500), cap, 0.0)  # first reading: a base
+    assert _share(cap) == 0.86 and rule.backoffs == 0
+    cap = rule.next(cap, MasterReading(cap, TOTAL, 501), cap, 2.0)
+    assert _share(cap) == round(0.86 - FILL_BACKOFF, 4) and rule.backoffs == 1
+    # A restarted master counts from 0: no eviction read into it.
+    cap = rule.next(cap, MasterReading(cap, TOTAL, 0), cap, 4.0)
+    assert _share(cap) == round(0.86 - FILL_BACKOFF + FILL_STEP, 4) and rule.backoffs == 1
+
+
+def test_the_fill_never_leaves_its_bounds_nor_moves_without_segments() -> None:
+    rule = FillRule(0.9)
+    # Others hold 80% of the pool: the floor, not nothing.
+    cap = rule.next(int(TOTAL * 0.8), MasterReading(int(TOTAL * 0.9), TOTAL, 0),
+                    int(TOTAL * 0.1), 0.0)
+    assert _share(cap) == FILL_FLOOR
+    assert rule.next(cap, MasterReading(0, 0, 0), 0, 1.0) == cap
+
+
+@settings(max_examples=200, deadline=None)
+@given(watermark=st.floats(0.3, 1.0), start=st.floats(0.01, 1.0),
+       readings=st.lists(st.tuples(st.integers(0, TOTAL), st.integers(0, TOTAL),
+                                   st.integers(0, 3), st.floats(0.0, 5.0)),
+                         min_size=1, max_size=30))
+def test_the_fill_stays_within_its_bounds_and_backs_off_on_every_eviction(
+        watermark: float, start: float,
+        readings: list[tuple[int, int, int, float]]) -> None:
+    rule = FillRule(watermark)
+    cap, evicted, now = int(TOTAL * start), 0, 0.0
+    for i, (used, policy_bytes, more_evicted, dt) in enumerate(readings):
+        evicted += more_evicted
+        now += dt
+        before = cap
+        cap = rule.next(cap, MasterReading(used, TOTAL, evicted), policy_bytes, now)
+        assert int(TOTAL * rule.floor) <= cap <= int(TOTAL * rule.ceiling) or cap == 1
+        assert cap <= max(before + int(TOTAL * FILL_STEP), int(TOTAL * rule.floor))
+        if i and more_evicted:
+            assert cap < before or cap == int(TOTAL * rule.floor)
+
+
+def test_a_shrink_evicts_the_oldest_unpinned_chunks_and_a_growth_none() -> None:
+    policy = PoolPolicy(10 * 100, admission="all")
+    policy.record(AccessRecord(D, tuple(f"{i:016x}" for i in range(10)), 100, 10, "e"))
+    policy.pin([(D, f"{0:016x}")])
+    assert policy.resize(2000) == [] and policy.used_bytes == 1000
+    gone = policy.resize(700)
+    # Leaf-first LRU: the prefix's tail goes first; the pinned head stays.
+    assert len(gone) == 3 and (D, f"{0:016x}") not in gone
+    assert policy.used_bytes == 700 and policy.capacity_bytes == 700
+    with pytest.raises(ValueError, match="capacity_bytes must be >= 1"):
+        policy.resize(0)
+
+
+class _Core:
+    """What ``FillFollower.step`` uses of a ``PolicyCore``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.policy = PoolPolicy(capacity, admission="all")
+        self.resized: list[int] = []
+
+    def resize(self, capacity: int) -> int:
+        self.resized.append(capacity)
+        return len(self.policy.resize(capacity))
+
+
+def test_the_follower_applies_each_reading_once(tmp_path: Path) -> None:
+    reader = MasterReader("http://127.0.0.1:1")  # never started: readings set by the test
+    follower = FillFollower(FillRule(0.9), reader)
+    core = _Core(int(TOTAL * 0.8))
+    follower.step(core, 0.0)  # type: ignore[arg-type]
+    assert core.resized == []  # no reading yet
+    reader.latest, reader.reads = MasterReading(0, TOTAL, 0), 1
+    follower.step(core, 1.0)  # type: ignore[arg-type]
+    follower.step(core, 1.5)  # type: ignore[arg-type]
+    assert [_share(c) for c in core.resized] == [0.81]
+
+
+def test_the_reader_reads_a_real_master(mooncake_master: LocalMooncakeMaster) -> None:
+    """Against the session's real ``mooncake_master``: a healthy reading of its metrics."""
+    reader = MasterReader(mooncake_master.admin_url, every_s=0.1).start()
+    try:
+        deadline = time.monotonic() + 30
+        while reader.reads < 2 and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        assert reader.reads >= 2 and reader.latest is not None
+        assert reader.latest.total_bytes >= 0 and reader.latest.evicted_keys >= 0
+    finally:
+        reader.close()
+    assert "kvpool-policy-fill" not in [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.parametrize("fill", ["0", "1.5", "nan", "most", "-0.2"])
+def test_serve_fill_must_be_auto_or_a_share(fill: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    rc = policy_cli.main(["serve", "--listen", "tcp://127.0.0.1:5600", "--keys", str(tmp_path),
+                          "--master", "127.0.0.1:1", "--admin-url", "http://127.0.0.1:1",
+                          "--fill", fill])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip() == (f"kvpool-policy: --fill {fill}: must be auto or a share in (0, 1], "
+                           "e.g. 0.8")
+
+
+@pytest.mark.parametrize("ratio", ["0", "1.2", "inf"])
+def test_serve_master_watermark_must_be_a_ratio(ratio: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    rc = policy_cli.main(["serve", "--listen", "tcp://127.0.0.1:5600", "--keys", str(tmp_path),
+                          "--master", "127.0.0.1:1", "--admin-url", "http://127.0.0.1:1",
+                          "--master-watermark", ratio])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"kvpool-policy: --master-watermark {float(ratio):g}: must be in "
+                          "(0, 1]")
