@@ -14,7 +14,8 @@ HTTP), and ``FillRule`` sets the policy's capacity to
 
     watermark x total - peak(used - policy's bytes over OTHERS_WINDOW_S) - FILL_MARGIN x total
 
-bounded to ``[FILL_FLOOR, watermark - FILL_MARGIN]`` of the pool: raised by at most
+bounded to ``[FILL_FLOOR, watermark - FILL_MARGIN]`` of the pool (it starts at the floor,
+the fixed fill measured before it): raised by at most
 ``FILL_STEP`` of the pool a reading, lowered at once when the others' bytes grow, and
 lowered by ``FILL_BACKOFF`` below that whenever the master evicted since the last reading
 (its watermark is the one thing the service must stay under). The master does not export
@@ -48,9 +49,11 @@ FILL_MARGIN = 0.02
 """Share of the pool kept free below the master's watermark beyond the bytes seen outside the
 policy (a reading's age of saves: 2 s of 8 engines' saves in the replays)."""
 
-FILL_FLOOR = 0.5
-"""The lowest share of the pool the service fills, whatever others hold: past it the
-master's watermark evicts (its order, not the service's), never a service that holds nothing."""
+FILL_FLOOR = 0.8
+"""The lowest share of the pool the service fills, and its first: the fixed fill measured
+before ``auto`` (docs/benchmarks.md: it loses less than 0.9 where the pool turns over within
+the lease). Below it the master's watermark evicts beside the service, as it did at 0.8; a
+service holding half the pool while the master evicts anyway would hold less than either."""
 
 FILL_STEP = 0.01
 """Share of the pool the capacity rises at most per reading (0.8 to 0.9 in 20 s)."""
@@ -96,10 +99,8 @@ class FillRule:
         """Readings after which the master had evicted (the capacity lowered for it)."""
 
     def start(self, total_bytes: int) -> int:
-        """The capacity before the first reading: 0.1 of the pool below the watermark (0.8
-        under mooncake_master's default 0.9), within the bounds."""
-        share = min(max(self.watermark - 0.1, self.floor), self.ceiling)
-        return max(1, int(total_bytes * share))
+        """The capacity before the first reading: the floor's share of ``total_bytes``."""
+        return max(1, int(total_bytes * self.floor))
 
     def next(self, capacity: int, reading: MasterReading, policy_bytes: int,
              now: float) -> int:

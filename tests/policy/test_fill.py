@@ -39,49 +39,57 @@ def _share(capacity: int) -> float:
 def test_the_fill_rises_a_step_a_reading_up_to_the_watermark_less_the_margin() -> None:
     rule = FillRule(0.95)
     cap = rule.start(TOTAL)
-    assert _share(cap) == 0.85  # 0.1 below the watermark
+    assert _share(cap) == FILL_FLOOR == 0.8  # the fixed fill measured before auto
     seen = []
-    for t in range(12):
+    for t in range(18):
         cap = rule.next(cap, MasterReading(cap // 2, TOTAL, 0), cap // 2, float(t))
         seen.append(_share(cap))
     ceiling = round(0.95 - FILL_MARGIN, 4)
-    assert seen[:3] == [round(0.85 + k * FILL_STEP, 4) for k in (1, 2, 3)]
+    assert seen[:3] == [round(0.8 + k * FILL_STEP, 4) for k in (1, 2, 3)]
     assert seen[-1] == ceiling and seen.count(ceiling) >= 4  # reached, and it stays there
 
 
 def test_bytes_outside_the_policy_lower_the_fill_at_once_and_for_the_window() -> None:
-    rule = FillRule(0.9, window_s=30.0)
-    cap = int(TOTAL * 0.88)
-    # 100 MB the policy does not count (saves in flight, keys under a reader's lease).
-    cap = rule.next(cap, MasterReading(int(TOTAL * 0.8), TOTAL, 0), int(TOTAL * 0.7), 0.0)
-    assert _share(cap) == round(0.9 - FILL_MARGIN - 0.1, 4)
+    rule = FillRule(0.95, window_s=30.0)
+    cap = int(TOTAL * 0.93)
+    # 50 MB the policy does not count (saves in flight, keys under a reader's lease).
+    cap = rule.next(cap, MasterReading(int(TOTAL * 0.8), TOTAL, 0), int(TOTAL * 0.75), 0.0)
+    assert _share(cap) == round(0.95 - FILL_MARGIN - 0.05, 4)
     # The others' bytes are gone at once, but their peak holds for the window...
     cap = rule.next(cap, MasterReading(int(TOTAL * 0.7), TOTAL, 0), int(TOTAL * 0.7), 10.0)
-    assert _share(cap) == round(0.9 - FILL_MARGIN - 0.1, 4)
+    assert _share(cap) == round(0.95 - FILL_MARGIN - 0.05, 4)
     # ...and after it the fill climbs again, a step a reading.
     cap2 = rule.next(cap, MasterReading(int(TOTAL * 0.7), TOTAL, 0), int(TOTAL * 0.7), 41.0)
     assert _share(cap2) == round(_share(cap) + FILL_STEP, 4)
 
 
 def test_an_eviction_by_the_master_lowers_the_fill_by_the_backoff() -> None:
-    rule = FillRule(0.9)
-    cap = int(TOTAL * 0.85)
+    rule = FillRule(0.95)
+    cap = int(TOTAL * 0.87)
     cap = rule.next(cap, MasterReading(cap, TOTAL, 500), cap, 0.0)  # first reading: a base
-    assert _share(cap) == 0.86 and rule.backoffs == 0
+    assert _share(cap) == 0.88 and rule.backoffs == 0
     cap = rule.next(cap, MasterReading(cap, TOTAL, 501), cap, 2.0)
-    assert _share(cap) == round(0.86 - FILL_BACKOFF, 4) and rule.backoffs == 1
+    assert _share(cap) == round(0.88 - FILL_BACKOFF, 4) and rule.backoffs == 1
     # A restarted master counts from 0: no eviction read into it.
     cap = rule.next(cap, MasterReading(cap, TOTAL, 0), cap, 4.0)
-    assert _share(cap) == round(0.86 - FILL_BACKOFF + FILL_STEP, 4) and rule.backoffs == 1
+    assert _share(cap) == round(0.88 - FILL_BACKOFF + FILL_STEP, 4) and rule.backoffs == 1
+    # Evictions at the floor leave it there: never below the fixed fill it replaces.
+    for t, n in enumerate(range(1, 10)):
+        cap = rule.next(cap, MasterReading(cap, TOTAL, n), cap, 6.0 + t)
+    assert _share(cap) == FILL_FLOOR and rule.backoffs == 10
 
 
 def test_the_fill_never_leaves_its_bounds_nor_moves_without_segments() -> None:
     rule = FillRule(0.9)
     # Others hold 80% of the pool: the floor, not nothing.
-    cap = rule.next(int(TOTAL * 0.8), MasterReading(int(TOTAL * 0.9), TOTAL, 0),
+    cap = rule.next(int(TOTAL * 0.85), MasterReading(int(TOTAL * 0.9), TOTAL, 0),
                     int(TOTAL * 0.1), 0.0)
     assert _share(cap) == FILL_FLOOR
     assert rule.next(cap, MasterReading(0, 0, 0), 0, 1.0) == cap
+    # A watermark below the floor: the fill stays the margin under it.
+    low = FillRule(0.7)
+    assert _share(low.start(TOTAL)) == round(0.7 - FILL_MARGIN, 4) == _share(
+        low.next(low.start(TOTAL), MasterReading(0, TOTAL, 0), 0, 0.0))
 
 
 @settings(max_examples=200, deadline=None)
@@ -140,6 +148,9 @@ def test_the_follower_applies_each_reading_once(tmp_path: Path) -> None:
     follower.step(core, 1.0)  # type: ignore[arg-type]
     follower.step(core, 1.5)  # type: ignore[arg-type]
     assert [_share(c) for c in core.resized] == [0.81]
+    reader.latest, reader.reads = MasterReading(0, TOTAL, 0), 2
+    follower.step(core, 3.0)  # type: ignore[arg-type]
+    assert [_share(c) for c in core.resized] == [0.81, 0.82]
 
 
 def test_the_reader_reads_a_real_master(mooncake_master: LocalMooncakeMaster) -> None:
