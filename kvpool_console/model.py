@@ -380,7 +380,8 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
             row.top_miss = top_reason(row.miss_tokens)
         row.top_miss_fix = miss_fix(row.top_miss, evicted_keys=row.pool_evicted_keys,
                                     saves_skipped=row.saves_skipped,
-                                    service_steers=row.policy_in_charge == "service")
+                                    service_steers=row.policy_in_charge == "service",
+                                    digest_known=bool(row.layout_digest))
         rows.append(row)
     pools = pool_rows(states.values(), {a for a, s in states.items() if now_ms - last_seen_ms.get(
         a, s.ts_ms) > stale_after_ms})
@@ -414,7 +415,11 @@ def _view(states: Mapping[str, EngineState], last_seen_ms: Mapping[str, float], 
                               evicted_keys=sum(p.evicted_keys for p in pools),
                               saves_skipped=sum(r.saves_skipped for r in rows),
                               service_steers=any(r.policy_in_charge == "service"
-                                                 for r in rows)),
+                                                 for r in rows),
+                              # The fleet's first seconds: an engine with unsplit misses
+                              # whose digest no worker reported yet.
+                              digest_known=all(r.layout_digest for r in rows
+                                               if r.miss_tokens.get("not_in_pool"))),
     )
     return FleetView(now_ms=now_ms, engines=rows, pools=pools, totals=totals_row,
                      alerts=list(alerts or []), reuse=reuse), fresh

@@ -2,8 +2,8 @@
 
 One row for vLLM's own cache (``local``), one for the pool's hits (``loaded``), then one per
 miss reason, most tokens first, each with its tokens, its share of the engine's prompt tokens
-and the fix (``_miss_fixes.miss_fix``: the engine's evictions and skipped saves). The rows add
-up to the prompt tokens (``kvpool_agent._misses``), the last row says so.
+and the fix (``_miss_fixes.miss_fix``: the engine's evictions, skipped saves and digest). The
+rows add up to the prompt tokens (``kvpool_agent._misses``), the last row says so.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class MissTable(DataTable[str | Text]):
                          share(n), plain(miss_fix(
                              reason, evicted_keys=row.pool_evicted_keys,
                              saves_skipped=row.saves_skipped,
-                             service_steers=row.policy_in_charge == "service")))
+                             service_steers=row.policy_in_charge == "service",
+                             digest_known=bool(row.layout_digest))))
         total = row.local_tokens + row.loaded_tokens + sum(row.miss_tokens.values())
         self.add_row(Text("= prompt tokens", style="dim"), str(total), share(total), "")

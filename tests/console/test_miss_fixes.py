@@ -5,7 +5,7 @@ no fix is wider than the detail screen's column (the longest of ``FIXES``)."""
 
 from __future__ import annotations
 
-from kvpool_console._miss_fixes import FIXES, miss_fix
+from kvpool_console._miss_fixes import FIXES, NOT_IN_POOL_NO_DIGEST, miss_fix
 
 
 def test_each_cause_names_its_own_fix() -> None:
@@ -20,11 +20,15 @@ def test_each_cause_names_its_own_fix() -> None:
     assert miss_fix("first_use", saves_skipped=3, service_steers=True) == FIXES["first_use"]
     assert miss_fix("") == ""
     assert miss_fix("MULTIMODAL") == "skipped by this rule: its fix in docs/triage.md"
+    # The digest is awaited only while no worker reported it.
+    assert miss_fix("not_in_pool", digest_known=False) == NOT_IN_POOL_NO_DIGEST
+    assert miss_fix("not_in_pool") == FIXES["not_in_pool"] != NOT_IN_POOL_NO_DIGEST
+    assert miss_fix("evicted", digest_known=False) == miss_fix("evicted")
 
 
 def test_no_fix_is_wider_than_the_longest_listed() -> None:
     widest = max(len(t) for t in FIXES.values())
-    texts = [miss_fix(r, evicted_keys=k, saves_skipped=s, service_steers=p)
+    texts = [miss_fix(r, evicted_keys=k, saves_skipped=s, service_steers=p, digest_known=d)
              for r in [*FIXES, "MULTIMODAL"] for k in (0, 999_999) for s in (0, 99_999)
-             for p in (False, True)]
+             for p in (False, True) for d in (False, True)]
     assert max(len(t) for t in texts) <= widest

@@ -4,8 +4,10 @@ row still adding up to its prompt tokens; the Pool tab's reuse panel text."""
 
 from __future__ import annotations
 
+import msgspec
 from fleetdata import MISSES, NOW_MS, sample_fleet, sample_reuse
 
+from kvpool_console._miss_fixes import FIXES
 from kvpool_console.model import build_view
 from kvpool_console.widgets._reuse_panel import render_reuse
 
@@ -49,3 +51,24 @@ def test_reuse_panel_says_hit_rate_ceiling_and_what_2x_buys() -> None:
         ("0.25x", "21.0%", "30.0%"), ("0.5x", "33.0%", "44.0%"), ("1x", "45.0%", "55.0%"),
         ("2x", "56.0%", "63.0%"), ("4x", "64.0%", "67.0%"), ("8x", "68.0%", "68.0%")]
     assert "none from the hub yet" in render_reuse(None, view.engines).plain
+
+
+def test_not_in_pool_waits_for_the_digest_only_while_no_worker_reported_it() -> None:
+    """The fix said "first seconds, digest unknown" for as long as the hub left tokens
+    unsplit; it says the digest is awaited only while no worker of the engine reported it."""
+    states = sample_fleet(misses=True)
+    early = {r.engine_id: r for r in build_view(states, {}, NOW_MS).engines}
+    assert early["prefill-0"].top_miss == "not_in_pool"
+    assert early["prefill-0"].top_miss_fix == "not split until a worker reports its layout digest"
+    reported = {a: msgspec.structs.replace(st, source=msgspec.structs.replace(
+        st.source, layout_digest="0123456789ab")) if st.source.process_role == "worker" else st
+        for a, st in states.items()}
+    view = build_view(reported, {}, NOW_MS)
+    later = {r.engine_id: r for r in view.engines}
+    assert later["prefill-0"].layout_digest == "0123456789ab"
+    assert later["prefill-0"].top_miss_fix == FIXES["not_in_pool"] == (
+        "not split by the hub: if many, its reports are dropped")
+    assert "first seconds" not in later["prefill-0"].top_miss_fix
+    # The fleet's line too: every engine with unsplit tokens has its digest.
+    assert view.totals.top_miss == "not_in_pool"
+    assert view.totals.top_miss_fix == FIXES["not_in_pool"]
