@@ -140,7 +140,8 @@ looked-up tokens since start, *Trend* the last minute's hit rate. *Ld* / *Sv* lo
 in flight (requests), *Fail* failed or timed-out loads. *Pool/WM* pool usage vs
 `eviction_high_watermark_ratio`. *Local* prompt tokens vLLM's own prefix cache held / looked-up
 tokens. *Lease* time left before the earliest lease of an in-flight load expires
-(`default_kv_lease_ttl`). *Age* time since the last report.
+(`default_kv_lease_ttl`). *Age* time since the last report: a silent engine's figures are
+dimmed, as of then.
 """
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from rich.style import Style
 from rich.text import Text
 
 from kvpool_agent.misses import (
@@ -26,8 +27,8 @@ from kvpool_console.alerts.silence import VERDICT_SEVERITY
 from kvpool_console.model import fmt_age, fmt_bytes, fmt_lease
 from kvpool_console.rows import AgentRow, EngineRow, Totals
 
-__all__ = ["COLUMNS", "MISS_WIDTH", "TREND_WIDTH", "agent_row_cells", "engine_row_cells",
-           "totals_row_cells", "trend"]
+__all__ = ["AS_LAST_REPORTED", "COLUMNS", "MISS_WIDTH", "TREND_WIDTH", "agent_row_cells",
+           "engine_row_cells", "totals_row_cells", "trend"]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("engine", "Engine"),
@@ -124,8 +125,36 @@ def _pool(used: int, total: int, watermark: float) -> Text:
     return Text(f"{frac:.0%}/{watermark:.0%}", style=style)
 
 
+AS_LAST_REPORTED = ("hit", "trend", "tokens", "loads", "saves", "fail", "pool", "lease",
+                    "local", "miss")
+"""Columns of an engine's row whose figures are its reports': a silent engine's (any verdict of
+``alerts.silence``: ``EngineRow.silence`` set) are as of its last report, Age ago, and are
+dimmed, as the detail screen says ``last reported N s ago`` beside them."""
+
+
+def _dimmed(cell: Text | str) -> Text:
+    """``cell`` drawn dim over its own style (a red Fail stays red). A style, not a span: a
+    cell without spans keeps the table's fast redraw (``_fleet_table._shape``)."""
+    if isinstance(cell, str):
+        return Text(cell, style="dim", end="", no_wrap=True)
+    out = cell.copy()
+    out.style = f"{cell.style} dim".strip() if isinstance(cell.style, str) \
+        else cell.style + Style(dim=True)
+    return out
+
+
 def _engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
                   expanded: bool) -> _Cells:
+    cells = _current_engine_cells(r, now_ms, history, expanded)
+    if r.silence:
+        for key in AS_LAST_REPORTED:
+            cells[key] = _dimmed(cells[key])
+    return cells
+
+
+def _current_engine_cells(r: EngineRow, now_ms: float, history: Sequence[float],
+                          expanded: bool) -> _Cells:
+    """An engine's cells as its reports give them (``_engine_cells`` dims a silent one's)."""
     mark = "▾" if expanded else ("▸" if r.agent_ids else " ")
     dim = "dim" if r.stale else ""
     return {

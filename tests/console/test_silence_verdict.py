@@ -23,6 +23,7 @@ from kvpool_console.app import KVPoolConsole
 from kvpool_console.cli import main
 from kvpool_console.source import ClientSource
 from kvpool_console.widgets import FleetTable
+from kvpool_console.widgets._fleet_cells import AS_LAST_REPORTED
 
 HOST = "127.0.0.1"
 WAIT_S = 30.0
@@ -121,6 +122,12 @@ async def _state_cells(app: KVPoolConsole, pilot: Any, until_state: str) -> list
     return seen
 
 
+def _dimmed_figures(table: FleetTable) -> list[str]:
+    """Which of e1's figure columns (``AS_LAST_REPORTED``) are drawn dim."""
+    return [key for key in AS_LAST_REPORTED
+            if "dim" in str(table.get_cell("e:e1", key).style)]  # type: ignore[union-attr]
+
+
 async def test_the_fleet_table_states_the_alerts_verdict(hub: str, master: str,
                                                         tmp_path: Path) -> None:
     with standin(hub, master, tmp_path, HOST) as (proc, _, _):
@@ -129,8 +136,12 @@ async def test_the_fleet_table_states_the_alerts_verdict(hub: str, master: str,
             table = app.query_one(FleetTable)
             await until(pilot, lambda: "e:e1" in table.rows
                         and str(table.get_cell("e:e1", "state")) == "OK", "e1 OK", WAIT_S)
+            assert _dimmed_figures(table) == []
             os.kill(proc.pid, signal.SIGSTOP)
             assert await _state_cells(app, pilot, "HUNG") == []
+            # Its figures are its last report's, as the detail screen says: every one dimmed
+            # (they read as current before), in the view that drew HUNG.
+            assert _dimmed_figures(table) == list(AS_LAST_REPORTED)
             (alert,) = [a for a in app.alerts if a.key == "stale:e1"]
             assert (alert.severity, alert.verdict) == ("critical", "hung")
             assert str(table.get_cell("__totals__", "state")) == "1 HUNG"
@@ -144,6 +155,7 @@ async def test_the_fleet_table_states_the_alerts_verdict(hub: str, master: str,
             (alert,) = [a for a in app.alerts if a.key == "stale:e1"]
             assert (alert.severity, alert.verdict) == ("critical", "gone")
             assert str(table.get_cell("__totals__", "state")) == "1 GONE"
+            assert _dimmed_figures(table) == list(AS_LAST_REPORTED)
 
 
 def test_status_without_a_verdict_says_stale_then_down(
