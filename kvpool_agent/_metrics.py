@@ -344,6 +344,14 @@ class FleetCollector(Collector):
                 labels, p.high_watermark)
             fams.counter("pool_evicted_keys", _POOL).add_metric(labels, p.evicted_keys)
             fams.counter("pool_evicted_bytes", _POOL).add_metric(labels, p.evicted_bytes)
+            # Each agent counts the losses it saw since it started reading the master: the
+            # fresh reading that saw most (the console's Pool tab's rule), not the newest,
+            # which would flap between agents' counts; the store agent's when it vouches.
+            lost = p if trusted.by == "store" else max(
+                (st.pool for st in readings[name].values() if st.pool is not None),
+                key=lambda q: (q.lost_bytes, q.lost_keys))
+            fams.counter("pool_lost_keys", _POOL).add_metric(labels, lost.lost_keys)
+            fams.counter("pool_lost_bytes", _POOL).add_metric(labels, lost.lost_bytes)
             fams.gauge("pool_disk_keys", _POOL).add_metric(labels, p.disk_keys)
             fams.gauge("pool_disk_used_bytes", _POOL).add_metric(labels, p.disk_used_bytes)
             fams.gauge("pool_disk_total_bytes", _POOL).add_metric(labels, p.disk_total_bytes)

@@ -272,6 +272,14 @@ FACTS: tuple[Fact, ...] = (
          "PoolStats.evicted_keys", _HS),
     Fact("pool_evicted_bytes", "counter", "bytes", "Bytes the pool evicted." + _T, "pool",
          "PoolStats.evicted_bytes", _H),
+    Fact("pool_lost_keys", "counter", "keys",
+         "Keys (an estimate) the pool lost with the segments its master dropped (a store "
+         "process stopped or dead past client_ttl): lost, not evicted; as the fresh reading "
+         "that saw most counted them since its agent started reading the master (the store "
+         "agent's when one vouches)." + _T, "agent", "PoolStats.lost_keys", _H),
+    Fact("pool_lost_bytes", "counter", "bytes",
+         "Bytes the pool lost with the segments its master dropped, as pool_lost_keys counts "
+         "them." + _T, "agent", "PoolStats.lost_bytes", _H),
     Fact("pool_disk_keys", "gauge", "values",
          "Values on the pool's disk tier (Mooncake SSD offload; 0 without one)." + _T, "pool",
          "PoolStats.disk_keys", _H),

@@ -265,6 +265,31 @@ def test_the_store_agents_reading_is_the_pools_when_its_key_is_not_engine_bound(
     assert _value(_scrape(states), "kvpool_pool_total_bytes") is None
 
 
+def _lost(p: PoolStats, keys: int, nbytes: int) -> PoolStats:
+    return msgspec.structs.replace(p, lost_keys=keys, lost_bytes=nbytes)
+
+
+def test_lost_keys_and_bytes_are_exported_as_the_reading_that_saw_most() -> None:
+    """``PoolStats.lost_keys``/``lost_bytes`` (segments the master dropped) were not on
+    ``/metrics``. Each agent counts them since it started reading the master: the counters
+    are the fresh agreeing reading that saw most (engine ``a``, not the newer ``b``, which
+    started after the loss), the vouched store agent's when there is one, none while the
+    readings disagree."""
+    states = (_agent("a", _lost(_pool(10 * GB), 4_000, 400 << 20), age_ms=900)
+              | _agent("b", _pool(10 * GB), age_ms=300))
+    samples = _scrape(states)
+    assert _value(samples, "kvpool_pool_lost_keys_total") == 4_000
+    assert _value(samples, "kvpool_pool_lost_bytes_total") == 400 << 20
+    store = _agent("store@m1", _lost(_pool(10 * GB), 1_000, 100 << 20), role="store",
+                   age_ms=500)
+    vouched = _scrape(states | store, own_claims=set())
+    assert _value(vouched, "kvpool_pool_lost_keys_total") == 1_000
+    assert _value(vouched, "kvpool_pool_lost_bytes_total") == 100 << 20
+    disagree = _scrape(states | _liar(_lost(_pool(0), 9, 9)))
+    assert _value(disagree, "kvpool_pool_readings_agree") == 0
+    assert _value(disagree, "kvpool_pool_lost_keys_total") is None
+
+
 def test_the_console_and_the_hub_weigh_the_same_readings() -> None:
     """One owner: the console's ``pool_no_segments`` counts :func:`newest_readings` of the
     workers, the hub's families every role's; both name the pool alike."""

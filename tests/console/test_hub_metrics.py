@@ -149,6 +149,9 @@ def test_hub_metrics_equal_status_json(metrics_fleet: LiveFleet,
     assert _get(m, "kvpool_pool_total_bytes", **pl) == pool["total_bytes"]
     assert _get(m, "kvpool_pool_high_watermark_ratio", **pl) == pool["high_watermark"]
     assert _get(m, "kvpool_pool_evicted_keys_total", **pl) == pool["evicted_keys"]
+    # No store dropped here: nothing lost, as the console says.
+    assert _get(m, "kvpool_pool_lost_keys_total", **pl) == pool["lost_keys"] == 0
+    assert _get(m, "kvpool_pool_lost_bytes_total", **pl) == pool["lost_bytes"] == 0
     assert 0 <= _get(m, "kvpool_pool_used_bytes", **pl) <= pool["total_bytes"]
     assert [dict(k[1])["pool"] for k in m if k[0] == "kvpool_pool_keys"] == [pool["name"]]
     tot = doc["totals"]
