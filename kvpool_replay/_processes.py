@@ -1,7 +1,8 @@
 """The process helpers of the local services, the demo, replays, tests and benchmarks: free
 ports, log tails, start-up waits, the child environment (Mooncake bound to 127.0.0.1, this
 interpreter's ``bin`` on ``PATH``, this tree on ``PYTHONPATH``), and starting (``spawn``) and
-stopping a child's process group without leaving one behind.
+stopping a child's process group without leaving one behind, and reaping children as they
+exit (``reaping_exits``).
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import selectors
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -31,6 +34,7 @@ __all__ = [
     "free_port_block",
     "http_ok",
     "reaping",
+    "reaping_exits",
     "spawn",
     "stop_process_tree",
     "tail_file",
@@ -239,3 +243,40 @@ def stop_process_tree(proc: ChildProcess, timeout_s: float = 10.0) -> None:
                     p.kill()
             except (ProcessLookupError, psutil.Error):
                 continue
+
+
+@contextlib.contextmanager
+def reaping_exits(procs: Iterable[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """Reap each of ``procs`` as soon as it exits, while the block runs: a child killed
+    (``kill -9``) while nothing of its parent waits for it (the demo's TUI runs) stayed a
+    zombie, ``<defunct>``, until the demo stopped. One thread waits on a pidfd per child (no
+    polling: woken when one exits) and reaps it with ``Popen.poll``, so its ``Popen`` keeps
+    the exit status (``poll``, ``returncode``: what ``stop_process_tree`` reads)."""
+    watched: dict[int, subprocess.Popen[bytes]] = {}
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):  # reaped already
+            watched[os.pidfd_open(proc.pid)] = proc
+    pidfds = list(watched)
+    stop_r, stop_w = os.pipe()
+    sel = selectors.DefaultSelector()
+    for fd in (*pidfds, stop_r):
+        sel.register(fd, selectors.EVENT_READ)
+
+    def run() -> None:
+        while watched:
+            for key, _ in sel.select():
+                if key.fd == stop_r:
+                    return
+                sel.unregister(key.fd)
+                watched.pop(key.fd).poll()  # exited: its pidfd is readable
+
+    thread = threading.Thread(target=run, name="kvpool-reaper", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        os.write(stop_w, b"x")
+        thread.join()
+        sel.close()
+        for fd in (*pidfds, stop_r, stop_w):
+            os.close(fd)

@@ -35,6 +35,7 @@ from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
 from kvpool_console.cli import main as console_main
 from kvpool_console.signals import Stopped, stop_signals
 from kvpool_replay._cluster import DemoCluster
+from kvpool_replay._processes import reaping_exits
 from kvpool_replay._trace import TraceError, default_trace_path
 
 __all__ = ["main"]
@@ -76,8 +77,11 @@ def _start_and_watch(cluster: DemoCluster, trace: Path, refresh_s: float, err: C
         # ports (seen with ~28,000 connections in TIME-WAIT): start() stopped what it started.
         err.print(f"{PROG}: the demo could not start: {e}", markup=False, highlight=False)
         return EXIT_USAGE
-    return console_main(["--hub", cluster.hub_address, "--keys", str(cluster.keys_dir),
-                         "--refresh", repr(refresh_s)])
+    # The TUI blocks this thread: an engine killed meanwhile is reaped here, not left a zombie
+    # until the demo stops (the console still says GONE: no such process).
+    with reaping_exits(cluster.processes.values()):
+        return console_main(["--hub", cluster.hub_address, "--keys", str(cluster.keys_dir),
+                             "--refresh", repr(refresh_s)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

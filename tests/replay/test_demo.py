@@ -410,3 +410,37 @@ def test_demo_killed_with_sigkill_leaves_nothing(tmp_path: Path) -> None:
             _drain(term, buf, b"\0never", 0.1)
     finally:
         _leave_nothing(term, tree, workdirs, tmp_path)
+
+
+def test_an_engine_killed_while_the_tui_runs_is_reaped_and_shown_gone(tmp_path: Path) -> None:
+    """``kill -9`` of a demo engine while the TUI runs: the demo reaps it (it stayed
+    ``<defunct>``, a zombie of the demo, until the demo stopped) and the TUI still names it
+    GONE; the demo then stops as ever."""
+    term = _demo_on_pty(tmp_path)
+    buf = bytearray()
+    tree: list[psutil.Process] = []
+    workdirs: set[Path] = set()
+    try:
+        tree, workdirs = _demo_running(term, buf, b"\x1b[?1049h", tmp_path)
+        tui = buf.index(b"\x1b[?1049h")
+        deadline = time.monotonic() + 120
+        while b"engine-0" not in buf[tui:]:
+            assert time.monotonic() < deadline, bytes(buf[-2000:])
+            _drain(term, buf, b"\0never", 0.2)
+        (engine,) = [p for p in psutil.Process(term.pid).children()
+                     if "engine_proc" in _name(p)]
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while engine.is_running():  # a zombie still runs to psutil; a reaped process does not
+            assert time.monotonic() < deadline, f"engine {engine.pid} left a zombie"
+            _drain(term, buf, b"\0never", 0.2)
+        deadline = time.monotonic() + 60
+        while b"GONE" not in buf[tui:]:
+            assert time.monotonic() < deadline, bytes(buf[-2000:])
+            _drain(term, buf, b"\0never", 0.2)
+        tree = _with_current(tree, term.pid)
+        status = _stop_and_wait(term, "SIGTERM", buf)
+        assert status is not None, "console still running 60 s after SIGTERM"
+        _assert_stopped(status, "SIGTERM", tree, workdirs, tmp_path)
+    finally:
+        _leave_nothing(term, tree, workdirs, tmp_path)
