@@ -27,7 +27,7 @@ from typing import Literal
 import zmq
 
 from kvpool_agent.auth import KeyPaths
-from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser
+from kvpool_agent.cli_parser import EXIT_USAGE, CommandParser, number_in
 from kvpool_agent.key_caps import MAX_SUBSCRIBERS_PER_KEY
 from kvpool_agent.masters import admin_urls_problem, split_admin_urls
 from kvpool_agent.metrics_http import MetricsEndpoint
@@ -93,13 +93,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="the master's admin URL; an HA pool's every master's, comma-separated")
     s.add_argument("--capacity", default=None,
                    help="bytes the service fills, e.g. 48GB (default: --fill of the pool)")
-    s.add_argument("--fill", default="auto",
+    s.add_argument("--fill", default="auto", type=_fill_value,
                    help="share of the pool's segments to fill without --capacity: auto "
                    "(default: follows the master's used bytes up to --master-watermark less "
                    "what saves in flight and leased keys take, lowered when the master "
                    "evicts) or a fixed share in (0, 1], e.g. 0.8, below the master's "
                    "eviction_high_watermark_ratio")
-    s.add_argument("--master-watermark", type=float, default=_MASTER_WATERMARK, metavar="R",
+    s.add_argument("--master-watermark", default=_MASTER_WATERMARK, metavar="R",
+                   type=number_in(0, 1, low_open=True,
+                                  hint=", the master's eviction_high_watermark_ratio"),
                    help="the eviction_high_watermark_ratio mooncake_master runs with (it does "
                    "not export it), in (0, 1] (default %(default)g, mooncake_master's)")
     s.add_argument("--admission", choices=("adaptive", "all"), default="adaptive",
@@ -193,15 +195,22 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fill_value(text: str) -> float | Literal["auto"] | None:
-    """``--fill``'s value: ``"auto"`` (any case), a share in (0, 1], or ``None`` (refused)."""
+def _fill_value(text: str) -> float | Literal["auto"]:
+    """``--fill``'s argparse type: ``"auto"`` (any case) or a share in (0, 1].
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the option).
+    """
     if text.strip().lower() == "auto":
         return "auto"
     try:
         share = float(text)
     except ValueError:
-        return None
-    return share if math.isfinite(share) and 0 < share <= 1 else None
+        share = math.nan
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise argparse.ArgumentTypeError(f"must be auto or a share in (0, 1], e.g. "
+                                         f"{DEFAULT_FILL}, got {text}")
+    return share
 
 
 def _fail(msg: str) -> int:
@@ -378,14 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         policy_ports(args.listen)
     except ValueError as exc:
         return _fail(f"--listen: {str(exc).removeprefix('policy_service: ')}")
-    fill = _fill_value(args.fill)
-    if fill is None:
-        return _fail(f"--fill {args.fill}: must be auto or a share in (0, 1], e.g. "
-                     f"{DEFAULT_FILL}")
-    if not (math.isfinite(args.master_watermark) and 0 < args.master_watermark <= 1):
-        return _fail(f"--master-watermark {args.master_watermark:g}: must be in (0, 1], the "
-                     "master's eviction_high_watermark_ratio, e.g. 0.9 (mooncake_master's "
-                     "default)")
+    fill: float | Literal["auto"] = args.fill
     if args.budget < 1:
         return _fail(f"--budget {args.budget}: must be at least 1 record a second")
     for flag, default in (("--max-subscribers-per-key", MAX_SUBSCRIBERS_PER_KEY),
@@ -445,10 +447,10 @@ def main(argv: list[str] | None = None) -> int:
             _warn(f"--capacity {args.capacity} is at or above {args.master_watermark:g} of "
                   f"the {stats.total_bytes:,} bytes mounted now (--master-watermark, the "
                   "master's eviction_high_watermark_ratio): the master would evict before the "
-                  f"service does; without --capacity the service fills --fill ({args.fill}) "
+                  f"service does; without --capacity the service fills --fill ({fill}) "
                   "of what is mounted")
-        if args.fill != "auto":
-            _warn(f"--fill {args.fill} with --capacity: --capacity is the service's size, "
+        if fill != "auto":
+            _warn(f"--fill {fill:g} with --capacity: --capacity is the service's size, "
                   "--fill is not used")
     else:
         stats = fetch_mooncake_stats(args.admin_url)
@@ -534,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 metrics.url)
     logging.getLogger("kvpool.policy").info(
         "kvpool policy: serving %s, capacity %d bytes (%s), admission %s", args.listen,
-        capacity, "--capacity" if args.capacity is not None else f"--fill {args.fill}",
+        capacity, "--capacity" if args.capacity is not None else f"--fill {fill}",
         service.core.policy.admission)
     try:
         service.serve(stop)

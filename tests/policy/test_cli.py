@@ -175,6 +175,18 @@ def test_serve_fill_at_the_watermark_warns(keys: Path, no_backend: list[object],
     assert "--fill 1 is at or above" in warning and "eviction_high_watermark_ratio" in warning
 
 
+@pytest.mark.parametrize("fill", ["auto", " AUTO ", "0.85"])
+def test_serve_fill_auto_in_any_case_or_a_share_starts(
+        fill: str, keys: Path, no_backend: list[object], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _stats(monkeypatch, PoolStats(backend="mooncake", healthy=True, total_bytes=1 << 30))
+    port = free_port_block(2)
+    rc = policy_cli.main(["serve", "--listen", f"tcp://127.0.0.1:{port}", "--keys",
+                          str(keys / "hub"), *_POOL, "--fill", fill])
+    assert len(no_backend) == 1 and rc == 2  # went on to start; the test's backend fails
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_serve_capacity_above_the_mounted_pool_warns(
         keys: Path, no_backend: list[object], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

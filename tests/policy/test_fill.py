@@ -167,25 +167,24 @@ def test_the_reader_reads_a_real_master(mooncake_master: LocalMooncakeMaster) ->
     assert "kvpool-policy-fill" not in [t.name for t in threading.enumerate()]
 
 
-@pytest.mark.parametrize("fill", ["0", "1.5", "nan", "most", "-0.2"])
-def test_serve_fill_must_be_auto_or_a_share(fill: str, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    rc = policy_cli.main(["serve", "--listen", "tcp://127.0.0.1:5600", "--keys", str(tmp_path),
-                          "--master", "127.0.0.1:1", "--admin-url", "http://127.0.0.1:1",
-                          "--fill", fill])
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--fill", "0", "must be auto or a share in (0, 1], e.g. 0.8, got 0"),
+    ("--fill", "1.5", "must be auto or a share in (0, 1], e.g. 0.8, got 1.5"),
+    ("--fill", "nan", "must be auto or a share in (0, 1], e.g. 0.8, got nan"),
+    ("--fill", "most", "must be auto or a share in (0, 1], e.g. 0.8, got most"),
+    ("--master-watermark", "0", "must be in (0, 1], the master's "
+     "eviction_high_watermark_ratio, got 0"),
+    ("--master-watermark", "1.2", "must be in (0, 1], the master's "
+     "eviction_high_watermark_ratio, got 1.2"),
+])
+def test_serve_fill_and_watermark_refuse_what_is_no_share(
+        flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        policy_cli.main(["serve", "--listen", "tcp://127.0.0.1:5600", "--keys", "k",
+                         "--master", "127.0.0.1:1", "--admin-url", "http://127.0.0.1:1",
+                         flag, value])
     err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err
-    assert err.strip() == (f"kvpool-policy: --fill {fill}: must be auto or a share in (0, 1], "
-                           "e.g. 0.8")
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert err.strip() == (f"kvpool-policy serve: error: argument {flag}: {says} (see "
+                           "kvpool-policy serve --help)")
 
-
-@pytest.mark.parametrize("ratio", ["0", "1.2", "inf"])
-def test_serve_master_watermark_must_be_a_ratio(ratio: str, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    rc = policy_cli.main(["serve", "--listen", "tcp://127.0.0.1:5600", "--keys", str(tmp_path),
-                          "--master", "127.0.0.1:1", "--admin-url", "http://127.0.0.1:1",
-                          "--master-watermark", ratio])
-    err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert err.startswith(f"kvpool-policy: --master-watermark {float(ratio):g}: must be in "
-                          "(0, 1]")
