@@ -401,8 +401,9 @@ FACTS: tuple[Fact, ...] = (
          "policy",
          "Remover.deferred_dropped", _P),
     Fact("policy_capacity_bytes", "gauge", "bytes",
-         "Bytes the policy service fills (--capacity, or --fill of the pool's segments at "
-         "start).", "policy", "PoolPolicy.capacity_bytes", _P),
+         "Bytes the policy service fills now: --capacity; --fill auto (the default) follows "
+         "the master's used bytes below its watermark, read every 2 s; a fixed --fill is that "
+         "share of the pool's segments at start.", "policy", "PoolPolicy.capacity_bytes", _P),
     Fact("policy_used_bytes", "gauge", "bytes",
          "Bytes of chunks resident by the policy service's account (pinned included).",
          "policy", "PoolPolicy.used_bytes", _P),
