@@ -179,7 +179,7 @@ class FillFollower:
     def __init__(self, rule: FillRule, reader: MasterReader) -> None:
         self.rule, self.reader = rule, reader
         self._applied = 0
-        self._logged: float | None = None
+        self._logged: tuple[int, int] | None = None  # (capacity, pool bytes) last logged
         self._backoffs = 0
 
     def step(self, core: PolicyCore, now: float) -> None:
@@ -193,11 +193,16 @@ class FillFollower:
         if after == before:
             return
         gone = core.resize(after)
-        share = after / reading.total_bytes
-        # A line when the fill moved two points since the last one, or the master evicted.
+        total = reading.total_bytes
+        share = after / total
+        # A line when the fill moved two points (of a hundred: in whole percents, float sums
+        # missed 0.81 -> 0.83) or the pool's size changed since the last one, or the master
+        # evicted.
         backoff, self._backoffs = self.rule.backoffs > self._backoffs, self.rule.backoffs
-        if self._logged is None or abs(share - self._logged) >= 0.02 or backoff:
-            self._logged = share
+        last = self._logged
+        if (last is None or last[1] != total or backoff
+                or abs(round(100 * share) - round(100 * last[0] / last[1])) >= 2):
+            self._logged = (after, total)
             logger.info("kvpool policy: fill %.3f of the pool's %d bytes (%d bytes; master "
                         "used %d, evicted %d keys; %d chunks removed to fit)", share,
                         reading.total_bytes, after, reading.used_bytes, reading.evicted_keys,

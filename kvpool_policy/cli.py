@@ -62,6 +62,10 @@ _MASTER_WATERMARK = 0.9
 """mooncake_master's default ``--eviction_high_watermark_ratio`` (the master does not export
 the ratio it runs with)."""
 
+MIN_MASTER_WATERMARK = 0.1
+"""``--master-watermark``'s least: below it a master leaves nine tenths of its pool unused, and
+``--fill auto`` would fill next to nothing (a watermark of 0.01 made a capacity of 1 byte)."""
+
 _HUB_KEYS_FIX = ("pass the fleet's keys directory holding the hub's key pair (hub.key_secret, "
                  "authorized_keys/): the DIR `kvpool-agent hub --keys DIR` runs with")
 
@@ -100,10 +104,11 @@ def _parser() -> argparse.ArgumentParser:
                    "evicts) or a fixed share in (0, 1], e.g. 0.8, below the master's "
                    "eviction_high_watermark_ratio")
     s.add_argument("--master-watermark", default=_MASTER_WATERMARK, metavar="R",
-                   type=number_in(0, 1, low_open=True,
+                   type=number_in(MIN_MASTER_WATERMARK, 1,
                                   hint=", the master's eviction_high_watermark_ratio"),
                    help="the eviction_high_watermark_ratio mooncake_master runs with (it does "
-                   "not export it), in (0, 1] (default %(default)g, mooncake_master's)")
+                   f"not export it), in [{MIN_MASTER_WATERMARK:g}, 1] (default %(default)g, "
+                   "mooncake_master's)")
     s.add_argument("--admission", choices=("adaptive", "all"), default="adaptive",
                    help="adaptive (default): the pool-wide doorkeeper decides what engines "
                    "save; all: engines save every chunk and the service only evicts (a "
@@ -209,7 +214,7 @@ def _fill_value(text: str) -> float | Literal["auto"]:
         share = math.nan
     if not (math.isfinite(share) and 0 < share <= 1):
         raise argparse.ArgumentTypeError(f"must be auto or a share in (0, 1], e.g. "
-                                         f"{DEFAULT_FILL}, got {text}")
+                                         f"{DEFAULT_FILL}, got {text!r}")
     return share
 
 
@@ -536,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 metrics.url)
     logging.getLogger("kvpool.policy").info(
         "kvpool policy: serving %s, capacity %d bytes (%s), admission %s", args.listen,
-        capacity, "--capacity" if args.capacity is not None else f"--fill {fill}",
+        capacity, "--capacity" if args.capacity is not None else
+        f"--fill {fill}, --master-watermark {args.master_watermark:g}",
         service.core.policy.admission)
     try:
         service.serve(stop)

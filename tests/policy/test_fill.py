@@ -153,6 +153,24 @@ def test_the_follower_applies_each_reading_once(tmp_path: Path) -> None:
     assert [_share(c) for c in core.resized] == [0.81, 0.82]
 
 
+def test_the_follower_logs_every_two_points_and_every_change_of_the_pool(
+        caplog: pytest.LogCaptureFixture) -> None:
+    reader = MasterReader("http://127.0.0.1:1")  # never started: readings set by the test
+    follower = FillFollower(FillRule(0.95), reader)
+    core = _Core(int(TOTAL * 0.8))
+    caplog.set_level("INFO", logger="kvpool.policy")
+    for n, total in enumerate([TOTAL] * 4 + [TOTAL // 2], start=1):
+        reader.latest, reader.reads = MasterReading(0, total, 0), n
+        follower.step(core, float(n))  # type: ignore[arg-type]
+    logged = [r.getMessage().split(" (")[0] for r in caplog.records]
+    assert logged == [
+        "kvpool policy: fill 0.810 of the pool's 1000000000 bytes",
+        "kvpool policy: fill 0.830 of the pool's 1000000000 bytes",  # 0.81 -> 0.83: two points
+        # A segment gone: the pool halves, the same bytes are 1.7 of it; the ceiling at once.
+        "kvpool policy: fill 0.930 of the pool's 500000000 bytes",
+    ]
+
+
 def test_the_reader_reads_a_real_master(mooncake_master: LocalMooncakeMaster) -> None:
     """Against the session's real ``mooncake_master``: a healthy reading of its metrics."""
     reader = MasterReader(mooncake_master.admin_url, every_s=0.1).start()
@@ -168,13 +186,14 @@ def test_the_reader_reads_a_real_master(mooncake_master: LocalMooncakeMaster) ->
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--fill", "0", "must be auto or a share in (0, 1], e.g. 0.8, got 0"),
-    ("--fill", "1.5", "must be auto or a share in (0, 1], e.g. 0.8, got 1.5"),
-    ("--fill", "nan", "must be auto or a share in (0, 1], e.g. 0.8, got nan"),
-    ("--fill", "most", "must be auto or a share in (0, 1], e.g. 0.8, got most"),
-    ("--master-watermark", "0", "must be in (0, 1], the master's "
-     "eviction_high_watermark_ratio, got 0"),
-    ("--master-watermark", "1.2", "must be in (0, 1], the master's "
+    ("--fill", "0", "must be auto or a share in (0, 1], e.g. 0.8, got '0'"),
+    ("--fill", "1.5", "must be auto or a share in (0, 1], e.g. 0.8, got '1.5'"),
+    ("--fill", "nan", "must be auto or a share in (0, 1], e.g. 0.8, got 'nan'"),
+    ("--fill", "most", "must be auto or a share in (0, 1], e.g. 0.8, got 'most'"),
+    ("--fill", "", "must be auto or a share in (0, 1], e.g. 0.8, got ''"),
+    ("--master-watermark", "0.01", "must be in [0.1, 1], the master's "
+     "eviction_high_watermark_ratio, got 0.01"),
+    ("--master-watermark", "1.2", "must be in [0.1, 1], the master's "
      "eviction_high_watermark_ratio, got 1.2"),
 ])
 def test_serve_fill_and_watermark_refuse_what_is_no_share(
