@@ -299,8 +299,9 @@ def main() -> int:
         if r.admission == "service":
             why = ("the policy service admits and evicts for the pool (docs/policy.md): its "
                    "doorkeeper skips chunks never asked for before when that hits more, it "
-                   "evicts in leaf-first LRU order and fills 0.8 of the pool, so it can be "
-                   "above LRU (admission) or below it (the 0.8, evictions of chunks still "
+                   "evicts in leaf-first LRU order and fills the pool up to 2% below the "
+                   "master's watermark less what saves in flight take, so it can be above "
+                   "LRU (admission) or below it (the room it leaves, evictions of chunks still "
                    f"being read); the master evicted {r.pool_evicted_keys:,} keys beside it")
         elif d > 0.005:
             why = ("above LRU: when the pool is full a put fails with NO_AVAILABLE_HANDLE and "

@@ -79,13 +79,13 @@ DEMO_SHAPE = ModelShape(layers=2, kv_heads=1, head_size=4, block_size=16, dtype=
 pool holds 16M tokens: about the conversation trace's first 90 s of new prefixes at the demo's
 speed-up (see ``DemoCluster``)."""
 
-POLICY_FILL = 0.8
-"""Share of the demo's pool its policy service fills (``kvpool-policy serve --fill``, its
-default), below the master's watermark (0.9): the room between them holds saves in flight and
-keys waiting out a reader's lease. At the default 16M tokens and speed-up 5 the conversation
-trace brings about 8M tokens of new prefixes a minute (``DemoCluster``'s ``pool_tokens``): the
-service holds 12.8M tokens and evicts from about 90 s on (one run of the default demo: its first
-1,522 keys removed by 90 s, 16,359 by 219 s, the master's watermark evicting none)."""
+POLICY_FILL: float | Literal["auto"] = "auto"
+"""What the demo's policy service fills (``kvpool-policy serve --fill``, its default):
+``auto``, from 0.8 of the pool up to 2% below the master's watermark (0.9) as the master's
+used bytes show room; the room left holds saves in flight and keys waiting out a reader's
+lease. At the default 16M tokens and speed-up 5 the conversation trace brings about 8M
+tokens of new prefixes a minute (``DemoCluster``'s ``pool_tokens``): the service starts
+evicting after about a minute and a half (docs/getting-started.md)."""
 
 DEMO_MODEL = "kvpool-demo"
 """The simulated engines' model name (one name every run: the pool, its keys and the console
@@ -285,8 +285,8 @@ class DemoCluster:
                                              log_dir=self.workdir / "policy")
             extra |= {"admission": "service", "policy_service": self.policy.address}
             self._say(f"starting kvpool-policy serve on {self.policy.address} (the pool-wide "
-                      f"policy: it admits and evicts for every engine, filling {POLICY_FILL:g} "
-                      "of the pool)")
+                      "policy: it admits and evicts for every engine, filling up to 2% below "
+                      "the master's watermark as its used bytes show room)")
             # Beside the engines, which take far longer to start: the service adds nothing to
             # the demo's start. The engines save every chunk until its first snapshot.
             self._policy_start = threading.Thread(target=self._start_policy, daemon=True,

@@ -480,7 +480,7 @@ def run_replay(
                          "own admission: it needs --admission service")
     if cfg.policy_fill != "auto" and not 0 < cfg.policy_fill <= REPLAY_WATERMARK:
         raise ValueError(f"policy_fill {cfg.policy_fill}: must be auto or in (0, "
-                         f"{REPLAY_WATERMARK}] (the masters' watermark), e.g. {REPLAY_FILL}")
+                         f"{REPLAY_WATERMARK}] (the masters' watermark), e.g. 0.8")
     if cfg.admission == "adaptive" and cfg.pool_tokens is None:
         raise ValueError("--admission adaptive needs --pool-tokens: the policy simulates a pool "
                          "of that capacity")

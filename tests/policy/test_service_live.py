@@ -376,7 +376,6 @@ def test_an_engines_worker_hands_its_layout_to_the_scheduler_client(pool: Pool) 
 
 @pytest.mark.parametrize(("args", "names"), [
     (["--listen", "10.0.0.1:5600"], "--listen"),
-    (["--fill", "2"], "--fill"),
     (["--capacity", "lots"], "--capacity"),
     (["--max-subscribers-per-key", "-1"], "--max-subscribers-per-key"),
     (["--max-agent-connections-per-key", "-1"], "--max-agent-connections-per-key -1: must be 0 "

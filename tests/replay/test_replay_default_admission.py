@@ -158,7 +158,8 @@ def test_a_service_fill_outside_the_watermark_is_refused_before_anything_starts(
     watermark (0.95) above it: refused with the range and the default, nothing started."""
     cfg = ReplayConfig(trace_path=TRACE, limit=4, pool_tokens=300_000, admission="service",
                        policy_fill=fill)
-    with pytest.raises(ValueError, match=r"policy_fill .*: must be in \(0, 0\.95\] .* e\.g\. 0\.8"):
+    with pytest.raises(ValueError,
+                       match=r"policy_fill .*: must be auto or in \(0, 0\.95\] .* e\.g\. 0\.8"):
         run_replay(cfg)
 
 
