@@ -281,6 +281,18 @@ def _demo_running(term: _Pty, buf: bytearray, shown: bytes,
     return tree, workdirs
 
 
+def _engine_row_drawn(term: _Pty, buf: bytearray) -> int:
+    """Read the pty until the TUI draws the engine's row on its alternate screen (the start-up
+    lines before it name the engine too: "engine engine-0 ready"), up to 120 s; the screen's
+    offset in ``buf``."""
+    tui = buf.index(b"\x1b[?1049h")
+    deadline = time.monotonic() + 120
+    while b"engine-0" not in buf[tui:]:
+        assert time.monotonic() < deadline, bytes(buf[-2000:])
+        _drain(term, buf, b"\0never", 0.2)
+    return tui
+
+
 STOP_LINE = (b"kvpool-console --demo: stopped: its engines, master, store, policy service and "
              b"hub are gone and its work directory removed")
 """What the demo says once it stopped everything (on a quit, Ctrl-C or SIGTERM)."""
@@ -346,14 +358,8 @@ def test_demo_stops_everything_on_sigterm_and_hangup(how: str, tmp_path: Path) -
     tree: list[psutil.Process] = []
     workdirs: set[Path] = set()
     try:
-        # The TUI is up once it draws the engine's row on the alternate screen (the start-up
-        # lines before it name the engine too: "engine engine-0 ready").
         tree, workdirs = _demo_running(term, buf, b"\x1b[?1049h", tmp_path)
-        tui = buf.index(b"\x1b[?1049h")
-        deadline = time.monotonic() + 120
-        while b"engine-0" not in buf[tui:]:
-            assert time.monotonic() < deadline, bytes(buf[-2000:])
-            _drain(term, buf, b"\0never", 0.2)
+        tui = _engine_row_drawn(term, buf)
         start = bytes(buf[:tui])
         drawn = len(buf)
         tree = _with_current(tree, term.pid)
@@ -422,11 +428,7 @@ def test_an_engine_killed_while_the_tui_runs_is_reaped_and_shown_gone(tmp_path: 
     workdirs: set[Path] = set()
     try:
         tree, workdirs = _demo_running(term, buf, b"\x1b[?1049h", tmp_path)
-        tui = buf.index(b"\x1b[?1049h")
-        deadline = time.monotonic() + 120
-        while b"engine-0" not in buf[tui:]:
-            assert time.monotonic() < deadline, bytes(buf[-2000:])
-            _drain(term, buf, b"\0never", 0.2)
+        tui = _engine_row_drawn(term, buf)
         (engine,) = [p for p in psutil.Process(term.pid).children()
                      if "engine_proc" in _name(p)]
         os.kill(engine.pid, signal.SIGKILL)
