@@ -1,7 +1,8 @@
 """The live pool-wide policy service (issue 40 item 1): ``kvpool-policy serve``, one per pool,
 beside the master.
 
-It runs one ``PoolPolicy`` over the pool's capacity, fed by every engine's access records, and
+It runs one ``PoolPolicy`` over the pool's capacity (by default following the master's used
+bytes below its watermark: ``kvpool_policy._fill``), fed by every engine's access records, and
 publishes its admission decision; what falls out of it is removed with its own Mooncake store
 client (``_remover``). The wire is ``kvpool_connector.policy_wire``; the engines' side is
 ``kvpool_connector.policy_client``.
