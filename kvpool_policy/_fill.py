@@ -18,7 +18,8 @@ bounded to ``[FILL_FLOOR, watermark - FILL_MARGIN]`` of the pool (it starts at t
 the fixed fill measured before it): raised by at most
 ``FILL_STEP`` of the pool a reading, lowered at once when the others' bytes grow, and
 lowered by ``FILL_BACKOFF`` below that whenever the master evicted since the last reading
-(its watermark is the one thing the service must stay under). The master does not export
+(its watermark is the one thing the service must stay under). An empty pool's fill reaches
+the ceiling in 16 s: the room is taken back as the saves show it. The master does not export
 the watermark it runs with: ``--master-watermark`` says it (mooncake_master's default
 ``eviction_high_watermark_ratio`` is 0.9).
 """
@@ -196,11 +197,12 @@ class FillFollower:
         total = reading.total_bytes
         share = after / total
         # A line when the fill moved two points (of a hundred: in whole percents, float sums
-        # missed 0.81 -> 0.83) or the pool's size changed since the last one, or the master
-        # evicted.
+        # missed 0.81 -> 0.83), reached a bound (the last step to the ceiling is one point) or
+        # the pool's size changed since the last one, or the master evicted.
         backoff, self._backoffs = self.rule.backoffs > self._backoffs, self.rule.backoffs
+        bound = after in (int(total * self.rule.floor), int(total * self.rule.ceiling))
         last = self._logged
-        if (last is None or last[1] != total or backoff
+        if (last is None or last[1] != total or backoff or bound
                 or abs(round(100 * share) - round(100 * last[0] / last[1])) >= 2):
             self._logged = (after, total)
             logger.info("kvpool policy: fill %.3f of the pool's %d bytes (%d bytes; master "

@@ -4,6 +4,7 @@ the policy's oldest chunks (never a pinned one) and hands them to the remover.""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvpool_policy.cli as policy_cli
+from kvpool_agent.auth import local_fleet_keys
 from kvpool_policy._fill import (
     FILL_BACKOFF,
     FILL_FLOOR,
@@ -24,7 +26,7 @@ from kvpool_policy._fill import (
     MasterReading,
 )
 from kvpool_policy.policy import AccessRecord, PoolPolicy
-from kvpool_replay import LocalMooncakeMaster
+from kvpool_replay import LocalMooncakeMaster, LocalPolicyService, LocalPoolStore
 
 TOTAL = 1_000_000_000
 """A pool of 1 GB (bytes): shares read as round numbers."""
@@ -159,7 +161,7 @@ def test_the_follower_logs_every_two_points_and_every_change_of_the_pool(
     follower = FillFollower(FillRule(0.95), reader)
     core = _Core(int(TOTAL * 0.8))
     caplog.set_level("INFO", logger="kvpool.policy")
-    for n, total in enumerate([TOTAL] * 4 + [TOTAL // 2], start=1):
+    for n, total in enumerate([TOTAL] * 4 + [TOTAL // 2] + [TOTAL] * 14, start=1):
         reader.latest, reader.reads = MasterReading(0, total, 0), n
         follower.step(core, float(n))  # type: ignore[arg-type]
     logged = [r.getMessage().split(" (")[0] for r in caplog.records]
@@ -168,6 +170,11 @@ def test_the_follower_logs_every_two_points_and_every_change_of_the_pool(
         "kvpool policy: fill 0.830 of the pool's 1000000000 bytes",  # 0.81 -> 0.83: two points
         # A segment gone: the pool halves, the same bytes are 1.7 of it; the ceiling at once.
         "kvpool policy: fill 0.930 of the pool's 500000000 bytes",
+        # Back: from the floor of the pool twice as large, every two points, and the last
+        # one-point step to the ceiling.
+        "kvpool policy: fill 0.800 of the pool's 1000000000 bytes",
+        *(f"kvpool policy: fill 0.{p} of the pool's 1000000000 bytes"
+          for p in (820, 840, 860, 880, 900, 920, 930)),
     ]
 
 
@@ -207,3 +214,38 @@ def test_serve_fill_and_watermark_refuse_what_is_no_share(
     assert err.strip() == (f"kvpool-policy serve: error: argument {flag}: {says} (see "
                            "kvpool-policy serve --help)")
 
+
+
+def _fills(log: Path) -> list[tuple[float, int]]:
+    """The service's ``fill X of the pool's N bytes`` lines: (X, N)."""
+    return [(float(m[1]), int(m[2])) for m in re.finditer(
+        r"kvpool policy: fill ([\d.]+) of the pool's (\d+) bytes", log.read_text())]
+
+
+def test_kvpool_policy_serve_fills_up_to_the_watermark_and_follows_a_new_segment(
+        tmp_path: Path) -> None:
+    """The real ``kvpool-policy serve`` (its default ``--fill auto``) beside a real master
+    (watermark 0.9) and a store in its own process: from 0.8 of the pool up to 0.88, then, a
+    second store mounted, the same over the pool twice as large."""
+    with LocalMooncakeMaster(eviction_high_watermark_ratio=0.9) as master, \
+            LocalPoolStore(master, 32 << 20), \
+            LocalPolicyService(master, local_fleet_keys(tmp_path / "keys")["hub"].root,
+                               fill="auto", log_dir=tmp_path) as service:
+
+        def reached(share: float, total: int | None = None) -> bool:
+            return any(f == share and (total is None or n == total)
+                       for f, n in _fills(service.log_path))
+
+        deadline = time.monotonic() + 120
+        while not reached(0.88):
+            assert time.monotonic() < deadline, service.log_path.read_text()[-3000:]
+            threading.Event().wait(0.2)
+        first = _fills(service.log_path)
+        (total,) = {n for _, n in first}
+        assert first[0][0] == 0.81 and total >= 32 << 20
+        with LocalPoolStore(master, 32 << 20):
+            while not reached(0.88, 2 * total):
+                assert time.monotonic() < deadline + 120, service.log_path.read_text()[-3000:]
+                threading.Event().wait(0.2)
+        grown = [f for f, n in _fills(service.log_path) if n == 2 * total]
+        assert grown[0] <= 0.81 and grown == sorted(grown)  # from the floor, a rise
