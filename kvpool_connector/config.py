@@ -76,8 +76,9 @@ class _ExtraFields(BaseModel):
     agent_keys: str | None = None
     lookup_breaker_failures: int = Field(default=3, ge=0)
     lookup_breaker_open_ms: int = Field(default=10_000, gt=0)
-    # Parsed by parse_size below, which refuses a bool (lax pydantic would read True as 1 byte).
-    save_budget: bool | int | float | str = "256MB"
+    # Parsed by parse_size below, which refuses a bool (lax pydantic would read True as 1 byte);
+    # any type here so that a null is one line, not pydantic's four union errors.
+    save_budget: Any = "256MB"
     # "auto" (staging.StagingBuffer.sized) or a size, as the config reference shows it; any
     # type here so that parse_staging_buffer refuses a null in one line, not pydantic's four.
     staging_buffer: Any = "auto"
@@ -442,8 +443,12 @@ class KVPoolConfig(BaseModel):
         values: dict[str, Any] = fields.model_dump(
             exclude={"chunk_size", "engine_id", "instance_role", "save_budget",
                      "staging_buffer"})
+        if fields.save_budget is None:  # YAML's empty ``save_budget:``
+            raise ValueError('kv_connector_extra_config.save_budget: null is not a size; use a '
+                             'size like "256MB" (the default)')
         try:
-            values["save_budget_bytes"] = parse_size(cast("int | float | str", fields.save_budget))
+            values["save_budget_bytes"] = parse_size(
+                cast("int | float | str", fields.save_budget), whole=True)
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config.save_budget: {exc}") from None
         if values["save_budget_bytes"] <= 0:

@@ -38,6 +38,9 @@ def _validate(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[st
     ({"save_budget": -5}, "save_budget", "-5 is not a size"),
     ({"save_budget": 0}, "save_budget", "more than 0 bytes"),
     ({"save_budget": True}, "save_budget", "True is not a size"),
+    # pydantic's four union errors before; 1.5 was taken as 1 byte.
+    ({"save_budget": None}, "save_budget", "null is not a size"),
+    ({"save_budget": 1.5}, "save_budget", "1.5 is not a whole number of bytes"),
     ({"lookup_timeout_ms": -1}, "lookup_timeout_ms", "greater than 0"),
     ({"save_budgt": "1MB"}, "save_budgt", "refuses it at start"),
 ])
