@@ -178,9 +178,12 @@ def test_the_replays_service_runs_with_the_admission_asked(admission: AdmissionK
                                                              tmp_path: Path) -> None:
     """The argument ``kvpool-policy serve`` parses and hands to ``PoolPolicy``: the command
     line a replay starts the service with (a restart in ``--kill-policy-after`` reuses it)."""
-    master = SimpleNamespace(address="127.0.0.1:50051", admin_url="http://127.0.0.1:9003")
+    master = SimpleNamespace(address="127.0.0.1:50051", admin_url="http://127.0.0.1:9003",
+                             eviction_high_watermark_ratio=0.95)
     svc = LocalPolicyService(master, tmp_path, admission=admission,  # type: ignore[arg-type]
                              port=5600, log_dir=tmp_path)
     cmd = svc.command()
     args = policy_parser().parse_args(cmd[cmd.index("serve"):])
     assert args.admission == admission
+    # The fill follows the master by default, under the watermark the master runs.
+    assert (args.fill, args.master_watermark) == ("auto", 0.95)
