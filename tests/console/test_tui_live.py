@@ -48,8 +48,11 @@ def _shown(table: FleetTable) -> list[str]:
 async def test_rows_show_reported_numbers_and_stale(live_fleet: LiveFleet) -> None:
     _feed(live_fleet)
     live_fleet.wait_agents(6)
+    # d0's save stays in flight: past the 2.5 s floor it would be stuck_transfer (critical),
+    # and a loaded machine took longer than that to reach the row's "OK" (CI, two burners).
     app = KVPoolConsole(ClientSource(live_fleet.address, pump=True), refresh_s=0.25,
-                        alert_settings=AlertSettings(stale_after_ms=1500))
+                        alert_settings=AlertSettings(stale_after_ms=1500,
+                                                     stuck_after_ms=600_000))
     async with app.run_test(size=(160, 40)) as pilot:
         table = app.query_one(FleetTable)
         await until(pilot, lambda: app.view is not None and len(app.view.engines) == 2
