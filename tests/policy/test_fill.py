@@ -185,8 +185,8 @@ def test_the_reader_reads_a_real_master(mooncake_master: LocalMooncakeMaster) ->
         deadline = time.monotonic() + 30
         while reader.reads < 2 and time.monotonic() < deadline:
             threading.Event().wait(0.05)
+        # Two healthy readings of the real master (a reader that cannot reach it has none).
         assert reader.reads >= 2 and reader.latest is not None
-        assert reader.latest.total_bytes >= 0 and reader.latest.evicted_keys >= 0
     finally:
         reader.close()
     assert "kvpool-policy-fill" not in [t.name for t in threading.enumerate()]
