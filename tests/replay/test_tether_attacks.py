@@ -280,7 +280,9 @@ def test_what_a_session_left_after_its_leader_is_still_stopped(tmp_path: Path) -
 
 
 def _names(pgid: int) -> list[str]:
-    """The command names of the live processes in process group ``pgid``."""
+    """The command names of the live processes in process group ``pgid``, each read from a new
+    ``psutil.Process``: ``process_iter`` hands back the objects it made before, and a
+    ``Process`` keeps the first name it read (the forked sh's, before its exec)."""
     out = []
     for p in psutil.process_iter():
         if _pgid(p.pid) == pgid:
