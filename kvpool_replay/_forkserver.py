@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from multiprocessing import reduction
 from typing import Any
 
+from kvpool_replay._tether import held_fds, register
+
 __all__ = ["ENGINE_PRELOAD", "ForkedProcess", "fork_context", "fork_main", "stop_fork_server"]
 
 ENGINE_PRELOAD = (
@@ -105,10 +107,14 @@ def _detach(dup: Any) -> int:
     return fd
 
 
-def _child(module: str, argv: list[str], out: int, env: dict[str, str], cwd: str) -> None:
-    """In the forked child: a session of its own (``stop_process_tree`` ends its group), its
-    output to ``out``, ``env`` as its whole environment, then ``module.main(argv)``."""
+def _child(module: str, argv: list[str], out: int, env: dict[str, str], cwd: str,
+           tethers: Sequence[int] = ()) -> None:
+    """In the forked child: a session of its own (``stop_process_tree`` ends its group),
+    registered with the tethers the parent held (``_tether.register``: it dies with the
+    parent, a ``kill -9`` of it included), its output to ``out``, ``env`` as its whole
+    environment, then ``module.main(argv)``."""
     os.setsid()
+    register(tethers)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
@@ -147,12 +153,13 @@ class ForkedProcess:
 
 def fork_main(module: str, argv: list[str], out: int, env: dict[str, str],
               name: str) -> ForkedProcess:
-    """Fork ``module.main(argv)`` from the server, in a session of its own, writing to the
-    file descriptor ``out`` (this process keeps its own), with ``env`` and this process's
-    working directory."""
+    """Fork ``module.main(argv)`` from the server, in a session of its own registered with the
+    tethers this process holds (``_tether``), writing to the file descriptor ``out`` (this
+    process keeps its own), with ``env`` and this process's working directory."""
     ctx = fork_context()
     proc = ctx.Process(target=_child, name=name,
-                       args=(module, argv, _Fd(out), env, os.getcwd()),
+                       args=(module, argv, _Fd(out), env, os.getcwd(),
+                             [_Fd(fd) for fd in held_fds()]),
                        # Ended with this process, never joined at its exit.
                        daemon=True)
     proc.start()

@@ -34,7 +34,14 @@ import httpx
 
 from kvpool_agent.masters import probe_masters
 from kvpool_agent.protocol import MasterView
-from kvpool_replay._processes import alive, free_port, stop_process_tree, tail_file, wait_until
+from kvpool_replay._processes import (
+    alive,
+    free_port,
+    spawn,
+    stop_process_tree,
+    tail_file,
+    wait_until,
+)
 from kvpool_replay._services import MASTER_LEASE_TTL_MS, LocalMooncakeMaster, LocalService
 
 __all__ = ["HA_FLAGS", "FailoverDrill", "LocalEtcd", "LocalHaPool", "all_keys"]
@@ -98,7 +105,7 @@ class LocalEtcd(LocalService):
         client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [binary, "--name", "kvpool", "--data-dir", str(self.work_dir / "data"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,

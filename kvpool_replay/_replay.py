@@ -73,6 +73,7 @@ from kvpool_replay._services import (
     LocalPoolStore,
 )
 from kvpool_replay._spec import EngineResult, EngineSpec, ModelShape
+from kvpool_replay._tether import Tether
 from kvpool_replay._tokens import DEFAULT_VOCAB_SIZE
 from kvpool_replay._trace import load_trace
 
@@ -445,7 +446,8 @@ def run_replay(
     cfg: ReplayConfig, *, on_status: Callable[[str], None] | None = None
 ) -> ReplayReport:
     """Run a replay end to end: pool(s), engine processes, references; stops everything it
-    started before returning (also on error or Ctrl-C).
+    started before returning (also on error or Ctrl-C), and, were this process killed, its
+    tether does (``_tether``).
 
     Raises:
         FileNotFoundError, TraceError: bad trace path or content (an empty trace included).
@@ -562,6 +564,12 @@ def run_replay(
     # other services stop first (rmtree raced a store still offloading: "Directory not empty").
     with tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp, ExitStack() as stack:
         work = Path(tmp)
+        # Before any child: each one started from now on dies with this process, a kill -9
+        # of it included, and the work directory goes with them. Released last: by then
+        # this process stopped them itself.
+        tether = Tether.start()
+        stack.callback(tether.close)
+        tether.remove_on_death(work)
         rss = stack.enter_context(_RssWatch())
         rss.add("replay", os.getpid())
         n_pools = n_eng if cfg.mode == "private" else 1
@@ -650,6 +658,7 @@ def run_replay(
                 ) | admission | ({} if cfg.layerwise_timeout_ms is None else
                                  {"layerwise_timeout_ms": cfg.layerwise_timeout_ms}),
             )
+            tether.release_on_death(spec.lookup_rpc_port)
             proc = fork_engine(spec, work)
             # Last in, first out: the engine stops, then the lookup socket it left goes.
             stack.callback(release_if_dead, spec.lookup_rpc_port)

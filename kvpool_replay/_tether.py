@@ -4,7 +4,10 @@
 session of its own (``start_new_session``: the terminal's Ctrl-C reaches the console alone,
 which then stops them in order). A SIGKILL of the console runs none of that, and nothing else
 stopped them: they ran on, holding the pool's memory, their ports, and the fleet's secret keys
-in the demo's work directory.
+in the demo's work directory. ``kvpool-replay`` (``_replay.run_replay``) holds one for the same
+reason; its engines are forked from the fork server, not started by ``spawn``, and register
+themselves with the copies of the tethers' sockets they are handed (``held_fds``,
+``register``).
 
 A ``Tether`` is a watcher process (this file run as a script: the standard library only, not
 the package), started first, holding one end of a socket pair whose other end only the process
@@ -33,10 +36,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["GRACE_S", "Tether", "child_setup"]
+__all__ = ["GRACE_S", "Tether", "child_setup", "held_fds", "register"]
 
 GRACE_S = 10.0
 """Seconds the watcher gives the sessions after SIGTERM before SIGKILL (``DemoCluster.stop``
@@ -138,6 +141,24 @@ def child_setup() -> Callable[[], None] | None:
     if not _held:
         return None
     return functools.partial(_register, [t._sock for t in _held])
+
+
+def held_fds() -> list[int]:
+    """The sockets (file descriptors) of the tethers this process holds now, for a child
+    started otherwise than by ``_processes.spawn``: an engine the fork server forks
+    (``_forkserver``) is handed copies and calls ``register`` with them."""
+    return [t._sock.fileno() for t in _held]
+
+
+def register(fds: Sequence[int]) -> None:
+    """In such a child, before its program: its pid to the tethers whose sockets ``fds`` are
+    (this process's copies, closed after)."""
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    try:
+        _register(socks)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 # -- the watcher -------------------------------------------------------------------------------

@@ -148,3 +148,42 @@ def test_replay_stops_what_it_started_on_sigterm_during_start_up(tmp_path: Path)
         for p in seen.values():
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not available")
+def test_a_killed_replay_leaves_nothing_running(tmp_path: Path) -> None:
+    """``kill -9`` of ``kvpool-replay`` once its master, store, policy service and two forked
+    engines run: no handler of its own runs, and its tether (``kvpool_replay._tether``, as the
+    demo's) stops every one of them and removes the work directory."""
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    # A bounded pool: the replay's default then starts the policy service beside the master.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
+         "--speedup", "1", "--engines", "2", "--pool-tokens", "300000", "--no-progress"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    buf = bytearray()
+    tree: list[psutil.Process] = []
+    try:
+        assert _read_until(proc, buf, READY, 240), bytes(buf[-3000:])
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(_cmdlines(tree))
+        for started in ("mooncake_master", "mooncake_client", "kvpool_policy.cli"):
+            assert started in names, names
+        forked = [p for p in tree if any("forkserver" in c for c in _cmdlines([p]))]
+        assert len(forked) == 3, names  # the fork server and its two engines
+        assert [p.name[:14] for p in _leftovers(tmp_path)] == ["kvpool-replay-"]
+        proc.kill()
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        deadline = time.monotonic() + 60
+        while _cmdlines(tree) or _leftovers(tmp_path):
+            assert time.monotonic() < deadline, (_cmdlines(tree), _leftovers(tmp_path))
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
