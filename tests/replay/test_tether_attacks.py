@@ -4,7 +4,8 @@ children, and a SIGKILL of the parent.
 
 - A child cannot reach the tether's socket once it runs its program (the descriptor is closed
   at ``exec``; the watcher's end cannot be opened through ``/proc``): its "done" or its
-  registration of another process group changes nothing.
+  registration of another process group changes nothing. Nor can an engine forked from the
+  fork server (``kvpool-replay``'s), which closes the copies it registered with.
 - A link the demo's children put in the work directory (to a directory outside it, or the
   work directory itself swapped for one) makes the watcher remove nothing outside.
 - A registered session that ended while the demo ran (an engine killed by hand) whose pid a
@@ -182,6 +183,63 @@ def test_a_child_cannot_reach_the_tether(tmp_path: Path) -> None:
     finally:
         bystander.kill()
         bystander.wait()
+
+
+_FORKING_PARENT = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])  # before the fork server starts: it takes this sys.path
+from kvpool_replay._forkserver import fork_main
+from kvpool_replay._tether import Tether
+
+tether = Tether.start()
+tether.remove_on_death(Path(sys.argv[1]))
+probe = fork_main("tether_probe", [str(tether.proc.pid), *sys.argv[3:]], sys.stderr.fileno(),
+                  {}, name="probe")
+print(json.dumps({"watcher": tether.proc.pid, "probe": probe.pid}), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_forked_engine_cannot_reach_the_tether(tmp_path: Path) -> None:
+    """An engine forked from the fork server (as ``kvpool-replay`` starts them) is handed
+    copies of the tether's sockets to register itself (``_tether.register``): once its program
+    runs it looks for them as the spawned child above does, finds none, and a kill -9 of the
+    parent still stops it and spares the bystander."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "tether_probe.py").write_text(
+        "import sys as _sys\n\n\ndef main(argv):\n    _sys.argv = ['probe', *argv]\n"
+        + "\n".join("    " + line for line in _PROBE.strip().splitlines())
+        + "\n    import time\n    time.sleep(300)\n")
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    out = tmp_path / "probe.json"
+    parent = None
+    try:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _FORKING_PARENT, str(workdir), str(mods),
+             str(bystander.pid), str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert parent.stdout is not None
+        started = json.loads(parent.stdout.readline())
+        _wait(out.exists, "the probe's report")
+        report = json.loads(out.read_text())
+        # The watcher's end is there (fd 0), and cannot be opened: a socket has no path.
+        assert report == {"sockets": [], "sent": [], "seen": ["0"], "opened": []}, report
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        _wait(lambda: not _alive(started["probe"]) and not workdir.exists()
+              and not _alive(started["watcher"]),
+              "the probe stopped, the work directory removed and the watcher ended")
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+        if parent is not None:
+            with contextlib.suppress(ProcessLookupError):
+                parent.kill()
+            parent.wait()
 
 
 def test_links_in_the_work_directory_remove_nothing_outside(tmp_path: Path) -> None:
