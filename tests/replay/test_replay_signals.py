@@ -60,25 +60,47 @@ def _leftovers(tmp: Path) -> list[Path]:
                   if p.name.startswith(("kvpool-replay-", "kvpool-master-", "kvpool-store-")))
 
 
+def _replay(tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """``kvpool-replay`` of the conversation trace's first 200 requests at ``--speedup 1``
+    (72 s of trace time: still replaying when a test signals it), its work directories under
+    ``tmp_path``, its stderr piped."""
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
+         "--speedup", "1", "--no-progress", *extra],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _running(proc: subprocess.Popen[bytes], buf: bytearray) -> tuple[list[psutil.Process], str]:
+    """Once the replay says its engines are ready: every process under it, and their command
+    lines joined."""
+    assert _read_until(proc, buf, READY, 240), bytes(buf[-3000:])
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    return tree, " ".join(_cmdlines(tree))
+
+
+def _end(proc: subprocess.Popen[bytes], procs: Iterable[psutil.Process]) -> None:
+    """Whatever a test left: the replay killed and reaped, then each of ``procs``."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not available")
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)],
                          ids=["SIGTERM", "SIGHUP"])
 def test_replay_stops_everything_it_started_on_a_signal(signum: int, status: int,
                                                        tmp_path: Path) -> None:
-    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    # 200 requests over 72 s of trace time at --speedup 1: still replaying when signalled.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
-         "--speedup", "1", "--no-progress"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _replay(tmp_path)
     buf = bytearray()
     tree: list[psutil.Process] = []
     try:
-        assert _read_until(proc, buf, READY, 240), bytes(buf[-3000:])
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(_cmdlines(tree))
+        tree, names = _running(proc, buf)
         for started in ("mooncake_master", "mooncake_client"):
             assert started in names, names
         # The engine is forked from the fork server (``kvpool_replay._forkserver``): both
@@ -97,25 +119,14 @@ def test_replay_stops_everything_it_started_on_a_signal(signum: int, status: int
         assert left == [], (left, bytes(buf[-3000:]))
         assert _leftovers(tmp_path) == []
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        _end(proc, tree)
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not available")
 def test_replay_stops_what_it_started_on_sigterm_during_start_up(tmp_path: Path) -> None:
     """SIGTERM while the store (or the engine) is still starting: what
     already runs stops and nothing more starts (every child seen until the exit is gone)."""
-    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
-         "--speedup", "1", "--no-progress"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _replay(tmp_path)
     seen: dict[int, psutil.Process] = {}
 
     def look() -> str:
@@ -142,12 +153,7 @@ def test_replay_stops_what_it_started_on_sigterm_during_start_up(tmp_path: Path)
         assert _cmdlines(seen.values()) == []
         assert _leftovers(tmp_path) == []
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
-        for p in seen.values():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        _end(proc, seen.values())
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not available")
@@ -155,20 +161,12 @@ def test_a_killed_replay_leaves_nothing_running(tmp_path: Path) -> None:
     """``kill -9`` of ``kvpool-replay`` once its master, store, policy service and two forked
     engines run: no handler of its own runs, and its tether (``kvpool_replay._tether``, as the
     demo's) stops every one of them and removes the work directory."""
-    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "TMPDIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                         if p)}
     # A bounded pool: the replay's default then starts the policy service beside the master.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool_replay.cli", str(TRACE), "--limit", "200",
-         "--speedup", "1", "--engines", "2", "--pool-tokens", "300000", "--no-progress"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _replay(tmp_path, "--engines", "2", "--pool-tokens", "300000")
     buf = bytearray()
     tree: list[psutil.Process] = []
     try:
-        assert _read_until(proc, buf, READY, 240), bytes(buf[-3000:])
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(_cmdlines(tree))
+        tree, names = _running(proc, buf)
         for started in ("mooncake_master", "mooncake_client", "kvpool_policy.cli"):
             assert started in names, names
         forked = [p for p in tree if any("forkserver" in c for c in _cmdlines([p]))]
@@ -181,9 +179,4 @@ def test_a_killed_replay_leaves_nothing_running(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, (_cmdlines(tree), _leftovers(tmp_path))
             time.sleep(0.05)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        _end(proc, tree)
